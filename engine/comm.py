@@ -1,0 +1,316 @@
+"""The data-parallel communicator: buckets, compressed exchanges, sync and wfbp.
+
+Usage inside a training step (the optimizer is any stock torch.optim one):
+
+    dp = DataParallel(model, buckets_fn, make_compressor, mode="wfbp")
+    loss.backward()          # in wfbp, ready buckets are already being sent
+    dp.finish()              # wait, decode, leave averaged gradients in p.grad
+    optimizer.step()
+
+Each bucket owns a flat buffer. A parameter's gradient lands there either
+directly (p.grad is a view of the buffer and autograd accumulates into it) or
+by one copy in its post-accumulate-grad hook, if something replaced p.grad
+(``zero_grad(set_to_none=True)`` does). After ``finish`` p.grad is the view.
+
+Collectives are only ever issued from the training thread and in bucket
+order, on every rank alike: bucket i+1 is never launched before bucket i, and
+later rounds of multi-round compressors are issued in ``finish`` in bucket
+order too. Ranks therefore agree on the order of collectives even when
+gradients become ready in a different order, which gloo and NCCL require.
+"""
+from __future__ import annotations
+
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.compressors.base import Compressor, Round
+from engine.schedules import ParamInfo
+from engine.timeline import Timeline
+
+Tensor = torch.Tensor
+
+
+def param_infos(params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> List[ParamInfo]:
+    return [ParamInfo(name=n, numel=p.numel(), element_size=p.element_size(),
+                      dtype=str(p.dtype).replace("torch.", ""), device=str(p.device))
+            for p, n in zip(params, names)]
+
+
+class Bucket:
+    def __init__(self, index: int, params: List[torch.nn.Parameter], names: List[str], compressor: Compressor):
+        self.index = index
+        self.params = params
+        self.names = names
+        self.compressor = compressor
+        p0 = params[0]
+        total = sum(p.numel() for p in params)
+        self.flat = torch.zeros(total, dtype=p0.dtype, device=p0.device)
+        self.views: List[Tensor] = []
+        off = 0
+        for p in params:
+            self.views.append(self.flat[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        self.raw_bytes = total * p0.element_size()
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.seen = [False] * len(self.params)
+        self.ready = False
+        self.launched = False
+        self.gen = None
+        self.round: Optional[Round] = None
+        self.handle = None
+        self.t_issue = 0.0
+        self.bytes_sent = 0
+        self.rounds = 0
+
+    def label(self) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        return f"{self.names[0]} .. {self.names[-1]} ({len(self.names)} tensors)"
+
+
+class _Pending:
+    """An issued collective: its work handles and how to read the result."""
+
+    def __init__(self, works, finish: Callable[[], list]):
+        self.works = works
+        self.finish = finish
+        self.t_done = None
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        return self.finish()
+
+
+class DataParallel:
+    """Average gradients over ranks with a fusion schedule, a compressor per bucket and a comm mode."""
+
+    def __init__(self, model: torch.nn.Module,
+                 schedule: Callable[[List[ParamInfo]], List[List[int]]],
+                 make_compressor: Callable[[], Compressor],
+                 mode: str = "wfbp",
+                 timeline: Optional[Timeline] = None,
+                 group=None,
+                 broadcast_from_rank0: bool = True):
+        if mode not in ("sync", "wfbp"):
+            raise ValueError(f"comm.mode: {mode!r} is not supported by DataParallel; allowed: sync, wfbp")
+        self.model = model
+        self.mode = mode
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeline = timeline or Timeline(None, self.rank, enabled=False)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # gradients become ready roughly in reverse registration order (as DDP assumes)
+        named.reverse()
+        self.order_names = [n for n, _ in named]
+        params = [p for _, p in named]
+        self.infos = param_infos(params, self.order_names)
+        layout = schedule(self.infos)
+        self.buckets: List[Bucket] = []
+        self.slot = {}  # param -> (bucket, position)
+        for bi, idx in enumerate(layout):
+            b = Bucket(bi, [params[i] for i in idx], [self.order_names[i] for i in idx], make_compressor())
+            self.buckets.append(b)
+            for pos, i in enumerate(idx):
+                self.slot[params[i]] = (b, pos)
+        if broadcast_from_rank0:
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    dist.broadcast(t.data, 0, group=group)
+        self._next = 0
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self.step_bytes = 0
+        self.step_raw_bytes = 0
+
+    # -- backward side ----------------------------------------------------
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        b, pos = self.slot[p]
+        view = b.views[pos]
+        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
+        if b.seen[pos]:
+            raise RuntimeError(f"gradient of {b.names[pos]} was produced twice in one step; "
+                               "call finish() after every backward (no gradient accumulation yet)")
+        b.seen[pos] = True
+        b.pending -= 1
+        if b.pending == 0:
+            b.ready = True
+            t = self.timeline.now()
+            self.timeline.span("ready", f"b{b.index} ready", t, t, {"bucket": b.index})
+            if self.mode == "wfbp":
+                self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            self._start(self.buckets[self._next])
+            self._next += 1
+
+    def _start(self, b: Bucket) -> None:
+        t0 = self.timeline.now()
+        b.launched = True
+        b.gen = b.compressor.exchange(b.flat, self.world)
+        rnd = next(b.gen)
+        self.timeline.span("compress", f"compress b{b.index}", t0, self.timeline.now(), {"bucket": b.index})
+        self._issue(b, rnd)
+
+    def _issue(self, b: Bucket, rnd: Round) -> None:
+        b.round = rnd
+        b.rounds += 1
+        b.t_issue = self.timeline.now()
+        if rnd.op == "allreduce":
+            b.handle = self._allreduce(rnd.tensors)
+        elif rnd.op == "allgather":
+            b.handle = self._allgather(rnd.tensors)
+        else:
+            raise ValueError(f"compressor {b.compressor.name} asked for an unknown collective {rnd.op!r}")
+        pend, args = b.handle, {"bucket": b.index, "op": rnd.op, "round": b.rounds,
+                                "bytes": sum(t.numel() * t.element_size() for t in rnd.tensors),
+                                "layers": b.label()}
+        t_issue = b.t_issue
+
+        def done(_fut, pend=pend):
+            pend.t_done = self.timeline.now()
+        if pend.works:
+            pend.works[-1].get_future().add_done_callback(done)
+        else:
+            pend.t_done = t_issue
+        pend.span = (f"{rnd.op} b{b.index}", t_issue, args)
+
+    def _allreduce(self, tensors: List[Tensor]) -> _Pending:
+        if len(tensors) == 1:
+            t = tensors[0]
+            return _Pending([dist.all_reduce(t, group=self.group, async_op=True)], lambda: [t])
+        if len({(t.dtype, t.device) for t in tensors}) == 1:
+            # one collective for the whole payload: per-call latency dominates small tensors
+            flat = torch.cat([t.reshape(-1) for t in tensors])
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+
+            def split():
+                out, off = [], 0
+                for t in tensors:
+                    out.append(flat[off:off + t.numel()].view_as(t))
+                    off += t.numel()
+                return out
+            return _Pending([work], split)
+        works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
+        return _Pending(works, lambda: list(tensors))
+
+    def _allgather(self, tensors: List[Tensor]) -> _Pending:
+        """All-gather payloads whose sizes may differ between ranks.
+
+        Every tensor is sent as raw bytes in one padded buffer. A small header
+        (shape of every tensor) is exchanged first, synchronously: it is a few
+        bytes and keeps the data exchange a single asynchronous collective.
+        """
+        device = tensors[0].device if tensors else torch.device("cpu")
+        k = len(tensors)
+        header = torch.zeros(k, 5, dtype=torch.int64, device=device)  # ndim + up to 4 dims
+        for i, t in enumerate(tensors):
+            if t.dim() > 4:
+                raise ValueError("all-gathered payload tensors may have at most 4 dimensions")
+            header[i, 0] = t.dim()
+            header[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+        headers = [torch.empty_like(header) for _ in range(self.world)]
+        dist.all_gather(headers, header, group=self.group)
+        dtypes = [t.dtype for t in tensors]
+        esize = [t.element_size() for t in tensors]
+
+        def shapes_of(h):
+            h = h.tolist()
+            return [tuple(row[1:1 + row[0]]) for row in h]
+        all_shapes = [shapes_of(h) for h in headers]
+        sizes = [sum(_numel(s) * e for s, e in zip(shapes, esize)) for shapes in all_shapes]
+        cap = max(max(sizes), 1)
+        send = torch.zeros(cap, dtype=torch.uint8, device=device)
+        off = 0
+        for t in tensors:
+            n = t.numel() * t.element_size()
+            if n:
+                send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
+            off += n
+        recv = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(self.world)]
+        work = dist.all_gather(recv, send, group=self.group, async_op=True)
+
+        def unpack():
+            out = []
+            for r in range(self.world):
+                payload, off = [], 0
+                for shape, dt, e in zip(all_shapes[r], dtypes, esize):
+                    n = _numel(shape) * e
+                    payload.append(recv[r][off:off + n].view(dt).view(shape))
+                    off += n
+                out.append(payload)
+            return out
+        return _Pending([work], unpack)
+
+    # -- after backward ---------------------------------------------------
+    def finish(self) -> None:
+        """Complete every bucket's exchange and leave averaged gradients in p.grad."""
+        for b in self.buckets:
+            if not b.ready:  # parameters that got no gradient this step count as zero
+                for pos, p in enumerate(b.params):
+                    if not b.seen[pos]:
+                        b.views[pos].zero_()
+                b.ready = True
+        self._launch_ready()
+        tl = self.timeline
+        active = list(self.buckets)
+        while active:
+            still = []
+            for b in active:  # bucket order: every rank issues follow-up rounds identically
+                t0 = tl.now()
+                result = b.handle.wait()
+                t1 = tl.now()
+                name, t_issue, args = b.handle.span
+                tl.span("comm", name, t_issue, b.handle.t_done or t1, args)
+                tl.span("wait", f"wait b{b.index}", t0, t1, {"bucket": b.index})
+                try:
+                    rnd = b.gen.send(result)
+                except StopIteration as stop:
+                    out = stop.value
+                    if out is not b.flat:
+                        if out.data_ptr() != b.flat.data_ptr():
+                            b.flat.copy_(out.reshape(-1))
+                    tl.span("decompress", f"decompress b{b.index}", t1, tl.now(), {"bucket": b.index})
+                    continue
+                tl.span("compress", f"compress b{b.index} r{b.rounds + 1}", t1, tl.now(), {"bucket": b.index})
+                self._issue(b, rnd)
+                still.append(b)
+            active = still
+        self.step_bytes = sum(getattr(b.compressor, "last_bytes", 0) for b in self.buckets)
+        self.step_raw_bytes = sum(b.raw_bytes for b in self.buckets)
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                if p.grad is not view:
+                    p.grad = view
+            b.reset()
+        self._next = 0
+
+    def zero_grad(self) -> None:
+        """Zero gradients in place (one memset per bucket); p.grad stays a view."""
+        for b in self.buckets:
+            b.flat.zero_()
+            for p, view in zip(b.params, b.views):
+                if p.grad is not view:
+                    p.grad = view
+
+    def layout(self) -> List[List[str]]:
+        return [list(b.names) for b in self.buckets]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,90 @@
+"""The compressor seam.
+
+A compressor turns one bucket's flat gradient into a payload (a list of
+tensors) and back. It never calls a collective. The communicator
+(engine/comm.py) drives ``exchange``, a generator that yields ``Round``s; the
+communicator carries out each round's collective and sends the result back in.
+Single-round compressors only implement ``compress``/``decompress`` and
+inherit the default ``exchange``:
+
+- ``summable`` payloads are all-reduced (summed) and decoded once;
+- the others are all-gathered and every rank decodes every rank's payload.
+
+Multi-round protocols (PowerSGD's two all-reduces) override ``exchange`` and
+yield several rounds; they still never touch a process group.
+
+One instance serves one bucket and owns that bucket's state (residuals,
+warm-started factors, hash seeds), which ``state_dict``/``load_state_dict``
+checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generator, List
+
+import torch
+
+Tensor = torch.Tensor
+
+
+@dataclass
+class Round:
+    """One collective the communicator must run for a compressor.
+
+    op: "allreduce" sums ``tensors`` over ranks (the reply is the list of
+        summed tensors, same shapes); "allgather" collects every rank's list
+        (the reply is a list with one payload list per rank; sizes may differ
+        between ranks and a payload may be empty).
+    """
+    op: str
+    tensors: List[Tensor]
+
+
+Exchange = Generator[Round, Any, Tensor]
+
+
+def nbytes(tensors: List[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Compressor:
+    name = "base"
+    summable = True
+    """True when payloads from several ranks may be summed element-wise."""
+    keeps_shape = False
+    """True when the payload is the gradient itself in another dtype (DeAR needs it)."""
+
+    def compress(self, t: Tensor) -> tuple[List[Tensor], Any]:
+        raise NotImplementedError
+
+    def decompress(self, payload: List[Tensor], ctx: Any) -> Tensor:
+        raise NotImplementedError
+
+    def exchange(self, t: Tensor, world_size: int) -> Exchange:
+        """Average ``t`` over ranks through compressed collectives.
+
+        Yields Rounds, receives their results, returns the averaged tensor
+        (same shape, dtype and device as ``t``; it may be ``t`` itself).
+        ``self.last_bytes`` is set to the payload bytes this rank sent.
+        """
+        payload, ctx = self.compress(t)
+        self.last_bytes = nbytes(payload)
+        if self.summable:
+            summed = yield Round("allreduce", payload)
+            out = self.decompress(summed, ctx)
+            return out.div_(world_size)
+        gathered = yield Round("allgather", payload)
+        out = self.decompress(gathered[0], ctx).clone()
+        for p in gathered[1:]:
+            out.add_(self.decompress(p, ctx))
+        return out.div_(world_size)
+
+    # state ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

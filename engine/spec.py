@@ -1,0 +1,308 @@
+"""The job spec: a tree of dataclasses with defaults, checked before anything starts.
+
+A spec comes from YAML or JSON (``lab`` reads the file) as a plain dict.
+``JobSpec.from_dict`` rejects unknown keys, wrong types, out-of-range values and
+impossible combinations with a ``SpecError`` whose one-line message names the
+field and what is allowed. ``to_dict`` gives the fully defaulted form that is
+written to ``spec.json``; ``from_dict(to_dict(s)) == s``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+
+class SpecError(ValueError):
+    """A bad spec. ``str(e)`` is one line: ``<field>: <problem>``."""
+
+    def __init__(self, path: str, msg: str):
+        self.path, self.msg = path, msg
+        super().__init__(f"{path}: {msg}" if path else msg)
+
+
+# What the engine can do today. The names the contract fixes that are not here
+# yet are rejected with a message saying so, instead of silently falling back.
+SCHEDULES_AVAILABLE = ("layerwise", "allinone", "bucket")
+SCHEDULES_PLANNED = ("mergecomp", "layerfusion")
+COMM_AVAILABLE = ("sync", "wfbp")
+COMM_PLANNED = ("dear",)
+LINKS_AVAILABLE = ("loopback",)
+LINKS_PLANNED = ("shaped", "modeled")
+
+
+@dataclass
+class ModelSpec:
+    name: Literal["mlp", "cnn", "resnet", "transformer"] = "cnn"
+    """Which model of the zoo (engine/models.py)."""
+    options: dict = field(default_factory=dict)
+    """Keyword arguments for the model builder, e.g. {width: 64} for resnet."""
+
+
+@dataclass
+class DataSpec:
+    name: Literal["digits", "mnist", "text", "synthetic"] = "digits"
+    """A data set that needs no download (engine/data.py)."""
+    shape: Optional[list] = None
+    """synthetic only: image shape [C, H, W], default [3, 32, 32]."""
+    classes: Optional[int] = None
+    """synthetic only: number of classes, default 10."""
+    size: Optional[int] = None
+    """synthetic only: training examples, default 2048."""
+    block: Optional[int] = None
+    """text only: context length in characters, default 64."""
+
+    def __post_init__(self):
+        if self.shape is not None:
+            if self.name != "synthetic":
+                raise SpecError("dataset.shape", "only the synthetic data set takes a shape")
+            if len(self.shape) != 3 or not all(isinstance(d, int) and 1 <= d <= 1024 for d in self.shape):
+                raise SpecError("dataset.shape", f"must be [C, H, W] with integers in 1..1024, got {self.shape}")
+        for key, lo, hi, owner in (("classes", 2, 10000, "synthetic"), ("size", 16, 10_000_000, "synthetic"),
+                                   ("block", 2, 4096, "text")):
+            v = getattr(self, key)
+            if v is None:
+                continue
+            if self.name != owner:
+                raise SpecError(f"dataset.{key}", f"only the {owner} data set takes {key}")
+            if not lo <= v <= hi:
+                raise SpecError(f"dataset.{key}", f"must be in {lo}..{hi}, got {v}")
+
+
+@dataclass
+class OptimizerSpec:
+    name: Literal["sgd", "adam", "adamw"] = "sgd"
+    """A stock torch.optim optimizer; the engine hands it averaged gradients."""
+    lr: float = 0.05
+    momentum: float = 0.0
+    """sgd only."""
+    weight_decay: float = 0.0
+    betas: Optional[list] = None
+    """adam/adamw only, default [0.9, 0.999]."""
+
+    def __post_init__(self):
+        if not 0 < self.lr <= 10:
+            raise SpecError("optimizer.lr", f"must be in (0, 10], got {self.lr}")
+        if not 0 <= self.momentum < 1:
+            raise SpecError("optimizer.momentum", f"must be in [0, 1), got {self.momentum}")
+        if self.momentum and self.name != "sgd":
+            raise SpecError("optimizer.momentum", f"only sgd takes momentum (got optimizer {self.name}); use betas")
+        if self.weight_decay < 0:
+            raise SpecError("optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        if self.betas is not None:
+            if self.name == "sgd":
+                raise SpecError("optimizer.betas", "only adam and adamw take betas")
+            if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+                raise SpecError("optimizer.betas", f"must be two numbers in [0, 1), got {self.betas}")
+
+
+@dataclass
+class CompressorSpec:
+    name: str = "none"
+    """A name from engine.compressors.names()."""
+    error_feedback: bool = False
+    """Add the residual before compressing and keep what was dropped."""
+    params: dict = field(default_factory=dict)
+    """The compressor's own keyword parameters (ratio, levels, rank, ...).
+    In YAML they may be written inline: {name: topk, ratio: 0.01}."""
+
+    def __post_init__(self):
+        from engine import compressors  # the registry validates names and parameters
+        if self.name not in compressors.names():
+            raise SpecError("compressor.name", f"unknown compressor {self.name!r}; allowed: {', '.join(compressors.names())}")
+        try:
+            compressors.check(self.name, **self.params)
+        except ValueError as e:
+            raise SpecError("compressor", str(e)) from None
+
+
+@dataclass
+class ScheduleSpec:
+    name: str = "bucket"
+    """How gradients are fused into buckets: layerwise | allinone | bucket (| mergecomp | layerfusion)."""
+    cap_mb: float = 25.0
+    """bucket only: the byte cap of a bucket in MB (2**20 bytes), as DDP's bucket_cap_mb."""
+
+    def __post_init__(self):
+        allowed = SCHEDULES_AVAILABLE + SCHEDULES_PLANNED
+        if self.name not in allowed:
+            raise SpecError("schedule.name", f"unknown schedule {self.name!r}; allowed: {', '.join(allowed)}")
+        if self.name in SCHEDULES_PLANNED:
+            raise SpecError("schedule.name", f"{self.name!r} is not implemented yet; available: {', '.join(SCHEDULES_AVAILABLE)}")
+        if not 0 < self.cap_mb <= 4096:
+            raise SpecError("schedule.cap_mb", f"must be in (0, 4096], got {self.cap_mb}")
+
+
+@dataclass
+class CommSpec:
+    mode: str = "wfbp"
+    """sync (all buckets after backward) | wfbp (each bucket as soon as it is ready) | dear."""
+
+    def __post_init__(self):
+        allowed = COMM_AVAILABLE + COMM_PLANNED
+        if self.mode not in allowed:
+            raise SpecError("comm.mode", f"unknown mode {self.mode!r}; allowed: {', '.join(allowed)}")
+        if self.mode in COMM_PLANNED:
+            raise SpecError("comm.mode", f"{self.mode!r} is not implemented yet; available: {', '.join(COMM_AVAILABLE)}")
+
+
+@dataclass
+class NetworkSpec:
+    link: str = "loopback"
+    """loopback | shaped (tc on an emulated cluster) | modeled (alpha-beta delay)."""
+    gbps: Optional[float] = None
+    latency_us: Optional[float] = None
+
+    def __post_init__(self):
+        allowed = LINKS_AVAILABLE + LINKS_PLANNED
+        if self.link not in allowed:
+            raise SpecError("network.link", f"unknown link {self.link!r}; allowed: {', '.join(allowed)}")
+        if self.link in LINKS_PLANNED:
+            raise SpecError("network.link", f"{self.link!r} is not implemented yet; available: {', '.join(LINKS_AVAILABLE)}")
+        if self.link == "loopback" and (self.gbps is not None or self.latency_us is not None):
+            raise SpecError("network.gbps", "a loopback link takes no gbps or latency_us")
+
+
+@dataclass
+class JobSpec:
+    name: str = "run"
+    """Free text; also the start of the run id."""
+    model: ModelSpec = field(default_factory=ModelSpec)
+    dataset: DataSpec = field(default_factory=DataSpec)
+    world_size: int = 2
+    """Number of ranks (processes)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl on GPU, gloo on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    steps: int = 300
+    batch_size: int = 32
+    """Per rank."""
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    seed: int = 0
+    compressor: CompressorSpec = field(default_factory=CompressorSpec)
+    schedule: ScheduleSpec = field(default_factory=ScheduleSpec)
+    comm: CommSpec = field(default_factory=CommSpec)
+    network: NetworkSpec = field(default_factory=NetworkSpec)
+    eval_every: int = 50
+    """Evaluate on the held-out split every N steps (and at the end). 0: only at the end."""
+    threads: int = 0
+    """torch threads per rank; 0 picks cores // world_size (at least 1)."""
+    timeline: bool = True
+    """Record per-layer timeline spans (cheap; see README for the measured overhead)."""
+
+    def __post_init__(self):
+        if not 1 <= self.world_size <= 1024:
+            raise SpecError("world_size", f"must be in 1..1024, got {self.world_size}")
+        if not 1 <= self.steps <= 10_000_000:
+            raise SpecError("steps", f"must be in 1..10000000, got {self.steps}")
+        if not 1 <= self.batch_size <= 65536:
+            raise SpecError("batch_size", f"must be in 1..65536, got {self.batch_size}")
+        if not 0 <= self.eval_every <= 10_000_000:
+            raise SpecError("eval_every", f"must be >= 0, got {self.eval_every}")
+        if not 0 <= self.threads <= 1024:
+            raise SpecError("threads", f"must be in 0..1024, got {self.threads}")
+        if self.seed < 0:
+            raise SpecError("seed", f"must be >= 0, got {self.seed}")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise SpecError("backend", "nccl needs device cuda (or auto); use gloo on cpu")
+        from engine import models  # local import: models pulls in torch
+        kind = "text" if self.dataset.name == "text" else "image"
+        if not models.compatible(self.model.name, kind):
+            want = "the text data set" if self.model.name == "transformer" else "an image data set (digits, mnist, synthetic)"
+            raise SpecError("model.name", f"{self.model.name} needs {want}, got dataset {self.dataset.name}")
+
+    # -- conversion -------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any) -> "JobSpec":
+        data = _shorthand(data)
+        return _build(cls, data, "")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _shorthand(data: Any) -> Any:
+    """Accept the short forms users write: `model: resnet`, and compressor
+    parameters inline next to `name` instead of under `params`."""
+    if not isinstance(data, dict):
+        raise SpecError("", f"a spec must be a mapping of fields, got {type(data).__name__}")
+    data = dict(data)
+    for key in ("model", "dataset", "optimizer", "compressor", "schedule"):
+        if isinstance(data.get(key), str):
+            data[key] = {"name": data[key]}
+    if isinstance(data.get("comm"), str):
+        data["comm"] = {"mode": data["comm"]}
+    if isinstance(data.get("network"), str):
+        data["network"] = {"link": data["network"]}
+    comp = data.get("compressor")
+    if isinstance(comp, dict):
+        known = {"name", "error_feedback", "params"}
+        extra = {k: v for k, v in comp.items() if k not in known}
+        if extra:
+            params = dict(comp.get("params") or {})
+            params.update(extra)
+            data["compressor"] = {**{k: v for k, v in comp.items() if k in known}, "params": params}
+    model = data.get("model")
+    if isinstance(model, dict):
+        extra = {k: v for k, v in model.items() if k not in ("name", "options")}
+        if extra:
+            data["model"] = {"name": model.get("name", "cnn"), "options": {**(model.get("options") or {}), **extra}}
+    return data
+
+
+def _build(cls, data: Any, path: str):
+    if not isinstance(data, dict):
+        raise SpecError(path or "spec", f"must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else unknown[0]
+        raise SpecError(where, f"unknown field; allowed: {', '.join(fields)}")
+    kwargs = {}
+    for name, value in data.items():
+        sub = f"{path}.{name}" if path else name
+        kwargs[name] = _convert(hints[name], value, sub)
+    return cls(**kwargs)
+
+
+def _convert(tp, value, path):
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, path)
+    if origin is typing.Union:  # Optional[X]
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(args[0], value, path)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise SpecError(path, f"{value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise SpecError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SpecError(path, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecError(path, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise SpecError(path, f"must be a string, got {value!r}")
+        return value
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise SpecError(path, f"must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is list or origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise SpecError(path, f"must be a list, got {value!r}")
+        return list(value)
+    raise TypeError(f"spec field {path} has an unsupported type {tp}")

@@ -1,0 +1,121 @@
+"""Per-rank timeline of spans, written as Chrome trace events (JSON lines).
+
+Spans are collected in memory during a step and written once per step, one
+line per event, flushed, so a killed run keeps every finished step. Times are
+host clocks (``perf_counter``) mapped onto wall-clock microseconds, so ranks
+on one machine share a time base. Collective completions are stamped from
+the communication thread through a future callback; appending to a list is
+atomic under the GIL, so that needs no lock.
+
+On CUDA, compute spans are measured with CUDA events instead (``Clock``):
+an event is recorded at each mark and resolved one step later, when it has
+surely completed, so recording never blocks the GPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import List, Optional
+
+LANES = {
+    "step": 0, "forward": 1, "backward": 2, "compress": 3, "comm": 4,
+    "wait": 5, "decompress": 6, "optimizer": 7, "eval": 8, "ready": 9,
+}
+LANE_NAMES = {v: k for k, v in LANES.items()}
+
+
+class Clock:
+    """Host clock in seconds, aligned to the wall clock at start."""
+
+    def __init__(self):
+        self.wall0 = time.time()
+        self.perf0 = time.perf_counter()
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def mark(self):
+        """A time token for a compute span: a host time here, a CUDA event on GPU."""
+        return time.perf_counter()
+
+    def to_us(self, t: float) -> float:
+        return (self.wall0 + (t - self.perf0)) * 1e6
+
+
+class CudaClock(Clock):
+    """Marks are CUDA events on the current stream; ``resolve`` turns one into
+    host seconds once it has completed, relative to a reference event whose
+    host time was taken when it completed."""
+
+    def __init__(self, device):
+        super().__init__()
+        import torch
+        self.torch = torch
+        self.device = device
+        self.ref = torch.cuda.Event(enable_timing=True)
+        self.ref.record()
+        self.ref.synchronize()
+        self.ref_host = time.perf_counter()
+
+    def mark(self):
+        e = self.torch.cuda.Event(enable_timing=True)
+        e.record()
+        return e
+
+    def resolve(self, e) -> float:
+        return self.ref_host + self.ref.elapsed_time(e) / 1e3
+
+
+class Timeline:
+    def __init__(self, path: Optional[str], rank: int, enabled: bool = True, clock: Optional[Clock] = None):
+        self.rank = rank
+        self.enabled = enabled and path is not None
+        self.clock = clock or Clock()
+        self.events: List[tuple] = []
+        self.pending_cuda: List[tuple] = []
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if self.enabled else None
+
+    def now(self) -> float:
+        return self.clock.now()
+
+    def mark(self):
+        return self.clock.mark()
+
+    def span(self, lane: str, name: str, t0, t1, args: Optional[dict] = None) -> None:
+        """Record a span between two host times, or two marks (CUDA events are resolved later)."""
+        if not self.enabled:
+            return
+        if isinstance(t0, float):
+            self.events.append((lane, name, t0, t1, args))
+        else:
+            self.pending_cuda.append((lane, name, t0, t1, args))
+
+    def flush(self) -> None:
+        """Write the collected spans, one JSON line each, and flush them to the file."""
+        if not self.enabled:
+            return
+        events, self.events = self.events, []
+        if self.pending_cuda:
+            ready = [s for s in self.pending_cuda if s[3].query()]
+            self.pending_cuda = [s for s in self.pending_cuda if not s[3].query()]
+            for lane, name, e0, e1, args in ready:
+                events.append((lane, name, self.clock.resolve(e0), self.clock.resolve(e1), args))
+        if not events:
+            return
+        lines = []
+        to_us = self.clock.to_us
+        for lane, name, t0, t1, args in events:
+            ev = {"ph": "X", "name": name, "pid": self.rank, "tid": LANES[lane], "cat": lane,
+                  "ts": round(to_us(t0), 1), "dur": round((t1 - t0) * 1e6, 1)}
+            if args:
+                ev["args"] = args
+            lines.append(json.dumps(ev, separators=(",", ":")))
+        # one write per step, to an O_APPEND file: cheap, and a killed rank loses at most its current step
+        os.write(self._fd, ("\n".join(lines) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.flush()
+            os.close(self._fd)
+            self._fd = None

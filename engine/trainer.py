@@ -1,0 +1,183 @@
+"""One rank's training loop: data shard, model, communicator, optimizer, logs.
+
+The trainer names its parts as attributes and always closes its writers, so a
+crash keeps every line logged before it.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from engine import compressors, data, models, schedules
+from engine.comm import DataParallel
+from engine.probe import LayerProbe
+from engine.runlog import JsonlWriter
+from engine.spec import JobSpec
+from engine.timeline import Clock, CudaClock, Timeline
+
+
+def resolve_device(spec: JobSpec, local_rank: int = 0) -> torch.device:
+    want = spec.device
+    if want == "auto":
+        want = "cuda" if torch.cuda.is_available() else "cpu"
+    if want == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device: cuda was asked for but torch sees no GPU; use device: cpu or auto")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def resolve_backend(spec: JobSpec, device: torch.device) -> str:
+    if spec.backend != "auto":
+        return spec.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def make_optimizer(spec: JobSpec, params):
+    o = spec.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
+    betas = tuple(o.betas) if o.betas else (0.9, 0.999)
+    return cls(params, lr=o.lr, betas=betas, weight_decay=o.weight_decay)
+
+
+def load_data(spec: JobSpec) -> "data.Dataset":
+    d = spec.dataset
+    kw = {k: v for k, v in (("shape", tuple(d.shape) if d.shape else None), ("classes", d.classes),
+                            ("size", d.size), ("block", d.block)) if v is not None}
+    return data.load(d.name, seed=spec.seed, **kw)
+
+
+def schedule_fn(spec: JobSpec):
+    s = spec.schedule
+    opts = {"cap_mb": s.cap_mb} if s.name == "bucket" else {}
+    return functools.partial(schedules.build, s.name, **opts)
+
+
+class Trainer:
+    def __init__(self, spec: JobSpec, run_dir: Optional[str], rank: int, world: int,
+                 device: torch.device, group=None):
+        self.spec, self.run_dir, self.rank, self.world, self.device = spec, run_dir, rank, world, device
+        torch.manual_seed(spec.seed)
+        self.data = load_data(spec)
+        self.model = models.build(spec.model.name, self.data.info, **spec.model.options).to(device)
+        self.optimizer = make_optimizer(spec, self.model.parameters())
+        path = (lambda name: os.path.join(run_dir, name)) if run_dir else None
+        clock = CudaClock(device) if device.type == "cuda" else Clock()
+        self.timeline = Timeline(path(f"timeline-rank{rank}.jsonl") if path else None, rank,
+                                 enabled=spec.timeline, clock=clock)
+        self.metrics = JsonlWriter(path("metrics.jsonl")) if path else None
+        self.probe = LayerProbe(self.model, self.timeline) if self.timeline.enabled else None
+        c = spec.compressor
+        self.dp = DataParallel(self.model, schedule_fn(spec),
+                               lambda: compressors.make(c.name, error_feedback=c.error_feedback, **c.params),
+                               mode=spec.comm.mode, timeline=self.timeline, group=group)
+        self.sampler = data.ShardSampler(self.data.size("train"), spec.batch_size, rank, world, spec.seed)
+        self.step = 0
+        if rank == 0 and run_dir:
+            self._write_layout()
+
+    def _write_layout(self) -> None:
+        buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
+                    "compressor": b.compressor.name} for b in self.dp.buckets]
+        with open(os.path.join(self.run_dir, "layout.json"), "w") as f:
+            json.dump({"params": sum(p.numel() for p in self.model.parameters()),
+                       "tensors": len(self.dp.infos), "buckets": buckets}, f, indent=1)
+
+    def log(self, obj: dict) -> None:
+        if self.metrics:
+            self.metrics.write(obj)
+
+    def train_step(self) -> dict:
+        """One iteration: forward, backward (with overlapped comm in wfbp), finish, optimizer step."""
+        tl = self.timeline
+        idx = next(self.sampler)
+        x, y = self.data.batch("train", idx)
+        x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        t0 = tl.now()
+        m0 = tl.mark()
+        logits = self.model(x)
+        loss = models.loss_fn(logits, y)
+        m1 = tl.mark()
+        t1 = tl.now()
+        loss.backward()
+        m2 = tl.mark()
+        t2 = tl.now()
+        self.dp.finish()
+        t3 = tl.now()
+        m3 = tl.mark()
+        self.optimizer.step()
+        self.dp.zero_grad()
+        m4 = tl.mark()
+        loss_value = loss.item()  # syncs the device: the step is over here
+        t4 = tl.now()
+        s = self.step
+        tl.span("forward", "forward", m0, m1, {"step": s})
+        tl.span("backward", "backward", m1, m2, {"step": s})
+        tl.span("optimizer", "optimizer", m3, m4, {"step": s})
+        tl.span("step", f"step {s}", t0, t4, {"step": s})
+        if self.probe:
+            self.probe.reset()
+        tl.flush()
+        rec = {"kind": "step", "step": s, "rank": self.rank, "loss": loss_value, "epoch": self.sampler.epoch,
+               "time_ms": (t4 - t0) * 1e3, "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t2 - t1) * 1e3,
+               "finish_ms": (t3 - t2) * 1e3, "optimizer_ms": (t4 - t3) * 1e3,
+               "bytes_sent": self.dp.step_bytes, "bytes_raw": self.dp.step_raw_bytes, "t": time.time()}
+        self.log(rec)
+        self.step += 1
+        return rec
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """Held-out loss and accuracy; every rank evaluates its share, counts are summed."""
+        tl = self.timeline
+        t0 = tl.now()
+        if self.probe:
+            self.probe.active = False
+        self.model.eval()
+        n = self.data.size("test")
+        bs = max(self.spec.batch_size, 256)
+        tot = torch.zeros(3, dtype=torch.float64)
+        for idx in data.eval_batches(n, bs, self.rank, self.world):
+            x, y = self.data.batch("test", idx)
+            x, y = x.to(self.device), y.to(self.device)
+            logits = self.model(x)
+            c, k = models.correct(logits, y)
+            tot += torch.tensor([models.loss_fn(logits, y).item() * k, c, k], dtype=torch.float64)
+        tot = tot.to(self.device)
+        dist.all_reduce(tot)
+        self.model.train()
+        if self.probe:
+            self.probe.active = True
+        loss_sum, c, k = tot.tolist()
+        rec = {"kind": "eval", "step": self.step, "rank": self.rank, "eval_loss": loss_sum / max(k, 1),
+               "eval_acc": c / max(k, 1), "t": time.time()}
+        tl.span("eval", "eval", t0, tl.now(), {"step": self.step, "acc": rec["eval_acc"]})
+        tl.flush()
+        if self.rank == 0:
+            self.log(rec)
+        return rec
+
+    def train(self) -> None:
+        spec = self.spec
+        self.model.train()
+        for _ in range(spec.steps):
+            self.train_step()
+            if spec.eval_every and self.step % spec.eval_every == 0 and self.step < spec.steps:
+                self.evaluate()
+        self.evaluate()
+
+    def close(self) -> None:
+        self.dp.close()
+        if self.probe:
+            self.probe.close()
+        self.timeline.close()
+        if self.metrics:
+            self.metrics.close()

@@ -1,0 +1,85 @@
+"""torchrun entry point: one rank of a run.
+
+    torchrun --nproc-per-node 2 -m engine.worker --run-dir runs/<id>
+
+Reads ``spec.json`` from the run directory, joins the process group, trains,
+and appends metrics and timeline spans to the run directory. A rank that
+fails writes ``error-rank<r>.json`` (the error and its traceback) before it
+exits non-zero, so the launcher can say which rank failed and why.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+# Before torch is imported: one BLAS/OpenMP pool per rank, not one per core each.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="engine.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True, help="run directory holding spec.json")
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        run(args.run_dir, rank)
+    except BaseException as e:  # record, then let torchrun see the failure
+        record_error(args.run_dir, rank, e)
+        raise
+    return 0
+
+
+def record_error(run_dir: str, rank: int, e: BaseException) -> None:
+    info = {"rank": rank, "error": f"{type(e).__name__}: {e}".strip(),
+            "traceback": traceback.format_exc(), "time": time.time()}
+    try:
+        with open(os.path.join(run_dir, f"error-rank{rank}.json"), "w") as f:
+            json.dump(info, f, indent=1)
+    except OSError:
+        pass
+
+
+def run(run_dir: str, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from engine.spec import JobSpec
+    from engine.trainer import Trainer, resolve_backend, resolve_device
+
+    with open(os.path.join(run_dir, "spec.json")) as f:
+        spec = JobSpec.from_dict(json.load(f))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world != spec.world_size:
+        raise RuntimeError(f"world_size: the spec asks for {spec.world_size} ranks but torchrun started {world}")
+    threads = spec.threads or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    device = resolve_device(spec, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = resolve_backend(spec, device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300"))))
+    trainer = None
+    try:
+        trainer = Trainer(spec, run_dir, dist.get_rank(), world, device)
+        if rank == 0:
+            print(f"[commlab] rank 0: {spec.model.name} on {spec.dataset.name}, world {world}, "
+                  f"{backend} on {device}, {threads} thread(s) per rank, {len(trainer.dp.buckets)} bucket(s)",
+                  flush=True)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The ``commlab`` command.
+
+Exit status: 0 on success, 2 for a bad spec or bad arguments (one line, no
+traceback), 1 when a run fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import List, Optional
+
+from engine.spec import SpecError
+from lab.store import FINAL, RunError, RunStore
+
+
+class UsageError(Exception):
+    pass
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2 (argparse would print the usage block too)
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _runs_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--runs", metavar="DIR", default=None,
+                   help="runs directory (default: $COMMLAB_RUNS or ./runs)")
+
+
+def build_parser() -> Parser:
+    ap = Parser(prog="commlab", description="A lab for communication-efficient distributed training.")
+    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
+    sub.required = True
+
+    p = sub.add_parser("run", help="start a run, show progress, print its id and a summary")
+    p.add_argument("spec", metavar="SPEC", help="job spec file (YAML or JSON)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a spec field, e.g. --set steps=50 --set compressor.name=none (repeatable)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted, and exit")
+    _runs_arg(p)
+
+    p = sub.add_parser("runs", help="list runs with status and headline figures")
+    _runs_arg(p)
+
+    p = sub.add_parser("show", help="one run's summary")
+    p.add_argument("run", metavar="RUN", help="run id")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    _runs_arg(p)
+
+    p = sub.add_parser("trace", help="write a Chrome/Perfetto trace of a run's timeline (all ranks)")
+    p.add_argument("run", metavar="RUN", help="run id")
+    p.add_argument("-o", "--output", default="trace.json", help="output file (default trace.json)")
+    _runs_arg(p)
+    return ap
+
+
+def cmd_run(args) -> int:
+    from lab.launcher import launch
+    from lab.specs import load_spec
+    from lab.summary import format_summary, summarize
+
+    spec = load_spec(args.spec, args.overrides)
+    if args.check:
+        print(json.dumps(spec.to_dict(), indent=1))
+        return 0
+    store = RunStore(args.runs)
+    run = store.create(spec)
+    print(f"run {run.id}  ({run.path})", flush=True)
+    state = launch(run, progress=not args.quiet)
+    st = run.status()
+    print(f"status         {state}" + (f": rank {st.get('rank')}: {st.get('error')}" if state == "failed" else ""))
+    for line in format_summary(summarize(run.metrics(), run.spec_dict())):
+        print(line)
+    return 0 if state == "done" else 1
+
+
+def cmd_runs(args) -> int:
+    from lab.summary import summarize
+    runs = RunStore(args.runs).list()
+    if not runs:
+        print(f"no runs in {RunStore(args.runs).root}")
+        return 0
+    rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC")]
+    for r in runs:
+        try:
+            spec = r.spec_dict()
+        except (OSError, ValueError):
+            continue
+        s = summarize(r.metrics(), spec)
+        rows.append((r.id, r.state, spec["model"]["name"], spec["compressor"]["name"], spec["schedule"]["name"],
+                     spec["comm"]["mode"], f"{s.get('steps_done', 0)}/{spec['steps']}",
+                     f"{s['iter_ms_median']:.1f}" if s.get("iter_ms_median") else "-",
+                     f"{s['final_acc']:.2%}" if s.get("final_acc") is not None else "-"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_show(args) -> int:
+    from lab.summary import format_summary, summarize
+    run = RunStore(args.runs).get(args.run)
+    spec, st = run.spec_dict(), run.status()
+    s = summarize(run.metrics(), spec)
+    if args.json:
+        print(json.dumps({"id": run.id, "status": st, "summary": s, "spec": spec}, indent=1))
+        return 0
+    print(f"run            {run.id}")
+    print(f"status         {st.get('state')}" + (f": rank {st.get('rank')}: {st.get('error')}" if st.get("error") else ""))
+    c = spec["compressor"]
+    params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
+    print(f"setup          {spec['model']['name']} on {spec['dataset']['name']}, world {spec['world_size']}, "
+          f"{c['name']}{'(' + params + ')' if params else ''}{' +EF' if c['error_feedback'] else ''}, "
+          f"{spec['schedule']['name']}, {spec['comm']['mode']}, {spec['network']['link']}")
+    if st.get("started") and st.get("ended"):
+        print(f"wall time      {st['ended'] - st['started']:.1f} s")
+    for line in format_summary(s):
+        print(line)
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from lab.trace import write_trace
+    run = RunStore(args.runs).get(args.run)
+    n = write_trace(run, args.output)
+    print(f"wrote {n} events to {args.output} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "runs": cmd_runs, "show": cmd_show, "trace": cmd_trace}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return COMMANDS[args.cmd](args)
+    except (UsageError, SpecError, RunError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"commlab: error: {msg}" if not msg.startswith("commlab") else msg, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Start a run's ranks with torchrun and follow them to a final status.
+
+The launcher owns the run's status: it marks the run running, starts torchrun
+in its own session (so the whole job can be stopped as one process group),
+tails metrics.jsonl for a progress bar, and writes done, failed (with the
+failing rank's error) or cancelled at the end.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Callable, List, Optional
+
+from lab.store import Run
+
+
+def free_port() -> int:
+    """A fresh port per run: reusing one back to back once stalled gloo's rendezvous for minutes."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_argv(run_dir: str, nproc: int, port: int, nnodes: int = 1, node_rank: int = 0,
+                  master_addr: str = "127.0.0.1", python: str = sys.executable) -> List[str]:
+    """The launcher's command line, as a list (never a shell string)."""
+    return [python, "-m", "torch.distributed.run",
+            f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
+            f"--master-addr={master_addr}", f"--master-port={port}", "--max-restarts=0",
+            "-m", "engine.worker", "--run-dir", str(run_dir)]
+
+
+def worker_env(base: Optional[dict] = None) -> dict:
+    env = dict(os.environ if base is None else base)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the hostname resolves to loopback anyway; say so
+    env["PYTHONUNBUFFERED"] = "1"
+    # the engine lives next to lab/; make it importable for the workers wherever they start
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+class MetricsTail:
+    """Reads lines appended to metrics.jsonl since the last call."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.buf = path, 0, b""
+
+    def read(self) -> List[dict]:
+        import json
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(chunk)
+        self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+class ProgressBar:
+    def __init__(self, total: int, out=None, width: int = 30):
+        self.total, self.out, self.width = total, out or sys.stderr, width
+        self.tty = hasattr(self.out, "isatty") and self.out.isatty()
+        self.last_pct = -1
+        self.t0 = time.time()
+
+    def update(self, done: int, info: str = "") -> None:
+        frac = min(done / max(self.total, 1), 1.0)
+        if self.tty:
+            n = int(frac * self.width)
+            rate = done / max(time.time() - self.t0, 1e-9)
+            self.out.write(f"\r[{'#' * n}{'.' * (self.width - n)}] {done}/{self.total} {rate:.1f} it/s {info}   ")
+            self.out.flush()
+        else:
+            pct = int(frac * 10) * 10
+            if pct != self.last_pct:
+                self.last_pct = pct
+                self.out.write(f"progress {done}/{self.total} ({pct}%) {info}\n")
+                self.out.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
+           on_metrics: Optional[Callable[[List[dict]], None]] = None) -> str:
+    """Run ``run`` to completion in the foreground and return its final state."""
+    spec = run.spec()
+    out = out or sys.stderr
+    argv = torchrun_argv(str(run.path), spec.world_size, free_port())
+    log = open(run.file("log.txt"), "ab", buffering=0)
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=worker_env(), start_new_session=True)
+    run.set_status("running", pid=proc.pid, argv=argv)
+    tail = MetricsTail(str(run.file("metrics.jsonl")))
+    bar = ProgressBar(spec.steps, out) if progress else None
+    done_steps, info = 0, ""
+    state = "failed"
+    try:
+        while True:
+            rc = proc.poll()
+            new = tail.read()
+            if new:
+                for m in new:
+                    if m.get("kind") == "step" and m.get("rank") == 0:
+                        done_steps = m["step"] + 1
+                        info = f"loss {m['loss']:.4f}"
+                    elif m.get("kind") == "eval":
+                        info += f" acc {m['eval_acc']:.2%}"
+                if on_metrics:
+                    on_metrics(new)
+                if bar:
+                    bar.update(done_steps, info)
+            if rc is not None:
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        stop(proc)
+        if bar:
+            bar.close()
+        run.set_status("cancelled", error="cancelled by the user (Ctrl-C)")
+        return "cancelled"
+    finally:
+        log.close()
+    if bar:
+        bar.close()
+    if rc == 0:
+        state = "done"
+        run.set_status("done", returncode=0)
+    else:
+        errs = run.errors()
+        if errs:
+            e = errs[0]
+            run.set_status("failed", returncode=rc, rank=e.get("rank"), error=e.get("error"))
+        else:
+            run.set_status("failed", returncode=rc, error=f"torchrun exited with code {rc}; see log.txt")
+    return state
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a job we started: SIGTERM to its process group, SIGKILL after a grace period."""
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

@@ -1,0 +1,173 @@
+"""The run store: one directory per run, which is the run's whole state.
+
+    runs/<run-id>/spec.json            validated, fully defaulted spec
+                  status.json          queued | running | done | failed | cancelled, times, error
+                  metrics.jsonl        one object per line (kind step or eval)
+                  timeline-rank<r>.jsonl  Chrome trace events
+                  log.txt              the workers' output
+                  layout.json          the bucket layout (rank 0)
+                  error-rank<r>.json   written by a rank that failed
+
+Run ids from users are checked against a strict pattern, and every path is
+resolved inside the runs directory, so nothing reads or writes outside it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import List, Optional
+
+from engine.runlog import read_jsonl
+from engine.spec import JobSpec
+
+STATES = ("queued", "running", "done", "failed", "cancelled")
+FINAL = ("done", "failed", "cancelled")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class RunError(ValueError):
+    """A bad run id or a missing run; the message is one line."""
+
+
+def default_root() -> Path:
+    return Path(os.environ.get("COMMLAB_RUNS") or "runs")
+
+
+def slug(text: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+    return s[:40] or "run"
+
+
+def check_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id) or ".." in run_id:
+        raise RunError(f"run id {run_id!r} is not valid: use letters, digits, '.', '_' and '-' only")
+    return run_id
+
+
+class Run:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.id = self.path.name
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    # -- spec and status --------------------------------------------------
+    def spec_dict(self) -> dict:
+        with open(self.file("spec.json")) as f:
+            return json.load(f)
+
+    def spec(self) -> JobSpec:
+        return JobSpec.from_dict(self.spec_dict())
+
+    def status(self) -> dict:
+        try:
+            with open(self.file("status.json")) as f:
+                return json.load(f)
+        except (FileNotFoundError, json.JSONDecodeError):
+            return {"state": "unknown"}
+
+    @property
+    def state(self) -> str:
+        return self.status().get("state", "unknown")
+
+    def set_status(self, state: str, **fields) -> dict:
+        if state not in STATES:
+            raise ValueError(f"state: {state!r} not in {STATES}")
+        st = self.status()
+        if st.get("state") == "unknown":
+            st = {}
+        st.update(fields)
+        st["state"] = state
+        st.setdefault("created", time.time())
+        if state == "running":
+            st.setdefault("started", time.time())
+        if state in FINAL:
+            st["ended"] = time.time()
+        _write_json_atomic(self.file("status.json"), st)
+        return st
+
+    # -- logs -------------------------------------------------------------
+    def metrics(self) -> List[dict]:
+        return read_jsonl(str(self.file("metrics.jsonl")))
+
+    def timeline_files(self) -> List[Path]:
+        return sorted(self.path.glob("timeline-rank*.jsonl"), key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
+
+    def timeline(self) -> List[dict]:
+        out = []
+        for p in self.timeline_files():
+            out.extend(read_jsonl(str(p)))
+        return out
+
+    def errors(self) -> List[dict]:
+        out = []
+        for p in sorted(self.path.glob("error-rank*.json")):
+            try:
+                with open(p) as f:
+                    out.append(json.load(f))
+            except (OSError, json.JSONDecodeError):
+                continue
+        return sorted(out, key=lambda e: e.get("time", 0))
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            with open(self.file("log.txt"), errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r}, {self.state})"
+
+
+class RunStore:
+    def __init__(self, root: Optional[os.PathLike] = None):
+        self.root = Path(root) if root else default_root()
+
+    def create(self, spec: JobSpec) -> Run:
+        self.root.mkdir(parents=True, exist_ok=True)
+        for _ in range(100):
+            run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec.name)}-{secrets.token_hex(2)}"
+            path = self.root / run_id
+            try:
+                path.mkdir()
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise RuntimeError("could not allocate a run id")
+        run = Run(path)
+        _write_json_atomic(run.file("spec.json"), spec.to_dict())
+        run.set_status("queued", created=time.time())
+        return run
+
+    def get(self, run_id: str) -> Run:
+        check_id(run_id)
+        root = self.root.resolve()
+        path = (root / run_id).resolve()
+        if path.parent != root:
+            raise RunError(f"run id {run_id!r} is not inside the runs directory")
+        if not (path / "spec.json").is_file():
+            raise RunError(f"no run {run_id!r} in {self.root}")
+        return Run(path)
+
+    def list(self) -> List[Run]:
+        if not self.root.is_dir():
+            return []
+        runs = [Run(p) for p in self.root.iterdir() if p.is_dir() and RUN_ID.match(p.name)
+                and (p / "spec.json").is_file()]
+        return sorted(runs, key=lambda r: r.id)
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

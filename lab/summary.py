@@ -1,0 +1,78 @@
+"""Headline figures of a run, computed from its metrics lines."""
+from __future__ import annotations
+
+import statistics
+from typing import Dict, List, Optional
+
+
+def warmup_steps(n: int) -> int:
+    """Steps left out of timing medians: the first few carry allocation and lazy init."""
+    return min(max(2, n // 10), max(n - 1, 0))
+
+
+def iteration_times(metrics: List[dict]) -> Dict[int, float]:
+    """Per step, the slower rank's iteration time in ms (the step is over when every rank is)."""
+    per: Dict[int, float] = {}
+    for m in metrics:
+        if m.get("kind") == "step":
+            per[m["step"]] = max(per.get(m["step"], 0.0), m["time_ms"])
+    return per
+
+
+def summarize(metrics: List[dict], spec: Optional[dict] = None) -> dict:
+    steps = [m for m in metrics if m.get("kind") == "step"]
+    evals = [m for m in metrics if m.get("kind") == "eval"]
+    out: dict = {"steps_done": 0}
+    if spec:
+        out["steps"] = spec.get("steps")
+    if not steps:
+        return out
+    it = iteration_times(metrics)
+    order = sorted(it)
+    timed = order[warmup_steps(len(order)):] or order
+    med = statistics.median(it[s] for s in timed)
+    world = spec.get("world_size", 1) if spec else max(m["rank"] for m in steps) + 1
+    batch = spec.get("batch_size") if spec else None
+    last = max(m["step"] for m in steps)
+    last_losses = [m["loss"] for m in steps if m["step"] == last]
+    rank0 = [m for m in steps if m["rank"] == 0] or steps
+    sent = statistics.median(m["bytes_sent"] for m in rank0)
+    raw = statistics.median(m["bytes_raw"] for m in rank0)
+    out.update({
+        "steps_done": last + 1,
+        "iter_ms_median": med,
+        "throughput": (world * batch) / (med / 1e3) if batch and med > 0 else None,
+        "final_loss": sum(last_losses) / len(last_losses),
+        "bytes_per_step": sent,
+        "compression_ratio": (raw / sent) if sent else None,
+        "wall_s": (max(m["t"] for m in metrics) - min(m["t"] for m in steps)) if "t" in steps[0] else None,
+    })
+    if evals:
+        out["final_acc"] = evals[-1]["eval_acc"]
+        out["best_acc"] = max(e["eval_acc"] for e in evals)
+        out["final_eval_loss"] = evals[-1]["eval_loss"]
+    return out
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GB"
+
+
+def format_summary(s: dict) -> List[str]:
+    def f(key, fmt):
+        v = s.get(key)
+        return fmt.format(v) if v is not None else "-"
+    return [
+        f"steps          {s.get('steps_done', 0)}/{s.get('steps', '?')}",
+        f"iteration      {f('iter_ms_median', '{:.1f}')} ms (median, slower rank)",
+        f"throughput     {f('throughput', '{:.0f}')} samples/s",
+        f"final loss     {f('final_loss', '{:.4f}')}",
+        f"accuracy       {f('final_acc', '{:.2%}')} held out (best {f('best_acc', '{:.2%}')})",
+        f"bytes/step     {fmt_bytes(s.get('bytes_per_step'))} per rank (compression {f('compression_ratio', '{:.1f}')}x)",
+    ]
