@@ -165,6 +165,22 @@ class NetworkSpec:
 
 
 @dataclass
+class FaultSpec:
+    """Fault injection, for testing how the lab handles failing runs."""
+    kind: Literal["none", "raise", "exit"] = "none"
+    """raise: an exception in the rank; exit: the rank process dies without a word (os._exit)."""
+    step: int = 0
+    """The step at whose start the fault fires."""
+    rank: int = 0
+
+    def __post_init__(self):
+        if self.step < 0:
+            raise SpecError("fault.step", f"must be >= 0, got {self.step}")
+        if self.rank < 0:
+            raise SpecError("fault.rank", f"must be >= 0, got {self.rank}")
+
+
+@dataclass
 class JobSpec:
     name: str = "run"
     """Free text; also the start of the run id."""
@@ -190,6 +206,8 @@ class JobSpec:
     """torch threads per rank; 0 picks cores // world_size (at least 1)."""
     timeline: bool = True
     """Record per-layer timeline spans (cheap; see README for the measured overhead)."""
+    fault: FaultSpec = field(default_factory=FaultSpec)
+    """Testing only: make one rank fail at one step."""
 
     def __post_init__(self):
         if not 1 <= self.world_size <= 1024:
@@ -204,6 +222,8 @@ class JobSpec:
             raise SpecError("threads", f"must be in 0..1024, got {self.threads}")
         if self.seed < 0:
             raise SpecError("seed", f"must be >= 0, got {self.seed}")
+        if self.fault.kind != "none" and self.fault.rank >= self.world_size:
+            raise SpecError("fault.rank", f"must be below world_size {self.world_size}, got {self.fault.rank}")
         if self.backend == "nccl" and self.device == "cpu":
             raise SpecError("backend", "nccl needs device cuda (or auto); use gloo on cpu")
         from engine import models  # local import: models pulls in torch

@@ -98,6 +98,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One iteration: forward, backward (with overlapped comm in wfbp), finish, optimizer step."""
         tl = self.timeline
+        self._maybe_fault()
         idx = next(self.sampler)
         x, y = self.data.batch("train", idx)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
@@ -133,6 +134,14 @@ class Trainer:
         self.log(rec)
         self.step += 1
         return rec
+
+    def _maybe_fault(self) -> None:
+        f = self.spec.fault
+        if f.kind == "none" or f.step != self.step or f.rank != self.rank:
+            return
+        if f.kind == "raise":
+            raise RuntimeError(f"injected fault at step {self.step} on rank {self.rank}")
+        os._exit(17)  # "exit": die without cleanup, as a crash would
 
     @torch.no_grad()
     def evaluate(self) -> dict:

@@ -1,0 +1,1 @@
+"""Benchmarks that compare commlab with torch DDP in one run (see bench/common.py)."""

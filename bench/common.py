@@ -1,0 +1,147 @@
+"""Helpers shared by the benchmarks in bench/.
+
+A benchmark is one script that runs twice: as the *parent* (what the user
+starts) it launches itself under torchrun with ``--worker``; as a *worker*
+(one per rank) it times interleaved variants and rank 0 writes the raw
+numbers to a JSON file that the parent reads, summarises and prints.
+
+    parent:  launch(__file__, worker_args, nproc=2)        -> returncode
+    worker:  rank, world = init_worker()
+             times = run_interleaved({"ddp": step_a, "commlab": step_b}, rounds, steps, warmup)
+             times = gather_max(times)                      # per iteration, the slower rank
+    parent:  summary = summarize(times, baseline="ddp"); print(markdown_table(...))
+
+``times`` is always ``{variant: [[seconds per iteration] per round]}``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+from typing import Callable, Dict, List, Optional, Sequence
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+Times = Dict[str, List[List[float]]]
+
+
+# ---------------------------------------------------------------- launching
+
+def free_port() -> int:
+    """A fresh port (bind to port 0): reusing one back to back can stall gloo's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_argv(script: str, args: Sequence[str], nproc: int = 2, port: Optional[int] = None) -> List[str]:
+    """``python -m torch.distributed.run ... script --worker args`` as an argv list (never a shell string)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={port or free_port()}", "--max-restarts=0",
+            os.path.abspath(script), "--worker", *args]
+
+
+def worker_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def launch(script: str, args: Sequence[str], nproc: int = 2) -> int:
+    """Run ``script --worker args`` on ``nproc`` ranks; the workers' output goes to ours."""
+    return subprocess.run(torchrun_argv(script, args, nproc), env=worker_env(), cwd=REPO).returncode
+
+
+def init_worker(threads: int = 1):
+    """Join the gloo process group torchrun set up; one intra-op thread per rank."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+# ---------------------------------------------------------------- timing
+
+def run_interleaved(steps: Dict[str, Callable[[], None]], rounds: int, block: int, warmup: int = 3,
+                    sync: Optional[Callable[[], None]] = None, log: Optional[Callable[[str], None]] = None) -> Times:
+    """Time every variant in blocks of ``block`` iterations, ``rounds`` times.
+
+    The order of the variants rotates by one each round, so no variant always
+    runs right after the same neighbour. ``warmup`` untimed iterations of each
+    variant come first. ``sync`` (a barrier) runs before each block, outside
+    the timing, so ranks start every block together.
+    """
+    import time
+    names = list(steps)
+    for name in names:
+        for _ in range(warmup):
+            steps[name]()
+    times: Times = {n: [] for n in names}
+    for r in range(rounds):
+        k = r % len(names)
+        for name in names[k:] + names[:k]:
+            if sync:
+                sync()
+            fn, out = steps[name], []
+            for _ in range(block):
+                t0 = time.perf_counter()
+                fn()
+                out.append(time.perf_counter() - t0)
+            times[name].append(out)
+        if log:
+            log(f"round {r + 1}/{rounds}: " + ", ".join(
+                f"{n} {1e3 * statistics.median(times[n][-1]):.1f}" for n in names) + " ms")
+    return times
+
+
+def gather_max(times: Times) -> Times:
+    """Per iteration, the slowest rank's time (collective: call on every rank, after timing)."""
+    import torch.distributed as dist
+    everyone: List[Optional[Times]] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, times)
+    return {n: [[max(ts) for ts in zip(*(t[n][r] for t in everyone))] for r in range(len(times[n]))]
+            for n in times}
+
+
+# ---------------------------------------------------------------- summarising
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs)
+
+
+def summarize(times: Times, baseline: str) -> Dict[str, dict]:
+    """Per variant: median ms/iteration over all rounds, its ratio to the
+    baseline's median, and the median of per-round ratios (each round's
+    block median over the baseline's block median in the same round)."""
+    base_all = median([t for blk in times[baseline] for t in blk])
+    out = {}
+    for name, blocks in times.items():
+        flat = [t for blk in blocks for t in blk]
+        per_round = [median(b) / median(bb) for b, bb in zip(blocks, times[baseline])]
+        out[name] = {"median_ms": 1e3 * median(flat), "ratio": median(flat) / base_all,
+                     "round_ratio": median(per_round), "round_ratios": per_round,
+                     "iterations": len(flat)}
+    return out
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    def cell(v):
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str, obj) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def read_json(path: str):
+    with open(path) as f:
+        return json.load(f)

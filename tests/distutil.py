@@ -1,0 +1,41 @@
+"""Run a function on world_size gloo ranks (CPU, one thread each) and collect results."""
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import pickle
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world, port, fn, args, outdir):
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        result = fn(rank, world, *args)
+        with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(fn, *args, world: int = 2):
+    """Call fn(rank, world, *args) in `world` processes; return the list of results.
+    A failing rank raises here with its traceback (torch.multiprocessing.spawn)."""
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_entry, args=(world, _free_port(), fn, args, outdir), nprocs=world, join=True)
+        out = []
+        for r in range(world):
+            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
+                out.append(pickle.load(f))
+        return out
