@@ -129,10 +129,9 @@ def summarize(times: Times, baseline: str) -> Dict[str, dict]:
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
-    def cell(v):
-        return f"{v:.3f}" if isinstance(v, float) else str(v)
+    """Cells are printed with str(); format numbers before passing them."""
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    lines += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
 
 

@@ -1,6 +1,6 @@
 """commlab's DataParallel against torch DDP: iteration time on 2 gloo ranks (CPU).
 
-    python bench/ddp_compare.py [--models cnn,resnet] [--steps 5] [--rounds 8] [--batch 32] [--json out.json]
+    python bench/ddp_compare.py [--models cnn,resnet] [--steps 5] [--rounds 12] [--batch 32] [--json out.json]
 
 It launches itself under torchrun (2 ranks, gloo, one thread per rank). Per
 model every rank builds four identical copies (same seed) and times one
@@ -161,7 +161,7 @@ def report(raw: dict) -> tuple[str, dict]:
         overhead = common.summarize(res["times_s"], baseline="commlab-notl")["commlab"]
         summary[model] = {"variants": s, "timeline_overhead": overhead}
         for v in VARIANTS:
-            rows.append([model, v, round(s[v]["median_ms"], 1), s[v]["ratio"], s[v]["round_ratio"]])
+            rows.append([model, v, f"{s[v]['median_ms']:.1f}", f"{s[v]['ratio']:.3f}", f"{s[v]['round_ratio']:.3f}"])
         r = s["commlab"]
         verdict = "meets" if max(r["ratio"], r["round_ratio"]) <= TARGET else "MISSES"
         notes.append(f"- {model} ({res['info']['params'] / 1e6:.2f}M params, {res['info']['grad_mb']:.1f} MB "
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="cnn,resnet", help="comma-separated: cnn, resnet, mlp")
     ap.add_argument("--steps", type=int, default=5, help="timed iterations per variant per round")
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per variant first")
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     ap.add_argument("--json", help="save raw per-iteration times and the summary here")

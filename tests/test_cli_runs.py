@@ -147,3 +147,13 @@ def test_failing_worker_marks_run_failed_and_keeps_metrics(tmp_path):
     m = read_jsonl(str(run_dir / "metrics.jsonl"))
     assert {(x["step"], x["rank"]) for x in m if x["rank"] == 1} == {(s, 1) for s in range(5)}
     assert "Traceback" in (run_dir / "error-rank1.json").read_text()
+
+
+def test_demo_cnn_digits_reaches_95_percent(tmp_path):
+    """The README's demo spec, world size 2: held-out accuracy of at least 95% in a short run."""
+    runs = tmp_path / "runs"
+    r = commlab("run", str(ROOT / "examples" / "demo.yaml"), "--quiet", "--set", "steps=150",
+                "--set", "eval_every=0", runs=runs)
+    assert r.returncode == 0, r.stdout + r.stderr
+    evals = [m for m in read_jsonl(str(only_run(runs) / "metrics.jsonl")) if m["kind"] == "eval"]
+    assert evals[-1]["step"] == 150 and evals[-1]["eval_acc"] >= 0.95, evals

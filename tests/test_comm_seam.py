@@ -1,0 +1,119 @@
+"""The compressor seam carries all-reduced, all-gathered (ragged, even empty) and multi-round payloads."""
+import functools
+
+import torch
+import torch.distributed as dist
+
+from distutil import run_world
+from engine import schedules
+from engine.comm import DataParallel
+from engine.compressors.base import Compressor, Round
+
+
+class GatherIdentity(Compressor):
+    """Not summable: every rank decodes every rank's full payload."""
+    name = "gather-identity"
+    summable = False
+
+    def compress(self, t):
+        return [t.clone()], None
+
+    def decompress(self, payload, ctx):
+        return payload[0]
+
+
+class PositiveOnly(Compressor):
+    """Ragged payload: indices and values of the positive entries (empty if none)."""
+    name = "positive-only"
+    summable = False
+
+    def compress(self, t):
+        idx = (t > 0).nonzero().flatten()
+        return [idx, t[idx]], (t.numel(), t.dtype, t.shape)
+
+    def decompress(self, payload, ctx):
+        n, dtype, shape = ctx
+        out = torch.zeros(n, dtype=dtype)
+        out[payload[0]] = payload[1]
+        return out.view(shape)
+
+
+class ScaledTwoRound(Compressor):
+    """Two all-reduce rounds, like PowerSGD: first a shared scale, then the scaled tensor."""
+    name = "two-round"
+
+    def exchange(self, t, world_size):
+        (amax,) = yield Round("allreduce", [t.abs().max().reshape(1)])
+        scale = amax.clamp_min(1e-12)
+        (summed,) = yield Round("allreduce", [t / scale])
+        self.last_bytes = 4 + t.numel() * t.element_size()
+        return summed.mul_(scale).div_(world_size)
+
+
+def _all_cases(rank, world, cases):
+    return [_grads(rank, world, *c) for c in cases]
+
+
+def _grads(rank, world, comp_name, sched, mode, positive_on_rank0_only):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    ref = [p.detach().clone() for p in model.parameters()]
+    torch.manual_seed(100 + rank)
+    x = torch.randn(4, 6)
+
+    def loss_of(m):
+        out = m(x)
+        # positive-only: rank 1 has all-zero gradients, so its payloads are empty
+        return out.sum() * (0.0 if positive_on_rank0_only and rank == 1 else 1.0)
+
+    # reference: plain backward and a hand-written average
+    ref_model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    with torch.no_grad():
+        for p, r in zip(ref_model.parameters(), ref):
+            p.copy_(r)
+    loss_of(ref_model).backward()
+    expect = []
+    for p in ref_model.parameters():
+        g = p.grad.clone()
+        if comp_name == "positive-only":
+            g = g.clamp_min(0)
+        dist.all_reduce(g)
+        expect.append(g / world)
+    comp = {"gather-identity": GatherIdentity, "positive-only": PositiveOnly, "two-round": ScaledTwoRound}[comp_name]
+    dp = DataParallel(model, functools.partial(schedules.build, sched), comp, mode=mode)
+    for _ in range(2):  # twice: state from step 1 must not leak into step 2
+        loss_of(model).backward()
+        dp.finish()
+        got = [p.grad.clone() for p in model.parameters()]
+        dp.zero_grad()
+    sizes = [b.compressor.last_bytes for b in dp.buckets]
+    return got, expect, sizes
+
+
+def test_seam_averages_like_allreduce():
+    cases = [(comp, sched, mode, comp == "positive-only")
+             for comp in ("gather-identity", "positive-only", "two-round")
+             for sched, mode in (("layerwise", "wfbp"), ("allinone", "sync"), ("layerwise", "sync"))]
+    res = run_world(_all_cases, cases)  # one process group for every case: spawning costs seconds
+    for i, case in enumerate(cases):
+        for rank in range(2):
+            got, expect, sizes = res[rank][i]
+            for g, e in zip(got, expect):
+                torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6, msg=lambda m: f"{case} rank {rank}: {m}")
+        if case[0] == "positive-only":
+            assert max(res[1][i][2]) == 0 and max(res[0][i][2]) > 0, case  # empty payloads on rank 1
+
+
+def _ragged_allgather(rank, world):
+    dp = DataParallel(torch.nn.Linear(2, 2), functools.partial(schedules.build, "allinone"),
+                      GatherIdentity, broadcast_from_rank0=False)
+    mine = [torch.arange(rank * 3, dtype=torch.int64), torch.full((2, rank + 1), float(rank))]
+    return dp._allgather(mine).wait()
+
+
+def test_allgather_ragged_shapes_and_dtypes():
+    res = run_world(_ragged_allgather)
+    for out in res:
+        assert out[0][0].numel() == 0 and out[1][0].tolist() == [0, 1, 2]
+        assert out[0][1].shape == (2, 1) and out[1][1].shape == (2, 2) and out[1][1].dtype == torch.float32
+        assert out[1][1].eq(1.0).all()
