@@ -87,6 +87,75 @@ class _Pending:
         return self.finish()
 
 
+def issue_allreduce(tensors: List[Tensor], group=None) -> _Pending:
+    """Start an asynchronous sum of ``tensors`` over ranks (one collective when dtypes agree)."""
+    if len(tensors) == 1:
+        t = tensors[0]
+        return _Pending([dist.all_reduce(t, group=group, async_op=True)], lambda: [t])
+    if len({(t.dtype, t.device) for t in tensors}) == 1:
+        # one collective for the whole payload: per-call latency dominates small tensors
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+
+        def split():
+            out, off = [], 0
+            for t in tensors:
+                out.append(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+            return out
+        return _Pending([work], split)
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    return _Pending(works, lambda: list(tensors))
+
+
+def issue_allgather(tensors: List[Tensor], group=None) -> _Pending:
+    """All-gather payloads whose sizes may differ between ranks.
+
+    Every tensor is sent as raw bytes in one padded buffer, each starting at
+    an 8-byte aligned offset (so it can be viewed back as its dtype). A small
+    header (the shape of every tensor) is exchanged first, synchronously: it
+    is a few bytes and keeps the data exchange a single asynchronous collective.
+    """
+    world = dist.get_world_size(group)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    k = len(tensors)
+    header = torch.zeros(k, 5, dtype=torch.int64, device=device)  # ndim + up to 4 dims
+    for i, t in enumerate(tensors):
+        if t.dim() > 4:
+            raise ValueError("all-gathered payload tensors may have at most 4 dimensions")
+        header[i, 0] = t.dim()
+        header[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    headers = [torch.empty_like(header) for _ in range(world)]
+    dist.all_gather(headers, header, group=group)
+    dtypes = [t.dtype for t in tensors]
+    esize = [t.element_size() for t in tensors]
+
+    def shapes_of(h):
+        h = h.tolist()
+        return [tuple(row[1:1 + row[0]]) for row in h]
+    all_shapes = [shapes_of(h) for h in headers]
+    offsets = [_offsets(shapes, esize) for shapes in all_shapes]
+    cap = max(max(o[-1] for o in offsets), 1)
+    send = torch.zeros(cap, dtype=torch.uint8, device=device)
+    for t, off in zip(tensors, offsets[dist.get_rank(group)]):
+        n = t.numel() * t.element_size()
+        if n:
+            send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
+    recv = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(world)]
+    work = dist.all_gather(recv, send, group=group, async_op=True)
+
+    def unpack():
+        out = []
+        for r in range(world):
+            payload = []
+            for shape, dt, e, off in zip(all_shapes[r], dtypes, esize, offsets[r]):
+                n = _numel(shape) * e
+                payload.append(recv[r][off:off + n].view(dt).view(shape))
+            out.append(payload)
+        return out
+    return _Pending([work], unpack)
+
+
 class DataParallel:
     """Average gradients over ranks with a fusion schedule, a compressor per bucket and a comm mode."""
 
@@ -115,7 +184,9 @@ class DataParallel:
         self.buckets: List[Bucket] = []
         self.slot = {}  # param -> (bucket, position)
         for bi, idx in enumerate(layout):
-            b = Bucket(bi, [params[i] for i in idx], [self.order_names[i] for i in idx], make_compressor())
+            comp = make_compressor()
+            comp.bucket = bi
+            b = Bucket(bi, [params[i] for i in idx], [self.order_names[i] for i in idx], comp)
             self.buckets.append(b)
             for pos, i in enumerate(idx):
                 self.slot[params[i]] = (b, pos)
@@ -164,9 +235,9 @@ class DataParallel:
         b.rounds += 1
         b.t_issue = self.timeline.now()
         if rnd.op == "allreduce":
-            b.handle = self._allreduce(rnd.tensors)
+            b.handle = issue_allreduce(rnd.tensors, self.group)
         elif rnd.op == "allgather":
-            b.handle = self._allgather(rnd.tensors)
+            b.handle = issue_allgather(rnd.tensors, self.group)
         else:
             raise ValueError(f"compressor {b.compressor.name} asked for an unknown collective {rnd.op!r}")
         pend, args = b.handle, {"bucket": b.index, "op": rnd.op, "round": b.rounds,
@@ -181,73 +252,6 @@ class DataParallel:
         else:
             pend.t_done = t_issue
         pend.span = (f"{rnd.op} b{b.index}", t_issue, args)
-
-    def _allreduce(self, tensors: List[Tensor]) -> _Pending:
-        if len(tensors) == 1:
-            t = tensors[0]
-            return _Pending([dist.all_reduce(t, group=self.group, async_op=True)], lambda: [t])
-        if len({(t.dtype, t.device) for t in tensors}) == 1:
-            # one collective for the whole payload: per-call latency dominates small tensors
-            flat = torch.cat([t.reshape(-1) for t in tensors])
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-
-            def split():
-                out, off = [], 0
-                for t in tensors:
-                    out.append(flat[off:off + t.numel()].view_as(t))
-                    off += t.numel()
-                return out
-            return _Pending([work], split)
-        works = [dist.all_reduce(t, group=self.group, async_op=True) for t in tensors]
-        return _Pending(works, lambda: list(tensors))
-
-    def _allgather(self, tensors: List[Tensor]) -> _Pending:
-        """All-gather payloads whose sizes may differ between ranks.
-
-        Every tensor is sent as raw bytes in one padded buffer. A small header
-        (shape of every tensor) is exchanged first, synchronously: it is a few
-        bytes and keeps the data exchange a single asynchronous collective.
-        """
-        device = tensors[0].device if tensors else torch.device("cpu")
-        k = len(tensors)
-        header = torch.zeros(k, 5, dtype=torch.int64, device=device)  # ndim + up to 4 dims
-        for i, t in enumerate(tensors):
-            if t.dim() > 4:
-                raise ValueError("all-gathered payload tensors may have at most 4 dimensions")
-            header[i, 0] = t.dim()
-            header[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-        headers = [torch.empty_like(header) for _ in range(self.world)]
-        dist.all_gather(headers, header, group=self.group)
-        dtypes = [t.dtype for t in tensors]
-        esize = [t.element_size() for t in tensors]
-
-        def shapes_of(h):
-            h = h.tolist()
-            return [tuple(row[1:1 + row[0]]) for row in h]
-        all_shapes = [shapes_of(h) for h in headers]
-        sizes = [sum(_numel(s) * e for s, e in zip(shapes, esize)) for shapes in all_shapes]
-        cap = max(max(sizes), 1)
-        send = torch.zeros(cap, dtype=torch.uint8, device=device)
-        off = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            if n:
-                send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
-            off += n
-        recv = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(self.world)]
-        work = dist.all_gather(recv, send, group=self.group, async_op=True)
-
-        def unpack():
-            out = []
-            for r in range(self.world):
-                payload, off = [], 0
-                for shape, dt, e in zip(all_shapes[r], dtypes, esize):
-                    n = _numel(shape) * e
-                    payload.append(recv[r][off:off + n].view(dt).view(shape))
-                    off += n
-                out.append(payload)
-            return out
-        return _Pending([work], unpack)
 
     # -- after backward ---------------------------------------------------
     def finish(self) -> None:
@@ -307,6 +311,15 @@ class DataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def _offsets(shapes, esize) -> List[int]:
+    """Byte offset of each tensor in the packed buffer (8-byte aligned), then the total."""
+    out, off = [], 0
+    for shape, e in zip(shapes, esize):
+        out.append(off)
+        off += -(-(_numel(shape) * e) // 8) * 8
+    return out + [off]
 
 
 def _numel(shape) -> int:

@@ -112,7 +112,7 @@ class CompressorSpec:
         if self.name not in compressors.names():
             raise SpecError("compressor.name", f"unknown compressor {self.name!r}; allowed: {', '.join(compressors.names())}")
         try:
-            compressors.check(self.name, **self.params)
+            compressors.check(self.name, error_feedback=self.error_feedback, **self.params)
         except ValueError as e:
             raise SpecError("compressor", str(e)) from None
 

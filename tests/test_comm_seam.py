@@ -6,7 +6,7 @@ import torch.distributed as dist
 
 from distutil import run_world
 from engine import schedules
-from engine.comm import DataParallel
+from engine.comm import DataParallel, issue_allgather
 from engine.compressors.base import Compressor, Round
 
 
@@ -105,10 +105,9 @@ def test_seam_averages_like_allreduce():
 
 
 def _ragged_allgather(rank, world):
-    dp = DataParallel(torch.nn.Linear(2, 2), functools.partial(schedules.build, "allinone"),
-                      GatherIdentity, broadcast_from_rank0=False)
-    mine = [torch.arange(rank * 3, dtype=torch.int64), torch.full((2, rank + 1), float(rank))]
-    return dp._allgather(mine).wait()
+    mine = [torch.arange(rank * 3, dtype=torch.int64), torch.full((2, rank + 1), float(rank)),
+            torch.full((rank + 3,), 7, dtype=torch.uint8), torch.tensor([float(rank)], dtype=torch.float64)]
+    return issue_allgather(mine).wait()
 
 
 def test_allgather_ragged_shapes_and_dtypes():
@@ -117,3 +116,6 @@ def test_allgather_ragged_shapes_and_dtypes():
         assert out[0][0].numel() == 0 and out[1][0].tolist() == [0, 1, 2]
         assert out[0][1].shape == (2, 1) and out[1][1].shape == (2, 2) and out[1][1].dtype == torch.float32
         assert out[1][1].eq(1.0).all()
+        # a 1-byte-per-element tensor before an 8-byte one: offsets stay aligned
+        assert out[0][2].tolist() == [7, 7, 7] and out[1][2].numel() == 4
+        assert out[0][3].item() == 0.0 and out[1][3].item() == 1.0 and out[1][3].dtype == torch.float64

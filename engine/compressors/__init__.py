@@ -12,12 +12,15 @@ from __future__ import annotations
 
 from typing import Dict, Type
 
-from engine.compressors.base import Compressor, Round, nbytes
+from engine.compressors.base import Compressor, ErrorFeedback, Round, nbytes
+from engine.compressors import quantize, sparsify
 from engine.compressors.basic import NoneCompressor
 
-REGISTRY: Dict[str, Type[Compressor]] = {
-    "none": NoneCompressor,
-}
+# One registry, in the order DESIGN.md lists the names; families live in their own modules.
+ORDER = ("none", "fp16", "bf16", "topk", "randomk", "threshold", "dgc", "qsgd", "terngrad", "signsgd",
+         "efsignsgd", "signum", "onebit", "natural", "powersgd", "countsketch")
+_ALL: Dict[str, Type[Compressor]] = {"none": NoneCompressor, **quantize.COMPRESSORS, **sparsify.COMPRESSORS}
+REGISTRY: Dict[str, Type[Compressor]] = {n: _ALL[n] for n in ORDER if n in _ALL}
 
 
 def names() -> tuple:
@@ -25,16 +28,23 @@ def names() -> tuple:
 
 
 def make(name: str, error_feedback: bool = False, **params) -> Compressor:
+    """A new instance for one bucket. ``error_feedback`` wraps any compressor
+    whose method does not keep a residual of its own."""
     if name not in REGISTRY:
         raise ValueError(f"name: unknown compressor {name!r}; allowed: {', '.join(REGISTRY)}")
+    if not isinstance(error_feedback, bool):
+        raise ValueError(f"error_feedback: must be true or false, got {error_feedback!r}")
+    c = REGISTRY[name](**params)
     if error_feedback:
-        raise ValueError("error_feedback: not available yet (the compressor library is a separate issue)")
-    return REGISTRY[name](**params)
+        if c.builtin_feedback:
+            raise ValueError(f"error_feedback: {name} keeps its own residual already; leave error_feedback off")
+        c.ef = ErrorFeedback()
+    return c
 
 
-def check(name: str, **params) -> None:
-    """Raise ValueError if ``make(name, **params)`` would."""
-    make(name, **params)
+def check(name: str, error_feedback: bool = False, **params) -> None:
+    """Raise ValueError if ``make(name, error_feedback, **params)`` would."""
+    make(name, error_feedback=error_feedback, **params)
 
 
-__all__ = ["Compressor", "Round", "nbytes", "make", "names", "check", "REGISTRY"]
+__all__ = ["Compressor", "ErrorFeedback", "Round", "nbytes", "make", "names", "check", "REGISTRY"]

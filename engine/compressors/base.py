@@ -20,7 +20,7 @@ checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, List
+from typing import Any, Generator, List, Optional
 
 import torch
 
@@ -53,6 +53,26 @@ class Compressor:
     """True when payloads from several ranks may be summed element-wise."""
     keeps_shape = False
     """True when the payload is the gradient itself in another dtype (DeAR needs it)."""
+    bucket = 0
+    """Index of the bucket this instance serves, set by the communicator. Seeds that
+    must agree across ranks (random-k indices, sketch hashes) derive from it."""
+    last_bytes = 0
+    """Payload bytes this rank sent in its last exchange."""
+    builtin_feedback = False
+    """True when the method keeps its own residual (PowerSGD, DGC, EF-signSGD),
+    so the generic error-feedback flag would apply it twice."""
+    ef: Optional["ErrorFeedback"] = None
+    """Error-feedback memory, set by ``make(..., error_feedback=True)``."""
+
+    def encode(self, t: Tensor) -> tuple[List[Tensor], Any]:
+        """``compress`` with error feedback applied when it is on. Exchanges call this."""
+        if self.ef is None:
+            return self.compress(t)
+        corrected = self.ef.add(t)
+        payload, ctx = self.compress(corrected)
+        # what this rank's payload stands for, decoded locally before any collective touches it
+        self.ef.update(corrected, self.decompress(payload, ctx))
+        return payload, ctx
 
     def compress(self, t: Tensor) -> tuple[List[Tensor], Any]:
         raise NotImplementedError
@@ -67,7 +87,7 @@ class Compressor:
         (same shape, dtype and device as ``t``; it may be ``t`` itself).
         ``self.last_bytes`` is set to the payload bytes this rank sent.
         """
-        payload, ctx = self.compress(t)
+        payload, ctx = self.encode(t)
         self.last_bytes = nbytes(payload)
         if self.summable:
             summed = yield Round("allreduce", payload)
@@ -81,10 +101,39 @@ class Compressor:
 
     # state ---------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {}
+        """This bucket's state; subclasses with their own state extend it."""
+        return {"ef": self.ef.state_dict()} if self.ef is not None else {}
 
     def load_state_dict(self, state: dict) -> None:
-        pass
+        if self.ef is not None and "ef" in state:
+            self.ef.load_state_dict(state["ef"])
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}(){' +EF' if self.ef is not None else ''}"
+
+
+class ErrorFeedback:
+    """Error-feedback memory (Seide et al. 2014; Karimireddy et al. 2019).
+
+    Before compressing, add what earlier steps dropped: c = g + e. After
+    compressing, keep what this step drops: e = c - decode(compress(c)).
+    The residual is per bucket and has the bucket's flat shape.
+    """
+
+    def __init__(self):
+        self.residual: Optional[Tensor] = None
+        """What compression has dropped so far; None until the first step."""
+
+    def add(self, t: Tensor) -> Tensor:
+        if self.residual is None or self.residual.shape != t.shape:
+            return t.clone()
+        return t + self.residual
+
+    def update(self, corrected: Tensor, decoded: Tensor) -> None:
+        self.residual = corrected - decoded.reshape(corrected.shape).to(corrected.dtype)
+
+    def state_dict(self) -> dict:
+        return {"residual": self.residual}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual = state.get("residual")
