@@ -17,42 +17,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+from lab.launcher import free_port, torchrun_argv, worker_env  # noqa: E402  (one launcher for runs and benchmarks)
 Times = Dict[str, List[List[float]]]
 
 
 # ---------------------------------------------------------------- launching
 
-def free_port() -> int:
-    """A fresh port (bind to port 0): reusing one back to back can stall gloo's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun_argv(script: str, args: Sequence[str], nproc: int = 2, port: Optional[int] = None) -> List[str]:
-    """``python -m torch.distributed.run ... script --worker args`` as an argv list (never a shell string)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={port or free_port()}", "--max-restarts=0",
-            os.path.abspath(script), "--worker", *args]
-
-
-def worker_env() -> dict:
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
-    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
 def launch(script: str, args: Sequence[str], nproc: int = 2) -> int:
     """Run ``script --worker args`` on ``nproc`` ranks; the workers' output goes to ours."""
-    return subprocess.run(torchrun_argv(script, args, nproc), env=worker_env(), cwd=REPO).returncode
+    argv = torchrun_argv([os.path.abspath(script), "--worker", *args], nproc, free_port())
+    return subprocess.run(argv, env=worker_env(), cwd=REPO).returncode
 
 
 def init_worker(threads: int = 1):

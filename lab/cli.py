@@ -54,7 +54,27 @@ def build_parser() -> Parser:
     p.add_argument("run", metavar="RUN", help="run id")
     p.add_argument("-o", "--output", default="trace.json", help="output file (default trace.json)")
     _runs_arg(p)
+    p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
+    p.add_argument("name", metavar="NAME", nargs="?", help="benchmark name; omit to list them")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
     return ap
+
+
+def bench_dir():
+    from pathlib import Path
+    return Path(__file__).resolve().parents[1] / "bench"
+
+
+def cmd_bench(args) -> int:
+    import subprocess
+    scripts = sorted(p.stem for p in bench_dir().glob("*.py") if p.stem not in ("__init__", "common"))
+    if not args.name:
+        print("benchmarks: " + ", ".join(scripts))
+        return 0
+    if args.name not in scripts:
+        raise UsageError(f"commlab bench: unknown benchmark {args.name!r}; allowed: {', '.join(scripts)}")
+    argv = [sys.executable, str(bench_dir() / f"{args.name}.py"), *args.args]
+    return subprocess.run(argv, cwd=bench_dir().parent).returncode
 
 
 def cmd_run(args) -> int:
@@ -130,7 +150,7 @@ def cmd_trace(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "runs": cmd_runs, "show": cmd_show, "trace": cmd_trace}
+COMMANDS = {"run": cmd_run, "runs": cmd_runs, "show": cmd_show, "trace": cmd_trace, "bench": cmd_bench}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

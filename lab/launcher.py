@@ -25,13 +25,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_argv(run_dir: str, nproc: int, port: int, nnodes: int = 1, node_rank: int = 0,
+def torchrun_argv(entry: List[str], nproc: int, port: int, nnodes: int = 1, node_rank: int = 0,
                   master_addr: str = "127.0.0.1", python: str = sys.executable) -> List[str]:
-    """The launcher's command line, as a list (never a shell string)."""
+    """torchrun's command line, as a list (never a shell string). ``entry`` is what
+    each rank runs: ``["-m", "engine.worker", "--run-dir", DIR]`` or a script and its arguments."""
     return [python, "-m", "torch.distributed.run",
             f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
-            f"--master-addr={master_addr}", f"--master-port={port}", "--max-restarts=0",
-            "-m", "engine.worker", "--run-dir", str(run_dir)]
+            f"--master-addr={master_addr}", f"--master-port={port}", "--max-restarts=0", *entry]
+
+
+def worker_argv(run_dir: str) -> List[str]:
+    return ["-m", "engine.worker", "--run-dir", str(run_dir)]
 
 
 def worker_env(base: Optional[dict] = None) -> dict:
@@ -103,7 +107,7 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
     """Run ``run`` to completion in the foreground and return its final state."""
     spec = run.spec()
     out = out or sys.stderr
-    argv = torchrun_argv(str(run.path), spec.world_size, free_port())
+    argv = torchrun_argv(worker_argv(str(run.path)), spec.world_size, free_port())
     log = open(run.file("log.txt"), "ab", buffering=0)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env=worker_env(), start_new_session=True)

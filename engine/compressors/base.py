@@ -58,6 +58,8 @@ class Compressor:
     must agree across ranks (random-k indices, sketch hashes) derive from it."""
     last_bytes = 0
     """Payload bytes this rank sent in its last exchange."""
+    rounds = 1
+    """Collective rounds per exchange (PowerSGD: 2)."""
     builtin_feedback = False
     """True when the method keeps its own residual (PowerSGD, DGC, EF-signSGD),
     so the generic error-feedback flag would apply it twice."""
