@@ -12,7 +12,6 @@ here, because a follow-up collective would be issued from the communication
 thread, in an order ranks need not agree on; use them through the engine, or
 DDP's own PowerSGD hook with a single bucket.
 """
-from __future__ import annotations
 
 from typing import Dict
 
@@ -51,7 +50,7 @@ class HookState:
         return {i: c.state_dict() for i, c in self.per_bucket.items()}
 
 
-def _hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def _hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     buf = bucket.buffer()
     group = state.process_group
     world = dist.get_world_size(group)
