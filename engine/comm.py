@@ -185,7 +185,7 @@ class DataParallel:
         self.slot = {}  # param -> (bucket, position)
         for bi, idx in enumerate(layout):
             comp = make_compressor()
-            comp.bucket = bi
+            comp.bucket, comp.process_rank = bi, self.rank
             b = Bucket(bi, [params[i] for i in idx], [self.order_names[i] for i in idx], comp)
             self.buckets.append(b)
             for pos, i in enumerate(idx):

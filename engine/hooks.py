@@ -42,7 +42,7 @@ class HookState:
     def compressor(self, index: int, numel: int) -> compressors.Compressor:
         if self.sizes.get(index) != numel:
             c = compressors.make(self.name, error_feedback=self.error_feedback, **self.params)
-            c.bucket = index
+            c.bucket, c.process_rank = index, dist.get_rank(self.process_group)
             self.per_bucket[index], self.sizes[index] = c, numel
         return self.per_bucket[index]
 

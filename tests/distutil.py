@@ -5,6 +5,7 @@ import os
 import socket
 import tempfile
 import pickle
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,9 @@ def _free_port() -> int:
 def _entry(rank, world, port, fn, args, outdir):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # a short timeout: a collective-order bug then fails the test instead of hanging the suite
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=90))
     try:
         result = fn(rank, world, *args)
         with open(os.path.join(outdir, f"{rank}.pkl"), "wb") as f:

@@ -9,6 +9,12 @@ from engine.comm import DataParallel
 
 STEPS = 40
 NO_SGD_MOMENTUM = {"dgc", "signum"}  # they apply momentum themselves
+# Sparsifiers keep 1% by default, which over 40 steps without error feedback
+# barely moves a model; these keep enough to show learning within the budget.
+# Majority-vote sign methods decode to +-1 per element, so the learning rate alone sets the step.
+LR = {"signsgd": 0.002, "signum": 0.002}
+PARAMS = {"topk": {"ratio": 0.1}, "randomk": {"ratio": 0.3}, "threshold": {"threshold": 0.001},
+          "countsketch": {"ratio": 0.03}}
 
 
 def _train_all(rank, world, cases):
@@ -18,8 +24,8 @@ def _train_all(rank, world, cases):
         torch.manual_seed(0)
         model = models.build("cnn", ds.info)
         dp = DataParallel(model, functools.partial(schedules.build, "layerwise"),
-                          lambda: compressors.make(name, error_feedback=ef), mode="wfbp")
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0 if name in NO_SGD_MOMENTUM else 0.9)
+                          lambda: compressors.make(name, error_feedback=ef, **PARAMS.get(name, {})), mode="wfbp")
+        opt = torch.optim.SGD(model.parameters(), lr=LR.get(name, 0.05), momentum=0.0 if name in NO_SGD_MOMENTUM else 0.9)
         sampler = data.ShardSampler(ds.size("train"), 32, rank, world, seed=0)
         losses, sent, raw = [], 0, 0
         for _ in range(STEPS):
@@ -52,5 +58,5 @@ def test_every_compressor_reduces_the_loss():
         for a, b in zip(params, res[1][case][3]):
             torch.testing.assert_close(a, b, msg=lambda m: f"{case}: ranks diverged: {m}")
         if case[0] != "none":
-            assert 0 < sent < raw, f"{case}: sent {sent} bytes of {raw}"
+            assert 0 < sent < 0.9 * raw, f"{case}: sent {sent} bytes of {raw}"
     assert not failures, failures

@@ -56,6 +56,9 @@ class Compressor:
     bucket = 0
     """Index of the bucket this instance serves, set by the communicator. Seeds that
     must agree across ranks (random-k indices, sketch hashes) derive from it."""
+    process_rank = 0
+    """This process's rank, set by the communicator (``rank`` is PowerSGD's parameter). Private random streams (stochastic
+    rounding) mix it in; draws that every rank must share (random-k) must not."""
     last_bytes = 0
     """Payload bytes this rank sent in its last exchange."""
     rounds = 1

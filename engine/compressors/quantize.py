@@ -1,2 +1,643 @@
-"""Quantizers and sign compressors (filled in by the compressor library, issue 3)."""
-COMPRESSORS = {}
+"""Quantizers and sign compressors.
+
+Casts (``fp16``, ``bf16``) keep one value per element and are summable, so they
+are all-reduced. Everything else here sends a per-tensor scale next to a few
+bits per element; scales differ between ranks, so those payloads are
+all-gathered and every rank decodes every rank's payload:
+
+=========  =============================================  =============  ========================
+name       payload, in order                              bytes          decodes to
+=========  =============================================  =============  ========================
+fp16/bf16  the tensor cast to half / bfloat16             2n             the cast value
+qsgd       norm fp32 (1,); codes int8 (n,)                4 + n          norm * code / levels
+           (codes int16 when levels > 127)                4 + 2n
+terngrad   max|x| fp32 (1,); 2-bit codes                  4 + ceil(n/4)  max|x| * {-1, 0, 1}
+natural    offset int32 (1,); sign|exponent uint8 (n,)    4 + n          +-2^e or 0
+signsgd    sign bits                                      ceil(n/8)      vote in {-1, 0, 1}
+efsignsgd  ||p||_1 / n fp32 (1,); sign bits               4 + ceil(n/8)  +-||p||_1 / n, averaged
+signum     sign bits of the momentum                      ceil(n/8)      vote in {-1, 0, 1}
+onebit     (neg mean, pos mean) fp32 (2,); bits           8 + ceil(n/8)  a mean per bit, averaged
+=========  =============================================  =============  ========================
+
+Scalars go first in every payload: the all-gather ships a payload as one byte
+buffer and views each piece back at its offset, and a float can only be viewed
+at an offset that is a multiple of its size.
+
+Sign bits are ``x >= 0`` (zeros count as positive), packed by
+``engine.compressors.bitpack`` with element 0 in the top bit.
+
+Randomised compressors (qsgd, terngrad, natural) draw from their own
+``torch.Generator`` on the tensor's device, seeded from the ``seed`` parameter,
+the bucket index and the rank (set by the communicator), so every rank's
+rounding noise is independent of the others'. The generator's state is part
+of ``state_dict``.
+
+Large buckets reuse per-instance work buffers (random numbers, unpacked
+bits): a fresh 100 MB tensor per step costs more in page faults than the
+arithmetic on it. They stay allocated between steps: n bytes per bucket for
+the sign compressors, about 1x (qsgd, terngrad) to 2x (natural) the bucket's
+float32 size for the others. Payloads and decoded tensors are always fresh.
+"""
+from __future__ import annotations
+
+import numbers
+from typing import List, NamedTuple, Optional
+
+import torch
+
+from engine.compressors import bitpack
+from engine.compressors.base import Compressor, Round, nbytes
+from engine.compressors.basic import reject_params
+
+Tensor = torch.Tensor
+
+
+# -- parameters -----------------------------------------------------------
+def _take(name: str, params: dict, defaults: dict) -> dict:
+    for k in params:
+        if k not in defaults:
+            raise ValueError(f"{k}: unknown parameter for {name}; allowed: {', '.join(defaults)}")
+    return {**defaults, **params}
+
+
+def _integer(param: str, value, lo: int, hi: Optional[int] = None, why: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
+        raise ValueError(f"{param}: must be an integer >= {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{param}: must be at most {hi}{why}, got {value!r}")
+    return int(value)
+
+
+def _fraction(param: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
+        raise ValueError(f"{param}: must be a number in [0, 1), got {value!r}")
+    return float(value)
+
+
+# -- shared plumbing ------------------------------------------------------
+class _Ctx(NamedTuple):
+    shape: torch.Size
+    dtype: torch.dtype
+    n: int
+
+
+def _flat(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
+    x = t.reshape(-1)
+    return x if dtype is None or x.dtype == dtype else x.to(dtype)
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    # stochastic rounding needs more resolution than half/bfloat16 offer
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _mix(*xs: int) -> int:
+    """Hash a few integers into one 63-bit seed (splitmix64 steps), so (seed, bucket) pairs never collide."""
+    h = 0x9E3779B97F4A7C15
+    for x in xs:
+        h = ((h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+        h ^= h >> 31
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+class _Lossy(Compressor):
+    """Common parts: all-gather exchange, work buffers, decode tables."""
+    summable = False
+
+    def _setup(self) -> None:
+        self._bufs = {}    # role -> reusable work tensor (not state: contents are dead between calls)
+        self._tables = {}  # (role, dtype, device) -> small constant decode table
+
+    def _work(self, role: str, n: int, dtype: torch.dtype, device: torch.device, fill=None) -> Tensor:
+        """A reused buffer; ``fill`` initialises it once, for padding the callers never overwrite."""
+        b = self._bufs.get(role)
+        if b is None or b.numel() != n or b.dtype != dtype or b.device != device:
+            b = self._bufs[role] = torch.empty(n, dtype=dtype, device=device)
+            if fill is not None:
+                b.fill_(fill)
+        return b
+
+    def _table(self, kind: str, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """Constant (256, 8) decode tables in ``dtype``: row y holds the 8 bits of byte y, first element first.
+
+        kind "01" holds the bits as 0/1, kind "pm" as -1/+1.
+        """
+        key = (kind, dtype, device)
+        tab = self._tables.get(key)
+        if tab is None:
+            y = torch.arange(256, device=device).to(torch.uint8)
+            tab = bitpack.unpack_bits(y, 2048).view(256, 8).to(dtype)
+            if kind == "pm":
+                tab = tab * 2 - 1
+            self._tables[key] = tab
+        return tab
+
+    def _pack_signs(self, x: Tensor) -> Tensor:
+        """Pack ``x >= 0`` through a reused bool buffer padded to whole bytes (no padding copy)."""
+        n = x.numel()
+        buf = self._work("bits", bitpack.packed_size(n) * 8, torch.bool, x.device, fill=False)
+        torch.ge(x, 0, out=buf[:n])
+        return bitpack.pack_bits(buf)
+
+    @staticmethod
+    def _gather(tab: Tensor, packed: Tensor, ctx: _Ctx) -> Tensor:
+        """Decode packed bits through a (256, 8) table: one gather, ~3x faster than unpacking and blending."""
+        out = tab.index_select(0, packed.to(torch.int32))
+        return out.view(-1)[:ctx.n].view(ctx.shape)
+
+    def exchange(self, t: Tensor, world_size: int):
+        # Compressor.exchange with one copy less: decompress here always returns a fresh tensor.
+        payload, ctx = self.encode(t)  # compress, with error feedback when it is on
+        self.last_bytes = nbytes(payload)
+        gathered = yield Round("allgather", payload)
+        out = self.decompress(gathered[0], ctx)
+        for p in gathered[1:]:
+            out.add_(self.decompress(p, ctx))
+        return out.div_(world_size)
+
+
+class _Seeded(_Lossy):
+    """A compressor that draws random numbers from a generator it owns."""
+    def _setup_rng(self, seed: int) -> None:
+        self.seed = seed
+        self._gen: Optional[torch.Generator] = None
+        self._gen_state: Optional[Tensor] = None  # loaded before the device was known
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        g = self._gen
+        if g is None or g.device != device:
+            g = torch.Generator(device=device)
+            g.manual_seed(_mix(self.seed, self.bucket, self.process_rank))
+            if self._gen_state is not None:
+                g.set_state(self._gen_state)
+                self._gen_state = None
+            self._gen = g
+        return g
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self._gen is not None:
+            out["rng"] = self._gen.get_state()
+        elif self._gen_state is not None:
+            out["rng"] = self._gen_state
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        rng = state.get("rng")
+        if rng is None:
+            return
+        if self._gen is not None:
+            self._gen.set_state(rng)
+        else:
+            self._gen_state = rng
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seed={self.seed})"
+
+
+# -- casts ----------------------------------------------------------------
+class _Cast(Compressor):
+    summable = True
+    keeps_shape = True
+    wire: torch.dtype = torch.float16
+
+    def __init__(self, **params):
+        reject_params(self.name, params)
+
+    def compress(self, t: Tensor):
+        if not t.is_floating_point():  # integer and bool tensors pass through, as in horovod
+            return [t], None
+        return [t.to(self.wire)], t.dtype
+
+    def decompress(self, payload: List[Tensor], ctx) -> Tensor:
+        p = payload[0]
+        return p if ctx is None else p.to(ctx)
+
+
+class FP16(_Cast):
+    """Cast to IEEE half precision (horovod's and DDP's fp16 compression). Payload: the half tensor, 2 bytes/element.
+
+    Decodes to the cast value in the input dtype. Overflow: half saturates at
+    65504, and gloo and NCCL sum in half, so a sum over ranks can overflow
+    where no single rank did. Like DDP's ``fp16_compress_hook``, ``exchange``
+    divides each rank's half payload by the world size before the all-reduce,
+    so the sum stays within the inputs' range; the price is that values below
+    about 6e-8 * world_size flush to zero. Callers that reduce fp16 payloads
+    themselves should pre-divide the same way.
+    """
+    name = "fp16"
+    wire = torch.float16
+
+    def exchange(self, t: Tensor, world_size: int):
+        if not t.is_floating_point():
+            return (yield from Compressor.exchange(self, t, world_size))
+        payload, ctx = self.encode(t)  # compress, with error feedback when it is on
+        self.last_bytes = nbytes(payload)
+        h = payload[0]
+        h = h / world_size if h is t else h.div_(world_size)  # never scale the caller's own tensor
+        summed = yield Round("allreduce", [h])
+        return self.decompress(summed, ctx)
+
+
+class BF16(_Cast):
+    """Cast to bfloat16. Payload: the bfloat16 tensor, 2 bytes/element; decodes to the cast value.
+
+    bfloat16 has float32's exponent range, so sums over ranks do not overflow
+    and the default all-reduce-then-divide is kept; it has an 8-bit mantissa,
+    so each partial sum of the reduction rounds to about 3 significant digits.
+    """
+    name = "bf16"
+    wire = torch.bfloat16
+
+
+# -- stochastic quantizers ------------------------------------------------
+class QSGD(_Seeded):
+    """QSGD (Alistarh et al., NeurIPS 2017), one bucket per tensor, 2-norm scaling.
+
+    Each element is scaled to ``v = x / ||x||_2 * levels`` (so |v| <= levels)
+    and rounded stochastically to one of its two neighbouring integers,
+    ``floor(v + U[0,1))``, which is unbiased and for negative v the same
+    distribution as the paper's ``sign(x) * round(|v|)``.
+
+    Payload: ``[norm fp32 (1,), codes (n,)]`` with codes int8 when
+    ``levels <= 127``, else int16: 4 + n or 4 + 2n bytes. Decodes to
+    ``norm * code / levels``.
+
+    levels (default 127): quantisation levels per sign. 127 is the most an
+    int8 code holds, so fewer levels would not save bytes here, only add
+    variance (GRACE's helper defaults to 256, which needs int16). The variance
+    bound is min(n / levels^2, sqrt(n) / levels) * ||x||^2.
+    seed (default 0): seeds this bucket's generator together with the bucket index.
+    """
+    name = "qsgd"
+
+    def __init__(self, **params):
+        p = _take(self.name, params, {"levels": 127, "seed": 0})
+        self.levels = _integer("levels", p["levels"], 1, 32767, " (codes are int16)")
+        self._setup()
+        self._setup_rng(_integer("seed", p["seed"], 0))
+        self.code_dtype = torch.int8 if self.levels <= 127 else torch.int16
+        self._min_norm = torch.finfo(torch.float32).tiny * self.levels
+
+    def compress(self, t: Tensor):
+        x = _flat(t, _work_dtype(t.dtype))
+        g = self._generator(x.device)
+        # The norm sent is a hair larger than the true one (2^-20), so |x| / norm * levels stays
+        # below levels after float rounding and the code never leaves [-levels, levels]; it is
+        # clamped away from zero so that norm / levels stays a normal float. Both sides derive
+        # the step from the norm as sent, so decoding is still unbiased.
+        norm = torch.linalg.vector_norm(x).float().mul_(1 + 2 ** -20).clamp_(min=self._min_norm).reshape(1)
+        step = norm.to(x.dtype) / self.levels
+        v = self._work("u", x.numel(), x.dtype, x.device).uniform_(generator=g)
+        v.addcdiv_(x, step).floor_()
+        return [norm, v.to(self.code_dtype)], _Ctx(t.shape, t.dtype, x.numel())
+
+    def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        norm, codes = payload
+        out = codes.to(ctx.dtype)  # cast, then scale in place: a mixed int*float multiply is 2x slower
+        return out.mul_(norm.to(ctx.dtype) / self.levels).view(ctx.shape)
+
+    def __repr__(self) -> str:
+        return f"QSGD(levels={self.levels}, seed={self.seed})"
+
+
+class TernGrad(_Seeded):
+    """TernGrad (Wen et al., NeurIPS 2017), per-tensor scale, without the paper's optional clipping.
+
+    With ``s = max|x|``, each element becomes ``s * sign(x) * b`` where
+    ``b ~ Bernoulli(|x| / s)``: unbiased. It is drawn as ``floor(x/s + U[1,2))``,
+    which lands on {0, 1, 2} = ternary value + 1, the 2-bit code.
+
+    Payload: ``[s fp32 (1,), codes packed 4 per byte (ceil(n/4),)]``:
+    4 + ceil(n/4) bytes. Decodes to ``s * {-1, 0, +1}`` (code 3, which only
+    float rounding at |x| = s can produce, also decodes to +s).
+
+    seed (default 0): seeds this bucket's generator together with the bucket index.
+    """
+    name = "terngrad"
+
+    def __init__(self, **params):
+        p = _take(self.name, params, {"seed": 0})
+        self._setup()
+        self._setup_rng(_integer("seed", p["seed"], 0))
+
+    def compress(self, t: Tensor):
+        x = _flat(t, _work_dtype(t.dtype))
+        n = x.numel()
+        g = self._generator(x.device)
+        lo, hi = torch.aminmax(x)
+        # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)
+        s = torch.maximum(hi, -lo).float().clamp_(min=_TINY32).reshape(1)
+        v = self._work("u", n, x.dtype, x.device).uniform_(1, 2, generator=g)
+        v.addcdiv_(x, s.to(x.dtype))  # divide by the scale as sent, so decoding matches
+        codes = self._work("codes", bitpack.packed_size(n, 4) * 4, torch.uint8, x.device, fill=1)
+        codes[:n].copy_(v)  # float -> uint8 truncates, which is floor here: v >= 0
+        return [s, bitpack.pack_2bit(codes)], _Ctx(t.shape, t.dtype, n)
+
+    def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        s, packed = payload
+        tab = self._tables.get(("tern", ctx.dtype, packed.device))
+        if tab is None:  # row y: the four ternary values in byte y
+            y = torch.arange(256, device=packed.device).to(torch.uint8)
+            vals = bitpack.unpack_2bit(y, 1024).view(256, 4).clamp(max=2).to(ctx.dtype) - 1
+            tab = self._tables[("tern", ctx.dtype, packed.device)] = vals
+        return self._gather(tab * s.to(ctx.dtype), packed, ctx)
+
+
+_TINY32 = torch.finfo(torch.float32).tiny
+
+# IEEE layouts natural compression works in: (same-size int, mantissa bits, exponent bits)
+_IEEE = {torch.float32: (torch.int32, 23, 8), torch.float64: (torch.int64, 52, 11)}
+
+
+class Natural(_Seeded):
+    """Natural compression (Horváth et al., 2019): round |x| to a neighbouring power of two, unbiased.
+
+    |x| = 2^e (1 + m) with m in [0, 1) rounds up to 2^(e+1) with probability m,
+    else down to 2^e. This is done on the float's bits: adding a uniform
+    random integer below the mantissa's unit carries into the exponent field
+    with exactly that probability (subnormals round to 0 or the smallest
+    normal the same way). float32 and smaller work in float32, float64 in float64.
+
+    Payload: ``[offset int32 (1,), codes uint8 (n,)]``: 4 + n bytes. A code is
+    ``sign << 7 | k``: k = 0 is zero (zeros are kept) and k in 1..127 is the
+    exponent field ``offset + k`` of the float format worked in. The offset
+    is 0 whenever max|x| < 1, so for float32 gradients the code holds the
+    exponent field itself. Larger values shift it so the largest fits (float64
+    always does); magnitudes below 2^(E - 125), where 2^E <= max|x| < 2^(E+1),
+    then round between 0 and 2^(E - 125), still unbiased. Decodes to +-2^e or
+    0. (A float32 max|x| >= 2^127 may round up to inf.) Reading the offset
+    is a host sync per call, which matters on GPU only.
+
+    seed (default 0): seeds this bucket's generator together with the bucket index.
+    """
+    name = "natural"
+
+    def __init__(self, **params):
+        p = _take(self.name, params, {"seed": 0})
+        self._setup()
+        self._setup_rng(_integer("seed", p["seed"], 0))
+
+    def _random_bits(self, n: int, itype: torch.dtype, g: torch.Generator, device) -> Tensor:
+        # one int64 draw carries 63 random bits: enough for two float32 mantissas
+        words = n if itype == torch.int64 else -(-n // 2)
+        w = self._work("rand", words, torch.int64, device).random_(generator=g)
+        return w if itype == torch.int64 else w.view(torch.int32)[:n]
+
+    def compress(self, t: Tensor):
+        x = _flat(t, _work_dtype(t.dtype))
+        n = x.numel()
+        itype, mb, eb = _IEEE[x.dtype]
+        g = self._generator(x.device)
+        xi = x.view(itype)
+        lo, hi = torch.aminmax(x)
+        top = int(torch.maximum(hi, -lo).view(itype)) >> mb  # exponent field of max|x|
+        offset = max(top + 1 - 127, 0)  # the largest rounded field is top + 1; k must stay <= 127
+        small = self._find_small(xi, offset, mb, eb) if offset else None
+
+        r = self._random_bits(n, itype, g, x.device)
+        r &= (1 << mb) - 1
+        r += xi  # the carry into the exponent field is the stochastic round up
+        r >>= mb  # sign-extended: the rounded field, minus 2^eb for negative x
+        sign = torch.bitwise_right_shift(r, eb, out=self._work("sign", n, itype, x.device))
+        sign &= 128  # -1 (negative) or 0 -> the code's top bit
+        r &= (1 << eb) - 1
+        if offset:
+            r -= offset
+            r.clamp_(min=0)
+            if small is not None:
+                # 0 < |x| < v1, the smallest codable value: code 0 or 1 with P(1) = |x| / v1
+                v1 = torch.tensor((offset + 1) << mb, dtype=itype, device=x.device).view(x.dtype)
+                p = x[small].abs() / v1
+                u = torch.rand(small.numel(), generator=g, dtype=x.dtype, device=x.device)
+                r[small] = (u < p).to(itype)
+        r |= sign
+        codes = r.to(torch.uint8)
+        return [torch.tensor([offset], dtype=torch.int32, device=x.device), codes], _Ctx(t.shape, t.dtype, n)
+
+    def _find_small(self, xi: Tensor, offset: int, mb: int, eb: int) -> Optional[Tensor]:
+        """Indices of the x with 0 < |x| < v1 = 2^(offset + 1 - bias), or None if there are none."""
+        lim = (offset + 1) << mb  # v1 as bits
+        mask = (1 << (mb + eb)) - 1
+        a = torch.bitwise_and(xi, mask, out=self._work("sign", xi.numel(), xi.dtype, xi.device))
+        a -= 1
+        a &= mask  # |x| bits - 1, with zeros wrapped to the top: one min finds the smallest nonzero
+        if int(a.min()) >= lim - 1:
+            return None
+        return (a < lim - 1).nonzero().squeeze(1)
+
+    def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        offset, codes = payload
+        return self._values(int(offset), ctx.dtype, codes.device).index_select(0, codes.to(torch.int32)) \
+            .view(ctx.shape)
+
+    def _values(self, offset: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The 256 code values for one offset, cached: the offset rarely changes between steps."""
+        key = ("nat", offset, dtype, device)
+        tab = self._tables.get(key)
+        if tab is None:
+            wdt = _work_dtype(dtype)
+            itype, mb, eb = _IEEE[wdt]
+            k = torch.arange(256, dtype=itype, device=device)
+            mag = k & 127
+            bits = (mag + offset) << mb
+            bits = torch.where(k >= 128, bits | -(1 << (mb + eb)), bits)  # the sign bit, as a signed int
+            tab = torch.where(mag > 0, bits, torch.zeros_like(bits)).view(wdt).to(dtype)
+            self._tables = {kk: v for kk, v in self._tables.items() if kk[0] != "nat"}  # keep one
+            self._tables[key] = tab
+        return tab
+
+
+# -- sign compressors -----------------------------------------------------
+class _Vote(_Lossy):
+    """Majority vote over ranks' sign bits (Bernstein et al., ICLR 2019): sign of the sum of signs.
+
+    The result is the vote itself, +-1 per element and 0 on a tie (possible
+    with an even number of ranks), not divided by the world size: in signSGD
+    the learning rate alone sets the step. GRACE returns +1 on a tie; 0 is
+    torch.sign's answer and moves nothing when the ranks disagree evenly.
+    """
+
+    def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        return self._gather(self._table("pm", ctx.dtype, payload[0].device), payload[0], ctx)
+
+    def exchange(self, t: Tensor, world_size: int):
+        payload, ctx = self.encode(t)  # compress, with error feedback when it is on
+        self.last_bytes = nbytes(payload)
+        gathered = yield Round("allgather", payload)
+        return self.vote([p[0] for p in gathered], ctx)
+
+    @staticmethod
+    def vote(packs: List[Tensor], ctx: _Ctx) -> Tensor:
+        """sign(sum over ranks of +-1) from packed sign bits, as ctx.dtype with ctx.shape."""
+        n, world = ctx.n, len(packs)
+        total = None
+        for i in range(0, world, 255):  # a byte lane counts up to 255 ranks
+            lanes = bitpack.bit_lanes(packs[i], n)
+            for p in packs[i + 1:i + 255]:
+                lanes += bitpack.bit_lanes(p, n)
+            part = lanes.view(torch.uint8)[:n]
+            total = part if total is None else total.to(torch.int32) + part
+        out = total.to(ctx.dtype)  # positive votes c; the sum of signs is 2c - world
+        out.sub_(world / 2).sign_()
+        return out.view(ctx.shape)
+
+
+class SignSGD(_Vote):
+    """signSGD (Bernstein et al., ICML 2018) with majority vote (ICLR 2019).
+
+    Payload: ``[sign bits (ceil(n/8),)]``, 1 bit per element (x >= 0 is +1),
+    ceil(n/8) bytes. One payload decodes to +-1; the exchange returns the
+    majority vote, +-1 and 0 on ties. The step is then the learning rate
+    itself, so tune it as for signSGD, far below a plain SGD rate.
+    """
+    name = "signsgd"
+
+    def __init__(self, **params):
+        reject_params(self.name, params)
+        self._setup()
+
+    def compress(self, t: Tensor):
+        x = _flat(t)
+        return [self._pack_signs(x)], _Ctx(t.shape, t.dtype, x.numel())
+
+
+class Signum(_Vote):
+    """Signum (Bernstein et al., ICML 2018) with majority vote: signSGD on a momentum buffer.
+
+    Each rank keeps ``m = momentum * m + (1 - momentum) * g`` per bucket and
+    sends the signs of m; the exchange returns the majority vote (+-1, 0 on
+    ties). Use a stock optimizer without momentum on top.
+
+    Payload: ``[sign bits of m (ceil(n/8),)]``: ceil(n/8) bytes.
+    State: the momentum buffer (``state_dict()["momentum"]``), zero at start.
+    Every ``compress`` call advances it by one step.
+    """
+    name = "signum"
+
+    def __init__(self, **params):
+        p = _take(self.name, params, {"momentum": 0.9})
+        self.momentum = _fraction("momentum", p["momentum"])
+        self._setup()
+        self.m: Optional[Tensor] = None
+        """Momentum of this rank's gradient for the bucket, flat, in the gradient's dtype."""
+
+    def compress(self, t: Tensor):
+        x = _flat(t)
+        self.m = _state_like(self.m, x, "momentum")
+        self.m.mul_(self.momentum).add_(x, alpha=1 - self.momentum)
+        return [self._pack_signs(self.m)], _Ctx(t.shape, t.dtype, x.numel())
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.m is not None:
+            out["momentum"] = self.m
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "momentum" in state:
+            self.m = state["momentum"].detach().clone().reshape(-1)
+
+    def __repr__(self) -> str:
+        return f"Signum(momentum={self.momentum})"
+
+
+def _state_like(buf: Optional[Tensor], x: Tensor, what: str) -> Tensor:
+    """The per-bucket buffer, created as zeros, moved to x's dtype/device, checked against x's size."""
+    if buf is None:
+        return torch.zeros_like(x)
+    if buf.numel() != x.numel():
+        raise ValueError(f"{what}: the loaded buffer has {buf.numel()} elements, the bucket {x.numel()}")
+    return buf if buf.dtype == x.dtype and buf.device == x.device else buf.to(x.device, x.dtype)
+
+
+class EFSignSGD(_Lossy):
+    """EF-signSGD (Karimireddy et al., ICML 2019): scaled sign with its own error feedback.
+
+    Each rank compresses ``p = g + e`` to ``(||p||_1 / n) * sign(p)`` and keeps
+    ``e = p - decoded`` for the next step. The residual is in gradient units
+    (the paper folds the learning rate in; with a stock optimizer and a
+    constant rate the two agree). Payloads are all-gathered, decoded per rank
+    and averaged.
+
+    Payload: ``[||p||_1 / n fp32 (1,), sign bits (ceil(n/8),)]``: 4 + ceil(n/8)
+    bytes. Decodes to +-||p||_1 / n. State: the residual
+    (``state_dict()["residual"]``), zero at start; every ``compress`` call is one step.
+    """
+    name = "efsignsgd"
+    builtin_feedback = True
+
+    def __init__(self, **params):
+        reject_params(self.name, params)
+        self._setup()
+        self.residual: Optional[Tensor] = None
+        """What this rank's messages have dropped so far, added to the next gradient."""
+
+    def compress(self, t: Tensor):
+        x = _flat(t)
+        n = x.numel()
+        e = self.residual = _state_like(self.residual, x, "residual")
+        e.add_(x)  # e now holds p = g + e
+        scale = (torch.linalg.vector_norm(e, 1, dtype=_work_dtype(e.dtype)) / n).float().reshape(1)
+        payload = [scale, self._pack_signs(e)]
+        ctx = _Ctx(t.shape, t.dtype, n)
+        e.sub_(self.decompress(payload, ctx).view(-1))  # e = p - decoded
+        return payload, ctx
+
+    def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        scale, packed = payload
+        return self._gather(self._table("pm", ctx.dtype, packed.device) * scale.to(ctx.dtype), packed, ctx)
+
+    def state_dict(self) -> dict:
+        out = super().state_dict()
+        if self.residual is not None:
+            out["residual"] = self.residual
+        return out
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if "residual" in state:
+            self.residual = state["residual"].detach().clone().reshape(-1)
+
+
+class OneBit(_Lossy):
+    """1-bit SGD (Seide et al., Interspeech 2014), per tensor, stateless.
+
+    One bit per element (x >= 0) and two reconstruction values: the mean of
+    the entries with the bit set and the mean of the others (0 for an empty
+    group). The paper pairs it with error feedback; here that is the generic
+    ``error_feedback: true`` wrapper, so this class keeps no state.
+
+    Payload: ``[(neg mean, pos mean) fp32 (2,), bits (ceil(n/8),)]``:
+    8 + ceil(n/8) bytes. Decodes to pos mean where the bit is set, else neg
+    mean; ranks' decodes are averaged.
+    """
+    name = "onebit"
+
+    def __init__(self, **params):
+        reject_params(self.name, params)
+        self._setup()
+
+    def compress(self, t: Tensor):
+        x = _flat(t)
+        n = x.numel()
+        packed = self._pack_signs(x)
+        # the buffer _pack_signs filled; counting bytes is cheaper than summing bools
+        npos = torch.count_nonzero(self._bufs["bits"])
+        total = x.sum(dtype=_work_dtype(x.dtype))
+        # sum over x >= 0 from |x|'s sum: no masked copy of x (zeros add nothing to either side)
+        pos = (torch.linalg.vector_norm(x, 1, dtype=total.dtype) + total) / 2
+        neg = total - pos
+        means = torch.stack([neg / (n - npos).clamp(min=1), pos / npos.clamp(min=1)]).float()
+        return [means, packed], _Ctx(t.shape, t.dtype, n)
+
+    def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        means, packed = payload
+        m = means.to(ctx.dtype)
+        tab = torch.addcmul(m[:1], self._table("01", ctx.dtype, packed.device), m[1:] - m[:1])
+        return self._gather(tab, packed, ctx)
+
+
+COMPRESSORS = {c.name: c for c in (FP16, BF16, QSGD, TernGrad, Natural, SignSGD, EFSignSGD, Signum, OneBit)}
