@@ -31,8 +31,10 @@ BASE = {"name": "acc", "model": "cnn", "dataset": "digits", "world_size": 2, "ba
 OVERRIDES = {
     # DGC applies momentum itself (momentum correction); momentum in SGD too would apply it twice.
     "dgc": {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.0}},
-    # Signum is the sign of a momentum buffer it keeps; same reason.
-    "signum": {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.0}},
+    # Signum is the sign of a momentum buffer it keeps; same reason. Its majority vote
+    # decodes to +-1 per element, so the learning rate alone sets the step size.
+    "signum": {"optimizer": {"name": "sgd", "lr": 0.002, "momentum": 0.0}},
+    "signsgd": {"optimizer": {"name": "sgd", "lr": 0.002, "momentum": 0.9}},
 }
 
 

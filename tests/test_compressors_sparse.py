@@ -8,6 +8,8 @@ import math
 import pytest
 import torch
 
+from distutil import emulate_exchange
+
 from engine.compressors import make
 from engine.compressors.base import nbytes
 from engine.compressors.countsketch import median_rows
@@ -17,35 +19,6 @@ from engine.compressors.sparsify import COMPRESSORS, top_indices
 NAMES = ("topk", "randomk", "threshold", "dgc", "powersgd", "countsketch")
 SMALL = {"topk": {"ratio": 0.2}, "randomk": {"ratio": 0.2}, "threshold": {"threshold": 0.5},
          "dgc": {"ratio": 0.2}, "powersgd": {"rank": 1, "start_iter": 0}, "countsketch": {"ratio": 0.2}}
-
-
-def emulate(comps, tensors, log=None):
-    """Run one exchange on every simulated rank; return the outputs. ``log`` collects (op, shapes)."""
-    world = len(comps)
-    gens = [c.exchange(t, world) for c, t in zip(comps, tensors)]
-    rounds = [next(g) for g in gens]
-    while True:
-        op = rounds[0].op
-        assert all(r.op == op for r in rounds), "ranks asked for different collectives"
-        if log is not None:
-            log.append((op, [tuple(x.shape) for x in rounds[0].tensors]))
-        if op == "allreduce":
-            total = [torch.stack([r.tensors[i] for r in rounds]).sum(0) for i in range(len(rounds[0].tensors))]
-            replies = [[x.clone() for x in total] for _ in rounds]
-        else:
-            assert op == "allgather"
-            everyone = [[x.clone() for x in r.tensors] for r in rounds]
-            replies = [everyone] * world
-        outs, nxt = [], []
-        for g, rep in zip(gens, replies):
-            try:
-                nxt.append(g.send(rep))
-            except StopIteration as stop:
-                outs.append(stop.value)
-        if outs:
-            assert len(outs) == world, "ranks needed different numbers of rounds"
-            return outs
-        rounds = nxt
 
 
 def ref_topk_set(x, k):
@@ -70,7 +43,7 @@ def test_round_trip_shape_dtype(name, shape, dtype):
     out = c.decompress(payload, ctx)
     assert out.shape == t.shape and out.dtype == dtype and out.device == t.device
     assert torch.isfinite(out).all()
-    (ex,) = emulate([make(name, **SMALL[name])], [t.clone()])
+    (ex,) = emulate_exchange([make(name, **SMALL[name])], [t.clone()])
     assert ex.shape == t.shape and ex.dtype == dtype
 
 
@@ -110,7 +83,7 @@ def test_exchange_writes_average_into_bucket(name):
         expect = torch.zeros(500)
         expect[idx] = vals / 3
     bufs = [t.clone() for t in ts]
-    outs = emulate(comps, bufs)
+    outs = emulate_exchange(comps, bufs)
     for o, b in zip(outs, bufs):
         torch.testing.assert_close(o, expect)
         assert o.data_ptr() == b.data_ptr()  # no fresh dense tensor per step
@@ -155,7 +128,7 @@ def test_topk_exchange_bytes_and_average():
     ts = [torch.randn(400, dtype=torch.float64) for _ in range(2)]
     comps = [make("topk", ratio=0.1) for _ in ts]
     log = []
-    outs = emulate(comps, [t.clone() for t in ts], log)
+    outs = emulate_exchange(comps, [t.clone() for t in ts], log)
     assert log == [("allgather", [(40,), (40,)])]
     assert all(c.last_bytes == 40 * (8 + 4) for c in comps)
     expect = torch.zeros(400, dtype=torch.float64)
@@ -227,7 +200,7 @@ def test_randomk_is_summable_and_averages_shared_entries():
     probe = make("randomk", ratio=0.1)
     idx = probe.indices(300, 0)
     log = []
-    outs = emulate(comps, [t.clone() for t in ts], log)
+    outs = emulate_exchange(comps, [t.clone() for t in ts], log)
     assert log == [("allreduce", [(30,)])] and comps[0].last_bytes == 30 * 4
     expect = torch.zeros(300)
     expect[idx] = (ts[0] + ts[1] + ts[2])[idx] / 3 * 10  # strata of exactly 10: scale n / k
@@ -264,7 +237,7 @@ def test_threshold_payload_can_be_empty():
     # one rank has nothing to send, the other has two entries
     ts = [torch.full((6,), 0.1), torch.tensor([0.0, 12.0, 0.0, -20.0, 0.0, 0.0])]
     comps = [make("threshold", threshold=10.0) for _ in ts]
-    outs = emulate(comps, [t.clone() for t in ts])
+    outs = emulate_exchange(comps, [t.clone() for t in ts])
     assert comps[0].last_bytes == 0 and comps[1].last_bytes == 2 * 8
     torch.testing.assert_close(outs[0], torch.tensor([0.0, 6.0, 0.0, -10.0, 0.0, 0.0]))
 
@@ -359,14 +332,14 @@ def test_powersgd_reproduces_low_rank_bucket_with_two_ranks():
     for step in range(2):
         ms = [u @ torch.randn(r, r) @ v.t() for _ in comps]  # both ranks: same column/row space
         avg = (ms[0] + ms[1]) / 2
-        outs = emulate(comps, [m.reshape(-1).clone() for m in ms])
+        outs = emulate_exchange(comps, [m.reshape(-1).clone() for m in ms])
         for o in outs:
             err = float((o.view(rows, cols) - avg).norm() / avg.norm())
             assert err < 1e-4, (step, err)
     # at a lower rank it cannot be exact: the test can fail
     c1 = [make("powersgd", rank=1, start_iter=0) for _ in range(2)]
     ms = [u @ torch.randn(r, r) @ v.t() for _ in c1]
-    outs = emulate(c1, [m.reshape(-1).clone() for m in ms])
+    outs = emulate_exchange(c1, [m.reshape(-1).clone() for m in ms])
     assert float((outs[0].view(rows, cols) - (ms[0] + ms[1]) / 2).norm() / ((ms[0] + ms[1]) / 2).norm()) > 1e-2
 
 
@@ -377,7 +350,7 @@ def test_powersgd_rounds_and_bytes():
     for step in range(4):
         log = []
         ts = [torch.randn(n) for _ in comps]
-        outs = emulate(comps, [t.clone() for t in ts], log)
+        outs = emulate_exchange(comps, [t.clone() for t in ts], log)
         if step < 2:
             assert log == [("allreduce", [(n,)])]
             assert comps[0].last_bytes == n * 4
@@ -394,7 +367,7 @@ def test_powersgd_small_buckets_go_uncompressed():
         log = []
         c = make("powersgd", rank=rank, start_iter=0, min_compression_rate=rate)
         t = torch.randn(n)
-        (out,) = emulate([c], [t.clone()], log)
+        (out,) = emulate_exchange([c], [t.clone()], log)
         assert log == [("allreduce", [(n,)])] and c.last_bytes == n * 4
         torch.testing.assert_close(out, t)
 
@@ -406,7 +379,7 @@ def test_powersgd_error_feedback_loses_nothing():
     for _ in range(6):
         g = torch.randn(777, dtype=torch.float64)
         fed += g
-        (out,) = emulate([c], [g.clone()])
+        (out,) = emulate_exchange([c], [g.clone()])
         sent += out
     torch.testing.assert_close(sent + c.residual[:777], fed)
     assert torch.all(c.residual[777:] == 0)  # padding never accumulates
@@ -422,7 +395,7 @@ def test_powersgd_warm_start_improves_over_steps():
     c = make("powersgd", rank=1, start_iter=0)
     for _ in range(30):
         c.residual = None  # measure the approximation alone, without error feedback
-        (out,) = emulate([c], [m.reshape(-1).clone()])
+        (out,) = emulate_exchange([c], [m.reshape(-1).clone()])
     err = float((out.view(rows, cols) - m).norm())
     optimal = float(best[1:].pow(2).sum().sqrt())  # Eckart-Young: best rank-1 error
     assert err < 1.01 * optimal
@@ -432,11 +405,11 @@ def test_powersgd_state_dict_round_trip():
     torch.manual_seed(14)
     a = make("powersgd", rank=2, start_iter=1)
     for _ in range(3):
-        emulate([a], [torch.randn(900)])
+        emulate_exchange([a], [torch.randn(900)])
     b = make("powersgd", rank=2, start_iter=1)
     b.load_state_dict(a.state_dict())
     g = torch.randn(900)
-    (oa,), (ob,) = emulate([a], [g.clone()]), emulate([b], [g.clone()])
+    (oa,), (ob,) = emulate_exchange([a], [g.clone()]), emulate_exchange([b], [g.clone()])
     torch.testing.assert_close(oa, ob)
 
 
@@ -468,7 +441,7 @@ def test_orthogonalize_handles_zero_columns():
     q = p[:, [0, 2]]
     torch.testing.assert_close(q.t() @ q, torch.eye(2), atol=1e-5, rtol=0)
     c = make("powersgd", rank=2, start_iter=0)
-    (out,) = emulate([c], [torch.zeros(1000)])
+    (out,) = emulate_exchange([c], [torch.zeros(1000)])
     assert torch.all(out == 0)
 
 
@@ -497,7 +470,7 @@ def test_countsketch_exchange_averages_heavy_hitters():
     (a, ia), (b, ib) = _sparse(100_000, 10, 17), _sparse(100_000, 10, 18)
     comps = [make("countsketch", rows=5, cols=2000, k=20) for _ in range(2)]
     log = []
-    outs = emulate(comps, [a.clone(), b.clone()], log)
+    outs = emulate_exchange(comps, [a.clone(), b.clone()], log)
     assert log == [("allreduce", [(5, 2000)])]
     torch.testing.assert_close(outs[0], (a + b) / 2)
     torch.testing.assert_close(outs[1], (a + b) / 2)
@@ -541,7 +514,7 @@ def test_countsketch_default_size_and_exact_second_round():
         t[:30] += 5.0
     comps = [make("countsketch", rows=5, cols=1000, k=30, exact=True) for _ in ts]
     log = []
-    outs = emulate(comps, [t.clone() for t in ts], log)
+    outs = emulate_exchange(comps, [t.clone() for t in ts], log)
     assert log == [("allreduce", [(5, 1000)]), ("allreduce", [(30,)])]
     assert comps[0].last_bytes == (5 * 1000 + 30) * 4
     one_round = make("countsketch", rows=5, cols=1000, k=30)
@@ -605,7 +578,7 @@ def test_countsketch_exact_with_error_feedback_keeps_exact_residual():
     for _ in range(4):
         g = torch.randn(400)
         fed += g
-        (out,) = emulate([c], [g.clone()])
+        (out,) = emulate_exchange([c], [g.clone()])
         sent += out
         # what was sent is the corrected bucket itself at the chosen entries
         assert torch.all(c.ef.residual[out != 0] == 0)

@@ -2,11 +2,7 @@
 from __future__ import annotations
 
 from engine.compressors.base import Compressor
-
-
-def reject_params(name: str, params: dict) -> None:
-    if params:
-        raise ValueError(f"{sorted(params)[0]}: {name} takes no parameters")
+from engine.compressors.params import reject_params
 
 
 class NoneCompressor(Compressor):

@@ -40,38 +40,15 @@ float32 size for the others. Payloads and decoded tensors are always fresh.
 """
 from __future__ import annotations
 
-import numbers
 from typing import List, NamedTuple, Optional
 
 import torch
 
 from engine.compressors import bitpack
 from engine.compressors.base import Compressor, Round, nbytes
-from engine.compressors.basic import reject_params
+from engine.compressors.params import check_int, check_real, mix_seed, reject_params, take
 
 Tensor = torch.Tensor
-
-
-# -- parameters -----------------------------------------------------------
-def _take(name: str, params: dict, defaults: dict) -> dict:
-    for k in params:
-        if k not in defaults:
-            raise ValueError(f"{k}: unknown parameter for {name}; allowed: {', '.join(defaults)}")
-    return {**defaults, **params}
-
-
-def _integer(param: str, value, lo: int, hi: Optional[int] = None, why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < lo:
-        raise ValueError(f"{param}: must be an integer >= {lo}, got {value!r}")
-    if hi is not None and value > hi:
-        raise ValueError(f"{param}: must be at most {hi}{why}, got {value!r}")
-    return int(value)
-
-
-def _fraction(param: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value < 1:
-        raise ValueError(f"{param}: must be a number in [0, 1), got {value!r}")
-    return float(value)
 
 
 # -- shared plumbing ------------------------------------------------------
@@ -89,15 +66,6 @@ def _flat(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
     # stochastic rounding needs more resolution than half/bfloat16 offer
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _mix(*xs: int) -> int:
-    """Hash a few integers into one 63-bit seed (splitmix64 steps), so (seed, bucket) pairs never collide."""
-    h = 0x9E3779B97F4A7C15
-    for x in xs:
-        h = ((h ^ (x & 0xFFFFFFFFFFFFFFFF)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-        h ^= h >> 31
-    return h & 0x7FFFFFFFFFFFFFFF
 
 
 class _Lossy(Compressor):
@@ -167,7 +135,7 @@ class _Seeded(_Lossy):
         g = self._gen
         if g is None or g.device != device:
             g = torch.Generator(device=device)
-            g.manual_seed(_mix(self.seed, self.bucket, self.process_rank))
+            g.manual_seed(mix_seed(self.seed, self.bucket, self.process_rank))
             if self._gen_state is not None:
                 g.set_state(self._gen_state)
                 self._gen_state = None
@@ -273,10 +241,10 @@ class QSGD(_Seeded):
     name = "qsgd"
 
     def __init__(self, **params):
-        p = _take(self.name, params, {"levels": 127, "seed": 0})
-        self.levels = _integer("levels", p["levels"], 1, 32767, " (codes are int16)")
+        p = take(self.name, params, {"levels": 127, "seed": 0})
+        self.levels = check_int("levels", p["levels"], 1, 32767, " (codes are int16)")
         self._setup()
-        self._setup_rng(_integer("seed", p["seed"], 0))
+        self._setup_rng(check_int("seed", p["seed"], 0))
         self.code_dtype = torch.int8 if self.levels <= 127 else torch.int16
         self._min_norm = torch.finfo(torch.float32).tiny * self.levels
 
@@ -318,9 +286,9 @@ class TernGrad(_Seeded):
     name = "terngrad"
 
     def __init__(self, **params):
-        p = _take(self.name, params, {"seed": 0})
+        p = take(self.name, params, {"seed": 0})
         self._setup()
-        self._setup_rng(_integer("seed", p["seed"], 0))
+        self._setup_rng(check_int("seed", p["seed"], 0))
 
     def compress(self, t: Tensor):
         x = _flat(t, _work_dtype(t.dtype))
@@ -375,9 +343,9 @@ class Natural(_Seeded):
     name = "natural"
 
     def __init__(self, **params):
-        p = _take(self.name, params, {"seed": 0})
+        p = take(self.name, params, {"seed": 0})
         self._setup()
-        self._setup_rng(_integer("seed", p["seed"], 0))
+        self._setup_rng(check_int("seed", p["seed"], 0))
 
     def _random_bits(self, n: int, itype: torch.dtype, g: torch.Generator, device) -> Tensor:
         # one int64 draw carries 63 random bits: enough for two float32 mantissas
@@ -517,8 +485,8 @@ class Signum(_Vote):
     name = "signum"
 
     def __init__(self, **params):
-        p = _take(self.name, params, {"momentum": 0.9})
-        self.momentum = _fraction("momentum", p["momentum"])
+        p = take(self.name, params, {"momentum": 0.9})
+        self.momentum = check_real("momentum", p["momentum"], 0, lo_open=False, hi=1)
         self._setup()
         self.m: Optional[Tensor] = None
         """Momentum of this rank's gradient for the bucket, flat, in the gradient's dtype."""
