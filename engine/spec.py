@@ -167,8 +167,9 @@ class NetworkSpec:
 @dataclass
 class FaultSpec:
     """Fault injection, for testing how the lab handles failing runs."""
-    kind: Literal["none", "raise", "exit"] = "none"
-    """raise: an exception in the rank; exit: the rank process dies without a word (os._exit)."""
+    kind: Literal["none", "raise", "exit", "nan"] = "none"
+    """raise: an exception in the rank; exit: the rank process dies without a word (os._exit);
+    nan: the rank's loss becomes NaN (the run must stop as diverged)."""
     step: int = 0
     """The step at whose start the fault fires."""
     rank: int = 0

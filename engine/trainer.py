@@ -61,6 +61,14 @@ def schedule_fn(spec: JobSpec):
     return functools.partial(schedules.build, s.name, **opts)
 
 
+class Diverged(RuntimeError):
+    """The averaged gradient is not finite: training cannot go on."""
+
+    def __init__(self, step: int):
+        super().__init__(f"diverged at step {step}: the averaged gradient is not finite (NaN or inf)")
+        self.step = step
+
+
 class Trainer:
     def __init__(self, spec: JobSpec, run_dir: Optional[str], rank: int, world: int,
                  device: torch.device, group=None):
@@ -106,12 +114,16 @@ class Trainer:
         m0 = tl.mark()
         logits = self.model(x)
         loss = models.loss_fn(logits, y)
+        if self._fault_now("nan"):
+            loss = loss * float("nan")
         m1 = tl.mark()
         t1 = tl.now()
         loss.backward()
         m2 = tl.mark()
         t2 = tl.now()
         self.dp.finish()
+        if not self.dp.grads_finite():  # every rank sees the same averaged gradient: one decision for all
+            raise Diverged(self.step)
         t3 = tl.now()
         m3 = tl.mark()
         self.optimizer.step()
@@ -135,13 +147,15 @@ class Trainer:
         self.step += 1
         return rec
 
-    def _maybe_fault(self) -> None:
+    def _fault_now(self, kind: str) -> bool:
         f = self.spec.fault
-        if f.kind == "none" or f.step != self.step or f.rank != self.rank:
-            return
-        if f.kind == "raise":
+        return f.kind == kind and f.step == self.step and f.rank == self.rank
+
+    def _maybe_fault(self) -> None:
+        if self._fault_now("raise"):
             raise RuntimeError(f"injected fault at step {self.step} on rank {self.rank}")
-        os._exit(17)  # "exit": die without cleanup, as a crash would
+        if self._fault_now("exit"):
+            os._exit(17)  # die without cleanup, as a crash would
 
     @torch.no_grad()
     def evaluate(self) -> dict:

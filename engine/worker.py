@@ -27,22 +27,51 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", required=True, help="run directory holding spec.json")
     args = ap.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
+    die_with_parent()
+    record_pid(args.run_dir, rank)
     try:
         run(args.run_dir, rank)
     except BaseException as e:  # record, then let torchrun see the failure
+        from engine.trainer import Diverged
+        if isinstance(e, Diverged):
+            _write_json(args.run_dir, f"diverged-rank{rank}.json", {"rank": rank, "step": e.step, "error": str(e),
+                                                                      "time": time.time()})
+            return 3
         record_error(args.run_dir, rank, e)
         raise
     return 0
 
 
-def record_error(run_dir: str, rank: int, e: BaseException) -> None:
-    info = {"rank": rank, "error": f"{type(e).__name__}: {e}".strip(),
-            "traceback": traceback.format_exc(), "time": time.time()}
+def die_with_parent() -> None:
+    """SIGKILL this rank if torchrun dies, so a killed launcher leaves no rank behind (Linux)."""
     try:
-        with open(os.path.join(run_dir, f"error-rank{rank}.json"), "w") as f:
-            json.dump(info, f, indent=1)
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
+def record_pid(run_dir: str, rank: int) -> None:
+    """(pid, start time) of this rank, so the lab can find a stray rank and verify it is ours."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        start = None
+    _write_json(run_dir, f"pid-rank{rank}.json", {"rank": rank, "pid": os.getpid(), "start": start})
+
+
+def _write_json(run_dir: str, name: str, obj: dict) -> None:
+    try:
+        with open(os.path.join(run_dir, name), "w") as f:
+            json.dump(obj, f, indent=1)
     except OSError:
         pass
+
+
+def record_error(run_dir: str, rank: int, e: BaseException) -> None:
+    _write_json(run_dir, f"error-rank{rank}.json", {"rank": rank, "error": f"{type(e).__name__}: {e}".strip(),
+                                                    "traceback": traceback.format_exc(), "time": time.time()})
 
 
 def run(run_dir: str, rank: int) -> None:

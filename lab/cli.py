@@ -8,11 +8,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import List, Optional
 
 from engine.spec import SpecError
-from lab.store import FINAL, RunError, RunStore
+from lab.queue import Lab
+from lab.store import LabError, RunStore
 
 
 class UsageError(Exception):
@@ -43,6 +43,13 @@ def build_parser() -> Parser:
     _runs_arg(p)
 
     p = sub.add_parser("runs", help="list runs with status and headline figures")
+    p.add_argument("--reindex", action="store_true", help="rebuild the index from the run directories first")
+    for f in ("state", "model", "compressor", "schedule", "comm", "sweep"):
+        p.add_argument(f"--{f}", default=None, help=f"only runs with this {f}")
+    _runs_arg(p)
+
+    p = sub.add_parser("cancel", help="stop a run in any state (queued or running)")
+    p.add_argument("run", metavar="RUN", help="run id")
     _runs_arg(p)
 
     p = sub.add_parser("show", help="one run's summary")
@@ -78,7 +85,6 @@ def cmd_bench(args) -> int:
 
 
 def cmd_run(args) -> int:
-    from lab.launcher import launch
     from lab.specs import load_spec
     from lab.summary import format_summary, summarize
 
@@ -86,37 +92,52 @@ def cmd_run(args) -> int:
     if args.check:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0
-    store = RunStore(args.runs)
-    run = store.create(spec)
+    lab = Lab(args.runs)
+    run = lab.create(spec)
     print(f"run {run.id}  ({run.path})", flush=True)
-    state = launch(run, progress=not args.quiet)
+    try:
+        state = lab.supervise(run, progress=not args.quiet)
+    except KeyboardInterrupt:
+        state = run.state
     st = run.status()
-    print(f"status         {state}" + (f": rank {st.get('rank')}: {st.get('error')}" if state == "failed" else ""))
+    print(f"status         {state}" + (f": rank {st.get('rank')}: {st.get('error')}" if state in ("failed", "diverged")
+                                         else ""))
     for line in format_summary(summarize(run.metrics(), run.spec_dict())):
         print(line)
     return 0 if state == "done" else 1
 
 
 def cmd_runs(args) -> int:
-    from lab.summary import summarize
-    runs = RunStore(args.runs).list()
-    if not runs:
-        print(f"no runs in {RunStore(args.runs).root}")
+    lab = Lab(args.runs)
+    if args.reindex:
+        print(f"reindexed {lab.reindex()} runs from {lab.root}", file=sys.stderr)
+    lab.recover_stale()
+    rows_db = lab.index.query(**{f: getattr(args, f) for f in ("state", "model", "compressor", "schedule", "comm",
+                                                                 "sweep")})
+    if not rows_db:
+        print(f"no runs in {lab.root}" + (" matching the filters" if any(
+            getattr(args, f) for f in ("state", "model", "compressor", "schedule", "comm", "sweep")) else ""))
         return 0
     rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC")]
-    for r in runs:
-        try:
-            spec = r.spec_dict()
-        except (OSError, ValueError):
-            continue
-        s = summarize(r.metrics(), spec)
-        rows.append((r.id, r.state, spec["model"]["name"], spec["compressor"]["name"], spec["schedule"]["name"],
-                     spec["comm"]["mode"], f"{s.get('steps_done', 0)}/{spec['steps']}",
-                     f"{s['iter_ms_median']:.1f}" if s.get("iter_ms_median") else "-",
-                     f"{s['final_acc']:.2%}" if s.get("final_acc") is not None else "-"))
+    for r in rows_db:
+        done = json.loads(r["summary"] or "{}").get("steps_done", 0)
+        rows.append((r["id"], r["state"], r["model"], r["compressor"] + ("+EF" if r["error_feedback"] else ""),
+                     r["schedule"], r["comm"], f"{done}/{r['steps']}",
+                     f"{r['iter_ms']:.1f}" if r["iter_ms"] else "-",
+                     f"{r['final_acc']:.2%}" if r["final_acc"] is not None else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    lab = Lab(args.runs)
+    before = lab.store.get(args.run).state
+    state = lab.cancel(args.run)
+    if state in ("queued", "running"):
+        state = lab.wait(args.run, timeout=30)
+    print(f"{args.run}: {before} -> {state}")
     return 0
 
 
@@ -150,14 +171,15 @@ def cmd_trace(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "runs": cmd_runs, "show": cmd_show, "trace": cmd_trace, "bench": cmd_bench}
+COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "show": cmd_show, "trace": cmd_trace,
+            "bench": cmd_bench}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         return COMMANDS[args.cmd](args)
-    except (UsageError, SpecError, RunError) as e:
+    except (UsageError, SpecError, LabError) as e:
         msg = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"commlab: error: {msg}" if not msg.startswith("commlab") else msg, file=sys.stderr)
         return 2

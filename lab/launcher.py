@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Callable, List, Optional
 
+from lab import procs
 from lab.store import Run
 
 
@@ -103,15 +104,17 @@ class ProgressBar:
 
 
 def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
-           on_metrics: Optional[Callable[[List[dict]], None]] = None) -> str:
+           on_metrics: Optional[Callable[[List[dict]], None]] = None,
+           should_cancel: Optional[Callable[[], bool]] = None) -> str:
     """Run ``run`` to completion in the foreground and return its final state."""
     spec = run.spec()
     out = out or sys.stderr
     argv = torchrun_argv(worker_argv(str(run.path)), spec.world_size, free_port())
     log = open(run.file("log.txt"), "ab", buffering=0)
+    # torchrun gets SIGTERM if this launcher dies, and stops its ranks (which die with it too)
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=worker_env(), start_new_session=True)
-    run.set_status("running", pid=proc.pid, argv=argv)
+                            env=worker_env(), start_new_session=True, preexec_fn=procs.die_with_parent)
+    run.set_status("running", torchrun=procs.identity(proc.pid), argv=argv)
     tail = MetricsTail(str(run.file("metrics.jsonl")))
     bar = ProgressBar(spec.steps, out) if progress else None
     done_steps, info = 0, ""
@@ -133,28 +136,79 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
                     bar.update(done_steps, info)
             if rc is not None:
                 break
+            if should_cancel and should_cancel():
+                raise KeyboardInterrupt
             time.sleep(poll_s)
     except KeyboardInterrupt:
         stop(proc)
+        kill_strays(run)
         if bar:
             bar.close()
-        run.set_status("cancelled", error="cancelled by the user (Ctrl-C)")
+        run.set_status("cancelled", error="cancelled" + (" by the user (Ctrl-C)" if not should_cancel or
+                                                          not should_cancel() else ""))
         return "cancelled"
     finally:
         log.close()
     if bar:
         bar.close()
+    kill_strays(run)
+    return finish_status(run, rc)
+
+
+def finish_status(run: Run, rc: int) -> str:
+    """Turn the job's exit code and the files its ranks left into the run's final status."""
+    diverged = _read_all(run, "diverged-rank*.json")
+    if diverged:
+        d = min(diverged, key=lambda x: x.get("step", 0))
+        run.set_status("diverged", returncode=rc, rank=d.get("rank"), step=d.get("step"), error=d.get("error"))
+        return "diverged"
     if rc == 0:
-        state = "done"
         run.set_status("done", returncode=0)
-    else:
-        errs = run.errors()
-        if errs:
-            e = errs[0]
-            run.set_status("failed", returncode=rc, rank=e.get("rank"), error=e.get("error"))
-        else:
-            run.set_status("failed", returncode=rc, error=f"torchrun exited with code {rc}; see log.txt")
-    return state
+        return "done"
+    errs = run.errors()
+    if errs:
+        e = errs[0]
+        run.set_status("failed", returncode=rc, rank=e.get("rank"), error=e.get("error"))
+        return "failed"
+    rank, why = rank_failure_from_log(run.log_tail(200))
+    run.set_status("failed", returncode=rc, rank=rank,
+                   error=why or f"torchrun exited with code {rc}; see log.txt")
+    return "failed"
+
+
+def rank_failure_from_log(text: str):
+    """(rank, message) of the first failed rank in torchrun's failure report, e.g. a rank
+    killed by a signal, which leaves no error file of its own."""
+    import re
+    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:.*?\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)
+    if not m:
+        return None, None
+    rank, code = int(m.group(1)), int(m.group(2))
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return rank, f"rank {rank} was killed by {name}" + (" (out of memory?)" if code == -9 else "")
+    return rank, f"rank {rank} exited with code {code}"
+
+
+def kill_strays(run: Run) -> None:
+    """SIGKILL any rank of this run that is still alive (verified by pid, start time and command line)."""
+    for ident in run.worker_pids():
+        procs.kill_if_ours(ident, str(run.path))
+
+
+def _read_all(run: Run, pattern: str) -> List[dict]:
+    import json
+    out = []
+    for p in sorted(run.path.glob(pattern)):
+        try:
+            with open(p) as f:
+                out.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:

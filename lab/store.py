@@ -24,12 +24,16 @@ from typing import List, Optional
 from engine.runlog import read_jsonl
 from engine.spec import JobSpec
 
-STATES = ("queued", "running", "done", "failed", "cancelled")
-FINAL = ("done", "failed", "cancelled")
+STATES = ("queued", "running", "done", "failed", "cancelled", "diverged")
+FINAL = ("done", "failed", "cancelled", "diverged")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
-class RunError(ValueError):
+class LabError(ValueError):
+    """A user error the CLI reports in one line with exit status 2."""
+
+
+class RunError(LabError):
     """A bad run id or a missing run; the message is one line."""
 
 
@@ -49,9 +53,11 @@ def check_id(run_id: str) -> str:
 
 
 class Run:
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, on_change=None):
         self.path = Path(path)
         self.id = self.path.name
+        self.on_change = on_change
+        """Called with the run after every status change (the store keeps its index current)."""
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -89,7 +95,23 @@ class Run:
         if state in FINAL:
             st["ended"] = time.time()
         _write_json_atomic(self.file("status.json"), st)
+        if self.on_change:
+            self.on_change(self)
         return st
+
+    def cancel_requested(self) -> bool:
+        return self.file("cancel.request").exists()
+
+    def worker_pids(self) -> List[dict]:
+        """The ranks' process identities, as each worker recorded them at start."""
+        out = []
+        for p in sorted(self.path.glob("pid-rank*.json")):
+            try:
+                with open(p) as f:
+                    out.append(json.load(f))
+            except (OSError, json.JSONDecodeError):
+                continue
+        return out
 
     # -- logs -------------------------------------------------------------
     def metrics(self) -> List[dict]:
@@ -126,8 +148,9 @@ class Run:
 
 
 class RunStore:
-    def __init__(self, root: Optional[os.PathLike] = None):
+    def __init__(self, root: Optional[os.PathLike] = None, on_change=None):
         self.root = Path(root) if root else default_root()
+        self.on_change = on_change
 
     def create(self, spec: JobSpec) -> Run:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -141,7 +164,7 @@ class RunStore:
                 continue
         else:
             raise RuntimeError("could not allocate a run id")
-        run = Run(path)
+        run = Run(path, self.on_change)
         _write_json_atomic(run.file("spec.json"), spec.to_dict())
         run.set_status("queued", created=time.time())
         return run
@@ -154,12 +177,12 @@ class RunStore:
             raise RunError(f"run id {run_id!r} is not inside the runs directory")
         if not (path / "spec.json").is_file():
             raise RunError(f"no run {run_id!r} in {self.root}")
-        return Run(path)
+        return Run(path, self.on_change)
 
     def list(self) -> List[Run]:
         if not self.root.is_dir():
             return []
-        runs = [Run(p) for p in self.root.iterdir() if p.is_dir() and RUN_ID.match(p.name)
+        runs = [Run(p, self.on_change) for p in self.root.iterdir() if p.is_dir() and RUN_ID.match(p.name)
                 and (p / "spec.json").is_file()]
         return sorted(runs, key=lambda r: r.id)
 

@@ -29,7 +29,7 @@ def write_spec(tmp_path, **over):
 
 
 def only_run(runs):
-    dirs = [d for d in Path(runs).iterdir() if d.is_dir()]
+    dirs = [d for d in Path(runs).iterdir() if d.is_dir() and not d.name.startswith(".")]
     assert len(dirs) == 1, dirs
     return dirs[0]
 

@@ -1,0 +1,726 @@
+"""Emulated clusters for ``network: {link: shaped, gbps: X}`` (Linux, root).
+
+A ``Cluster(n, gbps)`` is built from network namespaces:
+
+    clab-<pid>-<k>-<tag>-br     a bridge  clab<k>br
+      |  clab<k>b0 ... clab<k>b<n-1>      (bridge ends of the veth pairs, tbf on each)
+    clab-<pid>-<k>-<tag>-r<i>   rank i:   clab<k>r<i>, address 10.250.<k>.<i+1>/24 (tbf on it)
+
+Every veth pair is created directly inside the namespaces (``ip -n``), so no
+interface of the lab ever appears in the root namespace, and both of its ends
+get ``tbf rate R burst B latency 50ms``: the rank's end shapes what the rank
+sends, the bridge's end what it receives. Addresses exist only inside the
+lab's namespaces, which have no route anywhere else.
+
+``<pid>`` is the creating process and ``<k>`` the cluster's subnet
+(10.250.<k>.0/24). Subnets are leased under a file lock in
+``/run/commlab-netns`` (a tmpfs, like /run/netns, so both vanish together at
+reboot): a lease names the owner's PID and its start time (so a recycled PID
+is not taken for the owner). ``cleanup_stale()`` runs at every Cluster start
+and removes the namespaces (and leases) of owners that are gone, e.g. after
+the launcher was killed with SIGKILL.
+
+Teardown deletes the veth pairs (which removes their qdiscs), checks that no
+veth is left in the namespaces, deletes the namespaces, checks that none of
+them is listed any more and that no interface of the cluster is in the root
+namespace, and releases the lease. It runs from ``__exit__``, when the build
+fails midway, at interpreter exit, and is idempotent. Processes still running
+inside the cluster's namespaces (only the lab starts any there) are killed
+first, by PID, so the namespaces really go away.
+
+Every ``ip``/``tc`` call is an argv list; a failing one raises ``NetnsError``
+with the command and its stderr on one line.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import re
+import secrets
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional, Sequence, Tuple
+
+PREFIX = "clab-"
+NS_RE = re.compile(r"^clab-(\d+)-(\d+)-([a-z0-9]+)-(br|r\d+)$")
+SUBNET = "10.250.{k}.0/24"
+MAX_CLUSTERS = 256
+MAX_RANKS = 250
+REGISTRY = os.environ.get("COMMLAB_NETNS_DIR", "/run/commlab-netns")
+MODELED_HINT = "use network: {link: modeled, gbps: X} instead"
+
+
+class NetworkUnavailable(RuntimeError):
+    """Shaped links cannot be built here (not Linux, not root, no ip or no tc)."""
+
+
+class NetnsError(RuntimeError):
+    """An ip/tc command failed, or teardown left something behind."""
+
+
+# -- small helpers -------------------------------------------------------------
+
+def check_shaped_supported() -> None:
+    """Raise NetworkUnavailable (one line, naming the modeled link) unless we
+    are root on Linux with ``ip`` and ``tc`` on the PATH."""
+    if not sys.platform.startswith("linux"):
+        raise NetworkUnavailable(f"network link 'shaped' needs Linux network namespaces "
+                                 f"(this is {sys.platform}); {MODELED_HINT}")
+    if os.geteuid() != 0:
+        raise NetworkUnavailable(f"network link 'shaped' needs root to build network namespaces "
+                                 f"(running as uid {os.geteuid()}); {MODELED_HINT}")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise NetworkUnavailable(f"network link 'shaped' needs the '{tool}' command (iproute2), "
+                                     f"which is not on the PATH; {MODELED_HINT}")
+
+
+def _run(argv: Sequence[str], timeout: float = 30.0, check: bool = True) -> subprocess.CompletedProcess:
+    argv = [str(a) for a in argv]
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise NetnsError(f"`{shlex.join(argv)}` timed out after {timeout:g} s") from None
+    except OSError as e:
+        raise NetnsError(f"`{shlex.join(argv)}` could not start: {e}") from None
+    if check and p.returncode != 0:
+        err = " ".join((p.stderr or p.stdout or "").split()) or "no output"
+        raise NetnsError(f"`{shlex.join(argv)}` failed (exit {p.returncode}): {err}")
+    return p
+
+
+def list_lab_namespaces() -> List[str]:
+    """Names of all network namespaces of the lab (any owner), from ``ip netns list``."""
+    out = _run(["ip", "netns", "list"]).stdout
+    names = [line.split()[0] for line in out.splitlines() if line.strip()]
+    return sorted(n for n in names if n.startswith(PREFIX))
+
+
+def root_lab_links() -> List[str]:
+    """Interfaces of the lab (``clab...``) in the root namespace. Always empty
+    unless something went wrong: the lab creates its veths inside namespaces."""
+    out = _run(["ip", "-o", "link", "show"]).stdout
+    names = []
+    for line in out.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) >= 2:
+            name = parts[1].strip().split("@")[0]
+            if name.startswith("clab"):
+                names.append(name)
+    return names
+
+
+def _ns_links(ns: str, kind: Optional[str] = None) -> List[str]:
+    argv = ["ip", "-n", ns, "-o", "link", "show"] + (["type", kind] if kind else [])
+    out = _run(argv).stdout
+    return [line.split(":", 2)[1].strip().split("@")[0] for line in out.splitlines() if ":" in line]
+
+
+def _ns_pids(ns: str) -> List[int]:
+    p = _run(["ip", "netns", "pids", ns], check=False)
+    return [int(x) for x in p.stdout.split() if x.isdigit()]
+
+
+def _proc_start(pid: int) -> Optional[int]:
+    """The start time of ``pid`` (clock ticks after boot), or None if it does not exist."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    fields = data[data.rfind(b")") + 2:].split()
+    try:
+        if fields[0] == b"Z":  # a zombie is as good as dead
+            return None
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int, start: Optional[int] = None) -> bool:
+    now = _proc_start(pid)
+    return now is not None and (start is None or now == start)
+
+
+def _kill_ns_processes(ns: str, timeout: float = 5.0) -> List[int]:
+    """SIGKILL the processes inside ``ns`` (only the lab starts any there), by PID."""
+    me = os.getpid()
+    killed = []
+    for pid in _ns_pids(ns):
+        if pid == me:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout
+    while killed and time.monotonic() < deadline and [p for p in _ns_pids(ns) if p != me]:
+        time.sleep(0.05)
+    return killed
+
+
+def _delete_namespaces(names: Sequence[str], kill: bool = True) -> List[str]:
+    """Delete the veths inside each namespace, check none is left, then delete
+    the namespaces. Returns the problems found (empty when all went well)."""
+    problems = []
+    present = set(list_lab_namespaces())
+    names = [n for n in names if n in present]
+    if kill:
+        for ns in names:
+            _kill_ns_processes(ns)
+    for ns in names:  # deleting one end of a veth pair deletes the other, and the qdiscs on both
+        try:
+            for link in _ns_links(ns, "veth"):
+                _run(["ip", "-n", ns, "link", "del", link], check=False)
+            left = _ns_links(ns, "veth")
+            if left:
+                problems.append(f"veth {', '.join(left)} still in {ns}")
+        except NetnsError as e:
+            problems.append(str(e))
+    for ns in names:
+        p = _run(["ip", "netns", "del", ns], check=False)
+        if p.returncode != 0:
+            problems.append(f"`ip netns del {ns}` failed: {' '.join(p.stderr.split())}")
+    left = set(list_lab_namespaces()) & set(names)
+    if left:
+        problems.append(f"namespaces still listed: {', '.join(sorted(left))}")
+    return problems
+
+
+# -- the lease registry ----------------------------------------------------------
+
+@contextlib.contextmanager
+def _locked():
+    import fcntl
+    os.makedirs(REGISTRY, mode=0o755, exist_ok=True)
+    fd = os.open(os.path.join(REGISTRY, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _lease_path(k: int) -> str:
+    return os.path.join(REGISTRY, f"subnet-{k}.json")
+
+
+def _read_leases() -> Dict[int, dict]:
+    out = {}
+    try:
+        entries = os.listdir(REGISTRY)
+    except FileNotFoundError:
+        return out
+    for name in entries:
+        m = re.fullmatch(r"subnet-(\d+)\.json", name)
+        if not m:
+            continue
+        try:
+            with open(os.path.join(REGISTRY, name)) as f:
+                out[int(m.group(1))] = json.load(f)
+        except (OSError, ValueError):
+            out[int(m.group(1))] = {}
+    return out
+
+
+def _owner_alive(pid: int, k: int, leases: Dict[int, dict]) -> bool:
+    lease = leases.get(k) or {}
+    start = lease.get("start") if lease.get("pid") == pid else None
+    return _alive(pid, start)
+
+
+def _cleanup_stale_locked(kill: bool = True) -> List[str]:
+    leases = _read_leases()
+    stale = []
+    for ns in list_lab_namespaces():
+        m = NS_RE.match(ns)
+        if not m:
+            continue  # not a name we make; leave it alone
+        pid, k = int(m.group(1)), int(m.group(2))
+        if not _owner_alive(pid, k, leases):
+            stale.append(ns)
+    # bridges last: rank namespaces first, so their veths go with them
+    stale.sort(key=lambda n: n.endswith("-br"))
+    problems = _delete_namespaces(stale, kill=kill) if stale else []
+    existing = set(list_lab_namespaces())
+    for k, lease in leases.items():
+        pid = lease.get("pid")
+        owner_ok = isinstance(pid, int) and _alive(pid, lease.get("start"))
+        if not owner_ok and not (set(lease.get("namespaces") or []) & existing):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(_lease_path(k))
+    if problems:
+        raise NetnsError("stale cleanup incomplete: " + "; ".join(problems))
+    return stale
+
+
+def cleanup_stale(kill: bool = True) -> List[str]:
+    """Delete the lab's namespaces whose creating process is gone (and their
+    leases); return their names. With ``kill``, processes left inside them are
+    killed first (by PID), so the namespaces and veths really disappear."""
+    check_shaped_supported()
+    with _locked():
+        return _cleanup_stale_locked(kill)
+
+
+def _allocate(pid: int, tag: str, n: int) -> int:
+    with _locked():
+        _cleanup_stale_locked()
+        leases = _read_leases()
+        used = set(leases)
+        for ns in list_lab_namespaces():
+            m = NS_RE.match(ns)
+            if m:
+                used.add(int(m.group(2)))
+        for k in range(MAX_CLUSTERS):
+            if k not in used:
+                break
+        else:
+            raise NetnsError(f"all {MAX_CLUSTERS} lab subnets are in use ({REGISTRY})")
+        base = f"{PREFIX}{pid}-{k}-{tag}"
+        lease = {"pid": pid, "start": _proc_start(pid), "tag": tag, "n": n, "created": time.time(),
+                 "subnet": SUBNET.format(k=k),
+                 "namespaces": [f"{base}-br"] + [f"{base}-r{i}" for i in range(n)]}
+        tmp = _lease_path(k) + f".{pid}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(lease, f)
+        os.replace(tmp, _lease_path(k))
+        return k
+
+
+def _release(k: int) -> None:
+    with _locked():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(_lease_path(k))
+
+
+# -- the cluster -------------------------------------------------------------------
+
+def tbf_burst_bytes(gbps: float) -> int:
+    """About 10 ms of traffic (rate/800 in bytes per bit/s), at least 32 KB."""
+    return max(int(gbps * 1e9 / 800), 32 * 1024)
+
+
+class Cluster:
+    """``n_ranks`` network namespaces joined through a bridge, every link shaped to ``gbps``.
+
+    ``namespaces[i]``, ``addresses[i]`` and ``ifnames[i]`` describe rank i;
+    ``exec_argv(i, argv)`` runs a command inside its namespace and ``env(i)``
+    gives the variables a gloo rank there needs. ``gbps=None`` builds the same
+    cluster unshaped. Use as a context manager, or call ``teardown()``.
+    """
+
+    def __init__(self, n_ranks: int, gbps: Optional[float], tag: Optional[str] = None, *,
+                 latency_ms: float = 50.0, burst_bytes: Optional[int] = None, mtu: int = 1500,
+                 kill_on_teardown: bool = True):
+        check_shaped_supported()
+        if not isinstance(n_ranks, int) or not 1 <= n_ranks <= MAX_RANKS:
+            raise ValueError(f"n_ranks must be an integer in 1..{MAX_RANKS}, got {n_ranks!r}")
+        if gbps is not None and not gbps > 0:
+            raise ValueError(f"gbps must be > 0 (or None for an unshaped cluster), got {gbps!r}")
+        self.n = n_ranks
+        self.gbps = None if gbps is None else float(gbps)
+        self.latency_ms = latency_ms
+        self.burst_bytes = burst_bytes if burst_bytes is not None else (
+            tbf_burst_bytes(self.gbps) if self.gbps else None)
+        self.mtu = mtu
+        self.kill_on_teardown = kill_on_teardown
+        self.pid = os.getpid()
+        tag = re.sub(r"[^a-z0-9]", "", (tag or "").lower())[:8]
+        self.tag = tag or secrets.token_hex(2)
+        self.k: Optional[int] = None
+        self.bridge_ns = ""
+        self.bridge = ""
+        self.namespaces: List[str] = []
+        self.addresses: List[str] = []
+        self.ifnames: List[str] = []
+        self.bridge_ifnames: List[str] = []
+        self.subnet = ""
+        self._created: List[str] = []
+        self._closed = False
+        atexit.register(self.teardown)
+        try:
+            self.k = _allocate(self.pid, self.tag, n_ranks)
+            self._build()
+        except BaseException as e:
+            try:
+                self.teardown()
+            except Exception as te:  # keep the build's error first; say what teardown left
+                e.add_note(f"teardown after the failed build: {te}")
+            raise
+
+    # the tc arguments of every link (tests override this to make a build fail midway)
+    def tbf_args(self) -> List[str]:
+        return ["tbf", "rate", f"{int(round(self.gbps * 1e9))}bit", "burst", str(self.burst_bytes),
+                "latency", f"{self.latency_ms:g}ms"]
+
+    def _build(self) -> None:
+        k = self.k
+        base = f"{PREFIX}{self.pid}-{k}-{self.tag}"
+        self.subnet = SUBNET.format(k=k)
+        self.bridge_ns, self.bridge = f"{base}-br", f"clab{k}br"
+        self.namespaces = [f"{base}-r{i}" for i in range(self.n)]
+        self.ifnames = [f"clab{k}r{i}" for i in range(self.n)]
+        self.bridge_ifnames = [f"clab{k}b{i}" for i in range(self.n)]
+        self.addresses = [f"10.250.{k}.{i + 1}" for i in range(self.n)]
+        br = self.bridge_ns
+        self._add_ns(br)
+        _run(["ip", "-n", br, "link", "add", self.bridge, "type", "bridge"])
+        _run(["ip", "-n", br, "link", "set", self.bridge, "up"])
+        for i in range(self.n):
+            ns, ifn, bif = self.namespaces[i], self.ifnames[i], self.bridge_ifnames[i]
+            self._add_ns(ns)
+            _run(["ip", "-n", br, "link", "add", bif, "mtu", self.mtu, "type", "veth",
+                  "peer", "name", ifn, "mtu", self.mtu, "netns", ns])
+            _run(["ip", "-n", br, "link", "set", bif, "master", self.bridge])
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", ifn])
+            if self.gbps:
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", ifn, "root", *self.tbf_args()])
+                _run(["tc", "-n", br, "qdisc", "add", "dev", bif, "root", *self.tbf_args()])
+            _run(["ip", "-n", br, "link", "set", bif, "up"])
+            _run(["ip", "-n", ns, "link", "set", ifn, "up"])
+        self._wait_up()
+
+    def _add_ns(self, ns: str) -> None:
+        self._created.append(ns)  # before: a half-made namespace is still torn down
+        _run(["ip", "netns", "add", ns])
+        _run(["ip", "-n", ns, "link", "set", "lo", "up"])
+
+    def _wait_up(self, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        for ns, ifn in zip(self.namespaces, self.ifnames):
+            while True:
+                out = _run(["ip", "-n", ns, "-o", "link", "show", "dev", ifn]).stdout
+                if "state UP" in out or "LOWER_UP" in out:
+                    break
+                if time.monotonic() > deadline:
+                    raise NetnsError(f"{ifn} in {ns} did not come up within {timeout:g} s: {' '.join(out.split())}")
+                time.sleep(0.02)
+
+    # -- using it
+    def exec_argv(self, i: int, argv: Sequence[str]) -> List[str]:
+        """``argv`` run inside rank i's namespace."""
+        return ["ip", "netns", "exec", self.namespaces[i], *[str(a) for a in argv]]
+
+    def env(self, i: int) -> Dict[str, str]:
+        """What a gloo rank in namespace i needs: without it gloo advertises the
+        hostname's address (127.0.0.1) to its peers and hangs."""
+        return {"GLOO_SOCKET_IFNAME": self.ifnames[i], "TP_SOCKET_IFNAME": self.ifnames[i]}
+
+    def qdiscs(self) -> Dict[str, str]:
+        """``tc qdisc show`` of every shaped interface (for checks and reports)."""
+        out = {}
+        for ns, ifn in zip(self.namespaces + [self.bridge_ns] * self.n, self.ifnames + self.bridge_ifnames):
+            out[f"{ns}/{ifn}"] = " ".join(_run(["tc", "-n", ns, "qdisc", "show", "dev", ifn]).stdout.split())
+        return out
+
+    def describe(self) -> str:
+        shape = f"{self.gbps:g} Gbit/s tbf (burst {self.burst_bytes} B, latency {self.latency_ms:g} ms) " \
+                f"on both ends of every link" if self.gbps else "unshaped"
+        return f"{self.n} ranks on {self.subnet} via bridge {self.bridge} in {self.bridge_ns}, {shape}"
+
+    # -- ending it
+    def teardown(self) -> None:
+        """Delete everything the cluster made and check it is gone. Idempotent."""
+        if self._closed:
+            return
+        created = [ns for ns in self._created if ns != self.bridge_ns] + (
+            [self.bridge_ns] if self.bridge_ns in self._created else [])
+        problems = _delete_namespaces(created, kill=self.kill_on_teardown) if created else []
+        if self.k is not None:
+            stray = [l for l in root_lab_links() if re.fullmatch(rf"clab{self.k}[rb]\d+|clab{self.k}br", l)]
+            if stray:
+                problems.append(f"interfaces in the root namespace: {', '.join(stray)}")
+        if problems:
+            raise NetnsError(f"teardown of cluster {self.tag} incomplete: " + "; ".join(problems))
+        if self.k is not None:
+            _release(self.k)
+        self._created = []
+        self._closed = True
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.teardown)
+
+    close = teardown
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    def __repr__(self) -> str:
+        return f"Cluster({self.describe()})"
+
+
+# -- running ranks in it -------------------------------------------------------------
+
+def rank_argv(cluster: Cluster, i: int, entry: List[str], port: int,
+              python: str = sys.executable) -> Tuple[List[str], Dict[str, str]]:
+    """Rank i as its own torchrun node inside its namespace, with rendezvous on
+    rank 0's address: ``(argv, env_updates)``. Pick a fresh ``port`` per run."""
+    from lab.launcher import torchrun_argv
+    inner = torchrun_argv(entry, 1, port, nnodes=cluster.n, node_rank=i,
+                          master_addr=cluster.addresses[0], python=python)
+    return cluster.exec_argv(i, inner), cluster.env(i)
+
+
+def _base_env() -> dict:
+    try:
+        from lab.launcher import worker_env
+        env = worker_env()
+    except Exception:  # the launcher is being reworked; this is all we need from it
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float = 3.0) -> None:
+    """Stop processes we started in their own sessions: SIGTERM to each group
+    (torchrun then stops its workers, which sit in sessions of their own), then
+    SIGKILL. Whatever is still left in the namespaces dies at teardown."""
+    live = [p for p in procs if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(deadline - time.monotonic(), 0.01))
+    for p in live:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+
+
+_TCP_RECV = r"""
+import json, socket, sys, time
+addr, port, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind((addr, port)); s.listen(1); s.settimeout(timeout)
+c, peer = s.accept(); c.settimeout(timeout)
+buf = bytearray(1 << 20); n = 0; first = 0; t0 = t1 = None
+end = time.monotonic() + timeout
+while time.monotonic() < end:
+    k = c.recv_into(buf)
+    if not k:
+        break
+    now = time.perf_counter()
+    if t0 is None:
+        t0, first = now, k
+    n += k; t1 = now
+print(json.dumps({"bytes": n, "first": first, "t0": t0, "t1": t1, "peer": peer[0]}))
+"""
+
+_TCP_SEND = r"""
+import json, socket, sys, time
+addr, port, seconds, max_bytes = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+end = time.monotonic() + 10
+while True:
+    try:
+        s = socket.create_connection((addr, port), timeout=10); break
+    except (ConnectionRefusedError, OSError):
+        if time.monotonic() > end: raise
+        time.sleep(0.05)
+chunk = b"\0" * (256 << 10); n = 0
+t0 = time.perf_counter()
+while n < max_bytes and time.perf_counter() - t0 < seconds:
+    s.sendall(chunk); n += len(chunk)
+s.shutdown(socket.SHUT_WR)
+s.recv(1)
+s.close()
+print(json.dumps({"bytes": n, "seconds": time.perf_counter() - t0}))
+"""
+
+
+def measure_tcp(cluster: Cluster, src: int = 0, dst: int = 1, seconds: float = 3.0,
+                port: int = 5201) -> dict:
+    """Raw TCP from rank ``src`` to rank ``dst`` for about ``seconds``: the
+    receiver's goodput (bytes after the first read over the time to the last)."""
+    gbps = cluster.gbps or 20.0
+    max_bytes = int(gbps * 1e9 / 8 * seconds * 1.5) + (1 << 20)
+    timeout = seconds + 20
+    py = sys.executable
+    recv = subprocess.Popen(cluster.exec_argv(dst, [py, "-c", _TCP_RECV, cluster.addresses[dst], port, timeout]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    send = subprocess.Popen(cluster.exec_argv(src, [py, "-c", _TCP_SEND, cluster.addresses[dst], port,
+                                                     seconds, max_bytes]),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    try:
+        s_out, s_err = send.communicate(timeout=timeout + 5)
+        r_out, r_err = recv.communicate(timeout=timeout + 5)
+    except subprocess.TimeoutExpired:
+        raise NetnsError(f"TCP measurement did not finish within {timeout + 5:g} s") from None
+    finally:
+        _stop([send, recv])
+    if send.returncode or recv.returncode:
+        err = " ".join((s_err + " " + r_err).split())[-400:]
+        raise NetnsError(f"TCP measurement failed (sender exit {send.returncode}, "
+                         f"receiver exit {recv.returncode}): {err}")
+    r = json.loads(r_out.strip().splitlines()[-1])
+    dt = (r["t1"] or 0) - (r["t0"] or 0)
+    if dt <= 0:
+        raise NetnsError(f"TCP measurement moved too little data: {r}")
+    bps = (r["bytes"] - r["first"]) * 8 / dt
+    return {"bytes": r["bytes"], "seconds": dt, "gbps": bps / 1e9, "from": cluster.addresses[src],
+            "to": cluster.addresses[dst], "peer_seen": r["peer"]}
+
+
+def measure_allreduce(cluster: Cluster, nbytes: int, iters: int, port: Optional[int] = None,
+                      timeout: float = 90.0) -> dict:
+    """Time ``iters`` gloo all-reduces of ``nbytes`` (fp32), every rank a torchrun
+    node in its namespace (``python -m engine.netmodel allreduce``)."""
+    port = port or (20000 + secrets.randbelow(20000))
+    env0 = _base_env()
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="clab-check-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        logs = []
+        try:
+            for i in range(cluster.n):
+                argv, upd = rank_argv(cluster, i, ["-m", "engine.netmodel", "allreduce", "--bytes", str(nbytes),
+                                                   "--iters", str(iters), "--out", out,
+                                                   "--timeout", str(int(timeout))], port)
+                log = open(os.path.join(tmp, f"rank{i}.log"), "wb")
+                logs.append(log)
+                procs.append(subprocess.Popen(argv, env={**env0, **upd}, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                if any(p.returncode not in (None, 0) for p in procs):
+                    break
+                time.sleep(0.1)
+            timed_out = any(p.poll() is None for p in procs)
+        finally:
+            _stop(procs)
+            for log in logs:
+                log.close()
+        if timed_out or any(p.returncode for p in procs) or not os.path.exists(out):
+            tail = ""
+            for i in range(len(procs)):
+                with open(os.path.join(tmp, f"rank{i}.log"), "rb") as f:
+                    lines = [l for l in f.read().decode(errors="replace").splitlines() if l.strip()]
+                tail += f" [rank {i}] " + " | ".join(lines[-3:])
+            why = f"timed out after {timeout:g} s" if timed_out else \
+                f"exit codes {[p.returncode for p in procs]}"
+            raise NetnsError(f"all-reduce measurement {why}:{tail[-800:]}")
+        with open(out) as f:
+            return json.load(f)
+
+
+def net_check(gbps: float, seconds: float = 3.0, target_s: float = 0.5, latency_us: float = 0.0,
+              max_bytes: int = 64 << 20, out=None, n_ranks: int = 2) -> dict:
+    """Build a shaped cluster, measure raw TCP and a gloo all-reduce, tear it down.
+
+    The all-reduce tensor is sized to take about ``target_s`` at ``gbps`` (at
+    most ``max_bytes``), repeated to fill about ``seconds``. Returns target,
+    TCP goodput, the all-reduce's median time, its algorithmic bandwidth
+    (bytes / time) and bus bandwidth (2(p-1)/p * bytes / time), the alpha-beta
+    prediction and the ratio predicted / measured time (1.0 = as modeled).
+    ``out``: a stream to print progress and the result table to.
+    """
+    from engine.netmodel import busbw_factor, ring_allreduce_s
+    say = (lambda s: print(s, file=out, flush=True)) if out else (lambda s: None)
+    t_start = time.monotonic()
+    p = n_ranks
+    factor = busbw_factor("allreduce", p)
+    nbytes = int(target_s * gbps * 1e9 / 8 / factor) // 4 * 4
+    nbytes = max(4096, min(nbytes, max_bytes))
+    pred = ring_allreduce_s(nbytes, p, gbps, latency_us)
+    iters = max(3, min(20, int(round(seconds / max(pred, 1e-3)))))
+    with Cluster(p, gbps, tag="chk") as c:
+        say(f"cluster: {c.describe()}")
+        tcp = measure_tcp(c, 0, 1, seconds)
+        say(f"tcp: {tcp['gbps'] * 1e3:.1f} Mbit/s")
+        ar = measure_allreduce(c, nbytes, iters)
+        qd = c.qdiscs()
+    times = sorted(ar["times"])
+    med = times[len(times) // 2]
+    res = {
+        "target_gbps": gbps,
+        "tcp_gbps": tcp["gbps"],
+        "tcp_ratio": tcp["gbps"] / gbps,
+        "allreduce_bytes": nbytes,
+        "allreduce_iters": iters,
+        "allreduce_world": p,
+        "allreduce_median_s": med,
+        "allreduce_min_s": times[0],
+        "allreduce_max_s": times[-1],
+        "allreduce_algbw_gbps": nbytes * 8 / med / 1e9,
+        "allreduce_busbw_gbps": factor * nbytes * 8 / med / 1e9,
+        "allreduce_predicted_s": pred,
+        "allreduce_ratio": pred / med,
+        "allreduce_correct": ar.get("correct"),
+        "latency_us": latency_us,
+        "qdiscs": qd,
+        "check_seconds": time.monotonic() - t_start,
+    }
+    for line in format_net_check(res):
+        say(line)
+    return res
+
+
+def format_net_check(r: dict) -> List[str]:
+    def mbit(g):
+        return f"{g * 1e3:9.1f} Mbit/s"
+    return [
+        f"target link           {mbit(r['target_gbps'])}",
+        f"raw TCP (rank0->1)    {mbit(r['tcp_gbps'])}   {r['tcp_ratio']:.1%} of target",
+        f"gloo all-reduce       {r['allreduce_bytes'] / 2**20:.2f} MiB x {r['allreduce_iters']}, world "
+        f"{r['allreduce_world']}: median {r['allreduce_median_s'] * 1e3:.1f} ms "
+        f"(predicted {r['allreduce_predicted_s'] * 1e3:.1f} ms, ring alpha-beta)",
+        f"  algorithmic bw      {mbit(r['allreduce_algbw_gbps'])}   (bytes / time)",
+        f"  bus bw              {mbit(r['allreduce_busbw_gbps'])}   {r['allreduce_ratio']:.1%} of the model's",
+        f"check took {r['check_seconds']:.1f} s; cluster torn down",
+    ]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m lab.netns", description="Emulated clusters (root, Linux).")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("check", help="build a shaped 2-rank cluster, measure TCP and gloo all-reduce, tear down")
+    p.add_argument("--gbps", type=float, required=True)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--json", action="store_true")
+    sub.add_parser("list", help="list the lab's namespaces")
+    sub.add_parser("cleanup", help="remove the lab's namespaces whose creator is gone")
+    a = ap.parse_args(argv)
+    try:
+        if a.cmd == "check":
+            if not a.gbps > 0:
+                print("error: --gbps must be > 0", file=sys.stderr)
+                return 2
+            r = net_check(a.gbps, seconds=a.seconds, out=None if a.json else sys.stdout)
+            if a.json:
+                print(json.dumps(r, indent=1))
+        elif a.cmd == "list":
+            for ns in list_lab_namespaces():
+                print(ns)
+        else:
+            for ns in cleanup_stale():
+                print(f"removed {ns}")
+    except (NetworkUnavailable, NetnsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1 if isinstance(e, NetnsError) else 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The job queue: a concurrency limit shared by every process that starts runs.
+
+There is no daemon. Each run has a *supervisor*: the process that waits for a
+slot, launches torchrun and writes the final status. ``commlab run`` is its
+own supervisor; the UI and ``lab.run(..., wait=False)`` start a detached one
+(``python -m lab.supervise``). Slots are ``flock`` locks on files under
+``runs/.slots/``: the kernel releases a dead supervisor's lock, so a crash
+never leaks a slot. A queued supervisor only tries for a slot when fewer than
+``max_jobs`` queued runs are older than its own, which keeps the queue
+roughly first come, first served.
+
+A supervisor that dies (``kill -9``) takes its torchrun with it (parent-death
+signal) and leaves its run ``running`` or ``queued``; the next lab command
+finds such runs through the recorded (pid, start time) and marks them failed
+as stale. Cancel writes ``cancel.request`` into the run directory; the
+supervisor sees it within a poll interval in every state.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from lab import procs
+from lab.index import Index
+from lab.store import FINAL, LabError, Run, RunStore
+
+POLL_S = 0.2
+
+
+def default_max_jobs() -> int:
+    """One job per GPU on a GPU box; otherwise one per two cores (a job has two ranks by default)."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return max(1, torch.cuda.device_count())
+    except ImportError:
+        pass
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+class Slots:
+    def __init__(self, root: Path, n: int):
+        self.dir = Path(root) / ".slots"
+        self.n = n
+
+    def try_acquire(self) -> Optional[int]:
+        """A held slot's file descriptor, or None when all slots are busy."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for k in range(self.n):
+            fd = os.open(self.dir / f"{k}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                os.close(fd)
+        return None
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)  # closing the descriptor drops the flock
+
+
+class Lab:
+    """The lab's front door for the CLI, the UI, notebooks and scripts."""
+
+    def __init__(self, runs: Optional[os.PathLike] = None, max_jobs: Optional[int] = None):
+        self.store = RunStore(runs, on_change=self._changed)
+        self.index = Index(self.store)
+        self.max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or _config(self.store.root).get("max_jobs") \
+            or default_max_jobs()
+
+    def _changed(self, run: Run) -> None:
+        self.index.update(run)
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    # -- submitting -----------------------------------------------------
+    def submit(self, spec, wait: bool = True, progress: bool = False, out=None, sweep: Optional[str] = None) -> Run:
+        """Queue a run. With ``wait`` this process supervises it to the end;
+        otherwise a detached supervisor does, and the run is returned at once."""
+        run = self.create(spec, sweep=sweep)
+        if wait:
+            self.supervise(run, progress=progress, out=out)
+        else:
+            self.spawn_supervisor(run)
+        return run
+
+    def create(self, spec, sweep: Optional[str] = None) -> Run:
+        """A new queued run directory (nothing runs until a supervisor takes it)."""
+        self.recover_stale()
+        run = self.store.create(spec)
+        run.set_status("queued", **({"sweep": sweep} if sweep else {}))
+        return run
+
+    def spawn_supervisor(self, run: Run) -> int:
+        argv = [sys.executable, "-m", "lab.supervise", "--runs", str(self.root.resolve()), run.id]
+        with open(run.file("supervisor.log"), "ab") as log:
+            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, cwd=str(Path(__file__).resolve().parents[1]),
+                                 env={**os.environ, "COMMLAB_MAX_JOBS": str(self.max_jobs)})
+        # recorded here too, so the run is never without a live owner between spawn and its first status write
+        run.set_status("queued", supervisor=procs.identity(p.pid))
+        return p.pid
+
+    def supervise(self, run: Run, progress: bool = False, out=None) -> str:
+        """Wait for a slot, run the job, write its final status. Returns the final state."""
+        from lab.launcher import launch
+        run.set_status("queued", supervisor=procs.identity())
+        slot = None
+        shown = False
+        try:
+            while slot is None:
+                if run.cancel_requested():
+                    run.set_status("cancelled", error="cancelled while queued")
+                    return "cancelled"
+                if self.queue_position(run) < self.max_jobs:
+                    slot = Slots(self.root, self.max_jobs).try_acquire()
+                if slot is None:
+                    if progress and not shown:
+                        print(f"queued: waiting for a free slot ({self.max_jobs} at a time)",
+                              file=out or sys.stderr, flush=True)
+                        shown = True
+                    time.sleep(POLL_S)
+            return launch(run, progress=progress, out=out, should_cancel=run.cancel_requested)
+        except BaseException as e:
+            if run.state not in FINAL:
+                run.set_status("failed", error=f"launcher error: {type(e).__name__}: {e}")
+            raise
+        finally:
+            if slot is not None:
+                Slots.release(slot)
+
+    def queue_position(self, run: Run) -> int:
+        """How many queued runs with a live supervisor are older than ``run``."""
+        mine = run.status().get("created", 0)
+        n = 0
+        for row in self.index.query(state="queued"):
+            if row["id"] == run.id or (row["created"] or 0) > mine:
+                continue
+            other = self.store.get(row["id"])
+            if procs.alive(other.status().get("supervisor")):
+                n += 1
+        return n
+
+    def running(self) -> int:
+        return len(self.index.query(state="running"))
+
+    # -- control ----------------------------------------------------------
+    def cancel(self, run_id: str) -> str:
+        """Ask a run to stop, in any state. Returns the state after the request."""
+        run = self.store.get(run_id)
+        state = run.state
+        if state in FINAL:
+            return state
+        run.file("cancel.request").write_text(f"{time.time()}\n")
+        if not procs.alive(run.status().get("supervisor")):
+            from lab.launcher import kill_strays
+            kill_strays(run)
+            run.set_status("cancelled", error="cancelled (no live launcher)")
+            return "cancelled"
+        return state
+
+    def wait(self, run_id: str, timeout: Optional[float] = None) -> str:
+        run = self.store.get(run_id)
+        t0 = time.time()
+        while run.state not in FINAL:
+            if timeout is not None and time.time() - t0 > timeout:
+                break
+            if not procs.alive(run.status().get("supervisor")):
+                self.recover_stale()
+            time.sleep(POLL_S)
+        return run.state
+
+    def recover_stale(self) -> list:
+        """Mark failed every queued or running run whose supervisor died; stop what it left."""
+        from lab.launcher import kill_strays
+        stale = []
+        for run in self.store.list():
+            st = run.status()
+            if st.get("state") not in ("queued", "running"):
+                continue
+            if procs.alive(st.get("supervisor")):
+                continue
+            if time.time() - st.get("created", 0) < 5 and not st.get("supervisor"):
+                continue  # just created; its supervisor is about to record itself
+            kill_strays(run)
+            procs.kill_if_ours(st.get("torchrun"), str(run.path))
+            sup = st.get("supervisor") or {}
+            run.set_status("failed", error=f"stale: its launcher (pid {sup.get('pid')}) died; found at a later start")
+            stale.append(run.id)
+        return stale
+
+    def reindex(self) -> int:
+        return self.index.reindex()
+
+
+def _env_int(name: str) -> Optional[int]:
+    v = os.environ.get(name)
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise LabError(f"{name}: must be a positive integer, got {v!r}") from None
+    if n < 1:
+        raise LabError(f"{name}: must be a positive integer, got {v!r}")
+    return n
+
+
+def _config(root: Path) -> dict:
+    try:
+        with open(Path(root) / "lab.json") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
