@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     die_with_parent()
     record_pid(args.run_dir, rank)
+    code = 0
     try:
         run(args.run_dir, rank)
     except BaseException as e:  # record, then let torchrun see the failure
@@ -36,10 +37,18 @@ def main(argv=None) -> int:
         if isinstance(e, Diverged):
             _write_json(args.run_dir, f"diverged-rank{rank}.json", {"rank": rank, "step": e.step, "error": str(e),
                                                                       "time": time.time()})
-            return 3
-        record_error(args.run_dir, rank, e)
-        raise
-    return 0
+            code = 3
+        else:
+            record_error(args.run_dir, rank, e)
+            traceback.print_exc()
+            code = 1
+    # Leave without running C++ static destructors: at interpreter exit, torch and
+    # gloo sometimes abort ("terminate called without an active exception") after
+    # all work is done, which would turn a finished run into a failed one. Every
+    # log of ours is already written with unbuffered os.write calls and closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def die_with_parent() -> None:

@@ -180,6 +180,8 @@ def rank_failure_from_log(text: str):
     """(rank, message) of the first failed rank in torchrun's failure report, e.g. a rank
     killed by a signal, which leaves no error file of its own."""
     import re
+    if "Root Cause" in text:  # torchrun names the first failure there; the others were stopped by it
+        text = text[text.rindex("Root Cause"):]
     m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:.*?\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)
     if not m:
         return None, None

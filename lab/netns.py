@@ -274,7 +274,11 @@ def cleanup_stale(kill: bool = True) -> List[str]:
 
 def _allocate(pid: int, tag: str, n: int) -> int:
     with _locked():
-        _cleanup_stale_locked()
+        try:
+            _cleanup_stale_locked()
+        except NetnsError as e:  # what is left keeps its subnet (excluded below); build anyway
+            import warnings
+            warnings.warn(str(e), RuntimeWarning)
         leases = _read_leases()
         used = set(leases)
         for ns in list_lab_namespaces():
