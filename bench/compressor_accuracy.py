@@ -67,7 +67,7 @@ def main(argv=None):
             spec = load_spec(data=spec_for(name, ef, args.steps))
             run = store.create(spec)
             state = launch(run, progress=False)
-            s = summarize(run.metrics(), run.spec_dict())
+            s = summarize(run.metric_rows(), run.spec_dict())
             cell = {"compressor": name, "ef": ef, "state": state, "acc": s.get("final_acc"),
                     "ratio": s.get("compression_ratio"), "iter_ms": s.get("iter_ms_median"), "run": run.id,
                     "override": OVERRIDES.get(name)}

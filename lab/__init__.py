@@ -1,0 +1,69 @@
+"""commlab's user side: specs, the queue, the run store, and a Python API.
+
+    import lab
+    r = lab.run({"model": "cnn", "dataset": "digits", "steps": 100})   # blocks; a Run
+    r.summary(); r.metrics(); r.timeline()                            # pandas DataFrames
+    q = lab.run("examples/demo.yaml", wait=False)                     # queued; returns at once
+    lab.compare(lab.runs(state="done"))                               # one row per run
+
+Every call takes ``runs=`` (a directory; default ``$COMMLAB_RUNS`` or ./runs).
+"""
+from __future__ import annotations
+
+from typing import Iterable, List, Optional, Union
+
+__all__ = ["run", "runs", "get", "cancel", "wait", "compare", "Lab"]
+
+
+def _lab(runs=None):
+    from lab.queue import Lab
+    return Lab(runs)
+
+
+def _spec(spec, overrides=()):
+    from engine.spec import JobSpec
+    from lab.specs import load_spec
+    if isinstance(spec, JobSpec):
+        return load_spec(data=spec.to_dict(), overrides=overrides)
+    if isinstance(spec, dict):
+        return load_spec(data=spec, overrides=overrides)
+    return load_spec(str(spec), overrides)
+
+
+def run(spec: Union[str, dict, "JobSpec"], wait: bool = True, runs=None, progress: bool = False,  # noqa: F821
+        overrides: Iterable[str] = ()):
+    """Queue a run and return it. ``wait=True`` blocks until it ends (this process supervises it);
+    ``wait=False`` hands it to a detached supervisor and returns at once."""
+    return _lab(runs).submit(_spec(spec, overrides), wait=wait, progress=progress)
+
+
+def runs(runs=None, **filters) -> List:
+    """Runs in the index, oldest first; filters: state, model, dataset, compressor, schedule, comm, link, sweep, name."""
+    lab = _lab(runs)
+    lab.recover_stale()
+    return [lab.store.get(r["id"]) for r in lab.index.query(**filters)]
+
+
+def get(run_id: str, runs=None):
+    return _lab(runs).store.get(run_id)
+
+
+def cancel(run_id: str, runs=None) -> str:
+    return _lab(runs).cancel(run_id)
+
+
+def wait(run_id: str, runs=None, timeout: Optional[float] = None) -> str:
+    return _lab(runs).wait(run_id, timeout)
+
+
+def compare(items, target_acc: Optional[float] = None, baseline=None):
+    """A comparison table (DataFrame), one row per run. See lab.compare.compare_runs."""
+    from lab.compare import compare_runs
+    return compare_runs(items, target_acc=target_acc, baseline=baseline)
+
+
+def __getattr__(name):
+    if name == "Lab":
+        from lab.queue import Lab
+        return Lab
+    raise AttributeError(name)

@@ -61,6 +61,11 @@ def build_parser() -> Parser:
     p.add_argument("run", metavar="RUN", help="run id")
     p.add_argument("-o", "--output", default="trace.json", help="output file (default trace.json)")
     _runs_arg(p)
+    p = sub.add_parser("sweep", help="run a grid of specs through the queue and print a comparison table")
+    p.add_argument("grid", metavar="GRID", help="sweep file (YAML or JSON): base spec, grid of values")
+    p.add_argument("--table", action="store_true", help="only print the table of what has run so far")
+    _runs_arg(p)
+
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
     p.add_argument("name", metavar="NAME", nargs="?", help="benchmark name; omit to list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
@@ -102,7 +107,7 @@ def cmd_run(args) -> int:
     st = run.status()
     print(f"status         {state}" + (f": rank {st.get('rank')}: {st.get('error')}" if state in ("failed", "diverged")
                                          else ""))
-    for line in format_summary(summarize(run.metrics(), run.spec_dict())):
+    for line in format_summary(summarize(run.metric_rows(), run.spec_dict())):
         print(line)
     return 0 if state == "done" else 1
 
@@ -131,6 +136,17 @@ def cmd_runs(args) -> int:
     return 0
 
 
+def cmd_sweep(args) -> int:
+    from lab.sweep import Sweep, markdown
+    sw = Sweep(Lab(args.runs), args.grid)
+    df = sw.table() if args.table else sw.run()
+    if len(df):
+        print(markdown(df), end="")
+        print(f"saved {sw.dir / 'table.csv'}")
+    ok = len(df) and all(s == "done" for s in df["state"])
+    return 0 if ok else 1
+
+
 def cmd_cancel(args) -> int:
     lab = Lab(args.runs)
     before = lab.store.get(args.run).state
@@ -145,7 +161,7 @@ def cmd_show(args) -> int:
     from lab.summary import format_summary, summarize
     run = RunStore(args.runs).get(args.run)
     spec, st = run.spec_dict(), run.status()
-    s = summarize(run.metrics(), spec)
+    s = summarize(run.metric_rows(), spec)
     if args.json:
         print(json.dumps({"id": run.id, "status": st, "summary": s, "spec": spec}, indent=1))
         return 0
@@ -171,7 +187,7 @@ def cmd_trace(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "show": cmd_show, "trace": cmd_trace,
+COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "show": cmd_show, "trace": cmd_trace,
             "bench": cmd_bench}
 
 

@@ -61,7 +61,7 @@ class Index:
         except (OSError, ValueError):
             return None
         st = run.status()
-        s = summarize(run.metrics(), spec)
+        s = summarize(run.metric_rows(), spec)
         c = spec.get("compressor", {})
         return {
             "id": run.id, "state": st.get("state", "unknown"), "name": spec.get("name"),

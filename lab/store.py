@@ -114,17 +114,42 @@ class Run:
         return out
 
     # -- logs -------------------------------------------------------------
-    def metrics(self) -> List[dict]:
+    def metric_rows(self) -> List[dict]:
         return read_jsonl(str(self.file("metrics.jsonl")))
 
     def timeline_files(self) -> List[Path]:
         return sorted(self.path.glob("timeline-rank*.jsonl"), key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
 
-    def timeline(self) -> List[dict]:
+    def timeline_events(self) -> List[dict]:
         out = []
         for p in self.timeline_files():
             out.extend(read_jsonl(str(p)))
         return out
+
+    # -- as data frames (the Python API) -----------------------------------
+    def metrics(self, kind: str = "step"):
+        """Metrics lines of one kind ("step" or "eval") as a DataFrame."""
+        import pandas as pd
+        rows = [m for m in self.metric_rows() if m.get("kind") == kind]
+        return pd.DataFrame(rows)
+
+    def timeline(self):
+        """Timeline spans of all ranks as a DataFrame: rank, lane, name, start_us, dur_us, and their args."""
+        import pandas as pd
+        from engine.timeline import LANE_NAMES
+        rows = []
+        for e in self.timeline_events():
+            rows.append({"rank": e["pid"], "lane": LANE_NAMES.get(e["tid"], str(e["tid"])), "name": e["name"],
+                         "start_us": e["ts"], "dur_us": e["dur"], **(e.get("args") or {})})
+        return pd.DataFrame(rows)
+
+    def summary(self):
+        """Headline figures and status as a one-row DataFrame."""
+        import pandas as pd
+        from lab.summary import summarize
+        st = self.status()
+        row = {"run": self.id, "state": st.get("state"), **summarize(self.metric_rows(), self.spec_dict())}
+        return pd.DataFrame([row]).set_index("run")
 
     def errors(self) -> List[dict]:
         out = []

@@ -9,7 +9,7 @@ from lab.store import Run
 
 
 def chrome_trace(run: Run) -> dict:
-    events: List[dict] = run.timeline()
+    events: List[dict] = run.timeline_events()
     ranks = sorted({e["pid"] for e in events})
     meta = []
     for r in ranks:

@@ -204,7 +204,17 @@ def test_stale_cluster_of_a_killed_creator_is_removed():
 
 @needs_root
 def test_two_clusters_at_once_are_separate_and_both_pass_traffic():
-    with Cluster(2, 0.1, tag="a") as a, Cluster(2, 0.1, tag="b") as b:
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:  # built at the same time: the subnet lease is taken under a lock
+        fa, fb = pool.submit(Cluster, 2, 0.1, "a"), pool.submit(Cluster, 2, 0.1, "b")
+        try:
+            a, b = fa.result(60), fb.result(60)
+        except BaseException:
+            for f in (fa, fb):
+                if f.exception() is None:
+                    f.result().teardown()
+            raise
+    with a, b:
         assert not set(a.namespaces + [a.bridge_ns]) & set(b.namespaces + [b.bridge_ns])
         assert a.subnet != b.subnet and not set(a.addresses) & set(b.addresses)
         for c in (a, b):
@@ -233,3 +243,38 @@ def test_net_check_tcp_and_allreduce_within_20_percent(gbps):
         f"all-reduce took {r['allreduce_median_s']:.3f} s, the alpha-beta model says {r['allreduce_predicted_s']:.3f} s")
     assert time.monotonic() - t0 < 60
     assert not any(n.startswith("clab-%d-" % os.getpid()) for n in list_lab_namespaces())
+
+
+_CRASHING_WORKER = r"""
+import os, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+if dist.get_rank() == 1:
+    os._exit(3)  # a worker that dies without a word
+dist.all_reduce(torch.ones(10))
+time.sleep(120)
+"""
+
+
+@needs_root
+def test_a_run_whose_worker_crashes_leaves_nothing(tmp_path):
+    script = tmp_path / "crash.py"
+    script.write_text(_CRASHING_WORKER)
+    env = netns._base_env()
+    procs, left = [], []
+    with Cluster(2, 1.0, tag="crash") as c:
+        for i in range(2):
+            argv, upd = rank_argv(c, i, [str(script)], 29400 + (os.getpid() % 1000))
+            procs.append(subprocess.Popen(argv, env={**env, **upd}, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True))
+        try:
+            assert procs[1].wait(60) != 0, "rank 1's torchrun should report its worker's failure"
+        finally:
+            left = [pid for ns in c.namespaces for pid in netns._ns_pids(ns)]
+    # rank 0's agent and worker (if still there) were killed by the teardown
+    for p in procs:
+        assert p.wait(10) is not None
+    time.sleep(0.2)
+    assert all(netns._proc_start(pid) is None for pid in left), "a process of the run outlived the teardown"
+    _assert_gone(c)
