@@ -187,6 +187,7 @@ class DataParallel:
             comp = make_compressor()
             comp.bucket, comp.process_rank = bi, self.rank
             b = Bucket(bi, [params[i] for i in idx], [self.order_names[i] for i in idx], comp)
+            comp.layout = [(v.storage_offset() - b.flat.storage_offset(), tuple(v.shape)) for v in b.views]
             self.buckets.append(b)
             for pos, i in enumerate(idx):
                 self.slot[params[i]] = (b, pos)

@@ -165,34 +165,51 @@ def finish_status(run: Run, rc: int) -> str:
     if rc == 0:
         run.set_status("done", returncode=0)
         return "done"
-    errs = run.errors()
-    if errs:
-        e = errs[0]
-        run.set_status("failed", returncode=rc, rank=e.get("rank"), error=e.get("error"))
-        return "failed"
-    rank, why = rank_failure_from_log(run.log_tail(200))
-    run.set_status("failed", returncode=rc, rank=rank,
-                   error=why or f"torchrun exited with code {rc}; see log.txt")
+    rank, why = failure_cause(run)
+    run.set_status("failed", returncode=rc, rank=rank, error=why or f"torchrun exited with code {rc}; see log.txt")
     return "failed"
 
 
-def rank_failure_from_log(text: str):
-    """(rank, message) of the first failed rank in torchrun's failure report, e.g. a rank
-    killed by a signal, which leaves no error file of its own."""
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout")
+
+
+def failure_cause(run: Run):
+    """(rank, message) of the rank that caused a failure.
+
+    When one rank dies, its peers fail too, with errors about the lost
+    connection, and torchrun stops the rest with SIGTERM; torchrun's own "root
+    cause" is not reliable when these land within a second. So the cause is,
+    in order: a rank killed by a signal other than SIGTERM (it leaves no error
+    file), a rank whose error is not a lost peer, the earliest error file.
+    """
+    exits = rank_exits_from_log(run.log_tail(400))
+    errs = {e.get("rank"): e for e in run.errors()}
+    for rank, code in exits:
+        if code < 0 and code != -signal.SIGTERM and rank not in errs:
+            return rank, _signal_message(rank, code)
+    real = [e for e in errs.values() if not any(p in (e.get("error") or "") for p in PEER_LOST)]
+    pick = real or list(errs.values())
+    if pick:
+        first = min(pick, key=lambda e: e.get("time", 0))
+        return first.get("rank"), first.get("error")
+    for rank, code in exits:
+        return rank, _signal_message(rank, code) if code < 0 else f"rank {rank} exited with code {code}"
+    return None, None
+
+
+def rank_exits_from_log(text: str):
+    """(rank, exit code) of every failed rank in torchrun's failure report."""
     import re
-    if "Root Cause" in text:  # torchrun names the first failure there; the others were stopped by it
-        text = text[text.rindex("Root Cause"):]
-    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank:.*?\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)
-    if not m:
-        return None, None
-    rank, code = int(m.group(1)), int(m.group(2))
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return rank, f"rank {rank} was killed by {name}" + (" (out of memory?)" if code == -9 else "")
-    return rank, f"rank {rank} exited with code {code}"
+    return [(int(r), int(c)) for r, c in
+            re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)]
+
+
+def _signal_message(rank: int, code: int) -> str:
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"rank {rank} was killed by {name}" + (" (out of memory, or kill -9)" if code == -9 else "")
 
 
 def kill_strays(run: Run) -> None:

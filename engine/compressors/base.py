@@ -20,7 +20,7 @@ checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, List, Optional
+from typing import Any, Generator, List, Optional, Tuple
 
 import torch
 
@@ -59,6 +59,9 @@ class Compressor:
     process_rank = 0
     """This process's rank, set by the communicator (``rank`` is PowerSGD's parameter). Private random streams (stochastic
     rounding) mix it in; draws that every rank must share (random-k) must not."""
+    layout: Optional[List[Tuple[int, Tuple[int, ...]]]] = None
+    """(offset, shape) of each parameter tensor in the flat bucket, set by the communicator;
+    compressors that exploit tensor structure use it."""
     last_bytes = 0
     """Payload bytes this rank sent in its last exchange."""
     rounds = 1

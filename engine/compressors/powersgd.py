@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -42,6 +42,48 @@ def orthogonalize_(p: Tensor) -> Tensor:
     return p
 
 
+class Plan(NamedTuple):
+    """How one bucket splits into compressed matrices and plain runs. A function of
+    the layout's shapes, the rank and the rate alone, so every rank derives the same one."""
+    mats: Tuple[Tuple[int, int, int], ...]
+    """(offset, rows, cols) of each compressed tensor, viewed as (shape[0], -1), in layout order."""
+    plain: Tuple[Tuple[int, int], ...]
+    """(offset, numel) of the runs sent uncompressed (1-D and small tensors; neighbours merged)."""
+    p_numel: int
+    """Elements of all P factors together: sum of rows * rank."""
+    q_numel: int
+    """Elements of all Q factors together: sum of cols * rank."""
+    plain_numel: int
+
+
+def plan_layout(layout: Sequence[Tuple[int, Tuple[int, ...]]], n: int, rank: int,
+                min_compression_rate: float) -> Optional[Plan]:
+    """The per-tensor plan for a bucket of n elements, or None when the layout does not
+    describe it (its sizes do not add up to n). A layout whose sizes add up but whose
+    tensors do not lie back to back in order is a communicator bug: it raises."""
+    sizes = [math.prod(shape) for _, shape in layout]
+    if sum(sizes) != n:
+        return None
+    mats, plain = [], []
+    expect = 0
+    for (off, shape), k in zip(layout, sizes):
+        if off != expect:
+            raise ValueError(f"powersgd: layout tensors must tile the bucket in order; tensor {shape} "
+                             f"starts at {off}, expected {expect}")
+        expect += k
+        if k == 0:
+            continue
+        rows, cols = (shape[0], k // shape[0]) if len(shape) >= 2 else (1, k)  # scalars have no shape[0]
+        if len(shape) >= 2 and rank * (rows + cols) * min_compression_rate < rows * cols:
+            mats.append((off, rows, cols))
+        elif plain and plain[-1][0] + plain[-1][1] == off:
+            plain[-1] = (plain[-1][0], plain[-1][1] + k)
+        else:
+            plain.append((off, k))
+    return Plan(tuple(mats), tuple(plain), sum(r * rank for _, r, _ in mats),
+                sum(c * rank for _, _, c in mats), sum(k for _, k in plain))
+
+
 class PowerCtx(NamedTuple):
     shape: torch.Size
     numel: int
@@ -51,47 +93,54 @@ class PowerCtx(NamedTuple):
 class PowerSGD(Compressor):
     """PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019), one power iteration per step.
 
-    PyTorch's ``powerSGD_hook`` compresses each tensor with two or more
-    dimensions separately. Here the communicator hands one flat bucket (the
-    unit that fusion schedules produce), so the bucket itself is viewed as a
-    near-square matrix M of rows x cols (``matrix_shape``; zero padding in the
-    last row). The matrix rows are therefore not the layer's own rows: even a
-    layer-wise bucket holding one (out, in) weight is reshaped to near-square
-    unless out ~= in, and a fused bucket mixes layers in one matrix. Some
-    low-rank structure of individual layers is lost (error feedback recovers
-    it over steps); in exchange, one bucket costs two small collectives and
-    two matmuls however many layers it fuses.
+    Per tensor, as PyTorch's ``powerSGD_hook``, when the communicator has set
+    ``layout`` (the (offset, shape) of each parameter in the flat bucket;
+    ``plan_layout``): every tensor with two or more dimensions is viewed as
+    (shape[0], -1) and compressed as its own matrix M_i, if that pays
+    (rank * (rows + cols) * ``min_compression_rate`` < rows * cols); 1-D
+    tensors (biases, norms) and small matrices are sent as they are, in the
+    first all-reduce. A concatenation of unrelated tensors has no low-rank
+    structure, so this is what makes low ranks train.
 
-    Steps of ``exchange``, per bucket:
+    Flat, without a layout (standalone use, a bare tensor, or a layout that
+    does not describe the tensor handed in): the bucket itself is viewed as one
+    near-square matrix M of rows x cols (``matrix_shape``; zero padding in the
+    last row). Cheap (two small collectives, two matmuls) but lossy: the
+    matrix rows are not any layer's rows, and a fused bucket mixes layers.
+
+    Steps of ``exchange``, per bucket (flat mode: one matrix, no plain part):
       0. For the first ``start_iter`` exchanges: one plain all-reduce of the
          bucket (no compression, no residual), as PyTorch's
          ``start_powerSGD_iter``; compressing the first, large and fast-changing
-         gradients hurts accuracy. Buckets too small to gain at least
-         ``min_compression_rate`` (rows * cols vs rank * (rows + cols)) are
-         always sent this way.
+         gradients hurts accuracy. Buckets in which nothing would compress
+         are always sent this way.
       1. Error feedback (built in): M = bucket + residual.
-      2. P = M Q, with Q (cols x rank) warm-started from the previous step
-         (random, seeded identically on every rank, the first time).
-      3. All-reduce P (sum), then orthonormalise its columns: P_hat.
-      4. Q = M^T P_hat; all-reduce Q and divide by the world size.
-      5. Output: the average approximation P_hat Q^T; residual = M - P_hat Q^T
-         (the local M minus the averaged approximation, as in the reference
-         implementations; the residuals' sum over ranks is exactly what the
-         average lost).
+      2. P_i = M_i Q_i, with Q_i (cols_i x rank) warm-started from the previous
+         step (random, seeded identically on every rank, the first time).
+      3. Round 1: all-reduce [P_1, P_2, ..., plain values] as one tensor, then
+         orthonormalise each P_i's columns: P_hat_i.
+      4. Round 2: Q_i = M_i^T P_hat_i; all-reduce [Q_1, Q_2, ...] as one tensor
+         and divide by the world size.
+      5. Output: P_hat_i Q_i^T per tensor and the averaged plain values;
+         residual = M - P_hat Q^T on compressed tensors (the local M minus the
+         averaged approximation, as in the reference implementations: the
+         residuals' sum over ranks is exactly what the average lost), zero on
+         plain ones (they arrive exact).
 
-    Payload: round 1 P [rows x rank], round 2 Q [cols x rank], both in the
-    input dtype: rank * (rows + cols) * element_size bytes per step (about
-    2 * rank * sqrt(n) elements). Both rounds are all-reduced (summable).
-    ``last_bytes`` counts both rounds.
+    Two rounds, each a single collective, in the same order on every rank:
+    which tensors compress depends on shapes only. Payload, in the input
+    dtype: sum_i rank * (rows_i + cols_i) plus the plain elements, times
+    ``element_size``. ``last_bytes`` counts both rounds.
 
-    ``compress``/``decompress`` give the single-process view of one step: one
-    power iteration from the current Q on the bucket alone (no residual, no
-    state change, ``start_iter`` ignored); payload [P_hat, M^T P_hat], decoded
-    as P_hat (M^T P_hat)^T. The power iteration is not linear in M, so these
-    payloads cannot be summed across ranks: training uses ``exchange``.
+    ``compress``/``decompress`` give the single-process view of one step, in
+    flat mode always: one power iteration from the current flat Q on the
+    bucket alone (no residual, no state change, ``start_iter`` ignored);
+    payload [P_hat, M^T P_hat], decoded as P_hat (M^T P_hat)^T. The power
+    iteration is not linear in M, so these payloads cannot be summed across
+    ranks: training uses ``exchange``.
 
-    State: the warm-start Q, the residual (rows * cols elements, padded) and
-    the exchange count (for ``start_iter``).
+    State: the warm-start factors (``q`` flat, ``qs`` per tensor), the residual
+    and the exchange count (for ``start_iter``).
 
     Tuning (as PyTorch's hook advises): start with rank 1 and raise it (2, 4,
     ...) until accuracy matches plain SGD; rank 4 usually suffices for image
@@ -115,29 +164,43 @@ class PowerSGD(Compressor):
         self.step = 0
         """Exchanges started so far: the first ``start_iter`` are plain all-reduces."""
         self.q: Optional[Tensor] = None
-        """Warm-start right factor [cols x rank], identical on every rank (it is all-reduced)."""
+        """Flat mode's warm-start right factor [cols x rank], identical on every rank (it is all-reduced)."""
+        self.qs: Optional[Tensor] = None
+        """Per-tensor mode's warm-start factors: every compressed tensor's Q_i (cols_i x rank),
+        flattened and concatenated in layout order, as round 2 sends them."""
         self.residual: Optional[Tensor] = None
-        """Error feedback [rows * cols], what the approximations have not delivered yet."""
+        """Error feedback in bucket coordinates, what the approximations have not delivered yet
+        (flat mode: rows * cols, zero padding at the end; per-tensor mode: the bucket's n)."""
         self._q0 = None  # (key, initial Q): a cache of derived data
+        self._plan = None  # (key, Plan or None): derived from the layout, never checkpointed
 
     def compresses(self, n: int) -> bool:
         rows, cols = matrix_shape(n)
         return self.rank * (rows + cols) * self.min_compression_rate < rows * cols
 
-    def _initial_q(self, n: int, cols: int, like: Tensor) -> Tensor:
+    def plan(self, n: int) -> Optional[Plan]:
+        """The per-tensor plan for a bucket of n elements, or None for flat mode."""
+        if self.layout is None:
+            return None
+        key = (n, self.rank, self.min_compression_rate, tuple(self.layout))
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, plan_layout(self.layout, n, self.rank, self.min_compression_rate))
+        return self._plan[1]
+
+    def _initial_q(self, n: int, size: int, like: Tensor) -> Tensor:
         # the same on every rank: P = M Q is only summable if Q is shared
-        key = (self.bucket, n, like.dtype, like.device, 0 if self.warm_start else self.step)
+        key = (self.bucket, n, size, like.dtype, like.device, 0 if self.warm_start else self.step)
         if self._q0 is None or self._q0[0] != key:  # derived from the key, so cached, never checkpointed
-            g = torch.Generator().manual_seed(mix_seed(self.seed, *key[:2], key[4]))
-            self._q0 = (key, torch.randn(cols, self.rank, generator=g).to(dtype=like.dtype, device=like.device))
+            g = torch.Generator().manual_seed(mix_seed(self.seed, *key[:2], key[5]))
+            self._q0 = (key, torch.randn(size, generator=g).to(dtype=like.dtype, device=like.device))
         return self._q0[1].clone()
 
-    def _q_for(self, n: int, cols: int, like: Tensor) -> Tensor:
-        q = self.q
-        if (q is None or not self.warm_start or q.shape != (cols, self.rank)
+    def _q_for(self, q: Optional[Tensor], n: int, size: int, like: Tensor) -> Tensor:
+        """The warm-start factor(s) ``q`` when usable, else fresh ones; flat, ``size`` elements."""
+        if (q is None or not self.warm_start or q.numel() != size
                 or q.dtype != like.dtype or q.device != like.device):
-            q = self._initial_q(n, cols, like)
-        return q
+            return self._initial_q(n, size, like)
+        return q.view(-1)
 
     # single-process view -------------------------------------------------
     def compress(self, t):
@@ -152,7 +215,7 @@ class PowerSGD(Compressor):
             m = torch.zeros(rows * cols, dtype=t.dtype, device=t.device)
             m[:n] = flat
             m = m.view(rows, cols)
-        p = orthogonalize_(m @ self._q_for(n, cols, t))
+        p = orthogonalize_(m @ self._q_for(self.q, n, cols * self.rank, t).view(cols, self.rank))
         return [p, m.t() @ p], PowerCtx(t.shape, n, True)
 
     def decompress(self, payload, ctx: PowerCtx):
@@ -167,11 +230,65 @@ class PowerSGD(Compressor):
         n = flat.numel()
         es = flat.element_size()
         self.step += 1
-        if self.step <= self.start_iter or not self.compresses(n):
+        plan = self.plan(n)
+        pays = bool(plan.mats) if plan is not None else self.compresses(n)
+        if self.step <= self.start_iter or not pays:
             self.last_bytes = n * es
             (summed,) = yield Round("allreduce", [flat])  # in place on the bucket, as the identity compressor
             return summed.div_(world_size).view(t.shape)
+        if plan is not None:
+            return (yield from self._exchange_tensors(t, flat, plan, world_size))
+        return (yield from self._exchange_flat(t, flat, world_size))
 
+    def _exchange_tensors(self, t: Tensor, flat: Tensor, plan: Plan, world_size: int):
+        n, k, es = flat.numel(), self.rank, flat.element_size()
+        r = self.residual
+        if r is None or r.numel() != n or r.dtype != t.dtype or r.device != t.device:
+            r = self.residual = torch.zeros(n, dtype=t.dtype, device=t.device)
+        r.add_(flat)  # the residual buffer now holds M (plain runs: residual 0, so the gradient itself)
+        qs = self._q_for(self.qs, n, plan.q_numel, t)
+
+        send = torch.empty(plan.p_numel + plan.plain_numel, dtype=t.dtype, device=t.device)
+        po = qo = 0
+        for off, rows, cols in plan.mats:
+            torch.matmul(r[off:off + rows * cols].view(rows, cols), qs[qo:qo + cols * k].view(cols, k),
+                         out=send[po:po + rows * k].view(rows, k))
+            po, qo = po + rows * k, qo + cols * k
+        for off, size in plan.plain:
+            send[po:po + size].copy_(flat[off:off + size])
+            po += size
+
+        (got,) = yield Round("allreduce", [send])
+        ps = []  # P_hat_i, views of the summed round-1 tensor
+        po = qo = 0
+        for off, rows, cols in plan.mats:  # Q_i = M_i^T P_hat_i overwrites the warm start, no longer needed
+            p = orthogonalize_(got[po:po + rows * k].view(rows, k))
+            torch.matmul(r[off:off + rows * cols].view(rows, cols).t(), p, out=qs[qo:qo + cols * k].view(cols, k))
+            ps.append(p)
+            po, qo = po + rows * k, qo + cols * k
+        self.qs = qs
+        (q_sum,) = yield Round("allreduce", [qs])
+        if q_sum is not qs:
+            qs.copy_(q_sum)
+        qs.div_(world_size)
+        self.last_bytes = (send.numel() + qs.numel()) * es
+
+        # written straight into the bucket: the plain values were copied out before round 1
+        out = out_buffer(t)
+        qo = 0
+        for (off, rows, cols), p in zip(plan.mats, ps):
+            o = out[off:off + rows * cols]
+            torch.matmul(p, qs[qo:qo + cols * k].view(cols, k).t(), out=o.view(rows, cols))
+            r[off:off + rows * cols].sub_(o)
+            qo += cols * k
+        for off, size in plan.plain:
+            torch.div(got[po:po + size], world_size, out=out[off:off + size])
+            r[off:off + size].zero_()
+            po += size
+        return out.view(t.shape)
+
+    def _exchange_flat(self, t: Tensor, flat: Tensor, world_size: int):
+        n, es = flat.numel(), flat.element_size()
         rows, cols = matrix_shape(n)
         full, rem = divmod(n, cols)  # full rows of the matrix, entries in the partial last row
         r = self.residual
@@ -179,11 +296,11 @@ class PowerSGD(Compressor):
             r = self.residual = torch.zeros(rows * cols, dtype=t.dtype, device=t.device)
         r[:n].add_(flat)  # the residual buffer now holds M (padding stays zero)
         m = r.view(rows, cols)
-        q = self._q_for(n, cols, t)
+        q = self._q_for(self.q, n, cols * self.rank, t).view(cols, self.rank)
 
         (p,) = yield Round("allreduce", [m @ q])
         p = orthogonalize_(p)
-        q = self.q = torch.matmul(m.t(), p, out=q if q is self.q else None)
+        q = self.q = torch.matmul(m.t(), p, out=q)  # q is ours (the warm start or a fresh copy) and no longer needed
         (q_sum,) = yield Round("allreduce", [q])
         if q_sum is not q:
             q.copy_(q_sum)
@@ -202,13 +319,13 @@ class PowerSGD(Compressor):
 
     # state ---------------------------------------------------------------
     def state_dict(self):
-        return {**super().state_dict(), "step": self.step, "q": self.q, "residual": self.residual}
+        return {**super().state_dict(), "step": self.step, "q": self.q, "qs": self.qs, "residual": self.residual}
 
     def load_state_dict(self, state):
         super().load_state_dict(state)
         self.step = int(state.get("step", 0))
-        self.q = None if state.get("q") is None else state["q"].clone()
-        self.residual = None if state.get("residual") is None else state["residual"].clone()
+        for key in ("q", "qs", "residual"):
+            setattr(self, key, None if state.get(key) is None else state[key].clone())
 
     def __repr__(self):
         return (f"PowerSGD(rank={self.rank}, start_iter={self.start_iter}, "

@@ -1,0 +1,182 @@
+"""Lab orchestration: queue limit, fault handling, stale launchers, the index, bad input, divergence."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import lab
+from lab import procs
+from lab.cli import main as cli
+from lab.queue import Lab
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"name": "q", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 5, "batch_size": 16,
+         "eval_every": 0, "threads": 1}
+LONG = dict(SMALL, name="long", steps=100000)
+
+
+def wait_for(pred, timeout, what):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def job_processes(run):
+    """Every recorded process of a run that is still alive (ranks, torchrun, supervisor)."""
+    st = run.status()
+    idents = run.worker_pids() + [st.get("torchrun"), st.get("supervisor")]
+    return [i for i in idents if procs.alive(i)]
+
+
+def test_queue_limit_holds_and_all_finish(tmp_path):
+    q = Lab(tmp_path, max_jobs=2)
+    runs = [q.submit(lab._spec(dict(SMALL, seed=i)), wait=False) for i in range(6)]
+    peak = 0
+    t0 = time.time()
+    while time.time() - t0 < 240:
+        states = [r.state for r in runs]
+        peak = max(peak, states.count("running"))
+        if all(s in ("done", "failed", "cancelled") for s in states):
+            break
+        time.sleep(0.05)
+    assert [r.state for r in runs] == ["done"] * 6
+    # also from the recorded times: at no moment were more than two jobs between start and end
+    spans = [(r.status()["started"], r.status()["ended"]) for r in runs]
+    events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    level = top = 0
+    for _, d in events:
+        level += d
+        top = max(top, level)
+    assert peak <= 2 and top <= 2, (peak, top)
+    assert top == 2  # and the limit was used
+
+
+def test_kill9_of_a_rank_fails_fast_and_leaves_nothing(tmp_path):
+    q = Lab(tmp_path, max_jobs=1)
+    run = q.submit(lab._spec(LONG), wait=False)
+    wait_for(lambda: len(run.worker_pids()) == 2 and run.state == "running"
+             and any(m["kind"] == "step" for m in run.metric_rows()), 60, "the run to train")
+    victim = next(p for p in run.worker_pids() if p["rank"] == 1)
+    t0 = time.time()
+    os.kill(victim["pid"], signal.SIGKILL)
+    wait_for(lambda: run.state == "failed", 15, "status failed")
+    assert time.time() - t0 < 15
+    st = run.status()
+    assert st["rank"] == 1 and "SIGKILL" in st["error"], st
+    wait_for(lambda: not job_processes(run), 10, "every process of the job to end")
+    assert run.metric_rows(), "metrics logged before the kill are kept"
+
+
+def test_killed_launcher_is_marked_stale_and_stops_its_job(tmp_path):
+    spec = tmp_path / "long.json"
+    spec.write_text(json.dumps(LONG))
+    runs = tmp_path / "runs"
+    p = subprocess.Popen([sys.executable, "-m", "lab.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
+                         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    q = Lab(runs)
+    run = wait_for(lambda: next(iter(q.store.list()), None), 30, "the run directory")
+    wait_for(lambda: run.state == "running" and run.metric_rows(), 60, "training to start")
+    p.kill()  # SIGKILL: the launcher gets no chance to clean up
+    p.wait()
+    wait_for(lambda: not job_processes(run), 15, "the job to stop with its launcher")
+    assert run.state == "running"  # nobody was left to say otherwise
+    assert q.recover_stale() == [run.id]
+    assert run.state == "failed" and "stale" in run.status()["error"]
+    assert run.metric_rows()  # everything logged before stays readable
+    r = subprocess.run([sys.executable, "-m", "lab.cli", "show", run.id, "--runs", str(runs)], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "failed" in r.stdout
+
+
+def test_cancel_in_every_state(tmp_path):
+    q = Lab(tmp_path, max_jobs=1)
+    running = q.submit(lab._spec(LONG), wait=False)
+    queued = q.submit(lab._spec(dict(LONG, seed=1)), wait=False)
+    wait_for(lambda: running.state == "running" and running.worker_pids(), 60, "the first run to start")
+    assert queued.state == "queued"
+    q.cancel(queued.id)
+    assert q.wait(queued.id, timeout=15) == "cancelled"
+    q.cancel(running.id)
+    assert q.wait(running.id, timeout=30) == "cancelled"
+    wait_for(lambda: not job_processes(running), 15, "the cancelled job's processes to end")
+    assert q.cancel(running.id) == "cancelled"  # cancelling a finished run changes nothing
+
+
+def test_nan_loss_gives_diverged(tmp_path):
+    run = lab.run(dict(SMALL, steps=20, fault={"kind": "nan", "step": 7, "rank": 1}), runs=tmp_path)
+    st = run.status()
+    assert st["state"] == "diverged" and st["step"] == 7, st
+    assert "diverged at step 7" in st["error"]
+
+
+def test_index_rebuilds_from_directories(tmp_path):
+    q = Lab(tmp_path)
+    a = lab.run(SMALL, runs=tmp_path)
+    b = lab.run(dict(SMALL, fault={"kind": "raise", "step": 2, "rank": 0}), runs=tmp_path)
+    before = {r["id"]: (r["state"], r["iter_ms"]) for r in q.index.query()}
+    assert before[a.id][0] == "done" and before[b.id][0] == "failed"
+    for suffix in ("", "-wal", "-shm"):
+        Path(str(q.index.path) + suffix).unlink(missing_ok=True)
+    assert q.reindex() == 2
+    after = {r["id"]: (r["state"], r["iter_ms"]) for r in q.index.query()}
+    assert after == before
+    q.index.path.write_bytes(b"this is not a database")  # damaged: rebuilt on first use
+    assert {r["id"] for r in q.index.query()} == {a.id, b.id}
+    df = lab.compare(lab.runs(runs=tmp_path))
+    assert list(df.index) == [a.id, b.id] and df.loc[a.id, "state"] == "done"
+    assert not a.metrics().empty and not a.timeline().empty and a.summary().loc[a.id, "state"] == "done"
+
+
+MALFORMED = [
+    "[1, 2", "just a string", "42", "- a\n- b", "model: [1]", "steps: many", "steps: -1", "steps: 0",
+    "batch_size: 0", "world_size: 0", "world_size: 2.5", "seed: -3", "model: vgg", "dataset: imagenet",
+    "optimizer: {name: lbfgs}", "optimizer: {lr: 0}", "optimizer: {name: adam, momentum: 0.9}",
+    "compressor: {name: topk, ratio: 2}", "compressor: {name: topk, ratio: 0}", "compressor: {name: qsgd, levels: 0}",
+    "compressor: {name: powersgd, rank: 0}", "compressor: {name: efsignsgd, error_feedback: true}",
+    "schedule: {name: bucket, cap_mb: -1}", "comm: {mode: teleport}", "network: {link: carrier-pigeon}",
+    "model: transformer\ndataset: digits", "eval_every: -1", "timeline: maybe", "backend: nccl\ndevice: cpu",
+    "unknown_field: 1",
+]
+
+
+@pytest.mark.parametrize("text", MALFORMED)
+def test_malformed_specs_get_one_line_and_change_nothing(tmp_path, capsys, text):
+    spec = tmp_path / "bad.yaml"
+    spec.write_text(text)
+    runs = tmp_path / "runs"
+    assert cli(["run", str(spec), "--runs", str(runs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("commlab: error:"), err
+    assert not runs.exists()
+
+
+HOSTILE = ["../x", "../../etc/passwd", "/etc/passwd", "..", ".", "a/b", "a\\b", "~root", "x" * 300, "-rf",
+           "run\x00id", " spaced", "%2e%2e%2f"]
+
+
+@pytest.mark.parametrize("run_id", HOSTILE[:10] + HOSTILE[10:])
+@pytest.mark.parametrize("cmd", ["show", "trace", "cancel"])
+def test_hostile_run_ids_are_refused(tmp_path, capsys, run_id, cmd):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (tmp_path / "secret").mkdir()
+    (tmp_path / "secret" / "spec.json").write_text("{}")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    argv = [cmd, "--runs", str(runs), "--", run_id] + (["-o", str(tmp_path / "t.json")] if cmd == "trace" else [])
+    if cmd == "trace":
+        argv = [cmd, "--runs", str(runs), "-o", str(tmp_path / "t.json"), "--", run_id]
+    assert cli(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+    with pytest.raises(lab.store.RunError):
+        Lab(runs).store.get(run_id)
