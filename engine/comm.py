@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from engine.compressors.base import Compressor, Round
+from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
 from engine.timeline import Timeline
 
@@ -74,24 +75,41 @@ class Bucket:
 
 
 class _Pending:
-    """An issued collective: its work handles and how to read the result."""
+    """An issued collective: its work handles and how to read the result.
 
-    def __init__(self, works, finish: Callable[[], list]):
+    With a modeled link, ``deadline`` is when the model says the collective
+    completes (host clock); ``wait`` returns no earlier than that."""
+
+    def __init__(self, works, finish: Callable[[], list], link: Optional[ModeledLink] = None,
+                 deadline: Optional[float] = None):
         self.works = works
         self.finish = finish
         self.t_done = None
+        self.link = link
+        self.deadline = deadline
 
     def wait(self):
         for w in self.works:
             w.wait()
+        if self.link is not None and self.deadline is not None:
+            self.link.hold_until(self.deadline)
         return self.finish()
 
 
-def issue_allreduce(tensors: List[Tensor], group=None) -> _Pending:
-    """Start an asynchronous sum of ``tensors`` over ranks (one collective when dtypes agree)."""
+def _book(link: Optional[ModeledLink], op: str, nbytes: int, group) -> Optional[float]:
+    """The modeled completion time of a collective issued now (None without a modeled link)."""
+    if link is None:
+        return None
+    return link.issue(op, nbytes, dist.get_world_size(group))
+
+
+def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None) -> _Pending:
+    """Start an asynchronous sum of ``tensors`` over ranks (one collective when dtypes agree).
+    With a modeled ``link``, waiting on it takes at least the link's ring all-reduce time."""
+    deadline = _book(link, "allreduce", sum(t.numel() * t.element_size() for t in tensors), group)
     if len(tensors) == 1:
         t = tensors[0]
-        return _Pending([dist.all_reduce(t, group=group, async_op=True)], lambda: [t])
+        return _Pending([dist.all_reduce(t, group=group, async_op=True)], lambda: [t], link, deadline)
     if len({(t.dtype, t.device) for t in tensors}) == 1:
         # one collective for the whole payload: per-call latency dominates small tensors
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -103,18 +121,20 @@ def issue_allreduce(tensors: List[Tensor], group=None) -> _Pending:
                 out.append(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
             return out
-        return _Pending([work], split)
+        return _Pending([work], split, link, deadline)
     works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
-    return _Pending(works, lambda: list(tensors))
+    return _Pending(works, lambda: list(tensors), link, deadline)
 
 
-def issue_allgather(tensors: List[Tensor], group=None) -> _Pending:
+def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None) -> _Pending:
     """All-gather payloads whose sizes may differ between ranks.
 
     Every tensor is sent as raw bytes in one padded buffer, each starting at
     an 8-byte aligned offset (so it can be viewed back as its dtype). A small
     header (the shape of every tensor) is exchanged first, synchronously: it
     is a few bytes and keeps the data exchange a single asynchronous collective.
+    With a modeled ``link`` both exchanges take at least the link's ring
+    all-gather time, the data one for the padded size every rank sends.
     """
     world = dist.get_world_size(group)
     device = tensors[0].device if tensors else torch.device("cpu")
@@ -126,7 +146,10 @@ def issue_allgather(tensors: List[Tensor], group=None) -> _Pending:
         header[i, 0] = t.dim()
         header[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     headers = [torch.empty_like(header) for _ in range(world)]
+    header_deadline = _book(link, "allgather", header.numel() * header.element_size(), group)
     dist.all_gather(headers, header, group=group)
+    if header_deadline is not None:
+        link.hold_until(header_deadline)
     dtypes = [t.dtype for t in tensors]
     esize = [t.element_size() for t in tensors]
 
@@ -142,6 +165,7 @@ def issue_allgather(tensors: List[Tensor], group=None) -> _Pending:
         if n:
             send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
     recv = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(world)]
+    deadline = _book(link, "allgather", cap, group)
     work = dist.all_gather(recv, send, group=group, async_op=True)
 
     def unpack():
@@ -153,7 +177,7 @@ def issue_allgather(tensors: List[Tensor], group=None) -> _Pending:
                 payload.append(recv[r][off:off + n].view(dt).view(shape))
             out.append(payload)
         return out
-    return _Pending([work], unpack)
+    return _Pending([work], unpack, link, deadline)
 
 
 class DataParallel:
@@ -165,12 +189,15 @@ class DataParallel:
                  mode: str = "wfbp",
                  timeline: Optional[Timeline] = None,
                  group=None,
-                 broadcast_from_rank0: bool = True):
+                 broadcast_from_rank0: bool = True,
+                 link: Optional[ModeledLink] = None):
         if mode not in ("sync", "wfbp"):
             raise ValueError(f"comm.mode: {mode!r} is not supported by DataParallel; allowed: sync, wfbp")
         self.model = model
         self.mode = mode
         self.group = group
+        self.link = link
+        """A ModeledLink (network: modeled): every collective lasts at least its alpha-beta time."""
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeline = timeline or Timeline(None, self.rank, enabled=False)
@@ -236,9 +263,9 @@ class DataParallel:
         b.rounds += 1
         b.t_issue = self.timeline.now()
         if rnd.op == "allreduce":
-            b.handle = issue_allreduce(rnd.tensors, self.group)
+            b.handle = issue_allreduce(rnd.tensors, self.group, self.link)
         elif rnd.op == "allgather":
-            b.handle = issue_allgather(rnd.tensors, self.group)
+            b.handle = issue_allgather(rnd.tensors, self.group, self.link)
         else:
             raise ValueError(f"compressor {b.compressor.name} asked for an unknown collective {rnd.op!r}")
         pend, args = b.handle, {"bucket": b.index, "op": rnd.op, "round": b.rounds,
@@ -247,7 +274,8 @@ class DataParallel:
         t_issue = b.t_issue
 
         def done(_fut, pend=pend):
-            pend.t_done = self.timeline.now()
+            # with a modeled link the collective ends when the model says, not when loopback did
+            pend.t_done = max(self.timeline.now(), pend.deadline or 0.0)
         if pend.works:
             pend.works[-1].get_future().add_done_callback(done)
         else:

@@ -28,8 +28,8 @@ SCHEDULES_AVAILABLE = ("layerwise", "allinone", "bucket")
 SCHEDULES_PLANNED = ("mergecomp", "layerfusion")
 COMM_AVAILABLE = ("sync", "wfbp")
 COMM_PLANNED = ("dear",)
-LINKS_AVAILABLE = ("loopback",)
-LINKS_PLANNED = ("shaped", "modeled")
+LINKS_AVAILABLE = ("loopback", "shaped", "modeled")
+LINKS_PLANNED = ()
 
 
 @dataclass
@@ -162,6 +162,15 @@ class NetworkSpec:
             raise SpecError("network.link", f"{self.link!r} is not implemented yet; available: {', '.join(LINKS_AVAILABLE)}")
         if self.link == "loopback" and (self.gbps is not None or self.latency_us is not None):
             raise SpecError("network.gbps", "a loopback link takes no gbps or latency_us")
+        if self.link in ("shaped", "modeled"):
+            if self.gbps is None or not 0.001 <= self.gbps <= 400:
+                raise SpecError("network.gbps", f"a {self.link} link needs gbps in [0.001, 400], got {self.gbps}")
+        if self.latency_us is not None:
+            if self.link != "modeled":
+                raise SpecError("network.latency_us", "only a modeled link takes latency_us (shaped links have "
+                                                      "the real latency of the emulated cluster)")
+            if not 0 <= self.latency_us <= 1e6:
+                raise SpecError("network.latency_us", f"must be in [0, 1000000], got {self.latency_us}")
 
 
 @dataclass

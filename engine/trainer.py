@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from engine import compressors, data, models, schedules
+from engine import compressors, data, models, netmodel, schedules
 from engine.comm import DataParallel
 from engine.probe import LayerProbe
 from engine.runlog import JsonlWriter
@@ -86,7 +86,8 @@ class Trainer:
         c = spec.compressor
         self.dp = DataParallel(self.model, schedule_fn(spec),
                                lambda: compressors.make(c.name, error_feedback=c.error_feedback, **c.params),
-                               mode=spec.comm.mode, timeline=self.timeline, group=group)
+                               mode=spec.comm.mode, timeline=self.timeline, group=group,
+                               link=netmodel.from_spec(spec.network))
         self.sampler = data.ShardSampler(self.data.size("train"), spec.batch_size, rank, world, spec.seed)
         self.step = 0
         if rank == 0 and run_dir:

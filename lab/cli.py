@@ -66,6 +66,16 @@ def build_parser() -> Parser:
     p.add_argument("--table", action="store_true", help="only print the table of what has run so far")
     _runs_arg(p)
 
+    p = sub.add_parser("net", help="emulated cluster networks (shaped links)")
+    netsub = p.add_subparsers(dest="net_cmd", metavar="NET_COMMAND", parser_class=Parser)
+    netsub.required = True
+    q = netsub.add_parser("check", help="build a shaped cluster, measure TCP and gloo all-reduce, tear it down")
+    q.add_argument("--gbps", type=float, required=True, help="link rate in Gbit/s")
+    q.add_argument("--ranks", type=int, default=2, help="ranks in the cluster (default 2)")
+    q.add_argument("--seconds", type=float, default=3.0, help="TCP measurement time (default 3)")
+    q.add_argument("--json", action="store_true", help="print the figures as JSON")
+    netsub.add_parser("cleanup", help="remove the lab's namespaces left by dead launchers")
+
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
     p.add_argument("name", metavar="NAME", nargs="?", help="benchmark name; omit to list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
@@ -147,6 +157,27 @@ def cmd_sweep(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_net(args) -> int:
+    from lab import netns
+    try:
+        netns.check_shaped_supported()
+        if args.net_cmd == "cleanup":
+            removed = netns.cleanup_stale()
+            print(f"removed {len(removed)} stale namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+            return 0
+        if not 0.001 <= args.gbps <= 400:
+            raise UsageError(f"commlab net check: --gbps must be in [0.001, 400], got {args.gbps}")
+        if not 2 <= args.ranks <= 64:
+            raise UsageError(f"commlab net check: --ranks must be in 2..64, got {args.ranks}")
+        r = netns.net_check(args.gbps, seconds=args.seconds, n_ranks=args.ranks,
+                            out=None if args.json else sys.stdout)
+    except netns.NetworkUnavailable as e:
+        raise LabError(str(e)) from None
+    if args.json:
+        print(json.dumps(r, indent=1))
+    return 0
+
+
 def cmd_cancel(args) -> int:
     lab = Lab(args.runs)
     before = lab.store.get(args.run).state
@@ -187,7 +218,7 @@ def cmd_trace(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "show": cmd_show, "trace": cmd_trace,
+COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net, "show": cmd_show, "trace": cmd_trace,
             "bench": cmd_bench}
 
 

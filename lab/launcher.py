@@ -7,6 +7,7 @@ failing rank's error) or cancelled at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -106,41 +107,64 @@ class ProgressBar:
 def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
            on_metrics: Optional[Callable[[List[dict]], None]] = None,
            should_cancel: Optional[Callable[[], bool]] = None) -> str:
-    """Run ``run`` to completion in the foreground and return its final state."""
+    """Run ``run`` to completion in the foreground and return its final state.
+
+    On loopback (and modeled links) one torchrun starts every rank. On a
+    shaped link the launcher builds an emulated cluster and starts each rank
+    as its own torchrun node inside its namespace; the cluster is torn down
+    however the run ends.
+    """
     spec = run.spec()
-    out = out or sys.stderr
-    argv = torchrun_argv(worker_argv(str(run.path)), spec.world_size, free_port())
+    with contextlib.ExitStack() as stack:
+        if spec.network.link == "shaped":
+            from lab.netns import Cluster, rank_argv
+            cluster = stack.enter_context(Cluster(spec.world_size, spec.network.gbps, tag=run.id[-4:]))
+            port = free_port()
+            jobs = [rank_argv(cluster, i, worker_argv(str(run.path)), port) for i in range(spec.world_size)]
+            info = {"cluster": cluster.describe()}
+        else:
+            jobs = [(torchrun_argv(worker_argv(str(run.path)), spec.world_size, free_port()), {})]
+            info = {}
+        return _follow(run, spec, jobs, info, progress, out or sys.stderr, poll_s, on_metrics, should_cancel)
+
+
+def _follow(run, spec, jobs, info, progress, out, poll_s, on_metrics, should_cancel) -> str:
     log = open(run.file("log.txt"), "ab", buffering=0)
-    # torchrun gets SIGTERM if this launcher dies, and stops its ranks (which die with it too)
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                            env=worker_env(), start_new_session=True, preexec_fn=procs.die_with_parent)
-    run.set_status("running", torchrun=procs.identity(proc.pid), argv=argv)
+    # each torchrun gets SIGTERM if this launcher dies, and stops its ranks (which die with it too)
+    procs_ = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               env={**worker_env(), **env}, start_new_session=True,
+                               preexec_fn=procs.die_with_parent) for argv, env in jobs]
+    run.set_status("running", torchrun=procs.identity(procs_[0].pid),
+                   torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
     tail = MetricsTail(str(run.file("metrics.jsonl")))
     bar = ProgressBar(spec.steps, out) if progress else None
-    done_steps, info = 0, ""
-    state = "failed"
+    done_steps, text = 0, ""
     try:
         while True:
-            rc = proc.poll()
+            codes = [p.poll() for p in procs_]
             new = tail.read()
             if new:
                 for m in new:
                     if m.get("kind") == "step" and m.get("rank") == 0:
                         done_steps = m["step"] + 1
-                        info = f"loss {m['loss']:.4f}"
+                        text = f"loss {m['loss']:.4f}"
                     elif m.get("kind") == "eval":
-                        info += f" acc {m['eval_acc']:.2%}"
+                        text += f" acc {m['eval_acc']:.2%}"
                 if on_metrics:
                     on_metrics(new)
                 if bar:
-                    bar.update(done_steps, info)
-            if rc is not None:
+                    bar.update(done_steps, text)
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes):  # one node failed: the others cannot go on
+                time.sleep(1.0)  # let them notice and record their own errors first
+                stop(procs_)
                 break
             if should_cancel and should_cancel():
                 raise KeyboardInterrupt
             time.sleep(poll_s)
     except KeyboardInterrupt:
-        stop(proc)
+        stop(procs_)
         kill_strays(run)
         if bar:
             bar.close()
@@ -152,6 +176,7 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
     if bar:
         bar.close()
     kill_strays(run)
+    rc = next((c for c in (p.poll() for p in procs_) if c), 0)
     return finish_status(run, rc)
 
 
@@ -230,19 +255,19 @@ def _read_all(run: Run, pattern: str) -> List[dict]:
     return out
 
 
-def stop(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """Stop a job we started: SIGTERM to its process group, SIGKILL after a grace period."""
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+def stop(procs_: List[subprocess.Popen], grace_s: float = 5.0) -> None:
+    """Stop jobs we started in sessions of their own: SIGTERM to each process group
+    (torchrun then stops its ranks), SIGKILL after a grace period."""
+    live = [p for p in procs_ if p.poll() is None]
+    for p in live:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for p in live:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(max(deadline - time.monotonic(), 0.01))
+    for p in live:
+        if p.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()

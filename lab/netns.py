@@ -129,24 +129,13 @@ def _ns_pids(ns: str) -> List[int]:
 
 
 def _proc_start(pid: int) -> Optional[int]:
-    """The start time of ``pid`` (clock ticks after boot), or None if it does not exist."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None
-    fields = data[data.rfind(b")") + 2:].split()
-    try:
-        if fields[0] == b"Z":  # a zombie is as good as dead
-            return None
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
+    from lab.procs import start_time
+    return start_time(pid)
 
 
 def _alive(pid: int, start: Optional[int] = None) -> bool:
-    now = _proc_start(pid)
-    return now is not None and (start is None or now == start)
+    from lab.procs import alive
+    return alive({"pid": pid, "start": start})
 
 
 def _kill_ns_processes(ns: str, timeout: float = 5.0) -> List[int]:
@@ -478,36 +467,13 @@ def rank_argv(cluster: Cluster, i: int, entry: List[str], port: int,
 
 
 def _base_env() -> dict:
-    try:
-        from lab.launcher import worker_env
-        env = worker_env()
-    except Exception:  # the launcher is being reworked; this is all we need from it
-        env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
+    from lab.launcher import worker_env
+    return worker_env()
 
 
 def _stop(procs: Sequence[subprocess.Popen], grace_s: float = 3.0) -> None:
-    """Stop processes we started in their own sessions: SIGTERM to each group
-    (torchrun then stops its workers, which sit in sessions of their own), then
-    SIGKILL. Whatever is still left in the namespaces dies at teardown."""
-    live = [p for p in procs if p.poll() is None]
-    for p in live:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(p.pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    for p in live:
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            p.wait(max(deadline - time.monotonic(), 0.01))
-    for p in live:
-        if p.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(5)
+    from lab.launcher import stop
+    stop(list(procs), grace_s)
 
 
 _TCP_RECV = r"""

@@ -22,9 +22,12 @@ def start_time(pid: int) -> Optional[int]:
         return None
     # the command name (field 2) may contain spaces; fields after it start after the last ')'
     fields = stat[stat.rindex(")") + 2:].split()
-    if fields[0] == "Z":  # a zombie has finished
+    try:
+        if fields[0] == "Z":  # a zombie has finished
+            return None
+        return int(fields[19])
+    except (IndexError, ValueError):
         return None
-    return int(fields[19])
 
 
 def identity(pid: Optional[int] = None) -> dict:

@@ -95,6 +95,12 @@ class Lab:
 
     def create(self, spec, sweep: Optional[str] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it)."""
+        if spec.network.link == "shaped":
+            from lab.netns import NetworkUnavailable, check_shaped_supported
+            try:
+                check_shaped_supported()
+            except NetworkUnavailable as e:
+                raise LabError(f"network.link: {e}") from None
         self.recover_stale()
         run = self.store.create(spec)
         run.set_status("queued", **({"sweep": sweep} if sweep else {}))
