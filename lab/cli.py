@@ -40,6 +40,12 @@ def build_parser() -> Parser:
                    help="override a spec field, e.g. --set steps=50 --set compressor.name=none (repeatable)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted, and exit")
+    g = p.add_argument_group("multi-node (torchrun static rendezvous; every node runs this command)")
+    g.add_argument("--nnodes", type=int, default=None, help="number of machines")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    g.add_argument("--master-addr", default=None, help="node 0's address, reachable from every node")
+    g.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
+    g.add_argument("--run-id", default=None, help="the run's name, the same on every node (shared runs dir)")
     _runs_arg(p)
 
     p = sub.add_parser("runs", help="list runs with status and headline figures")
@@ -101,23 +107,68 @@ def cmd_bench(args) -> int:
 
 def cmd_run(args) -> int:
     from lab.specs import load_spec
-    from lab.summary import format_summary, summarize
 
     spec = load_spec(args.spec, args.overrides)
     if args.check:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0
     lab = Lab(args.runs)
-    run = lab.create(spec)
+    if args.nnodes:
+        return run_node(lab, spec, args)
+    run = lab.create(spec, run_id=args.run_id)
     print(f"run {run.id}  ({run.path})", flush=True)
     try:
         state = lab.supervise(run, progress=not args.quiet)
     except KeyboardInterrupt:
         state = run.state
+    return report(run, state)
+
+
+def run_node(lab, spec, args) -> int:
+    """One node of a multi-machine run. Node 0 creates the run and owns its status;
+    the others join the same run directory (a shared file system) and run their ranks."""
+    import time
+    from lab.launcher import Nodes, launch
+    if not args.run_id or not args.master_addr:
+        raise UsageError("commlab run: --nnodes needs --run-id and --master-addr (the same on every node)")
+    try:
+        nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    except ValueError as e:
+        raise UsageError(f"commlab run: {e}") from None
+    if args.node_rank == 0:
+        from lab import procs
+        run = lab.create(spec, run_id=args.run_id)
+        run.set_status("queued", supervisor=procs.identity())
+    else:
+        t0 = time.time()
+        while True:  # node 0 may not have created it yet
+            try:
+                run = lab.store.get(args.run_id)
+                break
+            except LabError:
+                if time.time() - t0 > 60:
+                    raise
+                time.sleep(0.5)
+    print(f"run {run.id}  node {args.node_rank}/{args.nnodes}  ({run.path})", flush=True)
+    state = launch(run, progress=not args.quiet and args.node_rank == 0, nodes=nodes)
+    if args.node_rank > 0:
+        print(f"node {args.node_rank}: {state}")
+        return 0 if state == "done" else 1
+    return report(run, state)
+
+
+def report(run, state) -> int:
+    from lab.summary import format_summary, summarize
     st = run.status()
     print(f"status         {state}" + (f": rank {st.get('rank')}: {st.get('error')}" if state in ("failed", "diverged")
                                          else ""))
-    for line in format_summary(summarize(run.metric_rows(), run.spec_dict())):
+    spec = run.spec_dict()
+    net = spec["network"]
+    if net["link"] != "loopback":
+        kind = "modeled (alpha-beta delays on loopback, not a real link)" if net["link"] == "modeled" else \
+            "shaped (tc tbf between network namespaces)"
+        print(f"network        {net['gbps']} Gbit/s, {kind}")
+    for line in format_summary(summarize(run.metric_rows(), spec)):
         print(line)
     return 0 if state == "done" else 1
 

@@ -40,10 +40,11 @@ def worker_argv(run_dir: str) -> List[str]:
     return ["-m", "engine.worker", "--run-dir", str(run_dir)]
 
 
-def worker_env(base: Optional[dict] = None) -> dict:
+def worker_env(base: Optional[dict] = None, loopback: bool = True) -> dict:
     env = dict(os.environ if base is None else base)
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the hostname resolves to loopback anyway; say so
+    if loopback:
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the hostname resolves to loopback anyway; say so
     env["PYTHONUNBUFFERED"] = "1"
     # the engine lives next to lab/; make it importable for the workers wherever they start
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -106,17 +107,29 @@ class ProgressBar:
 
 def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
            on_metrics: Optional[Callable[[List[dict]], None]] = None,
-           should_cancel: Optional[Callable[[], bool]] = None) -> str:
+           should_cancel: Optional[Callable[[], bool]] = None, nodes: Optional["Nodes"] = None) -> str:
     """Run ``run`` to completion in the foreground and return its final state.
 
     On loopback (and modeled links) one torchrun starts every rank. On a
     shaped link the launcher builds an emulated cluster and starts each rank
     as its own torchrun node inside its namespace; the cluster is torn down
-    however the run ends.
+    however the run ends. With ``nodes`` this process is one node of a
+    multi-machine run: it starts this node's share of the ranks, and only node
+    0 writes the run's status.
     """
     spec = run.spec()
     with contextlib.ExitStack() as stack:
-        if spec.network.link == "shaped":
+        if nodes is not None:
+            if spec.world_size % nodes.nnodes:
+                raise ValueError(f"world_size: {spec.world_size} ranks do not split over {nodes.nnodes} nodes")
+            argv = torchrun_argv(worker_argv(str(run.path)), spec.world_size // nodes.nnodes, nodes.port,
+                                 nodes.nnodes, nodes.node_rank, nodes.master_addr)
+            loop = nodes.master_addr in ("127.0.0.1", "localhost")
+            jobs = [(argv, {} if loop else {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "")})]
+            info = {"nodes": nodes.nnodes}
+            if nodes.node_rank > 0:
+                return _follow_node(run, jobs, loop)
+        elif spec.network.link == "shaped":
             from lab.netns import Cluster, rank_argv
             cluster = stack.enter_context(Cluster(spec.world_size, spec.network.gbps, tag=run.id[-4:]))
             port = free_port()
@@ -128,11 +141,37 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
         return _follow(run, spec, jobs, info, progress, out or sys.stderr, poll_s, on_metrics, should_cancel)
 
 
+class Nodes:
+    """This process's place in a multi-node launch (torchrun's static rendezvous)."""
+
+    def __init__(self, nnodes: int, node_rank: int, master_addr: str, port: int):
+        if not 1 <= nnodes <= 4096 or not 0 <= node_rank < nnodes:
+            raise ValueError(f"--node-rank: must be in 0..{nnodes - 1}, got {node_rank}")
+        self.nnodes, self.node_rank, self.master_addr, self.port = nnodes, node_rank, master_addr, port
+
+
+def _follow_node(run: Run, jobs, loopback: bool) -> str:
+    """A node other than 0: run its torchrun to the end; node 0 owns the run's status."""
+    with open(run.file(f"log-node{os.getpid()}.txt"), "ab", buffering=0) as log:
+        argv, env = jobs[0]
+        env = {k: v for k, v in env.items() if v}
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                             env={**worker_env(loopback=loopback), **env}, start_new_session=True,
+                             preexec_fn=procs.die_with_parent)
+        try:
+            return "done" if p.wait() == 0 else "failed"
+        except KeyboardInterrupt:
+            stop([p])
+            return "cancelled"
+
+
 def _follow(run, spec, jobs, info, progress, out, poll_s, on_metrics, should_cancel) -> str:
     log = open(run.file("log.txt"), "ab", buffering=0)
     # each torchrun gets SIGTERM if this launcher dies, and stops its ranks (which die with it too)
+    loopback = "nodes" not in info or not any(v for e in (env for _, env in jobs) for v in e.values())
     procs_ = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**worker_env(), **env}, start_new_session=True,
+                               env={**worker_env(loopback=loopback), **{k: v for k, v in env.items() if v}},
+                               start_new_session=True,
                                preexec_fn=procs.die_with_parent) for argv, env in jobs]
     run.set_status("running", torchrun=procs.identity(procs_[0].pid),
                    torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)

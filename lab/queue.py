@@ -93,7 +93,7 @@ class Lab:
             self.spawn_supervisor(run)
         return run
 
-    def create(self, spec, sweep: Optional[str] = None) -> Run:
+    def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it)."""
         if spec.network.link == "shaped":
             from lab.netns import NetworkUnavailable, check_shaped_supported
@@ -102,7 +102,7 @@ class Lab:
             except NetworkUnavailable as e:
                 raise LabError(f"network.link: {e}") from None
         self.recover_stale()
-        run = self.store.create(spec)
+        run = self.store.create(spec, run_id)
         run.set_status("queued", **({"sweep": sweep} if sweep else {}))
         return run
 

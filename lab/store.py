@@ -177,18 +177,26 @@ class RunStore:
         self.root = Path(root) if root else default_root()
         self.on_change = on_change
 
-    def create(self, spec: JobSpec) -> Run:
+    def create(self, spec: JobSpec, run_id: Optional[str] = None) -> Run:
+        """A new run directory, queued. ``run_id`` names it (multi-node runs agree on a name)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for _ in range(100):
-            run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec.name)}-{secrets.token_hex(2)}"
+        if run_id is not None:
+            check_id(run_id)
             path = self.root / run_id
             try:
                 path.mkdir()
-                break
             except FileExistsError:
-                continue
+                raise RunError(f"run {run_id!r} exists already in {self.root}") from None
         else:
-            raise RuntimeError("could not allocate a run id")
+            for _ in range(100):
+                path = self.root / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec.name)}-{secrets.token_hex(2)}"
+                try:
+                    path.mkdir()
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise RuntimeError("could not allocate a run id")
         run = Run(path, self.on_change)
         _write_json_atomic(run.file("spec.json"), spec.to_dict())
         run.set_status("queued", created=time.time())
