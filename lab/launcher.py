@@ -243,15 +243,18 @@ def failure_cause(run: Run):
     When one rank dies, its peers fail too, with errors about the lost
     connection, and torchrun stops the rest with SIGTERM; torchrun's own "root
     cause" is not reliable when these land within a second. So the cause is,
-    in order: a rank killed by a signal other than SIGTERM (it leaves no error
-    file), a rank whose error is not a lost peer, the earliest error file.
+    in order: a rank whose error is not a lost peer; a rank that died without
+    an error file (a signal other than SIGTERM, os._exit, a crash in C++);
+    the earliest error file.
     """
     exits = rank_exits_from_log(run.log_tail(400))
     errs = {e.get("rank"): e for e in run.errors()}
-    for rank, code in exits:
-        if code < 0 and code != -signal.SIGTERM and rank not in errs:
-            return rank, _signal_message(rank, code)
     real = [e for e in errs.values() if not any(p in (e.get("error") or "") for p in PEER_LOST)]
+    silent = [(r, c) for r, c in exits if r not in errs and c != -signal.SIGTERM]
+    if silent and not real:  # died without a word (a signal, os._exit, a crash in C++)
+        rank, code = silent[0]
+        return rank, _signal_message(rank, code) if code < 0 else \
+            f"rank {rank} exited with code {code} without reporting an error"
     pick = real or list(errs.values())
     if pick:
         first = min(pick, key=lambda e: e.get("time", 0))
