@@ -111,8 +111,9 @@ class Sweep:
         tmp.replace(self.dir / "sweep.json")
 
     # -- running ----------------------------------------------------------
-    def run(self, out=sys.stderr, poll_s: float = 0.5):
+    def run(self, out=None, poll_s: float = 0.5):
         """Run every cell not yet done, through the queue, and return the comparison table."""
+        out = out or sys.stderr
         runs = self._load().get("runs", {})
         todo = []
         for c in self.cells:
