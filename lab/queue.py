@@ -119,6 +119,7 @@ class Lab:
     def supervise(self, run: Run, progress: bool = False, out=None) -> str:
         """Wait for a slot, run the job, write its final status. Returns the final state."""
         from lab.launcher import launch
+        run.spec()  # import torch and validate now, not while holding a slot
         run.set_status("queued", supervisor=procs.identity())
         slot = None
         shown = False
@@ -145,14 +146,16 @@ class Lab:
                 Slots.release(slot)
 
     def queue_position(self, run: Run) -> int:
-        """How many queued runs with a live supervisor are older than ``run``."""
+        """How many queued runs with a live supervisor are older than ``run``, counted up to
+        ``max_jobs`` (all a supervisor needs to know, and it keeps polling cheap for long queues)."""
         mine = run.status().get("created", 0)
         n = 0
-        for row in self.index.query(state="queued"):
-            if row["id"] == run.id or (row["created"] or 0) > mine:
+        for row in self.index.query(state="queued"):  # oldest first
+            if (row["created"] or 0) > mine or n >= self.max_jobs:
+                break
+            if row["id"] == run.id:
                 continue
-            other = self.store.get(row["id"])
-            if procs.alive(other.status().get("supervisor")):
+            if procs.alive(self.store.get(row["id"]).status().get("supervisor")):
                 n += 1
         return n
 

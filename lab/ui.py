@@ -1,0 +1,553 @@
+"""What the Streamlit app needs from the lab, without Streamlit: presets, the
+choices of the New run form, live-run data, comparison frames, background
+sweeps, and ``app_main`` (the ``commlab app`` command).
+
+Pages call these and draw the result; nothing here imports streamlit, so all
+of it can be tested and used from a notebook.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import pandas as pd
+import yaml
+
+from engine.spec import COMM_AVAILABLE, COMM_PLANNED, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, SCHEDULES_PLANNED, \
+    JobSpec, SpecError
+from lab import plots, procs
+from lab.store import FINAL, LabError, Run, RunError
+
+REPO = Path(__file__).resolve().parents[1]
+APP_ENTRY = REPO / "app" / "streamlit_app.py"
+DEMO_SPEC = REPO / "examples" / "demo.yaml"
+REFRESH_S = 2.0
+"""How often a live panel re-reads a run that is not final."""
+
+
+def runs_dir() -> Path:
+    """The runs directory the app works on: $COMMLAB_RUNS, else ./runs (read at each call)."""
+    return Path(os.environ.get("COMMLAB_RUNS") or "runs")
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# --------------------------------------------------------------------------- presets
+
+BASE = {"model": "cnn", "dataset": "digits", "world_size": 2, "steps": 150, "batch_size": 32,
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "schedule": {"name": "bucket"},
+        "comm": {"mode": "wfbp"}, "eval_every": 25}
+TOPK_EF = {"name": "topk", "ratio": 0.01, "error_feedback": True}
+
+
+@dataclass
+class Preset:
+    key: str
+    title: str
+    question: str
+    variants: Dict[str, dict]
+    """label -> spec overrides on top of BASE; one run per variant."""
+
+    def specs(self) -> List[dict]:
+        return [{**BASE, **v, "name": f"{self.key}: {label}"} for label, v in self.variants.items()]
+
+    def check(self) -> Optional[str]:
+        """None when every run of the preset is a valid spec, else the reason it is not available."""
+        from lab.specs import load_spec
+        for d in self.specs():
+            try:
+                load_spec(data=d)
+            except SpecError as e:
+                return str(e)
+        return None
+
+
+PRESETS = [
+    Preset("layerwise-vs-bucket", "Layer-wise vs bucketed",
+           "Top-k (1%, error feedback) per layer or fused into 25 MB buckets: how much do many small "
+           "messages and per-layer encoding cost? (MergeComp's question)",
+           {"layerwise": {"compressor": TOPK_EF, "schedule": {"name": "layerwise"}},
+            "bucket": {"compressor": TOPK_EF, "schedule": {"name": "bucket", "cap_mb": 25}}}),
+    Preset("compression-1gbit", "Does compression help on a 1 Gbit/s link?",
+           "No compression, fp16 and top-k 1% over a modeled 1 Gbit/s link (alpha-beta delays in the "
+           "communicator; no root needed). Compare accuracy against wall time.",
+           {"none": {"network": {"link": "modeled", "gbps": 1}},
+            "fp16": {"compressor": {"name": "fp16"}, "network": {"link": "modeled", "gbps": 1}},
+            "topk": {"compressor": TOPK_EF, "network": {"link": "modeled", "gbps": 1}}}),
+    Preset("countsketch-vs-topk", "Count Sketch vs top-k",
+           "Count Sketch tables are summable, so they are all-reduced; top-k payloads are all-gathered. "
+           "Same 1% budget, error feedback on both (Sketch-Fusion SGD).",
+           {"countsketch": {"compressor": {"name": "countsketch", "ratio": 0.01, "error_feedback": True}},
+            "topk": {"compressor": TOPK_EF}}),
+    Preset("dear-vs-ddp", "DeAR vs DDP",
+           "Reduce-scatter during backward and all-gather during the next forward, against DDP-style "
+           "bucketed all-reduce.",
+           {"dear": {"comm": {"mode": "dear"}}, "ddp": {"comm": {"mode": "wfbp"}}}),
+    Preset("mergecomp-search", "MergeComp's searched layout vs layer-wise",
+           "Search the bucket split points by measured iteration time, against one bucket per layer.",
+           {"mergecomp": {"compressor": TOPK_EF, "schedule": {"name": "mergecomp"}},
+            "layerwise": {"compressor": TOPK_EF, "schedule": {"name": "layerwise"}}}),
+]
+
+
+def start_preset(preset: Preset, runs=None) -> List[str]:
+    """Queue every run of a preset (detached supervisors); their ids, in order."""
+    import lab
+    return [lab.run(d, wait=False, runs=runs or runs_dir()).id for d in preset.specs()]
+
+
+# --------------------------------------------------------------------------- the New run form
+
+@dataclass
+class Param:
+    name: str
+    default: object
+    """The compressor's default, or None when it has none that can be written down (derived at run time)."""
+
+
+def compressor_params(name: str) -> List[Param]:
+    """A compressor's keyword parameters and defaults, read from the registry class."""
+    from engine.compressors import REGISTRY
+    cls = REGISTRY[name]
+    sig = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
+           if p.kind == p.KEYWORD_ONLY}
+    try:
+        cls(__probe__=0)
+        allowed: List[str] = []
+    except ValueError as e:  # "<param>: not a parameter of X; allowed: a, b" or "X takes no parameters"
+        m = re.search(r"allowed: (.*)$", str(e))
+        allowed = [a.strip() for a in m.group(1).split(",")] if m else []
+    inst = None
+    out = []
+    for p in allowed:
+        if p in sig:
+            out.append(Param(p, sig[p]))
+            continue
+        if inst is None:
+            inst = cls()
+        v = getattr(inst, p, None)
+        out.append(Param(p, v if isinstance(v, (bool, int, float, str)) or v is None else None))
+    return out
+
+
+def compressor_info(name: str) -> dict:
+    from engine.compressors import REGISTRY
+    c = REGISTRY[name]
+    return {"summable": c.summable, "keeps_shape": c.keeps_shape, "builtin_feedback": c.builtin_feedback,
+            "doc": (inspect.getdoc(c) or "").split("\n\n")[0]}
+
+
+def choices() -> dict:
+    """Every choice the form offers, from the engine's registries and the spec's Literal types."""
+    import typing
+    from engine import compressors, models
+    from engine.spec import DataSpec, OptimizerSpec
+    datasets = typing.get_args(typing.get_type_hints(DataSpec)["name"])
+    cuda = cuda_available()
+    return {
+        "models": models.NAMES,
+        "datasets": datasets,
+        "optimizers": typing.get_args(typing.get_type_hints(OptimizerSpec)["name"]),
+        "compressors": compressors.names(),
+        "schedules": SCHEDULES_AVAILABLE, "schedules_planned": SCHEDULES_PLANNED,
+        "comm": COMM_AVAILABLE, "comm_planned": COMM_PLANNED,
+        "links": LINKS_AVAILABLE,
+        "devices": ("auto", "cpu", "cuda") if cuda else ("cpu",),
+        "backends": ("auto", "gloo", "nccl") if cuda else ("gloo",),
+        "cuda": cuda,
+    }
+
+
+def datasets_for(model: str) -> List[str]:
+    from engine import models
+    return [d for d in choices()["datasets"] if models.compatible(model, "text" if d == "text" else "image")]
+
+
+def validate(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError]]:
+    """The validated spec, or the SpecError (``e.path``, ``e.msg``) that names the bad field."""
+    from lab.specs import load_spec
+    try:
+        return load_spec(data=data), None
+    except SpecError as e:
+        return None, e
+
+
+def error_field(path: str, fields) -> Optional[str]:
+    """The form field an error path belongs to: the longest field that is the path or a
+    prefix of it ("optimizer.lr" -> "optimizer.lr"; "compressor" -> "compressor.name");
+    compressor parameter errors ("compressor: ratio: ...") go to "compressor.params"."""
+    fields = list(fields)
+    if path in fields:
+        return path
+    best = None
+    for f in fields:
+        if path.startswith(f + ".") and (best is None or len(f) > len(best)):
+            best = f
+    if best:
+        return best
+    for f in fields:
+        if f.startswith(path + "."):
+            return f
+    return None
+
+
+def parse_value(text: str):
+    """A typed parameter value from a text box (YAML scalar); '' means unset."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def submit(data: dict, runs=None) -> Run:
+    """Queue a run from a form's spec dict; returns at once."""
+    import lab
+    return lab.run(data, wait=False, runs=runs or runs_dir())
+
+
+def spec_yaml(spec: JobSpec) -> str:
+    return yaml.safe_dump(spec.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- runs: lists and live data
+
+def list_runs(runs=None, **filters) -> List[Run]:
+    import lab
+    return lab.runs(runs=runs or runs_dir(), **filters)
+
+
+def get_run(run_id: str, runs=None) -> Optional[Run]:
+    import lab
+    try:
+        return lab.get(run_id, runs=runs or runs_dir())
+    except (RunError, LabError):
+        return None
+
+
+def cancel(run_id: str, runs=None) -> str:
+    import lab
+    return lab.cancel(run_id, runs=runs or runs_dir())
+
+
+def run_label(run: Run) -> str:
+    try:
+        spec = run.spec_dict()
+        name = spec.get("name", "")
+    except (OSError, ValueError):
+        name = ""
+    return f"{run.id}  [{run.state}]" if not name or name in run.id else f"{name}  [{run.state}]  {run.id}"
+
+
+def describe(spec: dict) -> str:
+    """One line: model on dataset, world size, compressor, schedule, comm, link."""
+    from lab.compare import describe as comp
+    net = spec["network"]
+    link = net["link"] + (f" {net['gbps']:g} Gbit/s" if net.get("gbps") else "")
+    return (f"{spec['model']['name']} on {spec['dataset']['name']}, {spec['world_size']} ranks, {comp(spec)}, "
+            f"{spec['schedule']['name']}, {spec['comm']['mode']}, {link}")
+
+
+def progress(run: Run) -> Tuple[int, int]:
+    """(steps done, steps planned)."""
+    spec = run.spec_dict()
+    done = 0
+    for m in run.metric_rows():
+        if m.get("kind") == "step":
+            done = max(done, m["step"] + 1)
+    return done, spec["steps"]
+
+
+def timeline_frame(events: List[dict]) -> pd.DataFrame:
+    """Chrome trace events as the frame ``Run.timeline()`` returns."""
+    from engine.timeline import LANE_NAMES
+    return pd.DataFrame([{"rank": e["pid"], "lane": LANE_NAMES.get(e["tid"], str(e["tid"])), "name": e["name"],
+                          "start_us": e["ts"], "dur_us": e["dur"], **(e.get("args") or {})} for e in events])
+
+
+def _tail_events(path: Path, steps: int, chunk: int = 1 << 18) -> List[dict]:
+    """Events of the last ``steps`` step spans (and what follows them) of one rank's file,
+    read from the end, so a long run costs no more than a short one."""
+    step_tid = 0
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return []
+    with open(path, "rb") as f:
+        while True:
+            start = max(0, size - chunk)
+            f.seek(start)
+            data = f.read(size - start)
+            lines = data.split(b"\n")
+            if start > 0:
+                lines = lines[1:]  # the first line is cut
+            events = []
+            for line in lines:
+                if not line.strip():
+                    continue
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue  # a torn last line
+            n_steps = sum(1 for e in events if e.get("tid") == step_tid)
+            if start == 0 or n_steps > steps:
+                return events
+            chunk *= 4
+
+
+def tail_timeline(run: Run, steps: int = 3) -> pd.DataFrame:
+    """The timeline frame of roughly the last ``steps`` iterations of every rank."""
+    events = []
+    for p in run.timeline_files():
+        events.extend(_tail_events(p, steps))
+    return timeline_frame(events)
+
+
+_CACHE: Dict[tuple, object] = {}
+
+
+def _cached(key: tuple, fn):
+    if key not in _CACHE:
+        if len(_CACHE) > 64:
+            _CACHE.clear()
+        _CACHE[key] = fn()
+    return _CACHE[key]
+
+
+def _files_key(run: Run) -> tuple:
+    out = []
+    for p in [run.file("metrics.jsonl"), *run.timeline_files()]:
+        try:
+            st = p.stat()
+            out.append((p.name, st.st_size, st.st_mtime_ns))
+        except FileNotFoundError:
+            pass
+    return tuple(out)
+
+
+def run_breakdown(run: Run, max_steps: int = 100) -> Dict[str, float]:
+    """Mean step-time breakdown of a run (see ``plots.step_breakdown``) over its last
+    ``max_steps`` steps, warm-up left out; cached until the run's files change."""
+    from lab.summary import warmup_steps
+
+    def compute():
+        bd = plots.step_breakdown(tail_timeline(run, max_steps))
+        n = bd["step"].nunique() if len(bd) else 0
+        done, _ = progress(run)
+        skip = max(0, warmup_steps(done) - (done - n))  # warm-up steps that are in the tail
+        return plots.mean_breakdown(bd, skip=skip)
+    return _cached(("breakdown", str(run.path), max_steps, _files_key(run)), compute)
+
+
+def trace_json(run: Run) -> str:
+    from lab.trace import chrome_trace
+    return json.dumps(chrome_trace(run), separators=(",", ":"))
+
+
+# --------------------------------------------------------------------------- comparing
+
+def compare_table(runs: List[Run], target_acc: Optional[float] = None) -> pd.DataFrame:
+    import lab
+    return lab.compare(runs, target_acc=target_acc)
+
+
+def accuracy_curves(runs: List[Run], labels: Optional[Dict[str, str]] = None) -> pd.DataFrame:
+    """Long frame (run, step, wall_s, eval_acc) of every run's evaluations, wall time
+    counted from its first step's start."""
+    rows = []
+    for r in runs:
+        m, e = r.metrics(), r.metrics("eval")
+        t0 = plots.wall_origin(m)
+        if e.empty or t0 is None:
+            continue
+        lab_ = (labels or {}).get(r.id, r.id)
+        for _, x in e.iterrows():
+            rows.append({"run": lab_, "step": x["step"], "wall_s": x["t"] - t0, "eval_acc": x["eval_acc"]})
+    return pd.DataFrame(rows, columns=["run", "step", "wall_s", "eval_acc"])
+
+
+def breakdown_table(runs: List[Run], labels: Optional[Dict[str, str]] = None) -> pd.DataFrame:
+    rows, index = [], []
+    for r in runs:
+        b = run_breakdown(r)
+        if b:
+            rows.append(b)
+            index.append((labels or {}).get(r.id, r.id))
+    return pd.DataFrame(rows, index=index)
+
+
+def short_labels(runs: List[Run]) -> Dict[str, str]:
+    """Readable, unique labels: the run's name plus the last four characters of its id."""
+    out = {}
+    for r in runs:
+        try:
+            name = r.spec_dict().get("name") or r.id
+        except (OSError, ValueError):
+            name = r.id
+        out[r.id] = f"{name} ({r.id[-4:]})"
+    return out
+
+
+# --------------------------------------------------------------------------- sweeps in the background
+
+def sweep_data(name: str, base: dict, grid: dict, target_acc: Optional[float] = None,
+               baseline: bool = True) -> dict:
+    d = {"name": name, "base": base, "grid": grid, "baseline": baseline}
+    if target_acc:
+        d["target_acc"] = target_acc
+    return d
+
+
+def make_sweep(data: dict, runs=None):
+    """A validated Sweep (raises SpecError naming the bad field or grid cell)."""
+    from lab.queue import Lab
+    from lab.sweep import Sweep
+    return Sweep(Lab(runs or runs_dir()), data=data)
+
+
+def sweep_argv(grid_file: Path, runs: Path) -> List[str]:
+    return [sys.executable, "-m", "lab.cli", "sweep", str(grid_file), "--runs", str(runs)]
+
+
+def start_sweep(data: dict, runs=None) -> str:
+    """Write the grid under runs/sweeps/<id>/grid.yaml and run it in a detached
+    ``commlab sweep`` process (it outlives the app session). Returns the sweep id."""
+    runs = Path(runs or runs_dir()).resolve()
+    sw = make_sweep(data, runs)
+    if sweep_running(sw.dir):
+        raise LabError(f"sweep {sw.id} is running already")
+    sw.dir.mkdir(parents=True, exist_ok=True)
+    grid_file = sw.dir / "grid.yaml"
+    grid_file.write_text(yaml.safe_dump(data, sort_keys=False))
+    with open(sw.dir / "sweep.log", "ab") as log:
+        p = subprocess.Popen(sweep_argv(grid_file, runs), stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
+    (sw.dir / "process.json").write_text(json.dumps(procs.identity(p.pid)))
+    return sw.id
+
+
+def sweep_running(sweep_dir: Path) -> bool:
+    try:
+        return procs.alive(json.loads((Path(sweep_dir) / "process.json").read_text()))
+    except (OSError, ValueError):
+        return False
+
+
+def list_sweeps(runs=None) -> List[str]:
+    root = Path(runs or runs_dir()) / "sweeps"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if (p / "grid.yaml").is_file() or (p / "sweep.json").is_file()]
+    return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
+
+
+def load_sweep(sweep_id: str, runs=None):
+    """The Sweep of a directory under runs/sweeps/, rebuilt from its grid file (or sweep.json)."""
+    root = Path(runs or runs_dir())
+    d = root / "sweeps" / sweep_id
+    if (d / "grid.yaml").is_file():
+        return make_sweep(yaml.safe_load((d / "grid.yaml").read_text()), root)
+    saved = json.loads((d / "sweep.json").read_text())
+    data = {k: saved[k] for k in ("name", "base", "grid") if k in saved}
+    if saved.get("target_acc") is not None:
+        data["target_acc"] = saved["target_acc"]
+    for baseline in (True, False):  # sweep.json does not keep the flag; the id tells which it was
+        sw = make_sweep({**data, "baseline": baseline}, root)
+        if sw.id == sweep_id:
+            return sw
+    return sw
+
+
+def sweep_status(sw) -> dict:
+    """Cells, how many are in each state, the run of each cell, and whether its process lives."""
+    saved = sw._load().get("runs", {})
+    states: Dict[str, int] = {}
+    cells = []
+    for c in sw.cells:
+        rid = saved.get(c["key"])
+        run = get_run(rid, sw.lab.root) if rid else None
+        state = run.state if run else "not started"
+        states[state] = states.get(state, 0) + 1
+        cells.append({"cell": c["key"], "baseline": bool(c.get("baseline")), "run": rid, "state": state})
+    return {"id": sw.id, "cells": pd.DataFrame(cells), "states": states, "total": len(sw.cells),
+            "finished": sum(n for s, n in states.items() if s in FINAL), "running": sweep_running(sw.dir)}
+
+
+def sweep_table(sw) -> pd.DataFrame:
+    """The comparison table of a sweep's cells that have a run, with ``cell`` and ``baseline``
+    columns (read only: unlike ``Sweep.table`` it writes no files)."""
+    from lab.compare import compare_runs
+    saved = sw._load().get("runs", {})
+    present = []
+    for c in sw.cells:
+        run = get_run(saved[c["key"]], sw.lab.root) if saved.get(c["key"]) else None
+        if run is not None:
+            present.append((c, run))
+    df = compare_runs([r for _, r in present], target_acc=sw.target)
+    if len(df):
+        df.insert(0, "cell", [c["key"] for c, _ in present])
+        df.insert(1, "baseline", [bool(c.get("baseline")) for c, _ in present])
+    return df
+
+
+# --------------------------------------------------------------------------- commlab app
+
+def app_argv(port: int = 8501, host: Optional[str] = None) -> List[str]:
+    """The Streamlit server's command line (a list, never a shell string)."""
+    return [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY),
+            "--server.address", host or "127.0.0.1", "--server.port", str(int(port)),
+            "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+
+
+def ensure_demo_run(runs) -> Optional[str]:
+    """Queue examples/demo.yaml when ``runs`` holds no run yet, so the UI has something to show."""
+    import lab
+    from lab.store import RunStore
+    if RunStore(runs).list():
+        return None
+    return lab.run(str(DEMO_SPEC), wait=False, runs=runs).id
+
+
+def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optional[str] = None,
+             demo: bool = True, out=sys.stderr) -> int:
+    """``commlab app``: serve the UI on host:port (127.0.0.1 unless ``host``) over the runs
+    directory ``runs`` (default $COMMLAB_RUNS or ./runs) until interrupted. With ``demo``,
+    an empty runs directory gets the demo run queued first. Returns Streamlit's exit status."""
+    if not 1 <= int(port) <= 65535:
+        raise LabError(f"--port: must be in 1..65535, got {port}")
+    root = Path(runs or runs_dir()).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    if demo:
+        rid = ensure_demo_run(root)
+        if rid:
+            print(f"no runs in {root} yet: queued the demo run {rid}", file=out, flush=True)
+    env = {**os.environ, "COMMLAB_RUNS": str(root),
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    print(f"commlab UI on http://{host or '127.0.0.1'}:{port}  (runs: {root}; Ctrl-C stops it)", file=out, flush=True)
+    p = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO))
+    try:
+        return p.wait()
+    except KeyboardInterrupt:
+        p.send_signal(signal.SIGINT)
+        try:
+            return p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            return p.wait()
