@@ -126,3 +126,41 @@ def write_json(path: str, obj) -> None:
 def read_json(path: str):
     with open(path) as f:
         return json.load(f)
+
+
+# ---------------------------------------------------------------- shaped links
+
+def launch_cluster(script: str, args: Sequence[str], gbps: float, n: int = 2,
+                   timeout_s: Optional[float] = None, tag: str = "bench") -> tuple:
+    """Run ``script --worker args`` on ``n`` ranks of ONE emulated cluster shaped to ``gbps``
+    (lab.netns.Cluster; root, Linux): each rank its own torchrun node inside its
+    namespace, the workers' output going to ours. The cluster is torn down
+    however this ends; the jobs are stopped (by their process groups) on a
+    timeout or when one node fails. Returns ``(returncode, cluster_info)``."""
+    import time
+    from lab.launcher import stop
+    from lab.netns import Cluster, rank_argv
+    entry = [os.path.abspath(script), "--worker", *args]
+    with Cluster(n, gbps, tag=tag) as c:
+        info = {"describe": c.describe(), "gbps": gbps, "burst_bytes": c.burst_bytes, "qdiscs": c.qdiscs()}
+        port = free_port()
+        procs = []
+        try:
+            for i in range(n):
+                argv, upd = rank_argv(c, i, entry, port)
+                procs.append(subprocess.Popen(argv, env={**worker_env(), **upd}, cwd=REPO,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode not in (None, 0) for p in procs):
+                    time.sleep(1.0)  # let the others report their own errors first
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    print(f"launch_cluster: timed out after {timeout_s:g} s; stopping the job", file=sys.stderr)
+                    break
+                time.sleep(0.2)
+        finally:
+            stop(procs)
+        codes = [p.returncode for p in procs]
+    rc = next((c for c in codes if c), 0)
+    return (rc if rc is not None else 1), info

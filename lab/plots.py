@@ -376,10 +376,11 @@ def bytes_figure(metrics: pd.DataFrame) -> go.Figure:
         return empty_figure("no steps yet")
     m = metrics.groupby("step", as_index=False)[["bytes_sent", "bytes_raw"]].mean()
     fig = go.Figure()
-    fig.add_trace(go.Bar(x=m["step"], y=m["bytes_sent"], name="sent (per rank)", marker_color="#E45756"))
+    fig.add_trace(go.Scatter(x=m["step"], y=m["bytes_sent"], name="sent (per rank)", mode="lines", fill="tozeroy",
+                             line={"color": "#E45756", "shape": "hv"}))
     fig.add_trace(go.Scatter(x=m["step"], y=m["bytes_raw"], name="uncompressed", mode="lines",
                              line={"color": "#777", "dash": "dash"}))
-    fig.update_layout(xaxis_title="step", yaxis_title="bytes", height=300, bargap=0,
+    fig.update_layout(xaxis_title="step", yaxis_title="bytes", height=300, yaxis={"rangemode": "tozero"},
                       margin={"l": 10, "r": 10, "t": 30, "b": 40}, legend={"orientation": "h", "y": 1.1})
     return fig
 
@@ -442,6 +443,7 @@ def sweep_heatmap(df: pd.DataFrame, x: str, y: str, value: str = "iter_ms", base
                                text=text, texttemplate="%{text}", colorscale=colorscale, zmid=mid,
                                colorbar={"title": {"text": "speedup" if baseline is not None and mid else value}},
                                hovertemplate=f"{y}=%{{y}}<br>{x}=%{{x}}<br>%{{text}}<extra></extra>"))
-    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, height=140 + 50 * len(grid.index),
+    fig.update_layout(title=title, xaxis_title=x, yaxis={"title": y, "autorange": "reversed"},
+                      height=140 + 50 * len(grid.index),
                       margin={"l": 10, "r": 10, "t": 50, "b": 40})
     return fig

@@ -14,8 +14,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -24,7 +23,7 @@ import yaml
 
 from engine.spec import COMM_AVAILABLE, COMM_PLANNED, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, SCHEDULES_PLANNED, \
     JobSpec, SpecError
-from lab import plots, procs
+from lab import procs
 from lab.store import FINAL, LabError, Run, RunError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,11 +186,18 @@ def validate(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError]]:
         return None, e
 
 
-def error_field(path: str, fields) -> Optional[str]:
-    """The form field an error path belongs to: the longest field that is the path or a
-    prefix of it ("optimizer.lr" -> "optimizer.lr"; "compressor" -> "compressor.name");
-    compressor parameter errors ("compressor: ratio: ...") go to "compressor.params"."""
+def error_field(path: str, fields, msg: str = "") -> Optional[str]:
+    """The form field an error belongs to: the longest field that is the error's path or a
+    prefix of it ("optimizer.lr" -> "optimizer.lr", "dataset.size" -> "dataset"), or a field
+    under it ("model" -> "model.name"). Compressor errors carry the parameter in the message
+    ("compressor": "ratio: must be ...") and go to "compressor.params" or
+    "compressor.error_feedback". None when no field fits."""
     fields = list(fields)
+    if path == "compressor":
+        param = msg.split(":", 1)[0].strip()
+        want = "compressor.error_feedback" if param == "error_feedback" else "compressor.params"
+        if want in fields:
+            return want
     if path in fields:
         return path
     best = None
@@ -228,6 +234,12 @@ def spec_yaml(spec: JobSpec) -> str:
 
 
 # --------------------------------------------------------------------------- runs: lists and live data
+
+def index_rows(runs=None) -> List[dict]:
+    """The index's rows (state, model, compressor, ... per run), for building filters."""
+    from lab.queue import Lab
+    return Lab(runs or runs_dir()).index.query()
+
 
 def list_runs(runs=None, **filters) -> List[Run]:
     import lab
@@ -345,6 +357,7 @@ def _files_key(run: Run) -> tuple:
 def run_breakdown(run: Run, max_steps: int = 100) -> Dict[str, float]:
     """Mean step-time breakdown of a run (see ``plots.step_breakdown``) over its last
     ``max_steps`` steps, warm-up left out; cached until the run's files change."""
+    from lab import plots
     from lab.summary import warmup_steps
 
     def compute():
@@ -364,13 +377,15 @@ def trace_json(run: Run) -> str:
 # --------------------------------------------------------------------------- comparing
 
 def compare_table(runs: List[Run], target_acc: Optional[float] = None) -> pd.DataFrame:
-    import lab
-    return lab.compare(runs, target_acc=target_acc)
+    # not lab.compare(): once the submodule lab.compare is imported, that name is the module
+    from lab.compare import compare_runs
+    return compare_runs(runs, target_acc=target_acc)
 
 
 def accuracy_curves(runs: List[Run], labels: Optional[Dict[str, str]] = None) -> pd.DataFrame:
     """Long frame (run, step, wall_s, eval_acc) of every run's evaluations, wall time
     counted from its first step's start."""
+    from lab import plots
     rows = []
     for r in runs:
         m, e = r.metrics(), r.metrics("eval")
@@ -406,6 +421,10 @@ def short_labels(runs: List[Run]) -> Dict[str, str]:
 
 
 # --------------------------------------------------------------------------- sweeps in the background
+
+LOSSLESS = ("none", "fp16", "bf16")
+"""Compressors that drop nothing worth feeding back."""
+
 
 def sweep_data(name: str, base: dict, grid: dict, target_acc: Optional[float] = None,
                baseline: bool = True) -> dict:
@@ -507,13 +526,22 @@ def sweep_table(sw) -> pd.DataFrame:
     return df
 
 
+def sweep_log(sw, n: int = 30) -> str:
+    try:
+        with open(Path(sw.dir) / "sweep.log", errors="replace") as f:
+            return "".join(f.readlines()[-n:])
+    except FileNotFoundError:
+        return ""
+
+
 # --------------------------------------------------------------------------- commlab app
 
 def app_argv(port: int = 8501, host: Optional[str] = None) -> List[str]:
     """The Streamlit server's command line (a list, never a shell string)."""
     return [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY),
             "--server.address", host or "127.0.0.1", "--server.port", str(int(port)),
-            "--server.headless", "true", "--browser.gatherUsageStats", "false"]
+            "--server.headless", "true", "--browser.gatherUsageStats", "false",
+            "--client.toolbarMode", "minimal"]
 
 
 def ensure_demo_run(runs) -> Optional[str]:
@@ -530,8 +558,12 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
     """``commlab app``: serve the UI on host:port (127.0.0.1 unless ``host``) over the runs
     directory ``runs`` (default $COMMLAB_RUNS or ./runs) until interrupted. With ``demo``,
     an empty runs directory gets the demo run queued first. Returns Streamlit's exit status."""
+    import importlib.util
     if not 1 <= int(port) <= 65535:
         raise LabError(f"--port: must be in 1..65535, got {port}")
+    missing = [m for m in ("streamlit", "plotly") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise LabError(f"commlab app needs {' and '.join(missing)}: pip install 'commlab[app]'")
     root = Path(runs or runs_dir()).resolve()
     root.mkdir(parents=True, exist_ok=True)
     if demo:

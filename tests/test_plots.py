@@ -133,7 +133,8 @@ def test_breakdown_bars_per_run(timeline):
 @pytest.fixture
 def metrics():
     steps = [{"kind": "step", "step": s, "rank": r, "loss": 2.0 - 0.1 * s + 0.01 * r, "time_ms": 10.0,
-              "bytes_sent": 100 + r, "bytes_raw": 1000, "t": 100.0 + 0.01 * (s + 1)} for s in range(10) for r in (0, 1)]
+              "bytes_sent": 100 + r, "bytes_raw": 1000, "t": 100.0 + 0.01 * (s + 1)}
+             for s in range(10) for r in (0, 1)]
     evals = [{"kind": "eval", "step": s, "rank": 0, "eval_loss": 1.5, "eval_acc": 0.1 * s, "t": 100.0 + 0.01 * s + 0.005}
              for s in (5, 10)]
     return pd.DataFrame(steps), pd.DataFrame(evals)

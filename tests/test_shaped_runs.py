@@ -16,30 +16,30 @@ SPEC = {"name": "shaped", "model": "mlp", "dataset": "digits", "world_size": 2, 
         "eval_every": 0, "threads": 1, "network": {"link": "shaped", "gbps": 1.0}}
 
 
-def leftovers():
-    return netns.list_lab_namespaces() + netns.root_lab_links()
+def leftovers(run):
+    """This run's namespaces (their names carry the run id's last four characters), and any interface of
+    the lab in the root namespace. Other clusters (another run, a benchmark) may exist at the same time."""
+    tag = f"-{run.id[-4:]}-"
+    return [ns for ns in netns.list_lab_namespaces() if tag in ns] + netns.root_lab_links()
 
 
 @needs_root
 def test_shaped_run_succeeds_and_cleans_up(tmp_path):
-    before = leftovers()
     run = lab.run(SPEC, runs=tmp_path)
     assert run.state == "done", run.status()
     assert "10.250." in run.status()["cluster"]
-    assert leftovers() == before
+    assert leftovers(run) == []
 
 
 @needs_root
 def test_shaped_run_with_crashing_worker_cleans_up(tmp_path):
-    before = leftovers()
     run = lab.run(dict(SPEC, steps=20, fault={"kind": "exit", "step": 3, "rank": 1}), runs=tmp_path)
     assert run.state == "failed" and run.status()["rank"] == 1, run.status()
-    assert leftovers() == before
+    assert leftovers(run) == []
 
 
 @needs_root
 def test_shaped_run_cancel_cleans_up(tmp_path):
-    before = leftovers()
     q = Lab(tmp_path, max_jobs=1)
     run = q.submit(lab._spec(dict(SPEC, steps=100000)), wait=False)
     t0 = time.time()
@@ -47,11 +47,12 @@ def test_shaped_run_cancel_cleans_up(tmp_path):
         time.sleep(0.2)
     assert run.metric_rows(), "the run never trained"
     q.cancel(run.id)
+    assert any(f"-{run.id[-4:]}-" in ns for ns in netns.list_lab_namespaces()) or run.state == "cancelled"
     assert q.wait(run.id, timeout=60) == "cancelled"
     t0 = time.time()
-    while leftovers() != before and time.time() - t0 < 20:
+    while leftovers(run) and time.time() - t0 < 20:
         time.sleep(0.2)
-    assert leftovers() == before
+    assert leftovers(run) == []
 
 
 def test_shaped_without_root_names_modeled(monkeypatch, tmp_path):

@@ -1,0 +1,14 @@
+"""commlab's UI. Start it with `commlab app` (or `streamlit run app/streamlit_app.py`).
+
+The pages live in views/, not pages/: a pages/ folder beside this file puts Streamlit in its
+old multipage mode for a session that opens a page's URL directly, bypassing this navigation."""
+import streamlit as st
+
+st.navigation([
+    st.Page("views/home.py", title="Home", icon=":material/science:", default=True),
+    st.Page("views/new_run.py", title="New run", icon=":material/add_circle:"),
+    st.Page("views/live_run.py", title="Live run", icon=":material/monitoring:"),
+    st.Page("views/compare.py", title="Compare", icon=":material/compare_arrows:"),
+    st.Page("views/sweeps.py", title="Sweeps", icon=":material/grid_on:"),
+    st.Page("views/model.py", title="Performance model", icon=":material/functions:"),
+]).run()

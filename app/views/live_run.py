@@ -1,0 +1,12 @@
+import streamlit as st
+
+from app import widgets
+
+widgets.setup("Live run")
+st.title("Live run")
+run_id = widgets.pick_run()
+if run_id is None:
+    st.info("No runs yet.")
+    st.page_link("views/new_run.py", label="Start one", icon=":material/add_circle:")
+    st.stop()
+widgets.live_panel(run_id)

@@ -1,0 +1,454 @@
+"""Streamlit pieces the pages share: the run picker, the New run form, the live
+panel, preset cards. Data and decisions come from lab.ui and lab.plots; this
+module only lays them out.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import streamlit as st
+
+from lab import plots, ui
+from lab.store import FINAL
+from lab.summary import fmt_bytes, summarize
+
+LIVE_PAGE = "views/live_run.py"
+STATE_COLORS = {"queued": "gray", "running": "blue", "done": "green", "failed": "red", "cancelled": "orange",
+                "diverged": "red"}
+
+
+def setup(title: str) -> None:
+    st.set_page_config(page_title=f"{title} · commlab", layout="wide")
+
+
+def open_run(run_id: str, compare: Optional[List[str]] = None) -> None:
+    """Go to the live page of ``run_id`` (kept in the query string and the session)."""
+    st.session_state["run_id"] = run_id
+    if compare:
+        st.session_state["compare_ids"] = compare
+    st.switch_page(LIVE_PAGE, query_params={"run": run_id})
+
+
+def state_badge(state: str) -> None:
+    st.badge(state, color=STATE_COLORS.get(state, "gray"))
+
+
+# --------------------------------------------------------------------------- home
+
+def preset_card(p: ui.Preset) -> None:
+    reason = p.check()
+    with st.container(border=True):
+        st.markdown(f"**{p.title}**")
+        st.caption(p.question)
+        st.caption("runs: " + ", ".join(p.variants))
+        if reason:
+            st.button("Start", key=f"preset-{p.key}", disabled=True, help=reason)
+            st.caption(f"Not available yet: {reason}")
+        elif st.button("Start", key=f"preset-{p.key}", type="primary"):
+            ids = ui.start_preset(p)
+            open_run(ids[0], compare=ids)
+
+
+def recent_runs(n: int = 8) -> None:
+    runs = ui.list_runs()[-n:][::-1]
+    if not runs:
+        st.caption(f"No runs in {ui.runs_dir()} yet.")
+        return
+    for r in runs:
+        cols = st.columns([5, 1])
+        cols[0].page_link(LIVE_PAGE, label=ui.run_label(r), query_params={"run": r.id})
+        with cols[1]:
+            state_badge(r.state)
+
+
+# --------------------------------------------------------------------------- run picker
+
+def pick_run() -> Optional[str]:
+    """The run the page is about: ?run=..., else the session's, else the newest; a selectbox changes it."""
+    runs = ui.list_runs()[::-1]
+    if not runs:
+        return None
+    ids = [r.id for r in runs]
+    labels = {r.id: ui.run_label(r) for r in runs}
+    want = st.query_params.get("run") or st.session_state.get("run_id")
+    if want not in ids and want and ui.get_run(want) is not None:  # made after the index was read
+        ids.insert(0, want)
+        labels[want] = want
+    index = ids.index(want) if want in ids else 0
+    chosen = st.selectbox("Run", ids, index=index, format_func=lambda i: labels.get(i, i), key="live.pick")
+    if chosen != want:
+        st.query_params["run"] = chosen
+    st.session_state["run_id"] = chosen
+    return chosen
+
+
+# --------------------------------------------------------------------------- live panel
+
+def live_panel(run_id: str) -> None:
+    """Status, progress, cancel, timeline, breakdown, curves and bytes of one run; refreshes
+    every ui.REFRESH_S seconds until the run is final."""
+    run = ui.get_run(run_id)
+    if run is None:
+        st.error(f"No run {run_id!r} in {ui.runs_dir()}.")
+        return
+    spec = run.spec_dict()
+    st.caption(ui.describe(spec))
+    c = st.columns([1, 1, 1, 2])
+    last = c[0].number_input("Iterations in the timeline", 1, 20, 3, key="live.last")
+    step = c[1].number_input("Zoom to step (-1: last iterations)", -1, spec["steps"], -1, key="live.step")
+    xaxis = c[2].radio("Curves against", ["step", "wall time"], horizontal=True, key="live.x")
+    with c[3]:
+        st.download_button("Download trace (Chrome/Perfetto JSON)", data=lambda: ui.trace_json(run),
+                           file_name=f"{run.id}.trace.json", mime="application/json", on_click="ignore",
+                           key="live.trace", icon=":material/download:")
+    started_final = run.state in FINAL
+
+    @st.fragment(run_every=None if started_final else ui.REFRESH_S)
+    def panel():
+        state = run.state
+        if state in FINAL and not started_final:
+            st.rerun()  # a full rerun redraws the panel without its refresh timer
+        status = run.status()
+        done, total = ui.progress(run)
+        head = st.columns([1, 4, 1])
+        with head[0]:
+            state_badge(state)
+        head[1].progress(min(done / total, 1.0) if total else 0.0, text=f"step {done}/{total}")
+        if state not in FINAL and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
+            st.toast(f"cancel requested ({ui.cancel(run.id)})")
+        if state in ("failed", "diverged"):
+            st.error(f"{state}: {status.get('error', '')}")
+            with st.expander("log (last lines)"):
+                st.code(run.log_tail(30) or "(empty)")
+        s = summarize(run.metric_rows(), spec)
+        m = st.columns(4)
+        m[0].metric("iteration (median)", f"{s['iter_ms_median']:.1f} ms" if s.get("iter_ms_median") else "-")
+        m[1].metric("held-out accuracy", f"{s['final_acc']:.1%}" if s.get("final_acc") is not None else "-")
+        m[2].metric("bytes sent / step / rank", fmt_bytes(s.get("bytes_per_step")))
+        m[3].metric("compression", f"{s['compression_ratio']:.1f}x" if s.get("compression_ratio") else "-")
+
+        st.subheader("Timeline")
+        if step >= 0:
+            tl = ui.tail_timeline(run, max(spec["steps"] - step + 1, last))
+            fig = plots.timeline_figure(tl, step=int(step))
+        else:
+            tl = ui.tail_timeline(run, last + 1)
+            fig = plots.timeline_figure(tl, last=int(last))
+        st.plotly_chart(fig, key="live.timeline")
+        st.subheader("Where the step time goes")
+        bd = plots.step_breakdown(ui.tail_timeline(run, 40))
+        st.plotly_chart(plots.breakdown_figure(bd, last=40), key="live.breakdown")
+        mean = plots.mean_breakdown(bd, skip=min(2, max(len(set(bd["step"])) - 1, 0)) if len(bd) else 0)
+        if mean:
+            st.caption("mean of the last steps: " + ", ".join(
+                f"{plots.PART_LABELS[k]} {mean[k]:.2f} ms" for k in (*plots.PARTS, "hidden_comm_ms"))
+                + f"; step {mean['step_ms']:.2f} ms")
+        st.subheader("Loss and accuracy")
+        st.plotly_chart(plots.curves_figure(run.metrics(), run.metrics("eval"),
+                                            x="step" if xaxis == "step" else "wall"), key="live.curves")
+        st.subheader("Bytes per step")
+        st.plotly_chart(plots.bytes_figure(run.metrics()), key="live.bytes")
+
+    panel()
+
+
+# --------------------------------------------------------------------------- new run form
+
+def _slot(slots: Dict[str, object], path: str) -> None:
+    slots[path] = st.empty()
+
+
+def run_form() -> None:
+    """Every spec field, with choices that follow each other; errors under their field."""
+    ch = ui.choices()
+    slots: Dict[str, object] = {}
+    k = "nr."
+    d: dict = {}
+    top = st.columns([2, 1, 1, 1])
+    d["name"] = top[0].text_input("Name", "my-run", key=k + "name")
+    with top[0]:
+        _slot(slots, "name")
+    d["world_size"] = top[1].number_input("World size (ranks)", 1, 64, 2, key=k + "world_size")
+    with top[1]:
+        _slot(slots, "world_size")
+    d["steps"] = top[2].number_input("Steps", 1, 1_000_000, 200, key=k + "steps")
+    with top[2]:
+        _slot(slots, "steps")
+    d["batch_size"] = top[3].number_input("Batch size (per rank)", 1, 65536, 32, key=k + "batch_size")
+    with top[3]:
+        _slot(slots, "batch_size")
+
+    left, mid, right = st.columns(3)
+    with left:
+        st.markdown("**Workload**")
+        model = st.selectbox("Model", ch["models"], index=list(ch["models"]).index("cnn"), key=k + "model")
+        _slot(slots, "model.name")
+        datasets = ui.datasets_for(model)
+        dataset = st.selectbox("Data set", datasets, key=k + "dataset",
+                               help="Only the data sets this model can train on.")
+        _slot(slots, "dataset")
+        d["model"] = {"name": model}
+        d["dataset"] = {"name": dataset}
+        if dataset == "synthetic":
+            d["dataset"]["size"] = st.number_input("Examples", 16, 10_000_000, 2048, key=k + "ds.size")
+            d["dataset"]["classes"] = st.number_input("Classes", 2, 10000, 10, key=k + "ds.classes")
+        if dataset == "text":
+            d["dataset"]["block"] = st.number_input("Context length", 2, 4096, 64, key=k + "ds.block")
+        d["eval_every"] = st.number_input("Evaluate every N steps (0: only at the end)", 0, 1_000_000, 50,
+                                          key=k + "eval_every")
+        _slot(slots, "eval_every")
+        st.markdown("**Optimizer**")
+        opt = st.selectbox("Optimizer", ch["optimizers"], key=k + "opt")
+        d["optimizer"] = {"name": opt, "lr": st.number_input("Learning rate", 0.0, 10.0, 0.05, format="%g",
+                                                             step=0.01, key=k + "lr")}
+        _slot(slots, "optimizer.lr")
+        if opt == "sgd":
+            d["optimizer"]["momentum"] = st.number_input("Momentum", 0.0, 0.999, 0.9, key=k + "momentum")
+            _slot(slots, "optimizer.momentum")
+        d["optimizer"]["weight_decay"] = st.number_input("Weight decay", 0.0, 1.0, 0.0, format="%g",
+                                                         key=k + "wd")
+        _slot(slots, "optimizer")
+
+    with mid:
+        st.markdown("**Compression**")
+        comp = st.selectbox("Compressor", ch["compressors"], key=k + "compressor")
+        _slot(slots, "compressor.name")
+        info = ui.compressor_info(comp)
+        st.caption(("summable payloads: all-reduced" if info["summable"] else "payloads all-gathered, decoded per rank")
+                   + (" · keeps its own residual" if info["builtin_feedback"] else ""))
+        params = {}
+        for p in ui.compressor_params(comp):
+            key = f"{k}c.{comp}.{p.name}"
+            if isinstance(p.default, bool):
+                params[p.name] = st.checkbox(p.name, p.default, key=key)
+            elif isinstance(p.default, int):
+                params[p.name] = st.number_input(p.name, value=p.default, step=1, key=key)
+            elif isinstance(p.default, float):
+                params[p.name] = st.number_input(p.name, value=p.default, format="%g", key=key)
+            else:
+                v = ui.parse_value(st.text_input(f"{p.name} (blank: derived)", "", key=key))
+                if v is not None:
+                    params[p.name] = v
+        _slot(slots, "compressor.params")
+        ef = st.checkbox("Error feedback", False, key=k + "ef", disabled=info["builtin_feedback"],
+                         help="Add the residual before compressing and keep what was dropped.")
+        _slot(slots, "compressor.error_feedback")
+        d["compressor"] = {"name": comp, "error_feedback": bool(ef and not info["builtin_feedback"]), "params": params}
+        st.markdown("**Fusion and communication**")
+        sched = st.selectbox("Schedule", ch["schedules"], index=list(ch["schedules"]).index("bucket"),
+                             key=k + "schedule")
+        if ch["schedules_planned"]:
+            st.caption("coming: " + ", ".join(ch["schedules_planned"]))
+        d["schedule"] = {"name": sched}
+        if sched == "bucket":
+            d["schedule"]["cap_mb"] = st.number_input("Bucket cap (MB)", 0.001, 4096.0, 25.0, format="%g",
+                                                      key=k + "cap_mb")
+        _slot(slots, "schedule")
+        d["comm"] = {"mode": st.selectbox("Comm mode", ch["comm"], index=list(ch["comm"]).index("wfbp"),
+                                          key=k + "comm", help="sync: after backward; wfbp: each bucket as "
+                                                               "soon as it is ready, overlapped with backward")}
+        if ch["comm_planned"]:
+            st.caption("coming: " + ", ".join(ch["comm_planned"]))
+        _slot(slots, "comm.mode")
+
+    with right:
+        st.markdown("**Network**")
+        link = st.selectbox("Link", ch["links"], key=k + "link",
+                            help="loopback: as fast as the machine; modeled: alpha-beta delays in the "
+                                 "communicator (no root); shaped: tc on an emulated cluster (needs root)")
+        d["network"] = {"link": link}
+        if link != "loopback":
+            d["network"]["gbps"] = st.number_input("Bandwidth (Gbit/s)", 0.001, 400.0, 1.0, format="%g",
+                                                   key=k + "gbps")
+            _slot(slots, "network.gbps")
+        if link == "modeled":
+            lat = ui.parse_value(st.text_input("Latency (us, blank: default)", "", key=k + "latency"))
+            if lat is not None:
+                d["network"]["latency_us"] = lat
+            _slot(slots, "network.latency_us")
+        _slot(slots, "network.link")
+        st.markdown("**Placement**")
+        d["device"] = st.selectbox("Device", ch["devices"], key=k + "device",
+                                   help=None if ch["cuda"] else "no CUDA device here: CPU only")
+        d["backend"] = st.selectbox("Backend", ch["backends"], key=k + "backend")
+        _slot(slots, "backend")
+        with st.expander("More"):
+            d["seed"] = st.number_input("Seed", 0, 2**31 - 1, 0, key=k + "seed")
+            d["threads"] = st.number_input("Threads per rank (0: cores / world size)", 0, 1024, 0, key=k + "threads")
+            d["timeline"] = st.checkbox("Record the timeline", True, key=k + "timeline")
+        _slot(slots, "seed")
+
+    spec, err = ui.validate(d)
+    if err is not None:
+        where = ui.error_field(err.path, slots, err.msg)
+        if where:
+            slots[where].error(err.msg, icon=":material/error:")
+        else:
+            st.error(str(err))
+    with st.expander("Spec (YAML): save it and run `commlab run spec.yaml` for the same job"):
+        st.code(ui.spec_yaml(spec) if spec else "(fix the error first)", language="yaml")
+    if st.button("Queue run", type="primary", disabled=spec is None, key=k + "submit", icon=":material/play_arrow:"):
+        run = ui.submit(d)
+        open_run(run.id)
+
+
+# --------------------------------------------------------------------------- compare
+
+FILTERS = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep")
+
+
+def table_columns() -> dict:
+    """Readable number formats for a comparison table (lab.compare.compare_runs)."""
+    num = st.column_config.NumberColumn
+    return {"iter_ms": num("iter ms", format="%.1f"), "throughput": num("samples/s", format="%.0f"),
+            "scaling_factor": num("scaling", format="percent"), "bytes_per_step": num("bytes/step", format="bytes"),
+            "compression_ratio": num("compression", format="%.1fx"), "final_acc": num("accuracy", format="percent"),
+            "final_loss": num("loss", format="%.3f"), "time_to_target_s": num("to target (s)", format="%.1f")}
+
+
+def compare_view() -> None:
+    rows = ui.index_rows()
+    if not rows:
+        st.info(f"No runs in {ui.runs_dir()} yet.")
+        return
+    cols = st.columns(len(FILTERS))
+    filters = {}
+    for c, f in zip(cols, FILTERS):
+        values = sorted({str(r[f]) for r in rows if r.get(f) is not None})
+        v = c.selectbox(f, ["any", *values], key=f"cmp.f.{f}")
+        if v != "any":
+            filters[f] = v
+    runs = ui.list_runs(**filters)
+    labels = ui.short_labels(runs)
+    ids = [r.id for r in runs]
+    wanted = [i for i in st.session_state.get("compare_ids", []) if i in ids]
+    default = wanted or [r.id for r in runs if r.state == "done"][-4:]
+    chosen = st.multiselect("Runs", ids, default=default, format_func=lambda i: labels.get(i, i), key="cmp.runs")
+    target = st.number_input("Target accuracy for time-to-target (0: none)", 0.0, 1.0, 0.0, step=0.05,
+                             key="cmp.target")
+    picked = [r for r in runs if r.id in chosen]
+    if not picked:
+        st.caption("Pick runs to compare.")
+        return
+    table = ui.compare_table(picked, target_acc=target or None)
+    st.dataframe(table, key="cmp.table", column_config=table_columns())
+    st.download_button("Export CSV", table.to_csv().encode(), file_name="commlab-compare.csv", mime="text/csv",
+                       on_click="ignore", key="cmp.csv", icon=":material/download:")
+    st.subheader("Accuracy against wall time")
+    st.plotly_chart(plots.accuracy_vs_time_figure(ui.accuracy_curves(picked, labels)), key="cmp.acc")
+    st.subheader("Where the step time goes")
+    st.plotly_chart(plots.breakdown_bars_figure(ui.breakdown_table(picked, labels)), key="cmp.breakdown")
+    st.subheader("Scaling factor")
+    st.caption("Throughput at N ranks over N times the single-process throughput of the same model, data set "
+               "and batch: include a world-size-1 run (sweeps add one by themselves).")
+    st.plotly_chart(plots.scaling_figure(table), key="cmp.scaling")
+
+
+# --------------------------------------------------------------------------- sweeps
+
+def sweep_form() -> None:
+    """Base spec fields and lists of values; validated as a whole before it can start."""
+    ch = ui.choices()
+    k = "sw."
+    c = st.columns(4)
+    name = c[0].text_input("Name", "my-sweep", key=k + "name")
+    model = c[1].selectbox("Model", ch["models"], index=list(ch["models"]).index("cnn"), key=k + "model")
+    dataset = c[2].selectbox("Data set", ui.datasets_for(model), key=k + "dataset")
+    world = c[3].number_input("World size", 1, 64, 2, key=k + "world")
+    c = st.columns(4)
+    steps = c[0].number_input("Steps", 1, 1_000_000, 100, key=k + "steps")
+    batch = c[1].number_input("Batch size", 1, 65536, 32, key=k + "batch")
+    eval_every = c[2].number_input("Evaluate every", 0, 1_000_000, 25, key=k + "eval")
+    link = c[3].selectbox("Link", ch["links"], key=k + "link")
+    base = {"model": model, "dataset": dataset, "world_size": world, "steps": steps, "batch_size": batch,
+            "eval_every": eval_every, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+            "network": {"link": link}}
+    if link != "loopback":
+        base["network"]["gbps"] = st.number_input("Bandwidth (Gbit/s)", 0.001, 400.0, 1.0, format="%g", key=k + "gbps")
+    st.markdown("**Grid** (every combination runs)")
+    c = st.columns(3)
+    comps = c[0].multiselect("Compressors", ch["compressors"], default=["none", "fp16", "topk"], key=k + "comps")
+    ef = c[0].checkbox("Error feedback on lossy compressors", True, key=k + "ef")
+    scheds = c[1].multiselect("Schedules", ch["schedules"], default=["layerwise", "bucket"], key=k + "scheds")
+    modes = c[2].multiselect("Comm modes", ch["comm"], default=["wfbp"], key=k + "modes")
+    compressors = []
+    for comp in comps:
+        params = ui.compressor_params(comp)
+        entry = {"name": comp}
+        if params:
+            text = st.text_input(f"{comp} parameters (YAML, blank: defaults)",
+                                 ", ".join(f"{p.name}: {p.default}" for p in params if p.name == "ratio"
+                                           and p.default is not None), key=f"{k}p.{comp}")
+            extra = ui.parse_value("{" + text + "}") if text.strip() else {}
+            if isinstance(extra, dict):
+                entry.update(extra)
+        if ef and comp not in ui.LOSSLESS and not ui.compressor_info(comp)["builtin_feedback"]:
+            entry["error_feedback"] = True
+        compressors.append(entry)
+    c = st.columns(2)
+    target = c[0].number_input("Target accuracy (0: none)", 0.0, 1.0, 0.0, step=0.05, key=k + "target")
+    baseline = c[1].checkbox("Add single-process runs (for the scaling factor)", True, key=k + "baseline")
+    data = ui.sweep_data(name, base, {"compressor": compressors, "schedule.name": scheds, "comm.mode": modes},
+                         target_acc=target or None, baseline=baseline)
+    try:
+        sw = ui.make_sweep(data)
+    except ui.SpecError as e:
+        st.error(str(e), icon=":material/error:")
+        return
+    st.caption(f"{len(sw.cells)} runs (sweep id {sw.id}); they go through the queue, a few at a time.")
+    if st.button("Start sweep", type="primary", key=k + "start", icon=":material/play_arrow:"):
+        try:
+            st.session_state["sweep_id"] = ui.start_sweep(data)
+        except ui.LabError as e:
+            st.error(str(e))
+            return
+        st.rerun()
+
+
+def sweep_view() -> None:
+    ids = ui.list_sweeps()
+    if not ids:
+        st.caption("No sweeps yet.")
+        return
+    want = st.session_state.get("sweep_id")
+    sid = st.selectbox("Sweep", ids, index=ids.index(want) if want in ids else 0, key="sw.pick")
+    try:
+        sw = ui.load_sweep(sid)
+    except (ui.SpecError, OSError, ValueError) as e:
+        st.error(f"cannot read sweep {sid}: {e}")
+        return
+    live = ui.sweep_status(sw)["running"]
+
+    @st.fragment(run_every=ui.REFRESH_S if live else None)
+    def status():
+        s = ui.sweep_status(sw)
+        if live and not s["running"]:
+            st.rerun()
+        st.progress(s["finished"] / s["total"] if s["total"] else 0.0,
+                    text=f"{s['finished']}/{s['total']} runs finished · "
+                         + ", ".join(f"{n} {state}" for state, n in sorted(s["states"].items()))
+                         + (" · sweep process running" if s["running"] else ""))
+        table = ui.sweep_table(sw)
+        if table.empty:
+            st.caption("No run of this sweep has started yet.")
+            return
+        st.dataframe(table, key="sw.table", column_config=table_columns())
+        st.download_button("Export CSV", table.to_csv().encode(), file_name=f"{sw.id}.csv", mime="text/csv",
+                           on_click="ignore", key="sw.csv", icon=":material/download:")
+        cells = table[~table["baseline"]] if table["baseline"].any() and not table["baseline"].all() else table
+        axes = [a for a in ("compressor", "schedule", "comm", "world_size", "link") if cells[a].nunique() > 1] \
+            or ["compressor"]
+        c = st.columns(3)
+        y = c[0].selectbox("Rows", axes, key="sw.y")
+        x = c[1].selectbox("Columns", [a for a in axes if a != y] or ["schedule"], key="sw.x")
+        value = c[2].selectbox("Value", ["iter_ms", "throughput", "final_acc", "scaling_factor", "bytes_per_step",
+                                         *(["time_to_target_s"] if "time_to_target_s" in cells else [])],
+                               key="sw.value")
+        baseline = "none" if y == "compressor" and "none" in set(cells["compressor"]) else None
+        st.plotly_chart(plots.sweep_heatmap(cells, x=x, y=y, value=value, baseline=baseline,
+                                            higher_is_better=value in ("throughput", "final_acc", "scaling_factor")),
+                        key="sw.heatmap")
+        with st.expander("log"):
+            st.code(ui.sweep_log(sw) or "(empty)")
+
+    status()

@@ -1,0 +1,115 @@
+"""End to end in a real browser: `commlab app` (lab.ui.app_main) serves the UI, a
+click on a preset starts runs, and the live page draws the timeline and the
+accuracy curve from the running job.
+
+Needs the Python package playwright and Debian's chromium (/usr/bin/chromium);
+the test is skipped without them. It never downloads a browser. Screenshots go
+to the test's tmp directory; set COMMLAB_SCREENSHOTS=DIR to keep copies
+(docs/screenshots/ holds the README's).
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import lab
+
+CHROMIUM = "/usr/bin/chromium"
+ROOT = Path(__file__).resolve().parents[1]
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+if not os.access(CHROMIUM, os.X_OK):
+    pytest.skip(f"no browser at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+
+# The live page's figures, found by their traces (Plotly keeps them on the chart's div).
+HAS_TIMELINE = """() => [...document.querySelectorAll('.js-plotly-plot')].some(
+    p => (p.data || []).some(t => t.name === 'backward' && t.x && t.x.length > 0))"""
+HAS_ACCURACY = """() => [...document.querySelectorAll('.js-plotly-plot')].some(
+    p => (p.data || []).some(t => t.name === 'eval accuracy' && t.x && t.x.length > 0))"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def server(tmp_path):
+    """The UI on a free port over an empty runs directory; stopped, with every run it started."""
+    runs = tmp_path / "runs"
+    port = free_port()
+    code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
+    log = open(tmp_path / "app.log", "wb")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True, stdout=log,
+                         stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/_stcore/health", timeout=2):
+                    break
+            except OSError:
+                assert p.poll() is None, (tmp_path / "app.log").read_text()
+                assert time.time() - t0 < 120, "the UI did not come up"
+                time.sleep(0.3)
+        yield url, runs
+    finally:
+        for r in lab.runs(runs=runs):
+            if r.state in ("queued", "running"):
+                lab.cancel(r.id, runs=runs)
+        for r in lab.runs(runs=runs):
+            lab.wait(r.id, runs=runs, timeout=60)
+        p.send_signal(signal.SIGINT)
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        log.close()
+
+
+def keep(shot: Path, name: str) -> None:
+    where = os.environ.get("COMMLAB_SCREENSHOTS")
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        shutil.copy(shot, Path(where) / name)
+
+
+def test_preset_to_live_timeline_and_accuracy(server, tmp_path):
+    url, runs = server
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 2400})
+            page.set_default_timeout(60_000)
+            page.goto(url)
+            card = page.locator(".st-key-preset-layerwise-vs-bucket")
+            card.get_by_role("button", name="Start").click()  # waits until the button is there
+            page.wait_for_url("**/live_run?run=*")
+            page.get_by_text("Where the step time goes").wait_for()
+            # the job starts, trains and evaluates (every 25 steps) while the page refreshes itself
+            page.wait_for_function(HAS_TIMELINE, timeout=240_000, polling=500)
+            page.wait_for_function(HAS_ACCURACY, timeout=240_000, polling=500)
+            shot = tmp_path / "live_run.png"
+            page.screenshot(path=str(shot))
+            keep(shot, "live_run.png")
+            ids = [r.id for r in lab.runs(runs=runs)]
+            assert len(ids) == 2 and page.url.endswith(f"run={ids[0]}")
+            page.goto(url + "/compare")
+            page.get_by_text("Accuracy against wall time").wait_for()
+            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
+            shot = tmp_path / "compare.png"
+            page.screenshot(path=str(shot))
+            keep(shot, "compare.png")
+        finally:
+            browser.close()
