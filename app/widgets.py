@@ -66,20 +66,23 @@ def recent_runs(n: int = 8) -> None:
 def pick_run() -> Optional[str]:
     """The run the page is about: ?run=..., else the session's, else the newest; a selectbox changes it."""
     runs = ui.list_runs()[::-1]
+    want = st.query_params.get("run") or st.session_state.get("run_id")
+    if want and want not in {r.id for r in runs}:
+        made = ui.get_run(want)  # made after the index was read, or not a run at all
+        runs = [made, *runs] if made is not None else runs
     if not runs:
         return None
     ids = [r.id for r in runs]
     labels = {r.id: ui.run_label(r) for r in runs}
-    want = st.query_params.get("run") or st.session_state.get("run_id")
-    if want not in ids and want and ui.get_run(want) is not None:  # made after the index was read
-        ids.insert(0, want)
-        labels[want] = want
-    index = ids.index(want) if want in ids else 0
-    chosen = st.selectbox("Run", ids, index=index, format_func=lambda i: labels.get(i, i), key="live.pick")
-    if chosen != want:
-        st.query_params["run"] = chosen
-    st.session_state["run_id"] = chosen
-    return chosen
+    want = want if want in ids else ids[0]
+    st.session_state["live.pick"] = want  # the URL wins over what the widget last held
+
+    def picked():
+        st.query_params["run"] = st.session_state["live.pick"]
+        st.session_state["run_id"] = st.session_state["live.pick"]
+    st.selectbox("Run", ids, format_func=lambda i: labels.get(i, i), key="live.pick", on_change=picked)
+    st.session_state["run_id"] = want
+    return want
 
 
 # --------------------------------------------------------------------------- live panel
