@@ -45,7 +45,11 @@ def preset_card(p: ui.Preset) -> None:
             st.button("Start", key=f"preset-{p.key}", disabled=True, help=reason)
             st.caption(f"Not available yet: {reason}")
         elif st.button("Start", key=f"preset-{p.key}", type="primary"):
-            ids = ui.start_preset(p)
+            try:
+                ids = ui.start_preset(p)
+            except ui.LabError as e:
+                st.error(str(e))
+                return
             open_run(ids[0], compare=ids)
 
 
@@ -291,7 +295,13 @@ def run_form() -> None:
     with st.expander("Spec (YAML): save it and run `commlab run spec.yaml` for the same job"):
         st.code(ui.spec_yaml(spec) if spec else "(fix the error first)", language="yaml")
     if st.button("Queue run", type="primary", disabled=spec is None, key=k + "submit", icon=":material/play_arrow:"):
-        run = ui.submit(d)
+        try:
+            run = ui.submit(d)
+        except ui.LabError as e:  # e.g. a shaped link on a machine that cannot build one
+            path, _, msg = str(e).partition(": ")
+            where = ui.error_field(path, slots, msg)
+            (slots[where] if where else st).error(msg if where else str(e), icon=":material/error:")
+            return
         open_run(run.id)
 
 

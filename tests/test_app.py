@@ -104,6 +104,23 @@ def test_page_renders(runs, name):
     CHECKS[name](at, runs)
 
 
+def test_live_page_follows_the_url_and_the_picker(tmp_path, monkeypatch):
+    from lab.queue import Lab
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    q = Lab(tmp_path)
+    a, b = (q.create(lab._spec(dict(SMALL, name=n))) for n in ("first", "second"))  # queued; nothing runs
+    at = AppTest.from_file(ENTRY, default_timeout=120)
+    at.query_params["run"] = a.id
+    at.run().switch_page("views/live_run.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="live.pick").value == a.id and at.session_state["run_id"] == a.id
+    at.selectbox(key="live.pick").set_value(b.id).run()
+    assert at.session_state["run_id"] == b.id and at.query_params["run"] == b.id
+    assert at.button(key="live.cancel")  # not final: it can be cancelled
+    at.button(key="live.cancel").click().run()
+    assert not at.exception and q.store.get(b.id).state == "cancelled"
+
+
 def test_new_run_form_shows_errors_next_to_the_field(runs):
     at = page("new_run")
     at.number_input(key="nr.lr").set_value(0.0).run()
