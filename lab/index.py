@@ -37,22 +37,20 @@ class Index:
         return con
 
     def _with(self, fn):
-        """Run fn(con); a damaged index file is rebuilt from the directories once."""
+        """Run fn(con) in a transaction; a damaged index file is rebuilt from the directories once."""
         try:
-            con = self._connect()
-            try:
-                with con:
-                    return fn(con)
-            finally:
-                con.close()
+            return self._once(fn)
         except sqlite3.DatabaseError:
             self.reindex()
-            con = self._connect()
-            try:
-                with con:
-                    return fn(con)
-            finally:
-                con.close()
+            return self._once(fn)
+
+    def _once(self, fn):
+        con = self._connect()
+        try:
+            with con:
+                return fn(con)
+        finally:
+            con.close()
 
     @staticmethod
     def row_of(run: Run) -> Optional[dict]:
@@ -107,13 +105,9 @@ class Index:
             if p.exists():
                 p.unlink()
         rows = [r for r in (self.row_of(run) for run in self.store.list()) if r]
-        con = self._connect()
-        try:
-            with con:
-                con.executemany(f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) "
-                                f"VALUES ({', '.join('?' * len(COLUMNS))})", [[r[c] for c in COLUMNS] for r in rows])
-        finally:
-            con.close()
+        self._once(lambda con: con.executemany(f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES "
+                                               f"({', '.join('?' * len(COLUMNS))})",
+                                               [[r[c] for c in COLUMNS] for r in rows]))
         return len(rows)
 
     def states(self) -> Dict[str, str]:

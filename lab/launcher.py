@@ -221,7 +221,7 @@ def _follow(run, spec, jobs, info, progress, out, poll_s, on_metrics, should_can
 
 def finish_status(run: Run, rc: int) -> str:
     """Turn the job's exit code and the files its ranks left into the run's final status."""
-    diverged = _read_all(run, "diverged-rank*.json")
+    diverged = run.read_all("diverged-rank*.json")
     if diverged:
         d = min(diverged, key=lambda x: x.get("step", 0))
         run.set_status("diverged", returncode=rc, rank=d.get("rank"), step=d.get("step"), error=d.get("error"))
@@ -283,18 +283,6 @@ def kill_strays(run: Run) -> None:
     """SIGKILL any rank of this run that is still alive (verified by pid, start time and command line)."""
     for ident in run.worker_pids():
         procs.kill_if_ours(ident, str(run.path))
-
-
-def _read_all(run: Run, pattern: str) -> List[dict]:
-    import json
-    out = []
-    for p in sorted(run.path.glob(pattern)):
-        try:
-            with open(p) as f:
-                out.append(json.load(f))
-        except (OSError, ValueError):
-            continue
-    return out
 
 
 def stop(procs_: List[subprocess.Popen], grace_s: float = 5.0) -> None:

@@ -102,16 +102,20 @@ class Run:
     def cancel_requested(self) -> bool:
         return self.file("cancel.request").exists()
 
-    def worker_pids(self) -> List[dict]:
-        """The ranks' process identities, as each worker recorded them at start."""
+    def read_all(self, pattern: str) -> List[dict]:
+        """Every JSON file of the run matching ``pattern`` (unreadable ones skipped)."""
         out = []
-        for p in sorted(self.path.glob("pid-rank*.json")):
+        for p in sorted(self.path.glob(pattern)):
             try:
                 with open(p) as f:
                     out.append(json.load(f))
             except (OSError, json.JSONDecodeError):
                 continue
         return out
+
+    def worker_pids(self) -> List[dict]:
+        """The ranks' process identities, as each worker recorded them at start."""
+        return self.read_all("pid-rank*.json")
 
     # -- logs -------------------------------------------------------------
     def metric_rows(self) -> List[dict]:
@@ -152,14 +156,7 @@ class Run:
         return pd.DataFrame([row]).set_index("run")
 
     def errors(self) -> List[dict]:
-        out = []
-        for p in sorted(self.path.glob("error-rank*.json")):
-            try:
-                with open(p) as f:
-                    out.append(json.load(f))
-            except (OSError, json.JSONDecodeError):
-                continue
-        return sorted(out, key=lambda e: e.get("time", 0))
+        return sorted(self.read_all("error-rank*.json"), key=lambda e: e.get("time", 0))
 
     def log_tail(self, n: int = 20) -> str:
         try:
