@@ -125,3 +125,15 @@ def test_check_rejects_broken_layouts():
         schedules.bucket(ps, cap_mb=0)
     with pytest.raises(ValueError, match="allowed"):
         schedules.build("nope", ps)
+
+
+def test_every_example_spec_is_valid():
+    from pathlib import Path
+    from lab.queue import Lab
+    from lab.sweep import Sweep
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    specs = [p for p in examples.glob("*.yaml") if p.name != "sweep.yaml"]
+    assert len(specs) >= 3
+    for p in specs:
+        load_spec(str(p))
+    assert len(Sweep(Lab(examples / ".unused"), str(examples / "sweep.yaml")).cells) == 7
