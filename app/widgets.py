@@ -10,9 +10,11 @@ import streamlit as st
 
 from lab import plots, ui
 from lab.store import FINAL
-from lab.summary import fmt_bytes, summarize
+from lab.summary import fmt_bytes, summarize, warmup_steps
 
 LIVE_PAGE = "views/live_run.py"
+BREAKDOWN_STEPS = 40
+"""Steps the live page reads back for its breakdown (and at least that many for the timeline)."""
 STATE_COLORS = {"queued": "gray", "running": "blue", "done": "green", "failed": "red", "cancelled": "orange",
                 "diverged": "red"}
 
@@ -77,7 +79,7 @@ def pick_run() -> Optional[str]:
     if not runs:
         return None
     ids = [r.id for r in runs]
-    labels = {r.id: ui.run_label(r) for r in runs}
+    labels = {r.id: ui.run_label(r, state=False) for r in runs}  # the panel below shows the live state
     want = want if want in ids else ids[0]
     st.session_state["live.pick"] = want  # the URL wins over what the widget last held
 
@@ -135,19 +137,17 @@ def live_panel(run_id: str) -> None:
         m[3].metric("compression", f"{s['compression_ratio']:.1f}x" if s.get("compression_ratio") else "-")
 
         st.subheader("Timeline")
-        if step >= 0:
-            tl = ui.tail_timeline(run, max(spec["steps"] - step + 1, last))
-            fig = plots.timeline_figure(tl, step=int(step))
-        else:
-            tl = ui.tail_timeline(run, last + 1)
-            fig = plots.timeline_figure(tl, last=int(last))
+        tl = ui.tail_timeline(run, BREAKDOWN_STEPS if step < 0 else max(spec["steps"] - step + 1, BREAKDOWN_STEPS))
+        fig = plots.timeline_figure(tl, step=int(step)) if step >= 0 else plots.timeline_figure(tl, last=int(last))
         st.plotly_chart(fig, key="live.timeline")
         st.subheader("Where the step time goes")
-        bd = plots.step_breakdown(ui.tail_timeline(run, 40))
-        st.plotly_chart(plots.breakdown_figure(bd, last=40), key="live.breakdown")
-        mean = plots.mean_breakdown(bd, skip=min(2, max(len(set(bd["step"])) - 1, 0)) if len(bd) else 0)
+        bd = plots.step_breakdown(tl)
+        bd = bd[bd["step"] > bd["step"].max() - BREAKDOWN_STEPS] if len(bd) else bd
+        st.plotly_chart(plots.breakdown_figure(bd), key="live.breakdown")
+        timed = bd[bd["step"] >= warmup_steps(done)] if len(bd) else bd
+        mean = plots.mean_breakdown(timed if len(timed) else bd)
         if mean:
-            st.caption("mean of the last steps: " + ", ".join(
+            st.caption(f"mean over the last {BREAKDOWN_STEPS} steps, warm-up left out: " + ", ".join(
                 f"{plots.PART_LABELS[k]} {mean[k]:.2f} ms" for k in (*plots.PARTS, "hidden_comm_ms"))
                 + f"; step {mean['step_ms']:.2f} ms")
         st.subheader("Loss and accuracy")
@@ -311,7 +311,7 @@ FILTERS = ("state", "model", "dataset", "compressor", "schedule", "comm", "link"
 
 
 def table_columns() -> dict:
-    """Readable number formats for a comparison table (lab.compare.compare_runs)."""
+    """Readable number formats for a comparison table (lab.comparison.compare_runs)."""
     num = st.column_config.NumberColumn
     return {"iter_ms": num("iter ms", format="%.1f"), "throughput": num("samples/s", format="%.0f"),
             "scaling_factor": num("scaling", format="percent"), "bytes_per_step": num("bytes/step", format="bytes"),
@@ -335,7 +335,7 @@ def compare_view() -> None:
     labels = ui.short_labels(runs)
     ids = [r.id for r in runs]
     wanted = [i for i in st.session_state.get("compare_ids", []) if i in ids]
-    default = wanted or [r.id for r in runs if r.state == "done"][-4:]
+    default = wanted or [r.id for r in runs if r.state == "done"][-4:] or ids[-4:]
     chosen = st.multiselect("Runs", ids, default=default, format_func=lambda i: labels.get(i, i), key="cmp.runs")
     target = st.number_input("Target accuracy for time-to-target (0: none)", 0.0, 1.0, 0.0, step=0.05,
                              key="cmp.target")

@@ -72,6 +72,12 @@ def build_parser() -> Parser:
     p.add_argument("--table", action="store_true", help="only print the table of what has run so far")
     _runs_arg(p)
 
+    p = sub.add_parser("app", help="start the Streamlit UI (bound to 127.0.0.1), with a demo run if there is none")
+    p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the lab)")
+    p.add_argument("--no-demo", action="store_true", help="do not queue the demo run into an empty runs directory")
+    _runs_arg(p)
+
     p = sub.add_parser("net", help="emulated cluster networks (shaped links)")
     netsub = p.add_subparsers(dest="net_cmd", metavar="NET_COMMAND", parser_class=Parser)
     netsub.required = True
@@ -208,6 +214,11 @@ def cmd_sweep(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_app(args) -> int:
+    from lab.ui import app_main
+    return app_main(args.port, args.runs, args.host, demo=not args.no_demo)
+
+
 def cmd_net(args) -> int:
     from lab import netns
     try:
@@ -269,7 +280,8 @@ def cmd_trace(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net, "show": cmd_show, "trace": cmd_trace,
+COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
+            "app": cmd_app, "show": cmd_show, "trace": cmd_trace,
             "bench": cmd_bench}
 
 

@@ -371,16 +371,17 @@ def curves_figure(metrics: pd.DataFrame, evals: pd.DataFrame, x: str = "step") -
 
 
 def bytes_figure(metrics: pd.DataFrame) -> go.Figure:
-    """Bytes each rank sent per step, against the uncompressed gradient bytes."""
+    """Bytes each rank sent per step, against the uncompressed gradient bytes (log scale:
+    compression ratios of 100x and more are common)."""
     if metrics is None or metrics.empty or "bytes_sent" not in metrics:
         return empty_figure("no steps yet")
     m = metrics.groupby("step", as_index=False)[["bytes_sent", "bytes_raw"]].mean()
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=m["step"], y=m["bytes_sent"], name="sent (per rank)", mode="lines", fill="tozeroy",
+    fig.add_trace(go.Scatter(x=m["step"], y=m["bytes_sent"], name="sent (per rank)", mode="lines",
                              line={"color": "#E45756", "shape": "hv"}))
     fig.add_trace(go.Scatter(x=m["step"], y=m["bytes_raw"], name="uncompressed", mode="lines",
                              line={"color": "#777", "dash": "dash"}))
-    fig.update_layout(xaxis_title="step", yaxis_title="bytes", height=300, yaxis={"rangemode": "tozero"},
+    fig.update_layout(xaxis_title="step", yaxis={"title": "bytes", "type": "log"}, height=300,
                       margin={"l": 10, "r": 10, "t": 30, "b": 40}, legend={"orientation": "h", "y": 1.1})
     return fig
 

@@ -160,7 +160,7 @@ class Sweep:
         return self.table(runs)
 
     def table(self, runs: Optional[dict] = None):
-        from lab.compare import compare_runs
+        from lab.comparison import compare_runs
         runs = runs or self._load().get("runs", {})
         present = []
         for c in self.cells:

@@ -259,18 +259,19 @@ def cancel(run_id: str, runs=None) -> str:
     return lab.cancel(run_id, runs=runs or runs_dir())
 
 
-def run_label(run: Run) -> str:
+def run_label(run: Run, state: bool = True) -> str:
+    """"<name>  [<state>]  <id>" (the name is left out when the id already carries it)."""
     try:
-        spec = run.spec_dict()
-        name = spec.get("name", "")
+        name = run.spec_dict().get("name", "")
     except (OSError, ValueError):
         name = ""
-    return f"{run.id}  [{run.state}]" if not name or name in run.id else f"{name}  [{run.state}]  {run.id}"
+    tag = f"  [{run.state}]" if state else ""
+    return f"{run.id}{tag}" if not name or name in run.id else f"{name}{tag}  {run.id}"
 
 
 def describe(spec: dict) -> str:
     """One line: model on dataset, world size, compressor, schedule, comm, link."""
-    from lab.compare import describe as comp
+    from lab.comparison import describe as comp
     net = spec["network"]
     link = net["link"] + (f" {net['gbps']:g} Gbit/s" if net.get("gbps") else "")
     return (f"{spec['model']['name']} on {spec['dataset']['name']}, {spec['world_size']} ranks, {comp(spec)}, "
@@ -377,8 +378,7 @@ def trace_json(run: Run) -> str:
 # --------------------------------------------------------------------------- comparing
 
 def compare_table(runs: List[Run], target_acc: Optional[float] = None) -> pd.DataFrame:
-    # not lab.compare(): once the submodule lab.compare is imported, that name is the module
-    from lab.compare import compare_runs
+    from lab.comparison import compare_runs
     return compare_runs(runs, target_acc=target_acc)
 
 
@@ -512,7 +512,7 @@ def sweep_status(sw) -> dict:
 def sweep_table(sw) -> pd.DataFrame:
     """The comparison table of a sweep's cells that have a run, with ``cell`` and ``baseline``
     columns (read only: unlike ``Sweep.table`` it writes no files)."""
-    from lab.compare import compare_runs
+    from lab.comparison import compare_runs
     saved = sw._load().get("runs", {})
     present = []
     for c in sw.cells:

@@ -28,11 +28,19 @@ sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright pac
 if not os.access(CHROMIUM, os.X_OK):
     pytest.skip(f"no browser at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
 
-# The live page's figures, found by their traces (Plotly keeps them on the chart's div).
-HAS_TIMELINE = """() => [...document.querySelectorAll('.js-plotly-plot')].some(
-    p => (p.data || []).some(t => t.name === 'backward' && t.x && t.x.length > 0))"""
-HAS_ACCURACY = """() => [...document.querySelectorAll('.js-plotly-plot')].some(
-    p => (p.data || []).some(t => t.name === 'eval accuracy' && t.x && t.x.length > 0))"""
+# The live page's figures, found by their traces. Plotly keeps them on the chart's div; _fullData holds
+# the decoded arrays (data may hold numpy arrays still base64-encoded as {dtype, bdata}).
+HAS_TRACE = """name => [...document.querySelectorAll('.js-plotly-plot')].some(
+    p => (p._fullData || []).some(t => t.name === name && t.visible !== false && t.x && t.x.length > 0))"""
+SETTLED = """() => document.querySelectorAll('[data-stale="true"]').length === 0
+    && !document.querySelector('[data-testid="stSkeleton"]')
+    && !document.querySelector('[data-testid="stStatusWidget"]')"""
+"""No script run in progress and nothing left over from an earlier one (for the screenshots)."""
+
+
+def labels_of(runs):
+    from lab import ui
+    return ui.short_labels(lab.runs(runs=runs))
 
 
 def free_port() -> int:
@@ -98,16 +106,24 @@ def test_preset_to_live_timeline_and_accuracy(server, tmp_path):
             page.wait_for_url("**/live_run?run=*")
             page.get_by_text("Where the step time goes").wait_for()
             # the job starts, trains and evaluates (every 25 steps) while the page refreshes itself
-            page.wait_for_function(HAS_TIMELINE, timeout=240_000, polling=500)
-            page.wait_for_function(HAS_ACCURACY, timeout=240_000, polling=500)
+            page.wait_for_function(HAS_TRACE, arg="backward", timeout=240_000, polling=500)
+            page.wait_for_function(HAS_TRACE, arg="eval accuracy", timeout=240_000, polling=500)
+            ids = [r.id for r in lab.runs(runs=runs)]
+            assert len(ids) == 2 and page.url.endswith(f"run={ids[0]}")
+            # let the first run finish, then wait until no element is left over from an earlier refresh
+            page.get_by_text("step 150/150").wait_for(timeout=240_000)
+            page.wait_for_function(SETTLED, timeout=60_000, polling=250)
             shot = tmp_path / "live_run.png"
             page.screenshot(path=str(shot))
             keep(shot, "live_run.png")
-            ids = [r.id for r in lab.runs(runs=runs)]
-            assert len(ids) == 2 and page.url.endswith(f"run={ids[0]}")
-            page.goto(url + "/compare")
+            assert lab.wait(ids[1], runs=runs, timeout=240) == "done"
+            page.get_by_role("link", name="Compare").click()  # same session: the preset's runs are preselected
             page.get_by_text("Accuracy against wall time").wait_for()
+            labels = labels_of(runs)
+            for i in ids:
+                page.wait_for_function(HAS_TRACE, arg=labels[i])
             page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
+            page.wait_for_function(SETTLED, timeout=60_000, polling=250)
             shot = tmp_path / "compare.png"
             page.screenshot(path=str(shot))
             keep(shot, "compare.png")
