@@ -343,7 +343,7 @@ def worker(args) -> None:
 
 # ---------------------------------------------------------------- parent side
 
-def analyse(raw: dict, target: float, skip: int, gbps: float) -> dict:
+def analyse(raw: dict, target: float, skip: int, gbps: float, block: int = 5) -> dict:
     """Per variant: medians over the slower rank, time/steps to target, bytes; the best commlab config."""
     ranks = raw["ranks"]
     names = list(ranks[0])
@@ -414,7 +414,26 @@ def analyse(raw: dict, target: float, skip: int, gbps: float) -> dict:
                                               "at_median_met": bool(bm is not None and (not pm or bm < min(pm))),
                                               "best_ddp_powersgd_s": min(pt) if pt else None,
                                               "met": bool(bt is not None and (not pt or bt < min(pt)))}
-    return {"variants": res, "best_commlab": best, "verdict": verdict, "target_acc": target, "gbps": gbps}
+    # other targets: is the verdict an artefact of the one chosen?
+    other = {}
+    if best and "ddp" in res:
+        for tgt in sorted({0.5, 0.6, 0.7, 0.8, target}):
+            def tta(n):
+                reach = next((s for s, a in res[n]["acc"] if a >= tgt), None)
+                return sum(res[n]["iter_s"][:reach]) if reach else None
+            d, c = tta("ddp"), tta(best)
+            other[f"{tgt:g}"] = {"ddp_s": d, "best_s": c, "speedup": (d / c) if (d and c) else None}
+    # quiet machine? the compute-only blocks are the canary (they have no network to vary)
+    quiet = None
+    if comp:
+        blk = []
+        for i in range(0, len(comp["iter_s"]), block):
+            b = comp["iter_s"][i:i + block]
+            blk.append(common.median(b))
+        quiet = {"block_median_ms_min": 1e3 * min(blk), "block_median_ms_max": 1e3 * max(blk),
+                 "disturbed_blocks": sum(x > 1.2 * min(blk) for x in blk), "blocks": len(blk)}
+    return {"variants": res, "best_commlab": best, "verdict": verdict, "target_acc": target, "gbps": gbps,
+            "other_targets": other, "quiet": quiet}
 
 
 def _f(x, fmt, none="—"):
@@ -488,6 +507,17 @@ def report(a: dict, raw: dict, args) -> str:
                          f"{'sooner' if x['at_median_met'] else 'not sooner'})")
         notes.append(f"- best commlab configuration: {best}: " + "; ".join(parts)
                      + ("" if a["gbps"] == 0.1 else " (the issue sets these targets at 0.1 Gbit only)"))
+    if a.get("other_targets"):
+        notes.append(f"- {best} vs DDP at other targets (measured time to target): " + "; ".join(
+            f"{k}: {_f(o['best_s'], '.1f', 'not reached ')} s vs {_f(o['ddp_s'], '.1f', 'not reached ')} s = "
+            f"{_f(o['speedup'], '.2f', 'n/a ')}x" for k, o in a["other_targets"].items()))
+    q = a.get("quiet")
+    if q:
+        notes.append(f"- machine check: compute-only block medians {q['block_median_ms_min']:.0f}-"
+                     f"{q['block_median_ms_max']:.0f} ms; {q['disturbed_blocks']} of {q['blocks']} blocks > 1.2x the "
+                     f"fastest" + (" (other load on the machine during the run: sums of iteration times, i.e. "
+                                   "time to target, are inflated for whichever variants ran then; medians less so)"
+                                   if q["disturbed_blocks"] else " (quiet)"))
     return "\n".join(lines + notes)
 
 
@@ -540,7 +570,7 @@ def main(argv=None) -> int:
             return 1
         raw = common.read_json(out)
     raw["cluster"] = cluster
-    a = analyse(raw, args.target, args.skip, gbps)
+    a = analyse(raw, args.target, args.skip, gbps, args.block)
     text = report(a, raw, args)
     print(text)
     if cluster:

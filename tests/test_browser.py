@@ -127,5 +127,15 @@ def test_preset_to_live_timeline_and_accuracy(server, tmp_path):
             shot = tmp_path / "compare.png"
             page.screenshot(path=str(shot))
             keep(shot, "compare.png")
+            # the other pages, each with its real content, for the README
+            for link, title, name in (("Home", "commlab", "home.png"), ("New run", "New run", "new_run.png"),
+                                      ("Sweeps", "Sweeps", "sweeps.png"),
+                                      ("Performance model", "Performance model", "model.png")):
+                page.get_by_role("link", name=link).click()
+                page.get_by_role("heading", name=title, exact=True).wait_for()
+                page.wait_for_function(SETTLED, timeout=60_000, polling=250)
+                shot = tmp_path / name
+                page.screenshot(path=str(shot))
+                keep(shot, name)
         finally:
             browser.close()

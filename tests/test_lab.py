@@ -1,4 +1,5 @@
 """Lab orchestration: queue limit, fault handling, stale launchers, the index, bad input, divergence."""
+import importlib
 import json
 import os
 import signal
@@ -131,7 +132,7 @@ def test_index_rebuilds_from_directories(tmp_path):
     assert after == before
     q.index.path.write_bytes(b"this is not a database")  # damaged: rebuilt on first use
     assert {r["id"] for r in q.index.query()} == {a.id, b.id}
-    import lab.sweep  # noqa: F401  (importing the lab's modules must not shadow the lab.compare function)
+    importlib.import_module("lab.sweep")  # importing the lab's modules must not shadow the lab.compare function
     df = lab.compare(lab.runs(runs=tmp_path))
     assert list(df.index) == [a.id, b.id] and df.loc[a.id, "state"] == "done"
     assert not a.metrics().empty and not a.timeline().empty and a.summary().loc[a.id, "state"] == "done"
