@@ -19,22 +19,22 @@ timing). After each block the variant is evaluated on a fixed held-out subset
 (untimed). Each iteration is timed around the whole step (forward, backward,
 communication, optimizer step); the slower rank's time counts.
 
-Variants (``--variants``, default all):
+Variants (``--variants``; default all but the rank-2 ones):
 
 - ``compute``:          no communication (forward, backward, SGD step), each
                         rank on its own at the same time as the other, i.e.
                         single-process throughput under the same 2-core
                         contention as training. The scaling-factor denominator.
 - ``ddp``:              torch DistributedDataParallel, default buckets.
-- ``ddp-powersgd-r4``/``-r1``: DDP with torch's ``powerSGD_hook``
-                        (matrix_approximation_rank 4 / 1, start_powerSGD_iter 2,
+- ``ddp-powersgd-r4``/``-r2``/``-r1``: DDP with torch's ``powerSGD_hook``
+                        (matrix_approximation_rank 4 / 2 / 1, start_powerSGD_iter 2,
                         error feedback and warm start on) and ``bucket_cap_mb``
                         64, i.e. ONE bucket: on gloo the hook aborts or hangs
                         with several (TESTBED.md). The worker checks that only
                         bucket 0 ever reaches the hook.
-- ``commlab-powersgd-r4``/``-r1``: engine.comm.DataParallel, mode wfbp, schedule
+- ``commlab-powersgd-r4``/``-r2``/``-r1``: engine.comm.DataParallel, mode wfbp, schedule
                         ``--schedule`` (bucket 25 MB), compressor powersgd rank
-                        4 / 1, start_iter 2 (per tensor when the compressor
+                        4 / 2 / 1, start_iter 2 (per tensor when the compressor
                         reads the communicator's ``layout``).
 - ``commlab-topk``:     the same with topk ratio 0.01 + error feedback.
 - ``commlab-fp16``:     the same with fp16.
@@ -84,6 +84,8 @@ COMMLAB = {  # name -> (compressor, its parameters)
 }
 DDP_POWERSGD = {"ddp-powersgd-r4": 4, "ddp-powersgd-r2": 2, "ddp-powersgd-r1": 1}
 VARIANTS = ("compute", "ddp", *DDP_POWERSGD, *COMMLAB)
+DEFAULT_VARIANTS = ("compute", "ddp", "ddp-powersgd-r4", "ddp-powersgd-r1", "commlab-powersgd-r4",
+                    "commlab-powersgd-r1", "commlab-topk", "commlab-fp16")
 DDP_POWERSGD_BUCKET_MB = 64  # > the model's 10.7 MB: one bucket (gloo needs it for the hook)
 START_ITER = 2
 
@@ -525,8 +527,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbps", type=float, default=0.1, help="link rate in Gbit/s; 0 = plain loopback")
     ap.add_argument("--link", choices=("shaped", "loopback"), default="shaped")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from: {', '.join(VARIANTS)}")
-    ap.add_argument("--steps", type=int, default=100, help="training steps per variant")
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated, from: {', '.join(VARIANTS)}; a commlab variant may name its schedule: "
+                         f"commlab-X@allinone, @layerwise, @bucketN (N MB cap)")
+    ap.add_argument("--steps", type=int, default=80, help="training steps per variant")
     ap.add_argument("--block", type=int, default=5, help="steps per variant per round; also the eval period")
     ap.add_argument("--skip", type=int, default=3, help="first steps of each variant left out of the medians")
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch size")

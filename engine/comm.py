@@ -62,6 +62,7 @@ class Bucket:
         self.ready = False
         self.launched = False
         self.gen = None
+        self.done = False
         self.round: Optional[Round] = None
         self.handle = None
         self.t_issue = 0.0
@@ -247,6 +248,14 @@ class DataParallel:
 
     def _launch_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].ready:
+            if self.mode == "wfbp":
+                # Multi-round exchanges (PowerSGD) advance one round each time a later bucket
+                # launches, so their follow-up rounds and decoding overlap the rest of backward
+                # instead of all landing in finish(). Where this happens depends only on the
+                # bucket sequence, so every rank issues the same collectives in the same order.
+                for b in self.buckets[:self._next]:
+                    if not b.done and b.compressor.rounds > 1:
+                        self._advance(b)
             self._start(self.buckets[self._next])
             self._next += 1
 
@@ -283,6 +292,29 @@ class DataParallel:
         pend.span = (f"{rnd.op} b{b.index}", t_issue, args)
 
     # -- after backward ---------------------------------------------------
+    def _advance(self, b: Bucket) -> bool:
+        """Wait for ``b``'s current round, then issue its next one or decode its result.
+        Returns True while the bucket has rounds left."""
+        tl = self.timeline
+        t0 = tl.now()
+        result = b.handle.wait()
+        t1 = tl.now()
+        name, t_issue, args = b.handle.span
+        tl.span("comm", name, t_issue, b.handle.t_done or t1, args)
+        tl.span("wait", f"wait b{b.index}", t0, t1, {"bucket": b.index})
+        try:
+            rnd = b.gen.send(result)
+        except StopIteration as stop:
+            out = stop.value
+            if out is not b.flat and out.data_ptr() != b.flat.data_ptr():
+                b.flat.copy_(out.reshape(-1))
+            tl.span("decompress", f"decompress b{b.index}", t1, tl.now(), {"bucket": b.index})
+            b.done = True
+            return False
+        tl.span("compress", f"compress b{b.index} r{b.rounds + 1}", t1, tl.now(), {"bucket": b.index})
+        self._issue(b, rnd)
+        return True
+
     def finish(self) -> None:
         """Complete every bucket's exchange and leave averaged gradients in p.grad."""
         for b in self.buckets:
@@ -292,30 +324,9 @@ class DataParallel:
                         b.views[pos].zero_()
                 b.ready = True
         self._launch_ready()
-        tl = self.timeline
-        active = list(self.buckets)
-        while active:
-            still = []
-            for b in active:  # bucket order: every rank issues follow-up rounds identically
-                t0 = tl.now()
-                result = b.handle.wait()
-                t1 = tl.now()
-                name, t_issue, args = b.handle.span
-                tl.span("comm", name, t_issue, b.handle.t_done or t1, args)
-                tl.span("wait", f"wait b{b.index}", t0, t1, {"bucket": b.index})
-                try:
-                    rnd = b.gen.send(result)
-                except StopIteration as stop:
-                    out = stop.value
-                    if out is not b.flat:
-                        if out.data_ptr() != b.flat.data_ptr():
-                            b.flat.copy_(out.reshape(-1))
-                    tl.span("decompress", f"decompress b{b.index}", t1, tl.now(), {"bucket": b.index})
-                    continue
-                tl.span("compress", f"compress b{b.index} r{b.rounds + 1}", t1, tl.now(), {"bucket": b.index})
-                self._issue(b, rnd)
-                still.append(b)
-            active = still
+        active = [b for b in self.buckets if not b.done]
+        while active:  # bucket order: every rank issues follow-up rounds identically
+            active = [b for b in active if self._advance(b)]
         self.step_bytes = sum(getattr(b.compressor, "last_bytes", 0) for b in self.buckets)
         self.step_raw_bytes = sum(b.raw_bytes for b in self.buckets)
         for b in self.buckets:
