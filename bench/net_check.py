@@ -19,7 +19,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lab import netns  # noqa: E402
+from lab import netcheck, netns  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     results = []
     for g in rates:
         print(f"## {g:g} Gbit/s", flush=True)
-        results.append(netns.net_check(g, seconds=a.seconds, out=sys.stdout))
+        results.append(netcheck.net_check(g, seconds=a.seconds, out=sys.stdout))
         print(flush=True)
     print("| target Mbit/s | TCP Mbit/s | TCP/target | all-reduce MiB | median ms | model ms | busbw Mbit/s | model/measured |")
     print("|---|---|---|---|---|---|---|---|")

@@ -184,7 +184,6 @@ class Variant:
 
     def step(self):
         """One training iteration; returns (total, forward+backward) seconds."""
-        import torch  # noqa: F401
         from engine import models
         x, y = self.ds.batch("train", next(self.sampler))
         t0 = time.perf_counter()

@@ -225,6 +225,8 @@ class DataParallel:
                     dist.broadcast(t.data, 0, group=group)
         self._next = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._rebind = False
+        self._bind_views()  # autograd accumulates straight into the buckets from the first step
         self.step_bytes = 0
         self.step_raw_bytes = 0
 
@@ -234,6 +236,7 @@ class DataParallel:
         view = b.views[pos]
         if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
             view.copy_(p.grad)
+            self._rebind = True  # p.grad was replaced (zero_grad(set_to_none)): point it at the view again
         if b.seen[pos]:
             raise RuntimeError(f"gradient of {b.names[pos]} was produced twice in one step; "
                                "call finish() after every backward (no gradient accumulation yet)")
@@ -329,10 +332,9 @@ class DataParallel:
             active = [b for b in active if self._advance(b)]
         self.step_bytes = sum(getattr(b.compressor, "last_bytes", 0) for b in self.buckets)
         self.step_raw_bytes = sum(b.raw_bytes for b in self.buckets)
+        if self._rebind:  # only after something replaced p.grad: no per-parameter loop in the common step
+            self._bind_views()
         for b in self.buckets:
-            for p, view in zip(b.params, b.views):
-                if p.grad is not view:
-                    p.grad = view
             b.reset()
         self._next = 0
 
@@ -346,9 +348,12 @@ class DataParallel:
         """Zero gradients in place (one memset per bucket); p.grad stays a view."""
         for b in self.buckets:
             b.flat.zero_()
+
+    def _bind_views(self) -> None:
+        for b in self.buckets:
             for p, view in zip(b.params, b.views):
-                if p.grad is not view:
-                    p.grad = view
+                p.grad = view
+        self._rebind = False
 
     def layout(self) -> List[List[str]]:
         return [list(b.names) for b in self.buckets]

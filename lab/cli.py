@@ -220,7 +220,7 @@ def cmd_app(args) -> int:
 
 
 def cmd_net(args) -> int:
-    from lab import netns
+    from lab import netcheck, netns
     try:
         netns.check_shaped_supported()
         if args.net_cmd == "cleanup":
@@ -231,7 +231,7 @@ def cmd_net(args) -> int:
             raise UsageError(f"commlab net check: --gbps must be in [0.001, 400], got {args.gbps}")
         if not 2 <= args.ranks <= 64:
             raise UsageError(f"commlab net check: --ranks must be in 2..64, got {args.ranks}")
-        r = netns.net_check(args.gbps, seconds=args.seconds, n_ranks=args.ranks,
+        r = netcheck.net_check(args.gbps, seconds=args.seconds, n_ranks=args.ranks,
                             out=None if args.json else sys.stdout)
     except netns.NetworkUnavailable as e:
         raise LabError(str(e)) from None

@@ -14,8 +14,10 @@ import time
 import pytest
 
 import lab.netns as netns
+from lab.launcher import worker_env
+from lab.netcheck import measure_tcp, net_check
 from lab.netns import (Cluster, NetnsError, NetworkUnavailable, check_shaped_supported, cleanup_stale,
-                       list_lab_namespaces, measure_tcp, net_check, rank_argv, root_lab_links)
+                       list_lab_namespaces, rank_argv, root_lab_links)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -261,7 +263,7 @@ time.sleep(120)
 def test_a_run_whose_worker_crashes_leaves_nothing(tmp_path):
     script = tmp_path / "crash.py"
     script.write_text(_CRASHING_WORKER)
-    env = netns._base_env()
+    env = worker_env()
     procs, left = [], []
     with Cluster(2, 1.0, tag="crash") as c:
         for i in range(2):
