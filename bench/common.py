@@ -31,6 +31,14 @@ Times = Dict[str, List[List[float]]]
 
 # ---------------------------------------------------------------- launching
 
+def add_worker_flags(ap) -> None:
+    """The hidden flags of a self-launching benchmark: ``--worker`` (this process is a rank)
+    and ``--out`` (where rank 0 writes the raw numbers for the parent)."""
+    import argparse
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+
+
 def launch(script: str, args: Sequence[str], nproc: int = 2) -> int:
     """Run ``script --worker args`` on ``nproc`` ranks; the workers' output goes to ours."""
     argv = torchrun_argv([os.path.abspath(script), "--worker", *args], nproc, free_port())

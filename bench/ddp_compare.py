@@ -181,8 +181,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per variant first")
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     ap.add_argument("--json", help="save raw per-iteration times and the summary here")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    common.add_worker_flags(ap)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)

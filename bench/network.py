@@ -568,8 +568,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cap-mb", type=float, default=25.0, help="bucket cap for --schedule bucket")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds before the job is stopped")
     ap.add_argument("--json", help="save the raw per-iteration data and the summary here")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--out", help=argparse.SUPPRESS)
+    common.add_worker_flags(ap)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
