@@ -124,21 +124,25 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
                 raise ValueError(f"world_size: {spec.world_size} ranks do not split over {nodes.nnodes} nodes")
             argv = torchrun_argv(worker_argv(str(run.path)), spec.world_size // nodes.nnodes, nodes.port,
                                  nodes.nnodes, nodes.node_rank, nodes.master_addr)
-            loop = nodes.master_addr in ("127.0.0.1", "localhost")
-            jobs = [(argv, {} if loop else {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "")})]
+            # off loopback, gloo uses the interface the user names in GLOO_SOCKET_IFNAME (inherited)
+            loopback = nodes.master_addr in ("127.0.0.1", "localhost")
+            jobs = [(argv, {})]
             info = {"nodes": nodes.nnodes}
             if nodes.node_rank > 0:
-                return _follow_node(run, jobs, loop)
+                return _follow_node(run, argv, loopback)
         elif spec.network.link == "shaped":
             from lab.netns import Cluster, rank_argv
             cluster = stack.enter_context(Cluster(spec.world_size, spec.network.gbps, tag=run.id[-4:]))
             port = free_port()
             jobs = [rank_argv(cluster, i, worker_argv(str(run.path)), port) for i in range(spec.world_size)]
             info = {"cluster": cluster.describe()}
+            loopback = True  # each rank's env names its namespace's interface, which overrides lo
         else:
             jobs = [(torchrun_argv(worker_argv(str(run.path)), spec.world_size, free_port()), {})]
             info = {}
-        return _follow(run, spec, jobs, info, progress, out or sys.stderr, poll_s, on_metrics, should_cancel)
+            loopback = True
+        return _follow(run, spec, jobs, loopback, info, progress, out or sys.stderr, poll_s, on_metrics,
+                       should_cancel)
 
 
 class Nodes:
@@ -150,14 +154,18 @@ class Nodes:
         self.nnodes, self.node_rank, self.master_addr, self.port = nnodes, node_rank, master_addr, port
 
 
-def _follow_node(run: Run, jobs, loopback: bool) -> str:
+def _spawn(argv: List[str], env: dict, loopback: bool, log) -> subprocess.Popen:
+    """A torchrun in a session of its own; it gets SIGTERM if this launcher dies, and
+    stops its ranks (which die with it too)."""
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**worker_env(loopback=loopback), **env}, start_new_session=True,
+                            preexec_fn=procs.die_with_parent)
+
+
+def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
     """A node other than 0: run its torchrun to the end; node 0 owns the run's status."""
     with open(run.file(f"log-node{os.getpid()}.txt"), "ab", buffering=0) as log:
-        argv, env = jobs[0]
-        env = {k: v for k, v in env.items() if v}
-        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                             env={**worker_env(loopback=loopback), **env}, start_new_session=True,
-                             preexec_fn=procs.die_with_parent)
+        p = _spawn(argv, {}, loopback, log)
         try:
             return "done" if p.wait() == 0 else "failed"
         except KeyboardInterrupt:
@@ -165,14 +173,9 @@ def _follow_node(run: Run, jobs, loopback: bool) -> str:
             return "cancelled"
 
 
-def _follow(run, spec, jobs, info, progress, out, poll_s, on_metrics, should_cancel) -> str:
+def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel) -> str:
     log = open(run.file("log.txt"), "ab", buffering=0)
-    # each torchrun gets SIGTERM if this launcher dies, and stops its ranks (which die with it too)
-    loopback = "nodes" not in info or not any(v for e in (env for _, env in jobs) for v in e.values())
-    procs_ = [subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                               env={**worker_env(loopback=loopback), **{k: v for k, v in env.items() if v}},
-                               start_new_session=True,
-                               preexec_fn=procs.die_with_parent) for argv, env in jobs]
+    procs_ = [_spawn(argv, env, loopback, log) for argv, env in jobs]
     run.set_status("running", torchrun=procs.identity(procs_[0].pid),
                    torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
     tail = MetricsTail(str(run.file("metrics.jsonl")))
