@@ -338,11 +338,13 @@ class DataParallel:
             b.reset()
         self._next = 0
 
-    def grads_finite(self) -> bool:
-        """True when every averaged gradient is finite. The buffers are identical on all
-        ranks after ``finish``, so all ranks reach the same answer without a collective."""
+    def grads_finite(self) -> Tensor:
+        """A 0-d bool tensor: every averaged gradient is finite. The buffers are identical on
+        all ranks after ``finish``, so all ranks reach the same answer without a collective.
+        It is a tensor so that the caller reads it at a sync point it has anyway (on GPU,
+        reading it here would stall the stream every step)."""
         total = sum(b.flat.sum(dtype=torch.float32) for b in self.buckets)  # inf when it overflows: diverged too
-        return bool(torch.isfinite(torch.as_tensor(total)))
+        return torch.isfinite(torch.as_tensor(total))
 
     def zero_grad(self) -> None:
         """Zero gradients in place (one memset per bucket); p.grad stays a view."""

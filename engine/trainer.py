@@ -128,14 +128,15 @@ class Trainer:
         m2 = tl.mark()
         t2 = tl.now()
         self.dp.finish()
-        if not self.dp.grads_finite():  # every rank sees the same averaged gradient: one decision for all
-            raise Diverged(self.step)
+        finite = self.dp.grads_finite()  # every rank sees the same averaged gradient: one decision for all
         t3 = tl.now()
         m3 = tl.mark()
         self.optimizer.step()
         self.dp.zero_grad()
         m4 = tl.mark()
         loss_value = loss.item()  # syncs the device: the step is over here
+        if not bool(finite):
+            raise Diverged(self.step)
         t4 = tl.now()
         s = self.step
         tl.span("forward", "forward", m0, m1, {"step": s})
