@@ -80,10 +80,110 @@ def bucket(params: Sequence[ParamInfo], cap_mb: float = 25.0,
     return out
 
 
+def from_cuts(params: Sequence[ParamInfo], cuts: Sequence[int]) -> Buckets:
+    """Contiguous groups that end before each cut: ``cuts`` are positions 0 < c < n in
+    increasing order (a group never spans a dtype/device change, which adds a cut)."""
+    n = len(params)
+    cuts = sorted(set(int(c) for c in cuts))
+    if any(not 0 < c < n for c in cuts):
+        raise ValueError(f"cuts: every cut must be in 1..{n - 1}, got {cuts}")
+    kind = [run[0] for run in _split_kind(params)][1:]
+    bounds = [0] + sorted(set(cuts) | set(kind)) + [n]
+    return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def cuts_of(buckets: Buckets) -> List[int]:
+    """The cut positions of a contiguous layout (inverse of ``from_cuts``)."""
+    return [b[0] for b in buckets[1:]]
+
+
+def balanced_cuts(params: Sequence[ParamInfo], k: int) -> List[int]:
+    """Cuts for ``k`` contiguous groups of roughly equal bytes (fewer if there are fewer tensors):
+    a group closes once it reaches its share of the bytes still left."""
+    n = len(params)
+    k = max(1, min(k, n))
+    cuts: List[int] = []
+    left = sum(p.nbytes for p in params)
+    size, groups_left = 0, k
+    for i, p in enumerate(params):
+        size += p.nbytes
+        rest = n - i - 1
+        if groups_left > 1 and rest >= groups_left - 1 and (size >= left / groups_left or rest == groups_left - 1):
+            cuts.append(i + 1)
+            left -= size
+            size, groups_left = 0, groups_left - 1
+    return cuts
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """The fitted cost of one bucket's exchange: ``fixed + per_byte * raw bytes`` seconds.
+    ``fixed`` holds the collective's latency (alpha) and the compressor's per-call
+    cost; ``per_byte`` the bandwidth term (beta times the compression ratio) and
+    the compressor's per-byte work."""
+    fixed: float
+    per_byte: float
+
+    def __call__(self, nbytes: float) -> float:
+        return self.fixed + self.per_byte * nbytes
+
+
+def simulate(params: Sequence[ParamInfo], buckets: Buckets, ready: Sequence[float], cost: CallCost) -> float:
+    """When the last bucket's exchange ends, if exchanges run one after another on one
+    channel and each starts once its last gradient is ready (``ready`` is per position,
+    seconds from the start of backward) and the previous one has ended."""
+    free = 0.0
+    for b in buckets:
+        start = max(free, max(ready[i] for i in b))
+        free = start + cost(sum(params[i].nbytes for i in b))
+    return free
+
+
+def layerfusion(params: Sequence[ParamInfo], ready: Optional[Sequence[float]] = None,
+                cost: Optional[CallCost] = None) -> Buckets:
+    """LayerFusion's merge rule (Sketch-Fusion SGD, Dai et al. 2024), as reconstructed here.
+
+    The paper states the idea (fuse layers from measured backward times and a
+    fitted alpha-beta cost, no hyperparameters) but not its exact rule; this is
+    our reconstruction. Walk the gradients in ready order (last layer first).
+    The open bucket ends at the current gradient. Closing it now lets it start at
+    ``max(ready_now, channel_free)``; letting the next gradient join makes it start at
+    ``max(ready_next, channel_free)``. The next gradient joins when closing now would
+    not start the exchange earlier by more than one call's fixed cost: an early
+    start that gains less than the extra call costs is a loss. ``channel_free`` is
+    when the exchanges already closed end, simulated with ``cost``.
+
+    Without a profile (``ready``/``cost`` None) it falls back to one bucket per
+    dtype/device run, as all gradients are then taken to be ready at once.
+    """
+    if ready is None or cost is None:
+        return allinone(params)
+    if len(ready) != len(params):
+        raise ValueError(f"ready: one time per parameter expected ({len(params)}), got {len(ready)}")
+    out: Buckets = []
+    for run in _split_kind(params):
+        cur = [run[0]]
+        free = simulate(params, out, ready, cost) if out else 0.0
+        for i in run[1:]:
+            start_now = max(ready[cur[-1]], free)
+            start_joined = max(ready[i], free)
+            if start_joined - start_now > cost.fixed:
+                out.append(cur)
+                free = start_now + cost(sum(params[j].nbytes for j in cur))
+                cur = [i]
+            else:
+                cur.append(i)
+        out.append(cur)
+    return out
+
+
 SCHEDULES: Dict[str, Callable[..., Buckets]] = {
     "layerwise": layerwise,
     "allinone": allinone,
     "bucket": bucket,
+    # the tuned schedules start from one bucket; their tuners (engine/tuners.py) relayout later
+    "mergecomp": lambda params, **_: allinone(params),
+    "layerfusion": layerfusion,
 }
 
 
