@@ -250,6 +250,39 @@ def report(setting: dict, res: dict, args, target: float, link: str) -> str:
     return "\n".join(lines)
 
 
+def breakdown(run_dir: str, rank: int = 0) -> dict:
+    """Where a run's steps went, from its timeline and metrics (medians over the steps after
+    tuning): forward, backward (in wfbp it includes the compress calls made in the
+    gradient hooks), of which compress, the wait after backward (finish), optimizer,
+    and the number and total duration of collectives."""
+    tuned = 0
+    tpath = os.path.join(run_dir, "tuning.json")
+    if os.path.exists(tpath):
+        tuned = common.read_json(tpath).get("tuning_steps", 0)
+    with open(os.path.join(run_dir, f"timeline-rank{rank}.jsonl")) as f:
+        ev = [json.loads(x) for x in f]
+    steps = sorted((e for e in ev if e["cat"] == "step" and e["args"]["step"] >= tuned + 1), key=lambda e: e["ts"])
+    rows = {k: [] for k in ("step", "forward", "backward", "compress_in_backward", "after_backward", "optimizer",
+                            "collectives", "comm_total")}
+
+    def inside(e, a, b):
+        return a <= e["ts"] < b
+    for st in steps:
+        a, b = st["ts"], st["ts"] + st["dur"]
+        mine = [e for e in ev if inside(e, a, b)]
+        bw = next(e for e in mine if e["cat"] == "backward" and e["name"] == "backward")
+        fw = next(e for e in mine if e["cat"] == "forward" and e["name"] == "forward")
+        opt = next(e for e in mine if e["cat"] == "optimizer" and e["name"] == "optimizer")
+        comp = sum(e["dur"] for e in mine if e["cat"] == "compress" and inside(e, bw["ts"], bw["ts"] + bw["dur"]))
+        comm = [e for e in mine if e["cat"] == "comm"]
+        for k, v in (("step", st["dur"]), ("forward", fw["dur"]), ("backward", bw["dur"]),
+                     ("compress_in_backward", comp), ("after_backward", opt["ts"] - (bw["ts"] + bw["dur"])),
+                     ("optimizer", opt["dur"]), ("collectives", len(comm)),
+                     ("comm_total", sum(e["dur"] for e in comm))):
+            rows[k].append(v / (1 if k == "collectives" else 1e3))
+    return {k: statistics.median(v) for k, v in rows.items() if v} | {"steps": len(steps)}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gbps", type=float, default=0.0, help="shaped link rate in Gbit/s (root); 0 = loopback")
@@ -270,12 +303,25 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", help="save raw data and summaries here")
     ap.add_argument("--md", help="save the tables here")
+    ap.add_argument("--breakdown", nargs="+", metavar="RUN_DIR",
+                    help="only print where the steps of these run directories went (timeline medians) and exit")
     ap.add_argument("--root", help=argparse.SUPPRESS)
     common.add_worker_flags(ap)
     args = ap.parse_args(argv)
     args.compressors, args.schedules = _csv(args.compressors), _csv(args.schedules)
     args.batches, args.steps, args.eval_every = _csv(args.batches, int), _csv(args.steps, int), _csv(args.eval_every, int)
     targets = _csv(args.targets, float)
+    if args.breakdown:
+        rows = []
+        for d in args.breakdown:
+            r = breakdown(d)
+            rows.append([os.path.basename(d.rstrip("/"))] + [f"{r[k]:.1f}" for k in (
+                "step", "forward", "backward", "compress_in_backward", "after_backward", "optimizer")]
+                + [f"{r['collectives']:.0f}", f"{r['comm_total']:.1f}", r["steps"]])
+        print(common.markdown_table(["run", "step ms", "forward", "backward", "compress in backward",
+                                     "after backward", "optimizer", "collectives", "sum of comm spans ms",
+                                     "steps"], rows))
+        return 0
     if args.worker:
         worker(args)
         return 0

@@ -423,28 +423,34 @@ class DataParallel:
         self._hooks = []
 
 
-def time_exchange(dp: DataParallel, numel: int, dtype, device) -> float:
-    """Seconds for one whole exchange (compress, collectives, decompress) of a bucket of
-    ``numel`` elements with a fresh compressor, run synchronously. Collective: every rank
-    calls it with the same arguments (LayerFusion's calibration)."""
+def time_exchange(dp: DataParallel, numel: int, dtype, device) -> tuple:
+    """``(total, compute)`` seconds of one whole exchange of a bucket of ``numel`` elements with
+    a fresh compressor, run synchronously: all of it, and the part spent in the compressor
+    (compress and decode, on this thread). Collective: every rank calls it with the same
+    arguments (LayerFusion's calibration)."""
     import time
     comp = dp.make_compressor()
     comp.bucket, comp.process_rank, comp.layout = 0, dp.rank, [(0, (numel,))]
     g = torch.Generator().manual_seed(numel)
     t = torch.randn(numel, generator=g).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if t.is_cuda else (lambda *_: None)
     dist.barrier(group=dp.group)
     t0 = time.perf_counter()
     gen = comp.exchange(t, dp.world)
-    try:
-        rnd = next(gen)
-        while True:
-            op = issue_allreduce if rnd.op == "allreduce" else issue_allgather
-            rnd = gen.send(op(rnd.tensors, dp.group, dp.link).wait())
-    except StopIteration:
-        pass
-    if t.is_cuda:
-        torch.cuda.synchronize(t.device)
-    return time.perf_counter() - t0
+    compute, reply = 0.0, None
+    while True:
+        c0 = time.perf_counter()
+        try:
+            rnd = next(gen) if reply is None else gen.send(reply)
+        except StopIteration:
+            sync(t.device)
+            compute += time.perf_counter() - c0
+            break
+        sync(t.device)
+        compute += time.perf_counter() - c0
+        op = issue_allreduce if rnd.op == "allreduce" else issue_allgather
+        reply = op(rnd.tensors, dp.group, dp.link).wait()
+    return time.perf_counter() - t0, compute
 
 
 def _offsets(shapes, esize) -> List[int]:

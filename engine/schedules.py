@@ -117,25 +117,42 @@ def balanced_cuts(params: Sequence[ParamInfo], k: int) -> List[int]:
 
 @dataclass(frozen=True)
 class CallCost:
-    """The fitted cost of one bucket's exchange: ``fixed + per_byte * raw bytes`` seconds.
-    ``fixed`` holds the collective's latency (alpha) and the compressor's per-call
-    cost; ``per_byte`` the bandwidth term (beta times the compression ratio) and
-    the compressor's per-byte work."""
+    """The fitted cost of one bucket's exchange, split by where it runs.
+
+    ``fixed + per_byte * raw bytes`` seconds on the channel: the collective (its
+    latency alpha, and beta times the payload, which is the compression ratio
+    times the raw bytes). ``compute_fixed + compute_per_byte * raw bytes`` on the
+    training thread: compress and decode, which in ``wfbp`` run in the gradient
+    hooks and so delay the rest of backward."""
     fixed: float
     per_byte: float
+    compute_fixed: float = 0.0
+    compute_per_byte: float = 0.0
 
     def __call__(self, nbytes: float) -> float:
         return self.fixed + self.per_byte * nbytes
 
+    def compute(self, nbytes: float) -> float:
+        return self.compute_fixed + self.compute_per_byte * nbytes
+
+    @property
+    def per_call(self) -> float:
+        """What one more call costs regardless of its size."""
+        return self.fixed + self.compute_fixed
+
 
 def simulate(params: Sequence[ParamInfo], buckets: Buckets, ready: Sequence[float], cost: CallCost) -> float:
-    """When the last bucket's exchange ends, if exchanges run one after another on one
-    channel and each starts once its last gradient is ready (``ready`` is per position,
-    seconds from the start of backward) and the previous one has ended."""
-    free = 0.0
+    """When the last bucket's exchange ends. ``ready`` is each position's gradient ready time
+    (seconds from the start of backward, without any compression in between). A bucket is
+    compressed on the training thread once its last gradient is ready, which delays every
+    later gradient by that time; its collective then runs on one channel, after the
+    previous one has ended."""
+    free = shift = 0.0
     for b in buckets:
-        start = max(free, max(ready[i] for i in b))
-        free = start + cost(sum(params[i].nbytes for i in b))
+        nbytes = sum(params[i].nbytes for i in b)
+        compressed = max(ready[i] for i in b) + shift + cost.compute(nbytes)
+        shift += cost.compute(nbytes)
+        free = max(free, compressed) + cost(nbytes)
     return free
 
 
@@ -146,12 +163,17 @@ def layerfusion(params: Sequence[ParamInfo], ready: Optional[Sequence[float]] = 
     The paper states the idea (fuse layers from measured backward times and a
     fitted alpha-beta cost, no hyperparameters) but not its exact rule; this is
     our reconstruction. Walk the gradients in ready order (last layer first).
-    The open bucket ends at the current gradient. Closing it now lets it start at
-    ``max(ready_now, channel_free)``; letting the next gradient join makes it start at
-    ``max(ready_next, channel_free)``. The next gradient joins when closing now would
-    not start the exchange earlier by more than one call's fixed cost: an early
-    start that gains less than the extra call costs is a loss. ``channel_free`` is
-    when the exchanges already closed end, simulated with ``cost``.
+    The open bucket ends at the current gradient; the next gradient joins it
+    unless sending the open bucket alone (1) starts its collective earlier and
+    (2) saves more than the extra call's fixed costs (the collective's latency
+    and the compressor's per-call cost, which also delays the rest of backward).
+    (2) is judged end to end by the cost model (``simulate``: one channel for
+    collectives, compression on the training thread): closing here must end
+    the exchanges sooner than keeping the bucket open, with the rest merged,
+    and sooner than closing it at any later gradient instead (a one-cut
+    look-ahead: without it the walk closes a bucket one gradient before a
+    burst ends). So the rule is never worse than one bucket under the model,
+    and has no hyperparameter.
 
     Without a profile (``ready``/``cost`` None) it falls back to one bucket per
     dtype/device run, as all gradients are then taken to be ready at once.
@@ -160,20 +182,23 @@ def layerfusion(params: Sequence[ParamInfo], ready: Optional[Sequence[float]] = 
         return allinone(params)
     if len(ready) != len(params):
         raise ValueError(f"ready: one time per parameter expected ({len(params)}), got {len(ready)}")
+    runs = _split_kind(params)
     out: Buckets = []
-    for run in _split_kind(params):
-        cur = [run[0]]
-        free = simulate(params, out, ready, cost) if out else 0.0
-        for i in run[1:]:
-            start_now = max(ready[cur[-1]], free)
-            start_joined = max(ready[i], free)
-            if start_joined - start_now > cost.fixed:
-                out.append(cur)
-                free = start_now + cost(sum(params[j].nbytes for j in cur))
-                cur = [i]
-            else:
-                cur.append(i)
-        out.append(cur)
+    for r, run in enumerate(runs):
+        later = runs[r + 1:]
+        start = 0
+        for j in range(1, len(run)):
+            if ready[run[j]] <= ready[run[j - 1]]:  # ready no later: sending alone would not start earlier
+                continue
+
+            def end_if_cut_at(k):  # the open bucket closes before run[k] (k = len(run): never), the rest merged
+                head = out + [run[start:k]]
+                return simulate(params, head + ([run[k:]] if k < len(run) else []) + later, ready, cost)
+            here = end_if_cut_at(j)
+            if here < end_if_cut_at(len(run)) and all(here <= end_if_cut_at(k) for k in range(j + 1, len(run))):
+                out.append(run[start:j])
+                start = j
+        out.append(run[start:])
     return out
 
 

@@ -156,9 +156,10 @@ class LayerFusionTuner:
     """LayerFusion: one layout from a profile, no hyperparameters.
 
     Fed the per-parameter ready times of a few steps (seconds from the start of
-    backward, in ready order) and (bytes, seconds) samples of whole exchanges of
-    one bucket (compress + collective + decompress), it fits the per-call cost and
-    applies ``schedules.layerfusion``."""
+    backward, in ready order) and (raw bytes, total seconds, compressor seconds)
+    samples of whole one-bucket exchanges, it fits the collective's alpha-beta cost
+    (total minus compressor time) and the compressor's per-call cost (fixed + per
+    byte) and applies ``schedules.layerfusion``."""
 
     def __init__(self, params: Sequence[ParamInfo]):
         self.params = list(params)
@@ -167,7 +168,9 @@ class LayerFusionTuner:
 
     def propose(self, ready_steps: Sequence[Sequence[float]], samples: Sequence[Tuple[float, float]]) -> Buckets:
         self.ready = [statistics.median(col) for col in zip(*ready_steps)]
-        self.cost = fit_cost(samples)
+        channel = fit_cost([(b, max(t - c, 0.0)) for b, t, c in samples])
+        compute = fit_cost([(b, c) for b, _, c in samples])
+        self.cost = CallCost(channel.fixed, channel.per_byte, compute.fixed, compute.per_byte)
         return schedules.build("layerfusion", self.params, ready=self.ready, cost=self.cost)
 
 
@@ -330,7 +333,9 @@ class Tuning:
             layout = tuner.propose(self.ready_steps, samples)
             decision = {"order": order, "layout": layout}
             self.info.update({"ready_ms": [1e3 * r for r in tuner.ready], "samples": samples,
-                              "cost": {"fixed_ms": 1e3 * tuner.cost.fixed, "per_mb_ms": 1e3 * tuner.cost.per_byte * 2**20},
+                              "cost": {"fixed_ms": 1e3 * tuner.cost.fixed, "per_mb_ms": 1e3 * tuner.cost.per_byte * 2**20,
+                                       "compute_fixed_ms": 1e3 * tuner.cost.compute_fixed,
+                                       "compute_per_mb_ms": 1e3 * tuner.cost.compute_per_byte * 2**20},
                               "profile_steps": len(self.ready_steps)})
         decision = self._broadcast(decision)
         self._apply(decision["layout"], decision["order"], f"layerfusion: {len(decision['layout'])} groups")
@@ -360,10 +365,11 @@ class Tuning:
             json.dump(self.info, f, indent=1)
 
 
-def calibrate(dp, reps: int = 3, sizes: int = 6) -> List[Tuple[float, float]]:
-    """(raw bytes, seconds) of whole one-bucket exchanges with the run's compressor, at
-    ``sizes`` sizes spread geometrically from the smallest tensor to the whole model;
-    the median of ``reps`` each. A throwaway compressor per exchange: the run's state is untouched."""
+def calibrate(dp, reps: int = 3, sizes: int = 6) -> List[Tuple[float, float, float]]:
+    """(raw bytes, total seconds, compressor seconds) of whole one-bucket exchanges with the
+    run's compressor, at ``sizes`` sizes spread geometrically from the smallest tensor to the
+    whole model; medians of ``reps`` each. A throwaway compressor per exchange: the run's
+    state is untouched."""
     from engine.comm import time_exchange
     p0 = dp.params[0]
     lo = max(min(p.numel() for p in dp.params), 64)
@@ -372,5 +378,6 @@ def calibrate(dp, reps: int = 3, sizes: int = 6) -> List[Tuple[float, float]]:
     for j in range(sizes):
         n = int(round(lo * (hi / lo) ** (j / (sizes - 1))))
         ts = [time_exchange(dp, n, p0.dtype, p0.device) for _ in range(reps + 1)][1:]  # the first warms up
-        out.append((float(n * p0.element_size()), statistics.median(ts)))
+        out.append((float(n * p0.element_size()), statistics.median(t for t, _ in ts),
+                    statistics.median(c for _, c in ts)))
     return out

@@ -132,43 +132,53 @@ def test_layerfusion_all_ready_at_once_is_one_bucket():
 
 
 def test_layerfusion_spread_out_is_layerwise():
-    """Each gradient arrives long after the previous exchange ended: sending each at once is optimal."""
+    """Each gradient arrives long after the previous exchange ended: the optimum sends the last one alone."""
     params = fake_params([1000] * 6)
     ready = [0.1 * (i + 1) for i in range(6)]
-    b = schedules.layerfusion(params, ready, CallCost(1e-3, 1e-8))
-    assert b == schedules.layerwise(params)
+    cost = CallCost(1e-3, 1e-8)
+    b = schedules.layerfusion(params, ready, cost)
+    # the optimum: the last gradient's exchange starts as it is ready, alone (layer-wise reaches it;
+    # so does any layout whose earlier buckets end before the last gradient is ready)
+    assert schedules.simulate(params, b, ready, cost) == pytest.approx(ready[-1] + cost(4000))
+    assert b[-1] == [5]
 
 
 def test_layerfusion_two_clusters():
-    """Two bursts of gradients far apart: one bucket per burst is the optimum."""
+    """Two bursts of gradients far apart: one bucket per burst is the optimum (unique, since
+    every extra call's compressor cost delays the second burst)."""
     params = fake_params([1000] * 8)
     ready = [0.001 + 1e-5 * i for i in range(4)] + [0.05 + 1e-5 * i for i in range(4)]
-    cost = CallCost(1e-3, 1e-8)
+    cost = CallCost(1e-3, 1e-8, 1e-4, 0.0)
     b = schedules.layerfusion(params, ready, cost)
     assert b == [[0, 1, 2, 3], [4, 5, 6, 7]]
     best = min(schedules.simulate(params, schedules.from_cuts(params, c), ready, cost) for c in all_cut_sets(8))
     assert schedules.simulate(params, b, ready, cost) == pytest.approx(best)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_layerfusion_near_optimum_on_random_profiles(seed):
-    """On random profiles the rule is never worse than layer-wise or all-in-one. (It is a greedy
-    rule: over 200 such profiles it hits the brute-force optimum in 134, worst 1.44x.)"""
-    rng = random.Random(seed)
-    n = 9
-    params = fake_params([rng.choice([100, 1000, 10000, 50000]) for _ in range(n)])
-    t, ready = 0.0, []
-    for _ in range(n):
-        t += rng.choice([1e-5, 1e-4, 1e-3, 5e-3])
-        ready.append(t)
-    cost = CallCost(rng.choice([2e-4, 1e-3, 3e-3]), rng.choice([1e-9, 1e-8, 5e-8]))
-    b = schedules.layerfusion(params, ready, cost)
-    schedules.check(b, params)
-    mine = schedules.simulate(params, b, ready, cost)
-    best = min(schedules.simulate(params, schedules.from_cuts(params, c), ready, cost) for c in all_cut_sets(n))
-    for other in (schedules.layerwise(params), schedules.allinone(params)):
-        assert mine <= schedules.simulate(params, other, ready, cost) + 1e-12
-    assert best <= mine
+def test_layerfusion_near_optimum_on_random_profiles():
+    """On random profiles (compressor costs on the training thread included) the rule is never
+    worse than one bucket under the model, mostly optimal, and never far off. It is a walk
+    with a one-cut look-ahead, not a search: over 200 such profiles it hit the brute-force
+    optimum in 163, worst 1.22x."""
+    exact, worst = 0, 0.0
+    for seed in range(100):
+        rng = random.Random(seed)
+        n = 9
+        params = fake_params([rng.choice([100, 1000, 10000, 50000]) for _ in range(n)])
+        t, ready = 0.0, []
+        for _ in range(n):
+            t += rng.choice([1e-5, 1e-4, 1e-3, 5e-3])
+            ready.append(t)
+        cost = CallCost(rng.choice([2e-4, 1e-3, 3e-3]), rng.choice([1e-9, 1e-8, 5e-8]),
+                        rng.choice([0.0, 1e-4, 1e-3]), rng.choice([0.0, 1e-9, 1e-8]))
+        b = schedules.layerfusion(params, ready, cost)
+        schedules.check(b, params)
+        mine = schedules.simulate(params, b, ready, cost)
+        best = min(schedules.simulate(params, schedules.from_cuts(params, c), ready, cost) for c in all_cut_sets(n))
+        assert best <= mine <= schedules.simulate(params, schedules.allinone(params), ready, cost) + 1e-12
+        exact += mine <= best * (1 + 1e-9)
+        worst = max(worst, mine / best)
+    assert exact >= 75 and worst < 1.25, (exact, worst)
 
 
 def test_layerfusion_tuner_fits_cost_and_uses_medians():
@@ -178,8 +188,14 @@ def test_layerfusion_tuner_fits_cost_and_uses_medians():
     assert c.fixed == pytest.approx(2e-3) and c.per_byte == pytest.approx(1e-9)
     tuner = LayerFusionTuner(params)
     steps = [[0.0, 0.1, 0.2, 0.3], [0.0, 0.1, 0.2, 0.3], [9.0, 9.0, 9.0, 9.0]]  # one outlier step
-    assert tuner.propose(steps, samples) == schedules.layerwise(params)
+    # (bytes, total, compressor part): the compressor costs 0.5 ms + 2e-9 s/B of the total
+    triples = [(b, 2.5e-3 + 3e-9 * b, 5e-4 + 2e-9 * b) for b in (1e3, 1e4, 1e5, 1e6)]
+    # gradients 100 ms apart and a 2.5 ms exchange: the channel is never busy when the next
+    # gradient comes, so an extra call only adds compressor time: one bucket is best
+    assert tuner.propose(steps, triples) == [[0, 1, 2, 3]]
     assert tuner.ready == [0.0, 0.1, 0.2, 0.3]
+    assert tuner.cost.fixed == pytest.approx(2e-3) and tuner.cost.per_byte == pytest.approx(1e-9)
+    assert tuner.cost.compute_fixed == pytest.approx(5e-4) and tuner.cost.compute_per_byte == pytest.approx(2e-9)
     with pytest.raises(ValueError):
         fit_cost([(1.0, 1.0)])
     assert schedules.layerfusion(params) == [[0, 1, 2, 3]]  # no profile yet: one bucket
