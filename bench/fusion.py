@@ -245,8 +245,10 @@ def report(setting: dict, res: dict, args, target: float, link: str) -> str:
                          f"search trace (groups, ms): {trace}")
         else:
             cost = tu.get("cost", {})
-            lines.append(f"- {n}: fitted per call {_f(cost.get('fixed_ms'), '.2f')} ms + "
-                         f"{_f(cost.get('per_mb_ms'), '.2f')} ms/MiB, {r['buckets']} buckets")
+            lines.append(f"- {n}: fitted collective {_f(cost.get('fixed_ms'), '.2f')} ms + "
+                         f"{_f(cost.get('per_mb_ms'), '.2f')} ms/MiB, compressor "
+                         f"{_f(cost.get('compute_fixed_ms'), '.2f')} ms + {_f(cost.get('compute_per_mb_ms'), '.2f')} "
+                         f"ms/MiB per call, {r['buckets']} buckets")
     return "\n".join(lines)
 
 
