@@ -206,32 +206,86 @@ class DataParallel:
         # gradients become ready roughly in reverse registration order (as DDP assumes)
         named.reverse()
         self.order_names = [n for n, _ in named]
-        params = [p for _, p in named]
-        self.infos = param_infos(params, self.order_names)
-        layout = schedule(self.infos)
+        self.params = [p for _, p in named]
+        self.infos = param_infos(self.params, self.order_names)
+        self.make_compressor = make_compressor
         self.buckets: List[Bucket] = []
         self.slot = {}  # param -> (bucket, position)
-        for bi, idx in enumerate(layout):
-            comp = make_compressor()
-            comp.bucket, comp.process_rank = bi, self.rank
-            b = Bucket(bi, [params[i] for i in idx], [self.order_names[i] for i in idx], comp)
-            comp.layout = [(v.storage_offset() - b.flat.storage_offset(), tuple(v.shape)) for v in b.views]
-            self.buckets.append(b)
-            for pos, i in enumerate(idx):
-                self.slot[params[i]] = (b, pos)
+        self._build(schedule(self.infos), list(range(len(self.params))))
         if broadcast_from_rank0:
             with torch.no_grad():
                 for t in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(t.data, 0, group=group)
         self._next = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        self._index = {p: i for i, p in enumerate(self.params)}
+        self.ready_order: Optional[List[int]] = None
+        """Indices into ``params`` in the order their gradients became ready in the first step."""
+        self._arrivals: List[int] = []
+        self.record_ready = False
+        """When True, ``ready_at`` gets each gradient's host time of arrival in the current step."""
+        self.ready_at: List[float] = [0.0] * len(self.params)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self._rebind = False
         self._bind_views()  # autograd accumulates straight into the buckets from the first step
         self.step_bytes = 0
         self.step_raw_bytes = 0
 
+    def _build(self, layout: List[List[int]], order: List[int]) -> None:
+        """Buckets from ``layout`` (lists of positions into ``order``, itself indices into ``params``)."""
+        self.buckets, self.slot = [], {}
+        self.order = list(order)
+        for bi, idx in enumerate(layout):
+            comp = self.make_compressor()
+            comp.bucket, comp.process_rank = bi, self.rank
+            ps = [self.params[order[i]] for i in idx]
+            b = Bucket(bi, ps, [self.order_names[order[i]] for i in idx], comp)
+            comp.layout = [(v.storage_offset() - b.flat.storage_offset(), tuple(v.shape)) for v in b.views]
+            self.buckets.append(b)
+            for pos, p in enumerate(ps):
+                self.slot[p] = (b, pos)
+
+    def relayout(self, layout: List[List[int]], order: Optional[List[int]] = None) -> None:
+        """Rebuild the buckets at a step boundary (after ``finish`` and ``zero_grad``).
+
+        ``layout`` holds positions into ``order`` (indices into ``params``; default the
+        current order). Every rank must call it at the same step with the same layout.
+        The compressors' per-element state (error-feedback residuals, DGC's u and v, ...)
+        belongs to parameters, not to bucket slots: each parameter's slice is moved
+        from its old bucket to its new one. A counter ``step`` (warm-up schedules)
+        carries over; other state starts afresh (Compressor.elementwise)."""
+        order = self.order if order is None else list(order)
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError("relayout: order must be a permutation of the parameters")
+        old = {}  # param -> {state name: its slice or None}
+        step = None
+        for b in self.buckets:
+            state = b.compressor.elementwise_state()
+            step = getattr(b.compressor, "step", step)
+            for p, v in zip(b.params, b.views):
+                off = v.storage_offset() - b.flat.storage_offset()
+                old[p] = {k: (None if t is None else t[off:off + p.numel()]) for k, t in state.items()}
+        self._build(layout, order)
+        for b in self.buckets:
+            state = {}
+            for k in b.compressor.elementwise_state():
+                parts = [old[p].get(k) for p in b.params]
+                if all(t is None for t in parts):
+                    state[k] = None  # nothing kept yet: the compressor starts from zero as usual
+                else:
+                    state[k] = torch.cat([torch.zeros_like(b.views[i]).reshape(-1) if t is None else t
+                                          for i, t in enumerate(parts)])
+            b.compressor.load_elementwise_state(state)
+            if step is not None and hasattr(b.compressor, "step"):
+                b.compressor.step = step
+        self._next = 0
+        self._bind_views()
+
     # -- backward side ----------------------------------------------------
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self.ready_order is None:
+            self._arrivals.append(self._index[p])
+        if self.record_ready:
+            self.ready_at[self._index[p]] = self.timeline.now()
         b, pos = self.slot[p]
         view = b.views[pos]
         if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
@@ -332,6 +386,9 @@ class DataParallel:
             active = [b for b in active if self._advance(b)]
         self.step_bytes = sum(getattr(b.compressor, "last_bytes", 0) for b in self.buckets)
         self.step_raw_bytes = sum(b.raw_bytes for b in self.buckets)
+        if self.ready_order is None:  # the first step: the order gradients really arrived in
+            seen = set(self._arrivals)
+            self.ready_order = self._arrivals + [i for i in range(len(self.params)) if i not in seen]
         if self._rebind:  # only after something replaced p.grad: no per-parameter loop in the common step
             self._bind_views()
         for b in self.buckets:
@@ -364,6 +421,36 @@ class DataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+def time_exchange(dp: DataParallel, numel: int, dtype, device) -> tuple:
+    """``(total, compute)`` seconds of one whole exchange of a bucket of ``numel`` elements with
+    a fresh compressor, run synchronously: all of it, and the part spent in the compressor
+    (compress and decode, on this thread). Collective: every rank calls it with the same
+    arguments (LayerFusion's calibration)."""
+    import time
+    comp = dp.make_compressor()
+    comp.bucket, comp.process_rank, comp.layout = 0, dp.rank, [(0, (numel,))]
+    g = torch.Generator().manual_seed(numel)
+    t = torch.randn(numel, generator=g).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if t.is_cuda else (lambda *_: None)
+    dist.barrier(group=dp.group)
+    t0 = time.perf_counter()
+    gen = comp.exchange(t, dp.world)
+    compute, reply = 0.0, None
+    while True:
+        c0 = time.perf_counter()
+        try:
+            rnd = next(gen) if reply is None else gen.send(reply)
+        except StopIteration:
+            sync(t.device)
+            compute += time.perf_counter() - c0
+            break
+        sync(t.device)
+        compute += time.perf_counter() - c0
+        op = issue_allreduce if rnd.op == "allreduce" else issue_allgather
+        reply = op(rnd.tensors, dp.group, dp.link).wait()
+    return time.perf_counter() - t0, compute
 
 
 def _offsets(shapes, esize) -> List[int]:

@@ -24,8 +24,8 @@ class SpecError(ValueError):
 
 # What the engine can do today. The names the contract fixes that are not here
 # yet are rejected with a message saying so, instead of silently falling back.
-SCHEDULES_AVAILABLE = ("layerwise", "allinone", "bucket")
-SCHEDULES_PLANNED = ("mergecomp", "layerfusion")
+SCHEDULES_AVAILABLE = ("layerwise", "allinone", "bucket", "mergecomp", "layerfusion")
+SCHEDULES_PLANNED = ()
 COMM_AVAILABLE = ("sync", "wfbp")
 COMM_PLANNED = ("dear",)
 LINKS_AVAILABLE = ("loopback", "shaped", "modeled")
@@ -117,12 +117,35 @@ class CompressorSpec:
             raise SpecError("compressor", str(e)) from None
 
 
+# schedule option -> (the schedule that takes it, default, lowest, highest)
+_SCHEDULE_OPTIONS = {
+    "warmup_steps": ("mergecomp", 2, 0, 1000),
+    "steps_per_candidate": ("mergecomp", 5, 1, 1000),
+    "max_groups": ("mergecomp", 8, 1, 1024),
+    "max_candidates": ("mergecomp", 24, 1, 1000),
+    "retune": ("mergecomp", False, None, None),
+    "profile_steps": ("layerfusion", 3, 1, 1000),
+}
+
+
 @dataclass
 class ScheduleSpec:
     name: str = "bucket"
-    """How gradients are fused into buckets: layerwise | allinone | bucket (| mergecomp | layerfusion)."""
+    """How gradients are fused into buckets: layerwise | allinone | bucket | mergecomp | layerfusion."""
     cap_mb: float = 25.0
     """bucket only: the byte cap of a bucket in MB (2**20 bytes), as DDP's bucket_cap_mb."""
+    warmup_steps: Optional[int] = None
+    """mergecomp only (default 2): steps before the first candidate is timed."""
+    steps_per_candidate: Optional[int] = None
+    """mergecomp only (default 5): timed steps per candidate partition; their median counts."""
+    max_groups: Optional[int] = None
+    """mergecomp only (default 8): the largest number of groups the search tries."""
+    max_candidates: Optional[int] = None
+    """mergecomp only (default 24): the search measures at most this many partitions."""
+    retune: Optional[bool] = None
+    """mergecomp only (default false): search again even if the cache beside the runs has an answer."""
+    profile_steps: Optional[int] = None
+    """layerfusion only (default 3): steps whose per-layer ready times are profiled."""
 
     def __post_init__(self):
         allowed = SCHEDULES_AVAILABLE + SCHEDULES_PLANNED
@@ -132,6 +155,16 @@ class ScheduleSpec:
             raise SpecError("schedule.name", f"{self.name!r} is not implemented yet; available: {', '.join(SCHEDULES_AVAILABLE)}")
         if not 0 < self.cap_mb <= 4096:
             raise SpecError("schedule.cap_mb", f"must be in (0, 4096], got {self.cap_mb}")
+        for key, (owner, default, lo, hi) in _SCHEDULE_OPTIONS.items():
+            v = getattr(self, key)
+            if v is None:
+                if self.name == owner:
+                    setattr(self, key, default)  # the spec written to spec.json is fully defaulted
+                continue
+            if self.name != owner:
+                raise SpecError(f"schedule.{key}", f"only the {owner} schedule takes {key}, not {self.name}")
+            if lo is not None and not lo <= v <= hi:
+                raise SpecError(f"schedule.{key}", f"must be in {lo}..{hi}, got {v}")
 
 
 @dataclass

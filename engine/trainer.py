@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from engine import compressors, data, models, netmodel, schedules
+from engine import compressors, data, models, netmodel, schedules, tuners
 from engine.comm import DataParallel
 from engine.probe import LayerProbe
 from engine.runlog import JsonlWriter
@@ -97,6 +97,11 @@ class Trainer:
         self.step = 0
         if rank == 0 and run_dir:
             self._write_layout()
+        self.tuning = None
+        """mergecomp / layerfusion: the tuner's driver, which relayouts at step boundaries."""
+        if spec.schedule.name in ("mergecomp", "layerfusion"):
+            self.tuning = tuners.Tuning(spec, self.dp, run_dir, self.timeline, group,
+                                        on_layout=self._write_layout if rank == 0 and run_dir else None)
 
     def _write_layout(self) -> None:
         buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
@@ -152,6 +157,9 @@ class Trainer:
                "bytes_sent": self.dp.step_bytes, "bytes_raw": self.dp.step_raw_bytes, "t": time.time()}
         self.log(rec)
         self.step += 1
+        if self.tuning is not None and not self.tuning.done:
+            self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
+            tl.flush()
         return rec
 
     def _fault_now(self, kind: str) -> bool:

@@ -20,7 +20,7 @@ checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Generator, List, Optional, Tuple
+from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import torch
 
@@ -71,6 +71,27 @@ class Compressor:
     so the generic error-feedback flag would apply it twice."""
     ef: Optional["ErrorFeedback"] = None
     """Error-feedback memory, set by ``make(..., error_feedback=True)``."""
+
+    elementwise: Tuple[str, ...] = ()
+    """Attributes that hold per-element state in the bucket's flat shape (DGC's u and v,
+    EF-signSGD's residual, Signum's momentum), None until the first step. When the
+    buckets are rebuilt (engine/comm.py ``relayout``) this state is cut per parameter and
+    reassembled in the new buckets, so it stays with its parameters. Other state (PowerSGD's
+    factors and padded residual, random generators) starts afresh in a new bucket."""
+
+    def elementwise_state(self) -> Dict[str, Optional[Tensor]]:
+        """The per-element state by name (the error-feedback residual as ``ef.residual``)."""
+        out = {"ef.residual": self.ef.residual} if self.ef is not None else {}
+        out.update({k: getattr(self, k) for k in self.elementwise})
+        return out
+
+    def load_elementwise_state(self, state: Dict[str, Optional[Tensor]]) -> None:
+        for k, v in state.items():
+            if k == "ef.residual":
+                if self.ef is not None:
+                    self.ef.residual = v
+            elif k in self.elementwise:
+                setattr(self, k, v)
 
     def encode(self, t: Tensor) -> tuple[List[Tensor], Any]:
         """``compress`` with error feedback applied when it is on. Exchanges call this."""

@@ -483,6 +483,7 @@ class Signum(_Vote):
     Every ``compress`` call advances it by one step.
     """
     name = "signum"
+    elementwise = ("m",)
 
     def __init__(self, **params):
         p = take(self.name, params, {"momentum": 0.9})
@@ -536,6 +537,7 @@ class EFSignSGD(_Lossy):
     """
     name = "efsignsgd"
     builtin_feedback = True
+    elementwise = ("residual",)
 
     def __init__(self, **params):
         reject_params(self.name, params)

@@ -394,6 +394,7 @@ class DGC(SparseCompressor):
     """
     name = "dgc"
     builtin_feedback = True
+    elementwise = ("u", "v")
 
     def __init__(self, *, ratio: float = 0.01, momentum: float = 0.9, clip: Optional[float] = None,
                  warmup_steps: int = 0, **unknown):
