@@ -24,3 +24,47 @@ def runs_dir() -> str:
     if env:
         return env
     return str(Path(__file__).resolve().parent.parent / "runs")
+
+
+def gradient_shapes(model: str = "resnet", dataset: str = "digits", **options):
+    """(name, shape) of every trainable tensor of a zoo model, in gradient-ready order (reverse registration),
+    as the communicator sees them."""
+    from engine import data, models
+    net = models.build(model, data.load(dataset).info, **options)
+    named = [(n, tuple(p.shape)) for n, p in net.named_parameters() if p.requires_grad]
+    return named[::-1]
+
+
+def per_call_cost(compressor: str, shapes, reps: int = 5, **params):
+    """Measured encode+decode time of ``compressor`` applied layer by layer (one call per tensor) and once
+    on all tensors merged into one flat buffer. Median of ``reps`` repetitions, in seconds:
+    ``{"layerwise_s", "merged_s", "calls", "fixed_s"}``, where fixed_s = (layerwise - merged) / (calls - 1)
+    is the cost each extra call adds (the per-call overhead MergeComp removes)."""
+    import statistics
+    import time
+
+    import torch
+    from engine.compressors import make
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(s) for _, s in shapes]
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    per_layer = [make(compressor, **params) for _ in tensors]
+    merged = make(compressor, **params)
+
+    def roundtrip(c, t):
+        payload, ctx = c.compress(t)
+        c.decompress(payload, ctx)
+
+    def timed(fn):
+        out = []
+        for _ in range(reps + 1):  # the first repetition warms caches and allocators up
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out[1:])
+
+    lw = timed(lambda: [roundtrip(c, t) for c, t in zip(per_layer, tensors)])
+    mg = timed(lambda: roundtrip(merged, flat))
+    n = len(tensors)
+    return {"layerwise_s": lw, "merged_s": mg, "calls": n, "fixed_s": (lw - mg) / max(n - 1, 1)}
