@@ -6,6 +6,7 @@ run their full-length settings (a few minutes each on a 2-core laptop).
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -68,3 +69,23 @@ def per_call_cost(compressor: str, shapes, reps: int = 5, **params):
     mg = timed(lambda: roundtrip(merged, flat))
     n = len(tensors)
     return {"layerwise_s": lw, "merged_s": mg, "calls": n, "fixed_s": (lw - mg) / max(n - 1, 1)}
+
+
+def layerfusion_profile(run):
+    """What a ``layerfusion`` run profiled, from its tuning.json: the gradients as ``ParamInfo`` in ready order,
+    their median ready times (seconds from the start of backward) and the fitted ``CallCost``. Feed them to
+    ``engine.schedules.layerfusion`` / ``simulate`` to replay the rule."""
+    import json
+
+    from engine.schedules import CallCost, ParamInfo
+    info = json.load(open(run.file("tuning.json")))
+    if info.get("schedule") != "layerfusion" or "ready_ms" not in info:
+        raise ValueError(f"run {run.id}: no layerfusion profile in tuning.json (schedule {info.get('schedule')!r})")
+    spec = run.spec_dict()
+    shapes = dict(gradient_shapes(spec["model"]["name"], spec["dataset"]["name"], **spec["model"]["options"]))
+    names = [n for group in info["layout"] for n in group]
+    params = [ParamInfo(n, math.prod(shapes[n]), 4) for n in names]
+    c = info["cost"]
+    cost = CallCost(c["fixed_ms"] / 1e3, c["per_mb_ms"] / 1e3 / 2 ** 20,
+                    c["compute_fixed_ms"] / 1e3, c["compute_per_mb_ms"] / 1e3 / 2 ** 20)
+    return params, [r / 1e3 for r in info["ready_ms"]], cost
