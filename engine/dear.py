@@ -159,6 +159,9 @@ class DeAR:
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeline = timeline or Timeline(None, self.rank, enabled=False)
+        self.a2a = dist.get_backend(group) == "gloo"
+        """gloo's reduce_scatter is a clone plus a full all-reduce (twice the bytes of a reduce-scatter);
+        there the reduce-scatter is an all-to-all of the buffer's chunks and a local sum."""
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         named.reverse()  # gradients become ready roughly in reverse registration order
         self.order_names = [n for n, _ in named]
@@ -313,15 +316,19 @@ class DeAR:
             # half sums can overflow where no rank's value did: pre-divide, as DDP's fp16 hook does
             wire = wire.div_(self.world) if wire is not b.grad else wire / self.world
             b.prediv = True
+        n_out = b.padded if self.a2a else b.shard
         if b.rs_out is None or b.rs_out.dtype != wire.dtype:
-            b.rs_out = torch.empty(b.shard, dtype=wire.dtype, device=wire.device)
+            b.rs_out = torch.empty(n_out, dtype=wire.dtype, device=wire.device)
         if wire is not b.grad:
             tl.span("compress", f"compress b{b.index}", t0, tl.now(), {"bucket": b.index})
         b.wire_sum = wire.sum(dtype=torch.float32)  # for the divergence flag (local values, before the sum)
         nbytes = wire.numel() * wire.element_size()
         deadline = _book(self.link, "reduce_scatter", nbytes, self.group)
         t = tl.now()
-        work = _reduce_scatter(b.rs_out, wire, group=self.group, async_op=True)
+        if self.a2a:  # chunk j to rank j; the sum over ranks happens in finish
+            work = dist.all_to_all_single(b.rs_out, wire, group=self.group, async_op=True)
+        else:
+            work = _reduce_scatter(b.rs_out, wire, group=self.group, async_op=True)
         b.rs = self._pending(work, b, "reduce_scatter", nbytes, t, deadline, out=b.rs_out)
         self._bytes += nbytes
 
@@ -367,6 +374,8 @@ class DeAR:
             name, t_issue, args = b.rs.span
             tl.span("comm", name, t_issue, b.rs.t_done or t1, args)
             tl.span("wait", f"wait reduce_scatter b{b.index}", t0, t1, {"bucket": b.index})
+            if self.a2a:
+                out = out.view(self.world, b.shard).sum(0)
             g = b.compressor.decompress([out], b.ctx)
             if not b.prediv:
                 g = g.div_(self.world) if g is out else g / self.world
