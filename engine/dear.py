@@ -184,7 +184,8 @@ class DeAR:
         self._map_modules()
         self.step_bytes = 0
         self.step_raw_bytes = sum(b.raw_bytes for b in self.buffers)
-        self._bytes = 0
+        self._bytes = self._gather_bytes = 0
+        self.step_gather_bytes = 0
         self._flag: Optional[_Pending] = None
         self._unstamped: list = []
 
@@ -265,7 +266,7 @@ class DeAR:
             t = self.timeline.now()
             work = _all_gather(b.data, src, group=self.group, async_op=True)
             b.ag = self._pending(work, b, "allgather", nbytes, t, deadline)
-            self._bytes += nbytes
+            self._gather_bytes += nbytes
 
     def sync_params(self) -> None:
         """Complete every pending all-gather: the model's parameters are the latest (before eval or save)."""
@@ -385,6 +386,7 @@ class DeAR:
             b.reset()
         self._rs_next = 0
         self.step_bytes, self._bytes = self._bytes, 0
+        self.step_gather_bytes, self._gather_bytes = self._gather_bytes, 0
 
     def grads_finite(self) -> Tensor:
         """A 0-d bool tensor, the same on every rank: every rank's local gradient (as sent) was finite.
