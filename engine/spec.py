@@ -26,8 +26,10 @@ class SpecError(ValueError):
 # yet are rejected with a message saying so, instead of silently falling back.
 SCHEDULES_AVAILABLE = ("layerwise", "allinone", "bucket", "mergecomp", "layerfusion")
 SCHEDULES_PLANNED = ()
-COMM_AVAILABLE = ("sync", "wfbp")
-COMM_PLANNED = ("dear",)
+COMM_AVAILABLE = ("sync", "wfbp", "dear")
+COMM_PLANNED = ()
+DEAR_COMPRESSORS = ("none", "fp16", "bf16")
+"""dear reduce-scatters the payload itself: it must be summable and keep the gradient's shape."""
 LINKS_AVAILABLE = ("loopback", "shaped", "modeled")
 LINKS_PLANNED = ()
 
@@ -170,7 +172,16 @@ class ScheduleSpec:
 @dataclass
 class CommSpec:
     mode: str = "wfbp"
-    """sync (all buckets after backward) | wfbp (each bucket as soon as it is ready) | dear."""
+    """sync (all buckets after backward) | wfbp (each bucket as soon as it is ready) | dear
+    (reduce-scatter in backward, all-gather before each buffer's next forward)."""
+    cap_mb: Optional[float] = None
+    """dear only: byte cap of a fused buffer in MB (default 25 when neither layers nor tune is set)."""
+    layers: Optional[int] = None
+    """dear only: fuse this many nearby layers per buffer instead of a byte cap."""
+    tune: bool = False
+    """dear only: search the buffer cap online by measured iteration time (rank 0 decides)."""
+    tune_steps: Optional[int] = None
+    """dear with tune only: iterations measured per trial cap (default 5; the first of each is not counted)."""
 
     def __post_init__(self):
         allowed = COMM_AVAILABLE + COMM_PLANNED
@@ -178,6 +189,25 @@ class CommSpec:
             raise SpecError("comm.mode", f"unknown mode {self.mode!r}; allowed: {', '.join(allowed)}")
         if self.mode in COMM_PLANNED:
             raise SpecError("comm.mode", f"{self.mode!r} is not implemented yet; available: {', '.join(COMM_AVAILABLE)}")
+        if self.mode != "dear":
+            for key in ("cap_mb", "layers", "tune_steps"):
+                if getattr(self, key) is not None:
+                    raise SpecError(f"comm.{key}", f"only comm.mode dear takes {key} (other modes fuse by schedule)")
+            if self.tune:
+                raise SpecError("comm.tune", "only comm.mode dear takes tune")
+            return
+        if self.cap_mb is not None and not 0 < self.cap_mb <= 4096:
+            raise SpecError("comm.cap_mb", f"must be in (0, 4096], got {self.cap_mb}")
+        if self.layers is not None and not 1 <= self.layers <= 100_000:
+            raise SpecError("comm.layers", f"must be in 1..100000, got {self.layers}")
+        if sum((self.cap_mb is not None, self.layers is not None, self.tune)) > 1:
+            raise SpecError("comm.layers" if self.layers is not None else "comm.tune",
+                            "give one of cap_mb, layers or tune")
+        if self.tune_steps is not None:
+            if not self.tune:
+                raise SpecError("comm.tune_steps", "needs comm.tune: true")
+            if not 2 <= self.tune_steps <= 1000:
+                raise SpecError("comm.tune_steps", f"must be in 2..1000, got {self.tune_steps}")
 
 
 @dataclass
@@ -269,6 +299,18 @@ class JobSpec:
             raise SpecError("fault.rank", f"must be below world_size {self.world_size}, got {self.fault.rank}")
         if self.backend == "nccl" and self.device == "cpu":
             raise SpecError("backend", "nccl needs device cuda (or auto); use gloo on cpu")
+        if self.comm.mode == "dear":
+            c = self.compressor
+            if c.name not in DEAR_COMPRESSORS:
+                raise SpecError("compressor.name", f"comm.mode dear reduce-scatters the payload, so it needs a summable "
+                                                   f"compressor that keeps shapes; allowed: {', '.join(DEAR_COMPRESSORS)}, "
+                                                   f"got {c.name!r}")
+            if c.error_feedback:
+                raise SpecError("compressor.error_feedback", "comm.mode dear takes no error feedback "
+                                                             f"(its compressors {', '.join(DEAR_COMPRESSORS)} drop nothing to feed back)")
+            if self.schedule != ScheduleSpec():
+                raise SpecError("schedule", "comm.mode dear fuses by comm.cap_mb, comm.layers or comm.tune; "
+                                            "leave schedule at its default (bucket, cap_mb 25)")
         from engine import models  # local import: models pulls in torch
         kind = "text" if self.dataset.name == "text" else "image"
         if not models.compatible(self.model.name, kind):

@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from engine import compressors, data, models, netmodel, schedules, tuners
+from engine import compressors, data, dear, models, netmodel, schedules, tuners
 from engine.comm import DataParallel
+from engine.dear import DeAR
 from engine.probe import LayerProbe
 from engine.runlog import JsonlWriter
 from engine.spec import JobSpec
@@ -81,7 +82,6 @@ class Trainer:
         torch.manual_seed(spec.seed)
         self.data = load_data(spec)
         self.model = models.build(spec.model.name, self.data.info, **spec.model.options).to(device)
-        self.optimizer = make_optimizer(spec, self.model.parameters())
         path = (lambda name: os.path.join(run_dir, name)) if run_dir else None
         clock = CudaClock(device) if device.type == "cuda" else Clock()
         self.timeline = Timeline(path(f"timeline-rank{rank}.jsonl") if path else None, rank,
@@ -89,10 +89,19 @@ class Trainer:
         self.metrics = JsonlWriter(path("metrics.jsonl")) if path else None
         self.probe = LayerProbe(self.model, self.timeline) if self.timeline.enabled else None
         c = spec.compressor
-        self.dp = DataParallel(self.model, schedule_fn(spec),
-                               lambda: compressors.make(c.name, error_feedback=c.error_feedback, **c.params),
-                               mode=spec.comm.mode, timeline=self.timeline, group=group,
-                               link=netmodel.from_spec(spec.network))
+        self.tuner = None
+        if spec.comm.mode == "dear":
+            # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
+            self.dp = DeAR(self.model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
+                           link=netmodel.from_spec(spec.network))
+            self.optimizer = make_optimizer(spec, self.dp.shard_params())
+            self.dp.attach(self.optimizer)
+        else:
+            self.dp = DataParallel(self.model, schedule_fn(spec),
+                                   lambda: compressors.make(c.name, error_feedback=c.error_feedback, **c.params),
+                                   mode=spec.comm.mode, timeline=self.timeline, group=group,
+                                   link=netmodel.from_spec(spec.network))
+            self.optimizer = make_optimizer(spec, self.model.parameters())
         self.sampler = data.ShardSampler(self.data.size("train"), spec.batch_size, rank, world, spec.seed)
         self.step = 0
         if rank == 0 and run_dir:
@@ -102,6 +111,55 @@ class Trainer:
         if spec.schedule.name in ("mergecomp", "layerfusion"):
             self.tuning = tuners.Tuning(spec, self.dp, run_dir, self.timeline, group,
                                         on_layout=self._write_layout if rank == 0 and run_dir else None)
+
+    def _dear_layout(self):
+        """dear's buffers: by comm.layers, by comm.cap_mb (default 25 MB), or the tuner's first trial cap."""
+        cm = self.spec.comm
+        if cm.layers is not None:
+            return functools.partial(dear.layout_layers, layers=cm.layers)
+        cap = cm.cap_mb or 25.0
+        if cm.tune:
+            total = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+            self.tuner = dear.CapTuner(dear.cap_candidates(total))
+            self.tune_steps = cm.tune_steps or 5
+            self.trial_cap, self.trial_ms = self.tuner.propose(), []
+            cap = self.trial_cap
+        return functools.partial(dear.layout_cap, cap_mb=cap)
+
+    def _tune(self, time_ms: float) -> None:
+        """Feed the cap search one measured step; at the end of a trial rank 0 decides the next cap
+        (or the best one, when the search is over) and broadcasts it; every rank then relayouts."""
+        self.trial_ms.append(time_ms)
+        if len(self.trial_ms) < self.tune_steps:
+            return
+        decision = torch.zeros(2, dtype=torch.float64, device=self.device)  # [cap_mb, search over]
+        if self.rank == 0:
+            self.tuner.report(self.trial_cap, self.trial_ms[1:])  # the first step after a relayout warms up
+            nxt = self.tuner.propose()
+            decision[0], decision[1] = (nxt, 0.0) if nxt is not None else (self.tuner.best, 1.0)
+            self.log({"kind": "tune", "step": self.step, "rank": 0, "cap_mb": self.trial_cap,
+                      "median_ms": self.tuner.measured[self.tuner.caps.index(self.trial_cap)],
+                      "next_cap_mb": float(decision[0]), "done": bool(decision[1]), "t": time.time()})
+        dist.broadcast(decision, 0)
+        cap, done = float(decision[0]), bool(decision[1])
+        if cap != self.trial_cap:
+            self.dp.relayout(dear.layout_cap(self.dp.infos, cap))
+        self.trial_cap, self.trial_ms = cap, []
+        if done:
+            self.tuner = None  # keep the best cap from here on
+        if self.rank == 0 and self.run_dir:
+            self._write_layout()
+
+    def sync_params(self) -> None:
+        """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
+        sync = getattr(self.dp, "sync_params", None)
+        if sync:
+            sync()
+
+    def model_state(self) -> dict:
+        """The model's state_dict with up-to-date parameters (what a checkpoint saves)."""
+        self.sync_params()
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
     def _write_layout(self) -> None:
         buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
@@ -160,6 +218,8 @@ class Trainer:
         if self.tuning is not None and not self.tuning.done:
             self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
             tl.flush()
+        if self.tuner is not None:
+            self._tune(rec["time_ms"])
         return rec
 
     def _fault_now(self, kind: str) -> bool:
@@ -176,6 +236,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Held-out loss and accuracy; every rank evaluates its share, counts are summed."""
         tl = self.timeline
+        self.sync_params()  # dear: no stale parameters in evaluation
         t0 = tl.now()
         if self.probe:
             self.probe.active = False
@@ -212,6 +273,7 @@ class Trainer:
             self.train_step()
             if spec.eval_every and self.step % spec.eval_every == 0 and self.step < spec.steps:
                 self.evaluate()
+        self.sync_params()
         self.evaluate()
 
     def close(self) -> None:

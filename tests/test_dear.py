@@ -1,0 +1,237 @@
+"""DeAR (comm.mode dear): equals sync all-reduce, evaluation sees fresh parameters,
+the timeline shows the two halves where they belong, relayout keeps optimizer state,
+the cap search, and the spec's rejections."""
+import json
+import os
+import random
+
+import pytest
+import torch
+
+from distutil import run_world
+from engine import dear
+from engine.schedules import ParamInfo
+from engine.spec import JobSpec, SpecError
+
+STEPS = 20
+MID = 10
+
+
+def _spec(mode, opt, **comm):
+    o = {"name": "sgd", "lr": 0.05, "momentum": 0.9} if opt == "sgd" else {"name": opt, "lr": 1e-3}
+    return JobSpec.from_dict({"model": "cnn", "dataset": "digits", "batch_size": 16, "steps": STEPS,
+                              "optimizer": o, "comm": {"mode": mode, **comm}, "timeline": False})
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def _pair(rank, world, opt, variants):
+    """A sync trainer and dear trainers (one per comm variant) on the same batches: the parameter
+    differences at the middle (before and after evaluation) and at the end, and the eval losses."""
+    from engine.trainer import Trainer
+    dev = torch.device("cpu")
+    ref = Trainer(_spec("sync", opt), None, rank, world, dev)
+    ours = [Trainer(_with(opt, v), None, rank, world, dev) for v in variants]
+    out = []
+    for s in range(STEPS):
+        ref.train_step()
+        for t in ours:
+            t.train_step()
+        if s + 1 == MID:
+            ref_eval = ref.evaluate()
+            ref_state = ref.model_state()
+            mids = []
+            for t in ours:
+                stale = _max_diff({k: v.detach() for k, v in t.model.state_dict().items()}, ref_state)
+                ev = t.evaluate()  # must first gather the step just taken
+                mids.append((stale, _max_diff(t.model_state(), ref_state), ev["eval_loss"], ref_eval["eval_loss"]))
+    ref_state = ref.model_state()
+    for t, mid in zip(ours, mids):
+        out.append({"mid": mid, "end": _max_diff(t.model_state(), ref_state), "buffers": len(t.dp.buffers),
+                    "bytes": t.dp.step_bytes})
+        t.close()
+    ref.close()
+    return out
+
+
+def _with(opt, v):
+    v = dict(v)
+    comp = v.pop("compressor", "none")
+    d = _spec("dear", opt).to_dict()
+    d["comm"] = {"mode": "dear", **v}
+    d["compressor"] = {"name": comp}
+    return JobSpec.from_dict(d)
+
+
+def _check(res, tol=1e-5):
+    for rank_res in res:
+        for r in rank_res:
+            stale, mid, ev, ref_ev = r["mid"]
+            assert stale > 1e-4, "after a step and before the next forward the parameters should still be stale"
+            assert mid < tol, f"after evaluate() dear's parameters differ from sync's by {mid}"
+            assert abs(ev - ref_ev) < 1e-4, f"eval loss {ev} != sync's {ref_ev}"
+            assert r["end"] < tol, f"dear differs from sync by {r['end']} after {STEPS} steps ({r['buffers']} buffers)"
+
+
+def test_dear_equals_sync_sgd_momentum():
+    res = run_world(_pair, "sgd", [{"cap_mb": 0.02}, {"layers": 1}])
+    _check(res)
+    assert res[0][0]["buffers"] >= 3 and res[0][1]["buffers"] == 4  # cnn: 4 layers of weight + bias
+
+
+def test_dear_equals_sync_adam_and_through_the_cap_search():
+    # tune: the cap search relayouts the buffers several times in these 20 steps, moving Adam's state
+    res = run_world(_pair, "adam", [{"cap_mb": 25.0}, {"tune": True, "tune_steps": 2}])
+    _check(res)
+
+
+def _fp16(rank, world):
+    """dear with fp16 against sync with fp16: the same arithmetic (cast, pre-divide, sum in half)."""
+    from engine.trainer import Trainer
+    dev = torch.device("cpu")
+    d = _spec("sync", "sgd").to_dict()
+    d["compressor"] = {"name": "fp16"}
+    ref = Trainer(JobSpec.from_dict(d), None, rank, world, dev)
+    ours = Trainer(_with("sgd", {"cap_mb": 0.05, "compressor": "fp16"}), None, rank, world, dev)
+    for _ in range(5):
+        ref.train_step()
+        ours.train_step()
+    d = _max_diff(ours.model_state(), ref.model_state())
+    ours.close()
+    ref.close()
+    return d
+
+
+def test_dear_fp16_matches_sync_fp16():
+    for d in run_world(_fp16):
+        assert d < 1e-5
+
+
+def _timeline(rank, world, run_dir):
+    from engine.trainer import Trainer
+    d = _with("sgd", {"cap_mb": 0.05}).to_dict()
+    d["timeline"] = True
+    t = Trainer(JobSpec.from_dict(d), run_dir, rank, world, torch.device("cpu"))
+    for _ in range(3):
+        t.train_step()
+    t.close()
+
+
+def test_timeline_allgather_in_forward_reduce_scatter_in_backward(tmp_path):
+    run_world(_timeline, str(tmp_path))
+    ev = [json.loads(line) for line in open(os.path.join(tmp_path, "timeline-rank0.jsonl"))]
+
+    def spans(pred):
+        return [(e["ts"], e["ts"] + e["dur"], e) for e in ev if pred(e)]
+
+    fwd = spans(lambda e: e["cat"] == "forward")
+    bwd = spans(lambda e: e["cat"] == "backward" and e["name"] == "backward")
+    ag = spans(lambda e: e["cat"] == "comm" and e["name"].startswith("allgather"))
+    rs = spans(lambda e: e["cat"] == "comm" and e["name"].startswith("reduce_scatter"))
+    assert ag and rs and fwd and bwd
+    overlaps = lambda s, others: any(a < s[1] and s[0] < b for a, b, _ in others)  # noqa: E731
+    # no gathers in step 0 (parameters start fresh); in steps 1 and 2 every gather lies in forward
+    assert len(ag) == 2 * len({e["args"]["bucket"] for _, _, e in rs})
+    assert all(overlaps(s, fwd) for s in ag), "an all-gather span does not overlap any forward span"
+    assert not any(overlaps(s, bwd) for s in ag), "an all-gather ran during backward"
+    # reduce-scatters are issued in backward: the first buffers' ones start before backward ends
+    first = min(rs, key=lambda s: s[0])
+    assert overlaps((first[0], first[0] + 1), bwd)
+
+
+def _relayout(rank, world):
+    """Relayout mid-training (Adam): the state moves element by element, so training goes on
+    exactly as with one layout throughout."""
+    import copy
+    from engine import data, models
+    torch.manual_seed(0)
+    ds = data.load("digits", seed=0)
+    base = models.build("mlp", ds.info)
+    runs = []
+    for change in (False, True):
+        m = copy.deepcopy(base)
+        d = dear.DeAR(m, lambda ps: dear.layout_cap(ps, 0.3))
+        opt = torch.optim.Adam(d.shard_params(), lr=1e-3)
+        d.attach(opt)
+        sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
+        for s in range(12):
+            if change and s == 6:
+                d.relayout(dear.layout_layers(d.infos, 1))
+            x, y = ds.batch("train", next(sampler))
+            models.loss_fn(m(x), y).backward()
+            d.finish()
+            opt.step()
+            d.zero_grad()
+        d.sync_params()
+        runs.append(({k: v.clone() for k, v in m.state_dict().items()}, len(d.buffers)))
+        d.close()
+    return _max_diff(runs[0][0], runs[1][0]), runs[0][1], runs[1][1]
+
+
+def test_relayout_keeps_optimizer_state():
+    for diff, nb_before, nb_after in run_world(_relayout):
+        assert nb_before != nb_after
+        assert diff < 1e-6
+
+
+# ---------------------------------------------------------------- pure parts
+
+def _infos(names_sizes):
+    return [ParamInfo(n, k, 4) for n, k in names_sizes]
+
+
+def test_layout_layers_groups_weight_and_bias():
+    ps = _infos([("c.weight", 10), ("c.bias", 2), ("b.weight", 10), ("b.bias", 2), ("a.weight", 5)])
+    assert dear.layout_layers(ps, 1) == [[0, 1], [2, 3], [4]]
+    assert dear.layout_layers(ps, 2) == [[0, 1, 2, 3], [4]]
+    assert dear.layout_layers(ps, 9) == [[0, 1, 2, 3, 4]]
+
+
+def _cost(opt_log2: float, noise: float, rng: random.Random):
+    """A synthetic iteration time, unimodal in log cap, with multiplicative noise."""
+    return lambda cap: (100 + 3 * (torch.log2(torch.tensor(cap)).item() - opt_log2) ** 2) * (1 + rng.gauss(0, noise))
+
+
+def test_cap_search_as_good_as_grid_in_fewer_trials():
+    caps = dear.cap_candidates(12 * 2 ** 20)  # a resnet-sized model: 1/16 .. 16 MB, 9 caps
+    assert len(caps) == 9
+    rng = random.Random(0)
+    for opt in range(-4, 5):  # the best cap anywhere in the range
+        for _ in range(5):
+            f = _cost(opt + rng.uniform(-0.5, 0.5), 0.01, rng)
+            tuner = dear.CapTuner(caps)
+            while (c := tuner.propose()) is not None:
+                tuner.report(c, [f(c) for _ in range(3)])
+            grid = {c: f(c) for c in caps}
+            exact = lambda c: 100 + 3 * (torch.log2(torch.tensor(c)).item() - opt) ** 2  # noqa: E731
+            assert len(tuner.trials) <= 6 < len(caps)
+            assert exact(tuner.best) <= 1.05 * min(exact(c) for c in grid)
+
+
+# ---------------------------------------------------------------- spec
+
+@pytest.mark.parametrize("patch,field", [
+    ({"compressor": {"name": "topk", "ratio": 0.01}}, "compressor.name"),
+    ({"compressor": {"name": "powersgd"}}, "compressor.name"),
+    ({"compressor": {"name": "fp16", "error_feedback": True}}, "compressor.error_feedback"),
+    ({"schedule": {"name": "layerwise"}}, "schedule"),
+    ({"comm": {"mode": "dear", "cap_mb": 0}}, "comm.cap_mb"),
+    ({"comm": {"mode": "dear", "layers": 0}}, "comm.layers"),
+    ({"comm": {"mode": "dear", "layers": 2, "cap_mb": 4}}, "comm.layers"),
+    ({"comm": {"mode": "dear", "tune_steps": 3}}, "comm.tune_steps"),
+    ({"comm": {"mode": "wfbp", "cap_mb": 4}}, "comm.cap_mb"),
+    ({"comm": {"mode": "sync", "tune": True}}, "comm.tune"),
+])
+def test_spec_rejects(patch, field):
+    d = {"model": "cnn", "comm": {"mode": "dear"}, **patch}
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_dict(d)
+    assert e.value.path == field and "\n" not in str(e.value)
+
+
+def test_spec_accepts_dear():
+    for comp in ("none", "fp16", "bf16"):
+        s = JobSpec.from_dict({"compressor": comp, "comm": {"mode": "dear", "tune": True, "tune_steps": 4}})
+        assert JobSpec.from_dict(s.to_dict()) == s
