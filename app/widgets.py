@@ -217,8 +217,29 @@ def run_form() -> None:
         _slot(slots, "optimizer")
 
     with mid:
+        st.markdown("**Communication**")
+        mode = st.selectbox("Comm mode", ch["comm"], index=list(ch["comm"]).index("wfbp"), key=k + "comm",
+                            help="sync: after backward; wfbp: each bucket as soon as it is ready, overlapped "
+                                 "with backward; dear: reduce-scatter in backward, all-gather in the next forward")
+        d["comm"] = {"mode": mode}
+        if mode == "dear":
+            how = st.radio("DeAR buffers", ("byte cap", "nearby layers", "online cap search"), horizontal=True,
+                           key=k + "dear.how")
+            if how == "byte cap":
+                d["comm"]["cap_mb"] = st.number_input("Buffer cap (MB)", 0.001, 4096.0, 25.0, format="%g",
+                                                      key=k + "dear.cap_mb")
+            elif how == "nearby layers":
+                d["comm"]["layers"] = st.number_input("Layers per buffer", 1, 10_000, 3, key=k + "dear.layers")
+            else:
+                d["comm"]["tune"] = True
+                d["comm"]["tune_steps"] = st.number_input("Steps per trial cap", 2, 1000, 5,
+                                                          key=k + "dear.tune_steps")
+        _slot(slots, "comm")
         st.markdown("**Compression**")
-        comp = st.selectbox("Compressor", ch["compressors"], key=k + "compressor")
+        offered = ui.compressors_for(mode)
+        comp = st.selectbox("Compressor", offered, key=k + "compressor",
+                            help=None if len(offered) == len(ch["compressors"]) else
+                            f"{mode} offers only the compressors it accepts: {', '.join(offered)}")
         _slot(slots, "compressor.name")
         info = ui.compressor_info(comp)
         st.caption(("summable payloads: all-reduced" if info["summable"] else "payloads all-gathered, decoded per rank")
@@ -237,26 +258,32 @@ def run_form() -> None:
                 if v is not None:
                     params[p.name] = v
         _slot(slots, "compressor.params")
-        ef = st.checkbox("Error feedback", False, key=k + "ef", disabled=info["builtin_feedback"],
-                         help="Add the residual before compressing and keep what was dropped.")
+        no_ef = info["builtin_feedback"] or mode == "dear"
+        ef = st.checkbox("Error feedback", False, key=k + "ef", disabled=no_ef,
+                         help="Add the residual before compressing and keep what was dropped."
+                              + (" dear takes none: it accepts none, fp16, bf16 without it." if mode == "dear" else ""))
         _slot(slots, "compressor.error_feedback")
-        d["compressor"] = {"name": comp, "error_feedback": bool(ef and not info["builtin_feedback"]), "params": params}
-        st.markdown("**Fusion and communication**")
-        sched = st.selectbox("Schedule", ch["schedules"], index=list(ch["schedules"]).index("bucket"),
-                             key=k + "schedule")
-        if ch["schedules_planned"]:
-            st.caption("coming: " + ", ".join(ch["schedules_planned"]))
-        d["schedule"] = {"name": sched}
-        if sched == "bucket":
-            d["schedule"]["cap_mb"] = st.number_input("Bucket cap (MB)", 0.001, 4096.0, 25.0, format="%g",
-                                                      key=k + "cap_mb")
+        d["compressor"] = {"name": comp, "error_feedback": bool(ef and not no_ef), "params": params}
+        if mode == "dear":
+            st.caption("Fusion: dear sizes its own buffers (above); the schedule does not apply.")
+        else:
+            st.markdown("**Fusion**")
+            sched = st.selectbox("Schedule", ch["schedules"], index=list(ch["schedules"]).index("bucket"),
+                                 key=k + "schedule",
+                                 help="mergecomp: split points searched by measured step time; layerfusion: "
+                                      "merged from the profiled backward and fitted costs")
+            d["schedule"] = {"name": sched}
+            if sched == "bucket":
+                d["schedule"]["cap_mb"] = st.number_input("Bucket cap (MB)", 0.001, 4096.0, 25.0, format="%g",
+                                                          key=k + "cap_mb")
+            elif sched == "mergecomp":
+                d["schedule"]["max_candidates"] = st.number_input("Partitions to try at most", 1, 1000, 24,
+                                                                  key=k + "mc.max_candidates")
+                d["schedule"]["steps_per_candidate"] = st.number_input("Timed steps per partition", 1, 1000, 5,
+                                                                       key=k + "mc.steps")
+                d["schedule"]["retune"] = st.checkbox("Search again (ignore the cached partition)", False,
+                                                      key=k + "mc.retune")
         _slot(slots, "schedule")
-        d["comm"] = {"mode": st.selectbox("Comm mode", ch["comm"], index=list(ch["comm"]).index("wfbp"),
-                                          key=k + "comm", help="sync: after backward; wfbp: each bucket as "
-                                                               "soon as it is ready, overlapped with backward")}
-        if ch["comm_planned"]:
-            st.caption("coming: " + ", ".join(ch["comm_planned"]))
-        _slot(slots, "comm.mode")
 
     with right:
         st.markdown("**Network**")

@@ -52,6 +52,8 @@ BASE = {"model": "cnn", "dataset": "digits", "world_size": 2, "steps": 150, "bat
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "schedule": {"name": "bucket"},
         "comm": {"mode": "wfbp"}, "eval_every": 25}
 TOPK_EF = {"name": "topk", "ratio": 0.01, "error_feedback": True}
+RESNET = {"model": "resnet", "steps": 150, "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9}}
+GBIT = {"link": "modeled", "gbps": 1}
 
 
 @dataclass
@@ -94,13 +96,16 @@ PRESETS = [
            {"countsketch": {"compressor": {"name": "countsketch", "ratio": 0.01, "error_feedback": True}},
             "topk": {"compressor": TOPK_EF}}),
     Preset("dear-vs-ddp", "DeAR vs DDP",
-           "Reduce-scatter during backward and all-gather during the next forward, against DDP-style "
-           "bucketed all-reduce.",
-           {"dear": {"comm": {"mode": "dear"}}, "ddp": {"comm": {"mode": "wfbp"}}}),
-    Preset("mergecomp-search", "MergeComp's searched layout vs layer-wise",
-           "Search the bucket split points by measured iteration time, against one bucket per layer.",
-           {"mergecomp": {"compressor": TOPK_EF, "schedule": {"name": "mergecomp"}},
-            "layerwise": {"compressor": TOPK_EF, "schedule": {"name": "layerwise"}}}),
+           "resnet over a modeled 1 Gbit/s link: reduce-scatter during backward and all-gather during the "
+           "next forward (DeAR), against DDP-style bucketed all-reduce overlapped with backward.",
+           {"dear": {**RESNET, "steps": 80, "comm": {"mode": "dear", "cap_mb": 2}, "network": GBIT},
+            "ddp": {**RESNET, "steps": 80, "comm": {"mode": "wfbp"}, "network": GBIT}}),
+    Preset("layerwise-vs-mergecomp", "Layer-wise vs MergeComp",
+           "resnet at a per-rank batch of 4 (GPU-like compute time), top-k 1% + EF: one bucket per tensor, "
+           "against the split points MergeComp searches by measured step time.",
+           {"mergecomp": {**RESNET, "batch_size": 4, "compressor": TOPK_EF,
+                          "schedule": {"name": "mergecomp", "steps_per_candidate": 3, "max_candidates": 8}},
+            "layerwise": {**RESNET, "batch_size": 4, "compressor": TOPK_EF, "schedule": {"name": "layerwise"}}}),
 ]
 
 
@@ -170,6 +175,14 @@ def choices() -> dict:
         "backends": ("auto", "gloo", "nccl") if cuda else ("gloo",),
         "cuda": cuda,
     }
+
+
+def compressors_for(mode: str) -> List[str]:
+    """The compressors a comm mode accepts: dear reduce-scatters the payload itself, so only the summable,
+    shape-keeping ones (engine.spec.DEAR_COMPRESSORS); the other modes take every compressor."""
+    from engine import compressors
+    from engine.spec import DEAR_COMPRESSORS
+    return list(DEAR_COMPRESSORS) if mode == "dear" else list(compressors.names())
 
 
 def datasets_for(model: str) -> List[str]:

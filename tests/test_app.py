@@ -57,10 +57,9 @@ def check_home(at, runs):
     starts = [b for b in at.button if b.label == "Start"]
     assert len(starts) == len(ui.PRESETS)
     disabled = {b.key for b in starts if b.disabled}
-    assert "preset-mergecomp-search" in disabled  # mergecomp is not implemented yet: shown, disabled, with the reason
-    assert "preset-dear-vs-ddp" not in disabled
-    assert "preset-layerwise-vs-bucket" not in disabled
-    assert any("not implemented yet" in c.value for c in at.caption)
+    assert not disabled  # every preset's specs validate (a preset whose spec is refused is shown disabled)
+    for key in ("layerwise-vs-mergecomp", "dear-vs-ddp", "compression-1gbit", "countsketch-vs-topk"):
+        assert f"preset-{key}" in {b.key for b in starts}
 
 
 def check_new_run(at, runs):
@@ -259,3 +258,20 @@ def test_app_main_serves_and_stops_on_interrupt(tmp_path):
             p.wait()
     out = p.stdout.read().decode()
     assert f"127.0.0.1:{port}" in out
+
+
+def test_new_run_form_follows_the_comm_mode(runs):
+    at = page("new_run")
+    assert len(at.selectbox(key="nr.compressor").options) > 10
+    at.selectbox(key="nr.compressor").set_value("topk").run()
+    at.selectbox(key="nr.comm").set_value("dear").run()
+    assert not at.exception, [e.value for e in at.exception]
+    # dear offers only the compressors it accepts, takes no error feedback, and sizes its own buffers
+    assert at.selectbox(key="nr.compressor").options == ["none", "fp16", "bf16"]
+    assert at.checkbox(key="nr.ef").disabled
+    assert "Schedule" not in labels(at.selectbox)
+    at.radio(key="nr.dear.how").set_value("online cap search").run()
+    assert not at.error and not at.button(key="nr.submit").disabled
+    at.selectbox(key="nr.comm").set_value("wfbp").run()
+    at.selectbox(key="nr.schedule").set_value("mergecomp").run()
+    assert at.checkbox(key="nr.mc.retune") and not at.error
