@@ -13,6 +13,19 @@ from pathlib import Path
 QUICK = os.environ.get("COMMLAB_QUICK", "") not in ("", "0")
 
 
+def _figures_also_as_html() -> None:
+    """Figures carry an HTML copy (with plotly.js embedded once) besides plotly's own JSON, so the rendered
+    copies that scripts/render_notebooks.py writes show them offline, in any browser."""
+    try:
+        import plotly.io as pio
+    except ImportError:
+        return
+    pio.renderers.default = "plotly_mimetype+notebook"
+
+
+_figures_also_as_html()
+
+
 def pick(full, quick):
     """``quick`` under COMMLAB_QUICK, else ``full``."""
     return quick if QUICK else full
@@ -89,3 +102,9 @@ def layerfusion_profile(run):
     cost = CallCost(c["fixed_ms"] / 1e3, c["per_mb_ms"] / 1e3 / 2 ** 20,
                     c["compute_fixed_ms"] / 1e3, c["compute_per_mb_ms"] / 1e3 / 2 ** 20)
     return params, [r / 1e3 for r in info["ready_ms"]], cost
+
+
+def slow_link(gbps: float) -> dict:
+    """A ``network`` spec for an emulated link of ``gbps``: ``shaped`` (tc on an emulated cluster) when this
+    process may build one (root), else ``modeled`` (alpha-beta delays in the communicator)."""
+    return {"link": "shaped" if os.geteuid() == 0 else "modeled", "gbps": gbps}
