@@ -1,0 +1,93 @@
+"""The performance model's formulas against hand-computed cases (lab/perfmodel)."""
+import pytest
+
+from lab.perfmodel import costs
+from lab.perfmodel.iteration import Bucket, Round, Step, iteration_time
+
+GB1 = costs.Link(10e-6, 8e-9)  # 1 Gbit/s, 10 µs per step
+SLOW = costs.Link(0.0, 1e-3)   # 1 ms per byte: collective times in round numbers
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-9, abs=1e-12)
+
+
+def test_ring_collectives_by_hand():
+    # 2(p-1) alpha + 2(p-1)/p n beta = 60 µs + 1.5 * 1e6 * 8 ns
+    assert costs.allreduce(1e6, 4, GB1) == approx(60e-6 + 0.012)
+    assert costs.reduce_scatter(1e6, 4, GB1) == approx(30e-6 + 0.006)
+    assert costs.allgather(1e5, 4, GB1) == approx(30e-6 + 3 * 1e5 * 8e-9)
+    assert costs.allreduce(1e6, 1, GB1) == 0.0
+    assert costs.Link.from_gbps(1, 10) == GB1
+    assert GB1.gbps == approx(1.0)
+
+
+def test_allgather_of_different_sizes_pads_to_the_largest_after_a_header():
+    # header: 2 tensors x 40 bytes, then the largest payload (300 bytes)
+    assert costs.allgather_var([100, 300], 2, GB1, tensors=2) == approx(10e-6 + 80 * 8e-9 + 10e-6 + 300 * 8e-9)
+    with pytest.raises(ValueError):
+        costs.allgather_var([], 2, GB1)
+
+
+def test_parameter_server_push_pull():
+    assert costs.ps_push_pull(1e6, 4, GB1) == approx(2 * (10e-6 + 4e6 * 8e-9))  # one server: its link
+    assert costs.ps_push_pull(1e6, 4, GB1, servers=4) == approx(2 * (10e-6 + 1e6 * 8e-9))
+    with pytest.raises(ValueError):
+        costs.ps_push_pull(1e6, 4, GB1, servers=0)
+
+
+def test_scaled_link_keeps_its_efficiency():
+    measured = costs.Link(5e-6, 8e-9 / 0.9)  # 90% of 1 Gbit
+    assert measured.scaled(1, 10).gbps == approx(9.0) and measured.scaled(1, 10).alpha == 5e-6
+
+
+def two_buckets(first_rounds=None):
+    return Step(forward=1.0, backward=2.0, optimizer=0.5, buckets=[
+        Bucket(ready=1.0, encode=0.1, rounds=first_rounds or [Round("allreduce", 1000, after=0.2)]),
+        Bucket(ready=2.0, encode=0.1, rounds=[Round("allreduce", 500, after=0.2)])])
+
+
+def test_sync_sends_everything_after_backward():
+    # backward ends at 3; b0 encoded 3-3.1, sent 3.1-4.1; b1 encoded 3.1-3.2, queued, sent 4.1-4.6;
+    # decode b0 4.1-4.3, b1 4.6-4.8; optimizer 0.5
+    r = iteration_time(two_buckets(), SLOW, 2, "sync")
+    assert r.total == approx(5.3) and r.compute == approx(3.5)
+    assert r.link_busy == approx(1.5) and r.encode_decode == approx(0.6)
+
+
+def test_wfbp_overlaps_buckets_with_backward():
+    # b0 ready at 2, encoded to 2.1, sent 2.1-3.1; backward resumes, b1 ready at 3.1 (0.1 late),
+    # encoded to 3.2, sent 3.2-3.7; decode b0 3.2-3.4, b1 3.7-3.9; + 0.5
+    assert iteration_time(two_buckets(), SLOW, 2, "wfbp").total == approx(4.4)
+    # backward 1.5x slower while overlapping: b0 at 2.5, b1 at 4.1 .. 4.9 + 0.5
+    assert iteration_time(two_buckets(), SLOW, 2, "wfbp", slowdown=1.5).total == approx(5.4)
+
+
+def test_wfbp_multi_round_exchange_blocks_backward_when_the_next_bucket_launches():
+    rounds = [Round("allreduce", 1000, after=0.3), Round("allreduce", 200, after=0.2)]
+    # b0 sent 2.1-3.1; at b1's launch (3.1) the hook waits for it, encodes round 2 (to 3.4),
+    # sends it 3.4-3.6; b1 encoded 3.4-3.5, queued, sent 3.6-4.1; finish: b0 decoded 3.6-3.8,
+    # b1 4.1-4.3; + 0.5
+    assert iteration_time(two_buckets(rounds), SLOW, 2, "wfbp").total == approx(4.8)
+
+
+def test_allgather_round_waits_for_its_header():
+    step = Step(1.0, 2.0, 0.5, [Bucket(ready=2.0, encode=0.0, rounds=[Round("allgather", 100, after=0.1)])])
+    # header (40 bytes) 3-3.04 blocks backward's end, data 3.04-3.14, decode to 3.24, + 0.5
+    assert iteration_time(step, SLOW, 2, "wfbp").total == approx(3.74)
+
+
+def test_dear_overlaps_all_gather_with_forward_and_shards_the_optimizer():
+    step = Step(1.0, 2.0, 0.5, [
+        Bucket(ready=1.0, encode=0.0, rounds=[Round("reduce_scatter", 1000)], raw_bytes=1000, forward=0.4),
+        Bucket(ready=2.0, encode=0.0, rounds=[Round("reduce_scatter", 400)], raw_bytes=400, forward=0.6)])
+    # all-gathers in forward order: b1 (200 B/rank) 0-0.2, b0 (500) 0.2-0.7; forward b1 0.2-0.8,
+    # b0 0.8-1.2; backward from 1.2: b0 ready 2.2, reduce-scatter 2.2-2.7; b1 at 3.2, 3.2-3.4;
+    # optimizer on half the parameters: 0.25
+    assert iteration_time(step, SLOW, 2, "dear").total == approx(3.65)
+
+
+def test_one_worker_is_pure_compute_and_bad_input_is_rejected():
+    assert iteration_time(two_buckets(), SLOW, 1, "wfbp").total == approx(3.5)
+    with pytest.raises(ValueError, match="allowed"):
+        iteration_time(two_buckets(), SLOW, 2, "bogus")
