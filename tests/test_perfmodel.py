@@ -41,6 +41,16 @@ def test_scaled_link_keeps_its_efficiency():
     assert measured.scaled(1, 10).gbps == approx(9.0) and measured.scaled(1, 10).alpha == 5e-6
 
 
+def test_token_bucket_sends_a_burst_fast_then_at_the_sustained_rate():
+    tb = costs.TokenBucket(costs.Link(0.0, 1e-3, burst_bytes=100, beta_burst=1e-5))
+    assert tb.duration("allreduce", 50, 2, 0.0) == approx(50 * 1e-5)  # 2 ranks: 50 bytes on the wire
+    # issued as the first ends: 50 tokens left; the other 150 bytes wait for tokens at 1 ms/byte
+    assert tb.duration("allreduce", 200, 2, 5e-4) == approx(150 * 1e-3)
+    assert tb.tokens == 0
+    # a second of idle time refills the bucket (capped at 100)
+    assert tb.duration("allgather", 80, 2, 10.0) == approx(80 * 1e-5) and tb.tokens == approx(20)
+
+
 def two_buckets(first_rounds=None):
     return Step(forward=1.0, backward=2.0, optimizer=0.5, buckets=[
         Bucket(ready=1.0, encode=0.1, rounds=first_rounds or [Round("allreduce", 1000, after=0.2)]),
@@ -91,3 +101,79 @@ def test_one_worker_is_pure_compute_and_bad_input_is_rejected():
     assert iteration_time(two_buckets(), SLOW, 1, "wfbp").total == approx(3.5)
     with pytest.raises(ValueError, match="allowed"):
         iteration_time(two_buckets(), SLOW, 2, "bogus")
+
+
+# ------------------------------------------------------------------ calibration, crossover, CLI
+
+def test_fits_recover_known_costs():
+    from lab.perfmodel import calibrate as cal
+    xs = [4096, 65536, 1 << 20, 1 << 22]
+    a, b = cal.fit_affine(xs, [20e-6 + 1e-9 * x for x in xs])
+    assert a == pytest.approx(20e-6) and b == pytest.approx(1e-9)
+    alpha, beta = cal.fit_link([(2, w, 2 * 50e-6 + w * 8e-9) for w in (4096, 1e5, 1e6)])
+    assert alpha == pytest.approx(50e-6) and beta == pytest.approx(8e-9)
+    with pytest.raises(ValueError):
+        cal.fit_link([(2, 4096, 1e-3), (2, 4096, 2e-3)])
+
+
+def tiny_profile(**kw):
+    from lab.perfmodel.calibrate import Profile
+    p = Profile(model="mlp", dataset="digits", batch_size=16, source="test",
+                params=[("fc2.bias", 40), ("fc2.weight", 40_000), ("fc1.bias", 400), ("fc1.weight", 400_000)],
+                forward_s=2e-3, backward_s=4e-3, optimizer_s=0.5e-3,
+                layer_forward={"fc1": 1.5e-3, "fc2": 0.5e-3}, layer_ready={"fc2": 1e-3, "fc1": 4e-3},
+                compressors={"fp16": {"encode": [10e-6, 1e-10], "between": [0, 0], "decode": [10e-6, 1e-10]}})
+    p.__dict__.update(kw)
+    return p
+
+
+def spec(comp="fp16", sched="bucket", mode="wfbp"):
+    return {"model": {"name": "mlp", "options": {}}, "dataset": {"name": "digits"}, "batch_size": 16,
+            "compressor": {"name": comp, "params": {}, "error_feedback": False},
+            "schedule": {"name": sched, "cap_mb": 25.0}, "comm": {"mode": mode}}
+
+
+def test_fp16_halves_the_bytes_and_pays_only_on_slow_links(tmp_path):
+    from lab.perfmodel import calibrate as cal
+    from lab.perfmodel import predict as pr
+    p = tiny_profile()
+    step = pr.build_step(p, spec(), 2)
+    assert [r.nbytes for b in step.buckets for r in b.rounds] == [pytest.approx(440_440 / 2)]
+    assert step.buckets[0].ready == pytest.approx(4e-3)  # the bucket holds fc1: ready at the end
+    slow, fast = pr.speedup(p, spec(), 0.1, 2), pr.speedup(p, spec(), 100, 2)
+    assert slow > 1.5 and fast < 1.0
+    g = pr.crossover_gbps(p, spec(), 2)
+    assert 0.1 < g < 100 and pr.speedup(p, spec(), g * 0.9, 2) > 1 > pr.speedup(p, spec(), g * 1.1, 2)
+    assert pr.predict(p, spec(), 1, 2).total > pr.predict(p, spec(), 1, 2, compute_speedup=20).total
+    p.save(tmp_path / "p.json")
+    assert cal.Profile.load(tmp_path / "p.json") == p
+
+
+def test_predict_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
+    from lab.cli import main
+    f = tmp_path / "s.yaml"
+    f.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\n")
+    assert main(["predict", str(f), "--gbps", "fast", "--runs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--gbps" in err
+    assert main(["predict", str(f), "--workers", "0", "--runs", str(tmp_path)]) == 2
+    assert main(["predict", str(f), "--profile", str(tmp_path / "none.json"), "--runs", str(tmp_path)]) == 2
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_predict_cli_prints_the_table_and_crossover(tmp_path, capsys):
+    from lab.cli import main
+    f = tmp_path / "s.yaml"
+    f.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\ncomm: {mode: dear}\n")
+    prof = tiny_profile(compressors={})
+    prof.save(tmp_path / "p.json")
+    assert main(["predict", str(f), "--gbps", "0.1,100", "--workers", "2,8", "--profile", str(tmp_path / "p.json"),
+                 "--compute-speedup", "20", "--runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "dear" in out and "x20" in out
+    rows = [l.split() for l in out.splitlines() if l.strip() and l.split()[0] in ("2", "8")]
+    assert [(r[0], r[1]) for r in rows] == [("2", "0.1"), ("2", "100"), ("8", "0.1"), ("8", "100")]
+    assert out.count("crossover:") == 2
+    # the missing fp16 curve was measured and saved into the profile
+    from lab.perfmodel.calibrate import Profile
+    assert "fp16" in Profile.load(tmp_path / "p.json").compressors

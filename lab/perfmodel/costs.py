@@ -28,7 +28,11 @@ class Link:
     alpha: float
     """seconds per algorithm step (latency, per message)"""
     beta: float
-    """seconds per byte on one rank's link"""
+    """seconds per byte on one rank's link (sustained)"""
+    burst_bytes: float = 0.0
+    """a token bucket of this many bytes (the tbf of an emulated link), full after idle time"""
+    beta_burst: float = 0.0
+    """seconds per byte while the token bucket lasts (the unshaped path's speed)"""
 
     @classmethod
     def from_gbps(cls, gbps: float, latency_us: float = 0.0) -> "Link":
@@ -40,8 +44,10 @@ class Link:
 
     def scaled(self, nominal_gbps: float, gbps: float) -> "Link":
         """This link, measured on a ``nominal_gbps`` link, at another nominal rate with the same
-        efficiency: a 1 Gbit link with a goodput of 0.9 Gbit becomes 9 Gbit at 10."""
-        return Link(self.alpha, self.beta * nominal_gbps / gbps)
+        efficiency: a 1 Gbit link with a goodput of 0.9 Gbit becomes 9 Gbit at 10. A token
+        bucket keeps its length in time (its bytes scale with the rate)."""
+        return Link(self.alpha, self.beta * nominal_gbps / gbps, self.burst_bytes * gbps / nominal_gbps,
+                    self.beta_burst)
 
 
 def _net(link: Link):
@@ -93,6 +99,50 @@ def ps_push_pull(nbytes: float, world: int, link: Link, servers: int = 1) -> flo
         raise ValueError(f"nbytes must be >= 0, got {nbytes}")
     per_link = max(world / servers, 1.0) * nbytes
     return 2 * (link.alpha + per_link * link.beta)
+
+
+def steps_and_wire(op: str, nbytes: float, world: int):
+    """Ring steps and the bytes each rank sends for one collective (as in engine.netmodel):
+    all-reduce ``2(p-1)`` and ``2(p-1)/p n``, reduce-scatter ``p-1`` and ``(p-1)/p n``,
+    all-gather ``p-1`` and ``(p-1) m`` (m per rank)."""
+    p = world
+    if op == "allreduce":
+        return 2 * (p - 1), 2 * (p - 1) / p * nbytes
+    if op == "reduce_scatter":
+        return p - 1, (p - 1) / p * nbytes
+    if op == "allgather":
+        return p - 1, (p - 1) * nbytes
+    raise ValueError(f"unknown collective {op!r}; allowed: allreduce, reduce_scatter, allgather")
+
+
+class TokenBucket:
+    """A link with a token bucket (``Link.burst_bytes``): after idle time the first bytes go
+    at ``beta_burst``, the rest at the sustained ``beta``, as through tc's tbf. Without a
+    bucket it is the plain alpha-beta cost."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.tokens = link.burst_bytes
+        self.t = 0.0
+
+    def duration(self, op: str, nbytes: float, world: int, start: float) -> float:
+        link = self.link
+        if world == 1:
+            return 0.0
+        steps, wire = steps_and_wire(op, nbytes, world)
+        if link.burst_bytes <= 0:
+            return steps * link.alpha + wire * link.beta
+        if link.beta > 0:
+            self.tokens = min(link.burst_bytes, self.tokens + max(0.0, start - self.t) / link.beta)
+        if wire <= self.tokens:
+            move = wire * link.beta_burst
+            self.tokens -= wire
+        else:
+            move = max(wire * link.beta_burst, (wire - self.tokens) * link.beta)
+            self.tokens = 0.0
+        d = steps * link.alpha + move
+        self.t = start + d
+        return d
 
 
 COLLECTIVES = {"allreduce": allreduce, "reduce_scatter": reduce_scatter, "allgather": allgather}

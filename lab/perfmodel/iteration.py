@@ -87,6 +87,7 @@ class Result:
 class _Sim:
     def __init__(self, link: costs.Link, world: int, record: bool):
         self.link, self.world = link, world
+        self.wire = costs.TokenBucket(link)
         self.free = 0.0      # when the link is next free
         self.busy = 0.0
         self.events = [] if record else None
@@ -94,7 +95,7 @@ class _Sim:
     def collective(self, op: str, nbytes: float, t: float, label: str) -> float:
         """Issue at ``t``; returns when it completes (after whatever holds the link)."""
         start = max(t, self.free)
-        self.free = start + costs.COLLECTIVES[op](nbytes, self.world, self.link)
+        self.free = start + self.wire.duration(op, nbytes, self.world, start)
         self.busy += self.free - start
         if self.events is not None:
             self.events.append({"lane": "comm", "name": f"{op} {label}", "start": start, "end": self.free})
@@ -107,6 +108,11 @@ class _Sim:
         return t, self.collective(rnd.op, rnd.nbytes, t, label)
 
 
+WARM_STEPS = 3
+"""Steps simulated before the one reported, when the link has a token bucket: what the
+bucket holds at the start of a step depends on the steps before it."""
+
+
 def iteration_time(step: Step, link: costs.Link, world: int, mode: str = "wfbp",
                    slowdown: float = 1.0, record: bool = False) -> Result:
     """Predicted time of one step (see the module docstring for the model)."""
@@ -117,9 +123,18 @@ def iteration_time(step: Step, link: costs.Link, world: int, mode: str = "wfbp",
     compute = step.forward + step.backward + step.optimizer + step.other
     if world == 1:
         return Result(compute, compute)
-    if mode == "dear":
-        return _dear(step, link, world, slowdown, compute, record)
-    sim = _Sim(link, world, record)
+    one = _dear if mode == "dear" else _overlapped
+    if link.burst_bytes <= 0:
+        return one(step, _Sim(link, world, record), mode, slowdown, compute, 0.0)
+    sim, t0 = _Sim(link, world, False), 0.0
+    for _ in range(WARM_STEPS):
+        t0 += one(step, sim, mode, slowdown, compute, t0).total
+    sim.busy, sim.events = 0.0, [] if record else None
+    return one(step, sim, mode, slowdown, compute, t0)
+
+
+def _overlapped(step: Step, sim: "_Sim", mode: str, slowdown: float, compute: float, t0: float) -> Result:
+    """sync and wfbp, one step starting at ``t0`` on the simulation's clock."""
     n = len(step.buckets)
     pos = [0] * n          # next round of each bucket
     done_at = [0.0] * n    # completion of its current round
@@ -144,7 +159,7 @@ def iteration_time(step: Step, link: costs.Link, world: int, mode: str = "wfbp",
             c, done_at[k] = sim.issue(b.rounds[pos[k]], c, f"b{k} r{pos[k] + 1}")
         return c
 
-    c = step.forward
+    c = t0 + step.forward
     if mode == "sync":
         c += step.backward
         for k in range(n):
@@ -152,37 +167,37 @@ def iteration_time(step: Step, link: costs.Link, world: int, mode: str = "wfbp",
     else:
         shift = 0.0  # time the hooks held backward up (encoding, waits)
         for k, b in enumerate(step.buckets):
-            c = max(c, step.forward + b.ready * slowdown + shift)
+            c = max(c, t0 + step.forward + b.ready * slowdown + shift)
             c0 = c
             for j in range(k):  # engine: multi-round exchanges advance whenever a later bucket launches
                 if pos[j] < len(step.buckets[j].rounds) and len(step.buckets[j].rounds) > 1:
                     c = advance(j, c)
             c = launch(k, c)
             shift += c - c0
-        c = max(c, step.forward + step.backward * slowdown + shift)
+        c = max(c, t0 + step.forward + step.backward * slowdown + shift)
     t_bwd = c
     active = [k for k in range(n) if pos[k] < len(step.buckets[k].rounds)]
     while active:  # finish(): round robin in bucket order
         for k in active:
             c = advance(k, c)
         active = [k for k in active if pos[k] < len(step.buckets[k].rounds)]
-    total = c + step.optimizer + step.other
+    total = c + step.optimizer + step.other - t0
     res = Result(total, compute, exposed_comm=max(0.0, total - compute - coder), link_busy=sim.busy,
                  encode_decode=coder, events=sim.events or [])
-    res.events.append({"lane": "compute", "name": "forward+backward", "start": 0.0, "end": t_bwd})
+    res.events.append({"lane": "compute", "name": "forward+backward", "start": t0, "end": t_bwd})
     return res
 
 
-def _dear(step: Step, link: costs.Link, world: int, slowdown: float, compute: float, record: bool) -> Result:
-    sim = _Sim(link, world, record)
+def _dear(step: Step, sim: "_Sim", mode: str, slowdown: float, compute: float, t0: float) -> Result:
+    world = sim.world
     n = len(step.buckets)
     fwd_total = sum(b.forward for b in step.buckets)
     # forward compute outside the buckets' layers (activations, loss) spread in proportion
     scale = step.forward / fwd_total if fwd_total > 0 else 0.0
     ag_done = {}
     for k in reversed(range(n)):  # forward order is the reverse of gradient-ready order
-        ag_done[k] = sim.collective("allgather", step.buckets[k].raw_bytes / world, 0.0, f"b{k} params")
-    c = 0.0
+        ag_done[k] = sim.collective("allgather", step.buckets[k].raw_bytes / world, t0, f"b{k} params")
+    c = t0
     for k in reversed(range(n)):
         c = max(c, ag_done[k]) + step.buckets[k].forward * scale
     if fwd_total == 0:
@@ -200,6 +215,6 @@ def _dear(step: Step, link: costs.Link, world: int, slowdown: float, compute: fl
     for k, b in enumerate(step.buckets):
         c = max(c, rs_done[k]) + b.rounds[0].after
         coder += b.rounds[0].after
-    total = c + step.optimizer / world + step.other
+    total = c + step.optimizer / world + step.other - t0
     return Result(total, compute, exposed_comm=max(0.0, total - compute - coder), link_busy=sim.busy,
                   encode_decode=coder, events=sim.events or [])
