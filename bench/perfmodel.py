@@ -12,10 +12,12 @@ and uses none of the validated runs:
   times from its timeline (lab.perfmodel.calibrate.from_run);
 - the unshaped path's speed: fitted to the communicate spans of that same run
   (link_from_run: its 8 all-reduces of 40 B .. 512 KB per step);
-- alpha per bandwidth: the mean per-step cost of the small collectives
-  (<= 64 KB on the wire) of the same layer-wise sync job run on the shaped
-  link (alpha_from_run). Back-to-back all-reduces of 4 KiB (measure_link)
-  cost more per call than the collectives of a training step (see README);
+- alpha: the mean per-step cost of the small collectives (<= 64 KB on the
+  wire) of the same layer-wise sync job run on a shaped 1 Gbit link
+  (alpha_from_run, replaying the token bucket to take out the time the
+  bytes themselves took). Back-to-back all-reduces of 4 KiB (measure_link)
+  cost more per call than the collectives of a training step (see README).
+  The same fit at every validated rate is recorded too (``alpha_at_this_rate``);
 - overlap slowdown: backward compute of the same job in ``wfbp`` (collectives
   overlap nearly all of backward) over that of the sync run;
 - link: the sustained rate per bandwidth from back-to-back gloo all-reduces
@@ -58,6 +60,9 @@ BUCKET = {"name": "bucket", "cap_mb": 25.0}
 SMALLB = {"name": "bucket", "cap_mb": 0.1}
 LW = {"name": "layerwise"}
 ALL = {"name": "allinone"}
+
+ALPHA_GBPS = 1.0
+"""The rate whose calibration run gives alpha for every rate."""
 
 # (compressor, schedule, comm mode, Gbit/s): extend freely; --only picks a subset
 CONFIGS = [
@@ -131,6 +136,7 @@ def main(argv=None):
     from engine.spec import SpecError
     from lab.perfmodel import calibrate as cal
     from lab.perfmodel import predict as pr
+    from lab.perfmodel.costs import Link
     from lab.specs import load_spec
 
     t_start = time.time()
@@ -167,17 +173,23 @@ def main(argv=None):
           f"optimizer {prof.optimizer_s * 1e3:.2f} ms (run {r_sync.id}); overlap slowdown "
           f"{prof.overlap_slowdown:.2f} (run {r_wfbp.id}); per step of a collective {alpha * 1e6:.0f} µs, "
           f"unshaped {8 / beta_loop / 1e9:.2f} Gbit/s (comm spans of {r_sync.id})", flush=True)
-    links, cal_runs = {}, [r_sync.id, r_wfbp.id]
-    for g in sorted({cfg[3] for _, cfg, _ in todo}):
+    links, cal_runs, alphas = {}, [r_sync.id, r_wfbp.id], {}
+    rates = sorted({cfg[3] for _, cfg, _ in todo} | {ALPHA_GBPS})
+    for g in rates:
         m = cal.measure_link(g)
         r_a = done_run(dict(loop, name=f"pm calibrate alpha {g:g}G", comm={"mode": "sync"},
                             network={"link": "shaped", "gbps": g}))
         cal_runs.append(r_a.id)
-        a = cal.alpha_from_run(r_a, beta_loop)
-        links[g] = dict(m, alpha=a, beta_burst=beta_loop, alpha_shaped_fit=m["alpha"], alpha_run=r_a.id)
+        alphas[g] = cal.alpha_from_run(r_a, Link(0.0, m["beta"], m["burst_bytes"], beta_loop))
+        links[g] = dict(m, beta_burst=beta_loop, alpha_shaped_fit=m["alpha"], alpha_run=r_a.id,
+                        alpha_at_this_rate=alphas[g])
         print(f"link {g:g} Gbit: sustained {8 / m['beta'] / 1e9 * 1e3:.1f} Mbit/s, burst {m['burst_bytes']} B, "
-              f"alpha {a * 1e6:.0f} µs per step (run {r_a.id}; back-to-back 4 KiB all-reduce: mean "
-              f"{m['small_mean_s'] * 1e3:.2f} ms)", flush=True)
+              f"small collectives {alphas[g] * 1e6:.0f} µs per step (run {r_a.id}; back-to-back 4 KiB "
+              f"all-reduce: mean {m['small_mean_s'] * 1e3:.2f} ms)", flush=True)
+    for g in rates:  # one latency for every rate, as the alpha-beta model has
+        links[g]["alpha"] = alphas[ALPHA_GBPS]
+    print(f"alpha: {alphas[ALPHA_GBPS] * 1e6:.0f} µs per ring step at every rate (from {ALPHA_GBPS:g} Gbit)",
+          flush=True)
     for _, _, spec in todo:
         key = cal.compressor_key(spec["compressor"])
         if spec["compressor"]["name"] != "none" and key not in prof.compressors:

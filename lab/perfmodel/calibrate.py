@@ -213,13 +213,13 @@ def fit_slowdown(profile: Profile, run, skip: int = SKIP_STEPS) -> float:
 def link_from_run(run, skip: int = SKIP_STEPS) -> Tuple[float, float]:
     """alpha, beta fitted to a run's communicate spans (service times, see service_times)."""
     p = run.spec_dict()["world_size"]
-    rows = [(*steps_and_wire(op, nbytes, p), t) for op, nbytes, t in service_times(run, skip)]
+    rows = [(*steps_and_wire(op, nbytes, p), t) for op, nbytes, t, _ in service_times(run, skip)]
     return fit_link(rows)
 
 
-def service_times(run, skip: int = SKIP_STEPS, rank: int = 0) -> List[Tuple[str, int, float]]:
-    """(op, payload bytes, seconds) of every collective of one rank after ``skip`` steps, each
-    counted from when it got the link (its issue, or the end of the one before it)."""
+def service_times(run, skip: int = SKIP_STEPS, rank: int = 0) -> List[Tuple[str, int, float, float]]:
+    """(op, payload bytes, seconds, start) of every collective of one rank after ``skip`` steps,
+    each counted from when it got the link (its issue, or the end of the one before it)."""
     events = run.timeline_events()
     starts = sorted(e["ts"] for e in events if e.get("cat") == "step" and e["pid"] == rank)
     t_skip = starts[min(skip, len(starts) - 1)] if starts else 0.0
@@ -229,23 +229,28 @@ def service_times(run, skip: int = SKIP_STEPS, rank: int = 0) -> List[Tuple[str,
         start, end = max(e["ts"], free), e["ts"] + e["dur"]
         free = max(free, end)
         if e["ts"] >= t_skip and end > start:
-            out.append((e["args"]["op"], e["args"]["bytes"], (end - start) / 1e6))
+            out.append((e["args"]["op"], e["args"]["bytes"], (end - start) / 1e6, start / 1e6))
     return out
 
 
-def alpha_from_run(run, beta_fast: float, max_wire: float = 65536, skip: int = SKIP_STEPS) -> float:
-    """Per-step latency from a run's small collectives (wire bytes <= ``max_wire``, which a
-    shaped link's token bucket lets through at the fast rate ``beta_fast``): the mean of
-    (service time - wire * beta_fast) / ring steps. The mean, not the median, because the
-    occasional stall of a few ms is part of what a training step pays."""
+def alpha_from_run(run, link: Link, max_wire: float = 65536, skip: int = SKIP_STEPS) -> float:
+    """Per-step latency from a run's small collectives (wire bytes <= ``max_wire``) on a link
+    whose rates are known (``link``: sustained beta, token bucket, fast beta; its alpha is
+    ignored): the mean of (service time - modeled transfer time) / ring steps, replaying the
+    token bucket over all of the run's collectives in order. The mean, not the median,
+    because the occasional stall of a few ms is part of what a training step pays."""
+    from lab.perfmodel.costs import TokenBucket
     world = run.spec_dict()["world_size"]
+    wire_only = TokenBucket(Link(0.0, link.beta, link.burst_bytes, link.beta_burst))
     per_step = []
-    for op, nbytes, t in service_times(run, skip):
+    for op, nbytes, t, start in service_times(run, skip):
         steps, wire = steps_and_wire(op, nbytes, world)
+        move = wire_only.duration(op, nbytes, world, start)
+        wire_only.t = start + t  # the bucket refills from when the collective really ended
         if wire <= max_wire and steps:
-            per_step.append(max(0.0, t - wire * beta_fast) / steps)
+            per_step.append(max(0.0, t - move) / steps)
     if not per_step:
-        raise ValueError(f"run {run.id}: no collectives of at most {max_wire:g} wire bytes to fit alpha from")
+        raise CalibrationError(f"run {run.id}: no collectives of at most {max_wire:g} wire bytes to fit alpha from")
     return statistics.mean(per_step)
 
 
