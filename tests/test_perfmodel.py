@@ -177,3 +177,22 @@ def test_predict_cli_prints_the_table_and_crossover(tmp_path, capsys):
     # the missing fp16 curve was measured and saved into the profile
     from lab.perfmodel.calibrate import Profile
     assert "fp16" in Profile.load(tmp_path / "p.json").compressors
+
+
+def test_properties_are_measured_not_declared(tmp_path):
+    import json
+    from lab.perfmodel import properties as pp
+    acc = tmp_path / "acc.json"
+    acc.write_text(json.dumps({"cells": [{"compressor": "none", "ef": False, "acc": 0.99},
+                                         {"compressor": "topk", "ef": True, "acc": 0.985},
+                                         {"compressor": "signsgd", "ef": False, "acc": 0.80}]}))
+    rows = {r["compressor"]: r for r in pp.checklist(["fp16", "topk", "powersgd", "signsgd", "countsketch"],
+                                                     numels=(1024, 16384), accuracy_files=[acc])}
+    assert rows["fp16"]["allreduce_compatible"] and rows["fp16"]["linear"] and rows["fp16"]["ratio"] == 2.0
+    assert not rows["topk"]["allreduce_compatible"] and rows["topk"]["linear"] is None
+    assert rows["topk"]["ratio"] == pytest.approx(50, rel=0.05)  # 1%: a value and an index each
+    assert rows["powersgd"]["allreduce_compatible"] and rows["powersgd"]["rounds"] == 2
+    assert rows["countsketch"]["allreduce_compatible"] and rows["countsketch"]["linear"] is False  # median decode
+    assert all(r["ranks_agree"] for r in rows.values())
+    assert rows["topk"]["accuracy_neutral"] is True and rows["signsgd"]["accuracy_neutral"] is False
+    assert rows["fp16"]["accuracy_neutral"] is None and pp.yes_no(None) == "not measured"

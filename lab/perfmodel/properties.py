@@ -13,7 +13,7 @@ checked by measuring each compressor of the library, not typed in:
   once);
 - fusion friendly: how much of the cost of compressing 50 layers one by one
   is saved by compressing them as one bucket (the fixed cost share);
-- accuracy neutral: from measured accuracy (bench/results/compressor_accuracy.json):
+- accuracy neutral: from measured accuracy (bench/results/compressor_accuracy*.json):
   the better of plain and +EF within 1 point of ``none``; "not measured" otherwise.
 """
 from __future__ import annotations
@@ -24,7 +24,9 @@ from typing import Dict, List, Optional
 
 from lab.perfmodel import calibrate as cal
 
-ACCURACY_FILE = Path(__file__).resolve().parents[2] / "bench" / "results" / "compressor_accuracy.json"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+ACCURACY_FILES = (RESULTS / "compressor_accuracy.json", RESULTS / "compressor_accuracy_rerun.json")
+"""The accuracy benchmark's results; a later file's cells replace an earlier one's (reruns)."""
 
 
 def two_rank_exchange(name: str, n: int = 4096, **params):
@@ -99,24 +101,23 @@ def ratio(name: str, n: int = 1 << 20, **params) -> float:
     return n * 4 / max(sent, 1)
 
 
-def accuracy(path=ACCURACY_FILE) -> Dict[str, dict]:
-    """compressor -> {acc, acc_ef, baseline} from the accuracy benchmark, if it was run."""
-    p = Path(path)
-    if not p.is_file():
-        return {}
-    cells = json.loads(p.read_text()).get("cells", [])
+def accuracy(paths=ACCURACY_FILES) -> Dict[str, dict]:
+    """compressor -> {acc, acc_ef} from the accuracy benchmark's results, where it was run."""
     out: Dict[str, dict] = {}
-    for c in cells:
-        if c.get("acc") is not None:
-            out.setdefault(c["compressor"], {})["acc_ef" if c.get("ef") else "acc"] = c["acc"]
+    for p in map(Path, paths):
+        if not p.is_file():
+            continue
+        for c in json.loads(p.read_text()).get("cells", []):
+            if c.get("acc") is not None:
+                out.setdefault(c["compressor"], {})["acc_ef" if c.get("ef") else "acc"] = c["acc"]
     return out
 
 
 def checklist(names: Optional[List[str]] = None, profile: Optional[cal.Profile] = None,
-              numels=cal.CURVE_NUMELS, accuracy_file=ACCURACY_FILE) -> List[dict]:
+              numels=cal.CURVE_NUMELS, accuracy_files=ACCURACY_FILES) -> List[dict]:
     """One row per compressor (default: every registered one) with each property measured."""
     from engine import compressors
-    acc = accuracy(accuracy_file)
+    acc = accuracy(accuracy_files)
     base = acc.get("none", {}).get("acc")
     model_bytes = sum(b for _, b in profile.params) if profile else None
     compute = (profile.forward_s + profile.backward_s) if profile else None
