@@ -97,6 +97,7 @@ def build_parser() -> Parser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--profile", metavar="FILE", help="a saved profile (JSON)")
     g.add_argument("--calibrate", metavar="RUN", help="calibrate compute from this run's timeline")
+    p.add_argument("--link", metavar="FILE", help="alpha and beta from `commlab net check --gbps X --json` output")
     p.add_argument("--compute-speedup", type=float, default=1.0, metavar="X",
                    help="compute X times faster than measured, e.g. 20 for a GPU (default 1)")
     _runs_arg(p)
@@ -255,6 +256,8 @@ def cmd_predict(args) -> int:
         prof = whatif.resolve_profile(spec, args.runs, args.profile, args.calibrate)
     except CalibrationError as e:
         raise LabError(str(e)) from None
+    if args.link:
+        prof.link = whatif.link_file(args.link)
     link = (f"calibrated at {prof.link['nominal_gbps']:g} Gbit/s and scaled" if prof.link
             else "nominal alpha-beta (alpha 0, beta 8/rate; no link calibrated)")
     c = spec["compressor"]

@@ -1,4 +1,6 @@
 """The performance model's formulas against hand-computed cases (lab/perfmodel)."""
+import json
+
 import pytest
 
 from lab.perfmodel import costs
@@ -196,3 +198,41 @@ def test_properties_are_measured_not_declared(tmp_path):
     assert all(r["ranks_agree"] for r in rows.values())
     assert rows["topk"]["accuracy_neutral"] is True and rows["signsgd"]["accuracy_neutral"] is False
     assert rows["fp16"]["accuracy_neutral"] is None and pp.yes_no(None) == "not measured"
+
+
+def test_link_from_net_check_output(tmp_path, capsys):
+    from lab.cli import main
+    from lab.perfmodel import calibrate as cal
+    # 2 ranks: the 1 MB all-reduce moves 1 MB, the 4 KiB one 4 KiB; alpha 100 µs per step, 1 Gbit
+    res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
+           "allreduce_median_s": 2 * 100e-6 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
+           "allreduce_small_mean_s": 2 * 100e-6 + 4096 * 8e-9}
+    link = cal.link_from_net_check(res)
+    assert link["alpha"] == pytest.approx(100e-6) and link["beta"] == pytest.approx(8e-9)
+    f = tmp_path / "check.json"
+    f.write_text(json.dumps(res))
+    tiny_profile().save(tmp_path / "p.json")
+    s = tmp_path / "s.yaml"
+    s.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\n")
+    assert main(["predict", str(s), "--profile", str(tmp_path / "p.json"), "--link", str(f), "--workers", "2",
+                 "--runs", str(tmp_path)]) == 0
+    assert "calibrated at 1 Gbit/s" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["predict", str(s), "--profile", str(tmp_path / "p.json"), "--link", str(tmp_path / "bad.json"),
+                 "--runs", str(tmp_path)]) == 2
+    assert "--link" in capsys.readouterr().err
+
+
+def test_plot_builders_for_the_model_page():
+    import pandas as pd
+    from lab import plots
+    grid = pd.DataFrame([{"compressor": c, "gbps": g, "workers": w, "speedup": s}
+                         for c, s in (("fp16", 1.5), ("topk", 0.8)) for g in (1, 10) for w in (2, 8)])
+    fig = plots.speedup_heatmaps(grid)
+    assert len(fig.data) == 2 and fig.data[0].z.shape == (2, 2)
+    pvm = pd.DataFrame([{"run": "a", "compressor": "none", "schedule": "bucket", "link": "loopback", "comm": "wfbp",
+                         "measured_ms": 5.0, "predicted_ms": 5.5},
+                        {"run": "b", "compressor": "none", "schedule": "bucket", "link": "loopback", "comm": "sync",
+                         "measured_ms": None, "predicted_ms": None}])
+    fig = plots.predicted_vs_measured_figure(pvm)
+    assert len(fig.data) == 2  # the diagonal and one comm mode with a point

@@ -254,17 +254,18 @@ def alpha_from_run(run, link: Link, max_wire: float = 65536, skip: int = SKIP_ST
     return statistics.mean(per_step)
 
 
-def link_from_net_check(result: dict) -> Tuple[float, float]:
-    """alpha, beta from ``commlab net check --json``: two all-reduce sizes when it has the
-    small one (``allreduce_small_*``), else bandwidth only (alpha 0)."""
+def link_from_net_check(result: dict) -> dict:
+    """A profile link from ``commlab net check --json``: beta from its large all-reduce,
+    alpha from its small one (the mean: occasional stalls are part of the cost), the tbf's
+    token bucket left out (net check's back-to-back all-reduces run with it empty)."""
     p = result["allreduce_world"]
-    rows = [(*steps_and_wire("allreduce", result["allreduce_bytes"], p), result["allreduce_median_s"])]
+    big = steps_and_wire("allreduce", result["allreduce_bytes"], p)
     if "allreduce_small_bytes" in result:
-        rows.append((*steps_and_wire("allreduce", result["allreduce_small_bytes"], p),
-                     result["allreduce_small_median_s"]))
-        return fit_link(rows)
-    s, wire, t = rows[0]
-    return 0.0, t / wire
+        small = steps_and_wire("allreduce", result["allreduce_small_bytes"], p)
+        alpha, beta = fit_link([(*big, result["allreduce_median_s"]), (*small, result["allreduce_small_mean_s"])])
+    else:
+        alpha, beta = 0.0, result["allreduce_median_s"] / big[1]
+    return {"alpha": alpha, "beta": beta, "nominal_gbps": result["target_gbps"], "source": "commlab net check"}
 
 
 def measure_link(gbps: float, n_ranks: int = 2, target_s: float = 0.4) -> dict:

@@ -98,6 +98,16 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
     return p
 
 
+def link_file(path: str) -> dict:
+    """A profile link from a saved ``commlab net check --json`` output."""
+    try:
+        return cal.link_from_net_check(json.loads(Path(path).read_text()))
+    except FileNotFoundError:
+        raise SpecError("--link", f"no such file: {path}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise SpecError("--link", f"{path} is not `commlab net check --json` output ({type(e).__name__}: {e})") from None
+
+
 def measure_profile(spec: dict, runs=None) -> cal.Profile:
     import lab
     s = copy.deepcopy(spec)
