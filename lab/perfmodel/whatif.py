@@ -4,7 +4,7 @@ Profile lookup for a spec, in order: ``--profile FILE``; ``--calibrate RUN``
 (that run's timeline); a saved profile ``<runs>/.profiles/<key>.json`` for the
 spec's model, data set and batch; the most recent finished run in the index
 with that model, data set and batch; else a short single-process run of the
-spec (8 steps, loopback) measured now. Every calibrated profile is saved
+spec (20 steps, one thread, loopback) measured now. Every calibrated profile is saved
 there and reused. Compressor cost curves missing from it are measured and
 added.
 """
@@ -20,7 +20,7 @@ from lab.perfmodel import calibrate as cal
 from lab.perfmodel import predict as pr
 from lab.perfmodel.iteration import MODES
 
-PROFILE_STEPS = 8
+PROFILE_STEPS = 20
 
 
 def load_for_prediction(path: Optional[str] = None, overrides=(), data: Optional[dict] = None) -> dict:
@@ -111,7 +111,8 @@ def link_file(path: str) -> dict:
 def measure_profile(spec: dict, runs=None) -> cal.Profile:
     import lab
     s = copy.deepcopy(spec)
-    s.update(name=f"profile {cal.spec_key(spec)}", world_size=1, steps=PROFILE_STEPS, eval_every=0,
+    # one thread, as every rank of a 2-rank run on this 2-core machine runs
+    s.update(name=f"profile {cal.spec_key(spec)}", world_size=1, steps=PROFILE_STEPS, eval_every=0, threads=1,
              network={"link": "loopback"}, comm={"mode": "sync"},
              compressor={"name": "none", "params": {}, "error_feedback": False})
     run = lab.run(s, runs=runs)
