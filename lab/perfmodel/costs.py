@@ -127,11 +127,9 @@ class TokenBucket:
 
     def duration(self, op: str, nbytes: float, world: int, start: float) -> float:
         link = self.link
-        if world == 1:
-            return 0.0
+        if link.burst_bytes <= 0 or world == 1:
+            return COLLECTIVES[op](nbytes, world, link)
         steps, wire = steps_and_wire(op, nbytes, world)
-        if link.burst_bytes <= 0:
-            return steps * link.alpha + wire * link.beta
         if link.beta > 0:
             self.tokens = min(link.burst_bytes, self.tokens + max(0.0, start - self.t) / link.beta)
         if wire <= self.tokens:
