@@ -172,7 +172,7 @@ def main(argv=None):
     print(f"compute: forward {prof.forward_s * 1e3:.2f} ms, backward {prof.backward_s * 1e3:.2f} ms, "
           f"optimizer {prof.optimizer_s * 1e3:.2f} ms (run {r_sync.id}); overlap slowdown "
           f"{prof.overlap_slowdown:.2f} (run {r_wfbp.id}); per step of a collective {alpha * 1e6:.0f} µs, "
-          f"unshaped {8 / beta_loop / 1e9:.2f} Gbit/s (comm spans of {r_sync.id})", flush=True)
+          f"unshaped {Link(0.0, beta_loop).gbps:.2f} Gbit/s (comm spans of {r_sync.id})", flush=True)
     links, cal_runs, alphas = {}, [r_sync.id, r_wfbp.id], {}
     rates = sorted({cfg[3] for _, cfg, _ in todo} | {ALPHA_GBPS})
     for g in rates:

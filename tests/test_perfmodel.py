@@ -116,6 +116,7 @@ def test_fits_recover_known_costs():
     assert alpha == pytest.approx(50e-6) and beta == pytest.approx(8e-9)
     with pytest.raises(ValueError):
         cal.fit_link([(2, 4096, 1e-3), (2, 4096, 2e-3)])
+    assert cal.fit_link([(2, 4096, 2e-3), (2, 1e6, 1.9e-3)]) == (pytest.approx(0.975e-3, rel=0.05), 0.0)
 
 
 def tiny_profile(**kw):
@@ -236,3 +237,25 @@ def test_plot_builders_for_the_model_page():
                          "measured_ms": None, "predicted_ms": None}])
     fig = plots.predicted_vs_measured_figure(pvm)
     assert len(fig.data) == 2  # the diagonal and one comm mode with a point
+
+
+def test_predict_calibrates_from_a_real_run_then_reuses_the_profile(tmp_path, capsys):
+    import lab
+    from lab.cli import main
+    from lab.perfmodel import calibrate as cal
+    small = {"model": "mlp", "dataset": "digits", "steps": 6, "batch_size": 16, "eval_every": 0, "threads": 1,
+             "comm": {"mode": "sync"}, "schedule": {"name": "layerwise"}}
+    run = lab.run(small, runs=tmp_path)
+    assert run.state == "done", run.log_tail()
+    prof = cal.from_run(run)
+    assert prof.forward_s > 0 and prof.backward_s > 0 and set(prof.layer_ready) == {"net.1", "net.3", "net.5"}
+    assert max(prof.layer_ready.values()) <= prof.backward_s * 1.01  # completion offsets lie inside backward
+    alpha, beta = cal.link_from_run(run)  # six all-reduces of different sizes per step
+    assert alpha >= 0 and beta >= 0 and alpha + beta > 0  # on loopback the per-byte cost may not be resolvable
+    s = tmp_path / "s.yaml"
+    s.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: none}\n")
+    assert main(["predict", str(s), "--calibrate", run.id, "--gbps", "1", "--workers", "2", "--runs", str(tmp_path)]) == 0
+    assert f"calibrated from run {run.id}" in capsys.readouterr().out
+    assert main(["predict", str(s), "--gbps", "1", "--workers", "2", "--runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reusing" in out and "1.00x" in out  # none vs DDP: the same job

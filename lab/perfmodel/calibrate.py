@@ -138,6 +138,8 @@ def fit_link(rows) -> Tuple[float, float]:
     beta = (a11 * b2 - a12 * b1) / det
     if alpha < 0:  # latency below what the fit can resolve: bandwidth only
         alpha, beta = 0.0, b2 / a22
+    if beta < 0:  # times do not grow with bytes (fast links, noise): latency only
+        alpha, beta = b1 / a11, 0.0
     return alpha, beta
 
 

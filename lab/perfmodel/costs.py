@@ -40,7 +40,7 @@ class Link:
 
     @property
     def gbps(self) -> float:
-        return 8.0 / (self.beta * 1e9)
+        return 8.0 / (self.beta * 1e9) if self.beta > 0 else float("inf")
 
     def scaled(self, nominal_gbps: float, gbps: float) -> "Link":
         """This link, measured on a ``nominal_gbps`` link, at another nominal rate with the same
