@@ -88,6 +88,20 @@ def build_parser() -> Parser:
     q.add_argument("--json", action="store_true", help="print the figures as JSON")
     netsub.add_parser("cleanup", help="remove the lab's namespaces left by dead launchers")
 
+    p = sub.add_parser("predict", help="the performance model: predicted iteration time and speedup over DDP")
+    p.add_argument("spec", metavar="SPEC", help="job spec file (YAML or JSON); dear is accepted")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a spec field (repeatable)")
+    p.add_argument("--gbps", default="1,10,100", help="link rates in Gbit/s, comma-separated (default 1,10,100)")
+    p.add_argument("--workers", default="2,8,64", help="worker counts, comma-separated (default 2,8,64)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--profile", metavar="FILE", help="a saved profile (JSON)")
+    g.add_argument("--calibrate", metavar="RUN", help="calibrate compute from this run's timeline")
+    p.add_argument("--link", metavar="FILE", help="alpha and beta from `commlab net check --gbps X --json` output")
+    p.add_argument("--compute-speedup", type=float, default=1.0, metavar="X",
+                   help="compute X times faster than measured, e.g. 20 for a GPU (default 1)")
+    _runs_arg(p)
+
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
     p.add_argument("name", metavar="NAME", nargs="?", help="benchmark name; omit to list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
@@ -219,6 +233,44 @@ def cmd_app(args) -> int:
     return app_main(args.port, args.runs, args.host, demo=not args.no_demo)
 
 
+def _numbers(flag: str, text: str, kind, lo, hi) -> list:
+    try:
+        vals = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        vals = []
+    if not vals or not all(lo <= v <= hi for v in vals):
+        raise UsageError(f"commlab predict: {flag} must be a comma-separated list of numbers in [{lo:g}, {hi:g}], "
+                         f"got {text!r}")
+    return vals
+
+
+def cmd_predict(args) -> int:
+    from lab.perfmodel import whatif
+    from lab.perfmodel.calibrate import CalibrationError
+    gbps = _numbers("--gbps", args.gbps, float, 0.001, 10000)
+    workers = _numbers("--workers", args.workers, int, 1, 100000)
+    if not 0.001 <= args.compute_speedup <= 10000:
+        raise UsageError(f"commlab predict: --compute-speedup must be in [0.001, 10000], got {args.compute_speedup}")
+    spec = whatif.load_for_prediction(args.spec, args.overrides)
+    try:
+        prof = whatif.resolve_profile(spec, args.runs, args.profile, args.calibrate)
+    except CalibrationError as e:
+        raise LabError(str(e)) from None
+    if args.link:
+        prof.link = whatif.link_file(args.link)
+    link = (f"calibrated at {prof.link['nominal_gbps']:g} Gbit/s and scaled" if prof.link
+            else "nominal alpha-beta (alpha 0, beta 8/rate; no link calibrated)")
+    c = spec["compressor"]
+    print(f"spec: {spec['model']['name']} batch {spec['batch_size']}, {c['name']}{' +EF' if c['error_feedback'] else ''}"
+          f", {spec['schedule']['name']}, {spec['comm']['mode']}; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
+          f"compute x{args.compute_speedup:g}")
+    for line in whatif.format_table(whatif.table(prof, spec, gbps, workers, args.compute_speedup)):
+        print(line)
+    for p in workers:
+        print("crossover: " + whatif.crossover_line(prof, spec, p, args.compute_speedup))
+    return 0
+
+
 def cmd_net(args) -> int:
     from lab import netcheck, netns
     try:
@@ -282,7 +334,7 @@ def cmd_trace(args) -> int:
 
 COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
             "app": cmd_app, "show": cmd_show, "trace": cmd_trace,
-            "bench": cmd_bench}
+            "bench": cmd_bench, "predict": cmd_predict}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

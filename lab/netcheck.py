@@ -137,6 +137,9 @@ def measure_allreduce(cluster: Cluster, nbytes: int, iters: int, port: Optional[
             return json.load(f)
 
 
+SMALL_BYTES = 4096
+
+
 def net_check(gbps: float, seconds: float = 3.0, target_s: float = 0.5, latency_us: float = 0.0,
               max_bytes: int = 64 << 20, out=None, n_ranks: int = 2) -> dict:
     """Build a shaped cluster, measure raw TCP and a gloo all-reduce, tear it down.
@@ -161,6 +164,7 @@ def net_check(gbps: float, seconds: float = 3.0, target_s: float = 0.5, latency_
         tcp = measure_tcp(c, 0, 1, seconds)
         say(f"tcp: {tcp['gbps'] * 1e3:.1f} Mbit/s")
         ar = measure_allreduce(c, nbytes, iters)
+        small = measure_allreduce(c, SMALL_BYTES, 20)  # latency: what a collective costs with ~no bytes
         qd = c.qdiscs()
     times = sorted(ar["times"])
     med = times[len(times) // 2]
@@ -179,6 +183,9 @@ def net_check(gbps: float, seconds: float = 3.0, target_s: float = 0.5, latency_
         "allreduce_predicted_s": pred,
         "allreduce_ratio": pred / med,
         "allreduce_correct": ar.get("correct"),
+        "allreduce_small_bytes": small["nbytes"],
+        "allreduce_small_median_s": sorted(small["times"])[len(small["times"]) // 2],
+        "allreduce_small_mean_s": sum(small["times"]) / len(small["times"]),
         "latency_us": latency_us,
         "qdiscs": qd,
         "check_seconds": time.monotonic() - t_start,
@@ -199,5 +206,7 @@ def format_net_check(r: dict) -> List[str]:
         f"(predicted {r['allreduce_predicted_s'] * 1e3:.1f} ms, ring alpha-beta)",
         f"  algorithmic bw      {mbit(r['allreduce_algbw_gbps'])}   (bytes / time)",
         f"  bus bw              {mbit(r['allreduce_busbw_gbps'])}   {r['allreduce_ratio']:.1%} of the model's",
+        f"small all-reduce      {r['allreduce_small_bytes'] / 1024:.0f} KiB: median "
+        f"{r['allreduce_small_median_s'] * 1e3:.2f} ms, mean {r['allreduce_small_mean_s'] * 1e3:.2f} ms",
         f"check took {r['check_seconds']:.1f} s; cluster torn down",
     ]

@@ -448,3 +448,47 @@ def sweep_heatmap(df: pd.DataFrame, x: str, y: str, value: str = "iter_ms", base
                       height=140 + 50 * len(grid.index),
                       margin={"l": 10, "r": 10, "t": 50, "b": 40})
     return fig
+
+
+# ----------------------------------------------------------------- performance model (lab/perfmodel)
+
+def speedup_heatmaps(grid: pd.DataFrame) -> go.Figure:
+    """One heatmap per compressor: predicted speedup over DDP, bandwidth (x) by workers (y).
+    ``grid``: compressor, gbps, workers, speedup (lab.perfmodel.views.speedup_grid)."""
+    if grid.empty:
+        return empty_figure("no predictions")
+    comps = list(dict.fromkeys(grid["compressor"]))
+    fig = make_subplots(rows=1, cols=len(comps), subplot_titles=comps, shared_yaxes=True,
+                        horizontal_spacing=0.03)
+    top = max(2.0, float(grid["speedup"].max()))
+    for i, c in enumerate(comps, 1):
+        d = grid[grid["compressor"] == c].pivot(index="workers", columns="gbps", values="speedup")
+        fig.add_trace(go.Heatmap(
+            z=np.log2(d.values), x=[f"{g:g}" for g in d.columns], y=[str(w) for w in d.index],
+            text=[[f"{v:.2f}x" for v in row] for row in d.values], texttemplate="%{text}",
+            zmin=-np.log2(top), zmax=np.log2(top), colorscale="RdBu", showscale=i == len(comps),
+            colorbar={"title": "speedup", "tickvals": [-1, 0, 1], "ticktext": ["0.5x", "1x", "2x"]},
+            hovertemplate=f"{c}<br>%{{x}} Gbit/s, %{{y}} workers: %{{text}}<extra></extra>"), row=1, col=i)
+        fig.update_xaxes(title_text="Gbit/s", type="category", row=1, col=i)
+    fig.update_yaxes(title_text="workers", type="category", row=1, col=1)
+    fig.update_layout(height=320, margin={"l": 50, "r": 20, "t": 40, "b": 40})
+    return fig
+
+
+def predicted_vs_measured_figure(df: pd.DataFrame) -> go.Figure:
+    """Scatter of predicted against measured iteration time (ms), one point per run, with y = x."""
+    d = df.dropna(subset=["measured_ms", "predicted_ms"]) if len(df) else df
+    if d is None or d.empty:
+        return empty_figure("no finished multi-rank runs to compare")
+    hi = float(max(d["measured_ms"].max(), d["predicted_ms"].max())) * 1.1
+    fig = go.Figure()
+    fig.add_trace(go.Scatter(x=[0, hi], y=[0, hi], mode="lines", line={"dash": "dot", "color": "gray"},
+                             name="predicted = measured"))
+    for comm, g in d.groupby("comm"):
+        fig.add_trace(go.Scatter(
+            x=g["measured_ms"], y=g["predicted_ms"], mode="markers", name=str(comm),
+            text=[f"{r.run}<br>{r.compressor}, {r.schedule}, {r.link}" for r in g.itertuples()],
+            hovertemplate="%{text}<br>measured %{x:.2f} ms, predicted %{y:.2f} ms<extra></extra>"))
+    fig.update_layout(xaxis_title="measured ms / iteration", yaxis_title="predicted ms / iteration",
+                      height=380, margin={"l": 50, "r": 20, "t": 20, "b": 40})
+    return fig

@@ -17,6 +17,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
 from lab import ui  # noqa: E402
+from lab.perfmodel import views  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = str(ROOT / "app" / "streamlit_app.py")
@@ -89,8 +90,20 @@ def check_sweeps(at, runs):
 
 
 def check_model(at, runs):
-    assert at.info and "issue 9" in at.info[0].value
-    assert not at.button  # nothing pretends to compute
+    (run,) = lab.runs(runs=runs, state="done")[:1]
+    assert at.selectbox(key="pm.run").value == run.id
+    assert len(at.get("plotly_chart")) == 2  # speedup heatmaps, predicted vs measured
+    crossover = at.dataframe[0].value
+    assert list(crossover["compressor"]) == list(views.COMPRESSORS)
+    scatter = at.dataframe[1].value
+    assert run.id in set(scatter["run"]) and scatter["predicted_ms"].notna().all(), scatter.to_dict("records")
+    before = [c.value for c in at.caption if c.value.startswith("At the")]
+    at.select_slider(key="pm.gbps").set_value(0.1).run()
+    at.select_slider(key="pm.speed").set_value(20.0).run()
+    assert not at.exception, [e.value for e in at.exception]
+    after = [c.value for c in at.caption if c.value.startswith("At the")]
+    assert before != after  # the sliders change the prediction
+    assert any(b.key == "pm.props" for b in at.button)
 
 
 CHECKS = {"home": check_home, "new_run": check_new_run, "live_run": check_live_run, "compare": check_compare,

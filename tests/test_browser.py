@@ -133,6 +133,9 @@ def test_preset_to_live_timeline_and_accuracy(server, tmp_path):
                                       ("Performance model", "Performance model", "model.png")):
                 page.get_by_role("link", name=link).click()
                 page.get_by_role("heading", name=title, exact=True).wait_for()
+                if name == "model.png":  # calibrating and measuring the compressors' curves takes a while
+                    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 2",
+                                           timeout=120_000, polling=500)
                 page.wait_for_function(SETTLED, timeout=60_000, polling=250)
                 shot = tmp_path / name
                 page.screenshot(path=str(shot))

@@ -1,0 +1,259 @@
+"""Validation of the performance model (lab/perfmodel) against measured runs on shaped links.
+
+    python bench/perfmodel.py [--only 1,4,topk] [--steps 30] [--json bench/results/perfmodel.json]
+                              [--md bench/results/perfmodel.md] [--runs DIR]
+
+Needs root (shaped links: network namespaces and tc). Calibration comes first
+and uses none of the validated runs:
+
+- compute: a ``sync`` layer-wise run of the same model and batch on loopback
+  (2 ranks at once, so the same core contention as the validated runs, and
+  nothing overlaps backward); per-layer forward times and backward completion
+  times from its timeline (lab.perfmodel.calibrate.from_run);
+- the unshaped path's speed: fitted to the communicate spans of that same run
+  (link_from_run: its 8 all-reduces of 40 B .. 512 KB per step);
+- alpha: the mean per-step cost of the small collectives (<= 64 KB on the
+  wire) of the same layer-wise sync job run on a shaped 1 Gbit link
+  (alpha_from_run, replaying the token bucket to take out the time the
+  bytes themselves took). Back-to-back all-reduces of 4 KiB (measure_link)
+  cost more per call than the collectives of a training step (see README).
+  The same fit at every validated rate is recorded too (``alpha_at_this_rate``);
+- overlap slowdown: backward compute of the same job in ``wfbp`` (collectives
+  overlap nearly all of backward) over that of the sync run;
+- link: the sustained rate per bandwidth from back-to-back gloo all-reduces
+  of 1/4 and all of ~0.4 s worth of bytes on a shaped 2-rank cluster
+  (measure_link), and the tbf's token bucket (the cluster's burst_bytes: the
+  first ~10 ms worth of bytes after idle time pass at the unshaped speed);
+- compressors: fixed + per-byte encode / between-rounds / decode cost, fitted
+  over 4 KiB .. 4 MiB in one thread (measure_compressor).
+
+Then every configuration of CONFIGS runs as a normal lab run on a shaped link
+(``network: {link: shaped, gbps: X}``), and its measured iteration time (the
+median of the per-step ``time_ms`` of both ranks, warm-up steps excluded) is
+set beside the model's prediction. A configuration whose spec the engine
+rejects as "not implemented yet" (dear before it lands) is skipped with a line
+saying so. ``--only`` takes config numbers or names (substrings).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+
+BASE = {"model": "cnn", "dataset": "digits", "batch_size": 32, "eval_every": 0, "threads": 1, "world_size": 2}
+
+NONE = {"name": "none"}
+FP16 = {"name": "fp16"}
+TOPK = {"name": "topk", "ratio": 0.01, "error_feedback": True}
+PSGD = {"name": "powersgd", "rank": 2, "start_iter": 2}
+SIGN = {"name": "signsgd"}
+QSGD = {"name": "qsgd"}
+BUCKET = {"name": "bucket", "cap_mb": 25.0}
+SMALLB = {"name": "bucket", "cap_mb": 0.1}
+LW = {"name": "layerwise"}
+ALL = {"name": "allinone"}
+
+ALPHA_GBPS = 1.0
+"""The rate whose calibration run gives alpha for every rate."""
+
+# (compressor, schedule, comm mode, Gbit/s): extend freely; --only picks a subset
+CONFIGS = [
+    (NONE, BUCKET, "wfbp", 0.1),
+    (NONE, BUCKET, "wfbp", 1),
+    (NONE, BUCKET, "wfbp", 10),
+    (NONE, LW, "wfbp", 1),
+    (NONE, ALL, "sync", 0.1),
+    (FP16, SMALLB, "wfbp", 0.1),
+    (FP16, LW, "sync", 1),
+    (TOPK, BUCKET, "wfbp", 0.1),
+    (TOPK, LW, "wfbp", 1),
+    (TOPK, ALL, "sync", 10),
+    (PSGD, BUCKET, "wfbp", 0.1),
+    (PSGD, LW, "wfbp", 1),
+    (SIGN, BUCKET, "wfbp", 0.1),
+    (SIGN, ALL, "sync", 1),
+    (QSGD, SMALLB, "wfbp", 1),
+    (NONE, SMALLB, "dear", 1),
+    (FP16, SMALLB, "dear", 0.1),
+]
+
+
+def comp_section(c: dict) -> dict:
+    c = dict(c)
+    name, ef = c.pop("name"), c.pop("error_feedback", False)
+    return {"name": name, "error_feedback": ef, **c}
+
+
+def config_spec(cfg, steps: int) -> dict:
+    comp, sched, mode, gbps = cfg
+    return dict(BASE, steps=steps, name=f"pm {label(cfg)}", compressor=comp_section(comp), schedule=dict(sched),
+                comm={"mode": mode}, network={"link": "shaped", "gbps": gbps})
+
+
+def label(cfg) -> str:
+    comp, sched, mode, gbps = cfg
+    c = comp["name"] + ("+EF" if comp.get("error_feedback") else "")
+    s = sched["name"] + (f"({sched['cap_mb']:g}MB)" if "cap_mb" in sched else "")
+    return f"{c} {s} {mode} {gbps:g}G"
+
+
+def chosen(only: str):
+    if not only:
+        return list(enumerate(CONFIGS, 1))
+    keys = [k.strip() for k in only.split(",") if k.strip()]
+    return [(i, c) for i, c in enumerate(CONFIGS, 1)
+            if any(k == str(i) if k.isdigit() else k.lower() in label(c).lower() for k in keys)]
+
+
+def measured_ms(run, skip: int) -> dict:
+    rows = [r for r in run.metric_rows() if r.get("kind") == "step" and r["step"] >= skip]
+    med = {k: statistics.median(r[k] for r in rows) for k in
+           ("time_ms", "forward_ms", "backward_ms", "finish_ms", "optimizer_ms")}
+    med["steps"] = len(rows)
+    return med
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="config numbers or name substrings, comma-separated")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--runs", default=None, help="runs directory for the measured runs (default: a temp dir)")
+    ap.add_argument("--json", default="bench/results/perfmodel.json")
+    ap.add_argument("--md", default="bench/results/perfmodel.md")
+    args = ap.parse_args(argv)
+
+    import tempfile
+
+    import lab
+    from engine.spec import SpecError
+    from lab.perfmodel import calibrate as cal
+    from lab.perfmodel import predict as pr
+    from lab.perfmodel.costs import Link
+    from lab.specs import load_spec
+
+    t_start = time.time()
+    runs = args.runs or tempfile.mkdtemp(prefix="clab-pm-")
+    todo, skipped = [], []
+    for i, cfg in chosen(args.only):
+        try:
+            spec = load_spec(data=config_spec(cfg, args.steps)).to_dict()
+        except SpecError as e:
+            if "not implemented yet" in str(e):
+                print(f"skip {i:2d} {label(cfg)}: {e}", flush=True)
+                skipped.append({"config": i, "label": label(cfg), "reason": str(e)})
+                continue
+            raise
+        todo.append((i, cfg, spec))
+    if not todo:
+        print("nothing to run")
+        return 1
+
+    def done_run(spec_dict):
+        r = lab.run(spec_dict, runs=runs)
+        if r.state != "done":
+            raise SystemExit(f"calibration run failed: {r.log_tail()}")
+        return r
+
+    # --- calibration (none of the validated runs)
+    loop = dict(BASE, steps=args.steps, compressor={"name": "none"}, schedule=dict(LW), network={"link": "loopback"})
+    r_sync = done_run(dict(loop, name="pm calibrate compute (sync)", comm={"mode": "sync"}))
+    prof = cal.from_run(r_sync)
+    alpha, beta_loop = cal.link_from_run(r_sync)
+    r_wfbp = done_run(dict(loop, name="pm calibrate overlap (wfbp)", comm={"mode": "wfbp"}))
+    prof.overlap_slowdown = cal.fit_slowdown(prof, r_wfbp)
+    print(f"compute: forward {prof.forward_s * 1e3:.2f} ms, backward {prof.backward_s * 1e3:.2f} ms, "
+          f"optimizer {prof.optimizer_s * 1e3:.2f} ms (run {r_sync.id}); overlap slowdown "
+          f"{prof.overlap_slowdown:.2f} (run {r_wfbp.id}); per step of a collective {alpha * 1e6:.0f} µs, "
+          f"unshaped {Link(0.0, beta_loop).gbps:.2f} Gbit/s (comm spans of {r_sync.id})", flush=True)
+    links, cal_runs, alphas = {}, [r_sync.id, r_wfbp.id], {}
+    rates = sorted({cfg[3] for _, cfg, _ in todo} | {ALPHA_GBPS})
+    for g in rates:
+        m = cal.measure_link(g)
+        r_a = done_run(dict(loop, name=f"pm calibrate alpha {g:g}G", comm={"mode": "sync"},
+                            network={"link": "shaped", "gbps": g}))
+        cal_runs.append(r_a.id)
+        alphas[g] = cal.alpha_from_run(r_a, Link(0.0, m["beta"], m["burst_bytes"], beta_loop))
+        links[g] = dict(m, beta_burst=beta_loop, alpha_shaped_fit=m["alpha"], alpha_run=r_a.id,
+                        alpha_at_this_rate=alphas[g])
+        print(f"link {g:g} Gbit: sustained {8 / m['beta'] / 1e9 * 1e3:.1f} Mbit/s, burst {m['burst_bytes']} B, "
+              f"small collectives {alphas[g] * 1e6:.0f} µs per step (run {r_a.id}; back-to-back 4 KiB "
+              f"all-reduce: mean {m['small_mean_s'] * 1e3:.2f} ms)", flush=True)
+    for g in rates:  # one latency for every rate, as the alpha-beta model has
+        links[g]["alpha"] = alphas[ALPHA_GBPS]
+    print(f"alpha: {alphas[ALPHA_GBPS] * 1e6:.0f} µs per ring step at every rate (from {ALPHA_GBPS:g} Gbit)",
+          flush=True)
+    for _, _, spec in todo:
+        key = cal.compressor_key(spec["compressor"])
+        if spec["compressor"]["name"] != "none" and key not in prof.compressors:
+            prof.compressors[key] = cal.measure_compressor(spec["compressor"])
+            e, d = prof.compressors[key]["encode"], prof.compressors[key]["decode"]
+            print(f"compressor {key}: encode {e[0] * 1e6:.0f} µs + {e[1] * 1e12:.0f} µs/MB, decode "
+                  f"{d[0] * 1e6:.0f} µs + {d[1] * 1e12:.0f} µs/MB", flush=True)
+
+    # --- measured runs, then predictions
+    rows = []
+    for i, cfg, spec in todo:
+        r = lab.run(spec, runs=runs)
+        if r.state != "done":
+            print(f"config {i} {label(cfg)}: run {r.state}: {r.log_tail(3)}", flush=True)
+            rows.append({"config": i, "label": label(cfg), "run": r.id, "state": r.state})
+            continue
+        skip = max(cal.SKIP_STEPS, int(spec["compressor"]["params"].get("start_iter", 0)) + 2)
+        m = measured_ms(r, skip)
+        g = cfg[3]
+        p = dict(prof.__dict__)
+        p["link"] = links[g]
+        res = pr.predict(cal.Profile(**p), spec, g, spec["world_size"])
+        err = res.total * 1e3 / m["time_ms"] - 1
+        rows.append({"config": i, "label": label(cfg), "run": r.id, "state": "done", "gbps": g,
+                     "measured": m, "predicted_ms": res.total * 1e3, "predicted": {k: v * 1e3 for k, v in
+                                                                                 res.as_dict().items()},
+                     "error": err})
+        print(f"{i:2d} {label(cfg):34s} measured {m['time_ms']:7.2f} ms  predicted {res.total * 1e3:7.2f} ms  "
+              f"{err:+.1%}", flush=True)
+    ok = [r for r in rows if r.get("state") == "done"]
+    errs = [abs(r["error"]) for r in ok]
+    summary = {"configs": len(ok), "median_abs_error": statistics.median(errs) if errs else None,
+               "max_abs_error": max(errs) if errs else None, "wall_s": time.time() - t_start}
+    out = {"summary": summary, "rows": rows, "skipped": skipped, "profile": prof.__dict__ | {"link": None},
+           "links": links, "calibration_runs": cal_runs, "loopback_alpha": alpha, "steps": args.steps, "base": BASE}
+    common.write_json(args.json, out)
+    md = markdown(out)
+    with open(args.md, "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+def markdown(out) -> str:
+    s = out["summary"]
+    head = ["#", "config", "measured ms", "predicted ms", "error", "fwd / bwd / finish / opt ms (measured)",
+            "predicted exposed comm ms"]
+    rows = []
+    for r in out["rows"]:
+        if r.get("state") != "done":
+            rows.append([r["config"], r["label"], r.get("state"), "", "", "", ""])
+            continue
+        m = r["measured"]
+        rows.append([r["config"], r["label"], f"{m['time_ms']:.2f}", f"{r['predicted_ms']:.2f}", f"{r['error']:+.1%}",
+                     f"{m['forward_ms']:.2f} / {m['backward_ms']:.2f} / {m['finish_ms']:.2f} / {m['optimizer_ms']:.2f}",
+                     f"{r['predicted']['exposed_comm']:.2f}"])
+    lines = [common.markdown_table(head, rows), ""]
+    if s["median_abs_error"] is not None:
+        lines.append(f"{s['configs']} configurations: median absolute error {s['median_abs_error']:.1%}, "
+                     f"max {s['max_abs_error']:.1%} (wall {s['wall_s'] / 60:.1f} min)")
+    for k in out["skipped"]:
+        lines.append(f"- skipped {k['config']} {k['label']}: {k['reason']}")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

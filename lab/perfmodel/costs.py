@@ -1,0 +1,146 @@
+"""Alpha-beta cost of the collectives the engine issues, in terms of a ``Link``.
+
+A link is ``alpha`` seconds per algorithm step and ``beta`` seconds per byte
+on one rank's link (full duplex, one link per rank, as in the shaped cluster).
+The ring formulas themselves live in engine/netmodel.py (the engine's modeled
+link uses them); this module only expresses them per Link and adds what the
+engine does around them:
+
+- an all-gather of payloads that differ in size between ranks is padded to
+  the largest (engine.comm.issue_allgather), and preceded by a synchronous
+  all-gather of a small header of shapes (40 bytes per payload tensor);
+- a parameter server (not used by the engine; for what-ifs): every worker
+  pushes its ``n`` bytes to the server(s) and pulls the result back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from engine import netmodel
+
+HEADER_BYTES_PER_TENSOR = 40
+"""issue_allgather's header: 5 int64 per payload tensor (ndim + up to 4 dims)."""
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float
+    """seconds per algorithm step (latency, per message)"""
+    beta: float
+    """seconds per byte on one rank's link (sustained)"""
+    burst_bytes: float = 0.0
+    """a token bucket of this many bytes (the tbf of an emulated link), full after idle time"""
+    beta_burst: float = 0.0
+    """seconds per byte while the token bucket lasts (the unshaped path's speed)"""
+
+    @classmethod
+    def from_gbps(cls, gbps: float, latency_us: float = 0.0) -> "Link":
+        return cls(latency_us / 1e6, netmodel.seconds_per_byte(gbps))
+
+    @property
+    def gbps(self) -> float:
+        return 8.0 / (self.beta * 1e9) if self.beta > 0 else float("inf")
+
+    def scaled(self, nominal_gbps: float, gbps: float) -> "Link":
+        """This link, measured on a ``nominal_gbps`` link, at another nominal rate with the same
+        efficiency: a 1 Gbit link with a goodput of 0.9 Gbit becomes 9 Gbit at 10. A token
+        bucket keeps its length in time (its bytes scale with the rate)."""
+        return Link(self.alpha, self.beta * nominal_gbps / gbps, self.burst_bytes * gbps / nominal_gbps,
+                    self.beta_burst)
+
+
+def _net(link: Link):
+    # netmodel takes a rate and a latency; beta = 0 (an infinitely fast link) is a rate of +inf
+    return (8.0 / (link.beta * 1e9) if link.beta > 0 else float("inf")), link.alpha * 1e6
+
+
+def allreduce(nbytes: float, world: int, link: Link) -> float:
+    """Ring all-reduce of ``nbytes`` per rank: ``2(p-1) alpha + 2(p-1)/p n beta``."""
+    gbps, lat = _net(link)
+    return netmodel.ring_allreduce_s(nbytes, world, gbps, lat)
+
+
+def reduce_scatter(nbytes: float, world: int, link: Link) -> float:
+    """Ring reduce-scatter of ``nbytes`` per rank: ``(p-1) alpha + (p-1)/p n beta``."""
+    gbps, lat = _net(link)
+    return netmodel.reduce_scatter_s(nbytes, world, gbps, lat)
+
+
+def allgather(nbytes_per_rank: float, world: int, link: Link) -> float:
+    """Ring all-gather, every rank contributing ``m`` bytes: ``(p-1) alpha + (p-1) m beta``."""
+    gbps, lat = _net(link)
+    return netmodel.allgather_s(nbytes_per_rank, world, gbps, lat)
+
+
+def allgather_var(payload_bytes: Sequence[float], world: int, link: Link, tensors: int = 1) -> float:
+    """The engine's all-gather of payloads of different sizes per rank (``payload_bytes``,
+    one per rank; a shorter list is repeated): a header all-gather (``tensors`` shapes),
+    then one all-gather padded to the largest payload."""
+    if not payload_bytes:
+        raise ValueError("payload_bytes: need at least one rank's size")
+    return allgather(HEADER_BYTES_PER_TENSOR * tensors, world, link) + allgather(max(payload_bytes), world, link)
+
+
+def ps_push_pull(nbytes: float, world: int, link: Link, servers: int = 1) -> float:
+    """Parameter server: every worker pushes ``nbytes`` and pulls ``nbytes`` back.
+
+    The ``servers`` shards each hold ``nbytes / servers``; a server's link
+    receives ``world * nbytes / servers`` in the push and sends as much in the
+    pull (the bottleneck for few servers), while a worker's link moves
+    ``nbytes`` each way. Push and pull are one message per server each, so
+    ``T = 2 (alpha + max(world / servers, 1) * nbytes * beta)``.
+    """
+    if servers < 1:
+        raise ValueError(f"servers must be >= 1, got {servers}")
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    per_link = max(world / servers, 1.0) * nbytes
+    return 2 * (link.alpha + per_link * link.beta)
+
+
+def steps_and_wire(op: str, nbytes: float, world: int):
+    """Ring steps and the bytes each rank sends for one collective (as in engine.netmodel):
+    all-reduce ``2(p-1)`` and ``2(p-1)/p n``, reduce-scatter ``p-1`` and ``(p-1)/p n``,
+    all-gather ``p-1`` and ``(p-1) m`` (m per rank)."""
+    p = world
+    if op == "allreduce":
+        return 2 * (p - 1), 2 * (p - 1) / p * nbytes
+    if op == "reduce_scatter":
+        return p - 1, (p - 1) / p * nbytes
+    if op == "allgather":
+        return p - 1, (p - 1) * nbytes
+    raise ValueError(f"unknown collective {op!r}; allowed: allreduce, reduce_scatter, allgather")
+
+
+class TokenBucket:
+    """A link with a token bucket (``Link.burst_bytes``): after idle time the first bytes go
+    at ``beta_burst``, the rest at the sustained ``beta``, as through tc's tbf. Without a
+    bucket it is the plain alpha-beta cost."""
+
+    def __init__(self, link: Link):
+        self.link = link
+        self.tokens = link.burst_bytes
+        self.t = 0.0
+
+    def duration(self, op: str, nbytes: float, world: int, start: float) -> float:
+        link = self.link
+        if link.burst_bytes <= 0 or world == 1:
+            return COLLECTIVES[op](nbytes, world, link)
+        steps, wire = steps_and_wire(op, nbytes, world)
+        if link.beta > 0:
+            self.tokens = min(link.burst_bytes, self.tokens + max(0.0, start - self.t) / link.beta)
+        if wire <= self.tokens:
+            move = wire * link.beta_burst
+            self.tokens -= wire
+        else:
+            move = max(wire * link.beta_burst, (wire - self.tokens) * link.beta)
+            self.tokens = 0.0
+        d = steps * link.alpha + move
+        self.t = start + d
+        return d
+
+
+COLLECTIVES = {"allreduce": allreduce, "reduce_scatter": reduce_scatter, "allgather": allgather}

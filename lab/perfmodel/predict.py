@@ -1,0 +1,141 @@
+"""Predictions from a Profile: iteration time of a spec at a bandwidth and worker count,
+speedup over DDP, and the crossover bandwidth below which compression pays.
+
+DDP is the same job with ``none``, 25 MB buckets and ``wfbp`` (what torch DDP does).
+``compute_speedup`` divides every compute time, encoding and decoding included (a
+GPU 20x faster than this CPU is ``compute_speedup=20``).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Dict, List, Optional, Tuple
+
+from lab.perfmodel import calibrate as cal
+from lab.perfmodel.costs import Link
+from lab.perfmodel.iteration import Bucket, Result, Round, Step, iteration_time
+
+DDP = {"compressor": {"name": "none", "params": {}, "error_feedback": False},
+       "schedule": {"name": "bucket", "cap_mb": 25.0}, "comm": {"mode": "wfbp"}}
+
+
+def ddp_spec(spec: dict) -> dict:
+    s = copy.deepcopy(spec)
+    for k, v in DDP.items():
+        s[k] = copy.deepcopy(v)
+    return s
+
+
+def layer_of(param: str) -> str:
+    return param.rsplit(".", 1)[0] if "." in param else param
+
+
+def buckets_of(profile: cal.Profile, spec: dict) -> List[List[int]]:
+    """The spec's schedule applied to the profile's parameters (engine.schedules, the
+    same pure builders the engine uses)."""
+    from engine import schedules
+    infos = [schedules.ParamInfo(name=n, numel=b // 4, element_size=4, dtype="float32", device="cpu")
+             for n, b in profile.params]
+    s = spec["schedule"]
+    opts = {"cap_mb": s["cap_mb"]} if s["name"] == "bucket" else {}
+    return schedules.build(s["name"], infos, **opts)
+
+
+_ROUNDS_CACHE: Dict[tuple, list] = {}
+
+
+def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tuple[str, int, int]]:
+    """(op, payload bytes, tensors) of each round for one bucket, from driving the real
+    exchange on a bucket of that layout (in steady state: past any warm-up iterations)."""
+    import torch
+    key = (cal.compressor_key(comp), tuple(profile.params[i] for i in idx))
+    if key not in _ROUNDS_CACHE:
+        c = cal.make_compressor(comp)
+        shapes, off = [], 0
+        for i in idx:
+            n = profile.params[i][1] // 4
+            shapes.append((off, _matrix_shape(profile.params[i][0], n)))
+            off += n
+        c.layout = shapes
+        x = torch.randn(off)
+        for _ in range(getattr(c, "start_iter", 0) + 2):  # past PowerSGD's plain all-reduce steps
+            rounds, _ = cal.drive(c, x.clone())
+        _ROUNDS_CACHE[key] = rounds
+    return _ROUNDS_CACHE[key]
+
+
+def _matrix_shape(name: str, n: int):
+    # biases and norms are vectors; weights are treated as (out, rest) matrices, which is how
+    # PowerSGD reshapes them; the exact split does not change any other compressor's payload
+    if name.endswith("bias") or n < 64:
+        return (n,)
+    rows = 1
+    for d in range(int(math.sqrt(n)), 0, -1):
+        if n % d == 0:
+            rows = d
+            break
+    return (rows, n // rows)
+
+
+def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0) -> Step:
+    comp = spec["compressor"]
+    key = cal.compressor_key(comp)
+    curve = profile.compressors.get(key)
+    if curve is None and comp["name"] != "none":
+        raise KeyError(f"profile has no cost curve for compressor {key}")
+    f = 1.0 / compute_speedup
+    buckets = []
+    for idx in buckets_of(profile, spec):
+        names = [profile.params[i][0] for i in idx]
+        layers = list(dict.fromkeys(layer_of(n) for n in names))
+        raw = sum(profile.params[i][1] for i in idx)
+        ready = max(profile.layer_ready.get(l, profile.backward_s) for l in layers)
+        fwd = sum(profile.layer_forward.get(l, 0.0) for l in layers)
+        rounds = payload_rounds(profile, comp, idx) if comp["name"] != "none" else [("allreduce", raw, 1)]
+        enc = cal.cost(curve["encode"], raw) if curve else 0.0
+        mid = cal.cost(curve["between"], raw) if curve else 0.0
+        dec = cal.cost(curve["decode"], raw) if curve else 0.0
+        plan = []
+        for r, (op, nbytes, k) in enumerate(rounds):
+            last = r == len(rounds) - 1
+            after = (dec * (world if op == "allgather" else 1)) if last else mid / max(len(rounds) - 1, 1)
+            plan.append(Round(op, nbytes, after=after * f, tensors=k))
+        if spec["comm"]["mode"] == "dear":
+            plan = [Round("reduce_scatter", plan[0].nbytes, after=plan[-1].after, tensors=plan[0].tensors)]
+        buckets.append(Bucket(ready=ready * f, encode=enc * f, rounds=plan, raw_bytes=raw, forward=fwd * f))
+    return Step(forward=profile.forward_s * f, backward=profile.backward_s * f,
+                optimizer=profile.optimizer_s * f, buckets=buckets)
+
+
+def predict(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
+            link: Optional[Link] = None, record: bool = False) -> Result:
+    step = build_step(profile, spec, world, compute_speedup)
+    mode = spec["comm"]["mode"]
+    slow = profile.overlap_slowdown if mode != "sync" else 1.0
+    return iteration_time(step, link or profile.link_at(gbps), world, mode, slow, record)
+
+
+def speedup(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0) -> float:
+    """DDP's predicted iteration time over the spec's (> 1: the spec is faster)."""
+    base = predict(profile, ddp_spec(spec), gbps, world, compute_speedup).total
+    return base / predict(profile, spec, gbps, world, compute_speedup).total
+
+
+def crossover_gbps(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0,
+                   lo: float = 1e-3, hi: float = 1e3) -> Optional[float]:
+    """The bandwidth below which the spec beats DDP: None if it never does in [lo, hi],
+    ``hi`` if it always does."""
+    def gain(g):
+        return speedup(profile, spec, g, world, compute_speedup) - 1.0
+    grid = [lo * (hi / lo) ** (i / 40) for i in range(41)]
+    vals = [gain(g) for g in grid]
+    if vals[-1] > 0:
+        return hi
+    if vals[0] <= 0:
+        return None
+    i = max(i for i, v in enumerate(vals) if v > 0)  # the last bandwidth where it still pays
+    a, b = grid[i], grid[i + 1]
+    for _ in range(30):
+        m = math.sqrt(a * b)
+        a, b = (m, b) if gain(m) > 0 else (a, m)
+    return a

@@ -1,0 +1,164 @@
+"""What the model page shows, as data (the page in app/views/model.py only lays it out).
+
+- ``speedup_grid``: predicted speedup over DDP for compressors x bandwidths x workers;
+- ``crossovers``: the bandwidth below which each compressor beats DDP;
+- ``predicted_vs_measured``: for every finished multi-rank run in the index, its
+  measured median iteration time beside the model's prediction, each run
+  calibrated from its own timeline (compute; hooks taken out) with the link its
+  spec names (shaped: nominal rate with the tbf's token bucket; modeled: the
+  modeled link; loopback: alpha and beta fitted to its own communicate spans);
+- ``properties``: the measured checklist, saved beside the profiles.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+from pathlib import Path
+from typing import List, Optional
+
+import pandas as pd
+
+from lab.perfmodel import calibrate as cal
+from lab.perfmodel import predict as pr
+from lab.perfmodel import whatif
+from lab.perfmodel.costs import Link
+
+COMPRESSORS = {
+    "fp16": {"name": "fp16", "params": {}, "error_feedback": False},
+    "topk 1% +EF": {"name": "topk", "params": {"ratio": 0.01}, "error_feedback": True},
+    "powersgd r2": {"name": "powersgd", "params": {"rank": 2, "start_iter": 2}, "error_feedback": False},
+    "signsgd": {"name": "signsgd", "params": {}, "error_feedback": False},
+    "qsgd": {"name": "qsgd", "params": {}, "error_feedback": False},
+}
+UI_NUMELS = (1024, 16384, 262144)
+
+
+def with_compressor(spec: dict, comp: dict) -> dict:
+    s = copy.deepcopy(spec)
+    s["compressor"] = copy.deepcopy(comp)
+    return s
+
+
+def speedup_grid(profile: cal.Profile, spec: dict, comps: dict, gbps: List[float], workers: List[int],
+                 compute_speedup: float = 1.0) -> pd.DataFrame:
+    rows = []
+    for label, comp in comps.items():
+        s = with_compressor(spec, comp)
+        for p in workers:
+            for g in gbps:
+                rows.append({"compressor": label, "gbps": g, "workers": p,
+                             "speedup": pr.speedup(profile, s, g, p, compute_speedup)})
+    return pd.DataFrame(rows)
+
+
+def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, compute_speedup: float = 1.0):
+    rows = []
+    for label, comp in comps.items():
+        s = with_compressor(spec, comp)
+        g = pr.crossover_gbps(profile, s, workers, compute_speedup)
+        rows.append({"compressor": label, "crossover_gbps": g,
+                     "answer": whatif.crossover_line(profile, s, workers, compute_speedup).split(": ", 1)[1]})
+    return pd.DataFrame(rows)
+
+
+def ensure_curves(profile: cal.Profile, comps: dict) -> None:
+    for comp in comps.values():
+        k = cal.compressor_key(comp)
+        if comp["name"] != "none" and k not in profile.compressors:
+            profile.compressors[k] = cal.measure_compressor(comp, numels=UI_NUMELS, repeat=3, warm=2)
+
+
+def measured_ms(run, skip: int = cal.SKIP_STEPS) -> Optional[float]:
+    start = int(run.spec_dict()["compressor"]["params"].get("start_iter", 0))
+    skip = max(skip, start + 2) if start else skip
+    ts = [r["time_ms"] for r in run.metric_rows() if r.get("kind") == "step" and r["step"] >= skip]
+    return statistics.median(ts) if ts else None
+
+
+def run_link(run, profile: cal.Profile) -> Link:
+    net = run.spec_dict()["network"]
+    if net["link"] == "shaped":
+        from lab.netns import tbf_burst_bytes
+        return Link(0.0, 8.0 / (net["gbps"] * 1e9), tbf_burst_bytes(net["gbps"]), 0.0)
+    if net["link"] == "modeled":
+        return Link.from_gbps(net["gbps"], net.get("latency_us") or 0.0)
+    try:
+        alpha, beta = cal.link_from_run(run)
+    except ValueError:  # collectives of one size only: bandwidth only
+        rows = [(t, cal.steps_and_wire(op, n, run.spec_dict()["world_size"])[1])
+                for op, n, t, _ in cal.service_times(run)]
+        if not rows:
+            raise cal.CalibrationError("no collectives in the timeline") from None
+        alpha, beta = 0.0, statistics.median(t / max(w, 1) for t, w in rows)
+    return Link(alpha, beta)
+
+
+def predicted_vs_measured(runs, curves: Optional[dict] = None) -> pd.DataFrame:
+    """One row per finished multi-rank run: measured and predicted iteration time (ms),
+    or the reason it could not be predicted."""
+    import lab
+    rows = []
+    curves = {} if curves is None else curves
+    for run in lab.runs(runs=runs, state="done"):
+        spec = run.spec_dict()
+        row = {"run": run.id, "name": spec.get("name", ""), "compressor": spec["compressor"]["name"],
+               "schedule": spec["schedule"]["name"], "comm": spec["comm"]["mode"],
+               "link": spec["network"]["link"] + (f" {spec['network'].get('gbps'):g}G"
+                                                  if spec["network"].get("gbps") else ""),
+               "world": spec["world_size"], "measured_ms": None, "predicted_ms": None, "note": ""}
+        try:
+            if spec["world_size"] < 2:
+                raise cal.CalibrationError("one rank: nothing to communicate")
+            row["measured_ms"] = measured_ms(run)
+            prof = cal.from_run(run)
+            prof.compressors = curves
+            ensure_curves(prof, {"c": spec["compressor"]})
+            link = run_link(run, prof)
+            row["predicted_ms"] = pr.predict(prof, spec, link.gbps if link.beta else 1.0, spec["world_size"],
+                                             link=link).total * 1e3
+        except (cal.CalibrationError, ValueError, KeyError, OSError) as e:
+            row["note"] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def properties_file(runs) -> Path:
+    return whatif.profile_dir(runs) / "properties.json"
+
+
+def load_properties(runs) -> Optional[List[dict]]:
+    f = properties_file(runs)
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def measure_properties(runs, profile: Optional[cal.Profile] = None, names=None) -> List[dict]:
+    from lab.perfmodel import properties
+    rows = properties.checklist(names, profile, numels=UI_NUMELS)
+    f = properties_file(runs)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(rows, indent=1))
+    return rows
+
+
+def properties_table(rows: List[dict]) -> pd.DataFrame:
+    from lab.perfmodel.properties import yes_no
+    out = []
+    for r in rows:
+        acc = r.get("accuracy")
+        out.append({
+            "compressor": r["compressor"],
+            "all-reduce compatible": yes_no(r["allreduce_compatible"]) + f" ({r['rounds']} round"
+                                     + ("s" if r["rounds"] > 1 else "") + ")",
+            "linear (sum of payloads)": "n/a" if r["linear"] is None else yes_no(r["linear"]),
+            "compression ratio": f"{r['ratio']:.1f}x",
+            "encode+decode fixed µs": f"{r['encode_us_fixed'] + r['decode_us_fixed']:.0f}",
+            "encode+decode µs/MB": f"{r['encode_us_per_mb'] + r['decode_us_per_mb']:.0f}",
+            "overhead / compute": f"{r['overhead_vs_compute']:.0%}" if r.get("overhead_vs_compute") is not None
+            else "no profile",
+            "fusion saves": f"{r['fusion_saving']:.0%}",
+            "accuracy neutral": yes_no(r["accuracy_neutral"]) + (f" ({acc:.1%} vs {r['accuracy_baseline']:.1%})"
+                                                                  if acc is not None and r.get("accuracy_baseline")
+                                                                  else ""),
+        })
+    return pd.DataFrame(out)

@@ -1,0 +1,261 @@
+"""The performance model's formulas against hand-computed cases (lab/perfmodel)."""
+import json
+
+import pytest
+
+from lab.perfmodel import costs
+from lab.perfmodel.iteration import Bucket, Round, Step, iteration_time
+
+GB1 = costs.Link(10e-6, 8e-9)  # 1 Gbit/s, 10 µs per step
+SLOW = costs.Link(0.0, 1e-3)   # 1 ms per byte: collective times in round numbers
+
+
+def approx(x):
+    return pytest.approx(x, rel=1e-9, abs=1e-12)
+
+
+def test_ring_collectives_by_hand():
+    # 2(p-1) alpha + 2(p-1)/p n beta = 60 µs + 1.5 * 1e6 * 8 ns
+    assert costs.allreduce(1e6, 4, GB1) == approx(60e-6 + 0.012)
+    assert costs.reduce_scatter(1e6, 4, GB1) == approx(30e-6 + 0.006)
+    assert costs.allgather(1e5, 4, GB1) == approx(30e-6 + 3 * 1e5 * 8e-9)
+    assert costs.allreduce(1e6, 1, GB1) == 0.0
+    assert costs.Link.from_gbps(1, 10) == GB1
+    assert GB1.gbps == approx(1.0)
+
+
+def test_allgather_of_different_sizes_pads_to_the_largest_after_a_header():
+    # header: 2 tensors x 40 bytes, then the largest payload (300 bytes)
+    assert costs.allgather_var([100, 300], 2, GB1, tensors=2) == approx(10e-6 + 80 * 8e-9 + 10e-6 + 300 * 8e-9)
+    with pytest.raises(ValueError):
+        costs.allgather_var([], 2, GB1)
+
+
+def test_parameter_server_push_pull():
+    assert costs.ps_push_pull(1e6, 4, GB1) == approx(2 * (10e-6 + 4e6 * 8e-9))  # one server: its link
+    assert costs.ps_push_pull(1e6, 4, GB1, servers=4) == approx(2 * (10e-6 + 1e6 * 8e-9))
+    with pytest.raises(ValueError):
+        costs.ps_push_pull(1e6, 4, GB1, servers=0)
+
+
+def test_scaled_link_keeps_its_efficiency():
+    measured = costs.Link(5e-6, 8e-9 / 0.9)  # 90% of 1 Gbit
+    assert measured.scaled(1, 10).gbps == approx(9.0) and measured.scaled(1, 10).alpha == 5e-6
+
+
+def test_token_bucket_sends_a_burst_fast_then_at_the_sustained_rate():
+    tb = costs.TokenBucket(costs.Link(0.0, 1e-3, burst_bytes=100, beta_burst=1e-5))
+    assert tb.duration("allreduce", 50, 2, 0.0) == approx(50 * 1e-5)  # 2 ranks: 50 bytes on the wire
+    # issued as the first ends: 50 tokens left; the other 150 bytes wait for tokens at 1 ms/byte
+    assert tb.duration("allreduce", 200, 2, 5e-4) == approx(150 * 1e-3)
+    assert tb.tokens == 0
+    # a second of idle time refills the bucket (capped at 100)
+    assert tb.duration("allgather", 80, 2, 10.0) == approx(80 * 1e-5) and tb.tokens == approx(20)
+
+
+def two_buckets(first_rounds=None):
+    return Step(forward=1.0, backward=2.0, optimizer=0.5, buckets=[
+        Bucket(ready=1.0, encode=0.1, rounds=first_rounds or [Round("allreduce", 1000, after=0.2)]),
+        Bucket(ready=2.0, encode=0.1, rounds=[Round("allreduce", 500, after=0.2)])])
+
+
+def test_sync_sends_everything_after_backward():
+    # backward ends at 3; b0 encoded 3-3.1, sent 3.1-4.1; b1 encoded 3.1-3.2, queued, sent 4.1-4.6;
+    # decode b0 4.1-4.3, b1 4.6-4.8; optimizer 0.5
+    r = iteration_time(two_buckets(), SLOW, 2, "sync")
+    assert r.total == approx(5.3) and r.compute == approx(3.5)
+    assert r.link_busy == approx(1.5) and r.encode_decode == approx(0.6)
+
+
+def test_wfbp_overlaps_buckets_with_backward():
+    # b0 ready at 2, encoded to 2.1, sent 2.1-3.1; backward resumes, b1 ready at 3.1 (0.1 late),
+    # encoded to 3.2, sent 3.2-3.7; decode b0 3.2-3.4, b1 3.7-3.9; + 0.5
+    assert iteration_time(two_buckets(), SLOW, 2, "wfbp").total == approx(4.4)
+    # backward 1.5x slower while overlapping: b0 at 2.5, b1 at 4.1 .. 4.9 + 0.5
+    assert iteration_time(two_buckets(), SLOW, 2, "wfbp", slowdown=1.5).total == approx(5.4)
+
+
+def test_wfbp_multi_round_exchange_blocks_backward_when_the_next_bucket_launches():
+    rounds = [Round("allreduce", 1000, after=0.3), Round("allreduce", 200, after=0.2)]
+    # b0 sent 2.1-3.1; at b1's launch (3.1) the hook waits for it, encodes round 2 (to 3.4),
+    # sends it 3.4-3.6; b1 encoded 3.4-3.5, queued, sent 3.6-4.1; finish: b0 decoded 3.6-3.8,
+    # b1 4.1-4.3; + 0.5
+    assert iteration_time(two_buckets(rounds), SLOW, 2, "wfbp").total == approx(4.8)
+
+
+def test_allgather_round_waits_for_its_header():
+    step = Step(1.0, 2.0, 0.5, [Bucket(ready=2.0, encode=0.0, rounds=[Round("allgather", 100, after=0.1)])])
+    # header (40 bytes) 3-3.04 blocks backward's end, data 3.04-3.14, decode to 3.24, + 0.5
+    assert iteration_time(step, SLOW, 2, "wfbp").total == approx(3.74)
+
+
+def test_dear_overlaps_all_gather_with_forward_and_shards_the_optimizer():
+    step = Step(1.0, 2.0, 0.5, [
+        Bucket(ready=1.0, encode=0.0, rounds=[Round("reduce_scatter", 1000)], raw_bytes=1000, forward=0.4),
+        Bucket(ready=2.0, encode=0.0, rounds=[Round("reduce_scatter", 400)], raw_bytes=400, forward=0.6)])
+    # all-gathers in forward order: b1 (200 B/rank) 0-0.2, b0 (500) 0.2-0.7; forward b1 0.2-0.8,
+    # b0 0.8-1.2; backward from 1.2: b0 ready 2.2, reduce-scatter 2.2-2.7; b1 at 3.2, 3.2-3.4;
+    # optimizer on half the parameters: 0.25
+    assert iteration_time(step, SLOW, 2, "dear").total == approx(3.65)
+
+
+def test_one_worker_is_pure_compute_and_bad_input_is_rejected():
+    assert iteration_time(two_buckets(), SLOW, 1, "wfbp").total == approx(3.5)
+    with pytest.raises(ValueError, match="allowed"):
+        iteration_time(two_buckets(), SLOW, 2, "bogus")
+
+
+# ------------------------------------------------------------------ calibration, crossover, CLI
+
+def test_fits_recover_known_costs():
+    from lab.perfmodel import calibrate as cal
+    xs = [4096, 65536, 1 << 20, 1 << 22]
+    a, b = cal.fit_affine(xs, [20e-6 + 1e-9 * x for x in xs])
+    assert a == pytest.approx(20e-6) and b == pytest.approx(1e-9)
+    alpha, beta = cal.fit_link([(2, w, 2 * 50e-6 + w * 8e-9) for w in (4096, 1e5, 1e6)])
+    assert alpha == pytest.approx(50e-6) and beta == pytest.approx(8e-9)
+    with pytest.raises(ValueError):
+        cal.fit_link([(2, 4096, 1e-3), (2, 4096, 2e-3)])
+    assert cal.fit_link([(2, 4096, 2e-3), (2, 1e6, 1.9e-3)]) == (pytest.approx(0.975e-3, rel=0.05), 0.0)
+
+
+def tiny_profile(**kw):
+    from lab.perfmodel.calibrate import Profile
+    p = Profile(model="mlp", dataset="digits", batch_size=16, source="test",
+                params=[("fc2.bias", 40), ("fc2.weight", 40_000), ("fc1.bias", 400), ("fc1.weight", 400_000)],
+                forward_s=2e-3, backward_s=4e-3, optimizer_s=0.5e-3,
+                layer_forward={"fc1": 1.5e-3, "fc2": 0.5e-3}, layer_ready={"fc2": 1e-3, "fc1": 4e-3},
+                compressors={"fp16": {"encode": [10e-6, 1e-10], "between": [0, 0], "decode": [10e-6, 1e-10]}})
+    p.__dict__.update(kw)
+    return p
+
+
+def spec(comp="fp16", sched="bucket", mode="wfbp"):
+    return {"model": {"name": "mlp", "options": {}}, "dataset": {"name": "digits"}, "batch_size": 16,
+            "compressor": {"name": comp, "params": {}, "error_feedback": False},
+            "schedule": {"name": sched, "cap_mb": 25.0}, "comm": {"mode": mode}}
+
+
+def test_fp16_halves_the_bytes_and_pays_only_on_slow_links(tmp_path):
+    from lab.perfmodel import calibrate as cal
+    from lab.perfmodel import predict as pr
+    p = tiny_profile()
+    step = pr.build_step(p, spec(), 2)
+    assert [r.nbytes for b in step.buckets for r in b.rounds] == [pytest.approx(440_440 / 2)]
+    assert step.buckets[0].ready == pytest.approx(4e-3)  # the bucket holds fc1: ready at the end
+    slow, fast = pr.speedup(p, spec(), 0.1, 2), pr.speedup(p, spec(), 100, 2)
+    assert slow > 1.5 and fast < 1.0
+    g = pr.crossover_gbps(p, spec(), 2)
+    assert 0.1 < g < 100 and pr.speedup(p, spec(), g * 0.9, 2) > 1 > pr.speedup(p, spec(), g * 1.1, 2)
+    assert pr.predict(p, spec(), 1, 2).total > pr.predict(p, spec(), 1, 2, compute_speedup=20).total
+    p.save(tmp_path / "p.json")
+    assert cal.Profile.load(tmp_path / "p.json") == p
+
+
+def test_predict_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
+    from lab.cli import main
+    f = tmp_path / "s.yaml"
+    f.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\n")
+    assert main(["predict", str(f), "--gbps", "fast", "--runs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--gbps" in err
+    assert main(["predict", str(f), "--workers", "0", "--runs", str(tmp_path)]) == 2
+    assert main(["predict", str(f), "--profile", str(tmp_path / "none.json"), "--runs", str(tmp_path)]) == 2
+    assert "--profile" in capsys.readouterr().err
+
+
+def test_predict_cli_prints_the_table_and_crossover(tmp_path, capsys):
+    from lab.cli import main
+    f = tmp_path / "s.yaml"
+    f.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\ncomm: {mode: dear}\n")
+    prof = tiny_profile(compressors={})
+    prof.save(tmp_path / "p.json")
+    assert main(["predict", str(f), "--gbps", "0.1,100", "--workers", "2,8", "--profile", str(tmp_path / "p.json"),
+                 "--compute-speedup", "20", "--runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "dear" in out and "x20" in out
+    rows = [l.split() for l in out.splitlines() if l.strip() and l.split()[0] in ("2", "8")]
+    assert [(r[0], r[1]) for r in rows] == [("2", "0.1"), ("2", "100"), ("8", "0.1"), ("8", "100")]
+    assert out.count("crossover:") == 2
+    # the missing fp16 curve was measured and saved into the profile
+    from lab.perfmodel.calibrate import Profile
+    assert "fp16" in Profile.load(tmp_path / "p.json").compressors
+
+
+def test_properties_are_measured_not_declared(tmp_path):
+    import json
+    from lab.perfmodel import properties as pp
+    acc = tmp_path / "acc.json"
+    acc.write_text(json.dumps({"cells": [{"compressor": "none", "ef": False, "acc": 0.99},
+                                         {"compressor": "topk", "ef": True, "acc": 0.985},
+                                         {"compressor": "signsgd", "ef": False, "acc": 0.80}]}))
+    rows = {r["compressor"]: r for r in pp.checklist(["fp16", "topk", "powersgd", "signsgd", "countsketch"],
+                                                     numels=(1024, 16384), accuracy_files=[acc])}
+    assert rows["fp16"]["allreduce_compatible"] and rows["fp16"]["linear"] and rows["fp16"]["ratio"] == 2.0
+    assert not rows["topk"]["allreduce_compatible"] and rows["topk"]["linear"] is None
+    assert rows["topk"]["ratio"] == pytest.approx(50, rel=0.05)  # 1%: a value and an index each
+    assert rows["powersgd"]["allreduce_compatible"] and rows["powersgd"]["rounds"] == 2
+    assert rows["countsketch"]["allreduce_compatible"] and rows["countsketch"]["linear"] is False  # median decode
+    assert all(r["ranks_agree"] for r in rows.values())
+    assert rows["topk"]["accuracy_neutral"] is True and rows["signsgd"]["accuracy_neutral"] is False
+    assert rows["fp16"]["accuracy_neutral"] is None and pp.yes_no(None) == "not measured"
+
+
+def test_link_from_net_check_output(tmp_path, capsys):
+    from lab.cli import main
+    from lab.perfmodel import calibrate as cal
+    # 2 ranks: the 1 MB all-reduce moves 1 MB, the 4 KiB one 4 KiB; alpha 100 µs per step, 1 Gbit
+    res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
+           "allreduce_median_s": 2 * 100e-6 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
+           "allreduce_small_mean_s": 2 * 100e-6 + 4096 * 8e-9}
+    link = cal.link_from_net_check(res)
+    assert link["alpha"] == pytest.approx(100e-6) and link["beta"] == pytest.approx(8e-9)
+    f = tmp_path / "check.json"
+    f.write_text(json.dumps(res))
+    tiny_profile().save(tmp_path / "p.json")
+    s = tmp_path / "s.yaml"
+    s.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\n")
+    assert main(["predict", str(s), "--profile", str(tmp_path / "p.json"), "--link", str(f), "--workers", "2",
+                 "--runs", str(tmp_path)]) == 0
+    assert "calibrated at 1 Gbit/s" in capsys.readouterr().out
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["predict", str(s), "--profile", str(tmp_path / "p.json"), "--link", str(tmp_path / "bad.json"),
+                 "--runs", str(tmp_path)]) == 2
+    assert "--link" in capsys.readouterr().err
+
+
+def test_plot_builders_for_the_model_page():
+    import pandas as pd
+    from lab import plots
+    grid = pd.DataFrame([{"compressor": c, "gbps": g, "workers": w, "speedup": s}
+                         for c, s in (("fp16", 1.5), ("topk", 0.8)) for g in (1, 10) for w in (2, 8)])
+    fig = plots.speedup_heatmaps(grid)
+    assert len(fig.data) == 2 and fig.data[0].z.shape == (2, 2)
+    pvm = pd.DataFrame([{"run": "a", "compressor": "none", "schedule": "bucket", "link": "loopback", "comm": "wfbp",
+                         "measured_ms": 5.0, "predicted_ms": 5.5},
+                        {"run": "b", "compressor": "none", "schedule": "bucket", "link": "loopback", "comm": "sync",
+                         "measured_ms": None, "predicted_ms": None}])
+    fig = plots.predicted_vs_measured_figure(pvm)
+    assert len(fig.data) == 2  # the diagonal and one comm mode with a point
+
+
+def test_predict_calibrates_from_a_real_run_then_reuses_the_profile(tmp_path, capsys):
+    import lab
+    from lab.cli import main
+    from lab.perfmodel import calibrate as cal
+    small = {"model": "mlp", "dataset": "digits", "steps": 6, "batch_size": 16, "eval_every": 0, "threads": 1,
+             "comm": {"mode": "sync"}, "schedule": {"name": "layerwise"}}
+    run = lab.run(small, runs=tmp_path)
+    assert run.state == "done", run.log_tail()
+    prof = cal.from_run(run)
+    assert prof.forward_s > 0 and prof.backward_s > 0 and set(prof.layer_ready) == {"net.1", "net.3", "net.5"}
+    assert max(prof.layer_ready.values()) <= prof.backward_s * 1.01  # completion offsets lie inside backward
+    alpha, beta = cal.link_from_run(run)  # six all-reduces of different sizes per step
+    assert alpha >= 0 and beta >= 0 and alpha + beta > 0  # on loopback the per-byte cost may not be resolvable
+    s = tmp_path / "s.yaml"
+    s.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: none}\n")
+    assert main(["predict", str(s), "--calibrate", run.id, "--gbps", "1", "--workers", "2", "--runs", str(tmp_path)]) == 0
+    assert f"calibrated from run {run.id}" in capsys.readouterr().out
+    assert main(["predict", str(s), "--gbps", "1", "--workers", "2", "--runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "reusing" in out and "1.00x" in out  # none vs DDP: the same job
