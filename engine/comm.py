@@ -75,6 +75,21 @@ class Bucket:
         return f"{self.names[0]} .. {self.names[-1]} ({len(self.names)} tensors)"
 
 
+def land_grad(p: torch.nn.Parameter, view: Tensor, b, pos: int) -> bool:
+    """Count parameter ``p``'s gradient into bucket ``b`` (slot ``pos``, buffer view ``view``).
+    Returns True when p.grad was not the view (something replaced it, e.g. zero_grad(set_to_none)):
+    the gradient was copied in, and the caller points p.grad at the view again."""
+    replaced = p.grad is not view and p.grad.data_ptr() != view.data_ptr()
+    if replaced:
+        view.copy_(p.grad)
+    if b.seen[pos]:
+        raise RuntimeError(f"gradient of {b.names[pos]} was produced twice in one step; "
+                           "call finish() after every backward (no gradient accumulation yet)")
+    b.seen[pos] = True
+    b.pending -= 1
+    return replaced
+
+
 class _Pending:
     """An issued collective: its work handles and how to read the result.
 
@@ -287,15 +302,8 @@ class DataParallel:
         if self.record_ready:
             self.ready_at[self._index[p]] = self.timeline.now()
         b, pos = self.slot[p]
-        view = b.views[pos]
-        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)
+        if land_grad(p, b.views[pos], b, pos):
             self._rebind = True  # p.grad was replaced (zero_grad(set_to_none)): point it at the view again
-        if b.seen[pos]:
-            raise RuntimeError(f"gradient of {b.names[pos]} was produced twice in one step; "
-                               "call finish() after every backward (no gradient accumulation yet)")
-        b.seen[pos] = True
-        b.pending -= 1
         if b.pending == 0:
             b.ready = True
             t = self.timeline.now()

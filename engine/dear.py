@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from engine import compressors, schedules
-from engine.comm import _book, _Pending, param_infos
+from engine.comm import _book, _Pending, land_grad, param_infos
 from engine.netmodel import ModeledLink
 from engine.schedules import MB, ParamInfo
 from engine.timeline import Timeline
@@ -290,15 +290,8 @@ class DeAR:
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         self._poll()
         b, pos = self.slot[p]
-        view = b.grad_views[pos]
-        if p.grad is not view and p.grad.data_ptr() != view.data_ptr():
-            view.copy_(p.grad)  # p.grad was replaced (zero_grad(set_to_none)): point it at the buffer again
-            p.grad = view
-        if b.seen[pos]:
-            raise RuntimeError(f"gradient of {b.names[pos]} was produced twice in one step; "
-                               "call finish() after every backward (no gradient accumulation)")
-        b.seen[pos] = True
-        b.pending -= 1
+        if land_grad(p, b.grad_views[pos], b, pos):
+            p.grad = b.grad_views[pos]  # p.grad was replaced (zero_grad(set_to_none)): point it at the buffer again
         if b.pending == 0:
             b.ready = True
             self._launch_ready()

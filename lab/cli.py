@@ -29,15 +29,20 @@ def _runs_arg(p: argparse.ArgumentParser) -> None:
                    help="runs directory (default: $COMMLAB_RUNS or ./runs)")
 
 
+def add_spec_args(p, spec_help: str) -> None:
+    """SPEC and its --set overrides, as every command that reads a spec takes them."""
+    p.add_argument("spec", metavar="SPEC", help=spec_help)
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                   help="override a spec field, e.g. --set steps=50 --set compressor.name=none (repeatable)")
+
+
 def build_parser() -> Parser:
     ap = Parser(prog="commlab", description="A lab for communication-efficient distributed training.")
     sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
     sub.required = True
 
     p = sub.add_parser("run", help="start a run, show progress, print its id and a summary")
-    p.add_argument("spec", metavar="SPEC", help="job spec file (YAML or JSON)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a spec field, e.g. --set steps=50 --set compressor.name=none (repeatable)")
+    add_spec_args(p, "job spec file (YAML or JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted, and exit")
     g = p.add_argument_group("multi-node (torchrun static rendezvous; every node runs this command)")
@@ -89,9 +94,7 @@ def build_parser() -> Parser:
     netsub.add_parser("cleanup", help="remove the lab's namespaces left by dead launchers")
 
     p = sub.add_parser("predict", help="the performance model: predicted iteration time and speedup over DDP")
-    p.add_argument("spec", metavar="SPEC", help="job spec file (YAML or JSON); dear is accepted")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
-                   help="override a spec field (repeatable)")
+    add_spec_args(p, "job spec file (YAML or JSON); dear is accepted")
     p.add_argument("--gbps", default="1,10,100", help="link rates in Gbit/s, comma-separated (default 1,10,100)")
     p.add_argument("--workers", default="2,8,64", help="worker counts, comma-separated (default 2,8,64)")
     g = p.add_mutually_exclusive_group()

@@ -30,12 +30,25 @@ def layer_of(param: str) -> str:
     return param.rsplit(".", 1)[0] if "." in param else param
 
 
-def buckets_of(profile: cal.Profile, spec: dict) -> List[List[int]]:
-    """The spec's schedule applied to the profile's parameters (engine.schedules, the
-    same pure builders the engine uses)."""
-    from engine import schedules
+def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]]] = None) -> List[List[int]]:
+    """The spec's buckets over the profile's parameters: ``layout`` (groups of parameter names, e.g. a run's
+    layout.json after its tuner chose) when given; else dear's buffers (comm.layers or comm.cap_mb) or the
+    spec's schedule, through the engine's own pure builders. Without a layout, the tuned schedules
+    (mergecomp, layerfusion, dear's cap search) are predicted with their starting layout."""
+    from engine import dear, schedules
+    if layout:
+        pos = {n: i for i, (n, _) in enumerate(profile.params)}
+        missing = [n for g in layout for n in g if n not in pos]
+        if missing:
+            raise KeyError(f"layout names parameters the profile does not have: {missing[:3]}")
+        return [[pos[n] for n in g] for g in layout]
     infos = [schedules.ParamInfo(name=n, numel=b // 4, element_size=4, dtype="float32", device="cpu")
              for n, b in profile.params]
+    c = spec["comm"]
+    if c["mode"] == "dear":
+        if c.get("layers"):
+            return dear.layout_layers(infos, c["layers"])
+        return dear.layout_cap(infos, c.get("cap_mb") or 25.0)
     s = spec["schedule"]
     opts = {"cap_mb": s["cap_mb"]} if s["name"] == "bucket" else {}
     return schedules.build(s["name"], infos, **opts)
@@ -77,7 +90,8 @@ def _matrix_shape(name: str, n: int):
     return (rows, n // rows)
 
 
-def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0) -> Step:
+def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0,
+               layout: Optional[List[List[str]]] = None) -> Step:
     comp = spec["compressor"]
     key = cal.compressor_key(comp)
     curve = profile.compressors.get(key)
@@ -85,7 +99,7 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
         raise KeyError(f"profile has no cost curve for compressor {key}")
     f = 1.0 / compute_speedup
     buckets = []
-    for idx in buckets_of(profile, spec):
+    for idx in buckets_of(profile, spec, layout):
         names = [profile.params[i][0] for i in idx]
         layers = list(dict.fromkeys(layer_of(n) for n in names))
         raw = sum(profile.params[i][1] for i in idx)
@@ -108,8 +122,9 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
 
 
 def predict(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
-            link: Optional[Link] = None, record: bool = False) -> Result:
-    step = build_step(profile, spec, world, compute_speedup)
+            link: Optional[Link] = None, record: bool = False,
+            layout: Optional[List[List[str]]] = None) -> Result:
+    step = build_step(profile, spec, world, compute_speedup, layout)
     mode = spec["comm"]["mode"]
     slow = profile.overlap_slowdown if mode != "sync" else 1.0
     return iteration_time(step, link or profile.link_at(gbps), world, mode, slow, record)

@@ -94,6 +94,14 @@ def run_link(run, profile: cal.Profile) -> Link:
     return Link(alpha, beta)
 
 
+def run_layout(run) -> Optional[List[List[str]]]:
+    """The buckets a run ended with (layout.json, rewritten by tuners), as groups of parameter names."""
+    try:
+        return [b["layers"] for b in json.loads(Path(run.file("layout.json")).read_text())["buckets"]]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def predicted_vs_measured(runs, curves: Optional[dict] = None) -> pd.DataFrame:
     """One row per finished multi-rank run: measured and predicted iteration time (ms),
     or the reason it could not be predicted."""
@@ -116,7 +124,7 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None) -> pd.DataFrame:
             ensure_curves(prof, {"c": spec["compressor"]})
             link = run_link(run, prof)
             row["predicted_ms"] = pr.predict(prof, spec, link.gbps if link.beta else 1.0, spec["world_size"],
-                                             link=link).total * 1e3
+                                             link=link, layout=run_layout(run)).total * 1e3
         except (cal.CalibrationError, ValueError, KeyError, OSError) as e:
             row["note"] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
         rows.append(row)
