@@ -11,6 +11,12 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 CELL_TIMEOUT_S = 600  # a hang guard, not a speed check (tests do not time things; render_notebooks.py reports times)
 
 
+def test_there_is_a_notebook_per_paper():
+    names = {p.stem for p in NOTEBOOKS}
+    for want in ("00_tour", "01_mergecomp", "02_sketch_fusion", "03_dear", "04_utility_of_compression"):
+        assert want in names, f"notebooks/{want}.ipynb is missing"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_stored_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
