@@ -50,14 +50,15 @@ def matching_run(spec: dict, runs):
     """The most recent finished run with the spec's model, data set and batch size, a
     ``sync`` one if there is any: nothing runs inside its backward (in wfbp the synchronous
     header exchange of an all-gathered payload blocks backward and has no span of its own,
-    so it would count as compute)."""
+    so it would count as compute). ``dear`` runs are not used: their forward includes the
+    waits for parameter all-gathers, which are communication, not compute."""
     import lab
     key = cal.spec_key(spec)
     found = []
     for r in reversed(lab.runs(runs=runs, state="done")):
         try:
             d = r.spec_dict()
-            if cal.spec_key(d) == key:
+            if cal.spec_key(d) == key and d["comm"]["mode"] != "dear":
                 found.append((d["comm"]["mode"] != "sync", len(found), r))
         except (KeyError, OSError, json.JSONDecodeError):
             continue
