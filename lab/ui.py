@@ -79,11 +79,17 @@ class Preset:
 
 
 PRESETS = [
-    Preset("layerwise-vs-bucket", "Layer-wise vs bucketed",
-           "Top-k (1%, error feedback) per layer or fused into 25 MB buckets: how much do many small "
-           "messages and per-layer encoding cost? (MergeComp's question)",
-           {"layerwise": {"compressor": TOPK_EF, "schedule": {"name": "layerwise"}},
-            "bucket": {"compressor": TOPK_EF, "schedule": {"name": "bucket", "cap_mb": 25}}}),
+    Preset("layerwise-vs-mergecomp", "Layer-wise vs MergeComp",
+           "resnet at a per-rank batch of 4 (GPU-like compute time), top-k 1% + EF: one bucket per tensor, "
+           "against the split points MergeComp searches by measured step time.",
+           {"mergecomp": {**RESNET, "batch_size": 4, "compressor": TOPK_EF,
+                          "schedule": {"name": "mergecomp", "steps_per_candidate": 3, "max_candidates": 8}},
+            "layerwise": {**RESNET, "batch_size": 4, "compressor": TOPK_EF, "schedule": {"name": "layerwise"}}}),
+    Preset("dear-vs-ddp", "DeAR vs DDP",
+           "resnet over a modeled 1 Gbit/s link: reduce-scatter during backward and all-gather during the "
+           "next forward (DeAR), against DDP-style bucketed all-reduce overlapped with backward.",
+           {"dear": {**RESNET, "steps": 80, "comm": {"mode": "dear", "cap_mb": 2}, "network": GBIT},
+            "ddp": {**RESNET, "steps": 80, "comm": {"mode": "wfbp"}, "network": GBIT}}),
     Preset("compression-1gbit", "Does compression help on a 1 Gbit/s link?",
            "No compression, fp16 and top-k 1% over a modeled 1 Gbit/s link (alpha-beta delays in the "
            "communicator; no root needed). Compare accuracy against wall time.",
@@ -95,17 +101,11 @@ PRESETS = [
            "Same 1% budget, error feedback on both (Sketch-Fusion SGD).",
            {"countsketch": {"compressor": {"name": "countsketch", "ratio": 0.01, "error_feedback": True}},
             "topk": {"compressor": TOPK_EF}}),
-    Preset("dear-vs-ddp", "DeAR vs DDP",
-           "resnet over a modeled 1 Gbit/s link: reduce-scatter during backward and all-gather during the "
-           "next forward (DeAR), against DDP-style bucketed all-reduce overlapped with backward.",
-           {"dear": {**RESNET, "steps": 80, "comm": {"mode": "dear", "cap_mb": 2}, "network": GBIT},
-            "ddp": {**RESNET, "steps": 80, "comm": {"mode": "wfbp"}, "network": GBIT}}),
-    Preset("layerwise-vs-mergecomp", "Layer-wise vs MergeComp",
-           "resnet at a per-rank batch of 4 (GPU-like compute time), top-k 1% + EF: one bucket per tensor, "
-           "against the split points MergeComp searches by measured step time.",
-           {"mergecomp": {**RESNET, "batch_size": 4, "compressor": TOPK_EF,
-                          "schedule": {"name": "mergecomp", "steps_per_candidate": 3, "max_candidates": 8}},
-            "layerwise": {**RESNET, "batch_size": 4, "compressor": TOPK_EF, "schedule": {"name": "layerwise"}}}),
+    Preset("layerwise-vs-bucket", "Layer-wise vs bucketed",
+           "Top-k (1%, error feedback) per layer or fused into 25 MB buckets: how much do many small "
+           "messages and per-layer encoding cost? (MergeComp's question)",
+           {"layerwise": {"compressor": TOPK_EF, "schedule": {"name": "layerwise"}},
+            "bucket": {"compressor": TOPK_EF, "schedule": {"name": "bucket", "cap_mb": 25}}}),
 ]
 
 
