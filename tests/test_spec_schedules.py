@@ -130,3 +130,11 @@ def test_every_example_spec_is_valid():
     for p in specs:
         load_spec(str(p))
     assert len(Sweep(Lab(examples / ".unused"), str(examples / "sweep.yaml")).cells) == 7
+
+
+@pytest.mark.parametrize("name", ["demo", "topk-ef", "transformer-text", "resnet-modeled-1gbit", "mergecomp-topk",
+                                  "dear-1gbit"])
+def test_examples_are_valid_specs(name):
+    import os
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.yaml")
+    assert load_spec(path).name  # a spec the README points at must never rot
