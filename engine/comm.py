@@ -142,7 +142,8 @@ def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     return _Pending(works, lambda: list(tensors), link, deadline)
 
 
-def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None) -> _Pending:
+def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None,
+                    now: Optional[Callable[[], float]] = None) -> _Pending:
     """All-gather payloads whose sizes may differ between ranks.
 
     Every tensor is sent as raw bytes in one padded buffer, each starting at
@@ -163,9 +164,11 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
         header[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     headers = [torch.empty_like(header) for _ in range(world)]
     header_deadline = _book(link, "allgather", header.numel() * header.element_size(), group)
+    t_header = now() if now else None
     dist.all_gather(headers, header, group=group)
     if header_deadline is not None:
         link.hold_until(header_deadline)
+    header_span = (t_header, now()) if now else None
     dtypes = [t.dtype for t in tensors]
     esize = [t.element_size() for t in tensors]
 
@@ -193,7 +196,10 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
                 payload.append(recv[r][off:off + n].view(dt).view(shape))
             out.append(payload)
         return out
-    return _Pending([work], unpack, link, deadline)
+    pend = _Pending([work], unpack, link, deadline)
+    pend.header_span = header_span
+    """(start, end) of the synchronous header exchange, on ``now``'s clock, when ``now`` was given."""
+    return pend
 
 
 class DataParallel:
@@ -339,7 +345,10 @@ class DataParallel:
         if rnd.op == "allreduce":
             b.handle = issue_allreduce(rnd.tensors, self.group, self.link)
         elif rnd.op == "allgather":
-            b.handle = issue_allgather(rnd.tensors, self.group, self.link)
+            b.handle = issue_allgather(rnd.tensors, self.group, self.link, now=self.timeline.now)
+            # the header exchange blocks the training thread until the other ranks reach this bucket: a wait
+            h0, h1 = b.handle.header_span
+            self.timeline.span("wait", f"header b{b.index}", h0, h1, {"bucket": b.index, "op": "allgather header"})
         else:
             raise ValueError(f"compressor {b.compressor.name} asked for an unknown collective {rnd.op!r}")
         pend, args = b.handle, {"bucket": b.index, "op": rnd.op, "round": b.rounds,

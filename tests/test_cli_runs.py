@@ -157,3 +157,19 @@ def test_demo_cnn_digits_reaches_95_percent(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     evals = [m for m in read_jsonl(str(only_run(runs) / "metrics.jsonl")) if m["kind"] == "eval"]
     assert evals[-1]["step"] == 150 and evals[-1]["eval_acc"] >= 0.95, evals
+
+
+def test_allgather_header_exchange_is_a_wait_span(tmp_path):
+    """An all-gathered payload's synchronous header exchange blocks the training thread: the timeline shows it
+    in the wait lane (so breakdowns and calibration do not count it as compute), once per bucket and step."""
+    runs = tmp_path / "runs"
+    spec = write_spec(tmp_path, steps=4, eval_every=0, schedule={"name": "layerwise"}, comm={"mode": "wfbp"},
+                      compressor={"name": "topk", "ratio": 0.1})
+    r = commlab("run", str(spec), "--quiet", runs=runs)
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = only_run(runs)
+    nb = len(json.loads((run_dir / "layout.json").read_text())["buckets"])
+    ev = read_jsonl(str(run_dir / "timeline-rank0.jsonl"))
+    headers = [e for e in ev if e["cat"] == "wait" and e["name"].startswith("header b")]
+    assert len(headers) == 4 * nb
+    assert {e["args"]["bucket"] for e in headers} == set(range(nb))
