@@ -24,18 +24,10 @@ PROFILE_STEPS = 20
 
 
 def load_for_prediction(path: Optional[str] = None, overrides=(), data: Optional[dict] = None) -> dict:
-    """A fully defaulted spec dict. ``dear`` is accepted even while the engine does not run
-    it yet (the model can answer for it): the rest of the spec is checked as wfbp."""
+    """A validated, fully defaulted spec dict (the same checks as ``commlab run``)."""
     from lab.specs import apply_overrides, load_spec, read_spec_file
     raw = apply_overrides(data if data is not None else read_spec_file(path), overrides)
-    comm = raw.get("comm")
-    mode = comm if isinstance(comm, str) else (comm or {}).get("mode")
-    if mode == "dear":
-        raw = copy.deepcopy(raw)
-        raw["comm"] = {**(comm if isinstance(comm, dict) else {}), "mode": "wfbp"}
     spec = load_spec(data=raw).to_dict()
-    if mode == "dear":
-        spec["comm"]["mode"] = "dear"
     if spec["comm"]["mode"] not in MODES:
         raise SpecError("comm.mode", f"the model knows {', '.join(MODES)}")
     return spec
