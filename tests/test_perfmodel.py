@@ -259,3 +259,12 @@ def test_predict_calibrates_from_a_real_run_then_reuses_the_profile(tmp_path, ca
     assert main(["predict", str(s), "--gbps", "1", "--workers", "2", "--runs", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "reusing" in out and "1.00x" in out  # none vs DDP: the same job
+
+
+def test_dear_specs_load_with_their_own_buffer_options():
+    from engine.spec import SpecError
+    from lab.perfmodel import whatif
+    spec = whatif.load_for_prediction(data={"model": "cnn", "comm": {"mode": "dear", "cap_mb": 2}})
+    assert spec["comm"]["mode"] == "dear" and spec["comm"]["cap_mb"] == 2
+    with pytest.raises(SpecError, match="compressor"):
+        whatif.load_for_prediction(data={"model": "cnn", "comm": "dear", "compressor": "topk"})
