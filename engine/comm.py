@@ -238,6 +238,8 @@ class DataParallel:
                 for t in list(model.parameters()) + list(model.buffers()):
                     dist.broadcast(t.data, 0, group=group)
         self._next = 0
+        self._multi: List[Bucket] = []
+        """Launched buckets of multi-round compressors, in launch order (wfbp advances them)."""
         self._index = {p: i for i, p in enumerate(self.params)}
         self.ready_order: Optional[List[int]] = None
         """Indices into ``params`` in the order their gradients became ready in the first step."""
@@ -298,7 +300,7 @@ class DataParallel:
             b.compressor.load_elementwise_state(state)
             if step is not None and hasattr(b.compressor, "step"):
                 b.compressor.step = step
-        self._next = 0
+        self._next, self._multi = 0, []
         self._bind_views()
 
     # -- backward side ----------------------------------------------------
@@ -324,9 +326,14 @@ class DataParallel:
                 # launches, so their follow-up rounds and decoding overlap the rest of backward
                 # instead of all landing in finish(). Where this happens depends only on the
                 # bucket sequence, so every rank issues the same collectives in the same order.
-                for b in self.buckets[:self._next]:
-                    if not b.done and b.compressor.rounds > 1:
+                # Only launched multi-round buckets are visited (kept in launch order), not every
+                # earlier bucket: layer-wise schedules launch dozens per step.
+                for b in self._multi:
+                    if not b.done:
                         self._advance(b)
+                self._multi = [b for b in self._multi if not b.done]
+            if self.buckets[self._next].compressor.rounds > 1:
+                self._multi.append(self.buckets[self._next])
             self._start(self.buckets[self._next])
             self._next += 1
 
@@ -411,6 +418,7 @@ class DataParallel:
         for b in self.buckets:
             b.reset()
         self._next = 0
+        self._multi = []
 
     def grads_finite(self) -> Tensor:
         """A 0-d bool tensor: every averaged gradient is finite. The buffers are identical on

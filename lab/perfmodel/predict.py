@@ -11,6 +11,7 @@ import copy
 import math
 from typing import Dict, List, Optional, Tuple
 
+from engine.dear import layer_of  # a parameter's module: the same rule as dear's layer buffers
 from lab.perfmodel import calibrate as cal
 from lab.perfmodel.costs import Link
 from lab.perfmodel.iteration import Bucket, Result, Round, Step, iteration_time
@@ -26,8 +27,6 @@ def ddp_spec(spec: dict) -> dict:
     return s
 
 
-def layer_of(param: str) -> str:
-    return param.rsplit(".", 1)[0] if "." in param else param
 
 
 def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]]] = None) -> List[List[int]]:
