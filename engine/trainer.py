@@ -89,7 +89,8 @@ class Trainer:
         self.metrics = JsonlWriter(path("metrics.jsonl")) if path else None
         self.probe = LayerProbe(self.model, self.timeline) if self.timeline.enabled else None
         c = spec.compressor
-        self.tuner = None
+        self.cap_tuner = None
+        """dear with comm.tune: the buffer-cap search (engine.dear.CapTuner), fed in _tune."""
         if spec.comm.mode == "dear":
             # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
             self.dp = DeAR(self.model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
@@ -120,9 +121,9 @@ class Trainer:
         cap = cm.cap_mb or 25.0
         if cm.tune:
             total = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-            self.tuner = dear.CapTuner(dear.cap_candidates(total))
+            self.cap_tuner = dear.CapTuner(dear.cap_candidates(total))
             self.tune_steps = cm.tune_steps or 5
-            self.trial_cap, self.trial_ms = self.tuner.propose(), []
+            self.trial_cap, self.trial_ms = self.cap_tuner.propose(), []
             cap = self.trial_cap
         return functools.partial(dear.layout_cap, cap_mb=cap)
 
@@ -134,11 +135,11 @@ class Trainer:
             return
         decision = torch.zeros(2, dtype=torch.float64, device=self.device)  # [cap_mb, search over]
         if self.rank == 0:
-            self.tuner.report(self.trial_cap, self.trial_ms[1:])  # the first step after a relayout warms up
-            nxt = self.tuner.propose()
-            decision[0], decision[1] = (nxt, 0.0) if nxt is not None else (self.tuner.best, 1.0)
+            self.cap_tuner.report(self.trial_cap, self.trial_ms[1:])  # the first step after a relayout warms up
+            nxt = self.cap_tuner.propose()
+            decision[0], decision[1] = (nxt, 0.0) if nxt is not None else (self.cap_tuner.best, 1.0)
             self.log({"kind": "tune", "step": self.step, "rank": 0, "cap_mb": self.trial_cap,
-                      "median_ms": self.tuner.measured[self.tuner.caps.index(self.trial_cap)],
+                      "median_ms": self.cap_tuner.measured[self.cap_tuner.caps.index(self.trial_cap)],
                       "next_cap_mb": float(decision[0]), "done": bool(decision[1]), "t": time.time()})
         dist.broadcast(decision, 0)
         cap, done = float(decision[0]), bool(decision[1])
@@ -146,7 +147,7 @@ class Trainer:
             self.dp.relayout(dear.layout_cap(self.dp.infos, cap))
         self.trial_cap, self.trial_ms = cap, []
         if done:
-            self.tuner = None  # keep the best cap from here on
+            self.cap_tuner = None  # keep the best cap from here on
         if self.rank == 0 and self.run_dir:
             self._write_layout()
 
@@ -218,7 +219,7 @@ class Trainer:
         if self.tuning is not None and not self.tuning.done:
             self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
             tl.flush()
-        if self.tuner is not None:
+        if self.cap_tuner is not None:
             self._tune(rec["time_ms"])
         return rec
 
