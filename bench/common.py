@@ -172,3 +172,19 @@ def launch_cluster(script: str, args: Sequence[str], gbps: float, n: int = 2,
         codes = [p.returncode for p in procs]
     rc = next((c for c in codes if c), 0)
     return (rc if rc is not None else 1), info
+
+
+def run_job(script: str, args: Sequence[str], out: str, gbps: Optional[float], name: str,
+            timeout_s: Optional[float] = None, tag: str = "bench"):
+    """Run ``script --worker args`` on two ranks, on one emulated cluster shaped to ``gbps`` (root) or on
+    loopback when ``gbps`` is falsy, and read the JSON the workers wrote to ``out``.
+    Returns ``(raw, cluster)`` (cluster: the shaped cluster's facts, or None), or None after printing a
+    one-line failure naming ``name``."""
+    if gbps:
+        rc, cluster = launch_cluster(script, args, gbps, n=2, timeout_s=timeout_s, tag=tag)
+    else:
+        rc, cluster = launch(script, args, nproc=2), None
+    if rc != 0 or not os.path.exists(out):
+        print(f"{name}: the torchrun job failed (exit {rc})", file=sys.stderr)
+        return None
+    return read_json(out), cluster

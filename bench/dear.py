@@ -299,14 +299,10 @@ def main(argv=None) -> int:
                    "--warmup", str(args.warmup), "--batch", str(args.batch), "--tune-steps", str(args.tune_steps),
                    "--out", out] + ([] if args.grid else ["--no-grid"])
             t0 = time.time()
-            if gbps > 0:
-                rc, cluster = common.launch_cluster(__file__, fwd, gbps, n=2, timeout_s=args.timeout, tag="dear")
-            else:
-                rc, cluster = common.launch(__file__, fwd, nproc=2), None
-            if rc != 0 or not os.path.exists(out):
-                print(f"dear: the job on link {gbps:g} failed (exit {rc})", file=sys.stderr)
+            job = common.run_job(__file__, fwd, out, gbps, f"dear (link {gbps:g})", args.timeout, tag="dear")
+            if job is None:
                 return 1
-            raw = common.read_json(out)
+            raw, cluster = job
         link = f"{gbps:g} Gbit/s shaped (tbf)" if gbps else "loopback (unshaped)"
         a = analyse(raw)
         text = report(link, a) + f"\n- wall time {time.time() - t0:.0f} s"

@@ -342,14 +342,10 @@ def main(argv=None) -> int:
                "--lr", str(args.lr), "--warmup", str(args.warmup), "--per-candidate", str(args.per_candidate),
                "--candidates", str(args.candidates), "--max-groups", str(args.max_groups),
                "--profile-steps", str(args.profile_steps), "--gbps", str(args.gbps), "--root", d, "--out", out]
-        if args.gbps:
-            rc, cluster = common.launch_cluster(__file__, fwd, args.gbps, n=2, timeout_s=args.timeout, tag="fusb")
-        else:
-            rc, cluster = common.launch(__file__, fwd, nproc=2), None
-        if rc != 0 or not os.path.exists(out):
-            print(f"fusion: the torchrun job failed (exit {rc})", file=sys.stderr)
+        job = common.run_job(__file__, fwd, out, args.gbps, "fusion", args.timeout, tag="fusb")
+        if job is None:
             return 1
-        raw = common.read_json(out)
+        raw, cluster = job
     texts, summaries = [], []
     for setting, target in zip(raw["settings"], targets):
         res = analyse(setting, target, args.skip)

@@ -592,14 +592,10 @@ def main(argv=None) -> int:
                "--schedule", args.schedule, "--cap-mb", str(args.cap_mb),
                "--out", out]
         t0 = time.time()
-        if shaped:
-            rc, cluster = common.launch_cluster(__file__, fwd, args.gbps, n=2, timeout_s=args.timeout, tag="netb")
-        else:
-            rc, cluster = common.launch(__file__, fwd, nproc=2), None
-        if rc != 0 or not os.path.exists(out):
-            print(f"network: the torchrun job failed (exit {rc})", file=sys.stderr)
+        job = common.run_job(__file__, fwd, out, args.gbps if shaped else None, "network", args.timeout, tag="netb")
+        if job is None:
             return 1
-        raw = common.read_json(out)
+        raw, cluster = job
     raw["cluster"] = cluster
     a = analyse(raw, args.target, args.skip, gbps, args.block, max(args.block, args.eval_every))
     text = report(a, raw, args)
