@@ -31,7 +31,7 @@ Then every configuration of CONFIGS runs as a normal lab run on a shaped link
 (``network: {link: shaped, gbps: X}``), and its measured iteration time (the
 median of the per-step ``time_ms`` of both ranks, warm-up steps excluded) is
 set beside the model's prediction. A configuration whose spec the engine
-rejects as "not implemented yet" (dear before it lands) is skipped with a line
+rejects as "not implemented yet" (a feature added to CONFIGS before it exists) is skipped with a line
 saying so. ``--only`` takes config numbers or names (substrings).
 """
 from __future__ import annotations
