@@ -1,4 +1,5 @@
 """Every notebook in notebooks/ runs top to bottom (quick setting) and is stored without outputs."""
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,22 @@ def test_stored_without_outputs(path):
         if cell.cell_type == "code":
             assert not cell.outputs, f"{path.name} cell {i} has stored outputs; clear them before committing"
             assert cell.execution_count is None, f"{path.name} cell {i} has an execution count"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_headings(path):
+    """The first cell is one title heading "# NN · ..." and no markdown heading has a doubled '#'
+    ("# # 00 · ..." renders as a heading that reads "# 00 · ...")."""
+    nb = nbformat.read(path, as_version=4)
+    first = nb.cells[0]
+    assert first.cell_type == "markdown", f"{path.name}: the first cell is not markdown"
+    title = first.source.splitlines()[0]
+    assert re.fullmatch(rf"# {path.stem[:2]} · \S.*", title), f"{path.name}: first line {title!r} is not '# {path.stem[:2]} · ...'"
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "markdown":
+            continue
+        for line in cell.source.splitlines():
+            assert not re.match(r"#+ +#", line), f"{path.name} cell {i}: doubled heading mark in {line!r}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
