@@ -8,3 +8,73 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------- Streamlit deprecations
+# Streamlit reports a deprecated call (use_container_width=..., an old name, ...) through
+# streamlit.deprecation_util.show_deprecation_warning: it always logs a WARNING on the logger
+# "streamlit.deprecation_util" (its own logger, propagate=False) and, for some calls, also draws
+# an st.warning in the page. It never uses the warnings module, so pytest's filterwarnings cannot
+# catch it. Every test (AppTest runs the pages in this process) therefore records that logger
+# and fails when anything was logged.
+import logging  # noqa: E402
+
+import pytest  # noqa: E402
+
+STREAMLIT_DEPRECATION_LOGGER = "streamlit.deprecation_util"
+
+
+class StreamlitDeprecations(logging.Handler):
+    """Records Streamlit's deprecation warnings while entered; ``check()`` fails the test on any."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages = []
+        self._logger = logging.getLogger(STREAMLIT_DEPRECATION_LOGGER)  # the same object Streamlit's get_logger returns
+        self._lowered_from = None
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        shown = getattr(sys.modules.get(STREAMLIT_DEPRECATION_LOGGER), "_shown_warnings", None)
+        if shown is not None:
+            shown.clear()  # show_once warnings seen by an earlier test would otherwise stay silent here
+        if self._logger.getEffectiveLevel() > logging.WARNING:  # e.g. --logger.level=error
+            self._lowered_from = self._logger.level
+            self._logger.setLevel(logging.WARNING)
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self._logger.removeHandler(self)
+        if self._lowered_from is not None:
+            self._logger.setLevel(self._lowered_from)
+        return False
+
+    def check(self):
+        if self.messages:
+            first = " ".join(self.messages[0].split())
+            more = f" (and {len(self.messages) - 1} more)" if len(self.messages) > 1 else ""
+            pytest.fail(f"Streamlit deprecation warning: {first}{more}", pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def streamlit_deprecations():
+    """Fails any test during which Streamlit reported a deprecated call (the call phase through
+    the hook below; what only fixture teardown logs, here)."""
+    with StreamlitDeprecations() as rec:
+        yield rec
+    rec.check()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    rec = getattr(item, "funcargs", {}).get("streamlit_deprecations")
+    result = yield  # the test body's own exception, if any, propagates and wins
+    if rec is not None and rec.messages:
+        try:
+            rec.check()
+        finally:
+            rec.messages.clear()  # reported once, as the test's failure
+    return result

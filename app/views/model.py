@@ -54,7 +54,7 @@ prof.link = {"alpha": latency * 1e-6, "beta": 8e-9, "nominal_gbps": 1.0} if late
 st.subheader("Predicted speedup over DDP")
 grid = views.speedup_grid(prof, spec, views.COMPRESSORS, [0.1, 1.0, 10.0, 100.0, gbps], [2, 8, 64, workers], speed)
 st.plotly_chart(plots.speedup_heatmaps(grid.drop_duplicates(["compressor", "gbps", "workers"])),
-                use_container_width=True, key="pm.heat")
+                width="stretch", key="pm.heat")
 st.subheader(f"Crossover bandwidth at {workers} workers, compute x{speed:g}")
 st.dataframe(views.crossovers(prof, spec, views.COMPRESSORS, workers, speed), hide_index=True)
 at = grid[(grid["gbps"] == gbps) & (grid["workers"] == workers)].drop_duplicates("compressor")
@@ -62,7 +62,7 @@ st.caption("At the sliders' point: " + ", ".join(f"{r.compressor} {r.speedup:.2f
 
 st.subheader("Predicted against measured, every run in the index")
 pvm = views.predicted_vs_measured(runs)
-st.plotly_chart(plots.predicted_vs_measured_figure(pvm), use_container_width=True, key="pm.scatter")
+st.plotly_chart(plots.predicted_vs_measured_figure(pvm), width="stretch", key="pm.scatter")
 with st.expander("Per run"):
     st.dataframe(pvm, hide_index=True)
 
