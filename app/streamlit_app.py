@@ -7,6 +7,7 @@ import streamlit as st
 st.navigation([
     st.Page("views/home.py", title="Home", icon=":material/science:", default=True),
     st.Page("views/new_run.py", title="New run", icon=":material/add_circle:"),
+    st.Page("views/results.py", title="Results", icon=":material/fact_check:"),
     st.Page("views/live_run.py", title="Live run", icon=":material/monitoring:"),
     st.Page("views/compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page("views/sweeps.py", title="Sweeps", icon=":material/grid_on:"),

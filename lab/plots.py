@@ -181,6 +181,69 @@ def timeline_figure(tl: pd.DataFrame, last: int = 3, step: Optional[int] = None,
     return fig
 
 
+def median_step(tl: pd.DataFrame, rank: int = 0) -> Optional[int]:
+    """The step of ``rank`` whose duration is the median of those in ``tl`` (a representative one)."""
+    if tl is None or tl.empty or "lane" not in tl:
+        return None
+    steps = tl[(tl["lane"] == "step") & (tl["rank"] == rank)]
+    if steps.empty:
+        return None
+    nums = _step_numbers(steps)
+    order = np.argsort(steps["dur_us"].to_numpy(float))
+    return int(nums[order[len(order) // 2]])
+
+
+def timelines_figure(frames: Dict[str, pd.DataFrame], rank: int = 0,
+                     lanes: Sequence[str] = LANE_ORDER) -> go.Figure:
+    """One representative iteration (the median-length one of what each frame holds) of every variant,
+    on one time axis: x is milliseconds from that iteration's start, rows are (variant, lane). Shows at a
+    glance where one variant's step is longer than another's. ``frames``: label -> timeline frame."""
+    fig = go.Figure()
+    rows, traces, ends = [], [], {}
+    for label, tl in frames.items():
+        s = median_step(tl, rank)
+        if s is None:
+            continue
+        df = assign_steps(tl[tl["rank"] == rank])
+        df = df[df["it"] == s]
+        if "layer" in df:
+            per_layer = df["layer"].notna()
+            has_layers = set(df.loc[per_layer, "lane"])
+            df = df[per_layer | ~df["lane"].isin(has_layers)]
+        win = df[df["lane"] == "step"]
+        if win.empty:
+            continue
+        t0 = float(win["start_us"].min())
+        ends[label] = float(win["dur_us"].max()) / 1e3
+        rows += [(label, lane) for lane in lanes]
+        traces.append((label, t0, df[df["lane"].isin(lanes)]))
+    if not traces:
+        return empty_figure("no complete iteration yet")
+    fig.add_trace(go.Bar(y=[[a for a, _ in rows], [b for _, b in rows]], x=[0] * len(rows), orientation="h",
+                         showlegend=False, hoverinfo="skip", marker_color="rgba(0,0,0,0)"))
+    shown = set()
+    for label, t0, df in traces:
+        for lane in lanes:
+            d = df[df["lane"] == lane]
+            if d.empty:
+                continue
+            dur = d["dur_us"].to_numpy(float) / 1e3
+            fig.add_trace(go.Bar(
+                name=lane, legendgroup=lane, showlegend=lane not in shown, orientation="h",
+                base=(d["start_us"].to_numpy(float) - t0) / 1e3, x=np.maximum(dur, 0.002),
+                y=[[label] * len(d), [lane] * len(d)], marker={"color": LANE_COLORS.get(lane)}, opacity=0.85,
+                customdata=np.column_stack([[_label(r) for r in d.to_dict("records")], np.round(dur, 3)]),
+                hovertemplate="<b>%{customdata[0]}</b><br>" + lane + "<br>%{customdata[1]} ms<extra>%{y}</extra>"))
+            shown.add(lane)
+    for label, end in ends.items():
+        fig.add_annotation(x=end, y=[label, lanes[0]], text=f"{end:.1f} ms", showarrow=False, xanchor="left",
+                           font={"size": 11})
+    fig.update_layout(barmode="overlay", height=80 + 20 * len(rows), margin={"l": 10, "r": 10, "t": 40, "b": 40},
+                      xaxis_title="ms from the start of the iteration", yaxis={"autorange": "reversed"},
+                      legend={"orientation": "h", "y": 1.02, "x": 0, "yanchor": "bottom"})
+    return fig
+
+
 # --------------------------------------------------------------------------- step-time breakdown
 
 def _merge(iv: Iterable[Tuple[float, float]]) -> List[Tuple[float, float]]:

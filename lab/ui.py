@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
@@ -47,10 +48,73 @@ def cuda_available() -> bool:
         return False
 
 
-def start_preset(preset: Preset, runs=None) -> List[str]:
-    """Queue every run of a preset (detached supervisors); their ids, in order."""
+def start_preset(preset: Preset, runs=None) -> str:
+    """Queue every run of a preset (detached supervisors) and record them as a group (lab.results);
+    the group's id. The group is written before the first run is queued, so a results page opened at
+    once finds it."""
     import lab
-    return [lab.run(d, wait=False, runs=runs or runs_dir()).id for d in preset.specs()]
+    from lab import results
+    root = runs or runs_dir()
+    created = time.time()
+    ids: Dict[str, str] = {}
+    for label, d in zip(preset.labels(), preset.specs()):
+        ids[label] = lab.run(d, wait=False, runs=root).id
+        results.save_group(root, preset.key, ids, created=created)
+    return next(iter(ids.values()))
+
+
+def preset_group(gid: str, runs=None) -> dict:
+    from lab import results
+    return results.load_group(runs or runs_dir(), gid)
+
+
+def preset_groups(runs=None) -> List[dict]:
+    from lab import results
+    return results.list_groups(runs or runs_dir())
+
+
+def group_verdict(group: dict, runs=None):
+    """The verdict of a preset's or a sweep's group (lab.results.evaluate), from the runs' own figures."""
+    from lab import results
+    root = runs or runs_dir()
+    return results.evaluate(group, lambda rid: get_run_or_raise(rid, root))
+
+
+def group_crossover(group: dict, runs=None) -> Optional[str]:
+    """The performance model's crossover sentence for the group (once its runs are done); cached."""
+    from lab import results
+    root = runs or runs_dir()
+    key = ("crossover", str(root), group["id"], tuple(sorted(group["runs"].values())))
+    states = tuple(getattr(get_run(i, root), "state", None) for i in group["runs"].values())
+    if any(s not in FINAL for s in states):
+        return None
+    return _cached(key + states, lambda: results.crossover(group, lambda rid: get_run_or_raise(rid, root)))
+
+
+def sweep_group(sweep_id: str, runs=None) -> dict:
+    """A sweep's cells that have a run, as a group for the results view (no preset: no declared effect;
+    the verdict ranks the cells by iteration time)."""
+    sw = load_sweep(sweep_id, runs)
+    saved = sw._load().get("runs", {})
+    cells = {c["key"]: saved[c["key"]] for c in sw.cells if saved.get(c["key"])}
+    if not cells:
+        raise KeyError(f"sweep {sweep_id!r} has no runs yet")
+    return {"id": sw.id, "preset": None, "title": f"sweep {sw.name}", "runs": cells, "created": None}
+
+
+def group_timelines(runs_by_label: Dict[str, Run], steps: int = 20):
+    """plots.timelines_figure over the last ``steps`` steps of each run; cached until the runs' files change."""
+    from lab import plots
+
+    def build():
+        return plots.timelines_figure({k: tail_timeline(r, steps) for k, r in runs_by_label.items()})
+    key = ("timelines", steps, *((k, str(r.path), _files_key(r)) for k, r in runs_by_label.items()))
+    return _cached(key, build)
+
+
+def get_run_or_raise(run_id: str, runs=None) -> Run:
+    import lab
+    return lab.get(run_id, runs=runs or runs_dir())
 
 
 # --------------------------------------------------------------------------- the New run form

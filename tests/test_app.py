@@ -59,7 +59,7 @@ def check_home(at, runs):
     assert len(starts) == len(ui.PRESETS)
     disabled = {b.key for b in starts if b.disabled}
     assert not disabled  # every preset's specs validate (a preset whose spec is refused is shown disabled)
-    for key in ("layerwise-vs-mergecomp", "dear-vs-ddp", "compression-1gbit", "countsketch-vs-topk"):
+    for key in ("layerwise-vs-mergecomp", "dear-vs-ddp", "compression-links", "countsketch-vs-topk"):
         assert f"preset-{key}" in {b.key for b in starts}
 
 
@@ -106,8 +106,13 @@ def check_model(at, runs):
     assert any(b.key == "pm.props" for b in at.button)
 
 
-CHECKS = {"home": check_home, "new_run": check_new_run, "live_run": check_live_run, "compare": check_compare,
-          "sweeps": check_sweeps, "model": check_model}
+def check_results(at, runs):
+    assert [t.value for t in at.title] == ["Results"]
+    assert [i.value for i in at.info][:1] == ["No preset has been started yet: start one on the Home page."]
+
+
+CHECKS = {"home": check_home, "new_run": check_new_run, "results": check_results, "live_run": check_live_run,
+          "compare": check_compare, "sweeps": check_sweeps, "model": check_model}
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -166,21 +171,51 @@ def test_submit_through_the_form_runs_to_done(runs):
     assert run_id in done and done[run_id].spec_dict()["name"] == "from-the-form"
 
 
-def test_preset_queues_its_runs_and_opens_the_first(runs):
+@pytest.mark.parametrize("key", [p.key for p in ui.PRESETS])
+def test_preset_queues_its_runs_and_opens_its_results(runs, key):
+    """Every preset's Start button queues its runs as one group and leads to that group's results view,
+    which shows the paper's claim and how many runs have finished (the runs are cancelled at once)."""
+    preset = next(p for p in ui.PRESETS if p.key == key)
     at = page("home")
-    at.button(key="preset-countsketch-vs-topk").click().run()
+    at.button(key=f"preset-{key}").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    ids = at.session_state["compare_ids"]
+    gid = at.session_state["group_id"]
+    group = ui.preset_group(gid, runs)
+    ids = list(group["runs"].values())
     try:
-        assert len(ids) == 2 and at.session_state["run_id"] == ids[0]
+        assert group["preset"] == key and list(group["runs"]) == list(preset.variants)
         names = [lab.get(i, runs=runs).spec_dict()["name"] for i in ids]
-        assert names == ["countsketch-vs-topk: countsketch", "countsketch-vs-topk: topk"]
-        assert [t.value for t in at.title] == ["Live run"]
+        assert names == [f"{key}: {label}" for label in preset.variants]
+        assert [t.value for t in at.title] == ["Results"]
+        assert at.query_params["group"] == gid
+        assert any(preset.claim in m.value for m in at.markdown)
+        assert any("runs finished" in i.value for i in at.info)
     finally:
         for i in ids:
             lab.cancel(i, runs=runs)
         for i in ids:
             assert lab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
+
+
+def test_results_view_gives_a_verdict_from_the_runs(runs):
+    """A finished group (two real runs labelled as the DeAR preset's variants) gets a verdict computed
+    from their own medians; a ratio under the preset's bound is reported as missed, with the why."""
+    from lab import results
+    from lab.summary import summarize
+    a = lab.run(dict(SMALL, name="res-a"), runs=runs)
+    b = lab.run(dict(SMALL, name="res-b", compressor={"name": "fp16"}), runs=runs)
+    gid = results.save_group(runs, "dear-vs-ddp", {"dear": a.id, "ddp": b.id})
+    at = AppTest.from_file(ENTRY, default_timeout=120)
+    at.query_params["group"] = gid
+    at.run().switch_page("views/results.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    ratio = summarize(b.metric_rows(), b.spec_dict())["iter_ms_median"] / \
+        summarize(a.metric_rows(), a.spec_dict())["iter_ms_median"]
+    text = "\n".join(m.value for m in at.markdown)
+    assert f"DeAR over DDP-style wfbp, per iteration: {ratio:.2f}x" in text
+    assert ("met" if ratio >= 1.2 else "missed") in text
+    assert "the whole experiment took" in text
+    assert len(at.get("plotly_chart")) == 3  # timelines on one axis, breakdown bars, accuracy vs wall time
 
 
 def test_sweep_starts_in_the_background_and_shows_a_heatmap(runs):

@@ -1,6 +1,7 @@
 """End to end in a real browser: `commlab app` (lab.ui.app_main) serves the UI, a
-click on a preset starts runs, and the live page draws the timeline and the
-accuracy curve from the running job.
+click on each preset starts its runs and opens its results view, one preset's
+verdict fills in as its runs finish, and the live page draws a run's timeline
+and accuracy curve.
 
 Needs the Python package playwright and Debian's chromium (/usr/bin/chromium);
 the test is skipped without them. It never downloads a browser. Screenshots go
@@ -92,7 +93,10 @@ def keep(shot: Path, name: str) -> None:
         shutil.copy(shot, Path(where) / name)
 
 
-def test_preset_to_live_timeline_and_accuracy(server, tmp_path):
+def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
+    """Every preset's Start leads to its results view; one preset (the quickest) is followed until its
+    verdict is complete, with the timelines side by side; then a run's live page and the other pages."""
+    from lab import ui
     url, runs = server
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -100,28 +104,50 @@ def test_preset_to_live_timeline_and_accuracy(server, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 2400})
             page.set_default_timeout(60_000)
+            # every preset but the one followed below: Start, its results view, then its runs are cancelled
+            for p in ui.PRESETS:
+                if p.key == "countsketch-vs-topk":
+                    continue
+                page.goto(url)
+                page.locator(f".st-key-preset-{p.key}").get_by_role("button", name="Start").click()
+                page.wait_for_url("**/results?group=*")
+                page.get_by_text(p.claim[:40]).wait_for()
+                page.get_by_text("runs finished").first.wait_for()
+                gid = page.url.rsplit("group=", 1)[1]
+                group = ui.preset_group(gid, runs)
+                assert group["preset"] == p.key and list(group["runs"]) == list(p.variants)
+                for i in group["runs"].values():
+                    lab.cancel(i, runs=runs)
+                for i in group["runs"].values():
+                    assert lab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
             page.goto(url)
-            card = page.locator(".st-key-preset-layerwise-vs-bucket")
+            card = page.locator(".st-key-preset-countsketch-vs-topk")
             card.get_by_role("button", name="Start").click()  # waits until the button is there
-            page.wait_for_url("**/live_run?run=*")
+            page.wait_for_url("**/results?group=*")
+            page.get_by_text("runs finished").first.wait_for()
+            # the verdict fills in as the runs finish, with no reload
+            page.get_by_text("the whole experiment took").wait_for(timeout=300_000)
+            page.wait_for_function(HAS_TRACE, arg="comm", timeout=60_000, polling=500)
+            page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
+            page.get_by_text("countsketch: sends").wait_for()
+            page.wait_for_function(SETTLED, timeout=60_000, polling=250)
+            shot = tmp_path / "results.png"
+            page.screenshot(path=str(shot), full_page=True)
+            keep(shot, "results.png")
+            gid = page.url.rsplit("group=", 1)[1]
+            ids = list(ui.preset_group(gid, runs)["runs"].values())
+            assert all(lab.get(i, runs=runs).state == "done" for i in ids)
+            page.goto(f"{url}/live_run?run={ids[0]}")
             page.get_by_text("Where the step time goes").wait_for()
-            # the job starts, trains and evaluates (every 25 steps) while the page refreshes itself
-            page.wait_for_function(HAS_TRACE, arg="backward", timeout=240_000, polling=500)
-            page.wait_for_function(HAS_TRACE, arg="eval accuracy", timeout=240_000, polling=500)
-            ids = [r.id for r in lab.runs(runs=runs)]
-            assert len(ids) == 2 and page.url.endswith(f"run={ids[0]}")
-            # let the first run finish, then wait until no element is left over from an earlier refresh
-            page.get_by_text("step 150/150").wait_for(timeout=240_000)
+            page.wait_for_function(HAS_TRACE, arg="backward", timeout=120_000, polling=500)
+            page.wait_for_function(HAS_TRACE, arg="eval accuracy", timeout=120_000, polling=500)
+            page.get_by_text("step 300/300").wait_for()
             page.wait_for_function(SETTLED, timeout=60_000, polling=250)
             shot = tmp_path / "live_run.png"
             page.screenshot(path=str(shot))
             keep(shot, "live_run.png")
-            assert lab.wait(ids[1], runs=runs, timeout=240) == "done"
-            page.get_by_role("link", name="Compare").click()  # same session: the preset's runs are preselected
+            page.goto(url + "/compare")
             page.get_by_text("Accuracy against wall time").wait_for()
-            labels = labels_of(runs)
-            for i in ids:
-                page.wait_for_function(HAS_TRACE, arg=labels[i])
             page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
             page.wait_for_function(SETTLED, timeout=60_000, polling=250)
             shot = tmp_path / "compare.png"

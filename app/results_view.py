@@ -1,0 +1,141 @@
+"""The results view of a preset's (or a sweep's) group of runs: the verdict computed from the runs'
+measurements, the paper's claim beside it, and the variants' timelines, step breakdowns and accuracy
+curves side by side. It fills in as runs finish.
+
+Watching must not slow the runs it shows, so while runs are in flight the panel redraws only cheap
+figures (state, progress, medians) and builds the figures of a variant once, when it is final."""
+from __future__ import annotations
+
+from typing import Optional
+
+import pandas as pd
+import streamlit as st
+
+from app import widgets
+from lab import plots, ui
+from lab.store import FINAL
+
+PAGE = widgets.RESULTS_PAGE
+REFRESH_S = 3.0
+"""The panel re-reads its runs this often while any is in flight."""
+
+
+def open_group(gid: str) -> None:
+    st.session_state["group_id"] = gid
+    st.switch_page(PAGE, query_params={"group": gid})
+
+
+def pick_group() -> Optional[dict]:
+    """The group the page is about: ?group=..., ?sweep=..., else the session's, else the newest preset group."""
+    sweep = st.query_params.get("sweep")
+    if sweep:
+        try:
+            return ui.sweep_group(sweep)
+        except (ui.LabError, ui.SpecError, OSError, ValueError, KeyError) as e:
+            st.error(f"sweep {sweep!r}: {e}")
+            return None
+    groups = ui.preset_groups()
+    if not groups:
+        return None
+    ids = [g["id"] for g in groups]
+    want = st.query_params.get("group") or st.session_state.get("group_id")
+    if want and want not in ids:
+        try:
+            groups.insert(0, ui.preset_group(want))
+            ids.insert(0, want)
+        except (KeyError, ValueError) as e:
+            st.error(str(e))
+    want = want if want in ids else ids[0]
+    titles = {g["id"]: f"{_title(g)} · {g['id'][:15]}" for g in groups}
+    st.session_state["res.pick"] = want
+
+    def picked():
+        st.query_params["group"] = st.session_state["res.pick"]
+        st.session_state["group_id"] = st.session_state["res.pick"]
+    st.selectbox("Preset run", ids, format_func=lambda i: titles.get(i, i), key="res.pick", on_change=picked)
+    return next(g for g in groups if g["id"] == want)
+
+
+def _title(g: dict) -> str:
+    from lab.results import preset_of
+    p = preset_of(g)
+    return p.title if p else g.get("title", g.get("preset") or g["id"])
+
+
+def _mark(ok: Optional[bool]) -> str:
+    return {True: ":green[**met**]", False: ":red[**missed**]", None: ":gray[pending]"}[ok]
+
+
+def results_panel(group: dict) -> None:
+    from lab.results import preset_of
+    p = preset_of(group)
+    if p is not None:
+        st.caption(p.question)
+    live = not ui.group_verdict(group).complete
+
+    @st.fragment(run_every=REFRESH_S if live else None)
+    def panel():
+        v = ui.group_verdict(group)
+        if live and v.complete:
+            st.rerun()  # redraw once without the timer, with every figure
+        done = sum(x.final for x in v.variants.values())
+        if v.claim:
+            st.markdown(f"**The paper:** {v.claim}")
+        if not v.complete:
+            st.info(f"{done} of {len(group['runs'])} runs finished; the answer fills in as they finish.",
+                    icon=":material/hourglass_top:")
+        if v.passed:
+            st.success("The paper's effect shows here, with accuracy intact.", icon=":material/check_circle:")
+        elif v.passed is False:
+            st.error("Not shown here: see what missed and why below.", icon=":material/cancel:")
+        items = []
+        for e in v.effects:
+            items.append(f"- {e.line} — {_mark(e.passed)}")
+            if e.why:
+                items.append(f"    - why: {e.why}")
+        if v.accuracy:
+            items.append(f"- accuracy ({_mark(v.accuracy_ok)}): " + "; ".join(v.accuracy))
+        items += [f"- {line}" for line in v.lines[len(v.effects):] if not line.startswith("Why it missed")]
+        cross = ui.group_crossover(group) if v.complete else None
+        if cross:
+            items.append(f"- {cross}")
+        if v.wall_s is not None:
+            items.append(f"- the whole experiment took {v.wall_s:.0f} s of wall time, from the click to the "
+                         f"last run's end")
+        with st.container(border=True):
+            st.markdown("**Measured here**\n\n" + "\n".join(items))
+        for n in v.notes:
+            st.warning(n, icon=":material/warning:")
+        for d in v.disturbed:
+            st.warning(f"Disturbed: {d}", icon=":material/warning:")
+        rows = []
+        for x in v.variants.values():
+            s = x.summary
+            rows.append({"variant": x.label, "state": x.state, "steps": f"{s.get('steps_done', 0)}/{s.get('steps')}",
+                         "iter_ms": x.iter_ms, "final_acc": x.acc, "bytes_per_step": s.get("bytes_per_step"),
+                         "compression_ratio": s.get("compression_ratio"),
+                         "exposed_comm_ms": x.breakdown.get("exposed_comm_ms") if x.breakdown else None,
+                         "disturbed": bool(x.disturbance.get("disturbed")), "run": x.run_id})
+        cols = widgets.table_columns()
+        cols["exposed_comm_ms"] = st.column_config.NumberColumn("exposed comm ms", format="%.1f")
+        st.dataframe(pd.DataFrame(rows).set_index("variant"), key="res.table", column_config=cols)
+        final = {x.label: ui.get_run(x.run_id) for x in v.variants.values() if x.final}
+        final = {k: r for k, r in final.items() if r is not None}
+        if not final:
+            return
+        st.subheader("One iteration of each, on one time axis")
+        st.caption("The median-length iteration of each finished run's last steps, rank 0.")
+        st.plotly_chart(ui.group_timelines(final), key="res.timelines")
+        labels = {r.id: k for k, r in final.items()}
+        c = st.columns(2)
+        with c[0]:
+            st.subheader("Where the step time goes")
+            st.plotly_chart(plots.breakdown_bars_figure(ui.breakdown_table(list(final.values()), labels)),
+                            key="res.breakdown")
+        with c[1]:
+            st.subheader("Accuracy against wall time")
+            st.plotly_chart(plots.accuracy_vs_time_figure(ui.accuracy_curves(list(final.values()), labels)),
+                            key="res.acc")
+        st.caption("Each run's own page: " + " · ".join(f"[{k}](/live_run?run={r.id})" for k, r in final.items()))
+
+    panel()
