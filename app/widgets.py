@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 import streamlit as st
 
-from lab import plots, ui
+from lab import disturbance, plots, ui
 from lab.store import FINAL
 from lab.summary import fmt_bytes, summarize, warmup_steps
 
@@ -129,6 +129,7 @@ def live_panel(run_id: str) -> None:
             st.error(f"{state}: {status.get('error', '')}")
             with st.expander("log (last lines)"):
                 st.code(run.log_tail(30) or "(empty)")
+        machine_note(status.get("disturbance"))
         s = summarize(run.metric_rows(), spec)
         m = st.columns(4)
         m[0].metric("iteration (median)", f"{s['iter_ms_median']:.1f} ms" if s.get("iter_ms_median") else "-")
@@ -157,6 +158,15 @@ def live_panel(run_id: str) -> None:
         st.plotly_chart(plots.bytes_figure(run.metrics()), key="live.bytes")
 
     panel()
+
+
+def machine_note(d: Optional[dict]) -> None:
+    """A warning with the figure when other processes disturbed the run; a quiet caption otherwise."""
+    label, text = disturbance.describe(d)
+    if label == "disturbed":
+        st.warning(f"Disturbed run: {text[len('yes: '):]}. Its timings are not results.", icon=":material/warning:")
+    elif d and d.get("other_cpu") is not None:
+        st.caption(f"Machine {text}.")
 
 
 # --------------------------------------------------------------------------- new run form
@@ -343,7 +353,11 @@ def table_columns() -> dict:
     return {"iter_ms": num("iter ms", format="%.1f"), "throughput": num("samples/s", format="%.0f"),
             "scaling_factor": num("scaling", format="percent"), "bytes_per_step": num("bytes/step", format="bytes"),
             "compression_ratio": num("compression", format="%.1fx"), "final_acc": num("accuracy", format="percent"),
-            "final_loss": num("loss", format="%.3f"), "time_to_target_s": num("to target (s)", format="%.1f")}
+            "final_loss": num("loss", format="%.3f"), "time_to_target_s": num("to target (s)", format="%.1f"),
+            "other_cpu": num("other CPU", format="percent",
+                             help="share of the machine other processes used during the run"),
+            "disturbed": st.column_config.CheckboxColumn("disturbed", help="other processes used more CPU than "
+                                                         "the threshold: the run's timings are not results")}
 
 
 def compare_view() -> None:
@@ -371,6 +385,10 @@ def compare_view() -> None:
         st.caption("Pick runs to compare.")
         return
     table = ui.compare_table(picked, target_acc=target or None)
+    bad = [labels.get(i, i) for i in table.index[table["disturbed"] == True]] if len(table) else []  # noqa: E712
+    if bad:
+        st.warning(f"Disturbed (other processes used the CPU; timings are not results): {', '.join(bad)}",
+                   icon=":material/warning:")
     st.dataframe(table, key="cmp.table", column_config=table_columns())
     st.download_button("Export CSV", table.to_csv().encode(), file_name="commlab-compare.csv", mime="text/csv",
                        on_click="ignore", key="cmp.csv", icon=":material/download:")

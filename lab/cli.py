@@ -193,7 +193,14 @@ def report(run, state) -> int:
         print(f"network        {net['gbps']} Gbit/s, {kind}")
     for line in format_summary(summarize(run.metric_rows(), spec)):
         print(line)
+    print(disturbance_line(st))
     return 0 if state == "done" else 1
+
+
+def disturbance_line(status: dict) -> str:
+    from lab.disturbance import describe
+    label, text = describe(status.get("disturbance"))
+    return f"{label:<15}{text}"
 
 
 def cmd_runs(args) -> int:
@@ -207,13 +214,15 @@ def cmd_runs(args) -> int:
         print(f"no runs in {lab.root}" + (" matching the filters" if any(
             getattr(args, f) for f in ("state", "model", "compressor", "schedule", "comm", "sweep")) else ""))
         return 0
-    rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC")]
+    from lab.disturbance import mark
+    rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC", "OTHER CPU")]
     for r in rows_db:
         done = json.loads(r["summary"] or "{}").get("steps_done", 0)
         rows.append((r["id"], r["state"], r["model"], r["compressor"] + ("+EF" if r["error_feedback"] else ""),
                      r["schedule"], r["comm"], f"{done}/{r['steps']}",
                      f"{r['iter_ms']:.1f}" if r["iter_ms"] else "-",
-                     f"{r['final_acc']:.2%}" if r["final_acc"] is not None else "-"))
+                     f"{r['final_acc']:.2%}" if r["final_acc"] is not None else "-",
+                     mark({"other_cpu": r["other_cpu"], "disturbed": r["disturbed"]})))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -324,6 +333,7 @@ def cmd_show(args) -> int:
         print(f"wall time      {st['ended'] - st['started']:.1f} s")
     for line in format_summary(s):
         print(line)
+    print(disturbance_line(st))
     return 0
 
 

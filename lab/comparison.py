@@ -6,7 +6,10 @@
   throughput of the same model, data set and per-rank batch (a world-size-1
   run among the runs compared, which a sweep adds by itself);
 - time to target: wall time from the start of training (the first step) to
-  the first evaluation that reaches ``target_acc``.
+  the first evaluation that reaches ``target_acc``;
+- other CPU: the share of the machine other processes used during the run,
+  and whether that marks the run ``disturbed`` (lab.disturbance); a disturbed
+  run's timings are not results.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ def compare_runs(runs: Iterable, target_acc: Optional[float] = None, baseline: O
     for run, spec, metrics, s in loaded:
         base = single.get(_key(spec))
         thr = s.get("throughput")
+        dist = run.status().get("disturbance") or {}
         row = {
             "run": run.id, "name": spec["name"], "state": run.state, "model": spec["model"]["name"],
             "dataset": spec["dataset"]["name"], "world_size": spec["world_size"], "compressor": describe(spec),
@@ -62,6 +66,7 @@ def compare_runs(runs: Iterable, target_acc: Optional[float] = None, baseline: O
             "scaling_factor": (thr / (spec["world_size"] * base)) if thr and base else None,
             "bytes_per_step": s.get("bytes_per_step"), "compression_ratio": s.get("compression_ratio"),
             "final_acc": s.get("final_acc"), "final_loss": s.get("final_loss"),
+            "other_cpu": dist.get("other_cpu"), "disturbed": dist.get("disturbed"),
         }
         if target_acc is not None:
             row["time_to_target_s"] = time_to_target(metrics, target_acc)

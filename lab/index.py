@@ -18,7 +18,9 @@ from lab.summary import summarize
 INDEX_FILE = "index.sqlite"
 COLUMNS = ("id", "state", "name", "created", "started", "ended", "model", "dataset", "world_size", "compressor",
            "error_feedback", "schedule", "comm", "link", "steps", "sweep", "error", "iter_ms", "throughput",
-           "final_acc", "final_loss", "bytes_per_step", "compression_ratio", "spec", "summary")
+           "final_acc", "final_loss", "bytes_per_step", "compression_ratio", "spec", "summary", "other_cpu",
+           "disturbed")
+INSERT = f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 FILTERS = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep", "name")
 
 
@@ -34,6 +36,16 @@ class Index:
         con.execute("PRAGMA busy_timeout=30000")
         cols = ", ".join(f"{c} {'TEXT PRIMARY KEY' if c == 'id' else ''}" for c in COLUMNS)
         con.execute(f"CREATE TABLE IF NOT EXISTS runs ({cols})")
+        missing = [c for c in COLUMNS if c not in {r[1] for r in con.execute("PRAGMA table_info(runs)")}]
+        if missing:  # an index from an older commlab: add the columns and refill every row from the directories
+            with con:
+                for c in missing:
+                    try:
+                        con.execute(f"ALTER TABLE runs ADD COLUMN {c}")
+                    except sqlite3.OperationalError:  # another process added it meanwhile
+                        pass
+                rows = [r for r in (self.row_of(run) for run in self.store.list()) if r]
+                con.executemany(INSERT, [[r[c] for c in COLUMNS] for r in rows])
         return con
 
     def _with(self, fn):
@@ -61,6 +73,7 @@ class Index:
         st = run.status()
         s = summarize(run.metric_rows(), spec)
         c = spec.get("compressor", {})
+        d = st.get("disturbance") or {}
         return {
             "id": run.id, "state": st.get("state", "unknown"), "name": spec.get("name"),
             "created": st.get("created"), "started": st.get("started"), "ended": st.get("ended"),
@@ -72,14 +85,14 @@ class Index:
             "iter_ms": s.get("iter_ms_median"), "throughput": s.get("throughput"), "final_acc": s.get("final_acc"),
             "final_loss": s.get("final_loss"), "bytes_per_step": s.get("bytes_per_step"),
             "compression_ratio": s.get("compression_ratio"), "spec": json.dumps(spec), "summary": json.dumps(s),
+            "other_cpu": d.get("other_cpu"), "disturbed": None if d.get("disturbed") is None else int(d["disturbed"]),
         }
 
     def update(self, run: Run) -> None:
         row = self.row_of(run)
         if row is None:
             return
-        sql = f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-        self._with(lambda con: con.execute(sql, [row[c] for c in COLUMNS]))
+        self._with(lambda con: con.execute(INSERT, [row[c] for c in COLUMNS]))
 
     def remove(self, run_id: str) -> None:
         self._with(lambda con: con.execute("DELETE FROM runs WHERE id = ?", (run_id,)))
@@ -105,9 +118,7 @@ class Index:
             if p.exists():
                 p.unlink()
         rows = [r for r in (self.row_of(run) for run in self.store.list()) if r]
-        self._once(lambda con: con.executemany(f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES "
-                                               f"({', '.join('?' * len(COLUMNS))})",
-                                               [[r[c] for c in COLUMNS] for r in rows]))
+        self._once(lambda con: con.executemany(INSERT, [[r[c] for c in COLUMNS] for r in rows]))
         return len(rows)
 
     def states(self) -> Dict[str, str]:

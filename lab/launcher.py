@@ -2,8 +2,9 @@
 
 The launcher owns the run's status: it marks the run running, starts torchrun
 in its own session (so the whole job can be stopped as one process group),
-tails metrics.jsonl for a progress bar, and writes done, failed (with the
-failing rank's error) or cancelled at the end.
+tails metrics.jsonl for a progress bar, samples how much CPU other processes
+take meanwhile (lab.disturbance), and writes done, failed (with the failing
+rank's error) or cancelled at the end.
 """
 from __future__ import annotations
 
@@ -174,8 +175,13 @@ def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
 
 
 def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel) -> str:
+    from lab import disturbance
+    cpu = disturbance.Sampler(disturbance.threshold(run.path.parent),
+                              on_update=lambda d: run.update_status(disturbance=d))
     log = open(run.file("log.txt"), "ab", buffering=0)
+    cpu.start()  # before the job: its processes count as the run's own from their first tick
     procs_ = [_spawn(argv, env, loopback, log) for argv, env in jobs]
+    cpu.roots = lambda: [p.pid for p in procs_ if p.returncode is None]  # reaped ones are in our cutime
     run.set_status("running", torchrun=procs.identity(procs_[0].pid),
                    torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
     tail = MetricsTail(str(run.file("metrics.jsonl")))
@@ -204,12 +210,14 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
                 break
             if should_cancel and should_cancel():
                 raise KeyboardInterrupt
+            cpu.tick()
             time.sleep(poll_s)
     except KeyboardInterrupt:
         stop(procs_)
         kill_strays(run)
         if bar:
             bar.close()
+        run.update_status(disturbance=cpu.finish(run.metric_rows()))
         run.set_status("cancelled", error="cancelled" + (" by the user (Ctrl-C)" if not should_cancel or
                                                           not should_cancel() else ""))
         return "cancelled"
@@ -219,6 +227,7 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
         bar.close()
     kill_strays(run)
     rc = next((c for c in (p.poll() for p in procs_) if c), 0)
+    run.update_status(disturbance=cpu.finish(run.metric_rows()))
     return finish_status(run, rc)
 
 

@@ -1,7 +1,8 @@
 """The run store: one directory per run, which is the run's whole state.
 
     runs/<run-id>/spec.json            validated, fully defaulted spec
-                  status.json          queued | running | done | failed | cancelled, times, error
+                  status.json          queued | running | done | failed | cancelled, times, error,
+                                       disturbance (other processes' CPU during the run)
                   metrics.jsonl        one object per line (kind step or eval)
                   timeline-rank<r>.jsonl  Chrome trace events
                   log.txt              the workers' output
@@ -98,6 +99,15 @@ class Run:
         if self.on_change:
             self.on_change(self)
         return st
+
+    def update_status(self, **fields) -> None:
+        """Set fields of status.json without changing the state or the index (figures written while a
+        run goes on; the index picks them up at the next state change)."""
+        st = self.status()
+        if st.get("state") == "unknown":
+            return
+        st.update(fields)
+        _write_json_atomic(self.file("status.json"), st)
 
     def cancel_requested(self) -> bool:
         return self.file("cancel.request").exists()

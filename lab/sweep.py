@@ -183,14 +183,18 @@ class Sweep:
 
 def markdown(df) -> str:
     cols = ["cell", "state", "iter_ms", "throughput", "scaling_factor", "bytes_per_step", "compression_ratio",
-            "final_acc"] + (["time_to_target_s"] if "time_to_target_s" in df.columns else [])
+            "final_acc"] + (["time_to_target_s"] if "time_to_target_s" in df.columns else []) + \
+        (["other_cpu"] if "other_cpu" in df.columns else [])
     fmt = {"iter_ms": "{:.1f}", "throughput": "{:.0f}", "scaling_factor": "{:.2f}", "bytes_per_step": "{:.0f}",
-           "compression_ratio": "{:.1f}", "final_acc": "{:.2%}", "time_to_target_s": "{:.1f}"}
+           "compression_ratio": "{:.1f}", "final_acc": "{:.2%}", "time_to_target_s": "{:.1f}",
+           "other_cpu": "{:.0%}"}
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for _, row in df.iterrows():
         cells = []
         for c in cols:
             v = row.get(c)
-            cells.append("-" if v is None or (isinstance(v, float) and v != v) else fmt.get(c, "{}").format(v))
+            cell = "-" if v is None or (isinstance(v, float) and v != v) else fmt.get(c, "{}").format(v)
+            disturbed = c == "other_cpu" and row.get("disturbed") == True  # noqa: E712 (None, NaN: not measured)
+            cells.append(cell + (" disturbed" if disturbed else ""))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
