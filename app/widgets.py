@@ -13,6 +13,7 @@ from lab.store import FINAL
 from lab.summary import fmt_bytes, summarize, warmup_steps
 
 LIVE_PAGE = "views/live_run.py"
+RESULTS_PAGE = "views/results.py"
 BREAKDOWN_STEPS = 40
 """Steps the live page reads back for its breakdown (and at least that many for the timeline)."""
 STATE_COLORS = {"queued": "gray", "running": "blue", "done": "green", "failed": "red", "cancelled": "orange",
@@ -48,11 +49,12 @@ def preset_card(p: ui.Preset) -> None:
             st.caption(f"Not available yet: {reason}")
         elif st.button("Start", key=f"preset-{p.key}", type="primary"):
             try:
-                ids = ui.start_preset(p)
+                gid = ui.start_preset(p)
             except ui.LabError as e:
                 st.error(str(e))
                 return
-            open_run(ids[0], compare=ids)
+            st.session_state["group_id"] = gid
+            st.switch_page(RESULTS_PAGE, query_params={"group": gid})
 
 
 def recent_runs(n: int = 8) -> None:
@@ -506,6 +508,8 @@ def sweep_view() -> None:
         st.plotly_chart(plots.sweep_heatmap(cells, x=x, y=y, value=value, baseline=baseline,
                                             higher_is_better=value in ("throughput", "final_acc", "scaling_factor")),
                         key="sw.heatmap")
+        st.page_link(RESULTS_PAGE, label="This sweep's results: the verdict, timelines side by side",
+                     query_params={"sweep": sw.id}, icon=":material/fact_check:")
         with st.expander("log"):
             st.code(ui.sweep_log(sw) or "(empty)")
 
