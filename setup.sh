@@ -41,7 +41,7 @@ STAMP="$VENV/.commlab-installed"
 WANT=$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "setup: installing commlab and its dependencies into $VENV" >&2
-    "${PIP[@]}" install -e ".[app,dev]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+    "${PIP[@]}" install -e ".[app,dev,notebooks]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     "$VENV/bin/python" -c 'import torch, engine, lab' || { echo "setup: install failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"
 fi

@@ -83,6 +83,11 @@ def build_parser() -> Parser:
     p.add_argument("--no-demo", action="store_true", help="do not queue the demo run into an empty runs directory")
     _runs_arg(p)
 
+    p = sub.add_parser("notebooks", help="open the notebooks in JupyterLab (bound to 127.0.0.1), with this environment as kernel")
+    p.add_argument("--port", type=int, default=8888, help="port (default 8888)")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser; only print the URL (with its token)")
+    _runs_arg(p)
+
     p = sub.add_parser("net", help="emulated cluster networks (shaped links)")
     netsub = p.add_subparsers(dest="net_cmd", metavar="NET_COMMAND", parser_class=Parser)
     netsub.required = True
@@ -245,6 +250,11 @@ def cmd_app(args) -> int:
     return app_main(args.port, args.runs, args.host, demo=not args.no_demo)
 
 
+def cmd_notebooks(args) -> int:
+    from lab.jupyter import notebooks_main
+    return notebooks_main(args.port, browser=not args.no_browser, runs=args.runs)
+
+
 def _numbers(flag: str, text: str, kind, lo, hi) -> list:
     try:
         vals = [kind(v) for v in text.split(",") if v.strip()]
@@ -346,7 +356,7 @@ def cmd_trace(args) -> int:
 
 
 COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
-            "app": cmd_app, "show": cmd_show, "trace": cmd_trace,
+            "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
             "bench": cmd_bench, "predict": cmd_predict}
 
 
