@@ -1,0 +1,28 @@
+"""Every Home-page preset's runs train: started as the Start button starts them (one group, the lab's
+queue), every run ends done, with held-out accuracy at the preset's useful level and within 2 points of
+its reference variant (lab.results decides, as on the results page). Timings and the effects' ratios are
+not checked here: they are measured by bench/presets.py."""
+import pytest
+
+import lab
+from lab import results, ui
+from lab.presets import PRESETS
+
+
+@pytest.mark.parametrize("key", [p.key for p in PRESETS])
+def test_preset_runs_train(tmp_path, key):
+    preset = next(p for p in PRESETS if p.key == key)
+    gid = ui.start_preset(preset, runs=tmp_path)
+    group = results.load_group(tmp_path, gid)
+    try:
+        for rid in group["runs"].values():
+            assert lab.wait(rid, runs=tmp_path, timeout=600) == "done", lab.get(rid, runs=tmp_path).log_tail()
+    finally:
+        for rid in group["runs"].values():
+            if lab.get(rid, runs=tmp_path).state not in ("done", "failed", "cancelled", "diverged"):
+                lab.cancel(rid, runs=tmp_path)
+    v = results.evaluate(group, lambda rid: lab.get(rid, runs=tmp_path))
+    assert v.complete
+    assert v.accuracy_ok is True, v.accuracy
+    for x in v.variants.values():
+        assert x.acc >= preset.accuracy_floor, (x.label, x.acc)
