@@ -61,6 +61,9 @@ class Preset:
     crossover: Optional[Tuple[str, str]] = None
     """(uncompressed variant, compressed variant): the results view asks the performance model,
     calibrated on the first, below which bandwidth the second pays"""
+    scaling: Optional[Tuple[str, str]] = None
+    """(all-reduced variant, all-gathered variant): the verdict says how each one's measured traffic per
+    rank grows with the number of workers, and from how many workers the all-reduced one sends less"""
 
     def specs(self) -> List[dict]:
         return [{**BASE, **v, "name": f"{self.key}: {label}"} for label, v in self.variants.items()]
@@ -135,7 +138,7 @@ PRESETS = [
            claim="Sketch-Fusion SGD (Dai et al. 2024): Count Sketch compression is all-reducible and, with "
                  "LayerFusion, trains to the accuracy of top-k while its traffic per worker does not grow "
                  "with the number of workers.",
-           reference="topk"),
+           reference="topk", scaling=("countsketch", "topk")),
 ]
 
 

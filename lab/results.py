@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from lab.disturbance import describe as describe_disturbance
 from lab.presets import ACCURACY_POINTS, PRESETS, Effect, Preset
 from lab.store import FINAL, check_id
 from lab.summary import fmt_bytes, summarize
@@ -238,13 +239,15 @@ def evaluate(group: dict, store_get, breakdown_fn=None) -> Verdict:
     complete = len(v) == len(group["runs"]) and all(x.final for x in v.values())
     ends = [x.ended for x in v.values() if x.ended]
     wall = (max(ends) - group["created"]) if complete and ends and group.get("created") else None
-    disturbed = [f"{x.label}: other processes used {x.disturbance.get('other_cpu', 0):.0%} of the CPU"
+    disturbed = [f"{x.label}: {describe_disturbance(x.disturbance)[1].removeprefix('yes: ')}"
                  for x in v.values() if x.disturbance.get("disturbed")]
     lines = [e.line for e in effects]
     for e in effects:
         if e.why:
             lines.append(f"Why it missed: {e.why}")
     lines += _traffic_lines(v)
+    if p is not None and p.scaling is not None:
+        lines += _scaling_lines(v, *p.scaling)
     if p is None:
         lines += _sweep_lines(v)
     failed = [x.label for x in v.values() if x.state in ("failed", "cancelled", "diverged")]
@@ -273,6 +276,26 @@ def _traffic_lines(v: Dict[str, Variant]) -> List[str]:
             out[-1] += (f"; exposed communication {x.breakdown.get('exposed_comm_ms', 0):.1f} ms of a "
                         f"{x.breakdown.get('step_ms', 0):.1f} ms step")
     return out
+
+
+def _scaling_lines(v: Dict[str, Variant], summed: str, gathered: str) -> List[str]:
+    """How each variant's traffic per worker grows with the number of workers, from its measured payload:
+    a summable payload is all-reduced (ring: 2(p-1)/p of it per rank), the other all-gathered ((p-1) times
+    it per rank). The worker count from which the summed one sends less, if any up to 1024."""
+    from lab.perfmodel.costs import steps_and_wire
+    a, b = v.get(summed), v.get(gathered)
+    if a is None or b is None or not a.summary.get("bytes_per_step") or not b.summary.get("bytes_per_step"):
+        return []
+    na, nb = a.summary["bytes_per_step"], b.summary["bytes_per_step"]
+    wire = {p: (steps_and_wire("allreduce", na, p)[1], steps_and_wire("allgather", nb, p)[1])
+            for p in (2, 8, 64, 1024)}
+    cross = next((p for p in range(2, 1025) if steps_and_wire("allreduce", na, p)[1]
+                  < steps_and_wire("allgather", nb, p)[1]), None)
+    table = ", ".join(f"{p} workers {fmt_bytes(x)} vs {fmt_bytes(y)}" for p, (x, y) in wire.items())
+    return [f"traffic per rank and step as workers grow (ring formulas on the measured payloads), {a.label} "
+            f"all-reduced vs {b.label} all-gathered: {table}; "
+            + (f"{a.label} sends less from {cross} workers on" if cross else
+               f"{a.label} sends more up to 1024 workers")]
 
 
 def _sweep_lines(v: Dict[str, Variant]) -> List[str]:

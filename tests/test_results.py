@@ -119,9 +119,10 @@ def test_pending_runs_give_no_verdict_yet_and_failures_are_named():
 def test_wall_time_is_from_the_click_to_the_last_end_and_disturbance_is_reported():
     v = verdict("dear-vs-ddp", {"dear": FakeRun("a", 100, 0.95, ended=130.0),
                                 "ddp": FakeRun("b", 150, 0.95, ended=160.0,
-                                               disturbance={"disturbed": True, "other_cpu": 0.4})}, created=90.0)
+                                               disturbance={"disturbed": True, "other_cpu": 0.4,
+                                                            "other_cores": 0.8, "cpus": 2, "threshold": 0.1})}, created=90.0)
     assert v.wall_s == pytest.approx(70.0)
-    assert v.disturbed == ["ddp: other processes used 40% of the CPU"]
+    assert v.disturbed[0].startswith("ddp: other processes used 40% of the CPU")
     assert any("disturbed" in n for n in v.notes)
 
 
@@ -132,6 +133,9 @@ def test_bytes_and_compression_are_the_runs_own():
     assert "countsketch: sends 124.20 KB per step per rank (compression 4.8x)" in text
     assert "topk: sends 11.83 KB per step per rank (compression 50.0x)" in text
     assert v.accuracy_ok is False  # 95.5% is more than 2 points below top-k's 98%
+    # all-reduced table vs all-gathered top-k: 2(p-1)/p x 127176 < (p-1) x 12112 iff p > 2 x 127176 / 12112 = 21.0
+    assert "countsketch sends less from 22 workers on" in text
+    assert "2 workers 124.20 KB vs 11.83 KB" in text
 
 
 def test_groups_round_trip_and_refuse_bad_ids(tmp_path):
