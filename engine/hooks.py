@@ -7,10 +7,11 @@
 The hook compresses DDP's bucket, starts the collective the compressor asks
 for (all-reduce when payloads are summable, all-gather otherwise), and decodes
 in the future's continuation, copying the average back into the bucket, as
-PyTorch's default hooks do. Multi-round compressors (PowerSGD) cannot run
-here, because a follow-up collective would be issued from the communication
-thread, in an order ranks need not agree on; use them through the engine, or
-DDP's own PowerSGD hook with a single bucket.
+PyTorch's default hooks do. Multi-round compressors (PowerSGD, Count Sketch
+with ``exact``: read from the instance, since parameters can change it) are
+refused when the hook is made, because a follow-up collective would be issued
+from the communication thread, in an order ranks need not agree on; use them
+through the engine, or DDP's own PowerSGD hook with a single bucket.
 """
 
 from typing import Dict
@@ -31,7 +32,11 @@ class HookState:
     """
 
     def __init__(self, name: str, error_feedback: bool = False, process_group=None, **params):
-        compressors.check(name, error_feedback=error_feedback, **params)
+        rounds = compressors.make(name, error_feedback=error_feedback, **params).rounds
+        if rounds > 1:
+            given = f" ({', '.join(f'{k}={v!r}' for k, v in params.items())})" if params else ""
+            raise ValueError(f"name: {name}{given} takes several rounds ({rounds}) and cannot run as a DDP hook; "
+                             "use the engine")
         self.name, self.error_feedback, self.params = name, error_feedback, params
         self.process_group = process_group
         self.per_bucket: Dict[int, compressors.Compressor] = {}
@@ -77,7 +82,4 @@ def _hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[tor
 
 def ddp_hook(name: str, error_feedback: bool = False, process_group=None, **params):
     """``(state, hook)`` for ``DistributedDataParallel.register_comm_hook``."""
-    cls = compressors.REGISTRY.get(name)
-    if cls is not None and getattr(cls, "rounds", 1) > 1:
-        raise ValueError(f"name: {name} takes several rounds and cannot run as a DDP hook; use the engine")
     return HookState(name, error_feedback, process_group, **params), _hook

@@ -60,6 +60,17 @@ def test_multi_round_compressors_are_refused():
         ddp_hook("powersgd", rank=1)
 
 
+def test_rounds_are_read_from_the_instance():
+    """Count Sketch takes one round by default and two with exact=True: the parameter decides, so the
+    hook must be refused when it is made, not fail later inside DDP's communication future."""
+    with pytest.raises(ValueError) as e:
+        ddp_hook("countsketch", exact=True)
+    assert str(e.value).startswith("name: countsketch (exact=True) takes several rounds (2)")
+    assert "\n" not in str(e.value)
+    state, _ = ddp_hook("countsketch", exact=False)
+    assert state.name == "countsketch"
+
+
 def test_bad_parameters_fail_at_creation():
     with pytest.raises(ValueError, match="bogus"):
         ddp_hook("none", bogus=3)
