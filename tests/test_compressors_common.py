@@ -1,4 +1,7 @@
 """Contracts every registered compressor keeps; a new compressor inherits these tests."""
+import re
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -84,3 +87,115 @@ def test_builtin_feedback_refuses_the_flag(name):
 def test_unknown_name():
     with pytest.raises(ValueError, match="allowed: none"):
         make("gzip")
+
+
+# -- declarations: parameters and capabilities, read instead of probed ------
+
+@pytest.mark.parametrize("name", names())
+def test_declared_parameters_are_what_the_constructor_takes(name):
+    cls = compressors.REGISTRY[name]
+    c = make(name)
+    for p in cls.params:
+        assert isinstance(p, compressors.Param) and p.help and "\n" not in p.help
+        assert getattr(c, p.name) == p.default, f"{name}.{p.name} is not stored as declared"
+    with pytest.raises(ValueError) as e:
+        make(name, colour=1)
+    msg = str(e.value)
+    assert msg.startswith("colour: ") and "\n" not in msg
+    if cls.params:
+        assert msg.endswith("allowed: " + ", ".join(p.name for p in cls.params))
+    else:
+        assert "takes no parameters" in msg
+
+
+@pytest.mark.parametrize("name,p", [(n, p) for n in names() for p in compressors.REGISTRY[n].params],
+                         ids=lambda x: getattr(x, "name", x))
+def test_declared_ranges_are_enforced(name, p):
+    """Values just outside a declared bound, and of the wrong type, are refused naming the parameter."""
+    bad = ["x"]
+    if p.type is not bool:
+        bad.append(True)
+        if p.lo is not None:
+            bad.append(p.lo if p.lo_open else (p.lo - 1 if p.type is int else p.lo - 1e-3))
+        if p.hi is not None:
+            bad.append(p.hi if p.hi_open else (p.hi + 1 if p.type is int else p.hi + 1e-3))
+    for v in bad:
+        with pytest.raises(ValueError, match=rf"^{p.name}: must be "):
+            make(name, **{p.name: v})
+
+
+def _readme_rows():
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = text.index("| name | parameters (default) |")
+    rows = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = line.split("|")
+        for n in cells[1].replace("`", "").split(","):
+            rows[n.strip()] = cells[2]
+    return rows
+
+
+def _shown(v) -> str:
+    return ("true" if v else "false") if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def test_readme_table_lists_every_declared_parameter():
+    rows = _readme_rows()
+    assert set(rows) == set(names())
+    for name in names():
+        row = rows[name]
+        declared = compressors.REGISTRY[name].params
+        for p in declared:
+            want = f"`{p.name}`" if p.default is None else f"`{p.name}` ({_shown(p.default)})"
+            assert want in row, f"README's {name} row lacks {want}"
+        listed = set(re.findall(r"`(\w+)`", row))
+        assert listed == {p.name for p in declared}, f"README's {name} row lists {listed}"
+
+
+@pytest.mark.parametrize("name,params", [(n, params_of(n)) for n in names()] + [("countsketch", {"exact": True})])
+def test_declared_rounds_and_summable_match_the_exchange(name, params):
+    torch.manual_seed(3)
+    comps = [make(name, **params) for _ in range(2)]
+    log = []
+    emulate_exchange(comps, [torch.randn(600) for _ in comps], log)
+    c = comps[0]
+    assert len(log) == c.rounds
+    assert {op for op, _ in log} == {"allreduce" if c.summable else "allgather"}
+
+
+@pytest.mark.parametrize("name", [n for n in names() if make(n).keeps_shape])
+def test_keeps_shape_payloads_decode_slice_by_slice(name):
+    """What dear relies on: one payload element per input element, and a slice decodes to the same slice."""
+    torch.manual_seed(4)
+    t = torch.randn(96)
+    c = make(name)
+    payload, ctx = c.compress(t.clone())
+    assert len(payload) == 1 and payload[0].numel() == t.numel()
+    whole = c.decompress([payload[0].clone()], ctx).reshape(-1)
+    for a, b in ((0, 32), (32, 64), (64, 96)):
+        torch.testing.assert_close(c.decompress([payload[0][a:b].clone()], ctx).reshape(-1), whole[a:b])
+
+
+@pytest.mark.parametrize("name", names())
+def test_lossless_means_only_wire_rounding(name):
+    torch.manual_seed(5)
+    t = torch.randn(512)
+    c = make(name, **params_of(name))
+    out = c.decompress(*c.compress(t.clone()))
+    err = (torch.linalg.vector_norm(out - t) / torch.linalg.vector_norm(t)).item()
+    if c.lossless:
+        assert err < 4e-3  # bfloat16's 8-bit mantissa: relative rounding below 2^-8
+    else:
+        assert err > 1e-2, f"{name} loses almost nothing: declare it lossless?"
+
+
+def test_dear_takes_exactly_the_shardable_compressors():
+    """shard_problem reads the instance: one round, summable, shape kept; parameters can change the answer."""
+    assert compressors.shardable() == ("none", "fp16", "bf16")
+    assert make("countsketch").shard_problem() == "has a payload that does not keep the gradient's shape"
+    assert make("countsketch", exact=True).shard_problem() == "takes 2 rounds"
+    assert make("randomk").shard_problem() == "has a payload that does not keep the gradient's shape"
+    assert make("topk").shard_problem() == "has payloads that cannot be summed"
+    assert make("fp16", error_feedback=True).shard_problem() is None

@@ -5,14 +5,17 @@
     payload, ctx = c.compress(t)
     t2 = c.decompress(payload, ctx)
 
-Every compressor class takes its parameters as keyword arguments and checks
-them in ``__init__``, raising ``ValueError("<param>: <problem>")``.
+Every compressor class declares its keyword parameters once (``cls.params``, a
+tuple of ``Param``) and its capabilities as attributes (engine/compressors/base.py);
+``__init__`` checks the parameters against the declaration, raising
+``ValueError("<param>: <problem>")``.
 """
 from __future__ import annotations
 
-from typing import Dict, Type
+from typing import Dict, Tuple, Type
 
 from engine.compressors.base import Compressor, ErrorFeedback, Round, nbytes
+from engine.compressors.params import Param
 from engine.compressors import quantize, sparsify
 from engine.compressors.basic import NoneCompressor
 
@@ -47,4 +50,11 @@ def check(name: str, error_feedback: bool = False, **params) -> None:
     make(name, error_feedback=error_feedback, **params)
 
 
-__all__ = ["Compressor", "ErrorFeedback", "Round", "nbytes", "make", "names", "check", "REGISTRY"]
+def shardable() -> Tuple[str, ...]:
+    """The compressors whose payloads, at their default parameters, reduce-scatter as the gradients
+    would (``Compressor.shard_problem``): the ones DeAR takes."""
+    return tuple(n for n in REGISTRY if make(n).shard_problem() is None)
+
+
+__all__ = ["Compressor", "ErrorFeedback", "Param", "Round", "nbytes", "make", "names", "check", "shardable",
+           "REGISTRY"]

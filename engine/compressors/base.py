@@ -16,6 +16,17 @@ yield several rounds; they still never touch a process group.
 One instance serves one bucket and owns that bucket's state (residuals,
 warm-started factors, hash seeds), which ``state_dict``/``load_state_dict``
 checkpoint.
+
+A compressor declares, instead of leaving callers to probe it:
+
+- its keyword parameters, once: ``params``, a tuple of ``Param`` (name, type,
+  default, range, help). ``Compressor.__init__`` checks them and stores each as
+  an attribute of the same name; the spec, the New run form and the README's
+  table read the same tuple;
+- its capabilities: ``summable``, ``keeps_shape``, ``lossless``, ``rounds``,
+  ``builtin_feedback`` and ``elementwise``. Read them from an instance where
+  parameters change them (Count Sketch with ``exact`` takes two rounds).
+  ``shard_problem`` combines them into what DeAR needs.
 """
 from __future__ import annotations
 
@@ -23,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import torch
+
+from engine.compressors.params import Param, take
 
 Tensor = torch.Tensor
 
@@ -49,10 +62,17 @@ def nbytes(tensors: List[Tensor]) -> int:
 
 class Compressor:
     name = "base"
+    params: Tuple[Param, ...] = ()
+    """The keyword parameters, declared once (engine/compressors/params.py)."""
     summable = True
     """True when payloads from several ranks may be summed element-wise."""
     keeps_shape = False
-    """True when the payload is the gradient itself in another dtype (DeAR needs it)."""
+    """True when the payload is one tensor with one element per input element, element i standing
+    for input element i, and ``decompress`` decodes any contiguous slice of it to the same slice of
+    the output. Then a reduce-scatter of summable payloads is a reduce-scatter of the gradients."""
+    lossless = False
+    """True when decoding gives the input back up to the wire dtype's rounding (the identity and
+    the casts): error feedback would have nothing worth keeping."""
     bucket = 0
     """Index of the bucket this instance serves, set by the communicator. Seeds that
     must agree across ranks (random-k indices, sketch hashes) derive from it."""
@@ -65,7 +85,8 @@ class Compressor:
     last_bytes = 0
     """Payload bytes this rank sent in its last exchange."""
     rounds = 1
-    """Collective rounds per exchange (PowerSGD: 2)."""
+    """Collective rounds per exchange (PowerSGD: 2). Parameters may change it (Count Sketch with
+    ``exact``: 2), so read it from an instance."""
     builtin_feedback = False
     """True when the method keeps its own residual (PowerSGD, DGC, EF-signSGD),
     so the generic error-feedback flag would apply it twice."""
@@ -78,6 +99,21 @@ class Compressor:
     buckets are rebuilt (engine/comm.py ``relayout``) this state is cut per parameter and
     reassembled in the new buckets, so it stays with its parameters. Other state (PowerSGD's
     factors and padded residual, random generators) starts afresh in a new bucket."""
+
+    def __init__(self, **given):
+        for k, v in take(self.name, self.params, given).items():
+            setattr(self, k, v)
+
+    def shard_problem(self) -> Optional[str]:
+        """Why a reduce-scatter of this instance's payloads would not be the reduce-scatter of the
+        gradients (what DeAR needs), or None when it would: one round, summable, shape kept."""
+        if self.rounds != 1:
+            return f"takes {self.rounds} rounds"
+        if not self.summable:
+            return "has payloads that cannot be summed"
+        if not self.keeps_shape:
+            return "has a payload that does not keep the gradient's shape"
+        return None
 
     def elementwise_state(self) -> Dict[str, Optional[Tensor]]:
         """The per-element state by name (the error-feedback residual as ``ef.residual``)."""

@@ -6,8 +6,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from engine.compressors.base import Compressor, Round
-from engine.compressors.sparsify import (check_bool, check_int, check_ratio, count_of, mix_seed, out_buffer,
-                                         reject_unknown, top_indices)
+from engine.compressors.params import Param, mix_seed, ratio, seed
+from engine.compressors.sparsify import count_of, out_buffer, top_indices
 
 Tensor = torch.Tensor
 
@@ -117,18 +117,18 @@ class CountSketch(Compressor):
     """
     name = "countsketch"
     summable = True
+    params = (Param("rows", int, 5, "rows of the sketch table (independent hashes)", lo=1),
+              Param("cols", int, None, "width of the sketch table", lo=1, unset="4 k, at most n / rows"),
+              Param("k", int, None, "heavy hitters returned", lo=1, unset="from ratio"),
+              ratio(None, "heavy hitters returned as a fraction of the bucket, k = ceil(ratio * n)",
+                    unset="0.01 unless k is given"),
+              seed("seeds the hashes, with the bucket index and size: the same on every rank"),
+              Param("exact", bool, False, "a second all-reduce of the true values at the k indices"))
 
-    def __init__(self, *, rows: int = 5, cols: Optional[int] = None, k: Optional[int] = None,
-                 ratio: Optional[float] = None, seed: int = 0, exact: bool = False, **unknown):
-        reject_unknown(self.name, unknown, ("rows", "cols", "k", "ratio", "seed", "exact"))
-        self.rows = check_int("rows", rows, 1)
-        self.cols = None if cols is None else check_int("cols", cols, 1)
-        self.k = None if k is None else check_int("k", k, 1)
-        if k is not None and ratio is not None:
+    def __init__(self, **given):
+        super().__init__(**given)
+        if self.k is not None and self.ratio is not None:
             raise ValueError("ratio: give k or ratio, not both")
-        self.ratio = None if ratio is None else check_ratio("ratio", ratio)
-        self.seed = check_int("seed", seed, 0)
-        self.exact = check_bool("exact", exact)
         self.rounds = 2 if self.exact else 1
         self._plan: Optional[Plan] = None  # derived from (seed, bucket, n): never checkpointed
         self._gen = torch.Generator().manual_seed(0)  # local threshold sampling in top_indices

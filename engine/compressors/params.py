@@ -1,59 +1,105 @@
-"""Parameter checks and seed mixing shared by every compressor.
+"""Declared compressor parameters, their checks, and seed mixing.
 
-Each check returns the value or raises ``ValueError("<param>: <problem>")``:
-one line that starts with the parameter's name, as the spec's errors do.
+Every compressor class declares its keyword parameters once, as a tuple of
+``Param`` (``Compressor.params``). That declaration is what the constructor
+checks (``take``), what the job spec validates, what the New run form builds
+its inputs from, and what the README's compressor table lists.
+
+A failed check raises ``ValueError("<param>: <problem>")``: one line that
+starts with the parameter's name, as the spec's errors do.
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
 
 
-def reject_unknown(name: str, params: dict, allowed: Tuple[str, ...]) -> None:
-    if params:
-        bad = sorted(params)[0]
-        raise ValueError(f"{bad}: not a parameter of {name}; allowed: {', '.join(allowed)}")
+@dataclass(frozen=True)
+class Param:
+    """One keyword parameter of a compressor."""
+    name: str
+    type: type
+    """bool, int or float (an integer is accepted for a float and stored as a float)."""
+    default: Any
+    """The value when the parameter is not given; None: it has no default value, see ``unset``."""
+    help: str
+    """One line on what it does, for the form and the docs."""
+    lo: Optional[float] = None
+    hi: Optional[float] = None
+    lo_open: bool = False
+    hi_open: bool = False
+    """Bounds of int and float parameters; open bounds exclude the bound itself."""
+    unset: str = ""
+    """What leaving it out means when there is no default (worked out from the bucket, off, ...)."""
+    note: str = ""
+    """Why the upper bound is there, appended to its error message."""
+
+    def __post_init__(self):
+        if self.type not in (bool, int, float):
+            raise TypeError(f"{self.name}: parameter type must be bool, int or float, not {self.type}")
+        if self.type is int and self.lo is None:
+            raise TypeError(f"{self.name}: an int parameter needs a lower bound")
+        if self.default is None and not self.unset:
+            raise TypeError(f"{self.name}: a parameter without a default must say what unset means")
+        if self.default is not None:
+            self.check(self.default)  # a declaration whose default fails its own check is a bug
+
+    def allowed(self) -> str:
+        """The allowed values in words: 'true or false', 'an integer >= 1', 'in (0, 1]'."""
+        if self.type is bool:
+            return "true or false"
+        if self.type is int:
+            lo = f"an integer >= {int(self.lo)}"
+            return lo if self.hi is None else f"{lo} and at most {int(self.hi)}"
+        lo = -math.inf if self.lo is None else self.lo
+        hi = math.inf if self.hi is None else self.hi
+        left = "(" if self.lo_open or self.lo is None else "["
+        right = ")" if self.hi_open or self.hi is None else "]"
+        return f"in {left}{lo:g}, {hi:g}{right}"
+
+    def check(self, v) -> Any:
+        """The value as stored (floats as float), or ValueError naming the parameter."""
+        if v is None and self.default is None:
+            return None
+        if self.type is bool:
+            if not isinstance(v, bool):
+                raise ValueError(f"{self.name}: must be true or false, got {v!r}")
+            return v
+        if self.type is int:
+            if isinstance(v, bool) or not isinstance(v, int) or v < self.lo:
+                raise ValueError(f"{self.name}: must be an integer >= {int(self.lo)}, got {v!r}")
+            if self.hi is not None and v > self.hi:
+                raise ValueError(f"{self.name}: must be at most {int(self.hi)}{self.note}, got {v!r}")
+            return v
+        lo = -math.inf if self.lo is None else self.lo
+        hi = math.inf if self.hi is None else self.hi
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        ok = ok and (v > lo if self.lo_open else v >= lo) and (v < hi if self.hi_open else v <= hi)
+        if not ok:
+            raise ValueError(f"{self.name}: must be {self.allowed()}{self.note}, got {v!r}")
+        return float(v)
 
 
-def check_ratio(param: str, v) -> float:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-        raise ValueError(f"{param}: must be in (0, 1], got {v!r}")
-    return float(v)
+def ratio(default: Optional[float], help: str, unset: str = "") -> Param:
+    """A fraction of the bucket's elements, in (0, 1]."""
+    return Param("ratio", float, default, help, lo=0, hi=1, lo_open=True, unset=unset)
 
 
-def check_int(param: str, v, lo: int, hi: Optional[int] = None, why: str = "") -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{param}: must be an integer >= {lo}, got {v!r}")
-    if hi is not None and v > hi:
-        raise ValueError(f"{param}: must be at most {hi}{why}, got {v!r}")
-    return v
+def seed(help: str) -> Param:
+    return Param("seed", int, 0, help, lo=0)
 
 
-def check_real(param: str, v, lo: float, lo_open: bool = True, hi: float = math.inf, hi_open: bool = True) -> float:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-        raise ValueError(f"{param}: must be a number in {interval}, got {v!r}")
-    return float(v)
-
-
-def check_bool(param: str, v) -> bool:
-    if not isinstance(v, bool):
-        raise ValueError(f"{param}: must be true or false, got {v!r}")
-    return v
-
-
-def reject_params(name: str, params: dict) -> None:
-    """For compressors without parameters."""
-    if params:
-        raise ValueError(f"{sorted(params)[0]}: {name} takes no parameters")
-
-
-def take(name: str, params: dict, defaults: dict) -> dict:
-    """``defaults`` updated with ``params``; an unknown key is an error naming it."""
-    reject_unknown(name, {k: v for k, v in params.items() if k not in defaults}, tuple(defaults))
-    return {**defaults, **params}
+def take(owner: str, declared: Tuple[Param, ...], given: Dict[str, Any]) -> Dict[str, Any]:
+    """Every declared parameter's checked value, from ``given`` or its default; an unknown
+    keyword is an error that names it and lists the allowed ones."""
+    known = {p.name for p in declared}
+    unknown = sorted(k for k in given if k not in known)
+    if unknown:
+        if not declared:
+            raise ValueError(f"{unknown[0]}: {owner} takes no parameters")
+        raise ValueError(f"{unknown[0]}: not a parameter of {owner}; allowed: {', '.join(p.name for p in declared)}")
+    return {p.name: p.check(given[p.name]) if p.name in given else p.default for p in declared}
 
 
 _M64 = (1 << 64) - 1

@@ -7,8 +7,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from engine.compressors.base import Compressor, Round
-from engine.compressors.sparsify import (check_bool, check_int, check_real, mix_seed, out_buffer,
-                                         reject_unknown)
+from engine.compressors.params import Param, mix_seed, seed
+from engine.compressors.sparsify import out_buffer
 
 Tensor = torch.Tensor
 
@@ -152,15 +152,15 @@ class PowerSGD(Compressor):
     summable = True
     rounds = 2
     builtin_feedback = True
+    params = (Param("rank", int, 1, "rank of the approximation: factors of rank * (rows + cols) elements", lo=1),
+              Param("start_iter", int, 10, "exchanges sent as plain all-reduces before compression starts", lo=0),
+              Param("min_compression_rate", float, 2.0, "compress a tensor only if it shrinks at least this much",
+                    lo=1),
+              Param("warm_start", bool, True, "start each power iteration from the previous Q"),
+              seed("seeds the initial Q, the same on every rank"))
 
-    def __init__(self, *, rank: int = 1, start_iter: int = 10, min_compression_rate: float = 2.0,
-                 warm_start: bool = True, seed: int = 0, **unknown):
-        reject_unknown(self.name, unknown, ("rank", "start_iter", "min_compression_rate", "warm_start", "seed"))
-        self.rank = check_int("rank", rank, 1)
-        self.start_iter = check_int("start_iter", start_iter, 0)
-        self.min_compression_rate = check_real("min_compression_rate", min_compression_rate, 1.0, lo_open=False)
-        self.warm_start = check_bool("warm_start", warm_start)
-        self.seed = check_int("seed", seed, 0)
+    def __init__(self, **given):
+        super().__init__(**given)
         self.step = 0
         """Exchanges started so far: the first ``start_iter`` are plain all-reduces."""
         self.q: Optional[Tensor] = None

@@ -46,7 +46,7 @@ import torch
 
 from engine.compressors import bitpack
 from engine.compressors.base import Compressor, Round, nbytes
-from engine.compressors.params import check_int, check_real, mix_seed, reject_params, take
+from engine.compressors.params import Param, mix_seed, seed
 
 Tensor = torch.Tensor
 
@@ -125,9 +125,8 @@ class _Lossy(Compressor):
 
 
 class _Seeded(_Lossy):
-    """A compressor that draws random numbers from a generator it owns."""
-    def _setup_rng(self, seed: int) -> None:
-        self.seed = seed
+    """A compressor that draws random numbers from a generator it owns, seeded from its ``seed`` parameter."""
+    def _setup_rng(self) -> None:
         self._gen: Optional[torch.Generator] = None
         self._gen_state: Optional[Tensor] = None  # loaded before the device was known
 
@@ -168,10 +167,8 @@ class _Seeded(_Lossy):
 class _Cast(Compressor):
     summable = True
     keeps_shape = True
+    lossless = True
     wire: torch.dtype = torch.float16
-
-    def __init__(self, **params):
-        reject_params(self.name, params)
 
     def compress(self, t: Tensor):
         if not t.is_floating_point():  # integer and bool tensors pass through, as in horovod
@@ -239,12 +236,14 @@ class QSGD(_Seeded):
     seed (default 0): seeds this bucket's generator together with the bucket index.
     """
     name = "qsgd"
+    params = (Param("levels", int, 127, "quantisation levels per sign (int8 codes up to 127)", lo=1, hi=32767,
+                    note=" (codes are int16)"),
+              seed("seeds this bucket's rounding noise, with the bucket index and rank"))
 
-    def __init__(self, **params):
-        p = take(self.name, params, {"levels": 127, "seed": 0})
-        self.levels = check_int("levels", p["levels"], 1, 32767, " (codes are int16)")
+    def __init__(self, **given):
+        super().__init__(**given)
         self._setup()
-        self._setup_rng(check_int("seed", p["seed"], 0))
+        self._setup_rng()
         self.code_dtype = torch.int8 if self.levels <= 127 else torch.int16
         self._min_norm = torch.finfo(torch.float32).tiny * self.levels
 
@@ -284,11 +283,12 @@ class TernGrad(_Seeded):
     seed (default 0): seeds this bucket's generator together with the bucket index.
     """
     name = "terngrad"
+    params = (seed("seeds this bucket's rounding noise, with the bucket index and rank"),)
 
-    def __init__(self, **params):
-        p = take(self.name, params, {"seed": 0})
+    def __init__(self, **given):
+        super().__init__(**given)
         self._setup()
-        self._setup_rng(check_int("seed", p["seed"], 0))
+        self._setup_rng()
 
     def compress(self, t: Tensor):
         x = _flat(t, _work_dtype(t.dtype))
@@ -341,11 +341,12 @@ class Natural(_Seeded):
     seed (default 0): seeds this bucket's generator together with the bucket index.
     """
     name = "natural"
+    params = (seed("seeds this bucket's rounding noise, with the bucket index and rank"),)
 
-    def __init__(self, **params):
-        p = take(self.name, params, {"seed": 0})
+    def __init__(self, **given):
+        super().__init__(**given)
         self._setup()
-        self._setup_rng(check_int("seed", p["seed"], 0))
+        self._setup_rng()
 
     def _random_bits(self, n: int, itype: torch.dtype, g: torch.Generator, device) -> Tensor:
         # one int64 draw carries 63 random bits: enough for two float32 mantissas
@@ -462,8 +463,8 @@ class SignSGD(_Vote):
     """
     name = "signsgd"
 
-    def __init__(self, **params):
-        reject_params(self.name, params)
+    def __init__(self, **given):
+        super().__init__(**given)
         self._setup()
 
     def compress(self, t: Tensor):
@@ -483,11 +484,11 @@ class Signum(_Vote):
     Every ``compress`` call advances it by one step.
     """
     name = "signum"
+    params = (Param("momentum", float, 0.9, "momentum of the buffer whose signs are sent", lo=0, hi=1, hi_open=True),)
     elementwise = ("m",)
 
-    def __init__(self, **params):
-        p = take(self.name, params, {"momentum": 0.9})
-        self.momentum = check_real("momentum", p["momentum"], 0, lo_open=False, hi=1)
+    def __init__(self, **given):
+        super().__init__(**given)
         self._setup()
         self.m: Optional[Tensor] = None
         """Momentum of this rank's gradient for the bucket, flat, in the gradient's dtype."""
@@ -539,8 +540,8 @@ class EFSignSGD(_Lossy):
     builtin_feedback = True
     elementwise = ("residual",)
 
-    def __init__(self, **params):
-        reject_params(self.name, params)
+    def __init__(self, **given):
+        super().__init__(**given)
         self._setup()
         self.residual: Optional[Tensor] = None
         """What this rank's messages have dropped so far, added to the next gradient."""
@@ -586,8 +587,8 @@ class OneBit(_Lossy):
     """
     name = "onebit"
 
-    def __init__(self, **params):
-        reject_params(self.name, params)
+    def __init__(self, **given):
+        super().__init__(**given)
         self._setup()
 
     def compress(self, t: Tensor):

@@ -28,8 +28,7 @@ from engine.compressors.base import Compressor, Round, nbytes
 
 Tensor = torch.Tensor
 
-from engine.compressors.params import (check_bool, check_int, check_ratio, check_real,  # noqa: F401
-                                         mix_seed, reject_unknown)
+from engine.compressors.params import Param, mix_seed, ratio, seed
 
 
 def count_of(ratio: float, n: int) -> int:
@@ -127,7 +126,8 @@ class SparseCompressor(Compressor):
     """Shared encode/decode for (values, indices) payloads; subclasses pick the indices."""
     summable = False
 
-    def __init__(self):
+    def __init__(self, **given):
+        super().__init__(**given)
         self._scratch = Scratch()
         # local sampling only (threshold estimates); ranks need not agree on it
         self._gen = torch.Generator().manual_seed(0)
@@ -186,11 +186,10 @@ class TopK(SparseCompressor):
     (world - 1) payloads), so at large worlds a summable method can win.
     """
     name = "topk"
+    params = (ratio(0.01, "fraction of the bucket's entries sent, k = ceil(ratio * n)"),)
 
-    def __init__(self, *, ratio: float = 0.01, **unknown):
-        reject_unknown(self.name, unknown, ("ratio",))
-        super().__init__()
-        self.ratio = check_ratio("ratio", ratio)
+    def __init__(self, **given):
+        super().__init__(**given)
         self._k = (0, 0)  # (n, k): computing k through Fraction costs a few µs
 
     def k_for(self, n: int) -> int:
@@ -252,12 +251,12 @@ class RandomK(Compressor):
     """
     name = "randomk"
     summable = True
+    params = (ratio(0.01, "fraction of the bucket's entries sent, k = ceil(ratio * n)"),
+              seed("seeds the index draw, with the bucket index and step: the same on every rank"),
+              Param("unbiased", bool, False, "scale kept values by n/k, an unbiased estimate with more variance"))
 
-    def __init__(self, *, ratio: float = 0.01, seed: int = 0, unbiased: bool = False, **unknown):
-        reject_unknown(self.name, unknown, ("ratio", "seed", "unbiased"))
-        self.ratio = check_ratio("ratio", ratio)
-        self.seed = check_int("seed", seed, 0)
-        self.unbiased = check_bool("unbiased", unbiased)
+    def __init__(self, **given):
+        super().__init__(**given)
         self.step = 0
         """Compress calls so far; part of the index seed, so it is checkpointed."""
         self._gen = torch.Generator()
@@ -335,11 +334,7 @@ class Threshold(SparseCompressor):
     compare and one nonzero, no selection.
     """
     name = "threshold"
-
-    def __init__(self, *, threshold: float = 0.01, **unknown):
-        reject_unknown(self.name, unknown, ("threshold",))
-        super().__init__()
-        self.threshold = check_real("threshold", threshold, 0.0)
+    params = (Param("threshold", float, 0.01, "send every entry with |x| >= threshold", lo=0, lo_open=True),)
 
     def select(self, flat):
         idx = torch.ge(self._scratch.abs(flat), self.threshold).nonzero().view(-1)
@@ -395,15 +390,15 @@ class DGC(SparseCompressor):
     name = "dgc"
     builtin_feedback = True
     elementwise = ("u", "v")
+    params = (ratio(0.01, "fraction of entries sent after warm-up"),
+              Param("momentum", float, 0.9, "momentum correction (run the optimizer without momentum)",
+                    lo=0, hi=1, hi_open=True),
+              Param("clip", float, None, "clip this bucket's local gradient to this 2-norm", lo=0, lo_open=True,
+                    unset="no clipping"),
+              Param("warmup_steps", int, 0, "steps over which the density falls from 25% to ratio", lo=0))
 
-    def __init__(self, *, ratio: float = 0.01, momentum: float = 0.9, clip: Optional[float] = None,
-                 warmup_steps: int = 0, **unknown):
-        reject_unknown(self.name, unknown, ("ratio", "momentum", "clip", "warmup_steps"))
-        super().__init__()
-        self.ratio = check_ratio("ratio", ratio)
-        self.momentum = check_real("momentum", momentum, 0.0, lo_open=False, hi=1.0)
-        self.clip = None if clip is None else check_real("clip", clip, 0.0)
-        self.warmup_steps = check_int("warmup_steps", warmup_steps, 0)
+    def __init__(self, **given):
+        super().__init__(**given)
         self.u: Optional[Tensor] = None
         """Velocity (momentum-corrected gradient), zeroed where sent."""
         self.v: Optional[Tensor] = None
