@@ -29,6 +29,13 @@ yet) and the module waits for g only. Collectives are issued in one fixed
 order on every rank: reduce-scatters in buffer order (the order gradients are
 expected in backward), all-gathers in forward order.
 
+Compressors: any whose instance is single-round, summable and keeps the
+gradient's shape (``Compressor.shard_problem``; none, fp16 and bf16 today).
+Each buffer's gradient is encoded whole (error feedback included when it is
+on), the payload is reduce-scattered as it is, and each rank decodes its
+shard: for such payloads that is the reduce-scatter of the gradients. fp16
+payloads are pre-divided by the world size, as DDP's fp16 hook does.
+
 Before evaluation, saving, the end of training, or a relayout,
 ``sync_params`` completes every pending all-gather, so no one reads stale
 parameters. ``finish`` completes them too (a parameter that forward never
@@ -57,8 +64,6 @@ from engine.schedules import MB, ParamInfo
 from engine.timeline import Timeline
 
 Tensor = torch.Tensor
-COMPRESSORS = ("none", "fp16", "bf16")
-"""Summable, shape-keeping payloads: a reduce-scatter of the payload is the reduce-scatter of the gradient."""
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -151,11 +156,16 @@ class DeAR:
 
     def __init__(self, model: torch.nn.Module, layout: Callable[[List[ParamInfo]], List[List[int]]],
                  compressor: str = "none", timeline: Optional[Timeline] = None, group=None,
-                 broadcast_from_rank0: bool = True, link: Optional[ModeledLink] = None):
-        if compressor not in COMPRESSORS:
-            raise ValueError(f"compressor.name: dear needs a summable compressor that keeps shapes; "
-                             f"allowed: {', '.join(COMPRESSORS)}, got {compressor!r}")
-        self.model, self.group, self.link, self.compressor = model, group, link, compressor
+                 broadcast_from_rank0: bool = True, link: Optional[ModeledLink] = None,
+                 error_feedback: bool = False, compressor_params: Optional[dict] = None):
+        params = dict(compressor_params or {})
+        problem = compressors.make(compressor, error_feedback=error_feedback, **params).shard_problem()
+        if problem:
+            raise ValueError(f"compressor.name: dear reduce-scatters payloads, so it needs a single-round, "
+                             f"summable compressor whose payload keeps the gradient's shape; {compressor} {problem}")
+        self.model, self.group, self.link = model, group, link
+        self.make_compressor = lambda: compressors.make(compressor, error_feedback=error_feedback, **params)
+        """A new compressor instance, one per buffer; its payload is reduce-scattered as it is."""
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeline = timeline or Timeline(None, self.rank, enabled=False)
@@ -196,7 +206,7 @@ class DeAR:
         self.buffers: List[Buffer] = []
         self.slot = {}
         for g, idx in enumerate(layout):
-            comp = compressors.make(self.compressor)
+            comp = self.make_compressor()
             comp.bucket, comp.process_rank = g, self.rank
             b = Buffer(g, [self.params[i] for i in idx], [self.order_names[i] for i in idx], self.world,
                        self.rank, comp)
@@ -304,7 +314,10 @@ class DeAR:
     def _scatter(self, b: Buffer) -> None:
         tl = self.timeline
         t0 = tl.now()
-        payload, b.ctx = b.compressor.compress(b.grad)
+        payload, b.ctx = b.compressor.encode(b.grad)  # compress, with error feedback when it is on
+        if len(payload) != 1 or payload[0].numel() != b.padded:
+            raise RuntimeError(f"dear: {b.compressor.name} declares keeps_shape but sent {len(payload)} tensors "
+                               f"of {[t.numel() for t in payload]} elements for a buffer of {b.padded}")
         wire = payload[0]
         if wire.dtype == torch.float16:
             # half sums can overflow where no rank's value did: pre-divide, as DDP's fp16 hook does
@@ -394,8 +407,15 @@ class DeAR:
     def relayout(self, layout: List[List[int]]) -> None:
         """Rebuild the buffers at a step boundary. Pending gathers complete first; the attached
         optimizer's per-element state (momentum, Adam moments) is moved element by element to the
-        new shards (one all-gather per state tensor and buffer), its scalar state (Adam's step) kept."""
+        new shards (one all-gather per state tensor and buffer), its scalar state (Adam's step) kept.
+        The compressors' per-element state (the error-feedback residual, ``Compressor.elementwise``)
+        is local to each rank and moves with its parameters too; other compressor state starts afresh."""
         self.sync_params()
+        comp_state: Dict[int, Dict[str, Optional[Tensor]]] = {}  # id(param) -> state name -> its slice
+        for b in self.buffers:
+            state = b.compressor.elementwise_state()
+            for p, off in zip(b.params, b.offsets):
+                comp_state[id(p)] = {k: None if t is None else t[off:off + p.numel()] for k, t in state.items()}
         opt = self.optimizer
         per_param: Dict[int, Dict[str, tuple]] = {}  # id(param) -> key -> (elementwise, value)
         if opt is not None:
@@ -415,6 +435,20 @@ class DeAR:
         self._build(layout)
         self._map_modules()
         self.step_raw_bytes = sum(b.raw_bytes for b in self.buffers)
+        for b in self.buffers:
+            state = {}
+            for k in b.compressor.elementwise_state():
+                parts = [comp_state[id(p)].get(k) for p in b.params]
+                if all(t is None for t in parts):
+                    state[k] = None  # nothing kept yet: the compressor starts from zero as usual
+                    continue
+                like = next(t for t in parts if t is not None)
+                full = torch.zeros(b.padded, dtype=like.dtype, device=like.device)  # padding stays 0
+                for t, p, off in zip(parts, b.params, b.offsets):
+                    if t is not None:
+                        full[off:off + p.numel()] = t
+                state[k] = full
+            b.compressor.load_elementwise_state(state)
         if opt is None:
             return
         for b in self.buffers:

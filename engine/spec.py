@@ -28,8 +28,6 @@ SCHEDULES_AVAILABLE = ("layerwise", "allinone", "bucket", "mergecomp", "layerfus
 SCHEDULES_PLANNED = ()
 COMM_AVAILABLE = ("sync", "wfbp", "dear")
 COMM_PLANNED = ()
-DEAR_COMPRESSORS = ("none", "fp16", "bf16")
-"""dear reduce-scatters the payload itself: it must be summable and keep the gradient's shape."""
 LINKS_AVAILABLE = ("loopback", "shaped", "modeled")
 LINKS_PLANNED = ()
 
@@ -300,14 +298,14 @@ class JobSpec:
         if self.backend == "nccl" and self.device == "cpu":
             raise SpecError("backend", "nccl needs device cuda (or auto); use gloo on cpu")
         if self.comm.mode == "dear":
+            from engine import compressors
             c = self.compressor
-            if c.name not in DEAR_COMPRESSORS:
-                raise SpecError("compressor.name", f"comm.mode dear reduce-scatters the payload, so it needs a summable "
-                                                   f"compressor that keeps shapes; allowed: {', '.join(DEAR_COMPRESSORS)}, "
-                                                   f"got {c.name!r}")
-            if c.error_feedback:
-                raise SpecError("compressor.error_feedback", "comm.mode dear takes no error feedback "
-                                                             f"(its compressors {', '.join(DEAR_COMPRESSORS)} drop nothing to feed back)")
+            problem = compressors.make(c.name, error_feedback=c.error_feedback, **c.params).shard_problem()
+            if problem:
+                raise SpecError("compressor.name", f"comm.mode dear reduce-scatters the payload, so it needs a "
+                                                   f"single-round, summable compressor whose payload keeps the "
+                                                   f"gradient's shape; {c.name} {problem}; allowed: "
+                                                   f"{', '.join(compressors.shardable())}")
             if self.schedule != ScheduleSpec():
                 raise SpecError("schedule", "comm.mode dear fuses by comm.cap_mb, comm.layers or comm.tune; "
                                             "leave schedule at its default (bucket, cap_mb 25)")

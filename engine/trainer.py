@@ -94,7 +94,8 @@ class Trainer:
         if spec.comm.mode == "dear":
             # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
             self.dp = DeAR(self.model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
-                           link=netmodel.from_spec(spec.network))
+                           link=netmodel.from_spec(spec.network), error_feedback=c.error_feedback,
+                           compressor_params=c.params)
             self.optimizer = make_optimizer(spec, self.dp.shard_params())
             self.dp.attach(self.optimizer)
         else:

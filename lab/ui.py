@@ -180,11 +180,11 @@ def choices() -> dict:
 
 
 def compressors_for(mode: str) -> List[str]:
-    """The compressors a comm mode accepts: dear reduce-scatters the payload itself, so only the summable,
-    shape-keeping ones (engine.spec.DEAR_COMPRESSORS); the other modes take every compressor."""
+    """The compressors a comm mode accepts: dear reduce-scatters the payload itself, so only the
+    single-round, summable ones whose payload keeps the gradient's shape (engine.compressors.shardable);
+    the other modes take every compressor."""
     from engine import compressors
-    from engine.spec import DEAR_COMPRESSORS
-    return list(DEAR_COMPRESSORS) if mode == "dear" else list(compressors.names())
+    return list(compressors.shardable()) if mode == "dear" else list(compressors.names())
 
 
 def datasets_for(model: str) -> List[str]:

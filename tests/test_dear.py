@@ -87,26 +87,34 @@ def test_dear_equals_sync_adam_and_through_the_cap_search():
     _check(res)
 
 
-def _fp16(rank, world):
-    """dear with fp16 against sync with fp16: the same arithmetic (cast, pre-divide, sum in half)."""
+def _fp16(rank, world, ef):
+    """dear with fp16 against sync with fp16: the same arithmetic (cast, pre-divide, sum in half),
+    and with error feedback the same residual, kept per element across dear's relayouts (tune)."""
     from engine.trainer import Trainer
     dev = torch.device("cpu")
     d = _spec("sync", "sgd").to_dict()
-    d["compressor"] = {"name": "fp16"}
+    d["compressor"] = {"name": "fp16", "error_feedback": ef}
     ref = Trainer(JobSpec.from_dict(d), None, rank, world, dev)
-    ours = Trainer(_with("sgd", {"cap_mb": 0.05, "compressor": "fp16"}), None, rank, world, dev)
-    for _ in range(5):
-        ref.train_step()
-        ours.train_step()
-    d = _max_diff(ours.model_state(), ref.model_state())
-    ours.close()
-    ref.close()
-    return d
+    ours = []
+    for comm in ({"cap_mb": 0.05}, {"tune": True, "tune_steps": 2}):
+        o = _with("sgd", {**comm, "compressor": "fp16"}).to_dict()
+        o["compressor"]["error_feedback"] = ef
+        ours.append(Trainer(JobSpec.from_dict(o), None, rank, world, dev))
+    for _ in range(8):
+        for t in [ref] + ours:
+            t.train_step()
+    out = [_max_diff(t.model_state(), ref.model_state()) for t in ours]
+    residual = ours[0].dp.buffers[0].compressor.ef
+    for t in [ref] + ours:
+        t.close()
+    return out, None if residual is None else residual.residual.abs().max().item()
 
 
-def test_dear_fp16_matches_sync_fp16():
-    for d in run_world(_fp16):
-        assert d < 1e-5
+@pytest.mark.parametrize("ef", [False, True])
+def test_dear_fp16_matches_sync_fp16(ef):
+    for diffs, residual in run_world(_fp16, ef):
+        assert max(diffs) < 1e-5
+        assert (residual is not None and residual > 0) == ef  # error feedback really ran in dear
 
 
 def _timeline(rank, world, run_dir):
@@ -176,6 +184,47 @@ def test_relayout_keeps_optimizer_state():
         assert diff < 1e-6
 
 
+def _residuals(d):
+    """Each parameter's slice of its buffer's error-feedback residual (zeros where none is kept)."""
+    out = {}
+    for b in d.buffers:
+        r = b.compressor.ef.residual
+        for n, p, off in zip(b.names, b.params, b.offsets):
+            out[n] = torch.zeros(p.numel()) if r is None else r[off:off + p.numel()].clone()
+    return out
+
+
+def _relayout_residual(rank, world):
+    from engine import data, models
+    torch.manual_seed(0)
+    ds = data.load("digits", seed=0)
+    m = models.build("mlp", ds.info)
+    d = dear.DeAR(m, lambda ps: dear.layout_cap(ps, 0.3), "fp16", error_feedback=True)
+    opt = torch.optim.SGD(d.shard_params(), lr=0.05)
+    d.attach(opt)
+    sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
+    for _ in range(2):
+        x, y = ds.batch("train", next(sampler))
+        models.loss_fn(m(x), y).backward()
+        d.finish()
+        opt.step()
+        d.zero_grad()
+    before, n_before = _residuals(d), len(d.buffers)
+    d.relayout(dear.layout_layers(d.infos, 1))
+    after, n_after = _residuals(d), len(d.buffers)
+    pads = [b.compressor.ef.residual[b.numel:].abs().max().item()
+            for b in d.buffers if b.padded > b.numel and b.compressor.ef.residual is not None]
+    d.close()
+    return n_before, n_after, max(before[k].abs().max().item() for k in before), \
+        max((before[k] - after[k]).abs().max().item() for k in before), max(pads, default=0.0)
+
+
+def test_relayout_moves_the_error_feedback_residual_with_its_parameters():
+    for n_before, n_after, size, moved, pad in run_world(_relayout_residual):
+        assert n_before != n_after and size > 0
+        assert moved == 0 and pad == 0
+
+
 # ---------------------------------------------------------------- pure parts
 
 def _infos(names_sizes):
@@ -215,7 +264,6 @@ def test_cap_search_as_good_as_grid_in_fewer_trials():
 @pytest.mark.parametrize("patch,field", [
     ({"compressor": {"name": "topk", "ratio": 0.01}}, "compressor.name"),
     ({"compressor": {"name": "powersgd"}}, "compressor.name"),
-    ({"compressor": {"name": "fp16", "error_feedback": True}}, "compressor.error_feedback"),
     ({"schedule": {"name": "layerwise"}}, "schedule"),
     ({"comm": {"mode": "dear", "cap_mb": 0}}, "comm.cap_mb"),
     ({"comm": {"mode": "dear", "layers": 0}}, "comm.layers"),
@@ -232,6 +280,26 @@ def test_spec_rejects(patch, field):
 
 
 def test_spec_accepts_dear():
-    for comp in ("none", "fp16", "bf16"):
+    for comp in ("none", "fp16", "bf16", {"name": "fp16", "error_feedback": True}):
         s = JobSpec.from_dict({"compressor": comp, "comm": {"mode": "dear", "tune": True, "tune_steps": 4}})
         assert JobSpec.from_dict(s.to_dict()) == s
+
+
+@pytest.mark.parametrize("comp,lacks", [
+    ({"name": "topk"}, "topk has payloads that cannot be summed"),
+    ({"name": "qsgd"}, "qsgd has payloads that cannot be summed"),
+    ({"name": "randomk", "ratio": 0.1}, "randomk has a payload that does not keep the gradient's shape"),
+    ({"name": "countsketch"}, "countsketch has a payload that does not keep the gradient's shape"),
+    ({"name": "countsketch", "exact": True}, "countsketch takes 2 rounds"),
+    ({"name": "powersgd", "rank": 2}, "powersgd takes 2 rounds"),
+])
+def test_dear_refuses_by_capability(comp, lacks):
+    """The refusal says which capability the compressor instance lacks, and lists the ones dear takes."""
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_dict({"model": "cnn", "compressor": comp, "comm": {"mode": "dear"}})
+    msg = str(e.value)
+    assert e.value.path == "compressor.name" and "\n" not in msg
+    assert f"; {lacks}; allowed: none, fp16, bf16" in msg
+    with pytest.raises(ValueError, match=f"^compressor.name: .*{lacks}"):  # the communicator checks the same
+        dear.DeAR(torch.nn.Linear(2, 2), lambda ps: [[0, 1]], comp["name"],
+                  compressor_params={k: v for k, v in comp.items() if k != "name"})
