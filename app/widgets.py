@@ -251,29 +251,32 @@ def run_form() -> None:
         offered = ui.compressors_for(mode)
         comp = st.selectbox("Compressor", offered, key=k + "compressor",
                             help=None if len(offered) == len(ch["compressors"]) else
-                            f"{mode} offers only the compressors it accepts: {', '.join(offered)}")
+                            f"{mode} reduce-scatters payloads, so it offers the single-round, summable compressors "
+                            f"whose payload keeps the gradient's shape: {', '.join(offered)}")
         _slot(slots, "compressor.name")
         info = ui.compressor_info(comp)
         st.caption(("summable payloads: all-reduced" if info["summable"] else "payloads all-gathered, decoded per rank")
+                   + (f" · {info['rounds']} rounds" if info["rounds"] > 1 else "")
                    + (" · keeps its own residual" if info["builtin_feedback"] else ""))
         params = {}
-        for p in ui.compressor_params(comp):
+        for p in ui.compressor_params(comp):  # as the compressor declares them (engine.compressors.Param)
             key = f"{k}c.{comp}.{p.name}"
-            if isinstance(p.default, bool):
-                params[p.name] = st.checkbox(p.name, p.default, key=key)
-            elif isinstance(p.default, int):
-                params[p.name] = st.number_input(p.name, value=p.default, step=1, key=key)
-            elif isinstance(p.default, float):
-                params[p.name] = st.number_input(p.name, value=p.default, format="%g", key=key)
-            else:
-                v = ui.parse_value(st.text_input(f"{p.name} (blank: derived)", "", key=key))
+            tip = f"{p.help}; {p.allowed()}"
+            if p.type is bool:
+                params[p.name] = st.checkbox(p.name, p.default, key=key, help=p.help)
+            elif p.default is None:
+                v = ui.parse_value(st.text_input(f"{p.name} (blank: {p.unset})", "", key=key, help=tip))
                 if v is not None:
                     params[p.name] = v
+            elif p.type is int:
+                params[p.name] = st.number_input(p.name, value=p.default, step=1, key=key, help=tip)
+            else:
+                params[p.name] = st.number_input(p.name, value=float(p.default), format="%g", key=key, help=tip)
         _slot(slots, "compressor.params")
-        no_ef = info["builtin_feedback"] or mode == "dear"
+        no_ef = info["builtin_feedback"]
         ef = st.checkbox("Error feedback", False, key=k + "ef", disabled=no_ef,
                          help="Add the residual before compressing and keep what was dropped."
-                              + (" dear takes none: it accepts none, fp16, bf16 without it." if mode == "dear" else ""))
+                              + (f" {comp} keeps its own residual." if no_ef else ""))
         _slot(slots, "compressor.error_feedback")
         d["compressor"] = {"name": comp, "error_feedback": bool(ef and not no_ef), "params": params}
         if mode == "dear":
@@ -442,7 +445,8 @@ def sweep_form() -> None:
             extra = ui.parse_value("{" + text + "}") if text.strip() else {}
             if isinstance(extra, dict):
                 entry.update(extra)
-        if ef and comp not in ui.LOSSLESS and not ui.compressor_info(comp)["builtin_feedback"]:
+        info = ui.compressor_info(comp)
+        if ef and not info["lossless"] and not info["builtin_feedback"]:
             entry["error_feedback"] = True
         compressors.append(entry)
     c = st.columns(2)

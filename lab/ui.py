@@ -10,12 +10,10 @@ from __future__ import annotations
 import inspect
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
@@ -119,43 +117,20 @@ def get_run_or_raise(run_id: str, runs=None) -> Run:
 
 # --------------------------------------------------------------------------- the New run form
 
-@dataclass
-class Param:
-    name: str
-    default: object
-    """The compressor's default, or None when it has none that can be written down (derived at run time)."""
-
-
-def compressor_params(name: str) -> List[Param]:
-    """A compressor's keyword parameters and defaults, read from the registry class."""
+def compressor_params(name: str) -> list:
+    """A compressor's keyword parameters as its class declares them (engine.compressors.Param: name,
+    type, default or None with what unset means, range, one-line help)."""
     from engine.compressors import REGISTRY
-    cls = REGISTRY[name]
-    sig = {p.name: p.default for p in inspect.signature(cls.__init__).parameters.values()
-           if p.kind == p.KEYWORD_ONLY}
-    try:
-        cls(__probe__=0)
-        allowed: List[str] = []
-    except ValueError as e:  # "<param>: not a parameter of X; allowed: a, b" or "X takes no parameters"
-        m = re.search(r"allowed: (.*)$", str(e))
-        allowed = [a.strip() for a in m.group(1).split(",")] if m else []
-    inst = None
-    out = []
-    for p in allowed:
-        if p in sig:
-            out.append(Param(p, sig[p]))
-            continue
-        if inst is None:
-            inst = cls()
-        v = getattr(inst, p, None)
-        out.append(Param(p, v if isinstance(v, (bool, int, float, str)) or v is None else None))
-    return out
+    return list(REGISTRY[name].params)
 
 
 def compressor_info(name: str) -> dict:
-    from engine.compressors import REGISTRY
-    c = REGISTRY[name]
-    return {"summable": c.summable, "keeps_shape": c.keeps_shape, "builtin_feedback": c.builtin_feedback,
-            "doc": (inspect.getdoc(c) or "").split("\n\n")[0]}
+    """What a compressor declares it can do, read from an instance at its default parameters."""
+    from engine import compressors
+    c = compressors.make(name)
+    return {"summable": c.summable, "keeps_shape": c.keeps_shape, "lossless": c.lossless, "rounds": c.rounds,
+            "builtin_feedback": c.builtin_feedback, "elementwise": c.elementwise,
+            "doc": (inspect.getdoc(type(c)) or "").split("\n\n")[0]}
 
 
 def choices() -> dict:
@@ -436,10 +411,6 @@ def short_labels(runs: List[Run]) -> Dict[str, str]:
 
 
 # --------------------------------------------------------------------------- sweeps in the background
-
-LOSSLESS = ("none", "fp16", "bf16")
-"""Compressors that drop nothing worth feeding back."""
-
 
 def sweep_data(name: str, base: dict, grid: dict, target_acc: Optional[float] = None,
                baseline: bool = True) -> dict:

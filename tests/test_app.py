@@ -314,12 +314,23 @@ def test_new_run_form_follows_the_comm_mode(runs):
     at.selectbox(key="nr.compressor").set_value("topk").run()
     at.selectbox(key="nr.comm").set_value("dear").run()
     assert not at.exception, [e.value for e in at.exception]
-    # dear offers only the compressors it accepts, takes no error feedback, and sizes its own buffers
+    # dear offers only the compressors it accepts (single-round, summable, shape kept: read from each
+    # compressor's declared capabilities), with error feedback if wanted, and sizes its own buffers
     assert at.selectbox(key="nr.compressor").options == ["none", "fp16", "bf16"]
-    assert at.checkbox(key="nr.ef").disabled
+    at.selectbox(key="nr.compressor").set_value("fp16").run()
+    assert not at.checkbox(key="nr.ef").disabled
+    at.checkbox(key="nr.ef").check()
     assert "Schedule" not in labels(at.selectbox)
     at.radio(key="nr.dear.how").set_value("online cap search").run()
     assert not at.error and not at.button(key="nr.submit").disabled
     at.selectbox(key="nr.comm").set_value("wfbp").run()
     at.selectbox(key="nr.schedule").set_value("mergecomp").run()
     assert at.checkbox(key="nr.mc.retune") and not at.error
+    # the inputs come from the declaration: types, and a blank box for a parameter with no default
+    at.selectbox(key="nr.compressor").set_value("countsketch").run()
+    assert at.number_input(key="nr.c.countsketch.rows").value == 5
+    assert at.checkbox(key="nr.c.countsketch.exact").value is False
+    assert at.text_input(key="nr.c.countsketch.cols").label == "cols (blank: 4 k, at most n / rows)"
+    at.selectbox(key="nr.compressor").set_value("dgc").run()
+    assert at.checkbox(key="nr.ef").disabled  # dgc keeps its own residual
+    assert not at.error
