@@ -336,9 +336,14 @@ def cmd_show(args) -> int:
     print(f"status         {st.get('state')}" + (f": rank {st.get('rank')}: {st.get('error')}" if st.get("error") else ""))
     c = spec["compressor"]
     params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
-    print(f"setup          {spec['model']['name']} on {spec['dataset']['name']}, world {spec['world_size']}, "
+    own = st.get("own_loop")  # commlab.wrap in the user's script: the model and data are the script's
+    what = (f"own loop ({own.get('model')}, {own.get('params', 0):,} parameters)" if own else
+            f"{spec['model']['name']} on {spec['dataset']['name']}")
+    print(f"setup          {what}, world {spec['world_size']}, "
           f"{c['name']}{'(' + params + ')' if params else ''}{' +EF' if c['error_feedback'] else ''}, "
           f"{spec['schedule']['name']}, {spec['comm']['mode']}, {spec['network']['link']}")
+    if own:
+        print(f"script         {own.get('script')} (optimizer {own.get('optimizer')})")
     if st.get("started") and st.get("ended"):
         print(f"wall time      {st['ended'] - st['started']:.1f} s")
     for line in format_summary(s):

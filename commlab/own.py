@@ -1,0 +1,288 @@
+"""``commlab.wrap``: the engine's communication step inside a user's own training loop.
+
+Each rank of the user's job (torchrun, Slurm, a PyTorchJob) calls ``wrap`` once, after building
+its model and before training. ``wrap`` joins the process group if the script has not (from the
+RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT convention, or as a world of one without them), builds
+the communicator, optimizer and tuners from the spec with the Trainer's own code
+(``engine.stepper.Stepper``), and opens a run: rank 0 creates the run directory (spec.json,
+status.json ``running``) and broadcasts its id; every rank then writes its timeline and metrics
+there. ``close()`` (or leaving the ``with`` block) marks the run ``done``, or ``failed`` with the
+rank and error when the script raised, or ``diverged``.
+
+Layering: this package sits above lab/ (run store) and engine/ (the step); neither imports it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from engine.spec import JobSpec, SpecError
+from engine.stepper import Diverged, Stepper
+from engine.timeline import Timeline
+
+SpecLike = Union[str, os.PathLike, dict, JobSpec]
+OptimizerLike = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
+
+
+def wrap(model: torch.nn.Module, optimizer: OptimizerLike = None, spec: SpecLike = None, *,
+         runs: Optional[os.PathLike] = None, run_id: Optional[str] = None, group=None) -> "OwnLoop":
+    """Return an ``OwnLoop`` for ``model`` (already on its device).
+
+    ``optimizer``: None (the spec's ``optimizer``), a ``torch.optim`` optimizer over
+    ``model.parameters()``, or a factory ``params -> optimizer``. dear steps this rank's
+    shards, so it needs a factory (or None): ``lambda ps: torch.optim.SGD(ps, lr=0.1)``.
+    ``spec``: a YAML/JSON path, a dict or a JobSpec; only compressor, schedule, comm, network,
+    timeline, name, steps (for progress) and seed matter here (the loop is yours).
+    ``run_id``: the run's name (default: a fresh one from rank 0)."""
+    return OwnLoop(model, optimizer, spec, runs=runs, run_id=run_id, group=group)
+
+
+class OwnLoop:
+    """One rank's handle on a wrapped training loop: ``step()``, ``log_eval()``, ``close()``."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: OptimizerLike, spec: SpecLike, *,
+                 runs=None, run_id=None, group=None):
+        self.model = model
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.own_group = _join(self.device)
+        """True when wrap initialised the process group (then close() destroys it)."""
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.run = None
+        """rank 0: the lab's Run, whose status this rank owns; None on the others."""
+        try:
+            self.spec = _load(spec, self.world)
+            make_opt = _optimizer_factory(optimizer, model, self.spec)
+            self.run_dir, self.run_id = self._open_run(runs, run_id, model, optimizer)
+        except BaseException:
+            if self.own_group:
+                dist.destroy_process_group()
+            raise
+        self.stepper = None
+        try:
+            self.stepper = Stepper(self.spec, model, str(self.run_dir), self.rank, self.device, group, make_opt)
+        except BaseException as e:
+            self._fail(e)
+            raise
+        self.optimizer: torch.optim.Optimizer = self.stepper.optimizer
+        """The optimizer the step uses (over dear's shards with dear)."""
+        self.closed = False
+        self._t0 = self._t1 = None
+        # forward begins at the model's first training forward after a step, ends at its last one;
+        # prepend: it runs before DeAR's gather wait, which therefore counts as forward time
+        self._hooks = [model.register_forward_pre_hook(self._forward_begins, prepend=True),
+                       model.register_forward_hook(self._forward_ends)]
+        self._last = self._now()
+        self._sigterm = None
+        if threading.current_thread() is threading.main_thread():
+            # torchrun (and Slurm, Kubernetes) stop the other ranks with SIGTERM when one fails: raise
+            # here instead of dying, so the `with` block ends the run as failed, naming the rank that caused it
+            self._sigterm = signal.signal(signal.SIGTERM, self._terminated)
+
+    def _terminated(self, signum, frame):
+        if self.closed:  # already ending the run (a launcher may signal twice): finish that first
+            return
+        raise Stopped(f"rank {self.rank} was stopped by SIGTERM (a launcher stops every rank when one fails)")
+
+    # -- the loop ---------------------------------------------------------
+    def _now(self):
+        tl: Timeline = self.stepper.timeline
+        return tl.now(), tl.mark()
+
+    def _training(self) -> bool:
+        return self.model.training and torch.is_grad_enabled()
+
+    def _forward_begins(self, mod, args) -> None:
+        if self.stepper.probe:
+            self.stepper.probe.active = self._training()  # no evaluation passes in the layer spans
+        if self._t0 is None and self._training():
+            self._t0 = self._now()
+
+    def _forward_ends(self, mod, args, out) -> None:
+        if self._training():
+            self._t1 = self._now()
+
+    def step(self, loss=None) -> dict:
+        """After ``loss.backward()``: average the gradients as the spec says, step the optimizer,
+        zero the gradients, log the step (with ``loss``: a tensor or a number) and feed the
+        tuners. Returns the step's metrics line. Raises ``Diverged`` on every rank alike when
+        the averaged gradient is not finite."""
+        t0 = self._t0 or self._last
+        t1 = self._t1 or t0
+        t2 = self._now()
+        rec = self.stepper.step_after_backward(loss, t0[0], t1[0], t2[0], t0[1], t1[1], t2[1])
+        self._t0 = self._t1 = None
+        self._last = self._now()
+        return rec
+
+    def log_eval(self, acc: float, loss: float) -> None:
+        """An evaluation line, as the Trainer writes it (rank 0 writes it): held-out accuracy and
+        loss, for the summary and the UI's curves."""
+        if self.rank == 0:
+            self.stepper.log({"kind": "eval", "step": self.stepper.step, "rank": 0, "eval_loss": float(loss),
+                              "eval_acc": float(acc), "t": time.time()})
+
+    def sync_params(self) -> None:
+        """dear: complete pending parameter all-gathers, so the model holds the latest parameters
+        (call before evaluating or saving the model)."""
+        self.stepper.sync_params()
+
+    # -- the run ----------------------------------------------------------
+    def _open_run(self, runs, run_id, model, optimizer):
+        from lab import procs
+        from lab.queue import Lab
+        lab = Lab(runs)
+        box = [None]
+        if self.rank == 0:
+            try:
+                self.run = lab.create(self.spec, run_id=run_id)
+                n = sum(p.numel() for p in model.parameters())
+                self.run.set_status("running", supervisor=procs.identity(), own_loop={
+                    "script": " ".join(sys.argv), "model": type(model).__name__, "params": n,
+                    "optimizer": "spec" if optimizer is None else _optimizer_name(optimizer),
+                    "world_size": self.world, "host": socket.gethostname()})
+                box[0] = self.run.id
+            except BaseException as e:
+                box[0] = f"!{type(e).__name__}: {e}"
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        if box[0].startswith("!"):  # rank 0 could not create the run: every rank stops with its reason
+            raise RuntimeError(f"rank 0 could not create the run: {box[0][1:]}")
+        return lab.root / box[0], box[0]
+
+    def _fail(self, e: BaseException) -> None:
+        """This rank failed: leave its error (or divergence) in the run directory; rank 0 then
+        decides the run's final status from every rank's files."""
+        if isinstance(e, Diverged):
+            _write_json(self.run_dir / f"diverged-rank{self.rank}.json",
+                        {"rank": self.rank, "step": e.step, "error": str(e), "time": time.time()})
+        else:
+            _write_json(self.run_dir / f"error-rank{self.rank}.json",
+                        {"rank": self.rank, "error": f"{type(e).__name__}: {e}".strip(),
+                         "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+                         "time": time.time()})
+        if self.run is not None:
+            from lab.launcher import finish_status
+            time.sleep(1.0)  # a peer that caused this (rank 0 sees a lost connection) records its own error
+            finish_status(self.run, 1)
+
+    def close(self, error: Optional[BaseException] = None) -> None:
+        """Close the writers and end the run: ``done`` when every rank got here without
+        ``error``, otherwise ``failed`` (or ``diverged``) naming the rank that caused it."""
+        if self.closed:
+            return
+        self.closed = True
+        for h in self._hooks:
+            h.remove()
+        try:
+            if error is None:
+                self.stepper.sync_params()
+            self.stepper.close()
+        except BaseException as e:
+            error = error or e
+        if error is None:
+            try:
+                dist.barrier(group=self.group)  # every rank's files are closed before rank 0 says done
+            except BaseException as e:  # a peer failed at the end: its error file says why
+                error = e
+        if error is not None:
+            self._fail(error)
+        elif self.run is not None:
+            from lab.launcher import finish_status
+            finish_status(self.run, 0)
+        if self.own_group and dist.is_initialized():
+            dist.destroy_process_group()
+        if self._sigterm is not None:
+            signal.signal(signal.SIGTERM, self._sigterm)
+
+    def __enter__(self) -> "OwnLoop":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close(exc)
+        return False
+
+    def __repr__(self) -> str:
+        return f"OwnLoop(run={self.run_id!r}, rank={self.rank}/{self.world}, step={self.stepper.step})"
+
+
+class Stopped(BaseException):
+    """This rank was told to stop (SIGTERM); a BaseException, like KeyboardInterrupt, so that a
+    script's ``except Exception`` does not swallow it."""
+
+
+def _join(device: torch.device) -> bool:
+    """Join the process group from the environment unless the script did; True if we did."""
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300")))
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # a plain `python script.py`: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                                timeout=timeout)
+    return True
+
+
+def _load(spec: SpecLike, world: int) -> JobSpec:
+    """The spec with world_size taken from the job (a spec that names another one is refused)."""
+    from lab.specs import read_spec_file
+    if isinstance(spec, JobSpec):
+        data = spec.to_dict()
+    elif isinstance(spec, dict):
+        data = json.loads(json.dumps(spec))
+    elif spec is None:
+        data = {}
+    else:
+        data = read_spec_file(str(spec))
+    if "world_size" in data and data["world_size"] != world and not isinstance(spec, JobSpec):
+        raise SpecError("world_size", f"the spec asks for {data['world_size']} ranks but this job has {world}")
+    data["world_size"] = world
+    return JobSpec.from_dict(data)
+
+
+def _optimizer_factory(optimizer: OptimizerLike, model: torch.nn.Module, spec: JobSpec):
+    if optimizer is None or (callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)):
+        return optimizer  # None: the spec's optimizer; otherwise a factory over what the communicator gives
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer: expected a torch.optim.Optimizer, a factory params -> optimizer, or None; "
+                        f"got {type(optimizer).__name__}")
+    if spec.comm.mode == "dear":
+        raise ValueError("optimizer: comm.mode dear steps this rank's parameter shards, not the model's parameters; "
+                         "pass a factory instead, e.g. commlab.wrap(model, lambda params: torch.optim.SGD(params, "
+                         "lr=0.1), spec)")
+    mine = {id(p) for p in model.parameters()}
+    theirs = [p for g in optimizer.param_groups for p in g["params"]]
+    if not theirs or any(id(p) not in mine for p in theirs):
+        raise ValueError("optimizer: it must be built over model.parameters() of the model passed to wrap")
+    return lambda params: optimizer
+
+
+def _optimizer_name(optimizer) -> str:
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer).__name__
+    return getattr(optimizer, "__name__", None) or getattr(getattr(optimizer, "func", None), "__name__", "factory")
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(json.dumps(obj, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # said on stderr: the rank's own error matters more than this file
+        print(f"[commlab] rank {obj.get('rank')}: could not write {path}: {e}", file=sys.stderr, flush=True)

@@ -1,0 +1,195 @@
+"""What a rank does around its optimizer step, shared by the Trainer and a user's own loop.
+
+A ``Stepper`` owns, for one rank: the communicator the spec asks for (``DataParallel`` for sync
+and wfbp, ``DeAR`` for dear), the stock ``torch.optim`` optimizer over what that communicator
+hands it (the model's parameters, or DeAR's shards), the tuners (mergecomp and layerfusion
+through ``tuners.Tuning``, dear's buffer-cap search) and the writers of the run directory
+(``timeline-rank<r>.jsonl``, ``metrics.jsonl``, ``layout.json``). The caller runs forward and
+backward; ``step()`` does the rest of the iteration:
+
+    finish the exchange -> divergence check -> optimizer.step -> zero_grad -> log -> tuners
+
+``engine.trainer.Trainer`` drives it from its data loop; ``commlab.wrap`` from the user's.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from engine import compressors, dear, netmodel, schedules, tuners
+from engine.comm import DataParallel
+from engine.dear import DeAR
+from engine.probe import LayerProbe
+from engine.runlog import JsonlWriter
+from engine.spec import JobSpec
+from engine.timeline import Clock, CudaClock, Timeline
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+"""Builds the optimizer over the parameters it is given: the model's, or DeAR's shards."""
+
+
+def make_optimizer(spec: JobSpec, params):
+    o = spec.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
+    betas = tuple(o.betas) if o.betas else (0.9, 0.999)
+    return cls(params, lr=o.lr, betas=betas, weight_decay=o.weight_decay)
+
+
+def schedule_fn(spec: JobSpec):
+    s = spec.schedule
+    opts = {"cap_mb": s.cap_mb} if s.name == "bucket" else {}
+    return functools.partial(schedules.build, s.name, **opts)
+
+
+class Diverged(RuntimeError):
+    """The averaged gradient is not finite: training cannot go on."""
+
+    def __init__(self, step: int):
+        super().__init__(f"diverged at step {step}: the averaged gradient is not finite (NaN or inf)")
+        self.step = step
+
+
+class Stepper:
+    def __init__(self, spec: JobSpec, model: torch.nn.Module, run_dir: Optional[str], rank: int,
+                 device: torch.device, group=None, make_opt: Optional[OptimizerFactory] = None):
+        self.spec, self.model, self.run_dir, self.rank, self.device = spec, model, run_dir, rank, device
+        path = (lambda name: os.path.join(run_dir, name)) if run_dir else None
+        clock = CudaClock(device) if device.type == "cuda" else Clock()
+        self.timeline = Timeline(path(f"timeline-rank{rank}.jsonl") if path else None, rank,
+                                 enabled=spec.timeline, clock=clock)
+        self.metrics = JsonlWriter(path("metrics.jsonl")) if path else None
+        self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
+        make_opt = make_opt or functools.partial(make_optimizer, spec)
+        c = spec.compressor
+        self.cap_tuner = None
+        """dear with comm.tune: the buffer-cap search (engine.dear.CapTuner), fed in _tune."""
+        if spec.comm.mode == "dear":
+            # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
+            self.dp = DeAR(model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
+                           link=netmodel.from_spec(spec.network), error_feedback=c.error_feedback,
+                           compressor_params=c.params)
+            self.optimizer = make_opt(self.dp.shard_params())
+            self.dp.attach(self.optimizer)
+        else:
+            self.dp = DataParallel(model, schedule_fn(spec),
+                                   lambda: compressors.make(c.name, error_feedback=c.error_feedback, **c.params),
+                                   mode=spec.comm.mode, timeline=self.timeline, group=group,
+                                   link=netmodel.from_spec(spec.network))
+            self.optimizer = make_opt(model.parameters())
+        self.step = 0
+        if rank == 0 and run_dir:
+            self.write_layout()
+        self.tuning = None
+        """mergecomp / layerfusion: the tuner's driver, which relayouts at step boundaries."""
+        if spec.schedule.name in ("mergecomp", "layerfusion"):
+            self.tuning = tuners.Tuning(spec, self.dp, run_dir, self.timeline, group,
+                                        on_layout=self.write_layout if rank == 0 and run_dir else None)
+
+    def _dear_layout(self):
+        """dear's buffers: by comm.layers, by comm.cap_mb (default 25 MB), or the tuner's first trial cap."""
+        cm = self.spec.comm
+        if cm.layers is not None:
+            return functools.partial(dear.layout_layers, layers=cm.layers)
+        cap = cm.cap_mb or 25.0
+        if cm.tune:
+            total = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+            self.cap_tuner = dear.CapTuner(dear.cap_candidates(total))
+            self.tune_steps = cm.tune_steps or 5
+            self.trial_cap, self.trial_ms = self.cap_tuner.propose(), []
+            cap = self.trial_cap
+        return functools.partial(dear.layout_cap, cap_mb=cap)
+
+    def _tune(self, time_ms: float) -> None:
+        """Feed the cap search one measured step; at the end of a trial rank 0 decides the next cap
+        (or the best one, when the search is over) and broadcasts it; every rank then relayouts."""
+        self.trial_ms.append(time_ms)
+        if len(self.trial_ms) < self.tune_steps:
+            return
+        decision = torch.zeros(2, dtype=torch.float64, device=self.device)  # [cap_mb, search over]
+        if self.rank == 0:
+            self.cap_tuner.report(self.trial_cap, self.trial_ms[1:])  # the first step after a relayout warms up
+            nxt = self.cap_tuner.propose()
+            decision[0], decision[1] = (nxt, 0.0) if nxt is not None else (self.cap_tuner.best, 1.0)
+            self.log({"kind": "tune", "step": self.step, "rank": 0, "cap_mb": self.trial_cap,
+                      "median_ms": self.cap_tuner.measured[self.cap_tuner.caps.index(self.trial_cap)],
+                      "next_cap_mb": float(decision[0]), "done": bool(decision[1]), "t": time.time()})
+        dist.broadcast(decision, 0)
+        cap, done = float(decision[0]), bool(decision[1])
+        if cap != self.trial_cap:
+            self.dp.relayout(dear.layout_cap(self.dp.infos, cap))
+        self.trial_cap, self.trial_ms = cap, []
+        if done:
+            self.cap_tuner = None  # keep the best cap from here on
+        if self.rank == 0 and self.run_dir:
+            self.write_layout()
+
+    def sync_params(self) -> None:
+        """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
+        sync = getattr(self.dp, "sync_params", None)
+        if sync:
+            sync()
+
+    def write_layout(self) -> None:
+        buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
+                    "compressor": b.compressor.name} for b in self.dp.buckets]
+        with open(os.path.join(self.run_dir, "layout.json"), "w") as f:
+            json.dump({"params": sum(p.numel() for p in self.model.parameters()),
+                       "tensors": len(self.dp.infos), "buckets": buckets}, f, indent=1)
+
+    def log(self, obj: dict) -> None:
+        if self.metrics:
+            self.metrics.write(obj)
+
+    def step_after_backward(self, loss, t0: float, t1: float, t2: float, m0, m1, m2, extra: Optional[dict] = None) -> dict:
+        """End an iteration whose forward ran from (t0, m0) to (t1, m1) and whose backward ended at
+        (t2, m2) (host times of ``timeline.now()``, marks of ``timeline.mark()``): finish the exchange,
+        step the optimizer, log the step, feed the tuners. ``loss`` is a tensor, a number or None.
+        Raises ``Diverged`` when the averaged gradient is not finite (on every rank alike)."""
+        tl = self.timeline
+        self.dp.finish()
+        finite = self.dp.grads_finite()  # every rank sees the same averaged gradient: one decision for all
+        t3 = tl.now()
+        m3 = tl.mark()
+        self.optimizer.step()
+        self.dp.zero_grad()
+        m4 = tl.mark()
+        loss_value = loss.item() if isinstance(loss, torch.Tensor) else loss  # .item() syncs the device
+        if not bool(finite):
+            raise Diverged(self.step)
+        t4 = tl.now()
+        s = self.step
+        tl.span("forward", "forward", m0, m1, {"step": s})
+        tl.span("backward", "backward", m1, m2, {"step": s})
+        tl.span("optimizer", "optimizer", m3, m4, {"step": s})
+        tl.span("step", f"step {s}", t0, t4, {"step": s})
+        if self.probe:
+            self.probe.reset()
+        tl.flush()
+        rec = {"kind": "step", "step": s, "rank": self.rank, "loss": loss_value, **(extra or {}),
+               "time_ms": (t4 - t0) * 1e3, "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t2 - t1) * 1e3,
+               "finish_ms": (t3 - t2) * 1e3, "optimizer_ms": (t4 - t3) * 1e3,
+               "bytes_sent": self.dp.step_bytes, "bytes_raw": self.dp.step_raw_bytes, "t": time.time()}
+        self.log(rec)
+        self.step += 1
+        if self.tuning is not None and not self.tuning.done:
+            self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
+            tl.flush()
+        if self.cap_tuner is not None:
+            self._tune(rec["time_ms"])
+        return rec
+
+    def close(self) -> None:
+        self.dp.close()
+        if self.probe:
+            self.probe.close()
+        self.timeline.close()
+        if self.metrics:
+            self.metrics.close()
