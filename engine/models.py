@@ -7,6 +7,11 @@ Rules every model follows, because the trainers rely on them:
 - every parameter lives in a leaf module (Conv2d, Linear, GroupNorm,
   LayerNorm, Embedding), so per-layer hooks see each layer on its own.
 Callers seed (torch.manual_seed) before build() for a deterministic init.
+
+Models from outside the zoo (``torchvision:<arch>``, ``hf:<type>``,
+``pkg.module:factory``; engine/external.py) follow none of these rules by
+promise: the trainer averages their floating-point buffers (BatchNorm running
+statistics) across ranks before each evaluation.
 """
 import math
 
@@ -14,22 +19,35 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from engine import external
+
 NAMES = ("mlp", "cnn", "resnet", "transformer")
 _KIND = {"mlp": "image", "cnn": "image", "resnet": "image", "transformer": "text"}
 
 
 def _check_name(name):
     if name not in NAMES:
-        raise ValueError(f"model: unknown name {name!r}; allowed: {', '.join(NAMES)}")
+        raise ValueError(f"model: unknown name {name!r}; allowed: {', '.join(NAMES)}, "
+                         f"torchvision:<arch>, hf:<type>, package.module:factory")
+
+
+def kind(name):
+    """The data kind model `name` needs ("image", "text"), or None when only its first batch can tell."""
+    if external.is_external(name):
+        return external.model_kind(name)
+    _check_name(name)
+    return _KIND[name]
 
 
 def compatible(name, info_kind):
-    """Whether model `name` can train on data of kind "image" or "text"."""
-    _check_name(name)
-    return _KIND[name] == info_kind
+    """Whether model `name` can train on data of kind "image" or "text" (True when unknown)."""
+    need = kind(name)
+    return need is None or info_kind is None or need == info_kind
 
 
 def build(name, info, **kw):
+    if external.is_external(name):
+        return external.build_model(name, info, **kw)
     _check_name(name)
     if not compatible(name, info.kind):
         raise ValueError(f"model: {name!r} needs {_KIND[name]} data, got {info.kind}")
@@ -45,6 +63,14 @@ def build(name, info, **kw):
 def loss_fn(logits, y):
     """Mean cross entropy; (B, T, V) text logits are flattened to (B*T, V)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def make_loss(path=None):
+    """The loss: cross entropy (per image, or per next token) unless the spec names a function
+    ``package.module:fn`` taking (model output, y) and returning a scalar tensor."""
+    if path is None:
+        return loss_fn
+    return external.import_object(path, "model.loss")
 
 
 def correct(logits, y):

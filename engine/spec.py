@@ -34,26 +34,81 @@ LINKS_PLANNED = ()
 
 @dataclass
 class ModelSpec:
-    name: Literal["mlp", "cnn", "resnet", "transformer"] = "cnn"
-    """Which model of the zoo (engine/models.py)."""
+    name: str = "cnn"
+    """A model of the zoo (mlp | cnn | resnet | transformer, engine/models.py), torchvision:<arch>,
+    hf:<model_type> (a transformers causal LM from its config), or package.module:factory."""
     options: dict = field(default_factory=dict)
-    """Keyword arguments for the model builder, e.g. {width: 64} for resnet."""
+    """Keyword arguments for the model builder, e.g. {width: 64} for resnet, {n_layer: 4} for hf:gpt2."""
+    loss: Optional[str] = None
+    """package.module:fn taking (model output, y) and returning a scalar; default: cross entropy
+    (per image, or per next token)."""
+
+    def __post_init__(self):
+        from engine import external, models
+        try:
+            if external.is_external(self.name):
+                external.check_model(self.name)  # unknown architecture or import failure: one line, now
+            else:
+                models.kind(self.name)
+            if self.loss is not None:
+                external.import_object(self.loss, "model.loss")
+        except ValueError as e:
+            field_, _, msg = str(e).partition(": ")
+            raise SpecError(field_ if field_.startswith("model.") else "model.name", msg or str(e)) from None
+
+
+DATASETS = ("digits", "mnist", "text", "synthetic")
 
 
 @dataclass
 class DataSpec:
-    name: Literal["digits", "mnist", "text", "synthetic"] = "digits"
-    """A data set that needs no download (engine/data.py)."""
+    name: str = "digits"
+    """A data set that needs no download (digits | mnist | text | synthetic, engine/data.py), or
+    package.module:loader returning (train, held_out) map-style data sets of (x, y) items."""
     shape: Optional[list] = None
     """synthetic only: image shape [C, H, W], default [3, 32, 32]."""
     classes: Optional[int] = None
     """synthetic only: number of classes, default 10."""
     size: Optional[int] = None
-    """synthetic only: training examples, default 2048."""
+    """synthetic only: training examples (or token windows), default 2048."""
     block: Optional[int] = None
-    """text only: context length in characters, default 64."""
+    """text, or synthetic with vocab: context length in tokens, default 64."""
+    vocab: Optional[int] = None
+    """synthetic only: make token sequences of this vocabulary (for language models) instead of images."""
+    options: dict = field(default_factory=dict)
+    """A package.module:loader only: its keyword arguments."""
+
+    @property
+    def kind(self) -> Optional[str]:
+        """"image" or "text"; None for a user loader (its first item decides)."""
+        if ":" in self.name:
+            return None
+        return "text" if self.name == "text" or self.vocab is not None else "image"
 
     def __post_init__(self):
+        if ":" in self.name:
+            for key in ("shape", "classes", "size", "block", "vocab"):
+                if getattr(self, key) is not None:
+                    raise SpecError(f"dataset.{key}", f"a loader takes its arguments as dataset options, not {key}")
+            from engine import external
+            try:
+                external.import_object(self.name, "dataset.name")
+            except ValueError as e:
+                raise SpecError("dataset.name", str(e).partition(": ")[2]) from None
+            return
+        if self.name not in DATASETS:
+            raise SpecError("dataset.name", f"unknown data set {self.name!r}; allowed: {', '.join(DATASETS)}, "
+                                            f"package.module:loader")
+        if self.options:
+            raise SpecError("dataset.options", "only a package.module:loader takes options")
+        if self.vocab is not None:
+            if self.name != "synthetic":
+                raise SpecError("dataset.vocab", "only the synthetic data set takes vocab")
+            if not 2 <= self.vocab <= 1_000_000:
+                raise SpecError("dataset.vocab", f"must be in 2..1000000, got {self.vocab}")
+            for key in ("shape", "classes"):
+                if getattr(self, key) is not None:
+                    raise SpecError(f"dataset.{key}", "synthetic tokens (vocab) take no image shape or classes")
         if self.shape is not None:
             if self.name != "synthetic":
                 raise SpecError("dataset.shape", "only the synthetic data set takes a shape")
@@ -64,8 +119,11 @@ class DataSpec:
             v = getattr(self, key)
             if v is None:
                 continue
-            if self.name != owner:
-                raise SpecError(f"dataset.{key}", f"only the {owner} data set takes {key}")
+            if key == "block" and self.name == "synthetic" and self.vocab is not None:
+                pass  # synthetic tokens have a context length too
+            elif self.name != owner:
+                raise SpecError(f"dataset.{key}", f"only the {owner} data set (or synthetic with vocab) takes {key}"
+                                if key == "block" else f"only the {owner} data set takes {key}")
             if not lo <= v <= hi:
                 raise SpecError(f"dataset.{key}", f"must be in {lo}..{hi}, got {v}")
 
@@ -310,10 +368,15 @@ class JobSpec:
                 raise SpecError("schedule", "comm.mode dear fuses by comm.cap_mb, comm.layers or comm.tune; "
                                             "leave schedule at its default (bucket, cap_mb 25)")
         from engine import models  # local import: models pulls in torch
-        kind = "text" if self.dataset.name == "text" else "image"
-        if not models.compatible(self.model.name, kind):
-            want = "the text data set" if self.model.name == "transformer" else "an image data set (digits, mnist, synthetic)"
+        if not models.compatible(self.model.name, self.dataset.kind):
+            want = ("token data (the text data set, or synthetic with vocab)" if models.kind(self.model.name) == "text"
+                    else "an image data set (digits, mnist, synthetic)")
             raise SpecError("model.name", f"{self.model.name} needs {want}, got dataset {self.dataset.name}")
+        if self.model.name.startswith("torchvision:") and self.dataset.kind == "image":
+            channels = 1 if self.dataset.name in ("digits", "mnist") else (self.dataset.shape or [3])[0]
+            if channels != 3:
+                raise SpecError("dataset", f"{self.model.name} takes 3-channel images, {self.dataset.name} has "
+                                           f"{channels}; use {{name: synthetic, shape: [3, 64, 64], classes: 10}}")
 
     # -- conversion -------------------------------------------------------
     @classmethod
@@ -348,9 +411,17 @@ def _shorthand(data: Any) -> Any:
             data["compressor"] = {**{k: v for k, v in comp.items() if k in known}, "params": params}
     model = data.get("model")
     if isinstance(model, dict):
-        extra = {k: v for k, v in model.items() if k not in ("name", "options")}
+        extra = {k: v for k, v in model.items() if k not in ("name", "options", "loss")}
         if extra:
-            data["model"] = {"name": model.get("name", "cnn"), "options": {**(model.get("options") or {}), **extra}}
+            data["model"] = {**{k: v for k, v in model.items() if k in ("name", "loss")},
+                             "name": model.get("name", "cnn"), "options": {**(model.get("options") or {}), **extra}}
+    ds = data.get("dataset")
+    if isinstance(ds, dict) and ":" in str(ds.get("name", "")):  # a user loader's arguments, inline
+        own = {f.name for f in dataclasses.fields(DataSpec)}
+        extra = {k: v for k, v in ds.items() if k not in own}
+        if extra:
+            data["dataset"] = {**{k: v for k, v in ds.items() if k in own},
+                               "options": {**(ds.get("options") or {}), **extra}}
     return data
 
 

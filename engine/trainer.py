@@ -37,7 +37,8 @@ def resolve_backend(spec: JobSpec, device: torch.device) -> str:
 def load_data(spec: JobSpec) -> "data.Dataset":
     d = spec.dataset
     kw = {k: v for k, v in (("shape", tuple(d.shape) if d.shape else None), ("classes", d.classes),
-                            ("size", d.size), ("block", d.block)) if v is not None}
+                            ("size", d.size), ("block", d.block), ("vocab", d.vocab),
+                            ("options", d.options or None)) if v is not None}
     return data.load(d.name, seed=spec.seed, **kw)
 
 
@@ -53,6 +54,7 @@ class Trainer:
         torch.manual_seed(spec.seed)
         self.data = load_data(spec)
         self.model = models.build(spec.model.name, self.data.info, **spec.model.options).to(device)
+        self.loss_fn = models.make_loss(spec.model.loss)
         self.stepper = Stepper(spec, self.model, run_dir, rank, device, group)
         """The communicator, optimizer, tuners and writers (engine/stepper.py), shared with own loops."""
         self.dp, self.optimizer, self.timeline, self.probe = (self.stepper.dp, self.stepper.optimizer,
@@ -67,6 +69,22 @@ class Trainer:
     def sync_params(self) -> None:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
         self.stepper.sync_params()
+
+    def sync_buffers(self) -> None:
+        """Average floating-point buffers (BatchNorm running statistics) over ranks. Each rank's
+        statistics follow its own shard between evaluations, as with torch DDP's
+        broadcast_buffers=False; averaging them before evaluation evaluates one model everywhere,
+        with statistics from every shard (rank 0's alone, as DDP's default broadcast gives, would
+        see 1/world of the data). Integer buffers (num_batches_tracked) are equal on every rank."""
+        bufs = [b for b in self.model.buffers() if b.is_floating_point()]
+        if not bufs or self.world == 1:
+            return
+        flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in bufs])
+        dist.all_reduce(flat)
+        flat /= self.world
+        with torch.no_grad():
+            for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
+                b.copy_(v.view_as(b))
 
     def model_state(self) -> dict:
         """The model's state_dict with up-to-date parameters (what a checkpoint saves)."""
@@ -86,7 +104,7 @@ class Trainer:
         t0 = tl.now()
         m0 = tl.mark()
         logits = self.model(x)
-        loss = models.loss_fn(logits, y)
+        loss = self.loss_fn(logits, y)
         if self._fault_now("nan"):
             loss = loss * float("nan")
         m1 = tl.mark()
@@ -112,6 +130,7 @@ class Trainer:
         tl = self.timeline
         self.sync_params()  # dear: no stale parameters in evaluation
         t0 = tl.now()
+        self.sync_buffers()
         if self.probe:
             self.probe.active = False
         self.model.eval()
@@ -125,7 +144,7 @@ class Trainer:
             x, y = x.to(self.device), y.to(self.device)
             logits = self.model(x)
             c, k = models.correct(logits, y)
-            tot += torch.tensor([models.loss_fn(logits, y).item() * k, c, k], dtype=torch.float64)
+            tot += torch.tensor([self.loss_fn(logits, y).item() * k, c, k], dtype=torch.float64)
         tot = tot.to(self.device)
         dist.all_reduce(tot)
         self.model.train()

@@ -101,6 +101,9 @@ class Lab:
                 check_shaped_supported()
             except NetworkUnavailable as e:
                 raise LabError(f"network.link: {e}") from None
+        from engine import preflight
+        if preflight.needs_check(spec):  # a model or data set from outside the zoo: one batch, before any rank
+            preflight.check(spec)
         self.recover_stale()
         run = self.store.create(spec, run_id)
         run.set_status("queued", **({"sweep": sweep} if sweep else {}))

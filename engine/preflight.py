@@ -1,0 +1,81 @@
+"""Build a spec's model once, outside any process group, before ranks start.
+
+``check(spec)`` runs one forward pass and the loss on a two-example batch of the
+training split, so a model and a data set that do not fit each other fail with
+one line in the launching process instead of a traceback in every rank.
+``describe(spec)`` gives the parameter count and the gradient's size (what one
+uncompressed all-reduce moves per step), for the UI before a run starts.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine import data, external, models
+from engine.external import _first_line
+from engine.spec import JobSpec, SpecError
+
+
+def needs_check(spec: JobSpec) -> bool:
+    """Zoo models on shipped data sets are known to fit (the spec checks their kinds); models
+    and data sets from outside the zoo are checked by a first batch."""
+    return external.is_external(spec.model.name) or external.is_external(spec.dataset.name)
+
+
+def build(spec: JobSpec):
+    """(data set, model) on the CPU, seeded as the ranks seed them. Errors are SpecErrors."""
+    from engine.trainer import load_data
+    torch.manual_seed(spec.seed)
+    try:
+        ds = load_data(spec)
+    except ValueError as e:
+        raise _spec_error(e, "dataset") from None
+    try:
+        model = models.build(spec.model.name, ds.info, **spec.model.options)
+    except ValueError as e:
+        raise _spec_error(e, "model") from None
+    return ds, model
+
+
+def describe(spec: JobSpec) -> dict:
+    return describe_model(build(spec)[1])
+
+
+def check(spec: JobSpec) -> dict:
+    """Build the model and push one small training batch through it and the loss."""
+    ds, model = build(spec)
+    n = min(2, spec.batch_size, ds.size("train"))
+    try:
+        x, y = ds.batch("train", torch.arange(n))
+    except Exception as e:  # the user's data set, any failure
+        raise SpecError("dataset", f"{spec.dataset.name}: reading the first batch failed: "
+                                   f"{type(e).__name__}: {_first_line(e)}") from None
+    try:
+        out = model(x)
+    except Exception as e:
+        raise SpecError("model", f"{spec.model.name} does not take the first batch of {spec.dataset.name} "
+                                 f"(x {tuple(x.shape)} {x.dtype}): {type(e).__name__}: {_first_line(e)}") from None
+    try:
+        loss = models.make_loss(spec.model.loss)(out, y)
+        if not (isinstance(loss, torch.Tensor) and loss.dim() == 0):
+            raise TypeError(f"the loss is {type(loss).__name__} {getattr(loss, 'shape', '')}, not a scalar tensor")
+        loss.backward()
+    except Exception as e:
+        shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise SpecError("model.loss" if spec.model.loss else "model",
+                        f"the loss does not fit {spec.model.name}'s output {shape} and labels "
+                        f"{tuple(y.shape)} {y.dtype}: {type(e).__name__}: {_first_line(e)}") from None
+    return describe_model(model)
+
+
+def describe_model(model) -> dict:
+    params = [p for p in model.parameters() if p.requires_grad]
+    return {"params": sum(p.numel() for p in params),
+            "grad_bytes": sum(p.numel() * p.element_size() for p in params),
+            "tensors": len(params), "tied": external.tied_parameters(model)}
+
+
+def _spec_error(e: ValueError, default: str) -> SpecError:
+    head, sep, msg = str(e).partition(": ")
+    if sep and head.split(".")[0] in ("model", "dataset"):
+        return SpecError(head, msg)
+    return SpecError(default, str(e))
