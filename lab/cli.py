@@ -143,6 +143,13 @@ def cmd_run(args) -> int:
     lab = Lab(args.runs)
     if args.nnodes:
         return run_node(lab, spec, args)
+    from lab.launcher import JobRank
+    try:
+        job = JobRank.from_env()
+    except ValueError as e:
+        raise UsageError(f"commlab run: {e}") from None
+    if job is not None:  # torchrun, srun or a PyTorchJob started this process as one rank: join that job
+        return run_joined(lab, spec, args, job)
     run = lab.create(spec, run_id=args.run_id)
     print(f"run {run.id}  ({run.path})", flush=True)
     try:
@@ -181,6 +188,42 @@ def run_node(lab, spec, args) -> int:
     state = launch(run, progress=not args.quiet and args.node_rank == 0, nodes=nodes)
     if args.node_rank > 0:
         print(f"node {args.node_rank}: {state}")
+        return 0 if state == "done" else 1
+    return report(run, state)
+
+
+def run_joined(lab, spec, args, job) -> int:
+    """One rank of a job that another launcher started (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    set). Every rank derives the same run id; rank 0 creates the run and owns its status, the
+    others wait for it in the shared runs directory and run their rank."""
+    import time
+    from lab import procs
+    from lab.launcher import launch_rank
+    from lab.store import FINAL
+    if job.world != spec.world_size:
+        raise UsageError(f"commlab run: world_size: the spec asks for {spec.world_size} ranks but this job has "
+                         f"{job.world} (WORLD_SIZE); pass --set world_size={job.world}")
+    run_id = args.run_id or job.run_id(spec.name)
+    if job.rank == 0:
+        run = lab.create(spec, run_id=run_id)
+        run.set_status("queued", supervisor=procs.identity())
+    else:
+        t0 = time.time()
+        while True:  # rank 0 may not have created it yet; a finished run of that name is not ours
+            try:
+                run = lab.store.get(run_id)
+                if run.state not in FINAL:
+                    break
+            except LabError:
+                pass
+            if time.time() - t0 > 120:
+                raise LabError(f"rank {job.rank}: no live run {run_id!r} in {lab.root} after 120 s; is the runs "
+                               f"directory shared, and did rank 0 start (a finished run of that name: use --run-id)?")
+            time.sleep(0.5)
+    print(f"run {run.id}  rank {job.rank}/{job.world}  ({run.path})", flush=True)
+    state = launch_rank(run, job, progress=not args.quiet and job.rank == 0)
+    if job.rank > 0:
+        print(f"rank {job.rank}: {state}")
         return 0 if state == "done" else 1
     return report(run, state)
 

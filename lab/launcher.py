@@ -146,6 +146,66 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
                        should_cancel)
 
 
+JOB_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun, Slurm batch scripts (srun) and Kubernetes PyTorchJobs set for every rank."""
+
+
+class JobRank:
+    """This process's place in a job that a launcher other than commlab started: the torch
+    convention RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK). ``commlab run`` then
+    runs one rank (``python -m engine.worker`` with this environment) instead of spawning them."""
+
+    def __init__(self, env):
+        try:
+            self.rank, self.world, self.port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
+        except ValueError:
+            raise ValueError("RANK, WORLD_SIZE and MASTER_PORT must be integers, got "
+                             f"{env['RANK']!r}, {env['WORLD_SIZE']!r}, {env['MASTER_PORT']!r}") from None
+        self.addr = env["MASTER_ADDR"]
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"RANK: must be in 0..{self.world - 1} (WORLD_SIZE {self.world}), got {self.rank}")
+        self.env = env
+
+    @classmethod
+    def from_env(cls, env=None) -> Optional["JobRank"]:
+        env = os.environ if env is None else env
+        return cls(env) if all(env.get(k) for k in JOB_ENV) else None
+
+    def run_id(self, name: str) -> str:
+        """A run id every rank derives alike without talking to the others: $COMMLAB_RUN_ID, else
+        from the job's own id (Slurm's job and step, torchrun's --rdzv-id), else from the job's
+        rendezvous address (a second job on the same address and port needs --run-id)."""
+        import hashlib
+        from lab.store import slug
+        e = self.env
+        if e.get("COMMLAB_RUN_ID"):
+            return e["COMMLAB_RUN_ID"]
+        if e.get("SLURM_JOB_ID"):
+            return f"{slug(name)}-slurm{e['SLURM_JOB_ID']}" + (f".{e['SLURM_STEP_ID']}" if e.get("SLURM_STEP_ID") else "")
+        if e.get("TORCHELASTIC_RUN_ID") not in (None, "", "none"):
+            return f"{slug(name)}-{slug(e['TORCHELASTIC_RUN_ID'])}"
+        key = f"{self.addr}:{self.port}:{self.world}"
+        return f"{slug(name)}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def launch_rank(run: Run, job: JobRank, progress: bool = True, out=None) -> str:
+    """Run this process's rank of a job started by another launcher (``JobRank``). Rank 0 owns the
+    run's status, as a supervisor does (progress, disturbance, final state from every rank's
+    files); the other ranks only run theirs. The run directory is shared (one machine, or NFS)."""
+    argv = [sys.executable, *worker_argv(str(run.path))]
+    loopback = job.addr in ("127.0.0.1", "localhost")  # off loopback, GLOO_SOCKET_IFNAME names the interface
+    if job.rank > 0:
+        with open(run.file(f"log-rank{job.rank}.txt"), "ab", buffering=0) as log:
+            p = _spawn(argv, {}, loopback, log)
+            try:
+                return "done" if p.wait() == 0 else "failed"
+            except KeyboardInterrupt:
+                stop([p])
+                return "cancelled"
+    return _follow(run, run.spec(), [(argv, {})], loopback, {"joined": {"world_size": job.world,
+                   "master": f"{job.addr}:{job.port}"}}, progress, out or sys.stderr, 0.2, None, run.cancel_requested)
+
+
 class Nodes:
     """This process's place in a multi-node launch (torchrun's static rendezvous)."""
 
