@@ -200,19 +200,50 @@ def run_form() -> None:
     left, mid, right = st.columns(3)
     with left:
         st.markdown("**Workload**")
-        model = st.selectbox("Model", ch["models"], index=list(ch["models"]).index("cnn"), key=k + "model")
+        source = st.selectbox("Model from", ui.MODEL_SOURCES, key=k + "model_source",
+                              help="zoo: commlab's models; torchvision: a classifier by architecture; hf: a "
+                                   "Hugging Face causal LM from its config; import path: package.module:factory "
+                                   "(on PYTHONPATH). Weights are random: nothing is downloaded.")
+        if source == "zoo":
+            model = st.selectbox("Model", ch["models"], index=list(ch["models"]).index("cnn"), key=k + "model")
+            options = {}
+        else:
+            example = {"torchvision:": "resnet18", "hf:": "gpt2", "import path": "mypkg.models:build"}[source]
+            model = ui.model_name(source, st.text_input("Architecture" if source != "import path" else "Import path",
+                                                        example, key=k + "model_path." + source))
+            options, bad = ui.parse_options(st.text_area(
+                "Model options (YAML)", "n_layer: 2\nn_embd: 128\nn_head: 4" if source == "hf:" else "",
+                key=k + "model_options." + source, help="Keyword arguments of the builder or config overrides."))
+            if bad:
+                st.error(f"model.options: {bad}")
         _slot(slots, "model.name")
-        datasets = ui.datasets_for(model)
+        datasets = ui.datasets_for(model) + ["import path"]
         dataset = st.selectbox("Data set", datasets, key=k + "dataset",
-                               help="Only the data sets this model can train on.")
+                               help="The data sets this model can train on, or package.module:loader returning "
+                                    "(train, held-out).")
         _slot(slots, "dataset")
-        d["model"] = {"name": model}
+        d["model"] = {"name": model, "options": options}
         d["dataset"] = {"name": dataset}
+        token_model = model.startswith("hf:") or model == "transformer"
+        if dataset == "import path":
+            d["dataset"]["name"] = st.text_input("Loader", "mypkg.data:load", key=k + "ds.path").strip()
         if dataset == "synthetic":
             d["dataset"]["size"] = st.number_input("Examples", 16, 10_000_000, 2048, key=k + "ds.size")
-            d["dataset"]["classes"] = st.number_input("Classes", 2, 10000, 10, key=k + "ds.classes")
+            if token_model:
+                d["dataset"]["vocab"] = st.number_input("Vocabulary", 2, 1_000_000, 1000, key=k + "ds.vocab")
+                d["dataset"]["block"] = st.number_input("Context length", 2, 4096, 64, key=k + "ds.block")
+            else:
+                d["dataset"]["classes"] = st.number_input("Classes", 2, 10000, 10, key=k + "ds.classes")
+                shape = st.text_input("Image shape C, H, W", "3, 32, 32", key=k + "ds.shape")
+                try:
+                    dims = [int(v) for v in shape.replace(",", " ").split()]
+                except ValueError:
+                    dims = shape  # the spec's check names the field
+                if dims != [3, 32, 32]:
+                    d["dataset"]["shape"] = dims
         if dataset == "text":
             d["dataset"]["block"] = st.number_input("Context length", 2, 4096, 64, key=k + "ds.block")
+        size_slot = st.empty()
         d["eval_every"] = st.number_input("Evaluate every N steps (0: only at the end)", 0, 1_000_000, 50,
                                           key=k + "eval_every")
         _slot(slots, "eval_every")
@@ -334,12 +365,22 @@ def run_form() -> None:
             slots[where].error(err.msg, icon=":material/error:")
         else:
             st.error(str(err))
+    if spec is not None:
+        try:  # the model is built once per model and data set (cached), never trained here
+            size = ui.model_size(spec)
+            tied = f" · tied: {', '.join(size['tied'])}" if size["tied"] else ""
+            size_slot.caption(f"{size['params']:,} parameters in {size['tensors']} tensors · gradient "
+                              f"{size['grad_bytes'] / 2**20:.2f} MB per step before compression{tied}")
+        except ui.SpecError as e:
+            where = ui.error_field(e.path, slots, e.msg)
+            (slots[where] if where else st).error(e.msg if where else str(e), icon=":material/error:")
+            spec = None
     with st.expander("Spec (YAML): save it and run `commlab run spec.yaml` for the same job"):
         st.code(ui.spec_yaml(spec) if spec else "(fix the error first)", language="yaml")
     if st.button("Queue run", type="primary", disabled=spec is None, key=k + "submit", icon=":material/play_arrow:"):
         try:
             run = ui.submit(d)
-        except ui.LabError as e:  # e.g. a shaped link on a machine that cannot build one
+        except (ui.LabError, ui.SpecError) as e:  # a shaped link that cannot be built; a first batch that does not fit
             path, _, msg = str(e).partition(": ")
             where = ui.error_field(path, slots, msg)
             (slots[where] if where else st).error(msg if where else str(e), icon=":material/error:")

@@ -7,6 +7,7 @@ of it can be tested and used from a notebook.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -137,8 +138,8 @@ def choices() -> dict:
     """Every choice the form offers, from the engine's registries and the spec's Literal types."""
     import typing
     from engine import compressors, models
-    from engine.spec import DataSpec, OptimizerSpec
-    datasets = typing.get_args(typing.get_type_hints(DataSpec)["name"])
+    from engine.spec import DATASETS, OptimizerSpec
+    datasets = DATASETS
     cuda = cuda_available()
     return {
         "models": models.NAMES,
@@ -162,9 +163,56 @@ def compressors_for(mode: str) -> List[str]:
     return list(compressors.shardable()) if mode == "dear" else list(compressors.names())
 
 
+MODEL_SOURCES = ("zoo", "torchvision:", "hf:", "import path")
+"""Where the form's model comes from: the built-in zoo, a torchvision classifier, a Hugging Face
+causal LM built from its config, or package.module:factory from the user's code."""
+
+
+def model_name(source: str, text: str) -> str:
+    """The spec's model.name from the form's source choice and name field."""
+    text = text.strip()
+    return text if source in ("zoo", "import path") else source + text
+
+
 def datasets_for(model: str) -> List[str]:
+    """The shipped data sets a model can train on (synthetic includes token data for language models);
+    a model from outside the zoo can also take an import-path loader."""
     from engine import models
-    return [d for d in choices()["datasets"] if models.compatible(model, "text" if d == "text" else "image")]
+    try:
+        need = models.kind(model)
+    except ValueError:
+        return list(choices()["datasets"])
+    out = [d for d in choices()["datasets"]
+           if d == "synthetic" or need is None or need == ("text" if d == "text" else "image")]
+    if model.startswith("torchvision:"):
+        out = ["synthetic"]  # 3-channel images; digits and mnist have one
+    return out
+
+
+def parse_options(text: str) -> Tuple[dict, Optional[str]]:
+    """A YAML mapping typed in the form (model or loader options): (options, error line)."""
+    if not text.strip():
+        return {}, None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        return {}, f"not valid YAML: {str(e).strip().splitlines()[0]}"
+    if not isinstance(data, dict):
+        return {}, f"must be a mapping such as {{n_layer: 4}}, got {data!r}"
+    return data, None
+
+
+@functools.lru_cache(maxsize=64)
+def _model_size(key: str) -> dict:
+    from engine import preflight
+    return preflight.describe(JobSpec.from_dict(json.loads(key)))
+
+
+def model_size(spec: JobSpec) -> dict:
+    """Parameter count and gradient bytes of the spec's model, built once per model and data set
+    (cached): {params, grad_bytes, tensors, tied}. Raises SpecError as the spec would."""
+    d = spec.to_dict()
+    return _model_size(json.dumps({"model": d["model"], "dataset": d["dataset"], "seed": 0}, sort_keys=True))
 
 
 def validate(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError]]:

@@ -149,10 +149,10 @@ def test_new_run_form_shows_errors_next_to_the_field(runs):
     at.selectbox(key="nr.compressor").set_value("topk").run()
     at.number_input(key="nr.c.topk.ratio").set_value(2.0).run()
     assert [e.value for e in at.error] == ["ratio: must be in (0, 1], got 2.0"]
-    # the dependent choices: a transformer only offers the text data set
+    # the dependent choices: a transformer only offers token data (text, synthetic tokens, a loader)
     at.number_input(key="nr.c.topk.ratio").set_value(0.01)
     at.selectbox(key="nr.model").set_value("transformer").run()
-    assert at.selectbox(key="nr.dataset").options == ["text"]
+    assert at.selectbox(key="nr.dataset").options == ["text", "synthetic", "import path"]
     assert not at.error
 
 

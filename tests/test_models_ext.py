@@ -201,3 +201,33 @@ def test_bad_first_batch_is_one_line_and_starts_nothing(tmp_path, userpkg):
     msg = _one_line(lambda: lab.run(spec, runs=tmp_path / "runs"))
     assert msg.startswith("model: mypkg.models:wants_32 does not take the first batch") and "(2, 3, 6, 6)" in msg
     assert not list((tmp_path / "runs").glob("*/spec.json"))  # no run was created, no rank started
+
+
+# ---------------------------------------------------------------- the New run form
+
+def test_new_run_form_offers_outside_models_and_shows_their_size(tmp_path, monkeypatch, userpkg):
+    pytest.importorskip("streamlit")
+    from pathlib import Path
+    from streamlit.testing.v1 import AppTest
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path / "runs"))
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"),
+                           default_timeout=120).run()
+    at.switch_page("views/new_run.py").run()
+    assert any("parameters" in c.value for c in at.caption)  # the zoo's cnn, before any change
+    at.selectbox(key="nr.model_source").set_value("import path").run()
+    at.text_input(key="nr.model_path.import path").set_value("mypkg.models:build")
+    at.text_area(key="nr.model_options.import path").set_value("width: 5").run()
+    at.selectbox(key="nr.dataset").set_value("import path").run()
+    at.text_input(key="nr.ds.path").set_value("mypkg.models:load").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    # conv 3*5*9+5, batchnorm 2*5, linear 5*4+4 (the loader's labels take 4 values)
+    assert any(c.value.startswith(f"{3 * 5 * 9 + 5 + 10 + 24:,} parameters in 6 tensors") for c in at.caption)
+    at.text_input(key="nr.model_path.import path").set_value("nopkg.models:build").run()
+    assert any("cannot import 'nopkg.models'" in e.value for e in at.error)
+    assert at.button(key="nr.submit").disabled
+    if HAS_HF:
+        at.selectbox(key="nr.model_source").set_value("hf:").run()
+        assert at.selectbox(key="nr.dataset").options == ["text", "synthetic", "import path"]
+        at.selectbox(key="nr.dataset").set_value("synthetic").run()
+        assert not at.error, [e.value for e in at.error]
+        assert at.number_input(key="nr.ds.vocab").value == 1000 and any("tied: model.lm_head.weight" in c.value for c in at.caption)
