@@ -41,7 +41,26 @@ STAMP="$VENV/.commlab-installed"
 WANT=$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "setup: installing commlab and its dependencies into $VENV" >&2
-    "${PIP[@]}" install -e ".[app,dev,notebooks]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+    "${PIP[@]}" install -e ".[app,dev,notebooks,models]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     "$VENV/bin/python" -c 'import torch, engine, lab' || { echo "setup: install failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"
+fi
+
+# torchvision (torchvision:<arch> models, optional) must be built for the torch above: the CUDA
+# torchvision==$TV_VERSION beside a CUDA torch, torchvision==$TV_VERSION+cpu beside the CPU build
+# (a CUDA torchvision cannot load its operators into a CPU torch). --no-deps: never swap torch.
+TV_VERSION=0.28.0
+if ! "$VENV/bin/python" -c 'import torchvision' 2>/dev/null; then
+    if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)'; then
+        TV="torchvision==$TV_VERSION"
+    else
+        TV="torchvision==$TV_VERSION+cpu"
+    fi
+    if "${PIP[@]}" install --no-deps "$TV" 2>/dev/null && "$VENV/bin/python" -c 'import torchvision' 2>/dev/null; then
+        echo "setup: installed $TV" >&2
+    else
+        "${PIP[@]}" uninstall -y torchvision >/dev/null 2>&1 || true
+        echo "setup: $TV is not available here (CPU builds come from PyTorch's CPU wheel index: set" >&2
+        echo "setup: PIP_EXTRA_INDEX_URL or PIP_FIND_LINKS and run again); torchvision:<arch> models are off" >&2
+    fi
 fi
