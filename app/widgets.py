@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 
 import streamlit as st
 
-from lab import disturbance, plots, ui
+from lab import disturbance, live, plots, ui
 from lab.store import FINAL
 from lab.summary import fmt_bytes, summarize, warmup_steps
 
@@ -120,7 +120,8 @@ def live_panel(run_id: str) -> None:
         if state in FINAL and not started_final:
             st.rerun()  # a full rerun redraws the panel without its refresh timer
         status = run.status()
-        done, total = ui.progress(run)
+        lr = live.live_run(run)  # only what was appended since the last refresh is read
+        done, total = lr.progress()
         head = st.columns([1, 4, 1])
         with head[0]:
             state_badge(state)
@@ -132,7 +133,7 @@ def live_panel(run_id: str) -> None:
             with st.expander("log (last lines)"):
                 st.code(run.log_tail(30) or "(empty)")
         machine_note(status.get("disturbance"))
-        s = summarize(run.metric_rows(), spec)
+        s = summarize(lr.metric_rows(), spec)
         m = st.columns(4)
         m[0].metric("iteration (median)", f"{s['iter_ms_median']:.1f} ms" if s.get("iter_ms_median") else "-")
         m[1].metric("held-out accuracy", f"{s['final_acc']:.1%}" if s.get("final_acc") is not None else "-")
@@ -140,12 +141,15 @@ def live_panel(run_id: str) -> None:
         m[3].metric("compression", f"{s['compression_ratio']:.1f}x" if s.get("compression_ratio") else "-")
 
         st.subheader("Timeline")
-        tl = ui.tail_timeline(run, BREAKDOWN_STEPS if step < 0 else max(spec["steps"] - step + 1, BREAKDOWN_STEPS))
-        fig = plots.timeline_figure(tl, step=int(step)) if step >= 0 else plots.timeline_figure(tl, last=int(last))
+        if step < 0:
+            fig = plots.timeline_figure(lr.timeline(int(last) + 1), last=int(last))
+        else:
+            back = max(done - int(step) + 1, 1)
+            tl = lr.timeline(back) if lr.has_steps(back) else ui.tail_timeline(run, max(spec["steps"] - step + 1, 1))
+            fig = plots.timeline_figure(tl, step=int(step))
         st.plotly_chart(fig, key="live.timeline")
         st.subheader("Where the step time goes")
-        bd = plots.step_breakdown(tl)
-        bd = bd[bd["step"] > bd["step"].max() - BREAKDOWN_STEPS] if len(bd) else bd
+        bd = lr.breakdown(BREAKDOWN_STEPS, final=state in FINAL)  # each step's breakdown is computed once
         st.plotly_chart(plots.breakdown_figure(bd), key="live.breakdown")
         timed = bd[bd["step"] >= warmup_steps(done)] if len(bd) else bd
         mean = plots.mean_breakdown(timed if len(timed) else bd)
@@ -154,10 +158,11 @@ def live_panel(run_id: str) -> None:
                 f"{plots.PART_LABELS[k]} {mean[k]:.2f} ms" for k in (*plots.PARTS, "hidden_comm_ms"))
                 + f"; step {mean['step_ms']:.2f} ms")
         st.subheader("Loss and accuracy")
-        st.plotly_chart(plots.curves_figure(run.metrics(), run.metrics("eval"),
+        metrics = lr.metrics()
+        st.plotly_chart(plots.curves_figure(metrics, lr.metrics("eval"),
                                             x="step" if xaxis == "step" else "wall"), key="live.curves")
         st.subheader("Bytes per step")
-        st.plotly_chart(plots.bytes_figure(run.metrics()), key="live.bytes")
+        st.plotly_chart(plots.bytes_figure(metrics), key="live.bytes")
 
     panel()
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -110,14 +109,14 @@ class Lab:
         return run
 
     def spawn_supervisor(self, run: Run) -> int:
+        from lab.spawn import spawn_detached
         argv = [sys.executable, "-m", "lab.supervise", "--runs", str(self.root.resolve()), run.id]
-        with open(run.file("supervisor.log"), "ab") as log:
-            p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                 start_new_session=True, cwd=str(Path(__file__).resolve().parents[1]),
-                                 env={**os.environ, "COMMLAB_MAX_JOBS": str(self.max_jobs)})
+        # at normal priority even when the UI's (niced) server asks for it: lab/spawn.py
+        pid = spawn_detached(argv, run.file("supervisor.log"), cwd=Path(__file__).resolve().parents[1],
+                             env={**os.environ, "COMMLAB_MAX_JOBS": str(self.max_jobs)})
         # recorded here too, so the run is never without a live owner between spawn and its first status write
-        run.set_status("queued", supervisor=procs.identity(p.pid))
-        return p.pid
+        run.set_status("queued", supervisor=procs.identity(pid))
+        return pid
 
     def supervise(self, run: Run, progress: bool = False, out=None) -> str:
         """Wait for a slot, run the job, write its final status. Returns the final state."""

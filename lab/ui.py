@@ -26,6 +26,7 @@ from engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, \
 from lab import procs
 from lab.presets import PRESETS, Preset  # noqa: F401  (the pages reach them through ui)
 from lab.store import FINAL, LabError, Run, RunError
+from lab.spawn import ENV as SPAWNER_ENV, Spawner, lower_priority, spawn_detached
 
 REPO = Path(__file__).resolve().parents[1]
 APP_ENTRY = REPO / "app" / "streamlit_app.py"
@@ -489,10 +490,8 @@ def start_sweep(data: dict, runs=None) -> str:
     sw.dir.mkdir(parents=True, exist_ok=True)
     grid_file = sw.dir / "grid.yaml"
     grid_file.write_text(yaml.safe_dump(data, sort_keys=False))
-    with open(sw.dir / "sweep.log", "ab") as log:
-        p = subprocess.Popen(sweep_argv(grid_file, runs), stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
-    (sw.dir / "process.json").write_text(json.dumps(procs.identity(p.pid)))
+    pid = spawn_detached(sweep_argv(grid_file, runs), sw.dir / "sweep.log", cwd=REPO)  # normal priority
+    (sw.dir / "process.json").write_text(json.dumps(procs.identity(pid)))
     return sw.id
 
 
@@ -607,13 +606,18 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
     env = {**os.environ, "COMMLAB_RUNS": str(root),
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     print(f"commlab UI on http://{host or '127.0.0.1'}:{port}  (runs: {root}; Ctrl-C stops it)", file=out, flush=True)
-    p = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO))
-    try:
-        return p.wait()
-    except KeyboardInterrupt:
-        p.send_signal(signal.SIGINT)
+    # The server runs niced, so its refreshes take the cores only when training ranks leave them idle; the
+    # runs and sweeps it starts are started by this process instead, at normal priority (lab/spawn.py).
+    with Spawner(start=False) as spawner:
+        env[SPAWNER_ENV] = spawner.address
+        p = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), preexec_fn=lower_priority)
+        spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
         try:
-            return p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
             return p.wait()
+        except KeyboardInterrupt:
+            p.send_signal(signal.SIGINT)
+            try:
+                return p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                return p.wait()

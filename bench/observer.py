@@ -1,0 +1,339 @@
+"""Does watching a run change its measurement? The same run, unwatched and watched in a browser.
+
+    .venv/bin/python bench/observer.py [--modes sync,wfbp,dear] [--rounds 3] [--steps 80]
+    commlab bench observer --rounds 3
+
+For every comm mode the same spec (resnet on digits, 2 ranks, modeled 1 Gbit/s link) runs
+unwatched and watched, interleaved: round 1 unwatched then watched, round 2 watched then
+unwatched, and so on. "Watched" is what a user does: ``commlab app --no-demo`` serves the
+runs directory (one server for the whole benchmark, started here like a user starts it) and
+headless Chromium has the Live run page open on the run (``/live_run?run=<id>``), rendered
+before the run starts, and following it live while it trains (the page refreshes itself
+every ``lab.ui.REFRESH_S`` seconds). The browser is the user's: it runs at normal priority.
+A run is queued first; the page is opened on it, and only then does this process start the
+run's supervisor (``python -m lab.supervise``), so the timed steps never overlap page start-up.
+
+Reported per mode: the median iteration time (slower rank, warm-up left out:
+``lab.summary.summarize``) watched and unwatched, the ratio watched/unwatched per round and the
+median of those ratios, and the CPU the observer used during each run (the Streamlit server's
+and Chromium's process trees, from /proc), and how often the page showed a new step (proof that
+it followed the run). Results go to bench/results/observer.md and .json.
+
+Needs the playwright package and Debian's chromium at /usr/bin/chromium (never ``playwright install``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Dict, List
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+from bench.common import markdown_table, write_json  # noqa: E402
+
+CHROMIUM = "/usr/bin/chromium"
+BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
+MODES = ("sync", "wfbp", "dear")
+RESULTS = REPO / "bench" / "results"
+TICK = os.sysconf("SC_CLK_TCK")
+
+# Every time the page shows a new "step N/M" (the live panel's progress bar) it is logged with the
+# page's clock: how often the page really followed the run. Runs inside the page, read once at the end.
+WATCH_JS = """() => {
+  window.__steps = [];
+  const seen = () => {
+    const m = document.body.innerText.match(/step (\\d+)\\/(\\d+)/);
+    if (m && (window.__steps.length === 0 || window.__steps[window.__steps.length - 1][1] !== +m[1]))
+      window.__steps.push([Date.now() / 1000, +m[1]]);
+  };
+  new MutationObserver(seen).observe(document.body, {subtree: true, childList: true, characterData: true});
+  seen();
+}"""
+
+
+def spec_for(mode: str, steps: int, gbps: float) -> dict:
+    """The measured run: resnet on digits, sgd, modeled link; 2 MB buffers (dear) or buckets (sync, wfbp)."""
+    spec = {"name": f"observer-{mode}", "model": "resnet", "dataset": "digits", "world_size": 2, "steps": steps,
+            "batch_size": 32, "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
+            "network": {"link": "modeled", "gbps": gbps}, "eval_every": 0}
+    if mode == "dear":
+        spec["comm"] = {"mode": "dear", "cap_mb": 2}
+    else:
+        spec["comm"] = {"mode": mode}
+        spec["schedule"] = {"name": "bucket", "cap_mb": 2}
+    return spec
+
+
+# ---------------------------------------------------------------- CPU from /proc
+
+def _stat(pid: int):
+    """(ppid, utime + stime + cutime + cstime in ticks) of a process, or None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            s = f.read()
+    except OSError:
+        return None
+    fields = s[s.rindex(")") + 2:].split()
+    return int(fields[1]), sum(int(x) for x in fields[11:15])
+
+
+def tree_ticks(roots: List[int]) -> Dict[int, int]:
+    """CPU ticks of every live process under ``roots`` (the roots included), by pid."""
+    stats = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = _stat(int(name))
+            if st:
+                stats[int(name)] = st
+    children: Dict[int, List[int]] = {}
+    for pid, (ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, [r for r in roots if r in stats]
+    while todo:
+        pid = todo.pop()
+        out[pid] = stats[pid][1]
+        todo.extend(children.get(pid, []))
+    return out
+
+
+class CpuMeter:
+    """CPU seconds a set of process trees used between ``start`` and ``stop``."""
+
+    def __init__(self, roots: List[int]):
+        self.roots = roots
+        self.t0 = tree_ticks(roots)
+
+    def stop(self) -> float:
+        t1 = tree_ticks(self.roots)
+        return sum(v - self.t0.get(pid, 0) for pid, v in t1.items()) / TICK
+
+
+# ---------------------------------------------------------------- the observer
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``commlab app --no-demo`` on a free port over ``runs``, as a user starts it (own process group)."""
+
+    def __init__(self, runs: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = open(log, "ab")
+        self.p = subprocess.Popen([sys.executable, "-m", "lab.cli", "app", "--no-demo", "--port", str(self.port),
+                                   "--runs", str(runs)], cwd=str(REPO), stdout=self.log, stderr=subprocess.STDOUT,
+                                  stdin=subprocess.DEVNULL, start_new_session=True)
+        t0 = time.time()
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/_stcore/health", timeout=2):
+                    return
+            except OSError:
+                if self.p.poll() is not None or time.time() - t0 > 120:
+                    self.close()
+                    raise RuntimeError(f"the UI did not come up; see {log}")
+                time.sleep(0.3)
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                os.killpg(self.p.pid, signal.SIGINT)
+                self.p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+            except ProcessLookupError:
+                pass
+        self.log.close()
+
+
+def _exe(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return ""
+
+
+def chromium_roots() -> List[int]:
+    """The main Chromium processes under this one (playwright's driver starts them): their trees are
+    the browser's renderer, GPU and utility processes. The driver itself is the benchmark's, not the
+    user's, and is not counted."""
+    mine = tree_ticks([os.getpid()])
+    browsers = {pid for pid in mine if "chrom" in os.path.basename(_exe(pid))}
+    return [pid for pid in browsers if (_stat(pid) or (0,))[0] not in browsers]
+
+
+# ---------------------------------------------------------------- one run
+
+def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name: str = "live_run",
+            viewers: int = 1) -> dict:
+    import lab
+    from lab import procs
+    from lab.queue import Lab
+    from lab.summary import summarize
+    lab_ = Lab(runs)
+    run = lab_.create(lab._spec(spec))
+    run.set_status("queued", supervisor=procs.identity())  # this process owns it until the supervisor starts
+    browser = page = None
+    roots = [server.p.pid]
+    out = {"run": run.id, "watched": watched}
+    try:
+        if watched:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
+            for _ in range(viewers):  # more than one: several tabs (or users) on the same run
+                page = browser.new_page(viewport={"width": 1400, "height": 2400})
+                page.set_default_timeout(120_000)
+                page.goto(f"{server.url}/{page_name}?run={run.id}")
+                page.get_by_text("Where the step time goes").wait_for()
+                page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
+                page.evaluate(WATCH_JS)
+            roots += chromium_roots()
+        meter = CpuMeter(roots)
+        server_meter = CpuMeter([server.p.pid])
+        t0 = time.time()
+        with open(run.file("supervisor.log"), "ab") as log:
+            sup = subprocess.Popen([sys.executable, "-m", "lab.supervise", "--runs", str(runs), run.id],
+                                   cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        try:
+            sup.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            sup.kill()
+            sup.wait()
+        wall = time.time() - t0
+        out["observer_cpu_s"] = meter.stop()
+        out["server_cpu_s"] = server_meter.stop()
+        out["browser_cpu_s"] = out["observer_cpu_s"] - out["server_cpu_s"]
+        out["wall_s"] = wall
+        out["observer_cpu_pct"] = 100 * out["observer_cpu_s"] / wall
+        out["state"] = run.state
+        s = summarize(run.metric_rows(), run.spec_dict())
+        out["iter_ms"] = s.get("iter_ms_median")
+        if page is not None:
+            # while the ranks trained (first step logged to last), how long the page went without a new step
+            seen = page.evaluate("() => window.__steps")
+            ts = [m["t"] for m in run.metric_rows() if m.get("kind") == "step"]
+            first, last = (min(ts), max(ts)) if ts else (t0, time.time())
+            during = [t for t, _ in seen if first < t < last]
+            marks = [first, *during, last]
+            out["page_updates"] = len(during)
+            out["page_max_gap_s"] = max(b - a for a, b in zip(marks, marks[1:]))
+            out["page_last_step"] = seen[-1][1] if seen else None
+            out["train_s"] = last - first
+    finally:
+        if browser is not None:
+            browser.close()
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+def report(results: List[dict], modes: List[str]) -> tuple:
+    rows, summary = [], {}
+    for mode in modes:
+        rs = [r for r in results if r["mode"] == mode and r.get("iter_ms")]
+        un = [r["iter_ms"] for r in rs if not r["watched"]]
+        wa = [r["iter_ms"] for r in rs if r["watched"]]
+        by_round: Dict[int, dict] = {}
+        for r in rs:
+            by_round.setdefault(r["round"], {})[r["watched"]] = r["iter_ms"]
+        ratios = [d[True] / d[False] for _, d in sorted(by_round.items()) if True in d and False in d]
+        cpu_w = [r["observer_cpu_pct"] for r in rs if r["watched"]]
+        cpu_u = [r["observer_cpu_pct"] for r in rs if not r["watched"]]
+        gaps = [r["page_max_gap_s"] for r in rs if r["watched"] and r.get("page_max_gap_s") is not None]
+        ups = [r["page_updates"] for r in rs if r["watched"] and r.get("page_updates") is not None]
+        if not (un and wa and ratios):
+            continue
+        m = {"unwatched_ms": statistics.median(un), "watched_ms": statistics.median(wa), "round_ratios": ratios,
+             "median_ratio": statistics.median(ratios), "observer_cpu_pct_watched": statistics.median(cpu_w),
+             "observer_cpu_pct_unwatched": statistics.median(cpu_u),
+             "page_updates": ups, "page_max_gap_s": max(gaps) if gaps else None}
+        summary[mode] = m
+        rows.append((mode, f"{m['unwatched_ms']:.1f}", f"{m['watched_ms']:.1f}",
+                     " ".join(f"{x:.3f}" for x in ratios), f"**{m['median_ratio']:.3f}**",
+                     f"{m['observer_cpu_pct_watched']:.0f}% ({m['observer_cpu_pct_unwatched']:.0f}%)",
+                     f"{min(ups)}-{max(ups)}, max gap {m['page_max_gap_s']:.1f} s" if ups else "-"))
+    table = markdown_table(["mode", "unwatched ms", "watched ms", "watched/unwatched per round", "median ratio",
+                            "observer CPU watched (unwatched), % of a core", "page updates per run"], rows)
+    return table, summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="bench/observer.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--modes", default=",".join(MODES), help="comm modes, comma-separated (default: all)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (unwatched, watched) per mode")
+    ap.add_argument("--steps", type=int, default=80, help="steps per run")
+    ap.add_argument("--gbps", type=float, default=1.0, help="the modeled link's bandwidth")
+    ap.add_argument("--runs", default=None, help="runs directory (default: a fresh one under /tmp)")
+    ap.add_argument("--out", default=str(RESULTS / "observer"), help="results path without extension")
+    ap.add_argument("--page", default="live_run", help="the page to watch (default live_run)")
+    ap.add_argument("--viewers", type=int, default=1, help="browser tabs open on the run when watched (default 1)")
+    a = ap.parse_args(argv)
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    bad = [m for m in modes if m not in MODES]
+    if bad or a.rounds < 1 or a.steps < 20:
+        print(f"observer: --modes from {', '.join(MODES)}, --rounds >= 1, --steps >= 20", file=sys.stderr)
+        return 2
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        print("observer: needs the playwright package (pip install playwright; never `playwright install`)",
+              file=sys.stderr)
+        return 2
+    if not os.access(CHROMIUM, os.X_OK):
+        print(f"observer: no browser at {CHROMIUM} (apt-get install chromium)", file=sys.stderr)
+        return 2
+    import tempfile
+    runs = Path(a.runs or tempfile.mkdtemp(prefix="commlab-observer-"))
+    runs.mkdir(parents=True, exist_ok=True)
+    server = Server(runs, runs / "app.log")
+    results: List[dict] = []
+    t_start = time.time()
+    try:
+        with sync_playwright() as pw:
+            for rnd in range(a.rounds):
+                for k, mode in enumerate(modes):
+                    order = (False, True) if (rnd + k) % 2 == 0 else (True, False)
+                    for watched in order:
+                        r = one_run(runs, spec_for(mode, a.steps, a.gbps), server, pw, watched, a.page, a.viewers)
+                        r.update(mode=mode, round=rnd + 1)
+                        results.append(r)
+                        extra = (f", page: {r.get('page_updates')} updates, max gap {r.get('page_max_gap_s', 0):.1f} s"
+                                 if watched else "")
+                        print(f"round {rnd + 1} {mode:4s} {'watched  ' if watched else 'unwatched'}: "
+                              f"{r.get('iter_ms') or float('nan'):.1f} ms ({r['state']}), observer "
+                              f"{r['observer_cpu_pct']:.0f}% of a core (server {r['server_cpu_s']:.1f} s, browser "
+                              f"{r['browser_cpu_s']:.1f} s in {r['wall_s']:.1f} s){extra}", flush=True)
+    finally:
+        server.close()
+    table, summary = report(results, modes)
+    cmd = "commlab bench observer " + " ".join(argv if argv is not None else sys.argv[1:])
+    info = {"command": cmd.strip(), "modes": modes, "rounds": a.rounds, "steps": a.steps, "gbps": a.gbps,
+            "page": a.page, "viewers": a.viewers, "cpus": os.cpu_count(), "refresh_s": __import__("lab.ui").ui.REFRESH_S,
+            "elapsed_s": time.time() - t_start, "spec": {m: spec_for(m, a.steps, a.gbps) for m in modes}}
+    md = (f"# Watching a run: the same run unwatched and with the {a.page} page open in headless Chromium\n\n"
+          f"`{info['command']}`, {os.cpu_count()} cores, {a.steps} steps per run, modeled {a.gbps:g} Gbit/s link, "
+          f"{a.rounds} interleaved rounds, {info['elapsed_s'] / 60:.1f} min. Median iteration time (slower rank, "
+          f"warm-up left out); ratio = watched/unwatched in the same round. Observer CPU: the Streamlit server's "
+          f"and Chromium's process trees during the run, % of one core.\n\n{table}\n")
+    print("\n" + md)
+    write_json(a.out + ".json", {"info": info, "summary": summary, "runs": results})
+    with open(a.out + ".md", "w") as f:
+        f.write(md)
+    bad_runs = [r for r in results if r.get("state") != "done"]
+    return 1 if bad_runs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

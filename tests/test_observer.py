@@ -1,0 +1,283 @@
+"""Watching a run must not slow it down (README, "Watching a run"; bench/observer.py measures it).
+
+- The live panel reads only what was appended to a run's files since its last refresh, and computes
+  each step's breakdown once (lab.live), with the same figures as plots.step_breakdown.
+- `commlab app` runs its Streamlit server niced, and the runs and sweeps the server starts are started
+  by the app's own process at normal priority (lab.spawn).
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lab
+from lab import live, plots, procs
+from lab.spawn import APP_NICE, ENV, Spawner, spawn_detached
+from lab.store import RunStore
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"model": "mlp", "dataset": "digits", "steps": 5, "batch_size": 16, "eval_every": 0, "threads": 1}
+
+
+# --------------------------------------------------------------------------- a run's files, written by hand
+
+def step_lines(rank: int, step: int, t0: float) -> list:
+    """One step of one rank as the engine flushes it: layer spans, a comm span reaching into the next
+    step, a wait, then the step's forward/backward/optimizer/step spans (step last)."""
+    ts = t0 + step * 10_000.0 + rank * 7.0
+    ev = [("forward", 1, ts + 0, 3000, {"layer": "fc1"}), ("forward", 1, ts + 3000, 1000, {"layer": "fc2"}),
+          ("backward", 2, ts + 4000, 2500, {"layer": "fc2"}), ("compress", 3, ts + 5000, 300, {"bucket": 0}),
+          ("comm", 4, ts + 5400, 6000 if step % 3 == 0 else 2000, {"bucket": 0, "bytes": 4096}),
+          ("wait", 5, ts + 7000, 800 + 100 * step, {"bucket": 0}),
+          ("forward", 1, ts, 4000, {"step": step}), ("backward", 2, ts + 4000, 2500, {"step": step}),
+          ("optimizer", 7, ts + 8000, 500, {"step": step}), ("step", 0, ts, 9000, {"step": step})]
+    return [json.dumps({"ph": "X", "name": f"step {step}" if lane == "step" else lane, "pid": rank, "tid": tid,
+                        "cat": lane, "ts": t, "dur": d, "args": a}, separators=(",", ":")) + "\n"
+            for lane, tid, t, d, a in ev]
+
+
+def metric_line(rank: int, step: int) -> str:
+    return json.dumps({"kind": "step", "step": step, "rank": rank, "loss": 1.0 / (step + 1), "time_ms": 9.0,
+                       "bytes_sent": 4096, "bytes_raw": 4096, "t": 1000.0 + step}) + "\n"
+
+
+@pytest.fixture
+def fake_run(tmp_path):
+    """A run directory in the store (state running, owned by this process) and a writer of its steps."""
+    runs = tmp_path / "runs"
+    spec = lab._spec({**SMALL, "steps": 100})
+    run = RunStore(runs).create(spec)
+    run.set_status("running", supervisor=procs.identity())
+
+    def write(steps, ranks=(0, 1)):
+        n = 0
+        for s in steps:
+            for r in ranks:
+                lines = step_lines(r, s, 1e6)
+                with open(run.file(f"timeline-rank{r}.jsonl"), "a") as f:
+                    f.write("".join(lines))
+                with open(run.file("metrics.jsonl"), "a") as f:
+                    f.write(metric_line(r, s))
+                n += sum(len(x) for x in lines) + len(metric_line(r, s))
+        return n
+    return runs, run, write
+
+
+def test_live_run_reads_only_what_was_appended(fake_run):
+    runs, run, write = fake_run
+    n0 = write(range(0, 10))
+    lr = live.LiveRun(run)
+    lr.refresh()
+    assert lr.bytes_read == n0
+    assert lr.progress() == (10, 100) and len(lr.metric_rows()) == 20
+    lr.refresh()
+    assert lr.bytes_read == n0  # nothing new: nothing read
+    n1 = write(range(10, 13))
+    lr.refresh()
+    assert lr.bytes_read == n0 + n1  # only the appended bytes
+    assert lr.progress() == (13, 100) and len(lr.metrics()) == 26
+    # a torn last line is not parsed until its end arrives, and is read once
+    path = run.file("metrics.jsonl")
+    line = metric_line(0, 13)
+    with open(path, "a") as f:
+        f.write(line[:10])
+    lr.refresh()
+    assert len(lr.metric_rows()) == 26
+    with open(path, "a") as f:
+        f.write(line[10:])
+    lr.refresh()
+    assert len(lr.metric_rows()) == 27 and lr.metric_rows()[-1]["step"] == 13
+    assert lr.bytes_read == n0 + n1 + len(line)
+    # a file replaced (a run directory made again) is read from its start
+    os.replace(path, path.with_suffix(".old"))
+    with open(path, "w") as f:
+        f.write(metric_line(0, 0))
+    lr.refresh()
+    assert [m["step"] for m in lr.metric_rows()] == [0]
+
+
+def test_live_breakdown_is_step_breakdown_computed_once_per_step(fake_run, monkeypatch):
+    runs, run, write = fake_run
+    write(range(0, 8))
+    lr = live.LiveRun(run)
+    lr.refresh()
+    calls = []
+    real = live.breakdown_rows
+    monkeypatch.setattr(live, "breakdown_rows", lambda ev: calls.append(len(ev)) or real(ev))
+    bd = lr.breakdown()
+    # the last step waits for its successor (a span of step k can be written with step k+1)
+    assert sorted(set(bd["step"])) == list(range(7))
+    full = plots.step_breakdown(run.timeline()).sort_values(["rank", "step"], ignore_index=True)
+    want = full[full["step"] < 7].reset_index(drop=True)
+    assert np.allclose(bd[live.BREAKDOWN_COLUMNS].to_numpy(float), want[live.BREAKDOWN_COLUMNS].to_numpy(float))
+    assert bd["exposed_comm_ms"].gt(0).any() and bd["hidden_comm_ms"].gt(0).any()
+    n = len(calls)
+    lr.refresh()
+    lr.breakdown()
+    assert len(calls) == n  # nothing new: nothing recomputed
+    write(range(8, 10))
+    lr.refresh()
+    bd = lr.breakdown(steps=5)
+    assert sorted(set(bd["step"])) == [4, 5, 6, 7, 8]
+    assert sum(calls[n:]) < sum(len(step_lines(0, 0, 0)) for _ in range(2 * 5))  # only the new steps' events
+    final = lr.breakdown(final=True)
+    full = plots.step_breakdown(run.timeline()).sort_values(["rank", "step"], ignore_index=True)
+    assert np.allclose(final[live.BREAKDOWN_COLUMNS].to_numpy(float), full[live.BREAKDOWN_COLUMNS].to_numpy(float))
+    # the timeline of the last steps is the end of the full timeline
+    tl = lr.timeline(2)
+    assert set(tl["step"].dropna().astype(int)) == {8, 9}
+    assert tl["start_us"].max() == run.timeline()["start_us"].max()
+
+
+def test_a_late_reader_starts_near_the_end(fake_run):
+    runs, run, write = fake_run
+    write(range(0, 1000))
+    lr = live.LiveRun(run, keep=16)
+    lr.refresh()
+    size = sum(p.stat().st_size for p in run.timeline_files())
+    assert lr.bytes_read - run.file("metrics.jsonl").stat().st_size < size / 4
+    assert len(lr.timeline(16)[lambda d: d["lane"] == "step"]) == 32  # 16 steps of two ranks
+    assert sorted(set(lr.breakdown(final=True)["step"]))[-1] == 999
+
+
+def test_live_panel_refresh_reads_only_new_bytes(fake_run, monkeypatch):
+    """The Live run page's panel (AppTest: the script runs in this process) reads a running run's files
+    incrementally: a refresh after a few more steps reads those steps' bytes and no more."""
+    pytest.importorskip("streamlit")
+    from streamlit.testing.v1 import AppTest
+    runs, run, write = fake_run
+    monkeypatch.setenv("COMMLAB_RUNS", str(runs))
+    live._LIVE.clear()
+    write(range(0, 30))
+    at = AppTest.from_file(str(ROOT / "app" / "streamlit_app.py"), default_timeout=120)
+    at.query_params["run"] = run.id
+    at.run().switch_page("views/live_run.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert len(at.get("plotly_chart")) == 4
+    (lr,) = live._LIVE.values()
+    before = lr.bytes_read
+    assert before == sum(p.stat().st_size for p in run.path.glob("*.jsonl"))
+    added = write(range(30, 33))
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert lr.bytes_read - before == added
+    assert lr.progress() == (33, 100)
+
+
+# --------------------------------------------------------------------------- priorities
+
+def nice_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])
+
+
+def children_of(pid: int) -> list:
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(name))
+            except OSError:
+                continue
+    return out
+
+
+NICED_CHILD = textwrap.dedent("""
+    import os, sys
+    os.nice({nice})
+    from lab.spawn import spawn_detached
+    print(spawn_detached([sys.executable, "-c", "import time; time.sleep(60)"], {log!r}), flush=True)
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_niced_process_gets_its_children_started_at_normal_priority(tmp_path):
+    log = tmp_path / "child.log"
+    base = nice_of(os.getpid())
+    want = min(base + APP_NICE, 19)
+    started = []
+    with Spawner() as sp:
+        try:
+            for env, expect in (({ENV: sp.address}, base), ({}, want)):  # through the spawner, then without it
+                e = {k: v for k, v in os.environ.items() if k != ENV}
+                out = subprocess.run([sys.executable, "-c", NICED_CHILD.format(nice=APP_NICE, log=str(log))],
+                                     env={**e, **env, "PYTHONPATH": str(ROOT)}, cwd=str(ROOT), check=True,
+                                     capture_output=True, text=True, timeout=60)
+                pid = int(out.stdout.split()[-1])
+                started.append(pid)
+                assert nice_of(pid) == expect
+                environ = Path(f"/proc/{pid}/environ").read_bytes()
+                assert ENV.encode() not in environ  # its own children it starts itself
+            assert started[0] in sp.started and started[1] not in sp.started
+        finally:
+            for pid in started:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
+    """`commlab app` (lab.ui.app_main): its Streamlit server runs APP_NICE levels lower; a run queued from
+    inside the server (as the New run form and presets do: lab.run(wait=False)) gets a supervisor at the
+    app's normal priority, started by the app's process."""
+    runs = tmp_path / "runs"
+    port = free_port()
+    code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
+    app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    run_id = None
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2):
+                    break
+            except OSError:
+                assert app.poll() is None and time.time() - t0 < 90, "the UI did not come up"
+                time.sleep(0.3)
+        (server,) = children_of(app.pid)
+        assert nice_of(server) == min(nice_of(app.pid) + APP_NICE, 19)
+        assert all(nice_of(int(t)) == nice_of(server) for t in os.listdir(f"/proc/{server}/task"))
+        environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{server}/environ").read_bytes().split(b"\0") if kv)
+        # what the server's pages do to queue a run, in a process with the server's priority and environment
+        env = {k.decode(): v.decode() for k, v in environ.items()}
+        submit = ("import os, lab; os.nice(%d); r = lab.run(%r, wait=False, runs=%r); "
+                  "print(r.id, r.status()['supervisor']['pid'], flush=True)" % (APP_NICE, SMALL, str(runs)))
+        out = subprocess.run([sys.executable, "-c", submit], env=env, cwd=str(ROOT), capture_output=True,
+                             text=True, timeout=120, check=True)
+        run_id, sup = out.stdout.split()
+        sup = int(sup)
+        if procs.start_time(sup) is not None:  # a tiny run may be over already
+            assert nice_of(sup) == nice_of(app.pid)
+            assert int(Path(f"/proc/{sup}/stat").read_text().rsplit(")", 1)[1].split()[1]) == app.pid
+        assert lab.wait(run_id, runs=runs, timeout=240) == "done"
+    finally:
+        if run_id and lab.get(run_id, runs=runs).state not in ("done", "failed", "cancelled", "diverged"):
+            lab.cancel(run_id, runs=runs)
+            lab.wait(run_id, runs=runs, timeout=60)
+        if app.poll() is None:
+            os.killpg(app.pid, signal.SIGINT)
+            try:
+                app.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(app.pid, signal.SIGKILL)
+                app.wait()
