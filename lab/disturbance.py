@@ -26,7 +26,6 @@ an injectable /proc root so it can be tested on fake files.
 """
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
@@ -195,14 +194,9 @@ def timed_window(metrics: List[dict]) -> Optional[Tuple[float, float]]:
 
 def threshold(runs_root) -> float:
     """The runs directory's threshold (``disturbance_threshold`` in lab.json), else the default."""
-    try:
-        with open(Path(runs_root) / "lab.json") as f:
-            cfg = json.load(f)
-    except (OSError, ValueError):
-        return DEFAULT_THRESHOLD
-    v = cfg.get(CONFIG_KEY, DEFAULT_THRESHOLD) if isinstance(cfg, dict) else DEFAULT_THRESHOLD
+    from lab.store import LabError, lab_config
+    v = lab_config(runs_root).get(CONFIG_KEY, DEFAULT_THRESHOLD)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-        from lab.store import LabError
         raise LabError(f"{Path(runs_root) / 'lab.json'}: {CONFIG_KEY} must be a fraction of the machine in "
                        f"(0, 1], e.g. 0.1, got {v!r}")
     return float(v)

@@ -18,7 +18,6 @@ supervisor sees it within a poll interval in every state.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import sys
 import time
@@ -27,7 +26,7 @@ from typing import Optional
 
 from lab import procs
 from lab.index import Index
-from lab.store import FINAL, LabError, Run, RunStore
+from lab.store import CONFIG, FINAL, LabError, Run, RunStore, lab_config
 
 POLL_S = 0.2
 
@@ -71,8 +70,8 @@ class Lab:
     def __init__(self, runs: Optional[os.PathLike] = None, max_jobs: Optional[int] = None):
         self.store = RunStore(runs, on_change=self._changed)
         self.index = Index(self.store)
-        self.max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or _config(self.store.root).get("max_jobs") \
-            or default_max_jobs()
+        configured = _config_max_jobs(self.store.root)  # read even when overridden: a broken file is reported
+        self.max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or configured or default_max_jobs()
 
     def _changed(self, run: Run) -> None:
         self.index.update(run)
@@ -175,8 +174,9 @@ class Lab:
         if not procs.alive(run.status().get("supervisor")):
             from lab.launcher import kill_strays
             kill_strays(run)
-            run.set_status("cancelled", error="cancelled (no live launcher)")
-            return "cancelled"
+            # only_from: a launcher that ended meanwhile keeps the final state it wrote
+            return run.set_status("cancelled", only_from=("queued", "running"),
+                                  error="cancelled (no live launcher)")["state"]
         return state
 
     def wait(self, run_id: str, timeout: Optional[float] = None) -> str:
@@ -205,8 +205,10 @@ class Lab:
             kill_strays(run)
             procs.kill_if_ours(st.get("torchrun"), str(run.path))
             sup = st.get("supervisor") or {}
-            run.set_status("failed", error=f"stale: its launcher (pid {sup.get('pid')}) died; found at a later start")
-            stale.append(run.id)
+            new = run.set_status("failed", only_from=("queued", "running"),  # not if another command did it first
+                                 error=f"stale: its launcher (pid {sup.get('pid')}) died; found at a later start")
+            if new.get("state") == "failed":
+                stale.append(run.id)
         return stale
 
     def reindex(self) -> int:
@@ -226,9 +228,9 @@ def _env_int(name: str) -> Optional[int]:
     return n
 
 
-def _config(root: Path) -> dict:
-    try:
-        with open(Path(root) / "lab.json") as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return {}
+def _config_max_jobs(root: Path) -> Optional[int]:
+    """``max_jobs`` from runs/lab.json, if it sets one; a value that is not a positive integer is a LabError."""
+    v = lab_config(root).get("max_jobs")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise LabError(f"{Path(root) / CONFIG}: max_jobs must be a positive integer, got {v!r}")
+    return v

@@ -16,7 +16,13 @@ def main(argv=None) -> int:
     ap.add_argument("run_id")
     args = ap.parse_args(argv)
     from lab.queue import Lab
-    lab = Lab(args.runs)
+    from lab.store import LabError, RunStore
+    try:
+        lab = Lab(args.runs)
+    except LabError as e:  # e.g. a runs/lab.json broken since the run was queued: say so in its status
+        RunStore(args.runs).get(args.run_id).set_status("failed", only_from=("queued",), error=str(e))
+        print(f"commlab: error: {e}", file=sys.stderr)
+        return 2
     run = lab.store.get(args.run_id)
     state = lab.supervise(run)
     return 0 if state == "done" else 1
