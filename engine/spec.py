@@ -28,6 +28,10 @@ SCHEDULES_AVAILABLE = ("layerwise", "allinone", "bucket", "mergecomp", "layerfus
 SCHEDULES_PLANNED = ()
 COMM_AVAILABLE = ("sync", "wfbp", "dear")
 COMM_PLANNED = ()
+DEAR_CAP_MB = 25.0
+"""dear's buffer cap when the spec gives neither comm.cap_mb, comm.layers nor comm.tune."""
+DEAR_TUNE_STEPS = 5
+"""dear with comm.tune: measured iterations per trial cap when comm.tune_steps is not given."""
 LINKS_AVAILABLE = ("loopback", "shaped", "modeled")
 LINKS_PLANNED = ()
 
@@ -231,13 +235,15 @@ class CommSpec:
     """sync (all buckets after backward) | wfbp (each bucket as soon as it is ready) | dear
     (reduce-scatter in backward, all-gather before each buffer's next forward)."""
     cap_mb: Optional[float] = None
-    """dear only: byte cap of a fused buffer in MB (default 25 when neither layers nor tune is set)."""
+    """dear only: byte cap of a fused buffer in MB (default 25 when neither layers nor tune is set,
+    written into spec.json)."""
     layers: Optional[int] = None
     """dear only: fuse this many nearby layers per buffer instead of a byte cap."""
     tune: bool = False
     """dear only: search the buffer cap online by measured iteration time (rank 0 decides)."""
     tune_steps: Optional[int] = None
-    """dear with tune only: iterations measured per trial cap (default 5; the first of each is not counted)."""
+    """dear with tune only: iterations measured per trial cap (default 5, written into spec.json; the
+    first of each is not counted)."""
 
     def __post_init__(self):
         allowed = COMM_AVAILABLE + COMM_PLANNED
@@ -264,6 +270,11 @@ class CommSpec:
                 raise SpecError("comm.tune_steps", "needs comm.tune: true")
             if not 2 <= self.tune_steps <= 1000:
                 raise SpecError("comm.tune_steps", f"must be in 2..1000, got {self.tune_steps}")
+        # the spec written to spec.json is fully defaulted: it says what the run used
+        if self.tune and self.tune_steps is None:
+            self.tune_steps = DEAR_TUNE_STEPS
+        if not self.tune and self.layers is None and self.cap_mb is None:
+            self.cap_mb = DEAR_CAP_MB
 
 
 @dataclass

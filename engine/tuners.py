@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import sys
+import time
 from typing import Dict, Generator, List, Optional, Sequence, Tuple
 
 from engine import schedules
@@ -189,26 +191,64 @@ def cache_key(spec) -> str:
                        "network": d["network"]}, sort_keys=True)
 
 
+class CacheCorrupt(ValueError):
+    """The cache file could not be parsed; it was renamed aside. ``str(e)`` says where to."""
+
+
 def read_cache(runs_root: str, key: str) -> Optional[dict]:
+    """The cached entry for ``key``, or None. A cache that cannot be read or parsed is renamed to
+    ``mergecomp-cache.json.corrupt-<time>`` (kept for a look, never silently replaced) and raised
+    as ``CacheCorrupt``."""
+    path = os.path.join(runs_root, CACHE)
     try:
-        with open(os.path.join(runs_root, CACHE)) as f:
-            return json.load(f).get(key)
-    except (OSError, ValueError):
+        return _load_cache(path).get(key)
+    except FileNotFoundError:
         return None
 
 
-def write_cache(runs_root: str, key: str, entry: dict) -> None:
+def write_cache(runs_root: str, key: str, entry: dict) -> Optional[str]:
+    """Add ``entry`` under ``key``, under an flock so that two runs finishing at once keep both
+    entries. Returns a problem to report (a corrupt cache found and set aside first), or None."""
+    import fcntl
     path = os.path.join(runs_root, CACHE)
+    problem = None
+    fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            allc = _load_cache(path)
+        except FileNotFoundError:
+            allc = {}
+        except CacheCorrupt as e:
+            allc, problem = {}, str(e)
+        allc[key] = entry
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(allc, f, indent=1)
+        os.replace(tmp, path)  # readers never see half a file
+    finally:
+        os.close(fd)
+    return problem
+
+
+def _load_cache(path: str) -> dict:
     try:
         with open(path) as f:
-            allc = json.load(f)
-    except (OSError, ValueError):
-        allc = {}
-    allc[key] = entry
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(allc, f, indent=1)
-    os.replace(tmp, path)  # readers never see half a file
+            text = f.read()
+        allc = json.loads(text)
+        if not isinstance(allc, dict) or not all(isinstance(v, dict) for v in allc.values()):
+            raise ValueError("not a JSON object of entries")
+        return allc
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        try:
+            os.replace(path, aside)
+            where = f"moved to {os.path.basename(aside)}"
+        except OSError as e2:
+            where = f"could not be moved aside ({e2})"
+        raise CacheCorrupt(f"{path} is unreadable ({type(e).__name__}: {e}); {where}") from None
 
 
 class Tuning:
@@ -239,7 +279,10 @@ class Tuning:
             self.info["cache"] = "off" if root is None else ("retune" if s.retune else "miss")
             hit = None
             if self.rank == 0 and root is not None and not s.retune:
-                hit = read_cache(root, self.key)
+                try:
+                    hit = read_cache(root, self.key)
+                except CacheCorrupt as e:
+                    self._cache_problem(f"{e}; searching afresh")
                 if hit is not None and sorted(hit.get("order", [])) != sorted(dp.order_names):
                     hit = None  # another model under the same key: do not trust it
             hit = self._broadcast(hit)
@@ -253,6 +296,12 @@ class Tuning:
                 self._finish()
         else:
             self.window = 1 + s.profile_steps  # the first step records the ready order; the others profile
+
+    def _cache_problem(self, text: str) -> None:
+        """A damaged cache: said in log.txt (stderr) and in tuning.json's ``cache_problem``."""
+        self.info["cache"] = "corrupt"
+        self.info["cache_problem"] = text
+        print(f"[commlab] rank {self.rank}: mergecomp cache: {text}", file=sys.stderr, flush=True)
 
     def _broadcast(self, obj):
         import torch.distributed as dist
@@ -315,8 +364,10 @@ class Tuning:
                 self.info["chosen"] = {"cuts": best_cuts, "ms": 1e3 * best_t}
                 if self.root is not None:
                     names = [self.dp.order_names[i] for i in order]
-                    write_cache(self.root, self.key, {"order": names, "cuts": best_cuts, "ms": 1e3 * best_t,
-                                                      "run": os.path.basename(os.path.abspath(self.run_dir))})
+                    problem = write_cache(self.root, self.key, {"order": names, "cuts": best_cuts, "ms": 1e3 * best_t,
+                                                                "run": os.path.basename(os.path.abspath(self.run_dir))})
+                    if problem:
+                        self._cache_problem(f"{problem}; a new cache holds this run's partition")
             self._finish()
         else:
             self._apply(layout, order, f"mergecomp candidate: {len(layout)} groups")

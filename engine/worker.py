@@ -5,7 +5,8 @@
 Reads ``spec.json`` from the run directory, joins the process group, trains,
 and appends metrics and timeline spans to the run directory. A rank that
 fails writes ``error-rank<r>.json`` (the error and its traceback) before it
-exits non-zero, so the launcher can say which rank failed and why.
+exits non-zero, so the launcher can say which rank failed and why. Rank 0
+records what ``auto`` and ``threads: 0`` came to in ``resolved.json``.
 """
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ import sys
 import time
 import traceback
 from datetime import timedelta
+
+RESOLVED = "resolved.json"
+"""Written by rank 0 at start: the values the spec leaves to the machine (backend and device auto,
+threads 0), as they were resolved there."""
 
 # Before torch is imported: one BLAS/OpenMP pool per rank, not one per core each.
 if "OMP_NUM_THREADS" not in os.environ:
@@ -70,12 +75,26 @@ def record_pid(run_dir: str, rank: int) -> None:
     _write_json(run_dir, f"pid-rank{rank}.json", {"rank": rank, "pid": os.getpid(), "start": start})
 
 
-def _write_json(run_dir: str, name: str, obj: dict) -> None:
+def _write_json(run_dir: str, name: str, obj: dict) -> bool:
+    """Write one of the files that tell the lab about this rank (its pid, why it failed), whole or
+    not at all: a temporary file renamed into place. A failure is reported on stderr, which torchrun
+    puts in log.txt, and is not raised: the rank's own error (or its training) matters more than
+    this file, and the launcher falls back to torchrun's exit report. Returns whether it was written."""
+    path = os.path.join(run_dir, name)
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(os.path.join(run_dir, name), "w") as f:
+        with open(tmp, "w") as f:
             json.dump(obj, f, indent=1)
-    except OSError:
-        pass
+        os.replace(tmp, path)
+        return True
+    except (OSError, TypeError, ValueError) as e:
+        rank = obj.get("rank", os.environ.get("RANK", "?"))
+        print(f"[commlab] rank {rank}: could not write {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False
 
 
 def record_error(run_dir: str, rank: int, e: BaseException) -> None:
@@ -104,6 +123,10 @@ def run(run_dir: str, rank: int) -> None:
         torch.cuda.set_device(device)
     backend = resolve_backend(spec, device)
     dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300"))))
+    if rank == 0:  # what the spec's machine-dependent choices (auto, threads 0) came to on this machine
+        _write_json(run_dir, RESOLVED, {"rank": 0, "backend": backend, "device": str(device), "threads": threads,
+                                        "world_size": world, "local_world_size": local_world,
+                                        "torch": torch.__version__})
     trainer = None
     try:
         trainer = Trainer(spec, run_dir, dist.get_rank(), world, device)
