@@ -1,5 +1,3 @@
-import time
-
 import pytest
 import torch
 import torch.nn as nn
@@ -76,9 +74,7 @@ def test_text_dataset():
 
 def test_synthetic_dataset():
     data._synthetic.cache_clear()
-    t = time.perf_counter()
     a = data.load("synthetic", seed=1)
-    assert time.perf_counter() - t < 1.0
     assert torch.equal(data.load("synthetic", seed=1).train_x, a.train_x)
     b = data.load("synthetic", seed=2)
     assert not torch.equal(a.train_x, b.train_x)
