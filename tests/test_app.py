@@ -285,8 +285,11 @@ def free_port() -> int:
 def test_app_main_serves_and_stops_on_interrupt(tmp_path):
     port = free_port()
     code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(tmp_path)!r}, demo=False))"
-    p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # output to a file, not a pipe: an unread pipe that fills up blocks the server and the app on exit
+    log_path = tmp_path / "app.log"
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True,
+                             stdout=log, stderr=subprocess.STDOUT)
     try:
         t0 = time.time()
         while True:
@@ -295,17 +298,16 @@ def test_app_main_serves_and_stops_on_interrupt(tmp_path):
                     assert r.read() == b"ok"
                     break
             except OSError:
-                assert p.poll() is None, p.stdout.read().decode()
+                assert p.poll() is None, log_path.read_text()
                 assert time.time() - t0 < 90, "the UI did not come up"
                 time.sleep(0.5)
         p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=30) is not None
+        assert p.wait(timeout=30) is not None, log_path.read_text()
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    out = p.stdout.read().decode()
-    assert f"127.0.0.1:{port}" in out
+    assert f"127.0.0.1:{port}" in log_path.read_text()
 
 
 def test_new_run_form_follows_the_comm_mode(runs):
