@@ -583,3 +583,46 @@ def test_countsketch_exact_with_error_feedback_keeps_exact_residual():
         # what was sent is the corrected bucket itself at the chosen entries
         assert torch.all(c.ef.residual[out != 0] == 0)
     torch.testing.assert_close(sent + c.ef.residual, fed)
+
+
+
+def _block_slots(plan, n):
+    """The wide-table hash written out per element, as the narrow tables store it (the oracle)."""
+    i = torch.arange(n)
+    blk = i // plan.cols
+    shift = torch.tensor(plan.shift)
+    minus = (torch.tensor(plan.sign) < 0).long()
+    return (i % plan.cols + shift[:, blk]) % plan.cols + plan.cols * minus[:, blk]
+
+
+@pytest.mark.parametrize("rows", [5, 3, 4])
+def test_countsketch_wide_tables_rotate_blocks(monkeypatch, rows):
+    # wide tables hash whole blocks of cols coordinates (a rotation and a sign per block and row) and
+    # sketch and decode by contiguous slices: compare with index_add / index_select over the same hash
+    import engine.compressors.countsketch as cs
+    monkeypatch.setattr(cs, "SLICES_FROM", 1000)
+    monkeypatch.setattr(cs, "PIECE", 700)  # pieces that do not divide the blocks
+    torch.manual_seed(21)
+    n, cols = 50_003, 3000
+    x = torch.randn(n, dtype=torch.float64)
+    heavy = torch.randperm(n)[:15]
+    x[heavy] += 40.0
+    c = make("countsketch", rows=rows, cols=cols, k=15)
+    plan = c.plan(n, x.device)
+    assert plan.slot is None and len(plan.shift) == rows and len(plan.shift[0]) == -(-n // cols)
+    slot = _block_slots(plan, n)
+    wide = torch.zeros(rows, 2 * cols, dtype=x.dtype)
+    for r in range(rows):
+        wide[r].index_add_(0, slot[r], x)
+    want = wide[:, :cols] - wide[:, cols:]
+    table = c.sketch(x)
+    torch.testing.assert_close(table, want)
+    signed = torch.cat([table, -table], dim=1)
+    per_row = torch.stack([signed[r][slot[r]] for r in range(rows)])
+    torch.testing.assert_close(c.estimate(table, n), median_rows(per_row))
+    if rows == 5:  # with fewer rows, two collisions make false positives likely (with random slots too)
+        out = c.decompress([table], c.compress(x)[1])
+        assert set(torch.nonzero(out).view(-1).tolist()) == set(heavy.tolist())
+    other = make("countsketch", rows=rows, cols=cols, k=15, seed=1)
+    assert not torch.equal(other.sketch(x), table)
+    assert 0.3 < float(slot.ge(cols).double().mean()) < 0.7  # both signs drawn

@@ -25,6 +25,8 @@ import torch
 Tensor = torch.Tensor
 
 _LITTLE = sys.byteorder == "little"
+WORDS = _LITTLE
+"""True where ``pack_words`` works: bool bytes viewed as int64 words hold element i in byte i."""
 
 
 def _s64(u: int) -> int:
@@ -69,8 +71,18 @@ def pack_bits(bits: Tensor) -> Tensor:
     if not _LITTLE:
         w = torch.tensor(_WEIGHTS8, dtype=torch.uint8, device=u.device)
         return (u.view(-1, 8) * w).sum(1, dtype=torch.uint8)
+    return pack_words(u.view(torch.int64))
+
+
+def pack_words(words: Tensor) -> Tensor:
+    """``pack_bits`` of bools already viewed as int64 words (8 per word; little-endian hosts, ``WORDS``).
+
+    Callers that pack the same-sized buffer every step keep this view and skip the per-call checks.
+    """
     # int64 -> uint8 keeps the low byte, so the sign the shift smears in is dropped
-    return ((u.view(torch.int64) * _GATHER8) >> 56).to(torch.uint8)
+    w = words * _GATHER8
+    w >>= 56
+    return w.to(torch.uint8)
 
 
 def bit_lanes(packed: Tensor, n: int) -> Tensor:

@@ -1,18 +1,25 @@
 """Count Sketch compression: a linear, all-reducible sketch and heavy-hitter recovery."""
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import math
+from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from engine.compressors.base import Compressor, Round
 from engine.compressors.params import Param, mix_seed, ratio, seed
-from engine.compressors.sparsify import count_of, out_buffer, top_indices
+from engine.compressors.sparsify import SAMPLE_MIN, Scratch, count_of, out_buffer, top_indices
 
 Tensor = torch.Tensor
 
 CHUNK = 1 << 19
-"""Coordinates estimated per block when decoding: bounds the (rows x block) work tensor."""
+"""Coordinates estimated per block when decoding by index: bounds the (rows x block) work tensor."""
+
+SLICES_FROM = 1 << 14
+"""Tables at least this wide sketch and decode by contiguous slices instead of per-element indices."""
+
+PIECE = 1 << 16
+"""Coordinates per median step on the slice path: the few work vectors stay in the CPU's L2 cache."""
 
 
 def _med3(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
@@ -50,12 +57,36 @@ def median_rows(g: Tensor) -> Tensor:
     return a[r // 2] if r % 2 else (a[r // 2 - 1] + a[r // 2]) / 2
 
 
+def median_into(rows: List[Tensor], out: Tensor, work: List[Tensor]) -> Tensor:
+    """``median_rows`` of equal-length 1-D tensors, written into ``out``; five rows use the
+    three ``work`` vectors and allocate nothing."""
+    if len(rows) != 5:
+        return out.copy_(median_rows(torch.stack(rows)))
+    a, b, c, d, e = rows
+    w1, w2, w3 = work
+    torch.minimum(a, b, out=w1)
+    torch.minimum(c, d, out=w2)
+    torch.maximum(w1, w2, out=w1)  # lo: the lower middle of a..d
+    torch.maximum(a, b, out=w2)
+    torch.maximum(c, d, out=w3)
+    torch.minimum(w2, w3, out=w2)  # hi: the upper middle of a..d
+    torch.minimum(w1, w2, out=w3)
+    torch.maximum(w1, w2, out=w1)
+    torch.minimum(w1, e, out=w1)
+    return torch.maximum(w3, w1, out=out)  # med3(lo, hi, e)
+
+
 class Plan(NamedTuple):
     numel: int
     device: torch.device
     cols: int
     k: int
-    slot: Tensor  # [rows x n] int32 in [0, 2 * cols): bucket (slot mod cols) and sign (slot >= cols: minus)
+    # wide tables (cols >= SLICES_FROM): block b = coordinates [b cols, (b + 1) cols) of row r lands
+    # rotated by shift[r][b], times sign[r][b]
+    shift: Optional[Tuple[Tuple[int, ...], ...]]  # [rows][blocks] in [0, cols)
+    sign: Optional[Tuple[Tuple[float, ...], ...]]  # [rows][blocks] +1.0 or -1.0
+    # narrow tables: [rows x n] int32 in [0, 2 * cols): bucket (slot mod cols), sign (slot >= cols: minus)
+    slot: Optional[Tensor]
 
 
 class SketchCtx(NamedTuple):
@@ -75,6 +106,16 @@ class CountSketch(Compressor):
          ``torch.randint`` draw in [0, 2 * cols) per coordinate and row, from a
          CPU generator seeded with (seed, bucket index, n): identical on every
          rank and device. They are drawn once per bucket length and cached.
+         Wide tables (cols >= ``SLICES_FROM``, 16384: buckets of about 400K
+         elements and more at the defaults) hash whole blocks instead: row r
+         maps block j of cols consecutive coordinates onto the table rotated
+         by a random shift_r(j), times a random sign_r(j). Two coordinates of
+         one block never share a bucket; two of different blocks do with
+         probability 1/cols per row, independently across rows, and their signs
+         are independent: the pairwise guarantees the estimates rest on. It
+         makes the sketch and the decode contiguous slices of the table (no
+         per-element hash in memory, no gather), 4-5x faster at 25M elements;
+         a test checks it against per-element index_add over the same hash.
       2. Sketch: table[r, b] = sum of s_r(i) * x_i over the i with h_r(i) = b.
          This is linear in x, so tables from all ranks are all-reduced (summed).
       3. Decode: estimate every coordinate as the median over rows of
@@ -113,7 +154,9 @@ class CountSketch(Compressor):
     noise and grew until training diverged in a 40-step cnn/digits check at
     the defaults, while exact values keep it bounded (and ratio 0.05 trained well).
 
-    Memory: the cached hashes take rows * n * 4 bytes per bucket (int32).
+    Memory: the cached hashes take rows * n * 4 bytes per bucket (int32) for
+    narrow tables, rows * n / cols shifts and signs for wide ones, which keep a
+    4 * rows * cols work table besides.
     """
     name = "countsketch"
     summable = True
@@ -132,6 +175,8 @@ class CountSketch(Compressor):
         self.rounds = 2 if self.exact else 1
         self._plan: Optional[Plan] = None  # derived from (seed, bucket, n): never checkpointed
         self._gen = torch.Generator().manual_seed(0)  # local threshold sampling in top_indices
+        self._quad_buf: Optional[Tensor] = None  # work buffer, dead between calls
+        self._scratch = Scratch()
 
     def plan(self, n: int, device: torch.device) -> Plan:
         p = self._plan
@@ -139,26 +184,49 @@ class CountSketch(Compressor):
             k = min(n, self.k) if self.k is not None else count_of(self.ratio or 0.01, n)
             cols = self.cols if self.cols is not None else max(1, min(4 * k, n // self.rows))
             g = torch.Generator().manual_seed(mix_seed(self.seed, self.bucket, n))
-            slot = torch.randint(2 * cols, (self.rows, n), generator=g, dtype=torch.int32).to(device)
-            p = self._plan = Plan(n, device, cols, k, slot)
+            if cols < SLICES_FROM:
+                slot = torch.randint(2 * cols, (self.rows, n), generator=g, dtype=torch.int32).to(device)
+                p = self._plan = Plan(n, device, cols, k, None, None, slot)
+            else:
+                blocks = -(-n // cols)
+                shift = torch.randint(cols, (self.rows, blocks), generator=g).tolist()
+                minus = torch.randint(2, (self.rows, blocks), generator=g).tolist()
+                p = self._plan = Plan(n, device, cols, k, tuple(map(tuple, shift)),
+                                      tuple(tuple(1.0 - 2.0 * m for m in row) for row in minus), None)
         return p
 
     def sketch(self, t: Tensor) -> Tensor:
         """The rows x cols table of t (flattened)."""
         flat = t.reshape(-1)
-        p = self.plan(flat.numel(), flat.device)
-        # slot < cols adds +x to bucket slot, slot >= cols adds -x to bucket slot - cols:
-        # one index_add per row into a double-width table, no sign multiply
-        wide = torch.zeros(self.rows, 2 * p.cols, dtype=flat.dtype, device=flat.device)
-        for r in range(self.rows):
-            wide[r].index_add_(0, p.slot[r], flat)
-        return wide[:, :p.cols] - wide[:, p.cols:]
+        n = flat.numel()
+        p = self.plan(n, flat.device)
+        if p.slot is not None:
+            # slot < cols adds +x to bucket slot, slot >= cols adds -x to bucket slot - cols:
+            # one index_add per row into a double-width table, no sign multiply
+            wide = torch.zeros(self.rows, 2 * p.cols, dtype=flat.dtype, device=flat.device)
+            for r in range(self.rows):
+                wide[r].index_add_(0, p.slot[r], flat)
+            return wide[:, :p.cols] - wide[:, p.cols:]
+        # block b of cols coordinates lands rotated by its shift, with its sign: two contiguous adds
+        table = torch.zeros(self.rows, p.cols, dtype=flat.dtype, device=flat.device)
+        c = p.cols
+        for b, a in enumerate(range(0, n, c)):
+            m = min(c, n - a)
+            for r in range(self.rows):
+                s, sg, row = p.shift[r][b], p.sign[r][b], table[r]
+                first = min(m, c - s)
+                row[s:s + first].add_(flat[a:a + first], alpha=sg)
+                if first < m:
+                    row[:m - first].add_(flat[a + first:a + m], alpha=sg)
+        return table
 
     def estimate(self, table: Tensor, n: int) -> Tensor:
         """Median-of-rows estimate of all n coordinates from a (summed) table."""
         p = self.plan(n, table.device)
-        signed = torch.cat([table, -table], dim=1)  # signed[r, slot] = s_r(i) * table[r, h_r(i)]
         est = torch.empty(n, dtype=table.dtype, device=table.device)
+        if p.slot is None:
+            return self._estimate_slices(table, p, est)
+        signed = torch.cat([table, -table], dim=1)  # signed[r, slot] = s_r(i) * table[r, h_r(i)]
         work = torch.empty(self.rows, min(n, CHUNK), dtype=table.dtype, device=table.device)
         for a in range(0, n, CHUNK):
             b = min(n, a + CHUNK)
@@ -168,11 +236,83 @@ class CountSketch(Compressor):
             est[a:b] = median_rows(g)
         return est
 
+    def _estimate_slices(self, table: Tensor, p: Plan, est: Tensor) -> Tensor:
+        # [t, t, -t, -t] per row: the estimates of a block (rotated by s, signed) are one contiguous
+        # slice of it, so the median reads the table in place, piece by piece
+        c, n = p.cols, p.numel
+        quad = self._quad(table)
+        work = [torch.empty(min(PIECE, c), dtype=table.dtype, device=table.device) for _ in range(3)]
+        for b, a in enumerate(range(0, n, c)):
+            m = min(c, n - a)
+            starts = [(0 if p.sign[r][b] > 0 else 2 * c) + p.shift[r][b] for r in range(self.rows)]
+            for o in range(0, m, PIECE):
+                q = min(PIECE, m - o)
+                rows = [quad[r, s + o:s + o + q] for r, s in enumerate(starts)]
+                median_into(rows, est[a + o:a + o + q], [w[:q] for w in work])
+        return est
+
     def heavy(self, table: Tensor, n: int):
         """(int64 indices, estimates) of the k largest estimated coordinates."""
+        p = self.plan(n, table.device)
+        if p.slot is None and n >= SAMPLE_MIN and 8 * p.k <= n:
+            found = self._heavy_slices(table, p)
+            if found is not None:
+                return found
         est = self.estimate(table, n)
-        idx = top_indices(est.abs(), self.plan(n, table.device).k, self._gen)
+        idx = top_indices(self._scratch.abs(est), self.plan(n, table.device).k, self._gen)
         return idx, est[idx]
+
+    def _quad(self, table: Tensor) -> Tensor:
+        """[t, t, -t, -t] per row, in a reused buffer: every rotated, signed block is one slice of it."""
+        r, c = table.shape
+        q = self._quad_buf
+        if q is None or q.shape != (r, 4 * c) or q.dtype != table.dtype or q.device != table.device:
+            q = self._quad_buf = torch.empty(r, 4 * c, dtype=table.dtype, device=table.device)
+        q[:, :c] = table
+        q[:, c:2 * c] = table
+        torch.neg(table, out=q[:, 2 * c:3 * c])
+        q[:, 3 * c:] = q[:, 2 * c:3 * c]
+        return q
+
+    def _heavy_slices(self, table: Tensor, p: Plan):
+        """``heavy`` without writing the n estimates out: a threshold from a sample of estimates
+        (as ``top_indices`` sets it), then every piece's medians, still in cache, keep only the
+        candidates at or above it; topk runs on those. None when the sample was unlucky (fewer
+        than k candidates): the caller then estimates everything."""
+        c, n, k = p.cols, p.numel, p.k
+        s = min(n, max(4096, min(n // 100, 1 << 14)))
+        i = torch.randint(n, (s,), generator=self._gen)
+        blk, off = i // c, i % c
+        shift = torch.tensor(p.shift)
+        sign = torch.tensor(p.sign, dtype=table.dtype)
+        per_row = torch.stack([table[r][(off + shift[r][blk]) % c] * sign[r][blk] for r in range(self.rows)])
+        sample = median_rows(per_row).abs_()
+        q = k / n
+        j = min(s, math.ceil(s * q + 3.0 * math.sqrt(s * q)) + 1)
+        thr = float(torch.topk(sample, j, sorted=False).values.min())
+        quad = self._quad(table)
+        piece = min(PIECE, c)
+        work = [torch.empty(piece, dtype=table.dtype, device=table.device) for _ in range(5)]
+        mask = torch.empty(piece, dtype=torch.bool, device=table.device)
+        idx, vals = [], []
+        for b, a in enumerate(range(0, n, c)):
+            m = min(c, n - a)
+            starts = [(0 if p.sign[r][b] > 0 else 2 * c) + p.shift[r][b] for r in range(self.rows)]
+            for o in range(0, m, piece):
+                q = min(piece, m - o)
+                med = median_into([quad[r, s + o:s + o + q] for r, s in enumerate(starts)], work[3][:q],
+                                  [w[:q] for w in work[:3]])
+                hit = torch.ge(torch.abs(med, out=work[4][:q]), thr, out=mask[:q]).nonzero().view(-1)
+                if hit.numel():
+                    vals.append(med[hit])
+                    idx.append(hit.add_(a + o))
+        if not idx or sum(v.numel() for v in idx) < k:
+            return None
+        idx, vals = torch.cat(idx), torch.cat(vals)
+        if idx.numel() > k:
+            top = torch.topk(vals.abs(), k, sorted=False).indices
+            idx, vals = idx[top], vals[top]
+        return idx, vals
 
     def compress(self, t):
         return [self.sketch(t)], SketchCtx(t.shape, t.dtype, t.device, t.numel())
