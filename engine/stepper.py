@@ -94,18 +94,18 @@ class Stepper:
                                         on_layout=self.write_layout if rank == 0 and run_dir else None)
 
     def _dear_layout(self):
-        """dear's buffers: by comm.layers, by comm.cap_mb (default 25 MB), or the tuner's first trial cap."""
+        """dear's buffers: by comm.layers, by comm.cap_mb (the spec holds its default), or the tuner's
+        first trial cap."""
         cm = self.spec.comm
         if cm.layers is not None:
             return functools.partial(dear.layout_layers, layers=cm.layers)
-        cap = cm.cap_mb or 25.0
         if cm.tune:
             total = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
             self.cap_tuner = dear.CapTuner(dear.cap_candidates(total))
-            self.tune_steps = cm.tune_steps or 5
+            self.tune_steps = cm.tune_steps
             self.trial_cap, self.trial_ms = self.cap_tuner.propose(), []
-            cap = self.trial_cap
-        return functools.partial(dear.layout_cap, cap_mb=cap)
+            return functools.partial(dear.layout_cap, cap_mb=self.trial_cap)
+        return functools.partial(dear.layout_cap, cap_mb=cm.cap_mb)
 
     def _tune(self, time_ms: float) -> None:
         """Feed the cap search one measured step; at the end of a trial rank 0 decides the next cap
