@@ -608,16 +608,22 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
     print(f"commlab UI on http://{host or '127.0.0.1'}:{port}  (runs: {root}; Ctrl-C stops it)", file=out, flush=True)
     # The server runs niced, so its refreshes take the cores only when training ranks leave them idle; the
     # runs and sweeps it starts are started by this process instead, at normal priority (lab/spawn.py).
-    with Spawner(start=False) as spawner:
-        env[SPAWNER_ENV] = spawner.address
-        p = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), preexec_fn=lower_priority)
-        spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
-        try:
-            return p.wait()
-        except KeyboardInterrupt:
-            p.send_signal(signal.SIGINT)
+    # A shell starts background jobs with SIGINT ignored, and children inherit that: Ctrl-C (or a script's
+    # SIGINT) must still stop the lab, so take Python's own handler for the time the server runs.
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with Spawner(start=False) as spawner:
+            env[SPAWNER_ENV] = spawner.address
+            p = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), preexec_fn=lower_priority)
+            spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
             try:
-                return p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
                 return p.wait()
+            except KeyboardInterrupt:
+                p.send_signal(signal.SIGINT)
+                try:
+                    return p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    return p.wait()
+    finally:
+        signal.signal(signal.SIGINT, old_int)

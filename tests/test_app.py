@@ -288,8 +288,10 @@ def test_app_main_serves_and_stops_on_interrupt(tmp_path):
     # output to a file, not a pipe: an unread pipe that fills up blocks the server and the app on exit
     log_path = tmp_path / "app.log"
     with open(log_path, "wb") as log:
+        # started with SIGINT ignored, as a shell starts a background job: the app must stop on it all the same
         p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True,
-                             stdout=log, stderr=subprocess.STDOUT)
+                             stdout=log, stderr=subprocess.STDOUT,
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         t0 = time.time()
         while True:
