@@ -34,8 +34,9 @@ from lab import plots
 from lab.store import Run
 
 STEP_TID = LANES["step"]
-KEEP_STEPS = 64
-"""Steps of timeline kept per rank (the live page shows up to 40 in its breakdown, 20 in its timeline)."""
+KEEP_STEPS = 100
+"""Steps of timeline kept per rank (the live page shows up to 40 in its breakdown and 20 in its timeline;
+``lab.ui.run_breakdown``, which the results page uses, averages the last 100)."""
 CHUNK = 1 << 18
 
 

@@ -396,9 +396,17 @@ def _files_key(run: Run) -> tuple:
 
 def run_breakdown(run: Run, max_steps: int = 100) -> Dict[str, float]:
     """Mean step-time breakdown of a run (see ``plots.step_breakdown``) over its last
-    ``max_steps`` steps, warm-up left out; cached until the run's files change."""
-    from lab import plots
+    ``max_steps`` steps, warm-up left out; cached until the run's files change. While the run goes on
+    (a page refreshing every few seconds), only what its files gained is read and each step is
+    computed once (lab.live)."""
+    from lab import live, plots
     from lab.summary import warmup_steps
+    if max_steps <= live.KEEP_STEPS and run.state not in FINAL:
+        lr = live.live_run(run)
+        bd = lr.breakdown(max_steps)
+        done, _ = lr.progress()
+        warm = int((bd["step"].drop_duplicates() < warmup_steps(done)).sum()) if len(bd) else 0
+        return plots.mean_breakdown(bd, skip=warm)  # the warm-up steps that are in the tail
 
     def compute():
         bd = plots.step_breakdown(tail_timeline(run, max_steps))

@@ -281,3 +281,21 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
             except subprocess.TimeoutExpired:
                 os.killpg(app.pid, signal.SIGKILL)
                 app.wait()
+
+
+def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
+    """lab.ui.run_breakdown (the results page's per-run breakdown) follows a running run through lab.live:
+    the same mean as plots.step_breakdown over the same steps, and a second call reads nothing new."""
+    from lab import ui
+    from lab.summary import warmup_steps
+    runs, run, write = fake_run
+    live._LIVE.clear()
+    write(range(0, 20))
+    got = ui.run_breakdown(run)
+    full = plots.step_breakdown(run.timeline())
+    steps = full[full["step"] < 19]  # the last step waits for its successor's events
+    want = plots.mean_breakdown(steps, skip=warmup_steps(20))
+    assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
+    (lr,) = live._LIVE.values()
+    n = lr.bytes_read
+    assert ui.run_breakdown(run) == got and lr.bytes_read == n
