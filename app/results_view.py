@@ -71,13 +71,15 @@ def results_panel(group: dict) -> None:
     p = preset_of(group)
     if p is not None:
         st.caption(p.question)
-    live = not ui.group_verdict(group).complete
+    first = ui.group_verdict(group)
+    live = not first.complete
+    finals = sum(x.final for x in first.variants.values())
 
     @st.fragment(run_every=REFRESH_S if live else None)
     def panel():
         v = ui.group_verdict(group)
-        if live and v.complete:
-            st.rerun()  # redraw once without the timer, with every figure
+        if live and sum(x.final for x in v.variants.values()) != finals:
+            st.rerun()  # a run finished: redraw the page once, with its figures (they are not in this fragment)
         done = sum(x.final for x in v.variants.values())
         if v.claim:
             st.markdown(f"**The paper:** {v.claim}")
@@ -119,23 +121,24 @@ def results_panel(group: dict) -> None:
         cols = widgets.table_columns()
         cols["exposed_comm_ms"] = st.column_config.NumberColumn("exposed comm ms", format="%.1f")
         st.dataframe(pd.DataFrame(rows).set_index("variant"), key="res.table", column_config=cols)
-        final = {x.label: ui.get_run(x.run_id) for x in v.variants.values() if x.final}
-        final = {k: r for k, r in final.items() if r is not None}
-        if not final:
-            return
-        st.subheader("One iteration of each, on one time axis")
-        st.caption("The median-length iteration of each finished run's last steps, rank 0.")
-        st.plotly_chart(ui.group_timelines(final), key="res.timelines")
-        labels = {r.id: k for k, r in final.items()}
-        c = st.columns(2)
-        with c[0]:
-            st.subheader("Where the step time goes")
-            st.plotly_chart(plots.breakdown_bars_figure(ui.breakdown_table(list(final.values()), labels)),
-                            key="res.breakdown")
-        with c[1]:
-            st.subheader("Accuracy against wall time")
-            st.plotly_chart(plots.accuracy_vs_time_figure(ui.accuracy_curves(list(final.values()), labels)),
-                            key="res.acc")
-        st.caption("Each run's own page: " + " · ".join(f"[{k}](/live_run?run={r.id})" for k, r in final.items()))
-
     panel()
+    # Figures of the runs that were final when the page was drawn: built once, outside the refreshing
+    # fragment, so a browser watching a group does not re-render them every few seconds.
+    final = {x.label: ui.get_run(x.run_id) for x in first.variants.values() if x.final}
+    final = {k: r for k, r in final.items() if r is not None}
+    if not final:
+        return
+    st.subheader("One iteration of each, on one time axis")
+    st.caption("The median-length iteration of each finished run's last steps, rank 0.")
+    st.plotly_chart(ui.group_timelines(final), key="res.timelines")
+    labels = {r.id: k for k, r in final.items()}
+    c = st.columns(2)
+    with c[0]:
+        st.subheader("Where the step time goes")
+        st.plotly_chart(plots.breakdown_bars_figure(ui.breakdown_table(list(final.values()), labels)),
+                        key="res.breakdown")
+    with c[1]:
+        st.subheader("Accuracy against wall time")
+        st.plotly_chart(plots.accuracy_vs_time_figure(ui.accuracy_curves(list(final.values()), labels)),
+                        key="res.acc")
+    st.caption("Each run's own page: " + " · ".join(f"[{k}](/live_run?run={r.id})" for k, r in final.items()))
