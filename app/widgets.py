@@ -96,8 +96,9 @@ def pick_run() -> Optional[str]:
 # --------------------------------------------------------------------------- live panel
 
 def live_panel(run_id: str) -> None:
-    """Status, progress, cancel, timeline, breakdown, curves and bytes of one run; refreshes
-    every ui.REFRESH_S seconds until the run is final."""
+    """Status, progress, cancel, timeline, breakdown, curves and bytes of one run. Until the run is final
+    the status refreshes every ui.REFRESH_S seconds and the charts every ui.CHARTS_REFRESH_S (drawing
+    them is most of what watching costs the machine the run trains on)."""
     run = ui.get_run(run_id)
     if run is None:
         st.error(f"No run {run_id!r} in {ui.runs_dir()}.")
@@ -140,6 +141,11 @@ def live_panel(run_id: str) -> None:
         m[2].metric("bytes sent / step / rank", fmt_bytes(s.get("bytes_per_step")))
         m[3].metric("compression", f"{s['compression_ratio']:.1f}x" if s.get("compression_ratio") else "-")
 
+    @st.fragment(run_every=None if started_final else ui.CHARTS_REFRESH_S)
+    def charts():
+        state = run.state
+        lr = live.live_run(run)
+        done, _ = lr.progress()
         st.subheader("Timeline")
         if step < 0:
             fig = plots.timeline_figure(lr.timeline(int(last) + 1), last=int(last))
@@ -165,6 +171,7 @@ def live_panel(run_id: str) -> None:
         st.plotly_chart(plots.bytes_figure(metrics), key="live.bytes")
 
     panel()
+    charts()
 
 
 def machine_note(d: Optional[dict]) -> None:

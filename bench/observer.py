@@ -45,15 +45,24 @@ BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networkin
 MODES = ("sync", "wfbp", "dear")
 RESULTS = REPO / "bench" / "results"
 TICK = os.sysconf("SC_CLK_TCK")
+QUIET = 0.10
+"""A run during which processes other than itself and the observer used more than this share of the
+machine (the supervisor's disturbance figure less the observer's share) had company: its round is named
+in the table, and is better run again."""
 
 # Every time the page shows a new "step N/M" (the live panel's progress bar) it is logged with the
 # page's clock: how often the page really followed the run. Runs inside the page, read once at the end.
 WATCH_JS = """() => {
   window.__steps = [];
-  const seen = () => {
+  window.__charts = [];
+  const seen = (muts) => {
     const m = document.body.innerText.match(/step (\\d+)\\/(\\d+)/);
     if (m && (window.__steps.length === 0 || window.__steps[window.__steps.length - 1][1] !== +m[1]))
       window.__steps.push([Date.now() / 1000, +m[1]]);
+    const now = Date.now() / 1000, c = window.__charts;
+    if ((muts || []).some(x => x.target.closest && x.target.closest('.js-plotly-plot'))
+        && (c.length === 0 || now - c[c.length - 1] > 0.5))
+      c.push(now);  // a chart was redrawn (one mark per redraw burst)
   };
   new MutationObserver(seen).observe(document.body, {subtree: true, childList: true, characterData: true});
   seen();
@@ -178,7 +187,7 @@ def chromium_roots() -> List[int]:
 # ---------------------------------------------------------------- one run
 
 def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name: str = "live_run",
-            viewers: int = 1) -> dict:
+            viewers: int = 1, results_page: bool = False) -> dict:
     import lab
     from lab import procs
     from lab.queue import Lab
@@ -199,6 +208,13 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
                 page.get_by_text("Where the step time goes").wait_for()
                 page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
                 page.evaluate(WATCH_JS)
+            if results_page:  # the preset results page too, on a group holding this run (another tab)
+                from lab.results import save_group
+                gid = save_group(runs, "observer", {spec["name"]: run.id})
+                res = browser.new_page(viewport={"width": 1400, "height": 2400})
+                res.set_default_timeout(120_000)
+                res.goto(f"{server.url}/results?group={gid}")
+                res.get_by_text("Measured here").wait_for()
             roots += chromium_roots()
         meter = CpuMeter(roots)
         server_meter = CpuMeter([server.p.pid])
@@ -218,6 +234,9 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
         out["wall_s"] = wall
         out["observer_cpu_pct"] = 100 * out["observer_cpu_s"] / wall
         out["state"] = run.state
+        # the supervisor's own reading of other processes' share of the machine over the run
+        # (lab.disturbance): about 0 unwatched on a quiet machine; watched, it sees the observer too
+        out["other_cpu"] = (run.status().get("disturbance") or {}).get("other_cpu")
         s = summarize(run.metric_rows(), run.spec_dict())
         out["iter_ms"] = s.get("iter_ms_median")
         if page is not None:
@@ -230,6 +249,8 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
             out["page_updates"] = len(during)
             out["page_max_gap_s"] = max(b - a for a, b in zip(marks, marks[1:]))
             out["page_last_step"] = seen[-1][1] if seen else None
+            drawn = [first, *[t for t in page.evaluate("() => window.__charts") if first < t < last], last]
+            out["charts_max_gap_s"] = max(b - a for a, b in zip(drawn, drawn[1:]))
             out["train_s"] = last - first
     finally:
         if browser is not None:
@@ -238,6 +259,13 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
 
 
 # ---------------------------------------------------------------- report
+
+def others(r: dict) -> float:
+    """The share of the machine that processes other than the run and the observer used during a run:
+    the supervisor's figure (everything but the run) less the observer's own share."""
+    cpus = os.cpu_count() or 1
+    return (r.get("other_cpu") or 0.0) - r.get("observer_cpu_s", 0.0) / max(r.get("wall_s", 1.0), 1e-9) / cpus
+
 
 def report(results: List[dict], modes: List[str]) -> tuple:
     rows, summary = [], {}
@@ -252,20 +280,27 @@ def report(results: List[dict], modes: List[str]) -> tuple:
         cpu_w = [r["observer_cpu_pct"] for r in rs if r["watched"]]
         cpu_u = [r["observer_cpu_pct"] for r in rs if not r["watched"]]
         gaps = [r["page_max_gap_s"] for r in rs if r["watched"] and r.get("page_max_gap_s") is not None]
+        cgaps = [r["charts_max_gap_s"] for r in rs if r["watched"] and r.get("charts_max_gap_s") is not None]
         ups = [r["page_updates"] for r in rs if r["watched"] and r.get("page_updates") is not None]
         if not (un and wa and ratios):
             continue
+        busy = sorted({r["round"] for r in rs if others(r) > QUIET})
         m = {"unwatched_ms": statistics.median(un), "watched_ms": statistics.median(wa), "round_ratios": ratios,
              "median_ratio": statistics.median(ratios), "observer_cpu_pct_watched": statistics.median(cpu_w),
              "observer_cpu_pct_unwatched": statistics.median(cpu_u),
-             "page_updates": ups, "page_max_gap_s": max(gaps) if gaps else None}
+             "page_updates": ups, "page_max_gap_s": max(gaps) if gaps else None,
+             "charts_max_gap_s": max(cgaps) if cgaps else None,
+             "rounds_with_other_load": busy}
         summary[mode] = m
         rows.append((mode, f"{m['unwatched_ms']:.1f}", f"{m['watched_ms']:.1f}",
                      " ".join(f"{x:.3f}" for x in ratios), f"**{m['median_ratio']:.3f}**",
                      f"{m['observer_cpu_pct_watched']:.0f}% ({m['observer_cpu_pct_unwatched']:.0f}%)",
-                     f"{min(ups)}-{max(ups)}, max gap {m['page_max_gap_s']:.1f} s" if ups else "-"))
+                     (f"{min(ups)}-{max(ups)}, max gap {m['page_max_gap_s']:.1f} s (charts "
+                      f"{m['charts_max_gap_s']:.1f} s)") if ups else "-",
+                     ", ".join(map(str, busy)) or "none"))
     table = markdown_table(["mode", "unwatched ms", "watched ms", "watched/unwatched per round", "median ratio",
-                            "observer CPU watched (unwatched), % of a core", "page updates per run"], rows)
+                            "observer CPU watched (unwatched), % of a core", "page updates per run",
+                            "rounds disturbed by others"], rows)
     return table, summary
 
 
@@ -279,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(RESULTS / "observer"), help="results path without extension")
     ap.add_argument("--page", default="live_run", help="the page to watch (default live_run)")
     ap.add_argument("--viewers", type=int, default=1, help="browser tabs open on the run when watched (default 1)")
+    ap.add_argument("--results-page", action="store_true",
+                    help="when watched, also open the results page of a group holding the run (another tab)")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -306,27 +343,33 @@ def main(argv=None) -> int:
                 for k, mode in enumerate(modes):
                     order = (False, True) if (rnd + k) % 2 == 0 else (True, False)
                     for watched in order:
-                        r = one_run(runs, spec_for(mode, a.steps, a.gbps), server, pw, watched, a.page, a.viewers)
+                        r = one_run(runs, spec_for(mode, a.steps, a.gbps), server, pw, watched, a.page, a.viewers,
+                                   a.results_page)
                         r.update(mode=mode, round=rnd + 1)
                         results.append(r)
                         extra = (f", page: {r.get('page_updates')} updates, max gap {r.get('page_max_gap_s', 0):.1f} s"
-                                 if watched else "")
+                                 f" (charts {r.get('charts_max_gap_s', 0):.1f} s)" if watched else "")
                         print(f"round {rnd + 1} {mode:4s} {'watched  ' if watched else 'unwatched'}: "
                               f"{r.get('iter_ms') or float('nan'):.1f} ms ({r['state']}), observer "
                               f"{r['observer_cpu_pct']:.0f}% of a core (server {r['server_cpu_s']:.1f} s, browser "
-                              f"{r['browser_cpu_s']:.1f} s in {r['wall_s']:.1f} s){extra}", flush=True)
+                              f"{r['browser_cpu_s']:.1f} s in {r['wall_s']:.1f} s), others per the supervisor "
+                              f"{100 * (r.get('other_cpu') or 0):.0f}% of the machine{extra}", flush=True)
     finally:
         server.close()
     table, summary = report(results, modes)
     cmd = "commlab bench observer " + " ".join(argv if argv is not None else sys.argv[1:])
     info = {"command": cmd.strip(), "modes": modes, "rounds": a.rounds, "steps": a.steps, "gbps": a.gbps,
-            "page": a.page, "viewers": a.viewers, "cpus": os.cpu_count(), "refresh_s": __import__("lab.ui").ui.REFRESH_S,
+            "page": a.page, "viewers": a.viewers, "results_page": a.results_page, "cpus": os.cpu_count(), "refresh_s": __import__("lab.ui").ui.REFRESH_S,
             "elapsed_s": time.time() - t_start, "spec": {m: spec_for(m, a.steps, a.gbps) for m in modes}}
-    md = (f"# Watching a run: the same run unwatched and with the {a.page} page open in headless Chromium\n\n"
+    pages = f"the {a.page} page" + (" and a results page" if a.results_page else "") \
+        + (f" ({a.viewers} tabs)" if a.viewers > 1 else "")
+    md = (f"# Watching a run: the same run unwatched and with {pages} open in headless Chromium\n\n"
           f"`{info['command']}`, {os.cpu_count()} cores, {a.steps} steps per run, modeled {a.gbps:g} Gbit/s link, "
           f"{a.rounds} interleaved rounds, {info['elapsed_s'] / 60:.1f} min. Median iteration time (slower rank, "
           f"warm-up left out); ratio = watched/unwatched in the same round. Observer CPU: the Streamlit server's "
-          f"and Chromium's process trees during the run, % of one core.\n\n{table}\n")
+          f"and Chromium's process trees during the run, % of one core. Page updates: how often the page showed a "
+          f"new step while the ranks trained, and the longest wait for a new step (and for a chart redraw).\n\n"
+          f"{table}\n")
     print("\n" + md)
     write_json(a.out + ".json", {"info": info, "summary": summary, "runs": results})
     with open(a.out + ".md", "w") as f:

@@ -299,3 +299,12 @@ def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
     (lr,) = live._LIVE.values()
     n = lr.bytes_read
     assert ui.run_breakdown(run) == got and lr.bytes_read == n
+
+
+def test_app_server_skips_the_full_gc_after_every_rerun_and_the_file_polling():
+    """Streamlit's defaults: gc.collect(2) after every script run (fragment refreshes included) and polling
+    every imported source file; each cost a refreshing page's server more than the page's own work."""
+    from lab import ui
+    argv = ui.app_argv(8600)
+    opts = dict(zip(argv[5::2], argv[6::2]))
+    assert opts["--runner.postScriptGC"] == "false" and opts["--server.fileWatcherType"] == "none"
