@@ -136,6 +136,8 @@ def _transformers():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
+        if importlib.util.find_spec("torchvision") is not None:
+            import_torchvision()  # transformers imports torchvision whenever it is installed
         import transformers
     except Exception as e:
         raise ValueError(f"model: transformers is not usable here ({type(e).__name__}: {_first_line(e)}); "
