@@ -166,17 +166,23 @@ def load_profile_file(path: str, field: str = "PROFILE") -> cal.Profile:
     f = Path(path)
     if not f.is_file():
         raise SpecError(field, f"no such file: {path}")
+    return profile_from_text(f.read_text(), str(path), field)
+
+
+def profile_from_text(text: str, where: str, field: str = "PROFILE") -> cal.Profile:
+    """A profile from a file's text (``where`` names it in errors: a path, an upload)."""
     try:
-        d = json.loads(f.read_text())
+        d = json.loads(text)
     except ValueError as e:
-        raise SpecError(field, f"{path} is not JSON ({str(e).splitlines()[0]})") from None
+        raise SpecError(field, f"{where} is not JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(d, dict) or any(k not in d for k in PROFILE_FIELDS):
-        raise SpecError(field, f"{path} is not a profile (needs {', '.join(PROFILE_FIELDS)}; "
+        raise SpecError(field, f"{where} is not a profile (needs {', '.join(PROFILE_FIELDS)}; "
                                f"write one with `commlab profile SPEC -o FILE`)")
+    d["params"] = [tuple(x) for x in d["params"]]
     try:
-        return cal.Profile.load(f)
+        return cal.Profile(**d)
     except TypeError as e:
-        raise SpecError(field, f"{path}: {str(e).splitlines()[0]}") from None
+        raise SpecError(field, f"{where}: {str(e).splitlines()[0]}") from None
 
 
 def ensure_curves(profile: cal.Profile, specs) -> bool:
@@ -225,12 +231,12 @@ def cluster_at(shape: dict, inter_gbps: float) -> Cluster:
                    Link.from_gbps(inter_gbps, shape.get("inter_us", 0.0)), shape.get("nics", 1))
 
 
-def check_workers(shape: dict, workers: List[int]) -> None:
+def check_workers(shape: dict, workers: List[int], field: str = "--workers") -> None:
     for p in workers:
         try:
             cluster_at(shape, 1.0).nodes(p)
         except ValueError as e:
-            raise SpecError("--workers", str(e).split(": ", 1)[1]) from None
+            raise SpecError(field, str(e).split(": ", 1)[1]) from None
 
 
 def link_maker(profile: cal.Profile, shape: Optional[dict]) -> Callable[[float], object]:
