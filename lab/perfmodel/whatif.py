@@ -64,9 +64,7 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
     key = cal.spec_key(spec)
     saved = profile_dir(runs) / f"{key}.json"
     if profile:
-        if not Path(profile).is_file():
-            raise SpecError("--profile", f"no such file: {profile}")
-        p = cal.Profile.load(profile)
+        p = load_profile_file(profile, "--profile")
         say(f"profile: {profile} ({p.source})")
     elif calibrate:
         p = cal.from_run(RunStore(runs).get(calibrate))
@@ -126,10 +124,9 @@ def machine_info(run, steps: int) -> dict:
     import platform
     res = json.loads(Path(run.file("resolved.json")).read_text())
     cpu = ""
-    try:
-        cpu = next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "")
-    except OSError:
-        pass
+    if Path("/proc/cpuinfo").is_file():  # Linux; elsewhere platform.processor()
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
     info = {"host": platform.node(), "cpu": cpu or platform.processor(), "cores": os.cpu_count(),
             "device": res.get("device"), "torch": res.get("torch"), "threads": res.get("threads"),
             "dtype": ",".join(cal.param_dtypes(run.spec_dict())), "steps": steps,
