@@ -46,21 +46,35 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "$WANT" > "$STAMP"
 fi
 
-# torchvision (torchvision:<arch> models, optional) must be built for the torch above: the CUDA
-# torchvision==$TV_VERSION beside a CUDA torch, torchvision==$TV_VERSION+cpu beside the CPU build
-# (a CUDA torchvision cannot load its operators into a CPU torch). --no-deps: never swap torch.
+# torchvision (torchvision:<arch> models, optional) for the torch above, --no-deps (never swap torch):
+# the CUDA torchvision==$TV_VERSION beside a CUDA torch; beside the CPU build torchvision==$TV_VERSION+cpu
+# when pip can find it (PyTorch's CPU wheel index), else the plain torchvision==$TV_VERSION (a CUDA build).
+# A CUDA torchvision's C++ extension cannot load into a CPU torch; engine.external.import_torchvision
+# then defines its operator names without kernels so that its models import and train (its detection
+# operators, nms, roi_align, ..., stay unavailable).
 TV_VERSION=0.28.0
-if ! "$VENV/bin/python" -c 'import torchvision' 2>/dev/null; then
+TV_CHECK='from engine.external import import_torchvision; import_torchvision()'
+if ! "$VENV/bin/python" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("torchvision") else 1)'; then
     if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)'; then
-        TV="torchvision==$TV_VERSION"
+        CANDIDATES=("torchvision==$TV_VERSION")
     else
-        TV="torchvision==$TV_VERSION+cpu"
+        CANDIDATES=("torchvision==$TV_VERSION+cpu" "torchvision==$TV_VERSION")
     fi
-    if "${PIP[@]}" install --no-deps "$TV" 2>/dev/null && "$VENV/bin/python" -c 'import torchvision' 2>/dev/null; then
-        echo "setup: installed $TV" >&2
+    TV=""
+    for cand in "${CANDIDATES[@]}"; do
+        if "${PIP[@]}" install --no-deps "$cand" 2>/dev/null; then TV=$cand; break; fi
+    done
+    if [ -z "$TV" ]; then
+        echo "setup: torchvision==$TV_VERSION is not available here; torchvision:<arch> models are off" >&2
+    elif "$VENV/bin/python" -c "$TV_CHECK" 2>/dev/null; then
+        case "$TV" in
+            *+cpu) echo "setup: installed $TV" >&2 ;;
+            *) "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' \
+                   && echo "setup: installed $TV" >&2 \
+                   || echo "setup: installed $TV (a CUDA build: its C++ operators do not load into the CPU torch; models work, detection ops do not)" >&2 ;;
+        esac
     else
         "${PIP[@]}" uninstall -y torchvision >/dev/null 2>&1 || true
-        echo "setup: $TV is not available here (CPU builds come from PyTorch's CPU wheel index: set" >&2
-        echo "setup: PIP_EXTRA_INDEX_URL or PIP_FIND_LINKS and run again); torchvision:<arch> models are off" >&2
+        echo "setup: $TV does not import beside torch here; removed it; torchvision:<arch> models are off" >&2
     fi
 fi

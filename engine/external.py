@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import os
+import re
+import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -60,8 +65,65 @@ def _first_line(e: BaseException) -> str:
 
 # ---------------------------------------------------------------- optional packages
 
+_TV_SHIM = None
+"""The torch.library.Library holding torchvision's operator names when its C++ extension cannot
+load (kept alive here: a Library removes its definitions when it is collected)."""
+_TV_REGISTERED = re.compile(r'"torchvision::(\w+)"')
+
+
+def import_torchvision():
+    """``import torchvision``, also where its C++ extension (``_C.so``) cannot load into this torch.
+
+    The only torchvision 0.28 wheel this machine's index has is the CUDA build; its ``_C.so`` does
+    not load into the CPU torch 2.13, and torchvision then fails while importing: it registers fake
+    (shape) kernels for its C++ operators unconditionally, and ``torchvision::nms`` does not exist.
+    In that case the operator names that torchvision's ``_meta_registrations.py`` and
+    ``_autograd_registrations.py`` refer to are defined first, with a generic schema and no kernel,
+    and the import goes through. The models (classifiers: convolutions, pooling, linear layers) are
+    pure torch and work; the detection operators (``nms``, ``roi_align``, ``deform_conv2d``, ...)
+    stay unavailable and raise if called. Said once per process on stderr (the run's log.txt).
+    """
+    global _TV_SHIM
+    if "torchvision" in sys.modules:
+        return sys.modules["torchvision"]
+    spec = importlib.util.find_spec("torchvision")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("No module named 'torchvision'")
+    pkg = Path(list(spec.submodule_search_locations)[0])
+    why = _load_extension(pkg)
+    if why is not None and _TV_SHIM is None:
+        names = set()
+        for f in ("_meta_registrations.py", "_autograd_registrations.py"):
+            if (pkg / f).is_file():
+                names.update(_TV_REGISTERED.findall((pkg / f).read_text()))
+        lib = torch.library.Library("torchvision", "DEF")
+        for name in sorted(names):
+            if not hasattr(torch.ops.torchvision, name):
+                lib.define(f"{name}(Tensor[] args) -> Tensor")
+        _TV_SHIM = lib
+        if os.environ.get("RANK", "0") == "0":
+            print(f"[commlab] torchvision: its C++ extension does not load into torch {torch.__version__} ({why}); "
+                  f"its models work, its C++ operators ({', '.join(sorted(n for n in names if not n.startswith('_')))}) "
+                  f"are defined without kernels and raise if called", file=sys.stderr, flush=True)
+    import torchvision
+    return torchvision
+
+
+def _load_extension(pkg: Path) -> Optional[str]:
+    """None when torchvision's ``_C`` extension in ``pkg`` loads into this torch, else why not."""
+    libs = [p for suffix in importlib.machinery.EXTENSION_SUFFIXES for p in pkg.glob(f"_C{suffix}")]
+    if not libs:
+        return "no _C extension in the package"
+    try:
+        torch.ops.load_library(str(libs[0]))
+        return None
+    except (OSError, ImportError, RuntimeError) as e:
+        return f"{type(e).__name__}: {_first_line(e)[:120]}"
+
+
 def _torchvision():
     try:
+        import_torchvision()
         import torchvision.models as tvm
     except Exception as e:  # a torchvision built for another torch fails with RuntimeError, not ImportError
         raise ValueError(f"model: torchvision is not usable here ({type(e).__name__}: {_first_line(e)}); "
@@ -74,6 +136,8 @@ def _transformers():
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     try:
+        if importlib.util.find_spec("torchvision") is not None:
+            import_torchvision()  # transformers imports torchvision whenever it is installed
         import transformers
     except Exception as e:
         raise ValueError(f"model: transformers is not usable here ({type(e).__name__}: {_first_line(e)}); "

@@ -98,10 +98,25 @@ def build_parser() -> Parser:
     q.add_argument("--json", action="store_true", help="print the figures as JSON")
     netsub.add_parser("cleanup", help="remove the lab's namespaces left by dead launchers")
 
-    p = sub.add_parser("predict", help="the performance model: predicted iteration time and speedup over DDP")
-    add_spec_args(p, "job spec file (YAML or JSON); dear is accepted")
-    p.add_argument("--gbps", default="1,10,100", help="link rates in Gbit/s, comma-separated (default 1,10,100)")
-    p.add_argument("--workers", default="2,8,64", help="worker counts, comma-separated (default 2,8,64)")
+    p = sub.add_parser("profile", help="measure a model's per-layer forward/backward times and gradient sizes "
+                                      "into a profile file (for commlab predict)")
+    add_spec_args(p, "job spec file (YAML or JSON): model, data set, batch size; its compressor and comm mode "
+                     "are what commlab predict PROFILE predicts")
+    p.add_argument("-o", "--output", default="profile.json", help="profile file to write (default profile.json)")
+    p.add_argument("--steps", type=int, default=20, help="steps of the single-process profiling run (default 20; "
+                                                         "the first 3 are left out)")
+    _runs_arg(p)
+
+    p = sub.add_parser("predict", help="the performance model: predicted iteration time, speedup over DDP and "
+                                      "scaling factor")
+    add_spec_args(p, "a profile file (commlab profile) or a job spec file (YAML or JSON); dear is accepted")
+    p.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma-separated (default 1,10,100,400); "
+                                                "with --cluster: the inter-node rates")
+    p.add_argument("--workers", default="2,8,64,1024", help="worker counts, comma-separated (default 2,8,64,1024)")
+    p.add_argument("--cluster", metavar="KEY=VALUE,...", default=None,
+                   help="a two-level cluster with hierarchical all-reduce: node_size=8,intra_gbps=1600,"
+                        "inter_gbps=100 (optional intra_us, inter_us latencies per ring step, nics per node; "
+                        "without inter_gbps, --gbps gives it)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--profile", metavar="FILE", help="a saved profile (JSON)")
     g.add_argument("--calibrate", metavar="RUN", help="calibrate compute from this run's timeline")
@@ -309,30 +324,92 @@ def _numbers(flag: str, text: str, kind, lo, hi) -> list:
     return vals
 
 
+def cmd_profile(args) -> int:
+    from lab.perfmodel import whatif
+    from lab.perfmodel.calibrate import CalibrationError
+    if not 5 <= args.steps <= 10000:
+        raise UsageError(f"commlab profile: --steps must be in 5..10000, got {args.steps}")
+    from lab.specs import load_spec
+    spec = load_spec(args.spec, args.overrides).to_dict()
+    print(f"profile: {spec['model']['name']} on {spec['dataset']['name']}, batch {spec['batch_size']}: a "
+          f"{args.steps}-step single-process run", flush=True)
+    try:
+        prof = whatif.profile_spec(spec, args.runs, args.steps)
+    except CalibrationError as e:
+        raise LabError(str(e)) from None
+    prof.save(args.output)
+    m = prof.machine
+    print(f"measured on {m.get('host')} ({m.get('gpu') or m.get('cpu')}), {m.get('device')}, torch {m.get('torch')}, "
+          f"{m.get('threads')} thread(s), {m.get('dtype')}, {m.get('clock')}, from {prof.source}")
+    grad = sum(b for _, b in prof.params)
+    print(f"forward {prof.forward_s * 1e3:.2f} ms, backward {prof.backward_s * 1e3:.2f} ms, optimizer "
+          f"{prof.optimizer_s * 1e3:.2f} ms per step; {len(prof.params)} tensors, {grad / 2**20:.2f} MiB of gradients")
+    slow = sorted(prof.layer_backward.items(), key=lambda kv: -kv[1])[:5]
+    if slow:
+        print("slowest layers in backward: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in slow))
+    print(f"wrote {args.output} (commlab predict {args.output})")
+    return 0
+
+
 def cmd_predict(args) -> int:
     from lab.perfmodel import whatif
     from lab.perfmodel.calibrate import CalibrationError
-    gbps = _numbers("--gbps", args.gbps, float, 0.001, 10000)
     workers = _numbers("--workers", args.workers, int, 1, 100000)
     if not 0.001 <= args.compute_speedup <= 10000:
         raise UsageError(f"commlab predict: --compute-speedup must be in [0.001, 10000], got {args.compute_speedup}")
-    spec = whatif.load_for_prediction(args.spec, args.overrides)
-    try:
-        prof = whatif.resolve_profile(spec, args.runs, args.profile, args.calibrate)
-    except CalibrationError as e:
-        raise LabError(str(e)) from None
+    shape = whatif.parse_cluster(args.cluster) if args.cluster else None
+    if shape and "inter_gbps" in shape:
+        if args.gbps is not None:
+            raise UsageError("commlab predict: --gbps and --cluster inter_gbps both give the inter-node rate; "
+                             "give one")
+        gbps = [shape["inter_gbps"]]
+    else:
+        gbps = _numbers("--gbps", args.gbps or "1,10,100,400", float, 0.001, 10000)
+    if shape:
+        whatif.check_workers(shape, workers)
+    if whatif.is_profile_file(args.spec):
+        if args.profile or args.calibrate:
+            raise UsageError("commlab predict: PROFILE is a profile already; --profile and --calibrate are for a SPEC")
+        prof = whatif.load_profile_file(args.spec)
+        if not prof.spec:
+            raise SpecError("PROFILE", f"{args.spec} records no spec (not written by commlab profile); use "
+                                       f"commlab predict SPEC --profile {args.spec}")
+        spec = whatif.load_for_prediction(data=prof.spec, overrides=args.overrides)
+        if prof.key() != whatif.cal.spec_key(spec):
+            raise SpecError("--set", f"the profile is for {prof.key()}, the spec is now {whatif.cal.spec_key(spec)}")
+        m = prof.machine
+        print(f"profile: {args.spec} ({prof.source}" + (f", {m.get('device')} on {m.get('host')}, torch {m.get('torch')}"
+                                                       if m else "") + ")")
+        if whatif.ensure_curves(prof, [spec]):
+            prof.save(args.spec)
+            print(f"profile: measured the compressor's encode/decode cost curve, added to {args.spec}")
+    else:
+        spec = whatif.load_for_prediction(args.spec, args.overrides)
+        try:
+            prof = whatif.resolve_profile(spec, args.runs, args.profile, args.calibrate)
+        except CalibrationError as e:
+            raise LabError(str(e)) from None
     if args.link:
+        if shape:
+            raise UsageError("commlab predict: --link calibrates a flat link; --cluster gives its own links")
         prof.link = whatif.link_file(args.link)
-    link = (f"calibrated at {prof.link['nominal_gbps']:g} Gbit/s and scaled" if prof.link
-            else "nominal alpha-beta (alpha 0, beta 8/rate; no link calibrated)")
+    if shape:
+        link = "two-level cluster, hierarchical all-reduce: " + whatif.cluster_at(shape, gbps[0]).describe()
+        if "inter_gbps" not in shape:
+            link = link.replace(f", {gbps[0]:g} between", ", the GBIT/S column between")
+    else:
+        link = (f"calibrated at {prof.link['nominal_gbps']:g} Gbit/s and scaled" if prof.link
+                else "nominal alpha-beta (alpha 0, beta 8/rate; no link calibrated)")
     c = spec["compressor"]
     print(f"spec: {spec['model']['name']} batch {spec['batch_size']}, {c['name']}{' +EF' if c['error_feedback'] else ''}"
           f", {spec['schedule']['name']}, {spec['comm']['mode']}; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
           f"compute x{args.compute_speedup:g}")
-    for line in whatif.format_table(whatif.table(prof, spec, gbps, workers, args.compute_speedup)):
+    rows = whatif.table(prof, spec, gbps, workers, args.compute_speedup, cluster=shape)
+    for line in whatif.format_table(rows, "INTER GBIT/S" if shape else "GBIT/S"):
         print(line)
     for p in workers:
-        print("crossover: " + whatif.crossover_line(prof, spec, p, args.compute_speedup))
+        print(("crossover (inter-node rate): " if shape else "crossover: ")
+              + whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape))
     return 0
 
 
@@ -405,7 +482,7 @@ def cmd_trace(args) -> int:
 
 COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
             "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
-            "bench": cmd_bench, "predict": cmd_predict}
+            "bench": cmd_bench, "predict": cmd_predict, "profile": cmd_profile}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

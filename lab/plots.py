@@ -555,3 +555,24 @@ def predicted_vs_measured_figure(df: pd.DataFrame) -> go.Figure:
     fig.update_layout(xaxis_title="measured ms / iteration", yaxis_title="predicted ms / iteration",
                       height=380, margin={"l": 50, "r": 20, "t": 20, "b": 40})
     return fig
+
+
+def predicted_scaling_figure(df: pd.DataFrame, spec_label: str = "spec") -> go.Figure:
+    """Predicted scaling factor (one worker's time over p workers') against workers, DDP dashed and the
+    spec solid, one colour per inter-node rate. ``df``: lab.perfmodel.views.cluster_prediction."""
+    if df is None or df.empty:
+        return empty_figure("no predictions")
+    fig = go.Figure()
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"]
+    for i, (g, d) in enumerate(df.sort_values("workers").groupby("inter_gbps", sort=True)):
+        c = colors[i % len(colors)]
+        fig.add_trace(go.Scatter(x=d["workers"], y=d["ddp_scaling"], mode="lines+markers", name=f"DDP, {g:g} Gbit/s",
+                                 line={"dash": "dash", "color": c}))
+        fig.add_trace(go.Scatter(x=d["workers"], y=d["scaling"], mode="lines+markers",
+                                 name=f"{spec_label}, {g:g} Gbit/s", line={"color": c},
+                                 customdata=d["speedup"],
+                                 hovertemplate="%{x} workers: scaling %{y:.2f}, %{customdata:.2f}x DDP<extra></extra>"))
+    fig.update_xaxes(title_text="workers", type="log")
+    fig.update_yaxes(title_text="scaling factor", range=[0, 1.05])
+    fig.update_layout(height=340, margin={"l": 50, "r": 20, "t": 30, "b": 40})
+    return fig

@@ -122,6 +122,33 @@ def test_page_renders(runs, name):
     CHECKS[name](at, runs)
 
 
+def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):
+    """A profile file and a cluster shape: the predicted table and scaling plot, also with no run in the
+    index; a shape the workers do not fill and a missing file are one-line errors."""
+    from tests.test_perfmodel import tiny_profile
+    from lab.perfmodel import whatif
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path / "empty"))
+    spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
+    tiny_profile(spec=spec, machine={"cpu": "test cpu", "device": "cpu", "torch": "2.13"}).save(tmp_path / "p.json")
+    at = page("model")
+    assert not at.exception and any("No finished run" in i.value for i in at.info)
+    charts = len(at.get("plotly_chart"))
+    at.text_input(key="pm.prof.path").set_value(str(tmp_path / "p.json")).run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert any("measured on test cpu" in c.value for c in at.caption)
+    df = at.dataframe[-1].value
+    assert list(df["workers"]) == [8, 8, 16, 16, 64, 64, 256, 256, 1024, 1024]
+    assert list(df["inter_gbps"]) == [10.0, 100.0] * 5 and (df["ddp_scaling"] <= 1).all()
+    assert df["ddp_ms"].iloc[-2] > df["ddp_ms"].iloc[-1]  # 1024 workers: 10 Gbit/s between nodes is slower than 100
+    assert len(at.get("plotly_chart")) == charts + 1
+    at.number_input(key="pm.cl.node").set_value(3).run()
+    assert any("workers: 8 does not fill whole nodes of 3" in e.value for e in at.error)
+    at.number_input(key="pm.cl.node").set_value(16).run()
+    assert not at.error and at.dataframe[-1].value["ddp_ms"].iloc[2] < df["ddp_ms"].iloc[2]  # 16: one fast node
+    at.text_input(key="pm.prof.path").set_value(str(tmp_path / "none.json")).run()
+    assert [e.value for e in at.error] == [f"profile: no such file: {tmp_path / 'none.json'}"]
+
+
 def test_live_page_follows_the_url_and_the_picker(tmp_path, monkeypatch):
     from lab.queue import Lab
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))

@@ -40,12 +40,24 @@ def test_torchvision_resnet18_builds_at_its_size():
     assert preflight.describe(spec)["params"] == 11_689_512
 
 
+# the issue's done-criterion: top-k + error feedback under mergecomp, and dear with fp16
+MERGECOMP_TOPK = {"compressor": {"name": "topk", "ratio": 0.01, "error_feedback": True},
+                  "schedule": {"name": "mergecomp", "warmup_steps": 0, "steps_per_candidate": 1, "max_candidates": 2}}
+DEAR_FP16 = {"compressor": "fp16", "comm": {"mode": "dear"}}
+COMMS = pytest.mark.parametrize("comm", [MERGECOMP_TOPK, DEAR_FP16], ids=["topk-ef-mergecomp", "dear-fp16"])
+
+
+def _timelines(run, op):
+    """Both ranks wrote a timeline with the comm mode's collectives and compress spans."""
+    for rank in (0, 1):
+        ev = [json.loads(line) for line in open(run.file(f"timeline-rank{rank}.jsonl"))]
+        ops = {e["args"]["op"] for e in ev if e.get("cat") == "comm"}
+        assert op in ops, (rank, ops)
+        assert any(e.get("cat") == "compress" for e in ev)
+
+
 @needs_tv
-@pytest.mark.parametrize("comm", [
-    {"compressor": {"name": "topk", "ratio": 0.01, "error_feedback": True}, "schedule": {"name": "mergecomp",
-     "warmup_steps": 0, "steps_per_candidate": 1, "max_candidates": 2}},
-    {"compressor": "fp16", "comm": {"mode": "dear"}},
-], ids=["topk-ef-mergecomp", "dear-fp16"])
+@COMMS
 def test_torchvision_resnet18_trains(tmp_path, comm):
     spec = {**BASE, "model": "torchvision:resnet18", "dataset": {"name": "synthetic", "shape": [3, 32, 32],
                                                                  "size": 64}, **comm}
@@ -53,6 +65,25 @@ def test_torchvision_resnet18_trains(tmp_path, comm):
     run = lab.runs(runs=tmp_path)[0]
     assert len({r["step"] for r in steps}) == 3 and evals
     assert "bn1" in _layers(run) and "fc" in _layers(run)  # per-layer spans of the library's own modules
+    _timelines(run, "reduce_scatter" if comm is DEAR_FP16 else "allgather")  # top-k's payloads are all-gathered
+    said = open(run.file("log.txt")).read().count("[commlab] torchvision: its C++ extension does not load")
+    assert said == (1 if external._TV_SHIM is not None else 0)  # once (rank 0), and only when the shim is in use
+
+
+@needs_tv
+def test_torchvision_without_its_extension_imports_and_ops_raise():
+    """Where torchvision's C++ extension does not load (the CUDA wheel beside a CPU torch), its
+    operators are defined without kernels: the models work, calling an operator raises."""
+    import torch
+    tv = external.import_torchvision()
+    m = tv.models.resnet18(num_classes=10)
+    assert sum(p.numel() for p in m.parameters()) == 11_181_642
+    m(torch.randn(2, 3, 32, 32)).sum().backward()
+    assert all(p.grad is not None for p in m.parameters())
+    if external._TV_SHIM is None:
+        pytest.skip("torchvision's C++ extension loads here: no shim in use")
+    with pytest.raises(RuntimeError):
+        tv.ops.nms(torch.rand(3, 4), torch.rand(3), 0.5)
 
 
 # ---------------------------------------------------------------- Hugging Face
@@ -73,6 +104,20 @@ def test_hf_gpt2_dear_matches_wfbp_and_fp16_trains(tmp_path):
     assert losses["dear-fp16"] == pytest.approx(losses["wfbp"], rel=1e-2)
     run = lab.runs(runs=tmp_path / "wfbp")[0]
     assert "model.lm_head" in _layers(run) and "model.transformer.h.0.attn.c_attn" in _layers(run)
+
+
+@needs_hf
+@COMMS
+def test_hf_gpt2_4_layers_trains(tmp_path, comm):
+    """The issue's GPT-2: 4 layers, 256 wide, 4 heads (vocabulary of the synthetic tokens)."""
+    model = {"name": "hf:gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4}
+    spec = {**BASE, "model": model, "dataset": {"name": "synthetic", "vocab": 512, "block": 32, "size": 64},
+            "optimizer": {"name": "adam", "lr": 0.001}, **comm}
+    steps, evals = _done(lab.run(spec, runs=tmp_path))
+    run = lab.runs(runs=tmp_path)[0]
+    assert len({r["step"] for r in steps}) == 3 and evals
+    assert "model.transformer.h.3.mlp.c_fc" in _layers(run)
+    _timelines(run, "reduce_scatter" if comm is DEAR_FP16 else "allgather")
 
 
 @needs_hf

@@ -268,3 +268,123 @@ def test_dear_specs_load_with_their_own_buffer_options():
     assert spec["comm"]["mode"] == "dear" and spec["comm"]["cap_mb"] == 2
     with pytest.raises(SpecError, match="compressor"):
         whatif.load_for_prediction(data={"model": "cnn", "comm": "dear", "compressor": "topk"})
+
+
+# ------------------------------------------------------------------ two-level clusters, profile files
+
+def test_hierarchical_collectives_by_hand():
+    # 4 nodes of 4; inside 1 µs + 1 ns/byte, between 10 µs + 10 ns/byte, one NIC per node (4 rings share it)
+    c = costs.Cluster(4, costs.Link(1e-6, 1e-9), costs.Link(10e-6, 10e-9))
+    n, m = 1e6, 1e4
+    # reduce-scatter inside (3 steps, 3/4 n), all-reduce of n/4 across 4 nodes at 4x10 ns/byte, all-gather inside
+    assert c.time("allreduce", n, 16) == approx(3e-6 + 0.75e6 * 1e-9 + 6 * 10e-6 + 1.5 * 0.25e6 * 40e-9
+                                                + 3e-6 + 0.75e6 * 1e-9)
+    assert c.time("allreduce", n, 16) == approx(0.016566)  # 6 µs + 1.5 ms inside, 60 µs + 15 ms between
+    assert c.time("reduce_scatter", n, 16) == approx(3e-6 + 0.75e6 * 1e-9 + 3 * 10e-6 + 0.75 * 0.25e6 * 40e-9)
+    # all-gather: across nodes (m each, 3 steps), then inside the node (4 m each, 3 steps)
+    assert c.time("allgather", m, 16) == approx(3 * 10e-6 + 3 * m * 40e-9 + 3e-6 + 3 * 4 * m * 1e-9)
+    # four NICs: each ring has a link of its own
+    four = costs.Cluster(4, c.intra, c.inter, nics=4)
+    assert four.time("allreduce", n, 16) == approx(6e-6 + 1.5e6 * 1e-9 + 60e-6 + 1.5 * 0.25e6 * 10e-9)
+    # one node or less: a flat ring on the fast link
+    assert c.time("allreduce", n, 4) == approx(costs.allreduce(n, 4, c.intra))
+    assert c.time("allreduce", n, 2) == approx(costs.allreduce(n, 2, c.intra))
+    with pytest.raises(ValueError, match="whole nodes of 4"):
+        c.time("allreduce", n, 6)
+    # through the iteration model: one bucket after backward (sync), the link the cluster
+    step = Step(forward=1.0, backward=2.0, optimizer=0.5, buckets=[
+        Bucket(ready=2.0, encode=0.0, rounds=[Round("allreduce", n)])])
+    assert iteration_time(step, c, 16, "sync").total == approx(3.5 + 0.016566)
+
+
+def _cluster_rows(out):
+    return [l.split() for l in out.splitlines() if l.strip() and l.split()[0].isdigit()]
+
+
+def test_predict_from_a_saved_profile_gives_a_two_level_table(tmp_path, capsys):
+    from lab.cli import main
+    from lab.perfmodel import whatif
+    spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
+    tiny_profile(spec=spec).save(tmp_path / "p.json")
+    workers = [8, 16, 32, 64, 128, 256, 512, 1024]
+    assert main(["predict", str(tmp_path / "p.json"), "--workers", ",".join(map(str, workers)),
+                 "--cluster", "node_size=8,intra_gbps=1600,inter_gbps=100", "--runs", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "hierarchical" in out and "nodes of 8, 1600 Gbit/s inside, 100 between" in out
+    rows = _cluster_rows(out)
+    assert [int(r[0]) for r in rows] == workers and all(r[1] == "100" for r in rows)
+    # DDP: one 25 MB bucket holding all 440,440 bytes, ready when backward ends (4 ms): forward 2 + backward 4
+    # + the hierarchical all-reduce + optimizer 0.5 ms; 8 workers are one node (a flat ring at 1600 Gbit/s)
+    n, bi, be = 440_440, 8 / 1600e9, 8 * 8 / 100e9  # the node's one NIC shared by 8 rings
+
+    def ddp_ms(p):
+        nodes = p // 8
+        if nodes == 1:
+            return (6.5e-3 + 2 * 7 / 8 * n * bi) * 1e3
+        return (6.5e-3 + 2 * 7 / 8 * n * bi + 2 * (nodes - 1) / nodes * n / 8 * be) * 1e3
+    for r, p in zip(rows, workers):
+        assert float(r[2]) == pytest.approx(ddp_ms(p), abs=0.006)  # printed with two decimals
+        assert float(r[5]) == pytest.approx(6.5 / ddp_ms(p), abs=0.006)  # DDP scaling: compute / iteration
+        assert r[4].endswith("x") and 0 < float(r[6]) <= 1.0
+    assert out.count("crossover (inter-node rate):") == len(workers)
+    # a rate sweep of the inter-node link instead of a fixed one
+    assert main(["predict", str(tmp_path / "p.json"), "--workers", "64", "--gbps", "1,400",
+                 "--cluster", "node_size=8,intra_gbps=1600"]) == 0
+    rows = _cluster_rows(capsys.readouterr().out)
+    assert [(r[0], r[1]) for r in rows] == [("64", "1"), ("64", "400")] and float(rows[0][2]) > float(rows[1][2])
+
+
+def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
+    from lab.cli import main
+    from lab.perfmodel import whatif
+    spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
+    good = tmp_path / "p.json"
+    tiny_profile(spec=spec).save(good)
+    tiny_profile().save(tmp_path / "nospec.json")
+    (tmp_path / "broken.json").write_text('{"model": "mlp", "forward_s": ')
+    (tmp_path / "other.json").write_text('{"model": "mlp", "forward_s": 0.1}')
+    cases = [
+        ([str(good), "--cluster", "node_size=8,intra_gbs=100"], "--cluster: expected KEY=VALUE"),
+        ([str(good), "--cluster", "node_size=0,intra_gbps=100"], "node_size must be an integer in [1, 4096]"),
+        ([str(good), "--cluster", "inter_gbps=100"], "needs node_size and intra_gbps"),
+        ([str(good), "--cluster", "node_size=8,intra_gbps=fast"], "intra_gbps must be a number"),
+        ([str(good), "--workers", "8,12", "--cluster", "node_size=8,intra_gbps=100"], "--workers: 12 does not fill"),
+        ([str(good), "--gbps", "1", "--cluster", "node_size=8,intra_gbps=100,inter_gbps=10"], "give one"),
+        ([str(good), "--set", "batch_size=8"], "the profile is for mlp-digits-b16"),
+        ([str(good), "--profile", str(good)], "PROFILE is a profile already"),
+        ([str(tmp_path / "nospec.json")], "records no spec"),
+        ([str(tmp_path / "broken.json")], "is not valid JSON"),
+        ([str(tmp_path / "missing.json")], "no such file"),
+        ([str(tmp_path / "other.json")], "PROFILE: " + str(tmp_path / "other.json") + " is not a profile"),
+    ]
+    for argv, msg in cases:
+        assert main(["predict", *argv, "--runs", str(tmp_path)]) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and msg in err, (argv, err)
+    from engine.spec import SpecError
+    with pytest.raises(SpecError, match="not a profile"):
+        whatif.load_profile_file(str(tmp_path / "other.json"))
+
+
+def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):
+    import json
+    from lab.cli import main
+    s = tmp_path / "s.yaml"
+    s.write_text("model: mlp\ndataset: digits\nbatch_size: 16\ncompressor: {name: fp16}\ncomm: {mode: dear}\n")
+    out_file = tmp_path / "prof.json"
+    assert main(["profile", str(s), "-o", str(out_file), "--steps", "6", "--runs", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "wrote" in out and "slowest layers in backward" in out
+    d = json.loads(out_file.read_text())
+    assert d["spec"]["comm"]["mode"] == "dear" and d["batch_size"] == 16 and "fp16" in d["compressors"]
+    m = d["machine"]
+    assert m["device"] == "cpu" and m["dtype"] == "float32" and m["torch"] and m["clock"] == "host clock"
+    assert set(d["layer_backward"]) == set(d["layer_ready"]) == {"net.1", "net.3", "net.5"}
+    assert len(d["params"]) == 6 and sum(b for _, b in d["params"]) == 4 * (64 * 512 + 512 + 512 * 512 + 512
+                                                                             + 512 * 10 + 10)
+    assert main(["predict", str(out_file), "--workers", "8,1024", "--cluster",
+                 "node_size=8,intra_gbps=1600,inter_gbps=100"]) == 0
+    rows = _cluster_rows(capsys.readouterr().out)
+    assert [r[0] for r in rows] == ["8", "1024"]
+    assert main(["profile", str(s), "--steps", "2", "--runs", str(tmp_path / "runs")]) == 2
+    assert "--steps" in capsys.readouterr().err

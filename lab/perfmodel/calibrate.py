@@ -56,6 +56,13 @@ class Profile:
     overlap_slowdown: float = 1.0
     compressors: Dict[str, dict] = field(default_factory=dict)
     """compressor key -> {encode, between, decode: [fixed s, s per byte], sizes, source}"""
+    layer_backward: Dict[str, float] = field(default_factory=dict)
+    """backward compute of each layer's own span (seconds; hooks inside it included)"""
+    machine: dict = field(default_factory=dict)
+    """where it was measured (``commlab profile``): host, cpu, cores, device, gpu, torch, threads,
+    dtype, steps, clock (CUDA events or the host clock)"""
+    spec: Optional[dict] = None
+    """the job spec it was taken for (``commlab profile``): what ``commlab predict PROFILE`` predicts"""
 
     def key(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.model_options.items()))
@@ -166,6 +173,7 @@ def from_run(run, skip: int = SKIP_STEPS) -> Profile:
     fwd, bwd, opt = [], [], []
     layer_fwd: Dict[str, list] = {}
     layer_ready: Dict[str, list] = {}
+    layer_bwd: Dict[str, list] = {}
     for pid, evs in by_pid.items():
         windows = sorted((v["forward"][0], v["backward"][0], v["backward"][1], v) for (p, _), v in keep.items()
                          if p == pid)
@@ -181,6 +189,7 @@ def from_run(run, skip: int = SKIP_STEPS) -> Profile:
                     end = e["ts"] + e["dur"]
                     held = sum(min(h1, end) - h0 for h0, h1 in hooks if h0 < end)
                     layer_ready.setdefault(e["args"]["layer"], []).append((end - b0 - held) / 1e6)
+                    layer_bwd.setdefault(e["args"]["layer"], []).append(e["dur"] / 1e6)
             for e in evs:
                 if e.get("cat") == "forward" and "layer" in (e.get("args") or {}) and f0 <= e["ts"] <= v["forward"][1]:
                     layer_fwd.setdefault(e["args"]["layer"], []).append(e["dur"] / 1e6)
@@ -188,19 +197,29 @@ def from_run(run, skip: int = SKIP_STEPS) -> Profile:
                    model_options=dict(spec["model"].get("options") or {}), source=f"run {run.id}",
                    params=param_list(spec), forward_s=_median(fwd), backward_s=_median(bwd),
                    optimizer_s=_median(opt), layer_forward={k: _median(v) for k, v in layer_fwd.items()},
-                   layer_ready={k: _median(v) for k, v in layer_ready.items()})
+                   layer_ready={k: _median(v) for k, v in layer_ready.items()},
+                   layer_backward={k: _median(v) for k, v in layer_bwd.items()})
 
 
 def param_list(spec: dict) -> List[Tuple[str, int]]:
     """(name, bytes) of the spec's model parameters in gradient-ready order, as
     engine.comm.DataParallel orders them (reverse registration order)."""
+    named = [(n, p.numel() * p.element_size()) for n, p in _trainable(spec)]
+    return list(reversed(named))
+
+
+def param_dtypes(spec: dict) -> List[str]:
+    """The dtypes of the spec's trainable parameters (e.g. ["float32"])."""
+    return sorted({str(p.dtype).replace("torch.", "") for _, p in _trainable(spec)})
+
+
+def _trainable(spec):
     from engine import models
     from engine.spec import JobSpec
     from engine.trainer import load_data
     js = JobSpec.from_dict(spec) if isinstance(spec, dict) else spec
     model = models.build(js.model.name, load_data(js).info, **js.model.options)
-    named = [(n, p.numel() * p.element_size()) for n, p in model.named_parameters() if p.requires_grad]
-    return list(reversed(named))
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def fit_slowdown(profile: Profile, run, skip: int = SKIP_STEPS) -> float:

@@ -115,6 +115,79 @@ def steps_and_wire(op: str, nbytes: float, world: int):
     raise ValueError(f"unknown collective {op!r}; allowed: allreduce, reduce_scatter, allgather")
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """A two-level cluster: nodes of ``node_size`` workers joined by a fast ``intra`` link, the
+    nodes joined by a slower ``inter`` link. Collectives are hierarchical (as NCCL's and Horovod's
+    hierarchical all-reduce), each level a ring:
+
+    - all-reduce of n bytes: reduce-scatter inside the node (g = node_size ranks, intra link),
+      all-reduce of the n/g shard across the N nodes (the g ranks of a node at once, one ring per
+      local rank), all-gather inside the node:
+      ``2(g-1) a_i + 2(g-1)/g n b_i + 2(N-1) a_e + 2(N-1)/N (n/g) b_e``
+    - reduce-scatter of n: inside the node, then of the n/g shard across nodes:
+      ``(g-1) a_i + (g-1)/g n b_i + (N-1) a_e + (N-1)/N (n/g) b_e``
+    - all-gather of m per rank: across nodes first (m each), then inside the node (N m each):
+      ``(N-1) a_e + (N-1) m b_e + (g-1) a_i + (g-1) N m b_i``
+
+    ``b_e`` is the time per byte of one inter-node ring: a node's ``nics`` network interfaces
+    (``inter`` each) are shared by its g concurrent rings, so ``b_e = inter.beta * g / min(nics, g)``.
+    A world of at most one node is a flat ring on the intra link; a larger one must fill whole nodes.
+    """
+    node_size: int
+    intra: Link
+    inter: Link
+    nics: int = 1
+
+    burst_bytes = 0.0  # no token bucket: iteration.py reads this of any link
+
+    def __post_init__(self):
+        if self.node_size < 1:
+            raise ValueError(f"node_size must be >= 1, got {self.node_size}")
+        if self.nics < 1:
+            raise ValueError(f"nics must be >= 1, got {self.nics}")
+
+    def nodes(self, world: int) -> int:
+        if world <= self.node_size:
+            return 1
+        if world % self.node_size:
+            raise ValueError(f"workers: {world} does not fill whole nodes of {self.node_size}; "
+                             f"use a multiple of {self.node_size}")
+        return world // self.node_size
+
+    def inter_ring(self) -> Link:
+        """The link one inter-node ring gets: the node's NICs shared by its node_size rings."""
+        g = self.node_size
+        return Link(self.inter.alpha, self.inter.beta * g / min(self.nics, g))
+
+    def time(self, op: str, nbytes: float, world: int) -> float:
+        nodes = self.nodes(world)
+        if nodes == 1:
+            return COLLECTIVES[op](nbytes, world, self.intra)
+        g, inter = self.node_size, self.inter_ring()
+        if op == "allreduce":
+            return (reduce_scatter(nbytes, g, self.intra) + allreduce(nbytes / g, nodes, inter)
+                    + allgather(nbytes / g, g, self.intra))
+        if op == "reduce_scatter":
+            return reduce_scatter(nbytes, g, self.intra) + reduce_scatter(nbytes / g, nodes, inter)
+        if op == "allgather":
+            return allgather(nbytes, nodes, inter) + allgather(nbytes * nodes, g, self.intra)
+        raise ValueError(f"unknown collective {op!r}; allowed: allreduce, reduce_scatter, allgather")
+
+    def describe(self) -> str:
+        nic = f", {self.nics} NICs" if self.nics > 1 else ""
+        lat = (f", {self.intra.alpha * 1e6:g}/{self.inter.alpha * 1e6:g} µs"
+               if self.intra.alpha or self.inter.alpha else "")
+        return f"nodes of {self.node_size}, {self.intra.gbps:g} Gbit/s inside, {self.inter.gbps:g} between{nic}{lat}"
+
+
+def collective(op: str, nbytes: float, world: int, link) -> float:
+    """One collective's time on a flat ``Link`` (ring) or a two-level ``Cluster`` (hierarchical)."""
+    if isinstance(link, Cluster):
+        return link.time(op, nbytes, world)
+    return COLLECTIVES[op](nbytes, world, link)
+
+
 class TokenBucket:
     """A link with a token bucket (``Link.burst_bytes``): after idle time the first bytes go
     at ``beta_burst``, the rest at the sustained ``beta``, as through tc's tbf. Without a
@@ -128,7 +201,7 @@ class TokenBucket:
     def duration(self, op: str, nbytes: float, world: int, start: float) -> float:
         link = self.link
         if link.burst_bytes <= 0 or world == 1:
-            return COLLECTIVES[op](nbytes, world, link)
+            return collective(op, nbytes, world, link)
         steps, wire = steps_and_wire(op, nbytes, world)
         if link.beta > 0:
             self.tokens = min(link.burst_bytes, self.tokens + max(0.0, start - self.t) / link.beta)

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from engine.dear import layer_of  # a parameter's module: the same rule as dear's layer buffers
 from lab.perfmodel import calibrate as cal
-from lab.perfmodel.costs import Link
 from lab.perfmodel.iteration import Bucket, Result, Round, Step, iteration_time
 
 DDP = {"compressor": {"name": "none", "params": {}, "error_feedback": False},
@@ -121,7 +120,7 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
 
 
 def predict(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
-            link: Optional[Link] = None, record: bool = False,
+            link=None, record: bool = False,
             layout: Optional[List[List[str]]] = None) -> Result:
     step = build_step(profile, spec, world, compute_speedup, layout)
     mode = spec["comm"]["mode"]
@@ -129,18 +128,22 @@ def predict(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_s
     return iteration_time(step, link or profile.link_at(gbps), world, mode, slow, record)
 
 
-def speedup(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0) -> float:
-    """DDP's predicted iteration time over the spec's (> 1: the spec is faster)."""
-    base = predict(profile, ddp_spec(spec), gbps, world, compute_speedup).total
-    return base / predict(profile, spec, gbps, world, compute_speedup).total
+def speedup(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
+            links: Optional[Callable[[float], object]] = None) -> float:
+    """DDP's predicted iteration time over the spec's (> 1: the spec is faster). ``links`` maps a
+    rate to the link (default: the profile's link at that rate; e.g. a two-level cluster)."""
+    link = links(gbps) if links else None
+    base = predict(profile, ddp_spec(spec), gbps, world, compute_speedup, link=link).total
+    return base / predict(profile, spec, gbps, world, compute_speedup, link=link).total
 
 
 def crossover_gbps(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0,
-                   lo: float = 1e-3, hi: float = 1e3) -> Optional[float]:
+                   lo: float = 1e-3, hi: float = 1e3,
+                   links: Optional[Callable[[float], object]] = None) -> Optional[float]:
     """The bandwidth below which the spec beats DDP: None if it never does in [lo, hi],
     ``hi`` if it always does."""
     def gain(g):
-        return speedup(profile, spec, g, world, compute_speedup) - 1.0
+        return speedup(profile, spec, g, world, compute_speedup, links) - 1.0
     grid = [lo * (hi / lo) ** (i / 40) for i in range(41)]
     vals = [gain(g) for g in grid]
     if vals[-1] > 0:

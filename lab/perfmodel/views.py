@@ -131,6 +131,22 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], inter_gbps: List[float],
+                       compute_speedup: float = 1.0, spec: Optional[dict] = None) -> pd.DataFrame:
+    """``commlab predict PROFILE --cluster ...`` as a table: per workers x inter-node rate, DDP's and
+    the spec's (default: the profile's own) iteration time, speedup and scaling factors.
+    Bad shapes and worker counts are one-line SpecErrors."""
+    from engine.spec import SpecError
+    spec = spec or profile.spec
+    if not spec:
+        raise SpecError("profile", "it records no spec (not written by commlab profile)")
+    spec = whatif.load_for_prediction(data=spec)
+    whatif.check_workers(shape, workers, "workers")
+    whatif.ensure_curves(profile, [spec])
+    rows = whatif.table(profile, spec, inter_gbps, workers, compute_speedup, cluster=shape)
+    return pd.DataFrame(rows).rename(columns={"gbps": "inter_gbps"})
+
+
 def properties_file(runs) -> Path:
     return whatif.profile_dir(runs) / "properties.json"
 

@@ -18,6 +18,7 @@ from typing import Callable, List, Optional
 from engine.spec import SpecError
 from lab.perfmodel import calibrate as cal
 from lab.perfmodel import predict as pr
+from lab.perfmodel.costs import Cluster, Link
 from lab.perfmodel.iteration import MODES
 
 PROFILE_STEPS = 20
@@ -63,9 +64,7 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
     key = cal.spec_key(spec)
     saved = profile_dir(runs) / f"{key}.json"
     if profile:
-        if not Path(profile).is_file():
-            raise SpecError("--profile", f"no such file: {profile}")
-        p = cal.Profile.load(profile)
+        p = load_profile_file(profile, "--profile")
         say(f"profile: {profile} ({p.source})")
     elif calibrate:
         p = cal.from_run(RunStore(runs).get(calibrate))
@@ -101,17 +100,86 @@ def link_file(path: str) -> dict:
         raise SpecError("--link", f"{path} is not `commlab net check --json` output ({type(e).__name__}: {e})") from None
 
 
-def measure_profile(spec: dict, runs=None) -> cal.Profile:
+def measure_profile(spec: dict, runs=None, steps: int = PROFILE_STEPS) -> cal.Profile:
+    """A single-process ``sync`` run of the spec's model, data and batch (compressor none, one
+    thread, as every rank of a 2-rank run on this 2-core machine runs; on a GPU its compute spans
+    are CUDA events), calibrated from its timeline; ``machine`` says where."""
     import lab
     s = copy.deepcopy(spec)
-    # one thread, as every rank of a 2-rank run on this 2-core machine runs
-    s.update(name=f"profile {cal.spec_key(spec)}", world_size=1, steps=PROFILE_STEPS, eval_every=0, threads=1,
+    s.update(name=f"profile {cal.spec_key(spec)}", world_size=1, steps=steps, eval_every=0, threads=1,
              network={"link": "loopback"}, comm={"mode": "sync"},
              compressor={"name": "none", "params": {}, "error_feedback": False})
     run = lab.run(s, runs=runs)
     if run.state != "done":
         raise cal.CalibrationError(f"the profiling run {run.id} ended {run.state}: {run.log_tail(2)}")
-    return cal.from_run(run, skip=min(cal.SKIP_STEPS, PROFILE_STEPS - 2))
+    p = cal.from_run(run, skip=min(cal.SKIP_STEPS, steps - 2))
+    p.machine = machine_info(run, steps)
+    return p
+
+
+def machine_info(run, steps: int) -> dict:
+    """Where a profiling run measured: this host, its CPU, the rank's device, torch and threads
+    (from the run's resolved.json), the parameters' dtypes, the clock of the compute spans."""
+    import os
+    import platform
+    res = json.loads(Path(run.file("resolved.json")).read_text())
+    cpu = ""
+    if Path("/proc/cpuinfo").is_file():  # Linux; elsewhere platform.processor()
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+    info = {"host": platform.node(), "cpu": cpu or platform.processor(), "cores": os.cpu_count(),
+            "device": res.get("device"), "torch": res.get("torch"), "threads": res.get("threads"),
+            "dtype": ",".join(cal.param_dtypes(run.spec_dict())), "steps": steps,
+            "clock": "CUDA events" if str(res.get("device", "")).startswith("cuda") else "host clock"}
+    if info["clock"] == "CUDA events":
+        import torch
+        info["gpu"] = torch.cuda.get_device_name(torch.device(res["device"]))
+    return info
+
+
+def profile_spec(spec: dict, runs=None, steps: int = PROFILE_STEPS) -> cal.Profile:
+    """What ``commlab profile`` writes: the measured profile, the spec it was taken for (what
+    ``commlab predict PROFILE`` predicts) and the cost curve of the spec's compressor."""
+    p = measure_profile(spec, runs, steps)
+    p.spec = copy.deepcopy(spec)
+    ensure_curves(p, [spec])
+    return p
+
+
+PROFILE_FIELDS = ("model", "dataset", "batch_size", "params", "forward_s", "backward_s")
+
+
+def is_profile_file(path: str) -> bool:
+    """Whether ``path`` holds a profile (JSON with fields no job spec has) rather than a job spec."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and any(k in d for k in ("params", "forward_s", "backward_s"))
+
+
+def load_profile_file(path: str, field: str = "PROFILE") -> cal.Profile:
+    """A profile file, or a one-line SpecError naming ``field`` and what is wrong with it."""
+    f = Path(path)
+    if not f.is_file():
+        raise SpecError(field, f"no such file: {path}")
+    return profile_from_text(f.read_text(), str(path), field)
+
+
+def profile_from_text(text: str, where: str, field: str = "PROFILE") -> cal.Profile:
+    """A profile from a file's text (``where`` names it in errors: a path, an upload)."""
+    try:
+        d = json.loads(text)
+    except ValueError as e:
+        raise SpecError(field, f"{where} is not JSON ({str(e).splitlines()[0]})") from None
+    if not isinstance(d, dict) or any(k not in d for k in PROFILE_FIELDS):
+        raise SpecError(field, f"{where} is not a profile (needs {', '.join(PROFILE_FIELDS)}; "
+                               f"write one with `commlab profile SPEC -o FILE`)")
+    d["params"] = [tuple(x) for x in d["params"]]
+    try:
+        return cal.Profile(**d)
+    except TypeError as e:
+        raise SpecError(field, f"{where}: {str(e).splitlines()[0]}") from None
 
 
 def ensure_curves(profile: cal.Profile, specs) -> bool:
@@ -125,31 +193,92 @@ def ensure_curves(profile: cal.Profile, specs) -> bool:
     return added
 
 
+CLUSTER_KEYS = {"node_size": (int, 1, 4096), "intra_gbps": (float, 0.001, 100000),
+                "inter_gbps": (float, 0.001, 100000), "intra_us": (float, 0.0, 1e6), "inter_us": (float, 0.0, 1e6),
+                "nics": (int, 1, 64)}
+
+
+def parse_cluster(text: str) -> dict:
+    """``node_size=8,intra_gbps=1600,inter_gbps=100[,intra_us=..,inter_us=..,nics=..]`` -> a dict of
+    those keys; node_size and intra_gbps are required (inter_gbps may come from --gbps)."""
+    out = {}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        key, eq, raw = item.partition("=")
+        key = key.strip()
+        if not eq or key not in CLUSTER_KEYS:
+            raise SpecError("--cluster", f"expected KEY=VALUE with KEY one of {', '.join(CLUSTER_KEYS)}, got {item!r}")
+        kind, lo, hi = CLUSTER_KEYS[key]
+        try:
+            val = kind(raw)
+        except ValueError:
+            val = None
+        if val is None or not lo <= val <= hi:
+            raise SpecError("--cluster", f"{key} must be {'an integer' if kind is int else 'a number'} in "
+                                         f"[{lo:g}, {hi:g}], got {raw!r}")
+        out[key] = val
+    missing = [k for k in ("node_size", "intra_gbps") if k not in out]
+    if missing:
+        raise SpecError("--cluster", f"needs {' and '.join(missing)} (e.g. node_size=8,intra_gbps=1600,inter_gbps=100)")
+    return out
+
+
+def cluster_at(shape: dict, inter_gbps: float) -> Cluster:
+    """The two-level cluster of ``shape`` (parse_cluster) with its inter-node link at ``inter_gbps``."""
+    return Cluster(shape["node_size"], Link.from_gbps(shape["intra_gbps"], shape.get("intra_us", 0.0)),
+                   Link.from_gbps(inter_gbps, shape.get("inter_us", 0.0)), shape.get("nics", 1))
+
+
+def check_workers(shape: dict, workers: List[int], field: str = "--workers") -> None:
+    for p in workers:
+        try:
+            cluster_at(shape, 1.0).nodes(p)
+        except ValueError as e:
+            raise SpecError(field, str(e).split(": ", 1)[1]) from None
+
+
+def link_maker(profile: cal.Profile, shape: Optional[dict]) -> Callable[[float], object]:
+    """Rate (Gbit/s) -> the link a prediction uses: the profile's (calibrated or nominal) flat link,
+    or the two-level cluster with its inter-node link at that rate."""
+    if shape is None:
+        return profile.link_at
+    return lambda g: cluster_at(shape, g)
+
+
 def table(profile: cal.Profile, spec: dict, gbps: List[float], workers: List[int],
-          compute_speedup: float = 1.0) -> List[dict]:
+          compute_speedup: float = 1.0, cluster: Optional[dict] = None) -> List[dict]:
+    """One row per workers x rate: DDP's and the spec's predicted iteration time, the speedup
+    over DDP, and the scaling factor of each (one worker's time, compute only, over p workers':
+    1.0 is linear scaling with the batch per worker fixed)."""
     rows = []
     base = pr.ddp_spec(spec)
+    links = link_maker(profile, cluster)
+    one = pr.predict(profile, spec, 1.0, 1, compute_speedup).total
     for p in workers:
         for g in gbps:
-            t = pr.predict(profile, spec, g, p, compute_speedup)
-            d = pr.predict(profile, base, g, p, compute_speedup)
+            t = pr.predict(profile, spec, g, p, compute_speedup, link=links(g))
+            d = pr.predict(profile, base, g, p, compute_speedup, link=links(g))
             rows.append({"workers": p, "gbps": g, "ddp_ms": d.total * 1e3, "spec_ms": t.total * 1e3,
-                         "speedup": d.total / t.total, "exposed_comm_ms": t.exposed_comm * 1e3,
-                         "encode_decode_ms": t.encode_decode * 1e3})
+                         "speedup": d.total / t.total, "ddp_scaling": one / d.total, "scaling": one / t.total,
+                         "exposed_comm_ms": t.exposed_comm * 1e3, "encode_decode_ms": t.encode_decode * 1e3})
     return rows
 
 
-def format_table(rows: List[dict]) -> List[str]:
-    head = ("WORKERS", "GBIT/S", "DDP ms", "SPEC ms", "SPEEDUP", "EXPOSED COMM ms", "ENC+DEC ms")
+def format_table(rows: List[dict], rate: str = "GBIT/S") -> List[str]:
+    head = ("WORKERS", rate, "DDP ms", "SPEC ms", "SPEEDUP", "DDP SCALING", "SCALING", "EXPOSED COMM ms", "ENC+DEC ms")
     cells = [head] + [(str(r["workers"]), f"{r['gbps']:g}", f"{r['ddp_ms']:.2f}", f"{r['spec_ms']:.2f}",
-                       f"{r['speedup']:.2f}x", f"{r['exposed_comm_ms']:.2f}", f"{r['encode_decode_ms']:.2f}")
+                       f"{r['speedup']:.2f}x", f"{r['ddp_scaling']:.2f}", f"{r['scaling']:.2f}",
+                       f"{r['exposed_comm_ms']:.2f}", f"{r['encode_decode_ms']:.2f}")
                       for r in rows]
     w = [max(len(c[i]) for c in cells) for i in range(len(head))]
     return ["  ".join(c.rjust(wi) for c, wi in zip(row, w)) for row in cells]
 
 
-def crossover_line(profile: cal.Profile, spec: dict, workers: int, compute_speedup: float = 1.0) -> str:
-    g = pr.crossover_gbps(profile, spec, workers, compute_speedup)
+def crossover_line(profile: cal.Profile, spec: dict, workers: int, compute_speedup: float = 1.0,
+                   cluster: Optional[dict] = None) -> str:
+    if cluster and workers <= cluster["node_size"]:
+        x = pr.speedup(profile, spec, 1.0, workers, compute_speedup, links=link_maker(profile, cluster))
+        return f"{workers} workers: one node, the inter-node rate plays no part ({x:.2f}x DDP at any rate)"
+    g = pr.crossover_gbps(profile, spec, workers, compute_speedup, links=link_maker(profile, cluster))
     if g is None:
         return f"{workers} workers: compression does not beat DDP at any bandwidth in 0.001..1000 Gbit/s"
     if g >= 1e3:
