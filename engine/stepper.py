@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from engine import compressors, dear, netmodel, schedules, tuners
 from engine.comm import DataParallel
+from engine.core import Communicator
 from engine.dear import DeAR
 from engine.probe import LayerProbe
 from engine.runlog import JsonlWriter
@@ -73,17 +74,16 @@ class Stepper:
         """dear with comm.tune: the buffer-cap search (engine.dear.CapTuner), fed in _tune."""
         if spec.comm.mode == "dear":
             # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
-            self.dp = DeAR(model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
-                           link=netmodel.from_spec(spec.network), error_feedback=c.error_feedback,
-                           compressor_params=c.params)
-            self.optimizer = make_opt(self.dp.shard_params())
-            self.dp.attach(self.optimizer)
+            self.dp: Communicator = DeAR(model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
+                                         link=netmodel.from_spec(spec.network), error_feedback=c.error_feedback,
+                                         compressor_params=c.params)
         else:
             self.dp = DataParallel(model, schedule_fn(spec),
                                    lambda: compressors.make(c.name, error_feedback=c.error_feedback, **c.params),
                                    mode=spec.comm.mode, timeline=self.timeline, group=group,
                                    link=netmodel.from_spec(spec.network))
-            self.optimizer = make_opt(model.parameters())
+        self.optimizer = make_opt(self.dp.optimizer_params())
+        self.dp.attach(self.optimizer)
         self.step = 0
         if rank == 0 and run_dir:
             self.write_layout()
@@ -133,9 +133,7 @@ class Stepper:
 
     def sync_params(self) -> None:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
-        sync = getattr(self.dp, "sync_params", None)
-        if sync:
-            sync()
+        self.dp.sync_params()
 
     def write_layout(self) -> None:
         buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,

@@ -421,14 +421,15 @@ def calibrate(dp, reps: int = 3, sizes: int = 6) -> List[Tuple[float, float, flo
     run's compressor, at ``sizes`` sizes spread geometrically from the smallest tensor to the
     whole model; medians of ``reps`` each. A throwaway compressor per exchange: the run's
     state is untouched."""
-    from engine.comm import time_exchange
+    from engine.core import time_exchange
     p0 = dp.params[0]
     lo = max(min(p.numel() for p in dp.params), 64)
     hi = max(sum(p.numel() for p in dp.params), lo + 1)
     out = []
     for j in range(sizes):
         n = int(round(lo * (hi / lo) ** (j / (sizes - 1))))
-        ts = [time_exchange(dp, n, p0.dtype, p0.device) for _ in range(reps + 1)][1:]  # the first warms up
+        ts = [time_exchange(dp.make_compressor, n, p0.dtype, p0.device, dp.group, dp.link)
+              for _ in range(reps + 1)][1:]  # the first warms up
         out.append((float(n * p0.element_size()), statistics.median(t for t, _ in ts),
                     statistics.median(c for _, c in ts)))
     return out
