@@ -262,13 +262,18 @@ def process_group_collective(group=None, link: Optional[ModeledLink] = None) -> 
 
 
 def local_collective(op: str, payloads: List[List[Tensor]]) -> list:
-    """The collectives' results when every rank's payload is in this process (simulated ranks)."""
+    """The collectives' results when every rank's payload is in this process (simulated ranks).
+    Every rank gets its own copy, as from a real collective (a decoder may work in place); a
+    single rank gets its payload back as it is."""
     if op == "allreduce":
-        total = [torch.stack(ts).sum(0) if len(ts) > 1 else ts[0] for ts in zip(*payloads)]
-        return [[t.clone() for t in total] for _ in payloads] if len(payloads) > 1 else [total]
+        if len(payloads) == 1:
+            return [list(payloads[0])]
+        total = [torch.stack(ts).sum(0) for ts in zip(*payloads)]
+        return [[t.clone() for t in total] for _ in payloads]
     if op == "allgather":
-        everyone = [list(p) for p in payloads]
-        return [everyone for _ in payloads]
+        if len(payloads) == 1:
+            return [[list(payloads[0])]]
+        return [[[x.clone() for x in p] for p in payloads] for _ in payloads]
     raise ValueError(f"a compressor asked for an unknown collective {op!r}; allowed: allreduce, allgather")
 
 
