@@ -51,8 +51,6 @@ caught.
 """
 from __future__ import annotations
 
-import math
-import statistics
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
@@ -62,7 +60,7 @@ from engine import compressors, schedules
 from engine.compressors.base import Compressor
 from engine.core import Bucket, Communicator, Pending, book
 from engine.netmodel import ModeledLink
-from engine.schedules import MB, ParamInfo
+from engine.schedules import ParamInfo
 from engine.timeline import Timeline
 
 Tensor = torch.Tensor
@@ -358,67 +356,5 @@ class DeAR(Communicator):
             b.rs = b.ag = None
 
 
-# ---------------------------------------------------------------- buffer-size tuning
-
-def cap_candidates(total_bytes: int, lo_mb: float = 1 / 16) -> List[float]:
-    """Caps to search: powers of two from ``lo_mb`` up to the first that holds the whole model."""
-    caps = [lo_mb]
-    while caps[-1] * MB < total_bytes:
-        caps.append(caps[-1] * 2)
-    return caps
-
-
-class CapTuner:
-    """Search the buffer cap by measured iteration time, with no extra dependency:
-    golden-section search over the candidates (powers of two, so over log cap),
-    assuming iteration time is unimodal in log cap (small caps pay per-collective
-    latency, large caps start the first collective late and overlap less).
-
-    ``propose()`` gives the next cap to try (None when the search is over),
-    ``report(cap, times)`` its measured iteration times (the median counts).
-    ``best`` is the fastest cap measured. Pure: the communicator's owner measures,
-    rank 0 decides and broadcasts."""
-
-    INVPHI = (math.sqrt(5) - 1) / 2
-
-    def __init__(self, caps: Sequence[float]):
-        if not caps:
-            raise ValueError("cap candidates: need at least one")
-        self.caps = list(caps)
-        self.measured: Dict[int, float] = {}
-        self.a, self.b = 0, len(self.caps) - 1
-        self.trials: List[tuple] = []
-
-    def _probe_points(self):
-        a, b = self.a, self.b
-        c = b - round((b - a) * self.INVPHI)
-        d = a + round((b - a) * self.INVPHI)
-        return (c, d) if c < d else (c, min(c + 1, b))
-
-    def _next_index(self) -> Optional[int]:
-        while self.b - self.a > 2:
-            c, d = self._probe_points()
-            for i in (c, d):
-                if i not in self.measured:
-                    return i
-            if self.measured[c] <= self.measured[d]:
-                self.b = d
-            else:
-                self.a = c
-        for i in range(self.a, self.b + 1):  # three or fewer left: measure them all
-            if i not in self.measured:
-                return i
-        return None
-
-    def propose(self) -> Optional[float]:
-        i = self._next_index()
-        return None if i is None else self.caps[i]
-
-    def report(self, cap: float, times: Sequence[float]) -> None:
-        t = statistics.median(times)
-        self.measured[self.caps.index(cap)] = t
-        self.trials.append((cap, t))
-
-    @property
-    def best(self) -> float:
-        return self.caps[min(self.measured, key=self.measured.get)]
+# dear's buffer-cap search is a tuner (engine/tuners/capsearch.py); named here too, beside the layouts it picks
+from engine.tuners.capsearch import CapTuner, cap_candidates  # noqa: E402,F401
