@@ -67,7 +67,10 @@ class DataParallel(Communicator):
         self._build(schedule(self.infos), range(len(self.params)))
 
     def _new_bucket(self, index, params, names, compressor) -> Bucket:
-        return ExchangeBucket(index, params, names, compressor)
+        b = ExchangeBucket(index, params, names, compressor)
+        if Exchange.prescales(compressor):
+            b.scale = 1.0 / self.world  # divided as the gradients land, before the all-reduce (as DDP does)
+        return b
 
     def _build(self, layout, order) -> None:
         super()._build(layout, order)
@@ -94,7 +97,7 @@ class DataParallel(Communicator):
             self._multi.append(b)
         tl = self.timeline
         t0 = tl.now()
-        b.ex = Exchange(b.compressor, b.flat, self.world)
+        b.ex = Exchange(b.compressor, b.flat, self.world, prescaled=b.scale is not None)
         rnd = b.ex.start()
         if tl.enabled:
             tl.span("compress", f"compress b{b.index}", t0, tl.now(), {"bucket": b.index})

@@ -202,13 +202,26 @@ class Exchange:
 
     __slots__ = ("gen", "out", "rounds", "timer", "compute")
 
-    def __init__(self, compressor: Compressor, t: Tensor, world: int, timer: Optional[Callable[[], float]] = None):
-        self.gen = compressor.exchange(t, world)
+    def __init__(self, compressor: Compressor, t: Tensor, world: int, timer: Optional[Callable[[], float]] = None,
+                 prescaled: bool = False):
+        """``prescaled``: ``t`` was already divided by ``world`` (only where ``prescales(compressor)``):
+        the exchange is one all-reduce of ``t`` in place."""
+        if prescaled and not Exchange.prescales(compressor):
+            raise ValueError(f"compressor {compressor.name}: only an identity compressor without error feedback "
+                             "takes a pre-scaled input")
+        self.gen = _sum(compressor, t) if prescaled else compressor.exchange(t, world)
         self.out: Optional[Tensor] = None
         self.rounds = 0
         """Rounds issued so far."""
         self.timer = timer
         self.compute: List[float] = []
+
+    @staticmethod
+    def prescales(compressor: Compressor) -> bool:
+        """True when ``compressor``'s exchange is a plain sum of its input divided by the world size
+        (the identity, no error feedback): the division can then be fused into the copy that lands
+        the gradient, before the all-reduce, as DDP does, instead of a pass after it."""
+        return compressor.identity and compressor.ef is None
 
     def start(self) -> Round:
         return self._step(None)
@@ -228,6 +241,13 @@ class Exchange:
         if rnd is not None:
             self.rounds += 1
         return rnd
+
+
+def _sum(compressor: Compressor, t: Tensor):
+    """The exchange of an identity compressor whose input is already divided by the world size."""
+    compressor.last_bytes = t.numel() * t.element_size()
+    (out,) = yield Round("allreduce", [t])
+    return out
 
 
 Collective = Callable[[str, List[List[Tensor]]], list]
@@ -313,17 +333,23 @@ def param_infos(params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> L
             for p, n in zip(params, names)]
 
 
-def land_grad(p: torch.nn.Parameter, view: Tensor, b, pos: int) -> bool:
-    """Count parameter ``p``'s gradient into bucket ``b`` (slot ``pos``, buffer view ``view``).
-    Returns True when p.grad was not the view (something replaced it, e.g. zero_grad(set_to_none)):
-    the gradient was copied in, and the caller points p.grad at the view again."""
-    g = p.grad
-    replaced = g is not view and g.data_ptr() != view.data_ptr()
-    if replaced:
-        view.copy_(g)
+def land_grad(p: torch.nn.Parameter, view: Tensor, b, pos: int, scale: Optional[float] = None) -> bool:
+    """Count parameter ``p``'s gradient into bucket ``b`` (slot ``pos``, buffer view ``view``), times
+    ``scale`` when given. Returns True when p.grad was not the view (autograd handed a fresh tensor,
+    e.g. after zero_grad(set_to_none)): the gradient was copied in (the scale fused into the copy),
+    and the caller points p.grad at the view again."""
     if b.seen[pos]:
         raise RuntimeError(f"gradient of {b.names[pos]} was produced twice in one step; "
                            "call finish() after every backward (no gradient accumulation yet)")
+    g = p.grad
+    replaced = g is not view and g.data_ptr() != view.data_ptr()
+    if replaced:
+        if scale is None:
+            view.copy_(g)
+        else:
+            torch.mul(g, scale, out=view)
+    elif scale is not None:
+        view.mul_(scale)
     b.seen[pos] = True
     b.pending -= 1
     return replaced
@@ -349,6 +375,8 @@ class Bucket:
             self.offsets.append(off)
             off += p.numel()
         self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
+        self.scale: Optional[float] = None
+        """Set by the mode when gradients land multiplied by it (1/world, fused into the landing copy)."""
         self.reset()
 
     def reset(self) -> None:
@@ -514,7 +542,7 @@ class Communicator:
         if self.record_ready:
             self.ready_at[self._index[p]] = self.timeline.now()
         b, pos = self.slot[p]
-        if land_grad(p, b.views[pos], b, pos):
+        if land_grad(p, b.views[pos], b, pos, b.scale):
             self._rebind = True  # p.grad was replaced (zero_grad(set_to_none)): point it at the view again
         if b.pending == 0:
             b.ready = True
@@ -612,9 +640,14 @@ class Communicator:
         raise NotImplementedError
 
     def zero_grad(self) -> None:
-        """Zero gradients in place (one memset per bucket); p.grad stays a view."""
-        for b in self.buckets:
-            b.flat.zero_()
+        """Drop the gradients (p.grad = None, as torch's set_to_none). The next backward hands each
+        gradient to the landing hook as a fresh tensor, which is copied into its bucket in one pass
+        (with the 1/world scale fused where the mode asks): cheaper than zeroing the buckets and
+        letting autograd add into them. Gradients that do not arrive are zeroed in ``finish``, and
+        ``finish`` points p.grad at the buckets again."""
+        for p in self.params:
+            p.grad = None
+        self._rebind = True
 
     def close(self) -> None:
         """Remove the hooks and drop every collective handle. No collective here: close also runs
