@@ -7,8 +7,10 @@ model every rank builds four identical copies (same seed) and times one
 training iteration of each, on the same synthetic 3x32x32 batches, with its
 own SGD(lr=0.01, momentum=0.9) (the transformer: the bundled text, 64-token windows):
 
-- ddp:          torch DistributedDataParallel (bucket_cap_mb=25);
-- commlab:      engine.comm.DataParallel, schedule bucket 25 MB, compressor
+- ddp:          torch DistributedDataParallel (bucket_cap_mb=25; given explicitly, it caps
+                DDP's first bucket at 25 MB too, so every model here is one bucket);
+- commlab:      engine.comm.DataParallel, schedule bucket 25 MB with the first bucket
+                at 25 MB as well (the same buckets as that DDP), compressor
                 none, mode wfbp, with the per-layer timeline on (Timeline to
                 a temp file plus LayerProbe), stepped as engine.trainer does;
 - commlab-notl: the same with the timeline off;
@@ -101,7 +103,8 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
             tl.flush()
         return step
 
-    schedule = functools.partial(schedules.build, "bucket", cap_mb=25.0)
+    # DDP given bucket_cap_mb caps its first bucket at it too (torch's BucketCapacityConfig): same buckets here
+    schedule = functools.partial(schedules.build, "bucket", cap_mb=25.0, first_cap_mb=None)
     make_comp = lambda: compressors.make("none")  # noqa: E731
 
     m_ddp, o_ddp = fresh()
