@@ -13,7 +13,7 @@ compute) and 4 (about 40 ms: the per-call costs then weigh as they do on a GPU).
 Within a batch setting all variants are stepped one iteration at a time in a
 rotating order, so load on the machine hits them alike. ``mergecomp`` and
 ``layerfusion`` tune inside their first steps exactly as in a run
-(engine/tuners.py Tuning, each variant with its own run directory, so the
+(engine/tuners/ driver, each variant with its own run directory, so the
 search trace lands in its ``tuning.json``); those steps train and count in the
 time to target, but the iteration-time median is taken over the steps after
 tuning ended.
@@ -95,7 +95,7 @@ def build(args, batch, rank, world, root, ds):
     from engine.spec import JobSpec
     from engine.timeline import Timeline
     from engine.trainer import schedule_fn
-    from engine.tuners import Tuning
+    from engine import tuners
     net = {"link": "shaped", "gbps": args.gbps} if args.gbps else {"link": "loopback"}
     search = {"warmup_steps": args.warmup, "steps_per_candidate": args.per_candidate,
               "max_groups": args.max_groups, "max_candidates": args.candidates, "retune": True}
@@ -127,7 +127,7 @@ def build(args, batch, rank, world, root, ds):
             run_dir = os.path.join(root, f"b{batch}-{cname}-{sname}")
             if rank == 0:
                 os.makedirs(run_dir, exist_ok=True)
-            tuning = Tuning(spec, dp, run_dir, tl)
+            tuning = tuners.start(spec, dp, run_dir, tl)
         out[name] = Variant(name, cname, sname, (m, opt, dp, tuning, sampler, tl))
     return out
 

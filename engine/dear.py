@@ -1,5 +1,6 @@
 """DeAR (Zhang et al., 2023): all-reduce decoupled into a reduce-scatter in
-backward and an all-gather before the next forward.
+backward and an all-gather before the next forward. A mode on the communicator core
+(engine/core.py), which lands the gradients in the buffers and says when one is ready.
 
     dear = DeAR(model, layout_fn, compressor="none")
     opt = torch.optim.Adam(dear.shard_params(), lr=1e-3)   # any stock elementwise optimizer
@@ -50,17 +51,16 @@ caught.
 """
 from __future__ import annotations
 
-import math
-import statistics
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from engine import compressors, schedules
-from engine.comm import _book, _Pending, land_grad, param_infos
+from engine.compressors.base import Compressor
+from engine.core import Bucket, Communicator, Pending, book
 from engine.netmodel import ModeledLink
-from engine.schedules import MB, ParamInfo
+from engine.schedules import ParamInfo
 from engine.timeline import Timeline
 
 Tensor = torch.Tensor
@@ -105,54 +105,40 @@ def layout_layers(params: Sequence[ParamInfo], layers: int) -> List[List[int]]:
 
 # ---------------------------------------------------------------- the communicator
 
-class Buffer:
-    """One fused buffer: parameters and gradients as flat padded tensors, this rank's shard."""
+class Buffer(Bucket):
+    """One fused buffer: gradients (the core's ``flat``) and parameters (``data``) as flat tensors
+    padded to a multiple of the world size, and this rank's shard of them."""
 
-    def __init__(self, index: int, params: List[torch.nn.Parameter], names: List[str], world: int, rank: int,
-                 compressor):
-        self.index, self.params, self.names, self.compressor = index, params, names, compressor
+    def __init__(self, index: int, params: List[torch.nn.Parameter], names: List[str], compressor: Compressor,
+                 world: int, rank: int):
+        super().__init__(index, params, names, compressor, multiple=world)
         p0 = params[0]
-        self.numel = sum(p.numel() for p in params)
-        self.padded = -(-self.numel // world) * world
         self.shard = self.padded // world
         self.lo = rank * self.shard
-        self.raw_bytes = self.numel * p0.element_size()
-        self.grad = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
         self.data = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
-        self.offsets = []
-        off = 0
         with torch.no_grad():
-            for p in params:
-                self.data[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                self.offsets.append(off)
-                off += p.numel()
-        self.grad_views = [self.grad[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
+            for o, p in zip(self.offsets, params):
+                self.data[o:o + p.numel()].copy_(p.detach().reshape(-1))
         for o, p in zip(self.offsets, params):
             p.data = self.data[o:o + p.numel()].view_as(p)  # the model now reads this buffer
         self.shard_param = torch.nn.Parameter(self.data[self.lo:self.lo + self.shard].clone())
         self.shard_param.grad = torch.zeros_like(self.shard_param)
         self.rs_out: Optional[Tensor] = None
-        self.reset()
         self.fresh = True
         """The model's view of this buffer holds the latest parameters."""
-        self.ag: Optional[_Pending] = None
+        self.ag: Optional[Pending] = None
 
     def reset(self) -> None:
-        self.pending = len(self.params)
-        self.seen = [False] * len(self.params)
-        self.ready = False
-        self.rs: Optional[_Pending] = None
+        super().reset()
+        self.rs: Optional[Pending] = None
         self.prediv = False
         self.ctx = None
 
-    def label(self) -> str:
-        if len(self.names) == 1:
-            return self.names[0]
-        return f"{self.names[0]} .. {self.names[-1]} ({len(self.names)} tensors)"
 
-
-class DeAR:
+class DeAR(Communicator):
     """Reduce-scatter in backward, optimizer on shards, all-gather in the next forward."""
+
+    mode = "dear"
 
     def __init__(self, model: torch.nn.Module, layout: Callable[[List[ParamInfo]], List[List[int]]],
                  compressor: str = "none", timeline: Optional[Timeline] = None, group=None,
@@ -163,27 +149,13 @@ class DeAR:
         if problem:
             raise ValueError(f"compressor.name: dear reduce-scatters payloads, so it needs a single-round, "
                              f"summable compressor whose payload keeps the gradient's shape; {compressor} {problem}")
-        self.model, self.group, self.link = model, group, link
-        self.make_compressor = lambda: compressors.make(compressor, error_feedback=error_feedback, **params)
-        """A new compressor instance, one per buffer; its payload is reduce-scattered as it is."""
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.timeline = timeline or Timeline(None, self.rank, enabled=False)
+        super().__init__(model, lambda: compressors.make(compressor, error_feedback=error_feedback, **params),
+                         timeline, group, broadcast_from_rank0, link)
         self.a2a = dist.get_backend(group) == "gloo"
         """gloo's reduce_scatter is a clone plus a full all-reduce (twice the bytes of a reduce-scatter);
         there the reduce-scatter is an all-to-all of the buffer's chunks and a local sum."""
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        named.reverse()  # gradients become ready roughly in reverse registration order
-        self.order_names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        self.infos = param_infos(self.params, self.order_names)
-        if broadcast_from_rank0:
-            with torch.no_grad():
-                for t in list(model.parameters()) + list(model.buffers()):
-                    dist.broadcast(t.data, 0, group=group)
         self.optimizer = None
-        self._build(layout(self.infos))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._build(layout(self.infos), range(len(self.params)))
         self._owners = {}  # module -> its parameters
         for mod in model.modules():
             own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
@@ -192,43 +164,37 @@ class DeAR:
                 # prepend: the wait is not counted in the layer's forward span (LayerProbe)
                 self._hooks.append(mod.register_forward_pre_hook(self._pre_forward, prepend=True))
         self._map_modules()
-        self.step_bytes = 0
-        self.step_raw_bytes = sum(b.raw_bytes for b in self.buffers)
         self._bytes = self._gather_bytes = 0
         self.step_gather_bytes = 0
-        self._flag: Optional[_Pending] = None
-        self._unstamped: list = []
+        self._flag: Optional[Pending] = None
 
     # -- layout -----------------------------------------------------------
-    def _build(self, layout: List[List[int]]) -> None:
+    def _new_bucket(self, index, params, names, compressor) -> Bucket:
+        return Buffer(index, params, names, compressor, self.world, self.rank)
+
+    def _build(self, layout: List[List[int]], order) -> None:
+        order = list(order)
+        if order != list(range(len(self.params))):
+            raise ValueError("dear: buffers keep the gradient order (reverse registration); relayout takes no order")
         schedules.check(layout, self.infos)
-        self.layout_idx = layout
-        self.buffers: List[Buffer] = []
-        self.slot = {}
-        for g, idx in enumerate(layout):
-            comp = self.make_compressor()
-            comp.bucket, comp.process_rank = g, self.rank
-            b = Buffer(g, [self.params[i] for i in idx], [self.order_names[i] for i in idx], self.world,
-                       self.rank, comp)
-            self.buffers.append(b)
-            for pos, i in enumerate(idx):
-                self.slot[self.params[i]] = (b, pos)
-                self.params[i].grad = b.grad_views[pos]
-        self._rs_next = 0
-        self._ag_next = len(self.buffers)  # nothing to gather: parameters are current
+        super()._build(layout, order)
+        self._ag_next = len(self.buckets)  # nothing to gather: parameters are current
 
     def _map_modules(self) -> None:
         self._module_bufs: Dict[torch.nn.Module, List[int]] = {
             mod: sorted({self.slot[p][0].index for p in own}, reverse=True) for mod, own in self._owners.items()}
 
     @property
-    def buckets(self) -> List[Buffer]:
-        """The buffers, under the name DataParallel uses (layout.json, the worker's banner)."""
-        return self.buffers
+    def buffers(self) -> List[Buffer]:
+        """The buckets, under the paper's name for them."""
+        return self.buckets
 
     def shard_params(self) -> List[torch.nn.Parameter]:
         """What the optimizer steps: this rank's shard of every buffer."""
-        return [b.shard_param for b in self.buffers]
+        return [b.shard_param for b in self.buckets]
+
+    def optimizer_params(self) -> List[torch.nn.Parameter]:
+        return self.shard_params()
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Mark the parameters stale after every step of ``optimizer`` (built over ``shard_params()``),
@@ -237,160 +203,101 @@ class DeAR:
         self._hooks.append(optimizer.register_step_post_hook(lambda *_: self._stepped()))
 
     def _stepped(self) -> None:
-        for b in self.buffers:
+        for b in self.buckets:
             b.fresh = False
         self._ag_next = 0
-
-    def layout(self) -> List[List[str]]:
-        return [list(b.names) for b in self.buffers]
 
     # -- forward side: all-gathers ------------------------------------------
     def _pre_forward(self, mod, args) -> None:
         self._poll()
         for g in self._module_bufs[mod]:
-            if not self.buffers[g].fresh:
+            if not self.buckets[g].fresh:
                 self._fetch(g)
 
     def _fetch(self, g: int) -> None:
         """Start the gathers up to the one after ``g`` (forward order), then wait for ``g``."""
-        b = self.buffers[g]
-        pos = len(self.buffers) - 1 - g
-        self._gather_upto(pos + 1)
-        tl = self.timeline
-        t0 = tl.now()
-        b.ag.wait()
-        t1 = tl.now()
-        name, t_issue, args = b.ag.span
-        tl.span("comm", name, t_issue, b.ag.t_done or t1, args)
-        tl.span("wait", f"wait allgather b{g}", t0, t1, {"bucket": g})
+        b = self.buckets[g]
+        self._gather_upto(len(self.buckets) - g)
+        self._wait(b.ag, b, f"wait allgather b{g}")
         b.ag, b.fresh = None, True
 
     def _gather_upto(self, pos: int) -> None:
-        n = len(self.buffers)
+        n = len(self.buckets)
         while self._ag_next <= min(pos, n - 1):
-            b = self.buffers[n - 1 - self._ag_next]
+            b = self.buckets[n - 1 - self._ag_next]
             self._ag_next += 1
             src = b.shard_param.detach()
             nbytes = src.numel() * src.element_size()
-            deadline = _book(self.link, "allgather", nbytes, self.group)
+            deadline = book(self.link, "allgather", nbytes, self.group)
             t = self.timeline.now()
             work = _all_gather(b.data, src, group=self.group, async_op=True)
-            b.ag = self._pending(work, b, "allgather", nbytes, t, deadline)
+            b.ag = self._track(Pending([work], lambda: [None], self.link, deadline), "allgather", b, nbytes, t)
             self._gather_bytes += nbytes
 
     def sync_params(self) -> None:
         """Complete every pending all-gather: the model's parameters are the latest (before eval or save)."""
-        for g in reversed(range(len(self.buffers))):
-            if not self.buffers[g].fresh:
+        for g in reversed(range(len(self.buckets))):
+            if not self.buckets[g].fresh:
                 self._fetch(g)
 
     # -- backward side: reduce-scatters -------------------------------------
-    def _poll(self) -> None:
-        """Stamp the completion of collectives without a future (their spans end within one hook's time)."""
-        if self._unstamped:
-            now = self.timeline.now()
-            left = []
-            for work, pend in self._unstamped:
-                if work.is_completed():
-                    pend.t_done = max(now, pend.deadline or 0.0)
-                else:
-                    left.append((work, pend))
-            self._unstamped = left
-
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        self._poll()
-        b, pos = self.slot[p]
-        if land_grad(p, b.grad_views[pos], b, pos):
-            p.grad = b.grad_views[pos]  # p.grad was replaced (zero_grad(set_to_none)): point it at the buffer again
-        if b.pending == 0:
-            b.ready = True
-            self._launch_ready()
-
-    def _launch_ready(self) -> None:
-        while self._rs_next < len(self.buffers) and self.buffers[self._rs_next].ready:
-            self._scatter(self.buffers[self._rs_next])
-            self._rs_next += 1
-
-    def _scatter(self, b: Buffer) -> None:
+    def _launch(self, b: Buffer) -> None:
         tl = self.timeline
         t0 = tl.now()
-        payload, b.ctx = b.compressor.encode(b.grad)  # compress, with error feedback when it is on
+        payload, b.ctx = b.compressor.encode(b.flat)  # compress, with error feedback when it is on
         if len(payload) != 1 or payload[0].numel() != b.padded:
             raise RuntimeError(f"dear: {b.compressor.name} declares keeps_shape but sent {len(payload)} tensors "
                                f"of {[t.numel() for t in payload]} elements for a buffer of {b.padded}")
         wire = payload[0]
         if wire.dtype == torch.float16:
             # half sums can overflow where no rank's value did: pre-divide, as DDP's fp16 hook does
-            wire = wire.div_(self.world) if wire is not b.grad else wire / self.world
+            wire = wire.div_(self.world) if wire is not b.flat else wire / self.world
             b.prediv = True
         n_out = b.padded if self.a2a else b.shard
         if b.rs_out is None or b.rs_out.dtype != wire.dtype:
             b.rs_out = torch.empty(n_out, dtype=wire.dtype, device=wire.device)
-        if wire is not b.grad:
+        if wire is not b.flat and tl.enabled:
             tl.span("compress", f"compress b{b.index}", t0, tl.now(), {"bucket": b.index})
         b.wire_sum = wire.sum(dtype=torch.float32)  # for the divergence flag (local values, before the sum)
         nbytes = wire.numel() * wire.element_size()
-        deadline = _book(self.link, "reduce_scatter", nbytes, self.group)
+        deadline = book(self.link, "reduce_scatter", nbytes, self.group)
         t = tl.now()
         if self.a2a:  # chunk j to rank j; the sum over ranks happens in finish
             work = dist.all_to_all_single(b.rs_out, wire, group=self.group, async_op=True)
         else:
             work = _reduce_scatter(b.rs_out, wire, group=self.group, async_op=True)
-        b.rs = self._pending(work, b, "reduce_scatter", nbytes, t, deadline, out=b.rs_out)
+        out = b.rs_out
+        b.rs = self._track(Pending([work], lambda: [out], self.link, deadline), "reduce_scatter", b, nbytes, t)
         self._bytes += nbytes
-
-    def _pending(self, work, b: Buffer, op: str, nbytes: int, t_issue: float, deadline, out=None) -> _Pending:
-        pend = _Pending([work], lambda: [out], self.link, deadline)
-
-        def done(_fut, pend=pend):
-            # with a modeled link the collective ends when the model says, not when loopback did
-            pend.t_done = max(self.timeline.now(), pend.deadline or 0.0)
-        try:
-            work.get_future().add_done_callback(done)
-        except RuntimeError:  # gloo's reduce-scatter has no future: stamp it when a hook sees it done
-            self._unstamped.append((work, pend))
-        pend.span = (f"{op} b{b.index}", t_issue, {"bucket": b.index, "op": op, "bytes": nbytes,
-                                                   "layers": b.label()})
-        return pend
 
     def finish(self) -> None:
         """After backward: every rank holds the averaged gradient of its shards in ``shard_params()[g].grad``."""
-        for b in self.buffers:
-            if not b.ready:  # parameters that got no gradient this step count as zero
-                for pos in range(len(b.params)):
-                    if not b.seen[pos]:
-                        b.grad_views[pos].zero_()
-                b.ready = True
-        for b in self.buffers:
+        for b in self.buckets:
+            b.zero_missing()
+        for b in self.buckets:
             if not b.fresh and any(b.seen):
                 raise RuntimeError(f"dear: {b.label()} got gradients but was not gathered before forward used it; "
                                    "a parameter is used outside its own module's forward (tied weights?)")
         self._launch_ready()
         # agree on divergence: a NaN/inf on any rank makes the flag NaN on all (x * 0 is 0 only for finite x)
-        flag = (torch.stack([b.wire_sum for b in self.buffers]).sum() * 0).reshape(1)
-        deadline = _book(self.link, "allreduce", 4, self.group)
-        self._flag = _Pending([dist.all_reduce(flag, group=self.group, async_op=True)], lambda: [flag],
-                              self.link, deadline)
+        flag = (torch.stack([b.wire_sum for b in self.buckets]).sum() * 0).reshape(1)
+        deadline = book(self.link, "allreduce", 4, self.group)
+        self._flag = Pending([dist.all_reduce(flag, group=self.group, async_op=True)], lambda: [flag],
+                             self.link, deadline)
         self.sync_params()  # gathers forward did not need (unused parameters): done before the step
         tl = self.timeline
-        for b in self.buffers:
-            self._poll()
-            t0 = tl.now()
-            out = b.rs.wait()[0]
+        for b in self.buckets:
+            out = self._wait(b.rs, b, f"wait reduce_scatter b{b.index}")[0]
             t1 = tl.now()
-            name, t_issue, args = b.rs.span
-            tl.span("comm", name, t_issue, b.rs.t_done or t1, args)
-            tl.span("wait", f"wait reduce_scatter b{b.index}", t0, t1, {"bucket": b.index})
             if self.a2a:
                 out = out.view(self.world, b.shard).sum(0)
             g = b.compressor.decompress([out], b.ctx)
             if not b.prediv:
                 g = g.div_(self.world) if g is out else g / self.world
             b.shard_param.grad.copy_(g)
-            if g is not out:
+            if g is not out and tl.enabled:
                 tl.span("decompress", f"decompress b{b.index}", t1, tl.now(), {"bucket": b.index})
-            b.reset()
-        self._rs_next = 0
+        self._end_step()
         self.step_bytes, self._bytes = self._bytes, 0
         self.step_gather_bytes, self._gather_bytes = self._gather_bytes, 0
 
@@ -399,29 +306,19 @@ class DeAR:
         One 4-byte all-reduce per step, issued in ``finish`` behind the reduce-scatters."""
         return torch.isfinite(self._flag.wait()[0][0])
 
-    def zero_grad(self) -> None:
-        for b in self.buffers:
-            b.grad.zero_()
-
     # -- relayout (online tuning) ---------------------------------------------
-    def relayout(self, layout: List[List[int]]) -> None:
+    def relayout(self, layout: List[List[int]], order=None) -> None:
         """Rebuild the buffers at a step boundary. Pending gathers complete first; the attached
         optimizer's per-element state (momentum, Adam moments) is moved element by element to the
         new shards (one all-gather per state tensor and buffer), its scalar state (Adam's step) kept.
-        The compressors' per-element state (the error-feedback residual, ``Compressor.elementwise``)
-        is local to each rank and moves with its parameters too; other compressor state starts afresh."""
+        The compressors' per-element state moves with its parameters (the core's relayout)."""
         self.sync_params()
-        comp_state: Dict[int, Dict[str, Optional[Tensor]]] = {}  # id(param) -> state name -> its slice
-        for b in self.buffers:
-            state = b.compressor.elementwise_state()
-            for p, off in zip(b.params, b.offsets):
-                comp_state[id(p)] = {k: None if t is None else t[off:off + p.numel()] for k, t in state.items()}
         opt = self.optimizer
         per_param: Dict[int, Dict[str, tuple]] = {}  # id(param) -> key -> (elementwise, value)
         if opt is not None:
             if len(opt.param_groups) != 1:
                 raise ValueError("dear: relayout needs an optimizer with one parameter group")
-            for b in self.buffers:
+            for b in self.buckets:
                 st = opt.state.pop(b.shard_param, {})
                 for k, v in st.items():
                     if torch.is_tensor(v) and v.shape == b.shard_param.shape:
@@ -432,26 +329,11 @@ class DeAR:
                     else:  # scalar state (Adam's step): the same for every shard
                         for p in b.params:
                             per_param.setdefault(id(p), {})[k] = (False, v)
-        self._build(layout)
+        super().relayout(layout, order)
         self._map_modules()
-        self.step_raw_bytes = sum(b.raw_bytes for b in self.buffers)
-        for b in self.buffers:
-            state = {}
-            for k in b.compressor.elementwise_state():
-                parts = [comp_state[id(p)].get(k) for p in b.params]
-                if all(t is None for t in parts):
-                    state[k] = None  # nothing kept yet: the compressor starts from zero as usual
-                    continue
-                like = next(t for t in parts if t is not None)
-                full = torch.zeros(b.padded, dtype=like.dtype, device=like.device)  # padding stays 0
-                for t, p, off in zip(parts, b.params, b.offsets):
-                    if t is not None:
-                        full[off:off + p.numel()] = t
-                state[k] = full
-            b.compressor.load_elementwise_state(state)
         if opt is None:
             return
-        for b in self.buffers:
+        for b in self.buckets:
             st = {}
             for k, (elementwise, v) in per_param.get(id(b.params[0]), {}).items():
                 if elementwise:
@@ -468,75 +350,11 @@ class DeAR:
     def close(self) -> None:
         """Remove the hooks and drop every collective handle, so none outlives the process group.
         No collective here: close also runs when a rank fails."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        self._unstamped, self._flag = [], None
-        for b in self.buffers:
+        super().close()
+        self._flag = None
+        for b in self.buckets:
             b.rs = b.ag = None
 
 
-# ---------------------------------------------------------------- buffer-size tuning
-
-def cap_candidates(total_bytes: int, lo_mb: float = 1 / 16) -> List[float]:
-    """Caps to search: powers of two from ``lo_mb`` up to the first that holds the whole model."""
-    caps = [lo_mb]
-    while caps[-1] * MB < total_bytes:
-        caps.append(caps[-1] * 2)
-    return caps
-
-
-class CapTuner:
-    """Search the buffer cap by measured iteration time, with no extra dependency:
-    golden-section search over the candidates (powers of two, so over log cap),
-    assuming iteration time is unimodal in log cap (small caps pay per-collective
-    latency, large caps start the first collective late and overlap less).
-
-    ``propose()`` gives the next cap to try (None when the search is over),
-    ``report(cap, times)`` its measured iteration times (the median counts).
-    ``best`` is the fastest cap measured. Pure: the communicator's owner measures,
-    rank 0 decides and broadcasts."""
-
-    INVPHI = (math.sqrt(5) - 1) / 2
-
-    def __init__(self, caps: Sequence[float]):
-        if not caps:
-            raise ValueError("cap candidates: need at least one")
-        self.caps = list(caps)
-        self.measured: Dict[int, float] = {}
-        self.a, self.b = 0, len(self.caps) - 1
-        self.trials: List[tuple] = []
-
-    def _probe_points(self):
-        a, b = self.a, self.b
-        c = b - round((b - a) * self.INVPHI)
-        d = a + round((b - a) * self.INVPHI)
-        return (c, d) if c < d else (c, min(c + 1, b))
-
-    def _next_index(self) -> Optional[int]:
-        while self.b - self.a > 2:
-            c, d = self._probe_points()
-            for i in (c, d):
-                if i not in self.measured:
-                    return i
-            if self.measured[c] <= self.measured[d]:
-                self.b = d
-            else:
-                self.a = c
-        for i in range(self.a, self.b + 1):  # three or fewer left: measure them all
-            if i not in self.measured:
-                return i
-        return None
-
-    def propose(self) -> Optional[float]:
-        i = self._next_index()
-        return None if i is None else self.caps[i]
-
-    def report(self, cap: float, times: Sequence[float]) -> None:
-        t = statistics.median(times)
-        self.measured[self.caps.index(cap)] = t
-        self.trials.append((cap, t))
-
-    @property
-    def best(self) -> float:
-        return self.caps[min(self.measured, key=self.measured.get)]
+# dear's buffer-cap search is a tuner (engine/tuners/capsearch.py); named here too, beside the layouts it picks
+from engine.tuners.capsearch import CapTuner, cap_candidates  # noqa: E402,F401

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine import compressors
-from engine.comm import issue_allgather, issue_allreduce
+from engine.core import Exchange, issue
 
 
 class HookState:
@@ -60,22 +60,18 @@ def _hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[tor
     group = state.process_group
     world = dist.get_world_size(group)
     c = state.compressor(bucket.index(), buf.numel())
-    gen = c.exchange(buf, world)
-    rnd = next(gen)
-    pending = issue_allreduce(rnd.tensors, group) if rnd.op == "allreduce" else issue_allgather(rnd.tensors, group)
+    ex = Exchange(c, buf, world)
+    pending = issue(ex.start(), group)
     state.bytes_sent += c.last_bytes
 
     def finish(fut):
         for w in pending.works[:-1]:
             w.wait()
-        try:
-            gen.send(pending.finish())
-        except StopIteration as stop:
-            out = stop.value
-            if out.data_ptr() != buf.data_ptr():
-                buf.copy_(out.reshape(buf.shape))
-            return buf
-        raise RuntimeError(f"compressor {state.name} needs more than one round; it cannot run as a DDP hook")
+        if ex.send(pending.finish()) is not None:
+            raise RuntimeError(f"compressor {state.name} needs more than one round; it cannot run as a DDP hook")
+        if ex.out.data_ptr() != buf.data_ptr():
+            buf.copy_(ex.out.reshape(buf.shape))
+        return buf
 
     return pending.works[-1].get_future().then(finish)
 

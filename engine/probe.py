@@ -53,13 +53,15 @@ class LayerProbe:
 
     def _post(self, name):
         tl = self.timeline
+        grad_out = self._grad_out(name)  # made once per layer, not once per forward
+        args = {"layer": name}
 
-        def hook(mod, args, out):
+        def hook(mod, a, out):
             if not self.active:
                 return
-            tl.span("forward", name, self.fwd_start.pop(name), tl.mark(), {"layer": name})
+            tl.span("forward", name, self.fwd_start.pop(name), tl.mark(), args)
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(self._grad_out(name))
+                out.register_hook(grad_out)
         return hook
 
     def _grad_out(self, name):
@@ -69,6 +71,7 @@ class LayerProbe:
 
     def _acc(self, name):
         tl = self.timeline
+        args = {"layer": name}
 
         def hook(p):
             self.bwd_left[name] -= 1
@@ -76,7 +79,7 @@ class LayerProbe:
                 t1 = tl.mark()
                 t0 = self.bwd_start.pop(name, None)
                 if t0 is not None:  # no output hook, e.g. an embedding's output unused
-                    tl.span("backward", name, t0, t1, {"layer": name})
+                    tl.span("backward", name, t0, t1, args)
         return hook
 
     def close(self) -> None:

@@ -206,7 +206,7 @@ SCHEDULES: Dict[str, Callable[..., Buckets]] = {
     "layerwise": layerwise,
     "allinone": allinone,
     "bucket": bucket,
-    # the tuned schedules start from one bucket; their tuners (engine/tuners.py) relayout later
+    # the tuned schedules start from one bucket; their tuners (engine/tuners/) relayout later
     "mergecomp": lambda params, **_: allinone(params),
     "layerfusion": layerfusion,
 }

@@ -2,8 +2,8 @@
 
 A ``Stepper`` owns, for one rank: the communicator the spec asks for (``DataParallel`` for sync
 and wfbp, ``DeAR`` for dear), the stock ``torch.optim`` optimizer over what that communicator
-hands it (the model's parameters, or DeAR's shards), the tuners (mergecomp and layerfusion
-through ``tuners.Tuning``, dear's buffer-cap search) and the writers of the run directory
+hands it (``optimizer_params()``: the model's parameters, or DeAR's shards), the tuning driver
+(``tuners.start``: mergecomp, layerfusion or dear's buffer-cap search) and the writers of the run directory
 (``timeline-rank<r>.jsonl``, ``metrics.jsonl``, ``layout.json``). The caller runs forward and
 backward; ``step()`` does the rest of the iteration:
 
@@ -24,10 +24,11 @@ import torch.distributed as dist
 
 from engine import compressors, dear, netmodel, schedules, tuners
 from engine.comm import DataParallel
+from engine.core import Communicator
 from engine.dear import DeAR
 from engine.probe import LayerProbe
 from engine.runlog import JsonlWriter
-from engine.spec import JobSpec
+from engine.spec import DEAR_CAP_MB, JobSpec
 from engine.timeline import Clock, CudaClock, Timeline
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -69,73 +70,36 @@ class Stepper:
         self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
         make_opt = make_opt or functools.partial(make_optimizer, spec)
         c = spec.compressor
-        self.cap_tuner = None
-        """dear with comm.tune: the buffer-cap search (engine.dear.CapTuner), fed in _tune."""
         if spec.comm.mode == "dear":
             # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
-            self.dp = DeAR(model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
-                           link=netmodel.from_spec(spec.network), error_feedback=c.error_feedback,
-                           compressor_params=c.params)
-            self.optimizer = make_opt(self.dp.shard_params())
-            self.dp.attach(self.optimizer)
+            self.dp: Communicator = DeAR(model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
+                                         link=netmodel.from_spec(spec.network), error_feedback=c.error_feedback,
+                                         compressor_params=c.params)
         else:
             self.dp = DataParallel(model, schedule_fn(spec),
                                    lambda: compressors.make(c.name, error_feedback=c.error_feedback, **c.params),
                                    mode=spec.comm.mode, timeline=self.timeline, group=group,
                                    link=netmodel.from_spec(spec.network))
-            self.optimizer = make_opt(model.parameters())
+        self.optimizer = make_opt(self.dp.optimizer_params())
+        self.dp.attach(self.optimizer)
         self.step = 0
         if rank == 0 and run_dir:
             self.write_layout()
-        self.tuning = None
-        """mergecomp / layerfusion: the tuner's driver, which relayouts at step boundaries."""
-        if spec.schedule.name in ("mergecomp", "layerfusion"):
-            self.tuning = tuners.Tuning(spec, self.dp, run_dir, self.timeline, group,
-                                        on_layout=self.write_layout if rank == 0 and run_dir else None)
+        self.tuning = tuners.start(spec, self.dp, run_dir, self.timeline, group,
+                                   on_layout=self.write_layout if rank == 0 and run_dir else None, log=self.log)
+        """mergecomp, layerfusion, dear's cap search: the tuning driver, which relayouts at step boundaries."""
 
     def _dear_layout(self):
-        """dear's buffers: by comm.layers, by comm.cap_mb (the spec holds its default), or the tuner's
-        first trial cap."""
+        """dear's buffers: by comm.layers or by comm.cap_mb (the spec holds its default; with comm.tune
+        the cap search relayouts to its first trial cap before the first step)."""
         cm = self.spec.comm
         if cm.layers is not None:
             return functools.partial(dear.layout_layers, layers=cm.layers)
-        if cm.tune:
-            total = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
-            self.cap_tuner = dear.CapTuner(dear.cap_candidates(total))
-            self.tune_steps = cm.tune_steps
-            self.trial_cap, self.trial_ms = self.cap_tuner.propose(), []
-            return functools.partial(dear.layout_cap, cap_mb=self.trial_cap)
-        return functools.partial(dear.layout_cap, cap_mb=cm.cap_mb)
-
-    def _tune(self, time_ms: float) -> None:
-        """Feed the cap search one measured step; at the end of a trial rank 0 decides the next cap
-        (or the best one, when the search is over) and broadcasts it; every rank then relayouts."""
-        self.trial_ms.append(time_ms)
-        if len(self.trial_ms) < self.tune_steps:
-            return
-        decision = torch.zeros(2, dtype=torch.float64, device=self.device)  # [cap_mb, search over]
-        if self.rank == 0:
-            self.cap_tuner.report(self.trial_cap, self.trial_ms[1:])  # the first step after a relayout warms up
-            nxt = self.cap_tuner.propose()
-            decision[0], decision[1] = (nxt, 0.0) if nxt is not None else (self.cap_tuner.best, 1.0)
-            self.log({"kind": "tune", "step": self.step, "rank": 0, "cap_mb": self.trial_cap,
-                      "median_ms": self.cap_tuner.measured[self.cap_tuner.caps.index(self.trial_cap)],
-                      "next_cap_mb": float(decision[0]), "done": bool(decision[1]), "t": time.time()})
-        dist.broadcast(decision, 0)
-        cap, done = float(decision[0]), bool(decision[1])
-        if cap != self.trial_cap:
-            self.dp.relayout(dear.layout_cap(self.dp.infos, cap))
-        self.trial_cap, self.trial_ms = cap, []
-        if done:
-            self.cap_tuner = None  # keep the best cap from here on
-        if self.rank == 0 and self.run_dir:
-            self.write_layout()
+        return functools.partial(dear.layout_cap, cap_mb=cm.cap_mb or DEAR_CAP_MB)
 
     def sync_params(self) -> None:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
-        sync = getattr(self.dp, "sync_params", None)
-        if sync:
-            sync()
+        self.dp.sync_params()
 
     def write_layout(self) -> None:
         buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
@@ -182,8 +146,6 @@ class Stepper:
         if self.tuning is not None and not self.tuning.done:
             self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
             tl.flush()
-        if self.cap_tuner is not None:
-            self._tune(rec["time_ms"])
         return rec
 
     def close(self) -> None:

@@ -53,28 +53,10 @@ def run_world(fn, *args, world: int = 2):
 
 def emulate_exchange(comps, tensors, log=None):
     """Drive compressors' exchanges as len(comps) ranks would, without a process group; return the outputs. ``log`` collects (op, shapes)."""
-    world = len(comps)
-    gens = [c.exchange(t, world) for c, t in zip(comps, tensors)]
-    rounds = [next(g) for g in gens]
-    while True:
-        op = rounds[0].op
-        assert all(r.op == op for r in rounds), "ranks asked for different collectives"
+    from engine.core import local_collective, run_exchange
+
+    def collective(op, payloads):
         if log is not None:
-            log.append((op, [tuple(x.shape) for x in rounds[0].tensors]))
-        if op == "allreduce":
-            total = [torch.stack([r.tensors[i] for r in rounds]).sum(0) for i in range(len(rounds[0].tensors))]
-            replies = [[x.clone() for x in total] for _ in rounds]
-        else:
-            assert op == "allgather"
-            everyone = [[x.clone() for x in r.tensors] for r in rounds]
-            replies = [everyone] * world
-        outs, nxt = [], []
-        for g, rep in zip(gens, replies):
-            try:
-                nxt.append(g.send(rep))
-            except StopIteration as stop:
-                outs.append(stop.value)
-        if outs:
-            assert len(outs) == world, "ranks needed different numbers of rounds"
-            return outs
-        rounds = nxt
+            log.append((op, [tuple(x.shape) for x in payloads[0]]))
+        return local_collective(op, payloads)
+    return [ex.out for ex in run_exchange(comps, tensors, len(comps), collective)]

@@ -70,6 +70,10 @@ class Compressor:
     """True when the payload is one tensor with one element per input element, element i standing
     for input element i, and ``decompress`` decodes any contiguous slice of it to the same slice of
     the output. Then a reduce-scatter of summable payloads is a reduce-scatter of the gradients."""
+    identity = False
+    """True when the payload is the input itself and decoding returns the payload (no compression):
+    the exchange is a plain sum, so the caller may land the input already divided by the world
+    size and run one all-reduce with nothing after it (``engine.core.Exchange``, prescaled)."""
     lossless = False
     """True when decoding gives the input back up to the wire dtype's rounding (the identity and
     the casts): error feedback would have nothing worth keeping."""

@@ -320,21 +320,15 @@ def drive(comp, t, world: int = 1):
 
     Returns the rounds as [(op, payload bytes, tensors)] and the compute times
     [encode, between rounds..., decode] in seconds."""
-    times, rounds = [], []
-    gen = comp.exchange(t, world)
-    t0 = time.perf_counter()
-    reply = None
-    try:
-        rnd = next(gen)
-        while True:
-            times.append(time.perf_counter() - t0)
-            rounds.append((rnd.op, sum(x.numel() * x.element_size() for x in rnd.tensors), len(rnd.tensors)))
-            reply = [rnd.tensors] if rnd.op == "allgather" else rnd.tensors
-            t0 = time.perf_counter()
-            rnd = gen.send(reply)
-    except StopIteration:
-        times.append(time.perf_counter() - t0)
-    return rounds, times
+    from engine.core import local_collective, run_exchange
+    rounds = []
+
+    def collective(op, payloads):
+        (mine,) = payloads
+        rounds.append((op, sum(x.numel() * x.element_size() for x in mine), len(mine)))
+        return local_collective(op, payloads)
+    (ex,) = run_exchange([comp], [t], world, collective, timer=time.perf_counter)
+    return rounds, ex.compute
 
 
 CURVE_NUMELS = (1024, 16384, 262144, 1048576)

@@ -47,26 +47,14 @@ def two_rank_exchange(name: str, n: int = 4096, **params):
 
 
 def _lockstep(comps, xs):
-    gens = [c.exchange(x, 2) for c, x in zip(comps, xs)]
-    rounds = [next(g) for g in gens]
-    ops, outs = [], [None, None]
-    while True:
-        op = rounds[0].op
+    from engine.core import local_collective, run_exchange
+    ops = []
+
+    def collective(op, payloads):
         ops.append(op)
-        if op == "allreduce":
-            summed = [a + b for a, b in zip(rounds[0].tensors, rounds[1].tensors)]
-            replies = [[t.clone() for t in summed] for _ in range(2)]
-        else:
-            replies = [[list(rounds[0].tensors), list(rounds[1].tensors)] for _ in range(2)]
-        nxt = []
-        for i, g in enumerate(gens):
-            try:
-                nxt.append(g.send(replies[i]))
-            except StopIteration as stop:
-                outs[i] = stop.value
-        if outs[0] is not None:
-            return ops, outs[0], outs[1]
-        rounds = nxt
+        return local_collective(op, payloads)
+    ex0, ex1 = run_exchange(comps, xs, 2, collective)
+    return ops, ex0.out, ex1.out
 
 
 def linear(name: str, n: int = 4096, **params) -> Optional[bool]:

@@ -1,0 +1,658 @@
+"""The communicator core that every comm mode is built on (sync and wfbp in engine/comm.py, dear in
+engine/dear.py), and the one driver of a compressor's exchange.
+
+What the core owns, for every mode alike:
+
+- the parameters in gradient order (reverse registration order, as DDP assumes) and rank 0's
+  broadcast of the initial model;
+- buckets: one flat gradient buffer each (padded where the mode needs it), the parameters'
+  gradients as views of it; a gradient lands there directly (autograd accumulates into the view)
+  or by one copy when something replaced ``p.grad`` (``zero_grad(set_to_none=True)``);
+- readiness: a post-accumulate-grad hook per parameter counts arrivals; when a bucket's last
+  gradient lands the mode hears of it (``_bucket_ready``); buckets are launched strictly in
+  bucket order, so every rank issues the same collectives in the same order;
+- pending collectives (``Pending``), their completion stamps and their timeline spans;
+- zeroing gradients that never arrived (a parameter forward did not use);
+- relayout: rebuilding the buckets at a step boundary, per-element compressor state moving with
+  its parameters.
+
+A mode supplies its bucket type (``_new_bucket``), what happens when buckets are ready
+(``_launch``), ``finish``, ``grads_finite`` and, where it differs, what the optimizer steps
+(``optimizer_params``). The trainer and ``commlab.wrap`` use only the interface declared on
+``Communicator``.
+
+The exchange driver (``Exchange``, ``run_exchange``) runs a compressor's exchange generator:
+compress (error feedback inside ``encode``), one collective per round, decompress. The modes,
+the DDP hooks (engine/hooks.py), LayerFusion's calibration, the performance model and the tests
+all drive exchanges through it.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.compressors.base import Compressor, Round
+from engine.netmodel import ModeledLink
+from engine.schedules import ParamInfo
+from engine.timeline import Timeline
+
+Tensor = torch.Tensor
+
+
+# ---------------------------------------------------------------- collectives
+
+class Pending:
+    """An issued collective: its work handles and how to read the result.
+
+    With a modeled link, ``deadline`` is when the model says the collective completes (host
+    clock); ``wait`` returns no earlier than that. ``t_done`` is stamped when it completes
+    (``Communicator._track``); ``span`` is its timeline span (name, issue time, args)."""
+
+    def __init__(self, works, finish: Callable[[], list], link: Optional[ModeledLink] = None,
+                 deadline: Optional[float] = None):
+        self.works = works
+        self.finish = finish
+        self.t_done: Optional[float] = None
+        self.link = link
+        self.deadline = deadline
+        self.span: Optional[tuple] = None
+        self.header_span: Optional[tuple] = None
+        """all-gather only: (start, end) of the synchronous header exchange, when a clock was given."""
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+        if self.link is not None and self.deadline is not None:
+            self.link.hold_until(self.deadline)
+        return self.finish()
+
+
+def book(link: Optional[ModeledLink], op: str, nbytes: int, group) -> Optional[float]:
+    """The modeled completion time of a collective issued now (None without a modeled link)."""
+    if link is None:
+        return None
+    return link.issue(op, nbytes, dist.get_world_size(group))
+
+
+def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None) -> Pending:
+    """Start an asynchronous sum of ``tensors`` over ranks (one collective when dtypes agree).
+    With a modeled ``link``, waiting on it takes at least the link's ring all-reduce time."""
+    deadline = book(link, "allreduce", sum(t.numel() * t.element_size() for t in tensors), group)
+    if len(tensors) == 1:
+        t = tensors[0]
+        return Pending([dist.all_reduce(t, group=group, async_op=True)], lambda: [t], link, deadline)
+    if len({(t.dtype, t.device) for t in tensors}) == 1:
+        # one collective for the whole payload: per-call latency dominates small tensors
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        work = dist.all_reduce(flat, group=group, async_op=True)
+
+        def split():
+            out, off = [], 0
+            for t in tensors:
+                out.append(flat[off:off + t.numel()].view_as(t))
+                off += t.numel()
+            return out
+        return Pending([work], split, link, deadline)
+    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    return Pending(works, lambda: list(tensors), link, deadline)
+
+
+def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None,
+                    now: Optional[Callable[[], float]] = None) -> Pending:
+    """All-gather payloads whose sizes may differ between ranks.
+
+    Every tensor is sent as raw bytes in one padded buffer, each starting at
+    an 8-byte aligned offset (so it can be viewed back as its dtype). A small
+    header (the shape of every tensor) is exchanged first, synchronously: it
+    is a few bytes and keeps the data exchange a single asynchronous collective.
+    With a modeled ``link`` both exchanges take at least the link's ring
+    all-gather time, the data one for the padded size every rank sends.
+    """
+    world = dist.get_world_size(group)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    k = len(tensors)
+    header = torch.zeros(k, 5, dtype=torch.int64, device=device)  # ndim + up to 4 dims
+    for i, t in enumerate(tensors):
+        if t.dim() > 4:
+            raise ValueError("all-gathered payload tensors may have at most 4 dimensions")
+        header[i, 0] = t.dim()
+        header[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    headers = [torch.empty_like(header) for _ in range(world)]
+    header_deadline = book(link, "allgather", header.numel() * header.element_size(), group)
+    t_header = now() if now else None
+    dist.all_gather(headers, header, group=group)
+    if header_deadline is not None:
+        link.hold_until(header_deadline)
+    header_span = (t_header, now()) if now else None
+    dtypes = [t.dtype for t in tensors]
+    esize = [t.element_size() for t in tensors]
+
+    def shapes_of(h):
+        h = h.tolist()
+        return [tuple(row[1:1 + row[0]]) for row in h]
+    all_shapes = [shapes_of(h) for h in headers]
+    offsets = [_offsets(shapes, esize) for shapes in all_shapes]
+    cap = max(max(o[-1] for o in offsets), 1)
+    send = torch.zeros(cap, dtype=torch.uint8, device=device)
+    for t, off in zip(tensors, offsets[dist.get_rank(group)]):
+        n = t.numel() * t.element_size()
+        if n:
+            send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
+    recv = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(world)]
+    deadline = book(link, "allgather", cap, group)
+    work = dist.all_gather(recv, send, group=group, async_op=True)
+
+    def unpack():
+        out = []
+        for r in range(world):
+            payload = []
+            for shape, dt, e, off in zip(all_shapes[r], dtypes, esize, offsets[r]):
+                n = _numel(shape) * e
+                payload.append(recv[r][off:off + n].view(dt).view(shape))
+            out.append(payload)
+        return out
+    pend = Pending([work], unpack, link, deadline)
+    pend.header_span = header_span
+    return pend
+
+
+def issue(rnd: Round, group=None, link: Optional[ModeledLink] = None,
+          now: Optional[Callable[[], float]] = None) -> Pending:
+    """Start the collective a compressor's round asks for."""
+    if rnd.op == "allreduce":
+        return issue_allreduce(rnd.tensors, group, link)
+    if rnd.op == "allgather":
+        return issue_allgather(rnd.tensors, group, link, now)
+    raise ValueError(f"a compressor asked for an unknown collective {rnd.op!r}; allowed: allreduce, allgather")
+
+
+def _offsets(shapes, esize) -> List[int]:
+    """Byte offset of each tensor in the packed buffer (8-byte aligned), then the total."""
+    out, off = [], 0
+    for shape, e in zip(shapes, esize):
+        out.append(off)
+        off += -(-(_numel(shape) * e) // 8) * 8
+    return out + [off]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+# ---------------------------------------------------------------- the exchange driver
+
+class Exchange:
+    """One compressor's exchange of one tensor, driven a round at a time.
+
+        ex = Exchange(compressor, t, world)
+        rnd = ex.start()                 # compress: the first round
+        while rnd is not None:
+            rnd = ex.send(collective(rnd))   # the round's result in: the next round, or None
+        ex.out                           # the average (it may be ``t`` itself)
+
+    With ``timer`` (a clock that waits for the device, e.g. ``perf_counter`` after a CUDA
+    synchronize), ``compute`` lists the seconds spent in the compressor per call: encode, the
+    work between rounds, decode."""
+
+    __slots__ = ("gen", "out", "rounds", "timer", "compute")
+
+    def __init__(self, compressor: Compressor, t: Tensor, world: int, timer: Optional[Callable[[], float]] = None,
+                 prescaled: bool = False):
+        """``prescaled``: ``t`` was already divided by ``world`` (only where ``prescales(compressor)``):
+        the exchange is one all-reduce of ``t`` in place."""
+        if prescaled and not Exchange.prescales(compressor):
+            raise ValueError(f"compressor {compressor.name}: only an identity compressor without error feedback "
+                             "takes a pre-scaled input")
+        self.gen = _sum(compressor, t) if prescaled else compressor.exchange(t, world)
+        self.out: Optional[Tensor] = None
+        self.rounds = 0
+        """Rounds issued so far."""
+        self.timer = timer
+        self.compute: List[float] = []
+
+    @staticmethod
+    def prescales(compressor: Compressor) -> bool:
+        """True when ``compressor``'s exchange is a plain sum of its input divided by the world size
+        (the identity, no error feedback): the division can then be fused into the copy that lands
+        the gradient, before the all-reduce, as DDP does, instead of a pass after it."""
+        return compressor.identity and compressor.ef is None
+
+    def start(self) -> Round:
+        return self._step(None)
+
+    def send(self, reply) -> Optional[Round]:
+        return self._step(reply)
+
+    def _step(self, reply) -> Optional[Round]:
+        t0 = self.timer() if self.timer else 0.0
+        try:
+            rnd = next(self.gen) if self.rounds == 0 else self.gen.send(reply)
+        except StopIteration as stop:
+            self.out = stop.value
+            rnd = None
+        if self.timer:
+            self.compute.append(self.timer() - t0)
+        if rnd is not None:
+            self.rounds += 1
+        return rnd
+
+
+def _sum(compressor: Compressor, t: Tensor):
+    """The exchange of an identity compressor whose input is already divided by the world size."""
+    compressor.last_bytes = t.numel() * t.element_size()
+    (out,) = yield Round("allreduce", [t])
+    return out
+
+
+Collective = Callable[[str, List[List[Tensor]]], list]
+"""``collective(op, payloads)``: one payload (list of tensors) per rank this process stands for;
+returns one reply per rank (all-reduce: the summed tensors; all-gather: every rank's payload)."""
+
+
+def run_exchange(comps: Sequence[Compressor], tensors: Sequence[Tensor], world: int, collective: Collective,
+                 timer: Optional[Callable[[], float]] = None) -> List[Exchange]:
+    """Drive the exchanges of ``comps`` on ``tensors`` (one per rank this process stands for: one on
+    a real rank, several when ranks are simulated in one process) to the end, in lockstep, every
+    round through ``collective``. Returns the finished ``Exchange``s (``.out``, ``.compute``)."""
+    exs = [Exchange(c, t, world, timer) for c, t in zip(comps, tensors)]
+    rounds = [ex.start() for ex in exs]
+    while rounds[0] is not None:
+        op = rounds[0].op
+        if any(r is None or r.op != op for r in rounds):
+            raise RuntimeError(f"ranks asked for different collectives: {[r and r.op for r in rounds]}")
+        replies = collective(op, [r.tensors for r in rounds])
+        rounds = [ex.send(rep) for ex, rep in zip(exs, replies)]
+    if any(r is not None for r in rounds):
+        raise RuntimeError("ranks needed different numbers of rounds")
+    return exs
+
+
+def process_group_collective(group=None, link: Optional[ModeledLink] = None) -> Collective:
+    """The collective of a real rank (one payload per process), over ``group``, waited for."""
+    def collective(op: str, payloads: List[List[Tensor]]) -> list:
+        (mine,) = payloads
+        return [issue(Round(op, mine), group, link).wait()]
+    return collective
+
+
+def local_collective(op: str, payloads: List[List[Tensor]]) -> list:
+    """The collectives' results when every rank's payload is in this process (simulated ranks).
+    Every rank gets its own copy, as from a real collective (a decoder may work in place); a
+    single rank gets its payload back as it is."""
+    if op == "allreduce":
+        if len(payloads) == 1:
+            return [list(payloads[0])]
+        total = [torch.stack(ts).sum(0) for ts in zip(*payloads)]
+        return [[t.clone() for t in total] for _ in payloads]
+    if op == "allgather":
+        if len(payloads) == 1:
+            return [[list(payloads[0])]]
+        return [[[x.clone() for x in p] for p in payloads] for _ in payloads]
+    raise ValueError(f"a compressor asked for an unknown collective {op!r}; allowed: allreduce, allgather")
+
+
+def exchange(comp: Compressor, t: Tensor, world: int, group=None, link: Optional[ModeledLink] = None) -> Tensor:
+    """A whole exchange of ``t`` on this rank, waited for: the average over ranks (a blocking
+    convenience for calibrations and tests)."""
+    return run_exchange([comp], [t], world, process_group_collective(group, link))[0].out
+
+
+def time_exchange(make_compressor: Callable[[], Compressor], numel: int, dtype, device, group=None,
+                  link: Optional[ModeledLink] = None) -> tuple:
+    """``(total, compute)`` seconds of one whole exchange of a bucket of ``numel`` elements with a
+    fresh compressor, run synchronously: all of it, and the part spent in the compressor (compress
+    and decode, on this thread). Collective: every rank calls it with the same arguments
+    (LayerFusion's calibration)."""
+    comp = make_compressor()
+    comp.bucket, comp.process_rank, comp.layout = 0, dist.get_rank(group), [(0, (numel,))]
+    g = torch.Generator().manual_seed(numel)
+    t = torch.randn(numel, generator=g).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if t.is_cuda else None
+
+    def timer():
+        if sync:
+            sync(t.device)
+        return time.perf_counter()
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    (ex,) = run_exchange([comp], [t], dist.get_world_size(group), process_group_collective(group, link), timer)
+    return time.perf_counter() - t0, sum(ex.compute)
+
+
+# ---------------------------------------------------------------- buckets and gradients
+
+def param_infos(params: Sequence[torch.nn.Parameter], names: Sequence[str]) -> List[ParamInfo]:
+    return [ParamInfo(name=n, numel=p.numel(), element_size=p.element_size(),
+                      dtype=str(p.dtype).replace("torch.", ""), device=str(p.device))
+            for p, n in zip(params, names)]
+
+
+def land_grad(p: torch.nn.Parameter, view: Tensor, b, pos: int, scale: Optional[float] = None) -> bool:
+    """Count parameter ``p``'s gradient into bucket ``b`` (slot ``pos``, buffer view ``view``), times
+    ``scale`` when given. Returns True when p.grad was not the view (autograd handed a fresh tensor,
+    e.g. after zero_grad(set_to_none)): the gradient was copied in (the scale fused into the copy),
+    and the caller points p.grad at the view again."""
+    if b.seen[pos]:
+        raise RuntimeError(f"gradient of {b.names[pos]} was produced twice in one step; "
+                           "call finish() after every backward (no gradient accumulation yet)")
+    g = p.grad
+    replaced = g is not view and g.data_ptr() != view.data_ptr()
+    if replaced:
+        if scale is None:
+            view.copy_(g)
+        else:
+            torch.mul(g, scale, out=view)
+    elif scale is not None:
+        view.mul_(scale)
+    b.seen[pos] = True
+    b.pending -= 1
+    return replaced
+
+
+class Bucket:
+    """One fused bucket: its parameters (in gradient order), their names, its compressor, and its
+    gradients as one flat buffer of ``padded`` elements (``numel`` of them the parameters', the
+    rest zeros: a mode that splits the buffer over ranks pads it to a multiple of the world size).
+    ``views[i]`` is parameter i's gradient, at ``offsets[i]`` in ``flat``."""
+
+    def __init__(self, index: int, params: List[torch.nn.Parameter], names: List[str], compressor: Compressor,
+                 multiple: int = 1):
+        self.index, self.params, self.names, self.compressor = index, params, names, compressor
+        p0 = params[0]
+        self.numel = sum(p.numel() for p in params)
+        self.padded = -(-self.numel // multiple) * multiple
+        self.raw_bytes = self.numel * p0.element_size()
+        self.flat = torch.zeros(self.padded, dtype=p0.dtype, device=p0.device)
+        self.offsets: List[int] = []
+        off = 0
+        for p in params:
+            self.offsets.append(off)
+            off += p.numel()
+        self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
+        self.scale: Optional[float] = None
+        """Set by the mode when gradients land multiplied by it (1/world, fused into the landing copy)."""
+        self.reset()
+
+    def reset(self) -> None:
+        """A new step: no gradient has arrived yet."""
+        self.pending = len(self.params)
+        self.seen = [False] * len(self.params)
+        self.ready = False
+
+    def zero_missing(self) -> None:
+        """Count the gradients that never arrived this step as zero; the bucket is then ready."""
+        if not self.ready:
+            for pos, seen in enumerate(self.seen):
+                if not seen:
+                    self.views[pos].zero_()
+            self.ready = True
+
+    def label(self) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        return f"{self.names[0]} .. {self.names[-1]} ({len(self.names)} tensors)"
+
+
+# ---------------------------------------------------------------- the communicator
+
+class Communicator:
+    """Averages gradients over ranks with buckets; the modes subclass it.
+
+    The interface the trainer, the stepper and ``commlab.wrap`` use:
+    ``optimizer_params()`` and ``attach(optimizer)`` (what the optimizer steps), ``finish()``
+    after backward, ``grads_finite()``, ``zero_grad()``, ``sync_params()`` before reading the
+    model, ``relayout(layout, order)`` at a step boundary (the tuners), ``layout()``,
+    ``buckets``, ``infos`` and ``order_names`` (the parameters in gradient order),
+    ``ready_order``/``record_ready``/``ready_at`` (arrival profiling), ``step_bytes`` and
+    ``step_raw_bytes`` of the last step, and ``close()``."""
+
+    mode = "base"
+
+    def __init__(self, model: torch.nn.Module, make_compressor: Callable[[], Compressor],
+                 timeline: Optional[Timeline] = None, group=None, broadcast_from_rank0: bool = True,
+                 link: Optional[ModeledLink] = None):
+        self.model, self.group, self.link = model, group, link
+        """``link``: a ModeledLink (network: modeled): every collective lasts at least its alpha-beta time."""
+        self.make_compressor = make_compressor
+        """A new compressor instance, one per bucket."""
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.timeline = timeline or Timeline(None, self.rank, enabled=False)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named.reverse()  # gradients become ready roughly in reverse registration order (as DDP assumes)
+        self.order_names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.infos = param_infos(self.params, self.order_names)
+        self._index = {p: i for i, p in enumerate(self.params)}
+        if broadcast_from_rank0:
+            with torch.no_grad():
+                for t in list(model.parameters()) + list(model.buffers()):
+                    dist.broadcast(t.data, 0, group=group)
+        self.buckets: List[Bucket] = []
+        self.slot: Dict[torch.nn.Parameter, tuple] = {}
+        """param -> (bucket, position in it)."""
+        self.order: List[int] = list(range(len(self.params)))
+        self._next = 0
+        """The next bucket to launch: buckets launch in order."""
+        self.ready_order: Optional[List[int]] = None
+        """Indices into ``params`` in the order their gradients became ready in the first step."""
+        self._arrivals: List[int] = []
+        self.record_ready = False
+        """When True, ``ready_at`` gets each gradient's host time of arrival in the current step."""
+        self.ready_at: List[float] = [0.0] * len(self.params)
+        self._rebind = False
+        self._unstamped: list = []
+        """(work, Pending) of collectives without a future (gloo's reduce-scatter): stamped when polled."""
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.step_bytes = 0
+        self.step_raw_bytes = 0
+
+    # -- layout -----------------------------------------------------------
+    def _new_bucket(self, index: int, params: List[torch.nn.Parameter], names: List[str],
+                    compressor: Compressor) -> Bucket:
+        return Bucket(index, params, names, compressor)
+
+    def _build(self, layout: List[List[int]], order: Sequence[int]) -> None:
+        """Buckets from ``layout`` (lists of positions into ``order``, itself indices into ``params``);
+        every parameter's gradient becomes a view of its bucket."""
+        self.buckets, self.slot = [], {}
+        self.order = list(order)
+        for bi, idx in enumerate(layout):
+            comp = self.make_compressor()
+            comp.bucket, comp.process_rank = bi, self.rank
+            b = self._new_bucket(bi, [self.params[self.order[i]] for i in idx],
+                                 [self.order_names[self.order[i]] for i in idx], comp)
+            comp.layout = [(o, tuple(v.shape)) for o, v in zip(b.offsets, b.views)]
+            self.buckets.append(b)
+            for pos, p in enumerate(b.params):
+                self.slot[p] = (b, pos)
+        self.step_raw_bytes = sum(b.raw_bytes for b in self.buckets)
+        self._next = 0
+        self._bind_views()  # autograd accumulates straight into the buckets
+
+    def relayout(self, layout: List[List[int]], order: Optional[Sequence[int]] = None) -> None:
+        """Rebuild the buckets at a step boundary (after ``finish`` and ``zero_grad``).
+
+        ``layout`` holds positions into ``order`` (indices into ``params``; default the current
+        order). Every rank must call it at the same step with the same layout. The compressors'
+        per-element state (error-feedback residuals, DGC's u and v, ...) belongs to parameters,
+        not to bucket slots: each parameter's slice is moved from its old bucket to its new one
+        (padding stays zero). A counter ``step`` (warm-up schedules) carries over; other state
+        starts afresh (Compressor.elementwise)."""
+        order = self.order if order is None else list(order)
+        if sorted(order) != list(range(len(self.params))):
+            raise ValueError("relayout: order must be a permutation of the parameters")
+        old: Dict[int, Dict[str, Optional[Tensor]]] = {}  # id(param) -> state name -> its slice
+        step = None
+        for b in self.buckets:
+            state = b.compressor.elementwise_state()
+            step = getattr(b.compressor, "step", step)
+            for p, off in zip(b.params, b.offsets):
+                old[id(p)] = {k: None if t is None else t[off:off + p.numel()] for k, t in state.items()}
+        self._build(layout, order)
+        for b in self.buckets:
+            state = {}
+            for k in b.compressor.elementwise_state():
+                parts = [old[id(p)].get(k) for p in b.params]
+                if all(t is None for t in parts):
+                    state[k] = None  # nothing kept yet: the compressor starts from zero as usual
+                    continue
+                like = next(t for t in parts if t is not None)
+                full = torch.zeros(b.padded, dtype=like.dtype, device=like.device)
+                for t, p, off in zip(parts, b.params, b.offsets):
+                    if t is not None:
+                        full[off:off + p.numel()] = t
+                state[k] = full
+            b.compressor.load_elementwise_state(state)
+            if step is not None and hasattr(b.compressor, "step"):
+                b.compressor.step = step
+
+    def layout(self) -> List[List[str]]:
+        return [list(b.names) for b in self.buckets]
+
+    def _bind_views(self) -> None:
+        for b in self.buckets:
+            for p, view in zip(b.params, b.views):
+                p.grad = view
+        self._rebind = False
+
+    # -- what the optimizer steps ---------------------------------------------
+    def optimizer_params(self) -> List[torch.nn.Parameter]:
+        """The parameters the optimizer is built over: the model's (dear: this rank's shards)."""
+        return list(self.model.parameters())
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Told the optimizer built over ``optimizer_params()`` (dear hooks its step)."""
+
+    def sync_params(self) -> None:
+        """Make the model's parameters the latest (dear completes its pending all-gathers)."""
+
+    # -- backward side ----------------------------------------------------
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if self._unstamped:
+            self._poll()
+        if self.ready_order is None:
+            self._arrivals.append(self._index[p])
+        if self.record_ready:
+            self.ready_at[self._index[p]] = self.timeline.now()
+        b, pos = self.slot[p]
+        if land_grad(p, b.views[pos], b, pos, b.scale):
+            self._rebind = True  # p.grad was replaced (zero_grad(set_to_none)): point it at the view again
+        if b.pending == 0:
+            b.ready = True
+            tl = self.timeline
+            if tl.enabled:
+                t = tl.now()
+                tl.span("ready", f"b{b.index} ready", t, t, {"bucket": b.index})
+            self._bucket_ready(b)
+
+    def _bucket_ready(self, b: Bucket) -> None:
+        """A bucket's last gradient landed during backward (default: launch what is ready)."""
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch the ready buckets, in bucket order, from the next one not launched yet."""
+        buckets = self.buckets
+        while self._next < len(buckets) and buckets[self._next].ready:
+            self._launch(buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        raise NotImplementedError
+
+    def _complete_arrivals(self) -> None:
+        """After backward: gradients that never arrived count as zero, then everything launches."""
+        for b in self.buckets:
+            b.zero_missing()
+        self._launch_ready()
+
+    def _end_step(self) -> None:
+        """After the exchange: the first step's arrival order, p.grad re-pointed where something
+        replaced it, buckets reset for the next step."""
+        if self.ready_order is None:  # the first step: the order gradients really arrived in
+            seen = set(self._arrivals)
+            self.ready_order = self._arrivals + [i for i in range(len(self.params)) if i not in seen]
+        if self._rebind:  # only after something replaced p.grad: no per-parameter loop in the common step
+            self._bind_views()
+        for b in self.buckets:
+            b.reset()
+        self._next = 0
+
+    # -- pending collectives and their spans ------------------------------------
+    def _track(self, pend: Pending, op: str, b: Bucket, nbytes: int, t_issue: float, **args) -> Pending:
+        """Stamp ``pend``'s completion as it happens (a future callback, else polling) and keep its span."""
+        if self.timeline.enabled:
+            if not pend.works:
+                pend.t_done = t_issue
+            else:
+                work = pend.works[-1]
+
+                def done(_fut, pend=pend):
+                    # with a modeled link the collective ends when the model says, not when loopback did
+                    pend.t_done = max(self.timeline.now(), pend.deadline or 0.0)
+                try:
+                    work.get_future().add_done_callback(done)
+                except RuntimeError:  # gloo's reduce-scatter has no future: stamped when polled
+                    self._unstamped.append((work, pend))
+            pend.span = (f"{op} b{b.index}", t_issue, {"bucket": b.index, "op": op, **args, "bytes": nbytes,
+                                                        "layers": b.label()})
+        return pend
+
+    def _poll(self) -> None:
+        """Stamp the completion of collectives without a future (their spans end within one hook's time)."""
+        if self._unstamped:
+            now = self.timeline.now()
+            left = []
+            for work, pend in self._unstamped:
+                if work.is_completed():
+                    pend.t_done = max(now, pend.deadline or 0.0)
+                else:
+                    left.append((work, pend))
+            self._unstamped = left
+
+    def _wait(self, pend: Pending, b: Bucket, what: str):
+        """Wait for ``pend`` and record its comm span and the wait; returns its result."""
+        tl = self.timeline
+        if not tl.enabled:
+            return pend.wait()
+        self._poll()
+        t0 = tl.now()
+        result = pend.wait()
+        t1 = tl.now()
+        name, t_issue, args = pend.span
+        tl.span("comm", name, t_issue, pend.t_done or t1, args)
+        tl.span("wait", what, t0, t1, {"bucket": b.index})
+        return result
+
+    # -- after backward ---------------------------------------------------
+    def finish(self) -> None:
+        """Complete every bucket's exchange (after backward)."""
+        raise NotImplementedError
+
+    def grads_finite(self) -> Tensor:
+        """A 0-d bool tensor, the same on every rank: the step's gradients are finite."""
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        """Drop the gradients (p.grad = None, as torch's set_to_none). The next backward hands each
+        gradient to the landing hook as a fresh tensor, which is copied into its bucket in one pass
+        (with the 1/world scale fused where the mode asks): cheaper than zeroing the buckets and
+        letting autograd add into them. Gradients that do not arrive are zeroed in ``finish``, and
+        ``finish`` points p.grad at the buckets again."""
+        for p in self.params:
+            p.grad = None
+        self._rebind = True
+
+    def close(self) -> None:
+        """Remove the hooks and drop every collective handle. No collective here: close also runs
+        when a rank fails."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self._unstamped = []
