@@ -110,6 +110,9 @@ def build_parser() -> Parser:
                    help="compute X times faster than measured, e.g. 20 for a GPU (default 1)")
     _runs_arg(p)
 
+    from lab import advisor
+    advisor.add_parser(sub, add_spec_args, _runs_arg)
+
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
     p.add_argument("name", metavar="NAME", nargs="?", help="benchmark name; omit to list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
@@ -336,6 +339,11 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def cmd_advise(args) -> int:
+    from lab.advisor import cmd_advise as advise
+    return advise(args)
+
+
 def cmd_net(args) -> int:
     from lab import netcheck, netns
     try:
@@ -405,7 +413,7 @@ def cmd_trace(args) -> int:
 
 COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
             "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
-            "bench": cmd_bench, "predict": cmd_predict}
+            "bench": cmd_bench, "predict": cmd_predict, "advise": cmd_advise}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
