@@ -141,6 +141,8 @@ def with_strategy(spec: dict, strategy: dict) -> dict:
     from lab.specs import load_spec
     s = copy.deepcopy(spec)
     s.update(copy.deepcopy(strategy))
+    if (s.get("strategy") or {}).get("mode") == "auto":  # the advisor's choice, not the user's
+        s["strategy"] = {**s["strategy"], "decided": True}
     return load_spec(data=s).to_dict()
 
 
@@ -384,7 +386,7 @@ def measured_ms(run, run_steps: Optional[int] = None) -> Tuple[Optional[float], 
 
 
 def trial_spec(spec: dict, cand: Candidate, steps: int) -> dict:
-    s = with_strategy(spec, cand.strategy())
+    s = with_strategy({**spec, "strategy": {"mode": "fixed"}}, cand.strategy())
     start = int(cand.compressor["params"].get("start_iter", 10)) if cand.compressor["name"] == "powersgd" else 0
     s.update(name=f"advise trial: {cand.label}", steps=max(steps, start + 4), eval_every=0)
     return load_spec_dict(s)
@@ -463,8 +465,9 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     world = workers or spec["world_size"]
     t0 = time.perf_counter()
     cands = space(spec)
+    run_trial = runner or default_runner(runs)
     try:
-        prof = profile or whatif.resolve_profile(spec, runs, say=say)
+        prof = profile or whatif.resolve_profile(spec, runs, say=say, runner=run_trial)
         if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands]):
             say("advisor: measured the candidates' encode/decode cost curves")
             if profile is None:
@@ -481,7 +484,6 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     ranked = rank(cands)
     chosen_by = "predicted"
     if measure:
-        run_trial = runner or default_runner(runs)
         for c in [c for c in ranked if c.predicted_score is not None][:trials]:
             s = trial_spec({**spec, "network": net, "world_size": world}, c, trial_steps)
             say(f"advisor: trial {c.label} ({s['steps']} steps, {net['link']} {net['gbps']:g} Gbit/s)")
@@ -544,6 +546,79 @@ def write_spec(spec: dict, path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
+
+
+# --------------------------------------------------------------------------- strategy: auto
+
+RECORD_KEY = "advisor"
+"""tuning.json's key for the advisor's record (an engine tuner of the chosen strategy writes the rest)."""
+
+
+def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
+                 say: Callable[[str], None] = print) -> Advice:
+    """``strategy: auto``: run the advisor for ``run`` (queued, its supervisor holding a slot), its profile
+    and trials launched directly in that slot as runs of their own, then write the choice into spec.json
+    (strategy.decided) and the candidates, trials and decision into tuning.json."""
+    from lab import procs
+    from lab.launcher import launch
+    from lab.specs import load_spec
+    from lab.store import LabError
+    spec = run.spec_dict()
+    st = spec["strategy"]
+    trials = []
+
+    def runner(s: dict):
+        if should_cancel():
+            raise LabError("cancelled while the advisor ran its trials")
+        t = lab.store.create(load_spec(data=s))
+        t.set_status("queued", supervisor=procs.identity(), advisor_for=run.id)
+        trials.append(t.id)
+        launch(t, progress=False, should_cancel=should_cancel)
+        return t
+
+    adv = advise(spec, runs=lab.root, measure=st["measure"], trials=st["trials"], trial_steps=st["trial_steps"],
+                 penalties=st["penalties"], runner=runner, say=say)
+    chosen = adv.winner_spec()
+    chosen["name"] = spec["name"]
+    write_json(run.file("spec.json"), load_spec(data=chosen).to_dict())
+    record = {**adv.as_dict(), "runs": trials, "decided_at": time.time()}
+    write_record(run, record)
+    run.update_status(strategy={"chosen": adv.winner.label, "by": adv.chosen_by, "cost_s": adv.cost_s["total"]})
+    return adv
+
+
+def write_record(run, record: dict) -> None:
+    """Put the advisor's record into tuning.json, keeping whatever else is there."""
+    path = run.file("tuning.json")
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    info[RECORD_KEY] = record
+    write_json(path, info)
+
+
+def write_json(path: Path, obj) -> None:
+    """Whole or not at all: a temporary file of this process, renamed into place."""
+    import os
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def keep_record(run, record: Optional[dict]) -> None:
+    """After the run: an engine tuner (mergecomp, layerfusion) writes tuning.json whole; put the
+    advisor's record back if it was replaced."""
+    if record is None:
+        return
+    path = run.file("tuning.json")
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    if RECORD_KEY not in info:
+        write_record(run, record)
+
+
+def read_record(run) -> Optional[dict]:
+    path = run.file("tuning.json")
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(RECORD_KEY)
 
 
 # --------------------------------------------------------------------------- CLI

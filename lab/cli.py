@@ -144,6 +144,10 @@ def cmd_run(args) -> int:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0
     lab = Lab(args.runs)
+    auto = spec.strategy.mode == "auto" and not spec.strategy.decided
+    if args.nnodes and auto:
+        raise UsageError("commlab run: strategy: auto is chosen by the lab's own supervisor, not across nodes; "
+                         "choose first with `commlab advise SPEC --out best.yaml` and run best.yaml")
     if args.nnodes:
         return run_node(lab, spec, args)
     from lab.launcher import JobRank
@@ -151,6 +155,9 @@ def cmd_run(args) -> int:
         job = JobRank.from_env()
     except ValueError as e:
         raise UsageError(f"commlab run: {e}") from None
+    if job is not None and auto:
+        raise UsageError("commlab run: strategy: auto is chosen by the lab's own supervisor, not inside a job "
+                         "another launcher started; choose first with `commlab advise SPEC --out best.yaml`")
     if job is not None:  # torchrun, srun or a PyTorchJob started this process as one rank: join that job
         return run_joined(lab, spec, args, job)
     run = lab.create(spec, run_id=args.run_id)

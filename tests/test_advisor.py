@@ -247,3 +247,73 @@ def test_cli_measures_a_real_trial(tmp_path):
     assert adv["cost_s"]["trials"] > 0 and adv["cost_s"]["total"] >= adv["cost_s"]["trials"]
     best = load_spec(str(tmp_path / "best.yaml")).to_dict()
     assert best["compressor"]["name"] == tried[0]["compressor"]["name"]
+
+
+# --------------------------------------------------------------------------- strategy: auto
+
+AUTO_NET = {"link": "modeled", "gbps": 0.05}
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"strategy": "auto"}, "strategy.mode"),  # loopback has no rate
+    ({"strategy": "auto", "network": AUTO_NET, "compressor": "fp16"}, "strategy.mode"),
+    ({"strategy": {"mode": "fixed", "trials": 2}}, "strategy.trials"),
+    ({"strategy": {"mode": "auto", "trials": 0}, "network": AUTO_NET}, "strategy.trials"),
+    ({"strategy": {"mode": "auto", "penalties": {"topk": "x"}}, "network": AUTO_NET}, "strategy.penalties.topk"),
+    ({"strategy": {"mode": "fixed", "decided": True}}, "strategy.decided"),
+    ({"strategy": {"mode": "sometimes"}}, "strategy.mode"),
+])
+def test_strategy_spec_errors(data, field):
+    with pytest.raises(advisor.SpecError) as e:
+        load_spec(data={**BASE, **data})
+    assert e.value.path == field and "\n" not in str(e.value)
+
+
+def test_strategy_spec_defaults_and_decided_round_trip():
+    s = load_spec(data={**BASE, "strategy": "auto", "network": AUTO_NET}).to_dict()
+    assert s["strategy"] == {"mode": "auto", "measure": True, "trials": 3, "trial_steps": 12, "penalties": {},
+                             "decided": False}
+    assert load_spec(data=BASE).to_dict()["strategy"]["mode"] == "fixed"
+    chosen = advisor.with_strategy(s, {"compressor": advisor._comp("fp16")})
+    assert chosen["strategy"]["decided"] is True and chosen["compressor"]["name"] == "fp16"
+    assert load_spec(data=chosen).to_dict() == chosen
+
+
+def test_record_survives_a_tuner_writing_tuning_json(tmp_path):
+    class R:
+        def file(self, name):
+            return tmp_path / name
+    run = R()
+    advisor.write_record(run, {"winner": "x"})
+    (tmp_path / "tuning.json").write_text(json.dumps({"schedule": "mergecomp"}))  # the engine's tuner, whole
+    advisor.keep_record(run, advisor.read_record(run) or {"winner": "x"})
+    info = json.loads((tmp_path / "tuning.json").read_text())
+    assert info == {"schedule": "mergecomp", "advisor": {"winner": "x"}}
+
+
+def test_strategy_auto_run_records_the_decision(tmp_path):
+    """A real run with strategy auto: a profile run, one trial and the run itself, all in one slot."""
+    import lab
+    root = tmp_path / "runs"
+    run = lab.run({**BASE, "steps": 8, "network": AUTO_NET,
+                   "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=root)
+    assert run.state == "done", run.log_tail()
+    spec_json = run.spec_dict()
+    rec = json.loads(run.file("tuning.json").read_text())["advisor"]
+    assert spec_json["strategy"]["decided"] is True and spec_json["name"] == "adv"
+    assert rec["strategy"]["compressor"] == {**spec_json["compressor"]}
+    assert rec["chosen_by"] == "measured" and len(rec["runs"]) == 2  # the profiling run and one trial
+    tried = [c for c in rec["candidates"] if c["trial_run"]]
+    assert len(tried) == 1 and rec["winner"] == tried[0]["label"]
+    trial = lab.get(tried[0]["trial_run"], runs=root)
+    assert trial.state == "done" and trial.status()["advisor_for"] == run.id
+    assert trial.spec_dict()["strategy"]["mode"] == "fixed"
+    assert run.status()["strategy"]["chosen"] == rec["winner"]
+
+
+def test_multinode_refuses_auto(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({**BASE, "network": AUTO_NET, "strategy": "auto"}))
+    p = cli("run", str(f), "--nnodes", "2", "--run-id", "x", "--master-addr", "127.0.0.1", "--runs",
+            str(tmp_path / "runs"), cwd=tmp_path)
+    assert p.returncode == 2 and "commlab advise" in p.stderr and len(p.stderr.strip().splitlines()) == 1
