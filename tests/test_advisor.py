@@ -178,6 +178,7 @@ def test_measured_trials_decide(monkeypatch, tmp_path):
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=3,
                          runner=runner)
     assert len(tried) == 3 and adv.chosen_by == "measured"
+    assert len({json.dumps(t["compressor"], sort_keys=True) for t in tried}) == 3  # three compressors
     assert all(t["network"] == {"link": "modeled", "gbps": 0.01, "latency_us": None} for t in tried)
     by_run = {c.trial_run: c for c in adv.candidates if c.trial_run}
     assert adv.winner is by_run["t2"]  # 20 ms measured, against 50 and 30
