@@ -1,8 +1,8 @@
 """The advisor against a measured grid: does its choice come within 5% of the grid's best, is it never more
 than 3% slower than DDP, and does it cost at most 10% of a 300-step run?
 
-    python bench/advisor.py [--models resnet,transformer] [--gbps 0.1,1,10] [--link modeled] [--steps 16]
-                            [--rounds 2] [--json bench/results/advisor.json]
+    python bench/advisor.py [--models resnet,transformer] [--gbps 0.1,1,10] [--link modeled] [--steps 14]
+                            [--rounds 1] [--trials 0] [--json bench/results/advisor.json] [--md FILE]
 
 For each model and link rate: the advisor ranks the strategy space from the performance model (with
 ``--trials 0``, the default, its cost is the profile, the cost curves and the predictions; the profile and
