@@ -602,8 +602,32 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     write_json(run.file("spec.json"), load_spec(data=chosen).to_dict())
     record = {**adv.as_dict(), "runs": trials, "decided_at": time.time()}
     write_record(run, record)
+    trial_timeline(run, [lab.store.get(t) for t in trials], {c.trial_run: c.label for c in adv.candidates})
     run.update_status(strategy={"chosen": adv.winner.label, "by": adv.chosen_by, "cost_s": adv.cost_s["total"]})
     return adv
+
+
+
+
+def trial_timeline(run, trials, labels: Dict[str, str]) -> int:
+    """Append the advisor's runs (the profiling run, the trials) to ``run``'s timeline-rank0.jsonl before its
+    ranks start: each one's step spans (rank 0) on a lane of their own, so the run's trace shows what the
+    choice cost and when. The engine's timeline opens the file for appending; the lab's step and lane
+    readers skip the lane. Returns the spans written."""
+    from engine.timeline import LANES
+    lines = []
+    for t in trials:
+        what = labels.get(t.id, "profile")
+        for e in t.timeline_events():
+            if e.get("pid") == 0 and e.get("tid") == LANES["step"]:
+                step = (e.get("args") or {}).get("step")
+                lines.append(json.dumps({"ph": "X", "name": f"{what}: step {step}", "pid": 0,
+                                         "tid": LANES["advisor"], "cat": "advisor", "ts": e["ts"], "dur": e["dur"],
+                                         "args": {"run": t.id, "step": step, "trial": what}}))
+    if lines:
+        with open(run.file("timeline-rank0.jsonl"), "a") as f:
+            f.write("\n".join(lines) + "\n")
+    return len(lines)
 
 
 def write_record(run, record: dict) -> None:

@@ -310,6 +310,16 @@ def test_strategy_auto_run_records_the_decision(tmp_path):
     assert trial.state == "done" and trial.status()["advisor_for"] == run.id
     assert trial.spec_dict()["strategy"]["mode"] == "fixed"
     assert run.status()["strategy"]["chosen"] == rec["winner"]
+    # the trial's and the profiling run's steps are in the run's timeline, on a lane of their own
+    from engine.timeline import LANES
+    from lab.trace import chrome_trace
+    lane = [e for e in run.timeline_events() if e.get("tid") == LANES["advisor"]]
+    assert {e["args"]["run"] for e in lane} == set(rec["runs"])
+    assert sum(e["args"]["run"] == trial.id for e in lane) == trial.spec_dict()["steps"]
+    first_step = min(e["ts"] for e in run.timeline_events() if e.get("cat") == "step")
+    assert max(e["ts"] for e in lane) < first_step  # before the run's own steps
+    names = {m["args"]["name"] for m in chrome_trace(run)["traceEvents"] if m.get("name") == "thread_name"}
+    assert "advisor" in names
 
 
 def test_multinode_refuses_auto(tmp_path):
