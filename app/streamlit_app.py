@@ -12,4 +12,5 @@ st.navigation([
     st.Page("views/compare.py", title="Compare", icon=":material/compare_arrows:"),
     st.Page("views/sweeps.py", title="Sweeps", icon=":material/grid_on:"),
     st.Page("views/model.py", title="Performance model", icon=":material/functions:"),
+    st.Page("views/advisor.py", title="Advisor", icon=":material/recommend:"),
 ]).run()

@@ -303,6 +303,50 @@ class NetworkSpec:
                 raise SpecError("network.latency_us", f"must be in [0, 1000000], got {self.latency_us}")
 
 
+# strategy option -> (default with mode auto, lowest, highest)
+_STRATEGY_OPTIONS = {"measure": (True, None, None), "trials": (3, 1, 20), "trial_steps": (12, 4, 1000)}
+
+
+@dataclass
+class StrategySpec:
+    """Who chooses the compressor, schedule and comm: the spec (fixed) or the lab's advisor (auto)."""
+    mode: Literal["fixed", "auto"] = "fixed"
+    """fixed: compressor, schedule and comm as written. auto: the lab runs its advisor (lab/advisor.py) at
+    the start of the run, on the run's link, and writes its choice into spec.json before any rank starts;
+    the candidates, trials and decision go to tuning.json."""
+    measure: Optional[bool] = None
+    """auto only (default true): run short trials of the top candidates and choose by measurement."""
+    trials: Optional[int] = None
+    """auto only (default 3): candidates tried."""
+    trial_steps: Optional[int] = None
+    """auto only (default 12): steps per trial (PowerSGD's uncompressed start is added)."""
+    penalties: dict = field(default_factory=dict)
+    """auto only: declared convergence penalties, compressor name (or the advisor's key) -> steps to
+    accuracy relative to none, e.g. {topk: 1.3}."""
+    decided: bool = False
+    """Set by the lab when auto has chosen: compressor, schedule and comm are then the advisor's choice
+    and a run of this spec uses them as they are."""
+
+    def __post_init__(self):
+        auto = self.mode == "auto"
+        for key, (default, lo, hi) in _STRATEGY_OPTIONS.items():
+            v = getattr(self, key)
+            if v is None:
+                if auto:
+                    setattr(self, key, default)  # spec.json says what the advisor was asked to do
+                continue
+            if not auto:
+                raise SpecError(f"strategy.{key}", "only strategy.mode auto takes it")
+            if lo is not None and not lo <= v <= hi:
+                raise SpecError(f"strategy.{key}", f"must be in {lo}..{hi}, got {v}")
+        if not auto and (self.penalties or self.decided):
+            raise SpecError("strategy.penalties" if self.penalties else "strategy.decided",
+                            "only strategy.mode auto takes it")
+        for k, v in self.penalties.items():
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.1 <= v <= 100:
+                raise SpecError(f"strategy.penalties.{k}", f"must be a number in [0.1, 100], got {v!r}")
+
+
 @dataclass
 class FaultSpec:
     """Fault injection, for testing how the lab handles failing runs."""
@@ -348,6 +392,8 @@ class JobSpec:
     """Record per-layer timeline spans (cheap; see README for the measured overhead)."""
     fault: FaultSpec = field(default_factory=FaultSpec)
     """Testing only: make one rank fail at one step."""
+    strategy: StrategySpec = field(default_factory=StrategySpec)
+    """fixed (as written) or auto (the lab's advisor chooses compressor, schedule and comm)."""
 
     def __post_init__(self):
         if not 1 <= self.world_size <= 1024:
@@ -366,6 +412,12 @@ class JobSpec:
             raise SpecError("fault.rank", f"must be below world_size {self.world_size}, got {self.fault.rank}")
         if self.backend == "nccl" and self.device == "cpu":
             raise SpecError("backend", "nccl needs device cuda (or auto); use gloo on cpu")
+        if self.strategy.mode == "auto" and not self.strategy.decided:
+            if (self.compressor, self.schedule, self.comm) != (CompressorSpec(), ScheduleSpec(), CommSpec()):
+                raise SpecError("strategy.mode", "auto chooses compressor, schedule and comm; leave them out")
+            if self.network.link == "loopback":
+                raise SpecError("strategy.mode", "auto plans for a link rate: use network.link modeled or "
+                                                 "shaped with gbps (loopback has none)")
         if self.comm.mode == "dear":
             from engine import compressors
             c = self.compressor
@@ -412,6 +464,8 @@ def _shorthand(data: Any) -> Any:
         data["comm"] = {"mode": data["comm"]}
     if isinstance(data.get("network"), str):
         data["network"] = {"link": data["network"]}
+    if isinstance(data.get("strategy"), str):
+        data["strategy"] = {"mode": data["strategy"]}
     comp = data.get("compressor")
     if isinstance(comp, dict):
         known = {"name", "error_feedback", "params"}

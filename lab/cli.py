@@ -125,6 +125,9 @@ def build_parser() -> Parser:
                    help="compute X times faster than measured, e.g. 20 for a GPU (default 1)")
     _runs_arg(p)
 
+    from lab import advisor
+    advisor.add_parser(sub, add_spec_args, _runs_arg)
+
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
     p.add_argument("name", metavar="NAME", nargs="?", help="benchmark name; omit to list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
@@ -156,6 +159,10 @@ def cmd_run(args) -> int:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0
     lab = Lab(args.runs)
+    auto = spec.strategy.mode == "auto" and not spec.strategy.decided
+    if args.nnodes and auto:
+        raise UsageError("commlab run: strategy: auto is chosen by the lab's own supervisor, not across nodes; "
+                         "choose first with `commlab advise SPEC --out best.yaml` and run best.yaml")
     if args.nnodes:
         return run_node(lab, spec, args)
     from lab.launcher import JobRank
@@ -163,6 +170,9 @@ def cmd_run(args) -> int:
         job = JobRank.from_env()
     except ValueError as e:
         raise UsageError(f"commlab run: {e}") from None
+    if job is not None and auto:
+        raise UsageError("commlab run: strategy: auto is chosen by the lab's own supervisor, not inside a job "
+                         "another launcher started; choose first with `commlab advise SPEC --out best.yaml`")
     if job is not None:  # torchrun, srun or a PyTorchJob started this process as one rank: join that job
         return run_joined(lab, spec, args, job)
     run = lab.create(spec, run_id=args.run_id)
@@ -413,6 +423,11 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def cmd_advise(args) -> int:
+    from lab.advisor import cmd_advise as advise
+    return advise(args)
+
+
 def cmd_net(args) -> int:
     from lab import netcheck, netns
     try:
@@ -482,7 +497,7 @@ def cmd_trace(args) -> int:
 
 COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
             "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
-            "bench": cmd_bench, "predict": cmd_predict, "profile": cmd_profile}
+            "bench": cmd_bench, "predict": cmd_predict, "profile": cmd_profile, "advise": cmd_advise}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -137,7 +137,19 @@ class Lab:
                               file=out or sys.stderr, flush=True)
                         shown = True
                     time.sleep(POLL_S)
-            return launch(run, progress=progress, out=out, should_cancel=run.cancel_requested)
+            try:
+                record = self._resolve_strategy(run, progress, out)
+            except (LabError, ValueError, OSError) as e:  # said in the run's status, as a rank's failure is
+                if run.cancel_requested():
+                    run.set_status("cancelled", error="cancelled while the advisor chose its strategy")
+                    return "cancelled"
+                run.set_status("failed", error=f"strategy auto: {type(e).__name__}: {e}".splitlines()[0])
+                return "failed"
+            state = launch(run, progress=progress, out=out, should_cancel=run.cancel_requested)
+            if record is not None:
+                from lab.advisor import keep_record
+                keep_record(run, record)
+            return state
         except BaseException as e:
             if run.state not in FINAL:
                 run.set_status("failed", error=f"launcher error: {type(e).__name__}: {e}")
@@ -145,6 +157,17 @@ class Lab:
         finally:
             if slot is not None:
                 Slots.release(slot)
+
+    def _resolve_strategy(self, run: Run, progress: bool, out) -> Optional[dict]:
+        """``strategy: auto``: the advisor chooses in this slot before the ranks start (lab/advisor.py);
+        returns its record for tuning.json, None for a fixed strategy."""
+        st = run.spec().strategy
+        if st.mode != "auto" or st.decided:
+            return None
+        from lab import advisor
+        say = (lambda m: print(m, file=out or sys.stderr, flush=True)) if progress else (lambda m: None)
+        advisor.resolve_auto(self, run, should_cancel=run.cancel_requested, say=say)
+        return advisor.read_record(run)
 
     def queue_position(self, run: Run) -> int:
         """How many queued runs with a live supervisor are older than ``run``, counted up to

@@ -111,8 +111,15 @@ def check_results(at, runs):
     assert [i.value for i in at.info][:1] == ["No preset has been started yet: start one on the Home page."]
 
 
+def check_advisor(at, runs):
+    assert at.selectbox(key="adv.spec").options  # examples, presets and the finished run
+    assert any(o.startswith("preset: ") for o in at.selectbox(key="adv.spec").options)
+    assert at.button(key="adv.go")
+    assert not at.error
+
+
 CHECKS = {"home": check_home, "new_run": check_new_run, "results": check_results, "live_run": check_live_run,
-          "compare": check_compare, "sweeps": check_sweeps, "model": check_model}
+          "compare": check_compare, "sweeps": check_sweeps, "model": check_model, "advisor": check_advisor}
 
 
 @pytest.mark.parametrize("name", list(CHECKS))
@@ -365,3 +372,44 @@ def test_new_run_form_follows_the_comm_mode(runs):
     at.selectbox(key="nr.compressor").set_value("dgc").run()
     assert at.checkbox(key="nr.ef").disabled  # dgc keeps its own residual
     assert not at.error
+
+
+def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
+    """Advise (predictions only, a real detached `commlab advise`), the ranked table, then the winner and
+    DDP queued as one group shown in the results view (cancelled at once)."""
+    from lab import advisor
+    at = page("advisor")
+    (run,) = lab.runs(runs=runs, state="done")[:1]
+    at.selectbox(key="adv.spec").set_value(f"run: {run.id}")
+    at.select_slider(key="adv.gbps").set_value(0.1)
+    at.checkbox(key="adv.measure").uncheck().run()
+    at.button(key="adv.go").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    jid = at.session_state["adv.job"]
+    t0 = time.time()
+    while advisor.job(jid, runs)["state"] == "running" and time.time() - t0 < 240:
+        time.sleep(1)
+    j = advisor.job(jid, runs)
+    assert j["state"] == "done", j["log"]
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    table = at.dataframe[0].value
+    assert len(table) == len(j["advice"]["candidates"]) > 10
+    assert table.iloc[0]["candidate"] == j["advice"]["winner"]
+    assert table["measured_ms"].isna().all()  # no trials asked for
+    assert any(j["advice"]["winner"] in s.value for s in at.success)
+    at.button(key="adv.start").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    group = advisor.job_group(jid, runs)
+    try:
+        assert list(group["runs"]) == ["advisor's choice", "DDP"]
+        chosen = lab.get(group["runs"]["advisor's choice"], runs=runs).spec_dict()
+        ddp = lab.get(group["runs"]["DDP"], runs=runs).spec_dict()
+        assert chosen["network"] == ddp["network"] == {"link": "modeled", "gbps": 0.1, "latency_us": None}
+        assert ddp["compressor"]["name"] == "none" and ddp["comm"]["mode"] == "wfbp"
+        assert any("runs finished" in i.value for i in at.info)  # the results view of the group
+    finally:
+        for i in group["runs"].values():
+            lab.cancel(i, runs=runs)
+        for i in group["runs"].values():
+            assert lab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")

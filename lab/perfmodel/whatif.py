@@ -59,7 +59,10 @@ def matching_run(spec: dict, runs):
 
 
 def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibrate: Optional[str] = None,
-                    say: Callable[[str], None] = print) -> cal.Profile:
+                    say: Callable[[str], None] = print, runner: Optional[Callable[[dict], object]] = None
+                    ) -> cal.Profile:
+    """``runner`` (a validated spec dict -> its finished Run) runs the profiling run when one is needed;
+    by default it goes through the queue (lab.run), which a caller holding a slot must not wait on."""
     from lab.store import RunStore
     key = cal.spec_key(spec)
     saved = profile_dir(runs) / f"{key}.json"
@@ -80,7 +83,7 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
                 f"run in the index (sync runs first)")
         else:
             say(f"profile: no finished {key} run in the index; measuring a {PROFILE_STEPS}-step single-process run")
-            p = measure_profile(spec, runs)
+            p = measure_profile(spec, runs, runner=runner)
             say(f"profile: measured from run {p.source.split()[-1]}")
     if p.key() != key:
         raise SpecError("model", f"the profile is for {p.key()}, the spec is {key}")
@@ -100,16 +103,20 @@ def link_file(path: str) -> dict:
         raise SpecError("--link", f"{path} is not `commlab net check --json` output ({type(e).__name__}: {e})") from None
 
 
-def measure_profile(spec: dict, runs=None, steps: int = PROFILE_STEPS) -> cal.Profile:
+def measure_profile(spec: dict, runs=None, steps: int = PROFILE_STEPS,
+                    runner: Optional[Callable[[dict], object]] = None) -> cal.Profile:
     """A single-process ``sync`` run of the spec's model, data and batch (compressor none, one
     thread, as every rank of a 2-rank run on this 2-core machine runs; on a GPU its compute spans
-    are CUDA events), calibrated from its timeline; ``machine`` says where."""
+    are CUDA events), calibrated from its timeline; ``machine`` says where. ``runner`` starts the
+    run instead of ``lab.run`` (the advisor runs it inside its own queue slot)."""
     import lab
     s = copy.deepcopy(spec)
     s.update(name=f"profile {cal.spec_key(spec)}", world_size=1, steps=steps, eval_every=0, threads=1,
              network={"link": "loopback"}, comm={"mode": "sync"},
              compressor={"name": "none", "params": {}, "error_feedback": False})
-    run = lab.run(s, runs=runs)
+    if "strategy" in s:  # the profiling run itself is fixed: none, sync
+        s["strategy"] = {"mode": "fixed"}
+    run = runner(s) if runner else lab.run(s, runs=runs)
     if run.state != "done":
         raise cal.CalibrationError(f"the profiling run {run.id} ended {run.state}: {run.log_tail(2)}")
     p = cal.from_run(run, skip=min(cal.SKIP_STEPS, steps - 2))

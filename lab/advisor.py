@@ -1,0 +1,837 @@
+"""The advisor: choose the communication strategy for a model and a link, then prove it by measurement.
+
+    commlab advise SPEC --gbps 1 [--link modeled|shaped] [--workers N] [--measure] [--out best.yaml]
+
+Steps, in order:
+
+1. A calibrated profile of the spec's model (lab.perfmodel.whatif.resolve_profile: a saved profile, a
+   finished run in the index, or a short single-process run measured now) and the encode/decode cost
+   curve of every candidate compressor (measured in-process, saved with the profile).
+2. The strategy space the engine supports (``space``): compressors that keep accuracy (none, the 16-bit
+   casts, top-k with error feedback at two ratios, PowerSGD rank 1 and 4), fusion (bucket caps of 1, 4
+   and 25 MB, and MergeComp), comm mode wfbp, and dear (its buffer cap) for compressors whose payload
+   reduce-scatters. Compressors come from the registry's capabilities, not from a list of names: a
+   compressor is in the dear space when ``shard_problem()`` is None.
+3. Each candidate's predicted iteration time (lab.perfmodel.predict on the link), times its convergence
+   penalty (``penalty``: steps to the target accuracy over ``none``'s), is its predicted time to accuracy.
+   MergeComp is predicted at the partition its own search would settle on when it is fed the model's
+   predictions instead of measurements (engine.tuners.MergeCompSearch, driven here).
+4. With ``measure``, the best-predicted candidate of each of the top ``trials`` compressors runs
+   ``trial_steps`` steps through the normal launcher on the same link; the winner is the best measured
+   iteration time x penalty.
+
+The penalty's source is always said: ``measured`` (steps to accuracy in two finished runs of this model in
+the index), ``benchmark`` (bench/results/compressor_accuracy*.json: cnn on digits, final accuracy at a fixed
+step budget; a compressor within ``KEEP_POINTS`` of none counts 1.0, one below it is left out), or
+``declared`` (the user's ``--penalty`` / ``strategy.penalties``, or this module's reasoned default).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Tuple
+
+from engine.spec import SpecError
+
+ROOT = Path(__file__).resolve().parents[1]
+ACCURACY_RESULTS = (ROOT / "bench" / "results" / "compressor_accuracy.json",
+                    ROOT / "bench" / "results" / "compressor_accuracy_rerun.json")
+"""The accuracy benchmark's results; a later file's cells replace an earlier one's (a rerun)."""
+KEEP_POINTS = 0.01
+"""A compressor whose benchmark accuracy is within this of none's (absolute) keeps accuracy."""
+TARGET_FRACTION = 0.97
+"""Steps to accuracy: the first eval reaching this fraction of the none run's best accuracy."""
+BUCKET_CAPS_MB = (25.0, 4.0, 1.0)
+DEAR_CAPS_MB = (25.0, 4.0)
+"""Caps tried, the usual one first: among equal scores the earlier candidate in the space wins."""
+TRIAL_STEPS = 12
+TRIALS = 3
+LINKS = ("modeled", "shaped")
+
+
+# --------------------------------------------------------------------------- candidates
+
+@dataclass
+class Candidate:
+    label: str
+    compressor: dict
+    schedule: dict
+    comm: dict
+    predicted_ms: Optional[float] = None
+    penalty: Optional[float] = None
+    """steps to accuracy relative to none (1.0: as fast); None: left out for losing accuracy"""
+    penalty_source: str = ""
+    measured_ms: Optional[float] = None
+    trial_run: Optional[str] = None
+    note: str = ""
+    layout_groups: Optional[int] = None
+    """MergeComp: the number of groups of the partition predicted best"""
+
+    @property
+    def predicted_score(self) -> Optional[float]:
+        if self.predicted_ms is None or self.penalty is None:
+            return None
+        return self.predicted_ms * self.penalty
+
+    @property
+    def measured_score(self) -> Optional[float]:
+        if self.measured_ms is None or self.penalty is None:
+            return None
+        return self.measured_ms * self.penalty
+
+    def strategy(self) -> dict:
+        return {"compressor": copy.deepcopy(self.compressor), "schedule": copy.deepcopy(self.schedule),
+                "comm": copy.deepcopy(self.comm)}
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(predicted_score=self.predicted_score, measured_score=self.measured_score)
+        return d
+
+
+def _comp(name: str, ef: bool = False, **params) -> dict:
+    return {"name": name, "params": params, "error_feedback": ef}
+
+
+def compressor_space() -> List[Tuple[str, dict]]:
+    """(label, compressor section) of the compressors the advisor considers, each checked against the
+    registry (a compressor this build cannot make, or cannot run on this machine, is left out)."""
+    import torch
+
+    from engine import compressors
+    wanted = [("none", _comp("none")), ("fp16", _comp("fp16")), ("bf16", _comp("bf16")),
+              ("topk 1% +EF", _comp("topk", True, ratio=0.01)), ("topk 10% +EF", _comp("topk", True, ratio=0.1)),
+              ("powersgd r1", _comp("powersgd", rank=1)), ("powersgd r4", _comp("powersgd", rank=4))]
+    out = []
+    for label, c in wanted:
+        if c["name"] not in compressors.names():
+            continue
+        try:  # "if supported": one round trip on a small tensor, as a rank would run it
+            comp = compressors.make(c["name"], error_feedback=c["error_feedback"], **c["params"])
+            payload, ctx = comp.compress(torch.ones(64))
+            comp.decompress(payload, ctx)
+        except (RuntimeError, TypeError) as e:  # a dtype the machine lacks: said, not hidden
+            print(f"advisor: leaving out {label}: {type(e).__name__}: {e}")
+            continue
+        out.append((label, c))
+    return out
+
+
+def space(spec: dict) -> List[Candidate]:
+    """Every strategy the advisor ranks, for a fully defaulted spec dict."""
+    from engine import compressors
+    out = []
+    for label, c in compressor_space():
+        for cap in BUCKET_CAPS_MB:
+            out.append(Candidate(f"{label}, bucket {cap:g} MB, wfbp", c, {"name": "bucket", "cap_mb": cap},
+                                 {"mode": "wfbp"}))
+        out.append(Candidate(f"{label}, mergecomp, wfbp", c, {"name": "mergecomp"}, {"mode": "wfbp"}))
+        if compressors.make(c["name"], error_feedback=c["error_feedback"], **c["params"]).shard_problem() is None:
+            for cap in DEAR_CAPS_MB:
+                out.append(Candidate(f"{label}, dear {cap:g} MB", c, {"name": "bucket", "cap_mb": 25.0},
+                                     {"mode": "dear", "cap_mb": cap}))
+    return out
+
+
+def with_strategy(spec: dict, strategy: dict) -> dict:
+    """``spec`` with its compressor, schedule and comm replaced, fully defaulted again."""
+    from lab.specs import load_spec
+    s = copy.deepcopy(spec)
+    s.update(copy.deepcopy(strategy))
+    if (s.get("strategy") or {}).get("mode") == "auto":  # the advisor's choice, not the user's
+        s["strategy"] = {**s["strategy"], "decided": True}
+    return load_spec(data=s).to_dict()
+
+
+# --------------------------------------------------------------------------- penalty
+
+def _same_comp(a: dict, b: dict) -> bool:
+    return (a["name"] == b["name"] and bool(a.get("error_feedback")) == bool(b.get("error_feedback"))
+            and (a.get("params") or {}) == (b.get("params") or {}))
+
+
+def steps_to(evals: List[Tuple[int, float]], target: float) -> Optional[int]:
+    for step, acc in sorted(evals):
+        if acc >= target:
+            return step
+    return None
+
+
+def penalty_from_runs(spec: dict, comp: dict, runs) -> Optional[Tuple[Optional[float], str]]:
+    """Steps to accuracy of ``comp`` over none's, from the latest finished runs in the index with the spec's
+    model, data set, batch and optimizer that evaluated at least twice; None when there is no such pair."""
+    import lab
+    from lab.perfmodel.calibrate import spec_key
+    key = spec_key(spec)
+
+    def evals_of(c):
+        for r in reversed(lab.runs(runs=runs, state="done")):
+            try:
+                d = r.spec_dict()
+            except (OSError, json.JSONDecodeError):
+                continue
+            if spec_key(d) != key or d["optimizer"] != spec["optimizer"] or not _same_comp(d["compressor"], c):
+                continue
+            ev = [(m["step"], m["eval_acc"]) for m in r.metric_rows() if m.get("kind") == "eval"]
+            if len(ev) >= 2:
+                return r, ev
+        return None
+
+    base, mine = evals_of(_comp("none")), evals_of(comp)
+    if base is None or mine is None:
+        return None
+    (rb, eb), (rm, em) = base, mine
+    target = TARGET_FRACTION * max(a for _, a in eb)
+    sb, sm = steps_to(eb, target), steps_to(em, target)
+    if sm is None:
+        return None, (f"measured: did not reach {target:.1%} in {max(s for s, _ in em) + 1} steps (run {rm.id}; "
+                      f"none reached it at step {sb}, run {rb.id})")
+    return max(sm, 1) / max(sb, 1), f"measured: steps to {target:.1%}, {sm} (run {rm.id}) vs none {sb} (run {rb.id})"
+
+
+def benchmark_cells(paths=ACCURACY_RESULTS) -> Dict[Tuple[str, bool], dict]:
+    cells = {}
+    for p in paths:
+        if not p.is_file():
+            continue
+        data = json.loads(p.read_text())
+        for c in data.get("cells", []):
+            if c.get("acc") is not None:
+                cells[(c["compressor"], bool(c["ef"]))] = dict(c, steps=data.get("steps"), file=p.name)
+    return cells
+
+
+def penalty_from_benchmark(comp: dict, cells) -> Optional[Tuple[Optional[float], str]]:
+    """From the accuracy benchmark (compressors at their default parameters only)."""
+    from engine import compressors
+    defaults = {p.name: p.default for p in compressors.REGISTRY[comp["name"]].params}
+    if any(defaults.get(k) != v for k, v in (comp.get("params") or {}).items()):
+        return None
+    mine, base = cells.get((comp["name"], bool(comp.get("error_feedback")))), cells.get(("none", False))
+    if mine is None or base is None:
+        return None
+    where = f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps"
+    if mine["acc"] >= base["acc"] - KEEP_POINTS:
+        return 1.0, (f"benchmark: {mine['acc']:.1%} vs none {base['acc']:.1%} at the same steps ({where}); "
+                     f"steps-to-accuracy ratio not measured, taken as 1")
+    return None, f"benchmark: {mine['acc']:.1%} vs none {base['acc']:.1%} ({where}): loses accuracy, left out"
+
+
+def declared_default(comp: dict, cells) -> Tuple[float, str]:
+    """The advisor's own declared penalty, with its reason, where nothing was measured."""
+    name = comp["name"]
+    if name == "none":
+        return 1.0, "declared: the reference"
+    from engine import compressors
+    if compressors.make(name).lossless:
+        return 1.0, "declared: a cast that decodes to the input up to its rounding"
+    p = comp.get("params") or {}
+    if name == "topk" and comp.get("error_feedback"):
+        ref = cells.get(("topk", True))
+        if ref and p.get("ratio", 0) >= 0.01 and ref["acc"] >= cells.get(("none", False), ref)["acc"] - KEEP_POINTS:
+            return 1.0, "declared: top-k +EF at 1% kept accuracy in the benchmark; a larger ratio keeps more"
+    if name == "powersgd":
+        ref = cells.get(("powersgd", False))
+        if ref and p.get("rank", 1) >= 1 and ref["acc"] >= cells.get(("none", False), ref)["acc"] - KEEP_POINTS:
+            return 1.0, "declared: PowerSGD rank 1 kept accuracy in the benchmark; a higher rank keeps more"
+    return 1.25, "declared: no measurement; a lossy compressor assumed to need 25% more steps"
+
+
+def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, float]] = None,
+            cells=None) -> Tuple[Optional[float], str]:
+    """(penalty, source) for the compressor section ``comp`` on the spec's model: the user's declared value
+    first, then runs in the index, then the accuracy benchmark, then the advisor's declared default."""
+    from lab.perfmodel.calibrate import compressor_key
+    key = compressor_key(comp)
+    for k in (key, comp["name"]):
+        if declared and k in declared:
+            return float(declared[k]), f"declared by the user ({k}={declared[k]:g})"
+    if comp["name"] == "none":
+        return 1.0, "the reference"
+    found = penalty_from_runs(spec, comp, runs)
+    if found is not None:
+        return found
+    cells = benchmark_cells() if cells is None else cells
+    return penalty_from_benchmark(comp, cells) or declared_default(comp, cells)
+
+
+def parse_penalties(items) -> Dict[str, float]:
+    """``--penalty topk=1.2`` (a compressor name, or a key as the advisor's table prints it) into a dict."""
+    out = {}
+    for item in items or ():
+        name, sep, value = str(item).partition("=")
+        try:
+            v = float(value)
+        except ValueError:
+            v = None
+        if not sep or not name or v is None or not 0.1 <= v <= 100:
+            raise SpecError("--penalty", f"expected COMPRESSOR=X with X in [0.1, 100], got {item!r}")
+        out[name.strip()] = v
+    return out
+
+
+# --------------------------------------------------------------------------- prediction
+
+def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = None) -> dict:
+    """The network section the advice is for: the spec's shaped or modeled link, or ``link`` at ``gbps``."""
+    net = dict(spec["network"])
+    if link is not None and link not in LINKS:
+        raise SpecError("--link", f"must be one of {', '.join(LINKS)}, got {link!r}")
+    if gbps is not None and not 0.001 <= gbps <= 400:
+        raise SpecError("--gbps", f"must be in [0.001, 400], got {gbps:g}")
+    if gbps is None and link is None:
+        if net["link"] == "loopback":
+            raise SpecError("network.link", "the spec's link is loopback, which has no rate to plan for; give "
+                                            "--gbps X (a modeled link) or a spec with a modeled or shaped link")
+        return net
+    kind = link or (net["link"] if net["link"] != "loopback" else "modeled")
+    rate = gbps if gbps is not None else net.get("gbps")
+    if rate is None:
+        raise SpecError("--gbps", f"a {kind} link needs a rate; give --gbps X")
+    out = {"link": kind, "gbps": float(rate), "latency_us": None}
+    if kind == "modeled":
+        out["latency_us"] = net.get("latency_us") if net["link"] == "modeled" else None
+    return out
+
+
+def link_of(profile, net: dict):
+    """The link the predictions use, and what it is: a modeled link is the engine's alpha-beta exactly; a
+    shaped one is the profile's calibrated link scaled to the rate, or nominal when none is calibrated."""
+    from lab.perfmodel.costs import Link
+    if net["link"] == "modeled":
+        return Link.from_gbps(net["gbps"], net.get("latency_us") or 0.0), "modeled: the engine's alpha-beta delays"
+    if profile.link:
+        return profile.link_at(net["gbps"]), f"shaped: calibrated at {profile.link['nominal_gbps']:g} Gbit/s, scaled"
+    return Link.from_gbps(net["gbps"]), "shaped: nominal alpha-beta (no link calibrated in the profile)"
+
+
+def predict_candidate(profile, spec: dict, cand: Candidate, link, world: int) -> None:
+    from lab.perfmodel import predict as pr
+    s = {**spec, **cand.strategy()}
+    if cand.schedule["name"] == "mergecomp":
+        cuts_ms, groups = search_mergecomp(profile, s, link, world)
+        cand.predicted_ms, cand.layout_groups = cuts_ms, groups
+        cand.note = (f"predicted over {spec['steps']} steps: its search (fed the model's times) settles on "
+                     f"{groups} groups; the run searches by measurement")
+        return
+    cand.predicted_ms = pr.predict(profile, s, link.gbps, world, link=link).total * 1e3
+
+
+def search_mergecomp(profile, spec: dict, link, world: int) -> Tuple[float, int]:
+    """Drive MergeComp's own search (a pure object) with predicted instead of measured step times.
+    Returns the mean predicted step time over the spec's steps, the search included (its warm-up and
+    every candidate's 1 + steps_per_candidate steps, as engine.tuners runs them), and the groups of
+    the partition it settles on."""
+    from engine.schedules import ParamInfo
+    from engine.tuners import MergeCompSearch
+    from lab.perfmodel import predict as pr
+    infos = [ParamInfo(name=n, numel=b // 4, element_size=4, dtype="float32", device="cpu")
+             for n, b in profile.params]
+    sched = spec["schedule"]
+    search = MergeCompSearch(infos, max_groups=sched.get("max_groups") or 8,
+                             max_candidates=sched.get("max_candidates") or 24)
+    cuts = search.next_candidate()
+    while cuts is not None:
+        layout = [[profile.params[i][0] for i in g] for g in search.layout(cuts)]
+        search.report(pr.predict(profile, spec, link.gbps, world, link=link, layout=layout).total)
+        cuts = search.next_candidate()
+    best_cuts, best = search.best
+    per = 1 + (sched.get("steps_per_candidate") or 5)
+    steps = [search.trace[0][1]] * (sched.get("warmup_steps") or 2)
+    for _, t in search.trace:
+        steps += [t] * per
+    steps = steps[:spec["steps"]]
+    steps += [best] * (spec["steps"] - len(steps))
+    return 1e3 * sum(steps) / len(steps), len(best_cuts) + 1
+
+
+# --------------------------------------------------------------------------- trials
+
+def measured_ms(run, run_steps: Optional[int] = None) -> Tuple[Optional[float], str]:
+    """Median iteration time (slower rank) of a trial run after its warm-up and PowerSGD's uncompressed
+    start, with a note on what was counted. A MergeComp trial's search (tuning.json's trace of measured
+    partitions) is spread over ``run_steps`` as the prediction spreads it: the warm-up and each candidate's
+    steps at its measured time, the rest at the best partition measured so far."""
+    from lab.summary import iteration_times, warmup_steps
+    spec = run.spec_dict()
+    it = iteration_times(run.metric_rows())
+    if not it:
+        return None, f"trial {run.id} ({run.state}) recorded no steps"
+    tuning = run.file("tuning.json")
+    info = json.loads(tuning.read_text()) if tuning.is_file() else {}
+    if spec["schedule"]["name"] == "mergecomp" and info.get("trace"):
+        sched, trace = spec["schedule"], [t["ms"] for t in info["trace"]]
+        total = run_steps or spec["steps"]
+        steps = [trace[0]] * sched["warmup_steps"]
+        for t in trace:
+            steps += [t] * (1 + sched["steps_per_candidate"])
+        steps = steps[:total]
+        steps += [min(trace)] * (total - len(steps))
+        done = "finished" if "chosen" in info else "unfinished"
+        return sum(steps) / len(steps), (f"measured: the search's {len(trace)} partitions ({done} in the trial), "
+                                         f"spread over {total} steps")
+    order = sorted(it)
+    skip = warmup_steps(len(order))
+    if spec["compressor"]["name"] == "powersgd":
+        skip = max(skip, int(spec["compressor"]["params"].get("start_iter", 10)) + 1)
+    timed = order[skip:]
+    note = ""
+    if len(timed) < 2:
+        timed = order[warmup_steps(len(order)):]
+        note = f"warm-up filled the trial; median over {len(timed)} steps including it"
+    return statistics.median(it[s] for s in timed), note
+
+
+def trial_picks(ranked: List[Candidate], k: int) -> List[Candidate]:
+    """The candidates to try: the best-predicted one of each of the first ``k`` compressors in the
+    ranking. Where the model errs most is a compressor's cost inside a real step (two ranks and gloo on
+    the same cores, multi-round exchanges holding backward), not the choice of bucket cap, so trying k
+    compressors teaches more than trying one compressor at k caps."""
+    from lab.perfmodel.calibrate import compressor_key
+    picks, seen = [], set()
+    for c in ranked:
+        key = compressor_key(c.compressor)
+        if c.predicted_score is None or key in seen:
+            continue
+        seen.add(key)
+        picks.append(c)
+        if len(picks) == k:
+            break
+    return picks
+
+
+def trial_spec(spec: dict, cand: Candidate, steps: int) -> dict:
+    s = with_strategy({**spec, "strategy": {"mode": "fixed"}}, cand.strategy())
+    start = int(cand.compressor["params"].get("start_iter", 10)) if cand.compressor["name"] == "powersgd" else 0
+    s.update(name=f"advise trial: {cand.label}", steps=max(steps, start + 4), eval_every=0)
+    return load_spec_dict(s)
+
+
+def load_spec_dict(d: dict) -> dict:
+    from lab.specs import load_spec
+    return load_spec(data=d).to_dict()
+
+
+def default_runner(runs) -> Callable[[dict], object]:
+    """Trials through the lab's queue (they wait for a slot like any run)."""
+    def run(spec: dict):
+        from lab.queue import Lab
+        from lab.specs import load_spec
+        return Lab(runs).submit(load_spec(data=spec), wait=True)
+    return run
+
+
+# --------------------------------------------------------------------------- advice
+
+@dataclass
+class Advice:
+    spec: dict
+    network: dict
+    world: int
+    candidates: List[Candidate]
+    winner: Candidate
+    chosen_by: str
+    """"predicted" or "measured\""""
+    link_source: str
+    profile_source: str
+    cost_s: Dict[str, float] = field(default_factory=dict)
+    """the advisor's own cost: profile, predict, trials, total (wall seconds)"""
+    reason: str = ""
+
+    def ranked(self) -> List[Candidate]:
+        return rank(self.candidates)
+
+    def winner_spec(self) -> dict:
+        s = with_strategy(self.spec, self.winner.strategy())
+        s["network"] = dict(self.network)
+        s["world_size"] = self.world
+        return load_spec_dict(s)
+
+    def as_dict(self) -> dict:
+        return {"network": self.network, "world": self.world, "chosen_by": self.chosen_by,
+                "winner": self.winner.label, "reason": self.reason, "link_source": self.link_source,
+                "profile_source": self.profile_source, "cost_s": self.cost_s,
+                "candidates": [c.as_dict() for c in self.ranked()], "strategy": self.winner.strategy()}
+
+
+def rank(cands: List[Candidate]) -> List[Candidate]:
+    """Measured candidates first (by measured score), then the rest by predicted score; left-out last."""
+    inf = float("inf")
+    return sorted(cands, key=lambda c: (c.measured_score is None, c.measured_score or inf,
+                                        c.predicted_score if c.predicted_score is not None else inf))
+
+
+def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[str] = None,
+           workers: Optional[int] = None, measure: bool = False, trials: int = TRIALS,
+           trial_steps: int = TRIAL_STEPS, penalties: Optional[Dict[str, float]] = None,
+           runner: Optional[Callable[[dict], object]] = None, profile=None,
+           say: Callable[[str], None] = print) -> Advice:
+    """Rank the strategy space for ``spec`` (a fully defaulted spec dict) on a link; see the module docstring."""
+    from lab.perfmodel import whatif
+    from lab.perfmodel.calibrate import CalibrationError
+    from lab.store import LabError
+    if workers is not None and not 1 <= workers <= 1024:
+        raise SpecError("--workers", f"must be in 1..1024, got {workers}")
+    if not 1 <= trials <= 20:
+        raise SpecError("--trials", f"must be in 1..20, got {trials}")
+    if not 4 <= trial_steps <= 1000:
+        raise SpecError("--trial-steps", f"must be in 4..1000, got {trial_steps}")
+    net = network_for(spec, gbps, link)
+    world = workers or spec["world_size"]
+    t0 = time.perf_counter()
+    cands = space(spec)
+    run_trial = runner or default_runner(runs)
+    try:
+        prof = profile or whatif.resolve_profile(spec, runs, say=say, runner=run_trial)
+        if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands]):
+            say("advisor: measured the candidates' encode/decode cost curves")
+            if profile is None:
+                prof.save(whatif.profile_dir(runs) / f"{prof.key()}.json")
+    except CalibrationError as e:
+        raise LabError(str(e)) from None
+    t1 = time.perf_counter()
+    lk, link_source = link_of(prof, net)
+    cells = benchmark_cells()
+    for c in cands:
+        c.penalty, c.penalty_source = penalty(spec, c.compressor, runs, penalties, cells)
+        predict_candidate(prof, spec, c, lk, world)
+    t2 = time.perf_counter()
+    ranked = rank(cands)
+    chosen_by = "predicted"
+    if measure:
+        for c in trial_picks(ranked, trials):
+            s = trial_spec({**spec, "network": net, "world_size": world}, c, trial_steps)
+            say(f"advisor: trial {c.label} ({s['steps']} steps, {net['link']} {net['gbps']:g} Gbit/s)")
+            r = run_trial(s)
+            c.trial_run = r.id
+            if r.state != "done":
+                c.note = (c.note + "; " if c.note else "") + f"trial {r.id} ended {r.state}"
+                continue
+            c.measured_ms, extra = measured_ms(r, spec["steps"])
+            if extra:
+                c.note = (c.note + "; " if c.note else "") + extra
+        if any(c.measured_score is not None for c in cands):
+            chosen_by = "measured"
+        ranked = rank(cands)
+    t3 = time.perf_counter() if measure else t2
+    winner = ranked[0]
+    if winner.predicted_score is None and winner.measured_score is None:
+        raise LabError("advisor: no candidate could be ranked (every compressor was left out)")
+    adv = Advice(spec=spec, network=net, world=world, candidates=cands, winner=winner, chosen_by=chosen_by,
+                 link_source=link_source, profile_source=prof.source,
+                 cost_s={"profile": t1 - t0, "predict": t2 - t1, "trials": t3 - t2, "total": t3 - t0})
+    adv.reason = explain(adv)
+    return adv
+
+
+def explain(adv: Advice) -> str:
+    """Why the winner won, in one or two sentences, against DDP's configuration and the runner-up."""
+    r = adv.ranked()
+    w = adv.winner
+    key = "measured_score" if adv.chosen_by == "measured" else "predicted_score"
+    what = "measured" if adv.chosen_by == "measured" else "predicted"
+    ddp = next((c for c in adv.candidates if c.compressor["name"] == "none" and c.comm["mode"] == "wfbp"
+                and c.schedule == {"name": "bucket", "cap_mb": 25.0}), None)
+    parts = [f"{w.label} has the lowest {what} time to accuracy, {getattr(w, key):.1f} ms per step-equivalent "
+             f"(iteration {w.measured_ms if adv.chosen_by == 'measured' else w.predicted_ms:.1f} ms x penalty "
+             f"{w.penalty:g}, {w.penalty_source.split(':')[0]})"]
+    if ddp is not None and ddp is not w and getattr(ddp, key) is not None:
+        parts.append(f"{getattr(ddp, key) / getattr(w, key):.2f}x DDP's ({ddp.label}: {getattr(ddp, key):.1f} ms)")
+    rest = [c for c in r if c is not w and getattr(c, key) is not None]
+    if rest:
+        parts.append(f"runner-up {rest[0].label} at {getattr(rest[0], key):.1f} ms")
+    return "; ".join(parts)
+
+
+def format_table(adv: Advice, limit: Optional[int] = None) -> List[str]:
+    head = ("#", "CANDIDATE", "PRED ms", "PENALTY", "PRED x PEN", "MEAS ms", "MEAS x PEN", "PENALTY FROM")
+    rows = [head]
+    for i, c in enumerate(adv.ranked()[:limit] if limit else adv.ranked(), 1):
+        f = (lambda v: f"{v:.1f}" if v is not None else "-")
+        rows.append((str(i), c.label, f(c.predicted_ms), f"{c.penalty:g}" if c.penalty is not None else "out",
+                     f(c.predicted_score), f(c.measured_ms), f(c.measured_score), c.penalty_source.split(":")[0]))
+    w = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return ["  ".join(c.ljust(wi) if i in (1, 7) else c.rjust(wi) for i, (c, wi) in enumerate(zip(r, w))).rstrip()
+            for r in rows]
+
+
+def write_spec(spec: dict, path) -> Path:
+    import yaml
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+# --------------------------------------------------------------------------- strategy: auto
+
+RECORD_KEY = "advisor"
+"""tuning.json's key for the advisor's record (an engine tuner of the chosen strategy writes the rest)."""
+
+
+def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
+                 say: Callable[[str], None] = print) -> Advice:
+    """``strategy: auto``: run the advisor for ``run`` (queued, its supervisor holding a slot), its profile
+    and trials launched directly in that slot as runs of their own, then write the choice into spec.json
+    (strategy.decided) and the candidates, trials and decision into tuning.json."""
+    from lab import procs
+    from lab.launcher import launch
+    from lab.specs import load_spec
+    from lab.store import LabError
+    spec = run.spec_dict()
+    st = spec["strategy"]
+    trials = []
+
+    def runner(s: dict):
+        if should_cancel():
+            raise LabError("cancelled while the advisor ran its trials")
+        t = lab.store.create(load_spec(data=s))
+        t.set_status("queued", supervisor=procs.identity(), advisor_for=run.id)
+        trials.append(t.id)
+        launch(t, progress=False, should_cancel=should_cancel)
+        return t
+
+    adv = advise(spec, runs=lab.root, measure=st["measure"], trials=st["trials"], trial_steps=st["trial_steps"],
+                 penalties=st["penalties"], runner=runner, say=say)
+    chosen = adv.winner_spec()
+    chosen["name"] = spec["name"]
+    write_json(run.file("spec.json"), load_spec(data=chosen).to_dict())
+    record = {**adv.as_dict(), "runs": trials, "decided_at": time.time()}
+    write_record(run, record)
+    trial_timeline(run, [lab.store.get(t) for t in trials], {c.trial_run: c.label for c in adv.candidates})
+    run.update_status(strategy={"chosen": adv.winner.label, "by": adv.chosen_by, "cost_s": adv.cost_s["total"]})
+    return adv
+
+
+
+
+def trial_timeline(run, trials, labels: Dict[str, str]) -> int:
+    """Append the advisor's runs (the profiling run, the trials) to ``run``'s timeline-rank0.jsonl before its
+    ranks start: each one's step spans (rank 0) on a lane of their own, so the run's trace shows what the
+    choice cost and when. The engine's timeline opens the file for appending; the lab's step and lane
+    readers skip the lane. Returns the spans written."""
+    from engine.timeline import LANES
+    lines = []
+    for t in trials:
+        what = labels.get(t.id, "profile")
+        for e in t.timeline_events():
+            if e.get("pid") == 0 and e.get("tid") == LANES["step"]:
+                step = (e.get("args") or {}).get("step")
+                lines.append(json.dumps({"ph": "X", "name": f"{what}: step {step}", "pid": 0,
+                                         "tid": LANES["advisor"], "cat": "advisor", "ts": e["ts"], "dur": e["dur"],
+                                         "args": {"run": t.id, "step": step, "trial": what}}))
+    if lines:
+        with open(run.file("timeline-rank0.jsonl"), "a") as f:
+            f.write("\n".join(lines) + "\n")
+    return len(lines)
+
+
+def write_record(run, record: dict) -> None:
+    """Put the advisor's record into tuning.json, keeping whatever else is there."""
+    path = run.file("tuning.json")
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    info[RECORD_KEY] = record
+    write_json(path, info)
+
+
+def write_json(path: Path, obj) -> None:
+    """Whole or not at all: a temporary file of this process, renamed into place."""
+    import os
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.replace(path)
+
+
+def keep_record(run, record: Optional[dict]) -> None:
+    """After the run: an engine tuner (mergecomp, layerfusion) writes tuning.json whole; put the
+    advisor's record back if it was replaced."""
+    if record is None:
+        return
+    path = run.file("tuning.json")
+    info = json.loads(path.read_text()) if path.is_file() else {}
+    if RECORD_KEY not in info:
+        write_record(run, record)
+
+
+def read_record(run) -> Optional[dict]:
+    path = run.file("tuning.json")
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(RECORD_KEY)
+
+
+# --------------------------------------------------------------------------- UI: advice jobs
+
+JOBS = ".advice"
+"""runs/.advice/<id>/: spec.json, advice.json and best.yaml of one `commlab advise` started from the UI."""
+
+
+def spec_choices(runs) -> Dict[str, dict]:
+    """label -> spec dict the Advisor page offers: the example specs, each preset's first run, and the
+    specs of the latest finished runs (the advisor replaces their compressor, schedule and comm)."""
+    import yaml
+
+    from lab import presets
+    from lab.specs import load_spec
+    from lab.store import RunStore
+    out: Dict[str, dict] = {}
+    for f in sorted((ROOT / "examples").glob("*.yaml")):
+        data = yaml.safe_load(f.read_text())
+        if isinstance(data, dict) and "model" in data:
+            out[f"example: {f.name}"] = data
+    for p in presets.PRESETS:
+        out[f"preset: {p.title}"] = p.specs()[0]
+    for r in RunStore(runs).list()[-10:][::-1]:
+        if r.state == "done" and not r.spec_dict()["name"].startswith(("advise trial", "profile ")):
+            out[f"run: {r.id}"] = r.spec_dict()
+    valid = {}
+    for k, d in out.items():
+        try:
+            d = {**d, "strategy": {"mode": "fixed"}}
+            d.pop("network", None)  # the page picks the link
+            valid[k] = load_spec(data=d).to_dict()
+        except (SpecError, ValueError):
+            continue  # an example that needs something this machine lacks is not offered
+    return valid
+
+
+def advise_argv(spec_file: Path, runs: Path, gbps: float, link: str, measure: bool, trials: int,
+                out_dir: Path) -> List[str]:
+    import sys
+    argv = [sys.executable, "-m", "lab.cli", "advise", str(spec_file), "--gbps", f"{gbps:g}", "--link", link,
+            "--runs", str(runs), "--json", str(out_dir / "advice.json"), "--out", str(out_dir / "best.yaml"),
+            "--top", "0"]
+    return argv + (["--measure", "--trials", str(trials)] if measure else [])
+
+
+def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: int = TRIALS) -> str:
+    """Run `commlab advise` detached (it outlives the page); the job's id under runs/.advice/."""
+    import secrets
+
+    from lab import procs
+    from lab.spawn import spawn_detached
+    from lab.store import slug
+    network_for({**spec, "network": {"link": "loopback", "gbps": None, "latency_us": None}}, gbps, link)
+    runs = Path(runs).resolve()
+    jid = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec['name'])}-{secrets.token_hex(2)}"
+    d = runs / JOBS / jid
+    d.mkdir(parents=True)
+    write_json(d / "spec.json", spec)
+    write_json(d / "request.json", {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
+                                    "created": time.time()})
+    pid = spawn_detached(advise_argv(d / "spec.json", runs, gbps, link, measure, trials, d), d / "advise.log",
+                         cwd=ROOT)
+    write_json(d / "process.json", procs.identity(pid))
+    return jid
+
+
+def job(jid: str, runs) -> dict:
+    """{id, state (running | done | failed), request, advice (when done), error, log}."""
+    from lab import procs
+    d = Path(runs) / JOBS / jid
+    if not (d / "request.json").is_file():
+        raise KeyError(f"no advice job {jid!r} in {Path(runs) / JOBS}")
+    out = {"id": jid, "request": json.loads((d / "request.json").read_text()), "advice": None, "error": None}
+    log = (d / "advise.log").read_text(errors="replace") if (d / "advise.log").is_file() else ""
+    out["log"] = log
+    if (d / "advice.json").is_file():
+        out["state"], out["advice"] = "done", json.loads((d / "advice.json").read_text())
+        out["best"] = str(d / "best.yaml")
+    elif procs.alive(json.loads((d / "process.json").read_text())) if (d / "process.json").is_file() else False:
+        out["state"] = "running"
+    else:
+        out["state"] = "failed"
+        lines = [line for line in log.splitlines() if line.strip()]
+        out["error"] = lines[-1] if lines else "the advise process ended without a word"
+    return out
+
+
+def jobs(runs) -> List[str]:
+    d = Path(runs) / JOBS
+    if not d.is_dir():
+        return []
+    return [p.name for p in sorted(d.iterdir(), key=lambda p: p.name, reverse=True) if (p / "request.json").is_file()]
+
+
+def table_rows(advice: dict) -> List[dict]:
+    """The ranked candidates of an advice.json as table rows."""
+    return [{"rank": i, "candidate": c["label"], "predicted_ms": c["predicted_ms"], "penalty": c["penalty"],
+             "predicted_x_penalty": c["predicted_score"], "measured_ms": c["measured_ms"],
+             "measured_x_penalty": c["measured_score"], "penalty_from": c["penalty_source"],
+             "trial_run": c["trial_run"]} for i, c in enumerate(advice["candidates"], 1)]
+
+
+def start_winner(jid: str, runs) -> dict:
+    """Queue the winner and DDP (none, 25 MB buckets, wfbp) on the same link as one group for the results
+    view; the group dict (id, title, runs: label -> run id)."""
+    import lab
+    from lab.perfmodel.predict import ddp_spec
+    from lab.specs import load_spec, read_spec_file
+    j = job(jid, runs)
+    if j["state"] != "done":
+        raise ValueError(f"advice {jid} is {j['state']}, not done")
+    best = load_spec(data=read_spec_file(j["best"])).to_dict()
+    ddp = load_spec(data={**ddp_spec(best), "name": f"{best['name']} (DDP)"}).to_dict()
+    ids = {"advisor's choice": lab.run({**best, "name": f"{best['name']} (advised)"}, wait=False, runs=runs).id,
+           "DDP": lab.run(ddp, wait=False, runs=runs).id}
+    group = {"id": f"advice-{jid}", "preset": None, "title": f"advice {jid}: {j['advice']['winner']} vs DDP",
+             "runs": ids, "created": time.time()}
+    write_json(Path(runs) / JOBS / jid / "group.json", group)
+    return group
+
+
+def job_group(jid: str, runs) -> Optional[dict]:
+    f = Path(runs) / JOBS / jid / "group.json"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+# --------------------------------------------------------------------------- CLI
+
+def add_parser(sub, add_spec_args, runs_arg) -> None:
+    p = sub.add_parser("advise", help="choose a communication strategy for a spec and a link, then prove it")
+    add_spec_args(p, "job spec file (YAML or JSON); its compressor, schedule and comm are what gets chosen")
+    p.add_argument("--gbps", type=float, default=None, help="link rate in Gbit/s (default: the spec's link)")
+    p.add_argument("--link", choices=LINKS, default=None,
+                   help="modeled (alpha-beta delays, default with --gbps) or shaped (tc on an emulated cluster)")
+    p.add_argument("--workers", type=int, default=None, help="worker count (default: the spec's world_size)")
+    p.add_argument("--measure", action="store_true", help="run short trials of the top candidates, choose by them")
+    p.add_argument("--trials", type=int, default=TRIALS, help=f"candidates tried with --measure (default {TRIALS})")
+    p.add_argument("--trial-steps", type=int, default=TRIAL_STEPS,
+                   help=f"steps per trial (default {TRIAL_STEPS}; PowerSGD's uncompressed start is added)")
+    p.add_argument("--penalty", action="append", default=[], metavar="COMPRESSOR=X",
+                   help="declare a convergence penalty (steps to accuracy vs none), e.g. topk=1.3 (repeatable)")
+    p.add_argument("--top", type=int, default=12, help="rows of the table to print (default 12; 0: all)")
+    p.add_argument("--out", default=None, metavar="FILE", help="write the winner as a spec (YAML)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the whole advice as JSON")
+    runs_arg(p)
+
+
+def cmd_advise(args) -> int:
+    from lab.perfmodel import whatif
+    spec = whatif.load_for_prediction(args.spec, args.overrides)
+    if args.top < 0:
+        raise SpecError("--top", f"must be >= 0, got {args.top}")
+    adv = advise(spec, args.runs, args.gbps, args.link, args.workers, args.measure, args.trials,
+                 args.trial_steps, parse_penalties(args.penalty))
+    net = adv.network
+    print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "
+          f"{net['link']} {net['gbps']:g} Gbit/s; link: {adv.link_source}; profile: {adv.profile_source}")
+    for line in format_table(adv, args.top or None):
+        print(line)
+    print(f"winner ({adv.chosen_by}): {adv.reason}")
+    c = adv.cost_s
+    print(f"advisor cost: {c['total']:.1f} s (profile and cost curves {c['profile']:.1f} s, predictions "
+          f"{c['predict']:.1f} s, trials {c['trials']:.1f} s)")
+    for cand in adv.ranked()[:args.top or None]:
+        if cand.note:
+            print(f"note: {cand.label}: {cand.note}")
+    if args.out:
+        print(f"wrote {write_spec(adv.winner_spec(), args.out)}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(adv.as_dict(), indent=1))
+        print(f"wrote {args.json}")
+    return 0

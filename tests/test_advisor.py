@@ -1,0 +1,330 @@
+"""The advisor (lab/advisor.py): its strategy space, penalties and their sources, ranking by predicted and
+measured time to accuracy, the winner written as a spec, and `commlab advise`'s one-line errors."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import compressors
+from lab import advisor
+from lab.perfmodel import calibrate as cal
+from lab.perfmodel import whatif
+from lab.specs import load_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {"name": "adv", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 300, "batch_size": 16,
+        "eval_every": 0, "threads": 1, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}
+
+
+def spec(**kw):
+    return load_spec(data={**BASE, **kw}).to_dict()
+
+
+def fake_profile(s, encode_per_byte=1e-10):
+    """A profile with made-up compute (20 ms backward spread over the layers) and the same encode cost
+    curve for every compressor, so the ranking follows from bytes on the link."""
+    params = cal.param_list(s)
+    layers = list(dict.fromkeys(n.rsplit(".", 1)[0] for n, _ in params))
+    p = cal.Profile(model=s["model"]["name"], dataset=s["dataset"]["name"], batch_size=s["batch_size"],
+                    source="made up in the test", params=params, forward_s=0.01, backward_s=0.02, optimizer_s=0.002,
+                    layer_forward={l: 0.01 / len(layers) for l in layers},
+                    layer_ready={l: 0.02 * (i + 1) / len(layers) for i, l in enumerate(layers)})
+    for c in advisor.space(s):
+        if c.compressor["name"] != "none":
+            p.compressors[cal.compressor_key(c.compressor)] = {
+                "encode": [1e-5, encode_per_byte], "between": [0.0, 0.0], "decode": [1e-5, encode_per_byte]}
+    return p
+
+
+def test_space_is_what_the_registry_can_do():
+    s = spec()
+    cands = advisor.space(s)
+    names = {c.compressor["name"] for c in cands}
+    assert {"none", "fp16", "topk", "powersgd"} <= names
+    for c in cands:
+        comp = compressors.make(c.compressor["name"], error_feedback=c.compressor["error_feedback"],
+                                **c.compressor["params"])
+        if c.comm["mode"] == "dear":  # only compressors whose payload reduce-scatters
+            assert comp.shard_problem() is None, c.label
+        advisor.with_strategy(s, c.strategy())  # every candidate is a valid spec
+    assert any(c.comm["mode"] == "dear" and c.compressor["name"] == "none" for c in cands)
+    assert not any(c.comm["mode"] == "dear" and c.compressor["name"] in ("topk", "powersgd") for c in cands)
+    assert len({c.label for c in cands}) == len(cands)
+
+
+CELLS = {("none", False): {"acc": 0.99, "steps": 300, "file": "x.json"},
+         ("topk", True): {"acc": 0.985, "steps": 300, "file": "x.json"},
+         ("topk", False): {"acc": 0.90, "steps": 300, "file": "x.json"}}
+
+
+def test_penalty_sources_in_order(monkeypatch):
+    s = spec()
+    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    topk_ef = advisor._comp("topk", True, ratio=0.01)
+    p, src = advisor.penalty(s, topk_ef, cells=CELLS)
+    assert p == 1.0 and src.startswith("benchmark")
+    p, src = advisor.penalty(s, advisor._comp("topk", False, ratio=0.01), cells=CELLS)
+    assert p is None and "loses accuracy" in src
+    # parameters other than the benchmark's: not the benchmark's figure
+    assert advisor.penalty_from_benchmark(advisor._comp("topk", True, ratio=0.1), CELLS) is None
+    p, src = advisor.penalty(s, advisor._comp("topk", True, ratio=0.1), cells=CELLS)
+    assert p == 1.0 and src.startswith("declared") and "1%" in src
+    p, src = advisor.penalty(s, advisor._comp("qsgd"), cells=CELLS)
+    assert p == 1.25 and src.startswith("declared: no measurement")
+    p, src = advisor.penalty(s, topk_ef, declared={"topk": 1.4}, cells=CELLS)
+    assert p == 1.4 and "by the user" in src
+    p, src = advisor.penalty(s, advisor._comp("fp16"), cells={})
+    assert p == 1.0 and src.startswith("declared")
+
+
+class FakeRun:
+    def __init__(self, rid, spec_, evals):
+        self.id, self._spec, self._evals = rid, spec_, evals
+
+    def spec_dict(self):
+        return self._spec
+
+    def metric_rows(self):
+        return [{"kind": "eval", "step": s, "eval_acc": a} for s, a in self._evals]
+
+
+def test_penalty_from_runs_is_steps_to_accuracy(monkeypatch):
+    import lab
+    s = spec()
+    topk = advisor._comp("topk", True, ratio=0.01)
+    none_run = FakeRun("a", s, [(49, 0.5), (99, 0.9), (149, 0.98), (199, 1.0)])
+    topk_run = FakeRun("b", advisor.with_strategy(s, {"compressor": topk}), [(49, 0.3), (99, 0.7), (149, 0.9),
+                                                                            (199, 0.98)])
+    other = FakeRun("c", spec(batch_size=8), [(49, 0.99), (99, 0.99)])  # another batch: not comparable
+    monkeypatch.setattr(lab, "runs", lambda **kw: [none_run, topk_run, other])
+    p, src = advisor.penalty_from_runs(s, topk, None)
+    assert p == pytest.approx(199 / 149)  # target 97% of 1.0: none at 149, topk at 199
+    assert src.startswith("measured") and "run b" in src and "run a" in src
+    slow = FakeRun("d", topk_run.spec_dict(), [(49, 0.1), (99, 0.2)])
+    monkeypatch.setattr(lab, "runs", lambda **kw: [none_run, slow])
+    p, src = advisor.penalty_from_runs(s, topk, None)
+    assert p is None and "did not reach" in src
+    monkeypatch.setattr(lab, "runs", lambda **kw: [topk_run])
+    assert advisor.penalty_from_runs(s, topk, None) is None
+
+
+def test_slow_link_picks_compression_fast_link_picks_ddp(monkeypatch):
+    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
+    assert slow.winner.compressor["name"] in ("topk", "powersgd")
+    assert slow.chosen_by == "predicted" and slow.cost_s["trials"] == 0
+    ddp = next(c for c in slow.candidates if c.label == "none, bucket 25 MB, wfbp")
+    assert slow.winner.predicted_score < ddp.predicted_score
+    assert "DDP" in slow.reason and slow.winner.label in slow.reason
+    # a fast link and expensive encoding: nothing beats sending the gradients as they are
+    fast = advisor.advise(s, gbps=400, profile=fake_profile(s, encode_per_byte=1e-8), say=lambda m: None)
+    assert fast.winner.compressor["name"] == "none"
+    ranked = fast.ranked()
+    scores = [c.predicted_score for c in ranked if c.predicted_score is not None]
+    assert scores == sorted(scores)
+
+
+def test_left_out_compressor_never_wins(monkeypatch):
+    s = spec()
+    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None,
+                         penalties={"topk": 100, "powersgd": 100})
+    assert adv.winner.compressor["name"] not in ("topk", "powersgd")
+
+
+def test_mergecomp_prediction_includes_its_search(monkeypatch):
+    s = spec()
+    prof = fake_profile(s)
+    link = advisor.link_of(prof, {"link": "modeled", "gbps": 0.05})[0]
+    comp = advisor._comp("topk", True, ratio=0.01)
+    long = advisor.search_mergecomp(prof, {**s, "steps": 100000, "compressor": comp,
+                                           "schedule": {"name": "mergecomp"}}, link, 2)
+    short = advisor.search_mergecomp(prof, {**s, "steps": 20, "compressor": comp,
+                                            "schedule": {"name": "mergecomp"}}, link, 2)
+    one = whatif.pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": "allinone"}}, 0.05, 2,
+                            link=link).total * 1e3
+    assert long[0] <= one + 1e-6  # the search tries one group first, so its best is no worse
+    assert short[0] >= long[0]    # a short run pays for the search
+
+
+def test_measured_trials_decide(monkeypatch, tmp_path):
+    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    tried = []
+
+    class Trial:
+        state = "done"
+
+        def __init__(self, sp):
+            self.id, self._spec = f"t{len(tried)}", sp
+
+        def spec_dict(self):
+            return self._spec
+
+        def metric_rows(self):  # the first tried is the slowest in reality
+            ms = 50.0 if self.id == "t1" else 10.0 * int(self.id[1:])
+            return [{"kind": "step", "step": k, "rank": 0, "time_ms": ms} for k in range(self._spec["steps"])]
+
+        def file(self, name):
+            return tmp_path / name
+
+    def runner(sp):
+        tried.append(sp)
+        return Trial(sp)
+
+    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=3,
+                         runner=runner)
+    assert len(tried) == 3 and adv.chosen_by == "measured"
+    assert len({json.dumps(t["compressor"], sort_keys=True) for t in tried}) == 3  # three compressors
+    assert all(t["network"] == {"link": "modeled", "gbps": 0.01, "latency_us": None} for t in tried)
+    by_run = {c.trial_run: c for c in adv.candidates if c.trial_run}
+    assert adv.winner is by_run["t2"]  # 20 ms measured, against 50 and 30
+    assert by_run["t1"].measured_ms == 50.0
+    assert adv.winner.label in adv.reason and "measured" in adv.reason
+
+
+def test_winner_spec_runs_as_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
+    out = advisor.write_spec(adv.winner_spec(), tmp_path / "best.yaml")
+    back = load_spec(str(out)).to_dict()
+    for k in ("compressor", "comm"):
+        assert back[k] == {**back[k], **adv.winner.strategy()[k]}
+    assert back["network"]["gbps"] == 0.01 and back["model"] == s["model"]
+
+
+def test_network_for_rules():
+    s = spec()
+    with pytest.raises(advisor.SpecError, match="loopback"):
+        advisor.network_for(s)
+    assert advisor.network_for(s, 1.0) == {"link": "modeled", "gbps": 1.0, "latency_us": None}
+    assert advisor.network_for(s, 1.0, "shaped")["link"] == "shaped"
+    m = spec(network={"link": "modeled", "gbps": 2, "latency_us": 30})
+    assert advisor.network_for(m) == m["network"]
+    assert advisor.network_for(m, 5.0)["latency_us"] == 30
+    with pytest.raises(advisor.SpecError, match="--gbps"):
+        advisor.network_for(s, 0.0)
+    with pytest.raises(advisor.SpecError, match="--penalty"):
+        advisor.parse_penalties(["topk"])
+
+
+def cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "lab.cli", *args], capture_output=True, text=True, cwd=cwd,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ((), "network.link: the spec's link is loopback"),
+    (("--gbps", "0"), "--gbps: must be in"),
+    (("--gbps", "1", "--link", "loopback"), "--link"),
+    (("--gbps", "1", "--penalty", "topk=abc"), "--penalty"),
+    (("--gbps", "1", "--trials", "0"), "--trials"),
+    (("--gbps", "1", "--workers", "0"), "--workers"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, extra, needle):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(BASE))
+    p = cli("advise", str(f), "--runs", str(tmp_path / "runs"), *extra, cwd=tmp_path)
+    assert p.returncode == 2, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and needle in p.stderr, p.stderr
+
+
+def test_cli_measures_a_real_trial(tmp_path):
+    """End to end: a profile measured now, cost curves, one real 2-rank trial on a modeled link."""
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({**BASE, "steps": 30}))
+    p = cli("advise", str(f), "--gbps", "0.05", "--measure", "--trials", "1", "--trial-steps", "6",
+            "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "best.yaml"), "--json",
+            str(tmp_path / "adv.json"), cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "winner (measured)" in p.stdout and "advisor cost" in p.stdout
+    adv = json.loads((tmp_path / "adv.json").read_text())
+    tried = [c for c in adv["candidates"] if c["trial_run"]]
+    assert len(tried) == 1 and tried[0]["measured_ms"] > 0 and adv["winner"] == tried[0]["label"]
+    assert adv["cost_s"]["trials"] > 0 and adv["cost_s"]["total"] >= adv["cost_s"]["trials"]
+    best = load_spec(str(tmp_path / "best.yaml")).to_dict()
+    assert best["compressor"]["name"] == tried[0]["compressor"]["name"]
+
+
+# --------------------------------------------------------------------------- strategy: auto
+
+AUTO_NET = {"link": "modeled", "gbps": 0.05}
+
+
+@pytest.mark.parametrize("data,field", [
+    ({"strategy": "auto"}, "strategy.mode"),  # loopback has no rate
+    ({"strategy": "auto", "network": AUTO_NET, "compressor": "fp16"}, "strategy.mode"),
+    ({"strategy": {"mode": "fixed", "trials": 2}}, "strategy.trials"),
+    ({"strategy": {"mode": "auto", "trials": 0}, "network": AUTO_NET}, "strategy.trials"),
+    ({"strategy": {"mode": "auto", "penalties": {"topk": "x"}}, "network": AUTO_NET}, "strategy.penalties.topk"),
+    ({"strategy": {"mode": "fixed", "decided": True}}, "strategy.decided"),
+    ({"strategy": {"mode": "sometimes"}}, "strategy.mode"),
+])
+def test_strategy_spec_errors(data, field):
+    with pytest.raises(advisor.SpecError) as e:
+        load_spec(data={**BASE, **data})
+    assert e.value.path == field and "\n" not in str(e.value)
+
+
+def test_strategy_spec_defaults_and_decided_round_trip():
+    s = load_spec(data={**BASE, "strategy": "auto", "network": AUTO_NET}).to_dict()
+    assert s["strategy"] == {"mode": "auto", "measure": True, "trials": 3, "trial_steps": 12, "penalties": {},
+                             "decided": False}
+    assert load_spec(data=BASE).to_dict()["strategy"]["mode"] == "fixed"
+    chosen = advisor.with_strategy(s, {"compressor": advisor._comp("fp16")})
+    assert chosen["strategy"]["decided"] is True and chosen["compressor"]["name"] == "fp16"
+    assert load_spec(data=chosen).to_dict() == chosen
+
+
+def test_record_survives_a_tuner_writing_tuning_json(tmp_path):
+    class R:
+        def file(self, name):
+            return tmp_path / name
+    run = R()
+    advisor.write_record(run, {"winner": "x"})
+    (tmp_path / "tuning.json").write_text(json.dumps({"schedule": "mergecomp"}))  # the engine's tuner, whole
+    advisor.keep_record(run, advisor.read_record(run) or {"winner": "x"})
+    info = json.loads((tmp_path / "tuning.json").read_text())
+    assert info == {"schedule": "mergecomp", "advisor": {"winner": "x"}}
+
+
+def test_strategy_auto_run_records_the_decision(tmp_path):
+    """A real run with strategy auto: a profile run, one trial and the run itself, all in one slot."""
+    import lab
+    root = tmp_path / "runs"
+    run = lab.run({**BASE, "steps": 8, "network": AUTO_NET,
+                   "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=root)
+    assert run.state == "done", run.log_tail()
+    spec_json = run.spec_dict()
+    rec = json.loads(run.file("tuning.json").read_text())["advisor"]
+    assert spec_json["strategy"]["decided"] is True and spec_json["name"] == "adv"
+    assert rec["strategy"]["compressor"] == {**spec_json["compressor"]}
+    assert rec["chosen_by"] == "measured" and len(rec["runs"]) == 2  # the profiling run and one trial
+    tried = [c for c in rec["candidates"] if c["trial_run"]]
+    assert len(tried) == 1 and rec["winner"] == tried[0]["label"]
+    trial = lab.get(tried[0]["trial_run"], runs=root)
+    assert trial.state == "done" and trial.status()["advisor_for"] == run.id
+    assert trial.spec_dict()["strategy"]["mode"] == "fixed"
+    assert run.status()["strategy"]["chosen"] == rec["winner"]
+    # the trial's and the profiling run's steps are in the run's timeline, on a lane of their own
+    from engine.timeline import LANES
+    from lab.trace import chrome_trace
+    lane = [e for e in run.timeline_events() if e.get("tid") == LANES["advisor"]]
+    assert {e["args"]["run"] for e in lane} == set(rec["runs"])
+    assert sum(e["args"]["run"] == trial.id for e in lane) == trial.spec_dict()["steps"]
+    first_step = min(e["ts"] for e in run.timeline_events() if e.get("cat") == "step")
+    assert max(e["ts"] for e in lane) < first_step  # before the run's own steps
+    names = {m["args"]["name"] for m in chrome_trace(run)["traceEvents"] if m.get("name") == "thread_name"}
+    assert "advisor" in names
+
+
+def test_multinode_refuses_auto(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({**BASE, "network": AUTO_NET, "strategy": "auto"}))
+    p = cli("run", str(f), "--nnodes", "2", "--run-id", "x", "--master-addr", "127.0.0.1", "--runs",
+            str(tmp_path / "runs"), cwd=tmp_path)
+    assert p.returncode == 2 and "commlab advise" in p.stderr and len(p.stderr.strip().splitlines()) == 1
