@@ -502,7 +502,7 @@ def start_sweep(data: dict, runs=None) -> str:
     sw.dir.mkdir(parents=True, exist_ok=True)
     grid_file = sw.dir / "grid.yaml"
     grid_file.write_text(yaml.safe_dump(data, sort_keys=False))
-    pid = spawn_detached(sweep_argv(grid_file, runs), sw.dir / "sweep.log", cwd=REPO)  # normal priority
+    pid = spawn_detached(sweep_argv(grid_file, runs), sw.dir / "sweep.log", cwd=REPO, kind="sweep")  # normal priority
     (sw.dir / "process.json").write_text(json.dumps(procs.identity(pid)))
     return sw.id
 
@@ -628,22 +628,85 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
     print(f"commlab UI on http://{host or '127.0.0.1'}:{port}  (runs: {root}; Ctrl-C stops it)", file=out, flush=True)
     # The server runs niced, so its refreshes take the cores only when training ranks leave them idle; the
     # runs and sweeps it starts are started by this process instead, at normal priority (lab/spawn.py).
-    # A shell starts background jobs with SIGINT ignored, and children inherit that: Ctrl-C (or a script's
-    # SIGINT) must still stop the lab, so take Python's own handler for the time the server runs.
-    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGINT (Ctrl-C; a shell starts background jobs with it ignored, and children inherit that), SIGTERM
+    # (kill, a service manager) and SIGHUP (the terminal closed) all stop the lab the same way: stop_app.
+    old = {s: signal.signal(s, _raise_stop) for s in STOP_SIGNALS}
+    server = None
     try:
         with Spawner(start=False) as spawner:
-            env[SPAWNER_ENV] = spawner.address
-            p = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), preexec_fn=lower_priority)
-            spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
             try:
-                return p.wait()
-            except KeyboardInterrupt:
-                p.send_signal(signal.SIGINT)
-                try:
-                    return p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    return p.wait()
+                env[SPAWNER_ENV] = spawner.address
+                server = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), preexec_fn=lower_priority)
+                spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
+                code = server.wait()
+                spawner.close()
+                stopped = spawner.stop_owned("sweep")
+                print(f"commlab UI: the server ended by itself (exit status {code}); stopped "
+                      f"{len(stopped)} background sweep(s)", file=out, flush=True)
+                return code
+            except AppStop as e:
+                for s in STOP_SIGNALS:  # a second signal while stopping must not cut the stop short
+                    signal.signal(s, signal.SIG_IGN)
+                if server is None:
+                    print(f"commlab UI stopped on {e} before its server started", file=out, flush=True)
+                else:
+                    print(stop_app(server, spawner, e.signum, host or "127.0.0.1", int(port)), file=out, flush=True)
+                return 0
     finally:
-        signal.signal(signal.SIGINT, old_int)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE_S = 10.0
+"""How long the server and each sweep get to end after SIGTERM before they are killed."""
+
+
+class AppStop(Exception):
+    """Raised in ``commlab app`` by one of STOP_SIGNALS."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stop(signum, frame):
+    raise AppStop(signum)
+
+
+def stop_app(server: subprocess.Popen, spawner: Spawner, signum: int, host: str, port: int) -> str:
+    """Stop what ``commlab app`` started for the UI: the Streamlit server (SIGTERM, which it handles by
+    shutting down; SIGKILL after STOP_GRACE_S) and the background sweeps its spawner started. Runs are
+    left to their supervisors. Returns the line that says what was stopped and whether the port is free."""
+    how = "ended"
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+            how = f"killed after {STOP_GRACE_S:g} s"
+    spawner.close()  # no new process is started from here on
+    sweeps = spawner.stop_owned("sweep", grace_s=STOP_GRACE_S)
+    free = port_free(host, port)
+    return (f"commlab UI stopped on {signal.Signals(signum).name}: server (pid {server.pid}) {how}, "
+            f"{len(sweeps)} background sweep(s) stopped, port {port} "
+            f"{'free' if free else 'STILL IN USE by another process'}; runs keep going under their supervisors")
+
+
+def port_free(host: str, port: int, wait_s: float = 5.0) -> bool:
+    """Whether ``port`` can be bound on ``host`` again (tried for up to ``wait_s``: sockets close as the
+    server's process is reaped)."""
+    import socket
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+        time.sleep(0.1)
