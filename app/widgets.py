@@ -114,6 +114,15 @@ def live_panel(run_id: str) -> None:
                            file_name=f"{run.id}.trace.json", mime="application/json", on_click="ignore",
                            key="live.trace", icon=":material/download:")
     started_final = run.state in FINAL
+    mine = ui.can_control(run)
+    owner = ui.owner(run)
+    if mine and owner != ui.workshop.local_user().name:  # a workshop user's own run: share it with the class
+        shared = bool(run.status().get("shared"))
+        if st.toggle("Shared with the class", shared, key="live.share",
+                     help="Other students see a shared run in their lists, comparisons and reports.") != shared:
+            ui.share(run.id, not shared)
+    elif not mine:
+        st.caption(f"{owner}'s run, shared with the class")
 
     @st.fragment(run_every=None if started_final else ui.REFRESH_S)
     def panel():
@@ -127,7 +136,7 @@ def live_panel(run_id: str) -> None:
         with head[0]:
             state_badge(state)
         head[1].progress(min(done / total, 1.0) if total else 0.0, text=f"step {done}/{total}")
-        if state not in FINAL and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
+        if state not in FINAL and mine and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
             st.toast(f"cancel requested ({ui.cancel(run.id)})")
         if state in ("failed", "diverged"):
             st.error(f"{state}: {status.get('error', '')}")

@@ -81,6 +81,8 @@ def build_parser() -> Parser:
     p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the lab)")
     p.add_argument("--no-demo", action="store_true", help="do not queue the demo run into an empty runs directory")
+    p.add_argument("--token", default=None, help="the class token students sign in with, when bound beyond "
+                   "loopback (default: one generated and kept in RUNS/access.json)")
     _runs_arg(p)
 
     p = sub.add_parser("notebooks", help="open the notebooks in JupyterLab (bound to 127.0.0.1), with this environment as kernel")
@@ -290,7 +292,7 @@ def cmd_sweep(args) -> int:
 
 def cmd_app(args) -> int:
     from lab.ui import app_main
-    return app_main(args.port, args.runs, args.host, demo=not args.no_demo)
+    return app_main(args.port, args.runs, args.host, demo=not args.no_demo, token=args.token)
 
 
 def cmd_notebooks(args) -> int:
