@@ -72,6 +72,15 @@ def build_parser() -> Parser:
     p.add_argument("run", metavar="RUN", help="run id")
     p.add_argument("-o", "--output", default="trace.json", help="output file (default trace.json)")
     _runs_arg(p)
+    p = sub.add_parser("report", help="write runs, a preset's result group or a comparison as one HTML file "
+                                      "that opens offline")
+    p.add_argument("runs_ids", metavar="RUN", nargs="*", help="run ids (two or more add a comparison)")
+    p.add_argument("--group", default=None, metavar="GID", help="a preset's result group (the Results page's "
+                   "group=...): its verdict and all its runs")
+    p.add_argument("-o", "--output", default="report.html", help="output file (default report.html)")
+    p.add_argument("--title", default=None, help="the report's title")
+    _runs_arg(p)
+
     p = sub.add_parser("sweep", help="run a grid of specs through the queue and print a comparison table")
     p.add_argument("grid", metavar="GRID", help="sweep file (YAML or JSON): base spec, grid of values")
     p.add_argument("--table", action="store_true", help="only print the table of what has run so far")
@@ -290,6 +299,28 @@ def cmd_sweep(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_report(args) -> int:
+    from lab import results
+    from lab.report import report_html
+    lab = Lab(args.runs)
+    group = None
+    ids = list(args.runs_ids)
+    if args.group:
+        try:
+            group = results.load_group(lab.root, args.group)
+        except (KeyError, ValueError) as e:
+            raise LabError(f"--group: {e.args[0] if e.args else e}") from None
+        ids += [i for i in group["runs"].values() if i not in ids]
+    if not ids:
+        raise UsageError("commlab report: give run ids or --group GID")
+    runs = [lab.store.get(i) for i in ids]
+    html = report_html(runs, group=group, title=args.title, get=lab.store.get)
+    with open(args.output, "w") as f:
+        f.write(html)
+    print(f"wrote {args.output} ({len(html) / 2**20:.1f} MB, {len(runs)} run(s){', group ' + group['id'] if group else ''})")
+    return 0
+
+
 def cmd_app(args) -> int:
     from lab.ui import app_main
     return app_main(args.port, args.runs, args.host, demo=not args.no_demo, token=args.token)
@@ -407,7 +438,7 @@ def cmd_trace(args) -> int:
 
 COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
             "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
-            "bench": cmd_bench, "predict": cmd_predict}
+            "bench": cmd_bench, "predict": cmd_predict, "report": cmd_report}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
