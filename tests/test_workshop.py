@@ -304,3 +304,107 @@ def test_wall_time_quota_cancels_the_run_and_says_why(tmp_path):
     st = run.status()
     assert st["state"] == "cancelled", st
     assert st["error"].startswith("quota wall_s: stopped after ") and "the limit is 3 s per run" in st["error"], st
+
+
+# --------------------------------------------------------------------------- the real server, over the wire
+
+@pytest.fixture(scope="module")
+def exposed(tmp_path_factory):
+    """`commlab app --host 0.0.0.0` over a runs directory with a run of alice's and one of bob's (not
+    shared), driven at the websocket level as a browser would (bench/wsclient.py)."""
+    import signal
+    import subprocess
+    import sys
+    from test_app import ROOT, free_port, wait_health
+    root = tmp_path_factory.mktemp("exposed")
+    q = Lab(root)
+    runs = {o: q.create(lab._spec(SMALL), owner=o) for o in ("alice", "bob")}
+    access = workshop.load_access(root)
+    tokens = {"class": access["class_token"], "admin": access["admin_token"],
+              **{o: workshop.sign_in(root, access["class_token"], o) for o in ("alice", "bob")}}
+    port = free_port()
+    code = (f"import sys; from lab.ui import app_main; "
+            f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")
+    log_path = root / "app.log"
+    env = {k: v for k, v in os.environ.items() if k != workshop.ACCESS_ENV}
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True, env=env,
+                             stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_health(url, p, log_path)
+        yield url, runs, tokens, log_path
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wire(url, query="", page=""):
+    from bench.wsclient import Session
+    s = Session(url)
+    try:
+        got = s.run(query, page=page)
+        return got, "\n".join(str(m) for m in s.all)
+    finally:
+        s.close()
+
+
+def test_exposed_server_prints_the_links(exposed):
+    url, runs, tokens, log_path = exposed
+    out = log_path.read_text()
+    assert f"students: http://" in out and f"/?token={tokens['class']}" in out
+    assert f"teacher:  http://" in out and f"/?token={tokens['admin']}" in out
+
+
+@pytest.mark.parametrize("query", ["", "token=wrong", "token=", "token=../access.json"])
+@pytest.mark.parametrize("page", ["", "live_run", "compare", "results", "sweeps", "model"])
+def test_over_the_wire_no_valid_token_gets_nothing(exposed, query, page):
+    url, runs, tokens, _ = exposed
+    got, text = wire(url, f"{query}&run={runs['alice'].id}", page)
+    assert "commlab: sign in" in text and not got.exceptions()
+    for r in runs.values():
+        assert r.id not in text
+    for t in tokens.values():
+        assert t not in text
+    assert "plotly_chart" not in text and "download_button" not in text and "arrow_data_frame" not in text
+
+
+def test_over_the_wire_a_student_sees_only_their_own(exposed):
+    url, runs, tokens, _ = exposed
+    got, text = wire(url, f"token={tokens['alice']}&run={runs['bob'].id}", "live_run")
+    assert not got.exceptions(), got.exceptions()
+    assert runs["alice"].id in text and runs["bob"].id not in text
+    got, text = wire(url, f"token={tokens['admin']}&run={runs['bob'].id}", "live_run")
+    assert runs["alice"].id in text and runs["bob"].id in text  # the teacher sees both
+
+
+@pytest.mark.parametrize("trick", TRICKS[:6])
+def test_over_the_wire_path_tricks_show_nothing(exposed, trick):
+    from urllib.parse import quote
+    url, runs, tokens, _ = exposed
+    for param, page in (("run", "live_run"), ("group", "results"), ("sweep", "results")):
+        got, text = wire(url, f"token={tokens['alice']}&{param}={quote(trick)}", page)
+        assert not got.exceptions(), got.exceptions()
+        assert runs["bob"].id not in text and tokens["admin"] not in text and "root:x:" not in text
+
+
+@pytest.mark.parametrize("path", ["/media/../access.json", "/media/%2e%2e/access.json", "/media/..%2faccess.json",
+                                  "/app/static/access.json", "/app/static/../../access.json",
+                                  "/_stcore/upload_file/x/y", "/access.json", "/index.sqlite",
+                                  "/component/..%2f..%2faccess.json"])
+def test_over_the_wire_no_file_of_the_runs_directory_is_served(exposed, path):
+    import urllib.error
+    import urllib.request
+    url, runs, tokens, _ = exposed
+    try:
+        with urllib.request.urlopen(url + path, timeout=10) as r:
+            body = r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")
+    for t in tokens.values():
+        assert t not in body
+    assert runs["alice"].id not in body and "SQLite format" not in body
