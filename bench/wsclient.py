@@ -125,9 +125,12 @@ class Session:
                 finished = True
                 page.seconds = time.perf_counter() - t0
 
+    async def _close(self) -> None:
+        self.ws.close()  # on the session's loop: tornado's streams are not thread-safe
+
     def close(self) -> None:
         try:
-            self.ws.close()
+            self._call(self._close())
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
