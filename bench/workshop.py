@@ -46,19 +46,30 @@ class Student(threading.Thread):
         super().__init__(name=name, daemon=True)
         self.student, self.url, self.class_token, self.args, self.deadline = name, url, class_token, args, deadline
         self.home_s, self.live_s, self.submitted, self.refused, self.errors = [], [], [], [], []
+        self.retries = []
+        """Sign-in pages that came back without the form (asked again; reported)."""
         self.session = None
 
     def run(self):
+        import traceback
         try:
             self._run()
         except Exception as e:  # reported in the results, never swallowed
-            self.errors.append(f"{type(e).__name__}: {e}")
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            self.errors.append(f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
 
     def _run(self):
         from lab.queue import Lab
         s = self.session = Session(self.url)
-        page = s.run(f"token={self.class_token}")
-        name_id, submit_id = page.widget("access.name_in"), page.widget("FormSubmitter:access.name-Sign in")
+        for attempt in range(3):
+            page = s.run(f"token={self.class_token}")
+            name_id, submit_id = page.widget("access.name_in"), page.widget("FormSubmitter:access.name-Sign in")
+            if name_id and submit_id:
+                break
+            self.retries.append(f"attempt {attempt}: the sign-in form was not in the reply: {page.kinds()} "
+                                f"{page.exceptions()}")
+        else:
+            raise RuntimeError(f"{self.student}: no sign-in form after 3 tries")
         page = s.run(f"token={self.class_token}", widgets={name_id: self.student, submit_id: True})
         token = (page.query_string or "").partition("token=")[2].split("&")[0]
         if not token:
@@ -174,6 +185,7 @@ def main(argv=None) -> int:
         "queued_quota": args.queued, "think_s": args.think_s, "cpus": os.cpu_count(),
         "runs": len(rows), "states": states, "all_final": all(r["state"] in FINAL for r in rows),
         "leaks": leaks, "errors": {st.student: st.errors for st in students if st.errors},
+        "sign_in_retries": {st.student: st.retries for st in students if st.retries},
         "refused_by_quota": sum(len(st.refused) for st in students),
         "home_s": {"n": len(home), "median": statistics.median(home) if home else None, "p90": pct(home, 90)},
         "live_s": {"n": len(live), "median": statistics.median(live) if live else None, "p90": pct(live, 90)},

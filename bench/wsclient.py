@@ -48,6 +48,10 @@ class Page:
                 return wid
         return None
 
+    def kinds(self) -> List[str]:
+        """The messages' types, in order (for a report of what came back)."""
+        return [m.WhichOneof("type") for m in self.messages]
+
     def exceptions(self) -> List[str]:
         out = []
         for m in self.messages:
@@ -84,6 +88,8 @@ class Session:
         m.rerun_script.query_string = query_string
         m.rerun_script.page_name = page
         for wid, value in (widgets or {}).items():
+            if not isinstance(wid, str) or not wid:
+                raise ValueError(f"widget id: must be a non-empty string (Page.widget found none?), got {wid!r}")
             w = m.rerun_script.widget_states.widgets.add()
             w.id = wid
             if value is True:

@@ -55,7 +55,7 @@ def build_parser() -> Parser:
 
     p = sub.add_parser("runs", help="list runs with status and headline figures")
     p.add_argument("--reindex", action="store_true", help="rebuild the index from the run directories first")
-    for f in ("state", "model", "compressor", "schedule", "comm", "sweep"):
+    for f in ("state", "model", "compressor", "schedule", "comm", "sweep", "owner"):
         p.add_argument(f"--{f}", default=None, help=f"only runs with this {f}")
     _runs_arg(p)
 
@@ -267,11 +267,10 @@ def cmd_runs(args) -> int:
     if args.reindex:
         print(f"reindexed {lab.reindex()} runs from {lab.root}", file=sys.stderr)
     lab.recover_stale()
-    rows_db = lab.index.query(**{f: getattr(args, f) for f in ("state", "model", "compressor", "schedule", "comm",
-                                                                 "sweep")})
+    filters = ("state", "model", "compressor", "schedule", "comm", "sweep", "owner")
+    rows_db = lab.index.query(**{f: getattr(args, f) for f in filters})
     if not rows_db:
-        print(f"no runs in {lab.root}" + (" matching the filters" if any(
-            getattr(args, f) for f in ("state", "model", "compressor", "schedule", "comm", "sweep")) else ""))
+        print(f"no runs in {lab.root}" + (" matching the filters" if any(getattr(args, f) for f in filters) else ""))
         return 0
     from lab.disturbance import mark
     rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC", "OTHER CPU")]

@@ -94,3 +94,20 @@ def test_live_page_offers_the_report(finished, monkeypatch):
     at.run().switch_page("views/live_run.py").run()
     assert not at.exception, [e.value for e in at.exception]
     assert any(b.label.startswith("Download report") for b in at.get("download_button"))
+
+
+def test_the_ui_builds_a_report_in_a_thread_that_acts_for_no_one(finished):
+    """The report button's builder runs in a server thread outside any session (a signed-in lookup there
+    raises): it reads only the runs the page resolved for the viewer."""
+    from lab import ui
+    from lab.report import report_html
+    root, a, b, gid = finished
+    group = results.load_group(root, gid)
+    ui.set_viewer(lambda: None)  # what app/access.py's resolver gives outside a session
+    try:
+        with pytest.raises(PermissionError):
+            ui.get_run(a.id, root)
+        text = report_html([a, b], group=group, get={a.id: a, b.id: b}.__getitem__)
+    finally:
+        ui.set_viewer(None)
+    assert text.count("Plotly.newPlot") == 11

@@ -228,6 +228,27 @@ def test_runs_record_their_owner(tmp_path):
     assert [r["id"] for r in q.index.query(owner="alice")] == [mine.id]
 
 
+def test_commlab_runs_filters_by_owner(room, capsys):
+    from lab.cli import main
+    root, runs, tokens = room
+    assert main(["runs", "--owner", "alice", "--runs", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert runs["alice"].id in out and runs["bob"].id not in out and runs["local"].id not in out
+
+
+def test_sharing_from_the_live_page(room):
+    root, runs, tokens = room
+    at = app(tokens["alice"], page="live_run", run=runs["alice"].id)
+    assert at.toggle(key="live.share").value is False
+    at.toggle(key="live.share").set_value(True).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert lab.get(runs["alice"].id, runs=root).status()["shared"] is True
+    assert runs["alice"].id in everything(app(tokens["carol"], page="compare"))  # now the class sees it
+    at = app(tokens["carol"], page="live_run", run=runs["alice"].id)
+    assert at.selectbox(key="live.pick").value == runs["alice"].id
+    assert not any(t.key == "live.share" for t in at.toggle)  # not carol's to unshare
+
+
 # --------------------------------------------------------------------------- fair queue and quotas
 
 def test_fair_order_is_round_robin_over_owners():
