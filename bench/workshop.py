@@ -120,16 +120,35 @@ def main(argv=None) -> int:
     (args.runs / "lab.json").write_text(json.dumps({"max_jobs": args.max_jobs, "quotas": {
         "queued": args.queued, "steps": args.steps, "world_size": 2}}))
     from lab import workshop
-    from lab.queue import Lab
     from lab.store import FINAL
     port = free_port()
     log_path = args.runs / "app.log"
     env = {k: v for k, v in os.environ.items() if k != workshop.ACCESS_ENV}
-    code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(args.runs)!r}, host='0.0.0.0', demo=False))"
+    code = (f"import sys; from lab.ui import app_main; "
+            f"sys.exit(app_main({port}, {str(args.runs)!r}, host='0.0.0.0', demo=False))")
     with open(log_path, "wb") as log:
         app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    # Stopped early (Ctrl-C, a timeout's SIGTERM), the bench still stops the app and the runs it queued:
+    # they live in the bench's own runs directory, and nothing else would end them.
+    signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        return _measure(args, app, url, log_path)
+    finally:
+        if app.poll() is None:
+            app.send_signal(signal.SIGTERM)
+            app.wait(timeout=60)
+        import lab
+        for r in lab.runs(runs=args.runs):
+            if r.state not in FINAL:
+                lab.cancel(r.id, runs=args.runs)
+
+
+def _measure(args, app, url, log_path) -> int:
+    from lab import workshop
+    from lab.queue import Lab
+    from lab.store import FINAL
     import urllib.request
     t0 = time.time()
     while True:
@@ -164,7 +183,8 @@ def main(argv=None) -> int:
         if st.session is None:
             continue
         text = "\n".join(str(m) for m in st.session.all)
-        leaks += [f"{st.student} received {rid} ({o}'s)" for rid, o in owners.items() if o != st.student and rid in text]
+        leaks += [f"{st.student} received {rid} ({o}'s)" for rid, o in owners.items()
+                  if o != st.student and rid in text]
         st.session.close()
     app.send_signal(signal.SIGTERM)
     app_rc = app.wait(timeout=60)

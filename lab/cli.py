@@ -316,7 +316,8 @@ def cmd_report(args) -> int:
     html = report_html(runs, group=group, title=args.title, get=lab.store.get)
     with open(args.output, "w") as f:
         f.write(html)
-    print(f"wrote {args.output} ({len(html) / 2**20:.1f} MB, {len(runs)} run(s){', group ' + group['id'] if group else ''})")
+    what = f"{len(runs)} run(s)" + (f", group {group['id']}" if group else "")
+    print(f"wrote {args.output} ({len(html) / 2**20:.1f} MB, {what})")
     return 0
 
 
