@@ -104,10 +104,26 @@ class Session:
                 w.string_value = str(value)
         return self._call(self._exchange(m, quiet_s))
 
+    async def _drain(self) -> None:
+        """Keep what is still arriving from an earlier request (a script run that a click started late,
+        under load) out of the next page: read it into ``all`` until nothing comes for a moment."""
+        while True:
+            try:
+                raw = await asyncio.wait_for(self.ws.read_message(), 0.05)
+            except asyncio.TimeoutError:
+                return
+            if raw is None:
+                return
+            f = ForwardMsg()
+            f.ParseFromString(raw)
+            self.all.append(f)
+
     async def _exchange(self, m: BackMsg, quiet_s: float) -> Page:
+        await self._drain()
         page = Page()
         t0 = time.perf_counter()
         self.ws.write_message(m.SerializeToString(), binary=True)
+        started = ended = 0  # script runs begun (new_session) and finished since the request
         finished = False
         deadline = t0 + self.timeout_s
         while True:
@@ -127,8 +143,12 @@ class Session:
             kind = f.WhichOneof("type")
             if kind == "page_info_changed":
                 page.query_string = f.page_info_changed.query_string
+            if kind == "new_session":
+                started += 1
+                finished = False
             if kind == "script_finished":
-                finished = True
+                ended += 1
+                finished = ended >= started  # every run this request caused has ended
                 page.seconds = time.perf_counter() - t0
 
     async def _close(self) -> None:
