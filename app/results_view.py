@@ -122,6 +122,9 @@ def results_panel(group: dict) -> None:
         cols["exposed_comm_ms"] = st.column_config.NumberColumn("exposed comm ms", format="%.1f")
         st.dataframe(pd.DataFrame(rows).set_index("variant"), key="res.table", column_config=cols)
     panel()
+    members = [r for r in (ui.get_run(i) for i in group["runs"].values()) if r is not None]
+    if members:
+        widgets.report_button(members, f"{group['id']}.html", key="res.report", group=group)
     # Figures of the runs that were final when the page was drawn: built once, outside the refreshing
     # fragment, so a browser watching a group does not re-render them every few seconds.
     final = {x.label: ui.get_run(x.run_id) for x in first.variants.values() if x.final}

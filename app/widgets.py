@@ -32,6 +32,16 @@ def open_run(run_id: str, compare: Optional[List[str]] = None) -> None:
     st.switch_page(LIVE_PAGE, query_params={"run": run_id})
 
 
+def report_button(runs: list, file_name: str, key: str, group: Optional[dict] = None) -> None:
+    """Download one self-contained HTML report (lab.report) of ``runs`` (and ``group``'s verdict), built
+    when clicked. The runs were resolved for the viewer already: the builder looks up nothing else."""
+    from lab.report import report_html
+    by_id = {r.id: r for r in runs}
+    st.download_button("Download report (HTML, opens offline)", on_click="ignore", key=key, mime="text/html",
+                       data=lambda: report_html(runs, group=group, get=by_id.__getitem__),
+                       file_name=file_name, icon=":material/description:")
+
+
 def state_badge(state: str) -> None:
     st.badge(state, color=STATE_COLORS.get(state, "gray"))
 
@@ -113,7 +123,17 @@ def live_panel(run_id: str) -> None:
         st.download_button("Download trace (Chrome/Perfetto JSON)", data=lambda: ui.trace_json(run),
                            file_name=f"{run.id}.trace.json", mime="application/json", on_click="ignore",
                            key="live.trace", icon=":material/download:")
+        report_button([run], f"{run.id}.html", key="live.report")
     started_final = run.state in FINAL
+    mine = ui.can_control(run)
+    owner = ui.owner(run)
+    if mine and owner != ui.workshop.local_user().name:  # a workshop user's own run: share it with the class
+        shared = bool(run.status().get("shared"))
+        if st.toggle("Shared with the class", shared, key="live.share",
+                     help="Other students see a shared run in their lists, comparisons and reports.") != shared:
+            ui.share(run.id, not shared)
+    elif not mine:
+        st.caption(f"{owner}'s run, shared with the class")
 
     @st.fragment(run_every=None if started_final else ui.REFRESH_S)
     def panel():
@@ -127,7 +147,7 @@ def live_panel(run_id: str) -> None:
         with head[0]:
             state_badge(state)
         head[1].progress(min(done / total, 1.0) if total else 0.0, text=f"step {done}/{total}")
-        if state not in FINAL and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
+        if state not in FINAL and mine and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
             st.toast(f"cancel requested ({ui.cancel(run.id)})")
         if state in ("failed", "diverged"):
             st.error(f"{state}: {status.get('error', '')}")
@@ -450,6 +470,7 @@ def compare_view() -> None:
     st.dataframe(table, key="cmp.table", column_config=table_columns())
     st.download_button("Export CSV", table.to_csv().encode(), file_name="commlab-compare.csv", mime="text/csv",
                        on_click="ignore", key="cmp.csv", icon=":material/download:")
+    report_button(picked, "commlab-compare.html", key="cmp.report")
     st.subheader("Accuracy against wall time")
     st.plotly_chart(plots.accuracy_vs_time_figure(ui.accuracy_curves(picked, labels)), key="cmp.acc")
     st.subheader("Where the step time goes")

@@ -55,7 +55,7 @@ def build_parser() -> Parser:
 
     p = sub.add_parser("runs", help="list runs with status and headline figures")
     p.add_argument("--reindex", action="store_true", help="rebuild the index from the run directories first")
-    for f in ("state", "model", "compressor", "schedule", "comm", "sweep"):
+    for f in ("state", "model", "compressor", "schedule", "comm", "sweep", "owner"):
         p.add_argument(f"--{f}", default=None, help=f"only runs with this {f}")
     _runs_arg(p)
 
@@ -72,6 +72,15 @@ def build_parser() -> Parser:
     p.add_argument("run", metavar="RUN", help="run id")
     p.add_argument("-o", "--output", default="trace.json", help="output file (default trace.json)")
     _runs_arg(p)
+    p = sub.add_parser("report", help="write runs, a preset's result group or a comparison as one HTML file "
+                                      "that opens offline")
+    p.add_argument("runs_ids", metavar="RUN", nargs="*", help="run ids (two or more add a comparison)")
+    p.add_argument("--group", default=None, metavar="GID", help="a preset's result group (the Results page's "
+                   "group=...): its verdict and all its runs")
+    p.add_argument("-o", "--output", default="report.html", help="output file (default report.html)")
+    p.add_argument("--title", default=None, help="the report's title")
+    _runs_arg(p)
+
     p = sub.add_parser("sweep", help="run a grid of specs through the queue and print a comparison table")
     p.add_argument("grid", metavar="GRID", help="sweep file (YAML or JSON): base spec, grid of values")
     p.add_argument("--table", action="store_true", help="only print the table of what has run so far")
@@ -81,6 +90,8 @@ def build_parser() -> Parser:
     p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the lab)")
     p.add_argument("--no-demo", action="store_true", help="do not queue the demo run into an empty runs directory")
+    p.add_argument("--token", default=None, help="the class token students sign in with, when bound beyond "
+                   "loopback (default: one generated and kept in RUNS/access.json)")
     _runs_arg(p)
 
     p = sub.add_parser("notebooks", help="open the notebooks in JupyterLab (bound to 127.0.0.1), with this environment as kernel")
@@ -281,11 +292,10 @@ def cmd_runs(args) -> int:
     if args.reindex:
         print(f"reindexed {lab.reindex()} runs from {lab.root}", file=sys.stderr)
     lab.recover_stale()
-    rows_db = lab.index.query(**{f: getattr(args, f) for f in ("state", "model", "compressor", "schedule", "comm",
-                                                                 "sweep")})
+    filters = ("state", "model", "compressor", "schedule", "comm", "sweep", "owner")
+    rows_db = lab.index.query(**{f: getattr(args, f) for f in filters})
     if not rows_db:
-        print(f"no runs in {lab.root}" + (" matching the filters" if any(
-            getattr(args, f) for f in ("state", "model", "compressor", "schedule", "comm", "sweep")) else ""))
+        print(f"no runs in {lab.root}" + (" matching the filters" if any(getattr(args, f) for f in filters) else ""))
         return 0
     from lab.disturbance import mark
     rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC", "OTHER CPU")]
@@ -313,9 +323,32 @@ def cmd_sweep(args) -> int:
     return 0 if ok else 1
 
 
+def cmd_report(args) -> int:
+    from lab import results
+    from lab.report import report_html
+    lab = Lab(args.runs)
+    group = None
+    ids = list(args.runs_ids)
+    if args.group:
+        try:
+            group = results.load_group(lab.root, args.group)
+        except (KeyError, ValueError) as e:
+            raise LabError(f"--group: {e.args[0] if e.args else e}") from None
+        ids += [i for i in group["runs"].values() if i not in ids]
+    if not ids:
+        raise UsageError("commlab report: give run ids or --group GID")
+    runs = [lab.store.get(i) for i in ids]
+    html = report_html(runs, group=group, title=args.title, get=lab.store.get)
+    with open(args.output, "w") as f:
+        f.write(html)
+    what = f"{len(runs)} run(s)" + (f", group {group['id']}" if group else "")
+    print(f"wrote {args.output} ({len(html) / 2**20:.1f} MB, {what})")
+    return 0
+
+
 def cmd_app(args) -> int:
     from lab.ui import app_main
-    return app_main(args.port, args.runs, args.host, demo=not args.no_demo)
+    return app_main(args.port, args.runs, args.host, demo=not args.no_demo, token=args.token)
 
 
 def cmd_notebooks(args) -> int:
@@ -497,7 +530,8 @@ def cmd_trace(args) -> int:
 
 COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
             "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
-            "bench": cmd_bench, "predict": cmd_predict, "profile": cmd_profile, "advise": cmd_advise}
+            "bench": cmd_bench, "predict": cmd_predict, "profile": cmd_profile, "advise": cmd_advise,
+            "report": cmd_report}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -19,9 +19,9 @@ INDEX_FILE = "index.sqlite"
 COLUMNS = ("id", "state", "name", "created", "started", "ended", "model", "dataset", "world_size", "compressor",
            "error_feedback", "schedule", "comm", "link", "steps", "sweep", "error", "iter_ms", "throughput",
            "final_acc", "final_loss", "bytes_per_step", "compression_ratio", "spec", "summary", "other_cpu",
-           "disturbed")
+           "disturbed", "owner", "shared")
 INSERT = f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
-FILTERS = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep", "name")
+FILTERS = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep", "name", "owner")
 
 
 class Index:
@@ -86,6 +86,7 @@ class Index:
             "final_loss": s.get("final_loss"), "bytes_per_step": s.get("bytes_per_step"),
             "compression_ratio": s.get("compression_ratio"), "spec": json.dumps(spec), "summary": json.dumps(s),
             "other_cpu": d.get("other_cpu"), "disturbed": None if d.get("disturbed") is None else int(d["disturbed"]),
+            "owner": st.get("owner"), "shared": int(bool(st.get("shared"))),
         }
 
     def update(self, run: Run) -> None:

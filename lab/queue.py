@@ -6,8 +6,10 @@ own supervisor; the UI and ``lab.run(..., wait=False)`` start a detached one
 (``python -m lab.supervise``). Slots are ``flock`` locks on files under
 ``runs/.slots/``: the kernel releases a dead supervisor's lock, so a crash
 never leaks a slot. A queued supervisor only tries for a slot when fewer than
-``max_jobs`` queued runs are older than its own, which keeps the queue
-roughly first come, first served.
+``max_jobs`` queued runs come before its own in the queue's order, which is
+round-robin over the runs' owners (lab.workshop.fair_order): a user with many
+runs queued does not hold back one who has few. With a single user it is
+first come, first served.
 
 A supervisor that dies (``kill -9``) takes its torchrun with it (parent-death
 signal) and leaves its run ``running`` or ``queued``; the next lab command
@@ -81,18 +83,22 @@ class Lab:
         return self.store.root
 
     # -- submitting -----------------------------------------------------
-    def submit(self, spec, wait: bool = True, progress: bool = False, out=None, sweep: Optional[str] = None) -> Run:
+    def submit(self, spec, wait: bool = True, progress: bool = False, out=None, sweep: Optional[str] = None,
+               owner: Optional[str] = None, wall_limit_s: Optional[float] = None) -> Run:
         """Queue a run. With ``wait`` this process supervises it to the end;
         otherwise a detached supervisor does, and the run is returned at once."""
-        run = self.create(spec, sweep=sweep)
+        run = self.create(spec, sweep=sweep, owner=owner, wall_limit_s=wall_limit_s)
         if wait:
             self.supervise(run, progress=progress, out=out)
         else:
             self.spawn_supervisor(run)
         return run
 
-    def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None) -> Run:
-        """A new queued run directory (nothing runs until a supervisor takes it)."""
+    def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
+               wall_limit_s: Optional[float] = None) -> Run:
+        """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
+        (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
+        seconds of running (a student's quota, lab.workshop)."""
         if spec.network.link == "shaped":
             from lab.netns import NetworkUnavailable, check_shaped_supported
             try:
@@ -103,8 +109,14 @@ class Lab:
         if preflight.needs_check(spec):  # a model or data set from outside the zoo: one batch, before any rank
             preflight.check(spec)
         self.recover_stale()
+        from lab.workshop import local_user
         run = self.store.create(spec, run_id)
-        run.set_status("queued", **({"sweep": sweep} if sweep else {}))
+        extra = {"owner": owner or local_user().name}
+        if sweep:
+            extra["sweep"] = sweep
+        if wall_limit_s:
+            extra["wall_limit_s"] = float(wall_limit_s)
+        run.set_status("queued", **extra)
         return run
 
     def spawn_supervisor(self, run: Run) -> int:
@@ -145,7 +157,19 @@ class Lab:
                     return "cancelled"
                 run.set_status("failed", error=f"strategy auto: {type(e).__name__}: {e}".splitlines()[0])
                 return "failed"
-            state = launch(run, progress=progress, out=out, should_cancel=run.cancel_requested)
+            limit = run.status().get("wall_limit_s")
+            t0 = time.time()
+            over = []
+
+            def should_cancel() -> bool:
+                if limit and not over and time.time() - t0 > limit:
+                    over.append(time.time() - t0)
+                return bool(over) or run.cancel_requested()
+            state = launch(run, progress=progress, out=out, should_cancel=should_cancel)
+            if over and state == "cancelled":
+                run.set_status("cancelled", only_from=("cancelled",),
+                               error=f"quota wall_s: stopped after {over[0]:.0f} s of running; the limit is "
+                                     f"{limit:g} s per run (runs/lab.json quotas.wall_s)")
             if record is not None:
                 from lab.advisor import keep_record
                 keep_record(run, record)
@@ -170,16 +194,18 @@ class Lab:
         return advisor.read_record(run)
 
     def queue_position(self, run: Run) -> int:
-        """How many queued runs with a live supervisor are older than ``run``, counted up to
-        ``max_jobs`` (all a supervisor needs to know, and it keeps polling cheap for long queues)."""
-        mine = run.status().get("created", 0)
+        """How many queued runs with a live supervisor come before ``run`` in the queue's order
+        (round-robin over owners, lab.workshop.fair_order), counted up to ``max_jobs`` (all a
+        supervisor needs to know, and it keeps polling cheap for long queues)."""
+        from lab.workshop import fair_order
+        queued = self.index.query(state="queued")
+        if run.id not in {r["id"] for r in queued}:  # the index lags the run's own file: count it as queued
+            queued.append({"id": run.id, "created": run.status().get("created", 0), "owner": run.status().get("owner")})
         n = 0
-        for row in self.index.query(state="queued"):  # oldest first
-            if (row["created"] or 0) > mine or n >= self.max_jobs:
+        for rid in fair_order(queued, self.index.query(state="running")):
+            if rid == run.id or n >= self.max_jobs:
                 break
-            if row["id"] == run.id:
-                continue
-            if procs.alive(self.store.get(row["id"]).status().get("supervisor")):
+            if procs.alive(self.store.get(rid).status().get("supervisor")):
                 n += 1
         return n
 

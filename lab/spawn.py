@@ -13,15 +13,18 @@ variable (``streamlit run`` by hand, the CLI, notebooks), or when the app's proc
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import threading
+import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 from lab.procs import die_with_parent
 
@@ -38,15 +41,23 @@ def _popen(argv: List[str], log: str, cwd: Optional[str], env: Optional[dict]) -
                                 start_new_session=True, cwd=cwd, env=env)
 
 
+KINDS = ("run", "sweep")
+"""What ``spawn_detached`` starts: a run's supervisor (it outlives the app: the run keeps going) or a
+background sweep (the app that started it stops it when the app stops)."""
+
+
 def spawn_detached(argv: List[str], log: os.PathLike, cwd: Optional[os.PathLike] = None,
-                   env: Optional[dict] = None) -> int:
+                   env: Optional[dict] = None, kind: str = "run") -> int:
     """Start ``argv`` in its own session (stdin /dev/null, output appended to ``log``) and return its pid.
-    Under ``commlab app`` the app's normal-priority process starts it (see the module docstring)."""
+    Under ``commlab app`` the app's normal-priority process starts it (see the module docstring) and
+    records its ``kind`` (KINDS)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind: {kind!r} not in {KINDS}")
     log, cwd = str(log), (str(cwd) if cwd is not None else None)
     addr = os.environ.get(ENV)
     if addr:
         try:
-            return _ask(addr, {"argv": [str(a) for a in argv], "log": log, "cwd": cwd,
+            return _ask(addr, {"argv": [str(a) for a in argv], "log": log, "cwd": cwd, "kind": kind,
                                "env": dict(os.environ if env is None else env)})
         except (OSError, ValueError, KeyError):
             pass  # the app's process is gone (or not ours): start it here
@@ -101,6 +112,8 @@ class Spawner:
         self.children: List[subprocess.Popen] = []
         self.started: List[int] = []
         """Pids started so far (for tests and logs)."""
+        self.kinds: Dict[int, str] = {}
+        """pid -> kind (KINDS) of everything started."""
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._serve, name="commlab-spawner", daemon=True)
         if start:
@@ -130,9 +143,13 @@ class Spawner:
                             break
                         data += chunk
                     req = json.loads(data)
+                    kind = req.get("kind", "run")
+                    if kind not in KINDS:
+                        raise ValueError(f"kind: {kind!r} not in {KINDS}")
                     p = _popen(list(req["argv"]), req["log"], req.get("cwd"), req.get("env"))
                     self.children.append(p)
                     self.started.append(p.pid)
+                    self.kinds[p.pid] = kind
                     reply = {"pid": p.pid}
                 except Exception as e:  # a bad request must not stop the app
                     reply = {"error": f"{type(e).__name__}: {e}"}
@@ -141,8 +158,28 @@ class Spawner:
                 except OSError:
                     pass
 
+    def stop_owned(self, kind: str = "sweep", grace_s: float = 10.0) -> List[int]:
+        """End what this spawner started of ``kind`` and is still running: SIGTERM to its process group
+        (each was started in a session of its own, so nothing else is in it: a sweep's runs have
+        supervisors in sessions of their own and keep going), SIGKILL after ``grace_s``. The pids ended."""
+        mine = [p for p in self.children if self.kinds.get(p.pid) == kind and p.poll() is None]
+        for p in mine:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in mine:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        _reap(self.children)
+        return [p.pid for p in mine]
+
     def close(self) -> None:
-        """Stop listening. What was started keeps running (runs outlive the UI, as before)."""
+        """Stop listening. What was started keeps running (runs outlive the UI, as before; ``stop_owned``
+        ends the sweeps)."""
         self._stop.set()
         self.sock.close()
         if self.thread.is_alive():

@@ -23,9 +23,10 @@ import yaml
 
 from engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, \
     JobSpec, SpecError
-from lab import procs
+from lab import procs, workshop
 from lab.presets import PRESETS, Preset  # noqa: F401  (the pages reach them through ui)
 from lab.store import FINAL, LabError, Run, RunError
+from lab.workshop import User
 from lab.spawn import ENV as SPAWNER_ENV, Spawner, lower_priority, spawn_detached
 
 REPO = Path(__file__).resolve().parents[1]
@@ -42,6 +43,45 @@ costs the viewer's browser about 70 ms of CPU, on the cores the ranks train on; 
 def runs_dir() -> Path:
     """The runs directory the app works on: $COMMLAB_RUNS, else ./runs (read at each call)."""
     return Path(os.environ.get("COMMLAB_RUNS") or "runs")
+
+
+# --------------------------------------------------------------------------- who the UI acts for
+
+_viewer_fn = None
+
+
+def set_viewer(fn) -> None:
+    """Install how the UI learns who is asking: a function returning the signed-in ``User`` (the app's
+    gate reads it from the session), or None when nobody is signed in. Without one (notebooks,
+    scripts) the UI acts for the local user, who sees everything."""
+    global _viewer_fn
+    _viewer_fn = fn
+
+
+def viewer() -> User:
+    """The user every function below acts for and filters by; PermissionError when nobody is signed in."""
+    if _viewer_fn is None:
+        return workshop.local_user()
+    u = _viewer_fn()
+    if u is None:
+        raise PermissionError("not signed in")
+    return u
+
+
+def _visible(run: Run, user: Optional[User] = None) -> bool:
+    return workshop.can_see(user or viewer(), run.status())
+
+
+def _limits(root, specs: list) -> Optional[float]:
+    """Check the viewer's quotas for ``specs`` (LabError naming the limit); the wall-time limit to give
+    their runs (None for the teacher or when unset)."""
+    from lab.queue import Lab
+    user = viewer()
+    if user.admin:
+        return None
+    active = sum(1 for r in Lab(root).index.query(owner=user.name) if r["state"] in ("queued", "running"))
+    workshop.check_quota(root, user, specs, active)
+    return workshop.quotas(root).get("wall_s")
 
 
 def cuda_available() -> bool:
@@ -61,20 +101,47 @@ def start_preset(preset: Preset, runs=None) -> str:
     root = runs or runs_dir()
     created = time.time()
     ids: Dict[str, str] = {}
-    for label, d in zip(preset.labels(), preset.specs()):
-        ids[label] = lab.run(d, wait=False, runs=root).id
+    specs = [lab._spec(d) for d in preset.specs()]
+    wall = _limits(root, specs)
+    q = lab._lab(root)
+    for label, spec in zip(preset.labels(), specs):
+        ids[label] = q.submit(spec, wait=False, owner=viewer().name, wall_limit_s=wall).id
         results.save_group(root, preset.key, ids, created=created)
     return next(iter(ids.values()))
 
 
+def _group_visible(group: dict, root) -> bool:
+    user = viewer()
+    if user.admin:
+        return True
+    for rid in group.get("runs", {}).values():
+        try:
+            if not _visible(lab_get(rid, root), user):
+                return False
+        except (RunError, LabError):
+            return False
+    return bool(group.get("runs"))
+
+
+def lab_get(run_id: str, root) -> Run:
+    import lab
+    return lab.get(run_id, runs=root)
+
+
 def preset_group(gid: str, runs=None) -> dict:
+    """A preset's group of runs; KeyError when there is none or the viewer may not see all its runs."""
     from lab import results
-    return results.load_group(runs or runs_dir(), gid)
+    root = runs or runs_dir()
+    g = results.load_group(root, gid)
+    if not _group_visible(g, root):
+        raise KeyError(f"group: no group {gid!r}")
+    return g
 
 
 def preset_groups(runs=None) -> List[dict]:
     from lab import results
-    return results.list_groups(runs or runs_dir())
+    root = runs or runs_dir()
+    return [g for g in results.list_groups(root) if _group_visible(g, root)]
 
 
 def group_verdict(group: dict, runs=None):
@@ -98,7 +165,7 @@ def group_crossover(group: dict, runs=None) -> Optional[str]:
 def sweep_group(sweep_id: str, runs=None) -> dict:
     """A sweep's cells that have a run, as a group for the results view (no preset: no declared effect;
     the verdict ranks the cells by iteration time)."""
-    sw = load_sweep(sweep_id, runs)
+    sw = load_sweep(sweep_id, runs)  # the teacher's only
     saved = sw._load().get("runs", {})
     cells = {c["key"]: saved[c["key"]] for c in sw.cells if saved.get(c["key"])}
     if not cells:
@@ -117,8 +184,12 @@ def group_timelines(runs_by_label: Dict[str, Run], steps: int = 20):
 
 
 def get_run_or_raise(run_id: str, runs=None) -> Run:
-    import lab
-    return lab.get(run_id, runs=runs or runs_dir())
+    """The run, if the viewer may see it; RunError (the same as for a missing run) otherwise."""
+    root = runs or runs_dir()
+    run = lab_get(run_id, root)
+    if not _visible(run):
+        raise RunError(f"no run {run_id!r} in {root}")
+    return run
 
 
 # --------------------------------------------------------------------------- the New run form
@@ -267,9 +338,12 @@ def parse_value(text: str):
 
 
 def submit(data: dict, runs=None) -> Run:
-    """Queue a run from a form's spec dict; returns at once."""
+    """Queue a run from a form's spec dict for the viewer (within their quotas); returns at once."""
     import lab
-    return lab.run(data, wait=False, runs=runs or runs_dir())
+    root = runs or runs_dir()
+    spec = lab._spec(data)
+    wall = _limits(root, [spec])
+    return lab._lab(root).submit(spec, wait=False, owner=viewer().name, wall_limit_s=wall)
 
 
 def spec_yaml(spec: JobSpec) -> str:
@@ -278,38 +352,74 @@ def spec_yaml(spec: JobSpec) -> str:
 
 # --------------------------------------------------------------------------- runs: lists and live data
 
-def index_rows(runs=None) -> List[dict]:
-    """The index's rows (state, model, compressor, ... per run), for building filters."""
+def index_rows(runs=None, **filters) -> List[dict]:
+    """The index's rows (state, model, compressor, ... per run) the viewer may see, oldest first."""
     from lab.queue import Lab
-    return Lab(runs or runs_dir()).index.query()
+    user = viewer()
+    return [r for r in Lab(runs or runs_dir()).index.query(**filters) if workshop.can_see(user, r)]
 
 
 def list_runs(runs=None, **filters) -> List[Run]:
-    import lab
-    return lab.runs(runs=runs or runs_dir(), **filters)
+    """The runs the viewer may see (their own and shared ones; all for the teacher), oldest first."""
+    from lab.queue import Lab
+    q = Lab(runs or runs_dir())
+    q.recover_stale()
+    user = viewer()
+    return [q.store.get(r["id"]) for r in q.index.query(**filters) if workshop.can_see(user, r)]
 
 
 def get_run(run_id: str, runs=None) -> Optional[Run]:
-    import lab
+    """The run, or None when there is none, the id is not valid, or the viewer may not see it."""
     try:
-        return lab.get(run_id, runs=runs or runs_dir())
+        return get_run_or_raise(run_id, runs)
     except (RunError, LabError):
         return None
 
 
+def can_control(run: Run) -> bool:
+    """Whether the viewer may cancel or share ``run`` (its owner, or the teacher)."""
+    return workshop.can_control(viewer(), run.status())
+
+
 def cancel(run_id: str, runs=None) -> str:
+    """Ask a run of the viewer's (any run for the teacher) to stop; LabError for anyone else's."""
     import lab
+    run = get_run_or_raise(run_id, runs)
+    if not can_control(run):
+        raise LabError(f"cancel: run {run_id} belongs to {workshop.owner_of(run.status())}; "
+                       "only its owner or the teacher may cancel it")
     return lab.cancel(run_id, runs=runs or runs_dir())
 
 
+def share(run_id: str, shared: bool = True, runs=None) -> bool:
+    """Show a run of the viewer's to the whole class (or stop showing it); LabError for anyone else's."""
+    from lab.queue import Lab
+    root = runs or runs_dir()
+    run = get_run_or_raise(run_id, root)
+    if not can_control(run):
+        raise LabError(f"share: run {run_id} belongs to {workshop.owner_of(run.status())}; "
+                       "only its owner or the teacher may share it")
+    run.update_status(shared=bool(shared))
+    Lab(root).index.update(run)
+    return bool(shared)
+
+
+def owner(run: Run) -> str:
+    return workshop.owner_of(run.status())
+
+
 def run_label(run: Run, state: bool = True) -> str:
-    """"<name>  [<state>]  <id>" (the name is left out when the id already carries it)."""
+    """"<name>  [<state>]  <id>" (the name is left out when the id already carries it), and "  · <owner>"
+    when the run is someone else's."""
     try:
         name = run.spec_dict().get("name", "")
     except (OSError, ValueError):
         name = ""
-    tag = f"  [{run.state}]" if state else ""
-    return f"{run.id}{tag}" if not name or name in run.id else f"{name}{tag}  {run.id}"
+    st_ = run.status()
+    tag = f"  [{st_.get('state', 'unknown')}]" if state else ""
+    who = workshop.owner_of(st_)
+    mine = "" if who == viewer().name else f"  · {who}" + (" (shared)" if st_.get("shared") else "")
+    return (f"{run.id}{tag}" if not name or name in run.id else f"{name}{tag}  {run.id}") + mine
 
 
 def describe(spec: dict) -> str:
@@ -494,7 +604,9 @@ def sweep_argv(grid_file: Path, runs: Path) -> List[str]:
 
 def start_sweep(data: dict, runs=None) -> str:
     """Write the grid under runs/sweeps/<id>/grid.yaml and run it in a detached
-    ``commlab sweep`` process (it outlives the app session). Returns the sweep id."""
+    ``commlab sweep`` process (it outlives the app session, not the app). Returns the sweep id.
+    The teacher's only on a workshop server."""
+    _teacher_only("sweeps")
     runs = Path(runs or runs_dir()).resolve()
     sw = make_sweep(data, runs)
     if sweep_running(sw.dir):
@@ -502,7 +614,7 @@ def start_sweep(data: dict, runs=None) -> str:
     sw.dir.mkdir(parents=True, exist_ok=True)
     grid_file = sw.dir / "grid.yaml"
     grid_file.write_text(yaml.safe_dump(data, sort_keys=False))
-    pid = spawn_detached(sweep_argv(grid_file, runs), sw.dir / "sweep.log", cwd=REPO)  # normal priority
+    pid = spawn_detached(sweep_argv(grid_file, runs), sw.dir / "sweep.log", cwd=REPO, kind="sweep")  # normal priority
     (sw.dir / "process.json").write_text(json.dumps(procs.identity(pid)))
     return sw.id
 
@@ -514,7 +626,14 @@ def sweep_running(sweep_dir: Path) -> bool:
         return False
 
 
+def _teacher_only(what: str) -> None:
+    if not viewer().admin:
+        raise LabError(f"{what}: only the teacher may use sweeps on a workshop server")
+
+
 def list_sweeps(runs=None) -> List[str]:
+    if not viewer().admin:
+        return []
     root = Path(runs or runs_dir()) / "sweeps"
     if not root.is_dir():
         return []
@@ -524,8 +643,10 @@ def list_sweeps(runs=None) -> List[str]:
 
 def load_sweep(sweep_id: str, runs=None):
     """The Sweep of a directory under runs/sweeps/, rebuilt from its grid file (or sweep.json)."""
+    from lab.store import check_id
+    _teacher_only("sweeps")
     root = Path(runs or runs_dir())
-    d = root / "sweeps" / sweep_id
+    d = root / "sweeps" / check_id(sweep_id)
     if (d / "grid.yaml").is_file():
         return make_sweep(yaml.safe_load((d / "grid.yaml").read_text()), root)
     saved = json.loads((d / "sweep.json").read_text())
@@ -606,11 +727,24 @@ def ensure_demo_run(runs) -> Optional[str]:
     return lab.run(str(DEMO_SPEC), wait=False, runs=runs).id
 
 
+def sign_in_lines(root: Path, host: str, port: int, token: Optional[str] = None) -> str:
+    """The links a teacher hands out (class token) and keeps (admin token), after setting the class
+    token to ``token`` when given (lab.workshop)."""
+    import socket
+    data = workshop.set_class_token(root, token) if token else workshop.load_access(root)
+    where = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+    return (f"sign-in required (bound to {host}): tokens in {workshop.access_path(root)}\n"
+            f"  students: http://{where}:{port}/?token={data['class_token']}\n"
+            f"  teacher:  http://{where}:{port}/?token={data['admin_token']}")
+
+
 def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optional[str] = None,
-             demo: bool = True, out=sys.stderr) -> int:
+             demo: bool = True, out=sys.stderr, token: Optional[str] = None) -> int:
     """``commlab app``: serve the UI on host:port (127.0.0.1 unless ``host``) over the runs
     directory ``runs`` (default $COMMLAB_RUNS or ./runs) until interrupted. With ``demo``,
-    an empty runs directory gets the demo run queued first. Returns Streamlit's exit status."""
+    an empty runs directory gets the demo run queued first. Bound beyond loopback, every request
+    needs a token (lab.workshop; ``token`` sets the class token) and the links are printed.
+    Returns 0 after a stop by signal, else Streamlit's exit status."""
     import importlib.util
     if not 1 <= int(port) <= 65535:
         raise LabError(f"--port: must be in 1..65535, got {port}")
@@ -623,27 +757,95 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
         rid = ensure_demo_run(root)
         if rid:
             print(f"no runs in {root} yet: queued the demo run {rid}", file=out, flush=True)
-    env = {**os.environ, "COMMLAB_RUNS": str(root),
+    exposed = not workshop.is_loopback(host or "127.0.0.1")
+    env = {**os.environ, "COMMLAB_RUNS": str(root), workshop.ACCESS_ENV: "token" if exposed else "off",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     print(f"commlab UI on http://{host or '127.0.0.1'}:{port}  (runs: {root}; Ctrl-C stops it)", file=out, flush=True)
+    if exposed:
+        print(sign_in_lines(root, host, port, token), file=out, flush=True)
+    elif token:
+        raise LabError("--token: only for a server bound beyond loopback (--host); on 127.0.0.1 there is no sign-in")
     # The server runs niced, so its refreshes take the cores only when training ranks leave them idle; the
     # runs and sweeps it starts are started by this process instead, at normal priority (lab/spawn.py).
-    # A shell starts background jobs with SIGINT ignored, and children inherit that: Ctrl-C (or a script's
-    # SIGINT) must still stop the lab, so take Python's own handler for the time the server runs.
-    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    # SIGINT (Ctrl-C; a shell starts background jobs with it ignored, and children inherit that), SIGTERM
+    # (kill, a service manager) and SIGHUP (the terminal closed) all stop the lab the same way: stop_app.
+    old = {s: signal.signal(s, _raise_stop) for s in STOP_SIGNALS}
+    server = None
     try:
         with Spawner(start=False) as spawner:
-            env[SPAWNER_ENV] = spawner.address
-            p = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), preexec_fn=lower_priority)
-            spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
             try:
-                return p.wait()
-            except KeyboardInterrupt:
-                p.send_signal(signal.SIGINT)
-                try:
-                    return p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    return p.wait()
+                env[SPAWNER_ENV] = spawner.address
+                server = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), preexec_fn=lower_priority)
+                spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
+                code = server.wait()
+                spawner.close()
+                stopped = spawner.stop_owned("sweep")
+                print(f"commlab UI: the server ended by itself (exit status {code}); stopped "
+                      f"{len(stopped)} background sweep(s)", file=out, flush=True)
+                return code
+            except AppStop as e:
+                for s in STOP_SIGNALS:  # a second signal while stopping must not cut the stop short
+                    signal.signal(s, signal.SIG_IGN)
+                if server is None:
+                    print(f"commlab UI stopped on {e} before its server started", file=out, flush=True)
+                else:
+                    print(stop_app(server, spawner, e.signum, host or "127.0.0.1", int(port)), file=out, flush=True)
+                return 0
     finally:
-        signal.signal(signal.SIGINT, old_int)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+STOP_GRACE_S = 10.0
+"""How long the server and each sweep get to end after SIGTERM before they are killed."""
+
+
+class AppStop(Exception):
+    """Raised in ``commlab app`` by one of STOP_SIGNALS."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stop(signum, frame):
+    raise AppStop(signum)
+
+
+def stop_app(server: subprocess.Popen, spawner: Spawner, signum: int, host: str, port: int) -> str:
+    """Stop what ``commlab app`` started for the UI: the Streamlit server (SIGTERM, which it handles by
+    shutting down; SIGKILL after STOP_GRACE_S) and the background sweeps its spawner started. Runs are
+    left to their supervisors. Returns the line that says what was stopped and whether the port is free."""
+    how = "ended"
+    if server.poll() is None:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+            how = f"killed after {STOP_GRACE_S:g} s"
+    spawner.close()  # no new process is started from here on
+    sweeps = spawner.stop_owned("sweep", grace_s=STOP_GRACE_S)
+    free = port_free(host, port)
+    return (f"commlab UI stopped on {signal.Signals(signum).name}: server (pid {server.pid}) {how}, "
+            f"{len(sweeps)} background sweep(s) stopped, port {port} "
+            f"{'free' if free else 'STILL IN USE by another process'}; runs keep going under their supervisors")
+
+
+def port_free(host: str, port: int, wait_s: float = 5.0) -> bool:
+    """Whether ``port`` can be bound on ``host`` again (tried for up to ``wait_s``: sockets close as the
+    server's process is reaped)."""
+    import socket
+    deadline = time.monotonic() + wait_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, port))
+                return True
+            except OSError:
+                if time.monotonic() > deadline:
+                    return False
+        time.sleep(0.1)

@@ -316,34 +316,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_app_main_serves_and_stops_on_interrupt(tmp_path):
+def children(pid: int) -> list:
+    """The process's children, whichever of its threads started them."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return sorted(out)
+
+
+def alive_pid(pid: int) -> bool:
+    """Running (a zombie left for its parent to reap counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def wait_health(url: str, p, log_path, limit_s: float = 90) -> None:
+    t0 = time.time()
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/_stcore/health", timeout=2) as r:
+                assert r.read() == b"ok"
+                return
+        except OSError:
+            assert p.poll() is None, log_path.read_text()
+            assert time.time() - t0 < limit_s, "the UI did not come up"
+            time.sleep(0.5)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_app_stops_cleanly_on_a_signal(tmp_path, sig):
+    """`commlab app` stopped by SIGINT (started with it ignored, as a shell starts a background job),
+    SIGTERM or SIGHUP: its server and the background sweep it started end, the port is free and it says
+    so, and a run's supervisor it started keeps going."""
+    from lab.spawn import ENV, spawn_detached
     port = free_port()
     code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(tmp_path)!r}, demo=False))"
     # output to a file, not a pipe: an unread pipe that fills up blocks the server and the app on exit
     log_path = tmp_path / "app.log"
     with open(log_path, "wb") as log:
-        # started with SIGINT ignored, as a shell starts a background job: the app must stop on it all the same
         p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True,
                              stdout=log, stderr=subprocess.STDOUT,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    run_pid = None
     try:
-        t0 = time.time()
-        while True:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/_stcore/health", timeout=2) as r:
-                    assert r.read() == b"ok"
-                    break
-            except OSError:
-                assert p.poll() is None, log_path.read_text()
-                assert time.time() - t0 < 90, "the UI did not come up"
-                time.sleep(0.5)
-        p.send_signal(signal.SIGINT)
-        assert p.wait(timeout=30) is not None, log_path.read_text()
+        wait_health(f"http://127.0.0.1:{port}", p, log_path)
+        (server,) = children(p.pid)  # the Streamlit server
+        env = dict(kv.split("=", 1) for kv in Path(f"/proc/{server}/environ").read_text().split("\0") if "=" in kv)
+        sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
+        # as the server's page would: a sweep and a run's supervisor, started by the app's process
+        os.environ[ENV] = env[ENV]
+        try:
+            sweep_pid = spawn_detached(sleeper, tmp_path / "sweep.log", kind="sweep")
+            run_pid = spawn_detached(sleeper, tmp_path / "run.log", kind="run")
+        finally:
+            del os.environ[ENV]
+        assert set(children(p.pid)) == {server, sweep_pid, run_pid}
+        p.send_signal(sig)
+        assert p.wait(timeout=60) == 0, log_path.read_text()
+        assert not alive_pid(server) and not alive_pid(sweep_pid)
+        assert alive_pid(run_pid)  # runs keep their own supervisors
+        with socket.socket() as s:  # the port is free (SO_REUSEADDR: past TIME_WAIT, never past a listener)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("127.0.0.1", port))
+        out = log_path.read_text()
+        assert f"127.0.0.1:{port}" in out
+        name = signal.Signals(sig).name
+        assert f"commlab UI stopped on {name}: server (pid {server}) ended, 1 background sweep(s) stopped, " \
+               f"port {port} free" in out, out
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
-    assert f"127.0.0.1:{port}" in log_path.read_text()
+        if run_pid and alive_pid(run_pid):
+            os.kill(run_pid, signal.SIGKILL)
 
 
 def test_new_run_form_follows_the_comm_mode(runs):

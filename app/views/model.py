@@ -63,7 +63,7 @@ def from_runs():
     st.caption("At the sliders' point: " + ", ".join(f"{r.compressor} {r.speedup:.2f}x" for r in at.itertuples()))
 
     st.subheader("Predicted against measured, every run in the index")
-    pvm = views.predicted_vs_measured(runs)
+    pvm = views.predicted_vs_measured(runs, only=labels)  # the runs this user may see
     st.plotly_chart(plots.predicted_vs_measured_figure(pvm), width="stretch", key="pm.scatter")
     with st.expander("Per run"):
         st.dataframe(pvm, hide_index=True)

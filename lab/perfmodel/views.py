@@ -102,13 +102,16 @@ def run_layout(run) -> Optional[List[List[str]]]:
         return None
 
 
-def predicted_vs_measured(runs, curves: Optional[dict] = None) -> pd.DataFrame:
-    """One row per finished multi-rank run: measured and predicted iteration time (ms),
-    or the reason it could not be predicted."""
+def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None) -> pd.DataFrame:
+    """One row per finished multi-rank run (of those in ``only``, run ids, when given): measured and
+    predicted iteration time (ms), or the reason it could not be predicted."""
     import lab
     rows = []
     curves = {} if curves is None else curves
+    only = None if only is None else set(only)
     for run in lab.runs(runs=runs, state="done"):
+        if only is not None and run.id not in only:
+            continue
         spec = run.spec_dict()
         row = {"run": run.id, "name": spec.get("name", ""), "compressor": spec["compressor"]["name"],
                "schedule": spec["schedule"]["name"], "comm": spec["comm"]["mode"],

@@ -1,0 +1,162 @@
+"""A browser's side of a Streamlit session, at the websocket level: what bench/workshop.py's simulated
+students and the workshop security tests use instead of a real browser (one Chromium tab costs a core).
+
+A session connects to ``/_stcore/stream`` and asks for script runs (``BackMsg.rerun_script``) with a
+query string, a page and widget states, as the browser does; it keeps every ``ForwardMsg`` the server
+sends back, so a test can look for what must not be in any of them.
+
+    s = Session(base_url)
+    page = s.run("token=...", page="live_run")     # blocks until the script run has finished
+    page.text                                      # every message of that run, as protobuf text
+    page.widget("preset-dear-vs-ddp")              # a widget's id, from its key
+    s.run("token=...", widgets={wid: True})        # a button's click (trigger)
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+from streamlit.proto.BackMsg_pb2 import BackMsg
+from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+from tornado.websocket import websocket_connect
+
+
+@dataclass
+class Page:
+    messages: List[ForwardMsg] = field(default_factory=list)
+    seconds: float = 0.0
+    """From the request to the end of the last script run it caused."""
+    query_string: Optional[str] = None
+    """The query string the server last set (st.query_params), if it set one."""
+
+    @property
+    def text(self) -> str:
+        return "\n".join(str(m) for m in self.messages)
+
+    def widget(self, key: str) -> Optional[str]:
+        """The id of the widget whose user key is ``key`` (Streamlit puts the key at the end of the id)."""
+        for m in self.messages:
+            if m.WhichOneof("type") != "delta" or m.delta.WhichOneof("type") != "new_element":
+                continue
+            el = m.delta.new_element
+            inner = getattr(el, el.WhichOneof("type") or "", None)
+            wid = getattr(inner, "id", "") if inner is not None else ""
+            if isinstance(wid, str) and wid.endswith("-" + key):
+                return wid
+        return None
+
+    def kinds(self) -> List[str]:
+        """The messages' types, in order (for a report of what came back)."""
+        return [m.WhichOneof("type") for m in self.messages]
+
+    def exceptions(self) -> List[str]:
+        out = []
+        for m in self.messages:
+            if m.WhichOneof("type") == "delta" and m.delta.WhichOneof("type") == "new_element" \
+                    and m.delta.new_element.WhichOneof("type") == "exception":
+                out.append(m.delta.new_element.exception.message)
+        return out
+
+
+class Session:
+    """One browser tab's websocket session, driven synchronously (its event loop runs in a thread)."""
+
+    def __init__(self, base_url: str, timeout_s: float = 120.0):
+        self.url = base_url.replace("http://", "ws://").rstrip("/") + "/_stcore/stream"
+        self.timeout_s = timeout_s
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.ws = self._call(self._connect())
+        self.all: List[ForwardMsg] = []
+        """Every message of this session, for checks over the whole session."""
+
+    async def _connect(self):
+        return await websocket_connect(self.url, subprotocols=["streamlit"])  # made on the session's loop
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s + 10)
+
+    def run(self, query_string: str = "", page: str = "", widgets: Optional[Dict[str, object]] = None,
+            quiet_s: float = 0.3) -> Page:
+        """Ask for a script run and collect what comes back until a run has finished and nothing more
+        comes for ``quiet_s`` (a click that switches page causes a second run)."""
+        m = BackMsg()
+        m.rerun_script.query_string = query_string
+        m.rerun_script.page_name = page
+        for wid, value in (widgets or {}).items():
+            if not isinstance(wid, str) or not wid:
+                raise ValueError(f"widget id: must be a non-empty string (Page.widget found none?), got {wid!r}")
+            w = m.rerun_script.widget_states.widgets.add()
+            w.id = wid
+            if value is True:
+                w.trigger_value = True
+            elif isinstance(value, bool):
+                w.bool_value = value
+            elif isinstance(value, int):
+                w.int_value = value
+            elif isinstance(value, float):
+                w.double_value = value
+            else:
+                w.string_value = str(value)
+        return self._call(self._exchange(m, quiet_s))
+
+    async def _drain(self) -> None:
+        """Keep what is still arriving from an earlier request (a script run that a click started late,
+        under load) out of the next page: read it into ``all`` until nothing comes for a moment."""
+        while True:
+            try:
+                raw = await asyncio.wait_for(self.ws.read_message(), 0.05)
+            except asyncio.TimeoutError:
+                return
+            if raw is None:
+                return
+            f = ForwardMsg()
+            f.ParseFromString(raw)
+            self.all.append(f)
+
+    async def _exchange(self, m: BackMsg, quiet_s: float) -> Page:
+        await self._drain()
+        page = Page()
+        t0 = time.perf_counter()
+        self.ws.write_message(m.SerializeToString(), binary=True)
+        started = ended = 0  # script runs begun (new_session) and finished since the request
+        finished = False
+        deadline = t0 + self.timeout_s
+        while True:
+            wait = quiet_s if finished else max(0.1, deadline - time.perf_counter())
+            try:
+                raw = await asyncio.wait_for(self.ws.read_message(), wait)
+            except asyncio.TimeoutError:
+                if finished:
+                    return page
+                raise TimeoutError(f"no script run finished within {self.timeout_s:g} s") from None
+            if raw is None:
+                raise ConnectionError("the server closed the websocket")
+            f = ForwardMsg()
+            f.ParseFromString(raw)
+            page.messages.append(f)
+            self.all.append(f)
+            kind = f.WhichOneof("type")
+            if kind == "page_info_changed":
+                page.query_string = f.page_info_changed.query_string
+            if kind == "new_session":
+                started += 1
+                finished = False
+            if kind == "script_finished":
+                ended += 1
+                finished = ended >= started  # every run this request caused has ended
+                page.seconds = time.perf_counter() - t0
+
+    async def _close(self) -> None:
+        self.ws.close()  # on the session's loop: tornado's streams are not thread-safe
+
+    def close(self) -> None:
+        try:
+            self._call(self._close())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=5)

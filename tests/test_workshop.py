@@ -1,0 +1,431 @@
+"""The workshop server (lab/workshop.py, app/access.py): sign-in, per-user runs, the fair queue and quotas,
+tested as a student or an outsider would try them: no token, a wrong token, another student's run id,
+path tricks in ids."""
+import json
+import os
+
+import pytest
+
+pytest.importorskip("streamlit")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+import lab  # noqa: E402
+from lab import ui, workshop  # noqa: E402
+from lab.queue import Lab  # noqa: E402
+from lab.store import LabError, RunError  # noqa: E402
+from test_app import ENTRY, SMALL  # noqa: E402
+
+TRICKS = ["../../../etc/passwd", "/etc/passwd", "..", "%2e%2e%2f%2e%2e%2fetc%2fpasswd", "..%2f..%2f", "a/../../b",
+          "./spec.json", "x\x00y", "access.json", "../access.json", "~root"]
+
+
+@pytest.fixture
+def room(tmp_path, monkeypatch):
+    """A runs directory served as on 0.0.0.0: two students with a queued run each (bob's shared), one
+    of the local user's, and the tokens."""
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    monkeypatch.setenv(workshop.ACCESS_ENV, "token")
+    q = Lab(tmp_path)
+    spec = lab._spec(SMALL)
+    runs = {o: q.create(spec, owner=o) for o in ("alice", "bob")}
+    runs["local"] = q.create(spec)
+    ui.share(runs["bob"].id)
+    access = workshop.load_access(tmp_path)
+    tokens = {"class": access["class_token"], "admin": access["admin_token"],
+              "alice": workshop.sign_in(tmp_path, access["class_token"], "alice"),
+              "bob": workshop.sign_in(tmp_path, access["class_token"], "bob"),
+              "carol": workshop.sign_in(tmp_path, access["class_token"], "carol")}
+    yield tmp_path, runs, tokens
+    ui.set_viewer(None)
+
+
+def app(token=None, page=None, **params) -> AppTest:
+    at = AppTest.from_file(ENTRY, default_timeout=120)
+    if token is not None:
+        at.query_params["token"] = token
+    for k, v in params.items():
+        at.query_params[k] = v
+    at.run()
+    if page:
+        at.switch_page(f"views/{page}.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def everything(at) -> str:
+    """Every message the script sent to the browser (each element's protobuf, as text), as one string:
+    what must not be there is looked for in all of it."""
+    out = []
+
+    def walk(node):
+        if getattr(node, "proto", None) is not None:
+            out.append(str(node.proto))
+        kids = getattr(node, "children", None) or {}
+        for c in (kids.values() if isinstance(kids, dict) else kids):
+            walk(c)
+    walk(at._tree)
+    return "\n".join(out)
+
+
+def signed_out(at, runs) -> None:
+    assert [t.value for t in at.title] == ["commlab: sign in"]
+    text = everything(at)
+    for r in runs.values():
+        assert r.id not in text
+    assert not at.get("plotly_chart") and not at.get("download_button") and not at.dataframe
+
+
+# --------------------------------------------------------------------------- sign-in
+
+def test_no_token_gets_only_the_sign_in_prompt(room):
+    root, runs, tokens = room
+    for page in (None, "live_run", "compare", "results", "sweeps", "model", "new_run"):
+        at = AppTest.from_file(ENTRY, default_timeout=120)
+        at.run()
+        signed_out(at, runs)
+        if page:  # a page's URL without a token: the gate stops the script before any page runs
+            at.switch_page(f"views/{page}.py").run()
+            assert not at.exception, [e.value for e in at.exception]
+            signed_out(at, runs)
+
+
+@pytest.mark.parametrize("bad", ["wrong", "", "A" * 24, "../access.json", "x" * 500])
+def test_a_wrong_token_gets_the_prompt_and_a_refusal(room, bad):
+    root, runs, tokens = room
+    at = app(bad, run=runs["alice"].id)
+    signed_out(at, runs)
+    if bad:
+        assert [e.value for e in at.error] == ["That token is not valid."]
+
+
+def test_class_token_then_a_name_gives_a_personal_token(room):
+    root, runs, tokens = room
+    at = app(tokens["class"])
+    assert [t.value for t in at.title] == ["commlab: sign in"] and not at.error
+    signed_out(at, runs)
+    at.text_input(key="access.name_in").set_value("bob")  # taken
+    at.button[0].click().run()
+    assert any("'bob' is taken" in e.value for e in at.error)
+    at.text_input(key="access.name_in").set_value("../dave")
+    at.button[0].click().run()
+    assert any("name: '../dave' is not allowed" in e.value for e in at.error)
+    at.text_input(key="access.name_in").set_value("dave")
+    at.button[0].click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    personal = at.query_params["token"]
+    assert personal not in tokens.values() and workshop.check_token(root, personal) == workshop.User("dave")
+    assert [t.value for t in at.title] == ["commlab"]  # the Home page, signed in
+    assert "dave" in workshop.users(root)
+
+
+def test_loopback_needs_no_token(room, monkeypatch):
+    root, runs, tokens = room
+    monkeypatch.setenv(workshop.ACCESS_ENV, "off")
+    at = app()
+    assert [t.value for t in at.title] == ["commlab"]
+    assert all(r.id in everything(at) for r in runs.values())  # the local user sees every run
+
+
+def test_access_mode():
+    assert workshop.access_mode("127.0.0.1", "token") == "off"  # an explicit loopback address
+    assert workshop.access_mode("::1", None) == "off"
+    assert workshop.access_mode("localhost", None) == "off"
+    for exposed in ("0.0.0.0", "192.168.1.5", "::"):
+        assert workshop.access_mode(exposed, "off") == "token"  # exposed: the environment cannot turn it off
+    assert workshop.access_mode(None, "") == "token"  # unset, and Streamlit's default binds every interface
+    assert workshop.access_mode(None, "off") == "off"
+    with pytest.raises(LabError, match="COMMLAB_ACCESS: must be 'token' or 'off', got 'maybe'"):
+        workshop.access_mode(None, "maybe")
+
+
+def test_access_file_is_private_and_checked(tmp_path):
+    data = workshop.load_access(tmp_path)
+    assert oct(workshop.access_path(tmp_path).stat().st_mode & 0o777) == "0o600"
+    tok = workshop.sign_in(tmp_path, data["class_token"], "erin")
+    assert tok not in workshop.access_path(tmp_path).read_text()  # only its hash is stored
+    assert workshop.check_token(tmp_path, data["class_token"]) is None  # the class token alone is nobody
+    assert workshop.check_token(tmp_path, data["admin_token"]).admin
+    with pytest.raises(LabError, match="token: not the class token"):
+        workshop.sign_in(tmp_path, data["admin_token"] + "x", "frank")
+    for reserved in ("teacher", "Teacher", workshop.local_user().name):
+        with pytest.raises(LabError, match="is reserved"):
+            workshop.sign_in(tmp_path, data["class_token"], reserved)
+    workshop.access_path(tmp_path).write_text(json.dumps({"class_token": "short", "admin_token": "y" * 20}))
+    with pytest.raises(LabError, match="class_token must be a string of at least 8 characters"):
+        workshop.load_access(tmp_path)
+    with pytest.raises(LabError, match="--token: must be at least 8 characters"):
+        workshop.set_class_token(tmp_path / "other", "a b")
+
+
+# --------------------------------------------------------------------------- per-user runs
+
+def test_a_student_sees_own_and_shared_runs_only(room):
+    root, runs, tokens = room
+    at = app(tokens["alice"])
+    text = everything(at)
+    assert runs["alice"].id in text and runs["bob"].id in text  # bob's is shared
+    assert runs["local"].id not in text
+    at = app(tokens["carol"], page="compare")
+    text = everything(at)
+    assert runs["alice"].id not in text and runs["local"].id not in text and runs["bob"].id in text
+    at = app(tokens["admin"])
+    assert all(r.id in everything(at) for r in runs.values())  # the teacher sees everything
+
+
+def test_another_students_run_id_shows_nothing(room):
+    root, runs, tokens = room
+    at = app(tokens["carol"], page="live_run", run=runs["alice"].id)
+    assert runs["alice"].id not in [s.value for s in at.selectbox]
+    assert at.selectbox(key="live.pick").value == runs["bob"].id  # falls back to what carol may see
+    assert not any(b.key == "live.cancel" for b in at.button)  # bob's run is shared, not carol's to cancel
+    # through the UI's functions, as a page would call them
+    ui.set_viewer(lambda: workshop.User("carol"))
+    assert ui.get_run(runs["alice"].id) is None
+    with pytest.raises(RunError, match="no run"):
+        ui.cancel(runs["alice"].id)
+    with pytest.raises(LabError, match="belongs to bob; only its owner or the teacher may cancel it"):
+        ui.cancel(runs["bob"].id)
+    with pytest.raises(LabError, match="belongs to bob"):
+        ui.share(runs["bob"].id, False)
+    assert lab.get(runs["alice"].id, runs=root).state == "queued"  # nothing was cancelled
+    ui.set_viewer(lambda: workshop.User("alice"))
+    assert ui.cancel(runs["alice"].id) == "cancelled"
+
+
+@pytest.mark.parametrize("trick", TRICKS)
+def test_path_tricks_in_ids_show_nothing(room, trick):
+    root, runs, tokens = room
+    for page, param in (("live_run", "run"), ("results", "group"), ("results", "sweep")):
+        at = app(tokens["carol"], page=page, **{param: trick})
+        text = everything(at)
+        assert "root:" not in text and runs["alice"].id not in text and tokens["admin"] not in text
+    ui.set_viewer(lambda: workshop.User("carol"))
+    assert ui.get_run(trick) is None
+    for fn in (ui.cancel, ui.share, ui.get_run_or_raise):
+        with pytest.raises(LabError):
+            fn(trick)
+    with pytest.raises((KeyError, LabError)):
+        ui.preset_group(trick)
+    with pytest.raises(LabError):
+        ui.load_sweep(trick)
+
+
+def test_sweeps_are_the_teachers(room):
+    root, runs, tokens = room
+    ui.set_viewer(lambda: workshop.User("alice"))
+    assert ui.list_sweeps() == []
+    with pytest.raises(LabError, match="sweeps: only the teacher"):
+        ui.start_sweep(ui.sweep_data("s", SMALL, {"compressor.name": ["none"]}))
+
+
+def test_runs_record_their_owner(tmp_path):
+    q = Lab(tmp_path)
+    local = q.create(lab._spec(SMALL))
+    mine = q.create(lab._spec(SMALL), owner="alice")
+    assert local.status()["owner"] == workshop.local_user().name  # the CLI and the API: the local user
+    assert mine.status()["owner"] == "alice"
+    assert [r["owner"] for r in q.index.query()] == [workshop.local_user().name, "alice"]
+    assert [r["id"] for r in q.index.query(owner="alice")] == [mine.id]
+
+
+def test_commlab_runs_filters_by_owner(room, capsys):
+    from lab.cli import main
+    root, runs, tokens = room
+    assert main(["runs", "--owner", "alice", "--runs", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert runs["alice"].id in out and runs["bob"].id not in out and runs["local"].id not in out
+
+
+def test_sharing_from_the_live_page(room):
+    root, runs, tokens = room
+    at = app(tokens["alice"], page="live_run", run=runs["alice"].id)
+    assert at.toggle(key="live.share").value is False
+    at.toggle(key="live.share").set_value(True).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert lab.get(runs["alice"].id, runs=root).status()["shared"] is True
+    assert runs["alice"].id in everything(app(tokens["carol"], page="compare"))  # now the class sees it
+    at = app(tokens["carol"], page="live_run", run=runs["alice"].id)
+    assert at.selectbox(key="live.pick").value == runs["alice"].id
+    assert not any(t.key == "live.share" for t in at.toggle)  # not carol's to unshare
+
+
+# --------------------------------------------------------------------------- fair queue and quotas
+
+def test_fair_order_is_round_robin_over_owners():
+    rows = [{"id": f"{o}{i}", "owner": o, "created": t} for t, (o, i) in
+            enumerate([("a", 1), ("a", 2), ("a", 3), ("b", 1), ("a", 4), ("c", 1), ("b", 2)])]
+    assert workshop.fair_order(rows) == ["a1", "b1", "c1", "a2", "b2", "a3", "a4"]
+    # a user with a run going waits behind those with none
+    assert workshop.fair_order(rows, running=[{"id": "x", "owner": "a"}])[:3] == ["b1", "c1", "a1"]
+    # one user: first come, first served
+    assert workshop.fair_order([r for r in rows if r["owner"] == "a"]) == ["a1", "a2", "a3", "a4"]
+
+
+def test_queue_position_follows_the_fair_order(tmp_path):
+    """Supervisors that are alive (this process) for a's three runs and b's one: b's run, queued last,
+    comes second."""
+    from lab import procs
+    q = Lab(tmp_path, max_jobs=8)
+    spec = lab._spec(SMALL)
+    a = [q.create(spec, owner="a") for _ in range(3)]
+    b = q.create(spec, owner="b")
+    for r in (*a, b):
+        r.set_status("queued", supervisor=procs.identity())
+    assert [q.queue_position(r) for r in a] == [0, 2, 3]
+    assert q.queue_position(b) == 1
+
+
+def quota_file(root, quotas):
+    (root / "lab.json").write_text(json.dumps({"quotas": quotas}))
+
+
+def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    quota_file(tmp_path, {"queued": 2, "steps": 50, "world_size": 2, "wall_s": 30})
+    ui.set_viewer(lambda: workshop.User("alice"))
+    try:
+        with pytest.raises(LabError, match=r"^quota steps: at most 50 steps per run, asked for 51$"):
+            ui.submit(dict(SMALL, steps=51))
+        with pytest.raises(LabError, match=r"^quota world_size: at most 2 ranks per run, asked for 3$"):
+            ui.submit(dict(SMALL, world_size=3))
+        q = Lab(tmp_path)
+        for _ in range(2):
+            q.create(lab._spec(SMALL), owner="alice")
+        with pytest.raises(LabError, match=r"^quota queued: alice may have 2 runs queued or running at once; 2 are, "
+                                           r"and this asks for 1 more$"):
+            ui.submit(SMALL)
+        preset = ui.PRESETS[0]
+        with pytest.raises(LabError, match="quota"):
+            ui.start_preset(preset)
+        assert len(q.index.query()) == 2  # nothing was queued by a refused request
+        ui.set_viewer(lambda: workshop.User("teacher", admin=True))
+        run = ui.submit(dict(SMALL, steps=51))  # the teacher has no limits
+        lab.cancel(run.id, runs=tmp_path)
+        lab.wait(run.id, runs=tmp_path, timeout=60)
+    finally:
+        ui.set_viewer(None)
+
+
+@pytest.mark.parametrize("quotas,msg", [
+    ({"queued": 0}, "quotas.queued: must be a positive integer, got 0"),
+    ({"steps": 1.5}, "quotas.steps: must be a positive integer, got 1.5"),
+    ({"wall_s": "600"}, "quotas.wall_s: must be a positive number, got '600'"),
+    ({"gpus": 1}, "quotas: unknown limit 'gpus'; allowed: queued, steps, world_size, wall_s"),
+    ([1], "quotas: must be an object"),
+])
+def test_bad_quotas_are_named(tmp_path, quotas, msg):
+    (tmp_path / "lab.json").write_text(json.dumps({"quotas": quotas}))
+    with pytest.raises(LabError, match=msg.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        workshop.quotas(tmp_path)
+
+
+def test_wall_time_quota_cancels_the_run_and_says_why(tmp_path):
+    q = Lab(tmp_path)
+    run = q.submit(lab._spec(dict(SMALL, steps=100000)), wait=True, owner="alice", wall_limit_s=3)
+    st = run.status()
+    assert st["state"] == "cancelled", st
+    assert st["error"].startswith("quota wall_s: stopped after ") and "the limit is 3 s per run" in st["error"], st
+
+
+# --------------------------------------------------------------------------- the real server, over the wire
+
+@pytest.fixture(scope="module")
+def exposed(tmp_path_factory):
+    """`commlab app --host 0.0.0.0` over a runs directory with a run of alice's and one of bob's (not
+    shared), driven at the websocket level as a browser would (bench/wsclient.py)."""
+    import signal
+    import subprocess
+    import sys
+    from test_app import ROOT, free_port, wait_health
+    root = tmp_path_factory.mktemp("exposed")
+    q = Lab(root)
+    runs = {o: q.create(lab._spec(SMALL), owner=o) for o in ("alice", "bob")}
+    access = workshop.load_access(root)
+    tokens = {"class": access["class_token"], "admin": access["admin_token"],
+              **{o: workshop.sign_in(root, access["class_token"], o) for o in ("alice", "bob")}}
+    port = free_port()
+    code = (f"import sys; from lab.ui import app_main; "
+            f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")
+    log_path = root / "app.log"
+    env = {k: v for k, v in os.environ.items() if k != workshop.ACCESS_ENV}
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True, env=env,
+                             stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_health(url, p, log_path)
+        yield url, runs, tokens, log_path
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def wire(url, query="", page=""):
+    from bench.wsclient import Session
+    s = Session(url)
+    try:
+        got = s.run(query, page=page)
+        return got, "\n".join(str(m) for m in s.all)
+    finally:
+        s.close()
+
+
+def test_exposed_server_prints_the_links(exposed):
+    url, runs, tokens, log_path = exposed
+    out = log_path.read_text()
+    assert f"students: http://" in out and f"/?token={tokens['class']}" in out
+    assert f"teacher:  http://" in out and f"/?token={tokens['admin']}" in out
+
+
+@pytest.mark.parametrize("query", ["", "token=wrong", "token=", "token=../access.json"])
+@pytest.mark.parametrize("page", ["", "live_run", "compare", "results", "sweeps", "model"])
+def test_over_the_wire_no_valid_token_gets_nothing(exposed, query, page):
+    url, runs, tokens, _ = exposed
+    got, text = wire(url, f"{query}&run={runs['alice'].id}", page)
+    assert "commlab: sign in" in text and not got.exceptions()
+    for r in runs.values():
+        assert r.id not in text
+    for t in tokens.values():
+        assert t not in text
+    assert "plotly_chart" not in text and "download_button" not in text and "arrow_data_frame" not in text
+
+
+def test_over_the_wire_a_student_sees_only_their_own(exposed):
+    url, runs, tokens, _ = exposed
+    got, text = wire(url, f"token={tokens['alice']}&run={runs['bob'].id}", "live_run")
+    assert not got.exceptions(), got.exceptions()
+    assert runs["alice"].id in text and runs["bob"].id not in text
+    got, text = wire(url, f"token={tokens['admin']}&run={runs['bob'].id}", "live_run")
+    assert runs["alice"].id in text and runs["bob"].id in text  # the teacher sees both
+
+
+@pytest.mark.parametrize("trick", TRICKS[:6])
+def test_over_the_wire_path_tricks_show_nothing(exposed, trick):
+    from urllib.parse import quote
+    url, runs, tokens, _ = exposed
+    for param, page in (("run", "live_run"), ("group", "results"), ("sweep", "results")):
+        got, text = wire(url, f"token={tokens['alice']}&{param}={quote(trick)}", page)
+        assert not got.exceptions(), got.exceptions()
+        assert runs["bob"].id not in text and tokens["admin"] not in text and "root:x:" not in text
+
+
+@pytest.mark.parametrize("path", ["/media/../access.json", "/media/%2e%2e/access.json", "/media/..%2faccess.json",
+                                  "/app/static/access.json", "/app/static/../../access.json",
+                                  "/_stcore/upload_file/x/y", "/access.json", "/index.sqlite",
+                                  "/component/..%2f..%2faccess.json"])
+def test_over_the_wire_no_file_of_the_runs_directory_is_served(exposed, path):
+    import urllib.error
+    import urllib.request
+    url, runs, tokens, _ = exposed
+    try:
+        with urllib.request.urlopen(url + path, timeout=10) as r:
+            body = r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        body = e.read().decode(errors="replace")
+    for t in tokens.values():
+        assert t not in body
+    assert runs["alice"].id not in body and "SQLite format" not in body
