@@ -18,6 +18,6 @@ pages = [
     st.Page("views/model.py", title="Performance model", icon=":material/functions:"),
     st.Page("views/advisor.py", title="Advisor", icon=":material/recommend:"),
 ]
-if not user.admin:  # sweeps are the teacher's on a workshop server
-    pages = [p for p in pages if p.title != "Sweeps"]
+if not user.admin:  # sweeps and the advisor (background jobs over every run) are the teacher's on a workshop server
+    pages = [p for p in pages if p.title not in ("Sweeps", "Advisor")]
 st.navigation(pages).run()

@@ -403,6 +403,19 @@ def test_over_the_wire_a_student_sees_only_their_own(exposed):
     assert runs["alice"].id in text and runs["bob"].id in text  # the teacher sees both
 
 
+@pytest.mark.parametrize("page", ["sweeps", "advisor"])
+def test_over_the_wire_teacher_only_pages_are_not_a_students(exposed, page):
+    """Sweeps and the Advisor run background jobs over every run: a student asking for their URL gets
+    neither the page nor another student's run; the teacher gets the page."""
+    url, runs, tokens, _ = exposed
+    title = {"sweeps": "Sweeps", "advisor": "Ranks what the engine can do"}[page]
+    got, text = wire(url, f"token={tokens['alice']}", page)
+    assert title not in text and runs["bob"].id not in text
+    got, text = wire(url, f"token={tokens['admin']}", page)
+    assert not got.exceptions(), got.exceptions()
+    assert title in text
+
+
 @pytest.mark.parametrize("trick", TRICKS[:6])
 def test_over_the_wire_path_tricks_show_nothing(exposed, trick):
     from urllib.parse import quote
