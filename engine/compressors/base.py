@@ -24,9 +24,10 @@ A compressor declares, instead of leaving callers to probe it:
   an attribute of the same name; the spec, the New run form and the README's
   table read the same tuple;
 - its capabilities: ``summable``, ``keeps_shape``, ``lossless``, ``rounds``,
-  ``builtin_feedback`` and ``elementwise``. Read them from an instance where
-  parameters change them (Count Sketch with ``exact`` takes two rounds).
-  ``shard_problem`` combines them into what DeAR needs.
+  ``builtin_feedback``, ``elementwise`` (per-element state), ``warmup_exchanges``
+  (uncompressed exchanges first) and ``per_tensor`` (uses the layout). Read them
+  from an instance where parameters change them (Count Sketch with ``exact``
+  takes two rounds). ``shard_problem`` combines them into what DeAR needs.
 """
 from __future__ import annotations
 
@@ -103,6 +104,18 @@ class Compressor:
     def __init__(self, **given):
         for k, v in take(self.name, self.params, given).items():
             setattr(self, k, v)
+
+    @property
+    def warmup_exchanges(self) -> int:
+        """Exchanges at the start that send the bucket uncompressed, as one plain all-reduce
+        (PowerSGD's ``start_iter``). Whoever measures steady-state payloads or costs drives
+        this many exchanges first."""
+        return 0
+
+    def per_tensor(self, n: int) -> bool:
+        """True when this instance compresses a bucket of n elements tensor by tensor, from
+        the ``layout`` the communicator set (PowerSGD), False when it treats it as one flat tensor."""
+        return False
 
     def shard_problem(self) -> Optional[str]:
         """Why a reduce-scatter of this instance's payloads would not be the reduce-scatter of the

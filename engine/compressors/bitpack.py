@@ -47,6 +47,8 @@ _LOW2 = 0x03030303
 # torch wraps into a tensor on every call (they combine with tensors on any device, as numbers do).
 _GATHER8_T = torch.tensor(_GATHER8)
 _56_T = torch.tensor(56)
+_GATHER4_T = torch.tensor(_GATHER4)
+_24_T = torch.tensor(24)
 
 _WEIGHTS8 = (128, 64, 32, 16, 8, 4, 2, 1)
 _WEIGHTS4 = (64, 16, 4, 1)
@@ -128,7 +130,9 @@ def pack_2bit(values: Tensor) -> Tensor:
     if not _LITTLE:
         w = torch.tensor(_WEIGHTS4, dtype=torch.uint8, device=u.device)
         return (u.view(-1, 4) * w).sum(1, dtype=torch.uint8)
-    return ((u.view(torch.int32) * _GATHER4) >> 24).to(torch.uint8)
+    w = u.view(torch.int32) * _GATHER4_T
+    w >>= _24_T
+    return w.byte()
 
 
 def unpack_2bit(packed: Tensor, n: int) -> Tensor:

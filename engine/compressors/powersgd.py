@@ -183,6 +183,13 @@ class PowerSGD(Compressor):
         self._pad = None  # compress's zero-padded matrix, when n is not rows * cols
         self._dense = Scratch()  # large decodes
 
+    @property
+    def warmup_exchanges(self) -> int:
+        return self.start_iter
+
+    def per_tensor(self, n: int) -> bool:
+        return self.plan(n) is not None
+
     def compresses(self, n: int) -> bool:
         rows, cols = matrix_shape(n)
         return self.rank * (rows + cols) * self.min_compression_rate < rows * cols

@@ -341,7 +341,7 @@ class TernGrad(_Seeded):
         g = self._generator(x.device)
         lo, hi = torch.aminmax(x)
         # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)
-        s = torch.maximum(hi, -lo).float().clamp_(min=_TINY32).reshape(1)
+        s = torch.maximum(hi, -lo).float().clamp_min_(_TINY32_T).reshape(1)
         v = self._work("u", n, x.dtype, x.device).uniform_(1, 2, generator=g)
         v.addcdiv_(x, s.to(dtype=x.dtype))  # divide by the scale as sent, so decoding matches
         codes = self._work("codes", bitpack.packed_size(n, 4) * 4, torch.uint8, x.device, fill=1)
@@ -359,9 +359,22 @@ class TernGrad(_Seeded):
 
 
 _TINY32 = torch.finfo(torch.float32).tiny
+_TINY32_T = torch.tensor(_TINY32)
 
 # IEEE layouts natural compression works in: (same-size int, mantissa bits, exponent bits)
 _IEEE = {torch.float32: (torch.int32, 23, 8), torch.float64: (torch.int64, 52, 11)}
+
+
+_CONSTS = {}
+
+
+def _int_consts(mb: int, eb: int):
+    """((1 << mb) - 1, mb, eb, 128, (1 << eb) - 1) as 0-d int64 tensors, made once per format.
+    Combined with an int32 tensor they act as the same Python ints would (no type promotion)."""
+    k = _CONSTS.get((mb, eb))
+    if k is None:
+        k = _CONSTS[(mb, eb)] = tuple(torch.tensor(v) for v in ((1 << mb) - 1, mb, eb, 128, (1 << eb) - 1))
+    return k
 
 
 class Natural(_Seeded):
@@ -411,12 +424,13 @@ class Natural(_Seeded):
         small = self._find_small(xi, offset, mb, eb) if offset else None
 
         r = self._random_bits(n, itype, g, x.device)
-        r &= (1 << mb) - 1
+        k = _int_consts(mb, eb)  # the numbers below as 0-d tensors: ~1 µs less per operation
+        r &= k[0]  # (1 << mb) - 1
         r += xi  # the carry into the exponent field is the stochastic round up
-        r >>= mb  # sign-extended: the rounded field, minus 2^eb for negative x
-        sign = torch.bitwise_right_shift(r, eb, out=self._work("sign", n, itype, x.device))
-        sign &= 128  # -1 (negative) or 0 -> the code's top bit
-        r &= (1 << eb) - 1
+        r >>= k[1]  # mb; sign-extended: the rounded field, minus 2^eb for negative x
+        sign = torch.bitwise_right_shift(r, k[2], out=self._work("sign", n, itype, x.device))  # eb
+        sign &= k[3]  # 128: -1 (negative) or 0 -> the code's top bit
+        r &= k[4]  # (1 << eb) - 1
         if offset:
             r -= offset
             r.clamp_(min=0)
