@@ -359,6 +359,8 @@ class TernGrad(_Seeded):
 
 
 _TINY32 = torch.finfo(torch.float32).tiny
+_KEEP = 1 << 16
+"""From this many elements, work tensors that nothing returned points into are kept between calls."""
 _TINY32_T = torch.tensor(_TINY32)
 
 # IEEE layouts natural compression works in: (same-size int, mantissa bits, exponent bits)
@@ -369,11 +371,11 @@ _CONSTS = {}
 
 
 def _int_consts(mb: int, eb: int):
-    """((1 << mb) - 1, mb, eb, 128, (1 << eb) - 1) as 0-d int64 tensors, made once per format.
+    """((1 << mb) - 1, mb, eb, 128, (1 << eb) - 1, 0) as 0-d int64 tensors, made once per format.
     Combined with an int32 tensor they act as the same Python ints would (no type promotion)."""
     k = _CONSTS.get((mb, eb))
     if k is None:
-        k = _CONSTS[(mb, eb)] = tuple(torch.tensor(v) for v in ((1 << mb) - 1, mb, eb, 128, (1 << eb) - 1))
+        k = _CONSTS[(mb, eb)] = tuple(torch.tensor(v) for v in ((1 << mb) - 1, mb, eb, 128, (1 << eb) - 1, 0))
     return k
 
 
@@ -427,8 +429,27 @@ class Natural(_Seeded):
         k = _int_consts(mb, eb)  # the numbers below as 0-d tensors: ~1 µs less per operation
         r &= k[0]  # (1 << mb) - 1
         r += xi  # the carry into the exponent field is the stochastic round up
+        if eb != 8:  # float64: an 11-bit field, worked on in int64
+            return self._codes_wide(x, r, offset, small, g, k, mb), _Ctx(t.shape, t.dtype, n)
+        neg = torch.lt(r, k[5], out=self._work("neg", n, torch.bool, x.device))  # the sign bit, kept as 0/1 bytes
+        r >>= k[1]  # mb; sign-extended, so the low byte is the rounded exponent field for either sign
+        codes = r.byte()  # the rest works on bytes, a quarter of the memory traffic
+        if offset:
+            codes.clamp_(min=offset).sub_(offset)  # field - offset, at least 0, without wrapping around
+            if small is not None:
+                # 0 < |x| < v1, the smallest codable value: code 0 or 1 with P(1) = |x| / v1
+                v1 = torch.tensor((offset + 1) << mb, dtype=itype, device=x.device).view(x.dtype)
+                p = x[small].abs() / v1
+                u = torch.rand(small.numel(), generator=g, dtype=x.dtype, device=x.device)
+                codes[small] = (u < p).byte()
+        codes.add_(neg.view(torch.uint8), alpha=128)  # sign << 7 | k: k <= 127, so + is |
+        return [torch.tensor([offset], dtype=torch.int32, device=x.device), codes], _Ctx(t.shape, t.dtype, n)
+
+    def _codes_wide(self, x: Tensor, r: Tensor, offset: int, small: Optional[Tensor], g, k, mb: int) -> list:
+        """The payload for a format whose exponent field does not fit a byte, from r = random bits + x's bits."""
+        itype = r.dtype
         r >>= k[1]  # mb; sign-extended: the rounded field, minus 2^eb for negative x
-        sign = torch.bitwise_right_shift(r, k[2], out=self._work("sign", n, itype, x.device))  # eb
+        sign = torch.bitwise_right_shift(r, k[2], out=self._work("sign", r.numel(), itype, x.device))  # eb
         sign &= k[3]  # 128: -1 (negative) or 0 -> the code's top bit
         r &= k[4]  # (1 << eb) - 1
         if offset:
@@ -441,8 +462,7 @@ class Natural(_Seeded):
                 u = torch.rand(small.numel(), generator=g, dtype=x.dtype, device=x.device)
                 r[small] = (u < p).to(itype)
         r |= sign
-        codes = r.byte()
-        return [torch.tensor([offset], dtype=torch.int32, device=x.device), codes], _Ctx(t.shape, t.dtype, n)
+        return [torch.tensor([offset], dtype=torch.int32, device=x.device), r.byte()]
 
     def _find_small(self, xi: Tensor, offset: int, mb: int, eb: int) -> Optional[Tensor]:
         """Indices of the x with 0 < |x| < v1 = 2^(offset + 1 - bias), or None if there are none."""
@@ -457,8 +477,11 @@ class Natural(_Seeded):
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         offset, codes = payload
-        return self._values(int(offset), ctx.dtype, codes.device).index_select(0, codes.int()) \
-            .view(ctx.shape)
+        n = codes.numel()
+        # the int32 indices go to a kept buffer when large (nothing returned points into it)
+        idx = codes.int() if n < _KEEP else self._work("idx", n, torch.int32, codes.device).copy_(codes)
+        out = self._values(int(offset), ctx.dtype, codes.device).index_select(0, idx)
+        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
     def _values(self, offset: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The 256 code values for one offset, cached: the offset rarely changes between steps."""
