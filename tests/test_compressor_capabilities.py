@@ -58,3 +58,14 @@ def test_per_tensor_powersgd_sends_per_tensor_factors():
     log = []
     emulate_exchange([flat], [torch.randn(N)], log)
     assert log == [("allreduce", [(64, 1)]), ("allreduce", [(64, 1)])]
+
+
+@pytest.mark.parametrize("name", names())
+def test_counts_steps_is_declared_by_the_compressors_that_count(name):
+    """A relayout carries ``step`` over for exactly these; it must be a counter that every exchange advances."""
+    c = make(name)
+    assert c.counts_steps == hasattr(c, "step")
+    if c.counts_steps:
+        for i in range(3):
+            assert c.step == i
+            _sent(c)

@@ -24,7 +24,7 @@ A compressor declares, instead of leaving callers to probe it:
   an attribute of the same name; the spec, the New run form and the README's
   table read the same tuple;
 - its capabilities: ``summable``, ``keeps_shape``, ``lossless``, ``rounds``,
-  ``builtin_feedback``, ``elementwise`` (per-element state), ``warmup_exchanges``
+  ``builtin_feedback``, ``elementwise`` (per-element state), ``counts_steps``, ``warmup_exchanges``
   (uncompressed exchanges first) and ``per_tensor`` (uses the layout). Read them
   from an instance where parameters change them (Count Sketch with ``exact``
   takes two rounds). ``shard_problem`` combines them into what DeAR needs.
@@ -91,6 +91,9 @@ class Compressor:
     builtin_feedback = False
     """True when the method keeps its own residual (PowerSGD, DGC, EF-signSGD),
     so the generic error-feedback flag would apply it twice."""
+    counts_steps = False
+    """True when the instance counts its calls in an int attribute ``step`` (random-k's index seed,
+    DGC's warm-up, PowerSGD's ``start_iter``): state a rebuild of the buckets carries over."""
     ef: Optional["ErrorFeedback"] = None
     """Error-feedback memory, set by ``make(..., error_feedback=True)``."""
 

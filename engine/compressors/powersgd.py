@@ -158,6 +158,7 @@ class PowerSGD(Compressor):
     summable = True
     rounds = 2
     builtin_feedback = True
+    counts_steps = True
     params = (Param("rank", int, 1, "rank of the approximation: factors of rank * (rows + cols) elements", lo=1),
               Param("start_iter", int, 10, "exchanges sent as plain all-reduces before compression starts", lo=0),
               Param("min_compression_rate", float, 2.0, "compress a tensor only if it shrinks at least this much",

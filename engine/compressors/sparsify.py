@@ -256,6 +256,7 @@ class RandomK(Compressor):
     """
     name = "randomk"
     summable = True
+    counts_steps = True
     params = (ratio(0.01, "fraction of the bucket's entries sent, k = ceil(ratio * n)"),
               seed("seeds the index draw, with the bucket index and step: the same on every rank"),
               Param("unbiased", bool, False, "scale kept values by n/k, an unbiased estimate with more variance"))
@@ -405,6 +406,7 @@ class DGC(SparseCompressor):
     """
     name = "dgc"
     builtin_feedback = True
+    counts_steps = True
     elementwise = ("u", "v")
     params = (ratio(0.01, "fraction of entries sent after warm-up"),
               Param("momentum", float, 0.9, "momentum correction (run the optimizer without momentum)",
