@@ -77,3 +77,17 @@ def test_large_powersgd_decode_is_the_product_of_the_latest_factors():
     # the padded matrix compress keeps: its padding stays zero, so a bucket of zeros gives zero factors
     payload, ctx = c.compress(torch.zeros(LARGE))
     assert not c.decompress(payload, ctx).any()
+
+
+@pytest.mark.parametrize("name,n", [("fp16", 1000), ("bf16", LARGE), ("topk", LARGE), ("powersgd", LARGE)])
+def test_other_payloads_decode_to_fresh_tensors(name, n):
+    """Only the instance's own latest payload decodes into its kept buffer: decoding a sum of payloads
+    (the performance model's linearity check) must not overwrite a decode the caller still holds."""
+    c = make(name)
+    torch.manual_seed(5)
+    payload, ctx = c.compress(torch.randn(n))
+    own = c.decompress(payload, ctx)
+    kept = own.clone()
+    other = c.decompress([p.clone() for p in payload], ctx)
+    assert other.data_ptr() != own.data_ptr()
+    assert torch.equal(own, kept) and torch.equal(other, kept)

@@ -182,7 +182,8 @@ class PowerSGD(Compressor):
         self._plan = None  # (key, Plan or None): derived from the layout, never checkpointed
         self._mc = None  # (rows, cols, n, compresses, (rank, rate)) of the last flat size
         self._pad = None  # compress's zero-padded matrix, when n is not rows * cols
-        self._dense = Scratch()  # large decodes
+        self._dense = Scratch()  # large decodes of this instance's own payload
+        self._sent = None  # P of the latest compress
 
     @property
     def warmup_exchanges(self) -> int:
@@ -245,17 +246,17 @@ class PowerSGD(Compressor):
             pad[:n].copy_(flat)
             m = pad.view(rows, cols)
         q = self._q_for(self.q, n, cols * self.rank, t, copy=False).view(cols, self.rank)
-        p = orthogonalize_(m @ q)
+        p = self._sent = orthogonalize_(m @ q)
         return [p, m.t() @ p], PowerCtx(t.shape, n, True)
 
     def decompress(self, payload, ctx: PowerCtx):
-        """From ``Scratch.MIN`` elements up, the decoded tensor is a buffer this instance reuses
-        (rewritten by the next ``decompress``): a fresh 100 MB product costs more in page faults
-        than the product itself."""
+        """From ``Scratch.MIN`` elements up, the decoding of this instance's own latest payload is
+        a buffer it reuses (rewritten by the next such call): a fresh 100 MB product costs more in
+        page faults than the product itself. Other payloads decode to fresh tensors."""
         if not ctx.compressed:
             return payload[0].view(ctx.shape)
         p, q = payload
-        if ctx.numel < Scratch.MIN:
+        if ctx.numel < Scratch.MIN or p is not self._sent:
             out = (p @ q.t()).view(-1)
         else:
             out = self._dense.get(p.shape[0] * q.shape[0], p.dtype, p.device)

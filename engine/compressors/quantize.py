@@ -181,12 +181,13 @@ class _Seeded(_Lossy):
 
 # -- casts ----------------------------------------------------------------
 class _Cast(Compressor):
-    """A cast to ``wire`` and back. The payload and the decoded tensor are per-instance
-    buffers, rewritten by the next ``compress`` / ``decompress`` of the same shape (copy
-    them to keep them): a cast is one pass over memory, and a fresh 100 MB output's page
-    faults cost five times the cast itself; at 1K elements a ``copy_`` into a kept buffer
-    costs half of an allocating cast. Input already in the wire dtype is its own payload,
-    and decoding a payload already in the input dtype returns it, as ``Tensor.to`` does."""
+    """A cast to ``wire`` and back. The payload, and its decoding when ``decompress`` is given
+    this instance's own latest payload, are per-instance buffers that the next ``compress``
+    rewrites (copy them to keep them); any other payload decodes to a fresh tensor. A cast is
+    one pass over memory, and a fresh 100 MB output's page faults cost five times the cast
+    itself; at 1K elements a ``copy_`` into a kept buffer costs half of an allocating cast.
+    Input already in the wire dtype is its own payload, and decoding a payload already in the
+    input dtype returns it, as ``Tensor.to`` does."""
     summable = True
     keeps_shape = True
     lossless = True
@@ -214,6 +215,8 @@ class _Cast(Compressor):
         p = payload[0]
         if ctx is None or ctx == p.dtype:
             return p
+        if p is not self._sent:  # someone else's payload (a sum, a slice, a received one): a fresh tensor
+            return p.to(dtype=ctx)
         o = self._got
         if o is None or o.shape != p.shape or o.dtype != ctx or o.device != p.device:
             o = self._got = torch.empty(p.shape, dtype=ctx, device=p.device)

@@ -120,15 +120,17 @@ class SparseCtx(NamedTuple):
 class SparseCompressor(Compressor):
     """Shared encode/decode for (values, indices) payloads; subclasses pick the indices.
 
-    From ``Scratch.MIN`` elements up, ``decompress`` returns a dense buffer this instance
-    reuses: zeroing a kept 100 MB buffer costs a tenth of a fresh one's page faults. It is
-    rewritten by the next ``decompress`` of the same size; copy it to keep it."""
+    From ``Scratch.MIN`` elements up, ``decompress`` of this instance's own latest payload
+    returns a dense buffer the instance reuses (zeroing a kept 100 MB buffer costs a tenth of a
+    fresh one's page faults), rewritten by the next such call; copy it to keep it. Other
+    payloads decode to fresh tensors."""
     summable = False
 
     def __init__(self, **given):
         super().__init__(**given)
         self._scratch = Scratch()
-        self._dense = Scratch()  # large decodes
+        self._dense = Scratch()  # large decodes of this instance's own payload
+        self._sent: Optional[Tensor] = None  # the indices of the latest payload
         # local sampling only (threshold estimates); ranks need not agree on it
         self._gen = torch.Generator().manual_seed(0)
 
@@ -141,6 +143,7 @@ class SparseCompressor(Compressor):
         n = flat.numel()
         values, idx = self.select(flat)
         idx = idx.int() if n < 2 ** 31 else idx  # int32 indices below 2**31 elements
+        self._sent = idx
         if values.element_size() >= idx.element_size():  # the wider elements first, for alignment
             return [values, idx], SparseCtx(t.shape, t.dtype, t.device, n, True)
         return [idx, values], SparseCtx(t.shape, t.dtype, t.device, n, False)
@@ -150,11 +153,11 @@ class SparseCompressor(Compressor):
         return (payload[0], payload[1]) if ctx.values_first else (payload[1], payload[0])
 
     def decompress(self, payload: List[Tensor], ctx: SparseCtx) -> Tensor:
-        if ctx.numel < Scratch.MIN:
+        values, idx = (payload[0], payload[1]) if ctx.values_first else (payload[1], payload[0])
+        if ctx.numel < Scratch.MIN or idx is not self._sent:
             out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
         else:
             out = self._dense.get(ctx.numel, ctx.dtype, ctx.device).zero_()
-        values, idx = (payload[0], payload[1]) if ctx.values_first else (payload[1], payload[0])
         out.index_add_(0, idx, values)
         return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
