@@ -257,9 +257,7 @@ def build_variants(names, args, rank, world):
             v = Variant(name, m, m, opt, sampler, ds, "commlab", dp)
             v.buckets = [b.raw_bytes for b in dp.buckets]
             v.schedule = (sched, opts)
-            v.per_tensor = [getattr(b.compressor, "layout", None) is not None and
-                            hasattr(b.compressor, "plan") and b.compressor.plan(b.flat.numel()) is not None
-                            for b in dp.buckets]
+            v.per_tensor = [b.compressor.per_tensor(b.flat.numel()) for b in dp.buckets]
         else:
             raise ValueError(f"--variants: unknown {name!r}; allowed: {', '.join(VARIANTS)}")
         out[name] = v

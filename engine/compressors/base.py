@@ -24,9 +24,10 @@ A compressor declares, instead of leaving callers to probe it:
   an attribute of the same name; the spec, the New run form and the README's
   table read the same tuple;
 - its capabilities: ``summable``, ``keeps_shape``, ``lossless``, ``rounds``,
-  ``builtin_feedback`` and ``elementwise``. Read them from an instance where
-  parameters change them (Count Sketch with ``exact`` takes two rounds).
-  ``shard_problem`` combines them into what DeAR needs.
+  ``builtin_feedback``, ``elementwise`` (per-element state), ``counts_steps``, ``warmup_exchanges``
+  (uncompressed exchanges first) and ``per_tensor`` (uses the layout). Read them
+  from an instance where parameters change them (Count Sketch with ``exact``
+  takes two rounds). ``shard_problem`` combines them into what DeAR needs.
 """
 from __future__ import annotations
 
@@ -94,6 +95,9 @@ class Compressor:
     builtin_feedback = False
     """True when the method keeps its own residual (PowerSGD, DGC, EF-signSGD),
     so the generic error-feedback flag would apply it twice."""
+    counts_steps = False
+    """True when the instance counts its calls in an int attribute ``step`` (random-k's index seed,
+    DGC's warm-up, PowerSGD's ``start_iter``): state a rebuild of the buckets carries over."""
     ef: Optional["ErrorFeedback"] = None
     """Error-feedback memory, set by ``make(..., error_feedback=True)``."""
 
@@ -107,6 +111,18 @@ class Compressor:
     def __init__(self, **given):
         for k, v in take(self.name, self.params, given).items():
             setattr(self, k, v)
+
+    @property
+    def warmup_exchanges(self) -> int:
+        """Exchanges at the start that send the bucket uncompressed, as one plain all-reduce
+        (PowerSGD's ``start_iter``). Whoever measures steady-state payloads or costs drives
+        this many exchanges first."""
+        return 0
+
+    def per_tensor(self, n: int) -> bool:
+        """True when this instance compresses a bucket of n elements tensor by tensor, from
+        the ``layout`` the communicator set (PowerSGD), False when it treats it as one flat tensor."""
+        return False
 
     def shard_problem(self) -> Optional[str]:
         """Why a reduce-scatter of this instance's payloads would not be the reduce-scatter of the

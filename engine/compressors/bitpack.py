@@ -43,6 +43,13 @@ _CARRY8 = 0x7F7F7F7F7F7F7F7F         # a kept bit (>= 1) pushes its lane to >= 0
 _GATHER4 = 0x40100401                # sum of 2**(10j): lane 3-j's value ends at bits 24+2j
 _LOW2 = 0x03030303
 
+# The same as 0-d tensors: an operator costs ~1 µs less with one than with a Python number, which
+# torch wraps into a tensor on every call (they combine with tensors on any device, as numbers do).
+_GATHER8_T = torch.tensor(_GATHER8)
+_56_T = torch.tensor(56)
+_GATHER4_T = torch.tensor(_GATHER4)
+_24_T = torch.tensor(24)
+
 _WEIGHTS8 = (128, 64, 32, 16, 8, 4, 2, 1)
 _WEIGHTS4 = (64, 16, 4, 1)
 
@@ -80,9 +87,9 @@ def pack_words(words: Tensor) -> Tensor:
     Callers that pack the same-sized buffer every step keep this view and skip the per-call checks.
     """
     # int64 -> uint8 keeps the low byte, so the sign the shift smears in is dropped
-    w = words * _GATHER8
-    w >>= 56
-    return w.to(torch.uint8)
+    w = words * _GATHER8_T
+    w >>= _56_T
+    return w.byte()
 
 
 def bit_lanes(packed: Tensor, n: int) -> Tensor:
@@ -123,7 +130,9 @@ def pack_2bit(values: Tensor) -> Tensor:
     if not _LITTLE:
         w = torch.tensor(_WEIGHTS4, dtype=torch.uint8, device=u.device)
         return (u.view(-1, 4) * w).sum(1, dtype=torch.uint8)
-    return ((u.view(torch.int32) * _GATHER4) >> 24).to(torch.uint8)
+    w = u.view(torch.int32) * _GATHER4_T
+    w >>= _24_T
+    return w.byte()
 
 
 def unpack_2bit(packed: Tensor, n: int) -> Tensor:

@@ -8,7 +8,7 @@ import torch
 
 from engine.compressors.base import Compressor, Round
 from engine.compressors.params import Param, mix_seed, seed
-from engine.compressors.sparsify import out_buffer
+from engine.compressors.sparsify import Scratch, out_buffer
 
 Tensor = torch.Tensor
 
@@ -24,6 +24,10 @@ def matrix_shape(n: int) -> Tuple[int, int]:
     return -(-n // cols), cols
 
 
+_TINY = {}
+"""dtype -> its smallest normal number as a 0-d tensor (cheaper per call than a Python number)."""
+
+
 def orthogonalize_(p: Tensor) -> Tensor:
     """Orthonormalise the columns of p in place (modified Gram-Schmidt).
 
@@ -32,9 +36,11 @@ def orthogonalize_(p: Tensor) -> Tensor:
     being divided by zero: the approximation then simply uses fewer
     directions. Rank is small, so the loop is over a handful of columns.
     """
-    tiny = torch.finfo(p.dtype).tiny
+    tiny = _TINY.get(p.dtype)
+    if tiny is None:
+        tiny = _TINY[p.dtype] = torch.tensor(torch.finfo(p.dtype).tiny, dtype=p.dtype)
     for i in range(p.shape[1]):
-        col = p[:, i]
+        col = p.select(1, i)
         col.div_(torch.linalg.vector_norm(col).clamp_min_(tiny))  # a zero column stays 0 / tiny = 0
         if i + 1 < p.shape[1]:
             rest = p[:, i + 1:]
@@ -152,6 +158,7 @@ class PowerSGD(Compressor):
     summable = True
     rounds = 2
     builtin_feedback = True
+    counts_steps = True
     params = (Param("rank", int, 1, "rank of the approximation: factors of rank * (rows + cols) elements", lo=1),
               Param("start_iter", int, 10, "exchanges sent as plain all-reduces before compression starts", lo=0),
               Param("min_compression_rate", float, 2.0, "compress a tensor only if it shrinks at least this much",
@@ -173,6 +180,17 @@ class PowerSGD(Compressor):
         (flat mode: rows * cols, zero padding at the end; per-tensor mode: the bucket's n)."""
         self._q0 = None  # (key, initial Q): a cache of derived data
         self._plan = None  # (key, Plan or None): derived from the layout, never checkpointed
+        self._mc = None  # (rows, cols, n, compresses, (rank, rate)) of the last flat size
+        self._pad = None  # compress's zero-padded matrix, when n is not rows * cols
+        self._dense = Scratch()  # large decodes of this instance's own payload
+        self._sent = None  # P of the latest compress
+
+    @property
+    def warmup_exchanges(self) -> int:
+        return self.start_iter
+
+    def per_tensor(self, n: int) -> bool:
+        return self.plan(n) is not None
 
     def compresses(self, n: int) -> bool:
         rows, cols = matrix_shape(n)
@@ -187,42 +205,65 @@ class PowerSGD(Compressor):
             self._plan = (key, plan_layout(self.layout, n, self.rank, self.min_compression_rate))
         return self._plan[1]
 
-    def _initial_q(self, n: int, size: int, like: Tensor) -> Tensor:
+    def _initial_q(self, n: int, size: int, like: Tensor, copy: bool = True) -> Tensor:
         # the same on every rank: P = M Q is only summable if Q is shared
         key = (self.bucket, n, size, like.dtype, like.device, 0 if self.warm_start else self.step)
         if self._q0 is None or self._q0[0] != key:  # derived from the key, so cached, never checkpointed
             g = torch.Generator().manual_seed(mix_seed(self.seed, *key[:2], key[5]))
             self._q0 = (key, torch.randn(size, generator=g).to(dtype=like.dtype, device=like.device))
-        return self._q0[1].clone()
+        return self._q0[1].clone() if copy else self._q0[1]
 
-    def _q_for(self, q: Optional[Tensor], n: int, size: int, like: Tensor) -> Tensor:
-        """The warm-start factor(s) ``q`` when usable, else fresh ones; flat, ``size`` elements."""
+    def _q_for(self, q: Optional[Tensor], n: int, size: int, like: Tensor, copy: bool = True) -> Tensor:
+        """The warm-start factor(s) ``q`` when usable, else fresh ones; flat, ``size`` elements.
+        ``copy=False``: the caller only reads the result, so a fresh one may be the cached initial Q."""
         if (q is None or not self.warm_start or q.numel() != size
                 or q.dtype != like.dtype or q.device != like.device):
-            return self._initial_q(n, size, like)
+            return self._initial_q(n, size, like, copy)
         return q.view(-1)
 
     # single-process view -------------------------------------------------
-    def compress(self, t):
-        flat = t.reshape(-1)
+    def _matrix(self, flat: Tensor) -> Tuple[int, int, int, bool]:
+        """(rows, cols, n, compresses) for a flat bucket, cached per size: they are pure Python
+        arithmetic, a few µs a call."""
         n = flat.numel()
-        if not self.compresses(n):
+        mc = self._mc
+        if mc is None or mc[2] != n or mc[4] != (self.rank, self.min_compression_rate):
+            rows, cols = matrix_shape(n)
+            mc = self._mc = (rows, cols, n, self.compresses(n), (self.rank, self.min_compression_rate))
+        return mc[:4]
+
+    def compress(self, t):
+        flat = t if t.dim() == 1 else t.reshape(-1)
+        rows, cols, n, pays = self._matrix(flat)
+        if not pays:
             return [flat.clone()], PowerCtx(t.shape, n, False)
-        rows, cols = matrix_shape(n)
         if rows * cols == n:
             m = flat.view(rows, cols)
-        else:
-            m = torch.zeros(rows * cols, dtype=t.dtype, device=t.device)
-            m[:n] = flat
-            m = m.view(rows, cols)
-        p = orthogonalize_(m @ self._q_for(self.q, n, cols * self.rank, t).view(cols, self.rank))
+        else:  # a kept buffer whose padding stays zero: only flat's part is ever written
+            pad = self._pad
+            if pad is None or pad.numel() != rows * cols or pad.dtype != t.dtype or pad.device != t.device:
+                pad = self._pad = torch.zeros(rows * cols, dtype=t.dtype, device=t.device)
+            pad[:n].copy_(flat)
+            m = pad.view(rows, cols)
+        q = self._q_for(self.q, n, cols * self.rank, t, copy=False).view(cols, self.rank)
+        p = self._sent = orthogonalize_(m @ q)
         return [p, m.t() @ p], PowerCtx(t.shape, n, True)
 
     def decompress(self, payload, ctx: PowerCtx):
+        """From ``Scratch.MIN`` elements up, the decoding of this instance's own latest payload is
+        a buffer it reuses (rewritten by the next such call): a fresh 100 MB product costs more in
+        page faults than the product itself. Other payloads decode to fresh tensors."""
         if not ctx.compressed:
             return payload[0].view(ctx.shape)
         p, q = payload
-        return (p @ q.t()).view(-1)[:ctx.numel].view(ctx.shape)
+        if ctx.numel < Scratch.MIN or p is not self._sent:
+            out = (p @ q.t()).view(-1)
+        else:
+            out = self._dense.get(p.shape[0] * q.shape[0], p.dtype, p.device)
+            torch.matmul(p, q.t(), out=out.view(p.shape[0], q.shape[0]))
+        if out.numel() != ctx.numel:
+            out = out[:ctx.numel]
+        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
     # the training path ---------------------------------------------------
     def exchange(self, t, world_size):

@@ -36,7 +36,8 @@ Large buckets reuse per-instance work buffers (random numbers, unpacked
 bits): a fresh 100 MB tensor per step costs more in page faults than the
 arithmetic on it. They stay allocated between steps: n bytes per bucket for
 the sign compressors, about 1x (qsgd, terngrad) to 2x (natural) the bucket's
-float32 size for the others. Payloads and decoded tensors are always fresh.
+float32 size for the others. Payloads and decoded tensors are fresh, except the casts'
+(``_Cast``), which reuse one of each per instance.
 """
 from __future__ import annotations
 
@@ -61,6 +62,12 @@ class _Ctx(NamedTuple):
 def _flat(t: Tensor, dtype: Optional[torch.dtype] = None) -> Tensor:
     x = t if t.dim() == 1 else t.reshape(-1)
     return x if dtype is None or x.dtype == dtype else x.to(dtype)
+
+
+_ZERO = torch.tensor(0.0)
+"""0 as a 0-d tensor: compared against, it costs ~1 µs less per call than the number 0 (no wrapping)."""
+_HALF = torch.tensor(0.5)
+_ONE = torch.tensor(1)
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -111,14 +118,16 @@ class _Lossy(Compressor):
             buf = self._work("bits", bitpack.packed_size(n) * 8, torch.bool, x.device, fill=False)
             words = buf.view(torch.uint8).view(torch.int64) if bitpack.WORDS else None
             sb = self._signs = (n, x.device, buf if buf.numel() == n else buf[:n], buf, words)
-        torch.ge(x, 0, out=sb[2])
+        torch.ge(x, _ZERO, out=sb[2])
         return bitpack.pack_words(sb[4]) if sb[4] is not None else bitpack.pack_bits(sb[3])
 
     @staticmethod
     def _gather(tab: Tensor, packed: Tensor, ctx: _Ctx) -> Tensor:
         """Decode packed bits through a (256, 8) table: one gather, ~3x faster than unpacking and blending."""
-        out = tab.index_select(0, packed.to(torch.int32))
-        return out.view(ctx.shape) if out.numel() == ctx.n else out.view(-1)[:ctx.n].view(ctx.shape)
+        out = tab.index_select(0, packed.int())
+        if out.numel() != ctx.n:
+            out = out.view(-1)[:ctx.n]
+        return out.ravel() if len(ctx.shape) == 1 else out.view(ctx.shape)  # ravel: a third of view(shape)
 
     def exchange(self, t: Tensor, world_size: int):
         # Compressor.exchange with one copy less: decompress here always returns a fresh tensor.
@@ -172,19 +181,59 @@ class _Seeded(_Lossy):
 
 # -- casts ----------------------------------------------------------------
 class _Cast(Compressor):
+    """A cast to ``wire`` and back. The payload, and its decoding when ``decompress`` is given
+    this instance's own latest payload, are per-instance buffers that the next ``compress``
+    rewrites (copy them to keep them); any other payload decodes to a fresh tensor. A cast is
+    one pass over memory, and a fresh 100 MB output's page faults cost five times the cast
+    itself; at 1K elements a ``copy_`` into a kept buffer costs half of an allocating cast.
+    Input already in the wire dtype is its own payload, and decoding a payload already in the
+    input dtype returns it, as ``Tensor.to`` does."""
     summable = True
     keeps_shape = True
     lossless = True
     wire: torch.dtype = torch.float16
+    prediv = False
+    """Divide the payload by the world size before the sum (fp16: keeps the sum in range)."""
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        self._sent: Optional[Tensor] = None  # the payload buffer
+        self._got: Optional[Tensor] = None  # the decoded buffer
 
     def compress(self, t: Tensor):
-        if not t.is_floating_point():  # integer and bool tensors pass through, as in horovod
+        dtype = t.dtype
+        if not dtype.is_floating_point:  # integer and bool tensors pass through, as in horovod
             return [t], None
-        return [t.to(self.wire)], t.dtype
+        if dtype == self.wire:
+            return [t], dtype
+        w = self._sent
+        if w is None or w.shape != t.shape or w.device != t.device:
+            w = self._sent = torch.empty(t.shape, dtype=self.wire, device=t.device)
+        return [w.copy_(t)], dtype
 
     def decompress(self, payload: List[Tensor], ctx) -> Tensor:
         p = payload[0]
-        return p if ctx is None else p.to(ctx)
+        if ctx is None or ctx == p.dtype:
+            return p
+        if p is not self._sent:  # someone else's payload (a sum, a slice, a received one): a fresh tensor
+            return p.to(dtype=ctx)
+        o = self._got
+        if o is None or o.shape != p.shape or o.dtype != ctx or o.device != p.device:
+            o = self._got = torch.empty(p.shape, dtype=ctx, device=p.device)
+        return o.copy_(p)
+
+    def exchange(self, t: Tensor, world_size: int):
+        # Compressor.exchange, decoding straight into the bucket: its values are in the payload now
+        if not t.is_floating_point():
+            return (yield from Compressor.exchange(self, t, world_size))
+        payload, ctx = self.encode(t)  # compress, with error feedback when it is on
+        self.last_bytes = nbytes(payload)
+        h = payload[0]
+        if self.prediv:
+            h = h / world_size if h is t else h.div_(world_size)  # never scale the caller's own tensor
+        (s,) = yield Round("allreduce", [h])
+        out = t.copy_(s) if s.dtype != t.dtype and t.is_contiguous() else self.decompress([s], ctx)
+        return out if self.prediv else out.div_(world_size)
 
 
 class FP16(_Cast):
@@ -200,16 +249,7 @@ class FP16(_Cast):
     """
     name = "fp16"
     wire = torch.float16
-
-    def exchange(self, t: Tensor, world_size: int):
-        if not t.is_floating_point():
-            return (yield from Compressor.exchange(self, t, world_size))
-        payload, ctx = self.encode(t)  # compress, with error feedback when it is on
-        self.last_bytes = nbytes(payload)
-        h = payload[0]
-        h = h / world_size if h is t else h.div_(world_size)  # never scale the caller's own tensor
-        summed = yield Round("allreduce", [h])
-        return self.decompress(summed, ctx)
+    prediv = True
 
 
 class BF16(_Cast):
@@ -262,15 +302,16 @@ class QSGD(_Seeded):
         # clamped away from zero so that norm / levels stays a normal float. Both sides derive
         # the step from the norm as sent, so decoding is still unbiased.
         norm = torch.linalg.vector_norm(x).float().mul_(1 + 2 ** -20).clamp_(min=self._min_norm).reshape(1)
-        step = norm.to(x.dtype) / self.levels
+        step = norm.to(dtype=x.dtype) / self.levels
         v = self._work("u", x.numel(), x.dtype, x.device).uniform_(generator=g)
         v.addcdiv_(x, step).floor_()
-        return [norm, v.to(self.code_dtype)], _Ctx(t.shape, t.dtype, x.numel())
+        return [norm, v.to(dtype=self.code_dtype)], _Ctx(t.shape, t.dtype, x.numel())
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         norm, codes = payload
-        out = codes.to(ctx.dtype)  # cast, then scale in place: a mixed int*float multiply is 2x slower
-        return out.mul_(norm.to(ctx.dtype) / self.levels).view(ctx.shape)
+        out = codes.to(dtype=ctx.dtype)  # cast, then scale in place: a mixed int*float multiply is 2x slower
+        out.mul_(norm.to(dtype=ctx.dtype) / self.levels)
+        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
     def __repr__(self) -> str:
         return f"QSGD(levels={self.levels}, seed={self.seed})"
@@ -303,9 +344,9 @@ class TernGrad(_Seeded):
         g = self._generator(x.device)
         lo, hi = torch.aminmax(x)
         # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)
-        s = torch.maximum(hi, -lo).float().clamp_(min=_TINY32).reshape(1)
+        s = torch.maximum(hi, -lo).float().clamp_min_(_TINY32_T).reshape(1)
         v = self._work("u", n, x.dtype, x.device).uniform_(1, 2, generator=g)
-        v.addcdiv_(x, s.to(x.dtype))  # divide by the scale as sent, so decoding matches
+        v.addcdiv_(x, s.to(dtype=x.dtype))  # divide by the scale as sent, so decoding matches
         codes = self._work("codes", bitpack.packed_size(n, 4) * 4, torch.uint8, x.device, fill=1)
         codes[:n].copy_(v)  # float -> uint8 truncates, which is floor here: v >= 0
         return [s, bitpack.pack_2bit(codes)], _Ctx(t.shape, t.dtype, n)
@@ -317,13 +358,28 @@ class TernGrad(_Seeded):
             y = torch.arange(256, device=packed.device).to(torch.uint8)
             vals = bitpack.unpack_2bit(y, 1024).view(256, 4).clamp(max=2).to(ctx.dtype) - 1
             tab = self._tables[("tern", ctx.dtype, packed.device)] = vals
-        return self._gather(tab * s.to(ctx.dtype), packed, ctx)
+        return self._gather(tab * s.to(dtype=ctx.dtype), packed, ctx)
 
 
 _TINY32 = torch.finfo(torch.float32).tiny
+_KEEP = 1 << 16
+"""From this many elements, work tensors that nothing returned points into are kept between calls."""
+_TINY32_T = torch.tensor(_TINY32)
 
 # IEEE layouts natural compression works in: (same-size int, mantissa bits, exponent bits)
 _IEEE = {torch.float32: (torch.int32, 23, 8), torch.float64: (torch.int64, 52, 11)}
+
+
+_CONSTS = {}
+
+
+def _int_consts(mb: int, eb: int):
+    """((1 << mb) - 1, mb, eb, 128, (1 << eb) - 1, 0) as 0-d int64 tensors, made once per format.
+    Combined with an int32 tensor they act as the same Python ints would (no type promotion)."""
+    k = _CONSTS.get((mb, eb))
+    if k is None:
+        k = _CONSTS[(mb, eb)] = tuple(torch.tensor(v) for v in ((1 << mb) - 1, mb, eb, 128, (1 << eb) - 1, 0))
+    return k
 
 
 class Natural(_Seeded):
@@ -373,12 +429,32 @@ class Natural(_Seeded):
         small = self._find_small(xi, offset, mb, eb) if offset else None
 
         r = self._random_bits(n, itype, g, x.device)
-        r &= (1 << mb) - 1
+        k = _int_consts(mb, eb)  # the numbers below as 0-d tensors: ~1 µs less per operation
+        r &= k[0]  # (1 << mb) - 1
         r += xi  # the carry into the exponent field is the stochastic round up
-        r >>= mb  # sign-extended: the rounded field, minus 2^eb for negative x
-        sign = torch.bitwise_right_shift(r, eb, out=self._work("sign", n, itype, x.device))
-        sign &= 128  # -1 (negative) or 0 -> the code's top bit
-        r &= (1 << eb) - 1
+        if eb != 8:  # float64: an 11-bit field, worked on in int64
+            return self._codes_wide(x, r, offset, small, g, k, mb), _Ctx(t.shape, t.dtype, n)
+        neg = torch.lt(r, k[5], out=self._work("neg", n, torch.bool, x.device))  # the sign bit, kept as 0/1 bytes
+        r >>= k[1]  # mb; sign-extended, so the low byte is the rounded exponent field for either sign
+        codes = r.byte()  # the rest works on bytes, a quarter of the memory traffic
+        if offset:
+            codes.clamp_(min=offset).sub_(offset)  # field - offset, at least 0, without wrapping around
+            if small is not None:
+                # 0 < |x| < v1, the smallest codable value: code 0 or 1 with P(1) = |x| / v1
+                v1 = torch.tensor((offset + 1) << mb, dtype=itype, device=x.device).view(x.dtype)
+                p = x[small].abs() / v1
+                u = torch.rand(small.numel(), generator=g, dtype=x.dtype, device=x.device)
+                codes[small] = (u < p).byte()
+        codes.add_(neg.view(torch.uint8), alpha=128)  # sign << 7 | k: k <= 127, so + is |
+        return [torch.tensor([offset], dtype=torch.int32, device=x.device), codes], _Ctx(t.shape, t.dtype, n)
+
+    def _codes_wide(self, x: Tensor, r: Tensor, offset: int, small: Optional[Tensor], g, k, mb: int) -> list:
+        """The payload for a format whose exponent field does not fit a byte, from r = random bits + x's bits."""
+        itype = r.dtype
+        r >>= k[1]  # mb; sign-extended: the rounded field, minus 2^eb for negative x
+        sign = torch.bitwise_right_shift(r, k[2], out=self._work("sign", r.numel(), itype, x.device))  # eb
+        sign &= k[3]  # 128: -1 (negative) or 0 -> the code's top bit
+        r &= k[4]  # (1 << eb) - 1
         if offset:
             r -= offset
             r.clamp_(min=0)
@@ -389,8 +465,7 @@ class Natural(_Seeded):
                 u = torch.rand(small.numel(), generator=g, dtype=x.dtype, device=x.device)
                 r[small] = (u < p).to(itype)
         r |= sign
-        codes = r.to(torch.uint8)
-        return [torch.tensor([offset], dtype=torch.int32, device=x.device), codes], _Ctx(t.shape, t.dtype, n)
+        return [torch.tensor([offset], dtype=torch.int32, device=x.device), r.byte()]
 
     def _find_small(self, xi: Tensor, offset: int, mb: int, eb: int) -> Optional[Tensor]:
         """Indices of the x with 0 < |x| < v1 = 2^(offset + 1 - bias), or None if there are none."""
@@ -405,8 +480,11 @@ class Natural(_Seeded):
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         offset, codes = payload
-        return self._values(int(offset), ctx.dtype, codes.device).index_select(0, codes.to(torch.int32)) \
-            .view(ctx.shape)
+        n = codes.numel()
+        # the int32 indices go to a kept buffer when large (nothing returned points into it)
+        idx = codes.int() if n < _KEEP else self._work("idx", n, torch.int32, codes.device).copy_(codes)
+        out = self._values(int(offset), ctx.dtype, codes.device).index_select(0, idx)
+        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
     def _values(self, offset: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """The 256 code values for one offset, cached: the offset rarely changes between steps."""
@@ -552,21 +630,30 @@ class EFSignSGD(_Lossy):
         self._setup()
         self.residual: Optional[Tensor] = None
         """What this rank's messages have dropped so far, added to the next gradient."""
+        self._n = None  # (n, n as a 0-d tensor)
 
     def compress(self, t: Tensor):
         x = _flat(t)
         n = x.numel()
         e = self.residual = _state_like(self.residual, x, "residual")
         e.add_(x)  # e now holds p = g + e
-        scale = (torch.linalg.vector_norm(e, 1, dtype=_work_dtype(e.dtype)) / n).float().reshape(1)
+        # keepdim: the (1,) the payload needs without a reshape; / n as a 0-d tensor, not a number
+        scale = torch.linalg.vector_norm(e, 1, 0, True, dtype=_work_dtype(e.dtype)).div_(self._count(n)).float()
         payload = [scale, self._pack_signs(e)]
-        ctx = _Ctx(t.shape, t.dtype, n)
-        e.sub_(self.decompress(payload, ctx).view(-1))  # e = p - decoded
-        return payload, ctx
+        ctx = _Ctx(e.shape, t.dtype, n)
+        e.sub_(self.decompress(payload, ctx))  # e = p - decoded
+        return payload, _Ctx(t.shape, t.dtype, n)
+
+    def _count(self, n: int) -> Tensor:
+        """n as a 0-d float64 tensor (divided by, it rounds to the dividend's dtype as the number would)."""
+        c = self._n
+        if c is None or c[0] != n:
+            c = self._n = (n, torch.tensor(n, dtype=torch.float64))
+        return c[1]
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         scale, packed = payload
-        return self._gather(self._table("pm", ctx.dtype, packed.device) * scale.to(ctx.dtype), packed, ctx)
+        return self._gather(self._table("pm", ctx.dtype, packed.device) * scale.to(dtype=ctx.dtype), packed, ctx)
 
     def state_dict(self) -> dict:
         out = super().state_dict()
@@ -597,6 +684,7 @@ class OneBit(_Lossy):
     def __init__(self, **given):
         super().__init__(**given)
         self._setup()
+        self._n = None  # (n, n as a 0-d int64 tensor)
 
     def compress(self, t: Tensor):
         x = _flat(t)
@@ -604,17 +692,21 @@ class OneBit(_Lossy):
         packed = self._pack_signs(x)
         # the buffer _pack_signs filled; counting bytes is cheaper than summing bools
         npos = torch.count_nonzero(self._bufs["bits"])
-        total = x.sum(dtype=_work_dtype(x.dtype))
+        wd = _work_dtype(x.dtype)
+        total = x.sum(dtype=wd)
         # sum over x >= 0 from |x|'s sum: no masked copy of x (zeros add nothing to either side)
-        pos = (torch.linalg.vector_norm(x, 1, dtype=total.dtype) + total) / 2
-        neg = total - pos
-        means = torch.stack([neg / (n - npos).clamp(min=1), pos / npos.clamp(min=1)]).float()
-        return [means, packed], _Ctx(t.shape, t.dtype, n)
+        pos = torch.linalg.vector_norm(x, 1, dtype=wd).add_(total).mul_(_HALF)  # * 0.5 is / 2 exactly
+        sums = torch.stack([total - pos, pos])
+        nt = self._n
+        if nt is None or nt[0] != n:
+            nt = self._n = (n, torch.tensor(n))
+        counts = torch.stack([nt[1] - npos, npos]).clamp_min_(_ONE)  # an empty group's mean is 0 / 1
+        return [sums.div_(counts).float(), packed], _Ctx(t.shape, t.dtype, n)
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         means, packed = payload
-        m = means.to(ctx.dtype)
-        tab = torch.addcmul(m[:1], self._table("01", ctx.dtype, packed.device), m[1:] - m[:1])
+        m0, m1 = means.to(dtype=ctx.dtype).unbind()
+        tab = torch.addcmul(m0, self._table("01", ctx.dtype, packed.device), m1 - m0)
         return self._gather(tab, packed, ctx)
 
 

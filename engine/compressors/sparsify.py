@@ -37,10 +37,6 @@ def count_of(ratio: float, n: int) -> int:
     return max(1, min(n, math.ceil(Fraction(repr(ratio)) * n)))
 
 
-def index_dtype(n: int) -> torch.dtype:
-    return torch.int32 if n < 2 ** 31 else torch.int64
-
-
 def out_buffer(t: Tensor) -> Tensor:
     """A flat tensor to decode the average into: ``t``'s own storage when possible."""
     return t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
@@ -53,13 +49,17 @@ class Scratch:
     def __init__(self):
         self.buf: Optional[Tensor] = None
 
+    def get(self, n: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """The buffer, (re)made for n elements of ``dtype`` on ``device``; its contents are stale."""
+        b = self.buf
+        if b is None or b.numel() != n or b.dtype != dtype or b.device != device:
+            b = self.buf = torch.empty(n, dtype=dtype, device=device)
+        return b
+
     def abs(self, x: Tensor) -> Tensor:
         if x.numel() < self.MIN:
             return x.abs()
-        b = self.buf
-        if b is None or b.numel() != x.numel() or b.dtype != x.dtype or b.device != x.device:
-            b = self.buf = torch.empty_like(x)
-        return torch.abs(x, out=b)
+        return torch.abs(x, out=self.get(x.numel(), x.dtype, x.device))
 
 
 # -- selection ---------------------------------------------------------------
@@ -117,18 +117,20 @@ class SparseCtx(NamedTuple):
     values_first: bool
 
 
-def pack(values: Tensor, idx: Tensor) -> Tuple[List[Tensor], bool]:
-    values_first = values.element_size() >= idx.element_size()
-    return ([values, idx] if values_first else [idx, values]), values_first
-
-
 class SparseCompressor(Compressor):
-    """Shared encode/decode for (values, indices) payloads; subclasses pick the indices."""
+    """Shared encode/decode for (values, indices) payloads; subclasses pick the indices.
+
+    From ``Scratch.MIN`` elements up, ``decompress`` of this instance's own latest payload
+    returns a dense buffer the instance reuses (zeroing a kept 100 MB buffer costs a tenth of a
+    fresh one's page faults), rewritten by the next such call; copy it to keep it. Other
+    payloads decode to fresh tensors."""
     summable = False
 
     def __init__(self, **given):
         super().__init__(**given)
         self._scratch = Scratch()
+        self._dense = Scratch()  # large decodes of this instance's own payload
+        self._sent: Optional[Tensor] = None  # the indices of the latest payload
         # local sampling only (threshold estimates); ranks need not agree on it
         self._gen = torch.Generator().manual_seed(0)
 
@@ -137,21 +139,27 @@ class SparseCompressor(Compressor):
         raise NotImplementedError
 
     def compress(self, t: Tensor) -> tuple[List[Tensor], Any]:
-        flat = t.reshape(-1)
+        flat = t if t.dim() == 1 else t.reshape(-1)  # a reshape costs as much as a small op
         n = flat.numel()
         values, idx = self.select(flat)
-        payload, values_first = pack(values, idx.to(index_dtype(n)))
-        return payload, SparseCtx(t.shape, t.dtype, t.device, n, values_first)
+        idx = idx.int() if n < 2 ** 31 else idx  # int32 indices below 2**31 elements
+        self._sent = idx
+        if values.element_size() >= idx.element_size():  # the wider elements first, for alignment
+            return [values, idx], SparseCtx(t.shape, t.dtype, t.device, n, True)
+        return [idx, values], SparseCtx(t.shape, t.dtype, t.device, n, False)
 
     @staticmethod
     def _pair(payload: List[Tensor], ctx: SparseCtx) -> Tuple[Tensor, Tensor]:
         return (payload[0], payload[1]) if ctx.values_first else (payload[1], payload[0])
 
     def decompress(self, payload: List[Tensor], ctx: SparseCtx) -> Tensor:
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
-        values, idx = self._pair(payload, ctx)
+        values, idx = (payload[0], payload[1]) if ctx.values_first else (payload[1], payload[0])
+        if ctx.numel < Scratch.MIN or idx is not self._sent:
+            out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
+        else:
+            out = self._dense.get(ctx.numel, ctx.dtype, ctx.device).zero_()
         out.index_add_(0, idx, values)
-        return out.view(ctx.shape)
+        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
     def exchange(self, t: Tensor, world_size: int):
         payload, ctx = self.encode(t)
@@ -251,6 +259,7 @@ class RandomK(Compressor):
     """
     name = "randomk"
     summable = True
+    counts_steps = True
     params = (ratio(0.01, "fraction of the bucket's entries sent, k = ceil(ratio * n)"),
               seed("seeds the index draw, with the bucket index and step: the same on every rank"),
               Param("unbiased", bool, False, "scale kept values by n/k, an unbiased estimate with more variance"))
@@ -336,8 +345,19 @@ class Threshold(SparseCompressor):
     name = "threshold"
     params = (Param("threshold", float, 0.01, "send every entry with |x| >= threshold", lo=0, lo_open=True),)
 
+    def __init__(self, **given):
+        super().__init__(**given)
+        # A 0-d operand costs half what a Python number does (no scalar wrapping per call); as
+        # a wrapped number would, it is compared in the input's dtype.
+        self._at = torch.tensor(self.threshold, dtype=torch.float64)
+        self._mask = Scratch()
+
     def select(self, flat):
-        idx = torch.ge(self._scratch.abs(flat), self.threshold).nonzero().view(-1)
+        a = self._scratch.abs(flat)
+        if a.numel() < Scratch.MIN:
+            idx = torch.ge(a, self._at).nonzero().view(-1)
+        else:
+            idx = torch.ge(a, self._at, out=self._mask.get(a.numel(), torch.bool, a.device)).nonzero().view(-1)
         return flat.index_select(0, idx), idx
 
     def __repr__(self):
@@ -389,6 +409,7 @@ class DGC(SparseCompressor):
     """
     name = "dgc"
     builtin_feedback = True
+    counts_steps = True
     elementwise = ("u", "v")
     params = (ratio(0.01, "fraction of entries sent after warm-up"),
               Param("momentum", float, 0.9, "momentum correction (run the optimizer without momentum)",

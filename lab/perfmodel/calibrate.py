@@ -360,7 +360,7 @@ def _measure_compressor(c, numels, repeat, warm):
         comp = make_compressor(c)
         comp.layout = [(0, (n // cols, cols))]  # one weight matrix, as PowerSGD sees a layer
         x = torch.randn(n)
-        for _ in range(warm + getattr(comp, "start_iter", 0)):  # past PowerSGD's plain steps, lazy buffers
+        for _ in range(warm + comp.warmup_exchanges):  # past plain warm-up exchanges (PowerSGD), lazy buffers
             drive(comp, x.clone())
         samples = [drive(comp, x.clone())[1] for _ in range(repeat)]
         enc = statistics.median(s[0] for s in samples)

@@ -69,7 +69,7 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
             off += n
         c.layout = shapes
         x = torch.randn(off)
-        for _ in range(getattr(c, "start_iter", 0) + 2):  # past PowerSGD's plain all-reduce steps
+        for _ in range(c.warmup_exchanges + 2):  # past plain warm-up exchanges (PowerSGD)
             rounds, _ = cal.drive(c, x.clone())
         _ROUNDS_CACHE[key] = rounds
     return _ROUNDS_CACHE[key]

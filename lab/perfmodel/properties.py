@@ -41,7 +41,7 @@ def two_rank_exchange(name: str, n: int = 4096, **params):
         c = compressors.make(name, **params)
         c.bucket, c.process_rank, c.layout = 0, r, [(0, (n // 64, 64))]
         comps.append(c)
-    for _ in range(getattr(comps[0], "start_iter", 0)):  # past PowerSGD's plain steps
+    for _ in range(comps[0].warmup_exchanges):  # past plain warm-up exchanges (PowerSGD)
         _lockstep(comps, [x.clone() for x in xs])
     return _lockstep(comps, xs)
 
@@ -83,7 +83,7 @@ def ratio(name: str, n: int = 1 << 20, **params) -> float:
     c = cal.make_compressor({"name": name, "params": params})
     c.layout = [(0, (1024, n // 1024))]
     x = torch.randn(n)
-    for _ in range(getattr(c, "start_iter", 0) + 1):
+    for _ in range(c.warmup_exchanges + 1):
         rounds, _ = cal.drive(c, x.clone())
     sent = sum(b for _, b, _ in rounds)
     return n * 4 / max(sent, 1)

@@ -1,0 +1,71 @@
+"""Capabilities compressors declare instead of being probed for (engine/compressors/base.py):
+warmup_exchanges (uncompressed exchanges first) and per_tensor (compresses tensor by tensor from
+the layout). The declarations are checked against what the exchanges really do."""
+import pytest
+import torch
+
+from distutil import emulate_exchange
+from engine.compressors import make, names
+
+N = 4096
+
+
+def _sent(c, n=N):
+    """Payload bytes of one one-rank exchange of a bucket of n random elements."""
+    emulate_exchange([c], [torch.randn(n)])
+    return c.last_bytes
+
+
+@pytest.mark.parametrize("name", names())
+def test_warmup_exchanges_are_the_plain_ones(name):
+    """Exactly the first ``warmup_exchanges`` exchanges send the bucket as it is; the next one compresses
+    (the identity compressor, which never compresses, declares none)."""
+    # threshold's default 0.01 keeps 99% of N(0, 1) data, more bytes than the bucket (values and indices)
+    params = {"powersgd": {"start_iter": 3}, "threshold": {"threshold": 2.0}}.get(name, {})
+    c = make(name, **params)
+    raw = N * 4
+    warm = c.warmup_exchanges
+    assert warm == (3 if name == "powersgd" else 0)
+    for _ in range(warm):
+        assert _sent(c) == raw
+    if name != "none":
+        assert _sent(c) < raw
+
+
+def test_warmup_follows_the_parameter():
+    assert make("powersgd").warmup_exchanges == 10
+    assert make("powersgd", start_iter=0).warmup_exchanges == 0
+
+
+@pytest.mark.parametrize("name", names())
+def test_per_tensor_is_declared_by_the_compressor_that_reads_the_layout(name):
+    c = make(name)
+    assert c.per_tensor(N) is False  # no layout: one flat tensor
+    c.layout = [(0, (64, 32)), (2048, (2048,))]
+    assert c.per_tensor(N) is (name == "powersgd")
+    assert c.per_tensor(N + 1) is False  # a layout that does not describe the bucket is not used
+
+
+def test_per_tensor_powersgd_sends_per_tensor_factors():
+    """What per_tensor promises: with the layout, the weight matrix is compressed on its own and the
+    vector sent as it is; flat, the whole bucket is one near-square matrix."""
+    c = make("powersgd", start_iter=0, rank=1)
+    c.layout = [(0, (64, 32)), (2048, (2048,))]
+    log = []
+    emulate_exchange([c], [torch.randn(N)], log)
+    assert log == [("allreduce", [(64 + 2048,)]), ("allreduce", [(32,)])]
+    flat = make("powersgd", start_iter=0, rank=1)
+    log = []
+    emulate_exchange([flat], [torch.randn(N)], log)
+    assert log == [("allreduce", [(64, 1)]), ("allreduce", [(64, 1)])]
+
+
+@pytest.mark.parametrize("name", names())
+def test_counts_steps_is_declared_by_the_compressors_that_count(name):
+    """A relayout carries ``step`` over for exactly these; it must be a counter that every exchange advances."""
+    c = make(name)
+    assert c.counts_steps == hasattr(c, "step")
+    if c.counts_steps:
+        for i in range(3):
+            assert c.step == i
+            _sent(c)
