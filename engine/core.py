@@ -492,7 +492,8 @@ class Communicator:
         step = None
         for b in self.buckets:
             state = b.compressor.elementwise_state()
-            step = getattr(b.compressor, "step", step)
+            if b.compressor.counts_steps:
+                step = b.compressor.step
             for p, off in zip(b.params, b.offsets):
                 old[id(p)] = {k: None if t is None else t[off:off + p.numel()] for k, t in state.items()}
         self._build(layout, order)
@@ -510,7 +511,7 @@ class Communicator:
                         full[off:off + p.numel()] = t
                 state[k] = full
             b.compressor.load_elementwise_state(state)
-            if step is not None and hasattr(b.compressor, "step"):
+            if step is not None and b.compressor.counts_steps:
                 b.compressor.step = step
 
     def layout(self) -> List[List[str]]:

@@ -62,6 +62,7 @@ def main():
             opt.zero_grad()
             F.cross_entropy(ddp(x), t).backward()
             opt.step()
+        del ddp, opt  # DDP's reducer goes before the process group it uses
     else:
         # a factory, not an optimizer: with dear it is built over this rank's parameter shards
         with commlab.wrap(model, lambda params: torch.optim.SGD(params, lr=args.lr, momentum=0.9), args.spec,
@@ -83,6 +84,7 @@ def main():
                 print(f"accuracy {acc:.3f}", flush=True)
     if args.save:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{args.save}.rank{rank}")
+    dist.barrier()  # both ranks are done with every collective before the group is torn down
     dist.destroy_process_group()
 
 

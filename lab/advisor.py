@@ -685,9 +685,10 @@ def spec_choices(runs) -> Dict[str, dict]:
             out[f"example: {f.name}"] = data
     for p in presets.PRESETS:
         out[f"preset: {p.title}"] = p.specs()[0]
-    for r in RunStore(runs).list()[-10:][::-1]:
-        if r.state == "done" and not r.spec_dict()["name"].startswith(("advise trial", "profile ")):
-            out[f"run: {r.id}"] = r.spec_dict()
+    done = [r for r in RunStore(runs).list()
+            if r.state == "done" and not r.spec_dict()["name"].startswith(("advise trial", "profile "))]
+    for r in done[-10:][::-1]:  # the latest ten finished runs, newest first
+        out[f"run: {r.id}"] = r.spec_dict()
     valid = {}
     for k, d in out.items():
         try:
