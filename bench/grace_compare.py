@@ -129,8 +129,7 @@ def load_grace(d):
         cupy_note = "cupy absent: GRACE's natural runs on a numpy stand-in"
     sys.path.insert(0, os.path.abspath(d))
     mods = {}
-    for name in ("fp16", "topk", "randomk", "threshold", "dgc", "qsgd", "terngrad", "signsgd", "efsignsgd",
-                 "signum", "onebit", "natural", "powersgd"):
+    for name in GRACE_NAMES:
         mods[name] = importlib.import_module(f"grace_dl.torch.compressor.{name}")
     for name in ("dgc", "efsignsgd"):
         mods[f"memory.{name}"] = importlib.import_module(f"grace_dl.torch.memory.{name}")
@@ -139,12 +138,18 @@ def load_grace(d):
 
 # ---------------------------------------------------------------- one call of each side
 
+GRACE_NAMES = ("fp16", "topk", "randomk", "threshold", "dgc", "qsgd", "terngrad", "signsgd", "efsignsgd",
+               "signum", "onebit", "natural", "powersgd")
+"""The compressors GRACE has (its PyTorch side)."""
+PARAMS = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}, "dgc": {"ratio": 0.01},
+          "threshold": {"threshold": THRESHOLD}, "qsgd": {"levels": 127}, "signum": {"momentum": 0.9},
+          "powersgd": {"rank": 1}}
+"""commlab's parameters that match GRACE's below (the rest are defaults)."""
+
+
 def commlab_call(name):
     from engine.compressors import make
-    params = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}, "dgc": {"ratio": 0.01},
-              "threshold": {"threshold": THRESHOLD}, "qsgd": {"levels": 127}, "signum": {"momentum": 0.9},
-              "powersgd": {"rank": 1}}.get(name, {})
-    c = make(name, **params)
+    c = make(name, **PARAMS.get(name, {}))
 
     def call(x):
         payload, ctx = c.compress(x)
@@ -152,7 +157,7 @@ def commlab_call(name):
     return call
 
 
-def grace_call(name, mods, n):
+def grace_call(name, mods, n, device="cpu"):
     import torch
     m = mods[name]
     cls = {"fp16": "FP16Compressor", "topk": "TopKCompressor", "randomk": "RandomKCompressor",
@@ -170,7 +175,7 @@ def grace_call(name, mods, n):
         memory = mods["memory.efsignsgd"].EFSignSGDMemory(1.0)  # lr 1: residual in gradient units, as commlab's
     if name == "powersgd":
         rows, cols = near_square(n)
-        c.q_memory["x"] = torch.randn(cols, 1)
+        c.q_memory["x"] = torch.randn(cols, 1, device=device)
 
         def call(x):
             x = x.view(rows, cols)
@@ -310,9 +315,7 @@ def main(argv=None):
     ap.add_argument("--before", default=None, help="an earlier run's JSON: its commlab figures appear beside")
     args = ap.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",") if s]
-    names = [n for n in args.only.split(",") if n] or ["fp16", "topk", "randomk", "threshold", "dgc", "qsgd",
-                                                        "terngrad", "signsgd", "efsignsgd", "signum", "onebit",
-                                                        "natural", "powersgd"]
+    names = [n for n in args.only.split(",") if n] or list(GRACE_NAMES)
 
     def log(msg):
         print(msg, file=sys.stderr, flush=True)

@@ -98,8 +98,10 @@ class Timeline:
             return
         events, self.events = self.events, []
         if self.pending_cuda:
-            ready = [s for s in self.pending_cuda if s[3].query()]
-            self.pending_cuda = [s for s in self.pending_cuda if not s[3].query()]
+            # query each end event once: one that completes between two queries would fall in neither list
+            done = [s[3].query() for s in self.pending_cuda]
+            ready = [s for s, d in zip(self.pending_cuda, done) if d]
+            self.pending_cuda = [s for s, d in zip(self.pending_cuda, done) if not d]
             for lane, name, e0, e1, args in ready:
                 events.append((lane, name, self.clock.resolve(e0), self.clock.resolve(e1), args))
         if not events:
@@ -118,6 +120,8 @@ class Timeline:
 
     def close(self) -> None:
         if self._fd is not None:
+            for span in self.pending_cuda:  # the last steps' events: wait for them rather than drop them
+                span[3].synchronize()
             self.flush()
             os.close(self._fd)
             self._fd = None

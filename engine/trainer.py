@@ -29,9 +29,25 @@ def resolve_device(spec: JobSpec, local_rank: int = 0) -> torch.device:
 
 
 def resolve_backend(spec: JobSpec, device: torch.device) -> str:
+    """auto: nccl on GPU, gloo on CPU, and gloo (over CUDA tensors) when this node runs more ranks than it
+    has GPUs: NCCL refuses two ranks on one device."""
     if spec.backend != "auto":
+        if spec.backend == "nccl" and device.type == "cuda" and shares_gpu(spec):
+            raise RuntimeError(f"backend: nccl cannot put {local_ranks(spec)} ranks on {torch.cuda.device_count()} "
+                               "GPU(s) (NCCL refuses two ranks per device); use backend gloo or auto")
         return spec.backend
-    return "nccl" if device.type == "cuda" else "gloo"
+    if device.type != "cuda":
+        return "gloo"
+    return "gloo" if shares_gpu(spec) else "nccl"
+
+
+def local_ranks(spec: JobSpec) -> int:
+    """Ranks on this node: torchrun's LOCAL_WORLD_SIZE, else the whole world."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", spec.world_size))
+
+
+def shares_gpu(spec: JobSpec) -> bool:
+    return local_ranks(spec) > torch.cuda.device_count()
 
 
 def load_data(spec: JobSpec) -> "data.Dataset":

@@ -81,3 +81,43 @@ def pytest_runtest_call(item):
         finally:
             rec.messages.clear()  # reported once, as the test's failure
     return result
+
+
+# --------------------------------------------------------------------------- compressor tests on a GPU
+# COMMLAB_TEST_DEVICE=cuda runs the compressor tests' inputs on that device: inside the modules below,
+# ``torch``'s factory functions (randn, zeros, arange, tensor, ...) create on it unless a test names a
+# device. Only the tests' own tensors move; the compressors' code sees the real torch, as in a run, so
+# a compressor that allocates on the default device instead of its input's fails here.
+TEST_DEVICE = os.environ.get("COMMLAB_TEST_DEVICE", "")
+DEVICE_MODULES = ("test_compressors_common", "test_compressors_sparse", "test_compressors_quantize",
+                  "test_compressor_buffers", "test_compressor_capabilities", "test_powersgd_layout")
+FACTORIES = ("randn", "rand", "randint", "randperm", "zeros", "ones", "empty", "full", "arange", "linspace",
+             "tensor", "as_tensor", "eye")
+
+
+class _OnDevice:
+    """The torch module, with its factory functions defaulting to ``device``."""
+
+    def __init__(self, device):
+        self._device = device
+
+    def __getattr__(self, name):
+        attr = getattr(torch, name)
+        if name in FACTORIES:
+            def factory(*args, **kwargs):
+                kwargs.setdefault("device", self._device)
+                return attr(*args, **kwargs)
+            return factory
+        return attr
+
+
+@pytest.fixture(autouse=True)
+def compressor_test_device(request, monkeypatch):
+    if not TEST_DEVICE:
+        yield None
+        return
+    name = request.module.__name__.rsplit(".", 1)[-1]
+    if name not in DEVICE_MODULES:
+        pytest.skip(f"COMMLAB_TEST_DEVICE={TEST_DEVICE} runs only the compressor tests")
+    monkeypatch.setattr(request.module, "torch", _OnDevice(torch.device(TEST_DEVICE)))
+    yield TEST_DEVICE

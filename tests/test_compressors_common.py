@@ -228,3 +228,10 @@ def test_dear_takes_exactly_the_shardable_compressors():
     assert make("randomk").shard_problem() == "has a payload that does not keep the gradient's shape"
     assert make("topk").shard_problem() == "has payloads that cannot be summed"
     assert make("fp16", error_feedback=True).shard_problem() is None
+
+
+def test_inputs_are_made_on_the_test_device(compressor_test_device):
+    """COMMLAB_TEST_DEVICE (tests/conftest.py) moves this module's tensors; the compressors see real torch."""
+    assert torch.randn(3).device.type == torch.device(compressor_test_device or "cpu").type
+    x = torch.randn(5)
+    assert make("fp16").decompress(*make("fp16").compress(x)).device == x.device

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Issue 18's checks on a machine with a CUDA GPU, from the repository root:
+#
+#   OUT=gpu-out scripts/gpu_check.sh [engine|suite|bench]...    (default: engine bench)
+#
+#   engine  tests/test_gpu.py (one rank over NCCL; two ranks sharing the GPU over gloo with CUDA
+#           tensors: sync, wfbp, dear, top-k+EF, PowerSGD, a MergeComp search; CUDA-event timelines)
+#           and the compressor tests with their inputs on the GPU (COMMLAB_TEST_DEVICE=cuda)
+#   suite   the whole test suite (pytest-xdist when installed: -n $JOBS)
+#   bench   bench/compressor_speed.py --device cuda beside GRACE ($GRACE_DIR), profiling the misses
+#
+# Python packages the machine lacks can come as wheels in .whl/ (installed to /tmp/site, no network).
+# Logs and results go to $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-gpu-out}
+PY=${PY:-python3}
+JOBS=${JOBS:-12}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        || { echo "gpu_check: installing .whl/ failed" >&2; exit 2; }
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+status=0
+parts=("${@:-engine}")
+[ $# -eq 0 ] && parts=(engine bench)
+for part in "${parts[@]}"; do
+    case "$part" in
+        engine)
+            nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv | tee "$OUT/device.txt"
+            "$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_properties(0))" \
+                | tee -a "$OUT/device.txt"
+            "$PY" -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/engine-tests.log" || status=1
+            COMMLAB_TEST_DEVICE=cuda "$PY" -m pytest -q -rs tests/test_compressors_common.py \
+                tests/test_compressors_sparse.py tests/test_compressors_quantize.py tests/test_compressor_buffers.py \
+                tests/test_compressor_capabilities.py tests/test_powersgd_layout.py 2>&1 \
+                | tee "$OUT/compressors-cuda.log" || status=1
+            ;;
+        suite)
+            xdist=()
+            "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "$JOBS")
+            "$PY" -m pytest -q -rs "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$OUT/suite.log" || status=1
+            ;;
+        bench)
+            "$PY" bench/compressor_speed.py --device cuda --grace "${GRACE_DIR:-none}" --profile-misses \
+                --out "$OUT/gpu_speed" 2>&1 | tee "$OUT/bench.log" || status=1
+            ;;
+        *) echo "gpu_check: unknown part '$part'; allowed: engine, suite, bench" >&2; exit 2 ;;
+    esac
+done
+exit $status
