@@ -105,7 +105,8 @@ class _OnDevice:
         attr = getattr(torch, name)
         if name in FACTORIES:
             def factory(*args, **kwargs):
-                kwargs.setdefault("device", self._device)
+                g = kwargs.get("generator")  # a test's own generator decides where its draws are made
+                kwargs.setdefault("device", g.device if g is not None else self._device)
                 return attr(*args, **kwargs)
             return factory
         return attr

@@ -36,9 +36,9 @@ def orthogonalize_(p: Tensor) -> Tensor:
     being divided by zero: the approximation then simply uses fewer
     directions. Rank is small, so the loop is over a handful of columns.
     """
-    tiny = _TINY.get(p.dtype)
-    if tiny is None:
-        tiny = _TINY[p.dtype] = torch.tensor(torch.finfo(p.dtype).tiny, dtype=p.dtype)
+    tiny = _TINY.get((p.dtype, p.device))
+    if tiny is None:  # clamp_min_ takes a tensor bound only on the tensor's own device
+        tiny = _TINY[p.dtype, p.device] = torch.tensor(torch.finfo(p.dtype).tiny, dtype=p.dtype, device=p.device)
     for i in range(p.shape[1]):
         col = p.select(1, i)
         col.div_(torch.linalg.vector_norm(col).clamp_min_(tiny))  # a zero column stays 0 / tiny = 0

@@ -344,7 +344,7 @@ class TernGrad(_Seeded):
         g = self._generator(x.device)
         lo, hi = torch.aminmax(x)
         # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)
-        s = torch.maximum(hi, -lo).float().clamp_min_(_TINY32_T).reshape(1)
+        s = torch.maximum(hi, -lo).float().clamp_min_(_TINY32_T if x.is_cpu else _TINY32).reshape(1)
         v = self._work("u", n, x.dtype, x.device).uniform_(1, 2, generator=g)
         v.addcdiv_(x, s.to(dtype=x.dtype))  # divide by the scale as sent, so decoding matches
         codes = self._work("codes", bitpack.packed_size(n, 4) * 4, torch.uint8, x.device, fill=1)
@@ -700,7 +700,8 @@ class OneBit(_Lossy):
         nt = self._n
         if nt is None or nt[0] != n:
             nt = self._n = (n, torch.tensor(n))
-        counts = torch.stack([nt[1] - npos, npos]).clamp_min_(_ONE)  # an empty group's mean is 0 / 1
+        # an empty group's mean is 0 / 1 (a 0-d bound must be on the tensor's device: the number elsewhere)
+        counts = torch.stack([nt[1] - npos, npos]).clamp_min_(_ONE if npos.is_cpu else 1)
         return [sums.div_(counts).float(), packed], _Ctx(t.shape, t.dtype, n)
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
