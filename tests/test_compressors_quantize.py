@@ -56,7 +56,7 @@ def test_pack_2bit_matches_reference_and_round_trips(n):
 def test_pack_bits_odd_offsets_and_non_contiguous_inputs():
     bits = torch.rand(6, 37) < 0.3
     for b in (bits[:, 3:], bits.t(), bits[1:, 5:29]):
-        np.testing.assert_array_equal(bitpack.pack_bits(b).numpy(), np.packbits(b.reshape(-1).numpy()))
+        np.testing.assert_array_equal(bitpack.pack_bits(b).cpu().numpy(), np.packbits(b.reshape(-1).cpu().numpy()))
     vals = torch.randint(0, 4, (50,)).to(torch.uint8)
     assert torch.equal(bitpack.unpack_2bit(bitpack.pack_2bit(vals[3:]), 47), vals[3:])
 

@@ -448,12 +448,13 @@ def test_orthogonalize_handles_zero_columns():
 # -- Count Sketch -------------------------------------------------------------------
 
 def _sparse(n, nnz, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.zeros(n, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)  # drawn on the CPU, then moved: the same x on every device
+    x = torch.zeros(n, dtype=torch.float64, device="cpu")
     idx = torch.randperm(n, generator=g)[:nnz]
     x[idx] = (torch.rand(nnz, generator=g, dtype=torch.float64) + 0.5) * torch.where(
         torch.rand(nnz, generator=g) < 0.5, -1.0, 1.0).double()
-    return x, idx
+    here = torch.empty(0).device  # the tests' device (COMMLAB_TEST_DEVICE, tests/conftest.py)
+    return x.to(here), idx.to(here)
 
 
 def test_countsketch_recovers_heavy_hitters_exactly():

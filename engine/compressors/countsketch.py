@@ -281,10 +281,10 @@ class CountSketch(Compressor):
         than k candidates): the caller then estimates everything."""
         c, n, k = p.cols, p.numel, p.k
         s = min(n, max(4096, min(n // 100, 1 << 14)))
-        i = torch.randint(n, (s,), generator=self._gen)
+        i = torch.randint(n, (s,), generator=self._gen).to(table.device)
         blk, off = i // c, i % c
-        shift = torch.tensor(p.shift)
-        sign = torch.tensor(p.sign, dtype=table.dtype)
+        shift = torch.tensor(p.shift, device=table.device)
+        sign = torch.tensor(p.sign, dtype=table.dtype, device=table.device)
         per_row = torch.stack([table[r][(off + shift[r][blk]) % c] * sign[r][blk] for r in range(self.rows)])
         sample = median_rows(per_row).abs_()
         q = k / n
