@@ -480,3 +480,27 @@ def test_qsgd_message_format():
     with pytest.raises(ValueError) as e:
         make("qsgd", levels=0)
     assert str(e.value) == "levels: must be an integer >= 1, got 0"
+
+
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "signum", "onebit", "terngrad"])
+@pytest.mark.parametrize("shape", [(1,), (37,), (8, 13), (1001,)])
+def test_elementwise_blend_decodes_as_the_table_gather(name, shape):
+    """The GPU decode (quantize.blend) gives the CPU table gather's values bit for bit."""
+    from engine.compressors import quantize
+    torch.manual_seed(3)
+    c = make(name)
+    t = torch.randn(shape)
+    payload, ctx = c.compress(t.clone())
+    gathered = c.decompress(payload, ctx)  # CPU: the table gather
+    tab = c._tables[next(k for k in c._tables if k[-1] == gathered.device)]
+    packed = payload[-1] if name != "terngrad" else payload[1]
+    assert tab.shape[0] == 256
+    scale = {"terngrad": payload[0].to(ctx.dtype)}.get(name)
+    if name == "onebit":
+        m0, m1 = payload[0].to(ctx.dtype).unbind()
+        tab = torch.addcmul(m0, tab, m1 - m0)
+    elif name == "efsignsgd":
+        tab = tab * payload[0].to(ctx.dtype)
+    elif scale is not None:
+        tab = tab * scale
+    assert torch.equal(quantize.blend(tab, packed, ctx), gathered)
