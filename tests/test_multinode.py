@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_two_nodes_share_one_run(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"name": "two-nodes", "model": "mlp", "dataset": "digits", "world_size": 2,
-                                "steps": 8, "batch_size": 16, "eval_every": 4, "threads": 1}))
+                                "steps": 8, "batch_size": 16, "eval_every": 4, "threads": 1,
+                                # both "nodes" are this machine: on one GPU NCCL would refuse them
+                                "device": "cpu"}))
     runs, port = tmp_path / "shared-runs", free_port()
     node = [sys.executable, "-m", "lab.cli", "run", str(spec), "--quiet", "--runs", str(runs), "--nnodes", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--run-id", "two-nodes-1"]

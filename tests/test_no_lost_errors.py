@@ -4,6 +4,7 @@ import json
 import os
 
 import pytest
+import torch
 
 import lab
 from engine import tuners, worker
@@ -131,6 +132,9 @@ def test_a_run_records_what_it_resolved(tmp_path):
     assert run.state == "done", run.status()
     assert run.spec_dict()["comm"]["cap_mb"] == 25.0
     res = json.loads(run.file(worker.RESOLVED).read_text())
-    assert res["backend"] == "gloo" and res["device"] == "cpu"
+    # device auto: the GPU where there is one, and gloo over CUDA tensors while two ranks share one GPU
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    want = ("gloo", "cpu") if not gpus else ("nccl" if gpus >= 2 else "gloo", "cuda:0")
+    assert (res["backend"], res["device"]) == want
     assert res["threads"] == max(1, (os.cpu_count() or 1) // 2) and res["world_size"] == 2
 

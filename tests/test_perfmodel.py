@@ -2,6 +2,7 @@
 import json
 
 import pytest
+import torch
 
 from lab.perfmodel import costs
 from lab.perfmodel.iteration import Bucket, Round, Step, iteration_time
@@ -378,7 +379,10 @@ def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):
     d = json.loads(out_file.read_text())
     assert d["spec"]["comm"]["mode"] == "dear" and d["batch_size"] == 16 and "fp16" in d["compressors"]
     m = d["machine"]
-    assert m["device"] == "cpu" and m["dtype"] == "float32" and m["torch"] and m["clock"] == "host clock"
+    on_gpu = torch.cuda.is_available()  # device auto
+    assert (m["device"].startswith("cuda") if on_gpu else m["device"] == "cpu") and m["dtype"] == "float32"
+    assert m["torch"]
+    assert m["clock"] == ("CUDA events" if on_gpu else "host clock")
     assert set(d["layer_backward"]) == set(d["layer_ready"]) == {"net.1", "net.3", "net.5"}
     assert len(d["params"]) == 6 and sum(b for _, b in d["params"]) == 4 * (64 * 512 + 512 + 512 * 512 + 512
                                                                              + 512 * 10 + 10)
