@@ -710,8 +710,12 @@ def app_argv(port: int = 8501, host: Optional[str] = None) -> List[str]:
     (``runner.postScriptGC``; about a quarter of the server's samples in a py-spy profile), and a watcher polling
     the modification time of every source file the app imported (``server.fileWatcherType``; it only
     serves reloading the app when its code is edited). Both are off: with the Live run and a Results page
-    open, the server's CPU fell from 4.6 s to 1.1 s per 20 s (README, "Watching a run")."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY),
+    open, the server's CPU fell from 4.6 s to 1.1 s per 20 s (README, "Watching a run").
+
+    ``global.developmentMode`` is pinned off: Streamlit turns it on when its own files are not under a
+    ``site-packages`` folder (a ``pip install --target`` elsewhere, as on the GPU machine), and in that
+    mode it refuses ``--server.port``."""
+    return [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY), "--global.developmentMode", "false",
             "--server.address", host or "127.0.0.1", "--server.port", str(int(port)),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
             "--client.toolbarMode", "minimal",
