@@ -61,6 +61,33 @@ class Page:
         return out
 
 
+class RunTracker:
+    """Whether every script run a request caused has ended. A run that ends with FINISHED_EARLY_FOR_RERUN
+    (st.rerun, st.switch_page, a form that reruns, or a newer request that interrupted it) is followed by
+    another run that the same request caused, however long the server takes to start it: the page is not
+    finished until that one has ended too. (Counting such an end as the last one returned pages early
+    under load, without the widgets of the run still to come.)"""
+
+    def __init__(self):
+        self.started = self.ended = 0
+        self.rerun_due = False
+        self.finished = False
+
+    def feed(self, f: ForwardMsg) -> bool:
+        """Take one message; True when it ended a script run (the page's time so far)."""
+        kind = f.WhichOneof("type")
+        if kind == "new_session":
+            self.started += 1
+            self.rerun_due = False
+        elif kind == "script_finished":
+            self.ended += 1
+            self.rerun_due = f.script_finished == ForwardMsg.FINISHED_EARLY_FOR_RERUN
+        else:
+            return False
+        self.finished = self.ended >= self.started and not self.rerun_due
+        return kind == "script_finished"
+
+
 class Session:
     """One browser tab's websocket session, driven synchronously (its event loop runs in a thread)."""
 
@@ -123,15 +150,14 @@ class Session:
         page = Page()
         t0 = time.perf_counter()
         self.ws.write_message(m.SerializeToString(), binary=True)
-        started = ended = 0  # script runs begun (new_session) and finished since the request
-        finished = False
+        runs = RunTracker()
         deadline = t0 + self.timeout_s
         while True:
-            wait = quiet_s if finished else max(0.1, deadline - time.perf_counter())
+            wait = quiet_s if runs.finished else max(0.1, deadline - time.perf_counter())
             try:
                 raw = await asyncio.wait_for(self.ws.read_message(), wait)
             except asyncio.TimeoutError:
-                if finished:
+                if runs.finished:
                     return page
                 raise TimeoutError(f"no script run finished within {self.timeout_s:g} s") from None
             if raw is None:
@@ -140,15 +166,9 @@ class Session:
             f.ParseFromString(raw)
             page.messages.append(f)
             self.all.append(f)
-            kind = f.WhichOneof("type")
-            if kind == "page_info_changed":
+            if f.WhichOneof("type") == "page_info_changed":
                 page.query_string = f.page_info_changed.query_string
-            if kind == "new_session":
-                started += 1
-                finished = False
-            if kind == "script_finished":
-                ended += 1
-                finished = ended >= started  # every run this request caused has ended
+            if runs.feed(f):
                 page.seconds = time.perf_counter() - t0
 
     async def _close(self) -> None:

@@ -442,3 +442,39 @@ def test_over_the_wire_no_file_of_the_runs_directory_is_served(exposed, path):
     for t in tokens.values():
         assert t not in body
     assert runs["alice"].id not in body and "SQLite format" not in body
+
+
+def test_wsclient_waits_for_the_run_a_rerun_promises():
+    """A script run that ends FINISHED_EARLY_FOR_RERUN (st.rerun, st.switch_page) is followed by another
+    run of the same request, however late the server starts it: the page is not finished until that one
+    ends. (Counting the early end as the last returned the sign-in and New run pages without the second
+    run's widgets under load: the bench's session that stopped early in every run.)"""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+    from bench.wsclient import RunTracker
+
+    def msg(kind, status=None):
+        f = ForwardMsg()
+        if kind == "new_session":
+            f.new_session.name = "x"
+        elif kind == "script_finished":
+            f.script_finished = status
+        else:
+            f.delta.new_element.markdown.body = "x"
+        return f
+
+    t = RunTracker()
+    for f in (msg("new_session"), msg("delta"), msg("script_finished", ForwardMsg.FINISHED_EARLY_FOR_RERUN)):
+        t.feed(f)
+    assert not t.finished  # the rerun's new_session has not come yet
+    t.feed(msg("new_session"))
+    t.feed(msg("delta"))
+    assert not t.finished
+    t.feed(msg("script_finished", ForwardMsg.FINISHED_SUCCESSFULLY))
+    assert t.finished
+    # a late run of an earlier request, interrupted by this one: its early end, then this request's run
+    t = RunTracker()
+    t.feed(msg("script_finished", ForwardMsg.FINISHED_EARLY_FOR_RERUN))
+    assert not t.finished
+    t.feed(msg("new_session"))
+    t.feed(msg("script_finished", ForwardMsg.FINISHED_SUCCESSFULLY))
+    assert t.finished
