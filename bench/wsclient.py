@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from streamlit.proto.BackMsg_pb2 import BackMsg
 from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
@@ -46,6 +47,16 @@ class Page:
             wid = getattr(inner, "id", "") if inner is not None else ""
             if isinstance(wid, str) and wid.endswith("-" + key):
                 return wid
+        return None
+
+    def deferred_file_id(self, key: str) -> Optional[str]:
+        """The deferred file id of the download button whose user key is ``key`` (what its click asks for)."""
+        for m in self.messages:
+            if m.WhichOneof("type") == "delta" and m.delta.WhichOneof("type") == "new_element" \
+                    and m.delta.new_element.WhichOneof("type") == "download_button":
+                b = m.delta.new_element.download_button
+                if b.id.endswith("-" + key):
+                    return b.deferred_file_id or None
         return None
 
     def kinds(self) -> List[str]:
@@ -100,6 +111,8 @@ class Session:
         self.ws = self._call(self._connect())
         self.all: List[ForwardMsg] = []
         """Every message of this session, for checks over the whole session."""
+        self.session_id: Optional[str] = None
+        """The server's id of this session (from its first script run's new_session)."""
 
     async def _connect(self):
         return await websocket_connect(self.url, subprotocols=["streamlit"])  # made on the session's loop
@@ -168,8 +181,37 @@ class Session:
             self.all.append(f)
             if f.WhichOneof("type") == "page_info_changed":
                 page.query_string = f.page_info_changed.query_string
+            if f.WhichOneof("type") == "new_session" and f.new_session.initialize.session_id:
+                self.session_id = f.new_session.initialize.session_id
             if runs.feed(f):
                 page.seconds = time.perf_counter() - t0
+
+    def deferred_file(self, file_id: str, session_id: Optional[str] = None) -> Tuple[str, str]:
+        """Ask for a deferred download (what a browser sends when a st.download_button whose data is a
+        callable is clicked), naming this session (or ``session_id``); (url, error message)."""
+        m = BackMsg()
+        req = m.backend_operation_request
+        req.request_id = uuid.uuid4().hex
+        req.session_id = session_id if session_id is not None else (self.session_id or "")
+        req.deferred_file.file_id = file_id
+        return self._call(self._backend(m))
+
+    async def _backend(self, m: BackMsg) -> Tuple[str, str]:
+        await self._drain()
+        self.ws.write_message(m.SerializeToString(), binary=True)
+        rid = m.backend_operation_request.request_id
+        deadline = time.perf_counter() + self.timeout_s
+        while True:
+            raw = await asyncio.wait_for(self.ws.read_message(), max(0.1, deadline - time.perf_counter()))
+            if raw is None:
+                raise ConnectionError("the server closed the websocket")
+            f = ForwardMsg()
+            f.ParseFromString(raw)
+            self.all.append(f)
+            if f.WhichOneof("type") == "backend_operation_response" \
+                    and f.backend_operation_response.request_id == rid:
+                r = f.backend_operation_response
+                return r.deferred_file.url, r.error_msg
 
     async def _close(self) -> None:
         self.ws.close()  # on the session's loop: tornado's streams are not thread-safe

@@ -188,6 +188,8 @@ def sign_in(root: os.PathLike, class_token: str, name: str) -> str:
     if not _same(class_token, data["class_token"]):
         raise LabError("token: not the class token")
     check_name(name)
+    if name.lower() in {n.lower() for n in data.get("revoked", {})}:
+        raise LabError(f"name: {name!r} was revoked by the teacher; ask them")
     if any(u.get("name", "").lower() == name.lower() for u in data["users"].values()):
         raise LabError(f"name: {name!r} is taken; if it is yours, open the personal link you got at sign-in")
     token = secrets.token_urlsafe(18)
@@ -198,6 +200,25 @@ def sign_in(root: os.PathLike, class_token: str, name: str) -> str:
 
 def users(root: os.PathLike) -> List[str]:
     return sorted(u["name"] for u in load_access(root, create=False).get("users", {}).values())
+
+
+def revoke(root: os.PathLike, name: str) -> int:
+    """Invalidate student ``name``'s personal token: their open pages get the sign-in prompt at their next
+    request, a download they start is refused, and the name cannot be taken again (it stays the owner of
+    their runs, which keep going; ``commlab cancel`` stops them). The number of tokens removed; LabError
+    when no student has that name."""
+    data = load_access(root, create=False)
+    if not data:
+        raise LabError(f"name: no students in {access_path(root)}")
+    gone = [h for h, u in data["users"].items() if u.get("name", "").lower() == str(name).lower()]
+    if not gone:
+        known = ", ".join(sorted(u.get("name", "?") for u in data["users"].values())) or "none"
+        raise LabError(f"name: no student {name!r}; signed in: {known}")
+    for h in gone:
+        data["users"].pop(h)
+    data.setdefault("revoked", {})[str(name)] = time.time()
+    _save_access(root, data)
+    return len(gone)
 
 
 # --------------------------------------------------------------------------- who sees what
