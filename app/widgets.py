@@ -62,6 +62,9 @@ def preset_card(p: ui.Preset) -> None:
         st.markdown(f"**{p.title}**")
         st.caption(p.question)
         st.caption("runs: " + ", ".join(p.variants))
+        cap = ui.workshop.preset_steps(ui.runs_dir())
+        if cap and any(d["steps"] > cap for d in p.specs()):
+            st.caption(f"Scaled down for this room: at most {cap} steps per run (runs/lab.json preset_steps)")
         if reason:
             st.button("Start", key=f"preset-{p.key}", disabled=True, help=reason)
             st.caption(f"Not available yet: {reason}")

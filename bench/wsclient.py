@@ -76,8 +76,8 @@ class RunTracker:
     """Whether every script run a request caused has ended. A run that ends with FINISHED_EARLY_FOR_RERUN
     (st.rerun, st.switch_page, a form that reruns, or a newer request that interrupted it) is followed by
     another run that the same request caused, however long the server takes to start it: the page is not
-    finished until that one has ended too. (Counting such an end as the last one returned pages early
-    under load, without the widgets of the run still to come.)"""
+    finished until that one has ended too. (Counting such an end as the last one could return a page
+    before the run that follows, when the server starts it later than the quiet time.)"""
 
     def __init__(self):
         self.started = self.ended = 0

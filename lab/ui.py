@@ -101,7 +101,8 @@ def start_preset(preset: Preset, runs=None) -> str:
     root = runs or runs_dir()
     created = time.time()
     ids: Dict[str, str] = {}
-    specs = [lab._spec(d) for d in preset.specs()]
+    cap = workshop.preset_steps(root)
+    specs = [lab._spec(workshop.scale_preset(d, cap)) for d in preset.specs()]
     wall = _limits(root, specs)
     q = lab._lab(root)
     for label, spec in zip(preset.labels(), specs):

@@ -492,8 +492,7 @@ def test_over_the_wire_no_file_of_the_runs_directory_is_served(exposed, path):
 def test_wsclient_waits_for_the_run_a_rerun_promises():
     """A script run that ends FINISHED_EARLY_FOR_RERUN (st.rerun, st.switch_page) is followed by another
     run of the same request, however late the server starts it: the page is not finished until that one
-    ends. (Counting the early end as the last returned the sign-in and New run pages without the second
-    run's widgets under load: the bench's session that stopped early in every run.)"""
+    ends. (Counting the early end as the last could return a page before the run that follows.)"""
     from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
     from bench.wsclient import RunTracker
 
@@ -585,3 +584,16 @@ def test_over_the_wire_a_revoked_student_gets_no_download(exposed):
 
 def exposed_root(exposed):
     return exposed[3].parent  # app.log lies in the runs directory
+
+
+def test_students_signing_in_at_once_all_keep_their_tokens(tmp_path):
+    """Sign-ins at the same moment (a room opening the link together) each add a token to runs/access.json;
+    none may drop another's (it did, read-modify-write without a lock: that student's next request got the
+    sign-in prompt, the workshop bench's session that stopped early in every run)."""
+    from concurrent.futures import ThreadPoolExecutor
+    klass = workshop.load_access(tmp_path)["class_token"]
+    names = [f"s{k:02d}" for k in range(48)]
+    with ThreadPoolExecutor(16) as pool:
+        tokens = list(pool.map(lambda n: workshop.sign_in(tmp_path, klass, n), names))
+    assert [workshop.check_token(tmp_path, t) for t in tokens] == [workshop.User(n) for n in names]
+    assert workshop.users(tmp_path) == names
