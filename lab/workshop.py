@@ -330,10 +330,15 @@ def scale_preset(spec: dict, steps: Optional[int]) -> dict:
 
 # --------------------------------------------------------------------------- the fair queue
 
-def fair_order(rows: List[dict], running: Iterable[dict] = ()) -> List[str]:
+def fair_order(rows: List[dict], running: Iterable[dict] = (), served: Optional[dict] = None) -> List[str]:
     """Queued run ids in the order the queue serves them: round-robin over owners, oldest first within
     an owner. A run's turn is how many runs of its owner go before it (running ones included), so a user
-    with a run going waits behind users with none; ties go to the older run."""
+    with a run going waits behind users with none. Among runs of the same turn, the owner served longest
+    ago goes first (``served``: owner -> when their latest run started; never served: first), then the
+    older run. Without ``served`` a user whose run just ended would be back at turn 0 with their next
+    run, and win the tie by age against users still waiting for their first: a preset's runs, all queued
+    at once, were served back to back."""
+    served = served or {}
     ahead: dict = {}
     for r in running:
         ahead[owner_of(r)] = ahead.get(owner_of(r), 0) + 1
@@ -342,5 +347,15 @@ def fair_order(rows: List[dict], running: Iterable[dict] = ()) -> List[str]:
         o = owner_of(r)
         turn = ahead.get(o, 0)
         ahead[o] = turn + 1
-        keyed.append((turn, r.get("created") or 0, r["id"]))
-    return [rid for _, _, rid in sorted(keyed)]
+        keyed.append((turn, served.get(o, float("-inf")), r.get("created") or 0, r["id"]))
+    return [k[-1] for k in sorted(keyed)]
+
+
+def last_served(rows: Iterable[dict]) -> dict:
+    """owner -> when their latest run started, from index rows (for fair_order)."""
+    out: dict = {}
+    for r in rows:
+        if r.get("started"):
+            o = owner_of(r)
+            out[o] = max(out.get(o, 0.0), r["started"])
+    return out

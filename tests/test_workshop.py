@@ -301,6 +301,22 @@ def test_fair_order_is_round_robin_over_owners():
     assert workshop.fair_order([r for r in rows if r["owner"] == "a"]) == ["a1", "a2", "a3", "a4"]
 
 
+def test_fair_order_serves_first_who_waited_longest():
+    """A preset queues its runs at once. When s00's first run ends, its second is back at turn 0 and older
+    than s13's first: it must still wait behind every owner not served yet (the workshop bench's 20
+    students: s00 got two runs before s13 got one, 86% off the mean share)."""
+    queued = [{"id": "s00-2", "owner": "s00", "created": 0.0, "started": None},
+              {"id": "s13-1", "owner": "s13", "created": 1.0, "started": None},
+              {"id": "s13-2", "owner": "s13", "created": 1.0, "started": None},
+              {"id": "s07-1", "owner": "s07", "created": 0.5, "started": None}]
+    done = [{"id": "s00-1", "owner": "s00", "created": 0.0, "started": 21.0},
+            {"id": "s07-0", "owner": "s07", "created": -9.0, "started": 5.0}]
+    served = workshop.last_served(queued + done)
+    assert served == {"s00": 21.0, "s07": 5.0}
+    assert workshop.fair_order(queued, served=served) == ["s13-1", "s07-1", "s00-2", "s13-2"]
+    assert workshop.fair_order(queued) == ["s00-2", "s07-1", "s13-1", "s13-2"]  # by age alone
+
+
 def test_queue_position_follows_the_fair_order(tmp_path):
     """Supervisors that are alive (this process) for a's three runs and b's one: b's run, queued last,
     comes second."""
