@@ -228,6 +228,7 @@ def _measure(args, app, url, log_path) -> int:
     home = [x for st in students for x in st.home_s]
     watch = [x for st in students for x in st.watch_s]
     res = {
+        "command": "python bench/workshop.py " + " ".join(sys.argv[1:]),
         "students": args.students, "minutes": args.minutes, "preset_steps": args.steps,
         "max_jobs": args.max_jobs, "queued_quota": args.queued, "think_s": args.think_s, "cpus": os.cpu_count(),
         "presets_started": sum(len(st.groups) for st in students),
