@@ -613,3 +613,19 @@ def test_students_signing_in_at_once_all_keep_their_tokens(tmp_path):
         tokens = list(pool.map(lambda n: workshop.sign_in(tmp_path, klass, n), names))
     assert [workshop.check_token(tmp_path, t) for t in tokens] == [workshop.User(n) for n in names]
     assert workshop.users(tmp_path) == names
+
+
+def test_preset_steps_scale_the_presets_and_bad_values_are_named(tmp_path):
+    assert workshop.preset_steps(tmp_path) is None
+    (tmp_path / "lab.json").write_text(json.dumps({"preset_steps": 10}))
+    assert workshop.preset_steps(tmp_path) == 10
+    for p in ui.PRESETS:
+        for d in p.specs():
+            scaled = workshop.scale_preset(d, 10)
+            assert scaled["steps"] == 10 and scaled["eval_every"] <= 10 and d["steps"] > 10
+            lab._spec(scaled)  # still a valid spec
+    assert workshop.scale_preset({"steps": 5, "eval_every": 5}, 10) == {"steps": 5, "eval_every": 5}
+    for bad in (0, -3, 2.5, True, "10"):
+        (tmp_path / "lab.json").write_text(json.dumps({"preset_steps": bad}))
+        with pytest.raises(LabError, match=r"lab.json: preset_steps must be a positive integer, got"):
+            workshop.preset_steps(tmp_path)
