@@ -144,4 +144,6 @@ def results_panel(group: dict) -> None:
         st.subheader("Accuracy against wall time")
         st.plotly_chart(plots.accuracy_vs_time_figure(ui.accuracy_curves(list(final.values()), labels)),
                         key="res.acc")
-    st.caption("Each run's own page: " + " · ".join(f"[{k}](/live_run?run={r.id})" for k, r in final.items()))
+    st.caption("Each run's own page:")  # page links: in-app, so a workshop session stays signed in
+    for k, r in final.items():
+        st.page_link(widgets.LIVE_PAGE, label=k, query_params={"run": r.id})

@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 
 import streamlit as st
 
+from app import access
 from lab import disturbance, live, plots, ui
 from lab.store import FINAL
 from lab.summary import fmt_bytes, summarize, warmup_steps
@@ -38,8 +39,15 @@ def report_button(runs: list, file_name: str, key: str, group: Optional[dict] = 
     from lab.report import report_html
     by_id = {r.id: r for r in runs}
     st.download_button("Download report (HTML, opens offline)", on_click="ignore", key=key, mime="text/html",
-                       data=lambda: report_html(runs, group=group, get=by_id.__getitem__),
+                       data=access.download_data(lambda: report_html(runs, group=group, get=by_id.__getitem__),
+                                                 by_id),
                        file_name=file_name, icon=":material/description:")
+
+
+def where() -> str:
+    """" in <runs directory>" for the teacher and the local user; nothing for a student (the machine's
+    paths are not theirs to see)."""
+    return f" in {ui.runs_dir()}" if ui.viewer().admin else ""
 
 
 def state_badge(state: str) -> None:
@@ -54,6 +62,9 @@ def preset_card(p: ui.Preset) -> None:
         st.markdown(f"**{p.title}**")
         st.caption(p.question)
         st.caption("runs: " + ", ".join(p.variants))
+        cap = ui.workshop.preset_steps(ui.runs_dir())
+        if cap and any(d["steps"] > cap for d in p.specs()):
+            st.caption(f"Scaled down for this room: at most {cap} steps per run (runs/lab.json preset_steps)")
         if reason:
             st.button("Start", key=f"preset-{p.key}", disabled=True, help=reason)
             st.caption(f"Not available yet: {reason}")
@@ -70,7 +81,7 @@ def preset_card(p: ui.Preset) -> None:
 def recent_runs(n: int = 8) -> None:
     runs = ui.list_runs()[-n:][::-1]
     if not runs:
-        st.caption(f"No runs in {ui.runs_dir()} yet.")
+        st.caption(f"No runs{where()} yet.")
         return
     for r in runs:
         cols = st.columns([5, 1])
@@ -93,6 +104,8 @@ def pick_run() -> Optional[str]:
     ids = [r.id for r in runs]
     labels = {r.id: ui.run_label(r, state=False) for r in runs}  # the panel below shows the live state
     want = want if want in ids else ids[0]
+    if st.query_params.get("run", want) != want:  # an id the viewer may not see: the URL names the run shown
+        st.query_params["run"] = want
     st.session_state["live.pick"] = want  # the URL wins over what the widget last held
 
     def picked():
@@ -111,7 +124,7 @@ def live_panel(run_id: str) -> None:
     them is most of what watching costs the machine the run trains on)."""
     run = ui.get_run(run_id)
     if run is None:
-        st.error(f"No run {run_id!r} in {ui.runs_dir()}.")
+        st.error(f"No run {run_id!r}{where()}.")
         return
     spec = run.spec_dict()
     st.caption(ui.describe(spec))
@@ -120,7 +133,7 @@ def live_panel(run_id: str) -> None:
     step = c[1].number_input("Zoom to step (-1: last iterations)", -1, spec["steps"], -1, key="live.step")
     xaxis = c[2].radio("Curves against", ["step", "wall time"], horizontal=True, key="live.x")
     with c[3]:
-        st.download_button("Download trace (Chrome/Perfetto JSON)", data=lambda: ui.trace_json(run),
+        st.download_button("Download trace (Chrome/Perfetto JSON)", data=access.download_data(lambda: ui.trace_json(run), [run.id]),
                            file_name=f"{run.id}.trace.json", mime="application/json", on_click="ignore",
                            key="live.trace", icon=":material/download:")
         report_button([run], f"{run.id}.html", key="live.report")
@@ -441,7 +454,7 @@ def table_columns() -> dict:
 def compare_view() -> None:
     rows = ui.index_rows()
     if not rows:
-        st.info(f"No runs in {ui.runs_dir()} yet.")
+        st.info(f"No runs{where()} yet.")
         return
     cols = st.columns(len(FILTERS))
     filters = {}
@@ -468,7 +481,8 @@ def compare_view() -> None:
         st.warning(f"Disturbed (other processes used the CPU; timings are not results): {', '.join(bad)}",
                    icon=":material/warning:")
     st.dataframe(table, key="cmp.table", column_config=table_columns())
-    st.download_button("Export CSV", table.to_csv().encode(), file_name="commlab-compare.csv", mime="text/csv",
+    st.download_button("Export CSV", access.download_data(lambda: table.to_csv().encode(), [r.id for r in picked]),
+                       file_name="commlab-compare.csv", mime="text/csv",
                        on_click="ignore", key="cmp.csv", icon=":material/download:")
     report_button(picked, "commlab-compare.html", key="cmp.report")
     st.subheader("Accuracy against wall time")
@@ -571,7 +585,8 @@ def sweep_view() -> None:
             st.caption("No run of this sweep has started yet.")
             return
         st.dataframe(table, key="sw.table", column_config=table_columns())
-        st.download_button("Export CSV", table.to_csv().encode(), file_name=f"{sw.id}.csv", mime="text/csv",
+        st.download_button("Export CSV", access.download_data(lambda: table.to_csv().encode(), []),
+                           file_name=f"{sw.id}.csv", mime="text/csv",
                            on_click="ignore", key="sw.csv", icon=":material/download:")
         cells = table[~table["baseline"]] if table["baseline"].any() and not table["baseline"].all() else table
         axes = [a for a in ("compressor", "schedule", "comm", "world_size", "link") if cells[a].nunique() > 1] \

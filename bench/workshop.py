@@ -1,24 +1,28 @@
 """A room's worth of load on the workshop server: N simulated students against `commlab app --host 0.0.0.0`.
 
 Each student is a websocket session (bench/wsclient.py: what a browser tab sends and receives, without
-drawing anything). It signs in through the sign-in form (the class token, then a name), then until the
-time is up: opens Home (timed), queues a small run through the New run form whenever it has fewer than
-its quota of runs queued or running, and watches its latest run's Live run page (timed), with a think
-time between requests. The lab runs with ``max_jobs`` slots, so the queue is full the whole time.
+drawing anything). It signs in through the sign-in form (the class token, then a name; the personal token
+then lives in the session, not the URL), then until the time is up: opens Home (timed), starts the next
+preset with its Start button whenever none of its runs is queued or running (student k starts at preset
+k, then takes them in turn), and watches that preset's Results page (timed), with a think time between
+requests. The teacher's runs/lab.json scales the presets down (``preset_steps``) and sets the quotas; the
+lab runs with ``max_jobs`` slots, so the queue is full the whole time.
 
 At the end it waits for every run to end and checks:
-- every run is in a final state, and none failed;
-- no session received the id of a run that was not its own (nothing is shared here);
+- every run is in a final state, and none failed; every run a Start queued is there and the student's;
+- no session received the id of a run, or the token, of anyone else;
 - the Home page's response time (request to end of the script run), median and 90th percentile;
-- fairness: the run time each student got, from runs started before the deadline, against the mean.
+- fairness: the run time each student got against the mean: from runs started before the deadline
+  (whole), and the run time inside the measured minutes only.
 
-    flock /tmp/commlab-cpu.lock python bench/workshop.py --students 4 --minutes 3 --steps 30
+    flock /tmp/commlab-cpu.lock python bench/workshop.py --students 4 --minutes 3 --steps 10
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -42,13 +46,19 @@ def free_port() -> int:
 
 
 class Student(threading.Thread):
-    def __init__(self, name: str, url: str, class_token: str, args, deadline: float):
-        super().__init__(name=name, daemon=True)
-        self.student, self.url, self.class_token, self.args, self.deadline = name, url, class_token, args, deadline
-        self.home_s, self.live_s, self.submitted, self.refused, self.errors = [], [], [], [], []
-        self.retries = []
-        """Sign-in pages that came back without the form (asked again; reported)."""
+    def __init__(self, k: int, url: str, class_token: str, args, deadline: float):
+        super().__init__(name=f"student{k:02d}", daemon=True)
+        self.k, self.student, self.url, self.class_token = k, f"student{k:02d}", url, class_token
+        self.args, self.deadline = args, deadline
+        self.home_s, self.watch_s, self.refused, self.errors = [], [], [], []
+        self.groups = []
+        """(preset key, group id, {label: run id}) of every preset this student started."""
         self.session = None
+        self.token = None
+
+    @property
+    def run_ids(self):
+        return [rid for _, _, ids in self.groups for rid in ids.values()]
 
     def run(self):
         import traceback
@@ -59,42 +69,42 @@ class Student(threading.Thread):
             self.errors.append(f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
 
     def _run(self):
+        from lab import results, ui
         from lab.queue import Lab
         s = self.session = Session(self.url)
-        for attempt in range(3):
-            page = s.run(f"token={self.class_token}")
-            name_id, submit_id = page.widget("access.name_in"), page.widget("FormSubmitter:access.name-Sign in")
-            if name_id and submit_id:
-                break
-            self.retries.append(f"attempt {attempt}: the sign-in form was not in the reply: {page.kinds()} "
-                                f"{page.exceptions()}")
-        else:
-            raise RuntimeError(f"{self.student}: no sign-in form after 3 tries")
+        page = s.run(f"token={self.class_token}")
+        name_id, submit_id = page.widget("access.name_in"), page.widget("FormSubmitter:access.name-Sign in")
+        if not (name_id and submit_id):
+            raise RuntimeError(f"no sign-in form: {page.kinds()} {page.exceptions()}")
         page = s.run(f"token={self.class_token}", widgets={name_id: self.student, submit_id: True})
-        token = (page.query_string or "").partition("token=")[2].split("&")[0]
-        if not token:
-            raise RuntimeError(f"{self.student}: sign-in gave no personal token")
+        link = re.search(r"Your personal link.*?\?token=([A-Za-z0-9_-]+)", page.text)
+        if "token=" in (page.query_string or "") or not link:
+            raise RuntimeError(f"sign-in: the token stayed in the URL or no personal link: {page.query_string!r}")
+        self.token = link.group(1)
+        presets = [p.key for p in ui.PRESETS]
         q = Lab(self.args.runs)
         while time.time() < self.deadline:
-            page = s.run(f"token={token}")
-            self.home_s.append(page.seconds)
+            home = s.run("")  # the session holds the token: nothing in the URL
+            self.home_s.append(home.seconds)
+            if "Start an experiment in one click" not in home.text:
+                raise RuntimeError(f"Home did not come back: {home.kinds()} {home.exceptions()}")
             active = [r for r in q.index.query(owner=self.student) if r["state"] in ("queued", "running")]
-            if len(active) < self.args.queued:
-                form = s.run(f"token={token}", page="new_run")
-                ids = {k: form.widget(k) for k in ("nr.steps", "nr.eval_every", "nr.submit")}
-                got = s.run(f"token={token}", page="new_run",
-                            widgets={ids["nr.steps"]: self.args.steps, ids["nr.eval_every"]: self.args.steps,
-                                     ids["nr.submit"]: True})
-                rid = (got.query_string or "").partition("run=")[2].split("&")[0]
-                if rid:
-                    self.submitted.append(rid)
-                elif "quota" in got.text:
+            if not active:  # its last preset is over: the next one, each student starting at its own
+                key = presets[(self.k + len(self.groups)) % len(presets)]
+                wid = home.widget(f"preset-{key}")
+                if not wid:
+                    raise RuntimeError(f"no Start button for preset {key} on Home")
+                got = s.run("", widgets={wid: True})
+                gid = (got.query_string or "").partition("group=")[2].split("&")[0]
+                if gid:
+                    self.groups.append((key, gid, results.load_group(self.args.runs, gid)["runs"]))
+                elif "quota " in got.text:
                     self.refused.append(time.time())
                 else:
-                    raise RuntimeError(f"{self.student}: the New run form queued nothing: {got.exceptions()}")
-            if self.submitted:
-                page = s.run(f"token={token}&run={self.submitted[-1]}", page="live_run")
-                self.live_s.append(page.seconds)
+                    raise RuntimeError(f"preset {key}: Start queued nothing: {got.exceptions()}")
+            if self.groups:  # watch it: the preset's results page (live while its runs go)
+                page = s.run(f"group={self.groups[-1][1]}", page="results")
+                self.watch_s.append(page.seconds)
             time.sleep(self.args.think_s)
 
 
@@ -107,8 +117,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--students", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=3.0)
-    ap.add_argument("--steps", type=int, default=30, help="steps of each student's run (cnn on digits)")
-    ap.add_argument("--queued", type=int, default=2, help="runs each student keeps queued (its quota)")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="steps of every preset run (runs/lab.json preset_steps: presets scaled down to this)")
+    ap.add_argument("--queued", type=int, default=4,
+                    help="runs a student may have queued or running (quota; a preset asks for 2 to 4 at once)")
     ap.add_argument("--max-jobs", type=int, default=1, help="slots of the lab's queue")
     ap.add_argument("--think-s", type=float, default=2.0, help="pause between a student's requests")
     ap.add_argument("--drain-s", type=float, default=600.0, help="how long to wait for the runs to end")
@@ -117,8 +129,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.runs = Path(args.runs or tempfile.mkdtemp(prefix="commlab-workshop-"))
     args.runs.mkdir(parents=True, exist_ok=True)
-    (args.runs / "lab.json").write_text(json.dumps({"max_jobs": args.max_jobs, "quotas": {
-        "queued": args.queued, "steps": args.steps, "world_size": 2}}))
+    (args.runs / "lab.json").write_text(json.dumps({"max_jobs": args.max_jobs, "preset_steps": args.steps,
+                                                    "quotas": {"queued": args.queued, "steps": args.steps,
+                                                               "world_size": 2}}))
     from lab import workshop
     from lab.store import FINAL
     port = free_port()
@@ -161,9 +174,10 @@ def _measure(args, app, url, log_path) -> int:
                 return 1
             time.sleep(0.5)
     class_token = workshop.load_access(args.runs)["class_token"]
+    admin_token = workshop.load_access(args.runs)["admin_token"]
     started = time.time()
     deadline = started + args.minutes * 60
-    students = [Student(f"student{k:02d}", url, class_token, args, deadline) for k in range(args.students)]
+    students = [Student(k, url, class_token, args, deadline) for k in range(args.students)]
     for st in students:
         st.start()
         time.sleep(0.2)
@@ -176,6 +190,7 @@ def _measure(args, app, url, log_path) -> int:
         if all(r["state"] in FINAL for r in q.index.query()):
             break
         time.sleep(2)
+    drained_s = time.time() - t_drain
     rows = q.index.query()
     owners = {r["id"]: r["owner"] for r in rows}
     leaks = []
@@ -185,6 +200,10 @@ def _measure(args, app, url, log_path) -> int:
         text = "\n".join(str(m) for m in st.session.all)
         leaks += [f"{st.student} received {rid} ({o}'s)" for rid, o in owners.items()
                   if o != st.student and rid in text]
+        leaks += [f"{st.student} received {o.student}'s token" for o in students
+                  if o is not st and o.token and o.token in text]
+        if admin_token in text:
+            leaks.append(f"{st.student} received the teacher's token")
         st.session.close()
     app.send_signal(signal.SIGTERM)
     app_rc = app.wait(timeout=60)
@@ -192,31 +211,48 @@ def _measure(args, app, url, log_path) -> int:
     states = {}
     for r in rows:
         states[r["state"]] = states.get(r["state"], 0) + 1
-    share = {st.student: 0.0 for st in students}
+    # nothing lost: every run a student's Start queued is in the index, theirs, and final
+    lost = [f"{st.student}: {rid}" for st in students for rid in st.run_ids
+            if rid not in owners or owners[rid] != st.student]
+    whole = {st.student: 0.0 for st in students}  # runs started before the deadline, whole
+    clipped = {st.student: 0.0 for st in students}  # run time inside the measured minutes only
     for r in rows:
-        if r["started"] and r["ended"] and r["started"] < deadline and r["owner"] in share:
-            share[r["owner"]] += r["ended"] - r["started"]
-    mean = statistics.mean(share.values()) if share else 0.0
-    spread = max(abs(v - mean) / mean for v in share.values()) if mean else None
+        if r["started"] and r["ended"] and r["started"] < deadline and r["owner"] in whole:
+            whole[r["owner"]] += r["ended"] - r["started"]
+            clipped[r["owner"]] += min(r["ended"], deadline) - r["started"]
+    run_len = [r["ended"] - r["started"] for r in rows if r["started"] and r["ended"]]
+
+    def spread(share):
+        mean = statistics.mean(share.values()) if share else 0.0
+        return max(abs(v - mean) / mean for v in share.values()) if mean else None
     home = [x for st in students for x in st.home_s]
-    live = [x for st in students for x in st.live_s]
+    watch = [x for st in students for x in st.watch_s]
     res = {
-        "students": args.students, "minutes": args.minutes, "steps": args.steps, "max_jobs": args.max_jobs,
-        "queued_quota": args.queued, "think_s": args.think_s, "cpus": os.cpu_count(),
+        "command": "python bench/workshop.py " + " ".join(sys.argv[1:]),
+        "students": args.students, "minutes": args.minutes, "preset_steps": args.steps,
+        "max_jobs": args.max_jobs, "queued_quota": args.queued, "think_s": args.think_s, "cpus": os.cpu_count(),
+        "presets_started": sum(len(st.groups) for st in students),
+        "presets_by_key": {k: sum(1 for st in students for g in st.groups if g[0] == k)
+                           for k in sorted({g[0] for st in students for g in st.groups})},
         "runs": len(rows), "states": states, "all_final": all(r["state"] in FINAL for r in rows),
+        "drain_s": round(drained_s, 1), "lost": lost,
         "leaks": leaks, "errors": {st.student: st.errors for st in students if st.errors},
-        "sign_in_retries": {st.student: st.retries for st in students if st.retries},
         "refused_by_quota": sum(len(st.refused) for st in students),
         "home_s": {"n": len(home), "median": statistics.median(home) if home else None, "p90": pct(home, 90)},
-        "live_s": {"n": len(live), "median": statistics.median(live) if live else None, "p90": pct(live, 90)},
-        "run_time_s_by_student": {k: round(v, 1) for k, v in share.items()},
-        "fairness_max_deviation": spread,
+        "watch_s": {"n": len(watch), "median": statistics.median(watch) if watch else None,
+                    "p90": pct(watch, 90)},
+        "run_length_s": {"n": len(run_len), "median": statistics.median(run_len) if run_len else None,
+                         "min": min(run_len) if run_len else None, "max": max(run_len) if run_len else None},
+        "run_time_s_by_student": {k: round(v, 1) for k, v in whole.items()},
+        "fairness_max_deviation": spread(whole),
+        "run_time_in_window_s_by_student": {k: round(v, 1) for k, v in clipped.items()},
+        "fairness_in_window_max_deviation": spread(clipped),
         "app_exit": app_rc, "app_stop": stop_line,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
     print(json.dumps(res, indent=1))
-    ok = res["all_final"] and not leaks and not res["errors"] and states.get("failed", 0) == 0
+    ok = res["all_final"] and not leaks and not lost and not res["errors"] and states.get("failed", 0) == 0
     return 0 if ok else 1
 
 

@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from streamlit.proto.BackMsg_pb2 import BackMsg
 from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
@@ -48,6 +49,16 @@ class Page:
                 return wid
         return None
 
+    def deferred_file_id(self, key: str) -> Optional[str]:
+        """The deferred file id of the download button whose user key is ``key`` (what its click asks for)."""
+        for m in self.messages:
+            if m.WhichOneof("type") == "delta" and m.delta.WhichOneof("type") == "new_element" \
+                    and m.delta.new_element.WhichOneof("type") == "download_button":
+                b = m.delta.new_element.download_button
+                if b.id.endswith("-" + key):
+                    return b.deferred_file_id or None
+        return None
+
     def kinds(self) -> List[str]:
         """The messages' types, in order (for a report of what came back)."""
         return [m.WhichOneof("type") for m in self.messages]
@@ -59,6 +70,33 @@ class Page:
                     and m.delta.new_element.WhichOneof("type") == "exception":
                 out.append(m.delta.new_element.exception.message)
         return out
+
+
+class RunTracker:
+    """Whether every script run a request caused has ended. A run that ends with FINISHED_EARLY_FOR_RERUN
+    (st.rerun, st.switch_page, a form that reruns, or a newer request that interrupted it) is followed by
+    another run that the same request caused, however long the server takes to start it: the page is not
+    finished until that one has ended too. (Counting such an end as the last one could return a page
+    before the run that follows, when the server starts it later than the quiet time.)"""
+
+    def __init__(self):
+        self.started = self.ended = 0
+        self.rerun_due = False
+        self.finished = False
+
+    def feed(self, f: ForwardMsg) -> bool:
+        """Take one message; True when it ended a script run (the page's time so far)."""
+        kind = f.WhichOneof("type")
+        if kind == "new_session":
+            self.started += 1
+            self.rerun_due = False
+        elif kind == "script_finished":
+            self.ended += 1
+            self.rerun_due = f.script_finished == ForwardMsg.FINISHED_EARLY_FOR_RERUN
+        else:
+            return False
+        self.finished = self.ended >= self.started and not self.rerun_due
+        return kind == "script_finished"
 
 
 class Session:
@@ -73,6 +111,8 @@ class Session:
         self.ws = self._call(self._connect())
         self.all: List[ForwardMsg] = []
         """Every message of this session, for checks over the whole session."""
+        self.session_id: Optional[str] = None
+        """The server's id of this session (from its first script run's new_session)."""
 
     async def _connect(self):
         return await websocket_connect(self.url, subprotocols=["streamlit"])  # made on the session's loop
@@ -123,15 +163,14 @@ class Session:
         page = Page()
         t0 = time.perf_counter()
         self.ws.write_message(m.SerializeToString(), binary=True)
-        started = ended = 0  # script runs begun (new_session) and finished since the request
-        finished = False
+        runs = RunTracker()
         deadline = t0 + self.timeout_s
         while True:
-            wait = quiet_s if finished else max(0.1, deadline - time.perf_counter())
+            wait = quiet_s if runs.finished else max(0.1, deadline - time.perf_counter())
             try:
                 raw = await asyncio.wait_for(self.ws.read_message(), wait)
             except asyncio.TimeoutError:
-                if finished:
+                if runs.finished:
                     return page
                 raise TimeoutError(f"no script run finished within {self.timeout_s:g} s") from None
             if raw is None:
@@ -140,16 +179,39 @@ class Session:
             f.ParseFromString(raw)
             page.messages.append(f)
             self.all.append(f)
-            kind = f.WhichOneof("type")
-            if kind == "page_info_changed":
+            if f.WhichOneof("type") == "page_info_changed":
                 page.query_string = f.page_info_changed.query_string
-            if kind == "new_session":
-                started += 1
-                finished = False
-            if kind == "script_finished":
-                ended += 1
-                finished = ended >= started  # every run this request caused has ended
+            if f.WhichOneof("type") == "new_session" and f.new_session.initialize.session_id:
+                self.session_id = f.new_session.initialize.session_id
+            if runs.feed(f):
                 page.seconds = time.perf_counter() - t0
+
+    def deferred_file(self, file_id: str, session_id: Optional[str] = None) -> Tuple[str, str]:
+        """Ask for a deferred download (what a browser sends when a st.download_button whose data is a
+        callable is clicked), naming this session (or ``session_id``); (url, error message)."""
+        m = BackMsg()
+        req = m.backend_operation_request
+        req.request_id = uuid.uuid4().hex
+        req.session_id = session_id if session_id is not None else (self.session_id or "")
+        req.deferred_file.file_id = file_id
+        return self._call(self._backend(m))
+
+    async def _backend(self, m: BackMsg) -> Tuple[str, str]:
+        await self._drain()
+        self.ws.write_message(m.SerializeToString(), binary=True)
+        rid = m.backend_operation_request.request_id
+        deadline = time.perf_counter() + self.timeout_s
+        while True:
+            raw = await asyncio.wait_for(self.ws.read_message(), max(0.1, deadline - time.perf_counter()))
+            if raw is None:
+                raise ConnectionError("the server closed the websocket")
+            f = ForwardMsg()
+            f.ParseFromString(raw)
+            self.all.append(f)
+            if f.WhichOneof("type") == "backend_operation_response" \
+                    and f.backend_operation_response.request_id == rid:
+                r = f.backend_operation_response
+                return r.deferred_file.url, r.error_msg
 
     async def _close(self) -> None:
         self.ws.close()  # on the session's loop: tornado's streams are not thread-safe

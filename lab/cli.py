@@ -139,6 +139,16 @@ def build_parser() -> Parser:
     from lab import advisor
     advisor.add_parser(sub, add_spec_args, _runs_arg)
 
+    p = sub.add_parser("workshop", help="the workshop server's students: list them, revoke one's token")
+    wsub = p.add_subparsers(dest="ws_cmd", metavar="ACTION", parser_class=Parser)
+    wsub.required = True
+    q = wsub.add_parser("users", help="students who signed in (runs/access.json)")
+    _runs_arg(q)
+    q = wsub.add_parser("revoke", help="invalidate a student's personal token (their pages sign out; the name "
+                                       "stays theirs; their runs keep going)")
+    q.add_argument("name", metavar="NAME", help="the student's name")
+    _runs_arg(q)
+
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
     p.add_argument("name", metavar="NAME", nargs="?", help="benchmark name; omit to list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
@@ -528,7 +538,20 @@ def cmd_trace(args) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
+def cmd_workshop(args) -> int:
+    from lab import workshop
+    root = Lab(args.runs).root
+    if args.ws_cmd == "users":
+        names = workshop.users(root)
+        print("\n".join(names) if names else f"no students in {workshop.access_path(root)}")
+        return 0
+    n = workshop.revoke(root, args.name)
+    print(f"revoked {args.name}'s personal token ({n}): their open pages sign out at their next request; "
+          f"their runs keep going (commlab runs --owner {args.name}, commlab cancel RUN)")
+    return 0
+
+
+COMMANDS = {"workshop": cmd_workshop, "run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
             "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
             "bench": cmd_bench, "predict": cmd_predict, "profile": cmd_profile, "advise": cmd_advise,
             "report": cmd_report}

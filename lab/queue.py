@@ -197,12 +197,14 @@ class Lab:
         """How many queued runs with a live supervisor come before ``run`` in the queue's order
         (round-robin over owners, lab.workshop.fair_order), counted up to ``max_jobs`` (all a
         supervisor needs to know, and it keeps polling cheap for long queues)."""
-        from lab.workshop import fair_order
-        queued = self.index.query(state="queued")
+        from lab.workshop import fair_order, last_served
+        everything = self.index.query()
+        queued = [r for r in everything if r["state"] == "queued"]
         if run.id not in {r["id"] for r in queued}:  # the index lags the run's own file: count it as queued
             queued.append({"id": run.id, "created": run.status().get("created", 0), "owner": run.status().get("owner")})
         n = 0
-        for rid in fair_order(queued, self.index.query(state="running")):
+        running = [r for r in everything if r["state"] == "running"]
+        for rid in fair_order(queued, running, last_served(everything)):
             if rid == run.id or n >= self.max_jobs:
                 break
             if procs.alive(self.store.get(rid).status().get("supervisor")):

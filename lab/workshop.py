@@ -28,6 +28,7 @@ supervisor, with the limit named in its error.
 """
 from __future__ import annotations
 
+import fcntl
 import getpass
 import hashlib
 import hmac
@@ -37,6 +38,7 @@ import os
 import re
 import secrets
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
@@ -107,8 +109,30 @@ def access_path(root: os.PathLike) -> Path:
     return Path(root) / ACCESS_FILE
 
 
+@contextmanager
+def _access_lock(root: os.PathLike):
+    """Held around every read-modify-write of runs/access.json. Without it two students signing in at
+    the same moment each read the file, add themselves and write it back, and the later write drops the
+    earlier student's token: their next request gets the sign-in prompt."""
+    Path(root).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(root) / ".access.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 def load_access(root: os.PathLike, create: bool = True) -> dict:
     """runs/access.json, made with fresh tokens (mode 0600) when missing and ``create``."""
+    if create and not access_path(root).exists():
+        with _access_lock(root):
+            return _load(root, create=True)
+    return _load(root, create)
+
+
+def _load(root: os.PathLike, create: bool) -> dict:
+    """load_access without the lock: for callers that hold it (or only read)."""
     path = access_path(root)
     try:
         data = json.loads(path.read_text())
@@ -146,7 +170,12 @@ def set_class_token(root: os.PathLike, token: str) -> dict:
     if not isinstance(token, str) or len(token) < 8 or not re.fullmatch(r"[A-Za-z0-9_.~-]+", token):
         raise LabError("--token: must be at least 8 characters of letters, digits, '-', '_', '.', '~' "
                        "(it goes into a link)")
-    data = load_access(root)
+    with _access_lock(root):
+        return _set_class_token(root, token)
+
+
+def _set_class_token(root: os.PathLike, token: str) -> dict:
+    data = _load(root, create=True)
     if token == data["admin_token"]:
         raise LabError("--token: must differ from the admin token")
     data["class_token"] = token
@@ -184,10 +213,17 @@ def check_name(name: str) -> str:
 def sign_in(root: os.PathLike, class_token: str, name: str) -> str:
     """A new personal token for student ``name``, given the class token. A name already taken is refused
     (its owner signs in again with their own link)."""
-    data = load_access(root)
+    with _access_lock(root):
+        return _sign_in(root, class_token, name)
+
+
+def _sign_in(root: os.PathLike, class_token: str, name: str) -> str:
+    data = _load(root, create=True)
     if not _same(class_token, data["class_token"]):
         raise LabError("token: not the class token")
     check_name(name)
+    if name.lower() in {n.lower() for n in data.get("revoked", {})}:
+        raise LabError(f"name: {name!r} was revoked by the teacher; ask them")
     if any(u.get("name", "").lower() == name.lower() for u in data["users"].values()):
         raise LabError(f"name: {name!r} is taken; if it is yours, open the personal link you got at sign-in")
     token = secrets.token_urlsafe(18)
@@ -198,6 +234,30 @@ def sign_in(root: os.PathLike, class_token: str, name: str) -> str:
 
 def users(root: os.PathLike) -> List[str]:
     return sorted(u["name"] for u in load_access(root, create=False).get("users", {}).values())
+
+
+def revoke(root: os.PathLike, name: str) -> int:
+    """Invalidate student ``name``'s personal token: their open pages get the sign-in prompt at their next
+    request, a download they start is refused, and the name cannot be taken again (it stays the owner of
+    their runs, which keep going; ``commlab cancel`` stops them). The number of tokens removed; LabError
+    when no student has that name."""
+    with _access_lock(root):
+        return _revoke(root, name)
+
+
+def _revoke(root: os.PathLike, name: str) -> int:
+    data = _load(root, create=False)
+    if not data:
+        raise LabError(f"name: no students in {access_path(root)}")
+    gone = [h for h, u in data["users"].items() if u.get("name", "").lower() == str(name).lower()]
+    if not gone:
+        known = ", ".join(sorted(u.get("name", "?") for u in data["users"].values())) or "none"
+        raise LabError(f"name: no student {name!r}; signed in: {known}")
+    for h in gone:
+        data["users"].pop(h)
+    data.setdefault("revoked", {})[str(name)] = time.time()
+    _save_access(root, data)
+    return len(gone)
 
 
 # --------------------------------------------------------------------------- who sees what
@@ -249,12 +309,36 @@ def check_quota(root: os.PathLike, user: User, specs: Iterable, active: int) -> 
             raise LabError(f"quota world_size: at most {q['world_size']} ranks per run, asked for {s.world_size}")
 
 
+def preset_steps(root: os.PathLike) -> Optional[int]:
+    """``preset_steps`` from runs/lab.json: the most steps a preset's run takes when started from the UI
+    (a teacher scales the one-click experiments down to a slow machine or a crowded room); None when unset."""
+    v = lab_config(root).get("preset_steps")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise LabError(f"{Path(root) / CONFIG}: preset_steps must be a positive integer, got {v!r}")
+    return v
+
+
+def scale_preset(spec: dict, steps: Optional[int]) -> dict:
+    """A preset run's spec with at most ``steps`` steps (evaluation at most every ``steps``)."""
+    if steps is None or spec.get("steps", steps) <= steps:
+        return spec
+    out = {**spec, "steps": steps}
+    if out.get("eval_every"):
+        out["eval_every"] = min(out["eval_every"], steps)
+    return out
+
+
 # --------------------------------------------------------------------------- the fair queue
 
-def fair_order(rows: List[dict], running: Iterable[dict] = ()) -> List[str]:
+def fair_order(rows: List[dict], running: Iterable[dict] = (), served: Optional[dict] = None) -> List[str]:
     """Queued run ids in the order the queue serves them: round-robin over owners, oldest first within
     an owner. A run's turn is how many runs of its owner go before it (running ones included), so a user
-    with a run going waits behind users with none; ties go to the older run."""
+    with a run going waits behind users with none. Among runs of the same turn, the owner served longest
+    ago goes first (``served``: owner -> when their latest run started; never served: first), then the
+    older run. Without ``served`` a user whose run just ended would be back at turn 0 with their next
+    run, and win the tie by age against users still waiting for their first: a preset's runs, all queued
+    at once, were served back to back."""
+    served = served or {}
     ahead: dict = {}
     for r in running:
         ahead[owner_of(r)] = ahead.get(owner_of(r), 0) + 1
@@ -263,5 +347,15 @@ def fair_order(rows: List[dict], running: Iterable[dict] = ()) -> List[str]:
         o = owner_of(r)
         turn = ahead.get(o, 0)
         ahead[o] = turn + 1
-        keyed.append((turn, r.get("created") or 0, r["id"]))
-    return [rid for _, _, rid in sorted(keyed)]
+        keyed.append((turn, served.get(o, float("-inf")), r.get("created") or 0, r["id"]))
+    return [k[-1] for k in sorted(keyed)]
+
+
+def last_served(rows: Iterable[dict]) -> dict:
+    """owner -> when their latest run started, from index rows (for fair_order)."""
+    out: dict = {}
+    for r in rows:
+        if r.get("started"):
+            o = owner_of(r)
+            out[o] = max(out.get(o, 0.0), r["started"])
+    return out

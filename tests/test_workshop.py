@@ -10,6 +10,7 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
+from app import access  # noqa: E402
 from lab import ui, workshop  # noqa: E402
 from lab.queue import Lab  # noqa: E402
 from lab.store import LabError, RunError  # noqa: E402
@@ -112,10 +113,49 @@ def test_class_token_then_a_name_gives_a_personal_token(room):
     at.text_input(key="access.name_in").set_value("dave")
     at.button[0].click().run()
     assert not at.exception, [e.value for e in at.exception]
-    personal = at.query_params["token"]
+    personal = at.session_state[access.TOKEN]
     assert personal not in tokens.values() and workshop.check_token(root, personal) == workshop.User("dave")
     assert [t.value for t in at.title] == ["commlab"]  # the Home page, signed in
+    assert "token" not in at.query_params  # not in the address bar: the session holds it
+    assert any(f"?token={personal}" in m.value for m in at.success)  # the personal link, shown once
+    at.run()
+    assert [t.value for t in at.title] == ["commlab"] and not any("?token=" in m.value for m in at.success)
     assert "dave" in workshop.users(root)
+
+
+def test_a_token_leaves_the_url_once_accepted(room):
+    root, runs, tokens = room
+    at = app(tokens["alice"], run=runs["alice"].id, page="live_run")
+    assert "token" not in at.query_params and at.query_params["run"] == runs["alice"].id
+    at.run()  # the next request (a click, a page) is still alice's, from the session
+    assert runs["alice"].id in everything(at) and runs["bob"].id in everything(at)  # bob's is shared
+    assert runs["local"].id not in everything(at)
+
+
+def test_students_are_not_shown_the_runs_directory(room):
+    root, runs, tokens = room
+    assert str(root) not in everything(app(tokens["alice"]))
+    assert str(root) not in everything(app(tokens["carol"], page="live_run"))  # carol has no runs
+    assert str(root) in everything(app(tokens["admin"]))
+
+
+def test_revoke_signs_the_student_out_and_keeps_the_name(room, capsys):
+    from lab import cli
+    root, runs, tokens = room
+    at = app(tokens["alice"])
+    assert [t.value for t in at.title] == ["commlab"]
+    assert cli.main(["workshop", "revoke", "alice", "--runs", str(root)]) == 0
+    assert "revoked alice's personal token (1)" in capsys.readouterr().out
+    at.run()  # the open page's next request: the sign-in prompt, from the session's token
+    signed_out(at, runs)
+    assert workshop.check_token(root, tokens["alice"]) is None and workshop.check_token(root, tokens["bob"])
+    with pytest.raises(LabError, match="'alice' was revoked"):
+        workshop.sign_in(root, tokens["class"], "alice")
+    assert cli.main(["workshop", "revoke", "mallory", "--runs", str(root)]) == 2
+    assert capsys.readouterr().err.strip().startswith("commlab: error: name: no student 'mallory'; signed in: ")
+    assert cli.main(["workshop", "users", "--runs", str(root)]) == 0
+    assert capsys.readouterr().out.split() == ["bob", "carol"]
+    assert lab.get(runs["alice"].id, runs=root).status()["owner"] == "alice"  # the runs stay hers
 
 
 def test_loopback_needs_no_token(room, monkeypatch):
@@ -261,6 +301,22 @@ def test_fair_order_is_round_robin_over_owners():
     assert workshop.fair_order([r for r in rows if r["owner"] == "a"]) == ["a1", "a2", "a3", "a4"]
 
 
+def test_fair_order_serves_first_who_waited_longest():
+    """A preset queues its runs at once. When s00's first run ends, its second is back at turn 0 and older
+    than s13's first: it must still wait behind every owner not served yet (the workshop bench's 20
+    students: s00 got two runs before s13 got one, 86% off the mean share)."""
+    queued = [{"id": "s00-2", "owner": "s00", "created": 0.0, "started": None},
+              {"id": "s13-1", "owner": "s13", "created": 1.0, "started": None},
+              {"id": "s13-2", "owner": "s13", "created": 1.0, "started": None},
+              {"id": "s07-1", "owner": "s07", "created": 0.5, "started": None}]
+    done = [{"id": "s00-1", "owner": "s00", "created": 0.0, "started": 21.0},
+            {"id": "s07-0", "owner": "s07", "created": -9.0, "started": 5.0}]
+    served = workshop.last_served(queued + done)
+    assert served == {"s00": 21.0, "s07": 5.0}
+    assert workshop.fair_order(queued, served=served) == ["s13-1", "s07-1", "s00-2", "s13-2"]
+    assert workshop.fair_order(queued) == ["s00-2", "s07-1", "s13-1", "s13-2"]  # by age alone
+
+
 def test_queue_position_follows_the_fair_order(tmp_path):
     """Supervisors that are alive (this process) for a's three runs and b's one: b's run, queued last,
     comes second."""
@@ -339,10 +395,10 @@ def exposed(tmp_path_factory):
     from test_app import ROOT, free_port, wait_health
     root = tmp_path_factory.mktemp("exposed")
     q = Lab(root)
-    runs = {o: q.create(lab._spec(SMALL), owner=o) for o in ("alice", "bob")}
+    runs = {o: q.create(lab._spec(SMALL), owner=o) for o in ("alice", "bob", "carol")}
     access = workshop.load_access(root)
     tokens = {"class": access["class_token"], "admin": access["admin_token"],
-              **{o: workshop.sign_in(root, access["class_token"], o) for o in ("alice", "bob")}}
+              **{o: workshop.sign_in(root, access["class_token"], o) for o in ("alice", "bob", "carol")}}
     port = free_port()
     code = (f"import sys; from lab.ui import app_main; "
             f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")
@@ -369,7 +425,12 @@ def wire(url, query="", page=""):
     s = Session(url)
     try:
         got = s.run(query, page=page)
-        return got, "\n".join(str(m) for m in s.all)
+        # page_info_changed hands the browser its own address back (once the gate took the token out of
+        # it, the rest of what the request asked for, e.g. another student's run id it typed): never a
+        # token, and not something the server found; everything else is looked through
+        echoes = [m.page_info_changed.query_string for m in s.all if m.WhichOneof("type") == "page_info_changed"]
+        assert not any("token" in q for q in echoes), echoes
+        return got, "\n".join(str(m) for m in s.all if m.WhichOneof("type") != "page_info_changed")
     finally:
         s.close()
 
@@ -442,3 +503,129 @@ def test_over_the_wire_no_file_of_the_runs_directory_is_served(exposed, path):
     for t in tokens.values():
         assert t not in body
     assert runs["alice"].id not in body and "SQLite format" not in body
+
+
+def test_wsclient_waits_for_the_run_a_rerun_promises():
+    """A script run that ends FINISHED_EARLY_FOR_RERUN (st.rerun, st.switch_page) is followed by another
+    run of the same request, however late the server starts it: the page is not finished until that one
+    ends. (Counting the early end as the last could return a page before the run that follows.)"""
+    from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+    from bench.wsclient import RunTracker
+
+    def msg(kind, status=None):
+        f = ForwardMsg()
+        if kind == "new_session":
+            f.new_session.name = "x"
+        elif kind == "script_finished":
+            f.script_finished = status
+        else:
+            f.delta.new_element.markdown.body = "x"
+        return f
+
+    t = RunTracker()
+    for f in (msg("new_session"), msg("delta"), msg("script_finished", ForwardMsg.FINISHED_EARLY_FOR_RERUN)):
+        t.feed(f)
+    assert not t.finished  # the rerun's new_session has not come yet
+    t.feed(msg("new_session"))
+    t.feed(msg("delta"))
+    assert not t.finished
+    t.feed(msg("script_finished", ForwardMsg.FINISHED_SUCCESSFULLY))
+    assert t.finished
+    # a late run of an earlier request, interrupted by this one: its early end, then this request's run
+    t = RunTracker()
+    t.feed(msg("script_finished", ForwardMsg.FINISHED_EARLY_FOR_RERUN))
+    assert not t.finished
+    t.feed(msg("new_session"))
+    t.feed(msg("script_finished", ForwardMsg.FINISHED_SUCCESSFULLY))
+    assert t.finished
+
+
+def fetch(url):
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_over_the_wire_a_download_is_its_sessions_and_serves_once(exposed):
+    """As an attacker would: another student's session, or one without a token, asking for alice's trace
+    download by its id, under their own session id or under alice's; replaying the URL alice fetched."""
+    from bench.wsclient import Session
+    url, runs, tokens, _ = exposed
+    alice, bob, nobody = Session(url), Session(url), Session(url)
+    try:
+        page = alice.run(f"token={tokens['alice']}&run={runs['alice'].id}", page="live_run")
+        fid = page.deferred_file_id("live.trace")
+        assert fid, page.kinds()
+        bob.run(f"token={tokens['bob']}")
+        nobody.run("")
+        for s in (bob, nobody):
+            for sid in (None, alice.session_id):  # its own session id; alice's (the server checks the socket's)
+                got, err = s.deferred_file(fid, sid)
+                assert not got and err, (got, err)
+        got, err = alice.deferred_file(fid)
+        assert got and not err, err
+        assert got.startswith("/media/") and len(got.split("/")[-1].split(".")[0]) == 64  # random, not a hash
+        status, body = fetch(url + got)
+        assert status == 200 and runs["alice"].id.encode() in body and b"traceEvents" in body
+        assert fetch(url + got)[0] == 404  # served once: a leaked URL serves nothing
+        got2, _ = alice.deferred_file(fid)  # a second click builds a fresh one
+        assert got2 and got2 != got and fetch(url + got2)[0] == 200
+    finally:
+        for s in (alice, bob, nobody):
+            s.close()
+
+
+def test_over_the_wire_a_revoked_student_gets_no_download(exposed):
+    from bench.wsclient import Session
+    url, runs, tokens, _ = exposed
+    carol = Session(url)
+    try:
+        page = carol.run(f"token={tokens['carol']}&run={runs['carol'].id}", page="live_run")
+        fid = page.deferred_file_id("live.report")
+        assert fid and "token=" not in (page.query_string or "")  # the token left the URL
+        page = carol.run(f"run={runs['carol'].id}", page="live_run")  # no token in the URL: the session's
+        assert runs["carol"].id in page.text and "commlab: sign in" not in page.text
+        workshop.revoke(exposed_root(exposed), "carol")
+        got, err = carol.deferred_file(fid)
+        assert not got and err
+        page = carol.run(f"run={runs['carol'].id}", page="live_run")
+        assert "commlab: sign in" in page.text and runs["carol"].id not in page.text
+    finally:
+        carol.close()
+
+
+def exposed_root(exposed):
+    return exposed[3].parent  # app.log lies in the runs directory
+
+
+def test_students_signing_in_at_once_all_keep_their_tokens(tmp_path):
+    """Sign-ins at the same moment (a room opening the link together) each add a token to runs/access.json;
+    none may drop another's (it did, read-modify-write without a lock: that student's next request got the
+    sign-in prompt, the workshop bench's session that stopped early in every run)."""
+    from concurrent.futures import ThreadPoolExecutor
+    klass = workshop.load_access(tmp_path)["class_token"]
+    names = [f"s{k:02d}" for k in range(48)]
+    with ThreadPoolExecutor(16) as pool:
+        tokens = list(pool.map(lambda n: workshop.sign_in(tmp_path, klass, n), names))
+    assert [workshop.check_token(tmp_path, t) for t in tokens] == [workshop.User(n) for n in names]
+    assert workshop.users(tmp_path) == names
+
+
+def test_preset_steps_scale_the_presets_and_bad_values_are_named(tmp_path):
+    assert workshop.preset_steps(tmp_path) is None
+    (tmp_path / "lab.json").write_text(json.dumps({"preset_steps": 10}))
+    assert workshop.preset_steps(tmp_path) == 10
+    for p in ui.PRESETS:
+        for d in p.specs():
+            scaled = workshop.scale_preset(d, 10)
+            assert scaled["steps"] == 10 and scaled["eval_every"] <= 10 and d["steps"] > 10
+            lab._spec(scaled)  # still a valid spec
+    assert workshop.scale_preset({"steps": 5, "eval_every": 5}, 10) == {"steps": 5, "eval_every": 5}
+    for bad in (0, -3, 2.5, True, "10"):
+        (tmp_path / "lab.json").write_text(json.dumps({"preset_steps": bad}))
+        with pytest.raises(LabError, match=r"lab.json: preset_steps must be a positive integer, got"):
+            workshop.preset_steps(tmp_path)

@@ -10,7 +10,8 @@ st.markdown(
     "job (gloo on CPU, NCCL on GPU) whose ranks record what every layer and every collective did and when. "
     "Pick a compressor, a fusion schedule and a communication mode, watch the per-layer timeline while it "
     "trains, then compare runs on accuracy against wall time.")
-st.caption(f"Runs directory: `{ui.runs_dir().resolve()}` (set COMMLAB_RUNS to change it)")
+if ui.viewer().admin:  # the teacher and the local user; a student is not shown the machine's paths
+    st.caption(f"Runs directory: `{ui.runs_dir().resolve()}` (set COMMLAB_RUNS to change it)")
 
 st.subheader("Start an experiment in one click")
 cols = st.columns(3)
