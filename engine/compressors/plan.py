@@ -85,5 +85,5 @@ class Plan:
             c = factory()
             msg = check(c)
             if msg:
-                return f"{c.describe()} {msg}"
+                return f"{c.name} {msg}"
         return None
