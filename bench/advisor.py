@@ -43,11 +43,13 @@ MODELS = {
 
 
 def _c(name, ef=False, **params):
-    return {"name": name, "params": params, "error_feedback": ef}
+    return {"name": name, "params": params, "error_feedback": ef, "per_bucket": []}
 
 
 def _mixed(small, rest, below_mb=1.0):
-    return {**rest, "per_bucket": [{"below_mb": below_mb, **small}]}
+    """As lab.advisor builds its mixed candidates, so the advisor's predictions line up with the grid's cells."""
+    from lab import advisor
+    return advisor._mixed(small, rest, below_mb)
 
 
 WFBP25 = ({"name": "bucket", "cap_mb": 25.0}, {"mode": "wfbp"})

@@ -99,12 +99,15 @@ class Candidate:
 
 
 def _comp(name: str, ef: bool = False, **params) -> dict:
-    return {"name": name, "params": params, "error_feedback": ef}
+    """A compressor section in the spec's full form (spec.json's), so a candidate compares equal to it."""
+    return {"name": name, "params": params, "error_feedback": ef, "per_bucket": []}
 
 
 def _mixed(small: dict, rest: dict, below_mb: float = MIXED_BELOW_MB) -> dict:
     """A mixed compressor section: buckets under ``below_mb`` get ``small``, the others ``rest``."""
-    return {**rest, "per_bucket": [{"below_mb": below_mb, **small}]}
+    rule = {"below_mb": float(below_mb), "name": small["name"], "error_feedback": small["error_feedback"],
+            "params": dict(small["params"])}
+    return {**rest, "per_bucket": [rule]}
 
 
 def compressor_space() -> List[Tuple[str, dict]]:
@@ -320,7 +323,7 @@ def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, floa
         if any(p is None for _, (p, _) in each):
             k, (_, why) = next(e for e in each if e[1][0] is None)
             return None, f"parts: {k} is left out ({why.split(':')[0]})"
-        k, (worst, why) = max(each, key=lambda e: e[1][0])
+        k, (worst, why) = max(reversed(each), key=lambda e: e[1][0])  # ties: the section's own compressor
         return worst, f"parts: the worst of its compressors' penalties, {k}'s ({why.split(':')[0]})"
     return penalty_from_benchmark(comp, cells) or declared_default(comp, cells)
 
@@ -608,7 +611,8 @@ def explain(adv: Advice) -> str:
     w = adv.winner
     key = "measured_score" if adv.chosen_by == "measured" else "predicted_score"
     what = "measured" if adv.chosen_by == "measured" else "predicted"
-    ddp = next((c for c in adv.candidates if c.compressor["name"] == "none" and c.comm["mode"] == "wfbp"
+    ddp = next((c for c in adv.candidates if c.compressor["name"] == "none" and not c.compressor.get("per_bucket")
+                and c.comm["mode"] == "wfbp"
                 and c.schedule == {"name": "bucket", "cap_mb": 25.0}), None)
     parts = [f"{w.label} has the lowest {what} time to accuracy, {getattr(w, key):.1f} ms per step-equivalent "
              f"(iteration {w.measured_ms if adv.chosen_by == 'measured' else w.predicted_ms:.1f} ms x penalty "
