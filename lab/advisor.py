@@ -8,10 +8,13 @@ Steps, in order:
    finished run in the index, or a short single-process run measured now) and the encode/decode cost
    curve of every candidate compressor (measured in-process, saved with the profile).
 2. The strategy space the engine supports (``space``): compressors that keep accuracy (none, the 16-bit
-   casts, top-k with error feedback at two ratios, PowerSGD rank 1 and 4), fusion (bucket caps of 1, 4
-   and 25 MB, and MergeComp), comm mode wfbp, and dear (its buffer cap) for compressors whose payload
-   reduce-scatters. Compressors come from the registry's capabilities, not from a list of names: a
-   compressor is in the dear space when ``shard_problem()`` is None.
+   casts, block-wise int8, top-k with error feedback at two ratios, PowerSGD rank 1 and 4) and two mixed
+   sections (buckets under 1 MB uncompressed, the rest PowerSGD rank 4 or int8: compressor.per_bucket),
+   fusion (bucket caps of 1, 4 and 25 MB, and MergeComp), comm mode wfbp, and dear (its buffer cap) for
+   compressors whose payload it can reduce-scatter: summed (none, the casts) or as a shard codec's
+   all-to-all (int8: dear with a compressed reduce-scatter). Compressors come from the registry's
+   capabilities, not from a list of names: a section is in the dear space when ``shard_problem()`` is None
+   for every compressor it may give a buffer.
 3. Each candidate's predicted iteration time (lab.perfmodel.predict on the link), times its convergence
    penalty (``penalty``: steps to the target accuracy over ``none``'s), is its predicted time to accuracy.
    MergeComp is predicted at the partition its own search would settle on when it is fed the model's
@@ -21,9 +24,11 @@ Steps, in order:
    iteration time x penalty.
 
 The penalty's source is always said: ``measured`` (steps to accuracy in two finished runs of this model in
-the index), ``benchmark`` (bench/results/compressor_accuracy*.json: cnn on digits, final accuracy at a fixed
-step budget; a compressor within ``KEEP_POINTS`` of none counts 1.0, one below it is left out), or
-``declared`` (the user's ``--penalty`` / ``strategy.penalties``, or this module's reasoned default).
+the index), ``benchmark`` (bench/results/strategy_accuracy.json for the same compressor section in the same
+comm mode, then bench/results/compressor_accuracy*.json: cnn on digits, final accuracy at a fixed step
+budget; a compressor within ``KEEP_POINTS`` of none counts 1.0, one below it is left out), ``parts`` (a
+mixed section nothing measured as a whole: the worst of its compressors' penalties), or ``declared`` (the
+user's ``--penalty`` / ``strategy.penalties``, or this module's reasoned default).
 """
 from __future__ import annotations
 
