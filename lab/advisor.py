@@ -246,11 +246,15 @@ def penalty_from_benchmark(comp: dict, cells) -> Optional[Tuple[Optional[float],
     mine, base = cells.get((comp["name"], bool(comp.get("error_feedback")))), cells.get(("none", False))
     if mine is None or base is None:
         return None
-    where = f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps"
-    if mine["acc"] >= base["acc"] - KEEP_POINTS:
-        return 1.0, (f"benchmark: {mine['acc']:.1%} vs none {base['acc']:.1%} at the same steps ({where}); "
+    return _verdict(mine["acc"], base["acc"], f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps")
+
+
+def _verdict(acc: float, base: float, where: str) -> Tuple[Optional[float], str]:
+    """A benchmark's final accuracy against none's: penalty 1 within ``KEEP_POINTS``, else left out."""
+    if acc >= base - KEEP_POINTS:
+        return 1.0, (f"benchmark: {acc:.1%} vs none {base:.1%} at the same steps ({where}); "
                      f"steps-to-accuracy ratio not measured, taken as 1")
-    return None, f"benchmark: {mine['acc']:.1%} vs none {base['acc']:.1%} ({where}): loses accuracy, left out"
+    return None, f"benchmark: {acc:.1%} vs none {base:.1%} ({where}): loses accuracy, left out"
 
 
 def strategy_cells(path=STRATEGY_RESULTS) -> Dict[Tuple[str, str], dict]:
@@ -273,11 +277,8 @@ def penalty_from_strategy_bench(comp: dict, mode: str, cells) -> Optional[Tuple[
     mine = cells.get((compressor_key(comp), mode))
     if mine is None:
         return None
-    where = f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps, {mode}"
-    if mine["acc"] >= mine["base_acc"] - KEEP_POINTS:
-        return 1.0, (f"benchmark: {mine['acc']:.1%} vs none {mine['base_acc']:.1%} at the same steps ({where}); "
-                     f"steps-to-accuracy ratio not measured, taken as 1")
-    return None, f"benchmark: {mine['acc']:.1%} vs none {mine['base_acc']:.1%} ({where}): loses accuracy, left out"
+    return _verdict(mine["acc"], mine["base_acc"],
+                    f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps, {mode}")
 
 
 def declared_default(comp: dict, cells) -> Tuple[float, str]:
