@@ -149,6 +149,9 @@ class Buffer(Bucket):
         self.rs_out: Optional[Tensor] = None
         self.path = compressor.shard_path()
         """"sum" or "alltoall" (``Compressor.shard_path``)."""
+        self.send: Optional[Tensor] = None
+        """alltoall: the packed payloads of this rank's shards, kept between steps (the all-to-all has
+        finished reading it when ``finish`` has waited)."""
         self.fresh = True
         """The model's view of this buffer holds the latest parameters."""
         self.ag: Optional[Pending] = None
@@ -314,7 +317,9 @@ class DeAR(Communicator):
         for payload, _ in parts[1:]:
             if pack_layout(payload)[1] != size:
                 raise RuntimeError(f"dear: {b.codec} declares shard_codec but its shards' payloads differ in size")
-        send = torch.zeros(self.world * size, dtype=torch.uint8, device=b.flat.device)
+        send = b.send
+        if send is None or send.numel() != self.world * size:  # kept: the alignment gaps stay zero
+            send = b.send = torch.zeros(self.world * size, dtype=torch.uint8, device=b.flat.device)
         for j, (payload, _) in enumerate(parts):
             for t, (_, _, off, n) in zip(payload, b.parts):
                 if n:
