@@ -19,11 +19,12 @@ gradients become ready in a different order, which gloo and NCCL require.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Union
 
 import torch
 
 from engine.compressors.base import Compressor, Round
+from engine.compressors.plan import Plan
 from engine.core import Bucket, Communicator, Exchange, issue
 from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
@@ -48,11 +49,12 @@ class ExchangeBucket(Bucket):
 
 
 class DataParallel(Communicator):
-    """Average gradients over ranks with a fusion schedule, a compressor per bucket and a comm mode."""
+    """Average gradients over ranks with a fusion schedule, a compressor per bucket and a comm mode.
+    ``make_compressor``: a factory (one compressor for every bucket) or a ``Plan`` (by bucket size)."""
 
     def __init__(self, model: torch.nn.Module,
                  schedule: Callable[[List[ParamInfo]], List[List[int]]],
-                 make_compressor: Callable[[], Compressor],
+                 make_compressor: Union[Callable[[], Compressor], Plan],
                  mode: str = "wfbp",
                  timeline: Optional[Timeline] = None,
                  group=None,

@@ -29,12 +29,13 @@ all drive exchanges through it.
 from __future__ import annotations
 
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from engine.compressors.base import Compressor, Round
+from engine.compressors.plan import Plan
 from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
 from engine.timeline import Timeline
@@ -377,6 +378,9 @@ class Bucket:
         self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
         self.scale: Optional[float] = None
         """Set by the mode when gradients land multiplied by it (1/world, fused into the landing copy)."""
+        self.codec = compressor.describe()
+        """The compressor as a spec names it (mixed strategies: it differs between buckets); the timeline's
+        comm spans and layout.json carry it."""
         self.reset()
 
     def reset(self) -> None:
@@ -414,13 +418,16 @@ class Communicator:
 
     mode = "base"
 
-    def __init__(self, model: torch.nn.Module, make_compressor: Callable[[], Compressor],
+    def __init__(self, model: torch.nn.Module, make_compressor: Union[Callable[[], Compressor], Plan],
                  timeline: Optional[Timeline] = None, group=None, broadcast_from_rank0: bool = True,
                  link: Optional[ModeledLink] = None):
         self.model, self.group, self.link = model, group, link
         """``link``: a ModeledLink (network: modeled): every collective lasts at least its alpha-beta time."""
-        self.make_compressor = make_compressor
-        """A new compressor instance, one per bucket."""
+        self.plan = make_compressor if isinstance(make_compressor, Plan) else Plan(make_compressor)
+        """Makes each bucket's own compressor instance, by the bucket's gradient bytes (mixed strategies:
+        a rule list, engine/compressors/plan.py)."""
+        self.make_compressor = self.plan.default
+        """A new instance of the compressor of buckets no rule takes."""
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.timeline = timeline or Timeline(None, self.rank, enabled=False)
@@ -464,7 +471,8 @@ class Communicator:
         self.buckets, self.slot = [], {}
         self.order = list(order)
         for bi, idx in enumerate(layout):
-            comp = self.make_compressor()
+            comp = self.plan.make(sum(self.params[self.order[i]].numel() * self.params[self.order[i]].element_size()
+                                      for i in idx))
             comp.bucket, comp.process_rank = bi, self.rank
             b = self._new_bucket(bi, [self.params[self.order[i]] for i in idx],
                                  [self.order_names[self.order[i]] for i in idx], comp)
@@ -484,7 +492,9 @@ class Communicator:
         per-element state (error-feedback residuals, DGC's u and v, ...) belongs to parameters,
         not to bucket slots: each parameter's slice is moved from its old bucket to its new one
         (padding stays zero). A counter ``step`` (warm-up schedules) carries over; other state
-        starts afresh (Compressor.elementwise)."""
+        starts afresh (Compressor.elementwise). With a mixed plan a bucket whose size crosses a rule's
+        limit gets another compressor: state moves by name, so a residual (``ef.residual``) follows its
+        parameters into any compressor that keeps one and is dropped where the new one keeps none."""
         order = self.order if order is None else list(order)
         if sorted(order) != list(range(len(self.params))):
             raise ValueError("relayout: order must be a permutation of the parameters")
@@ -602,7 +612,7 @@ class Communicator:
                 except RuntimeError:  # gloo's reduce-scatter has no future: stamped when polled
                     self._unstamped.append((work, pend))
             pend.span = (f"{op} b{b.index}", t_issue, {"bucket": b.index, "op": op, **args, "bytes": nbytes,
-                                                        "layers": b.label()})
+                                                        "codec": b.codec, "layers": b.label()})
         return pend
 
     def _poll(self) -> None:

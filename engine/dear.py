@@ -30,12 +30,23 @@ yet) and the module waits for g only. Collectives are issued in one fixed
 order on every rank: reduce-scatters in buffer order (the order gradients are
 expected in backward), all-gathers in forward order.
 
-Compressors: any whose instance is single-round, summable and keeps the
-gradient's shape (``Compressor.shard_problem``; none, fp16 and bf16 today).
-Each buffer's gradient is encoded whole (error feedback included when it is
-on), the payload is reduce-scattered as it is, and each rank decodes its
-shard: for such payloads that is the reduce-scatter of the gradients. fp16
-payloads are pre-divided by the world size, as DDP's fp16 hook does.
+Compressors: those whose instance declares a way to reduce-scatter
+(``Compressor.shard_path``), one for all buffers or one per buffer by size (a
+``Plan``, the spec's ``compressor.per_bucket``):
+
+- "sum": single-round, summable and shape-keeping (none, fp16, bf16). Each
+  buffer's gradient is encoded whole (error feedback included when it is on),
+  the payload is reduce-scattered as it is, and each rank decodes its shard:
+  for such payloads that is the reduce-scatter of the gradients. fp16
+  payloads are pre-divided by the world size, as DDP's fp16 hook does.
+- "alltoall": a ``shard_codec`` (int8, block-wise quantization). Each rank
+  cuts the buffer into its world-size shards and compresses each on its own
+  (``encode_parts``; error feedback over the whole buffer), sends shard j's
+  payload to rank j in one all-to-all of bytes, and rank j decodes the
+  payloads it received, sums them in fp32 and divides by the world size: a
+  reduce-scatter whose wire carries int8 codes and per-block scales, in the
+  manner of ZeRO++'s quantized gradients. The all-gather of parameters stays
+  at full precision.
 
 Before evaluation, saving, the end of training, or a relayout,
 ``sync_params`` completes every pending all-gather, so no one reads stale
@@ -57,7 +68,8 @@ import torch
 import torch.distributed as dist
 
 from engine import compressors, schedules
-from engine.compressors.base import Compressor
+from engine.compressors.base import Compressor, nbytes as payload_bytes
+from engine.compressors.plan import Plan
 from engine.core import Bucket, Communicator, Pending, book
 from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
@@ -103,6 +115,17 @@ def layout_layers(params: Sequence[ParamInfo], layers: int) -> List[List[int]]:
     return out
 
 
+def pack_layout(payload: List[Tensor]) -> tuple:
+    """[(dtype, shape, byte offset, bytes)] of a payload's tensors packed into one byte buffer, each at
+    an 8-byte aligned offset (so it can be viewed back as its dtype), and the buffer's size."""
+    out, off = [], 0
+    for t in payload:
+        n = t.numel() * t.element_size()
+        out.append((t.dtype, tuple(t.shape), off, n))
+        off += -(-n // 8) * 8
+    return out, off
+
+
 # ---------------------------------------------------------------- the communicator
 
 class Buffer(Bucket):
@@ -124,6 +147,11 @@ class Buffer(Bucket):
         self.shard_param = torch.nn.Parameter(self.data[self.lo:self.lo + self.shard].clone())
         self.shard_param.grad = torch.zeros_like(self.shard_param)
         self.rs_out: Optional[Tensor] = None
+        self.path = compressor.shard_path()
+        """"sum" or "alltoall" (``Compressor.shard_path``)."""
+        self.send: Optional[Tensor] = None
+        """alltoall: the packed payloads of this rank's shards, kept between steps (the all-to-all has
+        finished reading it when ``finish`` has waited)."""
         self.fresh = True
         """The model's view of this buffer holds the latest parameters."""
         self.ag: Optional[Pending] = None
@@ -133,6 +161,8 @@ class Buffer(Bucket):
         self.rs: Optional[Pending] = None
         self.prediv = False
         self.ctx = None
+        self.parts: Optional[List[tuple]] = None
+        """alltoall: (dtype, shape, byte offset, bytes) of each tensor of one shard's payload."""
 
 
 class DeAR(Communicator):
@@ -143,14 +173,18 @@ class DeAR(Communicator):
     def __init__(self, model: torch.nn.Module, layout: Callable[[List[ParamInfo]], List[List[int]]],
                  compressor: str = "none", timeline: Optional[Timeline] = None, group=None,
                  broadcast_from_rank0: bool = True, link: Optional[ModeledLink] = None,
-                 error_feedback: bool = False, compressor_params: Optional[dict] = None):
-        params = dict(compressor_params or {})
-        problem = compressors.make(compressor, error_feedback=error_feedback, **params).shard_problem()
+                 error_feedback: bool = False, compressor_params: Optional[dict] = None,
+                 plan: Optional[Plan] = None):
+        """``plan``, when given, makes each buffer's compressor (mixed strategies) instead of ``compressor``."""
+        if plan is None:
+            params = dict(compressor_params or {})
+            plan = Plan(lambda: compressors.make(compressor, error_feedback=error_feedback, **params))
+        problem = plan.problem(lambda c: c.shard_problem())
         if problem:
-            raise ValueError(f"compressor.name: dear reduce-scatters payloads, so it needs a single-round, "
-                             f"summable compressor whose payload keeps the gradient's shape; {compressor} {problem}")
-        super().__init__(model, lambda: compressors.make(compressor, error_feedback=error_feedback, **params),
-                         timeline, group, broadcast_from_rank0, link)
+            raise ValueError(f"compressor.name: dear reduce-scatters payloads, so it needs a single-round "
+                             f"compressor that is summable and keeps the gradient's shape, or a shard codec; "
+                             f"{problem}; allowed: {', '.join(compressors.shardable())}")
+        super().__init__(model, plan, timeline, group, broadcast_from_rank0, link)
         self.a2a = dist.get_backend(group) == "gloo"
         """gloo's reduce_scatter is a clone plus a full all-reduce (twice the bytes of a reduce-scatter);
         there the reduce-scatter is an all-to-all of the buffer's chunks and a local sum."""
@@ -242,6 +276,8 @@ class DeAR(Communicator):
 
     # -- backward side: reduce-scatters -------------------------------------
     def _launch(self, b: Buffer) -> None:
+        if b.path == "alltoall":
+            return self._launch_parts(b)
         tl = self.timeline
         t0 = tl.now()
         payload, b.ctx = b.compressor.encode(b.flat)  # compress, with error feedback when it is on
@@ -270,6 +306,49 @@ class DeAR(Communicator):
         b.rs = self._track(Pending([work], lambda: [out], self.link, deadline), "reduce_scatter", b, nbytes, t)
         self._bytes += nbytes
 
+    def _launch_parts(self, b: Buffer) -> None:
+        """A shard codec's reduce-scatter: each shard compressed on its own, shard j's payload to rank j
+        in one all-to-all of bytes; ``finish`` decodes and sums the payloads of this rank's shard."""
+        tl = self.timeline
+        t0 = tl.now()
+        parts = b.compressor.encode_parts(b.flat, self.world)  # error feedback over the whole buffer
+        b.ctx = parts[self.rank][1]  # a shard's ctx: it decodes every rank's payload of this shard
+        b.parts, size = pack_layout(parts[0][0])
+        for payload, _ in parts[1:]:
+            if pack_layout(payload)[1] != size:
+                raise RuntimeError(f"dear: {b.codec} declares shard_codec but its shards' payloads differ in size")
+        send = b.send
+        if send is None or send.numel() != self.world * size:  # kept: the alignment gaps stay zero
+            send = b.send = torch.zeros(self.world * size, dtype=torch.uint8, device=b.flat.device)
+        for j, (payload, _) in enumerate(parts):
+            for t, (_, _, off, n) in zip(payload, b.parts):
+                if n:
+                    send[j * size + off:j * size + off + n] = t.contiguous().view(-1).view(torch.uint8)
+        if b.rs_out is None or b.rs_out.numel() != send.numel() or b.rs_out.dtype != torch.uint8:
+            b.rs_out = torch.empty_like(send)
+        if tl.enabled:
+            tl.span("compress", f"compress b{b.index}", t0, tl.now(), {"bucket": b.index, "codec": b.codec})
+        b.wire_sum = b.flat.sum(dtype=torch.float32)  # the divergence flag: this rank's gradient as it landed
+        b.compressor.last_bytes = sum(payload_bytes(p) for p, _ in parts)
+        nbytes = send.numel()
+        deadline = book(self.link, "reduce_scatter", nbytes, self.group)
+        t = tl.now()
+        work = dist.all_to_all_single(b.rs_out, send, group=self.group, async_op=True)
+        out = b.rs_out
+        b.rs = self._track(Pending([work], lambda: [out], self.link, deadline), "reduce_scatter", b, nbytes, t,
+                           via="alltoall")
+        self._bytes += nbytes
+
+    def _sum_parts(self, b: Buffer, recv: Tensor) -> Tensor:
+        """The average of this rank's shard from every rank's payload of it (fp32 sum, then / world)."""
+        size = recv.numel() // self.world
+        acc = torch.zeros(b.shard, dtype=torch.float32, device=recv.device)
+        for j in range(self.world):
+            base = j * size
+            payload = [recv[base + off:base + off + n].view(dt).view(shape) for dt, shape, off, n in b.parts]
+            acc.add_(b.compressor.decompress(payload, b.ctx).reshape(-1).float())
+        return acc.div_(self.world)
+
     def finish(self) -> None:
         """After backward: every rank holds the averaged gradient of its shards in ``shard_params()[g].grad``."""
         for b in self.buckets:
@@ -289,6 +368,12 @@ class DeAR(Communicator):
         for b in self.buckets:
             out = self._wait(b.rs, b, f"wait reduce_scatter b{b.index}")[0]
             t1 = tl.now()
+            if b.path == "alltoall":
+                b.shard_param.grad.copy_(self._sum_parts(b, out))
+                if tl.enabled:
+                    tl.span("decompress", f"decompress b{b.index}", t1, tl.now(), {"bucket": b.index,
+                                                                                   "codec": b.codec})
+                continue
             if self.a2a:
                 out = out.view(self.world, b.shard).sum(0)
             g = b.compressor.decompress([out], b.ctx)

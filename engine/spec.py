@@ -168,6 +168,13 @@ class CompressorSpec:
     params: dict = field(default_factory=dict)
     """The compressor's own keyword parameters (ratio, levels, rank, ...).
     In YAML they may be written inline: {name: topk, ratio: 0.01}."""
+    per_bucket: list = field(default_factory=list)
+    """Mixed strategies: rules tried in order, each a compressor section (name, error_feedback, its
+    parameters inline or under params) with ``below_mb``: a bucket whose gradient bytes are under
+    below_mb (MB = 2**20 bytes) takes the first such rule's compressor; the others take name/params
+    above. E.g. [{below_mb: 1, name: none}] with name powersgd, rank 4: small buckets uncompressed,
+    the rest PowerSGD. Each bucket has its own instance and state (engine/compressors/plan.py).
+    spec.json holds the rules fully defaulted (params under params)."""
 
     def __post_init__(self):
         from engine import compressors  # the registry validates names and parameters
@@ -177,6 +184,39 @@ class CompressorSpec:
             compressors.check(self.name, error_feedback=self.error_feedback, **self.params)
         except ValueError as e:
             raise SpecError("compressor", str(e)) from None
+        self.per_bucket = [_bucket_rule(r, i, self.per_bucket[:i]) for i, r in enumerate(self.per_bucket)]
+
+
+def _bucket_rule(rule: Any, i: int, earlier: list) -> dict:
+    """One ``compressor.per_bucket`` rule, checked and in its full form (below_mb, name, error_feedback, params)."""
+    from engine import compressors
+    where = f"compressor.per_bucket[{i}]"
+    if not isinstance(rule, dict):
+        raise SpecError(where, f"must be a mapping like {{below_mb: 1, name: none}}, got {rule!r}")
+    if "per_bucket" in rule:
+        raise SpecError(f"{where}.per_bucket", "a rule cannot hold rules of its own")
+    below = rule.get("below_mb")
+    if isinstance(below, bool) or not isinstance(below, (int, float)) or not 0 < below <= 4096:
+        raise SpecError(f"{where}.below_mb", f"must be a number in (0, 4096] (MB of gradient), got {below!r}")
+    for j, e in enumerate(earlier):
+        if e["below_mb"] >= below:
+            raise SpecError(f"{where}.below_mb", f"never matches: rule {j} (below_mb {e['below_mb']:g}) takes every "
+                                                 f"bucket under {below:g} MB first; give rules in increasing below_mb")
+    name = rule.get("name")
+    if name not in compressors.names():
+        raise SpecError(f"{where}.name", f"unknown compressor {name!r}; allowed: {', '.join(compressors.names())}")
+    ef = rule.get("error_feedback", False)
+    if not isinstance(ef, bool):
+        raise SpecError(f"{where}.error_feedback", f"must be true or false, got {ef!r}")
+    params = rule.get("params") or {}
+    if not isinstance(params, dict):
+        raise SpecError(f"{where}.params", f"must be a mapping, got {params!r}")
+    params = {**params, **{k: v for k, v in rule.items() if k not in ("below_mb", "name", "error_feedback", "params")}}
+    try:
+        compressors.check(name, error_feedback=ef, **params)
+    except ValueError as e:
+        raise SpecError(where, str(e)) from None
+    return {"below_mb": float(below), "name": name, "error_feedback": ef, "params": params}
 
 
 # schedule option -> (the schedule that takes it, default, lowest, highest)
@@ -420,13 +460,16 @@ class JobSpec:
                                                  "shaped with gbps (loopback has none)")
         if self.comm.mode == "dear":
             from engine import compressors
+            from engine.compressors.plan import make_section, parts
             c = self.compressor
-            problem = compressors.make(c.name, error_feedback=c.error_feedback, **c.params).shard_problem()
-            if problem:
-                raise SpecError("compressor.name", f"comm.mode dear reduce-scatters the payload, so it needs a "
-                                                   f"single-round, summable compressor whose payload keeps the "
-                                                   f"gradient's shape; {c.name} {problem}; allowed: "
-                                                   f"{', '.join(compressors.shardable())}")
+            for i, part in enumerate(parts(dataclasses.asdict(c))):
+                problem = make_section(part).shard_problem()
+                if problem:
+                    where = f"compressor.per_bucket[{i}].name" if i < len(c.per_bucket) else "compressor.name"
+                    raise SpecError(where, f"comm.mode dear reduce-scatters the payload, so it needs a single-round "
+                                           f"compressor that is summable and keeps the gradient's shape, or a "
+                                           f"shard codec; {part['name']} {problem}; allowed: "
+                                           f"{', '.join(compressors.shardable())}")
             if self.schedule != ScheduleSpec():
                 raise SpecError("schedule", "comm.mode dear fuses by comm.cap_mb, comm.layers or comm.tune; "
                                             "leave schedule at its default (bucket, cap_mb 25)")
@@ -468,7 +511,7 @@ def _shorthand(data: Any) -> Any:
         data["strategy"] = {"mode": data["strategy"]}
     comp = data.get("compressor")
     if isinstance(comp, dict):
-        known = {"name", "error_feedback", "params"}
+        known = {"name", "error_feedback", "params", "per_bucket"}
         extra = {k: v for k, v in comp.items() if k not in known}
         if extra:
             params = dict(comp.get("params") or {})

@@ -13,6 +13,7 @@ backward; ``step()`` does the rest of the iteration:
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -22,7 +23,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from engine import compressors, dear, netmodel, schedules, tuners
+from engine import dear, netmodel, schedules, tuners
+from engine.compressors.plan import Plan
 from engine.comm import DataParallel
 from engine.core import Communicator
 from engine.dear import DeAR
@@ -69,17 +71,15 @@ class Stepper:
         self.metrics = JsonlWriter(path("metrics.jsonl")) if path else None
         self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
         make_opt = make_opt or functools.partial(make_optimizer, spec)
-        c = spec.compressor
+        # each bucket's own compressor instance, by its size where compressor.per_bucket has rules
+        plan = Plan.from_section(dataclasses.asdict(spec.compressor))
         if spec.comm.mode == "dear":
             # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
-            self.dp: Communicator = DeAR(model, self._dear_layout(), c.name, timeline=self.timeline, group=group,
-                                         link=netmodel.from_spec(spec.network), error_feedback=c.error_feedback,
-                                         compressor_params=c.params)
+            self.dp: Communicator = DeAR(model, self._dear_layout(), timeline=self.timeline, group=group,
+                                         link=netmodel.from_spec(spec.network), plan=plan)
         else:
-            self.dp = DataParallel(model, schedule_fn(spec),
-                                   lambda: compressors.make(c.name, error_feedback=c.error_feedback, **c.params),
-                                   mode=spec.comm.mode, timeline=self.timeline, group=group,
-                                   link=netmodel.from_spec(spec.network))
+            self.dp = DataParallel(model, schedule_fn(spec), plan, mode=spec.comm.mode, timeline=self.timeline,
+                                   group=group, link=netmodel.from_spec(spec.network))
         self.optimizer = make_opt(self.dp.optimizer_params())
         self.dp.attach(self.optimizer)
         self.step = 0
@@ -103,7 +103,7 @@ class Stepper:
 
     def write_layout(self) -> None:
         buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
-                    "compressor": b.compressor.name} for b in self.dp.buckets]
+                    "compressor": b.compressor.name, "codec": b.codec} for b in self.dp.buckets]
         with open(os.path.join(self.run_dir, "layout.json"), "w") as f:
             json.dump({"params": sum(p.numel() for p in self.model.parameters()),
                        "tensors": len(self.dp.infos), "buckets": buckets}, f, indent=1)

@@ -8,10 +8,13 @@ Steps, in order:
    finished run in the index, or a short single-process run measured now) and the encode/decode cost
    curve of every candidate compressor (measured in-process, saved with the profile).
 2. The strategy space the engine supports (``space``): compressors that keep accuracy (none, the 16-bit
-   casts, top-k with error feedback at two ratios, PowerSGD rank 1 and 4), fusion (bucket caps of 1, 4
-   and 25 MB, and MergeComp), comm mode wfbp, and dear (its buffer cap) for compressors whose payload
-   reduce-scatters. Compressors come from the registry's capabilities, not from a list of names: a
-   compressor is in the dear space when ``shard_problem()`` is None.
+   casts, block-wise int8, top-k with error feedback at two ratios, PowerSGD rank 1 and 4) and two mixed
+   sections (buckets under 1 MB uncompressed, the rest PowerSGD rank 4 or int8: compressor.per_bucket),
+   fusion (bucket caps of 1, 4 and 25 MB, and MergeComp), comm mode wfbp, and dear (its buffer cap) for
+   compressors whose payload it can reduce-scatter: summed (none, the casts) or as a shard codec's
+   all-to-all (int8: dear with a compressed reduce-scatter). Compressors come from the registry's
+   capabilities, not from a list of names: a section is in the dear space when ``shard_problem()`` is None
+   for every compressor it may give a buffer.
 3. Each candidate's predicted iteration time (lab.perfmodel.predict on the link), times its convergence
    penalty (``penalty``: steps to the target accuracy over ``none``'s), is its predicted time to accuracy.
    MergeComp is predicted at the partition its own search would settle on when it is fed the model's
@@ -21,9 +24,11 @@ Steps, in order:
    iteration time x penalty.
 
 The penalty's source is always said: ``measured`` (steps to accuracy in two finished runs of this model in
-the index), ``benchmark`` (bench/results/compressor_accuracy*.json: cnn on digits, final accuracy at a fixed
-step budget; a compressor within ``KEEP_POINTS`` of none counts 1.0, one below it is left out), or
-``declared`` (the user's ``--penalty`` / ``strategy.penalties``, or this module's reasoned default).
+the index), ``benchmark`` (bench/results/strategy_accuracy.json for the same compressor section in the same
+comm mode, then bench/results/compressor_accuracy*.json: cnn on digits, final accuracy at a fixed step
+budget; a compressor within ``KEEP_POINTS`` of none counts 1.0, one below it is left out), ``parts`` (a
+mixed section nothing measured as a whole: the worst of its compressors' penalties), or ``declared`` (the
+user's ``--penalty`` / ``strategy.penalties``, or this module's reasoned default).
 """
 from __future__ import annotations
 
@@ -41,6 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ACCURACY_RESULTS = (ROOT / "bench" / "results" / "compressor_accuracy.json",
                     ROOT / "bench" / "results" / "compressor_accuracy_rerun.json")
 """The accuracy benchmark's results; a later file's cells replace an earlier one's (a rerun)."""
+STRATEGY_RESULTS = ROOT / "bench" / "results" / "strategy_accuracy.json"
+"""bench/strategy_accuracy.py: accuracy of strategies (mixed buckets, dear with compressed reduce-scatters)
+against none with wfbp, keyed by compressor key and comm mode."""
 KEEP_POINTS = 0.01
 """A compressor whose benchmark accuracy is within this of none's (absolute) keeps accuracy."""
 TARGET_FRACTION = 0.97
@@ -48,6 +56,8 @@ TARGET_FRACTION = 0.97
 BUCKET_CAPS_MB = (25.0, 4.0, 1.0)
 DEAR_CAPS_MB = (25.0, 4.0)
 """Caps tried, the usual one first: among equal scores the earlier candidate in the space wins."""
+MIXED_BELOW_MB = 1.0
+"""The mixed candidates' rule: buckets under this many MB go uncompressed."""
 TRIAL_STEPS = 12
 TRIALS = 3
 LINKS = ("modeled", "shaped")
@@ -94,26 +104,42 @@ class Candidate:
 
 
 def _comp(name: str, ef: bool = False, **params) -> dict:
-    return {"name": name, "params": params, "error_feedback": ef}
+    """A compressor section in the spec's full form (spec.json's), so a candidate compares equal to it."""
+    return {"name": name, "params": params, "error_feedback": ef, "per_bucket": []}
+
+
+def _mixed(small: dict, rest: dict, below_mb: float = MIXED_BELOW_MB) -> dict:
+    """A mixed compressor section: buckets under ``below_mb`` get ``small``, the others ``rest``."""
+    rule = {"below_mb": float(below_mb), "name": small["name"], "error_feedback": small["error_feedback"],
+            "params": dict(small["params"])}
+    return {**rest, "per_bucket": [rule]}
 
 
 def compressor_space() -> List[Tuple[str, dict]]:
     """(label, compressor section) of the compressors the advisor considers, each checked against the
-    registry (a compressor this build cannot make, or cannot run on this machine, is left out)."""
+    registry (a compressor this build cannot make, or cannot run on this machine, is left out). Mixed
+    sections (compressor.per_bucket) are checked part by part."""
     import torch
 
     from engine import compressors
-    wanted = [("none", _comp("none")), ("fp16", _comp("fp16")), ("bf16", _comp("bf16")),
+    from engine.compressors.plan import make_section, parts
+    below = f"{MIXED_BELOW_MB:g} MB"
+    wanted = [("none", _comp("none")), ("fp16", _comp("fp16")), ("bf16", _comp("bf16")), ("int8", _comp("int8")),
               ("topk 1% +EF", _comp("topk", True, ratio=0.01)), ("topk 10% +EF", _comp("topk", True, ratio=0.1)),
-              ("powersgd r1", _comp("powersgd", rank=1)), ("powersgd r4", _comp("powersgd", rank=4))]
+              ("powersgd r1", _comp("powersgd", rank=1)), ("powersgd r4", _comp("powersgd", rank=4)),
+              # mixed: small buckets are latency-bound, so compressing them saves little and costs a codec
+              # each; the big ones carry the bytes
+              (f"mixed: none < {below}, powersgd r4", _mixed(_comp("none"), _comp("powersgd", rank=4))),
+              (f"mixed: none < {below}, int8", _mixed(_comp("none"), _comp("int8")))]
     out = []
     for label, c in wanted:
-        if c["name"] not in compressors.names():
+        if any(p["name"] not in compressors.names() for p in parts(c)):
             continue
         try:  # "if supported": one round trip on a small tensor, as a rank would run it
-            comp = compressors.make(c["name"], error_feedback=c["error_feedback"], **c["params"])
-            payload, ctx = comp.compress(torch.ones(64))
-            comp.decompress(payload, ctx)
+            for part in parts(c):
+                comp = make_section(part)
+                payload, ctx = comp.compress(torch.ones(64))
+                comp.decompress(payload, ctx)
         except (RuntimeError, TypeError) as e:  # a dtype the machine lacks: said, not hidden
             print(f"advisor: leaving out {label}: {type(e).__name__}: {e}")
             continue
@@ -121,16 +147,22 @@ def compressor_space() -> List[Tuple[str, dict]]:
     return out
 
 
+def shardable(c: dict) -> bool:
+    """dear can reduce-scatter every compressor the section may give a buffer (summed, or a shard codec's
+    all-to-all: ``Compressor.shard_path``)."""
+    from engine.compressors.plan import make_section, parts
+    return all(make_section(p).shard_problem() is None for p in parts(c))
+
+
 def space(spec: dict) -> List[Candidate]:
     """Every strategy the advisor ranks, for a fully defaulted spec dict."""
-    from engine import compressors
     out = []
     for label, c in compressor_space():
         for cap in BUCKET_CAPS_MB:
             out.append(Candidate(f"{label}, bucket {cap:g} MB, wfbp", c, {"name": "bucket", "cap_mb": cap},
                                  {"mode": "wfbp"}))
         out.append(Candidate(f"{label}, mergecomp, wfbp", c, {"name": "mergecomp"}, {"mode": "wfbp"}))
-        if compressors.make(c["name"], error_feedback=c["error_feedback"], **c["params"]).shard_problem() is None:
+        if shardable(c):
             for cap in DEAR_CAPS_MB:
                 out.append(Candidate(f"{label}, dear {cap:g} MB", c, {"name": "bucket", "cap_mb": 25.0},
                                      {"mode": "dear", "cap_mb": cap}))
@@ -150,8 +182,8 @@ def with_strategy(spec: dict, strategy: dict) -> dict:
 # --------------------------------------------------------------------------- penalty
 
 def _same_comp(a: dict, b: dict) -> bool:
-    return (a["name"] == b["name"] and bool(a.get("error_feedback")) == bool(b.get("error_feedback"))
-            and (a.get("params") or {}) == (b.get("params") or {}))
+    from lab.perfmodel.calibrate import compressor_key
+    return compressor_key(a) == compressor_key(b)  # name, parameters, error feedback and per-bucket rules
 
 
 def steps_to(evals: List[Tuple[int, float]], target: float) -> Optional[int]:
@@ -214,11 +246,39 @@ def penalty_from_benchmark(comp: dict, cells) -> Optional[Tuple[Optional[float],
     mine, base = cells.get((comp["name"], bool(comp.get("error_feedback")))), cells.get(("none", False))
     if mine is None or base is None:
         return None
-    where = f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps"
-    if mine["acc"] >= base["acc"] - KEEP_POINTS:
-        return 1.0, (f"benchmark: {mine['acc']:.1%} vs none {base['acc']:.1%} at the same steps ({where}); "
+    return _verdict(mine["acc"], base["acc"], f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps")
+
+
+def _verdict(acc: float, base: float, where: str) -> Tuple[Optional[float], str]:
+    """A benchmark's final accuracy against none's: penalty 1 within ``KEEP_POINTS``, else left out."""
+    if acc >= base - KEEP_POINTS:
+        return 1.0, (f"benchmark: {acc:.1%} vs none {base:.1%} at the same steps ({where}); "
                      f"steps-to-accuracy ratio not measured, taken as 1")
-    return None, f"benchmark: {mine['acc']:.1%} vs none {base['acc']:.1%} ({where}): loses accuracy, left out"
+    return None, f"benchmark: {acc:.1%} vs none {base:.1%} ({where}): loses accuracy, left out"
+
+
+def strategy_cells(path=STRATEGY_RESULTS) -> Dict[Tuple[str, str], dict]:
+    """(compressor key, comm mode) -> cell of bench/strategy_accuracy.py, each with none's accuracy (wfbp)
+    from the same file."""
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    base = next((c for c in data.get("cells", []) if c.get("reference")), None)
+    out = {}
+    for c in data.get("cells", []):
+        if c.get("acc") is not None and base is not None and base.get("acc") is not None:
+            out[(c["key"], c["comm"])] = dict(c, base_acc=base["acc"], steps=data.get("steps"), file=path.name)
+    return out
+
+
+def penalty_from_strategy_bench(comp: dict, mode: str, cells) -> Optional[Tuple[Optional[float], str]]:
+    """From bench/strategy_accuracy.py: the same compressor section in the same comm mode."""
+    from lab.perfmodel.calibrate import compressor_key
+    mine = cells.get((compressor_key(comp), mode))
+    if mine is None:
+        return None
+    return _verdict(mine["acc"], mine["base_acc"],
+                    f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps, {mode}")
 
 
 def declared_default(comp: dict, cells) -> Tuple[float, str]:
@@ -242,20 +302,35 @@ def declared_default(comp: dict, cells) -> Tuple[float, str]:
 
 
 def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, float]] = None,
-            cells=None) -> Tuple[Optional[float], str]:
-    """(penalty, source) for the compressor section ``comp`` on the spec's model: the user's declared value
-    first, then runs in the index, then the accuracy benchmark, then the advisor's declared default."""
+            cells=None, mode: str = "wfbp", strategies=None) -> Tuple[Optional[float], str]:
+    """(penalty, source) for the compressor section ``comp`` in comm ``mode`` on the spec's model: the user's
+    declared value first, then runs in the index, then the strategy benchmark (mixed sections, dear with a
+    compressed reduce-scatter), then the accuracy benchmark, then the advisor's declared default. A mixed
+    section nothing measured takes the worst of its parts' penalties (source ``parts``)."""
     from lab.perfmodel.calibrate import compressor_key
     key = compressor_key(comp)
     for k in (key, comp["name"]):
         if declared and k in declared:
             return float(declared[k]), f"declared by the user ({k}={declared[k]:g})"
-    if comp["name"] == "none":
+    rules = comp.get("per_bucket") or []
+    if comp["name"] == "none" and not rules:
         return 1.0, "the reference"
     found = penalty_from_runs(spec, comp, runs)
     if found is not None:
         return found
+    strategies = strategy_cells() if strategies is None else strategies
+    found = penalty_from_strategy_bench(comp, mode, strategies)
+    if found is not None:
+        return found
     cells = benchmark_cells() if cells is None else cells
+    if rules:
+        from engine.compressors.plan import parts
+        each = [(compressor_key(p), penalty(spec, p, runs, declared, cells, mode, strategies)) for p in parts(comp)]
+        if any(p is None for _, (p, _) in each):
+            k, (_, why) = next(e for e in each if e[1][0] is None)
+            return None, f"parts: {k} is left out ({why.split(':')[0]})"
+        k, (worst, why) = max(reversed(each), key=lambda e: e[1][0])  # ties: the section's own compressor
+        return worst, f"parts: the worst of its compressors' penalties, {k}'s ({why.split(':')[0]})"
     return penalty_from_benchmark(comp, cells) or declared_default(comp, cells)
 
 
@@ -376,8 +451,9 @@ def measured_ms(run, run_steps: Optional[int] = None) -> Tuple[Optional[float], 
                                          f"spread over {total} steps")
     order = sorted(it)
     skip = warmup_steps(len(order))
-    if spec["compressor"]["name"] == "powersgd":
-        skip = max(skip, int(spec["compressor"]["params"].get("start_iter", 10)) + 1)
+    start = start_iter(spec["compressor"])
+    if start is not None:
+        skip = max(skip, start + 1)
     timed = order[skip:]
     note = ""
     if len(timed) < 2:
@@ -404,9 +480,16 @@ def trial_picks(ranked: List[Candidate], k: int) -> List[Candidate]:
     return picks
 
 
+def start_iter(comp: dict) -> Optional[int]:
+    """The uncompressed start of PowerSGD in the section (any of its parts), or None without PowerSGD."""
+    from engine.compressors.plan import parts
+    starts = [int(p["params"].get("start_iter", 10)) for p in parts(comp) if p["name"] == "powersgd"]
+    return max(starts) if starts else None
+
+
 def trial_spec(spec: dict, cand: Candidate, steps: int) -> dict:
     s = with_strategy({**spec, "strategy": {"mode": "fixed"}}, cand.strategy())
-    start = int(cand.compressor["params"].get("start_iter", 10)) if cand.compressor["name"] == "powersgd" else 0
+    start = start_iter(cand.compressor) or 0
     s.update(name=f"advise trial: {cand.label}", steps=max(steps, start + 4), eval_every=0)
     return load_spec_dict(s)
 
@@ -495,9 +578,9 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
         raise LabError(str(e)) from None
     t1 = time.perf_counter()
     lk, link_source = link_of(prof, net)
-    cells = benchmark_cells()
+    cells, strategies = benchmark_cells(), strategy_cells()
     for c in cands:
-        c.penalty, c.penalty_source = penalty(spec, c.compressor, runs, penalties, cells)
+        c.penalty, c.penalty_source = penalty(spec, c.compressor, runs, penalties, cells, c.comm["mode"], strategies)
         predict_candidate(prof, spec, c, lk, world)
     t2 = time.perf_counter()
     ranked = rank(cands)
@@ -534,7 +617,8 @@ def explain(adv: Advice) -> str:
     w = adv.winner
     key = "measured_score" if adv.chosen_by == "measured" else "predicted_score"
     what = "measured" if adv.chosen_by == "measured" else "predicted"
-    ddp = next((c for c in adv.candidates if c.compressor["name"] == "none" and c.comm["mode"] == "wfbp"
+    ddp = next((c for c in adv.candidates if c.compressor["name"] == "none" and not c.compressor.get("per_bucket")
+                and c.comm["mode"] == "wfbp"
                 and c.schedule == {"name": "bucket", "cap_mb": 25.0}), None)
     parts = [f"{w.label} has the lowest {what} time to accuracy, {getattr(w, key):.1f} ms per step-equivalent "
              f"(iteration {w.measured_ms if adv.chosen_by == 'measured' else w.predicted_ms:.1f} ms x penalty "

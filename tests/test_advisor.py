@@ -54,6 +54,78 @@ def test_space_is_what_the_registry_can_do():
     assert len({c.label for c in cands}) == len(cands)
 
 
+def test_space_holds_dear_with_int8_and_mixed_candidates():
+    """dear with a compressed reduce-scatter (int8, a shard codec) and mixed sections are searched; a mixed
+    section goes to dear only when every compressor it may give a buffer reduce-scatters."""
+    from engine.compressors.plan import parts
+    s = spec()
+    cands = advisor.space(s)
+    labels = {c.label for c in cands}
+    assert "int8, dear 25 MB" in labels and "fp16, dear 25 MB" in labels
+    mixed = [c for c in cands if c.compressor.get("per_bucket")]
+    assert {c.comm["mode"] for c in mixed} == {"wfbp", "dear"}
+    for c in mixed:
+        names = {p["name"] for p in parts(c.compressor)}
+        assert (c.comm["mode"] == "dear") <= (names <= set(compressors.shardable())), c.label
+        back = advisor.with_strategy(s, c.strategy())  # a valid spec that keeps its rules
+        assert back["compressor"]["per_bucket"] == c.compressor["per_bucket"]
+    assert any(c.label.startswith("mixed: none < 1 MB, powersgd r4") for c in mixed)
+    assert not any("powersgd" in c.label and c.comm["mode"] == "dear" for c in cands)
+
+
+def test_mixed_prediction_gives_each_bucket_its_own_compressor():
+    """In the performance model, buckets under the rule's size send their raw bytes; the others PowerSGD's
+    factors; dear with int8 reduce-scatters a quarter of the bytes."""
+    from lab.perfmodel import predict as pr
+    s = spec()
+    prof = fake_profile(s)
+    mixed = advisor._mixed(advisor._comp("none"), advisor._comp("powersgd", rank=4), below_mb=0.01)
+    step = pr.build_step(prof, {**s, "compressor": mixed, "schedule": {"name": "layerwise"}}, 2)
+    kinds = set()
+    for b in step.buckets:
+        sent = sum(r.nbytes for r in b.rounds)
+        if b.raw_bytes < 0.01 * 2 ** 20:
+            assert len(b.rounds) == 1 and sent == b.raw_bytes and b.encode == 0
+            kinds.add("none")
+        else:
+            assert len(b.rounds) == 2 and sent < b.raw_bytes / 4
+            kinds.add("powersgd")
+    assert kinds == {"none", "powersgd"}
+    dear8 = pr.build_step(prof, {**s, "compressor": advisor._comp("int8"), "comm": {"mode": "dear", "cap_mb": 25.0}}, 2)
+    for b in dear8.buckets:
+        (r,) = b.rounds
+        assert r.op == "reduce_scatter" and b.raw_bytes / 4 <= r.nbytes < b.raw_bytes / 3.8
+
+
+def test_penalties_of_strategies_say_where_they_come_from(monkeypatch):
+    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    strategies = {("int8", "dear"): {"acc": 0.985, "base_acc": 0.99, "steps": 300, "file": "s.json"},
+                  ("fp16", "dear"): {"acc": 0.95, "base_acc": 0.99, "steps": 300, "file": "s.json"}}
+    p, src = advisor.penalty(s, advisor._comp("int8"), cells=CELLS, mode="dear", strategies=strategies)
+    assert p == 1.0 and src.startswith("benchmark") and "dear" in src
+    p, src = advisor.penalty(s, advisor._comp("fp16"), cells=CELLS, mode="dear", strategies=strategies)
+    assert p is None and "loses accuracy" in src
+    # not measured in wfbp: int8's own default (lossy, nothing measured)
+    p, src = advisor.penalty(s, advisor._comp("int8"), cells=CELLS, mode="wfbp", strategies=strategies)
+    assert p == 1.25 and src.startswith("declared")
+    # a mixed section nothing measured: the worst of its parts
+    mixed = advisor._mixed(advisor._comp("none"), advisor._comp("topk", True, ratio=0.01))
+    p, src = advisor.penalty(s, mixed, cells=CELLS, strategies={})
+    assert p == 1.0 and src.startswith("parts") and "topk(ratio=0.01)+EF" in src
+    mixed = advisor._mixed(advisor._comp("none"), advisor._comp("qsgd"))
+    p, src = advisor.penalty(s, mixed, cells=CELLS, strategies={})
+    assert p == 1.25 and src.startswith("parts")
+    mixed = advisor._mixed(advisor._comp("none"), advisor._comp("topk", False, ratio=0.01))
+    p, src = advisor.penalty(s, mixed, cells=CELLS, strategies={})
+    assert p is None and src.startswith("parts") and "left out" in src
+    # measured as a whole beats the parts' rule
+    key = cal.compressor_key(mixed)
+    p, src = advisor.penalty(s, mixed, cells=CELLS, strategies={(key, "wfbp"): {"acc": 0.99, "base_acc": 0.99,
+                                                                               "steps": 300, "file": "s.json"}})
+    assert p == 1.0 and src.startswith("benchmark")
+
+
 CELLS = {("none", False): {"acc": 0.99, "steps": 300, "file": "x.json"},
          ("topk", True): {"acc": 0.985, "steps": 300, "file": "x.json"},
          ("topk", False): {"acc": 0.90, "steps": 300, "file": "x.json"}}

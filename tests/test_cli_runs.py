@@ -51,7 +51,8 @@ def test_run_succeeds_and_prints_summary(wfbp_run):
     st = json.loads((run_dir / "status.json").read_text())
     assert st["state"] == "done" and st["ended"] >= st["started"]
     spec = json.loads((run_dir / "spec.json").read_text())
-    assert spec["compressor"] == {"name": "none", "error_feedback": False, "params": {}}  # fully defaulted
+    assert spec["compressor"] == {"name": "none", "error_feedback": False, "params": {},
+                                  "per_bucket": []}  # fully defaulted
     m = read_jsonl(str(run_dir / "metrics.jsonl"))
     steps = [x for x in m if x["kind"] == "step"]
     assert sorted((x["step"], x["rank"]) for x in steps) == [(s, r) for s in range(12) for r in range(2)]

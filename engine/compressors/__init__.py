@@ -19,8 +19,9 @@ from engine.compressors.params import Param
 from engine.compressors import quantize, sparsify
 from engine.compressors.basic import NoneCompressor
 
-# One registry, in the order DESIGN.md lists the names; families live in their own modules.
-ORDER = ("none", "fp16", "bf16", "topk", "randomk", "threshold", "dgc", "qsgd", "terngrad", "signsgd",
+# One registry, in the order DESIGN.md lists the names (int8, added for dear's quantized reduce-scatter,
+# after the casts); families live in their own modules.
+ORDER = ("none", "fp16", "bf16", "int8", "topk", "randomk", "threshold", "dgc", "qsgd", "terngrad", "signsgd",
          "efsignsgd", "signum", "onebit", "natural", "powersgd", "countsketch")
 _ALL: Dict[str, Type[Compressor]] = {"none": NoneCompressor, **quantize.COMPRESSORS, **sparsify.COMPRESSORS}
 REGISTRY: Dict[str, Type[Compressor]] = {n: _ALL[n] for n in ORDER if n in _ALL}

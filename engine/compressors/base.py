@@ -25,9 +25,10 @@ A compressor declares, instead of leaving callers to probe it:
   table read the same tuple;
 - its capabilities: ``summable``, ``keeps_shape``, ``lossless``, ``rounds``,
   ``builtin_feedback``, ``elementwise`` (per-element state), ``counts_steps``, ``warmup_exchanges``
-  (uncompressed exchanges first) and ``per_tensor`` (uses the layout). Read them
-  from an instance where parameters change them (Count Sketch with ``exact``
-  takes two rounds). ``shard_problem`` combines them into what DeAR needs.
+  (uncompressed exchanges first), ``per_tensor`` (uses the layout) and
+  ``shard_codec`` (a slice compresses alone). Read them from an instance where
+  parameters change them (Count Sketch with ``exact`` takes two rounds).
+  ``shard_path`` and ``shard_problem`` combine them into what DeAR needs.
 """
 from __future__ import annotations
 
@@ -98,6 +99,12 @@ class Compressor:
     counts_steps = False
     """True when the instance counts its calls in an int attribute ``step`` (random-k's index seed,
     DGC's warm-up, PowerSGD's ``start_iter``): state a rebuild of the buckets carries over."""
+    shard_codec = False
+    """True when any contiguous slice of the input may be compressed on its own, every payload of a
+    slice of n elements has the same tensor sizes on every rank, and any rank decodes another rank's
+    payload of such a slice with its own ctx for a slice of n elements. Then DeAR's reduce-scatter
+    can be an all-to-all of per-shard payloads, each rank decoding the payloads of its own shard and
+    summing them in fp32 (ZeRO++'s quantized gradients; ``shard_path`` "alltoall")."""
     ef: Optional["ErrorFeedback"] = None
     """Error-feedback memory, set by ``make(..., error_feedback=True)``."""
 
@@ -109,8 +116,11 @@ class Compressor:
     factors and padded residual, random generators) starts afresh in a new bucket."""
 
     def __init__(self, **given):
-        for k, v in take(self.name, self.params, given).items():
+        checked = take(self.name, self.params, given)
+        for k, v in checked.items():
             setattr(self, k, v)
+        self.given = {k: checked[k] for k in given}
+        """The parameters given explicitly, as checked (what ``describe`` names)."""
 
     @property
     def warmup_exchanges(self) -> int:
@@ -124,16 +134,28 @@ class Compressor:
         the ``layout`` the communicator set (PowerSGD), False when it treats it as one flat tensor."""
         return False
 
+    def shard_path(self) -> Optional[str]:
+        """How DeAR reduce-scatters this instance's gradients: "sum" (one round, summable, shape kept:
+        the payload itself is reduce-scattered), "alltoall" (one round, a ``shard_codec``: each shard
+        compressed alone, the payloads exchanged all-to-all, decoded and summed by the shard's owner),
+        or None (``shard_problem`` says why)."""
+        if self.rounds != 1:
+            return None
+        if self.summable and self.keeps_shape:
+            return "sum"
+        if self.shard_codec:
+            return "alltoall"
+        return None
+
     def shard_problem(self) -> Optional[str]:
-        """Why a reduce-scatter of this instance's payloads would not be the reduce-scatter of the
-        gradients (what DeAR needs), or None when it would: one round, summable, shape kept."""
+        """Why DeAR could not reduce-scatter this instance's payloads (``shard_path`` is None), or None."""
         if self.rounds != 1:
             return f"takes {self.rounds} rounds"
+        if self.shard_path() is not None:
+            return None
         if not self.summable:
             return "has payloads that cannot be summed"
-        if not self.keeps_shape:
-            return "has a payload that does not keep the gradient's shape"
-        return None
+        return "has a payload that does not keep the gradient's shape"
 
     def elementwise_state(self) -> Dict[str, Optional[Tensor]]:
         """The per-element state by name (the error-feedback residual as ``ef.residual``)."""
@@ -158,6 +180,20 @@ class Compressor:
         # what this rank's payload stands for, decoded locally before any collective touches it
         self.ef.update(corrected, self.decompress(payload, ctx))
         return payload, ctx
+
+    def encode_parts(self, t: Tensor, parts: int) -> List[tuple]:
+        """A ``shard_codec``'s encode for DeAR: the flat ``t`` (numel a multiple of ``parts``) cut into
+        ``parts`` equal slices, each compressed on its own; [(payload, ctx)] per slice. Error feedback,
+        when on, covers the whole of ``t``: the residual keeps ``t``'s shape, as in ``encode``."""
+        if not self.shard_codec:
+            raise ValueError(f"{self.name}: not a shard codec; its slices cannot be compressed on their own")
+        if t.numel() % parts:
+            raise ValueError(f"encode_parts: {t.numel()} elements do not split into {parts} equal parts")
+        x = t if self.ef is None else self.ef.add(t)
+        out = [self.compress(s) for s in x.reshape(parts, -1)]
+        if self.ef is not None:
+            self.ef.update(x, torch.cat([self.decompress(p, c).reshape(-1) for p, c in out]))
+        return out
 
     def compress(self, t: Tensor) -> tuple[List[Tensor], Any]:
         raise NotImplementedError
@@ -192,6 +228,12 @@ class Compressor:
     def load_state_dict(self, state: dict) -> None:
         if self.ef is not None and "ef" in state:
             self.ef.load_state_dict(state["ef"])
+
+    def describe(self) -> str:
+        """The instance as a spec names it: ``name(param=value,...)+EF`` with the parameters given
+        explicitly (the key lab.perfmodel.calibrate.compressor_key gives a spec's compressor section)."""
+        ps = ",".join(f"{k}={v}" for k, v in sorted(self.given.items()))
+        return f"{self.name}{'(' + ps + ')' if ps else ''}{'+EF' if self.ef is not None else ''}"
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(){' +EF' if self.ef is not None else ''}"

@@ -9,6 +9,7 @@ all-gathered and every rank decodes every rank's payload:
 name       payload, in order                              bytes          decodes to
 =========  =============================================  =============  ========================
 fp16/bf16  the tensor cast to half / bfloat16             2n             the cast value
+int8       scales fp32 (ceil(n/block),); codes int8 (n,)  n + 4n/block   scale * code (per block)
 qsgd       norm fp32 (1,); codes int8 (n,)                4 + n          norm * code / levels
            (codes int16 when levels > 127)                4 + 2n
 terngrad   max|x| fp32 (1,); 2-bit codes                  4 + ceil(n/4)  max|x| * {-1, 0, 1}
@@ -279,6 +280,65 @@ class BF16(_Cast):
     """
     name = "bf16"
     wire = torch.bfloat16
+
+
+# -- block-wise int8 -------------------------------------------------------
+class Int8(_Lossy):
+    """Block-wise int8 quantization, the codec of ZeRO++'s quantized gradients (Wang et al., 2023).
+
+    The flat input is cut into blocks of ``block`` elements (the last one may be shorter); each
+    block sends one fp32 scale, its largest magnitude / 127, and each element the int8 code
+    ``round(x / scale)`` (nearest, deterministic). Payload: ``[scales fp32 (ceil(n/block),),
+    codes int8 (n,)]``, n + 4 ceil(n/block) bytes (3.9x smaller than fp32 at the default block).
+    Decodes to ``code * scale``: each element is off by at most half its block's scale, so a
+    value far below its block's largest one is lost (error feedback keeps it).
+
+    Scales differ between ranks, so in sync and wfbp the payloads are all-gathered. It is a
+    ``shard_codec``: a slice quantizes on its own, with payload sizes fixed by its length, so in
+    dear each rank quantizes its shards separately, exchanges them all-to-all and dequantizes and
+    sums (fp32) only the shard it owns.
+
+    block (default 256): elements per scale; smaller blocks follow local magnitudes more closely
+    at 4 bytes per block.
+    """
+    name = "int8"
+    shard_codec = True
+    params = (Param("block", int, 256, "elements per quantization block (one fp32 scale each)", lo=1,
+                    hi=1 << 24),)
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        self._setup()
+
+    def compress(self, t: Tensor):
+        x = _flat(t, _work_dtype(t.dtype))
+        n, B = x.numel(), self.block
+        nb = -(-n // B)
+        if n % B:  # a padded copy: the tail block's padding stays zero (the buffer is filled once)
+            w = self._work("pad", nb * B, x.dtype, x.device, fill=0.0)
+            w[:n].copy_(x)
+            w[n:].zero_()
+        else:
+            w = x
+        blocks = w.view(nb, B)
+        scales = blocks.abs().amax(1).div_(127.0)
+        inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))  # an all-zero block codes to 0
+        codes = (blocks * inv.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8).view(-1)
+        return [scales.float(), codes[:n] if n % B else codes], _Ctx(t.shape, t.dtype, n)
+
+    def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        scales, codes = payload
+        n, B = ctx.n, self.block
+        out = codes.to(dtype=ctx.dtype)
+        full = n // B
+        if full:
+            out[:full * B].view(full, B).mul_(scales[:full].to(ctx.dtype).unsqueeze(1))
+        if n > full * B:
+            out[full * B:].mul_(scales[full].to(ctx.dtype))
+        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
+
+    def __repr__(self) -> str:
+        return f"Int8(block={self.block}){' +EF' if self.ef is not None else ''}"
 
 
 # -- stochastic quantizers ------------------------------------------------
@@ -729,4 +789,4 @@ class OneBit(_Lossy):
         return self._gather(tab, packed, ctx)
 
 
-COMPRESSORS = {c.name: c for c in (FP16, BF16, QSGD, TernGrad, Natural, SignSGD, EFSignSGD, Signum, OneBit)}
+COMPRESSORS = {c.name: c for c in (FP16, BF16, Int8, QSGD, TernGrad, Natural, SignSGD, EFSignSGD, Signum, OneBit)}

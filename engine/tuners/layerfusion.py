@@ -87,7 +87,8 @@ def calibrate(dp, reps: int = 3, sizes: int = 6) -> List[Tuple[float, float, flo
     out = []
     for j in range(sizes):
         n = int(round(lo * (hi / lo) ** (j / (sizes - 1))))
-        ts = [time_exchange(dp.make_compressor, n, p0.dtype, p0.device, dp.group, dp.link)
+        ts = [time_exchange(lambda: dp.plan.make(n * p0.element_size()), n, p0.dtype, p0.device, dp.group,
+                            dp.link)
               for _ in range(reps + 1)][1:]  # the first warms up
         out.append((float(n * p0.element_size()), statistics.median(t for t, _ in ts),
                     statistics.median(c for _, c in ts)))

@@ -99,8 +99,14 @@ def spec_key(spec: dict) -> str:
 
 
 def compressor_key(c: dict) -> str:
+    """A compressor section as one string, ``name(param=value,...)+EF`` (``Compressor.describe`` of its
+    instance); a mixed section (compressor.per_bucket) appends its rules: ``[<1MB:none;<8MB:fp16]``."""
     params = ",".join(f"{k}={v}" for k, v in sorted((c.get("params") or {}).items()))
-    return f"{c['name']}{'(' + params + ')' if params else ''}{'+EF' if c.get('error_feedback') else ''}"
+    key = f"{c['name']}{'(' + params + ')' if params else ''}{'+EF' if c.get('error_feedback') else ''}"
+    rules = c.get("per_bucket") or []
+    if rules:
+        key += "[" + ";".join(f"<{r['below_mb']:g}MB:{compressor_key(r)}" for r in rules) + "]"
+    return key
 
 
 # --------------------------------------------------------------------------- fitting

@@ -90,17 +90,20 @@ def _matrix_shape(name: str, n: int):
 
 def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0,
                layout: Optional[List[List[str]]] = None) -> Step:
-    comp = spec["compressor"]
-    key = cal.compressor_key(comp)
-    curve = profile.compressors.get(key)
-    if curve is None and comp["name"] != "none":
-        raise KeyError(f"profile has no cost curve for compressor {key}")
+    """The step's buckets, each with its own compressor's rounds and costs (a mixed section gives
+    buckets different compressors by size, as the engine's Plan does)."""
+    from engine.compressors.plan import section_for
     f = 1.0 / compute_speedup
     buckets = []
     for idx in buckets_of(profile, spec, layout):
         names = [profile.params[i][0] for i in idx]
         layers = list(dict.fromkeys(layer_of(n) for n in names))
         raw = sum(profile.params[i][1] for i in idx)
+        comp = section_for(spec["compressor"], raw)
+        key = cal.compressor_key(comp)
+        curve = profile.compressors.get(key)
+        if curve is None and comp["name"] != "none":
+            raise KeyError(f"profile has no cost curve for compressor {key}")
         ready = max(profile.layer_ready.get(l, profile.backward_s) for l in layers)
         fwd = sum(profile.layer_forward.get(l, 0.0) for l in layers)
         rounds = payload_rounds(profile, comp, idx) if comp["name"] != "none" else [("allreduce", raw, 1)]
@@ -113,7 +116,9 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
             after = (dec * (world if op == "allgather" else 1)) if last else mid / max(len(rounds) - 1, 1)
             plan.append(Round(op, nbytes, after=after * f, tensors=k))
         if spec["comm"]["mode"] == "dear":
-            plan = [Round("reduce_scatter", plan[0].nbytes, after=plan[-1].after, tensors=plan[0].tensors)]
+            # one reduce-scatter of the payload (a shard codec's all-to-all moves the same bytes); each
+            # rank decodes its shard of every rank's payload: one buffer's worth of decoding in all
+            plan = [Round("reduce_scatter", plan[0].nbytes, after=dec * f, tensors=plan[0].tensors)]
         buckets.append(Bucket(ready=ready * f, encode=enc * f, rounds=plan, raw_bytes=raw, forward=fwd * f))
     return Step(forward=profile.forward_s * f, backward=profile.backward_s * f,
                 optimizer=profile.optimizer_s * f, buckets=buckets)

@@ -63,10 +63,12 @@ def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, comp
 
 
 def ensure_curves(profile: cal.Profile, comps: dict) -> None:
-    for comp in comps.values():
-        k = cal.compressor_key(comp)
-        if comp["name"] != "none" and k not in profile.compressors:
-            profile.compressors[k] = cal.measure_compressor(comp, numels=UI_NUMELS, repeat=3, warm=2)
+    from engine.compressors.plan import parts
+    for section in comps.values():
+        for comp in parts(section):  # a mixed section: a curve per compressor it may give a bucket
+            k = cal.compressor_key(comp)
+            if comp["name"] != "none" and k not in profile.compressors:
+                profile.compressors[k] = cal.measure_compressor(comp, numels=UI_NUMELS, repeat=3, warm=2)
 
 
 def measured_ms(run, skip: int = cal.SKIP_STEPS) -> Optional[float]:

@@ -190,13 +190,14 @@ def profile_from_text(text: str, where: str, field: str = "PROFILE") -> cal.Prof
 
 
 def ensure_curves(profile: cal.Profile, specs) -> bool:
+    from engine.compressors.plan import parts
     added = False
     for s in specs:
-        c = s["compressor"]
-        k = cal.compressor_key(c)
-        if c["name"] != "none" and k not in profile.compressors:
-            profile.compressors[k] = cal.measure_compressor(c)
-            added = True
+        for c in parts(s["compressor"]):  # a mixed section: a curve per compressor it may give a bucket
+            k = cal.compressor_key(c)
+            if c["name"] != "none" and k not in profile.compressors:
+                profile.compressors[k] = cal.measure_compressor(c)
+                added = True
     return added
 
 
