@@ -65,7 +65,7 @@ def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, comp
 def ensure_curves(profile: cal.Profile, comps: dict) -> None:
     for comp in comps.values():
         k = cal.compressor_key(comp)
-        if comp["name"] != "none" and k not in profile.compressors:
+        if cal.needs_curve(comp) and k not in profile.compressors:
             profile.compressors[k] = cal.measure_compressor(comp, numels=UI_NUMELS, repeat=3, warm=2)
 
 

@@ -194,7 +194,7 @@ def ensure_curves(profile: cal.Profile, specs) -> bool:
     for s in specs:
         c = s["compressor"]
         k = cal.compressor_key(c)
-        if c["name"] != "none" and k not in profile.compressors:
+        if cal.needs_curve(c) and k not in profile.compressors:
             profile.compressors[k] = cal.measure_compressor(c)
             added = True
     return added
