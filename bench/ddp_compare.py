@@ -114,6 +114,7 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
     tl = Timeline(os.path.join(tmpdir, f"timeline-{model_name}-rank{rank}.jsonl"), rank, enabled=True)
     probe = LayerProbe(m_tl, tl)
     dp_tl = DataParallel(m_tl, schedule, make_comp, mode="wfbp", timeline=tl)
+    probe.follow(dp_tl)  # as engine.stepper wires them
 
     m_no, o_no = fresh()
     dp_no = DataParallel(m_no, schedule, make_comp, mode="wfbp")
