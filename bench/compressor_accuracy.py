@@ -27,20 +27,28 @@ BASE = {"name": "acc", "model": "cnn", "dataset": "digits", "world_size": 2, "ba
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "seed": 0,
         "schedule": {"name": "bucket", "cap_mb": 25}, "comm": {"mode": "wfbp"}, "eval_every": 0}
 
-# Per-method settings that differ from BASE, each with its reason.
+# Per-method learning rates that differ from BASE, each with its reason.
 OVERRIDES = {
-    # DGC applies momentum itself (momentum correction); momentum in SGD too would apply it twice.
-    "dgc": {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.0}},
-    # Signum is the sign of a momentum buffer it keeps; same reason. Its majority vote
-    # decodes to +-1 per element, so the learning rate alone sets the step size.
-    "signum": {"optimizer": {"name": "sgd", "lr": 0.002, "momentum": 0.0}},
-    "signsgd": {"optimizer": {"name": "sgd", "lr": 0.002, "momentum": 0.9}},
+    # Signum's majority vote decodes to +-1 per element, so the learning rate alone sets the step size.
+    "signum": {"optimizer": {"name": "sgd", "lr": 0.002}},
+    "signsgd": {"optimizer": {"name": "sgd", "lr": 0.002}},
 }
+
+
+def overrides(name: str) -> dict:
+    """The settings of ``name``'s runs that differ from BASE. A compressor that declares
+    ``builtin_momentum`` (DGC's momentum correction, Signum's buffer) applies momentum itself,
+    so the optimizer runs without it; otherwise SGD momentum would be applied twice."""
+    from engine import compressors
+    opt = dict(BASE["optimizer"], **OVERRIDES.get(name, {}).get("optimizer", {}))
+    if compressors.REGISTRY[name].builtin_momentum:
+        opt["momentum"] = 0.0
+    return {"optimizer": opt} if opt != BASE["optimizer"] else {}
 
 
 def spec_for(name: str, ef: bool, steps: int) -> dict:
     spec = dict(BASE, steps=steps, name=f"acc-{name}{'-ef' if ef else ''}")
-    spec.update(OVERRIDES.get(name, {}))
+    spec.update(overrides(name))
     spec["compressor"] = {"name": name, "error_feedback": ef}
     return spec
 
@@ -62,7 +70,8 @@ def main(argv=None):
     store = RunStore(args.runs or tempfile.mkdtemp(prefix="commlab-acc-"))
     cells = []
     for name in names:
-        variants = [False] if compressors.REGISTRY[name].builtin_feedback or name == "none" else [False, True]
+        cls = compressors.REGISTRY[name]
+        variants = [False] if cls.builtin_feedback or cls.identity else [False, True]  # EF on the identity: the same run
         for ef in variants:
             spec = load_spec(data=spec_for(name, ef, args.steps))
             run = store.create(spec)
@@ -70,7 +79,7 @@ def main(argv=None):
             s = summarize(run.metric_rows(), run.spec_dict())
             cell = {"compressor": name, "ef": ef, "state": state, "acc": s.get("final_acc"),
                     "ratio": s.get("compression_ratio"), "iter_ms": s.get("iter_ms_median"), "run": run.id,
-                    "override": OVERRIDES.get(name)}
+                    "override": overrides(name) or None}
             cells.append(cell)
             acc = f"{cell['acc']:.2%}" if cell["acc"] is not None else state
             print(f"{name}{' +EF' if ef else ''}: {acc}", file=sys.stderr, flush=True)
@@ -78,7 +87,7 @@ def main(argv=None):
     rows = []
     for name in names:
         plain, ef = by.get((name, False)), by.get((name, True))
-        note = ", ".join(f"{k}: {v}" for k, v in (OVERRIDES.get(name) or {}).items())
+        note = ", ".join(f"{k}: {v}" for k, v in overrides(name).items())
         rows.append([name, _acc(plain), _acc(ef) if ef else ("built in" if compressors.REGISTRY[name].builtin_feedback
                                                               else "-"),
                      f"{plain['ratio']:.1f}x" if plain and plain["ratio"] else "-", note])

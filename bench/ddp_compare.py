@@ -12,7 +12,8 @@ own SGD(lr=0.01, momentum=0.9) (the transformer: the bundled text, 64-token wind
 - commlab:      engine.comm.DataParallel, schedule bucket 25 MB with the first bucket
                 at 25 MB as well (the same buckets as that DDP), compressor
                 none, mode wfbp, with the per-layer timeline on (Timeline to
-                a temp file plus LayerProbe), stepped as engine.trainer does;
+                a temp file plus a LayerProbe following the communicator, as
+                engine.stepper wires them), stepped as engine.trainer does;
 - commlab-notl: the same with the timeline off;
 - compute:      no communication at all (forward, backward, optimizer step),
                 both ranks at once, i.e. the compute-only iteration time.
@@ -114,6 +115,7 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
     tl = Timeline(os.path.join(tmpdir, f"timeline-{model_name}-rank{rank}.jsonl"), rank, enabled=True)
     probe = LayerProbe(m_tl, tl)
     dp_tl = DataParallel(m_tl, schedule, make_comp, mode="wfbp", timeline=tl)
+    probe.follow(dp_tl)  # as engine.stepper wires them
 
     m_no, o_no = fresh()
     dp_no = DataParallel(m_no, schedule, make_comp, mode="wfbp")

@@ -28,6 +28,7 @@ all drive exchanges through it.
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
@@ -456,7 +457,11 @@ class Communicator:
         self._rebind = False
         self._unstamped: list = []
         """(work, Pending) of collectives without a future (gloo's reduce-scatter): stamped when polled."""
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._listeners: List[Callable[[int, torch.nn.Parameter], None]] = []
+        """Called as ``fn(index, param)`` after each gradient lands (``listen``)."""
+        # one hook per parameter, bound to its index: no dict lookup keyed by a tensor in the hot path
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+                       for i, p in enumerate(self.params)]
         self.step_bytes = 0
         self.step_raw_bytes = 0
 
@@ -469,6 +474,8 @@ class Communicator:
         """Buckets from ``layout`` (lists of positions into ``order``, itself indices into ``params``);
         every parameter's gradient becomes a view of its bucket."""
         self.buckets, self.slot = [], {}
+        self._slot_at: List[tuple] = [None] * len(self.params)
+        """By index into ``params``: (bucket, position), as ``slot``."""
         self.order = list(order)
         for bi, idx in enumerate(layout):
             comp = self.plan.make(sum(self.params[self.order[i]].numel() * self.params[self.order[i]].element_size()
@@ -479,7 +486,7 @@ class Communicator:
             comp.layout = [(o, tuple(v.shape)) for o, v in zip(b.offsets, b.views)]
             self.buckets.append(b)
             for pos, p in enumerate(b.params):
-                self.slot[p] = (b, pos)
+                self.slot[p] = self._slot_at[self._index[p]] = (b, pos)
         self.step_raw_bytes = sum(b.raw_bytes for b in self.buckets)
         self._next = 0
         self._bind_views()  # autograd accumulates straight into the buckets
@@ -545,16 +552,24 @@ class Communicator:
         """Make the model's parameters the latest (dear completes its pending all-gathers)."""
 
     # -- backward side ----------------------------------------------------
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
+    def listen(self, fn: Callable[[int, torch.nn.Parameter], None]) -> None:
+        """Call ``fn(index, param)`` each time a parameter's gradient has landed in its bucket
+        (``index`` into ``params``), from this communicator's own hook: the layer probe's
+        backward spans use it instead of a second hook per parameter."""
+        self._listeners.append(fn)
+
+    def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
         if self._unstamped:
             self._poll()
         if self.ready_order is None:
-            self._arrivals.append(self._index[p])
+            self._arrivals.append(i)
         if self.record_ready:
-            self.ready_at[self._index[p]] = self.timeline.now()
-        b, pos = self.slot[p]
+            self.ready_at[i] = self.timeline.now()
+        b, pos = self._slot_at[i]
         if land_grad(p, b.views[pos], b, pos, b.scale):
             self._rebind = True  # p.grad was replaced (zero_grad(set_to_none)): point it at the view again
+        for fn in self._listeners:
+            fn(i, p)
         if b.pending == 0:
             b.ready = True
             tl = self.timeline
@@ -666,4 +681,5 @@ class Communicator:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._listeners = []
         self._unstamped = []

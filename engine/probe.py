@@ -4,7 +4,8 @@ Forward: a pre-hook and a post-hook on every module that owns parameters.
 Backward: a layer's backward starts when the gradient of its output exists (a
 tensor hook on the output, set in the forward hook) and ends when the last of
 its own parameters' gradients has been accumulated (post-accumulate-grad
-hooks). Both are host times, or CUDA events on GPU (see timeline.Clock).
+hooks; once ``follow(communicator)`` is called, the communicator's own hook
+per parameter tells it instead, so a parameter has one Python hook, not two). Both are host times, or CUDA events on GPU (see timeline.Clock).
 Modules without parameters (activations, pooling) are folded into their
 neighbours, which keeps the hook count, and so the overhead, low.
 """
@@ -21,6 +22,9 @@ class LayerProbe:
     def __init__(self, model: torch.nn.Module, timeline: Timeline):
         self.timeline = timeline
         self.handles = []
+        self.acc_hooks: Dict[torch.nn.Parameter, list] = {}
+        """param -> the gradient-landed callbacks of the layers that own it."""
+        self.acc_handles = []
         self.layers: List[str] = []
         self.bwd_start: Dict[str, object] = {}
         self.bwd_left: Dict[str, int] = {}
@@ -37,9 +41,27 @@ class LayerProbe:
             self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
             self.handles.append(mod.register_forward_hook(self._post(name)))
             for p in own:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._acc(name)))
+                fn = self._acc(name)
+                self.acc_hooks.setdefault(p, []).append(fn)  # a tied parameter counts in each layer using it
+                self.acc_handles.append(p.register_post_accumulate_grad_hook(fn))
         self.fwd_start: Dict[str, object] = {}
         self.reset()
+
+    def follow(self, comm) -> None:
+        """Take each gradient's landing from ``comm`` (a ``core.Communicator`` over the same model)
+        instead of this probe's own post-accumulate-grad hooks."""
+        for h in self.acc_handles:
+            h.remove()
+        self.acc_handles = []
+        at = [self.acc_hooks.get(p) for p in comm.params]
+        if any(fns is None for fns in at):
+            raise ValueError("LayerProbe.follow: the communicator averages parameters this probe does not know; "
+                             "build both over the same model")
+
+        def landed(i, p):
+            for fn in at[i]:
+                fn(p)
+        comm.listen(landed)
 
     def reset(self) -> None:
         self.bwd_left = dict(self.n_params)
@@ -83,6 +105,6 @@ class LayerProbe:
         return hook
 
     def close(self) -> None:
-        for h in self.handles:
+        for h in self.handles + self.acc_handles:
             h.remove()
-        self.handles = []
+        self.handles, self.acc_handles = [], []

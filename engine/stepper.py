@@ -80,6 +80,8 @@ class Stepper:
         else:
             self.dp = DataParallel(model, schedule_fn(spec), plan, mode=spec.comm.mode, timeline=self.timeline,
                                    group=group, link=netmodel.from_spec(spec.network))
+        if self.probe:
+            self.probe.follow(self.dp)  # one gradient hook per parameter: the communicator's
         self.optimizer = make_opt(self.dp.optimizer_params())
         self.dp.attach(self.optimizer)
         self.step = 0

@@ -69,3 +69,23 @@ def test_counts_steps_is_declared_by_the_compressors_that_count(name):
         for i in range(3):
             assert c.step == i
             _sent(c)
+
+
+def test_builtin_momentum_is_declared_where_the_method_keeps_momentum():
+    """DGC (momentum correction) and Signum (a momentum buffer) apply momentum themselves: the
+    compressor-accuracy bench reads this declaration to run their optimizer without momentum."""
+    assert [n for n in names() if make(n).builtin_momentum] == ["dgc", "signum"]
+    from bench.compressor_accuracy import BASE, spec_for
+    assert spec_for("dgc", False, 10)["optimizer"]["momentum"] == 0.0
+    assert spec_for("signum", False, 10)["optimizer"] == {"name": "sgd", "lr": 0.002, "momentum": 0.0}
+    assert spec_for("topk", True, 10)["optimizer"] == BASE["optimizer"]
+
+
+def test_the_performance_model_skips_cost_curves_by_the_declared_identity():
+    """Only an identity compressor without error feedback runs no compressor code (no cost curve);
+    with error feedback, or any real compressor, the model needs the measured curve."""
+    from lab.perfmodel.calibrate import needs_curve
+    plain = [n for n in names() if not needs_curve({"name": n})]
+    assert plain == [n for n in names() if make(n).identity] == ["none"]
+    assert needs_curve({"name": "none", "error_feedback": True})
+    assert needs_curve({"name": "fp16", "params": {}, "error_feedback": False})

@@ -23,9 +23,9 @@ A compressor declares, instead of leaving callers to probe it:
   default, range, help). ``Compressor.__init__`` checks them and stores each as
   an attribute of the same name; the spec, the New run form and the README's
   table read the same tuple;
-- its capabilities: ``summable``, ``keeps_shape``, ``lossless``, ``rounds``,
-  ``builtin_feedback``, ``elementwise`` (per-element state), ``counts_steps``, ``warmup_exchanges``
-  (uncompressed exchanges first), ``per_tensor`` (uses the layout) and
+- its capabilities: ``summable``, ``keeps_shape``, ``identity``, ``lossless``, ``rounds``,
+  ``builtin_feedback``, ``builtin_momentum``, ``elementwise`` (per-element state), ``counts_steps``,
+  ``warmup_exchanges`` (uncompressed exchanges first), ``per_tensor`` (uses the layout) and
   ``shard_codec`` (a slice compresses alone). Read them from an instance where
   parameters change them (Count Sketch with ``exact`` takes two rounds).
   ``shard_path`` and ``shard_problem`` combine them into what DeAR needs.
@@ -96,6 +96,9 @@ class Compressor:
     builtin_feedback = False
     """True when the method keeps its own residual (PowerSGD, DGC, EF-signSGD),
     so the generic error-feedback flag would apply it twice."""
+    builtin_momentum = False
+    """True when the method applies momentum itself (DGC's momentum correction, Signum's buffer):
+    run the optimizer without momentum, or momentum is applied twice."""
     counts_steps = False
     """True when the instance counts its calls in an int attribute ``step`` (random-k's index seed,
     DGC's warm-up, PowerSGD's ``start_iter``): state a rebuild of the buckets carries over."""

@@ -647,6 +647,7 @@ class Signum(_Vote):
     Every ``compress`` call advances it by one step.
     """
     name = "signum"
+    builtin_momentum = True
     params = (Param("momentum", float, 0.9, "momentum of the buffer whose signs are sent", lo=0, hi=1, hi_open=True),)
     elementwise = ("m",)
 

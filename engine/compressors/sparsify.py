@@ -411,6 +411,7 @@ class DGC(SparseCompressor):
     """
     name = "dgc"
     builtin_feedback = True
+    builtin_momentum = True
     counts_steps = True
     elementwise = ("u", "v")
     params = (ratio(0.01, "fraction of entries sent after warm-up"),

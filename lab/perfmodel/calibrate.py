@@ -345,6 +345,14 @@ def make_compressor(c: dict):
     return compressors.make(c["name"], error_feedback=bool(c.get("error_feedback")), **(c.get("params") or {}))
 
 
+def needs_curve(c: dict) -> bool:
+    """False when the compressor config ``c`` runs no compressor code: an ``identity`` compressor
+    (declared) without error feedback, whose exchange is one all-reduce of the raw gradient
+    (``engine.core.Exchange.prescales``). Such a config has no cost curve and sends the raw bytes."""
+    from engine.core import Exchange
+    return not Exchange.prescales(make_compressor(c))
+
+
 def measure_compressor(c: dict, numels=CURVE_NUMELS, repeat: int = 5, warm: int = 4) -> dict:
     """Fixed + per-byte cost of encoding, of the compute between rounds and of decoding for
     the compressor config ``c`` (a spec's compressor section), in one thread, fp32."""

@@ -102,11 +102,12 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
         comp = section_for(spec["compressor"], raw)
         key = cal.compressor_key(comp)
         curve = profile.compressors.get(key)
-        if curve is None and comp["name"] != "none":
+        plain = not cal.needs_curve(comp)
+        if curve is None and not plain:
             raise KeyError(f"profile has no cost curve for compressor {key}")
         ready = max(profile.layer_ready.get(l, profile.backward_s) for l in layers)
         fwd = sum(profile.layer_forward.get(l, 0.0) for l in layers)
-        rounds = payload_rounds(profile, comp, idx) if comp["name"] != "none" else [("allreduce", raw, 1)]
+        rounds = [("allreduce", raw, 1)] if plain else payload_rounds(profile, comp, idx)
         enc = cal.cost(curve["encode"], raw) if curve else 0.0
         mid = cal.cost(curve["between"], raw) if curve else 0.0
         dec = cal.cost(curve["decode"], raw) if curve else 0.0

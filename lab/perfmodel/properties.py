@@ -106,7 +106,8 @@ def checklist(names: Optional[List[str]] = None, profile: Optional[cal.Profile] 
     """One row per compressor (default: every registered one) with each property measured."""
     from engine import compressors
     acc = accuracy(accuracy_files)
-    base = acc.get("none", {}).get("acc")
+    uncompressed = [n for n in compressors.names() if compressors.REGISTRY[n].identity]  # declared, not named
+    base = next((acc[n]["acc"] for n in uncompressed if acc.get(n, {}).get("acc") is not None), None)
     model_bytes = sum(b for _, b in profile.params) if profile else None
     compute = (profile.forward_s + profile.backward_s) if profile else None
     rows = []

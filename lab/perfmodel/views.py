@@ -67,7 +67,7 @@ def ensure_curves(profile: cal.Profile, comps: dict) -> None:
     for section in comps.values():
         for comp in parts(section):  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(comp)
-            if comp["name"] != "none" and k not in profile.compressors:
+            if cal.needs_curve(comp) and k not in profile.compressors:
                 profile.compressors[k] = cal.measure_compressor(comp, numels=UI_NUMELS, repeat=3, warm=2)
 
 

@@ -195,7 +195,7 @@ def ensure_curves(profile: cal.Profile, specs) -> bool:
     for s in specs:
         for c in parts(s["compressor"]):  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(c)
-            if c["name"] != "none" and k not in profile.compressors:
+            if cal.needs_curve(c) and k not in profile.compressors:
                 profile.compressors[k] = cal.measure_compressor(c)
                 added = True
     return added
