@@ -403,9 +403,10 @@ def test_new_run_form_follows_the_comm_mode(runs):
     at.selectbox(key="nr.compressor").set_value("topk").run()
     at.selectbox(key="nr.comm").set_value("dear").run()
     assert not at.exception, [e.value for e in at.exception]
-    # dear offers only the compressors it accepts (single-round, summable, shape kept: read from each
-    # compressor's declared capabilities), with error feedback if wanted, and sizes its own buffers
-    assert at.selectbox(key="nr.compressor").options == ["none", "fp16", "bf16"]
+    # dear offers only the compressors it accepts (single-round, summable, shape kept, or a shard codec:
+    # read from each compressor's declared capabilities), with error feedback if wanted, and sizes its
+    # own buffers
+    assert at.selectbox(key="nr.compressor").options == ["none", "fp16", "bf16", "int8"]
     at.selectbox(key="nr.compressor").set_value("fp16").run()
     assert not at.checkbox(key="nr.ef").disabled
     at.checkbox(key="nr.ef").check()
