@@ -60,3 +60,21 @@ def emulate_exchange(comps, tensors, log=None):
             log.append((op, [tuple(x.shape) for x in payloads[0]]))
         return local_collective(op, payloads)
     return [ex.out for ex in run_exchange(comps, tensors, len(comps), collective)]
+
+
+def stop_process(p, sig, timeout: float, group: bool = False) -> None:
+    """Stop a server the test started in its own session: ``sig`` (to its process group when ``group``),
+    then SIGKILL to the whole group if it is still there after ``timeout`` seconds."""
+    import signal
+    import subprocess
+    if p.poll() is not None:
+        return
+    if group:
+        os.killpg(p.pid, sig)
+    else:
+        p.send_signal(sig)
+    try:
+        p.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()

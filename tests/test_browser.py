@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import lab
+from distutil import stop_process
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,12 +78,7 @@ def server(tmp_path):
                 lab.cancel(r.id, runs=runs)
         for r in lab.runs(runs=runs):
             lab.wait(r.id, runs=runs, timeout=60)
-        p.send_signal(signal.SIGINT)
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_process(p, signal.SIGINT, timeout=20)
         log.close()
 
 

@@ -23,6 +23,7 @@ import lab
 from lab import live, plots, procs
 from lab.spawn import APP_NICE, ENV, Spawner, spawn_detached
 from lab.store import RunStore
+from distutil import stop_process
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"model": "mlp", "dataset": "digits", "steps": 5, "batch_size": 16, "eval_every": 0, "threads": 1}
@@ -274,13 +275,7 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
         if run_id and lab.get(run_id, runs=runs).state not in ("done", "failed", "cancelled", "diverged"):
             lab.cancel(run_id, runs=runs)
             lab.wait(run_id, runs=runs, timeout=60)
-        if app.poll() is None:
-            os.killpg(app.pid, signal.SIGINT)
-            try:
-                app.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(app.pid, signal.SIGKILL)
-                app.wait()
+        stop_process(app, signal.SIGINT, timeout=30, group=True)
 
 
 def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):

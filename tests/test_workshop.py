@@ -15,6 +15,7 @@ from lab import ui, workshop  # noqa: E402
 from lab.queue import Lab  # noqa: E402
 from lab.store import LabError, RunError  # noqa: E402
 from test_app import ENTRY, SMALL  # noqa: E402
+from distutil import stop_process  # noqa: E402
 
 TRICKS = ["../../../etc/passwd", "/etc/passwd", "..", "%2e%2e%2f%2e%2e%2fetc%2fpasswd", "..%2f..%2f", "a/../../b",
           "./spec.json", "x\x00y", "access.json", "../access.json", "~root"]
@@ -412,12 +413,7 @@ def exposed(tmp_path_factory):
         wait_health(url, p, log_path)
         yield url, runs, tokens, log_path
     finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+        stop_process(p, signal.SIGTERM, timeout=30)
 
 
 def wire(url, query="", page=""):
