@@ -239,7 +239,12 @@ class Lab:
             if not procs.alive(run.status().get("supervisor")):
                 self.recover_stale()
             time.sleep(POLL_S)
-        return run.state
+        state = run.state
+        if state in FINAL:
+            # the supervisor writes status.json, then the index: a caller that saw the final state here
+            # must find it in the index too (lab.runs(state="done") right after wait)
+            self.index.update(run)
+        return state
 
     def recover_stale(self) -> list:
         """Mark failed every queued or running run whose supervisor died; stop what it left."""

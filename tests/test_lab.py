@@ -182,3 +182,17 @@ def test_hostile_run_ids_are_refused(tmp_path, capsys, run_id, cmd):
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
     with pytest.raises(lab.store.RunError):
         Lab(runs).store.get(run_id)
+
+
+def test_wait_leaves_the_index_agreeing_with_the_final_state(tmp_path):
+    """A supervisor writes status.json, then the index; between the two, wait() may already see the final
+    state. After wait returns, lab.runs(state=...) holds the run (a race the form test once lost)."""
+    from lab.store import RunStore
+    from lab.specs import load_spec
+    lab_ = Lab(tmp_path)
+    run = lab_.create(load_spec(data={"name": "idx", "model": "mlp", "dataset": "digits", "steps": 1}))
+    bare = RunStore(tmp_path).get(run.id)  # no on_change: status.json moves, the index does not
+    bare.set_status("done")
+    assert run.id not in {r.id for r in lab.runs(runs=tmp_path, state="done")}
+    assert lab_.wait(run.id, timeout=5) == "done"
+    assert run.id in {r.id for r in lab.runs(runs=tmp_path, state="done")}
