@@ -8,6 +8,10 @@ k, then takes them in turn), and watches that preset's Results page (timed), wit
 requests. The teacher's runs/lab.json scales the presets down (``preset_steps``) and sets the quotas; the
 lab runs with ``max_jobs`` slots, so the queue is full the whole time.
 
+The simulated browsers run in this process, on the lab's machine, where a room's browsers would be on
+the students' laptops: once the app is up, this process lowers its CPU priority to the app server's
+(lab.spawn.APP_NICE), so that 20 sessions' websocket traffic competes with the server, not with the runs.
+
 At the end it waits for every run to end and checks:
 - every run is in a final state, and none failed; every run a Start queued is there and the student's;
 - no session received the id of a run, or the token, of anyone else;
@@ -143,6 +147,8 @@ def main(argv=None) -> int:
         app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
+    from lab.spawn import APP_NICE
+    os.nice(APP_NICE)  # the students' side, not the runs' (see the module docstring); the app keeps its own
     # Stopped early (Ctrl-C, a timeout's SIGTERM), the bench still stops the app and the runs it queued:
     # they live in the bench's own runs directory, and nothing else would end them.
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -330,32 +330,54 @@ def scale_preset(spec: dict, steps: Optional[int]) -> dict:
 
 # --------------------------------------------------------------------------- the fair queue
 
-def fair_order(rows: List[dict], running: Iterable[dict] = (), served: Optional[dict] = None) -> List[str]:
-    """Queued run ids in the order the queue serves them: round-robin over owners, oldest first within
-    an owner. A run's turn is how many runs of its owner go before it (running ones included), so a user
-    with a run going waits behind users with none. Among runs of the same turn, the owner served longest
-    ago goes first (``served``: owner -> when their latest run started; never served: first), then the
-    older run. Without ``served`` a user whose run just ended would be back at turn 0 with their next
-    run, and win the tie by age against users still waiting for their first: a preset's runs, all queued
-    at once, were served back to back."""
-    served = served or {}
-    ahead: dict = {}
+def fair_order(rows: List[dict], running: Iterable[dict] = (), received: Optional[dict] = None,
+               typical: Optional[float] = None, now: Optional[float] = None) -> List[str]:
+    """Queued run ids in the order the queue serves them: fair by run time. The owner who has had the
+    least run time goes first; each run the order hands out charges its owner ``typical`` seconds (the
+    median length of the lab's finished runs; 1 when none has finished, which makes the order plain
+    round-robin), so one owner's queued runs take turns with everyone else's. ``received``: owner ->
+    seconds of their finished runs (``run_time``); a running run charges its owner what it has run so
+    far, at least ``typical`` (a user with a run going waits behind users with none). Ties go to the
+    owner whose next run is older. Counting turns instead of seconds evened out the number of runs
+    each student got, not their time: on the workshop bench one student's share held a 35.6 s run
+    against a 28.7 s mean share (109% off)."""
+    import heapq
+    now = time.time() if now is None else now
+    typical = typical or 1.0
+    charged = dict(received or {})
     for r in running:
-        ahead[owner_of(r)] = ahead.get(owner_of(r), 0) + 1
-    keyed = []
-    for r in sorted(rows, key=lambda r: (r.get("created") or 0, r["id"])):
         o = owner_of(r)
-        turn = ahead.get(o, 0)
-        ahead[o] = turn + 1
-        keyed.append((turn, served.get(o, float("-inf")), r.get("created") or 0, r["id"]))
-    return [k[-1] for k in sorted(keyed)]
+        ran = now - r["started"] if r.get("started") is not None else 0.0
+        charged[o] = charged.get(o, 0.0) + max(ran, typical)
+    mine: dict = {}
+    for r in sorted(rows, key=lambda r: (r.get("created") or 0, r["id"])):
+        mine.setdefault(owner_of(r), []).append(r)
+    heads = [(charged.get(o, 0.0), rs[0].get("created") or 0, rs[0]["id"], o) for o, rs in mine.items()]
+    heapq.heapify(heads)
+    out = []
+    while heads:
+        t, _, rid, o = heapq.heappop(heads)
+        out.append(rid)
+        rest = mine[o]
+        rest.pop(0)
+        if rest:
+            heapq.heappush(heads, (t + typical, rest[0].get("created") or 0, rest[0]["id"], o))
+    return out
 
 
-def last_served(rows: Iterable[dict]) -> dict:
-    """owner -> when their latest run started, from index rows (for fair_order)."""
+def run_time(rows: Iterable[dict]) -> dict:
+    """owner -> seconds of run time in their finished runs (started and ended), from index rows."""
     out: dict = {}
     for r in rows:
-        if r.get("started"):
+        if r.get("started") is not None and r.get("ended") is not None:
             o = owner_of(r)
-            out[o] = max(out.get(o, 0.0), r["started"])
+            out[o] = out.get(o, 0.0) + max(0.0, r["ended"] - r["started"])
     return out
+
+
+def typical_run(rows: Iterable[dict]) -> Optional[float]:
+    """The median length of the finished runs among ``rows`` (what fair_order charges a queued run);
+    None when none has finished."""
+    xs = sorted(r["ended"] - r["started"] for r in rows
+               if r.get("started") is not None and r.get("ended") is not None)
+    return xs[len(xs) // 2] if xs else None

@@ -302,20 +302,35 @@ def test_fair_order_is_round_robin_over_owners():
     assert workshop.fair_order([r for r in rows if r["owner"] == "a"]) == ["a1", "a2", "a3", "a4"]
 
 
-def test_fair_order_serves_first_who_waited_longest():
-    """A preset queues its runs at once. When s00's first run ends, its second is back at turn 0 and older
-    than s13's first: it must still wait behind every owner not served yet (the workshop bench's 20
-    students: s00 got two runs before s13 got one, 86% off the mean share)."""
+def test_fair_order_serves_first_who_had_least_run_time():
+    """A preset queues its runs at once. When s00's first run ends, its second is older than s13's first:
+    it must still wait behind every owner who has had less run time (the workshop bench's 20 students:
+    s00 got two runs before s13 got one, 86% off the mean share), and an owner whose one run was long
+    waits behind owners with two short ones (by turns, one 35.6 s run put a share 109% off the mean)."""
     queued = [{"id": "s00-2", "owner": "s00", "created": 0.0, "started": None},
               {"id": "s13-1", "owner": "s13", "created": 1.0, "started": None},
               {"id": "s13-2", "owner": "s13", "created": 1.0, "started": None},
               {"id": "s07-1", "owner": "s07", "created": 0.5, "started": None}]
-    done = [{"id": "s00-1", "owner": "s00", "created": 0.0, "started": 21.0},
-            {"id": "s07-0", "owner": "s07", "created": -9.0, "started": 5.0}]
-    served = workshop.last_served(queued + done)
-    assert served == {"s00": 21.0, "s07": 5.0}
-    assert workshop.fair_order(queued, served=served) == ["s13-1", "s07-1", "s00-2", "s13-2"]
-    assert workshop.fair_order(queued) == ["s00-2", "s07-1", "s13-1", "s13-2"]  # by age alone
+    done = [{"id": "s00-1", "owner": "s00", "created": 0.0, "started": 21.0, "ended": 30.0},
+            {"id": "s07-0", "owner": "s07", "created": -9.0, "started": 5.0, "ended": 8.0}]
+    got = workshop.run_time(queued + done)
+    assert got == {"s00": 9.0, "s07": 3.0}
+    typical = workshop.typical_run(queued + done)
+    assert typical == 9.0  # the median of 3 and 9 s (upper middle)
+    # s13 (0 s), s07 (3 s), then s00 (9 s) and s13 (charged 9 s for its first): a tie, the older run first
+    assert workshop.fair_order(queued, received=got, typical=typical) == ["s13-1", "s07-1", "s00-2", "s13-2"]
+    assert workshop.fair_order(queued) == ["s00-2", "s07-1", "s13-1", "s13-2"]  # nothing received: by age
+    # one long run outweighs two short ones
+    long = [{"id": "a1", "owner": "a", "started": 0.0, "ended": 36.0},
+            {"id": "b1", "owner": "b", "started": 36.0, "ended": 45.0},
+            {"id": "b2", "owner": "b", "started": 45.0, "ended": 54.0}]
+    nxt = [{"id": "a2", "owner": "a", "created": 1.0}, {"id": "b3", "owner": "b", "created": 2.0}]
+    assert workshop.fair_order(nxt, received=workshop.run_time(long), typical=9.0) == ["b3", "a2"]
+    # a running run charges what it has run so far (at least the typical length)
+    assert workshop.fair_order(nxt, running=[{"id": "b4", "owner": "b", "started": 0.0}], received={"a": 36.0},
+                               typical=9.0, now=40.0) == ["a2", "b3"]
+    assert workshop.fair_order(nxt, running=[{"id": "b4", "owner": "b", "started": 39.0}], received={"a": 36.0},
+                               typical=9.0, now=40.0) == ["b3", "a2"]
 
 
 def test_queue_position_follows_the_fair_order(tmp_path):
@@ -330,6 +345,7 @@ def test_queue_position_follows_the_fair_order(tmp_path):
         r.set_status("queued", supervisor=procs.identity())
     assert [q.queue_position(r) for r in a] == [0, 2, 3]
     assert q.queue_position(b) == 1
+    assert q.queue_position(a[2], upto=1) == 1  # counted only as far as asked (supervisors far back poll slower)
 
 
 def quota_file(root, quotas):
