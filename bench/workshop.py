@@ -9,8 +9,9 @@ requests. The teacher's runs/lab.json scales the presets down (``preset_steps``)
 lab runs with ``max_jobs`` slots, so the queue is full the whole time.
 
 The simulated browsers run in this process, on the lab's machine, where a room's browsers would be on
-the students' laptops: once the app is up, this process lowers its CPU priority to the app server's
-(lab.spawn.APP_NICE), so that 20 sessions' websocket traffic competes with the server, not with the runs.
+the students' laptops: so the bench runs in a session of its own and, once the app is up, lowers its CPU
+priority to the app server's (lab.spawn.lower_cpu_priority: nice APP_NICE, for the session's scheduling
+group too), so that 20 sessions' websocket traffic competes with the server, not with the runs.
 
 At the end it waits for every run to end and checks:
 - every run is in a final state, and none failed; every run a Start queued is there and the student's;
@@ -117,7 +118,20 @@ def pct(xs, p):
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))] if xs else None
 
 
+def own_session() -> None:
+    """Go on in a session of our own (a child that leads it; this process waits and passes signals on),
+    so that lowering our priority there leaves the caller's session alone."""
+    if os.getsid(0) == os.getpid():
+        return
+    child = subprocess.Popen([sys.executable, *sys.argv], start_new_session=True)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda signum, frame: child.send_signal(signum))
+    sys.exit(child.wait())
+
+
 def main(argv=None) -> int:
+    if argv is None:
+        own_session()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--students", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=3.0)
@@ -147,8 +161,8 @@ def main(argv=None) -> int:
         app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    from lab.spawn import APP_NICE
-    os.nice(APP_NICE)  # the students' side, not the runs' (see the module docstring); the app keeps its own
+    from lab.spawn import lower_cpu_priority
+    lower_cpu_priority()  # the students' side, not the runs' (see the module docstring); the app keeps its own
     # Stopped early (Ctrl-C, a timeout's SIGTERM), the bench still stops the app and the runs it queued:
     # they live in the bench's own runs directory, and nothing else would end them.
     signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))

@@ -5,7 +5,11 @@ files, building figures and answering the browser every refresh then take the co
 training ranks leave them idle, instead of competing with them on equal terms (README, "Watching a
 run"). A process inherits its parent's nice value, and an unprivileged one can never lower it again,
 so the runs and sweeps that the UI starts must not be children of the server: ``commlab app``'s own
-process, which keeps normal priority, starts them. It listens on a UNIX socket in a private
+process, which keeps normal priority, starts them. Where the kernel groups processes by session for
+scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by default in Debian's and many desktop
+kernels), a nice value only ranks processes within their session, and every run has a session of its
+own: a niced server still took an equal share against a run. So the server gets a session of its own,
+and that session's group is niced too (``/proc/self/autogroup``), which is what ranks it below the runs. It listens on a UNIX socket in a private
 directory (mode 0700) whose path the server finds in ``$COMMLAB_SPAWNER``; ``spawn_detached`` sends
 one JSON request per process (argv, log file, cwd, environment) and gets its pid back. Without the
 variable (``streamlit run`` by hand, the CLI, notebooks), or when the app's process is gone,
@@ -97,7 +101,8 @@ class Spawner:
     """The app's side: a thread that starts what ``spawn_detached`` asks for, at this process's priority.
 
         with Spawner(start=False) as sp:
-            server = subprocess.Popen(argv, env={**os.environ, ENV: sp.address}, preexec_fn=lower_priority)
+            server = subprocess.Popen(argv, env={**os.environ, ENV: sp.address}, start_new_session=True,
+                                      preexec_fn=lower_priority)
             sp.start()
             server.wait()
     """
@@ -193,11 +198,20 @@ class Spawner:
         self.close()
 
 
+def lower_cpu_priority(n: int = APP_NICE) -> None:
+    """Run this process ``n`` nice levels below normal (threads it makes inherit it) and, when it leads
+    its own session, that session's scheduling group too (see the module docstring). Raising a nice
+    value never needs privileges; without autogroups (the file is absent) the nice value alone ranks it."""
+    os.nice(n)
+    if os.getsid(0) == os.getpid():
+        try:
+            Path("/proc/self/autogroup").write_text(str(n))
+        except FileNotFoundError:  # a kernel built without autogroups: nothing groups the sessions
+            pass
+
+
 def lower_priority(n: int = APP_NICE) -> None:
-    """``preexec_fn`` of the app's server: run ``n`` nice levels below normal (threads it makes inherit
-    it), and end with the app's process (a niced server left behind would start runs niced)."""
-    try:
-        os.nice(n)
-    except OSError:
-        pass
+    """``preexec_fn`` of the app's server (started in a session of its own): ``lower_cpu_priority``, and
+    end with the app's process (a niced server left behind would start runs niced)."""
+    lower_cpu_priority(n)
     die_with_parent()

@@ -775,8 +775,9 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
         print(sign_in_lines(root, host, port, token), file=out, flush=True)
     elif token:
         raise LabError("--token: only for a server bound beyond loopback (--host); on 127.0.0.1 there is no sign-in")
-    # The server runs niced, so its refreshes take the cores only when training ranks leave them idle; the
-    # runs and sweeps it starts are started by this process instead, at normal priority (lab/spawn.py).
+    # The server runs niced, in a session of its own (scheduling groups go by session: lab/spawn.py), so its
+    # refreshes take the cores only when training ranks leave them idle; the runs and sweeps it starts are
+    # started by this process instead, at normal priority. Signals reach the server from this process only.
     # SIGINT (Ctrl-C; a shell starts background jobs with it ignored, and children inherit that), SIGTERM
     # (kill, a service manager) and SIGHUP (the terminal closed) all stop the lab the same way: stop_app.
     old = {s: signal.signal(s, _raise_stop) for s in STOP_SIGNALS}
@@ -785,7 +786,8 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
         with Spawner(start=False) as spawner:
             try:
                 env[SPAWNER_ENV] = spawner.address
-                server = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), preexec_fn=lower_priority)
+                server = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), start_new_session=True,
+                                          preexec_fn=lower_priority)
                 spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
                 code = server.wait()
                 spawner.close()

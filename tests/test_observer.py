@@ -237,7 +237,8 @@ def free_port() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
-    """`commlab app` (lab.ui.app_main): its Streamlit server runs APP_NICE levels lower; a run queued from
+    """`commlab app` (lab.ui.app_main): its Streamlit server runs APP_NICE levels lower, its session's
+    scheduling group too; a run queued from
     inside the server (as the New run form and presets do: lab.run(wait=False)) gets a supervisor at the
     app's normal priority, started by the app's process."""
     runs = tmp_path / "runs"
@@ -258,6 +259,11 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
         (server,) = children_of(app.pid)
         assert nice_of(server) == min(nice_of(app.pid) + APP_NICE, 19)
         assert all(nice_of(int(t)) == nice_of(server) for t in os.listdir(f"/proc/{server}/task"))
+        # a session of its own, whose scheduling group is niced as well: with autogroups a nice value only
+        # ranks processes within their session, and every run has its own (lab/spawn.py)
+        assert os.getsid(server) == server != os.getsid(app.pid)
+        if Path("/proc/sys/kernel/sched_autogroup_enabled").exists():
+            assert Path(f"/proc/{server}/autogroup").read_text().split()[-1] == str(APP_NICE)
         environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{server}/environ").read_bytes().split(b"\0") if kv)
         # what the server's pages do to queue a run, in a process with the server's priority and environment
         env = {k.decode(): v.decode() for k, v in environ.items()}

@@ -1,0 +1,120 @@
+"""The workshop server in a real browser (Chromium through playwright): `commlab app --host 0.0.0.0`
+as a room meets it. A browser without a token, or with a wrong one, gets the sign-in prompt and nothing
+of the runs; the class link signs a student in and leaves no token in the address bar; the student's
+personal link opens their run and its trace downloads once, from that session only (the file's URL
+serves nothing afterwards); another student's browser, given that run's id, gets none of it.
+
+Needs the Python package playwright and Debian's chromium (/usr/bin/chromium); skipped without them.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+import lab
+from distutil import stop_process
+from lab import workshop
+from lab.queue import Lab
+from test_app import SMALL
+from test_browser import CHROMIUM, SETTLED, free_port
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
+if not os.access(CHROMIUM, os.X_OK):
+    pytest.skip(f"no browser at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def room(tmp_path):
+    """A finished run of alice's, and the lab served on 0.0.0.0 (so with sign-in) over its directory."""
+    runs = tmp_path / "runs"
+    run = Lab(runs).submit(lab._spec(SMALL), owner="alice")
+    assert run.state == "done", run.status()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != workshop.ACCESS_ENV}
+    code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
+    log = open(tmp_path / "app.log", "wb")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
+                         stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        t0 = time.time()
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/_stcore/health", timeout=2):
+                    break
+            except OSError:
+                assert p.poll() is None, (tmp_path / "app.log").read_text()
+                assert time.time() - t0 < 120, "the UI did not come up"
+                time.sleep(0.3)
+        yield url, runs, run, workshop.load_access(runs)["class_token"]
+    finally:
+        stop_process(p, signal.SIGTERM, timeout=20)
+        log.close()
+
+
+def settle(page, text: str) -> None:
+    page.get_by_text(text).first.wait_for(timeout=60_000)
+    page.wait_for_function(SETTLED, timeout=60_000)
+
+
+def sign_in(browser, url: str, class_token: str, name: str):
+    """A fresh browser context signed in through the class link; returns (page, personal token)."""
+    page = browser.new_context(accept_downloads=True).new_page()
+    page.goto(f"{url}/?token={class_token}")
+    settle(page, "Pick the name your runs will carry")
+    page.get_by_label("Your name").fill(name)
+    page.get_by_role("button", name="Sign in").click()
+    settle(page, "Your personal link")
+    assert "token=" not in page.url  # out of the address bar (and the history)
+    text = page.inner_text("body")
+    personal = text.split("?token=", 1)[1].split()[0].rstrip(").,")
+    return page, personal
+
+
+def test_sign_in_and_one_shot_downloads_in_chromium(room):
+    url, runs, run, class_token = room
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                     args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+        try:
+            # no token, then a wrong one: the prompt only, nothing of the run
+            stranger = browser.new_context().new_page()
+            stranger.goto(f"{url}/live_run?run={run.id}")
+            settle(stranger, "commlab: sign in")
+            assert run.id not in stranger.content()
+            stranger.goto(f"{url}/?token=not-a-token")
+            settle(stranger, "That token is not valid.")
+            assert run.id not in stranger.content() and class_token not in stranger.content()
+
+            alice, token = sign_in(browser, url, class_token, "alice")
+            assert workshop.check_token(runs, token).name == "alice"
+            alice.goto(f"{url}/live_run?run={run.id}&token={token}")
+            settle(alice, "Download trace")
+            assert "token=" not in alice.url
+            with alice.expect_download(timeout=60_000) as got:
+                alice.get_by_role("button", name="Download trace").click()
+            download = got.value
+            trace = json.loads(Path(download.path()).read_text())
+            assert trace["traceEvents"], "an empty trace"
+            assert "/media/" in download.url
+            with pytest.raises(urllib.error.HTTPError) as again:  # served once: the URL is spent
+                urllib.request.urlopen(download.url, timeout=10)
+            assert again.value.code == 404
+
+            # another student's browser with alice's run id: nothing of it
+            bob, bob_token = sign_in(browser, url, class_token, "bob")
+            bob.goto(f"{url}/live_run?run={run.id}&token={bob_token}")
+            settle(bob, "Live run")
+            assert run.id not in bob.content()
+            assert bob.get_by_role("button", name="Download trace").count() == 0
+        finally:
+            browser.close()
