@@ -78,3 +78,19 @@ def stop_process(p, sig, timeout: float, group: bool = False) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+
+
+def wait_until_up(url: str, p, log_path, timeout: float = 120.0) -> None:
+    """Wait for the Streamlit server at ``url`` that process ``p`` started to answer its health check;
+    fail with its log if the process ends or ``timeout`` seconds pass first."""
+    import time
+    import urllib.request
+    t0 = time.time()
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/_stcore/health", timeout=2):
+                return
+        except OSError:
+            assert p.poll() is None, open(log_path).read()
+            assert time.time() - t0 < timeout, "the UI did not come up"
+            time.sleep(0.3)

@@ -14,14 +14,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 import lab
-from distutil import stop_process
+from distutil import stop_process, wait_until_up
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,15 +60,7 @@ def server(tmp_path):
                          stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.time()
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/_stcore/health", timeout=2):
-                    break
-            except OSError:
-                assert p.poll() is None, (tmp_path / "app.log").read_text()
-                assert time.time() - t0 < 120, "the UI did not come up"
-                time.sleep(0.3)
+        wait_until_up(url, p, tmp_path / "app.log")
         yield url, runs
     finally:
         for r in lab.runs(runs=runs):

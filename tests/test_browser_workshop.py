@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 import lab
-from distutil import stop_process
+from distutil import stop_process, wait_until_up
 from lab import workshop
 from lab.queue import Lab
 from test_app import SMALL
@@ -46,15 +45,7 @@ def room(tmp_path):
                          stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        t0 = time.time()
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/_stcore/health", timeout=2):
-                    break
-            except OSError:
-                assert p.poll() is None, (tmp_path / "app.log").read_text()
-                assert time.time() - t0 < 120, "the UI did not come up"
-                time.sleep(0.3)
+        wait_until_up(url, p, tmp_path / "app.log")
         yield url, runs, run, workshop.load_access(runs)["class_token"]
     finally:
         stop_process(p, signal.SIGTERM, timeout=20)
