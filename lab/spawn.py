@@ -1,15 +1,18 @@
 """Detached processes (run supervisors, sweeps) at normal priority, even when asked for by the UI's server.
 
 ``commlab app`` runs its Streamlit server at a lower CPU priority (``nice`` ``APP_NICE``): reading a run's
-files, building figures and answering the browser every refresh then take the cores only when the
-training ranks leave them idle, instead of competing with them on equal terms (README, "Watching a
+files, building figures and answering the browser every refresh then take a small share of the
+cores while training ranks are busy (all of what they leave idle), instead of competing with them on
+equal terms (README, "Watching a
 run"). A process inherits its parent's nice value, and an unprivileged one can never lower it again,
 so the runs and sweeps that the UI starts must not be children of the server: ``commlab app``'s own
 process, which keeps normal priority, starts them. Where the kernel groups processes by session for
 scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by default in Debian's and many desktop
 kernels), a nice value only ranks processes within their session, and every run has a session of its
 own: a niced server still took an equal share against a run. So the server gets a session of its own,
-and that session's group is niced too (``/proc/self/autogroup``), which is what ranks it below the runs. It listens on a UNIX socket in a private
+and that session's group is niced too (``/proc/self/autogroup``), which is what ranks it below the runs.
+
+``commlab app``'s process listens on a UNIX socket in a private
 directory (mode 0700) whose path the server finds in ``$COMMLAB_SPAWNER``; ``spawn_detached`` sends
 one JSON request per process (argv, log file, cwd, environment) and gets its pid back. Without the
 variable (``streamlit run`` by hand, the CLI, notebooks), or when the app's process is gone,
@@ -33,8 +36,11 @@ from typing import Dict, List, Optional
 from lab.procs import die_with_parent
 
 ENV = "COMMLAB_SPAWNER"
-APP_NICE = 10
-"""How much lower than normal the app's Streamlit server runs (0 = normal, 19 = lowest)."""
+APP_NICE = 4
+"""How much lower than normal the app's Streamlit server runs (0 = normal, 19 = lowest). Against a run
+that keeps both cores busy, a group at nice 4 gets about a quarter of the machine (weights 423 against
+1024): a lone viewer's refreshes need far less, and 20 students' pages on the workshop bench about half
+a core. At nice 10 (weight 110; 0.2 of a core) the bench's Home page took a median 2.7 s, over its 2 s."""
 
 
 def _popen(argv: List[str], log: str, cwd: Optional[str], env: Optional[dict]) -> subprocess.Popen:
