@@ -569,9 +569,8 @@ class Communicator:
         view = b.views[pos]
         if land_grad(p, view, b, pos, b.scale):
             # p.grad was a fresh tensor (after zero_grad(set_to_none)): point it at the view now, so
-            # autograd's tensor is freed here, mid-backward, and its memory is reused by the next
-            # gradient (held until finish, it made the allocator return memory to the OS and fault
-            # it back every step)
+            # autograd's tensor is freed here, mid-backward, and its memory can serve the next
+            # gradient instead of being held until finish (fewer page faults per step)
             p.grad = view
             self._rebind = True
         for fn in self._listeners:
