@@ -18,6 +18,10 @@ own SGD(lr=0.01, momentum=0.9) (the transformer: the bundled text, 64-token wind
 - compute:      no communication at all (forward, backward, optimizer step),
                 both ranks at once, i.e. the compute-only iteration time.
 
+Every rank sets up glibc's allocator as a commlab run's worker does (engine.worker.keep_heap:
+freed memory stays in the process instead of being faulted back every step); all four variants
+run in that one process, DDP included.
+
 Variants run interleaved: each round runs a block of --steps iterations of
 every variant, the order rotating between rounds, after a few untimed warm-up
 iterations. Each iteration is timed around the whole step; the slower rank's
@@ -139,7 +143,10 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
 
 def worker(args) -> None:
     import torch.distributed as dist
+
+    from engine.worker import keep_heap
     rank, world = common.init_worker()
+    keep_heap()  # as engine.worker sets up a run's rank; DDP shares this process, so it runs with it too
     tmpdir = tempfile.mkdtemp(prefix="commlab-bench-")
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if rank == 0 else None
     out = {"world_size": world, "models": {}}

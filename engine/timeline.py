@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 LANES = {
     "step": 0, "forward": 1, "backward": 2, "compress": 3, "comm": 4,
@@ -24,6 +24,9 @@ LANES = {
     "advisor": 11,  # written by the lab, not a rank: strategy auto's trial steps, before the run's own
 }
 LANE_NAMES = {v: k for k, v in LANES.items()}
+
+_compact = json.JSONEncoder(separators=(",", ":")).encode
+"""``json.dumps(obj, separators=(",", ":"))`` without building an encoder per call."""
 
 
 class Clock:
@@ -75,6 +78,8 @@ class Timeline:
         self.clock = clock or Clock()
         self.events: List[tuple] = []
         self.pending_cuda: List[tuple] = []
+        self._heads: Dict[tuple, str] = {}
+        """(lane, name) -> the start of its event's JSON line, up to the timestamp."""
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if self.enabled else None
 
     def now(self) -> float:
@@ -108,13 +113,16 @@ class Timeline:
             return
         lines = []
         to_us = self.clock.to_us
-        pid = self.rank
-        dumps = json.dumps
+        heads = self._heads
+        if len(heads) > 4096:  # names that change every step ("step 12") would grow it without end
+            heads.clear()
         for lane, name, t0, t1, args in events:
-            # one format per event (json.dumps of the whole dict per event was most of a flush's cost)
-            head = (f'{{"ph":"X","name":{dumps(name)},"pid":{pid},"tid":{LANES[lane]},"cat":"{lane}",'
-                    f'"ts":{round(to_us(t0), 1)},"dur":{round((t1 - t0) * 1e6, 1)}')
-            lines.append(f'{head},"args":{dumps(args, separators=(",", ":"))}}}' if args else head + "}")
+            head = heads.get((lane, name))
+            if head is None:  # the part that does not change between steps, formatted once
+                head = heads[lane, name] = (f'{{"ph":"X","name":{json.dumps(name)},"pid":{self.rank},'
+                                            f'"tid":{LANES[lane]},"cat":"{lane}","ts":')
+            line = f'{head}{round(to_us(t0), 1)},"dur":{round((t1 - t0) * 1e6, 1)}'
+            lines.append(f'{line},"args":{_compact(args)}}}' if args else line + "}")
         # one write per step, to an O_APPEND file: cheap, and a killed rank loses at most its current step
         os.write(self._fd, ("\n".join(lines) + "\n").encode())
 

@@ -76,17 +76,26 @@ def _set_to_none(rank, world, mode):
     from engine.comm import DataParallel
     from engine.compressors import make
     model = _model()
+    handed = {}  # param -> autograd's gradient was not the bucket view (seen before the communicator's hook runs)
+
+    def is_view(p):
+        b, pos = dp.slot[p]
+        return p.grad.data_ptr() == b.views[pos].data_ptr()
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: handed.__setitem__(p, not is_view(p)))
     dp = DataParallel(model, functools.partial(schedules.build, "layerwise"), lambda: make("none"), mode=mode)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step sees the same model as the reference
     out = []
     for step in range(3):
         x = _batch(rank, step)
+        handed.clear()
         model(x).square().sum().backward()
-        replaced = [p.grad.data_ptr() != b.views[pos].data_ptr() for p in model.parameters()
-                    for b, pos in [dp.slot[p]]]
+        replaced = [handed[p] for p in model.parameters()]
+        # re-pointed as each gradient landed, during backward, not only in finish
+        bound_in_backward = all(is_view(p) for p in model.parameters())
         dp.finish()
         got = [p.grad.clone() for p in model.parameters()]
-        bound = all(p.grad.data_ptr() == dp.slot[p][0].views[dp.slot[p][1]].data_ptr() for p in model.parameters())
+        bound = bound_in_backward and all(is_view(p) for p in model.parameters())
         out.append((got, _reference_grads(x), replaced, bound))
         opt.step()
         opt.zero_grad(set_to_none=True)  # torch's default: p.grad becomes None
