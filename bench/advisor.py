@@ -212,6 +212,9 @@ def main(argv=None):
             results.append(one_setting(m, args.link, g, args.steps, args.rounds, store, log, args.trials))
             if args.json:
                 common.write_json(args.json, {"results": results, "args": vars(args), "wall_s": time.time() - t0})
+            if args.md:  # so far, replaced at the end
+                with open(args.md, "w") as f:
+                    f.write(report(results, args) + f"; unfinished: {len(results)} setting(s) so far\n")
     text = report(results, args) + f"; wall time {time.time() - t0:.0f} s; runs in {store.root}"
     print(text)
     if args.json:

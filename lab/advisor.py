@@ -489,14 +489,15 @@ def is_ddp(c: Candidate) -> bool:
 
 def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN) -> List[Candidate]:
     """The candidates to try: the best-predicted one of each of the first ``k`` compressors in the
-    ranking, and DDP (the safety reference) unless its predicted score is more than ``ddp_margin`` times
-    the best one's. Where the model errs most is a compressor's cost inside a real step (two ranks and
-    gloo on the same cores, multi-round exchanges holding backward), not the choice of bucket cap, so
-    trying k compressors teaches more than trying one compressor at k caps."""
+    ranking (MergeComp's predicted partition counting as a compressor of its own: the model's search over
+    predicted times is the least sure of its figures), and DDP (the safety reference) unless its predicted
+    score is more than ``ddp_margin`` times the best one's. Where the model errs most is a compressor's cost
+    inside a real step (two ranks and gloo on the same cores, multi-round exchanges holding backward), not
+    the choice of bucket cap, so trying k compressors teaches more than trying one compressor at k caps."""
     from lab.perfmodel.calibrate import compressor_key
     picks, seen = [], set()
     for c in ranked:
-        key = compressor_key(c.compressor)
+        key = (compressor_key(c.compressor), c.schedule["name"] == "mergecomp")
         if c.predicted_score is None or key in seen:
             continue
         seen.add(key)
