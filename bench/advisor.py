@@ -110,6 +110,7 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
                          runner=lambda s, prepare=None: run_cell(store, s, prepare))
     cells = {k: {"compressor": c, "schedule": s, "comm": m} for k, (c, s, m) in GRID.items()}
     cells[CHOICE] = adv.winner.strategy()
+    same = next((k for k, v in cells.items() if k != CHOICE and v == cells[CHOICE]), None)
     pen = {}
     for k, strat in cells.items():
         p, src = advisor.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
@@ -146,7 +147,7 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
         for c, b in zip(timed[CHOICE], timed[best]))
     choice_vs_ddp = statistics.median((c * rows[CHOICE]["penalty"]) / d for c, d in zip(timed[CHOICE], timed[DDP]))
     run300_s = RUN_STEPS * rows[CHOICE]["iter_ms"] / 1e3
-    return {"model": model, "link": link, "gbps": gbps, "rows": rows, "best": best, "choice": adv.winner.label,
+    return {"model": model, "link": link, "gbps": gbps, "rows": rows, "best": best, "choice": adv.winner.label, "choice_same_as": same,
             "choice_predicted_ms": adv.winner.predicted_ms, "choice_vs_best": choice_vs_best,
             "choice_vs_ddp": choice_vs_ddp, "advisor_cost_s": adv.cost_s, "run300_s": run300_s,
             "cost_share": adv.cost_s["total"] / run300_s, "link_source": adv.link_source,
@@ -161,7 +162,8 @@ def report(results: list, args) -> str:
                 "iter x penalty ms"]
         rows = []
         for k, v in sorted(r["rows"].items(), key=lambda kv: (kv[1]["score_ms"] is None, kv[1]["score_ms"] or 0)):
-            name = f"**{k}**: {r['choice']}" if k == CHOICE else (f"{k} (grid best)" if k == r["best"] else k)
+            name = (f"**{k}**: {r['choice']}" + (f" (= grid's {r['choice_same_as']}, measured again)"
+                                                 if r.get("choice_same_as") else "")) if k == CHOICE else (f"{k} (grid best)" if k == r["best"] else k)
             rows.append([name, f"{v['predicted_ms']:.1f}" if v["predicted_ms"] is not None else "-",
                          f"{v['trial_ms']:.1f}" if v.get("trial_ms") is not None else "-", f"{v['iter_ms']:.1f}", f"{v['vs_ddp']:.3f}",
                          f"{v['penalty']:g}" if v["penalty"] is not None else "out", v["penalty_from"],

@@ -56,12 +56,12 @@ TARGET_FRACTION = 0.97
 BUCKET_CAPS_MB = (25.0, 4.0, 1.0)
 DEAR_CAPS_MB = (25.0, 4.0)
 """Caps tried, the usual one first: among equal scores the earlier candidate in the space wins."""
-MERGECOMP_MARGIN = 1.3
+MERGECOMP_MARGIN = 2.0
 """MergeComp is predicted for a compressor only when that compressor's best fixed layout is within this
 factor of the best candidate (see ``advise``)."""
 MIXED_BELOW_MB = 1.0
 """The mixed candidates' rule: buckets under this many MB go uncompressed."""
-TRIAL_STEPS = 6
+TRIAL_STEPS = 8
 """Timed steps per trial (after ``TRIAL_WARMUP``)."""
 TRIAL_WARMUP = 2
 """Steps at the start of each trial left out of its median (allocation, lazy buffers, the first exchanges)."""
@@ -488,16 +488,16 @@ def is_ddp(c: Candidate) -> bool:
 
 
 def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN) -> List[Candidate]:
-    """The candidates to try: the best-predicted one of each of the first ``k`` compressors in the
-    ranking (MergeComp's predicted partition counting as a compressor of its own: the model's search over
-    predicted times is the least sure of its figures), and DDP (the safety reference) unless its predicted
-    score is more than ``ddp_margin`` times the best one's. Where the model errs most is a compressor's cost
-    inside a real step (two ranks and gloo on the same cores, multi-round exchanges holding backward), not
-    the choice of bucket cap, so trying k compressors teaches more than trying one compressor at k caps."""
-    from lab.perfmodel.calibrate import compressor_key
+    """The candidates to try: the best-predicted one of each of the first ``k`` compressor families in the
+    ranking (the section's compressor by name: PowerSGD of rank 1 or 4, alone or in a mixed section, is one
+    family), and DDP (the safety reference) unless its predicted score is more than ``ddp_margin`` times the
+    best one's. Where the model errs most is a family's cost inside a real step (two ranks and gloo on the
+    same cores, multi-round exchanges holding backward: on resnet it predicts PowerSGD a third faster than it
+    runs), not the choice of rank or bucket cap, so trying k families teaches more than trying one family
+    k ways."""
     picks, seen = [], set()
     for c in ranked:
-        key = (compressor_key(c.compressor), c.schedule["name"] == "mergecomp")
+        key = c.compressor["name"]
         if c.predicted_score is None or key in seen:
             continue
         seen.add(key)

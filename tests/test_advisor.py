@@ -253,9 +253,7 @@ def test_measured_trials_decide(monkeypatch, tmp_path):
     assert len(sessions) == 1 and adv.chosen_by == "measured"  # one session holds every trial
     tried = [json.loads((sessions[0].path / d / "spec.json").read_text())
              for d in json.loads(sessions[0].file("trials.json").read_text())["dirs"]]
-    # three compressors, MergeComp's predicted partition counting as one of its own
-    assert len({(json.dumps({k: v for k, v in t["compressor"].items() if k != "params"}, sort_keys=True),
-                 t["schedule"]["name"] == "mergecomp") for t in tried[:3]}) == 3
+    assert len({t["compressor"]["name"] for t in tried[:3]}) == 3  # three compressor families
     assert all(t["network"] == {"link": "modeled", "gbps": 0.01, "latency_us": None} for t in tried)
     assert all(t["steps"] == advisor.TRIAL_WARMUP + advisor.TRIAL_STEPS and t["eval_every"] == 0 for t in tried)
     # PowerSGD compresses from the first trial step: the trial times its steady state
@@ -380,7 +378,7 @@ def test_strategy_spec_errors(data, field):
 
 def test_strategy_spec_defaults_and_decided_round_trip():
     s = load_spec(data={**BASE, "strategy": "auto", "network": AUTO_NET}).to_dict()
-    assert s["strategy"] == {"mode": "auto", "measure": True, "trials": 3, "trial_steps": 6, "penalties": {},
+    assert s["strategy"] == {"mode": "auto", "measure": True, "trials": 3, "trial_steps": 8, "penalties": {},
                              "decided": False}
     assert load_spec(data=BASE).to_dict()["strategy"]["mode"] == "fixed"
     chosen = advisor.with_strategy(s, {"compressor": advisor._comp("fp16")})
