@@ -7,7 +7,10 @@ than 3% slower than DDP, and does it cost at most 10% of a 300-step run?
 For each model and link rate: the advisor ranks the strategy space from the performance model (with
 ``--trials 0``, the default, its cost is the profile, the cost curves and the predictions; the profile and
 curves are measured once per model and reused at the other rates, so the first rate pays for them; with
-``--trials K`` it also runs K short trials, its ``--measure``). Then every grid configuration and
+``--trials K`` it also runs its ``--measure``: one trial session, a separate 2-rank run of the K best-predicted
+compressors and DDP (unless predicted 1.5x slower than the best), a few steps each, and chooses by that
+measurement. The trial cost is the session's whole wall time, start-up included: the trials are not steps
+of the run they choose for, so nothing of it is netted out). Then every grid configuration and
 the advisor's choice run as real 2-rank commlab runs on the link (``--steps`` steps each), in ``--rounds``
 rounds with the order rotated each round. Each cell's figure is the median iteration time after warm-up
 (PowerSGD after its uncompressed start; MergeComp's searched partitions spread over 300 steps, as the
@@ -86,10 +89,12 @@ def cell_spec(base: dict, label: str, strategy: dict) -> dict:
     return load_spec(data={**base, **strategy, "name": f"{base['name']}-{label}"}).to_dict()
 
 
-def run_cell(store, spec: dict):
+def run_cell(store, spec: dict, prepare=None):
     from lab.launcher import launch
     from lab.specs import load_spec
     run = store.create(load_spec(data=spec))
+    if prepare is not None:  # the advisor's trial session: its trials, written before the ranks start
+        prepare(run)
     state = launch(run, progress=False)
     if state != "done":
         raise RuntimeError(f"cell {spec['name']} ended {state}: {run.log_tail(3)}")
@@ -102,9 +107,10 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
     base = base_spec(model, link, gbps, RUN_STEPS)
     spec = advisor.load_spec_dict(base)
     adv = advisor.advise(spec, runs=store.root, say=log, measure=trials > 0, trials=max(trials, 1),
-                         runner=lambda s: run_cell(store, s))
+                         runner=lambda s, prepare=None: run_cell(store, s, prepare))
     cells = {k: {"compressor": c, "schedule": s, "comm": m} for k, (c, s, m) in GRID.items()}
     cells[CHOICE] = adv.winner.strategy()
+    same = next((k for k, v in cells.items() if k != CHOICE and v == cells[CHOICE]), None)
     pen = {}
     for k, strat in cells.items():
         p, src = advisor.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
@@ -114,7 +120,9 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
     order = list(cells)
     for r in range(rounds):
         for k in order[r % len(order):] + order[:r % len(order)]:
-            s = cell_spec({**base, "steps": steps}, k.split(" (")[0].replace(" ", "_"), cells[k])
+            # PowerSGD's plain start is not timed (advisor.measured_ms): it gets those steps on top
+            extra = advisor.start_iter(cells[k]["compressor"]) or 0
+            s = cell_spec({**base, "steps": steps + extra}, k.split(" (")[0].replace(" ", "_"), cells[k])
             run = run_cell(store, s)
             ms, _ = advisor.measured_ms(run, RUN_STEPS)
             timed[k].append(ms)
@@ -125,7 +133,9 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
         p = pen[k][0]
         ratios = [t / d for t, d in zip(timed[k], timed[DDP])]
         pred = next((c.predicted_ms for c in adv.candidates if c.strategy() == cells[k]), None)
-        rows[k] = {"iter_ms": statistics.median(timed[k]), "predicted_ms": pred, "rounds_ms": timed[k],
+        trial = next((c.measured_ms for c in adv.candidates if c.strategy() == cells[k]), None)
+        rows[k] = {"iter_ms": statistics.median(timed[k]), "predicted_ms": pred, "trial_ms": trial,
+                   "rounds_ms": timed[k],
                    "vs_ddp": statistics.median(ratios), "penalty": p, "penalty_from": pen[k][1].split(":")[0],
                    "score_ms": statistics.median(timed[k]) * p if p is not None else None,
                    "strategy": cells[k], "key": compressor_key(cells[k]["compressor"]), "runs": runs[k]}
@@ -137,7 +147,7 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
         for c, b in zip(timed[CHOICE], timed[best]))
     choice_vs_ddp = statistics.median((c * rows[CHOICE]["penalty"]) / d for c, d in zip(timed[CHOICE], timed[DDP]))
     run300_s = RUN_STEPS * rows[CHOICE]["iter_ms"] / 1e3
-    return {"model": model, "link": link, "gbps": gbps, "rows": rows, "best": best, "choice": adv.winner.label,
+    return {"model": model, "link": link, "gbps": gbps, "rows": rows, "best": best, "choice": adv.winner.label, "choice_same_as": same,
             "choice_predicted_ms": adv.winner.predicted_ms, "choice_vs_best": choice_vs_best,
             "choice_vs_ddp": choice_vs_ddp, "advisor_cost_s": adv.cost_s, "run300_s": run300_s,
             "cost_share": adv.cost_s["total"] / run300_s, "link_source": adv.link_source,
@@ -148,12 +158,14 @@ def report(results: list, args) -> str:
     out = []
     for r in results:
         out.append(f"\n### {r['model']}, {r['link']} {r['gbps']:g} Gbit/s\n")
-        head = ["configuration", "predicted ms", "iter ms (median)", "vs DDP", "penalty", "penalty from",
+        head = ["configuration", "predicted ms", "advisor's trial ms", "iter ms (median)", "vs DDP", "penalty", "penalty from",
                 "iter x penalty ms"]
         rows = []
         for k, v in sorted(r["rows"].items(), key=lambda kv: (kv[1]["score_ms"] is None, kv[1]["score_ms"] or 0)):
-            name = f"**{k}**: {r['choice']}" if k == CHOICE else (f"{k} (grid best)" if k == r["best"] else k)
-            rows.append([name, f"{v['predicted_ms']:.1f}" if v["predicted_ms"] is not None else "-", f"{v['iter_ms']:.1f}", f"{v['vs_ddp']:.3f}",
+            name = (f"**{k}**: {r['choice']}" + (f" (= grid's {r['choice_same_as']}, measured again)"
+                                                 if r.get("choice_same_as") else "")) if k == CHOICE else (f"{k} (grid best)" if k == r["best"] else k)
+            rows.append([name, f"{v['predicted_ms']:.1f}" if v["predicted_ms"] is not None else "-",
+                         f"{v['trial_ms']:.1f}" if v.get("trial_ms") is not None else "-", f"{v['iter_ms']:.1f}", f"{v['vs_ddp']:.3f}",
                          f"{v['penalty']:g}" if v["penalty"] is not None else "out", v["penalty_from"],
                          f"{v['score_ms']:.1f}" if v["score_ms"] is not None else "-"])
         out.append(common.markdown_table(head, rows))
@@ -177,8 +189,8 @@ def main(argv=None):
     ap.add_argument("--models", default="resnet,transformer")
     ap.add_argument("--gbps", default="0.1,1,10")
     ap.add_argument("--link", default="modeled", choices=("modeled", "shaped"))
-    ap.add_argument("--steps", type=int, default=14, help="steps per grid cell (default 14; PowerSGD's 10 "
-                                                          "uncompressed steps are not timed)")
+    ap.add_argument("--steps", type=int, default=14, help="steps per grid cell (default 14; PowerSGD cells "
+                                                          "get its 10 uncompressed steps on top, not timed)")
     ap.add_argument("--rounds", type=int, default=1, help="rounds, the order rotated each (default 1)")
     ap.add_argument("--trials", type=int, default=0, help="the advisor's trials (--measure) per setting; "
                                                            "0: predictions only (default)")
@@ -202,6 +214,9 @@ def main(argv=None):
             results.append(one_setting(m, args.link, g, args.steps, args.rounds, store, log, args.trials))
             if args.json:
                 common.write_json(args.json, {"results": results, "args": vars(args), "wall_s": time.time() - t0})
+            if args.md:  # so far, replaced at the end
+                with open(args.md, "w") as f:
+                    f.write(report(results, args) + f"; unfinished: {len(results)} setting(s) so far\n")
     text = report(results, args) + f"; wall time {time.time() - t0:.0f} s; runs in {store.root}"
     print(text)
     if args.json:

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import os
 
+TRIALS = "trials.json"
+"""A trial session's list of trials in its run directory (the advisor writes it, engine.worker runs it)."""
+
 
 class JsonlWriter:
     def __init__(self, path: str):

@@ -344,7 +344,7 @@ class NetworkSpec:
 
 
 # strategy option -> (default with mode auto, lowest, highest)
-_STRATEGY_OPTIONS = {"measure": (True, None, None), "trials": (3, 1, 20), "trial_steps": (12, 4, 1000)}
+_STRATEGY_OPTIONS = {"measure": (True, None, None), "trials": (3, 1, 20), "trial_steps": (8, 4, 1000)}
 
 
 @dataclass

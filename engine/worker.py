@@ -160,6 +160,13 @@ def run(run_dir: str, rank: int) -> None:
                                         "world_size": world, "local_world_size": local_world,
                                         "torch": torch.__version__})
     trainer = None
+    trials = read_trials(run_dir)
+    if trials:
+        try:
+            run_trials(run_dir, trials, dist.get_rank(), world, device)
+        finally:
+            dist.destroy_process_group()
+        return
     try:
         trainer = Trainer(spec, run_dir, dist.get_rank(), world, device)
         if rank == 0:
@@ -172,6 +179,41 @@ def run(run_dir: str, rank: int) -> None:
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def read_trials(run_dir: str) -> list:
+    """A trial session (the advisor's ``--measure``): the run directory's trials.json, ``{"dirs": [...]}``,
+    subdirectories each with a spec.json of its own. The ranks run each one's steps in turn in one process
+    group, so the trials pay one start-up (interpreter, torch, gloo) instead of one each. [] for a run."""
+    from engine.runlog import TRIALS
+    path = os.path.join(run_dir, TRIALS)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        dirs = json.load(f)["dirs"]
+    if not dirs or not all(isinstance(d, str) and d and "/" not in d and d not in (".", "..") for d in dirs):
+        raise ValueError(f"{path}: dirs must be a non-empty list of subdirectory names, got {dirs!r}")
+    return dirs
+
+
+def run_trials(run_dir: str, dirs: list, rank: int, world: int, device) -> None:
+    """Each trial's spec for its ``steps`` training steps (no evaluation), one after the other; every
+    trial writes metrics.jsonl, its timeline and tuning.json in its own subdirectory."""
+    from engine.spec import JobSpec
+    from engine.trainer import Trainer
+    for d in dirs:
+        sub = os.path.join(run_dir, d)
+        with open(os.path.join(sub, "spec.json")) as f:
+            spec = JobSpec.from_dict(json.load(f))
+        if spec.world_size != world:
+            raise RuntimeError(f"{sub}: world_size {spec.world_size}, but the session has {world} ranks")
+        trainer = Trainer(spec, sub, rank, world, device)
+        try:
+            for _ in range(spec.steps):
+                trainer.train_step()
+            trainer.sync_params()
+        finally:
+            trainer.close()
 
 
 if __name__ == "__main__":

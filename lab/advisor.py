@@ -56,10 +56,22 @@ TARGET_FRACTION = 0.97
 BUCKET_CAPS_MB = (25.0, 4.0, 1.0)
 DEAR_CAPS_MB = (25.0, 4.0)
 """Caps tried, the usual one first: among equal scores the earlier candidate in the space wins."""
+MERGECOMP_MARGIN = 2.0
+"""MergeComp is predicted for a compressor only when that compressor's best fixed layout is within this
+factor of the best candidate (see ``advise``)."""
 MIXED_BELOW_MB = 1.0
 """The mixed candidates' rule: buckets under this many MB go uncompressed."""
-TRIAL_STEPS = 12
+TRIAL_STEPS = 8
+"""Timed steps per trial (after ``TRIAL_WARMUP``)."""
+TRIAL_WARMUP = 2
+"""Steps at the start of each trial left out of its median (allocation, lazy buffers, the first exchanges)."""
 TRIALS = 3
+"""Candidates tried by prediction (one per compressor); DDP is tried besides them when ``DDP_MARGIN`` says."""
+DDP_MARGIN = 1.5
+"""DDP (none, 25 MB buckets, wfbp) is tried too unless its predicted score is more than this many times the
+best-predicted one's: then the model's errors (tens of percent where measured) cannot make it the winner, and
+its trial would be the slowest of all. Tried, it is the safety reference: the choice is never slower than DDP
+as measured in the same session."""
 LINKS = ("modeled", "shaped")
 
 
@@ -80,6 +92,10 @@ class Candidate:
     note: str = ""
     layout_groups: Optional[int] = None
     """MergeComp: the number of groups of the partition predicted best"""
+    layout_cuts: Optional[List[int]] = None
+    """MergeComp: that partition's cuts (over the profile's parameters, in its order)"""
+    steady_ms: Optional[float] = None
+    """MergeComp: the predicted step time at that partition, the search not counted"""
 
     @property
     def predicted_score(self) -> Optional[float]:
@@ -388,19 +404,20 @@ def predict_candidate(profile, spec: dict, cand: Candidate, link, world: int) ->
     from lab.perfmodel import predict as pr
     s = {**spec, **cand.strategy()}
     if cand.schedule["name"] == "mergecomp":
-        cuts_ms, groups = search_mergecomp(profile, s, link, world)
-        cand.predicted_ms, cand.layout_groups = cuts_ms, groups
+        cuts_ms, groups, cuts, steady = search_mergecomp(profile, s, link, world)
+        cand.predicted_ms, cand.layout_groups, cand.layout_cuts, cand.steady_ms = cuts_ms, groups, cuts, steady
         cand.note = (f"predicted over {spec['steps']} steps: its search (fed the model's times) settles on "
                      f"{groups} groups; the run searches by measurement")
         return
     cand.predicted_ms = pr.predict(profile, s, link.gbps, world, link=link).total * 1e3
 
 
-def search_mergecomp(profile, spec: dict, link, world: int) -> Tuple[float, int]:
+def search_mergecomp(profile, spec: dict, link, world: int) -> Tuple[float, int, List[int], float]:
     """Drive MergeComp's own search (a pure object) with predicted instead of measured step times.
-    Returns the mean predicted step time over the spec's steps, the search included (its warm-up and
-    every candidate's 1 + steps_per_candidate steps, as engine.tuners runs them), and the groups of
-    the partition it settles on."""
+    Returns the mean predicted step time over the spec's steps after the compressor's plain start (which
+    the engine's tuner does not time, and which no other prediction counts either), the search included
+    (its warm-up and every candidate's 1 + steps_per_candidate steps, as engine.tuners runs them), the
+    groups and cuts of the partition it settles on, and its predicted step time."""
     from engine.schedules import ParamInfo
     from engine.tuners import MergeCompSearch
     from lab.perfmodel import predict as pr
@@ -419,18 +436,20 @@ def search_mergecomp(profile, spec: dict, link, world: int) -> Tuple[float, int]
     steps = [search.trace[0][1]] * (sched.get("warmup_steps") or 2)
     for _, t in search.trace:
         steps += [t] * per
-    steps = steps[:spec["steps"]]
-    steps += [best] * (spec["steps"] - len(steps))
-    return 1e3 * sum(steps) / len(steps), len(best_cuts) + 1
+    total = max(spec["steps"] - (start_iter(spec["compressor"]) or 0), 1)
+    steps = steps[:total]
+    steps += [best] * (total - len(steps))
+    return 1e3 * sum(steps) / len(steps), len(best_cuts) + 1, list(best_cuts), 1e3 * best
 
 
 # --------------------------------------------------------------------------- trials
 
-def measured_ms(run, run_steps: Optional[int] = None) -> Tuple[Optional[float], str]:
-    """Median iteration time (slower rank) of a trial run after its warm-up and PowerSGD's uncompressed
-    start, with a note on what was counted. A MergeComp trial's search (tuning.json's trace of measured
-    partitions) is spread over ``run_steps`` as the prediction spreads it: the warm-up and each candidate's
-    steps at its measured time, the rest at the best partition measured so far."""
+def measured_ms(run, run_steps: Optional[int] = None, skip: Optional[int] = None) -> Tuple[Optional[float], str]:
+    """Median iteration time (slower rank) of a trial run after its warm-up (``skip`` steps, default
+    lab.summary's rule) and PowerSGD's uncompressed start, with a note on what was counted. A MergeComp
+    run's search (tuning.json's trace of measured partitions) is spread over ``run_steps`` less the
+    compressor's plain start, as the prediction spreads it: the warm-up and each candidate's steps at its
+    measured time, the rest at the best partition measured so far."""
     from lab.summary import iteration_times, warmup_steps
     spec = run.spec_dict()
     it = iteration_times(run.metric_rows())
@@ -440,7 +459,7 @@ def measured_ms(run, run_steps: Optional[int] = None) -> Tuple[Optional[float], 
     info = json.loads(tuning.read_text()) if tuning.is_file() else {}
     if spec["schedule"]["name"] == "mergecomp" and info.get("trace"):
         sched, trace = spec["schedule"], [t["ms"] for t in info["trace"]]
-        total = run_steps or spec["steps"]
+        total = max((run_steps or spec["steps"]) - (start_iter(spec["compressor"]) or 0), 1)
         steps = [trace[0]] * sched["warmup_steps"]
         for t in trace:
             steps += [t] * (1 + sched["steps_per_candidate"])
@@ -450,7 +469,7 @@ def measured_ms(run, run_steps: Optional[int] = None) -> Tuple[Optional[float], 
         return sum(steps) / len(steps), (f"measured: the search's {len(trace)} partitions ({done} in the trial), "
                                          f"spread over {total} steps")
     order = sorted(it)
-    skip = warmup_steps(len(order))
+    skip = warmup_steps(len(order)) if skip is None else skip
     start = start_iter(spec["compressor"])
     if start is not None:
         skip = max(skip, start + 1)
@@ -462,21 +481,33 @@ def measured_ms(run, run_steps: Optional[int] = None) -> Tuple[Optional[float], 
     return statistics.median(it[s] for s in timed), note
 
 
-def trial_picks(ranked: List[Candidate], k: int) -> List[Candidate]:
-    """The candidates to try: the best-predicted one of each of the first ``k`` compressors in the
-    ranking. Where the model errs most is a compressor's cost inside a real step (two ranks and gloo on
-    the same cores, multi-round exchanges holding backward), not the choice of bucket cap, so trying k
-    compressors teaches more than trying one compressor at k caps."""
-    from lab.perfmodel.calibrate import compressor_key
+def is_ddp(c: Candidate) -> bool:
+    """DDP's configuration: none, 25 MB buckets, wfbp."""
+    return (c.compressor["name"] == "none" and not c.compressor.get("per_bucket") and c.comm["mode"] == "wfbp"
+            and c.schedule == {"name": "bucket", "cap_mb": 25.0})
+
+
+def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN) -> List[Candidate]:
+    """The candidates to try: the best-predicted one of each of the first ``k`` compressor families in the
+    ranking (the section's compressor by name: PowerSGD of rank 1 or 4, alone or in a mixed section, is one
+    family), and DDP (the safety reference) unless its predicted score is more than ``ddp_margin`` times the
+    best one's. Where the model errs most is a family's cost inside a real step (two ranks and gloo on the
+    same cores, multi-round exchanges holding backward: on resnet it predicts PowerSGD a third faster than it
+    runs), not the choice of rank or bucket cap, so trying k families teaches more than trying one family
+    k ways."""
     picks, seen = [], set()
     for c in ranked:
-        key = compressor_key(c.compressor)
+        key = c.compressor["name"]
         if c.predicted_score is None or key in seen:
             continue
         seen.add(key)
         picks.append(c)
         if len(picks) == k:
             break
+    ddp = next((c for c in ranked if is_ddp(c)), None)
+    if (ddp is not None and ddp not in picks and picks
+            and ddp.predicted_score <= ddp_margin * picks[0].predicted_score):
+        picks.append(ddp)
     return picks
 
 
@@ -488,10 +519,59 @@ def start_iter(comp: dict) -> Optional[int]:
 
 
 def trial_spec(spec: dict, cand: Candidate, steps: int) -> dict:
-    s = with_strategy({**spec, "strategy": {"mode": "fixed"}}, cand.strategy())
-    start = start_iter(cand.compressor) or 0
-    s.update(name=f"advise trial: {cand.label}", steps=max(steps, start + 4), eval_every=0)
+    """One trial: ``TRIAL_WARMUP`` + ``steps`` steps of the candidate, no evaluation, PowerSGD compressing
+    from its first exchange (its plain start is the same all-reduce DDP does; the trial times the steady
+    state, as the predictions do)."""
+    strat = cand.strategy()
+    for part in [strat["compressor"], *strat["compressor"].get("per_bucket", [])]:
+        if part["name"] == "powersgd":
+            part["params"] = {**part["params"], "start_iter": 0}
+    s = with_strategy({**spec, "strategy": {"mode": "fixed"}}, strat)
+    s.update(name=f"advise trial: {cand.label}", steps=TRIAL_WARMUP + steps, eval_every=0)
     return load_spec_dict(s)
+
+
+def session_spec(specs: List[dict]) -> dict:
+    """The run that holds a trial session: the first trial's spec (its link and world size start the
+    ranks), named for the session, its steps the session's total."""
+    return load_spec_dict({**specs[0], "name": f"advise trials: {len(specs)} candidates",
+                           "steps": sum(s["steps"] for s in specs)})
+
+
+def prepare_session(run, specs: List[dict], cands: List[Candidate], profile) -> List[str]:
+    """Write the trials into ``run``'s directory before its ranks start: trial-<i>/spec.json each and
+    trials.json (engine.worker runs them in turn). A MergeComp trial starts at the partition the
+    advisor's search predicted (seeded into the session's MergeComp cache), since its own search takes
+    longer than a trial; the search's cost is added from the prediction (``trial_score``)."""
+    from engine.spec import JobSpec
+    from engine.tuners import cache_key, write_cache
+    from engine.runlog import TRIALS as TRIALS_FILE
+    dirs = []
+    for i, (s, c) in enumerate(zip(specs, cands)):
+        d = run.path / f"trial-{i}"
+        d.mkdir()
+        write_json(d / "spec.json", s)
+        dirs.append(d.name)
+        if c.schedule["name"] == "mergecomp" and c.layout_cuts is not None:
+            problem = write_cache(str(run.path), cache_key(JobSpec.from_dict(s)),
+                                  {"order": [n for n, _ in profile.params], "cuts": c.layout_cuts,
+                                   "ms": c.steady_ms, "run": "advisor prediction"})
+            if problem:
+                raise RuntimeError(f"advisor: trial session {run.id}: {problem}")
+    write_json(run.path / TRIALS_FILE, {"dirs": dirs})
+    return dirs
+
+
+def session_trials(run) -> List[object]:
+    """The trials of a finished session run, as runs of their own (id ``<session>/trial-<i>``)."""
+    from engine.runlog import TRIALS as TRIALS_FILE
+    from lab.store import Run
+    out = []
+    for d in json.loads(run.file(TRIALS_FILE).read_text())["dirs"]:
+        t = Run(run.path / d)
+        t.id = f"{run.id}/{d}"
+        out.append(t)
+    return out
 
 
 def load_spec_dict(d: dict) -> dict:
@@ -499,12 +579,18 @@ def load_spec_dict(d: dict) -> dict:
     return load_spec(data=d).to_dict()
 
 
-def default_runner(runs) -> Callable[[dict], object]:
-    """Trials through the lab's queue (they wait for a slot like any run)."""
-    def run(spec: dict):
+def default_runner(runs) -> Callable[..., object]:
+    """Trials through the lab's queue (they wait for a slot like any run). ``prepare(run)``, when given,
+    writes into the run's directory before it starts (a trial session's trials)."""
+    def run(spec: dict, prepare: Optional[Callable[[object], object]] = None):
         from lab.queue import Lab
         from lab.specs import load_spec
-        return Lab(runs).submit(load_spec(data=spec), wait=True)
+        lab = Lab(runs)
+        r = lab.create(load_spec(data=spec))
+        if prepare is not None:
+            prepare(r)
+        lab.supervise(r)
+        return r
     return run
 
 
@@ -579,24 +665,51 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     t1 = time.perf_counter()
     lk, link_source = link_of(prof, net)
     cells, strategies = benchmark_cells(), strategy_cells()
+    pens: Dict[Tuple[str, str], Tuple[Optional[float], str]] = {}
     for c in cands:
-        c.penalty, c.penalty_source = penalty(spec, c.compressor, runs, penalties, cells, c.comm["mode"], strategies)
+        k = (json.dumps(c.compressor, sort_keys=True), c.comm["mode"])
+        if k not in pens:
+            pens[k] = penalty(spec, c.compressor, runs, penalties, cells, c.comm["mode"], strategies)
+        c.penalty, c.penalty_source = pens[k]
+    # MergeComp's search is predicted (dozens of layouts each) only for compressors whose best fixed layout
+    # is within MERGECOMP_MARGIN of the best candidate: a fusion search does not make up a larger gap
+    for c in cands:
+        if c.schedule["name"] != "mergecomp":
+            predict_candidate(prof, spec, c, lk, world)
+    fixed = [c.predicted_score for c in cands if c.predicted_score is not None]
+    for c in cands:
+        if c.schedule["name"] != "mergecomp" or c.penalty is None:
+            continue
+        mine = [o.predicted_score for o in cands if o.compressor == c.compressor and o.predicted_score is not None]
+        if fixed and mine and min(mine) > MERGECOMP_MARGIN * min(fixed):
+            c.note = (f"not predicted: its compressor's best fixed layout is {min(mine) / min(fixed):.2f}x the best "
+                      f"candidate's (more than {MERGECOMP_MARGIN:g}x)")
+            continue
         predict_candidate(prof, spec, c, lk, world)
     t2 = time.perf_counter()
     ranked = rank(cands)
     chosen_by = "predicted"
     if measure:
-        for c in trial_picks(ranked, trials):
-            s = trial_spec({**spec, "network": net, "world_size": world}, c, trial_steps)
-            say(f"advisor: trial {c.label} ({s['steps']} steps, {net['link']} {net['gbps']:g} Gbit/s)")
-            r = run_trial(s)
-            c.trial_run = r.id
-            if r.state != "done":
-                c.note = (c.note + "; " if c.note else "") + f"trial {r.id} ended {r.state}"
-                continue
-            c.measured_ms, extra = measured_ms(r, spec["steps"])
-            if extra:
-                c.note = (c.note + "; " if c.note else "") + extra
+        picks = trial_picks(ranked, trials)
+        specs = [trial_spec({**spec, "network": net, "world_size": world}, c, trial_steps) for c in picks]
+        say(f"advisor: one session of {len(picks)} trials, {TRIAL_WARMUP} + {trial_steps} steps each, "
+            f"{net['link']} {net['gbps']:g} Gbit/s: " + "; ".join(c.label for c in picks))
+        session = run_trial(session_spec(specs), prepare=lambda r: prepare_session(r, specs, picks, prof))
+        if session.state != "done":
+            for c in picks:
+                c.note = (c.note + "; " if c.note else "") + f"trial session {session.id} ended {session.state}"
+        else:
+            for c, t in zip(picks, session_trials(session)):
+                c.trial_run = t.id
+                ms, extra = measured_ms(t, skip=TRIAL_WARMUP)
+                if ms is not None and c.schedule["name"] == "mergecomp" and c.steady_ms is not None:
+                    ms += c.predicted_ms - c.steady_ms  # the search's predicted cost over the run
+                    extra = (extra + "; " if extra else "") + (
+                        f"trial at the predicted partition ({c.layout_groups} groups), its search's predicted "
+                        f"cost added ({c.predicted_ms - c.steady_ms:+.1f} ms per step)")
+                c.measured_ms = ms
+                if extra:
+                    c.note = (c.note + "; " if c.note else "") + extra
         if any(c.measured_score is not None for c in cands):
             chosen_by = "measured"
         ranked = rank(cands)
@@ -670,10 +783,12 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     st = spec["strategy"]
     trials = []
 
-    def runner(s: dict):
+    def runner(s: dict, prepare=None):
         if should_cancel():
             raise LabError("cancelled while the advisor ran its trials")
         t = lab.store.create(load_spec(data=s))
+        if prepare is not None:
+            prepare(t)
         t.set_status("queued", supervisor=procs.identity(), advisor_for=run.id)
         trials.append(t.id)
         launch(t, progress=False, should_cancel=should_cancel)
@@ -686,7 +801,11 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     write_json(run.file("spec.json"), load_spec(data=chosen).to_dict())
     record = {**adv.as_dict(), "runs": trials, "decided_at": time.time()}
     write_record(run, record)
-    trial_timeline(run, [lab.store.get(t) for t in trials], {c.trial_run: c.label for c in adv.candidates})
+    from engine.runlog import TRIALS as TRIALS_FILE
+    parts = []
+    for t in (lab.store.get(t) for t in trials):  # the profiling run, the trial session's trials
+        parts += session_trials(t) if t.file(TRIALS_FILE).is_file() and t.state == "done" else [t]
+    trial_timeline(run, parts, {c.trial_run: c.label for c in adv.candidates})
     run.update_status(strategy={"chosen": adv.winner.label, "by": adv.chosen_by, "cost_s": adv.cost_s["total"]})
     return adv
 

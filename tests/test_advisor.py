@@ -222,40 +222,72 @@ def test_mergecomp_prediction_includes_its_search(monkeypatch):
     assert short[0] >= long[0]    # a short run pays for the search
 
 
+def fake_session_runner(tmp_path, ms_of, sessions):
+    """A runner that 'runs' a trial session by writing each trial's metrics: ``ms_of(i, spec)`` per step."""
+    from lab.store import Run
+
+    def runner(sp, prepare=None):
+        run = Run(tmp_path / f"session{len(sessions)}")
+        run.path.mkdir()
+        (run.path / "spec.json").write_text(json.dumps(sp))
+        prepare(run)
+        for i, d in enumerate(json.loads(run.file("trials.json").read_text())["dirs"]):
+            t = json.loads((run.path / d / "spec.json").read_text())
+            rows = [{"kind": "step", "step": k, "rank": r, "time_ms": ms_of(i, t)} for k in range(t["steps"])
+                    for r in (0, 1)]
+            (run.path / d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+        run.set_status("done")
+        sessions.append(run)
+        return run
+    return runner
+
+
 def test_measured_trials_decide(monkeypatch, tmp_path):
     monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
     s = spec()
-    tried = []
-
-    class Trial:
-        state = "done"
-
-        def __init__(self, sp):
-            self.id, self._spec = f"t{len(tried)}", sp
-
-        def spec_dict(self):
-            return self._spec
-
-        def metric_rows(self):  # the first tried is the slowest in reality
-            ms = 50.0 if self.id == "t1" else 10.0 * int(self.id[1:])
-            return [{"kind": "step", "step": k, "rank": 0, "time_ms": ms} for k in range(self._spec["steps"])]
-
-        def file(self, name):
-            return tmp_path / name
-
-    def runner(sp):
-        tried.append(sp)
-        return Trial(sp)
-
+    sessions = []
+    # the first tried is the slowest in reality, the second the fastest
+    runner = fake_session_runner(tmp_path, lambda i, t: {0: 50.0, 1: 20.0}.get(i, 30.0), sessions)
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=3,
                          runner=runner)
-    assert len(tried) == 3 and adv.chosen_by == "measured"
-    assert len({json.dumps(t["compressor"], sort_keys=True) for t in tried}) == 3  # three compressors
+    assert len(sessions) == 1 and adv.chosen_by == "measured"  # one session holds every trial
+    tried = [json.loads((sessions[0].path / d / "spec.json").read_text())
+             for d in json.loads(sessions[0].file("trials.json").read_text())["dirs"]]
+    assert len({t["compressor"]["name"] for t in tried[:3]}) == 3  # three compressor families
     assert all(t["network"] == {"link": "modeled", "gbps": 0.01, "latency_us": None} for t in tried)
+    assert all(t["steps"] == advisor.TRIAL_WARMUP + advisor.TRIAL_STEPS and t["eval_every"] == 0 for t in tried)
+    # PowerSGD compresses from the first trial step: the trial times its steady state
+    assert all(t["compressor"]["params"]["start_iter"] == 0 for t in tried if t["compressor"]["name"] == "powersgd")
     by_run = {c.trial_run: c for c in adv.candidates if c.trial_run}
-    assert adv.winner is by_run["t2"]  # 20 ms measured, against 50 and 30
-    assert by_run["t1"].measured_ms == 50.0
+    assert adv.winner is by_run[f"{sessions[0].id}/trial-1"]  # 20 ms measured, against 50 and 30
+    assert by_run[f"{sessions[0].id}/trial-0"].measured_ms == 50.0
     assert adv.winner.label in adv.reason and "measured" in adv.reason
+
+
+def test_trials_hold_ddp_when_it_is_close(monkeypatch, tmp_path):
+    """DDP is tried beside the top candidates when predicted within DDP_MARGIN of the best, so a choice
+    measured slower than DDP cannot win; predicted far behind, it is not tried."""
+    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    sessions = []
+    ddp_ms = 10.0
+    runner = fake_session_runner(
+        tmp_path, lambda i, t: ddp_ms if t["compressor"]["name"] == "none" and not t["compressor"]["per_bucket"]
+        and t["schedule"]["name"] == "bucket" and t["schedule"]["cap_mb"] == 25.0 and t["comm"]["mode"] == "wfbp"
+        else 40.0, sessions)
+    # a fast link: the candidates are close, DDP among them
+    adv = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+                         runner=runner)
+    assert advisor.is_ddp(adv.winner) and adv.chosen_by == "measured"
+    tried = [c for c in adv.candidates if c.trial_run]
+    assert sum(advisor.is_ddp(c) for c in tried) == 1
+    # a slow link: DDP predicted far behind the best is not tried
+    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+                          runner=runner)
+    ddp = next(c for c in slow.candidates if advisor.is_ddp(c))
+    best = min(c.predicted_score for c in slow.candidates if c.predicted_score is not None)
+    assert ddp.predicted_score > advisor.DDP_MARGIN * best and ddp.trial_run is None
+    assert len([c for c in slow.candidates if c.trial_run]) == 2
 
 
 def test_winner_spec_runs_as_written(tmp_path, monkeypatch):
@@ -316,7 +348,9 @@ def test_cli_measures_a_real_trial(tmp_path):
     assert "winner (measured)" in p.stdout and "advisor cost" in p.stdout
     adv = json.loads((tmp_path / "adv.json").read_text())
     tried = [c for c in adv["candidates"] if c["trial_run"]]
-    assert len(tried) == 1 and tried[0]["measured_ms"] > 0 and adv["winner"] == tried[0]["label"]
+    # the best-predicted candidate, and DDP when predicted close to it; the winner is the faster measured
+    assert 1 <= len(tried) <= 2 and all(c["measured_ms"] > 0 for c in tried) and adv["winner"] == tried[0]["label"]
+    assert all(c["trial_run"].startswith(tried[0]["trial_run"].split("/")[0] + "/trial-") for c in tried)
     assert adv["cost_s"]["trials"] > 0 and adv["cost_s"]["total"] >= adv["cost_s"]["trials"]
     best = load_spec(str(tmp_path / "best.yaml")).to_dict()
     assert best["compressor"]["name"] == tried[0]["compressor"]["name"]
@@ -344,7 +378,7 @@ def test_strategy_spec_errors(data, field):
 
 def test_strategy_spec_defaults_and_decided_round_trip():
     s = load_spec(data={**BASE, "strategy": "auto", "network": AUTO_NET}).to_dict()
-    assert s["strategy"] == {"mode": "auto", "measure": True, "trials": 3, "trial_steps": 12, "penalties": {},
+    assert s["strategy"] == {"mode": "auto", "measure": True, "trials": 3, "trial_steps": 8, "penalties": {},
                              "decided": False}
     assert load_spec(data=BASE).to_dict()["strategy"]["mode"] == "fixed"
     chosen = advisor.with_strategy(s, {"compressor": advisor._comp("fp16")})
@@ -375,19 +409,23 @@ def test_strategy_auto_run_records_the_decision(tmp_path):
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
     assert spec_json["strategy"]["decided"] is True and spec_json["name"] == "adv"
     assert rec["strategy"]["compressor"] == {**spec_json["compressor"]}
-    assert rec["chosen_by"] == "measured" and len(rec["runs"]) == 2  # the profiling run and one trial
+    assert rec["chosen_by"] == "measured" and len(rec["runs"]) == 2  # the profiling run and one trial session
     tried = [c for c in rec["candidates"] if c["trial_run"]]
-    assert len(tried) == 1 and rec["winner"] == tried[0]["label"]
-    trial = lab.get(tried[0]["trial_run"], runs=root)
-    assert trial.state == "done" and trial.status()["advisor_for"] == run.id
-    assert trial.spec_dict()["strategy"]["mode"] == "fixed"
+    assert 1 <= len(tried) <= 2 and rec["winner"] in [c["label"] for c in tried]  # the top one, DDP if close
+    session = lab.get(rec["runs"][1], runs=root)
+    assert session.state == "done" and session.status()["advisor_for"] == run.id
+    trials = advisor.session_trials(session)
+    assert [t.id for t in trials] == [c["trial_run"] for c in tried] or \
+        sorted(t.id for t in trials) == sorted(c["trial_run"] for c in tried)
+    assert all(t.spec_dict()["strategy"]["mode"] == "fixed" for t in trials)
     assert run.status()["strategy"]["chosen"] == rec["winner"]
-    # the trial's and the profiling run's steps are in the run's timeline, on a lane of their own
+    # the trials' and the profiling run's steps are in the run's timeline, on a lane of their own
     from engine.timeline import LANES
     from lab.trace import chrome_trace
     lane = [e for e in run.timeline_events() if e.get("tid") == LANES["advisor"]]
-    assert {e["args"]["run"] for e in lane} == set(rec["runs"])
-    assert sum(e["args"]["run"] == trial.id for e in lane) == trial.spec_dict()["steps"]
+    assert {e["args"]["run"] for e in lane} == {rec["runs"][0]} | {t.id for t in trials}
+    for t in trials:
+        assert sum(e["args"]["run"] == t.id for e in lane) == t.spec_dict()["steps"]
     first_step = min(e["ts"] for e in run.timeline_events() if e.get("cat") == "step")
     assert max(e["ts"] for e in lane) < first_step  # before the run's own steps
     names = {m["args"]["name"] for m in chrome_trace(run)["traceEvents"] if m.get("name") == "thread_name"}

@@ -134,3 +134,30 @@ def test_relayout_keeps_error_feedback_per_parameter():
             # another layout: the state moved with its parameters (checked in the ranks, right
             # after the relayout); top-k then selects over other groups, so training differs a little
             assert all(torch.isfinite(other[n]).all() for n in never)
+
+
+def _first_relayout(rank, world, root):
+    """mergecomp over PowerSGD with a plain start of 3 exchanges: the step after which the layout first
+    changes, and tuning.json's count of the compressor's warm-up steps."""
+    from engine.trainer import Trainer
+    sched = {"name": "mergecomp", "warmup_steps": 1, "steps_per_candidate": 2, "max_groups": 3, "max_candidates": 3}
+    comp = {"name": "powersgd", "params": {"rank": 1, "start_iter": 3}}
+    t = Trainer(_spec(sched, comp), root if rank == 0 else None, rank, world, torch.device("cpu"))
+    first = tuple(map(tuple, t.dp.layout()))
+    changed = None
+    for step in range(1, 12):
+        t.train_step()
+        if changed is None and tuple(map(tuple, t.dp.layout())) != first:
+            changed = step
+    info = dict(t.tuning.info)
+    t.close()
+    return changed, info
+
+
+def test_tuner_does_not_time_the_compressors_plain_start(tmp_path):
+    """PowerSGD's first start_iter exchanges are plain all-reduces: a MergeComp window timed over them
+    measures the uncompressed step, not the partition. The first window opens after them, so the first
+    relayout comes after start_iter + warmup_steps + steps_per_candidate steps (3 + 1 + 2), not after 3."""
+    for changed, info in run_world(_first_relayout, str(tmp_path)):
+        assert changed == 6
+        assert info["compressor_warmup_steps"] == 3

@@ -3,6 +3,7 @@
 Every rank holds a ``Tuning`` and calls ``after_step`` after every training step (search steps
 are training steps: they train too). The loop, the same for every tuner:
 
+    [the compressor's plain warm-up exchanges, PowerSGD's ``start_iter``: not measured] ->
     propose -> run ``window`` steps -> report (all-reduce, max: a step lasts as long as its
     slowest rank) -> [measure: extra collective work on every rank] -> decide on rank 0 ->
     broadcast the decision -> relayout on every rank at the same step boundary -> again, or done
@@ -85,6 +86,11 @@ class Tuning:
         self.ready_steps: List[List[float]] = []
         self.steps = 0
         self.done = False
+        self.warm = max((b.compressor.warmup_exchanges for b in comm.buckets), default=0)
+        """Steps at the start whose exchanges are plain all-reduces (PowerSGD's ``start_iter``): a
+        partition measured then would be timed uncompressed, so no window starts before they end."""
+        if self.warm:
+            self.info["compressor_warmup_steps"] = self.warm
         self._apply(self._broadcast(tuner.start() if self.rank == 0 else None))
 
     def _broadcast(self, obj):
@@ -98,6 +104,8 @@ class Tuning:
             return
         comm, tuner = self.comm, self.tuner
         self.steps += 1
+        if self.steps <= self.warm:
+            return
         self.times.append(seconds)
         if comm.record_ready:
             self.ready_steps.append([comm.ready_at[i] - backward_start for i in comm.ready_order])

@@ -53,26 +53,46 @@ def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]
 
 
 _ROUNDS_CACHE: Dict[tuple, list] = {}
+_NOISE: list = []
+"""One random vector, grown as needed, that payload_rounds drives compressors on (slices of it): drawing a
+fresh one per bucket was most of the advisor's prediction time."""
+
+
+def _noise(n: int):
+    import torch
+    if not _NOISE or _NOISE[0].numel() < n:
+        g = torch.Generator().manual_seed(0)
+        _NOISE[:] = [torch.randn(max(n, 2 * _NOISE[0].numel() if _NOISE else n), generator=g)]
+    return _NOISE[0][:n]
 
 
 def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tuple[str, int, int]]:
     """(op, payload bytes, tensors) of each round for one bucket, from driving the real
-    exchange on a bucket of that layout (in steady state: past any warm-up iterations)."""
-    import torch
-    key = (cal.compressor_key(comp), tuple(profile.params[i] for i in idx))
-    if key not in _ROUNDS_CACHE:
-        c = cal.make_compressor(comp)
-        shapes, off = [], 0
-        for i in idx:
-            n = profile.params[i][1] // 4
-            shapes.append((off, _matrix_shape(profile.params[i][0], n)))
-            off += n
-        c.layout = shapes
-        x = torch.randn(off)
-        for _ in range(c.warmup_exchanges + 2):  # past plain warm-up exchanges (PowerSGD)
-            rounds, _ = cal.drive(c, x.clone())
-        _ROUNDS_CACHE[key] = rounds
-    return _ROUNDS_CACHE[key]
+    exchange on a bucket of that layout (in steady state: past any warm-up iterations).
+    Cached by the bucket's size alone when the compressor treats it as one flat tensor
+    (``per_tensor`` false: its payload cannot depend on how the bucket splits into tensors)."""
+    shapes, off = [], 0
+    for i in idx:
+        n = profile.params[i][1] // 4
+        shapes.append((off, _matrix_shape(profile.params[i][0], n)))
+        off += n
+    ckey = cal.compressor_key(comp)
+    key = (ckey, tuple(profile.params[i] for i in idx))
+    if key in _ROUNDS_CACHE:
+        return _ROUNDS_CACHE[key]
+    c = cal.make_compressor(comp)
+    c.layout = shapes
+    flat_key = None if c.per_tensor(off) else (ckey, off)
+    if flat_key is not None and flat_key in _ROUNDS_CACHE:
+        _ROUNDS_CACHE[key] = _ROUNDS_CACHE[flat_key]
+        return _ROUNDS_CACHE[key]
+    x = _noise(off)
+    for _ in range(c.warmup_exchanges + 2):  # past plain warm-up exchanges (PowerSGD)
+        rounds, _ = cal.drive(c, x.clone())
+    _ROUNDS_CACHE[key] = rounds
+    if flat_key is not None:
+        _ROUNDS_CACHE[flat_key] = rounds
+    return rounds
 
 
 def _matrix_shape(name: str, n: int):
