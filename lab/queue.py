@@ -138,16 +138,23 @@ class Lab:
     def supervise(self, run: Run, progress: bool = False, out=None) -> str:
         """Wait for a slot, run the job, write its final status. Returns the final state."""
         from lab.launcher import launch
-        run.spec()  # import torch and validate now, not while holding a slot
         run.set_status("queued", supervisor=procs.identity())
         slot = None
         shown = False
+        checked = False
         try:
             while slot is None:
                 if run.cancel_requested():
                     run.set_status("cancelled", error="cancelled while queued")
                     return "cancelled"
                 place = self.queue_position(run, upto=self.max_jobs + NEAR)
+                if not checked and place < self.max_jobs + NEAR:
+                    # import torch and validate the spec near the head of the queue, not while holding a
+                    # slot, and not on joining the queue: a room's 60 supervisors doing it at once (each
+                    # in a scheduling group of its own) stalled the run going for half a minute
+                    run.spec()
+                    checked = True
+                    continue
                 if place < self.max_jobs:
                     slot = Slots(self.root, self.max_jobs).try_acquire()
                 if slot is None:

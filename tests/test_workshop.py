@@ -348,6 +348,35 @@ def test_queue_position_follows_the_fair_order(tmp_path):
     assert q.queue_position(a[2], upto=1) == 1  # counted only as far as asked (supervisors far back poll slower)
 
 
+def test_a_supervisor_far_back_waits_without_importing_torch(tmp_path, monkeypatch):
+    """A queued supervisor validates its spec (which imports torch) only when it is near the head of the
+    queue: a room's supervisors doing it all at once on joining stalled the run going. Three live runs
+    ahead of it with one slot: it polls, never reads its spec, and ends cancelled when asked."""
+    import threading
+    import time
+    from lab import procs
+    from lab.queue import NEAR
+    from lab.store import Run
+    q = Lab(tmp_path, max_jobs=1)
+    spec = lab._spec(SMALL)
+    ahead = [q.create(spec, owner=o) for o in ("a", "b", "c")]
+    for r in ahead:
+        r.set_status("queued", supervisor=procs.identity())
+    me = q.create(spec, owner="d")
+    me.set_status("queued", supervisor=procs.identity())
+    assert q.queue_position(me, upto=1 + NEAR) == 1 + NEAR
+    read = []
+    real = Run.spec
+    monkeypatch.setattr(Run, "spec", lambda self: read.append(self.id) or real(self))
+    got = []
+    t = threading.Thread(target=lambda: got.append(q.supervise(me)))
+    t.start()
+    time.sleep(2.5)  # two polls or more
+    me.file("cancel.request").write_text("now\n")
+    t.join(timeout=30)
+    assert got == ["cancelled"] and me.id not in read
+
+
 def quota_file(root, quotas):
     (root / "lab.json").write_text(json.dumps({"quotas": quotas}))
 
