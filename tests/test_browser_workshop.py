@@ -91,9 +91,16 @@ def test_sign_in_and_one_shot_downloads_in_chromium(room):
             alice.goto(f"{url}/live_run?run={run.id}&token={token}")
             settle(alice, "Download trace")
             assert "token=" not in alice.url
-            with alice.expect_download(timeout=60_000) as got:
-                alice.get_by_role("button", name="Download trace").click()
-            download = got.value
+            for attempt in (1, 2):
+                # Once in a full-suite run Chromium cancelled the first download (no error on the server;
+                # cause not found: a rerun of the page under the click is suspected). A second click makes
+                # a new one-shot file; a second cancel fails the test.
+                with alice.expect_download(timeout=60_000) as got:
+                    alice.get_by_role("button", name="Download trace").click()
+                download = got.value
+                if download.failure() != "canceled" or attempt == 2:
+                    break
+                settle(alice, "Download trace")
             trace = json.loads(Path(download.path()).read_text())
             assert trace["traceEvents"], "an empty trace"
             assert "/media/" in download.url
