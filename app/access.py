@@ -11,7 +11,8 @@ Downloads (st.download_button) go through ``download_data``: on a workshop serve
 click time only for a session whose token is still valid and whose user may see every run in it.
 ``guard_downloads`` (installed once per server process) closes what Streamlit leaves open: its deferred
 download requests are honoured only from the session the button was made for, and the file they produce
-gets a random /media id that serves once, within ONE_SHOT_S seconds, then is gone."""
+gets a random /media id that serves within ONE_SHOT_S seconds, for REFETCH_S seconds from its first
+fetch, then is gone."""
 from __future__ import annotations
 
 import os
@@ -30,7 +31,11 @@ USER = "commlab.user"
 TOKEN = "commlab.token"
 NEW_LINK = "commlab.new_link"
 ONE_SHOT_S = 60.0
-"""How long a generated download's /media URL lives if it is not fetched (it serves once)."""
+"""How long a generated download's /media URL lives if it is not fetched."""
+REFETCH_S = 5.0
+"""How long it still serves after its first fetch. Chromium fetches a download twice at times (the
+navigation that turns into a download, then the download itself): served strictly once, the second
+request got a 404 and the browser cancelled the download (seen in the real-browser test)."""
 
 
 def session_user() -> Optional[workshop.User]:
@@ -184,9 +189,9 @@ def guard_downloads() -> None:
     - a deferred download (the file built when its button is clicked) is built only for a request from
       the session that the button was made for; Streamlit itself builds it for any session that names
       its id;
-    - the /media file it produces gets a random id (not a hash of its content), is served once, and is
-      dropped ONE_SHOT_S seconds after it was made if nobody fetched it, so a URL that leaks afterwards
-      (browser history, a shared screen, a proxy log) serves nothing."""
+    - the /media file it produces gets a random id (not a hash of its content), serves for REFETCH_S
+      seconds from its first fetch, and is dropped ONE_SHOT_S seconds after it was made if nobody fetched
+      it, so a URL that leaks afterwards (browser history, a shared screen, a proxy log) serves nothing."""
     global _guarded
     with _guard_lock:
         if _guarded:
@@ -222,6 +227,7 @@ def _one_shot(storage) -> None:
     from streamlit.runtime.media_file_storage import MediaFileKind, MediaFileStorageError
     from streamlit.runtime.memory_media_file_storage import MemoryFile, get_extension_for_mimetype
     expires: dict = {}
+    fetched: set = set()
     lock = threading.Lock()
     load, get, url = storage.load_and_get_id, storage.get_file, storage.get_url
 
@@ -232,8 +238,9 @@ def _one_shot(storage) -> None:
         file_id = secrets.token_hex(32)
         with lock:
             now = time.monotonic()
-            for old in [k for k, t in expires.items() if t < now]:  # never fetched: dropped
+            for old in [k for k, t in expires.items() if t < now]:  # expired: dropped
                 expires.pop(old)
+                fetched.discard(old)
                 storage.delete_file(old)
             storage._files_by_id[file_id] = MemoryFile(content=data, mimetype=mimetype, kind=kind,
                                                        filename=filename)
@@ -244,11 +251,16 @@ def _one_shot(storage) -> None:
         file_id = os.path.splitext(filename)[0]
         with lock:
             if file_id in expires:
-                fresh = expires.pop(file_id) >= time.monotonic()
+                now = time.monotonic()
                 f = storage._files_by_id.get(file_id)
-                storage.delete_file(file_id)
-                if fresh and f is not None:
+                if expires[file_id] >= now and f is not None:
+                    if file_id not in fetched:  # the first fetch: it serves REFETCH_S more seconds
+                        fetched.add(file_id)
+                        expires[file_id] = min(expires[file_id], now + REFETCH_S)
                     return f
+                expires.pop(file_id)
+                fetched.discard(file_id)
+                storage.delete_file(file_id)
                 raise MediaFileStorageError(f"no media file {file_id!r}")
         return get(filename)
 
