@@ -4,13 +4,16 @@ than 3% slower than DDP, and does it cost at most 10% of a 300-step run?
     python bench/advisor.py [--models resnet,transformer] [--gbps 0.1,1,10] [--link modeled] [--steps 14]
                             [--rounds 1] [--trials 0] [--json bench/results/advisor.json] [--md FILE]
 
-For each model and link rate: the advisor ranks the strategy space from the performance model (with
-``--trials 0``, the default, its cost is the profile, the cost curves and the predictions; the profile and
-curves are measured once per model and reused at the other rates, so the first rate pays for them; with
-``--trials K`` it also runs its ``--measure``: one trial session, a separate 2-rank run of the K best-predicted
-compressors and DDP (unless predicted 1.5x slower than the best), a few steps each, and chooses by that
-measurement. The trial cost is the session's whole wall time, start-up included: the trials are not steps
-of the run they choose for, so nothing of it is netted out). Then every grid configuration and
+For each model and link rate: the advisor ranks the strategy space from the performance model. With
+``--trials 0``, the default, that ranking decides, and its cost is the profile, the cost curves and the
+predictions (the profile and curves are measured once per model and reused at the other rates, so the
+first rate pays for them). With ``--trials K`` the advisor runs as a user meets it: a real
+300-step run (whatever ``--steps`` says) with ``strategy: auto`` (measure, K trials) through the lab's queue.
+Its first steps are the trials (engine/trials.py: the K best-predicted compressor families and DDP unless
+predicted 1.5x slower, best-predicted first, 2 warm-up + 8 timed steps each, a clearly slower one stopped
+after 3), then it trains on under the measured choice. Its cost is the profile, the predictions, and what the
+trial steps took beyond the choice's time per step plus the strategy switches (they train the model like
+any other step, so only that excess is the choice's cost). Then every grid configuration and
 the advisor's choice run as real 2-rank commlab runs on the link (``--steps`` steps each), in ``--rounds``
 rounds with the order rotated each round. Each cell's figure is the median iteration time after warm-up
 (PowerSGD after its uncompressed start; MergeComp's searched partitions spread over 300 steps, as the
@@ -25,6 +28,7 @@ the table's "penalty from" column says which, per cell.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -106,11 +110,21 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
     from lab.perfmodel.calibrate import compressor_key
     base = base_spec(model, link, gbps, RUN_STEPS)
     spec = advisor.load_spec_dict(base)
-    adv = advisor.advise(spec, runs=store.root, say=log, measure=trials > 0, trials=max(trials, 1),
-                         runner=lambda s, prepare=None: run_cell(store, s, prepare))
+    auto = None
+    if trials > 0:  # a real 300-step run with strategy auto: its first steps are the trials
+        auto = run_auto(store, base, trials, log)
+        rec = advisor_record(auto)
+        cands, choice = rec["candidates"], {"label": rec["winner"], "strategy": rec["strategy"]}
+        cost, link_source, profile_source = rec["cost_s"], rec["link_source"], rec["profile_source"]
+    else:
+        adv = advisor.advise(spec, runs=store.root, say=log, measure=False,
+                             runner=lambda s, prepare=None: run_cell(store, s, prepare))
+        cands = [c.as_dict() for c in adv.candidates]
+        choice = {"label": adv.winner.label, "strategy": adv.winner.strategy()}
+        cost, link_source, profile_source = adv.cost_s, adv.link_source, adv.profile_source
     cells = {k: {"compressor": c, "schedule": s, "comm": m} for k, (c, s, m) in GRID.items()}
-    cells[CHOICE] = adv.winner.strategy()
-    same = next((k for k, v in cells.items() if k != CHOICE and v == cells[CHOICE]), None)
+    cells[CHOICE] = choice["strategy"]
+    same_as = next((k for k, v in cells.items() if k != CHOICE and v == cells[CHOICE]), None)
     pen = {}
     for k, strat in cells.items():
         p, src = advisor.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
@@ -132,8 +146,9 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
     for k in cells:
         p = pen[k][0]
         ratios = [t / d for t, d in zip(timed[k], timed[DDP])]
-        pred = next((c.predicted_ms for c in adv.candidates if c.strategy() == cells[k]), None)
-        trial = next((c.measured_ms for c in adv.candidates if c.strategy() == cells[k]), None)
+        same = [c for c in cands if {f: c[f] for f in ("compressor", "schedule", "comm")} == cells[k]]
+        pred = same[0]["predicted_ms"] if same else None
+        trial = same[0]["measured_ms"] if same else None
         rows[k] = {"iter_ms": statistics.median(timed[k]), "predicted_ms": pred, "trial_ms": trial,
                    "rounds_ms": timed[k],
                    "vs_ddp": statistics.median(ratios), "penalty": p, "penalty_from": pen[k][1].split(":")[0],
@@ -147,11 +162,40 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
         for c, b in zip(timed[CHOICE], timed[best]))
     choice_vs_ddp = statistics.median((c * rows[CHOICE]["penalty"]) / d for c, d in zip(timed[CHOICE], timed[DDP]))
     run300_s = RUN_STEPS * rows[CHOICE]["iter_ms"] / 1e3
-    return {"model": model, "link": link, "gbps": gbps, "rows": rows, "best": best, "choice": adv.winner.label, "choice_same_as": same,
-            "choice_predicted_ms": adv.winner.predicted_ms, "choice_vs_best": choice_vs_best,
-            "choice_vs_ddp": choice_vs_ddp, "advisor_cost_s": adv.cost_s, "run300_s": run300_s,
-            "cost_share": adv.cost_s["total"] / run300_s, "link_source": adv.link_source,
-            "profile_source": adv.profile_source}
+    out = {"model": model, "link": link, "gbps": gbps, "rows": rows, "best": best, "choice": choice["label"],
+           "choice_same_as": same_as, "choice_predicted_ms": rows[CHOICE]["predicted_ms"],
+           "choice_vs_best": choice_vs_best, "choice_vs_ddp": choice_vs_ddp, "advisor_cost_s": cost,
+           "run300_s": run300_s, "cost_share": cost["total"] / run300_s, "link_source": link_source,
+           "profile_source": profile_source}
+    if auto is not None:
+        from lab.summary import summarize
+        summ = summarize(auto.metric_rows(), auto.spec_dict())
+        res = json.loads(auto.file("auto-result.json").read_text())
+        out["auto_run"] = {"id": auto.id, "wall_s": summ.get("wall_s"), "iter_ms_after_choice": summ["iter_ms_median"],
+                           "trial_steps": res["trial_steps"], "trials": res["trials"], "excess_s": res["excess_s"],
+                           "switch_s": res["switch_s"]}
+    return out
+
+
+def run_auto(store, base: dict, trials: int, log):
+    """The advisor as a user meets it: a run of ``base`` with ``strategy: auto`` (measure, ``trials``
+    candidates), through the lab's queue, which resolves the strategy in the run's slot."""
+    import lab
+    spec = {**base, "name": f"{base['name']}-auto", "strategy": {"mode": "auto", "measure": True, "trials": trials}}
+    run = lab.run(spec, runs=store.root)
+    if run.state != "done":
+        raise RuntimeError(f"the strategy auto run {run.id} ended {run.state}: {run.log_tail(3)}")
+    rec = advisor_record(run)
+    log(f"  auto run {run.id}: chose {rec['winner']} ({rec['chosen_by']}); cost {rec['cost_s']['total']:.2f} s")
+    return run
+
+
+def advisor_record(run) -> dict:
+    from lab import advisor
+    rec = advisor.read_record(run)
+    if rec is None or rec.get("chosen_by") != "measured":
+        raise RuntimeError(f"the strategy auto run {run.id} recorded no measured choice: {rec and rec.get('chosen_by')}")
+    return rec
 
 
 def report(results: list, args) -> str:
@@ -177,6 +221,14 @@ def report(results: list, args) -> str:
                    f"trials {c['trials']:.2f}) = "
                    f"{r['cost_share']:.1%} of a {RUN_STEPS}-step run of the choice ({r['run300_s']:.0f} s; target "
                    f"<= 10%: {'met' if r['cost_share'] <= 0.10 else 'missed'})\n")
+        a = r.get("auto_run")
+        if a:
+            tried = "; ".join(f"{t['label']} {t['median_ms']:.1f} ms (steps {t['first_step']}-{t['last_step']}"
+                              f"{', stopped early' if t['aborted'] else ''})" for t in a["trials"])
+            out.append(f"\nthe strategy auto run {a['id']}: trials {tried}; the trials took {a['trial_steps']} of its "
+                       f"{RUN_STEPS} steps, {a['excess_s']:.2f} s beyond the choice's pace plus {a['switch_s']:.2f} s "
+                       f"of switches; after them {a['iter_ms_after_choice']:.1f} ms per step; the whole run "
+                       f"{a['wall_s']:.1f} s\n")
     out.append(f"\n{args.rounds} round(s), {args.steps} steps per cell, 2 ranks, one thread each; advisor "
                f"{'with ' + str(args.trials) + ' trials' if args.trials else 'from predictions only'}; "
                f"iteration x penalty, not time to accuracy (see bench/advisor.py)")

@@ -70,7 +70,15 @@ class Stepper:
                                  enabled=spec.timeline, clock=clock)
         self.metrics = JsonlWriter(path("metrics.jsonl")) if path else None
         self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
-        make_opt = make_opt or functools.partial(make_optimizer, spec)
+        self.group = group
+        self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params))
+        self.step = 0
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self._build()
+
+    def _build(self, layout: Optional[dict] = None) -> None:
+        """The communicator, optimizer and tuning driver ``self.spec`` asks for, over the model."""
+        spec, model, group = self.spec, self.model, self.group
         # each bucket's own compressor instance, by its size where compressor.per_bucket has rules
         plan = Plan.from_section(dataclasses.asdict(spec.compressor))
         if spec.comm.mode == "dear":
@@ -82,14 +90,36 @@ class Stepper:
                                    group=group, link=netmodel.from_spec(spec.network))
         if self.probe:
             self.probe.follow(self.dp)  # one gradient hook per parameter: the communicator's
-        self.optimizer = make_opt(self.dp.optimizer_params())
+        if layout is not None:  # a partition given (strategy auto's MergeComp trial): parameter names and cuts
+            order = [self.dp.order_names.index(n) for n in layout["order"]]
+            self.dp.relayout(schedules.from_cuts([self.dp.infos[i] for i in order], layout["cuts"]), order)
+        params = self.dp.optimizer_params()
+        old = self.optimizer
+        mine = [p for g in old.param_groups for p in g["params"]] if old is not None else []
+        if len(mine) == len(params) and all(a is b for a, b in zip(mine, params)):
+            self.optimizer = old  # the same parameters (not dear's shards): momentum and moments go on
+        else:
+            self.optimizer = self._make_opt(params)
         self.dp.attach(self.optimizer)
-        self.step = 0
-        if rank == 0 and run_dir:
+        own = self.rank == 0 and self.run_dir
+        if own:
             self.write_layout()
-        self.tuning = tuners.start(spec, self.dp, run_dir, self.timeline, group,
-                                   on_layout=self.write_layout if rank == 0 and run_dir else None, log=self.log)
+        self.tuning = None if layout is not None else tuners.start(
+            spec, self.dp, self.run_dir, self.timeline, group, on_layout=self.write_layout if own else None,
+            log=self.log)
         """mergecomp, layerfusion, dear's cap search: the tuning driver, which relayouts at step boundaries."""
+
+    def switch(self, spec: JobSpec, layout: Optional[dict] = None) -> None:
+        """Another strategy from the next step on (strategy auto's trials, then its choice): the
+        communicator, tuning driver and, where the parameters it steps change (dear's shards), the
+        optimizer are rebuilt for ``spec`` over the same model; the timeline, layer probe, metrics and
+        step count go on. Every rank calls it at the same step boundary. The old communicator's
+        compressor state (error-feedback residuals) is dropped: the new strategy starts afresh.
+        ``layout`` ({"order": names, "cuts": [...]}) fixes the buckets instead of a tuner."""
+        self.dp.sync_params()  # dear: the model holds the latest parameters before its shards go
+        self.dp.close()
+        self.spec = spec
+        self._build(layout)
 
     def _dear_layout(self):
         """dear's buffers: by comm.layers or by comm.cap_mb (the spec holds its default; with comm.tune

@@ -21,7 +21,7 @@ from typing import Dict, List, Optional
 LANES = {
     "step": 0, "forward": 1, "backward": 2, "compress": 3, "comm": 4,
     "wait": 5, "decompress": 6, "optimizer": 7, "eval": 8, "ready": 9, "tune": 10,
-    "advisor": 11,  # written by the lab, not a rank: strategy auto's trial steps, before the run's own
+    "advisor": 11,  # strategy auto: its profiling run's steps (written by the lab before the ranks start), the trials
 }
 LANE_NAMES = {v: k for k, v in LANES.items()}
 

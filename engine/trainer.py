@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from engine import data, models
+from engine import data, models, trials
 from engine.spec import JobSpec
 from engine.stepper import Diverged, Stepper, make_optimizer, schedule_fn  # noqa: F401 (names this module offers)
 
@@ -67,6 +67,11 @@ class Trainer:
     def __init__(self, spec: JobSpec, run_dir: Optional[str], rank: int, world: int,
                  device: torch.device, group=None):
         self.spec, self.run_dir, self.rank, self.world, self.device = spec, run_dir, rank, world, device
+        self.trials = trials.read(run_dir)
+        """strategy auto's trials, trained as the run's first steps (engine/trials.py), or None."""
+        if self.trials is not None and trials.most_steps(self.trials) >= spec.steps:
+            raise ValueError(f"{trials.FILE}: the trials take up to {trials.most_steps(self.trials)} steps; "
+                             f"the run has {spec.steps} (steps must be more)")
         torch.manual_seed(spec.seed)
         self.data = load_data(spec)
         self.model = models.build(spec.model.name, self.data.info, **spec.model.options).to(device)
@@ -110,8 +115,15 @@ class Trainer:
     def log(self, obj: dict) -> None:
         self.stepper.log(obj)
 
-    def train_step(self) -> dict:
-        """One iteration: forward, backward (with overlapped comm in wfbp), finish, optimizer step."""
+    def switch(self, spec: JobSpec, layout: Optional[dict] = None) -> None:
+        """Train on under another strategy from the next step (engine/trials.py; Stepper.switch)."""
+        self.spec = spec
+        self.stepper.switch(spec, layout)
+        self.dp, self.optimizer, self.tuning = self.stepper.dp, self.stepper.optimizer, self.stepper.tuning
+
+    def train_step(self, **extra) -> dict:
+        """One iteration: forward, backward (with overlapped comm in wfbp), finish, optimizer step.
+        ``extra`` goes into the step's metrics record."""
         tl = self.timeline
         self._maybe_fault()
         idx = next(self.sampler)
@@ -128,7 +140,7 @@ class Trainer:
         loss.backward()
         m2 = tl.mark()
         t2 = tl.now()
-        return self.stepper.step_after_backward(loss, t0, t1, t2, m0, m1, m2, {"epoch": self.sampler.epoch})
+        return self.stepper.step_after_backward(loss, t0, t1, t2, m0, m1, m2, {"epoch": self.sampler.epoch, **extra})
 
     def _fault_now(self, kind: str) -> bool:
         f = self.spec.fault
@@ -178,10 +190,15 @@ class Trainer:
     def train(self) -> None:
         spec = self.spec
         self.model.train()
-        for _ in range(spec.steps):
-            self.train_step()
+
+        def maybe_evaluate():
             if spec.eval_every and self.step % spec.eval_every == 0 and self.step < spec.steps:
                 self.evaluate()
+        if self.trials is not None:
+            trials.run(self, self.trials, maybe_evaluate)
+        while self.step < spec.steps:
+            self.train_step()
+            maybe_evaluate()
         self.sync_params()
         self.evaluate()
 

@@ -33,6 +33,7 @@ user's ``--penalty`` / ``strategy.penalties``, or this module's reasoned default
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import statistics
 import time
@@ -65,6 +66,10 @@ TRIAL_STEPS = 8
 """Timed steps per trial (after ``TRIAL_WARMUP``)."""
 TRIAL_WARMUP = 2
 """Steps at the start of each trial left out of its median (allocation, lazy buffers, the first exchanges)."""
+ABORT_AFTER = 3
+ABORT_RATIO = 1.25
+"""Trials in the run: a candidate whose first ``ABORT_AFTER`` timed steps score more than ``ABORT_RATIO`` times
+the best trial's so far stops there (its remaining steps would only cost the run time)."""
 TRIALS = 3
 """Candidates tried by prediction (one per compressor); DDP is tried besides them when ``DDP_MARGIN`` says."""
 DDP_MARGIN = 1.5
@@ -518,15 +523,20 @@ def start_iter(comp: dict) -> Optional[int]:
     return max(starts) if starts else None
 
 
-def trial_spec(spec: dict, cand: Candidate, steps: int) -> dict:
-    """One trial: ``TRIAL_WARMUP`` + ``steps`` steps of the candidate, no evaluation, PowerSGD compressing
-    from its first exchange (its plain start is the same all-reduce DDP does; the trial times the steady
-    state, as the predictions do)."""
+def compressing_at_once(cand: Candidate) -> dict:
+    """The candidate's strategy with PowerSGD compressing from its first exchange (its plain start is the
+    same all-reduce DDP does; a trial times the steady state, as the predictions do)."""
     strat = cand.strategy()
     for part in [strat["compressor"], *strat["compressor"].get("per_bucket", [])]:
         if part["name"] == "powersgd":
             part["params"] = {**part["params"], "start_iter": 0}
-    s = with_strategy({**spec, "strategy": {"mode": "fixed"}}, strat)
+    return strat
+
+
+def trial_spec(spec: dict, cand: Candidate, steps: int) -> dict:
+    """One trial: ``TRIAL_WARMUP`` + ``steps`` steps of the candidate, no evaluation, PowerSGD compressing
+    from its first exchange."""
+    s = with_strategy({**spec, "strategy": {"mode": "fixed"}}, compressing_at_once(cand))
     s.update(name=f"advise trial: {cand.label}", steps=TRIAL_WARMUP + steps, eval_every=0)
     return load_spec_dict(s)
 
@@ -610,6 +620,8 @@ class Advice:
     cost_s: Dict[str, float] = field(default_factory=dict)
     """the advisor's own cost: profile, predict, trials, total (wall seconds)"""
     reason: str = ""
+    profile: object = None
+    """the calibrated profile the predictions came from (not recorded)"""
 
     def ranked(self) -> List[Candidate]:
         return rank(self.candidates)
@@ -663,6 +675,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     except CalibrationError as e:
         raise LabError(str(e)) from None
     t1 = time.perf_counter()
+    known = len(prof.payloads)
     lk, link_source = link_of(prof, net)
     cells, strategies = benchmark_cells(), strategy_cells()
     pens: Dict[Tuple[str, str], Tuple[Optional[float], str]] = {}
@@ -686,42 +699,72 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
                       f"candidate's (more than {MERGECOMP_MARGIN:g}x)")
             continue
         predict_candidate(prof, spec, c, lk, world)
+    if profile is None and len(prof.payloads) > known:  # the payloads driven here, for the next prediction
+        prof.save(whatif.profile_dir(runs) / f"{prof.key()}.json")
     t2 = time.perf_counter()
     ranked = rank(cands)
-    chosen_by = "predicted"
-    if measure:
-        picks = trial_picks(ranked, trials)
-        specs = [trial_spec({**spec, "network": net, "world_size": world}, c, trial_steps) for c in picks]
-        say(f"advisor: one session of {len(picks)} trials, {TRIAL_WARMUP} + {trial_steps} steps each, "
-            f"{net['link']} {net['gbps']:g} Gbit/s: " + "; ".join(c.label for c in picks))
-        session = run_trial(session_spec(specs), prepare=lambda r: prepare_session(r, specs, picks, prof))
-        if session.state != "done":
-            for c in picks:
-                c.note = (c.note + "; " if c.note else "") + f"trial session {session.id} ended {session.state}"
-        else:
-            for c, t in zip(picks, session_trials(session)):
-                c.trial_run = t.id
-                ms, extra = measured_ms(t, skip=TRIAL_WARMUP)
-                if ms is not None and c.schedule["name"] == "mergecomp" and c.steady_ms is not None:
-                    ms += c.predicted_ms - c.steady_ms  # the search's predicted cost over the run
-                    extra = (extra + "; " if extra else "") + (
-                        f"trial at the predicted partition ({c.layout_groups} groups), its search's predicted "
-                        f"cost added ({c.predicted_ms - c.steady_ms:+.1f} ms per step)")
-                c.measured_ms = ms
-                if extra:
-                    c.note = (c.note + "; " if c.note else "") + extra
-        if any(c.measured_score is not None for c in cands):
-            chosen_by = "measured"
-        ranked = rank(cands)
-    t3 = time.perf_counter() if measure else t2
-    winner = ranked[0]
-    if winner.predicted_score is None and winner.measured_score is None:
+    if ranked[0].predicted_score is None:
         raise LabError("advisor: no candidate could be ranked (every compressor was left out)")
-    adv = Advice(spec=spec, network=net, world=world, candidates=cands, winner=winner, chosen_by=chosen_by,
+    adv = Advice(spec=spec, network=net, world=world, candidates=cands, winner=ranked[0], chosen_by="predicted",
                  link_source=link_source, profile_source=prof.source,
-                 cost_s={"profile": t1 - t0, "predict": t2 - t1, "trials": t3 - t2, "total": t3 - t0})
+                 cost_s={"profile": t1 - t0, "predict": t2 - t1, "trials": 0.0, "total": t2 - t0}, profile=prof)
+    if measure:
+        measure_in_session(adv, trial_picks(ranked, trials), trial_steps, run_trial, say)
+        adv.cost_s.update(trials=time.perf_counter() - t2, total=time.perf_counter() - t0)
     adv.reason = explain(adv)
     return adv
+
+
+def measure_in_session(adv: "Advice", picks: List[Candidate], trial_steps: int, run_trial, say) -> None:
+    """``--measure`` apart from any run: one trial session (a run of its own) of ``picks``; their measured
+    figures go into the candidates, and the winner is re-chosen by measurement."""
+    net, world, prof = adv.network, adv.world, adv.profile
+    specs = [trial_spec({**adv.spec, "network": net, "world_size": world}, c, trial_steps) for c in picks]
+    say(f"advisor: one session of {len(picks)} trials, {TRIAL_WARMUP} + {trial_steps} steps each, "
+        f"{net['link']} {net['gbps']:g} Gbit/s: " + "; ".join(c.label for c in picks))
+    session = run_trial(session_spec(specs), prepare=lambda r: prepare_session(r, specs, picks, prof))
+    if session.state != "done":
+        for c in picks:
+            add_note(c, f"trial session {session.id} ended {session.state}")
+    else:
+        for c, t in zip(picks, session_trials(session)):
+            c.trial_run = t.id
+            ms, extra = measured_ms(t, skip=TRIAL_WARMUP)
+            if ms is not None:
+                ms, more = with_search_cost(c, ms)
+                extra = "; ".join(x for x in (extra, more) if x)
+            c.measured_ms = ms
+            if extra:
+                add_note(c, extra)
+    rechoose(adv)
+
+
+def add_note(c: Candidate, text: str) -> None:
+    c.note = (c.note + "; " if c.note else "") + text
+
+
+def search_extra_ms(c: Candidate) -> float:
+    """MergeComp: its search's predicted cost per step over the run (a trial runs at the predicted
+    partition, since the search itself takes longer than a trial); 0 otherwise."""
+    if c.schedule["name"] == "mergecomp" and c.steady_ms is not None and c.predicted_ms is not None:
+        return c.predicted_ms - c.steady_ms
+    return 0.0
+
+
+def with_search_cost(c: Candidate, ms: float) -> Tuple[float, str]:
+    extra = search_extra_ms(c)
+    if c.schedule["name"] != "mergecomp" or c.steady_ms is None:
+        return ms, ""
+    return ms + extra, (f"trial at the predicted partition ({c.layout_groups} groups), its search's predicted "
+                        f"cost added ({extra:+.1f} ms per step)")
+
+
+def rechoose(adv: "Advice") -> None:
+    """The winner by measurement where any candidate was measured."""
+    ranked = rank(adv.candidates)
+    if any(c.measured_score is not None for c in adv.candidates):
+        adv.chosen_by = "measured"
+    adv.winner = ranked[0]
 
 
 def explain(adv: Advice) -> str:
@@ -770,11 +813,63 @@ RECORD_KEY = "advisor"
 """tuning.json's key for the advisor's record (an engine tuner of the chosen strategy writes the rest)."""
 
 
+def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int) -> dict:
+    """strategy auto's trials as the run's own first steps (engine/trials.py reads this plan): per pick,
+    best-predicted first, the run's spec with its strategy (PowerSGD compressing at once), the spec the run
+    goes on with if it wins, its penalty and, for MergeComp, the predicted partition and its search's
+    predicted cost per step."""
+    base = {**adv.spec, "network": dict(adv.network), "world_size": adv.world}
+    order = [n for n, _ in adv.profile.params] if adv.profile is not None else None
+    trials = []
+    for c in picks:
+        t = {"label": c.label, "spec": with_strategy(base, compressing_at_once(c)),
+             "final": with_strategy(base, c.strategy()), "penalty": c.penalty, "extra_ms": search_extra_ms(c)}
+        if c.schedule["name"] == "mergecomp" and c.layout_cuts is not None and order is not None:
+            t["layout"] = {"order": order, "cuts": c.layout_cuts}
+        trials.append(t)
+    return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "abort_after": ABORT_AFTER, "abort_ratio": ABORT_RATIO,
+            "trials": trials}
+
+
+def fold_in_run(run, record: dict) -> dict:
+    """The record of an in-run choice with the ranks' measurements (engine/trials.py's auto-result.json)
+    folded in: each trial's measured median (MergeComp's predicted search cost added, as ``with_search_cost``
+    does), the winner, the reason, and the trials' cost to the run. The record as it was when the run
+    ended before choosing."""
+    from engine import trials as engine_trials
+    path = run.file(engine_trials.RESULT)
+    if not path.is_file():
+        return record
+    res = json.loads(path.read_text())
+    names = {f.name for f in dataclasses.fields(Candidate)}
+    cands = [Candidate(**{k: v for k, v in c.items() if k in names}) for c in record["candidates"]]
+    by_label = {c.label: c for c in cands}
+    for r in res["trials"]:
+        c = by_label[r["label"]]
+        c.trial_run = f"{run.id} steps {r['first_step']}-{r['last_step']}"
+        c.measured_ms, more = with_search_cost(c, r["median_ms"])
+        add_note(c, "; ".join(x for x in (f"trained as the run's steps {r['first_step']}-{r['last_step']}"
+                                          + (", stopped early: clearly slower" if r["aborted"] else ""), more) if x))
+    cost = dict(record["cost_s"])
+    cost.update(trials=res["cost_s"], total=cost["profile"] + cost["predict"] + res["cost_s"])
+    adv = Advice(spec=record.get("spec") or run.spec_dict(), network=record["network"], world=record["world"],
+                 candidates=cands, winner=by_label[res["label"]], chosen_by="measured",
+                 link_source=record["link_source"], profile_source=record["profile_source"], cost_s=cost)
+    adv.reason = explain(adv)
+    out = {**record, **adv.as_dict(), "trials_in_run": {k: res[k] for k in ("decided_step", "excess_s", "switch_s",
+                                                                           "wall_s", "winner")}}
+    out["strategy"] = by_label[res["label"]].strategy()
+    return out
+
+
 def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
                  say: Callable[[str], None] = print) -> Advice:
     """``strategy: auto``: run the advisor for ``run`` (queued, its supervisor holding a slot), its profile
-    and trials launched directly in that slot as runs of their own, then write the choice into spec.json
-    (strategy.decided) and the candidates, trials and decision into tuning.json."""
+    run launched directly in that slot. With ``measure``, the trials are the run's own first steps when the
+    run has room for them (``plan_in_run``; spec.json then keeps strategy auto until the ranks have chosen),
+    else a trial session before it; otherwise the prediction decides. The choice goes into spec.json
+    (strategy.decided), the candidates, trials and decision into tuning.json."""
+    from engine import trials as engine_trials
     from lab import procs
     from lab.launcher import launch
     from lab.specs import load_spec
@@ -794,8 +889,26 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
         launch(t, progress=False, should_cancel=should_cancel)
         return t
 
-    adv = advise(spec, runs=lab.root, measure=st["measure"], trials=st["trials"], trial_steps=st["trial_steps"],
+    adv = advise(spec, runs=lab.root, measure=False, trials=st["trials"], trial_steps=st["trial_steps"],
                  penalties=st["penalties"], runner=runner, say=say)
+    if st["measure"]:
+        picks = trial_picks(adv.ranked(), st["trials"])
+        plan = plan_in_run(adv, picks, st["trial_steps"])
+        if engine_trials.most_steps(plan) < spec["steps"]:
+            write_json(run.file(engine_trials.FILE), plan)
+            say(f"advisor: {len(picks)} trials as the run's first steps ({TRIAL_WARMUP} + up to "
+                f"{st['trial_steps']} steps each): " + "; ".join(c.label for c in picks))
+            record = {**adv.as_dict(), "chosen_by": "pending: trials in the run", "runs": trials,
+                      "planned_at": time.time()}
+            write_record(run, record)
+            trial_timeline(run, [lab.store.get(t) for t in trials], {})  # a profiling run, if one ran
+            run.update_status(strategy={"chosen": None, "by": "trials in the run", "cost_s": adv.cost_s["total"]})
+            return adv
+        t2 = time.perf_counter()
+        measure_in_session(adv, picks, st["trial_steps"], runner, say)
+        adv.cost_s.update(trials=time.perf_counter() - t2)
+        adv.cost_s["total"] = adv.cost_s["profile"] + adv.cost_s["predict"] + adv.cost_s["trials"]
+        adv.reason = explain(adv)
     chosen = adv.winner_spec()
     chosen["name"] = spec["name"]
     write_json(run.file("spec.json"), load_spec(data=chosen).to_dict())
@@ -851,13 +964,22 @@ def write_json(path: Path, obj) -> None:
 
 def keep_record(run, record: Optional[dict]) -> None:
     """After the run: an engine tuner (mergecomp, layerfusion) writes tuning.json whole; put the
-    advisor's record back if it was replaced."""
+    advisor's record back if it was replaced. Trials in the run: their measurements and the decision
+    are folded in (``fold_in_run``) and the run's status says what was chosen."""
     if record is None:
         return
     path = run.file("tuning.json")
     info = json.loads(path.read_text()) if path.is_file() else {}
+    current = info.get(RECORD_KEY) or record
+    if str(current.get("chosen_by", "")).startswith("pending"):
+        folded = fold_in_run(run, current)
+        if folded is not current:
+            write_record(run, folded)
+            run.update_status(strategy={"chosen": folded["winner"], "by": "measured in the run",
+                                        "cost_s": folded["cost_s"]["total"]})
+            return
     if RECORD_KEY not in info:
-        write_record(run, record)
+        write_record(run, current)
 
 
 def read_record(run) -> Optional[dict]:

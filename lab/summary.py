@@ -28,14 +28,17 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None) -> dict:
     if not steps:
         return out
     it = iteration_times(metrics)
-    order = sorted(it)
+    # strategy auto's trials (engine/trials.py) ran other strategies: the run's figures are its choice's
+    trial = {m["step"] for m in steps if "trial" in m}
+    order = sorted(s for s in it if s not in trial) or sorted(it)
     timed = order[warmup_steps(len(order)):] or order
     med = statistics.median(it[s] for s in timed)
     world = spec.get("world_size", 1) if spec else max(m["rank"] for m in steps) + 1
     batch = spec.get("batch_size") if spec else None
     last = max(m["step"] for m in steps)
     last_losses = [m["loss"] for m in steps if m["step"] == last]
-    rank0 = [m for m in steps if m["rank"] == 0] or steps
+    rank0 = [m for m in steps if m["rank"] == 0 and m["step"] not in trial] or [m for m in steps if m["rank"] == 0] \
+        or steps
     sent = statistics.median(m["bytes_sent"] for m in rank0)
     raw = statistics.median(m["bytes_raw"] for m in rank0)
     out.update({
@@ -47,6 +50,8 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None) -> dict:
         "compression_ratio": (raw / sent) if sent else None,
         "wall_s": (max(m["t"] for m in metrics) - min(m["t"] for m in steps)) if "t" in steps[0] else None,
     })
+    if trial and len(order) < len(it):
+        out["trial_steps"] = len(trial)
     if evals:
         out["final_acc"] = evals[-1]["eval_acc"]
         out["best_acc"] = max(e["eval_acc"] for e in evals)

@@ -399,11 +399,12 @@ def test_record_survives_a_tuner_writing_tuning_json(tmp_path):
 
 
 def test_strategy_auto_run_records_the_decision(tmp_path):
-    """A real run with strategy auto: a profile run, one trial and the run itself, all in one slot."""
+    """A real run with strategy auto too short to hold its trials: a profile run, a trial session and the
+    run itself, all in one slot."""
     import lab
     root = tmp_path / "runs"
     run = lab.run({**BASE, "steps": 8, "network": AUTO_NET,
-                   "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=root)
+                   "strategy": {"mode": "auto", "trials": 2, "trial_steps": 4}}, runs=root)
     assert run.state == "done", run.log_tail()
     spec_json = run.spec_dict()
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
@@ -411,7 +412,8 @@ def test_strategy_auto_run_records_the_decision(tmp_path):
     assert rec["strategy"]["compressor"] == {**spec_json["compressor"]}
     assert rec["chosen_by"] == "measured" and len(rec["runs"]) == 2  # the profiling run and one trial session
     tried = [c for c in rec["candidates"] if c["trial_run"]]
-    assert 1 <= len(tried) <= 2 and rec["winner"] in [c["label"] for c in tried]  # the top one, DDP if close
+    assert 2 <= len(tried) <= 3 and rec["winner"] in [c["label"] for c in tried]  # the top two, DDP if close
+    assert not run.file("auto-trials.json").exists()  # 2 x (2 + 4) steps do not fit into 8
     session = lab.get(rec["runs"][1], runs=root)
     assert session.state == "done" and session.status()["advisor_for"] == run.id
     trials = advisor.session_trials(session)
@@ -430,6 +432,37 @@ def test_strategy_auto_run_records_the_decision(tmp_path):
     assert max(e["ts"] for e in lane) < first_step  # before the run's own steps
     names = {m["args"]["name"] for m in chrome_trace(run)["traceEvents"] if m.get("name") == "thread_name"}
     assert "advisor" in names
+
+
+def test_strategy_auto_trials_in_the_run(tmp_path):
+    """A run with room for its trials trains them as its first steps: no trial session, the measurements
+    and the choice in tuning.json, the choice in spec.json, the trial steps marked and on the timeline."""
+    import lab
+    from engine import trials as engine_trials
+    from engine.timeline import LANES
+    root = tmp_path / "runs"
+    run = lab.run({**BASE, "steps": 30, "network": AUTO_NET, "strategy": {"mode": "auto", "trials": 2,
+                                                                           "trial_steps": 4}}, runs=root)
+    assert run.state == "done", run.log_tail()
+    rec = json.loads(run.file("tuning.json").read_text())["advisor"]
+    res = json.loads(run.file(engine_trials.RESULT).read_text())
+    assert rec["chosen_by"] == "measured" and rec["winner"] == res["label"]
+    assert len(rec["runs"]) == 1  # the profiling run only: the trials were the run's own steps
+    tried = [c for c in rec["candidates"] if c["trial_run"]]
+    assert [c["label"] for c in tried if c["label"] in {t["label"] for t in res["trials"]}] and \
+        len(tried) == len(res["trials"]) >= 2
+    assert all(c["trial_run"].startswith(f"{run.id} steps ") and c["measured_ms"] > 0 for c in tried)
+    assert rec["cost_s"]["trials"] == pytest.approx(res["cost_s"])
+    assert rec["cost_s"]["total"] == pytest.approx(rec["cost_s"]["profile"] + rec["cost_s"]["predict"]
+                                                   + res["cost_s"])
+    spec_json = run.spec_dict()
+    assert spec_json["strategy"]["decided"] is True and spec_json["name"] == "adv"
+    assert rec["strategy"]["compressor"]["name"] == spec_json["compressor"]["name"]
+    assert run.status()["strategy"]["chosen"] == rec["winner"]
+    steps = [m for m in run.metric_rows() if m.get("kind") == "step" and m["rank"] == 0]
+    assert len(steps) == 30 and sum("trial" in m for m in steps) == res["decided_step"]
+    lane = [e for e in run.timeline_events() if e.get("tid") == LANES["advisor"] and e.get("pid") == 0]
+    assert [e["args"]["label"] for e in lane if "label" in e["args"]] == [t["label"] for t in res["trials"]]
 
 
 def test_multinode_refuses_auto(tmp_path):

@@ -63,6 +63,10 @@ class Profile:
     dtype, steps, clock (CUDA events or the host clock)"""
     spec: Optional[dict] = None
     """the job spec it was taken for (``commlab profile``): what ``commlab predict PROFILE`` predicts"""
+    payloads: Dict[str, list] = field(default_factory=dict)
+    """compressor key and bucket -> its exchange's rounds [[op, payload bytes, tensors], ...], as driving
+    the real exchange gave them (lab.perfmodel.predict.payload_rounds): kept with the profile, so the next
+    prediction for this model does not drive them again"""
 
     def key(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.model_options.items()))

@@ -1,0 +1,153 @@
+"""``strategy: auto``'s trials as the run's own first steps.
+
+Before the ranks start, the lab's advisor (lab/advisor.py ``plan_in_run``) writes ``auto-trials.json``
+into the run directory: the candidates it picked from its predictions, best-predicted first, each a full
+spec of the run with that candidate's strategy (``spec``), the spec to go on with if it wins (``final``),
+its convergence penalty and, for MergeComp, the partition the advisor's search predicted (``layout``)
+and that search's predicted cost per step (``extra_ms``).
+
+The ranks train the run's first steps under each candidate in turn, switching strategy at step
+boundaries (``Stepper.switch``: communicator, tuner and, for dear's shards, optimizer rebuilt over the same
+model): ``warmup`` steps, then up to ``steps`` timed ones. A candidate whose first ``abort_after`` timed
+steps already score ``abort_ratio`` times the best score so far stops there. Each step's time is the
+slower rank's (one small all-reduce per decision, outside the timed steps), so every rank computes the
+same scores and the same winner: the lowest (median ms + extra_ms) x penalty. The run then trains its
+remaining steps under the winner's ``final`` spec (PowerSGD's uncompressed start shortened by the steps
+already trained).
+
+The trial steps train the model like any other step: what the choice costs in the run is only the time
+those steps took beyond what the winner takes per step, plus the switches. Rank 0 writes the measurements,
+the decision and that cost into ``auto-result.json``, writes the winner's spec into spec.json (what the
+rest of the run used), and puts one span per trial on the timeline's advisor lane. Step records of trial
+steps carry ``"trial": i`` in metrics.jsonl.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import statistics
+import time
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+FILE = "auto-trials.json"
+RESULT = "auto-result.json"
+KEYS = ("label", "spec", "final", "penalty")
+
+
+def read(run_dir: Optional[str]) -> Optional[dict]:
+    """The run directory's trial plan, checked, or None when there is none."""
+    if not run_dir:
+        return None
+    path = os.path.join(run_dir, FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        plan = json.load(f)
+    trials = plan.get("trials")
+    if not isinstance(trials, list) or not trials:
+        raise ValueError(f"{path}: trials must be a non-empty list, got {trials!r}")
+    for i, t in enumerate(trials):
+        missing = [k for k in KEYS if k not in t]
+        if missing:
+            raise ValueError(f"{path}: trials[{i}] lacks {', '.join(missing)}")
+        if not isinstance(t["penalty"], (int, float)) or t["penalty"] <= 0:
+            raise ValueError(f"{path}: trials[{i}].penalty must be a positive number, got {t['penalty']!r}")
+    for k, lo in (("warmup", 0), ("steps", 1), ("abort_after", 1)):
+        if not isinstance(plan.get(k), int) or plan[k] < lo:
+            raise ValueError(f"{path}: {k} must be an integer >= {lo}, got {plan.get(k)!r}")
+    if not isinstance(plan.get("abort_ratio"), (int, float)) or plan["abort_ratio"] < 1:
+        raise ValueError(f"{path}: abort_ratio must be a number >= 1, got {plan.get('abort_ratio')!r}")
+    return plan
+
+
+def most_steps(plan: dict) -> int:
+    """The steps the trials take at most (none stopped early)."""
+    return len(plan["trials"]) * (plan["warmup"] + plan["steps"])
+
+
+def shorten_start(spec: dict, done: int) -> dict:
+    """``spec`` with every PowerSGD section's uncompressed start shortened by ``done`` trained steps."""
+    from engine.compressors import REGISTRY
+    s = copy.deepcopy(spec)
+    comp = s["compressor"]
+    default = next(p.default for p in REGISTRY["powersgd"].params if p.name == "start_iter")
+    for part in [comp, *comp.get("per_bucket", [])]:
+        if part.get("name") == "powersgd":
+            params = part.setdefault("params", {})
+            params["start_iter"] = max(0, int(params.get("start_iter", default)) - done)
+    return s
+
+
+def slower_rank(times: List[float], device) -> List[float]:
+    """Per step, the slowest rank's time (a collective: every rank calls it with as many times)."""
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def score(times: List[float], trial: dict) -> float:
+    return (statistics.median(times) + float(trial.get("extra_ms") or 0.0)) * float(trial["penalty"])
+
+
+def run(trainer, plan: dict, after_step=lambda: None) -> dict:
+    """Train the trials, switch ``trainer`` to the winner, and return (rank 0 also writes) the result.
+    ``after_step`` runs after every step (the trainer's evaluation schedule)."""
+    from engine.spec import JobSpec
+    tl, device = trainer.timeline, trainer.device
+    warm, n, abort_after, ratio = plan["warmup"], plan["steps"], plan["abort_after"], plan["abort_ratio"]
+    out, best = [], float("inf")
+    started = time.perf_counter()
+    for i, trial in enumerate(plan["trials"]):
+        t0, m0 = time.perf_counter(), tl.mark()
+        trainer.switch(JobSpec.from_dict(trial["spec"]), trial.get("layout"))
+        switch_s = time.perf_counter() - t0
+        first, times, aborted = trainer.step, [], False
+        for k in range(warm + n):
+            times.append(trainer.train_step(trial=i)["time_ms"])
+            after_step()
+            if k + 1 == warm + abort_after and k + 1 < warm + n and best < float("inf"):
+                early = slower_rank(times, device)[warm:]
+                if score(early, trial) > ratio * best:
+                    aborted = True
+                    break
+        times = slower_rank(times, device)
+        s = score(times[warm:], trial)
+        best = min(best, s)
+        out.append({"label": trial["label"], "first_step": first, "last_step": trainer.step - 1, "times_ms": times,
+                    "median_ms": statistics.median(times[warm:]), "score_ms": s, "aborted": aborted,
+                    "switch_s": switch_s})
+        if tl.enabled:
+            tl.span("advisor", f"trial {i}: {trial['label']}", m0, tl.mark(),
+                    {"trial": i, "label": trial["label"], "steps": [first, trainer.step - 1],
+                     "median_ms": round(out[-1]["median_ms"], 3), "aborted": aborted})
+            tl.flush()
+    w = min(range(len(out)), key=lambda j: out[j]["score_ms"])
+    final = shorten_start(plan["trials"][w]["final"], trainer.step)
+    t0 = time.perf_counter()
+    trainer.switch(JobSpec.from_dict(final))
+    final_switch_s = time.perf_counter() - t0
+    win_ms = out[w]["median_ms"]
+    # what the trials cost the run: their steps' time beyond the winner's median per step (its own steps
+    # net out to about zero), and the switches
+    excess_s = sum(t - win_ms for r in out for t in r["times_ms"]) / 1e3
+    switches_s = sum(r["switch_s"] for r in out) + final_switch_s
+    result = {"trials": out, "winner": w, "label": out[w]["label"], "decided_step": trainer.step,
+              "trial_steps": trainer.step, "excess_s": excess_s, "switch_s": switches_s,
+              "cost_s": excess_s + switches_s, "wall_s": time.perf_counter() - started, "t": time.time()}
+    if trainer.rank == 0 and trainer.run_dir:
+        write_json(os.path.join(trainer.run_dir, RESULT), result)
+        write_json(os.path.join(trainer.run_dir, "spec.json"), final)
+    return result
+
+
+def write_json(path: str, obj) -> None:
+    """Whole or not at all: a temporary file renamed into place."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+    os.replace(tmp, path)
