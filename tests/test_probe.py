@@ -177,3 +177,23 @@ def test_layer_spans_tile_forward_and_backward():
     assert len(_tiles(rec.spans, "forward")) == 4
     probe.close()
     assert not model._forward_pre_hooks and not model._forward_hooks and not model.head._forward_hooks
+
+
+def test_timeline_args_passed_again_are_written_as_they_are_at_each_flush():
+    """Timeline.flush encodes an args dict passed again (the probe's, every step) once: a dict changed in
+    place since, or one holding a list changed in place, is written with its new content."""
+    from engine.timeline import Timeline
+    path = os.path.join(tempfile.mkdtemp(), "t.jsonl")
+    tl = Timeline(path, 0)
+    same, nested = {"layer": "fc"}, {"buckets": [0]}
+    for step in range(3):
+        tl.span("backward", "fc", 1.0, 2.0, same)
+        tl.span("comm", "c", 1.0, 2.0, nested)
+        tl.flush()
+        same["layer"] = f"fc{step}"
+        nested["buckets"].append(step + 1)
+    tl.close()
+    with open(path) as f:
+        got = [json.loads(line)["args"] for line in f]
+    assert got == [{"layer": "fc"}, {"buckets": [0]}, {"layer": "fc0"}, {"buckets": [0, 1]},
+                   {"layer": "fc1"}, {"buckets": [0, 1, 2]}]
