@@ -195,7 +195,8 @@ class DeAR(Communicator):
             own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
             if own:
                 self._owners[mod] = own
-                # prepend: the wait is not counted in the layer's forward span (LayerProbe)
+                # prepend: before other pre-hooks (the layer probe marks the pass start on the root module);
+                # a wait between two layers falls in the next layer's forward span (engine/probe.py)
                 self._hooks.append(mod.register_forward_pre_hook(self._pre_forward, prepend=True))
         self._map_modules()
         self._bytes = self._gather_bytes = 0

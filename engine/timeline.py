@@ -27,6 +27,7 @@ LANE_NAMES = {v: k for k, v in LANES.items()}
 
 _compact = json.JSONEncoder(separators=(",", ":")).encode
 """``json.dumps(obj, separators=(",", ":"))`` without building an encoder per call."""
+_SCALARS = (str, int, float, bool, type(None))
 
 
 class Clock:
@@ -80,6 +81,8 @@ class Timeline:
         self.pending_cuda: List[tuple] = []
         self._heads: Dict[tuple, str] = {}
         """(lane, name) -> the start of its event's JSON line, up to the timestamp."""
+        self._args: Dict[int, tuple] = {}
+        """id(args) -> (args, a copy of it, its JSON): args dicts passed again, encoded once."""
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644) if self.enabled else None
 
     def now(self) -> float:
@@ -112,17 +115,32 @@ class Timeline:
         if not events:
             return
         lines = []
-        to_us = self.clock.to_us
-        heads = self._heads
+        wall0, perf0 = self.clock.wall0, self.clock.perf0  # Clock.to_us, inlined
+        heads, argc = self._heads, self._args
         if len(heads) > 4096:  # names that change every step ("step 12") would grow it without end
             heads.clear()
+        if len(argc) > 4096:  # so would args made afresh every step ({"step": 12})
+            argc.clear()
         for lane, name, t0, t1, args in events:
             head = heads.get((lane, name))
             if head is None:  # the part that does not change between steps, formatted once
                 head = heads[lane, name] = (f'{{"ph":"X","name":{json.dumps(name)},"pid":{self.rank},'
                                             f'"tid":{LANES[lane]},"cat":"{lane}","ts":')
-            line = f'{head}{round(to_us(t0), 1)},"dur":{round((t1 - t0) * 1e6, 1)}'
-            lines.append(f'{line},"args":{_compact(args)}}}' if args else line + "}")
+            # '%.1f' is round(v, 1)'s decimal (both round correctly), at a third of its cost
+            line = f'{head}{(wall0 + (t0 - perf0)) * 1e6:.1f},"dur":{(t1 - t0) * 1e6:.1f}'
+            if args:
+                # the probe passes the same args dict for a layer every step: encode it once, and again
+                # only if it changed (its copy is compared; only flat dicts of scalars are kept)
+                hit = argc.get(id(args))
+                if hit is not None and hit[0] is args and hit[1] == args:
+                    enc = hit[2]
+                else:
+                    enc = _compact(args)
+                    if all(type(v) in _SCALARS for v in args.values()):
+                        argc[id(args)] = (args, dict(args), enc)
+                lines.append(f'{line},"args":{enc}}}')
+            else:
+                lines.append(line + "}")
         # one write per step, to an O_APPEND file: cheap, and a killed rank loses at most its current step
         os.write(self._fd, ("\n".join(lines) + "\n").encode())
 

@@ -392,3 +392,29 @@ def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):
     assert [r[0] for r in rows] == ["8", "1024"]
     assert main(["profile", str(s), "--steps", "2", "--runs", str(tmp_path / "runs")]) == 2
     assert "--steps" in capsys.readouterr().err
+
+
+def test_from_run_takes_forward_waits_out_of_the_layer_spans_that_hold_them():
+    """Layer spans tile the forward pass (engine/probe.py), so a dear all-gather wait between two layers
+    lies inside the next layer's span: the profile's layer forward is that span less the wait."""
+    from lab.perfmodel import calibrate as cal
+
+    def x(cat, ts, dur, **args):
+        return {"ph": "X", "pid": 0, "cat": cat, "name": args.get("layer", cat), "ts": ts, "dur": dur, "args": args}
+
+    class Run:
+        id = "fake"
+
+        def spec_dict(self):
+            return {"model": {"name": "mlp"}, "dataset": {"name": "digits"}, "batch_size": 16}
+
+        def timeline_events(self):
+            return [x("forward", 0.0, 1000.0, step=0), x("forward", 0.0, 400.0, layer="net.1"),
+                    x("wait", 450.0, 100.0, bucket=0), x("forward", 400.0, 400.0, layer="net.3"),
+                    x("forward", 800.0, 150.0, layer="net.5"),
+                    x("backward", 1000.0, 2000.0, step=0), x("backward", 1000.0, 900.0, layer="net.5"),
+                    x("optimizer", 3000.0, 100.0, step=0)]
+
+    prof = cal.from_run(Run(), skip=0)
+    assert prof.layer_forward == pytest.approx({"net.1": 400e-6, "net.3": 300e-6, "net.5": 150e-6})
+    assert prof.forward_s == pytest.approx(1e-3) and prof.layer_backward == pytest.approx({"net.5": 900e-6})

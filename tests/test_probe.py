@@ -1,6 +1,8 @@
-"""The layer probe's backward spans when it follows the communicator (engine/probe.py follow):
-one gradient hook per parameter, the communicator's, and still one backward span per layer
-per step, ending after the layer's last gradient landed."""
+"""The layer probe (engine/probe.py): per-layer forward and backward spans that tile each pass
+(each layer's span starts where the previous probe event ended), from one root pre-hook, one
+post-hook per layer and one tensor hook per step; and its backward spans when it follows the
+communicator (follow): one gradient hook per parameter, the communicator's, and still one backward
+span per layer per step, ending after the layer's last gradient landed."""
 import functools
 import json
 import os
@@ -79,3 +81,119 @@ def test_timeline_lines_are_chrome_trace_events_across_flushes():
     with open(path) as f:
         got = [json.loads(line) for line in f]
     assert got == want
+
+
+class _Recorder:
+    """A timeline for the probe alone: marks are 1, 2, 3, ... in the order they are taken."""
+
+    def __init__(self):
+        self.n = 0
+        self.spans = []
+
+    def mark(self):
+        self.n += 1
+        return float(self.n)
+
+    def span(self, lane, name, t0, t1, args=None):
+        self.spans.append((lane, name, t0, t1, args))
+
+
+class _Block(torch.nn.Module):
+    """A layer (its own gain) with a layer inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(4))
+        self.inner = torch.nn.Linear(4, 4)
+
+    def forward(self, h):
+        return self.inner(h) * self.gain
+
+
+class _Tied(torch.nn.Module):
+    """Parameterless modules between layers, a layer nested in a layer, and a tied weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(7, 4)
+        self.block = _Block()
+        self.act = torch.nn.Tanh()
+        self.head = torch.nn.Linear(4, 7)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        h = self.emb(x)
+        h = self.act(self.block(h)) + h
+        return self.head(h)
+
+
+def _tiles(spans, lane):
+    got = [s for s in spans if s[0] == lane]
+    assert got, lane
+    for a, b in zip(got, got[1:]):
+        assert b[2] == a[3], (lane, a, b)  # each span starts where the previous one ended
+    assert all(s[3] > s[2] for s in got), got
+    return got
+
+
+def test_layer_spans_tile_forward_and_backward():
+    from engine.probe import LayerProbe
+    torch.manual_seed(0)
+    model = _Tied()
+    rec = _Recorder()
+    probe = LayerProbe(model, rec)
+    assert probe.layers == ["emb", "block", "block.inner", "head"]
+    # per step: one root pre-hook, one post-hook per layer and the root post-hook; no per-layer pre-hook
+    assert len(model._forward_pre_hooks) == 1 and not model.block._forward_pre_hooks
+    assert [len(m._forward_hooks) for m in (model.emb, model.block, model.block.inner, model.head)] == [1] * 4
+    x = torch.randint(0, 7, (5, 2))
+    for step in range(2):
+        rec.spans.clear()
+        start = rec.n + 1  # the root pre-hook's mark
+        out = model(x)
+        fwd = _tiles(rec.spans, "forward")
+        assert [s[1] for s in fwd] == ["emb", "block.inner", "block", "head"]  # the child ends first
+        assert fwd[0][2] == start and fwd[-1][3] == rec.n  # from the root's start to the last layer's end
+        assert all(s[4] == {"layer": s[1]} for s in fwd)
+        end = rec.n
+        out.square().sum().backward()
+        bwd = _tiles(rec.spans, "backward")
+        assert bwd[0][2] == end + 1  # starts at the root output's gradient, the first mark after forward
+        # the tied weight lands last (both uses summed), so the embedding ends the pass; every layer, once
+        assert sorted(s[1] for s in bwd) == sorted(probe.layers) and bwd[-1][3] == rec.n
+        assert probe.bwd_left == {"emb": 0, "block": 0, "block.inner": 0, "head": 0}
+        model.zero_grad()
+        probe.reset()
+    # evaluation passes leave no span and take no mark; a no-grad forward hooks no gradient
+    probe.active = False
+    rec.spans.clear()
+    n = rec.n
+    with torch.no_grad():
+        model(x)
+    assert rec.spans == [] and rec.n == n
+    probe.active = True
+    with torch.no_grad():
+        model(x)
+    assert len(_tiles(rec.spans, "forward")) == 4
+    probe.close()
+    assert not model._forward_pre_hooks and not model._forward_hooks and not model.head._forward_hooks
+
+
+def test_timeline_args_passed_again_are_written_as_they_are_at_each_flush():
+    """Timeline.flush encodes an args dict passed again (the probe's, every step) once: a dict changed in
+    place since, or one holding a list changed in place, is written with its new content."""
+    from engine.timeline import Timeline
+    path = os.path.join(tempfile.mkdtemp(), "t.jsonl")
+    tl = Timeline(path, 0)
+    same, nested = {"layer": "fc"}, {"buckets": [0]}
+    for step in range(3):
+        tl.span("backward", "fc", 1.0, 2.0, same)
+        tl.span("comm", "c", 1.0, 2.0, nested)
+        tl.flush()
+        same["layer"] = f"fc{step}"
+        nested["buckets"].append(step + 1)
+    tl.close()
+    with open(path) as f:
+        got = [json.loads(line)["args"] for line in f]
+    assert got == [{"layer": "fc"}, {"buckets": [0]}, {"layer": "fc0"}, {"buckets": [0, 1]},
+                   {"layer": "fc1"}, {"buckets": [0, 1, 2]}]

@@ -48,6 +48,8 @@ class Profile:
     backward_s: float = 0.0
     optimizer_s: float = 0.0
     layer_forward: Dict[str, float] = field(default_factory=dict)
+    """forward of each layer's span: from the previous layer's end to its own, so parameterless modules
+    count in the layer after them and the spans add up to the forward pass (waits taken out)"""
     layer_ready: Dict[str, float] = field(default_factory=dict)
     """backward compute from the start of backward until the layer's gradients exist"""
     link: Optional[dict] = None
@@ -57,7 +59,8 @@ class Profile:
     compressors: Dict[str, dict] = field(default_factory=dict)
     """compressor key -> {encode, between, decode: [fixed s, s per byte], sizes, source}"""
     layer_backward: Dict[str, float] = field(default_factory=dict)
-    """backward compute of each layer's own span (seconds; hooks inside it included)"""
+    """backward of each layer's span, from the previous layer's gradients (the output's gradient for
+    the first) until its own exist (seconds; hooks inside it included)"""
     machine: dict = field(default_factory=dict)
     """where it was measured (``commlab profile``): host, cpu, cores, device, gpu, torch, threads,
     dtype, steps, clock (CUDA events or the host clock)"""
@@ -200,9 +203,15 @@ def from_run(run, skip: int = SKIP_STEPS) -> Profile:
                     held = sum(min(h1, end) - h0 for h0, h1 in hooks if h0 < end)
                     layer_ready.setdefault(e["args"]["layer"], []).append((end - b0 - held) / 1e6)
                     layer_bwd.setdefault(e["args"]["layer"], []).append(e["dur"] / 1e6)
+            f1 = v["forward"][1]
+            # a layer's forward span holds what ran since the previous layer's end (engine/probe.py), dear's
+            # parameter all-gather waits included: take those out, as hook time is taken out of backward
+            waits = [(e["ts"], e["ts"] + e["dur"]) for e in evs if e.get("cat") == "wait" and f0 <= e["ts"] <= f1]
             for e in evs:
-                if e.get("cat") == "forward" and "layer" in (e.get("args") or {}) and f0 <= e["ts"] <= v["forward"][1]:
-                    layer_fwd.setdefault(e["args"]["layer"], []).append(e["dur"] / 1e6)
+                if e.get("cat") == "forward" and "layer" in (e.get("args") or {}) and f0 <= e["ts"] <= f1:
+                    s0, s1 = e["ts"], e["ts"] + e["dur"]
+                    held = sum(max(0.0, min(h1, s1) - max(h0, s0)) for h0, h1 in waits)
+                    layer_fwd.setdefault(e["args"]["layer"], []).append((e["dur"] - held) / 1e6)
     return Profile(model=spec["model"]["name"], dataset=spec["dataset"]["name"], batch_size=spec["batch_size"],
                    model_options=dict(spec["model"].get("options") or {}), source=f"run {run.id}",
                    params=param_list(spec), forward_s=_median(fwd), backward_s=_median(bwd),
