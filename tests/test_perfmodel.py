@@ -418,3 +418,31 @@ def test_from_run_takes_forward_waits_out_of_the_layer_spans_that_hold_them():
     prof = cal.from_run(Run(), skip=0)
     assert prof.layer_forward == pytest.approx({"net.1": 400e-6, "net.3": 300e-6, "net.5": 150e-6})
     assert prof.forward_s == pytest.approx(1e-3) and prof.layer_backward == pytest.approx({"net.5": 900e-6})
+
+
+def test_skipping_warm_up_gives_the_steady_state_payload():
+    """The model reads PowerSGD's payload after ``skip_warmup`` instead of driving its plain exchanges
+    first: the same rounds, bytes and tensors as after driving them all (a layout of matrices and a vector)."""
+    from engine import compressors
+    from lab.perfmodel import calibrate as cal
+    shapes, off = [], 0
+    for shape in ((64, 48), (32,), (40, 40)):
+        shapes.append((off, shape))
+        off += int(torch.tensor(shape).prod())
+    x = torch.randn(off, generator=torch.Generator().manual_seed(0))
+    got = []
+    for skip in (False, True):
+        c = compressors.make("powersgd", rank=2, start_iter=5)
+        c.layout = shapes
+        if skip:
+            c.skip_warmup()
+        for _ in range(2 if skip else c.warmup_exchanges + 2):
+            rounds, _ = cal.drive(c, x.clone())
+        got.append(rounds)
+    assert got[0] == got[1] and len(got[0]) == 2 and got[0][0][1] < off * 4  # compressed, two rounds
+
+
+def test_every_compressor_can_skip_its_warm_up():
+    from engine import compressors
+    for name in compressors.names():
+        compressors.make(name).skip_warmup()  # raises where warm-up exchanges are declared but not skippable

@@ -132,6 +132,12 @@ class Compressor:
         this many exchanges first."""
         return 0
 
+    def skip_warmup(self) -> None:
+        """Go straight to the steady state, as if the ``warmup_exchanges`` plain exchanges had been
+        sent (the performance model drives a fresh instance to read its steady-state payload)."""
+        if self.warmup_exchanges:
+            raise NotImplementedError(f"{self.name}: declares warm-up exchanges but not how to skip them")
+
     def per_tensor(self, n: int) -> bool:
         """True when this instance compresses a bucket of n elements tensor by tensor, from
         the ``layout`` the communicator set (PowerSGD), False when it treats it as one flat tensor."""

@@ -189,6 +189,9 @@ class PowerSGD(Compressor):
     def warmup_exchanges(self) -> int:
         return self.start_iter
 
+    def skip_warmup(self) -> None:
+        self.step = max(self.step, self.start_iter)  # its plain exchanges keep no state but the count
+
     def per_tensor(self, n: int) -> bool:
         return self.plan(n) is not None
 

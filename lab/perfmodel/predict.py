@@ -91,7 +91,8 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
         rounds = _ROUNDS_CACHE[flat_key]
     else:
         x = _noise(off)
-        for _ in range(c.warmup_exchanges + 2):  # past plain warm-up exchanges (PowerSGD)
+        c.skip_warmup()  # past plain warm-up exchanges (PowerSGD), without driving them
+        for _ in range(2):
             rounds, _ = cal.drive(c, x.clone())
         if flat_key is not None:
             _ROUNDS_CACHE[flat_key] = rounds
