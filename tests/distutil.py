@@ -6,6 +6,7 @@ import socket
 import sys
 import tempfile
 import pickle
+import types
 from datetime import timedelta
 
 import torch
@@ -42,13 +43,26 @@ def _entry(rank, world, port, fn, args, outdir):
 def run_world(fn, *args, world: int = 2):
     """Call fn(rank, world, *args) in `world` processes; return the list of results.
     A failing rank raises here with its traceback (torch.multiprocessing.spawn)."""
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(world, _free_port(), fn, args, outdir), nprocs=world, join=True)
-        out = []
-        for r in range(world):
-            with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
-                out.append(pickle.load(f))
-        return out
+    # A spawned child re-runs the parent's __main__ module first. After streamlit's AppTest.from_function
+    # (tests/test_streamlit_deprecations.py), __main__ is the app script it wrote to a temporary file, which
+    # fails outside AppTest: the children get an empty __main__ instead (fn is pickled by its module's name).
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        with tempfile.TemporaryDirectory() as outdir:
+            mp.spawn(_entry, args=(world, _free_port(), fn, args, outdir), nprocs=world, join=True)
+            return _results(outdir, world)
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+def _results(outdir, world):
+    out = []
+    for r in range(world):
+        with open(os.path.join(outdir, f"{r}.pkl"), "rb") as f:
+            out.append(pickle.load(f))
+    return out
 
 
 def emulate_exchange(comps, tensors, log=None):
