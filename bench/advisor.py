@@ -191,8 +191,8 @@ def run_auto(store, base: dict, trials: int, log):
 
 
 def advisor_record(run) -> dict:
-    from lab import advisor
-    rec = advisor.read_record(run)
+    from lab import auto
+    rec = auto.read_record(run)
     if rec is None or rec.get("chosen_by") != "measured":
         raise RuntimeError(f"the strategy auto run {run.id} recorded no measured choice: {rec and rec.get('chosen_by')}")
     return rec

@@ -5,6 +5,7 @@ crash keeps every line logged before it.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Optional
@@ -66,12 +67,16 @@ than the training between two evaluations."""
 class Trainer:
     def __init__(self, spec: JobSpec, run_dir: Optional[str], rank: int, world: int,
                  device: torch.device, group=None):
-        self.spec, self.run_dir, self.rank, self.world, self.device = spec, run_dir, rank, world, device
         self.trials = trials.read(run_dir)
         """strategy auto's trials, trained as the run's first steps (engine/trials.py), or None."""
-        if self.trials is not None and trials.most_steps(self.trials) >= spec.steps:
-            raise ValueError(f"{trials.FILE}: the trials take up to {trials.most_steps(self.trials)} steps; "
-                             f"the run has {spec.steps} (steps must be more)")
+        if self.trials is not None:
+            if trials.most_steps(self.trials) >= spec.steps:
+                raise ValueError(f"{trials.FILE}: the trials take up to {trials.most_steps(self.trials)} steps; "
+                                 f"the run has {spec.steps} (steps must be more)")
+            first = JobSpec.from_dict(self.trials["trials"][0]["spec"])  # built once, under the first trial's strategy
+            spec = dataclasses.replace(spec, compressor=first.compressor, schedule=first.schedule, comm=first.comm,
+                                       strategy=first.strategy)
+        self.spec, self.run_dir, self.rank, self.world, self.device = spec, run_dir, rank, world, device
         torch.manual_seed(spec.seed)
         self.data = load_data(spec)
         self.model = models.build(spec.model.name, self.data.info, **spec.model.options).to(device)

@@ -1,6 +1,6 @@
 """``strategy: auto``'s trials as the run's own first steps.
 
-Before the ranks start, the lab's advisor (lab/advisor.py ``plan_in_run``) writes ``auto-trials.json``
+Before the ranks start, the lab's advisor (lab/auto.py ``plan_in_run``) writes ``auto-trials.json``
 into the run directory: the candidates it picked from its predictions, best-predicted first, each a full
 spec of the run with that candidate's strategy (``spec``), the spec to go on with if it wins (``final``),
 its convergence penalty and, for MergeComp, the partition the advisor's search predicted (``layout``)
@@ -104,7 +104,9 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     started = time.perf_counter()
     for i, trial in enumerate(plan["trials"]):
         t0, m0 = time.perf_counter(), tl.mark()
-        trainer.switch(JobSpec.from_dict(trial["spec"]), trial.get("layout"))
+        spec = JobSpec.from_dict(trial["spec"])
+        if spec != trainer.spec or trial.get("layout") is not None:  # the trainer starts under the first one
+            trainer.switch(spec, trial.get("layout"))
         switch_s = time.perf_counter() - t0
         first, times, aborted = trainer.step, [], False
         for k in range(warm + n):

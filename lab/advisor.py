@@ -33,7 +33,6 @@ user's ``--penalty`` / ``strategy.penalties``, or this module's reasoned default
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import statistics
 import time
@@ -807,153 +806,6 @@ def write_spec(spec: dict, path) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------- strategy: auto
-
-RECORD_KEY = "advisor"
-"""tuning.json's key for the advisor's record (an engine tuner of the chosen strategy writes the rest)."""
-
-
-def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int) -> dict:
-    """strategy auto's trials as the run's own first steps (engine/trials.py reads this plan): per pick,
-    best-predicted first, the run's spec with its strategy (PowerSGD compressing at once), the spec the run
-    goes on with if it wins, its penalty and, for MergeComp, the predicted partition and its search's
-    predicted cost per step."""
-    base = {**adv.spec, "network": dict(adv.network), "world_size": adv.world}
-    order = [n for n, _ in adv.profile.params] if adv.profile is not None else None
-    trials = []
-    for c in picks:
-        t = {"label": c.label, "spec": with_strategy(base, compressing_at_once(c)),
-             "final": with_strategy(base, c.strategy()), "penalty": c.penalty, "extra_ms": search_extra_ms(c)}
-        if c.schedule["name"] == "mergecomp" and c.layout_cuts is not None and order is not None:
-            t["layout"] = {"order": order, "cuts": c.layout_cuts}
-        trials.append(t)
-    return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "abort_after": ABORT_AFTER, "abort_ratio": ABORT_RATIO,
-            "trials": trials}
-
-
-def fold_in_run(run, record: dict) -> dict:
-    """The record of an in-run choice with the ranks' measurements (engine/trials.py's auto-result.json)
-    folded in: each trial's measured median (MergeComp's predicted search cost added, as ``with_search_cost``
-    does), the winner, the reason, and the trials' cost to the run. The record as it was when the run
-    ended before choosing."""
-    from engine import trials as engine_trials
-    path = run.file(engine_trials.RESULT)
-    if not path.is_file():
-        return record
-    res = json.loads(path.read_text())
-    names = {f.name for f in dataclasses.fields(Candidate)}
-    cands = [Candidate(**{k: v for k, v in c.items() if k in names}) for c in record["candidates"]]
-    by_label = {c.label: c for c in cands}
-    for r in res["trials"]:
-        c = by_label[r["label"]]
-        c.trial_run = f"{run.id} steps {r['first_step']}-{r['last_step']}"
-        c.measured_ms, more = with_search_cost(c, r["median_ms"])
-        add_note(c, "; ".join(x for x in (f"trained as the run's steps {r['first_step']}-{r['last_step']}"
-                                          + (", stopped early: clearly slower" if r["aborted"] else ""), more) if x))
-    cost = dict(record["cost_s"])
-    cost.update(trials=res["cost_s"], total=cost["profile"] + cost["predict"] + res["cost_s"])
-    adv = Advice(spec=record.get("spec") or run.spec_dict(), network=record["network"], world=record["world"],
-                 candidates=cands, winner=by_label[res["label"]], chosen_by="measured",
-                 link_source=record["link_source"], profile_source=record["profile_source"], cost_s=cost)
-    adv.reason = explain(adv)
-    out = {**record, **adv.as_dict(), "trials_in_run": {k: res[k] for k in ("decided_step", "excess_s", "switch_s",
-                                                                           "wall_s", "winner")}}
-    out["strategy"] = by_label[res["label"]].strategy()
-    return out
-
-
-def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
-                 say: Callable[[str], None] = print) -> Advice:
-    """``strategy: auto``: run the advisor for ``run`` (queued, its supervisor holding a slot), its profile
-    run launched directly in that slot. With ``measure``, the trials are the run's own first steps when the
-    run has room for them (``plan_in_run``; spec.json then keeps strategy auto until the ranks have chosen),
-    else a trial session before it; otherwise the prediction decides. The choice goes into spec.json
-    (strategy.decided), the candidates, trials and decision into tuning.json."""
-    from engine import trials as engine_trials
-    from lab import procs
-    from lab.launcher import launch
-    from lab.specs import load_spec
-    from lab.store import LabError
-    spec = run.spec_dict()
-    st = spec["strategy"]
-    trials = []
-
-    def runner(s: dict, prepare=None):
-        if should_cancel():
-            raise LabError("cancelled while the advisor ran its trials")
-        t = lab.store.create(load_spec(data=s))
-        if prepare is not None:
-            prepare(t)
-        t.set_status("queued", supervisor=procs.identity(), advisor_for=run.id)
-        trials.append(t.id)
-        launch(t, progress=False, should_cancel=should_cancel)
-        return t
-
-    adv = advise(spec, runs=lab.root, measure=False, trials=st["trials"], trial_steps=st["trial_steps"],
-                 penalties=st["penalties"], runner=runner, say=say)
-    if st["measure"]:
-        picks = trial_picks(adv.ranked(), st["trials"])
-        plan = plan_in_run(adv, picks, st["trial_steps"])
-        if engine_trials.most_steps(plan) < spec["steps"]:
-            write_json(run.file(engine_trials.FILE), plan)
-            say(f"advisor: {len(picks)} trials as the run's first steps ({TRIAL_WARMUP} + up to "
-                f"{st['trial_steps']} steps each): " + "; ".join(c.label for c in picks))
-            record = {**adv.as_dict(), "chosen_by": "pending: trials in the run", "runs": trials,
-                      "planned_at": time.time()}
-            write_record(run, record)
-            trial_timeline(run, [lab.store.get(t) for t in trials], {})  # a profiling run, if one ran
-            run.update_status(strategy={"chosen": None, "by": "trials in the run", "cost_s": adv.cost_s["total"]})
-            return adv
-        t2 = time.perf_counter()
-        measure_in_session(adv, picks, st["trial_steps"], runner, say)
-        adv.cost_s.update(trials=time.perf_counter() - t2)
-        adv.cost_s["total"] = adv.cost_s["profile"] + adv.cost_s["predict"] + adv.cost_s["trials"]
-        adv.reason = explain(adv)
-    chosen = adv.winner_spec()
-    chosen["name"] = spec["name"]
-    write_json(run.file("spec.json"), load_spec(data=chosen).to_dict())
-    record = {**adv.as_dict(), "runs": trials, "decided_at": time.time()}
-    write_record(run, record)
-    from engine.runlog import TRIALS as TRIALS_FILE
-    parts = []
-    for t in (lab.store.get(t) for t in trials):  # the profiling run, the trial session's trials
-        parts += session_trials(t) if t.file(TRIALS_FILE).is_file() and t.state == "done" else [t]
-    trial_timeline(run, parts, {c.trial_run: c.label for c in adv.candidates})
-    run.update_status(strategy={"chosen": adv.winner.label, "by": adv.chosen_by, "cost_s": adv.cost_s["total"]})
-    return adv
-
-
-
-
-def trial_timeline(run, trials, labels: Dict[str, str]) -> int:
-    """Append the advisor's runs (the profiling run, the trials) to ``run``'s timeline-rank0.jsonl before its
-    ranks start: each one's step spans (rank 0) on a lane of their own, so the run's trace shows what the
-    choice cost and when. The engine's timeline opens the file for appending; the lab's step and lane
-    readers skip the lane. Returns the spans written."""
-    from engine.timeline import LANES
-    lines = []
-    for t in trials:
-        what = labels.get(t.id, "profile")
-        for e in t.timeline_events():
-            if e.get("pid") == 0 and e.get("tid") == LANES["step"]:
-                step = (e.get("args") or {}).get("step")
-                lines.append(json.dumps({"ph": "X", "name": f"{what}: step {step}", "pid": 0,
-                                         "tid": LANES["advisor"], "cat": "advisor", "ts": e["ts"], "dur": e["dur"],
-                                         "args": {"run": t.id, "step": step, "trial": what}}))
-    if lines:
-        with open(run.file("timeline-rank0.jsonl"), "a") as f:
-            f.write("\n".join(lines) + "\n")
-    return len(lines)
-
-
-def write_record(run, record: dict) -> None:
-    """Put the advisor's record into tuning.json, keeping whatever else is there."""
-    path = run.file("tuning.json")
-    info = json.loads(path.read_text()) if path.is_file() else {}
-    info[RECORD_KEY] = record
-    write_json(path, info)
-
-
 def write_json(path: Path, obj) -> None:
     """Whole or not at all: a temporary file of this process, renamed into place."""
     import os
@@ -961,32 +813,6 @@ def write_json(path: Path, obj) -> None:
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)
 
-
-def keep_record(run, record: Optional[dict]) -> None:
-    """After the run: an engine tuner (mergecomp, layerfusion) writes tuning.json whole; put the
-    advisor's record back if it was replaced. Trials in the run: their measurements and the decision
-    are folded in (``fold_in_run``) and the run's status says what was chosen."""
-    if record is None:
-        return
-    path = run.file("tuning.json")
-    info = json.loads(path.read_text()) if path.is_file() else {}
-    current = info.get(RECORD_KEY) or record
-    if str(current.get("chosen_by", "")).startswith("pending"):
-        folded = fold_in_run(run, current)
-        if folded is not current:
-            write_record(run, folded)
-            run.update_status(strategy={"chosen": folded["winner"], "by": "measured in the run",
-                                        "cost_s": folded["cost_s"]["total"]})
-            return
-    if RECORD_KEY not in info:
-        write_record(run, current)
-
-
-def read_record(run) -> Optional[dict]:
-    path = run.file("tuning.json")
-    if not path.is_file():
-        return None
-    return json.loads(path.read_text()).get(RECORD_KEY)
 
 
 # --------------------------------------------------------------------------- UI: advice jobs

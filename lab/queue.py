@@ -185,7 +185,7 @@ class Lab:
                                error=f"quota wall_s: stopped after {over[0]:.0f} s of running; the limit is "
                                      f"{limit:g} s per run (runs/lab.json quotas.wall_s)")
             if record is not None:
-                from lab.advisor import keep_record
+                from lab.auto import keep_record
                 keep_record(run, record)
             return state
         except BaseException as e:
@@ -197,15 +197,15 @@ class Lab:
                 Slots.release(slot)
 
     def _resolve_strategy(self, run: Run, progress: bool, out) -> Optional[dict]:
-        """``strategy: auto``: the advisor chooses in this slot before the ranks start (lab/advisor.py);
-        returns its record for tuning.json, None for a fixed strategy."""
+        """``strategy: auto``: the advisor chooses in this slot before the ranks start (lab/auto.py); returns
+        its record for tuning.json, None for a fixed strategy."""
         st = run.spec().strategy
         if st.mode != "auto" or st.decided:
             return None
-        from lab import advisor
+        from lab import auto
         say = (lambda m: print(m, file=out or sys.stderr, flush=True)) if progress else (lambda m: None)
-        advisor.resolve_auto(self, run, should_cancel=run.cancel_requested, say=say)
-        return advisor.read_record(run)
+        auto.resolve_auto(self, run, should_cancel=run.cancel_requested, say=say)
+        return auto.read_record(run)
 
     def queue_position(self, run: Run, upto: Optional[int] = None) -> int:
         """How many queued runs with a live supervisor come before ``run`` in the queue's order

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import compressors
-from lab import advisor
+from lab import advisor, auto
 from lab.perfmodel import calibrate as cal
 from lab.perfmodel import whatif
 from lab.specs import load_spec
@@ -391,9 +391,9 @@ def test_record_survives_a_tuner_writing_tuning_json(tmp_path):
         def file(self, name):
             return tmp_path / name
     run = R()
-    advisor.write_record(run, {"winner": "x"})
+    auto.write_record(run, {"winner": "x"})
     (tmp_path / "tuning.json").write_text(json.dumps({"schedule": "mergecomp"}))  # the engine's tuner, whole
-    advisor.keep_record(run, advisor.read_record(run) or {"winner": "x"})
+    auto.keep_record(run, auto.read_record(run) or {"winner": "x"})
     info = json.loads((tmp_path / "tuning.json").read_text())
     assert info == {"schedule": "mergecomp", "advisor": {"winner": "x"}}
 
