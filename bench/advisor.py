@@ -90,7 +90,8 @@ def base_spec(model: str, link: str, gbps: float, steps: int) -> dict:
 
 def cell_spec(base: dict, label: str, strategy: dict) -> dict:
     from lab.specs import load_spec
-    return load_spec(data={**base, **strategy, "name": f"{base['name']}-{label}"}).to_dict()
+    # a grid cell is timed steps only: no evaluation at its end (the transformer's takes seconds)
+    return load_spec(data={**base, **strategy, "name": f"{base['name']}-{label}", "final_eval": False}).to_dict()
 
 
 def run_cell(store, spec: dict, prepare=None):

@@ -191,12 +191,13 @@ def from_spec(network) -> Optional[ModeledLink]:
 
 def _measure_main(argv=None) -> int:
     import argparse
-    import json
     import os
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
+
+    from engine.runlog import write_json_atomic
 
     ap = argparse.ArgumentParser(prog="python -m engine.netmodel")
     ap.add_argument("op", choices=["allreduce"])
@@ -221,12 +222,9 @@ def _measure_main(argv=None) -> int:
             times.append(time.perf_counter() - t0)
         ok = bool(torch.all(t == float(world) ** (a.iters + 1)).item())
         if rank == 0:
-            tmp = a.out + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump({"op": a.op, "nbytes": t.numel() * 4, "world": world, "times": times,
-                           "warmup_s": warm, "correct": ok,
-                           "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, f)
-            os.replace(tmp, a.out)
+            write_json_atomic(a.out, {"op": a.op, "nbytes": t.numel() * 4, "world": world, "times": times,
+                                      "warmup_s": warm, "correct": ok,
+                                      "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, indent=None)
         dist.barrier()
     finally:
         dist.destroy_process_group()

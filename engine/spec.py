@@ -426,6 +426,9 @@ class JobSpec:
     network: NetworkSpec = field(default_factory=NetworkSpec)
     eval_every: int = 50
     """Evaluate on the held-out split every N steps (and at the end). 0: only at the end."""
+    final_eval: bool = True
+    """Evaluate at the end. The lab's profiling runs turn it off: they are timed steps only, and the
+    transformer's held-out split takes longer to evaluate than 20 steps take to train."""
     threads: int = 0
     """torch threads per rank; 0 picks cores // world_size (at least 1)."""
     timeline: bool = True

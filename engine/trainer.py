@@ -205,7 +205,8 @@ class Trainer:
             self.train_step()
             maybe_evaluate()
         self.sync_params()
-        self.evaluate()
+        if spec.final_eval:
+            self.evaluate()
 
     def close(self) -> None:
         self.stepper.close()

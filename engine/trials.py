@@ -33,6 +33,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from engine.runlog import write_json_atomic
+
 FILE = "auto-trials.json"
 RESULT = "auto-result.json"
 KEYS = ("label", "spec", "final", "penalty")
@@ -142,14 +144,8 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
               "trial_steps": trainer.step, "excess_s": excess_s, "switch_s": switches_s,
               "cost_s": excess_s + switches_s, "wall_s": time.perf_counter() - started, "t": time.time()}
     if trainer.rank == 0 and trainer.run_dir:
-        write_json(os.path.join(trainer.run_dir, RESULT), result)
-        write_json(os.path.join(trainer.run_dir, "spec.json"), final)
+        write_json_atomic(os.path.join(trainer.run_dir, RESULT), result)
+        write_json_atomic(os.path.join(trainer.run_dir, "spec.json"), final)
     return result
 
 
-def write_json(path: str, obj) -> None:
-    """Whole or not at all: a temporary file renamed into place."""
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)

@@ -18,6 +18,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from engine.runlog import write_json_atomic
+
 RESOLVED = "resolved.json"
 """Written by rank 0 at start: the values the spec leaves to the machine (backend and device auto,
 threads 0), as they were resolved there."""
@@ -113,19 +115,12 @@ def _write_json(run_dir: str, name: str, obj: dict) -> bool:
     puts in log.txt, and is not raised: the rank's own error (or its training) matters more than
     this file, and the launcher falls back to torchrun's exit report. Returns whether it was written."""
     path = os.path.join(run_dir, name)
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=1)
-        os.replace(tmp, path)
+        write_json_atomic(path, obj)
         return True
     except (OSError, TypeError, ValueError) as e:
         rank = obj.get("rank", os.environ.get("RANK", "?"))
         print(f"[commlab] rank {rank}: could not write {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         return False
 
 

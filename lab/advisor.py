@@ -536,7 +536,7 @@ def trial_spec(spec: dict, cand: Candidate, steps: int) -> dict:
     """One trial: ``TRIAL_WARMUP`` + ``steps`` steps of the candidate, no evaluation, PowerSGD compressing
     from its first exchange."""
     s = with_strategy({**spec, "strategy": {"mode": "fixed"}}, compressing_at_once(cand))
-    s.update(name=f"advise trial: {cand.label}", steps=TRIAL_WARMUP + steps, eval_every=0)
+    s.update(name=f"advise trial: {cand.label}", steps=TRIAL_WARMUP + steps, eval_every=0, final_eval=False)
     return load_spec_dict(s)
 
 

@@ -47,6 +47,8 @@ import sys
 import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from engine.runlog import write_json_atomic
+
 PREFIX = "clab-"
 NS_RE = re.compile(r"^clab-(\d+)-(\d+)-([a-z0-9]+)-(br|r\d+)$")
 SUBNET = "10.250.{k}.0/24"
@@ -282,10 +284,7 @@ def _allocate(pid: int, tag: str, n: int) -> int:
         lease = {"pid": pid, "start": _proc_start(pid), "tag": tag, "n": n, "created": time.time(),
                  "subnet": SUBNET.format(k=k),
                  "namespaces": [f"{base}-br"] + [f"{base}-r{i}" for i in range(n)]}
-        tmp = _lease_path(k) + f".{pid}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(lease, f)
-        os.replace(tmp, _lease_path(k))
+        write_json_atomic(_lease_path(k), lease, indent=None)
         return k
 
 

@@ -12,12 +12,12 @@ The app's results page, bench/presets.py and the tests all read verdicts from he
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from engine.runlog import write_json_atomic
 from lab.disturbance import describe as describe_disturbance
 from lab.presets import ACCURACY_POINTS, PRESETS, Effect, Preset
 from lab.store import FINAL, check_id
@@ -39,10 +39,8 @@ def save_group(root, preset_key: str, runs: Dict[str, str], created: Optional[fl
     gid = check_id(next(iter(runs.values())))
     d = _groups_dir(root)
     d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f".{gid}.tmp"
-    tmp.write_text(json.dumps({"id": gid, "preset": preset_key, "runs": runs,
-                               "created": time.time() if created is None else created}, indent=1))
-    os.replace(tmp, d / f"{gid}.json")
+    write_json_atomic(d / f"{gid}.json", {"id": gid, "preset": preset_key, "runs": runs,
+                                          "created": time.time() if created is None else created})
     return gid
 
 

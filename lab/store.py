@@ -34,12 +34,11 @@ import os
 import re
 import secrets
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
-from engine.runlog import read_jsonl
+from engine.runlog import read_jsonl, write_json_atomic
 from engine.spec import JobSpec
 
 STATES = ("queued", "running", "done", "failed", "cancelled", "diverged")
@@ -184,7 +183,7 @@ class Run:
                 new = st  # the damaged file was moved aside: the rebuilt status must land
             if new is None:
                 return st or {"state": "unknown"}, False
-            _write_json_atomic(path, new)
+            write_json_atomic(path, new)
             self._good = new
             return new, True
 
@@ -295,7 +294,7 @@ class RunStore:
             else:
                 raise RuntimeError("could not allocate a run id")
         run = Run(path, self.on_change)
-        _write_json_atomic(run.file("spec.json"), spec.to_dict())
+        write_json_atomic(run.file("spec.json"), spec.to_dict())
         run.set_status("queued", created=time.time())
         return run
 
@@ -373,18 +372,3 @@ def _locked(lock_path: Path):
         os.close(fd)
 
 
-def _write_json_atomic(path: Path, obj) -> None:
-    """Write ``obj`` to a temporary file of this call's own (threads and processes never share
-    one), fsync it, and rename it over ``path``: readers see the old file or the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise

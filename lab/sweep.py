@@ -26,6 +26,7 @@ from typing import List, Optional
 import yaml
 
 from engine.spec import SpecError
+from engine.runlog import write_json_atomic
 from lab.queue import Lab
 from lab.specs import apply_overrides, load_spec, read_spec_file
 from lab.store import FINAL, RunError, slug
@@ -105,10 +106,9 @@ class Sweep:
 
     def _save(self, runs: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / ".sweep.json.tmp"
-        tmp.write_text(json.dumps({"id": self.id, "name": self.name, "grid": self.grid, "base": self.base,
-                                   "target_acc": self.target, "runs": runs}, indent=1, default=str))
-        tmp.replace(self.dir / "sweep.json")
+        write_json_atomic(self.dir / "sweep.json", {"id": self.id, "name": self.name, "grid": self.grid,
+                                                    "base": self.base, "target_acc": self.target, "runs": runs},
+                          default=str)
 
     # -- running ----------------------------------------------------------
     def run(self, out=None, poll_s: float = 0.5):

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
+from engine.runlog import write_json_atomic
 from lab.store import CONFIG, LabError, lab_config
 
 ACCESS_FILE = "access.json"
@@ -158,11 +159,7 @@ def _load(root: os.PathLike, create: bool) -> dict:
 def _save_access(root: os.PathLike, data: dict) -> None:
     path = access_path(root)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{ACCESS_FILE}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    write_json_atomic(path, data, mode=0o600)
 
 
 def set_class_token(root: os.PathLike, token: str) -> dict:

@@ -255,7 +255,8 @@ def test_measured_trials_decide(monkeypatch, tmp_path):
              for d in json.loads(sessions[0].file("trials.json").read_text())["dirs"]]
     assert len({t["compressor"]["name"] for t in tried[:3]}) == 3  # three compressor families
     assert all(t["network"] == {"link": "modeled", "gbps": 0.01, "latency_us": None} for t in tried)
-    assert all(t["steps"] == advisor.TRIAL_WARMUP + advisor.TRIAL_STEPS and t["eval_every"] == 0 for t in tried)
+    assert all(t["steps"] == advisor.TRIAL_WARMUP + advisor.TRIAL_STEPS and t["eval_every"] == 0
+               and t["final_eval"] is False for t in tried)
     # PowerSGD compresses from the first trial step: the trial times its steady state
     assert all(t["compressor"]["params"]["start_iter"] == 0 for t in tried if t["compressor"]["name"] == "powersgd")
     by_run = {c.trial_run: c for c in adv.candidates if c.trial_run}
@@ -421,6 +422,10 @@ def test_strategy_auto_run_records_the_decision(auto_root):
     tried = [c for c in rec["candidates"] if c["trial_run"]]
     assert 1 <= len(tried) <= 2 and rec["winner"] in [c["label"] for c in tried]  # the top one, DDP if close
     assert not run.file("auto-trials.json").exists()  # (2 + 4) steps do not fit into 5
+    profiled = lab.get(rec["runs"][0], runs=root)  # timed steps only: no evaluation at its end
+    assert profiled.spec_dict()["final_eval"] is False and profiled.metric_rows()
+    assert not [r for r in profiled.metric_rows() if r.get("kind") == "eval"]
+    assert [r for r in run.metric_rows() if r.get("kind") == "eval"]  # the run itself evaluates at its end
     session = lab.get(rec["runs"][1], runs=root)
     assert session.state == "done" and session.status()["advisor_for"] == run.id
     trials = advisor.session_trials(session)

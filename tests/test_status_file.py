@@ -204,3 +204,25 @@ def test_unreadable_error_file_is_reported_as_its_ranks_error(tmp_path):
     errs = run.errors()
     assert [e["rank"] for e in errs] == [0, 1]
     assert errs[1]["error"].startswith("error-rank1.json is unreadable:")
+
+
+def test_the_shared_json_writer_is_whole_or_nothing(tmp_path):
+    """engine.runlog.write_json_atomic, which every JSON file of a run and of the lab goes through: a value
+    json cannot encode leaves the old file as it was and no temporary file behind; ``mode`` sets the new
+    file's permissions (the workshop's access file is 0600)."""
+    import json
+    import stat
+
+    import pytest
+
+    from engine.runlog import write_json_atomic
+    path = tmp_path / "x.json"
+    write_json_atomic(path, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json_atomic(path, {"a": object()})
+    assert json.loads(path.read_text()) == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["x.json"]
+    write_json_atomic(str(path), {"b": [1, 2]}, indent=None, mode=0o600)
+    assert path.read_text() == '{"b": [1, 2]}'
+    write_json_atomic(tmp_path / "y.json", {}, mode=0o600)
+    assert stat.S_IMODE((tmp_path / "y.json").stat().st_mode) == 0o600

@@ -14,6 +14,7 @@ import time
 from typing import Dict, Generator, List, Optional, Sequence, Tuple
 
 from engine import schedules
+from engine.runlog import write_json_atomic
 from engine.schedules import Buckets, ParamInfo
 from engine.tuners.driver import Decision, Tuner
 
@@ -179,10 +180,7 @@ def write_cache(runs_root: str, key: str, entry: dict) -> Optional[str]:
         except CacheCorrupt as e:
             allc, problem = {}, str(e)
         allc[key] = entry
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(allc, f, indent=1)
-        os.replace(tmp, path)  # readers never see half a file
+        write_json_atomic(path, allc)  # readers never see half a file
     finally:
         os.close(fd)
     return problem

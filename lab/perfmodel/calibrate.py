@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from engine.runlog import write_json_atomic
 from lab.perfmodel.costs import Link, steps_and_wire
 
 class CalibrationError(ValueError):
@@ -78,9 +79,7 @@ class Profile:
     def save(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=1))
-        tmp.replace(path)
+        write_json_atomic(path, asdict(self))
         return path
 
     @classmethod

@@ -111,8 +111,8 @@ def measure_profile(spec: dict, runs=None, steps: int = PROFILE_STEPS,
     run instead of ``lab.run`` (the advisor runs it inside its own queue slot)."""
     import lab
     s = copy.deepcopy(spec)
-    s.update(name=f"profile {cal.spec_key(spec)}", world_size=1, steps=steps, eval_every=0, threads=1,
-             network={"link": "loopback"}, comm={"mode": "sync"},
+    s.update(name=f"profile {cal.spec_key(spec)}", world_size=1, steps=steps, eval_every=0, final_eval=False,
+             threads=1, network={"link": "loopback"}, comm={"mode": "sync"},
              compressor={"name": "none", "params": {}, "error_feedback": False})
     if "strategy" in s:  # the profiling run itself is fixed: none, sync
         s["strategy"] = {"mode": "fixed"}
