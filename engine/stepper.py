@@ -76,18 +76,23 @@ class Stepper:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self._build()
 
-    def _build(self, layout: Optional[dict] = None) -> None:
-        """The communicator, optimizer and tuning driver ``self.spec`` asks for, over the model."""
+    def _build(self, layout: Optional[dict] = None, broadcast: bool = True) -> None:
+        """The communicator, optimizer and tuning driver ``self.spec`` asks for, over the model.
+        ``broadcast``: the communicator starts by broadcasting rank 0's parameters and buffers (not on a
+        switch: the ranks hold the same parameters already, and on a slow link the broadcast of the whole
+        model was most of a switch's time)."""
         spec, model, group = self.spec, self.model, self.group
         # each bucket's own compressor instance, by its size where compressor.per_bucket has rules
         plan = Plan.from_section(dataclasses.asdict(spec.compressor))
         if spec.comm.mode == "dear":
             # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
             self.dp: Communicator = DeAR(model, self._dear_layout(), timeline=self.timeline, group=group,
-                                         link=netmodel.from_spec(spec.network), plan=plan)
+                                         link=netmodel.from_spec(spec.network), plan=plan,
+                                         broadcast_from_rank0=broadcast)
         else:
             self.dp = DataParallel(model, schedule_fn(spec), plan, mode=spec.comm.mode, timeline=self.timeline,
-                                   group=group, link=netmodel.from_spec(spec.network))
+                                   group=group, link=netmodel.from_spec(spec.network),
+                                   broadcast_from_rank0=broadcast)
         if self.probe:
             self.probe.follow(self.dp)  # one gradient hook per parameter: the communicator's
         if layout is not None:  # a partition given (strategy auto's MergeComp trial): parameter names and cuts
@@ -119,7 +124,7 @@ class Stepper:
         self.dp.sync_params()  # dear: the model holds the latest parameters before its shards go
         self.dp.close()
         self.spec = spec
-        self._build(layout)
+        self._build(layout, broadcast=False)
 
     def _dear_layout(self):
         """dear's buffers: by comm.layers or by comm.cap_mb (the spec holds its default; with comm.tune

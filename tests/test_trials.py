@@ -27,10 +27,19 @@ def _switching(rank, world):
     ref = Trainer(JobSpec.from_dict(_spec()), None, rank, world, dev)
     sw = Trainer(JobSpec.from_dict(_spec()), None, rank, world, dev)
     modes = {3: {"mode": "dear"}, 6: {"mode": "sync"}, 9: {"mode": "wfbp"}}
-    built = []
+    built, broadcasts = [], []
+    real = torch.distributed.broadcast
+
+    def counted(*a, **k):
+        broadcasts.append(a[0].numel())
+        return real(*a, **k)
     for s in range(12):
         if s in modes:
-            sw.switch(JobSpec.from_dict(_spec(comm=modes[s])))
+            torch.distributed.broadcast = counted
+            try:  # the ranks hold the same parameters: a switch broadcasts nothing
+                sw.switch(JobSpec.from_dict(_spec(comm=modes[s])))
+            finally:
+                torch.distributed.broadcast = real
             built.append(type(sw.dp).__name__)
         ref.train_step()
         sw.train_step()
@@ -41,12 +50,13 @@ def _switching(rank, world):
                                                                      dev).model.parameters()))
     for t in (ref, sw):
         t.close()
-    return diff, moved, built, sw.step
+    return diff, moved, built, sw.step, broadcasts
 
 
 def test_switching_strategy_keeps_the_training():
-    for diff, moved, built, step in run_world(_switching):
+    for diff, moved, built, step, broadcasts in run_world(_switching):
         assert built == ["DeAR", "DataParallel", "DataParallel"] and step == 12
+        assert broadcasts == []
         assert moved > 1e-3  # the models did train
         assert diff < 1e-5, diff
 
