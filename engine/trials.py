@@ -9,7 +9,8 @@ and that search's predicted cost per step (``extra_ms``).
 The ranks train the run's first steps under each candidate in turn, switching strategy at step
 boundaries (``Stepper.switch``: communicator, tuner and, for dear's shards, optimizer rebuilt over the same
 model): ``warmup`` steps, then up to ``steps`` timed ones. A candidate whose first ``abort_after`` timed
-steps already score ``abort_ratio`` times the best score so far stops there. Each step's time is the
+steps already score ``abort_ratio`` times the best score so far stops there; with ``stop_ratio`` in the plan,
+one whose fastest step so far (warm-up steps included) scores ``stop_ratio`` times the best stops at once. Each step's time is the
 slower rank's (one small all-reduce per decision, outside the timed steps), so every rank computes the
 same scores and the same winner: the lowest (median ms + extra_ms) x penalty. The run then trains its
 remaining steps under the winner's ``final`` spec (PowerSGD's uncompressed start shortened by the steps
@@ -63,6 +64,9 @@ def read(run_dir: Optional[str]) -> Optional[dict]:
             raise ValueError(f"{path}: {k} must be an integer >= {lo}, got {plan.get(k)!r}")
     if not isinstance(plan.get("abort_ratio"), (int, float)) or plan["abort_ratio"] < 1:
         raise ValueError(f"{path}: abort_ratio must be a number >= 1, got {plan.get('abort_ratio')!r}")
+    stop = plan.get("stop_ratio")
+    if stop is not None and (not isinstance(stop, (int, float)) or stop < plan["abort_ratio"]):
+        raise ValueError(f"{path}: stop_ratio must be a number >= abort_ratio ({plan['abort_ratio']}), got {stop!r}")
     return plan
 
 
@@ -102,6 +106,7 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     from engine.spec import JobSpec
     tl, device = trainer.timeline, trainer.device
     warm, n, abort_after, ratio = plan["warmup"], plan["steps"], plan["abort_after"], plan["abort_ratio"]
+    stop = plan.get("stop_ratio")
     out, best = [], float("inf")
     started = time.perf_counter()
     for i, trial in enumerate(plan["trials"]):
@@ -114,16 +119,22 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
         for k in range(warm + n):
             times.append(trainer.train_step(trial=i)["time_ms"])
             after_step()
+            if stop is not None and k + 1 < warm + abort_after and best < float("inf"):
+                # far slower from its first step (warm-up included): its fastest step so far decides
+                if score([min(slower_rank(times, device))], trial) > stop * best:
+                    aborted = True
+                    break
             if k + 1 == warm + abort_after and k + 1 < warm + n and best < float("inf"):
                 early = slower_rank(times, device)[warm:]
                 if score(early, trial) > ratio * best:
                     aborted = True
                     break
         times = slower_rank(times, device)
-        s = score(times[warm:], trial)
+        timed = times[warm:] or times  # stopped during its warm-up: its steps so far are all there is
+        s = score(timed, trial)
         best = min(best, s)
         out.append({"label": trial["label"], "first_step": first, "last_step": trainer.step - 1, "times_ms": times,
-                    "median_ms": statistics.median(times[warm:]), "score_ms": s, "aborted": aborted,
+                    "median_ms": statistics.median(timed), "score_ms": s, "aborted": aborted,
                     "switch_s": switch_s})
         if tl.enabled:
             tl.span("advisor", f"trial {i}: {trial['label']}", m0, tl.mark(),

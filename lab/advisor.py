@@ -69,6 +69,10 @@ ABORT_AFTER = 3
 ABORT_RATIO = 1.25
 """Trials in the run: a candidate whose first ``ABORT_AFTER`` timed steps score more than ``ABORT_RATIO`` times
 the best trial's so far stops there (its remaining steps would only cost the run time)."""
+STOP_RATIO = 3.0
+"""Trials in the run: a candidate stops at once, warm-up steps included, when even its fastest step so far scores
+more than ``STOP_RATIO`` times the best trial's (on a 0.1 Gbit/s link int8's 5 steps at 5x PowerSGD's pace were
+most of the trials' cost). Generous: a new communicator's first steps ran up to 1.8x its median here."""
 TRIALS = 3
 """Candidates tried by prediction (one per compressor); DDP is tried besides them when ``DDP_MARGIN`` says."""
 DDP_MARGIN = 1.5

@@ -13,7 +13,7 @@ import json
 import time
 from typing import Callable, Dict, List, Optional
 
-from lab.advisor import (ABORT_AFTER, ABORT_RATIO, TRIAL_WARMUP, Advice, Candidate, add_note, advise,
+from lab.advisor import (ABORT_AFTER, ABORT_RATIO, STOP_RATIO, TRIAL_WARMUP, Advice, Candidate, add_note, advise,
                          compressing_at_once, explain, measure_in_session, search_extra_ms, session_trials,
                          trial_picks, with_search_cost, with_strategy, write_json)
 
@@ -36,7 +36,7 @@ def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int) -> dict:
             t["layout"] = {"order": order, "cuts": c.layout_cuts}
         trials.append(t)
     return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "abort_after": ABORT_AFTER, "abort_ratio": ABORT_RATIO,
-            "trials": trials}
+            "stop_ratio": STOP_RATIO, "trials": trials}
 
 
 def fold_in_run(run, record: dict) -> dict:

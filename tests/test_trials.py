@@ -130,6 +130,19 @@ def test_trials_choose_by_time_x_penalty_and_stop_a_clear_loser(tmp_path):
     assert [e["args"]["aborted"] for e in lane] == [False, False, True]
 
 
+def test_a_far_slower_trial_stops_at_its_first_step(tmp_path):
+    """stop_ratio: none at penalty 10 scores ~10x fp16's best from its very first (warm-up) step: with a stop
+    ratio of 5 it trains that one step only, where abort_after alone let it train 1 + 2."""
+    (tmp_path / trials.FILE).write_text(json.dumps(_plan(stop_ratio=5.0)))
+    for comp, step in run_world(_run_trials, str(tmp_path)):
+        assert comp == "fp16" and step == 40
+    res = json.loads((tmp_path / trials.RESULT).read_text())
+    first, second, third = res["trials"]
+    assert not first["aborted"] and not second["aborted"]  # no best yet for the first; fp16 is the best
+    assert third["aborted"] and (third["first_step"], third["last_step"]) == (10, 10)
+    assert res["winner"] == 1 and res["trial_steps"] == 11
+
+
 def test_trials_shorten_powersgd_start_by_the_steps_trained():
     s = _spec(compressor={"name": "powersgd", "params": {"rank": 1, "start_iter": 12},
                           "per_bucket": [{"below_mb": 1.0, "name": "powersgd", "params": {"rank": 2}}]})
@@ -144,6 +157,7 @@ def test_trials_shorten_powersgd_start_by_the_steps_trained():
     ({"trials": []}, "trials must be a non-empty list"),
     ({"steps": 0}, "steps must be an integer >= 1"),
     ({"abort_ratio": 0.5}, "abort_ratio must be a number >= 1"),
+    ({"stop_ratio": 1.1}, r"stop_ratio must be a number >= abort_ratio \(1.25\)"),
 ])
 def test_a_bad_trial_plan_is_refused(tmp_path, change, problem):
     (tmp_path / trials.FILE).write_text(json.dumps(_plan(**change)))
