@@ -1,7 +1,7 @@
 """The advisor against a measured grid: does its choice come within 5% of the grid's best, is it never more
 than 3% slower than DDP, and does it cost at most 10% of a 300-step run?
 
-    python bench/advisor.py [--models resnet,transformer] [--gbps 0.1,1,10] [--link modeled] [--steps 14]
+    python bench/advisor.py [--models resnet,transformer,gpt2] [--gbps 0.1,1,10] [--link modeled] [--steps 14]
                             [--rounds 1] [--trials 0] [--json bench/results/advisor.json] [--md FILE]
 
 For each model and link rate: the advisor ranks the strategy space from the performance model. With
@@ -46,6 +46,10 @@ MODELS = {
     "transformer": {"model": {"name": "transformer", "n_layer": 4, "n_head": 4, "n_embd": 128},
                     "dataset": {"name": "text", "block": 64}, "batch_size": 32,
                     "optimizer": {"name": "adamw", "lr": 0.001, "weight_decay": 0.01}},
+    # a Hugging Face model (transformers' GPT-2 built from its config, randomly initialised), as large as the above
+    "gpt2": {"model": {"name": "hf:gpt2", "n_layer": 4, "n_head": 4, "n_embd": 128},
+             "dataset": {"name": "text", "block": 64}, "batch_size": 32,
+             "optimizer": {"name": "adamw", "lr": 0.001, "weight_decay": 0.01}},
 }
 
 
