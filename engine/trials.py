@@ -10,9 +10,10 @@ The ranks train the run's first steps under each candidate in turn, switching st
 boundaries (``Stepper.switch``: communicator, tuner and, for dear's shards, optimizer rebuilt over the same
 model): ``warmup`` steps, then up to ``steps`` timed ones. A candidate whose first ``abort_after`` timed
 steps already score ``abort_ratio`` times the best score so far stops there; with ``stop_ratio`` in the plan,
-one whose fastest step so far (warm-up steps included) scores ``stop_ratio`` times the best stops at once. Each step's time is the
-slower rank's (one small all-reduce per decision, outside the timed steps), so every rank computes the
-same scores and the same winner: the lowest (median ms + extra_ms) x penalty. The run then trains its
+one whose fastest step so far (warm-up steps included) scores ``stop_ratio`` times the best stops at once.
+Each step's time is the slower rank's (one small all-reduce per decision, outside the timed steps), so every
+rank computes the same scores and the same winner: the lowest (median ms + extra_ms) x penalty, except that a
+trial marked ``reference`` (DDP) wins unless the lowest beats it by more than ``hold_margin``. The run then trains its
 remaining steps under the winner's ``final`` spec (PowerSGD's uncompressed start shortened by the steps
 already trained).
 
@@ -64,6 +65,12 @@ def read(run_dir: Optional[str]) -> Optional[dict]:
             raise ValueError(f"{path}: {k} must be an integer >= {lo}, got {plan.get(k)!r}")
     if not isinstance(plan.get("abort_ratio"), (int, float)) or plan["abort_ratio"] < 1:
         raise ValueError(f"{path}: abort_ratio must be a number >= 1, got {plan.get('abort_ratio')!r}")
+    hold = plan.get("hold_margin")
+    if hold is not None and (not isinstance(hold, (int, float)) or hold < 1):
+        raise ValueError(f"{path}: hold_margin must be a number >= 1, got {hold!r}")
+    refs = [i for i, t in enumerate(trials) if t.get("reference")]
+    if len(refs) > 1:
+        raise ValueError(f"{path}: at most one trial is the reference, got trials {refs}")
     stop = plan.get("stop_ratio")
     if stop is not None and (not isinstance(stop, (int, float)) or stop < plan["abort_ratio"]):
         raise ValueError(f"{path}: stop_ratio must be a number >= abort_ratio ({plan['abort_ratio']}), got {stop!r}")
@@ -142,6 +149,11 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
                      "median_ms": round(out[-1]["median_ms"], 3), "aborted": aborted})
             tl.flush()
     w = min(range(len(out)), key=lambda j: out[j]["score_ms"])
+    held = False
+    ref = next((j for j, t in enumerate(plan["trials"]) if t.get("reference")), None)
+    margin = float(plan.get("hold_margin") or 1.0)
+    if ref is not None and ref != w and out[w]["score_ms"] * margin > out[ref]["score_ms"]:
+        w, held = ref, True  # a win inside the margin goes to the reference (DDP)
     final = shorten_start(plan["trials"][w]["final"], trainer.step)
     t0 = time.perf_counter()
     trainer.switch(JobSpec.from_dict(final))
@@ -151,7 +163,7 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     # net out to about zero), and the switches
     excess_s = sum(t - win_ms for r in out for t in r["times_ms"]) / 1e3
     switches_s = sum(r["switch_s"] for r in out) + final_switch_s
-    result = {"trials": out, "winner": w, "label": out[w]["label"], "decided_step": trainer.step,
+    result = {"trials": out, "winner": w, "label": out[w]["label"], "held": held, "decided_step": trainer.step,
               "trial_steps": trainer.step, "excess_s": excess_s, "switch_s": switches_s,
               "cost_s": excess_s + switches_s, "wall_s": time.perf_counter() - started, "t": time.time()}
     if trainer.rank == 0 and trainer.run_dir:

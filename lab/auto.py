@@ -13,9 +13,9 @@ import json
 import time
 from typing import Callable, Dict, List, Optional
 
-from lab.advisor import (ABORT_AFTER, ABORT_RATIO, STOP_RATIO, TRIAL_WARMUP, Advice, Candidate, add_note, advise,
-                         compressing_at_once, explain, measure_in_session, search_extra_ms, session_trials,
-                         trial_picks, with_search_cost, with_strategy, write_json)
+from lab.advisor import (ABORT_AFTER, ABORT_RATIO, DDP_HOLD, STOP_RATIO, TRIAL_WARMUP, Advice, Candidate,
+                         add_note, advise, compressing_at_once, explain, is_ddp, measure_in_session, search_extra_ms,
+                         session_trials, trial_picks, with_search_cost, with_strategy, write_json)
 
 RECORD_KEY = "advisor"
 """tuning.json's key for the advisor's record (an engine tuner of the chosen strategy writes the rest)."""
@@ -34,9 +34,11 @@ def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int) -> dict:
              "final": with_strategy(base, c.strategy()), "penalty": c.penalty, "extra_ms": search_extra_ms(c)}
         if c.schedule["name"] == "mergecomp" and c.layout_cuts is not None and order is not None:
             t["layout"] = {"order": order, "cuts": c.layout_cuts}
+        if is_ddp(c):
+            t["reference"] = True  # DDP holds unless beaten by more than hold_margin
         trials.append(t)
     return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "abort_after": ABORT_AFTER, "abort_ratio": ABORT_RATIO,
-            "stop_ratio": STOP_RATIO, "trials": trials}
+            "stop_ratio": STOP_RATIO, "hold_margin": DDP_HOLD, "trials": trials}
 
 
 def fold_in_run(run, record: dict) -> dict:

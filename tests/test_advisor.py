@@ -291,6 +291,21 @@ def test_trials_hold_ddp_when_it_is_close(monkeypatch, tmp_path):
     assert len([c for c in slow.candidates if c.trial_run]) == 2
 
 
+@pytest.mark.parametrize("other_ms,ddp_wins", [(9.8, True), (9.0, False)])
+def test_a_measured_win_inside_the_hold_margin_goes_to_ddp(monkeypatch, tmp_path, other_ms, ddp_wins):
+    """Measured 2% faster than DDP (inside DDP_HOLD, 3%) the other candidate loses to DDP, and the reason says
+    why; 10% faster, it wins."""
+    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    runner = fake_session_runner(tmp_path, lambda i, t: 10.0 if t["compressor"]["name"] == "none"
+                                 and not t["compressor"]["per_bucket"] and t["schedule"]["name"] == "bucket"
+                                 and t["schedule"]["cap_mb"] == 25.0 and t["comm"]["mode"] == "wfbp" else other_ms, [])
+    adv = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+                         runner=runner)
+    assert advisor.is_ddp(adv.winner) == ddp_wins and adv.chosen_by == "measured"
+    assert adv.reason.startswith("DDP held") == ddp_wins, adv.reason
+
+
 def test_winner_spec_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
     s = spec()

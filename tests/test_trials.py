@@ -143,6 +143,20 @@ def test_a_far_slower_trial_stops_at_its_first_step(tmp_path):
     assert res["winner"] == 1 and res["trial_steps"] == 11
 
 
+@pytest.mark.parametrize("margin,held", [(10.0, True), (1.0, False)])
+def test_the_reference_trial_holds_inside_its_margin(tmp_path, margin, held):
+    """A trial marked reference (DDP) wins unless the lowest score beats it by more than hold_margin: none x3
+    (3 times fp16's arithmetic) is held at a margin of 10 and loses at 1."""
+    plan = _plan(hold_margin=margin)
+    plan["trials"] = plan["trials"][:2]
+    plan["trials"][0]["reference"] = True
+    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    for comp, step in run_world(_run_trials, str(tmp_path)):
+        assert comp == ("none" if held else "fp16") and step == 40
+    res = json.loads((tmp_path / trials.RESULT).read_text())
+    assert res["held"] is held and res["winner"] == (0 if held else 1)
+
+
 def test_trials_shorten_powersgd_start_by_the_steps_trained():
     s = _spec(compressor={"name": "powersgd", "params": {"rank": 1, "start_iter": 12},
                           "per_bucket": [{"below_mb": 1.0, "name": "powersgd", "params": {"rank": 2}}]})
@@ -158,6 +172,7 @@ def test_trials_shorten_powersgd_start_by_the_steps_trained():
     ({"steps": 0}, "steps must be an integer >= 1"),
     ({"abort_ratio": 0.5}, "abort_ratio must be a number >= 1"),
     ({"stop_ratio": 1.1}, r"stop_ratio must be a number >= abort_ratio \(1.25\)"),
+    ({"hold_margin": 0.9}, "hold_margin must be a number >= 1"),
 ])
 def test_a_bad_trial_plan_is_refused(tmp_path, change, problem):
     (tmp_path / trials.FILE).write_text(json.dumps(_plan(**change)))
