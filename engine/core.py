@@ -614,8 +614,11 @@ class Communicator:
     def _land_bulk(self, b: Bucket) -> None:
         """Land a bulk bucket's gradients after backward, as its hooks would have one by one: a fresh
         tensor in p.grad (after ``zero_grad``) is copied in with the scale fused; a gradient autograd
-        accumulated into the view itself is scaled in place; p.grad None
-        (never arrived) counts as zero. ``_end_step`` points p.grad at the views again."""
+        accumulated into the view itself is scaled in place; p.grad None (never arrived) counts as zero.
+        ``_end_step`` points p.grad at the views again. Unlike the hooks, this cannot tell a gradient
+        that did not arrive from one autograd added into the view: after ``zero_grad`` (or torch's, either
+        kind) that is the same, but with no zeroing at all between steps a parameter unused this step
+        keeps its last gradient, scaled again, where the hooks would zero it."""
         seen, s = b.seen, b.scale
         for pos, (p, view) in enumerate(zip(b.params, b.views)):
             g = p.grad

@@ -145,7 +145,7 @@ class LayerProbe:
 
     def _per_layer(self) -> None:
         """One gradient hook per layer, on the parameter that completed it in the first step (a layer
-        none of whose gradients arrived then: its first parameter), instead of one per parameter."""
+        not completed then, a parameter of it unused: its first parameter), instead of one per parameter."""
         self._unfollow()
         for h in self.acc_handles:
             h.remove()
