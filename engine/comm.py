@@ -79,6 +79,11 @@ class DataParallel(Communicator):
         self._multi = []
 
     # -- backward side ----------------------------------------------------
+    def _bulk_buckets(self) -> List[int]:
+        if self.mode == "sync":  # nothing launches before finish: every bucket lands in bulk there
+            return list(range(len(self.buckets)))
+        return super()._bulk_buckets()
+
     def _bucket_ready(self, b: Bucket) -> None:
         if self.mode == "wfbp":
             self._launch_ready()

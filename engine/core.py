@@ -11,6 +11,11 @@ What the core owns, for every mode alike:
 - readiness: a post-accumulate-grad hook per parameter counts arrivals; when a bucket's last
   gradient lands the mode hears of it (``_bucket_ready``); buckets are launched strictly in
   bucket order, so every rank issues the same collectives in the same order;
+- bulk landing: a bucket that cannot launch before backward ends anyway (the last one in launch
+  order; every one in sync) gets no per-parameter hook from the second step on (the first step
+  records the arrival order): its gradients stay where autograd put them and land in ``finish``,
+  all in one pass (``_land_bulk``), with one hook on one of their parameters left to catch a
+  second backward before ``finish``;
 - pending collectives (``Pending``), their completion stamps and their timeline spans;
 - zeroing gradients that never arrived (a parameter forward did not use);
 - relayout: rebuilding the buckets at a step boundary, per-element compressor state moving with
@@ -379,6 +384,9 @@ class Bucket:
         self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
         self.scale: Optional[float] = None
         """Set by the mode when gradients land multiplied by it (1/world, fused into the landing copy)."""
+        self.bulk = False
+        """Set by the communicator (``Communicator._rehook``): the gradients land all at once in ``finish``
+        (``Communicator._land_bulk``), not one by one from per-parameter hooks during backward."""
         self.codec = compressor.describe()
         """The compressor as a spec names it (mixed strategies: it differs between buckets); the timeline's
         comm spans and layout.json carry it."""
@@ -451,17 +459,20 @@ class Communicator:
         self.ready_order: Optional[List[int]] = None
         """Indices into ``params`` in the order their gradients became ready in the first step."""
         self._arrivals: List[int] = []
-        self.record_ready = False
-        """When True, ``ready_at`` gets each gradient's host time of arrival in the current step."""
+        self._record_ready = False
         self.ready_at: List[float] = [0.0] * len(self.params)
         self._rebind = False
         self._unstamped: list = []
         """(work, Pending) of collectives without a future (gloo's reduce-scatter): stamped when polled."""
         self._listeners: List[Callable[[int, torch.nn.Parameter], None]] = []
-        """Called as ``fn(index, param)`` after each gradient lands (``listen``)."""
-        # one hook per parameter, bound to its index: no dict lookup keyed by a tensor in the hot path
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
-                       for i, p in enumerate(self.params)]
+        """Called as ``fn(index, param)`` after each gradient lands from a hook (``listen``)."""
+        self._grad_hooks: list = [None] * len(self.params)
+        """By index into ``params``: its landing hook, None while its bucket lands in bulk (``_rehook``)."""
+        self._sentinels: list = []
+        """While buckets land in bulk, one hook on one of their parameters: a second backward before
+        ``finish`` is still an error."""
+        self._hooks: list = []
+        """Other hooks the mode keeps (dear's forward pre-hooks and optimizer hook), removed by ``close``."""
         self.step_bytes = 0
         self.step_raw_bytes = 0
 
@@ -490,6 +501,7 @@ class Communicator:
         self.step_raw_bytes = sum(b.raw_bytes for b in self.buckets)
         self._next = 0
         self._bind_views()  # autograd accumulates straight into the buckets
+        self._rehook()
 
     def relayout(self, layout: List[List[int]], order: Optional[Sequence[int]] = None) -> None:
         """Rebuild the buckets at a step boundary (after ``finish`` and ``zero_grad``).
@@ -551,19 +563,106 @@ class Communicator:
     def sync_params(self) -> None:
         """Make the model's parameters the latest (dear completes its pending all-gathers)."""
 
+    # -- landing hooks ------------------------------------------------------
+    @property
+    def record_ready(self) -> bool:
+        """When True, ``ready_at`` gets each gradient's host time of arrival in the current step (every
+        parameter then has its landing hook, bulk buckets included). Set it at a step boundary."""
+        return self._record_ready
+
+    @record_ready.setter
+    def record_ready(self, on: bool) -> None:
+        if bool(on) != self._record_ready:
+            self._record_ready = bool(on)
+            self._rehook()
+
+    def _bulk_buckets(self) -> List[int]:
+        """The buckets that cannot launch before backward ends, so per-parameter work during backward
+        buys them nothing: the last one in launch order (it launches only once every other one has,
+        i.e. at the last gradient; a mode that launches nothing in backward says all of them)."""
+        return [len(self.buckets) - 1] if self.buckets else []
+
+    def _rehook(self) -> None:
+        """Give each parameter its landing hook, or none where its bucket lands in bulk: from the
+        second step on (the first records ``ready_order`` from the hooks), not while ``record_ready``."""
+        bulk = set(self._bulk_buckets()) if self.ready_order is not None and not self._record_ready else set()
+        for b in self.buckets:
+            b.bulk = b.index in bulk
+        for h in self._sentinels:
+            h.remove()
+        self._sentinels = []
+        for i, p in enumerate(self.params):
+            h = self._grad_hooks[i]
+            if self._slot_at[i][0].bulk:
+                if h is not None:
+                    h.remove()
+                    self._grad_hooks[i] = None
+            elif h is None:
+                # bound to its index: no dict lookup keyed by a tensor in the hot path
+                self._grad_hooks[i] = p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, i))
+        if bulk:  # on the bulk parameter that arrived first: a second backward reaches it soonest
+            i = next(i for i in self.ready_order if self._slot_at[i][0].bulk)
+            self._sentinels.append(self.params[i].register_post_accumulate_grad_hook(
+                functools.partial(self._on_bulk_grad, *self._slot_at[i])))
+
+    def _on_bulk_grad(self, b: Bucket, pos: int, p: torch.nn.Parameter) -> None:
+        if b.seen[pos]:
+            raise RuntimeError(f"gradient of {b.names[pos]} was produced twice in one step; "
+                               "call finish() after every backward (no gradient accumulation yet)")
+        b.seen[pos] = True
+
+    def _land_bulk(self, b: Bucket) -> None:
+        """Land a bulk bucket's gradients after backward, as its hooks would have one by one: a fresh
+        tensor in p.grad (after ``zero_grad``) is copied in with the scale fused; a gradient autograd
+        accumulated into the view itself is scaled in place; p.grad None (never arrived) counts as zero.
+        ``_end_step`` points p.grad at the views again. Unlike the hooks, this cannot tell a gradient
+        that did not arrive from one autograd added into the view: after ``zero_grad`` (or torch's, either
+        kind) that is the same, but with no zeroing at all between steps a parameter unused this step
+        keeps its last gradient, scaled again, where the hooks would zero it."""
+        seen, s = b.seen, b.scale
+        for pos, (p, view) in enumerate(zip(b.params, b.views)):
+            g = p.grad
+            if g is None:
+                view.zero_()
+                seen[pos] = False
+                self._rebind = True
+            elif g is view or g.data_ptr() == view.data_ptr():
+                if s is not None:
+                    view.mul_(s)
+                seen[pos] = True
+            else:
+                if s is None:
+                    view.copy_(g)
+                else:
+                    torch.mul(g, s, out=view)
+                seen[pos] = True
+                self._rebind = True
+        b.pending = 0
+        b.ready = True
+        tl = self.timeline
+        if tl.enabled:
+            t = tl.now()
+            tl.span("ready", f"b{b.index} ready", t, t, {"bucket": b.index})
+
     # -- backward side ----------------------------------------------------
     def listen(self, fn: Callable[[int, torch.nn.Parameter], None]) -> None:
-        """Call ``fn(index, param)`` each time a parameter's gradient has landed in its bucket
-        (``index`` into ``params``), from this communicator's own hook: the layer probe's
-        backward spans use it instead of a second hook per parameter."""
+        """Call ``fn(index, param)`` each time a parameter's gradient has landed in its bucket from
+        this communicator's own hook (``index`` into ``params``): every parameter in the first step,
+        from then on only those of buckets not landed in bulk. The layer probe learns its layers'
+        arrival order from it in the first step instead of a second hook per parameter."""
         self._listeners.append(fn)
+
+    def unlisten(self, fn: Callable[[int, torch.nn.Parameter], None]) -> None:
+        """Stop calling ``fn`` (given to ``listen``; a closed communicator has dropped it already)."""
+        if fn in self._listeners:
+            self._listeners.remove(fn)
 
     def _on_grad(self, i: int, p: torch.nn.Parameter) -> None:
         if self._unstamped:
             self._poll()
         if self.ready_order is None:
             self._arrivals.append(i)
-        if self.record_ready:
+        if self._record_ready:
             self.ready_at[i] = self.timeline.now()
         b, pos = self._slot_at[i]
         view = b.views[pos]
@@ -597,10 +696,16 @@ class Communicator:
     def _launch(self, b: Bucket) -> None:
         raise NotImplementedError
 
-    def _complete_arrivals(self) -> None:
-        """After backward: gradients that never arrived count as zero, then everything launches."""
+    def _land_rest(self) -> None:
+        """After backward: bulk buckets land their gradients; gradients that never arrived count as zero."""
         for b in self.buckets:
+            if b.bulk:
+                self._land_bulk(b)
             b.zero_missing()
+
+    def _complete_arrivals(self) -> None:
+        """After backward: every gradient lands (``_land_rest``), then everything launches."""
+        self._land_rest()
         self._launch_ready()
 
     def _end_step(self) -> None:
@@ -609,6 +714,8 @@ class Communicator:
         if self.ready_order is None:  # the first step: the order gradients really arrived in
             seen = set(self._arrivals)
             self.ready_order = self._arrivals + [i for i in range(len(self.params)) if i not in seen]
+            self._arrivals = []
+            self._rehook()  # known now: buckets that launch at the end of backward anyway land in bulk
         if self._rebind:  # only after something replaced p.grad: no per-parameter loop in the common step
             self._bind_views()
         for b in self.buckets:
@@ -673,9 +780,9 @@ class Communicator:
     def zero_grad(self) -> None:
         """Drop the gradients (p.grad = None, as torch's set_to_none). The next backward hands each
         gradient to the landing hook as a fresh tensor, which is copied into its bucket in one pass
-        (with the 1/world scale fused where the mode asks): cheaper than zeroing the buckets and
-        letting autograd add into them. Gradients that do not arrive are zeroed in ``finish``, and
-        ``finish`` points p.grad at the buckets again."""
+        (with the 1/world scale fused where the mode asks; a bulk bucket's all at once, in ``finish``):
+        cheaper than zeroing the buckets and letting autograd add into them. Gradients that do not
+        arrive are zeroed in ``finish``, and ``finish`` points p.grad at the buckets again."""
         for p in self.params:
             p.grad = None
         self._rebind = True
@@ -683,8 +790,9 @@ class Communicator:
     def close(self) -> None:
         """Remove the hooks and drop every collective handle. No collective here: close also runs
         when a rank fails."""
-        for h in self._hooks:
+        for h in self._hooks + self._sentinels + [h for h in self._grad_hooks if h is not None]:
             h.remove()
-        self._hooks = []
+        self._hooks, self._sentinels = [], []
+        self._grad_hooks = [None] * len(self.params)
         self._listeners = []
         self._unstamped = []

@@ -352,8 +352,7 @@ class DeAR(Communicator):
 
     def finish(self) -> None:
         """After backward: every rank holds the averaged gradient of its shards in ``shard_params()[g].grad``."""
-        for b in self.buckets:
-            b.zero_missing()
+        self._land_rest()
         for b in self.buckets:
             if not b.fresh and any(b.seen):
                 raise RuntimeError(f"dear: {b.label()} got gradients but was not gathered before forward used it; "

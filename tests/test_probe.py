@@ -1,8 +1,9 @@
 """The layer probe (engine/probe.py): per-layer forward and backward spans that tile each pass
 (each layer's span starts where the previous probe event ended), from one root pre-hook, one
 post-hook per layer and one tensor hook per step; and its backward spans when it follows the
-communicator (follow): one gradient hook per parameter, the communicator's, and still one backward
-span per layer per step, ending after the layer's last gradient landed."""
+communicator (follow): in the first step one gradient hook per parameter, the communicator's, from
+the second one gradient hook per layer, and still one backward span per layer per step, ending after
+the layer's last gradient landed."""
 import functools
 import json
 import os
@@ -27,21 +28,27 @@ def _probe_step(rank, world, follow):
     model = _model()
     path = os.path.join(tempfile.mkdtemp(), f"t{rank}.jsonl")
     tl = Timeline(path, rank)
-    probe = LayerProbe(model, tl)
+    probe = LayerProbe(model, tl) if follow != "late" else None
     dp = DataParallel(model, functools.partial(schedules.build, "layerwise"), lambda: make("none"),
                       mode="wfbp", timeline=tl)
-    if follow:
+    if follow is True:
         probe.follow(dp)
-    hooks = [len(p._post_accumulate_grad_hooks) for p in model.parameters()]
+    count = lambda: [len(p._post_accumulate_grad_hooks) for p in model.parameters()]  # noqa: E731
+    hooks = [count()]
     landed = []
-    for step in range(2):
+    for step in range(3):
         x = torch.randn(8, 5, generator=torch.Generator().manual_seed(10 * step + rank))
         model(x).square().sum().backward()
         dp.finish()
-        landed.append(dict(probe.bwd_left))
+        if probe is None:  # "late": built and following once the communicator knows the arrival order
+            probe = LayerProbe(model, tl)
+            probe.follow(dp)
+        else:
+            landed.append(dict(probe.bwd_left))
         dp.zero_grad()
         probe.reset()
         tl.flush()
+        hooks.append(count())
     probe.close()
     dp.close()
     tl.close()
@@ -51,11 +58,16 @@ def _probe_step(rank, world, follow):
 
 
 def test_a_following_probe_adds_no_hook_and_keeps_its_backward_spans():
-    for follow in (False, True):
+    for follow in (False, True, "late"):
         for hooks, landed, spans in run_world(_probe_step, follow):
-            assert hooks == [2 if not follow else 1] * 4, (follow, hooks)  # the probe's own hook, or none
-            assert landed == [{"0": 0, "2": 0}] * 2  # every layer's parameters were counted, every step
-            assert sorted(n for n, _ in spans) == ["0", "0", "2", "2"] and all(d >= 0 for _, d in spans)
+            if follow != "late":
+                assert hooks[0] == [2 if not follow else 1] * 4, (follow, hooks)  # the probe's own hook, or none
+                assert landed == [{"0": 0, "2": 0}] * 3  # every layer's span ended, every step
+            # from the second step: the communicator's landing hooks but on the last bucket (layerwise: 0.weight),
+            # which keeps one (the second-backward check), and one hook per layer, the probe's
+            assert sum(hooks[-1]) == 4 + 2 and sum(hooks[1]) == 6, (follow, hooks)
+            want = ["0", "2"] * (3 if follow != "late" else 2)
+            assert sorted(n for n, _ in spans) == sorted(want) and all(d >= 0 for _, d in spans), (follow, spans)
 
 
 def test_timeline_lines_are_chrome_trace_events_across_flushes():
@@ -147,7 +159,9 @@ def test_layer_spans_tile_forward_and_backward():
     assert len(model._forward_pre_hooks) == 1 and not model.block._forward_pre_hooks
     assert [len(m._forward_hooks) for m in (model.emb, model.block, model.block.inner, model.head)] == [1] * 4
     x = torch.randint(0, 7, (5, 2))
-    for step in range(2):
+    for step in range(3):
+        # a hook per parameter and layer using it in the first step, then one per layer (the tied weight: two)
+        assert sum(len(p._post_accumulate_grad_hooks) for p in model.parameters()) == (6 if step == 0 else 4)
         rec.spans.clear()
         start = rec.n + 1  # the root pre-hook's mark
         out = model(x)
