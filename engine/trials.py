@@ -30,7 +30,7 @@ import json
 import os
 import statistics
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -107,6 +107,16 @@ def score(times: List[float], trial: dict) -> float:
     return (statistics.median(times) + float(trial.get("extra_ms") or 0.0)) * float(trial["penalty"])
 
 
+def choose(scores: List[float], plan: dict) -> Tuple[int, bool]:
+    """The winning trial (index) by its score, and whether the reference trial (DDP) held: a trial marked
+    ``reference`` wins unless the lowest score beats it by more than ``hold_margin``."""
+    w = min(range(len(scores)), key=scores.__getitem__)
+    ref = next((j for j, t in enumerate(plan["trials"][:len(scores)]) if t.get("reference")), None)
+    if ref is not None and ref != w and scores[w] * float(plan.get("hold_margin") or 1.0) > scores[ref]:
+        return ref, True
+    return w, False
+
+
 def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     """Train the trials, switch ``trainer`` to the winner, and return (rank 0 also writes) the result.
     ``after_step`` runs after every step (the trainer's evaluation schedule)."""
@@ -148,12 +158,7 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
                     {"trial": i, "label": trial["label"], "steps": [first, trainer.step - 1],
                      "median_ms": round(out[-1]["median_ms"], 3), "aborted": aborted})
             tl.flush()
-    w = min(range(len(out)), key=lambda j: out[j]["score_ms"])
-    held = False
-    ref = next((j for j, t in enumerate(plan["trials"]) if t.get("reference")), None)
-    margin = float(plan.get("hold_margin") or 1.0)
-    if ref is not None and ref != w and out[w]["score_ms"] * margin > out[ref]["score_ms"]:
-        w, held = ref, True  # a win inside the margin goes to the reference (DDP)
+    w, held = choose([r["score_ms"] for r in out], plan)
     final = shorten_start(plan["trials"][w]["final"], trainer.step)
     t0 = time.perf_counter()
     trainer.switch(JobSpec.from_dict(final))
