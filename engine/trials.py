@@ -13,9 +13,9 @@ steps already score ``abort_ratio`` times the best score so far stops there; wit
 one whose fastest step so far (warm-up steps included) scores ``stop_ratio`` times the best stops at once.
 Each step's time is the slower rank's (one small all-reduce per decision, outside the timed steps), so every
 rank computes the same scores and the same winner: the lowest (median ms + extra_ms) x penalty, except that a
-trial marked ``reference`` (DDP) wins unless the lowest beats it by more than ``hold_margin``. The run then trains its
-remaining steps under the winner's ``final`` spec (PowerSGD's uncompressed start shortened by the steps
-already trained).
+trial marked ``reference`` (DDP) wins unless the lowest beats it by more than ``hold_margin`` (``choose``). The
+run then trains its remaining steps under the winner's ``final`` spec (PowerSGD's uncompressed start
+shortened by the steps already trained).
 
 The trial steps train the model like any other step: what the choice costs in the run is only the time
 those steps took beyond what the winner takes per step, plus the switches. Rank 0 writes the measurements,

@@ -770,13 +770,15 @@ def with_search_cost(c: Candidate, ms: float) -> Tuple[float, str]:
 def rechoose(adv: "Advice") -> None:
     """The winner by measurement where any candidate was measured; DDP, when measured, unless the best
     measured beats it by more than ``DDP_HOLD``."""
+    from engine.trials import choose  # the rule the in-run trials use
     ranked = rank(adv.candidates)
     adv.winner = ranked[0]
-    if any(c.measured_score is not None for c in adv.candidates):
+    measured = [c for c in ranked if c.measured_score is not None]
+    if measured:
         adv.chosen_by = "measured"
-        ddp = next((c for c in ranked if is_ddp(c) and c.measured_score is not None), None)
-        if ddp is not None and adv.winner.measured_score * DDP_HOLD > ddp.measured_score:
-            adv.winner = ddp
+        w, _ = choose([c.measured_score for c in measured],
+                      {"trials": [{"reference": is_ddp(c)} for c in measured], "hold_margin": DDP_HOLD})
+        adv.winner = measured[w]
 
 
 def explain(adv: Advice) -> str:
