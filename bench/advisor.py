@@ -229,6 +229,7 @@ def advisor_record(run) -> dict:
 
 
 def report(results: list, args) -> str:
+    from lab.auto import visited_steps
     out = []
     for r in results:
         out.append(f"\n### {r['model']}, {r['link']} {r['gbps']:g} Gbit/s\n")
@@ -253,7 +254,7 @@ def report(results: list, args) -> str:
                    f"<= 10%: {'met' if r['cost_share'] <= 0.10 else 'missed'})\n")
         a = r.get("auto_run")
         if a:
-            tried = "; ".join(f"{t['label']} {t['median_ms']:.1f} ms (steps {t['first_step']}-{t['last_step']}"
+            tried = "; ".join(f"{t['label']} {t['median_ms']:.1f} ms (steps {visited_steps(t)}"
                               f"{', stopped early' if t['aborted'] else ''})" for t in a["trials"])
             out.append(f"\nthe strategy auto run {a['id']}: trials {tried}; the trials took {a['trial_steps']} of its "
                        f"{RUN_STEPS} steps, {a['excess_s']:.2f} s beyond the choice's pace plus {a['switch_s']:.2f} s "

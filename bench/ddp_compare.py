@@ -186,6 +186,24 @@ def report(raw: dict) -> tuple[str, dict]:
     return table + "\n\n" + "\n".join(notes), summary
 
 
+def pool(paths) -> dict:
+    """The rounds of several saved runs as one run's raw results: per model, each variant's rounds in file
+    order (a model missing from a file adds nothing from it)."""
+    models: dict = {}
+    for path in paths:
+        try:
+            raw = common.read_json(path)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"ddp_compare --pool: cannot read {path}: {e}")
+        if not isinstance(raw, dict) or not isinstance(raw.get("models"), dict):
+            raise SystemExit(f"ddp_compare --pool: {path} is not a ddp_compare --json file (no models)")
+        for model, res in raw["models"].items():
+            into = models.setdefault(model, {"info": res["info"], "times_s": {v: [] for v in VARIANTS}})
+            for v in VARIANTS:
+                into["times_s"][v].extend(res["times_s"][v])
+    return {"models": models}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="cnn,resnet,mlp,transformer",
@@ -195,10 +213,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations per variant first")
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     ap.add_argument("--json", help="save raw per-iteration times and the summary here")
+    ap.add_argument("--pool", nargs="+", metavar="JSON",
+                    help="measure nothing: pool the rounds of runs saved with --json (per model, every round of "
+                         "every file) and report them as one run")
     common.add_worker_flags(ap)
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.pool:
+        text, _ = report(pool(args.pool))
+        print(f"pooled: {', '.join(args.pool)}\n\n{text}")
         return 0
     with tempfile.TemporaryDirectory(prefix="commlab-bench-") as d:
         out = os.path.join(d, "raw.json")

@@ -8,7 +8,11 @@ and that search's predicted cost per step (``extra_ms``).
 
 The ranks train the run's first steps under each candidate in turn, switching strategy at step
 boundaries (``Stepper.switch``: communicator, tuner and, for dear's shards, optimizer rebuilt over the same
-model): ``warmup`` steps, then up to ``steps`` timed ones. A candidate whose first ``abort_after`` timed
+model): ``warmup`` steps, then up to ``steps`` timed ones; the first trial trains ``lead_in`` more warm-up steps
+(a fresh process's first steps run slow, which would count against the best-predicted candidate). With
+``runoff_within`` in the plan, every trial whose score is within that factor of the best trains again, in reverse
+order, ``warmup`` + ``runoff_steps`` steps, and is scored on all its timed steps: one visit of 8 steps scatters
+by 10-20% on a shared machine, and its drift (a slow start, a busy neighbour) falls on whichever trial ran then. A candidate whose first ``abort_after`` timed
 steps already score ``abort_ratio`` times the best score so far stops there; with ``stop_ratio`` in the plan,
 one whose fastest step so far (warm-up steps included) scores ``stop_ratio`` times the best stops at once.
 Each step's time is the slower rank's (one small all-reduce per decision, outside the timed steps), so every
@@ -63,6 +67,15 @@ def read(run_dir: Optional[str]) -> Optional[dict]:
     for k, lo in (("warmup", 0), ("steps", 1), ("abort_after", 1)):
         if not isinstance(plan.get(k), int) or plan[k] < lo:
             raise ValueError(f"{path}: {k} must be an integer >= {lo}, got {plan.get(k)!r}")
+    for k, lo in (("lead_in", 0), ("runoff_steps", 1)):
+        if k in plan and (not isinstance(plan[k], int) or isinstance(plan[k], bool) or plan[k] < lo):
+            raise ValueError(f"{path}: {k} must be an integer >= {lo}, got {plan[k]!r}")
+    within = plan.get("runoff_within")
+    if within is not None:
+        if not isinstance(within, (int, float)) or within < 1:
+            raise ValueError(f"{path}: runoff_within must be a number >= 1, got {within!r}")
+        if "runoff_steps" not in plan:
+            raise ValueError(f"{path}: runoff_within needs runoff_steps (the timed steps of a second visit)")
     if not isinstance(plan.get("abort_ratio"), (int, float)) or plan["abort_ratio"] < 1:
         raise ValueError(f"{path}: abort_ratio must be a number >= 1, got {plan.get('abort_ratio')!r}")
     hold = plan.get("hold_margin")
@@ -78,8 +91,10 @@ def read(run_dir: Optional[str]) -> Optional[dict]:
 
 
 def most_steps(plan: dict) -> int:
-    """The steps the trials take at most (none stopped early)."""
-    return len(plan["trials"]) * (plan["warmup"] + plan["steps"])
+    """The steps the trials take at most (none stopped early, every one in the runoff)."""
+    n, warm = len(plan["trials"]), plan["warmup"]
+    runoff = n * (warm + plan["runoff_steps"]) if plan.get("runoff_within") is not None else 0
+    return plan.get("lead_in", 0) + n * (warm + plan["steps"]) + runoff
 
 
 def shorten_start(spec: dict, done: int) -> dict:
@@ -126,38 +141,56 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     stop = plan.get("stop_ratio")
     out, best = [], float("inf")
     started = time.perf_counter()
-    for i, trial in enumerate(plan["trials"]):
-        t0, m0 = time.perf_counter(), tl.mark()
-        spec = JobSpec.from_dict(trial["spec"])
-        if spec != trainer.spec or trial.get("layout") is not None:  # the trainer starts under the first one
-            trainer.switch(spec, trial.get("layout"))
+
+    def visit(i: int, trial: dict, warm_k: int, steps: int, may_stop: bool) -> Tuple[List[float], bool, float, int]:
+        """Train ``warm_k`` + up to ``steps`` steps of trial ``i``: their times (slower rank), whether it was
+        stopped as clearly slower, the switch's seconds and the first step."""
+        t0 = time.perf_counter()
+        if JobSpec.from_dict(trial["spec"]) != trainer.spec or trial.get("layout") is not None:
+            trainer.switch(JobSpec.from_dict(trial["spec"]), trial.get("layout"))  # the run starts under trial 0
         switch_s = time.perf_counter() - t0
-        first, times, aborted = trainer.step, [], False
-        for k in range(warm + n):
+        first, times = trainer.step, []
+        for k in range(warm_k + steps):
             times.append(trainer.train_step(trial=i)["time_ms"])
             after_step()
-            if stop is not None and k + 1 < warm + abort_after and best < float("inf"):
+            if not may_stop or best == float("inf"):
+                continue
+            if stop is not None and k + 1 < warm_k + abort_after:
                 # far slower from its first step (warm-up included): its fastest step so far decides
                 if score([min(slower_rank(times, device))], trial) > stop * best:
-                    aborted = True
-                    break
-            if k + 1 == warm + abort_after and k + 1 < warm + n and best < float("inf"):
-                early = slower_rank(times, device)[warm:]
-                if score(early, trial) > ratio * best:
-                    aborted = True
-                    break
-        times = slower_rank(times, device)
-        timed = times[warm:] or times  # stopped during its warm-up: its steps so far are all there is
+                    return slower_rank(times, device), True, switch_s, first
+            if k + 1 == warm_k + abort_after and k + 1 < warm_k + steps:
+                if score(slower_rank(times, device)[warm_k:], trial) > ratio * best:
+                    return slower_rank(times, device), True, switch_s, first
+        return slower_rank(times, device), False, switch_s, first
+
+    for i, trial in enumerate(plan["trials"]):
+        m0 = tl.mark()
+        warm_k = warm + (plan.get("lead_in", 0) if i == 0 else 0)
+        times, aborted, switch_s, first = visit(i, trial, warm_k, n, True)
+        timed = times[warm_k:] or times  # stopped during its warm-up: its steps so far are all there is
         s = score(timed, trial)
         best = min(best, s)
         out.append({"label": trial["label"], "first_step": first, "last_step": trainer.step - 1, "times_ms": times,
-                    "median_ms": statistics.median(timed), "score_ms": s, "aborted": aborted,
-                    "switch_s": switch_s})
-        if tl.enabled:
-            tl.span("advisor", f"trial {i}: {trial['label']}", m0, tl.mark(),
-                    {"trial": i, "label": trial["label"], "steps": [first, trainer.step - 1],
-                     "median_ms": round(out[-1]["median_ms"], 3), "aborted": aborted})
-            tl.flush()
+                    "timed_ms": timed, "median_ms": statistics.median(timed), "score_ms": s, "aborted": aborted,
+                    "switch_s": switch_s, "visits": [[first, trainer.step - 1]]})
+        _lane(tl, i, trial, m0, first, trainer.step - 1, out[-1]["median_ms"], aborted)
+    within = plan.get("runoff_within")
+    runoff = [i for i in reversed(range(len(out)))
+              if within is not None and not out[i]["aborted"] and out[i]["score_ms"] <= within * best]
+    if len(runoff) > 1:
+        for i in runoff:  # in reverse order: the last one goes on without a switch, the first comes last
+            trial, r, m0 = plan["trials"][i], out[i], tl.mark()
+            times, _, switch_s, first = visit(i, trial, warm, plan["runoff_steps"], False)
+            r["times_ms"] += times
+            r["timed_ms"] += times[warm:]
+            r["switch_s"] += switch_s
+            r["visits"].append([first, trainer.step - 1])
+            r["median_ms"] = statistics.median(r["timed_ms"])
+            r["score_ms"] = score(r["timed_ms"], trial)
+            _lane(tl, i, trial, m0, first, trainer.step - 1, r["median_ms"], False, runoff=True)
+    else:
+        runoff = []
     w, held = choose([r["score_ms"] for r in out], plan)
     final = shorten_start(plan["trials"][w]["final"], trainer.step)
     t0 = time.perf_counter()
@@ -169,7 +202,7 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     excess_s = sum(t - win_ms for r in out for t in r["times_ms"]) / 1e3
     switches_s = sum(r["switch_s"] for r in out) + final_switch_s
     result = {"trials": out, "winner": w, "label": out[w]["label"], "held": held, "decided_step": trainer.step,
-              "trial_steps": trainer.step, "excess_s": excess_s, "switch_s": switches_s,
+              "trial_steps": trainer.step, "runoff": sorted(runoff), "excess_s": excess_s, "switch_s": switches_s,
               "cost_s": excess_s + switches_s, "wall_s": time.perf_counter() - started, "t": time.time()}
     if trainer.rank == 0 and trainer.run_dir:
         write_json_atomic(os.path.join(trainer.run_dir, RESULT), result)
@@ -177,3 +210,11 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     return result
 
 
+def _lane(tl, i: int, trial: dict, m0, first: int, last: int, median_ms: float, aborted: bool,
+          runoff: bool = False) -> None:
+    """One span on the timeline's advisor lane for a visit of trial ``i``."""
+    if tl.enabled:
+        tl.span("advisor", f"trial {i}{' (runoff)' if runoff else ''}: {trial['label']}", m0, tl.mark(),
+                {"trial": i, "label": trial["label"], "steps": [first, last], "median_ms": round(median_ms, 3),
+                 "aborted": aborted, "runoff": runoff})
+        tl.flush()

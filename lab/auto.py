@@ -13,7 +13,8 @@ import json
 import time
 from typing import Callable, Dict, List, Optional
 
-from lab.advisor import (ABORT_AFTER, ABORT_RATIO, DDP_HOLD, STOP_RATIO, TRIAL_WARMUP, Advice, Candidate,
+from lab.advisor import (ABORT_AFTER, ABORT_RATIO, DDP_HOLD, RUNOFF_WITHIN, STOP_RATIO, TRIAL_LEAD_IN,
+                         TRIAL_WARMUP, Advice, Candidate,
                          add_note, advise, compressing_at_once, explain, is_ddp, measure_in_session, search_extra_ms,
                          session_trials, trial_picks, with_search_cost, with_strategy, write_json)
 
@@ -37,8 +38,9 @@ def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int) -> dict:
         if is_ddp(c):
             t["reference"] = True  # DDP holds unless beaten by more than hold_margin
         trials.append(t)
-    return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "abort_after": ABORT_AFTER, "abort_ratio": ABORT_RATIO,
-            "stop_ratio": STOP_RATIO, "hold_margin": DDP_HOLD, "trials": trials}
+    return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "lead_in": TRIAL_LEAD_IN, "abort_after": ABORT_AFTER,
+            "abort_ratio": ABORT_RATIO, "stop_ratio": STOP_RATIO, "hold_margin": DDP_HOLD,
+            "runoff_within": RUNOFF_WITHIN, "runoff_steps": trial_steps, "trials": trials}
 
 
 def fold_in_run(run, record: dict) -> dict:
@@ -56,9 +58,10 @@ def fold_in_run(run, record: dict) -> dict:
     by_label = {c.label: c for c in cands}
     for r in res["trials"]:
         c = by_label[r["label"]]
-        c.trial_run = f"{run.id} steps {r['first_step']}-{r['last_step']}"
+        steps = visited_steps(r)
+        c.trial_run = f"{run.id} steps {steps}"
         c.measured_ms, more = with_search_cost(c, r["median_ms"])
-        add_note(c, "; ".join(x for x in (f"trained as the run's steps {r['first_step']}-{r['last_step']}"
+        add_note(c, "; ".join(x for x in (f"trained as the run's steps {steps}"
                                           + (", stopped early: clearly slower" if r["aborted"] else ""), more) if x))
     cost = dict(record["cost_s"])
     cost.update(trials=res["cost_s"], total=cost["profile"] + cost["predict"] + res["cost_s"])
@@ -70,6 +73,12 @@ def fold_in_run(run, record: dict) -> dict:
                                                                            "wall_s", "winner")}}
     out["strategy"] = by_label[res["label"]].strategy()
     return out
+
+
+def visited_steps(trial: dict) -> str:
+    """A trial's steps in the run, as "10-19" or, after a runoff, "10-19, 40-49"."""
+    visits = trial.get("visits") or [[trial["first_step"], trial["last_step"]]]
+    return ", ".join(f"{a}-{b}" for a, b in visits)
 
 
 def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,

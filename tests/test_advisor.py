@@ -492,7 +492,14 @@ def test_strategy_auto_trials_in_the_run(auto_root):
     steps = [m for m in run.metric_rows() if m.get("kind") == "step" and m["rank"] == 0]
     assert len(steps) == 30 and sum("trial" in m for m in steps) == res["decided_step"]
     lane = [e for e in run.timeline_events() if e.get("tid") == LANES["advisor"] and e.get("pid") == 0]
-    assert [e["args"]["label"] for e in lane if "label" in e["args"]] == [t["label"] for t in res["trials"]]
+    visits = [e["args"] for e in lane if "label" in e["args"]]
+    assert [v["label"] for v in visits if not v["runoff"]] == [t["label"] for t in res["trials"]]
+    # the runoff (trials within 1.10x of the best train again, last first) and its steps in the record
+    assert [v["trial"] for v in visits if v["runoff"]] == sorted(res["runoff"], reverse=True)
+    for i, t in enumerate(res["trials"]):
+        assert len(t["visits"]) == 1 + (i in res["runoff"])
+        c = next(c for c in tried if c["label"] == t["label"])
+        assert c["trial_run"] == f"{run.id} steps " + ", ".join(f"{a}-{b}" for a, b in t["visits"])
 
 
 def test_multinode_refuses_auto(tmp_path):

@@ -146,6 +146,34 @@ def test_a_far_slower_trial_stops_at_its_first_step(tmp_path):
     assert res["winner"] == 1 and res["trial_steps"] == 11
 
 
+def test_a_runoff_measures_the_close_trials_again_in_reverse_order(tmp_path):
+    """lead_in: the first trial warms up 2 steps more. runoff_within (100: every trial not stopped): fp16 and
+    none x3 train again, fp16 (the later one) first, and are scored on all their timed steps; none x10,
+    stopped early, does not come back."""
+    plan = _plan(lead_in=2, runoff_within=100.0, runoff_steps=3)
+    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    for comp, step in run_world(_run_trials, str(tmp_path)):
+        assert comp == "fp16" and step == 40
+    res = json.loads((tmp_path / trials.RESULT).read_text())
+    first, second, third = res["trials"]
+    assert first["visits"] == [[0, 6], [19, 22]]  # 2 lead-in + 1 warm-up + 4 timed; then 1 + 3
+    assert second["visits"] == [[7, 11], [15, 18]]
+    assert third["aborted"] and third["visits"] == [[12, 14]]
+    assert res["runoff"] == [0, 1] and res["decided_step"] == 23 and res["winner"] == 1
+    assert len(first["timed_ms"]) == 4 + 3 and len(first["times_ms"]) == 7 + 4
+    assert len(second["timed_ms"]) == 4 + 3 and len(second["times_ms"]) == 5 + 4
+    assert first["median_ms"] == pytest.approx(sorted(first["timed_ms"])[3])
+    assert first["score_ms"] == pytest.approx(3 * first["median_ms"])
+    # the timed steps are the visits' steps after their warm-ups, in metrics.jsonl too
+    steps = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    tags = [m.get("trial") for m in steps if m.get("kind") == "step" and m["rank"] == 0][:23]
+    assert tags == [0] * 7 + [1] * 5 + [2] * 3 + [1] * 4 + [0] * 4
+    lane = [json.loads(x) for x in (tmp_path / "timeline-rank0.jsonl").read_text().splitlines()]
+    lane = [e["args"] for e in lane if e.get("cat") == "advisor"]
+    assert [(v["trial"], v["runoff"]) for v in lane] == [(0, False), (1, False), (2, False), (1, True), (0, True)]
+    assert trials.most_steps(plan) == 2 + 3 * 5 + 3 * 4
+
+
 def test_the_reference_trial_holds_inside_its_margin():
     """A trial marked reference (DDP) wins unless the lowest score beats it by more than hold_margin."""
     plan = {"trials": [{"reference": True}, {}, {}], "hold_margin": 1.03}
@@ -172,6 +200,10 @@ def test_trials_shorten_powersgd_start_by_the_steps_trained():
     ({"abort_ratio": 0.5}, "abort_ratio must be a number >= 1"),
     ({"stop_ratio": 1.1}, r"stop_ratio must be a number >= abort_ratio \(1.25\)"),
     ({"hold_margin": 0.9}, "hold_margin must be a number >= 1"),
+    ({"lead_in": -1}, "lead_in must be an integer >= 0"),
+    ({"runoff_within": 0.5, "runoff_steps": 4}, "runoff_within must be a number >= 1"),
+    ({"runoff_within": 1.1}, "runoff_within needs runoff_steps"),
+    ({"runoff_within": 1.1, "runoff_steps": 0}, "runoff_steps must be an integer >= 1"),
 ])
 def test_a_bad_trial_plan_is_refused(tmp_path, change, problem):
     (tmp_path / trials.FILE).write_text(json.dumps(_plan(**change)))
