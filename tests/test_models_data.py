@@ -273,3 +273,38 @@ def test_cnn_learns_digits_at_world_size_2():
     with torch.no_grad():
         right, total = models.correct(m(ds.test_x), ds.test_y)
     assert right / total >= 0.95
+
+
+def test_split_cache_gives_the_same_arrays_without_splitting_again(tmp_path, monkeypatch):
+    """The digits split is kept on disk: a second process reads exactly the arrays scikit-learn's split
+    made, and does not split (nor import scikit-learn) again."""
+    monkeypatch.setenv("COMMLAB_CACHE", str(tmp_path))
+    fresh = data._cached_split("digits", ("scikit-learn",), data._digits_split)
+    assert len(list(tmp_path.glob("digits-scikit-learn*-seed1234-v1.npz"))) == 1
+
+    def must_not_split():
+        raise AssertionError("split again although the cache holds it")
+    kept = data._cached_split("digits", ("scikit-learn",), must_not_split)
+    for a, b in zip(fresh, kept):
+        assert a.dtype == b.dtype and (a == b).all()
+    again = data._digits_split()
+    for a, b in zip(again, kept):
+        assert (a == b).all()
+
+
+def test_split_cache_that_cannot_be_read_is_made_again_and_said(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COMMLAB_CACHE", str(tmp_path))
+    data._cached_split("digits", ("scikit-learn",), data._digits_split)
+    (path,) = tmp_path.glob("*.npz")
+    path.write_bytes(b"not a zip")
+    arrays = data._cached_split("digits", ("scikit-learn",), data._digits_split)
+    assert "unreadable" in capsys.readouterr().err and len(arrays[0]) == 1437
+    assert len(data._cached_split("digits", ("scikit-learn",), lambda: 1 / 0)[1]) == 1437  # written again
+
+
+def test_split_cache_that_cannot_be_written_is_said_and_the_data_used(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("COMMLAB_CACHE", str(blocker / "cache"))  # under a file: cannot be made
+    arrays = data._cached_split("digits", ("scikit-learn",), data._digits_split)
+    assert len(arrays[0]) == 1437 and "could not keep the digits split" in capsys.readouterr().err
