@@ -446,3 +446,35 @@ def test_every_compressor_can_skip_its_warm_up():
     from engine import compressors
     for name in compressors.names():
         compressors.make(name).skip_warmup()  # raises where warm-up exchanges are declared but not skippable
+
+
+@pytest.mark.parametrize("ef", [False, True])
+def test_a_steady_payload_shows_its_sizes_in_one_exchange(ef):
+    """Every compressor declaring ``steady_payload`` (the model then drives a layout once) sends the same
+    sizes on its first exchange as on later ones with other values (another scale, other signs, a tensor
+    of zeros), under error feedback too; threshold's, which does not declare it, follows the values."""
+    from engine import compressors
+    from lab.perfmodel import calibrate as cal
+    shapes, off = [], 0
+    for shape in ((64, 48), (32,), (40, 40)):
+        shapes.append((off, shape))
+        off += int(torch.tensor(shape).prod())
+    g = torch.Generator().manual_seed(1)
+    inputs = [torch.randn(off, generator=g), 100 * torch.randn(off, generator=g).abs(), torch.zeros(off),
+              torch.randn(off, generator=g) * torch.linspace(0, 1, off)]
+    steady = []
+    for name in compressors.names():
+        if ef and (name == "none" or compressors.REGISTRY[name].builtin_feedback):
+            continue
+        c = compressors.make(name, error_feedback=ef)
+        c.layout = shapes
+        c.skip_warmup()
+        sizes = [cal.drive(c, x.clone())[0] for x in inputs]
+        if c.steady_payload:
+            steady.append(name)
+            assert all(s == sizes[0] for s in sizes), (name, sizes)
+        else:
+            assert name in ("threshold", "dgc")
+    assert {"none", "fp16", "topk", "int8", "powersgd"} <= set(steady) or ef
+    c = compressors.make("threshold")
+    assert cal.drive(c, inputs[0].clone())[0] != cal.drive(c, inputs[1].clone())[0]

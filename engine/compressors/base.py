@@ -102,6 +102,11 @@ class Compressor:
     counts_steps = False
     """True when the instance counts its calls in an int attribute ``step`` (random-k's index seed,
     DGC's warm-up, PowerSGD's ``start_iter``): state a rebuild of the buckets carries over."""
+    steady_payload = True
+    """True when the payload's tensor sizes depend only on the bucket's layout, not on the values nor on
+    how many exchanges came before (past ``warmup_exchanges``): one exchange shows every later one's
+    sizes, so the performance model drives a layout once instead of twice. False where a threshold or a
+    schedule sets how much is sent (threshold, DGC)."""
     shard_codec = False
     """True when any contiguous slice of the input may be compressed on its own, every payload of a
     slice of n elements has the same tensor sizes on every rank, and any rank decodes another rank's

@@ -345,6 +345,7 @@ class Threshold(SparseCompressor):
     compare and one nonzero, no selection.
     """
     name = "threshold"
+    steady_payload = False  # how much is sent follows the values
     params = (Param("threshold", float, 0.01, "send every entry with |x| >= threshold", lo=0, lo_open=True),)
 
     def __init__(self, **given):
@@ -410,6 +411,7 @@ class DGC(SparseCompressor):
     training from scratch, since the first steps move the weights most.
     """
     name = "dgc"
+    steady_payload = False  # how much is sent follows the values and the warm-up schedule
     builtin_feedback = True
     builtin_momentum = True
     counts_steps = True

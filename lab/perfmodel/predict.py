@@ -92,7 +92,7 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
     else:
         x = _noise(off)
         c.skip_warmup()  # past plain warm-up exchanges (PowerSGD), without driving them
-        for _ in range(2):
+        for _ in range(1 if c.steady_payload else 2):  # a steady payload's sizes show in one exchange
             rounds, _ = cal.drive(c, x.clone())
         if flat_key is not None:
             _ROUNDS_CACHE[flat_key] = rounds
