@@ -16,3 +16,29 @@ def test_the_choice_never_sets_the_bar():
     timed = {ab.DDP: [100.0], "fp16": [60.0], ab.CHOICE: [30.0]}
     pen = {k: (1.0, "benchmark") for k in timed}
     assert ab.finalists_of(timed, pen) == [ab.DDP, "fp16", ab.CHOICE]
+
+
+def _setting(rounds, same=None, pen=None):
+    pen = pen or {}
+    rows = {k: {"rounds_ms": v, "penalty": pen.get(k, 1.0), "penalty_from": "benchmark"} for k, v in rounds.items()}
+    return {"rows": rows, "choice_same_as": same, "advisor_cost_s": {"total": 1.0}}
+
+
+def test_settle_names_the_best_and_the_choices_ratios_per_round():
+    r = ab.settle(_setting({ab.DDP: [100.0, 110.0], "fp16": [50.0, 60.0], ab.CHOICE: [55.0, 55.0]},
+                           pen={"fp16": 1.2}))
+    assert r["best"] == "fp16"  # 55 x 1.2 = 66 is still below DDP's 105
+    assert r["choice_vs_best"] == (55 / 60 + 55 / 72) / 2
+    assert r["choice_vs_ddp"] == (0.55 + 0.5) / 2
+    assert r["run300_s"] == 300 * 55 / 1e3 and r["cost_share"] == 1.0 / r["run300_s"]
+
+
+def test_a_choice_that_is_a_grid_cell_is_one_configuration_measured_twice():
+    """The choice is DDP's configuration: the two cells' rounds are averaged per round and stand for both, so
+    the choice is DDP (ratio 1) rather than its measurement's noise (here 1.09); the rounds stay as measured."""
+    rounds = {ab.DDP: [100.0, 104.0, 98.0], "fp16": [99.0, 120.0], ab.CHOICE: [109.0, 113.0, 107.0]}
+    r = ab.settle(_setting(rounds, same=ab.DDP))
+    assert r["choice_vs_ddp"] == 1.0 and r["rows"][ab.CHOICE]["iter_ms"] == r["rows"][ab.DDP]["iter_ms"] == 104.5
+    assert r["rows"][ab.CHOICE]["rounds_ms"] == [109.0, 113.0, 107.0] and r["rows"][ab.CHOICE]["pooled_with"] == ab.DDP
+    assert ab.one_configuration([1.0, 3.0, 7.0], [3.0]) == [2.0, 3.0, 7.0]
+    assert ab.one_configuration([3.0], [1.0, 3.0, 7.0]) == [2.0, 3.0, 7.0]
