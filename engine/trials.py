@@ -145,9 +145,9 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     def visit(i: int, trial: dict, warm_k: int, steps: int, may_stop: bool) -> Tuple[List[float], bool, float, int]:
         """Train ``warm_k`` + up to ``steps`` steps of trial ``i``: their times (slower rank), whether it was
         stopped as clearly slower, the switch's seconds and the first step."""
-        t0 = time.perf_counter()
-        if JobSpec.from_dict(trial["spec"]) != trainer.spec or trial.get("layout") is not None:
-            trainer.switch(JobSpec.from_dict(trial["spec"]), trial.get("layout"))  # the run starts under trial 0
+        t0, spec = time.perf_counter(), JobSpec.from_dict(trial["spec"])
+        if spec != trainer.spec or trial.get("layout") is not None:  # the run starts under trial 0
+            trainer.switch(spec, trial.get("layout"))
         switch_s = time.perf_counter() - t0
         first, times = trainer.step, []
         for k in range(warm_k + steps):

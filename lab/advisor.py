@@ -69,9 +69,10 @@ TRIAL_LEAD_IN = 3
 """Trials in the run: more warm-up steps before the first trial. A fresh process's first steps run slow (the
 best-predicted candidate, tried first, measured 10-75% above its later pace on the shaped-link benchmark)."""
 RUNOFF_WITHIN = 1.10
-"""Trials in the run: every trial scoring within ``RUNOFF_WITHIN`` of the best trains its timed steps again, in reverse order, and is scored on all its timed steps (one visit's median scattered by 15% from
-the same configuration's steady pace; close calls were decided by that scatter). Their cost to the run is
-small: they train at close to the winner's pace."""
+"""Trials in the run: every trial scoring within ``RUNOFF_WITHIN`` of the best trains its timed steps again,
+in reverse order, and is scored on all its timed steps (one visit's median scattered by 15% from the same
+configuration's steady pace; close calls were decided by that scatter). Their cost to the run is small: they
+train at close to the winner's pace."""
 ABORT_AFTER = 3
 ABORT_RATIO = 1.25
 """Trials in the run: a candidate whose first ``ABORT_AFTER`` timed steps score more than ``ABORT_RATIO`` times

@@ -314,9 +314,9 @@ def finish_status(run: Run, rc: int) -> str:
     if rc == 0:
         run.set_status("done", returncode=0)
         return "done"
-    rank, why = failure_cause(run)
-    if why is None and rc < 0 and run.spec().world_size == 1:  # the rank itself (started without torchrun)
-        rank, why = 0, _signal_message(0, rc)
+    direct = "torch.distributed.run" not in (run.status().get("argv") or ["torch.distributed.run"])
+    # a rank started without torchrun (``single_rank``): its exit code is the rank's own, no torchrun report
+    rank, why = failure_cause(run, exits=[(0, rc)] if direct else None)
     run.set_status("failed", returncode=rc, rank=rank, error=why or f"torchrun exited with code {rc}; see log.txt")
     return "failed"
 
@@ -324,7 +324,7 @@ def finish_status(run: Run, rc: int) -> str:
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout")
 
 
-def failure_cause(run: Run):
+def failure_cause(run: Run, exits=None):
     """(rank, message) of the rank that caused a failure.
 
     When one rank dies, its peers fail too, with errors about the lost
@@ -334,7 +334,8 @@ def failure_cause(run: Run):
     an error file (a signal other than SIGTERM, os._exit, a crash in C++);
     the earliest error file.
     """
-    exits = rank_exits_from_log(run.log_tail(400))
+    if exits is None:  # (rank, exit code) of the failed ranks, from torchrun's report
+        exits = rank_exits_from_log(run.log_tail(400))
     errs = {e.get("rank"): e for e in run.errors()}
     real = [e for e in errs.values() if not any(p in (e.get("error") or "") for p in PEER_LOST)]
     silent = [(r, c) for r, c in exits if r not in errs and c != -signal.SIGTERM]
