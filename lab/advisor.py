@@ -508,17 +508,29 @@ def is_ddp(c: Candidate) -> bool:
             and c.schedule == {"name": "bucket", "cap_mb": 25.0})
 
 
+SAME_FAMILY = {"bf16": "fp16"}
+"""Compressors that are one family for the trials: bf16 sends fp16's bytes through the same cast, so
+trying both teaches nothing a third family would not (at 10 Gbit/s, where the model sees every candidate
+within a few percent, three 16-bit and plain trials crowded out PowerSGD, the grid's best)."""
+
+
+def family(comp: dict) -> str:
+    """The section's compressor family: its name (a mixed section's: the compressor of its large buckets),
+    with ``SAME_FAMILY`` folded."""
+    return SAME_FAMILY.get(comp["name"], comp["name"])
+
+
 def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN) -> List[Candidate]:
     """The candidates to try: the best-predicted one of each of the first ``k`` compressor families in the
-    ranking (the section's compressor by name: PowerSGD of rank 1 or 4, alone or in a mixed section, is one
-    family), and DDP (the safety reference) unless its predicted score is more than ``ddp_margin`` times the
+    ranking (``family``: PowerSGD of rank 1 or 4, alone or in a mixed section, is one family, and so are
+    fp16 and bf16), and DDP (the safety reference) unless its predicted score is more than ``ddp_margin`` times the
     best one's. Where the model errs most is a family's cost inside a real step (two ranks and gloo on the
     same cores, multi-round exchanges holding backward: on resnet it predicts PowerSGD a third faster than it
     runs), not the choice of rank or bucket cap, so trying k families teaches more than trying one family
     k ways."""
     picks, seen = [], set()
     for c in ranked:
-        key = c.compressor["name"]
+        key = family(c.compressor)
         if c.predicted_score is None or key in seen:
             continue
         seen.add(key)

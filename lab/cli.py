@@ -114,8 +114,8 @@ def build_parser() -> Parser:
     add_spec_args(p, "job spec file (YAML or JSON): model, data set, batch size; its compressor and comm mode "
                      "are what commlab predict PROFILE predicts")
     p.add_argument("-o", "--output", default="profile.json", help="profile file to write (default profile.json)")
-    p.add_argument("--steps", type=int, default=20, help="steps of the single-process profiling run (default 20; "
-                                                         "the first 3 are left out)")
+    p.add_argument("--steps", type=int, default=None, help="steps of the single-process profiling run (default "
+                                                           "12, the lab's own; the first 3 are left out)")
     _runs_arg(p)
 
     p = sub.add_parser("predict", help="the performance model: predicted iteration time, speedup over DDP and "
@@ -380,6 +380,8 @@ def _numbers(flag: str, text: str, kind, lo, hi) -> list:
 def cmd_profile(args) -> int:
     from lab.perfmodel import whatif
     from lab.perfmodel.calibrate import CalibrationError
+    if args.steps is None:
+        args.steps = whatif.PROFILE_STEPS
     if not 5 <= args.steps <= 10000:
         raise UsageError(f"commlab profile: --steps must be in 5..10000, got {args.steps}")
     from lab.specs import load_spec

@@ -508,3 +508,21 @@ def test_multinode_refuses_auto(tmp_path):
     p = cli("run", str(f), "--nnodes", "2", "--run-id", "x", "--master-addr", "127.0.0.1", "--runs",
             str(tmp_path / "runs"), cwd=tmp_path)
     assert p.returncode == 2 and "commlab advise" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_trial_picks_take_one_candidate_per_family():
+    """fp16 and bf16 are one family (the same bytes through the same cast), as PowerSGD of any rank and a
+    mixed section over PowerSGD are: three families tried are none, fp16 and PowerSGD, not both casts;
+    DDP joins as the reference."""
+    def cand(label, comp, ms, cap=1.0):
+        c = advisor.Candidate(label, comp, {"name": "bucket", "cap_mb": cap}, {"mode": "wfbp"})
+        c.predicted_ms, c.penalty = ms, 1.0
+        return c
+    ranked = [cand("none", advisor._comp("none"), 32.0), cand("bf16", advisor._comp("bf16"), 32.5),
+              cand("fp16", advisor._comp("fp16"), 32.6),
+              cand("mixed", advisor._mixed(advisor._comp("none"), advisor._comp("powersgd", rank=4)), 33.0),
+              cand("psgd r1", advisor._comp("powersgd", rank=1), 33.4), cand("topk", advisor._comp("topk"), 34.0),
+              cand("ddp", advisor._comp("none"), 36.0, cap=25.0)]
+    picks = advisor.trial_picks(ranked, 3)
+    assert [c.label for c in picks] == ["none", "bf16", "mixed", "ddp"]
+    assert advisor.family(advisor._comp("bf16")) == advisor.family(advisor._comp("fp16")) != "none"

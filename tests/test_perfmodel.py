@@ -1,4 +1,5 @@
 """The performance model's formulas against hand-computed cases (lab/perfmodel)."""
+import argparse
 import json
 
 import pytest
@@ -478,3 +479,56 @@ def test_a_steady_payload_shows_its_sizes_in_one_exchange(ef):
     assert {"none", "fp16", "topk", "int8", "powersgd"} <= set(steady) or ef
     c = compressors.make("threshold")
     assert cal.drive(c, inputs[0].clone())[0] != cal.drive(c, inputs[1].clone())[0]
+
+
+@pytest.mark.parametrize("params", [{}, {"ratio": 0.3}, {"block": 7}])
+def test_declared_rounds_are_the_driven_ones(params):
+    """Every compressor that declares a flat bucket's rounds (the model then skips driving it) declares
+    what one driven exchange sends: sizes with odd remainders, one element, and above 2**16 (top-k's
+    sampled pre-filter); with and without error feedback. Top-k and int8 declare; PowerSGD, which
+    needs the layout, does not."""
+    from engine import compressors
+    from lab.perfmodel import calibrate as cal
+    g = torch.Generator().manual_seed(2)
+    declaring = set()
+    for name in compressors.names():
+        cls = compressors.REGISTRY[name]
+        given = {k: v for k, v in params.items() if k in {p.name for p in cls.params}}
+        if params and not given:
+            continue
+        for ef in (False, True) if not cls.builtin_feedback and name != "none" else (False,):
+            for n in (1, 1000, 4099, 300_001):
+                c = compressors.make(name, error_feedback=ef, **given)
+                declared = c.declared_rounds(n, 4)
+                if declared is None:
+                    continue
+                declaring.add(name)
+                c.layout = [(0, (n,))]
+                c.skip_warmup()
+                driven, _ = cal.drive(c, torch.randn(n, generator=g))
+                assert declared == driven, (name, given, ef, n)
+    assert declaring >= ({"topk"} if "ratio" in params else {"int8"} if params else {"topk", "int8"})
+    assert compressors.make("powersgd").declared_rounds(1000, 4) is None
+
+
+def test_the_model_uses_declared_rounds_without_driving(monkeypatch):
+    """A bucket whose compressor declares its rounds is not driven: the prediction's payload is the
+    declaration (here a top-k bucket of a made-up profile), and driving it is never called."""
+    from lab.perfmodel import calibrate as cal
+    from lab.perfmodel import predict as pr
+    prof = cal.Profile(model="m", dataset="d", batch_size=1, params=[("a.weight", 4 * 5000), ("b.weight", 4 * 7001)])
+    monkeypatch.setattr(pr, "_ROUNDS_CACHE", {})
+    monkeypatch.setattr(cal, "drive", lambda *a, **k: pytest.fail("drove a declared compressor"))
+    comp = {"name": "topk", "params": {"ratio": 0.01}, "error_feedback": True}
+    got = pr.payload_rounds(prof, comp, [0, 1])
+    assert got == [("allgather", 121 * 8, 2)]  # k = ceil(0.01 * 12001) = 121 values and int32 indices
+
+
+def test_the_profile_commands_default_is_the_labs_profiling_run():
+    """``commlab profile --help`` states the default steps the lab's own profiling run takes."""
+    from lab.cli import build_parser
+    from lab.perfmodel import whatif
+    p = build_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices["profile"]
+    steps = next(a for a in sub._actions if a.dest == "steps")
+    assert f"default {whatif.PROFILE_STEPS}," in steps.help and steps.default is None

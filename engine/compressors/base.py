@@ -26,7 +26,8 @@ A compressor declares, instead of leaving callers to probe it:
 - its capabilities: ``summable``, ``keeps_shape``, ``identity``, ``lossless``, ``rounds``,
   ``builtin_feedback``, ``builtin_momentum``, ``elementwise`` (per-element state), ``counts_steps``,
   ``warmup_exchanges`` (uncompressed exchanges first), ``per_tensor`` (uses the layout) and
-  ``shard_codec`` (a slice compresses alone). Read them from an instance where
+  ``shard_codec`` (a slice compresses alone), and where it can, the rounds a flat bucket sends
+  (``declared_rounds``, for the performance model). Read them from an instance where
   parameters change them (Count Sketch with ``exact`` takes two rounds).
   ``shard_path`` and ``shard_problem`` combine them into what DeAR needs.
 """
@@ -142,6 +143,14 @@ class Compressor:
         sent (the performance model drives a fresh instance to read its steady-state payload)."""
         if self.warmup_exchanges:
             raise NotImplementedError(f"{self.name}: declares warm-up exchanges but not how to skip them")
+
+    def declared_rounds(self, n: int, element_size: int) -> Optional[List[Tuple[str, int, int]]]:
+        """(op, payload bytes, tensors) of each round one steady exchange of a flat bucket of ``n``
+        elements of ``element_size`` bytes sends, declared without running it; None (the default) where
+        only driving the exchange tells. The performance model uses it where given, instead of driving
+        the exchange (top-k's selection over millions of values was most of a prediction's cost);
+        tests hold every declaration to the driven rounds."""
+        return None
 
     def per_tensor(self, n: int) -> bool:
         """True when this instance compresses a bucket of n elements tensor by tensor, from

@@ -326,6 +326,10 @@ class Int8(_Lossy):
         codes = (blocks * inv.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8).view(-1)
         return [scales.float(), codes[:n] if n % B else codes], _Ctx(t.shape, t.dtype, n)
 
+    def declared_rounds(self, n, element_size):
+        """One all-gather of ceil(n / block) fp32 scales and n int8 codes, whatever the input's dtype."""
+        return [("allgather", 4 * -(-n // self.block) + n, 2)]
+
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         scales, codes = payload
         n, B = ctx.n, self.block

@@ -207,6 +207,10 @@ class TopK(SparseCompressor):
             self._k = (n, count_of(self.ratio, n))
         return self._k[1]
 
+    def declared_rounds(self, n, element_size):
+        """One all-gather of k values and k indices (int32 below 2**31 elements, as ``compress`` sends)."""
+        return [("allgather", self.k_for(n) * (element_size + (4 if n < 2 ** 31 else 8)), 2)]
+
     def select(self, flat):
         idx = top_indices(self._scratch.abs(flat), self.k_for(flat.numel()), self._gen)
         return flat.index_select(0, idx), idx  # index_select: a third of advanced indexing's fixed cost
