@@ -481,12 +481,26 @@ def test_a_steady_payload_shows_its_sizes_in_one_exchange(ef):
     assert cal.drive(c, inputs[0].clone())[0] != cal.drive(c, inputs[1].clone())[0]
 
 
-@pytest.mark.parametrize("params", [{}, {"ratio": 0.3}, {"block": 7}])
+def _tiled(*shapes):
+    out, off = [], 0
+    for shape in shapes:
+        out.append((off, shape))
+        off += int(torch.tensor(shape).prod())
+    return out, off
+
+
+DECLARED_LAYOUTS = [_tiled((1,)), _tiled((1000,)), _tiled((4099,)), _tiled((300_001,)),
+                    _tiled((64, 48), (32,), (40, 40)),  # matrices worth compressing and a vector between
+                    _tiled((3, 2), (7,)),  # nothing worth compressing: one plain all-reduce
+                    _tiled((512, 600), (600,))]
+
+
+@pytest.mark.parametrize("params", [{}, {"ratio": 0.3}, {"block": 7}, {"rank": 4}])
 def test_declared_rounds_are_the_driven_ones(params):
-    """Every compressor that declares a flat bucket's rounds (the model then skips driving it) declares
-    what one driven exchange sends: sizes with odd remainders, one element, and above 2**16 (top-k's
-    sampled pre-filter); with and without error feedback. Top-k and int8 declare; PowerSGD, which
-    needs the layout, does not."""
+    """Every compressor that declares a bucket's rounds (the model then skips driving it) declares what one
+    driven exchange sends: sizes with odd remainders, one element, above 2**16 (top-k's sampled
+    pre-filter), per-tensor layouts with and without matrices worth compressing; with and without error
+    feedback. Top-k, int8 and PowerSGD (per tensor) declare; PowerSGD without a layout does not."""
     from engine import compressors
     from lab.perfmodel import calibrate as cal
     g = torch.Generator().manual_seed(2)
@@ -497,18 +511,19 @@ def test_declared_rounds_are_the_driven_ones(params):
         if params and not given:
             continue
         for ef in (False, True) if not cls.builtin_feedback and name != "none" else (False,):
-            for n in (1, 1000, 4099, 300_001):
+            for layout, n in DECLARED_LAYOUTS:
                 c = compressors.make(name, error_feedback=ef, **given)
+                c.layout = layout
                 declared = c.declared_rounds(n, 4)
                 if declared is None:
                     continue
                 declaring.add(name)
-                c.layout = [(0, (n,))]
                 c.skip_warmup()
                 driven, _ = cal.drive(c, torch.randn(n, generator=g))
-                assert declared == driven, (name, given, ef, n)
-    assert declaring >= ({"topk"} if "ratio" in params else {"int8"} if params else {"topk", "int8"})
-    assert compressors.make("powersgd").declared_rounds(1000, 4) is None
+                assert declared == driven, (name, given, ef, layout[:3])
+    want = {(): {"topk", "int8", "powersgd"}, ("ratio",): {"topk"}, ("block",): {"int8"}, ("rank",): {"powersgd"}}
+    assert declaring >= want[tuple(params)]
+    assert compressors.make("powersgd").declared_rounds(1000, 4) is None  # flat mode: driven
 
 
 def test_the_model_uses_declared_rounds_without_driving(monkeypatch):

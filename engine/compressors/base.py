@@ -26,7 +26,7 @@ A compressor declares, instead of leaving callers to probe it:
 - its capabilities: ``summable``, ``keeps_shape``, ``identity``, ``lossless``, ``rounds``,
   ``builtin_feedback``, ``builtin_momentum``, ``elementwise`` (per-element state), ``counts_steps``,
   ``warmup_exchanges`` (uncompressed exchanges first), ``per_tensor`` (uses the layout) and
-  ``shard_codec`` (a slice compresses alone), and where it can, the rounds a flat bucket sends
+  ``shard_codec`` (a slice compresses alone), and where it can, the rounds a bucket sends
   (``declared_rounds``, for the performance model). Read them from an instance where
   parameters change them (Count Sketch with ``exact`` takes two rounds).
   ``shard_path`` and ``shard_problem`` combine them into what DeAR needs.
@@ -145,11 +145,11 @@ class Compressor:
             raise NotImplementedError(f"{self.name}: declares warm-up exchanges but not how to skip them")
 
     def declared_rounds(self, n: int, element_size: int) -> Optional[List[Tuple[str, int, int]]]:
-        """(op, payload bytes, tensors) of each round one steady exchange of a flat bucket of ``n``
-        elements of ``element_size`` bytes sends, declared without running it; None (the default) where
-        only driving the exchange tells. The performance model uses it where given, instead of driving
-        the exchange (top-k's selection over millions of values was most of a prediction's cost);
-        tests hold every declaration to the driven rounds."""
+        """(op, payload bytes, tensors) of each round one steady exchange of a bucket of ``n`` elements
+        of ``element_size`` bytes sends (laid out as ``layout`` says, where set), declared without running
+        it; None (the default) where only driving the exchange tells. The performance model uses it where
+        given, instead of driving the exchange (top-k's selection over millions of values was most of a
+        prediction's cost); tests hold every declaration to the driven rounds."""
         return None
 
     def per_tensor(self, n: int) -> bool:

@@ -195,6 +195,17 @@ class PowerSGD(Compressor):
     def per_tensor(self, n: int) -> bool:
         return self.plan(n) is not None
 
+    def declared_rounds(self, n, element_size):
+        """Per tensor (a ``layout`` set): one all-reduce of every P factor and the plain runs, one of every Q
+        factor; a bucket with no matrix worth compressing is one plain all-reduce. None in flat mode."""
+        plan = self.plan(n)
+        if plan is None:
+            return None
+        if not plan.mats:
+            return [("allreduce", n * element_size, 1)]
+        return [("allreduce", (plan.p_numel + plan.plain_numel) * element_size, 1),
+                ("allreduce", plan.q_numel * element_size, 1)]
+
     def compresses(self, n: int) -> bool:
         rows, cols = matrix_shape(n)
         return self.rank * (rows + cols) * self.min_compression_rate < rows * cols

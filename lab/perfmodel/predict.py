@@ -67,8 +67,8 @@ def _noise(n: int):
 
 
 def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tuple[str, int, int]]:
-    """(op, payload bytes, tensors) of each round for one bucket, as the compressor declares them for a flat
-    bucket (``Compressor.declared_rounds``) or else from driving the real exchange on a bucket of that
+    """(op, payload bytes, tensors) of each round for one bucket, as the compressor declares them
+    (``Compressor.declared_rounds``) or else from driving the real exchange on a bucket of that
     layout (in steady state: past any warm-up iterations).
     Cached by the bucket's size alone when the compressor treats it as one flat tensor
     (``per_tensor`` false: its payload cannot depend on how the bucket splits into tensors)."""
@@ -91,7 +91,7 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
     if flat_key is not None and flat_key in _ROUNDS_CACHE:
         rounds = _ROUNDS_CACHE[flat_key]
     else:
-        rounds = c.declared_rounds(off, 4) if flat_key is not None and c.steady_payload else None
+        rounds = c.declared_rounds(off, 4) if c.steady_payload else None
         if rounds is None:
             x = _noise(off)
             c.skip_warmup()  # past plain warm-up exchanges (PowerSGD), without driving them
