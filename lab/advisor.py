@@ -410,15 +410,23 @@ def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = 
     return out
 
 
-def link_of(profile, net: dict):
+def link_of(profile, net: dict, runs=None):
     """The link the predictions use, and what it is: a modeled link is the engine's alpha-beta exactly; a
-    shaped one is the profile's calibrated link scaled to the rate, or nominal when none is calibrated."""
+    shaped one is the profile's calibrated link, else the lab's (``commlab net check --save``), scaled to
+    the rate; nominal when neither is calibrated."""
+    from lab.perfmodel import whatif
     from lab.perfmodel.costs import Link
     if net["link"] == "modeled":
         return Link.from_gbps(net["gbps"], net.get("latency_us") or 0.0), "modeled: the engine's alpha-beta delays"
     if profile.link:
         return profile.link_at(net["gbps"]), f"shaped: calibrated at {profile.link['nominal_gbps']:g} Gbit/s, scaled"
-    return Link.from_gbps(net["gbps"]), "shaped: nominal alpha-beta (no link calibrated in the profile)"
+    lab_link = whatif.saved_shaped_link(runs)
+    if lab_link:
+        scaled = Link(lab_link["alpha"], lab_link["beta"]).scaled(lab_link["nominal_gbps"], net["gbps"])
+        return scaled, (f"shaped: the lab's calibration ({lab_link['source']}; {lab_link['alpha'] * 1e6:.0f} us "
+                        "per collective step), scaled")
+    return Link.from_gbps(net["gbps"]), ("shaped: nominal alpha-beta (no link calibrated; `commlab net check "
+                                         "--gbps 1 --save` measures one)")
 
 
 def predict_candidate(profile, spec: dict, cand: Candidate, link, world: int) -> None:
@@ -704,7 +712,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
         raise LabError(str(e)) from None
     t1 = time.perf_counter()
     known = len(prof.payloads)
-    lk, link_source = link_of(prof, net)
+    lk, link_source = link_of(prof, net, runs)
     cells, strategies = benchmark_cells(), strategy_cells()
     pens: Dict[Tuple[str, str], Tuple[Optional[float], str]] = {}
     for c in cands:

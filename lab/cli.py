@@ -107,6 +107,9 @@ def build_parser() -> Parser:
     q.add_argument("--ranks", type=int, default=2, help="ranks in the cluster (default 2)")
     q.add_argument("--seconds", type=float, default=3.0, help="TCP measurement time (default 3)")
     q.add_argument("--json", action="store_true", help="print the figures as JSON")
+    q.add_argument("--save", action="store_true", help="keep the figures as the lab's shaped-link calibration "
+                                                       "(the advisor's predictions for shaped links use it)")
+    _runs_arg(q)
     netsub.add_parser("cleanup", help="remove the lab's namespaces left by dead launchers")
 
     p = sub.add_parser("profile", help="measure a model's per-layer forward/backward times and gradient sizes "
@@ -491,6 +494,10 @@ def cmd_net(args) -> int:
         raise LabError(str(e)) from None
     if args.json:
         print(json.dumps(r, indent=1))
+    if args.save:
+        from lab.perfmodel import whatif
+        path = whatif.save_shaped_link(args.runs, r)
+        print(f"saved the lab's shaped-link calibration: {path}", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 

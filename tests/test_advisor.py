@@ -526,3 +526,49 @@ def test_trial_picks_take_one_candidate_per_family():
     picks = advisor.trial_picks(ranked, 3)
     assert [c.label for c in picks] == ["none", "bf16", "mixed", "ddp"]
     assert advisor.family(advisor._comp("bf16")) == advisor.family(advisor._comp("fp16")) != "none"
+
+
+def test_shaped_links_use_the_labs_link_calibration(tmp_path):
+    """A shaped link without a calibrated profile link is nominal (alpha 0) until `commlab net check --save`
+    keeps a calibration in the lab; then it is that link scaled to the rate (the per-collective cost kept),
+    and the source says so. A broken calibration file is a one-line error naming the field."""
+    s = spec()
+    prof = fake_profile(s)
+    prof.link = None
+    net = {"link": "shaped", "gbps": 0.1, "latency_us": None}
+    nominal, why = advisor.link_of(prof, net, tmp_path)
+    assert nominal.alpha == 0.0 and "commlab net check --gbps 1 --save" in why
+    res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
+           "allreduce_median_s": 2 * 1e-3 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
+           "allreduce_small_mean_s": 2 * 1e-3 + 4096 * 8e-9}
+    path = whatif.save_shaped_link(tmp_path, res)
+    assert path.parent == whatif.profile_dir(tmp_path)
+    link, why = advisor.link_of(prof, net, tmp_path)
+    assert link.alpha == pytest.approx(1e-3) and link.beta == pytest.approx(8e-8)  # 10x slower than at 1 Gbit/s
+    assert "the lab's calibration" in why and "1000 us per collective step" in why
+    assert advisor.link_of(prof, {"link": "modeled", "gbps": 0.1}, tmp_path)[0].alpha == 0.0  # modeled: exact
+    path.write_text("{}")
+    with pytest.raises(advisor.SpecError, match="network.link"):
+        advisor.link_of(prof, net, tmp_path)
+
+
+def test_more_groups_cost_more_on_a_calibrated_shaped_link(tmp_path):
+    """The calibration's per-collective cost makes MergeComp's predicted search settle on no more groups
+    than on the nominal link, and raises a many-bucket layout's prediction more than a one-bucket one's."""
+    s = spec()
+    prof = fake_profile(s)
+    prof.link = None
+    comp = advisor._comp("powersgd", rank=1)
+    net = {"link": "shaped", "gbps": 0.1, "latency_us": None}
+    nominal = advisor.link_of(prof, net, tmp_path)[0]
+    whatif.save_shaped_link(tmp_path, {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
+                                       "allreduce_median_s": 4e-3 + 8e-3, "allreduce_small_bytes": 4096,
+                                       "allreduce_small_mean_s": 4e-3 + 4096 * 8e-9})
+    calibrated = advisor.link_of(prof, net, tmp_path)[0]
+    mc = {**s, "compressor": comp, "schedule": {"name": "mergecomp"}}
+    assert advisor.search_mergecomp(prof, mc, calibrated, 2)[1] <= advisor.search_mergecomp(prof, mc, nominal, 2)[1]
+
+    def ms(layout, link):
+        return whatif.pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": layout}}, 0.1, 2,
+                                 link=link).total
+    assert ms("layerwise", calibrated) - ms("layerwise", nominal) > ms("allinone", calibrated) - ms("allinone", nominal)

@@ -547,3 +547,23 @@ def test_the_profile_commands_default_is_the_labs_profiling_run():
     sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices["profile"]
     steps = next(a for a in sub._actions if a.dest == "steps")
     assert f"default {whatif.PROFILE_STEPS}," in steps.help and steps.default is None
+
+
+def test_net_check_save_keeps_the_labs_link_calibration(tmp_path, monkeypatch, capsys):
+    """`commlab net check --save` writes the check's alpha and beta where the advisor reads them (the check
+    itself, which needs namespaces, is stubbed: its figures are given)."""
+    from lab import netcheck, netns
+    from lab.cli import main
+    from lab.perfmodel import whatif
+    res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
+           "allreduce_median_s": 2 * 500e-6 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
+           "allreduce_small_mean_s": 2 * 500e-6 + 4096 * 8e-9}
+    monkeypatch.setattr(netns, "check_shaped_supported", lambda: None)
+    monkeypatch.setattr(netcheck, "net_check", lambda *a, **k: res)
+    assert whatif.saved_shaped_link(tmp_path) is None
+    assert main(["net", "check", "--gbps", "1", "--json", "--save", "--runs", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["target_gbps"] == 1.0 and "shaped-link calibration" in out.err
+    link = whatif.saved_shaped_link(tmp_path)
+    assert link["alpha"] == pytest.approx(500e-6) and link["nominal_gbps"] == 1.0
+    assert "net check --save at 1 Gbit/s" in link["source"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
@@ -39,6 +40,42 @@ def load_for_prediction(path: Optional[str] = None, overrides=(), data: Optional
 def profile_dir(runs) -> Path:
     from lab.store import default_root
     return Path(runs or default_root()) / ".profiles"
+
+
+SHAPED_LINK = "link-shaped.json"
+"""The lab's calibration of its shaped links (``commlab net check --save``), in the profiles directory: a
+shaped link's per-collective cost (gloo over veth pairs and a token bucket, 1-3 ms here) is what a
+nominal alpha-beta link leaves out, and it decides how many buckets and rounds pay."""
+
+
+def save_shaped_link(runs, result: dict) -> Path:
+    """Keep ``commlab net check`` figures (``result``) as the lab's shaped-link calibration."""
+    import socket
+    link = cal.link_from_net_check(result)
+    link.update(source=f"commlab net check --save at {result['target_gbps']:g} Gbit/s on {socket.gethostname()}",
+                measured_at=time.time(), small_mean_s=result.get("allreduce_small_mean_s"))
+    path = profile_dir(runs) / SHAPED_LINK
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(link, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def saved_shaped_link(runs) -> Optional[dict]:
+    """The lab's shaped-link calibration, or None when ``commlab net check --save`` never ran here."""
+    path = profile_dir(runs) / SHAPED_LINK
+    if not path.is_file():
+        return None
+    try:
+        link = json.loads(path.read_text())
+    except ValueError as e:
+        raise SpecError("network.link", f"{path} is not a link calibration ({e}); run `commlab net check --gbps 1 "
+                                        "--save` again") from None
+    if not isinstance(link, dict) or any(k not in link for k in ("alpha", "beta", "nominal_gbps")):
+        raise SpecError("network.link", f"{path} lacks alpha, beta or nominal_gbps; run `commlab net check "
+                                        "--gbps 1 --save` again")
+    return link
 
 
 def matching_run(spec: dict, runs):
