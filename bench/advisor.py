@@ -2,8 +2,10 @@
 than 3% slower than DDP, and does it cost at most 10% of a 300-step run?
 
     python bench/advisor.py [--models resnet,transformer,gpt2] [--gbps 0.1,1,10] [--link modeled] [--steps 14]
-                            [--rounds 1] [--trials 0] [--json bench/results/advisor.json] [--md FILE]
+                            [--calibrate-link 1] [--rounds 1] [--trials 0] [--json bench/results/advisor.json] [--md FILE]
 
+With ``--link shaped`` the lab's shaped-link calibration is kept first (``commlab net check --gbps 1 --save``,
+``--calibrate-link``), as a user keeps it once per machine; its seconds are reported apart.
 For each model and link rate: the advisor ranks the strategy space from the performance model. With
 ``--trials 0``, the default, that ranking decides, and its cost is the profile, the cost curves and the
 predictions (the profile and curves are measured once per model and reused at the other rates, so the
@@ -289,6 +291,12 @@ def report(results: list, args) -> str:
                        f"{RUN_STEPS} steps, {a['excess_s']:.2f} s beyond the choice's pace plus {a['switch_s']:.2f} s "
                        f"of switches; after them {a['iter_ms_after_choice']:.1f} ms per step; the whole run "
                        f"{a['wall_s']:.1f} s\n")
+    cal = getattr(args, "link_calibration", None)
+    if cal:
+        out.append(f"\nThe lab's shaped-link calibration, kept once before the settings (`commlab net check --gbps "
+                   f"{cal['gbps']:g} --save`, {cal['seconds']:.1f} s, per machine: in no setting's advisor cost): "
+                   f"alpha {cal['alpha_s'] * 1e6:.0f} us per ring step (a 4 KiB all-reduce "
+                   f"{cal['small_mean_s'] * 1e3:.2f} ms on average), beta {cal['beta'] * 1e9:.2f} ns per byte.\n")
     fin = getattr(args, "final_rounds", 0)
     out.append(f"\n{args.rounds} round(s)" + (f" plus {fin} final round(s) of the choice, DDP and the cells within "
                                                f"{FINAL_WITHIN:g}x of the best (their medians and ratios over all "
@@ -296,6 +304,22 @@ def report(results: list, args) -> str:
                f"{'with ' + str(args.trials) + ' trials' if args.trials else 'from predictions only'}; "
                f"iteration x penalty, not time to accuracy (see bench/advisor.py)")
     return "\n".join(out)
+
+
+def calibrate_link(store, gbps: float, log) -> dict:
+    """The lab's shaped-link calibration, as a user keeps it once per machine (``commlab net check --gbps X
+    --save``): its seconds are reported apart, since no setting's advisor run measures it."""
+    from lab import netcheck
+    from lab.perfmodel import whatif
+    t = time.perf_counter()
+    res = netcheck.net_check(gbps)
+    path = whatif.save_shaped_link(store.root, res)
+    link = whatif.saved_shaped_link(store.root)
+    out = {"gbps": gbps, "seconds": time.perf_counter() - t, "alpha_s": link["alpha"], "beta": link["beta"],
+           "small_mean_s": res["allreduce_small_mean_s"], "path": str(path)}
+    log(f"link calibration at {gbps:g} Gbit/s: alpha {link['alpha'] * 1e6:.0f} us per step, "
+        f"{out['seconds']:.1f} s")
+    return out
 
 
 def main(argv=None):
@@ -312,6 +336,10 @@ def main(argv=None):
                          f"{FINAL_WITHIN:g}x of the best after --rounds (default 0: none)")
     ap.add_argument("--trials", type=int, default=0, help="the advisor's trials (--measure) per setting; "
                                                            "0: predictions only (default)")
+    ap.add_argument("--calibrate-link", type=float, default=1.0, metavar="GBPS",
+                    help="with --link shaped: first keep the lab's shaped-link calibration (commlab net check "
+                         "--gbps GBPS --save) in the runs directory, once, timed and reported apart from the "
+                         "settings (default 1; 0: none, the advisor predicts on the nominal link)")
     ap.add_argument("--runs", default=None, help="runs directory (default: a temporary one)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
@@ -340,6 +368,8 @@ def main(argv=None):
     def log(m):
         print(m, file=sys.stderr, flush=True)
     results = []
+    if args.link == "shaped" and args.calibrate_link:
+        args.link_calibration = calibrate_link(store, args.calibrate_link, log)
     for m in models:
         for g in rates:
             results.append(one_setting(m, args.link, g, args.steps, args.rounds, store, log, args.trials,

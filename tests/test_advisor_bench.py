@@ -1,4 +1,4 @@
-"""bench/advisor.py's finals: which cells run again before the grid's best is named."""
+"""bench/advisor.py: which cells run again before the grid's best is named, and what its report states."""
 from bench import advisor as ab
 
 
@@ -42,3 +42,14 @@ def test_a_choice_that_is_a_grid_cell_is_one_configuration_measured_twice():
     assert r["rows"][ab.CHOICE]["rounds_ms"] == [109.0, 113.0, 107.0] and r["rows"][ab.CHOICE]["pooled_with"] == ab.DDP
     assert ab.one_configuration([1.0, 3.0, 7.0], [3.0]) == [2.0, 3.0, 7.0]
     assert ab.one_configuration([3.0], [1.0, 3.0, 7.0]) == [2.0, 3.0, 7.0]
+
+
+def test_the_report_states_the_link_calibration_apart():
+    import argparse
+    args = argparse.Namespace(rounds=2, steps=14, trials=3, final_rounds=2,
+                              link_calibration={"gbps": 1.0, "seconds": 14.2, "alpha_s": 1.07e-3, "beta": 8.3e-9,
+                                                "small_mean_s": 2.18e-3, "path": "x"})
+    text = ab.report([], args)
+    assert "`commlab net check --gbps 1 --save`, 14.2 s" in text and "1070 us per ring step" in text
+    assert "in no setting's advisor cost" in text
+    assert "net check" not in ab.report([], argparse.Namespace(rounds=1, steps=14, trials=0, final_rounds=0))
