@@ -88,6 +88,11 @@ DDP_MARGIN = 1.5
 best-predicted one's: then the model's errors (tens of percent where measured) cannot make it the winner, and
 its trial would be the slowest of all. Tried, it is the safety reference: the choice is never slower than DDP
 as measured in the same session."""
+FAMILY_MARGIN = 2.0
+"""A compressor family is tried only if its best predicted score is within this many times the best one's:
+the model's errors where measured are tens of percent, not 2x, and a family far behind costs its trial
+steps for nothing (int8 at a shaped 0.1 Gbit/s on resnet: predicted 7x PowerSGD's time, one step of 359 ms
+before STOP_RATIO stopped it, a third of the trials' cost)."""
 DDP_HOLD = 1.03
 """Measured, a winner must score more than this factor better than DDP, or DDP is chosen: trials of 8 steps
 scatter by several percent here (the transformer at a shaped 10 Gbit/s: bf16 under dear won its trial by 1.3%
@@ -528,18 +533,22 @@ def family(comp: dict) -> str:
     return SAME_FAMILY.get(comp["name"], comp["name"])
 
 
-def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN) -> List[Candidate]:
+def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN,
+                family_margin: Optional[float] = None) -> List[Candidate]:
     """The candidates to try: the best-predicted one of each of the first ``k`` compressor families in the
     ranking (``family``: PowerSGD of rank 1 or 4, alone or in a mixed section, is one family, and so are
-    fp16 and bf16), and DDP (the safety reference) unless its predicted score is more than ``ddp_margin`` times the
+    fp16 and bf16) that are predicted within ``family_margin`` of the best, and DDP (the safety reference) unless its predicted score is more than ``ddp_margin`` times the
     best one's. Where the model errs most is a family's cost inside a real step (two ranks and gloo on the
     same cores, multi-round exchanges holding backward: on resnet it predicts PowerSGD a third faster than it
     runs), not the choice of rank or bucket cap, so trying k families teaches more than trying one family
     k ways."""
+    family_margin = FAMILY_MARGIN if family_margin is None else family_margin
     picks, seen = [], set()
     for c in ranked:
         key = family(c.compressor)
         if c.predicted_score is None or key in seen:
+            continue
+        if picks and c.predicted_score > family_margin * picks[0].predicted_score:
             continue
         seen.add(key)
         picks.append(c)

@@ -244,6 +244,7 @@ def fake_session_runner(tmp_path, ms_of, sessions):
 
 def test_measured_trials_decide(monkeypatch, tmp_path):
     monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(advisor, "FAMILY_MARGIN", 1000.0)  # three families tried, however far apart predicted
     s = spec()
     sessions = []
     # the first tried is the slowest in reality, the second the fastest
@@ -572,3 +573,18 @@ def test_more_groups_cost_more_on_a_calibrated_shaped_link(tmp_path):
         return whatif.pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": layout}}, 0.1, 2,
                                  link=link).total
     assert ms("layerwise", calibrated) - ms("layerwise", nominal) > ms("allinone", calibrated) - ms("allinone", nominal)
+
+
+def test_families_predicted_far_behind_are_not_tried():
+    """A family predicted more than FAMILY_MARGIN times the best's score is not tried (its steps would cost
+    for nothing); DDP follows its own margin."""
+    def cand(label, comp, ms, cap=1.0):
+        c = advisor.Candidate(label, comp, {"name": "bucket", "cap_mb": cap}, {"mode": "wfbp"})
+        c.predicted_ms, c.penalty = ms, 1.0
+        return c
+    ranked = [cand("psgd", advisor._comp("powersgd", rank=1), 32.0), cand("topk", advisor._comp("topk"), 47.0),
+              cand("int8", advisor._comp("int8"), 243.0), cand("fp16", advisor._comp("fp16"), 460.0),
+              cand("ddp", advisor._comp("none"), 900.0, cap=25.0)]
+    assert [c.label for c in advisor.trial_picks(ranked, 3)] == ["psgd", "topk"]
+    assert [c.label for c in advisor.trial_picks(ranked, 3, family_margin=10.0)] == ["psgd", "topk", "int8"]
+    assert [c.label for c in advisor.trial_picks(ranked, 3, ddp_margin=30.0)] == ["psgd", "topk", "ddp"]
