@@ -429,7 +429,7 @@ def link_of(profile, net: dict, runs=None):
     if lab_link:
         scaled = Link(lab_link["alpha"], lab_link["beta"]).scaled(lab_link["nominal_gbps"], net["gbps"])
         return scaled, (f"shaped: the lab's calibration ({lab_link['source']}; {lab_link['alpha'] * 1e6:.0f} us "
-                        "per collective step), scaled")
+                        "per ring step), scaled")
     return Link.from_gbps(net["gbps"]), ("shaped: nominal alpha-beta (no link calibrated; `commlab net check "
                                          "--gbps 1 --save` measures one)")
 

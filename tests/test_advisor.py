@@ -548,7 +548,7 @@ def test_shaped_links_use_the_labs_link_calibration(tmp_path):
     assert path.parent == whatif.profile_dir(tmp_path)
     link, why = advisor.link_of(prof, net, tmp_path)
     assert link.alpha == pytest.approx(1e-3) and link.beta == pytest.approx(8e-8)  # 10x slower than at 1 Gbit/s
-    assert "the lab's calibration" in why and "1000 us per collective step" in why
+    assert "the lab's calibration" in why and "1000 us per ring step" in why
     assert advisor.link_of(prof, {"link": "modeled", "gbps": 0.1}, tmp_path)[0].alpha == 0.0  # modeled: exact
     path.write_text("{}")
     with pytest.raises(advisor.SpecError, match="network.link"):
