@@ -93,6 +93,10 @@ FAMILY_MARGIN = 2.0
 the model's errors where measured are tens of percent, not 2x, and a family far behind costs its trial
 steps for nothing (int8 at a shaped 0.1 Gbit/s on resnet: predicted 7x PowerSGD's time, one step of 359 ms
 before STOP_RATIO stopped it, a third of the trials' cost)."""
+REFERENCE_WITHIN = 1.25
+"""In-run trials: DDP, when tried, trains again in the runoff whenever its score is within this factor of the
+best (the close candidates' factor is RUNOFF_WITHIN): the hold below compares against DDP, so DDP is measured
+as often as the candidates it is held against. Up to ABORT_RATIO, where a trial counts as clearly slower."""
 DDP_HOLD = 1.03
 """Measured, a winner must score more than this factor better than DDP, or DDP is chosen: trials of 8 steps
 scatter by several percent here (the transformer at a shaped 10 Gbit/s: bf16 under dear won its trial by 1.3%

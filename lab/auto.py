@@ -13,8 +13,8 @@ import json
 import time
 from typing import Callable, Dict, List, Optional
 
-from lab.advisor import (ABORT_AFTER, ABORT_RATIO, DDP_HOLD, RUNOFF_WITHIN, STOP_RATIO, TRIAL_LEAD_IN,
-                         TRIAL_WARMUP, Advice, Candidate,
+from lab.advisor import (ABORT_AFTER, ABORT_RATIO, DDP_HOLD, REFERENCE_WITHIN, RUNOFF_WITHIN, STOP_RATIO,
+                         TRIAL_LEAD_IN, TRIAL_WARMUP, Advice, Candidate,
                          add_note, advise, compressing_at_once, explain, is_ddp, measure_in_session, search_extra_ms,
                          session_trials, trial_picks, with_search_cost, with_strategy, write_json)
 
@@ -40,7 +40,8 @@ def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int) -> dict:
         trials.append(t)
     return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "lead_in": TRIAL_LEAD_IN, "abort_after": ABORT_AFTER,
             "abort_ratio": ABORT_RATIO, "stop_ratio": STOP_RATIO, "hold_margin": DDP_HOLD,
-            "runoff_within": RUNOFF_WITHIN, "runoff_steps": trial_steps, "trials": trials}
+            "runoff_within": RUNOFF_WITHIN, "reference_within": REFERENCE_WITHIN, "runoff_steps": trial_steps,
+            "trials": trials}
 
 
 def fold_in_run(run, record: dict) -> dict:

@@ -174,6 +174,27 @@ def test_a_runoff_measures_the_close_trials_again_in_reverse_order(tmp_path):
     assert trials.most_steps(plan) == 2 + 3 * 5 + 3 * 4
 
 
+def test_the_reference_trial_runs_off_within_its_own_factor(tmp_path):
+    """reference_within: the reference (none x3, ~3x fp16's score) trains again with the best although only the
+    best is within runoff_within (1.0); without it nothing runs off (a runoff of one trial is none)."""
+    plan = _plan(runoff_within=1.0, reference_within=100.0, runoff_steps=3, hold_margin=1.0)
+    plan["trials"][0]["reference"] = True
+    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    for comp, step in run_world(_run_trials, str(tmp_path)):
+        assert comp == "fp16" and step == 40
+    res = json.loads((tmp_path / trials.RESULT).read_text())
+    first, second, third = res["trials"]
+    assert res["runoff"] == [0, 1] and len(first["visits"]) == 2 and len(second["visits"]) == 2
+    assert third["aborted"] and len(third["visits"]) == 1
+    assert res["winner"] == 1 and res["held"] is False
+    assert trials.most_steps(plan) == trials.most_steps({**plan, "reference_within": None, "runoff_within": 1.0})
+    del plan["reference_within"]
+    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    run_world(_run_trials, str(tmp_path))
+    res = json.loads((tmp_path / trials.RESULT).read_text())
+    assert res["runoff"] == [] and all(len(t["visits"]) == 1 for t in res["trials"])
+
+
 def test_the_reference_trial_holds_inside_its_margin():
     """A trial marked reference (DDP) wins unless the lowest score beats it by more than hold_margin."""
     plan = {"trials": [{"reference": True}, {}, {}], "hold_margin": 1.03}
@@ -204,6 +225,8 @@ def test_trials_shorten_powersgd_start_by_the_steps_trained():
     ({"runoff_within": 0.5, "runoff_steps": 4}, "runoff_within must be a number >= 1"),
     ({"runoff_within": 1.1}, "runoff_within needs runoff_steps"),
     ({"runoff_within": 1.1, "runoff_steps": 0}, "runoff_steps must be an integer >= 1"),
+    ({"reference_within": 0.9, "runoff_steps": 4}, "reference_within must be a number >= 1"),
+    ({"reference_within": 1.25}, "reference_within needs runoff_steps"),
 ])
 def test_a_bad_trial_plan_is_refused(tmp_path, change, problem):
     (tmp_path / trials.FILE).write_text(json.dumps(_plan(**change)))
