@@ -15,8 +15,8 @@ order, ``warmup`` + ``runoff_steps`` steps, and is scored on all its timed steps
 by 10-20% on a shared machine, and its drift (a slow start, a busy neighbour) falls on whichever trial ran then.
 With ``reference_within``, the trial marked ``reference`` (DDP) joins that runoff whenever its score is within
 that (wider) factor of the best: the safety reference is not lost to one slow visit (the transformer at a
-shaped 10 Gbit/s: DDP's one visit 201 ms, 13% behind, against 171 ms in the grid). A candidate whose first ``abort_after`` timed
-steps already score ``abort_ratio`` times the best score so far stops there; with ``stop_ratio`` in the plan,
+shaped 10 Gbit/s: DDP's one visit 201 ms, 13% behind, against 171 ms in the grid). A candidate whose first
+``abort_after`` timed steps already score ``abort_ratio`` times the best score so far stops there; with ``stop_ratio`` in the plan,
 one whose fastest step so far (warm-up steps included) scores ``stop_ratio`` times the best stops at once.
 Each step's time is the slower rank's (one small all-reduce per decision, outside the timed steps), so every
 rank computes the same scores and the same winner: the lowest (median ms + extra_ms) x penalty, except that a

@@ -423,6 +423,7 @@ def link_of(profile, net: dict, runs=None):
     """The link the predictions use, and what it is: a modeled link is the engine's alpha-beta exactly; a
     shaped one is the profile's calibrated link, else the lab's (``commlab net check --save``), scaled to
     the rate; nominal when neither is calibrated."""
+    from lab.perfmodel import calibrate as cal
     from lab.perfmodel import whatif
     from lab.perfmodel.costs import Link
     if net["link"] == "modeled":
@@ -431,8 +432,7 @@ def link_of(profile, net: dict, runs=None):
         return profile.link_at(net["gbps"]), f"shaped: calibrated at {profile.link['nominal_gbps']:g} Gbit/s, scaled"
     lab_link = whatif.saved_shaped_link(runs)
     if lab_link:
-        scaled = Link(lab_link["alpha"], lab_link["beta"]).scaled(lab_link["nominal_gbps"], net["gbps"])
-        return scaled, (f"shaped: the lab's calibration ({lab_link['source']}; {lab_link['alpha'] * 1e6:.0f} us "
+        return cal.link_scaled(lab_link, net["gbps"]), (f"shaped: the lab's calibration ({lab_link['source']}; {lab_link['alpha'] * 1e6:.0f} us "
                         "per ring step), scaled")
     return Link.from_gbps(net["gbps"]), ("shaped: nominal alpha-beta (no link calibrated; `commlab net check "
                                          "--gbps 1 --save` measures one)")
@@ -541,8 +541,8 @@ def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN,
                 family_margin: Optional[float] = None) -> List[Candidate]:
     """The candidates to try: the best-predicted one of each of the first ``k`` compressor families in the
     ranking (``family``: PowerSGD of rank 1 or 4, alone or in a mixed section, is one family, and so are
-    fp16 and bf16) that are predicted within ``family_margin`` of the best, and DDP (the safety reference) unless its predicted score is more than ``ddp_margin`` times the
-    best one's. Where the model errs most is a family's cost inside a real step (two ranks and gloo on the
+    fp16 and bf16) that are predicted within ``family_margin`` of the best, and DDP (the safety reference)
+    unless its predicted score is more than ``ddp_margin`` times the best one's. Where the model errs most is a family's cost inside a real step (two ranks and gloo on the
     same cores, multi-round exchanges holding backward: on resnet it predicts PowerSGD a third faster than it
     runs), not the choice of rank or bucket cap, so trying k families teaches more than trying one family
     k ways."""

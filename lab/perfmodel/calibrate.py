@@ -93,9 +93,14 @@ class Profile:
         efficiency), or the nominal alpha-beta link when none is calibrated."""
         if not self.link:
             return Link.from_gbps(gbps)
-        measured = Link(self.link["alpha"], self.link["beta"], self.link.get("burst_bytes", 0.0),
-                        self.link.get("beta_burst", 0.0))
-        return measured.scaled(self.link["nominal_gbps"], gbps)
+        return link_scaled(self.link, gbps)
+
+
+def link_scaled(link: dict, gbps: float) -> Link:
+    """A calibrated link (a profile's ``link``, or the lab's shaped-link calibration: alpha, beta,
+    nominal_gbps, optionally its token bucket) at another rate, with the same alpha and efficiency."""
+    measured = Link(link["alpha"], link["beta"], link.get("burst_bytes", 0.0), link.get("beta_burst", 0.0))
+    return measured.scaled(link["nominal_gbps"], gbps)
 
 
 def spec_key(spec: dict) -> str:

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from engine.runlog import write_json_atomic
 from engine.spec import SpecError
 from lab.perfmodel import calibrate as cal
 from lab.perfmodel import predict as pr
@@ -56,9 +57,7 @@ def save_shaped_link(runs, result: dict) -> Path:
                 measured_at=time.time(), small_mean_s=result.get("allreduce_small_mean_s"))
     path = profile_dir(runs) / SHAPED_LINK
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(link, indent=1))
-    tmp.replace(path)
+    write_json_atomic(path, link)
     return path
 
 
