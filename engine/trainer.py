@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from engine import data, models, trials
+from engine import autoprofile, data, models, trials
 from engine.spec import JobSpec
 from engine.stepper import Diverged, Stepper, make_optimizer, schedule_fn  # noqa: F401 (names this module offers)
 
@@ -67,6 +67,16 @@ than the training between two evaluations."""
 class Trainer:
     def __init__(self, spec: JobSpec, run_dir: Optional[str], rank: int, world: int,
                  device: torch.device, group=None):
+        torch.manual_seed(spec.seed)
+        self.data = load_data(spec)
+        self.model = models.build(spec.model.name, self.data.info, **spec.model.options).to(device)
+        self.loss_fn = models.make_loss(spec.model.loss)
+        self.waited: Optional[autoprofile.Waited] = None
+        """strategy auto without a profile: what the ranks' profile steps and the wait for the plan took."""
+        req = autoprofile.pending(run_dir) if trials.read(run_dir) is None else None
+        if req is not None:
+            self.waited = autoprofile.profile_then_wait(spec, self.model, self.data, self.loss_fn, run_dir, rank,
+                                                        world, device, req)
         self.trials = trials.read(run_dir)
         """strategy auto's trials, trained as the run's first steps (engine/trials.py), or None."""
         if self.trials is not None:
@@ -77,10 +87,6 @@ class Trainer:
             spec = dataclasses.replace(spec, compressor=first.compressor, schedule=first.schedule, comm=first.comm,
                                        strategy=first.strategy)
         self.spec, self.run_dir, self.rank, self.world, self.device = spec, run_dir, rank, world, device
-        torch.manual_seed(spec.seed)
-        self.data = load_data(spec)
-        self.model = models.build(spec.model.name, self.data.info, **spec.model.options).to(device)
-        self.loss_fn = models.make_loss(spec.model.loss)
         self.stepper = Stepper(spec, self.model, run_dir, rank, device, group)
         """The communicator, optimizer, tuners and writers (engine/stepper.py), shared with own loops."""
         self.dp, self.optimizer, self.timeline, self.probe = (self.stepper.dp, self.stepper.optimizer,

@@ -221,6 +221,9 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     result = {"trials": out, "winner": w, "label": out[w]["label"], "held": held, "decided_step": trainer.step,
               "trial_steps": trainer.step, "runoff": sorted(runoff), "excess_s": excess_s, "switch_s": switches_s,
               "cost_s": excess_s + switches_s, "wall_s": time.perf_counter() - started, "t": time.time()}
+    waited = getattr(trainer, "waited", None)
+    if waited is not None:  # the ranks measured the profile (engine/autoprofile.py) and waited for this plan
+        result.update(profile_steps=waited.steps, profile_s=waited.profile_s, plan_wait_s=waited.wait_s)
     if trainer.rank == 0 and trainer.run_dir:
         write_json_atomic(os.path.join(trainer.run_dir, RESULT), result)
         write_json_atomic(os.path.join(trainer.run_dir, "spec.json"), final)

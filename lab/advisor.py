@@ -717,7 +717,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     run_trial = runner or default_runner(runs)
     try:
         prof = profile or whatif.resolve_profile(spec, runs, say=say, runner=run_trial)
-        if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands]):
+        if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands], runs, kept=True):
             say("advisor: measured the candidates' encode/decode cost curves")
             if profile is None:
                 prof.save(whatif.profile_dir(runs) / f"{prof.key()}.json")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from typing import Callable, Dict, List, Optional
 
@@ -21,12 +22,29 @@ from lab.advisor import (ABORT_AFTER, ABORT_RATIO, DDP_HOLD, REFERENCE_WITHIN, R
 RECORD_KEY = "advisor"
 """tuning.json's key for the advisor's record (an engine tuner of the chosen strategy writes the rest)."""
 
+ADVICE_FILE = "auto-advice.json"
+"""The record as planned after the ranks' profile steps, kept apart too: an engine tuner of the first trial may
+write tuning.json whole before the run ends (``keep_record`` puts it back)."""
+PROFILE_STEPS = 8
+"""Dry steps the run's ranks take to profile the model when the lab has no profile of it (engine/autoprofile.py):
+the first SKIP_STEPS (3) are left out of the medians, the other 5 on each rank are the profile."""
+PLAN_TIMEOUT_S = 600
+"""How long the ranks wait for the plan after their profile steps before they fail the run."""
 
-def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int) -> dict:
+
+def plan_shape(n: int, trial_steps: int, lead_in: int = TRIAL_LEAD_IN) -> dict:
+    """The step counts of a plan of ``n`` trials (what ``engine.trials.most_steps`` reads)."""
+    return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "lead_in": lead_in, "abort_after": ABORT_AFTER,
+            "abort_ratio": ABORT_RATIO, "stop_ratio": STOP_RATIO, "hold_margin": DDP_HOLD,
+            "runoff_within": RUNOFF_WITHIN, "reference_within": REFERENCE_WITHIN, "runoff_steps": trial_steps,
+            "trials": [None] * n}
+
+
+def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int, lead_in: int = TRIAL_LEAD_IN) -> dict:
     """strategy auto's trials as the run's own first steps (engine/trials.py reads this plan): per pick,
     best-predicted first, the run's spec with its strategy (PowerSGD compressing at once), the spec the run
     goes on with if it wins, its penalty and, for MergeComp, the predicted partition and its search's
-    predicted cost per step."""
+    predicted cost per step. ``lead_in``: 0 once the ranks have warmed up in their profile steps."""
     base = {**adv.spec, "network": dict(adv.network), "world_size": adv.world}
     order = [n for n, _ in adv.profile.params] if adv.profile is not None else None
     trials = []
@@ -38,10 +56,7 @@ def plan_in_run(adv: Advice, picks: List[Candidate], trial_steps: int) -> dict:
         if is_ddp(c):
             t["reference"] = True  # DDP holds unless beaten by more than hold_margin
         trials.append(t)
-    return {"warmup": TRIAL_WARMUP, "steps": trial_steps, "lead_in": TRIAL_LEAD_IN, "abort_after": ABORT_AFTER,
-            "abort_ratio": ABORT_RATIO, "stop_ratio": STOP_RATIO, "hold_margin": DDP_HOLD,
-            "runoff_within": RUNOFF_WITHIN, "reference_within": REFERENCE_WITHIN, "runoff_steps": trial_steps,
-            "trials": trials}
+    return {**plan_shape(len(trials), trial_steps, lead_in), "trials": trials}
 
 
 def fold_in_run(run, record: dict) -> dict:
@@ -65,6 +80,11 @@ def fold_in_run(run, record: dict) -> dict:
         add_note(c, "; ".join(x for x in (f"trained as the run's steps {steps}"
                                           + (", stopped early: clearly slower" if r["aborted"] else ""), more) if x))
     cost = dict(record["cost_s"])
+    if "plan_wait_s" in res:
+        # the ranks profiled the model, then waited while the supervisor built the profile, measured cost
+        # curves (``supervisor_profile``) and predicted: what the run lost is their own clock's
+        share = min(cost.get("supervisor_profile", 0.0), res["plan_wait_s"])
+        cost.update(profile=res["profile_s"] + share, predict=res["plan_wait_s"] - share)
     cost.update(trials=res["cost_s"], total=cost["profile"] + cost["predict"] + res["cost_s"])
     adv = Advice(spec=record.get("spec") or run.spec_dict(), network=record["network"], world=record["world"],
                  candidates=cands, winner=by_label[res["label"]], chosen_by="measured",
@@ -96,6 +116,9 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     from lab.store import LabError
     spec = run.spec_dict()
     st = spec["strategy"]
+    if st["measure"] and profile_in_run(spec, lab.root):
+        start_profile_in_run(lab, run, say)
+        return None
     trials = []
 
     def runner(s: dict, prepare=None):
@@ -145,6 +168,90 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
 
 
 
+def profile_in_run(spec: dict, runs) -> bool:
+    """Whether the run's ranks profile the model themselves: the lab has no profile of it and the run has
+    room for the most trials the advisor may pick (``trials`` families and DDP) as its own steps."""
+    from engine import trials as engine_trials
+    from lab.perfmodel import whatif
+    st = spec["strategy"]
+    room = engine_trials.most_steps(plan_shape(st["trials"] + 1, st["trial_steps"], lead_in=0)) < spec["steps"]
+    return room and not whatif.has_profile(spec, runs)
+
+
+def start_profile_in_run(lab, run, say: Callable[[str], None]) -> threading.Thread:
+    """Ask the ranks for profile steps (engine/autoprofile.py) and advise in a thread of the supervisor once
+    they are done (``plan_after_profile``); the ranks start meanwhile, so the profile pays no start-up of
+    its own."""
+    from engine import autoprofile
+    write_json(run.file(autoprofile.PENDING), {"profile_steps": PROFILE_STEPS, "timeout_s": PLAN_TIMEOUT_S})
+    write_record(run, {"chosen_by": "pending: profile and trials in the run", "runs": [],
+                       "requested_at": time.time()})
+    run.update_status(strategy={"chosen": None, "by": "profile and trials in the run", "cost_s": None})
+    say(f"advisor: no profile of the model in the lab; the run's ranks measure it in {PROFILE_STEPS} dry steps "
+        "(no exchange, no update), then train the advisor's trials as the run's first steps")
+    t = threading.Thread(target=plan_after_profile, args=(lab, run, say), name=f"advisor {run.id}", daemon=True)
+    t.start()
+    return t
+
+
+def plan_after_profile(lab, run, say: Callable[[str], None], poll_s: float = 0.005) -> Optional[Advice]:
+    """In the supervisor, while the ranks wait: the profile from their dry steps (kept in the lab for the
+    next advice), the advisor's predictions, and the trial plan the ranks go on with. Any failure is written
+    to ``auto-failed.json``, which makes the ranks fail the run with it; a run that ends before its profile
+    steps are done ends this too. Returns the advice, None when there was none."""
+    from engine import autoprofile
+    from engine import trials as engine_trials
+    from engine.runlog import read_jsonl
+    from lab.perfmodel import calibrate as cal
+    from lab.perfmodel import whatif
+    from lab.store import FINAL, LabError
+    try:
+        spec = run.spec_dict()
+        st = spec["strategy"]
+        done, k = run.file(autoprofile.PROFILED), 0
+        while not done.is_file():
+            k += 1
+            if k % 40 == 0 and run.state in FINAL:
+                return None
+            time.sleep(poll_s)
+        t0 = time.perf_counter()
+        info = json.loads(done.read_text())
+        n = int(info["steps"])
+        events = [e for p in sorted(run.path.glob(autoprofile.TIMELINE.format(rank="*"))) for e in read_jsonl(str(p))]
+        prof = cal.from_events(spec, events, f"run {run.id} (its ranks' {n} dry profile steps)",
+                               skip=min(cal.SKIP_STEPS, n - 2), params=info.get("params"))
+        prof.machine = whatif.machine_info(run, n)
+        built_s = time.perf_counter() - t0
+        adv = advise(spec, runs=lab.root, measure=False, trials=st["trials"], trial_steps=st["trial_steps"],
+                     penalties=st["penalties"], profile=prof, say=say)
+        prof.save(whatif.profile_dir(lab.root) / f"{prof.key()}.json")  # with its cost curves and payloads
+        picks = trial_picks(adv.ranked(), st["trials"])
+        # no lead-in: the dry steps took the fresh process's slow first steps (after them, the first trial's
+        # first steps ran at its later pace: 50, 46, 48 ms against a median of 48 on resnet)
+        plan = plan_in_run(adv, picks, st["trial_steps"], lead_in=0)
+        if engine_trials.most_steps(plan) >= spec["steps"]:
+            raise LabError(f"the trials take up to {engine_trials.most_steps(plan)} steps; the run has "
+                           f"{spec['steps']}")
+        # the ranks' dry steps and their wait are folded in from their own clock after the run (fold_in_run)
+        adv.cost_s.update(profile=info["wall_s"] + built_s + adv.cost_s["profile"],
+                          supervisor_profile=built_s + adv.cost_s["profile"])
+        adv.cost_s["total"] = adv.cost_s["profile"] + adv.cost_s["predict"]
+        record = {**adv.as_dict(), "chosen_by": "pending: trials in the run", "runs": [],
+                  "profile_in_run": info, "planned_at": time.time()}
+        write_json(run.file(ADVICE_FILE), record)
+        write_record(run, record)
+        write_json(run.file(engine_trials.FILE), plan)  # the ranks go on
+        run.update_status(strategy={"chosen": None, "by": "trials in the run", "cost_s": adv.cost_s["total"]})
+        say(f"advisor: profiled in the run ({info['wall_s']:.2f} s); {len(picks)} trials as the run's first steps: "
+            + "; ".join(c.label for c in picks))
+        return adv
+    except BaseException as e:
+        msg = f"{type(e).__name__}: {e}".splitlines()[0]
+        write_json(run.file(autoprofile.FAILED), {"error": msg, "t": time.time()})
+        say(f"advisor: failed after the profile steps: {msg}")
+        return None
+
+
 def trial_timeline(run, trials, labels: Dict[str, str]) -> int:
     """Append the advisor's runs (the profiling run, the trials) to ``run``'s timeline-rank0.jsonl before its
     ranks start: each one's step spans (rank 0) on a lane of their own, so the run's trace shows what the
@@ -183,6 +290,8 @@ def keep_record(run, record: Optional[dict]) -> None:
     path = run.file("tuning.json")
     info = json.loads(path.read_text()) if path.is_file() else {}
     current = info.get(RECORD_KEY) or record
+    if str(current.get("chosen_by", "")).startswith("pending: profile") and run.file(ADVICE_FILE).is_file():
+        current = json.loads(run.file(ADVICE_FILE).read_text())  # planned in the run (plan_after_profile)
     if str(current.get("chosen_by", "")).startswith("pending"):
         folded = fold_in_run(run, current)
         if folded is not current:

@@ -175,15 +175,20 @@ def _median(xs, default=0.0):
 
 def from_run(run, skip: int = SKIP_STEPS) -> Profile:
     """A compute profile from a finished run's timeline (every rank, steps after ``skip``)."""
-    spec = run.spec_dict()
-    ev = run.timeline_events()
+    return from_events(run.spec_dict(), run.timeline_events(), f"run {run.id}", skip)
+
+
+def from_events(spec: dict, ev: List[dict], source: str, skip: int = SKIP_STEPS,
+                params: Optional[List[Tuple[str, int]]] = None) -> Profile:
+    """A compute profile from timeline events (every rank's, steps after ``skip``) of the spec's model;
+    ``params`` as ``param_list`` gives them (which builds the model), when the caller has them."""
     steps = {}
     for e in ev:
         if e.get("cat") in ("forward", "backward", "optimizer") and "step" in (e.get("args") or {}):
             steps.setdefault((e["pid"], e["args"]["step"]), {})[e["cat"]] = (e["ts"], e["ts"] + e["dur"])
     keep = {k: v for k, v in steps.items() if k[1] >= skip and {"forward", "backward", "optimizer"} <= set(v)}
     if not keep:
-        raise CalibrationError(f"run {run.id}: no timed steps after the first {skip} in its timeline")
+        raise CalibrationError(f"{source}: no timed steps after the first {skip} in its timeline")
     by_pid = {}
     for e in ev:
         by_pid.setdefault(e["pid"], []).append(e)
@@ -217,8 +222,9 @@ def from_run(run, skip: int = SKIP_STEPS) -> Profile:
                     held = sum(max(0.0, min(h1, s1) - max(h0, s0)) for h0, h1 in waits)
                     layer_fwd.setdefault(e["args"]["layer"], []).append((e["dur"] - held) / 1e6)
     return Profile(model=spec["model"]["name"], dataset=spec["dataset"]["name"], batch_size=spec["batch_size"],
-                   model_options=dict(spec["model"].get("options") or {}), source=f"run {run.id}",
-                   params=param_list(spec), forward_s=_median(fwd), backward_s=_median(bwd),
+                   model_options=dict(spec["model"].get("options") or {}), source=source,
+                   params=[tuple(p) for p in params] if params is not None else param_list(spec),
+                   forward_s=_median(fwd), backward_s=_median(bwd),
                    optimizer_s=_median(opt), layer_forward={k: _median(v) for k, v in layer_fwd.items()},
                    layer_ready={k: _median(v) for k, v in layer_ready.items()},
                    layer_backward={k: _median(v) for k, v in layer_bwd.items()})

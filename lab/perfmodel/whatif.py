@@ -110,25 +110,40 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
     elif calibrate:
         p = cal.from_run(RunStore(runs).get(calibrate))
         say(f"profile: calibrated from run {calibrate}")
-    elif saved.is_file():
-        p = cal.Profile.load(saved)
-        say(f"profile: reusing {saved} ({p.source})")
     else:
-        run = matching_run(spec, runs)
-        if run is not None:
-            p = cal.from_run(run)
-            say(f"profile: calibrated from run {run.id}, the latest finished {key} {run.spec_dict()['comm']['mode']} "
-                f"run in the index (sync runs first)")
-        else:
+        p = known_profile(spec, runs, say)
+        if p is None:
             say(f"profile: no finished {key} run in the index; measuring a {PROFILE_STEPS}-step single-process run")
             p = measure_profile(spec, runs, runner=runner)
             say(f"profile: measured from run {p.source.split()[-1]}")
     if p.key() != key:
         raise SpecError("model", f"the profile is for {p.key()}, the spec is {key}")
-    if ensure_curves(p, [spec]):
+    if ensure_curves(p, [spec], runs, kept=True):
         say("profile: measured the compressor's encode/decode cost curve")
     p.save(saved if not profile else profile)
     return p
+
+
+def has_profile(spec: dict, runs=None) -> bool:
+    """Whether ``known_profile`` would find one (without reading a run's timeline)."""
+    return (profile_dir(runs) / f"{cal.spec_key(spec)}.json").is_file() or matching_run(spec, runs) is not None
+
+
+def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: None) -> Optional[cal.Profile]:
+    """The lab's profile of the spec's model without measuring one: the saved profile, else one calibrated
+    from the latest matching finished run (``matching_run``); None when the lab has neither."""
+    key = cal.spec_key(spec)
+    saved = profile_dir(runs) / f"{key}.json"
+    if saved.is_file():
+        p = cal.Profile.load(saved)
+        say(f"profile: reusing {saved} ({p.source})")
+        return p
+    run = matching_run(spec, runs)
+    if run is None:
+        return None
+    say(f"profile: calibrated from run {run.id}, the latest finished {key} {run.spec_dict()['comm']['mode']} "
+        f"run in the index (sync runs first)")
+    return cal.from_run(run)
 
 
 def link_file(path: str) -> dict:
@@ -227,16 +242,62 @@ def profile_from_text(text: str, where: str, field: str = "PROFILE") -> cal.Prof
         raise SpecError(field, f"{where}: {str(e).splitlines()[0]}") from None
 
 
-def ensure_curves(profile: cal.Profile, specs) -> bool:
+CURVES = "compressor-curves.json"
+"""The compressors' encode/decode cost curves measured on this machine, in the profiles directory, per
+machine (``machine_key``): a curve is a property of the CPU and torch, not of a model, so a model's first
+advice takes the curves another model's advice measured instead of measuring them again."""
+
+
+def machine_key() -> str:
+    """Where cost curves are measured (in this process, on the CPU, one thread): host, CPU and torch."""
+    import platform
+    import torch
+    cpu = ""
+    if Path("/proc/cpuinfo").is_file():
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
+    return f"{platform.node()}|{cpu or platform.processor()}|torch {torch.__version__}"
+
+
+def machine_curves(runs) -> dict:
+    """This machine's kept curves (compressor key -> curve); {} when there are none or the file is unreadable
+    (it is measured again then: the file is a cache)."""
+    path = profile_dir(runs) / CURVES
+    try:
+        return dict(json.loads(path.read_text()).get(machine_key(), {}))
+    except (OSError, ValueError, AttributeError, TypeError):
+        return {}
+
+
+def keep_machine_curves(runs, curves: dict) -> None:
+    path = profile_dir(runs) / CURVES
+    try:
+        every = json.loads(path.read_text())
+        every = every if isinstance(every, dict) else {}
+    except (OSError, ValueError):
+        every = {}
+    every[machine_key()] = {**every.get(machine_key(), {}), **curves}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, every)
+
+
+def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) -> bool:
+    """Give ``profile`` a cost curve for every compressor the specs use that runs compressor code. With
+    ``kept``, curves this machine already measured (``CURVES`` in ``runs``' profiles directory) are taken
+    from there, and new ones are kept there. Returns whether any curve was measured."""
     from engine.compressors.plan import parts
-    added = False
+    machine = machine_curves(runs) if kept else {}
+    measured = {}
     for s in specs:
         for c in parts(s["compressor"]):  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(c)
             if cal.needs_curve(c) and k not in profile.compressors:
-                profile.compressors[k] = cal.measure_compressor(c)
-                added = True
-    return added
+                if k not in machine:
+                    machine[k] = measured[k] = cal.measure_compressor(c)
+                profile.compressors[k] = machine[k]
+    if kept and measured:
+        keep_machine_curves(runs, measured)
+    return bool(measured)
 
 
 CLUSTER_KEYS = {"node_size": (int, 1, 4096), "intra_gbps": (float, 0.001, 100000),
