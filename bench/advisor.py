@@ -297,6 +297,12 @@ def report(results: list, args) -> str:
                    f"{cal['gbps']:g} --save`, {cal['seconds']:.1f} s, per machine: in no setting's advisor cost): "
                    f"alpha {cal['alpha_s'] * 1e6:.0f} us per ring step (a 4 KiB all-reduce "
                    f"{cal['small_mean_s'] * 1e3:.2f} ms on average), beta {cal['beta'] * 1e9:.2f} ns per byte.\n")
+    curves = getattr(args, "curve_calibration", None)
+    if curves:
+        out.append(f"\nThe compressors' cost curves, kept once per machine before the settings "
+                   f"(`lab.advisor.keep_curves`: {curves['measured']} curves, {curves['seconds']:.2f} s; a curve is the "
+                   f"machine's, not a model's, so in no setting's advisor cost; a machine's first advice measures "
+                   f"them in its own).\n")
     fin = getattr(args, "final_rounds", 0)
     out.append(f"\n{args.rounds} round(s)" + (f" plus {fin} final round(s) of the choice, DDP and the cells within "
                                                f"{FINAL_WITHIN:g}x of the best (their medians and ratios over all "
@@ -322,6 +328,18 @@ def calibrate_link(store, gbps: float, log) -> dict:
     return out
 
 
+def calibrate_curves(store, log) -> dict:
+    """The compressors' cost curves of the advisor's space, kept once per machine as the first advice on a
+    machine keeps them (lab.advisor.keep_curves): reported apart, like the link calibration."""
+    from lab import advisor
+    n, seconds = 0, 0.0
+    for m in MODELS:  # the same compressors for every model: measured once
+        k, s = advisor.keep_curves(advisor.load_spec_dict(base_spec(m, "modeled", 1.0, RUN_STEPS)), store.root)
+        n, seconds = n + k, seconds + s
+    log(f"compressor cost curves: {n} measured in {seconds:.2f} s")
+    return {"measured": n, "seconds": seconds}
+
+
 def main(argv=None):
     from lab.store import RunStore
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -340,6 +358,9 @@ def main(argv=None):
                     help="with --link shaped: first keep the lab's shaped-link calibration (commlab net check "
                          "--gbps GBPS --save) in the runs directory, once, timed and reported apart from the "
                          "settings (default 1; 0: none, the advisor predicts on the nominal link)")
+    ap.add_argument("--no-calibrate-curves", dest="calibrate_curves", action="store_false",
+                    help="do not keep the compressors' cost curves for the machine before the settings (then the "
+                         "first setting's advisor measures them, in its cost)")
     ap.add_argument("--runs", default=None, help="runs directory (default: a temporary one)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
@@ -370,6 +391,8 @@ def main(argv=None):
     results = []
     if args.link == "shaped" and args.calibrate_link:
         args.link_calibration = calibrate_link(store, args.calibrate_link, log)
+    if args.calibrate_curves:
+        args.curve_calibration = calibrate_curves(store, log)
     for m in models:
         for g in rates:
             results.append(one_setting(m, args.link, g, args.steps, args.rounds, store, log, args.trials,

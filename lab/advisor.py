@@ -695,6 +695,19 @@ def rank(cands: List[Candidate]) -> List[Candidate]:
                                         c.predicted_score if c.predicted_score is not None else inf))
 
 
+def keep_curves(spec: dict, runs=None) -> Tuple[int, float]:
+    """Measure the cost curves of every compressor in ``spec``'s strategy space that this machine has not
+    measured yet and keep them for the machine (``whatif.CURVES``), as the first advice on a machine does;
+    returns how many were measured and the seconds it took."""
+    from lab.perfmodel import calibrate as cal
+    from lab.perfmodel import whatif
+    t = time.perf_counter()
+    before = len(whatif.machine_curves(runs))
+    scratch = cal.Profile(model=spec["model"]["name"], dataset=spec["dataset"]["name"], batch_size=spec["batch_size"])
+    whatif.ensure_curves(scratch, [{**spec, **c.strategy()} for c in space(spec)], runs, kept=True)
+    return len(whatif.machine_curves(runs)) - before, time.perf_counter() - t
+
+
 def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[str] = None,
            workers: Optional[int] = None, measure: bool = False, trials: int = TRIALS,
            trial_steps: int = TRIAL_STEPS, penalties: Optional[Dict[str, float]] = None,
