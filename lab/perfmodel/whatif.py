@@ -183,11 +183,7 @@ def machine_info(run, steps: int) -> dict:
     import os
     import platform
     res = json.loads(Path(run.file("resolved.json")).read_text())
-    cpu = ""
-    if Path("/proc/cpuinfo").is_file():  # Linux; elsewhere platform.processor()
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-    info = {"host": platform.node(), "cpu": cpu or platform.processor(), "cores": os.cpu_count(),
+    info = {"host": platform.node(), "cpu": cpu_name(), "cores": os.cpu_count(),
             "device": res.get("device"), "torch": res.get("torch"), "threads": res.get("threads"),
             "dtype": ",".join(cal.param_dtypes(run.spec_dict())), "steps": steps,
             "clock": "CUDA events" if str(res.get("device", "")).startswith("cuda") else "host clock"}
@@ -248,15 +244,21 @@ machine (``machine_key``): a curve is a property of the CPU and torch, not of a 
 advice takes the curves another model's advice measured instead of measuring them again."""
 
 
-def machine_key() -> str:
-    """Where cost curves are measured (in this process, on the CPU, one thread): host, CPU and torch."""
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; elsewhere platform.processor())."""
     import platform
-    import torch
     cpu = ""
     if Path("/proc/cpuinfo").is_file():
         with open("/proc/cpuinfo") as f:
             cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "")
-    return f"{platform.node()}|{cpu or platform.processor()}|torch {torch.__version__}"
+    return cpu or platform.processor()
+
+
+def machine_key() -> str:
+    """Where cost curves are measured (in this process, on the CPU, one thread): host, CPU and torch."""
+    import platform
+    import torch
+    return f"{platform.node()}|{cpu_name()}|torch {torch.__version__}"
 
 
 def machine_curves(runs) -> dict:
@@ -281,10 +283,10 @@ def keep_machine_curves(runs, curves: dict) -> None:
     write_json_atomic(path, every)
 
 
-def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) -> bool:
+def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) -> int:
     """Give ``profile`` a cost curve for every compressor the specs use that runs compressor code. With
     ``kept``, curves this machine already measured (``CURVES`` in ``runs``' profiles directory) are taken
-    from there, and new ones are kept there. Returns whether any curve was measured."""
+    from there, and new ones are kept there. Returns how many curves were measured (0: none)."""
     from engine.compressors.plan import parts
     machine = machine_curves(runs) if kept else {}
     measured = {}
@@ -297,7 +299,7 @@ def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) ->
                 profile.compressors[k] = machine[k]
     if kept and measured:
         keep_machine_curves(runs, measured)
-    return bool(measured)
+    return len(measured)
 
 
 CLUSTER_KEYS = {"node_size": (int, 1, 4096), "intra_gbps": (float, 0.001, 100000),
