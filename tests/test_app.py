@@ -429,9 +429,9 @@ def test_new_run_form_follows_the_comm_mode(runs):
 def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
     """Advise (predictions only, a real detached `commlab advise`), the ranked table, then the winner and
     DDP queued as one group shown in the results view (cancelled at once)."""
-    from lab import advisor
+    from lab import advice_jobs
     at = page("advisor")
-    label = next(k for k in advisor.spec_choices(runs) if k.startswith("run: "))  # the newest finished run
+    label = next(k for k in advice_jobs.spec_choices(runs) if k.startswith("run: "))  # the newest finished run
     at.selectbox(key="adv.spec").set_value(label)
     at.select_slider(key="adv.gbps").set_value(0.1)
     at.checkbox(key="adv.measure").uncheck().run()
@@ -439,9 +439,9 @@ def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
     assert not at.exception, [e.value for e in at.exception]
     jid = at.session_state["adv.job"]
     t0 = time.time()
-    while advisor.job(jid, runs)["state"] == "running" and time.time() - t0 < 240:
+    while advice_jobs.job(jid, runs)["state"] == "running" and time.time() - t0 < 240:
         time.sleep(1)
-    j = advisor.job(jid, runs)
+    j = advice_jobs.job(jid, runs)
     assert j["state"] == "done", j["log"]
     at.run()
     assert not at.exception, [e.value for e in at.exception]
@@ -452,7 +452,7 @@ def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
     assert any(j["advice"]["winner"] in s.value for s in at.success)
     at.button(key="adv.start").click().run()
     assert not at.exception, [e.value for e in at.exception]
-    group = advisor.job_group(jid, runs)
+    group = advice_jobs.job_group(jid, runs)
     try:
         assert list(group["runs"]) == ["advisor's choice", "DDP"]
         chosen = lab.get(group["runs"]["advisor's choice"], runs=runs).spec_dict()

@@ -4,7 +4,7 @@ import streamlit as st
 
 from app import widgets
 from app.results_view import results_panel
-from lab import advisor, ui
+from lab import advice_jobs, advisor, ui
 
 widgets.setup("Advisor")
 st.title("Advisor")
@@ -14,7 +14,7 @@ st.caption("Ranks what the engine can do (compressors that keep accuracy, bucket
            "top candidates run a few steps each on that link and the measured figure decides.")
 
 runs = ui.runs_dir()
-choices = advisor.spec_choices(runs)
+choices = advice_jobs.spec_choices(runs)
 if not choices:
     st.info("No spec to advise on: no example specs, presets or finished runs were found.")
     st.stop()
@@ -27,22 +27,22 @@ measure = c3.checkbox("Measure the top candidates", value=True, key="adv.measure
 trials = c4.number_input("Trials", 1, 10, advisor.TRIALS, key="adv.trials", disabled=not measure)
 if st.button("Advise", key="adv.go", type="primary"):
     try:
-        st.session_state["adv.job"] = advisor.start_job(choices[label], runs, gbps, link, measure, int(trials))
+        st.session_state["adv.job"] = advice_jobs.start_job(choices[label], runs, gbps, link, measure, int(trials))
     except (ValueError, OSError) as e:
         st.error(str(e).splitlines()[0])
 
-known = advisor.jobs(runs)
+known = advice_jobs.jobs(runs)
 if not known:
     st.info("No advice yet: pick a spec and a link, then Advise.")
     st.stop()
 current = st.session_state.get("adv.job") if st.session_state.get("adv.job") in known else known[0]
 jid = st.selectbox("Advice", known, index=known.index(current), key="adv.pick")
-first = advisor.job(jid, runs)
+first = advice_jobs.job(jid, runs)
 
 
 @st.fragment(run_every=2 if first["state"] == "running" else None)
 def progress():
-    j = advisor.job(jid, runs)
+    j = advice_jobs.job(jid, runs)
     if j["state"] != first["state"]:
         st.rerun()
     if j["state"] == "running":
@@ -62,7 +62,7 @@ net = adv["network"]
 st.subheader(f"{len(adv['candidates'])} candidates on a {net['link']} {net['gbps']:g} Gbit/s link, "
              f"{adv['world']} workers")
 st.success(f"Winner ({adv['chosen_by']}): {adv['reason']}", icon=":material/emoji_events:")
-rows = pd.DataFrame(advisor.table_rows(adv)).set_index("rank")
+rows = pd.DataFrame(advice_jobs.table_rows(adv)).set_index("rank")
 cols = {k: st.column_config.NumberColumn(k.replace("_", " "), format="%.1f")
         for k in ("predicted_ms", "predicted_x_penalty", "measured_ms", "measured_x_penalty")}
 st.dataframe(rows, key="adv.table", column_config=cols)
@@ -73,10 +73,10 @@ st.caption(f"Link: {adv['link_source']}. Profile: {adv['profile_source']}. The a
 with st.expander("The winner as a spec"):
     st.code(open(first["best"]).read(), language="yaml")
 
-group = advisor.job_group(jid, runs)
+group = advice_jobs.job_group(jid, runs)
 if group is None:
     if st.button("Start the winner (and DDP beside it)", key="adv.start"):
-        group = advisor.start_winner(jid, runs)
+        group = advice_jobs.start_winner(jid, runs)
         st.rerun()
 else:
     st.subheader("The winner against DDP, measured")
