@@ -13,8 +13,15 @@ once a second, two counters from /proc:
   part makes the sum a state, not a running total: when a rank exits and is
   reaped, its CPU moves into its parent's cutime and stays counted.
 
-Other processes' CPU is busy minus own. It is reported as a fraction of the
-machine's capacity and in cores, over the run, over its timed steps (the
+Other processes' CPU is busy minus own, less the lab's own observers: the
+Streamlit server of ``commlab app`` (and whatever it starts: preview children)
+registers itself in ``<runs>/.observers/`` and runs niced (lab.spawn.APP_NICE, its
+scheduling group too), so it takes only what the ranks leave idle; watching a
+run was measured not to change its timing there. Its CPU is reported apart
+(``observer_cpu``) and does not flag the run. A registered process that is not
+niced (someone reniced it, or started the server by hand) counts as any other
+process, and so does every process that is not registered. Other processes' CPU
+is reported as a fraction of the machine's capacity and in cores, over the run, over its timed steps (the
 steps the iteration-time median uses) and as the peak over ~1 s windows. The
 run is ``disturbed`` when the run-wide or the timed-steps figure is above the
 threshold (default 10% of the machine, ``{"disturbance_threshold": 0.1}`` in
@@ -26,6 +33,7 @@ an injectable /proc root so it can be tested on fake files.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -53,6 +61,7 @@ class Sample(NamedTuple):
     busy: int       # machine busy jiffies, all CPUs
     total: int      # machine capacity jiffies, all CPUs (busy + idle + iowait)
     own: int        # the run's own CPU, jiffies
+    observer: int = 0  # the lab's niced UI server's CPU (its whole tree), jiffies: not counted as disturbing
 
 
 # --------------------------------------------------------------------------- /proc parsing (pure)
@@ -121,7 +130,7 @@ def _window(a: Sample, b: Sample) -> Optional[float]:
     cap = b.total - a.total
     if cap <= 0:
         return None
-    other = (b.busy - a.busy) - (b.own - a.own)
+    other = (b.busy - a.busy) - (b.own - a.own) - (b.observer - a.observer)
     return min(max(other / cap, 0.0), 1.0)
 
 
@@ -164,11 +173,14 @@ def figures(samples: List[Sample], cpus: int, threshold: float = DEFAULT_THRESHO
              other_cores=None if share is None else share * cpus,
              own_cores=(b.own - a.own) / max(b.total - a.total, 1) * cpus, own_cpu_s=(b.own - a.own) / CLK_TCK,
              peak_other_cpu=peak(samples))
+    if b.observer > a.observer:
+        d["observer_cpu"] = (b.observer - a.observer) / max(b.total - a.total, 1)
     if timed and timed[1] > timed[0] and timed[0] >= a.t - SAMPLE_S:
         d["timed_other_cpu"] = _window(_at(samples, timed[0]), _at(samples, timed[1]))
     worst = [x for x in (share, d.get("timed_other_cpu")) if x is not None]
     d["disturbed"] = bool(worst) and max(worst) > threshold
-    for k in ("other_cpu", "other_cores", "own_cores", "own_cpu_s", "peak_other_cpu", "timed_other_cpu"):
+    for k in ("other_cpu", "other_cores", "own_cores", "own_cpu_s", "peak_other_cpu", "timed_other_cpu",
+              "observer_cpu"):
         if d.get(k) is not None:
             d[k] = round(d[k], 4)
     return d
@@ -188,6 +200,75 @@ def timed_window(metrics: List[dict]) -> Optional[Tuple[float, float]]:
     start = min(m["t"] - m.get("time_ms", 0) / 1e3 for m in steps[timed[0]])
     end = max(m["t"] for m in steps[timed[-1]])
     return start, end
+
+
+# --------------------------------------------------------------------------- the lab's own observers
+
+OBSERVERS = ".observers"
+"""Folder of the runs directory where ``commlab app`` registers its server: one file per pid."""
+OBSERVER_NICE = 4
+"""The nice value at or above which a registered observer is not counted (lab.spawn.APP_NICE, the value its
+server runs at; a test checks they agree)."""
+
+
+def _stat_fields(root: str, pid: int) -> Optional[List[str]]:
+    """The fields of /proc/<pid>/stat after the command name (field 3 onwards); None when gone."""
+    try:
+        with open(os.path.join(root, str(pid), "stat"), "rb") as f:
+            text = f.read().decode(errors="replace")
+        return text[text.rindex(")") + 2:].split()
+    except (OSError, ValueError):
+        return None
+
+
+def start_time(pid: int, root: str = "/proc") -> Optional[int]:
+    """When ``pid`` started, in clock ticks since boot (field 22): with the pid, it names one process even
+    after the pid is reused."""
+    f = _stat_fields(root, pid)
+    return int(f[19]) if f and len(f) > 19 else None
+
+
+def register_observer(runs_root, pid: int) -> Path:
+    """Record ``pid`` (the app's niced Streamlit server) as one of the lab's observers of ``runs_root``."""
+    d = Path(runs_root) / OBSERVERS
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{int(pid)}.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps({"pid": int(pid), "start": start_time(pid)}))
+    os.replace(tmp, path)
+    return path
+
+
+def unregister_observer(runs_root, pid: int) -> None:
+    try:
+        (Path(runs_root) / OBSERVERS / f"{int(pid)}.json").unlink()
+    except FileNotFoundError:  # never registered, or already gone: nothing to undo
+        pass
+
+
+def observers(runs_root, root: str = "/proc") -> List[int]:
+    """The registered observers of ``runs_root`` that still run (same pid and start time) at nice
+    OBSERVER_NICE or more. A file whose process ended or whose pid was reused is ignored; an unreadable one
+    too (it names no process we can check)."""
+    if runs_root is None:
+        return []
+    out = []
+    try:
+        files = list((Path(runs_root) / OBSERVERS).glob("*.json"))
+    except OSError:
+        return []
+    for p in files:
+        try:
+            rec = json.loads(p.read_text())
+            pid, start = int(rec["pid"]), rec.get("start")
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        f = _stat_fields(root, pid)
+        if not f or len(f) <= 19 or (start is not None and int(f[19]) != start):
+            continue
+        if int(f[16]) >= OBSERVER_NICE:  # field 19: nice
+            out.append(pid)
+    return out
 
 
 # --------------------------------------------------------------------------- configuration
@@ -214,8 +295,10 @@ class Sampler:
 
     def __init__(self, threshold: float = DEFAULT_THRESHOLD, root: str = "/proc",
                  me: Optional[int] = None, clock: Callable[[], float] = time.time,
-                 on_update: Optional[Callable[[dict], None]] = None):
+                 on_update: Optional[Callable[[dict], None]] = None, runs_root=None):
         self.threshold, self.root, self.clock, self.on_update = threshold, root, clock, on_update
+        self.runs_root = runs_root
+        """Where the lab's observers register (``observers``); None: every other process counts."""
         self.me = me or os.getpid()
         self.roots: Callable[[], List[int]] = lambda: []
         self.samples: List[Sample] = []
@@ -239,7 +322,7 @@ class Sampler:
         if self.children0 is None:
             self.children0 = me.children
         own = me.own + (me.children - self.children0) + tree_ticks(table, [r for r in self.roots() if r != self.me])
-        s = Sample(self.clock(), busy, total, own)
+        s = Sample(self.clock(), busy, total, own, tree_ticks(table, observers(self.runs_root, self.root)))
         self.samples.append(s)
         self.cost_s += time.thread_time() - t0
         return s
@@ -287,6 +370,8 @@ def describe(d: Optional[dict]) -> Tuple[str, str]:
     if d.get("peak_other_cpu") is not None:
         extra.append(f"peak {_pct(d['peak_other_cpu'])} over 1 s")
     text += (", " + ", ".join(extra) if extra else "") + f" (threshold {_pct(d['threshold'])})"
+    if d.get("observer_cpu"):
+        text += f"; the lab's niced UI server used {_pct(d['observer_cpu'])}, not counted"
     if d.get("disturbed"):
         return "disturbed", "yes: " + text
     return "machine", "quiet: " + text

@@ -249,7 +249,7 @@ def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
 
 def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel) -> str:
     from lab import disturbance
-    cpu = disturbance.Sampler(disturbance.threshold(run.path.parent),
+    cpu = disturbance.Sampler(disturbance.threshold(run.path.parent), runs_root=run.path.parent,
                               on_update=lambda d: run.update_status(disturbance=d))
     log = open(run.file("log.txt"), "ab", buffering=0)
     cpu.start()  # before the job: its processes count as the run's own from their first tick

@@ -23,7 +23,7 @@ import yaml
 
 from engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, \
     JobSpec, SpecError
-from lab import procs, workshop
+from lab import disturbance, procs, workshop
 from lab.presets import PRESETS, Preset  # noqa: F401  (the pages reach them through ui)
 from lab.store import FINAL, LabError, Run, RunError
 from lab.workshop import User
@@ -789,6 +789,9 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
                 server = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), start_new_session=True,
                                           preexec_fn=lower_priority)
                 spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
+                # the niced server watches runs without changing their timing: runs started here do not
+                # count its CPU as disturbing them (lab.disturbance.observers)
+                disturbance.register_observer(root, server.pid)
                 code = server.wait()
                 spawner.close()
                 stopped = spawner.stop_owned("sweep")
@@ -804,6 +807,8 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
                     print(stop_app(server, spawner, e.signum, host or "127.0.0.1", int(port)), file=out, flush=True)
                 return 0
     finally:
+        if server is not None:
+            disturbance.unregister_observer(root, server.pid)
         for s, h in old.items():
             signal.signal(s, h)
 

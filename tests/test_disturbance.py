@@ -110,6 +110,73 @@ def test_sampler_arithmetic_on_fake_proc(tmp_path):
     assert dist.figures(s.samples[:1], 2)["other_cpu"] is None
 
 
+def set_nice(root: Path, pid: int, nice: int, start: int = 777) -> None:
+    """Give fake process ``pid`` a nice value (field 19) and a start time (field 22)."""
+    f = root / str(pid) / "stat"
+    head, tail = f.read_text().rsplit(")", 1)
+    fields = tail.split()
+    fields[16], fields[19] = str(nice), str(start)
+    f.write_text(head + ") " + " ".join(fields) + "\n")
+
+
+def observer_sampler(tmp_path, runs, nice, start=777, register=True):
+    """A run (torchrun 200 under supervisor 100) beside a UI server (500, with a preview child 501) that uses
+    60 of 200 jiffies a second, 30% of the machine; nothing else runs. ``register``: the server is one of
+    the lab's observers of ``runs``."""
+    proc = tmp_path / "proc"
+    now = [0.0]
+    s = dist.Sampler(0.1, root=str(proc), me=100, clock=lambda: now[0], runs_root=runs)
+    s.roots = lambda: [200]
+    for i in range(4):
+        now[0] = float(i)
+        server = {500: (1, 40 * i, 0, 0, 0), 501: (500, 20 * i, 0, 0, 0)}
+        write_proc(proc, (1000 + 110 * i, 5000 + 200 * i),
+                   {100: (1, 10, 0, 0, 0), 200: (100, 50 * i, 0, 0, 0), **server})
+        set_nice(proc, 500, nice, start=777)
+        set_nice(proc, 501, nice, start=778)
+        if i == 0 and register:
+            (runs / dist.OBSERVERS).mkdir(parents=True, exist_ok=True)
+            (runs / dist.OBSERVERS / "500.json").write_text(json.dumps({"pid": 500, "start": start}))
+        s.start() if i == 0 else s.tick()
+    return s.result(final=True)
+
+
+def test_the_labs_niced_ui_server_does_not_disturb_a_run(tmp_path):
+    d = observer_sampler(tmp_path, tmp_path / "runs", nice=dist.OBSERVER_NICE)
+    assert d["disturbed"] is False and d["other_cpu"] == 0.0, d
+    assert d["observer_cpu"] == pytest.approx(0.3), d  # reported apart, the preview child included
+    label, text = dist.describe(d)
+    assert label == "machine" and text.endswith("; the lab's niced UI server used 30%, not counted"), text
+
+
+@pytest.mark.parametrize("case", ["unregistered", "not niced", "pid reused"])
+def test_any_other_busy_process_still_disturbs(tmp_path, case):
+    d = observer_sampler(tmp_path, tmp_path / "runs", nice=0 if case == "not niced" else 19,
+                         start=12345 if case == "pid reused" else 777, register=case != "unregistered")
+    assert d["disturbed"] is True and d["other_cpu"] == pytest.approx(0.3), d
+    assert "observer_cpu" not in d
+
+
+def test_observer_registration_follows_a_real_process(tmp_path):
+    import lab.spawn
+    assert dist.OBSERVER_NICE == lab.spawn.APP_NICE  # what the server runs at is what is not counted
+    p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                         preexec_fn=lambda: os.nice(dist.OBSERVER_NICE))
+    try:
+        path = dist.register_observer(tmp_path, p.pid)
+        assert json.loads(path.read_text()) == {"pid": p.pid, "start": dist.start_time(p.pid)}
+        assert dist.observers(tmp_path) == [p.pid]
+        (tmp_path / dist.OBSERVERS / "77.json").write_text("not json")  # unreadable: names no process
+        assert dist.observers(tmp_path) == [p.pid]
+    finally:
+        p.kill()
+        p.wait()
+    assert dist.observers(tmp_path) == []  # ended: its file names no running process
+    dist.unregister_observer(tmp_path, p.pid)
+    dist.unregister_observer(tmp_path, p.pid)  # twice: nothing left to undo
+    assert not (tmp_path / dist.OBSERVERS / f"{p.pid}.json").exists()
+
+
 def test_timed_window_matches_the_summary_median():
     metrics = [{"kind": "step", "step": k, "rank": r, "t": 100.0 + k + 0.1 * r, "time_ms": 500.0}
                for k in range(20) for r in range(2)] + [{"kind": "eval", "t": 200.0}]
