@@ -18,6 +18,7 @@ import time
 from typing import Callable, List, Optional, Tuple
 
 from lab import procs
+from lab.progress import RunProgress
 from lab.store import Run
 
 
@@ -86,33 +87,6 @@ class MetricsTail:
             except ValueError:
                 continue
         return out
-
-
-class ProgressBar:
-    def __init__(self, total: int, out=None, width: int = 30):
-        self.total, self.out, self.width = total, out or sys.stderr, width
-        self.tty = hasattr(self.out, "isatty") and self.out.isatty()
-        self.last_pct = -1
-        self.t0 = time.time()
-
-    def update(self, done: int, info: str = "") -> None:
-        frac = min(done / max(self.total, 1), 1.0)
-        if self.tty:
-            n = int(frac * self.width)
-            rate = done / max(time.time() - self.t0, 1e-9)
-            self.out.write(f"\r[{'#' * n}{'.' * (self.width - n)}] {done}/{self.total} {rate:.1f} it/s {info}   ")
-            self.out.flush()
-        else:
-            pct = int(frac * 10) * 10
-            if pct != self.last_pct:
-                self.last_pct = pct
-                self.out.write(f"progress {done}/{self.total} ({pct}%) {info}\n")
-                self.out.flush()
-
-    def close(self) -> None:
-        if self.tty:
-            self.out.write("\n")
-            self.out.flush()
 
 
 def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
@@ -258,23 +232,15 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     run.set_status("running", torchrun=procs.identity(procs_[0].pid),
                    torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
     tail = MetricsTail(str(run.file("metrics.jsonl")))
-    bar = ProgressBar(spec.steps, out) if progress else None
-    done_steps, text = 0, ""
+    bar = RunProgress(spec.steps, spec.world_size, out) if progress else None
     try:
         while True:
             codes = [p.poll() for p in procs_]
             new = tail.read()
-            if new:
-                for m in new:
-                    if m.get("kind") == "step" and m.get("rank") == 0:
-                        done_steps = m["step"] + 1
-                        text = f"loss {m['loss']:.4f}"
-                    elif m.get("kind") == "eval":
-                        text += f" acc {m['eval_acc']:.2%}"
-                if on_metrics:
-                    on_metrics(new)
-                if bar:
-                    bar.update(done_steps, text)
+            if new and on_metrics:
+                on_metrics(new)
+            if bar:
+                bar.feed(new)  # redraws the elapsed time while the ranks start, too
             if all(c is not None for c in codes):
                 break
             if any(c not in (None, 0) for c in codes):  # one node failed: the others cannot go on
@@ -289,19 +255,20 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
         stop(procs_)
         kill_strays(run)
         if bar:
-            bar.close()
+            bar.close("cancelled")
         run.update_status(disturbance=cpu.finish(run.metric_rows()))
         run.set_status("cancelled", error="cancelled" + (" by the user (Ctrl-C)" if not should_cancel or
                                                           not should_cancel() else ""))
         return "cancelled"
     finally:
         log.close()
-    if bar:
-        bar.close()
     kill_strays(run)
     rc = next((c for c in (p.poll() for p in procs_) if c), 0)
     run.update_status(disturbance=cpu.finish(run.metric_rows()))
-    return finish_status(run, rc)
+    state = finish_status(run, rc)
+    if bar:
+        bar.close(state)
+    return state
 
 
 def finish_status(run: Run, rc: int) -> str:

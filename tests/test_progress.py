@@ -1,0 +1,131 @@
+"""`commlab run`'s progress (lab/progress.py): start-up as its own phase, the timed steps' rate, elapsed and
+ETA; rich's display on a terminal, plain lines elsewhere; colour only for the state, only on a terminal
+that has it."""
+import io
+import json
+import os
+import pty
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from lab.progress import RunProgress
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def steps(first, last, ms, ranks=2, slower=0.0):
+    return [{"kind": "step", "step": s, "rank": r, "loss": 1.0 / (s + 1), "time_ms": ms + (slower if r else 0)}
+            for s in range(first, last) for r in range(ranks)]
+
+
+def test_plain_lines_when_not_a_terminal():
+    out, clock = io.StringIO(), Clock()
+    p = RunProgress(100, 2, console=Console(file=out, width=200), clock=clock)
+    assert not p.tty
+    clock.t += 4.0  # the ranks start: no step yet
+    p.feed([])
+    p.feed(steps(0, 1, 500.0))  # the first step, slow as first steps are
+    clock.t += 1.0
+    p.feed(steps(1, 10, 19.0, slower=1.0))  # the slower rank's 20 ms is the iteration time
+    clock.t += 0.1
+    p.feed(steps(10, 12, 19.0, slower=1.0) + [{"kind": "eval", "step": 11, "eval_acc": 0.5}])
+    clock.t += 0.4
+    p.feed(steps(12, 20, 19.0, slower=1.0))
+    p.close("done")
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "starting 2 rank(s) ..."
+    assert lines[1] == "ranks started in 4.0 s; training 100 steps"
+    # every 10 steps; 50 it/s from the timed steps (the first steps' 500 ms left out), not the wall clock
+    # over start-up; the ETA at the pace since the first step: 19 steps in 1.5 s, 80 to go
+    assert lines[2] == "step 10/100 (10%)  50.0 it/s  elapsed 0:05  eta 0:10  loss 0.1000"
+    assert lines[3] == "step 20/100 (20%)  50.0 it/s  elapsed 0:06  eta 0:06  loss 0.0500 acc 50.00%"
+    assert lines[4] == "run done after 20/100 steps in 0:06"
+    assert "\x1b[" not in out.getvalue()
+
+
+def test_the_last_steps_get_a_line_at_the_end():
+    out, clock = io.StringIO(), Clock()
+    p = RunProgress(30, 2, console=Console(file=out, width=200), clock=clock)
+    p.feed(steps(0, 3, 10.0))
+    p.feed(steps(3, 4, 10.0))  # then the run fails between two lines' steps
+    p.close("failed")
+    lines = out.getvalue().splitlines()
+    assert [ln.split("  ")[0] for ln in lines[2:]] == ["step 3/30 (10%)", "step 4/30 (13%)",
+                                                       "run failed after 4/30 steps in 0:00"]
+
+
+def test_a_terminal_gets_rich_phases_and_a_coloured_state():
+    out, clock = io.StringIO(), Clock()
+    con = Console(file=out, force_terminal=True, color_system="standard", width=160)
+    p = RunProgress(50, 2, console=con, clock=clock)
+    clock.t += 3.0
+    p.tick()
+    start = out.getvalue()
+    assert "starting 2 rank(s)" in start and "0:00:03" in start  # the start-up phase, its clock running
+    p.feed(steps(0, 1, 400.0))
+    clock.t += 1.0
+    p.feed(steps(1, 25, 25.0))
+    p.close("done")
+    text = out.getvalue()
+    assert "started 2 rank(s) in 3.0 s" in text and "training" in text
+    assert "25/50" in text and "40.0 it/s" in text and "eta" in text
+    assert "\x1b[32mrun done after 25/50 steps in 0:04\x1b[0m" in text  # green: the state, and only it
+
+
+def test_no_colour_where_the_terminal_has_none(monkeypatch):
+    monkeypatch.setenv("NO_COLOR", "1")
+    out = io.StringIO()
+    p = RunProgress(5, 2, console=Console(file=out, force_terminal=True, width=160), clock=Clock())
+    p.feed(steps(0, 5, 10.0))
+    p.close("failed")
+    assert "run failed after 5/5 steps" in out.getvalue() and "\x1b[31m" not in out.getvalue()
+
+
+SPEC = {"name": "progress", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 20, "batch_size": 16,
+        "eval_every": 0, "threads": 1}
+
+
+def test_commlab_run_on_a_pseudo_terminal_and_on_a_pipe(tmp_path):
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+    argv = [sys.executable, "-m", "lab.cli", "run", str(spec), "--runs", str(tmp_path / "runs")]
+    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160"}
+    env.pop("NO_COLOR", None)
+    main, sub = pty.openpty()
+    p = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=sub, stdout=sub, stderr=sub, close_fds=True)
+    os.close(sub)
+    got = b""
+    while True:
+        r, _, _ = select.select([main], [], [], 120)
+        if not r:
+            break
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        got += chunk
+    assert p.wait(timeout=60) == 0, got.decode(errors="replace")
+    os.close(main)
+    text = got.decode(errors="replace")
+    assert "starting 2 rank(s)" in text and "started 2 rank(s) in" in text and "it/s" in text, text
+    assert "20/20" in text and "run done after 20/20 steps" in text and "\x1b[32m" in text, text
+    piped = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr
+    assert "\x1b[" not in piped.stderr
+    assert piped.stderr.splitlines()[:2] == ["starting 2 rank(s) ..."] + [
+        ln for ln in piped.stderr.splitlines() if ln.startswith("ranks started in")][:1]
+    assert "step 20/20 (100%)" in piped.stderr and "run done after 20/20 steps" in piped.stderr
