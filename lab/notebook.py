@@ -10,6 +10,8 @@ import math
 import os
 from pathlib import Path
 
+from lab.store import default_root
+
 QUICK = os.environ.get("COMMLAB_QUICK", "") not in ("", "0")
 
 
@@ -32,12 +34,10 @@ def pick(full, quick):
 
 
 def runs_dir() -> str:
-    """Where the notebooks' runs go: $COMMLAB_RUNS, else runs/ at the repository root (the UI's default),
-    so every run a notebook starts also shows up in the lab UI."""
-    env = os.environ.get("COMMLAB_RUNS")
-    if env:
-        return env
-    return str(Path(__file__).resolve().parent.parent / "runs")
+    """Where the notebooks' runs go: the default of every command, $COMMLAB_RUNS or else ./runs (the kernel's
+    working directory). `commlab notebooks` sets $COMMLAB_RUNS to the ./runs of where it was started, so the
+    runs a notebook starts show up in `commlab app` and `commlab runs` started there."""
+    return str(default_root().resolve()) if not os.environ.get("COMMLAB_RUNS") else os.environ["COMMLAB_RUNS"]
 
 
 def gradient_shapes(model: str = "resnet", dataset: str = "digits", **options):

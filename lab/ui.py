@@ -25,7 +25,7 @@ from engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, \
     JobSpec, SpecError
 from lab import disturbance, procs, workshop
 from lab.presets import PRESETS, Preset  # noqa: F401  (the pages reach them through ui)
-from lab.store import FINAL, LabError, Run, RunError
+from lab.store import FINAL, LabError, Run, RunError, default_root
 from lab.workshop import User
 from lab.spawn import ENV as SPAWNER_ENV, Spawner, lower_priority, spawn_detached
 
@@ -42,7 +42,7 @@ costs the viewer's browser about 70 ms of CPU, on the cores the ranks train on; 
 
 def runs_dir() -> Path:
     """The runs directory the app works on: $COMMLAB_RUNS, else ./runs (read at each call)."""
-    return Path(os.environ.get("COMMLAB_RUNS") or "runs")
+    return default_root()
 
 
 # --------------------------------------------------------------------------- who the UI acts for

@@ -43,6 +43,36 @@ def test_headings(path):
             assert not re.match(r"#+ +#", line), f"{path.name} cell {i}: doubled heading mark in {line!r}"
 
 
+PAPERS = {"01_mergecomp": "arxiv.org/abs/2103.15195", "02_sketch_fusion": "sciencedirect.com",
+          "03_dear": "arxiv.org/abs/2302.12445", "04_utility_of_compression": "proceedings.mlsys.org"}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_each_links_its_paper_and_ends_with_an_exercise(path):
+    nb = nbformat.read(path, as_version=4)
+    intro = nb.cells[0].source
+    links = re.findall(r"\]\(([^)\s]+)\)", intro)
+    if path.stem in PAPERS:
+        assert any(PAPERS[path.stem] in u and u.startswith("https://") for u in links), (path.name, links)
+    else:  # the tour points at the four walkthroughs, and each of those files exists
+        assert {u for u in links if u.endswith(".ipynb")} == {p.name for p in NOTEBOOKS if p.stem != path.stem}
+    last = nb.cells[-1]
+    assert last.cell_type == "markdown" and last.source.startswith("## Exercise"), path.name
+    assert len(last.source.split()) > 30, f"{path.name}: the exercise says too little to be done"
+
+
+def test_notebooks_default_to_the_runs_directory_of_every_command(tmp_path, monkeypatch):
+    """One default everywhere: $COMMLAB_RUNS, else ./runs where you are (the CLI's, the UI's, the API's)."""
+    from lab import notebook, ui
+    from lab.store import default_root
+    monkeypatch.delenv("COMMLAB_RUNS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert Path(notebook.runs_dir()) == (tmp_path / "runs").resolve() == default_root().resolve() \
+        == ui.runs_dir().resolve()
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path / "elsewhere"))
+    assert Path(notebook.runs_dir()) == tmp_path / "elsewhere" == default_root() == ui.runs_dir()
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("COMMLAB_QUICK", "1")
