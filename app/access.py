@@ -1,20 +1,22 @@
-"""The gate: every script run of every session passes here (streamlit_app.py) before any page runs.
+"""The gate in the script: every script run of every session passes here (streamlit_app.py) before any
+page runs, and every list, panel and download asks it again who is looking (lab.ui.set_viewer).
 
-On loopback it lets the local user through, as before. On a workshop server (lab.workshop.access_mode)
-a request without a valid personal or admin token gets only the sign-in prompt and the script stops:
-no page, run list, figure or download is built for it. The signed-in user goes into the session, and
-lab.ui reads it from there for every run it lists, opens, cancels or shares (lab.ui.set_viewer). A token
-that came in the URL is taken out of it once accepted (it stays in the session only), so the address bar,
-history and a shared screen do not show it; the personal link is shown once, at sign-in.
+On loopback it lets the local user through. On an exposed lab (lab.accounts.access_mode) the viewer is
+the user of the session whose id the browser's cookie carries (app/gatekeeper.py made it at sign-in; it
+lets no request without one reach Streamlit). The script checks the session again on every run and
+every fragment refresh, so a signed-out, expired or revoked session sees nothing more from its next
+refresh on. Tokens never reach the script: the gatekeeper takes them out of the address before the page
+loads. Under AppTest (no client, so no cookies) the session id is read from the session state instead.
 
 Downloads (st.download_button) go through ``download_data``: on a workshop server the file is built at
-click time only for a session whose token is still valid and whose user may see every run in it.
-``guard_downloads`` (installed once per server process) closes what Streamlit leaves open: its deferred
-download requests are honoured only from the session the button was made for, and the file they produce
+click time only for a session that is still open and whose user may see every run in it.
+``guard_server`` (installed once per server process) closes what Streamlit leaves open: its deferred
+download requests are honoured only from the session the button was made for, the file they produce
 gets a random /media id that serves within ONE_SHOT_S seconds, for REFETCH_S seconds from its first
-fetch, then is gone."""
+fetch, then is gone; and no websocket client may clear the server's caches (they are every viewer's)."""
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import threading
@@ -22,138 +24,82 @@ import time
 from typing import Callable, Iterable, Optional
 
 import streamlit as st
-from streamlit import config
+from streamlit import config, runtime
+from streamlit.runtime import backend_operation_handler as boh
+from streamlit.runtime.app_session import AppSession
+from streamlit.runtime.media_file_storage import MediaFileKind, MediaFileStorageError
+from streamlit.runtime.memory_media_file_storage import MemoryFile, get_extension_for_mimetype
 from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
 
-from lab import ui, workshop
+import lab
+from app.gatekeeper import SESSION_COOKIE
+from lab import accounts, ui, workshop
 
-USER = "commlab.user"
-TOKEN = "commlab.token"
-NEW_LINK = "commlab.new_link"
+SESSION = "commlab.session"
+"""Where AppTest puts a session id (a real browser's comes in its cookie)."""
+SIGNED_OUT = "commlab.signed_out"
 ONE_SHOT_S = 60.0
 """How long a generated download's /media URL lives if it is not fetched."""
 REFETCH_S = 5.0
 """How long it still serves after its first fetch. Chromium fetches a download twice at times (the
 navigation that turns into a download, then the download itself): served strictly once, the second
 request got a 404 and the browser cancelled the download (seen in the real-browser test)."""
+log = logging.getLogger("commlab.access")
+
+
+def session_id() -> Optional[str]:
+    """The session id of the request this thread serves: the browser's cookie; under AppTest, which has
+    no client and so no headers at all (a browser's websocket always sends some), the session state."""
+    if st.context.headers:
+        return st.context.cookies.get(SESSION_COOKIE)
+    return st.session_state.get(SESSION)
 
 
 def session_user() -> Optional[workshop.User]:
     """The signed-in user of the session this thread serves; None outside a session's script run (a
-    server thread acting for no one gets nothing)."""
+    server thread acting for no one gets nothing) and for a session that ended."""
     if get_script_run_ctx(suppress_warning=True) is None:
         return None
-    user = st.session_state.get(USER)
-    if user is None or valid_user(ui.runs_dir(), st.session_state.get(TOKEN)) != user:
-        return None  # revoked since the session signed in (a fragment's rerun passes no gate)
-    return user
-
-
-_checked: dict = {}
-
-
-def valid_user(root, token: Optional[str]) -> Optional[workshop.User]:
-    """workshop.check_token, read again only when runs/access.json changed (every list and panel asks)."""
-    try:
-        stamp = workshop.access_path(root).stat().st_mtime_ns
-    except FileNotFoundError:
-        stamp = None
-    key = (str(root), token)
-    hit = _checked.get(key)
-    if hit is not None and hit[0] == stamp and stamp is not None:
-        return hit[1]
-    user = workshop.check_token(root, token)
-    if len(_checked) > 1000:
-        _checked.clear()
-    _checked[key] = (stamp, user)
-    return user
+    return accounts.session_user(ui.runs_dir(), session_id())
 
 
 def mode() -> str:
-    return workshop.access_mode(config.get_option("server.address"))
+    return accounts.access_mode(config.get_option("server.address"))
 
 
 def gate() -> workshop.User:
-    """The user this request acts for; otherwise the sign-in prompt, and the script stops here."""
+    """The user this request acts for; otherwise a pointer to the sign-in page, and the script stops here."""
     if mode() == "off":
         ui.set_viewer(None)  # the local user, as in notebooks and scripts
         return workshop.local_user()
     ui.set_viewer(session_user)
-    root = ui.runs_dir()
-    guard_downloads()
-    token = st.query_params.get("token") or st.session_state.get(TOKEN)
-    user = workshop.check_token(root, token)
+    guard_server()
+    user = session_user()
     if user is not None:
-        st.session_state[USER] = user
-        st.session_state[TOKEN] = token
-        if "token" in st.query_params:
-            del st.query_params["token"]  # kept in the session only, out of the address bar and history
         with st.sidebar:
             st.caption(f"Signed in as **{user.name}** ({'teacher' if user.admin else 'student'})")
-            if st.button("Sign out", key="access.out"):
-                sign_out()
-        link = st.session_state.pop(NEW_LINK, None)
-        if link:
-            st.success(f"Signed in as {user.name}. Your personal link (keep it private; it is how you come "
-                       f"back after closing or reloading this tab): {link}")
+            st.button("Sign out", key="access.out", on_click=sign_out)  # before the next run's gate
+            if user.admin and not config.get_option("server.sslCertFile"):
+                st.warning("Served without TLS: tokens and pages cross the network in the clear "
+                           "(commlab app --certfile/--keyfile).", icon=":material/lock_open:")
         return user
-    st.session_state.pop(USER, None)
-    st.session_state.pop(TOKEN, None)
-    sign_in_prompt(root, token)
-    st.stop()
+    signed_out("You are signed out." if st.session_state.pop(SIGNED_OUT, False)
+               else "Your session has ended, or you have not signed in yet.")
 
 
 def sign_out() -> None:
-    for k in (USER, TOKEN, NEW_LINK, "access.class"):
-        st.session_state.pop(k, None)
-    st.query_params.clear()
-    st.rerun()
+    """The Sign out button's: the session ends on the server (the cookie is worth nothing from now on)."""
+    accounts.close_session(ui.runs_dir(), session_id())
+    st.session_state[SIGNED_OUT] = True
 
 
-def sign_in_prompt(root, token: Optional[str]) -> None:
-    """The only thing a request without a valid token gets."""
+def signed_out(why: str) -> None:
+    """The only thing a request without a session gets; the script stops."""
     st.set_page_config(page_title="Sign in · commlab", layout="centered")
     st.title("commlab: sign in")
-    if token and workshop.is_class_token(root, token):
-        st.session_state["access.class"] = token
-    klass = st.session_state.get("access.class")
-    if klass is None:
-        if token:
-            st.error("That token is not valid.")
-        st.caption("This lab is shared over the network: open the link your teacher gave you, or enter its token.")
-        with st.form("access.token"):
-            entered = st.text_input("Access token", type="password", key="access.entered")
-            if st.form_submit_button("Continue"):
-                if workshop.check_token(root, entered):
-                    st.session_state[TOKEN] = entered
-                    st.rerun()
-                if workshop.is_class_token(root, entered):
-                    st.session_state["access.class"] = entered
-                    st.rerun()
-                st.error("That token is not valid.")
-        return
-    st.caption("Pick the name your runs will carry. You get a personal link: keep it, it is how you come back.")
-    with st.form("access.name"):
-        name = st.text_input("Your name", key="access.name_in", max_chars=32)
-        if st.form_submit_button("Sign in"):
-            try:
-                personal = workshop.sign_in(root, klass, name.strip())
-            except workshop.LabError as e:
-                st.error(str(e))
-                return
-            st.session_state.pop("access.class", None)
-            st.session_state[TOKEN] = personal
-            st.session_state[NEW_LINK] = personal_link(personal)
-            if "token" in st.query_params:
-                del st.query_params["token"]
-            st.rerun()
-
-
-def personal_link(token: str) -> str:
-    """The address of this lab with ``token``, as the student's browser reached it."""
-    url = (getattr(st.context, "url", None) or "").split("?")[0]
-    base = url.rsplit("/", 1)[0] if url.count("/") > 2 else url
-    return f"{base.rstrip('/')}/?token={token}"
+    st.caption(why)
+    st.link_button("Sign in", "/signin")
+    st.stop()
 
 
 # --------------------------------------------------------------------------- downloads
@@ -165,13 +111,12 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str]) -> Callabl
     and the browser gets no file)."""
     if mode() == "off":
         return make
-    import lab
-    root, token, ids = ui.runs_dir(), st.session_state.get(TOKEN), list(run_ids)
+    root, sid, ids = ui.runs_dir(), session_id(), list(run_ids)
 
     def build():
-        user = workshop.check_token(root, token)
+        user = accounts.session_user(root, sid)
         if user is None:
-            raise PermissionError("download refused: the session's token is no longer valid")
+            raise PermissionError("download refused: the session has ended")
         for rid in ids:
             if not workshop.can_see(user, lab.get(rid, runs=root).status()):
                 raise PermissionError(f"download refused: {user.name} may not see run {rid}")
@@ -183,8 +128,11 @@ _guard_lock = threading.Lock()
 _guarded = False
 
 
-def guard_downloads() -> None:
-    """Install, once in this server process, what binds Streamlit's downloads to their session:
+def guard_server() -> None:
+    """Install, once in this server process, what keeps one session out of the others' business:
+
+    - no websocket client clears the server's caches (Streamlit's "clear cache" message clears them for
+      every viewer): refused and logged on an exposed lab;
 
     - a deferred download (the file built when its button is clicked) is built only for a request from
       the session that the button was made for; Streamlit itself builds it for any session that names
@@ -196,17 +144,28 @@ def guard_downloads() -> None:
     with _guard_lock:
         if _guarded:
             return
-        from streamlit import runtime
         if not runtime.exists():  # a test's AppTest runs the script without a server
             return
+        _guard_clear_cache()
         _guard_deferred()
         _one_shot(runtime.get_instance().media_file_mgr._storage)
         _guarded = True
 
 
+def _guard_clear_cache() -> None:
+    original = AppSession._handle_clear_cache_request
+    if getattr(original, "commlab_guarded", False):
+        return
+
+    def handle(self):
+        if mode() == "off":
+            return original(self)
+        log.warning("refused a websocket request to clear the server's caches (session %s)", self.id)
+    handle.commlab_guarded = True
+    AppSession._handle_clear_cache_request = handle
+
+
 def _guard_deferred() -> None:
-    from streamlit import runtime
-    from streamlit.runtime import backend_operation_handler as boh
     original = boh.DeferredFileHandler.handle
     if getattr(original, "commlab_guarded", False):
         return
@@ -224,8 +183,6 @@ def _guard_deferred() -> None:
 
 
 def _one_shot(storage) -> None:
-    from streamlit.runtime.media_file_storage import MediaFileKind, MediaFileStorageError
-    from streamlit.runtime.memory_media_file_storage import MemoryFile, get_extension_for_mimetype
     expires: dict = {}
     fetched: set = set()
     lock = threading.Lock()

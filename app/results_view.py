@@ -32,7 +32,7 @@ def pick_group() -> Optional[dict]:
         try:
             return ui.sweep_group(sweep)
         except (ui.LabError, ui.SpecError, OSError, ValueError, KeyError) as e:
-            st.error(f"sweep {sweep!r}: {e}")
+            st.error(f"sweep {ui.md(repr(sweep))}: {ui.md(e)}")
             return None
     groups = ui.preset_groups()
     if not groups:
@@ -44,7 +44,7 @@ def pick_group() -> Optional[dict]:
             groups.insert(0, ui.preset_group(want))
             ids.insert(0, want)
         except (KeyError, ValueError) as e:
-            st.error(str(e))
+            st.error(ui.md(str(e).strip("'\"")))
     want = want if want in ids else ids[0]
     titles = {g["id"]: f"{_title(g)} · {g['id'][:15]}" for g in groups}
     st.session_state["res.pick"] = want
@@ -146,4 +146,4 @@ def results_panel(group: dict) -> None:
                         key="res.acc")
     st.caption("Each run's own page:")  # page links: in-app, so a workshop session stays signed in
     for k, r in final.items():
-        st.page_link(widgets.LIVE_PAGE, label=k, query_params={"run": r.id})
+        st.page_link(widgets.LIVE_PAGE, label=ui.md(k), query_params={"run": r.id})

@@ -85,7 +85,7 @@ def recent_runs(n: int = 8) -> None:
         return
     for r in runs:
         cols = st.columns([5, 1])
-        cols[0].page_link(LIVE_PAGE, label=ui.run_label(r), query_params={"run": r.id})
+        cols[0].page_link(LIVE_PAGE, label=ui.md(ui.run_label(r)), query_params={"run": r.id})
         with cols[1]:
             state_badge(r.state)
 
@@ -124,10 +124,10 @@ def live_panel(run_id: str) -> None:
     them is most of what watching costs the machine the run trains on)."""
     run = ui.get_run(run_id)
     if run is None:
-        st.error(f"No run {run_id!r}{where()}.")
+        st.error(f"No run {ui.md(repr(run_id))}{ui.md(where())}.")
         return
     spec = run.spec_dict()
-    st.caption(ui.describe(spec))
+    st.caption(ui.md(ui.describe(spec)))
     c = st.columns([1, 1, 1, 2])
     last = c[0].number_input("Iterations in the timeline", 1, 20, 3, key="live.last")
     step = c[1].number_input("Zoom to step (-1: last iterations)", -1, spec["steps"], -1, key="live.step")
@@ -148,8 +148,16 @@ def live_panel(run_id: str) -> None:
     elif not mine:
         st.caption(f"{owner}'s run, shared with the class")
 
+    def still_visible():
+        """The run again, as the viewer may see it now (signed out, revoked, unshared: no more of it)."""
+        again = ui.get_run(run_id)
+        if again is None:
+            st.rerun()  # the whole page again: the gate, then "No run"
+        return again
+
     @st.fragment(run_every=None if started_final else ui.REFRESH_S)
     def panel():
+        run = still_visible()
         state = run.state
         if state in FINAL and not started_final:
             st.rerun()  # a full rerun redraws the panel without its refresh timer
@@ -163,7 +171,7 @@ def live_panel(run_id: str) -> None:
         if state not in FINAL and mine and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
             st.toast(f"cancel requested ({ui.cancel(run.id)})")
         if state in ("failed", "diverged"):
-            st.error(f"{state}: {status.get('error', '')}")
+            st.error(f"{state}: {ui.md(status.get('error', ''))}")
             with st.expander("log (last lines)"):
                 st.code(run.log_tail(30) or "(empty)")
         machine_note(status.get("disturbance"))
@@ -176,6 +184,7 @@ def live_panel(run_id: str) -> None:
 
     @st.fragment(run_every=None if started_final else ui.CHARTS_REFRESH_S)
     def charts():
+        run = still_visible()
         state = run.state
         lr = live.live_run(run)
         done, _ = lr.progress()

@@ -1,8 +1,8 @@
 """A room's worth of load on the workshop server: N simulated students against `commlab app --host 0.0.0.0`.
 
 Each student is a websocket session (bench/wsclient.py: what a browser tab sends and receives, without
-drawing anything). It signs in through the sign-in form (the class token, then a name; the personal token
-then lives in the session, not the URL), then until the time is up: opens Home (timed), starts the next
+drawing anything). It signs in through the sign-in pages (the class token, then a name: a personal token
+and a session cookie; nothing in the URL), then until the time is up: opens Home (timed), starts the next
 preset with its Start button whenever none of its runs is queued or running (student k starts at preset
 k, then takes them in turn), and watches that preset's Results page (timed), with a think time between
 requests. The teacher's runs/lab.json scales the presets down (``preset_steps``) and sets the quotas; the
@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.wsclient import Session  # noqa: E402
+from bench.wsclient import Session, sign_in  # noqa: E402
 
 
 def free_port() -> int:
@@ -76,20 +76,15 @@ class Student(threading.Thread):
     def _run(self):
         from lab import results, ui
         from lab.queue import Lab
-        s = self.session = Session(self.url)
-        page = s.run(f"token={self.class_token}")
-        name_id, submit_id = page.widget("access.name_in"), page.widget("FormSubmitter:access.name-Sign in")
-        if not (name_id and submit_id):
-            raise RuntimeError(f"no sign-in form: {page.kinds()} {page.exceptions()}")
-        page = s.run(f"token={self.class_token}", widgets={name_id: self.student, submit_id: True})
-        link = re.search(r"Your personal link.*?\?token=([A-Za-z0-9_-]+)", page.text)
-        if "token=" in (page.query_string or "") or not link:
-            raise RuntimeError(f"sign-in: the token stayed in the URL or no personal link: {page.query_string!r}")
-        self.token = link.group(1)
+        jar = sign_in(self.url, self.class_token, self.student)
+        if not jar.personal or "commlab_session" not in jar.cookies:
+            raise RuntimeError(f"sign-in refused ({jar.status}): {re.sub('<[^>]+>', ' ', jar.body)[:200]}")
+        self.token = jar.personal
+        s = self.session = Session(self.url, cookie=jar.header)
         presets = [p.key for p in ui.PRESETS]
         q = Lab(self.args.runs)
         while time.time() < self.deadline:
-            home = s.run("")  # the session holds the token: nothing in the URL
+            home = s.run("")  # the session cookie: nothing in the URL
             self.home_s.append(home.seconds)
             if "Start an experiment in one click" not in home.text:
                 raise RuntimeError(f"Home did not come back: {home.kinds()} {home.exceptions()}")
@@ -150,11 +145,11 @@ def main(argv=None) -> int:
     (args.runs / "lab.json").write_text(json.dumps({"max_jobs": args.max_jobs, "preset_steps": args.steps,
                                                     "quotas": {"queued": args.queued, "steps": args.steps,
                                                                "world_size": 2}}))
-    from lab import workshop
+    from lab import accounts
     from lab.store import FINAL
     port = free_port()
     log_path = args.runs / "app.log"
-    env = {k: v for k, v in os.environ.items() if k != workshop.ACCESS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
     code = (f"import sys; from lab.ui import app_main; "
             f"sys.exit(app_main({port}, {str(args.runs)!r}, host='0.0.0.0', demo=False))")
     with open(log_path, "wb") as log:
@@ -179,7 +174,7 @@ def main(argv=None) -> int:
 
 
 def _measure(args, app, url, log_path) -> int:
-    from lab import workshop
+    from lab import accounts
     from lab.queue import Lab
     from lab.store import FINAL
     import urllib.request
@@ -193,8 +188,8 @@ def _measure(args, app, url, log_path) -> int:
                 print(log_path.read_text(), file=sys.stderr)
                 return 1
             time.sleep(0.5)
-    class_token = workshop.load_access(args.runs)["class_token"]
-    admin_token = workshop.load_access(args.runs)["admin_token"]
+    class_token = accounts.load_access(args.runs)["class_token"]
+    admin_token = accounts.load_access(args.runs)["admin_token"]
     started = time.time()
     deadline = started + args.minutes * 60
     students = [Student(k, url, class_token, args, deadline) for k in range(args.students)]

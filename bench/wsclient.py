@@ -3,10 +3,12 @@ students and the workshop security tests use instead of a real browser (one Chro
 
 A session connects to ``/_stcore/stream`` and asks for script runs (``BackMsg.rerun_script``) with a
 query string, a page and widget states, as the browser does; it keeps every ``ForwardMsg`` the server
-sends back, so a test can look for what must not be in any of them.
+sends back, so a test can look for what must not be in any of them. On an exposed lab it first signs in
+over HTTP, as a browser does at the sign-in page (``sign_in``), and carries the session cookie.
 
-    s = Session(base_url)
-    page = s.run("token=...", page="live_run")     # blocks until the script run has finished
+    jar = sign_in(base_url, token)                 # the Cookie header of a signed-in browser
+    s = Session(base_url, cookie=jar.header)
+    page = s.run("run=...", page="live_run")       # blocks until the script run has finished
     page.text                                      # every message of that run, as protobuf text
     page.widget("preset-dear-vs-ddp")              # a widget's id, from its key
     s.run("token=...", widgets={wid: True})        # a button's click (trigger)
@@ -14,15 +16,73 @@ sends back, so a test can look for what must not be in any of them.
 from __future__ import annotations
 
 import asyncio
+import http.client
+import re
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from http.cookies import SimpleCookie
 from typing import Dict, List, Optional, Tuple
+from urllib.parse import urlencode, urlsplit
 
 from streamlit.proto.BackMsg_pb2 import BackMsg
 from streamlit.proto.ForwardMsg_pb2 import ForwardMsg
+from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
+
+
+# --------------------------------------------------------------------------- signing in over HTTP
+
+@dataclass
+class Jar:
+    """A browser's cookies for one lab, and what its sign-in pages answered."""
+    cookies: Dict[str, str] = field(default_factory=dict)
+    status: int = 0
+    location: Optional[str] = None
+    body: str = ""
+    personal: Optional[str] = None
+    """The personal token the name page showed (class-token sign-in only)."""
+
+    @property
+    def header(self) -> str:
+        return "; ".join(f"{k}={v}" for k, v in self.cookies.items() if v)
+
+    def request(self, base_url: str, method: str, path: str, form: Optional[dict] = None) -> "Jar":
+        """One request with this jar's cookies (no redirect followed); keeps what the server set."""
+        u = urlsplit(base_url)
+        con = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+        headers = {"Cookie": self.header} if self.header else {}
+        body = None
+        if form is not None:
+            body = urlencode(form)
+            headers["Content-Type"] = "application/x-www-form-urlencoded"
+        try:
+            con.request(method, path, body=body, headers=headers)
+            r = con.getresponse()
+            self.status, self.location = r.status, r.getheader("Location")
+            self.body = r.read().decode(errors="replace")
+            for line in r.headers.get_all("Set-Cookie") or []:
+                c = SimpleCookie()
+                c.load(line)
+                for k, m in c.items():
+                    self.cookies[k] = m.value
+        finally:
+            con.close()
+        return self
+
+
+def sign_in(base_url: str, token: str, name: Optional[str] = None, jar: Optional[Jar] = None) -> Jar:
+    """Sign in as a browser does at /signin: a personal or admin token gives a session cookie; the class
+    token and ``name`` give a personal token (``jar.personal``) and a session. The jar holds the outcome
+    (a refused sign-in: no session cookie, ``status`` and ``body`` say why)."""
+    jar = jar or Jar()
+    jar.request(base_url, "POST", "/signin", {"token": token})
+    if jar.status == 303 and jar.location == "/signin/name" and name is not None:
+        jar.request(base_url, "POST", "/signin/name", {"name": name})
+        m = re.search(r"\?token=([A-Za-z0-9_-]+)", jar.body)
+        jar.personal = m.group(1) if m else None
+    return jar
 
 
 @dataclass
@@ -102,8 +162,9 @@ class RunTracker:
 class Session:
     """One browser tab's websocket session, driven synchronously (its event loop runs in a thread)."""
 
-    def __init__(self, base_url: str, timeout_s: float = 120.0):
+    def __init__(self, base_url: str, timeout_s: float = 120.0, cookie: Optional[str] = None):
         self.url = base_url.replace("http://", "ws://").rstrip("/") + "/_stcore/stream"
+        self.cookie = cookie
         self.timeout_s = timeout_s
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -115,7 +176,8 @@ class Session:
         """The server's id of this session (from its first script run's new_session)."""
 
     async def _connect(self):
-        return await websocket_connect(self.url, subprotocols=["streamlit"])  # made on the session's loop
+        req = HTTPRequest(self.url, headers={"Cookie": self.cookie} if self.cookie else {})
+        return await websocket_connect(req, subprotocols=["streamlit"])  # made on the session's loop
 
     def _call(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s + 10)
@@ -185,6 +247,12 @@ class Session:
                 self.session_id = f.new_session.initialize.session_id
             if runs.feed(f):
                 page.seconds = time.perf_counter() - t0
+
+    def send(self, m: BackMsg) -> None:
+        """Send any BackMsg as it is (an attacker's message: nothing is waited for)."""
+        async def write():
+            self.ws.write_message(m.SerializeToString(), binary=True)
+        self._call(write())
 
     def deferred_file(self, file_id: str, session_id: Optional[str] = None) -> Tuple[str, str]:
         """Ask for a deferred download (what a browser sends when a st.download_button whose data is a

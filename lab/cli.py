@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import List, Optional
 
 from engine.spec import SpecError
@@ -92,6 +93,8 @@ def build_parser() -> Parser:
     p.add_argument("--no-demo", action="store_true", help="do not queue the demo run into an empty runs directory")
     p.add_argument("--token", default=None, help="the class token students sign in with, when bound beyond "
                    "loopback (default: one generated and kept in RUNS/access.json)")
+    p.add_argument("--certfile", default=None, help="TLS certificate (PEM) to serve https with; needs --keyfile")
+    p.add_argument("--keyfile", default=None, help="the certificate's private key (PEM)")
     _runs_arg(p)
 
     p = sub.add_parser("notebooks", help="open the notebooks in JupyterLab (bound to 127.0.0.1), with this environment as kernel")
@@ -142,14 +145,20 @@ def build_parser() -> Parser:
     from lab import advisor
     advisor.add_parser(sub, add_spec_args, _runs_arg)
 
-    p = sub.add_parser("workshop", help="the workshop server's students: list them, revoke one's token")
+    p = sub.add_parser("workshop", help="the workshop server's students: list them, revoke one, rotate tokens")
     wsub = p.add_subparsers(dest="ws_cmd", metavar="ACTION", parser_class=Parser)
     wsub.required = True
-    q = wsub.add_parser("users", help="students who signed in (runs/access.json)")
+    q = wsub.add_parser("users", help="students who signed in (runs/access.json), with expiry and open sessions")
     _runs_arg(q)
-    q = wsub.add_parser("revoke", help="invalidate a student's personal token (their pages sign out; the name "
-                                       "stays theirs; their runs keep going)")
+    q = wsub.add_parser("revoke", help="revoke a student: their token and sessions end, the name and their "
+                                       "browsers cannot sign in again; their runs keep going")
     q.add_argument("name", metavar="NAME", help="the student's name")
+    q.add_argument("--rotate-class", action="store_true", help="also replace the class token (for someone who "
+                   "would sign in again from a cleared browser); hand the new link to the others")
+    _runs_arg(q)
+    q = wsub.add_parser("rotate", help="replace a token: 'class', 'admin' or a student's name (their sessions "
+                                       "end); prints the new link's token")
+    q.add_argument("who", metavar="WHO", help="class | admin | NAME")
     _runs_arg(q)
 
     p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
@@ -361,7 +370,8 @@ def cmd_report(args) -> int:
 
 def cmd_app(args) -> int:
     from lab.ui import app_main
-    return app_main(args.port, args.runs, args.host, demo=not args.no_demo, token=args.token)
+    return app_main(args.port, args.runs, args.host, demo=not args.no_demo, token=args.token,
+                    certfile=args.certfile, keyfile=args.keyfile)
 
 
 def cmd_notebooks(args) -> int:
@@ -548,15 +558,30 @@ def cmd_trace(args) -> int:
 
 
 def cmd_workshop(args) -> int:
-    from lab import workshop
+    from lab import accounts
     root = Lab(args.runs).root
     if args.ws_cmd == "users":
-        names = workshop.users(root)
-        print("\n".join(names) if names else f"no students in {workshop.access_path(root)}")
+        people = accounts.people(root)
+        if not people:
+            print(f"no students in {accounts.access_path(root)}")
+        for p in people:
+            left = (p["expires"] - time.time()) / 86400
+            print(f"{p['name']:<20} token {'expired' if left <= 0 else f'expires in {left:.1f} days'}, "
+                  f"{p['sessions']} open session(s)")
         return 0
-    n = workshop.revoke(root, args.name)
-    print(f"revoked {args.name}'s personal token ({n}): their open pages sign out at their next request; "
-          f"their runs keep going (commlab runs --owner {args.name}, commlab cancel RUN)")
+    if args.ws_cmd == "rotate":
+        token = accounts.rotate(root, args.who)
+        what = {"class": "class token (students who signed in keep theirs)",
+                "admin": "admin token (the teacher's sessions ended)"}.get(args.who, f"{args.who}'s personal token "
+                                                                                "(their sessions ended)")
+        print(f"new {what}: {token}")
+        return 0
+    n = accounts.revoke(root, args.name)
+    print(f"revoked {args.name} ({n} token(s)): their sessions end at their next request, the name and their "
+          f"browsers cannot sign in again; their runs keep going (commlab runs --owner {args.name}, "
+          f"commlab cancel RUN)")
+    if args.rotate_class:
+        print(f"new class token: {accounts.rotate(root, 'class')}")
     return 0
 
 

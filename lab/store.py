@@ -67,7 +67,7 @@ CHANGE_TRIES = 20
 (another tool, a shared file system) gets about half a second to finish its file."""
 READ_PAUSE_S = 0.025
 CONFIG = "lab.json"
-CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps")
+CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access")
 """What runs/lab.json may hold; lab.queue, lab.disturbance and lab.workshop check the values."""
 
 

@@ -11,6 +11,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,14 +24,15 @@ import yaml
 
 from engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, \
     JobSpec, SpecError
-from lab import disturbance, procs, workshop
+from lab import accounts, disturbance, procs, workshop
 from lab.presets import PRESETS, Preset  # noqa: F401  (the pages reach them through ui)
 from lab.store import FINAL, LabError, Run, RunError, default_root
 from lab.workshop import User
 from lab.spawn import ENV as SPAWNER_ENV, Spawner, lower_priority, spawn_detached
 
 REPO = Path(__file__).resolve().parents[1]
-APP_ENTRY = REPO / "app" / "streamlit_app.py"
+APP_ENTRY = REPO / "app" / "server.py"
+"""Streamlit's app behind the gatekeeper (app/server.py)."""
 DEMO_SPEC = REPO / "examples" / "demo.yaml"
 REFRESH_S = 2.0
 """How often a live panel re-reads a run that is not final (state, progress, medians)."""
@@ -414,6 +416,21 @@ def owner(run: Run) -> str:
     return workshop.owner_of(run.status())
 
 
+MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|~<>$:&])")
+
+
+def md(text) -> str:
+    """User text (a run's name, an id from the address, an error that quotes them) for a Markdown element
+    (st.markdown, st.caption, st.error, a page link's label), shown as typed: every Markdown, HTML and
+    Streamlit directive character is escaped, so no link, image, tag or formatting comes from it."""
+    return MD_SPECIAL.sub(r"\\\1", str(text))
+
+
+def plain(text) -> str:
+    """User text for a Plotly label: no tags (Plotly draws <a href>, <b>, ... in its labels)."""
+    return str(text).replace("<", "\u2039").replace(">", "\u203a")
+
+
 def run_label(run: Run, state: bool = True) -> str:
     """"<name>  [<state>]  <id>" (the name is left out when the id already carries it), and "  · <owner>"
     when the run is someone else's."""
@@ -583,7 +600,7 @@ def short_labels(runs: List[Run]) -> Dict[str, str]:
             name = r.spec_dict().get("name") or r.id
         except (OSError, ValueError):
             name = r.id
-        out[r.id] = f"{name} ({r.id[-4:]})"
+        out[r.id] = plain(f"{name} ({r.id[-4:]})")
     return out
 
 
@@ -708,7 +725,8 @@ def sweep_log(sw, n: int = 30) -> str:
 
 # --------------------------------------------------------------------------- commlab app
 
-def app_argv(port: int = 8501, host: Optional[str] = None) -> List[str]:
+def app_argv(port: int = 8501, host: Optional[str] = None, certfile: Optional[str] = None,
+             keyfile: Optional[str] = None) -> List[str]:
     """The Streamlit server's command line (a list, never a shell string).
 
     Two of Streamlit's defaults cost the machine a run trains on most of the server's CPU while a page
@@ -720,12 +738,22 @@ def app_argv(port: int = 8501, host: Optional[str] = None) -> List[str]:
 
     ``global.developmentMode`` is pinned off: Streamlit turns it on when its own files are not under a
     ``site-packages`` folder (a ``pip install --target`` elsewhere, as on the GPU machine), and in that
-    mode it refuses ``--server.port``."""
-    return [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY), "--global.developmentMode", "false",
+    mode it refuses ``--server.port``.
+
+    ``certfile``/``keyfile``: the teacher's TLS certificate and key (Streamlit's own SSL options); uploads
+    are capped at UPLOAD_MB."""
+    argv = [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY), "--global.developmentMode", "false",
             "--server.address", host or "127.0.0.1", "--server.port", str(int(port)),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
-            "--client.toolbarMode", "minimal",
+            "--client.toolbarMode", "minimal", "--server.maxUploadSize", str(UPLOAD_MB),
             "--runner.postScriptGC", "false", "--server.fileWatcherType", "none"]
+    if certfile:
+        argv += ["--server.sslCertFile", str(certfile), "--server.sslKeyFile", str(keyfile)]
+    return argv
+
+
+UPLOAD_MB = 4
+"""The largest file a viewer may upload (a profile); Streamlit's default is 200 MB."""
 
 
 def ensure_demo_run(runs) -> Optional[str]:
@@ -737,27 +765,38 @@ def ensure_demo_run(runs) -> Optional[str]:
     return lab.run(str(DEMO_SPEC), wait=False, runs=runs).id
 
 
-def sign_in_lines(root: Path, host: str, port: int, token: Optional[str] = None) -> str:
+def sign_in_lines(root: Path, host: str, port: int, token: Optional[str] = None, tls: bool = False) -> str:
     """The links a teacher hands out (class token) and keeps (admin token), after setting the class
-    token to ``token`` when given (lab.workshop)."""
+    token to ``token`` when given (lab.accounts), and a warning when served without TLS."""
     import socket
-    data = workshop.set_class_token(root, token) if token else workshop.load_access(root)
+    data = accounts.set_class_token(root, token) if token else accounts.load_access(root)
     where = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
-    return (f"sign-in required (bound to {host}): tokens in {workshop.access_path(root)}\n"
-            f"  students: http://{where}:{port}/?token={data['class_token']}\n"
-            f"  teacher:  http://{where}:{port}/?token={data['admin_token']}")
+    scheme = "https" if tls else "http"
+    lines = [f"sign-in required (bound to {host}): tokens in {accounts.access_path(root)}",
+             f"  students: {scheme}://{where}:{port}/?token={data['class_token']}",
+             f"  teacher:  {scheme}://{where}:{port}/?token={data['admin_token']}"]
+    if not tls:
+        lines.append("WARNING: served without TLS: tokens, session cookies and pages cross the network in "
+                     "the clear; on a network you do not trust, pass --certfile and --keyfile")
+    return "\n".join(lines)
 
 
 def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optional[str] = None,
-             demo: bool = True, out=sys.stderr, token: Optional[str] = None) -> int:
+             demo: bool = True, out=sys.stderr, token: Optional[str] = None, certfile: Optional[str] = None,
+             keyfile: Optional[str] = None) -> int:
     """``commlab app``: serve the UI on host:port (127.0.0.1 unless ``host``) over the runs
     directory ``runs`` (default $COMMLAB_RUNS or ./runs) until interrupted. With ``demo``,
     an empty runs directory gets the demo run queued first. Bound beyond loopback, every request
     needs a token (lab.workshop; ``token`` sets the class token) and the links are printed.
-    Returns 0 after a stop by signal, else Streamlit's exit status."""
+    ``certfile``/``keyfile`` serve it over TLS. Returns 0 after a stop by signal, else Streamlit's exit status."""
     import importlib.util
     if not 1 <= int(port) <= 65535:
         raise LabError(f"--port: must be in 1..65535, got {port}")
+    if bool(certfile) != bool(keyfile):
+        raise LabError("--certfile, --keyfile: give both (the certificate and its private key) or neither")
+    for flag, f in (("--certfile", certfile), ("--keyfile", keyfile)):
+        if f and not os.access(f, os.R_OK):
+            raise LabError(f"{flag}: cannot read {f}")
     missing = [m for m in ("streamlit", "plotly") if importlib.util.find_spec(m) is None]
     if missing:
         raise LabError(f"commlab app needs {' and '.join(missing)}: pip install 'commlab[app]'")
@@ -767,12 +806,13 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
         rid = ensure_demo_run(root)
         if rid:
             print(f"no runs in {root} yet: queued the demo run {rid}", file=out, flush=True)
-    exposed = not workshop.is_loopback(host or "127.0.0.1")
-    env = {**os.environ, "COMMLAB_RUNS": str(root), workshop.ACCESS_ENV: "token" if exposed else "off",
+    exposed = not accounts.is_loopback(host or "127.0.0.1")
+    env = {**os.environ, "COMMLAB_RUNS": str(root), accounts.ACCESS_ENV: "token" if exposed else "off",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    print(f"commlab UI on http://{host or '127.0.0.1'}:{port}  (runs: {root}; Ctrl-C stops it)", file=out, flush=True)
+    print(f"commlab UI on {'https' if certfile else 'http'}://{host or '127.0.0.1'}:{port}  (runs: {root}; "
+          f"Ctrl-C stops it)", file=out, flush=True)
     if exposed:
-        print(sign_in_lines(root, host, port, token), file=out, flush=True)
+        print(sign_in_lines(root, host, port, token, tls=bool(certfile)), file=out, flush=True)
     elif token:
         raise LabError("--token: only for a server bound beyond loopback (--host); on 127.0.0.1 there is no sign-in")
     # The server runs niced, in a session of its own (scheduling groups go by session: lab/spawn.py), so its
@@ -786,7 +826,7 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
         with Spawner(start=False) as spawner:
             try:
                 env[SPAWNER_ENV] = spawner.address
-                server = subprocess.Popen(app_argv(port, host), env=env, cwd=str(REPO), start_new_session=True,
+                server = subprocess.Popen(app_argv(port, host, certfile, keyfile), env=env, cwd=str(REPO), start_new_session=True,
                                           preexec_fn=lower_priority)
                 spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
                 # the niced server watches runs without changing their timing: runs started here do not

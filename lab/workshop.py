@@ -1,22 +1,11 @@
-"""The lab as a workshop server: who may use it, who owns a run, who sees it, and how much each may ask.
+"""The lab as a workshop server: who owns a run, who sees it, and how much each may ask. Who may sign
+in, and their tokens and sessions, are lab.accounts'.
 
 Loopback use (``commlab app``, the CLI, notebooks) has one user, the person at the machine: the local
-user, who sees and controls everything. When the app is bound anywhere else, every request needs a token
-(``access_mode``). The tokens live in ``runs/access.json`` (mode 0600, made on first use):
-
-    {"class_token": "...",   the teacher hands it out (the link `commlab app --host 0.0.0.0` prints);
-                             with it a student picks a name and gets a personal token
-     "admin_token": "...",   the teacher's own: sees and cancels every run, starts sweeps
-     "users": {"<sha256 of a personal token>": {"name": "alice", "created": 1700000000.0}}}
-
-The teacher may write either token into the file (or pass ``--token`` to ``commlab app``) instead of
-using the generated ones. Personal tokens are stored only as hashes; the class and admin tokens in the
-clear (the teacher reads them there).
-
-A run records its owner and whether it is shared in status.json (``owner``, ``shared``) and in the
-index. A student sees their own runs and the shared ones, and cancels or shares only their own; the
-teacher and the local user see and cancel all. Runs made before owners existed belong to the local
-user.
+user, who sees and controls everything. A run records its owner and whether it is shared in status.json
+(``owner``, ``shared``) and in the index. A student sees their own runs and the shared ones, and cancels or
+shares only their own; the teacher and the local user see and cancel all. Runs made before owners existed
+belong to the local user.
 
 Per-user limits (``quotas`` in runs/lab.json, all optional) bound what a student may ask for:
 
@@ -28,30 +17,15 @@ supervisor, with the limit named in its error.
 """
 from __future__ import annotations
 
-import fcntl
 import getpass
-import hashlib
-import hmac
-import ipaddress
-import json
 import os
-import re
-import secrets
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-from engine.runlog import write_json_atomic
 from lab.store import CONFIG, LabError, lab_config
 
-ACCESS_FILE = "access.json"
-ACCESS_ENV = "COMMLAB_ACCESS"
-"""``token`` or ``off``: set by ``commlab app`` for its server (off on loopback, token elsewhere)."""
-TEACHER = "teacher"
-"""The owner name of runs the teacher starts from the UI with the admin token."""
-NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")
 QUOTA_KEYS = {"queued": "queued or running runs at once", "steps": "steps per run",
               "world_size": "ranks per run", "wall_s": "seconds of running per run"}
 
@@ -72,189 +46,6 @@ def local_user() -> User:
     except (KeyError, OSError):
         name = "local"
     return User(name, admin=True)
-
-
-def is_loopback(host: Optional[str]) -> bool:
-    """Whether binding ``host`` keeps the server on this machine. None or "" (every interface) is not."""
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def access_mode(address: Optional[str], env: Optional[str] = None) -> str:
-    """``token`` (sign-in required) or ``off``. An explicit address that is not loopback always needs a
-    token; an unset address (Streamlit then binds every interface) needs one unless ``commlab app``
-    (or a test) said ``off`` in $COMMLAB_ACCESS."""
-    env = os.environ.get(ACCESS_ENV) if env is None else env
-    if address and not is_loopback(address):
-        return "token"
-    if address and is_loopback(address):
-        return "off"
-    if env not in (None, "", "token", "off"):
-        raise LabError(f"{ACCESS_ENV}: must be 'token' or 'off', got {env!r}")
-    return env or "token"
-
-
-# --------------------------------------------------------------------------- tokens
-
-def _hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def access_path(root: os.PathLike) -> Path:
-    return Path(root) / ACCESS_FILE
-
-
-@contextmanager
-def _access_lock(root: os.PathLike):
-    """Held around every read-modify-write of runs/access.json. Without it two students signing in at
-    the same moment each read the file, add themselves and write it back, and the later write drops the
-    earlier student's token: their next request gets the sign-in prompt."""
-    Path(root).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(root) / ".access.lock", os.O_RDWR | os.O_CREAT, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
-def load_access(root: os.PathLike, create: bool = True) -> dict:
-    """runs/access.json, made with fresh tokens (mode 0600) when missing and ``create``."""
-    if create and not access_path(root).exists():
-        with _access_lock(root):
-            return _load(root, create=True)
-    return _load(root, create)
-
-
-def _load(root: os.PathLike, create: bool) -> dict:
-    """load_access without the lock: for callers that hold it (or only read)."""
-    path = access_path(root)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        if not create:
-            return {}
-        data = {"class_token": secrets.token_urlsafe(16), "admin_token": secrets.token_urlsafe(24), "users": {}}
-        _save_access(root, data)
-        return data
-    except ValueError as e:
-        raise LabError(f"{path}: not valid JSON: {e}") from None
-    for k in ("class_token", "admin_token"):
-        v = data.get(k)
-        if not isinstance(v, str) or len(v) < 8:
-            raise LabError(f"{path}: {k} must be a string of at least 8 characters")
-    if data["class_token"] == data["admin_token"]:
-        raise LabError(f"{path}: class_token and admin_token must differ")
-    if not isinstance(data.setdefault("users", {}), dict):
-        raise LabError(f"{path}: users must be an object")
-    return data
-
-
-def _save_access(root: os.PathLike, data: dict) -> None:
-    path = access_path(root)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, data, mode=0o600)
-
-
-def set_class_token(root: os.PathLike, token: str) -> dict:
-    """The teacher's own class token (``commlab app --token``)."""
-    if not isinstance(token, str) or len(token) < 8 or not re.fullmatch(r"[A-Za-z0-9_.~-]+", token):
-        raise LabError("--token: must be at least 8 characters of letters, digits, '-', '_', '.', '~' "
-                       "(it goes into a link)")
-    with _access_lock(root):
-        return _set_class_token(root, token)
-
-
-def _set_class_token(root: os.PathLike, token: str) -> dict:
-    data = _load(root, create=True)
-    if token == data["admin_token"]:
-        raise LabError("--token: must differ from the admin token")
-    data["class_token"] = token
-    _save_access(root, data)
-    return data
-
-
-def _same(a: Optional[str], b: Optional[str]) -> bool:
-    return bool(a) and bool(b) and hmac.compare_digest(str(a).encode(), str(b).encode())
-
-
-def check_token(root: os.PathLike, token: Optional[str]) -> Optional[User]:
-    """The user a personal or admin token belongs to; None for the class token, a wrong one or none."""
-    if not token or not isinstance(token, str) or len(token) > 200:
-        return None
-    data = load_access(root)
-    if _same(token, data["admin_token"]):
-        return User(TEACHER, admin=True)
-    entry = data["users"].get(_hash(token))
-    return User(entry["name"]) if entry else None
-
-
-def is_class_token(root: os.PathLike, token: Optional[str]) -> bool:
-    return _same(token, load_access(root)["class_token"])
-
-
-def check_name(name: str) -> str:
-    if not isinstance(name, str) or not NAME.match(name):
-        raise LabError(f"name: {name!r} is not allowed: a letter, then up to 31 letters, digits, '.', '_' or '-'")
-    if name.lower() in (TEACHER, local_user().name.lower(), "local"):
-        raise LabError(f"name: {name!r} is reserved; pick another")
-    return name
-
-
-def sign_in(root: os.PathLike, class_token: str, name: str) -> str:
-    """A new personal token for student ``name``, given the class token. A name already taken is refused
-    (its owner signs in again with their own link)."""
-    with _access_lock(root):
-        return _sign_in(root, class_token, name)
-
-
-def _sign_in(root: os.PathLike, class_token: str, name: str) -> str:
-    data = _load(root, create=True)
-    if not _same(class_token, data["class_token"]):
-        raise LabError("token: not the class token")
-    check_name(name)
-    if name.lower() in {n.lower() for n in data.get("revoked", {})}:
-        raise LabError(f"name: {name!r} was revoked by the teacher; ask them")
-    if any(u.get("name", "").lower() == name.lower() for u in data["users"].values()):
-        raise LabError(f"name: {name!r} is taken; if it is yours, open the personal link you got at sign-in")
-    token = secrets.token_urlsafe(18)
-    data["users"][_hash(token)] = {"name": name, "created": time.time()}
-    _save_access(root, data)
-    return token
-
-
-def users(root: os.PathLike) -> List[str]:
-    return sorted(u["name"] for u in load_access(root, create=False).get("users", {}).values())
-
-
-def revoke(root: os.PathLike, name: str) -> int:
-    """Invalidate student ``name``'s personal token: their open pages get the sign-in prompt at their next
-    request, a download they start is refused, and the name cannot be taken again (it stays the owner of
-    their runs, which keep going; ``commlab cancel`` stops them). The number of tokens removed; LabError
-    when no student has that name."""
-    with _access_lock(root):
-        return _revoke(root, name)
-
-
-def _revoke(root: os.PathLike, name: str) -> int:
-    data = _load(root, create=False)
-    if not data:
-        raise LabError(f"name: no students in {access_path(root)}")
-    gone = [h for h, u in data["users"].items() if u.get("name", "").lower() == str(name).lower()]
-    if not gone:
-        known = ", ".join(sorted(u.get("name", "?") for u in data["users"].values())) or "none"
-        raise LabError(f"name: no student {name!r}; signed in: {known}")
-    for h in gone:
-        data["users"].pop(h)
-    data.setdefault("revoked", {})[str(name)] = time.time()
-    _save_access(root, data)
-    return len(gone)
 
 
 # --------------------------------------------------------------------------- who sees what

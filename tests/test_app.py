@@ -303,7 +303,11 @@ def test_error_field_mapping():
 
 def test_app_argv():
     argv = ui.app_argv(8600)
-    assert argv[:4] == [sys.executable, "-m", "streamlit", "run"] and argv[4].endswith("app/streamlit_app.py")
+    assert argv[:4] == [sys.executable, "-m", "streamlit", "run"] and argv[4].endswith("app/server.py")  # the gatekeeper's
+    assert argv[argv.index("--server.maxUploadSize") + 1] == str(ui.UPLOAD_MB)
+    assert "--server.sslCertFile" not in argv
+    tls = ui.app_argv(8600, certfile="c.pem", keyfile="k.pem")
+    assert tls[tls.index("--server.sslCertFile") + 1] == "c.pem" and tls[tls.index("--server.sslKeyFile") + 1] == "k.pem"
     assert argv[argv.index("--server.address") + 1] == "127.0.0.1"
     assert argv[argv.index("--server.port") + 1] == "8600"
     assert argv[argv.index("--server.headless") + 1] == "true"

@@ -1,8 +1,9 @@
 """The workshop server in a real browser (Chromium through playwright): `commlab app --host 0.0.0.0`
-as a room meets it. A browser without a token, or with a wrong one, gets the sign-in prompt and nothing
-of the runs; the class link signs a student in and leaves no token in the address bar; the student's
-personal link opens their run and its trace downloads once, from that session only (the file's URL
-serves nothing afterwards); another student's browser, given that run's id, gets none of it.
+as a room meets it. A browser without a token, or with a wrong one, gets the sign-in page and nothing
+of the runs; the class link signs a student in and no token is in the address bar or the history,
+then or later; the student's personal link opens their run and its trace downloads once, from that
+session only (the file's URL serves nothing afterwards); another student's browser, given that run's id,
+gets none of it; signing out ends the session, and Back shows nothing of the lab.
 
 Needs the Python package playwright and Debian's chromium (/usr/bin/chromium); skipped without them.
 """
@@ -21,7 +22,7 @@ import pytest
 import lab
 from distutil import stop_process, wait_until_up
 from app import access
-from lab import workshop
+from lab import accounts, workshop
 from lab.queue import Lab
 from test_app import SMALL
 from test_browser import CHROMIUM, SETTLED, free_port
@@ -35,12 +36,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture
 def room(tmp_path):
-    """A finished run of alice's, and the lab served on 0.0.0.0 (so with sign-in) over its directory."""
+    """A finished run of alice's (a student who signed in earlier), and the lab served on 0.0.0.0 (so with
+    sign-in) over its directory."""
     runs = tmp_path / "runs"
+    alice = accounts.sign_in(runs, accounts.load_access(runs)["class_token"], "alice")
     run = Lab(runs).submit(lab._spec(SMALL), owner="alice")
     assert run.state == "done", run.status()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != workshop.ACCESS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
     code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
     log = open(tmp_path / "app.log", "wb")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
@@ -48,7 +51,7 @@ def room(tmp_path):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(url, p, tmp_path / "app.log")
-        yield url, runs, run, workshop.load_access(runs)["class_token"]
+        yield url, runs, run, accounts.load_access(runs)["class_token"], alice
     finally:
         stop_process(p, signal.SIGTERM, timeout=20)
         log.close()
@@ -59,40 +62,60 @@ def settle(page, text: str) -> None:
     page.wait_for_function(SETTLED, timeout=60_000)
 
 
+def no_token_anywhere(page) -> None:
+    """No token in the address bar, nor in any entry of this tab's history (what Back can reach), read
+    from Chromium itself (DevTools' Page.getNavigationHistory)."""
+    assert "token=" not in page.url, page.url
+    cdp = page.context.new_cdp_session(page)
+    entries = cdp.send("Page.getNavigationHistory")["entries"]
+    cdp.detach()
+    assert entries and all("token=" not in e["url"] for e in entries), [e["url"] for e in entries]
+
+
 def sign_in(browser, url: str, class_token: str, name: str):
     """A fresh browser context signed in through the class link; returns (page, personal token)."""
     page = browser.new_context(accept_downloads=True).new_page()
     page.goto(f"{url}/?token={class_token}")
-    settle(page, "Pick the name your runs will carry")
+    page.get_by_text("Pick the name your runs will carry").wait_for(timeout=60_000)
+    assert "token=" not in page.url and page.url.endswith("/signin/name")
     page.get_by_label("Your name").fill(name)
     page.get_by_role("button", name="Sign in").click()
-    settle(page, "Your personal link")
-    assert "token=" not in page.url  # out of the address bar (and the history)
+    page.get_by_text("Your personal link").wait_for(timeout=60_000)
     text = page.inner_text("body")
     personal = text.split("?token=", 1)[1].split()[0].rstrip(").,")
+    page.get_by_role("button", name="Go to the lab").click()
+    settle(page, "Signed in as")
     return page, personal
 
 
 def test_sign_in_and_one_shot_downloads_in_chromium(room):
-    url, runs, run, class_token = room
+    url, runs, run, class_token, token = room
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
                                      args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
         try:
-            # no token, then a wrong one: the prompt only, nothing of the run
+            # no token, then a wrong one: the sign-in page only, nothing of the run
             stranger = browser.new_context().new_page()
             stranger.goto(f"{url}/live_run?run={run.id}")
-            settle(stranger, "commlab: sign in")
-            assert run.id not in stranger.content()
+            stranger.get_by_text("This lab is shared over the network").wait_for(timeout=60_000)
+            assert stranger.url.endswith("/signin") and run.id not in stranger.content()
             stranger.goto(f"{url}/?token=not-a-token")
-            settle(stranger, "That token is not valid.")
+            stranger.get_by_text("That token is not valid.").wait_for(timeout=60_000)
             assert run.id not in stranger.content() and class_token not in stranger.content()
 
-            alice, token = sign_in(browser, url, class_token, "alice")
-            assert workshop.check_token(runs, token).name == "alice"
+            dave, dave_token = sign_in(browser, url, class_token, "dave")
+            assert accounts.check_token(runs, dave_token).name == "dave"
+            time.sleep(8)  # what the attacker saw: the token still in the address bar 8 s later
+            no_token_anywhere(dave)
+            assert dave_token not in dave.content() and run.id not in dave.content()
+
+            alice = browser.new_context(accept_downloads=True).new_page()  # alice's personal link
             alice.goto(f"{url}/live_run?run={run.id}&token={token}")
             settle(alice, "Download trace")
-            assert "token=" not in alice.url
+            assert "token=" not in alice.url and "run=" in alice.url
+            no_token_anywhere(alice)
+            alice.goto(f"{url}/live_run?run={run.id}")
+            settle(alice, "Download trace")
             with alice.expect_download(timeout=60_000) as got:
                 alice.get_by_role("button", name="Download trace").click()
             download = got.value
@@ -101,15 +124,26 @@ def test_sign_in_and_one_shot_downloads_in_chromium(room):
             assert trace["traceEvents"], "an empty trace"
             assert "/media/" in download.url
             time.sleep(access.REFETCH_S + 0.5)
-            with pytest.raises(urllib.error.HTTPError) as again:  # served once: the URL is spent
+            assert alice.context.request.get(download.url).status == 404  # served once: the URL is spent
+            with pytest.raises(urllib.error.HTTPError) as outsider:  # and never to a browser without a session
                 urllib.request.urlopen(download.url, timeout=10)
-            assert again.value.code == 404
+            assert outsider.value.code == 403
 
             # another student's browser with alice's run id: nothing of it
             bob, bob_token = sign_in(browser, url, class_token, "bob")
-            bob.goto(f"{url}/live_run?run={run.id}&token={bob_token}")
+            bob.goto(f"{url}/live_run?run={run.id}")
             settle(bob, "Live run")
             assert run.id not in bob.content()
             assert bob.get_by_role("button", name="Download trace").count() == 0
+
+            # signing out ends the session: a reload, and Back, show nothing of the lab
+            alice.get_by_role("button", name="Sign out").click()
+            alice.get_by_text("You are signed out.").wait_for(timeout=60_000)
+            alice.goto(f"{url}/live_run?run={run.id}")
+            alice.get_by_text("This lab is shared over the network").wait_for(timeout=60_000)
+            assert run.id not in alice.content()
+            alice.go_back()
+            alice.wait_for_timeout(3000)
+            assert run.id not in alice.content() or "commlab: sign in" in alice.content()
         finally:
             browser.close()

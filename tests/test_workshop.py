@@ -1,6 +1,7 @@
-"""The workshop server (lab/workshop.py, app/access.py): sign-in, per-user runs, the fair queue and quotas,
-tested as a student or an outsider would try them: no token, a wrong token, another student's run id,
-path tricks in ids."""
+"""The workshop server (lab/workshop.py, lab/accounts.py, app/access.py): the in-script gate, per-user runs,
+the fair queue and quotas, tested as a student or an outsider would try them: no session, a wrong one,
+another student's run id, path tricks in ids. Sign-in itself (tokens for sessions, in plain HTTP before
+Streamlit) is tests/test_accounts.py's."""
 import json
 import os
 
@@ -11,7 +12,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
 from app import access  # noqa: E402
-from lab import ui, workshop  # noqa: E402
+from lab import accounts, ui, workshop  # noqa: E402
 from lab.queue import Lab  # noqa: E402
 from lab.store import LabError, RunError  # noqa: E402
 from test_app import ENTRY, SMALL  # noqa: E402
@@ -26,25 +27,28 @@ def room(tmp_path, monkeypatch):
     """A runs directory served as on 0.0.0.0: two students with a queued run each (bob's shared), one
     of the local user's, and the tokens."""
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
-    monkeypatch.setenv(workshop.ACCESS_ENV, "token")
+    monkeypatch.setenv(accounts.ACCESS_ENV, "token")
+    access = accounts.load_access(tmp_path)
+    tokens = {"class": access["class_token"], "admin": access["admin_token"],
+              "alice": accounts.sign_in(tmp_path, access["class_token"], "alice"),
+              "bob": accounts.sign_in(tmp_path, access["class_token"], "bob"),
+              "carol": accounts.sign_in(tmp_path, access["class_token"], "carol")}
     q = Lab(tmp_path)
     spec = lab._spec(SMALL)
     runs = {o: q.create(spec, owner=o) for o in ("alice", "bob")}
     runs["local"] = q.create(spec)
     ui.share(runs["bob"].id)
-    access = workshop.load_access(tmp_path)
-    tokens = {"class": access["class_token"], "admin": access["admin_token"],
-              "alice": workshop.sign_in(tmp_path, access["class_token"], "alice"),
-              "bob": workshop.sign_in(tmp_path, access["class_token"], "bob"),
-              "carol": workshop.sign_in(tmp_path, access["class_token"], "carol")}
     yield tmp_path, runs, tokens
     ui.set_viewer(None)
 
 
 def app(token=None, page=None, **params) -> AppTest:
+    """The app as a browser that signed in with ``token`` sees it: the session the gatekeeper would have
+    opened for it (a token that opens none, e.g. the class token, is handed over as the session id)."""
     at = AppTest.from_file(ENTRY, default_timeout=120)
     if token is not None:
-        at.query_params["token"] = token
+        opened = accounts.open_session(os.environ["COMMLAB_RUNS"], token)
+        at.session_state[access.SESSION] = opened[0] if opened else token
     for k, v in params.items():
         at.query_params[k] = v
     at.run()
@@ -71,6 +75,7 @@ def everything(at) -> str:
 
 def signed_out(at, runs) -> None:
     assert [t.value for t in at.title] == ["commlab: sign in"]
+    assert not at.sidebar.button  # no page's widgets, no sign-out
     text = everything(at)
     for r in runs.values():
         assert r.id not in text
@@ -91,46 +96,37 @@ def test_no_token_gets_only_the_sign_in_prompt(room):
             signed_out(at, runs)
 
 
-@pytest.mark.parametrize("bad", ["wrong", "", "A" * 24, "../access.json", "x" * 500])
-def test_a_wrong_token_gets_the_prompt_and_a_refusal(room, bad):
+@pytest.mark.parametrize("bad", ["wrong", "", "A" * 24, "../access.json", "x" * 500, "class"])
+def test_a_token_or_a_wrong_session_id_is_no_session(room, bad):
+    """Whatever the session id a request carries, unless it is an open session's, the script gives the
+    pointer to the sign-in page and stops: a token (even the admin's or the class token) is no session id."""
     root, runs, tokens = room
-    at = app(bad, run=runs["alice"].id)
-    signed_out(at, runs)
-    if bad:
-        assert [e.value for e in at.error] == ["That token is not valid."]
-
-
-def test_class_token_then_a_name_gives_a_personal_token(room):
-    root, runs, tokens = room
-    at = app(tokens["class"])
-    assert [t.value for t in at.title] == ["commlab: sign in"] and not at.error
-    signed_out(at, runs)
-    at.text_input(key="access.name_in").set_value("bob")  # taken
-    at.button[0].click().run()
-    assert any("'bob' is taken" in e.value for e in at.error)
-    at.text_input(key="access.name_in").set_value("../dave")
-    at.button[0].click().run()
-    assert any("name: '../dave' is not allowed" in e.value for e in at.error)
-    at.text_input(key="access.name_in").set_value("dave")
-    at.button[0].click().run()
-    assert not at.exception, [e.value for e in at.exception]
-    personal = at.session_state[access.TOKEN]
-    assert personal not in tokens.values() and workshop.check_token(root, personal) == workshop.User("dave")
-    assert [t.value for t in at.title] == ["commlab"]  # the Home page, signed in
-    assert "token" not in at.query_params  # not in the address bar: the session holds it
-    assert any(f"?token={personal}" in m.value for m in at.success)  # the personal link, shown once
+    at = AppTest.from_file(ENTRY, default_timeout=120)
+    at.session_state[access.SESSION] = tokens.get(bad, bad)
+    at.query_params["run"] = runs["alice"].id
+    at.query_params["token"] = tokens["alice"]  # the script never reads a token from the address
     at.run()
-    assert [t.value for t in at.title] == ["commlab"] and not any("?token=" in m.value for m in at.success)
-    assert "dave" in workshop.users(root)
+    assert not at.exception, [e.value for e in at.exception]
+    signed_out(at, runs)
+    for t in ("admin", "alice"):
+        at.session_state[access.SESSION] = tokens[t]
+        at.run()
+        signed_out(at, runs)
 
 
-def test_a_token_leaves_the_url_once_accepted(room):
+def test_a_session_lasts_across_requests_and_signing_out_ends_it(room):
     root, runs, tokens = room
     at = app(tokens["alice"], run=runs["alice"].id, page="live_run")
-    assert "token" not in at.query_params and at.query_params["run"] == runs["alice"].id
+    sid = at.session_state[access.SESSION]
+    assert accounts.session_user(root, sid) == workshop.User("alice")
     at.run()  # the next request (a click, a page) is still alice's, from the session
     assert runs["alice"].id in everything(at) and runs["bob"].id in everything(at)  # bob's is shared
     assert runs["local"].id not in everything(at)
+    at.sidebar.button(key="access.out").click().run()
+    signed_out(at, runs)
+    assert accounts.session_user(root, sid) is None  # closed on the server: the cookie is worth nothing now
+    at.run()
+    signed_out(at, runs)
 
 
 def test_students_are_not_shown_the_runs_directory(room):
@@ -146,56 +142,58 @@ def test_revoke_signs_the_student_out_and_keeps_the_name(room, capsys):
     at = app(tokens["alice"])
     assert [t.value for t in at.title] == ["commlab"]
     assert cli.main(["workshop", "revoke", "alice", "--runs", str(root)]) == 0
-    assert "revoked alice's personal token (1)" in capsys.readouterr().out
-    at.run()  # the open page's next request: the sign-in prompt, from the session's token
+    assert "revoked alice (1 token(s)): their sessions end at their next request" in capsys.readouterr().out
+    at.run()  # the open page's next request: the sign-in pointer, from the session that ended
     signed_out(at, runs)
-    assert workshop.check_token(root, tokens["alice"]) is None and workshop.check_token(root, tokens["bob"])
+    assert accounts.check_token(root, tokens["alice"]) is None and accounts.check_token(root, tokens["bob"])
     with pytest.raises(LabError, match="'alice' was revoked"):
-        workshop.sign_in(root, tokens["class"], "alice")
+        accounts.sign_in(root, tokens["class"], "alice")
     assert cli.main(["workshop", "revoke", "mallory", "--runs", str(root)]) == 2
     assert capsys.readouterr().err.strip().startswith("commlab: error: name: no student 'mallory'; signed in: ")
     assert cli.main(["workshop", "users", "--runs", str(root)]) == 0
-    assert capsys.readouterr().out.split() == ["bob", "carol"]
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in out] == ["bob", "carol"]
+    assert all("token expires in 14.0 days, 0 open session(s)" in line for line in out), out
     assert lab.get(runs["alice"].id, runs=root).status()["owner"] == "alice"  # the runs stay hers
 
 
 def test_loopback_needs_no_token(room, monkeypatch):
     root, runs, tokens = room
-    monkeypatch.setenv(workshop.ACCESS_ENV, "off")
+    monkeypatch.setenv(accounts.ACCESS_ENV, "off")
     at = app()
     assert [t.value for t in at.title] == ["commlab"]
     assert all(r.id in everything(at) for r in runs.values())  # the local user sees every run
 
 
 def test_access_mode():
-    assert workshop.access_mode("127.0.0.1", "token") == "off"  # an explicit loopback address
-    assert workshop.access_mode("::1", None) == "off"
-    assert workshop.access_mode("localhost", None) == "off"
+    assert accounts.access_mode("127.0.0.1", "token") == "off"  # an explicit loopback address
+    assert accounts.access_mode("::1", None) == "off"
+    assert accounts.access_mode("localhost", None) == "off"
     for exposed in ("0.0.0.0", "192.168.1.5", "::"):
-        assert workshop.access_mode(exposed, "off") == "token"  # exposed: the environment cannot turn it off
-    assert workshop.access_mode(None, "") == "token"  # unset, and Streamlit's default binds every interface
-    assert workshop.access_mode(None, "off") == "off"
+        assert accounts.access_mode(exposed, "off") == "token"  # exposed: the environment cannot turn it off
+    assert accounts.access_mode(None, "") == "token"  # unset, and Streamlit's default binds every interface
+    assert accounts.access_mode(None, "off") == "off"
     with pytest.raises(LabError, match="COMMLAB_ACCESS: must be 'token' or 'off', got 'maybe'"):
-        workshop.access_mode(None, "maybe")
+        accounts.access_mode(None, "maybe")
 
 
 def test_access_file_is_private_and_checked(tmp_path):
-    data = workshop.load_access(tmp_path)
-    assert oct(workshop.access_path(tmp_path).stat().st_mode & 0o777) == "0o600"
-    tok = workshop.sign_in(tmp_path, data["class_token"], "erin")
-    assert tok not in workshop.access_path(tmp_path).read_text()  # only its hash is stored
-    assert workshop.check_token(tmp_path, data["class_token"]) is None  # the class token alone is nobody
-    assert workshop.check_token(tmp_path, data["admin_token"]).admin
+    data = accounts.load_access(tmp_path)
+    assert oct(accounts.access_path(tmp_path).stat().st_mode & 0o777) == "0o600"
+    tok = accounts.sign_in(tmp_path, data["class_token"], "erin")
+    assert tok not in accounts.access_path(tmp_path).read_text()  # only its hash is stored
+    assert accounts.check_token(tmp_path, data["class_token"]) is None  # the class token alone is nobody
+    assert accounts.check_token(tmp_path, data["admin_token"]).admin
     with pytest.raises(LabError, match="token: not the class token"):
-        workshop.sign_in(tmp_path, data["admin_token"] + "x", "frank")
-    for reserved in ("teacher", "Teacher", workshop.local_user().name):
+        accounts.sign_in(tmp_path, data["admin_token"] + "x", "frank")
+    for reserved in ("teacher", "Teacher", accounts.local_user().name):
         with pytest.raises(LabError, match="is reserved"):
-            workshop.sign_in(tmp_path, data["class_token"], reserved)
-    workshop.access_path(tmp_path).write_text(json.dumps({"class_token": "short", "admin_token": "y" * 20}))
+            accounts.sign_in(tmp_path, data["class_token"], reserved)
+    accounts.access_path(tmp_path).write_text(json.dumps({"class_token": "short", "admin_token": "y" * 20}))
     with pytest.raises(LabError, match="class_token must be a string of at least 8 characters"):
-        workshop.load_access(tmp_path)
+        accounts.load_access(tmp_path)
     with pytest.raises(LabError, match="--token: must be at least 8 characters"):
-        workshop.set_class_token(tmp_path / "other", "a b")
+        accounts.set_class_token(tmp_path / "other", "a b")
 
 
 # --------------------------------------------------------------------------- per-user runs
@@ -440,16 +438,16 @@ def exposed(tmp_path_factory):
     import sys
     from test_app import ROOT, free_port, wait_health
     root = tmp_path_factory.mktemp("exposed")
+    access = accounts.load_access(root)
+    tokens = {"class": access["class_token"], "admin": access["admin_token"],
+              **{o: accounts.sign_in(root, access["class_token"], o) for o in ("alice", "bob", "carol")}}
     q = Lab(root)
     runs = {o: q.create(lab._spec(SMALL), owner=o) for o in ("alice", "bob", "carol")}
-    access = workshop.load_access(root)
-    tokens = {"class": access["class_token"], "admin": access["admin_token"],
-              **{o: workshop.sign_in(root, access["class_token"], o) for o in ("alice", "bob", "carol")}}
     port = free_port()
     code = (f"import sys; from lab.ui import app_main; "
             f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")
     log_path = root / "app.log"
-    env = {k: v for k, v in os.environ.items() if k != workshop.ACCESS_ENV}
+    env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
     with open(log_path, "wb") as log:
         p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True, env=env,
                              stdout=log, stderr=subprocess.STDOUT)
@@ -461,9 +459,10 @@ def exposed(tmp_path_factory):
         stop_process(p, signal.SIGTERM, timeout=30)
 
 
-def wire(url, query="", page=""):
-    from bench.wsclient import Session
-    s = Session(url)
+def wire(url, query="", page="", token=None):
+    """One script run over the websocket of a browser that signed in with ``token`` at /signin."""
+    from bench.wsclient import Session, sign_in
+    s = Session(url, cookie=sign_in(url, token).header if token else None)
     try:
         got = s.run(query, page=page)
         # page_info_changed hands the browser its own address back (once the gate took the token out of
@@ -481,27 +480,56 @@ def test_exposed_server_prints_the_links(exposed):
     out = log_path.read_text()
     assert f"students: http://" in out and f"/?token={tokens['class']}" in out
     assert f"teacher:  http://" in out and f"/?token={tokens['admin']}" in out
+    assert "WARNING: served without TLS" in out
 
 
-@pytest.mark.parametrize("query", ["", "token=wrong", "token=", "token=../access.json"])
+def test_over_the_wire_no_client_clears_the_servers_caches(exposed):
+    """Streamlit's "clear cache" message empties every viewer's caches: refused from a student's socket
+    (an outsider has no socket at all)."""
+    from streamlit.proto.BackMsg_pb2 import BackMsg
+    from bench.wsclient import Session, sign_in
+    url, runs, tokens, log_path = exposed
+    s = Session(url, cookie=sign_in(url, tokens["bob"]).header)
+    try:
+        s.run("")
+        m = BackMsg()
+        m.clear_cache = True
+        s.send(m)
+        page = s.run("")  # the session still works, and the request was refused
+        assert "Signed in as" in page.text
+    finally:
+        s.close()
+    assert "refused a websocket request to clear the server's caches" in log_path.read_text()
+
+
+@pytest.mark.parametrize("token", [None, "wrong", "", "../access.json", "class"])
 @pytest.mark.parametrize("page", ["", "live_run", "compare", "results", "sweeps", "model"])
-def test_over_the_wire_no_valid_token_gets_nothing(exposed, query, page):
+def test_over_the_wire_no_valid_token_gets_nothing(exposed, token, page):
+    """Without a session the websocket is refused before Streamlit sees it; a page's address answers with
+    the way to /signin and nothing of the lab."""
+    from bench.wsclient import Jar, Session, sign_in
     url, runs, tokens, _ = exposed
-    got, text = wire(url, f"{query}&run={runs['alice'].id}", page)
-    assert "commlab: sign in" in text and not got.exceptions()
+    jar = sign_in(url, tokens.get(token, token)) if token is not None else Jar()
+    assert "commlab_session" not in jar.cookies
+    with pytest.raises(Exception) as refused:
+        Session(url, cookie=jar.header or None, timeout_s=10)
+    assert "403" in str(refused.value), refused.value
+    got = jar.request(url, "GET", f"/{page}?run={runs['alice'].id}")
+    assert got.status == 303 and got.location == "/signin", (got.status, got.location)
+    text = got.body + jar.request(url, "GET", "/signin").body
+    assert "commlab: sign in" in text
     for r in runs.values():
         assert r.id not in text
     for t in tokens.values():
         assert t not in text
-    assert "plotly_chart" not in text and "download_button" not in text and "arrow_data_frame" not in text
 
 
 def test_over_the_wire_a_student_sees_only_their_own(exposed):
     url, runs, tokens, _ = exposed
-    got, text = wire(url, f"token={tokens['alice']}&run={runs['bob'].id}", "live_run")
+    got, text = wire(url, f"run={runs['bob'].id}", "live_run", tokens["alice"])
     assert not got.exceptions(), got.exceptions()
     assert runs["alice"].id in text and runs["bob"].id not in text
-    got, text = wire(url, f"token={tokens['admin']}&run={runs['bob'].id}", "live_run")
+    got, text = wire(url, f"run={runs['bob'].id}", "live_run", tokens["admin"])
     assert runs["alice"].id in text and runs["bob"].id in text  # the teacher sees both
 
 
@@ -511,9 +539,9 @@ def test_over_the_wire_teacher_only_pages_are_not_a_students(exposed, page):
     neither the page nor another student's run; the teacher gets the page."""
     url, runs, tokens, _ = exposed
     title = {"sweeps": "Sweeps", "advisor": "Ranks what the engine can do"}[page]
-    got, text = wire(url, f"token={tokens['alice']}", page)
+    got, text = wire(url, "", page, tokens["alice"])
     assert title not in text and runs["bob"].id not in text
-    got, text = wire(url, f"token={tokens['admin']}", page)
+    got, text = wire(url, "", page, tokens["admin"])
     assert not got.exceptions(), got.exceptions()
     assert title in text
 
@@ -523,7 +551,7 @@ def test_over_the_wire_path_tricks_show_nothing(exposed, trick):
     from urllib.parse import quote
     url, runs, tokens, _ = exposed
     for param, page in (("run", "live_run"), ("group", "results"), ("sweep", "results")):
-        got, text = wire(url, f"token={tokens['alice']}&{param}={quote(trick)}", page)
+        got, text = wire(url, f"{param}={quote(trick)}", page, tokens["alice"])
         assert not got.exceptions(), got.exceptions()
         assert runs["bob"].id not in text and tokens["admin"] not in text and "root:x:" not in text
 
@@ -581,11 +609,12 @@ def test_wsclient_waits_for_the_run_a_rerun_promises():
     assert t.finished
 
 
-def fetch(url):
+def fetch(url, cookie=None):
     import urllib.error
     import urllib.request
     try:
-        with urllib.request.urlopen(url, timeout=30) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"Cookie": cookie} if cookie else {}),
+                                    timeout=30) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
         return e.code, e.read()
@@ -595,45 +624,51 @@ def test_over_the_wire_a_download_is_its_sessions_and_serves_once(exposed):
     """As an attacker would: another student's session, or one without a token, asking for alice's trace
     download by its id, under their own session id or under alice's; replaying the URL alice fetched."""
     import time
-    from bench.wsclient import Session
+    from bench.wsclient import Session, sign_in
     url, runs, tokens, _ = exposed
-    alice, bob, nobody = Session(url), Session(url), Session(url)
+    alice_jar = sign_in(url, tokens["alice"])
+    alice = Session(url, cookie=alice_jar.header)
+    bob = Session(url, cookie=sign_in(url, tokens["bob"]).header)
+    nobody = None
     try:
-        page = alice.run(f"token={tokens['alice']}&run={runs['alice'].id}", page="live_run")
+        page = alice.run(f"run={runs['alice'].id}", page="live_run")
         fid = page.deferred_file_id("live.trace")
         assert fid, page.kinds()
-        bob.run(f"token={tokens['bob']}")
-        nobody.run("")
-        for s in (bob, nobody):
+        bob.run("")
+        with pytest.raises(Exception, match="403"):  # no session: not even a websocket to ask with
+            nobody = Session(url, timeout_s=10)
+        for s in (bob,):
             for sid in (None, alice.session_id):  # its own session id; alice's (the server checks the socket's)
                 got, err = s.deferred_file(fid, sid)
                 assert not got and err, (got, err)
         got, err = alice.deferred_file(fid)
         assert got and not err, err
         assert got.startswith("/media/") and len(got.split("/")[-1].split(".")[0]) == 64  # random, not a hash
-        status, body = fetch(url + got)
+        assert fetch(url + got)[0] == 403  # without a session, not even a fresh URL serves
+        status, body = fetch(url + got, alice_jar.header)
         assert status == 200 and runs["alice"].id.encode() in body and b"traceEvents" in body
-        assert fetch(url + got)[0] == 200  # a browser's second fetch of a download, just after
+        assert fetch(url + got, alice_jar.header)[0] == 200  # a browser's second fetch of a download, just after
         time.sleep(access.REFETCH_S + 0.5)
-        assert fetch(url + got)[0] == 404  # then spent: a leaked URL serves nothing
+        assert fetch(url + got, alice_jar.header)[0] == 404  # then spent: a leaked URL serves nothing
         got2, _ = alice.deferred_file(fid)  # a second click builds a fresh one
-        assert got2 and got2 != got and fetch(url + got2)[0] == 200
+        assert got2 and got2 != got and fetch(url + got2, alice_jar.header)[0] == 200
     finally:
         for s in (alice, bob, nobody):
-            s.close()
+            if s is not None:
+                s.close()
 
 
 def test_over_the_wire_a_revoked_student_gets_no_download(exposed):
-    from bench.wsclient import Session
+    from bench.wsclient import Session, sign_in
     url, runs, tokens, _ = exposed
-    carol = Session(url)
+    carol = Session(url, cookie=sign_in(url, tokens["carol"]).header)
     try:
-        page = carol.run(f"token={tokens['carol']}&run={runs['carol'].id}", page="live_run")
+        page = carol.run(f"run={runs['carol'].id}", page="live_run")
         fid = page.deferred_file_id("live.report")
-        assert fid and "token=" not in (page.query_string or "")  # the token left the URL
-        page = carol.run(f"run={runs['carol'].id}", page="live_run")  # no token in the URL: the session's
+        assert fid
+        page = carol.run(f"run={runs['carol'].id}", page="live_run")  # the session's, again
         assert runs["carol"].id in page.text and "commlab: sign in" not in page.text
-        workshop.revoke(exposed_root(exposed), "carol")
+        accounts.revoke(exposed_root(exposed), "carol")
         got, err = carol.deferred_file(fid)
         assert not got and err
         page = carol.run(f"run={runs['carol'].id}", page="live_run")
@@ -651,12 +686,12 @@ def test_students_signing_in_at_once_all_keep_their_tokens(tmp_path):
     none may drop another's (it did, read-modify-write without a lock: that student's next request got the
     sign-in prompt, the workshop bench's session that stopped early in every run)."""
     from concurrent.futures import ThreadPoolExecutor
-    klass = workshop.load_access(tmp_path)["class_token"]
+    klass = accounts.load_access(tmp_path)["class_token"]
     names = [f"s{k:02d}" for k in range(48)]
     with ThreadPoolExecutor(16) as pool:
-        tokens = list(pool.map(lambda n: workshop.sign_in(tmp_path, klass, n), names))
-    assert [workshop.check_token(tmp_path, t) for t in tokens] == [workshop.User(n) for n in names]
-    assert workshop.users(tmp_path) == names
+        tokens = list(pool.map(lambda n: accounts.sign_in(tmp_path, klass, n), names))
+    assert [accounts.check_token(tmp_path, t) for t in tokens] == [workshop.User(n) for n in names]
+    assert accounts.users(tmp_path) == names
 
 
 def test_preset_steps_scale_the_presets_and_bad_values_are_named(tmp_path):

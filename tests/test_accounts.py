@@ -1,0 +1,366 @@
+"""Sign-in on an exposed lab, as a student, an outsider and a revoked student would try it: tokens are
+exchanged for sessions at the gatekeeper (app/gatekeeper.py) in plain HTTP before Streamlit; sessions,
+expiry, rotation, revocation and caps (lab/accounts.py)."""
+import json
+import os
+import urllib.error
+
+import pytest
+
+pytest.importorskip("streamlit")
+from starlette.responses import PlainTextResponse  # noqa: E402
+from starlette.testclient import TestClient  # noqa: E402
+from starlette.websockets import WebSocketDisconnect  # noqa: E402
+
+import lab  # noqa: E402
+from app import gatekeeper  # noqa: E402
+from lab import accounts, workshop  # noqa: E402
+from lab.queue import Lab  # noqa: E402
+from lab.store import LabError  # noqa: E402
+from test_app import SMALL  # noqa: E402
+
+
+async def streamlit_stand_in(scope, receive, send):
+    """What stands behind the gate: answers every request it gets (so a test sees what got through)."""
+    if scope["type"] == "websocket":
+        await receive()
+        await send({"type": "websocket.accept"})
+        await send({"type": "websocket.close", "code": 1000})
+        return
+    await PlainTextResponse(f"streamlit {scope['path']}")(scope, receive, send)
+
+
+@pytest.fixture
+def lab_root(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    monkeypatch.setenv(accounts.ACCESS_ENV, "token")
+    for limiter in (gatekeeper.fails, gatekeeper.names):
+        limiter.seen.clear()
+    data = accounts.load_access(tmp_path)
+    return tmp_path, {"class": data["class_token"], "admin": data["admin_token"],
+                      "alice": accounts.sign_in(tmp_path, data["class_token"], "alice")}
+
+
+def browser() -> TestClient:
+    """A fresh browser (its own cookie jar) in front of the gate; redirects are not followed."""
+    return TestClient(gatekeeper.Gate(streamlit_stand_in), follow_redirects=False)
+
+
+def session_cookie(c: TestClient):
+    return c.cookies.get(gatekeeper.SESSION_COOKIE)
+
+
+# --------------------------------------------------------------------------- the door
+
+def test_no_session_reaches_nothing_but_the_sign_in_page(lab_root):
+    c = browser()
+    for path in ("/", "/live_run?run=x", "/compare", "/model"):
+        r = c.get(path)
+        assert r.status_code == 303 and r.headers["location"] == "/signin", path
+    for path in ("/_stcore/host-config", "/_stcore/upload_file/a/b", "/media/abc.json", "/component/x/index.html",
+                 "/_stcore/metrics"):
+        r = c.get(path)
+        assert r.status_code == 403 and "streamlit" not in r.text, path
+    assert c.put("/_stcore/upload_file/a/b", content=b"x" * 100).status_code == 403
+    with pytest.raises(WebSocketDisconnect) as closed:
+        with c.websocket_connect("/_stcore/stream"):
+            pass
+    assert closed.value.code == 1008
+    for public in ("/_stcore/health", "/static/js/index.js", "/favicon.png"):
+        assert c.get(public).text == f"streamlit {public}"
+    r = c.get("/signin")
+    assert r.status_code == 200 and "Access token" in r.text and "<script" not in r.text
+    assert "served without TLS" in r.text
+
+
+def test_a_printed_link_becomes_a_session_and_leaves_the_address(lab_root):
+    root, tokens = lab_root
+    c = browser()
+    r = c.get(f"/live_run?token={tokens['alice']}&run=abc")
+    assert r.status_code == 303 and r.headers["location"] == "/live_run?run=abc"  # the token is gone
+    cookie = r.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and tokens["alice"] not in cookie
+    assert accounts.session_user(root, session_cookie(c)) == workshop.User("alice")
+    r = c.get("/live_run?run=abc")
+    assert r.text == "streamlit /live_run"  # signed in: Streamlit gets it
+    with c.websocket_connect("/_stcore/stream") as ws:  # and the websocket
+        ws.close()
+    r = c.get("/?token=" + tokens["admin"])
+    assert r.headers["location"] == "/" and accounts.session_user(root, session_cookie(c)).admin
+    stored = accounts.access_path(root).read_text()
+    assert session_cookie(c) not in stored and tokens["alice"] not in stored  # sessions and personal: hashes only
+
+
+def test_a_token_in_a_form_opens_a_session(lab_root):
+    root, tokens = lab_root
+    c = browser()
+    r = c.post("/signin", data={"token": tokens["alice"]})
+    assert r.status_code == 303 and r.headers["location"] == "/"
+    assert accounts.session_user(root, session_cookie(c)) == workshop.User("alice")
+
+
+@pytest.mark.parametrize("bad", ["wrong", "", "A" * 24, "../access.json", "x" * 500])
+def test_a_wrong_token_is_refused(lab_root, bad):
+    root, tokens = lab_root
+    c = browser()
+    answers = [c.post("/signin", data={"token": bad})]
+    if bad:  # an empty token in the address is no token: the sign-in page, as without one
+        answers.append(c.get(f"/?token={bad}"))
+    for r in answers:
+        assert r.status_code == 401 and "That token is not valid." in r.text
+        assert session_cookie(c) is None and tokens["alice"] not in r.text
+    assert c.get("/").status_code == 303 and c.get("/?token=").headers["location"] == "/signin"
+
+
+def test_class_token_then_a_name_gives_a_personal_token(lab_root):
+    root, tokens = lab_root
+    q = Lab(root)
+    q.create(lab._spec(SMALL), owner="dora")  # runs the CLI started as dora: the name is hers
+    c = browser()
+    r = c.get(f"/?token={tokens['class']}")
+    assert r.status_code == 303 and r.headers["location"] == "/signin/name"
+    assert session_cookie(c) is None  # the class token alone is nobody
+    assert "Pick the name" in c.get("/signin/name").text
+    for taken, msg in (("alice", "'alice' is taken"), ("../dave", "name: '../dave' is not allowed"),
+                       ("teacher", "is reserved"), ("dora", "'dora' is reserved"),
+                       (workshop.local_user().name, "is reserved"), ("<b>x</b>", "is not allowed")):
+        r = c.post("/signin/name", data={"name": taken})
+        assert r.status_code == 400 and msg in r.text.replace("&#x27;", "'"), (taken, r.text)
+        assert "<b>x</b>" not in r.text  # what the student typed is shown as text
+    r = c.post("/signin/name", data={"name": "dave"})
+    assert r.status_code == 200
+    personal = r.text.split("?token=", 1)[1].split("<", 1)[0]
+    assert accounts.check_token(root, personal) == workshop.User("dave")
+    assert accounts.session_user(root, session_cookie(c)) == workshop.User("dave")
+    assert c.get("/").text == "streamlit /"
+    assert c.get("/signin/name").status_code == 303  # the name page served its purpose
+    assert "dave" in accounts.users(root)
+
+
+def test_sign_in_forms_from_another_site_or_too_large_are_refused(lab_root):
+    root, tokens = lab_root
+    c = browser()
+    r = c.post("/signin", data={"token": tokens["alice"]}, headers={"Origin": "http://evil.example"})
+    assert r.status_code == 400 and session_cookie(c) is None
+    r = c.post("/signin", data={"token": tokens["alice"] + "x" * 5000})
+    assert r.status_code == 400 and session_cookie(c) is None
+
+
+def test_signing_out_ends_the_session(lab_root):
+    root, tokens = lab_root
+    c = browser()
+    c.get(f"/?token={tokens['alice']}")
+    sid = session_cookie(c)
+    r = c.get("/signout")
+    assert r.status_code == 303 and r.headers["location"] == "/signin"
+    assert accounts.session_user(root, sid) is None
+    c.cookies.set(gatekeeper.SESSION_COOKIE, sid)  # the old cookie, kept by a stubborn browser
+    assert c.get("/").status_code == 303
+
+
+def test_wrong_tokens_are_rate_limited_per_address(lab_root):
+    root, tokens = lab_root
+    c = browser()
+    for _ in range(gatekeeper.FAILS_PER_MIN):
+        assert c.post("/signin", data={"token": "guess"}).status_code == 401
+    r = c.post("/signin", data={"token": tokens["alice"]})
+    assert r.status_code == 429 and session_cookie(c) is None  # even a right one, for a minute
+
+
+def test_one_browser_takes_few_names_and_the_class_token_a_bounded_number(lab_root):
+    root, tokens = lab_root
+    c = browser()
+    for k in range(gatekeeper.NAMES_PER_HOUR):
+        c.get(f"/?token={tokens['class']}")
+        assert c.post("/signin/name", data={"name": f"n{k}"}).status_code == 200
+    c.get(f"/?token={tokens['class']}")
+    r = c.post("/signin/name", data={"name": "another"})
+    assert r.status_code == 429 and "another" not in accounts.users(root)
+    (root / "lab.json").write_text(json.dumps({"access": {"max_signins": 5}}))
+    d = browser()  # alice and n0..n2 took 4 names of 5
+    d.get(f"/?token={tokens['class']}")
+    assert d.post("/signin/name", data={"name": "e1"}).status_code == 200
+    e = browser()
+    e.get(f"/?token={tokens['class']}")
+    r = e.post("/signin/name", data={"name": "e2"})
+    assert r.status_code == 400 and "access.max_signins" in r.text
+    new = accounts.rotate(root, "class")  # a new class token starts a new count
+    assert not accounts.is_class_token(root, tokens["class"])
+    e.get(f"/?token={new}")
+    assert e.post("/signin/name", data={"name": "e2"}).status_code == 200
+    assert len(json.loads(accounts.access_path(root).read_text())["users"]) == 6  # alice n0 n1 n2 e1 e2
+
+
+def test_revoking_a_person_ends_their_sessions_and_keeps_their_browser_out(lab_root):
+    root, tokens = lab_root
+    c = browser()
+    c.get(f"/?token={tokens['class']}")
+    c.post("/signin/name", data={"name": "mallory"})
+    sid = session_cookie(c)
+    assert accounts.session_user(root, sid) == workshop.User("mallory")
+    assert accounts.revoke(root, "mallory") == 1
+    assert accounts.session_user(root, sid) is None and c.get("/").status_code == 303
+    c.get(f"/?token={tokens['class']}")  # the same person, the same browser, another name
+    r = c.post("/signin/name", data={"name": "mallory2"})
+    assert r.status_code == 400 and "revoked" in r.text and "mallory2" not in accounts.users(root)
+    with pytest.raises(LabError, match="'mallory' was revoked"):
+        accounts.sign_in(root, tokens["class"], "mallory")
+    with pytest.raises(LabError, match="no student 'nobody'"):
+        accounts.revoke(root, "nobody")
+
+
+# --------------------------------------------------------------------------- lifetimes and rotation
+
+class Clock:
+    def __init__(self, t):
+        self.t = t
+
+    def time(self):
+        return self.t
+
+
+def test_personal_tokens_and_sessions_expire(lab_root, monkeypatch):
+    root, tokens = lab_root
+    (root / "lab.json").write_text(json.dumps({"access": {"personal_days": 2, "session_hours": 1}}))
+    clock = Clock(accounts.time.time())
+    monkeypatch.setattr(accounts, "time", clock)
+    bob = accounts.sign_in(root, tokens["class"], "bob")
+    sid, user = accounts.open_session(root, bob)
+    clock.t += 3599
+    assert accounts.session_user(root, sid) == workshop.User("bob")
+    clock.t += 2
+    assert accounts.session_user(root, sid) is None  # the session's hour is up
+    sid, _ = accounts.open_session(root, bob)  # the token still opens a new one
+    clock.t += 2 * 86400
+    assert accounts.check_token(root, bob) is None and accounts.open_session(root, bob) is None
+    assert accounts.session_user(root, sid) is None
+    people = {p["name"]: p for p in accounts.people(root)}
+    assert people["bob"]["expires"] < clock.t
+    new = accounts.rotate(root, "bob")  # the teacher gives bob a fresh token
+    assert accounts.check_token(root, new) == workshop.User("bob") and accounts.check_token(root, bob) is None
+    (root / "lab.json").write_text(json.dumps({"access": {"admin_days": 1}}))
+    assert accounts.check_token(root, tokens["admin"]) is None  # made more than a day ago on this clock
+    assert accounts.check_token(root, accounts.rotate(root, "admin")).admin
+
+
+def test_rotating_a_token_ends_its_sessions(lab_root):
+    root, tokens = lab_root
+    sid, _ = accounts.open_session(root, tokens["alice"])
+    tsid, _ = accounts.open_session(root, tokens["admin"])
+    new = accounts.rotate(root, "alice")
+    assert accounts.session_user(root, sid) is None and accounts.check_token(root, tokens["alice"]) is None
+    assert accounts.session_user(root, tsid).admin  # the teacher's are not alice's
+    accounts.rotate(root, "admin")
+    assert accounts.session_user(root, tsid) is None and accounts.check_token(root, tokens["admin"]) is None
+    assert accounts.check_token(root, new) == workshop.User("alice")
+
+
+def test_a_person_keeps_a_bounded_number_of_sessions_and_the_file_stays_small(lab_root):
+    root, tokens = lab_root
+    sids = [accounts.open_session(root, tokens["alice"])[0] for _ in range(accounts.SETTINGS["sessions_per_person"] + 3)]
+    alive = [s for s in sids if accounts.session_user(root, s)]
+    assert alive == sids[-accounts.SETTINGS["sessions_per_person"]:]  # the oldest closed
+    data = json.loads(accounts.access_path(root).read_text())
+    assert len(data["sessions"]) == accounts.SETTINGS["sessions_per_person"]
+
+
+@pytest.mark.parametrize("bad,msg", [
+    ({"personal_days": 0}, "access.personal_days: must be a positive number, got 0"),
+    ({"max_signins": 2.5}, "access.max_signins: must be a positive integer, got 2.5"),
+    ({"session_hours": "1"}, "access.session_hours: must be a positive number, got '1'"),
+    ({"forever": 1}, "access: unknown setting 'forever'"),
+    ([1], "access: must be an object"),
+])
+def test_bad_access_settings_are_named(tmp_path, bad, msg):
+    (tmp_path / "lab.json").write_text(json.dumps({"access": bad}))
+    with pytest.raises(LabError, match=msg.replace("(", r"\(").replace(".", r"\.")):
+        accounts.settings(tmp_path)
+
+
+def test_an_access_file_from_before_sessions_still_signs_people_in(tmp_path):
+    tok = "t" * 24
+    accounts.access_path(tmp_path).write_text(json.dumps({
+        "class_token": "c" * 20, "admin_token": "a" * 30,
+        "users": {accounts._hash(tok): {"name": "olga", "created": accounts.time.time()}}}))
+    assert accounts.check_token(tmp_path, tok) == workshop.User("olga")
+    sid, _ = accounts.open_session(tmp_path, tok)
+    assert accounts.session_user(tmp_path, sid) == workshop.User("olga")
+
+
+def test_cookies_are_secure_under_tls(lab_root, monkeypatch):
+    root, tokens = lab_root
+    monkeypatch.setattr(gatekeeper, "tls", lambda: True)
+    c = browser()
+    r = c.get(f"/?token={tokens['alice']}")
+    assert "Secure" in r.headers["set-cookie"]
+    assert "served without TLS" not in c.get("/signin").text
+
+
+def test_loopback_needs_no_session(lab_root, monkeypatch):
+    monkeypatch.setenv(accounts.ACCESS_ENV, "off")
+    assert browser().get("/live_run").text == "streamlit /live_run"
+    assert os.environ["COMMLAB_RUNS"]
+
+
+def test_served_over_tls_with_the_teachers_certificate(tmp_path):
+    """`commlab app --certfile --keyfile`: https, Secure cookies, the links say https, and no warning."""
+    import shutil
+    import signal
+    import ssl
+    import subprocess
+    import sys
+    import urllib.request
+    from distutil import stop_process
+    from test_app import ROOT, free_port
+    if not shutil.which("openssl"):
+        pytest.skip("no openssl to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                    "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True)
+    runs = tmp_path / "runs"
+    token = accounts.load_access(runs)["admin_token"]
+    port = free_port()
+    code = (f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', "
+            f"demo=False, certfile={str(cert)!r}, keyfile={str(key)!r}))")
+    env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
+    log_path = tmp_path / "app.log"
+    with open(log_path, "wb") as log:
+        p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
+                             stdout=log, stderr=subprocess.STDOUT)
+    ctx = ssl.create_default_context(cafile=str(cert))
+    ctx.check_hostname = False
+    try:
+        import time
+        deadline = time.time() + 90
+        while True:
+            try:
+                urllib.request.urlopen(f"https://127.0.0.1:{port}/_stcore/health", context=ctx, timeout=2).read()
+                break
+            except OSError:
+                assert p.poll() is None and time.time() < deadline, log_path.read_text()
+                time.sleep(0.5)
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *a, **k):
+                return None
+        opener = urllib.request.build_opener(NoRedirect, urllib.request.HTTPSHandler(context=ctx))
+        with pytest.raises(urllib.error.HTTPError) as got:
+            opener.open(f"https://127.0.0.1:{port}/?token={token}", timeout=10)
+        assert got.value.code == 303 and "Secure" in got.value.headers["Set-Cookie"]
+        with pytest.raises(OSError):  # no plain HTTP on the same port
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/signin", timeout=5).read()
+    finally:
+        stop_process(p, signal.SIGTERM, timeout=30)
+    out = log_path.read_text()
+    assert f"teacher:  https://" in out and "WARNING: served without TLS" not in out
+
+
+def test_certfile_and_keyfile_come_together(tmp_path, capsys):
+    from lab.cli import main
+    assert main(["app", "--runs", str(tmp_path), "--host", "0.0.0.0", "--certfile", str(tmp_path / "c.pem")]) == 2
+    assert capsys.readouterr().err.strip() == ("commlab: error: --certfile, --keyfile: give both (the certificate "
+                                               "and its private key) or neither")
+    (tmp_path / "c.pem").write_text("x")
+    assert main(["app", "--runs", str(tmp_path), "--certfile", str(tmp_path / "c.pem"),
+                 "--keyfile", str(tmp_path / "nope.pem")]) == 2
+    assert "--keyfile: cannot read" in capsys.readouterr().err
