@@ -1,11 +1,16 @@
-"""The split cache (engine.data, ``$COMMLAB_CACHE``) mends itself: a damaged file is kept aside and made
-again, with a line on stderr, and writers at once never mix their bytes."""
+"""The caches mend themselves: the split cache (engine.data, ``$COMMLAB_CACHE``) and the performance
+model's files beside the runs (cost curves, saved profiles, the properties checklist). A damaged file is
+kept aside and made again, with a line on stderr, and writers at once never mix their bytes."""
+import json
 import threading
+import time
 
 import numpy as np
 import pytest
 
 from engine import data
+from lab.perfmodel import views, whatif
+from lab.specs import load_spec
 
 DIGITS = ("digits", ("scikit-learn",), data._digits_split)
 
@@ -105,3 +110,65 @@ def test_two_writers_at_once_each_write_their_own_file_and_the_last_one_wins_who
     assert any(all((a == b).all() for a, b in zip(on_disk, made[i])) for i in (1, 2))  # one writer's, whole
     assert [p.name for p in cache.iterdir()] == [kept(cache).name]  # no temporary file left
     assert capsys.readouterr().err == ""  # neither writer failed
+
+
+# --------------------------------------------------------------------------- the performance model's caches
+
+CURVE = {"encode": [1e-5, 1e-10], "between": [0.0, 0.0], "decode": [2e-5, 1e-10], "sizes": [4, 8]}
+
+
+def aside_of(path):
+    (aside,) = path.parent.glob(f"{path.name}.corrupt-*")
+    return aside
+
+
+@pytest.mark.parametrize("bad", ['{"m": {"fp16": {"encode": [1e-5', '["curves"]',
+                                 '{MACHINE: {"fp16": {"encode": "fast", "between": [0, 0], "decode": [0, 0]}}}'])
+def test_damaged_cost_curves_are_set_aside_and_measured_again(tmp_path, capsys, bad):
+    bad = bad.replace("MACHINE", json.dumps(whatif.machine_key()))  # this machine's curve: the one it would use
+    path = whatif.profile_dir(tmp_path) / whatif.CURVES
+    path.parent.mkdir()
+    path.write_text(bad)
+    assert whatif.machine_curves(tmp_path) == {}
+    assert aside_of(path).read_text() == bad and not path.exists()
+    assert f"{path}: unreadable (" in capsys.readouterr().err
+    whatif.keep_machine_curves(tmp_path, {"fp16": CURVE})
+    assert whatif.machine_curves(tmp_path) == {"fp16": CURVE}
+
+
+def test_two_advisers_keeping_curves_at_once_keep_both(tmp_path, monkeypatch):
+    write = whatif.write_json_atomic
+
+    def slow_write(path, obj, **kw):  # the second adviser reads while the first is still writing
+        time.sleep(0.3)
+        write(path, obj, **kw)
+    monkeypatch.setattr(whatif, "write_json_atomic", slow_write)
+    threads = [threading.Thread(target=whatif.keep_machine_curves, args=(tmp_path, {k: CURVE}))
+               for k in ("fp16", "topk")]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(30)
+    assert set(whatif.machine_curves(tmp_path)) == {"fp16", "topk"}
+
+
+def test_a_damaged_saved_profile_is_set_aside_and_not_used(tmp_path, capsys):
+    spec = load_spec(data={"model": "mlp", "dataset": "digits", "batch_size": 16}).to_dict()
+    saved = whatif.profile_dir(tmp_path) / "mlp-digits-b16.json"
+    saved.parent.mkdir()
+    saved.write_text('{"model": "mlp", "dataset": "dig')
+    assert whatif.known_profile(spec, tmp_path) is None  # no profile and no run: it will be measured
+    assert aside_of(saved).read_text() == '{"model": "mlp", "dataset": "dig' and not saved.exists()
+    assert f"{saved}: unreadable (JSONDecodeError" in capsys.readouterr().err
+
+
+def test_a_damaged_properties_checklist_is_set_aside_and_taken_as_not_measured(tmp_path, capsys):
+    f = views.properties_file(tmp_path)
+    f.parent.mkdir()
+    f.write_text('[{"compressor": "fp16", "rat')
+    assert views.load_properties(tmp_path) is None
+    assert aside_of(f).read_text() == '[{"compressor": "fp16", "rat'
+    assert f"{f}: unreadable (JSONDecodeError" in capsys.readouterr().err
+    f.write_text(json.dumps([{"compressor": "fp16"}]))
+    assert views.load_properties(tmp_path) == [{"compressor": "fp16"}]
