@@ -239,7 +239,11 @@ def _read_split(f):
 def _set_aside(path: str, read: os.stat_result) -> str:
     """Rename the damaged cache file that was ``read`` out of the way, keeping it for a look; says where it
     went. A file another process has put there since (a good one) is left alone."""
-    aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    base = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside, k = base, 0
+    while os.path.exists(aside):  # one kept aside earlier in the same second: never written over
+        k += 1
+        aside = f"{base}-{k}"
     try:
         now = os.stat(path)
         if (now.st_dev, now.st_ino) != (read.st_dev, read.st_ino):

@@ -98,6 +98,15 @@ def _same_file(path: Path, found: os.stat_result) -> bool:
     return (st.st_dev, st.st_ino) == (found.st_dev, found.st_ino)
 
 
+def _unused(path: Path) -> Path:
+    """``path``, or ``path-1``, ``path-2``, ... if it is taken: a file kept aside is never written over."""
+    k, found = 0, path
+    while found.exists() or any(_side(found, s).exists() for s in SIDECARS):
+        k += 1
+        found = _side(path, f"-{k}")
+    return found
+
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
@@ -329,7 +338,8 @@ class Index:
                     return n  # another process has rebuilt it meanwhile
                 n = self._catch_up(new, since)
                 why = damaged.why if damaged and _same_file(self.path, damaged.found) else self._quick_check()
-                aside = self.path.with_name(f"{INDEX_FILE}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+                stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+                aside = _unused(self.path.with_name(f"{INDEX_FILE}.corrupt-{stamp}"))
                 if why:
                     moves = [(self.path, aside)] + [(_side(self.path, s), _side(aside, s)) for s in SIDECARS
                                                     if _side(self.path, s).exists()]

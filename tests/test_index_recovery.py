@@ -216,6 +216,9 @@ def test_reindex_keeps_a_damaged_index_aside_and_never_meets_an_old_log(tmp_path
     assert idx.reindex() == 3
     (aside,) = tmp_path.glob(f"{INDEX_FILE}.corrupt-*")
     assert aside.read_bytes() == damaged and set(table(idx)) == {r.id for r in runs}
+    again = damage(idx.path)  # damaged again within the second: the first one kept aside is not written over
+    assert idx.reindex() == 3
+    assert sorted(p.read_bytes() for p in tmp_path.glob(f"{INDEX_FILE}.corrupt-*")) == sorted([damaged, again])
     # a write-ahead log left by a killed process belongs to the file it was written for: a rebuild drops it
     con = sqlite3.connect(idx.path)
     con.execute("PRAGMA wal_autocheckpoint=0")

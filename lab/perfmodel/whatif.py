@@ -328,7 +328,11 @@ def _locked(path: Path):
 
 def set_aside(path: Path) -> str:
     """Rename a damaged cache file to ``<name>.corrupt-<time>-<pid>``, kept for a look; says where it went."""
-    aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    base = f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside, k = path.with_name(base), 0
+    while aside.exists():  # one kept aside earlier in the same second: never written over
+        k += 1
+        aside = path.with_name(f"{base}-{k}")
     try:
         os.replace(path, aside)
     except FileNotFoundError:
