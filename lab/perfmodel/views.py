@@ -14,11 +14,13 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import List, Optional
 
 import pandas as pd
 
+from engine.runlog import write_json_atomic
 from lab.perfmodel import calibrate as cal
 from lab.perfmodel import predict as pr
 from lab.perfmodel import whatif
@@ -157,8 +159,20 @@ def properties_file(runs) -> Path:
 
 
 def load_properties(runs) -> Optional[List[dict]]:
+    """The measured checklist, or None when it was never measured. A file that cannot be read, or is not a
+    list of rows, is moved aside (kept for a look) and said on stderr, and taken as never measured."""
     f = properties_file(runs)
-    return json.loads(f.read_text()) if f.is_file() else None
+    try:
+        rows = json.loads(f.read_text())
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError("not a list of rows")
+        return rows
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        print(f"commlab: {f}: unreadable ({type(e).__name__}: {e}); {whatif.set_aside(f)}; measure it again",
+              file=sys.stderr, flush=True)
+        return None
 
 
 def measure_properties(runs, profile: Optional[cal.Profile] = None, names=None) -> List[dict]:
@@ -166,7 +180,7 @@ def measure_properties(runs, profile: Optional[cal.Profile] = None, names=None) 
     rows = properties.checklist(names, profile, numels=UI_NUMELS)
     f = properties_file(runs)
     f.parent.mkdir(parents=True, exist_ok=True)
-    f.write_text(json.dumps(rows, indent=1))
+    write_json_atomic(f, rows)
     return rows
 
 

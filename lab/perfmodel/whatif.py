@@ -10,8 +10,12 @@ added.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
 import json
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Callable, List, Optional
@@ -135,9 +139,14 @@ def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: 
     key = cal.spec_key(spec)
     saved = profile_dir(runs) / f"{key}.json"
     if saved.is_file():
-        p = cal.Profile.load(saved)
-        say(f"profile: reusing {saved} ({p.source})")
-        return p
+        try:
+            p = cal.Profile.load(saved)
+        except (OSError, ValueError, TypeError, KeyError) as e:  # a cut or hand-edited file: found or measured again
+            print(f"commlab: {saved}: unreadable ({type(e).__name__}: {e}); {set_aside(saved)}; the profile is "
+                  "calibrated or measured again", file=sys.stderr, flush=True)
+        else:
+            say(f"profile: reusing {saved} ({p.source})")
+            return p
     run = matching_run(spec, runs)
     if run is None:
         return None
@@ -262,25 +271,75 @@ def machine_key() -> str:
 
 
 def machine_curves(runs) -> dict:
-    """This machine's kept curves (compressor key -> curve); {} when there are none or the file is unreadable
-    (it is measured again then: the file is a cache)."""
+    """This machine's kept curves (compressor key -> curve); {} when there are none. The file is a cache: one
+    that cannot be read is kept aside and said (``read_curves``), and its curves are measured again."""
     path = profile_dir(runs) / CURVES
-    try:
-        return dict(json.loads(path.read_text()).get(machine_key(), {}))
-    except (OSError, ValueError, AttributeError, TypeError):
+    if not path.exists():
         return {}
+    with _locked(path):
+        return dict(read_curves(path).get(machine_key(), {}))
 
 
 def keep_machine_curves(runs, curves: dict) -> None:
+    """Add ``curves`` to this machine's, under an flock so that two advisers at once keep both."""
     path = profile_dir(runs) / CURVES
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(path):
+        every = read_curves(path)
+        every[machine_key()] = {**every.get(machine_key(), {}), **curves}
+        write_json_atomic(path, every)
+
+
+def read_curves(path: Path) -> dict:
+    """Every machine's kept curves ({} when there is no file). A file that cannot be read, or is not
+    {machine: {compressor key: curve}}, would fail every later prediction: it is moved aside (kept for a
+    look), said on stderr, and taken as empty. Call it holding the file's lock."""
     try:
         every = json.loads(path.read_text())
-        every = every if isinstance(every, dict) else {}
-    except (OSError, ValueError):
-        every = {}
-    every[machine_key()] = {**every.get(machine_key(), {}), **curves}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, every)
+        if not isinstance(every, dict) or not all(isinstance(m, dict) and all(map(_is_curve, m.values()))
+                                                  for m in every.values()):
+            raise ValueError("not {machine: {compressor: cost curve}}")
+        return every
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        print(f"commlab: {path}: unreadable ({type(e).__name__}: {e}); {set_aside(path)}; the curves are "
+              "measured again", file=sys.stderr, flush=True)
+        return {}
+
+
+def _is_curve(c) -> bool:
+    """A cost curve as calibrate.measure_compressor makes it: fixed and per-byte cost for each stage."""
+    return isinstance(c, dict) and all(
+        isinstance(c.get(k), list) and len(c[k]) == 2
+        and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in c[k])
+        for k in ("encode", "between", "decode"))
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor drops the flock
+
+
+def set_aside(path: Path) -> str:
+    """Rename a damaged cache file to ``<name>.corrupt-<time>-<pid>``, kept for a look; says where it went."""
+    base = f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    aside, k = path.with_name(base), 0
+    while aside.exists():  # one kept aside earlier in the same second: never written over
+        k += 1
+        aside = path.with_name(f"{base}-{k}")
+    try:
+        os.replace(path, aside)
+    except FileNotFoundError:
+        return "another process has moved it aside already"
+    except OSError as e:
+        return f"it could not be moved aside ({e})"
+    return f"kept as {aside.name}"
 
 
 def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) -> int:
