@@ -52,6 +52,10 @@ INSERT = f"INSERT OR REPLACE INTO runs ({', '.join(COLUMNS)}) VALUES ({', '.join
 FILTERS = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep", "name", "owner")
 
 
+OWED_WAIT_S = 0.2
+"""How long a read waits to write the rows it finds owed (Index.update) before reading without them."""
+
+
 class RunIndexError(LabError):
     """The index cannot be used now: busy, a full disk, an I/O error, a rebuild that failed. The message
     is one line naming the file and the cause; the file was left as it was."""
@@ -190,10 +194,12 @@ class Index:
         finally:
             os.close(fd)
 
-    def _live(self, fn):
+    def _live(self, fn, wait_s: Optional[float] = None):
         """fn(con) on the live file, holding the swap lock shared. A busy index is tried again with
-        backoff until ``lock_wait_s`` has passed, then reported; a damaged one raises ``_Damaged``."""
-        deadline = time.monotonic() + self.lock_wait_s
+        backoff until ``wait_s`` (default ``lock_wait_s``) has passed, then reported; a damaged one raises
+        ``_Damaged``."""
+        wait_s = self.lock_wait_s if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
         pause = 0.02
         while True:
             try:
@@ -204,7 +210,7 @@ class Index:
                     raise
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RunIndexError(f"{self.path}: locked by another process ({e}) for {self.lock_wait_s:g} s; "
+                    raise RunIndexError(f"{self.path}: locked by another process ({e}) for {wait_s:g} s; "
                                         "nothing was changed, try again") from None
                 time.sleep(min(pause, left))
                 pause = min(2 * pause, 1.0)
@@ -238,17 +244,17 @@ class Index:
         except sqlite3.DatabaseError:
             return None  # the check could not run either: ``e`` is reported as it is
 
-    def _with(self, fn):
+    def _with(self, fn, wait_s: Optional[float] = None):
         """Run fn(con) in a transaction; a damaged index file is set aside and rebuilt once (see above)."""
         try:
             if not self.path.exists():  # deleted, or never made: filled from the directories, not left empty
                 self._rebuild()
             try:
-                return self._live(fn)
+                return self._live(fn, wait_s)
             except _Damaged as d:
                 damaged = d
             self._rebuild(damaged)
-            return self._live(fn)
+            return self._live(fn, wait_s)
         except _Damaged as d:
             raise RunIndexError(f"{self.path}: damaged again right after its rebuild ({d.why})") from None
         except (sqlite3.DatabaseError, OSError) as e:
@@ -289,10 +295,35 @@ class Index:
         return [[r[c] for c in COLUMNS] for r in rows]
 
     def update(self, run: Run) -> None:
+        """Write the run's row. An update the index cannot take (locked too long, a full disk) is owed: the
+        run's id goes into ``index.sqlite.owed`` and the next query writes it from the run's directory
+        first, so a supervisor that carries on past the error leaves no row behind for good."""
         row = self.row_of(run)
         if row is None:
             return
-        self._with(lambda con: con.execute(INSERT, [row[c] for c in COLUMNS]))
+        try:
+            self._with(lambda con: con.execute(INSERT, [row[c] for c in COLUMNS]))
+        except RunIndexError:
+            with open(self.owed_path, "a") as f:
+                f.write(run.id + "\n")
+            raise
+
+    @property
+    def owed_path(self) -> Path:
+        return self.path.with_name(self.path.name + ".owed")
+
+    def _pay_owed(self) -> None:
+        """Write the rows of updates that failed earlier (``update``), from the runs' directories."""
+        try:
+            ids = self.owed_path.read_text().split()
+        except FileNotFoundError:
+            return
+        rows = [r for r in (self.row_of(run) for run in self.store.list() if run.id in set(ids)) if r]
+        try:  # briefly: a read must not wait on a writer's lock for a debt
+            self._with(lambda con: con.executemany(INSERT, self._values(rows)), wait_s=OWED_WAIT_S)
+        except RunIndexError:
+            return  # still owed; the read goes on
+        self.owed_path.unlink(missing_ok=True)
 
     def remove(self, run_id: str) -> None:
         self._with(lambda con: con.execute("DELETE FROM runs WHERE id = ?", (run_id,)))
@@ -309,6 +340,7 @@ class Index:
         def fetch(con):
             con.row_factory = sqlite3.Row
             return [dict(r) for r in con.execute(sql, [v for _, v in where])]
+        self._pay_owed()
         return self._with(fetch)
 
     def states(self) -> Dict[str, str]:

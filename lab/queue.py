@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from lab import procs
-from lab.index import Index
+from lab.index import Index, RunIndexError
 from lab.store import CONFIG, FINAL, LabError, Run, RunStore, lab_config
 
 POLL_S = 0.2
@@ -82,7 +82,13 @@ class Lab:
         self.max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or configured or default_max_jobs()
 
     def _changed(self, run: Run) -> None:
-        self.index.update(run)
+        """status.json changed: its row in the index too. status.json is the truth and is written already; an
+        index that cannot take the row now (locked for long, a full disk) owes it (Index.update), and the
+        caller, often a supervisor with a run going, carries on with the reason said on stderr."""
+        try:
+            self.index.update(run)
+        except RunIndexError as e:
+            print(f"commlab: index: {run.id}'s row is owed ({e}); status.json has it", file=sys.stderr, flush=True)
 
     @property
     def root(self) -> Path:

@@ -74,8 +74,9 @@ def test_a_locked_index_is_waited_for_then_reported_and_left_alone(tmp_path, hol
     finally:
         holder.rollback()
         holder.close()
-    assert os.stat(idx.path).st_ino == inode and table(idx) == before and others(tmp_path) == []
-    idx.update(b)  # free again: the write lands
+    # free again: the next read writes the row it owes from b's directory (Index.update), nothing else changed
+    assert os.stat(idx.path).st_ino == inode and table(idx) == {**before, b.id: "failed"} and others(tmp_path) == []
+    idx.update(b)  # and a write lands
     assert table(idx)[b.id] == "failed"
 
 
@@ -95,7 +96,8 @@ def test_a_full_disk_or_an_io_error_is_reported_and_nothing_is_rebuilt(tmp_path,
     with pytest.raises(RunIndexError, match=rf"{INDEX_FILE}: {message} \(OperationalError\); the file was left"):
         idx.update(b)
     monkeypatch.undo()
-    assert os.stat(idx.path).st_ino == inode and table(idx) == before and others(tmp_path) == []
+    assert (tmp_path / (INDEX_FILE + ".owed")).read_text().split() == [b.id]
+    assert os.stat(idx.path).st_ino == inode and table(idx) == {**before, b.id: "failed"} and others(tmp_path) == []
 
 
 def test_an_error_sqlite_does_not_name_is_rebuilt_only_when_quick_check_fails(tmp_path, monkeypatch):
@@ -246,3 +248,25 @@ def test_a_damaged_page_is_found_and_the_index_rebuilt(tmp_path, capsys):
     assert set(table(idx)) == {r.id for r in runs}
     assert len(list(tmp_path.glob(f"{INDEX_FILE}.corrupt-*"))) == 1
     assert "damaged (" in capsys.readouterr().err
+
+
+def test_an_update_the_index_cannot_take_is_owed_and_paid_at_the_next_read(tmp_path, monkeypatch, capsys):
+    """A supervisor writing status.json while the index is locked for long (or the disk is full) carries on:
+    the row is owed, said on stderr, and the next query writes it from the run's directory."""
+    import lab
+    from lab.index import Index, RunIndexError
+    from lab.queue import Lab
+    from test_app import SMALL
+    q = Lab(tmp_path)
+    run = q.create(lab._spec(SMALL))
+    real = Index._with
+
+    def locked(self, fn):
+        raise RunIndexError(f"{self.path}: locked (a test)")
+    monkeypatch.setattr(Index, "_with", locked)
+    run.set_status("cancelled", error="stopped")  # no exception reaches the supervisor
+    assert "row is owed" in capsys.readouterr().err
+    assert (tmp_path / "index.sqlite.owed").read_text().split() == [run.id]
+    monkeypatch.setattr(Index, "_with", real)
+    assert {r["id"]: r["state"] for r in Lab(tmp_path).index.query()}[run.id] == "cancelled"
+    assert not (tmp_path / "index.sqlite.owed").exists()
