@@ -1,0 +1,257 @@
+"""Compute on a device this machine may lack: a roofline per layer from the model's FLOPs and bytes.
+
+``count`` runs one forward and backward pass of the model on the meta device (shapes only, no data,
+no memory) under a dispatch mode that sees every aten operator, forward and backward:
+
+- FLOPs of matrix products, convolutions and attention from torch.utils.flop_counter's formulas
+  (the same ones FlopCounterMode uses), 0 for the rest;
+- bytes: every input and output tensor of the operator, once (compulsory traffic; no cache reuse, no
+  re-reads: batch norm's two passes over its input count as one);
+- the layer: the module whose parameter the operator reads (a weight, a batch norm's scale), found by
+  storage, so backward operators go to the right layer too; operators that read no parameter (an
+  activation, pooling, a residual add, their gradients) go to the next layer that runs, as the
+  engine's probe counts them (engine/probe.py); views move nothing and are skipped.
+
+``seconds`` prices one operator on a device: ``max(F / (P e_c), B / (W e_m), t_kernel)``, the peak
+FLOP/s P and memory bandwidth W of the precision it runs in, the efficiencies e_c and e_m
+(lab.perfmodel.devices) and the shortest kernel. 16-bit precisions move half the bytes.
+``profile`` turns the counts into a lab.perfmodel.calibrate.Profile (per-layer forward, backward and
+ready times), so the step simulation runs on it unchanged; the optimizer step is memory-bound (SGD
+with momentum reads parameter, gradient and momentum and writes two: 5 bytes per gradient byte; Adam 7).
+
+``codec_curve``: a compressor's encode / between-rounds / decode cost on the device, from the bytes
+its own code moves (driving its exchange through engine.core.run_exchange with a clock that adds up
+the priced operators of two sizes, then fitted fixed + per byte). Sorting kernels (top-k, sort) read
+their input ``SORT_PASSES`` times (a radix select's passes over 32-bit keys).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from lab.perfmodel import calibrate as cal
+from lab.perfmodel.devices import Device
+
+SORT_PASSES = 4
+SORTING = {"aten.topk", "aten.sort", "aten.kthvalue", "aten.msort"}
+OPTIMIZER_BYTES = {"sgd": 5.0, "adam": 7.0, "adamw": 7.0}
+HALF = {"fp16", "bf16"}
+
+
+@dataclass
+class Op:
+    name: str
+    flops: float
+    bytes: float
+
+
+@dataclass
+class Counts:
+    """One training step's operators, per layer, as ``count`` found them."""
+    params: List[Tuple[str, int]]
+    """(name, bytes) of the trainable parameters in gradient-ready order (reverse registration)"""
+    forward: Dict[str, List[Op]] = field(default_factory=dict)
+    backward: Dict[str, List[Op]] = field(default_factory=dict)
+    backward_order: List[str] = field(default_factory=list)
+    """layers in the order their gradients become ready"""
+    batch: int = 0
+
+    def totals(self) -> Dict[str, float]:
+        fw = [o for ops in self.forward.values() for o in ops]
+        bw = [o for ops in self.backward.values() for o in ops]
+        return {"forward_flops": sum(o.flops for o in fw), "backward_flops": sum(o.flops for o in bw),
+                "forward_bytes": sum(o.bytes for o in fw), "backward_bytes": sum(o.bytes for o in bw),
+                "kernels": len(fw) + len(bw)}
+
+
+class _Recorder(TorchDispatchMode):
+    """Every non-view aten operator with its FLOPs, bytes and the layer of a parameter it reads."""
+
+    def __init__(self, owner: Dict[int, str], price: Optional[Callable[[Op], float]] = None):
+        super().__init__()
+        self.owner = owner
+        self.ops: List[Tuple[Optional[str], Op]] = []
+        self.price = price
+        self.clock = 0.0
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.paused or func.is_view:
+            return out
+        ins = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        outs = [a for a in tree_flatten(out)[0] if isinstance(a, torch.Tensor)]
+        name = str(func.overloadpacket)
+        formula = flop_registry.get(func.overloadpacket)
+        flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
+        nbytes = float(sum(t.numel() * t.element_size() for t in ins + outs))
+        if name in SORTING:
+            nbytes += (SORT_PASSES - 1) * sum(t.numel() * t.element_size() for t in ins)
+        layer = next((self.owner[k] for k in (_storage(t) for t in ins) if k in self.owner), None)
+        op = Op(name, flops, nbytes)
+        self.ops.append((layer, op))
+        if self.price:
+            self.clock += self.price(op)
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def count(model: torch.nn.Module, x, y, loss_fn) -> Counts:
+    """Forward, loss and backward of ``model`` on ``x`` (tensors on the meta device), per layer."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    owner = {_storage(p): n.rsplit(".", 1)[0] if "." in n else n for n, p in named}
+    rec = _Recorder(owner)
+    with rec:
+        out = model(x)
+        n_fwd = len(rec.ops)
+        loss_fn(out, y).backward()
+    c = Counts(params=list(reversed([(n, p.numel() * p.element_size()) for n, p in named])),
+               batch=int(x.shape[0]) if hasattr(x, "shape") else 0)
+    _assign(rec.ops[:n_fwd], c.forward, None)
+    _assign(rec.ops[n_fwd:], c.backward, c.backward_order)
+    return c
+
+
+def _assign(ops, into: Dict[str, List[Op]], order: Optional[List[str]]) -> None:
+    pending: List[Op] = []
+    last = None
+    for layer, op in ops:
+        pending.append(op)
+        if layer is not None:
+            into.setdefault(layer, []).extend(pending)
+            pending = []
+            last = layer
+            if order is not None and layer not in order:
+                order.append(layer)
+    if pending and last is not None:  # after the last layer (the loss in forward): counted in it
+        into[last].extend(pending)
+
+
+def count_spec(spec: dict) -> Counts:
+    """``count`` for a spec's model, data set and batch size, built on the meta device."""
+    from engine import models
+    from engine.spec import JobSpec
+    from engine.trainer import load_data
+    js = JobSpec.from_dict(spec) if isinstance(spec, dict) else spec
+    info = load_data(js).info
+    b = js.batch_size
+    with torch.device("meta"):
+        model = models.build(js.model.name, info, **js.model.options)
+        if info.kind == "text":
+            x = torch.zeros(b, *info.input_shape, dtype=torch.long)
+            y = torch.zeros(b, *info.input_shape, dtype=torch.long)
+        else:
+            x = torch.randn(b, *info.input_shape)
+            y = torch.zeros(b, dtype=torch.long)
+    return count(model, x, y, models.make_loss(js.model.loss))
+
+
+# --------------------------------------------------------------------------- pricing
+
+def pricer(device: Device, precision: str, compute_eff: Optional[float] = None) -> Callable[[Op], float]:
+    """Seconds of one operator on ``device`` in ``precision`` (the module docstring's formula)."""
+    peak = device.peak(precision) * (compute_eff if compute_eff is not None else device.efficiency(precision))
+    bw = device.mem_bw * device.memory_eff
+    scale = 0.5 if precision in HALF else 1.0
+
+    def price(op: Op) -> float:
+        return max(op.flops / peak, op.bytes * scale / bw, device.kernel_s)
+    return price
+
+
+def step_seconds(c: Counts, device: Device, precision: str, compute_eff: Optional[float] = None,
+                 optimizer: str = "sgd") -> Dict[str, float]:
+    price = pricer(device, precision, compute_eff)
+    fwd = sum(price(o) for ops in c.forward.values() for o in ops)
+    bwd = sum(price(o) for ops in c.backward.values() for o in ops)
+    grad = sum(b for _, b in c.params)
+    opt = OPTIMIZER_BYTES.get(optimizer, 5.0) * grad / (device.mem_bw * device.memory_eff)
+    return {"forward": fwd, "backward": bwd, "optimizer": opt, "total": fwd + bwd + opt}
+
+
+def solve_compute_eff(c: Counts, device: Device, precision: str, samples_per_s: float,
+                      optimizer: str = "sgd") -> float:
+    """The compute efficiency at which the roofline step of ``c`` (its batch) runs at ``samples_per_s``
+    (a published single-GPU throughput). Raises ValueError when even the peak is too slow."""
+    target = c.batch / samples_per_s
+    if step_seconds(c, device, precision, 1.0, optimizer)["total"] > target:
+        raise ValueError(f"{device.name} {precision}: {samples_per_s:g} samples/s is above the roofline at peak")
+    lo, hi = 1e-3, 1.0
+    for _ in range(60):
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if step_seconds(c, device, precision, mid, optimizer)["total"] > target else (lo, mid)
+    return hi
+
+
+def profile(c: Counts, device: Device, precision: str, base: Optional[cal.Profile] = None,
+            optimizer: str = "sgd") -> cal.Profile:
+    """A Profile of the step on ``device``: per-layer roofline times (``base`` gives the model, data set,
+    batch and spec to keep; its compressor curves are not kept: they were measured elsewhere)."""
+    price = pricer(device, precision)
+    fwd = {k: sum(price(o) for o in ops) for k, ops in c.forward.items()}
+    bwd = {k: sum(price(o) for o in ops) for k, ops in c.backward.items()}
+    ready, t = {}, 0.0
+    for layer in c.backward_order:
+        t += bwd[layer]
+        ready[layer] = t
+    secs = step_seconds(c, device, precision, optimizer=optimizer)
+    p = copy.deepcopy(base) if base is not None else cal.Profile(model="", dataset="", batch_size=c.batch)
+    p.params = list(c.params)
+    p.forward_s, p.backward_s, p.optimizer_s = secs["forward"], secs["backward"], secs["optimizer"]
+    p.layer_forward, p.layer_backward, p.layer_ready = fwd, bwd, ready
+    p.overlap_slowdown = 1.0
+    p.compressors = {}
+    p.link = None
+    p.source = f"roofline on {device.name} ({precision}, compute efficiency {device.efficiency(precision):.3g})"
+    p.machine = {"device": device.name, "precision": precision, "clock": "roofline (lab.perfmodel.roofline)"}
+    return p
+
+
+# --------------------------------------------------------------------------- compressors on the device
+
+CODEC_NUMELS = (1 << 16, 1 << 20)
+
+
+def codec_curve(comp: dict, device: Device, precision: str = "fp32", numels=CODEC_NUMELS) -> dict:
+    """Fixed + per-byte encode / between / decode seconds of the compressor config ``comp`` on ``device``,
+    priced from the operators its exchange runs (module docstring); the same shape as
+    calibrate.measure_compressor's, so build_step reads it unchanged."""
+    from engine.core import local_collective, run_exchange
+    price = pricer(device, precision)
+    stages: Dict[str, list] = {"encode": [], "between": [], "decode": []}
+    torch.manual_seed(0)
+    for n in numels:
+        cols = 256 if n % 256 == 0 else 1
+        c = cal.make_compressor(comp)
+        c.layout = [(0, (n // cols, cols))]
+        c.skip_warmup()
+        x = torch.randn(n)
+        cal.drive(c, x.clone())  # lazy state (residuals, PowerSGD's Q) made outside the priced exchange
+        rec = _Recorder({}, price)
+
+        def collective(op, payloads):
+            rec.paused = True  # the link's work, priced by the collectives model
+            try:
+                return local_collective(op, payloads)
+            finally:
+                rec.paused = False
+        with rec:
+            (ex,) = run_exchange([c], [x.clone()], 1, collective, timer=lambda: rec.clock)
+        s = ex.compute
+        for k, v in (("encode", s[0]), ("between", sum(s[1:-1])), ("decode", s[-1])):
+            stages[k].append((n * 4, v))
+    out = {"sizes": [n * 4 for n in numels], "kind": "modeled",
+           "source": f"from the bytes its operators move on {device.name} {precision} (lab.perfmodel.roofline)"}
+    for k, rows in stages.items():
+        out[k] = list(cal.fit_affine([r[0] for r in rows], [r[1] for r in rows], relative=False))
+    return out
