@@ -71,12 +71,12 @@ class Counts:
 
 
 class _Recorder(TorchDispatchMode):
-    """Every non-view aten operator with its FLOPs, bytes and the layer of a parameter it reads."""
+    """Every non-view aten operator with its FLOPs and bytes, in the order they run; with ``price``,
+    ``clock`` adds up their seconds."""
 
-    def __init__(self, owner: Dict[int, str], price: Optional[Callable[[Op], float]] = None):
+    def __init__(self, price: Optional[Callable[[Op], float]] = None):
         super().__init__()
-        self.owner = owner
-        self.ops: List[Tuple[Optional[str], Op]] = []
+        self.ops: List[Op] = []
         self.price = price
         self.clock = 0.0
         self.paused = False
@@ -91,12 +91,13 @@ class _Recorder(TorchDispatchMode):
         name = str(func.overloadpacket)
         formula = flop_registry.get(func.overloadpacket)
         flops = float(formula(*args, **kwargs, out_val=out)) if formula else 0.0
-        nbytes = float(sum(t.numel() * t.element_size() for t in ins + outs))
+        seen = {_storage(t) for t in ins}  # an output that is an input (in place, out=) counts once
+        nbytes = float(sum(t.numel() * t.element_size() for t in ins)
+                       + sum(t.numel() * t.element_size() for t in outs if _storage(t) not in seen))
         if name in SORTING:
             nbytes += (SORT_PASSES - 1) * sum(t.numel() * t.element_size() for t in ins)
-        layer = next((self.owner[k] for k in (_storage(t) for t in ins) if k in self.owner), None)
         op = Op(name, flops, nbytes)
-        self.ops.append((layer, op))
+        self.ops.append(op)
         if self.price:
             self.clock += self.price(op)
         return out
@@ -107,34 +108,52 @@ def _storage(t: torch.Tensor) -> int:
 
 
 def count(model: torch.nn.Module, x, y, loss_fn) -> Counts:
-    """Forward, loss and backward of ``model`` on ``x`` (tensors on the meta device), per layer."""
+    """Forward, loss and backward of ``model`` on ``x`` (tensors on the meta device), per layer: a layer
+    (a module that owns parameters) gets the operators from the end of the layer before it to its own
+    end: in forward, its forward hook; in backward, the last of its parameters' gradients (their
+    post-accumulate-grad hooks), as engine/probe.py times them. The loss counts in the last layer's
+    forward."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    owner = {_storage(p): n.rsplit(".", 1)[0] if "." in n else n for n, p in named}
-    rec = _Recorder(owner)
-    with rec:
-        out = model(x)
-        n_fwd = len(rec.ops)
-        loss_fn(out, y).backward()
+    layer_of = {n: n.rsplit(".", 1)[0] if "." in n else n for n, _ in named}
+    rec = _Recorder()
+    ends_fwd: Dict[str, int] = {}
+    ends_bwd: Dict[str, int] = {}
+    handles = []
+    modules = dict(model.named_modules())
+    for layer in dict.fromkeys(layer_of.values()):
+        def fwd_end(mod, inp, out, layer=layer):
+            ends_fwd[layer] = len(rec.ops)
+        handles.append((modules[layer] if layer in modules else model).register_forward_hook(fwd_end))
+    for n, p in named:
+        def grad_ready(param, layer=layer_of[n]):
+            ends_bwd[layer] = len(rec.ops)
+        handles.append(p.register_post_accumulate_grad_hook(grad_ready))
+    try:
+        with rec:
+            loss = loss_fn(model(x), y)
+            n_fwd = len(rec.ops)
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
     c = Counts(params=list(reversed([(n, p.numel() * p.element_size()) for n, p in named])),
                batch=int(x.shape[0]) if hasattr(x, "shape") else 0)
-    _assign(rec.ops[:n_fwd], c.forward, None)
-    _assign(rec.ops[n_fwd:], c.backward, c.backward_order)
+    _split(rec.ops[:n_fwd], ends_fwd, c.forward, None)
+    _split(rec.ops[n_fwd:], {k: v - n_fwd for k, v in ends_bwd.items()}, c.backward, c.backward_order)
     return c
 
 
-def _assign(ops, into: Dict[str, List[Op]], order: Optional[List[str]]) -> None:
-    pending: List[Op] = []
-    last = None
-    for layer, op in ops:
-        pending.append(op)
-        if layer is not None:
-            into.setdefault(layer, []).extend(pending)
-            pending = []
-            last = layer
-            if order is not None and layer not in order:
-                order.append(layer)
-    if pending and last is not None:  # after the last layer (the loss in forward): counted in it
-        into[last].extend(pending)
+def _split(ops: List[Op], ends: Dict[str, int], into: Dict[str, List[Op]], order: Optional[List[str]]) -> None:
+    """Give each layer the operators since the previous layer's end (``ends``: operator counts); what
+    runs after the last end counts in the last layer."""
+    start = 0
+    layers = sorted(ends, key=lambda k: ends[k])
+    for i, layer in enumerate(layers):
+        stop = len(ops) if i == len(layers) - 1 else ends[layer]
+        into[layer] = list(ops[start:stop])
+        start = max(start, stop)
+        if order is not None:
+            order.append(layer)
 
 
 def count_spec(spec: dict) -> Counts:
@@ -237,7 +256,7 @@ def codec_curve(comp: dict, device: Device, precision: str = "fp32", numels=CODE
         c.skip_warmup()
         x = torch.randn(n)
         cal.drive(c, x.clone())  # lazy state (residuals, PowerSGD's Q) made outside the priced exchange
-        rec = _Recorder({}, price)
+        rec = _Recorder(price)
 
         def collective(op, payloads):
             rec.paused = True  # the link's work, priced by the collectives model
