@@ -3,6 +3,7 @@
     python bench/model_validation.py --table c                        # pure computation, ~10 s
     python bench/model_validation.py --table a --run-shaped [--gbps 1,10] [--ranks 2] [--iters 10]
     python bench/model_validation.py --table b --run-shaped [--steps 60] [--only 1,4,topk]
+    python bench/model_validation.py --table d                        # this CPU, ~1 min
     python bench/model_validation.py --table all [--run-shaped] [--json F] [--md F]
 
 (a) Collectives on shaped links: every collective the engine issues (all-reduce; all-gather of a
@@ -17,6 +18,8 @@
 (c) MergeComp's published scaling factors (bench/data/mergecomp_v100.json, read off the authors'
     figures) against predictions from the V100 device profile (bench/mergecomp_model.py): three
     variants, from datasheet links only to one published point per codec; errors in points.
+(d) This CPU's per-layer profile against its own roofline, the efficiencies fitted (``--table d``,
+    about a minute, no root): the efficiency factors where they can be measured.
 """
 from __future__ import annotations
 
@@ -194,6 +197,33 @@ def table_c() -> dict:
     return mergecomp_model.table_c()
 
 
+# --------------------------------------------------------------------------- (d) this CPU's roofline
+
+def table_d(models=("mlp", "cnn", "resnet"), batch: int = 32, runs: str = "") -> dict:
+    """This CPU's own per-layer profile (the lab's 12-step single-process profiling run) against the
+    roofline of the same model on this CPU (peak and bandwidth measured by lab.perfmodel.roofline.measure_cpu),
+    with the efficiencies fitted per model (lab.perfmodel.roofline.fit_layers): what the efficiency factors
+    mean where they can be measured. Runs here, about a minute."""
+    from lab.perfmodel import roofline, whatif
+    runs = runs or tempfile.mkdtemp(prefix="clab-mv-d-")
+    cpu = roofline.measure_cpu()
+    out = {"cpu": {"matmul_gflops": cpu.flops["fp32"] / 1e9, "copy_gb_s": cpu.mem_bw / 1e9,
+                   "shortest_op_us": cpu.kernel_s * 1e6}, "models": {}}
+    for m in models:
+        spec = whatif.load_for_prediction(data={"model": m, "batch_size": batch})
+        prof = whatif.measure_profile(spec, runs)
+        fit = roofline.fit_layers(roofline.count_spec(spec), prof, cpu)
+        errs = [abs(r["modeled_s"] / r["measured_s"] - 1) for r in fit["rows"]]
+        meas, mod = sum(r["measured_s"] for r in fit["rows"]), sum(r["modeled_s"] for r in fit["rows"])
+        out["models"][m] = {"compute_eff": fit["compute_eff"], "memory_eff": fit["memory_eff"],
+                            "op_us": fit["op_s"] * 1e6, "layers": len(errs), "median_abs_error": statistics.median(errs),
+                            "max_abs_error": max(errs), "step_error": mod / meas - 1, "rows": fit["rows"]}
+        print(f"(d) {m}: e_c {fit['compute_eff']:.3g}, e_m {fit['memory_eff']:.3g}, {fit['op_s'] * 1e6:.1f} µs per "
+              f"operator; per layer median {statistics.median(errs):.0%}, max {max(errs):.0%}; step "
+              f"{mod / meas - 1:+.0%}", flush=True)
+    return out
+
+
 # --------------------------------------------------------------------------- output
 
 def markdown(res: dict) -> str:
@@ -228,6 +258,14 @@ def markdown(res: dict) -> str:
         out += ["", f"bus bandwidth (GB/s): {json.dumps(c['bus_gb_s'])}; codec cost scales: "
                     f"{json.dumps(c['codec_scale'])}; per call {c['per_call_ms']} ms; one GPU's step "
                     f"(ms): {json.dumps(c['compute_1gpu_ms'])}", ""]
+    if "d" in res:
+        d = res["d"]
+        head = ["model", "compute eff", "memory eff", "µs per op", "layers", "median error", "max error", "step"]
+        rows = [[m, f"{v['compute_eff']:.3g}", f"{v['memory_eff']:.3g}", f"{v['op_us']:.1f}", v["layers"],
+                 f"{v['median_abs_error']:.0%}", f"{v['max_abs_error']:.0%}", f"{v['step_error']:+.0%}"]
+                for m, v in d["models"].items()]
+        out += ["### (d) this CPU: per-layer profile vs its roofline", "", json.dumps(d["cpu"]), "",
+                common.markdown_table(head, rows), ""]
     return "\n".join(out)
 
 
@@ -238,7 +276,7 @@ def main(argv=None) -> int:
         return worker(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  epilog="(a) and (b) need root and a quiet machine; (c) runs anywhere")
-    ap.add_argument("--table", choices=("a", "b", "c", "all"), default="c")
+    ap.add_argument("--table", default="c", help="a, b, c, d, several (cd) or all (default c)")
     ap.add_argument("--run-shaped", action="store_true", help="measure on shaped links (root; (a) and (b))")
     ap.add_argument("--gbps", default="1,10", help="(a) link rates, Gbit/s (default 1,10)")
     ap.add_argument("--ranks", type=int, default=2, help="(a) ranks (default 2)")
@@ -257,7 +295,9 @@ def main(argv=None) -> int:
     if not 2 <= a.ranks <= 64 or a.iters < 1 or a.steps < 5:
         ap.error("--ranks must be 2..64, --iters >= 1, --steps >= 5")
     res = {}
-    tables = "abc" if a.table == "all" else a.table
+    tables = "abcd" if a.table == "all" else a.table
+    if not tables or set(tables) - set("abcd"):
+        ap.error(f"--table must be letters of abcd or all, got {a.table!r}")
     if "a" in tables:
         res["a"] = table_a(gbps, a.ranks, a.iters, a.run_shaped)
     if "b" in tables:
@@ -265,6 +305,8 @@ def main(argv=None) -> int:
                            a.md.replace(".md", "-b.md"))
     if "c" in tables:
         res["c"] = table_c()
+    if "d" in tables:
+        res["d"] = table_d()
     common.write_json(a.json, res)
     md = markdown(res)
     os.makedirs(os.path.dirname(a.md) or ".", exist_ok=True)

@@ -269,3 +269,24 @@ def test_table_c_against_mergecomps_published_scaling_factors():
     s = res["summary"]
     assert s["published-calibrated / predicted"]["median_abs_points"] < s["datasheet / predicted"]["median_abs_points"]
     assert s["published-calibrated / predicted"]["n"] == 132 - 12 - 9  # baselines, per-call point, 8 codecs
+
+
+def test_fitting_the_efficiencies_to_a_measured_profile_recovers_them():
+    """fit_layers on per-layer times made from known efficiencies (the additive form it fits) gets them back."""
+    from lab.perfmodel import calibrate as cal
+    with torch.device("meta"):
+        m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 16),
+                                torch.nn.Linear(16, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
+        x, y = torch.randn(32, 64), torch.zeros(32, dtype=torch.long)
+    c = rl.count(m, x, y, torch.nn.functional.cross_entropy)
+    dev = dv.from_dict({"name": "cpu", "peak_tflops": {"fp32": 0.01}, "memory_gb_s": 2})
+    e_c, e_m, op = 0.4, 0.7, 3e-6
+    t = {k: sum(o.flops / (1e10 * e_c) + o.bytes / (2e9 * e_m) + op for o in c.forward[k] + c.backward[k])
+         for k in c.forward}
+    prof = cal.Profile(model="x", dataset="y", batch_size=32, layer_forward={k: v / 3 for k, v in t.items()},
+                       layer_backward={k: 2 * v / 3 for k, v in t.items()})
+    fit = rl.fit_layers(c, prof, dev)
+    assert [r["layer"] for r in fit["rows"]] == ["0", "2", "3", "5"]
+    assert (fit["compute_eff"], fit["memory_eff"], fit["op_s"]) == (pytest.approx(e_c, rel=1e-6),
+                                                                  pytest.approx(e_m, rel=1e-6),
+                                                                  pytest.approx(op, rel=1e-6))

@@ -274,3 +274,72 @@ def codec_curve(comp: dict, device: Device, precision: str = "fp32", numels=CODE
     for k, rows in stages.items():
         out[k] = list(cal.fit_affine([r[0] for r in rows], [r[1] for r in rows], relative=False))
     return out
+
+
+# --------------------------------------------------------------------------- calibrating against this machine
+
+def measure_cpu(threads: int = 1, repeat: int = 5) -> Device:
+    """This CPU as a device: its achievable peak (a 1024 x 1024 fp32 matrix product's FLOP/s), memory
+    bandwidth (bytes read and written by a 64 MiB copy, per second) and shortest operator (an add of 16
+    numbers), measured in ``threads`` threads, the medians of ``repeat``."""
+    import statistics
+    import time
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        big, small = torch.randn(16 << 20), torch.randn(16)
+
+        def timed(f, n=1):
+            f()
+            out = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    f()
+                out.append((time.perf_counter() - t0) / n)
+            return statistics.median(out)
+        flops = 2 * 1024 ** 3 / timed(lambda: a @ b)
+        bw = 2 * big.numel() * 4 / timed(big.clone)
+        kernel = timed(lambda: small + small, 200)
+    finally:
+        torch.set_num_threads(old)
+    return Device(name="this CPU", flops={"fp32": flops}, mem_bw=bw, pcie_bw=1.0, compute_eff={"fp32": 1.0},
+                  memory_eff=1.0, kernel_s=kernel,
+                  sources={"flops": "measured: 1024x1024 fp32 matmul", "mem_bw": "measured: 64 MiB copy",
+                           "kernel_s": "measured: an add of 16 numbers"})
+
+
+def fit_layers(c: Counts, profile: cal.Profile, device: Device, precision: str = "fp32") -> dict:
+    """The efficiencies at which the roofline explains a measured per-layer profile of the same model:
+    ``t_L = F_L / (P e_c) + B_L / (W e_m) + n_L t_op``, least squares in relative error over the layers'
+    forward + backward times (each operator is compute- or memory-bound; a layer's span holds them all).
+    Returns e_c, e_m, the per-operator overhead and, per layer, measured and modeled seconds (the roofline
+    with the fitted efficiencies, ``max`` per operator as ``pricer`` prices it). An efficiency above 1
+    says the measured peak is not the roof (on a CPU: activations that stay in cache move faster than a
+    64 MiB copy)."""
+    import numpy as np
+    layers = [k for k in c.forward if k in profile.layer_forward and k in profile.layer_backward]
+    X, y = [], []
+    for k in layers:
+        ops = c.forward[k] + c.backward.get(k, [])
+        X.append([sum(o.flops for o in ops), sum(o.bytes for o in ops), len(ops)])
+        y.append(profile.layer_forward[k] + profile.layer_backward[k])
+    X, y = np.array(X, float), np.array(y, float)
+    w = 1.0 / np.maximum(y, 1e-9)
+    keep = [0, 1, 2]
+    while True:  # non-negative: drop a term whose fit is negative, refit
+        coef, *_ = np.linalg.lstsq(X[:, keep] * w[:, None], y * w, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = dict(zip(keep, coef))
+    a, b, k_op = max(full.get(0, 0.0), 0.0), max(full.get(1, 0.0), 0.0), max(full.get(2, 0.0), 0.0)
+    e_c = 1.0 / (a * device.peak(precision)) if a > 0 else 1.0
+    e_m = 1.0 / (b * device.mem_bw) if b > 0 else 1.0
+    fitted = Device(name=device.name, flops=device.flops, mem_bw=device.mem_bw, pcie_bw=device.pcie_bw,
+                    compute_eff={precision: e_c}, memory_eff=e_m, kernel_s=max(k_op, 1e-9))
+    price = pricer(fitted, precision)
+    rows = [{"layer": k, "measured_s": float(t),
+             "modeled_s": sum(price(o) for o in c.forward[k] + c.backward.get(k, []))} for k, t in zip(layers, y)]
+    return {"compute_eff": e_c, "memory_eff": e_m, "op_s": k_op, "rows": rows}
