@@ -27,9 +27,12 @@ their input ``SORT_PASSES`` times (a radix select's passes over 32-bit keys).
 from __future__ import annotations
 
 import copy
+import statistics
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -282,8 +285,6 @@ def measure_cpu(threads: int = 1, repeat: int = 5) -> Device:
     """This CPU as a device: its achievable peak (a 1024 x 1024 fp32 matrix product's FLOP/s), memory
     bandwidth (bytes read and written by a 64 MiB copy, per second) and shortest operator (an add of 16
     numbers), measured in ``threads`` threads, the medians of ``repeat``."""
-    import statistics
-    import time
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -318,7 +319,6 @@ def fit_layers(c: Counts, profile: cal.Profile, device: Device, precision: str =
     with the fitted efficiencies, ``max`` per operator as ``pricer`` prices it). An efficiency above 1
     says the measured peak is not the roof (on a CPU: activations that stay in cache move faster than a
     64 MiB copy)."""
-    import numpy as np
     layers = [k for k in c.forward if k in profile.layer_forward and k in profile.layer_backward]
     X, y = [], []
     for k in layers:
