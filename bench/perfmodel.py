@@ -56,6 +56,11 @@ TOPK = {"name": "topk", "ratio": 0.01, "error_feedback": True}
 PSGD = {"name": "powersgd", "rank": 2, "start_iter": 2}
 SIGN = {"name": "signsgd"}
 QSGD = {"name": "qsgd"}
+BF16 = {"name": "bf16"}
+DGC = {"name": "dgc", "ratio": 0.01}
+RANDK = {"name": "randomk", "ratio": 0.01}
+EFSIGN = {"name": "efsignsgd"}
+TERN = {"name": "terngrad"}
 BUCKET = {"name": "bucket", "cap_mb": 25.0}
 SMALLB = {"name": "bucket", "cap_mb": 0.1}
 LW = {"name": "layerwise"}
@@ -83,6 +88,15 @@ CONFIGS = [
     (QSGD, SMALLB, "wfbp", 1),
     (NONE, SMALLB, "dear", 1),
     (FP16, SMALLB, "dear", 0.1),
+    # added for bench/model_validation.py table (b): at least 24 configurations
+    (NONE, LW, "sync", 10),
+    (FP16, BUCKET, "wfbp", 1),
+    (BF16, SMALLB, "dear", 1),
+    (DGC, LW, "wfbp", 0.1),
+    (RANDK, BUCKET, "wfbp", 1),
+    (EFSIGN, BUCKET, "wfbp", 1),
+    (TERN, ALL, "sync", 0.1),
+    (PSGD, ALL, "sync", 10),
 ]
 
 

@@ -140,6 +140,10 @@ def build_parser() -> Parser:
     p.add_argument("--link", metavar="FILE", help="alpha and beta from `commlab net check --gbps X --json` output")
     p.add_argument("--compute-speedup", type=float, default=1.0, metavar="X",
                    help="compute X times faster than measured, e.g. 20 for a GPU (default 1)")
+    p.add_argument("--device", metavar="NAME[:PRECISION]", default=None,
+                   help="predict on a GPU: V100, V100-PCIE, A100, H100, H200 or a YAML file describing one "
+                        "(peak_tflops, memory_gb_s, nvlink_gb_s, ...); compute from the model's roofline on it "
+                        "unless the profile was measured there, NCCL links, --gbps the NIC rate")
     _runs_arg(p)
 
     from lab import advisor
@@ -420,12 +424,13 @@ def cmd_profile(args) -> int:
 
 
 def cmd_predict(args) -> int:
-    from lab.perfmodel import whatif
+    from lab.perfmodel import devices, ondevice, whatif
     from lab.perfmodel.calibrate import CalibrationError
     workers = _numbers("--workers", args.workers, int, 1, 100000)
     if not 0.001 <= args.compute_speedup <= 10000:
         raise UsageError(f"commlab predict: --compute-speedup must be in [0.001, 10000], got {args.compute_speedup}")
-    shape = whatif.parse_cluster(args.cluster) if args.cluster else None
+    # with --device, the device gives the node's size and fabric: --cluster may change any of them
+    shape = whatif.parse_cluster(args.cluster, required=() if args.device else None) if args.cluster else None
     if shape and "inter_gbps" in shape:
         if args.gbps is not None:
             raise UsageError("commlab predict: --gbps and --cluster inter_gbps both give the inter-node rate; "
@@ -433,7 +438,21 @@ def cmd_predict(args) -> int:
         gbps = [shape["inter_gbps"]]
     else:
         gbps = _numbers("--gbps", args.gbps or "1,10,100,400", float, 0.001, 10000)
-    if shape:
+    dev = None
+    if args.device:
+        if args.compute_speedup != 1.0 or args.link:
+            raise UsageError("commlab predict: --device models the device's compute and links; "
+                             "--compute-speedup and --link are for a measured profile")
+        try:
+            dev, precision = devices.parse(args.device)
+        except ValueError as e:
+            raise UsageError(f"commlab predict: {e}") from None
+        for p in workers:
+            try:
+                ondevice.topology(dev, 1.0, shape).nodes(p)
+            except ValueError as e:
+                raise SpecError("--workers", str(e).split(": ", 1)[1]) from None
+    elif shape:
         whatif.check_workers(shape, workers)
     if whatif.is_profile_file(args.spec):
         if args.profile or args.calibrate:
@@ -461,7 +480,13 @@ def cmd_predict(args) -> int:
         if shape:
             raise UsageError("commlab predict: --link calibrates a flat link; --cluster gives its own links")
         prof.link = whatif.link_file(args.link)
-    if shape:
+    links = node_size = None
+    if dev is not None:
+        prof = ondevice.device_profile(prof, spec, dev, precision, say=print)
+        links, node_size = ondevice.link_maker(dev, shape), ondevice.topology(dev, gbps[0], shape).gpus_per_node
+        link = ondevice.topology(dev, gbps[0], shape).describe().replace(
+            f"x {gbps[0] * dev.link_eff:g} Gbit/s", "x the GBIT/S column")
+    elif shape:
         link = "two-level cluster, hierarchical all-reduce: " + whatif.cluster_at(shape, gbps[0]).describe()
         if "inter_gbps" not in shape:
             link = link.replace(f", {gbps[0]:g} between", ", the GBIT/S column between")
@@ -471,13 +496,18 @@ def cmd_predict(args) -> int:
     c = spec["compressor"]
     print(f"spec: {spec['model']['name']} batch {spec['batch_size']}, {c['name']}{' +EF' if c['error_feedback'] else ''}"
           f", {spec['schedule']['name']}, {spec['comm']['mode']}; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
-          f"compute x{args.compute_speedup:g}")
-    rows = whatif.table(prof, spec, gbps, workers, args.compute_speedup, cluster=shape)
-    for line in whatif.format_table(rows, "INTER GBIT/S" if shape else "GBIT/S"):
+          + (f"device {dev.name} {precision}" if dev else f"compute x{args.compute_speedup:g}"))
+    rows = whatif.table(prof, spec, gbps, workers, args.compute_speedup, cluster=shape, links=links)
+    for line in whatif.format_table(rows, "INTER GBIT/S" if shape or dev else "GBIT/S"):
         print(line)
     for p in workers:
-        print(("crossover (inter-node rate): " if shape else "crossover: ")
-              + whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape))
+        print(("crossover (inter-node rate): " if shape or dev else "crossover: ")
+              + whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape, links=links,
+                                      node_size=node_size))
+    print("sources:")
+    for line in ondevice.sources(prof, spec, dev, precision if dev else "", args.compute_speedup,
+                                 cluster=bool(shape)):
+        print("  " + line)
     return 0
 
 

@@ -8,4 +8,8 @@
     whatif      profile lookup and the table of ``commlab predict``
     views       what the UI page shows (speedup grid, crossovers, predicted vs measured)
     properties  the paper's checklist of compressor properties, measured
+    devices     GPUs this machine may lack (V100, A100, H100, H200; or described in YAML): datasheet peaks
+    roofline    per-layer FLOPs and bytes counted on the meta device, priced on a device; codec costs
+    collectives NCCL's ring/tree algorithms and LL/LL128/Simple protocols, two-level topologies
+    ondevice    commlab predict --device: the device's profile and links, and the sources of a prediction
 """

@@ -182,10 +182,12 @@ class Cluster:
 
 
 def collective(op: str, nbytes: float, world: int, link) -> float:
-    """One collective's time on a flat ``Link`` (ring) or a two-level ``Cluster`` (hierarchical)."""
-    if isinstance(link, Cluster):
-        return link.time(op, nbytes, world)
-    return COLLECTIVES[op](nbytes, world, link)
+    """One collective's time on a flat ``Link`` (ring), or on any other link that prices its own
+    collectives with ``time(op, nbytes, world)``: a two-level ``Cluster`` (hierarchical), an NCCL
+    ``collectives.Topology``."""
+    if isinstance(link, Link):
+        return COLLECTIVES[op](nbytes, world, link)
+    return link.time(op, nbytes, world)
 
 
 class TokenBucket:

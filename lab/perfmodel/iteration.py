@@ -46,6 +46,9 @@ class Round:
     after: float = 0.0
     tensors: int = 1
     """payload tensors (the header of an all-gather)"""
+    header: bool = True
+    """an all-gather first exchanges its payloads' shapes, synchronously (the engine's protocol; False
+    for systems that agree on sizes elsewhere, e.g. Horovod's background negotiation)"""
 
 
 @dataclass
@@ -103,7 +106,7 @@ class _Sim:
 
     def issue(self, rnd: Round, t: float, label: str):
         """Returns (compute thread time after issuing, completion time)."""
-        if rnd.op == "allgather":  # the header exchange is synchronous: it blocks the compute thread
+        if rnd.op == "allgather" and rnd.header:  # the header exchange is synchronous: it blocks the compute thread
             t = self.collective("allgather", costs.HEADER_BYTES_PER_TENSOR * rnd.tensors, t, label + " header")
         return t, self.collective(rnd.op, rnd.nbytes, t, label)
 

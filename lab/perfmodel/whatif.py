@@ -366,9 +366,11 @@ CLUSTER_KEYS = {"node_size": (int, 1, 4096), "intra_gbps": (float, 0.001, 100000
                 "nics": (int, 1, 64)}
 
 
-def parse_cluster(text: str) -> dict:
+def parse_cluster(text: str, required=None) -> dict:
     """``node_size=8,intra_gbps=1600,inter_gbps=100[,intra_us=..,inter_us=..,nics=..]`` -> a dict of
-    those keys; node_size and intra_gbps are required (inter_gbps may come from --gbps)."""
+    those keys; node_size and intra_gbps are required (inter_gbps may come from --gbps) unless
+    ``required`` names others (with --device, none: the device has its own)."""
+    required = ("node_size", "intra_gbps") if required is None else required
     out = {}
     for item in (t.strip() for t in text.split(",") if t.strip()):
         key, eq, raw = item.partition("=")
@@ -384,7 +386,7 @@ def parse_cluster(text: str) -> dict:
             raise SpecError("--cluster", f"{key} must be {'an integer' if kind is int else 'a number'} in "
                                          f"[{lo:g}, {hi:g}], got {raw!r}")
         out[key] = val
-    missing = [k for k in ("node_size", "intra_gbps") if k not in out]
+    missing = [k for k in required if k not in out]
     if missing:
         raise SpecError("--cluster", f"needs {' and '.join(missing)} (e.g. node_size=8,intra_gbps=1600,inter_gbps=100)")
     return out
@@ -413,13 +415,15 @@ def link_maker(profile: cal.Profile, shape: Optional[dict]) -> Callable[[float],
 
 
 def table(profile: cal.Profile, spec: dict, gbps: List[float], workers: List[int],
-          compute_speedup: float = 1.0, cluster: Optional[dict] = None) -> List[dict]:
+          compute_speedup: float = 1.0, cluster: Optional[dict] = None,
+          links: Optional[Callable[[float], object]] = None) -> List[dict]:
     """One row per workers x rate: DDP's and the spec's predicted iteration time, the speedup
     over DDP, and the scaling factor of each (one worker's time, compute only, over p workers':
-    1.0 is linear scaling with the batch per worker fixed)."""
+    1.0 is linear scaling with the batch per worker fixed). ``links`` (rate -> link) replaces the
+    profile's or the cluster's links (lab.perfmodel.ondevice.link_maker)."""
     rows = []
     base = pr.ddp_spec(spec)
-    links = link_maker(profile, cluster)
+    links = links or link_maker(profile, cluster)
     one = pr.predict(profile, spec, 1.0, 1, compute_speedup).total
     for p in workers:
         for g in gbps:
@@ -442,11 +446,14 @@ def format_table(rows: List[dict], rate: str = "GBIT/S") -> List[str]:
 
 
 def crossover_line(profile: cal.Profile, spec: dict, workers: int, compute_speedup: float = 1.0,
-                   cluster: Optional[dict] = None) -> str:
-    if cluster and workers <= cluster["node_size"]:
-        x = pr.speedup(profile, spec, 1.0, workers, compute_speedup, links=link_maker(profile, cluster))
+                   cluster: Optional[dict] = None, links: Optional[Callable[[float], object]] = None,
+                   node_size: Optional[int] = None) -> str:
+    links = links or link_maker(profile, cluster)
+    node_size = node_size or (cluster["node_size"] if cluster else None)
+    if node_size and workers <= node_size:
+        x = pr.speedup(profile, spec, 1.0, workers, compute_speedup, links=links)
         return f"{workers} workers: one node, the inter-node rate plays no part ({x:.2f}x DDP at any rate)"
-    g = pr.crossover_gbps(profile, spec, workers, compute_speedup, links=link_maker(profile, cluster))
+    g = pr.crossover_gbps(profile, spec, workers, compute_speedup, links=links)
     if g is None:
         return f"{workers} workers: compression does not beat DDP at any bandwidth in 0.001..1000 Gbit/s"
     if g >= 1e3:

@@ -1,0 +1,320 @@
+"""The performance model checked three ways (issue 34), one table each.
+
+    python bench/model_validation.py --table c                        # pure computation, ~10 s
+    python bench/model_validation.py --table a --run-shaped [--gbps 1,10] [--ranks 2] [--iters 10]
+    python bench/model_validation.py --table b --run-shaped [--steps 60] [--only 1,4,topk]
+    python bench/model_validation.py --table d                        # this CPU, ~1 min
+    python bench/model_validation.py --table all [--run-shaped] [--json F] [--md F]
+
+(a) Collectives on shaped links: every collective the engine issues (all-reduce; all-gather of a
+    payload, after its synchronous header exchange; dear's reduce-scatter, an all-to-all of chunks and a
+    local sum on gloo), at 1 KB .. 64 MB, predicted by lab.perfmodel.costs with a link calibrated by
+    lab.perfmodel.calibrate.measure_link (alpha and the sustained rate from its own two sizes, the tbf's
+    token bucket replayed over the back-to-back calls) against the median of ``--iters`` timed calls on
+    a shaped cluster; geomean and max relative error. Needs root and a quiet machine: only with
+    ``--run-shaped``; without it the predicted column is printed with the command to measure.
+(b) End to end: the configurations of bench/perfmodel.py (25), predicted vs measured on shaped links;
+    with ``--run-shaped`` it runs that benchmark (root, minutes), else lists the configurations.
+(c) MergeComp's published scaling factors (bench/data/mergecomp_v100.json, read off the authors'
+    figures) against predictions from the V100 device profile (bench/mergecomp_model.py): three
+    variants, from datasheet links only to one published point per codec; errors in points.
+(d) This CPU's per-layer profile against its own roofline, the efficiencies fitted (``--table d``,
+    about a minute, no root): the efficiency factors where they can be measured.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+
+SIZES = [1 << k for k in range(10, 27, 2)]  # 1 KiB, 4 KiB, ..., 64 MiB
+OPS = ("allreduce", "allgather", "reduce_scatter")
+
+
+# --------------------------------------------------------------------------- (a) collectives
+
+def worker(argv=None) -> int:
+    """One rank of a measurement (a torchrun node in its namespace): ``iters`` timed calls of ``op`` on
+    ``bytes`` of fp32 after two warm-up calls, as the engine issues them; rank 0 writes the times."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.core import issue_allgather, issue_allreduce
+    from engine.runlog import write_json_atomic
+    ap = argparse.ArgumentParser(prog="model_validation worker")
+    ap.add_argument("--op", choices=OPS, required=True)
+    ap.add_argument("--bytes", type=int, required=True)
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        world = dist.get_world_size()
+        n = max(a.bytes // 4, world)
+        n -= n % world
+        t = torch.ones(n)
+
+        def call():
+            if a.op == "allreduce":
+                issue_allreduce([t]).wait()
+            elif a.op == "allgather":
+                issue_allgather([t]).wait()
+            else:  # dear on gloo: an all-to-all of the chunks, then the sum of what arrived
+                got = torch.empty_like(t)
+                dist.all_to_all_single(got, t)
+                got.view(world, -1).sum(0)
+        for _ in range(2):
+            call()
+        dist.barrier()
+        times = []
+        for _ in range(a.iters):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        if dist.get_rank() == 0:
+            write_json_atomic(a.out, {"op": a.op, "nbytes": n * 4, "world": world, "times": times})
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0) -> dict:
+    """Run ``worker`` on every rank of ``cluster`` (lab.netns.Cluster) and return rank 0's times."""
+    from lab.launcher import stop, worker_env
+    from lab.netns import rank_argv
+    port = 20000 + secrets.randbelow(20000)
+    with tempfile.TemporaryDirectory(prefix="clab-mv-") as tmp:
+        out = os.path.join(tmp, "out.json")
+        procs, logs = [], []
+        try:
+            for i in range(cluster.n):
+                argv, env = rank_argv(cluster, i, [os.path.abspath(__file__), "worker", "--op", op, "--bytes",
+                                                   str(nbytes), "--iters", str(iters), "--out", out], port)
+                logs.append(open(os.path.join(tmp, f"r{i}.log"), "wb"))
+                procs.append(subprocess.Popen(argv, env={**worker_env(), **env}, stdout=logs[-1],
+                                              stderr=subprocess.STDOUT, start_new_session=True))
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+                time.sleep(0.1)
+        finally:
+            stop(procs)
+            for f in logs:
+                f.close()
+        if not os.path.exists(out):
+            tail = open(os.path.join(tmp, "r0.log"), errors="replace").read()[-600:]
+            raise RuntimeError(f"{op} {nbytes} B: no result ({tail})")
+        with open(out) as f:
+            return json.load(f)
+
+
+def predict_collective(op: str, nbytes: int, world: int, link, iters: int) -> float:
+    """The model's median of ``iters`` back-to-back calls (the token bucket drains across them)."""
+    from lab.perfmodel import costs
+    wire = costs.TokenBucket(link)
+    t, times = 0.0, []
+    for _ in range(iters + 2):
+        if op == "allgather":
+            d = wire.duration("allgather", costs.HEADER_BYTES_PER_TENSOR, world, t)
+            d += wire.duration("allgather", nbytes, world, t + d)
+        else:
+            d = wire.duration(op, nbytes, world, t)
+        times.append(d)
+        t += d
+    return statistics.median(times[2:])
+
+
+def table_a(gbps, ranks: int, iters: int, run: bool) -> dict:
+    from lab.perfmodel import calibrate as cal
+    from lab.perfmodel.costs import Link
+    rows = []
+    for g in gbps:
+        with contextlib.ExitStack() as stack:
+            cluster = None
+            if run:
+                from lab.netns import Cluster
+                m = cal.measure_link(g, n_ranks=ranks)
+                link = Link(m["alpha"], m["beta"], m["burst_bytes"], 0.0)
+                cluster = stack.enter_context(Cluster(ranks, g, tag="mv"))
+            else:
+                link = Link.from_gbps(g)
+            for op in OPS:
+                for n in SIZES:
+                    pred = predict_collective(op, n, ranks, link, iters)
+                    row = {"gbps": g, "op": op, "bytes": n, "predicted_ms": pred * 1e3}
+                    if cluster is not None:
+                        meas = statistics.median(measure(cluster, op, n, iters)["times"])
+                        row.update(measured_ms=meas * 1e3, error=pred / meas - 1)
+                    rows.append(row)
+                    print(f"(a) {g:g} Gbit/s {op:14s} {n:>9d} B  predicted {pred * 1e3:9.3f} ms"
+                          + (f"  measured {row['measured_ms']:9.3f} ms  {row['error']:+.1%}" if 'error' in row else ""),
+                          flush=True)
+    errs = [abs(r["error"]) for r in rows if "error" in r]
+    summary = ({"geomean_abs_error": math.exp(statistics.mean(math.log(max(e, 1e-6)) for e in errs)),
+                "max_abs_error": max(errs), "points": len(errs)} if errs else
+               {"note": "not measured: rerun with --run-shaped as root on a quiet machine"})
+    return {"rows": rows, "summary": summary, "ranks": ranks, "iters": iters}
+
+
+# --------------------------------------------------------------------------- (b) end to end
+
+def table_b(steps: int, only: str, run: bool, out_json: str, out_md: str) -> dict:
+    from bench import perfmodel
+    chosen = perfmodel.chosen(only)
+    if not run:
+        cmd = f"python bench/perfmodel.py --steps {steps}" + (f" --only {only}" if only else "")
+        return {"configs": [{"config": i, "label": perfmodel.label(c)} for i, c in chosen],
+                "summary": {"note": f"not run: `{cmd}` as root, or this table with --run-shaped"}}
+    argv = ["--steps", str(steps), "--json", out_json, "--md", out_md] + (["--only", only] if only else [])
+    rc = perfmodel.main(argv)
+    if rc:
+        raise RuntimeError(f"bench/perfmodel.py exited {rc}")
+    with open(out_json) as f:
+        got = json.load(f)
+    return {"configs": got["rows"], "summary": got["summary"]}
+
+
+# --------------------------------------------------------------------------- (c) MergeComp
+
+def table_c() -> dict:
+    from bench import mergecomp_model
+    return mergecomp_model.table_c()
+
+
+# --------------------------------------------------------------------------- (d) this CPU's roofline
+
+def table_d(models=("mlp", "cnn", "resnet"), batch: int = 32, runs: str = "") -> dict:
+    """This CPU's own per-layer profile (the lab's 12-step single-process profiling run) against the
+    roofline of the same model on this CPU (peak and bandwidth measured by lab.perfmodel.roofline.measure_cpu),
+    with the efficiencies fitted per model (lab.perfmodel.roofline.fit_layers): what the efficiency factors
+    mean where they can be measured. Runs here, about a minute."""
+    from lab.perfmodel import roofline, whatif
+    runs = runs or tempfile.mkdtemp(prefix="clab-mv-d-")
+    cpu = roofline.measure_cpu()
+    out = {"cpu": {"matmul_gflops": cpu.flops["fp32"] / 1e9, "copy_gb_s": cpu.mem_bw / 1e9,
+                   "shortest_op_us": cpu.kernel_s * 1e6}, "models": {}}
+    for m in models:
+        spec = whatif.load_for_prediction(data={"model": m, "batch_size": batch})
+        prof = whatif.measure_profile(spec, runs)
+        fit = roofline.fit_layers(roofline.count_spec(spec), prof, cpu)
+        errs = [abs(r["modeled_s"] / r["measured_s"] - 1) for r in fit["rows"]]
+        meas, mod = sum(r["measured_s"] for r in fit["rows"]), sum(r["modeled_s"] for r in fit["rows"])
+        out["models"][m] = {"compute_eff": fit["compute_eff"], "memory_eff": fit["memory_eff"],
+                            "op_us": fit["op_s"] * 1e6, "layers": len(errs), "median_abs_error": statistics.median(errs),
+                            "max_abs_error": max(errs), "step_error": mod / meas - 1, "rows": fit["rows"]}
+        print(f"(d) {m}: e_c {fit['compute_eff']:.3g}, e_m {fit['memory_eff']:.3g}, {fit['op_s'] * 1e6:.1f} µs per "
+              f"operator; per layer median {statistics.median(errs):.0%}, max {max(errs):.0%}; step "
+              f"{mod / meas - 1:+.0%}", flush=True)
+    return out
+
+
+# --------------------------------------------------------------------------- output
+
+def markdown(res: dict) -> str:
+    out = []
+    if "a" in res:
+        a = res["a"]
+        head = ["Gbit/s", "collective", "bytes", "predicted ms", "measured ms", "error"]
+        rows = [[f"{r['gbps']:g}", r["op"], r["bytes"], f"{r['predicted_ms']:.3f}",
+                 f"{r['measured_ms']:.3f}" if "measured_ms" in r else "", f"{r['error']:+.1%}" if "error" in r else ""]
+                for r in a["rows"]]
+        out += ["### (a) collectives on shaped links", "", common.markdown_table(head, rows), "",
+                json.dumps(a["summary"]), ""]
+    if "b" in res:
+        b = res["b"]
+        out += ["### (b) end to end (bench/perfmodel.py)", ""]
+        out += [f"- {c['config']} {c['label']}" + (f": {c['error']:+.1%}" if "error" in c else "") for c in b["configs"]]
+        out += ["", json.dumps(b["summary"]), ""]
+    if "c" in res:
+        c = res["c"]
+        variants = ("datasheet", "fp32-calibrated", "published-calibrated")
+        head = ["model", "GPUs", "link", "compressor", "schedule", "published %"] + [f"{v} %" for v in variants]
+        rows = []
+        for r in c["rows"]:
+            rows.append([r["model"], r["gpus"], r["link"], r["compressor"], r["schedule"], f"{r['scaling_pct']:.1f}"]
+                        + [f"{r[v]:.1f} ({r[v + '_error']:+.1f}){'*' if r[v + '_calibration'] else ''}"
+                           for v in variants])
+        out += ["### (c) MergeComp, 8 x V100: scaling factor, published vs predicted (error in points; * a "
+                "calibration point of that variant)", "", common.markdown_table(head, rows), ""]
+        out += [f"- {k}: median {v['median_abs_points']} points, mean {v['mean_abs_points']}, max "
+                f"{v['max_abs_points']}, within 5 points {v['within_5_points']} of {v['n']}"
+                for k, v in c["summary"].items()]
+        out += ["", f"bus bandwidth (GB/s): {json.dumps(c['bus_gb_s'])}; codec cost scales: "
+                    f"{json.dumps(c['codec_scale'])}; per call {c['per_call_ms']} ms; one GPU's step "
+                    f"(ms): {json.dumps(c['compute_1gpu_ms'])}", ""]
+    if "d" in res:
+        d = res["d"]
+        head = ["model", "compute eff", "memory eff", "µs per op", "layers", "median error", "max error", "step"]
+        rows = [[m, f"{v['compute_eff']:.3g}", f"{v['memory_eff']:.3g}", f"{v['op_us']:.1f}", v["layers"],
+                 f"{v['median_abs_error']:.0%}", f"{v['max_abs_error']:.0%}", f"{v['step_error']:+.0%}"]
+                for m, v in d["models"].items()]
+        out += ["### (d) this CPU: per-layer profile vs its roofline", "", json.dumps(d["cpu"]), "",
+                common.markdown_table(head, rows), ""]
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["worker"]:
+        return worker(argv[1:])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                 epilog="(a) and (b) need root and a quiet machine; (c) runs anywhere")
+    ap.add_argument("--table", default="c", help="a, b, c, d, several (cd) or all (default c)")
+    ap.add_argument("--run-shaped", action="store_true", help="measure on shaped links (root; (a) and (b))")
+    ap.add_argument("--gbps", default="1,10", help="(a) link rates, Gbit/s (default 1,10)")
+    ap.add_argument("--ranks", type=int, default=2, help="(a) ranks (default 2)")
+    ap.add_argument("--iters", type=int, default=10, help="(a) timed calls per size (default 10)")
+    ap.add_argument("--steps", type=int, default=60, help="(b) steps per configuration (default 60)")
+    ap.add_argument("--only", default="", help="(b) config numbers or names, as bench/perfmodel.py --only")
+    ap.add_argument("--json", default="bench/results/model_validation.json")
+    ap.add_argument("--md", default="bench/results/model_validation.md")
+    a = ap.parse_args(argv)
+    try:
+        gbps = [float(x) for x in a.gbps.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--gbps must be comma-separated numbers, got {a.gbps!r}")
+    if not gbps or not all(0.001 <= g <= 400 for g in gbps):
+        ap.error(f"--gbps must be in [0.001, 400], got {a.gbps!r}")
+    if not 2 <= a.ranks <= 64 or a.iters < 1 or a.steps < 5:
+        ap.error("--ranks must be 2..64, --iters >= 1, --steps >= 5")
+    res = {}
+    tables = "abcd" if a.table == "all" else a.table
+    if not tables or set(tables) - set("abcd"):
+        ap.error(f"--table must be letters of abcd or all, got {a.table!r}")
+    if "a" in tables:
+        res["a"] = table_a(gbps, a.ranks, a.iters, a.run_shaped)
+    if "b" in tables:
+        res["b"] = table_b(a.steps, a.only, a.run_shaped, a.json.replace(".json", "-b.json"),
+                           a.md.replace(".md", "-b.md"))
+    if "c" in tables:
+        res["c"] = table_c()
+    if "d" in tables:
+        res["d"] = table_d()
+    common.write_json(a.json, res)
+    md = markdown(res)
+    os.makedirs(os.path.dirname(a.md) or ".", exist_ok=True)
+    with open(a.md, "w") as f:
+        f.write(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
