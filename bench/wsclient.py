@@ -119,6 +119,14 @@ class Page:
                     return b.deferred_file_id or None
         return None
 
+    def fragment_ids(self) -> List[str]:
+        """The ids of the fragments (st.fragment) whose elements this page drew, in order of first sight."""
+        out: List[str] = []
+        for m in self.messages:
+            if m.WhichOneof("type") == "delta" and m.delta.fragment_id and m.delta.fragment_id not in out:
+                out.append(m.delta.fragment_id)
+        return out
+
     def kinds(self) -> List[str]:
         """The messages' types, in order (for a report of what came back)."""
         return [m.WhichOneof("type") for m in self.messages]
@@ -183,12 +191,16 @@ class Session:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(self.timeout_s + 10)
 
     def run(self, query_string: str = "", page: str = "", widgets: Optional[Dict[str, object]] = None,
-            quiet_s: float = 0.3) -> Page:
+            quiet_s: float = 0.3, fragment: Optional[str] = None) -> Page:
         """Ask for a script run and collect what comes back until a run has finished and nothing more
-        comes for ``quiet_s`` (a click that switches page causes a second run)."""
+        comes for ``quiet_s`` (a click that switches page causes a second run). ``fragment``: rerun only that
+        fragment, as the browser does for an st.fragment(run_every=...) refresh."""
         m = BackMsg()
         m.rerun_script.query_string = query_string
         m.rerun_script.page_name = page
+        if fragment:
+            m.rerun_script.fragment_id = fragment
+            m.rerun_script.is_auto_rerun = True
         for wid, value in (widgets or {}).items():
             if not isinstance(wid, str) or not wid:
                 raise ValueError(f"widget id: must be a non-empty string (Page.widget found none?), got {wid!r}")

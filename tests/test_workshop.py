@@ -4,6 +4,7 @@ another student's run id, path tricks in ids. Sign-in itself (tokens for session
 Streamlit) is tests/test_accounts.py's."""
 import json
 import os
+import re
 
 import pytest
 
@@ -247,6 +248,26 @@ def test_path_tricks_in_ids_show_nothing(room, trick):
         ui.preset_group(trick)
     with pytest.raises(LabError):
         ui.load_sweep(trick)
+
+
+EVIL_NAME = "[click](http://evil.example) ![img](http://evil.example/x.png) <img src=x onerror=alert(1)> :red[x]"
+
+
+@pytest.mark.parametrize("page", [None, "live_run", "compare", "results"])
+def test_a_runs_name_is_shown_as_text_on_the_teachers_pages(room, page):
+    """A student's run named with Markdown, HTML and Streamlit directives: the teacher's pages show the
+    characters, never a link, an image, a tag or a colour."""
+    root, runs, tokens = room
+    q = Lab(root)
+    evil = q.create(lab._spec(dict(SMALL, name=EVIL_NAME)), owner="alice")
+    at = app(tokens["admin"], page=page, run=evil.id)
+    text = everything(at)
+    assert evil.id in text or page in ("compare", "results")
+    # what Streamlit renders as Markdown: bodies and labels (options, tables and the like are plain text)
+    md = "\n".join(line for line in text.splitlines() if line.strip().startswith(("body:", "label:")))
+    assert "click" in md or page is not None  # Home links to it by name
+    for raw in ("[click](", "![img](", "<img src", ":red["):  # only with a backslash before it: shown as typed
+        assert not re.search(r"(?<!\\)" + re.escape(raw), md), (raw, page, [b for b in md.splitlines() if raw in b][:2])
 
 
 def test_sweeps_are_the_teachers(room):
@@ -544,6 +565,30 @@ def test_over_the_wire_teacher_only_pages_are_not_a_students(exposed, page):
     got, text = wire(url, "", page, tokens["admin"])
     assert not got.exceptions(), got.exceptions()
     assert title in text
+
+
+def test_over_the_wire_a_live_panel_stops_when_the_run_is_unshared(exposed):
+    """The live panel's refreshes (fragments the browser reruns on a timer) check the viewer again: once bob
+    unshares his run, carol's next refresh draws nothing more of it."""
+    from bench.wsclient import Session, sign_in
+    url, runs, tokens, _ = exposed
+    bob = runs["bob"]
+    bob.update_status(shared=True)
+    carol = Session(url, cookie=sign_in(url, tokens["carol"]).header)
+    try:
+        page = carol.run(f"run={bob.id}", page="live_run")
+        frags = page.fragment_ids()
+        assert frags and bob.id in page.text, page.kinds()
+        again = carol.run(f"run={bob.id}", page="live_run", fragment=frags[0])
+        assert "step 0/" in again.text  # the panel's refresh, while the run is shared
+        bob.update_status(shared=False)
+        after = carol.run(f"run={bob.id}", page="live_run", fragment=frags[0])
+        assert "step 0/" not in after.text and "shared with the class" not in after.text
+        leaked = [m.WhichOneof("type") for m in after.messages if bob.id in str(m)]
+        assert not leaked, [str(m)[:300] for m in after.messages if bob.id in str(m)]
+    finally:
+        carol.close()
+        bob.update_status(shared=False)
 
 
 @pytest.mark.parametrize("trick", TRICKS[:6])
