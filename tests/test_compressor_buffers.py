@@ -7,7 +7,7 @@ import torch
 from distutil import emulate_exchange
 from engine.compressors import make
 from engine.compressors.powersgd import matrix_shape
-from engine.compressors.sparsify import Scratch
+from engine.compressors.kernels import Scratch
 
 LARGE = Scratch.MIN + 1001
 """Above the size from which decodes go into a kept buffer; not a multiple of anything."""

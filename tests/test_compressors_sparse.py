@@ -14,7 +14,8 @@ from engine.compressors import make
 from engine.compressors.base import nbytes
 from engine.compressors.countsketch import median_rows
 from engine.compressors.powersgd import orthogonalize_
-from engine.compressors.sparsify import COMPRESSORS, top_indices
+from engine.compressors import REGISTRY as COMPRESSORS
+from engine.compressors.kernels import top_indices
 
 NAMES = ("topk", "randomk", "threshold", "dgc", "powersgd", "countsketch")
 SMALL = {"topk": {"ratio": 0.2}, "randomk": {"ratio": 0.2}, "threshold": {"threshold": 0.5},

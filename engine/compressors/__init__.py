@@ -18,12 +18,15 @@ from engine.compressors.base import Compressor, ErrorFeedback, Round, nbytes
 from engine.compressors.params import Param
 from engine.compressors import quantize, sparsify
 from engine.compressors.basic import NoneCompressor
+from engine.compressors.countsketch import CountSketch
+from engine.compressors.powersgd import PowerSGD
 
 # One registry, in the order DESIGN.md lists the names (int8, added for dear's quantized reduce-scatter,
 # after the casts); families live in their own modules.
 ORDER = ("none", "fp16", "bf16", "int8", "topk", "randomk", "threshold", "dgc", "qsgd", "terngrad", "signsgd",
          "efsignsgd", "signum", "onebit", "natural", "powersgd", "countsketch")
-_ALL: Dict[str, Type[Compressor]] = {"none": NoneCompressor, **quantize.COMPRESSORS, **sparsify.COMPRESSORS}
+_ALL: Dict[str, Type[Compressor]] = {"none": NoneCompressor, **quantize.COMPRESSORS, **sparsify.COMPRESSORS,
+                                     "powersgd": PowerSGD, "countsketch": CountSketch}
 REGISTRY: Dict[str, Type[Compressor]] = {n: _ALL[n] for n in ORDER if n in _ALL}
 
 

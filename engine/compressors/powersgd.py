@@ -8,7 +8,7 @@ import torch
 
 from engine.compressors.base import Compressor, Round
 from engine.compressors.params import Param, mix_seed, seed
-from engine.compressors.sparsify import Scratch, out_buffer
+from engine.compressors.kernels import Scratch, out_buffer
 
 Tensor = torch.Tensor
 
