@@ -68,6 +68,7 @@ def build(model_name: str, batch: int, rank: int, world: int, tmpdir: str):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from engine import compressors, data, dear, models, schedules
+    from engine.tuners import capsearch
     from engine.comm import DataParallel
     from engine.timeline import Timeline
 
@@ -120,9 +121,9 @@ def build(model_name: str, batch: int, rank: int, world: int, tmpdir: str):
                       lambda: compressors.make("none"), mode="wfbp", timeline=tl_w)
     m_d = fresh()
     total = sum(p.numel() * p.element_size() for p in m_d.parameters())
-    caps = dear.cap_candidates(total)
+    caps = capsearch.cap_candidates(total)
     tl_d = Timeline(os.path.join(tmpdir, f"dear-{model_name}-{rank}.jsonl"), rank)
-    d = dear.DeAR(m_d, functools.partial(dear.layout_cap, cap_mb=caps[-1]), "none", timeline=tl_d)
+    d = dear.DeAR(m_d, functools.partial(schedules.layout_cap, cap_mb=caps[-1]), "none", timeline=tl_d)
     opt_d = sgd(d.shard_params())
     d.attach(opt_d)
     tl_d.enabled = False  # the search and the grid are not in the timeline
@@ -137,12 +138,12 @@ def tune(d, step, caps, tune_steps, rank, grid: bool):
     import torch
     import torch.distributed as dist
 
-    from engine import dear
-    tuner = dear.CapTuner(caps)
+    from engine.tuners import capsearch
+    tuner = capsearch.CapTuner(caps)
     cap = tuner.propose()
     trials = []
     while True:
-        d.relayout(dear.layout_cap(d.infos, cap))
+        d.relayout(schedules.layout_cap(d.infos, cap))
         ts = _timed_steps(step, tune_steps)[1:]
         decision = torch.zeros(2, dtype=torch.float64)
         if rank == 0:
@@ -158,10 +159,10 @@ def tune(d, step, caps, tune_steps, rank, grid: bool):
     if grid:
         g = []
         for c in caps:
-            d.relayout(dear.layout_cap(d.infos, c))
+            d.relayout(schedules.layout_cap(d.infos, c))
             g.append((c, 1e3 * statistics.median(_timed_steps(step, tune_steps)[1:])))
         out["grid"] = g
-    d.relayout(dear.layout_cap(d.infos, cap))
+    d.relayout(schedules.layout_cap(d.infos, cap))
     out["buffers"] = len(d.buffers)
     return out
 

@@ -34,7 +34,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from engine.dear import layer_of
+from engine.schedules import layer_of
 from engine.external import import_torchvision
 from lab.perfmodel import collectives, devices, roofline
 from lab.perfmodel.iteration import Bucket, Round, Step, iteration_time

@@ -62,7 +62,7 @@ caught.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,40 +79,6 @@ Tensor = torch.Tensor
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-# ---------------------------------------------------------------- layouts (pure)
-
-def layout_cap(params: Sequence[ParamInfo], cap_mb: float) -> List[List[int]]:
-    """Buffers closed at a byte cap (the bucket schedule, first buffer capped small as in DDP)."""
-    return schedules.build("bucket", params, cap_mb=cap_mb)
-
-
-def layer_of(name: str) -> str:
-    return name.rsplit(".", 1)[0] if "." in name else name
-
-
-def layout_layers(params: Sequence[ParamInfo], layers: int) -> List[List[int]]:
-    """Buffers of ``layers`` nearby layers each (a layer: the tensors of one module,
-    e.g. a weight and its bias), never mixing dtypes or devices."""
-    if layers < 1:
-        raise ValueError(f"layers: must be >= 1, got {layers}")
-    out: List[List[int]] = []
-    for run in schedules._split_kind(params):
-        cur: List[int] = []
-        seen: List[str] = []
-        for i in run:
-            lay = layer_of(params[i].name)
-            if lay not in seen[-1:]:
-                if len(seen) == layers:
-                    out.append(cur)
-                    cur, seen = [], []
-                seen.append(lay)
-            cur.append(i)
-        if cur:
-            out.append(cur)
-    schedules.check(out, params)
-    return out
 
 
 def pack_layout(payload: List[Tensor]) -> tuple:
@@ -442,4 +408,3 @@ class DeAR(Communicator):
 
 
 # dear's buffer-cap search is a tuner (engine/tuners/capsearch.py); named here too, beside the layouts it picks
-from engine.tuners.capsearch import CapTuner, cap_candidates  # noqa: E402,F401

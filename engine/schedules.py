@@ -231,3 +231,37 @@ def check(buckets: Buckets, params: Sequence[ParamInfo]) -> None:
         kinds = {(params[i].dtype, params[i].device) for i in b}
         if len(kinds) != 1:
             raise AssertionError(f"bucket {b} mixes dtypes/devices {kinds}")
+
+
+# --------------------------------------------------------------------------- DeAR's buffer layouts
+
+def layout_cap(params: Sequence[ParamInfo], cap_mb: float) -> List[List[int]]:
+    """Buffers closed at a byte cap (the bucket schedule, first buffer capped small as in DDP)."""
+    return build("bucket", params, cap_mb=cap_mb)
+
+
+def layer_of(name: str) -> str:
+    return name.rsplit(".", 1)[0] if "." in name else name
+
+
+def layout_layers(params: Sequence[ParamInfo], layers: int) -> List[List[int]]:
+    """Buffers of ``layers`` nearby layers each (a layer: the tensors of one module,
+    e.g. a weight and its bias), never mixing dtypes or devices."""
+    if layers < 1:
+        raise ValueError(f"layers: must be >= 1, got {layers}")
+    out: List[List[int]] = []
+    for run in _split_kind(params):
+        cur: List[int] = []
+        seen: List[str] = []
+        for i in run:
+            lay = layer_of(params[i].name)
+            if lay not in seen[-1:]:
+                if len(seen) == layers:
+                    out.append(cur)
+                    cur, seen = [], []
+                seen.append(lay)
+            cur.append(i)
+        if cur:
+            out.append(cur)
+    check(out, params)
+    return out

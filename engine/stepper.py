@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from engine import dear, netmodel, schedules, tuners
+from engine import netmodel, schedules, tuners
 from engine.compressors.plan import Plan
 from engine.comm import DataParallel
 from engine.core import Communicator
@@ -131,8 +131,8 @@ class Stepper:
         the cap search relayouts to its first trial cap before the first step)."""
         cm = self.spec.comm
         if cm.layers is not None:
-            return functools.partial(dear.layout_layers, layers=cm.layers)
-        return functools.partial(dear.layout_cap, cap_mb=cm.cap_mb or DEAR_CAP_MB)
+            return functools.partial(schedules.layout_layers, layers=cm.layers)
+        return functools.partial(schedules.layout_cap, cap_mb=cm.cap_mb or DEAR_CAP_MB)
 
     def sync_params(self) -> None:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""

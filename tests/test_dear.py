@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from distutil import run_world
-from engine import dear
+from engine import dear, schedules
+from engine.tuners import capsearch
 from engine.schedules import ParamInfo
 from engine.spec import JobSpec, SpecError
 
@@ -161,13 +162,13 @@ def _relayout(rank, world):
     runs = []
     for change in (False, True):
         m = copy.deepcopy(base)
-        d = dear.DeAR(m, lambda ps: dear.layout_cap(ps, 0.3))
+        d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3))
         opt = torch.optim.Adam(d.shard_params(), lr=1e-3)
         d.attach(opt)
         sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
         for s in range(12):
             if change and s == 6:
-                d.relayout(dear.layout_layers(d.infos, 1))
+                d.relayout(schedules.layout_layers(d.infos, 1))
             x, y = ds.batch("train", next(sampler))
             models.loss_fn(m(x), y).backward()
             d.finish()
@@ -200,7 +201,7 @@ def _relayout_residual(rank, world):
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = models.build("mlp", ds.info)
-    d = dear.DeAR(m, lambda ps: dear.layout_cap(ps, 0.3), "fp16", error_feedback=True)
+    d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3), "fp16", error_feedback=True)
     opt = torch.optim.SGD(d.shard_params(), lr=0.05)
     d.attach(opt)
     sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
@@ -211,7 +212,7 @@ def _relayout_residual(rank, world):
         opt.step()
         d.zero_grad()
     before, n_before = _residuals(d), len(d.buffers)
-    d.relayout(dear.layout_layers(d.infos, 1))
+    d.relayout(schedules.layout_layers(d.infos, 1))
     after, n_after = _residuals(d), len(d.buffers)
     pads = [b.compressor.ef.residual[b.numel:].abs().max().item()
             for b in d.buffers if b.padded > b.numel and b.compressor.ef.residual is not None]
@@ -234,9 +235,9 @@ def _infos(names_sizes):
 
 def test_layout_layers_groups_weight_and_bias():
     ps = _infos([("c.weight", 10), ("c.bias", 2), ("b.weight", 10), ("b.bias", 2), ("a.weight", 5)])
-    assert dear.layout_layers(ps, 1) == [[0, 1], [2, 3], [4]]
-    assert dear.layout_layers(ps, 2) == [[0, 1, 2, 3], [4]]
-    assert dear.layout_layers(ps, 9) == [[0, 1, 2, 3, 4]]
+    assert schedules.layout_layers(ps, 1) == [[0, 1], [2, 3], [4]]
+    assert schedules.layout_layers(ps, 2) == [[0, 1, 2, 3], [4]]
+    assert schedules.layout_layers(ps, 9) == [[0, 1, 2, 3, 4]]
 
 
 def _cost(opt_log2: float, noise: float, rng: random.Random):
@@ -245,13 +246,13 @@ def _cost(opt_log2: float, noise: float, rng: random.Random):
 
 
 def test_cap_search_as_good_as_grid_in_fewer_trials():
-    caps = dear.cap_candidates(12 * 2 ** 20)  # a resnet-sized model: 1/16 .. 16 MB, 9 caps
+    caps = capsearch.cap_candidates(12 * 2 ** 20)  # a resnet-sized model: 1/16 .. 16 MB, 9 caps
     assert len(caps) == 9
     rng = random.Random(0)
     for opt in range(-4, 5):  # the best cap anywhere in the range
         for _ in range(5):
             f = _cost(opt + rng.uniform(-0.5, 0.5), 0.01, rng)
-            tuner = dear.CapTuner(caps)
+            tuner = capsearch.CapTuner(caps)
             while (c := tuner.propose()) is not None:
                 tuner.report(c, [f(c) for _ in range(3)])
             grid = {c: f(c) for c in caps}
@@ -332,7 +333,7 @@ def _int8_step(rank, world, ef):
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = models.build("cnn", ds.info)
-    d = dear.DeAR(m, lambda ps: dear.layout_layers(ps, 1), "int8", error_feedback=ef,
+    d = dear.DeAR(m, lambda ps: schedules.layout_layers(ps, 1), "int8", error_feedback=ef,
                   compressor_params={"block": BLOCK})
     d.attach(torch.optim.SGD(d.shard_params(), lr=0.0))  # lr 0: the same gradients twice (error feedback)
     x, y = ds.batch("train", next(data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)))

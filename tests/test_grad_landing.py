@@ -120,7 +120,8 @@ def test_set_to_none_copies_in_and_points_grad_at_the_bucket_again(mode):
 def _twice(rank, world, kind):
     from engine.comm import DataParallel
     from engine.compressors import make
-    from engine.dear import DeAR, layout_cap
+    from engine.dear import DeAR
+    from engine.schedules import layout_cap
     model = _model()
     if kind == "dear":
         dp = DeAR(model, lambda ps: layout_cap(ps, 25.0))
@@ -144,7 +145,8 @@ def test_a_second_backward_before_finish_is_an_error(kind):
 def _finite(rank, world, kind):
     from engine.comm import DataParallel
     from engine.compressors import make
-    from engine.dear import DeAR, layout_cap
+    from engine.dear import DeAR
+    from engine.schedules import layout_cap
     model = _model()
     if kind == "dear":
         dp = DeAR(model, lambda ps: layout_cap(ps, 25.0))

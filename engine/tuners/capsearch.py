@@ -10,7 +10,7 @@ import math
 import statistics
 from typing import Dict, List, Optional, Sequence
 
-from engine.schedules import MB
+from engine.schedules import MB, layout_cap
 from engine.tuners.driver import Decision, Tuner
 
 
@@ -89,7 +89,6 @@ class CapSearch(Tuner):
         self.cap = self.search.propose()
 
     def _layout(self, cap: float):
-        from engine.dear import layout_cap
         return layout_cap(self.comm.infos, cap)
 
     def start(self) -> Decision:

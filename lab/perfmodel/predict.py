@@ -11,7 +11,7 @@ import copy
 import math
 from typing import Callable, Dict, List, Optional, Tuple
 
-from engine.dear import layer_of  # a parameter's module: the same rule as dear's layer buffers
+from engine.schedules import layer_of  # a parameter's module: the same rule as dear's layer buffers
 from lab.perfmodel import calibrate as cal
 from lab.perfmodel.iteration import Bucket, Result, Round, Step, iteration_time
 
@@ -33,7 +33,7 @@ def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]
     layout.json after its tuner chose) when given; else dear's buffers (comm.layers or comm.cap_mb) or the
     spec's schedule, through the engine's own pure builders. Without a layout, the tuned schedules
     (mergecomp, layerfusion, dear's cap search) are predicted with their starting layout."""
-    from engine import dear, schedules
+    from engine import schedules
     if layout:
         pos = {n: i for i, (n, _) in enumerate(profile.params)}
         missing = [n for g in layout for n in g if n not in pos]
@@ -45,8 +45,8 @@ def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]
     c = spec["comm"]
     if c["mode"] == "dear":
         if c.get("layers"):
-            return dear.layout_layers(infos, c["layers"])
-        return dear.layout_cap(infos, c.get("cap_mb") or 25.0)
+            return schedules.layout_layers(infos, c["layers"])
+        return schedules.layout_cap(infos, c.get("cap_mb") or 25.0)
     s = spec["schedule"]
     opts = {"cap_mb": s["cap_mb"]} if s["name"] == "bucket" else {}
     return schedules.build(s["name"], infos, **opts)
