@@ -57,7 +57,7 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from engine import compressors, data, models, schedules
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.probe import LayerProbe
     from engine.timeline import Timeline
 

@@ -67,9 +67,10 @@ def build(model_name: str, batch: int, rank: int, world: int, tmpdir: str):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from engine import compressors, data, dear, models, schedules
+    from engine import compressors, data, models, schedules
+    from engine.comm import dear
     from engine.tuners import capsearch
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.timeline import Timeline
 
     ds = data.load(DATA[model_name], seed=0)
@@ -138,6 +139,7 @@ def tune(d, step, caps, tune_steps, rank, grid: bool):
     import torch
     import torch.distributed as dist
 
+    from engine import schedules
     from engine.tuners import capsearch
     tuner = capsearch.CapTuner(caps)
     cap = tuner.propose()

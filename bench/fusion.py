@@ -91,7 +91,7 @@ def build(args, batch, rank, world, root, ds):
 
     import torch
     from engine import compressors, data, models
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.spec import JobSpec
     from engine.timeline import Timeline
     from engine.trainer import schedule_fn

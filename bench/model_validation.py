@@ -54,7 +54,7 @@ def worker(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.core import issue_allgather, issue_allreduce
+    from engine.comm.collectives import issue_allgather, issue_allreduce
     from engine.runlog import write_json_atomic
     ap = argparse.ArgumentParser(prog="model_validation worker")
     ap.add_argument("--op", choices=OPS, required=True)

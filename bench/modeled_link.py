@@ -31,7 +31,7 @@ NBYTES = 1 << 20
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.compressors import make
     from engine.netmodel import ModeledLink, ring_allreduce_s
     rank, world = common.init_worker()

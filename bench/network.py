@@ -215,7 +215,7 @@ def build_variants(names, args, rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from engine import compressors, data, models, schedules
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
 
     ds = load_data(args.data)
     raw = None

@@ -67,7 +67,7 @@ def _results(outdir, world):
 
 def emulate_exchange(comps, tensors, log=None):
     """Drive compressors' exchanges as len(comps) ranks would, without a process group; return the outputs. ``log`` collects (op, shapes)."""
-    from engine.core import local_collective, run_exchange
+    from engine.comm.exchange import local_collective, run_exchange
 
     def collective(op, payloads):
         if log is not None:

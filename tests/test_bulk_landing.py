@@ -50,9 +50,9 @@ def _hooks(model):
 
 
 def _make(kind, model):
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.compressors import make
-    from engine.dear import DeAR
+    from engine.comm.dear import DeAR
     from engine.schedules import layout_cap
     if kind == "dear":
         return DeAR(model, lambda ps: layout_cap(ps, 25.0))

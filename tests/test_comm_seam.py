@@ -6,7 +6,8 @@ import torch.distributed as dist
 
 from distutil import run_world
 from engine import schedules
-from engine.comm import DataParallel, issue_allgather
+from engine.comm.wfbp import DataParallel
+from engine.comm.collectives import issue_allgather
 from engine.compressors.base import Compressor, Round
 
 

@@ -5,7 +5,7 @@ import torch
 
 from distutil import run_world
 from engine import compressors, data, models, schedules
-from engine.comm import DataParallel
+from engine.comm.wfbp import DataParallel
 
 STEPS = 40
 NO_SGD_MOMENTUM = {"dgc", "signum"}  # they apply momentum themselves

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distutil import run_world
 from engine import compressors, data, models, schedules
-from engine.comm import DataParallel
+from engine.comm.wfbp import DataParallel
 
 STEPS = 20
 

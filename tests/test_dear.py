@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from distutil import run_world
-from engine import dear, schedules
+from engine import schedules
+from engine.comm import dear
 from engine.tuners import capsearch
 from engine.schedules import ParamInfo
 from engine.spec import JobSpec, SpecError

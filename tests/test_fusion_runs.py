@@ -8,7 +8,7 @@ import torch
 
 from distutil import run_world
 from engine import compressors, data, models, schedules
-from engine.comm import DataParallel
+from engine.comm.wfbp import DataParallel
 from engine.spec import JobSpec
 
 STEPS = 20

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from distutil import run_world
 from engine import schedules
-from engine.comm import land_grad
+from engine.comm.core import land_grad
 
 
 def fake_bucket(n=2):
@@ -73,7 +73,7 @@ def _reference_grads(x):
 
 
 def _set_to_none(rank, world, mode):
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.compressors import make
     model = _model()
     handed = {}  # param -> autograd's gradient was not the bucket view (seen before the communicator's hook runs)
@@ -118,9 +118,9 @@ def test_set_to_none_copies_in_and_points_grad_at_the_bucket_again(mode):
 
 
 def _twice(rank, world, kind):
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.compressors import make
-    from engine.dear import DeAR
+    from engine.comm.dear import DeAR
     from engine.schedules import layout_cap
     model = _model()
     if kind == "dear":
@@ -143,9 +143,9 @@ def test_a_second_backward_before_finish_is_an_error(kind):
 
 
 def _finite(rank, world, kind):
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.compressors import make
-    from engine.dear import DeAR
+    from engine.comm.dear import DeAR
     from engine.schedules import layout_cap
     model = _model()
     if kind == "dear":

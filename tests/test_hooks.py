@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from distutil import run_world
 from engine import data, models
 from engine.compressors import names
-from engine.hooks import ddp_hook
+from engine.comm.hooks import ddp_hook
 
 
 def _train(rank, world, cases, steps):

@@ -11,7 +11,7 @@ import torch
 
 from distutil import run_world
 from engine import compressors, data, models, schedules
-from engine.comm import DataParallel
+from engine.comm.wfbp import DataParallel
 from engine.compressors.plan import MB, Plan, section_for
 from engine.spec import JobSpec, SpecError
 

@@ -141,7 +141,7 @@ class FakeClock:
 
 def _held_allreduces(rank, world, nbytes, gbps, latency_us, reps):
     import torch
-    from engine.comm import issue_allreduce
+    from engine.comm.collectives import issue_allreduce
     clock = FakeClock()
     link = ModeledLink(gbps, latency_us, clock=clock, sleep=clock.sleep)
     out = []
@@ -165,7 +165,7 @@ def test_a_real_allreduce_is_held_to_the_models_time():
 
 def _dp_step(rank, world, gbps):
     import torch
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.compressors import make
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))

@@ -12,7 +12,7 @@ import torch
 from distutil import emulate_exchange, run_world
 
 from engine import compressors, data, models, schedules
-from engine.comm import DataParallel
+from engine.comm.wfbp import DataParallel
 from engine.compressors import make
 from engine.compressors.powersgd import matrix_shape, plan_layout
 

@@ -21,7 +21,7 @@ def _model():
 
 
 def _probe_step(rank, world, follow):
-    from engine.comm import DataParallel
+    from engine.comm.wfbp import DataParallel
     from engine.compressors import make
     from engine.probe import LayerProbe
     from engine.timeline import Timeline

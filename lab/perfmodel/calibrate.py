@@ -349,7 +349,7 @@ def drive(comp, t, world: int = 1):
 
     Returns the rounds as [(op, payload bytes, tensors)] and the compute times
     [encode, between rounds..., decode] in seconds."""
-    from engine.core import local_collective, run_exchange
+    from engine.comm.exchange import local_collective, run_exchange
     rounds = []
 
     def collective(op, payloads):
@@ -372,7 +372,7 @@ def needs_curve(c: dict) -> bool:
     """False when the compressor config ``c`` runs no compressor code: an ``identity`` compressor
     (declared) without error feedback, whose exchange is one all-reduce of the raw gradient
     (``engine.core.Exchange.prescales``). Such a config has no cost curve and sends the raw bytes."""
-    from engine.core import Exchange
+    from engine.comm.exchange import Exchange
     return not Exchange.prescales(make_compressor(c))
 
 

@@ -47,7 +47,7 @@ def two_rank_exchange(name: str, n: int = 4096, **params):
 
 
 def _lockstep(comps, xs):
-    from engine.core import local_collective, run_exchange
+    from engine.comm.exchange import local_collective, run_exchange
     ops = []
 
     def collective(op, payloads):

@@ -248,7 +248,7 @@ def codec_curve(comp: dict, device: Device, precision: str = "fp32", numels=CODE
     """Fixed + per-byte encode / between / decode seconds of the compressor config ``comp`` on ``device``,
     priced from the operators its exchange runs (module docstring); the same shape as
     calibrate.measure_compressor's, so build_step reads it unchanged."""
-    from engine.core import local_collective, run_exchange
+    from engine.comm.exchange import local_collective, run_exchange
     price = pricer(device, precision)
     stages: Dict[str, list] = {"encode": [], "between": [], "decode": []}
     torch.manual_seed(0)

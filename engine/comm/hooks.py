@@ -1,6 +1,6 @@
 """Any single-round commlab compressor as a torch DDP communication hook.
 
-    from engine.hooks import ddp_hook
+    from engine.comm.hooks import ddp_hook
     state, hook = ddp_hook("topk", ratio=0.01, error_feedback=True)
     ddp_model.register_comm_hook(state, hook)
 
@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from engine import compressors
-from engine.core import Exchange, issue
+from engine.comm.exchange import Exchange
+from engine.comm.collectives import issue
 
 
 class HookState:

@@ -70,7 +70,8 @@ import torch.distributed as dist
 from engine import compressors, schedules
 from engine.compressors.base import Compressor, nbytes as payload_bytes
 from engine.compressors.plan import Plan
-from engine.core import Bucket, Communicator, Pending, book
+from engine.comm.core import Bucket, Communicator
+from engine.comm.collectives import Pending, book
 from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
 from engine.timeline import Timeline

@@ -25,14 +25,12 @@ import torch
 
 from engine.compressors.base import Compressor, Round
 from engine.compressors.plan import Plan
-from engine.core import Bucket, Communicator, Exchange, issue
+from engine.comm.core import Bucket, Communicator
+from engine.comm.exchange import Exchange
+from engine.comm.collectives import issue
 from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
 from engine.timeline import Timeline
-
-# The collectives and the gradient landing live in the core; they are named here too, where the
-# tests and benchmarks that predate the core import them from.
-from engine.core import issue_allgather, issue_allreduce, land_grad, param_infos, time_exchange  # noqa: F401,E402
 
 Tensor = torch.Tensor
 

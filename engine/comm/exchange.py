@@ -1,0 +1,158 @@
+"""The exchange driver: runs a compressor's exchange generator (engine/compressors/base.py) a round at a
+time: compress (error feedback inside ``encode``), one collective per round, decompress. The comm modes,
+the DDP hooks (engine/comm/hooks.py), LayerFusion's calibration, the performance model and the tests all
+drive exchanges through it, over a process group (``process_group_collective``) or in one process
+(``local_collective``)."""
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from engine.compressors.base import Compressor, Round
+from engine.netmodel import ModeledLink
+
+Tensor = torch.Tensor
+
+
+from engine.comm.collectives import issue
+
+
+class Exchange:
+    """One compressor's exchange of one tensor, driven a round at a time.
+
+        ex = Exchange(compressor, t, world)
+        rnd = ex.start()                 # compress: the first round
+        while rnd is not None:
+            rnd = ex.send(collective(rnd))   # the round's result in: the next round, or None
+        ex.out                           # the average (it may be ``t`` itself)
+
+    With ``timer`` (a clock that waits for the device, e.g. ``perf_counter`` after a CUDA
+    synchronize), ``compute`` lists the seconds spent in the compressor per call: encode, the
+    work between rounds, decode."""
+
+    __slots__ = ("gen", "out", "rounds", "timer", "compute")
+
+    def __init__(self, compressor: Compressor, t: Tensor, world: int, timer: Optional[Callable[[], float]] = None,
+                 prescaled: bool = False):
+        """``prescaled``: ``t`` was already divided by ``world`` (only where ``prescales(compressor)``):
+        the exchange is one all-reduce of ``t`` in place."""
+        if prescaled and not Exchange.prescales(compressor):
+            raise ValueError(f"compressor {compressor.name}: only an identity compressor without error feedback "
+                             "takes a pre-scaled input")
+        self.gen = _sum(compressor, t) if prescaled else compressor.exchange(t, world)
+        self.out: Optional[Tensor] = None
+        self.rounds = 0
+        """Rounds issued so far."""
+        self.timer = timer
+        self.compute: List[float] = []
+
+    @staticmethod
+    def prescales(compressor: Compressor) -> bool:
+        """True when ``compressor``'s exchange is a plain sum of its input divided by the world size
+        (the identity, no error feedback): the division can then be fused into the copy that lands
+        the gradient, before the all-reduce, as DDP does, instead of a pass after it."""
+        return compressor.identity and compressor.ef is None
+
+    def start(self) -> Round:
+        return self._step(None)
+
+    def send(self, reply) -> Optional[Round]:
+        return self._step(reply)
+
+    def _step(self, reply) -> Optional[Round]:
+        t0 = self.timer() if self.timer else 0.0
+        try:
+            rnd = next(self.gen) if self.rounds == 0 else self.gen.send(reply)
+        except StopIteration as stop:
+            self.out = stop.value
+            rnd = None
+        if self.timer:
+            self.compute.append(self.timer() - t0)
+        if rnd is not None:
+            self.rounds += 1
+        return rnd
+
+
+def _sum(compressor: Compressor, t: Tensor):
+    """The exchange of an identity compressor whose input is already divided by the world size."""
+    compressor.last_bytes = t.numel() * t.element_size()
+    (out,) = yield Round("allreduce", [t])
+    return out
+
+
+Collective = Callable[[str, List[List[Tensor]]], list]
+"""``collective(op, payloads)``: one payload (list of tensors) per rank this process stands for;
+returns one reply per rank (all-reduce: the summed tensors; all-gather: every rank's payload)."""
+
+
+def run_exchange(comps: Sequence[Compressor], tensors: Sequence[Tensor], world: int, collective: Collective,
+                 timer: Optional[Callable[[], float]] = None) -> List[Exchange]:
+    """Drive the exchanges of ``comps`` on ``tensors`` (one per rank this process stands for: one on
+    a real rank, several when ranks are simulated in one process) to the end, in lockstep, every
+    round through ``collective``. Returns the finished ``Exchange``s (``.out``, ``.compute``)."""
+    exs = [Exchange(c, t, world, timer) for c, t in zip(comps, tensors)]
+    rounds = [ex.start() for ex in exs]
+    while rounds[0] is not None:
+        op = rounds[0].op
+        if any(r is None or r.op != op for r in rounds):
+            raise RuntimeError(f"ranks asked for different collectives: {[r and r.op for r in rounds]}")
+        replies = collective(op, [r.tensors for r in rounds])
+        rounds = [ex.send(rep) for ex, rep in zip(exs, replies)]
+    if any(r is not None for r in rounds):
+        raise RuntimeError("ranks needed different numbers of rounds")
+    return exs
+
+
+def process_group_collective(group=None, link: Optional[ModeledLink] = None) -> Collective:
+    """The collective of a real rank (one payload per process), over ``group``, waited for."""
+    def collective(op: str, payloads: List[List[Tensor]]) -> list:
+        (mine,) = payloads
+        return [issue(Round(op, mine), group, link).wait()]
+    return collective
+
+
+def local_collective(op: str, payloads: List[List[Tensor]]) -> list:
+    """The collectives' results when every rank's payload is in this process (simulated ranks).
+    Every rank gets its own copy, as from a real collective (a decoder may work in place); a
+    single rank gets its payload back as it is."""
+    if op == "allreduce":
+        if len(payloads) == 1:
+            return [list(payloads[0])]
+        total = [torch.stack(ts).sum(0) for ts in zip(*payloads)]
+        return [[t.clone() for t in total] for _ in payloads]
+    if op == "allgather":
+        if len(payloads) == 1:
+            return [[list(payloads[0])]]
+        return [[[x.clone() for x in p] for p in payloads] for _ in payloads]
+    raise ValueError(f"a compressor asked for an unknown collective {op!r}; allowed: allreduce, allgather")
+
+
+def exchange(comp: Compressor, t: Tensor, world: int, group=None, link: Optional[ModeledLink] = None) -> Tensor:
+    """A whole exchange of ``t`` on this rank, waited for: the average over ranks (a blocking
+    convenience for calibrations and tests)."""
+    return run_exchange([comp], [t], world, process_group_collective(group, link))[0].out
+
+
+def time_exchange(make_compressor: Callable[[], Compressor], numel: int, dtype, device, group=None,
+                  link: Optional[ModeledLink] = None) -> tuple:
+    """``(total, compute)`` seconds of one whole exchange of a bucket of ``numel`` elements with a
+    fresh compressor, run synchronously: all of it, and the part spent in the compressor (compress
+    and decode, on this thread). Collective: every rank calls it with the same arguments
+    (LayerFusion's calibration)."""
+    comp = make_compressor()
+    comp.bucket, comp.process_rank, comp.layout = 0, dist.get_rank(group), [(0, (numel,))]
+    g = torch.Generator().manual_seed(numel)
+    t = torch.randn(numel, generator=g).to(device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if t.is_cuda else None
+
+    def timer():
+        if sync:
+            sync(t.device)
+        return time.perf_counter()
+    dist.barrier(group=group)
+    t0 = time.perf_counter()
+    (ex,) = run_exchange([comp], [t], dist.get_world_size(group), process_group_collective(group, link), timer)
+    return time.perf_counter() - t0, sum(ex.compute)
