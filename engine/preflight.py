@@ -59,14 +59,24 @@ def build(spec: JobSpec, meta: bool = False):
     return ds, model
 
 
-def describe(spec: JobSpec) -> dict:
-    """The model's size (``describe_model``), from a small data set of the same shape and, for the lab's
-    own builders (the zoo, torchvision, transformers), a model on the meta device: a model of a billion
+def sized(spec: JobSpec):
+    """The spec's model for counting, not training: built on a small data set of the same shape and, for the
+    lab's own builders (the zoo, torchvision, transformers), on the meta device, so a model of a billion
     parameters is counted without a byte of its weights. A user's factory is built for real (its code may
     do anything with its tensors)."""
     if spec.dataset.name == "synthetic" and (spec.dataset.size or 0) > DESCRIBE_EXAMPLES:
         spec = dataclasses.replace(spec, dataset=dataclasses.replace(spec.dataset, size=DESCRIBE_EXAMPLES))
-    return describe_model(build(spec, meta=not codepath.is_import_path(spec.model.name))[1])
+    return build(spec, meta=not codepath.is_import_path(spec.model.name))[1]
+
+
+def describe(spec: JobSpec) -> dict:
+    """The model's size (``describe_model``), counted on ``sized``."""
+    return describe_model(sized(spec))
+
+
+def parameters(spec: JobSpec) -> list:
+    """[name, bytes] of the model's trainable parameters in registration order, counted on ``sized``."""
+    return [[n, p.numel() * p.element_size()] for n, p in sized(spec).named_parameters() if p.requires_grad]
 
 
 def check(spec: JobSpec) -> dict:

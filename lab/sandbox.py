@@ -3,8 +3,9 @@ short-lived child process with limits, never in the process that serves the UI.
 
     python -m lab.sandbox TASK LIMITS_JSON < spec.json     one JSON object on stdout
 
-Tasks: ``describe`` (the model's size: the New run form's preview, and a student's parameter quota) and
-``check`` (a first batch through the model and the loss before a run is queued; engine/preflight.py).
+Tasks (engine/preflight.py): ``describe`` (the model's size: the New run form's preview, and a student's
+parameter quota), ``parameters`` (each parameter's name and bytes: what the performance model calibrates a
+run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued).
 
 The child sets its limits before it imports torch, the engine or anything the spec names: address space
 and data (RLIMIT_AS, RLIMIT_DATA), CPU seconds (RLIMIT_CPU), open files (RLIMIT_NOFILE), the size of a file
@@ -57,7 +58,7 @@ PREVIEW = Limits(wall_s=20.0, cpu_s=20, memory=2 << 30)
 """A model's size for the New run form (the lab's own models are counted on the meta device: no weights)."""
 CHECK = Limits(wall_s=60.0, cpu_s=60, memory=4 << 30)
 """A first batch through a model from outside the zoo, before its run is queued."""
-LABELS = {"describe": "preview", "check": "check"}
+LABELS = {"describe": "preview", "parameters": "preview", "check": "check"}
 MAX_CHILDREN = 2
 """Children running at once in one server process, for every viewer together."""
 WAIT_S = 10.0
@@ -229,7 +230,7 @@ def _work(task: str, data: dict) -> dict:
     from engine import preflight
     from engine.spec import JobSpec
     spec = JobSpec.from_dict(data)  # imports what the spec names: in this child, that is the point
-    return preflight.describe(spec) if task == "describe" else preflight.check(spec)
+    return {"describe": preflight.describe, "parameters": preflight.parameters, "check": preflight.check}[task](spec)
 
 
 def _failure(e: BaseException) -> dict:
