@@ -21,8 +21,8 @@ from engine.external import _first_line
 from engine.spec import JobSpec, SpecError
 
 DESCRIBE_EXAMPLES = 64
-"""``describe`` builds a synthetic data set of at most this many examples: the model's size depends on the
-data's shape, classes and vocabulary, never on how many examples there are."""
+"""``describe`` builds a synthetic data set of this many examples: the model's size depends on the data's
+shape, classes and vocabulary, never on how many examples there are."""
 
 
 def needs_check(spec: JobSpec) -> bool:
@@ -64,7 +64,7 @@ def sized(spec: JobSpec):
     lab's own builders (the zoo, torchvision, transformers), on the meta device, so a model of a billion
     parameters is counted without a byte of its weights. A user's factory is built for real (its code may
     do anything with its tensors)."""
-    if spec.dataset.name == "synthetic" and (spec.dataset.size or 0) > DESCRIBE_EXAMPLES:
+    if spec.dataset.name == "synthetic":
         spec = dataclasses.replace(spec, dataset=dataclasses.replace(spec.dataset, size=DESCRIBE_EXAMPLES))
     return build(spec, meta=not codepath.is_import_path(spec.model.name))[1]
 

@@ -111,7 +111,8 @@ def run(task: str, spec: dict, limits: Limits = PREVIEW, who: Optional[str] = No
     label = LABELS[task]
     with person(who, label, limits.wall_s + WAIT_S):
         if not _server.acquire(timeout=WAIT_S):
-            raise Busy(label, f"the server is running {MAX_CHILDREN} such checks already; try again in a moment")
+            raise Busy(label, f"all {MAX_CHILDREN} of the server's places for previews and checks are taken; "
+                              f"try again in a moment")
         try:
             return _spawn(task, spec, limits)
         finally:

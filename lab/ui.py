@@ -342,7 +342,10 @@ def model_size(spec: JobSpec) -> dict:
     set (the last PREVIEWS answers are kept). Raises SpecError as the spec would, or with the limit the
     child hit ("preview: took more than 20 s")."""
     d = spec.to_dict()
-    key = json.dumps({"model": d["model"], "dataset": d["dataset"], "seed": 0}, sort_keys=True)
+    data = dict(d["dataset"])
+    if data["name"] == "synthetic":
+        data["size"] = None  # how many examples plays no part in the model's size (engine.preflight.sized)
+    key = json.dumps({"model": d["model"], "dataset": data, "seed": 0}, sort_keys=True)
     who = viewer().name
     with sandbox.person(who):  # one child per person at a time; a second request waits and finds the answer
         with _previews_lock:
@@ -369,20 +372,26 @@ def validate(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError]]:
     """The validated spec, or the SpecError (``e.path``, ``e.msg``) that names the bad field. For a student:
     a field that names code is refused before anything else (and nothing is imported: the syntax is checked),
     and so is a spec over a per-run limit (lab.workshop.quotas), under the field it is about."""
-    from lab.specs import load_spec
-    user = viewer()
     try:
-        if may_run_code(user):
-            return load_spec(data=data), None
-        workshop.refuse_code(data)
-        with codepath.no_imports():
-            spec = load_spec(data=data)
-        workshop.check_run(workshop.quotas(runs_dir()), spec)
+        spec = _parse(data)
+        if not may_run_code():
+            workshop.check_run(workshop.quotas(runs_dir()), spec)
         return spec, None
     except SpecError as e:
         return None, e
     except workshop.QuotaError as e:
         return None, SpecError(e.field or "quota", str(e))
+
+
+def _parse(data: dict) -> JobSpec:
+    """The viewer's spec dict, validated. A student's is refused if it names code (before it is parsed), and
+    is parsed without importing anything, whatever process this is."""
+    from lab.specs import load_spec
+    if may_run_code():
+        return load_spec(data=data)
+    workshop.refuse_code(data)
+    with codepath.no_imports():
+        return load_spec(data=data)
 
 
 def form_check(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError], Optional[dict]]:
@@ -443,11 +452,7 @@ def parse_value(text: str):
 def submit(data: dict, runs=None) -> Run:
     """Queue a run from a form's spec dict for the viewer (within their quotas); returns at once. A
     student's spec that names code is refused before it is even parsed."""
-    root = runs or runs_dir()
-    spec, err = validate(data)
-    if err is not None:
-        raise err
-    return _queue(root, [spec])[0]
+    return _queue(runs or runs_dir(), [_parse(data)])[0]
 
 
 def spec_yaml(spec: JobSpec) -> str:

@@ -247,7 +247,7 @@ def read_profile(runs, user: workshop.User, name: Optional[str] = None, path: Op
     elif name is not None:
         rel = lab_profiles(runs).get(name)
         if rel is None:
-            raise SpecError("profile", f"no saved profile {name!r} in this lab")
+            raise SpecError("profile", "no such saved profile in this lab; pick one from the list")
         prof = whatif.profile_from_text((Path(runs) / rel).read_text(), name, "profile")  # no server path in errors
     elif path is not None:
         if not user.admin:
