@@ -32,8 +32,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from engine.codepath import (ARCH, LIBRARY_PREFIXES, check_path, imports_allowed,  # noqa: F401
-                             is_import_path)
+from engine.codepath import ARCH, LIBRARY_PREFIXES, check_path, imports_allowed
 
 TORCHVISION, HF = LIBRARY_PREFIXES
 
@@ -51,7 +50,8 @@ def check_import(path: str, field: str) -> None:
 
 def import_object(path: str, field: str):
     """``pkg.module:attr`` -> the object; a one-line ValueError naming ``field`` otherwise. Refused in a
-    process that serves viewers (``forbid_imports_when``): nothing a viewer names is imported there."""
+    process that serves viewers (engine.codepath.forbid_imports_when): nothing a viewer names is imported
+    there."""
     mod_name, _, attr = path.partition(":")
     if not mod_name or not attr:
         raise ValueError(f"{field}: {path!r} is not an import path; write package.module:function")
@@ -206,7 +206,8 @@ def check_model(name: str) -> None:
         if name.startswith((TORCHVISION, HF)):
             arch = name.partition(":")[2]
             if not ARCH.fullmatch(arch):
-                raise ValueError(f"model.name: {arch!r} is not an architecture name (letters, digits, '_', '-', '.')")
+                raise ValueError(f"model.name: {arch!r} is not an architecture name (letters, digits, '_', '-', "
+                                 f"'.')")
         else:
             check_path(name, "model.name")
         return

@@ -347,24 +347,35 @@ def model_size(spec: JobSpec) -> dict:
         data["size"] = None  # how many examples plays no part in the model's size (engine.preflight.sized)
     key = json.dumps({"model": d["model"], "dataset": data, "seed": 0}, sort_keys=True)
     who = viewer().name
-    with sandbox.person(who):  # one child per person at a time; a second request waits and finds the answer
-        with _previews_lock:
-            hit = _previews.get(key)
-            if hit is not None:
-                _previews.move_to_end(key)
-        if hit is None:
-            try:
-                hit = sandbox.run("describe", json.loads(key), sandbox.PREVIEW, who=who)
-            except sandbox.Busy as e:  # not an answer about this spec: asked again next time
-                raise SpecError(e.path, e.msg) from None
-            except sandbox.SandboxError as e:
-                hit = SpecError(e.path, e.msg)
-            with _previews_lock:
-                _previews[key] = hit
-                while len(_previews) > PREVIEWS:
-                    _previews.popitem(last=False)
+    hit = _preview(key)
+    if hit is None:
+        with sandbox.person(who):  # one child per person at a time; a second request waits, then finds the answer
+            hit = _preview(key) or _run_preview(key, who)
     if isinstance(hit, SpecError):
         raise SpecError(hit.path, hit.msg)
+    return hit
+
+
+def _preview(key: str):
+    with _previews_lock:
+        hit = _previews.get(key)
+        if hit is not None:
+            _previews.move_to_end(key)
+        return hit
+
+
+def _run_preview(key: str, who: str):
+    """The child's answer for ``key`` (a size, or the SpecError it gave), kept; Busy is not an answer."""
+    try:
+        hit = sandbox.run("describe", json.loads(key), sandbox.PREVIEW, who=who)
+    except sandbox.Busy as e:  # asked again next time
+        raise SpecError(e.path, e.msg) from None
+    except sandbox.SandboxError as e:
+        hit = SpecError(e.path, e.msg)
+    with _previews_lock:
+        _previews[key] = hit
+        while len(_previews) > PREVIEWS:
+            _previews.popitem(last=False)
     return hit
 
 
