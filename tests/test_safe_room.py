@@ -394,6 +394,17 @@ def test_a_student_reads_only_the_labs_profiles(profiles):
         "profile: upload passwd.json is not JSON (Expecting value: line 1 column 1 (char 0))"]
     text = everything(at)
     assert "root:" not in text and str(root) not in text and "/etc" not in text
+    from test_perfmodel import tiny_profile
+    good = asdict(tiny_profile(spec={"model": "mlp", "dataset": "digits", "batch_size": 16}))
+    for bad, said in (({"forward_s": "x"}, "forward_s must be a number of seconds (>= 0)"),
+                      ({"params": [["w", 1e300]]}, "params must be [name, bytes] pairs with bytes a positive integer"),
+                      ({"params": [["w", 4 * 10**12]]}, None)):  # a trillion parameters: over alice's limit
+        at.file_uploader(key="pm.prof.upload").set_value(
+            ("bad.json", json.dumps({**good, **bad}).encode(), "application/json")).run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert [one_line(e.value) for e in at.error] == [
+            f"profile: upload bad.json: {said}" if said else
+            "profile: a model of about 1,000,000,000,000 parameters; at most 50,000,000 on this lab (quota params)"]
     alice = workshop.User("alice")
     for kw in ({"path": "/etc/passwd"}, {"path": str(outside)}, {"name": "../../../etc/passwd"},
                {"name": "passwd.json"}, {"upload": ("big.json", b" " * (views.MAX_UPLOAD + 1))}):
