@@ -340,7 +340,7 @@ def model_size(spec: JobSpec) -> dict:
     """Parameter count and gradient bytes of the spec's model: {params, grad_bytes, tensors, tied}, counted
     in a child process with limits (lab.sandbox, task describe), never in this one, once per model and data
     set (the last PREVIEWS answers are kept). Raises SpecError as the spec would, or with the limit the
-    child hit ("preview: took more than 20 s")."""
+    child hit ("preview: took more than 30 s")."""
     d = spec.to_dict()
     data = dict(d["dataset"])
     if data["name"] == "synthetic":
@@ -365,10 +365,11 @@ def _preview(key: str):
 
 
 def _run_preview(key: str, who: str):
-    """The child's answer for ``key`` (a size, or the SpecError it gave), kept; Busy is not an answer."""
+    """The child's answer for ``key`` (a size, or the SpecError it gave), kept; no free place for a child, or
+    no answer in time, is not an answer about the spec (asked again next time)."""
     try:
         hit = sandbox.run("describe", json.loads(key), sandbox.PREVIEW, who=who)
-    except sandbox.Busy as e:  # asked again next time
+    except (sandbox.Busy, sandbox.TimedOut) as e:
         raise SpecError(e.path, e.msg) from None
     except sandbox.SandboxError as e:
         hit = SpecError(e.path, e.msg)

@@ -212,8 +212,12 @@ def test_a_preview_child_is_stopped_at_its_limit(room, code, monkeypatch, how):
     assert pid != os.getpid()
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(pid, 0)
-    at.run()  # the answer is kept: no second child
-    assert Code.pids(marker) == [pid] and [e.value for e in at.error] == [said]
+    at.run()
+    assert [e.value for e in at.error] == [said]
+    if how == "sleeps":  # out of time may be the machine's doing: asked again, and stopped again
+        assert len(Code.pids(marker)) == 2
+    else:  # the answer is kept: no second child
+        assert Code.pids(marker) == [pid]
 
 
 def rss_mb() -> float:
