@@ -5,8 +5,9 @@ old multipage mode for a session that opens a page's URL directly, bypassing thi
 (and with it the gate below)."""
 import streamlit as st
 
-from app import access
+from app import access, guard
 
+guard.install()  # nothing a viewer names is imported or built in this process
 user = access.gate()  # on a workshop server, nothing below runs without a valid token
 pages = [
     st.Page("views/home.py", title="Home", icon=":material/science:", default=True),

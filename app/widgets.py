@@ -254,7 +254,7 @@ def run_form() -> None:
     left, mid, right = st.columns(3)
     with left:
         st.markdown("**Workload**")
-        source = st.selectbox("Model from", ui.MODEL_SOURCES, key=k + "model_source",
+        source = st.selectbox("Model from", ui.model_sources(), key=k + "model_source",
                               help="zoo: commlab's models; torchvision: a classifier by architecture; hf: a "
                                    "Hugging Face causal LM from its config; import path: package.module:factory "
                                    "(on PYTHONPATH). Weights are random: nothing is downloaded.")
@@ -271,7 +271,7 @@ def run_form() -> None:
             if bad:
                 st.error(f"model.options: {bad}")
         _slot(slots, "model.name")
-        datasets = ui.datasets_for(model) + ["import path"]
+        datasets = ui.dataset_sources(model)
         dataset = st.selectbox("Data set", datasets, key=k + "dataset",
                                help="The data sets this model can train on, or package.module:loader returning "
                                     "(train, held-out).")
@@ -412,23 +412,15 @@ def run_form() -> None:
             d["timeline"] = st.checkbox("Record the timeline", True, key=k + "timeline")
         _slot(slots, "seed")
 
-    spec, err = ui.validate(d)
+    with st.spinner("Checking the spec ..."):  # the model's size comes from a child process (lab.sandbox)
+        spec, err, size = ui.form_check(d)
     if err is not None:
         where = ui.error_field(err.path, slots, err.msg)
-        if where:
-            slots[where].error(err.msg, icon=":material/error:")
-        else:
-            st.error(str(err))
-    if spec is not None:
-        try:  # the model is built once per model and data set (cached), never trained here
-            size = ui.model_size(spec)
-            tied = f" · tied: {', '.join(size['tied'])}" if size["tied"] else ""
-            size_slot.caption(f"{size['params']:,} parameters in {size['tensors']} tensors · gradient "
-                              f"{size['grad_bytes'] / 2**20:.2f} MB per step before compression{tied}")
-        except ui.SpecError as e:
-            where = ui.error_field(e.path, slots, e.msg)
-            (slots[where] if where else st).error(e.msg if where else str(e), icon=":material/error:")
-            spec = None
+        (slots[where] if where else st).error(err.msg if where else str(err), icon=":material/error:")
+    if size is not None:
+        tied = f" · tied: {', '.join(size['tied'])}" if size["tied"] else ""
+        size_slot.caption(f"{size['params']:,} parameters in {size['tensors']} tensors · gradient "
+                          f"{size['grad_bytes'] / 2**20:.2f} MB per step before compression{tied}")
     with st.expander("Spec (YAML): save it and run `commlab run spec.yaml` for the same job"):
         st.code(ui.spec_yaml(spec) if spec else "(fix the error first)", language="yaml")
     if st.button("Queue run", type="primary", disabled=spec is None, key=k + "submit", icon=":material/play_arrow:"):

@@ -10,6 +10,11 @@
 Nothing is downloaded: torchvision gets ``weights=None`` and transformers builds from a config
 with the hub switched off. torchvision and transformers are optional (the ``models`` extra); a
 name that needs a missing package is refused with a one-line message, like any unknown name.
+
+A process that serves untrusted viewers (the UI's server) never imports what a spec names
+(engine.codepath.imports_allowed): there a spec's names are checked for their syntax only
+(``check_import``, ``check_model``) and ``import_object`` refuses. The checks that need the code
+run in a child process with limits (lab/sandbox.py).
 """
 from __future__ import annotations
 
@@ -27,22 +32,32 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-TORCHVISION, HF = "torchvision:", "hf:"
+from engine.codepath import ARCH, LIBRARY_PREFIXES, check_path, imports_allowed
 
-
-def is_import_path(name: str) -> bool:
-    return ":" in name and not name.startswith((TORCHVISION, HF))
+TORCHVISION, HF = LIBRARY_PREFIXES
 
 
 def is_external(name: str) -> bool:
     return ":" in name
 
 
+def check_import(path: str, field: str) -> None:
+    """An import path's syntax and, where this process may import (``imports_allowed``), the object it names."""
+    check_path(path, field)
+    if imports_allowed():
+        import_object(path, field)
+
+
 def import_object(path: str, field: str):
-    """``pkg.module:attr`` -> the object; a one-line ValueError naming ``field`` otherwise."""
+    """``pkg.module:attr`` -> the object; a one-line ValueError naming ``field`` otherwise. Refused in a
+    process that serves viewers (engine.codepath.forbid_imports_when): nothing a viewer names is imported
+    there."""
     mod_name, _, attr = path.partition(":")
     if not mod_name or not attr:
         raise ValueError(f"{field}: {path!r} is not an import path; write package.module:function")
+    if not imports_allowed():
+        raise ValueError(f"{field}: {path!r} is not imported in this process, which serves the lab's viewers; "
+                         f"code is checked in a child process (lab.sandbox)")
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # the user's module may fail in any way while importing
@@ -184,7 +199,18 @@ def model_kind(name: str) -> Optional[str]:
 
 
 def check_model(name: str) -> None:
-    """Refuse unknown architectures and import failures with one line (spec time; builds nothing)."""
+    """Refuse unknown architectures and import failures with one line (spec time; builds nothing). Where
+    this process may not import (``imports_allowed``), only the name's syntax is checked: not even
+    torchvision or transformers are loaded for it."""
+    if not imports_allowed():
+        if name.startswith((TORCHVISION, HF)):
+            arch = name.partition(":")[2]
+            if not ARCH.fullmatch(arch):
+                raise ValueError(f"model.name: {arch!r} is not an architecture name (letters, digits, '_', '-', "
+                                 f"'.')")
+        else:
+            check_path(name, "model.name")
+        return
     if name.startswith(TORCHVISION):
         arch = name[len(TORCHVISION):]
         if arch not in torchvision_archs():

@@ -5,39 +5,78 @@ training split, so a model and a data set that do not fit each other fail with
 one line in the launching process instead of a traceback in every rank.
 ``describe(spec)`` gives the parameter count and the gradient's size (what one
 uncompressed all-reduce moves per step), for the UI before a run starts.
+
+Both build what the spec names, so neither runs in a process that serves viewers
+(engine.codepath.imports_allowed): there they run in a child with limits (lab/sandbox.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from engine import data, external, models
+from engine import codepath, data, external, models
+from engine.codepath import code_fields
 from engine.external import _first_line
 from engine.spec import JobSpec, SpecError
+
+DESCRIBE_EXAMPLES = 64
+"""``describe`` builds a synthetic data set of this many examples: the model's size depends on the data's
+shape, classes and vocabulary, never on how many examples there are."""
 
 
 def needs_check(spec: JobSpec) -> bool:
     """Zoo models on shipped data sets are known to fit (the spec checks their kinds); models
-    and data sets from outside the zoo are checked by a first batch."""
-    return external.is_external(spec.model.name) or external.is_external(spec.dataset.name)
+    and data sets from outside the zoo, and a loss of the user's, are checked by a first batch."""
+    return (external.is_external(spec.model.name) or external.is_external(spec.dataset.name)
+            or bool(code_fields(spec.to_dict())))
 
 
-def build(spec: JobSpec):
-    """(data set, model) on the CPU, seeded as the ranks seed them. Errors are SpecErrors."""
+def _here(what: str) -> None:
+    if not codepath.imports_allowed():
+        raise RuntimeError(f"preflight.{what} builds what a spec names; this process serves viewers, so it "
+                           f"runs in a child process (lab.sandbox)")
+
+
+def build(spec: JobSpec, meta: bool = False):
+    """(data set, model) on the CPU, seeded as the ranks seed them. Errors are SpecErrors. With ``meta`` the
+    model's parameters have shapes but no storage (torch's meta device): its size without its memory."""
     from engine.trainer import load_data
+    _here("build")
     torch.manual_seed(spec.seed)
     try:
         ds = load_data(spec)
     except ValueError as e:
         raise _spec_error(e, "dataset") from None
     try:
-        model = models.build(spec.model.name, ds.info, **spec.model.options)
+        if meta:
+            with torch.device("meta"):
+                model = models.build(spec.model.name, ds.info, **spec.model.options)
+        else:
+            model = models.build(spec.model.name, ds.info, **spec.model.options)
     except ValueError as e:
         raise _spec_error(e, "model") from None
     return ds, model
 
 
+def sized(spec: JobSpec):
+    """The spec's model for counting, not training: built on a small data set of the same shape and, for the
+    lab's own builders (the zoo, torchvision, transformers), on the meta device, so a model of a billion
+    parameters is counted without a byte of its weights. A user's factory is built for real (its code may
+    do anything with its tensors)."""
+    if spec.dataset.name == "synthetic":
+        spec = dataclasses.replace(spec, dataset=dataclasses.replace(spec.dataset, size=DESCRIBE_EXAMPLES))
+    return build(spec, meta=not codepath.is_import_path(spec.model.name))[1]
+
+
 def describe(spec: JobSpec) -> dict:
-    return describe_model(build(spec)[1])
+    """The model's size (``describe_model``), counted on ``sized``."""
+    return describe_model(sized(spec))
+
+
+def parameters(spec: JobSpec) -> list:
+    """[name, bytes] of the model's trainable parameters in registration order, counted on ``sized``."""
+    return [[n, p.numel() * p.element_size()] for n, p in sized(spec).named_parameters() if p.requires_grad]
 
 
 def check(spec: JobSpec) -> dict:

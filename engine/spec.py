@@ -5,6 +5,9 @@ A spec comes from YAML or JSON (``lab`` reads the file) as a plain dict.
 impossible combinations with a ``SpecError`` whose one-line message names the
 field and what is allowed. ``to_dict`` gives the fully defaulted form that is
 written to ``spec.json``; ``from_dict(to_dict(s)) == s``.
+
+Fields that name code by import path (engine.codepath.code_fields) are imported while checking, except
+in a process that serves viewers (engine.codepath.forbid_imports_when), where their syntax is checked.
 """
 from __future__ import annotations
 
@@ -55,7 +58,7 @@ class ModelSpec:
             else:
                 models.kind(self.name)
             if self.loss is not None:
-                external.import_object(self.loss, "model.loss")
+                external.check_import(self.loss, "model.loss")
         except ValueError as e:
             field_, _, msg = str(e).partition(": ")
             raise SpecError(field_ if field_.startswith("model.") else "model.name", msg or str(e)) from None
@@ -96,7 +99,7 @@ class DataSpec:
                     raise SpecError(f"dataset.{key}", f"a loader takes its arguments as dataset options, not {key}")
             from engine import external
             try:
-                external.import_object(self.name, "dataset.name")
+                external.check_import(self.name, "dataset.name")
             except ValueError as e:
                 raise SpecError("dataset.name", str(e).partition(": ")[2]) from None
             return

@@ -38,13 +38,11 @@ from typing import Dict, List, Optional, Tuple
 from engine.runlog import write_json_atomic
 from lab.index import INDEX_FILE, Index
 from lab.store import CONFIG, LabError, RunStore, lab_config
-from lab.workshop import User, local_user
+from lab.workshop import TEACHER, User, local_user
 
 ACCESS_FILE = "access.json"
 ACCESS_ENV = "COMMLAB_ACCESS"
 """``token`` or ``off``: set by ``commlab app`` for its server (off on loopback, token elsewhere)."""
-TEACHER = "teacher"
-"""The owner name of runs the teacher starts from the UI with the admin token."""
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")
 RESERVED = (TEACHER, "local", "root", "admin")
 """Names no student may take, besides the local user's and every name that owns runs already."""

@@ -27,9 +27,12 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from lab import procs
+from engine import codepath
+from engine.spec import SpecError
+from lab import procs, sandbox
 from lab.index import Index, RunIndexError
 from lab.store import CONFIG, FINAL, LabError, Run, RunStore, lab_config
+from lab.workshop import is_student, local_user, refuse_code
 
 POLL_S = 0.2
 BACK_POLL_S = 1.0
@@ -110,18 +113,28 @@ class Lab:
                wall_limit_s: Optional[float] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
         (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
-        seconds of running (a student's quota, lab.workshop)."""
+        seconds of running (a student's quota, lab.workshop). A student's spec that names code is refused
+        here, whoever submits it (lab.workshop.refuse_code). A model or data set from outside the zoo takes
+        one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
+        a child with limits (lab.sandbox; the UI's server)."""
+        if is_student(owner):
+            refuse_code(spec.to_dict())
         if spec.network.link == "shaped":
             from lab.netns import NetworkUnavailable, check_shaped_supported
             try:
                 check_shaped_supported()
             except NetworkUnavailable as e:
                 raise LabError(f"network.link: {e}") from None
-        from engine import preflight
+        from engine import preflight  # torch: not when a supervisor imports this module (supervise)
         if preflight.needs_check(spec):  # a model or data set from outside the zoo: one batch, before any rank
-            preflight.check(spec)
+            if codepath.imports_allowed():
+                preflight.check(spec)
+            else:
+                try:
+                    sandbox.run("check", spec.to_dict(), sandbox.CHECK, who=owner or local_user().name)
+                except sandbox.SandboxError as e:
+                    raise SpecError(e.path, e.msg) from None
         self.recover_stale()
-        from lab.workshop import local_user
         run = self.store.create(spec, run_id)
         extra = {"owner": owner or local_user().name}
         if sweep:

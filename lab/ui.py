@@ -7,7 +7,6 @@ of it can be tested and used from a notebook.
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 import os
@@ -15,16 +14,19 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import OrderedDict
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import pandas as pd
 import yaml
 
+from engine import codepath
 from engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, \
     JobSpec, SpecError
-from lab import accounts, disturbance, procs, workshop
+from lab import accounts, disturbance, procs, sandbox, workshop
 from lab.presets import PRESETS, Preset  # noqa: F401  (the pages reach them through ui)
 from lab.store import FINAL, LabError, Run, RunError, default_root
 from lab.workshop import User
@@ -74,16 +76,53 @@ def _visible(run: Run, user: Optional[User] = None) -> bool:
     return workshop.can_see(user or viewer(), run.status())
 
 
-def _limits(root, specs: list) -> Optional[float]:
-    """Check the viewer's quotas for ``specs`` (LabError naming the limit); the wall-time limit to give
-    their runs (None for the teacher or when unset)."""
-    from lab.queue import Lab
+def serve_viewers(in_server: Callable[[], bool]) -> None:
+    """Called by the app's entry file: in this process, whenever ``in_server()`` is true (a thread serving a
+    viewer), nothing a spec names is imported or built (engine.codepath.forbid_imports_when): specs are
+    checked for their syntax, and what needs the code runs in a child with limits (lab.sandbox)."""
+    codepath.forbid_imports_when(in_server)
+
+
+def may_run_code(user: Optional[User] = None) -> bool:
+    """Whether the viewer may use code of their own (import paths): the teacher and the local user."""
+    return (user or viewer()).admin
+
+
+def _admit(root, specs: list) -> Tuple[User, list, Optional[float]]:
+    """The viewer, their ``specs`` as they may be queued, and the wall-time limit to give the runs (None for
+    the teacher): for a student, a spec that names code or passes a per-run limit (its model's size counted
+    in a child first) is refused, one line naming the field or the limit."""
     user = viewer()
     if user.admin:
-        return None
-    active = sum(1 for r in Lab(root).index.query(owner=user.name) if r["state"] in ("queued", "running"))
-    workshop.check_quota(root, user, specs, active)
-    return workshop.quotas(root).get("wall_s")
+        return user, specs, None
+    q = workshop.quotas(root)
+    out = []
+    for s in specs:
+        workshop.refuse_code(s.to_dict())
+        s = workshop.check_run(q, s)
+        if "params" in q:
+            workshop.check_run(q, s, params=model_size(s)["params"])
+        out.append(s)
+    return user, out, q.get("wall_s")
+
+
+def _queue(root, specs: list, then=None) -> List[Run]:
+    """Queue ``specs`` for the viewer within their quotas (``_admit``); the ``queued`` limit is checked and
+    the runs are made under one lock (workshop.queue_lock), so requests at the same moment cannot both pass
+    it. ``then(runs)`` runs before their supervisors start (a preset records its group). Returns the runs."""
+    from lab.queue import Lab
+    user, specs, wall = _admit(root, specs)
+    q = Lab(root)
+    with workshop.queue_lock(root, user.name):
+        if not user.admin:
+            active = sum(1 for r in q.index.query(owner=user.name) if r["state"] in ("queued", "running"))
+            workshop.check_queued(workshop.quotas(root), user, active, len(specs))
+        made = [q.create(s, owner=user.name, wall_limit_s=wall) for s in specs]
+    if then is not None:
+        then(made)
+    for run in made:
+        q.spawn_supervisor(run)
+    return made
 
 
 def cuda_available() -> bool:
@@ -102,15 +141,11 @@ def start_preset(preset: Preset, runs=None) -> str:
     from lab import results
     root = runs or runs_dir()
     created = time.time()
-    ids: Dict[str, str] = {}
     cap = workshop.preset_steps(root)
     specs = [lab._spec(workshop.scale_preset(d, cap)) for d in preset.specs()]
-    wall = _limits(root, specs)
-    q = lab._lab(root)
-    for label, spec in zip(preset.labels(), specs):
-        ids[label] = q.submit(spec, wait=False, owner=viewer().name, wall_limit_s=wall).id
-        results.save_group(root, preset.key, ids, created=created)
-    return next(iter(ids.values()))
+    made = _queue(root, specs, then=lambda made: results.save_group(
+        root, preset.key, {label: r.id for label, r in zip(preset.labels(), made)}, created=created))
+    return made[0].id
 
 
 def _group_visible(group: dict, root) -> bool:
@@ -250,6 +285,17 @@ def compressors_for(mode: str) -> List[str]:
 MODEL_SOURCES = ("zoo", "torchvision:", "hf:", "import path")
 """Where the form's model comes from: the built-in zoo, a torchvision classifier, a Hugging Face
 causal LM built from its config, or package.module:factory from the user's code."""
+IMPORT_PATH = "import path"
+
+
+def model_sources() -> List[str]:
+    """MODEL_SOURCES the viewer may choose: a student is not offered an import path."""
+    return [m for m in MODEL_SOURCES if m != IMPORT_PATH or may_run_code()]
+
+
+def dataset_sources(model: str) -> List[str]:
+    """``datasets_for(model)``, and an import-path loader for a viewer who may run code."""
+    return datasets_for(model) + ([IMPORT_PATH] if may_run_code() else [])
 
 
 def model_name(source: str, text: str) -> str:
@@ -286,26 +332,98 @@ def parse_options(text: str) -> Tuple[dict, Optional[str]]:
     return data, None
 
 
-@functools.lru_cache(maxsize=64)
-def _model_size(key: str) -> dict:
-    from engine import preflight
-    return preflight.describe(JobSpec.from_dict(json.loads(key)))
+PREVIEWS = 64
+"""Model sizes (or the one-line error of their preview) kept in this process, least recently used first out."""
+_previews: "OrderedDict[str, object]" = OrderedDict()
+_previews_lock = threading.Lock()
 
 
 def model_size(spec: JobSpec) -> dict:
-    """Parameter count and gradient bytes of the spec's model, built once per model and data set
-    (cached): {params, grad_bytes, tensors, tied}. Raises SpecError as the spec would."""
+    """Parameter count and gradient bytes of the spec's model: {params, grad_bytes, tensors, tied}, counted
+    in a child process with limits (lab.sandbox, task describe), never in this one, once per model and data
+    set (the last PREVIEWS answers are kept). Raises SpecError as the spec would, or with the limit the
+    child hit ("preview: took more than 30 s")."""
     d = spec.to_dict()
-    return _model_size(json.dumps({"model": d["model"], "dataset": d["dataset"], "seed": 0}, sort_keys=True))
+    data = dict(d["dataset"])
+    if data["name"] == "synthetic":
+        data["size"] = None  # how many examples plays no part in the model's size (engine.preflight.sized)
+    key = json.dumps({"model": d["model"], "dataset": data, "seed": 0}, sort_keys=True)
+    who = viewer().name
+    hit = _preview(key)
+    if hit is None:
+        with sandbox.person(who):  # one child per person at a time; a second request waits, then finds the answer
+            hit = _preview(key) or _run_preview(key, who)
+    if isinstance(hit, SpecError):
+        raise SpecError(hit.path, hit.msg)
+    return hit
+
+
+def _preview(key: str):
+    with _previews_lock:
+        hit = _previews.get(key)
+        if hit is not None:
+            _previews.move_to_end(key)
+        return hit
+
+
+def _run_preview(key: str, who: str):
+    """The child's answer for ``key`` (a size, or the SpecError it gave), kept; no free place for a child, or
+    no answer in time, is not an answer about the spec (asked again next time)."""
+    try:
+        hit = sandbox.run("describe", json.loads(key), sandbox.PREVIEW, who=who)
+    except (sandbox.Busy, sandbox.TimedOut) as e:
+        raise SpecError(e.path, e.msg) from None
+    except sandbox.SandboxError as e:
+        hit = SpecError(e.path, e.msg)
+    with _previews_lock:
+        _previews[key] = hit
+        while len(_previews) > PREVIEWS:
+            _previews.popitem(last=False)
+    return hit
 
 
 def validate(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError]]:
-    """The validated spec, or the SpecError (``e.path``, ``e.msg``) that names the bad field."""
-    from lab.specs import load_spec
+    """The validated spec, or the SpecError (``e.path``, ``e.msg``) that names the bad field. For a student:
+    a field that names code is refused before anything else (and nothing is imported: the syntax is checked),
+    and so is a spec over a per-run limit (lab.workshop.quotas), under the field it is about."""
     try:
-        return load_spec(data=data), None
+        spec = _parse(data)
+        if not may_run_code():
+            workshop.check_run(workshop.quotas(runs_dir()), spec)
+        return spec, None
     except SpecError as e:
         return None, e
+    except workshop.QuotaError as e:
+        return None, SpecError(e.field or "quota", str(e))
+
+
+def _parse(data: dict) -> JobSpec:
+    """The viewer's spec dict, validated. A student's is refused if it names code (before it is parsed), and
+    is parsed without importing anything, whatever process this is."""
+    from lab.specs import load_spec
+    if may_run_code():
+        return load_spec(data=data)
+    workshop.refuse_code(data)
+    with codepath.no_imports():
+        return load_spec(data=data)
+
+
+def form_check(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError], Optional[dict]]:
+    """What the New run form shows: (spec, None, model size) when ``data`` may be queued by the viewer, else
+    (None, the error naming its field, None). The size comes from ``model_size`` (a child process); a
+    student's model over the ``params`` limit is refused here, before any click."""
+    spec, err = validate(data)
+    if err is not None:
+        return None, err, None
+    try:
+        size = model_size(spec)
+        if not may_run_code():
+            workshop.check_run(workshop.quotas(runs_dir()), spec, params=size["params"])
+    except SpecError as e:
+        return None, e, None
+    except workshop.QuotaError as e:
+        return None, SpecError(e.field or "quota", str(e)), None
+    return spec, None, size
 
 
 def error_field(path: str, fields, msg: str = "") -> Optional[str]:
@@ -346,12 +464,9 @@ def parse_value(text: str):
 
 
 def submit(data: dict, runs=None) -> Run:
-    """Queue a run from a form's spec dict for the viewer (within their quotas); returns at once."""
-    import lab
-    root = runs or runs_dir()
-    spec = lab._spec(data)
-    wall = _limits(root, [spec])
-    return lab._lab(root).submit(spec, wait=False, owner=viewer().name, wall_limit_s=wall)
+    """Queue a run from a form's spec dict for the viewer (within their quotas); returns at once. A
+    student's spec that names code is refused before it is even parsed."""
+    return _queue(runs or runs_dir(), [_parse(data)])[0]
 
 
 def spec_yaml(spec: JobSpec) -> str:
@@ -509,15 +624,23 @@ def tail_timeline(run: Run, steps: int = 3) -> pd.DataFrame:
     return timeline_frame(events)
 
 
-_CACHE: Dict[tuple, object] = {}
+CACHED = 32
+"""Figures and frames kept by ``_cached`` in this process, least recently used first out."""
+_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
+_CACHE_LOCK = threading.Lock()
 
 
 def _cached(key: tuple, fn):
-    if key not in _CACHE:
-        if len(_CACHE) > 64:
-            _CACHE.clear()
-        _CACHE[key] = fn()
-    return _CACHE[key]
+    with _CACHE_LOCK:
+        if key in _CACHE:
+            _CACHE.move_to_end(key)
+            return _CACHE[key]
+    value = fn()
+    with _CACHE_LOCK:
+        _CACHE[key] = value
+        while len(_CACHE) > CACHED:
+            _CACHE.popitem(last=False)
+    return value
 
 
 def _files_key(run: Run) -> tuple:

@@ -428,10 +428,11 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("quotas,msg", [
-    ({"queued": 0}, "quotas.queued: must be a positive integer, got 0"),
-    ({"steps": 1.5}, "quotas.steps: must be a positive integer, got 1.5"),
-    ({"wall_s": "600"}, "quotas.wall_s: must be a positive number, got '600'"),
-    ({"gpus": 1}, "quotas: unknown limit 'gpus'; allowed: queued, steps, world_size, wall_s"),
+    ({"queued": 0}, "quotas.queued: must be a positive integer or null (no limit), got 0"),
+    ({"steps": 1.5}, "quotas.steps: must be a positive integer or null (no limit), got 1.5"),
+    ({"wall_s": "600"}, "quotas.wall_s: must be a positive number or null (no limit), got '600'"),
+    ({"gpus": 1}, "quotas: unknown limit 'gpus'; allowed: queued, steps, world_size, batch_size, examples, "
+                  "data_mb, threads, params, wall_s"),
     ([1], "quotas: must be an object"),
 ])
 def test_bad_quotas_are_named(tmp_path, quotas, msg):

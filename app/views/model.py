@@ -13,14 +13,12 @@ st.caption("After Agarwal et al., *On the Utility of Gradient Compression* (MLSy
            "queue for collectives; speedup against DDP (none, 25 MB buckets, wfbp).")
 
 runs = ui.runs_dir()
+me = ui.viewer()
 
 
 @st.cache_data(show_spinner="Calibrating from the run's timeline ...", max_entries=8)
 def profile_of(run_id: str, files: tuple):
-    run = ui.get_run(run_id, runs)
-    prof = cal.from_run(run, skip=min(cal.SKIP_STEPS, max(0, run.spec_dict()["steps"] - 2)))
-    views.ensure_curves(prof, views.COMPRESSORS)
-    return prof, run.spec_dict()
+    return views.calibrated(ui.get_run_or_raise(run_id, runs))  # the viewer's run (the key holds its id only)
 
 
 def from_runs():
@@ -35,9 +33,9 @@ def from_runs():
                           key="pm.run")
 
     try:
-        prof, spec = profile_of(run_id, ui._files_key(ui.get_run(run_id, runs)))
-    except cal.CalibrationError as e:
-        st.error(str(e))
+        prof, spec = profile_of(run_id, ui._files_key(ui.get_run_or_raise(run_id, runs)))
+    except (cal.CalibrationError, ui.RunError) as e:
+        st.error(views.one_line(e))
         return
     st.caption(f"Profile: forward {prof.forward_s * 1e3:.2f} ms, backward {prof.backward_s * 1e3:.2f} ms, "
                f"optimizer {prof.optimizer_s * 1e3:.2f} ms per step ({len(prof.params)} tensors, "
@@ -70,9 +68,10 @@ def from_runs():
 
     st.subheader("Compressor properties (measured)")
     rows = views.load_properties(runs)
-    if st.button("Measure the checklist" if rows is None else "Measure again", key="pm.props"):
+    if views.may_measure(me) and st.button("Measure the checklist" if rows is None else "Measure again",
+                                           key="pm.props"):
         with st.spinner("Measuring every compressor ..."):
-            rows = views.measure_properties(runs, prof)
+            rows = views.measure_properties(runs, prof, user=me)
     if rows:
         st.dataframe(views.properties_table(rows), hide_index=True)
         st.caption("All-reduce compatible: a two-rank exchange simulated in process uses only all-reduce rounds. "
@@ -90,17 +89,22 @@ def from_profile():
                "it ran on, the spec it predicts), on a two-level cluster: nodes of fast links joined by a slower "
                "network, hierarchical all-reduce (reduce-scatter inside the node, all-reduce across nodes, "
                "all-gather inside). Assumptions: README, Performance model.")
-    c1, c2 = st.columns(2)
-    path = c1.text_input("Profile file (path)", key="pm.prof.path", placeholder="bench/results/profile-resnet18.json")
-    up = c2.file_uploader("or upload one", type=["json"], key="pm.prof.upload")
-    if not path and up is None:
+    c1, c2, c3 = st.columns(3)
+    saved = views.lab_profiles(runs)
+    name = c1.selectbox("A profile of this lab", ["none", *saved], key="pm.prof.saved")
+    path = c2.text_input("Profile file (path" + ("" if me == ui.workshop.local_user() else " in the runs directory")
+                         + ")", key="pm.prof.path", placeholder="bench/results/profile-resnet18.json") \
+        if me.admin else ""
+    up = c3.file_uploader(f"or upload one (at most {views.MAX_UPLOAD >> 20} MiB)", type=["json"],
+                          key="pm.prof.upload")
+    if not path and up is None and name == "none":
         st.caption("No profile chosen.")
         return
     from engine.spec import SpecError
-    from lab.perfmodel import whatif
     try:
-        prof = (whatif.profile_from_text(up.getvalue().decode("utf-8", "replace"), up.name, "upload") if up is not None
-                else whatif.load_profile_file(path.strip(), "profile"))
+        prof = views.read_profile(runs, me, upload=(up.name, up.getvalue()) if up is not None else None,
+                                  path=path if up is None and path else None,
+                                  name=name if up is None and not path and name != "none" else None)
     except SpecError as e:
         st.error(str(e))
         return
@@ -132,7 +136,7 @@ def from_profile():
         with st.spinner("Predicting ..."):
             df = views.cluster_prediction(prof, shape, sorted(workers), sorted(inter), speed, spec=spec)
     except (SpecError, KeyError, ValueError) as e:
-        st.error(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        st.error(views.one_line(e) if not me.admin else str(e).splitlines()[0] if str(e) else type(e).__name__)
         return
     c = (spec or {}).get("compressor", {})
     label = f"{c.get('name')}{' +EF' if c.get('error_feedback') else ''} {(spec or {}).get('comm', {}).get('mode')}"

@@ -22,10 +22,14 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from engine import codepath
 from engine.runlog import write_json_atomic
+from engine.spec import JobSpec
+from lab import sandbox
 from lab.perfmodel.costs import Link, steps_and_wire
 
 class CalibrationError(ValueError):
@@ -232,23 +236,29 @@ def from_events(spec: dict, ev: List[dict], source: str, skip: int = SKIP_STEPS,
 
 def param_list(spec: dict) -> List[Tuple[str, int]]:
     """(name, bytes) of the spec's model parameters in gradient-ready order, as
-    engine.comm.DataParallel orders them (reverse registration order)."""
-    named = [(n, p.numel() * p.element_size()) for n, p in _trainable(spec)]
-    return list(reversed(named))
+    engine.comm.DataParallel orders them (reverse registration order). Counted without the weights
+    (engine.preflight.parameters); in a process that serves viewers, in a child (lab.sandbox)."""
+    d = spec.to_dict() if hasattr(spec, "to_dict") else spec
+    key = json.dumps({"model": d["model"], "dataset": d["dataset"], "seed": 0}, sort_keys=True)
+    return list(reversed([tuple(p) for p in _parameters(key)]))
+
+
+@lru_cache(maxsize=32)
+def _parameters(key: str) -> tuple:
+    if codepath.imports_allowed():
+        from engine import preflight  # torch, only when this process builds the model itself
+        return tuple(tuple(p) for p in preflight.parameters(JobSpec.from_dict(json.loads(key))))
+    try:
+        return tuple(tuple(p) for p in sandbox.run("parameters", json.loads(key), sandbox.PREVIEW))
+    except sandbox.SandboxError as e:
+        raise CalibrationError(str(e)) from None
 
 
 def param_dtypes(spec: dict) -> List[str]:
     """The dtypes of the spec's trainable parameters (e.g. ["float32"])."""
-    return sorted({str(p.dtype).replace("torch.", "") for _, p in _trainable(spec)})
-
-
-def _trainable(spec):
-    from engine import models
-    from engine.spec import JobSpec
-    from engine.trainer import load_data
+    from engine import preflight  # torch
     js = JobSpec.from_dict(spec) if isinstance(spec, dict) else spec
-    model = models.build(js.model.name, load_data(js).info, **js.model.options)
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    return sorted({str(p.dtype).replace("torch.", "") for p in preflight.sized(js).parameters() if p.requires_grad})
 
 
 def fit_slowdown(profile: Profile, run, skip: int = SKIP_STEPS) -> float:

@@ -52,7 +52,18 @@ def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]
     return schedules.build(s["name"], infos, **opts)
 
 
+ROUNDS_KEPT = 4096
+"""Buckets' rounds kept in this process (``payload_rounds``), least recently used first out: a server that
+predicts for every profile a room uploads must not keep them all."""
 _ROUNDS_CACHE: Dict[tuple, list] = {}
+
+
+def _keep(key: tuple, rounds: list) -> list:
+    _ROUNDS_CACHE.pop(key, None)  # a dict keeps insertion order: the key goes last, as the most recent
+    _ROUNDS_CACHE[key] = rounds
+    while len(_ROUNDS_CACHE) > ROUNDS_KEPT:
+        del _ROUNDS_CACHE[next(iter(_ROUNDS_CACHE))]
+    return rounds
 _NOISE: list = []
 """One random vector, grown as needed, that payload_rounds drives compressors on (slices of it): drawing a
 fresh one per bucket was most of the advisor's prediction time."""
@@ -80,11 +91,10 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
     ckey = cal.compressor_key(comp)
     key = (ckey, tuple(profile.params[i] for i in idx))
     if key in _ROUNDS_CACHE:
-        return _ROUNDS_CACHE[key]
+        return _keep(key, _ROUNDS_CACHE[key])
     saved = f"{ckey}|{','.join(map(str, idx))}"  # the profile's own record: its parameters by index
     if saved in profile.payloads:
-        _ROUNDS_CACHE[key] = [tuple(r) for r in profile.payloads[saved]]
-        return _ROUNDS_CACHE[key]
+        return _keep(key, [tuple(r) for r in profile.payloads[saved]])
     c = cal.make_compressor(comp)
     c.layout = shapes
     flat_key = None if c.per_tensor(off) else (ckey, off)
@@ -98,8 +108,8 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
             for _ in range(1 if c.steady_payload else 2):  # a steady payload's sizes show in one exchange
                 rounds, _ = cal.drive(c, x.clone())
         if flat_key is not None:
-            _ROUNDS_CACHE[flat_key] = rounds
-    _ROUNDS_CACHE[key] = rounds
+            _keep(flat_key, rounds)
+    _keep(key, rounds)
     profile.payloads[saved] = [list(r) for r in rounds]
     return rounds
 

@@ -7,20 +7,28 @@
   calibrated from its own timeline (compute; hooks taken out) with the link its
   spec names (shaped: nominal rate with the tbf's token bucket; modeled: the
   modeled link; loopback: alpha and beta fitted to its own communicate spans);
-- ``properties``: the measured checklist, saved beside the profiles.
+- ``properties``: the measured checklist, saved beside the profiles;
+- ``lab_profiles``, ``read_profile``: the profiles a viewer may predict from. The page reads only the lab's
+  own files: a student picks one of the runs directory's profiles or uploads one (parsed as data, at most
+  MAX_UPLOAD bytes, its spec refused if it names code); the teacher may also type a path inside the runs
+  directory; only the local user (the UI on loopback) types any path. Errors are one line, without the
+  server's paths.
 """
 from __future__ import annotations
 
 import copy
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import pandas as pd
 
 from engine.runlog import write_json_atomic
+from engine.spec import SpecError
+from lab import workshop
 from lab.perfmodel import calibrate as cal
 from lab.perfmodel import predict as pr
 from lab.perfmodel import whatif
@@ -133,7 +141,7 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None) -> pd.
             row["predicted_ms"] = pr.predict(prof, spec, link.gbps if link.beta else 1.0, spec["world_size"],
                                              link=link, layout=run_layout(run)).total * 1e3
         except (cal.CalibrationError, ValueError, KeyError, OSError) as e:
-            row["note"] = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+            row["note"] = one_line(e)[:120]
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -175,13 +183,124 @@ def load_properties(runs) -> Optional[List[dict]]:
         return None
 
 
-def measure_properties(runs, profile: Optional[cal.Profile] = None, names=None) -> List[dict]:
+def may_measure(user: workshop.User) -> bool:
+    """"Measure again" rewrites a file every viewer reads and takes the server's CPU: the teacher's (and
+    the local user's) only."""
+    return user.admin
+
+
+def measure_properties(runs, profile: Optional[cal.Profile] = None, names=None,
+                       user: Optional[workshop.User] = None) -> List[dict]:
+    """Measure the checklist and keep it (written atomically: a reader never sees half of it). LabError for
+    a viewer who may not (``may_measure``)."""
     from lab.perfmodel import properties
+    if user is not None and not may_measure(user):
+        raise workshop.LabError("properties: only the teacher may measure them again on a shared lab")
     rows = properties.checklist(names, profile, numels=UI_NUMELS)
     f = properties_file(runs)
     f.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(f, rows)
     return rows
+
+
+# --------------------------------------------------------------------------- profiles a viewer may read
+
+MAX_UPLOAD = 2 << 20
+"""The largest profile file accepted as an upload (a profile of a model with 10,000 tensors is ~0.5 MB)."""
+MAX_TENSORS = 5_000
+"""The most parameter tensors a profile from a student may list (gpt2 has 148, resnet50 161)."""
+NOT_PROFILES = ("properties.json", whatif.CURVES, whatif.SHAPED_LINK)
+
+
+def lab_profiles(runs) -> Dict[str, str]:
+    """The runs directory's saved profiles (``.profiles/*.json``, written by predictions and the advisor):
+    a label (the file's name) -> its path relative to the runs directory."""
+    d = whatif.profile_dir(runs)
+    if not d.is_dir():
+        return {}
+    return {f.name: str(f.relative_to(Path(runs))) for f in sorted(d.glob("*.json"))
+            if f.name not in NOT_PROFILES and f.is_file() and whatif.is_profile_file(str(f))}
+
+
+def in_runs(runs, text: str) -> Path:
+    """``text`` as a file inside the runs directory (relative to it, or absolute but inside it); a one-line
+    SpecError for ``..``, a path outside it or through a link that leads outside, without the server's
+    paths in it."""
+    root = Path(runs).resolve()
+    p = Path(text.strip())
+    if ".." in p.parts:
+        raise SpecError("profile", "a path inside the runs directory, without '..'")
+    full = (p if p.is_absolute() else root / p).resolve()
+    if full != root and root not in full.parents:
+        raise SpecError("profile", "only files in the runs directory can be read here; give a path inside it")
+    if not full.is_file():
+        raise SpecError("profile", f"no such file in the runs directory: {p.name or text}")
+    return full
+
+
+def read_profile(runs, user: workshop.User, name: Optional[str] = None, path: Optional[str] = None,
+                 upload: Optional[tuple] = None) -> cal.Profile:
+    """The profile a viewer asked for: one of ``lab_profiles`` by ``name``, a typed ``path`` (the teacher:
+    inside the runs directory; the local user: anywhere), or an ``upload`` (file name, bytes), parsed as
+    data only. A student's profile whose spec names code, or that is larger than their limits, is refused.
+    Errors are one-line SpecErrors."""
+    local = user == workshop.local_user()
+    if upload is not None:
+        fname, data = upload
+        if len(data) > MAX_UPLOAD:
+            raise SpecError("profile", f"the upload is {len(data) / 2**20:.1f} MiB; at most {MAX_UPLOAD >> 20} MiB")
+        prof = whatif.profile_from_text(data.decode("utf-8", "replace"), f"upload {Path(str(fname)).name}",
+                                        "profile")
+    elif name is not None:
+        rel = lab_profiles(runs).get(name)
+        if rel is None:
+            raise SpecError("profile", "no such saved profile in this lab; pick one from the list")
+        prof = whatif.profile_from_text((Path(runs) / rel).read_text(), name, "profile")  # no server path in errors
+    elif path is not None:
+        if not user.admin:
+            raise SpecError("profile", "pick one of the lab's profiles or upload one")
+        prof = whatif.load_profile_file(path.strip() if local else str(in_runs(runs, path)), "profile")
+    else:
+        raise SpecError("profile", "choose a profile")
+    if not user.admin:
+        _student_profile(runs, prof)
+    return prof
+
+
+def _student_profile(runs, prof: cal.Profile) -> None:
+    """A student's profile: data they may predict from (no code, no more parameters than their limit)."""
+    if prof.spec:
+        workshop.refuse_code(prof.spec)
+    try:
+        params = sum(int(b) for _, b in prof.params) // 4
+    except (TypeError, ValueError):
+        raise SpecError("profile", "params must be [name, bytes] pairs") from None
+    q = workshop.quotas(runs)
+    if len(prof.params) > MAX_TENSORS:
+        raise SpecError("profile", f"{len(prof.params)} parameter tensors; at most {MAX_TENSORS} on this lab")
+    if "params" in q and params > q["params"]:
+        raise SpecError("profile", f"a model of about {params:,} parameters; at most {q['params']:,} on this lab "
+                                   f"(quota params)")
+
+
+_PATHS = re.compile(r"(?:/[^\s'\":,;()]+)+")
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line for any viewer: its first line, with file system paths cut to their last part."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return _PATHS.sub(lambda m: Path(m.group(0)).name or "/", text)
+
+
+def calibrated(run) -> tuple:
+    """(profile calibrated from ``run``'s timeline with the measured compressors' curves, its spec); a
+    one-line CalibrationError, without the server's paths, for whatever it lacks."""
+    try:
+        prof = cal.from_run(run, skip=min(cal.SKIP_STEPS, max(0, run.spec_dict()["steps"] - 2)))
+        ensure_curves(prof, COMPRESSORS)
+        return prof, run.spec_dict()
+    except (cal.CalibrationError, OSError, ValueError, KeyError, TypeError) as e:
+        raise cal.CalibrationError(one_line(e)) from None
 
 
 def properties_table(rows: List[dict]) -> pd.DataFrame:

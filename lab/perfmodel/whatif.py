@@ -14,6 +14,7 @@ import contextlib
 import copy
 import fcntl
 import json
+import math
 import os
 import sys
 import time
@@ -240,11 +241,58 @@ def profile_from_text(text: str, where: str, field: str = "PROFILE") -> cal.Prof
     if not isinstance(d, dict) or any(k not in d for k in PROFILE_FIELDS):
         raise SpecError(field, f"{where} is not a profile (needs {', '.join(PROFILE_FIELDS)}; "
                                f"write one with `commlab profile SPEC -o FILE`)")
+    problem = profile_problem(d)
+    if problem:
+        raise SpecError(field, f"{where}: {problem}")
     d["params"] = [tuple(x) for x in d["params"]]
     try:
         return cal.Profile(**d)
     except TypeError as e:
         raise SpecError(field, f"{where}: {str(e).splitlines()[0]}") from None
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+
+def profile_problem(d: dict) -> Optional[str]:
+    """What makes a profile's fields (JSON, maybe typed by anyone) unfit to predict from, in one line; None
+    when they are fit: the predictions then only do arithmetic on numbers of the right kinds."""
+    for k in ("model", "dataset"):
+        if not isinstance(d[k], str):
+            return f"{k} must be a string"
+    if isinstance(d["batch_size"], bool) or not isinstance(d["batch_size"], int) or d["batch_size"] < 1:
+        return "batch_size must be a positive integer"
+    for k in ("forward_s", "backward_s", "optimizer_s", "overlap_slowdown"):
+        if k in d and not _number(d[k]):
+            return f"{k} must be a number of seconds (>= 0)"
+    ps = d["params"]
+    if not isinstance(ps, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str)
+                                           and isinstance(p[1], int) and not isinstance(p[1], bool) and p[1] > 0
+                                           for p in ps):
+        return "params must be [name, bytes] pairs with bytes a positive integer"
+    for k in ("layer_forward", "layer_ready", "layer_backward"):
+        if k in d and not (isinstance(d[k], dict) and all(_number(v) for v in d[k].values())):
+            return f"{k} must map layer names to seconds"
+    for k in ("model_options", "machine", "compressors", "payloads"):
+        if k in d and not isinstance(d[k], dict):
+            return f"{k} must be a mapping"
+    for key, curve in d.get("compressors", {}).items():
+        if not isinstance(curve, dict) or not all(
+                isinstance(curve.get(s), list) and len(curve[s]) == 2 and all(map(_number, curve[s]))
+                for s in ("encode", "between", "decode")):
+            return f"compressors.{key} must hold encode, between and decode as [fixed s, s per byte]"
+    for key, rounds in d.get("payloads", {}).items():
+        if not isinstance(rounds, list) or not all(isinstance(r, list) and len(r) == 3 and isinstance(r[0], str)
+                                                   and _number(r[1]) and _number(r[2]) for r in rounds):
+            return f"payloads.{key} must be a list of [op, bytes, tensors]"
+    link = d.get("link")
+    if link is not None and not (isinstance(link, dict) and all(_number(link.get(k)) for k in
+                                                                ("alpha", "beta", "nominal_gbps"))):
+        return "link must hold alpha, beta and nominal_gbps as numbers"
+    if d.get("spec") is not None and not isinstance(d["spec"], dict):
+        return "spec must be a mapping (a job spec)"
+    return None
 
 
 CURVES = "compressor-curves.json"
