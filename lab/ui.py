@@ -864,7 +864,7 @@ def app_argv(port: int = 8501, host: Optional[str] = None, certfile: Optional[st
     mode it refuses ``--server.port``.
 
     ``certfile``/``keyfile``: the teacher's TLS certificate and key (Streamlit's own SSL options); uploads
-    are capped at UPLOAD_MB."""
+    are capped at UPLOAD_MB; beyond loopback an error shows its type only, never its traceback."""
     argv = [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY), "--global.developmentMode", "false",
             "--server.address", host or "127.0.0.1", "--server.port", str(int(port)),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
@@ -872,11 +872,14 @@ def app_argv(port: int = 8501, host: Optional[str] = None, certfile: Optional[st
             "--runner.postScriptGC", "false", "--server.fileWatcherType", "none"]
     if certfile:
         argv += ["--server.sslCertFile", str(certfile), "--server.sslKeyFile", str(keyfile)]
+    if not accounts.is_loopback(host or "127.0.0.1"):  # no traceback (server paths, code) reaches a viewer
+        argv += ["--client.showErrorDetails", "type"]
     return argv
 
 
-UPLOAD_MB = 4
-"""The largest file a viewer may upload (a profile); Streamlit's default is 200 MB."""
+UPLOAD_MB = 2
+"""The largest file a viewer may upload (a profile, checked again at 2 MiB as data); Streamlit's default is
+200 MB, held in the server's memory."""
 
 
 def ensure_demo_run(runs) -> Optional[str]:

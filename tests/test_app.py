@@ -305,7 +305,9 @@ def test_app_argv():
     argv = ui.app_argv(8600)
     assert argv[:4] == [sys.executable, "-m", "streamlit", "run"] and argv[4].endswith("app/server.py")  # the gatekeeper's
     assert argv[argv.index("--server.maxUploadSize") + 1] == str(ui.UPLOAD_MB)
-    assert "--server.sslCertFile" not in argv
+    assert "--server.sslCertFile" not in argv and "--client.showErrorDetails" not in argv  # loopback: all of it
+    exposed = ui.app_argv(8600, host="0.0.0.0")
+    assert exposed[exposed.index("--client.showErrorDetails") + 1] == "type"  # no traceback for a viewer
     tls = ui.app_argv(8600, certfile="c.pem", keyfile="k.pem")
     assert tls[tls.index("--server.sslCertFile") + 1] == "c.pem" and tls[tls.index("--server.sslKeyFile") + 1] == "k.pem"
     assert argv[argv.index("--server.address") + 1] == "127.0.0.1"
