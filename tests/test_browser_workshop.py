@@ -108,6 +108,17 @@ def test_sign_in_and_one_shot_downloads_in_chromium(room):
             time.sleep(8)  # what the attacker saw: the token still in the address bar 8 s later
             no_token_anywhere(dave)
             assert dave_token not in dave.content() and run.id not in dave.content()
+            dave.goto(f"{url}/new_run")  # a student's New run form names no code
+            settle(dave, "Model from")
+            dave.get_by_role("combobox", name="Model from").click()  # open the choices
+            options = dave.get_by_role("option").all_inner_texts()
+            assert "zoo" in options and "import path" not in options, options
+            dave.keyboard.press("Escape")
+            accounts.revoke(runs, "dave")  # revoked: the next page is the sign-in page, the token is dead
+            dave.reload()
+            dave.get_by_text("This lab is shared over the network").wait_for(timeout=60_000)
+            dave.goto(f"{url}/?token={dave_token}")
+            dave.get_by_text("That token is not valid.").wait_for(timeout=60_000)
 
             alice = browser.new_context(accept_downloads=True).new_page()  # alice's personal link
             alice.goto(f"{url}/live_run?run={run.id}&token={token}")
