@@ -33,7 +33,8 @@ from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_r
 
 import lab
 from app.gatekeeper import SESSION_COOKIE
-from lab import accounts, ui, workshop
+from lab.front import accounts, ui
+from lab.service import owners
 
 SESSION = "commlab.session"
 """Where AppTest puts a session id (a real browser's comes in its cookie)."""
@@ -55,7 +56,7 @@ def session_id() -> Optional[str]:
     return st.session_state.get(SESSION)
 
 
-def session_user() -> Optional[workshop.User]:
+def session_user() -> Optional[owners.User]:
     """The signed-in user of the session this thread serves; None outside a session's script run (a
     server thread acting for no one gets nothing) and for a session that ended."""
     if get_script_run_ctx(suppress_warning=True) is None:
@@ -67,11 +68,11 @@ def mode() -> str:
     return accounts.access_mode(config.get_option("server.address"))
 
 
-def gate() -> workshop.User:
+def gate() -> owners.User:
     """The user this request acts for; otherwise a pointer to the sign-in page, and the script stops here."""
     if mode() == "off":
         ui.set_viewer(None)  # the local user, as in notebooks and scripts
-        return workshop.local_user()
+        return owners.local_user()
     ui.set_viewer(session_user)
     guard_server()
     user = session_user()
@@ -118,7 +119,7 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str]) -> Callabl
         if user is None:
             raise PermissionError("download refused: the session has ended")
         for rid in ids:
-            if not workshop.can_see(user, lab.get(rid, runs=root).status()):
+            if not owners.can_see(user, lab.get(rid, runs=root).status()):
                 raise PermissionError(f"download refused: {user.name} may not see run {rid}")
         return make()
     return build

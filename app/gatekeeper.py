@@ -29,8 +29,8 @@ from urllib.parse import parse_qsl, urlencode
 
 from streamlit import config
 
-from lab import accounts, ui
-from lab.store import LabError
+from lab.base.errors import LabError
+from lab.front import accounts, ui
 
 SESSION_COOKIE = "commlab_session"
 BROWSER_COOKIE = "commlab_browser"

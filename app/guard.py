@@ -4,7 +4,7 @@ here (lab.ui.serve_viewers), in any thread of the real server and in every scrip
 from streamlit import runtime
 from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
 
-from lab import ui
+from lab.front import ui
 
 
 def serving() -> bool:

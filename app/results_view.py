@@ -12,8 +12,11 @@ import pandas as pd
 import streamlit as st
 
 from app import widgets
-from lab import plots, ui
-from lab.store import FINAL
+from lab.analysis import plots, timelines
+from lab.analysis.results import preset_of
+from lab.front import ui
+from engine.spec import SpecError
+from lab.base.errors import LabError
 
 PAGE = widgets.RESULTS_PAGE
 REFRESH_S = 3.0
@@ -31,7 +34,7 @@ def pick_group() -> Optional[dict]:
     if sweep:
         try:
             return ui.sweep_group(sweep)
-        except (ui.LabError, ui.SpecError, OSError, ValueError, KeyError) as e:
+        except (LabError, SpecError, OSError, ValueError, KeyError) as e:
             st.error(f"sweep {ui.md(repr(sweep))}: {ui.md(e)}")
             return None
     groups = ui.preset_groups()
@@ -57,7 +60,6 @@ def pick_group() -> Optional[dict]:
 
 
 def _title(g: dict) -> str:
-    from lab.results import preset_of
     p = preset_of(g)
     return p.title if p else g.get("title", g.get("preset") or g["id"])
 
@@ -67,7 +69,6 @@ def _mark(ok: Optional[bool]) -> str:
 
 
 def results_panel(group: dict) -> None:
-    from lab.results import preset_of
     p = preset_of(group)
     if p is not None:
         st.caption(p.question)
@@ -133,16 +134,16 @@ def results_panel(group: dict) -> None:
         return
     st.subheader("One iteration of each, on one time axis")
     st.caption("The median-length iteration of each finished run's last steps, rank 0.")
-    st.plotly_chart(ui.group_timelines(final), key="res.timelines")
+    st.plotly_chart(timelines.group_timelines(final), key="res.timelines")
     labels = {r.id: k for k, r in final.items()}
     c = st.columns(2)
     with c[0]:
         st.subheader("Where the step time goes")
-        st.plotly_chart(plots.breakdown_bars_figure(ui.breakdown_table(list(final.values()), labels)),
+        st.plotly_chart(plots.breakdown_bars_figure(timelines.breakdown_table(list(final.values()), labels)),
                         key="res.breakdown")
     with c[1]:
         st.subheader("Accuracy against wall time")
-        st.plotly_chart(plots.accuracy_vs_time_figure(ui.accuracy_curves(list(final.values()), labels)),
+        st.plotly_chart(plots.accuracy_vs_time_figure(timelines.accuracy_curves(list(final.values()), labels)),
                         key="res.acc")
     st.caption("Each run's own page:")  # page links: in-app, so a workshop session stays signed in
     for k, r in final.items():

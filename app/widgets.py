@@ -9,9 +9,16 @@ from typing import Dict, List, Optional
 import streamlit as st
 
 from app import access
-from lab import disturbance, live, plots, ui
-from lab.store import FINAL
-from lab.summary import fmt_bytes, summarize, warmup_steps
+from lab.analysis import comparison, live, plots, timelines
+from lab.analysis.report import report_html
+from lab.front import ui
+from lab.rundir import disturbance
+from lab.rundir.store import FINAL
+from lab.rundir.summary import fmt_bytes, summarize, warmup_steps
+from engine.spec import SpecError
+from lab.analysis.presets import Preset
+from lab.base.errors import LabError
+from lab.service import owners
 
 LIVE_PAGE = "views/live_run.py"
 RESULTS_PAGE = "views/results.py"
@@ -36,7 +43,6 @@ def open_run(run_id: str, compare: Optional[List[str]] = None) -> None:
 def report_button(runs: list, file_name: str, key: str, group: Optional[dict] = None) -> None:
     """Download one self-contained HTML report (lab.report) of ``runs`` (and ``group``'s verdict), built
     when clicked. The runs were resolved for the viewer already: the builder looks up nothing else."""
-    from lab.report import report_html
     by_id = {r.id: r for r in runs}
     st.download_button("Download report (HTML, opens offline)", on_click="ignore", key=key, mime="text/html",
                        data=access.download_data(lambda: report_html(runs, group=group, get=by_id.__getitem__),
@@ -56,13 +62,13 @@ def state_badge(state: str) -> None:
 
 # --------------------------------------------------------------------------- home
 
-def preset_card(p: ui.Preset) -> None:
+def preset_card(p: Preset) -> None:
     reason = p.check()
     with st.container(border=True):
         st.markdown(f"**{p.title}**")
         st.caption(p.question)
         st.caption("runs: " + ", ".join(p.variants))
-        cap = ui.workshop.preset_steps(ui.runs_dir())
+        cap = owners.preset_steps(ui.runs_dir())
         if cap and any(d["steps"] > cap for d in p.specs()):
             st.caption(f"Scaled down for this room: at most {cap} steps per run (runs/lab.json preset_steps)")
         if reason:
@@ -71,7 +77,7 @@ def preset_card(p: ui.Preset) -> None:
         elif st.button("Start", key=f"preset-{p.key}", type="primary"):
             try:
                 gid = ui.start_preset(p)
-            except ui.LabError as e:
+            except LabError as e:
                 st.error(str(e))
                 return
             st.session_state["group_id"] = gid
@@ -127,20 +133,20 @@ def live_panel(run_id: str) -> None:
         st.error(f"No run {ui.md(repr(run_id))}{ui.md(where())}.")
         return
     spec = run.spec_dict()
-    st.caption(ui.md(ui.describe(spec)))
+    st.caption(ui.md(comparison.describe_setup(spec)))
     c = st.columns([1, 1, 1, 2])
     last = c[0].number_input("Iterations in the timeline", 1, 20, 3, key="live.last")
     step = c[1].number_input("Zoom to step (-1: last iterations)", -1, spec["steps"], -1, key="live.step")
     xaxis = c[2].radio("Curves against", ["step", "wall time"], horizontal=True, key="live.x")
     with c[3]:
-        st.download_button("Download trace (Chrome/Perfetto JSON)", data=access.download_data(lambda: ui.trace_json(run), [run.id]),
+        st.download_button("Download trace (Chrome/Perfetto JSON)", data=access.download_data(lambda: timelines.trace_json(run), [run.id]),
                            file_name=f"{run.id}.trace.json", mime="application/json", on_click="ignore",
                            key="live.trace", icon=":material/download:")
         report_button([run], f"{run.id}.html", key="live.report")
     started_final = run.state in FINAL
     mine = ui.can_control(run)
     owner = ui.owner(run)
-    if mine and owner != ui.workshop.local_user().name:  # a workshop user's own run: share it with the class
+    if mine and owner != owners.local_user().name:  # a workshop user's own run: share it with the class
         shared = bool(run.status().get("shared"))
         if st.toggle("Shared with the class", shared, key="live.share",
                      help="Other students see a shared run in their lists, comparisons and reports.") != shared:
@@ -193,7 +199,7 @@ def live_panel(run_id: str) -> None:
             fig = plots.timeline_figure(lr.timeline(int(last) + 1), last=int(last))
         else:
             back = max(done - int(step) + 1, 1)
-            tl = lr.timeline(back) if lr.has_steps(back) else ui.tail_timeline(run, max(spec["steps"] - step + 1, 1))
+            tl = lr.timeline(back) if lr.has_steps(back) else timelines.tail_timeline(run, max(spec["steps"] - step + 1, 1))
             fig = plots.timeline_figure(tl, step=int(step))
         st.plotly_chart(fig, key="live.timeline")
         st.subheader("Where the step time goes")
@@ -426,7 +432,7 @@ def run_form() -> None:
     if st.button("Queue run", type="primary", disabled=spec is None, key=k + "submit", icon=":material/play_arrow:"):
         try:
             run = ui.submit(d)
-        except (ui.LabError, ui.SpecError) as e:  # a shaped link that cannot be built; a first batch that does not fit
+        except (LabError, SpecError) as e:  # a shaped link that cannot be built; a first batch that does not fit
             path, _, msg = str(e).partition(": ")
             where = ui.error_field(path, slots, msg)
             (slots[where] if where else st).error(msg if where else str(e), icon=":material/error:")
@@ -465,7 +471,7 @@ def compare_view() -> None:
         if v != "any":
             filters[f] = v
     runs = ui.list_runs(**filters)
-    labels = ui.short_labels(runs)
+    labels = timelines.short_labels(runs)
     ids = [r.id for r in runs]
     wanted = [i for i in st.session_state.get("compare_ids", []) if i in ids]
     default = wanted or [r.id for r in runs if r.state == "done"][-4:] or ids[-4:]
@@ -476,7 +482,7 @@ def compare_view() -> None:
     if not picked:
         st.caption("Pick runs to compare.")
         return
-    table = ui.compare_table(picked, target_acc=target or None)
+    table = comparison.compare_runs(picked, target_acc=target or None)
     bad = [labels.get(i, i) for i in table.index[table["disturbed"] == True]] if len(table) else []  # noqa: E712
     if bad:
         st.warning(f"Disturbed (other processes used the CPU; timings are not results): {', '.join(bad)}",
@@ -487,9 +493,9 @@ def compare_view() -> None:
                        on_click="ignore", key="cmp.csv", icon=":material/download:")
     report_button(picked, "commlab-compare.html", key="cmp.report")
     st.subheader("Accuracy against wall time")
-    st.plotly_chart(plots.accuracy_vs_time_figure(ui.accuracy_curves(picked, labels)), key="cmp.acc")
+    st.plotly_chart(plots.accuracy_vs_time_figure(timelines.accuracy_curves(picked, labels)), key="cmp.acc")
     st.subheader("Where the step time goes")
-    st.plotly_chart(plots.breakdown_bars_figure(ui.breakdown_table(picked, labels)), key="cmp.breakdown")
+    st.plotly_chart(plots.breakdown_bars_figure(timelines.breakdown_table(picked, labels)), key="cmp.breakdown")
     st.subheader("Scaling factor")
     st.caption("Throughput at N ranks over N times the single-process throughput of the same model, data set "
                "and batch: include a world-size-1 run (sweeps add one by themselves).")
@@ -545,14 +551,14 @@ def sweep_form() -> None:
                          target_acc=target or None, baseline=baseline)
     try:
         sw = ui.make_sweep(data)
-    except ui.SpecError as e:
+    except SpecError as e:
         st.error(str(e), icon=":material/error:")
         return
     st.caption(f"{len(sw.cells)} runs (sweep id {sw.id}); they go through the queue, a few at a time.")
     if st.button("Start sweep", type="primary", key=k + "start", icon=":material/play_arrow:"):
         try:
             st.session_state["sweep_id"] = ui.start_sweep(data)
-        except ui.LabError as e:
+        except LabError as e:
             st.error(str(e))
             return
         st.rerun()
@@ -567,7 +573,7 @@ def sweep_view() -> None:
     sid = st.selectbox("Sweep", ids, index=ids.index(want) if want in ids else 0, key="sw.pick")
     try:
         sw = ui.load_sweep(sid)
-    except (ui.SpecError, OSError, ValueError) as e:
+    except (SpecError, OSError, ValueError) as e:
         st.error(f"cannot read sweep {sid}: {e}")
         return
     live = ui.sweep_status(sw)["running"]

@@ -61,7 +61,7 @@ def _c(name, ef=False, **params):
 
 def _mixed(small, rest, below_mb=1.0):
     """As lab.advisor builds its mixed candidates, so the advisor's predictions line up with the grid's cells."""
-    from lab import advisor
+    from lab.strategy import advisor
     return advisor._mixed(small, rest, below_mb)
 
 
@@ -95,14 +95,14 @@ def base_spec(model: str, link: str, gbps: float, steps: int) -> dict:
 
 
 def cell_spec(base: dict, label: str, strategy: dict) -> dict:
-    from lab.specs import load_spec
+    from lab.base.specs import load_spec
     # a grid cell is timed steps only: no evaluation at its end (the transformer's takes seconds)
     return load_spec(data={**base, **strategy, "name": f"{base['name']}-{label}", "final_eval": False}).to_dict()
 
 
 def run_cell(store, spec: dict, prepare=None):
-    from lab.launcher import launch
-    from lab.specs import load_spec
+    from lab.rundir.launcher import launch
+    from lab.base.specs import load_spec
     run = store.create(load_spec(data=spec))
     if prepare is not None:  # the advisor's trial session: its trials, written before the ranks start
         prepare(run)
@@ -129,8 +129,8 @@ def finalists_of(timed: dict, pen: dict) -> list:
 
 def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, store, log, trials: int = 0,
                 final_rounds: int = 0) -> dict:
-    from lab import advisor
-    from lab.perfmodel.calibrate import compressor_key
+    from lab.strategy import advisor
+    from lab.strategy.perfmodel.calibrate import compressor_key
     base = base_spec(model, link, gbps, RUN_STEPS)
     spec = advisor.load_spec_dict(base)
     auto = None
@@ -187,7 +187,7 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
            "final_rounds": final_rounds}
     settle(out)
     if auto is not None:
-        from lab.summary import summarize
+        from lab.rundir.summary import summarize
         summ = summarize(auto.metric_rows(), auto.spec_dict())
         res = json.loads(auto.file("auto-result.json").read_text())
         out["auto_run"] = {"id": auto.id, "wall_s": summ.get("wall_s"), "iter_ms_after_choice": summ["iter_ms_median"],
@@ -248,7 +248,7 @@ def run_auto(store, base: dict, trials: int, log):
 
 
 def advisor_record(run) -> dict:
-    from lab import auto
+    from lab.strategy import auto
     rec = auto.read_record(run)
     if rec is None or rec.get("chosen_by") != "measured":
         raise RuntimeError(f"the strategy auto run {run.id} recorded no measured choice: {rec and rec.get('chosen_by')}")
@@ -256,7 +256,7 @@ def advisor_record(run) -> dict:
 
 
 def report(results: list, args) -> str:
-    from lab.auto import visited_steps
+    from lab.strategy.auto import visited_steps
     out = []
     for r in results:
         out.append(f"\n### {r['model']}, {r['link']} {r['gbps']:g} Gbit/s\n")
@@ -315,8 +315,8 @@ def report(results: list, args) -> str:
 def calibrate_link(store, gbps: float, log) -> dict:
     """The lab's shaped-link calibration, as a user keeps it once per machine (``commlab net check --gbps X
     --save``): its seconds are reported apart, since no setting's advisor run measures it."""
-    from lab import netcheck
-    from lab.perfmodel import whatif
+    from lab.net import netcheck
+    from lab.strategy.perfmodel import whatif
     t = time.perf_counter()
     res = netcheck.net_check(gbps)
     path = whatif.save_shaped_link(store.root, res)
@@ -331,7 +331,7 @@ def calibrate_link(store, gbps: float, log) -> dict:
 def calibrate_curves(store, log) -> dict:
     """The compressors' cost curves of the advisor's space, kept once per machine as the first advice on a
     machine keeps them (lab.advisor.keep_curves): reported apart, like the link calibration."""
-    from lab import advisor
+    from lab.strategy import advisor
     n, seconds = 0, 0.0
     for m in MODELS:  # the same compressors for every model: measured once
         k, s = advisor.keep_curves(advisor.load_spec_dict(base_spec(m, "modeled", 1.0, RUN_STEPS)), store.root)
@@ -341,7 +341,7 @@ def calibrate_curves(store, log) -> dict:
 
 
 def main(argv=None):
-    from lab.store import RunStore
+    from lab.rundir.store import RunStore
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet,transformer")
     ap.add_argument("--gbps", default="0.1,1,10")

@@ -29,7 +29,7 @@ sys.path.insert(0, {root!r})
 import torch
 torch.set_num_threads(1)
 from bench.advisor import base_spec
-from lab import advisor
+from lab.strategy import advisor
 spec = advisor.load_spec_dict(base_spec(sys.argv[2], "modeled", float(sys.argv[3]), 300))
 a = advisor.advise(spec, runs=sys.argv[1], say=lambda m: None)
 print(json.dumps({{"cost_s": a.cost_s, "winner": a.winner.label}}))
@@ -49,9 +49,9 @@ def main(argv=None) -> int:
     if args.passes < 1:
         ap.error("--passes: must be >= 1")
     rates = [g for g in args.gbps.split(",") if g]
-    from lab import advisor
-    from lab.perfmodel import whatif
-    from lab.store import RunStore
+    from lab.strategy import advisor
+    from lab.strategy.perfmodel import whatif
+    from lab.rundir.store import RunStore
     store = RunStore(tempfile.mkdtemp(prefix="commlab-advpredict-"))
     spec = advisor.load_spec_dict(base_spec(args.model, "modeled", float(rates[0]), 300))
     prof = whatif.resolve_profile(spec, store.root, say=lambda m: print(m, file=sys.stderr),

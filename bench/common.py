@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from lab.launcher import free_port, torchrun_argv, worker_env  # noqa: E402  (one launcher for runs and benchmarks)
+from lab.base.torchrun import free_port, torchrun_argv, worker_env  # noqa: E402  (one launcher for runs and benchmarks)
 Times = Dict[str, List[List[float]]]
 
 
@@ -146,8 +146,8 @@ def launch_cluster(script: str, args: Sequence[str], gbps: float, n: int = 2,
     however this ends; the jobs are stopped (by their process groups) on a
     timeout or when one node fails. Returns ``(returncode, cluster_info)``."""
     import time
-    from lab.launcher import stop
-    from lab.netns import Cluster, rank_argv
+    from lab.base.procs import stop
+    from lab.net.netns import Cluster, rank_argv
     entry = [os.path.abspath(script), "--worker", *args]
     with Cluster(n, gbps, tag=tag) as c:
         info = {"describe": c.describe(), "gbps": gbps, "burst_bytes": c.burst_bytes, "qdiscs": c.qdiscs()}

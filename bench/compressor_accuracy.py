@@ -55,10 +55,10 @@ def spec_for(name: str, ef: bool, steps: int) -> dict:
 
 def main(argv=None):
     from engine import compressors
-    from lab.launcher import launch
-    from lab.specs import load_spec
-    from lab.store import RunStore
-    from lab.summary import summarize
+    from lab.rundir.launcher import launch
+    from lab.base.specs import load_spec
+    from lab.rundir.store import RunStore
+    from lab.rundir.summary import summarize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)

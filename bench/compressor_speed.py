@@ -107,7 +107,8 @@ def copy_bandwidth(device, nbytes=1 << 30, repeat=10):
 def commlab_side(name, device):
     """(call(x) -> output, payload bytes of the last call)."""
     from bench.grace_compare import PARAMS
-    from engine.compressors import make, nbytes
+    from engine.compressors import make
+    from engine.compressors.base import nbytes
     c = make(name, **PARAMS.get(name, {}))
     last = {}
 

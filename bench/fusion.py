@@ -94,7 +94,7 @@ def build(args, batch, rank, world, root, ds):
     from engine.comm.wfbp import DataParallel
     from engine.spec import JobSpec
     from engine.timeline import Timeline
-    from engine.trainer import schedule_fn
+    from engine.stepper import schedule_fn
     from engine import tuners
     net = {"link": "shaped", "gbps": args.gbps} if args.gbps else {"link": "loopback"}
     search = {"warmup_steps": args.warmup, "steps_per_candidate": args.per_candidate,

@@ -36,8 +36,8 @@ import torch
 
 from engine.schedules import layer_of
 from engine.external import import_torchvision
-from lab.perfmodel import collectives, devices, roofline
-from lab.perfmodel.iteration import Bucket, Round, Step, iteration_time
+from lab.strategy.perfmodel import collectives, devices, roofline
+from lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
 
 DATA = Path(__file__).resolve().parent / "data" / "mergecomp_v100.json"
 BATCH = 64

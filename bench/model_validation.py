@@ -97,8 +97,9 @@ def worker(argv=None) -> int:
 
 def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0) -> dict:
     """Run ``worker`` on every rank of ``cluster`` (lab.netns.Cluster) and return rank 0's times."""
-    from lab.launcher import stop, worker_env
-    from lab.netns import rank_argv
+    from lab.base.procs import stop
+    from lab.base.torchrun import worker_env
+    from lab.net.netns import rank_argv
     port = 20000 + secrets.randbelow(20000)
     with tempfile.TemporaryDirectory(prefix="clab-mv-") as tmp:
         out = os.path.join(tmp, "out.json")
@@ -126,7 +127,7 @@ def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0) -
 
 def predict_collective(op: str, nbytes: int, world: int, link, iters: int) -> float:
     """The model's median of ``iters`` back-to-back calls (the token bucket drains across them)."""
-    from lab.perfmodel import costs
+    from lab.strategy.perfmodel import costs
     wire = costs.TokenBucket(link)
     t, times = 0.0, []
     for _ in range(iters + 2):
@@ -141,14 +142,14 @@ def predict_collective(op: str, nbytes: int, world: int, link, iters: int) -> fl
 
 
 def table_a(gbps, ranks: int, iters: int, run: bool) -> dict:
-    from lab.perfmodel import calibrate as cal
-    from lab.perfmodel.costs import Link
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel.costs import Link
     rows = []
     for g in gbps:
         with contextlib.ExitStack() as stack:
             cluster = None
             if run:
-                from lab.netns import Cluster
+                from lab.net.netns import Cluster
                 m = cal.measure_link(g, n_ranks=ranks)
                 link = Link(m["alpha"], m["beta"], m["burst_bytes"], 0.0)
                 cluster = stack.enter_context(Cluster(ranks, g, tag="mv"))
@@ -204,14 +205,15 @@ def table_d(models=("mlp", "cnn", "resnet"), batch: int = 32, runs: str = "") ->
     roofline of the same model on this CPU (peak and bandwidth measured by lab.perfmodel.roofline.measure_cpu),
     with the efficiencies fitted per model (lab.perfmodel.roofline.fit_layers): what the efficiency factors
     mean where they can be measured. Runs here, about a minute."""
-    from lab.perfmodel import roofline, whatif
+    from lab.service.queue import Lab
+    from lab.strategy.perfmodel import roofline, whatif
     runs = runs or tempfile.mkdtemp(prefix="clab-mv-d-")
     cpu = roofline.measure_cpu()
     out = {"cpu": {"matmul_gflops": cpu.flops["fp32"] / 1e9, "copy_gb_s": cpu.mem_bw / 1e9,
                    "shortest_op_us": cpu.kernel_s * 1e6}, "models": {}}
     for m in models:
         spec = whatif.load_for_prediction(data={"model": m, "batch_size": batch})
-        prof = whatif.measure_profile(spec, runs)
+        prof = whatif.measure_profile(spec, runs, runner=Lab(runs).runner())
         fit = roofline.fit_layers(roofline.count_spec(spec), prof, cpu)
         errs = [abs(r["modeled_s"] / r["measured_s"] - 1) for r in fit["rows"]]
         meas, mod = sum(r["measured_s"] for r in fit["rows"]), sum(r["modeled_s"] for r in fit["rows"])

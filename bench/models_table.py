@@ -83,7 +83,7 @@ SEARCH_STEPS = 14
 
 
 def measure(run) -> dict:
-    from lab.summary import iteration_times
+    from lab.rundir.summary import iteration_times
     it = iteration_times(run.metric_rows())
     skip = SKIP
     if run.spec_dict()["schedule"]["name"] == "mergecomp":
@@ -142,7 +142,7 @@ def summarize(measured: dict) -> list:
 
 def profile_and_predict(runs: Path, steps: int, remeasure: bool) -> dict:
     """commlab profile (when the saved profile is missing or ``remeasure``) and commlab predict."""
-    from lab.cli import main
+    from lab.front.cli import main
     tables = {}
     for model in MODELS:
         f = RESULTS / f"profile-{model}.json"

@@ -19,7 +19,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lab import netcheck, netns  # noqa: E402
+from lab.net import netcheck, netns  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -11,7 +11,7 @@ headless Chromium has the Live run page open on the run (``/live_run?run=<id>``)
 before the run starts, and following it live while it trains (the page refreshes itself
 every ``lab.ui.REFRESH_S`` seconds). The browser is the user's: it runs at normal priority.
 A run is queued first; the page is opened on it, and only then does this process start the
-run's supervisor (``python -m lab.supervise``), so the timed steps never overlap page start-up.
+run's supervisor (``python -m lab.service.supervise``), so the timed steps never overlap page start-up.
 
 Reported per mode: the median iteration time (slower rank, warm-up left out:
 ``lab.summary.summarize``) watched and unwatched, the ratio watched/unwatched per round and the
@@ -141,7 +141,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "ab")
-        self.p = subprocess.Popen([sys.executable, "-m", "lab.cli", "app", "--no-demo", "--port", str(self.port),
+        self.p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "app", "--no-demo", "--port", str(self.port),
                                    "--runs", str(runs)], cwd=str(REPO), stdout=self.log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
         t0 = time.time()
@@ -189,9 +189,9 @@ def chromium_roots() -> List[int]:
 def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name: str = "live_run",
             viewers: int = 1, results_page: bool = False) -> dict:
     import lab
-    from lab import procs
-    from lab.queue import Lab
-    from lab.summary import summarize
+    from lab.base import procs
+    from lab.service.queue import Lab
+    from lab.rundir.summary import summarize
     lab_ = Lab(runs)
     run = lab_.create(lab._spec(spec))
     run.set_status("queued", supervisor=procs.identity())  # this process owns it until the supervisor starts
@@ -209,7 +209,7 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
                 page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
                 page.evaluate(WATCH_JS)
             if results_page:  # the preset results page too, on a group holding this run (another tab)
-                from lab.results import save_group
+                from lab.analysis.results import save_group
                 gid = save_group(runs, "observer", {spec["name"]: run.id})
                 res = browser.new_page(viewport={"width": 1400, "height": 2400})
                 res.set_default_timeout(120_000)
@@ -220,7 +220,7 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
         server_meter = CpuMeter([server.p.pid])
         t0 = time.time()
         with open(run.file("supervisor.log"), "ab") as log:
-            sup = subprocess.Popen([sys.executable, "-m", "lab.supervise", "--runs", str(runs), run.id],
+            sup = subprocess.Popen([sys.executable, "-m", "lab.service.supervise", "--runs", str(runs), run.id],
                                    cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         try:
             sup.wait(timeout=600)
@@ -359,7 +359,7 @@ def main(argv=None) -> int:
     table, summary = report(results, modes)
     cmd = "commlab bench observer " + " ".join(argv if argv is not None else sys.argv[1:])
     info = {"command": cmd.strip(), "modes": modes, "rounds": a.rounds, "steps": a.steps, "gbps": a.gbps,
-            "page": a.page, "viewers": a.viewers, "results_page": a.results_page, "cpus": os.cpu_count(), "refresh_s": __import__("lab.ui").ui.REFRESH_S,
+            "page": a.page, "viewers": a.viewers, "results_page": a.results_page, "cpus": os.cpu_count(), "refresh_s": __import__("lab.front.ui").ui.REFRESH_S,
             "elapsed_s": time.time() - t_start, "spec": {m: spec_for(m, a.steps, a.gbps) for m in modes}}
     pages = f"the {a.page} page" + (" and a results page" if a.results_page else "") \
         + (f" ({a.viewers} tabs)" if a.viewers > 1 else "")

@@ -151,10 +151,10 @@ def main(argv=None):
 
     import lab
     from engine.spec import SpecError
-    from lab.perfmodel import calibrate as cal
-    from lab.perfmodel import predict as pr
-    from lab.perfmodel.costs import Link
-    from lab.specs import load_spec
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import predict as pr
+    from lab.strategy.perfmodel.costs import Link
+    from lab.base.specs import load_spec
 
     t_start = time.time()
     runs = args.runs or tempfile.mkdtemp(prefix="clab-pm-")

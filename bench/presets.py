@@ -25,9 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import lab  # noqa: E402
-from lab import results, ui  # noqa: E402
-from lab.presets import PRESETS  # noqa: E402
-from lab.store import FINAL  # noqa: E402
+from lab.analysis import results  # noqa: E402
+from lab.front import ui
+from lab.analysis.presets import PRESETS  # noqa: E402
+from lab.rundir.store import FINAL  # noqa: E402
 
 WALL_LIMIT_S = 90.0
 """What a preset may take on this machine, from the click to its last run's end (issue 14)."""

@@ -53,11 +53,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from lab import procs  # noqa: E402
-from lab.index import COLUMNS, INDEX_FILE, Index  # noqa: E402
-from lab.queue import Lab, Slots  # noqa: E402
-from lab.specs import load_spec  # noqa: E402
-from lab.store import FINAL  # noqa: E402
+from lab.base import procs  # noqa: E402
+from lab.rundir.index import COLUMNS, INDEX_FILE, Index  # noqa: E402
+from lab.service.queue import Lab, Slots  # noqa: E402
+from lab.base.specs import load_spec  # noqa: E402
+from lab.rundir.store import FINAL  # noqa: E402
 
 BASE = {"model": "mlp", "dataset": "digits", "world_size": 2, "batch_size": 16, "eval_every": 0, "threads": 1}
 # how long after a cancel request a run may still end in its own state: the supervisor polls every

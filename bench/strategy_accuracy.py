@@ -65,11 +65,11 @@ KEEP_POINTS = 0.01
 
 
 def main(argv=None):
-    from lab.launcher import launch
-    from lab.perfmodel.calibrate import compressor_key
-    from lab.specs import load_spec
-    from lab.store import RunStore
-    from lab.summary import summarize
+    from lab.rundir.launcher import launch
+    from lab.strategy.perfmodel.calibrate import compressor_key
+    from lab.base.specs import load_spec
+    from lab.rundir.store import RunStore
+    from lab.rundir.summary import summarize
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)

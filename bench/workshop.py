@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.wsclient import Session, sign_in  # noqa: E402
+from lab.analysis.presets import PRESETS
 
 
 def free_port() -> int:
@@ -74,14 +75,15 @@ class Student(threading.Thread):
             self.errors.append(f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
 
     def _run(self):
-        from lab import results, ui
-        from lab.queue import Lab
+        from lab.analysis import results
+        from lab.front import ui
+        from lab.service.queue import Lab
         jar = sign_in(self.url, self.class_token, self.student)
         if not jar.personal or "commlab_session" not in jar.cookies:
             raise RuntimeError(f"sign-in refused ({jar.status}): {re.sub('<[^>]+>', ' ', jar.body)[:200]}")
         self.token = jar.personal
         s = self.session = Session(self.url, cookie=jar.header)
-        presets = [p.key for p in ui.PRESETS]
+        presets = [p.key for p in PRESETS]
         q = Lab(self.args.runs)
         while time.time() < self.deadline:
             home = s.run("")  # the session cookie: nothing in the URL
@@ -145,18 +147,18 @@ def main(argv=None) -> int:
     (args.runs / "lab.json").write_text(json.dumps({"max_jobs": args.max_jobs, "preset_steps": args.steps,
                                                     "quotas": {"queued": args.queued, "steps": args.steps,
                                                                "world_size": 2}}))
-    from lab import accounts
-    from lab.store import FINAL
+    from lab.front import accounts
+    from lab.rundir.store import FINAL
     port = free_port()
     log_path = args.runs / "app.log"
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
-    code = (f"import sys; from lab.ui import app_main; "
+    code = (f"import sys; from lab.front.ui import app_main; "
             f"sys.exit(app_main({port}, {str(args.runs)!r}, host='0.0.0.0', demo=False))")
     with open(log_path, "wb") as log:
         app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    from lab.spawn import lower_cpu_priority
+    from lab.service.spawn import lower_cpu_priority
     lower_cpu_priority()  # the students' side, not the runs' (see the module docstring); the app keeps its own
     # Stopped early (Ctrl-C, a timeout's SIGTERM), the bench still stops the app and the runs it queued:
     # they live in the bench's own runs directory, and nothing else would end them.
@@ -174,9 +176,9 @@ def main(argv=None) -> int:
 
 
 def _measure(args, app, url, log_path) -> int:
-    from lab import accounts
-    from lab.queue import Lab
-    from lab.store import FINAL
+    from lab.front import accounts
+    from lab.service.queue import Lab
+    from lab.rundir.store import FINAL
     import urllib.request
     t0 = time.time()
     while True:

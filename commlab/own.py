@@ -31,6 +31,10 @@ import torch.distributed as dist
 from engine.spec import JobSpec, SpecError
 from engine.stepper import Diverged, Stepper
 from engine.timeline import Timeline
+from lab.base import procs
+from lab.base.specs import read_spec_file
+from lab.rundir.launcher import finish_status
+from lab.service.queue import Lab
 
 SpecLike = Union[str, os.PathLike, dict, JobSpec]
 OptimizerLike = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
@@ -141,8 +145,6 @@ class OwnLoop:
 
     # -- the run ----------------------------------------------------------
     def _open_run(self, runs, run_id, model, optimizer):
-        from lab import procs
-        from lab.queue import Lab
         lab = Lab(runs)
         box = [None]
         if self.rank == 0:
@@ -173,7 +175,6 @@ class OwnLoop:
                          "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
                          "time": time.time()})
         if self.run is not None:
-            from lab.launcher import finish_status
             time.sleep(1.0)  # a peer that caused this (rank 0 sees a lost connection) records its own error
             finish_status(self.run, 1)
 
@@ -199,7 +200,6 @@ class OwnLoop:
         if error is not None:
             self._fail(error)
         elif self.run is not None:
-            from lab.launcher import finish_status
             finish_status(self.run, 0)
         if self.own_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -241,7 +241,6 @@ def _join(device: torch.device) -> bool:
 
 def _load(spec: SpecLike, world: int) -> JobSpec:
     """The spec with world_size taken from the job (a spec that names another one is refused)."""
-    from lab.specs import read_spec_file
     if isinstance(spec, JobSpec):
         data = spec.to_dict()
     elif isinstance(spec, dict):

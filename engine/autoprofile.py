@@ -31,7 +31,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from engine import data, trials
+from engine.probe import LayerProbe
 from engine.runlog import write_json_atomic
+from engine.stepper import make_optimizer
+from engine.timeline import Clock, CudaClock, Timeline
 
 PENDING = "auto-pending.json"
 PROFILED = "auto-profiled.json"
@@ -67,7 +71,6 @@ def pending(run_dir: Optional[str]) -> Optional[dict]:
 def profile_then_wait(spec, model, dataset, loss_fn, run_dir: str, rank: int, world: int, device,
                       req: dict) -> Waited:
     """Steps 1-3 above; returns what they took."""
-    from engine.timeline import Clock, CudaClock, Timeline
     clock = CudaClock(device) if device.type == "cuda" else Clock()
     tl = Timeline(os.path.join(run_dir, TIMELINE.format(rank=rank)), rank, clock=clock)
     try:
@@ -105,9 +108,6 @@ def dry_steps(spec, model, dataset, loss_fn, tl, rank: int, world: int, device, 
     Returns the host times of their start and end: the start is taken after the scratch optimizer is made,
     since torch's first optimizer imports torch._dynamo (1.3 s here), which the run's own optimizer pays
     otherwise."""
-    from engine import data
-    from engine.probe import LayerProbe
-    from engine.stepper import make_optimizer
     params = [p for p in model.parameters() if p.requires_grad]
     buffers = [b.detach().clone() for b in model.buffers()]
     rng = torch.get_rng_state()
@@ -156,7 +156,6 @@ def dry_steps(spec, model, dataset, loss_fn, tl, rank: int, world: int, device, 
 def wait_plan(run_dir: str, timeout_s: float) -> None:
     """Until the lab writes the trial plan; raises with the lab's message if it writes FAILED instead, or
     when ``timeout_s`` pass without either."""
-    from engine import trials
     plan, failed = os.path.join(run_dir, trials.FILE), os.path.join(run_dir, FAILED)
     end = time.monotonic() + timeout_s
     while True:

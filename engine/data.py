@@ -24,6 +24,8 @@ from importlib import metadata
 import numpy as np
 import torch
 
+from engine.external import _first_line, import_object
+
 NAMES = ("digits", "mnist", "text", "synthetic")
 SPLITS = ("train", "test")
 
@@ -387,7 +389,6 @@ class MapDataset(Dataset):
 
 def _user(path, seed, **options):
     import inspect
-    from engine.external import _first_line, import_object
     loader = import_object(path, "dataset.name")
     kw = dict(options)
     if "seed" in inspect.signature(loader).parameters:

@@ -36,6 +36,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from engine.runlog import write_json_atomic
+
 OPS = ("allreduce", "allgather", "reduce_scatter")
 
 
@@ -197,7 +199,6 @@ def _measure_main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.runlog import write_json_atomic
 
     ap = argparse.ArgumentParser(prog="python -m engine.netmodel")
     ap.add_argument("op", choices=["allreduce"])

@@ -15,10 +15,11 @@ import dataclasses
 
 import torch
 
-from engine import codepath, data, external, models
+from engine import codepath, external, models
 from engine.codepath import code_fields
 from engine.external import _first_line
 from engine.spec import JobSpec, SpecError
+from engine.trainer import load_data
 
 DESCRIBE_EXAMPLES = 64
 """``describe`` builds a synthetic data set of this many examples: the model's size depends on the data's
@@ -41,7 +42,6 @@ def _here(what: str) -> None:
 def build(spec: JobSpec, meta: bool = False):
     """(data set, model) on the CPU, seeded as the ranks seed them. Errors are SpecErrors. With ``meta`` the
     model's parameters have shapes but no storage (torch's meta device): its size without its memory."""
-    from engine.trainer import load_data
     _here("build")
     torch.manual_seed(spec.seed)
     try:

@@ -21,13 +21,12 @@ import time
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 from engine import netmodel, schedules, tuners
-from engine.compressors.plan import Plan
-from engine.comm.wfbp import DataParallel
 from engine.comm.core import Communicator
 from engine.comm.dear import DeAR
+from engine.comm.wfbp import DataParallel
+from engine.compressors.plan import Plan
 from engine.probe import LayerProbe
 from engine.runlog import JsonlWriter
 from engine.spec import DEAR_CAP_MB, JobSpec

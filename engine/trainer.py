@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from engine import autoprofile, data, models, trials
 from engine.spec import JobSpec
-from engine.stepper import Diverged, Stepper, make_optimizer, schedule_fn  # noqa: F401 (names this module offers)
+from engine.stepper import Stepper
 
 
 def resolve_device(spec: JobSpec, local_rank: int = 0) -> torch.device:

@@ -42,7 +42,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from engine.compressors import REGISTRY
 from engine.runlog import write_json_atomic
+from engine.spec import JobSpec
 
 FILE = "auto-trials.json"
 RESULT = "auto-result.json"
@@ -109,7 +111,6 @@ def most_steps(plan: dict) -> int:
 
 def shorten_start(spec: dict, done: int) -> dict:
     """``spec`` with every PowerSGD section's uncompressed start shortened by ``done`` trained steps."""
-    from engine.compressors import REGISTRY
     s = copy.deepcopy(spec)
     comp = s["compressor"]
     default = next(p.default for p in REGISTRY["powersgd"].params if p.name == "start_iter")
@@ -145,7 +146,6 @@ def choose(scores: List[float], plan: dict) -> Tuple[int, bool]:
 def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     """Train the trials, switch ``trainer`` to the winner, and return (rank 0 also writes) the result.
     ``after_step`` runs after every step (the trainer's evaluation schedule)."""
-    from engine.spec import JobSpec
     tl, device = trainer.timeline, trainer.device
     warm, n, abort_after, ratio = plan["warmup"], plan["steps"], plan["abort_after"], plan["abort_ratio"]
     stop = plan.get("stop_ratio")

@@ -18,7 +18,8 @@ import time
 import traceback
 from datetime import timedelta
 
-from engine.runlog import write_json_atomic
+from engine.runlog import TRIALS, write_json_atomic
+from engine.spec import JobSpec
 
 RESOLVED = "resolved.json"
 """Written by rank 0 at start: the values the spec leaves to the machine (backend and device auto,
@@ -43,7 +44,7 @@ def main(argv=None) -> int:
     try:
         run(args.run_dir, rank)
     except BaseException as e:  # record, then let torchrun see the failure
-        from engine.trainer import Diverged
+        from engine.stepper import Diverged
         if isinstance(e, Diverged):
             _write_json(args.run_dir, f"diverged-rank{rank}.json", {"rank": rank, "step": e.step, "error": str(e),
                                                                       "time": time.time()})
@@ -133,7 +134,6 @@ def run(run_dir: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from engine.spec import JobSpec
     from engine.trainer import Trainer, resolve_backend, resolve_device
 
     with open(os.path.join(run_dir, "spec.json")) as f:
@@ -180,7 +180,6 @@ def read_trials(run_dir: str) -> list:
     """A trial session (the advisor's ``--measure``): the run directory's trials.json, ``{"dirs": [...]}``,
     subdirectories each with a spec.json of its own. The ranks run each one's steps in turn in one process
     group, so the trials pay one start-up (interpreter, torch, gloo) instead of one each. [] for a run."""
-    from engine.runlog import TRIALS
     path = os.path.join(run_dir, TRIALS)
     if not os.path.isfile(path):
         return []
@@ -194,7 +193,6 @@ def read_trials(run_dir: str) -> list:
 def run_trials(run_dir: str, dirs: list, rank: int, world: int, device) -> None:
     """Each trial's spec for its ``steps`` training steps (no evaluation), one after the other; every
     trial writes metrics.jsonl, its timeline and tuning.json in its own subdirectory."""
-    from engine.spec import JobSpec
     from engine.trainer import Trainer
     for d in dirs:
         sub = os.path.join(run_dir, d)

@@ -16,13 +16,13 @@ __all__ = ["run", "runs", "get", "cancel", "wait", "compare", "Lab"]
 
 
 def _lab(runs=None):
-    from lab.queue import Lab
+    from lab.service.queue import Lab
     return Lab(runs)
 
 
 def _spec(spec, overrides=()):
     from engine.spec import JobSpec
-    from lab.specs import load_spec
+    from lab.base.specs import load_spec
     if isinstance(spec, JobSpec):
         return load_spec(data=spec.to_dict(), overrides=overrides)
     if isinstance(spec, dict):
@@ -39,9 +39,10 @@ def run(spec: Union[str, dict, "JobSpec"], wait: bool = True, runs=None, progres
 
 def runs(runs=None, **filters) -> List:
     """Runs in the index, oldest first; filters: state, model, dataset, compressor, schedule, comm, link, sweep, name."""
+    from lab.rundir.index import runs_of
     lab = _lab(runs)
     lab.recover_stale()
-    return [lab.store.get(r["id"]) for r in lab.index.query(**filters)]
+    return runs_of(lab.root, **filters)
 
 
 def get(run_id: str, runs=None):
@@ -58,12 +59,12 @@ def wait(run_id: str, runs=None, timeout: Optional[float] = None) -> str:
 
 def compare(items, target_acc: Optional[float] = None, baseline=None):
     """A comparison table (DataFrame), one row per run. See lab.comparison.compare_runs."""
-    from lab.comparison import compare_runs
+    from lab.analysis.comparison import compare_runs
     return compare_runs(items, target_acc=target_acc, baseline=baseline)
 
 
 def __getattr__(name):
     if name == "Lab":
-        from lab.queue import Lab
+        from lab.service.queue import Lab
         return Lab
     raise AttributeError(name)

@@ -14,9 +14,10 @@ from starlette.websockets import WebSocketDisconnect  # noqa: E402
 
 import lab  # noqa: E402
 from app import gatekeeper  # noqa: E402
-from lab import accounts, workshop  # noqa: E402
-from lab.queue import Lab  # noqa: E402
-from lab.store import LabError  # noqa: E402
+from lab.front import accounts  # noqa: E402
+from lab.service import owners
+from lab.service.queue import Lab  # noqa: E402
+from lab.base.errors import LabError  # noqa: E402
 from test_app import SMALL  # noqa: E402
 
 
@@ -80,7 +81,7 @@ def test_a_printed_link_becomes_a_session_and_leaves_the_address(lab_root):
     assert r.status_code == 303 and r.headers["location"] == "/live_run?run=abc"  # the token is gone
     cookie = r.headers["set-cookie"]
     assert "HttpOnly" in cookie and "SameSite=Lax" in cookie and tokens["alice"] not in cookie
-    assert accounts.session_user(root, session_cookie(c)) == workshop.User("alice")
+    assert accounts.session_user(root, session_cookie(c)) == owners.User("alice")
     r = c.get("/live_run?run=abc")
     assert r.text == "streamlit /live_run"  # signed in: Streamlit gets it
     with c.websocket_connect("/_stcore/stream") as ws:  # and the websocket
@@ -96,7 +97,7 @@ def test_a_token_in_a_form_opens_a_session(lab_root):
     c = browser()
     r = c.post("/signin", data={"token": tokens["alice"]})
     assert r.status_code == 303 and r.headers["location"] == "/"
-    assert accounts.session_user(root, session_cookie(c)) == workshop.User("alice")
+    assert accounts.session_user(root, session_cookie(c)) == owners.User("alice")
 
 
 @pytest.mark.parametrize("bad", ["wrong", "", "A" * 24, "../access.json", "x" * 500])
@@ -123,15 +124,15 @@ def test_class_token_then_a_name_gives_a_personal_token(lab_root):
     assert "Pick the name" in c.get("/signin/name").text
     for taken, msg in (("alice", "'alice' is taken"), ("../dave", "name: '../dave' is not allowed"),
                        ("teacher", "is reserved"), ("dora", "'dora' is reserved"),
-                       (workshop.local_user().name, "is reserved"), ("<b>x</b>", "is not allowed")):
+                       (owners.local_user().name, "is reserved"), ("<b>x</b>", "is not allowed")):
         r = c.post("/signin/name", data={"name": taken})
         assert r.status_code == 400 and msg in r.text.replace("&#x27;", "'"), (taken, r.text)
         assert "<b>x</b>" not in r.text  # what the student typed is shown as text
     r = c.post("/signin/name", data={"name": "dave"})
     assert r.status_code == 200
     personal = r.text.split("?token=", 1)[1].split("<", 1)[0]
-    assert accounts.check_token(root, personal) == workshop.User("dave")
-    assert accounts.session_user(root, session_cookie(c)) == workshop.User("dave")
+    assert accounts.check_token(root, personal) == owners.User("dave")
+    assert accounts.session_user(root, session_cookie(c)) == owners.User("dave")
     assert c.get("/").text == "streamlit /"
     assert c.get("/signin/name").status_code == 303  # the name page served its purpose
     assert "dave" in accounts.users(root)
@@ -197,7 +198,7 @@ def test_revoking_a_person_ends_their_sessions_and_keeps_their_browser_out(lab_r
     c.get(f"/?token={tokens['class']}")
     c.post("/signin/name", data={"name": "mallory"})
     sid = session_cookie(c)
-    assert accounts.session_user(root, sid) == workshop.User("mallory")
+    assert accounts.session_user(root, sid) == owners.User("mallory")
     assert accounts.revoke(root, "mallory") == 1
     assert accounts.session_user(root, sid) is None and c.get("/").status_code == 303
     c.get(f"/?token={tokens['class']}")  # the same person, the same browser, another name
@@ -227,7 +228,7 @@ def test_personal_tokens_and_sessions_expire(lab_root, monkeypatch):
     bob = accounts.sign_in(root, tokens["class"], "bob")
     sid, user = accounts.open_session(root, bob)
     clock.t += 3599
-    assert accounts.session_user(root, sid) == workshop.User("bob")
+    assert accounts.session_user(root, sid) == owners.User("bob")
     clock.t += 2
     assert accounts.session_user(root, sid) is None  # the session's hour is up
     sid, _ = accounts.open_session(root, bob)  # the token still opens a new one
@@ -237,7 +238,7 @@ def test_personal_tokens_and_sessions_expire(lab_root, monkeypatch):
     people = {p["name"]: p for p in accounts.people(root)}
     assert people["bob"]["expires"] < clock.t
     new = accounts.rotate(root, "bob")  # the teacher gives bob a fresh token
-    assert accounts.check_token(root, new) == workshop.User("bob") and accounts.check_token(root, bob) is None
+    assert accounts.check_token(root, new) == owners.User("bob") and accounts.check_token(root, bob) is None
     (root / "lab.json").write_text(json.dumps({"access": {"admin_days": 1}}))
     assert accounts.check_token(root, tokens["admin"]) is None  # made more than a day ago on this clock
     assert accounts.check_token(root, accounts.rotate(root, "admin")).admin
@@ -252,7 +253,7 @@ def test_rotating_a_token_ends_its_sessions(lab_root):
     assert accounts.session_user(root, tsid).admin  # the teacher's are not alice's
     accounts.rotate(root, "admin")
     assert accounts.session_user(root, tsid) is None and accounts.check_token(root, tokens["admin"]) is None
-    assert accounts.check_token(root, new) == workshop.User("alice")
+    assert accounts.check_token(root, new) == owners.User("alice")
 
 
 def test_a_person_keeps_a_bounded_number_of_sessions_and_the_file_stays_small(lab_root):
@@ -282,9 +283,9 @@ def test_an_access_file_from_before_sessions_still_signs_people_in(tmp_path):
     accounts.access_path(tmp_path).write_text(json.dumps({
         "class_token": "c" * 20, "admin_token": "a" * 30,
         "users": {accounts._hash(tok): {"name": "olga", "created": accounts.time.time()}}}))
-    assert accounts.check_token(tmp_path, tok) == workshop.User("olga")
+    assert accounts.check_token(tmp_path, tok) == owners.User("olga")
     sid, _ = accounts.open_session(tmp_path, tok)
-    assert accounts.session_user(tmp_path, sid) == workshop.User("olga")
+    assert accounts.session_user(tmp_path, sid) == owners.User("olga")
 
 
 def test_cookies_are_secure_under_tls(lab_root, monkeypatch):
@@ -320,7 +321,7 @@ def test_served_over_tls_with_the_teachers_certificate(tmp_path):
     runs = tmp_path / "runs"
     token = accounts.load_access(runs)["admin_token"]
     port = free_port()
-    code = (f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', "
+    code = (f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', "
             f"demo=False, certfile={str(cert)!r}, keyfile={str(key)!r}))")
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
     log_path = tmp_path / "app.log"
@@ -356,7 +357,7 @@ def test_served_over_tls_with_the_teachers_certificate(tmp_path):
 
 
 def test_certfile_and_keyfile_come_together(tmp_path, capsys):
-    from lab.cli import main
+    from lab.front.cli import main
     assert main(["app", "--runs", str(tmp_path), "--host", "0.0.0.0", "--certfile", str(tmp_path / "c.pem")]) == 2
     assert capsys.readouterr().err.strip() == ("commlab: error: --certfile, --keyfile: give both (the certificate "
                                                "and its private key) or neither")

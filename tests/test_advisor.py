@@ -8,10 +8,12 @@ from pathlib import Path
 import pytest
 
 from engine import compressors
-from lab import advisor, auto
-from lab.perfmodel import calibrate as cal
-from lab.perfmodel import whatif
-from lab.specs import load_spec
+from lab.front import advise_cli
+from lab.strategy import advisor, auto
+from lab.strategy.perfmodel import calibrate as cal
+from lab.strategy.perfmodel import predict as pr
+from lab.strategy.perfmodel import whatif
+from lab.base.specs import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "adv", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 300, "batch_size": 16,
@@ -76,7 +78,7 @@ def test_space_holds_dear_with_int8_and_mixed_candidates():
 def test_mixed_prediction_gives_each_bucket_its_own_compressor():
     """In the performance model, buckets under the rule's size send their raw bytes; the others PowerSGD's
     factors; dear with int8 reduce-scatters a quarter of the bytes."""
-    from lab.perfmodel import predict as pr
+    from lab.strategy.perfmodel import predict as pr
     s = spec()
     prof = fake_profile(s)
     mixed = advisor._mixed(advisor._comp("none"), advisor._comp("powersgd", rank=4), below_mb=0.01)
@@ -170,15 +172,15 @@ def test_penalty_from_runs_is_steps_to_accuracy(monkeypatch):
     topk_run = FakeRun("b", advisor.with_strategy(s, {"compressor": topk}), [(49, 0.3), (99, 0.7), (149, 0.9),
                                                                             (199, 0.98)])
     other = FakeRun("c", spec(batch_size=8), [(49, 0.99), (99, 0.99)])  # another batch: not comparable
-    monkeypatch.setattr(lab, "runs", lambda **kw: [none_run, topk_run, other])
+    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [none_run, topk_run, other])
     p, src = advisor.penalty_from_runs(s, topk, None)
     assert p == pytest.approx(199 / 149)  # target 97% of 1.0: none at 149, topk at 199
     assert src.startswith("measured") and "run b" in src and "run a" in src
     slow = FakeRun("d", topk_run.spec_dict(), [(49, 0.1), (99, 0.2)])
-    monkeypatch.setattr(lab, "runs", lambda **kw: [none_run, slow])
+    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [none_run, slow])
     p, src = advisor.penalty_from_runs(s, topk, None)
     assert p is None and "did not reach" in src
-    monkeypatch.setattr(lab, "runs", lambda **kw: [topk_run])
+    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [topk_run])
     assert advisor.penalty_from_runs(s, topk, None) is None
 
 
@@ -216,7 +218,7 @@ def test_mergecomp_prediction_includes_its_search(monkeypatch):
                                            "schedule": {"name": "mergecomp"}}, link, 2)
     short = advisor.search_mergecomp(prof, {**s, "steps": 20, "compressor": comp,
                                             "schedule": {"name": "mergecomp"}}, link, 2)
-    one = whatif.pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": "allinone"}}, 0.05, 2,
+    one = pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": "allinone"}}, 0.05, 2,
                             link=link).total * 1e3
     assert long[0] <= one + 1e-6  # the search tries one group first, so its best is no worse
     assert short[0] >= long[0]    # a short run pays for the search
@@ -224,7 +226,7 @@ def test_mergecomp_prediction_includes_its_search(monkeypatch):
 
 def fake_session_runner(tmp_path, ms_of, sessions):
     """A runner that 'runs' a trial session by writing each trial's metrics: ``ms_of(i, spec)`` per step."""
-    from lab.store import Run
+    from lab.rundir.store import Run
 
     def runner(sp, prepare=None):
         run = Run(tmp_path / f"session{len(sessions)}")
@@ -311,7 +313,7 @@ def test_winner_spec_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
     s = spec()
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
-    out = advisor.write_spec(adv.winner_spec(), tmp_path / "best.yaml")
+    out = advise_cli.write_spec(adv.winner_spec(), tmp_path / "best.yaml")
     back = load_spec(str(out)).to_dict()
     for k in ("compressor", "comm"):
         assert back[k] == {**back[k], **adv.winner.strategy()[k]}
@@ -334,7 +336,7 @@ def test_network_for_rules():
 
 
 def cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "lab.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "lab.front.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -451,7 +453,7 @@ def test_strategy_auto_run_records_the_decision(auto_root):
     assert run.status()["strategy"]["chosen"] == rec["winner"]
     # the trials' and the profiling run's steps are in the run's timeline, on a lane of their own
     from engine.timeline import LANES
-    from lab.trace import chrome_trace
+    from lab.analysis.trace import chrome_trace
     lane = [e for e in run.timeline_events() if e.get("tid") == LANES["advisor"]]
     assert {e["args"]["run"] for e in lane} == {rec["runs"][0]} | {t.id for t in trials}
     for t in trials:
@@ -572,7 +574,7 @@ def test_more_groups_cost_more_on_a_calibrated_shaped_link(tmp_path):
     assert advisor.search_mergecomp(prof, mc, calibrated, 2)[1] <= advisor.search_mergecomp(prof, mc, nominal, 2)[1]
 
     def ms(layout, link):
-        return whatif.pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": layout}}, 0.1, 2,
+        return pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": layout}}, 0.1, 2,
                                  link=link).total
     assert ms("layerwise", calibrated) - ms("layerwise", nominal) > ms("allinone", calibrated) - ms("allinone", nominal)
 

@@ -57,9 +57,9 @@ def test_the_report_states_the_link_calibration_apart():
 
 def test_the_curve_calibration_keeps_every_candidates_curve_once(tmp_path):
     import argparse
-    from lab import advisor
-    from lab.perfmodel import whatif
-    from lab.store import RunStore
+    from lab.strategy import advisor
+    from lab.strategy.perfmodel import whatif
+    from lab.rundir.store import RunStore
     store = RunStore(tmp_path / "runs")
     first = ab.calibrate_curves(store, lambda m: None)
     kept = whatif.machine_curves(store.root)

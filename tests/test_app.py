@@ -16,8 +16,10 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
-from lab import ui  # noqa: E402
-from lab.perfmodel import views  # noqa: E402
+from lab.front import ui  # noqa: E402
+from lab.strategy.perfmodel import views  # noqa: E402
+from lab.analysis import timelines
+from lab.analysis.presets import PRESETS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = str(ROOT / "app" / "streamlit_app.py")
@@ -56,7 +58,7 @@ def labels(elements):
 def check_home(at, runs):
     assert [t.value for t in at.title] == ["commlab"]
     starts = [b for b in at.button if b.label == "Start"]
-    assert len(starts) == len(ui.PRESETS)
+    assert len(starts) == len(PRESETS)
     disabled = {b.key for b in starts if b.disabled}
     assert not disabled  # every preset's specs validate (a preset whose spec is refused is shown disabled)
     for key in ("layerwise-vs-mergecomp", "dear-vs-ddp", "compression-links", "countsketch-vs-topk"):
@@ -133,7 +135,7 @@ def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):
     """A profile file and a cluster shape: the predicted table and scaling plot, also with no run in the
     index; a shape the workers do not fill and a missing file are one-line errors."""
     from tests.test_perfmodel import tiny_profile
-    from lab.perfmodel import whatif
+    from lab.strategy.perfmodel import whatif
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path / "empty"))
     spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
     tiny_profile(spec=spec, machine={"cpu": "test cpu", "device": "cpu", "torch": "2.13"}).save(tmp_path / "p.json")
@@ -157,7 +159,7 @@ def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):
 
 
 def test_live_page_follows_the_url_and_the_picker(tmp_path, monkeypatch):
-    from lab.queue import Lab
+    from lab.service.queue import Lab
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     q = Lab(tmp_path)
     a, b = (q.create(lab._spec(dict(SMALL, name=n))) for n in ("first", "second"))  # queued; nothing runs
@@ -205,11 +207,11 @@ def test_submit_through_the_form_runs_to_done(runs):
     assert run_id in done and done[run_id].spec_dict()["name"] == "from-the-form"
 
 
-@pytest.mark.parametrize("key", [p.key for p in ui.PRESETS])
+@pytest.mark.parametrize("key", [p.key for p in PRESETS])
 def test_preset_queues_its_runs_and_opens_its_results(runs, key):
     """Every preset's Start button queues its runs as one group and leads to that group's results view,
     which shows the paper's claim and how many runs have finished (the runs are cancelled at once)."""
-    preset = next(p for p in ui.PRESETS if p.key == key)
+    preset = next(p for p in PRESETS if p.key == key)
     at = page("home")
     at.button(key=f"preset-{key}").click().run()
     assert not at.exception, [e.value for e in at.exception]
@@ -234,8 +236,8 @@ def test_preset_queues_its_runs_and_opens_its_results(runs, key):
 def test_results_view_gives_a_verdict_from_the_runs(runs):
     """A finished group (two real runs labelled as the DeAR preset's variants) gets a verdict computed
     from their own medians; a ratio under the preset's bound is reported as missed, with the why."""
-    from lab import results
-    from lab.summary import summarize
+    from lab.analysis import results
+    from lab.rundir.summary import summarize
     a = lab.run(dict(SMALL, name="res-a"), runs=runs)
     b = lab.run(dict(SMALL, name="res-b", compressor={"name": "fp16"}), runs=runs)
     gid = results.save_group(runs, "dear-vs-ddp", {"dear": a.id, "ddp": b.id})
@@ -282,7 +284,7 @@ def test_sweep_starts_in_the_background_and_shows_a_heatmap(runs):
 def test_tail_timeline_is_the_end_of_the_full_timeline(runs):
     run = lab.runs(runs=runs, state="done")[0]
     full = run.timeline()
-    tail = ui.tail_timeline(run, 2)
+    tail = timelines.tail_timeline(run, 2)
     assert len(tail) <= len(full) and set(tail["lane"]) <= set(full["lane"])
     assert tail["start_us"].max() == full["start_us"].max()
     small = ui._tail_events(run.timeline_files()[0], 1, chunk=2048)
@@ -360,9 +362,9 @@ def test_app_stops_cleanly_on_a_signal(tmp_path, sig):
     """`commlab app` stopped by SIGINT (started with it ignored, as a shell starts a background job),
     SIGTERM or SIGHUP: its server and the background sweep it started end, the port is free and it says
     so, and a run's supervisor it started keeps going."""
-    from lab.spawn import ENV, spawn_detached
+    from lab.service.spawn import ENV, spawn_detached
     port = free_port()
-    code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(tmp_path)!r}, demo=False))"
+    code = f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(tmp_path)!r}, demo=False))"
     # output to a file, not a pipe: an unread pipe that fills up blocks the server and the app on exit
     log_path = tmp_path / "app.log"
     with open(log_path, "wb") as log:
@@ -435,7 +437,7 @@ def test_new_run_form_follows_the_comm_mode(runs):
 def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
     """Advise (predictions only, a real detached `commlab advise`), the ranked table, then the winner and
     DDP queued as one group shown in the results view (cancelled at once)."""
-    from lab import advice_jobs
+    from lab.front import advice_jobs
     at = page("advisor")
     label = next(k for k in advice_jobs.spec_choices(runs) if k.startswith("run: "))  # the newest finished run
     at.selectbox(key="adv.spec").set_value(label)

@@ -12,10 +12,10 @@ from engine.runlog import read_jsonl
 from engine.spec import JobSpec
 from engine.timeline import Timeline
 from engine.trainer import load_data
-from lab import auto
-from lab.perfmodel import calibrate as cal
-from lab.perfmodel import whatif
-from lab.specs import load_spec
+from lab.strategy import auto
+from lab.strategy.perfmodel import calibrate as cal
+from lab.strategy.perfmodel import whatif
+from lab.base.specs import load_spec
 
 BASE = {"name": "ap", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 30, "batch_size": 16,
         "eval_every": 0, "threads": 1, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
@@ -144,7 +144,7 @@ def test_strategy_auto_profiles_in_the_run(tmp_path):
 
 def test_a_failing_advisor_fails_the_run_after_the_profile(tmp_path, monkeypatch):
     import lab
-    from lab.store import LabError
+    from lab.base.errors import LabError
 
     def boom(*a, **k):
         raise LabError("advisor: boom")

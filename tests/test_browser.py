@@ -20,6 +20,8 @@ import pytest
 
 import lab
 from distutil import stop_process, wait_until_up
+from lab.analysis import timelines
+from lab.analysis.presets import PRESETS  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +41,8 @@ SETTLED = """() => document.querySelectorAll('[data-stale="true"]').length === 0
 
 
 def labels_of(runs):
-    from lab import ui
-    return ui.short_labels(lab.runs(runs=runs))
+    from lab.front import ui
+    return timelines.short_labels(lab.runs(runs=runs))
 
 
 def free_port() -> int:
@@ -54,7 +56,7 @@ def server(tmp_path):
     """The UI on a free port over an empty runs directory; stopped, with every run it started."""
     runs = tmp_path / "runs"
     port = free_port()
-    code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
+    code = f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
     log = open(tmp_path / "app.log", "wb")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True, stdout=log,
                          stderr=subprocess.STDOUT)
@@ -82,7 +84,7 @@ def keep(shot: Path, name: str) -> None:
 def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
     """Every preset's Start leads to its results view; one preset (the quickest) is followed until its
     verdict is complete, with the timelines side by side; then a run's live page and the other pages."""
-    from lab import ui
+    from lab.front import ui
     url, runs = server
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -91,7 +93,7 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
             page = browser.new_page(viewport={"width": 1400, "height": 2400})
             page.set_default_timeout(60_000)
             # every preset but the one followed below: Start, its results view, then its runs are cancelled
-            for p in ui.PRESETS:
+            for p in PRESETS:
                 if p.key == "countsketch-vs-topk":
                     continue
                 page.goto(url)

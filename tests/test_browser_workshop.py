@@ -22,8 +22,9 @@ import pytest
 import lab
 from distutil import stop_process, wait_until_up
 from app import access
-from lab import accounts, workshop
-from lab.queue import Lab
+from lab.front import accounts
+from lab.service import owners
+from lab.service.queue import Lab
 from test_app import SMALL
 from test_browser import CHROMIUM, SETTLED, free_port
 
@@ -44,7 +45,7 @@ def room(tmp_path):
     assert run.state == "done", run.status()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
-    code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
+    code = f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
     log = open(tmp_path / "app.log", "wb")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                          stdout=log, stderr=subprocess.STDOUT)

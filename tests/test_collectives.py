@@ -1,9 +1,9 @@
 """NCCL-style collective costs (lab/perfmodel/collectives.py) against values worked out by hand."""
 import pytest
 
-from lab.perfmodel import collectives as nc
-from lab.perfmodel import costs
-from lab.perfmodel.iteration import Bucket, Round, Step, iteration_time
+from lab.strategy.perfmodel import collectives as nc
+from lab.strategy.perfmodel import costs
+from lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
 
 US = 1e-6
 

@@ -5,7 +5,7 @@ import torch
 
 from distutil import emulate_exchange
 from engine.compressors import make, names
-from lab import ui
+from lab.front import ui
 
 # DESIGN.md: "Each takes its parameters by keyword: ratio (topk, randomk, dgc), threshold (threshold),
 # levels (qsgd), rank (powersgd), rows, cols and k (countsketch)"

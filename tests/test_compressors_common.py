@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from engine import compressors
-from engine.compressors import ErrorFeedback, make, names
+from engine.compressors import make, names
+from engine.compressors.base import ErrorFeedback
+from engine.compressors.params import Param
 from distutil import emulate_exchange
 
 # parameters that make each method do real work on small test tensors
@@ -125,7 +127,7 @@ def test_declared_parameters_are_what_the_constructor_takes(name):
     cls = compressors.REGISTRY[name]
     c = make(name)
     for p in cls.params:
-        assert isinstance(p, compressors.Param) and p.help and "\n" not in p.help
+        assert isinstance(p, Param) and p.help and "\n" not in p.help
         assert getattr(c, p.name) == p.default, f"{name}.{p.name} is not stored as declared"
     with pytest.raises(ValueError) as e:
         make(name, colour=1)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.compressors import bitpack, make, names, nbytes
+from engine.compressors import bitpack, make, names
+from engine.compressors.base import nbytes
 from engine.compressors.base import Round
 
 QUANT = ["fp16", "bf16", "qsgd", "terngrad", "natural", "signsgd", "efsignsgd", "signum", "onebit"]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from engine import data
-from lab.perfmodel import views, whatif
-from lab.specs import load_spec
+from lab.strategy.perfmodel import views, whatif
+from lab.base.specs import load_spec
 
 DIGITS = ("digits", ("scikit-learn",), data._digits_split)
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab import disturbance as dist
-from lab.index import INDEX_FILE, Index
-from lab.queue import Lab
-from lab.store import LabError, RunStore
+from lab.rundir import disturbance as dist
+from lab.rundir.index import INDEX_FILE, Index
+from lab.service.queue import Lab
+from lab.base.errors import LabError
+from lab.rundir.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"name": "cpu", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 20, "batch_size": 16,
@@ -158,7 +159,7 @@ def test_any_other_busy_process_still_disturbs(tmp_path, case):
 
 
 def test_observer_registration_follows_a_real_process(tmp_path):
-    import lab.spawn
+    import lab.service.spawn
     assert dist.OBSERVER_NICE == lab.spawn.APP_NICE  # what the server runs at is what is not counted
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                          preexec_fn=lambda: os.nice(dist.OBSERVER_NICE))
@@ -251,7 +252,7 @@ def test_old_index_gains_the_columns(tmp_path):
 
 def commlab(*args, runs, timeout=300):
     env = dict(os.environ, COMMLAB_RUNS=str(runs))
-    return subprocess.run([sys.executable, "-m", "lab.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lab.front.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -340,7 +341,7 @@ def test_a_killed_supervisor_leaves_the_figure_so_far(tmp_path):
     runs = tmp_path / "runs"
     spec = tmp_path / "long.json"
     spec.write_text(json.dumps(dict(SPEC, steps=100000)))
-    p = subprocess.Popen([sys.executable, "-m", "lab.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
+    p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         t0 = time.time()

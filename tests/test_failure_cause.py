@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.launcher import failure_cause, finish_status, rank_exits_from_log
-from lab.store import Run
+from lab.rundir.launcher import failure_cause, finish_status, rank_exits_from_log
+from lab.rundir.store import Run
 
 LOGS = Path(__file__).parent / "data" / "torchrun"
 PEER_LOST = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "

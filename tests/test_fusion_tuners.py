@@ -7,7 +7,8 @@ import pytest
 from engine import schedules
 from engine.schedules import CallCost, ParamInfo
 from engine.spec import JobSpec, SpecError
-from engine.tuners import LayerFusionTuner, MergeCompSearch, fit_cost
+from engine.tuners.layerfusion import LayerFusionTuner, fit_cost
+from engine.tuners.mergecomp import MergeCompSearch
 
 
 def fake_params(sizes, dtype="float32"):

@@ -22,7 +22,7 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs (NCCL, one 
 
 def _run(tmp_path, *sets, spec="demo.yaml"):
     runs = tmp_path / "runs"
-    args = [sys.executable, "-m", "lab.cli", "run", str(ROOT / "examples" / spec), "--quiet", "--runs", str(runs),
+    args = [sys.executable, "-m", "lab.front.cli", "run", str(ROOT / "examples" / spec), "--quiet", "--runs", str(runs),
             "--set", "device=cuda", "--set", "eval_every=0"]
     for s in sets:
         args += ["--set", s]
@@ -90,7 +90,7 @@ def test_nccl_refuses_two_ranks_on_one_gpu_with_a_clear_error(tmp_path):
     if GPUS >= 2:
         pytest.skip("two GPUs: NCCL has one per rank")
     runs = tmp_path / "runs"
-    r = subprocess.run([sys.executable, "-m", "lab.cli", "run", str(ROOT / "examples" / "demo.yaml"), "--quiet",
+    r = subprocess.run([sys.executable, "-m", "lab.front.cli", "run", str(ROOT / "examples" / "demo.yaml"), "--quiet",
                         "--runs", str(runs), "--set", "device=cuda", "--set", "backend=nccl", "--set", "steps=5"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab.index import INDEX_FILE, Index, RunIndexError
-from lab.store import RunStore
+from lab.rundir.index import INDEX_FILE, Index, RunIndexError
+from lab.rundir.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"name": "ix", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 5, "batch_size": 16,
@@ -120,8 +120,8 @@ def test_an_error_sqlite_does_not_name_is_rebuilt_only_when_quick_check_fails(tm
 CHILD = r"""
 import sys
 import lab
-from lab.index import Index
-from lab.store import RunStore
+from lab.rundir.index import Index
+from lab.rundir.store import RunStore
 store = RunStore(sys.argv[1])
 index = Index(store)
 print(len(index.query()), flush=True)  # this process uses the index before it is damaged and rebuilt
@@ -254,8 +254,8 @@ def test_an_update_the_index_cannot_take_is_owed_and_paid_at_the_next_read(tmp_p
     """A supervisor writing status.json while the index is locked for long (or the disk is full) carries on:
     the row is owed, said on stderr, and the next query writes it from the run's directory."""
     import lab
-    from lab.index import Index, RunIndexError
-    from lab.queue import Lab
+    from lab.rundir.index import Index, RunIndexError
+    from lab.service.queue import Lab
     from test_app import SMALL
     q = Lab(tmp_path)
     run = q.create(lab._spec(SMALL))

@@ -20,8 +20,8 @@ pytest.importorskip("jupyterlab")
 pytest.importorskip("ipykernel")
 websocket = pytest.importorskip("websocket")  # websocket-client, a dependency of jupyter_server
 
-from lab import jupyter  # noqa: E402
-from lab.cli import main  # noqa: E402
+from lab.front import jupyter  # noqa: E402
+from lab.front.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
@@ -61,7 +61,7 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    """``python -m lab.cli notebooks --no-browser`` in a private Jupyter home, read through its REST API."""
+    """``python -m lab.front.cli notebooks --no-browser`` in a private Jupyter home, read through its REST API."""
 
     def __init__(self, tmp_path: Path):
         self.port = free_port()
@@ -77,7 +77,7 @@ class Server:
                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         env.pop("JUPYTER_TOKEN", None)
         with open(self.log, "wb") as f:
-            self.p = subprocess.Popen([sys.executable, "-m", "lab.cli", "notebooks", "--no-browser",
+            self.p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "notebooks", "--no-browser",
                                        "--port", str(self.port)], env=env, cwd=str(tmp_path),
                                       stdout=f, stderr=subprocess.STDOUT)
         self.procs = set()

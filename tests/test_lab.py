@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab import procs
-from lab.cli import main as cli
-from lab.queue import Lab
+from lab.base import procs
+from lab.front.cli import main as cli
+from lab.service.queue import Lab
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"name": "q", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 5, "batch_size": 16,
@@ -99,7 +99,7 @@ def test_killed_launcher_is_marked_stale_and_stops_its_job(tmp_path):
     spec = tmp_path / "long.json"
     spec.write_text(json.dumps(LONG))
     runs = tmp_path / "runs"
-    p = subprocess.Popen([sys.executable, "-m", "lab.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
+    p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     q = Lab(runs)
     run = wait_for(lambda: next(iter(q.store.list()), None), 30, "the run directory")
@@ -111,7 +111,7 @@ def test_killed_launcher_is_marked_stale_and_stops_its_job(tmp_path):
     assert q.recover_stale() == [run.id]
     assert run.state == "failed" and "stale" in run.status()["error"]
     assert run.metric_rows()  # everything logged before stays readable
-    r = subprocess.run([sys.executable, "-m", "lab.cli", "show", run.id, "--runs", str(runs)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "lab.front.cli", "show", run.id, "--runs", str(runs)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "failed" in r.stdout
 
@@ -150,7 +150,7 @@ def test_index_rebuilds_from_directories(tmp_path):
     assert after == before
     q.index.path.write_bytes(b"this is not a database")  # damaged: rebuilt on first use
     assert {r["id"] for r in q.index.query()} == {a.id, b.id}
-    importlib.import_module("lab.sweep")  # importing the lab's modules must not shadow the lab.compare function
+    importlib.import_module("lab.front.sweep")  # importing the lab's modules must not shadow the lab.compare function
     df = lab.compare(lab.runs(runs=tmp_path))
     assert list(df.index) == [a.id, b.id] and df.loc[a.id, "state"] == "done"
     assert not a.metrics().empty and not a.timeline().empty and a.summary().loc[a.id, "state"] == "done"
@@ -205,8 +205,8 @@ def test_hostile_run_ids_are_refused(tmp_path, capsys, run_id, cmd):
 def test_wait_leaves_the_index_agreeing_with_the_final_state(tmp_path):
     """A supervisor writes status.json, then the index; between the two, wait() may already see the final
     state. After wait returns, lab.runs(state=...) holds the run (a race the form test once lost)."""
-    from lab.store import RunStore
-    from lab.specs import load_spec
+    from lab.rundir.store import RunStore
+    from lab.base.specs import load_spec
     lab_ = Lab(tmp_path)
     run = lab_.create(load_spec(data={"name": "idx", "model": "mlp", "dataset": "digits", "steps": 1}))
     bare = RunStore(tmp_path).get(run.id)  # no on_change: status.json moves, the index does not

@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-import lab.netns as netns
-from lab.launcher import worker_env
-from lab.netcheck import measure_tcp, net_check
-from lab.netns import (Cluster, NetnsError, NetworkUnavailable, check_shaped_supported, cleanup_stale,
+import lab.net.netns as netns
+from lab.base.torchrun import worker_env
+from lab.net.netcheck import measure_tcp, net_check
+from lab.net.netns import (Cluster, NetnsError, NetworkUnavailable, check_shaped_supported, cleanup_stale,
                        list_lab_namespaces, rank_argv, root_lab_links)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,7 +175,7 @@ def test_teardown_kills_what_a_crashed_run_left_inside():
 _CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from lab.netns import Cluster
+from lab.net.netns import Cluster
 c = Cluster(2, 0.1, tag="stale")
 print(json.dumps({"namespaces": c.namespaces + [c.bridge_ns], "k": c.k}), flush=True)
 time.sleep(120)

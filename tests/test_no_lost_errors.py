@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import lab
-from engine import tuners, worker
+from engine import worker
+from engine.tuners import mergecomp
 from engine.spec import DEAR_CAP_MB, DEAR_TUNE_STEPS, JobSpec
-from lab import supervise
-from lab.cli import main as cli
-from lab.queue import Lab
+from lab.service import supervise
+from lab.front.cli import main as cli
+from lab.service.queue import Lab
 
 SMALL = {"name": "e", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 3, "batch_size": 16,
          "eval_every": 0, "threads": 1}
@@ -41,29 +42,29 @@ def test_worker_file_is_written_whole(tmp_path, capsys):
 # --------------------------------------------------------------------------- MergeComp's cache
 
 def test_corrupt_cache_is_kept_aside_and_reported_on_read(tmp_path):
-    cache = tmp_path / tuners.CACHE
+    cache = tmp_path / mergecomp.CACHE
     cache.write_text('{"k": {"cuts": [1, 2')
-    with pytest.raises(tuners.CacheCorrupt, match=r"mergecomp-cache\.json is unreadable \(JSONDecodeError"):
-        tuners.read_cache(str(tmp_path), "k")
+    with pytest.raises(mergecomp.CacheCorrupt, match=r"mergecomp-cache\.json is unreadable \(JSONDecodeError"):
+        mergecomp.read_cache(str(tmp_path), "k")
     (aside,) = tmp_path.glob("mergecomp-cache.json.corrupt-*")
     assert aside.read_text() == '{"k": {"cuts": [1, 2' and not cache.exists()
-    assert tuners.read_cache(str(tmp_path), "k") is None  # from here on: no cache, as on a first run
+    assert mergecomp.read_cache(str(tmp_path), "k") is None  # from here on: no cache, as on a first run
 
 
 def test_corrupt_cache_is_kept_aside_and_reported_on_write(tmp_path):
-    cache = tmp_path / tuners.CACHE
+    cache = tmp_path / mergecomp.CACHE
     cache.write_text('["not", "entries"]')
-    problem = tuners.write_cache(str(tmp_path), "k", {"cuts": [3]})
+    problem = mergecomp.write_cache(str(tmp_path), "k", {"cuts": [3]})
     assert "is unreadable" in problem and "moved to mergecomp-cache.json.corrupt-" in problem
     assert json.loads(cache.read_text()) == {"k": {"cuts": [3]}}
     (aside,) = tmp_path.glob("mergecomp-cache.json.corrupt-*")
     assert aside.read_text() == '["not", "entries"]'
-    assert tuners.write_cache(str(tmp_path), "j", {"cuts": []}) is None
+    assert mergecomp.write_cache(str(tmp_path), "j", {"cuts": []}) is None
     assert set(json.loads(cache.read_text())) == {"k", "j"}
 
 
 def test_a_run_says_its_mergecomp_cache_was_corrupt(tmp_path):
-    (tmp_path / tuners.CACHE).write_text("{ this is not json")
+    (tmp_path / mergecomp.CACHE).write_text("{ this is not json")
     run = lab.run(dict(SMALL, steps=8, schedule={"name": "mergecomp"}), runs=tmp_path)
     assert run.state == "done", run.status()
     tuning = json.loads(run.file("tuning.json").read_text())

@@ -63,8 +63,8 @@ def test_each_links_its_paper_and_ends_with_an_exercise(path):
 
 def test_notebooks_default_to_the_runs_directory_of_every_command(tmp_path, monkeypatch):
     """One default everywhere: $COMMLAB_RUNS, else ./runs where you are (the CLI's, the UI's, the API's)."""
-    from lab import notebook, ui
-    from lab.store import default_root
+    from lab.front import notebook, ui
+    from lab.base.paths import default_root
     monkeypatch.delenv("COMMLAB_RUNS", raising=False)
     monkeypatch.chdir(tmp_path)
     assert Path(notebook.runs_dir()) == (tmp_path / "runs").resolve() == default_root().resolve() \

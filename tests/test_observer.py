@@ -20,10 +20,12 @@ import numpy as np
 import pytest
 
 import lab
-from lab import live, plots, procs
-from lab.spawn import APP_NICE, ENV, Spawner, spawn_detached
-from lab.store import RunStore
+from lab.analysis import live, plots
+from lab.base import procs
+from lab.service.spawn import APP_NICE, ENV, Spawner, spawn_detached
+from lab.rundir.store import RunStore
 from distutil import stop_process
+from lab.analysis import timelines
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"model": "mlp", "dataset": "digits", "steps": 5, "batch_size": 16, "eval_every": 0, "threads": 1}
@@ -197,7 +199,7 @@ def children_of(pid: int) -> list:
 NICED_CHILD = textwrap.dedent("""
     import os, sys
     os.nice({nice})
-    from lab.spawn import spawn_detached
+    from lab.service.spawn import spawn_detached
     print(spawn_detached([sys.executable, "-c", "import time; time.sleep(60)"], {log!r}), flush=True)
 """)
 
@@ -243,7 +245,7 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
     app's normal priority, started by the app's process."""
     runs = tmp_path / "runs"
     port = free_port()
-    code = f"import sys; from lab.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
+    code = f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
     app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_id = None
@@ -287,25 +289,25 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
 def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
     """lab.ui.run_breakdown (the results page's per-run breakdown) follows a running run through lab.live:
     the same mean as plots.step_breakdown over the same steps, and a second call reads nothing new."""
-    from lab import ui
-    from lab.summary import warmup_steps
+    from lab.front import ui
+    from lab.rundir.summary import warmup_steps
     runs, run, write = fake_run
     live._LIVE.clear()
     write(range(0, 20))
-    got = ui.run_breakdown(run)
+    got = timelines.run_breakdown(run)
     full = plots.step_breakdown(run.timeline())
     steps = full[full["step"] < 19]  # the last step waits for its successor's events
     want = plots.mean_breakdown(steps, skip=warmup_steps(20))
     assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
     (lr,) = live._LIVE.values()
     n = lr.bytes_read
-    assert ui.run_breakdown(run) == got and lr.bytes_read == n
+    assert timelines.run_breakdown(run) == got and lr.bytes_read == n
 
 
 def test_app_server_skips_the_full_gc_after_every_rerun_and_the_file_polling():
     """Streamlit's defaults: gc.collect(2) after every script run (fragment refreshes included) and polling
     every imported source file; each cost a refreshing page's server more than the page's own work."""
-    from lab import ui
+    from lab.front import ui
     argv = ui.app_argv(8600)
     opts = dict(zip(argv[5::2], argv[6::2]))
     assert opts["--runner.postScriptGC"] == "false" and opts["--server.fileWatcherType"] == "none"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.runlog import read_jsonl
-from lab.launcher import free_port
+from lab.base.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def torchrun(tmp_path, *args, timeout=240):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "lab.cli", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.run([sys.executable, "-m", "lab.front.cli", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=120)
 
 

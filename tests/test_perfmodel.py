@@ -5,8 +5,8 @@ import json
 import pytest
 import torch
 
-from lab.perfmodel import costs
-from lab.perfmodel.iteration import Bucket, Round, Step, iteration_time
+from lab.strategy.perfmodel import costs
+from lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
 
 GB1 = costs.Link(10e-6, 8e-9)  # 1 Gbit/s, 10 µs per step
 SLOW = costs.Link(0.0, 1e-3)   # 1 ms per byte: collective times in round numbers
@@ -110,7 +110,7 @@ def test_one_worker_is_pure_compute_and_bad_input_is_rejected():
 # ------------------------------------------------------------------ calibration, crossover, CLI
 
 def test_fits_recover_known_costs():
-    from lab.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import calibrate as cal
     xs = [4096, 65536, 1 << 20, 1 << 22]
     a, b = cal.fit_affine(xs, [20e-6 + 1e-9 * x for x in xs])
     assert a == pytest.approx(20e-6) and b == pytest.approx(1e-9)
@@ -122,7 +122,7 @@ def test_fits_recover_known_costs():
 
 
 def tiny_profile(**kw):
-    from lab.perfmodel.calibrate import Profile
+    from lab.strategy.perfmodel.calibrate import Profile
     p = Profile(model="mlp", dataset="digits", batch_size=16, source="test",
                 params=[("fc2.bias", 40), ("fc2.weight", 40_000), ("fc1.bias", 400), ("fc1.weight", 400_000)],
                 forward_s=2e-3, backward_s=4e-3, optimizer_s=0.5e-3,
@@ -139,8 +139,8 @@ def spec(comp="fp16", sched="bucket", mode="wfbp"):
 
 
 def test_fp16_halves_the_bytes_and_pays_only_on_slow_links(tmp_path):
-    from lab.perfmodel import calibrate as cal
-    from lab.perfmodel import predict as pr
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import predict as pr
     p = tiny_profile()
     step = pr.build_step(p, spec(), 2)
     assert [r.nbytes for b in step.buckets for r in b.rounds] == [pytest.approx(440_440 / 2)]
@@ -155,7 +155,7 @@ def test_fp16_halves_the_bytes_and_pays_only_on_slow_links(tmp_path):
 
 
 def test_predict_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
-    from lab.cli import main
+    from lab.front.cli import main
     f = tmp_path / "s.yaml"
     f.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\n")
     assert main(["predict", str(f), "--gbps", "fast", "--runs", str(tmp_path)]) == 2
@@ -167,7 +167,7 @@ def test_predict_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
 
 
 def test_predict_cli_prints_the_table_and_crossover(tmp_path, capsys):
-    from lab.cli import main
+    from lab.front.cli import main
     f = tmp_path / "s.yaml"
     f.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\ncomm: {mode: dear}\n")
     prof = tiny_profile(compressors={})
@@ -180,13 +180,13 @@ def test_predict_cli_prints_the_table_and_crossover(tmp_path, capsys):
     assert [(r[0], r[1]) for r in rows] == [("2", "0.1"), ("2", "100"), ("8", "0.1"), ("8", "100")]
     assert out.count("crossover:") == 2
     # the missing fp16 curve was measured and saved into the profile
-    from lab.perfmodel.calibrate import Profile
+    from lab.strategy.perfmodel.calibrate import Profile
     assert "fp16" in Profile.load(tmp_path / "p.json").compressors
 
 
 def test_properties_are_measured_not_declared(tmp_path):
     import json
-    from lab.perfmodel import properties as pp
+    from lab.strategy.perfmodel import properties as pp
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps({"cells": [{"compressor": "none", "ef": False, "acc": 0.99},
                                          {"compressor": "topk", "ef": True, "acc": 0.985},
@@ -204,8 +204,8 @@ def test_properties_are_measured_not_declared(tmp_path):
 
 
 def test_link_from_net_check_output(tmp_path, capsys):
-    from lab.cli import main
-    from lab.perfmodel import calibrate as cal
+    from lab.front.cli import main
+    from lab.strategy.perfmodel import calibrate as cal
     # 2 ranks: the 1 MB all-reduce moves 1 MB, the 4 KiB one 4 KiB; alpha 100 µs per step, 1 Gbit
     res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
            "allreduce_median_s": 2 * 100e-6 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
@@ -228,7 +228,7 @@ def test_link_from_net_check_output(tmp_path, capsys):
 
 def test_plot_builders_for_the_model_page():
     import pandas as pd
-    from lab import plots
+    from lab.analysis import plots
     grid = pd.DataFrame([{"compressor": c, "gbps": g, "workers": w, "speedup": s}
                          for c, s in (("fp16", 1.5), ("topk", 0.8)) for g in (1, 10) for w in (2, 8)])
     fig = plots.speedup_heatmaps(grid)
@@ -243,8 +243,8 @@ def test_plot_builders_for_the_model_page():
 
 def test_predict_calibrates_from_a_real_run_then_reuses_the_profile(tmp_path, capsys):
     import lab
-    from lab.cli import main
-    from lab.perfmodel import calibrate as cal
+    from lab.front.cli import main
+    from lab.strategy.perfmodel import calibrate as cal
     small = {"model": "mlp", "dataset": "digits", "steps": 6, "batch_size": 16, "eval_every": 0, "threads": 1,
              "comm": {"mode": "sync"}, "schedule": {"name": "layerwise"}}
     run = lab.run(small, runs=tmp_path)
@@ -265,7 +265,7 @@ def test_predict_calibrates_from_a_real_run_then_reuses_the_profile(tmp_path, ca
 
 def test_dear_specs_load_with_their_own_buffer_options():
     from engine.spec import SpecError
-    from lab.perfmodel import whatif
+    from lab.strategy.perfmodel import whatif
     spec = whatif.load_for_prediction(data={"model": "cnn", "comm": {"mode": "dear", "cap_mb": 2}})
     assert spec["comm"]["mode"] == "dear" and spec["comm"]["cap_mb"] == 2
     with pytest.raises(SpecError, match="compressor"):
@@ -304,8 +304,8 @@ def _cluster_rows(out):
 
 
 def test_predict_from_a_saved_profile_gives_a_two_level_table(tmp_path, capsys):
-    from lab.cli import main
-    from lab.perfmodel import whatif
+    from lab.front.cli import main
+    from lab.strategy.perfmodel import whatif
     spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
     tiny_profile(spec=spec).save(tmp_path / "p.json")
     workers = [8, 16, 32, 64, 128, 256, 512, 1024]
@@ -337,8 +337,8 @@ def test_predict_from_a_saved_profile_gives_a_two_level_table(tmp_path, capsys):
 
 
 def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
-    from lab.cli import main
-    from lab.perfmodel import whatif
+    from lab.front.cli import main
+    from lab.strategy.perfmodel import whatif
     spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
     good = tmp_path / "p.json"
     tiny_profile(spec=spec).save(good)
@@ -370,7 +370,7 @@ def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
 
 def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):
     import json
-    from lab.cli import main
+    from lab.front.cli import main
     s = tmp_path / "s.yaml"
     s.write_text("model: mlp\ndataset: digits\nbatch_size: 16\ncompressor: {name: fp16}\ncomm: {mode: dear}\n")
     out_file = tmp_path / "prof.json"
@@ -398,7 +398,7 @@ def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):
 def test_from_run_takes_forward_waits_out_of_the_layer_spans_that_hold_them():
     """Layer spans tile the forward pass (engine/probe.py), so a dear all-gather wait between two layers
     lies inside the next layer's span: the profile's layer forward is that span less the wait."""
-    from lab.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import calibrate as cal
 
     def x(cat, ts, dur, **args):
         return {"ph": "X", "pid": 0, "cat": cat, "name": args.get("layer", cat), "ts": ts, "dur": dur, "args": args}
@@ -425,7 +425,7 @@ def test_skipping_warm_up_gives_the_steady_state_payload():
     """The model reads PowerSGD's payload after ``skip_warmup`` instead of driving its plain exchanges
     first: the same rounds, bytes and tensors as after driving them all (a layout of matrices and a vector)."""
     from engine import compressors
-    from lab.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import calibrate as cal
     shapes, off = [], 0
     for shape in ((64, 48), (32,), (40, 40)):
         shapes.append((off, shape))
@@ -455,7 +455,7 @@ def test_a_steady_payload_shows_its_sizes_in_one_exchange(ef):
     sizes on its first exchange as on later ones with other values (another scale, other signs, a tensor
     of zeros), under error feedback too; threshold's, which does not declare it, follows the values."""
     from engine import compressors
-    from lab.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import calibrate as cal
     shapes, off = [], 0
     for shape in ((64, 48), (32,), (40, 40)):
         shapes.append((off, shape))
@@ -502,7 +502,7 @@ def test_declared_rounds_are_the_driven_ones(params):
     pre-filter), per-tensor layouts with and without matrices worth compressing; with and without error
     feedback. Top-k, int8 and PowerSGD (per tensor) declare; PowerSGD without a layout does not."""
     from engine import compressors
-    from lab.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import calibrate as cal
     g = torch.Generator().manual_seed(2)
     declaring = set()
     for name in compressors.names():
@@ -529,8 +529,8 @@ def test_declared_rounds_are_the_driven_ones(params):
 def test_the_model_uses_declared_rounds_without_driving(monkeypatch):
     """A bucket whose compressor declares its rounds is not driven: the prediction's payload is the
     declaration (here a top-k bucket of a made-up profile), and driving it is never called."""
-    from lab.perfmodel import calibrate as cal
-    from lab.perfmodel import predict as pr
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import predict as pr
     prof = cal.Profile(model="m", dataset="d", batch_size=1, params=[("a.weight", 4 * 5000), ("b.weight", 4 * 7001)])
     monkeypatch.setattr(pr, "_ROUNDS_CACHE", {})
     monkeypatch.setattr(cal, "drive", lambda *a, **k: pytest.fail("drove a declared compressor"))
@@ -541,8 +541,8 @@ def test_the_model_uses_declared_rounds_without_driving(monkeypatch):
 
 def test_the_profile_commands_default_is_the_labs_profiling_run():
     """``commlab profile --help`` states the default steps the lab's own profiling run takes."""
-    from lab.cli import build_parser
-    from lab.perfmodel import whatif
+    from lab.front.cli import build_parser
+    from lab.strategy.perfmodel import whatif
     p = build_parser()
     sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices["profile"]
     steps = next(a for a in sub._actions if a.dest == "steps")
@@ -552,9 +552,9 @@ def test_the_profile_commands_default_is_the_labs_profiling_run():
 def test_net_check_save_keeps_the_labs_link_calibration(tmp_path, monkeypatch, capsys):
     """`commlab net check --save` writes the check's alpha and beta where the advisor reads them (the check
     itself, which needs namespaces, is stubbed: its figures are given)."""
-    from lab import netcheck, netns
-    from lab.cli import main
-    from lab.perfmodel import whatif
+    from lab.net import netcheck, netns
+    from lab.front.cli import main
+    from lab.strategy.perfmodel import whatif
     res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
            "allreduce_median_s": 2 * 500e-6 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
            "allreduce_small_mean_s": 2 * 500e-6 + 4096 * 8e-9}

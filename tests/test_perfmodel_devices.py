@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.perfmodel import devices as dv
-from lab.perfmodel import roofline as rl
+from lab.strategy.perfmodel import devices as dv
+from lab.strategy.perfmodel import roofline as rl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -161,13 +161,13 @@ def test_codec_costs_follow_from_the_bytes_they_move():
 
 
 def spec_for(comp="fp16"):
-    from lab.perfmodel import whatif
+    from lab.strategy.perfmodel import whatif
     return whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": comp})
 
 
 def test_a_profile_measured_on_the_device_takes_precedence():
-    from lab.perfmodel import calibrate as cal
-    from lab.perfmodel import ondevice
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import ondevice
     spec = spec_for()
     measured = cal.Profile(model="mlp", dataset="digits", batch_size=16, params=cal.param_list(spec),
                            forward_s=1e-3, backward_s=2e-3, source="run x", machine={"gpu": "NVIDIA H100 80GB HBM3"},
@@ -188,7 +188,7 @@ def test_a_profile_measured_on_the_device_takes_precedence():
 
 
 def test_sources_of_a_cpu_prediction():
-    from lab.perfmodel import ondevice
+    from lab.strategy.perfmodel import ondevice
     from test_perfmodel import tiny_profile
     spec = spec_for()
     p = tiny_profile(spec=spec, machine={"cpu": "Some CPU"})
@@ -205,10 +205,10 @@ def test_sources_of_a_cpu_prediction():
 
 
 def test_predict_on_a_device_prints_the_table_and_its_sources(tmp_path, capsys):
-    from lab.cli import main
+    from lab.front.cli import main
     from test_perfmodel import tiny_profile
     spec = spec_for()
-    from lab.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import calibrate as cal
     tiny_profile(spec=spec, params=cal.param_list(spec)).save(tmp_path / "p.json")
     assert main(["predict", str(tmp_path / "p.json"), "--device", "H100", "--workers", "8,16", "--gbps", "100",
                  "--runs", str(tmp_path)]) == 0
@@ -273,7 +273,7 @@ def test_table_c_against_mergecomps_published_scaling_factors():
 
 def test_fitting_the_efficiencies_to_a_measured_profile_recovers_them():
     """fit_layers on per-layer times made from known efficiencies (the additive form it fits) gets them back."""
-    from lab.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import calibrate as cal
     with torch.device("meta"):
         m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 16),
                                 torch.nn.Linear(16, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))

@@ -5,8 +5,9 @@ not checked here: they are measured by bench/presets.py."""
 import pytest
 
 import lab
-from lab import results, ui
-from lab.presets import PRESETS
+from lab.analysis import results
+from lab.front import ui
+from lab.analysis.presets import PRESETS
 
 
 @pytest.mark.parametrize("key", [p.key for p in PRESETS])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from lab.progress import RunProgress
+from lab.rundir.progress import RunProgress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ SPEC = {"name": "progress", "model": "mlp", "dataset": "digits", "world_size": 2
 def test_commlab_run_on_a_pseudo_terminal_and_on_a_pipe(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
-    argv = [sys.executable, "-m", "lab.cli", "run", str(spec), "--runs", str(tmp_path / "runs")]
+    argv = [sys.executable, "-m", "lab.front.cli", "run", str(spec), "--runs", str(tmp_path / "runs")]
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160"}
     env.pop("NO_COLOR", None)
     main, sub = pty.openpty()

@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lab.queue import Slots
+from lab.service.queue import Slots
 
 ROOT = Path(__file__).resolve().parents[1]
 
 HOLDER = r"""
 import sys, time
-from lab.queue import Slots
+from lab.service.queue import Slots
 fd = Slots(sys.argv[1], int(sys.argv[2])).try_acquire()
 print("held" if fd is not None else "none", flush=True)
 time.sleep(600)

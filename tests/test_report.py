@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab import results
-from lab.cli import main
+from lab.analysis import results
+from lab.front.cli import main
 from test_app import SMALL
 
 CHROMIUM = "/usr/bin/chromium"
@@ -99,8 +99,8 @@ def test_live_page_offers_the_report(finished, monkeypatch):
 def test_the_ui_builds_a_report_in_a_thread_that_acts_for_no_one(finished):
     """The report button's builder runs in a server thread outside any session (a signed-in lookup there
     raises): it reads only the runs the page resolved for the viewer."""
-    from lab import ui
-    from lab.report import report_html
+    from lab.front import ui
+    from lab.analysis.report import report_html
     root, a, b, gid = finished
     group = results.load_group(root, gid)
     ui.set_viewer(lambda: None)  # what app/access.py's resolver gives outside a session

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from lab import results
-from lab.presets import ACCURACY_POINTS, PRESETS, Effect, Preset, get
-from lab.specs import load_spec
+from lab.analysis import results
+from lab.analysis.presets import ACCURACY_POINTS, PRESETS, Effect, Preset, get
+from lab.base.specs import load_spec
 
 
 class FakeRun:

@@ -28,12 +28,15 @@ pytest.importorskip("streamlit")
 import lab  # noqa: E402
 from engine import codepath  # noqa: E402
 from engine.spec import SpecError  # noqa: E402
-from lab import accounts, sandbox, ui, workshop  # noqa: E402
-from lab.perfmodel import views  # noqa: E402
-from lab.queue import Lab  # noqa: E402
-from lab.store import LabError  # noqa: E402
+from lab.front import accounts, ui  # noqa: E402
+from lab.base import sandbox
+from lab.service import owners
+from lab.strategy.perfmodel import views  # noqa: E402
+from lab.service.queue import Lab  # noqa: E402
+from lab.base.errors import LabError  # noqa: E402
 from test_app import SMALL  # noqa: E402
 from test_workshop import app, everything  # noqa: E402
+from lab.front import profiles as viewing  # noqa: E402
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 RSS_BOUND_MB = 200
@@ -92,7 +95,7 @@ def code(tmp_path, monkeypatch):
 
 
 def as_viewer(name: str, admin: bool = False) -> None:
-    ui.set_viewer(lambda: workshop.User(name, admin=admin))
+    ui.set_viewer(lambda: owners.User(name, admin=admin))
 
 
 def one_line(msg: str) -> str:
@@ -181,7 +184,7 @@ def test_the_teachers_model_is_previewed_and_checked_in_a_child(room, code):
     at.button(key="nr.submit").click().run()  # the first-batch check before queueing: a child too
     assert not at.exception, [e.value for e in at.exception]
     run_id = at.session_state["run_id"]
-    assert lab.get(run_id, runs=root).status()["owner"] == workshop.TEACHER
+    assert lab.get(run_id, runs=root).status()["owner"] == owners.TEACHER
     assert len(Code.pids(marker)) > len(previews)
     assert os.getpid() not in Code.pids(marker) and mod not in sys.modules
 
@@ -312,9 +315,9 @@ def test_each_limit_refuses_with_its_name_by_default_on_an_exposed_lab(room):
         as_viewer("alice")
         spec, err, size = ui.form_check(d)
         assert spec is None and err.path == field and one_line(err.msg).startswith(said), (data, err)
-        with pytest.raises(workshop.QuotaError, match="^" + said.replace("(", r"\(").split(" at most")[0]):
+        with pytest.raises(owners.QuotaError, match="^" + said.replace("(", r"\(").split(" at most")[0]):
             ui.submit(d)
-        for viewer in (lambda: workshop.User(workshop.TEACHER, admin=True), None):  # the teacher; loopback
+        for viewer in (lambda: owners.User(owners.TEACHER, admin=True), None):  # the teacher; loopback
             ui.set_viewer(viewer)
             spec, err, size = ui.form_check(d)
             assert err is None and size["params"] > 0, (data, err)
@@ -323,12 +326,12 @@ def test_each_limit_refuses_with_its_name_by_default_on_an_exposed_lab(room):
 
 def test_a_students_run_gets_the_default_wall_time_and_at_most_two_threads(room, monkeypatch):
     root, _ = room
-    monkeypatch.setattr(workshop.os, "cpu_count", lambda: 16)  # one thread per core would be 8 per rank
+    monkeypatch.setattr(owners.os, "cpu_count", lambda: 16)  # one thread per core would be 8 per rank
     as_viewer("alice")
     run = ui.submit(dict(SMALL, threads=0, steps=3))
-    assert run.status()["wall_limit_s"] == workshop.DEFAULT_QUOTAS["wall_s"] == 900
+    assert run.status()["wall_limit_s"] == owners.DEFAULT_QUOTAS["wall_s"] == 900
     assert run.spec_dict()["threads"] == 2
-    as_viewer(workshop.TEACHER, admin=True)
+    as_viewer(owners.TEACHER, admin=True)
     run = ui.submit(dict(SMALL, threads=0, steps=3))
     assert "wall_limit_s" not in run.status() and run.spec_dict()["threads"] == 0
 
@@ -409,11 +412,11 @@ def test_a_student_reads_only_the_labs_profiles(profiles):
         assert [one_line(e.value) for e in at.error] == [
             f"profile: upload bad.json: {said}" if said else
             "profile: a model of about 1,000,000,000,000 parameters; at most 50,000,000 on this lab (quota params)"]
-    alice = workshop.User("alice")
+    alice = owners.User("alice")
     for kw in ({"path": "/etc/passwd"}, {"path": str(outside)}, {"name": "../../../etc/passwd"},
-               {"name": "passwd.json"}, {"upload": ("big.json", b" " * (views.MAX_UPLOAD + 1))}):
+               {"name": "passwd.json"}, {"upload": ("big.json", b" " * (viewing.MAX_UPLOAD + 1))}):
         with pytest.raises(SpecError) as e:
-            views.read_profile(root, alice, **kw)
+            viewing.read_profile(root, alice, **kw)
         assert "root:" not in str(e.value) and "/etc" not in one_line(str(e.value)), kw
 
 
@@ -437,7 +440,7 @@ def test_the_teacher_reads_only_inside_the_runs_directory(profiles):
 
 
 def test_measure_again_is_the_teachers_and_writes_atomically(room, monkeypatch):
-    from lab.perfmodel import properties
+    from lab.strategy.perfmodel import properties
     root, tokens = room
     run = Lab(root).submit(lab._spec(SMALL), wait=True, owner="alice")  # a finished run alice may calibrate from
     assert run.state == "done", run.log_tail()
@@ -446,7 +449,7 @@ def test_measure_again_is_the_teachers_and_writes_atomically(room, monkeypatch):
     at = app(tokens["alice"], page="model")
     assert not any(b.key == "pm.props" for b in at.button)  # a student cannot rewrite the shared file
     with pytest.raises(LabError, match="only the teacher may measure them again"):
-        views.measure_properties(root, None, user=workshop.User("alice"))
+        viewing.measure_properties(root, owners.User("alice"), None)
     f = views.properties_file(root)
     f.parent.mkdir(parents=True, exist_ok=True)
     f.write_text("[]")

@@ -7,8 +7,8 @@ import time
 import pytest
 
 import lab
-from lab import netns
-from lab.queue import Lab
+from lab.net import netns
+from lab.service.queue import Lab
 
 ROOT_OK = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
 needs_root = pytest.mark.skipif(not ROOT_OK, reason="shaped links need root, ip and tc (network namespaces)")
@@ -62,7 +62,7 @@ def test_shaped_without_root_names_modeled(monkeypatch, tmp_path):
 
 
 def test_modeled_link_is_slower_and_labelled(tmp_path, capsys):
-    from lab.cli import main
+    from lab.front.cli import main
     spec = tmp_path / "m.yaml"
     spec.write_text("model: mlp\ndataset: digits\nsteps: 6\nbatch_size: 16\neval_every: 0\nthreads: 1\n"
                     "network: {link: modeled, gbps: 0.05}\n")

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lab import store
-from lab.store import Run, StatusError
+from lab.rundir import store
+from lab.rundir.store import Run, StatusError
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPERVISOR = {"pid": 4242, "start": 99}
@@ -21,7 +21,7 @@ SUPERVISOR = {"pid": 4242, "start": 99}
 # each write takes long enough for a kill to land inside it. Prints "ready" after its first write.
 WRITER = r"""
 import sys
-from lab.store import Run
+from lab.rundir.store import Run
 run = Run(sys.argv[1])
 first = run.status()["n"] + 1
 pad = "x" * 200_000
@@ -82,7 +82,7 @@ def test_kill9_at_random_moments_never_tears_or_loses_fields(tmp_path):
 
 WRITE_KEYS = r"""
 import sys
-from lab.store import Run
+from lab.rundir.store import Run
 run, tag = Run(sys.argv[1]), sys.argv[2]
 for i in range(150):
     run.update_status(**{f"{tag}{i}": i})

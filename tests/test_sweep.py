@@ -2,8 +2,8 @@
 import pytest
 
 from engine.spec import SpecError
-from lab.queue import Lab
-from lab.sweep import Sweep
+from lab.service.queue import Lab
+from lab.front.sweep import Sweep
 
 BASE = {"name": "sw", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 6, "batch_size": 16,
         "eval_every": 3, "threads": 1}

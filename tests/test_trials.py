@@ -121,7 +121,7 @@ def test_trials_choose_by_time_x_penalty_and_stop_a_clear_loser(tmp_path):
     steps = [m for m in steps if m.get("kind") == "step" and m["rank"] == 0]
     assert [m.get("trial") for m in steps[:13]] == [0] * 5 + [1] * 5 + [2] * 3
     assert all("trial" not in m for m in steps[13:]) and len(steps) == 40
-    from lab.summary import summarize
+    from lab.rundir.summary import summarize
     assert summarize([json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()])[
         "trial_steps"] == 13
     lane = [json.loads(x) for x in (tmp_path / "timeline-rank0.jsonl").read_text().splitlines()]

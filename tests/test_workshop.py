@@ -1,4 +1,4 @@
-"""The workshop server (lab/workshop.py, lab/accounts.py, app/access.py): the in-script gate, per-user runs,
+"""The workshop server (lab/owners.py, lab/accounts.py, app/access.py): the in-script gate, per-user runs,
 the fair queue and quotas, tested as a student or an outsider would try them: no session, a wrong one,
 another student's run id, path tricks in ids. Sign-in itself (tokens for sessions, in plain HTTP before
 Streamlit) is tests/test_accounts.py's."""
@@ -13,11 +13,14 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
 from app import access  # noqa: E402
-from lab import accounts, ui, workshop  # noqa: E402
-from lab.queue import Lab  # noqa: E402
-from lab.store import LabError, RunError  # noqa: E402
+from lab.front import accounts, ui  # noqa: E402
+from lab.service import owners
+from lab.service.queue import Lab  # noqa: E402
+from lab.base.errors import LabError  # noqa: E402
+from lab.rundir.store import RunError
 from test_app import ENTRY, SMALL  # noqa: E402
 from distutil import stop_process  # noqa: E402
+from lab.analysis.presets import PRESETS  # noqa: E402
 
 TRICKS = ["../../../etc/passwd", "/etc/passwd", "..", "%2e%2e%2f%2e%2e%2fetc%2fpasswd", "..%2f..%2f", "a/../../b",
           "./spec.json", "x\x00y", "access.json", "../access.json", "~root"]
@@ -119,7 +122,7 @@ def test_a_session_lasts_across_requests_and_signing_out_ends_it(room):
     root, runs, tokens = room
     at = app(tokens["alice"], run=runs["alice"].id, page="live_run")
     sid = at.session_state[access.SESSION]
-    assert accounts.session_user(root, sid) == workshop.User("alice")
+    assert accounts.session_user(root, sid) == owners.User("alice")
     at.run()  # the next request (a click, a page) is still alice's, from the session
     assert runs["alice"].id in everything(at) and runs["bob"].id in everything(at)  # bob's is shared
     assert runs["local"].id not in everything(at)
@@ -138,7 +141,7 @@ def test_students_are_not_shown_the_runs_directory(room):
 
 
 def test_revoke_signs_the_student_out_and_keeps_the_name(room, capsys):
-    from lab import cli
+    from lab.front import cli
     root, runs, tokens = room
     at = app(tokens["alice"])
     assert [t.value for t in at.title] == ["commlab"]
@@ -219,7 +222,7 @@ def test_another_students_run_id_shows_nothing(room):
     assert at.selectbox(key="live.pick").value == runs["bob"].id  # falls back to what carol may see
     assert not any(b.key == "live.cancel" for b in at.button)  # bob's run is shared, not carol's to cancel
     # through the UI's functions, as a page would call them
-    ui.set_viewer(lambda: workshop.User("carol"))
+    ui.set_viewer(lambda: owners.User("carol"))
     assert ui.get_run(runs["alice"].id) is None
     with pytest.raises(RunError, match="no run"):
         ui.cancel(runs["alice"].id)
@@ -228,7 +231,7 @@ def test_another_students_run_id_shows_nothing(room):
     with pytest.raises(LabError, match="belongs to bob"):
         ui.share(runs["bob"].id, False)
     assert lab.get(runs["alice"].id, runs=root).state == "queued"  # nothing was cancelled
-    ui.set_viewer(lambda: workshop.User("alice"))
+    ui.set_viewer(lambda: owners.User("alice"))
     assert ui.cancel(runs["alice"].id) == "cancelled"
 
 
@@ -239,7 +242,7 @@ def test_path_tricks_in_ids_show_nothing(room, trick):
         at = app(tokens["carol"], page=page, **{param: trick})
         text = everything(at)
         assert "root:" not in text and runs["alice"].id not in text and tokens["admin"] not in text
-    ui.set_viewer(lambda: workshop.User("carol"))
+    ui.set_viewer(lambda: owners.User("carol"))
     assert ui.get_run(trick) is None
     for fn in (ui.cancel, ui.share, ui.get_run_or_raise):
         with pytest.raises(LabError):
@@ -272,7 +275,7 @@ def test_a_runs_name_is_shown_as_text_on_the_teachers_pages(room, page):
 
 def test_sweeps_are_the_teachers(room):
     root, runs, tokens = room
-    ui.set_viewer(lambda: workshop.User("alice"))
+    ui.set_viewer(lambda: owners.User("alice"))
     assert ui.list_sweeps() == []
     with pytest.raises(LabError, match="sweeps: only the teacher"):
         ui.start_sweep(ui.sweep_data("s", SMALL, {"compressor.name": ["none"]}))
@@ -282,14 +285,14 @@ def test_runs_record_their_owner(tmp_path):
     q = Lab(tmp_path)
     local = q.create(lab._spec(SMALL))
     mine = q.create(lab._spec(SMALL), owner="alice")
-    assert local.status()["owner"] == workshop.local_user().name  # the CLI and the API: the local user
+    assert local.status()["owner"] == owners.local_user().name  # the CLI and the API: the local user
     assert mine.status()["owner"] == "alice"
-    assert [r["owner"] for r in q.index.query()] == [workshop.local_user().name, "alice"]
+    assert [r["owner"] for r in q.index.query()] == [owners.local_user().name, "alice"]
     assert [r["id"] for r in q.index.query(owner="alice")] == [mine.id]
 
 
 def test_commlab_runs_filters_by_owner(room, capsys):
-    from lab.cli import main
+    from lab.front.cli import main
     root, runs, tokens = room
     assert main(["runs", "--owner", "alice", "--runs", str(root)]) == 0
     out = capsys.readouterr().out
@@ -314,11 +317,11 @@ def test_sharing_from_the_live_page(room):
 def test_fair_order_is_round_robin_over_owners():
     rows = [{"id": f"{o}{i}", "owner": o, "created": t} for t, (o, i) in
             enumerate([("a", 1), ("a", 2), ("a", 3), ("b", 1), ("a", 4), ("c", 1), ("b", 2)])]
-    assert workshop.fair_order(rows) == ["a1", "b1", "c1", "a2", "b2", "a3", "a4"]
+    assert owners.fair_order(rows) == ["a1", "b1", "c1", "a2", "b2", "a3", "a4"]
     # a user with a run going waits behind those with none
-    assert workshop.fair_order(rows, running=[{"id": "x", "owner": "a"}])[:3] == ["b1", "c1", "a1"]
+    assert owners.fair_order(rows, running=[{"id": "x", "owner": "a"}])[:3] == ["b1", "c1", "a1"]
     # one user: first come, first served
-    assert workshop.fair_order([r for r in rows if r["owner"] == "a"]) == ["a1", "a2", "a3", "a4"]
+    assert owners.fair_order([r for r in rows if r["owner"] == "a"]) == ["a1", "a2", "a3", "a4"]
 
 
 def test_fair_order_serves_first_who_had_least_run_time():
@@ -332,30 +335,30 @@ def test_fair_order_serves_first_who_had_least_run_time():
               {"id": "s07-1", "owner": "s07", "created": 0.5, "started": None}]
     done = [{"id": "s00-1", "owner": "s00", "created": 0.0, "started": 21.0, "ended": 30.0},
             {"id": "s07-0", "owner": "s07", "created": -9.0, "started": 5.0, "ended": 8.0}]
-    got = workshop.run_time(queued + done)
+    got = owners.run_time(queued + done)
     assert got == {"s00": 9.0, "s07": 3.0}
-    typical = workshop.typical_run(queued + done)
+    typical = owners.typical_run(queued + done)
     assert typical == 9.0  # the median of 3 and 9 s (upper middle)
     # s13 (0 s), s07 (3 s), then s00 (9 s) and s13 (charged 9 s for its first): a tie, the older run first
-    assert workshop.fair_order(queued, received=got, typical=typical) == ["s13-1", "s07-1", "s00-2", "s13-2"]
-    assert workshop.fair_order(queued) == ["s00-2", "s07-1", "s13-1", "s13-2"]  # nothing received: by age
+    assert owners.fair_order(queued, received=got, typical=typical) == ["s13-1", "s07-1", "s00-2", "s13-2"]
+    assert owners.fair_order(queued) == ["s00-2", "s07-1", "s13-1", "s13-2"]  # nothing received: by age
     # one long run outweighs two short ones
     long = [{"id": "a1", "owner": "a", "started": 0.0, "ended": 36.0},
             {"id": "b1", "owner": "b", "started": 36.0, "ended": 45.0},
             {"id": "b2", "owner": "b", "started": 45.0, "ended": 54.0}]
     nxt = [{"id": "a2", "owner": "a", "created": 1.0}, {"id": "b3", "owner": "b", "created": 2.0}]
-    assert workshop.fair_order(nxt, received=workshop.run_time(long), typical=9.0) == ["b3", "a2"]
+    assert owners.fair_order(nxt, received=owners.run_time(long), typical=9.0) == ["b3", "a2"]
     # a running run charges what it has run so far (at least the typical length)
-    assert workshop.fair_order(nxt, running=[{"id": "b4", "owner": "b", "started": 0.0}], received={"a": 36.0},
+    assert owners.fair_order(nxt, running=[{"id": "b4", "owner": "b", "started": 0.0}], received={"a": 36.0},
                                typical=9.0, now=40.0) == ["a2", "b3"]
-    assert workshop.fair_order(nxt, running=[{"id": "b4", "owner": "b", "started": 39.0}], received={"a": 36.0},
+    assert owners.fair_order(nxt, running=[{"id": "b4", "owner": "b", "started": 39.0}], received={"a": 36.0},
                                typical=9.0, now=40.0) == ["b3", "a2"]
 
 
 def test_queue_position_follows_the_fair_order(tmp_path):
     """Supervisors that are alive (this process) for a's three runs and b's one: b's run, queued last,
     comes second."""
-    from lab import procs
+    from lab.base import procs
     q = Lab(tmp_path, max_jobs=8)
     spec = lab._spec(SMALL)
     a = [q.create(spec, owner="a") for _ in range(3)]
@@ -373,9 +376,9 @@ def test_a_supervisor_far_back_waits_without_importing_torch(tmp_path, monkeypat
     ahead of it with one slot: it polls, never reads its spec, and ends cancelled when asked."""
     import threading
     import time
-    from lab import procs
-    from lab.queue import NEAR
-    from lab.store import Run
+    from lab.base import procs
+    from lab.service.queue import NEAR
+    from lab.rundir.store import Run
     q = Lab(tmp_path, max_jobs=1)
     spec = lab._spec(SMALL)
     ahead = [q.create(spec, owner=o) for o in ("a", "b", "c")]
@@ -403,7 +406,7 @@ def quota_file(root, quotas):
 def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     quota_file(tmp_path, {"queued": 2, "steps": 50, "world_size": 2, "wall_s": 30})
-    ui.set_viewer(lambda: workshop.User("alice"))
+    ui.set_viewer(lambda: owners.User("alice"))
     try:
         with pytest.raises(LabError, match=r"^quota steps: at most 50 steps per run, asked for 51$"):
             ui.submit(dict(SMALL, steps=51))
@@ -415,11 +418,11 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
         with pytest.raises(LabError, match=r"^quota queued: alice may have 2 runs queued or running at once; 2 are, "
                                            r"and this asks for 1 more$"):
             ui.submit(SMALL)
-        preset = ui.PRESETS[0]
+        preset = PRESETS[0]
         with pytest.raises(LabError, match="quota"):
             ui.start_preset(preset)
         assert len(q.index.query()) == 2  # nothing was queued by a refused request
-        ui.set_viewer(lambda: workshop.User("teacher", admin=True))
+        ui.set_viewer(lambda: owners.User("teacher", admin=True))
         run = ui.submit(dict(SMALL, steps=51))  # the teacher has no limits
         lab.cancel(run.id, runs=tmp_path)
         lab.wait(run.id, runs=tmp_path, timeout=60)
@@ -438,7 +441,7 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
 def test_bad_quotas_are_named(tmp_path, quotas, msg):
     (tmp_path / "lab.json").write_text(json.dumps({"quotas": quotas}))
     with pytest.raises(LabError, match=msg.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
-        workshop.quotas(tmp_path)
+        owners.quotas(tmp_path)
 
 
 def test_wall_time_quota_cancels_the_run_and_says_why(tmp_path):
@@ -466,7 +469,7 @@ def exposed(tmp_path_factory):
     q = Lab(root)
     runs = {o: q.create(lab._spec(SMALL), owner=o) for o in ("alice", "bob", "carol")}
     port = free_port()
-    code = (f"import sys; from lab.ui import app_main; "
+    code = (f"import sys; from lab.front.ui import app_main; "
             f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")
     log_path = root / "app.log"
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
@@ -736,21 +739,21 @@ def test_students_signing_in_at_once_all_keep_their_tokens(tmp_path):
     names = [f"s{k:02d}" for k in range(48)]
     with ThreadPoolExecutor(16) as pool:
         tokens = list(pool.map(lambda n: accounts.sign_in(tmp_path, klass, n), names))
-    assert [accounts.check_token(tmp_path, t) for t in tokens] == [workshop.User(n) for n in names]
+    assert [accounts.check_token(tmp_path, t) for t in tokens] == [owners.User(n) for n in names]
     assert accounts.users(tmp_path) == names
 
 
 def test_preset_steps_scale_the_presets_and_bad_values_are_named(tmp_path):
-    assert workshop.preset_steps(tmp_path) is None
+    assert owners.preset_steps(tmp_path) is None
     (tmp_path / "lab.json").write_text(json.dumps({"preset_steps": 10}))
-    assert workshop.preset_steps(tmp_path) == 10
-    for p in ui.PRESETS:
+    assert owners.preset_steps(tmp_path) == 10
+    for p in PRESETS:
         for d in p.specs():
-            scaled = workshop.scale_preset(d, 10)
+            scaled = owners.scale_preset(d, 10)
             assert scaled["steps"] == 10 and scaled["eval_every"] <= 10 and d["steps"] > 10
             lab._spec(scaled)  # still a valid spec
-    assert workshop.scale_preset({"steps": 5, "eval_every": 5}, 10) == {"steps": 5, "eval_every": 5}
+    assert owners.scale_preset({"steps": 5, "eval_every": 5}, 10) == {"steps": 5, "eval_every": 5}
     for bad in (0, -3, 2.5, True, "10"):
         (tmp_path / "lab.json").write_text(json.dumps({"preset_steps": bad}))
         with pytest.raises(LabError, match=r"lab.json: preset_steps must be a positive integer, got"):
-            workshop.preset_steps(tmp_path)
+            owners.preset_steps(tmp_path)

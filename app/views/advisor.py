@@ -4,7 +4,8 @@ import streamlit as st
 
 from app import widgets
 from app.results_view import results_panel
-from lab import advice_jobs, advisor, ui
+from lab.front import advice_jobs, ui
+from lab.strategy import advisor
 
 widgets.setup("Advisor")
 st.title("Advisor")

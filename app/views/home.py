@@ -1,7 +1,8 @@
 import streamlit as st
 
 from app import widgets
-from lab import ui
+from lab.front import ui
+from lab.analysis.presets import PRESETS
 
 widgets.setup("Home")
 st.title("commlab")
@@ -15,7 +16,7 @@ if ui.viewer().admin:  # the teacher and the local user; a student is not shown 
 
 st.subheader("Start an experiment in one click")
 cols = st.columns(3)
-for i, preset in enumerate(ui.PRESETS):
+for i, preset in enumerate(PRESETS):
     with cols[i % 3]:
         widgets.preset_card(preset)
 

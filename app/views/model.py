@@ -2,9 +2,13 @@
 import streamlit as st
 
 from app import widgets
-from lab import plots, ui
-from lab.perfmodel import calibrate as cal
-from lab.perfmodel import views
+from engine.spec import SpecError
+from lab.analysis import plots, timelines
+from lab.front import profiles, ui
+from lab.strategy.perfmodel import calibrate as cal
+from lab.strategy.perfmodel import views
+from lab.rundir.store import RunError
+from lab.service import owners
 
 widgets.setup("Performance model")
 st.title("Performance model")
@@ -33,8 +37,8 @@ def from_runs():
                           key="pm.run")
 
     try:
-        prof, spec = profile_of(run_id, ui._files_key(ui.get_run_or_raise(run_id, runs)))
-    except (cal.CalibrationError, ui.RunError) as e:
+        prof, spec = profile_of(run_id, timelines.files_key(ui.get_run_or_raise(run_id, runs)))
+    except (cal.CalibrationError, RunError) as e:
         st.error(views.one_line(e))
         return
     st.caption(f"Profile: forward {prof.forward_s * 1e3:.2f} ms, backward {prof.backward_s * 1e3:.2f} ms, "
@@ -68,10 +72,10 @@ def from_runs():
 
     st.subheader("Compressor properties (measured)")
     rows = views.load_properties(runs)
-    if views.may_measure(me) and st.button("Measure the checklist" if rows is None else "Measure again",
+    if profiles.may_measure(me) and st.button("Measure the checklist" if rows is None else "Measure again",
                                            key="pm.props"):
         with st.spinner("Measuring every compressor ..."):
-            rows = views.measure_properties(runs, prof, user=me)
+            rows = profiles.measure_properties(runs, me, prof)
     if rows:
         st.dataframe(views.properties_table(rows), hide_index=True)
         st.caption("All-reduce compatible: a two-rank exchange simulated in process uses only all-reduce rounds. "
@@ -90,19 +94,18 @@ def from_profile():
                "network, hierarchical all-reduce (reduce-scatter inside the node, all-reduce across nodes, "
                "all-gather inside). Assumptions: README, Performance model.")
     c1, c2, c3 = st.columns(3)
-    saved = views.lab_profiles(runs)
+    saved = profiles.lab_profiles(runs)
     name = c1.selectbox("A profile of this lab", ["none", *saved], key="pm.prof.saved")
-    path = c2.text_input("Profile file (path" + ("" if me == ui.workshop.local_user() else " in the runs directory")
+    path = c2.text_input("Profile file (path" + ("" if me == owners.local_user() else " in the runs directory")
                          + ")", key="pm.prof.path", placeholder="bench/results/profile-resnet18.json") \
         if me.admin else ""
-    up = c3.file_uploader(f"or upload one (at most {views.MAX_UPLOAD >> 20} MiB)", type=["json"],
+    up = c3.file_uploader(f"or upload one (at most {profiles.MAX_UPLOAD >> 20} MiB)", type=["json"],
                           key="pm.prof.upload")
     if not path and up is None and name == "none":
         st.caption("No profile chosen.")
         return
-    from engine.spec import SpecError
     try:
-        prof = views.read_profile(runs, me, upload=(up.name, up.getvalue()) if up is not None else None,
+        prof = profiles.read_profile(runs, me, upload=(up.name, up.getvalue()) if up is not None else None,
                                   path=path if up is None and path else None,
                                   name=name if up is None and not path and name != "none" else None)
     except SpecError as e:

@@ -34,6 +34,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from engine.comm.collectives import Pending
 from engine.compressors.base import Compressor
 from engine.compressors.plan import Plan
 from engine.netmodel import ModeledLink
@@ -41,9 +42,6 @@ from engine.schedules import ParamInfo
 from engine.timeline import Timeline
 
 Tensor = torch.Tensor
-
-
-from engine.comm.collectives import Pending
 
 
 # ---------------------------------------------------------------- buckets and gradients

@@ -68,10 +68,11 @@ import torch
 import torch.distributed as dist
 
 from engine import compressors, schedules
-from engine.compressors.base import Compressor, nbytes as payload_bytes
-from engine.compressors.plan import Plan
-from engine.comm.core import Bucket, Communicator
 from engine.comm.collectives import Pending, book
+from engine.comm.core import Bucket, Communicator
+from engine.compressors.base import Compressor
+from engine.compressors.base import nbytes as payload_bytes
+from engine.compressors.plan import Plan
 from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
 from engine.timeline import Timeline

@@ -11,13 +11,11 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from engine.comm.collectives import issue
 from engine.compressors.base import Compressor, Round
 from engine.netmodel import ModeledLink
 
 Tensor = torch.Tensor
-
-
-from engine.comm.collectives import issue
 
 
 class Exchange:

@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 
 from engine import compressors
-from engine.comm.exchange import Exchange
 from engine.comm.collectives import issue
+from engine.comm.exchange import Exchange
 
 
 class HookState:

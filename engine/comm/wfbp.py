@@ -23,11 +23,11 @@ from typing import Callable, List, Optional, Union
 
 import torch
 
-from engine.compressors.base import Compressor, Round
-from engine.compressors.plan import Plan
+from engine.comm.collectives import issue
 from engine.comm.core import Bucket, Communicator
 from engine.comm.exchange import Exchange
-from engine.comm.collectives import issue
+from engine.compressors.base import Compressor, Round
+from engine.compressors.plan import Plan
 from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
 from engine.timeline import Timeline

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Dict, Tuple, Type
 
-from engine.compressors.base import Compressor, ErrorFeedback, Round, nbytes
-from engine.compressors.params import Param
 from engine.compressors import quantize, sparsify
+from engine.compressors.base import Compressor, ErrorFeedback
 from engine.compressors.basic import NoneCompressor
 from engine.compressors.countsketch import CountSketch
 from engine.compressors.powersgd import PowerSGD
@@ -60,5 +59,4 @@ def shardable() -> Tuple[str, ...]:
     return tuple(n for n in REGISTRY if make(n).shard_problem() is None)
 
 
-__all__ = ["Compressor", "ErrorFeedback", "Param", "Round", "nbytes", "make", "names", "check", "shardable",
-           "REGISTRY"]
+__all__ = ["make", "names", "check", "shardable", "REGISTRY"]

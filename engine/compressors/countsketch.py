@@ -7,8 +7,8 @@ from typing import List, NamedTuple, Optional, Tuple
 import torch
 
 from engine.compressors.base import Compressor, Round
-from engine.compressors.params import Param, mix_seed, ratio, seed
 from engine.compressors.kernels import SAMPLE_MIN, Scratch, count_of, out_buffer, top_indices
+from engine.compressors.params import Param, mix_seed, ratio, seed
 
 Tensor = torch.Tensor
 

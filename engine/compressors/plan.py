@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
 
+from engine import compressors
 from engine.compressors.base import Compressor
 
 MB = float(1 << 20)
@@ -44,7 +45,6 @@ def parts(section: dict) -> List[dict]:
 
 
 def make_section(section: dict) -> Compressor:
-    from engine import compressors
     return compressors.make(section["name"], error_feedback=bool(section.get("error_feedback")),
                             **(section.get("params") or {}))
 

@@ -7,8 +7,8 @@ from typing import NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from engine.compressors.base import Compressor, Round
-from engine.compressors.params import Param, mix_seed, seed
 from engine.compressors.kernels import Scratch, out_buffer
+from engine.compressors.params import Param, mix_seed, seed
 
 Tensor = torch.Tensor
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Type
 
-from engine.tuners.driver import Decision, Tuner, Tuning
-from engine.tuners.capsearch import CapSearch, CapTuner, cap_candidates
-from engine.tuners.layerfusion import LayerFusion, LayerFusionTuner, calibrate, fit_cost
-from engine.tuners.mergecomp import (CACHE, CacheCorrupt, MergeComp, MergeCompSearch, cache_key, read_cache,
-                                     write_cache)
+from engine.tuners.capsearch import CapSearch
+from engine.tuners.driver import Tuner, Tuning
+from engine.tuners.layerfusion import LayerFusion
+from engine.tuners.mergecomp import MergeComp
 
 TUNERS: Dict[str, Type[Tuner]] = {t.name: t for t in (MergeComp, LayerFusion, CapSearch)}
 
@@ -37,7 +36,3 @@ def start(spec, comm, run_dir: Optional[str], timeline, group=None, on_layout=No
         return None
     return Tuning(TUNERS[name](spec, comm, run_dir), comm, run_dir, timeline, group, on_layout, log)
 
-
-__all__ = ["CACHE", "CacheCorrupt", "CapSearch", "CapTuner", "Decision", "LayerFusion", "LayerFusionTuner",
-           "MergeComp", "MergeCompSearch", "TUNERS", "Tuner", "Tuning", "cache_key", "calibrate",
-           "cap_candidates", "fit_cost", "read_cache", "start", "tuner_name", "write_cache"]

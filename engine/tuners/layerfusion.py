@@ -11,6 +11,7 @@ import statistics
 from typing import List, Optional, Sequence, Tuple
 
 from engine import schedules
+from engine.comm.exchange import time_exchange
 from engine.schedules import Buckets, CallCost, ParamInfo
 from engine.tuners.driver import Decision, Tuner
 
@@ -80,7 +81,6 @@ def calibrate(dp, reps: int = 3, sizes: int = 6) -> List[Tuple[float, float, flo
     run's compressor, at ``sizes`` sizes spread geometrically from the smallest tensor to the
     whole model; medians of ``reps`` each. A throwaway compressor per exchange: the run's
     state is untouched."""
-    from engine.comm.exchange import time_exchange
     p0 = dp.params[0]
     lo = max(min(p.numel() for p in dp.params), 64)
     hi = max(sum(p.numel() for p in dp.params), lo + 1)

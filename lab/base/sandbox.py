@@ -1,0 +1,254 @@
+"""Work done for a viewer that needs the code a spec names, or builds what they asked for, runs here: in a
+short-lived child process with limits, never in the process that serves the UI.
+
+    python -m lab.base.sandbox TASK LIMITS_JSON < spec.json     one JSON object on stdout
+
+Tasks (engine/preflight.py): ``describe`` (the model's size: the New run form's preview, and a student's
+parameter quota), ``parameters`` (each parameter's name and bytes: what the performance model calibrates a
+run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued).
+
+The child sets its limits before it imports torch, the engine or anything the spec names: address space
+and data (RLIMIT_AS, RLIMIT_DATA), CPU seconds (RLIMIT_CPU), open files (RLIMIT_NOFILE), the size of a file
+it writes (RLIMIT_FSIZE), no core files, no new processes (RLIMIT_NPROC, which binds every user but root),
+one thread (OMP_NUM_THREADS and torch.set_num_threads), with the Hugging Face hub switched off (it needs no
+network). It runs in a session and process group of its own, which the parent kills at the wall-clock
+limit and again when the child ends (whatever it started goes with it). Its answer is one JSON object on
+its own stdout; what the code prints goes to its stderr, which is dropped. A limit it hits is one line
+naming it: "preview: took more than 30 s", "preview: more than 2 GiB of memory".
+
+Children are bounded: one at a time per person (a second waits for the first), at most ``MAX_CHILDREN`` in
+the whole server (more wait up to ``WAIT_S``, then are refused with a message).
+
+This module imports only the standard library at its top, so the child's limits come first.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Dict, Optional
+
+REPO = Path(__file__).resolve().parents[2]  # the source tree (lab/base/paths.py SOURCE; this module imports only the standard library)
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float
+    """Wall-clock seconds before the child's process group is killed."""
+    cpu_s: int
+    """CPU seconds (RLIMIT_CPU): SIGXCPU at this many, SIGKILL a few later."""
+    memory: int
+    """Bytes of address space and of data (RLIMIT_AS, RLIMIT_DATA)."""
+    files: int = 256
+    """Open files (RLIMIT_NOFILE)."""
+    file_size: int = 256 << 20
+    """The largest file it may write (RLIMIT_FSIZE): the data cache of a shipped data set fits."""
+
+
+PREVIEW = Limits(wall_s=30.0, cpu_s=20, memory=2 << 30)
+"""A model's size for the New run form (the lab's own models are counted on the meta device: no weights).
+About 1.5 s of CPU here, most of it importing torch; the wall-clock limit leaves room for a machine whose
+cores train runs at a higher priority."""
+CHECK = Limits(wall_s=60.0, cpu_s=60, memory=4 << 30)
+"""A first batch through a model from outside the zoo, before its run is queued."""
+LABELS = {"describe": "preview", "parameters": "preview", "check": "check"}
+MAX_CHILDREN = 2
+"""Children running at once in one server process, for every viewer together."""
+WAIT_S = 10.0
+"""How long a request waits for one of the server's children to be free before it is refused."""
+MAX_ANSWER = 1 << 20
+"""The most bytes of a child's answer that are read."""
+TEMP_SUFFIX = ".commlab-sandbox"
+
+
+class SandboxError(ValueError):
+    """A child's failure as one line, ``<label>: <problem>``; ``path`` and ``msg`` as a SpecError's (the field
+    the problem belongs to, or the task's label)."""
+
+    def __init__(self, path: str, msg: str):
+        self.path, self.msg = path, msg
+        super().__init__(f"{path}: {msg}" if path else msg)
+
+
+class Busy(SandboxError):
+    """No child could be started now (the server's are all busy): not an answer about the spec."""
+
+
+class TimedOut(SandboxError):
+    """The child ran out of wall-clock time: on a loaded machine that says more about the machine than about
+    the spec, so it is not kept as the spec's answer."""
+
+
+# --------------------------------------------------------------------------- the parent's side
+
+_server = threading.BoundedSemaphore(MAX_CHILDREN)
+_people: Dict[str, threading.RLock] = {}
+_people_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def person(who: Optional[str], label: str = "preview", wait_s: float = PREVIEW.wall_s + WAIT_S):
+    """Held while ``who``'s child runs: their next one waits for it (up to ``wait_s``, then Busy). Reentrant,
+    so a caller can hold it around a cache lookup and the child that fills the cache."""
+    if who is None:
+        yield
+        return
+    with _people_lock:
+        lock = _people.setdefault(who, threading.RLock())
+    if not lock.acquire(timeout=wait_s):
+        raise Busy(label, "your previous one is still running; try again in a moment")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def run(task: str, spec: dict, limits: Limits = PREVIEW, who: Optional[str] = None) -> dict:
+    """``task`` on ``spec`` (a spec dict) in a child with ``limits``; its answer. A SpecError-like
+    ``SandboxError`` (``path``, ``msg``) for a bad spec, for a limit hit, or ``Busy``."""
+    label = LABELS[task]
+    with person(who, label, limits.wall_s + WAIT_S):
+        if not _server.acquire(timeout=WAIT_S):
+            raise Busy(label, f"all {MAX_CHILDREN} of the server's places for previews and checks are taken; "
+                              f"try again in a moment")
+        try:
+            return _spawn(task, spec, limits)
+        finally:
+            _server.release()
+
+
+def child_env() -> dict:
+    """The child's environment: this process's, with the modules this process can import on PYTHONPATH
+    (the teacher's packages included), one thread, and no network wanted."""
+    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    paths = [str(REPO)] + [p for p in sys.path if p and os.path.isdir(p) and not p.startswith(prefixes)]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _spawn(task: str, spec: dict, limits: Limits) -> dict:
+    label = LABELS[task]
+    with tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as inp, tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as out:
+        inp.write(json.dumps(spec).encode())
+        inp.seek(0)
+        p = subprocess.Popen([sys.executable, "-m", "lab.base.sandbox", task, json.dumps(asdict(limits))],
+                             stdin=inp, stdout=out, stderr=subprocess.DEVNULL, env=child_env(), cwd=os.getcwd(),
+                             start_new_session=True, close_fds=True)
+        timed_out = not _ended(p.pid, time.monotonic() + limits.wall_s)
+        _kill_group(p.pid)  # before the child is reaped: its group id cannot have been given to anyone else
+        code = p.wait()
+        if timed_out:
+            raise TimedOut(label, f"took more than {limits.wall_s:g} s")
+        out.seek(0)
+        raw = out.read(MAX_ANSWER)
+    return _answer(label, code, raw, limits)
+
+
+def _ended(pid: int, deadline: float) -> bool:
+    """Wait, without reaping it, until the child ends (True) or the deadline passes (False)."""
+    delay = 0.005
+    while True:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already: nothing left to stop
+        pass
+
+
+def _answer(label: str, code: int, raw: bytes, limits: Limits) -> dict:
+    if code < 0:
+        sig = -code
+        if sig == signal.SIGXCPU:
+            raise SandboxError(label, f"used more than {limits.cpu_s} s of CPU")
+        if sig == signal.SIGXFSZ:
+            raise SandboxError(label, f"wrote a file of more than {limits.file_size >> 20} MiB")
+        raise SandboxError(label, f"the child process died ({signal.Signals(sig).name})")
+    try:
+        got = json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
+        got = None
+    if not isinstance(got, dict):
+        raise SandboxError(label, f"the child process gave no answer (exit status {code})")
+    if got.get("limit") == "memory":
+        raise SandboxError(label, f"more than {limits.memory / 2**30:g} GiB of memory")
+    if "error" in got:
+        path, msg = got["error"]
+        raise SandboxError(str(path) or label, str(msg).splitlines()[0] if str(msg) else "failed")
+    return got["ok"]
+
+
+# --------------------------------------------------------------------------- the child's side
+
+def _limit(limits: Limits) -> None:
+    """Every limit, in this process, before anything else is imported (called first by ``main``)."""
+    for which, n in ((resource.RLIMIT_AS, limits.memory), (resource.RLIMIT_DATA, limits.memory),
+                     (resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5)), (resource.RLIMIT_CORE, 0),
+                     (resource.RLIMIT_NOFILE, limits.files), (resource.RLIMIT_FSIZE, limits.file_size),
+                     (resource.RLIMIT_NPROC, 0)):
+        soft, hard = n if isinstance(n, tuple) else (n, n)
+        _, old_hard = resource.getrlimit(which)
+        if old_hard != resource.RLIM_INFINITY:  # a limit is only ever lowered
+            soft, hard = min(soft, old_hard), min(hard, old_hard)
+        resource.setrlimit(which, (soft, hard))
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    task, limits = argv[0], Limits(**json.loads(argv[1]))
+    _limit(limits)
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the spec's code prints goes to stderr (dropped), never into the answer
+    try:
+        result = {"ok": _work(task, json.load(sys.stdin))}
+    except MemoryError:
+        result = {"limit": "memory"}
+    except BaseException as e:  # the spec's code may fail in any way: the parent gets one line
+        result = _failure(e)
+    answer.write(json.dumps(result))
+    answer.flush()
+    return 0
+
+
+def _work(task: str, data: dict) -> dict:
+    # imported here, not at the top: only after main has set the limits
+    import torch
+    torch.set_num_threads(1)
+    from engine import preflight
+    from engine.spec import JobSpec  # lazy: the child's limits come before anything of the lab
+    spec = JobSpec.from_dict(data)  # imports what the spec names: in this child, that is the point
+    return {"describe": preflight.describe, "parameters": preflight.parameters, "check": preflight.check}[task](spec)
+
+
+def _failure(e: BaseException) -> dict:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text):
+        return {"limit": "memory"}
+    path, msg = getattr(e, "path", None), getattr(e, "msg", None)
+    if isinstance(e, ValueError) and isinstance(path, str) and isinstance(msg, str):  # a SpecError
+        return {"error": [path, msg]}
+    return {"error": ["", f"{type(e).__name__}: {text}" if text else type(e).__name__]}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

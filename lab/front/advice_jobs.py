@@ -1,0 +1,135 @@
+"""The Advisor page's jobs: `commlab advise` started detached from the UI, followed, and its winner started.
+
+runs/.advice/<id>/ holds one job: the spec and the request, the advise process's log, and, when it is done,
+advice.json and best.yaml (lab/advisor.py writes them); ``start_winner`` queues the winner and DDP as one
+group for the results view.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import lab
+from engine.spec import SpecError
+from lab.analysis import presets
+from lab.base import procs
+from lab.base.specs import load_spec, read_spec_file
+from lab.rundir.store import RunStore, slug
+from lab.service.spawn import spawn_detached
+from lab.strategy.advisor import ROOT, TRIALS, network_for, write_json
+from lab.strategy.perfmodel.predict import ddp_spec
+
+JOBS = ".advice"
+"""runs/.advice/<id>/: spec.json, advice.json and best.yaml of one `commlab advise` started from the UI."""
+
+
+def spec_choices(runs) -> Dict[str, dict]:
+    """label -> spec dict the Advisor page offers: the example specs, each preset's first run, and the
+    specs of the latest finished runs (the advisor replaces their compressor, schedule and comm)."""
+    import yaml
+
+    out: Dict[str, dict] = {}
+    for f in sorted((ROOT / "examples").glob("*.yaml")):
+        data = yaml.safe_load(f.read_text())
+        if isinstance(data, dict) and "model" in data:
+            out[f"example: {f.name}"] = data
+    for p in presets.PRESETS:
+        out[f"preset: {p.title}"] = p.specs()[0]
+    done = [r for r in RunStore(runs).list()
+            if r.state == "done" and not r.spec_dict()["name"].startswith(("advise trial", "profile "))]
+    for r in done[-10:][::-1]:  # the latest ten finished runs, newest first
+        out[f"run: {r.id}"] = r.spec_dict()
+    valid = {}
+    for k, d in out.items():
+        try:
+            d = {**d, "strategy": {"mode": "fixed"}}
+            d.pop("network", None)  # the page picks the link
+            valid[k] = load_spec(data=d).to_dict()
+        except (SpecError, ValueError):
+            continue  # an example that needs something this machine lacks is not offered
+    return valid
+
+
+def advise_argv(spec_file: Path, runs: Path, gbps: float, link: str, measure: bool, trials: int,
+                out_dir: Path) -> List[str]:
+    import sys
+    argv = [sys.executable, "-m", "lab.front.cli", "advise", str(spec_file), "--gbps", f"{gbps:g}", "--link", link,
+            "--runs", str(runs), "--json", str(out_dir / "advice.json"), "--out", str(out_dir / "best.yaml"),
+            "--top", "0"]
+    return argv + (["--measure", "--trials", str(trials)] if measure else [])
+
+
+def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: int = TRIALS) -> str:
+    """Run `commlab advise` detached (it outlives the page); the job's id under runs/.advice/."""
+    import secrets
+
+    network_for({**spec, "network": {"link": "loopback", "gbps": None, "latency_us": None}}, gbps, link)
+    runs = Path(runs).resolve()
+    jid = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec['name'])}-{secrets.token_hex(2)}"
+    d = runs / JOBS / jid
+    d.mkdir(parents=True)
+    write_json(d / "spec.json", spec)
+    write_json(d / "request.json", {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
+                                    "created": time.time()})
+    pid = spawn_detached(advise_argv(d / "spec.json", runs, gbps, link, measure, trials, d), d / "advise.log",
+                         cwd=ROOT)
+    write_json(d / "process.json", procs.identity(pid))
+    return jid
+
+
+def job(jid: str, runs) -> dict:
+    """{id, state (running | done | failed), request, advice (when done), error, log}."""
+    d = Path(runs) / JOBS / jid
+    if not (d / "request.json").is_file():
+        raise KeyError(f"no advice job {jid!r} in {Path(runs) / JOBS}")
+    out = {"id": jid, "request": json.loads((d / "request.json").read_text()), "advice": None, "error": None}
+    log = (d / "advise.log").read_text(errors="replace") if (d / "advise.log").is_file() else ""
+    out["log"] = log
+    if (d / "advice.json").is_file():
+        out["state"], out["advice"] = "done", json.loads((d / "advice.json").read_text())
+        out["best"] = str(d / "best.yaml")
+    elif procs.alive(json.loads((d / "process.json").read_text())) if (d / "process.json").is_file() else False:
+        out["state"] = "running"
+    else:
+        out["state"] = "failed"
+        lines = [line for line in log.splitlines() if line.strip()]
+        out["error"] = lines[-1] if lines else "the advise process ended without a word"
+    return out
+
+
+def jobs(runs) -> List[str]:
+    d = Path(runs) / JOBS
+    if not d.is_dir():
+        return []
+    return [p.name for p in sorted(d.iterdir(), key=lambda p: p.name, reverse=True) if (p / "request.json").is_file()]
+
+
+def table_rows(advice: dict) -> List[dict]:
+    """The ranked candidates of an advice.json as table rows."""
+    return [{"rank": i, "candidate": c["label"], "predicted_ms": c["predicted_ms"], "penalty": c["penalty"],
+             "predicted_x_penalty": c["predicted_score"], "measured_ms": c["measured_ms"],
+             "measured_x_penalty": c["measured_score"], "penalty_from": c["penalty_source"],
+             "trial_run": c["trial_run"]} for i, c in enumerate(advice["candidates"], 1)]
+
+
+def start_winner(jid: str, runs) -> dict:
+    """Queue the winner and DDP (none, 25 MB buckets, wfbp) on the same link as one group for the results
+    view; the group dict (id, title, runs: label -> run id)."""
+    j = job(jid, runs)
+    if j["state"] != "done":
+        raise ValueError(f"advice {jid} is {j['state']}, not done")
+    best = load_spec(data=read_spec_file(j["best"])).to_dict()
+    ddp = load_spec(data={**ddp_spec(best), "name": f"{best['name']} (DDP)"}).to_dict()
+    ids = {"advisor's choice": lab.run({**best, "name": f"{best['name']} (advised)"}, wait=False, runs=runs).id,
+           "DDP": lab.run(ddp, wait=False, runs=runs).id}
+    group = {"id": f"advice-{jid}", "preset": None, "title": f"advice {jid}: {j['advice']['winner']} vs DDP",
+             "runs": ids, "created": time.time()}
+    write_json(Path(runs) / JOBS / jid / "group.json", group)
+    return group
+
+
+def job_group(jid: str, runs) -> Optional[dict]:
+    f = Path(runs) / JOBS / jid / "group.json"
+    return json.loads(f.read_text()) if f.is_file() else None

@@ -1,0 +1,1 @@
+"""Strategy choice: the performance model (perfmodel/), the advisor, and `strategy: auto`."""

@@ -1,0 +1,203 @@
+"""Predictions from a Profile: iteration time of a spec at a bandwidth and worker count,
+speedup over DDP, and the crossover bandwidth below which compression pays.
+
+DDP is the same job with ``none``, 25 MB buckets and ``wfbp`` (what torch DDP does).
+``compute_speedup`` divides every compute time, encoding and decoding included (a
+GPU 20x faster than this CPU is ``compute_speedup=20``).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Callable, Dict, List, Optional, Tuple
+
+from engine import schedules
+from engine.schedules import layer_of  # a parameter's module: the same rule as dear's layer buffers
+from lab.strategy.perfmodel import calibrate as cal
+from lab.strategy.perfmodel.iteration import Bucket, Result, Round, Step, iteration_time
+
+DDP = {"compressor": {"name": "none", "params": {}, "error_feedback": False},
+       "schedule": {"name": "bucket", "cap_mb": 25.0}, "comm": {"mode": "wfbp"}}
+
+
+def ddp_spec(spec: dict) -> dict:
+    s = copy.deepcopy(spec)
+    for k, v in DDP.items():
+        s[k] = copy.deepcopy(v)
+    return s
+
+
+
+
+def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]]] = None) -> List[List[int]]:
+    """The spec's buckets over the profile's parameters: ``layout`` (groups of parameter names, e.g. a run's
+    layout.json after its tuner chose) when given; else dear's buffers (comm.layers or comm.cap_mb) or the
+    spec's schedule, through the engine's own pure builders. Without a layout, the tuned schedules
+    (mergecomp, layerfusion, dear's cap search) are predicted with their starting layout."""
+    if layout:
+        pos = {n: i for i, (n, _) in enumerate(profile.params)}
+        missing = [n for g in layout for n in g if n not in pos]
+        if missing:
+            raise KeyError(f"layout names parameters the profile does not have: {missing[:3]}")
+        return [[pos[n] for n in g] for g in layout]
+    infos = [schedules.ParamInfo(name=n, numel=b // 4, element_size=4, dtype="float32", device="cpu")
+             for n, b in profile.params]
+    c = spec["comm"]
+    if c["mode"] == "dear":
+        if c.get("layers"):
+            return schedules.layout_layers(infos, c["layers"])
+        return schedules.layout_cap(infos, c.get("cap_mb") or 25.0)
+    s = spec["schedule"]
+    opts = {"cap_mb": s["cap_mb"]} if s["name"] == "bucket" else {}
+    return schedules.build(s["name"], infos, **opts)
+
+
+ROUNDS_KEPT = 4096
+"""Buckets' rounds kept in this process (``payload_rounds``), least recently used first out: a server that
+predicts for every profile a room uploads must not keep them all."""
+_ROUNDS_CACHE: Dict[tuple, list] = {}
+
+
+def _keep(key: tuple, rounds: list) -> list:
+    _ROUNDS_CACHE.pop(key, None)  # a dict keeps insertion order: the key goes last, as the most recent
+    _ROUNDS_CACHE[key] = rounds
+    while len(_ROUNDS_CACHE) > ROUNDS_KEPT:
+        del _ROUNDS_CACHE[next(iter(_ROUNDS_CACHE))]
+    return rounds
+_NOISE: list = []
+"""One random vector, grown as needed, that payload_rounds drives compressors on (slices of it): drawing a
+fresh one per bucket was most of the advisor's prediction time."""
+
+
+def _noise(n: int):
+    import torch
+    if not _NOISE or _NOISE[0].numel() < n:
+        g = torch.Generator().manual_seed(0)
+        _NOISE[:] = [torch.randn(max(n, 2 * _NOISE[0].numel() if _NOISE else n), generator=g)]
+    return _NOISE[0][:n]
+
+
+def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tuple[str, int, int]]:
+    """(op, payload bytes, tensors) of each round for one bucket, as the compressor declares them
+    (``Compressor.declared_rounds``) or else from driving the real exchange on a bucket of that
+    layout (in steady state: past any warm-up iterations).
+    Cached by the bucket's size alone when the compressor treats it as one flat tensor
+    (``per_tensor`` false: its payload cannot depend on how the bucket splits into tensors)."""
+    shapes, off = [], 0
+    for i in idx:
+        n = profile.params[i][1] // 4
+        shapes.append((off, _matrix_shape(profile.params[i][0], n)))
+        off += n
+    ckey = cal.compressor_key(comp)
+    key = (ckey, tuple(profile.params[i] for i in idx))
+    if key in _ROUNDS_CACHE:
+        return _keep(key, _ROUNDS_CACHE[key])
+    saved = f"{ckey}|{','.join(map(str, idx))}"  # the profile's own record: its parameters by index
+    if saved in profile.payloads:
+        return _keep(key, [tuple(r) for r in profile.payloads[saved]])
+    c = cal.make_compressor(comp)
+    c.layout = shapes
+    flat_key = None if c.per_tensor(off) else (ckey, off)
+    if flat_key is not None and flat_key in _ROUNDS_CACHE:
+        rounds = _ROUNDS_CACHE[flat_key]
+    else:
+        rounds = c.declared_rounds(off, 4) if c.steady_payload else None
+        if rounds is None:
+            x = _noise(off)
+            c.skip_warmup()  # past plain warm-up exchanges (PowerSGD), without driving them
+            for _ in range(1 if c.steady_payload else 2):  # a steady payload's sizes show in one exchange
+                rounds, _ = cal.drive(c, x.clone())
+        if flat_key is not None:
+            _keep(flat_key, rounds)
+    _keep(key, rounds)
+    profile.payloads[saved] = [list(r) for r in rounds]
+    return rounds
+
+
+def _matrix_shape(name: str, n: int):
+    # biases and norms are vectors; weights are treated as (out, rest) matrices, which is how
+    # PowerSGD reshapes them; the exact split does not change any other compressor's payload
+    if name.endswith("bias") or n < 64:
+        return (n,)
+    rows = 1
+    for d in range(int(math.sqrt(n)), 0, -1):
+        if n % d == 0:
+            rows = d
+            break
+    return (rows, n // rows)
+
+
+def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0,
+               layout: Optional[List[List[str]]] = None) -> Step:
+    """The step's buckets, each with its own compressor's rounds and costs (a mixed section gives
+    buckets different compressors by size, as the engine's Plan does)."""
+    from engine.compressors.plan import section_for
+    f = 1.0 / compute_speedup
+    buckets = []
+    for idx in buckets_of(profile, spec, layout):
+        names = [profile.params[i][0] for i in idx]
+        layers = list(dict.fromkeys(layer_of(n) for n in names))
+        raw = sum(profile.params[i][1] for i in idx)
+        comp = section_for(spec["compressor"], raw)
+        key = cal.compressor_key(comp)
+        curve = profile.compressors.get(key)
+        plain = not cal.needs_curve(comp)
+        if curve is None and not plain:
+            raise KeyError(f"profile has no cost curve for compressor {key}")
+        ready = max(profile.layer_ready.get(l, profile.backward_s) for l in layers)
+        fwd = sum(profile.layer_forward.get(l, 0.0) for l in layers)
+        rounds = [("allreduce", raw, 1)] if plain else payload_rounds(profile, comp, idx)
+        enc = cal.cost(curve["encode"], raw) if curve else 0.0
+        mid = cal.cost(curve["between"], raw) if curve else 0.0
+        dec = cal.cost(curve["decode"], raw) if curve else 0.0
+        plan = []
+        for r, (op, nbytes, k) in enumerate(rounds):
+            last = r == len(rounds) - 1
+            after = (dec * (world if op == "allgather" else 1)) if last else mid / max(len(rounds) - 1, 1)
+            plan.append(Round(op, nbytes, after=after * f, tensors=k))
+        if spec["comm"]["mode"] == "dear":
+            # one reduce-scatter of the payload (a shard codec's all-to-all moves the same bytes); each
+            # rank decodes its shard of every rank's payload: one buffer's worth of decoding in all
+            plan = [Round("reduce_scatter", plan[0].nbytes, after=dec * f, tensors=plan[0].tensors)]
+        buckets.append(Bucket(ready=ready * f, encode=enc * f, rounds=plan, raw_bytes=raw, forward=fwd * f))
+    return Step(forward=profile.forward_s * f, backward=profile.backward_s * f,
+                optimizer=profile.optimizer_s * f, buckets=buckets)
+
+
+def predict(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
+            link=None, record: bool = False,
+            layout: Optional[List[List[str]]] = None) -> Result:
+    step = build_step(profile, spec, world, compute_speedup, layout)
+    mode = spec["comm"]["mode"]
+    slow = profile.overlap_slowdown if mode != "sync" else 1.0
+    return iteration_time(step, link or profile.link_at(gbps), world, mode, slow, record)
+
+
+def speedup(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
+            links: Optional[Callable[[float], object]] = None) -> float:
+    """DDP's predicted iteration time over the spec's (> 1: the spec is faster). ``links`` maps a
+    rate to the link (default: the profile's link at that rate; e.g. a two-level cluster)."""
+    link = links(gbps) if links else None
+    base = predict(profile, ddp_spec(spec), gbps, world, compute_speedup, link=link).total
+    return base / predict(profile, spec, gbps, world, compute_speedup, link=link).total
+
+
+def crossover_gbps(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0,
+                   lo: float = 1e-3, hi: float = 1e3,
+                   links: Optional[Callable[[float], object]] = None) -> Optional[float]:
+    """The bandwidth below which the spec beats DDP: None if it never does in [lo, hi],
+    ``hi`` if it always does."""
+    def gain(g):
+        return speedup(profile, spec, g, world, compute_speedup, links) - 1.0
+    grid = [lo * (hi / lo) ** (i / 40) for i in range(41)]
+    vals = [gain(g) for g in grid]
+    if vals[-1] > 0:
+        return hi
+    if vals[0] <= 0:
+        return None
+    i = max(i for i, v in enumerate(vals) if v > 0)  # the last bandwidth where it still pays
+    a, b = grid[i], grid[i + 1]
+    for _ in range(30):
+        m = math.sqrt(a * b)
+        a, b = (m, b) if gain(m) > 0 else (a, m)
+    return a

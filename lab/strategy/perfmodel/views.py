@@ -1,0 +1,235 @@
+"""What the model page shows, as data (the page in app/views/model.py only lays it out).
+
+- ``speedup_grid``: predicted speedup over DDP for compressors x bandwidths x workers;
+- ``crossovers``: the bandwidth below which each compressor beats DDP;
+- ``predicted_vs_measured``: for every finished multi-rank run in the index, its
+  measured median iteration time beside the model's prediction, each run
+  calibrated from its own timeline (compute; hooks taken out) with the link its
+  spec names (shaped: nominal rate with the tbf's token bucket; modeled: the
+  modeled link; loopback: alpha and beta fitted to its own communicate spans);
+- ``properties``: the measured checklist, saved beside the profiles;
+- ``lab_profiles``, ``read_profile``: the profiles a viewer may predict from. The page reads only the lab's
+  own files: a student picks one of the runs directory's profiles or uploads one (parsed as data, at most
+  MAX_UPLOAD bytes, its spec refused if it names code); the teacher may also type a path inside the runs
+  directory; only the local user (the UI on loopback) types any path. Errors are one line, without the
+  server's paths.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import pandas as pd
+
+from engine.runlog import write_json_atomic
+from engine.spec import SpecError
+from lab.net.netns import tbf_burst_bytes
+from lab.rundir.index import runs_of
+from lab.strategy.perfmodel import calibrate as cal
+from lab.strategy.perfmodel import predict as pr
+from lab.strategy.perfmodel import properties, whatif
+from lab.strategy.perfmodel.costs import Link
+from lab.strategy.perfmodel.properties import yes_no
+
+COMPRESSORS = {
+    "fp16": {"name": "fp16", "params": {}, "error_feedback": False},
+    "topk 1% +EF": {"name": "topk", "params": {"ratio": 0.01}, "error_feedback": True},
+    "powersgd r2": {"name": "powersgd", "params": {"rank": 2, "start_iter": 2}, "error_feedback": False},
+    "signsgd": {"name": "signsgd", "params": {}, "error_feedback": False},
+    "qsgd": {"name": "qsgd", "params": {}, "error_feedback": False},
+}
+UI_NUMELS = (1024, 16384, 262144)
+
+
+def with_compressor(spec: dict, comp: dict) -> dict:
+    s = copy.deepcopy(spec)
+    s["compressor"] = copy.deepcopy(comp)
+    return s
+
+
+def speedup_grid(profile: cal.Profile, spec: dict, comps: dict, gbps: List[float], workers: List[int],
+                 compute_speedup: float = 1.0) -> pd.DataFrame:
+    rows = []
+    for label, comp in comps.items():
+        s = with_compressor(spec, comp)
+        for p in workers:
+            for g in gbps:
+                rows.append({"compressor": label, "gbps": g, "workers": p,
+                             "speedup": pr.speedup(profile, s, g, p, compute_speedup)})
+    return pd.DataFrame(rows)
+
+
+def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, compute_speedup: float = 1.0):
+    rows = []
+    for label, comp in comps.items():
+        s = with_compressor(spec, comp)
+        g = pr.crossover_gbps(profile, s, workers, compute_speedup)
+        rows.append({"compressor": label, "crossover_gbps": g,
+                     "answer": whatif.crossover_line(profile, s, workers, compute_speedup).split(": ", 1)[1]})
+    return pd.DataFrame(rows)
+
+
+def ensure_curves(profile: cal.Profile, comps: dict) -> None:
+    from engine.compressors.plan import parts
+    for section in comps.values():
+        for comp in parts(section):  # a mixed section: a curve per compressor it may give a bucket
+            k = cal.compressor_key(comp)
+            if cal.needs_curve(comp) and k not in profile.compressors:
+                profile.compressors[k] = cal.measure_compressor(comp, numels=UI_NUMELS, repeat=3, warm=2)
+
+
+def measured_ms(run, skip: int = cal.SKIP_STEPS) -> Optional[float]:
+    start = int(run.spec_dict()["compressor"]["params"].get("start_iter", 0))
+    skip = max(skip, start + 2) if start else skip
+    ts = [r["time_ms"] for r in run.metric_rows() if r.get("kind") == "step" and r["step"] >= skip]
+    return statistics.median(ts) if ts else None
+
+
+def run_link(run, profile: cal.Profile) -> Link:
+    net = run.spec_dict()["network"]
+    if net["link"] == "shaped":
+        return Link(0.0, 8.0 / (net["gbps"] * 1e9), tbf_burst_bytes(net["gbps"]), 0.0)
+    if net["link"] == "modeled":
+        return Link.from_gbps(net["gbps"], net.get("latency_us") or 0.0)
+    try:
+        alpha, beta = cal.link_from_run(run)
+    except ValueError:  # collectives of one size only: bandwidth only
+        rows = [(t, cal.steps_and_wire(op, n, run.spec_dict()["world_size"])[1])
+                for op, n, t, _ in cal.service_times(run)]
+        if not rows:
+            raise cal.CalibrationError("no collectives in the timeline") from None
+        alpha, beta = 0.0, statistics.median(t / max(w, 1) for t, w in rows)
+    return Link(alpha, beta)
+
+
+def run_layout(run) -> Optional[List[List[str]]]:
+    """The buckets a run ended with (layout.json, rewritten by tuners), as groups of parameter names."""
+    try:
+        return [b["layers"] for b in json.loads(Path(run.file("layout.json")).read_text())["buckets"]]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None) -> pd.DataFrame:
+    """One row per finished multi-rank run (of those in ``only``, run ids, when given): measured and
+    predicted iteration time (ms), or the reason it could not be predicted."""
+    rows = []
+    curves = {} if curves is None else curves
+    only = None if only is None else set(only)
+    for run in runs_of(runs, state="done"):
+        if only is not None and run.id not in only:
+            continue
+        spec = run.spec_dict()
+        row = {"run": run.id, "name": spec.get("name", ""), "compressor": spec["compressor"]["name"],
+               "schedule": spec["schedule"]["name"], "comm": spec["comm"]["mode"],
+               "link": spec["network"]["link"] + (f" {spec['network'].get('gbps'):g}G"
+                                                  if spec["network"].get("gbps") else ""),
+               "world": spec["world_size"], "measured_ms": None, "predicted_ms": None, "note": ""}
+        try:
+            if spec["world_size"] < 2:
+                raise cal.CalibrationError("one rank: nothing to communicate")
+            row["measured_ms"] = measured_ms(run)
+            prof = cal.from_run(run)
+            prof.compressors = curves
+            ensure_curves(prof, {"c": spec["compressor"]})
+            link = run_link(run, prof)
+            row["predicted_ms"] = pr.predict(prof, spec, link.gbps if link.beta else 1.0, spec["world_size"],
+                                             link=link, layout=run_layout(run)).total * 1e3
+        except (cal.CalibrationError, ValueError, KeyError, OSError) as e:
+            row["note"] = one_line(e)[:120]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], inter_gbps: List[float],
+                       compute_speedup: float = 1.0, spec: Optional[dict] = None) -> pd.DataFrame:
+    """``commlab predict PROFILE --cluster ...`` as a table: per workers x inter-node rate, DDP's and
+    the spec's (default: the profile's own) iteration time, speedup and scaling factors.
+    Bad shapes and worker counts are one-line SpecErrors."""
+    spec = spec or profile.spec
+    if not spec:
+        raise SpecError("profile", "it records no spec (not written by commlab profile)")
+    spec = whatif.load_for_prediction(data=spec)
+    whatif.check_workers(shape, workers, "workers")
+    whatif.ensure_curves(profile, [spec])
+    rows = whatif.table(profile, spec, inter_gbps, workers, compute_speedup, cluster=shape)
+    return pd.DataFrame(rows).rename(columns={"gbps": "inter_gbps"})
+
+
+def properties_file(runs) -> Path:
+    return whatif.profile_dir(runs) / "properties.json"
+
+
+def load_properties(runs) -> Optional[List[dict]]:
+    """The measured checklist, or None when it was never measured. A file that cannot be read, or is not a
+    list of rows, is moved aside (kept for a look) and said on stderr, and taken as never measured."""
+    f = properties_file(runs)
+    try:
+        rows = json.loads(f.read_text())
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError("not a list of rows")
+        return rows
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        print(f"commlab: {f}: unreadable ({type(e).__name__}: {e}); {whatif.set_aside(f)}; measure it again",
+              file=sys.stderr, flush=True)
+        return None
+
+
+def measure_properties(runs, profile: Optional[cal.Profile] = None, names=None) -> List[dict]:
+    """Measure the checklist and keep it (written atomically: a reader never sees half of it). Who may ask
+    for it on a shared lab is lab.front.profiles.may_measure's to say."""
+    rows = properties.checklist(names, profile, numels=UI_NUMELS)
+    f = properties_file(runs)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(f, rows)
+    return rows
+
+
+
+def calibrated(run) -> tuple:
+    """(profile calibrated from ``run``'s timeline with the measured compressors' curves, its spec); a
+    one-line CalibrationError, without the server's paths, for whatever it lacks."""
+    try:
+        prof = cal.from_run(run, skip=min(cal.SKIP_STEPS, max(0, run.spec_dict()["steps"] - 2)))
+        ensure_curves(prof, COMPRESSORS)
+        return prof, run.spec_dict()
+    except (cal.CalibrationError, OSError, ValueError, KeyError, TypeError) as e:
+        raise cal.CalibrationError(one_line(e)) from None
+
+
+def properties_table(rows: List[dict]) -> pd.DataFrame:
+    out = []
+    for r in rows:
+        acc = r.get("accuracy")
+        out.append({
+            "compressor": r["compressor"],
+            "all-reduce compatible": yes_no(r["allreduce_compatible"]) + f" ({r['rounds']} round"
+                                     + ("s" if r["rounds"] > 1 else "") + ")",
+            "linear (sum of payloads)": "n/a" if r["linear"] is None else yes_no(r["linear"]),
+            "compression ratio": f"{r['ratio']:.1f}x",
+            "encode+decode fixed µs": f"{r['encode_us_fixed'] + r['decode_us_fixed']:.0f}",
+            "encode+decode µs/MB": f"{r['encode_us_per_mb'] + r['decode_us_per_mb']:.0f}",
+            "overhead / compute": f"{r['overhead_vs_compute']:.0%}" if r.get("overhead_vs_compute") is not None
+            else "no profile",
+            "fusion saves": f"{r['fusion_saving']:.0%}",
+            "accuracy neutral": yes_no(r["accuracy_neutral"]) + (f" ({acc:.1%} vs {r['accuracy_baseline']:.1%})"
+                                                                  if acc is not None and r.get("accuracy_baseline")
+                                                                  else ""),
+        })
+    return pd.DataFrame(out)
+
+
+_PATHS = re.compile(r"(?:/[^\s'\":,;()]+)+")
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line for any viewer: its first line, with file system paths cut to their last part."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return _PATHS.sub(lambda m: Path(m.group(0)).name or "/", text)
