@@ -287,7 +287,7 @@ def test_tail_timeline_is_the_end_of_the_full_timeline(runs):
     tail = timelines.tail_timeline(run, 2)
     assert len(tail) <= len(full) and set(tail["lane"]) <= set(full["lane"])
     assert tail["start_us"].max() == full["start_us"].max()
-    small = ui._tail_events(run.timeline_files()[0], 1, chunk=2048)
+    small = timelines._tail_events(run.timeline_files()[0], 1, chunk=2048)
     assert sum(e["tid"] == 0 for e in small) >= 2  # it reads further back until it has the steps
 
 
