@@ -52,7 +52,7 @@ def advise_argv(spec_file: Path, runs: Path, gbps: float, link: str, measure: bo
                 out_dir: Path) -> List[str]:
     import sys
     argv = [sys.executable, "-m", "lab.cli", "advise", str(spec_file), "--gbps", f"{gbps:g}", "--link", link,
-            "--runs", str(runs), "--json", str(out_dir / "advice.json"), "--out", str(out_dir / "best.yaml"),
+            "--runs", str(runs), "--json-out", str(out_dir / "advice.json"), "--out", str(out_dir / "best.yaml"),
             "--top", "0"]
     return argv + (["--measure", "--trials", str(trials)] if measure else [])
 

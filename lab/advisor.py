@@ -1,6 +1,6 @@
 """The advisor: choose the communication strategy for a model and a link, then prove it by measurement.
 
-    commlab advise SPEC --gbps 1 [--link modeled|shaped] [--workers N] [--measure] [--out best.yaml]
+    commlab advise SPEC --gbps 1 [--link modeled|shaped] [--workers N] [--measure] [--out best.yaml] [--json]
 
 Steps, in order:
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -187,7 +188,7 @@ def compressor_space() -> List[Tuple[str, dict]]:
                 payload, ctx = comp.compress(torch.ones(64))
                 comp.decompress(payload, ctx)
         except (RuntimeError, TypeError) as e:  # a dtype the machine lacks: said, not hidden
-            print(f"advisor: leaving out {label}: {type(e).__name__}: {e}")
+            print(f"advisor: leaving out {label}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         out.append((label, c))
     return out
@@ -885,52 +886,3 @@ def write_json(path: Path, obj) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(obj, indent=1))
     tmp.replace(path)
-
-
-
-# --------------------------------------------------------------------------- CLI
-
-def add_parser(sub, add_spec_args, runs_arg) -> None:
-    p = sub.add_parser("advise", help="choose a communication strategy for a spec and a link, then prove it")
-    add_spec_args(p, "job spec file (YAML or JSON); its compressor, schedule and comm are what gets chosen")
-    p.add_argument("--gbps", type=float, default=None, help="link rate in Gbit/s (default: the spec's link)")
-    p.add_argument("--link", choices=LINKS, default=None,
-                   help="modeled (alpha-beta delays, default with --gbps) or shaped (tc on an emulated cluster)")
-    p.add_argument("--workers", type=int, default=None, help="worker count (default: the spec's world_size)")
-    p.add_argument("--measure", action="store_true", help="run short trials of the top candidates, choose by them")
-    p.add_argument("--trials", type=int, default=TRIALS, help=f"candidates tried with --measure (default {TRIALS})")
-    p.add_argument("--trial-steps", type=int, default=TRIAL_STEPS,
-                   help=f"steps per trial (default {TRIAL_STEPS}; PowerSGD's uncompressed start is added)")
-    p.add_argument("--penalty", action="append", default=[], metavar="COMPRESSOR=X",
-                   help="declare a convergence penalty (steps to accuracy vs none), e.g. topk=1.3 (repeatable)")
-    p.add_argument("--top", type=int, default=12, help="rows of the table to print (default 12; 0: all)")
-    p.add_argument("--out", default=None, metavar="FILE", help="write the winner as a spec (YAML)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the whole advice as JSON")
-    runs_arg(p)
-
-
-def cmd_advise(args) -> int:
-    from lab.perfmodel import whatif
-    spec = whatif.load_for_prediction(args.spec, args.overrides)
-    if args.top < 0:
-        raise SpecError("--top", f"must be >= 0, got {args.top}")
-    adv = advise(spec, args.runs, args.gbps, args.link, args.workers, args.measure, args.trials,
-                 args.trial_steps, parse_penalties(args.penalty))
-    net = adv.network
-    print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "
-          f"{net['link']} {net['gbps']:g} Gbit/s; link: {adv.link_source}; profile: {adv.profile_source}")
-    for line in format_table(adv, args.top or None):
-        print(line)
-    print(f"winner ({adv.chosen_by}): {adv.reason}")
-    c = adv.cost_s
-    print(f"advisor cost: {c['total']:.1f} s (profile and cost curves {c['profile']:.1f} s, predictions "
-          f"{c['predict']:.1f} s, trials {c['trials']:.1f} s)")
-    for cand in adv.ranked()[:args.top or None]:
-        if cand.note:
-            print(f"note: {cand.label}: {cand.note}")
-    if args.out:
-        print(f"wrote {write_spec(adv.winner_spec(), args.out)}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(adv.as_dict(), indent=1))
-        print(f"wrote {args.json}")
-    return 0
