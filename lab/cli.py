@@ -413,6 +413,9 @@ def unrecognized(args, extra: List[str], argv: List[str]) -> str:
     options = [s for a in args.cmd_parser._actions for s in a.option_strings]
     for tok in extra:
         if not tok.startswith("--"):
+            i = argv.index(tok)
+            if i and argv[i - 1] == "--json" and "--json-out" in options:  # advise's old `--json FILE`
+                hints.append(f"--json-out {tok}")
             continue
         name, eq, value = tok[2:].partition("=")
         if not eq:
@@ -687,11 +690,12 @@ def cmd_report(args) -> int:
     html = report_html(runs, group=group, title=args.title, get=store.get)
     with open(args.output, "w") as f:
         f.write(html)
+    size = os.path.getsize(args.output)
     if args.json:
-        emit({"output": args.output, "bytes": len(html), "runs": ids, "group": group["id"] if group else None})
+        emit({"output": args.output, "bytes": size, "runs": ids, "group": group["id"] if group else None})
         return 0
     what = f"{len(runs)} run(s)" + (f", group {group['id']}" if group else "")
-    print(f"wrote {args.output} ({len(html) / 2**20:.1f} MB, {what})")
+    print(f"wrote {args.output} ({size / 2**20:.1f} MB, {what})")
     return 0
 
 
@@ -1091,9 +1095,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             parser = build_parser()
             try:
                 args, extra = parser.parse_known_args(argv)
-            except SystemExit as e:  # --help and --version print, then stop here
+            except SystemExit as e:  # --help and --version print (argparse drops a failed write), then stop
                 sys.stdout.flush()
-                return e.code if isinstance(e.code, int) else 0
+                return CLOSED_PIPE if stdout_closed() else e.code if isinstance(e.code, int) else 0
             if extra:
                 raise UsageError(unrecognized(args, extra, argv))
             if args.func is None:  # `commlab`, `commlab net`: the usage and where to look

@@ -89,7 +89,7 @@ def _bash_value(k: str, choices=()) -> str:
             "dir": "compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -d -- \"$cur\"))",
             "file": "compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- \"$cur\"))",
             "rest": "compopt -o filenames 2>/dev/null; COMPREPLY=($(compgen -f -- \"$cur\"))",
-            "run": "COMPREPLY=($(cd \"${COMMLAB_RUNS:-runs}\" 2>/dev/null && compgen -d -- \"$cur\"))",
+            "run": "COMPREPLY=($(cd \"${runs:-${COMMLAB_RUNS:-runs}}\" 2>/dev/null && compgen -d -- \"$cur\"))",
             "none": "COMPREPLY=()"}[k]
 
 
@@ -122,11 +122,12 @@ def bash(prog: str, nodes: List[Node]) -> str:
 #      or: source <({prog} completion bash)   (in ~/.bashrc)
 {fn}() {{
     local cur=${{COMP_WORDS[COMP_CWORD]}} prev=${{COMP_WORDS[COMP_CWORD-1]}}
-    local cmd="" w i npos=0 skip=0 words
+    local cmd="" w i npos=0 skip=0 words runs=""
     COMPREPLY=()
     for ((i = 1; i < COMP_CWORD; i++)); do
         w=${{COMP_WORDS[i]}}
         if ((skip)); then skip=0; continue; fi
+        case "$w" in --runs=*) runs=${{w#--runs=}} ;; --runs) runs=${{COMP_WORDS[i+1]}} ;; esac
         case "$cmd|$w" in
             {"|".join(is_cmd) or '"-|-"'}) cmd="${{cmd:+$cmd }}$w"; npos=0 ;;
             {vpat}) skip=1 ;;
@@ -164,12 +165,12 @@ def _zq(text: str) -> str:
     return text.replace("'", "'\\''").replace("[", "(").replace("]", ")").replace(":", ";")
 
 
-def _zsh_action(k: str, choices=()) -> str:
+def _zsh_action(k: str, choices=(), fn: str = "") -> str:
     return {"choice": "(" + " ".join(choices) + ")", "dir": "_files -/", "file": "_files", "rest": "_files",
-            "run": '_path_files -W "${COMMLAB_RUNS:-runs}" -/', "none": " "}[k]
+            "run": f"{fn}_run_ids", "none": " "}[k]
 
 
-def _zsh_option(a: argparse.Action) -> List[str]:
+def _zsh_option(a: argparse.Action, fn: str) -> List[str]:
     flags = a.option_strings
     excl = f"({' '.join(flags)})" if len(flags) > 1 else ""
     if isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
@@ -178,7 +179,7 @@ def _zsh_option(a: argparse.Action) -> List[str]:
     value = ""
     if takes_value(a):
         meta = (a.metavar or a.dest.upper()).replace(":", ";")
-        value = f":{meta}:{_zsh_action(kind(a), a.choices or ())}"
+        value = f":{meta}:{_zsh_action(kind(a), a.choices or (), fn)}"
     out = []
     for f in flags:
         suffix = ("=" if f.startswith("--") else "+") if takes_value(a) else ""
@@ -191,7 +192,7 @@ def zsh(prog: str, nodes: List[Node]) -> str:
     funcs = []
     for n in nodes:
         name = "_".join((fn,) + n.path)
-        specs = [s for a in n.options() for s in _zsh_option(a)]
+        specs = [s for a in n.options() for s in _zsh_option(a, fn)]
         if n.commands:
             specs += ["'1:command:->command'", "'*::argument:->argument'"]
             cmds = "\n".join(f"        '{c}:{_zq(h)}'" for c, h in n.commands.items())
@@ -218,12 +219,12 @@ def zsh(prog: str, nodes: List[Node]) -> str:
                 k = kind(a)
                 meta = (a.metavar or a.dest).replace(":", ";")
                 if a.nargs in ("*", "+"):
-                    specs.append(f"'*:{meta}:{_zsh_action(k, a.choices or ())}'")
+                    specs.append(f"'*:{meta}:{_zsh_action(k, a.choices or (), fn)}'")
                 elif k == "rest":
                     specs.append(f"'*::{meta}:{_zsh_action(k)}'")
                 else:
                     opt = ":" if a.nargs == "?" else ""
-                    specs.append(f"'{i}:{opt}{meta}:{_zsh_action(k, a.choices or ())}'")
+                    specs.append(f"'{i}:{opt}{meta}:{_zsh_action(k, a.choices or (), fn)}'")
                     i += 1
             body = "    _arguments -s \\\n        " + " \\\n        ".join(specs)
         funcs.append(f"{name}() {{\n{body}\n}}\n")
@@ -231,6 +232,12 @@ def zsh(prog: str, nodes: List[Node]) -> str:
 # zsh completion for {prog}: made by `{prog} completion zsh` from its parser.
 # Install: {prog} completion zsh > "${{fpath[1]}}/_{prog}"   (a folder on $fpath, before compinit)
 #      or: source <({prog} completion zsh)   (in ~/.zshrc, after compinit)
+
+{fn}_run_ids() {{
+    # run ids: the directories in --runs, else $COMMLAB_RUNS, else ./runs
+    local dir=${{opt_args[--runs]:-${{COMMLAB_RUNS:-runs}}}}
+    [[ -d $dir ]] && _path_files -W "$dir" -/
+}}
 
 {chr(10).join(funcs)}
 if [ "$funcstack[1]" = "{fn}" ]; then

@@ -359,7 +359,7 @@ def test_cli_measures_a_real_trial(tmp_path):
     f = tmp_path / "s.json"
     f.write_text(json.dumps({**BASE, "steps": 30}))
     p = cli("advise", str(f), "--gbps", "0.05", "--measure", "--trials", "1", "--trial-steps", "6",
-            "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "best.yaml"), "--json",
+            "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "best.yaml"), "--json-out",
             str(tmp_path / "adv.json"), cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "winner (measured)" in p.stdout and "advisor cost" in p.stdout
