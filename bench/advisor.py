@@ -342,7 +342,7 @@ def calibrate_curves(store, log) -> dict:
 
 def main(argv=None):
     from lab.rundir.store import RunStore
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet,transformer")
     ap.add_argument("--gbps", default="0.1,1,10")
     ap.add_argument("--link", default="modeled", choices=("modeled", "shaped"))

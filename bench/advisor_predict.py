@@ -37,7 +37,7 @@ print(json.dumps({{"cost_s": a.cost_s, "winner": a.winner.label}}))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet", help="resnet or transformer (bench/advisor.py's settings)")
     ap.add_argument("--gbps", default="0.1,1,10")
     ap.add_argument("--passes", type=int, default=2)

@@ -29,6 +29,13 @@ from lab.base.torchrun import free_port, torchrun_argv, worker_env  # noqa: E402
 Times = Dict[str, List[List[float]]]
 
 
+def prog(file: str) -> str:
+    """A benchmark's name in its usage and error lines: ``commlab bench NAME`` when ``commlab bench``
+    started it (it sets $COMMLAB_BENCH to the name), else ``python bench/NAME.py``."""
+    name = os.path.splitext(os.path.basename(file))[0]
+    return f"commlab bench {name}" if os.environ.get("COMMLAB_BENCH") == name else f"python bench/{name}.py"
+
+
 # ---------------------------------------------------------------- launching
 
 def add_worker_flags(ap) -> None:

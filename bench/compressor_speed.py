@@ -281,7 +281,7 @@ def _h(n):
 
 def main(argv=None):
     from engine.compressors import names as all_names
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     ap.add_argument("--sizes", default=None, help="comma-separated element counts "
                     "(default 1000,1000000,25000000; on cuda also 100000000)")

@@ -205,7 +205,7 @@ def pool(paths) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="cnn,resnet,mlp,transformer",
                     help="comma-separated: cnn, resnet, mlp, transformer")
     ap.add_argument("--steps", type=int, default=5, help="timed iterations per variant per round")

@@ -276,7 +276,7 @@ def report(link: str, a: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--links", default="0,1,10", help="comma-separated Gbit/s; 0 = plain loopback")
     ap.add_argument("--models", default="resnet,transformer")
     ap.add_argument("--rounds", type=int, default=10)

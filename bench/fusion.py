@@ -286,7 +286,7 @@ def breakdown(run_dir: str, rank: int = 0) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--gbps", type=float, default=0.0, help="shaped link rate in Gbit/s (root); 0 = loopback")
     ap.add_argument("--compressors", default=",".join(COMPRESSORS), help=f"from {', '.join(COMPRESSORS)}")
     ap.add_argument("--schedules", default=",".join(SCHEDULES), help=f"from {', '.join(SCHEDULES)}")

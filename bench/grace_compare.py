@@ -305,7 +305,7 @@ def _h(n):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--grace", default=None, help="GRACE checkout (default: $GRACE_DIR, then /tmp/grace)")
     ap.add_argument("--sizes", default="1000,25000000")
     ap.add_argument("--repeat", type=int, default=7)

@@ -276,7 +276,7 @@ def main(argv=None) -> int:
         argv = sys.argv[1:]
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0],
                                  epilog="(a) and (b) need root and a quiet machine; (c) runs anywhere")
     ap.add_argument("--table", default="c", help="a, b, c, d, several (cd) or all (default c)")
     ap.add_argument("--run-shaped", action="store_true", help="measure on shaped links (root; (a) and (b))")

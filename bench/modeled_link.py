@@ -74,7 +74,7 @@ def worker(a) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--gbps", type=float, default=0.05, help="the modeled link's bandwidth (default 0.05)")
     ap.add_argument("--latency-us", type=float, default=100.0, help="per-step latency (default 100)")
     ap.add_argument("--reps", type=int, default=5, help="timed repetitions (default 5)")

@@ -43,7 +43,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from bench.common import markdown_table, write_json  # noqa: E402
+from bench.common import markdown_table, prog, write_json  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 SKIP = 3
@@ -194,7 +194,7 @@ def write(a, measured, rows, tables, info) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10, help="steps per timed run (default 10)")
     ap.add_argument("--gbps", type=float, default=1.0, help="the modeled link's rate (default 1)")

@@ -19,11 +19,12 @@ import sys
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import prog  # noqa: E402
 from lab.net import netcheck, netns  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--gbps", default="0.1,1", help="comma-separated link rates in Gbit/s (default 0.1,1)")
     ap.add_argument("--seconds", type=float, default=3.0, help="seconds of TCP and of all-reduces per rate")
     ap.add_argument("--json", metavar="FILE", help="also write the raw results as JSON")

@@ -545,7 +545,7 @@ def report(a: dict, raw: dict, args) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--gbps", type=float, default=0.1, help="link rate in Gbit/s; 0 = plain loopback")
     ap.add_argument("--link", choices=("shaped", "loopback"), default="shaped")
     ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),

@@ -38,7 +38,7 @@ from typing import Dict, List
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
-from bench.common import markdown_table, write_json  # noqa: E402
+from bench.common import markdown_table, prog, write_json  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
 BROWSER_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking"]
@@ -305,7 +305,7 @@ def report(results: List[dict], modes: List[str]) -> tuple:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/observer.py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--modes", default=",".join(MODES), help="comm modes, comma-separated (default: all)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (unwatched, watched) per mode")
     ap.add_argument("--steps", type=int, default=80, help="steps per run")

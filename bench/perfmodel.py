@@ -139,7 +139,7 @@ def measured_ms(run, skip: int) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="config numbers or name substrings, comma-separated")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--runs", default=None, help="runs directory for the measured runs (default: a temp dir)")

@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import prog  # noqa: E402
 import lab  # noqa: E402
 from lab.analysis import results  # noqa: E402
 from lab.front import ui
@@ -105,7 +106,7 @@ def markdown(rows: list, rounds: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--presets", default=",".join(p.key for p in PRESETS),
                     help="comma-separated preset keys (default: all)")

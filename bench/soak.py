@@ -53,11 +53,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.common import prog  # noqa: E402
 from lab.base import procs  # noqa: E402
-from lab.rundir.index import COLUMNS, INDEX_FILE, Index  # noqa: E402
-from lab.service.queue import Lab, Slots  # noqa: E402
 from lab.base.specs import load_spec  # noqa: E402
+from lab.rundir.index import COLUMNS, INDEX_FILE, Index  # noqa: E402
 from lab.rundir.store import FINAL  # noqa: E402
+from lab.service.queue import Lab, Slots  # noqa: E402
 
 BASE = {"model": "mlp", "dataset": "digits", "world_size": 2, "batch_size": 16, "eval_every": 0, "threads": 1}
 # how long after a cancel request a run may still end in its own state: the supervisor polls every
@@ -434,7 +435,7 @@ def report(res: dict) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=40)
     ap.add_argument("--max-jobs", type=int, default=2)
     ap.add_argument("--cancel-fraction", type=float, default=0.3)

@@ -71,7 +71,7 @@ def main(argv=None):
     from lab.rundir.store import RunStore
     from lab.rundir.summary import summarize
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--only", default="", help="comma-separated cell numbers (1-based; default: all)")
     ap.add_argument("--runs", default=None, help="runs directory (default: a temporary one)")

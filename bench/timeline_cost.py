@@ -22,7 +22,8 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="commlab bench timeline_cost" if os.environ.get("COMMLAB_BENCH") == "timeline_cost" else None,
+                                 description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet", help="an engine.models name: its parameter-owning modules")
     ap.add_argument("--blocks", type=int, default=20)
     ap.add_argument("--steps", type=int, default=100, help="steps per block")

@@ -41,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.common import prog  # noqa: E402
 from bench.wsclient import Session, sign_in  # noqa: E402
 from lab.analysis.presets import PRESETS
 
@@ -129,7 +130,7 @@ def own_session() -> None:
 def main(argv=None) -> int:
     if argv is None:
         own_session()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=prog(__file__), description=__doc__.split("\n\n")[0])
     ap.add_argument("--students", type=int, default=4)
     ap.add_argument("--minutes", type=float, default=3.0)
     ap.add_argument("--steps", type=int, default=10,

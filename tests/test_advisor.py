@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import compressors
-from lab.front import advise_cli
+from lab.front import cli
 from lab.strategy import advisor, auto
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
@@ -313,7 +313,7 @@ def test_winner_spec_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
     s = spec()
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
-    out = advise_cli.write_spec(adv.winner_spec(), tmp_path / "best.yaml")
+    out = cli.write_spec(adv.winner_spec(), tmp_path / "best.yaml")
     back = load_spec(str(out)).to_dict()
     for k in ("compressor", "comm"):
         assert back[k] == {**back[k], **adv.winner.strategy()[k]}
@@ -361,7 +361,7 @@ def test_cli_measures_a_real_trial(tmp_path):
     f = tmp_path / "s.json"
     f.write_text(json.dumps({**BASE, "steps": 30}))
     p = cli("advise", str(f), "--gbps", "0.05", "--measure", "--trials", "1", "--trial-steps", "6",
-            "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "best.yaml"), "--json",
+            "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "best.yaml"), "--json-out",
             str(tmp_path / "adv.json"), cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "winner (measured)" in p.stdout and "advisor cost" in p.stdout

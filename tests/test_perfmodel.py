@@ -355,7 +355,7 @@ def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
         ([str(good), "--set", "batch_size=8"], "the profile is for mlp-digits-b16"),
         ([str(good), "--profile", str(good)], "PROFILE is a profile already"),
         ([str(tmp_path / "nospec.json")], "records no spec"),
-        ([str(tmp_path / "broken.json")], "is not valid JSON"),
+        ([str(tmp_path / "broken.json")], "broken.json:1:31: not valid JSON"),
         ([str(tmp_path / "missing.json")], "no such file"),
         ([str(tmp_path / "other.json")], "PROFILE: " + str(tmp_path / "other.json") + " is not a profile"),
     ]

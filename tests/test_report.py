@@ -37,7 +37,7 @@ def test_report_command_writes_one_self_contained_file(finished, tmp_path, capsy
 
 
 @pytest.mark.parametrize("argv,msg", [
-    (["report", "-o", "x.html"], "commlab report: give run ids or --group GID"),
+    (["report", "-o", "x.html"], "commlab: error: give run ids or --group GID"),
     (["report", "no-such-run"], "commlab: error: no run 'no-such-run'"),
     (["report", "../../etc"], "commlab: error: run id '../../etc' is not valid"),
     (["report", "--group", "nope"], "commlab: error: --group: group: no group 'nope'"),

@@ -1,9 +1,9 @@
 """Merge every rank's timeline into one Chrome/Perfetto trace."""
 from __future__ import annotations
 
-import json
 from typing import List
 
+from engine.runlog import write_json_atomic
 from engine.timeline import LANE_NAMES
 from lab.rundir.store import Run
 
@@ -25,7 +25,7 @@ def chrome_trace(run: Run) -> dict:
 
 
 def write_trace(run: Run, path: str) -> int:
+    """Write the trace whole or not at all (a failed write leaves no half file); the number of events."""
     trace = chrome_trace(run)
-    with open(path, "w") as f:
-        json.dump(trace, f, separators=(",", ":"))
+    write_json_atomic(path, trace, indent=None, separators=(",", ":"))
     return len(trace["traceEvents"])

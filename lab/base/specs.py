@@ -10,19 +10,34 @@ import yaml
 from engine.spec import JobSpec, SpecError
 
 
-def read_spec_file(path: str) -> dict:
+def read_spec_file(path: str, field: str = "SPEC") -> dict:
+    """A spec (or sweep) file's data. Errors are one line: ``field: no such file: PATH``, or, for a file
+    that does not parse, where as compilers say it, ``PATH:LINE:COLUMN: not valid YAML: problem``."""
     p = Path(path)
     if not p.is_file():
-        raise SpecError("SPEC", f"no such file: {path}")
-    text = p.read_text()
+        raise SpecError(field, f"no such file: {path}")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(field, f"{path}: cannot be read as text ({getattr(e, 'strerror', None) or e})") from None
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as e:
-        first = str(e).strip().splitlines()[0]
-        raise SpecError("SPEC", f"{path} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {first}") from None
+    except json.JSONDecodeError as e:
+        raise SpecError("", f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except yaml.YAMLError as e:
+        raise SpecError("", yaml_error(path, e)) from None
     if data is None:
         data = {}
     return data
+
+
+def yaml_error(path: str, e: yaml.YAMLError) -> str:
+    """PyYAML's error as ``PATH:LINE:COLUMN: not valid YAML: problem (context)`` (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+    context = getattr(e, "context", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
 
 
 def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:

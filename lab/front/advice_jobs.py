@@ -12,13 +12,15 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import lab
+from engine.runlog import write_json_atomic
 from engine.spec import SpecError
 from lab.analysis import presets
 from lab.base import procs
+from lab.base.paths import SOURCE
 from lab.base.specs import load_spec, read_spec_file
 from lab.rundir.store import RunStore, slug
 from lab.service.spawn import spawn_detached
-from lab.strategy.advisor import ROOT, TRIALS, network_for, write_json
+from lab.strategy.advisor import TRIALS, network_for
 from lab.strategy.perfmodel.predict import ddp_spec
 
 JOBS = ".advice"
@@ -31,7 +33,7 @@ def spec_choices(runs) -> Dict[str, dict]:
     import yaml
 
     out: Dict[str, dict] = {}
-    for f in sorted((ROOT / "examples").glob("*.yaml")):
+    for f in sorted((SOURCE / "examples").glob("*.yaml")):
         data = yaml.safe_load(f.read_text())
         if isinstance(data, dict) and "model" in data:
             out[f"example: {f.name}"] = data
@@ -56,7 +58,7 @@ def advise_argv(spec_file: Path, runs: Path, gbps: float, link: str, measure: bo
                 out_dir: Path) -> List[str]:
     import sys
     argv = [sys.executable, "-m", "lab.front.cli", "advise", str(spec_file), "--gbps", f"{gbps:g}", "--link", link,
-            "--runs", str(runs), "--json", str(out_dir / "advice.json"), "--out", str(out_dir / "best.yaml"),
+            "--runs", str(runs), "--json-out", str(out_dir / "advice.json"), "--out", str(out_dir / "best.yaml"),
             "--top", "0"]
     return argv + (["--measure", "--trials", str(trials)] if measure else [])
 
@@ -70,12 +72,12 @@ def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: i
     jid = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec['name'])}-{secrets.token_hex(2)}"
     d = runs / JOBS / jid
     d.mkdir(parents=True)
-    write_json(d / "spec.json", spec)
-    write_json(d / "request.json", {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
+    write_json_atomic(d / "spec.json", spec)
+    write_json_atomic(d / "request.json", {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
                                     "created": time.time()})
     pid = spawn_detached(advise_argv(d / "spec.json", runs, gbps, link, measure, trials, d), d / "advise.log",
-                         cwd=ROOT)
-    write_json(d / "process.json", procs.identity(pid))
+                         cwd=SOURCE)
+    write_json_atomic(d / "process.json", procs.identity(pid))
     return jid
 
 
@@ -126,7 +128,7 @@ def start_winner(jid: str, runs) -> dict:
            "DDP": lab.run(ddp, wait=False, runs=runs).id}
     group = {"id": f"advice-{jid}", "preset": None, "title": f"advice {jid}: {j['advice']['winner']} vs DDP",
              "runs": ids, "created": time.time()}
-    write_json(Path(runs) / JOBS / jid / "group.json", group)
+    write_json_atomic(Path(runs) / JOBS / jid / "group.json", group)
     return group
 
 

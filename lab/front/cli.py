@@ -1,48 +1,161 @@
-"""The ``commlab`` command.
+"""The ``commlab`` command: one parser (``build_parser``) and a thin function per command.
 
-Exit status: 0 on success, 2 for a bad spec or bad arguments (one line, no
-traceback), 1 when a run fails.
+It follows the conventions of torchrun, git and pip:
+
+- ``commlab --version`` (``-V``) prints ``commlab X.Y.Z``; a bare ``commlab`` prints the usage and a hint
+  on stderr and exits 2. Every help page has a description, examples and the options' defaults.
+- Every error is one line on stderr, ``commlab: error: <what>``: argparse's, a bad spec's (``field:
+  problem``, a YAML file's ``FILE:LINE:COL: problem``), a bad path's (the option and the path), never a
+  traceback. Arguments (files to read, the folders of files to write, filter values) are checked before
+  any work starts; no folder is created for an output file.
+- Commands that print results take ``--json``: one JSON document on stdout, and nothing else there
+  (progress and notes go to stderr).
+- ``commlab completion bash|zsh`` prints a shell completion script made from this parser.
+
+Exit status:
+
+    0    success
+    1    the work failed: a run ended failed, cancelled or diverged (run, sweep), a benchmark failed, or a
+         file could not be written mid-way (the message names it)
+    2    bad arguments or a bad spec (nothing was started), including an unknown filter value
+         (``runs --state bogus``) and a cancel with nothing to cancel (``cancel`` on a finished run:
+         "already done")
+    130  interrupted (Ctrl-C): one line on stderr; a run so stopped is cancelled and its summary printed
+    141  stdout was closed early (``commlab runs | head -1``): the output stops quietly, as a tool killed
+         by SIGPIPE would
 """
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
+import dataclasses
+import difflib
+import importlib.metadata
 import json
+import os
+import re
+import select
+import signal
+import subprocess
 import sys
+import threading
 import time
-from typing import List, Optional
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional
 
-from engine.spec import SpecError
+import tomllib
+import yaml
+
+from engine.runlog import write_json_atomic
+from engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE, JobSpec, SpecError
 from lab.analysis.trace import write_trace
 from lab.base import procs
 from lab.base.errors import LabError
-from lab.base.paths import SOURCE
+from lab.base.paths import SOURCE, default_root
 from lab.base.specs import load_spec
-from lab.front import accounts, advise_cli
+from lab.front import accounts, completion
 from lab.front.jupyter import notebooks_main
 from lab.front.sweep import Sweep, markdown
 from lab.net import netcheck, netns
 from lab.rundir.disturbance import describe, mark
 from lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
-from lab.rundir.store import FINAL, RunStore
+from lab.rundir.store import FINAL, STATES, RunStore
 from lab.rundir.summary import format_summary, summarize
 from lab.service.queue import Lab
+from lab.strategy import advisor
+from lab.strategy.advisor import LINKS, TRIAL_STEPS, TRIALS
 from lab.strategy.perfmodel import devices, whatif
-from lab.strategy.perfmodel.calibrate import CalibrationError
-from lab.strategy.perfmodel.calibrate import spec_key
+from lab.strategy.perfmodel.calibrate import CalibrationError, spec_key
+
+ROOT = SOURCE
+INTERRUPTED, CLOSED_PIPE = 130, 141
 
 
 class UsageError(Exception):
-    pass
+    """Bad arguments: one line, exit status 2."""
+
+
+# --------------------------------------------------------------------------- the parser
+
+class Help(argparse.HelpFormatter):
+    """Examples as written; every option that has a default says it, unless its help already states
+    one in words."""
+
+    def _fill_text(self, text, width, indent):
+        if text.startswith("examples:"):
+            return "".join(indent + line for line in text.splitlines(keepends=True))
+        return super()._fill_text(text, width, indent)
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        d = action.default
+        if not action.option_strings or "default" in h or d is None or d is False or d == [] or d is argparse.SUPPRESS:
+            return h
+        return f"{h} (default: %(default)s)"
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2 (argparse would print the usage block too)
-        raise UsageError(f"{self.prog}: {message}")
+    def error(self, message):
+        """One line (argparse would print the usage block too), as ``FIELD: problem``, with a pointer to
+        this command's help when the message does not list what is allowed."""
+        message = re.sub(r"^argument ", "", message)
+        m = re.match(r"(?P<dest>[^:]+): invalid choice: (?P<v>.+?) \(choose from (?P<c>.*)\)$", message)
+        if m:  # only commands have bare choices (options check theirs with one_of)
+            value, allowed = m["v"].strip("'"), [c.strip(" '") for c in m["c"].split(",")]
+            close = difflib.get_close_matches(value, allowed, n=1)
+            message = f"{value!r} is not a {self.prog} command" + (f"; did you mean {close[0]!r}?" if close else "")
+        if "allowed:" not in message:
+            message += f" (see '{self.prog} --help')"
+        raise UsageError(message)
 
 
-def _runs_arg(p: argparse.ArgumentParser) -> None:
+def version() -> str:
+    """The installed distribution's version, else the checkout's pyproject.toml's."""
+    try:
+        return importlib.metadata.version("commlab")
+    except importlib.metadata.PackageNotFoundError:
+        try:
+            with open(ROOT / "pyproject.toml", "rb") as f:
+                return tomllib.load(f)["project"]["version"]
+        except (OSError, KeyError, tomllib.TOMLDecodeError):
+            return "unknown"
+
+
+def command(sub, name: str, summary: str, examples: Iterable[str] = (), more: str = "") -> Parser:
+    """A subcommand with its one-line summary (in the parent's list), a description (the summary and
+    ``more``) and an epilog of example invocations."""
+    text = summary[0].upper() + summary[1:] + "." + (" " + more if more else "")
+    epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples) if examples else None
+    return sub.add_parser(name, help=summary, description=text, epilog=epilog,
+                          formatter_class=Help)
+
+
+def group(p: Parser, title: str, dest: str, metavar: str) -> argparse._SubParsersAction:
+    """A command made of sub-commands (net, workshop); given none, it prints its usage and a hint."""
+    p.set_defaults(func=None, cmd_parser=p)
+    return p.add_subparsers(title=title, dest=dest, metavar=metavar, parser_class=Parser)
+
+
+def one_of(what: str, allowed: Iterable[str]) -> Callable[[str], str]:
+    """An argument type that takes only ``allowed``, and says which in one line."""
+    allowed = tuple(allowed)
+
+    def check(value: str) -> str:
+        if value not in allowed:
+            raise argparse.ArgumentTypeError(f"{value!r} is not {what}; allowed: {', '.join(allowed)}")
+        return value
+    return check
+
+
+def runs_arg(p) -> None:
     p.add_argument("--runs", metavar="DIR", default=None,
-                   help="runs directory (default: $COMMLAB_RUNS or ./runs)")
+                   help="runs directory (default: $COMMLAB_RUNS, else ./runs; created when a run is made)")
+
+
+def json_arg(p, what: str = "the results") -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as one JSON document on stdout "
+                                                        "(notes and progress go to stderr)")
 
 
 def add_spec_args(p, spec_help: str) -> None:
@@ -53,98 +166,171 @@ def add_spec_args(p, spec_help: str) -> None:
 
 
 def build_parser() -> Parser:
-    ap = Parser(prog="commlab", description="A lab for communication-efficient distributed training.")
-    sub = ap.add_subparsers(dest="cmd", metavar="COMMAND", parser_class=Parser)
-    sub.required = True
+    ap = Parser(prog="commlab", formatter_class=Help,
+                description="commlab: a lab for communication-efficient distributed training (gradient "
+                            "compression, fusion schedules, overlapped collectives, local updates).",
+                epilog="examples:\n  commlab run examples/demo.yaml\n  commlab runs --state done\n"
+                       "  commlab app\n\nexit status: 0 success, 1 the work failed (a run failed), 2 bad "
+                       "arguments or spec,\n130 interrupted, 141 output pipe closed. "
+                       "Run 'commlab COMMAND --help' for a command's options.")
+    ap.add_argument("-V", "--version", action="version", version=f"commlab {version()}",
+                    help="print the version and exit")
+    ap.set_defaults(func=None, cmd_parser=ap)
+    sub = ap.add_subparsers(title="commands", dest="cmd", metavar="COMMAND", parser_class=Parser)
 
-    p = sub.add_parser("run", help="start a run, show progress, print its id and a summary")
+    p = command(sub, "run", "start a run, show its progress, print its id and a summary",
+                ["commlab run examples/demo.yaml", "commlab run examples/demo.yaml --set steps=50 --set "
+                 "compressor.name=topk --set compressor.ratio=0.01", "commlab run examples/demo.yaml --check"],
+                "The run is queued in the runs directory, supervised by this process and kept there "
+                "(commlab show RUN). Exits 1 when the run fails, 130 when Ctrl-C cancels it.")
     add_spec_args(p, "job spec file (YAML or JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted, and exit")
+    p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted (JSON), "
+                                                         "and exit")
+    json_arg(p, "the run's id, status, summary and spec")
     g = p.add_argument_group("multi-node (torchrun static rendezvous; every node runs this command)")
     g.add_argument("--nnodes", type=int, default=None, help="number of machines")
     g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
     g.add_argument("--master-addr", default=None, help="node 0's address, reachable from every node")
     g.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
     g.add_argument("--run-id", default=None, help="the run's name, the same on every node (shared runs dir)")
-    _runs_arg(p)
+    runs_arg(p)
+    p.set_defaults(func=cmd_run, cmd_parser=p)
 
-    p = sub.add_parser("runs", help="list runs with status and headline figures")
+    p = command(sub, "runs", "list runs with status and headline figures",
+                ["commlab runs", "commlab runs --state failed --comm dear", "commlab runs --json"],
+                "Filters are exact matches, combined with AND.")
     p.add_argument("--reindex", action="store_true", help="rebuild the index from the run directories first")
-    for f in ("state", "model", "compressor", "schedule", "comm", "sweep", "owner"):
-        p.add_argument(f"--{f}", default=None, help=f"only runs with this {f}")
-    _runs_arg(p)
+    for flag, what, allowed in (("--state", "a state", STATES), ("--schedule", "a schedule", SCHEDULES_AVAILABLE),
+                                ("--comm", "a comm mode", COMM_AVAILABLE), ("--link", "a link", LINKS_AVAILABLE)):
+        p.add_argument(flag, default=None, type=one_of(what, allowed), choices=allowed, metavar=flag[2:].upper(),
+                       help=f"only runs with this {flag[2:]}: {', '.join(allowed)}")
+    p.add_argument("--compressor", default=None, metavar="NAME",
+                   help="only runs with this compressor (a registry name or pkg.module:Class)")
+    for f in ("model", "dataset", "sweep", "owner"):
+        p.add_argument(f"--{f}", default=None, metavar=f.upper(), help=f"only runs with this {f}")
+    json_arg(p, "the runs (their index rows)")
+    runs_arg(p)
+    p.set_defaults(func=cmd_runs, cmd_parser=p)
 
-    p = sub.add_parser("cancel", help="stop a run in any state (queued or running)")
+    p = command(sub, "cancel", "stop a run that is queued or running",
+                ["commlab cancel 20250101-120000-demo-ab12"],
+                "Waits up to 30 s for the run to stop. A run that has ended already is an error (exit 2).")
     p.add_argument("run", metavar="RUN", help="run id")
-    _runs_arg(p)
+    json_arg(p, "the run's state before and after")
+    runs_arg(p)
+    p.set_defaults(func=cmd_cancel, cmd_parser=p)
 
-    p = sub.add_parser("show", help="one run's summary")
+    p = command(sub, "show", "one run's summary", ["commlab show 20250101-120000-demo-ab12",
+                                                   "commlab show 20250101-120000-demo-ab12 --json"])
     p.add_argument("run", metavar="RUN", help="run id")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    _runs_arg(p)
+    json_arg(p, "the run's id, status, summary and spec")
+    runs_arg(p)
+    p.set_defaults(func=cmd_show, cmd_parser=p)
 
-    p = sub.add_parser("trace", help="write a Chrome/Perfetto trace of a run's timeline (all ranks)")
+    p = command(sub, "trace", "write a Chrome/Perfetto trace of a run's timeline (all ranks)",
+                ["commlab trace 20250101-120000-demo-ab12 -o trace.json"],
+                "Open the file in ui.perfetto.dev or chrome://tracing.")
     p.add_argument("run", metavar="RUN", help="run id")
-    p.add_argument("-o", "--output", default="trace.json", help="output file (default trace.json)")
-    _runs_arg(p)
-    p = sub.add_parser("report", help="write runs, a preset's result group or a comparison as one HTML file "
-                                      "that opens offline")
+    p.add_argument("-o", "--output", default="trace.json", metavar="FILE",
+                   help="output file; its folder must exist")
+    json_arg(p, "the output's path and event count")
+    runs_arg(p)
+    p.set_defaults(func=cmd_trace, cmd_parser=p)
+
+    p = command(sub, "report", "write runs, a preset's result group or a comparison as one HTML file that "
+                               "opens offline",
+                ["commlab report RUN -o report.html", "commlab report RUN1 RUN2 --title 'topk vs none'",
+                 "commlab report --group GID"])
     p.add_argument("runs_ids", metavar="RUN", nargs="*", help="run ids (two or more add a comparison)")
     p.add_argument("--group", default=None, metavar="GID", help="a preset's result group (the Results page's "
                    "group=...): its verdict and all its runs")
-    p.add_argument("-o", "--output", default="report.html", help="output file (default report.html)")
-    p.add_argument("--title", default=None, help="the report's title")
-    _runs_arg(p)
+    p.add_argument("-o", "--output", default="report.html", metavar="FILE",
+                   help="output file; its folder must exist")
+    p.add_argument("--title", default=None, help="the report's title (default: from the runs)")
+    json_arg(p, "the output's path, size and runs")
+    runs_arg(p)
+    p.set_defaults(func=cmd_report, cmd_parser=p)
 
-    p = sub.add_parser("sweep", help="run a grid of specs through the queue and print a comparison table")
+    p = command(sub, "sweep", "run a grid of specs through the queue and print a comparison table",
+                ["commlab sweep examples/sweep.yaml", "commlab sweep examples/sweep.yaml --table --json"],
+                "Running the same grid again resumes it: cells whose run is done are skipped. Exits 1 unless "
+                "every cell's run is done.")
     p.add_argument("grid", metavar="GRID", help="sweep file (YAML or JSON): base spec, grid of values")
     p.add_argument("--table", action="store_true", help="only print the table of what has run so far")
-    _runs_arg(p)
+    json_arg(p, "the table (one object per cell)")
+    runs_arg(p)
+    p.set_defaults(func=cmd_sweep, cmd_parser=p)
 
-    p = sub.add_parser("app", help="start the Streamlit UI (bound to 127.0.0.1), with a demo run if there is none")
-    p.add_argument("--port", type=int, default=8501, help="port (default 8501)")
+    p = command(sub, "app", "start the Streamlit UI (bound to 127.0.0.1), with a demo run if there is none",
+                ["commlab app", "commlab app --port 8600 --no-demo",
+                 "commlab app --host 0.0.0.0 --certfile cert.pem --keyfile key.pem"],
+                "Any address beyond loopback serves a workshop: students sign in with the class token. "
+                "SIGINT, SIGTERM or SIGHUP stops it cleanly.")
+    p.add_argument("--port", type=int, default=8501, help="port")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the lab)")
     p.add_argument("--no-demo", action="store_true", help="do not queue the demo run into an empty runs directory")
     p.add_argument("--token", default=None, help="the class token students sign in with, when bound beyond "
                    "loopback (default: one generated and kept in RUNS/access.json)")
-    p.add_argument("--certfile", default=None, help="TLS certificate (PEM) to serve https with; needs --keyfile")
-    p.add_argument("--keyfile", default=None, help="the certificate's private key (PEM)")
-    _runs_arg(p)
+    p.add_argument("--certfile", default=None, metavar="FILE", help="TLS certificate (PEM) to serve https with; "
+                                                                    "needs --keyfile")
+    p.add_argument("--keyfile", default=None, metavar="FILE", help="the certificate's private key (PEM)")
+    runs_arg(p)
+    p.set_defaults(func=cmd_app, cmd_parser=p)
 
-    p = sub.add_parser("notebooks", help="open the notebooks in JupyterLab (bound to 127.0.0.1), with this environment as kernel")
-    p.add_argument("--port", type=int, default=8888, help="port (default 8888)")
-    p.add_argument("--no-browser", action="store_true", help="do not open a browser; only print the URL (with its token)")
-    _runs_arg(p)
+    p = command(sub, "notebooks", "open the notebooks in JupyterLab (bound to 127.0.0.1), with this environment "
+                                  "as kernel", ["commlab notebooks", "commlab notebooks --port 8890 --no-browser"],
+                "Prints the URL with its token; Ctrl-C or SIGTERM stops the server and its kernels.")
+    p.add_argument("--port", type=int, default=8888, help="port")
+    p.add_argument("--no-browser", action="store_true", help="do not open a browser; only print the URL (with its "
+                                                             "token)")
+    runs_arg(p)
+    p.set_defaults(func=cmd_notebooks, cmd_parser=p)
 
-    p = sub.add_parser("net", help="emulated cluster networks (shaped links)")
-    netsub = p.add_subparsers(dest="net_cmd", metavar="NET_COMMAND", parser_class=Parser)
-    netsub.required = True
-    q = netsub.add_parser("check", help="build a shaped cluster, measure TCP and gloo all-reduce, tear it down")
-    q.add_argument("--gbps", type=float, required=True, help="link rate in Gbit/s")
-    q.add_argument("--ranks", type=int, default=2, help="ranks in the cluster (default 2)")
-    q.add_argument("--seconds", type=float, default=3.0, help="TCP measurement time (default 3)")
-    q.add_argument("--json", action="store_true", help="print the figures as JSON")
+    p = command(sub, "net", "emulated cluster networks (shaped links; needs root)",
+                ["sudo commlab net check --gbps 1", "sudo commlab net cleanup"])
+    netsub = group(p, "net commands", "net_cmd", "COMMAND")
+    q = command(netsub, "check", "build a shaped cluster, measure TCP and gloo all-reduce, tear it down",
+                ["sudo commlab net check --gbps 1", "sudo commlab net check --gbps 0.1 --json > link.json",
+                 "sudo commlab net check --gbps 1 --save"], "Needs root, ip and tc (Linux).")
+    q.add_argument("--gbps", type=float, required=True, help="link rate in Gbit/s, in [0.001, 400]")
+    q.add_argument("--ranks", type=int, default=2, help="ranks in the cluster, 2..64")
+    q.add_argument("--seconds", type=float, default=3.0, help="TCP measurement time (s)")
+    json_arg(q, "the figures")
     q.add_argument("--save", action="store_true", help="keep the figures as the lab's shaped-link calibration "
                                                        "(the advisor's predictions for shaped links use it)")
-    _runs_arg(q)
-    netsub.add_parser("cleanup", help="remove the lab's namespaces left by dead launchers")
+    runs_arg(q)
+    q.set_defaults(func=cmd_net, cmd_parser=q)
+    q = command(netsub, "cleanup", "remove the lab's namespaces left by dead launchers",
+                ["sudo commlab net cleanup"])
+    json_arg(q, "the removed namespaces")
+    q.set_defaults(func=cmd_net, cmd_parser=q)
 
-    p = sub.add_parser("profile", help="measure a model's per-layer forward/backward times and gradient sizes "
-                                      "into a profile file (for commlab predict)")
+    p = command(sub, "profile", "measure a model's per-layer forward/backward times and gradient sizes into a "
+                                "profile file (for commlab predict)",
+                ["commlab profile examples/demo.yaml -o resnet.json", "commlab predict resnet.json --workers 8,64"],
+                "A single-process run of the spec's model, data set and batch size on this machine.")
     add_spec_args(p, "job spec file (YAML or JSON): model, data set, batch size; its compressor and comm mode "
                      "are what commlab predict PROFILE predicts")
-    p.add_argument("-o", "--output", default="profile.json", help="profile file to write (default profile.json)")
+    p.add_argument("-o", "--output", default="profile.json", metavar="FILE",
+                   help="profile file to write; its folder must exist")
     p.add_argument("--steps", type=int, default=None, help="steps of the single-process profiling run (default "
                                                            "12, the lab's own; the first 3 are left out)")
-    _runs_arg(p)
+    json_arg(p, "the profile")
+    runs_arg(p)
+    p.set_defaults(func=cmd_profile, cmd_parser=p)
 
-    p = sub.add_parser("predict", help="the performance model: predicted iteration time, speedup over DDP and "
-                                      "scaling factor")
+    p = command(sub, "predict", "the performance model: predicted iteration time, speedup over DDP and scaling "
+                                "factor", ["commlab predict examples/topk-ef.yaml --gbps 1,10 --workers 8,64",
+                                           "commlab predict profile.json --device H100 --workers 8,64",
+                                           "commlab predict examples/topk-ef.yaml --cluster node_size=8,"
+                                           "intra_gbps=1600,inter_gbps=100 --workers 64"],
+                "Without --profile or --calibrate, the lab's profile of the model is used (a saved one, one "
+                "calibrated from a finished run, or a short single-process run measured now).")
     add_spec_args(p, "a profile file (commlab profile) or a job spec file (YAML or JSON); dear is accepted")
-    p.add_argument("--gbps", default=None, help="link rates in Gbit/s, comma-separated (default 1,10,100,400); "
-                                                "with --cluster: the inter-node rates")
-    p.add_argument("--workers", default="2,8,64,1024", help="worker counts, comma-separated (default 2,8,64,1024)")
+    p.add_argument("--gbps", default=None, metavar="LIST", help="link rates in Gbit/s, comma-separated (default "
+                   "1,10,100,400); with --cluster: the inter-node rates")
+    p.add_argument("--workers", default="2,8,64,1024", metavar="LIST", help="worker counts, comma-separated")
     p.add_argument("--cluster", metavar="KEY=VALUE,...", default=None,
                    help="a two-level cluster with hierarchical all-reduce: node_size=8,intra_gbps=1600,"
                         "inter_gbps=100 (optional intra_us, inter_us latencies per ring step, nics per node; "
@@ -154,52 +340,173 @@ def build_parser() -> Parser:
     g.add_argument("--calibrate", metavar="RUN", help="calibrate compute from this run's timeline")
     p.add_argument("--link", metavar="FILE", help="alpha and beta from `commlab net check --gbps X --json` output")
     p.add_argument("--compute-speedup", type=float, default=1.0, metavar="X",
-                   help="compute X times faster than measured, e.g. 20 for a GPU (default 1)")
+                   help="compute X times faster than measured, e.g. 20 for a GPU")
     p.add_argument("--device", metavar="NAME[:PRECISION]", default=None,
                    help="predict on a GPU: V100, V100-PCIE, A100, H100, H200 or a YAML file describing one "
                         "(peak_tflops, memory_gb_s, nvlink_gb_s, ...); compute from the model's roofline on it "
                         "unless the profile was measured there, NCCL links, --gbps the NIC rate")
-    _runs_arg(p)
+    json_arg(p, "the table, crossovers and sources")
+    runs_arg(p)
+    p.set_defaults(func=cmd_predict, cmd_parser=p)
 
-    advise_cli.add_parser(sub, add_spec_args, _runs_arg)
+    p = command(sub, "advise", "choose a communication strategy for a spec and a link, then prove it",
+                ["commlab advise examples/demo.yaml --gbps 1 --out best.yaml",
+                 "commlab advise examples/demo.yaml --gbps 0.1 --measure --trials 2",
+                 "commlab advise examples/demo.yaml --gbps 1 --json > advice.json"],
+                "Ranks the strategies by predicted (with --measure, measured) time to accuracy and says why the "
+                "winner won.")
+    add_spec_args(p, "job spec file (YAML or JSON); its compressor, schedule and comm are what gets chosen")
+    p.add_argument("--gbps", type=float, default=None, help="link rate in Gbit/s (default: the spec's link)")
+    p.add_argument("--link", default=None, type=one_of("a link", LINKS), choices=LINKS, metavar="LINK",
+                   help=f"{' or '.join(LINKS)}: modeled (alpha-beta delays, default with --gbps) or shaped "
+                        "(tc on an emulated cluster)")
+    p.add_argument("--workers", type=int, default=None, help="worker count (default: the spec's world_size)")
+    p.add_argument("--measure", action="store_true", help="run short trials of the top candidates, choose by them")
+    p.add_argument("--trials", type=int, default=TRIALS, help="candidates tried with --measure")
+    p.add_argument("--trial-steps", type=int, default=TRIAL_STEPS,
+                   help="steps per trial (PowerSGD's uncompressed start is added)")
+    p.add_argument("--penalty", action="append", default=[], metavar="COMPRESSOR=X",
+                   help="declare a convergence penalty (steps to accuracy vs none), e.g. topk=1.3 (repeatable)")
+    p.add_argument("--top", type=int, default=12, help="rows of the table to print (0: all)")
+    p.add_argument("-o", "--out", default=None, metavar="FILE", help="write the winner as a spec (YAML); its "
+                                                                     "folder must exist")
+    p.add_argument("--json-out", default=None, metavar="FILE", help="write the whole advice as JSON to FILE")
+    json_arg(p, "the whole advice")
+    runs_arg(p)
+    p.set_defaults(func=cmd_advise, cmd_parser=p)
 
-    p = sub.add_parser("workshop", help="the workshop server's students: list them, revoke one, rotate tokens")
-    wsub = p.add_subparsers(dest="ws_cmd", metavar="ACTION", parser_class=Parser)
-    wsub.required = True
-    q = wsub.add_parser("users", help="students who signed in (runs/access.json), with expiry and open sessions")
-    _runs_arg(q)
-    q = wsub.add_parser("revoke", help="revoke a student: their token and sessions end, the name and their "
-                                       "browsers cannot sign in again; their runs keep going")
+    p = command(sub, "workshop", "the workshop server's students: list them, revoke one, rotate tokens",
+                ["commlab workshop users", "commlab workshop revoke mallory --rotate-class",
+                 "commlab workshop rotate admin"])
+    wsub = group(p, "workshop actions", "action", "ACTION")
+    q = command(wsub, "users", "students who signed in (RUNS/access.json), with expiry and open sessions",
+                ["commlab workshop users --json"])
+    json_arg(q, "the students")
+    runs_arg(q)
+    q.set_defaults(func=cmd_workshop, cmd_parser=q)
+    q = command(wsub, "revoke", "revoke a student: their token and sessions end, the name and their browsers "
+                                "cannot sign in again; their runs keep going",
+                ["commlab workshop revoke mallory"])
     q.add_argument("name", metavar="NAME", help="the student's name")
     q.add_argument("--rotate-class", action="store_true", help="also replace the class token (for someone who "
                    "would sign in again from a cleared browser); hand the new link to the others")
-    _runs_arg(q)
-    q = wsub.add_parser("rotate", help="replace a token: 'class', 'admin' or a student's name (their sessions "
-                                       "end); prints the new link's token")
+    json_arg(q, "what was revoked")
+    runs_arg(q)
+    q.set_defaults(func=cmd_workshop, cmd_parser=q)
+    q = command(wsub, "rotate", "replace a token: 'class', 'admin' or a student's name (their sessions end); "
+                                "prints the new token", ["commlab workshop rotate class"])
     q.add_argument("who", metavar="WHO", help="class | admin | NAME")
-    _runs_arg(q)
+    json_arg(q, "the new token")
+    runs_arg(q)
+    q.set_defaults(func=cmd_workshop, cmd_parser=q)
 
-    p = sub.add_parser("bench", help="run a benchmark from bench/ (e.g. commlab bench ddp_compare --models cnn)")
-    p.add_argument("name", metavar="NAME", nargs="?", help="benchmark name; omit to list them")
+    names = benchmarks()
+    p = command(sub, "bench", "run a benchmark from bench/, or list them",
+                ["commlab bench", "commlab bench ddp_compare --help", "commlab bench ddp_compare --models cnn"],
+                "Benchmarks compare commlab with its peers in one run; each takes --help.")
+    p.add_argument("name", metavar="NAME", nargs="?", type=one_of("a benchmark", names), choices=names,
+                   help="benchmark name; omit to list them")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark (see its --help)")
+    json_arg(p, "the list of benchmarks")
+    p.set_defaults(func=cmd_bench, cmd_parser=p)
+
+    p = command(sub, "completion", "print a shell completion script",
+                ["commlab completion bash > ~/.local/share/bash-completion/completions/commlab",
+                 "commlab completion zsh > ~/.zfunc/_commlab   # with fpath+=(~/.zfunc) before compinit",
+                 "source <(commlab completion bash)"])
+    p.add_argument("shell", metavar="SHELL", type=one_of("a shell", completion.SHELLS), choices=completion.SHELLS,
+                   help=f"{' or '.join(completion.SHELLS)}")
+    p.set_defaults(func=cmd_completion, cmd_parser=p)
     return ap
 
 
-def bench_dir():
-    return SOURCE / "bench"
+SPEC_FIELDS = tuple(f.name for f in dataclasses.fields(JobSpec))
 
 
-def cmd_bench(args) -> int:
-    import subprocess
-    scripts = sorted(p.stem for p in bench_dir().glob("*.py") if p.stem not in ("__init__", "common"))
-    if not args.name:
-        print("benchmarks: " + ", ".join(scripts))
-        return 0
-    if args.name not in scripts:
-        raise UsageError(f"commlab bench: unknown benchmark {args.name!r}; allowed: {', '.join(scripts)}")
-    argv = [sys.executable, str(bench_dir() / f"{args.name}.py"), *args.args]
-    return subprocess.run(argv, cwd=bench_dir().parent).returncode
+def unrecognized(args, extra: List[str], argv: List[str]) -> str:
+    """argparse's "unrecognized arguments", with a hint: an option named like a spec field is what
+    ``--set FIELD=VALUE`` sets (``run --steps 10`` took 10 as the SPEC); another may be a typo."""
+    hints = []
+    options = [s for a in args.cmd_parser._actions for s in a.option_strings]
+    for tok in extra:
+        if not tok.startswith("--"):
+            i = argv.index(tok)
+            if i and argv[i - 1] == "--json" and "--json-out" in options:  # advise's old `--json FILE`
+                hints.append(f"--json-out {tok}")
+            continue
+        name, eq, value = tok[2:].partition("=")
+        if not eq:
+            i = argv.index(tok)
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else "VALUE"
+        if hasattr(args, "overrides") and name.replace("-", "_") in SPEC_FIELDS:
+            hints.append(f"--set {name.replace('-', '_')}={value}")
+        else:
+            hints += difflib.get_close_matches(f"--{name}", options, n=1)
+    hint = f"; did you mean {' '.join(hints)}?" if hints else ""
+    return f"unrecognized arguments: {' '.join(extra)}{hint} (see '{args.cmd_parser.prog} --help')"
 
+
+# --------------------------------------------------------------------------- checks and output
+
+def out_file(option: str, path: str) -> str:
+    """An output file, checked before any work starts: its folder exists (none is made) and can be written."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option}: {path} is a directory; give a file name")
+    folder = p.parent
+    if not folder.is_dir():
+        raise UsageError(f"{option}: {path}: no such directory: {folder}")
+    if not os.access(folder, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise UsageError(f"{option}: {path}: permission denied")
+    return path
+
+
+def in_file(option: str, path: str) -> str:
+    """An input file, checked before any work starts."""
+    if not Path(path).is_file():
+        raise UsageError(f"{option}: no such file: {path}")
+    return path
+
+
+def runs_root(args, create: bool = True) -> Path:
+    """The runs directory (--runs, $COMMLAB_RUNS or ./runs): a directory, made (with its parents) when a
+    command that writes runs needs it."""
+    root = Path(args.runs) if args.runs else default_root()
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"--runs: {root} is not a directory")
+    if create:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"--runs: cannot create {root}: {e.strerror}") from None
+    return root
+
+
+def lab_of(args) -> Lab:
+    return Lab(runs_root(args))
+
+
+def store_of(args) -> RunStore:
+    return RunStore(runs_root(args, create=False))
+
+
+def notes(args):
+    """Where a command's human lines go: stderr when stdout carries its JSON."""
+    return sys.stderr if getattr(args, "json", False) else sys.stdout
+
+
+def emit(obj) -> None:
+    print(json.dumps(obj, indent=1, default=str))
+
+
+def run_document(run) -> dict:
+    """A run as ``show --json`` and ``run --json`` print it."""
+    spec, st = run.spec_dict(), run.status()
+    return {"id": run.id, "state": st.get("state"), "status": st, "summary": summarize(run.metric_rows(), spec),
+            "spec": spec}
+
+
+# --------------------------------------------------------------------------- commands
 
 def cmd_run(args) -> int:
 
@@ -207,41 +514,40 @@ def cmd_run(args) -> int:
     if args.check:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0
-    lab = Lab(args.runs)
+    lab = lab_of(args)
     auto = spec.strategy.mode == "auto" and not spec.strategy.decided
     if args.nnodes and auto:
-        raise UsageError("commlab run: strategy: auto is chosen by the lab's own supervisor, not across nodes; "
+        raise UsageError("strategy: auto is chosen by the lab's own supervisor, not across nodes; "
                          "choose first with `commlab advise SPEC --out best.yaml` and run best.yaml")
     if args.nnodes:
         return run_node(lab, spec, args)
     try:
         job = JobRank.from_env()
     except ValueError as e:
-        raise UsageError(f"commlab run: {e}") from None
+        raise UsageError(str(e)) from None
     if job is not None and auto:
-        raise UsageError("commlab run: strategy: auto is chosen by the lab's own supervisor, not inside a job "
+        raise UsageError("strategy: auto is chosen by the lab's own supervisor, not inside a job "
                          "another launcher started; choose first with `commlab advise SPEC --out best.yaml`")
     if job is not None:  # torchrun, srun or a PyTorchJob started this process as one rank: join that job
         return run_joined(lab, spec, args, job)
     run = lab.create(spec, run_id=args.run_id)
-    print(f"run {run.id}  ({run.path})", flush=True)
+    print(f"run {run.id}  ({run.path})", file=notes(args), flush=True)
     try:
         state = lab.supervise(run, progress=not args.quiet)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # Ctrl-C before the launch: the summary of what there is, then status 130
         state = run.state
-    return report(run, state)
+    return report(run, state, args)
 
 
 def run_node(lab, spec, args) -> int:
     """One node of a multi-machine run. Node 0 creates the run and owns its status;
     the others join the same run directory (a shared file system) and run their ranks."""
-    import time
     if not args.run_id or not args.master_addr:
-        raise UsageError("commlab run: --nnodes needs --run-id and --master-addr (the same on every node)")
+        raise UsageError("--nnodes needs --run-id and --master-addr (the same on every node)")
     try:
         nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
     except ValueError as e:
-        raise UsageError(f"commlab run: {e}") from None
+        raise UsageError(str(e)) from None
     if args.node_rank == 0:
         run = lab.create(spec, run_id=args.run_id)
         run.set_status("queued", supervisor=procs.identity())
@@ -255,21 +561,20 @@ def run_node(lab, spec, args) -> int:
                 if time.time() - t0 > 60:
                     raise
                 time.sleep(0.5)
-    print(f"run {run.id}  node {args.node_rank}/{args.nnodes}  ({run.path})", flush=True)
+    print(f"run {run.id}  node {args.node_rank}/{args.nnodes}  ({run.path})", file=notes(args), flush=True)
     state = launch(run, progress=not args.quiet and args.node_rank == 0, nodes=nodes)
     if args.node_rank > 0:
-        print(f"node {args.node_rank}: {state}")
+        print(f"node {args.node_rank}: {state}", file=notes(args))
         return 0 if state == "done" else 1
-    return report(run, state)
+    return report(run, state, args)
 
 
 def run_joined(lab, spec, args, job) -> int:
     """One rank of a job that another launcher started (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     set). Every rank derives the same run id; rank 0 creates the run and owns its status, the
     others wait for it in the shared runs directory and run their rank."""
-    import time
     if job.world != spec.world_size:
-        raise UsageError(f"commlab run: world_size: the spec asks for {spec.world_size} ranks but this job has "
+        raise UsageError(f"world_size: the spec asks for {spec.world_size} ranks but this job has "
                          f"{job.world} (WORLD_SIZE); pass --set world_size={job.world}")
     run_id = args.run_id or job.run_id(spec.name)
     if job.rank == 0:
@@ -288,15 +593,19 @@ def run_joined(lab, spec, args, job) -> int:
                 raise LabError(f"rank {job.rank}: no live run {run_id!r} in {lab.root} after 120 s; is the runs "
                                f"directory shared, and did rank 0 start (a finished run of that name: use --run-id)?")
             time.sleep(0.5)
-    print(f"run {run.id}  rank {job.rank}/{job.world}  ({run.path})", flush=True)
+    print(f"run {run.id}  rank {job.rank}/{job.world}  ({run.path})", file=notes(args), flush=True)
     state = launch_rank(run, job, progress=not args.quiet and job.rank == 0)
     if job.rank > 0:
-        print(f"rank {job.rank}: {state}")
+        print(f"rank {job.rank}: {state}", file=notes(args))
         return 0 if state == "done" else 1
-    return report(run, state)
+    return report(run, state, args)
 
 
-def report(run, state) -> int:
+def report(run, state, args) -> int:
+    """A finished run's summary (or its JSON document); 0 when it is done, else 1."""
+    if args.json:
+        emit(run_document(run))
+        return 0 if state == "done" else 1
     st = run.status()
     print(f"status         {state}" + (f": rank {st.get('rank')}: {st.get('error')}" if state in ("failed", "diverged")
                                          else ""))
@@ -318,14 +627,27 @@ def disturbance_line(status: dict) -> str:
 
 
 def cmd_runs(args) -> int:
-    lab = Lab(args.runs)
-    if args.reindex:
-        print(f"reindexed {lab.reindex()} runs from {lab.root}", file=sys.stderr)
-    lab.recover_stale()
-    filters = ("state", "model", "compressor", "schedule", "comm", "sweep", "owner")
-    rows_db = lab.index.query(**{f: getattr(args, f) for f in filters})
+    if args.compressor and ":" not in args.compressor:
+        from engine.compressors import names
+        if args.compressor not in names():
+            raise UsageError(f"--compressor: {args.compressor!r} is not a compressor; allowed: "
+                             f"{', '.join(names())} or pkg.module:Class")
+    filters = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep", "owner")
+    root = runs_root(args, create=False)
+    rows_db = []
+    if root.is_dir():
+        lab = Lab(root)
+        if args.reindex:
+            print(f"reindexed {lab.reindex()} runs from {lab.root}", file=sys.stderr)
+        lab.recover_stale()
+        rows_db = lab.index.query(**{f: getattr(args, f) for f in filters})
+    if args.json:
+        emit([{**r, "spec": json.loads(r["spec"] or "{}"), "summary": json.loads(r["summary"] or "{}")}
+              for r in rows_db])
+        return 0
     if not rows_db:
-        print(f"no runs in {lab.root}" + (" matching the filters" if any(getattr(args, f) for f in filters) else ""))
+        print(f"no runs in {root}" + (" (no such directory)" if not root.is_dir() else "")
+              + (" matching the filters" if any(getattr(args, f) for f in filters) else ""))
         return 0
     rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC", "OTHER CPU")]
     for r in rows_db:
@@ -342,11 +664,15 @@ def cmd_runs(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    sw = Sweep(Lab(args.runs), args.grid)
+    sw = Sweep(lab_of(args), args.grid)
     df = sw.table() if args.table else sw.run()
-    if len(df):
+    if args.json:
+        emit(json.loads(df.reset_index().to_json(orient="records")) if len(df) else [])
+    elif len(df):
         print(markdown(df), end="")
         print(f"saved {sw.dir / 'table.csv'}")
+    else:
+        print(f"sweep {sw.id}: no runs yet (commlab sweep {args.grid} runs them)")
     ok = len(df) and all(s == "done" for s in df["state"])
     return 0 if ok else 1
 
@@ -354,23 +680,28 @@ def cmd_sweep(args) -> int:
 def cmd_report(args) -> int:
     from lab.analysis import results
     from lab.analysis.report import report_html
-    lab = Lab(args.runs)
+    out_file("--output", args.output)
+    store = store_of(args)
     group = None
     ids = list(args.runs_ids)
     if args.group:
         try:
-            group = results.load_group(lab.root, args.group)
+            group = results.load_group(store.root, args.group)
         except (KeyError, ValueError) as e:
             raise LabError(f"--group: {e.args[0] if e.args else e}") from None
         ids += [i for i in group["runs"].values() if i not in ids]
     if not ids:
-        raise UsageError("commlab report: give run ids or --group GID")
-    runs = [lab.store.get(i) for i in ids]
-    html = report_html(runs, group=group, title=args.title, get=lab.store.get)
+        raise UsageError("give run ids or --group GID (see 'commlab report --help')")
+    runs = [store.get(i) for i in ids]
+    html = report_html(runs, group=group, title=args.title, get=store.get)
     with open(args.output, "w") as f:
         f.write(html)
+    size = os.path.getsize(args.output)
+    if args.json:
+        emit({"output": args.output, "bytes": size, "runs": ids, "group": group["id"] if group else None})
+        return 0
     what = f"{len(runs)} run(s)" + (f", group {group['id']}" if group else "")
-    print(f"wrote {args.output} ({len(html) / 2**20:.1f} MB, {what})")
+    print(f"wrote {args.output} ({size / 2**20:.1f} MB, {what})")
     return 0
 
 
@@ -390,8 +721,7 @@ def _numbers(flag: str, text: str, kind, lo, hi) -> list:
     except ValueError:
         vals = []
     if not vals or not all(lo <= v <= hi for v in vals):
-        raise UsageError(f"commlab predict: {flag} must be a comma-separated list of numbers in [{lo:g}, {hi:g}], "
-                         f"got {text!r}")
+        raise UsageError(f"{flag}: must be a comma-separated list of numbers in [{lo:g}, {hi:g}], got {text!r}")
     return vals
 
 
@@ -399,15 +729,20 @@ def cmd_profile(args) -> int:
     if args.steps is None:
         args.steps = whatif.PROFILE_STEPS
     if not 5 <= args.steps <= 10000:
-        raise UsageError(f"commlab profile: --steps must be in 5..10000, got {args.steps}")
+        raise UsageError(f"--steps: must be in 5..10000, got {args.steps}")
+    out_file("--output", args.output)
     spec = load_spec(args.spec, args.overrides).to_dict()
+    say = notes(args)
     print(f"profile: {spec['model']['name']} on {spec['dataset']['name']}, batch {spec['batch_size']}: a "
-          f"{args.steps}-step single-process run", flush=True)
+          f"{args.steps}-step single-process run", file=say, flush=True)
     try:
-        prof = whatif.profile_spec(spec, args.runs, args.steps, runner=Lab(args.runs).runner())
+        prof = whatif.profile_spec(spec, runs_root(args), args.steps, runner=Lab(runs_root(args)).runner())
     except CalibrationError as e:
         raise LabError(str(e)) from None
     prof.save(args.output)
+    if args.json:
+        emit({"output": args.output, "profile": dataclasses.asdict(prof)})
+        return 0
     m = prof.machine
     print(f"measured on {m.get('host')} ({m.get('gpu') or m.get('cpu')}), {m.get('device')}, torch {m.get('torch')}, "
           f"{m.get('threads')} thread(s), {m.get('dtype')}, {m.get('clock')}, from {prof.source}")
@@ -423,27 +758,30 @@ def cmd_profile(args) -> int:
 
 def cmd_predict(args) -> int:
     from lab.strategy.perfmodel import ondevice  # the roofline loads torch: not for commlab --help
+    say = notes(args)
+
+    def info(line: str) -> None:
+        print(line, file=say, flush=True)
     workers = _numbers("--workers", args.workers, int, 1, 100000)
     if not 0.001 <= args.compute_speedup <= 10000:
-        raise UsageError(f"commlab predict: --compute-speedup must be in [0.001, 10000], got {args.compute_speedup}")
+        raise UsageError(f"--compute-speedup: must be in [0.001, 10000], got {args.compute_speedup}")
     # with --device, the device gives the node's size and fabric: --cluster may change any of them
     shape = whatif.parse_cluster(args.cluster, required=() if args.device else None) if args.cluster else None
     if shape and "inter_gbps" in shape:
         if args.gbps is not None:
-            raise UsageError("commlab predict: --gbps and --cluster inter_gbps both give the inter-node rate; "
-                             "give one")
+            raise UsageError("--gbps and --cluster inter_gbps both give the inter-node rate; give one")
         gbps = [shape["inter_gbps"]]
     else:
         gbps = _numbers("--gbps", args.gbps or "1,10,100,400", float, 0.001, 10000)
     dev = None
     if args.device:
         if args.compute_speedup != 1.0 or args.link:
-            raise UsageError("commlab predict: --device models the device's compute and links; "
+            raise UsageError("--device models the device's compute and links; "
                              "--compute-speedup and --link are for a measured profile")
         try:
             dev, precision = devices.parse(args.device)
         except ValueError as e:
-            raise UsageError(f"commlab predict: {e}") from None
+            raise UsageError(str(e)) from None
         for p in workers:
             try:
                 ondevice.topology(dev, 1.0, shape).nodes(p)
@@ -451,9 +789,14 @@ def cmd_predict(args) -> int:
                 raise SpecError("--workers", str(e).split(": ", 1)[1]) from None
     elif shape:
         whatif.check_workers(shape, workers)
+    if args.link and shape:
+        raise UsageError("--link calibrates a flat link; --cluster gives its own links")
+    link_cal = whatif.link_file(args.link) if args.link else None  # read before any profiling run
+    if args.profile:
+        in_file("--profile", args.profile)
     if whatif.is_profile_file(args.spec):
         if args.profile or args.calibrate:
-            raise UsageError("commlab predict: PROFILE is a profile already; --profile and --calibrate are for a SPEC")
+            raise UsageError("PROFILE is a profile already; --profile and --calibrate are for a SPEC")
         prof = whatif.load_profile_file(args.spec)
         if not prof.spec:
             raise SpecError("PROFILE", f"{args.spec} records no spec (not written by commlab profile); use "
@@ -462,25 +805,25 @@ def cmd_predict(args) -> int:
         if prof.key() != spec_key(spec):
             raise SpecError("--set", f"the profile is for {prof.key()}, the spec is now {spec_key(spec)}")
         m = prof.machine
-        print(f"profile: {args.spec} ({prof.source}" + (f", {m.get('device')} on {m.get('host')}, torch {m.get('torch')}"
-                                                       if m else "") + ")")
+        info(f"profile: {args.spec} ({prof.source}" + (f", {m.get('device')} on {m.get('host')}, torch "
+                                                      f"{m.get('torch')}" if m else "") + ")")
         if whatif.ensure_curves(prof, [spec]):
             prof.save(args.spec)
-            print(f"profile: measured the compressor's encode/decode cost curve, added to {args.spec}")
+            info(f"profile: measured the compressor's encode/decode cost curve, added to {args.spec}")
     else:
         spec = whatif.load_for_prediction(args.spec, args.overrides)
+        if args.calibrate:
+            store_of(args).get(args.calibrate)  # a missing run is said before anything is measured
         try:
-            prof = whatif.resolve_profile(spec, args.runs, args.profile, args.calibrate,
-                                          runner=Lab(args.runs).runner())
+            prof = whatif.resolve_profile(spec, runs_root(args), args.profile, args.calibrate, say=info,
+                                          runner=Lab(runs_root(args)).runner())
         except CalibrationError as e:
             raise LabError(str(e)) from None
-    if args.link:
-        if shape:
-            raise UsageError("commlab predict: --link calibrates a flat link; --cluster gives its own links")
-        prof.link = whatif.link_file(args.link)
+    if link_cal is not None:
+        prof.link = link_cal
     links = node_size = None
     if dev is not None:
-        prof = ondevice.device_profile(prof, spec, dev, precision, say=print)
+        prof = ondevice.device_profile(prof, spec, dev, precision, say=info)
         links, node_size = ondevice.link_maker(dev, shape), ondevice.topology(dev, gbps[0], shape).gpus_per_node
         link = ondevice.topology(dev, gbps[0], shape).describe().replace(
             f"x {gbps[0] * dev.link_eff:g} Gbit/s", "x the GBIT/S column")
@@ -492,67 +835,120 @@ def cmd_predict(args) -> int:
         link = (f"calibrated at {prof.link['nominal_gbps']:g} Gbit/s and scaled" if prof.link
                 else "nominal alpha-beta (alpha 0, beta 8/rate; no link calibrated)")
     c = spec["compressor"]
-    print(f"spec: {spec['model']['name']} batch {spec['batch_size']}, {c['name']}{' +EF' if c['error_feedback'] else ''}"
-          f", {spec['schedule']['name']}, {spec['comm']['mode']}; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
-          + (f"device {dev.name} {precision}" if dev else f"compute x{args.compute_speedup:g}"))
+    setup = (f"{spec['model']['name']} batch {spec['batch_size']}, {c['name']}{' +EF' if c['error_feedback'] else ''}"
+             f", {spec['schedule']['name']}, {spec['comm']['mode']}; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
+             + (f"device {dev.name} {precision}" if dev else f"compute x{args.compute_speedup:g}"))
     rows = whatif.table(prof, spec, gbps, workers, args.compute_speedup, cluster=shape, links=links)
+    crossovers = [whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape, links=links,
+                                        node_size=node_size) for p in workers]
+    sources = ondevice.sources(prof, spec, dev, precision if dev else "", args.compute_speedup, cluster=bool(shape))
+    if args.json:
+        emit({"setup": setup, "rate": "inter-node" if shape or dev else "flat", "rows": rows,
+              "crossover": dict(zip(map(str, workers), crossovers)), "sources": list(sources)})
+        return 0
+    print("spec: " + setup)
     for line in whatif.format_table(rows, "INTER GBIT/S" if shape or dev else "GBIT/S"):
         print(line)
-    for p in workers:
-        print(("crossover (inter-node rate): " if shape or dev else "crossover: ")
-              + whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape, links=links,
-                                      node_size=node_size))
+    for line in crossovers:
+        print(("crossover (inter-node rate): " if shape or dev else "crossover: ") + line)
     print("sources:")
-    for line in ondevice.sources(prof, spec, dev, precision if dev else "", args.compute_speedup,
-                                 cluster=bool(shape)):
+    for line in sources:
         print("  " + line)
     return 0
 
 
+def write_spec(spec: dict, path) -> Path:
+    """The winner of an advice as a spec file (YAML); its folder must exist (``out_file`` checked it)."""
+    path = Path(path)
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
 def cmd_advise(args) -> int:
-    return advise_cli.cmd_advise(args)
+    for option in ("out", "json_out"):
+        if getattr(args, option):
+            out_file("--" + option.replace("_", "-"), getattr(args, option))
+    spec = whatif.load_for_prediction(args.spec, args.overrides)
+    if args.top < 0:
+        raise SpecError("--top", f"must be >= 0, got {args.top}")
+    say = notes(args)
+    adv = advisor.advise(spec, runs_root(args), args.gbps, args.link, args.workers, args.measure, args.trials,
+                         args.trial_steps, advisor.parse_penalties(args.penalty),
+                         runner=Lab(runs_root(args)).runner(), say=lambda line: print(line, file=say, flush=True))
+    net = adv.network
+    print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "
+          f"{net['link']} {net['gbps']:g} Gbit/s; link: {adv.link_source}; profile: {adv.profile_source}", file=say)
+    for line in advisor.format_table(adv, args.top or None):
+        print(line, file=say)
+    print(f"winner ({adv.chosen_by}): {adv.reason}", file=say)
+    c = adv.cost_s
+    print(f"advisor cost: {c['total']:.1f} s (profile and cost curves {c['profile']:.1f} s, predictions "
+          f"{c['predict']:.1f} s, trials {c['trials']:.1f} s)", file=say)
+    for cand in adv.ranked()[:args.top or None]:
+        if cand.note:
+            print(f"note: {cand.label}: {cand.note}", file=say)
+    if args.out:
+        print(f"wrote {write_spec(adv.winner_spec(), args.out)}", file=say)
+    if args.json_out:
+        write_json_atomic(args.json_out, adv.as_dict())
+        print(f"wrote {args.json_out}", file=say)
+    if args.json:
+        emit(adv.as_dict())
+    return 0
 
 
 def cmd_net(args) -> int:
+    if args.net_cmd == "check":
+        if not 0.001 <= args.gbps <= 400:
+            raise UsageError(f"--gbps: must be in [0.001, 400], got {args.gbps}")
+        if not 2 <= args.ranks <= 64:
+            raise UsageError(f"--ranks: must be in 2..64, got {args.ranks}")
+        if not 0.1 <= args.seconds <= 600:
+            raise UsageError(f"--seconds: must be in [0.1, 600], got {args.seconds}")
+        root = runs_root(args) if args.save else None
     try:
         netns.check_shaped_supported()
         if args.net_cmd == "cleanup":
             removed = netns.cleanup_stale()
-            print(f"removed {len(removed)} stale namespace(s)" + (": " + ", ".join(removed) if removed else ""))
+            if args.json:
+                emit({"removed": removed})
+            else:
+                print(f"removed {len(removed)} stale namespace(s)" + (": " + ", ".join(removed) if removed else ""))
             return 0
-        if not 0.001 <= args.gbps <= 400:
-            raise UsageError(f"commlab net check: --gbps must be in [0.001, 400], got {args.gbps}")
-        if not 2 <= args.ranks <= 64:
-            raise UsageError(f"commlab net check: --ranks must be in 2..64, got {args.ranks}")
         r = netcheck.net_check(args.gbps, seconds=args.seconds, n_ranks=args.ranks,
-                            out=None if args.json else sys.stdout)
+                               out=None if args.json else sys.stdout)
     except netns.NetworkUnavailable as e:
         raise LabError(str(e)) from None
     if args.json:
-        print(json.dumps(r, indent=1))
+        emit(r)
     if args.save:
-        path = whatif.save_shaped_link(args.runs, r)
-        print(f"saved the lab's shaped-link calibration: {path}", file=sys.stderr if args.json else sys.stdout)
+        path = whatif.save_shaped_link(root, r)
+        print(f"saved the lab's shaped-link calibration: {path}", file=notes(args))
     return 0
 
 
 def cmd_cancel(args) -> int:
-    lab = Lab(args.runs)
+    lab = Lab(runs_root(args, create=False))
     before = lab.store.get(args.run).state
+    if before in FINAL:
+        raise UsageError(f"RUN: {args.run} is already {before}; nothing to cancel")
     state = lab.cancel(args.run)
     if state in ("queued", "running"):
         state = lab.wait(args.run, timeout=30)
-    print(f"{args.run}: {before} -> {state}")
-    return 0
+    if args.json:
+        emit({"id": args.run, "before": before, "state": state})
+    else:
+        print(f"{args.run}: {before} -> {state}")
+    return 0 if state in FINAL else 1
 
 
 def cmd_show(args) -> int:
-    run = RunStore(args.runs).get(args.run)
-    spec, st = run.spec_dict(), run.status()
-    s = summarize(run.metric_rows(), spec)
+    run = store_of(args).get(args.run)
+    doc = run_document(run)
     if args.json:
-        print(json.dumps({"id": run.id, "status": st, "summary": s, "spec": spec}, indent=1))
+        emit(doc)
         return 0
+    spec, st = doc["spec"], doc["status"]
     print(f"run            {run.id}")
     print(f"status         {st.get('state')}" + (f": rank {st.get('rank')}: {st.get('error')}" if st.get("error") else ""))
     c = spec["compressor"]
@@ -567,23 +963,30 @@ def cmd_show(args) -> int:
         print(f"script         {own.get('script')} (optimizer {own.get('optimizer')})")
     if st.get("started") and st.get("ended"):
         print(f"wall time      {st['ended'] - st['started']:.1f} s")
-    for line in format_summary(s):
+    for line in format_summary(doc["summary"]):
         print(line)
     print(disturbance_line(st))
     return 0
 
 
 def cmd_trace(args) -> int:
-    run = RunStore(args.runs).get(args.run)
+    out_file("--output", args.output)
+    run = store_of(args).get(args.run)
     n = write_trace(run, args.output)
-    print(f"wrote {n} events to {args.output} (open in ui.perfetto.dev or chrome://tracing)")
+    if args.json:
+        emit({"output": args.output, "events": n, "run": run.id})
+    else:
+        print(f"wrote {n} events to {args.output} (open in ui.perfetto.dev or chrome://tracing)")
     return 0
 
 
 def cmd_workshop(args) -> int:
-    root = Lab(args.runs).root
-    if args.ws_cmd == "users":
-        people = accounts.people(root)
+    root = runs_root(args, create=args.action == "rotate")
+    if args.action == "users":
+        people = accounts.people(root) if root.is_dir() else []
+        if args.json:
+            emit(people)
+            return 0
         if not people:
             print(f"no students in {accounts.access_path(root)}")
         for p in people:
@@ -591,38 +994,142 @@ def cmd_workshop(args) -> int:
             print(f"{p['name']:<20} token {'expired' if left <= 0 else f'expires in {left:.1f} days'}, "
                   f"{p['sessions']} open session(s)")
         return 0
-    if args.ws_cmd == "rotate":
+    if args.action == "rotate":
         token = accounts.rotate(root, args.who)
+        if args.json:
+            emit({"who": args.who, "token": token})
+            return 0
         what = {"class": "class token (students who signed in keep theirs)",
                 "admin": "admin token (the teacher's sessions ended)"}.get(args.who, f"{args.who}'s personal token "
                                                                                 "(their sessions ended)")
         print(f"new {what}: {token}")
         return 0
     n = accounts.revoke(root, args.name)
+    class_token = accounts.rotate(root, "class") if args.rotate_class else None
+    if args.json:
+        emit({"revoked": args.name, "tokens": n, "class_token": class_token})
+        return 0
     print(f"revoked {args.name} ({n} token(s)): their sessions end at their next request, the name and their "
           f"browsers cannot sign in again; their runs keep going (commlab runs --owner {args.name}, "
           f"commlab cancel RUN)")
-    if args.rotate_class:
-        print(f"new class token: {accounts.rotate(root, 'class')}")
+    if class_token:
+        print(f"new class token: {class_token}")
     return 0
 
 
-COMMANDS = {"workshop": cmd_workshop, "run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
-            "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
-            "bench": cmd_bench, "predict": cmd_predict, "profile": cmd_profile, "advise": cmd_advise,
-            "report": cmd_report}
+def bench_dir() -> Path:
+    return ROOT / "bench"
+
+
+def benchmarks() -> List[str]:
+    """The scripts in bench/ that run as benchmarks (a ``__main__`` block); not its helpers (common,
+    wsclient, ...). None in an installation without bench/ (it is not in the wheel)."""
+    main_block = re.compile(r"""^if __name__ == ["']__main__["']:""", re.M)
+    return sorted(p.stem for p in bench_dir().glob("*.py") if main_block.search(p.read_text()))
+
+
+def cmd_bench(args) -> int:
+    names = benchmarks()
+    if not args.name:
+        if not names:
+            raise UsageError(f"no benchmarks: {bench_dir()} is missing (bench/ comes with a source checkout)")
+        about = {n: " ".join((ast.get_docstring(ast.parse((bench_dir() / f"{n}.py").read_text())) or "")
+                             .split("\n\n")[0].split()) for n in names}
+        if args.json:
+            emit([{"name": n, "about": about[n]} for n in names])
+        else:
+            w = max(map(len, names))
+            print("\n".join(f"{n:<{w}}  {about[n]}" for n in names))
+        return 0
+    env = {**os.environ, "COMMLAB_BENCH": args.name}  # the benchmark's usage line says `commlab bench NAME`
+    argv = [sys.executable, str(bench_dir() / f"{args.name}.py"), *args.args]
+    return subprocess.run(argv, cwd=ROOT, env=env).returncode
+
+
+def cmd_completion(args) -> int:
+    sys.stdout.write(completion.script(build_parser(), args.shell))
+    return 0
+
+
+# --------------------------------------------------------------------------- entry point
+
+def error(message: str) -> None:
+    """``commlab: error: ...`` on one line of stderr."""
+    line = "; ".join(s.strip() for s in str(message).splitlines() if s.strip())
+    print(f"commlab: error: {line}", file=sys.stderr, flush=True)
+
+
+def stdout_closed() -> bool:
+    """Whether stdout is a pipe whose reader has gone (a BrokenPipeError from elsewhere is a real error)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in poll.poll(0))
+    except (AttributeError, OSError, ValueError):
+        return False
+
+
+@contextlib.contextmanager
+def sigint_seen(seen: list):
+    """Ctrl-C raises KeyboardInterrupt as usual, and is noted in ``seen``: a command that catches it to stop
+    cleanly (a run is cancelled and summarized) still ends with status 130. Left alone when SIGINT is
+    ignored or handled by someone else, or off the main thread."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+
+    def on_sigint(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    seen: list = []
     try:
-        args = build_parser().parse_args(argv)
-        return COMMANDS[args.cmd](args)
+        with sigint_seen(seen):
+            parser = build_parser()
+            try:
+                args, extra = parser.parse_known_args(argv)
+            except SystemExit as e:  # --help and --version print (argparse drops a failed write), then stop
+                sys.stdout.flush()
+                return CLOSED_PIPE if stdout_closed() else e.code if isinstance(e.code, int) else 0
+            if extra:
+                raise UsageError(unrecognized(args, extra, argv))
+            if args.func is None:  # `commlab`, `commlab net`: the usage and where to look
+                print(args.cmd_parser.format_usage().rstrip(), file=sys.stderr)
+                print(f"run '{args.cmd_parser.prog} --help' for the commands", file=sys.stderr)
+                return 2
+            rc = args.func(args)
+            sys.stdout.flush()
+        if seen:
+            error("interrupted")
+            return INTERRUPTED
+        return rc
     except (UsageError, SpecError, LabError) as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"commlab: error: {msg}" if not msg.startswith("commlab") else msg, file=sys.stderr)
+        error(e)
         return 2
     except KeyboardInterrupt:
-        return 130
+        error("interrupted")
+        return INTERRUPTED
+    except BrokenPipeError as e:
+        if not stdout_closed():
+            error(f"{type(e).__name__}: {e}")
+            return 1
+        # the reader has gone (`| head`): stop quietly; stdout goes to /dev/null so that the interpreter's
+        # last flush at exit does not complain either
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return CLOSED_PIPE
+    except OSError as e:
+        error(f"{e.filename}: {e.strerror}" if e.filename and e.strerror else f"{type(e).__name__}: {e}")
+        return 1
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ SWEEP_KEYS = ("name", "base", "grid", "target_acc", "baseline")
 class Sweep:
     def __init__(self, lab: Lab, grid_file: Optional[str] = None, data: Optional[dict] = None):
         if data is None:
-            data = read_spec_file(grid_file)
+            data = read_spec_file(grid_file, "GRID")
         if not isinstance(data, dict):
             raise SpecError("GRID", "a sweep file must be a mapping with base and grid")
         unknown = sorted(set(data) - set(SWEEP_KEYS))
@@ -48,7 +48,7 @@ class Sweep:
         if isinstance(base, str):
             where = Path(grid_file).parent if grid_file else Path(".")
             path = Path(base) if Path(base).is_file() else where / base
-            base = read_spec_file(str(path))
+            base = read_spec_file(str(path), "base")
         if not isinstance(base, dict):
             raise SpecError("base", "must be a spec file name or a spec mapping")
         grid = data.get("grid") or {}

@@ -211,6 +211,10 @@ class Lab:
             if record is not None:
                 keep_record(run, record)
             return state
+        except KeyboardInterrupt:  # Ctrl-C while queued or choosing: the user stopped it, nothing broke
+            if run.state not in FINAL:
+                run.set_status("cancelled", error="cancelled by the user (Ctrl-C)")
+            raise
         except BaseException as e:
             if run.state not in FINAL:
                 run.set_status("failed", error=f"launcher error: {type(e).__name__}: {e}")

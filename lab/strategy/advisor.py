@@ -1,6 +1,6 @@
 """The advisor: choose the communication strategy for a model and a link, then prove it by measurement.
 
-    commlab advise SPEC --gbps 1 [--link modeled|shaped] [--workers N] [--measure] [--out best.yaml]
+    commlab advise SPEC --gbps 1 [--link modeled|shaped] [--workers N] [--measure] [--out best.yaml] [--json]
 
 Steps, in order:
 
@@ -35,12 +35,13 @@ from __future__ import annotations
 import copy
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
 from engine.runlog import TRIALS as TRIALS_FILE
+from engine.runlog import write_json_atomic
 from engine.schedules import ParamInfo
 from engine.spec import JobSpec, SpecError
 from lab.base.errors import LabError
@@ -200,7 +201,7 @@ def compressor_space() -> List[Tuple[str, dict]]:
                 payload, ctx = comp.compress(torch.ones(64))
                 comp.decompress(payload, ctx)
         except (RuntimeError, TypeError) as e:  # a dtype the machine lacks: said, not hidden
-            print(f"advisor: leaving out {label}: {type(e).__name__}: {e}")
+            print(f"advisor: leaving out {label}: {type(e).__name__}: {e}", file=sys.stderr)
             continue
         out.append((label, c))
     return out
@@ -607,7 +608,7 @@ def prepare_session(run, specs: List[dict], cands: List[Candidate], profile) -> 
     for i, (s, c) in enumerate(zip(specs, cands)):
         d = run.path / f"trial-{i}"
         d.mkdir()
-        write_json(d / "spec.json", s)
+        write_json_atomic(d / "spec.json", s)
         dirs.append(d.name)
         if c.schedule["name"] == "mergecomp" and c.layout_cuts is not None:
             problem = write_cache(str(run.path), cache_key(JobSpec.from_dict(s)),
@@ -615,7 +616,7 @@ def prepare_session(run, specs: List[dict], cands: List[Candidate], profile) -> 
                                    "ms": c.steady_ms, "run": "advisor prediction"})
             if problem:
                 raise RuntimeError(f"advisor: trial session {run.id}: {problem}")
-    write_json(run.path / TRIALS_FILE, {"dirs": dirs})
+    write_json_atomic(run.path / TRIALS_FILE, {"dirs": dirs})
     return dirs
 
 
@@ -846,16 +847,5 @@ def format_table(adv: Advice, limit: Optional[int] = None) -> List[str]:
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return ["  ".join(c.ljust(wi) if i in (1, 7) else c.rjust(wi) for i, (c, wi) in enumerate(zip(r, w))).rstrip()
             for r in rows]
-
-
-def write_json(path: Path, obj) -> None:
-    """Whole or not at all: a temporary file of this process, renamed into place."""
-    import os
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
-    tmp.replace(path)
-
-
-# --------------------------------------------------------------------------- CLI
 
 

@@ -15,7 +15,7 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from engine.runlog import TRIALS as TRIALS_FILE
-from engine.runlog import read_jsonl
+from engine.runlog import read_jsonl, write_json_atomic
 from engine.timeline import LANES
 from lab.base import procs
 from lab.base.errors import LabError
@@ -44,7 +44,6 @@ from lab.strategy.advisor import (
     trial_picks,
     with_search_cost,
     with_strategy,
-    write_json,
 )
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import whatif
@@ -164,7 +163,7 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
         picks = trial_picks(adv.ranked(), st["trials"])
         plan = plan_in_run(adv, picks, st["trial_steps"])
         if engine_trials.most_steps(plan) < spec["steps"]:
-            write_json(run.file(engine_trials.FILE), plan)
+            write_json_atomic(run.file(engine_trials.FILE), plan)
             say(f"advisor: {len(picks)} trials as the run's first steps ({TRIAL_WARMUP} + up to "
                 f"{st['trial_steps']} steps each): " + "; ".join(c.label for c in picks))
             record = {**adv.as_dict(), "chosen_by": "pending: trials in the run", "runs": trials,
@@ -180,7 +179,7 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
         adv.reason = explain(adv)
     chosen = adv.winner_spec()
     chosen["name"] = spec["name"]
-    write_json(run.file("spec.json"), load_spec(data=chosen).to_dict())
+    write_json_atomic(run.file("spec.json"), load_spec(data=chosen).to_dict())
     record = {**adv.as_dict(), "runs": trials, "decided_at": time.time()}
     write_record(run, record)
     parts = []
@@ -207,7 +206,7 @@ def start_profile_in_run(lab, run, say: Callable[[str], None]) -> threading.Thre
     they are done (``plan_after_profile``); the ranks start meanwhile, so the profile pays no start-up of
     its own."""
     from engine import autoprofile
-    write_json(run.file(autoprofile.PENDING), {"profile_steps": PROFILE_STEPS, "timeout_s": PLAN_TIMEOUT_S})
+    write_json_atomic(run.file(autoprofile.PENDING), {"profile_steps": PROFILE_STEPS, "timeout_s": PLAN_TIMEOUT_S})
     write_record(run, {"chosen_by": "pending: profile and trials in the run", "runs": [],
                        "requested_at": time.time()})
     run.update_status(strategy={"chosen": None, "by": "profile and trials in the run", "cost_s": None})
@@ -258,16 +257,16 @@ def plan_after_profile(lab, run, say: Callable[[str], None], poll_s: float = 0.0
         adv.cost_s["total"] = adv.cost_s["profile"] + adv.cost_s["predict"]
         record = {**adv.as_dict(), "chosen_by": "pending: trials in the run", "runs": [],
                   "profile_in_run": info, "planned_at": time.time()}
-        write_json(run.file(ADVICE_FILE), record)
+        write_json_atomic(run.file(ADVICE_FILE), record)
         write_record(run, record)
-        write_json(run.file(engine_trials.FILE), plan)  # the ranks go on
+        write_json_atomic(run.file(engine_trials.FILE), plan)  # the ranks go on
         run.update_status(strategy={"chosen": None, "by": "trials in the run", "cost_s": adv.cost_s["total"]})
         say(f"advisor: profiled in the run ({info['wall_s']:.2f} s); {len(picks)} trials as the run's first steps: "
             + "; ".join(c.label for c in picks))
         return adv
     except BaseException as e:
         msg = f"{type(e).__name__}: {e}".splitlines()[0]
-        write_json(run.file(autoprofile.FAILED), {"error": msg, "t": time.time()})
+        write_json_atomic(run.file(autoprofile.FAILED), {"error": msg, "t": time.time()})
         say(f"advisor: failed after the profile steps: {msg}")
         return None
 
@@ -297,7 +296,7 @@ def write_record(run, record: dict) -> None:
     path = run.file("tuning.json")
     info = json.loads(path.read_text()) if path.is_file() else {}
     info[RECORD_KEY] = record
-    write_json(path, info)
+    write_json_atomic(path, info)
 
 
 def keep_record(run, record: Optional[dict]) -> None:

@@ -1,0 +1,535 @@
+"""The ``commlab`` command as a Unix tool (lab/cli.py's docstring): every command with good and bad input.
+
+Exit codes (0, 1, 2, 130, 141), one-line errors on stderr with no traceback, ``--json`` with nothing else on
+stdout, output paths checked before any work, closed pipes, Ctrl-C, YAML errors with line and column, a
+help page with a description, examples and defaults for every command, shell completion that works in
+bash and zsh. Runs are made by hand (their files written as the engine writes them) so that this file stays
+fast; the few subprocess tests are the ones that need a real process (pipes, signals, shells).
+"""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from lab.front import accounts, cli
+from lab.front import completion
+from lab.front.cli import main
+from lab.service.queue import Lab, Slots
+from lab.base.specs import load_spec
+from lab.rundir.store import RunStore
+from test_observer import metric_line, step_lines
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"name": "c", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 4, "batch_size": 16,
+         "eval_every": 0, "threads": 1}
+
+
+def finished(root, state="done", steps=4, name="c"):
+    """A run in ``root`` that ended ``state``, with the metrics and timelines its ranks would have written."""
+    run = Lab(root).create(load_spec(data={**SMALL, "name": name, "steps": steps}))
+    for s in range(steps):
+        for r in (0, 1):
+            with open(run.file(f"timeline-rank{r}.jsonl"), "a") as f:
+                f.write("".join(step_lines(r, s, 1e6)))
+            with open(run.file("metrics.jsonl"), "a") as f:
+                f.write(metric_line(r, s))
+    run.set_status("running", started=time.time() - 2)
+    run.set_status(state, ended=time.time())
+    return run
+
+
+@pytest.fixture
+def lab_dir(tmp_path, monkeypatch):
+    """A runs directory with one finished run and one spec file; the working directory is tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("COMMLAB_RUNS", raising=False)
+    root = tmp_path / "runs"
+    run = finished(root)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("name: c\nmodel: mlp\ndataset: digits\nsteps: 4\nbatch_size: 16\neval_every: 0\nthreads: 1\n")
+    return root, run, spec
+
+
+def call(capsys, *argv):
+    rc = main([str(a) for a in argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def one_error(err: str) -> str:
+    """The one line of an error on stderr, in the one format."""
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("commlab: error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+def commlab(*argv, **kw):
+    return subprocess.Popen([sys.executable, "-m", "lab.front.cli", *map(str, argv)], cwd=kw.pop("cwd", ROOT),
+                            env={**os.environ, "PYTHONPATH": str(ROOT), **kw.pop("env", {})}, **kw)
+
+
+# --------------------------------------------------------------------------- version, bare call, help
+
+def test_version_comes_from_the_package_and_falls_back_to_pyproject(capsys, monkeypatch):
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        declared = tomllib.load(f)["project"]["version"]
+    for flag in ("--version", "-V"):
+        rc, out, err = call(capsys, flag)
+        assert (rc, out, err) == (0, f"commlab {cli.version()}\n", "")
+    import importlib.metadata as md
+
+    def missing(name):
+        raise md.PackageNotFoundError(name)
+    monkeypatch.setattr(md, "version", missing)
+    assert cli.version() == declared
+    assert call(capsys, "-V")[1] == f"commlab {declared}\n"
+
+
+@pytest.mark.parametrize("argv,prog", [([], "commlab"), (["net"], "commlab net"), (["workshop"], "commlab workshop")])
+def test_a_bare_call_prints_the_usage_and_a_hint(capsys, argv, prog):
+    rc, out, err = call(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"usage: {prog} ") and err.rstrip().endswith(f"run '{prog} --help' for the commands")
+
+
+def pages():
+    return [n for n in completion.walk(cli.build_parser())]
+
+
+@pytest.mark.parametrize("node", pages(), ids=lambda n: n.name or "commlab")
+def test_every_help_page_has_a_description_examples_and_defaults(capsys, node):
+    rc, out, err = call(capsys, *node.path, "--help")
+    assert rc == 0 and err == ""
+    prog = " ".join(("commlab",) + node.path)
+    assert out.startswith(f"usage: {prog}")
+    head, _, examples = out.partition("\nexamples:\n")
+    assert node.parser.description and " ".join(node.parser.description.split()[:4]) in " ".join(head.split())
+    lines = [ln.strip() for ln in examples.splitlines() if ln.startswith("  ")]
+    assert lines and all("commlab" in ln for ln in lines) and any(prog in ln for ln in lines), examples
+    flat = " ".join(head.split())
+    for a in node.options():
+        if a.default is not None and a.default is not False and a.default not in ([], "==SUPPRESS=="):
+            assert f"(default: {a.default})" in flat or "default" in a.help, (a.option_strings, a.help)
+
+
+def test_the_top_help_lists_every_command_and_the_exit_codes(capsys):
+    out = call(capsys, "--help")[1]
+    for name in completion.walk(cli.build_parser()).__next__().commands:
+        assert f"\n    {name} " in out
+    assert "130 interrupted" in out and "2 bad" in out
+
+
+# --------------------------------------------------------------------------- one error format, exit 2
+
+def bad_yaml(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("name: c\nmodel: mlp\n  steps: 4\n")
+    return f
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["nosuch"], "'nosuch' is not a commlab command (see 'commlab --help')"),
+    (["rnu"], "did you mean 'run'?"),
+    (["net", "chek"], "'chek' is not a commlab net command; did you mean 'check'?"),
+    (["run"], "the following arguments are required: SPEC (see 'commlab run --help')"),
+    (["run", "--steps", "10", "{spec}"], "unrecognized arguments: --steps {spec}; did you mean --set steps=10?"),
+    (["run", "{spec}", "--batch-size=8"], "did you mean --set batch_size=8?"),
+    (["run", "{spec}", "--qiet"], "did you mean --quiet?"),
+    (["run", "{bad}"], "bad.yaml:3:8: not valid YAML: mapping values are not allowed here"),
+    (["run", "{tmp}/missing.yaml"], "SPEC: no such file: "),
+    (["runs", "--state", "bogus"], "--state: 'bogus' is not a state; allowed: queued, running, done, failed, "
+                                   "cancelled, diverged"),
+    (["runs", "--comm", "smoke"], "--comm: 'smoke' is not a comm mode; allowed: sync, wfbp, dear"),
+    (["runs", "--link", "wifi"], "--link: 'wifi' is not a link; allowed: loopback, shaped, modeled"),
+    (["runs", "--schedule", "x"], "--schedule: 'x' is not a schedule; allowed: layerwise"),
+    (["runs", "--compressor", "zip"], "--compressor: 'zip' is not a compressor; allowed: none, fp16"),
+    (["runs", "--runs", "{spec}"], "--runs: {spec} is not a directory"),
+    (["show", "nope"], "no run 'nope' in "),
+    (["show", "{id}", "--jsn"], "did you mean --json?"),
+    (["trace", "{id}", "-o", "/nonexistent/dir/t.json"], "--output: /nonexistent/dir/t.json: no such directory: "
+                                                         "/nonexistent/dir"),
+    (["trace", "{id}", "-o", "{tmp}"], "--output: {tmp} is a directory; give a file name"),
+    (["report", "{id}", "-o", "/nonexistent/dir/r.html"], "--output: /nonexistent/dir/r.html: no such directory"),
+    (["report"], "give run ids or --group GID"),
+    (["sweep", "{bad}"], "bad.yaml:3:8: not valid YAML"),
+    (["sweep", "{tmp}/grid.yaml"], "GRID: no such file"),
+    (["profile", "{spec}", "-o", "/nonexistent/dir/p.json"], "--output: /nonexistent/dir/p.json: no such directory"),
+    (["profile", "{spec}", "--steps", "2"], "--steps: must be in 5..10000, got 2"),
+    (["predict", "{spec}", "--link", "nosuch.json"], "--link: no such file: nosuch.json"),
+    (["predict", "{spec}", "--profile", "nosuch.json"], "--profile: no such file: nosuch.json"),
+    (["predict", "{spec}", "--calibrate", "nope"], "no run 'nope'"),
+    (["predict", "{spec}", "--workers", "0"], "--workers: must be a comma-separated list"),
+    (["predict", "{spec}", "--compute-speedup", "x"], "--compute-speedup: invalid float value: 'x'"),
+    (["advise", "{spec}", "--gbps", "1", "--out", "/nonexistent/best.yaml"], "--out: /nonexistent/best.yaml: no such"),
+    (["advise", "{spec}", "--gbps", "1", "--json-out", "/nonexistent/a.json"], "--json-out: /nonexistent/a.json: no"),
+    (["advise", "{spec}", "--json", "a.json"], "unrecognized arguments: a.json; did you mean --json-out a.json?"),
+    (["advise", "{spec}", "--link", "wifi"], "--link: 'wifi' is not a link; allowed: modeled, shaped"),
+    (["net", "check"], "the following arguments are required: --gbps"),
+    (["net", "check", "--gbps", "1000"], "--gbps: must be in [0.001, 400], got 1000"),
+    (["net", "check", "--gbps", "1", "--ranks", "1"], "--ranks: must be in 2..64, got 1"),
+    (["app", "--port", "http"], "--port: invalid int value: 'http'"),
+    (["notebooks", "--port", "70000", "--no-browser"], "--port"),
+    (["workshop", "rotate"], "the following arguments are required: WHO"),
+    (["workshop", "revoke", "mallory"], "name: no students in "),
+    (["bench", "nosuch"], "NAME: 'nosuch' is not a benchmark; allowed: advisor"),
+    (["bench", "wsclient"], "NAME: 'wsclient' is not a benchmark"),
+    (["completion", "fish"], "SHELL: 'fish' is not a shell; allowed: bash, zsh"),
+    (["cancel", "{id}"], "RUN: {id} is already done; nothing to cancel"),
+])
+def test_bad_input_is_one_line_with_exit_2(lab_dir, tmp_path, capsys, argv, needle):
+    root, run, spec = lab_dir
+    subst = {"{spec}": str(spec), "{bad}": str(bad_yaml(tmp_path)), "{tmp}": str(tmp_path), "{id}": run.id}
+
+    def fill(s):
+        for k, v in subst.items():
+            s = s.replace(k, v)
+        return s
+    def runs():
+        return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    before = runs()
+    rc, out, err = call(capsys, *map(fill, argv))  # the runs directory is ./runs
+    assert rc == 2 and out == "", (rc, out, err)
+    assert fill(needle) in one_error(err)
+    assert runs() == before  # nothing started
+    assert not Path("/nonexistent").exists()
+
+
+def test_an_unwritable_output_folder_is_refused_before_work(lab_dir, tmp_path, capsys):
+    root, run, _ = lab_dir
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)  # root writes there anyway; /proc/1 it may not
+    try:
+        folder = next((d for d in (ro, Path("/proc/1")) if d.is_dir() and not os.access(d, os.W_OK)), None)
+        if folder is None:
+            pytest.skip("no folder this user cannot write to")
+        rc, out, err = call(capsys, "trace", run.id, "-o", folder / "t.json", "--runs", root)
+        assert rc == 2 and one_error(err) == f"commlab: error: --output: {folder / 't.json'}: permission denied"
+        assert not (folder / "t.json").exists()
+    finally:
+        ro.chmod(0o755)
+
+
+def test_a_write_that_fails_midway_is_one_line_with_exit_1(lab_dir, capsys, monkeypatch):
+    root, run, _ = lab_dir
+    import errno
+
+    def full(run, path):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+    monkeypatch.setattr(cli, "write_trace", full)
+    rc, out, err = call(capsys, "trace", run.id, "-o", "t.json", "--runs", root)
+    assert rc == 1 and one_error(err) == "commlab: error: t.json: No space left on device"
+
+
+def test_predict_checks_its_link_file_before_measuring_anything(lab_dir, capsys, monkeypatch):
+    """It once ran a 12-step profiling run, then said the --link file was missing."""
+    root, _, spec = lab_dir
+    from lab.strategy.perfmodel import whatif
+    monkeypatch.setattr(whatif, "measure_profile", lambda *a, **k: pytest.fail("measured before checking --link"))
+    rc, out, err = call(capsys, "predict", spec, "--link", "nosuch.json", "--runs", root)
+    assert rc == 2 and "--link" in one_error(err)
+
+
+def test_profile_never_creates_the_output_folder(lab_dir, tmp_path, capsys, monkeypatch):
+    root, _, spec = lab_dir
+    from lab.strategy.perfmodel import whatif
+    monkeypatch.setattr(whatif, "profile_spec", lambda *a, **k: pytest.fail("profiled before checking -o"))
+    rc, _, err = call(capsys, "profile", spec, "-o", tmp_path / "no" / "such" / "p.json", "--runs", root)
+    assert rc == 2 and "no such directory" in one_error(err) and not (tmp_path / "no").exists()
+
+
+def test_a_missing_runs_directory_is_read_as_empty_and_not_made(tmp_path, capsys):
+    rc, out, err = call(capsys, "runs", "--runs", tmp_path / "none")
+    assert rc == 0 and out == f"no runs in {tmp_path / 'none'} (no such directory)\n" and err == ""
+    assert call(capsys, "runs", "--json", "--runs", tmp_path / "none")[:2] == (0, "[]\n")
+    assert call(capsys, "workshop", "users", "--json", "--runs", tmp_path / "none")[:2] == (0, "[]\n")
+    assert not (tmp_path / "none").exists()
+    rc, _, err = call(capsys, "runs", "--runs", "/proc/nope")
+    assert rc == 0 and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- --json everywhere
+
+def json_out(capsys, *argv, rc=0):
+    got, out, err = call(capsys, *argv)
+    assert got == rc, err
+    return json.loads(out), err  # the whole of stdout is one JSON document
+
+
+def test_runs_show_trace_report_json(lab_dir, tmp_path, capsys):
+    root, run, _ = lab_dir
+    other = finished(root, state="failed", name="f")
+    rows, _ = json_out(capsys, "runs", "--json", "--runs", root)
+    assert [r["id"] for r in rows] == [run.id, other.id] and rows[0]["spec"]["model"]["name"] == "mlp"
+    rows, _ = json_out(capsys, "runs", "--state", "failed", "--json", "--runs", root)
+    assert [r["id"] for r in rows] == [other.id]
+    rc, out, _ = call(capsys, "runs", "--state", "diverged", "--runs", root)
+    assert rc == 0 and "matching the filters" in out
+    doc, _ = json_out(capsys, "show", run.id, "--json", "--runs", root)
+    assert doc["id"] == run.id and doc["state"] == "done" and doc["summary"]["steps_done"] == 4
+    doc, _ = json_out(capsys, "trace", run.id, "-o", tmp_path / "t.json", "--json", "--runs", root)
+    assert doc["events"] == len(json.loads((tmp_path / "t.json").read_text())["traceEvents"]) > 0
+    doc, _ = json_out(capsys, "report", run.id, other.id, "-o", tmp_path / "r.html", "--json", "--runs", root)
+    assert doc["runs"] == [run.id, other.id] and doc["bytes"] == (tmp_path / "r.html").stat().st_size
+
+
+def test_cancel_a_queued_run_and_refuse_a_finished_one(lab_dir, capsys):
+    root, done, _ = lab_dir
+    queued = Lab(root).create(load_spec(data=SMALL))  # nobody supervises it
+    doc, _ = json_out(capsys, "cancel", queued.id, "--json", "--runs", root)
+    assert doc == {"id": queued.id, "before": "queued", "state": "cancelled"}
+    rc, out, err = call(capsys, "cancel", queued.id, "--runs", root)
+    assert rc == 2 and "already cancelled; nothing to cancel" in one_error(err)
+
+
+def test_run_check_and_run_json(lab_dir, capsys, monkeypatch):
+    root, _, spec = lab_dir
+    doc, _ = json_out(capsys, "run", spec, "--check", "--set", "steps=7")
+    assert doc["steps"] == 7 and doc["compressor"]["name"] == "none"
+
+    def supervise(self, run, progress=False, out=None):  # the run's ranks, as files: no torchrun here
+        for s in range(4):
+            with open(run.file("metrics.jsonl"), "a") as f:
+                f.write(metric_line(0, s))
+        run.set_status("running")
+        return run.set_status("done")["state"]
+    monkeypatch.setattr(Lab, "supervise", supervise)
+    doc, err = json_out(capsys, "run", spec, "--json", "--quiet", "--runs", root)
+    assert doc["state"] == "done" and doc["summary"]["steps_done"] == 4 and f"run {doc['id']}" in err
+    monkeypatch.setattr(Lab, "supervise", lambda self, run, progress=False, out=None: run.set_status("failed")["state"])
+    rc, out, err = call(capsys, "run", spec, "--quiet", "--runs", root)
+    assert rc == 1 and "status         failed" in out
+
+
+def test_sweep_table_json(lab_dir, tmp_path, capsys):
+    root, _, _ = lab_dir
+    from lab.front.sweep import Sweep
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(f"base: {SMALL}\ngrid:\n  comm.mode: [sync, wfbp]\nbaseline: false\n".replace("'", ""))
+    rc, out, err = call(capsys, "sweep", grid, "--table", "--runs", root)
+    assert rc == 1 and "no runs yet" in out
+    sw = Sweep(Lab(root), str(grid))
+    sw._save({c["key"]: finished(root, name=c["key"]).id for c in sw.cells})
+    rows, _ = json_out(capsys, "sweep", grid, "--table", "--json", "--runs", root)
+    assert sorted(r["cell"] for r in rows) == sorted(c["key"] for c in sw.cells) and {r["state"] for r in rows} == {"done"}
+
+
+def test_predict_json(lab_dir, tmp_path, capsys):
+    root, _, _ = lab_dir
+    from test_perfmodel import tiny_profile
+    tiny_profile().save(tmp_path / "p.json")
+    spec = tmp_path / "s.yaml"
+    spec.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\n")
+    doc, err = json_out(capsys, "predict", spec, "--profile", tmp_path / "p.json", "--gbps", "0.1,100", "--workers",
+                        "2,8", "--json", "--runs", root)
+    assert [(r["workers"], r["gbps"]) for r in doc["rows"]] == [(2, 0.1), (2, 100), (8, 0.1), (8, 100)]
+    assert set(doc["crossover"]) == {"2", "8"} and doc["sources"] and "profile:" in err
+
+
+def test_profile_json(lab_dir, tmp_path, capsys, monkeypatch):
+    root, _, spec = lab_dir
+    from lab.strategy.perfmodel import whatif
+    from test_perfmodel import tiny_profile
+    monkeypatch.setattr(whatif, "profile_spec", lambda spec, runs, steps, runner=None: tiny_profile(machine={"host": "h"}))
+    doc, err = json_out(capsys, "profile", spec, "-o", tmp_path / "p.json", "--json", "--runs", root)
+    assert doc["output"] == str(tmp_path / "p.json") and doc["profile"]["model"] == "mlp" and "profile:" in err
+    assert json.loads((tmp_path / "p.json").read_text())["forward_s"] == doc["profile"]["forward_s"]
+
+
+def test_advise_json_and_its_files(lab_dir, tmp_path, capsys, monkeypatch):
+    root, _, spec = lab_dir
+    from lab.strategy import advisor
+    seen = {}
+
+    def advise(spec_, runs, gbps, link, workers, measure, trials, trial_steps, penalties, runner=None, say=print):
+        seen.update(gbps=gbps, link=link)
+        say("profile: a note that belongs on stderr")
+        none = advisor.Candidate("none bucket 25MB wfbp", {"name": "none", "params": {}, "error_feedback": False},
+                                 {"name": "bucket", "cap_mb": 25.0}, {"mode": "wfbp"}, predicted_ms=10.0, penalty=1.0)
+        return advisor.Advice(spec_, {"link": "modeled", "gbps": 1.0, "latency_us": None}, 2, [none], none,
+                              "predicted", "nominal", "test", {"total": 0, "profile": 0, "predict": 0, "trials": 0},
+                              "the only one")
+    monkeypatch.setattr(advisor, "advise", advise)
+    doc, err = json_out(capsys, "advise", spec, "--gbps", "1", "--link", "modeled", "--json", "--out",
+                        tmp_path / "best.yaml", "--json-out", tmp_path / "a.json", "--runs", root)
+    assert doc["winner"] == "none bucket 25MB wfbp" and seen == {"gbps": 1.0, "link": "modeled"}
+    assert json.loads((tmp_path / "a.json").read_text()) == doc
+    assert load_spec(str(tmp_path / "best.yaml")).compressor.name == "none"
+    assert "a note that belongs on stderr" in err and "winner (predicted)" in err
+
+
+def test_net_json_with_the_namespaces_stubbed(tmp_path, capsys, monkeypatch):
+    from lab.net import netcheck, netns
+    monkeypatch.setattr(netns, "check_shaped_supported", lambda: None)
+    monkeypatch.setattr(netcheck, "net_check", lambda *a, **k: {"target_gbps": 1.0, "n_ranks": k["n_ranks"]})
+    monkeypatch.setattr(netns, "cleanup_stale", lambda: ["commlab-x"])
+    doc, _ = json_out(capsys, "net", "check", "--gbps", "1", "--ranks", "3", "--json", "--runs", tmp_path)
+    assert doc == {"target_gbps": 1.0, "n_ranks": 3}
+    assert json_out(capsys, "net", "cleanup", "--json")[0] == {"removed": ["commlab-x"]}
+
+    def unavailable():
+        raise netns.NetworkUnavailable("shaped links need root")
+    monkeypatch.setattr(netns, "check_shaped_supported", unavailable)
+    rc, out, err = call(capsys, "net", "check", "--gbps", "1", "--json")
+    assert rc == 2 and out == "" and one_error(err) == "commlab: error: shaped links need root"
+
+
+def test_workshop_json(tmp_path, capsys):
+    root = tmp_path / "runs"
+    doc, _ = json_out(capsys, "workshop", "rotate", "class", "--json", "--runs", root)
+    assert doc["who"] == "class" and accounts.is_class_token(root, doc["token"])
+    accounts.sign_in(root, doc["token"], "alice")
+    users, _ = json_out(capsys, "workshop", "users", "--json", "--runs", root)
+    assert [u["name"] for u in users] == ["alice"]
+    doc, _ = json_out(capsys, "workshop", "revoke", "alice", "--rotate-class", "--json", "--runs", root)
+    assert doc["revoked"] == "alice" and doc["tokens"] == 1 and accounts.is_class_token(root, doc["class_token"])
+
+
+def test_bench_lists_only_benchmarks(capsys):
+    rows, _ = json_out(capsys, "bench", "--json")
+    names = [r["name"] for r in rows]
+    assert "ddp_compare" in names and "presets" in names
+    assert not {"wsclient", "common", "__init__", "mergecomp_model"} & set(names)
+    assert all(r["about"] for r in rows)
+    out = call(capsys, "bench")[1]
+    assert [ln.split()[0] for ln in out.splitlines()] == names
+
+
+def test_a_benchmarks_help_names_it_as_commlab_bench(tmp_path):
+    p = commlab("bench", "net_check", "--help", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and out.startswith("usage: commlab bench net_check "), out + err
+
+
+# --------------------------------------------------------------------------- closed pipes, Ctrl-C
+
+@pytest.mark.parametrize("argv", [["run", "examples/demo.yaml", "--check"], ["show", "{id}", "--json"], ["runs"],
+                                  ["--help"], ["completion", "bash"]])
+def test_a_closed_pipe_ends_quietly(lab_dir, argv):
+    """``commlab ... | head -1``: the reader goes away; no traceback, status 141 (as SIGPIPE would give)."""
+    root, run, _ = lab_dir
+    argv = [a.replace("{id}", run.id) for a in argv]
+    p = commlab(*argv, "--runs", root, stdout=subprocess.PIPE, stderr=subprocess.PIPE) if argv[0] in ("show", "runs") \
+        else commlab(*argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.stdout.close()  # before the command writes: its first write finds no reader
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) == 141 and err == ""
+    sh = subprocess.run(["bash", "-c", "set -o pipefail; \"$@\" | head -1", "sh", sys.executable, "-m", "lab.front.cli",
+                         *argv, *(["--runs", str(root)] if argv[0] in ("show", "runs") else [])],
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                        timeout=120)
+    assert sh.returncode in (0, 141) and sh.stderr == "" and len(sh.stdout.splitlines()) == 1
+
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "cmd_runs", interrupted)
+    rc, out, err = call(capsys, "runs")
+    assert rc == 130 and err == "commlab: error: interrupted\n"
+
+
+def test_ctrl_c_a_queued_run_cancels_it(tmp_path):
+    """A real `commlab run` waiting for a slot (held here), stopped with SIGINT: the run is cancelled, its
+    summary printed, and the command says so in one line with status 130."""
+    root = tmp_path / "runs"
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps(SMALL))
+    root.mkdir()
+    slot = Slots(root, 1).try_acquire()
+    try:
+        p = commlab("run", spec, "--quiet", "--runs", root, env={"COMMLAB_MAX_JOBS": "1"},
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = p.stdout.readline()
+        assert first.startswith("run "), first + p.stderr.read()
+        run_id = first.split()[1]
+        time.sleep(1.0)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        Slots.release(slot)
+    assert p.returncode == 130 and err == "commlab: error: interrupted\n", err
+    assert "status         cancelled" in out
+    assert RunStore(root).get(run_id).state == "cancelled"
+
+
+# --------------------------------------------------------------------------- shell completion
+
+def bash_complete(script: Path, *words: str, cwd=ROOT, env=None) -> list:
+    prog = f'source {script}; COMP_WORDS=("$@"); COMP_CWORD=$((${{#COMP_WORDS[@]}} - 1)); _commlab; ' \
+           'printf "%s\\n" "${COMPREPLY[@]}"'
+    r = subprocess.run(["bash", "-c", prog, "bash", "commlab", *words], capture_output=True, text=True, cwd=cwd,
+                       env={**os.environ, **(env or {})}, timeout=30)
+    assert r.returncode == 0, r.stderr
+    return sorted(x for x in r.stdout.splitlines() if x)
+
+
+def test_bash_completion(tmp_path, capsys):
+    assert main(["completion", "bash"]) == 0
+    script = tmp_path / "commlab.bash"
+    script.write_text(capsys.readouterr().out)
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    commands = sorted(next(completion.walk(cli.build_parser())).commands)
+    assert bash_complete(script, "") == commands
+    assert bash_complete(script, "ru") == ["run", "runs"]
+    assert bash_complete(script, "run", "--q") == ["--quiet"]
+    assert bash_complete(script, "runs", "--state", "d") == ["diverged", "done"]
+    assert bash_complete(script, "net", "") == ["check", "cleanup"]
+    assert bash_complete(script, "net", "check", "--gbps", "1", "--r") == ["--ranks", "--runs"]
+    assert bash_complete(script, "bench", "ddp") == ["ddp_compare"]
+    assert bash_complete(script, "completion", "") == ["bash", "zsh"]
+    assert bash_complete(script, "advise", "x.yaml", "--link", "") == ["modeled", "shaped"]
+    assert bash_complete(script, "run", "exam") == ["examples"]
+    (tmp_path / "r" / "run-a").mkdir(parents=True)
+    assert bash_complete(script, "show", "--runs", str(tmp_path / "r"), "") == ["run-a"]
+    assert bash_complete(script, "show", "", env={"COMMLAB_RUNS": str(tmp_path / "r")}) == ["run-a"]
+
+
+ZCAP = r"""
+zmodload zsh/zpty
+zpty z zsh -f -i
+zpty -w z "PS1='' PROMPT='' RPROMPT=''"
+zpty -w z "fpath=($FUNCS \$fpath); autoload -U compinit; compinit -u -d $DUMP"
+zpty -w z 'compadd () {
+  if [[ ${@[1,(i)(-|--)]} == *-(O|A|D)\ * ]]; then builtin compadd "$@"; return $?; fi
+  typeset -a __hits; builtin compadd -A __hits "$@"; local ret=$?
+  (( $#__hits )) && print -rl -- $__hits >> $HITS
+  return ret
+}'
+zpty -w z "zstyle ':completion:*' menu no; bindkey '^I' complete-word; bindkey '^X' send-break"
+zpty -n -w z "$LINE"$'\t'
+zpty -w z $'\C-x'
+zpty -w z 'print D""ONE'
+zpty -r z out '*DONE*'
+zpty -d z
+"""
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="zsh is not installed")
+def test_zsh_completion(tmp_path, capsys):
+    assert main(["completion", "zsh"]) == 0
+    funcs = tmp_path / "zfunc"
+    funcs.mkdir()
+    (funcs / "_commlab").write_text(capsys.readouterr().out)
+    assert subprocess.run(["zsh", "-n", str(funcs / "_commlab")]).returncode == 0
+    (tmp_path / "r" / "run-a").mkdir(parents=True)
+
+    def complete(line):
+        hits = tmp_path / "hits"
+        hits.unlink(missing_ok=True)
+        subprocess.run(["zsh", "-f", "-c", ZCAP], cwd=ROOT, timeout=60, check=True,
+                       env={**os.environ, "FUNCS": str(funcs), "DUMP": str(tmp_path / "dump"), "HITS": str(hits),
+                            "LINE": line, "COMMLAB_RUNS": str(tmp_path / "r")})
+        return sorted(set(hits.read_text().split())) if hits.exists() else []
+    assert complete("commlab ru") == ["run", "runs"]
+    assert complete("commlab runs --state d") == ["diverged", "done"]
+    assert complete("commlab net check --r") == ["--ranks", "--runs"]
+    assert complete("commlab workshop ") == ["revoke", "rotate", "users"]
+    assert complete("commlab show ") == ["run-a"]
