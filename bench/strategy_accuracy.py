@@ -13,7 +13,7 @@ digits, batch 32 per rank, SGD lr 0.05 momentum 0.9, seed 0, 300 steps. The stra
   the cnn's tensors under 64 KB (its biases, first and last weights) uncompressed, the two big weights
   PowerSGD rank 4, top-k 1% + EF, or (dear) int8; and those compressors on every bucket, to compare.
 
-lab/advisor.py reads the file (``STRATEGY_RESULTS``): a strategy within a point of none's accuracy counts
+scripts/publish_evidence.py copies the file into lab/strategy/evidence.json, which the advisor reads: a strategy within a point of none's accuracy counts
 penalty 1, below that it is left out; the table says so per cell.
 """
 from __future__ import annotations

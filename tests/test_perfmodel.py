@@ -192,7 +192,8 @@ def test_properties_are_measured_not_declared(tmp_path):
                                          {"compressor": "topk", "ef": True, "acc": 0.985},
                                          {"compressor": "signsgd", "ef": False, "acc": 0.80}]}))
     rows = {r["compressor"]: r for r in pp.checklist(["fp16", "topk", "powersgd", "signsgd", "countsketch"],
-                                                     numels=(1024, 16384), accuracy_files=[acc])}
+                                                     numels=(1024, 16384),
+                                                     accuracy_results=[json.loads(acc.read_text())])}
     assert rows["fp16"]["allreduce_compatible"] and rows["fp16"]["linear"] and rows["fp16"]["ratio"] == 2.0
     assert not rows["topk"]["allreduce_compatible"] and rows["topk"]["linear"] is None
     assert rows["topk"]["ratio"] == pytest.approx(50, rel=0.05)  # 1%: a value and an index each

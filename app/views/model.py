@@ -81,7 +81,7 @@ def from_runs():
         st.caption("All-reduce compatible: a two-rank exchange simulated in process uses only all-reduce rounds. "
                    "Linear: decoding the sum of two payloads gives the sum of the decodings. Ratio: input over "
                    "payload bytes of a 1024x1024 tensor. Fusion saves: the share of 50 per-layer calls' cost "
-                   "that one fused call avoids. Accuracy: bench/results/compressor_accuracy.json.")
+                   "that one fused call avoids. Accuracy: the accuracy benchmark shipped with the lab (lab.strategy.evidence).")
     else:
         st.caption("Not measured yet in this runs directory.")
 
@@ -97,7 +97,7 @@ def from_profile():
     saved = profiles.lab_profiles(runs)
     name = c1.selectbox("A profile of this lab", ["none", *saved], key="pm.prof.saved")
     path = c2.text_input("Profile file (path" + ("" if me == owners.local_user() else " in the runs directory")
-                         + ")", key="pm.prof.path", placeholder="bench/results/profile-resnet18.json") \
+                         + ")", key="pm.prof.path", placeholder=".profiles/resnet-digits-32.json") \
         if me.admin else ""
     up = c3.file_uploader(f"or upload one (at most {profiles.MAX_UPLOAD >> 20} MiB)", type=["json"],
                           key="pm.prof.upload")

@@ -24,9 +24,9 @@ Steps, in order:
    iteration time x penalty.
 
 The penalty's source is always said: ``measured`` (steps to accuracy in two finished runs of this model in
-the index), ``benchmark`` (bench/results/strategy_accuracy.json for the same compressor section in the same
-comm mode, then bench/results/compressor_accuracy*.json: cnn on digits, final accuracy at a fixed step
-budget; a compressor within ``KEEP_POINTS`` of none counts 1.0, one below it is left out), ``parts`` (a
+the index), ``benchmark`` (the strategy accuracy benchmark for the same compressor section in the same
+comm mode, then the compressor accuracy benchmark, both shipped as lab/strategy/evidence.json: cnn on digits,
+final accuracy at a fixed step budget; a compressor within ``KEEP_POINTS`` of none counts 1.0, one below it is left out), ``parts`` (a
 mixed section nothing measured as a whole: the worst of its compressors' penalties), or ``declared`` (the
 user's ``--penalty`` / ``strategy.penalties``, or this module's reasoned default).
 """
@@ -45,24 +45,17 @@ from engine.runlog import write_json_atomic
 from engine.schedules import ParamInfo
 from engine.spec import JobSpec, SpecError
 from lab.base.errors import LabError
-from lab.base.paths import SOURCE
 from lab.base.specs import load_spec
 from lab.rundir.index import runs_of
 from lab.rundir.store import Run
 from lab.rundir.summary import iteration_times, warmup_steps
+from lab.strategy import evidence
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
 from lab.strategy.perfmodel import whatif
 from lab.strategy.perfmodel.calibrate import CalibrationError, compressor_key, spec_key
 from lab.strategy.perfmodel.costs import Link
 
-ROOT = SOURCE
-ACCURACY_RESULTS = (ROOT / "bench" / "results" / "compressor_accuracy.json",
-                    ROOT / "bench" / "results" / "compressor_accuracy_rerun.json")
-"""The accuracy benchmark's results; a later file's cells replace an earlier one's (a rerun)."""
-STRATEGY_RESULTS = ROOT / "bench" / "results" / "strategy_accuracy.json"
-"""bench/strategy_accuracy.py: accuracy of strategies (mixed buckets, dear with compressed reduce-scatters)
-against none with wfbp, keyed by compressor key and comm mode."""
 KEEP_POINTS = 0.01
 """A compressor whose benchmark accuracy is within this of none's (absolute) keeps accuracy."""
 TARGET_FRACTION = 0.97
@@ -281,15 +274,14 @@ def penalty_from_runs(spec: dict, comp: dict, runs) -> Optional[Tuple[Optional[f
     return max(sm, 1) / max(sb, 1), f"measured: steps to {target:.1%}, {sm} (run {rm.id}) vs none {sb} (run {rb.id})"
 
 
-def benchmark_cells(paths=ACCURACY_RESULTS) -> Dict[Tuple[str, bool], dict]:
+def benchmark_cells(results: Optional[List[dict]] = None) -> Dict[Tuple[str, bool], dict]:
+    """(compressor, error feedback) -> cell of the compressor accuracy benchmark (lab.strategy.evidence; a later
+    result's cells replace an earlier one's)."""
     cells = {}
-    for p in paths:
-        if not p.is_file():
-            continue
-        data = json.loads(p.read_text())
+    for data in evidence.compressor_results() if results is None else results:
         for c in data.get("cells", []):
             if c.get("acc") is not None:
-                cells[(c["compressor"], bool(c["ef"]))] = dict(c, steps=data.get("steps"), file=p.name)
+                cells[(c["compressor"], bool(c["ef"]))] = dict(c, steps=data.get("steps"), file=data["file"])
     return cells
 
 
@@ -302,7 +294,7 @@ def penalty_from_benchmark(comp: dict, cells) -> Optional[Tuple[Optional[float],
     mine, base = cells.get((comp["name"], bool(comp.get("error_feedback")))), cells.get(("none", False))
     if mine is None or base is None:
         return None
-    return _verdict(mine["acc"], base["acc"], f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps")
+    return _verdict(mine["acc"], base["acc"], f"{mine['file']}, cnn on digits, {mine['steps']} steps")
 
 
 def _verdict(acc: float, base: float, where: str) -> Tuple[Optional[float], str]:
@@ -313,17 +305,17 @@ def _verdict(acc: float, base: float, where: str) -> Tuple[Optional[float], str]
     return None, f"benchmark: {acc:.1%} vs none {base:.1%} ({where}): loses accuracy, left out"
 
 
-def strategy_cells(path=STRATEGY_RESULTS) -> Dict[Tuple[str, str], dict]:
-    """(compressor key, comm mode) -> cell of bench/strategy_accuracy.py, each with none's accuracy (wfbp)
-    from the same file."""
-    if not path.is_file():
+def strategy_cells(data: Optional[dict] = None) -> Dict[Tuple[str, str], dict]:
+    """(compressor key, comm mode) -> cell of the strategy accuracy benchmark (lab.strategy.evidence), each with
+    none's accuracy (wfbp) from the same result."""
+    data = evidence.strategy_results() if data is None else data
+    if not data:
         return {}
-    data = json.loads(path.read_text())
     base = next((c for c in data.get("cells", []) if c.get("reference")), None)
     out = {}
     for c in data.get("cells", []):
         if c.get("acc") is not None and base is not None and base.get("acc") is not None:
-            out[(c["key"], c["comm"])] = dict(c, base_acc=base["acc"], steps=data.get("steps"), file=path.name)
+            out[(c["key"], c["comm"])] = dict(c, base_acc=base["acc"], steps=data.get("steps"), file=data["file"])
     return out
 
 
@@ -333,7 +325,7 @@ def penalty_from_strategy_bench(comp: dict, mode: str, cells) -> Optional[Tuple[
     if mine is None:
         return None
     return _verdict(mine["acc"], mine["base_acc"],
-                    f"bench/results/{mine['file']}, cnn on digits, {mine['steps']} steps, {mode}")
+                    f"{mine['file']}, cnn on digits, {mine['steps']} steps, {mode}")
 
 
 def declared_default(comp: dict, cells) -> Tuple[float, str]:

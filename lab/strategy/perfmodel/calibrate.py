@@ -422,17 +422,6 @@ def _measure_compressor(c, numels, repeat, warm):
     return out
 
 
-def curve_from_speed_json(results: dict, name: str) -> dict:
-    """A compress+decompress curve from bench/results/compressor_speed.json (default
-    parameters only; that benchmark does not split encode from decode, so it is all
-    counted as encode)."""
-    per = results["results"][name]
-    xs = [int(n) * 4 for n in per]
-    ys = [per[n]["seconds"] for n in per]
-    return {"sizes": xs, "encode": list(fit_affine(xs, ys)), "between": [0.0, 0.0], "decode": [0.0, 0.0],
-            "source": "bench/compressor_speed.py"}
-
-
 def cost(curve, nbytes: float) -> float:
     a, b = curve
     return a + b * nbytes

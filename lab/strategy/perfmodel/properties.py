@@ -13,20 +13,16 @@ checked by measuring each compressor of the library, not typed in:
   once);
 - fusion friendly: how much of the cost of compressing 50 layers one by one
   is saved by compressing them as one bucket (the fixed cost share);
-- accuracy neutral: from measured accuracy (bench/results/compressor_accuracy*.json):
+- accuracy neutral: from measured accuracy (the accuracy benchmark's cells, lab.strategy.evidence):
   the better of plain and +EF within 1 point of ``none``; "not measured" otherwise.
 """
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Dict, List, Optional
 
-from lab.base.paths import SOURCE
+from lab.strategy import evidence
 from lab.strategy.perfmodel import calibrate as cal
 
-RESULTS = SOURCE / "bench" / "results"
-ACCURACY_FILES = (RESULTS / "compressor_accuracy.json", RESULTS / "compressor_accuracy_rerun.json")
 """The accuracy benchmark's results; a later file's cells replace an earlier one's (reruns)."""
 
 
@@ -92,23 +88,21 @@ def ratio(name: str, n: int = 1 << 20, **params) -> float:
     return n * 4 / max(sent, 1)
 
 
-def accuracy(paths=ACCURACY_FILES) -> Dict[str, dict]:
-    """compressor -> {acc, acc_ef} from the accuracy benchmark's results, where it was run."""
+def accuracy(results: Optional[List[dict]] = None) -> Dict[str, dict]:
+    """compressor -> {acc, acc_ef} from the accuracy benchmark's results (lab.strategy.evidence by default)."""
     out: Dict[str, dict] = {}
-    for p in map(Path, paths):
-        if not p.is_file():
-            continue
-        for c in json.loads(p.read_text()).get("cells", []):
+    for data in evidence.compressor_results() if results is None else results:
+        for c in data.get("cells", []):
             if c.get("acc") is not None:
                 out.setdefault(c["compressor"], {})["acc_ef" if c.get("ef") else "acc"] = c["acc"]
     return out
 
 
 def checklist(names: Optional[List[str]] = None, profile: Optional[cal.Profile] = None,
-              numels=cal.CURVE_NUMELS, accuracy_files=ACCURACY_FILES) -> List[dict]:
+              numels=cal.CURVE_NUMELS, accuracy_results: Optional[List[dict]] = None) -> List[dict]:
     """One row per compressor (default: every registered one) with each property measured."""
     from engine import compressors
-    acc = accuracy(accuracy_files)
+    acc = accuracy(accuracy_results)
     uncompressed = [n for n in compressors.names() if compressors.REGISTRY[n].identity]  # declared, not named
     base = next((acc[n]["acc"] for n in uncompressed if acc.get(n, {}).get("acc") is not None), None)
     model_bytes = sum(b for _, b in profile.params) if profile else None
