@@ -191,6 +191,9 @@ def bench_dir():
 
 def cmd_bench(args) -> int:
     import subprocess
+    if not bench_dir().is_dir():  # an installed wheel ships the product, not the benchmarks
+        raise UsageError(f"commlab bench: the benchmarks live in a source checkout (no {bench_dir()}); "
+                         f"clone the repository and run it from there")
     scripts = sorted(p.stem for p in bench_dir().glob("*.py") if p.stem not in ("__init__", "common"))
     if not args.name:
         print("benchmarks: " + ", ".join(scripts))

@@ -53,7 +53,8 @@ from lab.service.spawn import Spawner, lower_priority, spawn_detached
 REPO = SOURCE
 APP_ENTRY = REPO / "app" / "server.py"
 """Streamlit's app behind the gatekeeper (app/server.py)."""
-DEMO_SPEC = REPO / "examples" / "demo.yaml"
+DEMO_SPEC = Path(__file__).resolve().with_name("demo.yaml")
+"""The demo run's spec, shipped in the package (examples/demo.yaml links to it), so a wheel has it too."""
 REFRESH_S = 2.0
 """How often a live panel re-reads a run that is not final (state, progress, medians)."""
 CHARTS_REFRESH_S = 4.0
@@ -710,7 +711,7 @@ UPLOAD_MB = 2
 
 
 def ensure_demo_run(runs) -> Optional[str]:
-    """Queue examples/demo.yaml when ``runs`` holds no run yet, so the UI has something to show."""
+    """Queue the demo spec (DEMO_SPEC) when ``runs`` holds no run yet, so the UI has something to show."""
     if RunStore(runs).list():
         return None
     return lab.run(str(DEMO_SPEC), wait=False, runs=runs).id
