@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:  # the hooks document this checkout, whatever is i
     sys.path.insert(0, str(ROOT))
 
 MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
-HELP_COLUMNS = "100"
+HELP_COLUMNS = "80"
 """argparse wraps --help to the terminal's width; a fixed width keeps the page the same everywhere."""
 
 
