@@ -362,7 +362,7 @@ class StrategySpec:
     trials: Optional[int] = None
     """auto only (default 3): candidates tried."""
     trial_steps: Optional[int] = None
-    """auto only (default 12): steps per trial (PowerSGD's uncompressed start is added)."""
+    """auto only (default 8): steps per trial (PowerSGD's uncompressed start is added)."""
     penalties: dict = field(default_factory=dict)
     """auto only: declared convergence penalties, compressor name (or the advisor's key) -> steps to
     accuracy relative to none, e.g. {topk: 1.3}."""
@@ -435,7 +435,7 @@ class JobSpec:
     threads: int = 0
     """torch threads per rank; 0 picks cores // world_size (at least 1)."""
     timeline: bool = True
-    """Record per-layer timeline spans (cheap; see README for the measured overhead)."""
+    """Record per-layer timeline spans (cheap: the DDP benchmark measures their overhead, docs/benchmarks)."""
     fault: FaultSpec = field(default_factory=FaultSpec)
     """Testing only: make one rank fail at one step."""
     strategy: StrategySpec = field(default_factory=StrategySpec)

@@ -38,7 +38,8 @@ def run(spec: Union[str, dict, "JobSpec"], wait: bool = True, runs=None, progres
 
 
 def runs(runs=None, **filters) -> List:
-    """Runs in the index, oldest first; filters: state, model, dataset, compressor, schedule, comm, link, sweep, name."""
+    """Runs in the index, oldest first; filters: state, model, dataset, compressor, schedule, comm, link, sweep, name,
+    owner."""
     from lab.rundir.index import runs_of
     lab = _lab(runs)
     lab.recover_stale()

@@ -156,7 +156,8 @@ def test_declared_ranges_are_enforced(name, p):
 
 
 def _readme_rows():
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    """The compressor table of the docs (docs/reference/compressors.md), name -> its parameters cell."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "reference" / "compressors.md").read_text()
     start = text.index("| name | parameters (default) |")
     rows = {}
     for line in text[start:].splitlines()[2:]:
@@ -180,9 +181,9 @@ def test_readme_table_lists_every_declared_parameter():
         declared = compressors.REGISTRY[name].params
         for p in declared:
             want = f"`{p.name}`" if p.default is None else f"`{p.name}` ({_shown(p.default)})"
-            assert want in row, f"README's {name} row lacks {want}"
+            assert want in row, f"docs/reference/compressors.md's {name} row lacks {want}"
         listed = set(re.findall(r"`(\w+)`", row))
-        assert listed == {p.name for p in declared}, f"README's {name} row lists {listed}"
+        assert listed == {p.name for p in declared}, f"docs/reference/compressors.md's {name} row lists {listed}"
 
 
 @pytest.mark.parametrize("name,params", [(n, params_of(n)) for n in names()] + [("countsketch", {"exact": True})])

@@ -92,7 +92,7 @@ def from_profile():
     st.caption("A profile from `commlab profile SPEC -o profile.json` (per-layer compute measured on the machine "
                "it ran on, the spec it predicts), on a two-level cluster: nodes of fast links joined by a slower "
                "network, hierarchical all-reduce (reduce-scatter inside the node, all-reduce across nodes, "
-               "all-gather inside). Assumptions: README, Performance model.")
+               "all-gather inside). Assumptions: docs/explanation/perfmodel.md.")
     c1, c2, c3 = st.columns(3)
     saved = profiles.lab_profiles(runs)
     name = c1.selectbox("A profile of this lab", ["none", *saved], key="pm.prof.saved")

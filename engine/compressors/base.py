@@ -21,7 +21,7 @@ A compressor declares, instead of leaving callers to probe it:
 
 - its keyword parameters, once: ``params``, a tuple of ``Param`` (name, type,
   default, range, help). ``Compressor.__init__`` checks them and stores each as
-  an attribute of the same name; the spec, the New run form and the README's
+  an attribute of the same name; the spec, the New run form and the docs'
   table read the same tuple;
 - its capabilities: ``summable``, ``keeps_shape``, ``identity``, ``lossless``, ``rounds``,
   ``builtin_feedback``, ``builtin_momentum``, ``elementwise`` (per-element state), ``counts_steps``,

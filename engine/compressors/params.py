@@ -3,7 +3,7 @@
 Every compressor class declares its keyword parameters once, as a tuple of
 ``Param`` (``Compressor.params``). That declaration is what the constructor
 checks (``take``), what the job spec validates, what the New run form builds
-its inputs from, and what the README's compressor table lists.
+its inputs from, and what the docs' compressor table lists (docs/reference/compressors.md).
 
 A failed check raises ``ValueError("<param>: <problem>")``: one line that
 starts with the parameter's name, as the spec's errors do.

@@ -4,7 +4,7 @@ The Live run page refreshes every ``lab.ui.REFRESH_S`` seconds while a run train
 machine and the same cores as the run. Re-reading metrics.jsonl and the last ~40 steps of every
 timeline file (about a megabyte per rank for a resnet run) and recomputing the breakdown of 40
 steps with pandas took about half a second of CPU per refresh, a quarter of a core that the ranks
-lost (see README, "Watching a run"). ``LiveRun`` keeps what it read:
+lost (see docs/explanation/presets.md, "Watching a run"). ``LiveRun`` keeps what it read:
 
 - each file is read from where the last refresh stopped (only appended bytes; a torn last line
   waits for its end), and a file that was replaced or truncated is read again from the start;

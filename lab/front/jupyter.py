@@ -114,7 +114,8 @@ def notebooks_main(port: int = 8888, browser: bool = True, runs: Optional[os.Pat
     if missing:
         raise LabError(f"commlab notebooks needs {' and '.join(missing)}: pip install 'commlab[notebooks]'")
     if not NOTEBOOKS.is_dir():
-        raise LabError(f"commlab notebooks: no notebooks folder at {NOTEBOOKS}")
+        raise LabError(f"commlab notebooks: the notebooks live in a source checkout (no {NOTEBOOKS}); "
+                       f"clone the repository and run it from there")
     if not port_free(port):
         raise LabError(f"--port: 127.0.0.1:{port} is in use; pick another port")
     token = secrets.token_hex(24)

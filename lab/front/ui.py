@@ -53,13 +53,14 @@ from lab.service.spawn import Spawner, lower_priority, spawn_detached
 REPO = SOURCE
 APP_ENTRY = REPO / "app" / "server.py"
 """Streamlit's app behind the gatekeeper (app/server.py)."""
-DEMO_SPEC = REPO / "examples" / "demo.yaml"
+DEMO_SPEC = Path(__file__).resolve().with_name("demo.yaml")
+"""The demo run's spec, shipped in the package (examples/demo.yaml links to it), so a wheel has it too."""
 REFRESH_S = 2.0
 """How often a live panel re-reads a run that is not final (state, progress, medians)."""
 CHARTS_REFRESH_S = 4.0
 """How often the Live run page redraws its four charts while the run goes on. Redrawing a Plotly chart
 costs the viewer's browser about 70 ms of CPU, on the cores the ranks train on; every 4 s instead of every
-2 s halves that (README, "Watching a run")."""
+2 s halves that (docs/explanation/presets.md, "Watching a run")."""
 
 
 def runs_dir() -> Path:
@@ -684,7 +685,7 @@ def app_argv(port: int = 8501, host: Optional[str] = None, certfile: Optional[st
     (``runner.postScriptGC``; about a quarter of the server's samples in a py-spy profile), and a watcher polling
     the modification time of every source file the app imported (``server.fileWatcherType``; it only
     serves reloading the app when its code is edited). Both are off: with the Live run and a Results page
-    open, the server's CPU fell from 4.6 s to 1.1 s per 20 s (README, "Watching a run").
+    open, the server's CPU fell from 4.6 s to 1.1 s per 20 s (docs/benchmarks/observer.md).
 
     ``global.developmentMode`` is pinned off: Streamlit turns it on when its own files are not under a
     ``site-packages`` folder (a ``pip install --target`` elsewhere, as on the GPU machine), and in that
@@ -710,7 +711,7 @@ UPLOAD_MB = 2
 
 
 def ensure_demo_run(runs) -> Optional[str]:
-    """Queue examples/demo.yaml when ``runs`` holds no run yet, so the UI has something to show."""
+    """Queue the demo spec (DEMO_SPEC) when ``runs`` holds no run yet, so the UI has something to show."""
     if RunStore(runs).list():
         return None
     return lab.run(str(DEMO_SPEC), wait=False, runs=runs).id

@@ -3,8 +3,8 @@
 ``commlab app`` runs its Streamlit server at a lower CPU priority (``nice`` ``APP_NICE``): reading a run's
 files, building figures and answering the browser every refresh then take a small share of the
 cores while training ranks are busy (all of what they leave idle), instead of competing with them on
-equal terms (README, "Watching a
-run"). A process inherits its parent's nice value, and an unprivileged one can never lower it again,
+equal terms (docs/explanation/presets.md,
+"Watching a run"). A process inherits its parent's nice value, and an unprivileged one can never lower it again,
 so the runs and sweeps that the UI starts must not be children of the server: ``commlab app``'s own
 process, which keeps normal priority, starts them. Where the kernel groups processes by session for
 scheduling (``/proc/sys/kernel/sched_autogroup_enabled``, on by default in Debian's and many desktop

@@ -25,9 +25,9 @@ VALIDATED = {
     "flat": "bench/perfmodel.py (cnn, 2 CPU ranks, shaped 0.1-10 Gbit/s links): median error 8.9%, max 25.9% "
             "over 17 configurations",
     "device": "bench/model_validation.py --table c (MergeComp's published 8 x V100 scaling factors, ResNet-50/101): "
-              "see the README's Validation against published results",
+              "see docs/benchmarks/model-validation.md",
 }
-"""Where the parts a prediction uses were checked, and how well (the README has the tables)."""
+"""Where the parts a prediction uses were checked, and how well (docs/benchmarks/ has the tables)."""
 
 
 def measured_on(profile: cal.Profile, device: Device) -> bool:

@@ -1,0 +1,185 @@
+"""MkDocs hooks (mkdocs.yml ``hooks:``): the parts of the docs that the code already states are generated from
+it at build time, so they cannot drift from it.
+
+- ``<!-- generated: cli -->`` (docs/reference/cli.md): every command's and sub-command's ``--help``, walked
+  from the parser of ``commlab`` (lab.front.cli.build_parser);
+- ``<!-- generated: spec -->`` (docs/reference/spec.md): every field of the job spec, its type, default and
+  docstring, from the dataclasses of engine/spec.py;
+- ``<!-- generated: compressor-capabilities -->`` (docs/reference/compressors.md): what each registered
+  compressor declares it can do (engine/compressors/base.py), read from an instance at default parameters;
+- ``js/plotly.min.js``: the installed plotly's own bundle, which the tutorial notebooks' figures draw with.
+
+A marker on a page that this file does not know fails the build, as does a marker it cannot fill.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import os
+import re
+import sys
+import typing
+from pathlib import Path
+
+from mkdocs.exceptions import PluginError
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the hooks document this checkout, whatever is installed
+    sys.path.insert(0, str(ROOT))
+
+MARKER = re.compile(r"<!-- generated: ([a-z-]+) -->")
+HELP_COLUMNS = "80"
+"""argparse wraps --help to the terminal's width; a fixed width keeps the page the same everywhere."""
+
+
+# --------------------------------------------------------------------------- the CLI
+
+def commands(parser: argparse.ArgumentParser, prog: str = "commlab"):
+    """(full command, one-line help, parser) of every command below ``parser``, depth first."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {a.dest: a.help for a in action._choices_actions}
+            for name, sub in action.choices.items():
+                full = f"{prog} {name}"
+                yield full, helps.get(name) or "", sub
+                yield from commands(sub, full)
+
+
+def cli_reference() -> str:
+    from lab.front.cli import build_parser
+    old = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = HELP_COLUMNS
+    try:
+        top = build_parser()
+        parts = ["## `commlab`", "", top.description or "", "", "```text", top.format_help().rstrip(), "```", ""]
+        for full, short, parser in commands(top):
+            parts += [f"## `{full}`", "", short[:1].upper() + short[1:] + ("." if short else ""), "",
+                      "```text", parser.format_help().rstrip(), "```", ""]
+    finally:
+        if old is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = old
+    return "\n".join(parts)
+
+
+# --------------------------------------------------------------------------- the job spec
+
+def attribute_docs(cls) -> dict:
+    """{field: the docstring under it} of a dataclass, read from its source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    out = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr) \
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str):
+            out[a.target.id] = " ".join(b.value.value.split())
+    return out
+
+
+def shown_type(annotation: str) -> str:
+    m = re.fullmatch(r"Literal\[(.*)\]", annotation)
+    if m:
+        return " | ".join(x.strip().strip("'\"") for x in m.group(1).split(","))
+    m = re.fullmatch(r"Optional\[(.*)\]", annotation)
+    if m:
+        return f"{m.group(1)} or unset"
+    return annotation
+
+
+def shown_default(f: dataclasses.Field) -> str:
+    v = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if v is None:
+        return "unset"
+    if isinstance(v, bool):
+        return "`true`" if v else "`false`"
+    return f"`{v!r}`" if not isinstance(v, str) else f"`{v}`"
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def spec_reference() -> str:
+    from engine import spec as S
+    rows, sections = [], []
+
+    def walk(cls, prefix: str):
+        docs = attribute_docs(cls)
+        hints = typing.get_type_hints(cls, vars(S))
+        for f in dataclasses.fields(cls):
+            path = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(hints[f.name]):
+                sections.append((path, hints[f.name]))
+                continue
+            rows.append((path, shown_type(str(f.type)), shown_default(f), docs.get(f.name, "")))
+
+    walk(S.JobSpec, "")
+    out = ["| field | type | default | what it does |", "|---|---|---|---|"]
+    out += [f"| `{p}` | {cell(t)} | {cell(d)} | {cell(doc)} |" for p, t, d, doc in rows]
+    for path, cls in sections:
+        rows.clear()
+        walk(cls, f"{path}.")
+        head = inspect.getdoc(cls) if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
+        jobdoc = attribute_docs(S.JobSpec).get(path, "")
+        out += ["", f"### `{path}`", ""]
+        if head or jobdoc:
+            out += [" ".join((head or jobdoc).split()), ""]
+        out += ["| field | type | default | what it does |", "|---|---|---|---|"]
+        out += [f"| `{p}` | {cell(t)} | {cell(d)} | {cell(doc)} |" for p, t, d, doc in rows]
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- compressor capabilities
+
+CAPABILITIES = ("summable", "keeps_shape", "lossless", "identity", "rounds", "builtin_feedback", "builtin_momentum",
+                "counts_steps", "steady_payload", "shard_codec", "warmup_exchanges", "elementwise")
+"""Attributes of engine.compressors.base.Compressor shown per compressor, where the base class has them."""
+
+
+def capabilities_reference() -> str:
+    from engine import compressors
+    from engine.compressors.base import Compressor
+    caps = [c for c in CAPABILITIES if hasattr(Compressor, c)]
+    shard = hasattr(Compressor, "shard_path")
+    head = ["compressor", *caps] + (["dear reduce-scatter"] if shard else [])
+    out = ["| " + " | ".join(f"`{h}`" if h in caps else h for h in head) + " |", "|" + "---|" * len(head)]
+    for name in compressors.names():
+        c = compressors.make(name)
+        vals = []
+        for a in caps:
+            v = getattr(c, a)
+            vals.append(("yes" if v else "") if isinstance(v, bool) else
+                        ", ".join(v) if isinstance(v, tuple) else str(v))
+        if shard:
+            vals.append(c.shard_path() or "")
+        out.append(f"| `{name}` | " + " | ".join(cell(v) for v in vals) + " |")
+    return "\n".join(out)
+
+
+GENERATORS = {"cli": cli_reference, "spec": spec_reference, "compressor-capabilities": capabilities_reference}
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    def fill(m):
+        name = m.group(1)
+        if name not in GENERATORS:
+            raise PluginError(f"{page.file.src_uri}: unknown generated section {name!r}; "
+                              f"known: {', '.join(GENERATORS)}")
+        try:
+            return GENERATORS[name]()
+        except Exception as e:  # a generator that breaks must fail the build, saying where
+            raise PluginError(f"{page.file.src_uri}: generating {name!r} failed: {type(e).__name__}: {e}") from e
+    return MARKER.sub(fill, markdown)
+
+
+def on_files(files, config):
+    import plotly
+    bundle = Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+    if not bundle.is_file():
+        raise PluginError(f"no plotly.min.js in the installed plotly ({bundle}); the tutorials' figures need it")
+    files.append(File.generated(config, "js/plotly.min.js", abs_src_path=str(bundle)))
+    return files

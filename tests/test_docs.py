@@ -1,0 +1,136 @@
+"""The documentation: the site builds strictly (a broken link, a missing page, an unknown anchor or a failing
+mkdocstrings reference fails ``mkdocs build --strict``), the README stays a front page whose links all resolve,
+every relative link of the docs resolves, and what the docs generate from the code is all there: every command
+in the CLI reference, every job-spec field, every compressor. The package map is what the code draws now."""
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+README_MAX_LINES = 260
+
+pytest.importorskip("mkdocs", reason="the docs need the dev extra (./setup.sh installs it)")
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    out = tmp_path_factory.mktemp("site")
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", "PYTHONPATH": str(ROOT)}
+    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+                        "-d", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, f"mkdocs build --strict failed:\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    return out
+
+
+def test_the_site_builds_strictly_with_every_page(site):
+    for page in ("index.html", "getting-started/index.html", "reference/cli/index.html",
+                 "reference/python-api/index.html", "explanation/packages/index.html",
+                 "notebooks/00_tour/index.html", "benchmarks/index.html"):
+        assert (site / page).is_file(), page
+    assert (site / "js" / "plotly.min.js").is_file()  # the tutorials' figures draw with it
+    tour = (site / "notebooks" / "00_tour" / "index.html").read_text()
+    assert "Plotly.newPlot" in tour  # the executed notebook's figures, not only its code
+
+
+def test_every_cli_command_is_in_the_cli_reference(site):
+    from lab.front.cli import build_parser
+    hooks = load_script("mkdocs_hooks")
+    page = (site / "reference" / "cli" / "index.html").read_text()
+    names = [full for full, _, _ in hooks.commands(build_parser())]
+    assert "commlab run" in names and "commlab net check" in names
+    for full in names:
+        assert f"usage: {full} " in page or f"usage: {full}\n" in page, f"{full} is missing from the CLI reference"
+
+
+def test_every_spec_field_and_compressor_is_in_the_reference(site):
+    import dataclasses
+    import typing
+
+    from engine import compressors
+    from engine import spec as S
+    page = (site / "reference" / "spec" / "index.html").read_text()
+
+    def paths(cls, prefix=""):
+        hints = typing.get_type_hints(cls, vars(S))
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from paths(hints[f.name], f"{prefix}{f.name}.")
+            else:
+                yield prefix + f.name
+    fields = list(paths(S.JobSpec))
+    assert "compressor.per_bucket" in fields
+    for p in fields:
+        assert f"<code>{p}</code>" in page, f"spec field {p} is missing from the job spec reference"
+    comp = (site / "reference" / "compressors" / "index.html").read_text()
+    for name in compressors.names():
+        assert f"<code>{name}</code>" in comp, name
+
+
+def markdown_links(text: str):
+    """Targets of [text](target) and ![alt](target), outside fenced code and inline code."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)
+    text = re.sub(r"`[^`\n]*`", "", text)
+    return re.findall(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)", text)
+
+
+def broken_links(path: Path):
+    """The relative link targets of a markdown file that name no file."""
+    out = []
+    for target in markdown_links(path.read_text()):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+            continue  # a URL, or an anchor on the same page (mkdocs checks those)
+        if not (path.parent / target.split("#", 1)[0]).exists():
+            out.append(target)
+    return out
+
+
+def test_the_readme_is_a_front_page_and_its_links_resolve():
+    readme = ROOT / "README.md"
+    lines = readme.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines; the docs are for the rest"
+    # .ci/run and the first page of the docs rely on these two lines, as they are
+    assert "./setup.sh && .venv/bin/commlab app" in lines[3]
+    assert "./setup.sh && .venv/bin/python -m pytest -q" in lines[4]
+    assert any(t.startswith("docs/") for t in markdown_links(readme.read_text()))
+    assert broken_links(readme) == []
+
+
+def test_every_relative_link_of_the_docs_resolves():
+    pages = sorted(DOCS.rglob("*.md"))
+    assert len(pages) > 30
+    bad = [f"{p.relative_to(ROOT)}: {t}" for p in pages for t in broken_links(p)]
+    assert bad == []
+
+
+def test_the_link_check_finds_a_broken_link(tmp_path):
+    (tmp_path / "there.md").write_text("x")
+    page = tmp_path / "page.md"
+    page.write_text("[ok](there.md#a) [url](https://x.org) [same](#b) `[code](nowhere.md)`\n\n```\n[f](gone.md)\n"
+                    "```\n![img](missing.png) [gone](../gone/x.md)\n")
+    assert broken_links(page) == ["missing.png", "../gone/x.md"]
+
+
+def test_the_package_map_is_what_the_code_draws():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "package_map.py"), "--check"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_screenshot_script_says_what_it_does():
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "screenshots.py"), "--help"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "docs/screenshots" in r.stdout
