@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, Optional, Union
 
-__all__ = ["run", "runs", "get", "cancel", "wait", "compare", "Lab"]
+__all__ = ["run", "runs", "get", "cancel", "wait", "compare"]
 
 
 def _lab(runs=None):
@@ -63,9 +63,3 @@ def compare(items, target_acc: Optional[float] = None, baseline=None):
     from lab.analysis.comparison import compare_runs
     return compare_runs(items, target_acc=target_acc, baseline=baseline)
 
-
-def __getattr__(name):
-    if name == "Lab":
-        from lab.service.queue import Lab
-        return Lab
-    raise AttributeError(name)

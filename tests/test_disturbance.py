@@ -16,6 +16,7 @@ from lab.rundir.index import INDEX_FILE, Index
 from lab.service.queue import Lab
 from lab.base.errors import LabError
 from lab.rundir.store import RunStore
+from lab.service import spawn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"name": "cpu", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 20, "batch_size": 16,
@@ -159,8 +160,7 @@ def test_any_other_busy_process_still_disturbs(tmp_path, case):
 
 
 def test_observer_registration_follows_a_real_process(tmp_path):
-    import lab.service.spawn
-    assert dist.OBSERVER_NICE == lab.spawn.APP_NICE  # what the server runs at is what is not counted
+    assert dist.OBSERVER_NICE == spawn.APP_NICE  # what the server runs at is what is not counted
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                          preexec_fn=lambda: os.nice(dist.OBSERVER_NICE))
     try:

@@ -14,6 +14,7 @@ import lab
 from lab.base import procs
 from lab.front.cli import main as cli
 from lab.service.queue import Lab
+from lab.rundir.store import RunError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"name": "q", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 5, "batch_size": 16,
@@ -198,7 +199,7 @@ def test_hostile_run_ids_are_refused(tmp_path, capsys, run_id, cmd):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
-    with pytest.raises(lab.store.RunError):
+    with pytest.raises(RunError):
         Lab(runs).store.get(run_id)
 
 

@@ -9,6 +9,7 @@ import pytest
 import lab
 from lab.net import netns
 from lab.service.queue import Lab
+from lab.base.errors import LabError  # noqa: E402
 
 ROOT_OK = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
 needs_root = pytest.mark.skipif(not ROOT_OK, reason="shaped links need root, ip and tc (network namespaces)")
@@ -57,7 +58,7 @@ def test_shaped_run_cancel_cleans_up(tmp_path):
 
 def test_shaped_without_root_names_modeled(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(lab.store.LabError, match="modeled"):
+    with pytest.raises(LabError, match="modeled"):
         Lab(tmp_path).create(lab._spec(SPEC))
 
 
