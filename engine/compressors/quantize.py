@@ -792,6 +792,3 @@ class OneBit(_Lossy):
         m0, m1 = means.to(dtype=ctx.dtype).unbind()
         tab = torch.addcmul(m0, self._table("01", ctx.dtype, packed.device), m1 - m0)
         return self._gather(tab, packed, ctx)
-
-
-COMPRESSORS = {c.name: c for c in (FP16, BF16, Int8, QSGD, TernGrad, Natural, SignSGD, EFSignSGD, Signum, OneBit)}

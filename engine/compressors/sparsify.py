@@ -407,4 +407,3 @@ class DGC(SparseCompressor):
 
 
 # PowerSGD and Count Sketch import the helpers above, so they are imported last.
-COMPRESSORS = {c.name: c for c in (TopK, RandomK, Threshold, DGC)}
