@@ -17,7 +17,7 @@ from lab.base import procs
 from lab.base.errors import LabError
 from lab.base.paths import SOURCE
 from lab.base.specs import load_spec
-from lab.front import accounts, advise_cli
+from lab.front import accounts, advise_cli, check_cli
 from lab.front.jupyter import notebooks_main
 from lab.front.sweep import Sweep, markdown
 from lab.net import netcheck, netns
@@ -162,6 +162,7 @@ def build_parser() -> Parser:
     _runs_arg(p)
 
     advise_cli.add_parser(sub, add_spec_args, _runs_arg)
+    check_cli.add_parser(sub, _runs_arg)
 
     p = sub.add_parser("workshop", help="the workshop server's students: list them, revoke one, rotate tokens")
     wsub = p.add_subparsers(dest="ws_cmd", metavar="ACTION", parser_class=Parser)
@@ -610,7 +611,7 @@ def cmd_workshop(args) -> int:
 COMMANDS = {"workshop": cmd_workshop, "run": cmd_run, "runs": cmd_runs, "cancel": cmd_cancel, "sweep": cmd_sweep, "net": cmd_net,
             "app": cmd_app, "notebooks": cmd_notebooks, "show": cmd_show, "trace": cmd_trace,
             "bench": cmd_bench, "predict": cmd_predict, "profile": cmd_profile, "advise": cmd_advise,
-            "report": cmd_report}
+            "report": cmd_report, "check": check_cli.cmd_check}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
