@@ -7,6 +7,7 @@ from pathlib import Path
 import yaml
 
 from engine.spec import SpecError
+from lab.base.specs import load_spec
 from lab.service.queue import Lab
 from lab.strategy.advisor import LINKS, TRIAL_STEPS, TRIALS, advise, format_table, parse_penalties
 from lab.strategy.perfmodel import whatif
@@ -32,18 +33,37 @@ def add_parser(sub, add_spec_args, runs_arg) -> None:
                    help=f"steps per trial (default {TRIAL_STEPS}; PowerSGD's uncompressed start is added)")
     p.add_argument("--penalty", action="append", default=[], metavar="COMPRESSOR=X",
                    help="declare a convergence penalty (steps to accuracy vs none), e.g. topk=1.3 (repeatable)")
+    p.add_argument("--candidate", action="append", default=[], metavar="COMPRESSOR",
+                   help="rank this compressor too: a name or package.module:Class, or a section in YAML such as "
+                        "'{name: mypkg.codecs:ScaledSign, scale: 0.5}' (repeatable; the spec's own compressor "
+                        "joins by itself when it names code)")
     p.add_argument("--top", type=int, default=12, help="rows of the table to print (default 12; 0: all)")
     p.add_argument("--out", default=None, metavar="FILE", help="write the winner as a spec (YAML)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the whole advice as JSON")
     runs_arg(p)
 
 
+def parse_candidate(text: str) -> dict:
+    """``--candidate``: a compressor name or import path, or a YAML mapping (a spec's compressor section), as
+    the spec takes it and in its full form; a one-line SpecError naming --candidate otherwise."""
+    raw = text.strip()
+    try:
+        section = yaml.safe_load(raw) if raw.startswith("{") else raw
+    except yaml.YAMLError as e:
+        raise SpecError("--candidate", f"{text!r} is not valid YAML: {str(e).strip().splitlines()[0]}") from None
+    try:
+        return load_spec(data={"compressor": section}).to_dict()["compressor"]
+    except SpecError as e:
+        raise SpecError("--candidate", f"{text}: {e}") from None
+
+
 def cmd_advise(args) -> int:
     spec = whatif.load_for_prediction(args.spec, args.overrides)
+    extra = [parse_candidate(c) for c in args.candidate]
     if args.top < 0:
         raise SpecError("--top", f"must be >= 0, got {args.top}")
     adv = advise(spec, args.runs, args.gbps, args.link, args.workers, args.measure, args.trials,
-                 args.trial_steps, parse_penalties(args.penalty), runner=Lab(args.runs).runner())
+                 args.trial_steps, parse_penalties(args.penalty), runner=Lab(args.runs).runner(), candidates=extra)
     net = adv.network
     print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "
           f"{net['link']} {net['gbps']:g} Gbit/s; link: {adv.link_source}; profile: {adv.profile_source}")
