@@ -27,12 +27,9 @@ def __getattr__(name):  # torch is imported only when the API is used
     if name in ("wrap", "OwnLoop"):
         from commlab import own
         return getattr(own, name)
-    if name in ("Compressor", "Round"):
-        from engine.compressors import base
+    if name in ("Compressor", "Round", "Param"):
+        from engine.compressors import base  # Param is declared in engine/compressors/params.py
         return getattr(base, name)
-    if name == "Param":
-        from engine.compressors.params import Param
-        return Param
     if name == "register_compressor":
         from engine.compressors import register
         return register
