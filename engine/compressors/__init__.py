@@ -43,10 +43,10 @@ def register(cls: Optional[Type[Compressor]] = None, name: Optional[str] = None)
     own = cls.name if "name" in cls.__dict__ and not codepath.is_import_path(cls.name) else None
     key = name or own
     if key is None:
-        raise ValueError(f"register: {cls.__qualname__} has no name; give one: register({cls.__qualname__}, "
+        raise ValueError(f"register: {cls.__name__} has no name; give one: register({cls.__name__}, "
                          f"name=...) or set name = ... in the class")
     if own is not None and key != own:
-        raise ValueError(f"name: {cls.__qualname__} is named {own!r}; register it under that name")
+        raise ValueError(f"name: {cls.__name__} is named {own!r}; register it under that name")
     if not NAME.fullmatch(key):
         raise ValueError(f"name: {key!r} is not a compressor name (a letter, then letters, digits, '_', '-', '.'; "
                          f"an import path names a class without registering it)")

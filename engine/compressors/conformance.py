@@ -273,7 +273,11 @@ def _empty_ragged(m: _Maker, worlds) -> str:
     world = max(worlds)
     for n in SIZES:
         xs = inputs(world, n, seed=n)
-        for r, out in enumerate(drive(m.ranks(world, ((n,),)), xs)):
+        try:
+            outs = drive(m.ranks(world, ((n,),)), xs)
+        except Exception as e:  # the compressor's own failure, with the bucket it failed on
+            raise Finding(f"bucket of {n} element(s): {type(e).__name__}: {_first_line(e)}") from None
+        for r, out in enumerate(outs):
             _kept(out, xs[r], f"bucket of {n} element(s), rank {r}")
     return f"buckets of {', '.join(map(str, SIZES))} elements at {world} ranks"
 
