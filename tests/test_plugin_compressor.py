@@ -314,6 +314,17 @@ def test_an_honest_class_passes_what_the_broken_ones_fail():
     assert [r.check for r in results if r.status == "SKIP"] == ["dear shards"]
 
 
+def test_the_example_package_compressor_is_the_guide_s_and_passes(monkeypatch):
+    """examples/mypkg/codecs.py is the class in Compressor's docstring (with shard_codec), and it passes."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))  # PYTHONPATH=examples, as its docstring says
+    results = conformance.check("mypkg.codecs:ScaledSign", {"scale": 0.5})
+    assert {r.status for r in results} == {"PASS"}, "\n".join(r.line() for r in results)
+    src = (ROOT / "examples" / "mypkg" / "codecs.py").read_text()
+    for line in ("    def compress(self, t):", "        mag = t.abs().mean().reshape(1) if t.numel() else t.new_zeros(1)",
+                 "        return (signs.to(dtype) * (mag.to(dtype) * self.scale)).view(shape)"):
+        assert line in src and line.strip() in Compressor.__doc__
+
+
 def test_check_reports_a_name_or_parameter_it_cannot_make():
     (r,) = conformance.check("topk", {"ratio": 2})
     assert (r.check, r.status, r.reason) == ("declaration", "FAIL", "ratio: must be in (0, 1], got 2")
