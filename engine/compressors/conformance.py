@@ -169,17 +169,13 @@ def drive(comps: List[Compressor], xs: List[Tensor], log: Optional[list] = None)
     return [ex.out.clone() for ex in exs]
 
 
-def tolerance(c: Compressor, x: Tensor) -> float:
+def tolerance(fresh: Compressor, x: Tensor) -> float:
     """Relative tolerance for results that sum the same values in another order or rounding: four ulps of the
-    coarsest floating dtype on the wire (or of the input), at least 1e-5."""
-    payload, _ = make_payload(c, x)
-    eps = [torch.finfo(t.dtype).eps for t in payload + [x] if t.is_floating_point()]
+    coarsest floating dtype on the wire (or of the input), at least 1e-5. ``fresh``: an instance used for
+    nothing else (compressing changes state)."""
+    payload, _ = fresh.compress(x.clone())
+    eps = [torch.finfo(t.dtype).eps for t in list(payload) + [x] if t.is_floating_point()]
     return max([1e-5] + [4 * e for e in eps])
-
-
-def make_payload(c: Compressor, x: Tensor):
-    """A payload of ``x`` from a copy of ``c`` (``c``'s own state untouched)."""
-    return copy.deepcopy(c).compress(x.clone())
 
 
 def off_by(a: Tensor, b: Tensor, tol: float) -> Optional[str]:
