@@ -309,14 +309,14 @@ def _aggregation(m: _Maker, worlds) -> str:
         return f"all-gathered and decoded on every rank; the result follows the mean at {world} ranks"
     if comps[0].rounds > 1:
         how = f"over its {comps[0].rounds} rounds"
-    elif _decode_linear(m, n):
+    elif _decode_linear(m, n, tol):
         how = "decoding is linear too"
     else:
         how = "its decoding is not linear (an estimate, as a sketch's): the payloads' sum is what counts"
     return f"summed payloads stand for the summed inputs at {world} ranks within {tol:.2g}; {how}"
 
 
-def _decode_linear(m: _Maker, n: int) -> bool:
+def _decode_linear(m: _Maker, n: int, tol: float) -> bool:
     a, b = m(rank=0), m(rank=1)
     x, y = inputs(2, n, seed=5)
     px, cx = a.compress(x.clone())
@@ -326,7 +326,7 @@ def _decode_linear(m: _Maker, n: int) -> bool:
         return False
     both = a.decompress([u + v for u, v in zip(px, py)], cx).clone()
     apart = a.decompress(px, cx).clone() + b.decompress(py, cx)
-    return off_by(both, apart, 1e-4) is None
+    return off_by(both, apart, tol) is None
 
 
 def _ranks_agree(m: _Maker, worlds) -> str:

@@ -57,7 +57,7 @@ def cost_table(profile: cal.Profile, mine: dict, others: Sequence[Tuple[str, dic
     """One row per compressor, ``mine`` first: encode and decode cost (fixed microseconds and microseconds per
     MB of fp32 input, from the fitted curves) and the compression ratio on a 1 M-element tensor."""
     rows = []
-    for label, c in [("yours: " + label_of(mine), mine)] + list(others):
+    for label, c in [("yours: " + label_of(mine).rpartition(":")[2], mine)] + list(others):  # the class, not its path
         curve = profile.compressors.get(cal.compressor_key(c))
         row = {"compressor": label, "key": cal.compressor_key(c), "mine": c is mine}
         if curve is None:  # runs no compressor code (none)
@@ -113,10 +113,10 @@ def verdict(grid: List[dict]) -> List[str]:
 
 
 def format_costs(rows: List[dict]) -> List[str]:
-    head = f"{'COMPRESSOR':<34} {'ENCODE us':>10} {'+us/MB':>9} {'DECODE us':>10} {'+us/MB':>9} {'RATIO':>7}"
+    head = f"{'COMPRESSOR':<40} {'ENCODE us':>10} {'+us/MB':>9} {'DECODE us':>10} {'+us/MB':>9} {'RATIO':>7}"
     out = [head]
     for r in rows:
-        out.append(f"{r['compressor'][:34]:<34} {r['encode_us']:>10.1f} {r['encode_us_per_mb']:>9.1f} "
+        out.append(f"{r['compressor'][:40]:<40} {r['encode_us']:>10.1f} {r['encode_us_per_mb']:>9.1f} "
                    f"{r['decode_us']:>10.1f} {r['decode_us_per_mb']:>9.1f} {r['ratio']:>6.1f}x")
     return out
 
