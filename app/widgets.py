@@ -339,37 +339,7 @@ def run_form() -> None:
                                                           key=k + "dear.tune_steps")
         _slot(slots, "comm")
         st.markdown("**Compression**")
-        offered = ui.compressors_for(mode)
-        comp = st.selectbox("Compressor", offered, key=k + "compressor",
-                            help=None if len(offered) == len(ch["compressors"]) else
-                            f"{mode} reduce-scatters payloads, so it offers the single-round, summable compressors "
-                            f"whose payload keeps the gradient's shape: {', '.join(offered)}")
-        _slot(slots, "compressor.name")
-        info = ui.compressor_info(comp)
-        st.caption(("summable payloads: all-reduced" if info["summable"] else "payloads all-gathered, decoded per rank")
-                   + (f" · {info['rounds']} rounds" if info["rounds"] > 1 else "")
-                   + (" · keeps its own residual" if info["builtin_feedback"] else ""))
-        params = {}
-        for p in ui.compressor_params(comp):  # as the compressor declares them (engine.compressors.Param)
-            key = f"{k}c.{comp}.{p.name}"
-            tip = f"{p.help}; {p.allowed()}"
-            if p.type is bool:
-                params[p.name] = st.checkbox(p.name, p.default, key=key, help=p.help)
-            elif p.default is None:
-                v = ui.parse_value(st.text_input(f"{p.name} (blank: {p.unset})", "", key=key, help=tip))
-                if v is not None:
-                    params[p.name] = v
-            elif p.type is int:
-                params[p.name] = st.number_input(p.name, value=p.default, step=1, key=key, help=tip)
-            else:
-                params[p.name] = st.number_input(p.name, value=float(p.default), format="%g", key=key, help=tip)
-        _slot(slots, "compressor.params")
-        no_ef = info["builtin_feedback"]
-        ef = st.checkbox("Error feedback", False, key=k + "ef", disabled=no_ef,
-                         help="Add the residual before compressing and keep what was dropped."
-                              + (f" {comp} keeps its own residual." if no_ef else ""))
-        _slot(slots, "compressor.error_feedback")
-        d["compressor"] = {"name": comp, "error_feedback": bool(ef and not no_ef), "params": params}
+        d["compressor"] = _compressor_fields(ch, mode, slots, k)
         if mode == "dear":
             st.caption("Fusion: dear sizes its own buffers (above); the schedule does not apply.")
         else:
@@ -443,6 +413,62 @@ def run_form() -> None:
 # --------------------------------------------------------------------------- compare
 
 FILTERS = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep")
+
+
+
+def _compressor_fields(ch: dict, mode: str, slots: Dict[str, object], k: str) -> dict:
+    """The compressor section: one from the registry, with inputs built from its declared parameters; or, for
+    the teacher and the local user, a class by import path with its parameters in YAML (checked in a child
+    process, which imports it: this one never does)."""
+    sources = ui.compressor_sources()
+    source = sources[0]
+    if len(sources) > 1:
+        source = st.selectbox("Compressor from", sources, key=k + "comp_source",
+                              help="registry: the lab's compressors; import path: package.module:Class, a subclass "
+                                   "of commlab.Compressor on PYTHONPATH (`commlab check compressor` checks it)")
+    if source == ui.IMPORT_PATH:
+        comp = st.text_input("Compressor class", "", key=k + "comp_path", placeholder="mypkg.codecs:ScaledSign").strip()
+        _slot(slots, "compressor.name")
+        params, bad = ui.parse_options(st.text_area("Compressor parameters (YAML)", "", key=k + "comp_params",
+                                                    help="Keyword parameters the class declares (its params)."))
+        if bad:
+            st.error(f"compressor.params: {bad}")
+        _slot(slots, "compressor.params")
+        ef = st.checkbox("Error feedback", False, key=k + "comp_ef",
+                         help="Add the residual before compressing and keep what was dropped.")
+        _slot(slots, "compressor.error_feedback")
+        return {"name": comp, "error_feedback": bool(ef), "params": params}
+    offered = ui.compressors_for(mode)
+    comp = st.selectbox("Compressor", offered, key=k + "compressor",
+                        help=None if len(offered) == len(ch["compressors"]) else
+                        f"{mode} reduce-scatters payloads, so it offers the single-round, summable compressors "
+                        f"whose payload keeps the gradient's shape: {', '.join(offered)}")
+    _slot(slots, "compressor.name")
+    info = ui.compressor_info(comp)
+    st.caption(("summable payloads: all-reduced" if info["summable"] else "payloads all-gathered, decoded per rank")
+               + (f" · {info['rounds']} rounds" if info["rounds"] > 1 else "")
+               + (" · keeps its own residual" if info["builtin_feedback"] else ""))
+    params = {}
+    for p in ui.compressor_params(comp):  # as the compressor declares them (engine.compressors.Param)
+        key = f"{k}c.{comp}.{p.name}"
+        tip = f"{p.help}; {p.allowed()}"
+        if p.type is bool:
+            params[p.name] = st.checkbox(p.name, p.default, key=key, help=p.help)
+        elif p.default is None:
+            v = ui.parse_value(st.text_input(f"{p.name} (blank: {p.unset})", "", key=key, help=tip))
+            if v is not None:
+                params[p.name] = v
+        elif p.type is int:
+            params[p.name] = st.number_input(p.name, value=p.default, step=1, key=key, help=tip)
+        else:
+            params[p.name] = st.number_input(p.name, value=float(p.default), format="%g", key=key, help=tip)
+    _slot(slots, "compressor.params")
+    no_ef = info["builtin_feedback"]
+    ef = st.checkbox("Error feedback", False, key=k + "ef", disabled=no_ef,
+                     help="Add the residual before compressing and keep what was dropped."
+                          + (f" {comp} keeps its own residual." if no_ef else ""))
+    _slot(slots, "compressor.error_feedback")
+    return {"name": comp, "error_feedback": bool(ef and not no_ef), "params": params}
 
 
 def table_columns() -> dict:

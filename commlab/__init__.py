@@ -1,4 +1,4 @@
-"""commlab inside your own training loop.
+"""commlab inside your own training loop, and your own compressor.
 
     import commlab
     with commlab.wrap(model, optimizer, "spec.yaml") as comm:   # or a dict, or a JobSpec
@@ -11,14 +11,29 @@ Launch it with plain torchrun (or Slurm, or a PyTorchJob). The spec's compressor
 comm mode (dear included) and network apply; the run lands in the runs directory (``runs=``,
 default ``$COMMLAB_RUNS`` or ./runs) where ``commlab show``, ``commlab trace`` and the UI read it.
 See commlab/own.py.
+
+Your own compressor subclasses ``commlab.Compressor`` (its docstring is the guide), declares its
+parameters with ``commlab.Param``, and is named in a spec by import path
+(``compressor: {name: mypkg.codecs:ScaledSign}``) or, after ``commlab.register_compressor``, by a
+short name. ``commlab.check_compressor`` (``commlab check compressor`` on the command line) holds it
+to the checks the built-ins pass.
 """
 from __future__ import annotations
 
-__all__ = ["wrap", "OwnLoop"]
+__all__ = ["wrap", "OwnLoop", "Compressor", "Param", "Round", "register_compressor", "check_compressor"]
 
 
 def __getattr__(name):  # torch is imported only when the API is used
-    if name in __all__:
+    if name in ("wrap", "OwnLoop"):
         from commlab import own
         return getattr(own, name)
+    if name in ("Compressor", "Round", "Param"):
+        from engine.compressors import base  # Param is declared in engine/compressors/params.py
+        return getattr(base, name)
+    if name == "register_compressor":
+        from engine.compressors import register
+        return register
+    if name == "check_compressor":
+        from engine.compressors.conformance import check
+        return check
     raise AttributeError(name)

@@ -16,6 +16,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
+from engine.codepath import check_path, imports_allowed, is_import_path
+
 
 class SpecError(ValueError):
     """A bad spec. ``str(e)`` is one line: ``<field>: <problem>``."""
@@ -165,7 +167,8 @@ class OptimizerSpec:
 @dataclass
 class CompressorSpec:
     name: str = "none"
-    """A name from engine.compressors.names()."""
+    """A name from engine.compressors.names(), or package.module:Class naming a subclass of
+    commlab.Compressor (its parameters are checked against its declared ``params``, as a built-in's)."""
     error_feedback: bool = False
     """Add the residual before compressing and keep what was dropped."""
     params: dict = field(default_factory=dict)
@@ -180,19 +183,36 @@ class CompressorSpec:
     spec.json holds the rules fully defaulted (params under params)."""
 
     def __post_init__(self):
-        from engine import compressors  # the registry validates names and parameters
-        if self.name not in compressors.names():
-            raise SpecError("compressor.name", f"unknown compressor {self.name!r}; allowed: {', '.join(compressors.names())}")
-        try:
-            compressors.check(self.name, error_feedback=self.error_feedback, **self.params)
-        except ValueError as e:
-            raise SpecError("compressor", str(e)) from None
+        _check_compressor("compressor", self.name, self.error_feedback, self.params)
         self.per_bucket = [_bucket_rule(r, i, self.per_bucket[:i]) for i, r in enumerate(self.per_bucket)]
+
+
+def _check_compressor(where: str, name: Any, error_feedback: bool, params: dict) -> None:
+    """A compressor section's name and parameters, as the registry would make it: ``<where>.name`` for the
+    name, ``<where>`` with the parameter's own message otherwise. A class named by import path is imported
+    and held to its declared parameters, except where this process may not import (it serves viewers):
+    there its syntax is checked, and the rest where the run is queued (a child with limits, lab.base.sandbox)."""
+    from engine import compressors  # the registry validates names and parameters (and pulls in torch)
+    if not isinstance(name, str):
+        raise SpecError(f"{where}.name", f"must be a compressor name or package.module:Class, got {name!r}")
+    if is_import_path(name) and not imports_allowed():
+        try:
+            check_path(name, f"{where}.name")
+        except ValueError as e:
+            raise SpecError(f"{where}.name", str(e).partition(": ")[2]) from None
+        return
+    try:
+        compressors.resolve(name, f"{where}.name")
+    except ValueError as e:
+        raise SpecError(f"{where}.name", str(e).partition(": ")[2]) from None
+    try:
+        compressors.check(name, error_feedback=error_feedback, **params)
+    except ValueError as e:
+        raise SpecError(where, str(e)) from None
 
 
 def _bucket_rule(rule: Any, i: int, earlier: list) -> dict:
     """One ``compressor.per_bucket`` rule, checked and in its full form (below_mb, name, error_feedback, params)."""
-    from engine import compressors
     where = f"compressor.per_bucket[{i}]"
     if not isinstance(rule, dict):
         raise SpecError(where, f"must be a mapping like {{below_mb: 1, name: none}}, got {rule!r}")
@@ -206,8 +226,6 @@ def _bucket_rule(rule: Any, i: int, earlier: list) -> dict:
             raise SpecError(f"{where}.below_mb", f"never matches: rule {j} (below_mb {e['below_mb']:g}) takes every "
                                                  f"bucket under {below:g} MB first; give rules in increasing below_mb")
     name = rule.get("name")
-    if name not in compressors.names():
-        raise SpecError(f"{where}.name", f"unknown compressor {name!r}; allowed: {', '.join(compressors.names())}")
     ef = rule.get("error_feedback", False)
     if not isinstance(ef, bool):
         raise SpecError(f"{where}.error_feedback", f"must be true or false, got {ef!r}")
@@ -215,10 +233,7 @@ def _bucket_rule(rule: Any, i: int, earlier: list) -> dict:
     if not isinstance(params, dict):
         raise SpecError(f"{where}.params", f"must be a mapping, got {params!r}")
     params = {**params, **{k: v for k, v in rule.items() if k not in ("below_mb", "name", "error_feedback", "params")}}
-    try:
-        compressors.check(name, error_feedback=ef, **params)
-    except ValueError as e:
-        raise SpecError(where, str(e)) from None
+    _check_compressor(where, name, ef, params)
     return {"below_mb": float(below), "name": name, "error_feedback": ef, "params": params}
 
 
@@ -469,6 +484,8 @@ class JobSpec:
             from engine.compressors.plan import make_section, parts
             c = self.compressor
             for i, part in enumerate(parts(dataclasses.asdict(c))):
+                if is_import_path(part["name"]) and not imports_allowed():
+                    continue  # checked where the run is queued, in a child that may import it (lab.base.sandbox)
                 problem = make_section(part).shard_problem()
                 if problem:
                     where = f"compressor.per_bucket[{i}].name" if i < len(c.per_bucket) else "compressor.name"

@@ -44,7 +44,8 @@ def test_headings(path):
 
 
 PAPERS = {"01_mergecomp": "arxiv.org/abs/2103.15195", "02_sketch_fusion": "sciencedirect.com",
-          "03_dear": "arxiv.org/abs/2302.12445", "04_utility_of_compression": "proceedings.mlsys.org"}
+          "03_dear": "arxiv.org/abs/2302.12445", "04_utility_of_compression": "proceedings.mlsys.org",
+          "06_your_compressor": "github.com/sands-lab/grace"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])

@@ -110,10 +110,13 @@ def test_the_new_run_form_offers_students_no_import_path(room):
     at = app(tokens["alice"], page="new_run")
     assert ui.IMPORT_PATH not in at.selectbox(key="nr.model_source").options
     assert ui.IMPORT_PATH not in at.selectbox(key="nr.dataset").options
+    assert not any(s.key == "nr.comp_source" for s in at.selectbox)  # compressors from the registry only
+    assert not any(t.key == "nr.comp_path" for t in at.text_input)
     assert not at.error and not at.button(key="nr.submit").disabled  # the zoo's cnn is theirs
     at = app(tokens["admin"], page="new_run")  # the teacher keeps it
     assert ui.IMPORT_PATH in at.selectbox(key="nr.model_source").options
     assert ui.IMPORT_PATH in at.selectbox(key="nr.dataset").options
+    assert ui.IMPORT_PATH in at.selectbox(key="nr.comp_source").options
 
 
 def test_a_students_code_is_refused_at_every_entry_and_never_imported(room, code, tmp_path):
@@ -139,11 +142,10 @@ def test_a_students_code_is_refused_at_every_entry_and_never_imported(room, code
         with pytest.raises(SpecError, match="only the teacher may run code") as e:
             ui.submit(data)
         assert one_line(str(e.value)).startswith(f"{field}: ")
-        if field != "compressor.name":  # a compressor by import path is not a spec yet: nothing to queue
-            with codepath.no_imports():  # the spec as a CLI or a script would hand it to the queue
-                parsed = lab._spec(data)
-            with pytest.raises(SpecError, match=f"^{field}: .*only the teacher may run code"):
-                Lab(root).submit(parsed, wait=False, owner="alice")
+        with codepath.no_imports():  # the spec as a CLI or a script would hand it to the queue
+            parsed = lab._spec(data)
+        with pytest.raises(SpecError, match=f"^{field}: .*only the teacher may run code"):
+            Lab(root).submit(parsed, wait=False, owner="alice")
     assert not touched.exists() and not marker.exists()
     assert evil not in sys.modules
     assert lab.runs(runs=root) == []  # nothing was queued

@@ -4,6 +4,9 @@
     state, hook = ddp_hook("topk", ratio=0.01, error_feedback=True)
     ddp_model.register_comm_hook(state, hook)
 
+The name is any the registry resolves (engine.compressors.resolve): a built-in, a registered name,
+``package.module:Class``, or a ``commlab.Compressor`` subclass itself.
+
 The hook compresses DDP's bucket, starts the collective the compressor asks
 for (all-reduce when payloads are summable, all-gather otherwise), and decodes
 in the future's continuation, copying the average back into the bucket, as
@@ -33,11 +36,11 @@ class HookState:
     """
 
     def __init__(self, name: str, error_feedback: bool = False, process_group=None, **params):
-        rounds = compressors.make(name, error_feedback=error_feedback, **params).rounds
-        if rounds > 1:
+        probe = compressors.make(name, error_feedback=error_feedback, **params)
+        if probe.rounds > 1:
             given = f" ({', '.join(f'{k}={v!r}' for k, v in params.items())})" if params else ""
-            raise ValueError(f"name: {name}{given} takes several rounds ({rounds}) and cannot run as a DDP hook; "
-                             "use the engine")
+            raise ValueError(f"name: {probe.name}{given} takes several rounds ({probe.rounds}) and cannot run as a "
+                             "DDP hook; use the engine")
         self.name, self.error_feedback, self.params = name, error_feedback, params
         self.process_group = process_group
         self.per_bucket: Dict[int, compressors.Compressor] = {}

@@ -64,6 +64,53 @@ def nbytes(tensors: List[Tensor]) -> int:
 
 
 class Compressor:
+    """The base class of every compressor, built-in or yours. Subclass it in your own file, name the class
+    in a spec by import path, and check it like the built-ins:
+
+        compressor: {name: mypkg.codecs:ScaledSign, scale: 1.0}      # a job spec
+        commlab check compressor mypkg.codecs:ScaledSign --param scale=0.5
+
+    The minimum: ``compress`` and ``decompress``, and ``summable = False`` unless the sum of several ranks'
+    payloads decodes to the sum of what they stand for. For example, signs and one mean magnitude:
+
+        import torch
+        from commlab import Compressor, Param
+
+        class ScaledSign(Compressor):
+            # each element's sign and the bucket's mean magnitude: about a quarter of fp32's bytes
+            summable = False                   # magnitudes differ by rank: all-gathered, decoded per rank
+            params = (Param("scale", float, 1.0, "multiplies the decoded magnitude", lo=0, lo_open=True),)
+
+            def compress(self, t):             # t: one bucket's gradient, any float dtype
+                mag = t.abs().mean().reshape(1) if t.numel() else t.new_zeros(1)
+                return [torch.sign(t).to(torch.int8), mag], (t.shape, t.dtype)
+
+            def decompress(self, payload, ctx):
+                signs, mag = payload
+                shape, dtype = ctx
+                return (signs.to(dtype) * (mag.to(dtype) * self.scale)).view(shape)
+
+    ``compress(t) -> (payload, ctx)``: the payload is a list of tensors (what crosses the wire), ``ctx`` stays
+    on this rank; ``decompress(payload, ctx)`` returns a tensor of ``t``'s shape, dtype and device, and must
+    decode another rank's payload with this rank's ``ctx`` (so keep rank-specific values in the payload).
+    Never call a collective: the exchange driver (engine/comm/exchange.py) does, from the ``Round`` s that
+    ``exchange`` yields. Each declared ``Param`` is checked by ``__init__`` and stored as an attribute of the
+    same name (``self.scale``); the spec, the New run form and ``--param`` read the same declaration.
+
+    Declare what holds instead of leaving callers to probe (each attribute below says what it promises):
+    ``summable``, ``keeps_shape`` (dear sums the payload as it would the gradient), ``lossless``, ``identity``,
+    ``rounds``, ``builtin_feedback``, ``builtin_momentum``, ``elementwise``, ``counts_steps``,
+    ``steady_payload``, ``shard_codec``, ``dtypes``; ``shard_path``/``shard_problem`` say what dear can do
+    with it. State that must survive a checkpoint goes in ``state_dict``/``load_state_dict`` (extend them,
+    calling ``super()``: the error-feedback residual is there). Several rounds per step (PowerSGD):
+    override ``exchange``, yielding each ``Round`` and receiving its result.
+
+    ``error_feedback: true`` wraps any compressor that does not declare ``builtin_feedback``. Without a
+    ``name`` of its own a subclass is named by its import path (``mypkg.codecs:ScaledSign``);
+    ``engine.compressors.register`` (``commlab.register_compressor``) files it under a short name as the
+    built-ins are. ``commlab check compressor`` (engine/compressors/conformance.py) holds a class to every
+    one of these promises, at two and three simulated ranks.
+    """
     name = "base"
     params: Tuple[Param, ...] = ()
     """The keyword parameters, declared once (engine/compressors/params.py)."""
@@ -117,6 +164,10 @@ class Compressor:
     ef: Optional["ErrorFeedback"] = None
     """Error-feedback memory, set by ``make(..., error_feedback=True)``."""
 
+    dtypes: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+    """The gradient dtypes it takes (the conformance checks exchange each of them): ``decompress`` returns
+    the input's dtype."""
+
     elementwise: Tuple[str, ...] = ()
     """Attributes that hold per-element state in the bucket's flat shape (DGC's u and v,
     EF-signSGD's residual, Signum's momentum), None until the first step. When the
@@ -130,6 +181,14 @@ class Compressor:
             setattr(self, k, v)
         self.given = {k: checked[k] for k in given}
         """The parameters given explicitly, as checked (what ``describe`` names)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:  # what a spec calls it when it is not registered under a short name
+            cls.name = f"{cls.__module__}:{cls.__qualname__}"
+        problem = declaration_problem(cls)
+        if problem:
+            raise TypeError(f"{cls.name}: {problem}")
 
     @property
     def warmup_exchanges(self) -> int:
@@ -260,6 +319,25 @@ class Compressor:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(){' +EF' if self.ef is not None else ''}"
+
+
+RESERVED = ("error_feedback", "name", "params", "per_bucket", "below_mb")
+"""Keys of a spec's compressor section that are not the compressor's parameters."""
+
+
+def declaration_problem(cls) -> Optional[str]:
+    """What is wrong with a class's declared parameters, or None (checked when a subclass is defined)."""
+    ps = cls.params
+    if not isinstance(ps, tuple) or not all(isinstance(p, Param) for p in ps):
+        return "params must be a tuple of engine.compressors.params.Param (commlab.Param)"
+    seen = [p.name for p in ps]
+    dup = next((n for n in seen if seen.count(n) > 1), None)
+    if dup:
+        return f"params declares {dup!r} twice"
+    clash = next((n for n in seen if n in RESERVED), None)
+    if clash:
+        return f"params may not declare {clash!r}: a spec's compressor section uses that key itself"
+    return None
 
 
 class ErrorFeedback:

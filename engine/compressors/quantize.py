@@ -424,7 +424,7 @@ class TernGrad(_Seeded):
         x = _flat(t, _work_dtype(t.dtype))
         n = x.numel()
         g = self._generator(x.device)
-        lo, hi = torch.aminmax(x)
+        lo, hi = torch.aminmax(x) if n else (x.new_zeros(()), x.new_zeros(()))  # an empty bucket: no extremes
         # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)
         s = torch.maximum(hi, -lo).float().clamp_min_(_TINY32_T if x.is_cpu else _TINY32).reshape(1)
         v = self._work("u", n, x.dtype, x.device).uniform_(1, 2, generator=g)
@@ -505,7 +505,7 @@ class Natural(_Seeded):
         itype, mb, eb = _IEEE[x.dtype]
         g = self._generator(x.device)
         xi = x.view(itype)
-        lo, hi = torch.aminmax(x)
+        lo, hi = torch.aminmax(x) if n else (x.new_zeros(()), x.new_zeros(()))  # an empty bucket: no extremes
         top = int(torch.maximum(hi, -lo).view(itype)) >> mb  # exponent field of max|x|
         offset = max(top + 1 - 127, 0)  # the largest rounded field is top + 1; k must stay <= 127
         small = self._find_small(xi, offset, mb, eb) if offset else None
@@ -792,6 +792,3 @@ class OneBit(_Lossy):
         m0, m1 = means.to(dtype=ctx.dtype).unbind()
         tab = torch.addcmul(m0, self._table("01", ctx.dtype, packed.device), m1 - m0)
         return self._gather(tab, packed, ctx)
-
-
-COMPRESSORS = {c.name: c for c in (FP16, BF16, Int8, QSGD, TernGrad, Natural, SignSGD, EFSignSGD, Signum, OneBit)}

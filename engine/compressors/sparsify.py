@@ -200,6 +200,10 @@ class RandomK(Compressor):
 
     def strata(self, n: int):
         if self._strata is None or self._strata[0] != n:
+            if not n:  # an empty bucket: no strata, nothing sent
+                none = torch.zeros(0, dtype=torch.int64)
+                self._strata = (0, 0, none, none, none.to(torch.float64))
+                return self._strata
             k = count_of(self.ratio, n)
             edges = torch.arange(k + 1, dtype=torch.int64).mul_(n).div_(k, rounding_mode="floor")
             start, size = edges[:-1], edges[1:] - edges[:-1]
@@ -407,4 +411,3 @@ class DGC(SparseCompressor):
 
 
 # PowerSGD and Count Sketch import the helpers above, so they are imported last.
-COMPRESSORS = {c.name: c for c in (TopK, RandomK, Threshold, DGC)}

@@ -1,1 +1,2 @@
-"""An example of your own model and data for commlab (examples/own-model.yaml): any package on PYTHONPATH."""
+"""An example of your own model, data (examples/own-model.yaml) and compressor (codecs.py) for commlab: any
+package on PYTHONPATH."""

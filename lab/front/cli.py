@@ -54,7 +54,7 @@ from lab.base import procs
 from lab.base.errors import LabError
 from lab.base.paths import SOURCE, default_root
 from lab.base.specs import load_spec
-from lab.front import accounts, completion
+from lab.front import accounts, check_cli, completion
 from lab.front.jupyter import notebooks_main
 from lab.front.sweep import Sweep, markdown
 from lab.net import netcheck, netns
@@ -367,6 +367,10 @@ def build_parser() -> Parser:
                    help="steps per trial (PowerSGD's uncompressed start is added)")
     p.add_argument("--penalty", action="append", default=[], metavar="COMPRESSOR=X",
                    help="declare a convergence penalty (steps to accuracy vs none), e.g. topk=1.3 (repeatable)")
+    p.add_argument("--candidate", action="append", default=[], metavar="COMPRESSOR",
+                   help="rank this compressor too: a name or package.module:Class, or a section in YAML such as "
+                        "'{name: mypkg.codecs:ScaledSign, scale: 0.5}' (repeatable; the spec's own compressor "
+                        "joins by itself when it names code)")
     p.add_argument("--top", type=int, default=12, help="rows of the table to print (0: all)")
     p.add_argument("-o", "--out", default=None, metavar="FILE", help="write the winner as a spec (YAML); its "
                                                                      "folder must exist")
@@ -374,6 +378,20 @@ def build_parser() -> Parser:
     json_arg(p, "the whole advice")
     runs_arg(p)
     p.set_defaults(func=cmd_advise, cmd_parser=p)
+
+    p = command(sub, "check", "check a plug-in against what the built-ins pass",
+                ["commlab check compressor mypkg.codecs:ScaledSign --param scale=0.5",
+                 "commlab check compressor topk --param ratio=0.05 --checks-only --json"],
+                "Your own compressor, named by import path, gets the built-ins' conformance checks, its cost curve "
+                "beside theirs and the links and cluster sizes where it would pay. Exit status 0 when every check "
+                "passes, 1 when one fails.")
+    what = group(p, "what to check", "what", "WHAT")
+    q = command(what, "compressor", "a compressor's conformance checks, cost curve and payoff",
+                ["commlab check compressor mypkg.codecs:ScaledSign --model resnet --gbps 0.1,1,10"])
+    check_cli.add_arguments(q)
+    json_arg(q, "the checks, costs and predictions")
+    runs_arg(q)
+    q.set_defaults(func=check_cli.cmd_check, cmd_parser=q)
 
     p = command(sub, "workshop", "the workshop server's students: list them, revoke one, rotate tokens",
                 ["commlab workshop users", "commlab workshop revoke mallory --rotate-class",
@@ -857,6 +875,20 @@ def cmd_predict(args) -> int:
     return 0
 
 
+def parse_candidate(text: str) -> dict:
+    """``--candidate``: a compressor name or import path, or a YAML mapping (a spec's compressor section), in
+    the full form the spec gives it; a one-line SpecError naming --candidate otherwise."""
+    raw = text.strip()
+    try:
+        section = yaml.safe_load(raw) if raw.startswith("{") else raw
+    except yaml.YAMLError as e:
+        raise SpecError("--candidate", f"{text!r} is not valid YAML: {str(e).strip().splitlines()[0]}") from None
+    try:
+        return load_spec(data={"compressor": section}).to_dict()["compressor"]
+    except SpecError as e:
+        raise SpecError("--candidate", f"{text}: {e}") from None
+
+
 def write_spec(spec: dict, path) -> Path:
     """The winner of an advice as a spec file (YAML); its folder must exist (``out_file`` checked it)."""
     path = Path(path)
@@ -869,12 +901,14 @@ def cmd_advise(args) -> int:
         if getattr(args, option):
             out_file("--" + option.replace("_", "-"), getattr(args, option))
     spec = whatif.load_for_prediction(args.spec, args.overrides)
+    extra = [parse_candidate(c) for c in args.candidate]
     if args.top < 0:
         raise SpecError("--top", f"must be >= 0, got {args.top}")
     say = notes(args)
     adv = advisor.advise(spec, runs_root(args), args.gbps, args.link, args.workers, args.measure, args.trials,
                          args.trial_steps, advisor.parse_penalties(args.penalty),
-                         runner=Lab(runs_root(args)).runner(), say=lambda line: print(line, file=say, flush=True))
+                         runner=Lab(runs_root(args)).runner(), candidates=extra,
+                         say=lambda line: print(line, file=say, flush=True))
     net = adv.network
     print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "
           f"{net['link']} {net['gbps']:g} Gbit/s; link: {adv.link_source}; profile: {adv.profile_source}", file=say)

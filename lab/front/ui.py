@@ -294,6 +294,16 @@ causal LM built from its config, or package.module:factory from the user's code.
 IMPORT_PATH = "import path"
 
 
+COMPRESSOR_SOURCES = ("registry", IMPORT_PATH)
+"""Where the form's compressor comes from: the registry (the built-ins and anything registered), or
+package.module:Class, a subclass of commlab.Compressor from the user's code."""
+
+
+def compressor_sources() -> List[str]:
+    """COMPRESSOR_SOURCES the viewer may choose: a student is offered the registry only."""
+    return [s for s in COMPRESSOR_SOURCES if s != IMPORT_PATH or may_run_code()]
+
+
 def model_sources() -> List[str]:
     """MODEL_SOURCES the viewer may choose: a student is not offered an import path."""
     return [m for m in MODEL_SOURCES if m != IMPORT_PATH or may_run_code()]
@@ -347,13 +357,17 @@ _previews_lock = threading.Lock()
 def model_size(spec: JobSpec) -> dict:
     """Parameter count and gradient bytes of the spec's model: {params, grad_bytes, tensors, tied}, counted
     in a child process with limits (lab.sandbox, task describe), never in this one, once per model and data
-    set (the last PREVIEWS answers are kept). Raises SpecError as the spec would, or with the limit the
-    child hit ("preview: took more than 30 s")."""
+    set (the last PREVIEWS answers are kept); a compressor named by import path is checked there too (its
+    class's declared parameters, and dear's needs). Raises SpecError as the spec would, or with the limit
+    the child hit ("preview: took more than 30 s")."""
     d = spec.to_dict()
     data = dict(d["dataset"])
     if data["name"] == "synthetic":
         data["size"] = None  # how many examples plays no part in the model's size (engine.preflight.sized)
-    key = json.dumps({"model": d["model"], "dataset": data, "seed": 0}, sort_keys=True)
+    want = {"model": d["model"], "dataset": data, "seed": 0}
+    if codepath.code_fields({"compressor": d["compressor"]}):  # the teacher's compressor class: its parameters, in the child
+        want.update(compressor=d["compressor"], comm=d["comm"])
+    key = json.dumps(want, sort_keys=True)
     who = viewer().name
     hit = _preview(key)
     if hit is None:

@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
+from engine.codepath import is_import_path
 from engine.runlog import TRIALS as TRIALS_FILE
 from engine.runlog import write_json_atomic
 from engine.schedules import ParamInfo
@@ -168,10 +169,11 @@ def _mixed(small: dict, rest: dict, below_mb: float = MIXED_BELOW_MB) -> dict:
     return {**rest, "per_bucket": [rule]}
 
 
-def compressor_space() -> List[Tuple[str, dict]]:
+def compressor_space(extra: List[dict] = ()) -> List[Tuple[str, dict]]:
     """(label, compressor section) of the compressors the advisor considers, each checked against the
-    registry (a compressor this build cannot make, or cannot run on this machine, is left out). Mixed
-    sections (compressor.per_bucket) are checked part by part."""
+    registry (a compressor this build cannot make, or cannot run on this machine, is left out), then the
+    ``extra`` sections (full form: the user's candidates, labelled by their key) that are not among them
+    already. Mixed sections (compressor.per_bucket) are checked part by part."""
     import torch
 
     from engine import compressors
@@ -184,10 +186,15 @@ def compressor_space() -> List[Tuple[str, dict]]:
               # each; the big ones carry the bytes
               (f"mixed: none < {below}, powersgd r4", _mixed(_comp("none"), _comp("powersgd", rank=4))),
               (f"mixed: none < {below}, int8", _mixed(_comp("none"), _comp("int8")))]
+    wanted = [(label, c) for label, c in wanted if all(p["name"] in compressors.names() for p in parts(c))]
+    keys = {compressor_key(c) for _, c in wanted}
+    for c in extra:
+        if compressor_key(c) not in keys:
+            keys.add(compressor_key(c))
+            wanted.append((compressor_key(c), c))
     out = []
+    mine = {compressor_key(c) for c in extra}
     for label, c in wanted:
-        if any(p["name"] not in compressors.names() for p in parts(c)):
-            continue
         try:  # "if supported": one round trip on a small tensor, as a rank would run it
             for part in parts(c):
                 comp = make_section(part)
@@ -195,6 +202,12 @@ def compressor_space() -> List[Tuple[str, dict]]:
                 comp.decompress(payload, ctx)
         except (RuntimeError, TypeError) as e:  # a dtype the machine lacks: said, not hidden
             print(f"advisor: leaving out {label}: {type(e).__name__}: {e}", file=sys.stderr)
+            continue
+        except Exception as e:  # the user's code may fail in any way: said, and left out
+            if label not in mine:
+                raise
+            print(f"advisor: leaving out {label}: {type(e).__name__}: {e} (commlab check compressor "
+                  f"{c['name']} says more)")
             continue
         out.append((label, c))
     return out
@@ -207,10 +220,19 @@ def shardable(c: dict) -> bool:
     return all(make_section(p).shard_problem() is None for p in parts(c))
 
 
-def space(spec: dict) -> List[Candidate]:
-    """Every strategy the advisor ranks, for a fully defaulted spec dict."""
+def own_compressor(spec: dict) -> List[dict]:
+    """The spec's own compressor section when it names code (``package.module:Class``, in any part): the
+    user wrote it to be tried, so it joins the space."""
+    from engine.compressors.plan import parts
+    c = spec["compressor"]
+    return [c] if any(is_import_path(p["name"]) for p in parts(c)) else []
+
+
+def space(spec: dict, extra: List[dict] = ()) -> List[Candidate]:
+    """Every strategy the advisor ranks, for a fully defaulted spec dict: the built-in space, the spec's own
+    compressor when it names code, and the ``extra`` compressor sections (``commlab advise --candidate``)."""
     out = []
-    for label, c in compressor_space():
+    for label, c in compressor_space(own_compressor(spec) + list(extra)):
         for cap in BUCKET_CAPS_MB:
             out.append(Candidate(f"{label}, bucket {cap:g} MB, wfbp", c, {"name": "bucket", "cap_mb": cap},
                                  {"mode": "wfbp"}))
@@ -288,6 +310,8 @@ def benchmark_cells(results: Optional[List[dict]] = None) -> Dict[Tuple[str, boo
 def penalty_from_benchmark(comp: dict, cells) -> Optional[Tuple[Optional[float], str]]:
     """From the accuracy benchmark (compressors at their default parameters only)."""
     from engine import compressors
+    if comp["name"] not in compressors.names():  # the user's code: the benchmark never ran it
+        return None
     defaults = {p.name: p.default for p in compressors.REGISTRY[comp["name"]].params}
     if any(defaults.get(k) != v for k, v in (comp.get("params") or {}).items()):
         return None
@@ -682,8 +706,9 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
            workers: Optional[int] = None, measure: bool = False, trials: int = TRIALS,
            trial_steps: int = TRIAL_STEPS, penalties: Optional[Dict[str, float]] = None,
            runner: Optional[Callable[[dict], object]] = None, profile=None,
-           say: Callable[[str], None] = print) -> Advice:
-    """Rank the strategy space for ``spec`` (a fully defaulted spec dict) on a link; see the module docstring."""
+           say: Callable[[str], None] = print, candidates: List[dict] = ()) -> Advice:
+    """Rank the strategy space for ``spec`` (a fully defaulted spec dict) on a link; see the module docstring.
+    ``candidates``: more compressor sections (full form, checked) to rank beside the built-in space."""
     if workers is not None and not 1 <= workers <= 1024:
         raise SpecError("--workers", f"must be in 1..1024, got {workers}")
     if not 1 <= trials <= 20:
@@ -693,7 +718,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     net = network_for(spec, gbps, link)
     world = workers or spec["world_size"]
     t0 = time.perf_counter()
-    cands = space(spec)
+    cands = space(spec, candidates)
     run_trial = runner
     if measure and run_trial is None:
         raise LabError("advise: measuring the close candidates needs runner= (lab.service.queue.Lab(runs).runner())")

@@ -378,6 +378,22 @@ def make_compressor(c: dict):
     return compressors.make(c["name"], error_feedback=bool(c.get("error_feedback")), **(c.get("params") or {}))
 
 
+def code_stamp(c: dict) -> str:
+    """For a compressor section that names code (``package.module:Class``): the size and modification time
+    of the file that defines the class, so a curve or payload measured before the file changed is measured
+    again; "" for a registered compressor (the lab's own code)."""
+    if not codepath.is_import_path(c["name"]):
+        return ""
+    import inspect
+
+    from engine import compressors
+    try:
+        st = Path(inspect.getfile(compressors.resolve(c["name"], "compressor.name"))).stat()
+    except (TypeError, OSError):  # no file to look at (a class made at run time): always measured again
+        return f"@{time.time_ns()}"
+    return f"@{st.st_size}-{st.st_mtime_ns}"
+
+
 def needs_curve(c: dict) -> bool:
     """False when the compressor config ``c`` runs no compressor code: an ``identity`` compressor
     (declared) without error feedback, whose exchange is one all-reduce of the raw gradient

@@ -88,7 +88,7 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
         n = profile.params[i][1] // 4
         shapes.append((off, _matrix_shape(profile.params[i][0], n)))
         off += n
-    ckey = cal.compressor_key(comp)
+    ckey = cal.compressor_key(comp) + cal.code_stamp(comp)  # the user's code: driven again once it changed
     key = (ckey, tuple(profile.params[i] for i in idx))
     if key in _ROUNDS_CACHE:
         return _keep(key, _ROUNDS_CACHE[key])

@@ -399,20 +399,31 @@ def set_aside(path: Path) -> str:
 def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) -> int:
     """Give ``profile`` a cost curve for every compressor the specs use that runs compressor code. With
     ``kept``, curves this machine already measured (``CURVES`` in ``runs``' profiles directory) are taken
-    from there, and new ones are kept there. Returns how many curves were measured (0: none)."""
+    from there, and new ones are kept there. A compressor named by import path (the user's code) is never
+    kept for the machine, and its curve in the profile is measured again when its file has changed since
+    (``calibrate.code_stamp``). Returns how many curves were measured (0: none)."""
     from engine.compressors.plan import parts
     machine = machine_curves(runs) if kept else {}
-    measured = {}
+    measured, fresh = {}, 0
     for s in specs:
         for c in parts(s["compressor"]):  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(c)
-            if cal.needs_curve(c) and k not in profile.compressors:
-                if k not in machine:
-                    machine[k] = measured[k] = cal.measure_compressor(c)
-                profile.compressors[k] = machine[k]
+            if not cal.needs_curve(c):
+                continue
+            stamp = cal.code_stamp(c)
+            have = profile.compressors.get(k)
+            if have is not None and have.get("code", "") == stamp:
+                continue
+            if stamp:
+                profile.compressors[k] = {**cal.measure_compressor(c), "code": stamp}
+                fresh += 1
+                continue
+            if k not in machine:
+                machine[k] = measured[k] = cal.measure_compressor(c)
+            profile.compressors[k] = machine[k]
     if kept and measured:
         keep_machine_curves(runs, measured)
-    return len(measured)
+    return len(measured) + fresh
 
 
 CLUSTER_KEYS = {"node_size": (int, 1, 4096), "intra_gbps": (float, 0.001, 100000),
