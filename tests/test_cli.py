@@ -348,7 +348,8 @@ def test_advise_json_and_its_files(lab_dir, tmp_path, capsys, monkeypatch):
     from lab.strategy import advisor
     seen = {}
 
-    def advise(spec_, runs, gbps, link, workers, measure, trials, trial_steps, penalties, runner=None, say=print):
+    def advise(spec_, runs, gbps, link, workers, measure, trials, trial_steps, penalties, runner=None, candidates=(),
+               say=print):
         seen.update(gbps=gbps, link=link)
         say("profile: a note that belongs on stderr")
         none = advisor.Candidate("none bucket 25MB wfbp", {"name": "none", "params": {}, "error_feedback": False},
