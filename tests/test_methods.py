@@ -228,3 +228,216 @@ def test_dct_codec_round_trip():
     payload, ctx = c.compress(t)
     torch.testing.assert_close(c.decompress(payload, ctx), t)
     assert payload[1].dtype == torch.int16 and payload[0].shape == (4, 8)
+
+
+# --------------------------------------------------------------------------- schedules (pure)
+
+def test_schedules_say_which_steps_send_what():
+    lin = [8, 4]  # Lin's weight (2 floats) and bias (1 float)
+    m = methods.make("local_sgd", H=4)
+    assert [(e.step, e.kind, e.bytes, e.overlap) for e in m.schedule(lin, 10)] == [(3, "params", 12, 0),
+                                                                                   (7, "params", 12, 0)]
+    m = methods.make("post_local_sgd", warmup=2, H=3)
+    assert [(e.step, e.kind) for e in m.schedule(lin, 9)] == [(0, "gradients"), (1, "gradients"), (4, "params"),
+                                                              (7, "params")]
+    m = methods.make("diloco", H=5)
+    assert [(e.step, e.kind, e.bytes) for e in m.schedule(lin, 12)] == [(4, "pseudo", 12), (9, "pseudo", 12)]
+    m = methods.make("streaming_diloco", H=2, fragments=2, tau=1)  # the hand-computed example's
+    assert [(e.step, e.fragment, e.bytes, e.overlap) for e in m.schedule(lin, 4)] == \
+        [(0, 1, 4, 1), (1, 0, 8, 1), (2, 1, 4, 1), (3, 0, 8, 1)]
+    m = methods.make("streaming_diloco", H=6, fragments=3, tau=0)  # staggered: one fragment every 2 steps
+    assert [(e.step, e.fragment) for e in m.schedule([4, 4, 4], 12)] == [(1, 0), (3, 1), (5, 2), (7, 0), (9, 1),
+                                                                         (11, 2)]
+    # DeMo: 4 + 1 elements in chunks of 2 -> 2 + 1 rows, one coefficient each, 4 bytes of value + 2 of position
+    m = methods.make("demo", chunk=2, topk=1)
+    assert [e.bytes for e in m.schedule([16, 4], 3)] == [18, 18, 18]
+    for m in (methods.make("local_sgd", H=3), methods.make("streaming_diloco", H=5, fragments=2, tau=2),
+              methods.make("demo")):
+        assert [s for s in range(20) if m.exchanges_at(s)] == sorted({e.step for e in m.schedule([4, 4], 20)
+                                                                       if e.kind != "gradients"})
+
+
+def test_fragments_split_by_bytes():
+    assert split_even([8, 4], 2) == [[0], [1]]
+    assert split_even([1, 1, 1, 1, 1, 1], 3) == [[0, 1], [2, 3], [4, 5]]
+    assert split_even([100, 1, 1, 1], 3) == [[0], [1], [2, 3]]  # every fragment holds a tensor
+    with pytest.raises(ValueError, match="fragments"):
+        split_even([4, 4], 3)
+
+
+# --------------------------------------------------------------------------- bad parameters: one line
+
+@pytest.mark.parametrize("method, extra, field", [
+    ({"name": "diloco", "H": 0}, {}, "method.H"),
+    ({"name": "local_sgd", "H": 2.5}, {}, "method.H"),
+    ({"name": "diloco", "outer_lr": -1}, {}, "method.outer_lr"),
+    ({"name": "diloco", "outer_momentum": 1.0}, {}, "method.outer_momentum"),
+    ({"name": "diloco", "inner_lr": 0.1}, {}, "method.inner_lr"),
+    ({"name": "streaming_diloco", "H": 4, "fragments": 5}, {}, "method.fragments"),
+    ({"name": "streaming_diloco", "H": 4, "tau": 4}, {}, "method.tau"),
+    ({"name": "demo", "topk": 65, "chunk": 64}, {}, "method.topk"),
+    ({"name": "teleport"}, {}, "method.name"),
+    ({"name": "nosuchpkg.mod:Thing"}, {}, "method.name"),
+    ({"name": "diloco"}, {"comm": "dear"}, "comm.mode"),
+    ({"name": "local_sgd"}, {"schedule": "mergecomp"}, "schedule.name"),
+    ({"name": "diloco"}, {"compressor": {"name": "topk", "ratio": 0.01}}, "compressor.name"),
+    ({"name": "diloco", "compressor": {"name": "topk", "ratio": 2}}, {}, "method.compressor"),
+    ({"name": "local_sgd", "compressor": "fp16"}, {}, "method.compressor"),
+    ({"name": "demo"}, {"optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9}}, "optimizer.momentum"),
+    ({"name": "local_sgd", "H": 4}, {"fault": {"kind": "raise", "at": "sync", "step": 2}}, "fault.step"),
+    ({"name": "none"}, {"fault": {"kind": "raise", "at": "sync"}}, "fault.at"),
+    ({"name": "diloco"}, {"strategy": "auto", "network": {"link": "modeled", "gbps": 1}}, "strategy.mode"),
+])
+def test_bad_parameters_get_one_line_naming_the_field(tmp_path, capsys, method, extra, field):
+    from lab.front.cli import main as cli
+    spec = tmp_path / "bad.json"
+    spec.write_text(json.dumps({"model": "mlp", "steps": 5, "method": method, **extra}))
+    runs = tmp_path / "runs"
+    assert cli(["run", str(spec), "--runs", str(runs)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"commlab: error: {field}:"), err
+    assert not runs.exists() or not any(p for p in runs.iterdir() if not p.name.startswith("."))
+
+
+def test_more_fragments_than_tensors_is_refused_before_any_rank():
+    """The mlp has 6 parameter tensors: 7 fragments cannot each hold one (the lab's preflight builds the model)."""
+    from engine import preflight
+    spec = JobSpec.from_dict({"model": "mlp", "method": {"name": "streaming_diloco", "H": 8, "fragments": 7}})
+    assert preflight.needs_check(spec)
+    with pytest.raises(SpecError, match=r"^method\.fragments: must be at most the model's 6 parameter tensors"):
+        preflight.check(spec)
+    preflight.check(JobSpec.from_dict({"model": "mlp", "method": {"name": "streaming_diloco", "H": 8, "fragments": 6}}))
+
+
+def test_a_users_method_by_import_path(tmp_path, monkeypatch):
+    """A Method subclass in the user's own module is named by import path, its parameters checked as a built-in's."""
+    (tmp_path / "mymeth.py").write_text(
+        "from engine.compressors.params import Param\n"
+        "from engine.methods.local_sgd import LocalSGD\n"
+        "class Every(LocalSGD):\n"
+        "    name = 'every'\n"
+        "    params = (Param('H', int, 3, 'steps between averages', lo=2),)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = JobSpec.from_dict({"model": "mlp", "method": {"name": "mymeth:Every"}})
+    assert spec.method.params == {"H": 3} and spec.method.build().exchanges_at(2)
+    with pytest.raises(SpecError, match=r"^method\.H: must be an integer >= 2, got 1$"):
+        JobSpec.from_dict({"model": "mlp", "method": {"name": "mymeth:Every", "H": 1}})
+    with pytest.raises(SpecError, match=r"^method\.name: .*not a subclass"):
+        JobSpec.from_dict({"model": "mlp", "method": {"name": "json:dumps"}})
+
+
+def test_method_none_changes_nothing():
+    """The default spec has method none, and its spec.json form round-trips."""
+    s = JobSpec.from_dict({"model": "mlp"})
+    assert s.method.name == "none" and s.method.build() is None
+    d = JobSpec.from_dict({"model": "mlp", "method": {"name": "diloco", "H": 7, "compressor": {"name": "int8"}}})
+    assert JobSpec.from_dict(d.to_dict()) == d
+    assert d.to_dict()["method"]["params"] == {"H": 7, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+
+
+# --------------------------------------------------------------------------- the examples train from the CLI
+
+def commlab(*args, timeout=300, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-m", "lab.front.cli", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def only_run(runs: Path) -> Path:
+    (d,) = [d for d in runs.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    return d
+
+
+EXAMPLES = {"local_sgd": "params", "post_local_sgd": "params", "diloco": "pseudo", "streaming_diloco": "pseudo",
+            "demo_momentum": "components"}
+"""Each method's example (examples/<name>.yaml; DeMo's is demo_momentum.yaml, as examples/demo.yaml is the UI's
+demo run) and the kind of its exchanges."""
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_example_trains_from_the_cli_and_sends_what_its_schedule_says(tmp_path, name):
+    """8 steps of the example on the mlp: the run is done, its step lines carry the method, a local step sends
+    nothing, the sync steps are the schedule's (with the bytes it says where nothing compresses them), the
+    timeline has the method's lane, and the summary shows bytes amortized and per sync."""
+    from engine import preflight
+    from lab.base.specs import load_spec
+    runs = tmp_path / "runs"
+    sets = ["steps=8", "model=mlp", "eval_every=0", "threads=1", "timeline=true"]
+    sets += {"post_local_sgd": ["method.warmup=2", "method.H=3"], "demo_momentum": []}.get(name, ["method.H=4"])
+    r = commlab("run", ROOT / "examples" / f"{name}.yaml", "--quiet", "--runs", runs,
+                *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = only_run(runs)
+    spec = load_spec(str(run_dir / "spec.json"))
+    steps = [m for m in read_jsonl(str(run_dir / "metrics.jsonl")) if m["kind"] == "step"]
+    assert len(steps) == 16 and all(m["method"] == spec.method.name for m in steps)
+    m = spec.method.build()
+    sizes = [b for _, b in preflight.parameters(spec)]
+    events = [e for e in m.schedule(sizes, 8) if e.kind != "gradients"]
+    assert {e.kind for e in events} == {EXAMPLES[name]}
+    for rank in (0, 1):
+        mine = {x["step"]: x for x in steps if x["rank"] == rank}
+        assert sorted(s for s, x in mine.items() if "sync_bytes" in x) == sorted({e.step for e in events})
+        for s, x in mine.items():
+            want = [e for e in events if e.step == s]
+            if not want and (name != "post_local_sgd" or s >= spec.method.params["warmup"]):
+                assert x["bytes_sent"] == 0, (s, x)  # a local step sends nothing
+            if want and spec.method.compressor.get("name", "none") == "none":
+                assert x["sync_bytes"] == sum(e.bytes for e in want) == x["bytes_sent"], (s, x)
+    lanes = {e["cat"] for e in read_jsonl(str(run_dir / "timeline-rank0.jsonl"))}
+    assert ("fragment" if name == "streaming_diloco" else "outer") in lanes
+    show = commlab("show", run_dir.name, "--runs", runs)
+    assert show.returncode == 0 and "amortized" in show.stdout and "per sync" in show.stdout, show.stdout
+
+
+def test_sparseloco_recipe_is_diloco_by_configuration(tmp_path):
+    """DiLoCo with top-k 10% and error feedback on the pseudo-gradient: each sync sends about a tenth of the
+    model (values and int32 positions: 0.1 * (4 + 4) / 4 = 0.2 of its bytes), and it trains."""
+    runs = tmp_path / "runs"
+    r = commlab("run", ROOT / "examples" / "diloco.yaml", "--quiet", "--runs", runs, "--set", "steps=8",
+                "--set", "model=mlp", "--set", "threads=1", "--set", "eval_every=0", "--set",
+                "method={name: diloco, H: 4, outer_lr: 0.7, compressor: {name: topk, ratio: 0.1, error_feedback: true}}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = read_jsonl(str(only_run(runs) / "metrics.jsonl"))
+    syncs = [m for m in rows if m.get("sync_bytes")]
+    raw = rows[0]["bytes_raw"]
+    assert len(syncs) == 4 and all(0.15 * raw < m["sync_bytes"] < 0.25 * raw for m in syncs), (raw, syncs)
+    assert [m for m in rows if m["kind"] == "eval"][-1]["eval_acc"] > 0.3
+
+
+# --------------------------------------------------------------------------- a rank killed mid-sync
+
+SMALL = {"name": "fault", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 12, "batch_size": 16,
+         "eval_every": 0, "threads": 1, "comm": "sync"}
+
+
+@pytest.mark.parametrize("method, fault, rank, says", [
+    ({"name": "local_sgd", "H": 3}, {"kind": "raise", "at": "sync", "step": 5, "rank": 1}, 1,
+     "injected fault at step 5 on rank 1, in the method's sync"),
+    ({"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 2}, {"kind": "exit", "at": "sync", "step": 3,
+                                                                       "rank": 0}, 0, "exited with code 17"),
+    ({"name": "diloco", "H": 3}, {"kind": "raise", "at": "start", "step": 2, "rank": 1}, 1,
+     "injected fault at step 2 on rank 1"),
+])
+def test_a_rank_failing_mid_sync_fails_the_run_and_loses_nothing(tmp_path, method, fault, rank, says):
+    """The failing rank dies right after issuing its sync's collective (or at the start of a sync step): the run
+    ends failed naming that rank and its error; every line is whole; the failing rank kept every step before the
+    fault; the other kept consecutive steps, at least up to the last sync before the fault (local steps do not
+    wait for each other, so it may be behind: torchrun stops it wherever it is); no process of the run is left."""
+    import lab
+    from lab.base import procs
+    run = lab.run(dict(SMALL, method=method, fault=fault), runs=tmp_path)
+    st = run.status()
+    assert st["state"] == "failed" and st["rank"] == rank and says in st["error"], st
+    rows = read_jsonl(str(run.path / "metrics.jsonl"))
+    with open(run.path / "metrics.jsonl") as f:
+        assert len(rows) == sum(1 for line in f if line.strip())  # nothing half-written
+    m = JobSpec.from_dict(dict(SMALL, method=method)).method.build()
+    before = [s for s in range(fault["step"]) if m.exchanges_at(s)]
+    for r in (0, 1):
+        done = sorted(x["step"] for x in rows if x["kind"] == "step" and x["rank"] == r)
+        assert done == list(range(len(done))), (r, done)
+        assert len(done) >= (fault["step"] if r == rank else before[-1] if before else 0), (r, done)
+    left = [i for i in run.worker_pids() + [st.get("torchrun")] if procs.alive(i)]  # (this process supervised it)
+    assert not left, left

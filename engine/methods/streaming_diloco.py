@@ -30,6 +30,7 @@ from engine.methods.diloco import DiLoCo
 
 class StreamingDiLoCo(DiLoCo):
     name = "streaming_diloco"
+    checks_model = True
     params = DiLoCo.params + (
         Param("fragments", int, 2, "parts of the parameters synced in turn, each every H steps", lo=1, hi=100_000),
         Param("tau", int, 1, "inner steps a fragment's all-reduce overlaps before its outer step", lo=0,
