@@ -130,7 +130,7 @@ def test_local_sgd_by_hand():
     step 0 (local): rank 0: w = (0.9, 2), b = 0.4;  rank 1: w = (1, 1.7), b = 0.4
     step 1 (local): rank 0: w = (0.8, 2), b = 0.3;  rank 1: w = (1, 1.4), b = 0.3, then averaged: (0.9, 1.7), 0.3
     step 2 (local): rank 0: (0.8, 1.7), 0.2;        rank 1: (0.9, 1.4), 0.2"""
-    (a0, l0, _, g0), (a1, l1, _, g1) = run_world(_hand, {"name": "local_sgd", "H": 2}, 3, X2, [1.0, 2.0], 0.5)
+    (a0, l0, _, g0), (a1, l1, _, _) = run_world(_hand, {"name": "local_sgd", "H": 2}, 3, X2, [1.0, 2.0], 0.5)
     _close(a0, [[0.9, 2, 0.4], [0.9, 1.7, 0.3], [0.8, 1.7, 0.2]])
     _close(a1, [[1, 1.7, 0.4], [0.9, 1.7, 0.3], [0.9, 1.4, 0.2]])
     _close(g0, [0.9, 1.7, 0.3])  # evaluation reads the last average
@@ -397,7 +397,7 @@ def test_sparseloco_recipe_is_diloco_by_configuration(tmp_path):
     runs = tmp_path / "runs"
     r = commlab("run", ROOT / "examples" / "diloco.yaml", "--quiet", "--runs", runs, "--set", "steps=8",
                 "--set", "model=mlp", "--set", "threads=1", "--set", "eval_every=0", "--set",
-                "method={name: diloco, H: 4, outer_lr: 0.7, compressor: {name: topk, ratio: 0.1, error_feedback: true}}")
+                "method={name: diloco, H: 4, compressor: {name: topk, ratio: 0.1, error_feedback: true}}")
     assert r.returncode == 0, r.stdout + r.stderr
     rows = read_jsonl(str(only_run(runs) / "metrics.jsonl"))
     syncs = [m for m in rows if m.get("sync_bytes")]

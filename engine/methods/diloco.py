@@ -31,7 +31,7 @@ all-reduce, and there is no quorum or commit step (a failed rank fails the run).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 

@@ -82,13 +82,17 @@ def format_summary(s: dict) -> List[str]:
     def f(key, fmt):
         v = s.get(key)
         return fmt.format(v) if v is not None else "-"
-    return [
+    amortized = " amortized" if "method" in s else ""  # a method's local steps send nothing: a mean
+    lines = [
         f"steps          {s.get('steps_done', 0)}/{s.get('steps', '?')}",
         f"iteration      {f('iter_ms_median', '{:.1f}')} ms (median, slower rank)",
         f"throughput     {f('throughput', '{:.0f}')} samples/s",
         f"final loss     {f('final_loss', '{:.4f}')}",
         f"accuracy       {f('final_acc', '{:.2%}')} held out (best {f('best_acc', '{:.2%}')})",
         f"bytes/step     {fmt_bytes(s.get('bytes_per_step'))} per rank (compression {f('compression_ratio', '{:.1f}')}x)"
-        + (" amortized" if "method" in s else ""),
-    ] + ([f"syncs          {s['syncs']} of {s['method']}, {fmt_bytes(s.get('bytes_per_sync'))} per sync per rank; "
-          f"iteration {f('iter_ms_mean', '{:.1f}')} ms amortized (mean)"] if "method" in s else [])
+        f"{amortized}",
+    ]
+    if "method" in s:
+        lines.append(f"syncs          {s['syncs']} of {s['method']}, {fmt_bytes(s.get('bytes_per_sync'))} per sync per "
+                     f"rank; iteration {f('iter_ms_mean', '{:.1f}')} ms amortized (mean)")
+    return lines
