@@ -15,9 +15,9 @@ recursion (tests/test_methods.py holds it to the sync mode). Bytes: the model on
 Follows PyTorch's ``PeriodicModelAverager`` (torch.distributed.algorithms.model_averaging): parameters
 averaged in one flat buffer divided by the world size, beside a stock optimizer. Differs in two ways:
 the all-reduce goes through the lab's exchange driver and timeline (lane "outer"), not
-``model_averaging.utils.average_parameters``; and the first average comes after H steps (PyTorch's
-averager also averages at its step 0, a no-op when every rank starts from rank 0's parameters).
-torchft's ``LocalSGD`` syncs after ``sync_every`` optimizer steps, as here, and averages per tensor.
+``model_averaging.utils.average_parameters``; and the averages come after every H-th step (0-based steps
+H-1, 2H-1, ...), where PyTorch's averager averages after steps 0, H, 2H, ... (its counter starts at the first
+call). torchft's ``LocalSGD`` syncs after every ``sync_every`` optimizer steps, as here, a tensor at a time.
 The average is uncompressed; a compressed one is DiLoCo with outer_lr 1 and outer_momentum 0 (the
 average of pseudo-gradients), which takes ``method.compressor``.
 """

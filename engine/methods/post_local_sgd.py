@@ -7,10 +7,10 @@ average parameters after every H-th step of the local phase.
 
 Follows PyTorch's ``PostLocalSGDOptimizer`` with a ``PeriodicModelAverager(period=H, warmup_steps=warmup)``
 and the ``post_localSGD_hook``: the same two phases. Differs as local SGD does (engine/methods/local_sgd.py):
-averages through the lab's driver and timeline, and the first average of the local phase comes after H
-local steps (PyTorch's averager averages at the warm-up's last step + 1 as well, when the ranks still
-agree). PyTorch's hook can keep averaging gradients within a subgroup (intra-node) in the local phase;
-here the local phase sends no gradients at all.
+averages through the lab's driver and timeline, and the first average of the local phase comes after its
+H-th local step (PyTorch's averager averages after the first local step, then every H). PyTorch's hook can
+keep averaging gradients within a subgroup (intra-node) in the local phase; here the local phase sends no
+gradients at all.
 """
 from __future__ import annotations
 
