@@ -47,8 +47,11 @@ def wrap(model: torch.nn.Module, optimizer: OptimizerLike = None, spec: SpecLike
     ``optimizer``: None (the spec's ``optimizer``), a ``torch.optim`` optimizer over
     ``model.parameters()``, or a factory ``params -> optimizer``. dear steps this rank's
     shards, so it needs a factory (or None): ``lambda ps: torch.optim.SGD(ps, lr=0.1)``.
-    ``spec``: a YAML/JSON path, a dict or a JobSpec; only compressor, schedule, comm, network,
-    timeline, name, steps (for progress) and seed matter here (the loop is yours).
+    ``spec``: a YAML/JSON path, a dict or a JobSpec; only compressor, schedule, comm, network, method,
+    timeline, name, steps (for progress) and seed matter here (the loop is yours). A method (local SGD,
+    DiLoCo, ...) runs its hooks around your optimizer's step inside ``step()``: it decides which steps
+    exchange gradients and runs its own syncs; evaluate under ``evaluating()`` to read the parameters
+    every rank agrees on (DiLoCo's global ones).
     ``run_id``: the run's name (default: a fresh one from rank 0)."""
     return OwnLoop(model, optimizer, spec, runs=runs, run_id=run_id, group=group)
 
@@ -143,6 +146,12 @@ class OwnLoop:
         (call before evaluating or saving the model)."""
         self.stepper.sync_params()
 
+    def evaluating(self):
+        """A context in which the model holds the parameters every rank agrees on: a method's global
+        parameters (DiLoCo's, local SGD's last average); the rank's own come back after it. Without a
+        method (or with DeMo, whose ranks never differ) it changes nothing."""
+        return self.stepper.evaluating()
+
     # -- the run ----------------------------------------------------------
     def _open_run(self, runs, run_id, model, optimizer):
         lab = Lab(runs)
@@ -188,6 +197,7 @@ class OwnLoop:
             h.remove()
         try:
             if error is None:
+                self.stepper.drain()  # a method's exchanges still in flight (Streaming DiLoCo's fragments)
                 self.stepper.sync_params()
             self.stepper.close()
         except BaseException as e:

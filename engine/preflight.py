@@ -28,9 +28,13 @@ shape, classes and vocabulary, never on how many examples there are."""
 
 def needs_check(spec: JobSpec) -> bool:
     """Zoo models on shipped data sets are known to fit (the spec checks their kinds); models
-    and data sets from outside the zoo, and a loss of the user's, are checked by a first batch."""
-    return (external.is_external(spec.model.name) or external.is_external(spec.dataset.name)
-            or bool(code_fields(spec.to_dict())))
+    and data sets from outside the zoo, a loss of the user's, and a method whose parameters depend on
+    the model (Streaming DiLoCo's fragments) are checked by a first batch."""
+    if (external.is_external(spec.model.name) or external.is_external(spec.dataset.name)
+            or code_fields(spec.to_dict())):
+        return True
+    method = spec.method.build()  # a built-in here: a method named by import path is code, found above
+    return method is not None and method.checks_model
 
 
 def _here(what: str) -> None:
@@ -103,7 +107,20 @@ def check(spec: JobSpec) -> dict:
         raise SpecError("model.loss" if spec.model.loss else "model",
                         f"the loss does not fit {spec.model.name}'s output {shape} and labels "
                         f"{tuple(y.shape)} {y.dtype}: {type(e).__name__}: {_first_line(e)}") from None
+    check_method(spec, model)
     return describe_model(model)
+
+
+def check_method(spec: JobSpec, model) -> None:
+    """The spec's method against the model's trainable tensors (more fragments than tensors, ...)."""
+    m = spec.method.build()
+    if m is None:
+        return
+    try:
+        m.check_model([p.numel() * p.element_size() for p in model.parameters() if p.requires_grad])
+    except ValueError as e:
+        where, _, msg = str(e).partition(": ")
+        raise SpecError(f"method.{where}", msg) from None
 
 
 def describe_model(model) -> dict:

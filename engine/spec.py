@@ -406,20 +406,76 @@ class StrategySpec:
 
 
 @dataclass
+class MethodSpec:
+    """How often ranks communicate: every step's gradients (none), or a method's own exchanges
+    (engine/methods/): local_sgd, post_local_sgd, diloco, streaming_diloco, demo, or package.module:Class."""
+    name: str = "none"
+    """none (the default: the communicator averages every step's gradients) | a name from
+    engine.methods.names() | package.module:Class (a subclass of engine.methods.base.Method)."""
+    params: dict = field(default_factory=dict)
+    """The method's own parameters (H, outer_lr, outer_momentum, warmup, fragments, tau, ...). In YAML they
+    may be written inline: {name: diloco, H: 50}. spec.json holds every one, defaulted."""
+    compressor: dict = field(default_factory=dict)
+    """The compressor of the method's exchanges (diloco, streaming_diloco: the pseudo-gradients), a
+    compressor section as the top-level one: {name: topk, ratio: 0.01, error_feedback: true}. Default none;
+    spec.json holds it fully defaulted for a method that takes one."""
+
+    def __post_init__(self):
+        from engine import methods  # lazy: the methods pull in torch
+        if self.name == methods.NONE:
+            if self.params:
+                raise SpecError(f"method.{next(iter(self.params))}", "method none takes no parameters")
+            if self.compressor:
+                raise SpecError("method.compressor", "method none has no exchange of its own; the top-level "
+                                                     "compressor compresses the gradients")
+            return
+        if is_import_path(self.name) and not imports_allowed():
+            try:
+                check_path(self.name, "method.name")  # a viewer's process: the syntax only
+            except ValueError as e:
+                raise SpecError("method.name", str(e).partition(": ")[2]) from None
+            return
+        try:
+            m = methods.make(self.name, **self.params)
+        except ValueError as e:
+            where, _, msg = str(e).partition(": ")
+            raise SpecError(f"method.{where}", msg) from None
+        self.params = m.values()  # spec.json says what the run used
+        if self.compressor and not m.takes_compressor:
+            takers = [n for n in methods.names()[1:] if methods.resolve(n).takes_compressor]
+            raise SpecError("method.compressor", f"{self.name} exchanges nothing a compressor applies to; "
+                                                 f"methods that take one: {', '.join(takers)}")
+        if m.takes_compressor:
+            comp = _build(CompressorSpec, _compressor_shorthand(self.compressor), "method.compressor",
+                          prefix="method.")
+            self.compressor = dataclasses.asdict(comp)
+
+    def build(self):
+        """The method's instance (engine.methods.base.Method), or None for none."""
+        from engine import methods  # lazy: the methods pull in torch
+        return None if self.name == methods.NONE else methods.make(self.name, **self.params)
+
+
+@dataclass
 class FaultSpec:
     """Fault injection, for testing how the lab handles failing runs."""
     kind: Literal["none", "raise", "exit", "nan"] = "none"
     """raise: an exception in the rank; exit: the rank process dies without a word (os._exit);
     nan: the rank's loss becomes NaN (the run must stop as diverged)."""
     step: int = 0
-    """The step at whose start the fault fires."""
+    """The step at which the fault fires."""
     rank: int = 0
+    at: Literal["start", "sync"] = "start"
+    """start: at the start of the step; sync: right after the method's exchange of that step is issued
+    (a rank dies mid-sync while the others wait in it)."""
 
     def __post_init__(self):
         if self.step < 0:
             raise SpecError("fault.step", f"must be >= 0, got {self.step}")
         if self.rank < 0:
             raise SpecError("fault.rank", f"must be >= 0, got {self.rank}")
+        if self.at == "sync" and self.kind == "nan":
+            raise SpecError("fault.at", "sync takes kind raise or exit (a NaN loss happens at a step's start)")
 
 
 @dataclass
@@ -455,6 +511,8 @@ class JobSpec:
     """Testing only: make one rank fail at one step."""
     strategy: StrategySpec = field(default_factory=StrategySpec)
     """fixed (as written) or auto (the lab's advisor chooses compressor, schedule and comm)."""
+    method: MethodSpec = field(default_factory=MethodSpec)
+    """none (every step's gradients) or a method that communicates less often (engine/methods/)."""
 
     def __post_init__(self):
         if not 1 <= self.world_size <= 1024:
@@ -507,6 +565,41 @@ class JobSpec:
                 raise SpecError("dataset", f"{self.model.name} takes 3-channel images, {self.dataset.name} has "
                                            f"{channels}; use {{name: synthetic, shape: [3, 64, 64], classes: 10}}")
 
+        self._check_method()
+
+    def _check_method(self) -> None:
+        """The combinations a method allows (engine/methods/); fault.at sync needs a sync at fault.step."""
+        m = None if is_import_path(self.method.name) and not imports_allowed() \
+            else self.method.build()
+        if m is None:
+            if self.fault.at == "sync" and self.method.name == "none":
+                raise SpecError("fault.at", "sync fires in a method's exchange; method none has none (use start)")
+            return
+        name = self.method.name
+        if self.comm.mode == "dear":
+            raise SpecError("comm.mode", f"method {name} skips the gradient exchange on local steps, which dear "
+                                         f"cannot (its parameters live in shards); use comm sync or wfbp")
+        if self.strategy.mode == "auto":
+            raise SpecError("strategy.mode", f"auto does not plan method {name} yet; use strategy fixed")
+        if self.schedule.name in ("mergecomp", "layerfusion"):
+            raise SpecError("schedule.name", f"{self.schedule.name} times steps to tune the buckets, and method "
+                                             f"{name} sends no gradients on local steps; use layerwise, allinone "
+                                             f"or bucket")
+        if not m.exchanges_gradients and (self.compressor.name != "none" or self.compressor.per_bucket):
+            raise SpecError("compressor.name", f"method {name} exchanges no gradients; give the compressor of its "
+                                               f"own exchange as method.compressor"
+                                               + ("" if m.takes_compressor else f" (which {name} does not take)"))
+        try:
+            m.check_job({k: dataclasses.asdict(getattr(self, k)) for k in ("optimizer", "compressor", "schedule",
+                                                                            "comm", "network")})
+        except ValueError as e:
+            where, _, msg = str(e).partition(": ")
+            raise SpecError(where, msg) from None
+        if self.fault.at == "sync" and self.fault.kind != "none" and not m.exchanges_at(self.fault.step):
+            due = [s for s in range(self.steps) if m.exchanges_at(s)][:4]
+            raise SpecError("fault.step", f"method {name} has no exchange of its own in step {self.fault.step} "
+                                          f"(its first: {', '.join(map(str, due)) or 'none in the run'})")
+
     # -- conversion -------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Any) -> "JobSpec":
@@ -532,14 +625,19 @@ def _shorthand(data: Any) -> Any:
         data["network"] = {"link": data["network"]}
     if isinstance(data.get("strategy"), str):
         data["strategy"] = {"mode": data["strategy"]}
-    comp = data.get("compressor")
-    if isinstance(comp, dict):
-        known = {"name", "error_feedback", "params", "per_bucket"}
-        extra = {k: v for k, v in comp.items() if k not in known}
-        if extra:
-            params = dict(comp.get("params") or {})
-            params.update(extra)
-            data["compressor"] = {**{k: v for k, v in comp.items() if k in known}, "params": params}
+    if isinstance(data.get("method"), str):
+        data["method"] = {"name": data["method"]}
+    data["compressor"] = _compressor_shorthand(data.get("compressor"))
+    if data["compressor"] is None:
+        del data["compressor"]
+    meth = data.get("method")
+    if isinstance(meth, dict):
+        own = ("name", "params", "compressor")
+        extra = {k: v for k, v in meth.items() if k not in own}
+        data["method"] = {**{k: v for k, v in meth.items() if k in own},
+                          **({"params": {**(meth.get("params") or {}), **extra}} if extra else {})}
+        if isinstance(meth.get("compressor"), str):
+            data["method"]["compressor"] = {"name": meth["compressor"]}
     model = data.get("model")
     if isinstance(model, dict):
         extra = {k: v for k, v in model.items() if k not in ("name", "options", "loss")}
@@ -556,7 +654,27 @@ def _shorthand(data: Any) -> Any:
     return data
 
 
-def _build(cls, data: Any, path: str):
+def _compressor_shorthand(comp: Any) -> Any:
+    """A compressor section with its parameters inline next to ``name`` moved under ``params``."""
+    if isinstance(comp, dict):
+        known = {"name", "error_feedback", "params", "per_bucket"}
+        extra = {k: v for k, v in comp.items() if k not in known}
+        if extra:
+            params = dict(comp.get("params") or {})
+            params.update(extra)
+            return {**{k: v for k, v in comp.items() if k in known}, "params": params}
+    return comp
+
+
+def _build(cls, data: Any, path: str, prefix: str = ""):
+    """``cls`` from ``data``; ``prefix`` goes before the field of any error its checks raise (a section
+    nested in another, such as method.compressor, whose checks name their own fields from the top)."""
+    if prefix:
+        try:
+            return _build(cls, data, path)
+        except SpecError as e:
+            where = e.path if e.path.startswith(prefix) else prefix + e.path
+            raise SpecError(where, e.msg) from None
     if not isinstance(data, dict):
         raise SpecError(path or "spec", f"must be a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)

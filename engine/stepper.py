@@ -9,10 +9,17 @@ backward; ``step()`` does the rest of the iteration:
 
     finish the exchange -> divergence check -> optimizer.step -> zero_grad -> log -> tuners
 
+With a method (engine/methods/: local SGD, DiLoCo, ...) its hooks run around that: ``begin`` at each
+step boundary decides whether the communicator exchanges the next step's gradients (wfbp sends during
+backward), ``after_backward`` after the finish, ``after_optimizer_step`` after the optimizer (periodic
+syncs). Step lines then carry ``method``, ``sync_ms`` and, on steps with an exchange of the method's,
+``sync_bytes``; ``bytes_sent`` counts what the step sent (0 on a local step).
+
 ``engine.trainer.Trainer`` drives it from its data loop; ``commlab.wrap`` from the user's.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
@@ -27,6 +34,7 @@ from engine.comm.core import Communicator
 from engine.comm.dear import DeAR
 from engine.comm.wfbp import DataParallel
 from engine.compressors.plan import Plan
+from engine.methods.base import Context, Method
 from engine.probe import LayerProbe
 from engine.runlog import JsonlWriter
 from engine.spec import DEAR_CAP_MB, JobSpec
@@ -74,6 +82,15 @@ class Stepper:
         self.step = 0
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self._build()
+        self.method: Optional[Method] = spec.method.build()
+        """The method (engine/methods/), or None for method none (every step's gradients, nothing else)."""
+        if self.method is not None:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            sec = spec.method.compressor
+            self.method.setup(Context(params=[p for _, p in named], names=[n for n, _ in named], world=self.dp.world,
+                                      rank=self.dp.rank, group=group, link=self.dp.link, timeline=self.timeline,
+                                      plan=Plan.from_section(sec) if sec else None, on_issue=self._fault_in_sync))
+            self._begin()
 
     def _build(self, layout: Optional[dict] = None, broadcast: bool = True) -> None:
         """The communicator, optimizer and tuning driver ``self.spec`` asks for, over the model.
@@ -137,6 +154,28 @@ class Stepper:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
         self.dp.sync_params()
 
+    def _begin(self) -> None:
+        """The method's say on the coming step: does the communicator exchange its gradients?"""
+        self.dp.set_exchanging(self.method.begin(self.step))
+
+    def _fault_in_sync(self, step: int) -> None:
+        """fault.at sync (testing): fail right after the method's collective of ``step`` is issued."""
+        f = self.spec.fault
+        if f.at == "sync" and f.step == step and f.rank == self.rank:
+            if f.kind == "exit":
+                os._exit(17)  # die without cleanup, mid-sync, as a crash would
+            raise RuntimeError(f"injected fault at step {step} on rank {self.rank}, in the method's sync")
+
+    def evaluating(self):
+        """A context in which the model holds the parameters every rank agrees on (a method's global
+        parameters, e.g. DiLoCo's), for evaluation; the local ones come back after it."""
+        return self.method.evaluating() if self.method is not None else contextlib.nullcontext()
+
+    def drain(self) -> None:
+        """At the end of training, on every rank: wait for the method's exchanges still in flight."""
+        if self.method is not None:
+            self.method.drain()
+
     def write_layout(self) -> None:
         buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
                     "compressor": b.compressor.name, "codec": b.codec} for b in self.dp.buckets]
@@ -154,13 +193,24 @@ class Stepper:
         step the optimizer, log the step, feed the tuners. ``loss`` is a tensor, a number or None.
         Raises ``Diverged`` when the averaged gradient is not finite (on every rank alike)."""
         tl = self.timeline
+        meth = self.method
         self.dp.finish()
+        sync_s = 0.0
+        if meth is not None:
+            tb = tl.now()
+            meth.after_backward(self.step)  # DeMo: its exchange replaces the gradients, alike on every rank
+            sync_s += tl.now() - tb
         finite = self.dp.grads_finite()  # every rank sees the same averaged gradient: one decision for all
         t3 = tl.now()
         m3 = tl.mark()
         self.optimizer.step()
         self.dp.zero_grad()
         m4 = tl.mark()
+        if meth is not None:
+            ta = tl.now()
+            meth.after_optimizer_step(self.step)  # periodic syncs, fragments issued or applied
+            sync_s += tl.now() - ta
+            after = tl.now() - ta
         loss_value = loss.item() if isinstance(loss, torch.Tensor) else loss  # .item() syncs the device
         if not bool(finite):
             raise Diverged(self.step)
@@ -177,14 +227,21 @@ class Stepper:
                "time_ms": (t4 - t0) * 1e3, "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t2 - t1) * 1e3,
                "finish_ms": (t3 - t2) * 1e3, "optimizer_ms": (t4 - t3) * 1e3,
                "bytes_sent": self.dp.step_bytes, "bytes_raw": self.dp.step_raw_bytes, "t": time.time()}
+        if meth is not None:
+            rec.update({"optimizer_ms": (t4 - t3 - after) * 1e3, "bytes_sent": self.dp.step_bytes + meth.step_bytes,
+                        "method": meth.name, "sync_ms": sync_s * 1e3, **meth.step_log})
         self.log(rec)
         self.step += 1
         if self.tuning is not None and not self.tuning.done:
             self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
             tl.flush()
+        if meth is not None:
+            self._begin()
         return rec
 
     def close(self) -> None:
+        if self.method is not None:
+            self.method.close()
         self.dp.close()
         if self.probe:
             self.probe.close()

@@ -22,6 +22,8 @@ LANES = {
     "step": 0, "forward": 1, "backward": 2, "compress": 3, "comm": 4,
     "wait": 5, "decompress": 6, "optimizer": 7, "eval": 8, "ready": 9, "tune": 10,
     "advisor": 11,  # strategy auto: its profiling run's steps (written by the lab before the ranks start), the trials
+    "outer": 12,  # a method's own exchanges (engine/methods/): local SGD's averages, DiLoCo's outer syncs, DeMo's
+    "fragment": 13,  # Streaming DiLoCo: a fragment's exchange, in flight across inner steps
 }
 LANE_NAMES = {v: k for k, v in LANES.items()}
 

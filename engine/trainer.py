@@ -155,7 +155,7 @@ class Trainer:
 
     def _fault_now(self, kind: str) -> bool:
         f = self.spec.fault
-        return f.kind == kind and f.step == self.step and f.rank == self.rank
+        return f.kind == kind and f.at == "start" and f.step == self.step and f.rank == self.rank
 
     def _maybe_fault(self) -> None:
         if self._fault_now("raise"):
@@ -172,6 +172,19 @@ class Trainer:
         self.sync_buffers()
         if self.probe:
             self.probe.active = False
+        with self.stepper.evaluating():  # a method's global parameters (DiLoCo's), alike on every rank
+            tot = self._held_out()
+        loss_sum, c, k = tot.tolist()
+        rec = {"kind": "eval", "step": self.step, "rank": self.rank, "eval_loss": loss_sum / max(k, 1),
+               "eval_acc": c / max(k, 1), "t": time.time()}
+        tl.span("eval", "eval", t0, tl.now(), {"step": self.step, "acc": rec["eval_acc"]})
+        tl.flush()
+        if self.rank == 0:
+            self.log(rec)
+        return rec
+
+    def _held_out(self) -> torch.Tensor:
+        """(loss sum, correct, count) over the held-out split, summed over ranks."""
         self.model.eval()
         n_all = self.data.size("test")
         n = min(n_all, EVAL_MAX)
@@ -189,14 +202,7 @@ class Trainer:
         self.model.train()
         if self.probe:
             self.probe.active = True
-        loss_sum, c, k = tot.tolist()
-        rec = {"kind": "eval", "step": self.step, "rank": self.rank, "eval_loss": loss_sum / max(k, 1),
-               "eval_acc": c / max(k, 1), "t": time.time()}
-        tl.span("eval", "eval", t0, tl.now(), {"step": self.step, "acc": rec["eval_acc"]})
-        tl.flush()
-        if self.rank == 0:
-            self.log(rec)
-        return rec
+        return tot
 
     def train(self) -> None:
         spec = self.spec
@@ -210,6 +216,7 @@ class Trainer:
         while self.step < spec.steps:
             self.train_step()
             maybe_evaluate()
+        self.stepper.drain()
         self.sync_params()
         if spec.final_eval:
             self.evaluate()

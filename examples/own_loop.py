@@ -76,7 +76,7 @@ def main():
                 loss.backward()
                 comm.step(loss=loss)  # average (compressed), optimizer step, zero the gradients, log
             comm.sync_params()  # dear: gather the last update before reading the parameters
-            with torch.no_grad():
+            with torch.no_grad(), comm.evaluating():  # a method's global parameters (DiLoCo's); else the model's
                 out = model.eval()(X)
             acc = (out.argmax(1) == y).float().mean().item()
             comm.log_eval(acc=acc, loss=F.cross_entropy(out, y).item())

@@ -134,7 +134,8 @@ def test_every_example_spec_is_valid(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["demo", "topk-ef", "transformer-text", "resnet-modeled-1gbit", "mergecomp-topk",
-                                  "dear-1gbit", "mixed-modeled-1gbit"])
+                                  "dear-1gbit", "mixed-modeled-1gbit", "local_sgd", "post_local_sgd", "diloco",
+                                  "streaming_diloco", "demo_momentum"])
 def test_examples_are_valid_specs(name):
     import os
     path = os.path.join(os.path.dirname(__file__), "..", "examples", f"{name}.yaml")

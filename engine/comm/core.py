@@ -138,6 +138,10 @@ class Communicator:
     ``step_raw_bytes`` of the last step, and ``close()``."""
 
     mode = "base"
+    exchanging = True
+    """False on a method's local steps (engine/methods/): gradients land in the buckets unscaled, nothing
+    is sent, and ``finish`` leaves each rank's own gradient in p.grad. Changed at a step boundary only
+    (``set_exchanging``)."""
 
     def __init__(self, model: torch.nn.Module, make_compressor: Union[Callable[[], Compressor], Plan],
                  timeline: Optional[Timeline] = None, group=None, broadcast_from_rank0: bool = True,
@@ -263,6 +267,13 @@ class Communicator:
             for p, view in zip(b.params, b.views):
                 p.grad = view
         self._rebind = False
+
+    def set_exchanging(self, on: bool) -> None:
+        """Whether the steps from the next one on exchange gradients (a method's local steps do not). Call
+        it at a step boundary, on every rank alike. A mode that cannot skip its exchange raises."""
+        if not on:
+            raise ValueError(f"comm.mode {self.mode}: cannot skip the gradient exchange on a method's local steps; "
+                             f"use comm sync or wfbp")
 
     # -- what the optimizer steps ---------------------------------------------
     def optimizer_params(self) -> List[torch.nn.Parameter]:

@@ -68,9 +68,20 @@ class DataParallel(Communicator):
 
     def _new_bucket(self, index, params, names, compressor) -> Bucket:
         b = ExchangeBucket(index, params, names, compressor)
-        if Exchange.prescales(compressor):
-            b.scale = 1.0 / self.world  # divided as the gradients land, before the all-reduce (as DDP does)
+        b.scale = self._scale(compressor)
         return b
+
+    def _scale(self, compressor: Compressor) -> Optional[float]:
+        """1/world where the gradients are divided as they land, before the all-reduce (as DDP does); None
+        on local steps, which keep each rank's own gradient."""
+        return 1.0 / self.world if self.exchanging and Exchange.prescales(compressor) else None
+
+    def set_exchanging(self, on: bool) -> None:
+        on = bool(on)
+        if on != self.exchanging:
+            self.exchanging = on
+            for b in self.buckets:
+                b.scale = self._scale(b.compressor)
 
     def _build(self, layout, order) -> None:
         super()._build(layout, order)
@@ -83,7 +94,7 @@ class DataParallel(Communicator):
         return super()._bulk_buckets()
 
     def _bucket_ready(self, b: Bucket) -> None:
-        if self.mode == "wfbp":
+        if self.mode == "wfbp" and self.exchanging:
             self._launch_ready()
 
     def _launch(self, b: ExchangeBucket) -> None:
@@ -142,7 +153,13 @@ class DataParallel(Communicator):
         return True
 
     def finish(self) -> None:
-        """Complete every bucket's exchange and leave averaged gradients in p.grad."""
+        """Complete every bucket's exchange and leave averaged gradients in p.grad (on a local step: land
+        this rank's own gradients, send nothing)."""
+        if not self.exchanging:
+            self._land_rest()
+            self.step_bytes = 0
+            self._end_step()
+            return
         self._complete_arrivals()
         active = [b for b in self.buckets if not b.done]
         while active:  # bucket order: every rank issues follow-up rounds identically
@@ -155,6 +172,8 @@ class DataParallel(Communicator):
         """A 0-d bool tensor: every averaged gradient is finite. The buffers are identical on
         all ranks after ``finish``, so all ranks reach the same answer without a collective.
         It is a tensor so that the caller reads it at a sync point it has anyway (on GPU,
-        reading it here would stall the stream every step)."""
+        reading it here would stall the stream every step). On a method's local step the buffers hold
+        this rank's own gradients, so the answer is this rank's: a rank that diverges stops at once
+        (and its launcher stops the others) instead of carrying NaN into the next sync."""
         total = sum(b.flat.sum(dtype=torch.float32) for b in self.buckets)  # inf when it overflows: diverged too
         return torch.isfinite(torch.as_tensor(total))

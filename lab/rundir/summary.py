@@ -41,10 +41,19 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None) -> dict:
         or steps
     sent = statistics.median(m["bytes_sent"] for m in rank0)
     raw = statistics.median(m["bytes_raw"] for m in rank0)
+    method = next((m["method"] for m in rank0 if "method" in m), None)
+    if method is not None:
+        # a method sends nothing on local steps and a whole sync on others: per step means amortized
+        sent = statistics.fmean(m["bytes_sent"] for m in rank0)
+        syncs = [m["sync_bytes"] for m in rank0 if "sync_bytes" in m]
+        out.update({"method": method, "syncs": len(syncs),
+                    "bytes_per_sync": statistics.median(syncs) if syncs else None,
+                    "iter_ms_mean": statistics.fmean(it[s] for s in timed)})
     out.update({
         "steps_done": last + 1,
         "iter_ms_median": med,
-        "throughput": (world * batch) / (med / 1e3) if batch and med > 0 else None,
+        # a method's sync steps are rare and long: its throughput is the amortized (mean) iteration's
+        "throughput": (world * batch) / (out.get("iter_ms_mean", med) / 1e3) if batch and med > 0 else None,
         "final_loss": sum(last_losses) / len(last_losses),
         "bytes_per_step": sent,
         "compression_ratio": (raw / sent) if sent else None,
@@ -73,11 +82,17 @@ def format_summary(s: dict) -> List[str]:
     def f(key, fmt):
         v = s.get(key)
         return fmt.format(v) if v is not None else "-"
-    return [
+    amortized = " amortized" if "method" in s else ""  # a method's local steps send nothing: a mean
+    lines = [
         f"steps          {s.get('steps_done', 0)}/{s.get('steps', '?')}",
         f"iteration      {f('iter_ms_median', '{:.1f}')} ms (median, slower rank)",
         f"throughput     {f('throughput', '{:.0f}')} samples/s",
         f"final loss     {f('final_loss', '{:.4f}')}",
         f"accuracy       {f('final_acc', '{:.2%}')} held out (best {f('best_acc', '{:.2%}')})",
-        f"bytes/step     {fmt_bytes(s.get('bytes_per_step'))} per rank (compression {f('compression_ratio', '{:.1f}')}x)",
+        f"bytes/step     {fmt_bytes(s.get('bytes_per_step'))} per rank (compression {f('compression_ratio', '{:.1f}')}x)"
+        f"{amortized}",
     ]
+    if "method" in s:
+        lines.append(f"syncs          {s['syncs']} of {s['method']}, {fmt_bytes(s.get('bytes_per_sync'))} per sync per "
+                     f"rank; iteration {f('iter_ms_mean', '{:.1f}')} ms amortized (mean)")
+    return lines
