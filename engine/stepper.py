@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine import netmodel, schedules, tuners
+from engine import netmodel, runfiles, schedules, tuners
 from engine.comm.core import Communicator
 from engine.comm.dear import DeAR
 from engine.comm.wfbp import DataParallel
@@ -65,9 +65,9 @@ class Stepper:
         self.spec, self.model, self.run_dir, self.rank, self.device = spec, model, run_dir, rank, device
         path = (lambda name: os.path.join(run_dir, name)) if run_dir else None
         clock = CudaClock(device) if device.type == "cuda" else Clock()
-        self.timeline = Timeline(path(f"timeline-rank{rank}.jsonl") if path else None, rank,
+        self.timeline = Timeline(path(runfiles.TIMELINE.format(rank=rank)) if path else None, rank,
                                  enabled=spec.timeline, clock=clock)
-        self.metrics = JsonlWriter(path("metrics.jsonl")) if path else None
+        self.metrics = JsonlWriter(path(runfiles.METRICS)) if path else None
         self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
         self.group = group
         self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params))
@@ -140,7 +140,7 @@ class Stepper:
     def write_layout(self) -> None:
         buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
                     "compressor": b.compressor.name, "codec": b.codec} for b in self.dp.buckets]
-        with open(os.path.join(self.run_dir, "layout.json"), "w") as f:
+        with open(os.path.join(self.run_dir, runfiles.LAYOUT), "w") as f:
             json.dump({"params": sum(p.numel() for p in self.model.parameters()),
                        "tensors": len(self.dp.infos), "buckets": buckets}, f, indent=1)
 

@@ -468,8 +468,7 @@ def test_strategy_auto_trials_in_the_run(auto_root):
     """A run with room for its trials trains them as its first steps: no trial session, the measurements
     and the choice in tuning.json, the choice in spec.json, the trial steps marked and on the timeline."""
     import lab
-    from engine import trials as engine_trials
-    from engine.runlog import TRIALS
+    from engine.runfiles import AUTO_RESULT, TRIALS
     from engine.timeline import LANES
     root = auto_root
     # PowerSGD's declared penalty of 2 brings top-k within FAMILY_MARGIN of it (raw, top-k is predicted
@@ -478,7 +477,7 @@ def test_strategy_auto_trials_in_the_run(auto_root):
         "mode": "auto", "trials": 2, "trial_steps": 4, "penalties": {"powersgd": 2.0}}}, runs=root)
     assert run.state == "done", run.log_tail()
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
-    res = json.loads(run.file(engine_trials.RESULT).read_text())
+    res = json.loads(run.file(AUTO_RESULT).read_text())
     assert rec["chosen_by"] == "measured" and rec["winner"] == res["label"]
     # no trial session (the profile was kept from the test before, or one profiling run): the trials were
     # the run's own steps
