@@ -1,7 +1,7 @@
 """What a rank does around its optimizer step, shared by the Trainer and a user's own loop.
 
-A ``Stepper`` owns, for one rank: the communicator the spec asks for (``DataParallel`` for sync
-and wfbp, ``DeAR`` for dear), the stock ``torch.optim`` optimizer over what that communicator
+A ``Stepper`` owns, for one rank: the communicator the spec asks for (engine/comm/modes.py: ``Sync``,
+``WFBP`` or ``DeAR``), the stock ``torch.optim`` optimizer over what that communicator
 hands it (``optimizer_params()``: the model's parameters, or DeAR's shards), the tuning driver
 (``tuners.start``: mergecomp, layerfusion or dear's buffer-cap search) and the writers of the run directory
 (``timeline-rank<r>.jsonl``, ``metrics.jsonl``, ``layout.json``). The caller runs forward and
@@ -23,9 +23,8 @@ from typing import Callable, Optional
 import torch
 
 from engine import netmodel, runfiles, schedules, tuners
+from engine.comm import modes
 from engine.comm.core import Communicator
-from engine.comm.dear import DeAR
-from engine.comm.wfbp import DataParallel
 from engine.compressors.plan import Plan
 from engine.probe import LayerProbe
 from engine.runlog import JsonlWriter
@@ -83,15 +82,11 @@ class Stepper:
         spec, model, group = self.spec, self.model, self.group
         # each bucket's own compressor instance, by its size where compressor.per_bucket has rules
         plan = Plan.from_section(dataclasses.asdict(spec.compressor))
-        if spec.comm.mode == "dear":
-            # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
-            self.dp: Communicator = DeAR(model, self._dear_layout(), timeline=self.timeline, group=group,
-                                         link=netmodel.from_spec(spec.network), plan=plan,
-                                         broadcast_from_rank0=broadcast)
-        else:
-            self.dp = DataParallel(model, schedule_fn(spec), plan, mode=spec.comm.mode, timeline=self.timeline,
-                                   group=group, link=netmodel.from_spec(spec.network),
-                                   broadcast_from_rank0=broadcast)
+        # dear: ZeRO-style, the optimizer steps this rank's shard of every buffer (engine/comm/dear.py)
+        buckets = self._dear_layout() if spec.comm.mode == "dear" else schedule_fn(spec)
+        self.dp: Communicator = modes.make(spec.comm.mode, model, buckets, plan, timeline=self.timeline,
+                                           group=group, link=netmodel.from_spec(spec.network),
+                                           broadcast_from_rank0=broadcast)
         if self.probe:
             self.probe.follow(self.dp)  # one gradient hook per parameter: the communicator's
         if layout is not None:  # a partition given (strategy auto's MergeComp trial): parameter names and cuts

@@ -1,12 +1,15 @@
 """The compressor seam carries all-reduced, all-gathered (ragged, even empty) and multi-round payloads."""
 import functools
+import inspect
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from distutil import run_world
 from engine import schedules
-from engine.comm.wfbp import DataParallel
+from engine.comm import modes
+from engine.comm.modes import MODES
 from engine.comm.collectives import issue_allgather
 from engine.compressors.base import Compressor, Round
 
@@ -81,7 +84,7 @@ def _grads(rank, world, comp_name, sched, mode, positive_on_rank0_only):
         dist.all_reduce(g)
         expect.append(g / world)
     comp = {"gather-identity": GatherIdentity, "positive-only": PositiveOnly, "two-round": ScaledTwoRound}[comp_name]
-    dp = DataParallel(model, functools.partial(schedules.build, sched), comp, mode=mode)
+    dp = MODES[mode](model, functools.partial(schedules.build, sched), comp)
     for _ in range(2):  # twice: state from step 1 must not leak into step 2
         loss_of(model).backward()
         dp.finish()
@@ -120,3 +123,17 @@ def test_allgather_ragged_shapes_and_dtypes():
         # a 1-byte-per-element tensor before an 8-byte one: offsets stay aligned
         assert out[0][2].tolist() == [7, 7, 7] and out[1][2].numel() == 4
         assert out[0][3].item() == 0.0 and out[1][3].item() == 1.0 and out[1][3].dtype == torch.float64
+
+
+def test_every_mode_is_made_by_name_with_the_same_arguments():
+    """modes.make builds any comm mode from one argument list, and names the field and the allowed values
+    for a mode it does not know (before anything joins a process group)."""
+    import inspect
+    import pytest
+    from engine.comm import modes
+    shapes = {name: list(inspect.signature(cls.__init__).parameters) for name, cls in MODES.items()}
+    assert list(MODES) == ["sync", "wfbp", "dear"]
+    assert all(s == ["self", "model", "layout", "plan", "timeline", "group", "link", "broadcast_from_rank0"]
+               for s in shapes.values()), shapes
+    with pytest.raises(ValueError, match=r"^comm\.mode: 'ring' is not a comm mode; allowed: sync, wfbp, dear$"):
+        modes.make("ring", torch.nn.Linear(2, 2), lambda infos: [[0, 1]], lambda: None)

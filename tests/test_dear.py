@@ -11,6 +11,7 @@ import torch
 from distutil import run_world
 from engine import schedules
 from engine.comm import dear
+from engine.compressors.plan import Plan
 from engine.tuners import capsearch
 from engine.schedules import ParamInfo
 from engine.spec import JobSpec, SpecError
@@ -163,7 +164,7 @@ def _relayout(rank, world):
     runs = []
     for change in (False, True):
         m = copy.deepcopy(base)
-        d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3))
+        d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3), Plan.of("none"))
         opt = torch.optim.Adam(d.shard_params(), lr=1e-3)
         d.attach(opt)
         sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
@@ -202,7 +203,7 @@ def _relayout_residual(rank, world):
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = models.build("mlp", ds.info)
-    d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3), "fp16", error_feedback=True)
+    d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3), Plan.of("fp16", error_feedback=True))
     opt = torch.optim.SGD(d.shard_params(), lr=0.05)
     d.attach(opt)
     sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
@@ -305,8 +306,8 @@ def test_dear_refuses_by_capability(comp, lacks):
     assert e.value.path == "compressor.name" and "\n" not in msg
     assert f"; {lacks}; allowed: none, fp16, bf16, int8" in msg
     with pytest.raises(ValueError, match=f"^compressor.name: .*{lacks}"):  # the communicator checks the same
-        dear.DeAR(torch.nn.Linear(2, 2), lambda ps: [[0, 1]], comp["name"],
-                  compressor_params={k: v for k, v in comp.items() if k != "name"})
+        dear.DeAR(torch.nn.Linear(2, 2), lambda ps: [[0, 1]],
+                  Plan.of(comp["name"], **{k: v for k, v in comp.items() if k != "name"}))
 
 
 # ---------------------------------------------------------------- compressed reduce-scatter (int8)
@@ -334,8 +335,7 @@ def _int8_step(rank, world, ef):
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = models.build("cnn", ds.info)
-    d = dear.DeAR(m, lambda ps: schedules.layout_layers(ps, 1), "int8", error_feedback=ef,
-                  compressor_params={"block": BLOCK})
+    d = dear.DeAR(m, lambda ps: schedules.layout_layers(ps, 1), Plan.of("int8", error_feedback=ef, block=BLOCK))
     d.attach(torch.optim.SGD(d.shard_params(), lr=0.0))  # lr 0: the same gradients twice (error feedback)
     x, y = ds.batch("train", next(data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)))
     out = []

@@ -165,14 +165,13 @@ def test_a_real_allreduce_is_held_to_the_models_time():
 
 def _dp_step(rank, world, gbps):
     import torch
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.wfbp import Sync
     from engine.compressors import make
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     clock = FakeClock()
     link = ModeledLink(gbps, clock=clock, sleep=clock.sleep)
-    dp = DataParallel(model, lambda infos: [[i] for i in range(len(infos))], lambda: make("none"),
-                      mode="sync", link=link)
+    dp = Sync(model, lambda infos: [[i] for i in range(len(infos))], lambda: make("none"), link=link)
     times = []
     for _ in range(3):
         model(torch.randn(8, 256)).sum().backward()

@@ -2,7 +2,7 @@
 backward and an all-gather before the next forward. A mode on the communicator core
 (engine/core.py), which lands the gradients in the buffers and says when one is ready.
 
-    dear = DeAR(model, layout_fn, compressor="none")
+    dear = DeAR(model, layout_fn, Plan.of("none"))
     opt = torch.optim.Adam(dear.shard_params(), lr=1e-3)   # any stock elementwise optimizer
     dear.attach(opt)
     loss.backward()        # each buffer's reduce-scatter starts as its last gradient arrives
@@ -62,7 +62,7 @@ caught.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -139,25 +139,20 @@ class DeAR(Communicator):
     mode = "dear"
 
     def __init__(self, model: torch.nn.Module, layout: Callable[[List[ParamInfo]], List[List[int]]],
-                 compressor: str = "none", timeline: Optional[Timeline] = None, group=None,
-                 broadcast_from_rank0: bool = True, link: Optional[ModeledLink] = None,
-                 error_feedback: bool = False, compressor_params: Optional[dict] = None,
-                 plan: Optional[Plan] = None):
-        """``plan``, when given, makes each buffer's compressor (mixed strategies) instead of ``compressor``."""
-        if plan is None:
-            params = dict(compressor_params or {})
-            plan = Plan(lambda: compressors.make(compressor, error_feedback=error_feedback, **params))
+                 plan: Union[Plan, Callable[[], Compressor]], *, timeline: Optional[Timeline] = None, group=None,
+                 link: Optional[ModeledLink] = None, broadcast_from_rank0: bool = True):
+        plan = plan if isinstance(plan, Plan) else Plan(plan)
         problem = plan.problem(lambda c: c.shard_problem())
         if problem:
             raise ValueError(f"compressor.name: dear reduce-scatters payloads, so it needs a single-round "
                              f"compressor that is summable and keeps the gradient's shape, or a shard codec; "
                              f"{problem}; allowed: {', '.join(compressors.shardable())}")
-        super().__init__(model, plan, timeline, group, broadcast_from_rank0, link)
         self.a2a = dist.get_backend(group) == "gloo"
         """gloo's reduce_scatter is a clone plus a full all-reduce (twice the bytes of a reduce-scatter);
         there the reduce-scatter is an all-to-all of the buffer's chunks and a local sum."""
         self.optimizer = None
-        self._build(layout(self.infos), range(len(self.params)))
+        super().__init__(model, layout, plan, timeline=timeline, group=group, link=link,
+                         broadcast_from_rank0=broadcast_from_rank0)
         self._owners = {}  # module -> its parameters
         for mod in model.modules():
             own = [p for p in mod.parameters(recurse=False) if p.requires_grad]

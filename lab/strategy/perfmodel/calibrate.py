@@ -239,7 +239,7 @@ def from_events(spec: dict, ev: List[dict], source: str, skip: int = SKIP_STEPS,
 
 def param_list(spec: dict) -> List[Tuple[str, int]]:
     """(name, bytes) of the spec's model parameters in gradient-ready order, as
-    engine.comm.DataParallel orders them (reverse registration order). Counted without the weights
+    the communicators order them (reverse registration order). Counted without the weights
     (engine.preflight.parameters); in a process that serves viewers, in a child (lab.sandbox)."""
     d = spec.to_dict() if hasattr(spec, "to_dict") else spec
     key = json.dumps({"model": d["model"], "dataset": d["dataset"], "seed": 0}, sort_keys=True)

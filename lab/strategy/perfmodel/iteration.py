@@ -1,6 +1,6 @@
 """Iteration time of one training step for each comm mode, simulated.
 
-The simulation follows what engine.comm.DataParallel does, with two
+The simulation follows what engine.comm.wfbp (sync and wfbp) and engine.comm.dear do, with two
 resources: the *compute thread* (forward, backward, and everything the engine
 runs in its hooks and in ``finish``: encoding, decoding, waiting) and *one
 link* that serialises collectives first come, first served (one process
