@@ -129,9 +129,6 @@ def test_allgather_ragged_shapes_and_dtypes():
 def test_every_mode_is_made_by_name_with_the_same_arguments():
     """modes.make builds any comm mode from one argument list, and names the field and the allowed values
     for a mode it does not know (before anything joins a process group)."""
-    import inspect
-    import pytest
-    from engine.comm import modes
     shapes = {name: list(inspect.signature(cls.__init__).parameters) for name, cls in MODES.items()}
     assert list(MODES) == ["sync", "wfbp", "dear"]
     assert all(s == ["self", "model", "layout", "plan", "timeline", "group", "link", "broadcast_from_rank0"]

@@ -30,9 +30,9 @@ class Exchange:
         ex.out                           # the average (it may be ``t`` itself)
 
     With ``rank`` the exchange is sharded (``Compressor.shard_exchange``): ``ex.out`` is this rank's
-    shard of the average, ``t.numel() // world`` elements. With ``timer`` (a clock that waits for the device, e.g. ``perf_counter`` after a CUDA
-    synchronize), ``compute`` lists the seconds spent in the compressor per call: encode, the
-    work between rounds, decode."""
+    shard of the average, ``t.numel() // world`` elements. With ``timer`` (a clock that waits for the
+    device, e.g. ``perf_counter`` after a CUDA synchronize), ``compute`` lists the seconds spent in the
+    compressor per call: encode, the work between rounds, decode."""
 
     __slots__ = ("gen", "out", "rounds", "timer", "compute")
 
