@@ -1,4 +1,4 @@
-"""commlab's DataParallel against torch DDP: iteration time on 2 gloo ranks (CPU).
+"""commlab's WFBP against torch DDP: iteration time on 2 gloo ranks (CPU).
 
     python bench/ddp_compare.py [--models cnn,resnet,mlp,transformer] [--steps 5] [--rounds 12] [--batch 32] [--json out.json]
 
@@ -9,7 +9,7 @@ own SGD(lr=0.01, momentum=0.9) (the transformer: the bundled text, 64-token wind
 
 - ddp:          torch DistributedDataParallel (bucket_cap_mb=25; given explicitly, it caps
                 DDP's first bucket at 25 MB too, so every model here is one bucket);
-- commlab:      engine.comm.DataParallel, schedule bucket 25 MB with the first bucket
+- commlab:      engine.comm.wfbp.WFBP, schedule bucket 25 MB with the first bucket
                 at 25 MB as well (the same buckets as that DDP), compressor
                 none, mode wfbp, with the per-layer timeline on (Timeline to
                 a temp file plus a LayerProbe following the communicator, as
@@ -57,7 +57,7 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from engine import compressors, data, models, schedules
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.wfbp import WFBP
     from engine.probe import LayerProbe
     from engine.timeline import Timeline
 
@@ -118,11 +118,11 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
     m_tl, o_tl = fresh()
     tl = Timeline(os.path.join(tmpdir, f"timeline-{model_name}-rank{rank}.jsonl"), rank, enabled=True)
     probe = LayerProbe(m_tl, tl)
-    dp_tl = DataParallel(m_tl, schedule, make_comp, mode="wfbp", timeline=tl)
+    dp_tl = WFBP(m_tl, schedule, make_comp, timeline=tl)
     probe.follow(dp_tl)  # as engine.stepper wires them
 
     m_no, o_no = fresh()
-    dp_no = DataParallel(m_no, schedule, make_comp, mode="wfbp")
+    dp_no = WFBP(m_no, schedule, make_comp)
 
     m_c, o_c = fresh()
     steps = {"ddp": plain_step(ddp, o_ddp),

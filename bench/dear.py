@@ -10,7 +10,7 @@ builds identical copies (seed 0) of four variants that see the same batches:
 - compute: no communication (forward, backward, SGD step), both ranks at once:
            the compute-only iteration time of the same model and batch;
 - ddp:     torch DistributedDataParallel (bucket_cap_mb 25);
-- wfbp:    engine.comm.DataParallel, schedule bucket 25 MB, compressor none, wfbp;
+- wfbp:    engine.comm.wfbp.WFBP, schedule bucket 25 MB, compressor none, wfbp;
 - dear:    engine.dear.DeAR, compressor none, buffers at the cap found by the
            online search (CapTuner, rank 0 decides and broadcasts) run first on
            this very model and link.
@@ -70,7 +70,8 @@ def build(model_name: str, batch: int, rank: int, world: int, tmpdir: str):
     from engine import compressors, data, models, schedules
     from engine.comm import dear
     from engine.tuners import capsearch
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.wfbp import WFBP
+    from engine.compressors.plan import Plan
     from engine.timeline import Timeline
 
     ds = data.load(DATA[model_name], seed=0)
@@ -118,13 +119,13 @@ def build(model_name: str, batch: int, rank: int, world: int, tmpdir: str):
     ddp = DDP(m_ddp, bucket_cap_mb=25)
     m_w = fresh()
     tl_w = Timeline(os.path.join(tmpdir, f"wfbp-{model_name}-{rank}.jsonl"), rank)
-    dp = DataParallel(m_w, functools.partial(schedules.build, "bucket", cap_mb=25.0),
-                      lambda: compressors.make("none"), mode="wfbp", timeline=tl_w)
+    dp = WFBP(m_w, functools.partial(schedules.build, "bucket", cap_mb=25.0),
+              lambda: compressors.make("none"), timeline=tl_w)
     m_d = fresh()
     total = sum(p.numel() * p.element_size() for p in m_d.parameters())
     caps = capsearch.cap_candidates(total)
     tl_d = Timeline(os.path.join(tmpdir, f"dear-{model_name}-{rank}.jsonl"), rank)
-    d = dear.DeAR(m_d, functools.partial(schedules.layout_cap, cap_mb=caps[-1]), "none", timeline=tl_d)
+    d = dear.DeAR(m_d, functools.partial(schedules.layout_cap, cap_mb=caps[-1]), Plan.of("none"), timeline=tl_d)
     opt_d = sgd(d.shard_params())
     d.attach(opt_d)
     tl_d.enabled = False  # the search and the grid are not in the timeline

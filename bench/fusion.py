@@ -91,7 +91,7 @@ def build(args, batch, rank, world, root, ds):
 
     import torch
     from engine import compressors, data, models
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.wfbp import WFBP
     from engine.spec import JobSpec
     from engine.timeline import Timeline
     from engine.stepper import schedule_fn
@@ -101,7 +101,7 @@ def build(args, batch, rank, world, root, ds):
               "max_groups": args.max_groups, "max_candidates": args.candidates, "retune": True}
     out = {}
     names = ["compute"] + [f"{c}/{s}" for c in args.compressors for s in args.schedules]
-    for name in names:  # same order on every rank: DataParallel broadcasts at construction
+    for name in names:  # same order on every rank: WFBP broadcasts at construction
         torch.manual_seed(0)
         m = models.build("resnet", ds.info)
         tl = Timeline(None, rank, enabled=False)
@@ -119,8 +119,7 @@ def build(args, batch, rank, world, root, ds):
                                   "optimizer": {"name": "sgd", "lr": args.lr, "momentum": momentum},
                                   "compressor": {"name": comp, **params}, "schedule": sched,
                                   "network": net, "comm": "wfbp"})
-        dp = DataParallel(m, schedule_fn(spec), functools.partial(compressors.make, comp, **params),
-                          mode="wfbp", timeline=tl)
+        dp = WFBP(m, schedule_fn(spec), functools.partial(compressors.make, comp, **params), timeline=tl)
         opt = torch.optim.SGD(m.parameters(), lr=args.lr, momentum=momentum)
         tuning = None
         if sname in ("mergecomp", "layerfusion"):

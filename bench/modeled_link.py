@@ -4,7 +4,7 @@
 
 Two ranks on loopback (gloo). For an all-reduce of 1 MB it times the bare
 collective, then the same collective held by engine.netmodel.ModeledLink, and
-prints both next to the model's prediction; then one DataParallel step of a
+prints both next to the model's prediction; then one Sync step of a
 small MLP (four layer-wise buckets, sync mode), whose buckets queue on the
 link, against the sum of their predicted times. tests/test_netmodel.py checks
 the same wiring on a fake clock; this is where the real clock's error shows
@@ -31,7 +31,7 @@ NBYTES = 1 << 20
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.wfbp import Sync
     from engine.compressors import make
     from engine.netmodel import ModeledLink, ring_allreduce_s
     rank, world = common.init_worker()
@@ -53,8 +53,7 @@ def worker(a) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     dp_link = ModeledLink(a.gbps, a.latency_us)
-    dp = DataParallel(model, lambda infos: [[i] for i in range(len(infos))], lambda: make("none"),
-                      mode="sync", link=dp_link)
+    dp = Sync(model, lambda infos: [[i] for i in range(len(infos))], lambda: make("none"), link=dp_link)
     steps = []
     for _ in range(a.reps):
         model(torch.randn(8, 256)).sum().backward()
@@ -97,7 +96,7 @@ def main(argv=None) -> int:
     rows = [("all-reduce 1 MB, bare", f"{1e3 * statistics.median(ar['raw']):.2f}", f"{1e3 * ar['predicted']:.2f}", "-"),
             ("all-reduce 1 MB, held", f"{1e3 * statistics.median(ar['held']):.2f}", f"{1e3 * ar['predicted']:.2f}",
              f"{100 * (statistics.median(ar['held']) / ar['predicted'] - 1):+.1f}%"),
-            ("DataParallel step, 4 buckets", f"{1e3 * statistics.median(dp['held']):.2f}",
+            ("Sync step, 4 buckets", f"{1e3 * statistics.median(dp['held']):.2f}",
              f"{1e3 * dp['predicted']:.2f}", f"{100 * (statistics.median(dp['held']) / dp['predicted'] - 1):+.1f}%")]
     print(common.markdown_table(["what", "median ms", "model ms", "error"], rows).rstrip("\n"))
     early = min(ar["held"]) < ar["predicted"]

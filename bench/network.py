@@ -33,7 +33,7 @@ Variants (``--variants``; default all but the rank-2 ones):
                         64, i.e. ONE bucket: on gloo the hook aborts or hangs
                         with several (TESTBED.md). The worker checks that only
                         bucket 0 ever reaches the hook.
-- ``commlab-powersgd-r4``/``-r2``/``-r1``: engine.comm.DataParallel, mode wfbp, schedule
+- ``commlab-powersgd-r4``/``-r2``/``-r1``: engine.comm.wfbp.WFBP, schedule
                         ``--schedule`` (bucket 25 MB), compressor powersgd rank
                         4 / 2 / 1, start_iter 2 (per tensor when the compressor
                         reads the communicator's ``layout``).
@@ -215,12 +215,12 @@ def build_variants(names, args, rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from engine import compressors, data, models, schedules
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.wfbp import WFBP
 
     ds = load_data(args.data)
     raw = None
     out = {}
-    for name in names:  # same order on every rank: DDP and DataParallel broadcast at construction
+    for name in names:  # same order on every rank: DDP and WFBP broadcast at construction
         torch.manual_seed(0)
         m = models.build("resnet", ds.info)
         raw = raw or sum(p.numel() * p.element_size() for p in m.parameters())
@@ -252,8 +252,7 @@ def build_variants(names, args, rank, world):
             if comp == "powersgd":
                 params = {**params, "seed": args.psgd_seed}
             schedule = functools.partial(schedules.build, sched, **opts)
-            dp = DataParallel(m, schedule, lambda comp=comp, params=params: compressors.make(comp, **params),
-                              mode="wfbp")
+            dp = WFBP(m, schedule, lambda comp=comp, params=params: compressors.make(comp, **params))
             v = Variant(name, m, m, opt, sampler, ds, "commlab", dp)
             v.buckets = [b.raw_bytes for b in dp.buckets]
             v.schedule = (sched, opts)
@@ -499,7 +498,7 @@ def report(a: dict, raw: dict, args) -> str:
              f"start_powerSGD_iter={START_ITER}, error feedback and warm start on; "
              + ("; ".join(f"{n} saw bucket(s) {raw['info'][n].get('ddp_buckets_seen')}"
                           for n in res if n in DDP_POWERSGD) or "not run"),
-             f"- commlab: DataParallel wfbp, schedule {args.schedule}"
+             f"- commlab: WFBP (comm.mode wfbp), schedule {args.schedule}"
              + (f" {args.cap_mb:g} MB" if args.schedule == "bucket" else "") + " unless the name says @schedule"
              + "; " + "; ".join(f"{n}: {len(raw['info'][n]['commlab_bucket_bytes'])} buckets"
                                 + (", PowerSGD per tensor" if all(raw["info"][n]["per_tensor"]) else

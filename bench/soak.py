@@ -55,8 +55,9 @@ if REPO not in sys.path:
 
 from bench.common import prog  # noqa: E402
 from lab.base import procs  # noqa: E402
+from lab.base.paths import INDEX  # noqa: E402
 from lab.base.specs import load_spec  # noqa: E402
-from lab.rundir.index import COLUMNS, INDEX_FILE, Index  # noqa: E402
+from lab.rundir.index import COLUMNS, Index  # noqa: E402
 from lab.rundir.store import FINAL  # noqa: E402
 from lab.service.queue import Lab, Slots  # noqa: E402
 
@@ -320,7 +321,7 @@ def audit(args, q, root, jobs, cancels, orphans, netns_before, timed_out, wall, 
           f"{len(disk_runs)} runs agree" if not dis else dis[:20] + [f"... {len(dis) - 20} more"] * (len(dis) > 20))
     before = {r["id"]: r for r in q.index.query()}
     for suffix in ("", "-wal", "-shm"):
-        Path(str(root / INDEX_FILE) + suffix).unlink(missing_ok=True)
+        Path(str(root / INDEX) + suffix).unlink(missing_ok=True)
     n = q.reindex()
     dis2 = index_disagreements(q.index, disk_runs)
     after = {r["id"]: r for r in q.index.query()}

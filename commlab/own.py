@@ -28,6 +28,7 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
+from engine import runfiles
 from engine.spec import JobSpec, SpecError
 from engine.stepper import Diverged, Stepper
 from engine.timeline import Timeline
@@ -176,10 +177,10 @@ class OwnLoop:
         """This rank failed: leave its error (or divergence) in the run directory; rank 0 then
         decides the run's final status from every rank's files."""
         if isinstance(e, Diverged):
-            _write_json(self.run_dir / f"diverged-rank{self.rank}.json",
+            _write_json(self.run_dir / runfiles.DIVERGED.format(rank=self.rank),
                         {"rank": self.rank, "step": e.step, "error": str(e), "time": time.time()})
         else:
-            _write_json(self.run_dir / f"error-rank{self.rank}.json",
+            _write_json(self.run_dir / runfiles.ERROR.format(rank=self.rank),
                         {"rank": self.rank, "error": f"{type(e).__name__}: {e}".strip(),
                          "traceback": "".join(traceback.format_exception(type(e), e, e.__traceback__)),
                          "time": time.time()})

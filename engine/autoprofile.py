@@ -31,16 +31,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from engine import data, trials
+from engine import data, runfiles
 from engine.probe import LayerProbe
 from engine.runlog import write_json_atomic
 from engine.stepper import make_optimizer
 from engine.timeline import Clock, CudaClock, Timeline
 
-PENDING = "auto-pending.json"
-PROFILED = "auto-profiled.json"
-FAILED = "auto-failed.json"
-TIMELINE = "profile-timeline-rank{rank}.jsonl"
 POLL_S = 0.005
 
 
@@ -56,7 +52,7 @@ def pending(run_dir: Optional[str]) -> Optional[dict]:
     """The lab's request for profile steps (``auto-pending.json``), checked, or None."""
     if not run_dir:
         return None
-    path = os.path.join(run_dir, PENDING)
+    path = os.path.join(run_dir, runfiles.AUTO_PENDING)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -72,7 +68,7 @@ def profile_then_wait(spec, model, dataset, loss_fn, run_dir: str, rank: int, wo
                       req: dict) -> Waited:
     """Steps 1-3 above; returns what they took."""
     clock = CudaClock(device) if device.type == "cuda" else Clock()
-    tl = Timeline(os.path.join(run_dir, TIMELINE.format(rank=rank)), rank, clock=clock)
+    tl = Timeline(os.path.join(run_dir, runfiles.PROFILE_TIMELINE.format(rank=rank)), rank, clock=clock)
     try:
         t0, t1 = dry_steps(spec, model, dataset, loss_fn, tl, rank, world, device, int(req["profile_steps"]))
     finally:
@@ -83,13 +79,13 @@ def profile_then_wait(spec, model, dataset, loss_fn, run_dir: str, rank: int, wo
         dist.barrier()
     tb = time.perf_counter()
     if rank == 0:
-        write_json_atomic(os.path.join(run_dir, PROFILED), {"steps": int(req["profile_steps"]), "wall_s": t1 - t0,
-                                                            "barrier_s": tb - t1, "ranks": world,
-                                                            "params": param_list(model), "t": time.time()})
+        write_json_atomic(os.path.join(run_dir, runfiles.AUTO_PROFILED),
+                          {"steps": int(req["profile_steps"]), "wall_s": t1 - t0, "barrier_s": tb - t1,
+                           "ranks": world, "params": param_list(model), "t": time.time()})
     wait_plan(run_dir, float(req["timeout_s"]))
     t2 = time.perf_counter()
     if rank == 0:
-        lane = Timeline(os.path.join(run_dir, f"timeline-rank{rank}.jsonl"), rank, clock=clock)
+        lane = Timeline(os.path.join(run_dir, runfiles.TIMELINE.format(rank=rank)), rank, clock=clock)
         lane.span("advisor", f"profile: {req['profile_steps']} dry steps", t0, t1,
                   {"profile_steps": int(req["profile_steps"])})
         lane.span("advisor", "waiting for the advisor's plan", tb, t2, {})
@@ -154,9 +150,9 @@ def dry_steps(spec, model, dataset, loss_fn, tl, rank: int, world: int, device, 
 
 
 def wait_plan(run_dir: str, timeout_s: float) -> None:
-    """Until the lab writes the trial plan; raises with the lab's message if it writes FAILED instead, or
+    """Until the lab writes the trial plan; raises with the lab's message if it writes AUTO_FAILED instead, or
     when ``timeout_s`` pass without either."""
-    plan, failed = os.path.join(run_dir, trials.FILE), os.path.join(run_dir, FAILED)
+    plan, failed = os.path.join(run_dir, runfiles.AUTO_TRIALS), os.path.join(run_dir, runfiles.AUTO_FAILED)
     end = time.monotonic() + timeout_s
     while True:
         if os.path.isfile(failed):
@@ -165,6 +161,6 @@ def wait_plan(run_dir: str, timeout_s: float) -> None:
         if os.path.isfile(plan):
             return
         if time.monotonic() > end:
-            raise RuntimeError(f"strategy auto: no trial plan ({trials.FILE}) {timeout_s:g} s after the profile "
-                               "steps; the advisor in the run's supervisor did not answer")
+            raise RuntimeError(f"strategy auto: no trial plan ({runfiles.AUTO_TRIALS}) {timeout_s:g} s after the "
+                               "profile steps; the advisor in the run's supervisor did not answer")
         time.sleep(POLL_S)

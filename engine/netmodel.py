@@ -38,7 +38,7 @@ from typing import Callable, Optional
 
 from engine.runlog import write_json_atomic
 
-OPS = ("allreduce", "allgather", "reduce_scatter")
+OPS = ("allreduce", "allgather", "reduce_scatter", "all_to_all")
 
 
 def _check(nbytes: float, world: int, gbps: float, latency_us: float) -> None:
@@ -90,25 +90,27 @@ def reduce_scatter_s(nbytes: float, world: int, gbps: float, latency_us: float =
 def busbw_factor(op: str, world: int) -> float:
     """Bytes each rank puts on its link per byte of the op's ``nbytes`` argument
     (the "bus bandwidth" factor of nccl-tests): all-reduce 2(p-1)/p,
-    reduce-scatter (p-1)/p, all-gather (p-1) (its nbytes is per rank)."""
+    reduce-scatter and all-to-all (p-1)/p, all-gather (p-1) (its nbytes is per rank)."""
     p = world
     if op == "allreduce":
         return 2 * (p - 1) / p
-    if op == "reduce_scatter":
+    if op in ("reduce_scatter", "all_to_all"):
         return (p - 1) / p
     if op == "allgather":
         return float(p - 1)
     raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
 
 
-_COST = {"allreduce": ring_allreduce_s, "allgather": allgather_s, "reduce_scatter": reduce_scatter_s}
+_COST = {"allreduce": ring_allreduce_s, "allgather": allgather_s, "reduce_scatter": reduce_scatter_s,
+         "all_to_all": reduce_scatter_s}
+"""An all-to-all of nbytes per rank (dear's shard codecs) sends (p-1)/p of them, as a reduce-scatter does."""
 
 
 class ModeledLink:
     """A link of ``gbps`` gigabit/s with ``latency_us`` per algorithm step.
 
     ``duration(op, nbytes, world)`` is the alpha-beta time of ``op``:
-    ``allreduce`` and ``reduce_scatter`` take the bytes of one rank's input,
+    ``allreduce``, ``reduce_scatter`` and ``all_to_all`` take the bytes of one rank's input,
     ``allgather`` the bytes each rank contributes (the padded size, when
     payloads are padded to a common size).
 

@@ -9,9 +9,6 @@ import os
 import secrets
 import threading
 
-TRIALS = "trials.json"
-"""A trial session's list of trials in its run directory (the advisor writes it, engine.worker runs it)."""
-
 
 def write_json_atomic(path, obj, indent=1, mode: int = 0o644, **dump) -> None:
     """Write ``obj`` to ``path`` whole or not at all: a temporary file of this call's own (threads and

@@ -1,7 +1,7 @@
 """What a rank does around its optimizer step, shared by the Trainer and a user's own loop.
 
-A ``Stepper`` owns, for one rank: the communicator the spec asks for (``DataParallel`` for sync
-and wfbp, ``DeAR`` for dear), the stock ``torch.optim`` optimizer over what that communicator
+A ``Stepper`` owns, for one rank: the communicator the spec asks for (engine/comm/modes.py: ``Sync``,
+``WFBP`` or ``DeAR``), the stock ``torch.optim`` optimizer over what that communicator
 hands it (``optimizer_params()``: the model's parameters, or DeAR's shards), the tuning driver
 (``tuners.start``: mergecomp, layerfusion or dear's buffer-cap search) and the writers of the run directory
 (``timeline-rank<r>.jsonl``, ``metrics.jsonl``, ``layout.json``). The caller runs forward and
@@ -29,10 +29,9 @@ from typing import Callable, Optional
 
 import torch
 
-from engine import netmodel, schedules, tuners
+from engine import netmodel, runfiles, schedules, tuners
+from engine.comm import modes
 from engine.comm.core import Communicator
-from engine.comm.dear import DeAR
-from engine.comm.wfbp import DataParallel
 from engine.compressors.plan import Plan
 from engine.methods.base import Context, Method
 from engine.probe import LayerProbe
@@ -73,9 +72,9 @@ class Stepper:
         self.spec, self.model, self.run_dir, self.rank, self.device = spec, model, run_dir, rank, device
         path = (lambda name: os.path.join(run_dir, name)) if run_dir else None
         clock = CudaClock(device) if device.type == "cuda" else Clock()
-        self.timeline = Timeline(path(f"timeline-rank{rank}.jsonl") if path else None, rank,
+        self.timeline = Timeline(path(runfiles.TIMELINE.format(rank=rank)) if path else None, rank,
                                  enabled=spec.timeline, clock=clock)
-        self.metrics = JsonlWriter(path("metrics.jsonl")) if path else None
+        self.metrics = JsonlWriter(path(runfiles.METRICS)) if path else None
         self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
         self.group = group
         self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params))
@@ -100,15 +99,11 @@ class Stepper:
         spec, model, group = self.spec, self.model, self.group
         # each bucket's own compressor instance, by its size where compressor.per_bucket has rules
         plan = Plan.from_section(dataclasses.asdict(spec.compressor))
-        if spec.comm.mode == "dear":
-            # ZeRO-style: the optimizer steps this rank's shard of every buffer (engine/dear.py)
-            self.dp: Communicator = DeAR(model, self._dear_layout(), timeline=self.timeline, group=group,
-                                         link=netmodel.from_spec(spec.network), plan=plan,
-                                         broadcast_from_rank0=broadcast)
-        else:
-            self.dp = DataParallel(model, schedule_fn(spec), plan, mode=spec.comm.mode, timeline=self.timeline,
-                                   group=group, link=netmodel.from_spec(spec.network),
-                                   broadcast_from_rank0=broadcast)
+        # dear: ZeRO-style, the optimizer steps this rank's shard of every buffer (engine/comm/dear.py)
+        buckets = self._dear_layout() if spec.comm.mode == "dear" else schedule_fn(spec)
+        self.dp: Communicator = modes.make(spec.comm.mode, model, buckets, plan, timeline=self.timeline,
+                                           group=group, link=netmodel.from_spec(spec.network),
+                                           broadcast_from_rank0=broadcast)
         if self.probe:
             self.probe.follow(self.dp)  # one gradient hook per parameter: the communicator's
         if layout is not None:  # a partition given (strategy auto's MergeComp trial): parameter names and cuts
@@ -179,7 +174,7 @@ class Stepper:
     def write_layout(self) -> None:
         buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
                     "compressor": b.compressor.name, "codec": b.codec} for b in self.dp.buckets]
-        with open(os.path.join(self.run_dir, "layout.json"), "w") as f:
+        with open(os.path.join(self.run_dir, runfiles.LAYOUT), "w") as f:
             json.dump({"params": sum(p.numel() for p in self.model.parameters()),
                        "tensors": len(self.dp.infos), "buckets": buckets}, f, indent=1)
 

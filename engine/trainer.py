@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from engine import autoprofile, data, models, trials
+from engine import autoprofile, data, models, runfiles, trials
 from engine.spec import JobSpec
 from engine.stepper import Stepper
 
@@ -81,8 +81,8 @@ class Trainer:
         """strategy auto's trials, trained as the run's first steps (engine/trials.py), or None."""
         if self.trials is not None:
             if trials.most_steps(self.trials) >= spec.steps:
-                raise ValueError(f"{trials.FILE}: the trials take up to {trials.most_steps(self.trials)} steps; "
-                                 f"the run has {spec.steps} (steps must be more)")
+                raise ValueError(f"{runfiles.AUTO_TRIALS}: the trials take up to {trials.most_steps(self.trials)} "
+                                 f"steps; the run has {spec.steps} (steps must be more)")
             first = JobSpec.from_dict(self.trials["trials"][0]["spec"])  # built once, under the first trial's strategy
             spec = dataclasses.replace(spec, compressor=first.compressor, schedule=first.schedule, comm=first.comm,
                                        strategy=first.strategy)

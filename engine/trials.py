@@ -42,12 +42,11 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from engine import runfiles
 from engine.compressors import REGISTRY
 from engine.runlog import write_json_atomic
 from engine.spec import JobSpec
 
-FILE = "auto-trials.json"
-RESULT = "auto-result.json"
 KEYS = ("label", "spec", "final", "penalty")
 
 
@@ -55,7 +54,7 @@ def read(run_dir: Optional[str]) -> Optional[dict]:
     """The run directory's trial plan, checked, or None when there is none."""
     if not run_dir:
         return None
-    path = os.path.join(run_dir, FILE)
+    path = os.path.join(run_dir, runfiles.AUTO_TRIALS)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -225,8 +224,8 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     if waited is not None:  # the ranks measured the profile (engine/autoprofile.py) and waited for this plan
         result.update(profile_steps=waited.steps, profile_s=waited.profile_s, plan_wait_s=waited.wait_s)
     if trainer.rank == 0 and trainer.run_dir:
-        write_json_atomic(os.path.join(trainer.run_dir, RESULT), result)
-        write_json_atomic(os.path.join(trainer.run_dir, "spec.json"), final)
+        write_json_atomic(os.path.join(trainer.run_dir, runfiles.AUTO_RESULT), result)
+        write_json_atomic(os.path.join(trainer.run_dir, runfiles.SPEC), final)
     return result
 
 

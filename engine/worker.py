@@ -18,12 +18,9 @@ import time
 import traceback
 from datetime import timedelta
 
-from engine.runlog import TRIALS, write_json_atomic
+from engine import runfiles
+from engine.runlog import write_json_atomic
 from engine.spec import JobSpec
-
-RESOLVED = "resolved.json"
-"""Written by rank 0 at start: the values the spec leaves to the machine (backend and device auto,
-threads 0), as they were resolved there."""
 
 # Before torch is imported: one BLAS/OpenMP pool per rank, not one per core each.
 if "OMP_NUM_THREADS" not in os.environ:
@@ -46,8 +43,8 @@ def main(argv=None) -> int:
     except BaseException as e:  # record, then let torchrun see the failure
         from engine.stepper import Diverged
         if isinstance(e, Diverged):
-            _write_json(args.run_dir, f"diverged-rank{rank}.json", {"rank": rank, "step": e.step, "error": str(e),
-                                                                      "time": time.time()})
+            _write_json(args.run_dir, runfiles.DIVERGED.format(rank=rank),
+                        {"rank": rank, "step": e.step, "error": str(e), "time": time.time()})
             code = 3
         else:
             record_error(args.run_dir, rank, e)
@@ -107,7 +104,7 @@ def record_pid(run_dir: str, rank: int) -> None:
             start = int(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):
         start = None
-    _write_json(run_dir, f"pid-rank{rank}.json", {"rank": rank, "pid": os.getpid(), "start": start})
+    _write_json(run_dir, runfiles.PID.format(rank=rank), {"rank": rank, "pid": os.getpid(), "start": start})
 
 
 def _write_json(run_dir: str, name: str, obj: dict) -> bool:
@@ -126,7 +123,7 @@ def _write_json(run_dir: str, name: str, obj: dict) -> bool:
 
 
 def record_error(run_dir: str, rank: int, e: BaseException) -> None:
-    _write_json(run_dir, f"error-rank{rank}.json", {"rank": rank, "error": f"{type(e).__name__}: {e}".strip(),
+    _write_json(run_dir, runfiles.ERROR.format(rank=rank), {"rank": rank, "error": f"{type(e).__name__}: {e}".strip(),
                                                     "traceback": traceback.format_exc(), "time": time.time()})
 
 
@@ -136,7 +133,7 @@ def run(run_dir: str, rank: int) -> None:
 
     from engine.trainer import Trainer, resolve_backend, resolve_device
 
-    with open(os.path.join(run_dir, "spec.json")) as f:
+    with open(os.path.join(run_dir, runfiles.SPEC)) as f:
         spec = JobSpec.from_dict(json.load(f))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -151,9 +148,9 @@ def run(run_dir: str, rank: int) -> None:
     backend = resolve_backend(spec, device)
     dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300"))))
     if rank == 0:  # what the spec's machine-dependent choices (auto, threads 0) came to on this machine
-        _write_json(run_dir, RESOLVED, {"rank": 0, "backend": backend, "device": str(device), "threads": threads,
-                                        "world_size": world, "local_world_size": local_world,
-                                        "torch": torch.__version__})
+        _write_json(run_dir, runfiles.RESOLVED, {"rank": 0, "backend": backend, "device": str(device),
+                                                 "threads": threads, "world_size": world,
+                                                 "local_world_size": local_world, "torch": torch.__version__})
     trainer = None
     trials = read_trials(run_dir)
     if trials:
@@ -180,7 +177,7 @@ def read_trials(run_dir: str) -> list:
     """A trial session (the advisor's ``--measure``): the run directory's trials.json, ``{"dirs": [...]}``,
     subdirectories each with a spec.json of its own. The ranks run each one's steps in turn in one process
     group, so the trials pay one start-up (interpreter, torch, gloo) instead of one each. [] for a run."""
-    path = os.path.join(run_dir, TRIALS)
+    path = os.path.join(run_dir, runfiles.TRIALS)
     if not os.path.isfile(path):
         return []
     with open(path) as f:
@@ -196,7 +193,7 @@ def run_trials(run_dir: str, dirs: list, rank: int, world: int, device) -> None:
     from engine.trainer import Trainer
     for d in dirs:
         sub = os.path.join(run_dir, d)
-        with open(os.path.join(sub, "spec.json")) as f:
+        with open(os.path.join(sub, runfiles.SPEC)) as f:
             spec = JobSpec.from_dict(json.load(f))
         if spec.world_size != world:
             raise RuntimeError(f"{sub}: world_size {spec.world_size}, but the session has {world} ranks")

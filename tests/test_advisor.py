@@ -77,7 +77,7 @@ def test_space_holds_dear_with_int8_and_mixed_candidates():
 
 def test_mixed_prediction_gives_each_bucket_its_own_compressor():
     """In the performance model, buckets under the rule's size send their raw bytes; the others PowerSGD's
-    factors; dear with int8 reduce-scatters a quarter of the bytes."""
+    factors; dear with int8 sends a quarter of the bytes all-to-all."""
     from lab.strategy.perfmodel import predict as pr
     s = spec()
     prof = fake_profile(s)
@@ -93,10 +93,19 @@ def test_mixed_prediction_gives_each_bucket_its_own_compressor():
             assert len(b.rounds) == 2 and sent < b.raw_bytes / 4
             kinds.add("powersgd")
     assert kinds == {"none", "powersgd"}
-    dear8 = pr.build_step(prof, {**s, "compressor": advisor._comp("int8"), "comm": {"mode": "dear", "cap_mb": 25.0}}, 2)
-    for b in dear8.buckets:
-        (r,) = b.rounds
-        assert r.op == "reduce_scatter" and b.raw_bytes / 4 <= r.nbytes < b.raw_bytes / 3.8
+    # dear's rounds are what its exchange sends (driven or declared): int8's slices go all-to-all, the
+    # payloads that keep the gradient's shape are reduce-scattered
+    for name, op in (("int8", "all_to_all"), ("none", "reduce_scatter"), ("fp16", "reduce_scatter"),
+                     ("bf16", "reduce_scatter")):
+        dear = pr.build_step(prof, {**s, "compressor": advisor._comp(name), "comm": {"mode": "dear", "cap_mb": 25.0}},
+                             2)
+        for b in dear.buckets:
+            (r,) = b.rounds
+            assert r.op == op, name
+            if name == "int8":
+                assert b.raw_bytes / 4 <= r.nbytes < b.raw_bytes / 3.8
+            else:
+                assert r.nbytes == (b.raw_bytes if name == "none" else b.raw_bytes / 2), name
 
 
 def test_penalties_of_strategies_say_where_they_come_from(monkeypatch):
@@ -468,8 +477,7 @@ def test_strategy_auto_trials_in_the_run(auto_root):
     """A run with room for its trials trains them as its first steps: no trial session, the measurements
     and the choice in tuning.json, the choice in spec.json, the trial steps marked and on the timeline."""
     import lab
-    from engine import trials as engine_trials
-    from engine.runlog import TRIALS
+    from engine.runfiles import AUTO_RESULT, TRIALS
     from engine.timeline import LANES
     root = auto_root
     # PowerSGD's declared penalty of 2 brings top-k within FAMILY_MARGIN of it (raw, top-k is predicted
@@ -478,7 +486,7 @@ def test_strategy_auto_trials_in_the_run(auto_root):
         "mode": "auto", "trials": 2, "trial_steps": 4, "penalties": {"powersgd": 2.0}}}, runs=root)
     assert run.state == "done", run.log_tail()
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
-    res = json.loads(run.file(engine_trials.RESULT).read_text())
+    res = json.loads(run.file(AUTO_RESULT).read_text())
     assert rec["chosen_by"] == "measured" and rec["winner"] == res["label"]
     # no trial session (the profile was kept from the test before, or one profiling run): the trials were
     # the run's own steps

@@ -6,8 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from engine import autoprofile, models
-from engine import trials as engine_trials
+from engine import autoprofile, models, runfiles
 from engine.runlog import read_jsonl
 from engine.spec import JobSpec
 from engine.timeline import Timeline
@@ -62,12 +61,12 @@ def test_the_ranks_parameter_list_is_the_labs():
 
 
 def test_wait_plan_returns_on_the_plan_and_raises_on_failure_or_silence(tmp_path):
-    (tmp_path / engine_trials.FILE).write_text("{}")
+    (tmp_path / runfiles.AUTO_TRIALS).write_text("{}")
     autoprofile.wait_plan(str(tmp_path), 1.0)
-    (tmp_path / engine_trials.FILE).unlink()
+    (tmp_path / runfiles.AUTO_TRIALS).unlink()
     with pytest.raises(RuntimeError, match="no trial plan"):
         autoprofile.wait_plan(str(tmp_path), 0.05)
-    (tmp_path / autoprofile.FAILED).write_text(json.dumps({"error": "LabError: boom"}))
+    (tmp_path / runfiles.AUTO_FAILED).write_text(json.dumps({"error": "LabError: boom"}))
     with pytest.raises(RuntimeError, match="strategy auto: LabError: boom"):
         autoprofile.wait_plan(str(tmp_path), 1.0)
 
@@ -76,7 +75,7 @@ def test_wait_plan_returns_on_the_plan_and_raises_on_failure_or_silence(tmp_path
                                         ({"profile_steps": 8}, "timeout_s"),
                                         ({"profile_steps": True, "timeout_s": 5}, "profile_steps")])
 def test_a_bad_request_names_its_field(tmp_path, req, field):
-    (tmp_path / autoprofile.PENDING).write_text(json.dumps(req))
+    (tmp_path / runfiles.AUTO_PENDING).write_text(json.dumps(req))
     with pytest.raises(ValueError, match=field):
         autoprofile.pending(str(tmp_path))
     assert autoprofile.pending(str(tmp_path / "nowhere")) is None
@@ -119,19 +118,19 @@ def test_strategy_auto_profiles_in_the_run(tmp_path):
     run = lab.run({**BASE, "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=root)
     assert run.state == "done", run.log_tail()
     assert [r.id for r in lab.runs(runs=root)] == [run.id]  # no profiling run
-    info = json.loads(run.file(autoprofile.PROFILED).read_text())
+    info = json.loads(run.file(runfiles.AUTO_PROFILED).read_text())
     assert info["steps"] == auto.PROFILE_STEPS and info["wall_s"] > 0
     saved = cal.Profile.load(whatif.profile_dir(root) / "mlp-digits-b16.json")
     assert run.id in saved.source and saved.compressors and saved.params == cal.param_list(run.spec_dict())
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
-    res = json.loads(run.file(engine_trials.RESULT).read_text())
+    res = json.loads(run.file(runfiles.AUTO_RESULT).read_text())
     assert rec["chosen_by"] == "measured" and rec["winner"] == res["label"]
     assert rec["profile_source"] == saved.source
     c = rec["cost_s"]
     assert c["profile"] >= res["profile_s"] > 0 and c["predict"] >= 0
     assert c["profile"] + c["predict"] == pytest.approx(res["profile_s"] + res["plan_wait_s"])
     assert c["total"] == pytest.approx(c["profile"] + c["predict"] + res["cost_s"])
-    plan = json.loads(run.file(engine_trials.FILE).read_text())
+    plan = json.loads(run.file(runfiles.AUTO_TRIALS).read_text())
     assert plan["lead_in"] == 0
     steps = [m for m in run.metric_rows() if m.get("kind") == "step" and m["rank"] == 0]
     assert [m["step"] for m in steps] == list(range(30))  # the dry steps are none of the run's steps
@@ -152,4 +151,4 @@ def test_a_failing_advisor_fails_the_run_after_the_profile(tmp_path, monkeypatch
     run = lab.run({**BASE, "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=tmp_path / "runs")
     assert run.state == "failed"
     assert "strategy auto: LabError: advisor: boom" in run.status()["error"]
-    assert run.file(autoprofile.PROFILED).is_file() and not run.file(engine_trials.FILE).exists()
+    assert run.file(runfiles.AUTO_PROFILED).is_file() and not run.file(runfiles.AUTO_TRIALS).exists()

@@ -50,14 +50,13 @@ def _hooks(model):
 
 
 def _make(kind, model):
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.modes import MODES
     from engine.compressors import make
-    from engine.comm.dear import DeAR
     from engine.schedules import layout_cap
     if kind == "dear":
-        return DeAR(model, lambda ps: layout_cap(ps, 25.0))
+        return MODES["dear"](model, lambda ps: layout_cap(ps, 25.0), lambda: make("none"))
     sched, mode = kind.split("/")
-    return DataParallel(model, functools.partial(schedules.build, sched), lambda: make("none"), mode=mode)
+    return MODES[mode](model, functools.partial(schedules.build, sched), lambda: make("none"))
 
 
 def _compare(rank, world, kind, zero):

@@ -1,13 +1,17 @@
 """The compressor seam carries all-reduced, all-gathered (ragged, even empty) and multi-round payloads."""
 import functools
+import inspect
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from distutil import run_world
 from engine import schedules
-from engine.comm.wfbp import DataParallel
-from engine.comm.collectives import issue_allgather
+from engine.comm import modes
+from engine.comm.modes import MODES
+from engine.comm.collectives import issue_all_to_all, issue_allgather, pack_offsets
+from engine.comm.exchange import local_collective
 from engine.compressors.base import Compressor, Round
 
 
@@ -81,7 +85,7 @@ def _grads(rank, world, comp_name, sched, mode, positive_on_rank0_only):
         dist.all_reduce(g)
         expect.append(g / world)
     comp = {"gather-identity": GatherIdentity, "positive-only": PositiveOnly, "two-round": ScaledTwoRound}[comp_name]
-    dp = DataParallel(model, functools.partial(schedules.build, sched), comp, mode=mode)
+    dp = MODES[mode](model, functools.partial(schedules.build, sched), comp)
     for _ in range(2):  # twice: state from step 1 must not leak into step 2
         loss_of(model).backward()
         dp.finish()
@@ -120,3 +124,59 @@ def test_allgather_ragged_shapes_and_dtypes():
         # a 1-byte-per-element tensor before an 8-byte one: offsets stay aligned
         assert out[0][2].tolist() == [7, 7, 7] and out[1][2].numel() == 4
         assert out[0][3].item() == 0.0 and out[1][3].item() == 1.0 and out[1][3].dtype == torch.float64
+
+
+def test_every_mode_is_made_by_name_with_the_same_arguments():
+    """modes.make builds any comm mode from one argument list, and names the field and the allowed values
+    for a mode it does not know (before anything joins a process group)."""
+    shapes = {name: list(inspect.signature(cls.__init__).parameters) for name, cls in MODES.items()}
+    assert list(MODES) == ["sync", "wfbp", "dear"]
+    assert all(s == ["self", "model", "layout", "plan", "timeline", "group", "link", "broadcast_from_rank0"]
+               for s in shapes.values()), shapes
+    with pytest.raises(ValueError, match=r"^comm\.mode: 'ring' is not a comm mode; allowed: sync, wfbp, dear$"):
+        modes.make("ring", torch.nn.Linear(2, 2), lambda infos: [[0, 1]], lambda: None)
+
+
+def test_local_collectives_reduce_scatter_and_all_to_all_as_ranks_would():
+    """The driver's in-process collectives for dear's rounds: rank j gets chunk j of the sum, and every
+    rank's part j; copies, as from a real collective."""
+    a, b = torch.arange(4.0), 10 * torch.arange(4.0)
+    (ra,), (rb,) = local_collective("reduce_scatter", [[a], [b]])
+    assert ra.tolist() == [0.0, 11.0] and rb.tolist() == [22.0, 33.0]
+
+    def part(i, j):
+        return [torch.full((2,), 10.0 * i + j), torch.tensor([i, j], dtype=torch.int8)]
+    sent = [[part(i, j) for j in range(2)] for i in range(2)]
+    got = local_collective("all_to_all", sent)
+    for j in range(2):
+        assert [[x.tolist() for x in p] for p in got[j]] == [[x.tolist() for x in part(i, j)] for i in range(2)]
+        assert all(x is not y for p, q in zip(got[j], (sent[0][j], sent[1][j])) for x, y in zip(p, q))
+    with pytest.raises(ValueError, match="allowed: allreduce, allgather, reduce_scatter, all_to_all$"):
+        local_collective("broadcast", [[a]])
+
+
+def test_packed_payloads_start_at_8_byte_offsets():
+    assert pack_offsets([3, 8, 0, 9, 1]) == ([0, 8, 16, 16, 32], 40)
+    assert pack_offsets([]) == ([], 0)
+
+
+def _all_to_all(rank, world):
+    """Each rank sends rank j a payload of an fp32 and an int8 tensor (sizes that leave alignment gaps)."""
+    parts = [[torch.full((3,), float(10 * rank + j)), torch.full((5,), rank - j, dtype=torch.int8)]
+             for j in range(world)]
+    scratch = {}
+    first = issue_all_to_all(parts, scratch=scratch)
+    got = [[x.clone() for x in p] for p in first.wait()]
+    send = scratch["send"]
+    again = [[x.clone() for x in p] for p in issue_all_to_all(parts, scratch=scratch).wait()]
+    return got, first.nbytes, scratch["send"] is send and [[x.tolist() for x in p] for p in again] == \
+        [[x.tolist() for x in p] for p in got]
+
+
+def test_all_to_all_of_payloads_over_a_process_group():
+    for rank, (got, nbytes, reused) in enumerate(run_world(_all_to_all)):
+        assert reused  # the second call packs into the same send buffer and reads back the same payloads
+        assert nbytes == 2 * (16 + 8)  # per destination: 12 bytes at 0 (padded to 16), 5 at 16 (to 24)
+        for i, (f, c) in enumerate(got):
+            assert f.dtype == torch.float32 and f.tolist() == [10.0 * i + rank] * 3
+            assert c.dtype == torch.int8 and c.tolist() == [i - rank] * 5

@@ -9,6 +9,7 @@ from engine import compressors
 from engine.compressors import make, names
 from engine.compressors.base import ErrorFeedback
 from engine.compressors.params import Param
+from engine.comm.exchange import local_collective, run_exchange
 from distutil import emulate_exchange
 
 # parameters that make each method do real work on small test tensors
@@ -263,3 +264,62 @@ def test_inputs_are_made_on_the_test_device(compressor_test_device):
     assert torch.randn(3).device.type == torch.device(compressor_test_device or "cpu").type
     x = torch.randn(5)
     assert make("fp16").decompress(*make("fp16").compress(x)).device == x.device
+
+
+@pytest.mark.parametrize("ef", [False, True])
+@pytest.mark.parametrize("name", compressors.shardable())
+def test_shard_exchange_gives_each_rank_its_shard_of_the_average(name, ef):
+    """dear's exchange, three ranks simulated in one process through the exchange driver: rank r ends with
+    its shard of the average, in the input's dtype. A payload that keeps the shape ("sum") is
+    reduce-scattered and gives exactly the slice the whole exchange gives; a shard codec ("alltoall")
+    gives the average of every rank's round trip of that slice alone. Both follow the true average and
+    say what they sent."""
+    world, n = 3, 300
+    torch.manual_seed(7)
+    ts = [torch.randn(n) for _ in range(world)]
+    comps = [make(name, error_feedback=ef) for _ in range(world)]
+    ops = []
+
+    def collective(op, payloads):
+        ops.append(op)
+        return local_collective(op, payloads)
+    got = [ex.out for ex in run_exchange(comps, [t.clone() for t in ts], world, collective, ranks=range(world))]
+    s = n // world
+    assert all(g.shape == (s,) and g.dtype == ts[0].dtype for g in got)
+    if comps[0].shard_path() == "sum":
+        assert ops == ["reduce_scatter"]
+        whole = emulate_exchange([make(name, error_feedback=ef) for _ in range(world)], [t.clone() for t in ts])[0]
+        torch.testing.assert_close(torch.cat(got), whole, rtol=0, atol=0)
+    else:
+        assert ops == ["all_to_all"]
+        alone = make(name)
+        for r, g in enumerate(got):
+            ref = sum(alone.decompress(*alone.compress(t[r * s:(r + 1) * s].clone())) for t in ts) / world
+            torch.testing.assert_close(g, ref)
+    assert (torch.cat(got) - torch.stack(ts).mean(0)).abs().max() < 0.05
+    assert all(c.last_bytes > 0 for c in comps)
+
+
+def test_shard_exchange_refuses_what_dear_cannot_take():
+    with pytest.raises(ValueError, match="^dear: topk has payloads that cannot be summed$"):
+        run_exchange([make("topk")], [torch.randn(8)], 2, local_collective, ranks=[0])
+
+
+@pytest.mark.parametrize("name", compressors.shardable())
+def test_declared_shard_rounds_are_the_driven_ones(name):
+    """What the performance model reads instead of driving dear's exchange: one rank alone sends the
+    declared rounds (or the compressor declares none and is driven)."""
+    for n in (1, 257, 1000):
+        c = make(name)
+        declared = c.declared_shard_rounds(n, 4)
+        sent = []
+
+        def collective(op, payloads):
+            (mine,) = payloads
+            each = mine if op == "all_to_all" else [mine]
+            sent.append((op, sum(x.numel() * x.element_size() for p in each for x in p), len(each[0])))
+            return local_collective(op, payloads)
+        run_exchange([c], [torch.randn(n)], 1, collective, ranks=[0])
+        assert declared in (None, sent), (n, declared, sent)
+        assert sent[0][0] == ("reduce_scatter" if c.shard_path() == "sum" else "all_to_all")
+    assert make("int8").declared_shard_rounds(1000, 4) == [("all_to_all", 4 * 4 + 1000, 2)]

@@ -5,7 +5,7 @@ import torch
 
 from distutil import run_world
 from engine import compressors, data, models, schedules
-from engine.comm.wfbp import DataParallel
+from engine.comm.wfbp import WFBP
 
 STEPS = 40
 NO_SGD_MOMENTUM = {"dgc", "signum"}  # they apply momentum themselves
@@ -23,8 +23,8 @@ def _train_all(rank, world, cases):
     for name, ef in cases:
         torch.manual_seed(0)
         model = models.build("cnn", ds.info)
-        dp = DataParallel(model, functools.partial(schedules.build, "layerwise"),
-                          lambda: compressors.make(name, error_feedback=ef, **PARAMS.get(name, {})), mode="wfbp")
+        dp = WFBP(model, functools.partial(schedules.build, "layerwise"),
+                  lambda: compressors.make(name, error_feedback=ef, **PARAMS.get(name, {})))
         opt = torch.optim.SGD(model.parameters(), lr=LR.get(name, 0.05), momentum=0.0 if name in NO_SGD_MOMENTUM else 0.9)
         sampler = data.ShardSampler(ds.size("train"), 32, rank, world, seed=0)
         losses, sent, raw = [], 0, 0

@@ -8,7 +8,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distutil import run_world
 from engine import compressors, data, models, schedules
-from engine.comm.wfbp import DataParallel
+from engine.comm.modes import MODES
+from engine.comm.wfbp import WFBP
 
 STEPS = 20
 
@@ -29,8 +30,7 @@ def _train_pair(rank, world, model_name, dataset, batch, opt_name, layouts):
     ours = []
     for sched, opts, mode in layouts:
         m = copy.deepcopy(base)
-        dp = DataParallel(m, functools.partial(schedules.build, sched, **opts), lambda: compressors.make("none"),
-                          mode=mode)
+        dp = MODES[mode](m, functools.partial(schedules.build, sched, **opts), lambda: compressors.make("none"))
         ours.append((m, dp, make_opt(m.parameters())))
     sampler = data.ShardSampler(ds.size("train"), batch, rank, world, seed=0)
     for _ in range(STEPS):
@@ -81,7 +81,7 @@ def test_resnet_adam_matches_ddp():
 def _broadcast(rank, world):
     torch.manual_seed(rank)  # a different init on each rank, on purpose
     m = torch.nn.Linear(4, 3)
-    DataParallel(m, functools.partial(schedules.build, "allinone"), lambda: compressors.make("none"))
+    WFBP(m, functools.partial(schedules.build, "allinone"), lambda: compressors.make("none"))
     out = [torch.empty(3, 4) for _ in range(world)]
     dist.all_gather(out, m.weight.detach().contiguous())
     return out

@@ -11,6 +11,8 @@ import torch
 from distutil import run_world
 from engine import schedules
 from engine.comm import dear
+from engine.compressors.base import Compressor
+from engine.compressors.plan import Plan
 from engine.tuners import capsearch
 from engine.schedules import ParamInfo
 from engine.spec import JobSpec, SpecError
@@ -163,7 +165,7 @@ def _relayout(rank, world):
     runs = []
     for change in (False, True):
         m = copy.deepcopy(base)
-        d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3))
+        d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3), Plan.of("none"))
         opt = torch.optim.Adam(d.shard_params(), lr=1e-3)
         d.attach(opt)
         sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
@@ -202,7 +204,7 @@ def _relayout_residual(rank, world):
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = models.build("mlp", ds.info)
-    d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3), "fp16", error_feedback=True)
+    d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.3), Plan.of("fp16", error_feedback=True))
     opt = torch.optim.SGD(d.shard_params(), lr=0.05)
     d.attach(opt)
     sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
@@ -305,8 +307,8 @@ def test_dear_refuses_by_capability(comp, lacks):
     assert e.value.path == "compressor.name" and "\n" not in msg
     assert f"; {lacks}; allowed: none, fp16, bf16, int8" in msg
     with pytest.raises(ValueError, match=f"^compressor.name: .*{lacks}"):  # the communicator checks the same
-        dear.DeAR(torch.nn.Linear(2, 2), lambda ps: [[0, 1]], comp["name"],
-                  compressor_params={k: v for k, v in comp.items() if k != "name"})
+        dear.DeAR(torch.nn.Linear(2, 2), lambda ps: [[0, 1]],
+                  Plan.of(comp["name"], **{k: v for k, v in comp.items() if k != "name"}))
 
 
 # ---------------------------------------------------------------- compressed reduce-scatter (int8)
@@ -334,8 +336,7 @@ def _int8_step(rank, world, ef):
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = models.build("cnn", ds.info)
-    d = dear.DeAR(m, lambda ps: schedules.layout_layers(ps, 1), "int8", error_feedback=ef,
-                  compressor_params={"block": BLOCK})
+    d = dear.DeAR(m, lambda ps: schedules.layout_layers(ps, 1), Plan.of("int8", error_feedback=ef, block=BLOCK))
     d.attach(torch.optim.SGD(d.shard_params(), lr=0.0))  # lr 0: the same gradients twice (error feedback)
     x, y = ds.batch("train", next(data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)))
     out = []
@@ -435,3 +436,74 @@ def test_dear_none_through_a_plan_equals_sync():
     res = run_world(_pair, "sgd", [{"cap_mb": 0.02, "per_bucket": [{"below_mb": 0.01, "name": "none"},
                                                                    {"below_mb": 0.1, "name": "none"}]}])
     _check(res)
+
+
+# ---------------------------------------------------------------- compressors outside the registry
+
+class Halves(Compressor):
+    """A user's compressor: sends half the gradient, decodes by doubling. Summable and shape-keeping by
+    declaration, so dear reduce-scatters its payloads."""
+    name = "halves"
+    keeps_shape = True
+
+    def compress(self, t):
+        return [t / 2], None
+
+    def decompress(self, payload, ctx):
+        return payload[0] * 2
+
+
+class HalfSlices(Compressor):
+    """A user's shard codec: half precision plus one fp32 scale per slice, not summable (the scales
+    differ), so dear exchanges each rank's slices all-to-all."""
+    name = "half-slices"
+    summable = False
+    shard_codec = True
+
+    def compress(self, t):
+        scale = t.abs().amax().clamp_min(1e-12).reshape(1).float()
+        return [(t / scale).half(), scale], t.dtype
+
+    def decompress(self, payload, ctx):
+        codes, scale = payload
+        return (codes.float() * scale).to(ctx)
+
+
+def _own_compressors(rank, world):
+    """One backward of the same batch under dear with none, Halves and HalfSlices: each buffer's shard
+    gradient, and each instance's bytes and rounds."""
+    import copy
+    from engine import data, models
+    torch.manual_seed(0)
+    ds = data.load("digits", seed=0)
+    base = models.build("cnn", ds.info)
+    x, y = ds.batch("train", next(data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)))
+    out = {}
+    for label, plan in (("none", Plan.of("none")), ("halves", Halves), ("half-slices", HalfSlices)):
+        m = copy.deepcopy(base)
+        d = dear.DeAR(m, lambda ps: schedules.layout_cap(ps, 0.05), plan)
+        d.attach(torch.optim.SGD(d.shard_params(), lr=0.0))
+        models.loss_fn(m(x), y).backward()
+        d.finish()
+        out[label] = ([b.shard_param.grad.clone() for b in d.buffers], d.step_bytes,
+                      sum(b.padded * 4 for b in d.buffers))
+        d.close()
+    return out
+
+
+def test_dear_drives_compressors_outside_the_registry_by_their_capabilities():
+    """The exchange driver takes any compressor whose declared capabilities dear accepts: a summable,
+    shape-keeping one is reduce-scattered (exactly none's result: halving and doubling are exact), a
+    shard codec's slices go all-to-all (none's result up to half precision) at half the bytes plus a
+    scale (padded to 8 bytes) per slice."""
+    for res in run_world(_own_compressors):
+        ref, ref_bytes, raw = res["none"]
+        halves, half_bytes, _ = res["halves"]
+        sliced, sliced_bytes, _ = res["half-slices"]
+        assert len(ref) >= 2 and ref_bytes == raw
+        for a, b, c in zip(ref, halves, sliced):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+            # half precision of each slice scaled to its largest value: off by at most ~2^-11 of that
+            torch.testing.assert_close(c, a, rtol=0, atol=1e-3 * a.abs().max().item())
+            assert not torch.equal(c, a)
+        assert half_bytes == raw and raw / 2 <= sliced_bytes < raw / 2 + 16 * len(ref) * 2

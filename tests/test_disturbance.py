@@ -12,7 +12,8 @@ import pytest
 
 import lab
 from lab.rundir import disturbance as dist
-from lab.rundir.index import INDEX_FILE, Index
+from lab.base.paths import INDEX
+from lab.rundir.index import Index
 from lab.service.queue import Lab
 from lab.base.errors import LabError
 from lab.rundir.store import RunStore
@@ -237,8 +238,8 @@ def test_old_index_gains_the_columns(tmp_path):
     run = store.create(lab._spec(SPEC))
     run.set_status("done", disturbance={"other_cpu": 0.3, "disturbed": True, "threshold": 0.1})
     old_cols = [c for c in Index(store).row_of(run) if c not in ("other_cpu", "disturbed")]
-    (tmp_path / INDEX_FILE).unlink(missing_ok=True)
-    con = sqlite3.connect(tmp_path / INDEX_FILE)
+    (tmp_path / INDEX).unlink(missing_ok=True)
+    con = sqlite3.connect(tmp_path / INDEX)
     cols = ", ".join(f"{c} {'TEXT PRIMARY KEY' if c == 'id' else ''}" for c in old_cols)  # as commlab made it
     con.execute(f"CREATE TABLE runs ({cols})")
     con.execute("INSERT INTO runs (id, state) VALUES (?, 'done')", (run.id,))

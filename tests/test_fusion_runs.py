@@ -8,7 +8,7 @@ import torch
 
 from distutil import run_world
 from engine import compressors, data, models, schedules
-from engine.comm.wfbp import DataParallel
+from engine.comm.wfbp import WFBP
 from engine.spec import JobSpec
 
 STEPS = 20
@@ -85,7 +85,7 @@ def _relayout(rank, world):
         runs = []
         for relayout in (None, "same", "other"):
             m = copy.deepcopy(base)
-            dp = DataParallel(m, sched, functools.partial(compressors.make, comp, **kw))
+            dp = WFBP(m, sched, functools.partial(compressors.make, comp, **kw))
             opt = torch.optim.SGD(m.parameters(), lr=0.05)
             sampler = data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)
             for step in range(10):

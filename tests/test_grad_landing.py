@@ -1,5 +1,5 @@
 """Where gradients land: the copy-in and re-pointing after zero_grad(set_to_none=True), the
-"produced twice" error, and the divergence check (engine/comm.py land_grad, DataParallel and DeAR
+"produced twice" error, and the divergence check (engine/comm/core.py land_grad, Sync, WFBP and DeAR
 grads_finite), against hand-computed averages."""
 import functools
 from types import SimpleNamespace
@@ -73,7 +73,7 @@ def _reference_grads(x):
 
 
 def _set_to_none(rank, world, mode):
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.modes import MODES
     from engine.compressors import make
     model = _model()
     handed = {}  # param -> autograd's gradient was not the bucket view (seen before the communicator's hook runs)
@@ -83,7 +83,7 @@ def _set_to_none(rank, world, mode):
         return p.grad.data_ptr() == b.views[pos].data_ptr()
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(lambda p: handed.__setitem__(p, not is_view(p)))
-    dp = DataParallel(model, functools.partial(schedules.build, "layerwise"), lambda: make("none"), mode=mode)
+    dp = MODES[mode](model, functools.partial(schedules.build, "layerwise"), lambda: make("none"))
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: every step sees the same model as the reference
     out = []
     for step in range(3):
@@ -118,15 +118,15 @@ def test_set_to_none_copies_in_and_points_grad_at_the_bucket_again(mode):
 
 
 def _twice(rank, world, kind):
-    from engine.comm.wfbp import DataParallel
-    from engine.compressors import make
     from engine.comm.dear import DeAR
+    from engine.comm.wfbp import Sync
+    from engine.compressors import make
     from engine.schedules import layout_cap
     model = _model()
     if kind == "dear":
-        dp = DeAR(model, lambda ps: layout_cap(ps, 25.0))
+        dp = DeAR(model, lambda ps: layout_cap(ps, 25.0), lambda: make("none"))
     else:
-        dp = DataParallel(model, functools.partial(schedules.build, "allinone"), lambda: make("none"), mode="sync")
+        dp = Sync(model, functools.partial(schedules.build, "allinone"), lambda: make("none"))
     x = _batch(rank, 0)
     model(x).sum().backward()
     try:
@@ -143,17 +143,16 @@ def test_a_second_backward_before_finish_is_an_error(kind):
 
 
 def _finite(rank, world, kind):
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.modes import MODES
     from engine.compressors import make
-    from engine.comm.dear import DeAR
     from engine.schedules import layout_cap
     model = _model()
     if kind == "dear":
-        dp = DeAR(model, lambda ps: layout_cap(ps, 25.0))
+        dp = MODES["dear"](model, lambda ps: layout_cap(ps, 25.0), lambda: make("none"))
         opt = torch.optim.SGD(dp.shard_params(), lr=0.0)
         dp.attach(opt)
     else:
-        dp = DataParallel(model, functools.partial(schedules.build, "layerwise"), lambda: make("none"), mode=kind)
+        dp = MODES[kind](model, functools.partial(schedules.build, "layerwise"), lambda: make("none"))
     out = []
     # per step: what rank 1 multiplies its loss by (rank 0 always 1): finite, NaN, inf, finite again
     for step, scale in enumerate((1.0, float("nan"), float("inf"), 1.0)):

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab.rundir.index import INDEX_FILE, Index, RunIndexError
+from lab.base.paths import INDEX
+from lab.rundir.index import Index, RunIndexError
 from lab.rundir.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def table(idx):
 
 def others(tmp_path):
     """What lies beside the run directories apart from the index, its SQLite files and its lock."""
-    keep = {INDEX_FILE, INDEX_FILE + "-wal", INDEX_FILE + "-shm", INDEX_FILE + ".lock"}
+    keep = {INDEX, INDEX + "-wal", INDEX + "-shm", INDEX + ".lock"}
     return sorted(p.name for p in tmp_path.iterdir() if p.is_file() and p.name not in keep)
 
 
@@ -63,7 +64,7 @@ def test_a_locked_index_is_waited_for_then_reported_and_left_alone(tmp_path, hol
     holder.execute("UPDATE runs SET name = name")
     try:
         t0 = time.monotonic()
-        with pytest.raises(RunIndexError, match=rf"{INDEX_FILE}: locked by another process \(database is locked\)"):
+        with pytest.raises(RunIndexError, match=rf"{INDEX}: locked by another process \(database is locked\)"):
             idx.update(b)
         assert 0.4 <= time.monotonic() - t0 < 10  # waited its budget (0.5 s), not SQLite's 30 s nor not at all
         if hold == "all":
@@ -93,10 +94,10 @@ def test_a_full_disk_or_an_io_error_is_reported_and_nothing_is_rebuilt(tmp_path,
             return super().execute(sql, *args)
     connect = sqlite3.connect
     monkeypatch.setattr(sqlite3, "connect", lambda *a, **k: connect(*a, factory=Failing, **k))
-    with pytest.raises(RunIndexError, match=rf"{INDEX_FILE}: {message} \(OperationalError\); the file was left"):
+    with pytest.raises(RunIndexError, match=rf"{INDEX}: {message} \(OperationalError\); the file was left"):
         idx.update(b)
     monkeypatch.undo()
-    assert (tmp_path / (INDEX_FILE + ".owed")).read_text().split() == [b.id]
+    assert (tmp_path / (INDEX + ".owed")).read_text().split() == [b.id]
     assert os.stat(idx.path).st_ino == inode and table(idx) == {**before, b.id: "failed"} and others(tmp_path) == []
 
 
@@ -145,10 +146,10 @@ def test_a_damaged_index_is_kept_aside_and_rebuilt_and_a_process_that_used_it_wr
         with pytest.raises(sqlite3.DatabaseError, match="not a database"):  # truly damaged
             sqlite3.connect(idx.path).execute("SELECT * FROM runs")
         assert set(table(idx)) == {r.id for r in runs}  # rebuilt from the directories on first use
-        (aside,) = tmp_path.glob(f"{INDEX_FILE}.corrupt-*")
+        (aside,) = tmp_path.glob(f"{INDEX}.corrupt-*")
         assert aside.read_bytes() == damaged  # kept as it was, under a new name
         err = capsys.readouterr().err
-        assert f"{INDEX_FILE}: damaged (file is not a database); kept as {aside.name}" in err
+        assert f"{INDEX}: damaged (file is not a database); kept as {aside.name}" in err
         out, _ = child.communicate("go\n", timeout=120)
         late = out.strip()
         assert child.returncode == 0 and late
@@ -197,30 +198,30 @@ def test_a_rebuild_that_fails_leaves_the_damaged_index_and_says_so(tmp_path, mon
         replace = os.replace
 
         def refuses_the_new_file(src, dst):
-            if Path(src).name.startswith(f".{INDEX_FILE}."):
+            if Path(src).name.startswith(f".{INDEX}."):
                 raise OSError(5, "Input/output error")
             return replace(src, dst)
         monkeypatch.setattr(os, "replace", refuses_the_new_file)
         cause = r"OSError: \[Errno 5\] Input/output error"
-    with pytest.raises(RunIndexError, match=rf"{INDEX_FILE}: could not be rebuilt from the run directories "
+    with pytest.raises(RunIndexError, match=rf"{INDEX}: could not be rebuilt from the run directories "
                                             rf"\({cause}\); it is damaged \(file is not a database\) and was left"):
         idx.query()
     monkeypatch.undo()
     assert idx.path.read_bytes() == damaged  # no empty index that looks valid: the damaged file, in place
     assert others(tmp_path) == []  # nothing set aside, no temporary file left
     assert set(table(idx)) == {r.id for r in runs}  # the next use rebuilds it
-    assert len(list(tmp_path.glob(f"{INDEX_FILE}.corrupt-*"))) == 1
+    assert len(list(tmp_path.glob(f"{INDEX}.corrupt-*"))) == 1
 
 
 def test_reindex_keeps_a_damaged_index_aside_and_never_meets_an_old_log(tmp_path):
     store, idx, runs = indexed(tmp_path)
     damaged = damage(idx.path)
     assert idx.reindex() == 3
-    (aside,) = tmp_path.glob(f"{INDEX_FILE}.corrupt-*")
+    (aside,) = tmp_path.glob(f"{INDEX}.corrupt-*")
     assert aside.read_bytes() == damaged and set(table(idx)) == {r.id for r in runs}
     again = damage(idx.path)  # damaged again within the second: the first one kept aside is not written over
     assert idx.reindex() == 3
-    assert sorted(p.read_bytes() for p in tmp_path.glob(f"{INDEX_FILE}.corrupt-*")) == sorted([damaged, again])
+    assert sorted(p.read_bytes() for p in tmp_path.glob(f"{INDEX}.corrupt-*")) == sorted([damaged, again])
     # a write-ahead log left by a killed process belongs to the file it was written for: a rebuild drops it
     con = sqlite3.connect(idx.path)
     con.execute("PRAGMA wal_autocheckpoint=0")
@@ -246,7 +247,7 @@ def test_a_damaged_page_is_found_and_the_index_rebuilt(tmp_path, capsys):
         f.seek(page)  # the second page: a page of the table's b-tree
         f.write(b"\xff" * 64)
     assert set(table(idx)) == {r.id for r in runs}
-    assert len(list(tmp_path.glob(f"{INDEX_FILE}.corrupt-*"))) == 1
+    assert len(list(tmp_path.glob(f"{INDEX}.corrupt-*"))) == 1
     assert "damaged (" in capsys.readouterr().err
 
 

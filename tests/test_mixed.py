@@ -11,7 +11,7 @@ import torch
 
 from distutil import run_world
 from engine import compressors, data, models, schedules
-from engine.comm.wfbp import DataParallel
+from engine.comm.wfbp import WFBP, Sync
 from engine.compressors.plan import MB, Plan, section_for
 from engine.spec import JobSpec, SpecError
 
@@ -71,7 +71,7 @@ def _one_step(rank, world):
 
     def grads(make):
         m = copy.deepcopy(base)
-        dp = DataParallel(m, sched, make, mode="wfbp")
+        dp = WFBP(m, sched, make)
         models.loss_fn(m(x), y).backward()
         dp.finish()
         out = [(b.codec, b.raw_bytes, b.flat.clone()) for b in dp.buckets]
@@ -133,7 +133,7 @@ def _relayout(rank, world):
     plan = Plan.from_section({"name": "topk", "error_feedback": True, "params": {"ratio": 0.1},
                               "per_bucket": [{"below_mb": SMALL, "name": "randomk", "error_feedback": True,
                                               "params": {"ratio": 0.5}}]})
-    dp = DataParallel(m, functools.partial(schedules.build, "layerwise"), plan, mode="sync")
+    dp = Sync(m, functools.partial(schedules.build, "layerwise"), plan)
     models.loss_fn(m(x), y).backward()
     dp.finish()
     dp.zero_grad()

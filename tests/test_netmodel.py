@@ -58,6 +58,15 @@ def test_allreduce_bandwidth_term_bounded_by_twice_the_bytes():
     assert busbw_factor("allreduce", 2) == 1.0
     assert busbw_factor("reduce_scatter", 4) == 0.75
     assert busbw_factor("allgather", 4) == 3.0
+    assert busbw_factor("all_to_all", 4) == 0.75
+
+
+def test_an_all_to_all_costs_what_the_reduce_scatter_it_stands_for_does():
+    """dear's shard codecs reduce-scatter by an all-to-all: each rank sends (p-1)/p of its bytes."""
+    link = ModeledLink(1.0, 10.0)
+    for p in (1, 2, 8):
+        assert link.duration("all_to_all", 10 ** 6, p) == link.duration("reduce_scatter", 10 ** 6, p)
+    assert link.duration("all_to_all", 10 ** 6, 4) == reduce_scatter_s(10 ** 6, 4, 1.0, 10.0) > 0
 
 
 def test_bad_arguments():
@@ -165,14 +174,13 @@ def test_a_real_allreduce_is_held_to_the_models_time():
 
 def _dp_step(rank, world, gbps):
     import torch
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.wfbp import Sync
     from engine.compressors import make
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     clock = FakeClock()
     link = ModeledLink(gbps, clock=clock, sleep=clock.sleep)
-    dp = DataParallel(model, lambda infos: [[i] for i in range(len(infos))], lambda: make("none"),
-                      mode="sync", link=link)
+    dp = Sync(model, lambda infos: [[i] for i in range(len(infos))], lambda: make("none"), link=link)
     times = []
     for _ in range(3):
         model(torch.randn(8, 256)).sum().backward()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lab
-from engine import worker
+from engine import runfiles, worker
 from engine.tuners import mergecomp
 from engine.spec import DEAR_CAP_MB, DEAR_TUNE_STEPS, JobSpec
 from lab.service import supervise
@@ -42,7 +42,7 @@ def test_worker_file_is_written_whole(tmp_path, capsys):
 # --------------------------------------------------------------------------- MergeComp's cache
 
 def test_corrupt_cache_is_kept_aside_and_reported_on_read(tmp_path):
-    cache = tmp_path / mergecomp.CACHE
+    cache = tmp_path / runfiles.MERGECOMP_CACHE
     cache.write_text('{"k": {"cuts": [1, 2')
     with pytest.raises(mergecomp.CacheCorrupt, match=r"mergecomp-cache\.json is unreadable \(JSONDecodeError"):
         mergecomp.read_cache(str(tmp_path), "k")
@@ -52,7 +52,7 @@ def test_corrupt_cache_is_kept_aside_and_reported_on_read(tmp_path):
 
 
 def test_corrupt_cache_is_kept_aside_and_reported_on_write(tmp_path):
-    cache = tmp_path / mergecomp.CACHE
+    cache = tmp_path / runfiles.MERGECOMP_CACHE
     cache.write_text('["not", "entries"]')
     problem = mergecomp.write_cache(str(tmp_path), "k", {"cuts": [3]})
     assert "is unreadable" in problem and "moved to mergecomp-cache.json.corrupt-" in problem
@@ -64,7 +64,7 @@ def test_corrupt_cache_is_kept_aside_and_reported_on_write(tmp_path):
 
 
 def test_a_run_says_its_mergecomp_cache_was_corrupt(tmp_path):
-    (tmp_path / mergecomp.CACHE).write_text("{ this is not json")
+    (tmp_path / runfiles.MERGECOMP_CACHE).write_text("{ this is not json")
     run = lab.run(dict(SMALL, steps=8, schedule={"name": "mergecomp"}), runs=tmp_path)
     assert run.state == "done", run.status()
     tuning = json.loads(run.file("tuning.json").read_text())
@@ -132,7 +132,7 @@ def test_a_run_records_what_it_resolved(tmp_path):
     run = lab.run(dict(SMALL, comm={"mode": "dear"}, threads=0), runs=tmp_path)
     assert run.state == "done", run.status()
     assert run.spec_dict()["comm"]["cap_mb"] == 25.0
-    res = json.loads(run.file(worker.RESOLVED).read_text())
+    res = json.loads(run.file(runfiles.RESOLVED).read_text())
     # device auto: the GPU where there is one, and gloo over CUDA tensors while two ranks share one GPU
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     want = ("gloo", "cpu") if not gpus else ("nccl" if gpus >= 2 else "gloo", "cuda:0")

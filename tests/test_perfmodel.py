@@ -91,6 +91,20 @@ def test_allgather_round_waits_for_its_header():
     assert iteration_time(step, SLOW, 2, "wfbp").total == approx(3.74)
 
 
+def test_dear_prices_a_shard_codecs_all_to_all_as_the_reduce_scatter_it_stands_for():
+    """A bucket's sharded round may be an all-to-all (int8's slices): on a flat link, a two-level cluster
+    and a token bucket it takes what a reduce-scatter of the same bytes takes."""
+    def step(op):
+        return Step(1.0, 2.0, 0.5, [Bucket(ready=1.0, encode=0.0, rounds=[Round(op, 1000)], raw_bytes=4000,
+                                           forward=0.4)])
+    cluster = costs.Cluster(2, costs.Link(1e-6, 1e-4), costs.Link(1e-5, 1e-3))
+    bucket = costs.Link(0.0, 1e-3, burst_bytes=500, beta_burst=1e-4)
+    for link, world in ((SLOW, 2), (cluster, 4), (bucket, 2)):
+        assert iteration_time(step("all_to_all"), link, world, "dear").total == \
+            approx(iteration_time(step("reduce_scatter"), link, world, "dear").total)
+    assert costs.steps_and_wire("all_to_all", 1000, 4) == costs.steps_and_wire("reduce_scatter", 1000, 4)
+
+
 def test_dear_overlaps_all_gather_with_forward_and_shards_the_optimizer():
     step = Step(1.0, 2.0, 0.5, [
         Bucket(ready=1.0, encode=0.0, rounds=[Round("reduce_scatter", 1000)], raw_bytes=1000, forward=0.4),
@@ -522,6 +536,11 @@ def test_declared_rounds_are_the_driven_ones(params):
                 c.skip_warmup()
                 driven, _ = cal.drive(c, torch.randn(n, generator=g))
                 assert declared == driven, (name, given, ef, layout[:3])
+                if c.shard_problem() is None:  # dear's exchange, declared as the model reads it
+                    sharded = compressors.make(name, error_feedback=ef, **given)
+                    sharded.layout = layout
+                    driven, _ = cal.drive(sharded, torch.randn(n, generator=g), sharded=True)
+                    assert sharded.declared_shard_rounds(n, 4) == driven, (name, given, ef, layout[:3])
     want = {(): {"topk", "int8", "powersgd"}, ("ratio",): {"topk"}, ("block",): {"int8"}, ("rank",): {"powersgd"}}
     assert declaring >= want[tuple(params)]
     assert compressors.make("powersgd").declared_rounds(1000, 4) is None  # flat mode: driven
@@ -538,6 +557,30 @@ def test_the_model_uses_declared_rounds_without_driving(monkeypatch):
     comp = {"name": "topk", "params": {"ratio": 0.01}, "error_feedback": True}
     got = pr.payload_rounds(prof, comp, [0, 1])
     assert got == [("allgather", 121 * 8, 2)]  # k = ceil(0.01 * 12001) = 121 values and int32 indices
+
+
+def test_the_model_drives_dears_exchange_as_the_engine_runs_it(monkeypatch):
+    """dear's buckets get the rounds of the compressor's sharded exchange: declared where the compressor
+    declares them (int8: never driven), else driven through cal.drive(sharded=True) (fp16: one reduce-scatter
+    of its half-precision payload), kept apart from the same bucket's whole exchange."""
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import predict as pr
+    prof = cal.Profile(model="m", dataset="d", batch_size=1, params=[("a.weight", 4 * 5000), ("b.weight", 4 * 7001)])
+    monkeypatch.setattr(pr, "_ROUNDS_CACHE", {})
+    real, driven = cal.drive, []
+
+    def drive(c, t, *a, **k):
+        driven.append((c.name, k.get("sharded", False)))
+        return real(c, t, *a, **k)
+    monkeypatch.setattr(cal, "drive", drive)
+    int8 = {"name": "int8", "params": {}, "error_feedback": False}
+    assert pr.payload_rounds(prof, int8, [0, 1], sharded=True) == [("all_to_all", 4 * 47 + 12001, 2)]
+    assert driven == []
+    fp16 = {"name": "fp16", "params": {}, "error_feedback": True}
+    assert pr.payload_rounds(prof, fp16, [0, 1], sharded=True) == [("reduce_scatter", 2 * 12001, 1)]
+    assert pr.payload_rounds(prof, fp16, [0, 1]) == [("allreduce", 2 * 12001, 1)]
+    assert driven == [("fp16", True), ("fp16", False)]
+    assert {k.split("|")[0] for k in prof.payloads} == {"dear:int8", "dear:fp16+EF", "fp16+EF"}
 
 
 def test_the_profile_commands_default_is_the_labs_profiling_run():

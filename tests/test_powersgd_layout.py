@@ -12,7 +12,7 @@ import torch
 from distutil import emulate_exchange, run_world
 
 from engine import compressors, data, models, schedules
-from engine.comm.wfbp import DataParallel
+from engine.comm.wfbp import WFBP
 from engine.compressors import make
 from engine.compressors.powersgd import matrix_shape, plan_layout
 
@@ -183,8 +183,8 @@ def _train(rank, world, steps):
     ds = data.load("digits", seed=0)
     torch.manual_seed(0)
     model = models.build("cnn", ds.info)
-    dp = DataParallel(model, functools.partial(schedules.build, "bucket", cap_mb=25),
-                      lambda: compressors.make("powersgd", rank=1), mode="wfbp")
+    dp = WFBP(model, functools.partial(schedules.build, "bucket", cap_mb=25),
+              lambda: compressors.make("powersgd", rank=1))
     (b,) = dp.buckets  # one bucket for the whole model: the case a flat matrix cannot learn
     layout = b.compressor.layout
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)

@@ -21,7 +21,7 @@ def _model():
 
 
 def _probe_step(rank, world, follow):
-    from engine.comm.wfbp import DataParallel
+    from engine.comm.wfbp import WFBP
     from engine.compressors import make
     from engine.probe import LayerProbe
     from engine.timeline import Timeline
@@ -29,8 +29,7 @@ def _probe_step(rank, world, follow):
     path = os.path.join(tempfile.mkdtemp(), f"t{rank}.jsonl")
     tl = Timeline(path, rank)
     probe = LayerProbe(model, tl) if follow != "late" else None
-    dp = DataParallel(model, functools.partial(schedules.build, "layerwise"), lambda: make("none"),
-                      mode="wfbp", timeline=tl)
+    dp = WFBP(model, functools.partial(schedules.build, "layerwise"), lambda: make("none"), timeline=tl)
     if follow is True:
         probe.follow(dp)
     count = lambda: [len(p._post_accumulate_grad_hooks) for p in model.parameters()]  # noqa: E731

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distutil import run_world
-from engine import trials
+from engine import runfiles, trials
 from engine.spec import JobSpec
 
 BASE = {"model": "cnn", "dataset": "digits", "batch_size": 16, "steps": 12, "timeline": False,
@@ -55,7 +55,7 @@ def _switching(rank, world):
 
 def test_switching_strategy_keeps_the_training():
     for diff, moved, built, step, broadcasts in run_world(_switching):
-        assert built == ["DeAR", "DataParallel", "DataParallel"] and step == 12
+        assert built == ["DeAR", "Sync", "WFBP"] and step == 12
         assert broadcasts == []
         assert moved > 1e-3  # the models did train
         assert diff < 1e-5, diff
@@ -104,10 +104,10 @@ def _run_trials(rank, world, run_dir):
 
 
 def test_trials_choose_by_time_x_penalty_and_stop_a_clear_loser(tmp_path):
-    (tmp_path / trials.FILE).write_text(json.dumps(_plan()))
+    (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(_plan()))
     for comp, step in run_world(_run_trials, str(tmp_path)):
         assert comp == "fp16" and step == 40
-    res = json.loads((tmp_path / trials.RESULT).read_text())
+    res = json.loads((tmp_path / runfiles.AUTO_RESULT).read_text())
     assert res["winner"] == 1 and res["label"] == "fp16"
     first, second, third = res["trials"]
     assert (first["first_step"], first["last_step"]) == (0, 4) and not first["aborted"]
@@ -135,10 +135,10 @@ def test_a_far_slower_trial_stops_at_its_first_step(tmp_path):
     ratio of 5 it trains that one step only, where abort_after alone let it train 1 + 2."""
     plan = _plan(stop_ratio=5.0, hold_margin=1.0)
     plan["trials"][0]["reference"] = True  # none x3: beaten by fp16 (1.0) by far more than the margin
-    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(plan))
     for comp, step in run_world(_run_trials, str(tmp_path)):
         assert comp == "fp16" and step == 40
-    res = json.loads((tmp_path / trials.RESULT).read_text())
+    res = json.loads((tmp_path / runfiles.AUTO_RESULT).read_text())
     assert res["held"] is False
     first, second, third = res["trials"]
     assert not first["aborted"] and not second["aborted"]  # no best yet for the first; fp16 is the best
@@ -151,10 +151,10 @@ def test_a_runoff_measures_the_close_trials_again_in_reverse_order(tmp_path):
     none x3 train again, fp16 (the later one) first, and are scored on all their timed steps; none x10,
     stopped early, does not come back."""
     plan = _plan(lead_in=2, runoff_within=100.0, runoff_steps=3)
-    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(plan))
     for comp, step in run_world(_run_trials, str(tmp_path)):
         assert comp == "fp16" and step == 40
-    res = json.loads((tmp_path / trials.RESULT).read_text())
+    res = json.loads((tmp_path / runfiles.AUTO_RESULT).read_text())
     first, second, third = res["trials"]
     assert first["visits"] == [[0, 6], [19, 22]]  # 2 lead-in + 1 warm-up + 4 timed; then 1 + 3
     assert second["visits"] == [[7, 11], [15, 18]]
@@ -179,19 +179,19 @@ def test_the_reference_trial_runs_off_within_its_own_factor(tmp_path):
     best is within runoff_within (1.0); without it nothing runs off (a runoff of one trial is none)."""
     plan = _plan(runoff_within=1.0, reference_within=100.0, runoff_steps=3, hold_margin=1.0)
     plan["trials"][0]["reference"] = True
-    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(plan))
     for comp, step in run_world(_run_trials, str(tmp_path)):
         assert comp == "fp16" and step == 40
-    res = json.loads((tmp_path / trials.RESULT).read_text())
+    res = json.loads((tmp_path / runfiles.AUTO_RESULT).read_text())
     first, second, third = res["trials"]
     assert res["runoff"] == [0, 1] and len(first["visits"]) == 2 and len(second["visits"]) == 2
     assert third["aborted"] and len(third["visits"]) == 1
     assert res["winner"] == 1 and res["held"] is False
     assert trials.most_steps(plan) == trials.most_steps({**plan, "reference_within": None, "runoff_within": 1.0})
     del plan["reference_within"]
-    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(plan))
     run_world(_run_trials, str(tmp_path))
-    res = json.loads((tmp_path / trials.RESULT).read_text())
+    res = json.loads((tmp_path / runfiles.AUTO_RESULT).read_text())
     assert res["runoff"] == [] and all(len(t["visits"]) == 1 for t in res["trials"])
 
 
@@ -229,7 +229,7 @@ def test_trials_shorten_powersgd_start_by_the_steps_trained():
     ({"reference_within": 1.25}, "reference_within needs runoff_steps"),
 ])
 def test_a_bad_trial_plan_is_refused(tmp_path, change, problem):
-    (tmp_path / trials.FILE).write_text(json.dumps(_plan(**change)))
+    (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(_plan(**change)))
     with pytest.raises(ValueError, match=problem):
         trials.read(str(tmp_path))
 
@@ -237,13 +237,13 @@ def test_a_bad_trial_plan_is_refused(tmp_path, change, problem):
 def test_a_trial_without_penalty_is_refused(tmp_path):
     plan = _plan()
     del plan["trials"][1]["penalty"]
-    (tmp_path / trials.FILE).write_text(json.dumps(plan))
+    (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(plan))
     with pytest.raises(ValueError, match=r"trials\[1\] lacks penalty"):
         trials.read(str(tmp_path))
 
 
 def test_trials_that_fill_the_run_are_refused(tmp_path):
-    (tmp_path / trials.FILE).write_text(json.dumps(_plan()))
+    (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(_plan()))
     from engine.trainer import Trainer
     with pytest.raises(ValueError, match="steps must be more"):
         Trainer(JobSpec.from_dict(_spec(steps=15)), str(tmp_path), 0, 1, torch.device("cpu"))

@@ -1,9 +1,10 @@
-"""Every collective the engine issues: all-reduce and all-gather of a round's payload (a payload's tensors
-packed into one buffer where they must be), each booked on the modeled link and returned as a ``Pending``
-that the mode waits on when it needs the result."""
+"""Every collective the engine issues: the four a compressor's round may ask for (all-reduce, all-gather,
+reduce-scatter, all-to-all; a payload's tensors packed into one byte buffer where they must be, at
+``pack_offsets``), and dear's all-gathers of parameters. Each is booked on the modeled link and returned as
+a ``Pending`` that the mode waits on when it needs the result."""
 from __future__ import annotations
 
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -13,18 +14,26 @@ from engine.netmodel import ModeledLink
 
 Tensor = torch.Tensor
 
+OPS = ("allreduce", "allgather", "reduce_scatter", "all_to_all")
+"""The collectives a ``Round`` may ask for."""
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class Pending:
     """An issued collective: its work handles and how to read the result.
 
     With a modeled link, ``deadline`` is when the model says the collective completes (host
     clock); ``wait`` returns no earlier than that. ``t_done`` is stamped when it completes
-    (``Communicator._track``); ``span`` is its timeline span (name, issue time, args)."""
+    (``Communicator._track``); ``span`` is its timeline span (name, issue time, args). ``nbytes``: the
+    bytes this rank put on the wire (what the modeled link booked)."""
 
     def __init__(self, works, finish: Callable[[], list], link: Optional[ModeledLink] = None,
-                 deadline: Optional[float] = None):
+                 deadline: Optional[float] = None, nbytes: int = 0):
         self.works = works
         self.finish = finish
+        self.nbytes = nbytes
         self.t_done: Optional[float] = None
         self.link = link
         self.deadline = deadline
@@ -50,10 +59,11 @@ def book(link: Optional[ModeledLink], op: str, nbytes: int, group) -> Optional[f
 def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None) -> Pending:
     """Start an asynchronous sum of ``tensors`` over ranks (one collective when dtypes agree).
     With a modeled ``link``, waiting on it takes at least the link's ring all-reduce time."""
-    deadline = book(link, "allreduce", sum(t.numel() * t.element_size() for t in tensors), group)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    deadline = book(link, "allreduce", nbytes, group)
     if len(tensors) == 1:
         t = tensors[0]
-        return Pending([dist.all_reduce(t, group=group, async_op=True)], lambda: [t], link, deadline)
+        return Pending([dist.all_reduce(t, group=group, async_op=True)], lambda: [t], link, deadline, nbytes)
     if len({(t.dtype, t.device) for t in tensors}) == 1:
         # one collective for the whole payload: per-call latency dominates small tensors
         flat = torch.cat([t.reshape(-1) for t in tensors])
@@ -65,17 +75,17 @@ def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLin
                 out.append(flat[off:off + t.numel()].view_as(t))
                 off += t.numel()
             return out
-        return Pending([work], split, link, deadline)
+        return Pending([work], split, link, deadline, nbytes)
     works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
-    return Pending(works, lambda: list(tensors), link, deadline)
+    return Pending(works, lambda: list(tensors), link, deadline, nbytes)
 
 
 def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None,
                     now: Optional[Callable[[], float]] = None) -> Pending:
     """All-gather payloads whose sizes may differ between ranks.
 
-    Every tensor is sent as raw bytes in one padded buffer, each starting at
-    an 8-byte aligned offset (so it can be viewed back as its dtype). A small
+    Every tensor is sent as raw bytes in one padded buffer, each at its
+    ``pack_offsets`` offset (so it can be viewed back as its dtype). A small
     header (the shape of every tensor) is exchanged first, synchronously: it
     is a few bytes and keeps the data exchange a single asynchronous collective.
     With a modeled ``link`` both exchanges take at least the link's ring
@@ -104,8 +114,9 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
         h = h.tolist()
         return [tuple(row[1:1 + row[0]]) for row in h]
     all_shapes = [shapes_of(h) for h in headers]
-    offsets = [_offsets(shapes, esize) for shapes in all_shapes]
-    cap = max(max(o[-1] for o in offsets), 1)
+    packed = [pack_offsets([_numel(s) * e for s, e in zip(shapes, esize)]) for shapes in all_shapes]
+    offsets = [offs for offs, _ in packed]
+    cap = max(max(total for _, total in packed), 1)
     send = torch.zeros(cap, dtype=torch.uint8, device=device)
     for t, off in zip(tensors, offsets[dist.get_rank(group)]):
         n = t.numel() * t.element_size()
@@ -124,28 +135,99 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
                 payload.append(recv[r][off:off + n].view(dt).view(shape))
             out.append(payload)
         return out
-    pend = Pending([work], unpack, link, deadline)
+    pend = Pending([work], unpack, link, deadline, cap)
     pend.header_span = header_span
     return pend
 
 
-def issue(rnd: Round, group=None, link: Optional[ModeledLink] = None,
-          now: Optional[Callable[[], float]] = None) -> Pending:
-    """Start the collective a compressor's round asks for."""
+def issue_reduce_scatter(t: Tensor, group=None, link: Optional[ModeledLink] = None, via_alltoall: bool = False,
+                         scratch: Optional[dict] = None) -> Pending:
+    """Start the sum over ranks of the flat ``t`` (its numel a multiple of the world size), rank r keeping
+    chunk r of it. ``via_alltoall`` (gloo, whose reduce-scatter is a clone plus a whole all-reduce: twice the
+    bytes): an all-to-all of the chunks instead, summed when waited for. ``scratch``: a dict the caller keeps
+    between calls, where the output buffer is kept."""
+    world = dist.get_world_size(group)
+    nbytes = t.numel() * t.element_size()
+    deadline = book(link, "reduce_scatter", nbytes, group)
+    out = _kept(scratch, "reduce_scatter", t.numel() if via_alltoall else t.numel() // world, t.dtype, t.device)
+    if via_alltoall:  # chunk j to rank j; the sum over ranks when the result is read
+        work = dist.all_to_all_single(out, t, group=group, async_op=True)
+        return Pending([work], lambda: [out.view(world, -1).sum(0)], link, deadline, nbytes)
+    work = _reduce_scatter(out, t, group=group, async_op=True)
+    return Pending([work], lambda: [out], link, deadline, nbytes)
+
+
+def issue_all_to_all(parts: List[List[Tensor]], group=None, link: Optional[ModeledLink] = None,
+                     scratch: Optional[dict] = None) -> Pending:
+    """Send ``parts[j]`` (a payload: a list of tensors) to rank j, in one all-to-all of bytes: every
+    destination's payload packed at ``pack_offsets`` into one send buffer (kept in ``scratch`` between
+    calls; the alignment gaps stay zero). Every rank's payloads have the tensor sizes of this rank's
+    ``parts[0]`` (the shard codec contract), which is how the received bytes are read back. The result:
+    [the payload from rank 0, the payload from rank 1, ...], views of a receive buffer kept in ``scratch``."""
+    world = dist.get_world_size(group)
+    like = parts[0]
+    sizes = [x.numel() * x.element_size() for x in like]
+    offs, size = pack_offsets(sizes)
+    device = like[0].device if like else torch.device("cpu")
+    send = _kept(scratch, "send", world * size, torch.uint8, device, zero=True)
+    for j, payload in enumerate(parts):
+        for x, off, n in zip(payload, offs, sizes):
+            if n:
+                send[j * size + off:j * size + off + n] = x.contiguous().view(-1).view(torch.uint8)
+    recv = _kept(scratch, "recv", world * size, torch.uint8, device)
+    deadline = book(link, "all_to_all", send.numel(), group)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+
+    def unpack():
+        return [[recv[j * size + off:j * size + off + n].view(x.dtype).view(x.shape)
+                 for x, off, n in zip(like, offs, sizes)] for j in range(world)]
+    return Pending([work], unpack, link, deadline, send.numel())
+
+
+def issue_allgather_into(out: Tensor, shard: Tensor, group=None, link: Optional[ModeledLink] = None) -> Pending:
+    """Start gathering every rank's ``shard`` into the flat ``out`` (rank r's at ``r * shard.numel()``):
+    dear's all-gathers of parameters, in the next forward and at a relayout."""
+    nbytes = shard.numel() * shard.element_size()
+    deadline = book(link, "allgather", nbytes, group)
+    work = _all_gather(out, shard, group=group, async_op=True)
+    return Pending([work], lambda: [out], link, deadline, nbytes)
+
+
+def issue(rnd: Round, group=None, link: Optional[ModeledLink] = None, now: Optional[Callable[[], float]] = None,
+          *, via_alltoall: bool = False, scratch: Optional[dict] = None) -> Pending:
+    """Start the collective a compressor's round asks for. ``now``: a clock for the all-gather's header
+    span; ``via_alltoall`` and ``scratch``: as ``issue_reduce_scatter`` (and ``issue_all_to_all``) take them."""
     if rnd.op == "allreduce":
         return issue_allreduce(rnd.tensors, group, link)
     if rnd.op == "allgather":
         return issue_allgather(rnd.tensors, group, link, now)
-    raise ValueError(f"a compressor asked for an unknown collective {rnd.op!r}; allowed: allreduce, allgather")
+    if rnd.op == "reduce_scatter":
+        (t,) = rnd.tensors
+        return issue_reduce_scatter(t, group, link, via_alltoall, scratch)
+    if rnd.op == "all_to_all":
+        return issue_all_to_all(rnd.parts, group, link, scratch)
+    raise ValueError(f"a compressor asked for an unknown collective {rnd.op!r}; allowed: {', '.join(OPS)}")
 
 
-def _offsets(shapes, esize) -> List[int]:
-    """Byte offset of each tensor in the packed buffer (8-byte aligned), then the total."""
+def pack_offsets(sizes: Sequence[int]) -> Tuple[List[int], int]:
+    """The byte offset of each of ``sizes`` (bytes) packed one after the other into one buffer, each
+    8-byte aligned (so it can be viewed back as its dtype), and the packed size."""
     out, off = [], 0
-    for shape, e in zip(shapes, esize):
+    for n in sizes:
         out.append(off)
-        off += -(-(_numel(shape) * e) // 8) * 8
-    return out + [off]
+        off += -(-n // 8) * 8
+    return out, off
+
+
+def _kept(scratch: Optional[dict], key: str, numel: int, dtype, device, zero: bool = False) -> Tensor:
+    """``scratch[key]`` when it is a buffer of ``numel`` elements of ``dtype`` on ``device``, else a new one
+    kept there (zeroed when ``zero``)."""
+    buf = None if scratch is None else scratch.get(key)
+    if buf is None or buf.numel() != numel or buf.dtype != dtype or buf.device != device:
+        buf = (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+        if scratch is not None:
+            scratch[key] = buf
+    return buf
 
 
 def _numel(shape) -> int:

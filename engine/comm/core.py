@@ -21,9 +21,10 @@ What the core owns, for every mode alike:
 - relayout: rebuilding the buckets at a step boundary, per-element compressor state moving with
   its parameters.
 
-A mode supplies its bucket type (``_new_bucket``), what happens when buckets are ready
-(``_launch``), ``finish``, ``grads_finite`` and, where it differs, what the optimizer steps
-(``optimizer_params``). The trainer and ``commlab.wrap`` use only the interface declared on
+Every mode is built alike, ``Mode(model, layout, plan, *, timeline, group, link, broadcast_from_rank0)``
+(engine/comm/modes.py makes one by name). A mode supplies its bucket type (``_new_bucket``), what happens
+when buckets are ready (``_launch``), ``finish``, ``grads_finite`` and, where it differs, what the optimizer
+steps (``optimizer_params``). The trainer and ``commlab.wrap`` use only the interface declared on
 ``Communicator``.
 """
 from __future__ import annotations
@@ -143,12 +144,17 @@ class Communicator:
     is sent, and ``finish`` leaves each rank's own gradient in p.grad. Changed at a step boundary only
     (``set_exchanging``)."""
 
-    def __init__(self, model: torch.nn.Module, make_compressor: Union[Callable[[], Compressor], Plan],
-                 timeline: Optional[Timeline] = None, group=None, broadcast_from_rank0: bool = True,
-                 link: Optional[ModeledLink] = None):
+    def __init__(self, model: torch.nn.Module, layout: Callable[[List[ParamInfo]], List[List[int]]],
+                 plan: Union[Plan, Callable[[], Compressor]], *, timeline: Optional[Timeline] = None, group=None,
+                 link: Optional[ModeledLink] = None, broadcast_from_rank0: bool = True):
+        """Every mode takes these. ``layout``: the buckets, as lists of positions into the parameters in
+        gradient order (a schedule, ``schedules.layout_cap``, ...); ``plan``: each bucket's compressor (a
+        ``Plan``, or a factory for one compressor everywhere: ``Plan.of("int8", error_feedback=True)``);
+        ``broadcast_from_rank0``: start from rank 0's parameters and buffers. A mode sets what its buckets
+        need before calling this (the buckets are built at its end) and hooks the model after it."""
         self.model, self.group, self.link = model, group, link
         """``link``: a ModeledLink (network: modeled): every collective lasts at least its alpha-beta time."""
-        self.plan = make_compressor if isinstance(make_compressor, Plan) else Plan(make_compressor)
+        self.plan = plan if isinstance(plan, Plan) else Plan(plan)
         """Makes each bucket's own compressor instance, by the bucket's gradient bytes (mixed strategies:
         a rule list, engine/compressors/plan.py)."""
         self.make_compressor = self.plan.default
@@ -191,6 +197,7 @@ class Communicator:
         """Other hooks the mode keeps (dear's forward pre-hooks and optimizer hook), removed by ``close``."""
         self.step_bytes = 0
         self.step_raw_bytes = 0
+        self._build(layout(self.infos), range(len(self.params)))
 
     # -- layout -----------------------------------------------------------
     def _new_bucket(self, index: int, params: List[torch.nn.Parameter], names: List[str],

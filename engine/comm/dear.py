@@ -1,8 +1,8 @@
 """DeAR (Zhang et al., 2023): all-reduce decoupled into a reduce-scatter in
 backward and an all-gather before the next forward. A mode on the communicator core
-(engine/core.py), which lands the gradients in the buffers and says when one is ready.
+(engine/comm/core.py), which lands the gradients in the buffers and says when one is ready.
 
-    dear = DeAR(model, layout_fn, compressor="none")
+    dear = DeAR(model, layout_fn, Plan.of("none"))
     opt = torch.optim.Adam(dear.shard_params(), lr=1e-3)   # any stock elementwise optimizer
     dear.attach(opt)
     loss.backward()        # each buffer's reduce-scatter starts as its last gradient arrives
@@ -32,13 +32,17 @@ expected in backward), all-gathers in forward order.
 
 Compressors: those whose instance declares a way to reduce-scatter
 (``Compressor.shard_path``), one for all buffers or one per buffer by size (a
-``Plan``, the spec's ``compressor.per_bucket``):
+``Plan``, the spec's ``compressor.per_bucket``). Each buffer's exchange is the
+compressor's own ``shard_exchange``, driven through the exchange driver
+(engine/comm/exchange.py) as sync and wfbp drive ``exchange``, its rounds issued by
+engine/comm/collectives.py; by default:
 
 - "sum": single-round, summable and shape-keeping (none, fp16, bf16). Each
   buffer's gradient is encoded whole (error feedback included when it is on),
   the payload is reduce-scattered as it is, and each rank decodes its shard:
   for such payloads that is the reduce-scatter of the gradients. fp16
-  payloads are pre-divided by the world size, as DDP's fp16 hook does.
+  payloads are pre-divided by the world size, as DDP's fp16 hook does
+  (``Compressor.sum_overflows``).
 - "alltoall": a ``shard_codec`` (int8, block-wise quantization). Each rank
   cuts the buffer into its world-size shards and compresses each on its own
   (``encode_parts``; error feedback over the whole buffer), sends shard j's
@@ -62,36 +66,22 @@ caught.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from engine import compressors, schedules
-from engine.comm.collectives import Pending, book
+from engine.comm.collectives import Pending, issue, issue_allgather_into, issue_allreduce
 from engine.comm.core import Bucket, Communicator
-from engine.compressors.base import Compressor
-from engine.compressors.base import nbytes as payload_bytes
+from engine.comm.exchange import Exchange
+from engine.compressors.base import Compressor, Round
 from engine.compressors.plan import Plan
 from engine.netmodel import ModeledLink
 from engine.schedules import ParamInfo
 from engine.timeline import Timeline
 
 Tensor = torch.Tensor
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def pack_layout(payload: List[Tensor]) -> tuple:
-    """[(dtype, shape, byte offset, bytes)] of a payload's tensors packed into one byte buffer, each at
-    an 8-byte aligned offset (so it can be viewed back as its dtype), and the buffer's size."""
-    out, off = [], 0
-    for t in payload:
-        n = t.numel() * t.element_size()
-        out.append((t.dtype, tuple(t.shape), off, n))
-        off += -(-n // 8) * 8
-    return out, off
 
 
 # ---------------------------------------------------------------- the communicator
@@ -114,12 +104,9 @@ class Buffer(Bucket):
             p.data = self.data[o:o + p.numel()].view_as(p)  # the model now reads this buffer
         self.shard_param = torch.nn.Parameter(self.data[self.lo:self.lo + self.shard].clone())
         self.shard_param.grad = torch.zeros_like(self.shard_param)
-        self.rs_out: Optional[Tensor] = None
-        self.path = compressor.shard_path()
-        """"sum" or "alltoall" (``Compressor.shard_path``)."""
-        self.send: Optional[Tensor] = None
-        """alltoall: the packed payloads of this rank's shards, kept between steps (the all-to-all has
-        finished reading it when ``finish`` has waited)."""
+        self.scratch: dict = {}
+        """The collectives' buffers kept between steps (the reduce-scatter's output, an all-to-all's packed
+        payloads): a collective has finished with them when ``finish`` has waited."""
         self.fresh = True
         """The model's view of this buffer holds the latest parameters."""
         self.ag: Optional[Pending] = None
@@ -127,10 +114,10 @@ class Buffer(Bucket):
     def reset(self) -> None:
         super().reset()
         self.rs: Optional[Pending] = None
-        self.prediv = False
-        self.ctx = None
-        self.parts: Optional[List[tuple]] = None
-        """alltoall: (dtype, shape, byte offset, bytes) of each tensor of one shard's payload."""
+        """The pending round of this step's exchange."""
+        self.ex: Optional[Exchange] = None
+        self.via = False
+        """The exchange's rounds are all-to-alls (a shard codec's)."""
 
 
 class DeAR(Communicator):
@@ -139,25 +126,20 @@ class DeAR(Communicator):
     mode = "dear"
 
     def __init__(self, model: torch.nn.Module, layout: Callable[[List[ParamInfo]], List[List[int]]],
-                 compressor: str = "none", timeline: Optional[Timeline] = None, group=None,
-                 broadcast_from_rank0: bool = True, link: Optional[ModeledLink] = None,
-                 error_feedback: bool = False, compressor_params: Optional[dict] = None,
-                 plan: Optional[Plan] = None):
-        """``plan``, when given, makes each buffer's compressor (mixed strategies) instead of ``compressor``."""
-        if plan is None:
-            params = dict(compressor_params or {})
-            plan = Plan(lambda: compressors.make(compressor, error_feedback=error_feedback, **params))
+                 plan: Union[Plan, Callable[[], Compressor]], *, timeline: Optional[Timeline] = None, group=None,
+                 link: Optional[ModeledLink] = None, broadcast_from_rank0: bool = True):
+        plan = plan if isinstance(plan, Plan) else Plan(plan)
         problem = plan.problem(lambda c: c.shard_problem())
         if problem:
             raise ValueError(f"compressor.name: dear reduce-scatters payloads, so it needs a single-round "
                              f"compressor that is summable and keeps the gradient's shape, or a shard codec; "
                              f"{problem}; allowed: {', '.join(compressors.shardable())}")
-        super().__init__(model, plan, timeline, group, broadcast_from_rank0, link)
         self.a2a = dist.get_backend(group) == "gloo"
         """gloo's reduce_scatter is a clone plus a full all-reduce (twice the bytes of a reduce-scatter);
         there the reduce-scatter is an all-to-all of the buffer's chunks and a local sum."""
         self.optimizer = None
-        self._build(layout(self.infos), range(len(self.params)))
+        super().__init__(model, layout, plan, timeline=timeline, group=group, link=link,
+                         broadcast_from_rank0=broadcast_from_rank0)
         self._owners = {}  # module -> its parameters
         for mod in model.modules():
             own = [p for p in mod.parameters(recurse=False) if p.requires_grad]
@@ -229,13 +211,10 @@ class DeAR(Communicator):
         while self._ag_next <= min(pos, n - 1):
             b = self.buckets[n - 1 - self._ag_next]
             self._ag_next += 1
-            src = b.shard_param.detach()
-            nbytes = src.numel() * src.element_size()
-            deadline = book(self.link, "allgather", nbytes, self.group)
             t = self.timeline.now()
-            work = _all_gather(b.data, src, group=self.group, async_op=True)
-            b.ag = self._track(Pending([work], lambda: [None], self.link, deadline), "allgather", b, nbytes, t)
-            self._gather_bytes += nbytes
+            pend = issue_allgather_into(b.data, b.shard_param.detach(), self.group, self.link)
+            b.ag = self._track(pend, "allgather", b, pend.nbytes, t)
+            self._gather_bytes += pend.nbytes
 
     def sync_params(self) -> None:
         """Complete every pending all-gather: the model's parameters are the latest (before eval or save)."""
@@ -245,78 +224,24 @@ class DeAR(Communicator):
 
     # -- backward side: reduce-scatters -------------------------------------
     def _launch(self, b: Buffer) -> None:
-        if b.path == "alltoall":
-            return self._launch_parts(b)
         tl = self.timeline
         t0 = tl.now()
-        payload, b.ctx = b.compressor.encode(b.flat)  # compress, with error feedback when it is on
-        if len(payload) != 1 or payload[0].numel() != b.padded:
-            raise RuntimeError(f"dear: {b.compressor.name} declares keeps_shape but sent {len(payload)} tensors "
-                               f"of {[t.numel() for t in payload]} elements for a buffer of {b.padded}")
-        wire = payload[0]
-        if wire.dtype == torch.float16:
-            # half sums can overflow where no rank's value did: pre-divide, as DDP's fp16 hook does
-            wire = wire.div_(self.world) if wire is not b.flat else wire / self.world
-            b.prediv = True
-        n_out = b.padded if self.a2a else b.shard
-        if b.rs_out is None or b.rs_out.dtype != wire.dtype:
-            b.rs_out = torch.empty(n_out, dtype=wire.dtype, device=wire.device)
-        if wire is not b.flat and tl.enabled:
-            tl.span("compress", f"compress b{b.index}", t0, tl.now(), {"bucket": b.index})
-        b.wire_sum = wire.sum(dtype=torch.float32)  # for the divergence flag (local values, before the sum)
-        nbytes = wire.numel() * wire.element_size()
-        deadline = book(self.link, "reduce_scatter", nbytes, self.group)
-        t = tl.now()
-        if self.a2a:  # chunk j to rank j; the sum over ranks happens in finish
-            work = dist.all_to_all_single(b.rs_out, wire, group=self.group, async_op=True)
-        else:
-            work = _reduce_scatter(b.rs_out, wire, group=self.group, async_op=True)
-        out = b.rs_out
-        b.rs = self._track(Pending([work], lambda: [out], self.link, deadline), "reduce_scatter", b, nbytes, t)
-        self._bytes += nbytes
+        b.ex = Exchange(b.compressor, b.flat, self.world, rank=self.rank)  # compress, error feedback inside
+        rnd = b.ex.start()
+        b.via = rnd.op == "all_to_all"
+        if tl.enabled and (b.via or rnd.tensors[0] is not b.flat):
+            tl.span("compress", f"compress b{b.index}", t0, tl.now(),
+                    {"bucket": b.index, **({"codec": b.codec} if b.via else {})})
+        # the divergence flag: this rank's values before the sum (the payload, or a shard codec's gradient
+        # as it landed)
+        b.wire_sum = (b.flat if b.via else rnd.tensors[0]).sum(dtype=torch.float32)
+        self._issue(b, rnd)
 
-    def _launch_parts(self, b: Buffer) -> None:
-        """A shard codec's reduce-scatter: each shard compressed on its own, shard j's payload to rank j
-        in one all-to-all of bytes; ``finish`` decodes and sums the payloads of this rank's shard."""
-        tl = self.timeline
-        t0 = tl.now()
-        parts = b.compressor.encode_parts(b.flat, self.world)  # error feedback over the whole buffer
-        b.ctx = parts[self.rank][1]  # a shard's ctx: it decodes every rank's payload of this shard
-        b.parts, size = pack_layout(parts[0][0])
-        for payload, _ in parts[1:]:
-            if pack_layout(payload)[1] != size:
-                raise RuntimeError(f"dear: {b.codec} declares shard_codec but its shards' payloads differ in size")
-        send = b.send
-        if send is None or send.numel() != self.world * size:  # kept: the alignment gaps stay zero
-            send = b.send = torch.zeros(self.world * size, dtype=torch.uint8, device=b.flat.device)
-        for j, (payload, _) in enumerate(parts):
-            for t, (_, _, off, n) in zip(payload, b.parts):
-                if n:
-                    send[j * size + off:j * size + off + n] = t.contiguous().view(-1).view(torch.uint8)
-        if b.rs_out is None or b.rs_out.numel() != send.numel() or b.rs_out.dtype != torch.uint8:
-            b.rs_out = torch.empty_like(send)
-        if tl.enabled:
-            tl.span("compress", f"compress b{b.index}", t0, tl.now(), {"bucket": b.index, "codec": b.codec})
-        b.wire_sum = b.flat.sum(dtype=torch.float32)  # the divergence flag: this rank's gradient as it landed
-        b.compressor.last_bytes = sum(payload_bytes(p) for p, _ in parts)
-        nbytes = send.numel()
-        deadline = book(self.link, "reduce_scatter", nbytes, self.group)
-        t = tl.now()
-        work = dist.all_to_all_single(b.rs_out, send, group=self.group, async_op=True)
-        out = b.rs_out
-        b.rs = self._track(Pending([work], lambda: [out], self.link, deadline), "reduce_scatter", b, nbytes, t,
-                           via="alltoall")
-        self._bytes += nbytes
-
-    def _sum_parts(self, b: Buffer, recv: Tensor) -> Tensor:
-        """The average of this rank's shard from every rank's payload of it (fp32 sum, then / world)."""
-        size = recv.numel() // self.world
-        acc = torch.zeros(b.shard, dtype=torch.float32, device=recv.device)
-        for j in range(self.world):
-            base = j * size
-            payload = [recv[base + off:base + off + n].view(dt).view(shape) for dt, shape, off, n in b.parts]
-            acc.add_(b.compressor.decompress(payload, b.ctx).reshape(-1).float())
-        return acc.div_(self.world)
+    def _issue(self, b: Buffer, rnd: Round) -> None:
+        t = self.timeline.now()
+        pend = issue(rnd, self.group, self.link, via_alltoall=self.a2a, scratch=b.scratch)
+        b.rs = self._track(pend, "reduce_scatter", b, pend.nbytes, t, **({"via": "alltoall"} if b.via else {}))
+        self._bytes += pend.nbytes
 
     def finish(self) -> None:
         """After backward: every rank holds the averaged gradient of its shards in ``shard_params()[g].grad``."""
@@ -328,28 +253,23 @@ class DeAR(Communicator):
         self._launch_ready()
         # agree on divergence: a NaN/inf on any rank makes the flag NaN on all (x * 0 is 0 only for finite x)
         flag = (torch.stack([b.wire_sum for b in self.buckets]).sum() * 0).reshape(1)
-        deadline = book(self.link, "allreduce", 4, self.group)
-        self._flag = Pending([dist.all_reduce(flag, group=self.group, async_op=True)], lambda: [flag],
-                             self.link, deadline)
+        self._flag = issue_allreduce([flag], self.group, self.link)
         self.sync_params()  # gathers forward did not need (unused parameters): done before the step
         tl = self.timeline
-        for b in self.buckets:
-            out = self._wait(b.rs, b, f"wait reduce_scatter b{b.index}")[0]
+        for b in self.buckets:  # bucket order: every rank issues any further rounds identically
+            reply = self._wait(b.rs, b, f"wait reduce_scatter b{b.index}")
             t1 = tl.now()
-            if b.path == "alltoall":
-                b.shard_param.grad.copy_(self._sum_parts(b, out))
-                if tl.enabled:
-                    tl.span("decompress", f"decompress b{b.index}", t1, tl.now(), {"bucket": b.index,
-                                                                                   "codec": b.codec})
-                continue
-            if self.a2a:
-                out = out.view(self.world, b.shard).sum(0)
-            g = b.compressor.decompress([out], b.ctx)
-            if not b.prediv:
-                g = g.div_(self.world) if g is out else g / self.world
+            rnd = b.ex.send(reply)
+            while rnd is not None:  # a compressor's own shard_exchange may take more rounds
+                self._issue(b, rnd)
+                reply = self._wait(b.rs, b, f"wait reduce_scatter b{b.index}")
+                t1 = tl.now()
+                rnd = b.ex.send(reply)
+            g = b.ex.out
             b.shard_param.grad.copy_(g)
-            if g is not out and tl.enabled:
-                tl.span("decompress", f"decompress b{b.index}", t1, tl.now(), {"bucket": b.index})
+            if tl.enabled and (b.via or g is not reply[0]):
+                tl.span("decompress", f"decompress b{b.index}", t1, tl.now(),
+                        {"bucket": b.index, **({"codec": b.codec} if b.via else {})})
         self._end_step()
         self.step_bytes, self._bytes = self._bytes, 0
         self.step_gather_bytes, self._gather_bytes = self._gather_bytes, 0
@@ -376,7 +296,8 @@ class DeAR(Communicator):
                 for k, v in st.items():
                     if torch.is_tensor(v) and v.shape == b.shard_param.shape:
                         full = torch.empty(b.padded, dtype=v.dtype, device=v.device)
-                        _all_gather(full, v.contiguous(), group=self.group)
+                        # not booked on a modeled link: a relayout is a pause of its own, not a step
+                        issue_allgather_into(full, v.contiguous(), self.group).wait()
                         for p, off in zip(b.params, b.offsets):
                             per_param.setdefault(id(p), {})[k] = (True, full[off:off + p.numel()].clone())
                     else:  # scalar state (Adam's step): the same for every shard

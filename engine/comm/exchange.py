@@ -1,8 +1,10 @@
 """The exchange driver: runs a compressor's exchange generator (engine/compressors/base.py) a round at a
-time: compress (error feedback inside ``encode``), one collective per round, decompress. The comm modes,
-the DDP hooks (engine/comm/hooks.py), LayerFusion's calibration, the performance model and the tests all
-drive exchanges through it, over a process group (``process_group_collective``) or in one process
-(``local_collective``)."""
+time: compress (error feedback inside ``encode``), one collective per round, decompress. The comm modes
+(sync, wfbp and dear alike), the DDP hooks (engine/comm/hooks.py), LayerFusion's calibration, the
+performance model and the tests all drive exchanges through it, over a process group
+(``process_group_collective``) or in one process (``local_collective``). An exchange is either whole
+(``Compressor.exchange``: every rank ends with the average) or sharded (``Compressor.shard_exchange``, dear's:
+rank r ends with its shard of the average)."""
 from __future__ import annotations
 
 import time
@@ -11,7 +13,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from engine.comm.collectives import issue
+from engine.comm.collectives import OPS, issue
 from engine.compressors.base import Compressor, Round
 from engine.netmodel import ModeledLink
 
@@ -27,20 +29,26 @@ class Exchange:
             rnd = ex.send(collective(rnd))   # the round's result in: the next round, or None
         ex.out                           # the average (it may be ``t`` itself)
 
-    With ``timer`` (a clock that waits for the device, e.g. ``perf_counter`` after a CUDA
-    synchronize), ``compute`` lists the seconds spent in the compressor per call: encode, the
-    work between rounds, decode."""
+    With ``rank`` the exchange is sharded (``Compressor.shard_exchange``): ``ex.out`` is this rank's
+    shard of the average, ``t.numel() // world`` elements. With ``timer`` (a clock that waits for the
+    device, e.g. ``perf_counter`` after a CUDA synchronize), ``compute`` lists the seconds spent in the
+    compressor per call: encode, the work between rounds, decode."""
 
     __slots__ = ("gen", "out", "rounds", "timer", "compute")
 
     def __init__(self, compressor: Compressor, t: Tensor, world: int, timer: Optional[Callable[[], float]] = None,
-                 prescaled: bool = False):
+                 prescaled: bool = False, rank: Optional[int] = None):
         """``prescaled``: ``t`` was already divided by ``world`` (only where ``prescales(compressor)``):
-        the exchange is one all-reduce of ``t`` in place."""
-        if prescaled and not Exchange.prescales(compressor):
-            raise ValueError(f"compressor {compressor.name}: only an identity compressor without error feedback "
-                             "takes a pre-scaled input")
-        self.gen = _sum(compressor, t) if prescaled else compressor.exchange(t, world)
+        the exchange is one all-reduce of ``t`` in place. ``rank``: this rank, for a sharded exchange."""
+        if prescaled and (rank is not None or not Exchange.prescales(compressor)):
+            raise ValueError(f"compressor {compressor.name}: only a whole exchange of an identity compressor "
+                             "without error feedback takes a pre-scaled input")
+        if prescaled:
+            self.gen = _sum(compressor, t)
+        elif rank is not None:
+            self.gen = compressor.shard_exchange(t, world, rank)
+        else:
+            self.gen = compressor.exchange(t, world)
         self.out: Optional[Tensor] = None
         self.rounds = 0
         """Rounds issued so far."""
@@ -81,23 +89,29 @@ def _sum(compressor: Compressor, t: Tensor):
     return out
 
 
-Collective = Callable[[str, List[List[Tensor]]], list]
-"""``collective(op, payloads)``: one payload (list of tensors) per rank this process stands for;
-returns one reply per rank (all-reduce: the summed tensors; all-gather: every rank's payload)."""
+Collective = Callable[[str, list], list]
+"""``collective(op, payloads)``: one payload per rank this process stands for (a list of tensors; for
+all_to_all the round's ``parts``, one payload per destination rank); returns one reply per rank, as
+``Round`` describes them (all-reduce: the summed tensors; all-gather: every rank's payload;
+reduce-scatter: [this rank's chunk of the sum]; all-to-all: [the payload from each rank])."""
 
 
 def run_exchange(comps: Sequence[Compressor], tensors: Sequence[Tensor], world: int, collective: Collective,
-                 timer: Optional[Callable[[], float]] = None) -> List[Exchange]:
+                 timer: Optional[Callable[[], float]] = None,
+                 ranks: Optional[Sequence[int]] = None) -> List[Exchange]:
     """Drive the exchanges of ``comps`` on ``tensors`` (one per rank this process stands for: one on
     a real rank, several when ranks are simulated in one process) to the end, in lockstep, every
-    round through ``collective``. Returns the finished ``Exchange``s (``.out``, ``.compute``)."""
-    exs = [Exchange(c, t, world, timer) for c, t in zip(comps, tensors)]
+    round through ``collective``. ``ranks`` (the rank each one stands for: ``[my rank]`` on a real rank,
+    ``range(world)`` when all are simulated) makes the exchanges sharded (dear's). Returns the finished
+    ``Exchange``s (``.out``, ``.compute``)."""
+    exs = [Exchange(c, t, world, timer, rank=None if ranks is None else r)
+           for c, t, r in zip(comps, tensors, ranks if ranks is not None else [None] * len(comps))]
     rounds = [ex.start() for ex in exs]
     while rounds[0] is not None:
         op = rounds[0].op
         if any(r is None or r.op != op for r in rounds):
             raise RuntimeError(f"ranks asked for different collectives: {[r and r.op for r in rounds]}")
-        replies = collective(op, [r.tensors for r in rounds])
+        replies = collective(op, [r.parts if op == "all_to_all" else r.tensors for r in rounds])
         rounds = [ex.send(rep) for ex, rep in zip(exs, replies)]
     if any(r is not None for r in rounds):
         raise RuntimeError("ranks needed different numbers of rounds")
@@ -106,26 +120,39 @@ def run_exchange(comps: Sequence[Compressor], tensors: Sequence[Tensor], world: 
 
 def process_group_collective(group=None, link: Optional[ModeledLink] = None) -> Collective:
     """The collective of a real rank (one payload per process), over ``group``, waited for."""
-    def collective(op: str, payloads: List[List[Tensor]]) -> list:
+    via_alltoall = dist.get_backend(group) == "gloo"  # as dear's: gloo's reduce-scatter moves twice the bytes
+
+    def collective(op: str, payloads: list) -> list:
         (mine,) = payloads
-        return [issue(Round(op, mine), group, link).wait()]
+        rnd = Round(op, [], parts=mine) if op == "all_to_all" else Round(op, mine)
+        return [issue(rnd, group, link, via_alltoall=via_alltoall).wait()]
     return collective
 
 
-def local_collective(op: str, payloads: List[List[Tensor]]) -> list:
-    """The collectives' results when every rank's payload is in this process (simulated ranks).
-    Every rank gets its own copy, as from a real collective (a decoder may work in place); a
-    single rank gets its payload back as it is."""
+def local_collective(op: str, payloads: list) -> list:
+    """The collectives' results when every rank's payload is in this process (simulated ranks, as many
+    as there are payloads). Every rank gets its own copy, as from a real collective (a decoder may
+    work in place); a single rank gets its payload back as it is."""
+    world = len(payloads)
     if op == "allreduce":
-        if len(payloads) == 1:
+        if world == 1:
             return [list(payloads[0])]
         total = [torch.stack(ts).sum(0) for ts in zip(*payloads)]
         return [[t.clone() for t in total] for _ in payloads]
     if op == "allgather":
-        if len(payloads) == 1:
+        if world == 1:
             return [[list(payloads[0])]]
         return [[[x.clone() for x in p] for p in payloads] for _ in payloads]
-    raise ValueError(f"a compressor asked for an unknown collective {op!r}; allowed: allreduce, allgather")
+    if op == "reduce_scatter":
+        if world == 1:
+            return [list(payloads[0])]
+        total = torch.stack([t for (t,) in payloads]).sum(0)
+        return [[c.clone()] for c in total.chunk(world)]
+    if op == "all_to_all":
+        if world == 1:
+            return [[payloads[0][0]]]
+        return [[[x.clone() for x in payloads[i][j]] for i in range(world)] for j in range(world)]
+    raise ValueError(f"a compressor asked for an unknown collective {op!r}; allowed: {', '.join(OPS)}")
 
 
 def exchange(comp: Compressor, t: Tensor, world: int, group=None, link: Optional[ModeledLink] = None) -> Tensor:

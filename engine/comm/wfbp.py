@@ -2,13 +2,13 @@
 
 Usage inside a training step (the optimizer is any stock torch.optim one):
 
-    dp = DataParallel(model, buckets_fn, make_compressor, mode="wfbp")
+    dp = WFBP(model, schedule_fn, Plan.of("topk", ratio=0.01))     # or Sync(...), the same arguments
     loss.backward()          # in wfbp, ready buckets are already being sent
     dp.finish()              # wait, decode, leave averaged gradients in p.grad
     optimizer.step()
 
-The core (engine/core.py) keeps the buckets, lands the gradients and says when a bucket is
-ready; this mode runs each bucket's compressor exchange (``core.Exchange``): in wfbp it starts
+The core (engine/comm/core.py) keeps the buckets, lands the gradients and says when a bucket is
+ready; these modes run each bucket's compressor exchange (engine/comm/exchange.py): in wfbp it starts
 as the bucket becomes ready, in sync all of them start in ``finish``.
 
 Collectives are only ever issued from the training thread and in bucket
@@ -19,7 +19,7 @@ gradients become ready in a different order, which gloo and NCCL require.
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Union
+from typing import List, Optional
 
 import torch
 
@@ -27,10 +27,6 @@ from engine.comm.collectives import issue
 from engine.comm.core import Bucket, Communicator
 from engine.comm.exchange import Exchange
 from engine.compressors.base import Compressor, Round
-from engine.compressors.plan import Plan
-from engine.netmodel import ModeledLink
-from engine.schedules import ParamInfo
-from engine.timeline import Timeline
 
 Tensor = torch.Tensor
 
@@ -46,25 +42,11 @@ class ExchangeBucket(Bucket):
         self.op = ""
 
 
-class DataParallel(Communicator):
-    """Average gradients over ranks with a fusion schedule, a compressor per bucket and a comm mode.
-    ``make_compressor``: a factory (one compressor for every bucket) or a ``Plan`` (by bucket size)."""
+class WFBP(Communicator):
+    """Average gradients over ranks with a fusion schedule and a compressor per bucket, each bucket's
+    exchange started as soon as its gradients are ready, overlapped with the rest of backward."""
 
-    def __init__(self, model: torch.nn.Module,
-                 schedule: Callable[[List[ParamInfo]], List[List[int]]],
-                 make_compressor: Union[Callable[[], Compressor], Plan],
-                 mode: str = "wfbp",
-                 timeline: Optional[Timeline] = None,
-                 group=None,
-                 broadcast_from_rank0: bool = True,
-                 link: Optional[ModeledLink] = None):
-        if mode not in ("sync", "wfbp"):
-            raise ValueError(f"comm.mode: {mode!r} is not supported by DataParallel; allowed: sync, wfbp")
-        super().__init__(model, make_compressor, timeline, group, broadcast_from_rank0, link)
-        self.mode = mode
-        self._multi: List[ExchangeBucket] = []
-        """Launched buckets of multi-round compressors, in launch order (wfbp advances them)."""
-        self._build(schedule(self.infos), range(len(self.params)))
+    mode = "wfbp"
 
     def _new_bucket(self, index, params, names, compressor) -> Bucket:
         b = ExchangeBucket(index, params, names, compressor)
@@ -73,10 +55,11 @@ class DataParallel(Communicator):
 
     def _scale(self, compressor: Compressor) -> Optional[float]:
         """1/world where the gradients are divided as they land, before the all-reduce (as DDP does); None
-        on local steps, which keep each rank's own gradient."""
+        on a method's local steps, which keep each rank's own gradient."""
         return 1.0 / self.world if self.exchanging and Exchange.prescales(compressor) else None
 
     def set_exchanging(self, on: bool) -> None:
+        """Whether this step's gradients are exchanged (engine.methods: off on a method's local steps)."""
         on = bool(on)
         if on != self.exchanging:
             self.exchanging = on
@@ -85,30 +68,28 @@ class DataParallel(Communicator):
 
     def _build(self, layout, order) -> None:
         super()._build(layout, order)
-        self._multi = []
+        self._multi: List[ExchangeBucket] = []
+        """Launched buckets of multi-round compressors, in launch order (``_advance_multi``)."""
 
     # -- backward side ----------------------------------------------------
-    def _bulk_buckets(self) -> List[int]:
-        if self.mode == "sync":  # nothing launches before finish: every bucket lands in bulk there
-            return list(range(len(self.buckets)))
-        return super()._bulk_buckets()
-
     def _bucket_ready(self, b: Bucket) -> None:
-        if self.mode == "wfbp" and self.exchanging:
+        if self.exchanging:  # a local step sends nothing
             self._launch_ready()
 
-    def _launch(self, b: ExchangeBucket) -> None:
-        if self.mode == "wfbp" and self._multi:
-            # Multi-round exchanges (PowerSGD) advance one round each time a later bucket
-            # launches, so their follow-up rounds and decoding overlap the rest of backward
-            # instead of all landing in finish(). Where this happens depends only on the
-            # bucket sequence, so every rank issues the same collectives in the same order.
-            # Only launched multi-round buckets are visited (kept in launch order), not every
-            # earlier bucket: layer-wise schedules launch dozens per step.
+    def _advance_multi(self) -> None:
+        """Multi-round exchanges (PowerSGD) advance one round each time a later bucket launches, so their
+        follow-up rounds and decoding overlap the rest of backward instead of all landing in finish().
+        Where this happens depends only on the bucket sequence, so every rank issues the same collectives
+        in the same order. Only launched multi-round buckets are visited (kept in launch order), not every
+        earlier bucket: layer-wise schedules launch dozens per step."""
+        if self._multi:
             for m in self._multi:
                 if not m.done:
                     self._advance(m)
             self._multi = [m for m in self._multi if not m.done]
+
+    def _launch(self, b: ExchangeBucket) -> None:
+        self._advance_multi()
         if b.compressor.rounds > 1:
             self._multi.append(b)
         tl = self.timeline
@@ -172,8 +153,21 @@ class DataParallel(Communicator):
         """A 0-d bool tensor: every averaged gradient is finite. The buffers are identical on
         all ranks after ``finish``, so all ranks reach the same answer without a collective.
         It is a tensor so that the caller reads it at a sync point it has anyway (on GPU,
-        reading it here would stall the stream every step). On a method's local step the buffers hold
-        this rank's own gradients, so the answer is this rank's: a rank that diverges stops at once
-        (and its launcher stops the others) instead of carrying NaN into the next sync."""
+        reading it here would stall the stream every step)."""
         total = sum(b.flat.sum(dtype=torch.float32) for b in self.buckets)  # inf when it overflows: diverged too
         return torch.isfinite(torch.as_tensor(total))
+
+
+class Sync(WFBP):
+    """As wfbp, but every bucket's exchange starts after backward, in ``finish``."""
+
+    mode = "sync"
+
+    def _bulk_buckets(self) -> List[int]:
+        return list(range(len(self.buckets)))  # nothing launches before finish: every bucket lands in bulk there
+
+    def _bucket_ready(self, b: Bucket) -> None:
+        pass  # launched in finish
+
+    def _advance_multi(self) -> None:
+        pass  # every bucket launches in finish, whose loop advances the rounds in bucket order

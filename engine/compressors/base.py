@@ -29,7 +29,8 @@ A compressor declares, instead of leaving callers to probe it:
   ``shard_codec`` (a slice compresses alone), and where it can, the rounds a bucket sends
   (``declared_rounds``, for the performance model). Read them from an instance where
   parameters change them (Count Sketch with ``exact`` takes two rounds).
-  ``shard_path`` and ``shard_problem`` combine them into what DeAR needs.
+  ``shard_path`` and ``shard_problem`` combine them into what DeAR needs, and ``shard_exchange`` is DeAR's
+  exchange (``sum_overflows``: pre-divide before a sum; ``declared_shard_rounds``: its rounds, declared).
 """
 from __future__ import annotations
 
@@ -50,10 +51,17 @@ class Round:
     op: "allreduce" sums ``tensors`` over ranks (the reply is the list of
         summed tensors, same shapes); "allgather" collects every rank's list
         (the reply is a list with one payload list per rank; sizes may differ
-        between ranks and a payload may be empty).
+        between ranks and a payload may be empty); "reduce_scatter" sums
+        ``tensors``, one flat tensor whose numel is a multiple of the world
+        size, and rank r gets chunk r of the sum (the reply is [that chunk]);
+        "all_to_all" sends ``parts[j]`` to rank j (``tensors`` is empty; every
+        part has the same tensor sizes, on every rank) and the reply is
+        [the payload from rank 0, the payload from rank 1, ...].
+    The last two are the rounds of a sharded exchange (``shard_exchange``).
     """
     op: str
     tensors: List[Tensor]
+    parts: Optional[List[List[Tensor]]] = None
 
 
 Exchange = Generator[Round, Any, Tensor]
@@ -161,6 +169,10 @@ class Compressor:
     payload of such a slice with its own ctx for a slice of n elements. Then DeAR's reduce-scatter
     can be an all-to-all of per-shard payloads, each rank decoding the payloads of its own shard and
     summing them in fp32 (ZeRO++'s quantized gradients; ``shard_path`` "alltoall")."""
+    sum_overflows = False
+    """True when a sum of payloads over ranks can overflow where no rank's payload did (half precision
+    saturates at 65504): the exchanges divide each payload by the world size before the sum, as DDP's
+    fp16 hook does, instead of dividing the sum."""
     ef: Optional["ErrorFeedback"] = None
     """Error-feedback memory, set by ``make(..., error_feedback=True)``."""
 
@@ -210,6 +222,18 @@ class Compressor:
         given, instead of driving the exchange (top-k's selection over millions of values was most of a
         prediction's cost); tests hold every declaration to the driven rounds."""
         return None
+
+    def declared_shard_rounds(self, n: int, element_size: int) -> Optional[List[Tuple[str, int, int]]]:
+        """As ``declared_rounds``, for the sharded exchange (``shard_exchange``) of a buffer of ``n`` elements
+        on one rank: by default its one round from ``declared_rounds``, the op "reduce_scatter" ("sum") or
+        "all_to_all" ("alltoall") with the same bytes and tensors; None where that does not tell. A
+        compressor that overrides ``shard_exchange`` declares its own or None."""
+        path = self.shard_path()
+        rounds = self.declared_rounds(n, element_size) if path is not None else None
+        if rounds is None or len(rounds) != 1:
+            return None
+        (_, size, k), = rounds
+        return [("reduce_scatter" if path == "sum" else "all_to_all", size, k)]
 
     def per_tensor(self, n: int) -> bool:
         """True when this instance compresses a bucket of n elements tensor by tensor, from
@@ -301,6 +325,52 @@ class Compressor:
         for p in gathered[1:]:
             out.add_(self.decompress(p, ctx))
         return out.div_(world_size)
+
+    def shard_exchange(self, t: Tensor, world_size: int, rank: int) -> Exchange:
+        """DeAR's exchange: ``t`` (flat, its numel a multiple of ``world_size``) averaged over ranks, this
+        rank ending with its shard, elements ``[rank * s, (rank + 1) * s)`` of the average, s = numel /
+        world_size, in ``t``'s dtype. Yields Rounds as ``exchange`` does, of the ops "reduce_scatter" and
+        "all_to_all"; ``self.last_bytes`` is set to the payload bytes this rank sent. Which way depends
+        on ``shard_path``:
+
+        - "sum": the payload of the whole ``t`` (error feedback included) is reduce-scattered as it is
+          and this rank decodes its chunk of the sum with the whole buffer's ctx (``keeps_shape``);
+          divided by the world size before the sum where ``sum_overflows``, else after decoding;
+        - "alltoall": ``encode_parts`` cuts ``t`` into one slice per rank, each compressed on its own
+          (a ``shard_codec``); slice j's payload goes to rank j in one all-to-all, and this rank
+          decodes the payloads of its own slice, sums them in fp32 and divides by the world size.
+
+        A compressor may override it (several rounds, another way to shard); ``shard_path`` and
+        ``shard_problem`` still say whether DeAR takes it."""
+        path = self.shard_path()
+        if path == "sum":
+            payload, ctx = self.encode(t)
+            if len(payload) != 1 or payload[0].numel() != t.numel():
+                raise RuntimeError(f"dear: {self.name} declares keeps_shape but sent {len(payload)} tensors "
+                                   f"of {[x.numel() for x in payload]} elements for a buffer of {t.numel()}")
+            wire = payload[0]
+            if self.sum_overflows:
+                wire = wire / world_size if wire is t else wire.div_(world_size)  # never scale the caller's t
+            self.last_bytes = nbytes([wire])
+            (shard,) = yield Round("reduce_scatter", [wire])
+            out = self.decompress([shard], ctx)
+            if not self.sum_overflows:
+                out = out.div_(world_size) if out is shard else out / world_size
+            return out
+        if path == "alltoall":
+            parts = self.encode_parts(t, world_size)
+            layout = [[(x.dtype, x.shape) for x in p] for p, _ in parts]
+            if any(s != layout[0] for s in layout[1:]):
+                raise RuntimeError(f"dear: {self.describe()} declares shard_codec but its shards' payloads "
+                                   "differ in size")
+            self.last_bytes = sum(nbytes(p) for p, _ in parts)
+            got = yield Round("all_to_all", [], parts=[p for p, _ in parts])
+            ctx = parts[rank][1]  # a slice's ctx decodes every rank's payload of that slice
+            acc = torch.zeros(t.numel() // world_size, dtype=torch.float32, device=t.device)
+            for p in got:
+                acc.add_(self.decompress(p, ctx).reshape(-1).float())
+            return acc.div_(world_size).to(t.dtype)
+        raise ValueError(f"dear: {self.name} {self.shard_problem()}")
 
     # state ---------------------------------------------------------------
     def state_dict(self) -> dict:

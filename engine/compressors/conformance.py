@@ -402,7 +402,7 @@ def _dear_shards(m: _Maker, worlds) -> str:
         n = -(-n0 // world) * world  # dear pads a buffer to a multiple of the world size, with zeros
         xs = [torch.nn.functional.pad(x, (0, n - n0)) for x in inputs(world, n0, seed=60 + world)]
         shapes = RAGGED + ((n - n0,),) if n > n0 else RAGGED
-        got = sharded(m.ranks(world, shapes), xs) if path == "sum" else sharded_parts(m.ranks(world, shapes), xs)
+        got = sharded(m.ranks(world, shapes), xs)
         s = n // world
         if path == "sum":
             full = drive(m.ranks(world, shapes), xs)[0]
@@ -420,46 +420,14 @@ def _dear_shards(m: _Maker, worlds) -> str:
 
 
 def sharded(comps: List[Compressor], xs: List[Tensor]) -> List[Tensor]:
-    """dear's "sum" path, every rank in this process: each rank's payload (one tensor, the input's size) is
-    reduce-scattered; rank r decodes its shard with its own ctx and divides by the world size (fp16
-    payloads are divided first, so the sum stays in range)."""
-    world = len(comps)
-    n = xs[0].numel()
-    wires, ctxs, prediv = [], [], False
-    for c, x in zip(comps, xs):
-        payload, ctx = c.encode(x.clone())
-        if len(payload) != 1 or payload[0].numel() != n:
-            raise Finding(f"declares keeps_shape but sent {len(payload)} tensor(s) of {[t.numel() for t in payload]} "
-                          f"elements for a buffer of {n}")
-        wire = payload[0]
-        if wire.dtype == torch.float16:
-            wire, prediv = wire / world, True
-        wires.append(wire.clone())
-        ctxs.append(ctx)
-    total = torch.stack(wires).sum(0)
-    s = n // world
-    out = []
-    for r, (c, ctx) in enumerate(zip(comps, ctxs)):
-        g = c.decompress([total[r * s:(r + 1) * s].clone()], ctx)
-        out.append((g if prediv else g / world).to(xs[r].dtype))
-    return out
-
-
-def sharded_parts(comps: List[Compressor], xs: List[Tensor]) -> List[Tensor]:
-    """dear's "alltoall" path: every rank compresses each of its ``world`` slices alone (``encode_parts``),
-    slice j's payload goes to rank j, which decodes every rank's payload of it with its own ctx and sums
-    them in fp32, then divides by the world size."""
-    world = len(comps)
-    parts = [c.encode_parts(x.clone(), world) for c, x in zip(comps, xs)]
-    sizes = {tuple((t.dtype, tuple(t.shape)) for t in p) for rank in parts for p, _ in rank}
-    if len(sizes) != 1:
-        raise Finding(f"declares shard_codec but its slices' payloads differ in size: {sorted(map(str, sizes))}")
-    out = []
-    for r, c in enumerate(comps):
-        ctx = parts[r][r][1]
-        acc = sum(c.decompress([t.clone() for t in parts[j][r][0]], ctx).reshape(-1).float() for j in range(world))
-        out.append((acc / world).to(xs[r].dtype))
-    return out
+    """Each rank's shard after dear's exchange, every rank in this process: the compressors' own
+    ``shard_exchange`` driven by the exchange driver (a reduce-scatter of the payload, or each slice compressed
+    alone and all-to-all), exactly as dear drives it on real ranks."""
+    try:
+        exs = run_exchange(comps, [x.clone() for x in xs], len(comps), local_collective, ranks=range(len(comps)))
+    except (RuntimeError, ValueError) as e:
+        raise Finding(str(e).splitlines()[0]) from None
+    return [ex.out.reshape(-1).to(x.dtype) for ex, x in zip(exs, xs)]
 
 
 def table(results: List[Result]) -> List[str]:

@@ -59,6 +59,11 @@ class Plan:
         self.rules = list(rules)
 
     @classmethod
+    def of(cls, name: str, error_feedback: bool = False, **params) -> "Plan":
+        """One compressor for every bucket, by registry name: ``Plan.of("int8", error_feedback=True)``."""
+        return cls(lambda: compressors.make(name, error_feedback=error_feedback, **params))
+
+    @classmethod
     def from_section(cls, section: dict) -> "Plan":
         """From a spec's compressor section (a dict: name, error_feedback, params, per_bucket)."""
         own = section_for({**section, "per_bucket": []}, 0)

@@ -211,8 +211,6 @@ class _Cast(Compressor):
     keeps_shape = True
     lossless = True
     wire: torch.dtype = torch.float16
-    prediv = False
-    """Divide the payload by the world size before the sum (fp16: keeps the sum in range)."""
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -248,11 +246,11 @@ class _Cast(Compressor):
         payload, ctx = self.encode(t)  # compress, with error feedback when it is on
         self.last_bytes = nbytes(payload)
         h = payload[0]
-        if self.prediv:
+        if self.sum_overflows:
             h = h / world_size if h is t else h.div_(world_size)  # never scale the caller's own tensor
         (s,) = yield Round("allreduce", [h])
         out = t.copy_(s) if s.dtype != t.dtype and t.is_contiguous() else self.decompress([s], ctx)
-        return out if self.prediv else out.div_(world_size)
+        return out if self.sum_overflows else out.div_(world_size)
 
 
 class FP16(_Cast):
@@ -260,15 +258,15 @@ class FP16(_Cast):
 
     Decodes to the cast value in the input dtype. Overflow: half saturates at
     65504, and gloo and NCCL sum in half, so a sum over ranks can overflow
-    where no single rank did. Like DDP's ``fp16_compress_hook``, ``exchange``
-    divides each rank's half payload by the world size before the all-reduce,
+    where no single rank did (``sum_overflows``). Like DDP's ``fp16_compress_hook``, ``exchange``
+    (and dear's ``shard_exchange``) divides each rank's half payload by the world size before the sum,
     so the sum stays within the inputs' range; the price is that values below
     about 6e-8 * world_size flush to zero. Callers that reduce fp16 payloads
     themselves should pre-divide the same way.
     """
     name = "fp16"
     wire = torch.float16
-    prediv = True
+    sum_overflows = True
 
 
 class BF16(_Cast):

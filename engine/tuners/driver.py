@@ -23,6 +23,8 @@ from typing import Any, Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from engine import runfiles
+
 
 @dataclass
 class Decision:
@@ -144,5 +146,5 @@ class Tuning:
         if self.rank != 0 or not self.run_dir:
             return
         self.info["layout"] = self.comm.layout()
-        with open(os.path.join(self.run_dir, "tuning.json"), "w") as f:
+        with open(os.path.join(self.run_dir, runfiles.TUNING), "w") as f:
             json.dump(self.info, f, indent=1)

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Dict, Generator, List, Optional, Sequence, Tuple
 
-from engine import schedules
+from engine import runfiles, schedules
 from engine.runlog import write_json_atomic
 from engine.schedules import Buckets, ParamInfo
 from engine.tuners.driver import Decision, Tuner
@@ -136,10 +136,6 @@ class MergeCompSearch:
                         yield sorted(cuts + [c])
 
 
-CACHE = "mergecomp-cache.json"
-"""Beside the run directories: chosen MergeComp partitions by setting, for later runs."""
-
-
 def cache_key(spec) -> str:
     """What the best partition depends on: model (and batch, comm mode: they set the compute
     that communication overlaps), compressor, world size and network."""
@@ -157,7 +153,7 @@ def read_cache(runs_root: str, key: str) -> Optional[dict]:
     """The cached entry for ``key``, or None. A cache that cannot be read or parsed is renamed to
     ``mergecomp-cache.json.corrupt-<time>`` (kept for a look, never silently replaced) and raised
     as ``CacheCorrupt``."""
-    path = os.path.join(runs_root, CACHE)
+    path = os.path.join(runs_root, runfiles.MERGECOMP_CACHE)
     try:
         return _load_cache(path).get(key)
     except FileNotFoundError:
@@ -168,7 +164,7 @@ def write_cache(runs_root: str, key: str, entry: dict) -> Optional[str]:
     """Add ``entry`` under ``key``, under an flock so that two runs finishing at once keep both
     entries. Returns a problem to report (a corrupt cache found and set aside first), or None."""
     import fcntl
-    path = os.path.join(runs_root, CACHE)
+    path = os.path.join(runs_root, runfiles.MERGECOMP_CACHE)
     problem = None
     fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
     try:

@@ -29,6 +29,7 @@ from typing import Deque, Dict, List, Optional
 
 import pandas as pd
 
+from engine import runfiles
 from engine.timeline import LANE_NAMES, LANES
 from lab.analysis import plots
 from lab.rundir.store import Run, timeline_frame
@@ -210,7 +211,7 @@ class LiveRun:
         self.run = run
         self.keep = keep
         self.lock = threading.Lock()
-        self.metrics_tail = JsonlTail(run.file("metrics.jsonl"))
+        self.metrics_tail = JsonlTail(run.file(runfiles.METRICS))
         self.rows: List[dict] = []
         self.ranks: Dict[str, _RankTimeline] = {}
 

@@ -21,6 +21,7 @@ from engine.runlog import write_json_atomic
 from lab.analysis import timelines
 from lab.analysis.plots import PART_LABELS, PARTS, assign_steps
 from lab.analysis.presets import ACCURACY_POINTS, PRESETS, Effect, Preset
+from lab.base.paths import GROUPS
 from lab.rundir.disturbance import describe as describe_disturbance
 from lab.rundir.store import FINAL, check_id
 from lab.rundir.summary import fmt_bytes, summarize
@@ -28,9 +29,6 @@ from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
 from lab.strategy.perfmodel.costs import steps_and_wire
 from lab.strategy.perfmodel.views import ensure_curves
-
-GROUPS = "groups"
-
 
 # --------------------------------------------------------------------------- groups on disk
 

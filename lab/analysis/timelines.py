@@ -11,6 +11,7 @@ from typing import Dict, List, Optional, Tuple
 
 import pandas as pd
 
+from engine import runfiles
 from lab.analysis import live, plots
 from lab.analysis.trace import chrome_trace
 from lab.rundir.store import FINAL, Run, timeline_frame
@@ -92,7 +93,7 @@ def cached(key: tuple, fn):
 
 def files_key(run: Run) -> tuple:
     out = []
-    for p in [run.file("metrics.jsonl"), *run.timeline_files()]:
+    for p in [run.file(runfiles.METRICS), *run.timeline_files()]:
         try:
             st = p.stat()
             out.append((p.name, st.st_size, st.st_mtime_ns))

@@ -12,3 +12,50 @@ SOURCE = Path(__file__).resolve().parents[2]
 def default_root() -> Path:
     """The runs directory: $COMMLAB_RUNS, else ./runs."""
     return Path(os.environ.get("COMMLAB_RUNS") or "runs")
+
+
+# The lab's own names in the runs root (what is inside one run's directory: engine/runfiles.py).
+CONFIG = "lab.json"
+"""The runs directory's settings (max_jobs, quotas, access...; lab/rundir/store.py reads it)."""
+INDEX = "index.sqlite"
+"""The SQLite index of runs (lab/rundir/index.py), with its -wal, -shm, .lock and .corrupt-* beside it."""
+SLOTS = ".slots"
+"""One lock file per run slot, ``<k>.lock`` (lab/service/queue.py)."""
+OBSERVERS = ".observers"
+"""``<pid>.json`` per process that watches the runs (the UI), for the disturbance check."""
+ACCESS = "access.json"
+"""An exposed lab's accounts (lab/front/accounts.py), changed under ACCESS_LOCK."""
+ACCESS_LOCK = ".access.lock"
+GROUPS = "groups"
+"""``<gid>.json`` per saved group of runs (lab/analysis/results.py)."""
+
+SWEEPS = "sweeps"
+"""``sweeps/<id>/``: one sweep's grid, its cells' runs, its tables and its log (lab/front/sweep.py)."""
+SWEEP = "sweep.json"
+SWEEP_GRID = "grid.yaml"
+SWEEP_CSV = "table.csv"
+SWEEP_MD = "table.md"
+SWEEP_LOG = "sweep.log"
+PROCESS = "process.json"
+"""A background job's process identity (a sweep's, an advice job's)."""
+
+PROFILES = ".profiles"
+"""Model profiles, ``<key>.json``, and what the machine measured once for the performance model."""
+SHAPED_LINK = "link-shaped.json"
+"""The lab's calibration of its shaped links (``commlab net check --save``): a shaped link's per-collective
+cost (gloo over veth pairs and a token bucket, 1-3 ms here) is what a nominal alpha-beta link leaves out,
+and it decides how many buckets and rounds pay."""
+CURVES = "compressor-curves.json"
+"""The compressors' encode/decode cost curves measured on this machine, per machine: a curve is a property
+of the CPU and torch, not of a model, so a model's first advice takes the curves another model's advice
+measured instead of measuring them again."""
+PROPERTIES = "properties.json"
+
+ADVICE_JOBS = ".advice"
+"""``.advice/<id>/``: one advise job started from the UI (lab/front/advice_jobs.py)."""
+ADVICE_SPEC = "spec.json"
+ADVICE_REQUEST = "request.json"
+ADVICE = "advice.json"
+ADVICE_BEST = "best.yaml"
+ADVICE_LOG = "advise.log"
+ADVICE_GROUP = "group.json"

@@ -37,11 +37,11 @@ from typing import Dict, List, Optional, Tuple
 
 from engine.runlog import write_json_atomic
 from lab.base.errors import LabError
-from lab.rundir.index import INDEX_FILE, Index
-from lab.rundir.store import CONFIG, RunStore, lab_config
+from lab.base.paths import ACCESS, ACCESS_LOCK, CONFIG, INDEX
+from lab.rundir.index import Index
+from lab.rundir.store import RunStore, lab_config
 from lab.service.owners import TEACHER, User, local_user
 
-ACCESS_FILE = "access.json"
 ACCESS_ENV = "COMMLAB_ACCESS"
 """``token`` or ``off``: set by ``commlab app`` for its server (off on loopback, token elsewhere)."""
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")
@@ -122,7 +122,7 @@ def _hash(secret: str) -> str:
 
 
 def access_path(root: os.PathLike) -> Path:
-    return Path(root) / ACCESS_FILE
+    return Path(root) / ACCESS
 
 
 @contextmanager
@@ -131,7 +131,7 @@ def _locked(root: os.PathLike):
     the same moment each read the file, add themselves and write it back, and the later write drops the
     earlier student's token."""
     Path(root).mkdir(parents=True, exist_ok=True)
-    fd = os.open(Path(root) / ".access.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(Path(root) / ACCESS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -261,7 +261,7 @@ def reserved_names(root: os.PathLike) -> set:
     """Lower-cased names no student may take: RESERVED, the local user's, and every owner of a run in the
     index (the CLI's runs belong to the user who started them, who may not be the server's user)."""
     names = {*RESERVED, local_user().name}
-    if (Path(root) / INDEX_FILE).exists():
+    if (Path(root) / INDEX).exists():
         names |= {r["owner"] for r in Index(RunStore(root)).query() if r.get("owner")}
     return {n.lower() for n in names}
 

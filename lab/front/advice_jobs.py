@@ -15,16 +15,12 @@ import lab
 from engine.runlog import write_json_atomic
 from engine.spec import SpecError
 from lab.analysis import presets
-from lab.base import procs
-from lab.base.paths import SOURCE
+from lab.base import paths, procs
 from lab.base.specs import load_spec, read_spec_file
 from lab.rundir.store import RunStore, slug
 from lab.service.spawn import spawn_detached
 from lab.strategy.advisor import TRIALS, network_for
 from lab.strategy.perfmodel.predict import ddp_spec
-
-JOBS = ".advice"
-"""runs/.advice/<id>/: spec.json, advice.json and best.yaml of one `commlab advise` started from the UI."""
 
 
 def spec_choices(runs) -> Dict[str, dict]:
@@ -33,7 +29,7 @@ def spec_choices(runs) -> Dict[str, dict]:
     import yaml
 
     out: Dict[str, dict] = {}
-    for f in sorted((SOURCE / "examples").glob("*.yaml")):
+    for f in sorted((paths.SOURCE / "examples").glob("*.yaml")):
         data = yaml.safe_load(f.read_text())
         if isinstance(data, dict) and "model" in data:
             out[f"example: {f.name}"] = data
@@ -58,8 +54,8 @@ def advise_argv(spec_file: Path, runs: Path, gbps: float, link: str, measure: bo
                 out_dir: Path) -> List[str]:
     import sys
     argv = [sys.executable, "-m", "lab.front.cli", "advise", str(spec_file), "--gbps", f"{gbps:g}", "--link", link,
-            "--runs", str(runs), "--json-out", str(out_dir / "advice.json"), "--out", str(out_dir / "best.yaml"),
-            "--top", "0"]
+            "--runs", str(runs), "--json-out", str(out_dir / paths.ADVICE),
+            "--out", str(out_dir / paths.ADVICE_BEST), "--top", "0"]
     return argv + (["--measure", "--trials", str(trials)] if measure else [])
 
 
@@ -70,29 +66,29 @@ def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: i
     network_for({**spec, "network": {"link": "loopback", "gbps": None, "latency_us": None}}, gbps, link)
     runs = Path(runs).resolve()
     jid = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec['name'])}-{secrets.token_hex(2)}"
-    d = runs / JOBS / jid
+    d = runs / paths.ADVICE_JOBS / jid
     d.mkdir(parents=True)
-    write_json_atomic(d / "spec.json", spec)
-    write_json_atomic(d / "request.json", {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
-                                    "created": time.time()})
-    pid = spawn_detached(advise_argv(d / "spec.json", runs, gbps, link, measure, trials, d), d / "advise.log",
-                         cwd=SOURCE)
-    write_json_atomic(d / "process.json", procs.identity(pid))
+    write_json_atomic(d / paths.ADVICE_SPEC, spec)
+    write_json_atomic(d / paths.ADVICE_REQUEST, {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
+                                                 "created": time.time()})
+    pid = spawn_detached(advise_argv(d / paths.ADVICE_SPEC, runs, gbps, link, measure, trials, d),
+                         d / paths.ADVICE_LOG, cwd=paths.SOURCE)
+    write_json_atomic(d / paths.PROCESS, procs.identity(pid))
     return jid
 
 
 def job(jid: str, runs) -> dict:
     """{id, state (running | done | failed), request, advice (when done), error, log}."""
-    d = Path(runs) / JOBS / jid
-    if not (d / "request.json").is_file():
-        raise KeyError(f"no advice job {jid!r} in {Path(runs) / JOBS}")
-    out = {"id": jid, "request": json.loads((d / "request.json").read_text()), "advice": None, "error": None}
-    log = (d / "advise.log").read_text(errors="replace") if (d / "advise.log").is_file() else ""
+    d = Path(runs) / paths.ADVICE_JOBS / jid
+    if not (d / paths.ADVICE_REQUEST).is_file():
+        raise KeyError(f"no advice job {jid!r} in {Path(runs) / paths.ADVICE_JOBS}")
+    out = {"id": jid, "request": json.loads((d / paths.ADVICE_REQUEST).read_text()), "advice": None, "error": None}
+    log = (d / paths.ADVICE_LOG).read_text(errors="replace") if (d / paths.ADVICE_LOG).is_file() else ""
     out["log"] = log
-    if (d / "advice.json").is_file():
-        out["state"], out["advice"] = "done", json.loads((d / "advice.json").read_text())
-        out["best"] = str(d / "best.yaml")
-    elif procs.alive(json.loads((d / "process.json").read_text())) if (d / "process.json").is_file() else False:
+    if (d / paths.ADVICE).is_file():
+        out["state"], out["advice"] = "done", json.loads((d / paths.ADVICE).read_text())
+        out["best"] = str(d / paths.ADVICE_BEST)
+    elif procs.alive(json.loads((d / paths.PROCESS).read_text())) if (d / paths.PROCESS).is_file() else False:
         out["state"] = "running"
     else:
         out["state"] = "failed"
@@ -102,10 +98,11 @@ def job(jid: str, runs) -> dict:
 
 
 def jobs(runs) -> List[str]:
-    d = Path(runs) / JOBS
+    d = Path(runs) / paths.ADVICE_JOBS
     if not d.is_dir():
         return []
-    return [p.name for p in sorted(d.iterdir(), key=lambda p: p.name, reverse=True) if (p / "request.json").is_file()]
+    return [p.name for p in sorted(d.iterdir(), key=lambda p: p.name, reverse=True)
+            if (p / paths.ADVICE_REQUEST).is_file()]
 
 
 def table_rows(advice: dict) -> List[dict]:
@@ -128,10 +125,10 @@ def start_winner(jid: str, runs) -> dict:
            "DDP": lab.run(ddp, wait=False, runs=runs).id}
     group = {"id": f"advice-{jid}", "preset": None, "title": f"advice {jid}: {j['advice']['winner']} vs DDP",
              "runs": ids, "created": time.time()}
-    write_json_atomic(Path(runs) / JOBS / jid / "group.json", group)
+    write_json_atomic(Path(runs) / paths.ADVICE_JOBS / jid / paths.ADVICE_GROUP, group)
     return group
 
 
 def job_group(jid: str, runs) -> Optional[dict]:
-    f = Path(runs) / JOBS / jid / "group.json"
+    f = Path(runs) / paths.ADVICE_JOBS / jid / paths.ADVICE_GROUP
     return json.loads(f.read_text()) if f.is_file() else None

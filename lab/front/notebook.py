@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 
+from engine import runfiles
 from engine.schedules import CallCost, ParamInfo
 from lab.base.paths import default_root
 
@@ -91,7 +92,7 @@ def layerfusion_profile(run):
     ``engine.schedules.layerfusion`` / ``simulate`` to replay the rule."""
     import json
 
-    info = json.load(open(run.file("tuning.json")))
+    info = json.load(open(run.file(runfiles.TUNING)))
     if info.get("schedule") != "layerfusion" or "ready_ms" not in info:
         raise ValueError(f"run {run.id}: no layerfusion profile in tuning.json (schedule {info.get('schedule')!r})")
     spec = run.spec_dict()

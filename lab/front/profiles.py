@@ -8,6 +8,7 @@ from typing import Dict, List, Optional
 
 from engine.spec import SpecError
 from lab.base.errors import LabError
+from lab.base.paths import CURVES, PROPERTIES, SHAPED_LINK
 from lab.service import owners
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import views, whatif
@@ -27,7 +28,7 @@ MAX_TENSORS = 5_000
 """The most parameter tensors a profile from a student may list (gpt2 has 148, resnet50 161)."""
 
 
-NOT_PROFILES = ("properties.json", whatif.CURVES, whatif.SHAPED_LINK)
+NOT_PROFILES = (PROPERTIES, CURVES, SHAPED_LINK)
 
 
 def lab_profiles(runs) -> Dict[str, str]:

@@ -28,6 +28,7 @@ import yaml
 from engine.runlog import write_json_atomic
 from engine.spec import SpecError
 from lab.analysis.comparison import compare_runs
+from lab.base.paths import SWEEP, SWEEP_CSV, SWEEP_MD, SWEEPS
 from lab.base.specs import apply_overrides, load_spec, read_spec_file
 from lab.rundir.store import FINAL, RunError, slug
 from lab.service.queue import Lab
@@ -67,7 +68,7 @@ class Sweep:
         self.name = str(data.get("name") or "sweep")
         digest = hashlib.sha1(json.dumps([base, grid, self.baseline], sort_keys=True, default=str).encode()).hexdigest()
         self.id = f"{slug(self.name)}-{digest[:8]}"
-        self.dir = Path(lab.root) / "sweeps" / self.id
+        self.dir = Path(lab.root) / SWEEPS / self.id
         self.cells = self._cells()
 
     def _cells(self) -> List[dict]:
@@ -100,14 +101,14 @@ class Sweep:
     # -- state ------------------------------------------------------------
     def _load(self) -> dict:
         try:
-            with open(self.dir / "sweep.json") as f:
+            with open(self.dir / SWEEP) as f:
                 return json.load(f)
         except (OSError, ValueError):
             return {}
 
     def _save(self, runs: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(self.dir / "sweep.json", {"id": self.id, "name": self.name, "grid": self.grid,
+        write_json_atomic(self.dir / SWEEP, {"id": self.id, "name": self.name, "grid": self.grid,
                                                     "base": self.base, "target_acc": self.target, "runs": runs},
                           default=str)
 
@@ -176,8 +177,8 @@ class Sweep:
             cell_of = {r.id: c["key"] for c, r in present}
             df.insert(0, "cell", [cell_of[i] for i in df.index])
             self.dir.mkdir(parents=True, exist_ok=True)
-            df.to_csv(self.dir / "table.csv")
-            (self.dir / "table.md").write_text(markdown(df))
+            df.to_csv(self.dir / SWEEP_CSV)
+            (self.dir / SWEEP_MD).write_text(markdown(df))
         return df
 
 

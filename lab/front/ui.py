@@ -38,7 +38,7 @@ from lab.analysis.comparison import compare_runs
 from lab.analysis.presets import Preset
 from lab.base import procs, sandbox
 from lab.base.errors import LabError
-from lab.base.paths import SOURCE, default_root
+from lab.base.paths import PROCESS, SOURCE, SWEEP, SWEEP_GRID, SWEEP_LOG, SWEEPS, default_root
 from lab.base.specs import load_spec
 from lab.front import accounts
 from lab.front.sweep import Sweep
@@ -602,16 +602,16 @@ def start_sweep(data: dict, runs=None) -> str:
     if sweep_running(sw.dir):
         raise LabError(f"sweep {sw.id} is running already")
     sw.dir.mkdir(parents=True, exist_ok=True)
-    grid_file = sw.dir / "grid.yaml"
+    grid_file = sw.dir / SWEEP_GRID
     grid_file.write_text(yaml.safe_dump(data, sort_keys=False))
-    pid = spawn_detached(sweep_argv(grid_file, runs), sw.dir / "sweep.log", cwd=REPO, kind="sweep")  # normal priority
-    (sw.dir / "process.json").write_text(json.dumps(procs.identity(pid)))
+    pid = spawn_detached(sweep_argv(grid_file, runs), sw.dir / SWEEP_LOG, cwd=REPO, kind="sweep")  # normal priority
+    (sw.dir / PROCESS).write_text(json.dumps(procs.identity(pid)))
     return sw.id
 
 
 def sweep_running(sweep_dir: Path) -> bool:
     try:
-        return procs.alive(json.loads((Path(sweep_dir) / "process.json").read_text()))
+        return procs.alive(json.loads((Path(sweep_dir) / PROCESS).read_text()))
     except (OSError, ValueError):
         return False
 
@@ -624,10 +624,10 @@ def _teacher_only(what: str) -> None:
 def list_sweeps(runs=None) -> List[str]:
     if not viewer().admin:
         return []
-    root = Path(runs or runs_dir()) / "sweeps"
+    root = Path(runs or runs_dir()) / SWEEPS
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if (p / "grid.yaml").is_file() or (p / "sweep.json").is_file()]
+    found = [p for p in root.iterdir() if (p / SWEEP_GRID).is_file() or (p / SWEEP).is_file()]
     return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)]
 
 
@@ -635,10 +635,10 @@ def load_sweep(sweep_id: str, runs=None):
     """The Sweep of a directory under runs/sweeps/, rebuilt from its grid file (or sweep.json)."""
     _teacher_only("sweeps")
     root = Path(runs or runs_dir())
-    d = root / "sweeps" / check_id(sweep_id)
-    if (d / "grid.yaml").is_file():
-        return make_sweep(yaml.safe_load((d / "grid.yaml").read_text()), root)
-    saved = json.loads((d / "sweep.json").read_text())
+    d = root / SWEEPS / check_id(sweep_id)
+    if (d / SWEEP_GRID).is_file():
+        return make_sweep(yaml.safe_load((d / SWEEP_GRID).read_text()), root)
+    saved = json.loads((d / SWEEP).read_text())
     data = {k: saved[k] for k in ("name", "base", "grid") if k in saved}
     if saved.get("target_acc") is not None:
         data["target_acc"] = saved["target_acc"]
@@ -682,7 +682,7 @@ def sweep_table(sw) -> pd.DataFrame:
 
 def sweep_log(sw, n: int = 30) -> str:
     try:
-        with open(Path(sw.dir) / "sweep.log", errors="replace") as f:
+        with open(Path(sw.dir) / SWEEP_LOG, errors="replace") as f:
             return "".join(f.readlines()[-n:])
     except FileNotFoundError:
         return ""

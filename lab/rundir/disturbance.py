@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Callable, Dict, Iterable, List, NamedTuple, Optional, Tuple
 
 from lab.base.errors import LabError
+from lab.base.paths import CONFIG, OBSERVERS
 from lab.rundir.store import lab_config
 from lab.rundir.summary import warmup_steps
 
@@ -207,8 +208,6 @@ def timed_window(metrics: List[dict]) -> Optional[Tuple[float, float]]:
 
 # --------------------------------------------------------------------------- the lab's own observers
 
-OBSERVERS = ".observers"
-"""Folder of the runs directory where ``commlab app`` registers its server: one file per pid."""
 OBSERVER_NICE = 4
 """The nice value at or above which a registered observer is not counted (lab.spawn.APP_NICE, the value its
 server runs at; a test checks they agree)."""
@@ -280,7 +279,7 @@ def threshold(runs_root) -> float:
     """The runs directory's threshold (``disturbance_threshold`` in lab.json), else the default."""
     v = lab_config(runs_root).get(CONFIG_KEY, DEFAULT_THRESHOLD)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-        raise LabError(f"{Path(runs_root) / 'lab.json'}: {CONFIG_KEY} must be a fraction of the machine in "
+        raise LabError(f"{Path(runs_root) / CONFIG}: {CONFIG_KEY} must be a fraction of the machine in "
                        f"(0, 1], e.g. 0.1, got {v!r}")
     return float(v)
 

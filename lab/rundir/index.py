@@ -31,11 +31,12 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from engine import runfiles
 from lab.base.errors import LabError
-from lab.rundir.store import STATUS, Run, RunStore
+from lab.base.paths import INDEX
+from lab.rundir.store import Run, RunStore
 from lab.rundir.summary import summarize
 
-INDEX_FILE = "index.sqlite"
 SIDECARS = ("-wal", "-shm")
 """SQLite's files beside a database in WAL mode. They belong to that one file: a new file must never meet
 an old one's (SQLite would replay the old log into it), so they move or go with the file they belong to."""
@@ -139,7 +140,7 @@ def _move_all(moves) -> None:
 class Index:
     def __init__(self, store: RunStore, lock_wait_s: float = LOCK_WAIT_S):
         self.store = store
-        self.path = Path(store.root) / INDEX_FILE
+        self.path = Path(store.root) / INDEX
         self.lock_path = _side(self.path, ".lock")
         self.lock_wait_s = lock_wait_s
 
@@ -359,7 +360,7 @@ class Index:
         since = time.time() - CLOCK_SLACK_S
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, name = tempfile.mkstemp(dir=self.path.parent, prefix=f".{INDEX_FILE}.", suffix=".new")
+            fd, name = tempfile.mkstemp(dir=self.path.parent, prefix=f".{INDEX}.", suffix=".new")
             os.close(fd)
         except OSError as e:
             raise self._rebuild_failed(damaged, e) from None
@@ -372,7 +373,7 @@ class Index:
                 n = self._catch_up(new, since)
                 why = damaged.why if damaged and _same_file(self.path, damaged.found) else self._quick_check()
                 stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-                aside = _unused(self.path.with_name(f"{INDEX_FILE}.corrupt-{stamp}"))
+                aside = _unused(self.path.with_name(f"{INDEX}.corrupt-{stamp}"))
                 if why:
                     moves = [(self.path, aside)] + [(_side(self.path, s), _side(aside, s)) for s in SIDECARS
                                                     if _side(self.path, s).exists()]
@@ -407,7 +408,8 @@ class Index:
         may have put them into the old file only) and drop the runs that are gone; returns how many it
         holds. Called with the swap lock held exclusively, so no write can slip past it."""
         runs = self.store.list()
-        changed = [run for run in runs if max(_mtime(run.file(STATUS)), _mtime(run.file("spec.json"))) >= since]
+        changed = [run for run in runs
+                   if max(_mtime(run.file(runfiles.STATUS)), _mtime(run.file(runfiles.SPEC))) >= since]
         rows = [r for r in (self.row_of(run) for run in changed) if r]
         ids = {run.id for run in runs}
 

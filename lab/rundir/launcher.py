@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Callable, List, Optional
 
+from engine import runfiles
 from lab.base import procs
 from lab.base.procs import stop
 from lab.base.torchrun import free_port, single_rank, torchrun_argv, worker_argv, worker_env
@@ -142,7 +143,7 @@ def launch_rank(run: Run, job: JobRank, progress: bool = True, out=None) -> str:
     argv = [sys.executable, *worker_argv(str(run.path))]
     loopback = job.addr in ("127.0.0.1", "localhost")  # off loopback, GLOO_SOCKET_IFNAME names the interface
     if job.rank > 0:
-        with open(run.file(f"log-rank{job.rank}.txt"), "ab", buffering=0) as log:
+        with open(run.file(runfiles.RANK_LOG.format(rank=job.rank)), "ab", buffering=0) as log:
             p = _spawn(argv, {}, loopback, log)
             try:
                 return "done" if p.wait() == 0 else "failed"
@@ -172,7 +173,7 @@ def _spawn(argv: List[str], env: dict, loopback: bool, log) -> subprocess.Popen:
 
 def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
     """A node other than 0: run its torchrun to the end; node 0 owns the run's status."""
-    with open(run.file(f"log-node{os.getpid()}.txt"), "ab", buffering=0) as log:
+    with open(run.file(runfiles.NODE_LOG.format(pid=os.getpid())), "ab", buffering=0) as log:
         p = _spawn(argv, {}, loopback, log)
         try:
             return "done" if p.wait() == 0 else "failed"
@@ -184,13 +185,13 @@ def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
 def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel) -> str:
     cpu = disturbance.Sampler(disturbance.threshold(run.path.parent), runs_root=run.path.parent,
                               on_update=lambda d: run.update_status(disturbance=d))
-    log = open(run.file("log.txt"), "ab", buffering=0)
+    log = open(run.file(runfiles.LOG), "ab", buffering=0)
     cpu.start()  # before the job: its processes count as the run's own from their first tick
     procs_ = [_spawn(argv, env, loopback, log) for argv, env in jobs]
     cpu.roots = lambda: [p.pid for p in procs_ if p.returncode is None]  # reaped ones are in our cutime
     run.set_status("running", torchrun=procs.identity(procs_[0].pid),
                    torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
-    tail = MetricsTail(str(run.file("metrics.jsonl")))
+    tail = MetricsTail(str(run.file(runfiles.METRICS)))
     bar = RunProgress(spec.steps, spec.world_size, out) if progress else None
     try:
         while True:
@@ -232,7 +233,7 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
 
 def finish_status(run: Run, rc: int) -> str:
     """Turn the job's exit code and the files its ranks left into the run's final status."""
-    diverged = run.read_all("diverged-rank*.json")
+    diverged = run.read_all(runfiles.DIVERGEDS)
     if diverged:
         d = min(diverged, key=lambda x: x.get("step", 0))
         run.set_status("diverged", returncode=rc, rank=d.get("rank"), step=d.get("step"), error=d.get("error"))
@@ -243,7 +244,8 @@ def finish_status(run: Run, rc: int) -> str:
     direct = "torch.distributed.run" not in (run.status().get("argv") or ["torch.distributed.run"])
     # a rank started without torchrun (``single_rank``): its exit code is the rank's own, no torchrun report
     rank, why = failure_cause(run, exits=[(0, rc)] if direct else None)
-    run.set_status("failed", returncode=rc, rank=rank, error=why or f"torchrun exited with code {rc}; see log.txt")
+    run.set_status("failed", returncode=rc, rank=rank,
+                   error=why or f"torchrun exited with code {rc}; see {runfiles.LOG}")
     return "failed"
 
 

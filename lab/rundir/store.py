@@ -38,11 +38,12 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
+from engine import runfiles
 from engine.runlog import read_jsonl, write_json_atomic
 from engine.spec import JobSpec
 from engine.timeline import LANE_NAMES
 from lab.base.errors import LabError
-from lab.base.paths import default_root
+from lab.base.paths import CONFIG, default_root
 from lab.rundir.summary import summarize
 
 STATES = ("queued", "running", "done", "failed", "cancelled", "diverged")
@@ -58,15 +59,12 @@ class StatusError(LabError):
     """status.json exists but is not a JSON object (nothing was written over it); one line."""
 
 
-STATUS = "status.json"
-STATUS_LOCK = ".status.lock"
 READ_TRIES = 3
 """Attempts of a plain status read before it reports the file unreadable."""
 CHANGE_TRIES = 20
 """Attempts, READ_PAUSE_S apart, of the read in a status change: a writer that does not rename
 (another tool, a shared file system) gets about half a second to finish its file."""
 READ_PAUSE_S = 0.025
-CONFIG = "lab.json"
 CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access")
 """What runs/lab.json may hold; lab.queue, lab.disturbance and lab.workshop check the values."""
 
@@ -97,7 +95,7 @@ class Run:
 
     # -- spec and status --------------------------------------------------
     def spec_dict(self) -> dict:
-        with open(self.file("spec.json")) as f:
+        with open(self.file(runfiles.SPEC)) as f:
             return json.load(f)
 
     def spec(self) -> JobSpec:
@@ -107,7 +105,7 @@ class Run:
         """status.json as a dict; ``{"state": "unknown"}`` when there is none yet, and with
         ``unreadable`` (the reason) when the file cannot be parsed."""
         try:
-            st = _read_status(self.file(STATUS), READ_TRIES)
+            st = _read_status(self.file(runfiles.STATUS), READ_TRIES)
         except FileNotFoundError:
             return {"state": "unknown"}
         except StatusError as e:
@@ -154,10 +152,10 @@ class Run:
     def _change(self, fn: Callable[[Optional[dict]], Optional[dict]]):
         """(status, written): ``fn`` maps the current status (None when there is no file) to the new
         one, or to None to leave the file alone; it runs under the run's status lock."""
-        path = self.file(STATUS)
-        with _locked(self.file(STATUS_LOCK)):
+        path = self.file(runfiles.STATUS)
+        with _locked(self.file(runfiles.STATUS_LOCK)):
             # every status writer holds this lock, so a temporary file left now is a killed writer's
-            for tmp in self.path.glob(f".{STATUS}.*.tmp"):
+            for tmp in self.path.glob(f".{runfiles.STATUS}.*.tmp"):
                 with contextlib.suppress(OSError):
                     tmp.unlink()
             recovered = False
@@ -169,7 +167,8 @@ class Run:
                 recovered = True
                 if self._good is None:
                     raise StatusError(f"{e}; left as it is, with nothing written over it") from None
-                aside = path.with_name(f"{STATUS}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+                stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+                aside = path.with_name(f"{runfiles.STATUS}.corrupt-{stamp}")
                 os.replace(path, aside)
                 st = dict(self._good)
                 st["recovered"] = f"{e}; kept as {aside.name} and rebuilt from the status this process last read"
@@ -184,7 +183,7 @@ class Run:
             return new, True
 
     def cancel_requested(self) -> bool:
-        return self.file("cancel.request").exists()
+        return self.file(runfiles.CANCEL).exists()
 
     def read_all(self, pattern: str, unreadable: Optional[list] = None) -> List[dict]:
         """Every JSON file of the run matching ``pattern``. One that cannot be read is skipped, and
@@ -201,14 +200,14 @@ class Run:
 
     def worker_pids(self) -> List[dict]:
         """The ranks' process identities, as each worker recorded them at start."""
-        return self.read_all("pid-rank*.json")
+        return self.read_all(runfiles.PIDS)
 
     # -- logs -------------------------------------------------------------
     def metric_rows(self) -> List[dict]:
-        return read_jsonl(str(self.file("metrics.jsonl")))
+        return read_jsonl(str(self.file(runfiles.METRICS)))
 
     def timeline_files(self) -> List[Path]:
-        return sorted(self.path.glob("timeline-rank*.jsonl"), key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
+        return sorted(self.path.glob(runfiles.TIMELINES), key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
 
     def timeline_events(self) -> List[dict]:
         out = []
@@ -238,7 +237,7 @@ class Run:
         """The failed ranks' error files, oldest first; one that cannot be read is reported as an
         error of its rank (the rank failed: it wrote the file)."""
         bad: list = []
-        out = self.read_all("error-rank*.json", bad)
+        out = self.read_all(runfiles.ERRORS, bad)
         for p, why in bad:
             m = re.search(r"error-rank(\d+)\.json$", p.name)
             with contextlib.suppress(OSError):
@@ -248,7 +247,7 @@ class Run:
 
     def log_tail(self, n: int = 20) -> str:
         try:
-            with open(self.file("log.txt"), errors="replace") as f:
+            with open(self.file(runfiles.LOG), errors="replace") as f:
                 return "".join(f.readlines()[-n:])
         except FileNotFoundError:
             return ""
@@ -283,7 +282,7 @@ class RunStore:
             else:
                 raise RuntimeError("could not allocate a run id")
         run = Run(path, self.on_change)
-        write_json_atomic(run.file("spec.json"), spec.to_dict())
+        write_json_atomic(run.file(runfiles.SPEC), spec.to_dict())
         run.set_status("queued", created=time.time())
         return run
 
@@ -293,7 +292,7 @@ class RunStore:
         path = (root / run_id).resolve()
         if path.parent != root:
             raise RunError(f"run id {run_id!r} is not inside the runs directory")
-        if not (path / "spec.json").is_file():
+        if not (path / runfiles.SPEC).is_file():
             raise RunError(f"no run {run_id!r} in {self.root}")
         return Run(path, self.on_change)
 
@@ -301,7 +300,7 @@ class RunStore:
         if not self.root.is_dir():
             return []
         runs = [Run(p, self.on_change) for p in self.root.iterdir() if p.is_dir() and RUN_ID.match(p.name)
-                and (p / "spec.json").is_file()]
+                and (p / runfiles.SPEC).is_file()]
         return sorted(runs, key=lambda r: r.id)
 
 

@@ -29,7 +29,8 @@ from typing import Iterable, List, Optional
 from engine.codepath import code_fields
 from engine.spec import SpecError
 from lab.base.errors import LabError
-from lab.rundir.store import CONFIG, lab_config
+from lab.base.paths import CONFIG
+from lab.rundir.store import lab_config
 
 TEACHER = "teacher"
 """The owner name of runs the teacher starts from the UI with the admin token."""

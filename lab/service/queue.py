@@ -27,16 +27,16 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from engine import codepath
+from engine import codepath, runfiles
 from engine.spec import SpecError
 from lab.base import procs, sandbox
 from lab.base.errors import LabError
-from lab.base.paths import SOURCE
+from lab.base.paths import CONFIG, SLOTS, SOURCE
 from lab.base.specs import load_spec
 from lab.net.netns import NetworkUnavailable, check_shaped_supported
 from lab.rundir.index import Index, RunIndexError
 from lab.rundir.launcher import kill_strays, launch
-from lab.rundir.store import CONFIG, FINAL, Run, RunStore, lab_config
+from lab.rundir.store import FINAL, Run, RunStore, lab_config
 from lab.service.owners import fair_order, is_student, local_user, refuse_code, run_time, typical_run
 from lab.service.spawn import spawn_detached
 from lab.strategy import auto
@@ -63,7 +63,7 @@ def default_max_jobs() -> int:
 
 class Slots:
     def __init__(self, root: Path, n: int):
-        self.dir = Path(root) / ".slots"
+        self.dir = Path(root) / SLOTS
         self.n = n
 
     def try_acquire(self) -> Optional[int]:
@@ -154,7 +154,7 @@ class Lab:
     def spawn_supervisor(self, run: Run) -> int:
         argv = [sys.executable, "-m", "lab.service.supervise", "--runs", str(self.root.resolve()), run.id]
         # at normal priority even when the UI's (niced) server asks for it: lab/spawn.py
-        pid = spawn_detached(argv, run.file("supervisor.log"), cwd=SOURCE,
+        pid = spawn_detached(argv, run.file(runfiles.SUPERVISOR_LOG), cwd=SOURCE,
                              env={**os.environ, "COMMLAB_MAX_JOBS": str(self.max_jobs)})
         # recorded here too, so the run is never without a live owner between spawn and its first status write
         run.set_status("queued", supervisor=procs.identity(pid))
@@ -261,7 +261,7 @@ class Lab:
         state = run.state
         if state in FINAL:
             return state
-        run.file("cancel.request").write_text(f"{time.time()}\n")
+        run.file(runfiles.CANCEL).write_text(f"{time.time()}\n")
         if not procs.alive(run.status().get("supervisor")):
             kill_strays(run)
             # only_from: a launcher that ended meanwhile keeps the final state it wrote

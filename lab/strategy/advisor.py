@@ -40,8 +40,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Dict, List, Optional, Tuple
 
+from engine import runfiles
 from engine.codepath import is_import_path
-from engine.runlog import TRIALS as TRIALS_FILE
 from engine.runlog import write_json_atomic
 from engine.schedules import ParamInfo
 from engine.spec import JobSpec, SpecError
@@ -510,7 +510,7 @@ def measured_ms(run, run_steps: Optional[int] = None, skip: Optional[int] = None
     it = iteration_times(run.metric_rows())
     if not it:
         return None, f"trial {run.id} ({run.state}) recorded no steps"
-    tuning = run.file("tuning.json")
+    tuning = run.file(runfiles.TUNING)
     info = json.loads(tuning.read_text()) if tuning.is_file() else {}
     if spec["schedule"]["name"] == "mergecomp" and info.get("trace"):
         sched, trace = spec["schedule"], [t["ms"] for t in info["trace"]]
@@ -622,9 +622,9 @@ def prepare_session(run, specs: List[dict], cands: List[Candidate], profile) -> 
     from engine.tuners.mergecomp import cache_key, write_cache
     dirs = []
     for i, (s, c) in enumerate(zip(specs, cands)):
-        d = run.path / f"trial-{i}"
+        d = run.path / runfiles.TRIAL_DIR.format(i=i)
         d.mkdir()
-        write_json_atomic(d / "spec.json", s)
+        write_json_atomic(d / runfiles.SPEC, s)
         dirs.append(d.name)
         if c.schedule["name"] == "mergecomp" and c.layout_cuts is not None:
             problem = write_cache(str(run.path), cache_key(JobSpec.from_dict(s)),
@@ -632,14 +632,14 @@ def prepare_session(run, specs: List[dict], cands: List[Candidate], profile) -> 
                                    "ms": c.steady_ms, "run": "advisor prediction"})
             if problem:
                 raise RuntimeError(f"advisor: trial session {run.id}: {problem}")
-    write_json_atomic(run.path / TRIALS_FILE, {"dirs": dirs})
+    write_json_atomic(run.path / runfiles.TRIALS, {"dirs": dirs})
     return dirs
 
 
 def session_trials(run) -> List[object]:
     """The trials of a finished session run, as runs of their own (id ``<session>/trial-<i>``)."""
     out = []
-    for d in json.loads(run.file(TRIALS_FILE).read_text())["dirs"]:
+    for d in json.loads(run.file(runfiles.TRIALS).read_text())["dirs"]:
         t = Run(run.path / d)
         t.id = f"{run.id}/{d}"
         out.append(t)
@@ -694,7 +694,7 @@ def rank(cands: List[Candidate]) -> List[Candidate]:
 
 def keep_curves(spec: dict, runs=None) -> Tuple[int, float]:
     """Measure the cost curves of every compressor in ``spec``'s strategy space that this machine has not
-    measured yet and keep them for the machine (``whatif.CURVES``), as the first advice on a machine does;
+    measured yet and keep them for the machine (``lab.base.paths.CURVES``), as the first advice on a machine does;
     returns how many were measured and the seconds it took."""
     t = time.perf_counter()
     scratch = cal.Profile(model=spec["model"]["name"], dataset=spec["dataset"]["name"], batch_size=spec["batch_size"])

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from engine.runlog import TRIALS as TRIALS_FILE
+from engine import runfiles
 from engine.runlog import read_jsonl, write_json_atomic
 from engine.timeline import LANES
 from lab.base import procs
@@ -50,10 +50,6 @@ from lab.strategy.perfmodel import whatif
 
 RECORD_KEY = "advisor"
 """tuning.json's key for the advisor's record (an engine tuner of the chosen strategy writes the rest)."""
-
-ADVICE_FILE = "auto-advice.json"
-"""The record as planned after the ranks' profile steps, kept apart too: an engine tuner of the first trial may
-write tuning.json whole before the run ends (``keep_record`` puts it back)."""
 PROFILE_STEPS = 8
 """Dry steps the run's ranks take to profile the model when the lab has no profile of it (engine/autoprofile.py):
 the first SKIP_STEPS (3) are left out of the medians, the other 5 on each rank are the profile."""
@@ -93,8 +89,7 @@ def fold_in_run(run, record: dict) -> dict:
     folded in: each trial's measured median (MergeComp's predicted search cost added, as ``with_search_cost``
     does), the winner, the reason, and the trials' cost to the run. The record as it was when the run
     ended before choosing."""
-    from engine import trials as engine_trials
-    path = run.file(engine_trials.RESULT)
+    path = run.file(runfiles.AUTO_RESULT)
     if not path.is_file():
         return record
     res = json.loads(path.read_text())
@@ -163,7 +158,7 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
         picks = trial_picks(adv.ranked(), st["trials"])
         plan = plan_in_run(adv, picks, st["trial_steps"])
         if engine_trials.most_steps(plan) < spec["steps"]:
-            write_json_atomic(run.file(engine_trials.FILE), plan)
+            write_json_atomic(run.file(runfiles.AUTO_TRIALS), plan)
             say(f"advisor: {len(picks)} trials as the run's first steps ({TRIAL_WARMUP} + up to "
                 f"{st['trial_steps']} steps each): " + "; ".join(c.label for c in picks))
             record = {**adv.as_dict(), "chosen_by": "pending: trials in the run", "runs": trials,
@@ -179,12 +174,12 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
         adv.reason = explain(adv)
     chosen = adv.winner_spec()
     chosen["name"] = spec["name"]
-    write_json_atomic(run.file("spec.json"), load_spec(data=chosen).to_dict())
+    write_json_atomic(run.file(runfiles.SPEC), load_spec(data=chosen).to_dict())
     record = {**adv.as_dict(), "runs": trials, "decided_at": time.time()}
     write_record(run, record)
     parts = []
     for t in (lab.store.get(t) for t in trials):  # the profiling run, the trial session's trials
-        parts += session_trials(t) if t.file(TRIALS_FILE).is_file() and t.state == "done" else [t]
+        parts += session_trials(t) if t.file(runfiles.TRIALS).is_file() and t.state == "done" else [t]
     trial_timeline(run, parts, {c.trial_run: c.label for c in adv.candidates})
     run.update_status(strategy={"chosen": adv.winner.label, "by": adv.chosen_by, "cost_s": adv.cost_s["total"]})
     return adv
@@ -205,8 +200,7 @@ def start_profile_in_run(lab, run, say: Callable[[str], None]) -> threading.Thre
     """Ask the ranks for profile steps (engine/autoprofile.py) and advise in a thread of the supervisor once
     they are done (``plan_after_profile``); the ranks start meanwhile, so the profile pays no start-up of
     its own."""
-    from engine import autoprofile
-    write_json_atomic(run.file(autoprofile.PENDING), {"profile_steps": PROFILE_STEPS, "timeout_s": PLAN_TIMEOUT_S})
+    write_json_atomic(run.file(runfiles.AUTO_PENDING), {"profile_steps": PROFILE_STEPS, "timeout_s": PLAN_TIMEOUT_S})
     write_record(run, {"chosen_by": "pending: profile and trials in the run", "runs": [],
                        "requested_at": time.time()})
     run.update_status(strategy={"chosen": None, "by": "profile and trials in the run", "cost_s": None})
@@ -222,12 +216,11 @@ def plan_after_profile(lab, run, say: Callable[[str], None], poll_s: float = 0.0
     next advice), the advisor's predictions, and the trial plan the ranks go on with. Any failure is written
     to ``auto-failed.json``, which makes the ranks fail the run with it; a run that ends before its profile
     steps are done ends this too. Returns the advice, None when there was none."""
-    from engine import autoprofile
     from engine import trials as engine_trials
     try:
         spec = run.spec_dict()
         st = spec["strategy"]
-        done, k = run.file(autoprofile.PROFILED), 0
+        done, k = run.file(runfiles.AUTO_PROFILED), 0
         while not done.is_file():
             k += 1
             if k % 40 == 0 and run.state in FINAL:
@@ -236,7 +229,7 @@ def plan_after_profile(lab, run, say: Callable[[str], None], poll_s: float = 0.0
         t0 = time.perf_counter()
         info = json.loads(done.read_text())
         n = int(info["steps"])
-        events = [e for p in sorted(run.path.glob(autoprofile.TIMELINE.format(rank="*"))) for e in read_jsonl(str(p))]
+        events = [e for p in sorted(run.path.glob(runfiles.PROFILE_TIMELINES)) for e in read_jsonl(str(p))]
         prof = cal.from_events(spec, events, f"run {run.id} (its ranks' {n} dry profile steps)",
                                skip=min(cal.SKIP_STEPS, n - 2), params=info.get("params"))
         prof.machine = whatif.machine_info(run, n)
@@ -257,16 +250,16 @@ def plan_after_profile(lab, run, say: Callable[[str], None], poll_s: float = 0.0
         adv.cost_s["total"] = adv.cost_s["profile"] + adv.cost_s["predict"]
         record = {**adv.as_dict(), "chosen_by": "pending: trials in the run", "runs": [],
                   "profile_in_run": info, "planned_at": time.time()}
-        write_json_atomic(run.file(ADVICE_FILE), record)
+        write_json_atomic(run.file(runfiles.AUTO_ADVICE), record)
         write_record(run, record)
-        write_json_atomic(run.file(engine_trials.FILE), plan)  # the ranks go on
+        write_json_atomic(run.file(runfiles.AUTO_TRIALS), plan)  # the ranks go on
         run.update_status(strategy={"chosen": None, "by": "trials in the run", "cost_s": adv.cost_s["total"]})
         say(f"advisor: profiled in the run ({info['wall_s']:.2f} s); {len(picks)} trials as the run's first steps: "
             + "; ".join(c.label for c in picks))
         return adv
     except BaseException as e:
         msg = f"{type(e).__name__}: {e}".splitlines()[0]
-        write_json_atomic(run.file(autoprofile.FAILED), {"error": msg, "t": time.time()})
+        write_json_atomic(run.file(runfiles.AUTO_FAILED), {"error": msg, "t": time.time()})
         say(f"advisor: failed after the profile steps: {msg}")
         return None
 
@@ -286,14 +279,14 @@ def trial_timeline(run, trials, labels: Dict[str, str]) -> int:
                                          "tid": LANES["advisor"], "cat": "advisor", "ts": e["ts"], "dur": e["dur"],
                                          "args": {"run": t.id, "step": step, "trial": what}}))
     if lines:
-        with open(run.file("timeline-rank0.jsonl"), "a") as f:
+        with open(run.file(runfiles.TIMELINE.format(rank=0)), "a") as f:
             f.write("\n".join(lines) + "\n")
     return len(lines)
 
 
 def write_record(run, record: dict) -> None:
     """Put the advisor's record into tuning.json, keeping whatever else is there."""
-    path = run.file("tuning.json")
+    path = run.file(runfiles.TUNING)
     info = json.loads(path.read_text()) if path.is_file() else {}
     info[RECORD_KEY] = record
     write_json_atomic(path, info)
@@ -305,11 +298,11 @@ def keep_record(run, record: Optional[dict]) -> None:
     are folded in (``fold_in_run``) and the run's status says what was chosen."""
     if record is None:
         return
-    path = run.file("tuning.json")
+    path = run.file(runfiles.TUNING)
     info = json.loads(path.read_text()) if path.is_file() else {}
     current = info.get(RECORD_KEY) or record
-    if str(current.get("chosen_by", "")).startswith("pending: profile") and run.file(ADVICE_FILE).is_file():
-        current = json.loads(run.file(ADVICE_FILE).read_text())  # planned in the run (plan_after_profile)
+    if str(current.get("chosen_by", "")).startswith("pending: profile") and run.file(runfiles.AUTO_ADVICE).is_file():
+        current = json.loads(run.file(runfiles.AUTO_ADVICE).read_text())  # planned in the run (plan_after_profile)
     if str(current.get("chosen_by", "")).startswith("pending"):
         folded = fold_in_run(run, current)
         if folded is not current:
@@ -322,7 +315,7 @@ def keep_record(run, record: Optional[dict]) -> None:
 
 
 def read_record(run) -> Optional[dict]:
-    path = run.file("tuning.json")
+    path = run.file(runfiles.TUNING)
     if not path.is_file():
         return None
     return json.loads(path.read_text()).get(RECORD_KEY)

@@ -239,7 +239,7 @@ def from_events(spec: dict, ev: List[dict], source: str, skip: int = SKIP_STEPS,
 
 def param_list(spec: dict) -> List[Tuple[str, int]]:
     """(name, bytes) of the spec's model parameters in gradient-ready order, as
-    engine.comm.DataParallel orders them (reverse registration order). Counted without the weights
+    the communicators order them (reverse registration order). Counted without the weights
     (engine.preflight.parameters); in a process that serves viewers, in a child (lab.sandbox)."""
     d = spec.to_dict() if hasattr(spec, "to_dict") else spec
     key = json.dumps({"model": d["model"], "dataset": d["dataset"], "seed": 0}, sort_keys=True)
@@ -354,19 +354,21 @@ def measure_link(gbps: float, n_ranks: int = 2, target_s: float = 0.4) -> dict:
 
 # --------------------------------------------------------------------------- compressors
 
-def drive(comp, t, world: int = 1):
-    """Run one exchange of ``comp`` on ``t`` in this process, as the only rank.
+def drive(comp, t, world: int = 1, sharded: bool = False):
+    """Run one exchange of ``comp`` on ``t`` in this process, as the only rank; ``sharded``: dear's
+    exchange (``Compressor.shard_exchange``) instead of the whole one.
 
-    Returns the rounds as [(op, payload bytes, tensors)] and the compute times
-    [encode, between rounds..., decode] in seconds."""
+    Returns the rounds as [(op, payload bytes, tensors)] (an all-to-all: every destination's payload's
+    bytes, one destination's tensors) and the compute times [encode, between rounds..., decode] in seconds."""
     from engine.comm.exchange import local_collective, run_exchange
     rounds = []
 
     def collective(op, payloads):
         (mine,) = payloads
-        rounds.append((op, sum(x.numel() * x.element_size() for x in mine), len(mine)))
+        each = mine if op == "all_to_all" else [mine]  # an all-to-all's payloads: one per destination
+        rounds.append((op, sum(x.numel() * x.element_size() for p in each for x in p), len(each[0])))
         return local_collective(op, payloads)
-    (ex,) = run_exchange([comp], [t], world, collective, timer=time.perf_counter)
+    (ex,) = run_exchange([comp], [t], world, collective, timer=time.perf_counter, ranks=[0] if sharded else None)
     return rounds, ex.compute
 
 
@@ -397,7 +399,7 @@ def code_stamp(c: dict) -> str:
 def needs_curve(c: dict) -> bool:
     """False when the compressor config ``c`` runs no compressor code: an ``identity`` compressor
     (declared) without error feedback, whose exchange is one all-reduce of the raw gradient
-    (``engine.core.Exchange.prescales``). Such a config has no cost curve and sends the raw bytes."""
+    (``engine.comm.exchange.Exchange.prescales``). Such a config has no cost curve and sends the raw bytes."""
     from engine.comm.exchange import Exchange
     return not Exchange.prescales(make_compressor(c))
 

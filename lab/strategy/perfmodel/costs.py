@@ -104,15 +104,16 @@ def ps_push_pull(nbytes: float, world: int, link: Link, servers: int = 1) -> flo
 def steps_and_wire(op: str, nbytes: float, world: int):
     """Ring steps and the bytes each rank sends for one collective (as in engine.netmodel):
     all-reduce ``2(p-1)`` and ``2(p-1)/p n``, reduce-scatter ``p-1`` and ``(p-1)/p n``,
-    all-gather ``p-1`` and ``(p-1) m`` (m per rank)."""
+    all-gather ``p-1`` and ``(p-1) m`` (m per rank); an all-to-all as a reduce-scatter (``SAME_COST``)."""
     p = world
+    op = SAME_COST.get(op, op)
     if op == "allreduce":
         return 2 * (p - 1), 2 * (p - 1) / p * nbytes
     if op == "reduce_scatter":
         return p - 1, (p - 1) / p * nbytes
     if op == "allgather":
         return p - 1, (p - 1) * nbytes
-    raise ValueError(f"unknown collective {op!r}; allowed: allreduce, reduce_scatter, allgather")
+    raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(COLLECTIVES)}")
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,7 @@ class Cluster:
         nodes = self.nodes(world)
         if nodes == 1:
             return COLLECTIVES[op](nbytes, world, self.intra)
+        op = SAME_COST.get(op, op)
         g, inter = self.node_size, self.inter_ring()
         if op == "allreduce":
             return (reduce_scatter(nbytes, g, self.intra) + allreduce(nbytes / g, nodes, inter)
@@ -172,7 +174,7 @@ class Cluster:
             return reduce_scatter(nbytes, g, self.intra) + reduce_scatter(nbytes / g, nodes, inter)
         if op == "allgather":
             return allgather(nbytes, nodes, inter) + allgather(nbytes * nodes, g, self.intra)
-        raise ValueError(f"unknown collective {op!r}; allowed: allreduce, reduce_scatter, allgather")
+        raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(COLLECTIVES)}")
 
     def describe(self) -> str:
         nic = f", {self.nics} NICs" if self.nics > 1 else ""
@@ -187,7 +189,7 @@ def collective(op: str, nbytes: float, world: int, link) -> float:
     ``collectives.Topology``."""
     if isinstance(link, Link):
         return COLLECTIVES[op](nbytes, world, link)
-    return link.time(op, nbytes, world)
+    return link.time(SAME_COST.get(op, op), nbytes, world)
 
 
 class TokenBucket:
@@ -218,4 +220,8 @@ class TokenBucket:
         return d
 
 
-COLLECTIVES = {"allreduce": allreduce, "reduce_scatter": reduce_scatter, "allgather": allgather}
+COLLECTIVES = {"allreduce": allreduce, "reduce_scatter": reduce_scatter, "allgather": allgather,
+               "all_to_all": reduce_scatter}
+SAME_COST = {"all_to_all": "reduce_scatter"}
+"""dear's all-to-all of a shard codec's payloads (n bytes per rank) is priced as the reduce-scatter of n bytes
+it stands for, as engine.netmodel books it: each rank sends (p-1)/p of its input."""

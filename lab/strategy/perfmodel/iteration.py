@@ -1,6 +1,6 @@
 """Iteration time of one training step for each comm mode, simulated.
 
-The simulation follows what engine.comm.DataParallel does, with two
+The simulation follows what engine.comm.wfbp (sync and wfbp) and engine.comm.dear do, with two
 resources: the *compute thread* (forward, backward, and everything the engine
 runs in its hooks and in ``finish``: encoding, decoding, waiting) and *one
 link* that serialises collectives first come, first served (one process
@@ -212,7 +212,8 @@ def _dear(step: Step, sim: "_Sim", mode: str, slowdown: float, compute: float, t
         c0 = c
         c += b.encode
         coder += b.encode
-        rs_done.append(sim.collective("reduce_scatter", b.rounds[0].nbytes, c, f"b{k}"))
+        # the bucket's sharded round: a reduce-scatter of the payload, or a shard codec's all-to-all
+        rs_done.append(sim.collective(b.rounds[0].op, b.rounds[0].nbytes, c, f"b{k}"))
         shift += c - c0
     c = max(c, t_fwd + step.backward * slowdown + shift)
     for k, b in enumerate(step.buckets):

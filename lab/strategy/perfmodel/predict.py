@@ -77,10 +77,12 @@ def _noise(n: int):
     return _NOISE[0][:n]
 
 
-def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tuple[str, int, int]]:
+def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int],
+                   sharded: bool = False) -> List[Tuple[str, int, int]]:
     """(op, payload bytes, tensors) of each round for one bucket, as the compressor declares them
     (``Compressor.declared_rounds``) or else from driving the real exchange on a bucket of that
-    layout (in steady state: past any warm-up iterations).
+    layout (in steady state: past any warm-up iterations). ``sharded``: dear's exchange of the bucket
+    (``Compressor.shard_exchange``, ``declared_shard_rounds``), kept under a key of its own.
     Cached by the bucket's size alone when the compressor treats it as one flat tensor
     (``per_tensor`` false: its payload cannot depend on how the bucket splits into tensors)."""
     shapes, off = [], 0
@@ -88,7 +90,8 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
         n = profile.params[i][1] // 4
         shapes.append((off, _matrix_shape(profile.params[i][0], n)))
         off += n
-    ckey = cal.compressor_key(comp) + cal.code_stamp(comp)  # the user's code: driven again once it changed
+    ckey = (("dear:" if sharded else "") + cal.compressor_key(comp)  # profiles saved before keep their keys
+            + cal.code_stamp(comp))  # the user's code: driven again once it changed
     key = (ckey, tuple(profile.params[i] for i in idx))
     if key in _ROUNDS_CACHE:
         return _keep(key, _ROUNDS_CACHE[key])
@@ -101,12 +104,13 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int]) -> List[Tup
     if flat_key is not None and flat_key in _ROUNDS_CACHE:
         rounds = _ROUNDS_CACHE[flat_key]
     else:
-        rounds = c.declared_rounds(off, 4) if c.steady_payload else None
+        declared = c.declared_shard_rounds if sharded else c.declared_rounds
+        rounds = declared(off, 4) if c.steady_payload else None
         if rounds is None:
             x = _noise(off)
             c.skip_warmup()  # past plain warm-up exchanges (PowerSGD), without driving them
             for _ in range(1 if c.steady_payload else 2):  # a steady payload's sizes show in one exchange
-                rounds, _ = cal.drive(c, x.clone())
+                rounds, _ = cal.drive(c, x.clone(), sharded=sharded)
         if flat_key is not None:
             _keep(flat_key, rounds)
     _keep(key, rounds)
@@ -130,9 +134,12 @@ def _matrix_shape(name: str, n: int):
 def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0,
                layout: Optional[List[List[str]]] = None) -> Step:
     """The step's buckets, each with its own compressor's rounds and costs (a mixed section gives
-    buckets different compressors by size, as the engine's Plan does)."""
+    buckets different compressors by size, as the engine's Plan does). dear's buckets send what the
+    compressor's sharded exchange sends (a reduce-scatter of the payload, or a shard codec's all-to-all);
+    each rank decodes its shard of every rank's payload: one buffer's worth of decoding in all."""
     from engine.compressors.plan import section_for
     f = 1.0 / compute_speedup
+    sharded = spec["comm"]["mode"] == "dear"
     buckets = []
     for idx in buckets_of(profile, spec, layout):
         names = [profile.params[i][0] for i in idx]
@@ -146,7 +153,8 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
             raise KeyError(f"profile has no cost curve for compressor {key}")
         ready = max(profile.layer_ready.get(l, profile.backward_s) for l in layers)
         fwd = sum(profile.layer_forward.get(l, 0.0) for l in layers)
-        rounds = [("allreduce", raw, 1)] if plain else payload_rounds(profile, comp, idx)
+        rounds = ([("reduce_scatter" if sharded else "allreduce", raw, 1)] if plain
+                  else payload_rounds(profile, comp, idx, sharded))
         enc = cal.cost(curve["encode"], raw) if curve else 0.0
         mid = cal.cost(curve["between"], raw) if curve else 0.0
         dec = cal.cost(curve["decode"], raw) if curve else 0.0
@@ -155,10 +163,6 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
             last = r == len(rounds) - 1
             after = (dec * (world if op == "allgather" else 1)) if last else mid / max(len(rounds) - 1, 1)
             plan.append(Round(op, nbytes, after=after * f, tensors=k))
-        if spec["comm"]["mode"] == "dear":
-            # one reduce-scatter of the payload (a shard codec's all-to-all moves the same bytes); each
-            # rank decodes its shard of every rank's payload: one buffer's worth of decoding in all
-            plan = [Round("reduce_scatter", plan[0].nbytes, after=dec * f, tensors=plan[0].tensors)]
         buckets.append(Bucket(ready=ready * f, encode=enc * f, rounds=plan, raw_bytes=raw, forward=fwd * f))
     return Step(forward=profile.forward_s * f, backward=profile.backward_s * f,
                 optimizer=profile.optimizer_s * f, buckets=buckets)

@@ -26,8 +26,10 @@ from typing import List, Optional
 
 import pandas as pd
 
+from engine import runfiles
 from engine.runlog import write_json_atomic
 from engine.spec import SpecError
+from lab.base.paths import PROPERTIES
 from lab.net.netns import tbf_burst_bytes
 from lab.rundir.index import runs_of
 from lab.strategy.perfmodel import calibrate as cal
@@ -110,7 +112,7 @@ def run_link(run, profile: cal.Profile) -> Link:
 def run_layout(run) -> Optional[List[List[str]]]:
     """The buckets a run ended with (layout.json, rewritten by tuners), as groups of parameter names."""
     try:
-        return [b["layers"] for b in json.loads(Path(run.file("layout.json")).read_text())["buckets"]]
+        return [b["layers"] for b in json.loads(Path(run.file(runfiles.LAYOUT)).read_text())["buckets"]]
     except (OSError, ValueError, KeyError):
         return None
 
@@ -162,7 +164,7 @@ def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], in
 
 
 def properties_file(runs) -> Path:
-    return whatif.profile_dir(runs) / "properties.json"
+    return whatif.profile_dir(runs) / PROPERTIES
 
 
 def load_properties(runs) -> Optional[List[dict]]:

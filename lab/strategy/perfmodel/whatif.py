@@ -21,9 +21,10 @@ import time
 from pathlib import Path
 from typing import Callable, List, Optional
 
+from engine import runfiles
 from engine.runlog import write_json_atomic
 from engine.spec import SpecError
-from lab.base.paths import default_root
+from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root
 from lab.base.specs import apply_overrides, load_spec, read_spec_file
 from lab.rundir.index import runs_of
 from lab.rundir.store import RunStore
@@ -47,13 +48,7 @@ def load_for_prediction(path: Optional[str] = None, overrides=(), data: Optional
 
 
 def profile_dir(runs) -> Path:
-    return Path(runs or default_root()) / ".profiles"
-
-
-SHAPED_LINK = "link-shaped.json"
-"""The lab's calibration of its shaped links (``commlab net check --save``), in the profiles directory: a
-shaped link's per-collective cost (gloo over veth pairs and a token bucket, 1-3 ms here) is what a
-nominal alpha-beta link leaves out, and it decides how many buckets and rounds pay."""
+    return Path(runs or default_root()) / PROFILES
 
 
 def save_shaped_link(runs, result: dict) -> Path:
@@ -195,7 +190,7 @@ def machine_info(run, steps: int) -> dict:
     (from the run's resolved.json), the parameters' dtypes, the clock of the compute spans."""
     import os
     import platform
-    res = json.loads(Path(run.file("resolved.json")).read_text())
+    res = json.loads(Path(run.file(runfiles.RESOLVED)).read_text())
     info = {"host": platform.node(), "cpu": cpu_name(), "cores": os.cpu_count(),
             "device": res.get("device"), "torch": res.get("torch"), "threads": res.get("threads"),
             "dtype": ",".join(cal.param_dtypes(run.spec_dict())), "steps": steps,
@@ -298,12 +293,6 @@ def profile_problem(d: dict) -> Optional[str]:
     if d.get("spec") is not None and not isinstance(d["spec"], dict):
         return "spec must be a mapping (a job spec)"
     return None
-
-
-CURVES = "compressor-curves.json"
-"""The compressors' encode/decode cost curves measured on this machine, in the profiles directory, per
-machine (``machine_key``): a curve is a property of the CPU and torch, not of a model, so a model's first
-advice takes the curves another model's advice measured instead of measuring them again."""
 
 
 def cpu_name() -> str:
