@@ -10,11 +10,8 @@ timed. A name ``pkg.module:loader`` calls the user's own loader, which returns
 Loaded data sets are cached in-process and shared between callers, so the
 tensors they hold must be treated as read-only: never modify them in place.
 """
-import contextlib
 import os
 import sys
-import tempfile
-import time
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -25,6 +22,7 @@ import numpy as np
 import torch
 
 from engine.external import _first_line, import_object
+from engine.runlog import set_aside, write_atomic
 
 NAMES = ("digits", "mnist", "text", "synthetic")
 SPLITS = ("train", "test")
@@ -209,7 +207,7 @@ def _cached_split(name: str, packages, make):
                 return _read_split(kept)
             except CACHE_READ_ERRORS as e:
                 print(f"[commlab] {path}: unreadable ({type(e).__name__}: {e}); "
-                      f"{_set_aside(path, os.fstat(kept.fileno()))}; splitting {name} again",
+                      f"{set_aside(path, os.fstat(kept.fileno()))}; splitting {name} again",
                       file=sys.stderr, flush=True)
     arrays = make()
     try:
@@ -238,42 +236,10 @@ def _read_split(f):
     return xtr, ytr, xte, yte
 
 
-def _set_aside(path: str, read: os.stat_result) -> str:
-    """Rename the damaged cache file that was ``read`` out of the way, keeping it for a look; says where it
-    went. A file another process has put there since (a good one) is left alone."""
-    base = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    aside, k = base, 0
-    while os.path.exists(aside):  # one kept aside earlier in the same second: never written over
-        k += 1
-        aside = f"{base}-{k}"
-    try:
-        now = os.stat(path)
-        if (now.st_dev, now.st_ino) != (read.st_dev, read.st_ino):
-            return "another process has replaced it already"
-        os.replace(path, aside)
-    except FileNotFoundError:
-        return "another process has moved it aside already"
-    except OSError as e:
-        return f"it could not be moved aside ({e}); the new one replaces it"
-    return f"kept as {os.path.basename(aside)}"
-
-
 def _write_split(path: str, arrays) -> None:
-    """Write the cache whole or not at all (a temporary file of this call's own, fsynced, renamed)."""
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), 0o644)  # mkstemp makes it 0600; the cache is not secret
-            np.savez(f, **dict(zip(CACHE_KEYS, arrays)))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    """Write the cache whole or not at all (runlog.write_atomic)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomic(path, lambda f: np.savez(f, **dict(zip(CACHE_KEYS, arrays))), binary=True)
 
 
 def _normalised(xtr, ytr, xte, yte, num_classes):

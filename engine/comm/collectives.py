@@ -4,6 +4,7 @@ reduce-scatter, all-to-all; a payload's tensors packed into one byte buffer wher
 a ``Pending`` that the mode waits on when it needs the result."""
 from __future__ import annotations
 
+import math
 from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -114,7 +115,7 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
         h = h.tolist()
         return [tuple(row[1:1 + row[0]]) for row in h]
     all_shapes = [shapes_of(h) for h in headers]
-    packed = [pack_offsets([_numel(s) * e for s, e in zip(shapes, esize)]) for shapes in all_shapes]
+    packed = [pack_offsets([math.prod(s) * e for s, e in zip(shapes, esize)]) for shapes in all_shapes]
     offsets = [offs for offs, _ in packed]
     cap = max(max(total for _, total in packed), 1)
     send = torch.zeros(cap, dtype=torch.uint8, device=device)
@@ -131,7 +132,7 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
         for r in range(world):
             payload = []
             for shape, dt, e, off in zip(all_shapes[r], dtypes, esize, offsets[r]):
-                n = _numel(shape) * e
+                n = math.prod(shape) * e
                 payload.append(recv[r][off:off + n].view(dt).view(shape))
             out.append(payload)
         return out
@@ -230,8 +231,3 @@ def _kept(scratch: Optional[dict], key: str, numel: int, dtype, device, zero: bo
     return buf
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -33,6 +33,7 @@ type and first line.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -141,15 +142,8 @@ def layout(shapes) -> List[Tuple[int, Tuple[int, ...]]]:
     out, off = [], 0
     for s in shapes:
         out.append((off, tuple(s)))
-        off += _numel(s)
+        off += math.prod(s)
     return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def inputs(world: int, n: int, dtype=torch.float32, seed: int = 0) -> List[Tensor]:
@@ -219,7 +213,7 @@ def _declaration(m: _Maker, worlds) -> str:
         raise Finding("identity declares the payload is the input: it must be summable, keeps_shape and lossless too")
     world = max(worlds)
     comps = m.ranks(world)
-    n = layout(RAGGED)[-1][0] + _numel(RAGGED[-1])
+    n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     log: list = []
     drive(comps, inputs(world, n), log)
     want = "allreduce" if c.summable else "allgather"
@@ -248,11 +242,11 @@ def _declaration(m: _Maker, worlds) -> str:
 
 
 def _shapes_dtypes(m: _Maker, worlds) -> str:
-    n = layout(RAGGED)[-1][0] + _numel(RAGGED[-1])
+    n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     dts = [d for d in m.probe.dtypes if d.is_floating_point]
     for dt in dts:
         for shapes in (((1,),), ((7,),), RAGGED):
-            k = layout(shapes)[-1][0] + _numel(shapes[-1])
+            k = layout(shapes)[-1][0] + math.prod(shapes[-1])
             xs = inputs(2, k, dt, seed=k)
             for r, out in enumerate(drive(m.ranks(2, shapes), xs)):
                 _kept(out, xs[r], f"{_dtype(dt)} bucket of {k}, rank {r}")
@@ -281,7 +275,7 @@ def _empty_ragged(m: _Maker, worlds) -> str:
 def _aggregation(m: _Maker, worlds) -> str:
     world = max(worlds)
     c = m.probe
-    n = layout(RAGGED)[-1][0] + _numel(RAGGED[-1])
+    n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     comps = m.ranks(world)
     alone = m(rank=0)
     tol = tolerance(m(), inputs(1, n)[0])
@@ -330,7 +324,7 @@ def _decode_linear(m: _Maker, n: int, tol: float) -> bool:
 
 
 def _ranks_agree(m: _Maker, worlds) -> str:
-    n = layout(RAGGED)[-1][0] + _numel(RAGGED[-1])
+    n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     efs = (False, True) if m.can_ef else (False,)
     for world in worlds:
         for ef in efs:
@@ -372,7 +366,7 @@ def _error_feedback(m: _Maker, worlds) -> str:
 def _state_round_trip(m: _Maker, worlds) -> str:
     world = min(worlds)
     ef = m.can_ef
-    n = layout(RAGGED)[-1][0] + _numel(RAGGED[-1])
+    n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     a = m.ranks(world, ef=ef)
     for step in range(STEPS):
         drive(a, inputs(world, n, seed=40 + step))
@@ -397,7 +391,7 @@ def _dear_shards(m: _Maker, worlds) -> str:
     if problem:
         raise Skip(f"dear refuses it: it {problem}")
     path = m.probe.shard_path()
-    n0 = layout(RAGGED)[-1][0] + _numel(RAGGED[-1])
+    n0 = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     for world in worlds:
         n = -(-n0 // world) * world  # dear pads a buffer to a multiple of the world size, with zeros
         xs = [torch.nn.functional.pad(x, (0, n - n0)) for x in inputs(world, n0, seed=60 + world)]

@@ -10,11 +10,10 @@ import json
 import os
 import statistics
 import sys
-import time
 from typing import Dict, Generator, List, Optional, Sequence, Tuple
 
 from engine import runfiles, schedules
-from engine.runlog import write_json_atomic
+from engine.runlog import set_aside, write_json_atomic
 from engine.schedules import Buckets, ParamInfo
 from engine.tuners.driver import Decision, Tuner
 
@@ -193,13 +192,7 @@ def _load_cache(path: str) -> dict:
     except FileNotFoundError:
         raise
     except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
-        aside = f"{path}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        try:
-            os.replace(path, aside)
-            where = f"moved to {os.path.basename(aside)}"
-        except OSError as e2:
-            where = f"could not be moved aside ({e2})"
-        raise CacheCorrupt(f"{path} is unreadable ({type(e).__name__}: {e}); {where}") from None
+        raise CacheCorrupt(f"{path} is unreadable ({type(e).__name__}: {e}); {set_aside(path, said='moved to')}") from None
 
 
 class MergeComp(Tuner):

@@ -143,13 +143,7 @@ def launch_rank(run: Run, job: JobRank, progress: bool = True, out=None) -> str:
     argv = [sys.executable, *worker_argv(str(run.path))]
     loopback = job.addr in ("127.0.0.1", "localhost")  # off loopback, GLOO_SOCKET_IFNAME names the interface
     if job.rank > 0:
-        with open(run.file(runfiles.RANK_LOG.format(rank=job.rank)), "ab", buffering=0) as log:
-            p = _spawn(argv, {}, loopback, log)
-            try:
-                return "done" if p.wait() == 0 else "failed"
-            except KeyboardInterrupt:
-                stop([p])
-                return "cancelled"
+        return _run_to_end(argv, loopback, run.file(runfiles.RANK_LOG.format(rank=job.rank)))
     return _follow(run, run.spec(), [(argv, {})], loopback, {"joined": {"world_size": job.world,
                    "master": f"{job.addr}:{job.port}"}}, progress, out or sys.stderr, 0.2, None, run.cancel_requested)
 
@@ -173,7 +167,12 @@ def _spawn(argv: List[str], env: dict, loopback: bool, log) -> subprocess.Popen:
 
 def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
     """A node other than 0: run its torchrun to the end; node 0 owns the run's status."""
-    with open(run.file(runfiles.NODE_LOG.format(pid=os.getpid())), "ab", buffering=0) as log:
+    return _run_to_end(argv, loopback, run.file(runfiles.NODE_LOG.format(pid=os.getpid())))
+
+
+def _run_to_end(argv: List[str], loopback: bool, log_path) -> str:
+    """A process of a run whose status another one owns, to its end: done, failed, or cancelled (Ctrl-C)."""
+    with open(log_path, "ab", buffering=0) as log:
         p = _spawn(argv, {}, loopback, log)
         try:
             return "done" if p.wait() == 0 else "failed"

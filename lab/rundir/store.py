@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
 from engine import runfiles
-from engine.runlog import read_jsonl, write_json_atomic
+from engine.runlog import read_jsonl, set_aside, write_json_atomic
 from engine.spec import JobSpec
 from engine.timeline import LANE_NAMES
 from lab.base.errors import LabError
@@ -167,11 +167,9 @@ class Run:
                 recovered = True
                 if self._good is None:
                     raise StatusError(f"{e}; left as it is, with nothing written over it") from None
-                stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-                aside = path.with_name(f"{runfiles.STATUS}.corrupt-{stamp}")
-                os.replace(path, aside)
+                where = set_aside(path)
                 st = dict(self._good)
-                st["recovered"] = f"{e}; kept as {aside.name} and rebuilt from the status this process last read"
+                st["recovered"] = f"{e}; {where} and rebuilt from the status this process last read"
                 print(f"commlab: {self.id}: {st['recovered']}", file=sys.stderr, flush=True)
             new = fn(st)
             if new is None and recovered:

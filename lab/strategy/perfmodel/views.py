@@ -27,7 +27,7 @@ from typing import List, Optional
 import pandas as pd
 
 from engine import runfiles
-from engine.runlog import write_json_atomic
+from engine.runlog import set_aside, write_json_atomic
 from engine.spec import SpecError
 from lab.base.paths import PROPERTIES
 from lab.net.netns import tbf_burst_bytes
@@ -179,7 +179,7 @@ def load_properties(runs) -> Optional[List[dict]]:
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        print(f"commlab: {f}: unreadable ({type(e).__name__}: {e}); {whatif.set_aside(f)}; measure it again",
+        print(f"commlab: {f}: unreadable ({type(e).__name__}: {e}); {set_aside(f)}; measure it again",
               file=sys.stderr, flush=True)
         return None
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from engine import runfiles
-from engine.runlog import write_json_atomic
+from engine.runlog import set_aside, write_json_atomic
 from engine.spec import SpecError
 from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root
 from lab.base.specs import apply_overrides, load_spec, read_spec_file
@@ -367,22 +367,6 @@ def _locked(path: Path):
         yield
     finally:
         os.close(fd)  # closing the descriptor drops the flock
-
-
-def set_aside(path: Path) -> str:
-    """Rename a damaged cache file to ``<name>.corrupt-<time>-<pid>``, kept for a look; says where it went."""
-    base = f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-    aside, k = path.with_name(base), 0
-    while aside.exists():  # one kept aside earlier in the same second: never written over
-        k += 1
-        aside = path.with_name(f"{base}-{k}")
-    try:
-        os.replace(path, aside)
-    except FileNotFoundError:
-        return "another process has moved it aside already"
-    except OSError as e:
-        return f"it could not be moved aside ({e})"
-    return f"kept as {aside.name}"
 
 
 def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) -> int:
