@@ -1,6 +1,8 @@
 """Validation of the performance model (lab/perfmodel) against measured runs on shaped links.
 
-    python bench/perfmodel.py [--only 1,4,topk] [--steps 30] [--json bench/results/perfmodel.json]
+    sudo python bench/perfmodel.py                 # all 25 configurations, 60 steps: about 6 minutes
+    sudo python bench/perfmodel.py --quick         # configuration 13 only, 20 steps: a check that it works
+    python bench/perfmodel.py [--only 1,4,topk] [--steps 60] [--json bench/results/perfmodel.json]
                               [--md bench/results/perfmodel.md] [--runs DIR]
 
 Needs root (shaped links: network namespaces and tc). Calibration comes first
@@ -23,7 +25,9 @@ and uses none of the validated runs:
 - link: the sustained rate per bandwidth from back-to-back gloo all-reduces
   of 1/4 and all of ~0.4 s worth of bytes on a shaped 2-rank cluster
   (measure_link), and the tbf's token bucket (the cluster's burst_bytes: the
-  first ~10 ms worth of bytes after idle time pass at the unshaped speed);
+  first ~10 ms worth of bytes after idle time pass at the unshaped speed of
+  the emulated path, measured on an unshaped cluster of the same namespaces,
+  veth pairs and bridge: measure_path; loopback is several times faster);
 - compressors: fixed + per-byte encode / between-rounds / decode cost, fitted
   over 4 KiB .. 4 MiB in one thread (measure_compressor).
 
@@ -100,6 +104,10 @@ CONFIGS = [
 ]
 
 
+QUICK = 13
+"""--quick's configuration: signSGD on a 0.1 Gbit link (an all-gathered payload, its header, a vote)."""
+
+
 def comp_section(c: dict) -> dict:
     c = dict(c)
     name, ef = c.pop("name"), c.pop("error_feedback", False)
@@ -141,13 +149,22 @@ def measured_ms(run, skip: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="config numbers or name substrings, comma-separated")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60, help="steps per run (default 60; warm-up steps excluded)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a check that the whole path works: configuration {QUICK} only, 20 steps, results in "
+                         "a temporary directory unless --json/--md say where (about 1.5 minutes)")
     ap.add_argument("--runs", default=None, help="runs directory for the measured runs (default: a temp dir)")
-    ap.add_argument("--json", default="bench/results/perfmodel.json")
-    ap.add_argument("--md", default="bench/results/perfmodel.md")
+    ap.add_argument("--json", default=None, help="default bench/results/perfmodel.json")
+    ap.add_argument("--md", default=None, help="default bench/results/perfmodel.md")
     args = ap.parse_args(argv)
-
     import tempfile
+    if args.quick:
+        args.only, args.steps = args.only or str(QUICK), min(args.steps, 20)
+        tmp = tempfile.mkdtemp(prefix="clab-pm-quick-")
+        args.json = args.json or os.path.join(tmp, "perfmodel.json")
+        args.md = args.md or os.path.join(tmp, "perfmodel.md")
+    args.json = args.json or "bench/results/perfmodel.json"
+    args.md = args.md or "bench/results/perfmodel.md"
 
     import lab
     from engine.spec import SpecError
@@ -156,6 +173,8 @@ def main(argv=None):
     from lab.strategy.perfmodel.costs import Link
     from lab.base.specs import load_spec
 
+    if args.steps < cal.SKIP_STEPS + 5:
+        ap.error(f"--steps must be at least {cal.SKIP_STEPS + 5} (the first {cal.SKIP_STEPS} are warm-up)")
     t_start = time.time()
     runs = args.runs or tempfile.mkdtemp(prefix="clab-pm-")
     todo, skipped = [], []
@@ -191,14 +210,18 @@ def main(argv=None):
           f"{prof.overlap_slowdown:.2f} (run {r_wfbp.id}); per step of a collective {alpha * 1e6:.0f} µs, "
           f"unshaped {Link(0.0, beta_loop).gbps:.2f} Gbit/s (comm spans of {r_sync.id})", flush=True)
     links, cal_runs, alphas = {}, [r_sync.id, r_wfbp.id], {}
+    path = cal.measure_path()
+    beta_burst = max(path["beta"], beta_loop)  # a burst crosses the emulated path no faster than the path
+    print(f"unshaped emulated path: {Link(0.0, path['beta']).gbps:.2f} Gbit/s (loopback "
+          f"{Link(0.0, beta_loop).gbps:.2f}): the speed of a token bucket's burst", flush=True)
     rates = sorted({cfg[3] for _, cfg, _ in todo} | {ALPHA_GBPS})
     for g in rates:
         m = cal.measure_link(g)
         r_a = done_run(dict(loop, name=f"pm calibrate alpha {g:g}G", comm={"mode": "sync"},
                             network={"link": "shaped", "gbps": g}))
         cal_runs.append(r_a.id)
-        alphas[g] = cal.alpha_from_run(r_a, Link(0.0, m["beta"], m["burst_bytes"], beta_loop))
-        links[g] = dict(m, beta_burst=beta_loop, alpha_shaped_fit=m["alpha"], alpha_run=r_a.id,
+        alphas[g] = cal.alpha_from_run(r_a, Link(0.0, m["beta"], m["burst_bytes"], beta_burst))
+        links[g] = dict(m, beta_burst=beta_burst, alpha_shaped_fit=m["alpha"], alpha_run=r_a.id,
                         alpha_at_this_rate=alphas[g])
         print(f"link {g:g} Gbit: sustained {8 / m['beta'] / 1e9 * 1e3:.1f} Mbit/s, burst {m['burst_bytes']} B, "
               f"small collectives {alphas[g] * 1e6:.0f} µs per step (run {r_a.id}; back-to-back 4 KiB "
@@ -241,7 +264,7 @@ def main(argv=None):
     summary = {"configs": len(ok), "median_abs_error": statistics.median(errs) if errs else None,
                "max_abs_error": max(errs) if errs else None, "wall_s": time.time() - t_start}
     out = {"summary": summary, "rows": rows, "skipped": skipped, "profile": prof.__dict__ | {"link": None},
-           "links": links, "calibration_runs": cal_runs, "loopback_alpha": alpha, "steps": args.steps, "base": BASE}
+           "links": links, "path": path, "calibration_runs": cal_runs, "loopback_alpha": alpha, "steps": args.steps, "base": BASE}
     common.write_json(args.json, out)
     md = markdown(out)
     with open(args.md, "w") as f:
