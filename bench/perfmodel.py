@@ -1,7 +1,7 @@
 """Validation of the performance model (lab/perfmodel) against measured runs on shaped links.
 
     sudo python bench/perfmodel.py                 # all 25 configurations, 60 steps: about 6 minutes
-    sudo python bench/perfmodel.py --quick         # configuration 13 only, 20 steps: a check that it works
+    sudo python bench/perfmodel.py --quick         # configuration 13 only, 20 steps: a check (~3 min)
     python bench/perfmodel.py [--only 1,4,topk] [--steps 60] [--json bench/results/perfmodel.json]
                               [--md bench/results/perfmodel.md] [--runs DIR]
 
@@ -152,7 +152,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=60, help="steps per run (default 60; warm-up steps excluded)")
     ap.add_argument("--quick", action="store_true",
                     help=f"a check that the whole path works: configuration {QUICK} only, 20 steps, results in "
-                         "a temporary directory unless --json/--md say where (about 1.5 minutes)")
+                         "a temporary directory unless --json/--md say where (about 3 minutes, calibration included)")
     ap.add_argument("--runs", default=None, help="runs directory for the measured runs (default: a temp dir)")
     ap.add_argument("--json", default=None, help="default bench/results/perfmodel.json")
     ap.add_argument("--md", default=None, help="default bench/results/perfmodel.md")
@@ -234,9 +234,13 @@ def main(argv=None):
         key = cal.compressor_key(spec["compressor"])
         if spec["compressor"]["name"] != "none" and key not in prof.compressors:
             prof.compressors[key] = cal.measure_compressor(spec["compressor"])
-            e, d = prof.compressors[key]["encode"], prof.compressors[key]["decode"]
+            curve = prof.compressors[key]
+            e, d = curve["encode"], curve["decode"]
+            more = curve.get("decode_more")
             print(f"compressor {key}: encode {e[0] * 1e6:.0f} µs + {e[1] * 1e12:.0f} µs/MB, decode "
-                  f"{d[0] * 1e6:.0f} µs + {d[1] * 1e12:.0f} µs/MB", flush=True)
+                  f"{d[0] * 1e6:.0f} µs + {d[1] * 1e12:.0f} µs/MB"
+                  + (f", each further rank's payload {more[0] * 1e6:.0f} µs + {more[1] * 1e12:.0f} µs/MB" if more
+                     else ""), flush=True)
 
     # --- measured runs, then predictions
     rows = []

@@ -180,10 +180,13 @@ def test_a_profile_measured_on_the_device_takes_precedence():
     modeled = ondevice.device_profile(measured, spec, dv.get("A100"), "tf32")
     assert modeled.source.startswith("roofline on A100") and modeled.compressors["fp16"]["kind"] == "modeled"
     assert set(modeled.layer_ready) == {"net.1", "net.3", "net.5"}
-    lines = ondevice.sources(modeled, spec, dv.get("A100"), "tf32")
+    lines = [l for l in ondevice.sources(modeled, spec, dv.get("A100"), "tf32") if not l.startswith(" ")]
     assert lines[0].startswith("compute: modeled, roofline on A100 tf32") and "938 img/s" in lines[0]
     assert lines[1].startswith("link: modeled, NCCL") and lines[2].startswith("compressor fp16: modeled")
-    lines = ondevice.sources(kept, spec, h100, "tf32")
+    rows = ondevice.source_rows(modeled, spec, dv.get("A100"), "tf32")
+    assert [r["kind"] for r in rows] == ["modeled"] * 3
+    assert all("MergeComp" in r["validated"] for r in rows) and "roofline on this CPU" in rows[0]["validated"]
+    lines = [l for l in ondevice.sources(kept, spec, h100, "tf32") if not l.startswith(" ")]
     assert lines[0].startswith("compute: measured, run x on NVIDIA H100") and "compressor fp16: measured" in lines[2]
 
 
@@ -195,13 +198,29 @@ def test_sources_of_a_cpu_prediction():
     p.compressors["fp16"]["source"] = "measured in-process (lab.perfmodel.calibrate)"
     lines = ondevice.sources(p, spec, compute_speedup=20)
     assert lines[0] == "compute: measured, test on Some CPU, divided by --compute-speedup 20 (assumed)"
-    assert lines[1].startswith("link: assumed, nominal alpha-beta")
-    assert lines[2].startswith("compressor fp16: measured, measured in-process") and "assumed" in lines[2]
-    assert lines[-1].startswith("validated: bench/perfmodel.py")
+    assert lines[1].startswith("  validated: end to end (bench/perfmodel.py")
+    assert lines[2].startswith("link: assumed, nominal alpha-beta")
+    assert lines[3].startswith("  validated: not validated: an assumption")
+    assert lines[4].startswith("compressor fp16: measured, measured in-process") and "assumed" in lines[4]
     p.link = {"alpha": 1e-4, "beta": 8e-9, "nominal_gbps": 1, "source": "net check at 1 Gbit/s"}
-    assert ondevice.sources(p, spec)[1].startswith("link: measured, net check at 1 Gbit/s")
+    link = ondevice.source_rows(p, spec)[1]
+    assert link["kind"] == "measured" and link["source"].startswith("net check at 1 Gbit/s")
+    assert "collectives on shaped links" in link["validated"] and "end to end" in link["validated"]
     none = spec_for("none")
-    assert "nothing to cost" in ondevice.sources(p, none)[2]
+    assert ondevice.source_rows(p, none)[2] == {"part": "compressor none", "kind": "none", "validated": "",
+                                                "source": "nothing to cost (its exchange runs no compressor code)"}
+
+
+def test_the_validation_quoted_is_the_published_tables():
+    from lab.strategy.perfmodel import validation
+    v = validation.load()
+    b = v["b"]
+    assert f"{b['configs']} configurations" in validation.end_to_end()
+    assert f"median error {b['median_abs_error']:.1%}" in validation.end_to_end()
+    c = v["c"]["summary"][validation.DEVICE_VARIANT]
+    assert f"median error {c['median_abs_points']:g} points" in validation.device()
+    assert validation.quote("link", "assumed").startswith("not validated")
+    assert validation.quote("compressor", "measured") == validation.end_to_end()
 
 
 def test_predict_on_a_device_prints_the_table_and_its_sources(tmp_path, capsys):
@@ -220,7 +239,8 @@ def test_predict_on_a_device_prints_the_table_and_its_sources(tmp_path, capsys):
     i = out.index("sources:")
     src = out[i:].splitlines()
     assert src[1].strip().startswith("compute: modeled, roofline on H100 tf32")
-    assert src[2].strip().startswith("link: modeled") and src[3].strip().startswith("compressor fp16: modeled")
+    assert src[2].strip().startswith("validated: roofline on this CPU")  # each input's validation under it
+    assert src[3].strip().startswith("link: modeled") and src[5].strip().startswith("compressor fp16: modeled")
     # a measured CPU prediction says so, too
     assert main(["predict", str(tmp_path / "p.json"), "--workers", "2", "--gbps", "1", "--runs", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -348,7 +348,8 @@ def measure_link(gbps: float, n_ranks: int = 2, target_s: float = 0.4) -> dict:
             rows.append((*steps_and_wire("allreduce", r["nbytes"], n_ranks), statistics.median(r["times"])))
     alpha_big, beta = fit_link(rows)
     return {"alpha": alpha_big, "beta": beta, "nominal_gbps": gbps, "burst_bytes": burst,
-            "small_mean_s": statistics.mean(small["times"]), "samples": rows,
+            "small_mean_s": statistics.mean(small["times"]), "small_median_s": statistics.median(small["times"]),
+            "samples": rows,
             "source": f"measured all-reduce on a shaped {gbps:g} Gbit cluster, {n_ranks} ranks"}
 
 

@@ -8,6 +8,8 @@
   spec names (shaped: nominal rate with the tbf's token bucket; modeled: the
   modeled link; loopback: alpha and beta fitted to its own communicate spans);
 - ``properties``: the measured checklist, saved beside the profiles;
+- ``sources_table``: which inputs of the predictions were measured and which assumed, with the validation
+  error of each part (the "sources" of ``commlab predict``);
 - ``lab_profiles``, ``read_profile``: the profiles a viewer may predict from. The page reads only the lab's
   own files: a student picks one of the runs directory's profiles or uploads one (parsed as data, at most
   MAX_UPLOAD bytes, its spec refused if it names code); the teacher may also type a path inside the runs
@@ -32,7 +34,7 @@ from lab.net.netns import tbf_burst_bytes
 from lab.rundir.index import runs_of
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
-from lab.strategy.perfmodel import properties, whatif
+from lab.strategy.perfmodel import ondevice, properties, whatif
 from lab.strategy.perfmodel.costs import Link
 from lab.strategy.perfmodel.properties import yes_no
 
@@ -159,6 +161,20 @@ def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], in
     whatif.ensure_curves(profile, [spec])
     rows = whatif.table(profile, spec, inter_gbps, workers, compute_speedup, cluster=shape)
     return pd.DataFrame(rows).rename(columns={"gbps": "inter_gbps"})
+
+
+def sources_table(profile: cal.Profile, spec: dict, comps: dict, link: str = "", cluster: bool = False) -> pd.DataFrame:
+    """What the page's predictions rest on, as ``commlab predict`` prints it (ondevice.source_rows): compute,
+    the link (``link``: how the page sets it, when not the profile's own) and each compressor of ``comps``,
+    each measured, modeled or assumed, with the validation error of that part of the model."""
+    spec = whatif.load_for_prediction(data=spec)  # the compressor sections in full, as the curves are keyed
+    rows, seen = [], set()
+    for comp in comps.values():
+        for r in ondevice.source_rows(profile, with_compressor(spec, comp), link=link, cluster=cluster):
+            if r["part"] not in seen:
+                seen.add(r["part"])
+                rows.append(r)
+    return pd.DataFrame(rows, columns=["part", "kind", "source", "validated"])
 
 
 def properties_file(runs) -> Path:
