@@ -28,6 +28,7 @@ from typing import List, Optional
 
 import pandas as pd
 
+from engine.compressors.plan import parts
 from engine.runlog import write_json_atomic
 from engine.spec import SpecError
 from lab.net.netns import tbf_burst_bytes
@@ -77,7 +78,6 @@ def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, comp
 
 
 def ensure_curves(profile: cal.Profile, comps: dict) -> None:
-    from engine.compressors.plan import parts
     for section in comps.values():
         for comp in parts(section):  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(comp)
