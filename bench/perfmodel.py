@@ -2,6 +2,7 @@
 
     sudo python bench/perfmodel.py                 # all 25 configurations, 60 steps: about 6 minutes
     sudo python bench/perfmodel.py --quick         # configuration 13 only, 20 steps: a check (~3 min)
+    python bench/perfmodel.py --replay bench/results/perfmodel.json   # no root: re-predict measured rows
     python bench/perfmodel.py [--only 1,4,topk] [--steps 60] [--json bench/results/perfmodel.json]
                               [--md bench/results/perfmodel.md] [--runs DIR]
 
@@ -156,7 +157,13 @@ def main(argv=None):
     ap.add_argument("--runs", default=None, help="runs directory for the measured runs (default: a temp dir)")
     ap.add_argument("--json", default=None, help="default bench/results/perfmodel.json")
     ap.add_argument("--md", default=None, help="default bench/results/perfmodel.md")
+    ap.add_argument("--replay", metavar="JSON", default=None,
+                    help="no runs, no root: predict the measured rows of a results file (this script's --json) "
+                         "again with the current model and that file's calibration; prints the table, writes "
+                         "--json/--md only when given")
     args = ap.parse_args(argv)
+    if args.replay:
+        return replay(args.replay, args.json, args.md)
     import tempfile
     if args.quick:
         args.only, args.steps = args.only or str(QUICK), min(args.steps, 20)
@@ -253,9 +260,7 @@ def main(argv=None):
         skip = max(cal.SKIP_STEPS, int(spec["compressor"]["params"].get("start_iter", 0)) + 2)
         m = measured_ms(r, skip)
         g = cfg[3]
-        p = dict(prof.__dict__)
-        p["link"] = links[g]
-        res = pr.predict(cal.Profile(**p), spec, g, spec["world_size"])
+        res = predicted(dict(prof.__dict__), links[g], cfg, args.steps)
         err = res.total * 1e3 / m["time_ms"] - 1
         rows.append({"config": i, "label": label(cfg), "run": r.id, "state": "done", "gbps": g,
                      "measured": m, "predicted_ms": res.total * 1e3, "predicted": {k: v * 1e3 for k, v in
@@ -274,6 +279,47 @@ def main(argv=None):
     with open(args.md, "w") as f:
         f.write(md)
     print(md)
+    return 0
+
+
+def predicted(profile: dict, link: dict, cfg, steps: int):
+    """The model's prediction of configuration ``cfg`` from a calibration (a results file's profile and the
+    link at the config's rate)."""
+    from lab.base.specs import load_spec
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import predict as pr
+    p = dict(profile, link=link, params=[tuple(x) for x in profile["params"]])
+    spec = load_spec(data=config_spec(cfg, steps)).to_dict()
+    return pr.predict(cal.Profile(**p), spec, cfg[3], spec["world_size"])
+
+
+def replay(path: str, out_json=None, out_md=None) -> int:
+    """``--replay``: a measured results file's rows predicted again by the current model, from that file's own
+    calibration (profile, links); the configurations are looked up by label."""
+    with open(path) as f:
+        old = json.load(f)
+    by_label = {label(c): c for c in CONFIGS}
+    rows = []
+    for r in old["rows"]:
+        cfg = by_label.get(r["label"])
+        if r.get("state") != "done" or cfg is None:
+            rows.append(dict(r, state=r.get("state") if cfg else "not in CONFIGS"))
+            continue
+        res = predicted(old["profile"], old["links"][next(k for k in old["links"] if float(k) == cfg[3])], cfg,
+                        old.get("steps", 60))
+        rows.append(dict(r, predicted_ms=res.total * 1e3, predicted={k: v * 1e3 for k, v in res.as_dict().items()},
+                         error=res.total * 1e3 / r["measured"]["time_ms"] - 1))
+    errs = [abs(r["error"]) for r in rows if r.get("state") == "done"]
+    out = dict(old, rows=rows, replayed_from=path, summary=dict(
+        old["summary"], configs=len(errs), median_abs_error=statistics.median(errs) if errs else None,
+        max_abs_error=max(errs) if errs else None))
+    md = markdown(out)
+    if out_json:
+        common.write_json(out_json, out)
+    if out_md:
+        with open(out_md, "w") as f:
+            f.write(md)
+    print(f"{path}: its measured rows, predicted by the current model from its own calibration\n\n{md}")
     return 0
 
 

@@ -310,3 +310,46 @@ def test_fitting_the_efficiencies_to_a_measured_profile_recovers_them():
     assert (fit["compute_eff"], fit["memory_eff"], fit["op_s"]) == (pytest.approx(e_c, rel=1e-6),
                                                                   pytest.approx(e_m, rel=1e-6),
                                                                   pytest.approx(op, rel=1e-6))
+
+
+# --------------------------------------------------------------------------- bench/perfmodel.py (table b)
+
+def test_perfmodel_bench_help_configs_and_replay(tmp_path):
+    from bench import perfmodel as pm
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "perfmodel.py"), "--help"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "--quick" in r.stdout and "--replay" in r.stdout
+    assert len(pm.CONFIGS) >= 24 and len({pm.label(c) for c in pm.CONFIGS}) == len(pm.CONFIGS)
+    assert [i for i, _ in pm.chosen(str(pm.QUICK))] == [pm.QUICK]
+    # every configuration is a spec the engine takes
+    from lab.base.specs import load_spec
+    for c in pm.CONFIGS:
+        load_spec(data=pm.config_spec(c, 60))
+    # the measured rows of the stored results, predicted again by this model from their own calibration
+    out = tmp_path / "replay.json"
+    assert pm.replay(str(ROOT / "bench" / "results" / "perfmodel.json"), str(out), str(tmp_path / "r.md")) == 0
+    got = json.loads(out.read_text())
+    rows = {r["label"]: r for r in got["rows"]}
+    assert got["summary"]["configs"] == len([r for r in got["rows"] if r.get("state") == "done"]) >= 17
+    # signSGD in one 25 MB bucket: nothing overlaps backward, so no overlap slowdown (it was +25.9%)
+    sign = rows["signsgd bucket(25MB) wfbp 0.1G"]
+    assert abs(sign["error"]) < 0.10 and sign["predicted_ms"] < 8.0
+    assert "| 13 | signsgd bucket(25MB) wfbp 0.1G |" in (tmp_path / "r.md").read_text()
+
+
+def test_table_a_predicts_every_collective_the_engine_issues():
+    from bench import model_validation as mv
+    from lab.strategy.perfmodel.costs import Link
+    link = Link(100e-6, 8e-9)  # 1 Gbit/s, 100 µs per step, no token bucket: plain alpha-beta
+    # 2 ranks, 1 MB: all-reduce 2 steps + 1 MB on the wire; a payload all-gather (each rank 0.5 MB): its
+    # 40-byte header (1 step) then 0.5 MB; dear's parameter all-gather without the header; the all-to-all and
+    # dear's reduce-scatter: 1 step and half the buffer
+    n = 1 << 20
+    assert mv.predict_collective("allreduce", n, 2, link, 5) == pytest.approx(200e-6 + n * 8e-9)
+    assert mv.predict_collective("allgather", n, 2, link, 5) == pytest.approx(200e-6 + (40 + n / 2) * 8e-9)
+    assert mv.predict_collective("allgather_params", n, 2, link, 5) == pytest.approx(100e-6 + n / 2 * 8e-9)
+    for op in ("alltoall", "reduce_scatter"):
+        assert mv.predict_collective(op, n, 2, link, 5) == pytest.approx(100e-6 + n / 2 * 8e-9)
+    assert set(mv.OPS) == set(mv.MODEL_OP)
+    res = mv.table_a([1.0], 2, 3, run=False, ops=("allreduce",), sizes=(4096,))
+    assert len(res["rows"]) == 1 and "not measured" in res["summary"]["note"]
