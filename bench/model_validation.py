@@ -7,6 +7,11 @@
     python bench/model_validation.py --table d                        # this CPU, ~1 min
     python bench/model_validation.py --table all [--run-shaped] [--json F] [--md F]
 
+Each run keeps the tables it did not run from the --json file it writes (default
+bench/results/model_validation.json); table (b)'s rows are bench/perfmodel.py's own files
+(bench/results/perfmodel.json, .md). After measuring, `python scripts/publish_validation.py` copies the
+errors into the package data that `commlab predict` and the Performance model page quote.
+
 (a) Collectives on shaped links: every collective the engine issues (OPS: all-reduce; all-gather of a
     payload, after its synchronous header exchange; dear's all-gather of parameters; dear's reduce-scatter,
     an all-to-all of chunks and a local sum on gloo; the all-to-all alone), at 1 KB .. 64 MB, predicted by
@@ -343,12 +348,15 @@ def main(argv=None) -> int:
     if "a" in tables:
         res["a"] = table_a(gbps, a.ranks, a.iters, a.run_shaped, ops, sizes)
     if "b" in tables:
-        res["b"] = table_b(a.steps, a.only, a.run_shaped, a.json.replace(".json", "-b.json"),
-                           a.md.replace(".md", "-b.md"))
+        res["b"] = table_b(a.steps, a.only, a.run_shaped, "bench/results/perfmodel.json", "bench/results/perfmodel.md")
     if "c" in tables:
         res["c"] = table_c()
     if "d" in tables:
         res["d"] = table_d()
+    kept = {}
+    if os.path.isfile(a.json):  # the tables not run this time stay as they were measured
+        kept = {k: v for k, v in common.read_json(a.json).items() if k not in res}
+    res = {k: v for k, v in sorted({**kept, **res}.items())}
     common.write_json(a.json, res)
     md = markdown(res)
     os.makedirs(os.path.dirname(a.md) or ".", exist_ok=True)
