@@ -156,7 +156,7 @@ def from_profile():
     c = (spec or {}).get("compressor", {})
     label = f"{c.get('name')}{' +EF' if c.get('error_feedback') else ''} {(spec or {}).get('comm', {}).get('mode')}"
     st.plotly_chart(plots.predicted_scaling_figure(df, label), width="stretch", key="pm.cl.plot")
-    sources_panel(views.sources_table(prof, spec, {"c": spec["compressor"]}, cluster=True), "pm.cl.sources")
+    sources_panel(views.sources_table(prof, spec or prof.spec, cluster=True), "pm.cl.sources")
     st.dataframe(df.round(3), hide_index=True, key="pm.cl.table")
     st.caption(f"Scaling factor: one worker's iteration time (compute only) over p workers' (1 = linear). "
                f"DDP: none, 25 MB buckets, wfbp. Spec: {label}.")

@@ -163,11 +163,14 @@ def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], in
     return pd.DataFrame(rows).rename(columns={"gbps": "inter_gbps"})
 
 
-def sources_table(profile: cal.Profile, spec: dict, comps: dict, link: str = "", cluster: bool = False) -> pd.DataFrame:
+def sources_table(profile: cal.Profile, spec: dict, comps: Optional[dict] = None, link: str = "",
+                  cluster: bool = False) -> pd.DataFrame:
     """What the page's predictions rest on, as ``commlab predict`` prints it (ondevice.source_rows): compute,
-    the link (``link``: how the page sets it, when not the profile's own) and each compressor of ``comps``,
-    each measured, modeled or assumed, with the validation error of that part of the model."""
+    the link (``link``: how the page sets it, when not the profile's own) and each compressor of ``comps``
+    (default: the spec's own), each measured, modeled or assumed, with the validation error of that part of
+    the model."""
     spec = whatif.load_for_prediction(data=spec)  # the compressor sections in full, as the curves are keyed
+    comps = comps or {"spec": spec["compressor"]}
     rows, seen = [], set()
     for comp in comps.values():
         for r in ondevice.source_rows(profile, with_compressor(spec, comp), link=link, cluster=cluster):
