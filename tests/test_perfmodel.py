@@ -439,6 +439,12 @@ def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
     from engine.spec import SpecError
     with pytest.raises(SpecError, match="not a profile"):
         whatif.load_profile_file(str(tmp_path / "other.json"))
+    # a curve's decode_more is optional, and checked like the rest when it is there
+    d = json.loads(good.read_text())
+    d["compressors"]["fp16"]["decode_more"] = "cheap"
+    assert "decode_more" in whatif.profile_problem(d)
+    d["compressors"]["fp16"]["decode_more"] = [1e-6, 1e-10]
+    assert whatif.profile_problem(d) is None
 
 
 def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):
