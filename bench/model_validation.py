@@ -2,17 +2,25 @@
 
     python bench/model_validation.py --table c                        # pure computation, ~10 s
     python bench/model_validation.py --table a --run-shaped [--gbps 1,10] [--ranks 2] [--iters 10]
+                                     [--ops allreduce,...] [--sizes 4096,...]   # root, about 15 minutes
     python bench/model_validation.py --table b --run-shaped [--steps 60] [--only 1,4,topk]
     python bench/model_validation.py --table d                        # this CPU, ~1 min
     python bench/model_validation.py --table all [--run-shaped] [--json F] [--md F]
 
-(a) Collectives on shaped links: every collective the engine issues (all-reduce; all-gather of a
-    payload, after its synchronous header exchange; dear's reduce-scatter, an all-to-all of chunks and a
-    local sum on gloo), at 1 KB .. 64 MB, predicted by lab.perfmodel.costs with a link calibrated by
-    lab.perfmodel.calibrate.measure_link (alpha and the sustained rate from its own two sizes, the tbf's
-    token bucket replayed over the back-to-back calls) against the median of ``--iters`` timed calls on
-    a shaped cluster; geomean and max relative error. Needs root and a quiet machine: only with
-    ``--run-shaped``; without it the predicted column is printed with the command to measure.
+Each run keeps the tables it did not run from the --json file it writes (default
+bench/results/model_validation.json); table (b)'s rows are bench/perfmodel.py's own files
+(bench/results/perfmodel.json, .md). After measuring, `python scripts/publish_validation.py` copies the
+errors into the package data that `commlab predict` and the Performance model page quote.
+
+(a) Collectives on shaped links: every collective the engine issues (OPS: all-reduce; all-gather of a
+    payload, after its synchronous header exchange; dear's all-gather of parameters; dear's reduce-scatter,
+    an all-to-all of chunks and a local sum on gloo; the all-to-all alone), at 1 KB .. 64 MB, predicted by
+    lab.perfmodel.costs with a link calibrated apart from these calls (lab.perfmodel.calibrate: the per-call
+    latency from back-to-back 4 KiB all-reduces, the sustained rate from two large ones, the tbf's token
+    bucket and the unshaped emulated path's speed for its burst, replayed over the back-to-back calls)
+    against the median of ``--iters`` timed calls on a shaped cluster; geomean and max relative error.
+    Needs root and a quiet machine: only with ``--run-shaped``; without it the predicted column is printed
+    with the command to measure.
 (b) End to end: the configurations of bench/perfmodel.py (25), predicted vs measured on shaped links;
     with ``--run-shaped`` it runs that benchmark (root, minutes), else lists the configurations.
 (c) MergeComp's published scaling factors (bench/data/mergecomp_v100.json, read off the authors'
@@ -41,7 +49,15 @@ if __package__ in (None, ""):
 from bench import common  # noqa: E402
 
 SIZES = [1 << k for k in range(10, 27, 2)]  # 1 KiB, 4 KiB, ..., 64 MiB
-OPS = ("allreduce", "allgather", "reduce_scatter")
+OPS = ("allreduce", "allgather", "allgather_params", "reduce_scatter", "alltoall")
+"""What the engine issues: all-reduce (engine.comm.collectives.issue_allreduce); all-gather of a payload
+after its synchronous header exchange (issue_allgather); dear's all-gather of parameters into one tensor
+(no header); dear's reduce-scatter on gloo, an all-to-all of the buffer's chunks and a local sum; the
+all-to-all alone (dear's shard codecs send their packed payloads with it)."""
+MODEL_OP = {"allreduce": "allreduce", "allgather": "allgather", "allgather_params": "allgather",
+            "reduce_scatter": "reduce_scatter", "alltoall": "reduce_scatter"}
+"""The model's collective for each: an all-to-all moves what a ring reduce-scatter does, (p-1)/p of the
+buffer in p-1 steps; the gathers take one rank's share (``bytes`` / p of the gathered result)."""
 
 
 # --------------------------------------------------------------------------- (a) collectives
@@ -55,6 +71,7 @@ def worker(argv=None) -> int:
     import torch.distributed as dist
 
     from engine.comm.collectives import issue_allgather, issue_allreduce
+    from engine.comm.dear import _all_gather
     from engine.runlog import write_json_atomic
     ap = argparse.ArgumentParser(prog="model_validation worker")
     ap.add_argument("--op", choices=OPS, required=True)
@@ -69,14 +86,19 @@ def worker(argv=None) -> int:
         n = max(a.bytes // 4, world)
         n -= n % world
         t = torch.ones(n)
+        got = torch.empty_like(t)
+        share = t[:n // world].clone()
 
         def call():
             if a.op == "allreduce":
                 issue_allreduce([t]).wait()
-            elif a.op == "allgather":
-                issue_allgather([t]).wait()
+            elif a.op == "allgather":  # every rank's payload: bytes / world each, as the model's per-rank m
+                issue_allgather([share]).wait()
+            elif a.op == "allgather_params":
+                _all_gather(got, share)
+            elif a.op == "alltoall":
+                dist.all_to_all_single(got, t)
             else:  # dear on gloo: an all-to-all of the chunks, then the sum of what arrived
-                got = torch.empty_like(t)
                 dist.all_to_all_single(got, t)
                 got.view(world, -1).sum(0)
         for _ in range(2):
@@ -126,37 +148,49 @@ def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0) -
 
 
 def predict_collective(op: str, nbytes: int, world: int, link, iters: int) -> float:
-    """The model's median of ``iters`` back-to-back calls (the token bucket drains across them)."""
+    """The model's median of ``iters`` back-to-back calls after two warm-up calls, as ``worker`` times
+    them (the token bucket drains across them). ``nbytes``: the all-reduce's or all-to-all's buffer, the
+    gathered result of an all-gather (each rank contributes ``nbytes / world``)."""
     from lab.strategy.perfmodel import costs
     wire = costs.TokenBucket(link)
+    mop = MODEL_OP[op]
+    size = nbytes / world if mop == "allgather" else nbytes
     t, times = 0.0, []
     for _ in range(iters + 2):
-        if op == "allgather":
+        d = 0.0
+        if op == "allgather":  # the engine's payload all-gather: its header first, synchronously
             d = wire.duration("allgather", costs.HEADER_BYTES_PER_TENSOR, world, t)
-            d += wire.duration("allgather", nbytes, world, t + d)
-        else:
-            d = wire.duration(op, nbytes, world, t)
+        d += wire.duration(mop, size, world, t + d)
         times.append(d)
         t += d
     return statistics.median(times[2:])
 
 
-def table_a(gbps, ranks: int, iters: int, run: bool) -> dict:
+def table_a(gbps, ranks: int, iters: int, run: bool, ops=OPS, sizes=SIZES) -> dict:
+    """Every op in ``ops`` at every size in ``sizes`` on a shaped cluster of ``ranks`` at each rate, against
+    the model with the link calibrated apart from these calls: per call latency (alpha) from the median
+    of back-to-back 4 KiB all-reduces, the sustained rate from two large ones (calibrate.measure_link),
+    the tbf's token bucket, and the speed of its burst (the unshaped emulated path, measure_path)."""
     from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel.costs import Link
-    rows = []
+    from lab.strategy.perfmodel.costs import Link, steps_and_wire
+    rows, links = [], {}
+    path = cal.measure_path(ranks) if run else None
     for g in gbps:
         with contextlib.ExitStack() as stack:
             cluster = None
             if run:
                 from lab.net.netns import Cluster
                 m = cal.measure_link(g, n_ranks=ranks)
-                link = Link(m["alpha"], m["beta"], m["burst_bytes"], 0.0)
+                steps, wire = steps_and_wire("allreduce", 4096, ranks)
+                alpha = max(0.0, m["small_median_s"] - wire * path["beta"]) / steps
+                link = Link(alpha, m["beta"], m["burst_bytes"], path["beta"])
+                links[g] = {"alpha": alpha, "beta": m["beta"], "burst_bytes": m["burst_bytes"],
+                            "beta_burst": path["beta"]}
                 cluster = stack.enter_context(Cluster(ranks, g, tag="mv"))
             else:
                 link = Link.from_gbps(g)
-            for op in OPS:
-                for n in SIZES:
+            for op in ops:
+                for n in sizes:
                     pred = predict_collective(op, n, ranks, link, iters)
                     row = {"gbps": g, "op": op, "bytes": n, "predicted_ms": pred * 1e3}
                     if cluster is not None:
@@ -170,7 +204,7 @@ def table_a(gbps, ranks: int, iters: int, run: bool) -> dict:
     summary = ({"geomean_abs_error": math.exp(statistics.mean(math.log(max(e, 1e-6)) for e in errs)),
                 "max_abs_error": max(errs), "points": len(errs)} if errs else
                {"note": "not measured: rerun with --run-shaped as root on a quiet machine"})
-    return {"rows": rows, "summary": summary, "ranks": ranks, "iters": iters}
+    return {"rows": rows, "summary": summary, "ranks": ranks, "iters": iters, "links": links, "path": path}
 
 
 # --------------------------------------------------------------------------- (b) end to end
@@ -283,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gbps", default="1,10", help="(a) link rates, Gbit/s (default 1,10)")
     ap.add_argument("--ranks", type=int, default=2, help="(a) ranks (default 2)")
     ap.add_argument("--iters", type=int, default=10, help="(a) timed calls per size (default 10)")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"(a) collectives (default all: {','.join(OPS)})")
+    ap.add_argument("--sizes", default="", help="(a) bytes, comma-separated (default 1 KiB .. 64 MiB, x4)")
     ap.add_argument("--steps", type=int, default=60, help="(b) steps per configuration (default 60)")
     ap.add_argument("--only", default="", help="(b) config numbers or names, as bench/perfmodel.py --only")
     ap.add_argument("--json", default="bench/results/model_validation.json")
@@ -294,6 +330,15 @@ def main(argv=None) -> int:
         ap.error(f"--gbps must be comma-separated numbers, got {a.gbps!r}")
     if not gbps or not all(0.001 <= g <= 400 for g in gbps):
         ap.error(f"--gbps must be in [0.001, 400], got {a.gbps!r}")
+    ops = [o.strip() for o in a.ops.split(",") if o.strip()]
+    if not ops or set(ops) - set(OPS):
+        ap.error(f"--ops must be names of {', '.join(OPS)}, got {a.ops!r}")
+    try:
+        sizes = [int(x) for x in a.sizes.split(",") if x.strip()] or SIZES
+    except ValueError:
+        ap.error(f"--sizes must be comma-separated byte counts, got {a.sizes!r}")
+    if not all(64 <= n <= 1 << 30 for n in sizes):
+        ap.error(f"--sizes must be in [64, 2**30] bytes, got {a.sizes!r}")
     if not 2 <= a.ranks <= 64 or a.iters < 1 or a.steps < 5:
         ap.error("--ranks must be 2..64, --iters >= 1, --steps >= 5")
     res = {}
@@ -301,14 +346,17 @@ def main(argv=None) -> int:
     if not tables or set(tables) - set("abcd"):
         ap.error(f"--table must be letters of abcd or all, got {a.table!r}")
     if "a" in tables:
-        res["a"] = table_a(gbps, a.ranks, a.iters, a.run_shaped)
+        res["a"] = table_a(gbps, a.ranks, a.iters, a.run_shaped, ops, sizes)
     if "b" in tables:
-        res["b"] = table_b(a.steps, a.only, a.run_shaped, a.json.replace(".json", "-b.json"),
-                           a.md.replace(".md", "-b.md"))
+        res["b"] = table_b(a.steps, a.only, a.run_shaped, "bench/results/perfmodel.json", "bench/results/perfmodel.md")
     if "c" in tables:
         res["c"] = table_c()
     if "d" in tables:
         res["d"] = table_d()
+    kept = {}
+    if os.path.isfile(a.json):  # the tables not run this time stay as they were measured
+        kept = {k: v for k, v in common.read_json(a.json).items() if k not in res}
+    res = {k: v for k, v in sorted({**kept, **res}.items())}
     common.write_json(a.json, res)
     md = markdown(res)
     os.makedirs(os.path.dirname(a.md) or ".", exist_ok=True)

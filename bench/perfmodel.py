@@ -1,6 +1,9 @@
 """Validation of the performance model (lab/perfmodel) against measured runs on shaped links.
 
-    python bench/perfmodel.py [--only 1,4,topk] [--steps 30] [--json bench/results/perfmodel.json]
+    sudo python bench/perfmodel.py                 # all 25 configurations, 60 steps: about 6 minutes
+    sudo python bench/perfmodel.py --quick         # configuration 13 only, 20 steps: a check (~3 min)
+    python bench/perfmodel.py --replay bench/results/perfmodel.json   # no root: re-predict measured rows
+    python bench/perfmodel.py [--only 1,4,topk] [--steps 60] [--json bench/results/perfmodel.json]
                               [--md bench/results/perfmodel.md] [--runs DIR]
 
 Needs root (shaped links: network namespaces and tc). Calibration comes first
@@ -23,7 +26,9 @@ and uses none of the validated runs:
 - link: the sustained rate per bandwidth from back-to-back gloo all-reduces
   of 1/4 and all of ~0.4 s worth of bytes on a shaped 2-rank cluster
   (measure_link), and the tbf's token bucket (the cluster's burst_bytes: the
-  first ~10 ms worth of bytes after idle time pass at the unshaped speed);
+  first ~10 ms worth of bytes after idle time pass at the unshaped speed of
+  the emulated path, measured on an unshaped cluster of the same namespaces,
+  veth pairs and bridge: measure_path; loopback is several times faster);
 - compressors: fixed + per-byte encode / between-rounds / decode cost, fitted
   over 4 KiB .. 4 MiB in one thread (measure_compressor).
 
@@ -100,6 +105,10 @@ CONFIGS = [
 ]
 
 
+QUICK = 13
+"""--quick's configuration: signSGD on a 0.1 Gbit link (an all-gathered payload, its header, a vote)."""
+
+
 def comp_section(c: dict) -> dict:
     c = dict(c)
     name, ef = c.pop("name"), c.pop("error_feedback", False)
@@ -141,13 +150,28 @@ def measured_ms(run, skip: int) -> dict:
 def main(argv=None):
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="config numbers or name substrings, comma-separated")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60, help="steps per run (default 60; warm-up steps excluded)")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"a check that the whole path works: configuration {QUICK} only, 20 steps, results in "
+                         "a temporary directory unless --json/--md say where (about 3 minutes, calibration included)")
     ap.add_argument("--runs", default=None, help="runs directory for the measured runs (default: a temp dir)")
-    ap.add_argument("--json", default="bench/results/perfmodel.json")
-    ap.add_argument("--md", default="bench/results/perfmodel.md")
+    ap.add_argument("--json", default=None, help="default bench/results/perfmodel.json")
+    ap.add_argument("--md", default=None, help="default bench/results/perfmodel.md")
+    ap.add_argument("--replay", metavar="JSON", default=None,
+                    help="no runs, no root: predict the measured rows of a results file (this script's --json) "
+                         "again with the current model and that file's calibration; prints the table, writes "
+                         "--json/--md only when given")
     args = ap.parse_args(argv)
-
+    if args.replay:
+        return replay(args.replay, args.json, args.md)
     import tempfile
+    if args.quick:
+        args.only, args.steps = args.only or str(QUICK), min(args.steps, 20)
+        tmp = tempfile.mkdtemp(prefix="clab-pm-quick-")
+        args.json = args.json or os.path.join(tmp, "perfmodel.json")
+        args.md = args.md or os.path.join(tmp, "perfmodel.md")
+    args.json = args.json or "bench/results/perfmodel.json"
+    args.md = args.md or "bench/results/perfmodel.md"
 
     import lab
     from engine.spec import SpecError
@@ -156,6 +180,8 @@ def main(argv=None):
     from lab.strategy.perfmodel.costs import Link
     from lab.base.specs import load_spec
 
+    if args.steps < cal.SKIP_STEPS + 5:
+        ap.error(f"--steps must be at least {cal.SKIP_STEPS + 5} (the first {cal.SKIP_STEPS} are warm-up)")
     t_start = time.time()
     runs = args.runs or tempfile.mkdtemp(prefix="clab-pm-")
     todo, skipped = [], []
@@ -191,14 +217,18 @@ def main(argv=None):
           f"{prof.overlap_slowdown:.2f} (run {r_wfbp.id}); per step of a collective {alpha * 1e6:.0f} µs, "
           f"unshaped {Link(0.0, beta_loop).gbps:.2f} Gbit/s (comm spans of {r_sync.id})", flush=True)
     links, cal_runs, alphas = {}, [r_sync.id, r_wfbp.id], {}
+    path = cal.measure_path()
+    beta_burst = max(path["beta"], beta_loop)  # a burst crosses the emulated path no faster than the path
+    print(f"unshaped emulated path: {Link(0.0, path['beta']).gbps:.2f} Gbit/s (loopback "
+          f"{Link(0.0, beta_loop).gbps:.2f}): the speed of a token bucket's burst", flush=True)
     rates = sorted({cfg[3] for _, cfg, _ in todo} | {ALPHA_GBPS})
     for g in rates:
         m = cal.measure_link(g)
         r_a = done_run(dict(loop, name=f"pm calibrate alpha {g:g}G", comm={"mode": "sync"},
                             network={"link": "shaped", "gbps": g}))
         cal_runs.append(r_a.id)
-        alphas[g] = cal.alpha_from_run(r_a, Link(0.0, m["beta"], m["burst_bytes"], beta_loop))
-        links[g] = dict(m, beta_burst=beta_loop, alpha_shaped_fit=m["alpha"], alpha_run=r_a.id,
+        alphas[g] = cal.alpha_from_run(r_a, Link(0.0, m["beta"], m["burst_bytes"], beta_burst))
+        links[g] = dict(m, beta_burst=beta_burst, alpha_shaped_fit=m["alpha"], alpha_run=r_a.id,
                         alpha_at_this_rate=alphas[g])
         print(f"link {g:g} Gbit: sustained {8 / m['beta'] / 1e9 * 1e3:.1f} Mbit/s, burst {m['burst_bytes']} B, "
               f"small collectives {alphas[g] * 1e6:.0f} µs per step (run {r_a.id}; back-to-back 4 KiB "
@@ -211,9 +241,13 @@ def main(argv=None):
         key = cal.compressor_key(spec["compressor"])
         if spec["compressor"]["name"] != "none" and key not in prof.compressors:
             prof.compressors[key] = cal.measure_compressor(spec["compressor"])
-            e, d = prof.compressors[key]["encode"], prof.compressors[key]["decode"]
+            curve = prof.compressors[key]
+            e, d = curve["encode"], curve["decode"]
+            more = curve.get("decode_more")
             print(f"compressor {key}: encode {e[0] * 1e6:.0f} µs + {e[1] * 1e12:.0f} µs/MB, decode "
-                  f"{d[0] * 1e6:.0f} µs + {d[1] * 1e12:.0f} µs/MB", flush=True)
+                  f"{d[0] * 1e6:.0f} µs + {d[1] * 1e12:.0f} µs/MB"
+                  + (f", each further rank's payload {more[0] * 1e6:.0f} µs + {more[1] * 1e12:.0f} µs/MB" if more
+                     else ""), flush=True)
 
     # --- measured runs, then predictions
     rows = []
@@ -226,9 +260,7 @@ def main(argv=None):
         skip = max(cal.SKIP_STEPS, int(spec["compressor"]["params"].get("start_iter", 0)) + 2)
         m = measured_ms(r, skip)
         g = cfg[3]
-        p = dict(prof.__dict__)
-        p["link"] = links[g]
-        res = pr.predict(cal.Profile(**p), spec, g, spec["world_size"])
+        res = predicted(dict(prof.__dict__), links[g], cfg, args.steps)
         err = res.total * 1e3 / m["time_ms"] - 1
         rows.append({"config": i, "label": label(cfg), "run": r.id, "state": "done", "gbps": g,
                      "measured": m, "predicted_ms": res.total * 1e3, "predicted": {k: v * 1e3 for k, v in
@@ -241,12 +273,53 @@ def main(argv=None):
     summary = {"configs": len(ok), "median_abs_error": statistics.median(errs) if errs else None,
                "max_abs_error": max(errs) if errs else None, "wall_s": time.time() - t_start}
     out = {"summary": summary, "rows": rows, "skipped": skipped, "profile": prof.__dict__ | {"link": None},
-           "links": links, "calibration_runs": cal_runs, "loopback_alpha": alpha, "steps": args.steps, "base": BASE}
+           "links": links, "path": path, "calibration_runs": cal_runs, "loopback_alpha": alpha, "steps": args.steps, "base": BASE}
     common.write_json(args.json, out)
     md = markdown(out)
     with open(args.md, "w") as f:
         f.write(md)
     print(md)
+    return 0
+
+
+def predicted(profile: dict, link: dict, cfg, steps: int):
+    """The model's prediction of configuration ``cfg`` from a calibration (a results file's profile and the
+    link at the config's rate)."""
+    from lab.base.specs import load_spec
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import predict as pr
+    p = dict(profile, link=link, params=[tuple(x) for x in profile["params"]])
+    spec = load_spec(data=config_spec(cfg, steps)).to_dict()
+    return pr.predict(cal.Profile(**p), spec, cfg[3], spec["world_size"])
+
+
+def replay(path: str, out_json=None, out_md=None) -> int:
+    """``--replay``: a measured results file's rows predicted again by the current model, from that file's own
+    calibration (profile, links); the configurations are looked up by label."""
+    with open(path) as f:
+        old = json.load(f)
+    by_label = {label(c): c for c in CONFIGS}
+    rows = []
+    for r in old["rows"]:
+        cfg = by_label.get(r["label"])
+        if r.get("state") != "done" or cfg is None:
+            rows.append(dict(r, state=r.get("state") if cfg else "not in CONFIGS"))
+            continue
+        res = predicted(old["profile"], old["links"][next(k for k in old["links"] if float(k) == cfg[3])], cfg,
+                        old.get("steps", 60))
+        rows.append(dict(r, predicted_ms=res.total * 1e3, predicted={k: v * 1e3 for k, v in res.as_dict().items()},
+                         error=res.total * 1e3 / r["measured"]["time_ms"] - 1))
+    errs = [abs(r["error"]) for r in rows if r.get("state") == "done"]
+    out = dict(old, rows=rows, replayed_from=path, summary=dict(
+        old["summary"], configs=len(errs), median_abs_error=statistics.median(errs) if errs else None,
+        max_abs_error=max(errs) if errs else None))
+    md = markdown(out)
+    if out_json:
+        common.write_json(out_json, out)
+    if out_md:
+        with open(out_md, "w") as f:
+            f.write(md)
+    print(f"{path}: its measured rows, predicted by the current model from its own calibration\n\n{md}")
     return 0
 
 

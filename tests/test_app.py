@@ -17,6 +17,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
 from lab.front import ui  # noqa: E402
+from lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from lab.strategy.perfmodel import views  # noqa: E402
 from lab.analysis import timelines
 from lab.analysis.presets import PRESETS  # noqa: E402
@@ -95,9 +96,16 @@ def check_model(at, runs):
     (run,) = lab.runs(runs=runs, state="done")[:1]
     assert at.selectbox(key="pm.run").value == run.id
     assert len(at.get("plotly_chart")) == 2  # speedup heatmaps, predicted vs measured
-    crossover = at.dataframe[0].value
+    sources, crossover, scatter = (d.value for d in at.dataframe[:3])
+    # what the predictions rest on: compute measured (the run), the link assumed (nominal), every compressor's
+    # cost measured here, each with the validation error of that part of the model
+    assert list(sources["part"]) == ["compute", "link"] + [f"compressor {cal.compressor_key(c)}" for c in
+                                                            views.COMPRESSORS.values()]
+    assert list(sources["kind"]) == ["measured", "assumed"] + ["measured"] * len(views.COMPRESSORS)
+    assert run.id in sources["source"][0] and sources["source"][1].startswith("nominal alpha-beta")
+    assert sources["validated"][0].startswith("end to end (bench/perfmodel.py")
+    assert sources["validated"][1].startswith("not validated")
     assert list(crossover["compressor"]) == list(views.COMPRESSORS)
-    scatter = at.dataframe[1].value
     assert run.id in set(scatter["run"]) and scatter["predicted_ms"].notna().all(), scatter.to_dict("records")
     before = [c.value for c in at.caption if c.value.startswith("At the")]
     at.select_slider(key="pm.gbps").set_value(0.1).run()
@@ -105,6 +113,9 @@ def check_model(at, runs):
     assert not at.exception, [e.value for e in at.exception]
     after = [c.value for c in at.caption if c.value.startswith("At the")]
     assert before != after  # the sliders change the prediction
+    at.number_input(key="pm.alpha").set_value(500.0).run()
+    link = at.dataframe[0].value.iloc[1]
+    assert link["kind"] == "assumed" and link["source"].startswith("alpha 500 µs per ring step as typed here")
     assert any(b.key == "pm.props" for b in at.button)
 
 
@@ -150,6 +161,9 @@ def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):
     assert list(df["inter_gbps"]) == [10.0, 100.0] * 5 and (df["ddp_scaling"] <= 1).all()
     assert df["ddp_ms"].iloc[-2] > df["ddp_ms"].iloc[-1]  # 1024 workers: 10 Gbit/s between nodes is slower than 100
     assert len(at.get("plotly_chart")) == charts + 1
+    sources = at.dataframe[-2].value  # above the table: what it rests on
+    assert list(sources["kind"]) == ["measured", "assumed", "measured"]
+    assert sources["source"][1].startswith("nominal alpha-beta two-level cluster from --cluster")
     at.number_input(key="pm.cl.node").set_value(3).run()
     assert any("workers: 8 does not fill whole nodes of 3" in e.value for e in at.error)
     at.number_input(key="pm.cl.node").set_value(16).run()

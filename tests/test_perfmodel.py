@@ -73,8 +73,23 @@ def test_wfbp_overlaps_buckets_with_backward():
     # b0 ready at 2, encoded to 2.1, sent 2.1-3.1; backward resumes, b1 ready at 3.1 (0.1 late),
     # encoded to 3.2, sent 3.2-3.7; decode b0 3.2-3.4, b1 3.7-3.9; + 0.5
     assert iteration_time(two_buckets(), SLOW, 2, "wfbp").total == approx(4.4)
-    # backward 1.5x slower while overlapping: b0 at 2.5, b1 at 4.1 .. 4.9 + 0.5
-    assert iteration_time(two_buckets(), SLOW, 2, "wfbp", slowdown=1.5).total == approx(5.4)
+    # backward 1.5x slower only while a collective is in flight: nothing is before b0 (ready at 2, as
+    # without slowdown); b0's all-reduce 2.1-3.1 slows the next 1.0 s of backward to 0.667 s of work,
+    # the last 0.333 s runs at full speed: b1 ready at 3.433, encoded to 3.533, sent 3.533-4.033;
+    # decode b0 3.533-3.733, b1 4.033-4.233; + 0.5
+    assert iteration_time(two_buckets(), SLOW, 2, "wfbp", slowdown=1.5).total == approx(4.7 + 1 / 30)
+
+
+def test_overlap_slowdown_only_while_a_collective_is_in_flight():
+    # one bucket, ready when backward ends (a 25 MB cap on a small model): nothing overlaps backward,
+    # so the slowdown changes nothing: backward 1-3, header 3-3.04, data 3.04-3.14, decode to 3.24, + 0.5
+    step = Step(1.0, 2.0, 0.5, [Bucket(ready=2.0, encode=0.0, rounds=[Round("allgather", 100, after=0.1)])])
+    assert iteration_time(step, SLOW, 2, "wfbp", slowdown=1.5).total == approx(3.74)
+    # a bucket ready at 0.5 whose all-reduce (0.2 s) ends long before backward: 0.2 s of it at 1/2 speed
+    # (0.1 s of work), the rest at full speed: backward ends 0.1 s late
+    early = Step(1.0, 2.0, 0.5, [Bucket(ready=0.5, encode=0.0, rounds=[Round("allreduce", 200)])])
+    assert iteration_time(early, SLOW, 2, "wfbp", slowdown=2.0).total == approx(3.6)
+    assert iteration_time(early, SLOW, 2, "wfbp", slowdown=1.0).total == approx(3.5)
 
 
 def test_wfbp_multi_round_exchange_blocks_backward_when_the_next_bucket_launches():
@@ -110,9 +125,25 @@ def test_dear_overlaps_all_gather_with_forward_and_shards_the_optimizer():
         Bucket(ready=1.0, encode=0.0, rounds=[Round("reduce_scatter", 1000)], raw_bytes=1000, forward=0.4),
         Bucket(ready=2.0, encode=0.0, rounds=[Round("reduce_scatter", 400)], raw_bytes=400, forward=0.6)])
     # all-gathers in forward order: b1 (200 B/rank) 0-0.2, b0 (500) 0.2-0.7; forward b1 0.2-0.8,
-    # b0 0.8-1.2; backward from 1.2: b0 ready 2.2, reduce-scatter 2.2-2.7; b1 at 3.2, 3.2-3.4;
-    # optimizer on half the parameters: 0.25
-    assert iteration_time(step, SLOW, 2, "dear").total == approx(3.65)
+    # b0 0.8-1.2; backward from 1.2: b0 ready 2.2, reduce-scatter 2.2-2.7; b1 at 3.2, 3.2-3.4; the
+    # finite-gradients flag (4 bytes) 3.4-3.404; optimizer on half the parameters: 0.25
+    assert iteration_time(step, SLOW, 2, "dear").total == approx(3.654)
+
+
+def test_dear_gathers_one_bucket_ahead_of_forward():
+    # three buckets of 400 B (gathers of 200 B/rank: 0.2 s each), forward order b2 (0.5 s of forward),
+    # b1, b0 (0.1 s each). b2's first layer issues b2's and b1's gathers: 0-0.2, 0.2-0.4; b2 runs
+    # 0.2-0.7; only then is b0's gather issued: 0.7-0.9 (the link idle from 0.4), b1 0.7-0.8, b0 0.9-1.0.
+    # Backward from 1.0: reduce-scatters (200 wire bytes) 1.3-1.5, 1.6-1.8, 2.0-2.2, flag 2.2-2.204,
+    # optimizer 0.4 / 2
+    step = Step(0.7, 1.0, 0.4, [
+        Bucket(ready=0.3, encode=0.0, rounds=[Round("reduce_scatter", 400)], raw_bytes=400, forward=0.1),
+        Bucket(ready=0.6, encode=0.0, rounds=[Round("reduce_scatter", 400)], raw_bytes=400, forward=0.1),
+        Bucket(ready=1.0, encode=0.0, rounds=[Round("reduce_scatter", 400)], raw_bytes=400, forward=0.5)])
+    r = iteration_time(step, SLOW, 2, "dear", record=True)
+    assert r.total == approx(2.404)
+    gathers = [(e["start"], e["end"]) for e in r.events if e["name"].endswith("params")]
+    assert gathers == [(0.0, approx(0.2)), (approx(0.2), approx(0.4)), (approx(0.7), approx(0.9))]
 
 
 def test_one_worker_is_pure_compute_and_bad_input_is_rejected():
@@ -150,6 +181,47 @@ def spec(comp="fp16", sched="bucket", mode="wfbp"):
     return {"model": {"name": "mlp", "options": {}}, "dataset": {"name": "digits"}, "batch_size": 16,
             "compressor": {"name": comp, "params": {}, "error_feedback": False},
             "schedule": {"name": sched, "cap_mb": 25.0}, "comm": {"mode": mode}}
+
+
+def test_all_gathered_payloads_decode_at_the_measured_cost_of_each_further_one():
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import predict as pr
+    curve = {"encode": [0, 0], "between": [0, 0], "decode": [100e-6, 1e-9], "decode_more": [10e-6, 0.1e-9]}
+    # 1 MB: one decode 100 + 1000 µs; each further payload 10 + 100 µs; 8 ranks: 1100 + 7 * 110 µs
+    assert cal.decode_cost(curve, 1e6, 8) == approx(1.87e-3)
+    assert cal.decode_cost(curve, 1e6, 1) == approx(1.1e-3)
+    # a curve without decode_more (older profiles, hand-made curves): every payload decoded on its own
+    old = {k: v for k, v in curve.items() if k != "decode_more"}
+    assert cal.decode_cost(old, 1e6, 8) == approx(8 * 1.1e-3)
+    # the step's last all-gather round carries that decode
+    prof = tiny_profile()
+    prof.compressors["signsgd"] = curve
+    step = pr.build_step(prof, spec("signsgd", "allinone"), world=8)
+    (b,) = step.buckets
+    assert b.rounds[-1].op == "allgather"
+    assert b.rounds[-1].after == approx(cal.decode_cost(curve, b.raw_bytes, 8))
+
+
+def test_gathered_decodes_one_payload_per_rank_and_measures_what_each_adds():
+    import torch
+
+    from engine import compressors
+    from lab.strategy.perfmodel import calibrate as cal
+    reply = cal.gathered(3)
+    (got,) = reply("allgather", [[torch.ones(2)]])
+    assert len(got) == 3 and all(torch.equal(p[0], torch.ones(2)) for p in got)
+    (summed,) = reply("allreduce", [[torch.ones(2)]])
+    assert torch.equal(summed[0], torch.ones(2))
+    # driven as one of 3 ranks: signSGD's vote sums 3 payloads' signs (3 votes alike: the signs of x)
+    from engine.comm.exchange import run_exchange
+    x = torch.randn(1000)
+    (ex,) = run_exchange([compressors.make("signsgd")], [x.clone()], 3, cal.gathered(3))
+    assert torch.equal(ex.out, torch.where(x >= 0, 1.0, -1.0))
+    rounds, times = cal.drive(compressors.make("signsgd"), x.clone(), world=3)
+    assert rounds == [("allgather", 125, 1)] and len(times) == 2
+    curve = cal.measure_compressor({"name": "signsgd"}, numels=(1024, 16384), repeat=2, warm=1)
+    assert len(curve["decode_more"]) == 2 and len(curve["decode_more_samples"]) == 2
+    assert "decode_more" not in cal.measure_compressor({"name": "fp16"}, numels=(1024, 16384), repeat=2, warm=1)
 
 
 def test_fp16_halves_the_bytes_and_pays_only_on_slow_links(tmp_path):
@@ -381,6 +453,12 @@ def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
     from engine.spec import SpecError
     with pytest.raises(SpecError, match="not a profile"):
         whatif.load_profile_file(str(tmp_path / "other.json"))
+    # a curve's decode_more is optional, and checked like the rest when it is there
+    d = json.loads(good.read_text())
+    d["compressors"]["fp16"]["decode_more"] = "cheap"
+    assert "decode_more" in whatif.profile_problem(d)
+    d["compressors"]["fp16"]["decode_more"] = [1e-6, 1e-10]
+    assert whatif.profile_problem(d) is None
 
 
 def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):

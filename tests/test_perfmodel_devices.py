@@ -180,10 +180,13 @@ def test_a_profile_measured_on_the_device_takes_precedence():
     modeled = ondevice.device_profile(measured, spec, dv.get("A100"), "tf32")
     assert modeled.source.startswith("roofline on A100") and modeled.compressors["fp16"]["kind"] == "modeled"
     assert set(modeled.layer_ready) == {"net.1", "net.3", "net.5"}
-    lines = ondevice.sources(modeled, spec, dv.get("A100"), "tf32")
+    lines = [l for l in ondevice.sources(modeled, spec, dv.get("A100"), "tf32") if not l.startswith(" ")]
     assert lines[0].startswith("compute: modeled, roofline on A100 tf32") and "938 img/s" in lines[0]
     assert lines[1].startswith("link: modeled, NCCL") and lines[2].startswith("compressor fp16: modeled")
-    lines = ondevice.sources(kept, spec, h100, "tf32")
+    rows = ondevice.source_rows(modeled, spec, dv.get("A100"), "tf32")
+    assert [r["kind"] for r in rows] == ["modeled"] * 3
+    assert all("MergeComp" in r["validated"] for r in rows) and "roofline on this CPU" in rows[0]["validated"]
+    lines = [l for l in ondevice.sources(kept, spec, h100, "tf32") if not l.startswith(" ")]
     assert lines[0].startswith("compute: measured, run x on NVIDIA H100") and "compressor fp16: measured" in lines[2]
 
 
@@ -195,13 +198,29 @@ def test_sources_of_a_cpu_prediction():
     p.compressors["fp16"]["source"] = "measured in-process (lab.perfmodel.calibrate)"
     lines = ondevice.sources(p, spec, compute_speedup=20)
     assert lines[0] == "compute: measured, test on Some CPU, divided by --compute-speedup 20 (assumed)"
-    assert lines[1].startswith("link: assumed, nominal alpha-beta")
-    assert lines[2].startswith("compressor fp16: measured, measured in-process") and "assumed" in lines[2]
-    assert lines[-1].startswith("validated: bench/perfmodel.py")
+    assert lines[1].startswith("  validated: end to end (bench/perfmodel.py")
+    assert lines[2].startswith("link: assumed, nominal alpha-beta")
+    assert lines[3].startswith("  validated: not validated: an assumption")
+    assert lines[4].startswith("compressor fp16: measured, measured in-process") and "assumed" in lines[4]
     p.link = {"alpha": 1e-4, "beta": 8e-9, "nominal_gbps": 1, "source": "net check at 1 Gbit/s"}
-    assert ondevice.sources(p, spec)[1].startswith("link: measured, net check at 1 Gbit/s")
+    link = ondevice.source_rows(p, spec)[1]
+    assert link["kind"] == "measured" and link["source"].startswith("net check at 1 Gbit/s")
+    assert "collectives on shaped links" in link["validated"] and "end to end" in link["validated"]
     none = spec_for("none")
-    assert "nothing to cost" in ondevice.sources(p, none)[2]
+    assert ondevice.source_rows(p, none)[2] == {"part": "compressor none", "kind": "none", "validated": "",
+                                                "source": "nothing to cost (its exchange runs no compressor code)"}
+
+
+def test_the_validation_quoted_is_the_published_tables():
+    from lab.strategy.perfmodel import validation
+    v = validation.load()
+    b = v["b"]
+    assert f"{b['configs']} configurations" in validation.end_to_end()
+    assert f"median error {b['median_abs_error']:.1%}" in validation.end_to_end()
+    c = v["c"]["summary"][validation.DEVICE_VARIANT]
+    assert f"median error {c['median_abs_points']:g} points" in validation.device()
+    assert validation.quote("link", "assumed").startswith("not validated")
+    assert validation.quote("compressor", "measured") == validation.end_to_end()
 
 
 def test_predict_on_a_device_prints_the_table_and_its_sources(tmp_path, capsys):
@@ -220,7 +239,8 @@ def test_predict_on_a_device_prints_the_table_and_its_sources(tmp_path, capsys):
     i = out.index("sources:")
     src = out[i:].splitlines()
     assert src[1].strip().startswith("compute: modeled, roofline on H100 tf32")
-    assert src[2].strip().startswith("link: modeled") and src[3].strip().startswith("compressor fp16: modeled")
+    assert src[2].strip().startswith("validated: roofline on this CPU")  # each input's validation under it
+    assert src[3].strip().startswith("link: modeled") and src[5].strip().startswith("compressor fp16: modeled")
     # a measured CPU prediction says so, too
     assert main(["predict", str(tmp_path / "p.json"), "--workers", "2", "--gbps", "1", "--runs", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -290,3 +310,46 @@ def test_fitting_the_efficiencies_to_a_measured_profile_recovers_them():
     assert (fit["compute_eff"], fit["memory_eff"], fit["op_s"]) == (pytest.approx(e_c, rel=1e-6),
                                                                   pytest.approx(e_m, rel=1e-6),
                                                                   pytest.approx(op, rel=1e-6))
+
+
+# --------------------------------------------------------------------------- bench/perfmodel.py (table b)
+
+def test_perfmodel_bench_help_configs_and_replay(tmp_path):
+    from bench import perfmodel as pm
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "perfmodel.py"), "--help"], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "--quick" in r.stdout and "--replay" in r.stdout
+    assert len(pm.CONFIGS) >= 24 and len({pm.label(c) for c in pm.CONFIGS}) == len(pm.CONFIGS)
+    assert [i for i, _ in pm.chosen(str(pm.QUICK))] == [pm.QUICK]
+    # every configuration is a spec the engine takes
+    from lab.base.specs import load_spec
+    for c in pm.CONFIGS:
+        load_spec(data=pm.config_spec(c, 60))
+    # the measured rows of the stored results, predicted again by this model from their own calibration
+    out = tmp_path / "replay.json"
+    assert pm.replay(str(ROOT / "bench" / "results" / "perfmodel.json"), str(out), str(tmp_path / "r.md")) == 0
+    got = json.loads(out.read_text())
+    done = [r for r in got["rows"] if r.get("state") == "done"]
+    assert got["summary"]["configs"] == len(done) >= 17
+    for r in done:
+        assert r["error"] == pytest.approx(r["predicted_ms"] / r["measured"]["time_ms"] - 1)
+    assert got["summary"]["max_abs_error"] == pytest.approx(max(abs(r["error"]) for r in done))
+    assert "| 13 | signsgd bucket(25MB) wfbp 0.1G |" in (tmp_path / "r.md").read_text()
+
+
+def test_table_a_predicts_every_collective_the_engine_issues():
+    from bench import model_validation as mv
+    from lab.strategy.perfmodel.costs import Link
+    link = Link(100e-6, 8e-9)  # 1 Gbit/s, 100 µs per step, no token bucket: plain alpha-beta
+    # 2 ranks, 1 MB: all-reduce 2 steps + 1 MB on the wire; a payload all-gather (each rank 0.5 MB): its
+    # 40-byte header (1 step) then 0.5 MB; dear's parameter all-gather without the header; the all-to-all and
+    # dear's reduce-scatter: 1 step and half the buffer
+    n = 1 << 20
+    assert mv.predict_collective("allreduce", n, 2, link, 5) == pytest.approx(200e-6 + n * 8e-9)
+    assert mv.predict_collective("allgather", n, 2, link, 5) == pytest.approx(200e-6 + (40 + n / 2) * 8e-9)
+    assert mv.predict_collective("allgather_params", n, 2, link, 5) == pytest.approx(100e-6 + n / 2 * 8e-9)
+    for op in ("alltoall", "reduce_scatter"):
+        assert mv.predict_collective(op, n, 2, link, 5) == pytest.approx(100e-6 + n / 2 * 8e-9)
+    assert set(mv.OPS) == set(mv.MODEL_OP)
+    res = mv.table_a([1.0], 2, 3, run=False, ops=("allreduce",), sizes=(4096,))
+    assert len(res["rows"]) == 1 and "not measured" in res["summary"]["note"]

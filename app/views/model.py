@@ -25,6 +25,15 @@ def profile_of(run_id: str, files: tuple):
     return views.calibrated(ui.get_run_or_raise(run_id, runs))  # the viewer's run (the key holds its id only)
 
 
+def sources_panel(df, key: str):
+    """Which inputs were measured and which assumed, and how well each part of the model was checked."""
+    st.markdown("**What these predictions rest on**")
+    st.dataframe(df, hide_index=True, key=key)
+    st.caption("measured: on this machine or from the run named; modeled: from a device's datasheet; assumed: "
+               "a number nobody measured. Validated: the error of that part of the model against measurements "
+               "(docs/benchmarks/model-validation.md has the tables and the commands).")
+
+
 def from_runs():
     done = [r for r in ui.list_runs(runs, state="done")]
     if not done:
@@ -54,11 +63,14 @@ def from_runs():
                              key="pm.speed")
     latency = st.number_input("Link latency alpha (µs per ring step)", 0.0, 10000.0, 0.0, step=10.0, key="pm.alpha")
     prof.link = {"alpha": latency * 1e-6, "beta": 8e-9, "nominal_gbps": 1.0} if latency else None
+    link_note = (f"alpha {latency:g} µs per ring step as typed here, beta 8/rate (nominal)" if latency
+                 else "nominal alpha-beta at each rate (alpha 0, beta 8/rate)")
 
     st.subheader("Predicted speedup over DDP")
     grid = views.speedup_grid(prof, spec, views.COMPRESSORS, [0.1, 1.0, 10.0, 100.0, gbps], [2, 8, 64, workers], speed)
     st.plotly_chart(plots.speedup_heatmaps(grid.drop_duplicates(["compressor", "gbps", "workers"])),
                     width="stretch", key="pm.heat")
+    sources_panel(views.sources_table(prof, spec, views.COMPRESSORS, link=link_note), "pm.sources")
     st.subheader(f"Crossover bandwidth at {workers} workers, compute x{speed:g}")
     st.dataframe(views.crossovers(prof, spec, views.COMPRESSORS, workers, speed), hide_index=True)
     at = grid[(grid["gbps"] == gbps) & (grid["workers"] == workers)].drop_duplicates("compressor")
@@ -144,6 +156,7 @@ def from_profile():
     c = (spec or {}).get("compressor", {})
     label = f"{c.get('name')}{' +EF' if c.get('error_feedback') else ''} {(spec or {}).get('comm', {}).get('mode')}"
     st.plotly_chart(plots.predicted_scaling_figure(df, label), width="stretch", key="pm.cl.plot")
+    sources_panel(views.sources_table(prof, spec or prof.spec, cluster=True), "pm.cl.sources")
     st.dataframe(df.round(3), hide_index=True, key="pm.cl.table")
     st.caption(f"Scaling factor: one worker's iteration time (compute only) over p workers' (1 = linear). "
                f"DDP: none, 25 MB buckets, wfbp. Spec: {label}.")

@@ -348,28 +348,67 @@ def measure_link(gbps: float, n_ranks: int = 2, target_s: float = 0.4) -> dict:
             rows.append((*steps_and_wire("allreduce", r["nbytes"], n_ranks), statistics.median(r["times"])))
     alpha_big, beta = fit_link(rows)
     return {"alpha": alpha_big, "beta": beta, "nominal_gbps": gbps, "burst_bytes": burst,
-            "small_mean_s": statistics.mean(small["times"]), "samples": rows,
+            "small_mean_s": statistics.mean(small["times"]), "small_median_s": statistics.median(small["times"]),
+            "samples": rows,
             "source": f"measured all-reduce on a shaped {gbps:g} Gbit cluster, {n_ranks} ranks"}
+
+
+def measure_path(n_ranks: int = 2, sizes=(1 << 20, 8 << 20), iters: int = 6) -> dict:
+    """The emulated cluster's own speed with no shaping (the same namespaces, veth pairs, bridge and MTU,
+    no tbf): what a shaped link's token bucket lets a burst through at. Loopback (``lo``, 64 KB packets,
+    no bridge) is several times faster, and a burst cannot cross the path faster than the path itself.
+    Back-to-back gloo all-reduces of ``sizes``, medians of ``iters``; needs root (lab.netns).
+
+    Returns ``alpha`` and ``beta`` (seconds per ring step and per byte) and the samples."""
+    rows = []
+    with Cluster(n_ranks, None, tag="path") as c:
+        for nbytes in sizes:
+            r = measure_allreduce(c, nbytes, iters)
+            rows.append((*steps_and_wire("allreduce", r["nbytes"], n_ranks), statistics.median(r["times"])))
+    alpha, beta = fit_link(rows)
+    return {"alpha": alpha, "beta": beta, "samples": rows,
+            "source": f"measured all-reduce on an unshaped emulated cluster, {n_ranks} ranks"}
 
 
 # --------------------------------------------------------------------------- compressors
 
 def drive(comp, t, world: int = 1, sharded: bool = False):
-    """Run one exchange of ``comp`` on ``t`` in this process, as the only rank; ``sharded``: dear's
-    exchange (``Compressor.shard_exchange``) instead of the whole one.
+    """Run one exchange of ``comp`` on ``t`` in this process, as one rank of ``world`` whose peers all sent
+    what it sent (``gathered``: an all-gather returns ``world`` copies of its payload, so the decode is that
+    of ``world`` payloads); ``sharded``: dear's exchange (``Compressor.shard_exchange``) instead of the whole one.
 
     Returns the rounds as [(op, payload bytes, tensors)] (an all-to-all: every destination's payload's
     bytes, one destination's tensors) and the compute times [encode, between rounds..., decode] in seconds."""
-    from engine.comm.exchange import local_collective, run_exchange
+    from engine.comm.exchange import run_exchange
     rounds = []
+    reply = gathered(world)
 
     def collective(op, payloads):
         (mine,) = payloads
         each = mine if op == "all_to_all" else [mine]  # an all-to-all's payloads: one per destination
         rounds.append((op, sum(x.numel() * x.element_size() for p in each for x in p), len(each[0])))
-        return local_collective(op, payloads)
+        return reply(op, payloads)
     (ex,) = run_exchange([comp], [t], world, collective, timer=time.perf_counter, ranks=[0] if sharded else None)
     return rounds, ex.compute
+
+
+def gathered(world: int):
+    """The collective of one process standing for ``world`` ranks that all sent the same payload: an
+    all-gather returns ``world`` copies of it (what each rank then decodes), an all-reduce its own payload
+    (the sum's values do not change what decoding it costs)."""
+    from engine.comm.exchange import local_collective
+
+    def collective(op, payloads):
+        if op == "allgather" and world > 1:
+            (mine,) = payloads
+            return [[[x.clone() for x in mine] for _ in range(world)]]
+        return local_collective(op, payloads)
+    return collective
+
+
+DECODE_PAYLOADS = 4
+"""All-gathered payloads decoded at once to measure what each further one adds to a decode (``decode_more``):
+a majority vote or a sum of sparse payloads pays its fixed work once, not once per rank."""
 
 
 CURVE_NUMELS = (1024, 16384, 262144, 1048576)
@@ -427,17 +466,30 @@ def _measure_compressor(c, numels, repeat, warm):
         x = torch.randn(n)
         for _ in range(warm + comp.warmup_exchanges):  # past plain warm-up exchanges (PowerSGD), lazy buffers
             drive(comp, x.clone())
-        samples = [drive(comp, x.clone())[1] for _ in range(repeat)]
+        runs = [drive(comp, x.clone()) for _ in range(repeat)]
+        samples = [r[1] for r in runs]
         enc = statistics.median(s[0] for s in samples)
         dec = statistics.median(s[-1] for s in samples)
         mid = statistics.median(sum(s[1:-1]) for s in samples)
         for k, v in (("encode", enc), ("between", mid), ("decode", dec)):
             stages[k].append((n * 4, v))
+        if runs[0][0] and runs[0][0][-1][0] == "allgather":  # decoded once per rank's payload
+            many = statistics.median(drive(comp, x.clone(), DECODE_PAYLOADS)[1][-1] for _ in range(repeat))
+            stages.setdefault("decode_more", []).append((n * 4, max(0.0, many - dec) / (DECODE_PAYLOADS - 1)))
     out = {"sizes": [n * 4 for n in numels], "source": "measured in-process (lab.perfmodel.calibrate)"}
     for k, rows in stages.items():
         out[k] = list(fit_affine([r[0] for r in rows], [r[1] for r in rows]))
         out[k + "_samples"] = [r[1] for r in rows]
     return out
+
+
+def decode_cost(curve: dict, nbytes: float, payloads: int) -> float:
+    """Seconds to decode ``payloads`` all-gathered payloads of a bucket of ``nbytes``: one decode and what
+    each further payload adds (``decode_more``); a curve without it (measured before it was, or given by
+    hand) is taken to decode each payload on its own."""
+    one = cost(curve["decode"], nbytes)
+    more = cost(curve["decode_more"], nbytes) if "decode_more" in curve else one
+    return one + (payloads - 1) * more
 
 
 def cost(curve, nbytes: float) -> float:

@@ -14,17 +14,22 @@ Assumptions, stated because they decide the answers:
 - A blocking wait inside backward (wfbp advancing a multi-round exchange such
   as PowerSGD, or the synchronous header all-gather of an all-gathered
   payload) stops backward until the collective completes.
-- While collectives overlap backward (wfbp, dear), backward runs ``slowdown``
-  times slower (the paper's overlap slowdown: the communication thread
-  competes with compute for cores and memory bandwidth). 1.0 = no slowdown.
-- An all-gathered payload is decoded once per rank: decode cost x world.
+- While a collective is in flight during backward (wfbp, dear), backward runs
+  ``slowdown`` times slower (the paper's overlap slowdown: the communication
+  thread competes with compute for cores and memory bandwidth); while the link
+  is idle it runs at full speed. So a single bucket sent when backward is over
+  (a 25 MB cap on a small model) slows nothing. 1.0 = no slowdown.
+- An all-gathered payload's decode is the round's ``after``: build_step prices
+  it for ``world`` payloads (lab.perfmodel.predict).
 
 ``dear`` (reduce-scatter in backward, all-gather of the updated parameters
-before the next forward, optimizer step on a 1/p shard): every bucket's
-all-gather is issued at the start of the step, in forward order; a bucket's
-layers start their forward once the previous layers are done and its own
-all-gather has completed. Its reduce-scatter is issued when it is ready in
-backward, like wfbp.
+before the next forward, optimizer step on a 1/p shard), as engine/comm/dear.py
+issues it: when a bucket's first layer starts its forward, the all-gathers of
+that bucket and of the next one (forward order) are issued if they were not
+yet, and the layer waits for its own; so one gather runs ahead of forward, not
+all of them. Its reduce-scatter is issued when it is ready in backward, like
+wfbp; after backward, one 4-byte all-reduce (the ranks' agreement on finite
+gradients) follows the reduce-scatters and is waited for before the step.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ from typing import Dict, List
 from lab.strategy.perfmodel import costs
 
 MODES = ("sync", "wfbp", "dear")
+DEAR_FLAG_BYTES = 4
+"""dear's per-step all-reduce of one float32: do all ranks hold finite gradients (DeAR.finish)."""
 
 
 @dataclass
@@ -94,15 +101,47 @@ class _Sim:
         self.free = 0.0      # when the link is next free
         self.busy = 0.0
         self.events = [] if record else None
+        self.spans: List[tuple] = []  # (start, end) of every collective: first come, first served, so in order
 
     def collective(self, op: str, nbytes: float, t: float, label: str) -> float:
         """Issue at ``t``; returns when it completes (after whatever holds the link)."""
         start = max(t, self.free)
         self.free = start + self.wire.duration(op, nbytes, self.world, start)
         self.busy += self.free - start
+        if self.free > start:
+            self.spans.append((start, self.free))
         if self.events is not None:
             self.events.append({"lane": "comm", "name": f"{op} {label}", "start": start, "end": self.free})
         return self.free
+
+    def compute(self, t: float, work: float, slowdown: float) -> float:
+        """When ``work`` seconds of compute started at ``t`` end, running ``slowdown`` times slower while a
+        collective issued so far is in flight. Collectives are only issued between pieces of compute, so
+        those issued so far are all that can overlap this piece."""
+        if slowdown == 1.0 or work <= 0:
+            return t + max(work, 0.0)
+        for s0, s1 in self.spans[self._first_after(t):]:
+            if s0 > t:  # the link idle until s0: full speed
+                if work <= s0 - t:
+                    return t + work
+                work -= s0 - t
+                t = s0
+            if work * slowdown <= s1 - t:
+                return t + work * slowdown
+            work -= (s1 - t) / slowdown
+            t = s1
+        return t + work
+
+    def _first_after(self, t: float) -> int:
+        """Index of the first span that ends after ``t`` (spans end in order)."""
+        lo, hi = 0, len(self.spans)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.spans[mid][1] <= t:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def issue(self, rnd: Round, t: float, label: str):
         """Returns (compute thread time after issuing, completion time)."""
@@ -168,16 +207,15 @@ def _overlapped(step: Step, sim: "_Sim", mode: str, slowdown: float, compute: fl
         for k in range(n):
             c = launch(k, c)
     else:
-        shift = 0.0  # time the hooks held backward up (encoding, waits)
+        done = 0.0  # backward compute done so far; the hooks (encoding, waits) hold it up in between
         for k, b in enumerate(step.buckets):
-            c = max(c, t0 + step.forward + b.ready * slowdown + shift)
-            c0 = c
+            if b.ready > done:
+                c, done = sim.compute(c, b.ready - done, slowdown), b.ready
             for j in range(k):  # engine: multi-round exchanges advance whenever a later bucket launches
                 if pos[j] < len(step.buckets[j].rounds) and len(step.buckets[j].rounds) > 1:
                     c = advance(j, c)
             c = launch(k, c)
-            shift += c - c0
-        c = max(c, t0 + step.forward + step.backward * slowdown + shift)
+        c = sim.compute(c, step.backward - done, slowdown)
     t_bwd = c
     active = [k for k in range(n) if pos[k] < len(step.buckets[k].rounds)]
     while active:  # finish(): round robin in bucket order
@@ -192,33 +230,42 @@ def _overlapped(step: Step, sim: "_Sim", mode: str, slowdown: float, compute: fl
 
 
 def _dear(step: Step, sim: "_Sim", mode: str, slowdown: float, compute: float, t0: float) -> Result:
-    world = sim.world
     n = len(step.buckets)
     fwd_total = sum(b.forward for b in step.buckets)
     # forward compute outside the buckets' layers (activations, loss) spread in proportion
     scale = step.forward / fwd_total if fwd_total > 0 else 0.0
     ag_done = {}
-    for k in reversed(range(n)):  # forward order is the reverse of gradient-ready order
-        ag_done[k] = sim.collective("allgather", step.buckets[k].raw_bytes / world, t0, f"b{k} params")
+
+    def gather(f: int, t: float) -> None:  # the f-th bucket in forward order (the reverse of gradient order)
+        k = n - 1 - f
+        ag_done[k] = sim.collective("allgather", step.buckets[k].raw_bytes / sim.world, t, f"b{k} params")
     c = t0
-    for k in reversed(range(n)):
-        c = max(c, ag_done[k]) + step.buckets[k].forward * scale
     if fwd_total == 0:
+        for f in range(n):
+            gather(f, t0)
         c = max([c] + list(ag_done.values())) + step.forward
-    t_fwd = c
-    coder, shift, rs_done = 0.0, 0.0, []
+    else:
+        issued = 0
+        for f in range(n):
+            while issued <= min(f + 1, n - 1):  # its own gather and the next one, as DeAR._fetch does
+                gather(issued, c)
+                issued += 1
+            k = n - 1 - f
+            c = max(c, ag_done[k]) + step.buckets[k].forward * scale
+    coder, done, rs_done = 0.0, 0.0, []
     for k, b in enumerate(step.buckets):
-        c = max(c, t_fwd + b.ready * slowdown + shift)
-        c0 = c
+        if b.ready > done:
+            c, done = sim.compute(c, b.ready - done, slowdown), b.ready
         c += b.encode
         coder += b.encode
         # the bucket's sharded round: a reduce-scatter of the payload, or a shard codec's all-to-all
         rs_done.append(sim.collective(b.rounds[0].op, b.rounds[0].nbytes, c, f"b{k}"))
-        shift += c - c0
-    c = max(c, t_fwd + step.backward * slowdown + shift)
+    c = sim.compute(c, step.backward - done, slowdown)
+    flag = sim.collective("allreduce", DEAR_FLAG_BYTES, c, "finite flag")
     for k, b in enumerate(step.buckets):
         c = max(c, rs_done[k]) + b.rounds[0].after
         coder += b.rounds[0].after
-    total = c + step.optimizer / world + step.other - t0
+    c = max(c, flag)
+    total = c + step.optimizer / sim.world + step.other - t0
     return Result(total, compute, exposed_comm=max(0.0, total - compute - coder), link_busy=sim.busy,
                   encode_decode=coder, events=sim.events or [])

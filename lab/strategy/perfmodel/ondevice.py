@@ -9,25 +9,18 @@
   (NVLink, else PCIe: datasheet bandwidth x link efficiency) and ``nics`` NICs per node at the rate the
   table sweeps (``--gbps``); ``--cluster`` overrides node size, intra-node rate and NICs.
 
-``sources`` lists, for any prediction, which inputs were measured and which assumed or modeled.
+``source_rows`` / ``sources`` list, for any prediction, which inputs were measured and which assumed or modeled,
+and how well each part was validated (lab.perfmodel.validation).
 """
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from engine.compressors.plan import parts
 from lab.strategy.perfmodel import calibrate as cal
-from lab.strategy.perfmodel import collectives, devices, roofline
+from lab.strategy.perfmodel import collectives, devices, roofline, validation
 from lab.strategy.perfmodel.devices import Device
-
-VALIDATED = {
-    "flat": "bench/perfmodel.py (cnn, 2 CPU ranks, shaped 0.1-10 Gbit/s links): median error 8.9%, max 25.9% "
-            "over 17 configurations",
-    "device": "bench/model_validation.py --table c (MergeComp's published 8 x V100 scaling factors, ResNet-50/101): "
-              "see docs/benchmarks/model-validation.md",
-}
-"""Where the parts a prediction uses were checked, and how well (docs/benchmarks/ has the tables)."""
 
 
 def measured_on(profile: cal.Profile, device: Device) -> bool:
@@ -70,47 +63,63 @@ def link_maker(device: Device, shape: Optional[dict] = None) -> Callable[[float]
     return lambda g: topology(device, g, shape)
 
 
-def sources(profile: cal.Profile, spec: dict, device: Optional[Device] = None, precision: str = "",
-            compute_speedup: float = 1.0, link: str = "", cluster: bool = False) -> List[str]:
-    """``commlab predict``'s "sources" lines: for compute, links and each compressor's cost, whether
-    it was measured (and where), or modeled or assumed (and from what)."""
+def source_rows(profile: cal.Profile, spec: dict, device: Optional[Device] = None, precision: str = "",
+                compute_speedup: float = 1.0, link: str = "", cluster: bool = False) -> List[Dict[str, str]]:
+    """What a prediction rests on, one row per input (compute, link, each compressor's cost): ``kind``
+    measured, modeled or assumed, ``source`` where it comes from, and ``validated`` how well that part of the
+    model was checked against measurements (lab.perfmodel.validation)."""
     m = profile.machine or {}
     where = m.get("gpu") or m.get("cpu") or m.get("host") or ""
-    out = []
+    rows = []
+
+    def row(part, kind, source, label=None):
+        rows.append({"part": label or part, "kind": kind, "source": source, "validated": validation.quote(part, kind)})
     if device is not None and not measured_on(profile, device):
         eff_src = device.sources.get(f"compute_eff.{precision}", "assumed")
-        out.append(f"compute: modeled, roofline on {device.name} {precision}: datasheet peaks "
-                   f"({device.sources.get('flops', '?')}), compute efficiency {device.efficiency(precision):.3g} "
-                   f"({eff_src}), memory efficiency {device.memory_eff:g} (assumed)")
+        row("compute", "modeled", f"roofline on {device.name} {precision}: datasheet peaks "
+            f"({device.sources.get('flops', '?')}), compute efficiency {device.efficiency(precision):.3g} "
+            f"({eff_src}), memory efficiency {device.memory_eff:g} (assumed)")
     else:
-        line = f"compute: measured, {profile.source}" + (f" on {where}" if where else "")
+        line = profile.source + (f" on {where}" if where else "")
         if compute_speedup != 1.0:
             line += f", divided by --compute-speedup {compute_speedup:g} (assumed)"
-        out.append(line)
+        row("compute", "measured", line)
     if device is not None:
-        out.append(f"link: modeled, NCCL ring/tree and LL/LL128/Simple on {device.intra} ("
-                   f"{device.sources.get('nvlink_bw' if device.nvlink_bw else 'pcie_bw', 'datasheet')} x link "
-                   f"efficiency {device.link_eff:g}, assumed) and NICs at the table's rate x {device.link_eff:g}"
-                   + ("; --cluster overrides" if cluster else ""))
+        row("link", "modeled", f"NCCL ring/tree and LL/LL128/Simple on {device.intra} ("
+            f"{device.sources.get('nvlink_bw' if device.nvlink_bw else 'pcie_bw', 'datasheet')} x link "
+            f"efficiency {device.link_eff:g}, assumed) and NICs at the table's rate x {device.link_eff:g}"
+            + ("; --cluster overrides" if cluster else ""))
     elif cluster:
-        out.append("link: assumed, nominal alpha-beta two-level cluster from --cluster (no calibration)")
+        row("link", "assumed", "nominal alpha-beta two-level cluster from --cluster (no calibration)")
+    elif link:
+        row("link", "assumed", link)
     elif profile.link:
-        out.append(f"link: measured, {profile.link.get('source', 'calibrated')} (alpha, beta and token bucket "
-                   f"scaled to each rate)")
+        row("link", "measured", f"{profile.link.get('source', 'calibrated')} (alpha, beta and token bucket "
+            f"scaled to each rate)")
     else:
-        out.append("link: assumed, nominal alpha-beta at each rate (alpha 0, beta 8/rate); calibrate with --link")
+        row("link", "assumed", "nominal alpha-beta at each rate (alpha 0, beta 8/rate); calibrate with --link")
     for c in parts(spec["compressor"]):
         k = cal.compressor_key(c)
         if not cal.needs_curve(c):
-            out.append(f"compressor {k}: nothing to cost (its exchange runs no compressor code)")
+            rows.append({"part": f"compressor {k}", "kind": "none", "validated": "",
+                         "source": "nothing to cost (its exchange runs no compressor code)"})
             continue
         curve = profile.compressors.get(k) or {}
-        src = curve.get("source", "not yet measured")
-        kind = curve.get("kind", "measured")
+        kind = curve.get("kind", "measured") if curve else "assumed"
         on = "" if kind == "modeled" else f" on {where}" if where else ""
-        out.append(f"compressor {k}: {kind}, {src}{on}"
-                   + (f", divided by --compute-speedup {compute_speedup:g} (assumed)"
-                      if compute_speedup != 1.0 and kind == "measured" else ""))
-    out.append("validated: " + (VALIDATED["device"] if device is not None else VALIDATED["flat"]))
-    return out
+        row("compressor", kind, curve.get("source", "not yet measured") + on
+            + (f", divided by --compute-speedup {compute_speedup:g} (assumed)"
+               if compute_speedup != 1.0 and kind == "measured" else ""), label=f"compressor {k}")
+    return rows
 
+
+def sources(profile: cal.Profile, spec: dict, device: Optional[Device] = None, precision: str = "",
+            compute_speedup: float = 1.0, link: str = "", cluster: bool = False) -> List[str]:
+    """``commlab predict``'s "sources" lines: ``source_rows`` as text, each input's validation indented
+    under it."""
+    out = []
+    for r in source_rows(profile, spec, device, precision, compute_speedup, link, cluster):
+        out.append(f"{r['part']}: {r['kind']}, {r['source']}" if r["kind"] != "none" else f"{r['part']}: {r['source']}")
+        if r["validated"]:
+            out.append(f"  validated: {r['validated']}")
+    return out

@@ -161,7 +161,10 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
         plan = []
         for r, (op, nbytes, k) in enumerate(rounds):
             last = r == len(rounds) - 1
-            after = (dec * (world if op == "allgather" else 1)) if last else mid / max(len(rounds) - 1, 1)
+            if not last:
+                after = mid / max(len(rounds) - 1, 1)
+            else:  # an all-gathered payload: every rank decodes all ``world`` of them
+                after = cal.decode_cost(curve, raw, world) if curve and op == "allgather" else dec
             plan.append(Round(op, nbytes, after=after * f, tensors=k))
         buckets.append(Bucket(ready=ready * f, encode=enc * f, rounds=plan, raw_bytes=raw, forward=fwd * f))
     return Step(forward=profile.forward_s * f, backward=profile.backward_s * f,

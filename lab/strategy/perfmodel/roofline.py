@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from engine import models
-from engine.comm.exchange import local_collective, run_exchange
+from engine.comm.exchange import run_exchange
 from engine.spec import JobSpec
 from engine.trainer import load_data
 from lab.strategy.perfmodel import calibrate as cal
@@ -258,25 +258,35 @@ def codec_curve(comp: dict, device: Device, precision: str = "fp32", numels=CODE
         c.layout = [(0, (n // cols, cols))]
         c.skip_warmup()
         x = torch.randn(n)
-        cal.drive(c, x.clone())  # lazy state (residuals, PowerSGD's Q) made outside the priced exchange
-        rec = _Recorder(price)
-
-        def collective(op, payloads):
-            rec.paused = True  # the link's work, priced by the collectives model
-            try:
-                return local_collective(op, payloads)
-            finally:
-                rec.paused = False
-        with rec:
-            (ex,) = run_exchange([c], [x.clone()], 1, collective, timer=lambda: rec.clock)
-        s = ex.compute
+        rounds, _ = cal.drive(c, x.clone())  # lazy state (residuals, PowerSGD's Q) made outside the pricing
+        s = _priced(c, x, price, 1)
         for k, v in (("encode", s[0]), ("between", sum(s[1:-1])), ("decode", s[-1])):
             stages[k].append((n * 4, v))
+        if rounds and rounds[-1][0] == "allgather":  # what each further rank's payload adds to the decode
+            many = _priced(c, x, price, cal.DECODE_PAYLOADS)[-1]
+            stages.setdefault("decode_more", []).append((n * 4, max(0.0, many - s[-1]) / (cal.DECODE_PAYLOADS - 1)))
     out = {"sizes": [n * 4 for n in numels], "kind": "modeled",
            "source": f"from the bytes its operators move on {device.name} {precision} (lab.perfmodel.roofline)"}
     for k, rows in stages.items():
         out[k] = list(cal.fit_affine([r[0] for r in rows], [r[1] for r in rows], relative=False))
     return out
+
+
+def _priced(c, x, price, world: int) -> List[float]:
+    """The priced compute of one exchange of ``c`` on ``x`` as one of ``world`` ranks that sent the same
+    payload (calibrate.gathered): [encode, between rounds..., decode] seconds on the device."""
+    rec = _Recorder(price)
+    reply = cal.gathered(world)
+
+    def collective(op, payloads):
+        rec.paused = True  # the link's work, priced by the collectives model
+        try:
+            return reply(op, payloads)
+        finally:
+            rec.paused = False
+    with rec:
+        (ex,) = run_exchange([c], [x.clone()], world, collective, timer=lambda: rec.clock)
+    return ex.compute
 
 
 # --------------------------------------------------------------------------- calibrating against this machine

@@ -8,6 +8,8 @@
   spec names (shaped: nominal rate with the tbf's token bucket; modeled: the
   modeled link; loopback: alpha and beta fitted to its own communicate spans);
 - ``properties``: the measured checklist, saved beside the profiles;
+- ``sources_table``: which inputs of the predictions were measured and which assumed, with the validation
+  error of each part (the "sources" of ``commlab predict``);
 - ``lab_profiles``, ``read_profile``: the profiles a viewer may predict from. The page reads only the lab's
   own files: a student picks one of the runs directory's profiles or uploads one (parsed as data, at most
   MAX_UPLOAD bytes, its spec refused if it names code); the teacher may also type a path inside the runs
@@ -27,14 +29,15 @@ from typing import List, Optional
 import pandas as pd
 
 from engine import runfiles
+from engine.compressors.plan import parts
 from engine.runlog import set_aside, write_json_atomic
 from engine.spec import SpecError
 from lab.base.paths import PROPERTIES
 from lab.net.netns import tbf_burst_bytes
 from lab.rundir.index import runs_of
 from lab.strategy.perfmodel import calibrate as cal
+from lab.strategy.perfmodel import ondevice, properties, whatif
 from lab.strategy.perfmodel import predict as pr
-from lab.strategy.perfmodel import properties, whatif
 from lab.strategy.perfmodel.costs import Link
 from lab.strategy.perfmodel.properties import yes_no
 
@@ -77,7 +80,6 @@ def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, comp
 
 
 def ensure_curves(profile: cal.Profile, comps: dict) -> None:
-    from engine.compressors.plan import parts
     for section in comps.values():
         for comp in parts(section):  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(comp)
@@ -161,6 +163,23 @@ def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], in
     whatif.ensure_curves(profile, [spec])
     rows = whatif.table(profile, spec, inter_gbps, workers, compute_speedup, cluster=shape)
     return pd.DataFrame(rows).rename(columns={"gbps": "inter_gbps"})
+
+
+def sources_table(profile: cal.Profile, spec: dict, comps: Optional[dict] = None, link: str = "",
+                  cluster: bool = False) -> pd.DataFrame:
+    """What the page's predictions rest on, as ``commlab predict`` prints it (ondevice.source_rows): compute,
+    the link (``link``: how the page sets it, when not the profile's own) and each compressor of ``comps``
+    (default: the spec's own), each measured, modeled or assumed, with the validation error of that part of
+    the model."""
+    spec = whatif.load_for_prediction(data=spec)  # the compressor sections in full, as the curves are keyed
+    comps = comps or {"spec": spec["compressor"]}
+    rows, seen = [], set()
+    for comp in comps.values():
+        for r in ondevice.source_rows(profile, with_compressor(spec, comp), link=link, cluster=cluster):
+            if r["part"] not in seen:
+                seen.add(r["part"])
+                rows.append(r)
+    return pd.DataFrame(rows, columns=["part", "kind", "source", "validated"])
 
 
 def properties_file(runs) -> Path:

@@ -280,8 +280,9 @@ def profile_problem(d: dict) -> Optional[str]:
     for key, curve in d.get("compressors", {}).items():
         if not isinstance(curve, dict) or not all(
                 isinstance(curve.get(s), list) and len(curve[s]) == 2 and all(map(_number, curve[s]))
-                for s in ("encode", "between", "decode")):
-            return f"compressors.{key} must hold encode, between and decode as [fixed s, s per byte]"
+                for s in ("encode", "between", "decode") + (("decode_more",) if "decode_more" in curve else ())):
+            return (f"compressors.{key} must hold encode, between and decode (and optionally decode_more) as "
+                    "[fixed s, s per byte]")
     for key, rounds in d.get("payloads", {}).items():
         if not isinstance(rounds, list) or not all(isinstance(r, list) and len(r) == 3 and isinstance(r[0], str)
                                                    and _number(r[1]) and _number(r[2]) for r in rounds):
