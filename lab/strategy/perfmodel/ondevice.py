@@ -49,7 +49,8 @@ def device_profile(profile: cal.Profile, spec: dict, device: Device, precision: 
         p = roofline.profile(roofline.count_spec(spec), device, precision, base=profile,
                              optimizer=spec.get("optimizer", {}).get("name", "sgd"))
         say(f"compute: {p.source}")
-    for c in parts(spec["compressor"]):
+    meth = (spec.get("method") or {}).get("compressor") or {}
+    for c in parts(spec["compressor"]) + (parts(meth) if meth else []):  # and a method's pseudo-gradients'
         k = cal.compressor_key(c)
         if cal.needs_curve(c) and k not in p.compressors:
             p.compressors[k] = roofline.codec_curve(c, device, precision)
@@ -111,6 +112,16 @@ def sources(profile: cal.Profile, spec: dict, device: Optional[Device] = None, p
         out.append(f"compressor {k}: {kind}, {src}{on}"
                    + (f", divided by --compute-speedup {compute_speedup:g} (assumed)"
                       if compute_speedup != 1.0 and kind == "measured" else ""))
-    out.append("validated: " + (VALIDATED["device"] if device is not None else VALIDATED["flat"]))
+    meth = spec.get("method") or {}
+    if meth.get("name", "none") != "none":
+        comp = meth.get("compressor") or {}
+        curve = profile.compressors.get(cal.compressor_key(comp), {}) if comp and cal.needs_curve(comp) else {}
+        out.append(f"method {meth['name']}: modeled, its own schedule over the run's {spec.get('steps')} steps "
+                   f"(lab/strategy/perfmodel/local.py): local steps compute only, syncs priced on the link"
+                   + (f"; its compressor {cal.compressor_key(comp)}: {curve.get('kind', 'measured')}, "
+                      f"{curve.get('source', 'not yet measured')}" if curve else ""))
+    out.append("validated: " + (VALIDATED["device"] if device is not None else VALIDATED["flat"])
+               + ("; methods: not validated against runs yet (bench/local_updates.py measures them)"
+                  if meth.get("name", "none") != "none" else ""))
     return out
 
