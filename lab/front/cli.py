@@ -931,8 +931,8 @@ def cmd_advise(args) -> int:
     c = adv.cost_s
     print(f"advisor cost: {c['total']:.1f} s (profile and cost curves {c['profile']:.1f} s, predictions "
           f"{c['predict']:.1f} s, trials {c['trials']:.1f} s)", file=say)
-    for cand in adv.ranked()[:args.top or None]:
-        if cand.note:
+    for i, cand in enumerate(adv.ranked(), 1):  # the rows format_table shows: the top ones and every method
+        if cand.note and (not args.top or i <= args.top or cand.local):
             print(f"note: {cand.label}: {cand.note}", file=say)
     if args.out:
         print(f"wrote {write_spec(adv.winner_spec(), args.out)}", file=say)
