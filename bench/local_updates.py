@@ -135,7 +135,7 @@ def advise_best(base: dict, args, root: str, log) -> dict:
     adv = advisor.advise(spec, runs=root, say=log, methods=False, runner=Lab(root).runner())
     return {"label": adv.winner.label, "strategy": adv.winner.strategy(), "reason": adv.reason,
             "predicted_ms": adv.winner.predicted_ms, "penalty": adv.winner.penalty,
-            "penalty_from": adv.winner.penalty_source.split(":")[0]}
+            "penalty_from": adv.winner.penalty_source.split(":")[0], "link_source": adv.link_source}
 
 
 def variant_specs(names: List[str], base: dict, best: Optional[dict], params: Dict[str, dict], args) -> dict:
@@ -437,7 +437,7 @@ def report_setting(s: dict) -> str:
         b = s["best"]
         lines.append(f"- the advisor's predicted best per-step strategy here: {b['label']} (predicted "
                      f"{_f(b['predicted_ms'], '.1f')} ms per step, penalty {_f(b['penalty'], 'g', 'out')} from "
-                     f"{b['penalty_from']})")
+                     f"{b['penalty_from']}" + (f"; link: {b['link_source']}" if b.get("link_source") else "") + ")")
     for note in s.get("notes", []):
         lines.append(f"- {note}")
     v, best = a["verdict"], a["best_method"]
