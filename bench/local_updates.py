@@ -62,7 +62,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 import yaml  # noqa: E402
 
-from bench import common  # noqa: E402
+from bench import common, network  # noqa: E402
 
 METHODS = ("local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "demo")
 PER_STEP = ("best", "powersgd")
@@ -216,8 +216,7 @@ def load_data(name: str):
     from engine import data
     if name == "digits":
         return data.load("digits")
-    from bench.network import load_data as mnist32  # the shaped-link race's own data: the same images
-    return mnist32(name)
+    return network.load_data(name)  # the shaped-link race's own data: the same images
 
 
 class Runner:
