@@ -8,8 +8,9 @@ from tests.test_advisor import FakeRun, fake_profile, spec
 
 
 @pytest.fixture
-def no_runs(monkeypatch):
+def no_runs(monkeypatch, tmp_path):
     monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [])
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))  # the curves the advisor keeps (DeMo's codec) go there
 
 
 def local(adv):
@@ -53,7 +54,7 @@ def test_a_declared_penalty_lets_a_method_win(no_runs):
     assert not fast.winner.local
 
 
-def test_a_methods_penalty_is_its_steps_to_accuracy_against_ddp(monkeypatch):
+def test_a_methods_penalty_is_its_steps_to_accuracy_against_ddp(monkeypatch, tmp_path):
     s = spec()
     diloco = advisor.with_strategy(s, {"method": {"name": "diloco", "H": 20}})
     ddp_run = FakeRun("a", s, [(49, 0.5), (99, 0.9), (149, 0.98), (199, 1.0)])
@@ -61,12 +62,13 @@ def test_a_methods_penalty_is_its_steps_to_accuracy_against_ddp(monkeypatch):
     other_world = FakeRun("c", advisor.with_strategy({**s, "world_size": 4}, {"method": {"name": "diloco", "H": 20}}),
                           [(49, 0.99), (99, 0.99)])
     monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [ddp_run, diloco_run, other_world])
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     p, src = advisor.method_penalty(s, diloco["method"], None)
     assert p == pytest.approx(199 / 149)  # 97% of DDP's best: DDP at 149, DiLoCo at 199
     assert src.startswith("measured") and "run b" in src and "vs DDP 149 (run a)" in src
     # the measured configuration joins the space (DiLoCo at H 20 beside the defaults), with that penalty
-    assert advisor.measured_methods(s, None) == [diloco["method"]]
-    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
+    assert advisor.measured_methods(s, "index") == [diloco["method"]]
+    adv = advisor.advise(s, runs="index", gbps=0.01, profile=fake_profile(s), say=lambda m: None)
     h20 = [c for c in adv.candidates if c.local and c.method == diloco["method"]]
     assert len(h20) == 1 and h20[0].penalty == pytest.approx(199 / 149) and "H=20" in h20[0].label
     # a compressor's runs are held to DDP's without a method: the DiLoCo run is not a "none" run

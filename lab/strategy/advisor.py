@@ -149,6 +149,8 @@ class Candidate:
     """MergeComp: the predicted step time at that partition, the search not counted"""
     method: dict = field(default_factory=lambda: copy.deepcopy(NO_METHOD))
     """the method section (engine/methods/; full form, as spec.json holds it): none for every step's gradients"""
+    excluded: str = ""
+    """why the candidate is listed but neither costed nor ranked (a method the spec cannot take); "" otherwise"""
 
     @property
     def predicted_score(self) -> Optional[float]:
@@ -276,20 +278,20 @@ def measured_methods(spec: dict, runs, limit: int = METHODS_FROM_RUNS) -> List[d
 
 def method_space(spec: dict, runs=None) -> List[Candidate]:
     """The methods as candidates: every registered method at its defaults, then the configurations measured in
-    the index (``measured_methods``), each with DDP's buckets and wfbp (post-local SGD's warm-up steps use them)
-    and no top-level compressor. A method the spec cannot take (DeMo with a momentum optimizer) is listed with
-    the reason, unranked."""
+    ``runs``' index (``measured_methods``; none without ``runs``), each with DDP's buckets and wfbp (post-local
+    SGD's warm-up steps use them) and no top-level compressor. A method the spec cannot take (DeMo with a
+    momentum optimizer) is listed with the reason, unranked."""
     from engine import methods  # torch: only when the methods are ranked
     strat = {"compressor": _comp("none"), "schedule": {"name": "bucket", "cap_mb": 25.0}, "comm": {"mode": "wfbp"}}
     out, seen = [], set()
-    for sec in [{"name": n} for n in methods.names()[1:]] + measured_methods(spec, runs):
+    for sec in [{"name": n} for n in methods.names()[1:]] + (measured_methods(spec, runs) if runs else []):
         try:
             full = load_spec(data={**spec, **strat, "method": sec, "strategy": {"mode": "fixed"}}).to_dict()["method"]
         except SpecError as e:
             out.append(Candidate(f"{sec['name']}, bucket 25 MB, wfbp", strat["compressor"], strat["schedule"],
                                  strat["comm"], method={"name": sec["name"], "params": {}, "compressor": {}},
                                  penalty_source="not in the space: the spec does not take it",
-                                 note=f"not in the space: {e}"))
+                                 note=f"not in the space: {e}", excluded=str(e)))
             continue
         if method_key(full) not in seen:
             seen.add(method_key(full))
@@ -811,7 +813,8 @@ def keep_curves(spec: dict, runs=None) -> Tuple[int, float]:
     returns how many were measured and the seconds it took."""
     t = time.perf_counter()
     scratch = cal.Profile(model=spec["model"]["name"], dataset=spec["dataset"]["name"], batch_size=spec["batch_size"])
-    n = whatif.ensure_curves(scratch, [{**spec, **c.strategy()} for c in space(spec)], runs, kept=True)
+    n = whatif.ensure_curves(scratch, [{**spec, **c.strategy()} for c in space(spec, runs=runs) if not c.excluded],
+                             runs, kept=True)
     return n, time.perf_counter() - t
 
 
@@ -838,7 +841,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
         raise LabError("advise: measuring the close candidates needs runner= (lab.service.queue.Lab(runs).runner())")
     try:
         prof = profile or whatif.resolve_profile(spec, runs, say=say, runner=run_trial)
-        if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands], runs, kept=True):
+        if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands if not c.excluded], runs, kept=True):
             say("advisor: measured the candidates' encode/decode cost curves")
             if profile is None:
                 prof.save(whatif.profile_dir(runs) / f"{prof.key()}.json")
@@ -851,7 +854,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     pens: Dict[Tuple[str, str], Tuple[Optional[float], str]] = {}
     for c in cands:
         if c.local:
-            if not c.note.startswith("not in the space"):
+            if not c.excluded:
                 c.penalty, c.penalty_source = method_penalty(spec, c.method, runs, penalties)
             continue
         k = (json.dumps(c.compressor, sort_keys=True), c.comm["mode"])
@@ -861,7 +864,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     # MergeComp's search is predicted (dozens of layouts each) only for compressors whose best fixed layout
     # is within MERGECOMP_MARGIN of the best candidate: a fusion search does not make up a larger gap
     for c in cands:
-        if c.schedule["name"] != "mergecomp" and not c.note.startswith("not in the space"):
+        if c.schedule["name"] != "mergecomp" and not c.excluded:
             predict_candidate(prof, spec, c, lk, world)
     fixed = [c.predicted_score for c in cands if c.predicted_score is not None]
     for c in cands:
