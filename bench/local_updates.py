@@ -63,6 +63,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import yaml  # noqa: E402
 
 from bench import common, network  # noqa: E402
+from lab.base.errors import LabError  # noqa: E402
 
 METHODS = ("local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "demo")
 PER_STEP = ("best", "powersgd")
@@ -602,8 +603,8 @@ def main(argv=None) -> int:
         for g in rates:
             try:
                 s = one_setting(args, g, world, root, params, log)
-            except ValueError as e:  # a spec the lab refuses, a block that cuts an exchange: one line
-                ap.error(str(e))
+            except (ValueError, LabError) as e:  # a spec the lab refuses, a block that cuts an exchange, the
+                ap.error(str(e))                 # advisor's profiling run failing: one line
             if s is None:
                 return 1
             settings.append(s)
