@@ -115,12 +115,15 @@ def results_panel(group: dict) -> None:
         for x in v.variants.values():
             s = x.summary
             rows.append({"variant": x.label, "state": x.state, "steps": f"{s.get('steps_done', 0)}/{s.get('steps')}",
-                         "iter_ms": x.iter_ms, "final_acc": x.acc, "bytes_per_step": s.get("bytes_per_step"),
+                         "iter_ms": x.iter_ms, "mean_ms": x.mean_ms, "final_acc": x.acc,
+                         "bytes_per_step": s.get("bytes_per_step"),
                          "compression_ratio": s.get("compression_ratio"),
                          "exposed_comm_ms": x.breakdown.get("exposed_comm_ms") if x.breakdown else None,
                          "disturbed": bool(x.disturbance.get("disturbed")), "run": x.run_id})
         cols = widgets.table_columns()
         cols["exposed_comm_ms"] = st.column_config.NumberColumn("exposed comm ms", format="%.1f")
+        cols["mean_ms"] = st.column_config.NumberColumn(  # a method's local steps are cheap and its syncs not
+            "mean step ms", format="%.1f", help="the mean iteration after warm-up: a method's syncs amortized")
         st.dataframe(pd.DataFrame(rows).set_index("variant"), key="res.table", column_config=cols)
     panel()
     members = [r for r in (ui.get_run(i) for i in group["runs"].values()) if r is not None]

@@ -68,15 +68,18 @@ def preset_card(p: Preset) -> None:
         st.markdown(f"**{p.title}**")
         st.caption(p.question)
         st.caption("runs: " + ", ".join(p.variants))
+        # the preset's knobs (e.g. H, the steps between two syncs): its runs take the values set here
+        values = {k.name: st.slider(k.label, k.lo, k.hi, k.default, key=f"preset-{p.key}-{k.name}", help=k.help)
+                  for k in p.knobs}
         cap = owners.preset_steps(ui.runs_dir())
-        if cap and any(d["steps"] > cap for d in p.specs()):
+        if cap and any(d["steps"] > cap for d in p.specs(values)):
             st.caption(f"Scaled down for this room: at most {cap} steps per run (runs/lab.json preset_steps)")
         if reason:
             st.button("Start", key=f"preset-{p.key}", disabled=True, help=reason)
             st.caption(f"Not available yet: {reason}")
         elif st.button("Start", key=f"preset-{p.key}", type="primary"):
             try:
-                gid = ui.start_preset(p)
+                gid = ui.start_preset(p, values=values)
             except LabError as e:
                 st.error(str(e))
                 return

@@ -22,10 +22,16 @@ rounds with the order rotated each round. Each cell's figure is the median itera
 advisor predicts it) and the score is that time x the compressor's convergence penalty from the advisor
 (lab/advisor.py says where each penalty comes from). Ratios are medians of per-round ratios.
 
-What this measures is iteration time x penalty, not time to a target accuracy: full training to accuracy
+By default this measures iteration time x penalty, not time to a target accuracy: full training to accuracy
 of every cell is too slow on the 2-core machine this lab was built on. The penalties of the compressors in
 the grid come from the accuracy benchmark (cnn on digits: final accuracy at 300 steps) or are declared;
-the table's "penalty from" column says which, per cell.
+the table's "penalty from" column says which, per cell. With ``--target ACC`` every cell also evaluates on
+the held-out split every ``--eval-every`` steps, and its time to accuracy is measured: the sum of its
+iteration times (slower rank, evaluation excluded) up to the first evaluation at or above ACC, the median over
+rounds. The table gets that column and the report the choice's time to accuracy against the grid's best by
+the same measure (give ``--steps`` enough for DDP to reach it, e.g. ``--steps 300 --target 0.9`` for resnet
+on digits). The advisor's space includes the methods that communicate less often; without a penalty measured
+in this runs directory's runs they are listed, never chosen (lab/strategy/advisor.py).
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,10 +101,25 @@ def base_spec(model: str, link: str, gbps: float, steps: int) -> dict:
             "seed": 0, "network": {"link": link, "gbps": gbps}, **MODELS[model]}
 
 
-def cell_spec(base: dict, label: str, strategy: dict) -> dict:
+def cell_spec(base: dict, label: str, strategy: dict, eval_every: int = 0) -> dict:
     from lab.base.specs import load_spec
-    # a grid cell is timed steps only: no evaluation at its end (the transformer's takes seconds)
-    return load_spec(data={**base, **strategy, "name": f"{base['name']}-{label}", "final_eval": False}).to_dict()
+    # a grid cell is timed steps only unless time to accuracy is measured (``eval_every``): no evaluation at
+    # its end (the transformer's takes seconds)
+    return load_spec(data={**base, **strategy, "name": f"{base['name']}-{label}", "eval_every": eval_every,
+                           "final_eval": bool(eval_every)}).to_dict()
+
+
+def time_to_accuracy(run, target: float):
+    """(seconds, steps) of ``run`` to its first held-out evaluation at or above ``target``: the sum of its
+    iteration times (slower rank, evaluations excluded) over the steps before it; (None, None) if never."""
+    from lab.rundir.summary import iteration_times
+    rows = run.metric_rows()
+    it = iteration_times(rows)
+    reach = next((m["step"] for m in sorted((m for m in rows if m.get("kind") == "eval"), key=lambda m: m["step"])
+                  if m["eval_acc"] >= target), None)
+    if reach is None:
+        return None, None
+    return sum(ms for s, ms in it.items() if s < reach) / 1e3, reach
 
 
 def run_cell(store, spec: dict, prepare=None):
@@ -128,7 +150,7 @@ def finalists_of(timed: dict, pen: dict) -> list:
 
 
 def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, store, log, trials: int = 0,
-                final_rounds: int = 0) -> dict:
+                final_rounds: int = 0, target: Optional[float] = None, eval_every: int = 10) -> dict:
     from lab.strategy import advisor
     from lab.strategy.perfmodel.calibrate import compressor_key
     base = base_spec(model, link, gbps, RUN_STEPS)
@@ -145,26 +167,35 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
         cands = [c.as_dict() for c in adv.candidates]
         choice = {"label": adv.winner.label, "strategy": adv.winner.strategy()}
         cost, link_source, profile_source = adv.cost_s, adv.link_source, adv.profile_source
-    cells = {k: {"compressor": c, "schedule": s, "comm": m} for k, (c, s, m) in GRID.items()}
-    cells[CHOICE] = choice["strategy"]
+    cells = {k: {"compressor": c, "schedule": s, "comm": m, "method": dict(advisor.NO_METHOD)}
+             for k, (c, s, m) in GRID.items()}
+    cells[CHOICE] = {"method": dict(advisor.NO_METHOD), **choice["strategy"]}
     same_as = next((k for k, v in cells.items() if k != CHOICE and v == cells[CHOICE]), None)
     pen = {}
     for k, strat in cells.items():
-        p, src = advisor.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
+        if strat["method"]["name"] != "none":  # a method chosen on its measured runs
+            p, src = advisor.method_penalty(spec, strat["method"], store.root)
+        else:
+            p, src = advisor.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
         pen[k] = (p, src)
     timed = {k: [] for k in cells}
     runs = {k: [] for k in cells}
+    tta = {k: [] for k in cells}
     def play(keys, r, tag):
         """One round over ``keys``, the order rotated by ``r``."""
         for k in keys[r % len(keys):] + keys[:r % len(keys)]:
             # PowerSGD's plain start is not timed (advisor.measured_ms): it gets those steps on top
             extra = advisor.start_iter(cells[k]["compressor"]) or 0
-            s = cell_spec({**base, "steps": steps + extra}, k.split(" (")[0].replace(" ", "_"), cells[k])
+            s = cell_spec({**base, "steps": steps + extra}, k.split(" (")[0].replace(" ", "_"), cells[k],
+                          eval_every if target is not None else 0)
             run = run_cell(store, s)
             ms, _ = advisor.measured_ms(run, RUN_STEPS)
             timed[k].append(ms)
             runs[k].append(run.id)
-            log(f"  {model} {gbps:g} Gbit/s {tag} {r + 1}: {k}: {ms:.1f} ms")
+            if target is not None:
+                tta[k].append(time_to_accuracy(run, target)[0])
+            log(f"  {model} {gbps:g} Gbit/s {tag} {r + 1}: {k}: {ms:.1f} ms"
+                + (f", {target:.0%} in {_s(tta[k][-1])} s" if target is not None else ""))
 
     for r in range(rounds):
         play(list(cells), r, "round")
@@ -176,12 +207,14 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
             play(finalists, r, "final round")
     rows = {}
     for k in cells:
-        same = [c for c in cands if {f: c[f] for f in ("compressor", "schedule", "comm")} == cells[k]]
+        same = [c for c in cands if {f: c.get(f, advisor.NO_METHOD) for f in ("compressor", "schedule", "comm",
+                                                                                 "method")} == cells[k]]
         rows[k] = {"predicted_ms": same[0]["predicted_ms"] if same else None,
                    "trial_ms": same[0]["measured_ms"] if same else None, "rounds_ms": timed[k],
                    "penalty": pen[k][0], "penalty_from": pen[k][1].split(":")[0],
-                   "strategy": cells[k], "key": compressor_key(cells[k]["compressor"]), "runs": runs[k]}
-    out = {"model": model, "link": link, "gbps": gbps, "rows": rows, "choice": choice["label"],
+                   "strategy": cells[k], "key": compressor_key(cells[k]["compressor"]), "runs": runs[k],
+                   "rounds_tta_s": tta[k]}
+    out = {"model": model, "link": link, "gbps": gbps, "rows": rows, "choice": choice["label"], "target": target,
            "choice_same_as": same_as, "choice_predicted_ms": rows[CHOICE]["predicted_ms"], "advisor_cost_s": cost,
            "link_source": link_source, "profile_source": profile_source, "finalists": finalists,
            "final_rounds": final_rounds}
@@ -231,6 +264,14 @@ def settle(r: dict) -> dict:
     r["choice_vs_ddp"] = statistics.median((c * pc) / d for c, d in zip(timed[CHOICE], timed[DDP]))
     r["run300_s"] = RUN_STEPS * rows[CHOICE]["iter_ms"] / 1e3
     r["cost_share"] = r["advisor_cost_s"]["total"] / r["run300_s"]
+    # time to accuracy (--target): each cell's median over the rounds that reached it; the grid's best by it
+    for v in rows.values():
+        reached = [t for t in v.get("rounds_tta_s") or [] if t is not None]
+        v["tta_s"] = statistics.median(reached) if reached else None
+    tta = {k: v["tta_s"] for k, v in rows.items() if k != CHOICE and v["tta_s"] is not None}
+    r["tta_best"] = min(tta, key=tta.get) if tta else None
+    c = rows[CHOICE]["tta_s"]
+    r["choice_tta_vs_best"] = c / tta[r["tta_best"]] if tta and c is not None else None
     return r
 
 
@@ -260,8 +301,9 @@ def report(results: list, args) -> str:
     out = []
     for r in results:
         out.append(f"\n### {r['model']}, {r['link']} {r['gbps']:g} Gbit/s\n")
+        target = r.get("target")
         head = ["configuration", "predicted ms", "advisor's trial ms", "iter ms (median)", "vs DDP", "penalty", "penalty from",
-                "iter x penalty ms"]
+                "iter x penalty ms", f"time to {target:.0%} s (measured)" if target is not None else "time to accuracy s"]
         rows = []
         for k, v in sorted(r["rows"].items(), key=lambda kv: (kv[1]["score_ms"] is None, kv[1]["score_ms"] or 0)):
             same = r.get("choice_same_as")
@@ -273,8 +315,19 @@ def report(results: list, args) -> str:
             rows.append([name, f"{v['predicted_ms']:.1f}" if v["predicted_ms"] is not None else "-",
                          f"{v['trial_ms']:.1f}" if v.get("trial_ms") is not None else "-", f"{v['iter_ms']:.1f}", f"{v['vs_ddp']:.3f}",
                          f"{v['penalty']:g}" if v["penalty"] is not None else "out", v["penalty_from"],
-                         f"{v['score_ms']:.1f}" if v["score_ms"] is not None else "-"])
+                         f"{v['score_ms']:.1f}" if v["score_ms"] is not None else "-", _tta_cell(v, target)])
         out.append(common.markdown_table(head, rows))
+        if target is None:
+            out.append("\ntime to accuracy: not measured in this run (`--target ACC` measures it; the cells then "
+                       "evaluate every `--eval-every` steps)")
+        elif r.get("choice_tta_vs_best") is not None:
+            out.append(f"\ntime to {target:.0%}: the choice {_s(r['rows'][CHOICE]['tta_s'])} s, the grid's best by "
+                       f"time to accuracy {r['tta_best']} {_s(r['rows'][r['tta_best']]['tta_s'])} s: "
+                       f"{r['choice_tta_vs_best']:.3f}x its time")
+        else:
+            out.append(f"\ntime to {target:.0%}: "
+                       + ("the choice did not reach it" if r.get("tta_best") else "no cell reached it")
+                       + f" in {args.steps} steps")
         c = r["advisor_cost_s"]
         out.append(f"\nchoice / grid best {r['choice_vs_best']:.3f} (target <= 1.05: "
                    f"{'met' if r['choice_vs_best'] <= 1.05 else 'missed'}); choice / DDP {r['choice_vs_ddp']:.3f} "
@@ -310,6 +363,18 @@ def report(results: list, args) -> str:
                f"{'with ' + str(args.trials) + ' trials' if args.trials else 'from predictions only'}; "
                f"iteration x penalty, not time to accuracy (see bench/advisor.py)")
     return "\n".join(out)
+
+
+def _s(x) -> str:
+    return "not reached" if x is None else f"{x:.1f}"
+
+
+def _tta_cell(v: dict, target) -> str:
+    if target is None:
+        return "not measured"
+    n = len(v.get("rounds_tta_s") or [])
+    hit = [t for t in v.get("rounds_tta_s") or [] if t is not None]
+    return _s(v.get("tta_s")) + (f" ({len(hit)} of {n} rounds)" if n > 1 and len(hit) < n else "")
 
 
 def calibrate_link(store, gbps: float, log) -> dict:
@@ -361,6 +426,9 @@ def main(argv=None):
     ap.add_argument("--no-calibrate-curves", dest="calibrate_curves", action="store_false",
                     help="do not keep the compressors' cost curves for the machine before the settings (then the "
                          "first setting's advisor measures them, in its cost)")
+    ap.add_argument("--target", type=float, default=None, metavar="ACC",
+                    help="measure every cell's time to this held-out accuracy (e.g. 0.9) too; default: not measured")
+    ap.add_argument("--eval-every", type=int, default=10, help="with --target: evaluate every N steps (default 10)")
     ap.add_argument("--runs", default=None, help="runs directory (default: a temporary one)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None)
@@ -383,6 +451,10 @@ def main(argv=None):
     if bad:
         ap.error(f"--models: unknown {bad[0]!r}; allowed: {', '.join(MODELS)}")
     rates = [float(g) for g in args.gbps.split(",") if g]
+    if args.target is not None and not 0 < args.target <= 1:
+        ap.error(f"--target: must be in (0, 1], got {args.target:g}")
+    if args.eval_every < 1:
+        ap.error(f"--eval-every: must be >= 1, got {args.eval_every}")
     store = RunStore(args.runs or tempfile.mkdtemp(prefix="commlab-advbench-"))
     t0 = time.time()
 
@@ -396,7 +468,7 @@ def main(argv=None):
     for m in models:
         for g in rates:
             results.append(one_setting(m, args.link, g, args.steps, args.rounds, store, log, args.trials,
-                                       args.final_rounds))
+                                       args.final_rounds, args.target, args.eval_every))
             if args.json:
                 common.write_json(args.json, {"results": results, "args": vars(args), "wall_s": time.time() - t0})
             if args.md:  # so far, replaced at the end

@@ -84,7 +84,8 @@ def markdown(rows: list, rounds: int) -> str:
             if e is None:
                 eff, ratios, med = "accuracy and bytes only", "-", "-"
             else:
-                bound = f">= {e.at_least:g}x" if e.at_least is not None else f"<= {e.at_most:g}x"
+                lo, hi = e.bounds(p.values())  # a knob's bound (H) at the knob's default, as the runs ran
+                bound = f">= {lo:g}x" if lo is not None else f"<= {hi:g}x"
                 vals = [r["effects"][i]["ratio"] for r in rs]
                 eff = f"{e.text} ({bound})"
                 ratios = ", ".join(f"{x:.2f}" if x is not None else "-" for x in vals)

@@ -69,3 +69,34 @@ def test_the_curve_calibration_keeps_every_candidates_curve_once(tmp_path):
     assert ab.calibrate_curves(store, lambda m: None)["measured"] == 0
     text = ab.report([], argparse.Namespace(rounds=1, steps=14, trials=3, final_rounds=0, curve_calibration=first))
     assert f"{first['measured']} curves" in text and "in no setting's advisor cost" in text
+
+
+def test_time_to_accuracy_is_the_iteration_times_before_the_first_eval_at_the_target():
+    class Run:
+        def metric_rows(self):
+            steps = [{"kind": "step", "step": s, "rank": r, "time_ms": 100.0 + r} for s in range(30) for r in (0, 1)]
+            evals = [{"kind": "eval", "step": 10, "eval_acc": 0.5}, {"kind": "eval", "step": 20, "eval_acc": 0.92},
+                     {"kind": "eval", "step": 30, "eval_acc": 0.95}]
+            return steps + evals
+    assert ab.time_to_accuracy(Run(), 0.9) == (20 * 0.101, 20)  # 20 steps done, the slower rank's 101 ms each
+    assert ab.time_to_accuracy(Run(), 0.99) == (None, None)
+
+
+def test_settle_and_report_the_choices_time_to_accuracy_against_the_grids_best():
+    import argparse
+    s = _setting({ab.DDP: [100.0, 100.0], "fp16": [50.0, 50.0], ab.CHOICE: [60.0, 60.0]})
+    for k, t in ((ab.DDP, [30.0, 32.0]), ("fp16", [20.0, None]), (ab.CHOICE, [12.0, 14.0])):
+        s["rows"][k].update(rounds_tta_s=t, predicted_ms=None)
+    s.update(model="resnet", link="modeled", gbps=0.1, choice="x", target=0.9,
+             advisor_cost_s={"total": 1.0, "profile": 0.5, "predict": 0.5, "trials": 0.0})
+    r = ab.settle(s)
+    assert r["tta_best"] == "fp16" and r["rows"]["fp16"]["tta_s"] == 20.0  # the median of the rounds that reached it
+    assert r["choice_tta_vs_best"] == 13.0 / 20.0
+    text = ab.report([r], argparse.Namespace(rounds=2, steps=300, trials=0, final_rounds=0))
+    assert "time to 90% s (measured)" in text and "20.0 (1 of 2 rounds)" in text
+    assert "the grid's best by time to accuracy fp16 20.0 s: 0.650x its time" in text
+    s.pop("target")
+    for v in s["rows"].values():
+        v.pop("rounds_tta_s")
+    assert "not measured in this run" in ab.report([ab.settle(s)], argparse.Namespace(rounds=1, steps=14, trials=0,
+                                                                                   final_rounds=0))

@@ -14,7 +14,8 @@ CELL_TIMEOUT_S = 600  # a hang guard, not a speed check (tests do not time thing
 
 def test_there_is_a_notebook_per_paper():
     names = {p.stem for p in NOTEBOOKS}
-    for want in ("00_tour", "01_mergecomp", "02_sketch_fusion", "03_dear", "04_utility_of_compression"):
+    for want in ("00_tour", "01_mergecomp", "02_sketch_fusion", "03_dear", "04_utility_of_compression",
+                 "05_local_updates"):
         assert want in names, f"notebooks/{want}.ipynb is missing"
 
 
@@ -45,6 +46,7 @@ def test_headings(path):
 
 PAPERS = {"01_mergecomp": "arxiv.org/abs/2103.15195", "02_sketch_fusion": "sciencedirect.com",
           "03_dear": "arxiv.org/abs/2302.12445", "04_utility_of_compression": "proceedings.mlsys.org",
+          "05_local_updates": "arxiv.org/abs/2311.08105",
           "06_your_compressor": "github.com/sands-lab/grace"}
 
 

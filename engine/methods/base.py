@@ -25,7 +25,9 @@ A subclass overrides what it needs:
 - ``after_backward(step)``, ``after_optimizer_step(step)``: the method's own exchanges, through
   ``engine.methods.transfer`` (the lab's exchange driver, compressors and timeline lanes).
 - ``exchanges_at(step)`` and ``schedule(tensor_bytes, steps)``: pure descriptions of which steps send
-  what, for the spec's fault checks, tests and the performance model.
+  what, for the spec's fault checks, tests and the performance model (lab/strategy/perfmodel/local.py), with
+  ``parts(tensor_bytes)`` (which tensors each fragment holds) and, for a method that brings its own codec,
+  ``codec()`` and ``codec_numel(n)`` (what the model times).
 - ``global_params()``: the parameters every rank agrees on (what evaluation reads), or None.
 - ``state_dict()``/``load_state_dict()``: what a checkpoint keeps (step counts, outer momentum,
   residuals).
@@ -41,6 +43,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 
 import torch
 
+from engine.compressors.base import Compressor
 from engine.compressors.params import Param, take
 from engine.compressors.plan import Plan
 from engine.netmodel import ModeledLink
@@ -152,6 +155,23 @@ class Method:
         """The exchanges of ``steps`` steps of a model whose trainable tensors have these byte sizes,
         in issue order (pure: no tensors, no collectives)."""
         return []
+
+    def parts(self, tensor_bytes: Sequence[int]) -> List[List[int]]:
+        """The tensors (indices in registration order) that each fragment of the method's exchanges holds,
+        fragment by fragment (``Event.fragment``): one part of every tensor unless the method syncs the
+        parameters in fragments (Streaming DiLoCo)."""
+        return [list(range(len(tensor_bytes)))]
+
+    def codec(self) -> Optional[Compressor]:
+        """A fresh instance of the codec of the method's own exchanges when the method brings its own
+        (DeMo's DCT top-k), for the performance model to time; None when ``method.compressor`` (or nothing)
+        compresses them."""
+        return None
+
+    def codec_numel(self, numel: int) -> int:
+        """The length of the flat tensor the method hands its codec for ``numel`` elements (DeMo pads each
+        tensor to whole chunks)."""
+        return numel
 
     # -- what the ranks agree on ----------------------------------------------
     def global_params(self) -> Optional[List[Tensor]]:

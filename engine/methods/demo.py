@@ -128,6 +128,12 @@ class DeMo(Method):
         c.ef = DecayingResidual(self.decay)
         return c
 
+    def codec(self) -> DCTTopK:
+        return self._codec(0)
+
+    def codec_numel(self, numel: int) -> int:
+        return self._rows(numel) * self.chunk
+
     def setup(self, ctx: Context) -> None:
         super().setup(ctx)
         self.groups: List[Group] = groups(ctx, range(len(ctx.params)), "momentum", self._codec, pad_to=self.chunk)

@@ -106,8 +106,11 @@ class DiLoCo(Method):
     def exchanges_at(self, step: int) -> bool:
         return any(self.issues(step, f) for f in range(self.fragments))
 
+    def parts(self, tensor_bytes: Sequence[int]) -> List[List[int]]:
+        return split_even(tensor_bytes, self.fragments)
+
     def schedule(self, tensor_bytes: Sequence[int], steps: int, element_size: int = 4) -> List[Event]:
-        parts = split_even(tensor_bytes, self.fragments)
+        parts = self.parts(tensor_bytes)
         sizes = [sum(tensor_bytes[i] for i in part) for part in parts]
         return [Event(s, "pseudo", sizes[f], self.tau, f) for s in range(steps) for f in range(self.fragments)
                 if self.issues(s, f)]

@@ -7,7 +7,7 @@ useful accuracy and the whole preset finishes in about a minute (bench/presets.p
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from engine.spec import SpecError
 from lab.base.specs import load_spec
@@ -31,18 +31,65 @@ def modeled(gbps: float) -> dict:
     return {"link": "modeled", "gbps": gbps}
 
 
+@dataclass(frozen=True)
+class Knob:
+    """A value the preset card asks for with a slider (an integer); the preset's specs and bounds take it
+    where they hold ``Use(name)``."""
+    name: str
+    label: str
+    default: int
+    lo: int
+    hi: int
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class Use:
+    """A knob's value, in a variant's spec overrides or an effect's bound."""
+    knob: str
+
+
+def fill(obj: Any, values: Dict[str, int]) -> Any:
+    """``obj`` (spec overrides, a bound) with every ``Use`` replaced by its knob's value."""
+    if isinstance(obj, Use):
+        return values[obj.knob]
+    if isinstance(obj, dict):
+        return {k: fill(v, values) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [fill(v, values) for v in obj]
+    return obj
+
+
+MEASURES = {"iteration": "median iteration time", "step_mean": "mean step time, syncs amortized",
+            "exchanges": "steps that sent anything"}
+"""What an effect's ratio compares (lab.analysis.results reads each from the runs)."""
+
+
 @dataclass
 class Effect:
-    """A measured ratio of median iteration times, slower / faster, and the bound it must meet."""
+    """A measured ratio, slower / faster (of median iteration times unless ``measure`` says otherwise), and
+    the bound it must meet."""
     text: str
     """what it says, e.g. "MergeComp over layer-wise, per iteration\""""
     faster: str
     """the variant expected to be faster (or, with at_most, the one expected not to be)"""
     slower: str
-    at_least: Optional[float] = None
-    """the ratio must reach this (the paper's effect, scaled to what this machine can show)"""
-    at_most: Optional[float] = None
+    at_least: Union[float, Use, None] = None
+    """the ratio must reach this (the paper's effect, scaled to what this machine can show); a knob's value
+    with ``Use``"""
+    at_most: Union[float, Use, None] = None
     """the ratio must not exceed this (an effect that should be absent, e.g. compression on a fast link)"""
+    measure: str = "iteration"
+    """one of ``MEASURES``: median iteration time, the mean step (a method's syncs amortized), or the count of
+    steps that exchanged anything (fewer is "faster")"""
+
+    def __post_init__(self):
+        if self.measure not in MEASURES:
+            raise ValueError(f"measure: {self.measure!r}; allowed: {', '.join(MEASURES)}")
+
+    def bounds(self, values: Dict[str, int]) -> Tuple[Optional[float], Optional[float]]:
+        """(at least, at most) with the knobs' values filled in."""
+        return fill(self.at_least, values), fill(self.at_most, values)
 
 
 @dataclass
@@ -66,19 +113,44 @@ class Preset:
     """(all-reduced variant, all-gathered variant): the verdict says how each one's measured traffic per
     rank grows with the number of workers, and from how many workers the all-reduced one sends less"""
 
-    def specs(self) -> List[dict]:
-        return [{**BASE, **v, "name": f"{self.key}: {label}"} for label, v in self.variants.items()]
+    knobs: List[Knob] = field(default_factory=list)
+    """values the preset card asks for (sliders), which ``variants`` and effect bounds take as ``Use``"""
+    exchanges: Optional[Tuple[str, List[str]]] = None
+    """(every-step variant, [methods]): the verdict counts each method's exchanges and bytes against the
+    every-step one's, and the time each took to reach that one's final accuracy"""
+
+    def values(self, given: Optional[Dict[str, int]] = None) -> Dict[str, int]:
+        """Every knob's value: ``given`` where it says, else the default. ValueError ``<knob>: ...`` for an
+        unknown knob or a value out of its range."""
+        given = dict(given or {})
+        known = {k.name: k for k in self.knobs}
+        for name in given:
+            if name not in known:
+                raise ValueError(f"{name}: preset {self.key} has no such knob; allowed: {', '.join(known) or 'none'}")
+        out = {}
+        for k in self.knobs:
+            v = given.get(k.name, k.default)
+            if isinstance(v, bool) or not isinstance(v, int) or not k.lo <= v <= k.hi:
+                raise ValueError(f"{k.name}: must be an integer in {k.lo}..{k.hi}, got {v!r}")
+            out[k.name] = v
+        return out
+
+    def specs(self, values: Optional[Dict[str, int]] = None) -> List[dict]:
+        vals = self.values(values)
+        return [{**BASE, **fill(v, vals), "name": f"{self.key}: {label}"} for label, v in self.variants.items()]
 
     def labels(self) -> List[str]:
         return list(self.variants)
 
     def check(self) -> Optional[str]:
-        """None when every run of the preset is a valid spec, else the reason it is not available."""
-        for d in self.specs():
-            try:
-                load_spec(data=d)
-            except SpecError as e:
-                return str(e)
+        """None when every run of the preset is a valid spec (at the knobs' defaults and at each one's ends),
+        else the reason it is not available."""
+        for values in [{}] + [{k.name: v} for k in self.knobs for v in (k.lo, k.hi)]:
+            for d in self.specs(values):
+                try:
+                    load_spec(data=d)
+                except SpecError as e:
+                    return str(e)
         return None
 
 
@@ -140,6 +212,35 @@ PRESETS = [
                  "with the number of workers.",
            reference="topk", scaling=("countsketch", "topk")),
 ]
+
+
+# cnn on digits over a modeled 0.1 Gbit/s link: every step's all-reduce costs about as much as the step's
+# compute, so sending it once every H steps shows. DiLoCo's inner SGD runs at lr 0.02: at DDP's 0.05 the
+# paper's outer Nesterov step (lr 0.7, momentum 0.9) overshoots within 150 steps.
+LESS_OFTEN = {"network": modeled(0.1)}
+H_KNOB = Knob("H", "H: steps between two syncs", 8, 2, 32,
+              "local SGD averages the parameters, DiLoCo the pseudo-gradients, once every H steps; DDP all-reduces "
+              "the gradients every step")
+
+PRESETS.append(
+    Preset("less-often", "Communicate less often: local SGD and DiLoCo",
+           "A CNN on digits over a modeled 0.1 Gbit/s link: DDP all-reduces every step's gradients; local SGD "
+           "averages the parameters every H steps; DiLoCo averages the pseudo-gradients every H steps and takes "
+           "an outer Nesterov step. Slide H and watch the exchanges, the time and the accuracy move.",
+           {"DDP": {**LESS_OFTEN},
+            "local SGD": {**LESS_OFTEN, "method": {"name": "local_sgd", "H": Use("H")}},
+            "DiLoCo": {**LESS_OFTEN, "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
+                       "method": {"name": "diloco", "H": Use("H"), "outer_lr": 0.7, "outer_momentum": 0.9}}},
+           claim="DiLoCo (Douillard et al. 2023) reaches synchronous training's accuracy with H times fewer "
+                 "exchanges (8 workers matched it with 500x less communication), so on a slow link it finishes "
+                 "sooner; Lin et al. (2018) found the same for local SGD's periodic averaging.",
+           reference="DDP",
+           effects=[Effect("DiLoCo against DDP, exchanges", "DiLoCo", "DDP", at_least=Use("H"), measure="exchanges"),
+                    Effect("DiLoCo against DDP, mean step (its syncs amortized)", "DiLoCo", "DDP", at_least=1.2,
+                           measure="step_mean"),
+                    Effect("local SGD against DDP, mean step (its syncs amortized)", "local SGD", "DDP",
+                           at_least=1.2, measure="step_mean")],
+           knobs=[H_KNOB], exchanges=("DDP", ["local SGD", "DiLoCo"])))
 
 
 def get(key: str) -> Preset:

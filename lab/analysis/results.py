@@ -12,10 +12,11 @@ The app's results page, bench/presets.py and the tests all read verdicts from he
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from engine.runlog import write_json_atomic
 from lab.analysis import timelines
@@ -24,7 +25,7 @@ from lab.analysis.presets import ACCURACY_POINTS, PRESETS, Effect, Preset
 from lab.base.paths import GROUPS
 from lab.rundir.disturbance import describe as describe_disturbance
 from lab.rundir.store import FINAL, check_id
-from lab.rundir.summary import fmt_bytes, summarize
+from lab.rundir.summary import fmt_bytes, iteration_times, summarize, warmup_steps
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
 from lab.strategy.perfmodel.costs import steps_and_wire
@@ -36,15 +37,18 @@ def _groups_dir(root) -> Path:
     return Path(root) / GROUPS
 
 
-def save_group(root, preset_key: str, runs: Dict[str, str], created: Optional[float] = None) -> str:
-    """Write a group (variant label -> run id) and return its id (the first run's id, which is unique)."""
+def save_group(root, preset_key: str, runs: Dict[str, str], created: Optional[float] = None,
+               values: Optional[Dict[str, int]] = None) -> str:
+    """Write a group (variant label -> run id, and the preset's knob values it ran with) and return its id
+    (the first run's id, which is unique)."""
     if not runs:
         raise ValueError("group: no runs")
     gid = check_id(next(iter(runs.values())))
     d = _groups_dir(root)
     d.mkdir(parents=True, exist_ok=True)
     write_json_atomic(d / f"{gid}.json", {"id": gid, "preset": preset_key, "runs": runs,
-                                          "created": time.time() if created is None else created})
+                                          "created": time.time() if created is None else created,
+                                          **({"values": values} if values else {})})
     return gid
 
 
@@ -88,6 +92,12 @@ class Variant:
     """collective kind -> count in the last measured step (allreduce, allgather, ...), from the timeline"""
     started: Optional[float] = None
     ended: Optional[float] = None
+    mean_ms: Optional[float] = None
+    """mean iteration time after warm-up (a method's syncs amortized over its local steps)"""
+    exchanges: Optional[int] = None
+    """steps in which rank 0 sent anything (every step for DDP; a method's syncs)"""
+    acc_at: List[Tuple[float, float]] = field(default_factory=list)
+    """(seconds of training, held-out accuracy) at each evaluation: the sum of the iteration times before it"""
 
     @property
     def iter_ms(self) -> Optional[float]:
@@ -141,11 +151,20 @@ class Verdict:
 def _variant(label: str, run, breakdown_fn) -> Variant:
     status = run.status()
     spec = run.spec_dict()
-    s = summarize(run.metric_rows(), spec)
+    rows = run.metric_rows()
+    s = summarize(rows, spec)
     bd = breakdown_fn(run) if s.get("steps_done", 0) > 2 else {}
+    it = iteration_times(rows)
+    order = sorted(it)
+    timed = order[warmup_steps(len(order)):] or order
+    sent = [m for m in rows if m.get("kind") == "step" and m["rank"] == 0]
+    evals = sorted((m["step"], m["eval_acc"]) for m in rows if m.get("kind") == "eval")
     return Variant(label, run.id, status.get("state", "unknown"), s, bd or {},
                    status.get("disturbance") or {}, collective_counts(run) if run.state in FINAL else {},
-                   status.get("started"), status.get("ended"))
+                   status.get("started"), status.get("ended"),
+                   mean_ms=statistics.fmean(it[k] for k in timed) if timed else None,
+                   exchanges=sum(1 for m in sent if m.get("bytes_sent")) if sent else None,
+                   acc_at=[(sum(ms for k, ms in it.items() if k < step) / 1e3, acc) for step, acc in evals])
 
 
 def collective_counts(run) -> Dict[str, int]:
@@ -164,20 +183,30 @@ def collective_counts(run) -> Dict[str, int]:
     return out
 
 
-def _ratio(e: Effect, v: Dict[str, Variant]) -> EffectResult:
+MEASURED = {"iteration": (lambda x: x.iter_ms, "{:.1f} ms", "per iteration"),
+            "step_mean": (lambda x: x.mean_ms, "{:.1f} ms", "per step on average"),
+            "exchanges": (lambda x: x.exchanges, "{:.0f}", "steps that exchanged")}
+"""An effect's measure (lab.analysis.presets.MEASURES): how to read it from a variant, its format and unit."""
+
+
+def _ratio(e: Effect, v: Dict[str, Variant], values: Optional[Dict[str, int]] = None) -> EffectResult:
     fast, slow = v.get(e.faster), v.get(e.slower)
     if fast is None or slow is None:
         return EffectResult(e, None, None, f"{e.text}: variant missing from the group")
-    if not (fast.iter_ms and slow.iter_ms):
-        return EffectResult(e, None, None, f"{e.text}: waiting for both runs' timings")
-    r = slow.iter_ms / fast.iter_ms
-    bound = (f"target at least {e.at_least:g}x" if e.at_least is not None else "") + \
-            (f"target at most {e.at_most:g}x" if e.at_most is not None else "")
+    read, fmt, unit = MEASURED[e.measure]
+    a, b = read(fast), read(slow)
+    if not (a and b):
+        return EffectResult(e, None, None, f"{e.text}: waiting for both runs' " +
+                            ("timings" if e.measure != "exchanges" else "steps"))
+    r = b / a
+    at_least, at_most = e.bounds(values or {})
+    bound = (f"target at least {at_least:g}x" if at_least is not None else "") + \
+            (f"target at most {at_most:g}x" if at_most is not None else "")
     settled = fast.final and slow.final
-    ok = (e.at_least is None or r >= e.at_least) and (e.at_most is None or r <= e.at_most)
-    line = (f"{e.text}: {r:.2f}x ({fast.label} {fast.iter_ms:.1f} ms vs {slow.label} {slow.iter_ms:.1f} ms per "
-            f"iteration; {bound})" + ("" if settled else " — so far"))
-    why = "" if ok or not settled else explain(fast, slow)
+    ok = (at_least is None or r >= at_least) and (at_most is None or r <= at_most)
+    line = (f"{e.text}: {r:.2f}x ({fast.label} {fmt.format(a)} vs {slow.label} {fmt.format(b)} {unit}; "
+            f"{bound})" + ("" if settled else " — so far"))
+    why = "" if ok or not settled or e.measure == "exchanges" else explain(fast, slow)
     return EffectResult(e, r, ok if settled else None, line, why)
 
 
@@ -228,12 +257,19 @@ def evaluate(group: dict, store_get, breakdown_fn=None) -> Verdict:
     p = preset_of(group)
     v: Dict[str, Variant] = {}
     notes = []
+    values: Dict[str, int] = {}
+    if p is not None:
+        try:
+            values = p.values(group.get("values"))
+        except ValueError as e:
+            notes.append(f"the group's knob values cannot be read ({e}); the preset's defaults are used")
+            values = p.values()
     for lab_, rid in group["runs"].items():
         try:
             v[lab_] = _variant(lab_, store_get(rid), breakdown_fn)
         except (OSError, ValueError, KeyError) as e:
             notes.append(f"{lab_}: run {rid} cannot be read ({e})")
-    effects = [_ratio(e, v) for e in (p.effects if p else [])]
+    effects = [_ratio(e, v, values) for e in (p.effects if p else [])]
     acc_lines, acc_ok = _accuracy(p, v)
     complete = len(v) == len(group["runs"]) and all(x.final for x in v.values())
     ends = [x.ended for x in v.values() if x.ended]
@@ -244,6 +280,10 @@ def evaluate(group: dict, store_get, breakdown_fn=None) -> Verdict:
     for e in effects:
         if e.why:
             lines.append(f"Why it missed: {e.why}")
+    if values:
+        lines.append("run with " + ", ".join(f"{k} = {x}" for k, x in values.items()))
+    if p is not None and p.exchanges is not None:
+        lines += _exchange_lines(v, *p.exchanges)
     lines += _traffic_lines(v)
     if p is not None and p.scaling is not None:
         lines += _scaling_lines(v, *p.scaling)
@@ -275,6 +315,43 @@ def _traffic_lines(v: Dict[str, Variant]) -> List[str]:
             out[-1] += (f"; exposed communication {x.breakdown.get('exposed_comm_ms', 0):.1f} ms of a "
                         f"{x.breakdown.get('step_ms', 0):.1f} ms step")
     return out
+
+
+def time_to(x: Variant, acc: float) -> Optional[float]:
+    """Seconds of training (the sum of iteration times) until ``x``'s first evaluation at or above ``acc``."""
+    return next((t for t, a in x.acc_at if a >= acc), None)
+
+
+def _exchange_lines(v: Dict[str, Variant], base: str, methods: List[str]) -> List[str]:
+    """Each method against the every-step variant: how many steps exchanged and what a step sent on average,
+    and the training time each took to reach the every-step variant's final accuracy (less the accuracy
+    margin): the claim "the same accuracy with H times fewer exchanges, sooner on a slow link", measured."""
+    b = v.get(base)
+    if b is None or not b.exchanges:
+        return []
+    goal = b.acc - ACCURACY_POINTS if b.acc is not None else None
+    tb = time_to(b, goal) if goal is not None and b.final else None
+    out = []
+    for name in methods:
+        x = v.get(name)
+        if x is None or not x.exchanges:
+            continue
+        line = (f"{name}: {x.exchanges} steps exchanged against {base}'s {b.exchanges} "
+                f"({b.exchanges / x.exchanges:.1f}x fewer)")
+        sb, sx = b.summary.get("bytes_per_step"), x.summary.get("bytes_per_step")
+        if sb and sx:
+            line += f", {fmt_bytes(sx)} per step amortized against {fmt_bytes(sb)} ({sb / sx:.1f}x less)"
+        if goal is not None and x.final and b.final:
+            tx = time_to(x, goal)
+            line += (f"; {goal:.1%} held out (within {ACCURACY_POINTS * 100:.0f} points of {base}'s final) after "
+                     + (f"{tx:.1f} s of training against {base}'s {tb:.1f} s ({tb / tx:.2f}x sooner)"
+                        if tx and tb else f"{_s(tx)} against {base}'s {_s(tb)}"))
+        out.append(line)
+    return out
+
+
+def _s(t: Optional[float]) -> str:
+    return "never" if t is None else f"{t:.1f} s"
 
 
 def _scaling_lines(v: Dict[str, Variant], summed: str, gathered: str) -> List[str]:

@@ -65,8 +65,8 @@ from lab.rundir.summary import format_summary, summarize
 from lab.service.queue import Lab
 from lab.strategy import advisor
 from lab.strategy.advisor import LINKS, TRIAL_STEPS, TRIALS
-from lab.strategy.perfmodel import devices, whatif
-from lab.strategy.perfmodel.calibrate import CalibrationError, spec_key
+from lab.strategy.perfmodel import devices, predict, whatif
+from lab.strategy.perfmodel.calibrate import CalibrationError, compressor_key, spec_key
 
 ROOT = SOURCE
 INTERRUPTED, CLOSED_PIPE = 130, 141
@@ -840,6 +840,9 @@ def cmd_predict(args) -> int:
     if link_cal is not None:
         prof.link = link_cal
     links = node_size = None
+    if dev is not None and spec["method"]["name"] != "none" and predict.method_of(spec).codec() is not None:
+        raise SpecError("--device", f"method {spec['method']['name']} brings its own codec, whose cost on a GPU "
+                                    "is not modeled; predict it without --device")
     if dev is not None:
         prof = ondevice.device_profile(prof, spec, dev, precision, say=info)
         links, node_size = ondevice.link_maker(dev, shape), ondevice.topology(dev, gbps[0], shape).gpus_per_node
@@ -852,9 +855,12 @@ def cmd_predict(args) -> int:
     else:
         link = (f"calibrated at {prof.link['nominal_gbps']:g} Gbit/s and scaled" if prof.link
                 else "nominal alpha-beta (alpha 0, beta 8/rate; no link calibrated)")
-    c = spec["compressor"]
+    c, meth = spec["compressor"], spec["method"]
     setup = (f"{spec['model']['name']} batch {spec['batch_size']}, {c['name']}{' +EF' if c['error_feedback'] else ''}"
-             f", {spec['schedule']['name']}, {spec['comm']['mode']}; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
+             f", {spec['schedule']['name']}, {spec['comm']['mode']}"
+             + (f", method {method_label(meth)} (SPEC ms: the mean step over the run's {spec['steps']} steps, its syncs "
+                f"amortized)" if meth["name"] != "none" else "")
+             + f"; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
              + (f"device {dev.name} {precision}" if dev else f"compute x{args.compute_speedup:g}"))
     rows = whatif.table(prof, spec, gbps, workers, args.compute_speedup, cluster=shape, links=links)
     crossovers = [whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape, links=links,
@@ -873,6 +879,13 @@ def cmd_predict(args) -> int:
     for line in sources:
         print("  " + line)
     return 0
+
+
+def method_label(section: dict) -> str:
+    """A spec's method section in one phrase: ``diloco(H=50,outer_lr=0.7,...)`` and its compressor, if any."""
+    ps = ",".join(f"{k}={v}" for k, v in (section.get("params") or {}).items())
+    comp = section.get("compressor") or {}
+    return (f"{section['name']}({ps})" + (f" with {compressor_key(comp)}" if comp and comp["name"] != "none" else ""))
 
 
 def parse_candidate(text: str) -> dict:
@@ -918,8 +931,8 @@ def cmd_advise(args) -> int:
     c = adv.cost_s
     print(f"advisor cost: {c['total']:.1f} s (profile and cost curves {c['profile']:.1f} s, predictions "
           f"{c['predict']:.1f} s, trials {c['trials']:.1f} s)", file=say)
-    for cand in adv.ranked()[:args.top or None]:
-        if cand.note:
+    for i, cand in enumerate(adv.ranked(), 1):  # the rows format_table shows: the top ones and every method
+        if cand.note and (not args.top or i <= args.top or cand.local):
             print(f"note: {cand.label}: {cand.note}", file=say)
     if args.out:
         print(f"wrote {write_spec(adv.winner_spec(), args.out)}", file=say)

@@ -151,17 +151,23 @@ def cuda_available() -> bool:
         return False
 
 
-def start_preset(preset: Preset, runs=None) -> str:
-    """Queue every run of a preset (detached supervisors) and record them as a group (lab.results);
-    the group's id. The group is written before the first run is queued, so a results page opened at
-    once finds it."""
+def start_preset(preset: Preset, runs=None, values: Optional[Dict[str, int]] = None) -> str:
+    """Queue every run of a preset (detached supervisors), its knobs at ``values`` (the card's sliders; the
+    defaults where not given), and record them as a group (lab.results) with those values; the group's id.
+    The group is written before the first run is queued, so a results page opened at once finds it.
+    LabError for a value out of a knob's range."""
     from lab.analysis import results
     root = runs or runs_dir()
     created = time.time()
     cap = owners.preset_steps(root)
-    specs = [lab._spec(owners.scale_preset(d, cap)) for d in preset.specs()]
+    try:
+        vals = preset.values(values)
+    except ValueError as e:
+        raise LabError(f"preset {preset.key}: {e}") from None
+    specs = [lab._spec(owners.scale_preset(d, cap)) for d in preset.specs(vals)]
     made = _queue(root, specs, then=lambda made: results.save_group(
-        root, preset.key, {label: r.id for label, r in zip(preset.labels(), made)}, created=created))
+        root, preset.key, {label: r.id for label, r in zip(preset.labels(), made)}, created=created,
+        values=vals))
     return made[0].id
 
 

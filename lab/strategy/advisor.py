@@ -23,6 +23,15 @@ Steps, in order:
    ``trial_steps`` steps through the normal launcher on the same link; the winner is the best measured
    iteration time x penalty.
 
+The methods that communicate less often (engine/methods/: local SGD, post-local SGD, DiLoCo, Streaming DiLoCo,
+DeMo) are candidates too (``method_space``): each at its defaults, and every configuration of one that finished
+runs of this model in the index used. Their predicted time is the mean step over the run (syncs amortized,
+lab/strategy/perfmodel/local.py); their penalty is only ever measured (steps to accuracy against DDP's, both
+runs of this model in the index) or declared (``--penalty diloco=1.2``): a method without either is listed but
+never chosen, since how many more steps a method needs depends on the model, H and the optimizer far more than a
+compressor's does. Methods are not tried in trials (a trial's few steps would not span a sync period), and
+``strategy: auto`` does not plan them (``methods=False``).
+
 The penalty's source is always said: ``measured`` (steps to accuracy in two finished runs of this model in
 the index), ``benchmark`` (the strategy accuracy benchmark for the same compressor section in the same
 comm mode, then the compressor accuracy benchmark, both shipped as lab/strategy/evidence.json: cnn on digits,
@@ -111,6 +120,10 @@ scatter by several percent here (the transformer at a shaped 10 Gbit/s: bf16 und
 and ran 4.9% slower than DDP in the grid), so a win inside the noise goes to the safe reference. It costs at
 most 3% against the true best."""
 LINKS = ("modeled", "shaped")
+NO_METHOD = {"name": "none", "params": {}, "compressor": {}}
+"""The method section of every step's gradients (spec.json's full form)."""
+METHODS_FROM_RUNS = 6
+"""Method configurations taken from the index as candidates at most (the latest distinct ones)."""
 
 
 # --------------------------------------------------------------------------- candidates
@@ -134,6 +147,10 @@ class Candidate:
     """MergeComp: that partition's cuts (over the profile's parameters, in its order)"""
     steady_ms: Optional[float] = None
     """MergeComp: the predicted step time at that partition, the search not counted"""
+    method: dict = field(default_factory=lambda: copy.deepcopy(NO_METHOD))
+    """the method section (engine/methods/; full form, as spec.json holds it): none for every step's gradients"""
+    excluded: str = ""
+    """why the candidate is listed but neither costed nor ranked (a method the spec cannot take); "" otherwise"""
 
     @property
     def predicted_score(self) -> Optional[float]:
@@ -147,9 +164,14 @@ class Candidate:
             return None
         return self.measured_ms * self.penalty
 
+    @property
+    def local(self) -> bool:
+        """True for a method that communicates less often (not every step's gradients)."""
+        return self.method.get("name", "none") != "none"
+
     def strategy(self) -> dict:
         return {"compressor": copy.deepcopy(self.compressor), "schedule": copy.deepcopy(self.schedule),
-                "comm": copy.deepcopy(self.comm)}
+                "comm": copy.deepcopy(self.comm), "method": copy.deepcopy(self.method)}
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -228,9 +250,60 @@ def own_compressor(spec: dict) -> List[dict]:
     return [c] if any(is_import_path(p["name"]) for p in parts(c)) else []
 
 
-def space(spec: dict, extra: List[dict] = ()) -> List[Candidate]:
+def method_key(section: dict) -> str:
+    """A method section as one string, ``name(param=value,...)``, and ``with <compressor key>`` when its
+    exchanges are compressed: how the advisor's table names it and how runs of it are matched."""
+    params = ",".join(f"{k}={v}" for k, v in sorted((section.get("params") or {}).items()))
+    comp = section.get("compressor") or {}
+    with_comp = f" with {compressor_key(comp)}" if comp and compressor_key(comp) != "none" else ""
+    return f"{section['name']}{'(' + params + ')' if params else ''}{with_comp}"
+
+
+def measured_methods(spec: dict, runs, limit: int = METHODS_FROM_RUNS) -> List[dict]:
+    """The method sections of the latest finished runs in the index with the spec's model, data set, batch,
+    optimizer and world size that evaluated at least twice (what ``penalty_from_runs`` can measure), newest
+    first, at most ``limit`` distinct ones."""
+    out, seen = [], set()
+    for r, d in _done_runs(spec, runs):
+        m = d.get("method") or NO_METHOD
+        if m["name"] == "none" or method_key(m) in seen or d["world_size"] != spec["world_size"]:
+            continue
+        if len(_evals(r)) >= 2:
+            seen.add(method_key(m))
+            out.append(m)
+            if len(out) == limit:
+                break
+    return out
+
+
+def method_space(spec: dict, runs=None) -> List[Candidate]:
+    """The methods as candidates: every registered method at its defaults, then the configurations measured in
+    ``runs``' index (``measured_methods``; none without ``runs``), each with DDP's buckets and wfbp (post-local
+    SGD's warm-up steps use them) and no top-level compressor. A method the spec cannot take (DeMo with a
+    momentum optimizer) is listed with the reason, unranked."""
+    from engine import methods  # torch: only when the methods are ranked
+    strat = {"compressor": _comp("none"), "schedule": {"name": "bucket", "cap_mb": 25.0}, "comm": {"mode": "wfbp"}}
+    out, seen = [], set()
+    for sec in [{"name": n} for n in methods.names()[1:]] + (measured_methods(spec, runs) if runs else []):
+        try:
+            full = load_spec(data={**spec, **strat, "method": sec, "strategy": {"mode": "fixed"}}).to_dict()["method"]
+        except SpecError as e:
+            out.append(Candidate(f"{sec['name']}, bucket 25 MB, wfbp", strat["compressor"], strat["schedule"],
+                                 strat["comm"], method={"name": sec["name"], "params": {}, "compressor": {}},
+                                 penalty_source="not in the space: the spec does not take it",
+                                 note=f"not in the space: {e}", excluded=str(e)))
+            continue
+        if method_key(full) not in seen:
+            seen.add(method_key(full))
+            out.append(Candidate(f"{method_key(full)}, bucket 25 MB, wfbp", copy.deepcopy(strat["compressor"]),
+                                 dict(strat["schedule"]), dict(strat["comm"]), method=full))
+    return out
+
+
+def space(spec: dict, extra: List[dict] = (), runs=None, methods: bool = True) -> List[Candidate]:
     """Every strategy the advisor ranks, for a fully defaulted spec dict: the built-in space, the spec's own
-    compressor when it names code, and the ``extra`` compressor sections (``commlab advise --candidate``)."""
+    compressor when it names code, the ``extra`` compressor sections (``commlab advise --candidate``) and, with
+    ``methods``, the methods that communicate less often (``method_space``, from ``runs``' index)."""
     out = []
     for label, c in compressor_space(own_compressor(spec) + list(extra)):
         for cap in BUCKET_CAPS_MB:
@@ -241,7 +314,7 @@ def space(spec: dict, extra: List[dict] = ()) -> List[Candidate]:
             for cap in DEAR_CAPS_MB:
                 out.append(Candidate(f"{label}, dear {cap:g} MB", c, {"name": "bucket", "cap_mb": 25.0},
                                      {"mode": "dear", "cap_mb": cap}))
-    return out
+    return out + (method_space(spec, runs) if methods else [])
 
 
 def with_strategy(spec: dict, strategy: dict) -> dict:
@@ -266,25 +339,44 @@ def steps_to(evals: List[Tuple[int, float]], target: float) -> Optional[int]:
     return None
 
 
-def penalty_from_runs(spec: dict, comp: dict, runs) -> Optional[Tuple[Optional[float], str]]:
-    """Steps to accuracy of ``comp`` over none's, from the latest finished runs in the index with the spec's
-    model, data set, batch and optimizer that evaluated at least twice; None when there is no such pair."""
+def _done_runs(spec: dict, runs):
+    """(run, its spec) of the finished runs in the index with the spec's model, data set, batch and optimizer,
+    newest first."""
     key = spec_key(spec)
+    for r in reversed(runs_of(runs, state="done")):
+        try:
+            d = r.spec_dict()
+        except (OSError, json.JSONDecodeError):
+            continue
+        if spec_key(d) == key and d["optimizer"] == spec["optimizer"]:
+            yield r, d
 
-    def evals_of(c):
-        for r in reversed(runs_of(runs, state="done")):
-            try:
-                d = r.spec_dict()
-            except (OSError, json.JSONDecodeError):
+
+def _evals(run) -> List[Tuple[int, float]]:
+    return [(m["step"], m["eval_acc"]) for m in run.metric_rows() if m.get("kind") == "eval"]
+
+
+def penalty_from_runs(spec: dict, comp: dict, runs, method: Optional[dict] = None
+                      ) -> Optional[Tuple[Optional[float], str]]:
+    """Steps to accuracy of ``comp`` (with ``method``, a method section; default none) over DDP's (compressor
+    none, no method), from the latest finished runs in the index with the spec's model, data set, batch and
+    optimizer that evaluated at least twice; a method's runs, and the DDP run it is held to, also have the
+    spec's world size (how far ranks drift apart between syncs depends on it). None when there is no such pair."""
+    method = method or NO_METHOD
+    local = method["name"] != "none"
+
+    def evals_of(c, m):
+        for r, d in _done_runs(spec, runs):
+            if not _same_comp(d["compressor"], c) or method_key(d.get("method") or NO_METHOD) != method_key(m):
                 continue
-            if spec_key(d) != key or d["optimizer"] != spec["optimizer"] or not _same_comp(d["compressor"], c):
+            if local and d["world_size"] != spec["world_size"]:
                 continue
-            ev = [(m["step"], m["eval_acc"]) for m in r.metric_rows() if m.get("kind") == "eval"]
+            ev = _evals(r)
             if len(ev) >= 2:
                 return r, ev
         return None
 
-    base, mine = evals_of(_comp("none")), evals_of(comp)
+    base, mine = evals_of(_comp("none"), NO_METHOD), evals_of(comp, method)
     if base is None or mine is None:
         return None
     (rb, eb), (rm, em) = base, mine
@@ -292,8 +384,8 @@ def penalty_from_runs(spec: dict, comp: dict, runs) -> Optional[Tuple[Optional[f
     sb, sm = steps_to(eb, target), steps_to(em, target)
     if sm is None:
         return None, (f"measured: did not reach {target:.1%} in {max(s for s, _ in em) + 1} steps (run {rm.id}; "
-                      f"none reached it at step {sb}, run {rb.id})")
-    return max(sm, 1) / max(sb, 1), f"measured: steps to {target:.1%}, {sm} (run {rm.id}) vs none {sb} (run {rb.id})"
+                      f"DDP reached it at step {sb}, run {rb.id})")
+    return max(sm, 1) / max(sb, 1), f"measured: steps to {target:.1%}, {sm} (run {rm.id}) vs DDP {sb} (run {rb.id})"
 
 
 def benchmark_cells(results: Optional[List[dict]] = None) -> Dict[Tuple[str, bool], dict]:
@@ -372,12 +464,28 @@ def declared_default(comp: dict, cells) -> Tuple[float, str]:
     return 1.25, "declared: no measurement; a lossy compressor assumed to need 25% more steps"
 
 
+def method_penalty(spec: dict, method: dict, runs=None,
+                   declared: Optional[Dict[str, float]] = None) -> Tuple[Optional[float], str]:
+    """(penalty, source) for a method section: the user's declared value (by its name or ``method_key``), else
+    its steps to accuracy against DDP's from runs in the index; else None: listed, never chosen."""
+    for k in (method_key(method), method["name"]):
+        if declared and k in declared:
+            return float(declared[k]), f"declared by the user ({k}={declared[k]:g})"
+    found = penalty_from_runs(spec, _comp("none"), runs, method)
+    if found is not None:
+        return found
+    return None, (f"no runs, not chosen: no finished run of {method_key(method)} beside a DDP run of this model "
+                  f"(world {spec['world_size']}) in the index to measure its steps to accuracy; run both, or "
+                  f"declare one: --penalty {method['name']}=X")
+
+
 def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, float]] = None,
             cells=None, mode: str = "wfbp", strategies=None) -> Tuple[Optional[float], str]:
     """(penalty, source) for the compressor section ``comp`` in comm ``mode`` on the spec's model: the user's
     declared value first, then runs in the index, then the strategy benchmark (mixed sections, dear with a
     compressed reduce-scatter), then the accuracy benchmark, then the advisor's declared default. A mixed
-    section nothing measured takes the worst of its parts' penalties (source ``parts``)."""
+    section nothing measured takes the worst of its parts' penalties (source ``parts``). A method's penalty
+    is ``method_penalty``'s."""
     key = compressor_key(comp)
     for k in (key, comp["name"]):
         if declared and k in declared:
@@ -405,7 +513,8 @@ def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, floa
 
 
 def parse_penalties(items) -> Dict[str, float]:
-    """``--penalty topk=1.2`` (a compressor name, or a key as the advisor's table prints it) into a dict."""
+    """``--penalty topk=1.2`` (a compressor or method name, or a key as the advisor's table prints it) into a
+    dict."""
     out = {}
     for item in items or ():
         name, sep, value = str(item).partition("=")
@@ -461,6 +570,12 @@ def link_of(profile, net: dict, runs=None):
 
 def predict_candidate(profile, spec: dict, cand: Candidate, link, world: int) -> None:
     s = {**spec, **cand.strategy()}
+    if cand.local:
+        try:
+            cand.predicted_ms = pr.predict(profile, s, link.gbps, world, link=link).total * 1e3
+        except SpecError as e:  # the model does not fit the method's parameters (more fragments than tensors)
+            add_note(cand, f"not predicted: {e}")
+        return
     if cand.schedule["name"] == "mergecomp":
         cuts_ms, groups, cuts, steady = search_mergecomp(profile, s, link, world)
         cand.predicted_ms, cand.layout_groups, cand.layout_cuts, cand.steady_ms = cuts_ms, groups, cuts, steady
@@ -537,9 +652,9 @@ def measured_ms(run, run_steps: Optional[int] = None, skip: Optional[int] = None
 
 
 def is_ddp(c: Candidate) -> bool:
-    """DDP's configuration: none, 25 MB buckets, wfbp."""
+    """DDP's configuration: none, 25 MB buckets, wfbp, no method."""
     return (c.compressor["name"] == "none" and not c.compressor.get("per_bucket") and c.comm["mode"] == "wfbp"
-            and c.schedule == {"name": "bucket", "cap_mb": 25.0})
+            and c.schedule == {"name": "bucket", "cap_mb": 25.0} and not c.local)
 
 
 SAME_FAMILY = {"bf16": "fp16"}
@@ -567,7 +682,7 @@ def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN,
     picks, seen = [], set()
     for c in ranked:
         key = family(c.compressor)
-        if c.predicted_score is None or key in seen:
+        if c.predicted_score is None or key in seen or c.local:  # a trial would not span a method's period
             continue
         if picks and c.predicted_score > family_margin * picks[0].predicted_score:
             continue
@@ -698,7 +813,8 @@ def keep_curves(spec: dict, runs=None) -> Tuple[int, float]:
     returns how many were measured and the seconds it took."""
     t = time.perf_counter()
     scratch = cal.Profile(model=spec["model"]["name"], dataset=spec["dataset"]["name"], batch_size=spec["batch_size"])
-    n = whatif.ensure_curves(scratch, [{**spec, **c.strategy()} for c in space(spec)], runs, kept=True)
+    n = whatif.ensure_curves(scratch, [{**spec, **c.strategy()} for c in space(spec, runs=runs) if not c.excluded],
+                             runs, kept=True)
     return n, time.perf_counter() - t
 
 
@@ -706,9 +822,10 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
            workers: Optional[int] = None, measure: bool = False, trials: int = TRIALS,
            trial_steps: int = TRIAL_STEPS, penalties: Optional[Dict[str, float]] = None,
            runner: Optional[Callable[[dict], object]] = None, profile=None,
-           say: Callable[[str], None] = print, candidates: List[dict] = ()) -> Advice:
+           say: Callable[[str], None] = print, candidates: List[dict] = (), methods: bool = True) -> Advice:
     """Rank the strategy space for ``spec`` (a fully defaulted spec dict) on a link; see the module docstring.
-    ``candidates``: more compressor sections (full form, checked) to rank beside the built-in space."""
+    ``candidates``: more compressor sections (full form, checked) to rank beside the built-in space;
+    ``methods``: rank the methods that communicate less often too (``method_space``)."""
     if workers is not None and not 1 <= workers <= 1024:
         raise SpecError("--workers", f"must be in 1..1024, got {workers}")
     if not 1 <= trials <= 20:
@@ -718,13 +835,13 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     net = network_for(spec, gbps, link)
     world = workers or spec["world_size"]
     t0 = time.perf_counter()
-    cands = space(spec, candidates)
+    cands = space(spec, candidates, runs, methods)
     run_trial = runner
     if measure and run_trial is None:
         raise LabError("advise: measuring the close candidates needs runner= (lab.service.queue.Lab(runs).runner())")
     try:
         prof = profile or whatif.resolve_profile(spec, runs, say=say, runner=run_trial)
-        if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands], runs, kept=True):
+        if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands if not c.excluded], runs, kept=True):
             say("advisor: measured the candidates' encode/decode cost curves")
             if profile is None:
                 prof.save(whatif.profile_dir(runs) / f"{prof.key()}.json")
@@ -736,6 +853,10 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     cells, strategies = benchmark_cells(), strategy_cells()
     pens: Dict[Tuple[str, str], Tuple[Optional[float], str]] = {}
     for c in cands:
+        if c.local:
+            if not c.excluded:
+                c.penalty, c.penalty_source = method_penalty(spec, c.method, runs, penalties)
+            continue
         k = (json.dumps(c.compressor, sort_keys=True), c.comm["mode"])
         if k not in pens:
             pens[k] = penalty(spec, c.compressor, runs, penalties, cells, c.comm["mode"], strategies)
@@ -743,7 +864,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     # MergeComp's search is predicted (dozens of layouts each) only for compressors whose best fixed layout
     # is within MERGECOMP_MARGIN of the best candidate: a fusion search does not make up a larger gap
     for c in cands:
-        if c.schedule["name"] != "mergecomp":
+        if c.schedule["name"] != "mergecomp" and not c.excluded:
             predict_candidate(prof, spec, c, lk, world)
     fixed = [c.predicted_score for c in cands if c.predicted_score is not None]
     for c in cands:
@@ -767,6 +888,10 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     if measure:
         measure_in_session(adv, trial_picks(ranked, trials), trial_steps, run_trial, say)
         adv.cost_s.update(trials=time.perf_counter() - t2, total=time.perf_counter() - t0)
+        for c in cands:
+            if c.local and c.predicted_score is not None:
+                add_note(c, f"not tried: {trial_steps} trial steps do not span its sync period, and a measured "
+                            "choice is made among the tried")
     adv.reason = explain(adv)
     return adv
 
@@ -835,9 +960,7 @@ def explain(adv: Advice) -> str:
     w = adv.winner
     key = "measured_score" if adv.chosen_by == "measured" else "predicted_score"
     what = "measured" if adv.chosen_by == "measured" else "predicted"
-    ddp = next((c for c in adv.candidates if c.compressor["name"] == "none" and not c.compressor.get("per_bucket")
-                and c.comm["mode"] == "wfbp"
-                and c.schedule == {"name": "bucket", "cap_mb": 25.0}), None)
+    ddp = next((c for c in adv.candidates if is_ddp(c)), None)
     low = min((c for c in adv.candidates if getattr(c, key) is not None), key=lambda c: getattr(c, key), default=w)
     if adv.chosen_by == "measured" and low is not w and is_ddp(w):
         return (f"DDP held: the best measured, {low.label} at {low.measured_score:.1f} ms per step-equivalent, "
@@ -855,9 +978,13 @@ def explain(adv: Advice) -> str:
 
 
 def format_table(adv: Advice, limit: Optional[int] = None) -> List[str]:
+    """The ranking, the first ``limit`` rows (all without one), and the methods below them: a method without
+    a penalty is never chosen, and its row says why."""
     head = ("#", "CANDIDATE", "PRED ms", "PENALTY", "PRED x PEN", "MEAS ms", "MEAS x PEN", "PENALTY FROM")
     rows = [head]
-    for i, c in enumerate(adv.ranked()[:limit] if limit else adv.ranked(), 1):
+    ranked = adv.ranked()
+    shown = [(i, c) for i, c in enumerate(ranked, 1) if not limit or i <= limit or c.local]
+    for i, c in shown:
         f = (lambda v: f"{v:.1f}" if v is not None else "-")
         rows.append((str(i), c.label, f(c.predicted_ms), f"{c.penalty:g}" if c.penalty is not None else "out",
                      f(c.predicted_score), f(c.measured_ms), f(c.measured_score), c.penalty_source.split(":")[0]))

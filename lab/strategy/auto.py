@@ -152,8 +152,9 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
         launch(t, progress=False, should_cancel=should_cancel)
         return t
 
+    # methods=False: auto plans no method (engine.spec refuses one)
     adv = advise(spec, runs=lab.root, measure=False, trials=st["trials"], trial_steps=st["trial_steps"],
-                 penalties=st["penalties"], runner=runner, say=say)
+                 penalties=st["penalties"], runner=runner, say=say, methods=False)
     if st["measure"]:
         picks = trial_picks(adv.ranked(), st["trials"])
         plan = plan_in_run(adv, picks, st["trial_steps"])
@@ -235,7 +236,7 @@ def plan_after_profile(lab, run, say: Callable[[str], None], poll_s: float = 0.0
         prof.machine = whatif.machine_info(run, n)
         built_s = time.perf_counter() - t0
         adv = advise(spec, runs=lab.root, measure=False, trials=st["trials"], trial_steps=st["trial_steps"],
-                     penalties=st["penalties"], profile=prof, say=say)
+                     penalties=st["penalties"], profile=prof, say=say, methods=False)
         prof.save(whatif.profile_dir(lab.root) / f"{prof.key()}.json")  # with its cost curves and payloads
         picks = trial_picks(adv.ranked(), st["trials"])
         # no lead-in: the dry steps took the fresh process's slow first steps (after them, the first trial's

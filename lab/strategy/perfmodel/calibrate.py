@@ -24,7 +24,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from engine import codepath
 from engine.runlog import write_json_atomic
@@ -443,25 +443,27 @@ def needs_curve(c: dict) -> bool:
     return not Exchange.prescales(make_compressor(c))
 
 
-def measure_compressor(c: dict, numels=CURVE_NUMELS, repeat: int = 5, warm: int = 4) -> dict:
+def measure_compressor(c: dict, numels=CURVE_NUMELS, repeat: int = 5, warm: int = 4,
+                       make: Optional[Callable[[], object]] = None) -> dict:
     """Fixed + per-byte cost of encoding, of the compute between rounds and of decoding for
-    the compressor config ``c`` (a spec's compressor section), in one thread, fp32."""
+    the compressor config ``c`` (a spec's compressor section), in one thread, fp32. ``make`` builds the
+    compressor instead of the registry (a method's own codec: ``Method.codec``)."""
     import torch
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every rank runs
     try:
-        return _measure_compressor(c, numels, repeat, warm)
+        return _measure_compressor(make or (lambda: make_compressor(c)), numels, repeat, warm)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure_compressor(c, numels, repeat, warm):
+def _measure_compressor(make, numels, repeat, warm):
     import torch
     torch.manual_seed(0)
     stages: Dict[str, list] = {"encode": [], "between": [], "decode": []}
     for n in numels:
         cols = 256 if n % 256 == 0 else 1
-        comp = make_compressor(c)
+        comp = make()
         comp.layout = [(0, (n // cols, cols))]  # one weight matrix, as PowerSGD sees a layer
         x = torch.randn(n)
         for _ in range(warm + comp.warmup_exchanges):  # past plain warm-up exchanges (PowerSGD), lazy buffers

@@ -42,7 +42,8 @@ def device_profile(profile: cal.Profile, spec: dict, device: Device, precision: 
         p = roofline.profile(roofline.count_spec(spec), device, precision, base=profile,
                              optimizer=spec.get("optimizer", {}).get("name", "sgd"))
         say(f"compute: {p.source}")
-    for c in parts(spec["compressor"]):
+    meth = (spec.get("method") or {}).get("compressor") or {}
+    for c in parts(spec["compressor"]) + (parts(meth) if meth else []):  # and a method's pseudo-gradients'
         k = cal.compressor_key(c)
         if cal.needs_curve(c) and k not in p.compressors:
             p.compressors[k] = roofline.codec_curve(c, device, precision)
@@ -110,6 +111,16 @@ def source_rows(profile: cal.Profile, spec: dict, device: Optional[Device] = Non
         row("compressor", kind, curve.get("source", "not yet measured") + on
             + (f", divided by --compute-speedup {compute_speedup:g} (assumed)"
                if compute_speedup != 1.0 and kind == "measured" else ""), label=f"compressor {k}")
+    meth = spec.get("method") or {}
+    if meth.get("name", "none") != "none":
+        comp = meth.get("compressor") or {}
+        curve = profile.compressors.get(cal.compressor_key(comp), {}) if comp and cal.needs_curve(comp) else {}
+        rows.append({"part": f"method {meth['name']}", "kind": "modeled",
+                     "validated": "not validated against runs yet (bench/local_updates.py measures them)",
+                     "source": f"its own schedule over the run's {spec.get('steps')} steps "
+                               f"(lab/strategy/perfmodel/local.py): local steps compute only, syncs priced on the link"
+                               + (f"; its compressor {cal.compressor_key(comp)}: {curve.get('kind', 'measured')}, "
+                                  f"{curve.get('source', 'not yet measured')}" if curve else "")})
     return rows
 
 

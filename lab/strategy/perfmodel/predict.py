@@ -1,9 +1,11 @@
 """Predictions from a Profile: iteration time of a spec at a bandwidth and worker count,
 speedup over DDP, and the crossover bandwidth below which compression pays.
 
-DDP is the same job with ``none``, 25 MB buckets and ``wfbp`` (what torch DDP does).
+DDP is the same job with ``none``, 25 MB buckets and ``wfbp`` (what torch DDP does), and no method.
 ``compute_speedup`` divides every compute time, encoding and decoding included (a
-GPU 20x faster than this CPU is ``compute_speedup=20``).
+GPU 20x faster than this CPU is ``compute_speedup=20``). A spec with a method that communicates less
+often (local SGD, DiLoCo, ...) is predicted over its run's steps (``predict_method``, local.py): the mean
+iteration time, its syncs amortized, Streaming DiLoCo's fragments overlapped with inner steps.
 """
 from __future__ import annotations
 
@@ -12,19 +14,52 @@ import math
 from typing import Callable, Dict, List, Optional, Tuple
 
 from engine import schedules
+from engine.codepath import imports_allowed, is_import_path
 from engine.schedules import layer_of  # a parameter's module: the same rule as dear's layer buffers
+from engine.spec import JobSpec, SpecError
 from lab.strategy.perfmodel import calibrate as cal
+from lab.strategy.perfmodel import local
 from lab.strategy.perfmodel.iteration import Bucket, Result, Round, Step, iteration_time
 
 DDP = {"compressor": {"name": "none", "params": {}, "error_feedback": False},
        "schedule": {"name": "bucket", "cap_mb": 25.0}, "comm": {"mode": "wfbp"}}
+NO_METHOD = {"name": "none", "params": {}, "compressor": {}}
+"""A spec's method section when every step's gradients are exchanged (the default)."""
+RUN_STEPS = JobSpec.steps
+"""The steps a method is predicted over when the spec does not say (the spec's default)."""
 
 
 def ddp_spec(spec: dict) -> dict:
     s = copy.deepcopy(spec)
     for k, v in DDP.items():
         s[k] = copy.deepcopy(v)
+    if "method" in s:
+        s["method"] = copy.deepcopy(NO_METHOD)
     return s
+
+
+def method_of(spec: dict):
+    """The spec's method (engine/methods/), an instance with its parameters checked, or None for none.
+    A method named by import path is the user's code: built only in a process that may import code."""
+    sec = spec.get("method") or NO_METHOD
+    name = sec.get("name", "none")
+    if name == NO_METHOD["name"]:
+        return None
+    if is_import_path(name) and not imports_allowed():
+        raise SpecError("method.name", f"{name} is code, which is not imported here (predicted where the "
+                                       "teacher runs it)")
+    from engine import methods  # torch: only for a spec that names a method
+    try:
+        return methods.make(name, **(sec.get("params") or {}))
+    except ValueError as e:
+        where, _, msg = str(e).partition(": ")
+        raise SpecError(f"method.{where}", msg) from None
+
+
+def codec_key(m) -> str:
+    """The profile's key for the cost curve of a method's own codec (``Method.codec``), e.g.
+    ``demo:dct_topk(chunk=64,topk=32)+EF``."""
+    return f"{m.name}:{m.codec().describe()}"
 
 
 
@@ -174,6 +209,10 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
 def predict(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
             link=None, record: bool = False,
             layout: Optional[List[List[str]]] = None) -> Result:
+    """One iteration of ``spec`` (the mean over its run's steps for a method: ``predict_method``)."""
+    m = method_of(spec)
+    if m is not None:
+        return predict_method(profile, spec, m, link or profile.link_at(gbps), world, compute_speedup)
     step = build_step(profile, spec, world, compute_speedup, layout)
     mode = spec["comm"]["mode"]
     slow = profile.overlap_slowdown if mode != "sync" else 1.0
@@ -208,3 +247,67 @@ def crossover_gbps(profile: cal.Profile, spec: dict, world: int, compute_speedup
         m = math.sqrt(a * b)
         a, b = (m, b) if gain(m) > 0 else (a, m)
     return a
+
+
+def predict_method(profile: cal.Profile, spec: dict, m, link, world: int,
+                   compute_speedup: float = 1.0) -> local.MethodResult:
+    """The mean iteration time and bytes of ``spec``'s run with the method ``m`` (``method_of``): its own
+    schedule (``Method.schedule`` over the profile's tensors in registration order and the spec's steps),
+    each exchange priced from the profile (local.py says how the steps are simulated). Local steps are
+    forward, backward and the optimizer; gradient steps (post-local SGD's warm-up) are the spec's step without
+    the method; a pseudo-gradient goes through ``method.compressor`` (its payload and cost curve as a bucket's),
+    parameters are all-reduced raw, DeMo's components are all-gathered with its codec's measured cost; the
+    outer step costs the optimizer's step."""
+    f = 1.0 / compute_speedup
+    order = list(reversed(range(len(profile.params))))  # the profile is in gradient-ready order
+    tensor_bytes = [profile.params[i][1] for i in order]
+    try:
+        m.check_model(tensor_bytes)
+    except ValueError as e:
+        where, _, msg = str(e).partition(": ")
+        raise SpecError(f"method.{where}", msg) from None
+    steps = spec.get("steps") or RUN_STEPS
+    events = m.schedule(tensor_bytes, steps)
+    parts = [[order[i] for i in part] for part in m.parts(tensor_bytes)]
+    plain = {**spec, "method": copy.deepcopy(NO_METHOD)}
+    grad = None
+    if any(e.kind == local.GRADIENTS for e in events):
+        grad = (predict(profile, plain, link.gbps, world, compute_speedup, link=link),
+                sum(r.nbytes for b in build_step(profile, plain, world, compute_speedup).buckets for r in b.rounds))
+    comp = spec["method"].get("compressor") if m.takes_compressor else None
+    outer = profile.optimizer_s * f if m.takes_compressor else 0.0
+    priced: Dict[tuple, local.Sync] = {}
+
+    def price(e) -> local.Sync:
+        key = (e.kind, e.fragment)
+        if key not in priced:
+            priced[key] = _price(e)
+        return priced[key]
+
+    def _price(e) -> local.Sync:
+        if e.kind == local.GRADIENTS:
+            return local.Sync(0.0, [Round("allreduce", grad[1])])
+        if e.kind == local.COMPONENTS:
+            curve = _curve(profile, codec_key(m))
+            raw = 4 * sum(m.codec_numel(b // 4) for b in tensor_bytes)
+            return local.Sync(cal.cost(curve["encode"], raw) * f,
+                              [Round("allgather", e.bytes, after=cal.cost(curve["decode"], raw) * f, tensors=2)])
+        if not comp or not cal.needs_curve(comp):  # parameters, or an uncompressed pseudo-gradient
+            return local.Sync(0.0, [Round("allreduce", e.bytes)], outer=outer)
+        curve = _curve(profile, cal.compressor_key(comp))
+        rounds = payload_rounds(profile, comp, parts[e.fragment])
+        enc, mid, dec = (cal.cost(curve[k], e.bytes) * f for k in ("encode", "between", "decode"))
+        plan = [Round(op, nbytes, tensors=k, after=(dec * (world if op == "allgather" else 1))
+                      if r == len(rounds) - 1 else mid / max(len(rounds) - 1, 1))
+                for r, (op, nbytes, k) in enumerate(rounds)]
+        return local.Sync(enc, plan, outer=outer)
+    no_grad = Result(0.0, 0.0)
+    return local.simulate(events, steps, (profile.forward_s + profile.backward_s) * f, profile.optimizer_s * f,
+                          grad[0] if grad else no_grad, price, link, world)
+
+
+def _curve(profile: cal.Profile, key: str) -> dict:
+    curve = profile.compressors.get(key)
+    if curve is None:
+        raise KeyError(f"profile has no cost curve for compressor {key}")
+    return curve

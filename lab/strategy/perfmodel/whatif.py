@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, List, Optional
 
 from engine import runfiles
+from engine.codepath import is_import_path
 from engine.runlog import set_aside, write_json_atomic
 from engine.spec import SpecError
 from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root
@@ -32,6 +33,7 @@ from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
 from lab.strategy.perfmodel.costs import Cluster, Link
 from lab.strategy.perfmodel.iteration import MODES
+from lab.strategy.perfmodel.local import MethodResult
 
 PROFILE_STEPS = 12
 """Steps of a profiling run: calibrate.SKIP_STEPS (3) warm-up, then 9 whose medians make the profile. It
@@ -380,7 +382,23 @@ def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) ->
     machine = machine_curves(runs) if kept else {}
     measured, fresh = {}, 0
     for s in specs:
-        for c in parts(s["compressor"]):  # a mixed section: a curve per compressor it may give a bucket
+        m = pr.method_of(s)
+        if m is not None and m.codec() is not None:  # a method's own codec (DeMo's): timed like a compressor
+            k, mine = pr.codec_key(m), is_import_path(s["method"]["name"])
+            if k not in profile.compressors and not mine and k in machine:
+                profile.compressors[k] = machine[k]
+            elif k not in profile.compressors:
+                timed = cal.measure_compressor({"name": k}, [m.codec_numel(n) for n in cal.CURVE_NUMELS],
+                                               make=m.codec)
+                profile.compressors[k] = timed
+                if mine:  # the user's code: kept with the profile only
+                    fresh += 1
+                else:
+                    machine[k] = measured[k] = timed
+        sections = list(parts(s["compressor"]))
+        if m is not None and m.takes_compressor and s["method"].get("compressor"):
+            sections += parts(s["method"]["compressor"])  # the pseudo-gradients' compressor
+        for c in sections:  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(c)
             if not cal.needs_curve(c):
                 continue
@@ -471,6 +489,9 @@ def table(profile: cal.Profile, spec: dict, gbps: List[float], workers: List[int
             rows.append({"workers": p, "gbps": g, "ddp_ms": d.total * 1e3, "spec_ms": t.total * 1e3,
                          "speedup": d.total / t.total, "ddp_scaling": one / d.total, "scaling": one / t.total,
                          "exposed_comm_ms": t.exposed_comm * 1e3, "encode_decode_ms": t.encode_decode * 1e3})
+            if isinstance(t, MethodResult):  # a method: its syncs amortized over the run, and its traffic
+                rows[-1].update(syncs=t.syncs, steps=t.steps, bytes_per_step=t.bytes_per_step,
+                                bytes_per_sync=t.bytes_per_sync, step_ms={k: v * 1e3 for k, v in t.step_s.items()})
     return rows
 
 
@@ -480,6 +501,10 @@ def format_table(rows: List[dict], rate: str = "GBIT/S") -> List[str]:
                        f"{r['speedup']:.2f}x", f"{r['ddp_scaling']:.2f}", f"{r['scaling']:.2f}",
                        f"{r['exposed_comm_ms']:.2f}", f"{r['encode_decode_ms']:.2f}")
                       for r in rows]
+    if rows and all("syncs" in r for r in rows):
+        head += ("SYNC STEP ms", "MiB/STEP", "MiB/SYNC")
+        cells = [head] + [c + (f"{r['step_ms'].get('sync', 0.0):.2f}", f"{r['bytes_per_step'] / 2**20:.3f}",
+                               f"{r['bytes_per_sync'] / 2**20:.3f}") for c, r in zip(cells[1:], rows)]
     w = [max(len(c[i]) for c in cells) for i in range(len(head))]
     return ["  ".join(c.rjust(wi) for c, wi in zip(row, w)) for row in cells]
 

@@ -1,0 +1,119 @@
+"""bench/local_updates.py, the race of the methods against per-step compression: its --quick path end to end on a
+modeled link (no root: the engine's alpha-beta delays on loopback), and its analysis on made-up step times."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import local_updates as lu
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_runs_every_variant_on_a_modeled_link_and_writes_the_table(tmp_path):
+    out = tmp_path / "lu"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "local_updates.py"), "--quick", "--link", "modeled",
+                        "--steps", "8", "--json", str(out.with_suffix(".json")), "--md", str(out.with_suffix(".md")),
+                        "--runs", str(tmp_path / "runs")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    doc = json.loads(out.with_suffix(".json").read_text())
+    (s,) = doc["settings"]
+    assert (s["gbps"], s["world"], s["shaped"]) == (0.1, 2, False)
+    a = s["analysis"]
+    ran = set(a["variants"])
+    assert {"ddp", "powersgd", *lu.METHODS} <= ran and ran <= set(lu.VARIANTS)
+    assert s["best"]["label"] and s["best"]["strategy"]["method"]["name"] == "none"  # the advisor's per-step choice
+    for n, r in a["variants"].items():
+        assert r["steps"] == 8 and r["diverged_at"] is None, n
+        assert [x[0] for x in r["acc"]] == [4, 8], n  # evaluated at the block ends
+        assert r["mean_ms"] > 0 and (r["bytes_per_step"] > 0), n
+    assert a["variants"]["ddp"]["vs_ddp"] in (1.0, None)
+    # each method sends less per step than DDP
+    assert all(a["variants"][m]["bytes_per_step"] < a["variants"]["ddp"]["bytes_per_step"] for m in lu.METHODS)
+    md = out.with_suffix(".md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| variant"))
+    assert [c.strip() for c in header.strip("|").split("|")] == lu.COLUMNS
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")]
+    assert len(rows) == len(a["variants"]) and "A smoke test (--quick)" in md
+    assert "--quick" in md and "--link modeled" in md
+
+
+def raw(times, accs, bytes_, shaped=False):
+    """A worker's record for two ranks: rank 1 slower by 1 ms per step."""
+    ranks = []
+    for extra in (0.0, 0.001):
+        ranks.append({n: {"t": [t + extra for t in times[n]], "bytes": bytes_[n], "tx": [], "acc": accs[n],
+                          "diverged": None} for n in times})
+    return {"ranks": ranks, "shaped": shaped}
+
+
+def test_analysis_times_bytes_and_ratios_to_the_target():
+    times = {"ddp": [0.5] * 16, "powersgd": [0.2] * 16, "best": [0.25] * 16,
+             "local_sgd": [0.1, 0.1, 0.1, 0.5] * 4, "diloco": [0.1, 0.1, 0.1, 0.5] * 4}
+    accs = {"ddp": [[8, 0.6], [16, 0.8]], "powersgd": [[8, 0.5], [16, 0.75]], "best": [[8, 0.4], [16, 0.65]],
+            "local_sgd": [[8, 0.72], [16, 0.79]], "diloco": [[8, 0.5], [16, 0.71]]}
+    bytes_ = {"ddp": [100] * 16, "powersgd": [10] * 16, "best": [20] * 16, "local_sgd": [0, 0, 0, 100] * 4,
+              "diloco": [0, 0, 0, 100] * 4}
+    a = lu.analyse(raw(times, accs, bytes_), 0.7, {})
+    v = a["variants"]
+    # the slower rank's times up to the first evaluation at 70%: DDP at 16 (16 x 0.501), powersgd at 16,
+    # local SGD at 8 (6 x 0.101 + 2 x 0.501)
+    assert v["ddp"]["time_to_target_s"] == pytest.approx(16 * 0.501)
+    assert v["local_sgd"]["time_to_target_s"] == pytest.approx(6 * 0.101 + 2 * 0.501)
+    assert v["local_sgd"]["bytes_to_target"] == 200 and v["local_sgd"]["steps_to_target"] == 8
+    assert v["best"]["time_to_target_s"] is None  # 65%: never
+    assert a["best_compressor"] == "powersgd" and a["best_method"] == "local_sgd"
+    assert v["local_sgd"]["vs_ddp"] == pytest.approx(16 * 0.501 / 1.608)
+    assert v["local_sgd"]["vs_best_compressor"] == pytest.approx(16 * 0.201 / 1.608)
+    ver = a["verdict"]
+    assert ver["vs_ddp"]["met"] and ver["vs_compressor"]["met"]  # 4.99x and 2.0x
+    assert ver["accuracy"]["gap_points"] == pytest.approx(1.0) and ver["accuracy"]["met"]  # 80% vs 79%
+    assert ver["any_method_pays"]
+    text = lu.table(a, shaped=False)
+    assert "local_sgd (best method)" in text and "powersgd (best per-step compressor)" in text
+    assert "not in 16 steps" in text  # best never reached it
+
+
+def test_a_method_that_loses_accuracy_misses_the_target_and_the_report_says_so():
+    times = {"ddp": [0.5] * 8, "local_sgd": [0.1] * 8}
+    accs = {"ddp": [[8, 0.9]], "local_sgd": [[8, 0.85]]}
+    a = lu.analyse(raw(times, accs, {"ddp": [1] * 8, "local_sgd": [0] * 8}), 0.7, {"ddp": "DDP"})
+    assert a["verdict"]["accuracy"]["met"] is False and a["verdict"]["vs_compressor"]["value"] is None
+    setting = {"analysis": a, "gbps": 0.1, "world": 2, "shaped": False, "model": "m", "best": None, "notes": [],
+               "steps": 8, "block": 8, "eval_every": 8, "eval_size": 10, "wall_s": 60.0, "cluster": None}
+    text = lu.report_setting(setting)
+    assert "5.0 points below DDP's (target: at most 1 below: MISSED)" in text
+    assert "no per-step compressor reached the target" in text
+    fast = lu.report_setting({**setting, "gbps": 10.0})
+    assert "does any method pay at 10 Gbit/s? yes: local_sgd" in fast and "would miss" in fast
+
+
+def test_bad_arguments_are_one_line(capsys):
+    with pytest.raises(ValueError, match="--param: expected VARIANT.KEY=VALUE"):
+        lu.parse_params(["diloco=3"])
+    assert lu.parse_params(["diloco.H=16", "demo.lr=0.003"]) == {"diloco": {"H": 16}, "demo": {"lr": 0.003}}
+    for argv, needle in ((["--variants", "ddp,nope"], "--variants: unknown nope"),
+                         (["--variants", "local_sgd"], "ddp is the reference"),
+                         (["--block", "6", "--H", "4"], "--block: must be a multiple of --H"),
+                         (["--gbps", "0"], "--gbps")):
+        with pytest.raises(SystemExit) as e:
+            lu.main(argv + ["--link", "modeled"])
+        assert e.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_a_block_that_cuts_an_exchange_in_flight_is_refused():
+    """Streaming DiLoCo's fragment issued at the last step of a block would be in flight during the next
+    variant's block: refused before anything runs."""
+    import argparse
+    args = argparse.Namespace(block=8, H=8, steps=16, eval_every=8, model="cnn", data="digits", batch=16, lr=0.05,
+                              link="modeled", demo_lr=0.001)
+    base = lu.base_spec(args, 0.1, 2)
+    vs = lu.variant_specs(["ddp", "streaming_diloco"], base, None,
+                          {"streaming_diloco": {"tau": 4, "fragments": 2}}, args)["variants"]
+    with pytest.raises(ValueError, match="--block: streaming_diloco's exchange issued at step 7"):
+        lu.check_blocks(vs, args)
+    ok = lu.variant_specs(["ddp", "streaming_diloco"], base, None, {}, args)["variants"]
+    lu.check_blocks(ok, args)  # tau 1 of H 8 in 2 fragments: every fragment lands within its block
