@@ -1,3 +1,4 @@
+import importlib
 import os
 import sys
 
@@ -122,3 +123,25 @@ def compressor_test_device(request, monkeypatch):
         pytest.skip(f"COMMLAB_TEST_DEVICE={TEST_DEVICE} runs only the compressor tests")
     monkeypatch.setattr(request.module, "torch", _OnDevice(torch.device(TEST_DEVICE)))
     yield TEST_DEVICE
+
+
+
+@pytest.fixture
+def forget_modules(monkeypatch):
+    """forget_modules("mypkg"): the package's cached modules are gone for this test, and its own after it.
+
+    Two tests may each put a different ``mypkg`` on sys.path; without this the
+    second would get the first one's modules from ``sys.modules``.
+    """
+    tops = []
+
+    def forget(top):
+        tops.append(top)
+        for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+            monkeypatch.delitem(sys.modules, name)
+        importlib.invalidate_caches()
+
+    yield forget
+    for top in tops:  # what the test imported; monkeypatch then puts back what was there before
+        for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+            del sys.modules[name]

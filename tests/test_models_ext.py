@@ -161,7 +161,8 @@ def l1(out, y):
 
 
 @pytest.fixture
-def userpkg(tmp_path, monkeypatch):
+def userpkg(tmp_path, monkeypatch, forget_modules):
+    forget_modules("mypkg")  # examples/mypkg may have been imported by an earlier test
     d = tmp_path / "src"
     (d / "mypkg").mkdir(parents=True)
     (d / "mypkg" / "__init__.py").write_text("")

@@ -314,8 +314,9 @@ def test_an_honest_class_passes_what_the_broken_ones_fail():
     assert [r.check for r in results if r.status == "SKIP"] == ["dear shards"]
 
 
-def test_the_example_package_compressor_is_the_guide_s_and_passes(monkeypatch):
+def test_the_example_package_compressor_is_the_guide_s_and_passes(monkeypatch, forget_modules):
     """examples/mypkg/codecs.py is the class in Compressor's docstring (with shard_codec), and it passes."""
+    forget_modules("mypkg")
     monkeypatch.syspath_prepend(str(ROOT / "examples"))  # PYTHONPATH=examples, as its docstring says
     results = conformance.check("mypkg.codecs:ScaledSign", {"scale": 0.5})
     assert {r.status for r in results} == {"PASS"}, "\n".join(r.line() for r in results)
