@@ -129,8 +129,9 @@ def pick_run() -> Optional[str]:
 
 def live_panel(run_id: str) -> None:
     """Status, progress, cancel, timeline, breakdown, curves and bytes of one run. Until the run is final
-    the status refreshes every ui.REFRESH_S seconds and the charts every ui.CHARTS_REFRESH_S (drawing
-    them is most of what watching costs the machine the run trains on)."""
+    the status refreshes every ui.REFRESH_S seconds and the charts every ui.CHARTS_REFRESH_S, or at once
+    on the Redraw button (drawing them is most of what watching costs the machine the run trains on). A
+    refresh that finds nothing new sends the same figures, which the browser does not draw again."""
     run = ui.get_run(run_id)
     if run is None:
         st.error(f"No run {ui.md(repr(run_id))}{ui.md(where())}.")
@@ -197,6 +198,13 @@ def live_panel(run_id: str) -> None:
         state = run.state
         lr = live.live_run(run)
         done, _ = lr.progress()
+        if not started_final:
+            note, redraw = st.columns([5, 1], vertical_alignment="center")
+            note.caption(f"While the run goes on, the charts are redrawn every {ui.CHARTS_REFRESH_S:g} s and the "
+                         f"progress above every {ui.REFRESH_S:g} s: a redraw costs your browser CPU on the cores "
+                         "the run trains on.")
+            redraw.button("Redraw charts", key="live.redraw", icon=":material/refresh:",
+                          help="Draw the charts now from what the run has logged so far.")
         st.subheader("Timeline")
         if step < 0:
             fig = plots.timeline_figure(lr.timeline(int(last) + 1), last=int(last))

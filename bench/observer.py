@@ -1,23 +1,35 @@
 """Does watching a run change its measurement? The same run, unwatched and watched in a browser.
 
-    .venv/bin/python bench/observer.py [--modes sync,wfbp,dear] [--rounds 3] [--steps 80]
+    .venv/bin/python bench/observer.py [--modes sync,wfbp,dear] [--rounds 3] [--steps 80] [--open-before]
     commlab bench observer --rounds 3
 
 For every comm mode the same spec (resnet on digits, 2 ranks, modeled 1 Gbit/s link) runs
 unwatched and watched, interleaved: round 1 unwatched then watched, round 2 watched then
 unwatched, and so on. "Watched" is what a user does: ``commlab app --no-demo`` serves the
 runs directory (one server for the whole benchmark, started here like a user starts it) and
-headless Chromium has the Live run page open on the run (``/live_run?run=<id>``), rendered
-before the run starts, and following it live while it trains (the page refreshes itself
-every ``lab.ui.REFRESH_S`` seconds). The browser is the user's: it runs at normal priority.
-A run is queued first; the page is opened on it, and only then does this process start the
-run's supervisor (``python -m lab.service.supervise``), so the timed steps never overlap page start-up.
+headless Chromium follows the run on the Live run page while it trains (the page refreshes itself
+every ``lab.ui.REFRESH_S`` seconds, its charts every ``lab.ui.CHARTS_REFRESH_S``). The browser is the
+user's: it runs at normal priority.
+
+When the page opens:
+
+- at Start (the default; the user's way): the browser has the app open on the New run page; the run
+  starts, and at once the page switches to the Live run page in the same browser tab, as Queue run's
+  ``st.switch_page`` does (here through the navigation's Live run link, which opens the newest run).
+  The page's first render then falls on the run's start-up and first steps.
+- ``--open-before``: the Live run page is opened on the queued run (``/live_run?run=<id>``) and fully drawn
+  before the run starts, so the timed steps never overlap the page's start-up.
+
+The run's supervisor (``python -m lab.service.supervise``) is started here in a session of its own, as the
+lab starts every run (``lab.service.spawn``): where the kernel groups processes by session for scheduling,
+the ranks then compete with the browser as two groups, as they do on a user's machine.
 
 Reported per mode: the median iteration time (slower rank, warm-up left out:
 ``lab.summary.summarize``) watched and unwatched, the ratio watched/unwatched per round and the
-median of those ratios, and the CPU the observer used during each run (the Streamlit server's
-and Chromium's process trees, from /proc), and how often the page showed a new step (proof that
-it followed the run). Results go to bench/results/observer.md and .json.
+median of those ratios; the CPU the observer used (the Streamlit server's and Chromium's process trees,
+from /proc) over the whole run and during the timed steps alone (first timed step to last step: what can
+slow the measured iterations); and how often the page showed a new step (proof that it followed the
+run). Results go to bench/results/observer.md and .json.
 
 Needs the playwright package and Debian's chromium at /usr/bin/chromium (never ``playwright install``).
 """
@@ -30,6 +42,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -114,16 +127,48 @@ def tree_ticks(roots: List[int]) -> Dict[int, int]:
     return out
 
 
-class CpuMeter:
-    """CPU seconds a set of process trees used between ``start`` and ``stop``."""
+class CpuTrace:
+    """Cumulative CPU seconds of a few groups of process trees, sampled every ``every`` seconds in a thread,
+    so that the CPU of any stretch of the run (its start-up, its timed steps) can be read afterwards."""
 
-    def __init__(self, roots: List[int]):
-        self.roots = roots
-        self.t0 = tree_ticks(roots)
+    def __init__(self, groups: Dict[str, List[int]], every: float = 0.25):
+        self.groups, self.every = groups, every
+        self.t0 = {g: tree_ticks(roots) for g, roots in groups.items()}
+        self.samples: List[tuple] = []
+        self._stop = threading.Event()
+        self._sample()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
 
-    def stop(self) -> float:
-        t1 = tree_ticks(self.roots)
-        return sum(v - self.t0.get(pid, 0) for pid, v in t1.items()) / TICK
+    def _sample(self) -> None:
+        now = {g: tree_ticks(roots) for g, roots in self.groups.items()}
+        used = {g: sum(v - self.t0[g].get(pid, 0) for pid, v in now[g].items()) / TICK for g in now}
+        self.samples.append((time.time(), used))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def stop(self) -> Dict[str, float]:
+        """Stop sampling; the CPU seconds of each group since the start."""
+        self._stop.set()
+        self.thread.join()
+        self._sample()
+        return dict(self.samples[-1][1])
+
+    def at(self, t: float, group: str) -> float:
+        """CPU seconds of ``group`` from the start to time ``t`` (linear between samples)."""
+        prev = self.samples[0]
+        for cur in self.samples:
+            if cur[0] >= t:
+                span = cur[0] - prev[0]
+                f = (t - prev[0]) / span if span > 0 else 1.0
+                return prev[1][group] + max(0.0, min(f, 1.0)) * (cur[1][group] - prev[1][group])
+            prev = cur
+        return prev[1][group]
+
+    def between(self, a: float, b: float, group: str) -> float:
+        return self.at(b, group) - self.at(a, group)
 
 
 # ---------------------------------------------------------------- the observer
@@ -186,8 +231,29 @@ def chromium_roots() -> List[int]:
 
 # ---------------------------------------------------------------- one run
 
+def new_viewer(browser, url: str):
+    page = browser.new_page(viewport={"width": 1400, "height": 2400})
+    page.set_default_timeout(120_000)
+    page.goto(url)
+    return page
+
+
+def step_times(run) -> tuple:
+    """(first step's end, the last warm-up step's end, the last step's end), in wall-clock seconds, the
+    slower rank's: the run's timed steps lie between the second and the third."""
+    from lab.rundir.summary import warmup_steps
+    ends: Dict[int, float] = {}
+    for m in run.metric_rows():
+        if m.get("kind") == "step" and m.get("t") is not None:
+            ends[m["step"]] = max(ends.get(m["step"], 0.0), m["t"])
+    if not ends:
+        return None, None, None
+    warm = warmup_steps(len(ends))
+    return ends[min(ends)], ends.get(warm - 1, ends[min(ends)]), ends[max(ends)]
+
+
 def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name: str = "live_run",
-            viewers: int = 1, results_page: bool = False) -> dict:
+            viewers: int = 1, results_page: bool = False, open_before: bool = False) -> dict:
     import lab
     from lab.base import procs
     from lab.service.queue import Lab
@@ -195,42 +261,50 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
     lab_ = Lab(runs)
     run = lab_.create(lab._spec(spec))
     run.set_status("queued", supervisor=procs.identity())  # this process owns it until the supervisor starts
-    browser = page = None
-    roots = [server.p.pid]
-    out = {"run": run.id, "watched": watched}
+    browser = None
+    pages: list = []
+    out = {"run": run.id, "watched": watched, "open": "before" if open_before else "start"}
     try:
         if watched:
             browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=BROWSER_ARGS)
             for _ in range(viewers):  # more than one: several tabs (or users) on the same run
-                page = browser.new_page(viewport={"width": 1400, "height": 2400})
-                page.set_default_timeout(120_000)
-                page.goto(f"{server.url}/{page_name}?run={run.id}")
-                page.get_by_text("Where the step time goes").wait_for()
-                page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
-                page.evaluate(WATCH_JS)
+                if open_before:
+                    page = new_viewer(browser, f"{server.url}/{page_name}?run={run.id}")
+                    page.get_by_text("Where the step time goes").wait_for()
+                    page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
+                else:  # the app open on the New run page, as a user has it when they press Queue run
+                    page = new_viewer(browser, f"{server.url}/new_run")
+                    page.get_by_text("Queue run").wait_for()
+                page.evaluate(WATCH_JS)  # the page is not reloaded when it switches: the watch stays
+                pages.append(page)
             if results_page:  # the preset results page too, on a group holding this run (another tab)
                 from lab.analysis.results import save_group
                 gid = save_group(runs, "observer", {spec["name"]: run.id})
-                res = browser.new_page(viewport={"width": 1400, "height": 2400})
-                res.set_default_timeout(120_000)
-                res.goto(f"{server.url}/results?group={gid}")
+                res = new_viewer(browser, f"{server.url}/results?group={gid}")
                 res.get_by_text("Measured here").wait_for()
-            roots += chromium_roots()
-        meter = CpuMeter(roots)
-        server_meter = CpuMeter([server.p.pid])
+            time.sleep(1.0)  # what the pages did while they opened is over
+        browser_roots = chromium_roots() if watched else []
+        trace = CpuTrace({"server": [server.p.pid], "browser": browser_roots})
         t0 = time.time()
         with open(run.file("supervisor.log"), "ab") as log:
             sup = subprocess.Popen([sys.executable, "-m", "lab.service.supervise", "--runs", str(runs), run.id],
-                                   cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                   cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                   start_new_session=True)
+        if watched and not open_before:
+            for page in pages:  # right after Start: the tab goes from New run to the Live run page
+                if page_name == "live_run":
+                    page.get_by_role("link", name="Live run").click()
+                else:
+                    page.goto(f"{server.url}/{page_name}?run={run.id}")
         try:
             sup.wait(timeout=600)
         except subprocess.TimeoutExpired:
             sup.kill()
             sup.wait()
         wall = time.time() - t0
-        out["observer_cpu_s"] = meter.stop()
-        out["server_cpu_s"] = server_meter.stop()
-        out["browser_cpu_s"] = out["observer_cpu_s"] - out["server_cpu_s"]
+        used = trace.stop()
+        out["server_cpu_s"], out["browser_cpu_s"] = used["server"], used["browser"]
+        out["observer_cpu_s"] = used["server"] + used["browser"]
         out["wall_s"] = wall
         out["observer_cpu_pct"] = 100 * out["observer_cpu_s"] / wall
         out["state"] = run.state
@@ -239,7 +313,17 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
         out["other_cpu"] = (run.status().get("disturbance") or {}).get("other_cpu")
         s = summarize(run.metric_rows(), run.spec_dict())
         out["iter_ms"] = s.get("iter_ms_median")
-        if page is not None:
+        first, timed, last = step_times(run)
+        if first is not None:
+            out["first_step_s"], out["timed_from_s"], out["timed_s"] = first - t0, timed - t0, last - timed
+            for g in ("server", "browser"):
+                out[f"{g}_cpu_startup_s"] = trace.between(t0, timed, g)
+                out[f"{g}_cpu_timed_s"] = trace.between(timed, last, g)
+            out["observer_cpu_timed_pct"] = (100 * (out["server_cpu_timed_s"] + out["browser_cpu_timed_s"])
+                                             / max(last - timed, 1e-9))
+        if pages:
+            page = pages[-1]
+            out["page_url"] = page.url
             # while the ranks trained (first step logged to last), how long the page went without a new step
             seen = page.evaluate("() => window.__steps")
             ts = [m["t"] for m in run.metric_rows() if m.get("kind") == "step"]
@@ -279,6 +363,7 @@ def report(results: List[dict], modes: List[str]) -> tuple:
         ratios = [d[True] / d[False] for _, d in sorted(by_round.items()) if True in d and False in d]
         cpu_w = [r["observer_cpu_pct"] for r in rs if r["watched"]]
         cpu_u = [r["observer_cpu_pct"] for r in rs if not r["watched"]]
+        cpu_t = [r["observer_cpu_timed_pct"] for r in rs if r["watched"] and r.get("observer_cpu_timed_pct") is not None]
         gaps = [r["page_max_gap_s"] for r in rs if r["watched"] and r.get("page_max_gap_s") is not None]
         cgaps = [r["charts_max_gap_s"] for r in rs if r["watched"] and r.get("charts_max_gap_s") is not None]
         ups = [r["page_updates"] for r in rs if r["watched"] and r.get("page_updates") is not None]
@@ -288,6 +373,7 @@ def report(results: List[dict], modes: List[str]) -> tuple:
         m = {"unwatched_ms": statistics.median(un), "watched_ms": statistics.median(wa), "round_ratios": ratios,
              "median_ratio": statistics.median(ratios), "observer_cpu_pct_watched": statistics.median(cpu_w),
              "observer_cpu_pct_unwatched": statistics.median(cpu_u),
+             "observer_cpu_pct_timed": statistics.median(cpu_t) if cpu_t else None,
              "page_updates": ups, "page_max_gap_s": max(gaps) if gaps else None,
              "charts_max_gap_s": max(cgaps) if cgaps else None,
              "rounds_with_other_load": busy}
@@ -295,11 +381,13 @@ def report(results: List[dict], modes: List[str]) -> tuple:
         rows.append((mode, f"{m['unwatched_ms']:.1f}", f"{m['watched_ms']:.1f}",
                      " ".join(f"{x:.3f}" for x in ratios), f"**{m['median_ratio']:.3f}**",
                      f"{m['observer_cpu_pct_watched']:.0f}% ({m['observer_cpu_pct_unwatched']:.0f}%)",
+                     f"{m['observer_cpu_pct_timed']:.0f}%" if cpu_t else "-",
                      (f"{min(ups)}-{max(ups)}, max gap {m['page_max_gap_s']:.1f} s (charts "
                       f"{m['charts_max_gap_s']:.1f} s)") if ups else "-",
                      ", ".join(map(str, busy)) or "none"))
     table = markdown_table(["mode", "unwatched ms", "watched ms", "watched/unwatched per round", "median ratio",
-                            "observer CPU watched (unwatched), % of a core", "page updates per run",
+                            "observer CPU watched (unwatched), % of a core", "in the timed steps",
+                            "page updates per run",
                             "rounds disturbed by others"], rows)
     return table, summary
 
@@ -316,6 +404,9 @@ def main(argv=None) -> int:
     ap.add_argument("--viewers", type=int, default=1, help="browser tabs open on the run when watched (default 1)")
     ap.add_argument("--results-page", action="store_true",
                     help="when watched, also open the results page of a group holding the run (another tab)")
+    ap.add_argument("--open-before", action="store_true",
+                    help="open the page on the queued run and let it draw before the run starts (default: at "
+                         "Start, switching from the New run page as a user does)")
     a = ap.parse_args(argv)
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
     bad = [m for m in modes if m not in MODES]
@@ -332,6 +423,7 @@ def main(argv=None) -> int:
         print(f"observer: no browser at {CHROMIUM} (apt-get install chromium)", file=sys.stderr)
         return 2
     import tempfile
+    from lab.front import ui
     runs = Path(a.runs or tempfile.mkdtemp(prefix="commlab-observer-"))
     runs.mkdir(parents=True, exist_ok=True)
     server = Server(runs, runs / "app.log")
@@ -344,11 +436,14 @@ def main(argv=None) -> int:
                     order = (False, True) if (rnd + k) % 2 == 0 else (True, False)
                     for watched in order:
                         r = one_run(runs, spec_for(mode, a.steps, a.gbps), server, pw, watched, a.page, a.viewers,
-                                   a.results_page)
+                                    a.results_page, a.open_before)
                         r.update(mode=mode, round=rnd + 1)
                         results.append(r)
                         extra = (f", page: {r.get('page_updates')} updates, max gap {r.get('page_max_gap_s', 0):.1f} s"
-                                 f" (charts {r.get('charts_max_gap_s', 0):.1f} s)" if watched else "")
+                                 f" (charts {r.get('charts_max_gap_s', 0):.1f} s); in the timed steps (from "
+                                 f"{r.get('timed_from_s', 0):.1f} s, {r.get('timed_s', 0):.1f} s long) server "
+                                 f"{r.get('server_cpu_timed_s', 0):.2f} s, browser {r.get('browser_cpu_timed_s', 0):.2f} s"
+                                 if watched else "")
                         print(f"round {rnd + 1} {mode:4s} {'watched  ' if watched else 'unwatched'}: "
                               f"{r.get('iter_ms') or float('nan'):.1f} ms ({r['state']}), observer "
                               f"{r['observer_cpu_pct']:.0f}% of a core (server {r['server_cpu_s']:.1f} s, browser "
@@ -359,15 +454,18 @@ def main(argv=None) -> int:
     table, summary = report(results, modes)
     cmd = "commlab bench observer " + " ".join(argv if argv is not None else sys.argv[1:])
     info = {"command": cmd.strip(), "modes": modes, "rounds": a.rounds, "steps": a.steps, "gbps": a.gbps,
-            "page": a.page, "viewers": a.viewers, "results_page": a.results_page, "cpus": os.cpu_count(), "refresh_s": __import__("lab.front.ui").ui.REFRESH_S,
+            "page": a.page, "viewers": a.viewers, "results_page": a.results_page,
+            "open": "before" if a.open_before else "start", "cpus": os.cpu_count(), "refresh_s": ui.REFRESH_S,
+            "charts_refresh_s": ui.CHARTS_REFRESH_S,
             "elapsed_s": time.time() - t_start, "spec": {m: spec_for(m, a.steps, a.gbps) for m in modes}}
     pages = f"the {a.page} page" + (" and a results page" if a.results_page else "") \
-        + (f" ({a.viewers} tabs)" if a.viewers > 1 else "")
+        + (f" ({a.viewers} tabs)" if a.viewers > 1 else "") \
+        + (", opened before the run starts" if a.open_before else ", opened at Start")
     md = (f"# Watching a run: the same run unwatched and with {pages} open in headless Chromium\n\n"
           f"`{info['command']}`, {os.cpu_count()} cores, {a.steps} steps per run, modeled {a.gbps:g} Gbit/s link, "
           f"{a.rounds} interleaved rounds, {info['elapsed_s'] / 60:.1f} min. Median iteration time (slower rank, "
           f"warm-up left out); ratio = watched/unwatched in the same round. Observer CPU: the Streamlit server's "
-          f"and Chromium's process trees during the run, % of one core. Page updates: how often the page showed a "
+          f"and Chromium's process trees during the run, and during its timed steps alone, % of one core. Page updates: how often the page showed a "
           f"new step while the ranks trained, and the longest wait for a new step (and for a chart redraw).\n\n"
           f"{table}\n")
     print("\n" + md)

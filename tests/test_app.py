@@ -185,8 +185,12 @@ def test_live_page_follows_the_url_and_the_picker(tmp_path, monkeypatch):
     at.selectbox(key="live.pick").set_value(b.id).run()
     assert at.session_state["run_id"] == b.id and at.query_params["run"] == b.id
     assert at.button(key="live.cancel")  # not final: it can be cancelled
+    at.button(key="live.redraw").click().run()  # not final: the charts wait for ui.CHARTS_REFRESH_S or this
+    assert not at.exception, [e.value for e in at.exception]
     at.button(key="live.cancel").click().run()
     assert not at.exception and q.store.get(b.id).state == "cancelled"
+    at.run()
+    assert [w.key for w in at.button] == []  # final: drawn once, nothing to cancel or redraw
 
 
 def test_new_run_form_shows_errors_next_to_the_field(runs):

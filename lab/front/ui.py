@@ -57,10 +57,13 @@ DEMO_SPEC = Path(__file__).resolve().with_name("demo.yaml")
 """The demo run's spec, shipped in the package (examples/demo.yaml links to it), so a wheel has it too."""
 REFRESH_S = 2.0
 """How often a live panel re-reads a run that is not final (state, progress, medians)."""
-CHARTS_REFRESH_S = 4.0
-"""How often the Live run page redraws its four charts while the run goes on. Redrawing a Plotly chart
-costs the viewer's browser about 70 ms of CPU, on the cores the ranks train on; every 4 s instead of every
-2 s halves that (docs/explanation/presets.md, "Watching a run")."""
+CHARTS_REFRESH_S = 20.0
+"""How often the Live run page redraws its four charts while the run is not final (its progress and medians
+follow every REFRESH_S; a button redraws the charts at once). Streamlit gives a chart whose figure changed a
+new element, so every redraw mounts four Plotly charts afresh: about 0.6-0.8 s of the viewer's browser CPU,
+at normal priority, on the cores the ranks train on. Every 4 s, a page opened at Start took a third of a
+core through a run's timed steps and slowed a 60-step dear run by 9%; a 60-100-step run now trains between
+two redraws (docs/explanation/presets.md, "Watching a run")."""
 
 
 def runs_dir() -> Path:
