@@ -70,8 +70,7 @@ def worker(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.comm.collectives import issue_allgather, issue_allreduce
-    from engine.comm.dear import _all_gather
+    from engine.comm.collectives import issue_allgather, issue_allgather_into, issue_allreduce, issue_reduce_scatter
     from engine.runlog import write_json_atomic
     ap = argparse.ArgumentParser(prog="model_validation worker")
     ap.add_argument("--op", choices=OPS, required=True)
@@ -88,6 +87,7 @@ def worker(argv=None) -> int:
         t = torch.ones(n)
         got = torch.empty_like(t)
         share = t[:n // world].clone()
+        scratch: dict = {}
 
         def call():
             if a.op == "allreduce":
@@ -95,12 +95,11 @@ def worker(argv=None) -> int:
             elif a.op == "allgather":  # every rank's payload: bytes / world each, as the model's per-rank m
                 issue_allgather([share]).wait()
             elif a.op == "allgather_params":
-                _all_gather(got, share)
+                issue_allgather_into(got, share).wait()
             elif a.op == "alltoall":
                 dist.all_to_all_single(got, t)
             else:  # dear on gloo: an all-to-all of the chunks, then the sum of what arrived
-                dist.all_to_all_single(got, t)
-                got.view(world, -1).sum(0)
+                issue_reduce_scatter(t, via_alltoall=True, scratch=scratch).wait()
         for _ in range(2):
             call()
         dist.barrier()
@@ -141,7 +140,9 @@ def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0) -
             for f in logs:
                 f.close()
         if not os.path.exists(out):
-            tail = open(os.path.join(tmp, "r0.log"), errors="replace").read()[-600:]
+            text = open(os.path.join(tmp, "r0.log"), errors="replace").read()
+            said = [ln for ln in text.splitlines() if "Error" in ln and not ln.strip().startswith("error_file")]
+            tail = " | ".join(said[:3]) or text[-600:]  # the worker's own error, not torchrun's summary of it
             raise RuntimeError(f"{op} {nbytes} B: no result ({tail})")
         with open(out) as f:
             return json.load(f)

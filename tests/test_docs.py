@@ -3,6 +3,7 @@ mkdocstrings reference fails ``mkdocs build --strict``), the README stays a fron
 every relative link of the docs resolves, and what the docs generate from the code is all there: every command
 in the CLI reference, every job-spec field, every compressor. The package map is what the code draws now."""
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -43,6 +44,26 @@ def test_the_site_builds_strictly_with_every_page(site):
     assert (site / "js" / "plotly.min.js").is_file()  # the tutorials' figures draw with it
     tour = (site / "notebooks" / "00_tour" / "index.html").read_text()
     assert "Plotly.newPlot" in tour  # the executed notebook's figures, not only its code
+
+
+def test_every_notebook_is_a_page_with_its_figures(site):
+    """Each notebook in notebooks/ has its executed copy in docs/notebooks/ (its figures on its page), a place in
+    the navigation and a row in the tutorials' table; a new notebook that nobody rendered fails here."""
+    names = sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert len(names) >= 7
+    nav = (ROOT / "mkdocs.yml").read_text()
+    table = (DOCS / "tutorials" / "index.md").read_text()
+    for name in names:
+        assert (DOCS / "notebooks" / f"{name}.ipynb").is_file(), f"{name} is not rendered (render_notebooks.py --docs)"
+        assert f"notebooks/{name}.ipynb" in nav, f"{name} is not in mkdocs.yml's nav"
+        assert f"(../notebooks/{name}.ipynb)" in table, f"{name} has no row in docs/tutorials/index.md"
+        rendered = json.loads((DOCS / "notebooks" / f"{name}.ipynb").read_text())
+        code = [c for c in rendered["cells"] if c["cell_type"] == "code"]
+        assert code and all(c.get("execution_count") for c in code), f"{name}'s docs copy is not executed"
+        source = (ROOT / "notebooks" / f"{name}.ipynb").read_text()
+        if "px." in source or "plots." in source:  # a notebook that draws shows its figures on its page
+            page = (site / "notebooks" / name / "index.html").read_text()
+            assert "Plotly.newPlot" in page, f"{name}'s page has no figure"
 
 
 def test_every_cli_command_is_in_the_cli_reference(site):

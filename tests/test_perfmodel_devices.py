@@ -1,6 +1,7 @@
 """Device profiles, the per-layer roofline, predictions for a named device and what they rest on
 (lab/perfmodel/devices.py, roofline.py, ondevice.py), and the validation tables (bench/model_validation.py)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -353,3 +354,20 @@ def test_table_a_predicts_every_collective_the_engine_issues():
     assert set(mv.OPS) == set(mv.MODEL_OP)
     res = mv.table_a([1.0], 2, 3, run=False, ops=("allreduce",), sizes=(4096,))
     assert len(res["rows"]) == 1 and "not measured" in res["summary"]["note"]
+
+
+def test_table_a_worker_issues_every_collective_through_the_engine(tmp_path):
+    """The worker of table (a) runs each collective as the engine issues it (one gloo rank here): a renamed
+    engine function fails this test, not the root-only benchmark after its first shaped link is built."""
+    from lab.base.torchrun import free_port
+    code = ("import sys, json\nfrom bench import model_validation as mv\n"
+            "for op in mv.OPS:\n"
+            f"    assert mv.worker(['--op', op, '--bytes', '4096', '--iters', '2', '--out', r'{tmp_path}/' + op]) == 0\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from bench import model_validation as mv
+    for op in mv.OPS:
+        got = json.loads((tmp_path / op).read_text())
+        assert got["op"] == op and got["nbytes"] == 4096 and len(got["times"]) == 2

@@ -293,6 +293,49 @@ def test_children_are_bounded_per_person_and_per_server(code, monkeypatch):
     assert 64 * 4 + 54 in (got["bob"], got["carol"])
 
 
+def test_a_room_asking_for_one_models_size_at_once_starts_one_child(room, monkeypatch):
+    """Twelve students press Start on the same preset in the same second: one child counts the model (the rest
+    wait for its answer), though the server has a single place for children and refuses after 0.5 s."""
+    from collections import OrderedDict
+    monkeypatch.setattr(ui, "_previews", OrderedDict())
+    monkeypatch.setattr(sandbox, "_server", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(sandbox, "WAIT_S", 0.5)
+    spawned = []
+    real = sandbox._spawn
+    monkeypatch.setattr(sandbox, "_spawn", lambda *a: spawned.append(a[0]) or real(*a))
+    who = threading.local()
+    ui.set_viewer(lambda: owners.User(who.name))
+    spec = lab._spec({"model": "mlp", "dataset": "digits"})
+    got = {}
+
+    def ask(name):
+        who.name = name
+        try:
+            got[name] = ui.model_size(spec, wait_s=0.5)["params"]
+        except SpecError as e:
+            got[name] = str(e)
+    room_ = [threading.Thread(target=ask, args=(f"s{k}",)) for k in range(12)]
+    for t in room_:
+        t.start()
+    for t in room_:
+        t.join()
+    assert spawned == ["describe"], spawned
+    assert len(set(got.values())) == 1 and isinstance(got["s0"], int), got
+    assert ui._asking == {}  # nothing kept per model once it is answered
+
+
+def test_a_preset_that_cannot_be_checked_now_is_one_line_on_its_card(room, monkeypatch):
+    from lab.analysis.presets import PRESETS
+
+    def busy(spec, wait_s=0):
+        raise SpecError("preview", "all 2 of the server's places for previews and checks are taken; try again")
+    monkeypatch.setattr(ui, "model_size", busy)
+    ui.set_viewer(lambda: owners.User("alice"))
+    with pytest.raises(LabError, match=r"^preset [a-z-]+: preview: all 2 of the server's places"):
+        ui.start_preset(PRESETS[0], runs=room[0])
+    assert lab.runs(runs=room[0]) == []  # nothing queued
+
+
 # --------------------------------------------------------------------------- 2. bounded students
 
 LIMITS = [

@@ -112,12 +112,15 @@ def person(who: Optional[str], label: str = "preview", wait_s: float = PREVIEW.w
         lock.release()
 
 
-def run(task: str, spec: dict, limits: Limits = PREVIEW, who: Optional[str] = None) -> dict:
+def run(task: str, spec: dict, limits: Limits = PREVIEW, who: Optional[str] = None,
+        wait_s: Optional[float] = None) -> dict:
     """``task`` on ``spec`` (a spec dict) in a child with ``limits``; its answer. A SpecError-like
-    ``SandboxError`` (``path``, ``msg``) for a bad spec, for a limit hit, or ``Busy``."""
+    ``SandboxError`` (``path``, ``msg``) for a bad spec, for a limit hit, or ``Busy`` when no place for the child
+    was free within ``wait_s`` (default WAIT_S)."""
     label = LABELS[task]
-    with person(who, label, limits.wall_s + WAIT_S):
-        if not _server.acquire(timeout=WAIT_S):
+    wait_s = WAIT_S if wait_s is None else wait_s
+    with person(who, label, limits.wall_s + wait_s):
+        if not _server.acquire(timeout=wait_s):
             raise Busy(label, f"all {MAX_CHILDREN} of the server's places for previews and checks are taken; "
                               f"try again in a moment")
         try:

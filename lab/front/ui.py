@@ -123,7 +123,7 @@ def _admit(root, specs: list) -> Tuple[User, list, Optional[float]]:
         owners.refuse_code(s.to_dict())
         s = owners.check_run(q, s)
         if "params" in q:
-            owners.check_run(q, s, params=model_size(s)["params"])
+            owners.check_run(q, s, params=model_size(s, wait_s=START_WAIT_S)["params"])
         out.append(s)
     return user, out, q.get("wall_s")
 
@@ -168,9 +168,12 @@ def start_preset(preset: Preset, runs=None, values: Optional[Dict[str, int]] = N
     except ValueError as e:
         raise LabError(f"preset {preset.key}: {e}") from None
     specs = [lab._spec(owners.scale_preset(d, cap)) for d in preset.specs(vals)]
-    made = _queue(root, specs, then=lambda made: results.save_group(
-        root, preset.key, {label: r.id for label, r in zip(preset.labels(), made)}, created=created,
-        values=vals))
+    try:
+        made = _queue(root, specs, then=lambda made: results.save_group(
+            root, preset.key, {label: r.id for label, r in zip(preset.labels(), made)}, created=created,
+            values=vals))
+    except SpecError as e:  # e.g. no place for its model's preview in time: one line on the card, not a traceback
+        raise LabError(f"preset {preset.key}: {e}") from None
     return made[0].id
 
 
@@ -361,9 +364,15 @@ PREVIEWS = 64
 """Model sizes (or the one-line error of their preview) kept in this process, least recently used first out."""
 _previews: "OrderedDict[str, object]" = OrderedDict()
 _previews_lock = threading.Lock()
+_asking: Dict[str, threading.Lock] = {}
+"""One lock per model whose size a child is counting now: everyone else asking for it waits for that answer
+(a room pressing the same preset's Start at once starts one child, not one each)."""
+START_WAIT_S = 60.0
+"""How long a Start or a submit waits for a place for its model's preview (the form's own previews wait
+sandbox.WAIT_S): a click in a rush waits its turn instead of failing."""
 
 
-def model_size(spec: JobSpec) -> dict:
+def model_size(spec: JobSpec, wait_s: Optional[float] = None) -> dict:
     """Parameter count and gradient bytes of the spec's model: {params, grad_bytes, tensors, tied}, counted
     in a child process with limits (lab.sandbox, task describe), never in this one, once per model and data
     set (the last PREVIEWS answers are kept); a compressor named by import path is checked there too (its
@@ -380,8 +389,18 @@ def model_size(spec: JobSpec) -> dict:
     who = viewer().name
     hit = _preview(key)
     if hit is None:
-        with sandbox.person(who):  # one child per person at a time; a second request waits, then finds the answer
-            hit = _preview(key) or _run_preview(key, who)
+        with _previews_lock:
+            asking = _asking.setdefault(key, threading.Lock())
+        if not asking.acquire(timeout=sandbox.PREVIEW.wall_s + (sandbox.WAIT_S if wait_s is None else wait_s)):
+            raise SpecError("preview", "another viewer's preview of this model is still running; try again in a moment")
+        try:  # the key's lock first, then the person's: every thread takes them in this order
+            with sandbox.person(who):  # one child per person at a time; a second request waits, then finds the answer
+                hit = _preview(key) or _run_preview(key, who, wait_s)
+        finally:
+            with _previews_lock:
+                asking.release()
+                if _asking.get(key) is asking:  # those already waiting hold it; the dict stays small
+                    del _asking[key]
     if isinstance(hit, SpecError):
         raise SpecError(hit.path, hit.msg)
     return hit
@@ -395,11 +414,11 @@ def _preview(key: str):
         return hit
 
 
-def _run_preview(key: str, who: str):
+def _run_preview(key: str, who: str, wait_s: Optional[float] = None):
     """The child's answer for ``key`` (a size, or the SpecError it gave), kept; no free place for a child, or
     no answer in time, is not an answer about the spec (asked again next time)."""
     try:
-        hit = sandbox.run("describe", json.loads(key), sandbox.PREVIEW, who=who)
+        hit = sandbox.run("describe", json.loads(key), sandbox.PREVIEW, who=who, wait_s=wait_s)
     except (sandbox.Busy, sandbox.TimedOut) as e:
         raise SpecError(e.path, e.msg) from None
     except sandbox.SandboxError as e:
