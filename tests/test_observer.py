@@ -311,3 +311,31 @@ def test_app_server_skips_the_full_gc_after_every_rerun_and_the_file_polling():
     argv = ui.app_argv(8600)
     opts = dict(zip(argv[5::2], argv[6::2]))
     assert opts["--runner.postScriptGC"] == "false" and opts["--server.fileWatcherType"] == "none"
+
+
+# --------------------------------------------------------------------------- bench/observer.py
+
+def test_observer_bench_reads_the_cpu_of_the_timed_steps_apart(monkeypatch):
+    """The CPU trace interpolates between samples, so the observer's CPU over the timed steps alone is read
+    apart from the page's first render at Start; the report shows it beside the whole run's."""
+    from bench import observer
+    tr = observer.CpuTrace.__new__(observer.CpuTrace)
+    tr.samples = [(0.0, {"server": 0.0, "browser": 0.0}), (10.0, {"server": 1.0, "browser": 4.0}),
+                  (20.0, {"server": 1.5, "browser": 4.5})]
+    assert tr.at(5.0, "browser") == pytest.approx(2.0) and tr.at(99.0, "server") == 1.5
+    assert tr.between(10.0, 20.0, "browser") == pytest.approx(0.5)  # the first render (4 s) is not in it
+    monkeypatch.setattr(observer, "others", lambda r: 0.0)
+    runs = [dict(mode="dear", round=1, watched=w, iter_ms=ms, observer_cpu_pct=cpu, observer_cpu_timed_pct=timed,
+                 page_updates=4, page_max_gap_s=2.0, charts_max_gap_s=8.0)
+            for w, ms, cpu, timed in ((False, 100.0, 1.0, None), (True, 102.0, 24.0, 11.0))]
+    table, summary = observer.report(runs, ["dear"])
+    assert summary["dear"]["median_ratio"] == pytest.approx(1.02) and summary["dear"]["observer_cpu_pct_timed"] == 11.0
+    assert "| dear | 100.0 | 102.0 | 1.020 | **1.020** | 24% (1%) | 11% |" in table
+
+
+def test_observer_bench_opens_the_page_at_start_unless_told(capsys):
+    from bench import observer
+    with pytest.raises(SystemExit):
+        observer.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--open-before" in out and "default: at Start" in out.replace("\n", " ").replace("  ", " ")
