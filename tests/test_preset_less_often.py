@@ -1,7 +1,6 @@
 """The "communicate less often" preset: its specs take H from the card's slider, its group remembers H, and its
 verdict counts exchanges (at least H times fewer than DDP), the mean step with the syncs amortized, bytes and
 the time to DDP's accuracy, from the runs' own metrics."""
-import os
 from pathlib import Path
 
 import pytest
@@ -105,18 +104,13 @@ def test_a_group_without_values_is_judged_at_the_defaults():
 
 
 @pytest.fixture
-def runs(tmp_path):
-    old = os.environ.get("COMMLAB_RUNS")
-    os.environ["COMMLAB_RUNS"] = str(tmp_path)
+def runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     yield tmp_path
-    for r in lab.runs(runs=tmp_path):
+    for r in lab.runs(runs=tmp_path):  # nothing a test queued may outlive it
         if r.state in ("queued", "running"):
             lab.cancel(r.id, runs=tmp_path)
             lab.wait(r.id, runs=tmp_path, timeout=60)
-    if old is None:
-        os.environ.pop("COMMLAB_RUNS", None)
-    else:
-        os.environ["COMMLAB_RUNS"] = old
 
 
 def test_the_cards_h_slider_sets_the_runs_h(runs):
