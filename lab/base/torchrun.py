@@ -1,5 +1,5 @@
-"""The ranks' command lines: torchrun's argv (always a list, never a shell string), a single rank started
-without torchrun, and the environment every worker gets."""
+"""The ranks' command lines: torchrun's argv (always a list, never a shell string), the ranks of a one-machine
+run started without torchrun, and the environment every worker gets."""
 from __future__ import annotations
 
 import os
@@ -30,13 +30,21 @@ def worker_argv(run_dir: str) -> List[str]:
     return ["-m", "engine.worker", "--run-dir", str(run_dir)]
 
 
-def single_rank(run_dir: str, port: int, python: str = sys.executable) -> Tuple[List[str], dict]:
-    """A one-rank run's worker started directly, with the variables torchrun would set: torchrun itself
-    would import torch first (1.6 s here) only to start one process (the advisor's profiling runs are
-    one rank; their start-up is most of the advisor's cost on a fast link)."""
-    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1", "GROUP_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return [python, *worker_argv(run_dir)], env
+RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+"""What ``direct_ranks`` sets for each rank: the variables torchrun sets that the engine's rendezvous
+(``init_process_group``'s env://) and the worker read."""
+
+
+def direct_ranks(run_dir: str, world: int, port: int, python: str = sys.executable) -> List[Tuple[List[str], dict]]:
+    """(argv, env) of each rank of a one-machine run, started directly with the variables torchrun would
+    set: rank 0 hosts the rendezvous store on ``port``. torchrun itself would import torch first (1.5 s
+    of CPU here, before any rank starts) only to start the processes and watch them, which the launcher
+    does anyway; a one-rank run (the advisor's profiling runs) saved most of its start-up this way, and
+    every run on loopback or a modeled link starts that much sooner."""
+    return [([python, *worker_argv(run_dir)],
+             {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world),
+              "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+            for r in range(world)]
 
 
 def worker_env(base: Optional[dict] = None, loopback: bool = True) -> dict:

@@ -1,7 +1,8 @@
-"""Start a run's ranks with torchrun and follow them to a final status.
+"""Start a run's ranks and follow them to a final status.
 
-The launcher owns the run's status: it marks the run running, starts torchrun
-in its own session (so the whole job can be stopped as one process group),
+The launcher owns the run's status: it marks the run running, starts the ranks
+(on one machine directly, each in a session of its own; on emulated clusters
+and across machines one torchrun node each, which stops its ranks with it),
 tails metrics.jsonl for a progress bar, samples how much CPU other processes
 take meanwhile (lab.disturbance), and writes done, failed (with the failing
 rank's error) or cancelled at the end.
@@ -19,7 +20,7 @@ from typing import Callable, List, Optional
 from engine import runfiles
 from lab.base import procs
 from lab.base.procs import stop
-from lab.base.torchrun import free_port, single_rank, torchrun_argv, worker_argv, worker_env
+from lab.base.torchrun import direct_ranks, free_port, torchrun_argv, worker_argv, worker_env
 from lab.net.netns import Cluster, rank_argv
 from lab.rundir import disturbance
 from lab.rundir.progress import RunProgress
@@ -57,9 +58,10 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
            should_cancel: Optional[Callable[[], bool]] = None, nodes: Optional["Nodes"] = None) -> str:
     """Run ``run`` to completion in the foreground and return its final state.
 
-    On loopback (and modeled links) one torchrun starts every rank. On a
-    shaped link the launcher builds an emulated cluster and starts each rank
-    as its own torchrun node inside its namespace; the cluster is torn down
+    On loopback (and modeled links) the launcher starts every rank itself
+    (``direct_ranks``), stops the others when one fails and names the rank that
+    caused it. On a shaped link it builds an emulated cluster and starts each
+    rank as its own torchrun node inside its namespace; the cluster is torn down
     however the run ends. With ``nodes`` this process is one node of a
     multi-machine run: it starts this node's share of the ranks, and only node
     0 writes the run's status.
@@ -83,12 +85,8 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
             jobs = [rank_argv(cluster, i, worker_argv(str(run.path)), port) for i in range(spec.world_size)]
             info = {"cluster": cluster.describe()}
             loopback = True  # each rank's env names its namespace's interface, which overrides lo
-        elif spec.world_size == 1:
-            jobs = [single_rank(str(run.path), free_port())]
-            info = {}
-            loopback = True
         else:
-            jobs = [(torchrun_argv(worker_argv(str(run.path)), spec.world_size, free_port()), {})]
+            jobs = direct_ranks(str(run.path), spec.world_size, free_port())
             info = {}
             loopback = True
         return _follow(run, spec, jobs, loopback, info, progress, out or sys.stderr, poll_s, on_metrics,
@@ -222,16 +220,24 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     finally:
         log.close()
     kill_strays(run)
-    rc = next((c for c in (p.poll() for p in procs_) if c), 0)
+    codes = [p.poll() for p in procs_]
+    rc = next((c for c in codes if c), 0)
+    # a rank started directly: its exit code is its own (torchrun's report in the log names the others')
+    exits = [(int(env["RANK"]), c) for (argv, env), c in zip(jobs, codes) if c and _direct(argv)]
     run.update_status(disturbance=cpu.finish(run.metric_rows()))
-    state = finish_status(run, rc)
+    state = finish_status(run, rc, exits or None)
     if bar:
         bar.close(state)
     return state
 
 
-def finish_status(run: Run, rc: int) -> str:
-    """Turn the job's exit code and the files its ranks left into the run's final status."""
+def _direct(argv: List[str]) -> bool:
+    return "torch.distributed.run" not in argv
+
+
+def finish_status(run: Run, rc: int, exits=None) -> str:
+    """Turn the job's exit code and the files its ranks left into the run's final status. ``exits``:
+    (rank, exit code) of the failed ranks started directly; else they are read from torchrun's report."""
     diverged = run.read_all(runfiles.DIVERGEDS)
     if diverged:
         d = min(diverged, key=lambda x: x.get("step", 0))
@@ -240,11 +246,9 @@ def finish_status(run: Run, rc: int) -> str:
     if rc == 0:
         run.set_status("done", returncode=0)
         return "done"
-    direct = "torch.distributed.run" not in (run.status().get("argv") or ["torch.distributed.run"])
-    # a rank started without torchrun (``single_rank``): its exit code is the rank's own, no torchrun report
-    rank, why = failure_cause(run, exits=[(0, rc)] if direct else None)
+    rank, why = failure_cause(run, exits=exits)
     run.set_status("failed", returncode=rc, rank=rank,
-                   error=why or f"torchrun exited with code {rc}; see {runfiles.LOG}")
+                   error=why or f"the job exited with code {rc}; see {runfiles.LOG}")
     return "failed"
 
 

@@ -309,7 +309,8 @@ class Lab:
             if time.time() - st.get("created", 0) < 5 and not st.get("supervisor"):
                 continue  # just created; its supervisor is about to record itself
             kill_strays(run)
-            procs.kill_if_ours(st.get("torchrun"), str(run.path))
+            for ident in st.get("torchruns") or [st.get("torchrun")]:  # what the launcher started: ranks or torchruns
+                procs.kill_if_ours(ident, str(run.path))
             sup = st.get("supervisor") or {}
             new = run.set_status("failed", only_from=("queued", "running"),  # not if another command did it first
                                  error=f"stale: its launcher (pid {sup.get('pid')}) died; found at a later start")
