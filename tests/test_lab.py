@@ -63,10 +63,15 @@ def test_queue_limit_holds_and_all_finish(tmp_path):
 
 
 def test_kill9_of_a_rank_fails_naming_it_and_leaves_nothing(tmp_path):
+    """The launcher starts both ranks itself (no torchrun on one machine); one killed with SIGKILL fails the
+    run naming it, the other is stopped."""
     q = Lab(tmp_path, max_jobs=1)
     run = q.submit(lab._spec(LONG), wait=False)
     wait_for(lambda: len(run.worker_pids()) == 2 and run.state == "running"
              and any(m["kind"] == "step" for m in run.metric_rows()), 60, "the run to train")
+    st = run.status()
+    assert "torch.distributed.run" not in st["argv"] and len(st["torchruns"]) == 2, st
+    assert {p["pid"] for p in run.worker_pids()} == {p["pid"] for p in st["torchruns"]}
     victim = next(p for p in run.worker_pids() if p["rank"] == 1)
     os.kill(victim["pid"], signal.SIGKILL)
     # a hang guard, not a timing: far below the 300 s collective timeout, so a run that only failed

@@ -186,6 +186,8 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     cpu.start()  # before the job: its processes count as the run's own from their first tick
     procs_ = [_spawn(argv, env, loopback, log) for argv, env in jobs]
     cpu.roots = lambda: [p.pid for p in procs_ if p.returncode is None]  # reaped ones are in our cutime
+    # "torchruns": the processes started here (the ranks themselves on one machine); the names are kept
+    # so that run directories written before read the same
     run.set_status("running", torchrun=procs.identity(procs_[0].pid),
                    torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
     tail = MetricsTail(str(run.file(runfiles.METRICS)))
