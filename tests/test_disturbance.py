@@ -2,6 +2,7 @@
 import json
 import os
 import resource
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import lab
+from lab.base import procs as lab_procs
 from lab.rundir import disturbance as dist
 from lab.base.paths import INDEX
 from lab.rundir.index import Index
@@ -251,17 +253,17 @@ def test_old_index_gains_the_columns(tmp_path):
 
 # --------------------------------------------------------------------------- real runs
 
-def commlab(*args, runs, timeout=300):
-    env = dict(os.environ, COMMLAB_RUNS=str(runs))
+def commlab(*args, runs, timeout=300, env=None):
+    env = dict(env or os.environ, COMMLAB_RUNS=str(runs))
     return subprocess.run([sys.executable, "-m", "lab.front.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
-def real_run(tmp_path, runs):
+def real_run(tmp_path, runs, env=None):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r = commlab("run", str(spec), "--quiet", runs=runs)
+    r = commlab("run", str(spec), "--quiet", runs=runs, env=env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert r.returncode == 0, r.stdout + r.stderr
     (run,) = RunStore(runs).list()
@@ -321,18 +323,43 @@ def test_the_ui_warns_about_a_disturbed_run(busy_run, monkeypatch):
     assert bool(table.loc[run.id, "disturbed"]) is True and table.loc[run.id, "other_cpu"] == d["other_cpu"]
 
 
-def test_every_run_has_the_figure_and_counts_its_own_cpu(tmp_path):
+@pytest.mark.parametrize("ranks", ["warm", "cold"])
+def test_every_run_has_the_figure_and_counts_its_own_cpu(tmp_path, ranks):
+    """Cold ranks are the CLI's children (their CPU is in its rusage); warm ones are a warm server's of this
+    test's own, whose reaped children's CPU is theirs."""
     runs = tmp_path / "runs"
     runs.mkdir()
     (runs / "lab.json").write_text(json.dumps({"disturbance_threshold": 0.5}))
-    r, run, cli_cpu = real_run(tmp_path, runs)
+    t = tmp_path / "t"
+    t.mkdir()
+    env = dict(os.environ, TMPDIR=str(t), COMMLAB_WARM="1" if ranks == "warm" else "0")
+    try:
+        r, run, cli_cpu = real_run(tmp_path, runs, env)
+        if ranks == "warm":
+            server = next(int(line.split()[2]) for log in t.glob("commlab-warm-*/*.log")
+                          for line in log.read_text().splitlines() if line.startswith("warm: pid "))
+            deadline = time.time() + 10
+            while any(p.ppid == server for p in dist.scan().values()) and time.time() < deadline:
+                time.sleep(0.1)  # the ranks are reaped once the launcher has read their end
+            ranks_cpu = dist.scan()[server].children / os.sysconf("SC_CLK_TCK")
+            cli_cpu += ranks_cpu
+    finally:
+        for log in t.glob("commlab-warm-*/*.log"):
+            for line in log.read_text().splitlines():
+                if line.startswith("warm: pid "):
+                    lab_procs.kill_if_ours({"pid": int(line.split()[2])}, "lab.base.warm", signal.SIGTERM)
     d = run.status()["disturbance"]
     assert d["final"] is True and d["threshold"] == 0.5 and d["samples"] >= 2, d
     assert 0 <= d["other_cpu"] <= 1 and isinstance(d["disturbed"], bool) and d["cpus"] == os.cpu_count(), d
     assert d["disturbed"] == (max(d["other_cpu"], d.get("timed_other_cpu") or 0) > 0.5)
-    # the ranks and torchrun count as the run's own: most of the CPU the whole `commlab run` used
-    # (the rest is the CLI's start-up before the job) and never more
-    assert 0.5 * cli_cpu < d["own_cpu_s"] <= 1.05 * cli_cpu + 0.1, (d, cli_cpu)
+    # the ranks count as the run's own, and never more than the whole `commlab run` used; cold, they are most
+    # of it (the rest is the CLI's start-up before the job); warm, they start without importing torch, and
+    # the CLI's start-up is most of it: then all of the ranks' CPU counts
+    assert d["own_cpu_s"] <= 1.05 * cli_cpu + 0.1, (d, cli_cpu)
+    if ranks == "cold":
+        assert 0.5 * cli_cpu < d["own_cpu_s"], (d, cli_cpu)
+    else:
+        assert 0.9 * ranks_cpu <= d["own_cpu_s"] and ranks_cpu > 0.1, (d, ranks_cpu)
     label = "disturbed      yes" if d["disturbed"] else "machine        quiet"
     assert label in commlab("show", run.id, runs=runs).stdout
     assert d["sample_ms"] < 50, d  # a sample reads /proc/stat and one stat file per process

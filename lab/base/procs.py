@@ -33,6 +33,10 @@ def start_time(pid: int) -> Optional[int]:
         return None
 
 
+WARM_MARK = "lab.base.warm"
+"""The module of the warm server (lab.base.warm.MARK): its forked ranks have its command line."""
+
+
 def identity(pid: Optional[int] = None) -> dict:
     pid = pid or os.getpid()
     return {"pid": pid, "start": start_time(pid)}
@@ -54,9 +58,13 @@ def cmdline(pid: int) -> str:
 
 
 def kill_if_ours(ident: Optional[dict], marker: str, sig: int = signal.SIGKILL) -> bool:
-    """Signal a process only if it is the one recorded and its command line names ``marker``
-    (the run directory): the lab never signals a process it did not start."""
-    if not alive(ident) or marker not in cmdline(int(ident["pid"])):
+    """Signal a process only if it is the one recorded (pid and start time) and its command line names
+    ``marker`` (the run directory), or it is a rank forked by the lab's warm server (``lab.base.warm``,
+    whose command line it has): the lab never signals a process it did not start."""
+    if not alive(ident):
+        return False
+    cmd = cmdline(int(ident["pid"]))
+    if marker not in cmd and f"-m {WARM_MARK} " not in cmd:
         return False
     try:
         os.kill(int(ident["pid"]), sig)

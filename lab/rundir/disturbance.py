@@ -302,6 +302,8 @@ class Sampler:
         """Where the lab's observers register (``observers``); None: every other process counts."""
         self.me = me or os.getpid()
         self.roots: Callable[[], List[int]] = lambda: []
+        self.reaped: Callable[[], int] = lambda: 0
+        """CPU (ticks) of the run's processes that another process reaped (warm ranks: lab.base.warm)"""
         self.samples: List[Sample] = []
         self.cpus = 1
         self.children0: Optional[int] = None
@@ -322,7 +324,8 @@ class Sampler:
         me = table.get(self.me, ProcStat(0, 0, 0))
         if self.children0 is None:
             self.children0 = me.children
-        own = me.own + (me.children - self.children0) + tree_ticks(table, [r for r in self.roots() if r != self.me])
+        own = me.own + (me.children - self.children0) + tree_ticks(table, [r for r in self.roots() if r != self.me]) \
+            + self.reaped()
         s = Sample(self.clock(), busy, total, own, tree_ticks(table, observers(self.runs_root, self.root)))
         self.samples.append(s)
         self.cost_s += time.thread_time() - t0

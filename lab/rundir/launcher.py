@@ -18,7 +18,7 @@ import time
 from typing import Callable, List, Optional
 
 from engine import runfiles
-from lab.base import procs
+from lab.base import procs, warm
 from lab.base.procs import stop
 from lab.base.torchrun import direct_ranks, free_port, torchrun_argv, worker_argv, worker_env
 from lab.net.netns import Cluster, rank_argv
@@ -183,9 +183,15 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     cpu = disturbance.Sampler(disturbance.threshold(run.path.parent), runs_root=run.path.parent,
                               on_update=lambda d: run.update_status(disturbance=d))
     log = open(run.file(runfiles.LOG), "ab", buffering=0)
+    # ranks started directly are forked by the warm server when there is one (lab.base.warm); it is asked
+    # for before sampling starts, so that a server starting up does not count against this run
+    server = warm.ready() if all(_direct(argv) for argv, _ in jobs) else None
     cpu.start()  # before the job: its processes count as the run's own from their first tick
-    procs_ = [_spawn(argv, env, loopback, log) for argv, env in jobs]
+    procs_ = server and warm.start(server, [(argv, {**worker_env(loopback=loopback), **env}) for argv, env in jobs],
+                                   str(run.file(runfiles.LOG)))
+    procs_ = procs_ or [_spawn(argv, env, loopback, log) for argv, env in jobs]
     cpu.roots = lambda: [p.pid for p in procs_ if p.returncode is None]  # reaped ones are in our cutime
+    cpu.reaped = lambda: sum(getattr(p, "ticks", 0) for p in procs_)  # warm ranks' (the server reaps them)
     # "torchruns": the processes started here (the ranks themselves on one machine); the names are kept
     # so that run directories written before read the same
     run.set_status("running", torchrun=procs.identity(procs_[0].pid),

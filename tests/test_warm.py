@@ -1,0 +1,172 @@
+"""Warm ranks (lab.base.warm): a rank forked by the warm server runs as a rank the launcher started itself
+would (environment, working directory, session, log, priority, the same training), its launcher's death ends
+it, its CPU counts as the run's own, and the server refuses what would not be safe and leaves when idle."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import lab
+from lab.base import procs, warm
+
+ROOT = Path(__file__).resolve().parent.parent
+SPEC = {"model": "probe_model:build", "dataset": "digits", "world_size": 2, "steps": 4, "batch_size": 16,
+        "eval_every": 0, "threads": 1}
+PROBE = '''
+import json, os, sys
+import torch.nn as nn
+
+def build(info=None, **kw):
+    out = os.environ.get("WARM_PROBE")
+    if out and "RANK" in os.environ:  # in a rank, not when the lab checks the spec
+        with open(f"{out}-{os.environ['RANK']}.json", "w") as f:
+            json.dump({"value": os.environ.get("WARM_PROBE_VALUE"), "cwd": os.getcwd(), "path0": sys.path[0],
+                       "sid": os.getsid(0), "pid": os.getpid(), "ppid": os.getppid(), "nice": os.nice(0),
+                       "stdout": os.readlink("/proc/self/fd/1"), "stdin": os.readlink("/proc/self/fd/0"),
+                       "omp": os.environ.get("OMP_NUM_THREADS")}, f)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+'''
+
+
+@pytest.fixture
+def private(tmp_path, monkeypatch, forget_modules):
+    """A warm server of this test's own (its directory under tmp_path), stopped at the end; the probe model
+    importable by the ranks (PYTHONPATH) and here (the spec check)."""
+    forget_modules("probe_model")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "probe_model.py").write_text(textwrap.dedent(PROBE))
+    monkeypatch.syspath_prepend(str(src))
+    monkeypatch.setenv("PYTHONPATH", str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t = tmp_path / "t"
+    t.mkdir()
+    monkeypatch.setenv("TMPDIR", str(t))
+    monkeypatch.setattr(tempfile, "tempdir", str(t))
+    monkeypatch.delenv(warm.ENV, raising=False)
+    yield tmp_path
+    for pid in servers(t):
+        procs.kill_if_ours({"pid": pid, "start": procs.start_time(pid)}, warm.MARK, signal.SIGTERM)
+
+
+def servers(t: Path):
+    """Pids of the warm servers of this TMPDIR that are still running (from their logs)."""
+    out = []
+    for log in t.glob("commlab-warm-*/*.log"):
+        for line in log.read_text().splitlines():
+            if line.startswith("warm: pid "):
+                pid = int(line.split()[2])
+                if procs.start_time(pid) is not None and warm.MARK in procs.cmdline(pid):
+                    out.append(pid)
+    return out
+
+
+def probes(prefix: Path):
+    return [json.loads(Path(f"{prefix}-{r}.json").read_text()) for r in (0, 1)]
+
+
+def losses(run):
+    return [(m["step"], m["rank"], m["loss"]) for m in sorted(run.metric_rows(), key=lambda m: (m["step"], m["rank"]))
+            if m["kind"] == "step"]
+
+
+def test_a_warm_rank_runs_as_a_rank_started_by_the_launcher(private, monkeypatch):
+    tmp = private
+    monkeypatch.setenv("WARM_PROBE_VALUE", "from-the-launcher")
+    seen = {}
+    for mode in ("warm", "cold"):
+        monkeypatch.setenv(warm.ENV, "1" if mode == "warm" else "0")
+        monkeypatch.setenv("WARM_PROBE", str(tmp / mode))
+        run = lab.run({**SPEC, "name": mode}, runs=tmp / "runs")
+        assert run.state == "done", run.log_tail()
+        seen[mode] = (probes(tmp / mode), run)
+    (server,) = servers(tmp / "t")
+    for mode, (ranks, run) in seen.items():
+        for p in ranks:
+            assert p["value"] == "from-the-launcher" and p["omp"] == "1"
+            assert p["cwd"] == os.getcwd() and p["path0"] == os.getcwd()
+            assert p["sid"] == p["pid"], "each rank in a session of its own"
+            assert p["nice"] == os.nice(0) and p["stdin"] == "/dev/null"
+            assert p["stdout"] == str(run.file("log.txt"))
+            # warm: forked by the server; cold: a child of this process, which supervised the run
+            assert p["ppid"] == (server if mode == "warm" else os.getpid()), (mode, p)
+        assert {p["pid"] for p in ranks} == {i["pid"] for i in run.status()["torchruns"]}
+    assert losses(seen["warm"][1]) == losses(seen["cold"][1])  # the same training, bit for bit
+    assert seen["warm"][1].log_tail().count("[commlab] rank 0:") == 1
+
+
+def test_a_niced_launcher_gets_niced_warm_ranks(private, monkeypatch):
+    """The server runs at its starter's priority; a launcher at a lower one gets its ranks lowered to it."""
+    tmp = private
+    spec = tmp / "spec.json"
+    spec.write_text(json.dumps(SPEC))
+    env = dict(os.environ)
+    for name, nice in (("first", 0), ("niced", 5)):
+        env["WARM_PROBE"] = str(tmp / name)
+        r = subprocess.run(["nice", "-n", str(nice), sys.executable, "-m", "lab.front.cli", "run", str(spec),
+                            "--quiet", "--runs", str(tmp / "runs")], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+    (server,) = servers(tmp / "t")
+    assert [p["nice"] for p in probes(tmp / "first")] == [os.nice(0)] * 2
+    assert [p["nice"] for p in probes(tmp / "niced")] == [os.nice(0) + 5] * 2
+    assert {p["ppid"] for p in probes(tmp / "niced")} == {server}
+
+
+def test_a_killed_launcher_ends_its_warm_ranks(private):
+    tmp = private
+    spec = tmp / "long.json"
+    spec.write_text(json.dumps({**SPEC, "model": "mlp", "steps": 100000}))
+    p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "run", str(spec), "--quiet", "--runs",
+                          str(tmp / "runs")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        run = None
+        while time.time() < deadline:
+            run = next(iter(lab.runs(runs=tmp / "runs")), None)
+            if run and run.state == "running" and run.metric_rows() and len(run.worker_pids()) == 2:
+                break
+            time.sleep(0.2)
+        ranks = run.worker_pids()
+        assert {procs.cmdline(r["pid"]).split(" -m ")[1].split()[0] for r in ranks} == {warm.MARK}
+    finally:
+        p.kill()  # SIGKILL: the launcher says nothing; its connections to the server close
+        p.wait()
+    deadline = time.time() + 15
+    while any(procs.alive(r) for r in ranks) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(procs.alive(r) for r in ranks)
+    assert servers(tmp / "t"), "the server itself goes on"
+
+
+def test_the_server_leaves_when_idle(private, monkeypatch):
+    tmp = private
+    monkeypatch.setenv("COMMLAB_WARM_IDLE_S", "1")
+    run = lab.run({**SPEC, "model": "mlp"}, runs=tmp / "runs")
+    assert run.state == "done", run.log_tail()
+    (server,) = servers(tmp / "t")
+    deadline = time.time() + 30
+    while procs.start_time(server) is not None and time.time() < deadline:
+        [p.poll() for p in warm._started]  # reap it (this process started it)
+        time.sleep(0.2)
+    assert not servers(tmp / "t") and not list((tmp / "t").glob("commlab-warm-*/*.sock"))
+
+
+def test_a_directory_others_may_enter_is_refused(private, capfd):
+    d = Path(tempfile.gettempdir()) / f"commlab-warm-{os.getuid()}"
+    d.mkdir(mode=0o777)
+    os.chmod(d, 0o777)
+    assert warm.ready() is None
+    assert "not a private directory" in capfd.readouterr().err
+    assert not list(d.iterdir())
+
+
+def test_off_means_every_rank_is_the_launchers(private, monkeypatch):
+    monkeypatch.setenv(warm.ENV, "0")
+    assert warm.ready() is None and not list(Path(tempfile.gettempdir()).glob("commlab-warm-*"))
