@@ -135,11 +135,24 @@ class WarmRank:
         return self.returncode
 
 
+@contextlib.contextmanager
+def _address(path) -> str:
+    """A UNIX socket address for ``path`` however long its directory's name (an address holds 107 bytes):
+    the name under ``/proc/self/fd/N``, N an open descriptor of the directory."""
+    path = Path(path)
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
+
+
 def _connect(path: Path, timeout: float = 5.0) -> socket.socket:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.settimeout(timeout)
     try:
-        s.connect(str(path))
+        with _address(path) as addr:
+            s.connect(addr)
     except OSError:
         s.close()
         raise
@@ -253,7 +266,8 @@ class Server:
     def run(self) -> int:
         tmp = f"{self.path}.{os.getpid()}"
         self.listen = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listen.bind(tmp)
+        with _address(tmp) as addr:
+            self.listen.bind(addr)
         self.listen.listen(64)
         os.replace(tmp, self.path)  # ready: a client that connects is served at once
         ino = os.stat(self.path).st_ino
