@@ -145,3 +145,20 @@ def forget_modules(monkeypatch):
     for top in tops:  # what the test imported; monkeypatch then puts back what was there before
         for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
             del sys.modules[name]
+
+
+# --------------------------------------------------------------------------- the order tests start in
+# The suite runs on two xdist workers (pyproject.toml). The few tests that take a minute or more start first,
+# spread over both workers, so that the end of the suite is many short tests on both, not one long one on
+# each. Only the order changes.
+FIRST = ("tests/test_notebooks.py::test_runs_top_to_bottom", "tests/test_presets_train.py::",
+         "tests/test_browser.py::", "tests/test_browser_workshop.py::",
+         "tests/test_plugin_compressor.py::test_the_scratch_compressor", "tests/test_models_ext.py::test_hf_gpt2",
+         "tests/test_compressors_train.py::", "tests/test_methods.py::test_wrap_", "tests/test_own_loop.py::")
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item):
+        nodeid = item.nodeid if item.nodeid.startswith("tests/") else "tests/" + item.nodeid
+        return next((i for i, prefix in enumerate(FIRST) if nodeid.startswith(prefix)), len(FIRST))
+    items.sort(key=rank)  # stable: within a rank, the collected order

@@ -1,4 +1,5 @@
 """Every notebook in notebooks/ runs top to bottom (quick setting) and is stored without outputs."""
+import os
 import re
 from pathlib import Path
 
@@ -78,7 +79,10 @@ def test_notebooks_default_to_the_runs_directory_of_every_command(tmp_path, monk
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_runs_top_to_bottom(path, tmp_path, monkeypatch):
+    """Slow links are modeled here even as root (what every non-root user gets): shaped links, and the
+    link calibration notebook 04 does as root, have tests of their own (test_shaped_runs.py, test_netns.py)."""
     monkeypatch.setenv("COMMLAB_QUICK", "1")
+    monkeypatch.setenv("COMMLAB_SLOW_LINK", "modeled")
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path / "runs"))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
@@ -86,3 +90,15 @@ def test_runs_top_to_bottom(path, tmp_path, monkeypatch):
     client.execute()  # raises CellExecutionError naming the cell when any cell raises
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
+
+
+def test_slow_links_are_shaped_as_root_unless_modeled_is_asked_for(monkeypatch):
+    from lab.front import notebook
+    monkeypatch.delenv("COMMLAB_SLOW_LINK", raising=False)
+    root = os.geteuid() == 0
+    assert notebook.slow_link(0.1) == {"link": "shaped" if root else "modeled", "gbps": 0.1}
+    monkeypatch.setenv("COMMLAB_SLOW_LINK", "modeled")
+    assert notebook.slow_link(1) == {"link": "modeled", "gbps": 1} and not notebook.can_shape()
+    monkeypatch.setenv("COMMLAB_SLOW_LINK", "fast")
+    with pytest.raises(ValueError, match="COMMLAB_SLOW_LINK: must be shaped or modeled, got 'fast'"):
+        notebook.slow_link(1)

@@ -105,7 +105,21 @@ def layerfusion_profile(run):
     return params, [r / 1e3 for r in info["ready_ms"]], cost
 
 
+SLOW_LINK_ENV = "COMMLAB_SLOW_LINK"
+"""``modeled`` makes ``slow_link`` give modeled links even as root (the notebooks' test does: shaped links
+have tests of their own, tests/test_shaped_runs.py and tests/test_netns.py); ``shaped`` or unset: shaped where
+this process may build them."""
+
+
+def can_shape() -> bool:
+    """Whether ``slow_link`` gives shaped links: as root, unless ``$COMMLAB_SLOW_LINK`` is ``modeled``."""
+    want = os.environ.get(SLOW_LINK_ENV, "")
+    if want not in ("", "shaped", "modeled"):
+        raise ValueError(f"{SLOW_LINK_ENV}: must be shaped or modeled, got {want!r}")
+    return os.geteuid() == 0 and want != "modeled"
+
+
 def slow_link(gbps: float) -> dict:
     """A ``network`` spec for an emulated link of ``gbps``: ``shaped`` (tc on an emulated cluster) when this
-    process may build one (root), else ``modeled`` (alpha-beta delays in the communicator)."""
-    return {"link": "shaped" if os.geteuid() == 0 else "modeled", "gbps": gbps}
+    process may build one (root; ``can_shape``), else ``modeled`` (alpha-beta delays in the communicator)."""
+    return {"link": "shaped" if can_shape() else "modeled", "gbps": gbps}
