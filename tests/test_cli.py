@@ -522,12 +522,20 @@ def test_zsh_completion(tmp_path, capsys):
     assert subprocess.run(["zsh", "-n", str(funcs / "_commlab")]).returncode == 0
     (tmp_path / "r" / "run-a").mkdir(parents=True)
 
-    def complete(line):
+    def complete(line, tries=3):
+        # the zpty harness can miss its "DONE" on a loaded machine (once in the suite: a 60 s hang), so a
+        # try that hangs is made again; the completions themselves are checked by the asserts below
         hits = tmp_path / "hits"
-        hits.unlink(missing_ok=True)
-        subprocess.run(["zsh", "-f", "-c", ZCAP], cwd=ROOT, timeout=60, check=True,
-                       env={**os.environ, "FUNCS": str(funcs), "DUMP": str(tmp_path / "dump"), "HITS": str(hits),
-                            "LINE": line, "COMMLAB_RUNS": str(tmp_path / "r")})
+        for i in range(tries):
+            hits.unlink(missing_ok=True)
+            try:
+                subprocess.run(["zsh", "-f", "-c", ZCAP], cwd=ROOT, timeout=20, check=True,
+                               env={**os.environ, "FUNCS": str(funcs), "DUMP": str(tmp_path / "dump"),
+                                    "HITS": str(hits), "LINE": line, "COMMLAB_RUNS": str(tmp_path / "r")})
+                break
+            except subprocess.TimeoutExpired:
+                if i == tries - 1:
+                    raise
         return sorted(set(hits.read_text().split())) if hits.exists() else []
     assert complete("commlab ru") == ["run", "runs"]
     assert complete("commlab runs --state d") == ["diverged", "done"]
