@@ -1,11 +1,20 @@
-"""Run a function on world_size gloo ranks (CPU, one thread each) and collect results."""
+"""Run a function on world_size gloo ranks (CPU, one thread each) and collect results.
+
+The ranks are a pool kept by each test process, one per world size: spawned once (torch and ``torch._dynamo``
+imported, about 2.5 s of CPU a rank), then each ``run_world`` call sends them the function, which they run in a
+fresh gloo process group with the caller's environment, ``sys.path`` and working directory, a fresh random
+seed (as a new process gets) and one thread. A call that fails, hangs or kills a rank ends the pool; the next call spawns a new one.
+``COMMLAB_TEST_FRESH_RANKS=1`` spawns fresh ranks for every call instead."""
 from __future__ import annotations
 
+import atexit
+import importlib
 import os
 import socket
 import sys
 import tempfile
 import pickle
+import traceback
 import types
 from datetime import timedelta
 
@@ -40,21 +49,145 @@ def _entry(rank, world, port, fn, args, outdir):
     os._exit(0)
 
 
+CALL_TIMEOUT_S = 600
+"""A hang guard for one call (each collective also times out after 90 s)."""
+
+
 def run_world(fn, *args, world: int = 2):
     """Call fn(rank, world, *args) in `world` processes; return the list of results.
-    A failing rank raises here with its traceback (torch.multiprocessing.spawn)."""
-    # A spawned child re-runs the parent's __main__ module first. After streamlit's AppTest.from_function
-    # (tests/test_streamlit_deprecations.py), __main__ is the app script it wrote to a temporary file, which
-    # fails outside AppTest: the children get an empty __main__ instead (fn is pickled by its module's name).
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        with tempfile.TemporaryDirectory() as outdir:
+    A failing rank raises here with its traceback."""
+    if os.environ.get("COMMLAB_TEST_FRESH_RANKS", "") not in ("", "0"):
+        with _empty_main(), tempfile.TemporaryDirectory() as outdir:
             mp.spawn(_entry, args=(world, _free_port(), fn, args, outdir), nprocs=world, join=True)
             return _results(outdir, world)
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
+    pool = _pools.get(world)
+    if pool is None:
+        pool = _pools[world] = _Pool(world)
+    try:
+        return pool.call(fn, args)
+    except _PoolBroken:
+        _pools.pop(world, None)
+        pool.close()
+        raise
+
+
+class _empty_main:
+    """A spawned child re-runs the parent's __main__ module first. After streamlit's AppTest.from_function
+    (tests/test_streamlit_deprecations.py), __main__ is the app script it wrote to a temporary file, which
+    fails outside AppTest: the children get an empty __main__ instead (fn is pickled by its module's name)."""
+
+    def __enter__(self):
+        self.main = sys.modules.get("__main__")
+        sys.modules["__main__"] = types.ModuleType("__main__")
+
+    def __exit__(self, *exc):
+        if self.main is not None:
+            sys.modules["__main__"] = self.main
+        return False
+
+
+class _PoolBroken(RuntimeError):
+    pass
+
+
+_pools: dict = {}
+
+
+class _Pool:
+    def __init__(self, world: int):
+        ctx = mp.get_context("spawn")
+        self.world, self.conns, self.procs = world, [], []
+        with _empty_main():
+            for rank in range(world):
+                mine, theirs = ctx.Pipe()
+                p = ctx.Process(target=_serve, args=(rank, world, theirs), daemon=True)
+                p.start()
+                theirs.close()
+                self.conns.append(mine)
+                self.procs.append(p)
+
+    def call(self, fn, args):
+        payload = pickle.dumps((fn, args))
+        where = (_free_port(), dict(os.environ), list(sys.path), os.getcwd())
+        try:
+            for c in self.conns:
+                c.send((where, payload))
+            replies = []
+            for rank, c in enumerate(self.conns):
+                if not c.poll(CALL_TIMEOUT_S):
+                    raise _PoolBroken(f"rank {rank} did not answer within {CALL_TIMEOUT_S} s")
+                replies.append(c.recv())
+        except (EOFError, OSError, BrokenPipeError) as e:
+            codes = [p.exitcode for p in self.procs]
+            raise _PoolBroken(f"a rank of the pool died (exit codes {codes}): {e!r}") from None
+        errors = [f"-- rank {r} failed:\n{value}" for r, (ok, value) in enumerate(replies) if not ok]
+        if errors:
+            raise RuntimeError("\n".join(errors))
+        return [pickle.loads(value) for _, value in replies]
+
+    def close(self):
+        for c in self.conns:
+            try:
+                c.send(None)
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+@atexit.register
+def _close_pools():
+    for pool in list(_pools.values()):
+        pool.close()
+    _pools.clear()
+
+
+def _serve(rank, world, conn):
+    """A pool rank: run each call sent until told to stop (None) or the caller is gone."""
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch._dynamo  # noqa: F401  every optimizer's first step imports it: once per pool, not per call
+    tmp = os.path.realpath(tempfile.gettempdir())
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        (port, env, path, cwd), payload = msg
+        try:
+            os.environ.clear()
+            os.environ.update(env)
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+            sys.path[:] = path
+            os.chdir(cwd)
+            for name, mod in list(sys.modules.items()):  # a test's own modules (under tmp) are read fresh
+                f = getattr(mod, "__file__", None) or ""
+                if f and os.path.realpath(f).startswith(tmp + os.sep) and name != "__main__":
+                    del sys.modules[name]
+            importlib.invalidate_caches()
+            torch.seed()  # a new process's generator starts from a random seed; so does every call
+            torch.set_num_threads(1)
+            torch.set_grad_enabled(True)
+            fn, args = pickle.loads(payload)
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=90))
+            try:
+                reply = (True, pickle.dumps(fn(rank, world, *args)))
+            finally:
+                dist.destroy_process_group()
+        except BaseException:
+            reply = (False, traceback.format_exc())
+        try:
+            conn.send(reply)
+        except OSError:
+            break
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as _entry: no C++ static destructors
 
 
 def _results(outdir, world):

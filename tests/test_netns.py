@@ -288,9 +288,9 @@ def test_the_link_calibration_fits_the_shaped_rate_and_leaves_nothing():
     fits from timed all-reduces on a shaped 1 Gbit/s cluster is that rate (within the 20% the net check
     allows), a 4 KiB all-reduce takes time, and the cluster is gone afterwards."""
     from lab.strategy.perfmodel import calibrate
-    before = set(list_lab_namespaces())
     m = calibrate.measure_link(1.0)
     assert m["source"] == "measured all-reduce on a shaped 1 Gbit cluster, 2 ranks" and m["nominal_gbps"] == 1.0
     assert 0.8 < 8 / m["beta"] / 1e9 < 1.2, m
     assert m["alpha"] >= 0 and m["small_mean_s"] > 0 and len(m["samples"]) == 2
-    assert set(list_lab_namespaces()) <= before and root_lab_links() == []
+    # its cluster (tag "pm", this process's) is gone; other tests' clusters may run beside it
+    assert not [ns for ns in list_lab_namespaces() if ns.startswith(f"clab-{os.getpid()}-") and "-pm-" in ns]
