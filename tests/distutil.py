@@ -49,6 +49,7 @@ def _entry(rank, world, port, fn, args, outdir):
     os._exit(0)
 
 
+ROOT_TESTS = os.path.dirname(os.path.abspath(__file__))
 CALL_TIMEOUT_S = 600
 """A hang guard for one call (each collective also times out after 90 s)."""
 
@@ -150,6 +151,9 @@ def _serve(rank, world, conn):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     import torch._dynamo  # noqa: F401  every optimizer's first step imports it: once per pool, not per call
     tmp = os.path.realpath(tempfile.gettempdir())
+    # never the interpreter's, the repository's or an installed package's modules, even when they live under tmp
+    # (a fresh clone in /tmp and its .venv)
+    keep = tuple(os.path.realpath(p) + os.sep for p in (sys.prefix, sys.base_prefix, os.path.dirname(ROOT_TESTS)))
     while True:
         try:
             msg = conn.recv()
@@ -166,7 +170,8 @@ def _serve(rank, world, conn):
             os.chdir(cwd)
             for name, mod in list(sys.modules.items()):  # a test's own modules (under tmp) are read fresh
                 f = getattr(mod, "__file__", None) or ""
-                if f and os.path.realpath(f).startswith(tmp + os.sep) and name != "__main__":
+                real = os.path.realpath(f) if f else ""
+                if real.startswith(tmp + os.sep) and not real.startswith(keep) and name != "__main__":
                     del sys.modules[name]
             importlib.invalidate_caches()
             torch.seed()  # a new process's generator starts from a random seed; so does every call

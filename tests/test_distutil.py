@@ -60,3 +60,23 @@ def test_a_rank_that_dies_breaks_the_call_and_the_next_call_gets_a_new_pool():
         run_world(_dies_on_rank_0)
     after = run_world(_what_a_rank_sees)
     assert [r["sum"] for r in after] == [3.0, 3.0] and after[0]["pid"] != before[0]["pid"]
+
+
+def _imports_a_module_under(rank, world, src):
+    import importlib
+    import sys
+    mod = importlib.import_module("distutil_probe_mod")
+    return mod.VALUE, sys.modules["torch"].__file__
+
+
+def test_a_tests_own_module_is_read_fresh_and_installed_ones_stay(tmp_path, monkeypatch):
+    """A module a test wrote under tmp is imported again by the next call (a later test may write another of
+    the same name); torch and the repository's modules stay imported, even when they live under tmp too (a
+    fresh clone in /tmp, whose .venv is there)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "distutil_probe_mod.py").write_text("VALUE = 1\n")
+    first = run_world(_imports_a_module_under, str(tmp_path))
+    (tmp_path / "distutil_probe_mod.py").write_text("VALUE = 2  # changed\n")
+    second = run_world(_imports_a_module_under, str(tmp_path))
+    assert [v for v, _ in first] == [1, 1] and [v for v, _ in second] == [2, 2]
+    assert first[0][1] == second[0][1] == torch.__file__
