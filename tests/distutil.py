@@ -246,3 +246,28 @@ def wait_until_up(url: str, p, log_path, timeout: float = 120.0) -> None:
             assert p.poll() is None, open(log_path).read()
             assert time.time() - t0 < timeout, "the UI did not come up"
             time.sleep(0.3)
+
+
+def warm_servers(tmpdir) -> list:
+    """Pids of the warm servers (lab.base.warm) started under ``tmpdir`` (a test's own TMPDIR) that still run,
+    from the line each writes to its log when it starts serving."""
+    from pathlib import Path
+
+    from lab.base import procs, warm
+    out = []
+    for log in Path(tmpdir).glob("commlab-warm-*/*.log"):
+        for line in log.read_text().splitlines():
+            if line.startswith(warm.READY):
+                pid = int(line.split()[2])
+                if procs.start_time(pid) is not None and warm.MARK in procs.cmdline(pid):
+                    out.append(pid)
+    return out
+
+
+def stop_warm_servers(tmpdir) -> None:
+    """SIGTERM the warm servers a test started under its own ``tmpdir``."""
+    import signal
+
+    from lab.base import procs, warm
+    for pid in warm_servers(tmpdir):
+        procs.kill_if_ours({"pid": pid, "start": procs.start_time(pid)}, warm.MARK, signal.SIGTERM)

@@ -2,7 +2,6 @@
 import json
 import os
 import resource
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import lab
-from lab.base import procs as lab_procs
+from distutil import stop_warm_servers, warm_servers
 from lab.rundir import disturbance as dist
 from lab.base.paths import INDEX
 from lab.rundir.index import Index
@@ -336,18 +335,14 @@ def test_every_run_has_the_figure_and_counts_its_own_cpu(tmp_path, ranks):
     try:
         r, run, cli_cpu = real_run(tmp_path, runs, env)
         if ranks == "warm":
-            server = next(int(line.split()[2]) for log in t.glob("commlab-warm-*/*.log")
-                          for line in log.read_text().splitlines() if line.startswith("warm: pid "))
+            (server,) = warm_servers(t)
             deadline = time.time() + 10
             while any(p.ppid == server for p in dist.scan().values()) and time.time() < deadline:
                 time.sleep(0.1)  # the ranks are reaped once the launcher has read their end
             ranks_cpu = dist.scan()[server].children / os.sysconf("SC_CLK_TCK")
             cli_cpu += ranks_cpu
     finally:
-        for log in t.glob("commlab-warm-*/*.log"):
-            for line in log.read_text().splitlines():
-                if line.startswith("warm: pid "):
-                    lab_procs.kill_if_ours({"pid": int(line.split()[2])}, "lab.base.warm", signal.SIGTERM)
+        stop_warm_servers(t)
     d = run.status()["disturbance"]
     assert d["final"] is True and d["threshold"] == 0.5 and d["samples"] >= 2, d
     assert 0 <= d["other_cpu"] <= 1 and isinstance(d["disturbed"], bool) and d["cpus"] == os.cpu_count(), d

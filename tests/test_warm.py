@@ -3,7 +3,6 @@ would (environment, working directory, session, log, priority, the same training
 it, its CPU counts as the run's own, and the server refuses what would not be safe and leaves when idle."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -14,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import lab
+from distutil import stop_warm_servers, warm_servers
 from lab.base import procs, warm
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,20 +51,7 @@ def private(tmp_path, monkeypatch, forget_modules):
     monkeypatch.setattr(tempfile, "tempdir", str(t))
     monkeypatch.delenv(warm.ENV, raising=False)
     yield tmp_path
-    for pid in servers(t):
-        procs.kill_if_ours({"pid": pid, "start": procs.start_time(pid)}, warm.MARK, signal.SIGTERM)
-
-
-def servers(t: Path):
-    """Pids of the warm servers of this TMPDIR that are still running (from their logs)."""
-    out = []
-    for log in t.glob("commlab-warm-*/*.log"):
-        for line in log.read_text().splitlines():
-            if line.startswith("warm: pid "):
-                pid = int(line.split()[2])
-                if procs.start_time(pid) is not None and warm.MARK in procs.cmdline(pid):
-                    out.append(pid)
-    return out
+    stop_warm_servers(t)
 
 
 def probes(prefix: Path):
@@ -86,7 +73,7 @@ def test_a_warm_rank_runs_as_a_rank_started_by_the_launcher(private, monkeypatch
         run = lab.run({**SPEC, "name": mode}, runs=tmp / "runs")
         assert run.state == "done", run.log_tail()
         seen[mode] = (probes(tmp / mode), run)
-    (server,) = servers(tmp / "t")
+    (server,) = warm_servers(tmp / "t")
     for mode, (ranks, run) in seen.items():
         for p in ranks:
             assert p["value"] == "from-the-launcher" and p["omp"] == "1"
@@ -113,7 +100,7 @@ def test_a_niced_launcher_gets_niced_warm_ranks(private, monkeypatch):
                             "--quiet", "--runs", str(tmp / "runs")], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
-    (server,) = servers(tmp / "t")
+    (server,) = warm_servers(tmp / "t")
     assert [p["nice"] for p in probes(tmp / "first")] == [os.nice(0)] * 2
     assert [p["nice"] for p in probes(tmp / "niced")] == [os.nice(0) + 5] * 2
     assert {p["ppid"] for p in probes(tmp / "niced")} == {server}
@@ -142,7 +129,7 @@ def test_a_killed_launcher_ends_its_warm_ranks(private):
     while any(procs.alive(r) for r in ranks) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(procs.alive(r) for r in ranks)
-    assert servers(tmp / "t"), "the server itself goes on"
+    assert warm_servers(tmp / "t"), "the server itself goes on"
 
 
 def test_the_server_leaves_when_idle(private, monkeypatch):
@@ -150,12 +137,12 @@ def test_the_server_leaves_when_idle(private, monkeypatch):
     monkeypatch.setenv("COMMLAB_WARM_IDLE_S", "1")
     run = lab.run({**SPEC, "model": "mlp"}, runs=tmp / "runs")
     assert run.state == "done", run.log_tail()
-    (server,) = servers(tmp / "t")
+    (server,) = warm_servers(tmp / "t")
     deadline = time.time() + 30
     while procs.start_time(server) is not None and time.time() < deadline:
         [p.poll() for p in warm._started]  # reap it (this process started it)
         time.sleep(0.2)
-    assert not servers(tmp / "t") and not list((tmp / "t").glob("commlab-warm-*/*.sock"))
+    assert not warm_servers(tmp / "t") and not list((tmp / "t").glob("commlab-warm-*/*.sock"))
 
 
 def test_a_directory_others_may_enter_is_refused(private, capfd):

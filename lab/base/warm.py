@@ -29,15 +29,21 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
+import io
 import json
 import os
+import random
+import runpy
 import select
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -52,6 +58,8 @@ environment of the launcher that starts it says otherwise)."""
 START_S = 60.0
 """How long a launcher waits for a server it started to be ready."""
 PRELOAD = ("torch", "torch._dynamo")
+READY = "warm: pid "
+"""How the line the server writes to its log when it serves begins: ``warm: pid N serving SOCKET``."""
 MARK = WARM_MARK
 """In every warm rank's command line (the server's): ``procs.kill_if_ours`` knows a warm rank by it."""
 
@@ -62,9 +70,8 @@ def enabled() -> bool:
 
 def _key() -> str:
     """One server per interpreter, torch build and version of this file."""
-    import importlib.util
     spec = importlib.util.find_spec("torch")
-    parts = [sys.executable, __file__]
+    parts = [sys.executable]
     for p in (spec.origin if spec else "", __file__):
         with contextlib.suppress(OSError):
             parts.append(str(os.stat(p).st_mtime_ns))
@@ -78,7 +85,6 @@ def home() -> Path:
     with contextlib.suppress(FileExistsError):
         d.mkdir(mode=0o700)
     st = os.lstat(d)
-    import stat
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
         raise OSError(f"{d}: not a private directory of this user's")
     return d
@@ -281,7 +287,7 @@ class Server:
                     if os.stat(self.path).st_ino == ino:  # still ours (a newer server may have replaced it)
                         os.unlink(self.path)
                 return 0
-            r, _, _ = select.select([self.listen, *self.conns, *self._waiting()], [], [], 0.1)
+            r, _, _ = select.select([self.listen, *self.conns, *self.children.values()], [], [], 0.1)
             for s in r:
                 if s is self.listen:
                     conn, _ = self.listen.accept()
@@ -290,9 +296,6 @@ class Server:
                     self._request(s)
                 else:
                     self._from_launcher(s)
-
-    def _waiting(self) -> List[socket.socket]:
-        return list(self.children.values())
 
     def _request(self, conn: socket.socket) -> None:
         try:
@@ -387,22 +390,18 @@ class Server:
             os.chdir(req["cwd"])
             extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
             sys.path[:] = [os.getcwd(), *extra, *self.base_path]
-            import io
-            import random
             sys.stdin = open(0, "r", closefd=False)
             sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
             sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
             random.seed()
             for name in [m for m in sys.modules if m.split(".")[0] in ("lab", "engine", "__mp_main__")]:
                 del sys.modules[name]
-            import runpy
             sys.argv = ["-m", "--run-dir", req["run_dir"]]
             runpy.run_module("engine.worker", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         except BaseException:
-            import traceback
             traceback.print_exc()
         finally:
             with contextlib.suppress(Exception):
@@ -426,7 +425,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if threads != 1:
         print(f"warm: {threads} threads after importing {PRELOAD}; forking would not be safe", file=sys.stderr)
         return 1
-    print(f"warm: pid {os.getpid()} serving {argv[0]}", file=sys.stderr, flush=True)
+    print(f"{READY}{os.getpid()} serving {argv[0]}", file=sys.stderr, flush=True)
     return Server(argv[0], float(os.environ.get("COMMLAB_WARM_IDLE_S", IDLE_S))).run()
 
 
