@@ -9,6 +9,7 @@ timelines, status) lands in the runs directory like any other. ``--ddp`` runs th
 torch DDP instead, the reference ``tests/test_own_loop.py`` compares against.
 """
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -37,19 +38,25 @@ def main():
     ap.add_argument("--runs", default=None, help="runs directory (default $COMMLAB_RUNS or ./runs)")
     ap.add_argument("--ddp", action="store_true", help="torch DDP instead of commlab (the reference)")
     ap.add_argument("--save", default=None, help="save each rank's final parameters to SAVE.rank<r>")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: each rank on GPU local_rank % GPUs (gloo carries "
+                    "CUDA tensors, so two ranks may share one GPU)")
     ap.add_argument("--fail-step", type=int, default=None, help="testing: the last rank raises at this step")
     args = ap.parse_args()
 
     dist.init_process_group("gloo")  # torchrun set RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world = dist.get_rank(), dist.get_world_size()
     X, y = load_digits(return_X_y=True)
-    X, y = torch.tensor(X / 16.0, dtype=torch.float32), torch.tensor(y)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    X, y = torch.tensor(X / 16.0, dtype=torch.float32, device=device), torch.tensor(y, device=device)
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(device)
 
     def batches():  # each rank its own shard of a shared permutation
         g = torch.Generator().manual_seed(0)
-        perm = torch.randperm(len(X), generator=g)
+        perm = torch.randperm(len(X), generator=g).to(device)
         for step in range(args.steps):
             i = (step * world + rank) * args.batch % (len(X) - args.batch)
             idx = perm[i:i + args.batch]
@@ -83,7 +90,7 @@ def main():
             if rank == 0:
                 print(f"accuracy {acc:.3f}", flush=True)
     if args.save:
-        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{args.save}.rank{rank}")
+        torch.save({n: p.detach().cpu() for n, p in model.named_parameters()}, f"{args.save}.rank{rank}")
     dist.barrier()  # both ranks are done with every collective before the group is torn down
     dist.destroy_process_group()
 

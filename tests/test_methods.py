@@ -27,17 +27,18 @@ MLP = {"model": "mlp", "dataset": "digits", "batch_size": 16, "eval_every": 0, "
 
 # --------------------------------------------------------------------------- H = 1 is synchronous training
 
-def _train_specs(rank, world, specs, steps):
-    """Each spec trained ``steps`` steps from the same start on the same batches; the final parameters."""
+def _train_specs(rank, world, specs, steps, device="cpu"):
+    """Each spec trained ``steps`` steps from the same start on the same batches on ``device``; the final
+    parameters (on the CPU). tests/test_gpu.py runs it on CUDA."""
     out = []
     for d in specs:
         spec = JobSpec.from_dict({**MLP, **d, "world_size": world})
-        tr = Trainer(spec, None, rank, world, torch.device("cpu"))
+        tr = Trainer(spec, None, rank, world, torch.device(device))
         try:
             for _ in range(steps):
                 tr.train_step()
             tr.stepper.drain()
-            out.append([p.detach().clone() for p in tr.model.parameters()])
+            out.append([p.detach().cpu().clone() for p in tr.model.parameters()])
         finally:
             tr.close()
     return out

@@ -348,6 +348,10 @@ def test_check_command_exit_codes_and_json(scratch, capsys):
     assert capsys.readouterr().err.strip() == "commlab: error: --param: seed: must be an integer >= 0, got -1"
     assert cli.main(["check", "compressor", f"{PKG}.broken:NotOne", "--checks-only"]) == 2
     assert "is not a Compressor subclass" in capsys.readouterr().err
+    assert cli.main(["check", "compressor", CLASS, "--device", "gpu", "--checks-only"]) == 2
+    assert capsys.readouterr().err.strip() == "commlab: error: --device: expected cpu, cuda or cuda:N, got 'gpu'"
+    assert cli.main(["check", "compressor", CLASS, "--device", "cuda:7", "--checks-only"]) == 2
+    assert "commlab: error: --device: cuda:7 is not on this machine (" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- the DDP hook

@@ -32,6 +32,7 @@ type and first line.
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import math
 from dataclasses import dataclass
@@ -82,11 +83,20 @@ class Skip(Exception):
     """The check does not apply, one line on why."""
 
 
-def check(name, params: Optional[dict] = None, worlds: Sequence[int] = (2, 3)) -> List[Result]:
+def check(name, params: Optional[dict] = None, worlds: Sequence[int] = (2, 3), device="cpu") -> List[Result]:
     """Every check of ``CHECKS`` on the compressor ``name`` (a registered name, ``package.module:Class``, or
-    the class) made with ``params``. A name that does not resolve, or parameters its declaration refuses,
-    give one FAIL (declaration) and nothing else."""
+    the class) made with ``params``, its inputs on ``device`` (a CUDA device checks the compressor on GPU
+    tensors: one that allocates on the default device fails the shapes check). A name that does not resolve,
+    or parameters its declaration refuses, give one FAIL (declaration) and nothing else."""
     params = dict(params or {})
+    token = _DEVICE.set(torch.device(device))
+    try:
+        return _check_all(name, params, worlds)
+    finally:
+        _DEVICE.reset(token)
+
+
+def _check_all(name, params: dict, worlds: Sequence[int]) -> List[Result]:
     try:
         resolve(name)
         make(name, **params)
@@ -146,9 +156,14 @@ def layout(shapes) -> List[Tuple[int, Tuple[int, ...]]]:
     return out
 
 
+_DEVICE: contextvars.ContextVar = contextvars.ContextVar("conformance_device", default=torch.device("cpu"))
+"""The device the checks' inputs live on (``check``'s ``device``)."""
+
+
 def inputs(world: int, n: int, dtype=torch.float32, seed: int = 0) -> List[Tensor]:
+    """The same numbers on any device: drawn on the CPU, then moved to the checks' device."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, generator=g).to(dtype) for _ in range(world)]
+    return [torch.randn(n, generator=g).to(_DEVICE.get(), dtype) for _ in range(world)]
 
 
 def drive(comps: List[Compressor], xs: List[Tensor], log: Optional[list] = None) -> List[Tensor]:
@@ -347,7 +362,7 @@ def _error_feedback(m: _Maker, worlds) -> str:
         raise Skip("keeps its own residual (builtin_feedback): the error_feedback flag is refused, as it must be")
     n = 600
     c = m(((n,),), ef=True)
-    fed, sent = torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)
+    fed, sent = (torch.zeros(n, dtype=torch.float64, device=_DEVICE.get()) for _ in range(2))
     steps = 6
     for step in range(steps):
         g = inputs(1, n, seed=30 + step)[0]

@@ -35,6 +35,8 @@ def add_arguments(q) -> None:
     q.add_argument("--profile", default=None, metavar="FILE", help="a profile file (commlab profile) instead")
     q.add_argument("--gbps", default=",".join(f"{g:g}" for g in payoff.GBPS), help="link rates in Gbit/s")
     q.add_argument("--workers", default=",".join(map(str, payoff.WORKERS)), help="worker counts")
+    q.add_argument("--device", default="cpu", help="where the checks' tensors live: cpu, or cuda / cuda:N on a GPU "
+                   "(the costs and payoff are measured on the CPU either way)")
     q.add_argument("--checks-only", action="store_true", help="the conformance checks alone (no costs, no model)")
 
 
@@ -60,6 +62,23 @@ def numbers(flag: str, text: str, kind, lo, hi) -> list:
     if not vals or not all(lo <= v <= hi for v in vals):
         raise SpecError(flag, f"expected a comma-separated list of numbers in [{lo:g}, {hi:g}], got {text!r}")
     return vals
+
+
+def check_device(text: str):
+    """--device as a torch device that exists here, or one line naming the flag."""
+    import torch
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise SpecError("--device", f"expected cpu, cuda or cuda:N, got {text!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise SpecError("--device", f"expected cpu, cuda or cuda:N, got {text!r}")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if (dev.index or 0) >= have:
+        raise SpecError("--device", f"{text} is not on this machine ({have} CUDA device(s))")
+    return dev
 
 
 def model_spec(model: str, batch_size: int) -> dict:
@@ -91,7 +110,7 @@ def cmd_check(args) -> int:
     def say(msg: str) -> None:
         print(msg, file=out, flush=True)
 
-    results = conformance.check(args.name, params)
+    results = conformance.check(args.name, params, device=check_device(args.device))
     ok = conformance.passed(results)
     report = {"compressor": args.name, "params": params, "passed": ok, "checks": [r.as_dict() for r in results]}
     if not args.json:
