@@ -104,8 +104,13 @@ def copy_bandwidth(device, nbytes=1 << 30, repeat=10):
 
 # ---------------------------------------------------------------- one call of each side
 
-def commlab_side(name, device):
-    """(call(x) -> output, payload bytes of the last call)."""
+FUSED = ("signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad")
+"""The codecs with fused GPU kernels (engine/compressors/fused.py); on a GPU the bench also times their eager
+torch path (COMMLAB_FUSED=0) in the same rounds."""
+
+
+def commlab_side(name, device, eager=False):
+    """(call(x) -> output, payload bytes of the last call). ``eager``: with the fused kernels off."""
     from bench.grace_compare import PARAMS
     from engine.compressors import make
     from engine.compressors.base import nbytes
@@ -116,7 +121,18 @@ def commlab_side(name, device):
         payload, ctx = c.compress(x)
         last["bytes"] = payload
         return c.decompress(payload, ctx)
-    return call, lambda: nbytes(last["bytes"])
+
+    def call_eager(x):
+        was = os.environ.get("COMMLAB_FUSED")
+        os.environ["COMMLAB_FUSED"] = "0"
+        try:
+            return call(x)
+        finally:
+            if was is None:
+                del os.environ["COMMLAB_FUSED"]
+            else:
+                os.environ["COMMLAB_FUSED"] = was
+    return (call_eager if eager else call), lambda: nbytes(last["bytes"])
 
 
 def grace_side(name, mods, n, device):
@@ -145,6 +161,8 @@ def measure(names, sizes, repeat, device, mods=None, log=print):
         sides = {}
         for name in names:
             sides[(name, "commlab")] = commlab_side(name, device)
+            if device.type == "cuda" and name in FUSED:
+                sides[(name, "eager")] = commlab_side(name, device, eager=True)
             if mods is not None:
                 g = grace_side(name, mods, n, device)
                 if g is not None:
@@ -172,6 +190,9 @@ def measure(names, sizes, repeat, device, mods=None, log=print):
             payload = sides[key][1]()
             row.update({"seconds": med, "gbps": n * 4 / med / 1e9, "ratio": n * 4 / max(payload, 1),
                         "payload_bytes": payload, "moved_gbps": (n * 4 + payload) / med / 1e9})
+            if (name, "eager") in times:
+                e = statistics.median(times[(name, "eager")])
+                row["eager"] = {"seconds": e, "gbps": n * 4 / e / 1e9}
             if (name, "grace") in times:
                 g = statistics.median(times[(name, "grace")])
                 row["grace"] = {"seconds": g, "gbps": n * 4 / g / 1e9}
@@ -231,9 +252,12 @@ def profile(name, n, device, mods=None, side="commlab", top=6):
 
 def table(results, sizes, cuda, peak, grace):
     head = ["compressor"]
+    eager = any("eager" in r for per in results.values() for r in per.values())
     for n in sizes:
         unit = "µs" if n < SMALL else "GB/s"
         head.append(f"{_h(n)} {unit}")
+        if eager:
+            head.append(f"{_h(n)} eager {unit}")
         if grace:
             head.append(f"{_h(n)} GRACE {unit}")
             head.append(f"{_h(n)} speedup")
@@ -247,6 +271,8 @@ def table(results, sizes, cuda, peak, grace):
             r = per[n]
             fmt = (lambda s: f"{s * 1e6:.1f}") if n < SMALL else (lambda s: f"{n * 4 / s / 1e9:.2f}")
             cells.append(fmt(r["seconds"]))
+            if eager:
+                cells.append(fmt(r["eager"]["seconds"]) if "eager" in r else "-")
             if grace:
                 cells.append(fmt(r["grace"]["seconds"]) if "grace" in r else
                              ("failed" if "grace_error" in r else "-"))
@@ -353,6 +379,8 @@ def main(argv=None):
     md = [f"# Compressor cost on {device.type}: compress + decompress of one fp32 tensor", "",
           f"Command: `{command}`", "", f"Device: {where}. GRACE: {grace_note}.",
           f"Medians of {args.repeat} interleaved rounds"
+          + ("; 'eager' is the same codec with its fused kernels off (COMMLAB_FUSED=0), timed in the same rounds"
+             if cuda else "")
           + ("; CUDA-event timing of back-to-back calls (launch cost included)." if cuda else "."), ""]
     if cuda:
         md += [f"Peak memory bandwidth {peak / 1e9:.0f} GB/s ({peak_note}); a device-to-device copy measured "

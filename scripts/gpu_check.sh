@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 18's checks on a machine with a CUDA GPU, from the repository root:
+# The GPU checks (issues 18 and 35) on a machine with a CUDA GPU, from the repository root:
 #
 #   OUT=gpu-out scripts/gpu_check.sh [engine|suite|bench]...    (default: engine bench)
 #
 #   engine  tests/test_gpu.py (one rank over NCCL; two ranks sharing the GPU over gloo with CUDA
-#           tensors: sync, wfbp, dear, top-k+EF, PowerSGD, a MergeComp search; CUDA-event timelines)
-#           and the compressor tests with their inputs on the GPU (COMMLAB_TEST_DEVICE=cuda)
+#           tensors: sync, wfbp, dear, top-k+EF, PowerSGD, a MergeComp search, a user's compressor,
+#           the local-update methods, their H=1 definition and commlab.wrap against DDP; CUDA-event
+#           timelines; the conformance checks on CUDA tensors), tests/test_fused.py (the fused kernels
+#           against the eager codecs) and the compressor tests with their inputs on the GPU
+#           (COMMLAB_TEST_DEVICE=cuda)
 #   suite   the whole test suite (pytest-xdist when installed: -n $JOBS)
 #   bench   bench/compressor_speed.py --device cuda beside GRACE ($GRACE_DIR), profiling the misses
 #
@@ -19,8 +22,11 @@ JOBS=${JOBS:-12}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G ".whl/*.whl" >/dev/null; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "gpu_check: installing .whl/ failed" >&2; exit 2; }
+    if [ ! -e /tmp/site/.installed ]; then  # once per machine
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || { echo "gpu_check: installing .whl/ failed" >&2; exit 2; }
+        touch /tmp/site/.installed
+    fi
     export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 status=0
@@ -32,8 +38,11 @@ for part in "${parts[@]}"; do
             nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv | tee "$OUT/device.txt"
             "$PY" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_properties(0))" \
                 | tee -a "$OUT/device.txt"
-            "$PY" -m pytest -q -rs tests/test_gpu.py 2>&1 | tee "$OUT/engine-tests.log" || status=1
-            COMMLAB_TEST_DEVICE=cuda "$PY" -m pytest -q -rs tests/test_compressors_common.py \
+            xdist=()
+            "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${ENGINE_JOBS:-8}")
+            "$PY" -m pytest -q -rs "${xdist[@]}" -p no:cacheprovider tests/test_gpu.py tests/test_fused.py 2>&1 \
+                | tee "$OUT/engine-tests.log" || status=1
+            COMMLAB_TEST_DEVICE=cuda "$PY" -m pytest -q -rs "${xdist[@]}" -p no:cacheprovider tests/test_compressors_common.py \
                 tests/test_compressors_sparse.py tests/test_compressors_quantize.py tests/test_compressor_buffers.py \
                 tests/test_compressor_capabilities.py tests/test_powersgd_layout.py 2>&1 \
                 | tee "$OUT/compressors-cuda.log" || status=1
@@ -41,11 +50,14 @@ for part in "${parts[@]}"; do
         suite)
             xdist=()
             "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "$JOBS")
-            "$PY" -m pytest -q -rs "${xdist[@]}" -p no:cacheprovider 2>&1 | tee "$OUT/suite.log" || status=1
+            # -v into the log: a run stopped by SUITE_LIMIT still says which tests passed
+            ${SUITE_LIMIT:+timeout "$SUITE_LIMIT"} "$PY" -m pytest -v -rs "${xdist[@]}" -p no:cacheprovider \
+                > "$OUT/suite.log" 2>&1 || status=1
+            grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -40
             ;;
         bench)
             "$PY" bench/compressor_speed.py --device cuda --grace "${GRACE_DIR:-none}" --profile-misses \
-                --out "$OUT/gpu_speed" 2>&1 | tee "$OUT/bench.log" || status=1
+                ${SIZES:+--sizes "$SIZES"} --out "$OUT/gpu_speed" 2>&1 | tee "$OUT/bench.log" || status=1
             ;;
         *) echo "gpu_check: unknown part '$part'; allowed: engine, suite, bench" >&2; exit 2 ;;
     esac

@@ -485,9 +485,11 @@ def test_qsgd_message_format():
 
 @pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "signum", "onebit", "terngrad"])
 @pytest.mark.parametrize("shape", [(1,), (37,), (8, 13), (1001,)])
-def test_elementwise_blend_decodes_as_the_table_gather(name, shape):
-    """The GPU decode (quantize.blend) gives the CPU table gather's values bit for bit."""
+def test_elementwise_blend_decodes_as_the_table_gather(name, shape, monkeypatch):
+    """The eager GPU decode (quantize.blend) gives the CPU table gather's values bit for bit (the eager path:
+    on a GPU, float32 takes the fused kernels of tests/test_fused.py unless COMMLAB_FUSED=0)."""
     from engine.compressors import quantize
+    monkeypatch.setenv("COMMLAB_FUSED", "0")
     torch.manual_seed(3)
     c = make(name)
     t = torch.randn(shape)

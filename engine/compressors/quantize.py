@@ -46,7 +46,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from engine.compressors import bitpack
+from engine.compressors import bitpack, fused
 from engine.compressors.base import Compressor, Round, nbytes
 from engine.compressors.params import Param, mix_seed, seed
 
@@ -139,10 +139,24 @@ class _Lossy(Compressor):
         payload, ctx = self.encode(t)  # compress, with error feedback when it is on
         self.last_bytes = nbytes(payload)
         gathered = yield Round("allgather", payload)
+        out = self._decode_all(gathered, ctx) if fused.on(payload[-1].device, ctx.dtype) else None
+        if out is not None:  # every rank's payload decoded and averaged in one kernel
+            return out if len(ctx.shape) == 1 else out.view(ctx.shape)
         out = self.decompress(gathered[0], ctx)
         for p in gathered[1:]:
             out.add_(self.decompress(p, ctx))
         return out.div_(world_size)
+
+    def _decode_all(self, gathered: List[List[Tensor]], ctx: _Ctx) -> Optional[Tensor]:
+        """The mean of every rank's decoded payload, flat, through a fused kernel; None where there is none."""
+        return None
+
+    def _decoded(self, payload: List[Tensor], ctx: _Ctx) -> Optional[Tensor]:
+        """``decompress`` through the fused kernel, where there is one (float32 on CUDA), else None."""
+        if not fused.on(payload[-1].device, ctx.dtype):
+            return None
+        out = self._decode_all([payload], ctx)
+        return out if out is None or len(ctx.shape) == 1 else out.view(ctx.shape)
 
 
 def blend(tab: Tensor, packed: Tensor, ctx: _Ctx) -> Tensor:
@@ -164,6 +178,16 @@ class _Seeded(_Lossy):
     def _setup_rng(self) -> None:
         self._gen: Optional[torch.Generator] = None
         self._gen_state: Optional[Tensor] = None  # loaded before the device was known
+        self._fused_stream: Optional[List[int]] = None  # the fused kernels' noise: [base seed, calls so far]
+
+    def _fused_seed(self) -> int:
+        """The next call's seed for the fused kernels' Philox noise: a base seed (from the seed, bucket and rank,
+        as the generator's) mixed with the call count. Both are state, as the generator's state is."""
+        s = self._fused_stream
+        if s is None:
+            s = self._fused_stream = [mix_seed(self.seed, self.bucket, self.process_rank), 0]
+        s[1] += 1
+        return mix_seed(s[0], s[1])
 
     def _generator(self, device: torch.device) -> torch.Generator:
         g = self._gen
@@ -182,10 +206,14 @@ class _Seeded(_Lossy):
             out["rng"] = self._gen.get_state()
         elif self._gen_state is not None:
             out["rng"] = self._gen_state
+        if self._fused_stream is not None:
+            out["fused_stream"] = torch.tensor(self._fused_stream, dtype=torch.int64)
         return out
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        if "fused_stream" in state:
+            self._fused_stream = [int(v) for v in state["fused_stream"].tolist()]
         rng = state.get("rng")
         if rng is None:
             return
@@ -376,6 +404,10 @@ class QSGD(_Seeded):
 
     def compress(self, t: Tensor):
         x = _flat(t, _work_dtype(t.dtype))
+        if fused.enabled(x):
+            payload = fused.qsgd_codes(x, torch.linalg.vector_norm(x), self._fused_seed(), self.levels,
+                                       self._min_norm, self.code_dtype)
+            return payload, _Ctx(t.shape, t.dtype, x.numel())
         g = self._generator(x.device)
         # The norm sent is a hair larger than the true one (2^-20), so |x| / norm * levels stays
         # below levels after float rounding and the code never leaves [-levels, levels]; it is
@@ -387,7 +419,14 @@ class QSGD(_Seeded):
         v.addcdiv_(x, step).floor_()
         return [norm, v.to(dtype=self.code_dtype)], _Ctx(t.shape, t.dtype, x.numel())
 
+    def _decode_all(self, gathered, ctx):
+        return fused.qsgd_decode_all([p[0] for p in gathered], [p[1] for p in gathered], ctx.n, self.levels,
+                                     ctx.dtype)
+
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        out = self._decoded(payload, ctx)
+        if out is not None:
+            return out
         norm, codes = payload
         out = codes.to(dtype=ctx.dtype)  # cast, then scale in place: a mixed int*float multiply is 2x slower
         out.mul_(norm.to(dtype=ctx.dtype) / self.levels)
@@ -421,6 +460,9 @@ class TernGrad(_Seeded):
     def compress(self, t: Tensor):
         x = _flat(t, _work_dtype(t.dtype))
         n = x.numel()
+        if fused.enabled(x):
+            lo, hi = torch.aminmax(x)
+            return fused.tern_codes(x, lo, hi, self._fused_seed(), _TINY32), _Ctx(t.shape, t.dtype, n)
         g = self._generator(x.device)
         lo, hi = torch.aminmax(x) if n else (x.new_zeros(()), x.new_zeros(()))  # an empty bucket: no extremes
         # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)
@@ -431,7 +473,13 @@ class TernGrad(_Seeded):
         codes[:n].copy_(v)  # float -> uint8 truncates, which is floor here: v >= 0
         return [s, bitpack.pack_2bit(codes)], _Ctx(t.shape, t.dtype, n)
 
+    def _decode_all(self, gathered, ctx):
+        return fused.tern_decode_all([p[0] for p in gathered], [p[1] for p in gathered], ctx.n, ctx.dtype)
+
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        out = self._decoded(payload, ctx)
+        if out is not None:
+            return out
         s, packed = payload
         tab = self._tables.get(("tern", ctx.dtype, packed.device))
         if tab is None:  # row y: the four ternary values in byte y
@@ -594,6 +642,8 @@ class _Vote(_Lossy):
     """
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        if fused.on(payload[0].device, ctx.dtype):  # one payload's vote is its own +-1
+            return fused.decode_bits(payload, ctx.n, fused.VOTE, (), ctx.dtype).view(ctx.shape)
         return self._gather(self._table("pm", ctx.dtype, payload[0].device), payload[0], ctx)
 
     def exchange(self, t: Tensor, world_size: int):
@@ -606,6 +656,8 @@ class _Vote(_Lossy):
     def vote(packs: List[Tensor], ctx: _Ctx) -> Tensor:
         """sign(sum over ranks of +-1) from packed sign bits, as ctx.dtype with ctx.shape."""
         n, world = ctx.n, len(packs)
+        if fused.on(packs[0].device, ctx.dtype):
+            return fused.decode_bits(packs, n, fused.VOTE, (), ctx.dtype).view(ctx.shape)
         total = None
         for i in range(0, world, 255):  # a byte lane counts up to 255 ranks
             lanes = bitpack.bit_lanes(packs[i], n)
@@ -634,7 +686,8 @@ class SignSGD(_Vote):
 
     def compress(self, t: Tensor):
         x = _flat(t)
-        return [self._pack_signs(x)], _Ctx(t.shape, t.dtype, x.numel())
+        packed = fused.pack_signs(x) if fused.enabled(x) else self._pack_signs(x)
+        return [packed], _Ctx(t.shape, t.dtype, x.numel())
 
 
 class Signum(_Vote):
@@ -662,6 +715,8 @@ class Signum(_Vote):
     def compress(self, t: Tensor):
         x = _flat(t)
         self.m = _state_like(self.m, x, "momentum")
+        if fused.enabled(x) and self.m.is_contiguous():
+            return [fused.momentum_signs(x, self.m, self.momentum)], _Ctx(t.shape, t.dtype, x.numel())
         self.m.mul_(self.momentum).add_(x, alpha=1 - self.momentum)
         return [self._pack_signs(self.m)], _Ctx(t.shape, t.dtype, x.numel())
 
@@ -717,6 +772,8 @@ class EFSignSGD(_Lossy):
         x = _flat(t)
         n = x.numel()
         e = self.residual = _state_like(self.residual, x, "residual")
+        if fused.enabled(x) and e.is_contiguous():  # the same step, in three kernels
+            return fused.ef_signs(x, e), _Ctx(t.shape, t.dtype, n)
         e.add_(x)  # e now holds p = g + e
         # keepdim: the (1,) the payload needs without a reshape; / n as a 0-d tensor, not a number
         scale = torch.linalg.vector_norm(e, 1, 0, True, dtype=_work_dtype(e.dtype)).div_(self._count(n)).float()
@@ -732,7 +789,13 @@ class EFSignSGD(_Lossy):
             c = self._n = (n, torch.tensor(n, dtype=torch.float64))
         return c[1]
 
+    def _decode_all(self, gathered, ctx):
+        return fused.decode_bits([p[1] for p in gathered], ctx.n, fused.PM, [p[0] for p in gathered], ctx.dtype)
+
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        out = self._decoded(payload, ctx)
+        if out is not None:
+            return out
         scale, packed = payload
         return self._gather(self._table("pm", ctx.dtype, packed.device) * scale.to(dtype=ctx.dtype), packed, ctx)
 
@@ -770,6 +833,8 @@ class OneBit(_Lossy):
     def compress(self, t: Tensor):
         x = _flat(t)
         n = x.numel()
+        if fused.enabled(x):
+            return fused.onebit(x), _Ctx(t.shape, t.dtype, n)
         packed = self._pack_signs(x)
         # the buffer _pack_signs filled; counting bytes is cheaper than summing bools
         npos = torch.count_nonzero(self._bufs["bits"])
@@ -785,7 +850,13 @@ class OneBit(_Lossy):
         counts = torch.stack([nt[1] - npos, npos]).clamp_min_(_ONE if npos.is_cpu else 1)
         return [sums.div_(counts).float(), packed], _Ctx(t.shape, t.dtype, n)
 
+    def _decode_all(self, gathered, ctx):
+        return fused.decode_bits([p[1] for p in gathered], ctx.n, fused.LOHI, [p[0] for p in gathered], ctx.dtype)
+
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        out = self._decoded(payload, ctx)
+        if out is not None:
+            return out
         means, packed = payload
         m0, m1 = means.to(dtype=ctx.dtype).unbind()
         tab = torch.addcmul(m0, self._table("01", ctx.dtype, packed.device), m1 - m0)

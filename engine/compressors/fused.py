@@ -1,0 +1,193 @@
+"""Fused GPU kernels (Triton) for the elementwise codecs: one pass over memory per direction.
+
+In eager torch a sign or stochastic codec is 6-30 kernels (compare, pack, norm, clamp, cast, ...), each
+reading and writing the whole bucket or an intermediate of it, and each costing the host a launch; on an
+H100 that held them to 4-12% of memory bandwidth at 25M elements and 100-400 µs per call at 1K
+(bench/results/gpu.md). Here each direction is one kernel (two, and a torch sum of per-block partials, where a
+whole-bucket reduction must finish before any element can be coded), and decoding the payloads of every rank is one kernel too:
+
+==========  ======================================================  ==================================
+codec       compress                                                decompress (one payload or all)
+==========  ======================================================  ==================================
+signsgd     sign bits                                               +-1, or the vote over ranks
+signum      momentum step and its sign bits                         +-1, or the vote over ranks
+efsignsgd   residual += g and |.| per block; (their sum: torch);    +-scale per rank, averaged
+            scale, bits and residual -= decoded
+onebit      bits, count and sums per block; (their sums: torch);    a mean per bit per rank, averaged
+            the two means
+qsgd        (norm: torch) codes floor(x / step + U[0,1))            code * norm / levels, averaged
+terngrad    (extremes: torch) 2-bit codes floor(x / s + U[1,2))     s * {-1, 0, 1}, averaged
+==========  ======================================================  ==================================
+
+The payloads are byte for byte the eager codecs' (same layout, same scalars), so a fused rank and an eager
+rank exchange with each other. Deterministic codecs give the eager results (up to the order of a float
+sum: the partial sums here are per block); the random ones draw their noise from Triton's Philox
+generator, seeded per call from the compressor's seed, bucket, rank and call count (no host round trip),
+so they are the same distribution, not the same numbers, as the eager path's ``torch.Generator``.
+
+Used for float32 tensors on CUDA when Triton imports; ``COMMLAB_FUSED=0`` turns it off (the eager path,
+for comparison), ``COMMLAB_FUSED=interpret`` also takes it on the CPU under ``TRITON_INTERPRET=1``
+(Triton's interpreter: how the kernels are tested on a machine without a GPU).
+"""
+from __future__ import annotations
+
+import os
+from typing import List, Sequence
+
+import torch
+
+Tensor = torch.Tensor
+
+BLOCK = 4096
+"""Elements per program of the elementwise kernels (a multiple of 8 and of 4, for the packing)."""
+
+K = None
+"""engine.compressors.fused_kernels once imported; False where Triton is missing."""
+
+
+def _import():
+    global K
+    if K is None:
+        try:
+            from engine.compressors import fused_kernels
+            K = fused_kernels
+        except ImportError:  # no Triton here: the eager path stays
+            K = False
+    return K
+
+
+def on(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether float32 work of ``dtype`` on ``device`` takes the fused kernels: on CUDA with Triton (or the
+    CPU under Triton's interpreter, ``COMMLAB_FUSED=interpret``), unless ``COMMLAB_FUSED=0``."""
+    if dtype != torch.float32:
+        return False
+    mode = os.environ.get("COMMLAB_FUSED", "1")
+    if mode == "0":
+        return False
+    if device.type != "cuda" and not (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    return bool(_import())
+
+
+def enabled(x: Tensor) -> bool:
+    """Whether the tensor ``x`` takes the fused kernels (``on`` its device and dtype, contiguous, not empty)."""
+    return x.numel() > 0 and on(x.device, x.dtype) and x.is_contiguous()
+
+
+def _grid(n: int, block: int = BLOCK):
+    return (max(1, -(-n // block)),)
+
+
+# --------------------------------------------------------------------------- what the codecs call
+
+def _nbytes(n: int, per: int = 8) -> int:
+    return -(-n // per)
+
+
+def pack_signs(x: Tensor) -> Tensor:
+    """``bitpack.pack_bits(x >= 0)`` for a flat float32 ``x``: ceil(n/8) bytes."""
+    n = x.numel()
+    out = torch.empty(_nbytes(n), dtype=torch.uint8, device=x.device)
+    if n:
+        K.sign_pack[_grid(n)](x, out, n, out.numel(), BLOCK=BLOCK)
+    return out
+
+
+def momentum_signs(x: Tensor, m: Tensor, beta: float) -> Tensor:
+    """m = beta * m + (1 - beta) * x in place; the sign bits of the new m."""
+    n = x.numel()
+    out = torch.empty(_nbytes(n), dtype=torch.uint8, device=x.device)
+    if n:
+        K.momentum_sign_pack[_grid(n)](x, m, out, n, out.numel(), float(beta), BLOCK=BLOCK)
+    return out
+
+
+def ef_signs(x: Tensor, e: Tensor) -> List[Tensor]:
+    """EF-signSGD's step: e += x; the payload [||e||_1 / n (1,), sign bits of e]; then e -= the decoded payload."""
+    n = x.numel()
+    grid = _grid(n)
+    part = torch.empty(grid[0], dtype=torch.float32, device=x.device)
+    scale = torch.empty(1, dtype=torch.float32, device=x.device)
+    out = torch.empty(_nbytes(n), dtype=torch.uint8, device=x.device)
+    if not n:
+        return [scale.zero_(), out]
+    K.ef_accumulate[grid](x, e, part, n, BLOCK=BLOCK)
+    K.ef_pack[grid](e, part.sum(0, keepdim=True), scale, out, n, out.numel(), BLOCK=BLOCK)
+    return [scale, out]
+
+
+def onebit(x: Tensor) -> List[Tensor]:
+    """1-bit SGD's payload: [(mean of x < 0, mean of x >= 0) (2,), bits of x >= 0]."""
+    n = x.numel()
+    grid = _grid(n)
+    part = torch.empty(3 * grid[0], dtype=torch.float32, device=x.device)
+    means = torch.zeros(2, dtype=torch.float32, device=x.device)
+    out = torch.empty(_nbytes(n), dtype=torch.uint8, device=x.device)
+    if n:
+        K.onebit_pack[grid](x, out, part, grid[0], n, out.numel(), BLOCK=BLOCK)
+        K.onebit_means[(1,)](part.view(3, -1).sum(1), means, float(n))
+    return [means, out]
+
+
+def _rows(pieces: Sequence[Tensor]) -> Tensor:
+    """The ranks' payload pieces as one (world, k) tensor: a view for one rank, a copy for more."""
+    if len(pieces) == 1:
+        return pieces[0].reshape(1, -1)
+    return torch.stack([p.reshape(-1) for p in pieces])
+
+
+def _out(n: int, dtype: torch.dtype, device) -> Tensor:
+    return torch.empty(n, dtype=dtype, device=device)
+
+
+VOTE, LOHI, PM = 0, 1, 2
+"""decode_bits's modes: the majority vote; a (lo, hi) pair per rank; +-scale per rank."""
+
+
+def decode_bits(packs: Sequence[Tensor], n: int, mode: int, table: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+    """Decode one rank's bit payload, or average several ranks' (the vote: their majority), into a fresh flat
+    tensor of ``dtype``. ``table`` holds each rank's values: (lo, hi) for LOHI, (scale,) for PM, none for VOTE."""
+    p = _rows(packs)
+    out = _out(n, dtype, p.device)
+    tab = p if mode == VOTE else _rows(table)
+    if n:
+        K.decode_bits[_grid(n)](p, p.stride(0), tab, out, n, WORLD=p.shape[0], MODE=mode, BLOCK=BLOCK)
+    return out
+
+
+def qsgd_codes(x: Tensor, norm: Tensor, seed: int, levels: int, min_norm: float, code_dtype) -> List[Tensor]:
+    """QSGD's payload from ``x`` and its 2-norm (a (1,) tensor): [the norm as sent (1,), codes (n,)]."""
+    n = x.numel()
+    sent = torch.empty(1, dtype=torch.float32, device=x.device)
+    codes = torch.empty(n, dtype=code_dtype, device=x.device)
+    K.qsgd_encode[_grid(n)](x, norm, sent, codes, n, seed, float(levels), float(min_norm), BLOCK=BLOCK)
+    return [sent, codes]
+
+
+def qsgd_decode_all(norms: Sequence[Tensor], codes: Sequence[Tensor], n: int, levels: int, dtype) -> Tensor:
+    """One rank's QSGD payload decoded, or the mean of several ranks' (their norms float32, (1,) each)."""
+    c = _rows(codes)
+    s = _rows(norms)
+    out = _out(n, dtype, c.device)
+    if n:
+        K.qsgd_decode[_grid(n)](c, c.stride(0), s, out, n, float(levels), WORLD=c.shape[0], BLOCK=BLOCK)
+    return out
+
+
+def tern_codes(x: Tensor, lo: Tensor, hi: Tensor, seed: int, tiny: float) -> List[Tensor]:
+    """TernGrad's payload from ``x`` and its extremes: [max|x| (1,), 2-bit codes packed 4 per byte]."""
+    n = x.numel()
+    s = torch.empty(1, dtype=torch.float32, device=x.device)
+    out = torch.empty(_nbytes(n, 4), dtype=torch.uint8, device=x.device)
+    K.tern_encode[_grid(n)](x, lo, hi, s, out, n, out.numel(), seed, float(tiny), BLOCK=BLOCK)
+    return [s, out]
+
+
+def tern_decode_all(scales: Sequence[Tensor], packs: Sequence[Tensor], n: int, dtype) -> Tensor:
+    """One rank's TernGrad payload decoded, or the mean of several ranks'."""
+    p = _rows(packs)
+    s = _rows(scales)
+    out = _out(n, dtype, p.device)
+    if n:
+        K.tern_decode[_grid(n)](p, p.stride(0), s, out, n, WORLD=p.shape[0], BLOCK=BLOCK)
+    return out

@@ -1,0 +1,168 @@
+"""The Triton kernels behind engine/compressors/fused.py (imported only there, and only once a float32 CUDA
+tensor asks for them: importing Triton costs every process that never needs it)."""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _pack(bits, pid, out_ptr, nbytes, BLOCK: tl.constexpr):
+    # (BLOCK,) 0/1 int32 -> BLOCK // 8 bytes, element 0 in the top bit
+    b2 = tl.reshape(bits, (BLOCK // 8, 8))
+    w = 1 << (7 - tl.arange(0, 8))
+    byte = tl.sum(b2 * w[None, :], axis=1)
+    bo = pid * (BLOCK // 8) + tl.arange(0, BLOCK // 8)
+    tl.store(out_ptr + bo, byte.to(tl.uint8), mask=bo < nbytes)
+
+
+@triton.jit
+def sign_pack(x_ptr, out_ptr, n, nbytes, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=-1.0)  # padding bits are 0
+    _pack((x >= 0).to(tl.int32), pid, out_ptr, nbytes, BLOCK)
+
+
+@triton.jit
+def momentum_sign_pack(x_ptr, m_ptr, out_ptr, n, nbytes, beta, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    m = m * beta + x * (1.0 - beta)
+    tl.store(m_ptr + offs, m, mask=mask)
+    _pack(((m >= 0) & mask).to(tl.int32), pid, out_ptr, nbytes, BLOCK)
+
+
+@triton.jit
+def ef_accumulate(x_ptr, e_ptr, part_ptr, n, BLOCK: tl.constexpr):
+    # e += x; part[pid] = sum |e| over the block
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    e = tl.load(e_ptr + offs, mask=mask, other=0.0) + tl.load(x_ptr + offs, mask=mask, other=0.0)
+    tl.store(e_ptr + offs, e, mask=mask)
+    tl.store(part_ptr + pid, tl.sum(tl.abs(e), axis=0))
+
+
+@triton.jit
+def ef_pack(e_ptr, total_ptr, scale_ptr, out_ptr, n, nbytes, BLOCK: tl.constexpr):
+    # scale = sum |e| / n; bits of e, then e -= +-scale (what this rank's payload decodes to)
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    s = tl.load(total_ptr) / n
+    if pid == 0:
+        tl.store(scale_ptr, s)
+    e = tl.load(e_ptr + offs, mask=mask, other=-1.0)
+    pos = e >= 0
+    tl.store(e_ptr + offs, e - tl.where(pos, s, -s), mask=mask)
+    _pack(pos.to(tl.int32), pid, out_ptr, nbytes, BLOCK)
+
+
+@triton.jit
+def onebit_pack(x_ptr, out_ptr, part_ptr, nparts, n, nbytes, BLOCK: tl.constexpr):
+    # bits, and per block: count of x >= 0, sum of those, sum of the rest
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=-1.0)
+    pos = (x >= 0) & mask
+    tl.store(part_ptr + pid, tl.sum(pos.to(tl.float32), axis=0))
+    tl.store(part_ptr + nparts + pid, tl.sum(tl.where(pos, x, 0.0), axis=0))
+    tl.store(part_ptr + 2 * nparts + pid, tl.sum(tl.where(pos | ~mask, 0.0, x), axis=0))
+    _pack(pos.to(tl.int32), pid, out_ptr, nbytes, BLOCK)
+
+
+@triton.jit
+def onebit_means(sums_ptr, means_ptr, n):
+    # sums: (count of x >= 0, their sum, the others' sum) -> (mean of the others, mean of x >= 0); 0 for none
+    npos = tl.load(sums_ptr)
+    tl.store(means_ptr, tl.load(sums_ptr + 2) / tl.maximum(n - npos, 1.0))
+    tl.store(means_ptr + 1, tl.load(sums_ptr + 1) / tl.maximum(npos, 1.0))
+
+
+@triton.jit
+def decode_bits(p_ptr, stride, tab_ptr, out_ptr, n, WORLD: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr):
+    # WORLD payloads of bits (a constant: one compiled variant per world size, its loop unrolled), rank r's at p_ptr + r * stride. MODE 0: the majority vote, the sign of the sum
+    # of +-1 (0 on a tie); 1: a set bit is tab[2r + 1], a clear one tab[2r], averaged over ranks; 2: +-tab[r],
+    # averaged over ranks
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    byte = offs // 8
+    shift = 7 - (offs % 8)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        b = (tl.load(p_ptr + r * stride + byte, mask=mask, other=0).to(tl.int32) >> shift) & 1
+        if MODE == 0:
+            acc += b.to(tl.float32)
+        elif MODE == 1:
+            acc += tl.where(b != 0, tl.load(tab_ptr + 2 * r + 1), tl.load(tab_ptr + 2 * r))
+        else:
+            s = tl.load(tab_ptr + r)
+            acc += tl.where(b != 0, s, -s)
+    if MODE == 0:
+        d = acc * 2.0 - WORLD
+        out = tl.where(d > 0, 1.0, tl.where(d < 0, -1.0, 0.0))
+    else:
+        out = acc / WORLD
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def qsgd_encode(x_ptr, norm_ptr, sent_ptr, codes_ptr, n, seed, levels, min_norm, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    norm = tl.maximum(tl.load(norm_ptr) * (1.0 + 1.0 / 1048576.0), min_norm)
+    if pid == 0:
+        tl.store(sent_ptr, norm)
+    step = norm / levels
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    v = tl.floor(tl.rand(seed, offs) + x / step)
+    tl.store(codes_ptr + offs, v.to(codes_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def qsgd_decode(c_ptr, stride, norm_ptr, out_ptr, n, levels, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        step = tl.load(norm_ptr + r) / levels
+        acc += tl.load(c_ptr + r * stride + offs, mask=mask, other=0).to(tl.float32) * step
+    tl.store(out_ptr + offs, (acc / WORLD).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def tern_encode(x_ptr, lo_ptr, hi_ptr, s_ptr, out_ptr, n, nbytes, seed, tiny, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    s = tl.maximum(tl.maximum(tl.load(hi_ptr), -tl.load(lo_ptr)), tiny)
+    if pid == 0:
+        tl.store(s_ptr, s)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    v = (tl.rand(seed, offs) + 1.0) + x / s
+    c = tl.where(mask, v.to(tl.int32), 1)  # v >= 0: truncation is floor; padding codes 1 (zero)
+    c2 = tl.reshape(c, (BLOCK // 4, 4))
+    w = 1 << (6 - 2 * tl.arange(0, 4))
+    byte = tl.sum(c2 * w[None, :], axis=1)
+    bo = pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    tl.store(out_ptr + bo, byte.to(tl.uint8), mask=bo < nbytes)
+
+
+@triton.jit
+def tern_decode(p_ptr, stride, s_ptr, out_ptr, n, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    byte = offs // 4
+    shift = 6 - 2 * (offs % 4)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        c = (tl.load(p_ptr + r * stride + byte, mask=mask, other=0).to(tl.int32) >> shift) & 3
+        acc += (tl.minimum(c, 2) - 1).to(tl.float32) * tl.load(s_ptr + r)
+    tl.store(out_ptr + offs, (acc / WORLD).to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,147 @@
+"""The fused kernels (engine/compressors/fused.py) held to the eager codecs they stand in for.
+
+They run where Triton runs: on a CUDA GPU, or on the CPU under Triton's interpreter
+(``TRITON_INTERPRET=1 COMMLAB_FUSED=interpret``, with triton installed: how they were written on a machine
+without a GPU). Elsewhere the module is skipped, and the eager codecs it compares with are the ones every
+other test runs. The deterministic codecs must give the eager payload bit for bit (up to a sign at a float
+rounding tie) and its decoding; the random ones the eager payload's layout, scalars and decoding, unbiased
+codes, noise that differs by rank and call and is restored with the state.
+"""
+import copy
+import os
+
+import pytest
+import torch
+
+from engine import compressors
+from engine.compressors import fused
+from engine.compressors.quantize import _Ctx, _Vote
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not fused.on(DEVICE, torch.float32),
+                                reason="the fused kernels need Triton on a CUDA GPU (or TRITON_INTERPRET=1 "
+                                       "COMMLAB_FUSED=interpret)")
+SIZES = [1, 7, 1001, 4096, 70001]
+
+
+class eager:
+    """Inside: the eager codecs (COMMLAB_FUSED=0), for the reference."""
+
+    def __enter__(self):
+        self.was = os.environ.get("COMMLAB_FUSED")
+        os.environ["COMMLAB_FUSED"] = "0"
+
+    def __exit__(self, *exc):
+        if self.was is None:
+            del os.environ["COMMLAB_FUSED"]
+        else:
+            os.environ["COMMLAB_FUSED"] = self.was
+
+
+def randn(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g).to(DEVICE)
+
+
+def make(name, rank=0, **params):
+    c = compressors.make(name, **params)
+    c.bucket, c.process_rank = 3, rank
+    return c
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit"])
+def test_deterministic_codecs_send_and_decode_what_the_eager_ones_do(name, n):
+    """Three steps (the stateful ones carry momentum or residual between them): the same bits, the same
+    scalars (to float rounding: the fused sums are per block), the same decoding and the same state."""
+    fast, slow = make(name), make(name)
+    for step in range(3):
+        x = randn(n, seed=step)
+        pf, ctx = fast.compress(x.clone())
+        with eager():
+            ps, ctx_s = slow.compress(x.clone())
+        assert [p.dtype for p in pf] == [p.dtype for p in ps] and [p.shape for p in pf] == [p.shape for p in ps]
+        assert torch.equal(pf[-1], ps[-1]), f"{name}: the bits differ at step {step}"
+        for a, b in zip(pf[:-1], ps[:-1]):  # sums of up to 70K floats in another order: ~1e-5 relative
+            torch.testing.assert_close(a, b, rtol=3e-5, atol=1e-7)
+        out_f = fast.decompress(pf, ctx)
+        with eager():
+            out_s = slow.decompress(ps, ctx_s)
+        assert out_f.shape == x.shape and out_f.dtype == x.dtype
+        torch.testing.assert_close(out_f, out_s, rtol=3e-5, atol=1e-7)
+        for key, v in slow.state_dict().items():  # the residual carries the scale's rounding
+            torch.testing.assert_close(fast.state_dict()[key], v, rtol=1e-5, atol=3e-5)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "onebit", "qsgd", "terngrad"])
+def test_every_ranks_payload_decodes_in_one_kernel_as_the_eager_loop_does(name, world):
+    """The payloads of ``world`` ranks (made by the eager codecs, as another rank may) decoded together: the
+    vote, or the mean of the decoded payloads, as the eager exchange computes it."""
+    n = 5003
+    payloads = []
+    with eager():
+        for r in range(world):
+            payload, ctx = make(name, rank=r).compress(randn(n, seed=10 + r))
+            payloads.append(payload)
+        c = make(name)
+        if isinstance(c, _Vote):
+            want = _Vote.vote([p[0] for p in payloads], ctx)
+        else:
+            want = sum(c.decompress(p, ctx) for p in payloads) / world
+    got = _Vote.vote([p[0] for p in payloads], ctx) if isinstance(c, _Vote) else c._decode_all(payloads, ctx)
+    torch.testing.assert_close(got.view(-1), want.view(-1), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("name,params", [("qsgd", {}), ("qsgd", {"levels": 300}), ("terngrad", {})])
+def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params):
+    n = 1001
+    x = randn(n, seed=1)
+    c = make(name, **params)
+    payload, ctx = c.compress(x)
+    with eager():
+        ref, _ = make(name, **params).compress(x)
+    assert [(p.dtype, p.shape) for p in payload] == [(p.dtype, p.shape) for p in ref]
+    torch.testing.assert_close(payload[0], ref[0], rtol=0, atol=0)  # the scalar sent: norm, or max|x|
+    if name == "qsgd":
+        assert payload[1].abs().max().item() <= c.levels
+    else:
+        from engine.compressors import bitpack
+        assert bitpack.unpack_2bit(payload[1], n).max().item() <= 3
+    with eager():
+        torch.testing.assert_close(c.decompress(payload, ctx), make(name, **params).decompress(payload, ctx))
+    draws = 300
+    mean = sum(c.decompress(*c.compress(x)) for _ in range(draws)) / draws
+    spread = (x.abs().max() if name == "terngrad" else torch.linalg.vector_norm(x) / c.levels).item()
+    # each draw is off by at most one step; the mean of 300 by far less (5 sigma of a uniform step: 0.29 each)
+    assert (mean - x).abs().max().item() < 5 * 0.5 * spread / draws ** 0.5
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad"])
+def test_random_codecs_noise_differs_by_rank_and_call_and_comes_back_with_the_state(name):
+    x = randn(4099, seed=2)
+    a, b = make(name, rank=0), make(name, rank=1)
+    first = a.compress(x)[0][1].clone()
+    assert not torch.equal(first, b.compress(x)[0][1])  # another rank, other noise
+    state = copy.deepcopy(a.state_dict())
+    second = a.compress(x)[0][1].clone()
+    assert not torch.equal(first, second)  # another call, other noise
+    again = make(name, rank=0)
+    again.load_state_dict(state)
+    assert torch.equal(again.compress(x)[0][1], second)  # the state brings the noise back
+
+
+def test_non_float32_and_strided_inputs_take_the_eager_path():
+    """fp16 and a strided 1-D tensor: not fused (the kernels read contiguous float32), and still right."""
+    assert not fused.enabled(randn(64, 0).half()) and not fused.enabled(randn(64, 0)[::2])
+    assert not fused.enabled(randn(0, 0))
+    x = randn(128, 0)[::2]
+    (bits,), ctx = make("signsgd").compress(x)
+    torch.testing.assert_close(make("signsgd").decompress([bits], ctx), torch.where(x >= 0, 1.0, -1.0))
+
+
+def test_off_means_off(monkeypatch):
+    monkeypatch.setenv("COMMLAB_FUSED", "0")
+    assert not fused.on(DEVICE, torch.float32)
+    ctx = _Ctx(torch.Size([5]), torch.float32, 5)
+    assert ctx.n == 5
