@@ -27,7 +27,7 @@ PRODUCT = ("engine", "lab", "app", "commlab")
 LAYERS = ["engine", "lab.base", "lab.net", "lab.rundir", "lab.strategy", "lab.service", "lab.analysis", "lab",
           "lab.front", "app", "commlab"]
 """Bottom to top. app and commlab are one level: neither imports the other."""
-HEAVY = ("torch", "torchvision", "transformers", "pandas", "plotly", "streamlit")
+HEAVY = ("torch", "torchvision", "transformers", "pandas", "plotly", "streamlit", "triton")
 """What an import inside a function may keep out of a module that does not load it already."""
 API = "lab"
 """lab/__init__.py: its functions build on the whole lab, so it imports lazily on purpose."""

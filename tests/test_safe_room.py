@@ -15,11 +15,13 @@ and at the lab level (lab.ui as the pages call it, the queue, lab.sandbox).
 import importlib.util
 import json
 import os
+import subprocess
 import sys
 import textwrap
 import threading
 import uuid
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 
@@ -223,6 +225,29 @@ def test_a_preview_child_is_stopped_at_its_limit(room, code, monkeypatch, how):
         assert len(Code.pids(marker)) == 2
     else:  # the answer is kept: no second child
         assert Code.pids(marker) == [pid]
+
+
+def test_the_childs_memory_limit_counts_allocations_not_mapped_code(tmp_path):
+    """Under the preview's limits a child may map more than its memory limit read-only (what a CUDA build of
+    torch does with its libraries' code on import: every preview failed on an H100 machine under an address
+    space limit), yet allocating past the limit is still a MemoryError."""
+    big = tmp_path / "code.bin"
+    with open(big, "wb") as f:
+        f.truncate(3 << 30)  # sparse: nothing written
+    probe = textwrap.dedent(f"""
+        import mmap, sys
+        from lab.base import sandbox
+        sandbox._limit(sandbox.PREVIEW)
+        with open({str(big)!r}, "rb") as f:
+            m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        print("mapped", len(m) >> 30, flush=True)
+        try:
+            hog = bytearray(3 << 30)
+        except MemoryError:
+            print("refused", flush=True)
+        """)
+    r = subprocess.run([sys.executable, "-c", probe], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=60)
+    assert r.stdout.split() == ["mapped", "3", "refused"], r.stdout + r.stderr
 
 
 def rss_mb() -> float:

@@ -7,8 +7,9 @@ Tasks (engine/preflight.py): ``describe`` (the model's size: the New run form's 
 parameter quota), ``parameters`` (each parameter's name and bytes: what the performance model calibrates a
 run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued).
 
-The child sets its limits before it imports torch, the engine or anything the spec names: address space
-and data (RLIMIT_AS, RLIMIT_DATA), CPU seconds (RLIMIT_CPU), open files (RLIMIT_NOFILE), the size of a file
+The child sets its limits before it imports torch, the engine or anything the spec names: data
+(RLIMIT_DATA: the heap and every private writable mapping, so every tensor and buffer it allocates; not the
+address space, which a CUDA build of torch passes 2 GiB of with its libraries' code alone), CPU seconds (RLIMIT_CPU), open files (RLIMIT_NOFILE), the size of a file
 it writes (RLIMIT_FSIZE), no core files, no new processes (RLIMIT_NPROC, which binds every user but root),
 one thread (OMP_NUM_THREADS and torch.set_num_threads), with the Hugging Face hub switched off (it needs no
 network). It runs in a session and process group of its own, which the parent kills at the wall-clock
@@ -47,7 +48,7 @@ class Limits:
     cpu_s: int
     """CPU seconds (RLIMIT_CPU): SIGXCPU at this many, SIGKILL a few later."""
     memory: int
-    """Bytes of address space and of data (RLIMIT_AS, RLIMIT_DATA)."""
+    """Bytes of data (RLIMIT_DATA): what the child allocates; its libraries' code is not counted."""
     files: int = 256
     """Open files (RLIMIT_NOFILE)."""
     file_size: int = 256 << 20
@@ -205,7 +206,9 @@ def _answer(label: str, code: int, raw: bytes, limits: Limits) -> dict:
 
 def _limit(limits: Limits) -> None:
     """Every limit, in this process, before anything else is imported (called first by ``main``)."""
-    for which, n in ((resource.RLIMIT_AS, limits.memory), (resource.RLIMIT_DATA, limits.memory),
+    # not RLIMIT_AS: a CUDA build of torch maps more than 2 GiB of library code on import (seen on an H100
+    # machine: every preview failed), while RLIMIT_DATA still stops any allocation past the limit
+    for which, n in ((resource.RLIMIT_DATA, limits.memory),
                      (resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5)), (resource.RLIMIT_CORE, 0),
                      (resource.RLIMIT_NOFILE, limits.files), (resource.RLIMIT_FSIZE, limits.file_size),
                      (resource.RLIMIT_NPROC, 0)):
