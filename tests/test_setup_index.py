@@ -70,11 +70,15 @@ def fresh_python(tmp_path) -> str:
 
 
 def install(py, default, cpu, what="torch"):
+    # a CPU machine: an nvidia-smi that finds no GPU comes first on PATH (dropping the folders that hold the
+    # real one would drop bash too where it lives in /usr/bin, as on a GPU machine)
+    nogpu = Path(py).parent.parent / "nogpu"
+    nogpu.mkdir(exist_ok=True)
+    (nogpu / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed: no devices' >&2\nexit 9\n")
+    (nogpu / "nvidia-smi").chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL=default, PIP_NO_CACHE_DIR="1", PIP_DEFAULT_TIMEOUT="10",
-               PIP_RETRIES="0", COMMLAB_TORCH_CPU_INDEX=cpu,
-               PATH=os.pathsep.join(p for p in env["PATH"].split(os.pathsep)  # no nvidia-smi: a CPU machine
-                                    if not (Path(p) / "nvidia-smi").exists()))
+               PIP_RETRIES="0", COMMLAB_TORCH_CPU_INDEX=cpu, PATH=str(nogpu) + os.pathsep + env["PATH"])
     return subprocess.run(["bash", str(SCRIPT), py, what], env=env, cwd=ROOT, capture_output=True, text=True,
                           timeout=300)
 
