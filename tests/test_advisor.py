@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import compressors
-from lab.front import cli as front_cli
+from lab.front import model_cli
 from lab.strategy import advisor, auto
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
@@ -324,7 +324,7 @@ def test_winner_spec_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
     s = spec()
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
-    out = front_cli.write_spec(adv.winner_spec(), tmp_path / "best.yaml")
+    out = model_cli.write_spec(adv.winner_spec(), tmp_path / "best.yaml")
     back = load_spec(str(out)).to_dict()
     for k in ("compressor", "comm"):
         assert back[k] == {**back[k], **adv.winner.strategy()[k]}

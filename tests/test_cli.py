@@ -1,4 +1,4 @@
-"""The ``commlab`` command as a Unix tool (lab/cli.py's docstring): every command with good and bad input.
+"""The ``commlab`` command as a Unix tool (lab/front/cli.py's docstring): every command with good and bad input.
 
 Exit codes (0, 1, 2, 130, 141), one-line errors on stderr with no traceback, ``--json`` with nothing else on
 stdout, output paths checked before any work, closed pipes, Ctrl-C, YAML errors with line and column, a
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lab.front import accounts, cli
+from lab.front import accounts, cli, run_cli
 from lab.front import completion
 from lab.front.cli import main
 from lab.service.queue import Lab, Slots
@@ -223,7 +223,7 @@ def test_a_write_that_fails_midway_is_one_line_with_exit_1(lab_dir, capsys, monk
 
     def full(run, path):
         raise OSError(errno.ENOSPC, "No space left on device", path)
-    monkeypatch.setattr(cli, "write_trace", full)
+    monkeypatch.setattr(run_cli, "write_trace", full)
     rc, out, err = call(capsys, "trace", run.id, "-o", "t.json", "--runs", root)
     assert rc == 1 and one_error(err) == "commlab: error: t.json: No space left on device"
 
@@ -432,7 +432,7 @@ def test_a_closed_pipe_ends_quietly(lab_dir, argv):
 def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt
-    monkeypatch.setattr(cli, "cmd_runs", interrupted)
+    monkeypatch.setattr(run_cli, "cmd_runs", interrupted)
     rc, out, err = call(capsys, "runs")
     assert rc == 130 and err == "commlab: error: interrupted\n"
 

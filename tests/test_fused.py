@@ -140,6 +140,14 @@ def test_non_float32_and_strided_inputs_take_the_eager_path():
     torch.testing.assert_close(make("signsgd").decompress([bits], ctx), torch.where(x >= 0, 1.0, -1.0))
 
 
+def test_gpus_before_ampere_keep_the_eager_path(monkeypatch):
+    """Triton supports compute capability 8.0 and later in full: an older GPU is never given the kernels."""
+    for capability, want in (((7, 0), False), ((7, 5), False), ((8, 0), True), ((9, 0), True)):
+        monkeypatch.setattr(fused, "_capable", {})
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert fused.on(torch.device("cuda", 0), torch.float32) is want, capability
+
+
 def test_off_means_off(monkeypatch):
     monkeypatch.setenv("COMMLAB_FUSED", "0")
     assert not fused.on(DEVICE, torch.float32)

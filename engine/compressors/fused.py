@@ -25,8 +25,8 @@ sum: the partial sums here are per block); the random ones draw their noise from
 generator, seeded per call from the compressor's seed, bucket, rank and call count (no host round trip),
 so they are the same distribution, not the same numbers, as the eager path's ``torch.Generator``.
 
-Used for float32 tensors on CUDA when Triton imports; ``COMMLAB_FUSED=0`` turns it off (the eager path,
-for comparison), ``COMMLAB_FUSED=interpret`` also takes it on the CPU under ``TRITON_INTERPRET=1``
+Used for float32 tensors on CUDA GPUs of compute capability 8.0 or later (Ampere on) when Triton imports;
+``COMMLAB_FUSED=0`` turns it off (the eager path, for comparison), ``COMMLAB_FUSED=interpret`` also takes it on the CPU under ``TRITON_INTERPRET=1``
 (Triton's interpreter: how the kernels are tested on a machine without a GPU).
 """
 from __future__ import annotations
@@ -56,15 +56,28 @@ def _import():
     return K
 
 
+MIN_CAPABILITY = (8, 0)
+"""The oldest GPUs the fused path takes (Ampere): what Triton supports in full. Older ones keep the eager path."""
+_capable: dict = {}  # CUDA device index -> whether it has MIN_CAPABILITY
+
+
 def on(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether float32 work of ``dtype`` on ``device`` takes the fused kernels: on CUDA with Triton (or the
-    CPU under Triton's interpreter, ``COMMLAB_FUSED=interpret``), unless ``COMMLAB_FUSED=0``."""
+    """Whether float32 work of ``dtype`` on ``device`` takes the fused kernels: on a CUDA GPU of compute
+    capability 8.0 or later with Triton (or the CPU under Triton's interpreter, ``COMMLAB_FUSED=interpret``),
+    unless ``COMMLAB_FUSED=0``."""
     if dtype != torch.float32:
         return False
     mode = os.environ.get("COMMLAB_FUSED", "1")
     if mode == "0":
         return False
-    if device.type != "cuda" and not (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"):
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        ok = _capable.get(index)
+        if ok is None:
+            ok = _capable[index] = torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+        if not ok:
+            return False
+    elif not (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     return bool(_import())
 

@@ -18,6 +18,7 @@ import yaml
 
 from engine.spec import SpecError
 from lab.base.specs import load_spec
+from lab.front.cli_kit import numbers
 from lab.service.queue import Lab
 from lab.strategy import payoff
 from lab.strategy.perfmodel import whatif
@@ -52,16 +53,6 @@ def parse_params(items) -> dict:
         except yaml.YAMLError:
             out[key] = raw
     return out
-
-
-def numbers(flag: str, text: str, kind, lo, hi) -> list:
-    try:
-        vals = [kind(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        vals = []
-    if not vals or not all(lo <= v <= hi for v in vals):
-        raise SpecError(flag, f"expected a comma-separated list of numbers in [{lo:g}, {hi:g}], got {text!r}")
-    return vals
 
 
 def check_device(text: str):
