@@ -123,7 +123,6 @@ def add_commands(sub) -> None:
 
 
 def cmd_run(args) -> int:
-
     spec = load_spec(args.spec, args.overrides)
     if args.check:
         print(json.dumps(spec.to_dict(), indent=1))
