@@ -112,7 +112,7 @@ torch path (COMMLAB_FUSED=0) in the same rounds."""
 def commlab_side(name, device, eager=False):
     """(call(x) -> output, payload bytes of the last call). ``eager``: with the fused kernels off."""
     from bench.grace_compare import PARAMS
-    from engine.compressors import make
+    from engine.compressors import fused, make
     from engine.compressors.base import nbytes
     c = make(name, **PARAMS.get(name, {}))
     last = {}
@@ -123,15 +123,8 @@ def commlab_side(name, device, eager=False):
         return c.decompress(payload, ctx)
 
     def call_eager(x):
-        was = os.environ.get("COMMLAB_FUSED")
-        os.environ["COMMLAB_FUSED"] = "0"
-        try:
+        with fused.disabled():
             return call(x)
-        finally:
-            if was is None:
-                del os.environ["COMMLAB_FUSED"]
-            else:
-                os.environ["COMMLAB_FUSED"] = was
     return (call_eager if eager else call), lambda: nbytes(last["bytes"])
 
 

@@ -8,7 +8,6 @@ rounding tie) and its decoding; the random ones the eager payload's layout, scal
 codes, noise that differs by rank and call and is restored with the state.
 """
 import copy
-import os
 
 import pytest
 import torch
@@ -22,20 +21,6 @@ pytestmark = pytest.mark.skipif(not fused.on(DEVICE, torch.float32),
                                 reason="the fused kernels need Triton on a CUDA GPU (or TRITON_INTERPRET=1 "
                                        "COMMLAB_FUSED=interpret)")
 SIZES = [1, 7, 1001, 4096, 70001]
-
-
-class eager:
-    """Inside: the eager codecs (COMMLAB_FUSED=0), for the reference."""
-
-    def __enter__(self):
-        self.was = os.environ.get("COMMLAB_FUSED")
-        os.environ["COMMLAB_FUSED"] = "0"
-
-    def __exit__(self, *exc):
-        if self.was is None:
-            del os.environ["COMMLAB_FUSED"]
-        else:
-            os.environ["COMMLAB_FUSED"] = self.was
 
 
 def randn(n, seed):
@@ -58,14 +43,14 @@ def test_deterministic_codecs_send_and_decode_what_the_eager_ones_do(name, n):
     for step in range(3):
         x = randn(n, seed=step)
         pf, ctx = fast.compress(x.clone())
-        with eager():
+        with fused.disabled():
             ps, ctx_s = slow.compress(x.clone())
         assert [p.dtype for p in pf] == [p.dtype for p in ps] and [p.shape for p in pf] == [p.shape for p in ps]
         assert torch.equal(pf[-1], ps[-1]), f"{name}: the bits differ at step {step}"
         for a, b in zip(pf[:-1], ps[:-1]):  # sums of up to 70K floats in another order: ~1e-5 relative
             torch.testing.assert_close(a, b, rtol=3e-5, atol=1e-7)
         out_f = fast.decompress(pf, ctx)
-        with eager():
+        with fused.disabled():
             out_s = slow.decompress(ps, ctx_s)
         assert out_f.shape == x.shape and out_f.dtype == x.dtype
         torch.testing.assert_close(out_f, out_s, rtol=3e-5, atol=1e-7)
@@ -80,7 +65,7 @@ def test_every_ranks_payload_decodes_in_one_kernel_as_the_eager_loop_does(name, 
     vote, or the mean of the decoded payloads, as the eager exchange computes it."""
     n = 5003
     payloads = []
-    with eager():
+    with fused.disabled():
         for r in range(world):
             payload, ctx = make(name, rank=r).compress(randn(n, seed=10 + r))
             payloads.append(payload)
@@ -99,7 +84,7 @@ def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params):
     x = randn(n, seed=1)
     c = make(name, **params)
     payload, ctx = c.compress(x)
-    with eager():
+    with fused.disabled():
         ref, _ = make(name, **params).compress(x)
     assert [(p.dtype, p.shape) for p in payload] == [(p.dtype, p.shape) for p in ref]
     torch.testing.assert_close(payload[0], ref[0], rtol=0, atol=0)  # the scalar sent: norm, or max|x|
@@ -108,7 +93,7 @@ def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params):
     else:
         from engine.compressors import bitpack
         assert bitpack.unpack_2bit(payload[1], n).max().item() <= 3
-    with eager():
+    with fused.disabled():
         torch.testing.assert_close(c.decompress(payload, ctx), make(name, **params).decompress(payload, ctx))
     draws = 300
     mean = sum(c.decompress(*c.compress(x)) for _ in range(draws)) / draws

@@ -31,6 +31,7 @@ Used for float32 tensors on CUDA GPUs of compute capability 8.0 or later (Ampere
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import List, Sequence
 
@@ -80,6 +81,21 @@ def on(device: torch.device, dtype: torch.dtype) -> bool:
     elif not (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     return bool(_import())
+
+
+@contextlib.contextmanager
+def disabled():
+    """Inside: the eager codecs everywhere, as with ``COMMLAB_FUSED=0`` (the reference the kernels are held to,
+    and timed against)."""
+    was = os.environ.get("COMMLAB_FUSED")
+    os.environ["COMMLAB_FUSED"] = "0"
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop("COMMLAB_FUSED", None)
+        else:
+            os.environ["COMMLAB_FUSED"] = was
 
 
 def enabled(x: Tensor) -> bool:
