@@ -446,8 +446,11 @@ def test_ctrl_c_a_queued_run_cancels_it(tmp_path):
     root.mkdir()
     slot = Slots(root, 1).try_acquire()
     try:
+        # Ctrl-C in a terminal reaches a foreground command: SIGINT at its default, whatever this test inherited
+        # (a suite started in the background of a non-interactive shell has it ignored, and so would the command)
         p = commlab("run", spec, "--quiet", "--runs", root, env={"COMMLAB_MAX_JOBS": "1"},
-                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                    preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         first = p.stdout.readline()
         assert first.startswith("run "), first + p.stderr.read()
         run_id = first.split()[1]
