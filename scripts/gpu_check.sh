@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (issues 18 and 35) on a machine with a CUDA GPU, from the repository root:
 #
-#   OUT=gpu-out scripts/gpu_check.sh [engine|suite|bench]...    (default: engine bench)
+#   OUT=gpu-out scripts/gpu_check.sh [engine|suite|bench|launch|profiles|wheel]...    (default: engine bench)
 #
 #   engine  tests/test_gpu.py (one rank over NCCL; two ranks sharing the GPU over gloo with CUDA
 #           tensors: sync, wfbp, dear, top-k+EF, PowerSGD, a MergeComp search, a user's compressor,
@@ -11,9 +11,15 @@
 #           (COMMLAB_TEST_DEVICE=cuda)
 #   suite   the whole test suite (pytest-xdist when installed: -n $JOBS)
 #   bench   bench/compressor_speed.py --device cuda beside GRACE ($GRACE_DIR), profiling the misses
+#   launch  bench/fused_launch.py: the fused kernels launched by commlab against Triton's own launch
+#   profiles  commlab profile of torchvision ResNet-50 and ResNet-101, batch 64, 224x224 (the device profile
+#           bench/model_validation.py --table e holds the H100 roofline to)
+#   wheel   tests/test_wheel.py alone, full tracebacks (SUITE_ARGS="--ignore tests/test_wheel.py" then
+#           leaves it out of the suite part)
 #
-# Python packages the machine lacks can come as wheels in .whl/ (installed to /tmp/site, no network).
-# Logs and results go to $OUT.
+# Python packages the machine lacks can come as wheels in .whl/ (installed, no network, to a folder named
+# site-packages, which tests/test_wheel.py's fresh environment is pointed at). A copy of the working tree
+# that is not a git checkout is made one (test_wheel builds from the tracked files). Logs and results go to $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -22,12 +28,17 @@ JOBS=${JOBS:-12}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G ".whl/*.whl" >/dev/null; then
-    if [ ! -e /tmp/site/.installed ]; then  # once per machine
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    SITE=/tmp/commlab-deps/site-packages
+    if [ ! -e $SITE/.installed ]; then  # once per machine
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
             .whl/*.whl || { echo "gpu_check: installing .whl/ failed" >&2; exit 2; }
-        touch /tmp/site/.installed
+        touch $SITE/.installed
     fi
-    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+    export PYTHONPATH="$PYTHONPATH:$SITE"
+fi
+if ! git rev-parse --git-dir >/dev/null 2>&1; then
+    git init -q && git add -A && git -c user.name=gpu -c user.email=gpu@localhost commit -qm "the copy" \
+        || { echo "gpu_check: could not make the copy a git checkout" >&2; exit 2; }
 fi
 status=0
 parts=("${@:-engine}")
@@ -51,15 +62,32 @@ for part in "${parts[@]}"; do
             xdist=()
             "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "$JOBS")
             # -v into the log: a run stopped by SUITE_LIMIT still says which tests passed
+            # shellcheck disable=SC2086
             ${SUITE_LIMIT:+timeout "$SUITE_LIMIT"} "$PY" -m pytest -v -rs "${xdist[@]}" -p no:cacheprovider \
-                > "$OUT/suite.log" 2>&1 || status=1
+                ${SUITE_ARGS:-} > "$OUT/suite.log" 2>&1 || status=1
             grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -40
             ;;
         bench)
             "$PY" bench/compressor_speed.py --device cuda --grace "${GRACE_DIR:-none}" --profile-misses \
-                ${SIZES:+--sizes "$SIZES"} --out "$OUT/gpu_speed" 2>&1 | tee "$OUT/bench.log" || status=1
+                ${SIZES:+--sizes "$SIZES"} ${ONLY:+--only "$ONLY"} --out "$OUT/gpu_speed" 2>&1 | tee "$OUT/bench.log" || status=1
             ;;
-        *) echo "gpu_check: unknown part '$part'; allowed: engine, suite, bench" >&2; exit 2 ;;
+        launch)
+            "$PY" bench/fused_launch.py --out "$OUT/fused_launch" 2>&1 | tee "$OUT/launch.log" || status=1
+            ;;
+        profiles)
+            for m in resnet50 resnet101; do
+                "$PY" -m lab.front.cli profile examples/torchvision-resnet18.yaml --set model=torchvision:$m \
+                    --set "dataset.shape=[3,224,224]" --set dataset.classes=1000 --set dataset.size=2048 \
+                    --set batch_size=64 --steps 20 -o "$OUT/profile-$m-b64.json" --runs /tmp/gpu-runs 2>&1 \
+                    | tee -a "$OUT/profiles.log" || status=1
+            done
+            ;;
+        wheel)
+            "$PY" -m pytest -v -rA --tb=long -p no:cacheprovider tests/test_wheel.py > "$OUT/wheel.log" 2>&1 || status=1
+            tail -5 "$OUT/wheel.log"
+            ;;
+        *) echo "gpu_check: unknown part '$part'; allowed: engine, suite, bench, launch, profiles, wheel" >&2
+           exit 2 ;;
     esac
 done
 exit $status

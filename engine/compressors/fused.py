@@ -107,6 +107,55 @@ def _grid(n: int, block: int = BLOCK):
     return (max(1, -(-n // block)),)
 
 
+# --------------------------------------------------------------------------- launching
+
+_compiled: dict = {}
+"""(kernel, device, specialization, constexprs) -> the kernel Triton compiled for them (``_launch``)."""
+_constexprs: dict = {}  # kernel -> the names of its constexpr parameters, in signature order
+I32 = 2 ** 31
+
+
+def _spec(args) -> tuple:
+    """What Triton specializes a compiled kernel on, for ``args``, or finer: a tensor's dtype and whether its
+    address is 16-byte aligned; an int's type by range, whether it is 1 and whether 16 divides it; a float's
+    type (Triton passes every Python float as fp32)."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, bool):
+            key.append(("b", a))
+        elif isinstance(a, int):
+            key.append(((0 if -I32 <= a < I32 else 1 if a < 2 ** 63 else 2), a == 1, a % 16 == 0))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+def _launch(kernel, grid: tuple, *args, **consts) -> None:
+    """``kernel[grid](*args, **consts)``, cheaper on the host after the first call with the same specialization.
+
+    Triton's own launch (``JITFunction.run``) binds and specializes every argument in Python on every call:
+    tens of µs, where these kernels run for 1-40 µs on a small bucket (bench/results/gpu.md). Once Triton has
+    compiled a kernel for a specialization (``_spec``) it is kept here and launched through
+    ``CompiledKernel[grid]``, which only packs the arguments. Triton's own path stays: under its interpreter, when
+    launch hooks are set (a profiler), and with ``COMMLAB_FUSED_LAUNCH=triton`` (for a comparison)."""
+    if not K.DIRECT or K.INTERPRET or K.hooked() or os.environ.get("COMMLAB_FUSED_LAUNCH") == "triton":
+        kernel[grid](*args, **consts)
+        return
+    key = (kernel, torch.cuda.current_device(), _spec(args), tuple(consts.items()))
+    compiled = _compiled.get(key)
+    if compiled is None:
+        compiled = kernel[grid](*args, **consts)  # Triton compiles (or finds) the kernel and launches it
+        if compiled is not None:
+            _compiled[key] = compiled
+        return
+    names = _constexprs.get(kernel)
+    if names is None:
+        names = _constexprs[kernel] = kernel.arg_names[len(args):]
+    compiled[grid + (1,) * (3 - len(grid))](*args, *(consts[a] for a in names))
+
+
 # --------------------------------------------------------------------------- what the codecs call
 
 def _nbytes(n: int, per: int = 8) -> int:
@@ -118,7 +167,7 @@ def pack_signs(x: Tensor) -> Tensor:
     n = x.numel()
     out = torch.empty(_nbytes(n), dtype=torch.uint8, device=x.device)
     if n:
-        K.sign_pack[_grid(n)](x, out, n, out.numel(), BLOCK=BLOCK)
+        _launch(K.sign_pack, _grid(n), x, out, n, out.numel(), BLOCK=BLOCK)
     return out
 
 
@@ -127,7 +176,7 @@ def momentum_signs(x: Tensor, m: Tensor, beta: float) -> Tensor:
     n = x.numel()
     out = torch.empty(_nbytes(n), dtype=torch.uint8, device=x.device)
     if n:
-        K.momentum_sign_pack[_grid(n)](x, m, out, n, out.numel(), float(beta), BLOCK=BLOCK)
+        _launch(K.momentum_sign_pack, _grid(n), x, m, out, n, out.numel(), float(beta), BLOCK=BLOCK)
     return out
 
 
@@ -140,8 +189,8 @@ def ef_signs(x: Tensor, e: Tensor) -> List[Tensor]:
     out = torch.empty(_nbytes(n), dtype=torch.uint8, device=x.device)
     if not n:
         return [scale.zero_(), out]
-    K.ef_accumulate[grid](x, e, part, n, BLOCK=BLOCK)
-    K.ef_pack[grid](e, part.sum(0, keepdim=True), scale, out, n, out.numel(), BLOCK=BLOCK)
+    _launch(K.ef_accumulate, grid, x, e, part, n, BLOCK=BLOCK)
+    _launch(K.ef_pack, grid, e, part.sum(0, keepdim=True), scale, out, n, out.numel(), BLOCK=BLOCK)
     return [scale, out]
 
 
@@ -153,8 +202,8 @@ def onebit(x: Tensor) -> List[Tensor]:
     means = torch.zeros(2, dtype=torch.float32, device=x.device)
     out = torch.empty(_nbytes(n), dtype=torch.uint8, device=x.device)
     if n:
-        K.onebit_pack[grid](x, out, part, grid[0], n, out.numel(), BLOCK=BLOCK)
-        K.onebit_means[(1,)](part.view(3, -1).sum(1), means, float(n))
+        _launch(K.onebit_pack, grid, x, out, part, grid[0], n, out.numel(), BLOCK=BLOCK)
+        _launch(K.onebit_means, (1,), part.view(3, -1).sum(1), means, float(n))
     return [means, out]
 
 
@@ -180,7 +229,7 @@ def decode_bits(packs: Sequence[Tensor], n: int, mode: int, table: Sequence[Tens
     out = _out(n, dtype, p.device)
     tab = p if mode == VOTE else _rows(table)
     if n:
-        K.decode_bits[_grid(n)](p, p.stride(0), tab, out, n, WORLD=p.shape[0], MODE=mode, BLOCK=BLOCK)
+        _launch(K.decode_bits, _grid(n), p, p.stride(0), tab, out, n, WORLD=p.shape[0], MODE=mode, BLOCK=BLOCK)
     return out
 
 
@@ -189,7 +238,7 @@ def qsgd_codes(x: Tensor, norm: Tensor, seed: int, levels: int, min_norm: float,
     n = x.numel()
     sent = torch.empty(1, dtype=torch.float32, device=x.device)
     codes = torch.empty(n, dtype=code_dtype, device=x.device)
-    K.qsgd_encode[_grid(n)](x, norm, sent, codes, n, seed, float(levels), float(min_norm), BLOCK=BLOCK)
+    _launch(K.qsgd_encode, _grid(n), x, norm, sent, codes, n, seed, float(levels), float(min_norm), BLOCK=BLOCK)
     return [sent, codes]
 
 
@@ -199,7 +248,7 @@ def qsgd_decode_all(norms: Sequence[Tensor], codes: Sequence[Tensor], n: int, le
     s = _rows(norms)
     out = _out(n, dtype, c.device)
     if n:
-        K.qsgd_decode[_grid(n)](c, c.stride(0), s, out, n, float(levels), WORLD=c.shape[0], BLOCK=BLOCK)
+        _launch(K.qsgd_decode, _grid(n), c, c.stride(0), s, out, n, float(levels), WORLD=c.shape[0], BLOCK=BLOCK)
     return out
 
 
@@ -208,7 +257,7 @@ def tern_codes(x: Tensor, lo: Tensor, hi: Tensor, seed: int, tiny: float) -> Lis
     n = x.numel()
     s = torch.empty(1, dtype=torch.float32, device=x.device)
     out = torch.empty(_nbytes(n, 4), dtype=torch.uint8, device=x.device)
-    K.tern_encode[_grid(n)](x, lo, hi, s, out, n, out.numel(), seed, float(tiny), BLOCK=BLOCK)
+    _launch(K.tern_encode, _grid(n), x, lo, hi, s, out, n, out.numel(), seed, float(tiny), BLOCK=BLOCK)
     return [s, out]
 
 
@@ -218,5 +267,5 @@ def tern_decode_all(scales: Sequence[Tensor], packs: Sequence[Tensor], n: int, d
     s = _rows(scales)
     out = _out(n, dtype, p.device)
     if n:
-        K.tern_decode[_grid(n)](p, p.stride(0), s, out, n, WORLD=p.shape[0], BLOCK=BLOCK)
+        _launch(K.tern_decode, _grid(n), p, p.stride(0), s, out, n, WORLD=p.shape[0], BLOCK=BLOCK)
     return out

@@ -1,7 +1,23 @@
 """The Triton kernels behind engine/compressors/fused.py (imported only there, and only once a float32 CUDA
 tensor asks for them: importing Triton costs every process that never needs it)."""
+import os
+
 import triton
 import triton.language as tl
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+"""Under Triton's interpreter (the CPU tests): kernels are Python functions, launched only Triton's way."""
+VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
+DIRECT = VERSION >= (3, 6)
+"""Whether fused._launch may launch a compiled kernel itself: the calling convention it uses (every argument,
+constexprs included, as ``CompiledKernel[grid]`` takes them from ``JITFunction.run``) is the one of Triton 3.6,
+read and tested there; older versions keep Triton's own launch."""
+
+
+def hooked() -> bool:
+    """Whether a launch hook is set (a profiler such as Proton): then every launch goes through Triton's path."""
+    knobs = getattr(triton, "knobs", None)
+    return knobs is None or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
 
 
 @triton.jit

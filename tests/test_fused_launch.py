@@ -1,0 +1,80 @@
+"""How the fused kernels are launched (engine/compressors/fused.py ``_launch``): after Triton's first launch of a
+kernel for a specialization, commlab launches the compiled kernel itself, skipping Triton's per-call binding.
+
+That is only right if commlab's key tells apart every pair of argument lists Triton compiles apart. The key is
+checked here on the CPU; on a GPU with Triton, that it picks the very kernel Triton's own dispatch picks (aligned
+and misaligned tensors, ints of every class) and that the codecs give the same bits either way.
+"""
+import copy
+
+import pytest
+import torch
+
+from engine import compressors
+from engine.compressors import fused
+
+
+def test_the_key_separates_what_triton_specializes_on():
+    """Triton specializes on a tensor's dtype and 16-byte alignment, an int's type by range, whether it is 1 and
+    whether 16 divides it: each of those changes the key, and values that share them share it."""
+    base = torch.zeros(64)
+    same = [(base, 32, 0.5), (torch.ones(64), 48, 2.0)]
+    assert fused._spec(same[0]) == fused._spec(same[1])
+    changed = [(base[1:], 32, 0.5),                      # misaligned by 4 bytes
+               (base.to(torch.float64), 32, 0.5),        # dtype
+               (base, 33, 0.5), (base, 1, 0.5),          # not divisible by 16; the value 1
+               (base, 2 ** 31, 0.5), (base, 2 ** 63, 0.5), (base, -2 ** 31 - 17, 0.5)]  # i64, u64, an odd negative i64
+    keys = {fused._spec(a) for a in changed}
+    assert len(keys) == len(changed) and fused._spec(same[0]) not in keys
+
+
+CUDA = torch.cuda.is_available() and fused.on(torch.device("cuda"), torch.float32) and fused.K.DIRECT
+gpu = pytest.mark.skipif(not CUDA, reason="the direct launch runs on a CUDA GPU with Triton 3.6 or later")
+
+
+@gpu
+def test_the_cached_kernel_is_the_one_triton_dispatches_to():
+    fused._compiled.clear()
+    cases = []
+    for n in (1, 16, 1000, 4097):
+        for offset in (0, 1, 4):  # 4 floats = 16 bytes: aligned again
+            x = torch.randn(n + offset, device="cuda")[offset:]
+            out = torch.empty(-(-n // 8) + offset, dtype=torch.uint8, device="cuda")[offset:]
+            cases.append((x, out, n, out.numel()))
+    for args in cases:
+        grid = fused._grid(args[2])
+        fused._launch(fused.K.sign_pack, grid, *args, BLOCK=fused.BLOCK)  # first: Triton's own, kept
+        key = (fused.K.sign_pack, torch.cuda.current_device(), fused._spec(args), (("BLOCK", fused.BLOCK),))
+        assert fused._compiled[key] is fused.K.sign_pack[grid](*args, BLOCK=fused.BLOCK)
+    for seed in (1, 16, 17, 2 ** 31 + 5, 2 ** 40):  # the random codecs' seeds: every int class
+        x = torch.randn(1000, device="cuda")
+        args = (x, torch.ones(1, device="cuda"), torch.empty(1, device="cuda"),
+                torch.empty(1000, dtype=torch.int8, device="cuda"), 1000, seed, 127.0, 1e-30)
+        fused._launch(fused.K.qsgd_encode, fused._grid(1000), *args, BLOCK=fused.BLOCK)
+        key = (fused.K.qsgd_encode, torch.cuda.current_device(), fused._spec(args), (("BLOCK", fused.BLOCK),))
+        assert fused._compiled[key] is fused.K.qsgd_encode[fused._grid(1000)](*args, BLOCK=fused.BLOCK)
+
+
+@gpu
+@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"])
+def test_the_direct_launch_gives_what_tritons_launch_gives(name, monkeypatch):
+    """Two instances with the same state, one launched Triton's way, one commlab's, on misaligned and aligned
+    inputs of odd sizes, three calls each (the first of a specialization is Triton's in both): the same payload
+    bits and the same decoding, the random codecs included (their noise is seeded from the state)."""
+    fused._compiled.clear()
+    mine = compressors.make(name)
+    mine.bucket, mine.process_rank = 2, 0
+    theirs = copy.deepcopy(mine)
+    for n, offset in ((7, 1), (4097, 0), (70001, 3)):
+        for step in range(3):
+            x = torch.randn(n + offset, device="cuda")[offset:]
+            p_mine, ctx = mine.compress(x)
+            out_mine = mine.decompress(p_mine, ctx)
+            monkeypatch.setenv("COMMLAB_FUSED_LAUNCH", "triton")
+            p_theirs, ctx_t = theirs.compress(x)
+            out_theirs = theirs.decompress(p_theirs, ctx_t)
+            monkeypatch.delenv("COMMLAB_FUSED_LAUNCH")
+            for a, b in zip(p_mine, p_theirs):
+                assert torch.equal(a, b), f"{name}: payloads differ (n={n}, step {step})"
+            assert torch.equal(out_mine, out_theirs), f"{name}: decodings differ (n={n}, step {step})"
+    assert fused._compiled, "nothing was launched directly"
