@@ -102,3 +102,16 @@ def test_slow_links_are_shaped_as_root_unless_modeled_is_asked_for(monkeypatch):
     monkeypatch.setenv("COMMLAB_SLOW_LINK", "fast")
     with pytest.raises(ValueError, match="COMMLAB_SLOW_LINK: must be shaped or modeled, got 'fast'"):
         notebook.slow_link(1)
+
+
+def test_commlab_notebooks_outside_a_checkout_says_so_first(monkeypatch, tmp_path):
+    """From an installed wheel (no notebooks/), the error is the missing checkout, even where JupyterLab is
+    missing too: installing it would not help (a GPU machine without JupyterLab showed the other order)."""
+    import importlib.util
+
+    from lab.front import jupyter
+    from lab.base.errors import LabError
+    monkeypatch.setattr(jupyter, "NOTEBOOKS", tmp_path / "notebooks")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    with pytest.raises(LabError, match="source checkout"):
+        jupyter.notebooks_main(port=18999, browser=False)

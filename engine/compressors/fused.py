@@ -133,14 +133,17 @@ def _spec(args) -> tuple:
 
 
 def _launch(kernel, grid: tuple, *args, **consts) -> None:
-    """``kernel[grid](*args, **consts)``, cheaper on the host after the first call with the same specialization.
+    """``kernel[grid](*args, **consts)``; with ``COMMLAB_FUSED_LAUNCH=direct``, cheaper on the host after the
+    first call with the same specialization.
 
-    Triton's own launch (``JITFunction.run``) binds and specializes every argument in Python on every call:
-    tens of µs, where these kernels run for 1-40 µs on a small bucket (bench/results/gpu.md). Once Triton has
-    compiled a kernel for a specialization (``_spec``) it is kept here and launched through
-    ``CompiledKernel[grid]``, which only packs the arguments. Triton's own path stays: under its interpreter, when
-    launch hooks are set (a profiler), and with ``COMMLAB_FUSED_LAUNCH=triton`` (for a comparison)."""
-    if not K.DIRECT or K.INTERPRET or K.hooked() or os.environ.get("COMMLAB_FUSED_LAUNCH") == "triton":
+    Triton's own launch (``JITFunction.run``) binds and specializes every argument in Python on every call: 19.8
+    µs per launch on the H100 of bench/results/gpu.md, where these kernels run for 1-40 µs on a small bucket.
+    The direct launch keeps the kernel Triton compiled for a specialization (``_spec``) and calls it as
+    ``JITFunction.run`` does, without the binding. It is off by default: the first try on a GPU never took the
+    direct path (Triton 3.6's launch hooks are an empty chain, not None, and were read as set), and the fixed
+    version has not run on a GPU yet (tests/test_fused_launch.py, bench/fused_launch.py are ready for it).
+    Triton's own path also stays under its interpreter and when launch hooks are set (a profiler)."""
+    if os.environ.get("COMMLAB_FUSED_LAUNCH") != "direct" or not K.DIRECT or K.INTERPRET or K.hooked():
         kernel[grid](*args, **consts)
         return
     key = (kernel, torch.cuda.current_device(), _spec(args), tuple(consts.items()))
@@ -153,7 +156,9 @@ def _launch(kernel, grid: tuple, *args, **consts) -> None:
     names = _constexprs.get(kernel)
     if names is None:
         names = _constexprs[kernel] = kernel.arg_names[len(args):]
-    compiled[grid + (1,) * (3 - len(grid))](*args, *(consts[a] for a in names))
+    g = grid + (1,) * (3 - len(grid))
+    compiled.run(g[0], g[1], g[2], K.stream(), compiled.function, compiled.packed_metadata, None, None, None,
+                 *args, *(consts[a] for a in names))
 
 
 # --------------------------------------------------------------------------- what the codecs call

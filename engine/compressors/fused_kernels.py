@@ -9,15 +9,31 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 """Under Triton's interpreter (the CPU tests): kernels are Python functions, launched only Triton's way."""
 VERSION = tuple(int(p) for p in triton.__version__.split(".")[:2] if p.isdigit())
 DIRECT = VERSION >= (3, 6)
-"""Whether fused._launch may launch a compiled kernel itself: the calling convention it uses (every argument,
-constexprs included, as ``CompiledKernel[grid]`` takes them from ``JITFunction.run``) is the one of Triton 3.6,
-read and tested there; older versions keep Triton's own launch."""
+"""Whether fused._launch may launch a compiled kernel itself: the calling convention it uses (``CompiledKernel.run``
+with every argument, constexprs included, as ``JITFunction.run`` calls it) is the one of Triton 3.6, read there;
+older versions keep Triton's own launch."""
+
+
+def _set(hook) -> bool:
+    return hook is not None and bool(getattr(hook, "calls", True))  # Triton 3.6: a HookChain, empty when unset
 
 
 def hooked() -> bool:
     """Whether a launch hook is set (a profiler such as Proton): then every launch goes through Triton's path."""
     knobs = getattr(triton, "knobs", None)
-    return knobs is None or knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    return knobs is None or _set(knobs.runtime.launch_enter_hook) or _set(knobs.runtime.launch_exit_hook)
+
+
+_driver = None
+
+
+def stream() -> int:
+    """The current CUDA stream of the current device, as Triton launches on it."""
+    global _driver
+    if _driver is None:
+        from triton.runtime import driver
+        _driver = driver.active
+    return _driver.get_current_stream(_driver.get_current_device())
 
 
 @triton.jit

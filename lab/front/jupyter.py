@@ -110,12 +110,12 @@ def notebooks_main(port: int = 8888, browser: bool = True, runs: Optional[os.Pat
     COMMLAB_RUNS. Returns 0 after a requested stop, else the server's exit status."""
     if not 1 <= int(port) <= 65535:
         raise LabError(f"--port: must be in 1..65535, got {port}")
+    if not NOTEBOOKS.is_dir():  # first: installing JupyterLab would not help an installed wheel
+        raise LabError(f"commlab notebooks: the notebooks live in a source checkout (no {NOTEBOOKS}); "
+                       f"clone the repository and run it from there")
     missing = [m for m in ("jupyterlab", "ipykernel") if importlib.util.find_spec(m) is None]
     if missing:
         raise LabError(f"commlab notebooks needs {' and '.join(missing)}: pip install 'commlab[notebooks]'")
-    if not NOTEBOOKS.is_dir():
-        raise LabError(f"commlab notebooks: the notebooks live in a source checkout (no {NOTEBOOKS}); "
-                       f"clone the repository and run it from there")
     if not port_free(port):
         raise LabError(f"--port: 127.0.0.1:{port} is in use; pick another port")
     token = secrets.token_hex(24)
