@@ -5,6 +5,7 @@
                                      [--ops allreduce,...] [--sizes 4096,...]   # root, about 15 minutes
     python bench/model_validation.py --table b --run-shaped [--steps 60] [--only 1,4,topk]
     python bench/model_validation.py --table d                        # this CPU, ~1 min
+    python bench/model_validation.py --table e                        # profiles measured on a GPU, ~30 s
     python bench/model_validation.py --table all [--run-shaped] [--json F] [--md F]
 
 Each run keeps the tables it did not run from the --json file it writes (default
@@ -28,6 +29,11 @@ errors into the package data that `commlab predict` and the Performance model pa
     variants, from datasheet links only to one published point per codec; errors in points.
 (d) This CPU's per-layer profile against its own roofline, the efficiencies fitted (``--table d``,
     about a minute, no root): the efficiency factors where they can be measured.
+(e) Steps and layers measured on a GPU (``commlab profile`` of torchvision ResNet-50 and ResNet-101, batch 64,
+    on an H100: bench/data/h100/, from ``scripts/gpu_check.sh profiles``) against the roofline of the same
+    model on that device: with the efficiency a device without its own figure borrows (A100's, from a
+    published throughput), with the efficiency solved from the other model's measured step (held out), and
+    fitted per layer. Pure computation here (~30 s).
 """
 from __future__ import annotations
 
@@ -261,6 +267,65 @@ def table_d(models=("mlp", "cnn", "resnet"), batch: int = 32, runs: str = "") ->
     return out
 
 
+# --------------------------------------------------------------------------- (e) a GPU's roofline
+
+GPU_PROFILES = ("bench/data/h100/profile-resnet50-b64.json", "bench/data/h100/profile-resnet101-b64.json")
+"""Profiles measured on a lent GPU (scripts/gpu_check.sh profiles): each names its GPU, model and batch."""
+
+
+def table_e(paths=GPU_PROFILES, borrowed_from: str = "A100") -> dict:
+    """Each profile's measured step (forward + backward + optimizer, CUDA events) and layers (forward + backward)
+    against the roofline of its model on its GPU, in the device's default precision: (1) with ``borrowed_from``'s
+    efficiency, (2) with the efficiency solved from the other profiles' measured steps (the model itself held
+    out), (3) with the efficiencies fitted to its own layers (lab.perfmodel.roofline.fit_layers)."""
+    from lab.strategy.perfmodel import calibrate as cal
+    from lab.strategy.perfmodel import devices, roofline
+    loaded = []
+    for path in paths:
+        p = cal.Profile.load(path)
+        dev = devices.identify((p.machine or {}).get("gpu") or "")
+        if dev is None:
+            raise SystemExit(f"(e) {path}: not measured on a GPU of the device table ({p.machine})")
+        loaded.append((path, p, dev, roofline.count_spec(p.spec)))
+    rows = []
+    for path, p, dev, c in loaded:
+        prec = dev.default_precision
+        step = p.forward_s + p.backward_s + p.optimizer_s
+        borrowed = devices.get(borrowed_from).efficiency(prec)
+        others = [roofline.solve_compute_eff(c2, d2, prec, c2.batch / (p2.forward_s + p2.backward_s + p2.optimizer_s))
+                  for q, p2, d2, c2 in loaded if q != path and d2.name == dev.name]
+        held = statistics.median(others) if others else None
+
+        def layer_errors(eff):
+            price = roofline.pricer(dev, prec, eff)
+            return [abs(sum(price(o) for o in c.forward[k] + c.backward.get(k, []))
+                        / (p.layer_forward[k] + p.layer_backward[k]) - 1)
+                    for k in c.forward if k in p.layer_forward and k in p.layer_backward]
+
+        row = {"profile": path, "gpu": p.machine["gpu"], "device": dev.name, "precision": prec, "model": p.model,
+               "batch": p.batch_size, "measured_ms": step * 1e3, "forward_ms": p.forward_s * 1e3,
+               "backward_ms": p.backward_s * 1e3, "samples_per_s": p.batch_size / step,
+               "solved_eff": roofline.solve_compute_eff(c, dev, prec, p.batch_size / step)}
+        for name, eff in (("borrowed", borrowed), ("held_out", held)):
+            if eff is None:
+                continue
+            pred = roofline.step_seconds(c, dev, prec, eff)["total"]
+            errs = layer_errors(eff)
+            row[name] = {"eff": eff, "predicted_ms": pred * 1e3, "step_error": pred / step - 1,
+                         "layer_median_abs_error": statistics.median(errs), "layer_max_abs_error": max(errs),
+                         "layers": len(errs)}
+        fit = roofline.fit_layers(c, p, dev, prec)
+        errs = [abs(r["modeled_s"] / r["measured_s"] - 1) for r in fit["rows"]]
+        row["fitted"] = {"compute_eff": fit["compute_eff"], "memory_eff": fit["memory_eff"], "op_us": fit["op_s"] * 1e6,
+                         "layer_median_abs_error": statistics.median(errs), "layer_max_abs_error": max(errs),
+                         "step_error": sum(r["modeled_s"] for r in fit["rows"]) / sum(r["measured_s"] for r in fit["rows"]) - 1}
+        rows.append(row)
+        print(f"(e) {p.model} on {dev.name}: measured {step * 1e3:.2f} ms; {borrowed_from}'s efficiency "
+              f"{row['borrowed']['step_error']:+.1%}" + (f"; held out {row['held_out']['step_error']:+.1%}"
+                                                          if "held_out" in row else ""), flush=True)
+    return {"borrowed_from": borrowed_from, "rows": rows}
+
+
 # --------------------------------------------------------------------------- output
 
 def markdown(res: dict) -> str:
@@ -303,6 +368,24 @@ def markdown(res: dict) -> str:
                 for m, v in d["models"].items()]
         out += ["### (d) this CPU: per-layer profile vs its roofline", "", json.dumps(d["cpu"]), "",
                 common.markdown_table(head, rows), ""]
+    if "e" in res:
+        e = res["e"]
+        head = ["model", "GPU", "batch", "measured ms", f"{e['borrowed_from']}'s efficiency: predicted ms",
+                "step error", "layers: median / max error", "held out: efficiency", "predicted ms", "step error",
+                "layers: median / max error", "fitted per layer: e_c / e_m / µs per op", "median / max error"]
+        rows = []
+        for r in e["rows"]:
+            b, h, f = r["borrowed"], r.get("held_out"), r["fitted"]
+            rows.append([r["model"], f"{r['device']} {r['precision']}", r["batch"], f"{r['measured_ms']:.2f}",
+                         f"{b['predicted_ms']:.2f}", f"{b['step_error']:+.1%}",
+                         f"{b['layer_median_abs_error']:.0%} / {b['layer_max_abs_error']:.0%}",
+                         f"{h['eff']:.3f}" if h else "", f"{h['predicted_ms']:.2f}" if h else "",
+                         f"{h['step_error']:+.1%}" if h else "",
+                         f"{h['layer_median_abs_error']:.0%} / {h['layer_max_abs_error']:.0%}" if h else "",
+                         f"{f['compute_eff']:.3f} / {f['memory_eff']:.2f} / {f['op_us']:.1f}",
+                         f"{f['layer_median_abs_error']:.0%} / {f['layer_max_abs_error']:.0%}"])
+        out += ["### (e) a GPU: measured steps and layers vs the device's roofline", "",
+                common.markdown_table(head, rows), ""]
     return "\n".join(out)
 
 
@@ -313,7 +396,7 @@ def main(argv=None) -> int:
         return worker(argv[1:])
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0],
                                  epilog="(a) and (b) need root and a quiet machine; (c) runs anywhere")
-    ap.add_argument("--table", default="c", help="a, b, c, d, several (cd) or all (default c)")
+    ap.add_argument("--table", default="c", help="a, b, c, d, e, several (cde) or all (default c)")
     ap.add_argument("--run-shaped", action="store_true", help="measure on shaped links (root; (a) and (b))")
     ap.add_argument("--gbps", default="1,10", help="(a) link rates, Gbit/s (default 1,10)")
     ap.add_argument("--ranks", type=int, default=2, help="(a) ranks (default 2)")
@@ -343,9 +426,9 @@ def main(argv=None) -> int:
     if not 2 <= a.ranks <= 64 or a.iters < 1 or a.steps < 5:
         ap.error("--ranks must be 2..64, --iters >= 1, --steps >= 5")
     res = {}
-    tables = "abcd" if a.table == "all" else a.table
-    if not tables or set(tables) - set("abcd"):
-        ap.error(f"--table must be letters of abcd or all, got {a.table!r}")
+    tables = "abcde" if a.table == "all" else a.table
+    if not tables or set(tables) - set("abcde"):
+        ap.error(f"--table must be letters of abcde or all, got {a.table!r}")
     if "a" in tables:
         res["a"] = table_a(gbps, a.ranks, a.iters, a.run_shaped, ops, sizes)
     if "b" in tables:
@@ -354,6 +437,8 @@ def main(argv=None) -> int:
         res["c"] = table_c()
     if "d" in tables:
         res["d"] = table_d()
+    if "e" in tables:
+        res["e"] = table_e()
     kept = {}
     if os.path.isfile(a.json):  # the tables not run this time stay as they were measured
         kept = {k: v for k, v in common.read_json(a.json).items() if k not in res}

@@ -46,6 +46,14 @@ def tables_acd() -> dict:
         out["d"] = {"file": f"bench/results/{f.name}", "measured": measured(f),
                     "models": {m: {k: v[k] for k in ("layers", "median_abs_error", "max_abs_error", "step_error")}
                                for m, v in d["d"]["models"].items()}}
+    if "e" in d:
+        rows = d["e"]["rows"]
+        out["e"] = {"file": f"bench/results/{f.name}", "measured": measured(f),
+                    "device": ", ".join(sorted({r["device"] for r in rows})),
+                    "rows": [{"model": r["model"], "batch": r["batch"], "measured_ms": r["measured_ms"],
+                              "borrowed_step_error": r["borrowed"]["step_error"],
+                              **({"held_out_step_error": r["held_out"]["step_error"]} if "held_out" in r else {})}
+                             for r in rows]}
     return out
 
 

@@ -25,7 +25,8 @@ def test_every_device_names_where_its_numbers_come_from():
     assert h100.peak("bf16") == 989.5e12 and h100.mem_bw == 3350e9 and h100.nvlink_bw == 450e9
     assert v100.name == "V100-SXM2" and v100.peak("fp32") == 15.7e12 and v100.nvlink_bw == 150e9
     assert dv.get("V100-PCIE").intra == "pcie" and dv.get("A100").intra == "nvlink"
-    assert dv.get("H200").mem_bw > h100.mem_bw and "taken from A100" in h100.sources["compute_eff.tf32"]
+    assert dv.get("H200").mem_bw > h100.mem_bw and "taken from A100" in h100.sources["compute_eff.fp16"]
+    assert h100.sources["compute_eff.tf32"].startswith("measured in this repository")
     with pytest.raises(ValueError, match="--device: unknown device 'B200'; known: V100-SXM2"):
         dv.get("B200")
     with pytest.raises(ValueError, match="no peak FLOP/s for tf32"):
@@ -150,6 +151,27 @@ def test_compute_efficiencies_follow_from_their_sources():
                                                                                   abs=0.002), (name, prec)
 
 
+def test_a_gpu_measured_efficiency_follows_from_its_profile():
+    """H100's TF32 efficiency is what the ResNet-50 step measured on an H100 (the committed profile) gives for
+    torchvision's ResNet-50 at that profile's batch; H200 shares it, named as taken from H100."""
+    from lab.strategy.perfmodel import calibrate as cal
+    root = Path(__file__).resolve().parents[1]
+    for (name, prec), (text, ips, batch) in dv.MEASURED_EFF_SOURCES.items():
+        prof = cal.Profile.load(root / "bench" / "data" / "h100" / "profile-resnet50-b64.json")
+        assert prof.machine["gpu"].startswith("NVIDIA H100") and prof.batch_size == batch
+        step = prof.forward_s + prof.backward_s + prof.optimizer_s
+        assert batch / step == pytest.approx(ips, rel=1e-3) and f"{step * 1e3:.2f} ms" in text
+        try:
+            c = rl.count_spec(prof.spec)
+        except Exception as e:  # noqa: BLE001  (torchvision missing or built for another torch)
+            pytest.skip(f"torchvision not usable here: {e}")
+        assert rl.solve_compute_eff(c, dv.get(name), prec, ips) == pytest.approx(dv.COMPUTE_EFF[(name, prec)],
+                                                                                  abs=0.002)
+        assert dv.get(name).efficiency(prec) == dv.COMPUTE_EFF[(name, prec)]
+    assert dv.get("H200").efficiency("tf32") == dv.get("H100").efficiency("tf32")
+    assert "taken from H100" in dv.get("H200").sources["compute_eff.tf32"]
+
+
 def test_codec_costs_follow_from_the_bytes_they_move():
     fp16 = rl.codec_curve({"name": "fp16", "params": {}, "error_feedback": False}, SLOW)
     per_byte = 1 / (SLOW.mem_bw * SLOW.memory_eff)
@@ -240,7 +262,8 @@ def test_predict_on_a_device_prints_the_table_and_its_sources(tmp_path, capsys):
     i = out.index("sources:")
     src = out[i:].splitlines()
     assert src[1].strip().startswith("compute: modeled, roofline on H100 tf32")
-    assert src[2].strip().startswith("validated: roofline on this CPU")  # each input's validation under it
+    assert src[2].strip().startswith("validated: roofline on an H100")  # each input's validation under it
+    assert "roofline on this CPU" in src[2]
     assert src[3].strip().startswith("link: modeled") and src[5].strip().startswith("compressor fp16: modeled")
     # a measured CPU prediction says so, too
     assert main(["predict", str(tmp_path / "p.json"), "--workers", "2", "--gbps", "1", "--runs", str(tmp_path)]) == 0

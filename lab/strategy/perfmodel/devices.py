@@ -8,8 +8,9 @@ a YAML file with the same fields (``from_dict``, ``load``).
 What a datasheet does not give, and a prediction needs, are efficiencies (achieved / peak):
 
 - ``compute_eff[precision]``: of the peak FLOP/s, for matrix products and convolutions; calibrated per
-  device from a published single-GPU throughput (lab.perfmodel.roofline.solve_compute_eff), each value
-  naming its source below. H100 and H200 have no per-model figure checked here: they take A100's.
+  device from a published single-GPU throughput (lab.perfmodel.roofline.solve_compute_eff), or from a step
+  measured with commlab on a lent GPU (H100's TF32, which H200 shares), each value naming its source below;
+  H100's and H200's other precisions take A100's.
 - ``memory_eff``: of the memory bandwidth, for element-wise and normalisation kernels; 0.85, what
   bandwidth benchmarks (STREAM-like copies) reach on HBM GPUs. Assumed, not calibrated.
 - ``link_eff``: of an interconnect's per-direction bandwidth, what NCCL's bus bandwidth reaches; 0.8.
@@ -98,11 +99,21 @@ EFF_SOURCES = {
     ("A100", "tf32"): (f"{DLE}: 938 img/s TF32 on DGX A100 (A100 80GB)", 938.0),
     ("A100", "fp16"): (f"{DLE}: 2470 img/s mixed precision on DGX A100 (A100 80GB)", 2470.0),
 }
+# Measured with commlab's own engine where a GPU was lent (``commlab profile`` of torchvision's ResNet-50 on
+# synthetic 224x224 images, batch 64, PyTorch's defaults: TF32 convolutions, no channels-last, no AMP); solved
+# the same way at that batch, re-derived from the committed profile by
+# tests/test_perfmodel_devices.py::test_a_gpu_measured_efficiency_follows_from_its_profile.
+MEASURED_EFF_SOURCES = {
+    ("H100", "tf32"): ("measured in this repository: ResNet-50, batch 64, 40.09 ms per step (1,596 img/s) on an "
+                       "H100 80GB HBM3 (bench/data/h100/profile-resnet50-b64.json; scripts/gpu_check.sh profiles)",
+                       1596.4, 64),
+}
 COMPUTE_EFF = {
     ("V100-SXM2", "fp32"): 0.721,
     ("V100-SXM2", "fp16"): 0.368,
     ("A100", "tf32"): 0.202,
     ("A100", "fp16"): 0.304,
+    ("H100", "tf32"): 0.112,
 }
 
 
@@ -114,10 +125,20 @@ def _eff(name: str) -> Dict[str, float]:
 
 
 def _eff_sources(name: str, like: Optional[str] = None) -> Dict[str, str]:
+    """Where ``name``'s efficiencies come from: its own published or measured figures, else ``like``'s."""
     src = {f"compute_eff.{p}": s for (d, p), (s, _) in EFF_SOURCES.items() if d == (like or name)}
     if like:
         src = {k: f"{v}; taken from {like} (no {name} figure checked)" for k, v in src.items()}
+    measured = "H100" if name == "H200" else name  # H200: H100's compute, faster memory
+    for (d, p), (s, _, _) in MEASURED_EFF_SOURCES.items():
+        if d == measured:
+            src[f"compute_eff.{p}"] = s if d == name else f"{s}; taken from {d} (the same compute)"
     return src
+
+
+def _eff_measured(like: str, name: str) -> Dict[str, float]:
+    """``like``'s efficiencies with ``name``'s own measured ones over them."""
+    return {**_eff(like), **{p: v for (d, p), v in COMPUTE_EFF.items() if d == name and (d, p) in MEASURED_EFF_SOURCES}}
 
 
 def _sources(sheet: str, extra: Dict[str, str]) -> Dict[str, str]:
@@ -149,12 +170,12 @@ _add(Device("A100", flops={"fp32": 19.5 * T, "tf32": 156 * T, "fp16": 312 * T, "
                                           "nic_gbps": "DGX A100: 8 x 200 Gbit/s HDR InfiniBand per node"})))
 _add(Device("H100", flops={"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T},
             mem_bw=3350 * GB, pcie_bw=64 * GB, nvlink_bw=450 * GB, nvlink="NVLink 4 (18 links)", pcie="PCIe 5.0 x16",
-            nic_gbps=400, nics_per_node=8, default_precision="tf32", compute_eff=_eff("A100"), match=r"H100",
+            nic_gbps=400, nics_per_node=8, default_precision="tf32", compute_eff=_eff_measured("A100", "H100"), match=r"H100",
             sources=_sources(H100_SHEET, {**_eff_sources("H100", like="A100"),
                                           "nic_gbps": "DGX H100: 8 x 400 Gbit/s NDR InfiniBand per node"})))
 _add(Device("H200", flops={"fp32": 67 * T, "tf32": 494.5 * T, "fp16": 989.5 * T, "bf16": 989.5 * T},
             mem_bw=4800 * GB, pcie_bw=64 * GB, nvlink_bw=450 * GB, nvlink="NVLink 4 (18 links)", pcie="PCIe 5.0 x16",
-            nic_gbps=400, nics_per_node=8, default_precision="tf32", compute_eff=_eff("A100"), match=r"H200",
+            nic_gbps=400, nics_per_node=8, default_precision="tf32", compute_eff=_eff_measured("A100", "H100"), match=r"H200",
             sources=_sources(H200_SHEET, {**_eff_sources("H200", like="A100"),
                                           "nic_gbps": "DGX H200: 8 x 400 Gbit/s NDR InfiniBand per node"})))
 

@@ -5,7 +5,8 @@ scripts/publish_validation.py from bench/results; the product never reads bench/
 - (a) collectives on shaped links, predicted against measured (bench/model_validation.py --table a);
 - (b) whole iterations on shaped links, 2 CPU ranks (bench/perfmodel.py);
 - (c) MergeComp's published 8 x V100 scaling factors against the device model (--table c);
-- (d) this CPU's per-layer times against its roofline (--table d).
+- (d) this CPU's per-layer times against its roofline (--table d);
+- (e) steps measured on a GPU (H100) against that device's roofline (--table e).
 
 ``quote(part, kind)`` gives the line for one row of ``ondevice.source_rows``.
 """
@@ -63,6 +64,16 @@ def roofline() -> str:
     return f"roofline on this CPU, median error per layer (table d): {parts}"
 
 
+def gpu() -> str:
+    e = load().get("e")
+    if not e:
+        return "roofline on a GPU: not measured yet (bench/model_validation.py --table e)"
+    parts = ", ".join(f"{r['model'].split(':')[-1]} {r['held_out_step_error']:+.0%}" for r in e["rows"]
+                      if "held_out_step_error" in r)
+    return (f"roofline on an {e['device']}, step error with the efficiency of the other model's measured step "
+            f"(table e, {e.get('measured') or 'uncommitted'}): {parts}")
+
+
 def quote(part: str, kind: str) -> str:
     """The validation of one input of a prediction: ``part`` compute, link or compressor; ``kind`` measured,
     modeled or assumed (ondevice.source_rows)."""
@@ -71,5 +82,5 @@ def quote(part: str, kind: str) -> str:
     if part == "link":
         return device() if kind == "modeled" else f"{collectives()}; {end_to_end()}"
     if kind == "modeled":
-        return f"{roofline()}; {device()}" if part == "compute" else device()
+        return f"{gpu()}; {roofline()}; {device()}" if part == "compute" else device()
     return end_to_end()
