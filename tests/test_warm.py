@@ -88,6 +88,20 @@ def test_a_warm_rank_runs_as_a_rank_started_by_the_launcher(private, monkeypatch
     assert seen["warm"][1].log_tail().count("[commlab] rank 0:") == 1
 
 
+def test_a_relative_runs_directory_works_warm(private, monkeypatch):
+    """``commlab predict`` with its default runs directory (``./runs``, relative) made a profiling run whose warm
+    ranks failed at once with an empty log: the server opened the relative log path from its own working
+    directory ("/"). The launcher's directory is the one that counts."""
+    tmp = private
+    monkeypatch.chdir(tmp)
+    monkeypatch.setenv(warm.ENV, "1")
+    monkeypatch.setenv("WARM_PROBE", str(tmp / "rel"))
+    run = lab.run({**SPEC, "name": "relative"}, runs="runs")
+    assert run.state == "done", (run.status().get("error"), run.log_tail())
+    assert warm_servers(tmp / "t"), "the ranks were not the warm server's"
+    assert all(p["stdout"] == str((tmp / "runs" / run.id / "log.txt").resolve()) for p in probes(tmp / "rel"))
+
+
 def test_a_niced_launcher_gets_niced_warm_ranks(private, monkeypatch):
     """The server runs at its starter's priority; a launcher at a lower one gets its ranks lowered to it."""
     tmp = private

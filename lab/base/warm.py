@@ -220,7 +220,9 @@ def start(sock: Path, jobs: List[tuple], log: str, cwd: Optional[str] = None) ->
         for argv, env in jobs:
             run_dir = argv[argv.index("--run-dir") + 1]
             s = _connect(sock, 10.0)
-            s.sendall(json.dumps({"run_dir": run_dir, "env": env, "cwd": cwd or os.getcwd(), "log": log,
+            # paths made absolute here: the server's own working directory is "/"
+            s.sendall(json.dumps({"run_dir": os.path.abspath(run_dir), "env": env, "cwd": cwd or os.getcwd(),
+                                  "log": os.path.abspath(log),
                                   "nice": os.nice(0)}).encode() + b"\n")
             buf = b""
             while b"\n" not in buf:

@@ -181,7 +181,8 @@ def measure_profile(spec: dict, runs=None, steps: int = PROFILE_STEPS,
                                    "(lab.service.queue.Lab(runs).runner())")
     run = runner(s)
     if run.state != "done":
-        raise cal.CalibrationError(f"the profiling run {run.id} ended {run.state}: {run.log_tail(2)}")
+        why = run.status().get("error") or (run.log_tail(1).strip() or "no error recorded").splitlines()[-1]
+        raise cal.CalibrationError(f"the profiling run {run.id} ended {run.state}: {why}")
     p = cal.from_run(run, skip=min(cal.SKIP_STEPS, steps - 2))
     p.machine = machine_info(run, steps)
     return p
