@@ -19,13 +19,18 @@
 #
 # Python packages the machine lacks can come as wheels in .whl/ (installed, no network, to a folder named
 # site-packages, which tests/test_wheel.py's fresh environment is pointed at). A copy of the working tree
-# that is not a git checkout is made one (test_wheel builds from the tracked files). Logs and results go to $OUT.
+# that is not a git checkout is made one (test_wheel builds from the tracked files). Logs and results go to $OUT;
+# with PACK=DIR they are also packed, on exit, into DIR/gpu-out.tgz (one file: the device tool brings back at
+# most 8, and a run that wrote more lost its suite log that way).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
 PY=${PY:-python3}
 JOBS=${JOBS:-12}
 mkdir -p "$OUT"
+if [ -n "${PACK:-}" ]; then
+    trap 'tar czf "$PACK/gpu-out.tgz" -C "$OUT" . 2>/dev/null || echo "gpu_check: packing $OUT failed" >&2' EXIT
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if compgen -G ".whl/*.whl" >/dev/null; then
     SITE=/tmp/commlab-deps/site-packages
@@ -65,7 +70,9 @@ for part in "${parts[@]}"; do
             # shellcheck disable=SC2086
             ${SUITE_LIMIT:+timeout "$SUITE_LIMIT"} "$PY" -m pytest -v -rs "${xdist[@]}" -p no:cacheprovider \
                 ${SUITE_ARGS:-} > "$OUT/suite.log" 2>&1 || status=1
-            grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -40
+            # xdist's -v lines read "[gw3] [ 43%] FAILED tests/...": not at the start of a line
+            grep -E "(FAILED|ERROR) tests/|^=+ .*(passed|failed)" "$OUT/suite.log" | sort -u | tail -40
+            echo "gpu_check: $(grep -cE '(PASSED|FAILED|ERROR|SKIPPED) tests/' "$OUT/suite.log") results logged"
             ;;
         bench)
             "$PY" bench/compressor_speed.py --device cuda --grace "${GRACE_DIR:-none}" --profile-misses \
