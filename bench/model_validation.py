@@ -76,6 +76,7 @@ def worker(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
+    from engine.comm import collectives
     from engine.comm.collectives import issue_allgather, issue_allgather_into, issue_allreduce, issue_reduce_scatter
     from engine.runlog import write_json_atomic
     ap = argparse.ArgumentParser(prog="model_validation worker")
@@ -102,8 +103,9 @@ def worker(argv=None) -> int:
                 issue_allgather([share]).wait()
             elif a.op == "allgather_params":
                 issue_allgather_into(got, share).wait()
-            elif a.op == "alltoall":
-                dist.all_to_all_single(got, t)
+            elif a.op == "alltoall":  # as issue_all_to_all sends its packed buffer (chunked on gloo)
+                for w in collectives._all_to_all_works(got, t, None):
+                    w.wait()
             else:  # dear on gloo: an all-to-all of the chunks, then the sum of what arrived
                 issue_reduce_scatter(t, via_alltoall=True, scratch=scratch).wait()
         for _ in range(2):

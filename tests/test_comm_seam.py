@@ -10,7 +10,8 @@ from distutil import run_world
 from engine import schedules
 from engine.comm import modes
 from engine.comm.modes import MODES
-from engine.comm.collectives import issue_all_to_all, issue_allgather, pack_offsets
+from engine.comm.collectives import (issue_all_to_all, issue_allgather, issue_allgather_into, issue_reduce_scatter,
+                                     pack_offsets)
 from engine.comm.exchange import local_collective
 from engine.compressors.base import Compressor, Round
 
@@ -180,3 +181,46 @@ def test_all_to_all_of_payloads_over_a_process_group():
         for i, (f, c) in enumerate(got):
             assert f.dtype == torch.float32 and f.tolist() == [10.0 * i + rank] * 3
             assert c.dtype == torch.int8 and c.tolist() == [i - rank] * 5
+
+
+def _chunked_exchanges(rank, world):
+    """The all-to-alls (of payloads, and dear's reduce-scatter) and the two-rank all-gathers, cut into gloo
+    point-to-point messages of 64 bytes, against the same calls as one collective; two in flight at once."""
+    from engine.comm import collectives as C
+    old = C.P2P_CHUNK
+    parts = [[torch.arange(100, dtype=torch.float32) + 1000 * rank + j, torch.full((37,), rank - j, dtype=torch.int8)]
+             for j in range(world)]
+    t = torch.arange(world * 50, dtype=torch.float32) * (rank + 1)
+    mine = [torch.arange(40 + rank, dtype=torch.float64), torch.full((3, rank + 2), float(rank))]
+    shard = torch.full((60,), float(rank + 1))
+
+    def run():
+        a2a = issue_all_to_all(parts, scratch={})
+        rs = issue_reduce_scatter(t, via_alltoall=True, scratch={})  # in flight with the all-to-all
+        res = {"works": len(a2a.works), "a2a": [[x.tolist() for x in p] for p in a2a.wait()],
+               "rs": rs.wait()[0].tolist()}
+        if world == 2:
+            res["ag"] = [[x.tolist() for x in p] for p in issue_allgather(mine).wait()]
+            out = torch.empty(120)
+            res["into"] = issue_allgather_into(out, shard).wait()[0].tolist()
+        return res
+    try:
+        C.P2P_CHUNK = 64
+        chunked = run()
+        C.P2P_CHUNK = 1 << 40
+        whole = run()
+    finally:
+        C.P2P_CHUNK = old
+    return chunked, whole
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_chunked_exchanges_give_what_one_collective_gives(world):
+    for rank, (chunked, whole) in enumerate(run_world(_chunked_exchanges, world=world)):
+        assert chunked["works"] > 2 and whole["works"] == 1, "the chunked path was not taken, or the whole one was"
+        for key in whole:
+            if key != "works":
+                assert chunked[key] == whole[key], (rank, key)
+        assert whole["rs"] == [sum(r + 1 for r in range(world)) * x for x in range(rank * 50, rank * 50 + 50)]
+        if world == 2:
+            assert whole["into"] == [1.0] * 60 + [2.0] * 60

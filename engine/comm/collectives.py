@@ -50,6 +50,61 @@ class Pending:
         return self.finish()
 
 
+P2P_CHUNK = 4 << 20
+"""Bytes per message of a chunked exchange (``_exchange``)."""
+
+
+def _chunked(t: Tensor, group) -> bool:
+    """Whether an all-to-all or a two-rank all-gather of ``t`` goes as chunked point-to-point messages.
+
+    On gloo (CPU tensors), one large message each way between the same two ranks goes one direction after the
+    other: on a shaped 1 Gbit/s link, 32 MB each way took 522 ms as one message (an all-to-all alike), 280-293 ms
+    as 1-4 MB messages posted together, what one direction alone takes (260 ms); at 10 Gbit/s 39 ms against 26
+    (docs/benchmarks/model-validation.md, table (a)). gloo's all-reduce (a ring in pieces) does not have it."""
+    return (t.device.type == "cpu" and t.numel() * t.element_size() > P2P_CHUNK
+            and dist.get_backend(group) == dist.Backend.GLOO)
+
+
+def _exchange(sends: dict, recvs: dict, group) -> list:
+    """Post, all at once, the send of ``sends[j]`` to rank j of ``group`` and the receive of ``recvs[j]`` from it
+    (flat contiguous tensors), each cut into messages of at most ``P2P_CHUNK`` bytes; the works to wait on.
+    Both ranks post their messages in the same order, and gloo matches a peer's messages in order."""
+    works = []
+    for j in sorted(set(sends) | set(recvs)):
+        peer = j if group is None else dist.get_global_rank(group, j)
+        s, r = sends.get(j), recvs.get(j)
+        ref = s if s is not None else r
+        step = max(1, P2P_CHUNK // ref.element_size())
+        for k in range(0, ref.numel(), step):
+            if s is not None:
+                works.append(dist.isend(s[k:k + step], peer, group=group))
+            if r is not None:
+                works.append(dist.irecv(r[k:k + step], peer, group=group))
+    return works
+
+
+def _all_to_all_works(out: Tensor, send: Tensor, group) -> list:
+    """``all_to_all_single(out, send)`` of flat tensors in equal chunks, chunked on gloo (``_chunked``)."""
+    if not _chunked(send, group):
+        return [dist.all_to_all_single(out, send, group=group, async_op=True)]
+    world, me = dist.get_world_size(group), dist.get_rank(group)
+    size = send.numel() // world
+    part = lambda t, j: t[j * size:(j + 1) * size]  # noqa: E731
+    part(out, me).copy_(part(send, me))
+    others = [j for j in range(world) if j != me]
+    return _exchange({j: part(send, j) for j in others}, {j: part(out, j) for j in others}, group)
+
+
+def _all_gather_works(recv: List[Tensor], send: Tensor, group) -> list:
+    """``all_gather(recv, send)``, chunked between two gloo ranks (``_chunked``; with more ranks gloo's ring sends
+    and receives over different pairs of ranks)."""
+    if len(recv) != 2 or not _chunked(send, group):
+        return [dist.all_gather(recv, send, group=group, async_op=True)]
+    me = dist.get_rank(group)
+    recv[me].copy_(send)
+    return _exchange({1 - me: send}, {1 - me: recv[1 - me]}, group)
+
+
 def book(link: Optional[ModeledLink], op: str, nbytes: int, group) -> Optional[float]:
     """The modeled completion time of a collective issued now (None without a modeled link)."""
     if link is None:
@@ -125,7 +180,7 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
             send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
     recv = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(world)]
     deadline = book(link, "allgather", cap, group)
-    work = dist.all_gather(recv, send, group=group, async_op=True)
+    works = _all_gather_works(recv, send, group)
 
     def unpack():
         out = []
@@ -136,7 +191,7 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
                 payload.append(recv[r][off:off + n].view(dt).view(shape))
             out.append(payload)
         return out
-    pend = Pending([work], unpack, link, deadline, cap)
+    pend = Pending(works, unpack, link, deadline, cap)
     pend.header_span = header_span
     return pend
 
@@ -152,8 +207,8 @@ def issue_reduce_scatter(t: Tensor, group=None, link: Optional[ModeledLink] = No
     deadline = book(link, "reduce_scatter", nbytes, group)
     out = _kept(scratch, "reduce_scatter", t.numel() if via_alltoall else t.numel() // world, t.dtype, t.device)
     if via_alltoall:  # chunk j to rank j; the sum over ranks when the result is read
-        work = dist.all_to_all_single(out, t, group=group, async_op=True)
-        return Pending([work], lambda: [out.view(world, -1).sum(0)], link, deadline, nbytes)
+        works = _all_to_all_works(out, t.view(-1), group)
+        return Pending(works, lambda: [out.view(world, -1).sum(0)], link, deadline, nbytes)
     work = _reduce_scatter(out, t, group=group, async_op=True)
     return Pending([work], lambda: [out], link, deadline, nbytes)
 
@@ -177,12 +232,12 @@ def issue_all_to_all(parts: List[List[Tensor]], group=None, link: Optional[Model
                 send[j * size + off:j * size + off + n] = x.contiguous().view(-1).view(torch.uint8)
     recv = _kept(scratch, "recv", world * size, torch.uint8, device)
     deadline = book(link, "all_to_all", send.numel(), group)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    works = _all_to_all_works(recv, send, group)
 
     def unpack():
         return [[recv[j * size + off:j * size + off + n].view(x.dtype).view(x.shape)
                  for x, off, n in zip(like, offs, sizes)] for j in range(world)]
-    return Pending([work], unpack, link, deadline, send.numel())
+    return Pending(works, unpack, link, deadline, send.numel())
 
 
 def issue_allgather_into(out: Tensor, shard: Tensor, group=None, link: Optional[ModeledLink] = None) -> Pending:
@@ -190,8 +245,11 @@ def issue_allgather_into(out: Tensor, shard: Tensor, group=None, link: Optional[
     dear's all-gathers of parameters, in the next forward and at a relayout."""
     nbytes = shard.numel() * shard.element_size()
     deadline = book(link, "allgather", nbytes, group)
-    work = _all_gather(out, shard, group=group, async_op=True)
-    return Pending([work], lambda: [out], link, deadline, nbytes)
+    if dist.get_world_size(group) == 2 and _chunked(shard, group):
+        works = _all_gather_works(list(out.view(2, -1)), shard.view(-1), group)
+    else:
+        works = [_all_gather(out, shard, group=group, async_op=True)]
+    return Pending(works, lambda: [out], link, deadline, nbytes)
 
 
 def issue(rnd: Round, group=None, link: Optional[ModeledLink] = None, now: Optional[Callable[[], float]] = None,
