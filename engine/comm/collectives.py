@@ -50,7 +50,7 @@ class Pending:
         return self.finish()
 
 
-P2P_CHUNK = 4 << 20
+P2P_CHUNK = 2 << 20
 """Bytes per message of a chunked exchange (``_exchange``)."""
 
 
@@ -58,9 +58,10 @@ def _chunked(t: Tensor, group) -> bool:
     """Whether an all-to-all or a two-rank all-gather of ``t`` goes as chunked point-to-point messages.
 
     On gloo (CPU tensors), one large message each way between the same two ranks goes one direction after the
-    other: on a shaped 1 Gbit/s link, 32 MB each way took 522 ms as one message (an all-to-all alike), 280-293 ms
-    as 1-4 MB messages posted together, what one direction alone takes (260 ms); at 10 Gbit/s 39 ms against 26
-    (docs/benchmarks/model-validation.md, table (a)). gloo's all-reduce (a ring in pieces) does not have it."""
+    other: an all-to-all of 64 MB between two ranks (32 MB each way) took 519 ms on a shaped 1 Gbit/s link as one
+    collective and 291 ms as 2 MB messages posted together, what one direction alone takes; 48 against 34 ms
+    at 10 Gbit/s (bench/gloo_exchange.py, docs/benchmarks/gloo-exchange.md). gloo's all-reduce (a ring in
+    pieces) does not have it."""
     return (t.device.type == "cpu" and t.numel() * t.element_size() > P2P_CHUNK
             and dist.get_backend(group) == dist.Backend.GLOO)
 
