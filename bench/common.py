@@ -138,6 +138,14 @@ def write_json(path: str, obj) -> None:
         json.dump(obj, f, indent=1)
 
 
+def write_out(out: str, res, md: str) -> None:
+    """``--out OUT``: the results to OUT.json, their tables to OUT.md, and the tables printed."""
+    write_json(out + ".json", res)
+    with open(out + ".md", "w") as f:
+        f.write(md)
+    print(md)
+
+
 def read_json(path: str):
     with open(path) as f:
         return json.load(f)

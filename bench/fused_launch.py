@@ -131,10 +131,7 @@ def main(argv=None) -> int:
         return 2
     res = {"device": torch.cuda.get_device_name(device), "triton": fused.K.triton.__version__, "rounds": a.rounds,
            "bare": bare_launch(device, a.rounds), "codecs": measure(sizes, a.rounds, device)}
-    common.write_json(a.out + ".json", res)
-    with open(a.out + ".md", "w") as f:
-        f.write(markdown(res))
-    print(markdown(res))
+    common.write_out(a.out, res, markdown(res))
     return 0
 
 

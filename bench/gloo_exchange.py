@@ -141,10 +141,7 @@ def main(argv=None) -> int:
         res["chunk_bytes"] = raw["chunk_bytes"]
         res["rates"][f"{gbps:g}"] = summarize(raw, gbps)
         print(f"{gbps:g} Gbit/s: done", flush=True)
-    common.write_json(a.out + ".json", res)
-    with open(a.out + ".md", "w") as f:
-        f.write(markdown(res))
-    print(markdown(res))
+    common.write_out(a.out, res, markdown(res))
     return 0
 
 
