@@ -153,7 +153,7 @@ def main(argv=None) -> int:
     port = free_port()
     log_path = args.runs / "app.log"
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
-    code = (f"import sys; from lab.front.ui import app_main; "
+    code = (f"import sys; from lab.front.appserver import app_main; "
             f"sys.exit(app_main({port}, {str(args.runs)!r}, host='0.0.0.0', demo=False))")
     with open(log_path, "wb") as log:
         app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,

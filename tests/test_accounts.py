@@ -321,7 +321,7 @@ def test_served_over_tls_with_the_teachers_certificate(tmp_path):
     runs = tmp_path / "runs"
     token = accounts.load_access(runs)["admin_token"]
     port = free_port()
-    code = (f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', "
+    code = (f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', "
             f"demo=False, certfile={str(cert)!r}, keyfile={str(key)!r}))")
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
     log_path = tmp_path / "app.log"

@@ -1,6 +1,6 @@
 """The Streamlit app through AppTest: every page renders over a runs directory with one
 finished run; the New run form queues a run that finishes; presets, sweeps and
-`commlab app` (lab.ui.app_main) start what they say."""
+`commlab app` (lab.front.appserver.app_main) start what they say."""
 import os
 import signal
 import socket
@@ -16,7 +16,7 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
-from lab.front import ui  # noqa: E402
+from lab.front import appserver, ui  # noqa: E402
 from lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from lab.strategy.perfmodel import views  # noqa: E402
 from lab.analysis import timelines
@@ -322,18 +322,18 @@ def test_error_field_mapping():
 
 
 def test_app_argv():
-    argv = ui.app_argv(8600)
+    argv = appserver.app_argv(8600)
     assert argv[:4] == [sys.executable, "-m", "streamlit", "run"] and argv[4].endswith("app/server.py")  # the gatekeeper's
-    assert argv[argv.index("--server.maxUploadSize") + 1] == str(ui.UPLOAD_MB)
+    assert argv[argv.index("--server.maxUploadSize") + 1] == str(appserver.UPLOAD_MB)
     assert "--server.sslCertFile" not in argv and "--client.showErrorDetails" not in argv  # loopback: all of it
-    exposed = ui.app_argv(8600, host="0.0.0.0")
+    exposed = appserver.app_argv(8600, host="0.0.0.0")
     assert exposed[exposed.index("--client.showErrorDetails") + 1] == "type"  # no traceback for a viewer
-    tls = ui.app_argv(8600, certfile="c.pem", keyfile="k.pem")
+    tls = appserver.app_argv(8600, certfile="c.pem", keyfile="k.pem")
     assert tls[tls.index("--server.sslCertFile") + 1] == "c.pem" and tls[tls.index("--server.sslKeyFile") + 1] == "k.pem"
     assert argv[argv.index("--server.address") + 1] == "127.0.0.1"
     assert argv[argv.index("--server.port") + 1] == "8600"
     assert argv[argv.index("--server.headless") + 1] == "true"
-    assert ui.app_argv(1, host="0.0.0.0")[argv.index("--server.address") + 1] == "0.0.0.0"
+    assert appserver.app_argv(1, host="0.0.0.0")[argv.index("--server.address") + 1] == "0.0.0.0"
 
 
 def free_port() -> int:
@@ -382,7 +382,7 @@ def test_app_stops_cleanly_on_a_signal(tmp_path, sig):
     so, and a run's supervisor it started keeps going."""
     from lab.service.spawn import ENV, spawn_detached
     port = free_port()
-    code = f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(tmp_path)!r}, demo=False))"
+    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(tmp_path)!r}, demo=False))"
     # output to a file, not a pipe: an unread pipe that fills up blocks the server and the app on exit
     log_path = tmp_path / "app.log"
     with open(log_path, "wb") as log:

@@ -1,4 +1,4 @@
-"""End to end in a real browser: `commlab app` (lab.ui.app_main) serves the UI, a
+"""End to end in a real browser: `commlab app` (lab.front.appserver.app_main) serves the UI, a
 click on each preset starts its runs and opens its results view, one preset's
 verdict fills in as its runs finish, and the live page draws a run's timeline
 and accuracy curve.
@@ -56,7 +56,7 @@ def server(tmp_path):
     """The UI on a free port over an empty runs directory; stopped, with every run it started."""
     runs = tmp_path / "runs"
     port = free_port()
-    code = f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
+    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
     log = open(tmp_path / "app.log", "wb")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True, stdout=log,
                          stderr=subprocess.STDOUT)

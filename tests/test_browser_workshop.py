@@ -45,7 +45,7 @@ def room(tmp_path):
     assert run.state == "done", run.status()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
-    code = f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
+    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
     log = open(tmp_path / "app.log", "wb")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                          stdout=log, stderr=subprocess.STDOUT)

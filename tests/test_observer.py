@@ -239,13 +239,13 @@ def free_port() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
-    """`commlab app` (lab.ui.app_main): its Streamlit server runs APP_NICE levels lower, its session's
+    """`commlab app` (lab.front.appserver.app_main): its Streamlit server runs APP_NICE levels lower, its session's
     scheduling group too; a run queued from
     inside the server (as the New run form and presets do: lab.run(wait=False)) gets a supervisor at the
     app's normal priority, started by the app's process."""
     runs = tmp_path / "runs"
     port = free_port()
-    code = f"import sys; from lab.front.ui import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
+    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
     app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_id = None
@@ -307,8 +307,8 @@ def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
 def test_app_server_skips_the_full_gc_after_every_rerun_and_the_file_polling():
     """Streamlit's defaults: gc.collect(2) after every script run (fragment refreshes included) and polling
     every imported source file; each cost a refreshing page's server more than the page's own work."""
-    from lab.front import ui
-    argv = ui.app_argv(8600)
+    from lab.front import appserver
+    argv = appserver.app_argv(8600)
     opts = dict(zip(argv[5::2], argv[6::2]))
     assert opts["--runner.postScriptGC"] == "false" and opts["--server.fileWatcherType"] == "none"
 

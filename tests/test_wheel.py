@@ -89,10 +89,10 @@ def test_the_wheel_holds_every_package_and_its_data(installed):
                 if m.ispkg:
                     importlib.import_module(m.name)
         import engine.tuners, engine.comm, lab.strategy.perfmodel, lab.front.cli
-        from lab.front import ui
-        assert ui.DEMO_SPEC.is_file(), ui.DEMO_SPEC
+        from lab.front import appserver
+        assert appserver.DEMO_SPEC.is_file(), appserver.DEMO_SPEC
         from lab.base.specs import load_spec
-        assert load_spec(str(ui.DEMO_SPEC)).model.name
+        assert load_spec(str(appserver.DEMO_SPEC)).model.name
         from pathlib import Path
         views = sorted(p.name for p in (Path(app.__file__).parent / "views").glob("*.py"))
         assert "home.py" in views and "new_run.py" in views, views

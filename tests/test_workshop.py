@@ -469,7 +469,7 @@ def exposed(tmp_path_factory):
     q = Lab(root)
     runs = {o: q.create(lab._spec(SMALL), owner=o) for o in ("alice", "bob", "carol")}
     port = free_port()
-    code = (f"import sys; from lab.front.ui import app_main; "
+    code = (f"import sys; from lab.front.appserver import app_main; "
             f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")
     log_path = root / "app.log"
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}

@@ -219,7 +219,7 @@ def unrecognized(args, extra: List[str], argv: List[str]) -> str:
 
 
 def cmd_app(args) -> int:
-    from lab.front.ui import app_main
+    from lab.front.appserver import app_main
     return app_main(args.port, args.runs, args.host, demo=not args.no_demo, token=args.token,
                     certfile=args.certfile, keyfile=args.keyfile)
 
