@@ -20,7 +20,7 @@ the advisor's choice run as real 2-rank commlab runs on the link (``--steps`` st
 rounds with the order rotated each round. Each cell's figure is the median iteration time after warm-up
 (PowerSGD after its uncompressed start; MergeComp's searched partitions spread over 300 steps, as the
 advisor predicts it) and the score is that time x the compressor's convergence penalty from the advisor
-(lab/advisor.py says where each penalty comes from). Ratios are medians of per-round ratios.
+(lab/strategy/penalty.py says where each penalty comes from). Ratios are medians of per-round ratios.
 
 By default this measures iteration time x penalty, not time to a target accuracy: full training to accuracy
 of every cell is too slow on the 2-core machine this lab was built on. The penalties of the compressors in
@@ -158,6 +158,7 @@ def finalists_of(timed: dict, pen: dict) -> list:
 def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, store, log, trials: int = 0,
                 final_rounds: int = 0, target: Optional[float] = None, eval_every: int = 10) -> dict:
     from lab.strategy import advisor
+    from lab.strategy import penalty as pen
     from lab.strategy.perfmodel.calibrate import compressor_key
     base = base_spec(model, link, gbps, RUN_STEPS)
     spec = advisor.load_spec_dict(base)
@@ -173,16 +174,16 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
         cands = [c.as_dict() for c in adv.candidates]
         choice = {"label": adv.winner.label, "strategy": adv.winner.strategy()}
         cost, link_source, profile_source = adv.cost_s, adv.link_source, adv.profile_source
-    cells = {k: {"compressor": c, "schedule": s, "comm": m, "method": dict(advisor.NO_METHOD)}
+    cells = {k: {"compressor": c, "schedule": s, "comm": m, "method": dict(pen.NO_METHOD)}
              for k, (c, s, m) in GRID.items()}
-    cells[CHOICE] = {"method": dict(advisor.NO_METHOD), **choice["strategy"]}
+    cells[CHOICE] = {"method": dict(pen.NO_METHOD), **choice["strategy"]}
     same_as = next((k for k, v in cells.items() if k != CHOICE and v == cells[CHOICE]), None)
     pen = {}
     for k, strat in cells.items():
         if strat["method"]["name"] != "none":  # a method chosen on its measured runs
-            p, src = advisor.method_penalty(spec, strat["method"], store.root)
+            p, src = pen.method_penalty(spec, strat["method"], store.root)
         else:
-            p, src = advisor.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
+            p, src = pen.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
         pen[k] = (p, src)
     timed = {k: [] for k in cells}
     runs = {k: [] for k in cells}
@@ -213,7 +214,7 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
             play(finalists, r, "final round")
     rows = {}
     for k in cells:
-        same = [c for c in cands if {f: c.get(f, advisor.NO_METHOD) for f in ("compressor", "schedule", "comm",
+        same = [c for c in cands if {f: c.get(f, pen.NO_METHOD) for f in ("compressor", "schedule", "comm",
                                                                                  "method")} == cells[k]]
         rows[k] = {"predicted_ms": same[0]["predicted_ms"] if same else None,
                    "trial_ms": same[0]["measured_ms"] if same else None, "rounds_ms": timed[k],

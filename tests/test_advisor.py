@@ -10,6 +10,7 @@ import pytest
 from engine import compressors
 from lab.front import model_cli
 from lab.strategy import advisor, auto
+from lab.strategy import penalty as pen
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
 from lab.strategy.perfmodel import whatif
@@ -111,30 +112,30 @@ def test_mixed_prediction_gives_each_bucket_its_own_compressor():
 
 
 def test_penalties_of_strategies_say_where_they_come_from(monkeypatch):
-    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     s = spec()
     strategies = {("int8", "dear"): {"acc": 0.985, "base_acc": 0.99, "steps": 300, "file": "s.json"},
                   ("fp16", "dear"): {"acc": 0.95, "base_acc": 0.99, "steps": 300, "file": "s.json"}}
-    p, src = advisor.penalty(s, advisor._comp("int8"), cells=CELLS, mode="dear", strategies=strategies)
+    p, src = pen.penalty(s, advisor._comp("int8"), cells=CELLS, mode="dear", strategies=strategies)
     assert p == 1.0 and src.startswith("benchmark") and "dear" in src
-    p, src = advisor.penalty(s, advisor._comp("fp16"), cells=CELLS, mode="dear", strategies=strategies)
+    p, src = pen.penalty(s, advisor._comp("fp16"), cells=CELLS, mode="dear", strategies=strategies)
     assert p is None and "loses accuracy" in src
     # not measured in wfbp: int8's own default (lossy, nothing measured)
-    p, src = advisor.penalty(s, advisor._comp("int8"), cells=CELLS, mode="wfbp", strategies=strategies)
+    p, src = pen.penalty(s, advisor._comp("int8"), cells=CELLS, mode="wfbp", strategies=strategies)
     assert p == 1.25 and src.startswith("declared")
     # a mixed section nothing measured: the worst of its parts
     mixed = advisor._mixed(advisor._comp("none"), advisor._comp("topk", True, ratio=0.01))
-    p, src = advisor.penalty(s, mixed, cells=CELLS, strategies={})
+    p, src = pen.penalty(s, mixed, cells=CELLS, strategies={})
     assert p == 1.0 and src.startswith("parts") and "topk(ratio=0.01)+EF" in src
     mixed = advisor._mixed(advisor._comp("none"), advisor._comp("qsgd"))
-    p, src = advisor.penalty(s, mixed, cells=CELLS, strategies={})
+    p, src = pen.penalty(s, mixed, cells=CELLS, strategies={})
     assert p == 1.25 and src.startswith("parts")
     mixed = advisor._mixed(advisor._comp("none"), advisor._comp("topk", False, ratio=0.01))
-    p, src = advisor.penalty(s, mixed, cells=CELLS, strategies={})
+    p, src = pen.penalty(s, mixed, cells=CELLS, strategies={})
     assert p is None and src.startswith("parts") and "left out" in src
     # measured as a whole beats the parts' rule
     key = cal.compressor_key(mixed)
-    p, src = advisor.penalty(s, mixed, cells=CELLS, strategies={(key, "wfbp"): {"acc": 0.99, "base_acc": 0.99,
+    p, src = pen.penalty(s, mixed, cells=CELLS, strategies={(key, "wfbp"): {"acc": 0.99, "base_acc": 0.99,
                                                                                "steps": 300, "file": "s.json"}})
     assert p == 1.0 and src.startswith("benchmark")
 
@@ -146,21 +147,21 @@ CELLS = {("none", False): {"acc": 0.99, "steps": 300, "file": "x.json"},
 
 def test_penalty_sources_in_order(monkeypatch):
     s = spec()
-    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     topk_ef = advisor._comp("topk", True, ratio=0.01)
-    p, src = advisor.penalty(s, topk_ef, cells=CELLS)
+    p, src = pen.penalty(s, topk_ef, cells=CELLS)
     assert p == 1.0 and src.startswith("benchmark")
-    p, src = advisor.penalty(s, advisor._comp("topk", False, ratio=0.01), cells=CELLS)
+    p, src = pen.penalty(s, advisor._comp("topk", False, ratio=0.01), cells=CELLS)
     assert p is None and "loses accuracy" in src
     # parameters other than the benchmark's: not the benchmark's figure
-    assert advisor.penalty_from_benchmark(advisor._comp("topk", True, ratio=0.1), CELLS) is None
-    p, src = advisor.penalty(s, advisor._comp("topk", True, ratio=0.1), cells=CELLS)
+    assert pen.penalty_from_benchmark(advisor._comp("topk", True, ratio=0.1), CELLS) is None
+    p, src = pen.penalty(s, advisor._comp("topk", True, ratio=0.1), cells=CELLS)
     assert p == 1.0 and src.startswith("declared") and "1%" in src
-    p, src = advisor.penalty(s, advisor._comp("qsgd"), cells=CELLS)
+    p, src = pen.penalty(s, advisor._comp("qsgd"), cells=CELLS)
     assert p == 1.25 and src.startswith("declared: no measurement")
-    p, src = advisor.penalty(s, topk_ef, declared={"topk": 1.4}, cells=CELLS)
+    p, src = pen.penalty(s, topk_ef, declared={"topk": 1.4}, cells=CELLS)
     assert p == 1.4 and "by the user" in src
-    p, src = advisor.penalty(s, advisor._comp("fp16"), cells={})
+    p, src = pen.penalty(s, advisor._comp("fp16"), cells={})
     assert p == 1.0 and src.startswith("declared")
 
 
@@ -183,20 +184,20 @@ def test_penalty_from_runs_is_steps_to_accuracy(monkeypatch):
     topk_run = FakeRun("b", advisor.with_strategy(s, {"compressor": topk}), [(49, 0.3), (99, 0.7), (149, 0.9),
                                                                             (199, 0.98)])
     other = FakeRun("c", spec(batch_size=8), [(49, 0.99), (99, 0.99)])  # another batch: not comparable
-    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [none_run, topk_run, other])
-    p, src = advisor.penalty_from_runs(s, topk, None)
+    monkeypatch.setattr(pen, "runs_of", lambda runs, **kw: [none_run, topk_run, other])
+    p, src = pen.penalty_from_runs(s, topk, None)
     assert p == pytest.approx(199 / 149)  # target 97% of 1.0: none at 149, topk at 199
     assert src.startswith("measured") and "run b" in src and "run a" in src
     slow = FakeRun("d", topk_run.spec_dict(), [(49, 0.1), (99, 0.2)])
-    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [none_run, slow])
-    p, src = advisor.penalty_from_runs(s, topk, None)
+    monkeypatch.setattr(pen, "runs_of", lambda runs, **kw: [none_run, slow])
+    p, src = pen.penalty_from_runs(s, topk, None)
     assert p is None and "did not reach" in src
-    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [topk_run])
-    assert advisor.penalty_from_runs(s, topk, None) is None
+    monkeypatch.setattr(pen, "runs_of", lambda runs, **kw: [topk_run])
+    assert pen.penalty_from_runs(s, topk, None) is None
 
 
 def test_slow_link_picks_compression_fast_link_picks_ddp(monkeypatch):
-    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     s = spec()
     slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
     assert slow.winner.compressor["name"] in ("topk", "powersgd")
@@ -214,7 +215,7 @@ def test_slow_link_picks_compression_fast_link_picks_ddp(monkeypatch):
 
 def test_left_out_compressor_never_wins(monkeypatch):
     s = spec()
-    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None,
                          penalties={"topk": 100, "powersgd": 100})
     assert adv.winner.compressor["name"] not in ("topk", "powersgd")
@@ -256,7 +257,7 @@ def fake_session_runner(tmp_path, ms_of, sessions):
 
 
 def test_measured_trials_decide(monkeypatch, tmp_path):
-    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     monkeypatch.setattr(advisor, "FAMILY_MARGIN", 1000.0)  # three families tried, however far apart predicted
     s = spec()
     sessions = []
@@ -282,7 +283,7 @@ def test_measured_trials_decide(monkeypatch, tmp_path):
 def test_trials_hold_ddp_when_it_is_close(monkeypatch, tmp_path):
     """DDP is tried beside the top candidates when predicted within DDP_MARGIN of the best, so a choice
     measured slower than DDP cannot win; predicted far behind, it is not tried."""
-    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     s = spec()
     sessions = []
     ddp_ms = 10.0
@@ -309,7 +310,7 @@ def test_trials_hold_ddp_when_it_is_close(monkeypatch, tmp_path):
 def test_a_measured_win_inside_the_hold_margin_goes_to_ddp(monkeypatch, tmp_path, other_ms, ddp_wins):
     """Measured 2% faster than DDP (inside DDP_HOLD, 3%) the other candidate loses to DDP, and the reason says
     why; 10% faster, it wins."""
-    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     s = spec()
     runner = fake_session_runner(tmp_path, lambda i, t: 10.0 if t["compressor"]["name"] == "none"
                                  and not t["compressor"]["per_bucket"] and t["schedule"]["name"] == "bucket"
@@ -321,7 +322,7 @@ def test_a_measured_win_inside_the_hold_margin_goes_to_ddp(monkeypatch, tmp_path
 
 
 def test_winner_spec_runs_as_written(tmp_path, monkeypatch):
-    monkeypatch.setattr(advisor, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     s = spec()
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
     out = model_cli.write_spec(adv.winner_spec(), tmp_path / "best.yaml")
@@ -343,7 +344,7 @@ def test_network_for_rules():
     with pytest.raises(advisor.SpecError, match="--gbps"):
         advisor.network_for(s, 0.0)
     with pytest.raises(advisor.SpecError, match="--penalty"):
-        advisor.parse_penalties(["topk"])
+        pen.parse_penalties(["topk"])
 
 
 def cli(*args, cwd):

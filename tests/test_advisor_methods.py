@@ -4,12 +4,13 @@ declared by the user; without one they are listed and their row says why they ar
 import pytest
 
 from lab.strategy import advisor
+from lab.strategy import penalty as pen
 from tests.test_advisor import FakeRun, fake_profile, spec
 
 
 @pytest.fixture
 def no_runs(monkeypatch, tmp_path):
-    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [])
+    monkeypatch.setattr(pen, "runs_of", lambda runs, **kw: [])
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))  # the curves the advisor keeps (DeMo's codec) go there
 
 
@@ -61,9 +62,9 @@ def test_a_methods_penalty_is_its_steps_to_accuracy_against_ddp(monkeypatch, tmp
     diloco_run = FakeRun("b", diloco, [(49, 0.4), (99, 0.8), (149, 0.9), (199, 0.99)])
     other_world = FakeRun("c", advisor.with_strategy({**s, "world_size": 4}, {"method": {"name": "diloco", "H": 20}}),
                           [(49, 0.99), (99, 0.99)])
-    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [ddp_run, diloco_run, other_world])
+    monkeypatch.setattr(pen, "runs_of", lambda runs, **kw: [ddp_run, diloco_run, other_world])
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
-    p, src = advisor.method_penalty(s, diloco["method"], None)
+    p, src = pen.method_penalty(s, diloco["method"], None)
     assert p == pytest.approx(199 / 149)  # 97% of DDP's best: DDP at 149, DiLoCo at 199
     assert src.startswith("measured") and "run b" in src and "vs DDP 149 (run a)" in src
     # the measured configuration joins the space (DiLoCo at H 20 beside the defaults), with that penalty
@@ -72,9 +73,9 @@ def test_a_methods_penalty_is_its_steps_to_accuracy_against_ddp(monkeypatch, tmp
     h20 = [c for c in adv.candidates if c.local and c.method == diloco["method"]]
     assert len(h20) == 1 and h20[0].penalty == pytest.approx(199 / 149) and "H=20" in h20[0].label
     # a compressor's runs are held to DDP's without a method: the DiLoCo run is not a "none" run
-    monkeypatch.setattr(advisor, "runs_of", lambda runs, **kw: [diloco_run])
-    assert advisor.penalty_from_runs(s, advisor._comp("none"), None) is None
-    assert advisor.method_penalty(s, diloco["method"], None)[0] is None
+    monkeypatch.setattr(pen, "runs_of", lambda runs, **kw: [diloco_run])
+    assert pen.penalty_from_runs(s, advisor._comp("none"), None) is None
+    assert pen.method_penalty(s, diloco["method"], None)[0] is None
 
 
 def test_strategy_auto_and_trials_leave_the_methods_out(no_runs):

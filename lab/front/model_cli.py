@@ -28,7 +28,7 @@ from lab.front.cli_kit import (
     store_of,
 )
 from lab.service.queue import Lab
-from lab.strategy import advisor
+from lab.strategy import advisor, penalty
 from lab.strategy.advisor import LINKS, TRIAL_STEPS, TRIALS
 from lab.strategy.perfmodel import devices, predict, whatif
 from lab.strategy.perfmodel.calibrate import CalibrationError, compressor_key, spec_key
@@ -286,7 +286,7 @@ def cmd_advise(args) -> int:
         raise SpecError("--top", f"must be >= 0, got {args.top}")
     say = notes(args)
     adv = advisor.advise(spec, runs_root(args), args.gbps, args.link, args.workers, args.measure, args.trials,
-                         args.trial_steps, advisor.parse_penalties(args.penalty),
+                         args.trial_steps, penalty.parse_penalties(args.penalty),
                          runner=Lab(runs_root(args)).runner(), candidates=extra,
                          say=lambda line: print(line, file=say, flush=True))
     net = adv.network
