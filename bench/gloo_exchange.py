@@ -125,8 +125,11 @@ def main(argv=None) -> int:
         ap.error(f"--gbps and --sizes: comma-separated numbers, got {a.gbps!r} and {a.sizes!r}")
     if not rates or not sizes or min(rates) <= 0 or not all(1 <= s <= 1024 for s in sizes) or a.rounds < 1:
         ap.error("--gbps must be positive, --sizes in 1..1024 MiB, --rounds at least 1")
-    if os.geteuid() != 0:
-        print("gloo_exchange: needs root (it shapes links between network namespaces)", file=sys.stderr)
+    from lab.net import netns
+    try:
+        netns.check_shaped_supported()
+    except netns.NetworkUnavailable as e:
+        print(f"gloo_exchange: {e}", file=sys.stderr)
         return 2
     import tempfile
     res = {"rounds": a.rounds, "rates": {}}

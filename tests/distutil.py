@@ -23,6 +23,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+def shaped_unavailable():
+    """Why shaped links (lab.net.netns: root, ip, tc, network namespaces) cannot be built here, or None."""
+    from lab.net.netns import NetworkUnavailable, check_shaped_supported
+    try:
+        check_shaped_supported()
+    except NetworkUnavailable as e:
+        return str(e)
+    return None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

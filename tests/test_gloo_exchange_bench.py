@@ -9,20 +9,15 @@ from pathlib import Path
 import pytest
 
 from bench import gloo_exchange as gx
-from lab.net.netns import NetworkUnavailable, check_shaped_supported
+from distutil import shaped_unavailable
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _why_not():
-    try:
-        check_shaped_supported()
-    except NetworkUnavailable as e:
-        return str(e)
-    return None
+_WHY_NOT = shaped_unavailable()
 
 
-@pytest.mark.skipif(_why_not() is not None, reason=f"shaped links unavailable: {_why_not()}")
+@pytest.mark.skipif(_WHY_NOT is not None, reason=f"shaped links unavailable: {_WHY_NOT}")
 def test_one_rate_one_size_every_variant(tmp_path):
     out = tmp_path / "gx"
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "gloo_exchange.py"), "--gbps", "10", "--sizes", "8",

@@ -14,6 +14,7 @@ import time
 import pytest
 
 import lab.net.netns as netns
+from distutil import shaped_unavailable
 from lab.base.torchrun import worker_env
 from lab.net.netcheck import measure_tcp, net_check
 from lab.net.netns import (Cluster, NetnsError, NetworkUnavailable, check_shaped_supported, cleanup_stale,
@@ -22,15 +23,8 @@ from lab.net.netns import (Cluster, NetnsError, NetworkUnavailable, check_shaped
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _why_not():
-    try:
-        check_shaped_supported()
-    except NetworkUnavailable as e:
-        return str(e)
-    return None
-
-
-needs_root = pytest.mark.skipif(_why_not() is not None, reason=f"shaped links unavailable: {_why_not()}")
+_WHY_NOT = shaped_unavailable()
+needs_root = pytest.mark.skipif(_WHY_NOT is not None, reason=f"shaped links unavailable: {_WHY_NOT}")
 
 
 def _ip(*argv):
