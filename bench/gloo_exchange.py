@@ -1,12 +1,12 @@
 """gloo exchanges between two ranks: the engine's chunked all-to-all and all-gather against gloo's own single call.
 
-    sudo python bench/gloo_exchange.py [--gbps 1,10] [--sizes 16,64] [--rounds 7]
+    sudo python bench/gloo_exchange.py [--gbps 1,10] [--sizes 16,64] [--rounds 7] [--chunk MIB]
                                        [--out bench/results/gloo_exchange]      # OUT.md and OUT.json
 
 On a shaped link between two ranks (lab.net.netns, root), per rate and buffer size (MiB): an all-to-all of the
 buffer (half of it each way) as gloo's ``all_to_all_single`` and as the engine's messages of
-``engine.comm.collectives.P2P_CHUNK`` bytes posted together (``_all_to_all_works``), and the same for the
-all-gather of half the buffer per rank (``_all_gather_works``); the all-reduce of the buffer for reference
+``engine.comm.collectives.P2P_CHUNK`` bytes (or ``--chunk`` MiB) posted together (``_all_to_all_works``), and the same for the
+all-gather of half the buffer per rank (``issue_allgather_into``, dear's parameter all-gather); the all-reduce of the buffer for reference
 (gloo's ring, unchanged). Interleaved per round; medians of the rounds, the spread (min-max), the ratio, and
 what the link's rate alone allows for the bytes one rank sends.
 """
@@ -36,25 +36,25 @@ def worker(argv) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", required=True)
     ap.add_argument("--rounds", type=int, required=True)
+    ap.add_argument("--chunk", type=float, default=0)
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=300))
-    chunk = C.P2P_CHUNK
+    chunk = int(a.chunk * (1 << 20)) if a.chunk else C.P2P_CHUNK
     res = {"chunk_bytes": chunk, "sizes": {}}
     try:
         for mib in [int(x) for x in a.sizes.split(",")]:
             n = (mib << 20) // 4
             t, got = torch.ones(n), torch.empty(n)
             half = t[:n // 2].clone()
-            recv = [torch.empty(n // 2), torch.empty(n // 2)]
 
             def run(variant):
                 C.P2P_CHUNK = chunk if variant.endswith("chunked") else 1 << 62
                 if variant.startswith("alltoall"):
                     works = C._all_to_all_works(got, t, None)
                 elif variant.startswith("allgather"):
-                    works = C._all_gather_works(recv, half, None)
+                    works = C.issue_allgather_into(got, half).works
                 else:
                     works = [dist.all_reduce(t, async_op=True)]
                 for w in works:
@@ -95,7 +95,7 @@ def summarize(raw: dict, gbps: float) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"Two ranks on a shaped link (lab.net.netns tbf), gloo; messages of {res['chunk_bytes'] >> 20} MiB; "
+    lines = [f"Two ranks on a shaped link (lab.net.netns tbf), gloo; messages of {res['chunk_bytes'] / (1 << 20):g} MiB; "
              f"{res['rounds']} interleaved rounds, medians (min-max) in ms. 'floor': the bytes one rank sends at "
              "the link's rate.", ""]
     head = ["Gbit/s", "MiB", "floor", *VARIANTS, "all-to-all speedup", "all-gather speedup"]
@@ -116,6 +116,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gbps", default="1,10", help="link rates, Gbit/s (default 1,10)")
     ap.add_argument("--sizes", default="16,64", help="buffer sizes in MiB (default 16,64)")
     ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    ap.add_argument("--chunk", type=float, default=0,
+                    help="MiB per message of the chunked variants (default: the engine's P2P_CHUNK)")
     ap.add_argument("--out", default="bench/results/gloo_exchange", help="writes OUT.md and OUT.json")
     a = ap.parse_args(argv)
     try:
@@ -125,6 +127,8 @@ def main(argv=None) -> int:
         ap.error(f"--gbps and --sizes: comma-separated numbers, got {a.gbps!r} and {a.sizes!r}")
     if not rates or not sizes or min(rates) <= 0 or not all(1 <= s <= 1024 for s in sizes) or a.rounds < 1:
         ap.error("--gbps must be positive, --sizes in 1..1024 MiB, --rounds at least 1")
+    if a.chunk and not 1 / 16 <= a.chunk <= 64:
+        ap.error(f"--chunk: MiB in 0.0625..64, got {a.chunk:g}")
     from lab.net import netns
     try:
         netns.check_shaped_supported()
@@ -137,7 +141,8 @@ def main(argv=None) -> int:
         with tempfile.TemporaryDirectory(prefix="clab-gx-") as tmp:
             out = os.path.join(tmp, "raw.json")
             got = common.run_job(__file__, ["--sizes", ",".join(map(str, sizes)), "--rounds", str(a.rounds),
-                                            "--out", out], out, gbps, f"{gbps:g} Gbit/s", timeout_s=900, tag="gx")
+                                            "--chunk", str(a.chunk), "--out", out], out, gbps, f"{gbps:g} Gbit/s",
+                                 timeout_s=900, tag="gx")
         if got is None:
             return 1
         raw, _ = got

@@ -58,8 +58,8 @@ def _chunked(t: Tensor, group) -> bool:
     """Whether an all-to-all or a two-rank all-gather of ``t`` goes as chunked point-to-point messages.
 
     On gloo (CPU tensors), one large message each way between the same two ranks goes one direction after the
-    other: an all-to-all of 64 MB between two ranks (32 MB each way) took 519 ms on a shaped 1 Gbit/s link as one
-    collective and 291 ms as 2 MB messages posted together, what one direction alone takes; 48 against 34 ms
+    other: an all-to-all of 64 MiB between two ranks (32 MiB each way) took 547 ms on a shaped 1 Gbit/s link as one
+    collective and 288 ms as 2 MiB messages posted together, near what one direction alone takes; 43 against 30 ms
     at 10 Gbit/s (bench/gloo_exchange.py, docs/benchmarks/gloo-exchange.md). gloo's all-reduce (a ring in
     pieces) does not have it."""
     return (t.device.type == "cpu" and t.numel() * t.element_size() > P2P_CHUNK
@@ -96,11 +96,14 @@ def _all_to_all_works(out: Tensor, send: Tensor, group) -> list:
     return _exchange({j: part(send, j) for j in others}, {j: part(out, j) for j in others}, group)
 
 
-def _all_gather_works(recv: List[Tensor], send: Tensor, group) -> list:
-    """``all_gather(recv, send)``, chunked between two gloo ranks (``_chunked``; with more ranks gloo's ring sends
-    and receives over different pairs of ranks)."""
-    if len(recv) != 2 or not _chunked(send, group):
-        return [dist.all_gather(recv, send, group=group, async_op=True)]
+def _pair_chunked(send: Tensor, group) -> bool:
+    """Whether an all-gather of ``send`` goes as chunked messages: between two gloo ranks (``_chunked``; with more
+    ranks gloo's ring sends and receives over different pairs of ranks)."""
+    return dist.get_world_size(group) == 2 and _chunked(send, group)
+
+
+def _gather_pair(recv: List[Tensor], send: Tensor, group) -> list:
+    """``all_gather(recv, send)`` between two ranks, as ``_exchange``'s chunked messages."""
     me = dist.get_rank(group)
     recv[me].copy_(send)
     return _exchange({1 - me: send}, {1 - me: recv[1 - me]}, group)
@@ -181,7 +184,8 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
             send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
     recv = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(world)]
     deadline = book(link, "allgather", cap, group)
-    works = _all_gather_works(recv, send, group)
+    works = (_gather_pair(recv, send, group) if _pair_chunked(send, group)
+             else [dist.all_gather(recv, send, group=group, async_op=True)])
 
     def unpack():
         out = []
@@ -246,10 +250,8 @@ def issue_allgather_into(out: Tensor, shard: Tensor, group=None, link: Optional[
     dear's all-gathers of parameters, in the next forward and at a relayout."""
     nbytes = shard.numel() * shard.element_size()
     deadline = book(link, "allgather", nbytes, group)
-    if dist.get_world_size(group) == 2 and _chunked(shard, group):
-        works = _all_gather_works(list(out.view(2, -1)), shard.view(-1), group)
-    else:
-        works = [_all_gather(out, shard, group=group, async_op=True)]
+    works = (_gather_pair(list(out.view(2, -1)), shard.view(-1), group) if _pair_chunked(shard, group)
+             else [_all_gather(out, shard, group=group, async_op=True)])
     return Pending(works, lambda: [out], link, deadline, nbytes)
 
 
