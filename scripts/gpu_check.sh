@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (issues 18 and 35) on a machine with a CUDA GPU, from the repository root:
 #
-#   OUT=gpu-out scripts/gpu_check.sh [engine|suite|bench|launch|profiles|wheel]...    (default: engine bench)
+#   OUT=gpu-out scripts/gpu_check.sh [engine|suite|bench|launchtests|launch|profiles|wheel]...    (default: engine bench)
 #
 #   engine  tests/test_gpu.py (one rank over NCCL; two ranks sharing the GPU over gloo with CUDA
 #           tensors: sync, wfbp, dear, top-k+EF, PowerSGD, a MergeComp search, a user's compressor,
@@ -11,7 +11,9 @@
 #           (COMMLAB_TEST_DEVICE=cuda)
 #   suite   the whole test suite (pytest-xdist when installed: -n $JOBS)
 #   bench   bench/compressor_speed.py --device cuda beside GRACE ($GRACE_DIR), profiling the misses
+#   launchtests  tests/test_fused_launch.py, and tests/test_fused.py with COMMLAB_FUSED_LAUNCH=direct
 #   launch  bench/fused_launch.py: the fused kernels launched by commlab against Triton's own launch
+#           (LAUNCH_LIMIT: seconds each command of these two parts may take)
 #   profiles  commlab profile of torchvision ResNet-50 and ResNet-101, batch 64, 224x224 (the device profile
 #           bench/model_validation.py --table e holds the H100 roofline to)
 #   wheel   tests/test_wheel.py alone, full tracebacks (SUITE_ARGS="--ignore tests/test_wheel.py" then
@@ -32,9 +34,11 @@ if [ -n "${PACK:-}" ]; then
     trap 'tar czf "$PACK/gpu-out.tgz" -C "$OUT" . 2>/dev/null || echo "gpu_check: packing $OUT failed" >&2' EXIT
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the setup below is done once per machine, and one at a time when two parts run side by side
+exec 9>/tmp/commlab-gpu-check.lock && flock 9
 if compgen -G ".whl/*.whl" >/dev/null; then
     SITE=/tmp/commlab-deps/site-packages
-    if [ ! -e $SITE/.installed ]; then  # once per machine
+    if [ ! -e $SITE/.installed ]; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $SITE \
             .whl/*.whl || { echo "gpu_check: installing .whl/ failed" >&2; exit 2; }
         touch $SITE/.installed
@@ -45,6 +49,7 @@ if ! git rev-parse --git-dir >/dev/null 2>&1; then
     git init -q && git add -A && git -c user.name=gpu -c user.email=gpu@localhost commit -qm "the copy" \
         || { echo "gpu_check: could not make the copy a git checkout" >&2; exit 2; }
 fi
+flock -u 9
 status=0
 parts=("${@:-engine}")
 [ $# -eq 0 ] && parts=(engine bench)
@@ -78,8 +83,15 @@ for part in "${parts[@]}"; do
             "$PY" bench/compressor_speed.py --device cuda --grace "${GRACE_DIR:-none}" --profile-misses \
                 ${SIZES:+--sizes "$SIZES"} ${ONLY:+--only "$ONLY"} --out "$OUT/gpu_speed" 2>&1 | tee "$OUT/bench.log" || status=1
             ;;
+        launchtests)
+            # the direct launch's own tests, then every fused-kernel test through it
+            ${LAUNCH_LIMIT:+timeout "$LAUNCH_LIMIT"} "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_fused_launch.py 2>&1 \
+                | tee "$OUT/launch-tests.log" || status=1
+            COMMLAB_FUSED_LAUNCH=direct ${LAUNCH_LIMIT:+timeout "$LAUNCH_LIMIT"} "$PY" -m pytest -q -rs -p no:cacheprovider \
+                tests/test_fused.py 2>&1 | tee -a "$OUT/launch-tests.log" || status=1
+            ;;
         launch)
-            "$PY" bench/fused_launch.py --out "$OUT/fused_launch" 2>&1 | tee "$OUT/launch.log" || status=1
+            ${LAUNCH_LIMIT:+timeout "$LAUNCH_LIMIT"} "$PY" bench/fused_launch.py --out "$OUT/fused_launch" 2>&1 | tee "$OUT/launch.log" || status=1
             ;;
         profiles)
             for m in resnet50 resnet101; do
@@ -93,7 +105,7 @@ for part in "${parts[@]}"; do
             "$PY" -m pytest -v -rA --tb=long -p no:cacheprovider tests/test_wheel.py > "$OUT/wheel.log" 2>&1 || status=1
             tail -5 "$OUT/wheel.log"
             ;;
-        *) echo "gpu_check: unknown part '$part'; allowed: engine, suite, bench, launch, profiles, wheel" >&2
+        *) echo "gpu_check: unknown part '$part'; allowed: engine, suite, bench, launchtests, launch, profiles, wheel" >&2
            exit 2 ;;
     esac
 done
