@@ -4,8 +4,8 @@
 
 For each codec with fused kernels (engine/compressors/fused.py) and size: a compress + decompress pair timed with
 CUDA events around back-to-back calls (the host's cost counts, as in training), launched by commlab's
-direct launch (``COMMLAB_FUSED_LAUNCH=direct``: the compiled kernel, after Triton's first launch of its
-specialization) and by Triton's ``JITFunction.run`` (the default), interleaved per round; medians and the spread (min-max)
+direct launch (the default: the compiled kernel, after Triton's first launch of its specialization) and by
+Triton's ``JITFunction.run`` (``COMMLAB_FUSED_LAUNCH=triton``), interleaved per round; medians and the spread (min-max)
 of the rounds, and the ratio. Also the bare launch of one kernel (``sign_pack`` on 1,000 elements), host time
 per launch, both ways.
 """
@@ -27,10 +27,7 @@ WAYS = ("commlab", "triton")
 
 
 def _way(way: str):
-    if way == "commlab":
-        os.environ["COMMLAB_FUSED_LAUNCH"] = "direct"
-    else:
-        os.environ.pop("COMMLAB_FUSED_LAUNCH", None)
+    os.environ["COMMLAB_FUSED_LAUNCH"] = "direct" if way == "commlab" else "triton"
 
 
 def bare_launch(device, rounds: int, calls: int = 2000) -> dict:
@@ -51,7 +48,7 @@ def bare_launch(device, rounds: int, calls: int = 2000) -> dict:
             t1 = time.perf_counter()
             torch.cuda.synchronize()
             times[w].append((t1 - t0) / calls * 1e6)
-    _way("triton")
+    os.environ.pop("COMMLAB_FUSED_LAUNCH", None)
     return {w: {"median_us": statistics.median(t), "min_us": min(t), "max_us": max(t)} for w, t in times.items()}
 
 
@@ -75,7 +72,7 @@ def measure(sizes, rounds: int, device, log=print) -> dict:
                 _way(w)
                 times[(name, w)].append(timer(sides[name], x, calls) * 1e6)
             order.reverse()
-        _way("triton")
+        os.environ.pop("COMMLAB_FUSED_LAUNCH", None)
         for name in FUSED:
             row = out.setdefault(name, {})[n] = {}
             for w in WAYS:

@@ -11,7 +11,7 @@
 #           (COMMLAB_TEST_DEVICE=cuda)
 #   suite   the whole test suite (pytest-xdist when installed: -n $JOBS)
 #   bench   bench/compressor_speed.py --device cuda beside GRACE ($GRACE_DIR), profiling the misses
-#   launchtests  tests/test_fused_launch.py, and tests/test_fused.py with COMMLAB_FUSED_LAUNCH=direct
+#   launchtests  tests/test_fused_launch.py, and tests/test_fused.py with each launch (COMMLAB_FUSED_LAUNCH)
 #   launch  bench/fused_launch.py: the fused kernels launched by commlab against Triton's own launch
 #           (LAUNCH_LIMIT: seconds each command of these two parts may take)
 #   profiles  commlab profile of torchvision ResNet-50 and ResNet-101, batch 64, 224x224 (the device profile
@@ -84,10 +84,11 @@ for part in "${parts[@]}"; do
                 ${SIZES:+--sizes "$SIZES"} ${ONLY:+--only "$ONLY"} --out "$OUT/gpu_speed" 2>&1 | tee "$OUT/bench.log" || status=1
             ;;
         launchtests)
-            # the direct launch's own tests, then every fused-kernel test through it
+            # the direct launch's own tests, then every fused-kernel test through Triton's launch (the direct
+            # one is the default, which the suite's own run of test_fused takes)
             ${LAUNCH_LIMIT:+timeout "$LAUNCH_LIMIT"} "$PY" -m pytest -q -rs -p no:cacheprovider tests/test_fused_launch.py 2>&1 \
                 | tee "$OUT/launch-tests.log" || status=1
-            COMMLAB_FUSED_LAUNCH=direct ${LAUNCH_LIMIT:+timeout "$LAUNCH_LIMIT"} "$PY" -m pytest -q -rs -p no:cacheprovider \
+            COMMLAB_FUSED_LAUNCH=triton ${LAUNCH_LIMIT:+timeout "$LAUNCH_LIMIT"} "$PY" -m pytest -q -rs -p no:cacheprovider \
                 tests/test_fused.py 2>&1 | tee -a "$OUT/launch-tests.log" || status=1
             ;;
         launch)

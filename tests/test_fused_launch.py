@@ -1,6 +1,6 @@
-"""How the fused kernels are launched (engine/compressors/fused.py ``_launch``): with ``COMMLAB_FUSED_LAUNCH=direct``,
-after Triton's first launch of a kernel for a specialization, commlab launches the compiled kernel itself,
-skipping Triton's per-call binding (off by default until it has run on a GPU).
+"""How the fused kernels are launched (engine/compressors/fused.py ``_launch``): after Triton's first launch of a
+kernel for a specialization, commlab launches the compiled kernel itself, skipping Triton's per-call binding (the
+default; ``COMMLAB_FUSED_LAUNCH=triton`` keeps Triton's launch).
 
 That is only right if commlab's key tells apart every pair of argument lists Triton compiles apart. The key is
 checked here on the CPU; on a GPU with Triton, that it picks the very kernel Triton's own dispatch picks (aligned
@@ -27,6 +27,16 @@ def test_the_key_separates_what_triton_specializes_on():
                (base, 2 ** 31, 0.5), (base, 2 ** 63, 0.5), (base, -2 ** 31 - 17, 0.5)]  # i64, u64, an odd negative i64
     keys = {fused._spec(a) for a in changed}
     assert len(keys) == len(changed) and fused._spec(same[0]) not in keys
+
+
+def test_the_launch_setting_is_direct_or_triton(monkeypatch):
+    monkeypatch.delenv("COMMLAB_FUSED_LAUNCH", raising=False)
+    assert not fused._triton_launch()
+    monkeypatch.setenv("COMMLAB_FUSED_LAUNCH", "triton")
+    assert fused._triton_launch()
+    monkeypatch.setenv("COMMLAB_FUSED_LAUNCH", "Direct")
+    with pytest.raises(ValueError, match="^COMMLAB_FUSED_LAUNCH: must be direct or triton, got 'Direct'$"):
+        fused._triton_launch()
 
 
 def test_an_empty_hook_chain_is_no_hook():
@@ -88,7 +98,7 @@ def test_the_direct_launch_gives_what_tritons_launch_gives(name, monkeypatch):
             monkeypatch.setenv("COMMLAB_FUSED_LAUNCH", "direct")
             p_mine, ctx = mine.compress(x)
             out_mine = mine.decompress(p_mine, ctx)
-            monkeypatch.delenv("COMMLAB_FUSED_LAUNCH")
+            monkeypatch.setenv("COMMLAB_FUSED_LAUNCH", "triton")
             p_theirs, ctx_t = theirs.compress(x)
             out_theirs = theirs.decompress(p_theirs, ctx_t)
             for a, b in zip(p_mine, p_theirs):

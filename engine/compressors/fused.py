@@ -132,18 +132,26 @@ def _spec(args) -> tuple:
     return tuple(key)
 
 
-def _launch(kernel, grid: tuple, *args, **consts) -> None:
-    """``kernel[grid](*args, **consts)``; with ``COMMLAB_FUSED_LAUNCH=direct``, cheaper on the host after the
-    first call with the same specialization.
+def _triton_launch() -> bool:
+    """Whether ``COMMLAB_FUSED_LAUNCH`` asks for Triton's own launch (``triton``) rather than the direct one
+    (``direct``, the default)."""
+    way = os.environ.get("COMMLAB_FUSED_LAUNCH", "direct")
+    if way not in ("direct", "triton"):
+        raise ValueError(f"COMMLAB_FUSED_LAUNCH: must be direct or triton, got {way!r}")
+    return way == "triton"
 
-    Triton's own launch (``JITFunction.run``) binds and specializes every argument in Python on every call: 19.8
-    µs per launch on the H100 of bench/results/gpu.md, where these kernels run for 1-40 µs on a small bucket.
-    The direct launch keeps the kernel Triton compiled for a specialization (``_spec``) and calls it as
-    ``JITFunction.run`` does, without the binding. It is off by default: the first try on a GPU never took the
-    direct path (Triton 3.6's launch hooks are an empty chain, not None, and were read as set), and the fixed
-    version has not run on a GPU yet (tests/test_fused_launch.py, bench/fused_launch.py are ready for it).
-    Triton's own path also stays under its interpreter and when launch hooks are set (a profiler)."""
-    if os.environ.get("COMMLAB_FUSED_LAUNCH") != "direct" or not K.DIRECT or K.INTERPRET or K.hooked():
+
+def _launch(kernel, grid: tuple, *args, **consts) -> None:
+    """``kernel[grid](*args, **consts)``, cheaper on the host after the first call with the same specialization.
+
+    Triton's own launch (``JITFunction.run``) binds and specializes every argument in Python on every call, where
+    these kernels run for 1-40 µs on a small bucket. The direct launch keeps the kernel Triton compiled for a
+    specialization (``_spec``) and calls it as ``JITFunction.run`` does, without the binding: on an H100, one
+    launch of a 1K kernel took 10.7 µs of host time against Triton's 15.9, and the six fused codecs' compress +
+    decompress 1.04-1.29x less time (bench/results/fused_launch.md; tests/test_fused_launch.py and
+    tests/test_fused.py pass through it there). ``COMMLAB_FUSED_LAUNCH=triton`` keeps Triton's own launch, as do
+    Triton's interpreter, a Triton older than 3.6 and a set launch hook (a profiler)."""
+    if _triton_launch() or not K.DIRECT or K.INTERPRET or K.hooked():
         kernel[grid](*args, **consts)
         return
     key = (kernel, torch.cuda.current_device(), _spec(args), tuple(consts.items()))
