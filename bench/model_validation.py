@@ -16,10 +16,11 @@ errors into the package data that `commlab predict` and the Performance model pa
 (a) Collectives on shaped links: every collective the engine issues (OPS: all-reduce; all-gather of a
     payload, after its synchronous header exchange; dear's all-gather of parameters; dear's reduce-scatter,
     an all-to-all of chunks and a local sum on gloo; the all-to-all alone), at 1 KB .. 64 MB, predicted by
-    lab.perfmodel.costs with a link calibrated apart from these calls (lab.perfmodel.calibrate: the per-call
-    latency from back-to-back 4 KiB all-reduces, the sustained rate from two large ones, the tbf's token
-    bucket and the unshaped emulated path's speed for its burst, replayed over the back-to-back calls)
-    against the median of ``--iters`` timed calls on a shaped cluster; geomean and max relative error.
+    lab.perfmodel.costs with a link calibrated apart from these calls (the per-step latency from back-to-back
+    2 KiB all-to-alls, the sustained rate from two large all-reduces (lab.perfmodel.calibrate), the tbf's token
+    bucket and the unshaped emulated path's speed for its burst, replayed over the back-to-back calls) against
+    the median of ``--iters`` timed calls (40 at least up to 1 MiB) on a shaped cluster; geomean and max
+    relative error, and each point's mean and share of stalled calls beside it.
     Needs root and a quiet machine: only with ``--run-shaped``; without it the predicted column is printed
     with the command to measure.
 (b) End to end: the configurations of bench/perfmodel.py (25), predicted vs measured on shaped links;
@@ -175,11 +176,25 @@ def predict_collective(op: str, nbytes: int, world: int, link, iters: int) -> fl
     return statistics.median(times[2:])
 
 
+SMALL = 1 << 20
+"""(a) sizes up to this many bytes get at least ``SMALL_ITERS`` timed calls: their median is otherwise a coin toss
+between gloo's two modes on this host (below)."""
+SMALL_ITERS = 40
+ALPHA_BYTES = 2048
+"""(a) the per-step latency comes from all-to-alls of this size (not one of the validated sizes): gloo's small
+all-to-all takes one step and is unimodal here (median 0.20-0.26 ms, 95th percentile under 0.4 ms), where its small
+all-reduce stalls about 4 ms in 30-46% of calls on this host (the wake-up of an idle virtual CPU: with both ranks
+pinned to one core, 6%), which put the latency calibrated from all-reduces anywhere in 0.24-1.92 ms."""
+STALL_S = 2e-3
+
+
 def table_a(gbps, ranks: int, iters: int, run: bool, ops=OPS, sizes=SIZES) -> dict:
     """Every op in ``ops`` at every size in ``sizes`` on a shaped cluster of ``ranks`` at each rate, against
-    the model with the link calibrated apart from these calls: per call latency (alpha) from the median
-    of back-to-back 4 KiB all-reduces, the sustained rate from two large ones (calibrate.measure_link),
-    the tbf's token bucket, and the speed of its burst (the unshaped emulated path, measure_path)."""
+    the model with the link calibrated apart from these calls: per-step latency (alpha) from the median of
+    back-to-back all-to-alls of ``ALPHA_BYTES``, the sustained rate from two large all-reduces
+    (calibrate.measure_link), the tbf's token bucket, and the speed of its burst (the unshaped emulated path,
+    measure_path). Each point: the median of ``iters`` calls (``SMALL_ITERS`` at least up to ``SMALL`` bytes),
+    with their mean and the share of calls that stalled (over ``STALL_S`` beyond the median) kept beside it."""
     from lab.strategy.perfmodel import calibrate as cal
     from lab.strategy.perfmodel.costs import Link, steps_and_wire
     rows, links = [], {}
@@ -190,21 +205,27 @@ def table_a(gbps, ranks: int, iters: int, run: bool, ops=OPS, sizes=SIZES) -> di
             if run:
                 from lab.net.netns import Cluster
                 m = cal.measure_link(g, n_ranks=ranks)
-                steps, wire = steps_and_wire("allreduce", 4096, ranks)
-                alpha = max(0.0, m["small_median_s"] - wire * path["beta"]) / steps
+                cluster = stack.enter_context(Cluster(ranks, g, tag="mv"))
+                small = measure(cluster, "alltoall", ALPHA_BYTES, SMALL_ITERS)["times"]
+                steps, wire = steps_and_wire("all_to_all", ALPHA_BYTES, ranks)
+                alpha = max(0.0, statistics.median(small) - wire * path["beta"]) / steps
                 link = Link(alpha, m["beta"], m["burst_bytes"], path["beta"])
                 links[g] = {"alpha": alpha, "beta": m["beta"], "burst_bytes": m["burst_bytes"],
-                            "beta_burst": path["beta"]}
-                cluster = stack.enter_context(Cluster(ranks, g, tag="mv"))
+                            "beta_burst": path["beta"], "alpha_from": f"all-to-all of {ALPHA_BYTES} B, median",
+                            "allreduce_4k_median_s": m["small_median_s"], "allreduce_4k_mean_s": m["small_mean_s"]}
             else:
                 link = Link.from_gbps(g)
             for op in ops:
                 for n in sizes:
-                    pred = predict_collective(op, n, ranks, link, iters)
+                    k = max(iters, SMALL_ITERS) if n <= SMALL else iters
+                    pred = predict_collective(op, n, ranks, link, k)
                     row = {"gbps": g, "op": op, "bytes": n, "predicted_ms": pred * 1e3}
                     if cluster is not None:
-                        meas = statistics.median(measure(cluster, op, n, iters)["times"])
-                        row.update(measured_ms=meas * 1e3, error=pred / meas - 1)
+                        times = measure(cluster, op, n, k)["times"]
+                        meas = statistics.median(times)
+                        row.update(measured_ms=meas * 1e3, error=pred / meas - 1, calls=k,
+                                   mean_ms=statistics.mean(times) * 1e3,
+                                   stalled=sum(t > meas + STALL_S for t in times) / k)
                     rows.append(row)
                     print(f"(a) {g:g} Gbit/s {op:14s} {n:>9d} B  predicted {pred * 1e3:9.3f} ms"
                           + (f"  measured {row['measured_ms']:9.3f} ms  {row['error']:+.1%}" if 'error' in row else ""),
