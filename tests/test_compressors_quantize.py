@@ -1,4 +1,4 @@
-"""Quantizers, sign compressors and bit packing (engine/compressors/quantize.py, bitpack.py).
+"""Quantizers, sign compressors and bit packing (engine/compressors/quantize.py, sign.py, bitpack.py).
 
 Exchanges are driven by hand, without a process group: next(gen) yields the
 Round, gen.send(reply) answers it, StopIteration carries the averaged tensor.

@@ -14,7 +14,8 @@ import torch
 
 from engine import compressors
 from engine.compressors import fused
-from engine.compressors.quantize import _Ctx, _Vote
+from engine.compressors.quantize import _Ctx
+from engine.compressors.sign import _Vote
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not fused.on(DEVICE, torch.float32),

@@ -102,7 +102,7 @@ def test_builtins_fill_the_registry_through_register(registry):
     assert all(resolve(n).name == n and issubclass(resolve(n), Compressor) for n in compressors.names())
     src = (ROOT / "engine" / "compressors" / "__init__.py").read_text()
     assert "register(_cls)" in src and "COMPRESSORS" not in src  # no private dict assembled beside it
-    for family in ("quantize.py", "sparsify.py"):
+    for family in ("quantize.py", "sign.py", "sparsify.py"):
         assert "COMPRESSORS" not in (ROOT / "engine" / "compressors" / family).read_text()
 
 

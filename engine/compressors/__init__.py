@@ -22,7 +22,8 @@ from engine.compressors.base import Compressor, ErrorFeedback
 from engine.compressors.basic import NoneCompressor
 from engine.compressors.countsketch import CountSketch
 from engine.compressors.powersgd import PowerSGD
-from engine.compressors.quantize import BF16, FP16, QSGD, EFSignSGD, Int8, Natural, OneBit, SignSGD, Signum, TernGrad
+from engine.compressors.quantize import BF16, FP16, QSGD, Int8, Natural, TernGrad
+from engine.compressors.sign import EFSignSGD, OneBit, SignSGD, Signum
 from engine.compressors.sparsify import DGC, RandomK, Threshold, TopK
 
 REGISTRY: Dict[str, Type[Compressor]] = {}
