@@ -10,6 +10,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from engine.comm import buffers
 from engine.compressors.base import Round
 from engine.netmodel import ModeledLink
 
@@ -177,12 +178,13 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     packed = [pack_offsets([math.prod(s) * e for s, e in zip(shapes, esize)]) for shapes in all_shapes]
     offsets = [offs for offs, _ in packed]
     cap = max(max(total for _, total in packed), 1)
-    send = torch.zeros(cap, dtype=torch.uint8, device=device)
+    send = buffers.take(cap, torch.uint8, device, zero=True)
     for t, off in zip(tensors, offsets[dist.get_rank(group)]):
         n = t.numel() * t.element_size()
         if n:
             send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
-    recv = [torch.empty(cap, dtype=torch.uint8, device=device) for _ in range(world)]
+    whole = buffers.take(world * cap, torch.uint8, device)  # the payloads returned are views of it
+    recv = [whole[r * cap:(r + 1) * cap] for r in range(world)]
     deadline = book(link, "allgather", cap, group)
     works = (_gather_pair(recv, send, group) if _pair_chunked(send, group)
              else [dist.all_gather(recv, send, group=group, async_op=True)])
@@ -213,7 +215,13 @@ def issue_reduce_scatter(t: Tensor, group=None, link: Optional[ModeledLink] = No
     out = _kept(scratch, "reduce_scatter", t.numel() if via_alltoall else t.numel() // world, t.dtype, t.device)
     if via_alltoall:  # chunk j to rank j; the sum over ranks when the result is read
         works = _all_to_all_works(out, t.view(-1), group)
-        return Pending(works, lambda: [out.view(world, -1).sum(0)], link, deadline, nbytes)
+
+        def summed():
+            if not out.is_floating_point():  # an integer sum widens to int64, as it always did
+                return [out.view(world, -1).sum(0)]
+            total = buffers.take(out.numel() // world, out.dtype, out.device)
+            return [torch.sum(out.view(world, -1), 0, out=total)]
+        return Pending(works, summed, link, deadline, nbytes)
     work = _reduce_scatter(out, t, group=group, async_op=True)
     return Pending([work], lambda: [out], link, deadline, nbytes)
 

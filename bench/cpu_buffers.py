@@ -1,0 +1,151 @@
+"""The engine's CPU collectives with their large buffers reused (engine/comm/buffers.py) against fresh ones.
+
+    sudo python bench/cpu_buffers.py [--gbps 1,10] [--sizes 16,64] [--rounds 7] [--out bench/results/cpu_buffers]
+    python bench/cpu_buffers.py --gbps 0                 # loopback, no root: the host's part alone
+
+Two ranks on a shaped link (lab.net.netns, root), gloo, per rate and buffer size (MiB): the payload all-gather
+(``issue_allgather`` of one fp32 tensor of half the buffer per rank: a zeroed send buffer and a receive buffer
+for every rank's payload) and dear's reduce-scatter on gloo (``issue_reduce_scatter(via_alltoall=True)``: an
+all-to-all of the buffer's chunks and the sum of what arrived), each waited for and its result read and dropped,
+as a step does. Each with the buffers taken from the pool and allocated fresh (the pool switched off in the same
+process), interleaved per round; medians of the rounds, the spread (min-max) and the ratio.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench import common  # noqa: E402
+
+VARIANTS = ("allgather fresh", "allgather pooled", "reduce_scatter fresh", "reduce_scatter pooled")
+
+
+def worker(argv) -> int:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.comm import buffers
+    from engine.comm.collectives import issue_allgather, issue_reduce_scatter
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", required=True)
+    ap.add_argument("--rounds", type=int, required=True)
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    use_count = buffers._use_count
+    res = {"pool": use_count is not None, "sizes": {}}
+    try:
+        for mib in [int(x) for x in a.sizes.split(",")]:
+            n = (mib << 20) // 4
+            t = torch.ones(n)
+            payload = torch.ones(n // 2)
+            scratch: dict = {}
+
+            def run(variant):
+                buffers._use_count = use_count if variant.endswith("pooled") else None
+                if variant.startswith("allgather"):
+                    got = issue_allgather([payload]).wait()
+                else:
+                    got = issue_reduce_scatter(t, via_alltoall=True, scratch=scratch).wait()
+                del got  # read and dropped, as a step's decode does
+
+            times = {v: [] for v in VARIANTS}
+            order = list(VARIANTS)
+            for v in order:  # warm-up: the pool's blocks exist before the timed rounds
+                run(v)
+            for _ in range(a.rounds):
+                for v in order:
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    run(v)
+                    times[v].append(time.perf_counter() - t0)
+                order.reverse()
+            res["sizes"][mib] = times
+        buffers._use_count = use_count
+        if dist.get_rank() == 0:
+            common.write_json(a.out, res)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def summarize(raw: dict) -> dict:
+    out = {}
+    for mib, times in raw["sizes"].items():
+        row = {v: {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3}
+               for v, ts in times.items()}
+        for op in ("allgather", "reduce_scatter"):
+            row[f"{op} speedup"] = row[f"{op} fresh"]["median_ms"] / row[f"{op} pooled"]["median_ms"]
+        out[str(mib)] = row
+    return out
+
+
+def markdown(res: dict) -> str:
+    lines = [f"Two ranks, gloo; {res['rounds']} interleaved rounds, medians (min-max) in ms; 'fresh': the buffers "
+             "allocated on every call, 'pooled': taken from engine/comm/buffers.py.", ""]
+    head = ["Gbit/s", "MiB", *VARIANTS, "all-gather speedup", "reduce-scatter speedup"]
+    rows = []
+    for gbps, by in res["rates"].items():
+        for mib, r in by.items():
+            rows.append([gbps, mib]
+                        + [f"{r[v]['median_ms']:.1f} ({r[v]['min_ms']:.1f}-{r[v]['max_ms']:.1f})" for v in VARIANTS]
+                        + [f"{r['allgather speedup']:.2f}x", f"{r['reduce_scatter speedup']:.2f}x"])
+    return "\n".join(lines + [common.markdown_table(head, rows), ""])
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return worker(argv[1:])
+    ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
+    ap.add_argument("--gbps", default="1,10", help="link rates, Gbit/s; 0 is loopback (default 1,10)")
+    ap.add_argument("--sizes", default="16,64", help="buffer sizes in MiB (default 16,64)")
+    ap.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
+    ap.add_argument("--out", default="bench/results/cpu_buffers", help="writes OUT.md and OUT.json")
+    a = ap.parse_args(argv)
+    try:
+        rates = [float(x) for x in a.gbps.split(",") if x.strip()]
+        sizes = [int(x) for x in a.sizes.split(",") if x.strip()]
+    except ValueError:
+        ap.error(f"--gbps and --sizes: comma-separated numbers, got {a.gbps!r} and {a.sizes!r}")
+    if not rates or not sizes or min(rates) < 0 or not all(2 <= s <= 1024 for s in sizes) or a.rounds < 1:
+        ap.error("--gbps must be 0 (loopback) or positive, --sizes in 2..1024 MiB, --rounds at least 1")
+    if any(rates):
+        from lab.net import netns
+        try:
+            netns.check_shaped_supported()
+        except netns.NetworkUnavailable as e:
+            print(f"cpu_buffers: {e}", file=sys.stderr)
+            return 2
+    import tempfile
+    res = {"rounds": a.rounds, "rates": {}}
+    for gbps in rates:
+        name = f"{gbps:g} Gbit/s" if gbps else "loopback"
+        with tempfile.TemporaryDirectory(prefix="clab-cb-") as tmp:
+            out = os.path.join(tmp, "raw.json")
+            got = common.run_job(__file__, ["--sizes", ",".join(map(str, sizes)), "--rounds", str(a.rounds),
+                                            "--out", out], out, gbps, name, timeout_s=900, tag="cb")
+        if got is None:
+            return 1
+        raw, _ = got
+        if not raw["pool"]:
+            print("cpu_buffers: this torch has no storage use count, so the engine reuses no buffer", file=sys.stderr)
+            return 2
+        res["rates"][f"{gbps:g}" if gbps else "loopback"] = summarize(raw)
+        print(f"{name}: done", flush=True)
+    common.write_out(a.out, res, markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
