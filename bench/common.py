@@ -110,6 +110,11 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
+def spread_ms(seconds: Sequence[float]) -> dict:
+    """The median and the spread (min-max) of a variant's timed rounds, in ms."""
+    return {"median_ms": median(seconds) * 1e3, "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3}
+
+
 def summarize(times: Times, baseline: str) -> Dict[str, dict]:
     """Per variant: median ms/iteration over all rounds, its ratio to the
     baseline's median, and the median of per-round ratios (each round's

@@ -4,19 +4,16 @@
     python bench/cpu_buffers.py --gbps 0                 # loopback, no root: the host's part alone
 
 Two ranks on a shaped link (lab.net.netns, root), gloo, per rate and buffer size (MiB): the payload all-gather
-(``issue_allgather`` of one fp32 tensor of half the buffer per rank: a zeroed send buffer and a receive buffer
-for every rank's payload) and dear's reduce-scatter on gloo (``issue_reduce_scatter(via_alltoall=True)``: an
-all-to-all of the buffer's chunks and the sum of what arrived), each waited for and its result read and dropped,
-as a step does. Each with the buffers taken from the pool and allocated fresh (the pool switched off in the same
-process), interleaved per round; medians of the rounds, the spread (min-max) and the ratio.
-"""
+(``issue_allgather`` of one fp32 tensor of half the buffer per rank: a zeroed send buffer and a receive buffer for
+every rank's payload) and dear's reduce-scatter on gloo (``issue_reduce_scatter(via_alltoall=True)``: an all-to-all
+of the buffer's chunks and the sum of what arrived), each waited for and its result read and dropped, as a step
+does. Each with the buffers taken from the pool and allocated fresh (the pool switched off in the same process),
+interleaved (the order rotating by one each round); medians of the rounds, the spread (min-max) and the ratio."""
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,17 +55,10 @@ def worker(argv) -> int:
                     got = issue_reduce_scatter(t, via_alltoall=True, scratch=scratch).wait()
                 del got  # read and dropped, as a step's decode does
 
-            times = {v: [] for v in VARIANTS}
-            order = list(VARIANTS)
-            for v in order:  # warm-up: the pool's blocks exist before the timed rounds
-                run(v)
-            for _ in range(a.rounds):
-                for v in order:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    run(v)
-                    times[v].append(time.perf_counter() - t0)
-                order.reverse()
+            # one call a block, the order rotating by one each round, the ranks together before each call
+            blocks = common.run_interleaved({v: (lambda v=v: run(v)) for v in VARIANTS}, a.rounds, block=1,
+                                            warmup=1, sync=dist.barrier)
+            times = {v: [x for (x,) in b] for v, b in blocks.items()}
             res["sizes"][mib] = times
         buffers._use_count = use_count
         if dist.get_rank() == 0:
@@ -82,8 +72,7 @@ def worker(argv) -> int:
 def summarize(raw: dict) -> dict:
     out = {}
     for mib, times in raw["sizes"].items():
-        row = {v: {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3}
-               for v, ts in times.items()}
+        row = {v: common.spread_ms(ts) for v, ts in times.items()}
         for op in ("allgather", "reduce_scatter"):
             row[f"{op} speedup"] = row[f"{op} fresh"]["median_ms"] / row[f"{op} pooled"]["median_ms"]
         out[str(mib)] = row

@@ -5,18 +5,16 @@
 
 On a shaped link between two ranks (lab.net.netns, root), per rate and buffer size (MiB): an all-to-all of the
 buffer (half of it each way) as gloo's ``all_to_all_single`` and as the engine's messages of
-``engine.comm.collectives.P2P_CHUNK`` bytes (or ``--chunk`` MiB) posted together (``_all_to_all_works``), and the same for the
-all-gather of half the buffer per rank (``issue_allgather_into``, dear's parameter all-gather); the all-reduce of the buffer for reference
-(gloo's ring, unchanged). Interleaved per round; medians of the rounds, the spread (min-max), the ratio, and
-what the link's rate alone allows for the bytes one rank sends.
-"""
+``engine.comm.collectives.P2P_CHUNK`` bytes (or ``--chunk`` MiB) posted together (``_all_to_all_works``), and the
+same for the all-gather of half the buffer per rank (``issue_allgather_into``, dear's parameter all-gather); the
+all-reduce of the buffer for reference (gloo's ring, unchanged). Interleaved (the order rotating by one each round);
+medians of the rounds, the spread (min-max), the ratio, and what the link's rate alone allows for the bytes one rank
+sends."""
 from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,17 +57,9 @@ def worker(argv) -> int:
                     works = [dist.all_reduce(t, async_op=True)]
                 for w in works:
                     w.wait()
-            times = {v: [] for v in VARIANTS}
-            order = list(VARIANTS)
-            for v in order:  # warm-up
-                run(v)
-            for _ in range(a.rounds):
-                for v in order:
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    run(v)
-                    times[v].append(time.perf_counter() - t0)
-                order.reverse()
+            blocks = common.run_interleaved({v: (lambda v=v: run(v)) for v in VARIANTS}, a.rounds, block=1,
+                                            warmup=1, sync=dist.barrier)
+            times = {v: [x for (x,) in b] for v, b in blocks.items()}
             res["sizes"][mib] = times
         C.P2P_CHUNK = chunk
         if dist.get_rank() == 0:
@@ -85,7 +75,7 @@ def summarize(raw: dict, gbps: float) -> dict:
     for mib, times in raw["sizes"].items():
         row = {}
         for v, ts in times.items():
-            row[v] = {"median_ms": statistics.median(ts) * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3}
+            row[v] = common.spread_ms(ts)
         for op in ("alltoall", "allgather"):
             row[f"{op} speedup"] = row[f"{op} gloo"]["median_ms"] / row[f"{op} chunked"]["median_ms"]
         each_way = int(mib) * (1 << 20) / 2  # bytes one rank sends in the all-to-all and the all-gather

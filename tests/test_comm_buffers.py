@@ -58,6 +58,21 @@ def test_small_blocks_and_a_full_pool_are_not_kept(monkeypatch):
     assert buffers.kept_bytes() == BIG * 4 and c.data_ptr() != a.data_ptr()
 
 
+def test_sizes_not_asked_for_again_make_room_for_new_ones(monkeypatch):
+    """A payload whose length changes every step asks for a new size each time: the free blocks of the sizes least
+    recently asked for go, so the pool stays within its budget and keeps the sizes in use."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(buffers, "POOL_BYTES", 2 * BIG * 4)
+    held = buffers.take(BIG, torch.float32, cpu)
+    for extra in range(1, 6):  # sizes BIG + 1, BIG + 2, ...: each asked once, then dropped
+        buffers.take(BIG + extra, torch.float32, cpu)
+        assert buffers.kept_bytes() <= 2 * BIG * 4
+    assert (BIG, torch.float32) in buffers._pool, "a block in use was let go of"
+    assert (BIG + 5, torch.float32) in buffers._pool and (BIG + 1, torch.float32) not in buffers._pool
+    assert buffers.kept_bytes() == sum(b.numel() * 4 for bs in buffers._pool.values() for b in bs)
+    del held
+
+
 def _payloads_survive_the_next_call(rank, world):
     from engine.comm import buffers as pool
     from engine.comm.collectives import issue_allgather, issue_reduce_scatter

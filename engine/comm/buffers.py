@@ -24,7 +24,8 @@ Tensor = torch.Tensor
 MIN_BYTES = 1 << 20
 """Blocks smaller than this are allocated fresh: the C allocator reuses small ones itself."""
 POOL_BYTES = 512 << 20
-"""At most this many bytes kept per process; past it, blocks are allocated fresh and not kept."""
+"""At most this many bytes kept per process: free blocks of the sizes least recently asked for go first, and a block
+that finds no room is allocated fresh and not kept."""
 PER_KEY = 2
 """At most this many blocks of one size and dtype: one in use, one that gloo's thread lets go of a moment after the
 collective was waited for (a block in use stays with its holder; past this, fresh ones are not kept)."""
@@ -46,20 +47,45 @@ def take(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = Fals
     """A flat tensor of ``numel`` elements of ``dtype`` on ``device``, its contents undefined (zeros when
     ``zero``): a free kept block's view on the CPU, else a new tensor (kept for later when there is room)."""
     global _kept_bytes
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MIN_BYTES or _use_count is None:
         return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
+    key = (numel, dtype)
     with _lock:
-        blocks = _pool.setdefault((numel, dtype), [])
+        blocks = _pool.pop(key, [])
+        _pool[key] = blocks  # the most recently used size last: the first to let go of is the oldest
         view = next((b.view(-1) for b in blocks if _free(b)), None)
         if view is None:
             block = (torch.zeros if zero else torch.empty)(numel, dtype=dtype)
-            if len(blocks) >= PER_KEY or _kept_bytes + nbytes > POOL_BYTES:
+            if len(blocks) >= PER_KEY or nbytes > POOL_BYTES:
+                return block
+            _make_room(POOL_BYTES - nbytes, keep=key)
+            if _kept_bytes + nbytes > POOL_BYTES:  # the rest is in use
                 return block
             blocks.append(block)
             _kept_bytes += nbytes
             return block.view(-1)
     return view.zero_() if zero else view
+
+
+def _make_room(limit: int, keep) -> None:
+    """Let go of free blocks, the least recently used sizes first, until at most ``limit`` bytes are kept (a size
+    that is not asked for again, such as a payload whose length changes every step, does not stay); the size
+    ``keep`` is the one being asked for."""
+    global _kept_bytes
+    for key in list(_pool):
+        if _kept_bytes <= limit:
+            return
+        if key == keep:
+            continue
+        blocks = _pool[key]
+        for b in [b for b in blocks if _free(b)]:
+            blocks.remove(b)
+            _kept_bytes -= b.numel() * b.element_size()
+            if _kept_bytes <= limit:
+                break
+        if not blocks:
+            del _pool[key]
 
 
 def kept_bytes() -> int:
