@@ -115,6 +115,11 @@ def spread_ms(seconds: Sequence[float]) -> dict:
     return {"median_ms": median(seconds) * 1e3, "min_ms": min(seconds) * 1e3, "max_ms": max(seconds) * 1e3}
 
 
+def spread_cell(d: dict) -> str:
+    """A ``spread_ms`` entry as a table cell: median (min-max)."""
+    return f"{d['median_ms']:.1f} ({d['min_ms']:.1f}-{d['max_ms']:.1f})"
+
+
 def summarize(times: Times, baseline: str) -> Dict[str, dict]:
     """Per variant: median ms/iteration over all rounds, its ratio to the
     baseline's median, and the median of per-round ratios (each round's
@@ -192,6 +197,21 @@ def launch_cluster(script: str, args: Sequence[str], gbps: float, n: int = 2,
         codes = [p.returncode for p in procs]
     rc = next((c for c in codes if c), 0)
     return (rc if rc is not None else 1), info
+
+
+def run_per_rate(script: str, args: Sequence[str], rates: Sequence[float], tag: str):
+    """``run_job`` of ``script --worker args --out RAW`` at every rate in ``rates`` (0: loopback), one after the
+    other; yields ``(gbps, raw)``, and stops after printing the failing rate's line (the caller sees fewer)."""
+    import tempfile
+    for gbps in rates:
+        name = f"{gbps:g} Gbit/s" if gbps else "loopback"
+        with tempfile.TemporaryDirectory(prefix=f"clab-{tag}-") as tmp:
+            out = os.path.join(tmp, "raw.json")
+            got = run_job(script, [*args, "--out", out], out, gbps, name, timeout_s=900, tag=tag)
+        if got is None:
+            return
+        yield gbps, got[0]
+        print(f"{name}: done", flush=True)
 
 
 def run_job(script: str, args: Sequence[str], out: str, gbps: Optional[float], name: str,

@@ -87,7 +87,7 @@ def markdown(res: dict) -> str:
     for gbps, by in res["rates"].items():
         for mib, r in by.items():
             rows.append([gbps, mib]
-                        + [f"{r[v]['median_ms']:.1f} ({r[v]['min_ms']:.1f}-{r[v]['max_ms']:.1f})" for v in VARIANTS]
+                        + [common.spread_cell(r[v]) for v in VARIANTS]
                         + [f"{r['allgather speedup']:.2f}x", f"{r['reduce_scatter speedup']:.2f}x"])
     return "\n".join(lines + [common.markdown_table(head, rows), ""])
 
@@ -116,22 +116,15 @@ def main(argv=None) -> int:
         except netns.NetworkUnavailable as e:
             print(f"cpu_buffers: {e}", file=sys.stderr)
             return 2
-    import tempfile
     res = {"rounds": a.rounds, "rates": {}}
-    for gbps in rates:
-        name = f"{gbps:g} Gbit/s" if gbps else "loopback"
-        with tempfile.TemporaryDirectory(prefix="clab-cb-") as tmp:
-            out = os.path.join(tmp, "raw.json")
-            got = common.run_job(__file__, ["--sizes", ",".join(map(str, sizes)), "--rounds", str(a.rounds),
-                                            "--out", out], out, gbps, name, timeout_s=900, tag="cb")
-        if got is None:
-            return 1
-        raw, _ = got
+    args = ["--sizes", ",".join(map(str, sizes)), "--rounds", str(a.rounds)]
+    for gbps, raw in common.run_per_rate(__file__, args, rates, "cb"):
         if not raw["pool"]:
             print("cpu_buffers: this torch has no storage use count, so the engine reuses no buffer", file=sys.stderr)
             return 2
         res["rates"][f"{gbps:g}" if gbps else "loopback"] = summarize(raw)
-        print(f"{name}: done", flush=True)
+    if len(res["rates"]) < len(rates):
+        return 1
     common.write_out(a.out, res, markdown(res))
     return 0
 

@@ -93,7 +93,7 @@ def markdown(res: dict) -> str:
     for gbps, by in res["rates"].items():
         for mib, r in by.items():
             rows.append([gbps, mib, f"{r['rate floor ms']:.1f}"]
-                        + [f"{r[v]['median_ms']:.1f} ({r[v]['min_ms']:.1f}-{r[v]['max_ms']:.1f})" for v in VARIANTS]
+                        + [common.spread_cell(r[v]) for v in VARIANTS]
                         + [f"{r['alltoall speedup']:.2f}x", f"{r['allgather speedup']:.2f}x"])
     return "\n".join(lines + [common.markdown_table(head, rows), ""])
 
@@ -125,20 +125,13 @@ def main(argv=None) -> int:
     except netns.NetworkUnavailable as e:
         print(f"gloo_exchange: {e}", file=sys.stderr)
         return 2
-    import tempfile
     res = {"rounds": a.rounds, "rates": {}}
-    for gbps in rates:
-        with tempfile.TemporaryDirectory(prefix="clab-gx-") as tmp:
-            out = os.path.join(tmp, "raw.json")
-            got = common.run_job(__file__, ["--sizes", ",".join(map(str, sizes)), "--rounds", str(a.rounds),
-                                            "--chunk", str(a.chunk), "--out", out], out, gbps, f"{gbps:g} Gbit/s",
-                                 timeout_s=900, tag="gx")
-        if got is None:
-            return 1
-        raw, _ = got
+    args = ["--sizes", ",".join(map(str, sizes)), "--rounds", str(a.rounds), "--chunk", str(a.chunk)]
+    for gbps, raw in common.run_per_rate(__file__, args, rates, "gx"):
         res["chunk_bytes"] = raw["chunk_bytes"]
         res["rates"][f"{gbps:g}"] = summarize(raw, gbps)
-        print(f"{gbps:g} Gbit/s: done", flush=True)
+    if len(res["rates"]) < len(rates):
+        return 1
     common.write_out(a.out, res, markdown(res))
     return 0
 
