@@ -16,11 +16,11 @@ errors into the package data that `commlab predict` and the Performance model pa
 (a) Collectives on shaped links: every collective the engine issues (OPS: all-reduce; all-gather of a
     payload, after its synchronous header exchange; dear's all-gather of parameters; dear's reduce-scatter,
     an all-to-all of chunks and a local sum on gloo; the all-to-all alone), at 1 KB .. 64 MB, predicted by
-    lab.perfmodel.costs with a link calibrated apart from these calls (the per-step latency from back-to-back
-    2 KiB all-to-alls, the sustained rate from two large all-reduces (lab.perfmodel.calibrate), the tbf's token
-    bucket and the unshaped emulated path's speed for its burst, replayed over the back-to-back calls) against
-    the median of ``--iters`` timed calls (40 at least up to 1 MiB) on a shaped cluster; geomean and max
-    relative error, and each point's mean and share of stalled calls beside it.
+    lab.perfmodel.costs with a link calibrated apart from these calls (the sustained rate from all-reduces of
+    ~0.4 s of wire; the unshaped path's, for the token bucket's burst, from 48 MiB all-to-alls; the per-step latency
+    and each collective's fixed cost from calls of 2 KiB; the host's sum per byte; the tbf's bucket, replayed over
+    the back-to-back calls) against the median of ``--iters`` timed calls (40 at least up to 1 MiB) on a shaped
+    cluster; geomean and max relative error, and each point's 25% quantile, mean and share of stalled calls.
     Needs root and a quiet machine: only with ``--run-shaped``; without it the predicted column is printed
     with the command to measure.
 (b) End to end: the configurations of bench/perfmodel.py (25), predicted vs measured on shaped links;
@@ -62,9 +62,9 @@ after its synchronous header exchange (issue_allgather); dear's all-gather of pa
 (no header); dear's reduce-scatter on gloo, an all-to-all of the buffer's chunks and a local sum; the
 all-to-all alone (dear's shard codecs send their packed payloads with it)."""
 MODEL_OP = {"allreduce": "allreduce", "allgather": "allgather", "allgather_params": "allgather",
-            "reduce_scatter": "reduce_scatter", "alltoall": "reduce_scatter"}
+            "reduce_scatter": "reduce_scatter", "alltoall": "all_to_all"}
 """The model's collective for each: an all-to-all moves what a ring reduce-scatter does, (p-1)/p of the
-buffer in p-1 steps; the gathers take one rank's share (``bytes`` / p of the gathered result)."""
+buffer in p-1 steps, and sums nothing; the gathers take one rank's share (``bytes`` / p of the gathered result)."""
 
 
 # --------------------------------------------------------------------------- (a) collectives
@@ -84,6 +84,7 @@ def worker(argv=None) -> int:
     ap.add_argument("--op", choices=OPS, required=True)
     ap.add_argument("--bytes", type=int, required=True)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--gap", type=float, default=0.0, help="seconds of idle time before each timed call")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -114,6 +115,12 @@ def worker(argv=None) -> int:
         dist.barrier()
         times = []
         for _ in range(a.iters):
+            if a.gap > 0:
+                time.sleep(a.gap)
+            elif a.gap < 0:  # busy: the CPU kept awake through the gap, as compute would
+                end = time.perf_counter() - a.gap
+                while time.perf_counter() < end:
+                    pass
             t0 = time.perf_counter()
             call()
             times.append(time.perf_counter() - t0)
@@ -125,7 +132,7 @@ def worker(argv=None) -> int:
     return 0
 
 
-def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0) -> dict:
+def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0, gap: float = 0.0) -> dict:
     """Run ``worker`` on every rank of ``cluster`` (lab.netns.Cluster) and return rank 0's times."""
     from lab.base.procs import stop
     from lab.base.torchrun import worker_env
@@ -137,7 +144,8 @@ def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0) -
         try:
             for i in range(cluster.n):
                 argv, env = rank_argv(cluster, i, [os.path.abspath(__file__), "worker", "--op", op, "--bytes",
-                                                   str(nbytes), "--iters", str(iters), "--out", out], port)
+                                                   str(nbytes), "--iters", str(iters), "--gap", str(gap),
+                                                   "--out", out], port)
                 logs.append(open(os.path.join(tmp, f"r{i}.log"), "wb"))
                 procs.append(subprocess.Popen(argv, env={**worker_env(), **env}, stdout=logs[-1],
                                               stderr=subprocess.STDOUT, start_new_session=True))
@@ -169,7 +177,7 @@ def predict_collective(op: str, nbytes: int, world: int, link, iters: int) -> fl
     for _ in range(iters + 2):
         d = 0.0
         if op == "allgather":  # the engine's payload all-gather: its header first, synchronously
-            d = wire.duration("allgather", costs.HEADER_BYTES_PER_TENSOR, world, t)
+            d = wire.duration("header", costs.HEADER_BYTES_PER_TENSOR, world, t)
         d += wire.duration(mop, size, world, t + d)
         times.append(d)
         t += d
@@ -180,39 +188,124 @@ SMALL = 1 << 20
 """(a) sizes up to this many bytes get at least ``SMALL_ITERS`` timed calls: their median is otherwise a coin toss
 between gloo's two modes on this host (below)."""
 SMALL_ITERS = 40
-ALPHA_BYTES = 2048
-"""(a) the per-step latency comes from all-to-alls of this size (not one of the validated sizes): gloo's small
-all-to-all takes one step and is unimodal here (median 0.20-0.26 ms, 95th percentile under 0.4 ms), where its small
-all-reduce stalls about 4 ms in 30-46% of calls on this host (the wake-up of an idle virtual CPU: with both ranks
-pinned to one core, 6%), which put the latency calibrated from all-reduces anywhere in 0.24-1.92 ms."""
+FIXED_BYTES = 2048
+"""(a) the per-step latency and each collective's fixed cost come from calls of this size (not one of the validated
+sizes), back to back: the all-to-all's (one step, and unimodal here: median 0.20-0.26 ms) gives the latency, each
+other collective's median beyond its steps and bytes its fixed cost. gloo's small calls stall about 4 ms in some
+of them on this host (a woken thread waiting for the scheduler's next tick), the all-reduce's most (30-46%), which
+put a latency calibrated from all-reduces anywhere in 0.24-1.92 ms."""
+RATE_BYTES = 48 << 20
+"""(a) the unshaped path's speed (a burst's) comes from all-to-alls of this size (not a validated size): the wire
+alone, where an all-reduce's also carries its sums. The shaped link's sustained rate comes from
+``calibrate.measure_link``'s all-reduces of about 0.4 s of wire (the tbf's rate to within 1% at 1 Gbit/s over four
+runs, where 48 MiB all-to-alls on the shaped link came out 2-6% slower than the validated all-to-alls beside them)."""
+RATE_ITERS = 7
+GAMMA_BYTES = 16 << 20
 STALL_S = 2e-3
+
+
+def measure_gamma(nbytes: int = GAMMA_BYTES, reps: int = 9) -> float:
+    """Seconds per byte of one out-of-place fp32 sum of ``nbytes`` on this CPU, one thread (the median): the
+    host's sum of an all-reduce or of dear's reduce-scatter on gloo (``Link.gamma``)."""
+    import torch
+    torch.set_num_threads(1)
+    a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+    out = torch.empty_like(a)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        torch.add(a, b, out=out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / nbytes
+
+
+def path_rate(cluster, ranks: int) -> float:
+    """Seconds per byte of the unshaped ``cluster`` (what a shaped link's token bucket lets a burst through at):
+    the median of ``RATE_ITERS`` back-to-back all-to-alls of ``RATE_BYTES`` after two warm-up calls over the bytes
+    each rank sends (its latency, under 1% of such a call, left in)."""
+    from lab.strategy.perfmodel.costs import steps_and_wire
+    t = statistics.median(measure(cluster, "alltoall", RATE_BYTES, RATE_ITERS)["times"])
+    return t / steps_and_wire("all_to_all", RATE_BYTES, ranks)[1]
+
+
+FAST_QUANTILE = 0.25
+"""(a) the fixed costs come from this quantile of the calibrating calls, not their median: a call the host did not
+hold up. On this VM a woken gloo thread sometimes waits ~4 ms on one virtual CPU while the other is idle (seen with
+``perf sched timehist``: the thread runnable, the CPU's running task drawing no samples, i.e. the virtual CPU not
+running), in 5-45% of calls, so the median of a collective's small calls falls in either mode from one launch to
+the next; the model prices the call itself. Each point is also compared at this quantile."""
+
+
+def geomean(errs) -> float:
+    return math.exp(statistics.mean(math.log(max(e, 1e-6)) for e in errs))
+
+
+FIXED_LAUNCHES = 3
+"""(a) launches of each calibrating collective: the same 40 calls of 2 KiB give a 25% quantile up to three times
+apart from one launch to the next on this host (0.08-0.25 ms for the all-to-all)."""
+
+
+def quantile(xs, q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def fixed_costs(cluster, ranks: int, beta_burst: float, gamma: float) -> dict:
+    """The per-step latency and each collective's fixed cost on ``cluster``, from ``SMALL_ITERS`` back-to-back
+    calls of ``FIXED_BYTES`` per collective in each of ``FIXED_LAUNCHES`` launches (the median over launches of
+    their ``FAST_QUANTILE``; their wire time at the burst's speed taken off)."""
+    from lab.strategy.perfmodel import costs
+    per_launch = {op: [] for op in OPS}
+    for _ in range(FIXED_LAUNCHES):  # interleaved rounds: a launch's stall regime falls on one value of each op
+        for op in OPS:
+            per_launch[op].append(quantile(measure(cluster, op, FIXED_BYTES, SMALL_ITERS)["times"], FAST_QUANTILE))
+    fast = {op: statistics.median(v) for op, v in per_launch.items()}
+    steps, wire = costs.steps_and_wire("all_to_all", FIXED_BYTES, ranks)
+    alpha = max(0.0, fast["alltoall"] - wire * beta_burst) / steps
+    bare = costs.Link(alpha, beta_burst, 0.0, 0.0, gamma)
+
+    def beyond(t, op, n):  # what a call of ``op`` took beyond its steps, bytes and sum
+        return max(0.0, t - costs.collective(op, n, ranks, bare))
+    fixed = {"all_to_all": 0.0, "allreduce": beyond(fast["allreduce"], "allreduce", FIXED_BYTES),
+             "allgather": beyond(fast["allgather_params"], "allgather", FIXED_BYTES / ranks),
+             "reduce_scatter": beyond(fast["reduce_scatter"], "reduce_scatter", FIXED_BYTES)}
+    with_ag = costs.Link(alpha, beta_burst, 0.0, 0.0, gamma, (("allgather", fixed["allgather"]),))
+    pair = costs.allgather_var([FIXED_BYTES / ranks], ranks, with_ag)  # the header's all-gather and the payload's
+    fixed["header"] = max(0.0, fast["allgather"] - pair)
+    return {"alpha": alpha, "fixed": fixed, "fast_s": fast, "per_launch_s": per_launch}
 
 
 def table_a(gbps, ranks: int, iters: int, run: bool, ops=OPS, sizes=SIZES) -> dict:
     """Every op in ``ops`` at every size in ``sizes`` on a shaped cluster of ``ranks`` at each rate, against
-    the model with the link calibrated apart from these calls: per-step latency (alpha) from the median of
-    back-to-back all-to-alls of ``ALPHA_BYTES``, the sustained rate from two large all-reduces
-    (calibrate.measure_link), the tbf's token bucket, and the speed of its burst (the unshaped emulated path,
-    measure_path). Each point: the median of ``iters`` calls (``SMALL_ITERS`` at least up to ``SMALL`` bytes),
-    with their mean and the share of calls that stalled (over ``STALL_S`` beyond the median) kept beside it."""
+    the model with the link calibrated apart from these calls: the burst's speed from all-to-alls on the unshaped
+    emulated path (``path_rate``), the sustained rate from long all-reduces (``calibrate.measure_link``), the tbf's
+    token bucket, the per-step latency and each collective's fixed cost from calls of ``FIXED_BYTES``
+    (``fixed_costs``), and the host's sum per byte (``measure_gamma``). Each point: the median of ``iters`` calls (``SMALL_ITERS`` at least up to
+    ``SMALL`` bytes), with their ``FAST_QUANTILE``, their mean and the share of calls that stalled (over
+    ``STALL_S`` beyond the median) kept beside it."""
     from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel.costs import Link, steps_and_wire
-    rows, links = [], {}
-    path = cal.measure_path(ranks) if run else None
+    from lab.strategy.perfmodel.costs import Link
+    rows, links, path = [], {}, None
+    gamma = measure_gamma() if run else 0.0
+    if run:
+        from lab.net.netns import Cluster
+        with Cluster(ranks, None, tag="path") as c:
+            path = {"beta": path_rate(c, ranks), "source": f"all-to-alls of {RATE_BYTES} B, unshaped"}
     for g in gbps:
         with contextlib.ExitStack() as stack:
             cluster = None
             if run:
-                from lab.net.netns import Cluster
-                m = cal.measure_link(g, n_ranks=ranks)
+                beta = cal.measure_link(g, n_ranks=ranks)["beta"]
                 cluster = stack.enter_context(Cluster(ranks, g, tag="mv"))
-                small = measure(cluster, "alltoall", ALPHA_BYTES, SMALL_ITERS)["times"]
-                steps, wire = steps_and_wire("all_to_all", ALPHA_BYTES, ranks)
-                alpha = max(0.0, statistics.median(small) - wire * path["beta"]) / steps
-                link = Link(alpha, m["beta"], m["burst_bytes"], path["beta"])
-                links[g] = {"alpha": alpha, "beta": m["beta"], "burst_bytes": m["burst_bytes"],
-                            "beta_burst": path["beta"], "alpha_from": f"all-to-all of {ALPHA_BYTES} B, median",
-                            "allreduce_4k_median_s": m["small_median_s"], "allreduce_4k_mean_s": m["small_mean_s"]}
+                fc = fixed_costs(cluster, ranks, path["beta"], gamma)
+                link = Link(fc["alpha"], beta, cluster.burst_bytes, path["beta"], gamma,
+                            tuple(sorted(fc["fixed"].items())))
+                links[g] = {"alpha": fc["alpha"], "beta": beta, "burst_bytes": cluster.burst_bytes,
+                            "beta_burst": path["beta"], "gamma": gamma, "fixed": fc["fixed"],
+                            "fixed_from": f"median over {FIXED_LAUNCHES} launches of the {FAST_QUANTILE:.0%} quantile of "
+                                          f"{SMALL_ITERS} calls of {FIXED_BYTES} B",
+                            f"p{int(FAST_QUANTILE * 100)}_s": fc["fast_s"], "per_launch_s": fc["per_launch_s"],
+                            "beta_from": "calibrate.measure_link: all-reduces of about 0.4 s of wire (64 MiB at most)"}
             else:
                 link = Link.from_gbps(g)
             for op in ops:
@@ -222,8 +315,9 @@ def table_a(gbps, ranks: int, iters: int, run: bool, ops=OPS, sizes=SIZES) -> di
                     row = {"gbps": g, "op": op, "bytes": n, "predicted_ms": pred * 1e3}
                     if cluster is not None:
                         times = measure(cluster, op, n, k)["times"]
-                        meas = statistics.median(times)
+                        meas, fast = statistics.median(times), quantile(times, FAST_QUANTILE)
                         row.update(measured_ms=meas * 1e3, error=pred / meas - 1, calls=k,
+                                   fast_ms=fast * 1e3, error_fast=pred / fast - 1,
                                    mean_ms=statistics.mean(times) * 1e3,
                                    stalled=sum(t > meas + STALL_S for t in times) / k)
                     rows.append(row)
@@ -231,8 +325,10 @@ def table_a(gbps, ranks: int, iters: int, run: bool, ops=OPS, sizes=SIZES) -> di
                           + (f"  measured {row['measured_ms']:9.3f} ms  {row['error']:+.1%}" if 'error' in row else ""),
                           flush=True)
     errs = [abs(r["error"]) for r in rows if "error" in r]
-    summary = ({"geomean_abs_error": math.exp(statistics.mean(math.log(max(e, 1e-6)) for e in errs)),
-                "max_abs_error": max(errs), "points": len(errs)} if errs else
+    fast = [abs(r["error_fast"]) for r in rows if "error_fast" in r]
+    summary = ({"geomean_abs_error": geomean(errs), "max_abs_error": max(errs), "points": len(errs),
+                "quantile": FAST_QUANTILE, "geomean_abs_error_at_quantile": geomean(fast),
+                "max_abs_error_at_quantile": max(fast)} if errs else
                {"note": "not measured: rerun with --run-shaped as root on a quiet machine"})
     return {"rows": rows, "summary": summary, "ranks": ranks, "iters": iters, "links": links, "path": path}
 
@@ -355,10 +451,15 @@ def markdown(res: dict) -> str:
     out = []
     if "a" in res:
         a = res["a"]
-        head = ["Gbit/s", "collective", "bytes", "predicted ms", "measured ms", "error"]
-        rows = [[f"{r['gbps']:g}", r["op"], r["bytes"], f"{r['predicted_ms']:.3f}",
-                 f"{r['measured_ms']:.3f}" if "measured_ms" in r else "", f"{r['error']:+.1%}" if "error" in r else ""]
-                for r in a["rows"]]
+        q = f"p{int(a['summary'].get('quantile', FAST_QUANTILE) * 100)}"
+        head = ["Gbit/s", "collective", "bytes", "predicted ms", "measured ms (median)", "error", f"measured {q}",
+                f"error at {q}", "mean ms", "stalled"]
+
+        def cell(r, k, fmt):
+            return format(r[k], fmt) if k in r else ""
+        rows = [[f"{r['gbps']:g}", r["op"], r["bytes"], f"{r['predicted_ms']:.3f}", cell(r, "measured_ms", ".3f"),
+                 cell(r, "error", "+.1%"), cell(r, "fast_ms", ".3f"), cell(r, "error_fast", "+.1%"),
+                 cell(r, "mean_ms", ".3f"), cell(r, "stalled", ".0%")] for r in a["rows"]]
         out += ["### (a) collectives on shaped links", "", common.markdown_table(head, rows), "",
                 json.dumps(a["summary"]), ""]
     if "b" in res:

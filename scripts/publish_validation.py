@@ -27,6 +27,7 @@ def table_b() -> dict:
     d = json.loads(f.read_text())
     s = d["summary"]
     return {"file": f"bench/results/{f.name}", "measured": measured(f), "steps": d.get("steps"),
+            "launches": d.get("launches", 1), "against": s.get("against", "median step"),
             "configs": s["configs"], "median_abs_error": s["median_abs_error"], "max_abs_error": s["max_abs_error"]}
 
 

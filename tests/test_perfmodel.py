@@ -1,5 +1,6 @@
 """The performance model's formulas against hand-computed cases (lab/perfmodel)."""
 import argparse
+import dataclasses
 import json
 
 import pytest
@@ -53,6 +54,28 @@ def test_token_bucket_sends_a_burst_fast_then_at_the_sustained_rate():
     assert tb.tokens == 0
     # a second of idle time refills the bucket (capped at 100)
     assert tb.duration("allgather", 80, 2, 10.0) == approx(80 * 1e-5) and tb.tokens == approx(20)
+
+
+def test_host_costs_add_each_collectives_fixed_cost_and_the_reduce_scatters_sum():
+    # 2 ranks, 1 ms per byte, 10 µs per step; fixed: all-reduce 200 µs, all-gather 50, header 300, all-to-all 20;
+    # gamma 1 µs per byte summed after a reduce-scatter: (p-1)/p of the buffer
+    link = costs.Link(10e-6, 1e-3, gamma=1e-6, fixed=(("allreduce", 200e-6), ("allgather", 50e-6),
+                                                     ("header", 300e-6), ("all_to_all", 20e-6)))
+    assert costs.allreduce(100, 2, link) == approx(2 * 10e-6 + 100 * 1e-3 + 200e-6)  # gloo's ring sums hidden
+    assert costs.reduce_scatter(100, 2, link) == approx(10e-6 + 50 * 1e-3 + 50 * 1e-6)  # no fixed cost given
+    assert costs.all_to_all(100, 2, link) == approx(10e-6 + 50 * 1e-3 + 20e-6)  # moves the same, sums nothing
+    assert costs.allgather(40, 2, link) == approx(10e-6 + 40 * 1e-3 + 50e-6)
+    # the header: an all-gather and its own fixed cost; a payload all-gather is the header then the payload
+    assert costs.collective("header", 40, 2, link) == approx(10e-6 + 40 * 1e-3 + 50e-6 + 300e-6)
+    assert costs.allgather_var([70, 30], 2, link) == approx((10e-6 + 40e-3 + 350e-6) + (10e-6 + 70e-3 + 50e-6))
+    assert costs.allreduce(100, 1, link) == 0.0  # one rank: no call at all
+    # through the token bucket (none left here: the sustained rate), the same costs
+    tb = costs.TokenBucket(dataclasses.replace(link, burst_bytes=1, beta_burst=1e-9))
+    tb.tokens = 0.0
+    assert tb.duration("header", 40, 2, 0.0) == approx(costs.collective("header", 40, 2, link))
+    assert tb.duration("reduce_scatter", 100, 2, 0.0) == approx(costs.reduce_scatter(100, 2, link))
+    # a scaled link keeps its host costs (they are not the wire's)
+    assert link.scaled(1, 10).fixed == link.fixed and link.scaled(1, 10).gamma == link.gamma
 
 
 def two_buckets(first_rounds=None):

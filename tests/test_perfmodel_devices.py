@@ -355,10 +355,27 @@ def test_perfmodel_bench_help_configs_and_replay(tmp_path):
     got = json.loads(out.read_text())
     done = [r for r in got["rows"] if r.get("state") == "done"]
     assert got["summary"]["configs"] == len(done) >= 17
-    for r in done:
-        assert r["error"] == pytest.approx(r["predicted_ms"] / r["measured"]["time_ms"] - 1)
+    for r in done:  # against the median over launches of their mean step where the file has it, else the median
+        m = r["measured"]
+        assert r["error"] == pytest.approx(r["predicted_ms"] / m.get("step_ms", m["time_ms"]) - 1)
     assert got["summary"]["max_abs_error"] == pytest.approx(max(abs(r["error"]) for r in done))
+    vs_median = [abs(r["predicted_ms"] / r["measured"]["time_ms"] - 1) for r in done]
+    assert got["summary"]["median_step"]["max_abs_error"] == pytest.approx(max(vs_median))
     assert "| 13 | signsgd bucket(25MB) wfbp 0.1G |" in (tmp_path / "r.md").read_text()
+
+
+def test_table_b_compares_the_launches_mean_step_and_keeps_the_median():
+    from bench import perfmodel as pm
+    assert pm.compared({"time_ms": 10.0, "step_ms": 12.0}) == 12.0
+    assert pm.compared({"time_ms": 10.0}) == 10.0  # a file from before launches were recorded
+    rows = [{"state": "done", "predicted_ms": 11.0, "measured": {"time_ms": 10.0, "step_ms": 12.0},
+             "error": 11.0 / 12.0 - 1},
+            {"state": "done", "predicted_ms": 9.0, "measured": {"time_ms": 10.0, "step_ms": 9.0}, "error": 0.0},
+            {"state": "failed"}]
+    s = pm.errors(rows)
+    assert s["configs"] == 2 and s["against"] == "median over launches of the mean step"
+    assert s["max_abs_error"] == pytest.approx(1 / 12) and s["median_abs_error"] == pytest.approx(1 / 24)
+    assert s["median_step"] == {"median_abs_error": pytest.approx(0.1), "max_abs_error": pytest.approx(0.1)}
 
 
 def test_table_a_predicts_every_collective_the_engine_issues():

@@ -15,7 +15,7 @@ engine does around them:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Sequence, Tuple
 
 from engine import netmodel
 
@@ -33,6 +33,15 @@ class Link:
     """a token bucket of this many bytes (the tbf of an emulated link), full after idle time"""
     beta_burst: float = 0.0
     """seconds per byte while the token bucket lasts (the unshaped path's speed)"""
+    gamma: float = 0.0
+    """seconds per byte a rank sums after a reduce-scatter's transfer (dear's reduce-scatter on gloo adds what its
+    all-to-all brought, (p-1)/p of the buffer, once it has arrived); 0 where the sum runs inside the transfer, as
+    in NCCL's kernels and in gloo's ring all-reduce (each chunk summed while the next is on the wire)"""
+    fixed: Tuple[Tuple[str, float], ...] = ()
+    """each collective's cost per call beyond its steps' latency, as ``(op, seconds)`` pairs (NCCL's tuning model
+    has such a base latency per algorithm; on gloo it is the call's own host work): ``allreduce``, ``allgather``,
+    ``reduce_scatter``, ``all_to_all``, and ``header`` (the synchronous shape exchange in front of a payload
+    all-gather, beyond the all-gather it is)"""
 
     @classmethod
     def from_gbps(cls, gbps: float, latency_us: float = 0.0) -> "Link":
@@ -47,7 +56,15 @@ class Link:
         efficiency: a 1 Gbit link with a goodput of 0.9 Gbit becomes 9 Gbit at 10. A token
         bucket keeps its length in time (its bytes scale with the rate)."""
         return Link(self.alpha, self.beta * nominal_gbps / gbps, self.burst_bytes * gbps / nominal_gbps,
-                    self.beta_burst)
+                    self.beta_burst, self.gamma, self.fixed)
+
+    def host_cost(self, op: str, nbytes: float, world: int) -> float:
+        """What one call of ``op`` costs beyond its steps and wire bytes: its ``fixed`` cost, and for a
+        reduce-scatter ``gamma`` times the (p-1)/p of ``nbytes`` a rank adds."""
+        if world <= 1:
+            return 0.0
+        summed = (world - 1) / world * nbytes if op in SUMMED else 0.0
+        return dict(self.fixed).get(op, 0.0) + self.gamma * summed
 
 
 def _net(link: Link):
@@ -56,21 +73,38 @@ def _net(link: Link):
 
 
 def allreduce(nbytes: float, world: int, link: Link) -> float:
-    """Ring all-reduce of ``nbytes`` per rank: ``2(p-1) alpha + 2(p-1)/p n beta``."""
+    """Ring all-reduce of ``nbytes`` per rank: ``2(p-1) alpha + 2(p-1)/p n beta``, plus its fixed cost
+    (``Link.host_cost``)."""
     gbps, lat = _net(link)
-    return netmodel.ring_allreduce_s(nbytes, world, gbps, lat)
+    return netmodel.ring_allreduce_s(nbytes, world, gbps, lat) + link.host_cost("allreduce", nbytes, world)
 
 
 def reduce_scatter(nbytes: float, world: int, link: Link) -> float:
-    """Ring reduce-scatter of ``nbytes`` per rank: ``(p-1) alpha + (p-1)/p n beta``."""
+    """Ring reduce-scatter of ``nbytes`` per rank: ``(p-1) alpha + (p-1)/p n beta``, plus the host cost
+    (fixed, and ``(p-1)/p n gamma`` summed)."""
     gbps, lat = _net(link)
-    return netmodel.reduce_scatter_s(nbytes, world, gbps, lat)
+    return netmodel.reduce_scatter_s(nbytes, world, gbps, lat) + link.host_cost("reduce_scatter", nbytes, world)
+
+
+def all_to_all(nbytes: float, world: int, link: Link) -> float:
+    """All-to-all of ``nbytes`` per rank (1/p of it to each rank): what a ring reduce-scatter moves, ``(p-1)
+    alpha + (p-1)/p n beta``, plus its fixed cost; nothing is summed."""
+    gbps, lat = _net(link)
+    return netmodel.reduce_scatter_s(nbytes, world, gbps, lat) + link.host_cost("all_to_all", nbytes, world)
 
 
 def allgather(nbytes_per_rank: float, world: int, link: Link) -> float:
-    """Ring all-gather, every rank contributing ``m`` bytes: ``(p-1) alpha + (p-1) m beta``."""
+    """Ring all-gather, every rank contributing ``m`` bytes: ``(p-1) alpha + (p-1) m beta``, plus its fixed
+    cost."""
     gbps, lat = _net(link)
-    return netmodel.allgather_s(nbytes_per_rank, world, gbps, lat)
+    return netmodel.allgather_s(nbytes_per_rank, world, gbps, lat) + link.host_cost("allgather", nbytes_per_rank,
+                                                                                    world)
+
+
+def header(nbytes_per_rank: float, world: int, link: Link) -> float:
+    """The synchronous header exchange in front of a payload all-gather: an all-gather of the shapes, plus
+    what the engine does around it (``fixed`` ``header``)."""
+    return allgather(nbytes_per_rank, world, link) + link.host_cost("header", nbytes_per_rank, world)
 
 
 def allgather_var(payload_bytes: Sequence[float], world: int, link: Link, tensors: int = 1) -> float:
@@ -79,7 +113,7 @@ def allgather_var(payload_bytes: Sequence[float], world: int, link: Link, tensor
     then one all-gather padded to the largest payload."""
     if not payload_bytes:
         raise ValueError("payload_bytes: need at least one rank's size")
-    return allgather(HEADER_BYTES_PER_TENSOR * tensors, world, link) + allgather(max(payload_bytes), world, link)
+    return header(HEADER_BYTES_PER_TENSOR * tensors, world, link) + allgather(max(payload_bytes), world, link)
 
 
 def ps_push_pull(nbytes: float, world: int, link: Link, servers: int = 1) -> float:
@@ -215,13 +249,18 @@ class TokenBucket:
         else:
             move = max(wire * link.beta_burst, (wire - self.tokens) * link.beta)
             self.tokens = 0.0
-        d = steps * link.alpha + move
+        d = steps * link.alpha + move + link.host_cost(op, nbytes, world)
+        if op == "header":
+            d += link.host_cost("allgather", nbytes, world)
         self.t = start + d
         return d
 
 
 COLLECTIVES = {"allreduce": allreduce, "reduce_scatter": reduce_scatter, "allgather": allgather,
-               "all_to_all": reduce_scatter}
-SAME_COST = {"all_to_all": "reduce_scatter"}
-"""dear's all-to-all of a shard codec's payloads (n bytes per rank) is priced as the reduce-scatter of n bytes
-it stands for, as engine.netmodel books it: each rank sends (p-1)/p of its input."""
+               "all_to_all": all_to_all, "header": header}
+SAME_COST = {"all_to_all": "reduce_scatter", "header": "allgather"}
+"""dear's all-to-all of a shard codec's payloads (n bytes per rank) moves what the reduce-scatter of n bytes it
+stands for does, as engine.netmodel books it: each rank sends (p-1)/p of its input (it sums nothing: its host cost
+is its own). A payload all-gather's header exchange is an all-gather."""
+SUMMED = ("reduce_scatter",)
+"""The collectives whose result a rank sums after the transfer (``Link.gamma``)."""

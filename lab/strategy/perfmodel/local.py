@@ -89,7 +89,7 @@ class _Link:
         """Issue ``r`` at ``t``: (when the compute thread may go on, when the round completes). An all-gather's
         header exchange is synchronous: it holds the compute thread."""
         if r.op == "allgather" and r.header:
-            t = self.collective("allgather", costs.HEADER_BYTES_PER_TENSOR * r.tensors, t)
+            t = self.collective("header", costs.HEADER_BYTES_PER_TENSOR * r.tensors, t)
         return t, self.collective(r.op, r.nbytes, t)
 
 
