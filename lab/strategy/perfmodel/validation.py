@@ -35,8 +35,9 @@ def end_to_end() -> str:
         return "end to end not measured yet (bench/perfmodel.py)"
     return (f"end to end (bench/perfmodel.py, {b['configs']} configurations, cnn on 2 CPU ranks, shaped links, "
             f"{b.get('measured') or 'uncommitted'}): median error {_pct(b['median_abs_error'])}, "
-            f"max {_pct(b['max_abs_error'])} against the {b.get('against', 'median step')}"
-            + (f" of {b['launches']} launches" if b.get("launches", 1) > 1 else ""))
+            f"max {_pct(b['max_abs_error'])} "
+            + (f"(measured: the median of each configuration's {b['launches']} launches, each its mean step)"
+               if b.get("launches", 1) > 1 else f"against the {b.get('against', 'median step')}"))
 
 
 def collectives() -> str:
