@@ -146,7 +146,7 @@ class _Sim:
     def issue(self, rnd: Round, t: float, label: str):
         """Returns (compute thread time after issuing, completion time)."""
         if rnd.op == "allgather" and rnd.header:  # the header exchange is synchronous: it blocks the compute thread
-            t = self.collective("header", costs.HEADER_BYTES_PER_TENSOR * rnd.tensors, t, label + " header")
+            t = self.collective("header", costs.HEADER_BYTES_PER_TENSOR * rnd.tensors, t, label)
         return t, self.collective(rnd.op, rnd.nbytes, t, label)
 
 
