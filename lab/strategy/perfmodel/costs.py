@@ -59,12 +59,14 @@ class Link:
                     self.beta_burst, self.gamma, self.fixed)
 
     def host_cost(self, op: str, nbytes: float, world: int) -> float:
-        """What one call of ``op`` costs beyond its steps and wire bytes: its ``fixed`` cost, and for a
-        reduce-scatter ``gamma`` times the (p-1)/p of ``nbytes`` a rank adds."""
+        """What one call of ``op`` costs beyond its steps and wire bytes: its ``fixed`` cost (a ``header``'s and
+        the all-gather's it is), and for a reduce-scatter ``gamma`` times the (p-1)/p of ``nbytes`` a rank adds."""
         if world <= 1:
             return 0.0
+        fixed = dict(self.fixed)
         summed = (world - 1) / world * nbytes if op in SUMMED else 0.0
-        return dict(self.fixed).get(op, 0.0) + self.gamma * summed
+        own = fixed.get(op, 0.0) + (fixed.get("allgather", 0.0) if op == "header" else 0.0)  # a header is an all-gather
+        return own + self.gamma * summed
 
 
 def _net(link: Link):
@@ -104,7 +106,8 @@ def allgather(nbytes_per_rank: float, world: int, link: Link) -> float:
 def header(nbytes_per_rank: float, world: int, link: Link) -> float:
     """The synchronous header exchange in front of a payload all-gather: an all-gather of the shapes, plus
     what the engine does around it (``fixed`` ``header``)."""
-    return allgather(nbytes_per_rank, world, link) + link.host_cost("header", nbytes_per_rank, world)
+    gbps, lat = _net(link)
+    return netmodel.allgather_s(nbytes_per_rank, world, gbps, lat) + link.host_cost("header", nbytes_per_rank, world)
 
 
 def allgather_var(payload_bytes: Sequence[float], world: int, link: Link, tensors: int = 1) -> float:
@@ -250,8 +253,6 @@ class TokenBucket:
             move = max(wire * link.beta_burst, (wire - self.tokens) * link.beta)
             self.tokens = 0.0
         d = steps * link.alpha + move + link.host_cost(op, nbytes, world)
-        if op == "header":
-            d += link.host_cost("allgather", nbytes, world)
         self.t = start + d
         return d
 
