@@ -45,6 +45,10 @@ GPU_TARGETS = {"bandwidth": 0.25, "vs_grace": 3.0, "fixed_us": 30.0}
 throughput at large sizes, a fixed per-call cost of at most 30 µs (at the smallest size)."""
 SMALL = 100_000
 """Sizes below this are judged on the time per call (µs), the rest on throughput (GB/s)."""
+GRAPH_MAX = 1 << 22
+"""The largest size the graphed variant is timed at (engine/compressors/graphs.py MAX_ELEMENTS)."""
+WARM_CALLS = 3
+"""Calls of each side before the timing: first-call costs, and a graphed side's capture (its third call)."""
 PEAK_BY_NAME = {"H100 80GB HBM3": 3.35e12, "H100": 3.35e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12,
                 "A100-SXM4-40GB": 1.56e12}
 """Vendor peak bytes/s, used only when the device's properties lack the memory clock and bus width."""
@@ -109,10 +113,12 @@ FUSED = ("signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad")
 torch path (COMMLAB_FUSED=0) in the same rounds."""
 
 
-def commlab_side(name, device, eager=False):
-    """(call(x) -> output, payload bytes of the last call). ``eager``: with the fused kernels off."""
+def commlab_side(name, device, eager=False, graphed=False):
+    """(call(x) -> output, payload bytes of the last call). ``eager``: with the fused kernels off; ``graphed``:
+    compress replayed from a CUDA graph (``COMMLAB_GRAPHS=1``, as ``Compressor.encode`` does), decompress as
+    it is (training decodes the gathered payloads, at new addresses each step)."""
     from bench.grace_compare import PARAMS
-    from engine.compressors import fused, make
+    from engine.compressors import fused, graphs, make
     from engine.compressors.base import nbytes
     c = make(name, **PARAMS.get(name, {}))
     last = {}
@@ -125,7 +131,20 @@ def commlab_side(name, device, eager=False):
     def call_eager(x):
         with fused.disabled():
             return call(x)
-    return (call_eager if eager else call), lambda: nbytes(last["bytes"])
+
+    def call_graphed(x):
+        payload, ctx = graphs.compress(c, x)
+        last["bytes"] = payload
+        return c.decompress(payload, ctx)
+    if graphed:  # set once for the process: the other sides call compress itself, which graphs never touch
+        os.environ[graphs.ENV] = "1"
+    return (call_eager if eager else call_graphed if graphed else call), lambda: nbytes(last["bytes"])
+
+
+def graphable(name) -> bool:
+    """Whether codec ``name`` may be graphed (engine/compressors/graphs.py): the bench then times that too."""
+    from engine.compressors import resolve
+    return resolve(name).graphable
 
 
 def grace_side(name, mods, n, device):
@@ -156,6 +175,8 @@ def measure(names, sizes, repeat, device, mods=None, log=print):
             sides[(name, "commlab")] = commlab_side(name, device)
             if device.type == "cuda" and name in FUSED:
                 sides[(name, "eager")] = commlab_side(name, device, eager=True)
+            if device.type == "cuda" and graphable(name) and n <= GRAPH_MAX:
+                sides[(name, "graphed")] = commlab_side(name, device, graphed=True)
             if mods is not None:
                 g = grace_side(name, mods, n, device)
                 if g is not None:
@@ -163,12 +184,13 @@ def measure(names, sizes, repeat, device, mods=None, log=print):
         errors = {}
         for key, (fn, _) in list(sides.items()):  # warm-up: lazy buffers, hash tables, first-call costs
             try:
-                fn(x)
-                fn(x)
+                for _ in range(WARM_CALLS):
+                    fn(x)
             except Exception as e:  # GRACE on this device can fail; commlab must not
                 if key[1] == "commlab":
                     raise
                 errors[key] = f"{type(e).__name__}: {e}"
+                log(f"{key[0]} ({key[1]}) at {n:,}: {errors[key]}")
                 del sides[key]
         times = {key: [] for key in sides}
         order = list(sides)
@@ -183,15 +205,20 @@ def measure(names, sizes, repeat, device, mods=None, log=print):
             payload = sides[key][1]()
             row.update({"seconds": med, "gbps": n * 4 / med / 1e9, "ratio": n * 4 / max(payload, 1),
                         "payload_bytes": payload, "moved_gbps": (n * 4 + payload) / med / 1e9})
-            if (name, "eager") in times:
-                e = statistics.median(times[(name, "eager")])
-                row["eager"] = {"seconds": e, "gbps": n * 4 / e / 1e9}
+            for way in ("eager", "graphed"):
+                if (name, way) in times:
+                    e = statistics.median(times[(name, way)])
+                    row[way] = {"seconds": e, "gbps": n * 4 / e / 1e9}
+            if "graphed" in row and (name, "grace") in times:
+                row["graphed"]["speedup"] = statistics.median(times[(name, "grace")]) / row["graphed"]["seconds"]
             if (name, "grace") in times:
                 g = statistics.median(times[(name, "grace")])
                 row["grace"] = {"seconds": g, "gbps": n * 4 / g / 1e9}
                 row["speedup"] = g / med
             elif (name, "grace") in errors:
                 row["grace_error"] = errors[(name, "grace")]
+            if (name, "graphed") in errors:
+                row["graphed_error"] = errors[(name, "graphed")]
         del x, sides
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -208,8 +235,14 @@ def judge(results, sizes, peak):
             if n == small and n < SMALL:
                 us = r["seconds"] * 1e6
                 out["fixed_us"].append((name, n, us, us <= GPU_TARGETS["fixed_us"]))
+                if "graphed" in r:
+                    us = r["graphed"]["seconds"] * 1e6
+                    out["fixed_us"].append((f"{name} graphed", n, us, us <= GPU_TARGETS["fixed_us"]))
             if n >= SMALL and "speedup" in r:
                 out["vs_grace"].append((name, n, r["speedup"], r["speedup"] >= GPU_TARGETS["vs_grace"]))
+            if n >= SMALL and "speedup" in r.get("graphed", {}):
+                v = r["graphed"]["speedup"]
+                out["vs_grace"].append((f"{name} graphed", n, v, v >= GPU_TARGETS["vs_grace"]))
             if n == 25_000_000 and name in ELEMENTWISE and peak:
                 frac = r["moved_gbps"] * 1e9 / peak
                 out["bandwidth"].append((name, n, frac, frac >= GPU_TARGETS["bandwidth"]))
@@ -246,11 +279,14 @@ def profile(name, n, device, mods=None, side="commlab", top=6):
 def table(results, sizes, cuda, peak, grace):
     head = ["compressor"]
     eager = any("eager" in r for per in results.values() for r in per.values())
+    graphed = any("graphed" in r for per in results.values() for r in per.values())
     for n in sizes:
         unit = "µs" if n < SMALL else "GB/s"
         head.append(f"{_h(n)} {unit}")
         if eager:
             head.append(f"{_h(n)} eager {unit}")
+        if graphed and n <= GRAPH_MAX:
+            head.append(f"{_h(n)} graphed {unit}")
         if grace:
             head.append(f"{_h(n)} GRACE {unit}")
             head.append(f"{_h(n)} speedup")
@@ -266,6 +302,8 @@ def table(results, sizes, cuda, peak, grace):
             cells.append(fmt(r["seconds"]))
             if eager:
                 cells.append(fmt(r["eager"]["seconds"]) if "eager" in r else "-")
+            if graphed and n <= GRAPH_MAX:
+                cells.append(fmt(r["graphed"]["seconds"]) if "graphed" in r else "-")
             if grace:
                 cells.append(fmt(r["grace"]["seconds"]) if "grace" in r else
                              ("failed" if "grace_error" in r else "-"))
@@ -361,7 +399,7 @@ def main(argv=None):
         seen = set()
         for key in ("bandwidth", "vs_grace", "fixed_us"):
             for name, n, _, met in verdicts[key]:
-                if not met and (name, n) not in seen:
+                if not met and (name, n) not in seen and not name.endswith(" graphed"):
                     seen.add((name, n))
                     profiles += profile(name, n, device)
                     if key == "vs_grace":
@@ -372,8 +410,9 @@ def main(argv=None):
     md = [f"# Compressor cost on {device.type}: compress + decompress of one fp32 tensor", "",
           f"Command: `{command}`", "", f"Device: {where}. GRACE: {grace_note}.",
           f"Medians of {args.repeat} interleaved rounds"
-          + ("; 'eager' is the same codec with its fused kernels off (COMMLAB_FUSED=0), timed in the same rounds"
-             if cuda else "")
+          + ("; 'eager' is the same codec with its fused kernels off (COMMLAB_FUSED=0), 'graphed' with its "
+             "compress replayed from a CUDA graph (COMMLAB_GRAPHS=1, where the codec allows it, up to "
+             f"{GRAPH_MAX:,} elements), both timed in the same rounds" if cuda else "")
           + ("; CUDA-event timing of back-to-back calls (launch cost included)." if cuda else "."), ""]
     if cuda:
         md += [f"Peak memory bandwidth {peak / 1e9:.0f} GB/s ({peak_note}); a device-to-device copy measured "

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks (issues 18 and 35) on a machine with a CUDA GPU, from the repository root:
 #
-#   OUT=gpu-out scripts/gpu_check.sh [engine|suite|bench|launchtests|launch|profiles|wheel]...    (default: engine bench)
+#   OUT=gpu-out scripts/gpu_check.sh [engine|graphs|suite|bench|launchtests|launch|profiles|wheel]...    (default: engine bench)
 #
 #   engine  tests/test_gpu.py (one rank over NCCL; two ranks sharing the GPU over gloo with CUDA
 #           tensors: sync, wfbp, dear, top-k+EF, PowerSGD, a MergeComp search, a user's compressor,
@@ -9,6 +9,9 @@
 #           timelines; the conformance checks on CUDA tensors), tests/test_fused.py (the fused kernels
 #           against the eager codecs) and the compressor tests with their inputs on the GPU
 #           (COMMLAB_TEST_DEVICE=cuda)
+#   graphs  the CUDA graphs of compress and the fused kernels (tests/test_graphs.py, test_fused.py,
+#           test_fused_launch.py), the compressor tests of the codecs they cover with inputs on the GPU, and
+#           tests/test_accounts.py (GRAPHS_LIMIT: seconds for each of the two commands)
 #   suite   the whole test suite (pytest-xdist when installed: -n $JOBS)
 #   bench   bench/compressor_speed.py --device cuda beside GRACE ($GRACE_DIR), profiling the misses
 #   launchtests  tests/test_fused_launch.py, and tests/test_fused.py with each launch (COMMLAB_FUSED_LAUNCH)
@@ -68,6 +71,16 @@ for part in "${parts[@]}"; do
                 tests/test_compressor_capabilities.py tests/test_powersgd_layout.py 2>&1 \
                 | tee "$OUT/compressors-cuda.log" || status=1
             ;;
+        graphs)
+            nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.memory --format=csv | tee "$OUT/device.txt"
+            xdist=()
+            "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "${ENGINE_JOBS:-8}")
+            ${GRAPHS_LIMIT:+timeout "$GRAPHS_LIMIT"} "$PY" -m pytest -q -rs "${xdist[@]}" -p no:cacheprovider tests/test_graphs.py \
+                tests/test_fused.py tests/test_fused_launch.py tests/test_accounts.py 2>&1 | tee "$OUT/graphs-tests.log" || status=1
+            COMMLAB_TEST_DEVICE=cuda ${GRAPHS_LIMIT:+timeout "$GRAPHS_LIMIT"} "$PY" -m pytest -q -rs "${xdist[@]}" \
+                -p no:cacheprovider tests/test_compressors_quantize.py tests/test_compressors_common.py 2>&1 \
+                | tail -15 | tee "$OUT/graphs-compressors-cuda.log" || status=1
+            ;;
         suite)
             xdist=()
             "$PY" -c "import xdist" 2>/dev/null && xdist=(-n "$JOBS")
@@ -106,7 +119,7 @@ for part in "${parts[@]}"; do
             "$PY" -m pytest -v -rA --tb=long -p no:cacheprovider tests/test_wheel.py > "$OUT/wheel.log" 2>&1 || status=1
             tail -5 "$OUT/wheel.log"
             ;;
-        *) echo "gpu_check: unknown part '$part'; allowed: engine, suite, bench, launchtests, launch, profiles, wheel" >&2
+        *) echo "gpu_check: unknown part '$part'; allowed: engine, graphs, suite, bench, launchtests, launch, profiles, wheel" >&2
            exit 2 ;;
     esac
 done

@@ -49,3 +49,14 @@ def test_judge_applies_each_gpu_target():
     assert {(r[0], r[3]) for r in v["bandwidth"]} == {("fp16", True), ("signsgd", False)}
     lines = cs.verdict_lines(v)
     assert any("2/3 met: missed signsgd at 1K (45.0 µs)" in l for l in lines)
+
+
+def test_a_graphed_variant_is_judged_as_its_own_row():
+    res = {"signsgd": {1000: {"seconds": 45e-6, "graphed": {"seconds": 25e-6}, "grace": {"seconds": 50e-6}, "speedup": 1.1},
+                       1_000_000: {"seconds": 80e-6, "speedup": 0.9, "moved_gbps": 1.0, "ratio": 32.0, "grace": {"seconds": 72e-6},
+                                   "graphed": {"seconds": 20e-6, "speedup": 3.6}}}}
+    v = cs.judge(res, [1000, 1_000_000], 1e12)
+    assert {(r[0], r[3]) for r in v["fixed_us"]} == {("signsgd", False), ("signsgd graphed", True)}
+    assert {(r[0], r[3]) for r in v["vs_grace"]} == {("signsgd", False), ("signsgd graphed", True)}
+    md = cs.table(res, [1000, 1_000_000], True, 1e12, True)
+    assert "| 1K graphed µs |" in md and "| 25.0 |" in md and "| 200.00 |" in md  # 4 MB in 20 µs

@@ -88,7 +88,8 @@ def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params):
     with fused.disabled():
         ref, _ = make(name, **params).compress(x)
     assert [(p.dtype, p.shape) for p in payload] == [(p.dtype, p.shape) for p in ref]
-    torch.testing.assert_close(payload[0], ref[0], rtol=0, atol=0)  # the scalar sent: norm, or max|x|
+    # the scalar sent: max|x| exactly; the norm to float rounding (its squares summed in another order)
+    torch.testing.assert_close(payload[0], ref[0], rtol=0 if name == "terngrad" else 1e-6, atol=0)
     if name == "qsgd":
         assert payload[1].abs().max().item() <= c.levels
     else:
@@ -139,3 +140,20 @@ def test_off_means_off(monkeypatch):
     assert not fused.on(DEVICE, torch.float32)
     ctx = _Ctx(torch.Size([5]), torch.float32, 5)
     assert ctx.n == 5
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad"])
+def test_random_codecs_count_their_calls_on_the_device_and_load_the_count_in_place(name):
+    """The count that keys each call's noise lives on the bucket's device and is advanced by the kernels (a CUDA
+    graph of the call keeps drawing new noise); loading state writes into the same tensor (a graph holds it)."""
+    c, x = make(name), randn(5000, seed=3)
+    c.compress(x)
+    c.compress(x)
+    counter = c._fused_count
+    assert counter.device == x.device and counter.item() == 2
+    state = copy.deepcopy(c.state_dict())
+    assert state["fused_stream"].tolist()[1] == 2
+    third = c.compress(x)[0][1].clone()
+    c.load_state_dict(state)
+    assert c._fused_count is counter and counter.item() == 2
+    assert torch.equal(c.compress(x)[0][1], third)

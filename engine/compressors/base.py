@@ -26,7 +26,7 @@ A compressor declares, instead of leaving callers to probe it:
 - its capabilities: ``summable``, ``keeps_shape``, ``identity``, ``lossless``, ``rounds``,
   ``builtin_feedback``, ``builtin_momentum``, ``elementwise`` (per-element state), ``counts_steps``,
   ``warmup_exchanges`` (uncompressed exchanges first), ``per_tensor`` (uses the layout) and
-  ``shard_codec`` (a slice compresses alone), and where it can, the rounds a bucket sends
+  ``shard_codec`` (a slice compresses alone), ``graphable`` (a CUDA graph may replay its compress), and where it can, the rounds a bucket sends
   (``declared_rounds``, for the performance model). Read them from an instance where
   parameters change them (Count Sketch with ``exact`` takes two rounds).
   ``shard_path`` and ``shard_problem`` combine them into what DeAR needs, and ``shard_exchange`` is DeAR's
@@ -39,6 +39,7 @@ from typing import Any, Dict, Generator, List, Optional, Tuple
 
 import torch
 
+from engine.compressors import graphs
 from engine.compressors.params import Param, take
 
 Tensor = torch.Tensor
@@ -175,6 +176,13 @@ class Compressor:
     fp16 hook does, instead of dividing the sum."""
     ef: Optional["ErrorFeedback"] = None
     """Error-feedback memory, set by ``make(..., error_feedback=True)``."""
+    graphable = False
+    """True when a CUDA graph of ``compress`` may stand in for it (``COMMLAB_GRAPHS=1``,
+    engine/compressors/graphs.py): for the same input address, shape and ``elementwise`` state addresses it
+    launches the same GPU work, with no host synchronisation, no branch on the data and no noise seeded from
+    the host per call, and keeps its state in tensors it updates in place (new ones only through
+    ``load_state_dict`` into ``elementwise`` attributes, which the graphs' key follows). ``graph_safe``
+    narrows it per input."""
 
     dtypes: Tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
     """The gradient dtypes it takes (the conformance checks exchange each of them): ``decompress`` returns
@@ -280,7 +288,7 @@ class Compressor:
     def encode(self, t: Tensor) -> tuple[List[Tensor], Any]:
         """``compress`` with error feedback applied when it is on. Exchanges call this."""
         if self.ef is None:
-            return self.compress(t)
+            return graphs.compress(self, t)  # compress, replayed from a CUDA graph where one is wanted
         corrected = self.ef.add(t)
         payload, ctx = self.compress(corrected)
         # what this rank's payload stands for, decoded locally before any collective touches it
@@ -300,6 +308,10 @@ class Compressor:
         if self.ef is not None:
             self.ef.update(x, torch.cat([self.decompress(p, c).reshape(-1) for p, c in out]))
         return out
+
+    def graph_safe(self, t: Tensor) -> bool:
+        """Whether ``compress(t)`` may be replayed from a CUDA graph (``graphable``, for this input)."""
+        return self.graphable
 
     def compress(self, t: Tensor) -> tuple[List[Tensor], Any]:
         raise NotImplementedError

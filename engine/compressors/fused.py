@@ -15,15 +15,17 @@ efsignsgd   residual += g and |.| per block; (their sum: torch);    +-scale per 
             scale, bits and residual -= decoded
 onebit      bits, count and sums per block; (their sums: torch);    a mean per bit per rank, averaged
             the two means
-qsgd        (norm: torch) codes floor(x / step + U[0,1))            code * norm / levels, averaged
-terngrad    (extremes: torch) 2-bit codes floor(x / s + U[1,2))     s * {-1, 0, 1}, averaged
+qsgd        sums of squares per program; codes floor(x / step + U)  code * norm / levels, averaged
+terngrad    max|x| per program; 2-bit codes floor(x / s + 1 + U)    s * {-1, 0, 1}, averaged
 ==========  ======================================================  ==================================
 
 The payloads are byte for byte the eager codecs' (same layout, same scalars), so a fused rank and an eager
 rank exchange with each other. Deterministic codecs give the eager results (up to the order of a float
 sum: the partial sums here are per block); the random ones draw their noise from Triton's Philox
-generator, seeded per call from the compressor's seed, bucket, rank and call count (no host round trip),
-so they are the same distribution, not the same numbers, as the eager path's ``torch.Generator``.
+generator (four numbers per draw), keyed per call from the compressor's seed, bucket and rank and a call
+count the norm's pass keeps on the GPU (no host round trip, and a CUDA graph of the call draws new noise
+each replay), so they are the same distribution, not the same numbers, as the eager path's
+``torch.Generator``; QSGD's norm is summed in another order than torch's (the same to float rounding).
 
 Used for float32 tensors on CUDA GPUs of compute capability 8.0 or later (Ampere on) when Triton imports;
 ``COMMLAB_FUSED=0`` turns it off (the eager path, for comparison), ``COMMLAB_FUSED=interpret`` also takes it on the CPU under ``TRITON_INTERPRET=1``
@@ -246,12 +248,33 @@ def decode_bits(packs: Sequence[Tensor], n: int, mode: int, table: Sequence[Tens
     return out
 
 
-def qsgd_codes(x: Tensor, norm: Tensor, seed: int, levels: int, min_norm: float, code_dtype) -> List[Tensor]:
-    """QSGD's payload from ``x`` and its 2-norm (a (1,) tensor): [the norm as sent (1,), codes (n,)]."""
+PARTS = 512
+"""The most programs of ``reduce_parts`` (the norm's or the extremes' pass): each coding program reads them all."""
+SUMSQ, ABSMAX = 0, 1
+"""reduce_parts's modes: the sum of squares (QSGD's norm); the largest magnitude (TernGrad's scale)."""
+
+
+def _parts(x: Tensor, mode: int, counter: Tensor) -> Tensor:
+    """``reduce_parts`` over the flat ``x``: its partials (one per program); the call counted in ``counter``."""
+    blocks = _grid(x.numel())[0]
+    if K.INTERPRET and blocks > PARTS:  # one block per program there: more would not fit the coding kernels
+        raise ValueError(f"Triton's interpreter: at most {PARTS * BLOCK} elements per bucket, got {x.numel()}")
+    part = torch.empty(min(blocks, PARTS), dtype=torch.float32, device=x.device)
+    _launch(K.reduce_parts, (part.numel(),), x, part, counter, x.numel(), MODE=mode, LOOP=not K.INTERPRET,
+            BLOCK=BLOCK)
+    return part
+
+
+def qsgd_codes(x: Tensor, counter: Tensor, base: int, levels: int, min_norm: float, code_dtype) -> List[Tensor]:
+    """QSGD's payload from ``x``: [its 2-norm as sent (1,), codes (n,)]. ``counter`` (a (1,) int64 tensor on
+    x's device) counts the calls; with ``base`` it seeds this call's noise, on the GPU (a CUDA graph replays
+    the same launches and still draws new noise)."""
     n = x.numel()
+    part = _parts(x, SUMSQ, counter)
     sent = torch.empty(1, dtype=torch.float32, device=x.device)
     codes = torch.empty(n, dtype=code_dtype, device=x.device)
-    _launch(K.qsgd_encode, _grid(n), x, norm, sent, codes, n, seed, float(levels), float(min_norm), BLOCK=BLOCK)
+    _launch(K.qsgd_encode, _grid(n), x, part, part.numel(), counter, sent, codes, n, base, float(levels),
+            float(min_norm), PARTS=PARTS, BLOCK=BLOCK)
     return [sent, codes]
 
 
@@ -265,12 +288,14 @@ def qsgd_decode_all(norms: Sequence[Tensor], codes: Sequence[Tensor], n: int, le
     return out
 
 
-def tern_codes(x: Tensor, lo: Tensor, hi: Tensor, seed: int, tiny: float) -> List[Tensor]:
-    """TernGrad's payload from ``x`` and its extremes: [max|x| (1,), 2-bit codes packed 4 per byte]."""
+def tern_codes(x: Tensor, counter: Tensor, base: int, tiny: float) -> List[Tensor]:
+    """TernGrad's payload from ``x``: [max|x| (1,), 2-bit codes packed 4 per byte]; the noise as ``qsgd_codes``'s."""
     n = x.numel()
+    part = _parts(x, ABSMAX, counter)
     s = torch.empty(1, dtype=torch.float32, device=x.device)
     out = torch.empty(_nbytes(n, 4), dtype=torch.uint8, device=x.device)
-    _launch(K.tern_encode, _grid(n), x, lo, hi, s, out, n, out.numel(), seed, float(tiny), BLOCK=BLOCK)
+    _launch(K.tern_encode, _grid(n), x, part, part.numel(), counter, s, out, n, out.numel(), base, float(tiny),
+            PARTS=PARTS, BLOCK=BLOCK)
     return [s, out]
 
 

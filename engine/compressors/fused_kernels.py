@@ -143,16 +143,73 @@ def decode_bits(p_ptr, stride, tab_ptr, out_ptr, n, WORLD: tl.constexpr, MODE: t
 
 
 @triton.jit
-def qsgd_encode(x_ptr, norm_ptr, sent_ptr, codes_ptr, n, seed, levels, min_norm, BLOCK: tl.constexpr):
+def _uniform(seed, pid, BLOCK: tl.constexpr):
+    # BLOCK numbers in [0, 1) for block pid: four from each Philox draw (rand4x), a quarter of tl.rand's draws,
+    # whose rounds held the coding kernels to half the memory's pace (H100, 25M: qsgd_encode 81 µs for 125 MB)
+    c = pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    a, b, d, e = tl.rand4x(seed, c)
+    return tl.reshape(tl.join(tl.join(a, b), tl.join(d, e)), (BLOCK,))
+
+
+@triton.jit
+def reduce_parts(x_ptr, part_ptr, ctr_ptr, n, MODE: tl.constexpr, LOOP: tl.constexpr, BLOCK: tl.constexpr):
+    # program p: over blocks p, p + P, p + 2P, ... (P programs), the sum of x^2 (MODE 0) or the largest |x|
+    # (MODE 1), into part[p]; program 0 also counts the call in ctr (what seeds the coding kernel's noise: it
+    # runs after this one, on the same stream). Without LOOP, one block per program (Triton's interpreter,
+    # which cannot run a loop with bounds known only at run time)
+    pid = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    if LOOP:
+        for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc = _fold(acc, tl.load(x_ptr + offs, mask=offs < n, other=0.0), MODE)
+    else:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        acc = _fold(acc, tl.load(x_ptr + offs, mask=offs < n, other=0.0), MODE)
+    if MODE == 0:
+        tl.store(part_ptr + pid, tl.sum(acc, axis=0))
+    else:
+        tl.store(part_ptr + pid, tl.max(acc, axis=0))
+    if pid == 0:
+        tl.store(ctr_ptr, tl.load(ctr_ptr) + 1)
+
+
+@triton.jit
+def _fold(acc, x, MODE: tl.constexpr):
+    if MODE == 0:
+        return acc + x * x
+    return tl.maximum(acc, tl.abs(x))
+
+
+@triton.jit
+def _total(part_ptr, nparts, MODE: tl.constexpr, PARTS: tl.constexpr):
+    # reduce_parts's partials, combined: every program of a coding kernel reads them all (PARTS floats at most,
+    # from L2) and gets the same number
+    i = tl.arange(0, PARTS)
+    p = tl.load(part_ptr + i, mask=i < nparts, other=0.0)
+    if MODE == 0:
+        return tl.sum(p, axis=0)
+    return tl.max(p, axis=0)
+
+
+@triton.jit
+def _seed(base, ctr_ptr):
+    # this call's Philox key: the codec's base seed and its call count (a new key per call and per rank)
+    return base + tl.load(ctr_ptr) * 6364136223846793005
+
+
+@triton.jit
+def qsgd_encode(x_ptr, part_ptr, nparts, ctr_ptr, sent_ptr, codes_ptr, n, base, levels, min_norm,
+                PARTS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    norm = tl.maximum(tl.load(norm_ptr) * (1.0 + 1.0 / 1048576.0), min_norm)
+    norm = tl.maximum(tl.sqrt(_total(part_ptr, nparts, 0, PARTS)) * (1.0 + 1.0 / 1048576.0), min_norm)
     if pid == 0:
         tl.store(sent_ptr, norm)
     step = norm / levels
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    v = tl.floor(tl.rand(seed, offs) + x / step)
+    v = tl.floor(_uniform(_seed(base, ctr_ptr), pid, BLOCK) + x / step)
     tl.store(codes_ptr + offs, v.to(codes_ptr.dtype.element_ty), mask=mask)
 
 
@@ -169,15 +226,16 @@ def qsgd_decode(c_ptr, stride, norm_ptr, out_ptr, n, levels, WORLD: tl.constexpr
 
 
 @triton.jit
-def tern_encode(x_ptr, lo_ptr, hi_ptr, s_ptr, out_ptr, n, nbytes, seed, tiny, BLOCK: tl.constexpr):
+def tern_encode(x_ptr, part_ptr, nparts, ctr_ptr, s_ptr, out_ptr, n, nbytes, base, tiny,
+                PARTS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    s = tl.maximum(tl.maximum(tl.load(hi_ptr), -tl.load(lo_ptr)), tiny)
+    s = tl.maximum(_total(part_ptr, nparts, 1, PARTS), tiny)
     if pid == 0:
         tl.store(s_ptr, s)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    v = (tl.rand(seed, offs) + 1.0) + x / s
+    v = (_uniform(_seed(base, ctr_ptr), pid, BLOCK) + 1.0) + x / s
     c = tl.where(mask, v.to(tl.int32), 1)  # v >= 0: truncation is floor; padding codes 1 (zero)
     c2 = tl.reshape(c, (BLOCK // 4, 4))
     w = 1 << (6 - 2 * tl.arange(0, 4))

@@ -171,16 +171,26 @@ class _Seeded(_Lossy):
     def _setup_rng(self) -> None:
         self._gen: Optional[torch.Generator] = None
         self._gen_state: Optional[Tensor] = None  # loaded before the device was known
-        self._fused_stream: Optional[List[int]] = None  # the fused kernels' noise: [base seed, calls so far]
+        # the fused kernels' noise: a base seed, and the calls so far, counted on the GPU by the kernels
+        self._fused_base: Optional[int] = None
+        self._fused_count: Optional[Tensor] = None  # (1,) int64 on the bucket's device
+        self._fused_loaded = 0  # the count loaded before there was a device to put it on
 
-    def _fused_seed(self) -> int:
-        """The next call's seed for the fused kernels' Philox noise: a base seed (from the seed, bucket and rank,
-        as the generator's) mixed with the call count. Both are state, as the generator's state is."""
-        s = self._fused_stream
-        if s is None:
-            s = self._fused_stream = [mix_seed(self.seed, self.bucket, self.process_rank), 0]
-        s[1] += 1
-        return mix_seed(s[0], s[1])
+    def graph_safe(self, t: Tensor) -> bool:
+        # the fused kernels count the calls on the GPU; the eager path draws from a torch.Generator
+        return self.graphable and fused.enabled(t)
+
+    def _fused_stream(self, device: torch.device) -> tuple:
+        """(base seed, call counter) for the fused kernels' Philox noise: the base from the seed, bucket and rank,
+        as the generator's; the counter a (1,) int64 tensor on ``device`` that each call's first kernel adds one
+        to, in place (a CUDA graph of the call keeps counting). Both are state, as the generator's state is."""
+        if self._fused_base is None:
+            self._fused_base = mix_seed(self.seed, self.bucket, self.process_rank)
+        c = self._fused_count
+        if c is None or c.device != device:
+            start = self._fused_loaded if c is None else int(c.item())
+            c = self._fused_count = torch.full((1,), start, dtype=torch.int64, device=device)
+        return self._fused_base, c
 
     def _generator(self, device: torch.device) -> torch.Generator:
         g = self._gen
@@ -199,14 +209,19 @@ class _Seeded(_Lossy):
             out["rng"] = self._gen.get_state()
         elif self._gen_state is not None:
             out["rng"] = self._gen_state
-        if self._fused_stream is not None:
-            out["fused_stream"] = torch.tensor(self._fused_stream, dtype=torch.int64)
+        if self._fused_base is not None:
+            count = self._fused_loaded if self._fused_count is None else int(self._fused_count.item())
+            out["fused_stream"] = torch.tensor([self._fused_base, count], dtype=torch.int64)
         return out
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "fused_stream" in state:
-            self._fused_stream = [int(v) for v in state["fused_stream"].tolist()]
+            self._fused_base, count = (int(v) for v in state["fused_stream"].tolist())
+            if self._fused_count is None:
+                self._fused_loaded = count
+            else:  # in place: a CUDA graph of compress holds this tensor
+                self._fused_count.fill_(count)
         rng = state.get("rng")
         if rng is None:
             return
@@ -384,6 +399,7 @@ class QSGD(_Seeded):
     seed (default 0): seeds this bucket's generator together with the bucket index.
     """
     name = "qsgd"
+    graphable = True  # where its fused kernels run (graph_safe)
     params = (Param("levels", int, 127, "quantisation levels per sign (int8 codes up to 127)", lo=1, hi=32767,
                     note=" (codes are int16)"),
               seed("seeds this bucket's rounding noise, with the bucket index and rank"))
@@ -398,8 +414,8 @@ class QSGD(_Seeded):
     def compress(self, t: Tensor):
         x = _flat(t, _work_dtype(t.dtype))
         if fused.enabled(x):
-            payload = fused.qsgd_codes(x, torch.linalg.vector_norm(x), self._fused_seed(), self.levels,
-                                       self._min_norm, self.code_dtype)
+            base, counter = self._fused_stream(x.device)
+            payload = fused.qsgd_codes(x, counter, base, self.levels, self._min_norm, self.code_dtype)
             return payload, _Ctx(t.shape, t.dtype, x.numel())
         g = self._generator(x.device)
         # The norm sent is a hair larger than the true one (2^-20), so |x| / norm * levels stays
@@ -443,6 +459,7 @@ class TernGrad(_Seeded):
     seed (default 0): seeds this bucket's generator together with the bucket index.
     """
     name = "terngrad"
+    graphable = True  # where its fused kernels run (graph_safe)
     params = (seed("seeds this bucket's rounding noise, with the bucket index and rank"),)
 
     def __init__(self, **given):
@@ -454,8 +471,8 @@ class TernGrad(_Seeded):
         x = _flat(t, _work_dtype(t.dtype))
         n = x.numel()
         if fused.enabled(x):
-            lo, hi = torch.aminmax(x)
-            return fused.tern_codes(x, lo, hi, self._fused_seed(), _TINY32), _Ctx(t.shape, t.dtype, n)
+            base, counter = self._fused_stream(x.device)
+            return fused.tern_codes(x, counter, base, _TINY32), _Ctx(t.shape, t.dtype, n)
         g = self._generator(x.device)
         lo, hi = torch.aminmax(x) if n else (x.new_zeros(()), x.new_zeros(()))  # an empty bucket: no extremes
         # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)

@@ -76,6 +76,7 @@ class SignSGD(_Vote):
     itself, so tune it as for signSGD, far below a plain SGD rate.
     """
     name = "signsgd"
+    graphable = True  # on a GPU its compress is fused kernels on the input and its state, in place
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -99,6 +100,7 @@ class Signum(_Vote):
     Every ``compress`` call advances it by one step.
     """
     name = "signum"
+    graphable = True  # on a GPU its compress is fused kernels on the input and its state, in place
     builtin_momentum = True
     params = (Param("momentum", float, 0.9, "momentum of the buffer whose signs are sent", lo=0, hi=1, hi_open=True),)
     elementwise = ("m",)
@@ -155,6 +157,7 @@ class EFSignSGD(_Lossy):
     (``state_dict()["residual"]``), zero at start; every ``compress`` call is one step.
     """
     name = "efsignsgd"
+    graphable = True  # on a GPU its compress is fused kernels on the input and its state, in place
     builtin_feedback = True
     elementwise = ("residual",)
 
@@ -221,6 +224,7 @@ class OneBit(_Lossy):
     mean; ranks' decodes are averaged.
     """
     name = "onebit"
+    graphable = True  # on a GPU its compress is fused kernels on the input and its state, in place
 
     def __init__(self, **given):
         super().__init__(**given)

@@ -1,0 +1,168 @@
+"""CUDA graphs of a codec's compress: one replay in place of its launches, for small buckets.
+
+On a GPU a small bucket's compress costs the host far more than the GPU: the fused sign codecs launch 1-3
+Triton kernels and a torch op or two, each launch 10-20 µs of Python and driver time, for kernels of 1-3 µs
+(bench/results/gpu.md). A CUDA graph records those launches once and replays them in one driver call. With
+``COMMLAB_GRAPHS=1`` (off by default: it has not yet run under the whole suite on a GPU), ``Compressor.encode``
+(what every exchange calls) replays a graph of ``compress`` when:
+
+- the codec's class declares ``graphable = True`` (``Compressor.graph_safe`` may narrow it per input): its
+  compress does the same work on the GPU for the same input, state and shape (no host synchronisation, no
+  noise seeded from the host per call, no branch on the data). The four sign codecs declare it, and qsgd and
+  terngrad for float32 buckets, where their fused kernels keep the call count that seeds the noise on the GPU
+  (their eager path draws from a ``torch.Generator``);
+- the bucket is a CUDA tensor of at most ``MAX_ELEMENTS`` (a graph keeps its outputs: memory per bucket), and
+  error feedback is off (its residual update is outside compress);
+- the same call (input address, shape, strides, dtype, and the addresses of the codec's ``elementwise``
+  state) has been made ``WARM`` times before, eagerly: a bucket the engine refills in place is captured on its
+  third step; a tensor allocated anew each call at another address never is.
+
+A replay's payload is the graph's memory: the next replay of the same call writes over it. An exchange
+consumes its payload before the bucket is compressed again, so the engine is unaffected; a caller that keeps
+payloads across calls must copy them. A capture that fails (the class declared too much) warns once and
+leaves that codec eager (``Graphs.problem``). State loaded into new tensors changes the key: the next calls
+are eager again until captured anew.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from collections import OrderedDict
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+Tensor = torch.Tensor
+
+ENV = "COMMLAB_GRAPHS"
+MAX_ELEMENTS = 1 << 22
+"""The largest bucket (elements) graphed: above it the kernels' own time dwarfs the launches'."""
+WARM = 2
+"""Eager calls with the same key before the capture (the first also compiles and allocates the state)."""
+MOST = 8
+"""Graphs kept per codec instance; the least recently replayed goes first."""
+SEEN = 64
+"""Keys counted per codec instance before the count starts afresh (tensors at ever new addresses)."""
+
+
+def on() -> bool:
+    """Whether ``COMMLAB_GRAPHS`` asks for graphs (``1``); ``0`` or unset: no graphs."""
+    way = os.environ.get(ENV, "0")
+    if way not in ("0", "1"):
+        raise ValueError(f"{ENV}: must be 0 or 1, got {way!r}")
+    return way == "1"
+
+
+def wanted(codec, t: Tensor) -> bool:
+    """Whether ``codec.compress(t)`` goes through a graph (see the module's text)."""
+    return (t.is_cuda and codec.graph_safe(t) and t.numel() <= MAX_ELEMENTS
+            and getattr(codec, "ef", None) is None and on() and not _capturing())
+
+
+def _capturing() -> bool:
+    # a graph being captured around this call already (a user's): it records the launches itself
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def compress(codec, t: Tensor) -> Tuple[List[Tensor], Any]:
+    """``codec.compress(t)``, replayed from a graph where ``wanted``."""
+    if not wanted(codec, t):
+        return codec.compress(t)
+    g = codec.__dict__.get("_graphs")
+    if g is None:
+        g = codec._graphs = Graphs()
+    return g.call(codec.compress, t, key(codec, t))
+
+
+def key(codec, t: Tensor) -> tuple:
+    """What a graph of ``codec.compress(t)`` is valid for: the input's address and layout, and the addresses
+    of the codec's per-element state (None before the first call creates it)."""
+    state = tuple(_ptr(getattr(codec, k, None)) for k in getattr(codec, "elementwise", ()))
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, state)
+
+
+def _ptr(x) -> Optional[int]:
+    return x.data_ptr() if isinstance(x, torch.Tensor) else None
+
+
+class _Recorded:
+    __slots__ = ("graph", "out")
+
+    def __init__(self, graph, out):
+        self.graph, self.out = graph, out
+
+
+class Graphs:
+    """One codec instance's graphs of its compress, by ``key``. ``new``/``capture`` make and record a graph
+    (``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` unless given: the tests stand in for them on a CPU)."""
+
+    def __init__(self, new: Callable = None, capture: Callable = None):
+        self.new = new or torch.cuda.CUDAGraph
+        self.capture = capture or _capture
+        self.seen: dict = {}
+        self.graphs: OrderedDict = OrderedDict()
+        self.problem: Optional[str] = None
+        """Why this codec's capture failed (then it stays eager), or None."""
+        self.captures = 0
+        self.replays = 0
+
+    def __deepcopy__(self, memo):  # a copied codec starts without graphs: they hold the original's memory
+        return Graphs(self.new, self.capture)
+
+    def __reduce__(self):
+        return (Graphs, ())
+
+    def call(self, fn: Callable, t: Tensor, k: tuple):
+        rec = self.graphs.get(k)
+        if rec is not None:
+            self.graphs.move_to_end(k)
+            rec.graph.replay()
+            self.replays += 1
+            payload, ctx = rec.out
+            return list(payload), ctx
+        if self.problem is not None:
+            return fn(t)
+        count = self.seen.get(k, 0)
+        if count < WARM:
+            if len(self.seen) >= SEEN:
+                self.seen.clear()
+            self.seen[k] = count + 1
+            return fn(t)
+        graph = self.new()
+        try:
+            with self.capture(graph):
+                out = fn(t)
+        except Exception as e:  # noqa: BLE001 - any capture failure leaves the codec eager, said once
+            self.problem = f"{type(e).__name__}: {e}"
+            warnings.warn(f"COMMLAB_GRAPHS: capturing {getattr(fn, '__qualname__', fn)} failed, it stays eager "
+                          f"({self.problem})", RuntimeWarning, stacklevel=3)
+            return fn(t)
+        self.seen.pop(k, None)
+        self.graphs[k] = _Recorded(graph, out)
+        self.captures += 1
+        while len(self.graphs) > MOST:
+            self.graphs.popitem(last=False)
+        graph.replay()  # the capture recorded the call without running it: this call's result
+        self.replays += 1
+        payload, ctx = out
+        return list(payload), ctx
+
+
+def _capture(graph):
+    # thread_local: another thread's CUDA calls (a collective's, in the engine) go on during the capture
+    return torch.cuda.graph(graph, capture_error_mode="thread_local")
+
+
+@contextlib.contextmanager
+def enabled(way: bool = True):
+    """Inside: ``COMMLAB_GRAPHS`` set to ``1`` (or ``0``), as before afterwards."""
+    was = os.environ.get(ENV)
+    os.environ[ENV] = "1" if way else "0"
+    try:
+        yield
+    finally:
+        if was is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = was

@@ -1,0 +1,210 @@
+"""CUDA graphs of compress (engine/compressors/graphs.py, ``COMMLAB_GRAPHS=1``).
+
+On the CPU: the bookkeeping, with a stand-in for the graph (when a call is eager, captured or replayed; what
+changes the key; eviction; a failed capture; copies). On a GPU: graphed calls held bit for bit to eager ones of
+the same codec over several steps, state included, and a training run with graphs on.
+"""
+import contextlib
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import compressors
+from engine.compressors import fused, graphs
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: the capture runs the call (what it would record), a replay counts."""
+    made = 0
+
+    def __init__(self):
+        FakeGraph.made += 1
+        self.replays = 0
+
+    def replay(self):
+        self.replays += 1
+
+
+@contextlib.contextmanager
+def fake_capture(graph):
+    yield
+
+
+def counting(fn):
+    calls = []
+
+    def call(t):
+        calls.append(t)
+        return fn(t)
+    call.calls = calls
+    return call
+
+
+def test_a_call_is_eager_warm_times_then_captured_then_replayed():
+    g = graphs.Graphs(FakeGraph, fake_capture)
+    fn = counting(lambda t: ([t * 2], "ctx"))
+    t = torch.ones(4)
+    outs = [g.call(fn, t, ("k",)) for _ in range(graphs.WARM + 4)]
+    assert len(fn.calls) == graphs.WARM + 1  # eager WARM times, then once inside the capture
+    assert g.captures == 1 and g.replays == 1 + 3  # the capture's own call is a replay too, then three
+    assert all(o[1] == "ctx" and torch.equal(o[0][0], t * 2) for o in outs)
+    # the replayed payload is the captured tensor (the graph's memory), in a list of the caller's own
+    assert outs[-1][0][0] is outs[-2][0][0] and outs[-1][0] is not outs[-2][0]
+
+
+def test_another_key_is_counted_on_its_own_and_the_oldest_graph_goes_first():
+    g = graphs.Graphs(FakeGraph, fake_capture)
+    fn = counting(lambda t: ([t], None))
+    t = torch.ones(2)
+    for k in range(graphs.MOST + 1):
+        for _ in range(graphs.WARM + 1):
+            g.call(fn, t, (k,))
+    assert g.captures == graphs.MOST + 1 and len(g.graphs) == graphs.MOST
+    assert (0,) not in g.graphs and (graphs.MOST,) in g.graphs
+    before = len(fn.calls)
+    g.call(fn, t, (0,))  # evicted: eager again, its count started afresh
+    assert len(fn.calls) == before + 1
+
+
+def test_the_key_follows_the_input_address_and_the_state_tensors():
+    c = compressors.make("signum")
+    x = torch.randn(100)
+    k0 = graphs.key(c, x)
+    c.compress(x)  # creates the momentum buffer
+    k1 = graphs.key(c, x)
+    assert k0 != k1 and k1 == graphs.key(c, x)
+    c.load_state_dict(c.state_dict())  # loading makes new tensors: graphs of the old ones must not replay
+    assert graphs.key(c, x) != k1
+    assert graphs.key(c, x.clone()) != graphs.key(c, x)
+    assert graphs.key(c, x.view(10, 10)) != graphs.key(c, x)
+
+
+def test_a_failed_capture_is_said_once_and_leaves_the_codec_eager():
+    @contextlib.contextmanager
+    def failing(graph):
+        yield
+        raise RuntimeError("operation not permitted when stream is capturing")
+    g = graphs.Graphs(FakeGraph, failing)
+    fn = counting(lambda t: ([t], None))
+    t = torch.ones(2)
+    with pytest.warns(RuntimeWarning, match="stays eager.*not permitted"):
+        for _ in range(graphs.WARM + 1):
+            out = g.call(fn, t, ("k",))
+    assert g.problem and "not permitted" in g.problem and torch.equal(out[0][0], t)
+    for _ in range(3):
+        g.call(fn, t, ("k",))
+    assert g.captures == 0 and len(fn.calls) == graphs.WARM + 2 + 3  # the failed capture's call, then eager again
+
+
+def test_graphs_are_off_on_the_cpu_with_error_feedback_and_unless_asked(monkeypatch):
+    c = compressors.make("signsgd")
+    x = torch.randn(10)
+    with graphs.enabled():
+        assert not graphs.wanted(c, x)  # a CPU tensor
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    with graphs.enabled():
+        assert graphs.wanted(c, x)
+        assert not graphs.wanted(compressors.make("signsgd", error_feedback=True), x)
+        with fused.disabled():  # the eager path draws its noise from a torch.Generator
+            assert not graphs.wanted(compressors.make("qsgd"), x)
+        assert not graphs.wanted(compressors.make("topk"), x)
+    with graphs.enabled(False):
+        assert not graphs.wanted(c, x)
+    monkeypatch.setenv(graphs.ENV, "yes")
+    with pytest.raises(ValueError, match="COMMLAB_GRAPHS: must be 0 or 1, got 'yes'"):
+        graphs.wanted(c, x)
+
+
+def test_encode_goes_through_the_graphs_and_a_copied_codec_starts_without_them(monkeypatch):
+    monkeypatch.setattr(graphs, "wanted", lambda codec, t: True)
+    c = compressors.make("signsgd")
+    c._graphs = graphs.Graphs(FakeGraph, fake_capture)
+    x = torch.randn(64)
+    for _ in range(graphs.WARM + 3):
+        payload, ctx = c.encode(x)
+    assert c._graphs.captures == 1 and c._graphs.replays == 3
+    d = copy.deepcopy(c)
+    assert d._graphs is not c._graphs and not d._graphs.graphs and d._graphs.new is FakeGraph
+
+
+def test_the_graphable_codecs_are_the_ones_without_host_randomness():
+    declared = {n for n in compressors.names() if compressors.resolve(n).graphable}
+    assert declared == {"signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"}
+
+
+# ----------------------------------------------------------------------------------- on a GPU
+
+def _equal(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"])
+def test_graphed_compress_is_the_eager_one_bit_for_bit(name, dtype):
+    """Ten steps of one bucket refilled in place, graphed against another instance eager (the random codecs'
+    noise is keyed by seed, bucket, rank and call count: two instances draw the same), the state loaded midway."""
+    steps = 10
+    graphed, eager = compressors.make(name), compressors.make(name)
+    bucket = torch.empty(4099, device="cuda", dtype=dtype)  # refilled in place, as the engine's buckets are
+    g = torch.Generator().manual_seed(1)
+    with graphs.enabled():
+        for step in range(steps):
+            bucket.copy_(torch.randn(4099, generator=g))
+            pa, ca = graphed.encode(bucket)
+            pb, cb = eager.compress(bucket.clone())
+            assert _equal(pa, pb), (name, step)
+            assert torch.equal(graphed.decompress(pa, ca), eager.decompress(pb, cb))
+            if step == 4:  # new state tensors: eager again, then captured anew
+                graphed.load_state_dict(eager.state_dict())
+    rec = graphed.__dict__.get("_graphs")
+    if name in ("qsgd", "terngrad") and dtype != torch.float32:  # their eager path: never graphed
+        assert rec is None
+        return
+    assert rec.problem is None, rec.problem
+    # stateless: captured at the third call, replayed from then on; with state: the first call makes it (a key
+    # of its own), captured at the fourth, and again at the eighth after the load
+    assert (rec.captures, rec.replays) == ((2, 5) if graphed.elementwise else (1, 8))
+    for k in graphed.elementwise:
+        assert torch.equal(getattr(graphed, k), getattr(eager, k))
+
+
+@needs_gpu
+def test_a_new_address_each_call_is_never_captured():
+    c = compressors.make("signsgd")
+    keep = []
+    with graphs.enabled():
+        for _ in range(6):
+            keep.append(torch.randn(1000, device="cuda"))
+            c.encode(keep[-1])
+    assert c._graphs.captures == 0
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["signum", "efsignsgd"])
+def test_a_run_with_graphs_trains_as_the_eager_run(tmp_path, name):
+    losses = {}
+    for way in ("0", "1"):
+        runs = tmp_path / way
+        r = subprocess.run([sys.executable, "-m", "lab.front.cli", "run", str(ROOT / "examples" / "demo.yaml"), "--quiet",
+                            "--runs", str(runs), "--set", "device=cuda", "--set", "eval_every=0", "--set", "world_size=2",
+                            "--set", "steps=30", "--set", "model=mlp", "--set", f"compressor.name={name}",
+                            "--set", "optimizer.lr=0.01", "--set", "optimizer.momentum=0"],
+                           cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, graphs.ENV: way})
+        assert r.returncode == 0, r.stdout + r.stderr
+        run_dir = next(d for d in runs.iterdir() if d.is_dir() and not d.name.startswith("."))
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        losses[way] = [row["loss"] for row in rows if row.get("kind") == "step"]
+    assert len(losses["1"]) == 30 and min(losses["1"][-10:]) < losses["1"][0]
+    # the same kernels on the same data: where the model's own kernels are deterministic, the same losses
+    assert losses["1"] == pytest.approx(losses["0"], rel=1e-5)
