@@ -39,10 +39,10 @@ def fake_capture(graph):
     yield
 
 
-def counting(fn):
+def counting(fn, t):
     calls = []
 
-    def call(t):
+    def call():
         calls.append(t)
         return fn(t)
     call.calls = calls
@@ -51,9 +51,9 @@ def counting(fn):
 
 def test_a_call_is_eager_warm_times_then_captured_then_replayed():
     g = graphs.Graphs(FakeGraph, fake_capture)
-    fn = counting(lambda t: ([t * 2], "ctx"))
     t = torch.ones(4)
-    outs = [g.call(fn, t, ("k",)) for _ in range(graphs.WARM + 4)]
+    fn = counting(lambda t: ([t * 2], "ctx"), t)
+    outs = [g.call(fn, ("k",), graphs._payload) for _ in range(graphs.WARM + 4)]
     assert len(fn.calls) == graphs.WARM + 1  # eager WARM times, then once inside the capture
     assert g.captures == 1 and g.replays == 1 + 3  # the capture's own call is a replay too, then three
     assert all(o[1] == "ctx" and torch.equal(o[0][0], t * 2) for o in outs)
@@ -63,15 +63,15 @@ def test_a_call_is_eager_warm_times_then_captured_then_replayed():
 
 def test_another_key_is_counted_on_its_own_and_the_oldest_graph_goes_first():
     g = graphs.Graphs(FakeGraph, fake_capture)
-    fn = counting(lambda t: ([t], None))
     t = torch.ones(2)
+    fn = counting(lambda t: ([t], None), t)
     for k in range(graphs.MOST + 1):
         for _ in range(graphs.WARM + 1):
-            g.call(fn, t, (k,))
+            g.call(fn, (k,))
     assert g.captures == graphs.MOST + 1 and len(g.graphs) == graphs.MOST
     assert (0,) not in g.graphs and (graphs.MOST,) in g.graphs
     before = len(fn.calls)
-    g.call(fn, t, (0,))  # evicted: eager again, its count started afresh
+    g.call(fn, (0,))  # evicted: eager again, its count started afresh
     assert len(fn.calls) == before + 1
 
 
@@ -94,14 +94,14 @@ def test_a_failed_capture_is_said_once_and_leaves_the_codec_eager():
         yield
         raise RuntimeError("operation not permitted when stream is capturing")
     g = graphs.Graphs(FakeGraph, failing)
-    fn = counting(lambda t: ([t], None))
     t = torch.ones(2)
-    with pytest.warns(RuntimeWarning, match="stays eager.*not permitted"):
+    fn = counting(lambda t: ([t], None), t)
+    with pytest.warns(RuntimeWarning, match="vote failed, this codec stays eager.*not permitted"):
         for _ in range(graphs.WARM + 1):
-            out = g.call(fn, t, ("k",))
+            out = g.call(fn, ("vote",), graphs._payload)
     assert g.problem and "not permitted" in g.problem and torch.equal(out[0][0], t)
     for _ in range(3):
-        g.call(fn, t, ("k",))
+        g.call(fn, ("vote",))
     assert g.captures == 0 and len(fn.calls) == graphs.WARM + 2 + 3  # the failed capture's call, then eager again
 
 
@@ -134,6 +134,33 @@ def test_encode_goes_through_the_graphs_and_a_copied_codec_starts_without_them(m
     assert c._graphs.captures == 1 and c._graphs.replays == 3
     d = copy.deepcopy(c)
     assert d._graphs is not c._graphs and not d._graphs.graphs and d._graphs.new is FakeGraph
+
+
+def test_decoding_goes_through_the_graphs_keyed_by_the_payloads_addresses(monkeypatch):
+    """The exchange's decoding of every rank's payloads: replayed while the gathered payloads sit at the same
+    addresses, eager (and counted afresh) when they move."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    c = compressors.make("onebit")
+    c._graphs = graphs.Graphs(FakeGraph, fake_capture)
+    payloads = [c.compress(torch.randn(300))[0] for _ in range(2)]
+    ctx = c.compress(torch.randn(300))[1]
+    calls = []
+
+    def decode_all(gathered, ctx):
+        calls.append(len(gathered))
+        return torch.zeros(ctx.n)
+    with graphs.enabled():
+        for _ in range(graphs.WARM + 2):
+            graphs.decode(c, decode_all, payloads, ctx)
+        assert c._graphs.captures == 1 and c._graphs.replays == 2 and calls == [2] * (graphs.WARM + 1)
+        moved = [[p.clone() for p in payload] for payload in payloads]
+        graphs.decode(c, decode_all, moved, ctx)
+        assert c._graphs.captures == 1 and len(calls) == graphs.WARM + 2
+        graphs.decode(c, decode_all, payloads[:1], ctx)  # one rank's payload: another key
+        assert len(calls) == graphs.WARM + 3
+    with graphs.enabled(False):
+        graphs.decode(c, decode_all, payloads, ctx)
+    assert len(calls) == graphs.WARM + 4 and c._graphs.replays == 2
 
 
 def test_the_graphable_codecs_are_the_ones_without_host_randomness():
@@ -171,11 +198,54 @@ def test_graphed_compress_is_the_eager_one_bit_for_bit(name, dtype):
         assert rec is None
         return
     assert rec.problem is None, rec.problem
-    # stateless: captured at the third call, replayed from then on; with state: the first call makes it (a key
-    # of its own), captured at the fourth, and again at the eighth after the load
-    assert (rec.captures, rec.replays) == ((2, 5) if graphed.elementwise else (1, 8))
+    # compress, stateless: captured at the third call, replayed from then on; with state: the first call makes
+    # it (a key of its own), captured at the fourth, and again at the eighth after the load. Its payload then
+    # sits at the graph's addresses, so its decoding is captured too
+    compress_keys = [k for k in rec.graphs if not isinstance(k[0], str)]
+    assert len(compress_keys) == (2 if graphed.elementwise else 1)
+    assert any(isinstance(k[0], str) for k in rec.graphs), "the decoding was never graphed"
     for k in graphed.elementwise:
         assert torch.equal(getattr(graphed, k), getattr(eager, k))
+
+
+@needs_gpu
+@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"])
+def test_a_graphed_exchange_of_two_ranks_is_the_eager_one(name):
+    """The exchange as the engine drives it, two ranks' payloads gathered into buffers that stay put (as the
+    engine's pooled all-gather buffers do): compress and the decoding of both payloads replayed from graphs,
+    the average bit for bit the eager codecs'."""
+    n = 3001
+    mine, theirs = compressors.make(name), compressors.make(name)
+    theirs.process_rank = 1
+    ref_mine, ref_theirs = copy.deepcopy(mine), copy.deepcopy(theirs)
+    bucket = torch.empty(n, device="cuda")
+    held = None  # the gathered payloads' buffers, filled in place each step
+    g = torch.Generator().manual_seed(2)
+    for step in range(8):
+        bucket.copy_(torch.randn(n, generator=g))
+        other = torch.randn(n, generator=g).cuda()
+        with graphs.enabled():
+            ex = mine.exchange(bucket, 2)
+            rnd = next(ex)
+            sent = [rnd.tensors, theirs.compress(other)[0]]
+            if held is None:
+                held = [[p.clone() for p in payload] for payload in sent]
+            for buf, payload in zip(held, sent):
+                for b, p in zip(buf, payload):
+                    b.copy_(p)
+            try:
+                ex.send(held)
+            except StopIteration as stop:
+                got = stop.value.clone()
+        ex = ref_mine.exchange(bucket.clone(), 2)
+        rnd = next(ex)
+        try:
+            ex.send([rnd.tensors, ref_theirs.compress(other)[0]])
+        except StopIteration as stop:
+            want = stop.value
+        assert torch.equal(got, want), (name, step)
+    rec = mine._graphs
+    assert rec.problem is None and any(isinstance(k[0], str) for k in rec.graphs), rec.graphs.keys()
 
 
 @needs_gpu

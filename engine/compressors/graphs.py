@@ -56,23 +56,55 @@ def on() -> bool:
 
 def wanted(codec, t: Tensor) -> bool:
     """Whether ``codec.compress(t)`` goes through a graph (see the module's text)."""
-    return (t.is_cuda and codec.graph_safe(t) and t.numel() <= MAX_ELEMENTS
-            and getattr(codec, "ef", None) is None and on() and not _capturing())
+    return (t.is_cuda and on() and codec.graph_safe(t) and t.numel() <= MAX_ELEMENTS
+            and getattr(codec, "ef", None) is None and not _capturing())
+
+
+_cuda: list = []  # whether torch has CUDA, once asked (it does not change in a process)
 
 
 def _capturing() -> bool:
     # a graph being captured around this call already (a user's): it records the launches itself
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not _cuda:
+        _cuda.append(torch.cuda.is_available())
+    return _cuda[0] and torch.cuda.is_current_stream_capturing()
+
+
+def _graphs(codec) -> "Graphs":
+    g = codec.__dict__.get("_graphs")
+    if g is None:
+        g = codec._graphs = Graphs()
+    return g
 
 
 def compress(codec, t: Tensor) -> Tuple[List[Tensor], Any]:
     """``codec.compress(t)``, replayed from a graph where ``wanted``."""
     if not wanted(codec, t):
         return codec.compress(t)
-    g = codec.__dict__.get("_graphs")
-    if g is None:
-        g = codec._graphs = Graphs()
-    return g.call(codec.compress, t, key(codec, t))
+    return _graphs(codec).call(lambda: codec.compress(t), key(codec, t), _payload)
+
+
+def decode(codec, fn: Callable, payloads: list, ctx) -> Tensor:
+    """``fn(payloads, ctx)``: a graphable codec's fused decoding of one payload or every rank's (a list of
+    tensors or of payloads), replayed from a graph keyed by the payload tensors' addresses and layouts. The
+    result is the graph's memory, written over by the next replay of the same key: the engine copies it into
+    the bucket before the bucket's next exchange."""
+    flat = [p for x in payloads for p in (x if isinstance(x, (list, tuple)) else (x,))]
+    t = flat[0]
+    if not (t.is_cuda and on() and codec.graphable and ctx.n <= MAX_ELEMENTS and not _capturing()):
+        return fn(payloads, ctx)
+    k = (fn.__name__, len(payloads), ctx.n, ctx.dtype, tuple(ctx.shape),
+         tuple((p.data_ptr(), tuple(p.shape), p.dtype) for p in flat))
+    return _graphs(codec).call(lambda: fn(payloads, ctx), k, _same)
+
+
+def _payload(out):
+    payload, ctx = out
+    return list(payload), ctx
+
+
+def _same(out):
+    return out
 
 
 def key(codec, t: Tensor) -> tuple:
@@ -113,31 +145,32 @@ class Graphs:
     def __reduce__(self):
         return (Graphs, ())
 
-    def call(self, fn: Callable, t: Tensor, k: tuple):
+    def call(self, fn: Callable, k: tuple, unpack: Callable = _same):
+        """``fn()``, eager, captured or replayed for key ``k``; ``unpack`` turns the recorded result into what the
+        caller gets (each call its own list around the graph's tensors)."""
         rec = self.graphs.get(k)
         if rec is not None:
             self.graphs.move_to_end(k)
             rec.graph.replay()
             self.replays += 1
-            payload, ctx = rec.out
-            return list(payload), ctx
+            return unpack(rec.out)
         if self.problem is not None:
-            return fn(t)
+            return fn()
         count = self.seen.get(k, 0)
         if count < WARM:
             if len(self.seen) >= SEEN:
                 self.seen.clear()
             self.seen[k] = count + 1
-            return fn(t)
+            return fn()
         graph = self.new()
         try:
             with self.capture(graph):
-                out = fn(t)
+                out = fn()
         except Exception as e:  # noqa: BLE001 - any capture failure leaves the codec eager, said once
             self.problem = f"{type(e).__name__}: {e}"
-            warnings.warn(f"COMMLAB_GRAPHS: capturing {getattr(fn, '__qualname__', fn)} failed, it stays eager "
-                          f"({self.problem})", RuntimeWarning, stacklevel=3)
-            return fn(t)
+            warnings.warn(f"COMMLAB_GRAPHS: capturing a call of {k[0] if isinstance(k[0], str) else 'compress'} "
+                          f"failed, this codec stays eager ({self.problem})", RuntimeWarning, stacklevel=3)
+            return fn()
         self.seen.pop(k, None)
         self.graphs[k] = _Recorded(graph, out)
         self.captures += 1
@@ -145,8 +178,7 @@ class Graphs:
             self.graphs.popitem(last=False)
         graph.replay()  # the capture recorded the call without running it: this call's result
         self.replays += 1
-        payload, ctx = out
-        return list(payload), ctx
+        return unpack(out)
 
 
 def _capture(graph):

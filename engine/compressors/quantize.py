@@ -39,7 +39,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from engine.compressors import bitpack, fused
+from engine.compressors import bitpack, fused, graphs
 from engine.compressors.base import Compressor, Round, nbytes
 from engine.compressors.params import Param, mix_seed, seed
 
@@ -132,7 +132,7 @@ class _Lossy(Compressor):
         payload, ctx = self.encode(t)  # compress, with error feedback when it is on
         self.last_bytes = nbytes(payload)
         gathered = yield Round("allgather", payload)
-        out = self._decode_all(gathered, ctx) if fused.on(payload[-1].device, ctx.dtype) else None
+        out = graphs.decode(self, self._decode_all, gathered, ctx) if fused.on(payload[-1].device, ctx.dtype) else None
         if out is not None:  # every rank's payload decoded and averaged in one kernel
             return out if len(ctx.shape) == 1 else out.view(ctx.shape)
         out = self.decompress(gathered[0], ctx)
@@ -148,7 +148,7 @@ class _Lossy(Compressor):
         """``decompress`` through the fused kernel, where there is one (float32 on CUDA), else None."""
         if not fused.on(payload[-1].device, ctx.dtype):
             return None
-        out = self._decode_all([payload], ctx)
+        out = graphs.decode(self, self._decode_all, [payload], ctx)
         return out if out is None or len(ctx.shape) == 1 else out.view(ctx.shape)
 
 

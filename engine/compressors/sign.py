@@ -21,7 +21,7 @@ from typing import List, Optional
 
 import torch
 
-from engine.compressors import bitpack, fused
+from engine.compressors import bitpack, fused, graphs
 from engine.compressors.base import Round, nbytes
 from engine.compressors.params import Param
 from engine.compressors.quantize import _HALF, _ONE, _Ctx, _flat, _Lossy, _work_dtype
@@ -40,14 +40,14 @@ class _Vote(_Lossy):
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         if fused.on(payload[0].device, ctx.dtype):  # one payload's vote is its own +-1
-            return fused.decode_bits(payload, ctx.n, fused.VOTE, (), ctx.dtype).view(ctx.shape)
+            return graphs.decode(self, self.vote, [payload[0]], ctx)
         return self._gather(self._table("pm", ctx.dtype, payload[0].device), payload[0], ctx)
 
     def exchange(self, t: Tensor, world_size: int):
         payload, ctx = self.encode(t)  # compress, with error feedback when it is on
         self.last_bytes = nbytes(payload)
         gathered = yield Round("allgather", payload)
-        return self.vote([p[0] for p in gathered], ctx)
+        return graphs.decode(self, self.vote, [p[0] for p in gathered], ctx)
 
     @staticmethod
     def vote(packs: List[Tensor], ctx: _Ctx) -> Tensor:
