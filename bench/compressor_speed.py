@@ -115,8 +115,8 @@ torch path (COMMLAB_FUSED=0) in the same rounds."""
 
 def commlab_side(name, device, eager=False, graphed=False):
     """(call(x) -> output, payload bytes of the last call). ``eager``: with the fused kernels off; ``graphed``:
-    compress replayed from a CUDA graph (``COMMLAB_GRAPHS=1``, as ``Compressor.encode`` does), decompress as
-    it is (training decodes the gathered payloads, at new addresses each step)."""
+    compress and decompress replayed from CUDA graphs (``COMMLAB_GRAPHS=1``, as ``Compressor.encode`` and the
+    exchanges' decoding do)."""
     from bench.grace_compare import PARAMS
     from engine.compressors import fused, graphs, make
     from engine.compressors.base import nbytes
@@ -136,8 +136,7 @@ def commlab_side(name, device, eager=False, graphed=False):
         payload, ctx = graphs.compress(c, x)
         last["bytes"] = payload
         return c.decompress(payload, ctx)
-    if graphed:  # set once for the process: the other sides call compress itself, which graphs never touch
-        os.environ[graphs.ENV] = "1"
+    graphs.force(c, graphed)  # whatever COMMLAB_GRAPHS says: each side is what it is named
     return (call_eager if eager else call_graphed if graphed else call), lambda: nbytes(last["bytes"])
 
 

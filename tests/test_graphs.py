@@ -88,6 +88,31 @@ def test_the_key_follows_the_input_address_and_the_state_tensors():
     assert graphs.key(c, x.view(10, 10)) != graphs.key(c, x)
 
 
+def test_a_codec_whose_inputs_keep_moving_stops_capturing():
+    g = graphs.Graphs(FakeGraph, fake_capture)
+    t = torch.ones(2)
+    fn = counting(lambda t: ([t], None), t)
+    with pytest.warns(RuntimeWarning, match=f"{graphs.CAPTURES} captures: its inputs keep moving"):
+        for k in range(graphs.CAPTURES + 3):
+            for _ in range(graphs.WARM + 1):
+                g.call(fn, (k,))
+    assert g.captures == graphs.CAPTURES and g.problem
+
+
+def test_force_overrides_the_environment_per_codec(monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    a, b, x = compressors.make("signsgd"), compressors.make("signsgd"), torch.randn(8)
+    graphs.force(a, True)
+    graphs.force(b, False)
+    with graphs.enabled(False):
+        assert graphs.wanted(a, x) and not graphs.wanted(b, x)
+    with graphs.enabled(True):
+        assert not graphs.wanted(b, x)
+    graphs.force(b, None)
+    with graphs.enabled(True):
+        assert graphs.wanted(b, x)
+
+
 def test_a_failed_capture_is_said_once_and_leaves_the_codec_eager():
     @contextlib.contextmanager
     def failing(graph):
@@ -203,7 +228,8 @@ def test_graphed_compress_is_the_eager_one_bit_for_bit(name, dtype):
     # sits at the graph's addresses, so its decoding is captured too
     compress_keys = [k for k in rec.graphs if not isinstance(k[0], str)]
     assert len(compress_keys) == (2 if graphed.elementwise else 1)
-    assert any(isinstance(k[0], str) for k in rec.graphs), "the decoding was never graphed"
+    if dtype == torch.float32:  # the fused decoding (the eager one of other dtypes is not graphed)
+        assert any(isinstance(k[0], str) for k in rec.graphs), "the decoding was never graphed"
     for k in graphed.elementwise:
         assert torch.equal(getattr(graphed, k), getattr(eager, k))
 

@@ -248,8 +248,11 @@ def decode_bits(packs: Sequence[Tensor], n: int, mode: int, table: Sequence[Tens
     return out
 
 
-PARTS = 512
-"""The most programs of ``reduce_parts`` (the norm's or the extremes' pass): each coding program reads them all."""
+PARTS = 1024
+"""The most programs of ``reduce_parts`` (the norm's or the extremes' pass): each coding program reads them all.
+With 8 warps each, on an H200: 25.9 µs for 25M elements (3.9 TB/s), 92.5 µs for 100M, against 29.2 and 105 µs
+with 512 programs of 4 warps and torch's 2-norm's 35.5 and 106 µs (.gpu probe, medians of 5 x 20 calls)."""
+REDUCE_WARPS = 8
 SUMSQ, ABSMAX = 0, 1
 """reduce_parts's modes: the sum of squares (QSGD's norm); the largest magnitude (TernGrad's scale)."""
 
@@ -261,7 +264,7 @@ def _parts(x: Tensor, mode: int, counter: Tensor) -> Tensor:
         raise ValueError(f"Triton's interpreter: at most {PARTS * BLOCK} elements per bucket, got {x.numel()}")
     part = torch.empty(min(blocks, PARTS), dtype=torch.float32, device=x.device)
     _launch(K.reduce_parts, (part.numel(),), x, part, counter, x.numel(), MODE=mode, LOOP=not K.INTERPRET,
-            BLOCK=BLOCK)
+            BLOCK=BLOCK, num_warps=REDUCE_WARPS)
     return part
 
 

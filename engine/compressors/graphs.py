@@ -42,6 +42,9 @@ WARM = 2
 """Eager calls with the same key before the capture (the first also compiles and allocates the state)."""
 MOST = 8
 """Graphs kept per codec instance; the least recently replayed goes first."""
+CAPTURES = 32
+"""Captures per codec instance, at most: past them its inputs keep moving (a capture costs a device
+synchronisation), and it stays eager, said once."""
 SEEN = 64
 """Keys counted per codec instance before the count starts afresh (tensors at ever new addresses)."""
 
@@ -54,9 +57,20 @@ def on() -> bool:
     return way == "1"
 
 
+def force(codec, way: Optional[bool]) -> None:
+    """Graphs on (True) or off (False) for this codec instance whatever ``COMMLAB_GRAPHS`` says; None: as it
+    says (a benchmark times both ways in one process)."""
+    codec._graphs_on = way
+
+
+def _on(codec) -> bool:
+    way = codec.__dict__.get("_graphs_on")
+    return on() if way is None else way
+
+
 def wanted(codec, t: Tensor) -> bool:
     """Whether ``codec.compress(t)`` goes through a graph (see the module's text)."""
-    return (t.is_cuda and on() and codec.graph_safe(t) and t.numel() <= MAX_ELEMENTS
+    return (t.is_cuda and _on(codec) and codec.graph_safe(t) and t.numel() <= MAX_ELEMENTS
             and getattr(codec, "ef", None) is None and not _capturing())
 
 
@@ -91,7 +105,7 @@ def decode(codec, fn: Callable, payloads: list, ctx) -> Tensor:
     the bucket before the bucket's next exchange."""
     flat = [p for x in payloads for p in (x if isinstance(x, (list, tuple)) else (x,))]
     t = flat[0]
-    if not (t.is_cuda and on() and codec.graphable and ctx.n <= MAX_ELEMENTS and not _capturing()):
+    if not (t.is_cuda and _on(codec) and codec.graphable and ctx.n <= MAX_ELEMENTS and not _capturing()):
         return fn(payloads, ctx)
     k = (fn.__name__, len(payloads), ctx.n, ctx.dtype, tuple(ctx.shape),
          tuple((p.data_ptr(), tuple(p.shape), p.dtype) for p in flat))
@@ -157,6 +171,10 @@ class Graphs:
         if self.problem is not None:
             return fn()
         count = self.seen.get(k, 0)
+        if count >= WARM and self.captures >= CAPTURES:
+            self.problem = f"{self.captures} captures: its inputs keep moving to new addresses"
+            warnings.warn(f"COMMLAB_GRAPHS: {self.problem}; this codec stays eager", RuntimeWarning, stacklevel=3)
+            return fn()
         if count < WARM:
             if len(self.seen) >= SEEN:
                 self.seen.clear()
@@ -181,9 +199,27 @@ class Graphs:
         return unpack(out)
 
 
+_streams: dict = {}  # device index -> the side stream graphs are captured on
+
+
+@contextlib.contextmanager
 def _capture(graph):
-    # thread_local: another thread's CUDA calls (a collective's, in the engine) go on during the capture
-    return torch.cuda.graph(graph, capture_error_mode="thread_local")
+    """``torch.cuda.graph(graph)`` without its garbage collection and ``empty_cache`` (a capture mid-training
+    must not hand the allocator's cache back), and with ``thread_local`` errors: another thread's CUDA calls
+    (a collective's, in the engine) go on during the capture."""
+    torch.cuda.synchronize()
+    index = torch.cuda.current_device()
+    side = _streams.get(index)
+    if side is None:
+        side = _streams[index] = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            yield
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
 
 
 @contextlib.contextmanager
