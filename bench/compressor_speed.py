@@ -45,8 +45,6 @@ GPU_TARGETS = {"bandwidth": 0.25, "vs_grace": 3.0, "fixed_us": 30.0}
 throughput at large sizes, a fixed per-call cost of at most 30 µs (at the smallest size)."""
 SMALL = 100_000
 """Sizes below this are judged on the time per call (µs), the rest on throughput (GB/s)."""
-GRAPH_MAX = 1 << 22
-"""The largest size the graphed variant is timed at (engine/compressors/graphs.py MAX_ELEMENTS)."""
 WARM_CALLS = 3
 """Calls of each side before the timing: first-call costs, and a graphed side's capture (its third call)."""
 PEAK_BY_NAME = {"H100 80GB HBM3": 3.35e12, "H100": 3.35e12, "H200": 4.8e12, "A100-SXM4-80GB": 2.04e12,
@@ -140,6 +138,12 @@ def commlab_side(name, device, eager=False, graphed=False):
     return (call_eager if eager else call_graphed if graphed else call), lambda: nbytes(last["bytes"])
 
 
+def graph_max() -> int:
+    """The largest size the graphed variant is timed at: the largest bucket graphed."""
+    from engine.compressors import graphs
+    return graphs.MAX_ELEMENTS
+
+
 def graphable(name) -> bool:
     """Whether codec ``name`` may be graphed (engine/compressors/graphs.py): the bench then times that too."""
     from engine.compressors import resolve
@@ -174,7 +178,7 @@ def measure(names, sizes, repeat, device, mods=None, log=print):
             sides[(name, "commlab")] = commlab_side(name, device)
             if device.type == "cuda" and name in FUSED:
                 sides[(name, "eager")] = commlab_side(name, device, eager=True)
-            if device.type == "cuda" and graphable(name) and n <= GRAPH_MAX:
+            if device.type == "cuda" and graphable(name) and n <= graph_max():
                 sides[(name, "graphed")] = commlab_side(name, device, graphed=True)
             if mods is not None:
                 g = grace_side(name, mods, n, device)
@@ -284,7 +288,7 @@ def table(results, sizes, cuda, peak, grace):
         head.append(f"{_h(n)} {unit}")
         if eager:
             head.append(f"{_h(n)} eager {unit}")
-        if graphed and n <= GRAPH_MAX:
+        if graphed and n <= graph_max():
             head.append(f"{_h(n)} graphed {unit}")
         if grace:
             head.append(f"{_h(n)} GRACE {unit}")
@@ -301,7 +305,7 @@ def table(results, sizes, cuda, peak, grace):
             cells.append(fmt(r["seconds"]))
             if eager:
                 cells.append(fmt(r["eager"]["seconds"]) if "eager" in r else "-")
-            if graphed and n <= GRAPH_MAX:
+            if graphed and n <= graph_max():
                 cells.append(fmt(r["graphed"]["seconds"]) if "graphed" in r else "-")
             if grace:
                 cells.append(fmt(r["grace"]["seconds"]) if "grace" in r else
@@ -411,7 +415,7 @@ def main(argv=None):
           f"Medians of {args.repeat} interleaved rounds"
           + ("; 'eager' is the same codec with its fused kernels off (COMMLAB_FUSED=0), 'graphed' with its "
              "compress replayed from a CUDA graph (COMMLAB_GRAPHS=1, where the codec allows it, up to "
-             f"{GRAPH_MAX:,} elements), both timed in the same rounds" if cuda else "")
+             f"{graph_max():,} elements), both timed in the same rounds" if cuda else "")
           + ("; CUDA-event timing of back-to-back calls (launch cost included)." if cuda else "."), ""]
     if cuda:
         md += [f"Peak memory bandwidth {peak / 1e9:.0f} GB/s ({peak_note}); a device-to-device copy measured "

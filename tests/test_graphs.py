@@ -286,15 +286,17 @@ def test_a_new_address_each_call_is_never_captured():
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", ["signum", "efsignsgd"])
-def test_a_run_with_graphs_trains_as_the_eager_run(tmp_path, name):
+@pytest.mark.parametrize("mode", ["wfbp", "sync"])
+@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"])
+def test_a_run_with_graphs_trains_as_the_eager_run(tmp_path, name, mode):
     losses = {}
     for way in ("0", "1"):
         runs = tmp_path / way
         r = subprocess.run([sys.executable, "-m", "lab.front.cli", "run", str(ROOT / "examples" / "demo.yaml"), "--quiet",
                             "--runs", str(runs), "--set", "device=cuda", "--set", "eval_every=0", "--set", "world_size=2",
                             "--set", "steps=30", "--set", "model=mlp", "--set", f"compressor.name={name}",
-                            "--set", "optimizer.lr=0.01", "--set", "optimizer.momentum=0"],
+                            "--set", "optimizer.lr=0.01", "--set", "optimizer.momentum=0",
+                            "--set", f"comm.mode={mode}"],
                            cwd=ROOT, capture_output=True, text=True, timeout=600,
                            env={**os.environ, graphs.ENV: way})
         assert r.returncode == 0, r.stdout + r.stderr
