@@ -55,7 +55,12 @@ def test_a_graphed_variant_is_judged_as_its_own_row():
     res = {"signsgd": {1000: {"seconds": 45e-6, "graphed": {"seconds": 25e-6}, "grace": {"seconds": 50e-6}, "speedup": 1.1},
                        1_000_000: {"seconds": 80e-6, "speedup": 0.9, "moved_gbps": 1.0, "ratio": 32.0, "grace": {"seconds": 72e-6},
                                    "graphed": {"seconds": 20e-6, "speedup": 3.6}}}}
-    v = cs.judge(res, [1000, 1_000_000], 1e12)
+    res["signsgd"][25_000_000] = {"seconds": 1e-3, "moved_gbps": 103.0, "payload_bytes": 3_125_000,
+                                  "graphed": {"seconds": 0.4e-3}}
+    v = cs.judge(res, [1000, 1_000_000, 25_000_000], 1e12)
+    # 103 MB in 1 ms is 10.3% of 1 TB/s; in 0.4 ms 25.8%
+    assert [(r[0], round(r[2], 3), r[3]) for r in v["bandwidth"]] == [("signsgd", 0.103, False),
+                                                                      ("signsgd graphed", 0.258, True)]
     assert {(r[0], r[3]) for r in v["fixed_us"]} == {("signsgd", False), ("signsgd graphed", True)}
     assert {(r[0], r[3]) for r in v["vs_grace"]} == {("signsgd", False), ("signsgd graphed", True)}
     md = cs.table(res, [1000, 1_000_000], True, 1e12, True)
