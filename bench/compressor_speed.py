@@ -106,7 +106,7 @@ def copy_bandwidth(device, nbytes=1 << 30, repeat=10):
 
 # ---------------------------------------------------------------- one call of each side
 
-FUSED = ("signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad")
+FUSED = ("signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad", "natural")
 """The codecs with fused GPU kernels (engine/compressors/fused.py); on a GPU the bench also times their eager
 torch path (COMMLAB_FUSED=0) in the same rounds."""
 

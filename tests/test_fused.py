@@ -7,6 +7,7 @@ other test runs. The deterministic codecs must give the eager payload bit for bi
 rounding tie) and its decoding; the random ones the eager payload's layout, scalars and decoding, unbiased
 codes, noise that differs by rank and call and is restored with the state.
 """
+import contextlib
 import copy
 
 import pytest
@@ -60,7 +61,7 @@ def test_deterministic_codecs_send_and_decode_what_the_eager_ones_do(name, n):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "onebit", "qsgd", "terngrad"])
+@pytest.mark.parametrize("name", ["signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "natural"])
 def test_every_ranks_payload_decodes_in_one_kernel_as_the_eager_loop_does(name, world):
     """The payloads of ``world`` ranks (made by the eager codecs, as another rank may) decoded together: the
     vote, or the mean of the decoded payloads, as the eager exchange computes it."""
@@ -79,19 +80,26 @@ def test_every_ranks_payload_decodes_in_one_kernel_as_the_eager_loop_does(name, 
     torch.testing.assert_close(got.view(-1), want.view(-1), rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name,params", [("qsgd", {}), ("qsgd", {"levels": 300}), ("terngrad", {})])
-def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params):
+@pytest.mark.parametrize("name,params,scale", [("qsgd", {}, 1), ("qsgd", {"levels": 300}, 1), ("terngrad", {}, 1),
+                                               ("natural", {}, 0.1), ("natural", {}, 2.0 ** 20)])
+def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params, scale):
+    """natural at 0.1: max|x| < 1, no offset; at 2^20 an offset, and values below its smallest code (a few set
+    to 1e-37 here) code 0 or 1 with the probability that keeps them unbiased."""
     n = 1001
-    x = randn(n, seed=1)
+    x = randn(n, seed=1) * scale
+    if scale > 1:
+        x[:5] = torch.tensor([1e-37, -2e-37, 3e-38, 1e-30, -1e-33])
     c = make(name, **params)
     payload, ctx = c.compress(x)
     with fused.disabled():
         ref, _ = make(name, **params).compress(x)
     assert [(p.dtype, p.shape) for p in payload] == [(p.dtype, p.shape) for p in ref]
-    # the scalar sent: max|x| exactly; the norm to float rounding (its squares summed in another order)
-    torch.testing.assert_close(payload[0], ref[0], rtol=0 if name == "terngrad" else 1e-6, atol=0)
+    # the scalar sent: max|x| and natural's offset exactly; the norm to float rounding (summed in another order)
+    torch.testing.assert_close(payload[0], ref[0], rtol=1e-6 if name == "qsgd" else 0, atol=0)
     if name == "qsgd":
         assert payload[1].abs().max().item() <= c.levels
+    elif name == "natural":
+        assert (payload[0].item() > 0) == (scale > 1)
     else:
         from engine.compressors import bitpack
         assert bitpack.unpack_2bit(payload[1], n).max().item() <= 3
@@ -99,12 +107,17 @@ def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params):
         torch.testing.assert_close(c.decompress(payload, ctx), make(name, **params).decompress(payload, ctx))
     draws = 300
     mean = sum(c.decompress(*c.compress(x)) for _ in range(draws)) / draws
+    if name == "natural":  # each value rounds between its two powers of two: off by at most |x| (v1 below it)
+        v1 = 2.0 ** (payload[0].item() + 1 - 127)
+        bound = torch.maximum(x.abs(), torch.full_like(x, v1))
+        assert ((mean - x).abs() / bound).max().item() < 5 * 0.5 / draws ** 0.5
+        return
     spread = (x.abs().max() if name == "terngrad" else torch.linalg.vector_norm(x) / c.levels).item()
     # each draw is off by at most one step; the mean of 300 by far less (5 sigma of a uniform step: 0.29 each)
     assert (mean - x).abs().max().item() < 5 * 0.5 * spread / draws ** 0.5
 
 
-@pytest.mark.parametrize("name", ["qsgd", "terngrad"])
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural"])
 def test_random_codecs_noise_differs_by_rank_and_call_and_comes_back_with_the_state(name):
     x = randn(4099, seed=2)
     a, b = make(name, rank=0), make(name, rank=1)
@@ -142,7 +155,7 @@ def test_off_means_off(monkeypatch):
     assert ctx.n == 5
 
 
-@pytest.mark.parametrize("name", ["qsgd", "terngrad"])
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural"])
 def test_random_codecs_count_their_calls_on_the_device_and_load_the_count_in_place(name):
     """The count that keys each call's noise lives on the bucket's device and is advanced by the kernels (a CUDA
     graph of the call keeps drawing new noise); loading state writes into the same tensor (a graph holds it)."""
@@ -157,3 +170,21 @@ def test_random_codecs_count_their_calls_on_the_device_and_load_the_count_in_pla
     c.load_state_dict(state)
     assert c._fused_count is counter and counter.item() == 2
     assert torch.equal(c.compress(x)[0][1], third)
+
+
+def test_natural_codes_values_below_the_smallest_code_as_the_eager_codec_does():
+    """max|x| = 2^126 puts the offset at 127: the smallest code is 2, and 0.5 and -1.5 code 0 or +-2 with the
+    probability that keeps them unbiased; 3 rounds to 2 or 4. The same values and means as the eager codec."""
+    x = torch.tensor([2.0 ** 126, 0.5, -1.5, 3.0, 0.0] * 2000).to(DEVICE)
+    got = {}
+    for way in ("fused", "eager"):
+        with (fused.disabled() if way == "eager" else contextlib.nullcontext()):
+            c = make("natural")
+            assert c.compress(x)[0][0].item() == 127
+            got[way] = torch.stack([c.decompress(*c.compress(x)) for _ in range(20)])
+    for v, values in ((0.5, {0.0, 2.0}), (-1.5, {-2.0, 0.0}), (3.0, {2.0, 4.0}), (0.0, {0.0})):
+        for way, outs in got.items():
+            sel = outs[:, x == v]
+            assert set(sel.unique().tolist()) == values, (way, v)
+            # 40,000 draws of a two-valued variable at most 2 apart: 5 sigma is under 0.025
+            assert abs(sel.mean().item() - v) < 0.025, (way, v)

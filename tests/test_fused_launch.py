@@ -85,7 +85,7 @@ def test_the_cached_kernel_is_the_one_triton_dispatches_to(monkeypatch):
 
 
 @gpu
-@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"])
+@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad", "natural"])
 def test_the_direct_launch_gives_what_tritons_launch_gives(name, monkeypatch):
     """Two instances with the same state, one launched Triton's way, one commlab's, on misaligned and aligned
     inputs of odd sizes, three calls each (the first of a specialization is Triton's in both): the same payload

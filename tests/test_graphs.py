@@ -20,6 +20,7 @@ from engine.compressors import fused, graphs
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+GRAPHABLE = ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad", "natural"]
 
 
 class FakeGraph:
@@ -190,7 +191,7 @@ def test_decoding_goes_through_the_graphs_keyed_by_the_payloads_addresses(monkey
 
 def test_the_graphable_codecs_are_the_ones_without_host_randomness():
     declared = {n for n in compressors.names() if compressors.resolve(n).graphable}
-    assert declared == {"signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"}
+    assert declared == set(GRAPHABLE)
 
 
 # ----------------------------------------------------------------------------------- on a GPU
@@ -201,7 +202,7 @@ def _equal(a, b):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"])
+@pytest.mark.parametrize("name", GRAPHABLE)
 def test_graphed_compress_is_the_eager_one_bit_for_bit(name, dtype):
     """Ten steps of one bucket refilled in place, graphed against another instance eager (the random codecs'
     noise is keyed by seed, bucket, rank and call count: two instances draw the same), the state loaded midway."""
@@ -219,7 +220,7 @@ def test_graphed_compress_is_the_eager_one_bit_for_bit(name, dtype):
             if step == 4:  # new state tensors: eager again, then captured anew
                 graphed.load_state_dict(eager.state_dict())
     rec = graphed.__dict__.get("_graphs")
-    if name in ("qsgd", "terngrad") and dtype != torch.float32:  # their eager path: never graphed
+    if name in ("qsgd", "terngrad", "natural") and dtype != torch.float32:  # their eager path: never graphed
         assert rec is None
         return
     assert rec.problem is None, rec.problem
@@ -235,7 +236,7 @@ def test_graphed_compress_is_the_eager_one_bit_for_bit(name, dtype):
 
 
 @needs_gpu
-@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"])
+@pytest.mark.parametrize("name", GRAPHABLE)
 def test_a_graphed_exchange_of_two_ranks_is_the_eager_one(name):
     """The exchange as the engine drives it, two ranks' payloads gathered into buffers that stay put (as the
     engine's pooled all-gather buffers do): compress and the decoding of both payloads replayed from graphs,
@@ -287,7 +288,7 @@ def test_a_new_address_each_call_is_never_captured():
 
 @needs_gpu
 @pytest.mark.parametrize("mode", ["wfbp", "sync"])
-@pytest.mark.parametrize("name", ["signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad"])
+@pytest.mark.parametrize("name", GRAPHABLE)
 def test_a_run_with_graphs_trains_as_the_eager_run(tmp_path, name, mode):
     losses = {}
     for way in ("0", "1"):

@@ -17,6 +17,7 @@ onebit      bits, count and sums per block; (their sums: torch);    a mean per b
             the two means
 qsgd        sums of squares per program; codes floor(x / step + U)  code * norm / levels, averaged
 terngrad    max|x| per program; 2-bit codes floor(x / s + 1 + U)    s * {-1, 0, 1}, averaged
+natural     max|x| per program; bits + random mantissa -> exponent  +-2^(offset + k - 127) or 0, averaged
 ==========  ======================================================  ==================================
 
 The payloads are byte for byte the eager codecs' (same layout, same scalars), so a fused rank and an eager
@@ -309,4 +310,26 @@ def tern_decode_all(scales: Sequence[Tensor], packs: Sequence[Tensor], n: int, d
     out = _out(n, dtype, p.device)
     if n:
         _launch(K.tern_decode, _grid(n), p, p.stride(0), s, out, n, WORLD=p.shape[0], BLOCK=BLOCK)
+    return out
+
+
+def natural_codes(x: Tensor, counter: Tensor, base: int) -> List[Tensor]:
+    """Natural compression's payload from a float32 ``x``: [offset int32 (1,), codes uint8 (n,)], the eager
+    codec's layout and rules, the offset found on the GPU (no host round trip); the noise as ``qsgd_codes``'s."""
+    n = x.numel()
+    part = _parts(x, ABSMAX, counter)
+    off = torch.empty(1, dtype=torch.int32, device=x.device)
+    codes = torch.empty(n, dtype=torch.uint8, device=x.device)
+    _launch(K.natural_encode, _grid(n), x, part, part.numel(), counter, off, codes, n, base, PARTS=PARTS,
+            BLOCK=BLOCK)
+    return [off, codes]
+
+
+def natural_decode_all(offsets: Sequence[Tensor], codes: Sequence[Tensor], n: int, dtype) -> Tensor:
+    """One rank's natural-compression payload decoded, or the mean of several ranks'."""
+    c = _rows(codes)
+    o = _rows(offsets)
+    out = _out(n, dtype, c.device)
+    if n:
+        _launch(K.natural_decode, _grid(n), c, c.stride(0), o, out, n, WORLD=c.shape[0], BLOCK=BLOCK)
     return out

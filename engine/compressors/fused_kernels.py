@@ -256,3 +256,55 @@ def tern_decode(p_ptr, stride, s_ptr, out_ptr, n, WORLD: tl.constexpr, BLOCK: tl
         c = (tl.load(p_ptr + r * stride + byte, mask=mask, other=0).to(tl.int32) >> shift) & 3
         acc += (tl.minimum(c, 2) - 1).to(tl.float32) * tl.load(s_ptr + r)
     tl.store(out_ptr + offs, (acc / WORLD).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _words(seed, pid, BLOCK: tl.constexpr):
+    # BLOCK random 32-bit words for block pid: four from each Philox draw
+    c = pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
+    a, b, d, e = tl.randint4x(seed, c)
+    return tl.reshape(tl.join(tl.join(a, b), tl.join(d, e)), (BLOCK,))
+
+
+@triton.jit
+def natural_encode(x_ptr, part_ptr, nparts, ctr_ptr, off_ptr, codes_ptr, n, base,
+                   PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    # Natural compression of float32: a random integer below the mantissa's unit added to x's bits carries into
+    # the exponent field with the probability that rounds |x| up to the next power of two; the code is
+    # sign << 7 | (field - offset), offset = max(field(max|x|) + 1 - 127, 0); with an offset, 0 < |x| < v1 =
+    # 2^(offset + 1 - 127) codes 1 with probability |x| / v1, else 0 (the eager codec's rules)
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    top = (_total(part_ptr, nparts, 1, PARTS).to(tl.int32, bitcast=True) >> 23) & 255
+    offset = tl.maximum(top - 126, 0)
+    if pid == 0:
+        tl.store(off_ptr, offset)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    xi = x.to(tl.int32, bitcast=True)
+    w = _words(_seed(base, ctr_ptr), pid, BLOCK)
+    r = (w & 8388607).to(tl.int32, bitcast=True) + xi
+    field = (r >> 23) & 255
+    mag = tl.maximum(field - offset, 0)
+    a = xi & 2147483647  # |x| as bits
+    small = (offset > 0) & (a > 0) & (a < ((offset + 1) << 23))
+    v1 = ((offset + 1) << 23).to(tl.float32, bitcast=True)
+    hit = tl.random.uint_to_uniform_float(w) < tl.abs(x) / v1
+    mag = tl.where(small, hit.to(tl.int32), mag)
+    code = mag | tl.where(r < 0, 128, 0)
+    tl.store(codes_ptr + offs, code.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def natural_decode(c_ptr, stride, off_ptr, out_ptr, n, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    # code k = sign << 7 | m: 0 for m = 0, else +-2^(offset + m - 127), averaged over ranks (each its offset)
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for r in tl.static_range(WORLD):
+        c = tl.load(c_ptr + r * stride + offs, mask=mask, other=0).to(tl.int32)
+        m = c & 127
+        bits = ((m + tl.load(off_ptr + r)) << 23) | ((c >> 7) << 31)
+        acc += tl.where(m > 0, bits.to(tl.float32, bitcast=True), 0.0)
+    tl.store(out_ptr + offs, (acc / WORLD).to(out_ptr.dtype.element_ty), mask=mask)

@@ -537,12 +537,14 @@ class Natural(_Seeded):
     always does); magnitudes below 2^(E - 125), where 2^E <= max|x| < 2^(E+1),
     then round between 0 and 2^(E - 125), still unbiased. Decodes to +-2^e or
     0. (A float32 max|x| >= 2^127 may round up to inf.) Reading the offset
-    is a host sync per call, which matters on GPU only.
+    is a host sync per call in the eager path; float32 buckets on a GPU take fused kernels that find it there
+    (engine/compressors/fused.py).
 
     seed (default 0): seeds this bucket's generator together with the bucket index.
     """
     name = "natural"
     params = (seed("seeds this bucket's rounding noise, with the bucket index and rank"),)
+    graphable = True  # where its fused kernels run (graph_safe): they find the offset on the GPU
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -558,6 +560,9 @@ class Natural(_Seeded):
     def compress(self, t: Tensor):
         x = _flat(t, _work_dtype(t.dtype))
         n = x.numel()
+        if fused.enabled(x):
+            base, counter = self._fused_stream(x.device)
+            return fused.natural_codes(x, counter, base), _Ctx(t.shape, t.dtype, n)
         itype, mb, eb = _IEEE[x.dtype]
         g = self._generator(x.device)
         xi = x.view(itype)
@@ -616,7 +621,13 @@ class Natural(_Seeded):
             return None
         return (a < lim - 1).nonzero().squeeze(1)
 
+    def _decode_all(self, gathered, ctx):
+        return fused.natural_decode_all([p[0] for p in gathered], [p[1] for p in gathered], ctx.n, ctx.dtype)
+
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
+        out = self._decoded(payload, ctx)
+        if out is not None:
+            return out
         offset, codes = payload
         n = codes.numel()
         # the int32 indices go to a kept buffer when large (nothing returned points into it)
