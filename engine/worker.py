@@ -131,6 +131,7 @@ def run(run_dir: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
+    from engine.compressors import graphs
     from engine.trainer import Trainer, resolve_backend, resolve_device
 
     with open(os.path.join(run_dir, runfiles.SPEC)) as f:
@@ -148,9 +149,11 @@ def run(run_dir: str, rank: int) -> None:
     backend = resolve_backend(spec, device)
     dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300"))))
     if rank == 0:  # what the spec's machine-dependent choices (auto, threads 0) came to on this machine
-        _write_json(run_dir, runfiles.RESOLVED, {"rank": 0, "backend": backend, "device": str(device),
-                                                 "threads": threads, "world_size": world,
-                                                 "local_world_size": local_world, "torch": torch.__version__})
+        resolved = {"rank": 0, "backend": backend, "device": str(device), "threads": threads, "world_size": world,
+                    "local_world_size": local_world, "torch": torch.__version__}
+        if device.type == "cuda":  # the switches that change a GPU run's codecs (fused kernels, CUDA graphs)
+            resolved["gpu_codecs"] = graphs.settings()
+        _write_json(run_dir, runfiles.RESOLVED, resolved)
     trainer = None
     trials = read_trials(run_dir)
     if trials:
@@ -166,6 +169,10 @@ def run(run_dir: str, rank: int) -> None:
                   f"{backend} on {device}, {threads} thread(s) per rank, {len(trainer.dp.buckets)} bucket(s)",
                   flush=True)
         trainer.train()
+        if rank == 0 and device.type == "cuda":
+            line = graphs.summary(getattr(b, "compressor", None) for b in getattr(trainer.dp, "buckets", ()))
+            if line:
+                print(f"[commlab] rank 0: {line}", flush=True)
     finally:
         if trainer is not None:
             trainer.close()

@@ -8,6 +8,7 @@ import contextlib
 import copy
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -189,6 +190,24 @@ def test_decoding_goes_through_the_graphs_keyed_by_the_payloads_addresses(monkey
     assert len(calls) == graphs.WARM + 4 and c._graphs.replays == 2
 
 
+def test_a_run_says_what_its_graphs_did_and_records_the_switches(monkeypatch):
+    a, b, c = (compressors.make("signsgd") for _ in range(3))
+    assert graphs.summary([a, b, c]) is None  # never asked: nothing to say
+    a._graphs = graphs.Graphs(FakeGraph, fake_capture)
+    b._graphs = graphs.Graphs(FakeGraph, fake_capture)
+    t = torch.ones(2)
+    for _ in range(graphs.WARM + 3):
+        a._graphs.call(lambda: ([t], None), ("k",))
+    b._graphs.problem = "RuntimeError: operation not permitted when stream is capturing"
+    assert graphs.summary([a, b, c, None]) == (
+        "CUDA graphs: 1 of 3 codec(s) captured, 1 capture(s), 3 replay(s); 1 stayed eager, the first because "
+        "RuntimeError: operation not permitted when stream is capturing")
+    monkeypatch.setenv("COMMLAB_FUSED", "0")
+    monkeypatch.delenv("COMMLAB_FUSED_LAUNCH", raising=False)
+    with graphs.enabled():
+        assert graphs.settings() == {"fused": "0", "fused_launch": "direct", "graphs": "1"}
+
+
 def test_the_graphable_codecs_are_the_ones_without_host_randomness():
     declared = {n for n in compressors.names() if compressors.resolve(n).graphable}
     assert declared == set(GRAPHABLE)
@@ -304,6 +323,13 @@ def test_a_run_with_graphs_trains_as_the_eager_run(tmp_path, name, mode):
         run_dir = next(d for d in runs.iterdir() if d.is_dir() and not d.name.startswith("."))
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         losses[way] = [row["loss"] for row in rows if row.get("kind") == "step" and row["rank"] == 0]
+        resolved = json.loads((run_dir / "resolved.json").read_text())
+        assert resolved["gpu_codecs"]["graphs"] == way
+        said = re.search(r"CUDA graphs: (\d+) of (\d+) codec\(s\) captured", (run_dir / "log.txt").read_text())
+        if way == "1":  # the graphs were taken, not just allowed
+            assert said and int(said.group(1)) >= 1, (run_dir / "log.txt").read_text()[-2000:]
+        else:
+            assert said is None
     assert len(losses["1"]) == 30 and min(losses["1"][-10:]) < losses["1"][0]
     # the same kernels on the same data: where the model's own kernels are deterministic, the same losses
     assert losses["1"] == pytest.approx(losses["0"], rel=1e-5)

@@ -78,6 +78,26 @@ def wanted(codec, t: Tensor) -> bool:
 _cuda: list = []  # whether torch has CUDA, once asked (it does not change in a process)
 
 
+def settings() -> dict:
+    """What the GPU codecs' switches are in this process (a run on a GPU records them in resolved.json): the
+    fused kernels (``COMMLAB_FUSED``), their launch (``COMMLAB_FUSED_LAUNCH``) and the graphs (``COMMLAB_GRAPHS``)."""
+    return {"fused": os.environ.get("COMMLAB_FUSED", "1"), "fused_launch": os.environ.get("COMMLAB_FUSED_LAUNCH", "direct"),
+            "graphs": os.environ.get(ENV, "0")}
+
+
+def summary(codecs) -> Optional[str]:
+    """One line on what the graphs of these codec instances did (a run's log says it at its end), or None where
+    none of them was ever asked for a graph."""
+    codecs = [c for c in codecs if c is not None]
+    kept = [g for g in (c.__dict__.get("_graphs") for c in codecs) if g is not None]
+    if not kept:
+        return None
+    line = (f"CUDA graphs: {sum(1 for g in kept if g.captures)} of {len(codecs)} codec(s) captured, "
+            f"{sum(g.captures for g in kept)} capture(s), {sum(g.replays for g in kept)} replay(s)")
+    problems = [g.problem for g in kept if g.problem]
+    return line + (f"; {len(problems)} stayed eager, the first because {problems[0]}" if problems else "")
+
+
 def _capturing() -> bool:
     # a graph being captured around this call already (a user's): it records the launches itself
     if not _cuda:
