@@ -88,6 +88,9 @@ def test_the_key_follows_the_input_address_and_the_state_tensors():
     assert graphs.key(c, x) != k1
     assert graphs.key(c, x.clone()) != graphs.key(c, x)
     assert graphs.key(c, x.view(10, 10)) != graphs.key(c, x)
+    k2 = graphs.key(c, x)
+    c.momentum = 0.5  # a parameter changed under a graph: another key (the graph keeps the number it captured)
+    assert graphs.key(c, x) != k2
 
 
 def test_a_codec_whose_inputs_keep_moving_stops_capturing():

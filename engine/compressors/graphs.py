@@ -128,7 +128,7 @@ def decode(codec, fn: Callable, payloads: list, ctx) -> Tensor:
     t = flat[0]
     if not (t.is_cuda and _on(codec) and codec.graphable and ctx.n <= MAX_ELEMENTS and not _capturing()):
         return fn(payloads, ctx)
-    k = (fn.__name__, len(payloads), ctx.n, ctx.dtype, tuple(ctx.shape),
+    k = (fn.__name__, len(payloads), ctx.n, ctx.dtype, tuple(ctx.shape), _params(codec),
          tuple((p.data_ptr(), tuple(p.shape), p.dtype) for p in flat))
     return _graphs(codec).call(lambda: fn(payloads, ctx), k, _same)
 
@@ -143,10 +143,15 @@ def _same(out):
 
 
 def key(codec, t: Tensor) -> tuple:
-    """What a graph of ``codec.compress(t)`` is valid for: the input's address and layout, and the addresses
-    of the codec's per-element state (None before the first call creates it)."""
+    """What a graph of ``codec.compress(t)`` is valid for: the input's address and layout, the addresses of
+    the codec's per-element state (None before the first call creates it) and its parameters' values (a graph
+    keeps the numbers it was captured with)."""
     state = tuple(_ptr(getattr(codec, k, None)) for k in getattr(codec, "elementwise", ()))
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, state)
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, state, _params(codec))
+
+
+def _params(codec) -> tuple:
+    return tuple(getattr(codec, p.name, None) for p in getattr(codec, "params", ()))
 
 
 def _ptr(x) -> Optional[int]:
