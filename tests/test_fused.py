@@ -157,19 +157,35 @@ def test_off_means_off(monkeypatch):
 
 @pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural"])
 def test_random_codecs_count_their_calls_on_the_device_and_load_the_count_in_place(name):
-    """The count that keys each call's noise lives on the bucket's device and is advanced by the kernels (a CUDA
-    graph of the call keeps drawing new noise); loading state writes into the same tensor (a graph holds it)."""
+    """The base seed and the count that key each call's noise live on the bucket's device, the count advanced by
+    the kernels (a CUDA graph of the call keeps drawing new noise); loading state writes both into the same tensor
+    (a graph holds it)."""
     c, x = make(name), randn(5000, seed=3)
     c.compress(x)
     c.compress(x)
-    counter = c._fused_count
-    assert counter.device == x.device and counter.item() == 2
+    rng = c._fused_rng
+    assert rng.device == x.device and rng[1].item() == 2
     state = copy.deepcopy(c.state_dict())
     assert state["fused_stream"].tolist()[1] == 2
     third = c.compress(x)[0][1].clone()
     c.load_state_dict(state)
-    assert c._fused_count is counter and counter.item() == 2
+    assert c._fused_rng is rng and rng[1].item() == 2
     assert torch.equal(c.compress(x)[0][1], third)
+    other = make(name, rank=1)  # another rank's state: its base seed too, into the same tensor
+    other.compress(x)
+    c.load_state_dict(other.state_dict())
+    assert c._fused_rng is rng and torch.equal(c.compress(x)[0][1], other.compress(x)[0][1])
+
+
+@pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural", "onebit", "efsignsgd"])
+def test_a_nan_in_the_bucket_reaches_the_decoded_average(name):
+    """The trainer stops a run whose averaged gradients are not finite: the fused kernels keep a NaN as the eager
+    codecs do (a GPU's max drops NaN unless told not to)."""
+    x = randn(5000, seed=4)
+    x[7::250] = float("nan")  # 20 of them: natural decodes each to inf or 0, all 0 with odds 2^-20
+    c = make(name)
+    out = c.decompress(*c.compress(x))
+    assert not torch.isfinite(out.sum()), name
 
 
 def test_natural_codes_values_below_the_smallest_code_as_the_eager_codec_does():

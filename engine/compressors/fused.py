@@ -258,27 +258,27 @@ SUMSQ, ABSMAX = 0, 1
 """reduce_parts's modes: the sum of squares (QSGD's norm); the largest magnitude (TernGrad's scale)."""
 
 
-def _parts(x: Tensor, mode: int, counter: Tensor) -> Tensor:
-    """``reduce_parts`` over the flat ``x``: its partials (one per program); the call counted in ``counter``."""
+def _parts(x: Tensor, mode: int, rng: Tensor) -> Tensor:
+    """``reduce_parts`` over the flat ``x``: its partials (one per program); the call counted in ``rng[1]``."""
     blocks = _grid(x.numel())[0]
     if K.INTERPRET and blocks > PARTS:  # one block per program there: more would not fit the coding kernels
         raise ValueError(f"Triton's interpreter: at most {PARTS * BLOCK} elements per bucket, got {x.numel()}")
     part = torch.empty(min(blocks, PARTS), dtype=torch.float32, device=x.device)
-    _launch(K.reduce_parts, (part.numel(),), x, part, counter, x.numel(), MODE=mode, LOOP=not K.INTERPRET,
+    _launch(K.reduce_parts, (part.numel(),), x, part, rng, x.numel(), MODE=mode, LOOP=not K.INTERPRET,
             BLOCK=BLOCK, num_warps=REDUCE_WARPS)
     return part
 
 
-def qsgd_codes(x: Tensor, counter: Tensor, base: int, levels: int, min_norm: float, code_dtype) -> List[Tensor]:
-    """QSGD's payload from ``x``: [its 2-norm as sent (1,), codes (n,)]. ``counter`` (a (1,) int64 tensor on
-    x's device) counts the calls; with ``base`` it seeds this call's noise, on the GPU (a CUDA graph replays
-    the same launches and still draws new noise)."""
+def qsgd_codes(x: Tensor, rng: Tensor, levels: int, min_norm: float, code_dtype) -> List[Tensor]:
+    """QSGD's payload from ``x``: [its 2-norm as sent (1,), codes (n,)]. ``rng``, [base seed, calls so far]
+    (int64 on x's device), keys this call's noise and counts it, on the GPU (a CUDA graph replays the same
+    launches and still draws new noise)."""
     n = x.numel()
-    part = _parts(x, SUMSQ, counter)
+    part = _parts(x, SUMSQ, rng)
     sent = torch.empty(1, dtype=torch.float32, device=x.device)
     codes = torch.empty(n, dtype=code_dtype, device=x.device)
-    _launch(K.qsgd_encode, _grid(n), x, part, part.numel(), counter, sent, codes, n, base, float(levels),
-            float(min_norm), PARTS=PARTS, BLOCK=BLOCK)
+    _launch(K.qsgd_encode, _grid(n), x, part, part.numel(), rng, sent, codes, n, float(levels), float(min_norm),
+            PARTS=PARTS, BLOCK=BLOCK)
     return [sent, codes]
 
 
@@ -292,13 +292,13 @@ def qsgd_decode_all(norms: Sequence[Tensor], codes: Sequence[Tensor], n: int, le
     return out
 
 
-def tern_codes(x: Tensor, counter: Tensor, base: int, tiny: float) -> List[Tensor]:
+def tern_codes(x: Tensor, rng: Tensor, tiny: float) -> List[Tensor]:
     """TernGrad's payload from ``x``: [max|x| (1,), 2-bit codes packed 4 per byte]; the noise as ``qsgd_codes``'s."""
     n = x.numel()
-    part = _parts(x, ABSMAX, counter)
+    part = _parts(x, ABSMAX, rng)
     s = torch.empty(1, dtype=torch.float32, device=x.device)
     out = torch.empty(_nbytes(n, 4), dtype=torch.uint8, device=x.device)
-    _launch(K.tern_encode, _grid(n), x, part, part.numel(), counter, s, out, n, out.numel(), base, float(tiny),
+    _launch(K.tern_encode, _grid(n), x, part, part.numel(), rng, s, out, n, out.numel(), float(tiny),
             PARTS=PARTS, BLOCK=BLOCK)
     return [s, out]
 
@@ -313,15 +313,14 @@ def tern_decode_all(scales: Sequence[Tensor], packs: Sequence[Tensor], n: int, d
     return out
 
 
-def natural_codes(x: Tensor, counter: Tensor, base: int) -> List[Tensor]:
+def natural_codes(x: Tensor, rng: Tensor) -> List[Tensor]:
     """Natural compression's payload from a float32 ``x``: [offset int32 (1,), codes uint8 (n,)], the eager
     codec's layout and rules, the offset found on the GPU (no host round trip); the noise as ``qsgd_codes``'s."""
     n = x.numel()
-    part = _parts(x, ABSMAX, counter)
+    part = _parts(x, ABSMAX, rng)
     off = torch.empty(1, dtype=torch.int32, device=x.device)
     codes = torch.empty(n, dtype=torch.uint8, device=x.device)
-    _launch(K.natural_encode, _grid(n), x, part, part.numel(), counter, off, codes, n, base, PARTS=PARTS,
-            BLOCK=BLOCK)
+    _launch(K.natural_encode, _grid(n), x, part, part.numel(), rng, off, codes, n, PARTS=PARTS, BLOCK=BLOCK)
     return [off, codes]
 
 

@@ -152,11 +152,11 @@ def _uniform(seed, pid, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def reduce_parts(x_ptr, part_ptr, ctr_ptr, n, MODE: tl.constexpr, LOOP: tl.constexpr, BLOCK: tl.constexpr):
+def reduce_parts(x_ptr, part_ptr, rng_ptr, n, MODE: tl.constexpr, LOOP: tl.constexpr, BLOCK: tl.constexpr):
     # program p: over blocks p, p + P, p + 2P, ... (P programs), the sum of x^2 (MODE 0) or the largest |x|
-    # (MODE 1), into part[p]; program 0 also counts the call in ctr (what seeds the coding kernel's noise: it
-    # runs after this one, on the same stream). Without LOOP, one block per program (Triton's interpreter,
-    # which cannot run a loop with bounds known only at run time)
+    # (MODE 1; NaN kept), into part[p]; program 0 also counts the call in rng[1] (which keys the coding
+    # kernel's noise: it runs after this one, on the same stream). Without LOOP, one block per program
+    # (Triton's interpreter, which cannot run a loop with bounds known only at run time)
     pid = tl.program_id(0)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     if LOOP:
@@ -169,16 +169,23 @@ def reduce_parts(x_ptr, part_ptr, ctr_ptr, n, MODE: tl.constexpr, LOOP: tl.const
     if MODE == 0:
         tl.store(part_ptr + pid, tl.sum(acc, axis=0))
     else:
-        tl.store(part_ptr + pid, tl.max(acc, axis=0))
+        tl.store(part_ptr + pid, tl.reduce(acc, 0, _maxn))
     if pid == 0:
-        tl.store(ctr_ptr, tl.load(ctr_ptr) + 1)
+        tl.store(rng_ptr + 1, tl.load(rng_ptr + 1) + 1)
+
+
+@triton.jit
+def _maxn(a, b):
+    # the larger, or NaN if either is: tl.maximum drops NaN on a GPU by default, and a NaN gradient must reach
+    # the decoded bucket (the trainer's divergence check reads it), as in the eager codecs
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def _fold(acc, x, MODE: tl.constexpr):
     if MODE == 0:
         return acc + x * x
-    return tl.maximum(acc, tl.abs(x))
+    return _maxn(acc, tl.abs(x))
 
 
 @triton.jit
@@ -189,27 +196,27 @@ def _total(part_ptr, nparts, MODE: tl.constexpr, PARTS: tl.constexpr):
     p = tl.load(part_ptr + i, mask=i < nparts, other=0.0)
     if MODE == 0:
         return tl.sum(p, axis=0)
-    return tl.max(p, axis=0)
+    return tl.reduce(p, 0, _maxn)
 
 
 @triton.jit
-def _seed(base, ctr_ptr):
-    # this call's Philox key: the codec's base seed and its call count (a new key per call and per rank)
-    return base + tl.load(ctr_ptr) * 6364136223846793005
+def _seed(rng_ptr):
+    # this call's Philox key from [base seed, calls so far]: a new key per call and per rank
+    return tl.load(rng_ptr) + tl.load(rng_ptr + 1) * 6364136223846793005
 
 
 @triton.jit
-def qsgd_encode(x_ptr, part_ptr, nparts, ctr_ptr, sent_ptr, codes_ptr, n, base, levels, min_norm,
+def qsgd_encode(x_ptr, part_ptr, nparts, rng_ptr, sent_ptr, codes_ptr, n, levels, min_norm,
                 PARTS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    norm = tl.maximum(tl.sqrt(_total(part_ptr, nparts, 0, PARTS)) * (1.0 + 1.0 / 1048576.0), min_norm)
+    norm = _maxn(tl.sqrt(_total(part_ptr, nparts, 0, PARTS)) * (1.0 + 1.0 / 1048576.0), min_norm)
     if pid == 0:
         tl.store(sent_ptr, norm)
     step = norm / levels
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    v = tl.floor(_uniform(_seed(base, ctr_ptr), pid, BLOCK) + x / step)
+    v = tl.floor(_uniform(_seed(rng_ptr), pid, BLOCK) + x / step)
     tl.store(codes_ptr + offs, v.to(codes_ptr.dtype.element_ty), mask=mask)
 
 
@@ -226,16 +233,16 @@ def qsgd_decode(c_ptr, stride, norm_ptr, out_ptr, n, levels, WORLD: tl.constexpr
 
 
 @triton.jit
-def tern_encode(x_ptr, part_ptr, nparts, ctr_ptr, s_ptr, out_ptr, n, nbytes, base, tiny,
+def tern_encode(x_ptr, part_ptr, nparts, rng_ptr, s_ptr, out_ptr, n, nbytes, tiny,
                 PARTS: tl.constexpr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    s = tl.maximum(_total(part_ptr, nparts, 1, PARTS), tiny)
+    s = _maxn(_total(part_ptr, nparts, 1, PARTS), tiny)
     if pid == 0:
         tl.store(s_ptr, s)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    v = (_uniform(_seed(base, ctr_ptr), pid, BLOCK) + 1.0) + x / s
+    v = (_uniform(_seed(rng_ptr), pid, BLOCK) + 1.0) + x / s
     c = tl.where(mask, v.to(tl.int32), 1)  # v >= 0: truncation is floor; padding codes 1 (zero)
     c2 = tl.reshape(c, (BLOCK // 4, 4))
     w = 1 << (6 - 2 * tl.arange(0, 4))
@@ -267,8 +274,8 @@ def _words(seed, pid, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def natural_encode(x_ptr, part_ptr, nparts, ctr_ptr, off_ptr, codes_ptr, n, base,
-                   PARTS: tl.constexpr, BLOCK: tl.constexpr):
+def natural_encode(x_ptr, part_ptr, nparts, rng_ptr, off_ptr, codes_ptr, n, PARTS: tl.constexpr,
+                   BLOCK: tl.constexpr):
     # Natural compression of float32: a random integer below the mantissa's unit added to x's bits carries into
     # the exponent field with the probability that rounds |x| up to the next power of two; the code is
     # sign << 7 | (field - offset), offset = max(field(max|x|) + 1 - 127, 0); with an offset, 0 < |x| < v1 =
@@ -282,7 +289,7 @@ def natural_encode(x_ptr, part_ptr, nparts, ctr_ptr, off_ptr, codes_ptr, n, base
         tl.store(off_ptr, offset)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
     xi = x.to(tl.int32, bitcast=True)
-    w = _words(_seed(base, ctr_ptr), pid, BLOCK)
+    w = _words(_seed(rng_ptr), pid, BLOCK)
     r = (w & 8388607).to(tl.int32, bitcast=True) + xi
     field = (r >> 23) & 255
     mag = tl.maximum(field - offset, 0)

@@ -210,11 +210,12 @@ class Graphs:
         try:
             with self.capture(graph):
                 out = fn()
-        except Exception as e:  # noqa: BLE001 - any capture failure leaves the codec eager, said once
+        except Exception as e:  # noqa: BLE001 - a capture that fails where the call itself runs: said once
+            out = fn()  # the call's own error (bad input), raised as it is, leaves the graphs as they were
             self.problem = f"{type(e).__name__}: {e}"
             warnings.warn(f"COMMLAB_GRAPHS: capturing a call of {k[0] if isinstance(k[0], str) else 'compress'} "
                           f"failed, this codec stays eager ({self.problem})", RuntimeWarning, stacklevel=3)
-            return fn()
+            return unpack(out)
         self.seen.pop(k, None)
         self.graphs[k] = _Recorded(graph, out)
         self.captures += 1

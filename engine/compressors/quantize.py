@@ -78,6 +78,11 @@ class _Lossy(Compressor):
         self._signs = None  # (n, device, compare target, bool buffer, its int64 words) for _pack_signs
         self._tables = {}  # (role, dtype, device) -> small constant decode table
 
+    def graph_safe(self, t: Tensor) -> bool:
+        # the fused kernels only: the eager paths keep work buffers a graph would hold on to past their life
+        # (replaced when the size changes), and the random ones draw from a torch.Generator
+        return self.graphable and fused.enabled(t)
+
     def _work(self, role: str, n: int, dtype: torch.dtype, device: torch.device, fill=None) -> Tensor:
         """A reused buffer; ``fill`` initialises it once, for padding the callers never overwrite."""
         b = self._bufs.get(role)
@@ -171,26 +176,20 @@ class _Seeded(_Lossy):
     def _setup_rng(self) -> None:
         self._gen: Optional[torch.Generator] = None
         self._gen_state: Optional[Tensor] = None  # loaded before the device was known
-        # the fused kernels' noise: a base seed, and the calls so far, counted on the GPU by the kernels
-        self._fused_base: Optional[int] = None
-        self._fused_count: Optional[Tensor] = None  # (1,) int64 on the bucket's device
-        self._fused_loaded = 0  # the count loaded before there was a device to put it on
+        # the fused kernels' noise: (2,) int64 on the bucket's device, [base seed, calls so far], counted there
+        self._fused_rng: Optional[Tensor] = None
+        self._fused_loaded: Optional[List[int]] = None  # what was loaded before there was a device to put it on
 
-    def graph_safe(self, t: Tensor) -> bool:
-        # the fused kernels count the calls on the GPU; the eager path draws from a torch.Generator
-        return self.graphable and fused.enabled(t)
-
-    def _fused_stream(self, device: torch.device) -> tuple:
-        """(base seed, call counter) for the fused kernels' Philox noise: the base from the seed, bucket and rank,
-        as the generator's; the counter a (1,) int64 tensor on ``device`` that each call's first kernel adds one
-        to, in place (a CUDA graph of the call keeps counting). Both are state, as the generator's state is."""
-        if self._fused_base is None:
-            self._fused_base = mix_seed(self.seed, self.bucket, self.process_rank)
-        c = self._fused_count
-        if c is None or c.device != device:
-            start = self._fused_loaded if c is None else int(c.item())
-            c = self._fused_count = torch.full((1,), start, dtype=torch.int64, device=device)
-        return self._fused_base, c
+    def _fused_stream(self, device: torch.device) -> Tensor:
+        """The fused kernels' Philox state on ``device``: [base seed, calls so far], the base from the seed,
+        bucket and rank as the generator's, the count advanced by each call's first kernel, in place (a CUDA
+        graph of the call reads both and keeps counting). State, as the generator's state is."""
+        r = self._fused_rng
+        if r is None or r.device != device:
+            start = (r.tolist() if r is not None else self._fused_loaded
+                     or [mix_seed(self.seed, self.bucket, self.process_rank), 0])
+            r = self._fused_rng = torch.tensor(start, dtype=torch.int64, device=device)
+        return r
 
     def _generator(self, device: torch.device) -> torch.Generator:
         g = self._gen
@@ -209,19 +208,20 @@ class _Seeded(_Lossy):
             out["rng"] = self._gen.get_state()
         elif self._gen_state is not None:
             out["rng"] = self._gen_state
-        if self._fused_base is not None:
-            count = self._fused_loaded if self._fused_count is None else int(self._fused_count.item())
-            out["fused_stream"] = torch.tensor([self._fused_base, count], dtype=torch.int64)
+        if self._fused_rng is not None:
+            out["fused_stream"] = self._fused_rng.cpu().clone()
+        elif self._fused_loaded is not None:
+            out["fused_stream"] = torch.tensor(self._fused_loaded, dtype=torch.int64)
         return out
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
         if "fused_stream" in state:
-            self._fused_base, count = (int(v) for v in state["fused_stream"].tolist())
-            if self._fused_count is None:
-                self._fused_loaded = count
+            loaded = [int(v) for v in state["fused_stream"].tolist()]
+            if self._fused_rng is None:
+                self._fused_loaded = loaded
             else:  # in place: a CUDA graph of compress holds this tensor
-                self._fused_count.fill_(count)
+                self._fused_rng.copy_(torch.tensor(loaded, dtype=torch.int64))
         rng = state.get("rng")
         if rng is None:
             return
@@ -414,8 +414,7 @@ class QSGD(_Seeded):
     def compress(self, t: Tensor):
         x = _flat(t, _work_dtype(t.dtype))
         if fused.enabled(x):
-            base, counter = self._fused_stream(x.device)
-            payload = fused.qsgd_codes(x, counter, base, self.levels, self._min_norm, self.code_dtype)
+            payload = fused.qsgd_codes(x, self._fused_stream(x.device), self.levels, self._min_norm, self.code_dtype)
             return payload, _Ctx(t.shape, t.dtype, x.numel())
         g = self._generator(x.device)
         # The norm sent is a hair larger than the true one (2^-20), so |x| / norm * levels stays
@@ -471,8 +470,7 @@ class TernGrad(_Seeded):
         x = _flat(t, _work_dtype(t.dtype))
         n = x.numel()
         if fused.enabled(x):
-            base, counter = self._fused_stream(x.device)
-            return fused.tern_codes(x, counter, base, _TINY32), _Ctx(t.shape, t.dtype, n)
+            return fused.tern_codes(x, self._fused_stream(x.device), _TINY32), _Ctx(t.shape, t.dtype, n)
         g = self._generator(x.device)
         lo, hi = torch.aminmax(x) if n else (x.new_zeros(()), x.new_zeros(()))  # an empty bucket: no extremes
         # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)
@@ -561,8 +559,7 @@ class Natural(_Seeded):
         x = _flat(t, _work_dtype(t.dtype))
         n = x.numel()
         if fused.enabled(x):
-            base, counter = self._fused_stream(x.device)
-            return fused.natural_codes(x, counter, base), _Ctx(t.shape, t.dtype, n)
+            return fused.natural_codes(x, self._fused_stream(x.device)), _Ctx(t.shape, t.dtype, n)
         itype, mb, eb = _IEEE[x.dtype]
         g = self._generator(x.device)
         xi = x.view(itype)
