@@ -98,7 +98,7 @@ def copy_bandwidth(device, nbytes=1 << 30, repeat=10):
     b = torch.empty_like(a)
     t = Timer(device)
     b.copy_(a)
-    ts = [t(lambda x: b.copy_(x), a, 1) for _ in range(repeat)]
+    ts = [t(b.copy_, a, 1) for _ in range(repeat)]
     del a, b
     torch.cuda.empty_cache()
     return 2 * nbytes / statistics.median(ts)

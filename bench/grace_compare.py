@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import os
 import platform
@@ -333,7 +332,7 @@ def main(argv=None):
     verdicts(res, sizes)
     sketch = countsketch([int(s) for s in args.sketch_sizes.split(",") if s], max(3, args.repeat // 2), log)
     command = "python bench/grace_compare.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
-    md = [f"# commlab vs GRACE: compress + decompress, one fp32 tensor, one thread", "",
+    md = ["# commlab vs GRACE: compress + decompress, one fp32 tensor, one thread", "",
           f"Command: `{command}`", "",
           f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} cores; GRACE: "
           + (f"{d}" + (f" ({note})" if note else "") if d else f"skipped ({why})"),

@@ -77,7 +77,6 @@ class Student(threading.Thread):
 
     def _run(self):
         from lab.analysis import results
-        from lab.front import ui
         from lab.service.queue import Lab
         jar = sign_in(self.url, self.class_token, self.student)
         if not jar.personal or "commlab_session" not in jar.cookies:

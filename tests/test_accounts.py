@@ -3,7 +3,6 @@ exchanged for sessions at the gatekeeper (app/gatekeeper.py) in plain HTTP befor
 expiry, rotation, revocation and caps (lab/accounts.py)."""
 import json
 import os
-import urllib.error
 
 import pytest
 
@@ -353,7 +352,7 @@ def test_served_over_tls_with_the_teachers_certificate(tmp_path):
     finally:
         stop_process(p, signal.SIGTERM, timeout=30)
     out = log_path.read_text()
-    assert f"teacher:  https://" in out and "WARNING: served without TLS" not in out
+    assert "teacher:  https://" in out and "WARNING: served without TLS" not in out
 
 
 def test_certfile_and_keyfile_come_together(tmp_path, capsys):

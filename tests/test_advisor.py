@@ -177,7 +177,6 @@ class FakeRun:
 
 
 def test_penalty_from_runs_is_steps_to_accuracy(monkeypatch):
-    import lab
     s = spec()
     topk = advisor._comp("topk", True, ratio=0.01)
     none_run = FakeRun("a", s, [(49, 0.5), (99, 0.9), (149, 0.98), (199, 1.0)])

@@ -41,7 +41,6 @@ SETTLED = """() => document.querySelectorAll('[data-stale="true"]').length === 0
 
 
 def labels_of(runs):
-    from lab.front import ui
     return timelines.short_labels(lab.runs(runs=runs))
 
 

@@ -23,7 +23,6 @@ import lab
 from distutil import stop_process, wait_until_up
 from app import access
 from lab.front import accounts
-from lab.service import owners
 from lab.service.queue import Lab
 from test_app import SMALL
 from test_browser import CHROMIUM, SETTLED, free_port

@@ -469,7 +469,7 @@ def test_countsketch_recovers_heavy_hitters_exactly():
 
 
 def test_countsketch_exchange_averages_heavy_hitters():
-    (a, ia), (b, ib) = _sparse(100_000, 10, 17), _sparse(100_000, 10, 18)
+    (a, _), (b, _) = _sparse(100_000, 10, 17), _sparse(100_000, 10, 18)
     comps = [make("countsketch", rows=5, cols=2000, k=20) for _ in range(2)]
     log = []
     outs = emulate_exchange(comps, [a.clone(), b.clone()], log)

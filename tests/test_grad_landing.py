@@ -124,9 +124,9 @@ def _twice(rank, world, kind):
     from engine.schedules import layout_cap
     model = _model()
     if kind == "dear":
-        dp = DeAR(model, lambda ps: layout_cap(ps, 25.0), lambda: make("none"))
+        dp = DeAR(model, lambda ps: layout_cap(ps, 25.0), lambda: make("none"))  # noqa: F841 - kept alive for its hooks
     else:
-        dp = Sync(model, functools.partial(schedules.build, "allinone"), lambda: make("none"))
+        dp = Sync(model, functools.partial(schedules.build, "allinone"), lambda: make("none"))  # noqa: F841 - kept alive for its hooks
     x = _batch(rank, 0)
     model(x).sum().backward()
     try:

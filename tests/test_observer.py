@@ -22,7 +22,7 @@ import pytest
 import lab
 from lab.analysis import live, plots
 from lab.base import procs
-from lab.service.spawn import APP_NICE, ENV, Spawner, spawn_detached
+from lab.service.spawn import APP_NICE, ENV, Spawner
 from lab.rundir.store import RunStore
 from distutil import stop_process
 from lab.analysis import timelines
@@ -289,7 +289,6 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
 def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
     """lab.ui.run_breakdown (the results page's per-run breakdown) follows a running run through lab.live:
     the same mean as plots.step_breakdown over the same steps, and a second call reads nothing new."""
-    from lab.front import ui
     from lab.rundir.summary import warmup_steps
     runs, run, write = fake_run
     live._LIVE.clear()

@@ -503,8 +503,8 @@ def wire(url, query="", page="", token=None):
 def test_exposed_server_prints_the_links(exposed):
     url, runs, tokens, log_path = exposed
     out = log_path.read_text()
-    assert f"students: http://" in out and f"/?token={tokens['class']}" in out
-    assert f"teacher:  http://" in out and f"/?token={tokens['admin']}" in out
+    assert "students: http://" in out and f"/?token={tokens['class']}" in out
+    assert "teacher:  http://" in out and f"/?token={tokens['admin']}" in out
     assert "WARNING: served without TLS" in out
 
 
