@@ -61,6 +61,16 @@ def _final_loss(run_dir):
 
 
 @needs_gpu
+def test_the_fused_kernels_ran_here():
+    """Where the fused kernels are meant to run (compute capability 8.0 on, Triton), every one built and ran at
+    first use: a failure there would leave the suite's fused-kernel tests skipped, not failed."""
+    from engine.compressors import fused
+    if torch.cuda.get_device_capability(0) < fused.MIN_CAPABILITY or not fused._import():
+        pytest.skip("no fused kernels on this GPU (before Ampere, or no Triton)")
+    assert fused.on(torch.device("cuda", 0), torch.float32), fused.problem
+
+
+@needs_gpu
 def test_one_rank_nccl_with_cuda_event_timeline(tmp_path):
     run_dir, resolved = _run(tmp_path, "world_size=1", "backend=nccl", "steps=30")
     assert resolved["backend"] == "nccl" and resolved["device"].startswith("cuda")

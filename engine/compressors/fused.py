@@ -28,7 +28,8 @@ count the norm's pass keeps on the GPU (no host round trip, and a CUDA graph of 
 each replay), so they are the same distribution, not the same numbers, as the eager path's
 ``torch.Generator``; QSGD's norm is summed in another order than torch's (the same to float rounding).
 
-Used for float32 tensors on CUDA GPUs of compute capability 8.0 or later (Ampere on) when Triton imports;
+Used for float32 tensors on CUDA GPUs of compute capability 8.0 or later (Ampere on) when Triton imports and
+every kernel ran once at first use (``smoke``; a failure is warned and leaves the eager codecs);
 ``COMMLAB_FUSED=0`` turns it off (the eager path, for comparison), ``COMMLAB_FUSED=interpret`` also takes it on the CPU under ``TRITON_INTERPRET=1``
 (Triton's interpreter: how the kernels are tested on a machine without a GPU).
 """
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from typing import List, Sequence
 
 import torch
@@ -78,12 +80,54 @@ def on(device: torch.device, dtype: torch.dtype) -> bool:
         index = torch.cuda.current_device() if device.index is None else device.index
         ok = _capable.get(index)
         if ok is None:
-            ok = _capable[index] = torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
-        if not ok:
-            return False
-    elif not (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"):
+            ok = _capable[index] = (torch.cuda.get_device_capability(index) >= MIN_CAPABILITY and bool(_import())
+                                    and _first_run(index))
+        return ok
+    if not (mode == "interpret" and os.environ.get("TRITON_INTERPRET") == "1"):
         return False
     return bool(_import())
+
+
+problem: dict = {}
+"""CUDA device index -> why the fused kernels failed their first run there (that process then runs the eager
+codecs on it)."""
+
+
+def _first_run(index: int) -> bool:
+    """Whether every fused kernel built and ran on a few elements of GPU ``index`` (``smoke``). A Triton or a
+    driver that cannot leaves this process on the eager codecs, said once, instead of failing a run at its
+    first compressed step (or halfway through a codec's kernels, its state half updated)."""
+    try:
+        smoke(torch.device("cuda", index))
+        return True
+    except Exception as e:  # noqa: BLE001 - any failure: the eager path, and the reason said and kept
+        text = str(e).strip().splitlines()
+        problem[index] = f"{type(e).__name__}: {text[0] if text else ''}".strip()
+        warnings.warn(f"the fused GPU kernels failed on cuda:{index} ({problem[index]}); the eager codecs run "
+                      "there instead (COMMLAB_FUSED=0 goes straight to them)", RuntimeWarning, stacklevel=3)
+        return False
+
+
+def smoke(device: torch.device) -> None:
+    """Each fused entry point, encoding and decoding, once on 1000 elements of ``device``: compiles every kernel
+    (once per machine: Triton keeps them on disk) and raises what any of them raises. Draws on no generator."""
+    n, f32 = 1000, torch.float32
+    with torch.cuda.device(device):
+        x = torch.linspace(-1.0, 1.0, n, device=device)
+        rng = torch.zeros(2, dtype=torch.int64, device=device)
+        decode_bits([pack_signs(x)], n, VOTE, (), f32)
+        momentum_signs(x, torch.zeros_like(x), 0.9)
+        scale, bits = ef_signs(x, torch.zeros_like(x))
+        decode_bits([bits], n, PM, [scale], f32)
+        means, bits = onebit(x)
+        decode_bits([bits], n, LOHI, [means], f32)
+        norm, codes = qsgd_codes(x, rng, 127, 1e-30, torch.int8)
+        qsgd_decode_all([norm], [codes], n, 127, f32)
+        s, packed = tern_codes(x, rng, 1e-30)
+        tern_decode_all([s], [packed], n, f32)
+        offset, codes = natural_codes(x, rng)
+        natural_decode_all([offset], [codes], n, f32)
+        torch.cuda.synchronize(device)
 
 
 @contextlib.contextmanager
