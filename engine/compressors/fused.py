@@ -328,11 +328,17 @@ def qsgd_codes(x: Tensor, rng: Tensor, levels: int, min_norm: float, code_dtype)
 
 def qsgd_decode_all(norms: Sequence[Tensor], codes: Sequence[Tensor], n: int, levels: int, dtype) -> Tensor:
     """One rank's QSGD payload decoded, or the mean of several ranks' (their norms float32, (1,) each)."""
+    return _decode_rows(K.qsgd_decode, codes, norms, n, dtype, float(levels))
+
+
+def _decode_rows(kernel, codes: Sequence[Tensor], scalars: Sequence[Tensor], n: int, dtype, *extra) -> Tensor:
+    """``kernel`` over the ranks' codes as one (world, k) tensor and their per-rank scalars, into a fresh flat
+    tensor of ``dtype``: the decoding kernels that take (codes, row stride, scalars, out, n, *extra)."""
     c = _rows(codes)
-    s = _rows(norms)
+    s = _rows(scalars)
     out = _out(n, dtype, c.device)
     if n:
-        _launch(K.qsgd_decode, _grid(n), c, c.stride(0), s, out, n, float(levels), WORLD=c.shape[0], BLOCK=BLOCK)
+        _launch(kernel, _grid(n), c, c.stride(0), s, out, n, *extra, WORLD=c.shape[0], BLOCK=BLOCK)
     return out
 
 
@@ -349,12 +355,7 @@ def tern_codes(x: Tensor, rng: Tensor, tiny: float) -> List[Tensor]:
 
 def tern_decode_all(scales: Sequence[Tensor], packs: Sequence[Tensor], n: int, dtype) -> Tensor:
     """One rank's TernGrad payload decoded, or the mean of several ranks'."""
-    p = _rows(packs)
-    s = _rows(scales)
-    out = _out(n, dtype, p.device)
-    if n:
-        _launch(K.tern_decode, _grid(n), p, p.stride(0), s, out, n, WORLD=p.shape[0], BLOCK=BLOCK)
-    return out
+    return _decode_rows(K.tern_decode, packs, scales, n, dtype)
 
 
 def natural_codes(x: Tensor, rng: Tensor) -> List[Tensor]:
@@ -370,9 +371,4 @@ def natural_codes(x: Tensor, rng: Tensor) -> List[Tensor]:
 
 def natural_decode_all(offsets: Sequence[Tensor], codes: Sequence[Tensor], n: int, dtype) -> Tensor:
     """One rank's natural-compression payload decoded, or the mean of several ranks'."""
-    c = _rows(codes)
-    o = _rows(offsets)
-    out = _out(n, dtype, c.device)
-    if n:
-        _launch(K.natural_decode, _grid(n), c, c.stride(0), o, out, n, WORLD=c.shape[0], BLOCK=BLOCK)
-    return out
+    return _decode_rows(K.natural_decode, codes, offsets, n, dtype)

@@ -143,12 +143,18 @@ def decode_bits(p_ptr, stride, tab_ptr, out_ptr, n, WORLD: tl.constexpr, MODE: t
 
 
 @triton.jit
-def _uniform(seed, pid, BLOCK: tl.constexpr):
-    # BLOCK numbers in [0, 1) for block pid: four from each Philox draw (rand4x), a quarter of tl.rand's draws,
-    # whose rounds held the coding kernels to half the memory's pace (H100, 25M: qsgd_encode 81 µs for 125 MB)
+def _words(seed, pid, BLOCK: tl.constexpr):
+    # BLOCK random 32-bit words for block pid: four from each Philox draw, a quarter of tl.rand's draws, whose
+    # rounds held the coding kernels to half the memory's pace (H100, 25M: qsgd_encode 81 µs for 125 MB)
     c = pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
-    a, b, d, e = tl.rand4x(seed, c)
+    a, b, d, e = tl.randint4x(seed, c)
     return tl.reshape(tl.join(tl.join(a, b), tl.join(d, e)), (BLOCK,))
+
+
+@triton.jit
+def _uniform(seed, pid, BLOCK: tl.constexpr):
+    # BLOCK numbers in [0, 1) for block pid (what tl.rand4x makes of the same words)
+    return tl.random.uint_to_uniform_float(_words(seed, pid, BLOCK))
 
 
 @triton.jit
@@ -263,14 +269,6 @@ def tern_decode(p_ptr, stride, s_ptr, out_ptr, n, WORLD: tl.constexpr, BLOCK: tl
         c = (tl.load(p_ptr + r * stride + byte, mask=mask, other=0).to(tl.int32) >> shift) & 3
         acc += (tl.minimum(c, 2) - 1).to(tl.float32) * tl.load(s_ptr + r)
     tl.store(out_ptr + offs, (acc / WORLD).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _words(seed, pid, BLOCK: tl.constexpr):
-    # BLOCK random 32-bit words for block pid: four from each Philox draw
-    c = pid * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
-    a, b, d, e = tl.randint4x(seed, c)
-    return tl.reshape(tl.join(tl.join(a, b), tl.join(d, e)), (BLOCK,))
 
 
 @triton.jit
