@@ -131,18 +131,28 @@ def smoke(device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def disabled():
-    """Inside: the eager codecs everywhere, as with ``COMMLAB_FUSED=0`` (the reference the kernels are held to,
-    and timed against)."""
-    was = os.environ.get("COMMLAB_FUSED")
-    os.environ["COMMLAB_FUSED"] = "0"
+def scoped_env(name: str, value: str):
+    """Inside: the environment variable ``name`` set to ``value``; afterwards as it was (set or not)."""
+    was = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if was is None:
-            os.environ.pop("COMMLAB_FUSED", None)
+            os.environ.pop(name, None)
         else:
-            os.environ["COMMLAB_FUSED"] = was
+            os.environ[name] = was
+
+
+def disabled():
+    """Inside: the eager codecs everywhere, as with ``COMMLAB_FUSED=0`` (the reference the kernels are held to,
+    and timed against)."""
+    return scoped_env("COMMLAB_FUSED", "0")
+
+
+def settings() -> dict:
+    """This process's switches of the fused kernels: ``COMMLAB_FUSED`` and ``COMMLAB_FUSED_LAUNCH``, as read."""
+    return {"fused": os.environ.get("COMMLAB_FUSED", "1"), "fused_launch": os.environ.get("COMMLAB_FUSED_LAUNCH", "direct")}
 
 
 def enabled(x: Tensor) -> bool:

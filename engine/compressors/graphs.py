@@ -1,37 +1,41 @@
-"""CUDA graphs of a codec's compress: one replay in place of its launches, for small buckets.
+"""CUDA graphs of a codec's compress and of its fused decoding: one replay in place of their launches.
 
-On a GPU a small bucket's compress costs the host far more than the GPU: the fused sign codecs launch 1-3
-Triton kernels and a torch op or two, each launch 10-20 µs of Python and driver time, for kernels of 1-3 µs
+On a GPU a small bucket's compress costs the host far more than the GPU: the fused codecs launch 1-3 Triton
+kernels and a torch op or two, each launch 10-25 µs of Python and driver time, for kernels of 1-3 µs
 (bench/results/gpu.md). A CUDA graph records those launches once and replays them in one driver call. With
 ``COMMLAB_GRAPHS=1`` (off by default: it has not yet run under the whole suite on a GPU), ``Compressor.encode``
-(what every exchange calls) replays a graph of ``compress`` when:
+(what every exchange calls) replays a graph of ``compress``, and the exchanges' fused decoding (``decode``) one
+of theirs, when:
 
-- the codec's class declares ``graphable = True`` (``Compressor.graph_safe`` may narrow it per input): its
+- the codec's class declares ``graphable = True`` and ``Compressor.graph_safe`` agrees for this input: its
   compress does the same work on the GPU for the same input, state and shape (no host synchronisation, no
-  noise seeded from the host per call, no branch on the data). The four sign codecs declare it, and qsgd and
-  terngrad for float32 buckets, where their fused kernels keep the call count that seeds the noise on the GPU
-  (their eager path draws from a ``torch.Generator``);
+  noise seeded from the host per call, no branch on the data). The built-ins that declare it (the sign codecs,
+  qsgd, terngrad, natural) are graphed on their fused paths only: float32 buckets where those kernels run;
 - the bucket is a CUDA tensor of at most ``MAX_ELEMENTS`` (a graph keeps its outputs: memory per bucket), and
   error feedback is off (its residual update is outside compress);
-- the same call (input address, shape, strides, dtype, and the addresses of the codec's ``elementwise``
-  state) has been made ``WARM`` times before, eagerly: a bucket the engine refills in place is captured on its
-  third step; a tensor allocated anew each call at another address never is.
+- the same call (``key``: input address, shape, strides, dtype, the addresses of the codec's ``elementwise``
+  state and its parameters' values; for decoding, the payloads' addresses and shapes) has been made ``WARM``
+  times before, eagerly: a bucket the engine refills in place is captured on its third step; a tensor allocated
+  anew each call at another address never is.
 
-A replay's payload is the graph's memory: the next replay of the same call writes over it. An exchange
-consumes its payload before the bucket is compressed again, so the engine is unaffected; a caller that keeps
-payloads across calls must copy them. A capture that fails (the class declared too much) warns once and
+A replay's outputs are the graph's memory: the next replay of the same call writes over them. An exchange
+consumes its payload, and the engine copies the averaged bucket, before the bucket's next exchange; a caller
+that keeps them across calls must copy them. A capture that fails (the class declared too much) warns once and
 leaves that codec eager (``Graphs.problem``). State loaded into new tensors changes the key: the next calls
 are eager again until captured anew.
 """
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 from collections import OrderedDict
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+
+from engine.compressors import fused
 
 Tensor = torch.Tensor
 
@@ -75,14 +79,10 @@ def wanted(codec, t: Tensor) -> bool:
             and getattr(codec, "ef", None) is None and not _capturing())
 
 
-_cuda: list = []  # whether torch has CUDA, once asked (it does not change in a process)
-
-
 def settings() -> dict:
     """What the GPU codecs' switches are in this process (a run on a GPU records them in resolved.json): the
-    fused kernels (``COMMLAB_FUSED``), their launch (``COMMLAB_FUSED_LAUNCH``) and the graphs (``COMMLAB_GRAPHS``)."""
-    return {"fused": os.environ.get("COMMLAB_FUSED", "1"), "fused_launch": os.environ.get("COMMLAB_FUSED_LAUNCH", "direct"),
-            "graphs": os.environ.get(ENV, "0")}
+    fused kernels' (``fused.settings``) and the graphs' (``COMMLAB_GRAPHS``)."""
+    return {**fused.settings(), "graphs": os.environ.get(ENV, "0")}
 
 
 def summary(codecs) -> Optional[str]:
@@ -98,11 +98,14 @@ def summary(codecs) -> Optional[str]:
     return line + (f"; {len(problems)} stayed eager, the first because {problems[0]}" if problems else "")
 
 
+@functools.lru_cache(maxsize=None)
+def _has_cuda() -> bool:
+    return torch.cuda.is_available()  # it does not change in a process
+
+
 def _capturing() -> bool:
     # a graph being captured around this call already (a user's): it records the launches itself
-    if not _cuda:
-        _cuda.append(torch.cuda.is_available())
-    return _cuda[0] and torch.cuda.is_current_stream_capturing()
+    return _has_cuda() and torch.cuda.is_current_stream_capturing()
 
 
 def _graphs(codec) -> "Graphs":
@@ -124,9 +127,10 @@ def decode(codec, fn: Callable, payloads: list, ctx) -> Tensor:
     tensors or of payloads), replayed from a graph keyed by the payload tensors' addresses and layouts. The
     result is the graph's memory, written over by the next replay of the same key: the engine copies it into
     the bucket before the bucket's next exchange."""
+    if not (codec.graphable and ctx.n <= MAX_ELEMENTS and _on(codec)):
+        return fn(payloads, ctx)
     flat = [p for x in payloads for p in (x if isinstance(x, (list, tuple)) else (x,))]
-    t = flat[0]
-    if not (t.is_cuda and _on(codec) and codec.graphable and ctx.n <= MAX_ELEMENTS and not _capturing()):
+    if not flat[0].is_cuda or _capturing():
         return fn(payloads, ctx)
     k = (fn.__name__, len(payloads), ctx.n, ctx.dtype, tuple(ctx.shape), _params(codec),
          tuple((p.data_ptr(), tuple(p.shape), p.dtype) for p in flat))
@@ -166,8 +170,8 @@ class _Recorded:
 
 
 class Graphs:
-    """One codec instance's graphs of its compress, by ``key``. ``new``/``capture`` make and record a graph
-    (``torch.cuda.CUDAGraph`` and ``torch.cuda.graph`` unless given: the tests stand in for them on a CPU)."""
+    """One codec instance's graphs (of its compress and its decoding), by key. ``new``/``capture`` make and record
+    a graph (``torch.cuda.CUDAGraph`` and ``_capture`` unless given: the tests stand in for them on a CPU)."""
 
     def __init__(self, new: Callable = None, capture: Callable = None):
         self.new = new or torch.cuda.CUDAGraph
@@ -249,15 +253,6 @@ def _capture(graph):
     torch.cuda.current_stream().wait_stream(side)
 
 
-@contextlib.contextmanager
 def enabled(way: bool = True):
     """Inside: ``COMMLAB_GRAPHS`` set to ``1`` (or ``0``), as before afterwards."""
-    was = os.environ.get(ENV)
-    os.environ[ENV] = "1" if way else "0"
-    try:
-        yield
-    finally:
-        if was is None:
-            os.environ.pop(ENV, None)
-        else:
-            os.environ[ENV] = was
+    return fused.scoped_env(ENV, "1" if way else "0")
