@@ -1,5 +1,5 @@
 """The gate in the script: every script run of every session passes here (streamlit_app.py) before any
-page runs, and every list, panel and download asks it again who is looking (lab.ui.set_viewer).
+page runs, and every list, panel and download asks it again who is looking (lab.front.ui.set_viewer).
 
 On loopback it lets the local user through. On an exposed lab (lab.accounts.access_mode) the viewer is
 the user of the session whose id the browser's cookie carries (app/gatekeeper.py made it at sign-in; it

@@ -1,5 +1,5 @@
 """This process serves viewers: from its first script run on, what a spec names is never imported or built
-here (lab.ui.serve_viewers), in any thread of the real server and in every script run of a test's AppTest
+here (lab.front.ui.serve_viewers), in any thread of the real server and in every script run of a test's AppTest
 (which has no server: the threads around it are the test's own)."""
 from streamlit import runtime
 from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx

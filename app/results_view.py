@@ -14,7 +14,7 @@ import streamlit as st
 from app import widgets
 from lab.analysis import plots, timelines
 from lab.analysis.results import preset_of
-from lab.front import ui
+from lab.front import groups, sweep_jobs, ui
 from engine.spec import SpecError
 from lab.base.errors import LabError
 
@@ -33,30 +33,30 @@ def pick_group() -> Optional[dict]:
     sweep = st.query_params.get("sweep")
     if sweep:
         try:
-            return ui.sweep_group(sweep)
+            return sweep_jobs.sweep_group(sweep)
         except (LabError, SpecError, OSError, ValueError, KeyError) as e:
             st.error(f"sweep {ui.md(repr(sweep))}: {ui.md(e)}")
             return None
-    groups = ui.preset_groups()
-    if not groups:
+    found = groups.preset_groups()
+    if not found:
         return None
-    ids = [g["id"] for g in groups]
+    ids = [g["id"] for g in found]
     want = st.query_params.get("group") or st.session_state.get("group_id")
     if want and want not in ids:
         try:
-            groups.insert(0, ui.preset_group(want))
+            found.insert(0, groups.preset_group(want))
             ids.insert(0, want)
         except (KeyError, ValueError) as e:
             st.error(ui.md(str(e).strip("'\"")))
     want = want if want in ids else ids[0]
-    titles = {g["id"]: f"{_title(g)} · {g['id'][:15]}" for g in groups}
+    titles = {g["id"]: f"{_title(g)} · {g['id'][:15]}" for g in found}
     st.session_state["res.pick"] = want
 
     def picked():
         st.query_params["group"] = st.session_state["res.pick"]
         st.session_state["group_id"] = st.session_state["res.pick"]
     st.selectbox("Preset run", ids, format_func=lambda i: titles.get(i, i), key="res.pick", on_change=picked)
-    return next(g for g in groups if g["id"] == want)
+    return next(g for g in found if g["id"] == want)
 
 
 def _title(g: dict) -> str:
@@ -72,13 +72,13 @@ def results_panel(group: dict) -> None:
     p = preset_of(group)
     if p is not None:
         st.caption(p.question)
-    first = ui.group_verdict(group)
+    first = groups.group_verdict(group)
     live = not first.complete
     finals = sum(x.final for x in first.variants.values())
 
     @st.fragment(run_every=REFRESH_S if live else None)
     def panel():
-        v = ui.group_verdict(group)
+        v = groups.group_verdict(group)
         if live and sum(x.final for x in v.variants.values()) != finals:
             st.rerun()  # a run finished: redraw the page once, with its figures (they are not in this fragment)
         done = sum(x.final for x in v.variants.values())
@@ -99,7 +99,7 @@ def results_panel(group: dict) -> None:
         if v.accuracy:
             items.append(f"- accuracy ({_mark(v.accuracy_ok)}): " + "; ".join(v.accuracy))
         items += [f"- {line}" for line in v.lines[len(v.effects):] if not line.startswith("Why it missed")]
-        cross = ui.group_crossover(group) if v.complete else None
+        cross = groups.group_crossover(group) if v.complete else None
         if cross:
             items.append(f"- {cross}")
         if v.wall_s is not None:

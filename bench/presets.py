@@ -6,7 +6,7 @@ every variant's accuracy and the preset's wall time.
 
 Round k starts the presets one after another (the order rotates between rounds), each in a fresh runs
 directory ``DIR/round-k`` (so MergeComp searches as it does on a user's first click, with no cached
-partition), through ``lab.ui.start_preset``: detached supervisors and the lab's queue, exactly what
+partition), through ``lab.front.groups.start_preset``: detached supervisors and the lab's queue, exactly what
 the Start button does. The wall time is the user's: from the click to the last run's end. The verdict
 (ratios, accuracy checks) is ``lab.results.evaluate``, the same code the results page shows.
 Results: bench/results/presets.md and .json.
@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 from bench.common import prog  # noqa: E402
 import lab  # noqa: E402
 from lab.analysis import results  # noqa: E402
-from lab.front import ui
+from lab.front import groups
 from lab.analysis.presets import PRESETS  # noqa: E402
 from lab.rundir.store import FINAL  # noqa: E402
 
@@ -36,7 +36,7 @@ WALL_LIMIT_S = 90.0
 
 
 def run_preset(p, root: Path, timeout_s: float) -> dict:
-    gid = ui.start_preset(p, runs=root)
+    gid = groups.start_preset(p, runs=root)
     group = results.load_group(root, gid)
     deadline = time.time() + timeout_s
     while True:

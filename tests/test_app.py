@@ -16,7 +16,7 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
-from lab.front import appserver, ui  # noqa: E402
+from lab.front import appserver, groups, new_run, sweep_jobs  # noqa: E402
 from lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from lab.strategy.perfmodel import views  # noqa: E402
 from lab.analysis import timelines
@@ -234,7 +234,7 @@ def test_preset_queues_its_runs_and_opens_its_results(runs, key):
     at.button(key=f"preset-{key}").click().run()
     assert not at.exception, [e.value for e in at.exception]
     gid = at.session_state["group_id"]
-    group = ui.preset_group(gid, runs)
+    group = groups.preset_group(gid, runs)
     ids = list(group["runs"].values())
     try:
         assert group["preset"] == key and list(group["runs"]) == list(preset.variants)
@@ -285,14 +285,14 @@ def test_sweep_starts_in_the_background_and_shows_a_heatmap(runs):
     at.button(key="sw.start").click().run()
     sid = at.session_state["sweep_id"]
     assert (Path(runs) / "sweeps" / sid / "grid.yaml").is_file()
-    sw = ui.load_sweep(sid, runs)
+    sw = sweep_jobs.load_sweep(sid, runs)
     t0 = time.time()
     while time.time() - t0 < 300:
-        s = ui.sweep_status(sw)
+        s = sweep_jobs.sweep_status(sw)
         if s["finished"] == s["total"] and not s["running"]:
             break
         time.sleep(1)
-    assert s["states"] == {"done": 2}, (s, ui.sweep_log(sw))
+    assert s["states"] == {"done": 2}, (s, sweep_jobs.sweep_log(sw))
     at = page("sweeps")
     assert not at.exception, [e.value for e in at.exception]
     assert at.selectbox(key="sw.pick").value == sid
@@ -312,13 +312,13 @@ def test_tail_timeline_is_the_end_of_the_full_timeline(runs):
 def test_error_field_mapping():
     fields = ["name", "model.name", "dataset", "optimizer.lr", "optimizer", "compressor.name", "compressor.params",
               "compressor.error_feedback", "schedule", "network.gbps"]
-    assert ui.error_field("optimizer.lr", fields) == "optimizer.lr"
-    assert ui.error_field("optimizer.betas", fields) == "optimizer"
-    assert ui.error_field("dataset.size", fields) == "dataset"
-    assert ui.error_field("model", fields) == "model.name"
-    assert ui.error_field("compressor", fields, "ratio: must be in (0, 1]") == "compressor.params"
-    assert ui.error_field("compressor", fields, "error_feedback: dgc keeps its own") == "compressor.error_feedback"
-    assert ui.error_field("threads", fields) is None
+    assert new_run.error_field("optimizer.lr", fields) == "optimizer.lr"
+    assert new_run.error_field("optimizer.betas", fields) == "optimizer"
+    assert new_run.error_field("dataset.size", fields) == "dataset"
+    assert new_run.error_field("model", fields) == "model.name"
+    assert new_run.error_field("compressor", fields, "ratio: must be in (0, 1]") == "compressor.params"
+    assert new_run.error_field("compressor", fields, "error_feedback: dgc keeps its own") == "compressor.error_feedback"
+    assert new_run.error_field("threads", fields) is None
 
 
 def test_app_argv():

@@ -83,7 +83,7 @@ def keep(shot: Path, name: str) -> None:
 def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
     """Every preset's Start leads to its results view; one preset (the quickest) is followed until its
     verdict is complete, with the timelines side by side; then a run's live page and the other pages."""
-    from lab.front import ui
+    from lab.front import groups
     url, runs = server
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -101,7 +101,7 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
                 page.get_by_text(p.claim[:40]).wait_for()
                 page.get_by_text("runs finished").first.wait_for()
                 gid = page.url.rsplit("group=", 1)[1]
-                group = ui.preset_group(gid, runs)
+                group = groups.preset_group(gid, runs)
                 assert group["preset"] == p.key and list(group["runs"]) == list(p.variants)
                 for i in group["runs"].values():
                     lab.cancel(i, runs=runs)
@@ -122,7 +122,7 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
             page.screenshot(path=str(shot), full_page=True)
             keep(shot, "results.png")
             gid = page.url.rsplit("group=", 1)[1]
-            ids = list(ui.preset_group(gid, runs)["runs"].values())
+            ids = list(groups.preset_group(gid, runs)["runs"].values())
             assert all(lab.get(i, runs=runs).state == "done" for i in ids)
             page.goto(f"{url}/live_run?run={ids[0]}")
             page.get_by_text("Where the step time goes").wait_for()

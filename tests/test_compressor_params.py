@@ -1,11 +1,11 @@
-"""What the New run form offers for a compressor (lab.ui.compressor_params): the parameters the
+"""What the New run form offers for a compressor (lab.front.new_run.compressor_params): the parameters the
 contract names, with defaults that the compressor accepts and that change nothing when sent."""
 import pytest
 import torch
 
 from distutil import emulate_exchange
 from engine.compressors import make, names
-from lab.front import ui
+from lab.front import new_run
 
 # DESIGN.md: "Each takes its parameters by keyword: ratio (topk, randomk, dgc), threshold (threshold),
 # levels (qsgd), rank (powersgd), rows, cols and k (countsketch)"
@@ -15,7 +15,7 @@ NAMED = {"topk": {"ratio"}, "randomk": {"ratio"}, "dgc": {"ratio"}, "threshold":
 
 @pytest.mark.parametrize("name", names())
 def test_the_contracts_parameters_are_offered(name):
-    offered = [p.name for p in ui.compressor_params(name)]
+    offered = [p.name for p in new_run.compressor_params(name)]
     assert len(offered) == len(set(offered))
     assert NAMED.get(name, set()) <= set(offered)
     if name in ("none", "fp16", "bf16"):
@@ -26,8 +26,8 @@ def test_the_contracts_parameters_are_offered(name):
 def test_offered_defaults_are_the_compressors_own(name):
     """Sending every prefilled default gives a compressor that behaves exactly like one made
     without them (so the form never changes a method by showing it)."""
-    params = {p.name: p.default for p in ui.compressor_params(name) if p.default is not None}
-    for p in ui.compressor_params(name):
+    params = {p.name: p.default for p in new_run.compressor_params(name) if p.default is not None}
+    for p in new_run.compressor_params(name):
         if p.default is not None:
             assert isinstance(p.default, p.type), (p.name, p.default)
     torch.manual_seed(4)
@@ -43,6 +43,6 @@ def test_offered_defaults_are_the_compressors_own(name):
 
 def test_a_parameter_without_a_default_says_what_unset_means():
     for name in names():
-        for p in ui.compressor_params(name):
+        for p in new_run.compressor_params(name):
             if p.default is None:
                 assert p.unset, f"{name}.{p.name}"

@@ -287,8 +287,8 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
 
 
 def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
-    """lab.ui.run_breakdown (the results page's per-run breakdown) follows a running run through lab.live:
-    the same mean as plots.step_breakdown over the same steps, and a second call reads nothing new."""
+    """lab.analysis.timelines.run_breakdown (the results page's per-run breakdown) follows a running run through
+    lab.live: the same mean as plots.step_breakdown over the same steps, and a second call reads nothing new."""
     from lab.rundir.summary import warmup_steps
     runs, run, write = fake_run
     live._LIVE.clear()

@@ -476,13 +476,13 @@ def test_the_local_user_queues_the_scratch_compressor_from_the_form(scratch, tmp
     from streamlit.testing.v1 import AppTest
 
     import lab
-    from lab.front import ui
+    from lab.front import new_run
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     at = AppTest.from_file(str(ROOT / "app" / "streamlit_app.py"), default_timeout=120).run()
     at.switch_page("views/new_run.py").run()
-    assert at.selectbox(key="nr.comp_source").options == ["registry", ui.IMPORT_PATH]
+    assert at.selectbox(key="nr.comp_source").options == ["registry", new_run.IMPORT_PATH]
     at.selectbox(key="nr.model").set_value("mlp")
-    at.selectbox(key="nr.comp_source").set_value(ui.IMPORT_PATH).run()
+    at.selectbox(key="nr.comp_source").set_value(new_run.IMPORT_PATH).run()
     at.text_input(key="nr.comp_path").set_value(CLASS)
     at.text_area(key="nr.comp_params").set_value("seed: -3").run()
     assert not at.exception, [e.value for e in at.exception]

@@ -10,7 +10,7 @@ from lab.analysis import results
 from lab.analysis.presets import get
 from lab.base.errors import LabError
 from lab.base.specs import load_spec
-from lab.front import ui
+from lab.front import groups
 
 PRESET = get("less-often")
 
@@ -29,7 +29,7 @@ def test_its_specs_take_h_and_are_valid():
     with pytest.raises(ValueError, match="^tau: preset less-often has no such knob"):
         PRESET.values({"tau": 1})
     with pytest.raises(LabError, match="H: must be"):
-        ui.start_preset(PRESET, runs="/nonexistent", values={"H": 99})
+        groups.start_preset(PRESET, runs="/nonexistent", values={"H": 99})
 
 
 class FakeRun:
@@ -125,7 +125,7 @@ def test_the_cards_h_slider_sets_the_runs_h(runs):
     at.button(key=f"preset-{PRESET.key}").click().run()
     assert not at.exception, [e.value for e in at.exception]
     gid = at.session_state["group_id"]
-    group = ui.preset_group(gid, runs)
+    group = groups.preset_group(gid, runs)
     ids = list(group["runs"].values())
     try:
         assert group["values"] == {"H": 16} and list(group["runs"]) == ["DDP", "local SGD", "DiLoCo"]

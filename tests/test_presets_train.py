@@ -6,14 +6,14 @@ import pytest
 
 import lab
 from lab.analysis import results
-from lab.front import ui
+from lab.front import groups
 from lab.analysis.presets import PRESETS
 
 
 @pytest.mark.parametrize("key", [p.key for p in PRESETS])
 def test_preset_runs_train(tmp_path, key):
     preset = next(p for p in PRESETS if p.key == key)
-    gid = ui.start_preset(preset, runs=tmp_path)
+    gid = groups.start_preset(preset, runs=tmp_path)
     group = results.load_group(tmp_path, gid)
     try:
         for rid in group["runs"].values():

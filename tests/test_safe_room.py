@@ -1,6 +1,6 @@
 """A room you can trust (issue 30, items 1, 2 and the Performance model page of 4), tried as an attacker
 would: through AppTest sessions of a student and of the teacher on an exposed lab (COMMLAB_ACCESS=token),
-and at the lab level (lab.ui as the pages call it, the queue, lab.sandbox).
+and at the lab level (lab.front.ui, new_run, groups and previews as the pages call them, the queue, lab.sandbox).
 
 - No student's code: a spec that names code (an import path) is refused for a student at every entry, with
   one line naming the field, and nothing it names is imported: marker files such code would write stay
@@ -30,7 +30,7 @@ pytest.importorskip("streamlit")
 import lab  # noqa: E402
 from engine import codepath  # noqa: E402
 from engine.spec import SpecError  # noqa: E402
-from lab.front import accounts, ui  # noqa: E402
+from lab.front import accounts, groups, new_run, previews, ui  # noqa: E402
 from lab.base import sandbox
 from lab.service import owners
 from lab.strategy.perfmodel import views  # noqa: E402
@@ -110,15 +110,15 @@ def one_line(msg: str) -> str:
 def test_the_new_run_form_offers_students_no_import_path(room):
     root, tokens = room
     at = app(tokens["alice"], page="new_run")
-    assert ui.IMPORT_PATH not in at.selectbox(key="nr.model_source").options
-    assert ui.IMPORT_PATH not in at.selectbox(key="nr.dataset").options
+    assert new_run.IMPORT_PATH not in at.selectbox(key="nr.model_source").options
+    assert new_run.IMPORT_PATH not in at.selectbox(key="nr.dataset").options
     assert not any(s.key == "nr.comp_source" for s in at.selectbox)  # compressors from the registry only
     assert not any(t.key == "nr.comp_path" for t in at.text_input)
     assert not at.error and not at.button(key="nr.submit").disabled  # the zoo's cnn is theirs
     at = app(tokens["admin"], page="new_run")  # the teacher keeps it
-    assert ui.IMPORT_PATH in at.selectbox(key="nr.model_source").options
-    assert ui.IMPORT_PATH in at.selectbox(key="nr.dataset").options
-    assert ui.IMPORT_PATH in at.selectbox(key="nr.comp_source").options
+    assert new_run.IMPORT_PATH in at.selectbox(key="nr.model_source").options
+    assert new_run.IMPORT_PATH in at.selectbox(key="nr.dataset").options
+    assert new_run.IMPORT_PATH in at.selectbox(key="nr.comp_source").options
 
 
 def test_a_students_code_is_refused_at_every_entry_and_never_imported(room, code, tmp_path):
@@ -139,10 +139,10 @@ def test_a_students_code_is_refused_at_every_entry_and_never_imported(room, code
     as_viewer("alice")
     for data, field in attacks:
         data = {**SMALL, **data}
-        spec, err = ui.validate(data)
+        spec, err = new_run.validate(data)
         assert spec is None and err.path == field and "names code" in one_line(err.msg), (field, err)
         with pytest.raises(SpecError, match="only the teacher may run code") as e:
-            ui.submit(data)
+            new_run.submit(data)
         assert one_line(str(e.value)).startswith(f"{field}: ")
         with codepath.no_imports():  # the spec as a CLI or a script would hand it to the queue
             parsed = lab._spec(data)
@@ -324,7 +324,7 @@ def test_a_room_asking_for_one_models_size_at_once_starts_one_child(room, monkey
     """Twelve students press Start on the same preset in the same second: one child counts the model (the rest
     wait for its answer), though the server has a single place for children and refuses after 0.5 s."""
     from collections import OrderedDict
-    monkeypatch.setattr(ui, "_previews", OrderedDict())
+    monkeypatch.setattr(previews, "_previews", OrderedDict())
     monkeypatch.setattr(sandbox, "_server", threading.BoundedSemaphore(1))
     monkeypatch.setattr(sandbox, "WAIT_S", 0.5)
     spawned = []
@@ -338,7 +338,7 @@ def test_a_room_asking_for_one_models_size_at_once_starts_one_child(room, monkey
     def ask(name):
         who.name = name
         try:
-            got[name] = ui.model_size(spec, wait_s=0.5)["params"]
+            got[name] = previews.model_size(spec, name, wait_s=0.5)["params"]
         except SpecError as e:
             got[name] = str(e)
     room_ = [threading.Thread(target=ask, args=(f"s{k}",)) for k in range(12)]
@@ -348,18 +348,18 @@ def test_a_room_asking_for_one_models_size_at_once_starts_one_child(room, monkey
         t.join()
     assert spawned == ["describe"], spawned
     assert len(set(got.values())) == 1 and isinstance(got["s0"], int), got
-    assert ui._asking == {}  # nothing kept per model once it is answered
+    assert previews._asking == {}  # nothing kept per model once it is answered
 
 
 def test_a_preset_that_cannot_be_checked_now_is_one_line_on_its_card(room, monkeypatch):
     from lab.analysis.presets import PRESETS
 
-    def busy(spec, wait_s=0):
+    def busy(spec, who, wait_s=0):
         raise SpecError("preview", "all 2 of the server's places for previews and checks are taken; try again")
-    monkeypatch.setattr(ui, "model_size", busy)
+    monkeypatch.setattr(previews, "model_size", busy)
     ui.set_viewer(lambda: owners.User("alice"))
     with pytest.raises(LabError, match=r"^preset [a-z-]+: preview: all 2 of the server's places"):
-        ui.start_preset(PRESETS[0], runs=room[0])
+        groups.start_preset(PRESETS[0], runs=room[0])
     assert lab.runs(runs=room[0]) == []  # nothing queued
 
 
@@ -385,13 +385,13 @@ def test_each_limit_refuses_with_its_name_by_default_on_an_exposed_lab(room):
     for data, field, said in LIMITS:
         d = {**SMALL, **data}
         as_viewer("alice")
-        spec, err, size = ui.form_check(d)
+        spec, err, size = new_run.form_check(d)
         assert spec is None and err.path == field and one_line(err.msg).startswith(said), (data, err)
         with pytest.raises(owners.QuotaError, match="^" + said.replace("(", r"\(").split(" at most")[0]):
-            ui.submit(d)
+            new_run.submit(d)
         for viewer in (lambda: owners.User(owners.TEACHER, admin=True), None):  # the teacher; loopback
             ui.set_viewer(viewer)
-            spec, err, size = ui.form_check(d)
+            spec, err, size = new_run.form_check(d)
             assert err is None and size["params"] > 0, (data, err)
     assert lab.runs(runs=root) == []
 
@@ -400,11 +400,11 @@ def test_a_students_run_gets_the_default_wall_time_and_at_most_two_threads(room,
     root, _ = room
     monkeypatch.setattr(owners.os, "cpu_count", lambda: 16)  # one thread per core would be 8 per rank
     as_viewer("alice")
-    run = ui.submit(dict(SMALL, threads=0, steps=3))
+    run = new_run.submit(dict(SMALL, threads=0, steps=3))
     assert run.status()["wall_limit_s"] == owners.DEFAULT_QUOTAS["wall_s"] == 900
     assert run.spec_dict()["threads"] == 2
     as_viewer(owners.TEACHER, admin=True)
-    run = ui.submit(dict(SMALL, threads=0, steps=3))
+    run = new_run.submit(dict(SMALL, threads=0, steps=3))
     assert "wall_limit_s" not in run.status() and run.spec_dict()["threads"] == 0
 
 
@@ -431,7 +431,7 @@ def test_concurrent_submits_cannot_pass_the_queued_limit(room):
     def submit():
         start.wait()
         try:
-            got.append(ui.submit(SMALL).id)
+            got.append(new_run.submit(SMALL).id)
         except LabError as e:
             got.append(str(e))
     threads = [threading.Thread(target=submit) for _ in range(8)]

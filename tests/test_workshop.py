@@ -13,7 +13,7 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import lab  # noqa: E402
 from app import access  # noqa: E402
-from lab.front import accounts, ui  # noqa: E402
+from lab.front import accounts, groups, new_run, sweep_jobs, ui  # noqa: E402
 from lab.service import owners
 from lab.service.queue import Lab  # noqa: E402
 from lab.base.errors import LabError  # noqa: E402
@@ -248,9 +248,9 @@ def test_path_tricks_in_ids_show_nothing(room, trick):
         with pytest.raises(LabError):
             fn(trick)
     with pytest.raises((KeyError, LabError)):
-        ui.preset_group(trick)
+        groups.preset_group(trick)
     with pytest.raises(LabError):
-        ui.load_sweep(trick)
+        sweep_jobs.load_sweep(trick)
 
 
 EVIL_NAME = "[click](http://evil.example) ![img](http://evil.example/x.png) <img src=x onerror=alert(1)> :red[x]"
@@ -276,9 +276,9 @@ def test_a_runs_name_is_shown_as_text_on_the_teachers_pages(room, page):
 def test_sweeps_are_the_teachers(room):
     root, runs, tokens = room
     ui.set_viewer(lambda: owners.User("alice"))
-    assert ui.list_sweeps() == []
+    assert sweep_jobs.list_sweeps() == []
     with pytest.raises(LabError, match="sweeps: only the teacher"):
-        ui.start_sweep(ui.sweep_data("s", SMALL, {"compressor.name": ["none"]}))
+        sweep_jobs.start_sweep(sweep_jobs.sweep_data("s", SMALL, {"compressor.name": ["none"]}))
 
 
 def test_runs_record_their_owner(tmp_path):
@@ -409,21 +409,21 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
     ui.set_viewer(lambda: owners.User("alice"))
     try:
         with pytest.raises(LabError, match=r"^quota steps: at most 50 steps per run, asked for 51$"):
-            ui.submit(dict(SMALL, steps=51))
+            new_run.submit(dict(SMALL, steps=51))
         with pytest.raises(LabError, match=r"^quota world_size: at most 2 ranks per run, asked for 3$"):
-            ui.submit(dict(SMALL, world_size=3))
+            new_run.submit(dict(SMALL, world_size=3))
         q = Lab(tmp_path)
         for _ in range(2):
             q.create(lab._spec(SMALL), owner="alice")
         with pytest.raises(LabError, match=r"^quota queued: alice may have 2 runs queued or running at once; 2 are, "
                                            r"and this asks for 1 more$"):
-            ui.submit(SMALL)
+            new_run.submit(SMALL)
         preset = PRESETS[0]
         with pytest.raises(LabError, match="quota"):
-            ui.start_preset(preset)
+            groups.start_preset(preset)
         assert len(q.index.query()) == 2  # nothing was queued by a refused request
         ui.set_viewer(lambda: owners.User("teacher", admin=True))
-        run = ui.submit(dict(SMALL, steps=51))  # the teacher has no limits
+        run = new_run.submit(dict(SMALL, steps=51))  # the teacher has no limits
         lab.cancel(run.id, runs=tmp_path)
         lab.wait(run.id, runs=tmp_path, timeout=60)
     finally:

@@ -1,7 +1,7 @@
 import streamlit as st
 
-from app import widgets
+from app import compare_view, widgets
 
 widgets.setup("Compare")
 st.title("Compare runs")
-widgets.compare_view()
+compare_view.compare_view()

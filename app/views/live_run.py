@@ -1,12 +1,12 @@
 import streamlit as st
 
-from app import widgets
+from app import live_view, widgets
 
 widgets.setup("Live run")
 st.title("Live run")
-run_id = widgets.pick_run()
+run_id = live_view.pick_run()
 if run_id is None:
     st.info("No runs yet.")
     st.page_link("views/new_run.py", label="Start one", icon=":material/add_circle:")
     st.stop()
-widgets.live_panel(run_id)
+live_view.live_panel(run_id)

@@ -1,10 +1,10 @@
 import streamlit as st
 
-from app import widgets
+from app import sweeps_view, widgets
 
 widgets.setup("Sweeps")
 st.title("Sweeps")
 with st.expander("New sweep", expanded=True):
-    widgets.sweep_form()
+    sweeps_view.sweep_form()
 st.subheader("Progress and results")
-widgets.sweep_view()
+sweeps_view.sweep_view()

@@ -1,6 +1,6 @@
 """What a page that follows a run re-reads on every refresh, read incrementally.
 
-The Live run page refreshes every ``lab.ui.REFRESH_S`` seconds while a run trains, on the same
+The Live run page refreshes every ``lab.front.ui.REFRESH_S`` seconds while a run trains, on the same
 machine and the same cores as the run. Re-reading metrics.jsonl and the last ~40 steps of every
 timeline file (about a megabyte per rank for a resnet run) and recomputing the breakdown of 40
 steps with pandas took about half a second of CPU per refresh, a quarter of a core that the ranks
@@ -37,7 +37,7 @@ from lab.rundir.store import Run, timeline_frame
 STEP_TID = LANES["step"]
 KEEP_STEPS = 100
 """Steps of timeline kept per rank (the live page shows up to 40 in its breakdown and 20 in its timeline;
-``lab.ui.run_breakdown``, which the results page uses, averages the last 100)."""
+``lab.analysis.timelines.run_breakdown``, which the results page uses, averages the last 100)."""
 CHUNK = 1 << 18
 
 
@@ -241,12 +241,13 @@ class LiveRun:
         return pd.DataFrame([m for m in self.rows if m.get("kind") == kind])
 
     def progress(self) -> tuple:
-        """(steps done, steps planned), as ``lab.ui.progress``."""
+        """(steps done, steps planned), as ``lab.analysis.timelines.progress``."""
         done = max((m["step"] + 1 for m in self.rows if m.get("kind") == "step"), default=0)
         return done, self.run.spec_dict()["steps"]
 
     def has_steps(self, n: int) -> bool:
-        """Whether every rank's last ``n`` steps are kept (else read them with ``lab.ui.tail_timeline``)."""
+        """Whether every rank's last ``n`` steps are kept (else read them with
+        ``lab.analysis.timelines.tail_timeline``)."""
         return n <= self.keep
 
     def timeline(self, steps: int) -> pd.DataFrame:

@@ -1,2 +1,3 @@
-"""The ways in: the commlab command (cli), what the Streamlit pages need (ui), who may use an exposed
-lab (accounts), JupyterLab (jupyter), notebook helpers, the Advisor page's jobs, sweeps."""
+"""The ways in: the commlab command (cli and its *_cli modules), what the Streamlit pages need (ui: who is
+looking and the runs they may see; new_run, previews, groups, sweep_jobs, advice_jobs: each page's side),
+who may use an exposed lab (accounts), JupyterLab (jupyter), notebook helpers, sweeps."""

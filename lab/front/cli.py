@@ -48,6 +48,7 @@ from typing import List, Optional
 from engine.spec import JobSpec, SpecError
 from lab.base.errors import LabError
 from lab.front import accounts, check_cli, completion, model_cli, run_cli
+from lab.front.appserver import app_main
 from lab.front.cli_kit import (
     ROOT,
     Help,
@@ -219,7 +220,6 @@ def unrecognized(args, extra: List[str], argv: List[str]) -> str:
 
 
 def cmd_app(args) -> int:
-    from lab.front.appserver import app_main
     return app_main(args.port, args.runs, args.host, demo=not args.no_demo, token=args.token,
                     certfile=args.certfile, keyfile=args.keyfile)
 
