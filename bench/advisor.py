@@ -73,9 +73,10 @@ def _c(name, ef=False, **params):
 
 
 def _mixed(small, rest, below_mb=1.0):
-    """As lab.advisor builds its mixed candidates, so the advisor's predictions line up with the grid's cells."""
-    from lab.strategy import advisor
-    return advisor._mixed(small, rest, below_mb)
+    """As lab.strategy.space builds its mixed candidates, so the advisor's predictions line up with the grid's
+    cells."""
+    from lab.strategy import space
+    return space.mixed(small, rest, below_mb)
 
 
 WFBP25 = ({"name": "bucket", "cap_mb": 25.0}, {"mode": "wfbp"})
@@ -160,8 +161,10 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
     from lab.strategy import advisor
     from lab.strategy import penalty as pen
     from lab.strategy.perfmodel.calibrate import compressor_key
+    from lab.strategy.space import load_spec_dict, start_iter
+    from lab.strategy.trials import measured_ms
     base = base_spec(model, link, gbps, RUN_STEPS)
-    spec = advisor.load_spec_dict(base)
+    spec = load_spec_dict(base)
     auto = None
     if trials > 0:  # a real 300-step run with strategy auto: its first steps are the trials
         auto = run_auto(store, base, trials, log)
@@ -191,12 +194,12 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
     def play(keys, r, tag):
         """One round over ``keys``, the order rotated by ``r``."""
         for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            # PowerSGD's plain start is not timed (advisor.measured_ms): it gets those steps on top
-            extra = advisor.start_iter(cells[k]["compressor"]) or 0
+            # PowerSGD's plain start is not timed (lab.strategy.trials.measured_ms): it gets those steps on top
+            extra = start_iter(cells[k]["compressor"]) or 0
             s = cell_spec({**base, "steps": steps + extra}, k.split(" (")[0].replace(" ", "_"), cells[k],
                           eval_every if target is not None else 0)
             run = run_cell(store, s)
-            ms, _ = advisor.measured_ms(run, RUN_STEPS)
+            ms, _ = measured_ms(run, RUN_STEPS)
             timed[k].append(ms)
             runs[k].append(run.id)
             if target is not None:
@@ -402,11 +405,12 @@ def calibrate_link(store, gbps: float, log) -> dict:
 
 def calibrate_curves(store, log) -> dict:
     """The compressors' cost curves of the advisor's space, kept once per machine as the first advice on a
-    machine keeps them (lab.advisor.keep_curves): reported apart, like the link calibration."""
+    machine keeps them (lab.strategy.advisor.keep_curves): reported apart, like the link calibration."""
     from lab.strategy import advisor
+    from lab.strategy.space import load_spec_dict
     n, seconds = 0, 0.0
     for m in MODELS:  # the same compressors for every model: measured once
-        k, s = advisor.keep_curves(advisor.load_spec_dict(base_spec(m, "modeled", 1.0, RUN_STEPS)), store.root)
+        k, s = advisor.keep_curves(load_spec_dict(base_spec(m, "modeled", 1.0, RUN_STEPS)), store.root)
         n, seconds = n + k, seconds + s
     log(f"compressor cost curves: {n} measured in {seconds:.2f} s")
     return {"measured": n, "seconds": seconds}

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from engine import compressors
+from engine.spec import SpecError
 from lab.front import model_cli
-from lab.strategy import advisor, auto
+from lab.strategy import advisor, auto, predictions, space, trials
 from lab.strategy import penalty as pen
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
@@ -34,7 +35,7 @@ def fake_profile(s, encode_per_byte=1e-10):
                     source="made up in the test", params=params, forward_s=0.01, backward_s=0.02, optimizer_s=0.002,
                     layer_forward={l: 0.01 / len(layers) for l in layers},
                     layer_ready={l: 0.02 * (i + 1) / len(layers) for i, l in enumerate(layers)})
-    for c in advisor.space(s):
+    for c in space.space(s):
         if c.compressor["name"] != "none":
             p.compressors[cal.compressor_key(c.compressor)] = {
                 "encode": [1e-5, encode_per_byte], "between": [0.0, 0.0], "decode": [1e-5, encode_per_byte]}
@@ -43,7 +44,7 @@ def fake_profile(s, encode_per_byte=1e-10):
 
 def test_space_is_what_the_registry_can_do():
     s = spec()
-    cands = advisor.space(s)
+    cands = space.space(s)
     names = {c.compressor["name"] for c in cands}
     assert {"none", "fp16", "topk", "powersgd"} <= names
     for c in cands:
@@ -53,7 +54,7 @@ def test_space_is_what_the_registry_can_do():
                                 **c.compressor["params"])
         if c.comm["mode"] == "dear":  # only compressors whose payload reduce-scatters
             assert comp.shard_problem() is None, c.label
-        advisor.with_strategy(s, c.strategy())  # every candidate is a valid spec
+        space.with_strategy(s, c.strategy())  # every candidate is a valid spec
     assert any(c.comm["mode"] == "dear" and c.compressor["name"] == "none" for c in cands)
     assert not any(c.comm["mode"] == "dear" and c.compressor["name"] in ("topk", "powersgd") for c in cands)
     assert len({c.label for c in cands}) == len(cands)
@@ -64,7 +65,7 @@ def test_space_holds_dear_with_int8_and_mixed_candidates():
     section goes to dear only when every compressor it may give a buffer reduce-scatters."""
     from engine.compressors.plan import parts
     s = spec()
-    cands = advisor.space(s)
+    cands = space.space(s)
     labels = {c.label for c in cands}
     assert "int8, dear 25 MB" in labels and "fp16, dear 25 MB" in labels
     mixed = [c for c in cands if c.compressor.get("per_bucket")]
@@ -72,7 +73,7 @@ def test_space_holds_dear_with_int8_and_mixed_candidates():
     for c in mixed:
         names = {p["name"] for p in parts(c.compressor)}
         assert (c.comm["mode"] == "dear") <= (names <= set(compressors.shardable())), c.label
-        back = advisor.with_strategy(s, c.strategy())  # a valid spec that keeps its rules
+        back = space.with_strategy(s, c.strategy())  # a valid spec that keeps its rules
         assert back["compressor"]["per_bucket"] == c.compressor["per_bucket"]
     assert any(c.label.startswith("mixed: none < 1 MB, powersgd r4") for c in mixed)
     assert not any("powersgd" in c.label and c.comm["mode"] == "dear" for c in cands)
@@ -84,7 +85,7 @@ def test_mixed_prediction_gives_each_bucket_its_own_compressor():
     from lab.strategy.perfmodel import predict as pr
     s = spec()
     prof = fake_profile(s)
-    mixed = advisor._mixed(advisor._comp("none"), advisor._comp("powersgd", rank=4), below_mb=0.01)
+    mixed = space.mixed(pen.comp_section("none"), pen.comp_section("powersgd", rank=4), below_mb=0.01)
     step = pr.build_step(prof, {**s, "compressor": mixed, "schedule": {"name": "layerwise"}}, 2)
     kinds = set()
     for b in step.buckets:
@@ -100,7 +101,7 @@ def test_mixed_prediction_gives_each_bucket_its_own_compressor():
     # payloads that keep the gradient's shape are reduce-scattered
     for name, op in (("int8", "all_to_all"), ("none", "reduce_scatter"), ("fp16", "reduce_scatter"),
                      ("bf16", "reduce_scatter")):
-        dear = pr.build_step(prof, {**s, "compressor": advisor._comp(name), "comm": {"mode": "dear", "cap_mb": 25.0}},
+        dear = pr.build_step(prof, {**s, "compressor": pen.comp_section(name), "comm": {"mode": "dear", "cap_mb": 25.0}},
                              2)
         for b in dear.buckets:
             (r,) = b.rounds
@@ -116,21 +117,21 @@ def test_penalties_of_strategies_say_where_they_come_from(monkeypatch):
     s = spec()
     strategies = {("int8", "dear"): {"acc": 0.985, "base_acc": 0.99, "steps": 300, "file": "s.json"},
                   ("fp16", "dear"): {"acc": 0.95, "base_acc": 0.99, "steps": 300, "file": "s.json"}}
-    p, src = pen.penalty(s, advisor._comp("int8"), cells=CELLS, mode="dear", strategies=strategies)
+    p, src = pen.penalty(s, pen.comp_section("int8"), cells=CELLS, mode="dear", strategies=strategies)
     assert p == 1.0 and src.startswith("benchmark") and "dear" in src
-    p, src = pen.penalty(s, advisor._comp("fp16"), cells=CELLS, mode="dear", strategies=strategies)
+    p, src = pen.penalty(s, pen.comp_section("fp16"), cells=CELLS, mode="dear", strategies=strategies)
     assert p is None and "loses accuracy" in src
     # not measured in wfbp: int8's own default (lossy, nothing measured)
-    p, src = pen.penalty(s, advisor._comp("int8"), cells=CELLS, mode="wfbp", strategies=strategies)
+    p, src = pen.penalty(s, pen.comp_section("int8"), cells=CELLS, mode="wfbp", strategies=strategies)
     assert p == 1.25 and src.startswith("declared")
     # a mixed section nothing measured: the worst of its parts
-    mixed = advisor._mixed(advisor._comp("none"), advisor._comp("topk", True, ratio=0.01))
+    mixed = space.mixed(pen.comp_section("none"), pen.comp_section("topk", True, ratio=0.01))
     p, src = pen.penalty(s, mixed, cells=CELLS, strategies={})
     assert p == 1.0 and src.startswith("parts") and "topk(ratio=0.01)+EF" in src
-    mixed = advisor._mixed(advisor._comp("none"), advisor._comp("qsgd"))
+    mixed = space.mixed(pen.comp_section("none"), pen.comp_section("qsgd"))
     p, src = pen.penalty(s, mixed, cells=CELLS, strategies={})
     assert p == 1.25 and src.startswith("parts")
-    mixed = advisor._mixed(advisor._comp("none"), advisor._comp("topk", False, ratio=0.01))
+    mixed = space.mixed(pen.comp_section("none"), pen.comp_section("topk", False, ratio=0.01))
     p, src = pen.penalty(s, mixed, cells=CELLS, strategies={})
     assert p is None and src.startswith("parts") and "left out" in src
     # measured as a whole beats the parts' rule
@@ -148,20 +149,20 @@ CELLS = {("none", False): {"acc": 0.99, "steps": 300, "file": "x.json"},
 def test_penalty_sources_in_order(monkeypatch):
     s = spec()
     monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
-    topk_ef = advisor._comp("topk", True, ratio=0.01)
+    topk_ef = pen.comp_section("topk", True, ratio=0.01)
     p, src = pen.penalty(s, topk_ef, cells=CELLS)
     assert p == 1.0 and src.startswith("benchmark")
-    p, src = pen.penalty(s, advisor._comp("topk", False, ratio=0.01), cells=CELLS)
+    p, src = pen.penalty(s, pen.comp_section("topk", False, ratio=0.01), cells=CELLS)
     assert p is None and "loses accuracy" in src
     # parameters other than the benchmark's: not the benchmark's figure
-    assert pen.penalty_from_benchmark(advisor._comp("topk", True, ratio=0.1), CELLS) is None
-    p, src = pen.penalty(s, advisor._comp("topk", True, ratio=0.1), cells=CELLS)
+    assert pen.penalty_from_benchmark(pen.comp_section("topk", True, ratio=0.1), CELLS) is None
+    p, src = pen.penalty(s, pen.comp_section("topk", True, ratio=0.1), cells=CELLS)
     assert p == 1.0 and src.startswith("declared") and "1%" in src
-    p, src = pen.penalty(s, advisor._comp("qsgd"), cells=CELLS)
+    p, src = pen.penalty(s, pen.comp_section("qsgd"), cells=CELLS)
     assert p == 1.25 and src.startswith("declared: no measurement")
     p, src = pen.penalty(s, topk_ef, declared={"topk": 1.4}, cells=CELLS)
     assert p == 1.4 and "by the user" in src
-    p, src = pen.penalty(s, advisor._comp("fp16"), cells={})
+    p, src = pen.penalty(s, pen.comp_section("fp16"), cells={})
     assert p == 1.0 and src.startswith("declared")
 
 
@@ -178,9 +179,9 @@ class FakeRun:
 
 def test_penalty_from_runs_is_steps_to_accuracy(monkeypatch):
     s = spec()
-    topk = advisor._comp("topk", True, ratio=0.01)
+    topk = pen.comp_section("topk", True, ratio=0.01)
     none_run = FakeRun("a", s, [(49, 0.5), (99, 0.9), (149, 0.98), (199, 1.0)])
-    topk_run = FakeRun("b", advisor.with_strategy(s, {"compressor": topk}), [(49, 0.3), (99, 0.7), (149, 0.9),
+    topk_run = FakeRun("b", space.with_strategy(s, {"compressor": topk}), [(49, 0.3), (99, 0.7), (149, 0.9),
                                                                             (199, 0.98)])
     other = FakeRun("c", spec(batch_size=8), [(49, 0.99), (99, 0.99)])  # another batch: not comparable
     monkeypatch.setattr(pen, "runs_of", lambda runs, **kw: [none_run, topk_run, other])
@@ -223,11 +224,11 @@ def test_left_out_compressor_never_wins(monkeypatch):
 def test_mergecomp_prediction_includes_its_search(monkeypatch):
     s = spec()
     prof = fake_profile(s)
-    link = advisor.link_of(prof, {"link": "modeled", "gbps": 0.05})[0]
-    comp = advisor._comp("topk", True, ratio=0.01)
-    long = advisor.search_mergecomp(prof, {**s, "steps": 100000, "compressor": comp,
+    link = predictions.link_of(prof, {"link": "modeled", "gbps": 0.05})[0]
+    comp = pen.comp_section("topk", True, ratio=0.01)
+    long = predictions.search_mergecomp(prof, {**s, "steps": 100000, "compressor": comp,
                                            "schedule": {"name": "mergecomp"}}, link, 2)
-    short = advisor.search_mergecomp(prof, {**s, "steps": 20, "compressor": comp,
+    short = predictions.search_mergecomp(prof, {**s, "steps": 20, "compressor": comp,
                                             "schedule": {"name": "mergecomp"}}, link, 2)
     one = pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": "allinone"}}, 0.05, 2,
                             link=link).total * 1e3
@@ -257,7 +258,7 @@ def fake_session_runner(tmp_path, ms_of, sessions):
 
 def test_measured_trials_decide(monkeypatch, tmp_path):
     monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
-    monkeypatch.setattr(advisor, "FAMILY_MARGIN", 1000.0)  # three families tried, however far apart predicted
+    monkeypatch.setattr(trials, "FAMILY_MARGIN", 1000.0)  # three families tried, however far apart predicted
     s = spec()
     sessions = []
     # the first tried is the slowest in reality, the second the fastest
@@ -269,7 +270,7 @@ def test_measured_trials_decide(monkeypatch, tmp_path):
              for d in json.loads(sessions[0].file("trials.json").read_text())["dirs"]]
     assert len({t["compressor"]["name"] for t in tried[:3]}) == 3  # three compressor families
     assert all(t["network"] == {"link": "modeled", "gbps": 0.01, "latency_us": None} for t in tried)
-    assert all(t["steps"] == advisor.TRIAL_WARMUP + advisor.TRIAL_STEPS and t["eval_every"] == 0
+    assert all(t["steps"] == trials.TRIAL_WARMUP + advisor.TRIAL_STEPS and t["eval_every"] == 0
                and t["final_eval"] is False for t in tried)
     # PowerSGD compresses from the first trial step: the trial times its steady state
     assert all(t["compressor"]["params"]["start_iter"] == 0 for t in tried if t["compressor"]["name"] == "powersgd")
@@ -293,15 +294,15 @@ def test_trials_hold_ddp_when_it_is_close(monkeypatch, tmp_path):
     # a fast link: the candidates are close, DDP among them
     adv = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
                          runner=runner)
-    assert advisor.is_ddp(adv.winner) and adv.chosen_by == "measured"
+    assert space.is_ddp(adv.winner) and adv.chosen_by == "measured"
     tried = [c for c in adv.candidates if c.trial_run]
-    assert sum(advisor.is_ddp(c) for c in tried) == 1
+    assert sum(space.is_ddp(c) for c in tried) == 1
     # a slow link: DDP predicted far behind the best is not tried
     slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
                           runner=runner)
-    ddp = next(c for c in slow.candidates if advisor.is_ddp(c))
+    ddp = next(c for c in slow.candidates if space.is_ddp(c))
     best = min(c.predicted_score for c in slow.candidates if c.predicted_score is not None)
-    assert ddp.predicted_score > advisor.DDP_MARGIN * best and ddp.trial_run is None
+    assert ddp.predicted_score > trials.DDP_MARGIN * best and ddp.trial_run is None
     assert len([c for c in slow.candidates if c.trial_run]) == 2
 
 
@@ -316,7 +317,7 @@ def test_a_measured_win_inside_the_hold_margin_goes_to_ddp(monkeypatch, tmp_path
                                  and t["schedule"]["cap_mb"] == 25.0 and t["comm"]["mode"] == "wfbp" else other_ms, [])
     adv = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
                          runner=runner)
-    assert advisor.is_ddp(adv.winner) == ddp_wins and adv.chosen_by == "measured"
+    assert space.is_ddp(adv.winner) == ddp_wins and adv.chosen_by == "measured"
     assert adv.reason.startswith("DDP held") == ddp_wins, adv.reason
 
 
@@ -333,16 +334,16 @@ def test_winner_spec_runs_as_written(tmp_path, monkeypatch):
 
 def test_network_for_rules():
     s = spec()
-    with pytest.raises(advisor.SpecError, match="loopback"):
-        advisor.network_for(s)
-    assert advisor.network_for(s, 1.0) == {"link": "modeled", "gbps": 1.0, "latency_us": None}
-    assert advisor.network_for(s, 1.0, "shaped")["link"] == "shaped"
+    with pytest.raises(SpecError, match="loopback"):
+        predictions.network_for(s)
+    assert predictions.network_for(s, 1.0) == {"link": "modeled", "gbps": 1.0, "latency_us": None}
+    assert predictions.network_for(s, 1.0, "shaped")["link"] == "shaped"
     m = spec(network={"link": "modeled", "gbps": 2, "latency_us": 30})
-    assert advisor.network_for(m) == m["network"]
-    assert advisor.network_for(m, 5.0)["latency_us"] == 30
-    with pytest.raises(advisor.SpecError, match="--gbps"):
-        advisor.network_for(s, 0.0)
-    with pytest.raises(advisor.SpecError, match="--penalty"):
+    assert predictions.network_for(m) == m["network"]
+    assert predictions.network_for(m, 5.0)["latency_us"] == 30
+    with pytest.raises(SpecError, match="--gbps"):
+        predictions.network_for(s, 0.0)
+    with pytest.raises(SpecError, match="--penalty"):
         pen.parse_penalties(["topk"])
 
 
@@ -401,7 +402,7 @@ AUTO_NET = {"link": "modeled", "gbps": 0.05}
     ({"strategy": {"mode": "sometimes"}}, "strategy.mode"),
 ])
 def test_strategy_spec_errors(data, field):
-    with pytest.raises(advisor.SpecError) as e:
+    with pytest.raises(SpecError) as e:
         load_spec(data={**BASE, **data})
     assert e.value.path == field and "\n" not in str(e.value)
 
@@ -411,7 +412,7 @@ def test_strategy_spec_defaults_and_decided_round_trip():
     assert s["strategy"] == {"mode": "auto", "measure": True, "trials": 3, "trial_steps": 8, "penalties": {},
                              "decided": False}
     assert load_spec(data=BASE).to_dict()["strategy"]["mode"] == "fixed"
-    chosen = advisor.with_strategy(s, {"compressor": advisor._comp("fp16")})
+    chosen = space.with_strategy(s, {"compressor": pen.comp_section("fp16")})
     assert chosen["strategy"]["decided"] is True and chosen["compressor"]["name"] == "fp16"
     assert load_spec(data=chosen).to_dict() == chosen
 
@@ -457,17 +458,17 @@ def test_strategy_auto_run_records_the_decision(auto_root):
     assert [r for r in run.metric_rows() if r.get("kind") == "eval"]  # the run itself evaluates at its end
     session = lab.get(rec["runs"][1], runs=root)
     assert session.state == "done" and session.status()["advisor_for"] == run.id
-    trials = advisor.session_trials(session)
-    assert [t.id for t in trials] == [c["trial_run"] for c in tried] or \
-        sorted(t.id for t in trials) == sorted(c["trial_run"] for c in tried)
-    assert all(t.spec_dict()["strategy"]["mode"] == "fixed" for t in trials)
+    trial_runs = trials.session_trials(session)
+    assert [t.id for t in trial_runs] == [c["trial_run"] for c in tried] or \
+        sorted(t.id for t in trial_runs) == sorted(c["trial_run"] for c in tried)
+    assert all(t.spec_dict()["strategy"]["mode"] == "fixed" for t in trial_runs)
     assert run.status()["strategy"]["chosen"] == rec["winner"]
     # the trials' and the profiling run's steps are in the run's timeline, on a lane of their own
     from engine.timeline import LANES
     from lab.analysis.trace import chrome_trace
     lane = [e for e in run.timeline_events() if e.get("tid") == LANES["advisor"]]
-    assert {e["args"]["run"] for e in lane} == {rec["runs"][0]} | {t.id for t in trials}
-    for t in trials:
+    assert {e["args"]["run"] for e in lane} == {rec["runs"][0]} | {t.id for t in trial_runs}
+    for t in trial_runs:
         assert sum(e["args"]["run"] == t.id for e in lane) == t.spec_dict()["steps"]
     first_step = min(e["ts"] for e in run.timeline_events() if e.get("cat") == "step")
     assert max(e["ts"] for e in lane) < first_step  # before the run's own steps
@@ -530,17 +531,17 @@ def test_trial_picks_take_one_candidate_per_family():
     mixed section over PowerSGD are: three families tried are none, fp16 and PowerSGD, not both casts;
     DDP joins as the reference."""
     def cand(label, comp, ms, cap=1.0):
-        c = advisor.Candidate(label, comp, {"name": "bucket", "cap_mb": cap}, {"mode": "wfbp"})
+        c = space.Candidate(label, comp, {"name": "bucket", "cap_mb": cap}, {"mode": "wfbp"})
         c.predicted_ms, c.penalty = ms, 1.0
         return c
-    ranked = [cand("none", advisor._comp("none"), 32.0), cand("bf16", advisor._comp("bf16"), 32.5),
-              cand("fp16", advisor._comp("fp16"), 32.6),
-              cand("mixed", advisor._mixed(advisor._comp("none"), advisor._comp("powersgd", rank=4)), 33.0),
-              cand("psgd r1", advisor._comp("powersgd", rank=1), 33.4), cand("topk", advisor._comp("topk"), 34.0),
-              cand("ddp", advisor._comp("none"), 36.0, cap=25.0)]
-    picks = advisor.trial_picks(ranked, 3)
+    ranked = [cand("none", pen.comp_section("none"), 32.0), cand("bf16", pen.comp_section("bf16"), 32.5),
+              cand("fp16", pen.comp_section("fp16"), 32.6),
+              cand("mixed", space.mixed(pen.comp_section("none"), pen.comp_section("powersgd", rank=4)), 33.0),
+              cand("psgd r1", pen.comp_section("powersgd", rank=1), 33.4), cand("topk", pen.comp_section("topk"), 34.0),
+              cand("ddp", pen.comp_section("none"), 36.0, cap=25.0)]
+    picks = trials.trial_picks(ranked, 3)
     assert [c.label for c in picks] == ["none", "bf16", "mixed", "ddp"]
-    assert advisor.family(advisor._comp("bf16")) == advisor.family(advisor._comp("fp16")) != "none"
+    assert trials.family(pen.comp_section("bf16")) == trials.family(pen.comp_section("fp16")) != "none"
 
 
 def test_shaped_links_use_the_labs_link_calibration(tmp_path):
@@ -551,20 +552,20 @@ def test_shaped_links_use_the_labs_link_calibration(tmp_path):
     prof = fake_profile(s)
     prof.link = None
     net = {"link": "shaped", "gbps": 0.1, "latency_us": None}
-    nominal, why = advisor.link_of(prof, net, tmp_path)
+    nominal, why = predictions.link_of(prof, net, tmp_path)
     assert nominal.alpha == 0.0 and "commlab net check --gbps 1 --save" in why
     res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
            "allreduce_median_s": 2 * 1e-3 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
            "allreduce_small_mean_s": 2 * 1e-3 + 4096 * 8e-9}
     path = whatif.save_shaped_link(tmp_path, res)
     assert path.parent == whatif.profile_dir(tmp_path)
-    link, why = advisor.link_of(prof, net, tmp_path)
+    link, why = predictions.link_of(prof, net, tmp_path)
     assert link.alpha == pytest.approx(1e-3) and link.beta == pytest.approx(8e-8)  # 10x slower than at 1 Gbit/s
     assert "the lab's calibration" in why and "1000 us per ring step" in why
-    assert advisor.link_of(prof, {"link": "modeled", "gbps": 0.1}, tmp_path)[0].alpha == 0.0  # modeled: exact
+    assert predictions.link_of(prof, {"link": "modeled", "gbps": 0.1}, tmp_path)[0].alpha == 0.0  # modeled: exact
     path.write_text("{}")
-    with pytest.raises(advisor.SpecError, match="network.link"):
-        advisor.link_of(prof, net, tmp_path)
+    with pytest.raises(SpecError, match="network.link"):
+        predictions.link_of(prof, net, tmp_path)
 
 
 def test_more_groups_cost_more_on_a_calibrated_shaped_link(tmp_path):
@@ -573,15 +574,15 @@ def test_more_groups_cost_more_on_a_calibrated_shaped_link(tmp_path):
     s = spec()
     prof = fake_profile(s)
     prof.link = None
-    comp = advisor._comp("powersgd", rank=1)
+    comp = pen.comp_section("powersgd", rank=1)
     net = {"link": "shaped", "gbps": 0.1, "latency_us": None}
-    nominal = advisor.link_of(prof, net, tmp_path)[0]
+    nominal = predictions.link_of(prof, net, tmp_path)[0]
     whatif.save_shaped_link(tmp_path, {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
                                        "allreduce_median_s": 4e-3 + 8e-3, "allreduce_small_bytes": 4096,
                                        "allreduce_small_mean_s": 4e-3 + 4096 * 8e-9})
-    calibrated = advisor.link_of(prof, net, tmp_path)[0]
+    calibrated = predictions.link_of(prof, net, tmp_path)[0]
     mc = {**s, "compressor": comp, "schedule": {"name": "mergecomp"}}
-    assert advisor.search_mergecomp(prof, mc, calibrated, 2)[1] <= advisor.search_mergecomp(prof, mc, nominal, 2)[1]
+    assert predictions.search_mergecomp(prof, mc, calibrated, 2)[1] <= predictions.search_mergecomp(prof, mc, nominal, 2)[1]
 
     def ms(layout, link):
         return pr.predict(prof, {**s, "compressor": comp, "schedule": {"name": layout}}, 0.1, 2,
@@ -593,12 +594,12 @@ def test_families_predicted_far_behind_are_not_tried():
     """A family predicted more than FAMILY_MARGIN times the best's score is not tried (its steps would cost
     for nothing); DDP follows its own margin."""
     def cand(label, comp, ms, cap=1.0):
-        c = advisor.Candidate(label, comp, {"name": "bucket", "cap_mb": cap}, {"mode": "wfbp"})
+        c = space.Candidate(label, comp, {"name": "bucket", "cap_mb": cap}, {"mode": "wfbp"})
         c.predicted_ms, c.penalty = ms, 1.0
         return c
-    ranked = [cand("psgd", advisor._comp("powersgd", rank=1), 32.0), cand("topk", advisor._comp("topk"), 47.0),
-              cand("int8", advisor._comp("int8"), 243.0), cand("fp16", advisor._comp("fp16"), 460.0),
-              cand("ddp", advisor._comp("none"), 900.0, cap=25.0)]
-    assert [c.label for c in advisor.trial_picks(ranked, 3)] == ["psgd", "topk"]
-    assert [c.label for c in advisor.trial_picks(ranked, 3, family_margin=10.0)] == ["psgd", "topk", "int8"]
-    assert [c.label for c in advisor.trial_picks(ranked, 3, ddp_margin=30.0)] == ["psgd", "topk", "ddp"]
+    ranked = [cand("psgd", pen.comp_section("powersgd", rank=1), 32.0), cand("topk", pen.comp_section("topk"), 47.0),
+              cand("int8", pen.comp_section("int8"), 243.0), cand("fp16", pen.comp_section("fp16"), 460.0),
+              cand("ddp", pen.comp_section("none"), 900.0, cap=25.0)]
+    assert [c.label for c in trials.trial_picks(ranked, 3)] == ["psgd", "topk"]
+    assert [c.label for c in trials.trial_picks(ranked, 3, family_margin=10.0)] == ["psgd", "topk", "int8"]
+    assert [c.label for c in trials.trial_picks(ranked, 3, ddp_margin=30.0)] == ["psgd", "topk", "ddp"]

@@ -59,12 +59,13 @@ def test_the_curve_calibration_keeps_every_candidates_curve_once(tmp_path):
     import argparse
     from lab.strategy import advisor
     from lab.strategy.perfmodel import whatif
+    from lab.strategy.space import load_spec_dict
     from lab.rundir.store import RunStore
     store = RunStore(tmp_path / "runs")
     first = ab.calibrate_curves(store, lambda m: None)
     kept = whatif.machine_curves(store.root)
     assert first["measured"] == len(kept) >= 5 and first["seconds"] > 0
-    spec = advisor.load_spec_dict(ab.base_spec("resnet", "modeled", 1.0, ab.RUN_STEPS))
+    spec = load_spec_dict(ab.base_spec("resnet", "modeled", 1.0, ab.RUN_STEPS))
     assert advisor.keep_curves(spec, store.root)[0] == 0  # every candidate's curve is the machine's now
     assert ab.calibrate_curves(store, lambda m: None)["measured"] == 0
     text = ab.report([], argparse.Namespace(rounds=1, steps=14, trials=3, final_rounds=0, curve_calibration=first))

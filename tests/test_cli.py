@@ -345,15 +345,15 @@ def test_profile_json(lab_dir, tmp_path, capsys, monkeypatch):
 
 def test_advise_json_and_its_files(lab_dir, tmp_path, capsys, monkeypatch):
     root, _, spec = lab_dir
-    from lab.strategy import advisor
+    from lab.strategy import advisor, space
     seen = {}
 
     def advise(spec_, runs, gbps, link, workers, measure, trials, trial_steps, penalties, runner=None, candidates=(),
                say=print):
         seen.update(gbps=gbps, link=link)
         say("profile: a note that belongs on stderr")
-        none = advisor.Candidate("none bucket 25MB wfbp", {"name": "none", "params": {}, "error_feedback": False},
-                                 {"name": "bucket", "cap_mb": 25.0}, {"mode": "wfbp"}, predicted_ms=10.0, penalty=1.0)
+        none = space.Candidate("none bucket 25MB wfbp", {"name": "none", "params": {}, "error_feedback": False},
+                               {"name": "bucket", "cap_mb": 25.0}, {"mode": "wfbp"}, predicted_ms=10.0, penalty=1.0)
         return advisor.Advice(spec_, {"link": "modeled", "gbps": 1.0, "latency_us": None}, 2, [none], none,
                               "predicted", "nominal", "test", {"total": 0, "profile": 0, "predict": 0, "trials": 0},
                               "the only one")

@@ -1,11 +1,11 @@
-"""The advisor (lab/advisor.py): which communication strategy for this model on this link?"""
+"""The advisor (lab/strategy/advisor.py): which communication strategy for this model on this link?"""
 import pandas as pd
 import streamlit as st
 
 from app import widgets
 from app.results_view import results_panel
 from lab.front import advice_jobs, ui
-from lab.strategy import advisor
+from lab.strategy import advisor, predictions
 
 widgets.setup("Advisor")
 st.title("Advisor")
@@ -21,7 +21,7 @@ if not choices:
     st.stop()
 label = st.selectbox("Spec (its compressor, schedule and comm are what gets chosen)", list(choices), key="adv.spec")
 c1, c2, c3, c4 = st.columns(4)
-link = c1.radio("Link", list(advisor.LINKS), key="adv.link", horizontal=True,
+link = c1.radio("Link", list(predictions.LINKS), key="adv.link", horizontal=True,
                 help="modeled: alpha-beta delays on loopback (no root); shaped: tc on an emulated cluster (root)")
 gbps = c2.select_slider("Bandwidth (Gbit/s)", [0.1, 0.3, 1.0, 3.0, 10.0], value=1.0, key="adv.gbps")
 measure = c3.checkbox("Measure the top candidates", value=True, key="adv.measure")

@@ -19,8 +19,9 @@ from lab.base import paths, procs
 from lab.base.specs import load_spec, read_spec_file
 from lab.rundir.store import RunStore, slug
 from lab.service.spawn import spawn_detached
-from lab.strategy.advisor import TRIALS, network_for
+from lab.strategy.advisor import TRIALS
 from lab.strategy.perfmodel.predict import ddp_spec
+from lab.strategy.predictions import network_for
 
 
 def spec_choices(runs) -> Dict[str, dict]:

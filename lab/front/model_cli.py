@@ -29,9 +29,10 @@ from lab.front.cli_kit import (
 )
 from lab.service.queue import Lab
 from lab.strategy import advisor, penalty
-from lab.strategy.advisor import LINKS, TRIAL_STEPS, TRIALS
+from lab.strategy.advisor import TRIAL_STEPS, TRIALS
 from lab.strategy.perfmodel import devices, predict, whatif
 from lab.strategy.perfmodel.calibrate import CalibrationError, compressor_key, spec_key
+from lab.strategy.predictions import LINKS
 
 
 def add_commands(sub) -> None:

@@ -1,10 +1,11 @@
-"""``strategy: auto``: the advisor (lab/advisor.py) run for a queued run in its slot, and its record.
+"""``strategy: auto``: the advisor (lab/strategy/advisor.py) run for a queued run in its slot, and its record.
 
 The run's supervisor calls ``resolve_auto`` before any rank starts. With ``measure`` and room in the run, the
 picks become the run's own first steps (``plan_in_run`` writes engine/trials.py's plan; after the run
 ``keep_record`` folds the ranks' measurements in, ``fold_in_run``); else a trial session runs before it, or
 the prediction decides, and the choice is written into spec.json at once. The record lives in tuning.json
-under ``RECORD_KEY``.
+under ``RECORD_KEY``. The constants of the trials in the run (``TRIAL_LEAD_IN``, the runoff, abort and stop
+rules) are here, in the plan that carries them to the ranks (``plan_shape``).
 """
 from __future__ import annotations
 
@@ -22,31 +23,12 @@ from lab.base.errors import LabError
 from lab.base.specs import load_spec
 from lab.rundir.launcher import launch
 from lab.rundir.store import FINAL
-from lab.strategy.advisor import (
-    ABORT_AFTER,
-    ABORT_RATIO,
-    DDP_HOLD,
-    REFERENCE_WITHIN,
-    RUNOFF_WITHIN,
-    STOP_RATIO,
-    TRIAL_LEAD_IN,
-    TRIAL_WARMUP,
-    Advice,
-    Candidate,
-    add_note,
-    advise,
-    compressing_at_once,
-    explain,
-    is_ddp,
-    measure_in_session,
-    search_extra_ms,
-    session_trials,
-    trial_picks,
-    with_search_cost,
-    with_strategy,
-)
+from lab.strategy.advisor import DDP_HOLD, Advice, advise, explain, measure_in_session
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import whatif
+from lab.strategy.space import Candidate, add_note, is_ddp, with_strategy
+from lab.strategy.trials import (TRIAL_WARMUP, compressing_at_once, search_extra_ms, session_trials, trial_picks,
+                                 with_search_cost)
 
 RECORD_KEY = "advisor"
 """tuning.json's key for the advisor's record (an engine tuner of the chosen strategy writes the rest)."""
@@ -55,6 +37,27 @@ PROFILE_STEPS = 8
 the first SKIP_STEPS (3) are left out of the medians, the other 5 on each rank are the profile."""
 PLAN_TIMEOUT_S = 600
 """How long the ranks wait for the plan after their profile steps before they fail the run."""
+TRIAL_LEAD_IN = 3
+"""Trials in the run: more warm-up steps before the first trial. A fresh process's first steps run slow (the
+best-predicted candidate, tried first, measured 10-75% above its later pace on the shaped-link benchmark)."""
+RUNOFF_WITHIN = 1.10
+"""Trials in the run: every trial scoring within ``RUNOFF_WITHIN`` of the best trains its timed steps again,
+in reverse order, and is scored on all its timed steps (one visit's median scattered by 15% from the same
+configuration's steady pace; close calls were decided by that scatter). Their cost to the run is small: they
+train at close to the winner's pace."""
+ABORT_AFTER = 3
+ABORT_RATIO = 1.25
+"""Trials in the run: a candidate whose first ``ABORT_AFTER`` timed steps score more than ``ABORT_RATIO`` times
+the best trial's so far stops there (its remaining steps would only cost the run time)."""
+STOP_RATIO = 3.0
+"""Trials in the run: a candidate stops at once, warm-up steps included, when even its fastest step so far scores
+more than ``STOP_RATIO`` times the best trial's (on a 0.1 Gbit/s link int8's 5 steps at 5x PowerSGD's pace were
+most of the trials' cost). Generous: a new communicator's first steps ran up to 1.8x its median here."""
+REFERENCE_WITHIN = 1.25
+"""In-run trials: DDP, when tried, trains again in the runoff whenever its score is within this factor of the
+best (the close candidates' factor is RUNOFF_WITHIN): the hold (lab.strategy.advisor.DDP_HOLD) compares against
+DDP, so DDP is measured as often as the candidates it is held against. Up to ABORT_RATIO, where a trial counts as
+clearly slower."""
 
 
 def plan_shape(n: int, trial_steps: int, lead_in: int = TRIAL_LEAD_IN) -> dict:

@@ -18,11 +18,11 @@ from __future__ import annotations
 import copy
 from typing import List, Optional, Sequence, Tuple
 
-from lab.strategy.advisor import compressor_space
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
 from lab.strategy.perfmodel import whatif
 from lab.strategy.perfmodel.properties import ratio
+from lab.strategy.space import compressor_space
 
 GBPS = (0.1, 1.0, 10.0, 100.0)
 WORKERS = (2, 8, 64)
