@@ -159,7 +159,7 @@ def finalists_of(timed: dict, pen: dict) -> list:
 def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, store, log, trials: int = 0,
                 final_rounds: int = 0, target: Optional[float] = None, eval_every: int = 10) -> dict:
     from lab.strategy import advisor
-    from lab.strategy import penalty as pen
+    from lab.strategy import penalty
     from lab.strategy.perfmodel.calibrate import compressor_key
     from lab.strategy.space import load_spec_dict, start_iter
     from lab.strategy.trials import measured_ms
@@ -177,16 +177,16 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
         cands = [c.as_dict() for c in adv.candidates]
         choice = {"label": adv.winner.label, "strategy": adv.winner.strategy()}
         cost, link_source, profile_source = adv.cost_s, adv.link_source, adv.profile_source
-    cells = {k: {"compressor": c, "schedule": s, "comm": m, "method": dict(pen.NO_METHOD)}
+    cells = {k: {"compressor": c, "schedule": s, "comm": m, "method": dict(penalty.NO_METHOD)}
              for k, (c, s, m) in GRID.items()}
-    cells[CHOICE] = {"method": dict(pen.NO_METHOD), **choice["strategy"]}
+    cells[CHOICE] = {"method": dict(penalty.NO_METHOD), **choice["strategy"]}
     same_as = next((k for k, v in cells.items() if k != CHOICE and v == cells[CHOICE]), None)
     pen = {}
     for k, strat in cells.items():
         if strat["method"]["name"] != "none":  # a method chosen on its measured runs
-            p, src = pen.method_penalty(spec, strat["method"], store.root)
+            p, src = penalty.method_penalty(spec, strat["method"], store.root)
         else:
-            p, src = pen.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
+            p, src = penalty.penalty(spec, strat["compressor"], store.root, mode=strat["comm"]["mode"])
         pen[k] = (p, src)
     timed = {k: [] for k in cells}
     runs = {k: [] for k in cells}
@@ -217,7 +217,7 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
             play(finalists, r, "final round")
     rows = {}
     for k in cells:
-        same = [c for c in cands if {f: c.get(f, pen.NO_METHOD) for f in ("compressor", "schedule", "comm",
+        same = [c for c in cands if {f: c.get(f, penalty.NO_METHOD) for f in ("compressor", "schedule", "comm",
                                                                                  "method")} == cells[k]]
         rows[k] = {"predicted_ms": same[0]["predicted_ms"] if same else None,
                    "trial_ms": same[0]["measured_ms"] if same else None, "rounds_ms": timed[k],
@@ -363,7 +363,7 @@ def report(results: list, args) -> str:
     curves = getattr(args, "curve_calibration", None)
     if curves:
         out.append(f"\nThe compressors' cost curves, kept once per machine before the settings "
-                   f"(`lab.advisor.keep_curves`: {curves['measured']} curves, {curves['seconds']:.2f} s; a curve is the "
+                   f"(`lab.strategy.advisor.keep_curves`: {curves['measured']} curves, {curves['seconds']:.2f} s; a curve is the "
                    f"machine's, not a model's, so in no setting's advisor cost; a machine's first advice measures "
                    f"them in its own).\n")
     fin = getattr(args, "final_rounds", 0)

@@ -369,7 +369,7 @@ _STRATEGY_OPTIONS = {"measure": (True, None, None), "trials": (3, 1, 20), "trial
 class StrategySpec:
     """Who chooses the compressor, schedule and comm: the spec (fixed) or the lab's advisor (auto)."""
     mode: Literal["fixed", "auto"] = "fixed"
-    """fixed: compressor, schedule and comm as written. auto: the lab runs its advisor (lab/advisor.py) at
+    """fixed: compressor, schedule and comm as written. auto: the lab runs its advisor (lab/strategy/advisor.py) at
     the start of the run, on the run's link, and writes its choice into spec.json before any rank starts;
     the candidates, trials and decision go to tuning.json."""
     measure: Optional[bool] = None

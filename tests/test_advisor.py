@@ -1,5 +1,5 @@
-"""The advisor (lab/advisor.py): its strategy space, penalties and their sources, ranking by predicted and
-measured time to accuracy, the winner written as a spec, and `commlab advise`'s one-line errors."""
+"""The advisor (lab/strategy/advisor.py, with space, predictions and trials): its strategy space, penalties and
+their sources, ranking by predicted and measured time to accuracy, the winner written as a spec, and `commlab advise`'s one-line errors."""
 import json
 import subprocess
 import sys

@@ -1,7 +1,7 @@
 """The Advisor page's jobs: `commlab advise` started detached from the UI, followed, and its winner started.
 
 runs/.advice/<id>/ holds one job: the spec and the request, the advise process's log, and, when it is done,
-advice.json and best.yaml (lab/advisor.py writes them); ``start_winner`` queues the winner and DDP as one
+advice.json and best.yaml (lab/strategy/advisor.py writes them); ``start_winner`` queues the winner and DDP as one
 group for the results view.
 """
 from __future__ import annotations

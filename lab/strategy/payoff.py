@@ -8,7 +8,7 @@ compression and the best built-in, on links and cluster sizes, for one model's p
 What it predicts is iteration time on a modeled alpha-beta link (lab.strategy.perfmodel.predict; the
 profile's calibrated link scaled to each rate where it has one), with 25 MB buckets and wfbp, the way the
 advisor predicts its candidates. Accuracy is not predicted: a lossy compressor that pays per step may
-still need more steps (the advisor's penalty, lab.strategy.advisor).
+still need more steps (the advisor's penalty, lab.strategy.penalty).
 
 A compressor that names code (``package.module:Class``) is measured afresh every time: its code may have
 changed since the last measurement, so its curve is not kept for the machine (the built-ins' are).
