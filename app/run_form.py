@@ -8,8 +8,9 @@ from typing import Dict
 import streamlit as st
 
 from app.widgets import open_run
-from engine.spec import SpecError
+from engine.spec import MAX_NAME, SpecError
 from lab.base.errors import LabError
+from lab.base.specs import MAX_TYPED
 from lab.front import new_run
 
 
@@ -24,7 +25,7 @@ def run_form() -> None:
     k = "nr."
     d: dict = {}
     top = st.columns([2, 1, 1, 1])
-    d["name"] = top[0].text_input("Name", "my-run", key=k + "name")
+    d["name"] = top[0].text_input("Name", "my-run", key=k + "name", max_chars=MAX_NAME)
     with top[0]:
         _slot(slots, "name")
     d["world_size"] = top[1].number_input("World size (ranks)", 1, 64, 2, key=k + "world_size")
@@ -50,10 +51,12 @@ def run_form() -> None:
         else:
             example = {"torchvision:": "resnet18", "hf:": "gpt2", "import path": "mypkg.models:build"}[source]
             label = "Architecture" if source != "import path" else "Import path"
-            model = new_run.model_name(source, st.text_input(label, example, key=k + "model_path." + source))
+            typed = st.text_input(label, example, key=k + "model_path." + source, max_chars=MAX_TYPED)
+            model = new_run.model_name(source, typed)
             options, bad = new_run.parse_options(st.text_area(
                 "Model options (YAML)", "n_layer: 2\nn_embd: 128\nn_head: 4" if source == "hf:" else "",
-                key=k + "model_options." + source, help="Keyword arguments of the builder or config overrides."))
+                key=k + "model_options." + source, max_chars=MAX_TYPED,
+                help="Keyword arguments of the builder or config overrides."))
             if bad:
                 st.error(f"model.options: {bad}")
         _slot(slots, "model.name")
@@ -66,7 +69,8 @@ def run_form() -> None:
         d["dataset"] = {"name": dataset}
         token_model = model.startswith("hf:") or model == "transformer"
         if dataset == "import path":
-            d["dataset"]["name"] = st.text_input("Loader", "mypkg.data:load", key=k + "ds.path").strip()
+            d["dataset"]["name"] = st.text_input("Loader", "mypkg.data:load", key=k + "ds.path",
+                                                 max_chars=MAX_TYPED).strip()
         if dataset == "synthetic":
             d["dataset"]["size"] = st.number_input("Examples", 16, 10_000_000, 2048, key=k + "ds.size")
             if token_model:
@@ -74,7 +78,7 @@ def run_form() -> None:
                 d["dataset"]["block"] = st.number_input("Context length", 2, 4096, 64, key=k + "ds.block")
             else:
                 d["dataset"]["classes"] = st.number_input("Classes", 2, 10000, 10, key=k + "ds.classes")
-                shape = st.text_input("Image shape C, H, W", "3, 32, 32", key=k + "ds.shape")
+                shape = st.text_input("Image shape C, H, W", "3, 32, 32", key=k + "ds.shape", max_chars=MAX_TYPED)
                 try:
                     dims = [int(v) for v in shape.replace(",", " ").split()]
                 except ValueError:
@@ -152,7 +156,8 @@ def run_form() -> None:
                                                    key=k + "gbps")
             _slot(slots, "network.gbps")
         if link == "modeled":
-            lat = new_run.parse_value(st.text_input("Latency (us, blank: default)", "", key=k + "latency"))
+            lat = new_run.parse_value(st.text_input("Latency (us, blank: default)", "", key=k + "latency",
+                                                    max_chars=MAX_TYPED))
             if lat is not None:
                 d["network"]["latency_us"] = lat
             _slot(slots, "network.latency_us")
@@ -201,10 +206,12 @@ def _compressor_fields(ch: dict, mode: str, slots: Dict[str, object], k: str) ->
                               help="registry: the lab's compressors; import path: package.module:Class, a subclass "
                                    "of commlab.Compressor on PYTHONPATH (`commlab check compressor` checks it)")
     if source == new_run.IMPORT_PATH:
-        comp = st.text_input("Compressor class", "", key=k + "comp_path", placeholder="mypkg.codecs:ScaledSign").strip()
+        comp = st.text_input("Compressor class", "", key=k + "comp_path", placeholder="mypkg.codecs:ScaledSign",
+                             max_chars=MAX_TYPED).strip()
         _slot(slots, "compressor.name")
         params, bad = new_run.parse_options(st.text_area("Compressor parameters (YAML)", "", key=k + "comp_params",
-                                                    help="Keyword parameters the class declares (its params)."))
+                                                         max_chars=MAX_TYPED,
+                                                         help="Keyword parameters the class declares (its params)."))
         if bad:
             st.error(f"compressor.params: {bad}")
         _slot(slots, "compressor.params")
@@ -229,7 +236,8 @@ def _compressor_fields(ch: dict, mode: str, slots: Dict[str, object], k: str) ->
         if p.type is bool:
             params[p.name] = st.checkbox(p.name, p.default, key=key, help=p.help)
         elif p.default is None:
-            v = new_run.parse_value(st.text_input(f"{p.name} (blank: {p.unset})", "", key=key, help=tip))
+            v = new_run.parse_value(st.text_input(f"{p.name} (blank: {p.unset})", "", key=key, help=tip,
+                                                  max_chars=MAX_TYPED))
             if v is not None:
                 params[p.name] = v
         elif p.type is int:

@@ -8,9 +8,10 @@ import streamlit as st
 
 from app import access
 from app.widgets import RESULTS_PAGE, table_columns
-from engine.spec import SpecError
+from engine.spec import MAX_NAME, SpecError
 from lab.analysis import plots
 from lab.base.errors import LabError
+from lab.base.specs import MAX_TYPED
 from lab.front import new_run, sweep_jobs, ui
 
 
@@ -19,7 +20,7 @@ def sweep_form() -> None:
     ch = new_run.choices()
     k = "sw."
     c = st.columns(4)
-    name = c[0].text_input("Name", "my-sweep", key=k + "name")
+    name = c[0].text_input("Name", "my-sweep", key=k + "name", max_chars=MAX_NAME)
     model = c[1].selectbox("Model", ch["models"], index=list(ch["models"]).index("cnn"), key=k + "model")
     dataset = c[2].selectbox("Data set", new_run.datasets_for(model), key=k + "dataset")
     world = c[3].number_input("World size", 1, 64, 2, key=k + "world")
@@ -46,7 +47,7 @@ def sweep_form() -> None:
         if params:
             text = st.text_input(f"{comp} parameters (YAML, blank: defaults)",
                                  ", ".join(f"{p.name}: {p.default}" for p in params if p.name == "ratio"
-                                           and p.default is not None), key=f"{k}p.{comp}")
+                                           and p.default is not None), key=f"{k}p.{comp}", max_chars=MAX_TYPED)
             extra = new_run.parse_value("{" + text + "}") if text.strip() else {}
             if isinstance(extra, dict):
                 entry.update(extra)

@@ -515,6 +515,8 @@ class JobSpec:
     """none (every step's gradients) or a method that communicates less often (engine/methods/)."""
 
     def __post_init__(self):
+        if len(self.name) > MAX_NAME:
+            raise SpecError("name", f"at most {MAX_NAME} characters, got {len(self.name)}")
         if not 1 <= self.world_size <= 1024:
             raise SpecError("world_size", f"must be in 1..1024, got {self.world_size}")
         if not 1 <= self.steps <= 10_000_000:
@@ -603,11 +605,43 @@ class JobSpec:
     # -- conversion -------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Any) -> "JobSpec":
+        check_size(data)
         data = _shorthand(data)
         return _build(cls, data, "")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+MAX_NAME = 200
+"""Characters in a run's name: it is shown on every list, and starts the run's id."""
+MAX_VALUES = 100_000
+MAX_TEXT = 1_000_000
+"""At most this many values (numbers, strings, lists, mappings) and characters of text in one spec: far more than
+any real spec has (one has some dozens), and small enough that checking and copying it costs nothing. A mapping
+that repeats one list by reference (YAML aliases) is counted as often as it appears, as a copy would be."""
+
+
+def check_size(data: Any) -> None:
+    """SpecError when ``data`` has more than MAX_VALUES values or MAX_TEXT characters of text. Counts as it
+    walks and stops at the first limit passed, so a structure that expands to billions (a YAML alias bomb)
+    costs what MAX_VALUES visits cost."""
+    values = text = 0
+    todo = [data]
+    while todo:
+        x = todo.pop()
+        values += 1
+        if isinstance(x, dict):
+            for k, v in x.items():
+                todo.append(k)
+                todo.append(v)
+        elif isinstance(x, (list, tuple)):
+            todo.extend(x)
+        elif isinstance(x, str):
+            text += len(x)
+        if values > MAX_VALUES or text > MAX_TEXT:
+            raise SpecError("spec", f"too large: a spec holds at most {MAX_VALUES} values and {MAX_TEXT} "
+                                    "characters of text")
 
 
 def _shorthand(data: Any) -> Any:

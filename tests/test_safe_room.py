@@ -24,14 +24,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytest.importorskip("streamlit")
 
 import lab  # noqa: E402
 from engine import codepath  # noqa: E402
-from engine.spec import SpecError  # noqa: E402
+from engine.spec import JobSpec, SpecError  # noqa: E402
 from lab.front import accounts, groups, new_run, previews, ui  # noqa: E402
 from lab.base import sandbox
+from lab.base.specs import load_spec, typed_yaml
 from lab.service import owners
 from lab.strategy.perfmodel import views  # noqa: E402
 from lab.service.queue import Lab  # noqa: E402
@@ -444,6 +446,35 @@ def test_concurrent_submits_cannot_pass_the_queued_limit(room):
     assert sorted(set(got) - set(made)) == [
         "quota queued: alice may have 2 runs queued or running at once; 2 are, and this asks for 1 more"]
     assert sorted(r.id for r in lab.runs(runs=root)) == sorted(made)
+
+
+def alias_bomb(levels: int) -> str:
+    """YAML of a few hundred bytes whose last list holds 9**levels strings, all by reference (aliases)."""
+    return "a0: &a0 [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]\n" for i in range(1, levels + 1))
+
+
+def test_typed_yaml_cannot_grow_in_the_server(room):
+    """An alias bomb typed in the New run form's model options is refused as it is parsed, under the field; the
+    same structure handed to the spec (a script, a file) is refused before anything copies it."""
+    root, tokens = room
+    bomb = alias_bomb(7)  # 300 bytes, 43 million strings once expanded
+    at = app(tokens["alice"], page="new_run")
+    at.selectbox(key="nr.model_source").set_value("torchvision:").run()
+    at.text_area(key="nr.model_options.torchvision:").set_value(bomb).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "model.options: not valid YAML: aliases (*name) are not accepted here (line 2, column 10)" in [
+        one_line(e.value) for e in at.error]
+    assert new_run.parse_value(bomb) == bomb.strip()  # a parameter's box: kept as text, refused by its field
+    nested = yaml.safe_load(alias_bomb(6))  # what yaml.safe_load builds: 531,441 strings, 6 lists
+    with pytest.raises(SpecError, match=r"^spec: too large: a spec holds at most 100000 values"):
+        load_spec(data={**SMALL, "model": {"name": "mlp", "options": nested}})
+    with pytest.raises(SpecError, match="^spec: too large"):
+        JobSpec.from_dict({**SMALL, "model": {"name": "mlp", "options": nested}})
+    with pytest.raises(SpecError, match="^name: at most 200 characters, got 5000$"):
+        load_spec(data={**SMALL, "name": "n" * 5000})
+    with pytest.raises(ValueError, match="^at most 4096 characters, got 5000$"):
+        typed_yaml("x" * 5000)
 
 
 # --------------------------------------------------------------------------- 4. the Performance model page

@@ -7,7 +7,37 @@ from typing import Iterable, Optional
 
 import yaml
 
-from engine.spec import JobSpec, SpecError
+from engine.spec import JobSpec, SpecError, check_size
+
+MAX_TYPED = 4096
+"""Characters of YAML a text box may send (model or loader options, a parameter's value)."""
+
+
+class _NoAliases(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases (``*name``): typed text cannot repeat a node by reference, so what
+    it builds is never larger than the text (an alias bomb of a few hundred bytes expands to gigabytes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted here",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def typed_yaml(text: str) -> object:
+    """What a viewer typed in a text box, as YAML: at most MAX_TYPED characters, no aliases, nested at most
+    as deep as the parser's recursion allows. ValueError with one line otherwise."""
+    if len(text) > MAX_TYPED:
+        raise ValueError(f"at most {MAX_TYPED} characters, got {len(text)}")
+    try:
+        return yaml.load(text, Loader=_NoAliases)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ValueError(f"not valid YAML: {getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}") from None
+    except RecursionError:
+        raise ValueError("not valid YAML: nested too deeply") from None
 
 
 def read_spec_file(path: str, field: str = "SPEC") -> dict:
@@ -42,6 +72,7 @@ def yaml_error(path: str, e: yaml.YAMLError) -> str:
 
 def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
     """``steps=50`` or ``compressor.name=topk``; values are parsed as YAML scalars."""
+    check_size(data)  # before the copy, which would expand a structure that repeats itself by reference
     data = json.loads(json.dumps(data))  # deep copy
     for item in overrides or ():
         if "=" not in item:

@@ -19,7 +19,7 @@ from engine.spec import (
     OptimizerSpec,
     SpecError,
 )
-from lab.base.specs import load_spec
+from lab.base.specs import load_spec, typed_yaml
 from lab.front import previews
 from lab.front.ui import may_run_code, queue_runs, runs_dir, viewer
 from lab.rundir.store import Run
@@ -127,13 +127,14 @@ def datasets_for(model: str) -> List[str]:
 
 
 def parse_options(text: str) -> Tuple[dict, Optional[str]]:
-    """A YAML mapping typed in the form (model or loader options): (options, error line)."""
+    """A YAML mapping typed in the form (model or loader options): (options, error line). Bounded: at most
+    lab.base.specs.MAX_TYPED characters and no aliases (what it builds is never larger than the text)."""
     if not text.strip():
         return {}, None
     try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        return {}, f"not valid YAML: {str(e).strip().splitlines()[0]}"
+        data = typed_yaml(text)
+    except ValueError as e:
+        return {}, str(e)
     if not isinstance(data, dict):
         return {}, f"must be a mapping such as {{n_layer: 4}}, got {data!r}"
     return data, None
@@ -209,13 +210,15 @@ def error_field(path: str, fields, msg: str = "") -> Optional[str]:
 
 
 def parse_value(text: str):
-    """A typed parameter value from a text box (YAML scalar); '' means unset."""
+    """A typed parameter value from a text box (YAML, as ``typed_yaml`` bounds it); '' means unset. Text that
+    is not valid YAML, too long or uses aliases is kept as the string it is: the spec's check then names the
+    field it does not fit."""
     text = (text or "").strip()
     if not text:
         return None
     try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
+        return typed_yaml(text)
+    except ValueError:
         return text
 
 
