@@ -16,6 +16,7 @@ gets a random /media id that serves within ONE_SHOT_S seconds, for REFETCH_S sec
 fetch, then is gone; and no websocket client may clear the server's caches (they are every viewer's)."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -86,6 +87,20 @@ def gate() -> owners.User:
         return user
     signed_out("You are signed out." if st.session_state.pop(SIGNED_OUT, False)
                else "Your session has ended, or you have not signed in yet.")
+
+
+def fragment(run_every=None):
+    """``st.fragment`` for the pages: each refresh of the fragment first asks again who is looking (a fragment's
+    refresh does not pass the gate in streamlit_app.py); a session that ended since gets a full rerun, whose
+    gate shows the sign-in page instead of the fragment's data (or an error box from the lab's PermissionError)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            if mode() != "off" and session_user() is None:
+                st.rerun()
+            return fn(*args, **kwargs)
+        return st.fragment(checked, run_every=run_every)
+    return wrap
 
 
 def sign_out() -> None:

@@ -85,7 +85,7 @@ def live_panel(run_id: str) -> None:
             st.rerun()  # the whole page again: the gate, then "No run"
         return again
 
-    @st.fragment(run_every=None if started_final else ui.REFRESH_S)
+    @access.fragment(run_every=None if started_final else ui.REFRESH_S)
     def panel():
         run = still_visible()
         state = run.state
@@ -101,9 +101,9 @@ def live_panel(run_id: str) -> None:
         if state not in FINAL and mine and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
             st.toast(f"cancel requested ({ui.cancel(run.id)})")
         if state in ("failed", "diverged"):
-            st.error(f"{state}: {ui.md(status.get('error', ''))}")
+            st.error(f"{state}: {ui.md(ui.shown_text(status.get('error', '')))}")
             with st.expander("log (last lines)"):
-                st.code(run.log_tail(30) or "(empty)")
+                st.code(ui.shown_log(run, 30) or "(empty)")
         machine_note(status.get("disturbance"))
         s = summarize(lr.metric_rows(), spec)
         m = st.columns(4)
@@ -112,7 +112,7 @@ def live_panel(run_id: str) -> None:
         m[2].metric("bytes sent / step / rank", fmt_bytes(s.get("bytes_per_step")))
         m[3].metric("compression", f"{s['compression_ratio']:.1f}x" if s.get("compression_ratio") else "-")
 
-    @st.fragment(run_every=None if started_final else ui.CHARTS_REFRESH_S)
+    @access.fragment(run_every=None if started_final else ui.CHARTS_REFRESH_S)
     def charts():
         run = still_visible()
         state = run.state

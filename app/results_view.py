@@ -11,7 +11,7 @@ from typing import Optional
 import pandas as pd
 import streamlit as st
 
-from app import widgets
+from app import access, widgets
 from lab.analysis import plots, timelines
 from lab.analysis.results import preset_of
 from lab.front import groups, sweep_jobs, ui
@@ -76,7 +76,7 @@ def results_panel(group: dict) -> None:
     live = not first.complete
     finals = sum(x.final for x in first.variants.values())
 
-    @st.fragment(run_every=REFRESH_S if live else None)
+    @access.fragment(run_every=REFRESH_S if live else None)
     def panel():
         v = groups.group_verdict(group)
         if live and sum(x.final for x in v.variants.values()) != finals:

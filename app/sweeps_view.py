@@ -89,7 +89,7 @@ def sweep_view() -> None:
         return
     live = sweep_jobs.sweep_status(sw)["running"]
 
-    @st.fragment(run_every=ui.REFRESH_S if live else None)
+    @access.fragment(run_every=ui.REFRESH_S if live else None)
     def status():
         s = sweep_jobs.sweep_status(sw)
         if live and not s["running"]:

@@ -182,6 +182,8 @@ class Session:
         """Every message of this session, for checks over the whole session."""
         self.session_id: Optional[str] = None
         """The server's id of this session (from its first script run's new_session)."""
+        self.page_hash = ""
+        """The page the last run drew (a browser sends it back with a fragment's refresh)."""
 
     async def _connect(self):
         req = HTTPRequest(self.url, headers={"Cookie": self.cookie} if self.cookie else {})
@@ -198,7 +200,8 @@ class Session:
         m = BackMsg()
         m.rerun_script.query_string = query_string
         m.rerun_script.page_name = page
-        if fragment:
+        if fragment:  # a browser names the page it shows: a full rerun the fragment asks for (st.rerun) stays there
+            m.rerun_script.page_script_hash = self.page_hash
             m.rerun_script.fragment_id = fragment
             m.rerun_script.is_auto_rerun = True
         for wid, value in (widgets or {}).items():
@@ -255,8 +258,10 @@ class Session:
             self.all.append(f)
             if f.WhichOneof("type") == "page_info_changed":
                 page.query_string = f.page_info_changed.query_string
-            if f.WhichOneof("type") == "new_session" and f.new_session.initialize.session_id:
-                self.session_id = f.new_session.initialize.session_id
+            if f.WhichOneof("type") == "new_session":
+                self.page_hash = f.new_session.page_script_hash
+                if f.new_session.initialize.session_id:
+                    self.session_id = f.new_session.initialize.session_id
             if runs.feed(f):
                 page.seconds = time.perf_counter() - t0
 

@@ -39,6 +39,11 @@ def kind(name):
     return _KIND[name]
 
 
+MIN_SIDE = {"cnn": 2}
+"""The smallest image height and width a zoo model takes (cnn's max pool halves them; resnet's stride-2 stages
+keep a 1x1 image 1x1)."""
+
+
 def compatible(name, info_kind):
     """Whether model `name` can train on data of kind "image" or "text" (True when unknown)."""
     need = kind(name)

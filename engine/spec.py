@@ -561,6 +561,10 @@ class JobSpec:
             want = ("token data (the text data set, or synthetic with vocab)" if models.kind(self.model.name) == "text"
                     else "an image data set (digits, mnist, synthetic)")
             raise SpecError("model.name", f"{self.model.name} needs {want}, got dataset {self.dataset.name}")
+        side = models.MIN_SIDE.get(self.model.name)
+        if side and self.dataset.shape and min(self.dataset.shape[1:]) < side:
+            h, w = self.dataset.shape[1:]
+            raise SpecError("dataset.shape", f"{self.model.name} takes images of at least {side}x{side}, got {h}x{w}")
         if self.model.name.startswith("torchvision:") and self.dataset.kind == "image":
             channels = 1 if self.dataset.name in ("digits", "mnist") else (self.dataset.shape or [3])[0]
             if channels != 3:

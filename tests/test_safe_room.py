@@ -32,7 +32,7 @@ import lab  # noqa: E402
 from engine import codepath  # noqa: E402
 from engine.spec import JobSpec, SpecError  # noqa: E402
 from lab.front import accounts, groups, new_run, previews, ui  # noqa: E402
-from lab.base import sandbox
+from lab.base import paths, sandbox
 from lab.base.specs import load_spec, typed_yaml
 from lab.service import owners
 from lab.strategy.perfmodel import views  # noqa: E402
@@ -475,6 +475,24 @@ def test_typed_yaml_cannot_grow_in_the_server(room):
         load_spec(data={**SMALL, "name": "n" * 5000})
     with pytest.raises(ValueError, match="^at most 4096 characters, got 5000$"):
         typed_yaml("x" * 5000)
+
+
+def test_a_students_failed_run_shows_no_traceback_and_no_machine_path(room):
+    """A student's run that fails shows its one-line error and its log's last lines without the traceback's
+    frames or the machine's folders; the teacher sees the log as it is. An image too small for the model is
+    refused when the spec is checked, not by a traceback from the ranks."""
+    root, tokens = room
+    run = Lab(root).submit(lab._spec(dict(SMALL, fault={"kind": "raise", "step": 1})), wait=True, owner="alice")
+    assert run.state == "failed" and "Traceback" in run.log_tail(30) and str(paths.SOURCE) in run.log_tail(30)
+    at = app(tokens["alice"], page="live_run", run=run.id)
+    shown = "\n".join(c.value for c in at.code)
+    assert "injected fault at step 1" in shown and "(a traceback, left out)" in shown
+    assert "Traceback" not in shown and str(paths.SOURCE) not in everything(at)
+    at = app(tokens["admin"], page="live_run", run=run.id)
+    assert "Traceback (most recent call last)" in "\n".join(c.value for c in at.code)
+    as_viewer("alice")
+    spec, err = new_run.validate(dict(SMALL, model="cnn", dataset={"name": "synthetic", "shape": [3, 1, 1]}))
+    assert spec is None and (err.path, err.msg) == ("dataset.shape", "cnn takes images of at least 2x2, got 1x1")
 
 
 # --------------------------------------------------------------------------- 4. the Performance model page

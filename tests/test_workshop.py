@@ -595,6 +595,36 @@ def test_over_the_wire_a_live_panel_stops_when_the_run_is_unshared(exposed):
         bob.update_status(shared=False)
 
 
+def test_every_fragment_of_the_pages_asks_who_is_looking():
+    """A fragment's refresh skips the gate in streamlit_app.py: every page's fragment goes through
+    access.fragment, which asks again (the test below shows what a signed-out refresh gets)."""
+    from test_app import ROOT
+    bare = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "app").rglob("*.py")) if p.name != "access.py"
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "st.fragment" in line]
+    assert bare == []
+    assert sum("@access.fragment(" in p.read_text() for p in (ROOT / "app").rglob("*.py")) >= 4
+
+
+def test_over_the_wire_a_refresh_after_sign_out_gets_the_sign_in_page(exposed):
+    """A live panel's refresh (a fragment rerun on the open websocket, which the gatekeeper checked once, when
+    it opened) after the session ended: the whole page again, whose gate shows the sign-in prompt; none of the
+    run, and no error box."""
+    from bench.wsclient import Session, sign_in
+    url, runs, tokens, log_path = exposed
+    jar = sign_in(url, tokens["alice"])
+    alice = Session(url, cookie=jar.header)
+    try:
+        page = alice.run(f"run={runs['alice'].id}", page="live_run")
+        frags = page.fragment_ids()
+        assert frags and runs["alice"].id in page.text, page.kinds()
+        accounts.close_session(log_path.parent, jar.cookies["commlab_session"])
+        after = alice.run(f"run={runs['alice'].id}", page="live_run", fragment=frags[0])
+        assert "Your session has ended" in after.text, after.kinds()
+        assert runs["alice"].id not in after.text and not after.exceptions()
+    finally:
+        alice.close()
+
+
 @pytest.mark.parametrize("trick", TRICKS[:6])
 def test_over_the_wire_path_tricks_show_nothing(exposed, trick):
     from urllib.parse import quote

@@ -2,7 +2,7 @@
 import pandas as pd
 import streamlit as st
 
-from app import widgets
+from app import access, widgets
 from app.results_view import results_panel
 from lab.front import advice_jobs, ui
 from lab.strategy import advisor, predictions
@@ -41,7 +41,7 @@ jid = st.selectbox("Advice", known, index=known.index(current), key="adv.pick")
 first = advice_jobs.job(jid, runs)
 
 
-@st.fragment(run_every=2 if first["state"] == "running" else None)
+@access.fragment(run_every=2 if first["state"] == "running" else None)
 def progress():
     j = advice_jobs.job(jid, runs)
     if j["state"] != first["state"]:

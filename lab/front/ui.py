@@ -192,6 +192,36 @@ def owner(run: Run) -> str:
     return owners.owner_of(run.status())
 
 
+ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.+@~-]+/)+")
+"""The folders of an absolute path (``/srv/lab/engine/``), as a run's log and errors show them."""
+
+
+def shown_text(text: str) -> str:
+    """A run's error line as the viewer may see it: the teacher and the local user as it is; a student without
+    the machine's folders (``.../models.py``: a file's name is kept, where it lives is not theirs to know)."""
+    return text if viewer().admin else ABSOLUTE_PATH.sub(".../", text)
+
+
+def shown_log(run: Run, n: int = 30) -> str:
+    """The last ``n`` lines of a run's log as the viewer may see them: as they are for the teacher and the local
+    user; for a student without tracebacks (each becomes one line saying so: the error itself follows it) and
+    without the machine's folders."""
+    text = run.log_tail(n)
+    if viewer().admin:
+        return text
+    out, inside = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("Traceback (most recent call last)"):
+            out.append("(a traceback, left out)")
+            inside = True
+            continue
+        if inside and (not line.strip() or line.startswith((" ", "\t", "^", "~"))):
+            continue  # its frames: file, line and code, indented
+        inside = False
+        out.append(shown_text(line))
+    return "\n".join(out)
+
+
 MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|~<>$:&])")
 
 
