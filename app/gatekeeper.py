@@ -15,10 +15,13 @@ checked again (a revoked or signed-out session ends at its next request; the scr
 app/access.py). On loopback (access mode ``off``) the middleware lets everything through.
 
 Sign-in is rate-limited in memory: ``FAILS_PER_MIN`` wrong tokens per client address, ``NAMES_PER_HOUR``
-new names per browser; lab.accounts caps names per class token."""
+new names per browser and ``names_per_address`` (lab.accounts.SETTINGS) per client address; a grant to pick a
+name serves one name; lab.accounts caps names per class token. A link with a token never replaces the session
+a browser has: who is signed in changes only by signing out, or by the sign-in form."""
 from __future__ import annotations
 
 import html
+import re
 import secrets
 import threading
 import time
@@ -63,14 +66,14 @@ class Limiter:
         self.seen: Dict[str, Deque[float]] = {}
         self.lock = threading.Lock()
 
-    def full(self, key: str, now: Optional[float] = None) -> bool:
-        """Whether ``key`` has had ``n`` events in the window already."""
+    def full(self, key: str, now: Optional[float] = None, n: Optional[int] = None) -> bool:
+        """Whether ``key`` has had ``n`` (this limiter's, unless given) events in the window already."""
         now = time.monotonic() if now is None else now
         with self.lock:
             q = self.seen.get(key)
             while q and q[0] <= now - self.window_s:
                 q.popleft()
-            return bool(q) and len(q) >= self.n
+            return bool(q) and len(q) >= (self.n if n is None else n)
 
     def add(self, key: str, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
@@ -83,6 +86,8 @@ class Limiter:
 
 fails = Limiter(FAILS_PER_MIN, 60.0)
 names = Limiter(NAMES_PER_HOUR, 3600.0)
+addresses = Limiter(accounts.SETTINGS["names_per_address"], 3600.0)
+"""New names per client address; its bound is the lab's setting, read at each sign-in."""
 _grants: Dict[str, Tuple[float, str]] = {}
 """grant id -> (expiry, class token): a browser that gave the class token and has yet to pick a name."""
 _grants_lock = threading.Lock()
@@ -104,6 +109,12 @@ def _granted(gid: Optional[str]) -> Optional[str]:
     with _grants_lock:
         hit = _grants.get(gid or "")
     return hit[1] if hit and hit[0] >= time.monotonic() else None
+
+
+def _use_grant(gid: Optional[str]) -> None:
+    """A grant serves one name: sent again (the cookie kept by hand), it is no grant."""
+    with _grants_lock:
+        _grants.pop(gid or "", None)
 
 
 # --------------------------------------------------------------------------- requests and answers
@@ -202,17 +213,37 @@ def same_origin(scope) -> bool:
     return origin.split("://", 1)[-1] == host
 
 
+LOCAL_PATH = re.compile(r"/(?!/)[A-Za-z0-9_.~-]*(?:/[A-Za-z0-9_.~-]+)*/?")
+"""A path on this lab: letters, digits and ``_.~-`` between single slashes. Nothing a browser would read as
+another host: no ``//``, no backslash, no tab or newline (which browsers drop, so ``/<TAB>/evil`` is ``//evil``)."""
+
+
 def where_to(path: str, query: str) -> str:
-    """``path`` with ``query`` minus its token: a local address (never another host)."""
+    """``path`` with ``query`` minus its token: a local address (never another host); ``/`` for any path that
+    is not plainly one of this lab's."""
     rest = [(k, v) for k, v in parse_qsl(query, keep_blank_values=True) if k != "token"]
-    path = path if path.startswith("/") and not path.startswith("//") and "\\" not in path else "/"
+    path = path if LOCAL_PATH.fullmatch(path) else "/"
     return path + ("?" + urlencode(rest) if rest else "")
 
 
-async def exchange(scope, send, token: str, then: str, browser: Optional[str], set_browser: list) -> None:
+def already_signed_in(user: accounts.User, then: str) -> str:
+    return page("commlab: signed in already", f"<p>This browser is signed in as <b>{html.escape(user.name)}</b>, "
+                "so the link was not used: a link never changes who is signed in. To use it, sign out first, "
+                f"then open the link again.</p><p><a href='{html.escape(then, quote=True)}'><button>Go to the lab"
+                "</button></a> <a href='/signout'><button>Sign out</button></a></p>")
+
+
+async def exchange(scope, send, token: str, then: str, browser: Optional[str], set_browser: list,
+                   link: bool = False) -> None:
     """Answer a token: a session (personal, admin) and a redirect to ``then``; the name page (class); or
-    the sign-in form with a refusal."""
+    the sign-in form with a refusal. A ``link`` (a GET with ``?token=``, which another site can make a browser
+    open) does not replace a session the browser has: it gets a page saying who is signed in."""
     root = ui.runs_dir()
+    current = session_of(scope) if link else None
+    if current is not None:
+        if accounts.check_token(root, token) == current:  # their own link again: nothing changes
+            return await redirect(send, then, set_browser)
+        return await respond(send, 200, already_signed_in(current, then), set_browser)
     if fails.full(client(scope)):
         return await respond(send, 429, token_form("Too many wrong tokens from this address; wait a minute."),
                              set_browser)
@@ -255,7 +286,7 @@ class Gate:
         query = scope.get("query_string", b"").decode("latin-1")
         token = dict(parse_qsl(query)).get("token")
         if scope["type"] == "http" and scope.get("method") == "GET" and token is not None:
-            return await exchange(scope, send, token, where_to(path, query), browser, set_browser)
+            return await exchange(scope, send, token, where_to(path, query), browser, set_browser, link=True)
         if session_of(scope) is not None:
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
@@ -273,7 +304,7 @@ class Gate:
         if method == "GET" and path == "/signin":
             token = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))).get("token")
             if token is not None:
-                return await exchange(scope, send, token, "/", browser, set_browser)
+                return await exchange(scope, send, token, "/", browser, set_browser, link=True)
             return await respond(send, 200, token_form(), set_browser)
         klass = _granted(jar.get(GRANT_COOKIE))
         if method == "GET":  # /signin/name
@@ -290,12 +321,21 @@ class Gate:
         if names.full(browser):
             return await respond(send, 429, name_form("This browser has taken enough names for now; use "
                                                       "your personal link, or ask the teacher."))
+        try:
+            per_address = accounts.settings(root)["names_per_address"]
+        except LabError as e:  # a damaged lab.json: the teacher's to fix; said without the path
+            return await respond(send, 503, name_form(f"sign-in is unavailable: {str(e).split(': ', 1)[-1]}"))
+        if addresses.full(client(scope), n=per_address):
+            return await respond(send, 429, name_form("This network address has taken enough names for now; use "
+                                                      "your personal link, or ask the teacher."))
         name = form.get("name", "").strip()
         try:
             personal = accounts.sign_in(root, klass, name, browser)
         except LabError as e:
             return await respond(send, 400, name_form(str(e)), set_browser)
+        _use_grant(jar.get(GRANT_COOKIE))
         names.add(browser)
+        addresses.add(client(scope))
         sid, _ = accounts.open_session(root, personal, browser)
         host = dict(scope.get("headers", [])).get(b"host", b"").decode("latin-1")
         link = f"{'https' if tls() else 'http'}://{host}/?token={personal}"

@@ -34,7 +34,7 @@ async def streamlit_stand_in(scope, receive, send):
 def lab_root(tmp_path, monkeypatch):
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     monkeypatch.setenv(accounts.ACCESS_ENV, "token")
-    for limiter in (gatekeeper.fails, gatekeeper.names):
+    for limiter in (gatekeeper.fails, gatekeeper.names, gatekeeper.addresses):
         limiter.seen.clear()
     data = accounts.load_access(tmp_path)
     return tmp_path, {"class": data["class_token"], "admin": data["admin_token"],
@@ -85,10 +85,43 @@ def test_a_printed_link_becomes_a_session_and_leaves_the_address(lab_root):
     assert r.text == "streamlit /live_run"  # signed in: Streamlit gets it
     with c.websocket_connect("/_stcore/stream") as ws:  # and the websocket
         ws.close()
+    r = c.get("/?token=" + tokens["admin"])  # a link never switches who is signed in: sign out first
+    assert r.status_code == 200 and "signed in as <b>alice</b>" in r.text and tokens["admin"] not in r.text
+    assert accounts.session_user(root, session_cookie(c)) == owners.User("alice")
+    c.get("/signout")
     r = c.get("/?token=" + tokens["admin"])
     assert r.headers["location"] == "/" and accounts.session_user(root, session_cookie(c)).admin
     stored = accounts.access_path(root).read_text()
     assert session_cookie(c) not in stored and tokens["alice"] not in stored  # sessions and personal: hashes only
+
+
+@pytest.mark.parametrize("path", ["/%09/evil.example/x", "/%5Cevil.example", "/a%0a/b", "/a%20b",
+                                  "/%2F%2Fevil.example"])
+def test_a_link_sends_the_browser_nowhere_but_this_lab(lab_root, path):
+    """After a link's token is taken out of the address, the browser goes back to that address: only when it
+    is plainly one of this lab's (browsers drop a tab, so /<TAB>/evil.example is //evil.example)."""
+    root, tokens = lab_root
+    r = browser().get(f"{path}?token={tokens['alice']}&run=abc")
+    assert r.status_code == 303 and r.headers["location"] == "/?run=abc"
+
+
+def test_a_link_from_another_site_does_not_switch_who_is_signed_in(lab_root):
+    """Login CSRF: a page elsewhere makes the browser open /?token=<the attacker's own token>. The browser stays
+    alice's; her own link again changes nothing; the sign-in form (a POST from this lab's page) still may."""
+    root, tokens = lab_root
+    mallory = accounts.sign_in(root, tokens["class"], "mallory")
+    c = browser()
+    c.get(f"/?token={tokens['alice']}")
+    alice = session_cookie(c)
+    r = c.get(f"/live_run?token={mallory}")
+    assert r.status_code == 200 and "signed in as <b>alice</b>" in r.text and "mallory" not in r.text
+    assert session_cookie(c) == alice and accounts.session_user(root, alice) == owners.User("alice")
+    r = c.get(f"/signin?token={mallory}")
+    assert r.status_code == 200 and session_cookie(c) == alice
+    r = c.get(f"/live_run?token={tokens['alice']}&run=x")
+    assert r.status_code == 303 and r.headers["location"] == "/live_run?run=x" and session_cookie(c) == alice
+    r = c.post("/signin", data={"token": mallory})
+    assert r.status_code == 303 and accounts.session_user(root, session_cookie(c)) == owners.User("mallory")
 
 
 def test_a_token_in_a_form_opens_a_session(lab_root):
@@ -171,8 +204,10 @@ def test_one_browser_takes_few_names_and_the_class_token_a_bounded_number(lab_ro
     root, tokens = lab_root
     c = browser()
     for k in range(gatekeeper.NAMES_PER_HOUR):
+        c.get("/signout")  # a signed-in browser's link changes nothing (test_a_link_from_another_site...)
         c.get(f"/?token={tokens['class']}")
         assert c.post("/signin/name", data={"name": f"n{k}"}).status_code == 200
+    c.get("/signout")
     c.get(f"/?token={tokens['class']}")
     r = c.post("/signin/name", data={"name": "another"})
     assert r.status_code == 429 and "another" not in accounts.users(root)
@@ -189,6 +224,28 @@ def test_one_browser_takes_few_names_and_the_class_token_a_bounded_number(lab_ro
     e.get(f"/?token={new}")
     assert e.post("/signin/name", data={"name": "e2"}).status_code == 200
     assert len(json.loads(accounts.access_path(root).read_text())["users"]) == 6  # alice n0 n1 n2 e1 e2
+
+
+def test_names_are_bounded_per_address_and_a_grant_serves_one_name(lab_root):
+    """A person who clears their cookies is a new browser each time: the names one client address may take in an
+    hour are bounded too (access.names_per_address); and the grant to pick a name, sent again by hand, is spent."""
+    root, tokens = lab_root
+    c = browser()
+    c.get(f"/?token={tokens['class']}")
+    grant = c.cookies.get(gatekeeper.GRANT_COOKIE)
+    assert c.post("/signin/name", data={"name": "first"}).status_code == 200
+    again = browser()
+    again.cookies.set(gatekeeper.GRANT_COOKIE, grant)
+    r = again.post("/signin/name", data={"name": "second"})
+    assert r.status_code == 303 and r.headers["location"] == "/signin" and "second" not in accounts.users(root)
+    (root / "lab.json").write_text(json.dumps({"access": {"names_per_address": 2}}))
+    fresh = browser()  # no cookies: a browser of its own, as far as the lab can tell
+    fresh.get(f"/?token={tokens['class']}")
+    assert fresh.post("/signin/name", data={"name": "third"}).status_code == 200
+    fresh = browser()
+    fresh.get(f"/?token={tokens['class']}")
+    r = fresh.post("/signin/name", data={"name": "fourth"})
+    assert r.status_code == 429 and "network address" in r.text and "fourth" not in accounts.users(root)
 
 
 def test_revoking_a_person_ends_their_sessions_and_keeps_their_browser_out(lab_root):

@@ -54,6 +54,7 @@ SETTINGS = {
     "session_hours": 12.0,
     "max_signins": 100,
     "sessions_per_person": 5,
+    "names_per_address": 10,
 }
 """Defaults of ``access`` in runs/lab.json:
 
@@ -61,7 +62,9 @@ SETTINGS = {
 - ``admin_days``: the admin token expires this many days after it was made (None: when rotated);
 - ``session_hours``: a browser session ends this many hours after sign-in, or when its token expires;
 - ``max_signins``: names one class token may create (``rotate class`` starts a new count);
-- ``sessions_per_person``: open sessions kept per person (their browsers); the oldest close first."""
+- ``sessions_per_person``: open sessions kept per person (their browsers); the oldest close first;
+- ``names_per_address``: new names per hour from one client address (a browser takes at most 3 an hour, but a
+  person can clear their cookies; behind a NAT or a proxy a whole room shares one address: raise it there)."""
 REVOKED_BROWSERS_KEPT = 1000
 """Revoked browsers remembered (the newest); a bound on access.json's size."""
 
@@ -104,7 +107,7 @@ def settings(root: os.PathLike) -> dict:
     for k, v in got.items():
         if k not in SETTINGS:
             raise LabError(f"{where}: unknown setting {k!r}; allowed: {', '.join(SETTINGS)}")
-        whole = k in ("max_signins", "sessions_per_person")
+        whole = k in ("max_signins", "sessions_per_person", "names_per_address")
         if v is None and k == "admin_days":
             out[k] = None
             continue
