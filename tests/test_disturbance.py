@@ -114,6 +114,36 @@ def test_sampler_arithmetic_on_fake_proc(tmp_path):
     assert dist.figures(s.samples[:1], 2)["other_cpu"] is None
 
 
+def test_a_job_another_launcher_started_counts_every_local_rank_as_its_own(tmp_path):
+    """torchrun --nproc-per-node 2 ... commlab run: torchrun's agent (50) starts two `commlab run`s (100, this
+    rank 0 that samples, and 300), each running its worker (200, 400). With the agent as the job's root every
+    rank is the run's own; without it, rank 1 counted as another process (91% 'other' in a review)."""
+    from lab.rundir.launcher import JobRank
+    proc = tmp_path / "proc"
+    now = [0.0]
+
+    def sampled(job_root):
+        s = dist.Sampler(0.1, root=str(proc), me=100, clock=lambda: now[0])
+        s.job_root = job_root
+        s.roots = lambda: [200]
+        for i in range(3):
+            now[0] = float(i)
+            write_proc(proc, (1000 + 180 * i, 5000 + 200 * i), {
+                50: (1, 2 * i, 0, 0, 0), 100: (50, 5 * i, 0, 0, 0), 200: (100, 80 * i, 0, 0, 0),
+                300: (50, 5 * i, 0, 0, 0), 400: (300, 80 * i, 0, 0, 0), 900: (1, 8 * i, 0, 0, 0)})
+            s.start() if i == 0 else s.tick()
+        return s.result(final=True)
+    joined = sampled(50)
+    assert joined["other_cpu"] == pytest.approx(8 / 200, abs=1e-4)  # only 900: the job is 172 of 180 busy
+    assert joined["disturbed"] is False
+    alone = sampled(None)
+    assert alone["other_cpu"] == pytest.approx(95 / 200, abs=1e-4) and alone["disturbed"] is True  # 2+5+80+8
+    env = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert JobRank({**env, "LOCAL_WORLD_SIZE": "2"}).local_root() == os.getppid()
+    assert JobRank({**env, "LOCAL_WORLD_SIZE": "1"}).local_root() is None  # one rank per machine
+    assert JobRank(env).local_root() is None
+
+
 def set_nice(root: Path, pid: int, nice: int, start: int = 777) -> None:
     """Give fake process ``pid`` a nice value (field 19) and a start time (field 22)."""
     f = root / str(pid) / "stat"

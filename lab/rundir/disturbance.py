@@ -28,7 +28,9 @@ threshold (default 10% of the machine, ``{"disturbance_threshold": 0.1}`` in
 ``runs/lab.json``). Steal time (a hypervisor running someone else) counts as
 other processes: the run did not get that CPU either.
 
-Only the local machine is measured (node 0 of a multi-node run). Parsing takes
+Only the local machine is measured (node 0 of a multi-node run). In a job another launcher started
+(``torchrun ... commlab run``, srun), rank 0 samples, and the launcher's whole tree on this machine (every
+local rank) is the run's own (``Sampler.job_root``). Parsing takes
 an injectable /proc root so it can be tested on fake files.
 """
 from __future__ import annotations
@@ -301,6 +303,9 @@ class Sampler:
         self.runs_root = runs_root
         """Where the lab's observers register (``observers``); None: every other process counts."""
         self.me = me or os.getpid()
+        self.job_root: Optional[int] = None
+        """The process of a job started by another launcher (the torchrun agent, srun's step) whose tree holds every
+        rank on this machine: all of it is the run's own. None: this process, its reaped children and ``roots``."""
         self.roots: Callable[[], List[int]] = lambda: []
         self.reaped: Callable[[], int] = lambda: 0
         """CPU (ticks) of the run's processes that another process reaped (warm ranks: lab.base.warm)"""
@@ -324,8 +329,11 @@ class Sampler:
         me = table.get(self.me, ProcStat(0, 0, 0))
         if self.children0 is None:
             self.children0 = me.children
-        own = me.own + (me.children - self.children0) + tree_ticks(table, [r for r in self.roots() if r != self.me]) \
-            + self.reaped()
+        if self.job_root in table:  # the launcher's whole tree (this process in it); what it reaped stays in
+            own = tree_ticks(table, [self.job_root]) + self.reaped()
+        else:
+            own = me.own + (me.children - self.children0) \
+                + tree_ticks(table, [r for r in self.roots() if r != self.me]) + self.reaped()
         s = Sample(self.clock(), busy, total, own, tree_ticks(table, observers(self.runs_root, self.root)))
         self.samples.append(s)
         self.cost_s += time.thread_time() - t0

@@ -118,6 +118,17 @@ class JobRank:
         env = os.environ if env is None else env
         return cls(env) if all(env.get(k) for k in JOB_ENV) else None
 
+    def local_root(self) -> Optional[int]:
+        """The process whose tree holds this job's ranks on this machine, when this machine runs more than one
+        (torchrun's agent, srun's step: this process's parent), so that the other local ranks count as the
+        run's own CPU, not as other processes; None when this is the only one."""
+        e = self.env
+        try:
+            local = int(e.get("LOCAL_WORLD_SIZE") or e.get("SLURM_NTASKS_PER_NODE") or 1)
+        except ValueError:
+            local = 1
+        return os.getppid() if local > 1 else None
+
     def run_id(self, name: str) -> str:
         """A run id every rank derives alike without talking to the others: $COMMLAB_RUN_ID, else
         from the job's own id (Slurm's job and step, torchrun's --rdzv-id), else from the job's
@@ -143,7 +154,8 @@ def launch_rank(run: Run, job: JobRank, progress: bool = True, out=None) -> str:
     if job.rank > 0:
         return _run_to_end(argv, loopback, run.file(runfiles.RANK_LOG.format(rank=job.rank)))
     return _follow(run, run.spec(), [(argv, {})], loopback, {"joined": {"world_size": job.world,
-                   "master": f"{job.addr}:{job.port}"}}, progress, out or sys.stderr, 0.2, None, run.cancel_requested)
+                   "master": f"{job.addr}:{job.port}"}}, progress, out or sys.stderr, 0.2, None, run.cancel_requested,
+                   job_root=job.local_root())
 
 
 class Nodes:
@@ -179,9 +191,11 @@ def _run_to_end(argv: List[str], loopback: bool, log_path) -> str:
             return "cancelled"
 
 
-def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel) -> str:
+def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel,
+            job_root: Optional[int] = None) -> str:
     cpu = disturbance.Sampler(disturbance.threshold(run.path.parent), runs_root=run.path.parent,
                               on_update=lambda d: run.update_status(disturbance=d))
+    cpu.job_root = job_root
     log = open(run.file(runfiles.LOG), "ab", buffering=0)
     # ranks started directly are forked by the warm server when there is one (lab.base.warm); it is asked
     # for before sampling starts, so that a server starting up does not count against this run
