@@ -15,7 +15,8 @@ See commlab/own.py.
 Your own compressor subclasses ``commlab.Compressor`` (its docstring is the guide), declares its
 parameters with ``commlab.Param``, and is named in a spec by import path
 (``compressor: {name: mypkg.codecs:ScaledSign}``) or, after ``commlab.register_compressor``, by a
-short name. ``commlab.check_compressor`` (``commlab check compressor`` on the command line) holds it
+short name (``lab.run`` hands the ranks its import path: the class must live in a module on PYTHONPATH, not
+in the script that runs). ``commlab.check_compressor`` (``commlab check compressor`` on the command line) holds it
 to the checks the built-ins pass.
 """
 from __future__ import annotations

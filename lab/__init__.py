@@ -24,10 +24,33 @@ def _spec(spec, overrides=()):
     from engine.spec import JobSpec
     from lab.base.specs import load_spec
     if isinstance(spec, JobSpec):
-        return load_spec(data=spec.to_dict(), overrides=overrides)
-    if isinstance(spec, dict):
-        return load_spec(data=spec, overrides=overrides)
-    return load_spec(str(spec), overrides)
+        spec = load_spec(data=spec.to_dict(), overrides=overrides)
+    elif isinstance(spec, dict):
+        spec = load_spec(data=spec, overrides=overrides)
+    else:
+        spec = load_spec(str(spec), overrides)
+    return _for_the_ranks(spec)
+
+
+def _for_the_ranks(spec):
+    """``spec`` with every compressor registered in this process (commlab.register_compressor) named by its
+    import path: the ranks are other processes, which never ran the code that registered it."""
+    from engine import compressors
+    from engine.spec import JobSpec, SpecError
+    d = spec.to_dict()
+    sections = [("compressor", d["compressor"]), *((f"compressor.per_bucket[{i}]", r)
+                for i, r in enumerate(d["compressor"]["per_bucket"]))]
+    if d["method"].get("compressor"):
+        sections.append(("method.compressor", d["method"]["compressor"]))
+    changed = False
+    for where, section in sections:
+        try:
+            name = compressors.importable(section.get("name"), f"{where}.name")
+        except ValueError as e:
+            raise SpecError(*str(e).split(": ", 1)) from None
+        changed |= name != section.get("name")
+        section["name"] = name
+    return JobSpec.from_dict(d) if changed else spec
 
 
 def run(spec: Union[str, dict, "JobSpec"], wait: bool = True, runs=None, progress: bool = False,  # noqa: F821

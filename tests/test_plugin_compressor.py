@@ -441,6 +441,26 @@ def test_the_scratch_compressor_checks_trains_everywhere_and_is_advised(scratch,
     assert f"{CLASS}(seed=5)" in profile["compressors"] and "code" in profile["compressors"][f"{CLASS}(seed=5)"]
 
 
+def test_a_name_registered_in_this_process_reaches_the_ranks(scratch, registry, tmp_path):
+    """commlab.register_compressor in your own process, then lab.run by that name: the ranks (other processes,
+    which never ran the registration) get the class's import path; a class from a script cannot be imported
+    there, and is refused before anything is queued, in one line."""
+    import importlib
+    import lab
+    from engine.spec import SpecError
+    register(importlib.import_module(f"{PKG}.rr").RandomRoundHalf, name="rrhalf")
+    run = lab.run({**SMALL, "name": "registered", "compressor": {"name": "rrhalf", "seed": 3}}, runs=tmp_path)
+    assert run.state == "done", run.log_tail(20)
+    assert run.spec_dict()["compressor"] == {**run.spec_dict()["compressor"], "name": CLASS, "params": {"seed": 3}}
+    assert lab._spec({"compressor": "fp16"}).compressor.name == "fp16"  # the built-ins keep their names
+    script = register(type("Scripted", (Compressor,), {"__module__": "__main__", "summable": True}), name="scripted")
+    assert script.__module__ == "__main__"
+    with pytest.raises(SpecError, match=r"^compressor.per_bucket\[0\].name: 'scripted' was registered by a script "
+                                        r"\(__main__\), which the ranks cannot import; move Scripted into a module"):
+        lab._spec({**SMALL, "compressor": {"name": "fp16", "per_bucket": [{"below_mb": 1, "name": "scripted"}]}})
+    assert [r.spec_dict()["name"] for r in lab.runs(runs=tmp_path)] == ["registered"]
+
+
 def test_commlab_wrap_trains_with_the_scratch_compressor(scratch, tmp_path):
     """Your own loop (a plain `python script.py`: a world of one) with the scratch compressor from the spec."""
     code = textwrap.dedent(f"""

@@ -77,6 +77,21 @@ def resolve(name: Union[str, Type[Compressor]], field: str = "name") -> Type[Com
                      f"package.module:Class")
 
 
+def importable(name, field: str = "name"):
+    """``name`` as another process (a rank) can resolve it: a built-in's name or an import path as it is; a name
+    registered in this process for a class of the user's, that class's ``package.module:Class`` (the ranks do
+    not run the code that registered it). A one-line ValueError for a class defined in a script (``__main__``),
+    which no other process can import."""
+    cls = REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None or cls.__module__.split(".")[0] == "engine":
+        return name
+    if cls.__module__ == "__main__":
+        raise ValueError(f"{field}: {name!r} was registered by a script (__main__), which the ranks cannot import; "
+                         f"move {cls.__qualname__} into a module on PYTHONPATH and register it there, or name it "
+                         f"package.module:{cls.__qualname__}")
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
 def names() -> tuple:
     """The registered names: the built-ins, then any a package registered in this process."""
     return tuple(REGISTRY)
