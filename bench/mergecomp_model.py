@@ -4,9 +4,9 @@ The published setup (bench/data/mergecomp_v100.json, "setup") is rebuilt from pa
 published bar:
 
 - compute: torchvision ResNet-50/101, batch 64, fp32, on the V100-SXM2 device profile
-  (lab.perfmodel.roofline: per-layer roofline, compute efficiency from NVIDIA's published ResNet-50
-  throughput, lab.perfmodel.devices);
-- links: NCCL's ring/tree and protocols (lab.perfmodel.collectives) on NVLink or PCIe; either the
+  (lab.strategy.perfmodel.roofline: per-layer roofline, compute efficiency from NVIDIA's published ResNet-50
+  throughput, lab.strategy.perfmodel.devices);
+- links: NCCL's ring/tree and protocols (lab.strategy.perfmodel.collectives) on NVLink or PCIe; either the
   datasheet rate x the device's link efficiency ("datasheet"), or one effective rate per interconnect
   fitted to the six published FP32 baselines of that interconnect ("fp32-calibrated": a link
   calibration, as ``commlab net check`` would give, used for every compressed configuration);

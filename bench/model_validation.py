@@ -16,7 +16,7 @@ errors into the package data that `commlab predict` and the Performance model pa
 (a) Collectives on shaped links: every collective the engine issues (OPS: all-reduce; all-gather of a
     payload, after its synchronous header exchange; dear's all-gather of parameters; dear's reduce-scatter,
     an all-to-all of chunks and a local sum on gloo; the all-to-all alone), at 1 KB .. 64 MB, predicted by
-    lab.perfmodel.costs with a link calibrated apart from these calls (the sustained rate from all-reduces of
+    lab.strategy.perfmodel.costs with a link calibrated apart from these calls (the sustained rate from all-reduces of
     ~0.4 s of wire; the unshaped path's, for the token bucket's burst, from 48 MiB all-to-alls; the per-step latency
     and each collective's fixed cost from calls of 2 KiB; the host's sum per byte; the tbf's bucket, replayed over
     the back-to-back calls) against the median of ``--iters`` timed calls (40 at least up to 1 MiB) on a shaped
@@ -362,8 +362,8 @@ def table_c() -> dict:
 
 def table_d(models=("mlp", "cnn", "resnet"), batch: int = 32, runs: str = "") -> dict:
     """This CPU's own per-layer profile (the lab's 12-step single-process profiling run) against the
-    roofline of the same model on this CPU (peak and bandwidth measured by lab.perfmodel.roofline.measure_cpu),
-    with the efficiencies fitted per model (lab.perfmodel.roofline.fit_layers): what the efficiency factors
+    roofline of the same model on this CPU (peak and bandwidth measured by lab.strategy.perfmodel.roofline.measure_cpu),
+    with the efficiencies fitted per model (lab.strategy.perfmodel.roofline.fit_layers): what the efficiency factors
     mean where they can be measured. Runs here, about a minute."""
     from lab.service.queue import Lab
     from lab.strategy.perfmodel import roofline, whatif
@@ -396,7 +396,7 @@ def table_e(paths=GPU_PROFILES, borrowed_from: str = "A100") -> dict:
     """Each profile's measured step (forward + backward + optimizer, CUDA events) and layers (forward + backward)
     against the roofline of its model on its GPU, in the device's default precision: (1) with ``borrowed_from``'s
     efficiency, (2) with the efficiency solved from the other profiles' measured steps (the model itself held
-    out), (3) with the efficiencies fitted to its own layers (lab.perfmodel.roofline.fit_layers)."""
+    out), (3) with the efficiencies fitted to its own layers (lab.strategy.perfmodel.roofline.fit_layers)."""
     from lab.strategy.perfmodel import calibrate as cal
     from lab.strategy.perfmodel import devices, roofline
     loaded = []

@@ -1,4 +1,4 @@
-"""Validation of the performance model (lab/perfmodel) against measured runs on shaped links.
+"""Validation of the performance model (lab/strategy/perfmodel) against measured runs on shaped links.
 
     sudo python bench/perfmodel.py                 # all 25 configurations, 3 launches of 30 steps: ~8 minutes
     sudo python bench/perfmodel.py --quick         # configuration 13 only, 20 steps: a check (~3 min)
@@ -12,7 +12,7 @@ and uses none of the validated runs:
 - compute: a ``sync`` layer-wise run of the same model and batch on loopback
   (2 ranks at once, so the same core contention as the validated runs, and
   nothing overlaps backward); per-layer forward times and backward completion
-  times from its timeline (lab.perfmodel.calibrate.from_run);
+  times from its timeline (lab.strategy.perfmodel.calibrate.from_run);
 - the unshaped path's speed: fitted to the communicate spans of that same run
   (link_from_run: its 8 all-reduces of 40 B .. 512 KB per step);
 - alpha: the mean per-step cost of the small collectives (<= 64 KB on the

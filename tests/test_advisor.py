@@ -123,7 +123,7 @@ def test_penalties_of_strategies_say_where_they_come_from(monkeypatch):
     assert p is None and "loses accuracy" in src
     # not measured in wfbp: int8's own default (lossy, nothing measured)
     p, src = pen.penalty(s, pen.comp_section("int8"), cells=CELLS, mode="wfbp", strategies=strategies)
-    assert p == 1.25 and src.startswith("declared")
+    assert p == 1.25 and src.startswith("default")
     # a mixed section nothing measured: the worst of its parts
     mixed = space.mixed(pen.comp_section("none"), pen.comp_section("topk", True, ratio=0.01))
     p, src = pen.penalty(s, mixed, cells=CELLS, strategies={})
@@ -157,13 +157,13 @@ def test_penalty_sources_in_order(monkeypatch):
     # parameters other than the benchmark's: not the benchmark's figure
     assert pen.penalty_from_benchmark(pen.comp_section("topk", True, ratio=0.1), CELLS) is None
     p, src = pen.penalty(s, pen.comp_section("topk", True, ratio=0.1), cells=CELLS)
-    assert p == 1.0 and src.startswith("declared") and "1%" in src
+    assert p == 1.0 and src.startswith("default") and "1%" in src
     p, src = pen.penalty(s, pen.comp_section("qsgd"), cells=CELLS)
-    assert p == 1.25 and src.startswith("declared: no measurement")
+    assert p == 1.25 and src.startswith("default: nothing measured or declared") and "--penalty qsgd=X" in src
     p, src = pen.penalty(s, topk_ef, declared={"topk": 1.4}, cells=CELLS)
     assert p == 1.4 and "by the user" in src
     p, src = pen.penalty(s, pen.comp_section("fp16"), cells={})
-    assert p == 1.0 and src.startswith("declared")
+    assert p == 1.0 and src.startswith("default")
 
 
 class FakeRun:
@@ -236,8 +236,9 @@ def test_mergecomp_prediction_includes_its_search(monkeypatch):
     assert short[0] >= long[0]    # a short run pays for the search
 
 
-def fake_session_runner(tmp_path, ms_of, sessions):
-    """A runner that 'runs' a trial session by writing each trial's metrics: ``ms_of(i, spec)`` per step."""
+def fake_session_runner(tmp_path, ms_of, sessions, disturbance=None):
+    """A runner that 'runs' a trial session by writing each trial's metrics: ``ms_of(i, spec)`` per step;
+    ``disturbance``: the session's status.json record of other processes' CPU."""
     from lab.rundir.store import Run
 
     def runner(sp, prepare=None):
@@ -250,7 +251,7 @@ def fake_session_runner(tmp_path, ms_of, sessions):
             rows = [{"kind": "step", "step": k, "rank": r, "time_ms": ms_of(i, t)} for k in range(t["steps"])
                     for r in (0, 1)]
             (run.path / d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
-        run.set_status("done")
+        run.set_status("done", **({"disturbance": disturbance} if disturbance else {}))
         sessions.append(run)
         return run
     return runner
@@ -603,3 +604,137 @@ def test_families_predicted_far_behind_are_not_tried():
     assert [c.label for c in trials.trial_picks(ranked, 3)] == ["psgd", "topk"]
     assert [c.label for c in trials.trial_picks(ranked, 3, family_margin=10.0)] == ["psgd", "topk", "int8"]
     assert [c.label for c in trials.trial_picks(ranked, 3, ddp_margin=30.0)] == ["psgd", "topk", "ddp"]
+
+
+DISTURBED = {"threshold": 0.1, "cpus": 2, "samples": 20, "seconds": 20.0, "other_cpu": 0.64, "other_cores": 1.28,
+             "own_cores": 0.7, "own_cpu_s": 14.0, "peak_other_cpu": 0.9, "timed_other_cpu": 0.6, "disturbed": True,
+             "final": True}
+QUIET = {**DISTURBED, "other_cpu": 0.02, "other_cores": 0.04, "peak_other_cpu": 0.05, "timed_other_cpu": 0.02,
+         "disturbed": False}
+
+
+@pytest.mark.parametrize("record", [DISTURBED, QUIET, None])
+def test_a_disturbed_trial_session_is_said_in_table_reason_and_json(monkeypatch, tmp_path, record):
+    """Trials timed while other processes took 64% of the CPU: the measured winner's reason starts with "timings
+    disturbed by other processes: not results", the table has a DISTURBED line, the JSON the record; a quiet
+    session (or one with no figure) says nothing of it."""
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    sessions, said = [], []
+    runner = fake_session_runner(tmp_path, lambda i, t: 10.0 + i, sessions, disturbance=record)
+    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=said.append, measure=True, trials=2,
+                         runner=runner)
+    assert adv.chosen_by == "measured"
+    doc = json.loads(json.dumps(adv.as_dict()))
+    table = advisor.format_table(adv)
+    if record is DISTURBED:
+        assert adv.reason.startswith("timings disturbed by other processes: not results (trial session "
+                                     f"{sessions[0].id}: other processes used 64% of the CPU"), adv.reason
+        assert adv.winner.label in adv.reason  # the reason still says what won, after the flag
+        assert table[-1].startswith(f"DISTURBED: the trial session: run {sessions[0].id} was disturbed")
+        assert doc["disturbed"] and doc["disturbance"]["trials"]["disturbed"] is True
+        assert doc["disturbance"]["trials"]["other_cpu"] == 0.64
+        assert any("trial session" in line and "not results" in line for line in said)
+    else:
+        assert "disturbed" not in adv.reason and not any(line.startswith("DISTURBED") for line in table)
+        assert doc["disturbed"] == []
+        assert doc["disturbance"]["trials"]["disturbed"] is (False if record else None)
+
+
+def test_a_profile_from_a_disturbed_run_is_said(monkeypatch):
+    """Predictions whose compute came from a disturbed run say so in the reason, the table and the JSON."""
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    prof = fake_profile(s)
+    prof.disturbance = {"run": "r1", "disturbed": True, "other_cpu": 0.41,
+                        "text": "yes: other processes used 41% of the CPU (0.82 of 2 cores) during the run"}
+    adv = advisor.advise(s, gbps=0.01, profile=prof, say=lambda m: None)
+    assert adv.reason.startswith("predictions from compute timed in a disturbed run, not a result (run r1: other "
+                                 "processes used 41% of the CPU"), adv.reason
+    assert advisor.format_table(adv)[-1].startswith("DISTURBED: the compute profile's run: run r1 was disturbed")
+    assert adv.as_dict()["disturbance"]["profile"]["run"] == "r1"
+
+
+def test_ddp_left_out_of_the_trials_is_said(monkeypatch, tmp_path):
+    """DDP predicted more than DDP_MARGIN behind the best is not tried; the output says so and why (its row's
+    note, the JSON's ddp_not_tried) and the reason compares the winner with DDP's prediction; tried, nothing is
+    said."""
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
+    s = spec()
+    runner = fake_session_runner(tmp_path, lambda i, t: 10.0 + i, [])
+    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+                          runner=runner)
+    ddp = next(c for c in slow.candidates if space.is_ddp(c))
+    assert ddp.trial_run is None
+    assert slow.ddp_not_tried.startswith("DDP not tried: predicted ") and "1.5x" in slow.ddp_not_tried
+    assert slow.ddp_not_tried in ddp.note and slow.as_dict()["ddp_not_tried"] == slow.ddp_not_tried
+    assert "DDP not tried: predicted" in slow.reason and "the winner's prediction" in slow.reason, slow.reason
+    runner = fake_session_runner(tmp_path / "fast", lambda i, t: 10.0 + i, [])
+    (tmp_path / "fast").mkdir()
+    fast = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+                          runner=runner)
+    assert any(space.is_ddp(c) and c.trial_run for c in fast.candidates)
+    assert fast.ddp_not_tried == "" and "not tried" not in fast.reason
+
+
+def test_default_penalty_says_default_in_the_table(monkeypatch):
+    """A lossy compressor nothing measured and nobody declared takes the advisor's 1.25: its PENALTY FROM
+    says ``default``; declared by the user, ``declared by the user``."""
+    monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
+    monkeypatch.setattr(pen, "benchmark_cells", lambda: {})
+    monkeypatch.setattr(pen, "strategy_cells", lambda: {})
+    monkeypatch.setattr(advisor, "benchmark_cells", lambda: {})
+    monkeypatch.setattr(advisor, "strategy_cells", lambda: {})
+    s = spec()
+    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, penalties={"topk": 1.3})
+    int8 = next(line for line in advisor.format_table(adv) if " int8, " in line)
+    assert int8.rstrip().endswith("default") and " 1.25 " in int8, int8
+    topk = next(line for line in advisor.format_table(adv) if " topk " in line)
+    assert topk.rstrip().endswith("declared by the user (topk=1.3)"), topk
+
+
+def test_matching_run_prefers_an_undisturbed_run(tmp_path, monkeypatch):
+    """Calibration takes the latest undisturbed run of the model over a later disturbed one (sync or not),
+    and a profile from a disturbed run (the only one) carries its record and says so."""
+    from lab.rundir.store import Run
+
+    class R(Run):
+        def __init__(self, rid, mode, record):
+            super().__init__(tmp_path / rid)
+            self.path.mkdir()
+            self._spec = {**spec(), "comm": {"mode": mode}}
+            self.set_status("done", **({"disturbance": record} if record else {}))
+
+        def spec_dict(self):
+            return self._spec
+    quiet_wfbp, disturbed_sync = R("a-quiet", "wfbp", QUIET), R("b-disturbed", "sync", DISTURBED)
+    monkeypatch.setattr(whatif, "runs_of", lambda runs, **kw: [quiet_wfbp, disturbed_sync])
+    assert whatif.matching_run(spec(), tmp_path) is quiet_wfbp
+    monkeypatch.setattr(whatif, "runs_of", lambda runs, **kw: [disturbed_sync])
+    assert whatif.matching_run(spec(), tmp_path) is disturbed_sync
+    d = cal.disturbance_of(disturbed_sync)
+    assert d["disturbed"] is True and d["run"] == "b-disturbed" and d["other_cpu"] == 0.64
+    note = cal.disturbed_note(d)
+    assert note.startswith("run b-disturbed was disturbed: other processes used 64% of the CPU")
+    assert note.endswith("timings disturbed by other processes: not results")
+    assert cal.disturbed_note(cal.disturbance_of(quiet_wfbp)) == ""
+    # the prediction's sources say it, and a saved profile keeps the record
+    prof = fake_profile(spec())
+    prof.disturbance = d
+    from lab.strategy.perfmodel import ondevice
+    compute = next(r for r in ondevice.source_rows(prof, spec()) if r["part"] == "compute")
+    assert "DISTURBED: run b-disturbed was disturbed" in compute["source"]
+    prof.save(tmp_path / "p.json")
+    assert cal.Profile.load(tmp_path / "p.json").disturbance == d
+    # a saved profile from a disturbed run gives way to a quiet run of the model, its cost curves kept
+    saved = whatif.profile_dir(tmp_path) / f"{cal.spec_key(spec())}.json"
+    prof.save(saved)
+    monkeypatch.setattr(whatif, "runs_of", lambda runs, **kw: [quiet_wfbp, disturbed_sync])
+    monkeypatch.setattr(cal, "from_run", lambda run: cal.Profile(model="mlp", dataset="digits", batch_size=16,
+                                                                 source=f"run {run.id}", disturbance=cal.disturbance_of(run)))
+    said = []
+    again = whatif.known_profile(spec(), tmp_path, said.append)
+    assert again.source == "run a-quiet" and again.compressors == prof.compressors and not again.disturbance["disturbed"]
+    assert "came from a disturbed run" in said[-1]
+    monkeypatch.setattr(whatif, "runs_of", lambda runs, **kw: [disturbed_sync])  # no quiet run: the saved one
+    assert whatif.known_profile(spec(), tmp_path).source == prof.source

@@ -475,7 +475,9 @@ def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
     assert len(table) == len(j["advice"]["candidates"]) > 10
     assert table.iloc[0]["candidate"] == j["advice"]["winner"]
     assert table["measured_ms"].isna().all()  # no trials asked for
-    assert any(j["advice"]["winner"] in s.value for s in at.success)
+    # the winner line is a warning when a run the advice rests on was disturbed by other processes
+    shown = at.warning if j["advice"]["disturbed"] else at.success
+    assert any(j["advice"]["winner"] in s.value for s in shown)
     at.button(key="adv.start").click().run()
     assert not at.exception, [e.value for e in at.exception]
     group = advice_jobs.job_group(jid, runs)

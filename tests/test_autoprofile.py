@@ -1,5 +1,5 @@
 """strategy auto without a profile: the run's ranks measure it in dry steps and wait for the advisor's plan
-(engine/autoprofile.py, lab/auto.py ``profile_in_run``), and cost curves kept per machine (lab/perfmodel/whatif.py)."""
+(engine/autoprofile.py, lab/strategy/auto.py ``profile_in_run``), and cost curves kept per machine (lab/strategy/perfmodel/whatif.py)."""
 import json
 
 import pytest

@@ -1,4 +1,4 @@
-"""NCCL-style collective costs (lab/perfmodel/collectives.py) against values worked out by hand."""
+"""NCCL-style collective costs (lab/strategy/perfmodel/collectives.py) against values worked out by hand."""
 import pytest
 
 from lab.strategy.perfmodel import collectives as nc

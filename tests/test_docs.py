@@ -155,3 +155,51 @@ def test_the_screenshot_script_says_what_it_does():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "docs/screenshots" in r.stdout
+
+
+NUMBER_WORDS = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eight"}
+
+
+def test_the_docs_count_the_presets_from_the_code():
+    """README, Getting started and the docs' front page say how many one-click experiments the UI's Home has:
+    as many as lab/analysis/presets.py PRESETS holds."""
+    from lab.analysis.presets import PRESETS
+    word = NUMBER_WORDS[len(PRESETS)]
+    for page in (ROOT / "README.md", DOCS / "getting-started.md", DOCS / "index.md"):
+        said = re.findall(r"(\w+) one-click experiments", page.read_text(), re.I)
+        assert said and {w.lower() for w in said} == {word}, f"{page.name}: {said}, PRESETS has {len(PRESETS)}"
+
+
+def test_commands_in_the_docs_run_torchrun_from_the_venv():
+    """A shell block never starts a bare ``torchrun`` (the one on PATH, if any, is not the lab's torch)."""
+    bad = []
+    for page in [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]:
+        for block in re.findall(r"```(?:bash|sh|console)\n(.*?)```", page.read_text(), re.S):
+            bad += [f"{page.relative_to(ROOT)}: {ln.strip()}" for ln in block.splitlines()
+                    if re.match(r"(?:[A-Z_]+=\S+ )*torchrun\b", ln.strip())]
+    assert bad == []
+
+
+def test_no_text_names_the_old_perfmodel_package():
+    """The performance model moved to lab/strategy/perfmodel: no output string, docstring or page names the
+    old path (``predict --device``'s sources and the ``commlab bench`` list did). Data recorded by old runs
+    (bench/results, bench/data) keeps what it said then."""
+    old = re.compile(r"\blab[./]" + "perfmodel")
+    files = [p for d in ("lab", "app", "commlab", "scripts", "tests") for p in (ROOT / d).rglob("*.py")]
+    files += list((ROOT / "bench").glob("*.py")) + list(DOCS.rglob("*.md")) + [ROOT / "README.md"]
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, ln in enumerate(p.read_text().splitlines(), 1)
+           if old.search(ln)]
+    assert bad == []
+
+
+def test_the_advise_how_to_names_only_flags_advise_has():
+    """Every flag in the how-to's synopsis is one ``commlab advise`` takes (it said ``--json advice.json``; the
+    file flag is ``--json-out``)."""
+    from lab.front.cli import build_parser
+    synopsis = re.search(r"```bash\n(.*?)```", (DOCS / "how-to" / "advise.md").read_text(), re.S).group(1)
+    sub = next(a for a in build_parser()._actions if a.dest == "command" or getattr(a, "choices", None)
+               and "advise" in (a.choices or {}))
+    known = {s for a in sub.choices["advise"]._actions for s in a.option_strings}
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", synopsis))
+    assert flags and flags <= known, flags - known
+    assert "--json-out advice.json" in synopsis

@@ -1,4 +1,4 @@
-"""The performance model's formulas against hand-computed cases (lab/perfmodel)."""
+"""The performance model's formulas against hand-computed cases (lab/strategy/perfmodel)."""
 import argparse
 import dataclasses
 import json

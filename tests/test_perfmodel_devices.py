@@ -1,5 +1,5 @@
 """Device profiles, the per-layer roofline, predictions for a named device and what they rest on
-(lab/perfmodel/devices.py, roofline.py, ondevice.py), and the validation tables (bench/model_validation.py)."""
+(lab/strategy/perfmodel/devices.py, roofline.py, ondevice.py), and the validation tables (bench/model_validation.py)."""
 import json
 import os
 import subprocess
@@ -218,7 +218,7 @@ def test_sources_of_a_cpu_prediction():
     from test_perfmodel import tiny_profile
     spec = spec_for()
     p = tiny_profile(spec=spec, machine={"cpu": "Some CPU"})
-    p.compressors["fp16"]["source"] = "measured in-process (lab.perfmodel.calibrate)"
+    p.compressors["fp16"]["source"] = "measured in-process (lab.strategy.perfmodel.calibrate)"
     lines = ondevice.sources(p, spec, compute_speedup=20)
     assert lines[0] == "compute: measured, test on Some CPU, divided by --compute-speedup 20 (assumed)"
     assert lines[1].startswith("  validated: end to end (bench/perfmodel.py")

@@ -62,7 +62,12 @@ req = first["request"]
 net = adv["network"]
 st.subheader(f"{len(adv['candidates'])} candidates on a {net['link']} {net['gbps']:g} Gbit/s link, "
              f"{adv['world']} workers")
-st.success(f"Winner ({adv['chosen_by']}): {adv['reason']}", icon=":material/emoji_events:")
+if adv.get("disturbed"):  # timings taken while other processes took the CPU: not results
+    st.warning(f"Winner ({adv['chosen_by']}): {adv['reason']}", icon=":material/warning:")
+else:
+    st.success(f"Winner ({adv['chosen_by']}): {adv['reason']}", icon=":material/emoji_events:")
+if adv.get("ddp_not_tried"):
+    st.caption(adv["ddp_not_tried"])
 rows = pd.DataFrame(advice_jobs.table_rows(adv)).set_index("rank")
 cols = {k: st.column_config.NumberColumn(k.replace("_", " "), format="%.1f")
         for k in ("predicted_ms", "predicted_x_penalty", "measured_ms", "measured_x_penalty")}

@@ -1,4 +1,4 @@
-"""The performance model (lab/perfmodel): will compression help on this cluster?"""
+"""The performance model (lab/strategy/perfmodel): will compression help on this cluster?"""
 import streamlit as st
 
 from app import widgets

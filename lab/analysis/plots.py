@@ -513,11 +513,11 @@ def sweep_heatmap(df: pd.DataFrame, x: str, y: str, value: str = "iter_ms", base
     return fig
 
 
-# ----------------------------------------------------------------- performance model (lab/perfmodel)
+# ----------------------------------------------------------------- performance model (lab/strategy/perfmodel)
 
 def speedup_heatmaps(grid: pd.DataFrame) -> go.Figure:
     """One heatmap per compressor: predicted speedup over DDP, bandwidth (x) by workers (y).
-    ``grid``: compressor, gbps, workers, speedup (lab.perfmodel.views.speedup_grid)."""
+    ``grid``: compressor, gbps, workers, speedup (lab.strategy.perfmodel.views.speedup_grid)."""
     if grid.empty:
         return empty_figure("no predictions")
     comps = list(dict.fromkeys(grid["compressor"]))
@@ -559,7 +559,7 @@ def predicted_vs_measured_figure(df: pd.DataFrame) -> go.Figure:
 
 def predicted_scaling_figure(df: pd.DataFrame, spec_label: str = "spec") -> go.Figure:
     """Predicted scaling factor (one worker's time over p workers') against workers, DDP dashed and the
-    spec solid, one colour per inter-node rate. ``df``: lab.perfmodel.views.cluster_prediction."""
+    spec solid, one colour per inter-node rate. ``df``: lab.strategy.perfmodel.views.cluster_prediction."""
     if df is None or df.empty:
         return empty_figure("no predictions")
     fig = go.Figure()

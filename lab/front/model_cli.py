@@ -30,9 +30,10 @@ from lab.front.cli_kit import (
 from lab.service.queue import Lab
 from lab.strategy import advisor, penalty
 from lab.strategy.advisor import TRIAL_STEPS, TRIALS
+from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import devices, predict, whatif
 from lab.strategy.perfmodel.calibrate import CalibrationError, compressor_key, spec_key
-from lab.strategy.predictions import LINKS
+from lab.strategy.predictions import LINKS, MAX_GBPS
 
 
 def add_commands(sub) -> None:
@@ -59,8 +60,8 @@ def add_commands(sub) -> None:
                 "Without --profile or --calibrate, the lab's profile of the model is used (a saved one, one "
                 "calibrated from a finished run, or a short single-process run measured now).")
     add_spec_args(p, "a profile file (commlab profile) or a job spec file (YAML or JSON); dear is accepted")
-    p.add_argument("--gbps", default=None, metavar="LIST", help="link rates in Gbit/s, comma-separated (default "
-                   "1,10,100,400); with --cluster: the inter-node rates")
+    p.add_argument("--gbps", default=None, metavar="LIST", help="link rates in Gbit/s, comma-separated, each in "
+                   f"[0.001, {MAX_GBPS:g}] (default 1,10,100,400); with --cluster: the inter-node rates")
     p.add_argument("--workers", default="2,8,64,1024", metavar="LIST", help="worker counts, comma-separated")
     p.add_argument("--cluster", metavar="KEY=VALUE,...", default=None,
                    help="a two-level cluster with hierarchical all-reduce: node_size=8,intra_gbps=1600,"
@@ -87,7 +88,8 @@ def add_commands(sub) -> None:
                 "Ranks the strategies by predicted (with --measure, measured) time to accuracy and says why the "
                 "winner won.")
     add_spec_args(p, "job spec file (YAML or JSON); its compressor, schedule and comm are what gets chosen")
-    p.add_argument("--gbps", type=float, default=None, help="link rate in Gbit/s (default: the spec's link)")
+    p.add_argument("--gbps", type=float, default=None, help=f"link rate in Gbit/s, in [0.001, {MAX_GBPS:g}] "
+                                                                       "(default: the spec's link)")
     p.add_argument("--link", default=None, type=one_of("a link", LINKS), choices=LINKS, metavar="LINK",
                    help=f"{' or '.join(LINKS)}: modeled (alpha-beta delays, default with --gbps) or shaped "
                         "(tc on an emulated cluster)")
@@ -138,6 +140,9 @@ def cmd_profile(args) -> int:
     slow = sorted(prof.layer_backward.items(), key=lambda kv: -kv[1])[:5]
     if slow:
         print("slowest layers in backward: " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in slow))
+    note = cal.disturbed_note(prof.disturbance)
+    if note:
+        print(f"DISTURBED: {note}")
     print(f"wrote {args.output} (commlab predict {args.output})")
     return 0
 
@@ -158,7 +163,7 @@ def cmd_predict(args) -> int:
             raise UsageError("--gbps and --cluster inter_gbps both give the inter-node rate; give one")
         gbps = [shape["inter_gbps"]]
     else:
-        gbps = numbers("--gbps", args.gbps or "1,10,100,400", float, 0.001, 10000)
+        gbps = numbers("--gbps", args.gbps or "1,10,100,400", float, 0.001, MAX_GBPS)
     dev = None
     if args.device:
         if args.compute_speedup != 1.0 or args.link:

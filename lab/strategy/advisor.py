@@ -55,8 +55,8 @@ from lab.strategy.perfmodel import whatif
 from lab.strategy.perfmodel.calibrate import CalibrationError
 from lab.strategy.predictions import link_of, network_for, predict_candidate
 from lab.strategy.space import Candidate, add_note, is_ddp, load_spec_dict, space, with_strategy
-from lab.strategy.trials import (TRIAL_WARMUP, measured_ms, prepare_session, session_spec, session_trials, trial_picks,
-                                 trial_spec, with_search_cost)
+from lab.strategy.trials import (DDP_MARGIN, TRIAL_WARMUP, ddp_left_out, measured_ms, prepare_session, session_spec,
+                                 session_trials, trial_picks, trial_spec, with_search_cost)
 
 TRIALS = 3
 """Candidates tried by prediction (one per compressor); DDP is tried besides them when
@@ -89,6 +89,20 @@ class Advice:
     reason: str = ""
     profile: object = None
     """the calibrated profile the predictions came from (not recorded)"""
+    disturbance: Dict[str, dict] = field(default_factory=dict)
+    """what other processes did to the timings the advice rests on (lab.strategy.perfmodel.calibrate.disturbance_of):
+    ``profile``, the run the compute profile was calibrated from, and ``trials``, the trial session"""
+    ddp_not_tried: str = ""
+    """with trials: why DDP was not among them (lab.strategy.trials.ddp_left_out); "" when it was"""
+
+    def disturbed(self) -> List[str]:
+        """One line per disturbed run the advice rests on (the trial session first); [] when none was."""
+        out = []
+        for what in ("trials", "profile"):
+            note = cal.disturbed_note(self.disturbance.get(what))
+            if note:
+                out.append(("the trial session: " if what == "trials" else "the compute profile's run: ") + note)
+        return out
 
     def ranked(self) -> List[Candidate]:
         return rank(self.candidates)
@@ -103,6 +117,7 @@ class Advice:
         return {"network": self.network, "world": self.world, "chosen_by": self.chosen_by,
                 "winner": self.winner.label, "reason": self.reason, "link_source": self.link_source,
                 "profile_source": self.profile_source, "cost_s": self.cost_s,
+                "disturbed": self.disturbed(), "disturbance": self.disturbance, "ddp_not_tried": self.ddp_not_tried,
                 "candidates": [c.as_dict() for c in self.ranked()], "strategy": self.winner.strategy()}
 
 
@@ -191,6 +206,8 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     adv = Advice(spec=spec, network=net, world=world, candidates=cands, winner=ranked[0], chosen_by="predicted",
                  link_source=link_source, profile_source=prof.source,
                  cost_s={"profile": t1 - t0, "predict": t2 - t1, "trials": 0.0, "total": t2 - t0}, profile=prof)
+    if prof.disturbance:
+        adv.disturbance["profile"] = prof.disturbance
     if measure:
         measure_in_session(adv, trial_picks(ranked, trials), trial_steps, run_trial, say)
         adv.cost_s.update(trials=time.perf_counter() - t2, total=time.perf_counter() - t0)
@@ -204,12 +221,21 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
 
 def measure_in_session(adv: "Advice", picks: List[Candidate], trial_steps: int, run_trial, say) -> None:
     """``--measure`` apart from any run: one trial session (a run of its own) of ``picks``; their measured
-    figures go into the candidates, and the winner is re-chosen by measurement."""
+    figures go into the candidates, and the winner is re-chosen by measurement. Why DDP is not among the picks
+    (``ddp_not_tried``) and what other processes did to the session (``disturbance["trials"]``) are recorded
+    with them."""
     net, world, prof = adv.network, adv.world, adv.profile
+    adv.ddp_not_tried = ddp_left_out(rank(adv.candidates), picks)
+    if adv.ddp_not_tried:
+        add_note(next(c for c in adv.candidates if is_ddp(c)), adv.ddp_not_tried)
     specs = [trial_spec({**adv.spec, "network": net, "world_size": world}, c, trial_steps) for c in picks]
     say(f"advisor: one session of {len(picks)} trials, {TRIAL_WARMUP} + {trial_steps} steps each, "
         f"{net['link']} {net['gbps']:g} Gbit/s: " + "; ".join(c.label for c in picks))
     session = run_trial(session_spec(specs), prepare=lambda r: prepare_session(r, specs, picks, prof))
+    adv.disturbance["trials"] = cal.disturbance_of(session)
+    note = cal.disturbed_note(adv.disturbance["trials"])
+    if note:
+        say(f"advisor: the trial session {note}")
     if session.state != "done":
         for c in picks:
             add_note(c, f"trial session {session.id} ended {session.state}")
@@ -240,8 +266,36 @@ def rechoose(adv: "Advice") -> None:
         adv.winner = measured[w]
 
 
+def disturbed_flag(adv: Advice) -> str:
+    """The words that go first in the reason when a run the advice rests on was disturbed: a measured winner
+    from a disturbed trial session is not a result, nor a prediction from a disturbed run's compute; ""
+    otherwise."""
+    out = []
+    trials = adv.disturbance.get("trials")
+    if adv.chosen_by == "measured" and cal.disturbed_note(trials):
+        out.append(f"{cal.NOT_RESULTS} (trial session {trials['run']}: {short_text(trials)})")
+    prof = adv.disturbance.get("profile")
+    if cal.disturbed_note(prof):
+        out.append(f"predictions from compute timed in a disturbed run, not a result (run {prof['run']}: "
+                   f"{short_text(prof)})")
+    return "; ".join(out)
+
+
+def short_text(d: dict) -> str:
+    text = d.get("text", "")
+    return text[len("yes: "):] if text.startswith("yes: ") else text
+
+
 def explain(adv: Advice) -> str:
-    """Why the winner won, in one or two sentences, against DDP's configuration and the runner-up."""
+    """Why the winner won, in one or two sentences, against DDP's configuration (measured when it was tried;
+    else its prediction, and why it was not tried) and the runner-up; first, when the trial session or the run
+    the profile came from was disturbed by other processes, that its timings are not results
+    (``disturbed_flag``)."""
+    flag = disturbed_flag(adv)
+    return f"{flag}; {_explain(adv)}" if flag else _explain(adv)
+
+
+def _explain(adv: Advice) -> str:
     r = adv.ranked()
     w = adv.winner
     key = "measured_score" if adv.chosen_by == "measured" else "predicted_score"
@@ -257,6 +311,12 @@ def explain(adv: Advice) -> str:
              f"{w.penalty:g}, {w.penalty_source.split(':')[0]})"]
     if ddp is not None and ddp is not w and getattr(ddp, key) is not None:
         parts.append(f"{getattr(ddp, key) / getattr(w, key):.2f}x DDP's ({ddp.label}: {getattr(ddp, key):.1f} ms)")
+    elif (ddp is not None and ddp is not w and adv.chosen_by == "measured" and ddp.predicted_score is not None
+          and w.predicted_score):
+        tried = "not tried" if adv.ddp_not_tried else "tried, no measurement"
+        rule = f", more than the {DDP_MARGIN:g}x DDP is tried within" if adv.ddp_not_tried else ""
+        parts.append(f"DDP {tried}: predicted {ddp.predicted_score:.1f} ms per step-equivalent, "
+                     f"{ddp.predicted_score / w.predicted_score:.2f}x the winner's prediction{rule}")
     rest = [c for c in r if c is not w and getattr(c, key) is not None]
     if rest:
         parts.append(f"runner-up {rest[0].label} at {getattr(rest[0], key):.1f} ms")
@@ -265,7 +325,8 @@ def explain(adv: Advice) -> str:
 
 def format_table(adv: Advice, limit: Optional[int] = None) -> List[str]:
     """The ranking, the first ``limit`` rows (all without one), and the methods below them: a method without
-    a penalty is never chosen, and its row says why."""
+    a penalty is never chosen, and its row says why; under it, a ``DISTURBED:`` line for each run the advice
+    rests on that other processes disturbed (``Advice.disturbed``)."""
     head = ("#", "CANDIDATE", "PRED ms", "PENALTY", "PRED x PEN", "MEAS ms", "MEAS x PEN", "PENALTY FROM")
     rows = [head]
     ranked = adv.ranked()
@@ -276,4 +337,4 @@ def format_table(adv: Advice, limit: Optional[int] = None) -> List[str]:
                      f(c.predicted_score), f(c.measured_ms), f(c.measured_score), c.penalty_source.split(":")[0]))
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return ["  ".join(c.ljust(wi) if i in (1, 7) else c.rjust(wi) for i, (c, wi) in enumerate(zip(r, w))).rstrip()
-            for r in rows]
+            for r in rows] + [f"DISTURBED: {line}" for line in adv.disturbed()]

@@ -4,8 +4,9 @@ finished runs of this model in the index), ``benchmark`` (the strategy accuracy 
 section in the same comm mode, then the compressor accuracy benchmark, both shipped as
 lab/strategy/evidence.json: cnn on digits, final accuracy at a fixed step budget; a compressor within
 ``KEEP_POINTS`` of none counts 1.0, one below it is left out), ``parts`` (a mixed section nothing measured as a
-whole: the worst of its compressors' penalties), or ``declared`` (the user's ``--penalty`` /
-``strategy.penalties``, or a reasoned default here). A method's penalty is only ever measured or declared
+whole: the worst of its compressors' penalties), ``declared`` (the user's ``--penalty`` /
+``strategy.penalties``), or ``default`` (the advisor's reasoned default here, ``declared_default``: nothing
+measured, nothing declared). A method's penalty is only ever measured or declared
 (``method_penalty``). The advisor (lab.strategy.advisor) multiplies each candidate's iteration time by it."""
 from __future__ import annotations
 
@@ -156,23 +157,25 @@ def penalty_from_strategy_bench(comp: dict, mode: str, cells) -> Optional[Tuple[
 
 
 def declared_default(comp: dict, cells) -> Tuple[float, str]:
-    """The advisor's own declared penalty, with its reason, where nothing was measured."""
+    """The advisor's own default penalty, with its reason, where nothing was measured and nobody declared one:
+    source ``default`` (the table's PENALTY FROM column), not ``declared``, which is only the user's."""
     name = comp["name"]
     if name == "none":
-        return 1.0, "declared: the reference"
+        return 1.0, "default: the reference"
     from engine import compressors
     if compressors.make(name).lossless:
-        return 1.0, "declared: a cast that decodes to the input up to its rounding"
+        return 1.0, "default: a cast that decodes to the input up to its rounding"
     p = comp.get("params") or {}
     if name == "topk" and comp.get("error_feedback"):
         ref = cells.get(("topk", True))
         if ref and p.get("ratio", 0) >= 0.01 and ref["acc"] >= cells.get(("none", False), ref)["acc"] - KEEP_POINTS:
-            return 1.0, "declared: top-k +EF at 1% kept accuracy in the benchmark; a larger ratio keeps more"
+            return 1.0, "default: top-k +EF at 1% kept accuracy in the benchmark; a larger ratio keeps more"
     if name == "powersgd":
         ref = cells.get(("powersgd", False))
         if ref and p.get("rank", 1) >= 1 and ref["acc"] >= cells.get(("none", False), ref)["acc"] - KEEP_POINTS:
-            return 1.0, "declared: PowerSGD rank 1 kept accuracy in the benchmark; a higher rank keeps more"
-    return 1.25, "declared: no measurement; a lossy compressor assumed to need 25% more steps"
+            return 1.0, "default: PowerSGD rank 1 kept accuracy in the benchmark; a higher rank keeps more"
+    return 1.25, ("default: nothing measured or declared; a lossy compressor assumed to need 25% more steps "
+                  f"(declare one: --penalty {name}=X)")
 
 
 def method_penalty(spec: dict, method: dict, runs=None,
@@ -194,7 +197,7 @@ def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, floa
             cells=None, mode: str = "wfbp", strategies=None) -> Tuple[Optional[float], str]:
     """(penalty, source) for the compressor section ``comp`` in comm ``mode`` on the spec's model: the user's
     declared value first, then runs in the index, then the strategy benchmark (mixed sections, dear with a
-    compressed reduce-scatter), then the accuracy benchmark, then the advisor's declared default. A mixed
+    compressed reduce-scatter), then the accuracy benchmark, then the advisor's default. A mixed
     section nothing measured takes the worst of its parts' penalties (source ``parts``). A method's penalty
     is ``method_penalty``'s."""
     key = compressor_key(comp)

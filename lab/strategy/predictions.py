@@ -21,6 +21,11 @@ from lab.strategy.perfmodel.costs import Link
 from lab.strategy.space import Candidate, add_note, start_iter
 
 LINKS = ("modeled", "shaped")
+MAX_GBPS = 400.0
+"""The highest link rate (Gbit/s) the advice and ``commlab predict`` take: the engine's own bound on a modeled
+or shaped link (engine/spec.py, ``network.gbps`` in [0.001, 400]), since the advice's winner is written as a
+spec with that link and its trials run on it; ``predict`` keeps to the same range, so a rate one command takes
+the other takes too."""
 
 
 def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = None) -> dict:
@@ -28,8 +33,8 @@ def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = 
     net = dict(spec["network"])
     if link is not None and link not in LINKS:
         raise SpecError("--link", f"must be one of {', '.join(LINKS)}, got {link!r}")
-    if gbps is not None and not 0.001 <= gbps <= 400:
-        raise SpecError("--gbps", f"must be in [0.001, 400], got {gbps:g}")
+    if gbps is not None and not 0.001 <= gbps <= MAX_GBPS:
+        raise SpecError("--gbps", f"must be in [0.001, {MAX_GBPS:g}], got {gbps:g}")
     if gbps is None and link is None:
         if net["link"] == "loopback":
             raise SpecError("network.link", "the spec's link is loopback, which has no rate to plan for; give "

@@ -113,6 +113,21 @@ def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN,
     return picks
 
 
+def ddp_left_out(ranked: List[Candidate], picks: List[Candidate], ddp_margin: float = DDP_MARGIN) -> str:
+    """Why DDP (none, 25 MB buckets, wfbp) is not among ``picks`` (``trial_picks``'), in words for the
+    advice's output; "" when it is tried or not in the space."""
+    ddp = next((c for c in ranked if is_ddp(c)), None)
+    if ddp is None or ddp in picks:
+        return ""
+    if ddp.predicted_score is None or not picks:
+        return "DDP not tried: it has no predicted score to compare"
+    ratio = ddp.predicted_score / picks[0].predicted_score
+    return (f"DDP not tried: predicted {ratio:.2f}x the best-predicted candidate's time to accuracy, more than "
+            f"the {ddp_margin:g}x within which it is (lab.strategy.trials.DDP_MARGIN): the model's errors where "
+            f"measured are tens of percent, so it could not win, and its trial would be the slowest; the winner "
+            f"is compared with DDP's prediction, not its measurement")
+
+
 def compressing_at_once(cand: Candidate) -> dict:
     """The candidate's strategy with PowerSGD compressing from its first exchange (its plain start is the
     same all-reduce DDP does; a trial times the steady state, as the predictions do)."""

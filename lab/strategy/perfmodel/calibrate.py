@@ -4,7 +4,10 @@
   forward / backward / optimizer time, from a run's timeline (``from_run``).
   Hook time inside backward (encoding, waits) is subtracted, so a profile
   from any run is compute only; a ``sync`` run (nothing overlaps backward)
-  gives the cleanest one.
+  gives the cleanest one. The run's ``disturbance`` record (status.json: other
+  processes' CPU while it ran, lab.rundir.disturbance) goes with the profile
+  (``Profile.disturbance``), and ``disturbed_note`` says when its times are not
+  results; lab.strategy.perfmodel.whatif.matching_run prefers an undisturbed run.
 - link: alpha and beta from two all-reduce sizes on a shaped cluster
   (``measure_link``), from ``commlab net check --json`` output
   (``link_from_net_check``), or from a run's communicate spans
@@ -32,6 +35,7 @@ from engine.spec import JobSpec
 from lab.base import sandbox
 from lab.net.netcheck import measure_allreduce
 from lab.net.netns import Cluster
+from lab.rundir.disturbance import describe
 from lab.strategy.perfmodel.costs import Link, TokenBucket, steps_and_wire
 
 
@@ -76,8 +80,11 @@ class Profile:
     """the job spec it was taken for (``commlab profile``): what ``commlab predict PROFILE`` predicts"""
     payloads: Dict[str, list] = field(default_factory=dict)
     """compressor key and bucket -> its exchange's rounds [[op, payload bytes, tensors], ...], as driving
-    the real exchange gave them (lab.perfmodel.predict.payload_rounds): kept with the profile, so the next
-    prediction for this model does not drive them again"""
+    the real exchange gave them (lab.strategy.perfmodel.predict.payload_rounds): kept with the profile, so the
+    next prediction for this model does not drive them again"""
+    disturbance: dict = field(default_factory=dict)
+    """what other processes did while the run the compute came from ran (``disturbance_of``); {} when the
+    profile was not calibrated from a run (made by hand, or saved before this was recorded)"""
 
     def key(self) -> str:
         opts = ",".join(f"{k}={v}" for k, v in sorted(self.model_options.items()))
@@ -180,9 +187,37 @@ def _median(xs, default=0.0):
     return statistics.median(xs) if xs else default
 
 
+NOT_RESULTS = "timings disturbed by other processes: not results"
+"""What the lab says of times measured while other processes took more CPU than the threshold."""
+
+
+def disturbance_of(run) -> dict:
+    """What other processes did while ``run`` ran, in brief, from its status.json ``disturbance`` record
+    (lab.rundir.disturbance): ``run`` (its id), ``disturbed`` (True or False; None when not measured),
+    ``other_cpu`` (their share of the machine over the run) and ``text`` (``commlab show``'s words)."""
+    rec = run.status().get("disturbance") or {}
+    label, text = describe(rec)
+    measured = rec.get("other_cpu") is not None
+    return {"run": run.id, "disturbed": bool(rec.get("disturbed")) if measured else None,
+            "other_cpu": rec.get("other_cpu"), "text": text}
+
+
+def disturbed_note(d: Optional[dict]) -> str:
+    """One line when ``d`` (``disturbance_of``'s) says the run was disturbed; "" when it was quiet or not
+    measured."""
+    if not d or not d.get("disturbed"):
+        return ""
+    text = d.get("text", "")
+    text = text[len("yes: "):] if text.startswith("yes: ") else text
+    return f"run {d['run']} was disturbed: {text}; {NOT_RESULTS}"
+
+
 def from_run(run, skip: int = SKIP_STEPS) -> Profile:
-    """A compute profile from a finished run's timeline (every rank, steps after ``skip``)."""
-    return from_events(run.spec_dict(), run.timeline_events(), f"run {run.id}", skip)
+    """A compute profile from a finished run's timeline (every rank, steps after ``skip``), with the run's
+    ``disturbance_of``."""
+    p = from_events(run.spec_dict(), run.timeline_events(), f"run {run.id}", skip)
+    p.disturbance = disturbance_of(run)
+    return p
 
 
 def from_events(spec: dict, ev: List[dict], source: str, skip: int = SKIP_STEPS,
@@ -478,7 +513,7 @@ def _measure_compressor(make, numels, repeat, warm):
         if runs[0][0] and runs[0][0][-1][0] == "allgather":  # decoded once per rank's payload
             many = statistics.median(drive(comp, x.clone(), DECODE_PAYLOADS)[1][-1] for _ in range(repeat))
             stages.setdefault("decode_more", []).append((n * 4, max(0.0, many - dec) / (DECODE_PAYLOADS - 1)))
-    out = {"sizes": [n * 4 for n in numels], "source": "measured in-process (lab.perfmodel.calibrate)"}
+    out = {"sizes": [n * 4 for n in numels], "source": "measured in-process (lab.strategy.perfmodel.calibrate)"}
     for k, rows in stages.items():
         out[k] = list(fit_affine([r[0] for r in rows], [r[1] for r in rows]))
         out[k + "_samples"] = [r[1] for r in rows]

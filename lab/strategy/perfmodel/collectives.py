@@ -165,7 +165,7 @@ class Topology:
     hierarchical: bool = False
     protocols: Tuple[str, ...] = PROTOCOLS
 
-    burst_bytes = 0.0  # no token bucket (lab.perfmodel.iteration reads this of any link)
+    burst_bytes = 0.0  # no token bucket (lab.strategy.perfmodel.iteration reads this of any link)
 
     def __post_init__(self):
         if self.gpus_per_node < 1:

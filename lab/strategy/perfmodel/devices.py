@@ -8,7 +8,7 @@ a YAML file with the same fields (``from_dict``, ``load``).
 What a datasheet does not give, and a prediction needs, are efficiencies (achieved / peak):
 
 - ``compute_eff[precision]``: of the peak FLOP/s, for matrix products and convolutions; calibrated per
-  device from a published single-GPU throughput (lab.perfmodel.roofline.solve_compute_eff), or from a step
+  device from a published single-GPU throughput (lab.strategy.perfmodel.roofline.solve_compute_eff), or from a step
   measured with commlab on a lent GPU (H100's TF32, which H200 shares), each value naming its source below;
   H100's and H200's other precisions take A100's.
 - ``memory_eff``: of the memory bandwidth, for element-wise and normalisation kernels; 0.85, what
@@ -88,9 +88,9 @@ H100_SHEET = "NVIDIA H100 Tensor Core GPU datasheet (2022, SXM5)"
 H200_SHEET = "NVIDIA H200 Tensor Core GPU datasheet (2024, SXM)"
 DLE = ("NVIDIA DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md (commit 291f0d0): "
        "ResNet-50 v1.5 training, 1 GPU")
-ASSUMED = "assumed (module docstring of lab.perfmodel.devices)"
+ASSUMED = "assumed (module docstring of lab.strategy.perfmodel.devices)"
 
-# Compute efficiencies: solved with lab.perfmodel.roofline.solve_compute_eff so that the roofline of
+# Compute efficiencies: solved with lab.strategy.perfmodel.roofline.solve_compute_eff so that the roofline of
 # torchvision's ResNet-50 (v1.5, like theirs; batch 256, main.py's default per GPU, 224x224) gives the DeepLearningExamples throughput; re-derived by
 # tests/test_perfmodel_devices.py::test_compute_efficiencies_follow_from_their_sources.
 EFF_SOURCES = {

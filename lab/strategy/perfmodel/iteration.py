@@ -20,7 +20,7 @@ Assumptions, stated because they decide the answers:
   is idle it runs at full speed. So a single bucket sent when backward is over
   (a 25 MB cap on a small model) slows nothing. 1.0 = no slowdown.
 - An all-gathered payload's decode is the round's ``after``: build_step prices
-  it for ``world`` payloads (lab.perfmodel.predict).
+  it for ``world`` payloads (lab.strategy.perfmodel.predict).
 
 ``dear`` (reduce-scatter in backward, all-gather of the updated parameters
 before the next forward, optimizer step on a 1/p shard), as engine/comm/dear.py

@@ -1,16 +1,16 @@
 """Predictions for a named device (``commlab predict ... --device H100``), and what they rest on.
 
 - compute: a profile measured on that device (``commlab profile`` on the GPU records its name) is used
-  as it is; otherwise the model's roofline on the device (lab.perfmodel.roofline), in the device's
+  as it is; otherwise the model's roofline on the device (lab.strategy.perfmodel.roofline), in the device's
   default precision or the one named (``--device H100:bf16``);
 - compressor costs: curves measured on that device where the profile has them, else modeled from the
   bytes each codec's operators move on the device;
-- links: NCCL's algorithms and protocols (lab.perfmodel.collectives) on the device's intra-node fabric
+- links: NCCL's algorithms and protocols (lab.strategy.perfmodel.collectives) on the device's intra-node fabric
   (NVLink, else PCIe: datasheet bandwidth x link efficiency) and ``nics`` NICs per node at the rate the
   table sweeps (``--gbps``); ``--cluster`` overrides node size, intra-node rate and NICs.
 
 ``source_rows`` / ``sources`` list, for any prediction, which inputs were measured and which assumed or modeled,
-and how well each part was validated (lab.perfmodel.validation).
+and how well each part was validated (lab.strategy.perfmodel.validation).
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def source_rows(profile: cal.Profile, spec: dict, device: Optional[Device] = Non
                 compute_speedup: float = 1.0, link: str = "", cluster: bool = False) -> List[Dict[str, str]]:
     """What a prediction rests on, one row per input (compute, link, each compressor's cost): ``kind``
     measured, modeled or assumed, ``source`` where it comes from, and ``validated`` how well that part of the
-    model was checked against measurements (lab.perfmodel.validation)."""
+    model was checked against measurements (lab.strategy.perfmodel.validation)."""
     m = profile.machine or {}
     where = m.get("gpu") or m.get("cpu") or m.get("host") or ""
     rows = []
@@ -84,6 +84,9 @@ def source_rows(profile: cal.Profile, spec: dict, device: Optional[Device] = Non
         line = profile.source + (f" on {where}" if where else "")
         if compute_speedup != 1.0:
             line += f", divided by --compute-speedup {compute_speedup:g} (assumed)"
+        note = cal.disturbed_note(profile.disturbance)
+        if note:
+            line += f"; DISTURBED: {note}"
         row("compute", "measured", line)
     if device is not None:
         row("link", "modeled", f"NCCL ring/tree and LL/LL128/Simple on {device.intra} ("

@@ -14,8 +14,8 @@ no memory) under a dispatch mode that sees every aten operator, forward and back
 
 ``seconds`` prices one operator on a device: ``max(F / (P e_c), B / (W e_m), t_kernel)``, the peak
 FLOP/s P and memory bandwidth W of the precision it runs in, the efficiencies e_c and e_m
-(lab.perfmodel.devices) and the shortest kernel. 16-bit precisions move half the bytes.
-``profile`` turns the counts into a lab.perfmodel.calibrate.Profile (per-layer forward, backward and
+(lab.strategy.perfmodel.devices) and the shortest kernel. 16-bit precisions move half the bytes.
+``profile`` turns the counts into a lab.strategy.perfmodel.calibrate.Profile (per-layer forward, backward and
 ready times), so the step simulation runs on it unchanged; the optimizer step is memory-bound (SGD
 with momentum reads parameter, gradient and momentum and writes two: 5 bytes per gradient byte; Adam 7).
 
@@ -236,7 +236,7 @@ def profile(c: Counts, device: Device, precision: str, base: Optional[cal.Profil
     p.compressors = {}
     p.link = None
     p.source = f"roofline on {device.name} ({precision}, compute efficiency {device.efficiency(precision):.3g})"
-    p.machine = {"device": device.name, "precision": precision, "clock": "roofline (lab.perfmodel.roofline)"}
+    p.machine = {"device": device.name, "precision": precision, "clock": "roofline (lab.strategy.perfmodel.roofline)"}
     return p
 
 
@@ -266,7 +266,7 @@ def codec_curve(comp: dict, device: Device, precision: str = "fp32", numels=CODE
             many = _priced(c, x, price, cal.DECODE_PAYLOADS)[-1]
             stages.setdefault("decode_more", []).append((n * 4, max(0.0, many - s[-1]) / (cal.DECODE_PAYLOADS - 1)))
     out = {"sizes": [n * 4 for n in numels], "kind": "modeled",
-           "source": f"from the bytes its operators move on {device.name} {precision} (lab.perfmodel.roofline)"}
+           "source": f"from the bytes its operators move on {device.name} {precision} (lab.strategy.perfmodel.roofline)"}
     for k, rows in stages.items():
         out[k] = list(cal.fit_affine([r[0] for r in rows], [r[1] for r in rows], relative=False))
     return out

@@ -82,21 +82,24 @@ def saved_shaped_link(runs) -> Optional[dict]:
 
 
 def matching_run(spec: dict, runs):
-    """The most recent finished run with the spec's model, data set and batch size, a
-    ``sync`` one if there is any: nothing runs inside its backward (in wfbp the synchronous
-    header exchange of an all-gathered payload blocks backward and has no span of its own,
-    so it would count as compute). ``dear`` runs are not used: their forward includes the
-    waits for parameter all-gathers, which are communication, not compute."""
+    """The most recent finished run with the spec's model, data set and batch size that other processes did
+    not disturb (status.json's ``disturbance``: a disturbed run's compute times are not results) if there is
+    any, and among those a ``sync`` one if there is any: nothing runs inside its backward (in wfbp the
+    synchronous header exchange of an all-gathered payload blocks backward and has no span of its own, so it
+    would count as compute). ``dear`` runs are not used: their forward includes the waits for parameter
+    all-gathers, which are communication, not compute. A disturbed run is used only when no other matches,
+    and the profile says so (``Profile.disturbance``)."""
     key = cal.spec_key(spec)
     found = []
     for r in reversed(runs_of(runs, state="done")):
         try:
             d = r.spec_dict()
             if cal.spec_key(d) == key and d["comm"]["mode"] != "dear":
-                found.append((d["comm"]["mode"] != "sync", len(found), r))
+                disturbed = bool((r.status().get("disturbance") or {}).get("disturbed"))
+                found.append((disturbed, d["comm"]["mode"] != "sync", len(found), r))
         except (KeyError, OSError, json.JSONDecodeError):
             continue
-    return min(found, key=lambda f: f[:2])[2] if found else None
+    return min(found, key=lambda f: f[:3])[3] if found else None
 
 
 def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibrate: Optional[str] = None,
@@ -118,6 +121,9 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
             say(f"profile: no finished {key} run in the index; measuring a {PROFILE_STEPS}-step single-process run")
             p = measure_profile(spec, runs, runner=runner)
             say(f"profile: measured from run {p.source.split()[-1]}")
+    note = cal.disturbed_note(p.disturbance)
+    if note:
+        say(f"profile: its compute times are not results: {note}")
     if p.key() != key:
         raise SpecError("model", f"the profile is for {p.key()}, the spec is {key}")
     if ensure_curves(p, [spec], runs, kept=True):
@@ -133,7 +139,9 @@ def has_profile(spec: dict, runs=None) -> bool:
 
 def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: None) -> Optional[cal.Profile]:
     """The lab's profile of the spec's model without measuring one: the saved profile, else one calibrated
-    from the latest matching finished run (``matching_run``); None when the lab has neither."""
+    from the latest matching finished run (``matching_run``); None when the lab has neither. A saved profile
+    whose compute came from a disturbed run gives way to an undisturbed matching run (its cost curves,
+    payloads and link kept)."""
     key = cal.spec_key(spec)
     saved = profile_dir(runs) / f"{key}.json"
     if saved.is_file():
@@ -143,13 +151,20 @@ def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: 
             print(f"commlab: {saved}: unreadable ({type(e).__name__}: {e}); {set_aside(saved)}; the profile is "
                   "calibrated or measured again", file=sys.stderr, flush=True)
         else:
+            run = matching_run(spec, runs) if (p.disturbance or {}).get("disturbed") else None
+            if run is not None and not (run.status().get("disturbance") or {}).get("disturbed"):
+                q = cal.from_run(run)  # the compute again, from a quiet run; what is per machine or model is kept
+                q.compressors, q.payloads, q.link = p.compressors, p.payloads, p.link
+                say(f"profile: {saved} came from a disturbed run ({p.source}); calibrated from run {run.id} "
+                    f"instead, which was not disturbed")
+                return q
             say(f"profile: reusing {saved} ({p.source})")
             return p
     run = matching_run(spec, runs)
     if run is None:
         return None
     say(f"profile: calibrated from run {run.id}, the latest finished {key} {run.spec_dict()['comm']['mode']} "
-        f"run in the index (sync runs first)")
+        f"run in the index (undisturbed runs first, then sync ones)")
     return cal.from_run(run)
 
 
@@ -478,7 +493,7 @@ def table(profile: cal.Profile, spec: dict, gbps: List[float], workers: List[int
     """One row per workers x rate: DDP's and the spec's predicted iteration time, the speedup
     over DDP, and the scaling factor of each (one worker's time, compute only, over p workers':
     1.0 is linear scaling with the batch per worker fixed). ``links`` (rate -> link) replaces the
-    profile's or the cluster's links (lab.perfmodel.ondevice.link_maker)."""
+    profile's or the cluster's links (lab.strategy.perfmodel.ondevice.link_maker)."""
     rows = []
     base = pr.ddp_spec(spec)
     links = links or link_maker(profile, cluster)
