@@ -95,7 +95,7 @@ def profile_then_wait(spec, model, dataset, loss_fn, run_dir: str, rank: int, wo
 
 def param_list(model) -> list:
     """[name, bytes] of the trainable parameters in gradient-ready order (the reverse of registration, as the
-    communicator orders them): what the lab's profile lists (``lab.perfmodel.calibrate.param_list``)."""
+    communicator orders them): what the lab's profile lists (``lab.strategy.perfmodel.calibrate.param_list``)."""
     return [[n, p.numel() * p.element_size()] for n, p in model.named_parameters() if p.requires_grad][::-1]
 
 

@@ -395,7 +395,7 @@ class Compressor:
 
     def describe(self) -> str:
         """The instance as a spec names it: ``name(param=value,...)+EF`` with the parameters given
-        explicitly (the key lab.perfmodel.calibrate.compressor_key gives a spec's compressor section)."""
+        explicitly (the key lab.strategy.perfmodel.calibrate.compressor_key gives a spec's compressor section)."""
         ps = ",".join(f"{k}={v}" for k, v in sorted(self.given.items()))
         return f"{self.name}{'(' + ps + ')' if ps else ''}{'+EF' if self.ef is not None else ''}"
 
