@@ -83,6 +83,25 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
+def limit_data(mb: Optional[int]) -> None:
+    """Bound this process and what it starts to ``mb`` MB of data (RLIMIT_DATA, soft and hard: it cannot be
+    raised again); nothing when ``mb`` is None. A limit is only ever lowered. Called in a rank's process
+    before it runs (a ``preexec_fn``, or the warm server's forked child).
+
+    RLIMIT_DATA (Linux 4.7 and later) counts the heap and every private writable mapping, so every tensor
+    a rank allocates, and not its libraries' code nor the address space merely reserved: glibc's arenas
+    reserve 64 MB each before they use it, torch's CPU build maps about 1 GB of address space for 300 MB
+    of data, a CUDA build more than 2 GB (lab.base.sandbox). RLIMIT_AS would count all of that."""
+    if mb is None:
+        return
+    import resource
+    n = int(mb) << 20
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY:
+        n = min(n, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (n, n))
+
+
 def stop(procs_: List[subprocess.Popen], grace_s: float = 5.0) -> None:
     """Stop jobs we started in sessions of their own: SIGTERM to each process group
     (torchrun then stops its ranks), SIGKILL after a grace period."""

@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from lab.base.paths import SOURCE
-from lab.base.procs import WARM_MARK
+from lab.base.procs import WARM_MARK, limit_data
+from lab.base.procs import __file__ as procs_file
 
 ENV = "COMMLAB_WARM"
 """``0`` turns warm ranks off (every rank a process of the launcher's own)."""
@@ -69,10 +70,11 @@ def enabled() -> bool:
 
 
 def _key() -> str:
-    """One server per interpreter, torch build and version of this file."""
+    """One server per interpreter, torch build and version of this file and of lab.base.procs (its ranks'
+    memory limit)."""
     spec = importlib.util.find_spec("torch")
     parts = [sys.executable]
-    for p in (spec.origin if spec else "", __file__):
+    for p in (spec.origin if spec else "", __file__, procs_file):
         with contextlib.suppress(OSError):
             parts.append(str(os.stat(p).st_mtime_ns))
     return hashlib.sha1("\0".join(parts).encode()).hexdigest()[:12]
@@ -211,10 +213,12 @@ def _server(d: Path, key: str) -> Path:
         raise OSError(f"the warm server was not ready after {START_S:.0f} s")
 
 
-def start(sock: Path, jobs: List[tuple], log: str, cwd: Optional[str] = None) -> Optional[List[WarmRank]]:
+def start(sock: Path, jobs: List[tuple], log: str, cwd: Optional[str] = None,
+          memory: Optional[int] = None) -> Optional[List[WarmRank]]:
     """Start every ``(argv, env)`` of ``lab.base.torchrun.direct_ranks`` as a warm rank (``env`` the whole
     environment) through the server at ``sock``, or None when that fails (the launcher then starts them
-    itself); the ranks already started are killed first."""
+    itself); the ranks already started are killed first. ``memory``: MB of data each rank may use
+    (procs.limit_data, set in the forked child before the worker runs)."""
     started: List[WarmRank] = []
     try:
         for argv, env in jobs:
@@ -222,7 +226,7 @@ def start(sock: Path, jobs: List[tuple], log: str, cwd: Optional[str] = None) ->
             s = _connect(sock, 10.0)
             # paths made absolute here: the server's own working directory is "/"
             s.sendall(json.dumps({"run_dir": os.path.abspath(run_dir), "env": env, "cwd": cwd or os.getcwd(),
-                                  "log": os.path.abspath(log),
+                                  "log": os.path.abspath(log), "memory": memory,
                                   "nice": os.nice(0)}).encode() + b"\n")
             buf = b""
             while b"\n" not in buf:
@@ -386,6 +390,7 @@ class Server:
             os.close(null)
             if int(req["nice"]) > self.nice:
                 os.nice(int(req["nice"]) - self.nice)
+            limit_data(req.get("memory"))  # before the worker runs: a rank's memory limit (a student's rank_mb)
             env = {str(k): str(v) for k, v in req["env"].items()}
             os.environ.clear()
             os.environ.update(env)

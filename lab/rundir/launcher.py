@@ -5,7 +5,10 @@ The launcher owns the run's status: it marks the run running, starts the ranks
 and across machines one torchrun node each, which stops its ranks with it),
 tails metrics.jsonl for a progress bar, samples how much CPU other processes
 take meanwhile (lab.disturbance), and writes done, failed (with the failing
-rank's error) or cancelled at the end.
+rank's error) or cancelled at the end. A run with a memory limit per rank
+(``rank_limit_mb`` in its status: a student's ``rank_mb`` quota) has its
+ranks started under it (lab.base.procs.limit_data), and a rank that passes it
+fails the run with the limit named (``finish_status``).
 """
 from __future__ import annotations
 
@@ -90,7 +93,7 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
             info = {}
             loopback = True
         return _follow(run, spec, jobs, loopback, info, progress, out or sys.stderr, poll_s, on_metrics,
-                       should_cancel)
+                       should_cancel, memory=run.status().get("rank_limit_mb"))
 
 
 JOB_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -167,12 +170,15 @@ class Nodes:
         self.nnodes, self.node_rank, self.master_addr, self.port = nnodes, node_rank, master_addr, port
 
 
-def _spawn(argv: List[str], env: dict, loopback: bool, log) -> subprocess.Popen:
-    """A torchrun in a session of its own; it gets SIGTERM if this launcher dies, and
-    stops its ranks (which die with it too)."""
+def _spawn(argv: List[str], env: dict, loopback: bool, log, memory: Optional[int] = None) -> subprocess.Popen:
+    """A torchrun (or a rank) in a session of its own; it gets SIGTERM if this launcher dies, and
+    stops its ranks (which die with it too). ``memory``: MB of data it and its ranks may each use."""
+    def child() -> None:
+        procs.die_with_parent()
+        procs.limit_data(memory)
     return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             env={**worker_env(loopback=loopback), **env}, start_new_session=True,
-                            preexec_fn=procs.die_with_parent)
+                            preexec_fn=child)
 
 
 def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
@@ -192,7 +198,7 @@ def _run_to_end(argv: List[str], loopback: bool, log_path) -> str:
 
 
 def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel,
-            job_root: Optional[int] = None) -> str:
+            memory: Optional[int] = None, job_root: Optional[int] = None) -> str:
     cpu = disturbance.Sampler(disturbance.threshold(run.path.parent), runs_root=run.path.parent,
                               on_update=lambda d: run.update_status(disturbance=d))
     cpu.job_root = job_root
@@ -202,8 +208,8 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     server = warm.ready() if all(_direct(argv) for argv, _ in jobs) else None
     cpu.start()  # before the job: its processes count as the run's own from their first tick
     procs_ = server and warm.start(server, [(argv, {**worker_env(loopback=loopback), **env}) for argv, env in jobs],
-                                   str(run.file(runfiles.LOG)))
-    procs_ = procs_ or [_spawn(argv, env, loopback, log) for argv, env in jobs]
+                                   str(run.file(runfiles.LOG)), memory=memory)
+    procs_ = procs_ or [_spawn(argv, env, loopback, log, memory) for argv, env in jobs]
     cpu.roots = lambda: [p.pid for p in procs_ if p.returncode is None]  # reaped ones are in our cutime
     cpu.reaped = lambda: sum(getattr(p, "ticks", 0) for p in procs_)  # warm ranks' (the server reaps them)
     # "torchruns": the processes started here (the ranks themselves on one machine); the names are kept
@@ -269,9 +275,36 @@ def finish_status(run: Run, rc: int, exits=None) -> str:
         run.set_status("done", returncode=0)
         return "done"
     rank, why = failure_cause(run, exits=exits)
+    st = run.status()
+    limit = st.get("rank_limit_mb")
+    if limit and out_of_memory(run, why):
+        who = "a rank" if rank is None else f"rank {rank}"
+        run.set_status("failed", returncode=rc, rank=rank, cause=why,
+                       error=f"out of memory: {who} passed its limit of {limit} MB "
+                             f"({st.get('rank_limit_from') or 'rank_mb'}); make the batch or the images smaller")
+        return "failed"
     run.set_status("failed", returncode=rc, rank=rank,
                    error=why or f"the job exited with code {rc}; see {runfiles.LOG}")
     return "failed"
+
+
+OOM_SIGNS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "cannot allocate memory",
+             "std::bad_alloc", "out of memory")
+"""What a rank says when an allocation fails: Python's MemoryError, torch's CPU allocator ("can't allocate
+memory: you tried to allocate N bytes"), an errno 12, C++'s bad_alloc, glibc's "cannot allocate memory
+for thread-local data" (before it aborts)."""
+
+THREAD_FAILED = "RuntimeError: Resource temporarily unavailable"
+"""A thread that could not be started (std::system_error, EAGAIN): its stack could not be mapped."""
+
+
+def out_of_memory(run: Run, why: Optional[str]) -> bool:
+    """Whether a failed run's cause (``why``, failure_cause's) is an allocation that failed: said so in the
+    failing rank's error, or, for a rank that died without one (an abort, a crash in C++), in the log."""
+    if why and (any(s in why for s in OOM_SIGNS) or why == THREAD_FAILED):
+        return True
+    silent = not why or "was killed by" in why or "exited with code" in why
+    return silent and any(s in run.log_tail(400) for s in OOM_SIGNS)
 
 
 PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout")

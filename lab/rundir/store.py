@@ -65,7 +65,7 @@ CHANGE_TRIES = 20
 """Attempts, READ_PAUSE_S apart, of the read in a status change: a writer that does not rename
 (another tool, a shared file system) gets about half a second to finish its file."""
 READ_PAUSE_S = 0.025
-CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access")
+CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access", "rank_mb")
 """What runs/lab.json may hold; lab.queue, lab.disturbance and lab.workshop check the values."""
 
 

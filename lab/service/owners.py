@@ -10,7 +10,12 @@ belong to the local user.
 Per-user limits bound what a student may ask for (``quotas`` in runs/lab.json; without it the safe
 defaults of ``DEFAULT_QUOTAS``), and code named by import path is the teacher's only (``refuse_code``):
 
-    {"quotas": {"queued": 3, "steps": 2000, "world_size": 2, "wall_s": 600}}
+    {"quotas": {"queued": 3, "steps": 2000, "world_size": 2, "wall_s": 600, "rank_mb": 1536}}
+
+A student's run is bounded in memory too: each of its ranks runs under an OS limit of ``rank_mb`` MB of
+data (RLIMIT_DATA, set by the launcher before the rank starts: lab.base.procs.limit_data), and a rank that
+passes it ends the run ``failed`` with the limit named. ``rank_mb`` at the top of runs/lab.json bounds
+every run's ranks, the teacher's and the local user's too (``every_rank_mb``).
 """
 from __future__ import annotations
 
@@ -77,9 +82,11 @@ QUOTA_KEYS = {"queued": "queued or running runs at once", "steps": "steps per ru
               "examples": "training examples of a synthetic data set",
               "data_mb": "MB of data per rank (data set, a batch, and a batch's logits for token data)",
               "threads": "torch threads per rank", "params": "parameters of the model",
-              "wall_s": "seconds of running per run"}
+              "wall_s": "seconds of running per run", "rank_mb": "MB of memory (data) per rank"}
+RANK_MB = 2048
+"""The ``rank_mb`` default on a machine with the memory for it (``machine_rank_mb``)."""
 DEFAULT_QUOTAS = {"queued": 4, "steps": 2000, "world_size": 4, "batch_size": 256, "examples": 100_000,
-                  "data_mb": 1024, "threads": 2, "params": 50_000_000, "wall_s": 900}
+                  "data_mb": 1024, "threads": 2, "params": 50_000_000, "wall_s": 900, "rank_mb": RANK_MB}
 """A student's limits on an exposed lab (``commlab app --host ...``) unless runs/lab.json's ``quotas`` says
 otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the UI on loopback) have none.
 
@@ -92,12 +99,21 @@ otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the
 - ``threads`` 2: torch threads per rank (``threads: 0``, one per core, becomes this many);
 - ``params`` 50000000: parameters of the model, counted in a child process before the run is queued;
 - ``wall_s`` 900: a run still going after that many seconds of running is cancelled by its supervisor,
-  with the limit named in its error.
+  with the limit named in its error;
+- ``rank_mb`` 2048, or less on a machine without the memory for it (``machine_rank_mb``): the MB of data
+  (RLIMIT_DATA: heap and private writable mappings, so every tensor; not the libraries' code) each rank
+  may use. A rank of a small run takes about 300 MB (torch imported: 290 MB), so 2048 leaves a rank the
+  ``data_mb`` quota's 1024 MB of data and some 700 MB of model, gradients and activations. What the
+  students' runs can hold at once is ``max_jobs`` x ``world_size`` x ``rank_mb``: 1 x 4 x 2048 = 8 GiB on
+  a 2-core machine (``max_jobs`` is one per two cores), 8 x 4 x 2048 = 64 GiB on a 16-core one; the
+  default is therefore lowered to 3/4 of the machine's memory over ``max_jobs`` x ``world_size`` when that
+  is less (not below 512 MB, under which no rank starts: lower ``max_jobs`` or ``world_size`` instead).
 
 A key in lab.json replaces its default (``{"quotas": {"queued": 4}}`` keeps the other defaults); ``null``
 lifts that limit. A refusal is one line naming the limit: ``quota batch_size: at most 256 ...``."""
 QUOTA_FIELDS = {"steps": "steps", "world_size": "world_size", "batch_size": "batch_size",
-                "examples": "dataset.size", "data_mb": "dataset", "threads": "threads", "params": "model.name"}
+                "examples": "dataset.size", "data_mb": "dataset", "threads": "threads", "params": "model.name",
+                "rank_mb": "batch_size"}
 """The spec field each per-run limit is about (the New run form shows a refusal under it)."""
 
 
@@ -111,7 +127,8 @@ class QuotaError(LabError):
 
 def quotas(root: os.PathLike) -> dict:
     """A student's limits: DEFAULT_QUOTAS with runs/lab.json's ``quotas`` over them (a null lifts one);
-    a bad value is a LabError naming it."""
+    a bad value is a LabError naming it. ``rank_mb`` left to its default is what the machine can hold
+    (``machine_rank_mb``)."""
     q = lab_config(root).get("quotas") or {}
     where = f"{Path(root) / CONFIG}: quotas"
     if not isinstance(q, dict):
@@ -124,7 +141,68 @@ def quotas(root: os.PathLike) -> dict:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0 or (k != "wall_s" and v != int(v)):
             raise LabError(f"{where}.{k}: must be a positive {'number' if k == 'wall_s' else 'integer'} or null "
                            f"(no limit), got {v!r}")
-    return {k: v for k, v in {**DEFAULT_QUOTAS, **q}.items() if v is not None}
+    out = {k: v for k, v in {**DEFAULT_QUOTAS, **q}.items() if v is not None}
+    if "rank_mb" not in q:
+        out["rank_mb"] = machine_rank_mb(slots(root), out.get("world_size", DEFAULT_QUOTAS["world_size"]))
+    return out
+
+
+RANK_FLOOR_MB = 512
+"""The least default ``rank_mb``: a rank of a small run takes about 300 MB (torch imported: 290 MB)."""
+
+
+def memory_mb() -> int:
+    """This machine's memory in MB, or its cgroup's limit when that is less (a container)."""
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    for f in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            v = Path(f).read_text().strip()
+        except OSError:
+            continue
+        if v.isdigit():
+            total = min(total, int(v))
+    return total >> 20
+
+
+def slots(root: os.PathLike) -> int:
+    """How many runs the queue runs at once (lab.service.queue's ``max_jobs``: $COMMLAB_MAX_JOBS, runs/lab.json,
+    else one per two cores); without torch, so on a GPU box (one per GPU) this is at least as many."""
+    v = os.environ.get("COMMLAB_MAX_JOBS")
+    if v and v.isdigit() and int(v) > 0:
+        return int(v)
+    v = lab_config(root).get("max_jobs")
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+def machine_rank_mb(jobs: int, world_size: int, memory: Optional[int] = None) -> int:
+    """The default ``rank_mb``: RANK_MB, or 3/4 of the machine's memory (``memory`` MB) over ``jobs`` runs of
+    ``world_size`` ranks when that is less (in steps of 64 MB, at least RANK_FLOOR_MB)."""
+    memory = memory_mb() if memory is None else memory
+    fit = int(memory * 3 / 4 / max(1, jobs * world_size)) // 64 * 64
+    return max(RANK_FLOOR_MB, min(RANK_MB, fit))
+
+
+def every_rank_mb(root: os.PathLike) -> Optional[int]:
+    """``rank_mb`` at the top of runs/lab.json: every run's limit per rank, the teacher's and the local user's
+    too (None: none); a bad value is a LabError naming it."""
+    v = lab_config(root).get("rank_mb")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise LabError(f"{Path(root) / CONFIG}: rank_mb must be a positive integer or null (no limit), got {v!r}")
+    return v
+
+
+def rank_limit(root: os.PathLike, owner: Optional[str]) -> Optional[tuple]:
+    """(MB, where it is set) of the memory limit on each rank of a run owned by ``owner``: a student's
+    ``rank_mb`` quota, and runs/lab.json's ``rank_mb`` for everyone, whichever is less; None: no limit."""
+    limits = []
+    if is_student(owner) and "rank_mb" in quotas(root):
+        limits.append((int(quotas(root)["rank_mb"]), "runs/lab.json quotas.rank_mb"))
+    everyone = every_rank_mb(root)
+    if everyone is not None:
+        limits.append((everyone, "runs/lab.json rank_mb"))
+    return min(limits) if limits else None
 
 
 def is_student(owner: Optional[str]) -> bool:
@@ -168,6 +246,30 @@ def data_mb(spec) -> float:
     return (SHIPPED_BYTES.get(d.name, 0) + b * SHIPPED_EXAMPLE.get(d.name, 0)) / 2**20
 
 
+RANK_BASE_MB = 256
+"""Less than what any rank takes before its data and model (torch imported: 290 MB measured)."""
+KEPT_CHANNELS = {"cnn": 32 + 64}
+"""Channels at full resolution that a zoo model keeps for its backward pass, at the least: the cnn's two
+ReLUs' outputs (32 and 64 channels; its second conv and max pool read them back); resnet's stem keeps its
+conv's and its ReLU's (2 x width, ``widths``)."""
+
+
+def activations_mb(spec) -> float:
+    """At least how many MB the activations of one batch take in a zoo image model (cnn, resnet): the
+    full-resolution feature maps its backward pass keeps, float32; 0 for other models and data. A lower
+    bound, not an estimate: what the ranks really take is more (the conv outputs, the gradients)."""
+    d = spec.dataset
+    name = spec.model.name
+    if d.kind == "text" or d.name != "synthetic" or not d.shape or len(d.shape) != 3:
+        return 0.0
+    if name == "resnet":
+        width = (spec.model.options or {}).get("width", 32)
+        channels = 2 * width if isinstance(width, int) and not isinstance(width, bool) else 0
+    else:
+        channels = KEPT_CHANNELS.get(name, 0)
+    return channels * d.shape[1] * d.shape[2] * spec.batch_size * 4 / 2**20
+
+
 def check_run(q: dict, spec, params: Optional[int] = None):
     """``spec`` (a JobSpec) within the per-run limits ``q`` (``quotas``): the spec to queue (``threads: 0``
     becomes the limit when one thread per core would pass it), or a QuotaError naming the first limit it
@@ -184,6 +286,13 @@ def check_run(q: dict, spec, params: Optional[int] = None):
         raise QuotaError("data_mb", f"at most {q['data_mb']} MB of data per rank; this asks for about "
                                     f"{data_mb(spec):,.0f} MB (data set, batch {spec.batch_size} and, for token "
                                     f"data, its logits)")
+    need = RANK_BASE_MB + data_mb(spec) + activations_mb(spec)
+    if "rank_mb" in q and activations_mb(spec) and need > q["rank_mb"]:
+        shape = "x".join(str(n) for n in spec.dataset.shape)
+        raise QuotaError("rank_mb", f"at most {q['rank_mb']} MB per rank; a batch of {spec.batch_size} images "
+                                    f"{shape} through {spec.model.name} needs at least {need:,.0f} MB (its "
+                                    f"activations alone {activations_mb(spec):,.0f} MB): make the batch or the "
+                                    f"images smaller")
     if params is not None and "params" in q and params > q["params"]:
         raise QuotaError("params", f"at most {q['params']:,} parameters, the model has {params:,}")
     if "threads" in q and spec.threads == 0 and max(1, (os.cpu_count() or 1) // spec.world_size) > q["threads"]:

@@ -37,7 +37,8 @@ from lab.net.netns import NetworkUnavailable, check_shaped_supported
 from lab.rundir.index import Index, RunIndexError
 from lab.rundir.launcher import kill_strays, launch
 from lab.rundir.store import FINAL, Run, RunStore, lab_config
-from lab.service.owners import fair_order, is_student, local_user, refuse_code, run_time, typical_run
+from lab.service.owners import (every_rank_mb, fair_order, is_student, local_user, rank_limit, refuse_code, run_time,
+                                typical_run)
 from lab.service.spawn import spawn_detached
 from lab.strategy import auto
 from lab.strategy.auto import keep_record
@@ -90,6 +91,7 @@ class Lab:
         self.store = RunStore(runs, on_change=self._changed)
         self.index = Index(self.store)
         configured = _config_max_jobs(self.store.root)  # read even when overridden: a broken file is reported
+        every_rank_mb(self.store.root)  # a bad rank_mb too, before any run
         self.max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or configured or default_max_jobs()
 
     def _changed(self, run: Run) -> None:
@@ -121,7 +123,9 @@ class Lab:
                wall_limit_s: Optional[float] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
         (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
-        seconds of running (a student's quota, lab.workshop). A student's spec that names code is refused
+        seconds of running (a student's quota, lab.workshop). Its ranks get the memory limit of its owner
+        (lab.service.owners.rank_limit: a student's ``rank_mb`` quota, runs/lab.json's ``rank_mb`` for
+        everyone), recorded in its status (``rank_limit_mb``). A student's spec that names code is refused
         here, whoever submits it (lab.workshop.refuse_code). A model or data set from outside the zoo takes
         one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
         a child with limits (lab.sandbox; the UI's server)."""
@@ -141,9 +145,12 @@ class Lab:
                     sandbox.run("check", spec.to_dict(), sandbox.CHECK, who=owner or local_user().name)
                 except sandbox.SandboxError as e:
                     raise SpecError(e.path, e.msg) from None
+        memory = rank_limit(self.root, owner)
         self.recover_stale()
         run = self.store.create(spec, run_id)
         extra = {"owner": owner or local_user().name}
+        if memory is not None:
+            extra["rank_limit_mb"], extra["rank_limit_from"] = memory
         if sweep:
             extra["sweep"] = sweep
         if wall_limit_s:
