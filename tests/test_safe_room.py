@@ -423,6 +423,30 @@ def test_defaults_are_not_for_loopback(room, monkeypatch):
     assert not at.error and not at.button(key="nr.submit").disabled
 
 
+def test_a_student_keeps_a_bounded_number_of_runs_and_the_disk_keeps_room(room, monkeypatch):
+    """Each finished run frees its place in the queue, not its room on disk: the runs a student has in the lab
+    are bounded (quotas.runs), and no student's run is queued while the runs' disk is nearly full."""
+    import shutil
+    root, _ = room
+    (root / "lab.json").write_text(json.dumps({"quotas": {"runs": 2}}))
+    q = Lab(root)
+    for _ in range(2):
+        q.create(lab._spec(SMALL), owner="alice")  # two of alice's, of any state
+    as_viewer("alice")
+    with pytest.raises(owners.QuotaError, match=r"^quota runs: alice may have 2 runs in this lab, of every state; "
+                                                r"2 are there, and this asks for 1 more"):
+        new_run.submit(SMALL)
+    as_viewer("bob")
+    usage = shutil.disk_usage(root)
+    monkeypatch.setattr(ui.shutil, "disk_usage", lambda path: usage._replace(free=1000 * 2**20))
+    with pytest.raises(owners.QuotaError, match=r"^quota free_mb: the disk of the runs directory has 1000 MB free, "
+                                                r"under the 2048 MB kept free; ask the teacher$"):
+        new_run.submit(SMALL)
+    assert sorted(owners.owner_of(r.status()) for r in lab.runs(runs=root)) == ["alice", "alice"]
+    as_viewer(owners.TEACHER, admin=True)  # the teacher's runs are not held back
+    assert new_run.submit(dict(SMALL, steps=1)).status()["owner"] == owners.TEACHER
+
+
 def test_concurrent_submits_cannot_pass_the_queued_limit(room):
     root, _ = room
     (root / "lab.json").write_text(json.dumps({"quotas": {"queued": 2}}))

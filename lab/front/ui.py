@@ -11,6 +11,7 @@ serves the pages is lab.front.appserver.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Callable, List, Optional, Tuple
 
@@ -110,8 +111,11 @@ def queue_runs(root, specs: list, then=None) -> List[Run]:
     q = Lab(root)
     with owners.queue_lock(root, user.name):
         if not user.admin:
-            active = sum(1 for r in q.index.query(owner=user.name) if r["state"] in ("queued", "running"))
-            owners.check_queued(owners.quotas(root), user, active, len(specs))
+            mine = q.index.query(owner=user.name)
+            active = sum(1 for r in mine if r["state"] in ("queued", "running"))
+            limits = owners.quotas(root)
+            owners.check_queued(limits, user, active, len(specs))
+            owners.check_kept(limits, user, len(mine), len(specs), shutil.disk_usage(root).free / 2**20)
         made = [q.create(s, owner=user.name, wall_limit_s=wall) for s in specs]
     if then is not None:
         then(made)

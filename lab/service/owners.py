@@ -82,11 +82,14 @@ QUOTA_KEYS = {"queued": "queued or running runs at once", "steps": "steps per ru
               "examples": "training examples of a synthetic data set",
               "data_mb": "MB of data per rank (data set, a batch, and a batch's logits for token data)",
               "threads": "torch threads per rank", "params": "parameters of the model",
-              "wall_s": "seconds of running per run", "rank_mb": "MB of memory (data) per rank"}
+              "wall_s": "seconds of running per run", "rank_mb": "MB of memory (data) per rank",
+              "runs": "runs a student has in the lab, of every state",
+              "free_mb": "MB the runs directory's disk keeps free: no student's run is queued below it"}
 RANK_MB = 2048
 """The ``rank_mb`` default on a machine with the memory for it (``machine_rank_mb``)."""
 DEFAULT_QUOTAS = {"queued": 4, "steps": 2000, "world_size": 4, "batch_size": 256, "examples": 100_000,
-                  "data_mb": 1024, "threads": 2, "params": 50_000_000, "wall_s": 900, "rank_mb": RANK_MB}
+                  "data_mb": 1024, "threads": 2, "params": 50_000_000, "wall_s": 900, "rank_mb": RANK_MB,
+                  "runs": 200, "free_mb": 2048}
 """A student's limits on an exposed lab (``commlab app --host ...``) unless runs/lab.json's ``quotas`` says
 otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the UI on loopback) have none.
 
@@ -107,7 +110,12 @@ otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the
   students' runs can hold at once is ``max_jobs`` x ``world_size`` x ``rank_mb``: 1 x 4 x 2048 = 8 GiB on
   a 2-core machine (``max_jobs`` is one per two cores), 8 x 4 x 2048 = 64 GiB on a 16-core one; the
   default is therefore lowered to 3/4 of the machine's memory over ``max_jobs`` x ``world_size`` when that
-  is less (not below 512 MB, under which no rank starts: lower ``max_jobs`` or ``world_size`` instead).
+  is less (not below 512 MB, under which no rank starts: lower ``max_jobs`` or ``world_size`` instead);
+- ``runs`` 200: runs a student has in the lab, whatever their state (each finished run frees its place in the
+  queue, so ``queued`` alone bounds nothing on disk; a run's directory grows with steps x ranks x layers:
+  about 1 KB per step and rank for the mlp, some MB for a 2000-step run of a larger model);
+- ``free_mb`` 2048: no student's run is queued while the disk that holds the runs directory has less free,
+  whoever filled it (the teacher's runs and the machine's other files keep their room).
 
 A key in lab.json replaces its default (``{"quotas": {"queued": 4}}`` keeps the other defaults); ``null``
 lifts that limit. A refusal is one line naming the limit: ``quota batch_size: at most 256 ...``."""
@@ -298,6 +306,18 @@ def check_run(q: dict, spec, params: Optional[int] = None):
     if "threads" in q and spec.threads == 0 and max(1, (os.cpu_count() or 1) // spec.world_size) > q["threads"]:
         spec = dataclasses.replace(spec, threads=int(q["threads"]))
     return spec
+
+
+def check_kept(q: dict, user: User, kept: int, more: int, free_mb: float) -> None:
+    """QuotaError when ``user``, with ``kept`` runs in the lab, asks for ``more``, or when the runs' disk has
+    ``free_mb`` left, under the ``free_mb`` floor."""
+    if "runs" in q and kept + more > q["runs"]:
+        raise QuotaError("runs", f"{user.name} may have {q['runs']} runs in this lab, of every state; {kept} are "
+                                 f"there, and this asks for {more} more (the teacher removes old runs, or raises "
+                                 f"quotas.runs)")
+    if "free_mb" in q and free_mb < q["free_mb"]:
+        raise QuotaError("free_mb", f"the disk of the runs directory has {free_mb:.0f} MB free, under the "
+                                    f"{q['free_mb']} MB kept free; ask the teacher")
 
 
 def check_queued(q: dict, user: User, active: int, more: int) -> None:
