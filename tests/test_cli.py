@@ -429,6 +429,51 @@ def test_a_closed_pipe_ends_quietly(lab_dir, argv):
     assert sh.returncode in (0, 141) and sh.stderr == "" and len(sh.stdout.splitlines()) == 1
 
 
+def test_closing_the_progress_stream_never_fails_the_run(tmp_path):
+    """``commlab run SPEC 2>&1 | head -1``: the progress (stderr) and the summary (stdout) lose their reader
+    after the first line; the run goes on to the end (done) and the command ends 141, quietly."""
+    root = tmp_path / "runs"
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps(SMALL))
+    sh = subprocess.run(["bash", "-c", "set -o pipefail; \"$@\" 2>&1 | head -1", "sh", sys.executable, "-m",
+                         "lab.front.cli", "run", str(spec), "--runs", str(root)],
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                        timeout=300)
+    assert sh.returncode == 141 and sh.stdout.startswith("run "), sh.stdout + sh.stderr
+    run = RunStore(root).get(sh.stdout.split()[1])
+    assert run.state == "done", run.status()
+    assert sum(m.get("kind") == "step" and m["rank"] == 0 for m in run.metric_rows()) == SMALL["steps"]
+
+
+def test_a_progress_stream_that_goes_away_only_goes_quiet():
+    from lab.rundir.progress import Quiet, RunProgress
+
+    class Gone:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def isatty(self):
+            return False
+    bar = RunProgress(4, 2, Gone())  # rich alone raised SystemExit(1) here
+    bar.feed([{"kind": "step", "step": s, "rank": 0, "time_ms": 1.0, "loss": 1.0} for s in range(4)])
+    bar.close("done")
+    assert isinstance(bar.out, Quiet) and bar.out.gone
+
+
+def test_an_error_without_a_rank_is_said_without_one(lab_dir, capsys):
+    root, _, _ = lab_dir
+    run = finished(root, state="failed", name="f")
+    run.set_status("failed", error="launcher error: OSError: no space left")
+    rc, out, _ = call(capsys, "show", run.id, "--runs", root)
+    assert rc == 0 and "status         failed: launcher error: OSError: no space left\n" in out
+    run.set_status("failed", rank=1, error="RuntimeError: boom")
+    assert "status         failed: rank 1: RuntimeError: boom\n" in call(capsys, "show", run.id, "--runs", root)[1]
+    assert run_cli.status_text("failed", {"error": "x"}) == "failed: x"
+
+
 def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):
     def interrupted(args):
         raise KeyboardInterrupt

@@ -41,7 +41,8 @@ def add_commands(sub) -> None:
                 ["commlab run examples/demo.yaml", "commlab run examples/demo.yaml --set steps=50 --set "
                  "compressor.name=topk --set compressor.ratio=0.01", "commlab run examples/demo.yaml --check"],
                 "The run is queued in the runs directory, supervised by this process and kept there "
-                "(commlab show RUN). Exits 1 when the run fails, 130 when Ctrl-C cancels it.")
+                "(commlab show RUN). Exits 1 when the run fails, 130 when Ctrl-C cancels it. Closing the output "
+                "(| head) never stops the run: it goes on to its end, then the command exits 141.")
     add_spec_args(p, "job spec file (YAML or JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted (JSON), "
@@ -220,8 +221,7 @@ def report(run, state, args) -> int:
         emit(run_document(run))
         return 0 if state == "done" else 1
     st = run.status()
-    print(f"status         {state}" + (f": rank {st.get('rank')}: {st.get('error')}" if state in ("failed", "diverged")
-                                         else ""))
+    print(f"status         {status_text(state, st if state in ('failed', 'diverged') else {})}")
     spec = run.spec_dict()
     net = spec["network"]
     if net["link"] != "loopback":
@@ -232,6 +232,15 @@ def report(run, state, args) -> int:
         print(line)
     print(disturbance_line(st))
     return 0 if state == "done" else 1
+
+
+def status_text(state, status: dict) -> str:
+    """The state, and the error in ``status`` if any, with the rank it names (a launcher's or the queue's
+    own error names none)."""
+    if not status.get("error"):
+        return str(state)
+    rank = status.get("rank")
+    return f"{state}: " + (f"rank {rank}: " if rank is not None else "") + str(status["error"])
 
 
 def disturbance_line(status: dict) -> str:
@@ -299,7 +308,7 @@ def cmd_show(args) -> int:
         return 0
     spec, st = doc["spec"], doc["status"]
     print(f"run            {run.id}")
-    print(f"status         {st.get('state')}" + (f": rank {st.get('rank')}: {st.get('error')}" if st.get("error") else ""))
+    print(f"status         {status_text(st.get('state'), st)}")
     c = spec["compressor"]
     params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
     own = st.get("own_loop")  # commlab.wrap in the user's script: the model and data are the script's

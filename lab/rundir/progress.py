@@ -10,9 +10,13 @@ On a terminal it is a rich progress display (spinner while starting; bar, steps,
 while training), in colour where the terminal has it (rich follows NO_COLOR and TERM); the final line names
 the state, coloured by it. Anywhere else (a pipe, a log file, CI) it prints plain lines: one when the ranks
 start, one when the first step arrives, one every ``total // 10`` steps, and one at the end.
+
+The stream is the user's to close (``commlab run ... 2>&1 | head -1``): a closed pipe only silences the
+progress (``Quiet``); the run goes on to its end, as it would with no one watching.
 """
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -36,6 +40,59 @@ WARMUP = 2
 STATE_STYLE = {"done": "green", "failed": "red", "diverged": "red", "cancelled": "yellow"}
 
 
+class Quiet:
+    """A progress stream that a reader going away (a closed pipe: BrokenPipeError, or any OSError on
+    writing) silences instead of failing: the writes are dropped from then on, and the stream's file
+    descriptor, unless it is stdout's, is pointed at /dev/null, so that nothing else in this process (the
+    interpreter's last flush at exit included) trips over it. Left to itself rich would raise SystemExit(1)
+    from its console, which the queue took for the run's launcher failing."""
+
+    def __init__(self, stream):
+        self.stream = stream
+        self.gone = False
+
+    def write(self, text: str) -> int:
+        if not self.gone:
+            try:
+                self.stream.write(text)
+            except (OSError, ValueError):  # ValueError: the stream was closed in this process
+                self._gone()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self.gone:
+            try:
+                self.stream.flush()
+            except (OSError, ValueError):
+                self._gone()
+
+    def _gone(self) -> None:
+        self.gone = True
+        try:
+            fd = self.stream.fileno()
+            if fd != sys.__stdout__.fileno():  # stdout's reader gone is the command's to report (exit 141)
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, fd)
+                os.close(null)
+        except (AttributeError, OSError, ValueError):
+            pass
+
+    def isatty(self) -> bool:
+        try:
+            return not self.gone and self.stream.isatty()
+        except (AttributeError, OSError, ValueError):
+            return False
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def quiet(stream) -> Quiet:
+    """``stream`` (default stderr) as a ``Quiet`` one; one already is returned as it is."""
+    stream = stream if stream is not None else sys.stderr
+    return stream if isinstance(stream, Quiet) else Quiet(stream)
+
+
 def _clock(s: float) -> str:
     s = max(int(round(s)), 0)
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
@@ -47,7 +104,7 @@ class RunProgress:
     def __init__(self, total: int, ranks: int, out=None, clock: Callable[[], float] = time.monotonic,
                  console: Optional[Console] = None):
         self.total, self.ranks, self.clock = total, ranks, clock
-        self.out = out or sys.stderr
+        self.out = quiet(out)
         self.console = console or Console(file=self.out, highlight=False)
         self.tty = self.console.is_terminal
         self.t0 = clock()

@@ -36,6 +36,7 @@ from lab.base.specs import load_spec
 from lab.net.netns import NetworkUnavailable, check_shaped_supported
 from lab.rundir.index import Index, RunIndexError
 from lab.rundir.launcher import kill_strays, launch
+from lab.rundir.progress import quiet
 from lab.rundir.store import FINAL, Run, RunStore, lab_config
 from lab.service.owners import fair_order, is_student, local_user, refuse_code, run_time, typical_run
 from lab.service.spawn import spawn_detached
@@ -163,6 +164,7 @@ class Lab:
     def supervise(self, run: Run, progress: bool = False, out=None) -> str:
         """Wait for a slot, run the job, write its final status. Returns the final state."""
         run.set_status("queued", supervisor=procs.identity())
+        out = quiet(out)  # a closed pipe silences the progress; the run goes on (lab/rundir/progress.py)
         slot = None
         shown = False
         checked = False
@@ -184,7 +186,7 @@ class Lab:
                 if slot is None:
                     if progress and not shown:
                         print(f"queued: waiting for a free slot ({self.max_jobs} at a time)",
-                              file=out or sys.stderr, flush=True)
+                              file=out, flush=True)
                         shown = True
                     time.sleep(POLL_S if place < self.max_jobs + NEAR else BACK_POLL_S)
             try:
@@ -229,7 +231,8 @@ class Lab:
         st = run.spec().strategy
         if st.mode != "auto" or st.decided:
             return None
-        say = (lambda m: print(m, file=out or sys.stderr, flush=True)) if progress else (lambda m: None)
+        out = quiet(out)
+        say = (lambda m: print(m, file=out, flush=True)) if progress else (lambda m: None)
         auto.resolve_auto(self, run, should_cancel=run.cancel_requested, say=say)
         return auto.read_record(run)
 
