@@ -223,15 +223,49 @@ def report(run, state, args) -> int:
     st = run.status()
     print(f"status         {status_text(state, st if state in ('failed', 'diverged') else {})}")
     spec = run.spec_dict()
+    print(setup_line(spec, st))
+    chosen = strategy_line(st)
+    if chosen:
+        print(chosen)
     net = spec["network"]
     if net["link"] != "loopback":
         kind = "modeled (alpha-beta delays on loopback, not a real link)" if net["link"] == "modeled" else \
             "shaped (tc tbf between network namespaces)"
-        print(f"network        {net['gbps']} Gbit/s, {kind}")
-    for line in format_summary(summarize(run.metric_rows(), spec)):
+        print(f"network        {net['gbps']:g} Gbit/s, {kind}")
+    for line in format_summary(summarize(run.metric_rows(), spec, st)):
         print(line)
     print(disturbance_line(st))
     return 0 if state == "done" else 1
+
+
+def link_text(net: dict) -> str:
+    """``loopback``, or a link with its rate: ``modeled 0.1 Gbit/s``."""
+    link = net.get("link") or "loopback"
+    return link if link == "loopback" or net.get("gbps") is None else f"{link} {net['gbps']:g} Gbit/s"
+
+
+def setup_line(spec: dict, st: dict) -> str:
+    """What ran: the model and data (an own loop's, from its status), the world, the strategy (spec.json
+    holds strategy auto's choice once it is made), and the link with its rate."""
+    c = spec["compressor"]
+    params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
+    own = st.get("own_loop")  # commlab.wrap in the user's script: the model and data are the script's
+    what = (f"own loop ({own.get('model')}, {own.get('params', 0):,} parameters)" if own else
+            f"{spec['model']['name']} on {spec['dataset']['name']}")
+    return (f"setup          {what}, world {spec['world_size']}, "
+            f"{c['name']}{'(' + params + ')' if params else ''}{' +EF' if c['error_feedback'] else ''}, "
+            f"{spec['schedule']['name']}, {spec['comm']['mode']}, {link_text(spec['network'])}")
+
+
+def strategy_line(st: dict):
+    """strategy auto: what the advisor chose and how (status.json's ``strategy``); None for a fixed strategy."""
+    s = st.get("strategy")
+    if not isinstance(s, dict):
+        return None
+    how = [s["by"]] if s.get("by") else []
+    if isinstance(s.get("cost_s"), (int, float)):
+        how.append(f"{s['cost_s']:.1f} s of advice")
+    return f"strategy       auto chose {s.get('chosen') or 'nothing yet'}" + (f" ({', '.join(how)})" if how else "")
 
 
 def status_text(state, status: dict) -> str:
@@ -271,11 +305,14 @@ def cmd_runs(args) -> int:
         print(f"no runs in {root}" + (" (no such directory)" if not root.is_dir() else "")
               + (" matching the filters" if any(getattr(args, f) for f in filters) else ""))
         return 0
-    rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC", "OTHER CPU")]
+    rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "LINK", "STEPS", "ITER ms", "ACC",
+             "OTHER CPU")]
     for r in rows_db:
         done = json.loads(r["summary"] or "{}").get("steps_done", 0)
+        net = json.loads(r["spec"] or "{}").get("network") or {"link": r["link"]}
         rows.append((r["id"], r["state"], r["model"], r["compressor"] + ("+EF" if r["error_feedback"] else ""),
-                     r["schedule"], r["comm"], f"{done}/{r['steps']}",
+                     r["schedule"], r["comm"], link_text(net),
+                     f"{done}/{r['steps']}" if r["steps"] is not None else f"{done}",
                      f"{r['iter_ms']:.1f}" if r["iter_ms"] else "-",
                      f"{r['final_acc']:.2%}" if r["final_acc"] is not None else "-",
                      mark({"other_cpu": r["other_cpu"], "disturbed": r["disturbed"]})))
@@ -309,14 +346,11 @@ def cmd_show(args) -> int:
     spec, st = doc["spec"], doc["status"]
     print(f"run            {run.id}")
     print(f"status         {status_text(st.get('state'), st)}")
-    c = spec["compressor"]
-    params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
-    own = st.get("own_loop")  # commlab.wrap in the user's script: the model and data are the script's
-    what = (f"own loop ({own.get('model')}, {own.get('params', 0):,} parameters)" if own else
-            f"{spec['model']['name']} on {spec['dataset']['name']}")
-    print(f"setup          {what}, world {spec['world_size']}, "
-          f"{c['name']}{'(' + params + ')' if params else ''}{' +EF' if c['error_feedback'] else ''}, "
-          f"{spec['schedule']['name']}, {spec['comm']['mode']}, {spec['network']['link']}")
+    print(setup_line(spec, st))
+    chosen = strategy_line(st)
+    if chosen:
+        print(chosen)
+    own = st.get("own_loop")
     if own:
         print(f"script         {own.get('script')} (optimizer {own.get('optimizer')})")
     if st.get("started") and st.get("ended"):
