@@ -339,6 +339,29 @@ def test_a_strategy_auto_run_says_what_it_chose_and_its_steps(lab_dir, capsys, m
         [ln for ln in lines if ln.startswith(("setup", "strategy"))]
 
 
+def test_a_model_checked_before_the_run_says_so(lab_dir, capsys, monkeypatch):
+    """A model or data set from outside the zoo is built and fed one batch before the run id is printed (a
+    Hugging Face model: seconds); the progress stream says so first, unless --quiet."""
+    root, _, spec = lab_dir
+    from engine import preflight
+    seen = []
+    monkeypatch.setattr(preflight, "needs_check", lambda spec: True)
+    monkeypatch.setattr(preflight, "check", lambda spec: seen.append(spec.model.name))
+    monkeypatch.setattr(Lab, "supervise", lambda self, run, progress=False, out=None: run.set_status("done")["state"])
+    rc, out, err = call(capsys, "run", spec, "--runs", root)
+    assert rc == 0 and seen == ["mlp"] and out.startswith("run ")
+    assert err.startswith("checking the model and data set (mlp on digits): one batch before any rank starts ...")
+    rc, out, err = call(capsys, "run", spec, "--quiet", "--runs", root)
+    assert rc == 0 and seen == ["mlp", "mlp"] and "checking" not in err
+
+
+def test_setup_says_its_quiet_install_takes_minutes():
+    """pip prints nothing for minutes after setup.sh's install line: the line says so."""
+    text = (ROOT / "setup.sh").read_text()
+    say = text[text.index('echo "setup: installing commlab'):text.index('"${PIP[@]}" install -e')]
+    assert "a few minutes" in say and "nothing printed meanwhile" in say
+
+
 def test_runs_and_show_say_the_link_with_its_rate(lab_dir, capsys):
     root, plain, _ = lab_dir
     slow = finished(root, name="slow", network={"link": "modeled", "gbps": 0.1})

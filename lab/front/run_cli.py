@@ -30,6 +30,7 @@ from lab.front.cli_kit import (
 from lab.front.sweep import Sweep, markdown
 from lab.rundir.disturbance import describe, mark
 from lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
+from lab.rundir.progress import quiet
 from lab.rundir.store import FINAL, STATES
 from lab.rundir.summary import format_summary, summarize
 from lab.service.queue import Lab
@@ -144,10 +145,12 @@ def cmd_run(args) -> int:
                          "another launcher started; choose first with `commlab advise SPEC --out best.yaml`")
     if job is not None:  # torchrun, srun or a PyTorchJob started this process as one rank: join that job
         return run_joined(lab, spec, args, job)
-    run = lab.create(spec, run_id=args.run_id)
+    progress = quiet(sys.stderr)  # the progress stream: closed early, it only goes quiet (lab/rundir/progress.py)
+    say = None if args.quiet else (lambda m: print(m, file=progress, flush=True))
+    run = lab.create(spec, run_id=args.run_id, say=say)
     print(f"run {run.id}  ({run.path})", file=notes(args), flush=True)
     try:
-        state = lab.supervise(run, progress=not args.quiet)
+        state = lab.supervise(run, progress=not args.quiet, out=progress)
     except KeyboardInterrupt:  # Ctrl-C before the launch: the summary of what there is, then status 130
         state = run.state
     return report(run, state, args)

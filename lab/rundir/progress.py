@@ -102,8 +102,16 @@ class RunProgress:
     """Fed the run's metric lines by the launcher's follow loop; ``tick()`` on every poll; ``close(state)``."""
 
     def __init__(self, total: int, ranks: int, out=None, clock: Callable[[], float] = time.monotonic,
-                 console: Optional[Console] = None):
+                 console: Optional[Console] = None, final_eval: bool = False):
         self.total, self.ranks, self.clock = total, ranks, clock
+        self.final_eval = final_eval
+        """The ranks evaluate after the last step (spec.final_eval): said when the last step is in, since it
+        can take as long as many steps (a language model's held-out text)."""
+        self.evaluating = False
+        self.said_eval = False
+        self.acc_step = -1
+        self.logged = 0
+        """Steps logged by any rank (the summary's ``steps_done``): the count the final line gives."""
         self.out = quiet(out)
         self.console = console or Console(file=self.out, highlight=False)
         self.tty = self.console.is_terminal
@@ -160,6 +168,8 @@ class RunProgress:
         for m in lines:
             if m.get("kind") == "step" and isinstance(m.get("time_ms"), (int, float)):
                 self.times[m["step"]] = max(self.times.get(m["step"], 0.0), float(m["time_ms"]))
+            if m.get("kind") == "step" and isinstance(m.get("step"), int):
+                self.logged = max(self.logged, m["step"] + 1)
             if m.get("kind") == "step" and m.get("rank") == 0:
                 if self.t_first is None:
                     self._started(m["step"])
@@ -168,9 +178,26 @@ class RunProgress:
                     self.loss = m["loss"]
             elif m.get("kind") == "eval" and isinstance(m.get("eval_acc"), (int, float)):
                 self.acc = m["eval_acc"]  # the latest held-out accuracy stays on show until the next
+                self.acc_step = max(self.acc_step, int(m.get("step") or 0))
+                if self.evaluating and m.get("step", 0) >= self.total:
+                    self.evaluating = False
+                    if self.progress is not None and self.train_task is not None:
+                        self.progress.update(self.train_task, description="training")
         self.info = " ".join(([f"loss {self.loss:.4f}"] if self.loss is not None else [])
                              + ([f"acc {self.acc:.2%}"] if self.acc is not None else []))
         self.tick()
+        if self.final_eval and self.done >= self.total and not self.said_eval and self.acc_step < self.total:
+            self._final_eval()
+
+    def _final_eval(self) -> None:
+        """The last step is in and the ranks evaluate now: said, so the wait is not a silent one."""
+        self.said_eval = self.evaluating = True
+        if self.progress is not None:
+            if self.train_task is not None:
+                self.progress.update(self.train_task, description="final evaluation ...")
+            self.progress.refresh()
+        else:
+            self._line("final evaluation ...")
 
     def _started(self, step: int) -> None:
         self.t_first = self.clock()
@@ -215,7 +242,8 @@ class RunProgress:
         if state:
             took = _clock(self.clock() - self.t0)
             style = STATE_STYLE.get(state)
-            text = f"run {state} after {self.done}/{self.total} steps in {took}"
+            # the steps any rank logged, as the summary counts them (after Ctrl-C one rank may be a step ahead)
+            text = f"run {state} after {max(self.logged, self.done)}/{self.total} steps in {took}"
             if style and self.tty:
                 self.console.print(f"[{style}]{text}[/{style}]", highlight=False)
             else:

@@ -119,13 +119,14 @@ class Lab:
         return run
 
     def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
-               wall_limit_s: Optional[float] = None) -> Run:
+               wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
         (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
         seconds of running (a student's quota, lab.workshop). A student's spec that names code is refused
         here, whoever submits it (lab.workshop.refuse_code). A model or data set from outside the zoo takes
         one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
-        a child with limits (lab.sandbox; the UI's server)."""
+        a child with limits (lab.sandbox; the UI's server); ``say`` is told first, since building the model
+        can take a while (a Hugging Face model: its imports and weights, seconds)."""
         if is_student(owner):
             refuse_code(spec.to_dict())
         if spec.network.link == "shaped":
@@ -135,6 +136,9 @@ class Lab:
                 raise LabError(f"network.link: {e}") from None
         from engine import preflight  # torch: not when a supervisor imports this module (supervise)
         if preflight.needs_check(spec):  # a model or data set from outside the zoo: one batch, before any rank
+            if say is not None:
+                say(f"checking the model and data set ({spec.model.name} on {spec.dataset.name}): one batch "
+                    "before any rank starts ...")
             if codepath.imports_allowed():
                 preflight.check(spec)
             else:
