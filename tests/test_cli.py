@@ -145,6 +145,10 @@ def bad_yaml(tmp_path):
     (["run", "{spec}", "--qiet"], "did you mean --quiet?"),
     (["run", "{bad}"], "bad.yaml:3:8: not valid YAML: mapping values are not allowed here"),
     (["run", "{tmp}/missing.yaml"], "SPEC: no such file: "),
+    (["run", "{root}/examples/sweep.yaml"], "commlab: error: {root}/examples/sweep.yaml is a sweep file (base and "
+                                            "grid), not a job spec; run it with `commlab sweep {root}/examples/sweep.yaml`"),
+    (["predict", "{root}/examples/sweep.yaml"], "is a sweep file (base and grid), not a job spec; run it with `commlab "
+                                                "sweep "),
     (["runs", "--state", "bogus"], "--state: 'bogus' is not a state; allowed: queued, running, done, failed, "
                                    "cancelled, diverged"),
     (["runs", "--comm", "smoke"], "--comm: 'smoke' is not a comm mode; allowed: sync, wfbp, dear"),
@@ -186,7 +190,8 @@ def bad_yaml(tmp_path):
 ])
 def test_bad_input_is_one_line_with_exit_2(lab_dir, tmp_path, capsys, argv, needle):
     root, run, spec = lab_dir
-    subst = {"{spec}": str(spec), "{bad}": str(bad_yaml(tmp_path)), "{tmp}": str(tmp_path), "{id}": run.id}
+    subst = {"{spec}": str(spec), "{bad}": str(bad_yaml(tmp_path)), "{tmp}": str(tmp_path), "{id}": run.id,
+             "{root}": str(ROOT)}
 
     def fill(s):
         for k, v in subst.items():
@@ -200,6 +205,13 @@ def test_bad_input_is_one_line_with_exit_2(lab_dir, tmp_path, capsys, argv, need
     assert fill(needle) in one_error(err)
     assert runs() == before  # nothing started
     assert not Path("/nonexistent").exists()
+
+
+def test_profile_help_names_the_demo_profile_after_its_model(capsys):
+    """The demo's model is the CNN: its profile's example name says cnn, not resnet."""
+    rc, out, _ = call(capsys, "profile", "--help")
+    assert rc == 0 and "commlab profile examples/demo.yaml -o cnn.json" in out and "resnet" not in out
+    assert load_spec(str(ROOT / "examples" / "demo.yaml")).model.name == "cnn"
 
 
 def test_an_unwritable_output_folder_is_refused_before_work(lab_dir, tmp_path, capsys):
