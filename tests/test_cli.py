@@ -145,8 +145,9 @@ def bad_yaml(tmp_path):
     (["run", "{spec}", "--qiet"], "did you mean --quiet?"),
     (["run", "{bad}"], "bad.yaml:3:8: not valid YAML: mapping values are not allowed here"),
     (["run", "{tmp}/missing.yaml"], "SPEC: no such file: "),
-    (["run", "{root}/examples/sweep.yaml"], "commlab: error: {root}/examples/sweep.yaml is a sweep file (base and "
-                                            "grid), not a job spec; run it with `commlab sweep {root}/examples/sweep.yaml`"),
+    (["run", "{root}/examples/sweep.yaml"], "commlab: error: {root}/examples/sweep.yaml is a sweep file (base "
+                                            "and grid), not a job spec; run it with `commlab sweep "
+                                            "{root}/examples/sweep.yaml`"),
     (["predict", "{root}/examples/sweep.yaml"], "is a sweep file (base and grid), not a job spec; run it with `commlab "
                                                 "sweep "),
     (["runs", "--state", "bogus"], "--state: 'bogus' is not a state; allowed: queued, running, done, failed, "
