@@ -28,7 +28,8 @@ TORCH_VERSION=$TORCH_VERSION bash scripts/install_torch.sh "$VENV/bin/python" to
 STAMP="$VENV/.commlab-installed"
 WANT=$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-    echo "setup: installing commlab and its dependencies into $VENV" >&2
+    echo "setup: installing commlab and its dependencies into $VENV; this takes a few minutes (about 4 on a" \
+         "fresh machine) with nothing printed meanwhile" >&2
     "${PIP[@]}" install -e ".[app,dev,notebooks,models]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     "$VENV/bin/python" -c 'import torch, engine, lab' || { echo "setup: install failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"

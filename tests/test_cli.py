@@ -31,10 +31,11 @@ SMALL = {"name": "c", "model": "mlp", "dataset": "digits", "world_size": 2, "ste
          "eval_every": 0, "threads": 1}
 
 
-def finished(root, state="done", steps=4, name="c"):
-    """A run in ``root`` that ended ``state``, with the metrics and timelines its ranks would have written."""
-    run = Lab(root).create(load_spec(data={**SMALL, "name": name, "steps": steps}))
-    for s in range(steps):
+def finished(root, state="done", steps=4, name="c", taken=None, **spec):
+    """A run in ``root`` that ended ``state``, with the metrics and timelines its ranks would have written
+    (for ``taken`` steps, default ``steps``; ``spec``: more of its spec's fields)."""
+    run = Lab(root).create(load_spec(data={**SMALL, "name": name, "steps": steps, **spec}))
+    for s in range(steps if taken is None else taken):
         for r in (0, 1):
             with open(run.file(f"timeline-rank{r}.jsonl"), "a") as f:
                 f.write("".join(step_lines(r, s, 1e6)))
@@ -144,6 +145,11 @@ def bad_yaml(tmp_path):
     (["run", "{spec}", "--qiet"], "did you mean --quiet?"),
     (["run", "{bad}"], "bad.yaml:3:8: not valid YAML: mapping values are not allowed here"),
     (["run", "{tmp}/missing.yaml"], "SPEC: no such file: "),
+    (["run", "{root}/examples/sweep.yaml"], "commlab: error: {root}/examples/sweep.yaml is a sweep file (base "
+                                            "and grid), not a job spec; run it with `commlab sweep "
+                                            "{root}/examples/sweep.yaml`"),
+    (["predict", "{root}/examples/sweep.yaml"], "is a sweep file (base and grid), not a job spec; run it with `commlab "
+                                                "sweep "),
     (["runs", "--state", "bogus"], "--state: 'bogus' is not a state; allowed: queued, running, done, failed, "
                                    "cancelled, diverged"),
     (["runs", "--comm", "smoke"], "--comm: 'smoke' is not a comm mode; allowed: sync, wfbp, dear"),
@@ -188,7 +194,8 @@ def bad_yaml(tmp_path):
 ])
 def test_bad_input_is_one_line_with_exit_2(lab_dir, tmp_path, capsys, argv, needle):
     root, run, spec = lab_dir
-    subst = {"{spec}": str(spec), "{bad}": str(bad_yaml(tmp_path)), "{tmp}": str(tmp_path), "{id}": run.id}
+    subst = {"{spec}": str(spec), "{bad}": str(bad_yaml(tmp_path)), "{tmp}": str(tmp_path), "{id}": run.id,
+             "{root}": str(ROOT)}
 
     def fill(s):
         for k, v in subst.items():
@@ -202,6 +209,13 @@ def test_bad_input_is_one_line_with_exit_2(lab_dir, tmp_path, capsys, argv, need
     assert fill(needle) in one_error(err)
     assert runs() == before  # nothing started
     assert not Path("/nonexistent").exists()
+
+
+def test_profile_help_names_the_demo_profile_after_its_model(capsys):
+    """The demo's model is the CNN: its profile's example name says cnn, not resnet."""
+    rc, out, _ = call(capsys, "profile", "--help")
+    assert rc == 0 and "commlab profile examples/demo.yaml -o cnn.json" in out and "resnet" not in out
+    assert load_spec(str(ROOT / "examples" / "demo.yaml")).model.name == "cnn"
 
 
 def test_an_unwritable_output_folder_is_refused_before_work(lab_dir, tmp_path, capsys):
@@ -309,6 +323,95 @@ def test_run_check_and_run_json(lab_dir, capsys, monkeypatch):
     monkeypatch.setattr(Lab, "supervise", lambda self, run, progress=False, out=None: run.set_status("failed")["state"])
     rc, out, err = call(capsys, "run", spec, "--quiet", "--runs", root)
     assert rc == 1 and "status         failed" in out
+
+
+def test_a_strategy_auto_run_says_what_it_chose_and_its_steps(lab_dir, capsys, monkeypatch):
+    """The end-of-run summary has the setup line (spec.json holds auto's choice), the choice and how it was
+    made, and the steps, as `commlab show` has them."""
+    root, _, spec = lab_dir
+
+    def supervise(self, run, progress=False, out=None):  # the advisor's choice and the ranks, as files
+        chosen = {**run.spec_dict(), "compressor": {"name": "topk", "params": {"ratio": 0.01}, "error_feedback": True}}
+        chosen["strategy"] = {**chosen["strategy"], "decided": True}  # as lab.strategy.space.with_strategy
+        run.file("spec.json").write_text(json.dumps(load_spec(data=chosen).to_dict()))
+        for s in range(4):
+            with open(run.file("metrics.jsonl"), "a") as f:
+                f.write(metric_line(0, s))
+        run.set_status("running", strategy={"chosen": "topk 0.01 +EF, bucket 25 MB, wfbp", "by": "measured",
+                                            "cost_s": 3.25})
+        return run.set_status("done")["state"]
+    monkeypatch.setattr(Lab, "supervise", supervise)
+    rc, out, err = call(capsys, "run", spec, "--quiet", "--set", "strategy=auto", "--set", "network.link=modeled",
+                      "--set", "network.gbps=1", "--runs", root)
+    assert rc == 0, out + err
+    lines = out.splitlines()
+    assert "setup          mlp on digits, world 2, topk(ratio=0.01) +EF, bucket, wfbp, modeled 1 Gbit/s" in lines
+    assert "strategy       auto chose topk 0.01 +EF, bucket 25 MB, wfbp (measured, 3.2 s of advice)" in lines
+    assert "steps          4/4" in lines and "network        1 Gbit/s, modeled (alpha-beta delays on loopback, " \
+        "not a real link)" in lines
+    run_id = RunStore(root).list()[-1].id
+    shown = call(capsys, "show", run_id, "--runs", root)[1].splitlines()
+    assert [ln for ln in shown if ln.startswith(("setup", "strategy"))] == \
+        [ln for ln in lines if ln.startswith(("setup", "strategy"))]
+
+
+def test_a_model_checked_before_the_run_says_so(lab_dir, capsys, monkeypatch):
+    """A model or data set from outside the zoo is built and fed one batch before the run id is printed (a
+    Hugging Face model: seconds); the progress stream says so first, unless --quiet."""
+    root, _, spec = lab_dir
+    from engine import preflight
+    seen = []
+    monkeypatch.setattr(preflight, "needs_check", lambda spec: True)
+    monkeypatch.setattr(preflight, "check", lambda spec: seen.append(spec.model.name))
+    monkeypatch.setattr(Lab, "supervise", lambda self, run, progress=False, out=None: run.set_status("done")["state"])
+    rc, out, err = call(capsys, "run", spec, "--runs", root)
+    assert rc == 0 and seen == ["mlp"] and out.startswith("run ")
+    assert err.startswith("checking the model and data set (mlp on digits): one batch before any rank starts ...")
+    rc, out, err = call(capsys, "run", spec, "--quiet", "--runs", root)
+    assert rc == 0 and seen == ["mlp", "mlp"] and "checking" not in err
+
+
+def test_setup_says_its_quiet_install_takes_minutes():
+    """pip prints nothing for minutes after setup.sh's install line: the line says so."""
+    text = (ROOT / "setup.sh").read_text()
+    say = text[text.index('echo "setup: installing commlab'):text.index('"${PIP[@]}" install -e')]
+    assert "a few minutes" in say and "nothing printed meanwhile" in say
+
+
+def test_runs_and_show_say_the_link_with_its_rate(lab_dir, capsys):
+    root, plain, _ = lab_dir
+    slow = finished(root, name="slow", network={"link": "modeled", "gbps": 0.1})
+    out = call(capsys, "runs", "--runs", root)[1].splitlines()
+    head = out[0].split()
+    assert head[head.index("COMM") + 1] == "LINK"
+    row = {ln.split()[0]: ln for ln in out[1:]}
+    assert " wfbp  modeled 0.1 Gbit/s  4/4 " in row[slow.id] and " wfbp  loopback " in row[plain.id]
+    assert "setup          mlp on digits, world 2, none, bucket, wfbp, modeled 0.1 Gbit/s\n" in \
+        call(capsys, "show", slow.id, "--runs", root)[1]
+
+
+def test_an_own_loop_is_listed_with_what_it_ran(lab_dir, capsys):
+    """commlab.wrap: the spec's default model and steps were never the loop's; the row and the summary say
+    the script's model and the steps it took, and the accuracy is the script's own (not said held out)."""
+    root, _, _ = lab_dir
+    own = finished(root, name="own", steps=300, taken=6)
+    with open(own.file("metrics.jsonl"), "a") as f:
+        f.write(json.dumps({"kind": "eval", "step": 6, "rank": 0, "eval_loss": 0.5, "eval_acc": 0.9, "t": 1010}) + "\n")
+    own.set_status("done", own_loop={"script": "examples/own_loop.py", "model": "Net", "params": 17226,
+                                "optimizer": "SGD", "world_size": 2})
+    row = next(r for r in Lab(root).index.query() if r["id"] == own.id)
+    assert (row["model"], row["steps"]) == ("Net", 6)
+    out = call(capsys, "runs", "--model", "Net", "--runs", root)[1].splitlines()
+    assert len(out) == 2 and out[1].split()[:3] == [own.id, "done", "Net"] and " 6/6 " in out[1]
+    shown = call(capsys, "show", own.id, "--runs", root)[1]
+    assert "steps          6/6\n" in shown and "accuracy       90.00% (best 90.00%)\n" in shown
+    assert "own loop (Net, 17,226 parameters)" in shown and "/300" not in shown
+    doc, _ = json_out(capsys, "show", own.id, "--json", "--runs", root)
+    assert doc["summary"]["steps"] == 6 and doc["summary"]["own_loop"] is True
+    own.set_status("running")  # still going: how many steps its script takes is not known
+    out = call(capsys, "runs", "--runs", root)[1]
+    assert next(ln for ln in out.splitlines() if ln.startswith(own.id)).split()[7] == "6"
+    assert "steps          6 (own loop: its script decides how many)" in call(capsys, "show", own.id, "--runs", root)[1]
 
 
 def test_sweep_table_json(lab_dir, tmp_path, capsys):
@@ -430,6 +533,51 @@ def test_a_closed_pipe_ends_quietly(lab_dir, argv):
                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                         timeout=120)
     assert sh.returncode in (0, 141) and sh.stderr == "" and len(sh.stdout.splitlines()) == 1
+
+
+def test_closing_the_progress_stream_never_fails_the_run(tmp_path):
+    """``commlab run SPEC 2>&1 | head -1``: the progress (stderr) and the summary (stdout) lose their reader
+    after the first line; the run goes on to the end (done) and the command ends 141, quietly."""
+    root = tmp_path / "runs"
+    spec = tmp_path / "s.json"
+    spec.write_text(json.dumps(SMALL))
+    sh = subprocess.run(["bash", "-c", "set -o pipefail; \"$@\" 2>&1 | head -1", "sh", sys.executable, "-m",
+                         "lab.front.cli", "run", str(spec), "--runs", str(root)],
+                        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                        timeout=300)
+    assert sh.returncode == 141 and sh.stdout.startswith("run "), sh.stdout + sh.stderr
+    run = RunStore(root).get(sh.stdout.split()[1])
+    assert run.state == "done", run.status()
+    assert sum(m.get("kind") == "step" and m["rank"] == 0 for m in run.metric_rows()) == SMALL["steps"]
+
+
+def test_a_progress_stream_that_goes_away_only_goes_quiet():
+    from lab.rundir.progress import Quiet, RunProgress
+
+    class Gone:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def isatty(self):
+            return False
+    bar = RunProgress(4, 2, Gone())  # rich alone raised SystemExit(1) here
+    bar.feed([{"kind": "step", "step": s, "rank": 0, "time_ms": 1.0, "loss": 1.0} for s in range(4)])
+    bar.close("done")
+    assert isinstance(bar.out, Quiet) and bar.out.gone
+
+
+def test_an_error_without_a_rank_is_said_without_one(lab_dir, capsys):
+    root, _, _ = lab_dir
+    run = finished(root, state="failed", name="f")
+    run.set_status("failed", error="launcher error: OSError: no space left")
+    rc, out, _ = call(capsys, "show", run.id, "--runs", root)
+    assert rc == 0 and "status         failed: launcher error: OSError: no space left\n" in out
+    run.set_status("failed", rank=1, error="RuntimeError: boom")
+    assert "status         failed: rank 1: RuntimeError: boom\n" in call(capsys, "show", run.id, "--runs", root)[1]
+    assert run_cli.status_text("failed", {"error": "x"}) == "failed: x"
 
 
 def test_ctrl_c_is_one_line_and_exit_130(capsys, monkeypatch):

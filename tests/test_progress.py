@@ -129,3 +129,39 @@ def test_commlab_run_on_a_pseudo_terminal_and_on_a_pipe(tmp_path):
     assert piped.stderr.splitlines()[:2] == ["starting 2 rank(s) ..."] + [
         ln for ln in piped.stderr.splitlines() if ln.startswith("ranks started in")][:1]
     assert "step 20/20 (100%)" in piped.stderr and "run done after 20/20 steps" in piped.stderr
+
+
+def test_the_final_evaluation_is_said_when_the_last_step_is_in():
+    """spec.final_eval: the ranks evaluate after the last step (a language model's held-out text took 14 s
+    that printed nothing); the progress says so once, and only while no final eval line is in."""
+    out, clock = io.StringIO(), Clock()
+    p = RunProgress(4, 2, console=Console(file=out, width=200), clock=clock, final_eval=True)
+    p.feed(steps(0, 3, 10.0))
+    assert "final evaluation" not in out.getvalue()
+    p.feed(steps(3, 4, 10.0))
+    p.feed([])
+    p.feed([{"kind": "eval", "step": 4, "rank": 0, "eval_acc": 0.25}])
+    p.close("done")
+    lines = out.getvalue().splitlines()
+    assert lines[-3:] == ["step 4/4 (100%)  100.0 it/s  elapsed 0:00  eta 0:00  loss 0.2500", "final evaluation ...",
+                          "run done after 4/4 steps in 0:00"]
+    quiet = io.StringIO()
+    p = RunProgress(4, 2, console=Console(file=quiet, width=200), clock=clock, final_eval=False)
+    p.feed(steps(0, 4, 10.0))
+    p.close("done")
+    assert "final evaluation" not in quiet.getvalue()
+
+
+def test_the_last_line_counts_the_steps_the_summary_counts():
+    """Ctrl-C: rank 1 had logged step 400 when rank 0 had logged 395; the last line and the summary
+    (steps_done: any rank's steps) both say 401."""
+    from lab.rundir.summary import summarize
+    out, clock = io.StringIO(), Clock()
+    p = RunProgress(2000, 2, console=Console(file=out, width=200), clock=clock)
+    lines = steps(0, 396, 10.0) + [dict(m, rank=1) for m in steps(396, 401, 10.0, ranks=1)]
+    for m in lines:
+        m.update(bytes_sent=1, bytes_raw=1)
+    p.feed(lines)
+    p.close("cancelled")
+    assert out.getvalue().splitlines()[-1].startswith("run cancelled after 401/2000 steps")
+    assert summarize(lines, {"steps": 2000, "world_size": 2, "batch_size": 16})["steps_done"] == 401

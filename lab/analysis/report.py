@@ -41,12 +41,15 @@ def _table(df) -> str:
 def run_section(run: Run, n: int) -> str:
     """One run: what it was, how it ended, its headline figures, and its four charts."""
     spec, st = run.spec_dict(), run.status()
+    summary = summarize(run.metric_rows(), spec, st)  # an own loop's steps are those it took
+    steps = summary.get("steps") if st.get("own_loop") else spec["steps"]
+    steps = summary["steps_done"] if steps is None else steps
     out = [f"<h2>{html.escape(spec.get('name') or run.id)} <span class='note'>{html.escape(run.id)}</span></h2>",
-           f"<p>{html.escape(comparison.describe_setup(spec))}; {spec['steps']} steps, batch {spec['batch_size']} per rank</p>",
+           f"<p>{html.escape(comparison.describe_setup(spec))}; {steps} steps, batch {spec['batch_size']} per rank</p>",
            f"<p>state <b>{html.escape(str(st.get('state')))}</b>"
            + (f": {html.escape(str(st.get('error')))}" if st.get("error") else "")
            + (f"; owner {html.escape(str(st['owner']))}" if st.get("owner") else "") + "</p>"]
-    lines = format_summary(summarize(run.metric_rows(), spec))
+    lines = format_summary(summary)
     if lines:
         out.append("<pre>" + html.escape("\n".join(lines)) + "</pre>")
     if (st.get("disturbance") or {}).get("disturbed"):

@@ -95,7 +95,17 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
     return data
 
 
+def read_job_spec(path: str) -> dict:
+    """A job spec file's data; a sweep file given for one (``commlab run examples/sweep.yaml``) is one line
+    that says what it is and which command takes it, not the first of its fields that a spec lacks."""
+    data = read_spec_file(path)
+    if isinstance(data, dict) and "base" in data and "grid" in data:
+        raise SpecError("", f"{path} is a sweep file (base and grid), not a job spec; run it with "
+                            f"`commlab sweep {path}`")
+    return data
+
+
 def load_spec(path: Optional[str] = None, overrides: Iterable[str] = (), data: Optional[dict] = None) -> JobSpec:
     if data is None:
-        data = read_spec_file(path) if path else {}
+        data = read_job_spec(path) if path else {}
     return JobSpec.from_dict(apply_overrides(data, overrides))

@@ -25,7 +25,8 @@ Exit status:
          "already done")
     130  interrupted (Ctrl-C): one line on stderr; a run so stopped is cancelled and its summary printed
     141  stdout was closed early (``commlab runs | head -1``): the output stops quietly, as a tool killed
-         by SIGPIPE would
+         by SIGPIPE would. A run's progress stream (stderr) closed early only goes quiet: ``commlab run``
+         supervises the run to its end all the same (``... 2>&1 | head -1``: done, then 141)
 """
 from __future__ import annotations
 

@@ -170,7 +170,7 @@ def emit(obj) -> None:
 def run_document(run) -> dict:
     """A run as ``show --json`` and ``run --json`` print it."""
     spec, st = run.spec_dict(), run.status()
-    return {"id": run.id, "state": st.get("state"), "status": st, "summary": summarize(run.metric_rows(), spec),
+    return {"id": run.id, "state": st.get("state"), "status": st, "summary": summarize(run.metric_rows(), spec, st),
             "spec": spec}
 
 

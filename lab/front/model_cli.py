@@ -40,7 +40,7 @@ def add_commands(sub) -> None:
     """The performance model's parsers, in the order ``commlab --help`` lists them."""
     p = command(sub, "profile", "measure a model's per-layer forward/backward times and gradient sizes into a "
                                 "profile file (for commlab predict)",
-                ["commlab profile examples/demo.yaml -o resnet.json", "commlab predict resnet.json --workers 8,64"],
+                ["commlab profile examples/demo.yaml -o cnn.json", "commlab predict cnn.json --workers 8,64"],
                 "A single-process run of the spec's model, data set and batch size on this machine.")
     add_spec_args(p, "job spec file (YAML or JSON): model, data set, batch size; its compressor and comm mode "
                      "are what commlab predict PROFILE predicts")

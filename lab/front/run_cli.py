@@ -30,6 +30,7 @@ from lab.front.cli_kit import (
 from lab.front.sweep import Sweep, markdown
 from lab.rundir.disturbance import describe, mark
 from lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
+from lab.rundir.progress import quiet
 from lab.rundir.store import FINAL, STATES
 from lab.rundir.summary import format_summary, summarize
 from lab.service.queue import Lab
@@ -41,7 +42,8 @@ def add_commands(sub) -> None:
                 ["commlab run examples/demo.yaml", "commlab run examples/demo.yaml --set steps=50 --set "
                  "compressor.name=topk --set compressor.ratio=0.01", "commlab run examples/demo.yaml --check"],
                 "The run is queued in the runs directory, supervised by this process and kept there "
-                "(commlab show RUN). Exits 1 when the run fails, 130 when Ctrl-C cancels it.")
+                "(commlab show RUN). Exits 1 when the run fails, 130 when Ctrl-C cancels it. Closing the output "
+                "(| head) never stops the run: it goes on to its end, then the command exits 141.")
     add_spec_args(p, "job spec file (YAML or JSON)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted (JSON), "
@@ -143,10 +145,12 @@ def cmd_run(args) -> int:
                          "another launcher started; choose first with `commlab advise SPEC --out best.yaml`")
     if job is not None:  # torchrun, srun or a PyTorchJob started this process as one rank: join that job
         return run_joined(lab, spec, args, job)
-    run = lab.create(spec, run_id=args.run_id)
+    progress = quiet(sys.stderr)  # the progress stream: closed early, it only goes quiet (lab/rundir/progress.py)
+    say = None if args.quiet else (lambda m: print(m, file=progress, flush=True))
+    run = lab.create(spec, run_id=args.run_id, say=say)
     print(f"run {run.id}  ({run.path})", file=notes(args), flush=True)
     try:
-        state = lab.supervise(run, progress=not args.quiet)
+        state = lab.supervise(run, progress=not args.quiet, out=progress)
     except KeyboardInterrupt:  # Ctrl-C before the launch: the summary of what there is, then status 130
         state = run.state
     return report(run, state, args)
@@ -220,18 +224,60 @@ def report(run, state, args) -> int:
         emit(run_document(run))
         return 0 if state == "done" else 1
     st = run.status()
-    print(f"status         {state}" + (f": rank {st.get('rank')}: {st.get('error')}" if state in ("failed", "diverged")
-                                         else ""))
+    print(f"status         {status_text(state, st if state in ('failed', 'diverged') else {})}")
     spec = run.spec_dict()
+    print(setup_line(spec, st))
+    chosen = strategy_line(st)
+    if chosen:
+        print(chosen)
     net = spec["network"]
     if net["link"] != "loopback":
         kind = "modeled (alpha-beta delays on loopback, not a real link)" if net["link"] == "modeled" else \
             "shaped (tc tbf between network namespaces)"
-        print(f"network        {net['gbps']} Gbit/s, {kind}")
-    for line in format_summary(summarize(run.metric_rows(), spec)):
+        print(f"network        {net['gbps']:g} Gbit/s, {kind}")
+    for line in format_summary(summarize(run.metric_rows(), spec, st)):
         print(line)
     print(disturbance_line(st))
     return 0 if state == "done" else 1
+
+
+def link_text(net: dict) -> str:
+    """``loopback``, or a link with its rate: ``modeled 0.1 Gbit/s``."""
+    link = net.get("link") or "loopback"
+    return link if link == "loopback" or net.get("gbps") is None else f"{link} {net['gbps']:g} Gbit/s"
+
+
+def setup_line(spec: dict, st: dict) -> str:
+    """What ran: the model and data (an own loop's, from its status), the world, the strategy (spec.json
+    holds strategy auto's choice once it is made), and the link with its rate."""
+    c = spec["compressor"]
+    params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
+    own = st.get("own_loop")  # commlab.wrap in the user's script: the model and data are the script's
+    what = (f"own loop ({own.get('model')}, {own.get('params', 0):,} parameters)" if own else
+            f"{spec['model']['name']} on {spec['dataset']['name']}")
+    return (f"setup          {what}, world {spec['world_size']}, "
+            f"{c['name']}{'(' + params + ')' if params else ''}{' +EF' if c['error_feedback'] else ''}, "
+            f"{spec['schedule']['name']}, {spec['comm']['mode']}, {link_text(spec['network'])}")
+
+
+def strategy_line(st: dict):
+    """strategy auto: what the advisor chose and how (status.json's ``strategy``); None for a fixed strategy."""
+    s = st.get("strategy")
+    if not isinstance(s, dict):
+        return None
+    how = [s["by"]] if s.get("by") else []
+    if isinstance(s.get("cost_s"), (int, float)):
+        how.append(f"{s['cost_s']:.1f} s of advice")
+    return f"strategy       auto chose {s.get('chosen') or 'nothing yet'}" + (f" ({', '.join(how)})" if how else "")
+
+
+def status_text(state, status: dict) -> str:
+    """The state, and the error in ``status`` if any, with the rank it names (a launcher's or the queue's
+    own error names none)."""
+    if not status.get("error"):
+        return str(state)
+    rank = status.get("rank")
+    return f"{state}: " + (f"rank {rank}: " if rank is not None else "") + str(status["error"])
 
 
 def disturbance_line(status: dict) -> str:
@@ -262,11 +308,14 @@ def cmd_runs(args) -> int:
         print(f"no runs in {root}" + (" (no such directory)" if not root.is_dir() else "")
               + (" matching the filters" if any(getattr(args, f) for f in filters) else ""))
         return 0
-    rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "STEPS", "ITER ms", "ACC", "OTHER CPU")]
+    rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "LINK", "STEPS", "ITER ms", "ACC",
+             "OTHER CPU")]
     for r in rows_db:
         done = json.loads(r["summary"] or "{}").get("steps_done", 0)
+        net = json.loads(r["spec"] or "{}").get("network") or {"link": r["link"]}
         rows.append((r["id"], r["state"], r["model"], r["compressor"] + ("+EF" if r["error_feedback"] else ""),
-                     r["schedule"], r["comm"], f"{done}/{r['steps']}",
+                     r["schedule"], r["comm"], link_text(net),
+                     f"{done}/{r['steps']}" if r["steps"] is not None else f"{done}",
                      f"{r['iter_ms']:.1f}" if r["iter_ms"] else "-",
                      f"{r['final_acc']:.2%}" if r["final_acc"] is not None else "-",
                      mark({"other_cpu": r["other_cpu"], "disturbed": r["disturbed"]})))
@@ -299,15 +348,12 @@ def cmd_show(args) -> int:
         return 0
     spec, st = doc["spec"], doc["status"]
     print(f"run            {run.id}")
-    print(f"status         {st.get('state')}" + (f": rank {st.get('rank')}: {st.get('error')}" if st.get("error") else ""))
-    c = spec["compressor"]
-    params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
-    own = st.get("own_loop")  # commlab.wrap in the user's script: the model and data are the script's
-    what = (f"own loop ({own.get('model')}, {own.get('params', 0):,} parameters)" if own else
-            f"{spec['model']['name']} on {spec['dataset']['name']}")
-    print(f"setup          {what}, world {spec['world_size']}, "
-          f"{c['name']}{'(' + params + ')' if params else ''}{' +EF' if c['error_feedback'] else ''}, "
-          f"{spec['schedule']['name']}, {spec['comm']['mode']}, {spec['network']['link']}")
+    print(f"status         {status_text(st.get('state'), st)}")
+    print(setup_line(spec, st))
+    chosen = strategy_line(st)
+    if chosen:
+        print(chosen)
+    own = st.get("own_loop")
     if own:
         print(f"script         {own.get('script')} (optimizer {own.get('optimizer')})")
     if st.get("started") and st.get("ended"):

@@ -270,17 +270,19 @@ class Index:
         except (OSError, ValueError):
             return None
         st = run.status()
-        s = summarize(run.metric_rows(), spec)
+        s = summarize(run.metric_rows(), spec, st)
+        own = st.get("own_loop") or {}  # commlab.wrap: the model and data are its script's, the steps it took
         c = spec.get("compressor", {})
         d = st.get("disturbance") or {}
         return {
             "id": run.id, "state": st.get("state", "unknown"), "name": spec.get("name"),
             "created": st.get("created"), "started": st.get("started"), "ended": st.get("ended"),
-            "model": spec.get("model", {}).get("name"), "dataset": spec.get("dataset", {}).get("name"),
+            "model": own.get("model") or spec.get("model", {}).get("name"),
+            "dataset": "own loop" if own else spec.get("dataset", {}).get("name"),
             "world_size": spec.get("world_size"), "compressor": c.get("name"),
             "error_feedback": int(bool(c.get("error_feedback"))), "schedule": spec.get("schedule", {}).get("name"),
             "comm": spec.get("comm", {}).get("mode"), "link": spec.get("network", {}).get("link"),
-            "steps": spec.get("steps"), "sweep": st.get("sweep"), "error": st.get("error"),
+            "steps": s.get("steps"), "sweep": st.get("sweep"), "error": st.get("error"),
             "iter_ms": s.get("iter_ms_median"), "throughput": s.get("throughput"), "final_acc": s.get("final_acc"),
             "final_loss": s.get("final_loss"), "bytes_per_step": s.get("bytes_per_step"),
             "compression_ratio": s.get("compression_ratio"), "spec": json.dumps(spec), "summary": json.dumps(s),

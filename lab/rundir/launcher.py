@@ -217,7 +217,7 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     run.set_status("running", torchrun=procs.identity(procs_[0].pid),
                    torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
     tail = MetricsTail(str(run.file(runfiles.METRICS)))
-    bar = RunProgress(spec.steps, spec.world_size, out) if progress else None
+    bar = RunProgress(spec.steps, spec.world_size, out, final_eval=spec.final_eval) if progress else None
     try:
         while True:
             codes = [p.poll() for p in procs_]
@@ -240,6 +240,7 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
         stop(procs_)
         kill_strays(run)
         if bar:
+            bar.feed(tail.read())  # the lines the ranks wrote before they stopped: the summary counts them too
             bar.close("cancelled")
         run.update_status(disturbance=cpu.finish(run.metric_rows()))
         run.set_status("cancelled", error="cancelled" + (" by the user (Ctrl-C)" if not should_cancel or
@@ -255,6 +256,7 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     run.update_status(disturbance=cpu.finish(run.metric_rows()))
     state = finish_status(run, rc, exits or None)
     if bar:
+        bar.feed(tail.read())  # what the ranks wrote since the last poll (the summary counts it too)
         bar.close(state)
     return state
 

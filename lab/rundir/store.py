@@ -228,7 +228,7 @@ class Run:
         """Headline figures and status as a one-row DataFrame."""
         import pandas as pd
         st = self.status()
-        row = {"run": self.id, "state": st.get("state"), **summarize(self.metric_rows(), self.spec_dict())}
+        row = {"run": self.id, "state": st.get("state"), **summarize(self.metric_rows(), self.spec_dict(), st)}
         return pd.DataFrame([row]).set_index("run")
 
     def errors(self) -> List[dict]:

@@ -19,13 +19,27 @@ def iteration_times(metrics: List[dict]) -> Dict[int, float]:
     return per
 
 
-def summarize(metrics: List[dict], spec: Optional[dict] = None) -> dict:
+ENDED = ("done", "failed", "cancelled", "diverged")
+"""A run's final states (lab.rundir.store.FINAL, which imports this module)."""
+
+
+def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional[dict] = None) -> dict:
+    """The headline figures. With the run's ``status``: an own loop's (commlab.wrap; status.json's
+    ``own_loop``) steps are the ones it took (its spec's ``steps`` is a default its script never read;
+    unknown, None, while it runs), and ``own_loop`` is set (its script evaluates on data the lab cannot
+    call held out)."""
     steps = [m for m in metrics if m.get("kind") == "step"]
     evals = [m for m in metrics if m.get("kind") == "eval"]
     out: dict = {"steps_done": 0}
     if spec:
         out["steps"] = spec.get("steps")
+    own = bool(status and status.get("own_loop"))
+    if own:
+        out["own_loop"] = True
+        out["steps"] = None
     if not steps:
+        if own and status.get("state") in ENDED:
+            out["steps"] = 0
         return out
     it = iteration_times(metrics)
     # strategy auto's trials (engine/trials.py) ran other strategies: the run's figures are its choice's
@@ -59,6 +73,8 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None) -> dict:
         "compression_ratio": (raw / sent) if sent else None,
         "wall_s": (max(m["t"] for m in metrics) - min(m["t"] for m in steps)) if "t" in steps[0] else None,
     })
+    if own and status.get("state") in ENDED:
+        out["steps"] = last + 1
     if trial and len(order) < len(it):
         out["trial_steps"] = len(trial)
     if evals:
@@ -83,12 +99,17 @@ def format_summary(s: dict) -> List[str]:
         v = s.get(key)
         return fmt.format(v) if v is not None else "-"
     amortized = " amortized" if "method" in s else ""  # a method's local steps send nothing: a mean
+    total = s.get("steps")
+    # an own loop's evaluation is its script's, on data the lab cannot call held out
+    held_out = "" if s.get("own_loop") else " held out"
     lines = [
-        f"steps          {s.get('steps_done', 0)}/{s.get('steps', '?')}",
+        f"steps          {s.get('steps_done', 0)}" + (f"/{total}" if total is not None else
+                                                      " (own loop: its script decides how many)"
+                                                      if s.get("own_loop") else "/?"),
         f"iteration      {f('iter_ms_median', '{:.1f}')} ms (median, slower rank)",
         f"throughput     {f('throughput', '{:.0f}')} samples/s",
         f"final loss     {f('final_loss', '{:.4f}')}",
-        f"accuracy       {f('final_acc', '{:.2%}')} held out (best {f('best_acc', '{:.2%}')})",
+        f"accuracy       {f('final_acc', '{:.2%}')}{held_out} (best {f('best_acc', '{:.2%}')})",
         f"bytes/step     {fmt_bytes(s.get('bytes_per_step'))} per rank (compression {f('compression_ratio', '{:.1f}')}x)"
         f"{amortized}",
     ]

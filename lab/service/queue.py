@@ -36,6 +36,7 @@ from lab.base.specs import load_spec
 from lab.net.netns import NetworkUnavailable, check_shaped_supported
 from lab.rundir.index import Index, RunIndexError
 from lab.rundir.launcher import kill_strays, launch
+from lab.rundir.progress import quiet
 from lab.rundir.store import FINAL, Run, RunStore, lab_config
 from lab.service.owners import (every_rank_mb, fair_order, is_student, local_user, rank_limit, refuse_code, run_time,
                                 typical_run)
@@ -120,7 +121,7 @@ class Lab:
         return run
 
     def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
-               wall_limit_s: Optional[float] = None) -> Run:
+               wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
         (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
         seconds of running (a student's quota, lab.workshop). Its ranks get the memory limit of its owner
@@ -128,7 +129,8 @@ class Lab:
         everyone), recorded in its status (``rank_limit_mb``). A student's spec that names code is refused
         here, whoever submits it (lab.workshop.refuse_code). A model or data set from outside the zoo takes
         one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
-        a child with limits (lab.sandbox; the UI's server)."""
+        a child with limits (lab.sandbox; the UI's server); ``say`` is told first, since building the model
+        can take a while (a Hugging Face model: its imports and weights, seconds)."""
         if is_student(owner):
             refuse_code(spec.to_dict())
         if spec.network.link == "shaped":
@@ -138,6 +140,9 @@ class Lab:
                 raise LabError(f"network.link: {e}") from None
         from engine import preflight  # torch: not when a supervisor imports this module (supervise)
         if preflight.needs_check(spec):  # a model or data set from outside the zoo: one batch, before any rank
+            if say is not None:
+                say(f"checking the model and data set ({spec.model.name} on {spec.dataset.name}): one batch "
+                    "before any rank starts ...")
             if codepath.imports_allowed():
                 preflight.check(spec)
             else:
@@ -170,6 +175,7 @@ class Lab:
     def supervise(self, run: Run, progress: bool = False, out=None) -> str:
         """Wait for a slot, run the job, write its final status. Returns the final state."""
         run.set_status("queued", supervisor=procs.identity())
+        out = quiet(out)  # a closed pipe silences the progress; the run goes on (lab/rundir/progress.py)
         slot = None
         shown = False
         checked = False
@@ -191,7 +197,7 @@ class Lab:
                 if slot is None:
                     if progress and not shown:
                         print(f"queued: waiting for a free slot ({self.max_jobs} at a time)",
-                              file=out or sys.stderr, flush=True)
+                              file=out, flush=True)
                         shown = True
                     time.sleep(POLL_S if place < self.max_jobs + NEAR else BACK_POLL_S)
             try:
@@ -236,7 +242,8 @@ class Lab:
         st = run.spec().strategy
         if st.mode != "auto" or st.decided:
             return None
-        say = (lambda m: print(m, file=out or sys.stderr, flush=True)) if progress else (lambda m: None)
+        out = quiet(out)
+        say = (lambda m: print(m, file=out, flush=True)) if progress else (lambda m: None)
         auto.resolve_auto(self, run, should_cancel=run.cancel_requested, say=say)
         return auto.read_record(run)
 

@@ -26,7 +26,7 @@ from engine.codepath import is_import_path
 from engine.runlog import set_aside, write_json_atomic
 from engine.spec import SpecError
 from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root
-from lab.base.specs import apply_overrides, load_spec, read_spec_file
+from lab.base.specs import apply_overrides, load_spec, read_job_spec
 from lab.rundir.index import runs_of
 from lab.rundir.store import RunStore
 from lab.strategy.perfmodel import calibrate as cal
@@ -42,7 +42,7 @@ is the advisor's first cost on a new model (at 20 steps, 8.6 s of gpt2's 10.8)."
 
 def load_for_prediction(path: Optional[str] = None, overrides=(), data: Optional[dict] = None) -> dict:
     """A validated, fully defaulted spec dict (the same checks as ``commlab run``)."""
-    raw = apply_overrides(data if data is not None else read_spec_file(path), overrides)
+    raw = apply_overrides(data if data is not None else read_job_spec(path), overrides)
     spec = load_spec(data=raw).to_dict()
     if spec["comm"]["mode"] not in MODES:
         raise SpecError("comm.mode", f"the model knows {', '.join(MODES)}")
