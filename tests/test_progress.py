@@ -165,3 +165,19 @@ def test_the_last_line_counts_the_steps_the_summary_counts():
     p.close("cancelled")
     assert out.getvalue().splitlines()[-1].startswith("run cancelled after 401/2000 steps")
     assert summarize(lines, {"steps": 2000, "world_size": 2, "batch_size": 16})["steps_done"] == 401
+
+
+def test_one_process_is_said_to_send_nothing():
+    """A world of one (a sweep's baseline, a plain `python script.py` own loop) sends nothing: its bytes per step
+    are 0 and its summary says so, with the payload its compressor made (what a second rank would get)."""
+    from lab.rundir.summary import format_summary, summarize
+    lines = steps(0, 10, 10.0, ranks=1)
+    for m in lines:
+        m.update(bytes_sent=500, bytes_raw=1000)
+    alone = summarize(lines, {"steps": 10, "world_size": 1, "batch_size": 16})
+    assert alone["bytes_per_step"] == 0 and alone["payload_per_step"] == 500 and alone["compression_ratio"] == 2.0
+    assert "bytes/step     none sent: one process (its payload 500 B per step, compression 2.0x)" in \
+        format_summary(alone)
+    two = summarize([dict(m, bytes_sent=500, bytes_raw=1000) for m in steps(0, 10, 10.0)],
+                    {"steps": 10, "world_size": 2, "batch_size": 16})
+    assert two["bytes_per_step"] == 500 and "payload_per_step" not in two

@@ -69,10 +69,12 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional
         # a method's sync steps are rare and long: its throughput is the amortized (mean) iteration's
         "throughput": (world * batch) / (out.get("iter_ms_mean", med) / 1e3) if batch and med > 0 else None,
         "final_loss": sum(last_losses) / len(last_losses),
-        "bytes_per_step": sent,
+        "bytes_per_step": sent if world > 1 else 0,  # one process has no one to send to
         "compression_ratio": (raw / sent) if sent else None,
         "wall_s": (max(m["t"] for m in metrics) - min(m["t"] for m in steps)) if "t" in steps[0] else None,
     })
+    if world == 1:
+        out["payload_per_step"] = sent  # what the compressor made, which a second rank would have been sent
     if own and status.get("state") in ENDED:
         out["steps"] = last + 1
     if trial and len(order) < len(it):
@@ -111,7 +113,9 @@ def format_summary(s: dict) -> List[str]:
         f"final loss     {f('final_loss', '{:.4f}')}",
         f"accuracy       {f('final_acc', '{:.2%}')}{held_out} (best {f('best_acc', '{:.2%}')})",
         f"bytes/step     {fmt_bytes(s.get('bytes_per_step'))} per rank (compression {f('compression_ratio', '{:.1f}')}x)"
-        f"{amortized}",
+        f"{amortized}" if "payload_per_step" not in s else
+        f"bytes/step     none sent: one process (its payload {fmt_bytes(s['payload_per_step'])} per step, "
+        f"compression {f('compression_ratio', '{:.1f}')}x)",
     ]
     if "method" in s:
         lines.append(f"syncs          {s['syncs']} of {s['method']}, {fmt_bytes(s.get('bytes_per_sync'))} per sync per "
