@@ -525,6 +525,9 @@ def test_from_run_takes_forward_waits_out_of_the_layer_spans_that_hold_them():
         def spec_dict(self):
             return {"model": {"name": "mlp"}, "dataset": {"name": "digits"}, "batch_size": 16}
 
+        def status(self):
+            return {"state": "done"}  # no disturbance record: not measured
+
         def timeline_events(self):
             return [x("forward", 0.0, 1000.0, step=0), x("forward", 0.0, 400.0, layer="net.1"),
                     x("wait", 450.0, 100.0, bucket=0), x("forward", 400.0, 400.0, layer="net.3"),
