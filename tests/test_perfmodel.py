@@ -409,6 +409,47 @@ def test_hierarchical_collectives_by_hand():
     assert iteration_time(step, c, 16, "sync").total == approx(3.5 + 0.016566)
 
 
+def _layered_profile():
+    """Six layers of two tensors (gradient-ready order) with fp16's and PowerSGD's curves in the profile (none
+    measured here): under layerwise, 12 buckets, PowerSGD's of two rounds beside one-round ones."""
+    params, ready, fwd = [], {}, {}
+    for i, layer in enumerate(f"l{k}" for k in range(5, -1, -1)):
+        params += [(f"{layer}.bias", 4 * 64), (f"{layer}.weight", 4 * 64 * 96)]
+        ready[layer], fwd[layer] = 1e-3 * (i + 1), 0.5e-3
+    curve = {"encode": [20e-6, 2e-10], "between": [5e-6, 1e-10], "decode": [15e-6, 1e-10]}
+    return tiny_profile(params=params, layer_ready=ready, layer_forward=fwd, backward_s=7e-3, forward_s=3e-3,
+                        overlap_slowdown=1.5, compressors={"fp16": curve, "powersgd(rank=2,start_iter=0)": curve})
+
+
+def test_cluster_predictions_keep_their_numbers():
+    """The page's cluster table, against the numbers the model gave before wfbp's multi-round exchanges were
+    advanced from a list of the pending ones (not every earlier bucket) and a step was built once per worker
+    count (not once per rate): the same to the last digit kept here."""
+    from lab.strategy.perfmodel import views
+
+    def sp(comp, sched, mode):
+        return {"model": "mlp", "dataset": "digits", "batch_size": 16,
+                "compressor": {"name": comp, "params": {"rank": 2, "start_iter": 0} if comp == "powersgd" else {}},
+                "schedule": {"name": sched}, "comm": {"mode": mode}}
+    before = {  # ddp_ms, spec_ms, exposed_comm_ms per (workers, inter_gbps): (2, 0.1), (2, 10), (8, 0.1), (8, 10)
+        ("powersgd", "layerwise", "wfbp"): [[10.50397312, 11.00958656, 0.00014336],
+                                            [10.50397312, 11.00958656, 0.00014336],
+                                            [27.39095936, 11.58741952, 0.57797632],
+                                            [10.56356992, 11.01173696, 0.00229376]],
+        ("fp16", "layerwise", "sync"): [[10.50397312, 10.9646976, 0.0], [10.50397312, 10.9646976, 0.0],
+                                        [27.39095936, 19.49253344, 8.52783584], [10.56356992, 10.9646976, 0.0]],
+        ("none", "bucket", "wfbp"): [[10.50397312, 10.50397312, 0.00397312], [10.50397312, 10.50397312, 0.00397312],
+                                     [27.39095936, 27.39095936, 16.89095936],
+                                     [10.56356992, 10.56356992, 0.06356992]],
+    }
+    shape = {"node_size": 2, "intra_gbps": 100.0, "nics": 1}
+    for key, want in before.items():
+        df = views.cluster_prediction(_layered_profile(), shape, [2, 8], [0.1, 10.0], 1.0, spec=sp(*key))
+        assert df[["workers", "inter_gbps"]].values.tolist() == [[2, 0.1], [2, 10.0], [8, 0.1], [8, 10.0]]
+        got = df[["ddp_ms", "spec_ms", "exposed_comm_ms"]].values.tolist()
+        assert got == [[approx(v) for v in row] for row in want], key
+
+
 def _cluster_rows(out):
     return [l.split() for l in out.splitlines() if l.strip() and l.split()[0].isdigit()]
 

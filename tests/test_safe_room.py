@@ -584,6 +584,111 @@ def test_the_teacher_reads_only_inside_the_runs_directory(profiles):
     assert not at.error
 
 
+def test_a_students_profile_lists_at_most_max_tensors(profiles):
+    """A cluster prediction costs the server's CPU in proportion to the tensors (one bucket each under
+    layerwise): a student's profile with more than MAX_TENSORS is refused with one line naming the limit."""
+    from test_perfmodel import tiny_profile
+    root, tokens, _ = profiles
+    assert viewing.MAX_TENSORS <= 2_000  # what the page's cost was measured at (about 1 s here, predicted in the server)
+    mlp = {"model": "mlp", "dataset": "digits", "batch_size": 16, "schedule": {"name": "layerwise"}}
+
+    def wide(n):
+        return json.dumps(asdict(tiny_profile(spec=mlp, params=[(f"l{i}.weight", 4) for i in range(n)]))).encode()
+    at = app(tokens["alice"], page="model")
+    at.file_uploader(key="pm.prof.upload").upload("wide.json", wide(viewing.MAX_TENSORS + 1), "application/json").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert [one_line(e.value) for e in at.error] == [
+        f"profile: {viewing.MAX_TENSORS + 1:,} parameter tensors; at most {viewing.MAX_TENSORS:,} in a student's "
+        f"profile on this lab"]
+    assert not at.dataframe  # nothing predicted
+    alice, teacher = owners.User("alice"), owners.User(owners.TEACHER, admin=True)
+    assert len(viewing.read_profile(root, alice, upload=("w.json", wide(viewing.MAX_TENSORS))).params) \
+        == viewing.MAX_TENSORS
+    assert len(viewing.read_profile(root, teacher, upload=("w.json", wide(viewing.MAX_TENSORS + 1))).params) \
+        == viewing.MAX_TENSORS + 1  # the teacher's profiles are not bound by it
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """views.cluster_prediction counted, with no prediction kept from before the test."""
+    from collections import OrderedDict
+    monkeypatch.setattr(viewing, "_predictions", OrderedDict())
+    calls, real = [], views.cluster_prediction
+
+    def count(*a, **kw):
+        calls.append(a[2:])
+        return real(*a, **kw)
+    monkeypatch.setattr(views, "cluster_prediction", count)
+    return calls
+
+
+def test_a_rerun_of_the_model_page_does_not_predict_again(profiles, counted):
+    root, tokens, _ = profiles
+    at = app(tokens["alice"], page="model")
+    at.selectbox(key="pm.prof.saved").set_value("mlp.json").run()
+    assert not at.exception and not at.error, [e.value for e in at.error]
+    assert len(counted) == 1
+    shown = [d.value for d in at.dataframe]  # the sources and the table
+    at.run()  # a rerun: the same profile and inputs
+    assert len(counted) == 1
+    assert all(a.equals(b) for a, b in zip(shown, [d.value for d in at.dataframe])) and len(shown) == len(at.dataframe)
+    at = app(tokens["admin"], page="model")  # another viewer, the same profile and inputs: kept for the lab
+    at.selectbox(key="pm.prof.saved").set_value("mlp.json").run()
+    assert len(counted) == 1 and shown[-1].equals(at.dataframe[-1].value)
+    at.multiselect(key="pm.cl.workers").set_value([8, 16]).run()  # other inputs: predicted
+    assert not at.error and len(counted) == 2 and counted[-1][0] == [8, 16]
+    at.multiselect(key="pm.cl.workers").set_value([8, 16, 64, 256, 1024]).run()
+    assert len(counted) == 2
+
+
+def test_a_kept_prediction_is_the_same_as_a_fresh_one(profiles, counted):
+    from test_perfmodel import tiny_profile
+    root, tokens, _ = profiles
+    alice = owners.User("alice")
+    shape = {"node_size": 8, "intra_gbps": 1600.0, "nics": 1}
+    spec = {"model": "mlp", "dataset": "digits", "batch_size": 16, "compressor": "fp16"}
+    args = (shape, [8, 64], [10.0, 100.0], 2.0)
+    want = views.cluster_prediction(tiny_profile(spec=spec), *args)
+    first, again = tiny_profile(spec=spec), tiny_profile(spec=spec)
+    assert viewing.cluster_prediction(alice, first, *args).equals(want)
+    assert viewing.cluster_prediction(alice, again, *args).equals(want) and len(counted) == 2  # the second kept
+    assert again.compressors == first.compressors  # what the sources table reads, as a fresh prediction left it
+    other = tiny_profile(spec=spec, forward_s=1.0)  # another profile's content: predicted
+    assert not viewing.cluster_prediction(alice, other, *args).equals(want) and len(counted) == 3
+    with pytest.raises(SpecError, match="^workers: ") as e:  # errors are kept too, raised anew each time
+        viewing.cluster_prediction(alice, tiny_profile(spec=spec), shape, [12], [10.0])
+    with pytest.raises(SpecError, match="^workers: ") as e2:
+        viewing.cluster_prediction(alice, tiny_profile(spec=spec), shape, [12], [10.0])
+    assert len(counted) == 4 and e.value is not e2.value
+    for _ in range(viewing.PREDICTIONS + 1):  # bounded: the oldest go first
+        viewing.cluster_prediction(alice, tiny_profile(spec=spec, forward_s=2.0 + len(counted)), *args)
+    assert len(viewing._predictions) == viewing.PREDICTIONS
+
+
+def test_a_person_predicts_one_at_a_time(profiles, counted, monkeypatch):
+    from test_perfmodel import tiny_profile
+    monkeypatch.setattr(sandbox, "WAIT_S", 0.1)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold():  # alice's prediction in another tab, still running
+        with sandbox.person("alice"):
+            holding.set()
+            done.wait(30)
+    t = threading.Thread(target=hold)
+    t.start()
+    try:
+        assert holding.wait(30)
+        with pytest.raises(sandbox.Busy) as e:  # a ValueError: the page shows it as one line
+            viewing.cluster_prediction(owners.User("alice"), tiny_profile(spec={"model": "mlp", "dataset": "digits",
+                                                                                   "batch_size": 16}),
+                                       {"node_size": 8, "intra_gbps": 1600.0, "nics": 1}, [8], [10.0])
+        assert str(e.value) == "prediction: your previous one is still running; try again in a moment"
+        assert counted == []
+    finally:
+        done.set()
+        t.join()
+
+
 def test_measure_again_is_the_teachers_and_writes_atomically(room, monkeypatch):
     from lab.strategy.perfmodel import properties
     root, tokens = room

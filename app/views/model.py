@@ -111,7 +111,8 @@ def from_profile():
     path = c2.text_input("Profile file (path" + ("" if me == owners.local_user() else " in the runs directory")
                          + ")", key="pm.prof.path", placeholder=".profiles/resnet-digits-32.json") \
         if me.admin else ""
-    up = c3.file_uploader(f"or upload one (at most {profiles.MAX_UPLOAD >> 20} MiB)", type=["json"],
+    up = c3.file_uploader(f"or upload one (at most {profiles.MAX_UPLOAD >> 20} MiB"
+                          + ("" if me.admin else f", {profiles.MAX_TENSORS:,} tensors") + ")", type=["json"],
                           key="pm.prof.upload")
     if not path and up is None and name == "none":
         st.caption("No profile chosen.")
@@ -149,7 +150,7 @@ def from_profile():
         spec = views.with_compressor(spec, views.COMPRESSORS[comp])
     try:
         with st.spinner("Predicting ..."):
-            df = views.cluster_prediction(prof, shape, sorted(workers), sorted(inter), speed, spec=spec)
+            df = profiles.cluster_prediction(me, prof, shape, sorted(workers), sorted(inter), speed, spec=spec)
     except (SpecError, KeyError, ValueError) as e:
         st.error(views.one_line(e) if not me.admin else str(e).splitlines()[0] if str(e) else type(e).__name__)
         return

@@ -1,12 +1,22 @@
 """What a viewer of the Performance model page may read and do: the lab's own saved profiles, an upload
-parsed as data, a path (the teacher's, inside the runs directory), and "Measure again" (the teacher's);
-errors as one line without the server's paths."""
+parsed as data, a path (the teacher's, inside the runs directory), a cluster prediction (kept per profile and
+inputs, one at a time per person), and "Measure again" (the teacher's); errors as one line without the
+server's paths."""
 from __future__ import annotations
 
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import pandas as pd
+
+from engine.codepath import code_fields
 from engine.spec import SpecError
+from lab.base import sandbox
 from lab.base.errors import LabError
 from lab.base.paths import CURVES, PROPERTIES, SHAPED_LINK
 from lab.service import owners
@@ -24,8 +34,11 @@ MAX_UPLOAD = 2 << 20
 """The largest profile file accepted as an upload (a profile of a model with 10,000 tensors is ~0.5 MB)."""
 
 
-MAX_TENSORS = 5_000
-"""The most parameter tensors a profile from a student may list (gpt2 has 148, resnet50 161)."""
+MAX_TENSORS = 2_000
+"""The most parameter tensors a profile from a student may list (gpt2 has 148, resnet50 161, llama-2-70b 723,
+mixtral-8x7b 995). A cluster prediction's cost grows with them (one bucket each under ``schedule: layerwise``):
+about 1 s of the server's CPU at 2,000 for the page's default 5 worker counts x 2 rates, all computed in the
+server's process (docs/explanation/perfmodel.md, the page)."""
 
 
 NOT_PROFILES = (PROPERTIES, CURVES, SHAPED_LINK)
@@ -96,10 +109,69 @@ def _student_profile(runs, prof: cal.Profile) -> None:
         raise SpecError("profile", "params must be [name, bytes] pairs") from None
     q = owners.quotas(runs)
     if len(prof.params) > MAX_TENSORS:
-        raise SpecError("profile", f"{len(prof.params)} parameter tensors; at most {MAX_TENSORS} on this lab")
+        raise SpecError("profile", f"{len(prof.params):,} parameter tensors; at most {MAX_TENSORS:,} in a student's "
+                                   f"profile on this lab")
     if "params" in q and params > q["params"]:
         raise SpecError("profile", f"a model of about {params:,} parameters; at most {q['params']:,} on this lab "
                                    f"(quota params)")
+
+
+PREDICTIONS = 32
+"""Cluster predictions (or their one-line errors) kept in this process, least recently used first out."""
+_predictions: "OrderedDict[str, tuple]" = OrderedDict()
+_predictions_lock = threading.Lock()
+
+
+def cluster_prediction(user: owners.User, prof: cal.Profile, shape: dict, workers: List[int],
+                       inter_gbps: List[float], compute_speedup: float = 1.0,
+                       spec: Optional[dict] = None) -> pd.DataFrame:
+    """views.cluster_prediction for the page: kept per (the profile's content, the inputs), so a rerun of the page
+    with the same ones costs a digest, not a prediction; one at a time per person (a second waits for the first,
+    then is refused as busy). A spec that names code (the teacher's) is predicted every time: its file may have
+    changed. On a kept answer the profile gets the cost curves the prediction gave it (what the sources table
+    reads)."""
+    want = spec or prof.spec
+    if want and code_fields(want):
+        return views.cluster_prediction(prof, shape, workers, inter_gbps, compute_speedup, spec=spec)
+    key = hashlib.sha256(json.dumps([asdict(prof), spec, shape, list(workers), list(inter_gbps), compute_speedup],
+                                    sort_keys=True, default=str).encode()).hexdigest()
+    hit = _kept(key)
+    if hit is None:
+        with sandbox.person(user.name, "prediction", sandbox.WAIT_S):
+            hit = _kept(key)
+            if hit is None:
+                try:
+                    hit = (views.cluster_prediction(prof, shape, workers, inter_gbps, compute_speedup, spec=spec),
+                           dict(prof.compressors))
+                except (SpecError, KeyError, ValueError) as e:
+                    hit = (_anew(e), {})  # without its traceback, which holds the profile
+                with _predictions_lock:
+                    _predictions[key] = hit
+                    while len(_predictions) > PREDICTIONS:
+                        _predictions.popitem(last=False)
+    answer, curves = hit
+    if isinstance(answer, BaseException):
+        raise _anew(answer)  # a new one each time: a kept one would gather tracebacks
+    prof.compressors.update(curves)
+    return answer.copy()
+
+
+def _anew(e: BaseException) -> BaseException:
+    """The same error, new: its type and message, no traceback."""
+    if isinstance(e, SpecError):
+        return SpecError(e.path, e.msg)
+    try:
+        return type(e)(*e.args)
+    except TypeError:  # a type that is not made from its args
+        return (KeyError if isinstance(e, KeyError) else ValueError)(str(e))
+
+
+def _kept(key: str) -> Optional[tuple]:
+    with _predictions_lock:
+        hit = _predictions.get(key)
+        if hit is not None:
+            _predictions.move_to_end(key)
+        return hit
 
 
 def measure_properties(runs, user: owners.User, profile: Optional[cal.Profile] = None, names=None) -> List[dict]:

@@ -208,13 +208,17 @@ def _overlapped(step: Step, sim: "_Sim", mode: str, slowdown: float, compute: fl
             c = launch(k, c)
     else:
         done = 0.0  # backward compute done so far; the hooks (encoding, waits) hold it up in between
+        pending: List[int] = []  # launched multi-round buckets with rounds left, in bucket order
         for k, b in enumerate(step.buckets):
             if b.ready > done:
                 c, done = sim.compute(c, b.ready - done, slowdown), b.ready
-            for j in range(k):  # engine: multi-round exchanges advance whenever a later bucket launches
-                if pos[j] < len(step.buckets[j].rounds) and len(step.buckets[j].rounds) > 1:
+            if pending:  # engine: multi-round exchanges advance whenever a later bucket launches
+                for j in pending:
                     c = advance(j, c)
+                pending = [j for j in pending if pos[j] < len(step.buckets[j].rounds)]
             c = launch(k, c)
+            if len(b.rounds) > 1:
+                pending.append(k)
         c = sim.compute(c, step.backward - done, slowdown)
     t_bwd = c
     active = [k for k in range(n) if pos[k] < len(step.buckets[k].rounds)]

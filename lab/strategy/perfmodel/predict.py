@@ -176,14 +176,17 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
     f = 1.0 / compute_speedup
     sharded = spec["comm"]["mode"] == "dear"
     buckets = []
+    kinds: Dict[str, tuple] = {}  # a section's curve and whether it is plain, found once (not once per bucket)
     for idx in buckets_of(profile, spec, layout):
         names = [profile.params[i][0] for i in idx]
         layers = list(dict.fromkeys(layer_of(n) for n in names))
         raw = sum(profile.params[i][1] for i in idx)
         comp = section_for(spec["compressor"], raw)
-        key = cal.compressor_key(comp)
-        curve = profile.compressors.get(key)
-        plain = not cal.needs_curve(comp)
+        known = kinds.get(repr(comp))
+        if known is None:
+            key = cal.compressor_key(comp)
+            known = kinds[repr(comp)] = (key, profile.compressors.get(key), not cal.needs_curve(comp))
+        key, curve, plain = known
         if curve is None and not plain:
             raise KeyError(f"profile has no cost curve for compressor {key}")
         ready = max(profile.layer_ready.get(l, profile.backward_s) for l in layers)
@@ -208,15 +211,24 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
 
 def predict(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
             link=None, record: bool = False,
-            layout: Optional[List[List[str]]] = None) -> Result:
-    """One iteration of ``spec`` (the mean over its run's steps for a method: ``predict_method``)."""
+            layout: Optional[List[List[str]]] = None, step: Optional[Step] = None) -> Result:
+    """One iteration of ``spec`` (the mean over its run's steps for a method: ``predict_method``). ``step``:
+    the spec's step at this ``world``, ``compute_speedup`` and ``layout``, when the caller built it already
+    (``step_of``; it does not depend on the rate, so a table over rates builds it once per worker count)."""
     m = method_of(spec)
     if m is not None:
         return predict_method(profile, spec, m, link or profile.link_at(gbps), world, compute_speedup)
-    step = build_step(profile, spec, world, compute_speedup, layout)
+    if step is None:
+        step = build_step(profile, spec, world, compute_speedup, layout)
     mode = spec["comm"]["mode"]
     slow = profile.overlap_slowdown if mode != "sync" else 1.0
     return iteration_time(step, link or profile.link_at(gbps), world, mode, slow, record)
+
+
+def step_of(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0) -> Optional[Step]:
+    """``build_step`` for ``predict(..., step=)``; None for a spec with a method (predicted over its run's steps,
+    without a step)."""
+    return None if method_of(spec) is not None else build_step(profile, spec, world, compute_speedup)
 
 
 def speedup(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,

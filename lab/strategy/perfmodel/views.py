@@ -10,11 +10,10 @@
 - ``properties``: the measured checklist, saved beside the profiles;
 - ``sources_table``: which inputs of the predictions were measured and which assumed, with the validation
   error of each part (the "sources" of ``commlab predict``);
-- ``lab_profiles``, ``read_profile``: the profiles a viewer may predict from. The page reads only the lab's
-  own files: a student picks one of the runs directory's profiles or uploads one (parsed as data, at most
-  MAX_UPLOAD bytes, its spec refused if it names code); the teacher may also type a path inside the runs
-  directory; only the local user (the UI on loopback) types any path. Errors are one line, without the
-  server's paths.
+- ``cluster_prediction``: a profile's predicted step times over worker counts and link rates.
+
+Which profiles a viewer may predict from, how large a student's may be, and the cache of predictions the page
+keeps are lab.front.profiles'.
 """
 from __future__ import annotations
 

@@ -499,9 +499,10 @@ def table(profile: cal.Profile, spec: dict, gbps: List[float], workers: List[int
     links = links or link_maker(profile, cluster)
     one = pr.predict(profile, spec, 1.0, 1, compute_speedup).total
     for p in workers:
+        steps = [pr.step_of(profile, s, p, compute_speedup) for s in (spec, base)]  # the same at every rate
         for g in gbps:
-            t = pr.predict(profile, spec, g, p, compute_speedup, link=links(g))
-            d = pr.predict(profile, base, g, p, compute_speedup, link=links(g))
+            t = pr.predict(profile, spec, g, p, compute_speedup, link=links(g), step=steps[0])
+            d = pr.predict(profile, base, g, p, compute_speedup, link=links(g), step=steps[1])
             rows.append({"workers": p, "gbps": g, "ddp_ms": d.total * 1e3, "spec_ms": t.total * 1e3,
                          "speedup": d.total / t.total, "ddp_scaling": one / d.total, "scaling": one / t.total,
                          "exposed_comm_ms": t.exposed_comm * 1e3, "encode_decode_ms": t.encode_decode * 1e3})
