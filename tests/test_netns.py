@@ -230,14 +230,12 @@ def test_two_clusters_at_once_are_separate_and_both_pass_traffic():
 @needs_root
 @pytest.mark.parametrize("gbps", [0.1, 1.0])
 def test_net_check_tcp_and_allreduce_within_20_percent(gbps):
-    t0 = time.monotonic()
     r = net_check(gbps, seconds=3.0)
     print(json.dumps({k: v for k, v in r.items() if k != "qdiscs"}))
     assert 0.8 <= r["tcp_ratio"] <= 1.2, f"TCP {r['tcp_gbps']:.3f} Gbit/s at a {gbps} Gbit/s target"
     assert r["allreduce_correct"] and 0 < r["allreduce_small_median_s"] <= r["allreduce_small_mean_s"] * 20
     assert 0.8 <= r["allreduce_ratio"] <= 1.2, (
         f"all-reduce took {r['allreduce_median_s']:.3f} s, the alpha-beta model says {r['allreduce_predicted_s']:.3f} s")
-    assert time.monotonic() - t0 < 60
     assert not any(n.startswith("clab-%d-" % os.getpid()) for n in list_lab_namespaces())
 
 
