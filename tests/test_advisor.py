@@ -444,7 +444,7 @@ def test_strategy_auto_run_records_the_decision(auto_root):
     root = auto_root
     run = lab.run({**BASE, "steps": 5, "network": AUTO_NET,
                    "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=root)
-    assert run.state == "done", run.log_tail()
+    assert run.state == "done", (run.status().get("error"), run.log_tail())
     spec_json = run.spec_dict()
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
     assert spec_json["strategy"]["decided"] is True and spec_json["name"] == "adv"
@@ -488,7 +488,7 @@ def test_strategy_auto_trials_in_the_run(auto_root):
     # 1.6-2.2x PowerSGD's time here, at the margin's edge), so two families are tried and run off
     run = lab.run({**BASE, "steps": 30, "network": AUTO_NET, "strategy": {
         "mode": "auto", "trials": 2, "trial_steps": 4, "penalties": {"powersgd": 2.0}}}, runs=root)
-    assert run.state == "done", run.log_tail()
+    assert run.state == "done", (run.status().get("error"), run.log_tail())
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
     res = json.loads(run.file(AUTO_RESULT).read_text())
     assert rec["chosen_by"] == "measured" and rec["winner"] == res["label"]
