@@ -335,6 +335,11 @@ class CommSpec:
             self.cap_mb = DEAR_CAP_MB
 
 
+MAX_GBPS = 400.0
+"""The highest rate (Gbit/s) of a shaped or modeled link; the advice, ``commlab predict`` and its clusters'
+inter-node links keep to the same range, so a rate one command takes the others take too."""
+
+
 @dataclass
 class NetworkSpec:
     link: str = "loopback"
@@ -351,8 +356,9 @@ class NetworkSpec:
         if self.link == "loopback" and (self.gbps is not None or self.latency_us is not None):
             raise SpecError("network.gbps", "a loopback link takes no gbps or latency_us")
         if self.link in ("shaped", "modeled"):
-            if self.gbps is None or not 0.001 <= self.gbps <= 400:
-                raise SpecError("network.gbps", f"a {self.link} link needs gbps in [0.001, 400], got {self.gbps}")
+            if self.gbps is None or not 0.001 <= self.gbps <= MAX_GBPS:
+                raise SpecError("network.gbps", f"a {self.link} link needs gbps in [0.001, {MAX_GBPS:g}], "
+                                                f"got {self.gbps}")
         if self.latency_us is not None:
             if self.link != "modeled":
                 raise SpecError("network.latency_us", "only a modeled link takes latency_us (shaped links have "

@@ -173,8 +173,10 @@ def bad_yaml(tmp_path):
     (["predict", "{spec}", "--calibrate", "nope"], "no run 'nope'"),
     (["predict", "{spec}", "--workers", "0"], "--workers: must be a comma-separated list"),
     (["predict", "{spec}", "--compute-speedup", "x"], "--compute-speedup: invalid float value: 'x'"),
-    # one range for a link's rate in both (the engine's network.gbps, lab.strategy.predictions.MAX_GBPS)
+    # one range for a link's rate in all (the engine's network.gbps, engine.spec.MAX_GBPS)
     (["predict", "{spec}", "--gbps", "1,1000"], "--gbps: must be a comma-separated list of numbers in [0.001, 400]"),
+    (["predict", "{spec}", "--cluster", "node_size=8,intra_gbps=1600,inter_gbps=1000"],
+     "--cluster: inter_gbps must be a number in [0.001, 400], got '1000'"),
     (["advise", "{spec}", "--gbps", "1000"], "--gbps: must be in [0.001, 400], got 1000"),
     (["advise", "{spec}", "--gbps", "1", "--out", "/nonexistent/best.yaml"], "--out: /nonexistent/best.yaml: no such"),
     (["advise", "{spec}", "--gbps", "1", "--json-out", "/nonexistent/a.json"], "--json-out: /nonexistent/a.json: no"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from engine.runlog import write_json_atomic
-from engine.spec import SpecError
+from engine.spec import MAX_GBPS, SpecError
 from lab.base.errors import LabError
 from lab.base.specs import load_spec
 from lab.front.cli_kit import (
@@ -33,7 +33,7 @@ from lab.strategy.advisor import TRIAL_STEPS, TRIALS
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import devices, predict, whatif
 from lab.strategy.perfmodel.calibrate import CalibrationError, compressor_key, spec_key
-from lab.strategy.predictions import LINKS, MAX_GBPS
+from lab.strategy.predictions import LINKS
 
 
 def add_commands(sub) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import List, Optional, Tuple
 
 from engine.schedules import ParamInfo
-from engine.spec import SpecError
+from engine.spec import MAX_GBPS, SpecError
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import predict as pr
 from lab.strategy.perfmodel import whatif
@@ -21,11 +21,6 @@ from lab.strategy.perfmodel.costs import Link
 from lab.strategy.space import Candidate, add_note, start_iter
 
 LINKS = ("modeled", "shaped")
-MAX_GBPS = 400.0
-"""The highest link rate (Gbit/s) the advice and ``commlab predict`` take: the engine's own bound on a modeled
-or shaped link (engine/spec.py, ``network.gbps`` in [0.001, 400]), since the advice's winner is written as a
-spec with that link and its trials run on it; ``predict`` keeps to the same range, so a rate one command takes
-the other takes too."""
 
 
 def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = None) -> dict:

@@ -24,7 +24,7 @@ from typing import Callable, List, Optional
 from engine import runfiles
 from engine.codepath import is_import_path
 from engine.runlog import set_aside, write_json_atomic
-from engine.spec import SpecError
+from engine.spec import MAX_GBPS, SpecError
 from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root
 from lab.base.specs import apply_overrides, load_spec, read_job_spec
 from lab.rundir.index import runs_of
@@ -435,7 +435,7 @@ def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) ->
 
 
 CLUSTER_KEYS = {"node_size": (int, 1, 4096), "intra_gbps": (float, 0.001, 100000),
-                "inter_gbps": (float, 0.001, 100000), "intra_us": (float, 0.0, 1e6), "inter_us": (float, 0.0, 1e6),
+                "inter_gbps": (float, 0.001, MAX_GBPS), "intra_us": (float, 0.0, 1e6), "inter_us": (float, 0.0, 1e6),
                 "nics": (int, 1, 64)}
 
 
