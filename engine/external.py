@@ -117,9 +117,11 @@ def import_torchvision():
                 lib.define(f"{name}(Tensor[] args) -> Tensor")
         _TV_SHIM = lib
         if os.environ.get("RANK", "0") == "0":
-            print(f"[commlab] torchvision: its C++ extension does not load into torch {torch.__version__} ({why}); "
-                  f"its models work, its C++ operators ({', '.join(sorted(n for n in names if not n.startswith('_')))}) "
-                  f"are defined without kernels and raise if called", file=sys.stderr, flush=True)
+            # one short line (every torchvision: command says it): the error's kind, not its library path
+            ops = sorted(n for n in names if not n.startswith("_"))
+            print(f"[commlab] torchvision: its C++ extension does not load into torch {torch.__version__} "
+                  f"({why.split(':', 1)[0]}); its models work, its {len(ops)} C++ operators ({', '.join(ops[:2])}, "
+                  f"...) raise if called", file=sys.stderr, flush=True)
     import torchvision
     return torchvision
 
