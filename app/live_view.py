@@ -57,10 +57,12 @@ def live_panel(run_id: str) -> None:
         st.error(f"No run {ui.md(repr(run_id))}{ui.md(where())}.")
         return
     spec = run.spec_dict()
-    st.caption(ui.md(comparison.describe_setup(spec)))
+    own = bool(run.status().get("own_loop"))  # its script decides how many steps: the spec's are a default
+    st.caption(ui.md(comparison.describe_setup(spec, run.status())))
     c = st.columns([1, 1, 1, 2])
     last = c[0].number_input("Iterations in the timeline", 1, 20, 3, key="live.last")
-    step = c[1].number_input("Zoom to step (-1: last iterations)", -1, spec["steps"], -1, key="live.step")
+    step = c[1].number_input("Zoom to step (-1: last iterations)", -1, None if own else spec["steps"], -1,
+                             key="live.step")
     xaxis = c[2].radio("Curves against", ["step", "wall time"], horizontal=True, key="live.x")
     with c[3]:
         st.download_button("Download trace (Chrome/Perfetto JSON)", data=access.download_data(lambda: timelines.trace_json(run), [run.id]),
@@ -93,11 +95,14 @@ def live_panel(run_id: str) -> None:
             st.rerun()  # a full rerun redraws the panel without its refresh timer
         status = run.status()
         lr = live.live_run(run)  # only what was appended since the last refresh is read
-        done, total = lr.progress()
+        s = summarize(lr.metric_rows(), spec, status)  # an own loop's total: the steps it took, once it ended
+        done, total = s["steps_done"], s.get("steps")
         head = st.columns([1, 4, 1])
         with head[0]:
             state_badge(state)
-        head[1].progress(min(done / total, 1.0) if total else 0.0, text=f"step {done}/{total}")
+        head[1].progress(min(done / total, 1.0) if total else 0.0,
+                         text=f"step {done}/{total}" if total is not None else
+                         f"step {done} (own loop: its script decides how many)")
         if state not in FINAL and mine and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
             st.toast(f"cancel requested ({ui.cancel(run.id)})")
         if state in ("failed", "diverged"):
@@ -105,10 +110,9 @@ def live_panel(run_id: str) -> None:
             with st.expander("log (last lines)"):
                 st.code(ui.shown_log(run, 30) or "(empty)")
         machine_note(status.get("disturbance"))
-        s = summarize(lr.metric_rows(), spec)
         m = st.columns(4)
         m[0].metric("iteration (median)", f"{s['iter_ms_median']:.1f} ms" if s.get("iter_ms_median") else "-")
-        m[1].metric("held-out accuracy", f"{s['final_acc']:.1%}" if s.get("final_acc") is not None else "-")
+        m[1].metric("accuracy (its script's evaluation)" if own else "held-out accuracy", f"{s['final_acc']:.1%}" if s.get("final_acc") is not None else "-")
         m[2].metric("bytes sent / step / rank", fmt_bytes(s.get("bytes_per_step")))
         m[3].metric("compression", f"{s['compression_ratio']:.1f}x" if s.get("compression_ratio") else "-")
 
@@ -130,7 +134,7 @@ def live_panel(run_id: str) -> None:
             fig = plots.timeline_figure(lr.timeline(int(last) + 1), last=int(last))
         else:
             back = max(done - int(step) + 1, 1)
-            tl = lr.timeline(back) if lr.has_steps(back) else timelines.tail_timeline(run, max(spec["steps"] - step + 1, 1))
+            tl = lr.timeline(back) if lr.has_steps(back) else timelines.tail_timeline(run, back)
             fig = plots.timeline_figure(tl, step=int(step))
         st.plotly_chart(fig, key="live.timeline")
         st.subheader("Where the step time goes")

@@ -1,6 +1,7 @@
 """The Streamlit app through AppTest: every page renders over a runs directory with one
 finished run; the New run form queues a run that finishes; presets, sweeps and
 `commlab app` (lab.front.appserver.app_main) start what they say."""
+import json
 import os
 import signal
 import socket
@@ -191,6 +192,35 @@ def test_live_page_follows_the_url_and_the_picker(tmp_path, monkeypatch):
     assert not at.exception and q.store.get(b.id).state == "cancelled"
     at.run()
     assert [w.key for w in at.button] == []  # final: drawn once, nothing to cancel or redraw
+
+
+def test_an_own_loop_is_shown_with_its_model_and_the_steps_it_took(tmp_path, monkeypatch):
+    """An own loop (commlab.wrap) ran its script's model for as many steps as its script chose: the live page,
+    the report and ``show`` say those, not its spec's defaults (mlp on digits, 100 steps)."""
+    from lab.analysis import report
+    from lab.front import run_cli
+    from lab.service.queue import Lab
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    run = Lab(tmp_path).create(lab._spec(dict(SMALL, name="mine", steps=100)))
+    run.set_status("running", own_loop={"script": "train.py", "model": "Net", "params": 1234,
+                                        "optimizer": "SGD", "world_size": 1, "host": "h"})
+    with open(run.file("metrics.jsonl"), "a") as f:
+        for k in range(7):
+            f.write(json.dumps({"kind": "step", "rank": 0, "step": k, "time_ms": 5.0, "loss": 1.0, "bytes_sent": 8,
+                                "bytes_raw": 8, "t": time.time()}) + "\n")
+    at = AppTest.from_file(ENTRY, default_timeout=120)
+    at.query_params["run"] = run.id
+    at.run().switch_page("views/live_run.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(c.value.replace("\\", "").startswith("own loop (Net, 1,234 parameters), 2 ranks") for c in at.caption)
+    assert at.get("progress")[0].proto.text == "step 7 (own loop: its script decides how many)"
+    assert [m.label for m in at.metric][1] == "accuracy (its script's evaluation)"
+    run.set_status("done")
+    at.run()
+    assert at.get("progress")[0].proto.text == "step 7/7"
+    section = report.run_section(lab.get(run.id, runs=tmp_path), 0)
+    assert "own loop (Net, 1,234 parameters)" in section and "; 7 steps</p>" in section and "mlp" not in section
+    assert run_cli.setup_line(run.spec_dict(), run.status()).startswith("setup          own loop (Net, 1,234 par")
 
 
 def test_new_run_form_shows_errors_next_to_the_field(runs):

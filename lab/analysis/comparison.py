@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, Iterable, Optional, Tuple
 
-from lab.rundir.summary import summarize
+from lab.rundir.summary import summarize, what_ran
 
 Key = Tuple[str, str, int, str]
 
@@ -75,9 +75,10 @@ def compare_runs(runs: Iterable, target_acc: Optional[float] = None, baseline: O
     return df.set_index("run") if len(df) else df
 
 
-def describe_setup(spec: dict) -> str:
-    """One line: model on dataset, world size, compressor, schedule, comm, link."""
+def describe_setup(spec: dict, status: Optional[dict] = None) -> str:
+    """One line: model on dataset (an own loop's model, from the run's ``status``: its spec's model and data
+    set are defaults its script never used), world size, compressor, schedule, comm, link."""
     net = spec["network"]
     link = net["link"] + (f" {net['gbps']:g} Gbit/s" if net.get("gbps") else "")
-    return (f"{spec['model']['name']} on {spec['dataset']['name']}, {spec['world_size']} ranks, {describe(spec)}, "
+    return (f"{what_ran(spec, status)}, {spec['world_size']} ranks, {describe(spec)}, "
             f"{spec['schedule']['name']}, {spec['comm']['mode']}, {link}")

@@ -45,7 +45,8 @@ def run_section(run: Run, n: int) -> str:
     steps = summary.get("steps") if st.get("own_loop") else spec["steps"]
     steps = summary["steps_done"] if steps is None else steps
     out = [f"<h2>{html.escape(spec.get('name') or run.id)} <span class='note'>{html.escape(run.id)}</span></h2>",
-           f"<p>{html.escape(comparison.describe_setup(spec))}; {steps} steps, batch {spec['batch_size']} per rank</p>",
+           f"<p>{html.escape(comparison.describe_setup(spec, st))}; {steps} steps"
+           + ("" if st.get("own_loop") else f", batch {spec['batch_size']} per rank") + "</p>",
            f"<p>state <b>{html.escape(str(st.get('state')))}</b>"
            + (f": {html.escape(str(st.get('error')))}" if st.get("error") else "")
            + (f"; owner {html.escape(str(st['owner']))}" if st.get("owner") else "") + "</p>"]

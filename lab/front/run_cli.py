@@ -32,7 +32,7 @@ from lab.rundir.disturbance import describe, mark
 from lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
 from lab.rundir.progress import quiet
 from lab.rundir.store import FINAL, STATES
-from lab.rundir.summary import format_summary, summarize
+from lab.rundir.summary import format_summary, summarize, what_ran
 from lab.service.queue import Lab
 
 
@@ -252,10 +252,7 @@ def setup_line(spec: dict, st: dict) -> str:
     holds strategy auto's choice once it is made), and the link with its rate."""
     c = spec["compressor"]
     params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
-    own = st.get("own_loop")  # commlab.wrap in the user's script: the model and data are the script's
-    what = (f"own loop ({own.get('model')}, {own.get('params', 0):,} parameters)" if own else
-            f"{spec['model']['name']} on {spec['dataset']['name']}")
-    return (f"setup          {what}, world {spec['world_size']}, "
+    return (f"setup          {what_ran(spec, st)}, world {spec['world_size']}, "
             f"{c['name']}{'(' + params + ')' if params else ''}{' +EF' if c['error_feedback'] else ''}, "
             f"{spec['schedule']['name']}, {spec['comm']['mode']}, {link_text(spec['network'])}")
 

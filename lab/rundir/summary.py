@@ -23,6 +23,15 @@ ENDED = ("done", "failed", "cancelled", "diverged")
 """A run's final states (lab.rundir.store.FINAL, which imports this module)."""
 
 
+def what_ran(spec: dict, status: Optional[dict] = None) -> str:
+    """The model and its data: "mlp on digits", or for an own loop (commlab.wrap; status.json's ``own_loop``,
+    whose spec's model and data set are defaults its script never used) "own loop (Net, 1,234 parameters)"."""
+    own = (status or {}).get("own_loop")
+    if own:
+        return f"own loop ({own.get('model')}, {own.get('params', 0):,} parameters)"
+    return f"{spec['model']['name']} on {spec['dataset']['name']}"
+
+
 def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional[dict] = None) -> dict:
     """The headline figures. With the run's ``status``: an own loop's (commlab.wrap; status.json's
     ``own_loop``) steps are the ones it took (its spec's ``steps`` is a default its script never read;
