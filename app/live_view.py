@@ -57,8 +57,9 @@ def live_panel(run_id: str) -> None:
         st.error(f"No run {ui.md(repr(run_id))}{ui.md(where())}.")
         return
     spec = run.spec_dict()
-    own = bool(run.status().get("own_loop"))  # its script decides how many steps: the spec's are a default
-    st.caption(ui.md(comparison.describe_setup(spec, run.status())))
+    first = run.status()
+    own = bool(first.get("own_loop"))  # its script decides how many steps: the spec's are a default
+    st.caption(ui.md(comparison.describe_setup(spec, first)))
     c = st.columns([1, 1, 1, 2])
     last = c[0].number_input("Iterations in the timeline", 1, 20, 3, key="live.last")
     step = c[1].number_input("Zoom to step (-1: last iterations)", -1, None if own else spec["steps"], -1,
@@ -112,7 +113,8 @@ def live_panel(run_id: str) -> None:
         machine_note(status.get("disturbance"))
         m = st.columns(4)
         m[0].metric("iteration (median)", f"{s['iter_ms_median']:.1f} ms" if s.get("iter_ms_median") else "-")
-        m[1].metric("accuracy (its script's evaluation)" if own else "held-out accuracy", f"{s['final_acc']:.1%}" if s.get("final_acc") is not None else "-")
+        m[1].metric("accuracy (its script's evaluation)" if own else "held-out accuracy",
+                    f"{s['final_acc']:.1%}" if s.get("final_acc") is not None else "-")
         m[2].metric("bytes sent / step / rank", fmt_bytes(s.get("bytes_per_step")))
         m[3].metric("compression", f"{s['compression_ratio']:.1f}x" if s.get("compression_ratio") else "-")
 

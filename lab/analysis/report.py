@@ -41,9 +41,8 @@ def _table(df) -> str:
 def run_section(run: Run, n: int) -> str:
     """One run: what it was, how it ended, its headline figures, and its four charts."""
     spec, st = run.spec_dict(), run.status()
-    summary = summarize(run.metric_rows(), spec, st)  # an own loop's steps are those it took
-    steps = summary.get("steps") if st.get("own_loop") else spec["steps"]
-    steps = summary["steps_done"] if steps is None else steps
+    summary = summarize(run.metric_rows(), spec, st)  # an own loop's steps are those it took (None while it runs)
+    steps = summary["steps_done"] if summary.get("steps") is None else summary["steps"]
     out = [f"<h2>{html.escape(spec.get('name') or run.id)} <span class='note'>{html.escape(run.id)}</span></h2>",
            f"<p>{html.escape(comparison.describe_setup(spec, st))}; {steps} steps"
            + ("" if st.get("own_loop") else f", batch {spec['batch_size']} per rank") + "</p>",
