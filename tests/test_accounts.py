@@ -409,7 +409,7 @@ def test_served_over_tls_with_the_teachers_certificate(tmp_path):
     finally:
         stop_process(p, signal.SIGTERM, timeout=30)
     out = log_path.read_text()
-    assert "teacher:  https://" in out and "WARNING: served without TLS" not in out
+    assert "students: https://" in out and "WARNING: served without TLS" not in out
 
 
 def test_certfile_and_keyfile_come_together(tmp_path, capsys):

@@ -504,7 +504,8 @@ def test_exposed_server_prints_the_links(exposed):
     url, runs, tokens, log_path = exposed
     out = log_path.read_text()
     assert "students: http://" in out and f"/?token={tokens['class']}" in out
-    assert "teacher:  http://" in out and f"/?token={tokens['admin']}" in out
+    # the admin token was made before the server started: only its hash is on disk, so it is never printed again
+    assert "teacher:  the link printed when the admin token was made" in out and tokens["admin"] not in out
     assert "WARNING: served without TLS" in out
 
 

@@ -3,6 +3,7 @@ entry, the shipped examples and notebooks) and the runs directory every command 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 SOURCE = Path(__file__).resolve().parents[2]
@@ -59,3 +60,26 @@ ADVICE = "advice.json"
 ADVICE_BEST = "best.yaml"
 ADVICE_LOG = "advise.log"
 ADVICE_GROUP = "group.json"
+
+
+
+PRIVATE_MODE = 0o700
+"""The runs directory's mode: its owner's alone. Every run's spec, log, metrics and timelines (a student's
+private runs on a workshop server included) and the lab's access file sit below it, so no other account on
+the machine reads them, whatever the modes of the files inside."""
+
+
+def make_private(folder: os.PathLike, narrow: bool = False) -> bool:
+    """``folder`` made (with its parents) with PRIVATE_MODE when missing; with ``narrow``, an existing one this
+    user owns is narrowed to it too, unless it is a folder others share (world-writable or sticky, as /tmp is:
+    its mode is not the lab's to change). Whether its mode changed."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True, mode=PRIVATE_MODE)
+    if not narrow:
+        return False
+    st = path.stat()
+    shared = st.st_mode & (stat.S_IWOTH | stat.S_ISVTX)
+    if st.st_uid != os.geteuid() or shared or st.st_mode & 0o777 == PRIVATE_MODE:
+        return False
+    os.chmod(path, PRIVATE_MODE)
+    return True

@@ -5,9 +5,13 @@ Loopback use (``commlab app``, the CLI, notebooks) has one user, the person at t
 bound anywhere else (``access_mode`` is ``token``), every request needs a session, and a session needs a
 token once. The tokens live in ``runs/access.json`` (mode 0600, made on first use):
 
-    {"class_token": "...",    the teacher hands it out (the link `commlab app --host 0.0.0.0` prints); with
-                              it a student picks a name and gets a personal token
-     "admin_token": "...",    the teacher's own: sees and cancels every run, starts sweeps
+    {"class_token": "...",    the teacher hands it out (the link `commlab app --host 0.0.0.0` prints at every
+                              start); with it a student picks a name and gets a personal token. Kept in the
+                              clear on purpose: it is shown to the whole room, admits nobody by itself (it only
+                              lets a browser pick a name, at most ``max_signins`` of them) and the teacher
+                              replaces it with ``commlab workshop rotate class``
+     "admin_hash": "<sha256 of the admin token>",  the teacher's own token: sees and cancels every run, starts
+                              sweeps; shown once, when it is made (``rotate admin`` makes a new one)
      "class_signins": 3,      names taken with the current class token (capped: settings' max_signins)
      "users": {"<sha256 of a personal token>": {"id": "...", "name": "alice", "created": t, "expires": t,
                                                 "browsers": ["<sha256 of a browser id>"]}},
@@ -37,7 +41,7 @@ from typing import Dict, List, Optional, Tuple
 
 from engine.runlog import write_json_atomic
 from lab.base.errors import LabError
-from lab.base.paths import ACCESS, ACCESS_LOCK, CONFIG, INDEX
+from lab.base.paths import ACCESS, ACCESS_LOCK, CONFIG, INDEX, make_private
 from lab.rundir.index import Index
 from lab.rundir.store import RunStore, lab_config
 from lab.service.owners import TEACHER, User, local_user
@@ -133,7 +137,7 @@ def _locked(root: os.PathLike):
     """Held around every read-modify-write of runs/access.json. Without it two students signing in at
     the same moment each read the file, add themselves and write it back, and the later write drops the
     earlier student's token."""
-    Path(root).mkdir(parents=True, exist_ok=True)
+    make_private(root)
     fd = os.open(Path(root) / ACCESS_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -143,15 +147,24 @@ def _locked(root: os.PathLike):
 
 
 _read_cache: Dict[str, Tuple[tuple, dict]] = {}
+_CLEAR = "_admin_token_in_the_clear"
+"""Set (in memory only) on a file read with the admin token itself in it, until it is written with its hash."""
 
 
 def load_access(root: os.PathLike, create: bool = True) -> dict:
     """runs/access.json (a copy; parsed again only when the file changed), made with fresh tokens (mode
-    0600) when missing and ``create``; ``{}`` when missing and not ``create``."""
+    0600) when missing and ``create``; ``{}`` when missing and not ``create``. The answer of the call that made
+    the file also holds the admin token itself (``admin_token``): the file keeps only its hash."""
     if create and not access_path(root).exists():
         with _locked(root):
             return _load(root, create=True)
-    return _load(root, create)
+    data = _load(root, create)
+    if data.pop(_CLEAR, False) and create:  # the file still has the admin token in the clear: write its hash
+        with _locked(root):
+            data = _load(root, create=True)
+            if data.pop(_CLEAR, False):
+                _save(root, data)
+    return data
 
 
 def _load(root: os.PathLike, create: bool) -> dict:
@@ -163,10 +176,11 @@ def _load(root: os.PathLike, create: bool) -> dict:
         if not create:
             return {}
         now = time.time()
-        data = {"class_token": secrets.token_urlsafe(16), "admin_token": secrets.token_urlsafe(24),
+        admin = secrets.token_urlsafe(24)
+        data = {"class_token": secrets.token_urlsafe(16), "admin_hash": _hash(admin),
                 "admin_created": now, "class_signins": 0, "users": {}, "sessions": {}}
         _save(root, data)
-        return data
+        return {**data, "admin_token": admin}  # the one answer that holds it: the file keeps its hash
     key = (st.st_ino, st.st_mtime_ns, st.st_size)
     hit = _read_cache.get(str(path))
     if hit is not None and hit[0] == key:
@@ -176,6 +190,9 @@ def _load(root: os.PathLike, create: bool) -> dict:
     except ValueError as e:
         raise LabError(f"{path}: not valid JSON: {e}") from None
     _check(path, data)
+    if "admin_token" in data:  # written by an older lab: kept as its hash from now on (load_access rewrites it)
+        data["admin_hash"] = _hash(data.pop("admin_token"))
+        data[_CLEAR] = True
     if len(_read_cache) > 64:
         _read_cache.clear()
     _read_cache[str(path)] = (key, data)
@@ -185,12 +202,21 @@ def _load(root: os.PathLike, create: bool) -> dict:
 def _check(path: Path, data) -> None:
     if not isinstance(data, dict):
         raise LabError(f"{path}: must be a JSON object")
-    for k in ("class_token", "admin_token"):
-        v = data.get(k)
+    v = data.get("class_token")
+    if not isinstance(v, str) or len(v) < 8:
+        raise LabError(f"{path}: class_token must be a string of at least 8 characters")
+    if "admin_token" in data:  # an older lab's file: the token itself (load_access keeps its hash)
+        v = data["admin_token"]
         if not isinstance(v, str) or len(v) < 8:
-            raise LabError(f"{path}: {k} must be a string of at least 8 characters")
-    if data["class_token"] == data["admin_token"]:
-        raise LabError(f"{path}: class_token and admin_token must differ")
+            raise LabError(f"{path}: admin_token must be a string of at least 8 characters")
+        admin = _hash(v)
+    else:
+        admin = data.get("admin_hash")
+        if not isinstance(admin, str) or not re.fullmatch(r"[0-9a-f]{64}", admin):
+            raise LabError(f"{path}: admin_hash must be the SHA-256 of the admin token (64 hex digits); "
+                           f"`commlab workshop rotate admin` writes a new one")
+    if _hash(data["class_token"]) == admin:
+        raise LabError(f"{path}: class_token and the admin token must differ")
     for k in ("users", "sessions", "revoked", "revoked_browsers"):
         if not isinstance(data.setdefault(k, {}), dict):
             raise LabError(f"{path}: {k} must be an object")
@@ -205,6 +231,7 @@ def _check(path: Path, data) -> None:
 
 def _save(root: os.PathLike, data: dict) -> None:
     now = time.time()
+    data = {k: v for k, v in data.items() if k not in ("admin_token", _CLEAR)}  # never on disk: its hash is
     data["sessions"] = {h: s for h, s in data.get("sessions", {}).items() if s.get("expires", 0) > now}
     rb = data.get("revoked_browsers", {})
     if len(rb) > REVOKED_BROWSERS_KEPT:
@@ -235,7 +262,7 @@ def _admin_expires(root, data: dict) -> Optional[float]:
 
 def _person(root, data: dict, token: str, now: float) -> Optional[Tuple[str, User]]:
     """(person id, User) of a valid personal or admin token."""
-    if _same(token, data["admin_token"]):
+    if _same(_hash(token), data["admin_hash"]):
         return (TEACHER, User(TEACHER, admin=True)) if not _expired(_admin_expires(root, data), now) else None
     u = data["users"].get(_hash(token))
     if u is None or _expired(_expires(root, u), now):
@@ -432,7 +459,7 @@ def rotate(root: os.PathLike, who: str) -> str:
         if who == "class":
             data["class_token"], data["class_signins"] = new, 0
         elif who == "admin":
-            data["admin_token"], data["admin_created"] = new, now
+            data["admin_hash"], data["admin_created"] = _hash(new), now
             data["sessions"] = {k: s for k, s in data["sessions"].items() if s["id"] != TEACHER}
         else:
             [h] = _student(data, who, access_path(root))[:1]
@@ -451,7 +478,7 @@ def set_class_token(root: os.PathLike, token: str) -> dict:
                        "(it goes into a link)")
     with _locked(root):
         data = _load(root, create=True)
-        if token == data["admin_token"]:
+        if _same(_hash(token), data["admin_hash"]):
             raise LabError("--token: must differ from the admin token")
         if token != data["class_token"]:
             data["class_token"], data["class_signins"] = token, 0

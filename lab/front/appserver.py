@@ -14,7 +14,7 @@ from typing import List, Optional
 
 import lab
 from lab.base.errors import LabError
-from lab.base.paths import SOURCE
+from lab.base.paths import SOURCE, make_private
 from lab.front import accounts
 from lab.front.ui import runs_dir
 from lab.rundir import disturbance
@@ -71,15 +71,20 @@ def ensure_demo_run(runs) -> Optional[str]:
 
 
 def sign_in_lines(root: Path, host: str, port: int, token: Optional[str] = None, tls: bool = False) -> str:
-    """The links a teacher hands out (class token) and keeps (admin token), after setting the class
-    token to ``token`` when given (lab.accounts), and a warning when served without TLS."""
+    """The links a teacher hands out (class token) and keeps (admin token: shown only when it is made,
+    since runs/access.json keeps its hash), after setting the class token to ``token`` when given
+    (lab.front.accounts), and a warning when served without TLS."""
     import socket
     data = accounts.set_class_token(root, token) if token else accounts.load_access(root)
     where = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
     scheme = "https" if tls else "http"
     lines = [f"sign-in required (bound to {host}): tokens in {accounts.access_path(root)}",
-             f"  students: {scheme}://{where}:{port}/?token={data['class_token']}",
-             f"  teacher:  {scheme}://{where}:{port}/?token={data['admin_token']}"]
+             f"  students: {scheme}://{where}:{port}/?token={data['class_token']}"]
+    if "admin_token" in data:  # made just now: the only time it can be shown (the file keeps its hash)
+        lines.append(f"  teacher:  {scheme}://{where}:{port}/?token={data['admin_token']} (shown once: keep it)")
+    else:
+        lines.append("  teacher:  the link printed when the admin token was made (only its hash is kept); "
+                     "`commlab workshop rotate admin` prints a new one")
     if not tls:
         lines.append("WARNING: served without TLS: tokens, session cookies and pages cross the network in "
                      "the clear; on a network you do not trust, pass --certfile and --keyfile")
@@ -106,12 +111,13 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
     if missing:
         raise LabError(f"commlab app needs {' and '.join(missing)}: pip install 'commlab[app]'")
     root = Path(runs or runs_dir()).resolve()
-    root.mkdir(parents=True, exist_ok=True)
+    exposed = not accounts.is_loopback(host or "127.0.0.1")
+    if make_private(root, narrow=exposed):  # every student's runs are below it: no other account reads them
+        print(f"made {root} private to this account (mode 700): students' runs are below it", file=out, flush=True)
     if demo:
         rid = ensure_demo_run(root)
         if rid:
             print(f"no runs in {root} yet: queued the demo run {rid}", file=out, flush=True)
-    exposed = not accounts.is_loopback(host or "127.0.0.1")
     env = {**os.environ, "COMMLAB_RUNS": str(root), accounts.ACCESS_ENV: "token" if exposed else "off",
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     print(f"commlab UI on {'https' if certfile else 'http'}://{host or '127.0.0.1'}:{port}  (runs: {root}; "

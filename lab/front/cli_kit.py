@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import tomllib
 
-from lab.base.paths import SOURCE, default_root
+from lab.base.paths import SOURCE, default_root, make_private
 from lab.rundir.store import RunStore
 from lab.rundir.summary import summarize
 from lab.service.queue import Lab
@@ -144,7 +144,7 @@ def runs_root(args, create: bool = True) -> Path:
         raise UsageError(f"--runs: {root} is not a directory")
     if create:
         try:
-            root.mkdir(parents=True, exist_ok=True)
+            make_private(root)
         except OSError as e:
             raise UsageError(f"--runs: cannot create {root}: {e.strerror}") from None
     return root

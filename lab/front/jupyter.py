@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from lab.base.errors import LabError
-from lab.base.paths import SOURCE
+from lab.base.paths import SOURCE, make_private
 
 REPO = SOURCE
 NOTEBOOKS = REPO / "notebooks"
@@ -122,7 +122,7 @@ def notebooks_main(port: int = 8888, browser: bool = True, runs: Optional[os.Pat
     env = {**os.environ, "JUPYTER_TOKEN": token,
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     root = Path(runs or os.environ.get("COMMLAB_RUNS") or "runs").resolve()  # the CLI's default: ./runs
-    root.mkdir(parents=True, exist_ok=True)
+    make_private(root)
     env["COMMLAB_RUNS"] = str(root)  # the kernels' lab.notebook.runs_dir()
     data_dir = Path(tempfile.mkdtemp(prefix="commlab-jupyter-"))
     old = {s: signal.signal(s, _raise_stop) for s in STOP_SIGNALS}

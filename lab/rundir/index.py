@@ -33,7 +33,7 @@ from typing import Dict, List, Optional
 
 from engine import runfiles
 from lab.base.errors import LabError
-from lab.base.paths import INDEX
+from lab.base.paths import INDEX, make_private
 from lab.rundir.store import Run, RunStore
 from lab.rundir.summary import summarize
 
@@ -174,7 +174,7 @@ class Index:
     def _swap_lock(self, kind: int, deadline: float):
         """Hold ``index.sqlite.lock``: shared around every connection, exclusive around a rebuild's swap.
         flock is released by the kernel when a holder dies, so a killed process never blocks the index."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_private(self.path.parent)
         try:
             fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except PermissionError:  # another user's lock file: a read-only descriptor locks all the same
@@ -361,7 +361,7 @@ class Index:
         operation found), the swap is skipped when another process has swapped in a new file since."""
         since = time.time() - CLOCK_SLACK_S
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            make_private(self.path.parent)
             fd, name = tempfile.mkstemp(dir=self.path.parent, prefix=f".{INDEX}.", suffix=".new")
             os.close(fd)
         except OSError as e:

@@ -43,7 +43,7 @@ from engine.runlog import read_jsonl, set_aside, write_json_atomic
 from engine.spec import JobSpec
 from engine.timeline import LANE_NAMES
 from lab.base.errors import LabError
-from lab.base.paths import CONFIG, default_root
+from lab.base.paths import CONFIG, PRIVATE_MODE, default_root, make_private
 from lab.rundir.summary import summarize
 
 STATES = ("queued", "running", "done", "failed", "cancelled", "diverged")
@@ -260,20 +260,21 @@ class RunStore:
         self.on_change = on_change
 
     def create(self, spec: JobSpec, run_id: Optional[str] = None) -> Run:
-        """A new run directory, queued. ``run_id`` names it (multi-node runs agree on a name)."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        """A new run directory (its owner's alone: paths.make_private), queued. ``run_id`` names it (multi-node
+        runs agree on a name)."""
+        make_private(self.root)
         if run_id is not None:
             check_id(run_id)
             path = self.root / run_id
             try:
-                path.mkdir()
+                path.mkdir(mode=PRIVATE_MODE)
             except FileExistsError:
                 raise RunError(f"run {run_id!r} exists already in {self.root}") from None
         else:
             for _ in range(100):
                 path = self.root / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec.name)}-{secrets.token_hex(2)}"
                 try:
-                    path.mkdir()
+                    path.mkdir(mode=PRIVATE_MODE)
                     break
                 except FileExistsError:
                     continue
