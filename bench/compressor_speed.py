@@ -39,7 +39,7 @@ if __package__ in (None, ""):
 from bench import common  # noqa: E402
 
 ELEMENTWISE = ("fp16", "bf16", "signsgd", "efsignsgd", "signum", "onebit", "qsgd", "terngrad", "natural")
-"""The codecs issue 18 holds to a fraction of peak bandwidth: one pass over the input, no selection."""
+"""The codecs held to a fraction of peak bandwidth: one pass over the input, no selection."""
 GPU_TARGETS = {"bandwidth": 0.25, "vs_grace": 3.0, "fixed_us": 30.0}
 """On a GPU: elementwise codecs reach 25% of peak bandwidth at 25M elements, every compressor 3x GRACE's
 throughput at large sizes, a fixed per-call cost of at most 30 µs (at the smallest size)."""

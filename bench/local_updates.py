@@ -39,7 +39,7 @@ Reported per variant: time to target (the sum of its step times up to the first 
 ``--target``), bytes to target (payload bytes this rank handed to collectives up to then; on a shaped link also
 the interface's transmitted bytes, headers included), steps to target, final held-out accuracy, mean step time
 and bytes per step, and time-to-target ratios against DDP and against the best per-step compressor (the
-faster of ``best`` and ``powersgd`` to the target). The issue's targets are checked at 0.1 Gbit/s: the best
+faster of ``best`` and ``powersgd`` to the target). The targets are checked at 0.1 Gbit/s: the best
 method reaches the target at least 3x sooner than DDP and 1.5x sooner than the best per-step compressor, with a
 final accuracy within 1 point of DDP's; at 10 Gbit/s the report says whether any method pays at all.
 
@@ -74,7 +74,7 @@ DDP_STRATEGY = {"compressor": {"name": "none"}, "schedule": {"name": "bucket", "
 POWERSGD = {"name": "powersgd", "rank": 4, "start_iter": 2}
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-# the issue's targets, at 0.1 Gbit/s
+# the targets, at 0.1 Gbit/s
 TARGET_VS_DDP = 3.0
 TARGET_VS_COMPRESSOR = 1.5
 TARGET_ACC_POINTS = 0.01
@@ -345,7 +345,7 @@ def _tx_bytes(ifname: str) -> int:
 
 def analyse(raw: dict, target: float, what: Dict[str, str]) -> dict:
     """Per variant: time, bytes and steps to ``target``, final accuracy, means; ratios against DDP and the
-    best per-step compressor; the best method and the issue's targets."""
+    best per-step compressor; the best method and the targets."""
     ranks = raw["ranks"]
     res = {}
     for n in ranks[0]:
@@ -379,7 +379,7 @@ def analyse(raw: dict, target: float, what: Dict[str, str]) -> dict:
 
 
 def verdict(res: dict, best: Optional[str]) -> dict:
-    """The issue's targets for the best method: >= 3x DDP's pace to the target, >= 1.5x the best per-step
+    """The targets for the best method: >= 3x DDP's pace to the target, >= 1.5x the best per-step
     compressor's, final accuracy within 1 point of DDP's; and whether any method pays against DDP at all."""
     out = {"any_method_pays": any(((res.get(n) or {}).get("vs_ddp") or 0) > 1 for n in METHODS)}
     if best is None:
@@ -458,7 +458,7 @@ def report_setting(s: dict) -> str:
                   f"{v['accuracy']['target_points']:g} below: {met if v['accuracy']['met'] else missed})"
                   if v["accuracy"]["gap_points"] is not None else "final accuracy: no DDP figure")]
         lines.append(f"- best method: {best}: " + "; ".join(parts)
-                     + ("" if at else " (the issue sets these targets at 0.1 Gbit/s)"))
+                     + ("" if at else " (the targets hold at 0.1 Gbit/s)"))
     if gbps >= 10:
         lines.append(f"- does any method pay at {gbps:g} Gbit/s? "
                      + ("yes: " + ", ".join(f"{n} {a['variants'][n]['vs_ddp']:.2f}x" for n in METHODS

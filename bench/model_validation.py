@@ -1,4 +1,4 @@
-"""The performance model checked three ways (issue 34), one table each.
+"""The performance model checked three ways, one table each.
 
     python bench/model_validation.py --table c                        # pure computation, ~10 s
     python bench/model_validation.py --table a --run-shaped [--gbps 1,10] [--ranks 2] [--iters 10]

@@ -94,7 +94,7 @@ DEFAULT_VARIANTS = ("compute", "ddp", "ddp-powersgd-r4", "ddp-powersgd-r1", "com
 DDP_POWERSGD_BUCKET_MB = 64  # > the model's 10.7 MB: one bucket (gloo needs it for the hook)
 START_ITER = 2
 
-# the issue's targets at 0.1 Gbit on resnet
+# the targets, at 0.1 Gbit on resnet
 TARGET_ITER_VS_COMPUTE = 1.15
 TARGET_TTA_VS_DDP = 2.5
 
@@ -527,7 +527,7 @@ def report(a: dict, raw: dict, args) -> str:
                          f"({'sooner: ' + met if x['met'] else 'NOT sooner: ' + missed}; at median pace "
                          f"{'sooner' if x['at_median_met'] else 'not sooner'})")
         notes.append(f"- best commlab configuration: {best}: " + "; ".join(parts)
-                     + ("" if at_target_link else " (the issue sets these targets at 0.1 Gbit only)"))
+                     + ("" if at_target_link else " (the targets hold at 0.1 Gbit only)"))
     if a.get("other_targets"):
         notes.append(f"- {best} vs DDP at other targets (measured time to target): " + "; ".join(
             f"{k}: {_f(o['best_s'], '.1f', 'not reached ')} s vs {_f(o['ddp_s'], '.1f', 'not reached ')} s = "

@@ -32,7 +32,7 @@ from lab.analysis.presets import PRESETS  # noqa: E402
 from lab.rundir.store import FINAL  # noqa: E402
 
 WALL_LIMIT_S = 90.0
-"""What a preset may take on this machine, from the click to its last run's end (issue 14)."""
+"""What a preset may take on this machine, from the click to its last run's end."""
 
 
 def run_preset(p, root: Path, timeout_s: float) -> dict:

@@ -203,3 +203,20 @@ def test_the_advise_how_to_names_only_flags_advise_has():
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", synopsis))
     assert flags and flags <= known, flags - known
     assert "--json-out advice.json" in synopsis
+
+
+TRACKER_WORDS = re.compile(r"\bissues? ?#?\d+|\bthe issue\b|\bissue's\b|\bissue tracker\b", re.IGNORECASE)
+
+
+def test_nothing_speaks_of_issues():
+    """The product, its docs, notebooks, benchmark results and tests speak of the project alone: an issue number
+    or "the issue" means nothing to a reader of the lab (a figure's target is the target, a change's reason
+    is said in words)."""
+    dirs = ("engine", "lab", "app", "commlab", "scripts", "tests", "bench", "notebooks", "examples", "docs")
+    files = [p for d in dirs for p in (ROOT / d).rglob("*")
+             if p.suffix in (".py", ".md", ".ipynb", ".yaml", ".yml", ".txt") and p.is_file()]
+    files.append(ROOT / "README.md")
+    me = Path(__file__).resolve()
+    bad = [f"{p.relative_to(ROOT)}:{i}" for p in files if p.resolve() != me
+           for i, ln in enumerate(p.read_text(errors="replace").splitlines(), 1) if TRACKER_WORDS.search(ln)]
+    assert bad == []

@@ -40,7 +40,7 @@ def test_torchvision_resnet18_builds_at_its_size():
     assert preflight.describe(spec)["params"] == 11_689_512
 
 
-# the issue's done-criterion: top-k + error feedback under mergecomp, and dear with fp16
+# what must hold on outside models: top-k + error feedback under mergecomp, and dear with fp16
 MERGECOMP_TOPK = {"compressor": {"name": "topk", "ratio": 0.01, "error_feedback": True},
                   "schedule": {"name": "mergecomp", "warmup_steps": 0, "steps_per_candidate": 1, "max_candidates": 2}}
 DEAR_FP16 = {"compressor": "fp16", "comm": {"mode": "dear"}}
@@ -109,7 +109,7 @@ def test_hf_gpt2_dear_matches_wfbp_and_fp16_trains(tmp_path):
 @needs_hf
 @COMMS
 def test_hf_gpt2_4_layers_trains(tmp_path, comm):
-    """The issue's GPT-2: 4 layers, 256 wide, 4 heads (vocabulary of the synthetic tokens)."""
+    """A small GPT-2: 4 layers, 256 wide, 4 heads (vocabulary of the synthetic tokens)."""
     model = {"name": "hf:gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4}
     spec = {**BASE, "model": model, "dataset": {"name": "synthetic", "vocab": 512, "block": 32, "size": 64},
             "optimizer": {"name": "adam", "lr": 0.001}, **comm}

@@ -1,4 +1,4 @@
-"""A room you can trust (issue 30, items 1, 2 and the Performance model page of 4), tried as an attacker
+"""A room you can trust: no code from students, bounded students, the Performance model page, tried as an attacker
 would: through AppTest sessions of a student and of the teacher on an exposed lab (COMMLAB_ACCESS=token),
 and at the lab level (lab.front.ui, new_run, groups and previews as the pages call them, the queue, lab.sandbox).
 
@@ -124,7 +124,7 @@ def test_the_new_run_form_offers_students_no_import_path(room):
 
 
 def test_a_students_code_is_refused_at_every_entry_and_never_imported(room, code, tmp_path):
-    """The attacks the issue names (a model ``subprocess:getoutput`` with ``cmd: touch MARKER``, a loader
+    """The attacks tried here (a model ``subprocess:getoutput`` with ``cmd: touch MARKER``, a loader
     ``os:system``), and a module of the student's own that would run at import, as a model, a loss and a
     compressor: refused by validation, by the API the pages use, and by the queue for owner alice."""
     root, _ = room

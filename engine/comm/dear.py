@@ -11,7 +11,7 @@ backward and an all-gather before the next forward. A mode on the communicator c
     dear.zero_grad()
     model(x)               # forward pre-hooks all-gather the updated parameters, buffer by buffer
 
-Where the step happens (the issue lets us choose): on the shards, before the
+Where the step happens (either place is correct): on the shards, before the
 all-gather. Every buffer's parameters live in one flat tensor padded to a
 multiple of the world size; the model's parameters are views of it. Rank r
 owns the r-th slice and the optimizer is built over one ``nn.Parameter`` per
