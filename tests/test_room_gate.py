@@ -189,7 +189,8 @@ def test_uploads_are_bounded_per_person_in_files_and_bytes(held):
     live |= {"alice-1", "alice-2", "bob-1"}
     for sid in ("alice-1", "alice-2", "alice-1"):  # one person's pages, together
         mgr.add_file(sid, rec(1000))
-    assert "at most 3 files" in refused(mgr, "alice-2", rec(10)) and "FILES_PER_PERSON" in refused(mgr, "alice-2", rec(10))
+    detail = refused(mgr, "alice-2", rec(10))
+    assert "at most 3 files" in detail and "FILES_PER_PERSON" in detail
     again = next(iter(mgr.file_storage["alice-1"]))
     mgr.add_file("alice-1", rec(2000, again))  # the same file sent again replaces it: no more room taken
     mgr.remove_file("alice-1", again)  # a file removed (the page's uploader cleared) frees its place
