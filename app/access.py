@@ -13,7 +13,8 @@ click time only for a session that is still open and whose user may see every ru
 ``guard_server`` (installed once per server process) closes what Streamlit leaves open: its deferred
 download requests are honoured only from the session the button was made for, the file they produce
 gets a random /media id that serves within ONE_SHOT_S seconds, for REFETCH_S seconds from its first
-fetch, then is gone; and no websocket client may clear the server's caches (they are every viewer's)."""
+fetch, then is gone; no websocket client may clear the server's caches (they are every viewer's); and uploads
+are bounded per person and for the server, and dropped with their page (app/uploads.py)."""
 from __future__ import annotations
 
 import functools
@@ -33,6 +34,7 @@ from streamlit.runtime.memory_media_file_storage import MemoryFile, get_extensio
 from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
 
 import lab
+from app import uploads
 from app.gatekeeper import SESSION_COOKIE
 from lab.front import accounts, ui
 from lab.service import owners
@@ -104,8 +106,11 @@ def fragment(run_every=None):
 
 
 def sign_out() -> None:
-    """The Sign out button's: the session ends on the server (the cookie is worth nothing from now on)."""
-    accounts.close_session(ui.runs_dir(), session_id())
+    """The Sign out button's: the session ends on the server (the cookie is worth nothing from now on), and the
+    uploads of its pages go with it."""
+    sid = session_id()
+    accounts.close_session(ui.runs_dir(), sid)
+    uploads.drop_lab_session(sid)
     st.session_state[SIGNED_OUT] = True
 
 
@@ -155,7 +160,9 @@ def guard_server() -> None:
       its id;
     - the /media file it produces gets a random id (not a hash of its content), serves for REFETCH_S
       seconds from its first fetch, and is dropped ONE_SHOT_S seconds after it was made if nobody fetched
-      it, so a URL that leaks afterwards (browser history, a shared screen, a proxy log) serves nothing."""
+      it, so a URL that leaks afterwards (browser history, a shared screen, a proxy log) serves nothing;
+    - uploads: at most app.uploads' FILES_PER_PERSON files and MB_PER_PERSON MB per person, MB_TOTAL MB for the
+      server, dropped when their page's websocket closes (app.uploads.guard)."""
     global _guarded
     with _guard_lock:
         if _guarded:
@@ -165,6 +172,7 @@ def guard_server() -> None:
         _guard_clear_cache()
         _guard_deferred()
         _one_shot(runtime.get_instance().media_file_mgr._storage)
+        uploads.guard()
         _guarded = True
 
 

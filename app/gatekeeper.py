@@ -12,12 +12,18 @@ Without a valid session: the websocket (``/_stcore/stream``) is refused before S
 page gets a redirect to ``/signin``, anything else (uploads, media, Streamlit's other endpoints) a 403.
 Only the sign-in pages, the health check and the static front-end files are public. Every request is
 checked again (a revoked or signed-out session ends at its next request; the script checks it too:
-app/access.py). On loopback (access mode ``off``) the middleware lets everything through.
+app/access.py). An upload goes only to an open page of the person who sends it (app/uploads.py). On loopback
+(access mode ``off``) the middleware lets everything through.
 
-Sign-in is rate-limited in memory: ``FAILS_PER_MIN`` wrong tokens per client address, ``NAMES_PER_HOUR``
-new names per browser and ``names_per_address`` (lab.accounts.SETTINGS) per client address; a grant to pick a
-name serves one name; lab.accounts caps names per class token. A link with a token never replaces the session
-a browser has: who is signed in changes only by signing out, or by the sign-in form."""
+Signing out is a POST to ``/signout`` from the lab's own page (``same_origin``); a GET of it gets a page with
+that form, and changes nothing (another site can make a browser open any address).
+
+Sign-in is rate-limited in memory: ``FAILS_PER_MIN`` wrong tokens per client address (a valid token is checked
+first and always signs in; the limit refuses only more wrong ones), ``NAMES_PER_HOUR`` new names per browser and
+``names_per_address`` (lab.accounts.SETTINGS) per client address; a grant to pick a name serves one name;
+lab.accounts caps names per class token. The client address is the socket's peer, unless ``commlab app
+--behind-proxy`` named the proxy whose X-Forwarded-For is believed (lab.front.appserver). A link with a token
+never replaces the session a browser has: who is signed in changes only by signing out, or by the sign-in form."""
 from __future__ import annotations
 
 import html
@@ -32,10 +38,11 @@ from urllib.parse import parse_qsl, urlencode
 
 from streamlit import config
 
+from app import uploads
 from lab.base.errors import LabError
 from lab.front import accounts, ui
 
-SESSION_COOKIE = "commlab_session"
+SESSION_COOKIE = accounts.SESSION_COOKIE
 BROWSER_COOKIE = "commlab_browser"
 GRANT_COOKIE = "commlab_grant"
 PUBLIC = ("/signin", "/signin/name", "/signout", "/_stcore/health", "/favicon.png")
@@ -43,6 +50,7 @@ PUBLIC_PREFIXES = ("/static/",)
 GRANT_S = 900.0
 """How long a class-token sign-in may take to pick a name."""
 FAILS_PER_MIN = 20
+"""Wrong tokens per minute from one client address; past it, wrong ones get a 429 (valid ones still sign in)."""
 NAMES_PER_HOUR = 3
 MAX_BODY = 4096
 """Bytes a sign-in form may send."""
@@ -131,6 +139,8 @@ def cookies(scope) -> Dict[str, str]:
 
 
 def client(scope) -> str:
+    """The client's address, as the limits count it: the socket's peer. (uvicorn, which serves the app, replaces
+    it with X-Forwarded-For only from the proxies ``commlab app --behind-proxy`` names: lab.front.appserver.)"""
     c = scope.get("client")
     return c[0] if c else "?"
 
@@ -226,11 +236,24 @@ def where_to(path: str, query: str) -> str:
     return path + ("?" + urlencode(rest) if rest else "")
 
 
+SIGN_OUT_FORM = "<form method='post' action='/signout'><button type='submit'>Sign out</button></form>"
+"""Signing out is a form post from the lab's own page: a plain link to /signout, which any other site can make a
+browser open, could sign a person out and let that site's next link sign them in as someone else."""
+
+
 def already_signed_in(user: accounts.User, then: str) -> str:
     return page("commlab: signed in already", f"<p>This browser is signed in as <b>{html.escape(user.name)}</b>, "
                 "so the link was not used: a link never changes who is signed in. To use it, sign out first, "
                 f"then open the link again.</p><p><a href='{html.escape(then, quote=True)}'><button>Go to the lab"
-                "</button></a> <a href='/signout'><button>Sign out</button></a></p>")
+                f"</button></a></p>{SIGN_OUT_FORM}")
+
+
+def sign_out_page(user: Optional[accounts.User]) -> str:
+    """What a GET of /signout gets: the form that signs out (a GET changes nothing)."""
+    who = (f"<p>This browser is signed in as <b>{html.escape(user.name)}</b>.</p>" if user is not None
+           else "<p>This browser is not signed in.</p>")
+    return page("commlab: sign out", f"{who}{SIGN_OUT_FORM if user is not None else ''}"
+                "<p><a href='/'><button>Go to the lab</button></a></p>")
 
 
 async def exchange(scope, send, token: str, then: str, browser: Optional[str], set_browser: list,
@@ -244,9 +267,8 @@ async def exchange(scope, send, token: str, then: str, browser: Optional[str], s
         if accounts.check_token(root, token) == current:  # their own link again: nothing changes
             return await redirect(send, then, set_browser)
         return await respond(send, 200, already_signed_in(current, then), set_browser)
-    if fails.full(client(scope)):
-        return await respond(send, 429, token_form("Too many wrong tokens from this address; wait a minute."),
-                             set_browser)
+    # The token is checked before the limit: a room behind one address (a NAT, a TLS proxy) shares the limit,
+    # and wrong guesses from one person there must not lock everyone with a valid token out.
     try:
         opened = accounts.open_session(root, token, browser)
         if opened:
@@ -257,6 +279,9 @@ async def exchange(scope, send, token: str, then: str, browser: Optional[str], s
                                                          *set_browser])
     except LabError as e:  # a damaged access.json: the teacher's to fix; said without the path
         return await respond(send, 503, token_form(f"sign-in is unavailable: {str(e).split(': ', 1)[-1]}"))
+    if fails.full(client(scope)):
+        return await respond(send, 429, token_form("Too many wrong tokens from this address; wait a minute."),
+                             set_browser)
     fails.add(client(scope))
     await respond(send, 401, token_form("That token is not valid."), set_browser)
 
@@ -287,7 +312,12 @@ class Gate:
         token = dict(parse_qsl(query)).get("token")
         if scope["type"] == "http" and scope.get("method") == "GET" and token is not None:
             return await exchange(scope, send, token, where_to(path, query), browser, set_browser, link=True)
-        if session_of(scope) is not None:
+        user = session_of(scope)
+        if user is not None:
+            if path.startswith("/_stcore/upload_file/"):  # only into the sender's own open page (app/uploads.py)
+                why = uploads.refusal(path, user)
+                if why:
+                    return await respond(send, 403, why, kind="text/plain")
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008, "reason": "sign in first"})
@@ -299,7 +329,16 @@ class Gate:
         root = ui.runs_dir()
         method = scope.get("method")
         if path == "/signout":
-            accounts.close_session(root, jar.get(SESSION_COOKIE))
+            if method == "GET":
+                return await respond(send, 200, sign_out_page(session_of(scope)), set_browser)
+            if method != "POST":
+                return await respond(send, 405, "", [(b"allow", b"GET, POST")], kind="text/plain")
+            if await read_form(receive) is None or not same_origin(scope):
+                return await respond(send, 400, page("commlab: sign out", "<p class='err'>That request was "
+                                                     f"refused.</p>{SIGN_OUT_FORM}"))
+            sid = jar.get(SESSION_COOKIE)
+            accounts.close_session(root, sid)
+            uploads.drop_lab_session(sid)  # the uploads of its pages go with it
             return await redirect(send, "/signin", [_cookie(SESSION_COOKIE, "", 0)])
         if method == "GET" and path == "/signin":
             token = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))).get("token")

@@ -46,6 +46,9 @@ from lab.rundir.index import Index
 from lab.rundir.store import RunStore, lab_config
 from lab.service.owners import TEACHER, User, local_user
 
+SESSION_COOKIE = "commlab_session"
+"""The cookie that carries a browser's session id (set at sign-in by app/gatekeeper.py; read by app/access.py and,
+for the page an upload is sent to, app/uploads.py)."""
 ACCESS_ENV = "COMMLAB_ACCESS"
 """``token`` or ``off``: set by ``commlab app`` for its server (off on loopback, token elsewhere)."""
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")

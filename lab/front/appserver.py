@@ -63,6 +63,42 @@ UPLOAD_MB = 2
 200 MB, held in the server's memory."""
 
 
+LOCAL_PROXY = "127.0.0.1,::1"
+"""What ``commlab app --behind-proxy`` with no address trusts: a proxy on this machine."""
+FORWARDED_ENV = "FORWARDED_ALLOW_IPS"
+"""uvicorn's setting (it serves Streamlit's app) of the peers whose X-Forwarded-For names the client. Its default,
+loopback, would let anyone behind a proxy on this machine choose their own address, and so get past the sign-in
+limits per address (app/gatekeeper.py): the lab sets it, to nothing unless the teacher names a proxy."""
+
+
+def trusted_proxies(behind_proxy: Optional[str]) -> str:
+    """``--behind-proxy``'s value as uvicorn takes it: comma-separated IP addresses or networks (``10.0.0.0/8``),
+    checked; "" (no forwarded address believed) for None."""
+    if behind_proxy is None:
+        return ""
+    import ipaddress
+    items = [a.strip() for a in str(behind_proxy).split(",") if a.strip()]
+    if not items:
+        raise LabError("--behind-proxy: give at least one address (the proxy's: an IP address or network such as "
+                       "10.0.0.0/8), or the flag alone for a proxy on this machine")
+    for a in items:
+        try:
+            ipaddress.ip_network(a) if "/" in a else ipaddress.ip_address(a)
+        except ValueError:
+            raise LabError(f"--behind-proxy: {a!r} is not an IP address or network; give the proxy's address, e.g. "
+                           f"127.0.0.1 or 10.0.0.0/8 (a network without host bits)") from None
+    return ",".join(items)
+
+
+def server_env(root: Path, exposed: bool, behind_proxy: Optional[str] = None, base: Optional[dict] = None) -> dict:
+    """The Streamlit server's environment (``base``: this process's): the runs directory, whether sign-in is
+    required, where the lab's code is, and which proxies may name the client (``trusted_proxies``)."""
+    base = dict(os.environ if base is None else base)
+    return {**base, "COMMLAB_RUNS": str(root), accounts.ACCESS_ENV: "token" if exposed else "off",
+            FORWARDED_ENV: trusted_proxies(behind_proxy),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), base.get("PYTHONPATH")) if p)}
+
+
 def ensure_demo_run(runs) -> Optional[str]:
     """Queue the demo spec (DEMO_SPEC) when ``runs`` holds no run yet, so the UI has something to show."""
     if RunStore(runs).list():
@@ -93,12 +129,14 @@ def sign_in_lines(root: Path, host: str, port: int, token: Optional[str] = None,
 
 def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optional[str] = None,
              demo: bool = True, out=sys.stderr, token: Optional[str] = None, certfile: Optional[str] = None,
-             keyfile: Optional[str] = None) -> int:
+             keyfile: Optional[str] = None, behind_proxy: Optional[str] = None) -> int:
     """``commlab app``: serve the UI on host:port (127.0.0.1 unless ``host``) over the runs
     directory ``runs`` (default $COMMLAB_RUNS or ./runs) until interrupted. With ``demo``,
     an empty runs directory gets the demo run queued first. Bound beyond loopback, every request
     needs a token (lab.workshop; ``token`` sets the class token) and the links are printed.
-    ``certfile``/``keyfile`` serve it over TLS. Returns 0 after a stop by signal, else Streamlit's exit status."""
+    ``certfile``/``keyfile`` serve it over TLS. ``behind_proxy``: the addresses of a proxy in front (LOCAL_PROXY: on
+    this machine), whose X-Forwarded-For then names the client; without it the socket's peer is the client.
+    Returns 0 after a stop by signal, else Streamlit's exit status."""
     import importlib.util
     if not 1 <= int(port) <= 65535:
         raise LabError(f"--port: must be in 1..65535, got {port}")
@@ -107,6 +145,10 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
     for flag, f in (("--certfile", certfile), ("--keyfile", keyfile)):
         if f and not os.access(f, os.R_OK):
             raise LabError(f"{flag}: cannot read {f}")
+    trusted_proxies(behind_proxy)  # a bad address is named before anything starts
+    if behind_proxy is not None and accounts.is_loopback(host or "127.0.0.1"):
+        raise LabError("--behind-proxy: only for a server bound beyond loopback (--host); on 127.0.0.1 there is "
+                       "no sign-in, so no address to trust")
     missing = [m for m in ("streamlit", "plotly") if importlib.util.find_spec(m) is None]
     if missing:
         raise LabError(f"commlab app needs {' and '.join(missing)}: pip install 'commlab[app]'")
@@ -118,8 +160,7 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
         rid = ensure_demo_run(root)
         if rid:
             print(f"no runs in {root} yet: queued the demo run {rid}", file=out, flush=True)
-    env = {**os.environ, "COMMLAB_RUNS": str(root), accounts.ACCESS_ENV: "token" if exposed else "off",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
+    env = server_env(root, exposed, behind_proxy)
     print(f"commlab UI on {'https' if certfile else 'http'}://{host or '127.0.0.1'}:{port}  (runs: {root}; "
           f"Ctrl-C stops it)", file=out, flush=True)
     if exposed:

@@ -49,7 +49,7 @@ from typing import List, Optional
 from engine.spec import JobSpec, SpecError
 from lab.base.errors import LabError
 from lab.front import accounts, check_cli, completion, model_cli, run_cli
-from lab.front.appserver import app_main
+from lab.front.appserver import LOCAL_PROXY, app_main
 from lab.front.cli_kit import (
     ROOT,
     Help,
@@ -91,7 +91,8 @@ def build_parser() -> Parser:
 
     p = command(sub, "app", "start the Streamlit UI (bound to 127.0.0.1), with a demo run if there is none",
                 ["commlab app", "commlab app --port 8600 --no-demo",
-                 "commlab app --host 0.0.0.0 --certfile cert.pem --keyfile key.pem"],
+                 "commlab app --host 0.0.0.0 --certfile cert.pem --keyfile key.pem",
+                 "commlab app --host 0.0.0.0 --behind-proxy"],
                 "Any address beyond loopback serves a workshop: students sign in with the class token. "
                 "SIGINT, SIGTERM or SIGHUP stops it cleanly.")
     p.add_argument("--port", type=int, default=8501, help="port")
@@ -102,6 +103,11 @@ def build_parser() -> Parser:
     p.add_argument("--certfile", default=None, metavar="FILE", help="TLS certificate (PEM) to serve https with; "
                                                                     "needs --keyfile")
     p.add_argument("--keyfile", default=None, metavar="FILE", help="the certificate's private key (PEM)")
+    p.add_argument("--behind-proxy", nargs="?", const=LOCAL_PROXY, default=None, metavar="ADDRESSES",
+                   help="a proxy (e.g. for TLS) forwards to this lab: believe the client address in its "
+                        "X-Forwarded-For header, from the proxy's addresses only (comma-separated IP addresses "
+                        "or networks; alone: a proxy on this machine, 127.0.0.1 and ::1). Without it the "
+                        "sign-in limits count the socket's peer address")
     runs_arg(p)
     p.set_defaults(func=cmd_app, cmd_parser=p)
 
@@ -222,7 +228,7 @@ def unrecognized(args, extra: List[str], argv: List[str]) -> str:
 
 def cmd_app(args) -> int:
     return app_main(args.port, args.runs, args.host, demo=not args.no_demo, token=args.token,
-                    certfile=args.certfile, keyfile=args.keyfile)
+                    certfile=args.certfile, keyfile=args.keyfile, behind_proxy=args.behind_proxy)
 
 
 def cmd_notebooks(args) -> int:
