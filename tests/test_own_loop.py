@@ -3,6 +3,7 @@ size 2 lands in the runs directory like any run (spec, status, metrics, per-rank
 `commlab show` and `commlab trace` read; with compressor none it matches torch DDP."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,62 @@ def test_dear_refuses_an_optimizer_over_full_parameters(tmp_path):
     assert "ERR optimizer: comm.mode dear steps this rank's parameter shards" in p.stdout, p.stdout
     assert "lambda params" in p.stdout and "initialized False" in p.stdout
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def _job(argv, cwd, env, timeout):
+    """Run a launcher in its own session; on timeout end it with its ranks (no rank outlives a failed test)."""
+    p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"the job did not end within {timeout} s:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(argv, p.returncode, out)
+
+
+TWO_WRAPS = '''
+import sys
+import torch
+import torch.distributed as dist
+import commlab
+
+before = sys.excepthook
+for i, spec in enumerate([{"name": "first", "compressor": "none"}, {"name": "second", "compressor": "fp16"}]):
+    torch.manual_seed(i)
+    model = torch.nn.Linear(4, 2)
+    with commlab.wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.1), {**spec, "steps": 3}, runs=sys.argv[1]) as comm:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            comm.step(loss=loss)
+    print(f"rank {comm.rank} wrap {i} {comm.run_id} initialized {dist.is_initialized()} hook {sys.excepthook is before}",
+          flush=True)
+'''
+
+
+def test_two_wraps_in_one_job_each_record_their_run(tmp_path):
+    """A script that wraps two trainings in a row under torchrun (as a sweep in one job does): the second
+    wrap joins a fresh process group on the same rendezvous store instead of waiting for peers on the first
+    one's stale keys; each run ends done with both ranks' steps, and the process is left as it was found."""
+    script = tmp_path / "two_wraps.py"
+    script.write_text(TWO_WRAPS)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+           "COMMLAB_TIMEOUT_S": "30", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), str(script), str(runs)]
+    p = _job(argv, tmp_path, env, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:]
+    for r in (0, 1):
+        assert f"rank {r} wrap 1 " in p.stdout and f"rank {r} wrap 0 " in p.stdout
+    # each wrap destroyed the group it created and gave back the excepthook torch's init had wrapped
+    assert "initialized True" not in p.stdout and "hook False" not in p.stdout
+    dirs = sorted((d for d in runs.iterdir() if d.is_dir() and not d.name.startswith(".")),
+                  key=lambda d: json.loads((d / "spec.json").read_text())["name"])
+    assert [json.loads((d / "spec.json").read_text())["name"] for d in dirs] == ["first", "second"]
+    for d in dirs:
+        assert json.loads((d / "status.json").read_text())["state"] == "done"
+        steps = [m for m in read_jsonl(str(d / "metrics.jsonl")) if m["kind"] == "step"]
+        assert sorted((m["rank"], m["step"]) for m in steps) == [(r, s) for r in (0, 1) for s in range(3)]
