@@ -131,7 +131,9 @@ class OwnLoop:
         """After ``loss.backward()``: average the gradients as the spec says, step the optimizer,
         zero the gradients, log the step (with ``loss``: a tensor or a number) and feed the
         tuners. Returns the step's metrics line. Raises ``Diverged`` on every rank alike when
-        the averaged gradient is not finite."""
+        the averaged gradient is not finite. Without ``loss`` the step is logged with none (the
+        summary then says the loss was not recorded)."""
+        _check_loss(loss)
         t0 = self._t0 or self._last
         t1 = self._t1 or t0
         t2 = self._now()
@@ -278,6 +280,16 @@ def _join(device: torch.device) -> bool:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                                 timeout=timeout)
     return True
+
+
+def _check_loss(loss) -> None:
+    """Refuse, before the step runs, a loss the metrics line could not hold as one number."""
+    if loss is None or (isinstance(loss, (int, float)) and not isinstance(loss, bool)):
+        return
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return
+    what = f"a tensor of {loss.numel()} elements" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    raise TypeError(f"loss: expected a one-element tensor, a number or None, got {what}")
 
 
 def _load(spec: SpecLike, world: int) -> JobSpec:
