@@ -1,10 +1,11 @@
 """``commlab.wrap``: the engine's communication step inside a user's own training loop.
 
-Each rank of the user's job (torchrun, Slurm, a PyTorchJob) calls ``wrap`` once, after building
-its model and before training. ``wrap`` joins the process group if the script has not (from the
-RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT convention, or as a world of one without them), builds
-the communicator, optimizer and tuners from the spec with the Trainer's own code
-(``engine.stepper.Stepper``), and opens a run: rank 0 creates the run directory (spec.json,
+Each rank of the user's job (torchrun, Slurm, a PyTorchJob) calls ``wrap`` after building its
+model and before training; a script may wrap several trainings in a row (a sweep in one job), each
+its own run, when every rank makes the same calls. ``wrap`` joins the process group if the script
+has not (from the RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT convention, or as a world of one without
+them) and leaves it again at ``close()``, builds the communicator, optimizer and tuners from the
+spec with the Trainer's own code (``engine.stepper.Stepper``), and opens a run: rank 0 creates the run directory (spec.json,
 status.json ``running``) and broadcasts its id; every rank then writes its timeline and metrics
 there. ``close()`` (or leaving the ``with`` block) marks the run ``done``, or ``failed`` with the
 rank and error when the script raised, or ``diverged``.
@@ -53,7 +54,8 @@ def wrap(model: torch.nn.Module, optimizer: OptimizerLike = None, spec: SpecLike
     DiLoCo, ...) runs its hooks around your optimizer's step inside ``step()``: it decides which steps
     exchange gradients and runs its own syncs; evaluate under ``evaluating()`` to read the parameters
     every rank agrees on (DiLoCo's global ones).
-    ``run_id``: the run's name (default: a fresh one from rank 0)."""
+    ``run_id``: the run's name (default: a fresh one from rank 0).
+    Every rank calls it alike; several calls in a row (a sweep in one script) are several runs."""
     return OwnLoop(model, optimizer, spec, runs=runs, run_id=run_id, group=group)
 
 
@@ -64,8 +66,12 @@ class OwnLoop:
                  runs=None, run_id=None, group=None):
         self.model = model
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        hook = sys.excepthook
         self.own_group = _join(self.device)
         """True when wrap initialised the process group (then close() destroys it)."""
+        self._excepthook = hook
+        """sys.excepthook before the join: torch wraps it at each init (a "[rank0]:" prefix) and leaves
+        it at destroy, so a second wrap would prefix every line twice."""
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         self.run = None
@@ -75,8 +81,7 @@ class OwnLoop:
             make_opt = _optimizer_factory(optimizer, model, self.spec)
             self.run_dir, self.run_id = self._open_run(runs, run_id, model, optimizer)
         except BaseException:
-            if self.own_group:
-                dist.destroy_process_group()
+            self._leave()
             raise
         self.stepper = None
         try:
@@ -126,7 +131,9 @@ class OwnLoop:
         """After ``loss.backward()``: average the gradients as the spec says, step the optimizer,
         zero the gradients, log the step (with ``loss``: a tensor or a number) and feed the
         tuners. Returns the step's metrics line. Raises ``Diverged`` on every rank alike when
-        the averaged gradient is not finite."""
+        the averaged gradient is not finite. Without ``loss`` the step is logged with none (the
+        summary then says the loss was not recorded)."""
+        _check_loss(loss)
         t0 = self._t0 or self._last
         t1 = self._t1 or t0
         t2 = self._now()
@@ -212,10 +219,15 @@ class OwnLoop:
             self._fail(error)
         elif self.run is not None:
             finish_status(self.run, 0)
-        if self.own_group and dist.is_initialized():
-            dist.destroy_process_group()
+        self._leave()
         if self._sigterm is not None:
             signal.signal(signal.SIGTERM, self._sigterm)
+
+    def _leave(self) -> None:
+        """Destroy the process group wrap joined (none when the script had joined it)."""
+        if self.own_group and dist.is_initialized():
+            dist.destroy_process_group()
+            sys.excepthook = self._excepthook
 
     def __enter__(self) -> "OwnLoop":
         return self
@@ -233,14 +245,34 @@ class Stopped(BaseException):
     script's ``except Exception`` does not swallow it."""
 
 
+_store = None
+"""(store, rank, world size) of the job's rendezvous (env://), kept for the process's life: every
+wrap that joins the group itself uses it, under a key prefix of its own."""
+_joins = 0
+"""How many groups wrap has joined from the environment in this process (the next prefix)."""
+
+
 def _join(device: torch.device) -> bool:
-    """Join the process group from the environment unless the script did; True if we did."""
+    """Join the process group from the environment unless the script did; True if we did.
+
+    Every wrap that joins also leaves (``close`` destroys the group), so a script may wrap several
+    trainings in a row. torch names each new default group alike ("0") and torchrun's store outlives
+    it, so a second group on the store's plain "default_pg" keys would read the first one's stale
+    addresses and wait for peers that are gone. Each join therefore takes the next prefix of one
+    store kept for the job; every rank calls wrap as often, so the ranks agree on it."""
+    global _store, _joins
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300")))
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
-        dist.init_process_group(backend, timeout=timeout)
+        if _store is None:  # rank 0 hosts it outside torchrun: kept, a later wrap's peers find it up
+            _store = next(dist.rendezvous("env://", timeout=timeout))
+        store, rank, world = _store
+        store.set_timeout(timeout)
+        _joins += 1
+        dist.init_process_group(backend, store=dist.PrefixStore(f"commlab.wrap{_joins}", store), rank=rank,
+                                world_size=world, timeout=timeout)
     else:  # a plain `python script.py`: a world of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -248,6 +280,16 @@ def _join(device: torch.device) -> bool:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                                 timeout=timeout)
     return True
+
+
+def _check_loss(loss) -> None:
+    """Refuse, before the step runs, a loss the metrics line could not hold as one number."""
+    if loss is None or (isinstance(loss, (int, float)) and not isinstance(loss, bool)):
+        return
+    if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        return
+    what = f"a tensor of {loss.numel()} elements" if isinstance(loss, torch.Tensor) else type(loss).__name__
+    raise TypeError(f"loss: expected a one-element tensor, a number or None, got {what}")
 
 
 def _load(spec: SpecLike, world: int) -> JobSpec:

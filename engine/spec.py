@@ -419,8 +419,9 @@ class MethodSpec:
     """none (the default: the communicator averages every step's gradients) | a name from
     engine.methods.names() | package.module:Class (a subclass of engine.methods.base.Method)."""
     params: dict = field(default_factory=dict)
-    """The method's own parameters (H, outer_lr, outer_momentum, warmup, fragments, tau, ...). In YAML they
-    may be written inline: {name: diloco, H: 50}. spec.json holds every one, defaulted."""
+    """The method's own parameters (H, outer_lr, outer_momentum, warmup, fragments, tau, alpha, ...). In YAML
+    they may be written inline: {name: diloco, H: 50}. spec.json holds every one, defaulted (streaming_diloco's
+    alpha, the local fragment's weight when mixed with the new global one: 0.5 with tau > 0, 0 with tau 0)."""
     compressor: dict = field(default_factory=dict)
     """The compressor of the method's exchanges (diloco, streaming_diloco: the pseudo-gradients), a
     compressor section as the top-level one: {name: topk, ratio: 0.01, error_feedback: true}. Default none;

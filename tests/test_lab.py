@@ -217,6 +217,20 @@ def test_wait_leaves_the_index_agreeing_with_the_final_state(tmp_path):
     run = lab_.create(load_spec(data={"name": "idx", "model": "mlp", "dataset": "digits", "steps": 1}))
     bare = RunStore(tmp_path).get(run.id)  # no on_change: status.json moves, the index does not
     bare.set_status("done")
-    assert run.id not in {r.id for r in lab.runs(runs=tmp_path, state="done")}
+    assert run.id not in {r["id"] for r in lab_.index.query(state="done")}
     assert lab_.wait(run.id, timeout=5) == "done"
     assert run.id in {r.id for r in lab.runs(runs=tmp_path, state="done")}
+
+
+def test_a_row_left_behind_its_final_status_is_written_again(tmp_path):
+    """A process that died between status.json and the index left its run listed as running: the next listing
+    (lab.runs, `commlab runs`: each recovers stale runs first) writes the row again from the directory."""
+    from lab.rundir.store import RunStore
+    from lab.base.specs import load_spec
+    lab_ = Lab(tmp_path)
+    run = lab_.create(load_spec(data={"name": "idx", "model": "mlp", "dataset": "digits", "steps": 1}))
+    run.set_status("running")
+    RunStore(tmp_path).get(run.id).set_status("done")  # status.json only
+    assert lab_.index.states()[run.id] == "running"
+    assert run.id in {r.id for r in lab.runs(runs=tmp_path, state="done")}
+    assert lab_.index.states()[run.id] == "done"

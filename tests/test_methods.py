@@ -192,6 +192,36 @@ def test_streaming_diloco_by_hand():
         [(1, 4, None), (0, 8, 1), (1, 4, 0), (0, 8, 1)]
 
 
+def test_streaming_diloco_mixes_by_alpha_at_tau_0_by_hand():
+    """One fragment, H = 2, tau 0, outer_lr 1, no outer momentum, alpha 0.5: the all-reduce overlaps no inner
+    step, and the local parameters are still mixed with the new global ones, alpha * local + (1 - alpha) * global.
+    n=2: rank 0 (0.8, 2, 0.3), rank 1 (1, 1.4, 0.3) (as local SGD); D = avg((0.2, 0, 0.2), (0, 0.6, 0.2))
+         = (0.1, 0.3, 0.2); global = (0.9, 1.7, 0.3); rank 0 = 0.5 (0.8, 2, 0.3) + 0.5 global = (0.85, 1.85, 0.3),
+         rank 1 = (0.95, 1.55, 0.3) (taking the global outright would give (0.9, 1.7, 0.3) on both).
+    n=3: rank 0 (0.75, 1.85, 0.2), rank 1 (0.95, 1.25, 0.2).
+    n=4: rank 0 (0.65, 1.85, 0.1), rank 1 (0.95, 0.95, 0.1); D = avg((0.25, -0.15, 0.2), (-0.05, 0.75, 0.2))
+         = (0.1, 0.3, 0.2) from the global copy, not the mixed parameters; global = (0.8, 1.4, 0.1);
+         rank 0 = (0.725, 1.625, 0.1), rank 1 = (0.875, 1.175, 0.1)."""
+    method = {"name": "streaming_diloco", "H": 2, "fragments": 1, "tau": 0, "outer_lr": 1.0, "outer_momentum": 0.0,
+              "alpha": 0.5}
+    (a0, l0, _, g0), (a1, _, _, g1) = run_world(_hand, method, 4, X2, [1.0, 2.0], 0.5)
+    _close(a0, [[0.9, 2, 0.4], [0.85, 1.85, 0.3], [0.75, 1.85, 0.2], [0.725, 1.625, 0.1]])
+    _close(a1, [[1, 1.7, 0.4], [0.95, 1.55, 0.3], [0.95, 1.25, 0.2], [0.875, 1.175, 0.1]])
+    _close(g0, [0.8, 1.4, 0.1])
+    assert g0 == g1
+    assert [m.get("sync_bytes") for m in l0] == [None, 12, None, 12]
+
+
+def test_streaming_diloco_alpha_default_keeps_the_global_at_tau_0():
+    """Left out, alpha is 0.5 with tau > 0 and 0 with tau 0 (the local fragment takes the global one, as DiLoCo);
+    a given alpha is kept whatever tau is. spec.json records the value used."""
+    assert methods.make("streaming_diloco", tau=1).alpha == 0.5
+    assert methods.make("streaming_diloco", tau=0).alpha == 0.0
+    assert methods.make("streaming_diloco", tau=0, alpha=0.25).alpha == 0.25
+    assert methods.make("streaming_diloco", tau=0).values()["alpha"] == 0.0
+    assert methods.make("diloco").alpha == 0.0
+
+
 def test_demo_by_hand():
     """chunk 2, topk 1, decay 0.5, lr 0.1, sign on; w has 4 elements (2 chunks), no bias. Orthonormal DCT of a
     chunk (a, b): c0 = (a + b)/sqrt2, c1 = (a - b)/sqrt2; keeping c0 decodes to ((a+b)/2, (a+b)/2), keeping c1

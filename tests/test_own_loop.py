@@ -3,6 +3,7 @@ size 2 lands in the runs directory like any run (spec, status, metrics, per-rank
 `commlab show` and `commlab trace` read; with compressor none it matches torch DDP."""
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -130,3 +131,168 @@ def test_dear_refuses_an_optimizer_over_full_parameters(tmp_path):
     assert "ERR optimizer: comm.mode dear steps this rank's parameter shards" in p.stdout, p.stdout
     assert "lambda params" in p.stdout and "initialized False" in p.stdout
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+
+
+def _job(argv, cwd, env, timeout):
+    """Run a launcher in its own session; on timeout end it with its ranks (no rank outlives a failed test)."""
+    p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        pytest.fail(f"the job did not end within {timeout} s:\n{out[-3000:]}")
+    return subprocess.CompletedProcess(argv, p.returncode, out)
+
+
+TWO_WRAPS = '''
+import sys
+import torch
+import torch.distributed as dist
+import commlab
+
+before = sys.excepthook
+for i, spec in enumerate([{"name": "first", "compressor": "none"}, {"name": "second", "compressor": "fp16"}]):
+    torch.manual_seed(i)
+    model = torch.nn.Linear(4, 2)
+    with commlab.wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.1), {**spec, "steps": 3}, runs=sys.argv[1]) as comm:
+        for _ in range(3):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            comm.step(loss=loss)
+    print(f"rank {comm.rank} wrap {i} {comm.run_id} initialized {dist.is_initialized()} hook {sys.excepthook is before}",
+          flush=True)
+'''
+
+
+def test_two_wraps_in_one_job_each_record_their_run(tmp_path):
+    """A script that wraps two trainings in a row under torchrun (as a sweep in one job does): the second
+    wrap joins a fresh process group on the same rendezvous store instead of waiting for peers on the first
+    one's stale keys; each run ends done with both ranks' steps, and the process is left as it was found."""
+    script = tmp_path / "two_wraps.py"
+    script.write_text(TWO_WRAPS)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+           "COMMLAB_TIMEOUT_S": "30", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), str(script), str(runs)]
+    p = _job(argv, tmp_path, env, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:]
+    for r in (0, 1):
+        assert f"rank {r} wrap 1 " in p.stdout and f"rank {r} wrap 0 " in p.stdout
+    # each wrap destroyed the group it created and gave back the excepthook torch's init had wrapped
+    assert "initialized True" not in p.stdout and "hook False" not in p.stdout
+    dirs = sorted((d for d in runs.iterdir() if d.is_dir() and not d.name.startswith(".")),
+                  key=lambda d: json.loads((d / "spec.json").read_text())["name"])
+    assert [json.loads((d / "spec.json").read_text())["name"] for d in dirs] == ["first", "second"]
+    for d in dirs:
+        assert json.loads((d / "status.json").read_text())["state"] == "done"
+        steps = [m for m in read_jsonl(str(d / "metrics.jsonl")) if m["kind"] == "step"]
+        assert sorted((m["rank"], m["step"]) for m in steps) == [(r, s) for r in (0, 1) for s in range(3)]
+
+
+NO_LOSS = '''
+import sys
+import torch
+import commlab
+
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 2)
+with commlab.wrap(model, lambda ps: torch.optim.SGD(ps, lr=0.1), {"name": "noloss"}, runs=sys.argv[1]) as comm:
+    for _ in range(3):
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+        comm.step()
+print(f"rank {comm.rank} ended", flush=True)
+'''
+
+
+def test_a_loop_that_steps_without_loss_ends_done(tmp_path):
+    """comm.step() without loss= (it is optional): the run ends done, its summary says the loss was not
+    recorded, and `commlab show` and `commlab runs` read it."""
+    script = tmp_path / "no_loss.py"
+    script.write_text(NO_LOSS)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+           "COMMLAB_TIMEOUT_S": "30", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), str(script), str(runs)]
+    p = _job(argv, tmp_path, env, timeout=120)
+    assert p.returncode == 0 and "Traceback" not in p.stdout, p.stdout[-3000:]
+    assert "rank 0 ended" in p.stdout and "rank 1 ended" in p.stdout
+    (run_dir,) = [d for d in runs.iterdir() if d.is_dir() and not d.name.startswith(".")]
+    assert json.loads((run_dir / "status.json").read_text())["state"] == "done"
+    show = cli("show", run_dir.name, "--runs", runs)
+    assert show.returncode == 0 and "status         done" in show.stdout, show.stdout
+    assert "final loss     not recorded" in show.stdout and "steps          3/3" in show.stdout, show.stdout
+    doc = json.loads(cli("show", run_dir.name, "--runs", runs, "--json").stdout)
+    assert doc["summary"]["final_loss"] is None and doc["summary"]["steps_done"] == 3
+    listed = cli("runs", "--runs", runs)
+    assert listed.returncode == 0 and [ln.split()[1] for ln in listed.stdout.splitlines()
+                                       if ln.startswith(run_dir.name)] == ["done"], listed.stdout
+
+
+def _left_without_loss(runs, state):
+    """A run directory as a loop that stepped without loss= left it before the summary took such runs: steps
+    logged with "loss": null; its index row still running (the summary failed at the final status, after
+    status.json was written); status.json ``state``, with a supervisor process that is gone."""
+    from engine import runfiles
+    from engine.spec import JobSpec
+    from lab.base import procs
+    from lab.rundir.store import RunStore
+    from lab.service.queue import Lab
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE, text=True)
+    lab = Lab(runs)
+    run = lab.create(JobSpec.from_dict({"name": "noloss", "world_size": 2}))
+    run.set_status("running", supervisor={"pid": int(gone.stdout), "start": 1},
+                   own_loop={"script": "old.py", "model": "Linear", "params": 10, "optimizer": "SGD",
+                             "world_size": 2, "host": "h"})
+    with open(run.path / runfiles.METRICS, "a") as f:
+        for s in range(3):
+            for r in (0, 1):
+                f.write(json.dumps({"kind": "step", "step": s, "rank": r, "loss": None, "time_ms": 2.0,
+                                    "forward_ms": 0.5, "backward_ms": 0.5, "finish_ms": 0.5, "optimizer_ms": 0.5,
+                                    "bytes_sent": 40, "bytes_raw": 40, "t": 1000.0 + s}) + "\n")
+    if state != "running":
+        RunStore(runs).get(run.id).set_status(state, returncode=0)  # status.json only: the index missed it
+    assert procs.alive(run.status()["supervisor"]) is False
+    return run
+
+
+@pytest.mark.parametrize("state", ["running", "done"])
+def test_a_run_left_by_a_loop_without_loss_shows_and_lists(tmp_path, state):
+    """`commlab show` reads such a run; `commlab runs` finds a running one's process gone and marks it failed
+    as stale, and lists a done one as done (its index row is written again from status.json)."""
+    runs = tmp_path / "runs"
+    run = _left_without_loss(runs, state)
+    show = cli("show", run.id, "--runs", runs)
+    assert show.returncode == 0 and "Traceback" not in show.stdout, show.stdout
+    assert "final loss     not recorded" in show.stdout and f"status         {state}" in show.stdout
+    listed = cli("runs", "--runs", runs)
+    assert listed.returncode == 0 and "Traceback" not in listed.stdout, listed.stdout
+    want = "failed" if state == "running" else "done"
+    assert [ln.split()[1] for ln in listed.stdout.splitlines() if ln.startswith(run.id)] == [want], listed.stdout
+    assert json.loads((run.path / "status.json").read_text())["state"] == want
+
+
+def test_a_loss_that_is_not_one_number_is_refused_in_one_line(tmp_path):
+    """comm.step(loss=...) takes a one-element tensor, a number or None; anything else is refused before the
+    step, in one line naming loss."""
+    code = (
+        "import torch, commlab\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "with commlab.wrap(m, lambda ps: torch.optim.SGD(ps, lr=0.1), {}, runs='runs') as comm:\n"
+        "    for bad in ('0.5', m(torch.ones(3, 4))):\n"
+        "        try:\n"
+        "            comm.step(loss=bad)\n"
+        "        except TypeError as e:\n"
+        "            print('ERR', e)\n"
+        "    print('steps', comm.stepper.step)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert "ERR loss: expected a one-element tensor, a number or None, got str" in p.stdout, p.stdout
+    assert "ERR loss: expected a one-element tensor, a number or None, got a tensor of 6 elements" in p.stdout
+    assert "steps 0" in p.stdout and p.returncode == 0, p.stdout

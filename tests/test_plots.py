@@ -180,3 +180,10 @@ def test_sweep_heatmap_speedup():
     assert plots.sweep_heatmap(df.iloc[:0], x="schedule", y="compressor").layout.annotations
     assert math.isclose(plots.sweep_heatmap(df, "schedule", "compressor", value="iter_ms",
                                             baseline="none", higher_is_better=True).data[0].z[1][0], 0.5)
+
+
+def test_curves_figure_without_training_loss(metrics):
+    """An own loop that gave comm.step() no loss (null in every step line): the accuracy and eval loss alone."""
+    m, e = metrics
+    fig = plots.curves_figure(m.assign(loss=None), e)
+    assert [t.name for t in fig.data] == ["eval loss", "eval accuracy"]

@@ -181,3 +181,21 @@ def test_one_process_is_said_to_send_nothing():
     two = summarize([dict(m, bytes_sent=500, bytes_raw=1000) for m in steps(0, 10, 10.0)],
                     {"steps": 10, "world_size": 2, "batch_size": 16})
     assert two["bytes_per_step"] == 500 and "payload_per_step" not in two
+
+
+def test_steps_without_loss_summarise_without_it():
+    """An own loop's comm.step() without loss= logs "loss": null: no final loss, said as not recorded; where
+    only some steps have one, the final loss is the last of those (a step's missing key counts as none)."""
+    from lab.rundir.summary import format_summary, summarize
+    lines = steps(0, 4, 10.0)
+    for m in lines:
+        m.update(loss=None, bytes_sent=1, bytes_raw=1)
+    none = summarize(lines, {"steps": 4, "world_size": 2, "batch_size": 16})
+    assert none["final_loss"] is None and none["loss_recorded"] is False and none["steps_done"] == 4
+    assert "final loss     not recorded (comm.step() was given no loss)" in format_summary(none)
+    lines[2].update(loss=1.5)
+    lines[3].update(loss=2.5)  # step 1, both ranks
+    del lines[-1]["loss"]
+    some = summarize(lines, {"steps": 4, "world_size": 2, "batch_size": 16})
+    assert some["final_loss"] == 2.0 and "loss_recorded" not in some
+    assert "final loss     2.0000" in format_summary(some)

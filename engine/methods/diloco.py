@@ -20,7 +20,7 @@ default H here (50) suits the lab's short runs. Bytes: the model's pseudo-gradie
 The same class runs Streaming DiLoCo (engine/methods/streaming_diloco.py): ``fragments`` contiguous
 parts of the parameters, each synced every H steps at staggered steps, its all-reduce issued ``tau``
 steps before its outer step is applied, and the fragment then mixed with the local parameters by
-``alpha``. DiLoCo is the case of one fragment and tau 0.
+``alpha``. DiLoCo is the case of one fragment, tau 0 and alpha 0.
 
 Against torchft's ``DiLoCo`` (torchft/local_sgd.py): the same pseudo-gradient (global - local), the
 outer optimizer over the global copy and the fragment schedule (issue at H/F - tau, apply tau steps
@@ -78,7 +78,7 @@ class DiLoCo(Method):
     tau = 0
     """Steps a fragment's all-reduce overlaps before its outer step is applied."""
     alpha = 0.0
-    """With tau > 0: the weight of the local parameters when a fragment takes its new global ones."""
+    """The weight of the local parameters when a fragment is mixed with its new global ones (0: replaced)."""
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -174,8 +174,8 @@ class DiLoCo(Method):
         for g in self.parts[f]:
             for i, p in zip(g.index, g.params):
                 self.glob[i].grad = None
-                if self.tau and self.alpha:
-                    p.mul_(self.alpha).add_(self.glob[i], alpha=1 - self.alpha)  # keep part of the tau local steps
+                if self.alpha:
+                    p.mul_(self.alpha).add_(self.glob[i], alpha=1 - self.alpha)  # keep part of the local steps
                 else:
                     p.copy_(self.glob[i])
 

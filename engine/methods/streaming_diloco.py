@@ -9,8 +9,9 @@ are one fragment's, not the model's. Steps for fragment f:
 1. ``tau`` steps before its outer step: its pseudo-gradient (global - local) is encoded and its
    all-reduce issued, asynchronously; the inner steps go on meanwhile (lane "fragment" shows it in flight);
 2. at its outer step: wait for the all-reduce, step the fragment's global parameters with the outer
-   Nesterov SGD, and set the local fragment to alpha * local + (1 - alpha) * global (with tau = 0 the
-   local fragment takes the global one, as DiLoCo);
+   Nesterov SGD, and set the local fragment to alpha * local + (1 - alpha) * global, whatever tau is
+   (alpha 0: the local fragment takes the global one, as DiLoCo). Left out, alpha is 0.5 with tau > 0
+   and 0 with tau = 0;
 3. ``method.compressor`` compresses the pseudo-gradient: int8 or qsgd for the paper's low-bit outer
    updates (it uses 4-bit floats, which the lab has no codec for).
 
@@ -18,9 +19,10 @@ Follows the paper in the staggered schedule, the overlap tau and the mixing alph
 fragment pattern: contiguous runs of tensors of about equal bytes (the paper's "sequential"; it found
 "strided" layers slightly better), because a tensor list does not say which tensors form a layer.
 torchft (torchft/local_sgd.py) issues each fragment at H/F - tau of its turn and applies it at H/F, as
-here; its mixing weight ``fragment_update_alpha`` defaults to 0 (the tau local steps are dropped), here
-alpha defaults to 0.5; it requires H to be a multiple of the fragments and tau < H/F, here fragments <= H
-and tau < H suffice (a fragment's sync is applied before it is issued again).
+here, and mixes by ``fragment_update_alpha`` as here (the weight of the local parameters) at any delay;
+its weight defaults to 0 (the local steps are dropped), here alpha defaults to 0.5 when tau > 0 and to 0
+when tau = 0 (DiLoCo's replacement); it requires H to be a multiple of the fragments and tau < H/F, here
+fragments <= H and tau < H suffice (a fragment's sync is applied before it is issued again).
 """
 from __future__ import annotations
 
@@ -35,6 +37,12 @@ class StreamingDiLoCo(DiLoCo):
         Param("fragments", int, 2, "parts of the parameters synced in turn, each every H steps", lo=1, hi=100_000),
         Param("tau", int, 1, "inner steps a fragment's all-reduce overlaps before its outer step", lo=0,
               hi=1_000_000),
-        Param("alpha", float, 0.5, "with tau > 0: weight of the local fragment when it takes the new global one",
-              lo=0, hi=1),
+        Param("alpha", float, None, "weight of the local fragment when it is mixed with the new global one",
+              lo=0, hi=1, unset="0.5 with tau > 0, 0 (take the global fragment) with tau 0"),
     )
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        if self.alpha is None:
+            # 0 at tau 0 keeps a spec without alpha where it was: the local fragment takes the global one
+            self.alpha = 0.5 if self.tau > 0 else 0.0

@@ -413,7 +413,8 @@ def curves_figure(metrics: pd.DataFrame, evals: pd.DataFrame, x: str = "step") -
 
     def xs(d):
         return d["step"] if x == "step" or t0 is None else d["t"] - t0
-    if metrics is not None and not metrics.empty:
+    # an own loop that gave comm.step() no loss logs none: no training-loss line then
+    if metrics is not None and not metrics.empty and "loss" in metrics and metrics["loss"].notna().any():
         m = metrics.groupby("step", as_index=False).agg(loss=("loss", "mean"), t=("t", "max"))
         fig.add_trace(go.Scatter(x=xs(m), y=m["loss"], name="train loss", mode="lines",
                                  line={"color": "#4C78A8"}), row=1, col=1)

@@ -350,6 +350,12 @@ class Index:
     def states(self) -> Dict[str, str]:
         return {r["id"]: r["state"] for r in self.query()}
 
+    def unfinished(self) -> set:
+        """The ids of the runs the index lists as queued or running (their rows only, not their figures)."""
+        rows = self._with(lambda con: con.execute("SELECT id FROM runs WHERE state IN ('queued', 'running')")
+                          .fetchall())
+        return {r[0] for r in rows}
+
     # -- rebuilding ---------------------------------------------------------
     def reindex(self) -> int:
         """Rebuild the index from the run directories; returns the number of runs indexed. The old file is

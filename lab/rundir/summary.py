@@ -59,7 +59,11 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional
     world = spec.get("world_size", 1) if spec else max(m["rank"] for m in steps) + 1
     batch = spec.get("batch_size") if spec else None
     last = max(m["step"] for m in steps)
-    last_losses = [m["loss"] for m in steps if m["step"] == last]
+    # an own loop's comm.step() may be given no loss (logged as null): the final loss is the last step's
+    # that has one, and a run with none at all has no final loss, said as not recorded
+    losses = [m for m in steps if _number(m.get("loss"))]
+    at = max((m["step"] for m in losses), default=None)
+    last_losses = [m["loss"] for m in losses if m["step"] == at]
     rank0 = [m for m in steps if m["rank"] == 0 and m["step"] not in trial] or [m for m in steps if m["rank"] == 0] \
         or steps
     sent = statistics.median(m["bytes_sent"] for m in rank0)
@@ -77,11 +81,13 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional
         "iter_ms_median": med,
         # a method's sync steps are rare and long: its throughput is the amortized (mean) iteration's
         "throughput": (world * batch) / (out.get("iter_ms_mean", med) / 1e3) if batch and med > 0 else None,
-        "final_loss": sum(last_losses) / len(last_losses),
+        "final_loss": sum(last_losses) / len(last_losses) if last_losses else None,
         "bytes_per_step": sent if world > 1 else 0,  # one process has no one to send to
         "compression_ratio": (raw / sent) if sent else None,
         "wall_s": (max(m["t"] for m in metrics) - min(m["t"] for m in steps)) if "t" in steps[0] else None,
     })
+    if not last_losses:
+        out["loss_recorded"] = False
     if world == 1:
         out["payload_per_step"] = sent  # what the compressor made, which a second rank would have been sent
     if own and status.get("state") in ENDED:
@@ -93,6 +99,10 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional
         out["best_acc"] = max(e["eval_acc"] for e in evals)
         out["final_eval_loss"] = evals[-1]["eval_loss"]
     return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def fmt_bytes(n: Optional[float]) -> str:
@@ -119,7 +129,8 @@ def format_summary(s: dict) -> List[str]:
                                                       if s.get("own_loop") else "/?"),
         f"iteration      {f('iter_ms_median', '{:.1f}')} ms (median, slower rank)",
         f"throughput     {f('throughput', '{:.0f}')} samples/s",
-        f"final loss     {f('final_loss', '{:.4f}')}",
+        f"final loss     {f('final_loss', '{:.4f}')}" if s.get("loss_recorded", True) else
+        "final loss     not recorded (comm.step() was given no loss)",
         f"accuracy       {f('final_acc', '{:.2%}')}{held_out} (best {f('best_acc', '{:.2%}')})",
         f"bytes/step     {fmt_bytes(s.get('bytes_per_step'))} per rank (compression {f('compression_ratio', '{:.1f}')}x)"
         f"{amortized}" if "payload_per_step" not in s else

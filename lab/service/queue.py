@@ -312,11 +312,20 @@ class Lab:
         return state
 
     def recover_stale(self) -> list:
-        """Mark failed every queued or running run whose supervisor died; stop what it left."""
+        """Mark failed every queued or running run whose supervisor died; stop what it left. A run the
+        index still lists as queued or running after its status.json ended (a process that died between
+        the two writes) gets its row written again."""
         stale = []
+        try:
+            listed = self.index.unfinished()
+        except RunIndexError as e:  # the rows are a cache: the runs are recovered all the same
+            print(f"commlab: index: {e}", file=sys.stderr, flush=True)
+            listed = set()
         for run in self.store.list():
             st = run.status()
             if st.get("state") not in ("queued", "running"):
+                if run.id in listed and st.get("state") in FINAL:
+                    self._changed(run)
                 continue
             if procs.alive(st.get("supervisor")):
                 continue
