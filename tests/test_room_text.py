@@ -1,13 +1,21 @@
-"""User text on the pages is shown as text, tried as a student would try it on an exposed lab
-(COMMLAB_ACCESS=token): a run, sweep, model or owner name, an error that echoes what was typed, an uploaded
-file's content reach the pages only through lab.front.ui.text wherever Streamlit renders Markdown. A source
-check walks every page module and names any Markdown-rendering call given other text; AppTest sessions of the
-teacher open every page with a student's run named with links, images, a colour and emphasis (marked
-disturbed, so the Compare page warns about it) and find it only escaped.
+"""User text on the pages is shown as text, and previews are shared fairly, tried as a student would try them
+on an exposed lab (COMMLAB_ACCESS=token).
+
+- Text: a run, sweep, model or owner name, an error that echoes what was typed, an uploaded file's content
+  reach the pages only through lab.front.ui.text wherever Streamlit renders Markdown. A source check walks
+  every page module and names any Markdown-rendering call given other text; AppTest sessions of the
+  teacher open every page with a student's run named with links, images, a colour and emphasis (marked
+  disturbed, so the Compare page warns about it) and find it only escaped.
+- Previews (lab.base.sandbox): one place per person at a time on every path (the performance model's
+  parameter count included), places handed out by who has had the least child time lately, and a budget
+  of child time per person in a rolling window, refused in one line; a submit's check goes before others'
+  previews. A fake slow ``_spawn`` stands in for the child.
 """
 import ast
 import html
+import itertools
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -331,3 +339,190 @@ def test_an_owners_name_is_text(room):  # noqa: F811
     owned = [c.proto.body for c in at.caption if "shared with the class" in c.proto.body]
     assert owned and owned[0].startswith("www" + ui.WORD_JOINER + ".evil.example's run"), owned
 
+
+# --------------------------------------------------------------------------- previews, shared fairly
+
+from collections import OrderedDict, deque  # noqa: E402
+
+from engine import codepath  # noqa: E402
+from engine.spec import SpecError  # noqa: E402
+from lab.base import sandbox  # noqa: E402
+from lab.front import previews  # noqa: E402
+from lab.strategy.perfmodel import calibrate as cal  # noqa: E402
+
+CHILD_S = 0.3
+"""How long a fake child takes."""
+
+
+class Children:
+    """A fake ``sandbox._spawn``: each child takes ``seconds`` (or waits for ``hold`` when its thread's name says
+    so), answers as the task would, and is recorded under its thread's name (``<person>-<what>``): when it
+    started, and how many of each person's children ran at once at most."""
+
+    def __init__(self, seconds: float = CHILD_S, hold=None):
+        self.seconds, self.hold = seconds, hold
+        self.lock = threading.Lock()
+        self.running = {}
+        self.most = {}
+        self.started = []
+
+    def __call__(self, task, spec, limits):
+        me = threading.current_thread().name
+        who = me.split("-")[0]
+        with self.lock:
+            self.started.append((me, time.monotonic()))
+            self.running[who] = self.running.get(who, 0) + 1
+            self.most[who] = max(self.most.get(who, 0), self.running[who])
+        try:
+            if self.hold is not None and me in self.hold:
+                self.hold[me].wait(10)
+            else:
+                time.sleep(self.seconds)
+        finally:
+            with self.lock:
+                self.running[who] -= 1
+        if task == "parameters":
+            return [["w", 4]]
+        return {"params": 1, "grad_bytes": 4, "tensors": 1, "tied": []}
+
+
+def sized(k: int):
+    """A spec whose model is another one for each ``k`` (its preview is not kept from an earlier one)."""
+    return lab._spec({"model": "mlp", "dataset": {"name": "synthetic", "classes": 2 + k}})
+
+
+def started(name: str, target, *args) -> threading.Thread:
+    t = threading.Thread(target=target, args=args, name=name, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """Fake children, no kept previews, and a viewer named by the asking thread (``alice-form`` is alice)."""
+    kids = Children()
+    monkeypatch.setattr(sandbox, "_spawn", kids)
+    monkeypatch.setattr(previews, "_previews", OrderedDict())
+    cal._parameters.cache_clear()
+    ui.set_viewer(lambda: owners.User(threading.current_thread().name.split("-")[0]))
+    yield kids
+    ui.set_viewer(None)
+    cal._parameters.cache_clear()
+
+
+def test_a_student_sending_previews_back_to_back_holds_one_place(fake):
+    """Alice changes her model's options as fast as the answers come, in two tabs of the New run form and on the
+    Performance model page (whose parameter count names nobody): never two children of hers at once, and bob's
+    one preview gets a place within one child's time."""
+    until = time.monotonic() + 8 * CHILD_S
+    counter = itertools.count(1)
+    errors = []
+
+    def form():
+        while time.monotonic() < until:
+            try:
+                previews.model_size(sized(next(counter)), ui.viewer())
+            except SpecError as e:
+                errors.append(str(e))
+
+    def model_page():
+        with codepath.no_imports():  # as in the server: the parameter count is a child's
+            while time.monotonic() < until:
+                cal.param_list({"model": {"name": "mlp"},
+                                "dataset": {"name": "synthetic", "classes": 1000 + next(counter)}})
+
+    alice = [started("alice-tab1", form), started("alice-tab2", form), started("alice-model", model_page)]
+    time.sleep(2 * CHILD_S)
+    asked = time.monotonic()
+    bob = started("bob-form", lambda: previews.model_size(sized(9_000), ui.viewer()))
+    for t in [*alice, bob]:
+        t.join(30)
+    assert not errors, errors
+    assert fake.most["alice"] == 1, fake.most
+    (got,) = [t for name, t in fake.started if name == "bob-form"]
+    assert got - asked < CHILD_S, got - asked
+    assert sum(1 for name, _ in fake.started if name == "alice-model") >= 2  # her page was served too
+
+
+def test_a_free_place_goes_to_who_had_least_child_time(fake, monkeypatch):
+    """One place, held by carol's child. Alice, who had a child a moment ago, asks first, then bob, who had
+    none, then dave's submit needs its check: when carol's child ends, dave's check goes first, then bob, then
+    alice."""
+    monkeypatch.setattr(sandbox, "MAX_CHILDREN", 1)
+    monkeypatch.setattr(sandbox, "_server", threading.BoundedSemaphore(1))
+    release = threading.Event()
+    fake.hold = {"carol-form": release}
+    spec = sized(1).to_dict()
+    ask = lambda task, who: sandbox.run(task, spec, sandbox.PREVIEW, who=who)  # noqa: E731
+    started("alice-before", ask, "describe", "alice").join(5)
+    carol = started("carol-form", ask, "describe", "carol")
+    while not any(n == "carol-form" for n, _ in fake.started):
+        time.sleep(0.01)
+    waiting = []
+    for name, task, who in (("alice-form", "describe", "alice"), ("bob-form", "describe", "bob"),
+                            ("dave-submit", "check", "dave")):
+        waiting.append(started(name, ask, task, who))
+        time.sleep(0.3)  # each waits before the next asks
+    release.set()
+    for t in [carol, *waiting]:
+        t.join(10)
+    assert [n for n, _ in fake.started] == ["alice-before", "carol-form", "dave-submit", "bob-form", "alice-form"]
+
+
+def test_a_persons_budget_refuses_their_previews_in_one_line(fake, monkeypatch):
+    """Past BUDGET_S of child time in the window, alice's next preview is refused with one line saying when to
+    try again; bob's previews, the teacher's and alice's own check before a submit still get children."""
+    monkeypatch.setattr(sandbox, "BUDGET_S", 3 * CHILD_S)
+    for k in range(3):
+        previews.model_size(sized(k), owners.User("alice"))
+    with pytest.raises(SpecError) as refused:
+        previews.model_size(sized(3), owners.User("alice"))
+    said = str(refused.value)
+    assert re.fullmatch(r"preview: your previews took 0\.9 s of the server's time in the last 5 minutes, the most "
+                        r"one person may; try again in (\d+) s", said), said
+    assert 290 <= int(said.rsplit(" ", 2)[1]) <= 300
+    n = len(fake.started)
+    previews.model_size(sized(4), owners.User("bob"))
+    previews.model_size(sized(5), owners.User(owners.TEACHER, admin=True))
+    sandbox.run("check", sized(6).to_dict(), sandbox.CHECK, who="alice")
+    assert len(fake.started) == n + 3
+    assert previews.model_size(sized(0), "alice")["params"] == 1  # a kept answer costs nothing: still shown
+    with pytest.raises(SpecError, match="^preview: your previews took"):  # a new model is refused again
+        previews.model_size(sized(7), "alice")
+    assert len(fake.started) == n + 3
+
+
+def test_the_new_run_form_says_when_to_try_again(room, monkeypatch):  # noqa: F811
+    """A student past their budget sees the refusal under the form in one line, and can still not queue."""
+    root, runs, tokens = room
+    monkeypatch.setattr(sandbox, "_spawn", Children())
+    monkeypatch.setattr(previews, "_previews", OrderedDict())
+    monkeypatch.setattr(sandbox, "BUDGET_S", CHILD_S)
+    sandbox._places._spent["alice"] = deque([(time.monotonic(), CHILD_S)])  # a preview of hers just now
+    at = app(tokens["alice"], page="new_run")
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and re.fullmatch(
+        r"preview: your previews took 0\.3 s of the server's time in the last 5 minutes, the most one person may; "
+        r"try again in \d+ s", errors[0]), errors
+    assert at.button(key="nr.submit").disabled
+
+
+def test_no_child_is_started_for_nobody(fake, monkeypatch):
+    """The performance model's parameter count names nobody: its child is the viewer's (their place, their
+    budget); with nobody signed in, no child is started at all."""
+    held = []
+
+    def spawn(task, spec, limits):
+        held.append(dict(sandbox._places.held))
+        return fake(task, spec, limits)
+    monkeypatch.setattr(sandbox, "_spawn", spawn)
+    ui.set_viewer(lambda: owners.User("alice"))
+    with codepath.no_imports():  # as in the server
+        cal.param_list({"model": {"name": "mlp"}, "dataset": {"name": "digits"}})
+    assert held == [{"alice": 1}]
+    ui.set_viewer(lambda: None)  # signed out, or a server thread serving no one
+    with codepath.no_imports(), pytest.raises(cal.CalibrationError, match="^preview: nobody is signed in$"):
+        cal.param_list({"model": {"name": "mlp"}, "dataset": {"name": "synthetic"}})
+    with pytest.raises(sandbox.SandboxError, match="nobody is signed in"):
+        sandbox.run("describe", sized(1).to_dict())
+    assert len(held) == 1
