@@ -81,7 +81,7 @@ def gate() -> owners.User:
     user = session_user()
     if user is not None:
         with st.sidebar:
-            st.caption(f"Signed in as **{user.name}** ({'teacher' if user.admin else 'student'})")
+            st.caption(f"Signed in as {ui.text(user.name)} ({'teacher' if user.admin else 'student'})")
             st.button("Sign out", key="access.out", on_click=sign_out)  # before the next run's gate
             if user.admin and not config.get_option("server.sslCertFile"):
                 st.warning("Served without TLS: tokens and pages cross the network in the clear "

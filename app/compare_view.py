@@ -41,8 +41,8 @@ def compare_view() -> None:
     table = comparison.compare_runs(picked, target_acc=target or None)
     bad = [labels.get(i, i) for i in table.index[table["disturbed"] == True]] if len(table) else []  # noqa: E712
     if bad:
-        st.warning(f"Disturbed (other processes used the CPU; timings are not results): {', '.join(bad)}",
-                   icon=":material/warning:")
+        st.warning("Disturbed (other processes used the CPU; timings are not results): "
+                   + ", ".join(ui.text(b) for b in bad), icon=":material/warning:")
     st.dataframe(table, key="cmp.table", column_config=table_columns())
     st.download_button("Export CSV", access.download_data(lambda: table.to_csv().encode(), [r.id for r in picked]),
                        file_name="commlab-compare.csv", mime="text/csv",

@@ -54,12 +54,12 @@ def live_panel(run_id: str) -> None:
     refresh that finds nothing new sends the same figures, which the browser does not draw again."""
     run = ui.get_run(run_id)
     if run is None:
-        st.error(f"No run {ui.md(repr(run_id))}{ui.md(where())}.")
+        st.error(f"No run {ui.text(repr(run_id))}{where()}.")
         return
     spec = run.spec_dict()
     first = run.status()
     own = bool(first.get("own_loop"))  # its script decides how many steps: the spec's are a default
-    st.caption(ui.md(comparison.describe_setup(spec, first)))
+    st.caption(ui.text(comparison.describe_setup(spec, first)))
     c = st.columns([1, 1, 1, 2])
     last = c[0].number_input("Iterations in the timeline", 1, 20, 3, key="live.last")
     step = c[1].number_input("Zoom to step (-1: last iterations)", -1, None if own else spec["steps"], -1,
@@ -79,7 +79,7 @@ def live_panel(run_id: str) -> None:
                      help="Other students see a shared run in their lists, comparisons and reports.") != shared:
             ui.share(run.id, not shared)
     elif not mine:
-        st.caption(f"{owner}'s run, shared with the class")
+        st.caption(f"{ui.text(owner)}'s run, shared with the class")
 
     def still_visible():
         """The run again, as the viewer may see it now (signed out, revoked, unshared: no more of it)."""
@@ -102,12 +102,12 @@ def live_panel(run_id: str) -> None:
         with head[0]:
             state_badge(state)
         head[1].progress(min(done / total, 1.0) if total else 0.0,
-                         text=f"step {done}/{total}" if total is not None else
-                         f"step {done} (own loop: its script decides how many)")
+                         text=f"step {done:d}/{total:d}" if total is not None else
+                         f"step {done:d} (own loop: its script decides how many)")
         if state not in FINAL and mine and head[2].button("Cancel run", key="live.cancel", icon=":material/stop:"):
-            st.toast(f"cancel requested ({ui.cancel(run.id)})")
+            st.toast(f"cancel requested ({ui.text(ui.cancel(run.id))})")
         if state in ("failed", "diverged"):
-            st.error(f"{state}: {ui.md(ui.shown_text(status.get('error', '')))}")
+            st.error(f"{ui.text(state)}: {ui.text(ui.shown_text(status.get('error', '')))}")
             with st.expander("log (last lines)"):
                 st.code(ui.shown_log(run, 30) or "(empty)")
         machine_note(status.get("disturbance"))
@@ -115,7 +115,7 @@ def live_panel(run_id: str) -> None:
         m[0].metric("iteration (median)", f"{s['iter_ms_median']:.1f} ms" if s.get("iter_ms_median") else "-")
         m[1].metric("accuracy (its script's evaluation)" if own else "held-out accuracy",
                     f"{s['final_acc']:.1%}" if s.get("final_acc") is not None else "-")
-        m[2].metric("bytes sent / step / rank", fmt_bytes(s.get("bytes_per_step")))
+        m[2].metric("bytes sent / step / rank", ui.text(fmt_bytes(s.get("bytes_per_step"))))
         m[3].metric("compression", f"{s['compression_ratio']:.1f}x" if s.get("compression_ratio") else "-")
 
     @access.fragment(run_every=None if started_final else ui.CHARTS_REFRESH_S)
@@ -145,8 +145,8 @@ def live_panel(run_id: str) -> None:
         timed = bd[bd["step"] >= warmup_steps(done)] if len(bd) else bd
         mean = plots.mean_breakdown(timed if len(timed) else bd)
         if mean:
-            st.caption(f"mean over the last {BREAKDOWN_STEPS} steps, warm-up left out: " + ", ".join(
-                f"{plots.PART_LABELS[k]} {mean[k]:.2f} ms" for k in (*plots.PARTS, "hidden_comm_ms"))
+            st.caption(f"mean over the last {BREAKDOWN_STEPS:d} steps, warm-up left out: " + ", ".join(
+                f"{ui.text(plots.PART_LABELS[k])} {mean[k]:.2f} ms" for k in (*plots.PARTS, "hidden_comm_ms"))
                 + f"; step {mean['step_ms']:.2f} ms")
         st.subheader("Loss and accuracy")
         metrics = lr.metrics()
@@ -163,6 +163,7 @@ def machine_note(d: Optional[dict]) -> None:
     """A warning with the figure when other processes disturbed the run; a quiet caption otherwise."""
     label, text = disturbance.describe(d)
     if label == "disturbed":
-        st.warning(f"Disturbed run: {text[len('yes: '):]}. Its timings are not results.", icon=":material/warning:")
+        st.warning(f"Disturbed run: {ui.text(text[len('yes: '):])}. Its timings are not results.",
+                   icon=":material/warning:")
     elif d and d.get("other_cpu") is not None:
-        st.caption(f"Machine {text}.")
+        st.caption(f"Machine {ui.text(text)}.")

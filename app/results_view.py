@@ -35,7 +35,7 @@ def pick_group() -> Optional[dict]:
         try:
             return sweep_jobs.sweep_group(sweep)
         except (LabError, SpecError, OSError, ValueError, KeyError) as e:
-            st.error(f"sweep {ui.md(repr(sweep))}: {ui.md(e)}")
+            st.error(f"sweep {ui.text(repr(sweep))}: {ui.text(e)}")
             return None
     found = groups.preset_groups()
     if not found:
@@ -47,7 +47,7 @@ def pick_group() -> Optional[dict]:
             found.insert(0, groups.preset_group(want))
             ids.insert(0, want)
         except (KeyError, ValueError) as e:
-            st.error(ui.md(str(e).strip("'\"")))
+            st.error(ui.text(str(e).strip("'\"")))
     want = want if want in ids else ids[0]
     titles = {g["id"]: f"{_title(g)} · {g['id'][:15]}" for g in found}
     st.session_state["res.pick"] = want
@@ -71,7 +71,7 @@ def _mark(ok: Optional[bool]) -> str:
 def results_panel(group: dict) -> None:
     p = preset_of(group)
     if p is not None:
-        st.caption(p.question)
+        st.caption(ui.text(p.question))
     first = groups.group_verdict(group)
     live = not first.complete
     finals = sum(x.final for x in first.variants.values())
@@ -83,9 +83,9 @@ def results_panel(group: dict) -> None:
             st.rerun()  # a run finished: redraw the page once, with its figures (they are not in this fragment)
         done = sum(x.final for x in v.variants.values())
         if v.claim:
-            st.markdown(f"**The paper:** {v.claim}")
+            st.markdown(f"**The paper:** {ui.text(v.claim)}")
         if not v.complete:
-            st.info(f"{done} of {len(group['runs'])} runs finished; the answer fills in as they finish.",
+            st.info(f"{done:d} of {len(group['runs'])} runs finished; the answer fills in as they finish.",
                     icon=":material/hourglass_top:")
         if v.passed:
             st.success("The paper's effect shows here, with accuracy intact.", icon=":material/check_circle:")
@@ -93,24 +93,24 @@ def results_panel(group: dict) -> None:
             st.error("Not shown here: see what missed and why below.", icon=":material/cancel:")
         items = []
         for e in v.effects:
-            items.append(f"- {e.line} — {_mark(e.passed)}")
+            items.append(f"- {ui.text(e.line)} — {_mark(e.passed)}")
             if e.why:
-                items.append(f"    - why: {e.why}")
+                items.append(f"    - why: {ui.text(e.why)}")
         if v.accuracy:
-            items.append(f"- accuracy ({_mark(v.accuracy_ok)}): " + "; ".join(v.accuracy))
-        items += [f"- {line}" for line in v.lines[len(v.effects):] if not line.startswith("Why it missed")]
+            items.append(f"- accuracy ({_mark(v.accuracy_ok)}): " + "; ".join(ui.text(a) for a in v.accuracy))
+        items += [f"- {ui.text(line)}" for line in v.lines[len(v.effects):] if not line.startswith("Why it missed")]
         cross = groups.group_crossover(group) if v.complete else None
         if cross:
-            items.append(f"- {cross}")
+            items.append(f"- {ui.text(cross)}")
         if v.wall_s is not None:
             items.append(f"- the whole experiment took {v.wall_s:.0f} s of wall time, from the click to the "
                          f"last run's end")
         with st.container(border=True):
             st.markdown("**Measured here**\n\n" + "\n".join(items))
         for n in v.notes:
-            st.warning(n, icon=":material/warning:")
+            st.warning(ui.text(n), icon=":material/warning:")
         for d in v.disturbed:
-            st.warning(f"Disturbed: {d}", icon=":material/warning:")
+            st.warning(f"Disturbed: {ui.text(d)}", icon=":material/warning:")
         rows = []
         for x in v.variants.values():
             s = x.summary
@@ -150,4 +150,4 @@ def results_panel(group: dict) -> None:
                         key="res.acc")
     st.caption("Each run's own page:")  # page links: in-app, so a workshop session stays signed in
     for k, r in final.items():
-        st.page_link(widgets.LIVE_PAGE, label=ui.md(k), query_params={"run": r.id})
+        st.page_link(widgets.LIVE_PAGE, label=ui.text(k), query_params={"run": r.id})

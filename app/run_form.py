@@ -11,7 +11,7 @@ from app.widgets import open_run
 from engine.spec import MAX_NAME, SpecError
 from lab.base.errors import LabError
 from lab.base.specs import MAX_TYPED
-from lab.front import new_run
+from lab.front import new_run, ui
 
 
 def _slot(slots: Dict[str, object], path: str) -> None:
@@ -58,7 +58,7 @@ def run_form() -> None:
                 key=k + "model_options." + source, max_chars=MAX_TYPED,
                 help="Keyword arguments of the builder or config overrides."))
             if bad:
-                st.error(f"model.options: {bad}")
+                st.error(f"model.options: {ui.text(bad)}")
         _slot(slots, "model.name")
         datasets = new_run.dataset_sources(model)
         dataset = st.selectbox("Data set", datasets, key=k + "dataset",
@@ -177,11 +177,11 @@ def run_form() -> None:
         spec, err, size = new_run.form_check(d)
     if err is not None:
         where = new_run.error_field(err.path, slots, err.msg)
-        (slots[where] if where else st).error(err.msg if where else str(err), icon=":material/error:")
+        (slots[where] if where else st).error(ui.text(err.msg if where else err), icon=":material/error:")
     if size is not None:
-        tied = f" · tied: {', '.join(size['tied'])}" if size["tied"] else ""
-        size_slot.caption(f"{size['params']:,} parameters in {size['tensors']} tensors · gradient "
-                          f"{size['grad_bytes'] / 2**20:.2f} MB per step before compression{tied}")
+        size_slot.caption(f"{size['params']:,} parameters in {size['tensors']:d} tensors · gradient "
+                          f"{size['grad_bytes'] / 2**20:.2f} MB per step before compression"
+                          + (f" · tied: {ui.text(', '.join(size['tied']))}" if size["tied"] else ""))
     with st.expander("Spec (YAML): save it and run `commlab run spec.yaml` for the same job"):
         st.code(new_run.spec_yaml(spec) if spec else "(fix the error first)", language="yaml")
     if st.button("Queue run", type="primary", disabled=spec is None, key=k + "submit", icon=":material/play_arrow:"):
@@ -190,7 +190,7 @@ def run_form() -> None:
         except (LabError, SpecError) as e:  # a shaped link that cannot be built; a first batch that does not fit
             path, _, msg = str(e).partition(": ")
             where = new_run.error_field(path, slots, msg)
-            (slots[where] if where else st).error(msg if where else str(e), icon=":material/error:")
+            (slots[where] if where else st).error(ui.text(msg if where else e), icon=":material/error:")
             return
         open_run(run.id)
 
@@ -213,7 +213,7 @@ def _compressor_fields(ch: dict, mode: str, slots: Dict[str, object], k: str) ->
                                                          max_chars=MAX_TYPED,
                                                          help="Keyword parameters the class declares (its params)."))
         if bad:
-            st.error(f"compressor.params: {bad}")
+            st.error(f"compressor.params: {ui.text(bad)}")
         _slot(slots, "compressor.params")
         ef = st.checkbox("Error feedback", False, key=k + "comp_ef",
                          help="Add the residual before compressing and keep what was dropped.")
@@ -222,32 +222,33 @@ def _compressor_fields(ch: dict, mode: str, slots: Dict[str, object], k: str) ->
     offered = new_run.compressors_for(mode)
     comp = st.selectbox("Compressor", offered, key=k + "compressor",
                         help=None if len(offered) == len(ch["compressors"]) else
-                        f"{mode} reduce-scatters payloads, so it offers the single-round, summable compressors "
-                        f"whose payload keeps the gradient's shape: {', '.join(offered)}")
+                        f"{ui.text(mode)} reduce-scatters payloads, so it offers the single-round, summable "
+                        f"compressors whose payload keeps the gradient's shape: {ui.text(', '.join(offered))}")
     _slot(slots, "compressor.name")
     info = new_run.compressor_info(comp)
     st.caption(("summable payloads: all-reduced" if info["summable"] else "payloads all-gathered, decoded per rank")
-               + (f" · {info['rounds']} rounds" if info["rounds"] > 1 else "")
+               + (f" · {info['rounds']:d} rounds" if info["rounds"] > 1 else "")
                + (" · keeps its own residual" if info["builtin_feedback"] else ""))
     params = {}
     for p in new_run.compressor_params(comp):  # as the compressor declares them (engine.compressors.Param)
         key = f"{k}c.{comp}.{p.name}"
-        tip = f"{p.help}; {p.allowed()}"
+        tip = ui.text(f"{p.help}; {p.allowed()}")
         if p.type is bool:
-            params[p.name] = st.checkbox(p.name, p.default, key=key, help=p.help)
+            params[p.name] = st.checkbox(ui.text(p.name), p.default, key=key, help=ui.text(p.help))
         elif p.default is None:
-            v = new_run.parse_value(st.text_input(f"{p.name} (blank: {p.unset})", "", key=key, help=tip,
+            v = new_run.parse_value(st.text_input(ui.text(f"{p.name} (blank: {p.unset})"), "", key=key, help=tip,
                                                   max_chars=MAX_TYPED))
             if v is not None:
                 params[p.name] = v
         elif p.type is int:
-            params[p.name] = st.number_input(p.name, value=p.default, step=1, key=key, help=tip)
+            params[p.name] = st.number_input(ui.text(p.name), value=p.default, step=1, key=key, help=tip)
         else:
-            params[p.name] = st.number_input(p.name, value=float(p.default), format="%g", key=key, help=tip)
+            params[p.name] = st.number_input(ui.text(p.name), value=float(p.default), format="%g", key=key,
+                                             help=tip)
     _slot(slots, "compressor.params")
     no_ef = info["builtin_feedback"]
     ef = st.checkbox("Error feedback", False, key=k + "ef", disabled=no_ef,
                      help="Add the residual before compressing and keep what was dropped."
-                          + (f" {comp} keeps its own residual." if no_ef else ""))
+                          + (f" {ui.text(comp)} keeps its own residual." if no_ef else ""))
     _slot(slots, "compressor.error_feedback")
     return {"name": comp, "error_feedback": bool(ef and not no_ef), "params": params}

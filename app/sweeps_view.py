@@ -45,7 +45,7 @@ def sweep_form() -> None:
         params = new_run.compressor_params(comp)
         entry = {"name": comp}
         if params:
-            text = st.text_input(f"{comp} parameters (YAML, blank: defaults)",
+            text = st.text_input(f"{ui.text(comp)} parameters (YAML, blank: defaults)",
                                  ", ".join(f"{p.name}: {p.default}" for p in params if p.name == "ratio"
                                            and p.default is not None), key=f"{k}p.{comp}", max_chars=MAX_TYPED)
             extra = new_run.parse_value("{" + text + "}") if text.strip() else {}
@@ -63,14 +63,14 @@ def sweep_form() -> None:
     try:
         sw = sweep_jobs.make_sweep(data)
     except SpecError as e:
-        st.error(str(e), icon=":material/error:")
+        st.error(ui.text(e), icon=":material/error:")
         return
-    st.caption(f"{len(sw.cells)} runs (sweep id {sw.id}); they go through the queue, a few at a time.")
+    st.caption(f"{len(sw.cells)} runs (sweep id {ui.text(sw.id)}); they go through the queue, a few at a time.")
     if st.button("Start sweep", type="primary", key=k + "start", icon=":material/play_arrow:"):
         try:
             st.session_state["sweep_id"] = sweep_jobs.start_sweep(data)
         except LabError as e:
-            st.error(str(e))
+            st.error(ui.text(e))
             return
         st.rerun()
 
@@ -85,7 +85,7 @@ def sweep_view() -> None:
     try:
         sw = sweep_jobs.load_sweep(sid)
     except (SpecError, OSError, ValueError) as e:
-        st.error(f"cannot read sweep {sid}: {e}")
+        st.error(f"cannot read sweep {ui.text(sid)}: {ui.text(e)}")
         return
     live = sweep_jobs.sweep_status(sw)["running"]
 
@@ -95,8 +95,8 @@ def sweep_view() -> None:
         if live and not s["running"]:
             st.rerun()
         st.progress(s["finished"] / s["total"] if s["total"] else 0.0,
-                    text=f"{s['finished']}/{s['total']} runs finished · "
-                         + ", ".join(f"{n} {state}" for state, n in sorted(s["states"].items()))
+                    text=f"{s['finished']:d}/{s['total']:d} runs finished · "
+                         + ", ".join(f"{n:d} {ui.text(state)}" for state, n in sorted(s["states"].items()))
                          + (" · sweep process running" if s["running"] else ""))
         table = sweep_jobs.sweep_table(sw)
         if table.empty:

@@ -45,9 +45,9 @@ def report_button(runs: list, file_name: str, key: str, group: Optional[dict] = 
 
 
 def where() -> str:
-    """" in <runs directory>" for the teacher and the local user; nothing for a student (the machine's
-    paths are not theirs to see)."""
-    return f" in {ui.runs_dir()}" if ui.viewer().admin else ""
+    """" in <runs directory>" for the teacher and the local user, as text for Markdown (ui.text); nothing for
+    a student (the machine's paths are not theirs to see)."""
+    return f" in {ui.text(ui.runs_dir())}" if ui.viewer().admin else ""
 
 
 def state_badge(state: str) -> None:
@@ -73,22 +73,23 @@ def preset_card(p: Preset) -> None:
     reason = p.check()
     with st.container(border=True):
         st.markdown(f"**{p.title}**")
-        st.caption(p.question)
-        st.caption("runs: " + ", ".join(p.variants))
+        st.caption(ui.text(p.question))
+        st.caption("runs: " + ", ".join(ui.text(v) for v in p.variants))
         # the preset's knobs (e.g. H, the steps between two syncs): its runs take the values set here
-        values = {k.name: st.slider(k.label, k.lo, k.hi, k.default, key=f"preset-{p.key}-{k.name}", help=k.help)
+        values = {k.name: st.slider(ui.text(k.label), k.lo, k.hi, k.default, key=f"preset-{p.key}-{k.name}",
+                                         help=ui.text(k.help))
                   for k in p.knobs}
         cap = owners.preset_steps(ui.runs_dir())
         if cap and any(d["steps"] > cap for d in p.specs(values)):
-            st.caption(f"Scaled down for this room: at most {cap} steps per run (runs/lab.json preset_steps)")
+            st.caption(f"Scaled down for this room: at most {cap:d} steps per run (runs/lab.json preset_steps)")
         if reason:
-            st.button("Start", key=f"preset-{p.key}", disabled=True, help=reason)
-            st.caption(f"Not available yet: {reason}")
+            st.button("Start", key=f"preset-{p.key}", disabled=True, help=ui.text(reason))
+            st.caption(f"Not available yet: {ui.text(reason)}")
         elif st.button("Start", key=f"preset-{p.key}", type="primary"):
             try:
                 gid = groups.start_preset(p, values=values)
             except LabError as e:
-                st.error(str(e))
+                st.error(ui.text(e))
                 return
             st.session_state["group_id"] = gid
             st.switch_page(RESULTS_PAGE, query_params={"group": gid})
@@ -101,6 +102,6 @@ def recent_runs(n: int = 8) -> None:
         return
     for r in runs:
         cols = st.columns([5, 1])
-        cols[0].page_link(LIVE_PAGE, label=ui.md(ui.run_label(r)), query_params={"run": r.id})
+        cols[0].page_link(LIVE_PAGE, label=ui.text(ui.run_label(r)), query_params={"run": r.id})
         with cols[1]:
             state_badge(r.state)

@@ -114,6 +114,15 @@ class _OnDevice:
 
 
 @pytest.fixture(autouse=True)
+def sandbox_places(monkeypatch):
+    """Each test starts with nobody's child time counted (lab.base.sandbox.Places keeps it per person for
+    BUDGET_WINDOW_S): the suite's students, alice most of all, would otherwise carry one test's previews
+    into the next one's budget."""
+    from lab.base import sandbox
+    monkeypatch.setattr(sandbox, "_places", sandbox.Places())
+
+
+@pytest.fixture(autouse=True)
 def compressor_test_device(request, monkeypatch):
     if not TEST_DEVICE:
         yield None

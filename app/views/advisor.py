@@ -30,7 +30,7 @@ if st.button("Advise", key="adv.go", type="primary"):
     try:
         st.session_state["adv.job"] = advice_jobs.start_job(choices[label], runs, gbps, link, measure, int(trials))
     except (ValueError, OSError) as e:
-        st.error(str(e).splitlines()[0])
+        st.error(ui.text(str(e).splitlines()[0]))
 
 known = advice_jobs.jobs(runs)
 if not known:
@@ -48,9 +48,9 @@ def progress():
         st.rerun()
     if j["state"] == "running":
         lines = [line for line in j["log"].splitlines() if line.strip()]
-        st.info("Advising ... " + (lines[-1] if lines else "starting"), icon=":material/hourglass_top:")
+        st.info("Advising ... " + (ui.text(lines[-1]) if lines else "starting"), icon=":material/hourglass_top:")
     elif j["state"] == "failed":
-        st.error(f"The advisor failed: {j['error']}")
+        st.error(f"The advisor failed: {ui.text(j['error'])}")
 
 
 progress()
@@ -60,20 +60,20 @@ if first["state"] != "done":
 adv = first["advice"]
 req = first["request"]
 net = adv["network"]
-st.subheader(f"{len(adv['candidates'])} candidates on a {net['link']} {net['gbps']:g} Gbit/s link, "
-             f"{adv['world']} workers")
+st.subheader(f"{len(adv['candidates'])} candidates on a {ui.text(net['link'])} {net['gbps']:g} Gbit/s link, "
+             f"{adv['world']:d} workers")
 if adv.get("disturbed"):  # timings taken while other processes took the CPU: not results
-    st.warning(f"Winner ({adv['chosen_by']}): {adv['reason']}", icon=":material/warning:")
+    st.warning(f"Winner ({ui.text(adv['chosen_by'])}): {ui.text(adv['reason'])}", icon=":material/warning:")
 else:
-    st.success(f"Winner ({adv['chosen_by']}): {adv['reason']}", icon=":material/emoji_events:")
+    st.success(f"Winner ({ui.text(adv['chosen_by'])}): {ui.text(adv['reason'])}", icon=":material/emoji_events:")
 if adv.get("ddp_not_tried"):
-    st.caption(adv["ddp_not_tried"])
+    st.caption(ui.text(adv["ddp_not_tried"]))
 rows = pd.DataFrame(advice_jobs.table_rows(adv)).set_index("rank")
 cols = {k: st.column_config.NumberColumn(k.replace("_", " "), format="%.1f")
         for k in ("predicted_ms", "predicted_x_penalty", "measured_ms", "measured_x_penalty")}
 st.dataframe(rows, key="adv.table", column_config=cols)
 cost = adv["cost_s"]
-st.caption(f"Link: {adv['link_source']}. Profile: {adv['profile_source']}. The advisor's own cost: "
+st.caption(f"Link: {ui.text(adv['link_source'])}. Profile: {ui.text(adv['profile_source'])}. The advisor's own cost: "
            f"{cost['total']:.1f} s (profile and cost curves {cost['profile']:.1f} s, predictions "
            f"{cost['predict']:.1f} s, trials {cost['trials']:.1f} s).")
 with st.expander("The winner as a spec"):

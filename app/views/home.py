@@ -12,7 +12,7 @@ st.markdown(
     "Pick a compressor, a fusion schedule and a communication mode, watch the per-layer timeline while it "
     "trains, then compare runs on accuracy against wall time.")
 if ui.viewer().admin:  # the teacher and the local user; a student is not shown the machine's paths
-    st.caption(f"Runs directory: `{ui.runs_dir().resolve()}` (set COMMLAB_RUNS to change it)")
+    st.caption(f"Runs directory: {ui.text(ui.runs_dir().resolve())} (set `COMMLAB_RUNS` to change it)")
 
 st.subheader("Start an experiment in one click")
 cols = st.columns(3)

@@ -48,11 +48,11 @@ def from_runs():
     try:
         prof, spec = profile_of(run_id, timelines.files_key(ui.get_run_or_raise(run_id, runs)))
     except (cal.CalibrationError, RunError) as e:
-        st.error(views.one_line(e))
+        st.error(ui.text(views.one_line(e)))
         return
     st.caption(f"Profile: forward {prof.forward_s * 1e3:.2f} ms, backward {prof.backward_s * 1e3:.2f} ms, "
                f"optimizer {prof.optimizer_s * 1e3:.2f} ms per step ({len(prof.params)} tensors, "
-               f"{sum(b for _, b in prof.params) / 2**20:.2f} MiB of gradients), from {prof.source}. "
+               f"{sum(b for _, b in prof.params) / 2**20:.2f} MiB of gradients), from {ui.text(prof.source)}. "
                "Link: nominal alpha-beta at the chosen rate.")
 
     c1, c2, c3 = st.columns(3)
@@ -71,10 +71,11 @@ def from_runs():
     st.plotly_chart(plots.speedup_heatmaps(grid.drop_duplicates(["compressor", "gbps", "workers"])),
                     width="stretch", key="pm.heat")
     sources_panel(views.sources_table(prof, spec, views.COMPRESSORS, link=link_note), "pm.sources")
-    st.subheader(f"Crossover bandwidth at {workers} workers, compute x{speed:g}")
+    st.subheader(f"Crossover bandwidth at {workers:d} workers, compute x{speed:g}")
     st.dataframe(views.crossovers(prof, spec, views.COMPRESSORS, workers, speed), hide_index=True)
     at = grid[(grid["gbps"] == gbps) & (grid["workers"] == workers)].drop_duplicates("compressor")
-    st.caption("At the sliders' point: " + ", ".join(f"{r.compressor} {r.speedup:.2f}x" for r in at.itertuples()))
+    st.caption("At the sliders' point: "
+               + ", ".join(f"{ui.text(r.compressor)} {r.speedup:.2f}x" for r in at.itertuples()))
 
     st.subheader("Predicted against measured, every run in the index")
     pvm = views.predicted_vs_measured(runs, only=labels)  # the runs this user may see
@@ -111,7 +112,7 @@ def from_profile():
     path = c2.text_input("Profile file (path" + ("" if me == owners.local_user() else " in the runs directory")
                          + ")", key="pm.prof.path", placeholder=".profiles/resnet-digits-32.json") \
         if me.admin else ""
-    up = c3.file_uploader(f"or upload one (at most {profiles.MAX_UPLOAD >> 20} MiB"
+    up = c3.file_uploader(f"or upload one (at most {profiles.MAX_UPLOAD >> 20:d} MiB"
                           + ("" if me.admin else f", {profiles.MAX_TENSORS:,} tensors") + ")", type=["json"],
                           key="pm.prof.upload")
     if not path and up is None and name == "none":
@@ -122,14 +123,15 @@ def from_profile():
                                   path=path if up is None and path else None,
                                   name=name if up is None and not path and name != "none" else None)
     except SpecError as e:
-        st.error(str(e))
+        st.error(ui.text(e))
         return
     m = prof.machine or {}
-    st.caption(f"{prof.key()}: forward {prof.forward_s * 1e3:.2f} ms, backward {prof.backward_s * 1e3:.2f} ms, "
+    st.caption(f"{ui.text(prof.key())}: forward {prof.forward_s * 1e3:.2f} ms, backward "
+               f"{prof.backward_s * 1e3:.2f} ms, "
                f"optimizer {prof.optimizer_s * 1e3:.2f} ms per step, {len(prof.params)} tensors, "
                f"{sum(b for _, b in prof.params) / 2**20:.2f} MiB of gradients; measured on "
-               f"{m.get('gpu') or m.get('cpu') or 'an unrecorded machine'} ({m.get('device', '?')}, torch "
-               f"{m.get('torch', '?')}), from {prof.source}.")
+               f"{ui.text(m.get('gpu') or m.get('cpu') or 'an unrecorded machine')} ({ui.text(m.get('device', '?'))}, "
+               f"torch {ui.text(m.get('torch', '?'))}), from {ui.text(prof.source)}.")
     c1, c2, c3, c4 = st.columns(4)
     workers = c1.multiselect("Workers", [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024], default=[8, 16, 64, 256, 1024],
                              key="pm.cl.workers")
@@ -152,7 +154,7 @@ def from_profile():
         with st.spinner("Predicting ..."):
             df = profiles.cluster_prediction(me, prof, shape, sorted(workers), sorted(inter), speed, spec=spec)
     except (SpecError, KeyError, ValueError) as e:
-        st.error(views.one_line(e) if not me.admin else str(e).splitlines()[0] if str(e) else type(e).__name__)
+        st.error(ui.text(views.one_line(e) if not me.admin else str(e).splitlines()[0] if str(e) else type(e).__name__))
         return
     c = (spec or {}).get("compressor", {})
     label = f"{c.get('name')}{' +EF' if c.get('error_feedback') else ''} {(spec or {}).get('comm', {}).get('mode')}"
@@ -160,7 +162,7 @@ def from_profile():
     sources_panel(views.sources_table(prof, spec or prof.spec, cluster=True), "pm.cl.sources")
     st.dataframe(df.round(3), hide_index=True, key="pm.cl.table")
     st.caption(f"Scaling factor: one worker's iteration time (compute only) over p workers' (1 = linear). "
-               f"DDP: none, 25 MB buckets, wfbp. Spec: {label}.")
+               f"DDP: none, 25 MB buckets, wfbp. Spec: {ui.text(label)}.")
 
 
 from_runs()

@@ -49,6 +49,13 @@ HOOK_LANES = ("compress", "decompress")
 COMM_LANES = ("comm", "wait")
 
 
+def plain(text) -> str:
+    """User text (a run's name, a spec's label) for a Plotly label, title or hover text: no tags, which Plotly
+    draws (<a href>, <b>, <span style>). Plotly reads no Markdown, so nothing else is escaped; what
+    Streamlit renders as Markdown takes lab.front.ui.text instead."""
+    return str(text).replace("<", "\u2039").replace(">", "\u203a")
+
+
 def empty_figure(message: str, height: int = 240) -> go.Figure:
     """A blank figure that says why it is blank (no data yet, nothing selected)."""
     fig = go.Figure()
@@ -472,7 +479,7 @@ def scaling_figure(table: pd.DataFrame, label: str = "name") -> go.Figure:
                             "data set and batch")
     d = table[table["scaling_factor"].notna()]
     labels = d[label].astype(str) + " (" + d.index.astype(str).str[-4:] + ")" if label in d else d.index
-    fig = go.Figure(go.Bar(x=list(labels), y=d["scaling_factor"], marker_color="#4C78A8",
+    fig = go.Figure(go.Bar(x=[plain(v) for v in labels], y=d["scaling_factor"], marker_color="#4C78A8",
                            text=[f"{v:.0%}" for v in d["scaling_factor"]], textposition="outside"))
     fig.add_hline(y=1.0, line={"dash": "dot", "color": "#999"})
     fig.update_layout(yaxis={"title": "scaling factor", "tickformat": ".0%"}, height=320,
@@ -570,7 +577,7 @@ def predicted_scaling_figure(df: pd.DataFrame, spec_label: str = "spec") -> go.F
         fig.add_trace(go.Scatter(x=d["workers"], y=d["ddp_scaling"], mode="lines+markers", name=f"DDP, {g:g} Gbit/s",
                                  line={"dash": "dash", "color": c}))
         fig.add_trace(go.Scatter(x=d["workers"], y=d["scaling"], mode="lines+markers",
-                                 name=f"{spec_label}, {g:g} Gbit/s", line={"color": c},
+                                 name=f"{plain(spec_label)}, {g:g} Gbit/s", line={"color": c},
                                  customdata=d["speedup"],
                                  hovertemplate="%{x} workers: scaling %{y:.2f}, %{customdata:.2f}x DDP<extra></extra>"))
     fig.update_xaxes(title_text="workers", type="log")

@@ -13,14 +13,10 @@ import pandas as pd
 
 from engine import runfiles
 from lab.analysis import live, plots
+from lab.analysis.plots import plain
 from lab.analysis.trace import chrome_trace
 from lab.rundir.store import FINAL, Run, timeline_frame
 from lab.rundir.summary import warmup_steps
-
-
-def plain(text) -> str:
-    """User text for a Plotly label: no tags (Plotly draws <a href>, <b>, ... in its labels)."""
-    return str(text).replace("<", "\u2039").replace(">", "\u203a")
 
 
 def progress(run: Run) -> Tuple[int, int]:

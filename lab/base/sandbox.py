@@ -17,15 +17,22 @@ limit and again when the child ends (whatever it started goes with it). Its answ
 its own stdout; what the code prints goes to its stderr, which is dropped. A limit it hits is one line
 naming it: "preview: took more than 30 s", "preview: more than 2 GiB of memory".
 
-Children are bounded: one at a time per person (a second waits for the first), at most ``MAX_CHILDREN`` in
-the whole server (more wait up to ``WAIT_S``, then are refused with a message).
+Children are bounded and shared fairly. Each is started for a person: the one the caller names, else the
+viewer this process acts for (``identify``: lab.front.ui installs its viewer), never for nobody. One at a time
+per person (a second waits for the first), at most ``MAX_CHILDREN`` in the whole server; a free place goes to
+the waiting person who has had the least child time lately (a submit's check before any preview), not to
+whoever asks most often; more wait up to ``WAIT_S``, then are refused with a message. A person's previews
+may take ``BUDGET_S`` seconds of child time in any ``BUDGET_WINDOW_S`` (the teacher and the local user have no
+budget); past it they are refused with one line saying when to try again, and nobody else is affected.
 
 This module imports only the standard library at its top, so the child's limits come first.
 """
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
+import math
 import os
 import resource
 import signal
@@ -36,7 +43,8 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Dict, Optional
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parents[2]  # the source tree (lab/base/paths.py SOURCE; this module imports only the standard library)
 
@@ -66,6 +74,19 @@ MAX_CHILDREN = 2
 """Children running at once in one server process, for every viewer together."""
 WAIT_S = 10.0
 """How long a request waits for one of the server's children to be free before it is refused."""
+CHECK_WAIT_S = PREVIEW.wall_s + WAIT_S
+"""How long a submit's check waits for a place: it goes before every waiting preview, so one running child
+ending is all it waits for, and the longest a preview may run is PREVIEW.wall_s."""
+BUDGET_S = 60.0
+"""Seconds of child wall time one person's previews may take within BUDGET_WINDOW_S: some eight previews of
+a Hugging Face model (about 7 s of CPU each here), far more than a person changing a form's fields needs,
+and a bound on how much of the server's two places one person can keep. Past it their previews are refused
+(one line: when to try again); checks before a submit are not refused but count. The teacher and the local
+user have no budget."""
+BUDGET_WINDOW_S = 300.0
+"""The rolling window of BUDGET_S: child time older than this no longer counts."""
+BUDGETED = ("describe", "parameters")
+"""The tasks a person's budget refuses: previews (a check is what a submit needs)."""
 MAX_ANSWER = 1 << 20
 """The most bytes of a child's answer that are read."""
 TEMP_SUFFIX = ".commlab-sandbox"
@@ -84,6 +105,11 @@ class Busy(SandboxError):
     """No child could be started now (the server's are all busy): not an answer about the spec."""
 
 
+class OverBudget(Busy):
+    """A person's previews used their BUDGET_S of child time within BUDGET_WINDOW_S: refused until older
+    child time leaves the window (not an answer about the spec)."""
+
+
 class TimedOut(SandboxError):
     """The child ran out of wall-clock time: on a loaded machine that says more about the machine than about
     the spec, so it is not kept as the spec's answer."""
@@ -92,19 +118,48 @@ class TimedOut(SandboxError):
 # --------------------------------------------------------------------------- the parent's side
 
 _server = threading.BoundedSemaphore(MAX_CHILDREN)
+"""The server's places: held while a child runs. ``Places`` decides who may take the next one."""
 _people: Dict[str, threading.RLock] = {}
 _people_lock = threading.Lock()
+_asker: Optional[Callable[[], object]] = None
+NOBODY = "nobody is signed in"
+
+
+def identify(fn: Optional[Callable[[], object]]) -> None:
+    """Install how this process learns whom a child is for when its caller names nobody (``who=None``, as the
+    performance model's parameter count does): ``fn()`` gives the person acting now (an object with ``name``
+    and ``admin``, lab.service.owners.User) or None, or raises PermissionError, when nobody is signed in, and
+    then no child is started. lab.front.ui installs its viewer."""
+    global _asker
+    _asker = fn
+
+
+def whom(who, label: str = "preview") -> Tuple[str, bool]:
+    """(name, budgeted) of the person a child is for: ``who`` (a name, or a user with ``name`` and ``admin``),
+    else the one ``identify`` gives; a bare name is budgeted, a user unless they are the teacher or the local
+    user (``admin``). Without ``identify`` and ``who`` (a script of this process's own), the process's user."""
+    if who is None:
+        if _asker is None:
+            return "", False  # nobody asks for anyone: this process's own work, one child at a time
+        try:
+            who = _asker()
+        except PermissionError:
+            who = None
+        if who is None:
+            raise SandboxError(label, NOBODY)
+    if isinstance(who, str):
+        return who, True
+    return str(who.name), not getattr(who, "admin", False)
 
 
 @contextlib.contextmanager
-def person(who: Optional[str], label: str = "preview", wait_s: float = PREVIEW.wall_s + WAIT_S):
-    """Held while ``who``'s child runs: their next one waits for it (up to ``wait_s``, then Busy). Reentrant,
-    so a caller can hold it around a cache lookup and the child that fills the cache."""
-    if who is None:
-        yield
-        return
+def person(who, label: str = "preview", wait_s: float = PREVIEW.wall_s + WAIT_S):
+    """Held while ``who``'s child runs (a name or a user; None: see ``whom``): their next one waits for it (up
+    to ``wait_s``, then Busy). Reentrant, so a caller can hold it around a cache lookup and the child that
+    fills the cache."""
+    name = who if isinstance(who, str) else whom(who, label)[0]
     with _people_lock:
-        lock = _people.setdefault(who, threading.RLock())
+        lock = _people.setdefault(name, threading.RLock())
     if not lock.acquire(timeout=wait_s):
         raise Busy(label, "your previous one is still running; try again in a moment")
     try:
@@ -113,21 +168,110 @@ def person(who: Optional[str], label: str = "preview", wait_s: float = PREVIEW.w
         lock.release()
 
 
-def run(task: str, spec: dict, limits: Limits = PREVIEW, who: Optional[str] = None,
-        wait_s: Optional[float] = None) -> dict:
-    """``task`` on ``spec`` (a spec dict) in a child with ``limits``; its answer. A SpecError-like
-    ``SandboxError`` (``path``, ``msg``) for a bad spec, for a limit hit, or ``Busy`` when no place for the child
-    was free within ``wait_s`` (default WAIT_S)."""
+class Places:
+    """Who takes the server's next free place (``_server``): of the people waiting who hold none, a submit's
+    check first, then the one with the least child time in the last BUDGET_WINDOW_S, then the one who got a
+    place least recently, then the first to ask. So one person sending previews back to back holds at most one
+    place, and anyone else waiting gets the next one that frees. Also keeps each person's child time (the
+    budget)."""
+
+    POLL_S = 0.25
+    """A waiter looks again at least this often (a place freed wakes every waiter at once)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._waiting: List[tuple] = []
+        self.held: Dict[str, int] = {}
+        """Places held, by person: never more than one each."""
+        self._spent: Dict[str, Deque[Tuple[float, float]]] = {}
+        self._last: Dict[str, float] = {}
+        self._order = itertools.count()
+
+    def _recent(self, name: str, now: float) -> Deque[Tuple[float, float]]:
+        """(ended at, seconds) of ``name``'s children in the last BUDGET_WINDOW_S, oldest first."""
+        q = self._spent.get(name, deque())
+        while q and q[0][0] <= now - BUDGET_WINDOW_S:
+            q.popleft()
+        if not q:
+            self._spent.pop(name, None)
+        return q
+
+    def refuse_past_budget(self, name: str, label: str) -> None:
+        """OverBudget, saying when to try again, when ``name``'s child time in the window is BUDGET_S or more."""
+        with self._cond:
+            now = time.monotonic()
+            q = list(self._recent(name, now))
+        total = sum(s for _, s in q)
+        if total < BUDGET_S:
+            return
+        for ended, seconds in q:  # oldest first: the moment enough of it has left the window
+            total -= seconds
+            if total < BUDGET_S:
+                break
+        wait = max(1, math.ceil(ended + BUDGET_WINDOW_S - now))
+        raise OverBudget(label, f"your previews took {BUDGET_S:g} s of the server's time in the last "
+                                f"{BUDGET_WINDOW_S / 60:g} minutes, the most one person may; try again in {wait} s")
+
+    def _first(self, entry: tuple, now: float) -> bool:
+        def key(e):
+            name, task, order = e
+            return (task != "check", sum(s for _, s in self._recent(name, now)), self._last.get(name, 0.0), order)
+        free = [e for e in self._waiting if e[0] not in self.held]
+        return bool(free) and min(free, key=key) is entry
+
+    def take(self, name: str, task: str, wait_s: float) -> bool:
+        """A place for ``name``'s child, when it is their turn (within ``wait_s``); False if none came."""
+        deadline = time.monotonic() + wait_s
+        entry = (name, task, next(self._order))
+        with self._cond:
+            self._waiting.append(entry)
+            try:
+                while True:
+                    now = time.monotonic()
+                    if self._first(entry, now) and _server.acquire(blocking=False):
+                        self.held[name] = self.held.get(name, 0) + 1
+                        self._last[name] = now
+                        return True
+                    if now >= deadline:
+                        return False
+                    self._cond.wait(min(deadline - now, self.POLL_S))
+            finally:
+                self._waiting.remove(entry)
+                self._cond.notify_all()  # the next in line may be someone else now
+
+    def give_back(self, name: str, seconds: float) -> None:
+        """``name``'s child ended after ``seconds``: its place is free, its time counted."""
+        with self._cond:
+            _server.release()
+            self.held[name] -= 1
+            if not self.held[name]:
+                del self.held[name]
+            self._spent.setdefault(name, deque()).append((time.monotonic(), seconds))
+            self._cond.notify_all()
+
+
+_places = Places()
+
+
+def run(task: str, spec: dict, limits: Limits = PREVIEW, who=None, wait_s: Optional[float] = None) -> dict:
+    """``task`` on ``spec`` (a spec dict) in a child with ``limits``, for ``who`` (a name or a user; None: the
+    viewer ``identify`` gives, SandboxError when nobody is signed in); its answer. A SpecError-like
+    ``SandboxError`` (``path``, ``msg``) for a bad spec, for a limit hit, ``OverBudget`` for a preview past its
+    person's BUDGET_S, or ``Busy`` when no place for the child came within ``wait_s`` (default WAIT_S)."""
     label = LABELS[task]
     wait_s = WAIT_S if wait_s is None else wait_s
-    with person(who, label, limits.wall_s + wait_s):
-        if not _server.acquire(timeout=wait_s):
+    name, budgeted = whom(who, label)
+    with person(name, label, limits.wall_s + wait_s):
+        if budgeted and task in BUDGETED:
+            _places.refuse_past_budget(name, label)
+        if not _places.take(name, task, wait_s):
             raise Busy(label, f"all {MAX_CHILDREN} of the server's places for previews and checks are taken; "
                               f"try again in a moment")
+        t0 = time.monotonic()
         try:
             return _spawn(task, spec, limits)
         finally:
-            _server.release()
+            _places.give_back(name, time.monotonic() - t0)
 
 
 def child_env() -> dict:

@@ -173,7 +173,7 @@ def form_check(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError], Opti
     if err is not None:
         return None, err, None
     try:
-        size = previews.model_size(spec, viewer().name)
+        size = previews.model_size(spec, viewer())
         if not may_run_code():
             owners.check_run(owners.quotas(runs_dir()), spec, params=size["params"])
     except SpecError as e:

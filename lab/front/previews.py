@@ -23,13 +23,15 @@ _asking: Dict[str, threading.Lock] = {}
 (a room pressing the same preset's Start at once starts one child, not one each)."""
 
 
-def model_size(spec: JobSpec, who: str, wait_s: Optional[float] = None) -> dict:
+def model_size(spec: JobSpec, who, wait_s: Optional[float] = None) -> dict:
     """Parameter count and gradient bytes of the spec's model: {params, grad_bytes, tensors, tied}, counted
     in a child process with limits (lab.sandbox, task describe), never in this one, once per model and data
     set (the last PREVIEWS answers are kept); a compressor named by import path is checked there too (its
     class's declared parameters, and dear's needs). Raises SpecError as the spec would, or with the limit
-    the child hit ("preview: took more than 30 s"). ``who`` is the person asking: one child per person at
-    a time (sandbox.person)."""
+    the child hit ("preview: took more than 30 s"), or with why no child was started for it now (no free
+    place, the person's budget spent). ``who`` is the person asking (a user, lab.service.owners.User, or a
+    name, which has a student's budget): one child per person at a time (sandbox.person), places handed out
+    fairly and each person's child time bounded (sandbox.Places)."""
     d = spec.to_dict()
     data = dict(d["dataset"])
     if data["name"] == "synthetic":
@@ -65,7 +67,7 @@ def _preview(key: str):
         return hit
 
 
-def _run_preview(key: str, who: str, wait_s: Optional[float] = None):
+def _run_preview(key: str, who, wait_s: Optional[float] = None):
     """The child's answer for ``key`` (a size, or the SpecError it gave), kept; no free place for a child, or
     no answer in time, is not an answer about the spec (asked again next time)."""
     try:

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Tuple
 
 import lab
 from engine import codepath
+from lab.base import sandbox
 from lab.base.errors import LabError
 from lab.base.paths import default_root
 from lab.front import previews
@@ -64,6 +65,9 @@ def viewer() -> User:
     return u
 
 
+sandbox.identify(viewer)  # a child started for nobody in particular (the performance model's) is the viewer's
+
+
 def visible(run: Run, user: Optional[User] = None) -> bool:
     return owners.can_see(user or viewer(), run.status())
 
@@ -98,7 +102,7 @@ def admit(root, specs: list) -> Tuple[User, list, Optional[float]]:
         owners.refuse_code(s.to_dict())
         s = owners.check_run(q, s)
         if "params" in q:
-            owners.check_run(q, s, params=previews.model_size(s, user.name, wait_s=START_WAIT_S)["params"])
+            owners.check_run(q, s, params=previews.model_size(s, user, wait_s=START_WAIT_S)["params"])
         out.append(s)
     return user, out, q.get("wall_s")
 
@@ -226,14 +230,75 @@ def shown_log(run: Run, n: int = 30) -> str:
     return "\n".join(out)
 
 
-MD_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|~<>$:&])")
+BREAKS = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+"""Line and paragraph breaks, tabs and other control characters: a new line could start a heading, a list, a
+quote, a table row or a code fence, so user text is kept on one line (each run of them becomes a space)."""
+ALWAYS = frozenset("\\`<$~|{")
+"""Characters escaped wherever they are: a backslash (which would escape what follows), code, HTML and
+autolinks, LaTeX, strikethrough, table cells, a Streamlit directive's attributes."""
+LINK_END = re.compile(r"\](?:[(\[{]|$)")
+"""A ``]`` that could end a link or an image (``](``), a reference (``][``), a directive's label (``]{``), or
+meet a page's own text: a ``[`` before one is escaped. Other brackets (``must be [name, bytes] pairs``) stay;
+a ``]`` closes nothing without its ``[``, and pages put no ``[`` of their own before user text."""
+
+DIRECTIVES = re.compile(r"(?:red|orange|yellow|green|blue|violet|gray|grey|rainbow|primary)(?:-background|-badge)?"
+                        r"(?![\w-])|(?:color|shimmer|small|help)(?![\w-])", re.I)
+"""The names Streamlit (1.67) gives a meaning to after a colon (``:red``, ``:blue-badge``, ``:help``...): its
+text directives. Their content and attributes need ``[`` or ``{``, which are always escaped; the colon before
+one of these names is escaped too, so not even the word turns into a colour or an icon. A colon before any
+other name is left alone: Streamlit shows an unknown directive as its ``:name``."""
+BLOCK_START = re.compile(r"[#>+=-]|\d{1,9}[.)]")
+"""What makes a heading, a quote, a list item or a rule when it begins a block: escaped at the start of the
+text (a page may put it there, or after a list's ``- ``)."""
+WORD_JOINER = "\u2060"
+AFTER_PARSING = re.compile(r"(?<!\S)(?=(?:<->|->|<-|--|>=|<=|~=)(?!\S)).|www(?=\.)|:(?=//)"
+                           r"|(?<=[-.\w+])@(?=[-\w])|:(?=[\w+-]+:|material/)", re.I)
+"""What Streamlit's Markdown finds in the text *after* parsing, where escapes no longer count: GitHub's bare
+links (``www.x``, ``http://x``, ``a@b.c``), ``:streamlit:``, ``:material/...:`` and emoji shortcodes, and the
+symbols it draws for ``->``, ``<-``, ``<->``, ``--``, ``>=``, ``<=``, ``~=`` between spaces. An invisible word
+joiner after the matched character breaks each of these patterns and leaves what is read the same."""
 
 
-def md(text) -> str:
-    """User text (a run's name, an id from the address, an error that quotes them) for a Markdown element
-    (st.markdown, st.caption, st.error, a page link's label), shown as typed: every Markdown, HTML and
-    Streamlit directive character is escaped, so no link, image, tag or formatting comes from it."""
-    return MD_SPECIAL.sub(r"\\\1", str(text))
+def text(value) -> str:
+    """User text (a run's, a sweep's or a model's name, an owner's, an id from the address, an error that
+    quotes them, an uploaded file's content) for anything Streamlit renders as Markdown: st.markdown,
+    st.caption, st.warning/info/error/success, st.toast, headers, widget labels and help texts, radio options,
+    progress texts, metric labels, expander labels, page links. Shown as typed, on one line (BREAKS) and
+    without leading spaces (four would start a code block): a backslash goes before every character that
+    could mean something where it stands (ALWAYS, a ``[`` that could open a link (LINK_END), ``*`` and ``_``
+    where they could pair for emphasis, ``&`` before an entity, ``:`` before a directive's name (DIRECTIVES),
+    BLOCK_START), and what Streamlit finds after parsing is broken up (AFTER_PARSING), so no link, image, tag,
+    formatting, colour, icon or formula comes from it. Plain prose (``quota steps: at most 2000 steps per
+    run, asked for 5000``, ``params must be [name, bytes] pairs``) passes unchanged, so messages read the same
+    in the page's source.
+
+    Not for what is not Markdown (st.code, st.text, tables, the options of a selectbox or a multiselect,
+    Plotly figures: lab.analysis.plots.plain): there the backslashes would show."""
+    s = AFTER_PARSING.sub(lambda m: m.group(0) + WORD_JOINER, BREAKS.sub(" ", str(value)).lstrip())
+    start = BLOCK_START.match(s)
+    lead = start.end() - 1 if start else -1
+    stars = s.count("*")
+    ends = [m.start() for m in LINK_END.finditer(s)]
+    last_end = ends[-1] if ends else -1
+    out = []
+    for i, ch in enumerate(s):
+        before, after = s[i - 1:i], s[i + 1:i + 2]
+        if ch in ALWAYS or i == lead:
+            out.append("\\")
+        elif ch == "[" and (i < last_end or i == 0 or after == "^" or re.search(r":[A-Za-z][\w-]*$", s[:i])):
+            out.append("\\")  # a link, an image, a footnote, a task box, a directive's label
+        elif ch == "*" and (stars > 1 or not before.strip() or not after.strip()):
+            # one star inside the text has no partner of its own ("aliases (*name)"); pages put no emphasis
+            # of their own around user text that it could pair with
+            out.append("\\")
+        elif ch == "_" and not (before.isalnum() and after.isalnum()):
+            out.append("\\")  # inside a word (batch_size) it never emphasizes
+        elif ch == "&" and (after == "#" or after.isalnum()):
+            out.append("\\")
+        elif ch == ":" and DIRECTIVES.match(s, i + 1):
+            out.append("\\")
+        out.append(ch)
+    return "".join(out)
 
 
 def run_label(run: Run, state: bool = True) -> str:

@@ -147,7 +147,8 @@ class Lab:
                 preflight.check(spec)
             else:
                 try:
-                    sandbox.run("check", spec.to_dict(), sandbox.CHECK, who=owner or local_user().name)
+                    sandbox.run("check", spec.to_dict(), sandbox.CHECK, who=owner or local_user().name,
+                                wait_s=sandbox.CHECK_WAIT_S)  # before others' previews (sandbox.Places)
                 except sandbox.SandboxError as e:
                     raise SpecError(e.path, e.msg) from None
         memory = rank_limit(self.root, owner)
