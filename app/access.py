@@ -1,7 +1,7 @@
 """The gate in the script: every script run of every session passes here (streamlit_app.py) before any
 page runs, and every list, panel and download asks it again who is looking (lab.front.ui.set_viewer).
 
-On loopback it lets the local user through. On an exposed lab (lab.accounts.access_mode) the viewer is
+On loopback it lets the local user through. On an exposed lab (lab.front.accounts.access_mode) the viewer is
 the user of the session whose id the browser's cookie carries (app/gatekeeper.py made it at sign-in; it
 lets no request without one reach Streamlit). The script checks the session again on every run and
 every fragment refresh, so a signed-out, expired or revoked session sees nothing more from its next

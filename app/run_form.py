@@ -173,7 +173,7 @@ def run_form() -> None:
             d["timeline"] = st.checkbox("Record the timeline", True, key=k + "timeline")
         _slot(slots, "seed")
 
-    with st.spinner("Checking the spec ..."):  # the model's size comes from a child process (lab.sandbox)
+    with st.spinner("Checking the spec ..."):  # the model's size comes from a child process (lab.base.sandbox)
         spec, err, size = new_run.form_check(d)
     if err is not None:
         where = new_run.error_field(err.path, slots, err.msg)
@@ -230,7 +230,7 @@ def _compressor_fields(ch: dict, mode: str, slots: Dict[str, object], k: str) ->
                + (f" · {info['rounds']:d} rounds" if info["rounds"] > 1 else "")
                + (" · keeps its own residual" if info["builtin_feedback"] else ""))
     params = {}
-    for p in new_run.compressor_params(comp):  # as the compressor declares them (engine.compressors.Param)
+    for p in new_run.compressor_params(comp):  # as the compressor declares them (engine.compressors.params.Param)
         key = f"{k}c.{comp}.{p.name}"
         tip = ui.text(f"{p.help}; {p.allowed()}")
         if p.type is bool:

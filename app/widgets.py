@@ -35,7 +35,7 @@ def open_run(run_id: str, compare: Optional[List[str]] = None) -> None:
 
 
 def report_button(runs: list, file_name: str, key: str, group: Optional[dict] = None) -> None:
-    """Download one self-contained HTML report (lab.report) of ``runs`` (and ``group``'s verdict), built
+    """Download one self-contained HTML report (lab.analysis.report) of ``runs`` (and ``group``'s verdict), built
     when clicked. The runs were resolved for the viewer already: the builder looks up nothing else."""
     by_id = {r.id: r for r in runs}
     st.download_button("Download report (HTML, opens offline)", on_click="ignore", key=key, mime="text/html",
@@ -55,7 +55,7 @@ def state_badge(state: str) -> None:
 
 
 def table_columns() -> dict:
-    """Readable number formats for a comparison table (lab.comparison.compare_runs)."""
+    """Readable number formats for a comparison table (lab.analysis.comparison.compare_runs)."""
     num = st.column_config.NumberColumn
     return {"iter_ms": num("iter ms", format="%.1f"), "throughput": num("samples/s", format="%.0f"),
             "scaling_factor": num("scaling", format="percent"), "bytes_per_step": num("bytes/step", format="bytes"),

@@ -166,7 +166,7 @@ def read_json(path: str):
 def launch_cluster(script: str, args: Sequence[str], gbps: float, n: int = 2,
                    timeout_s: Optional[float] = None, tag: str = "bench") -> tuple:
     """Run ``script --worker args`` on ``n`` ranks of ONE emulated cluster shaped to ``gbps``
-    (lab.netns.Cluster; root, Linux): each rank its own torchrun node inside its
+    (lab.net.netns.Cluster; root, Linux): each rank its own torchrun node inside its
     namespace, the workers' output going to ours. The cluster is torn down
     however this ends; the jobs are stopped (by their process groups) on a
     timeout or when one node fails. Returns ``(returncode, cluster_info)``."""

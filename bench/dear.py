@@ -3,7 +3,7 @@
     python bench/dear.py [--links 0,1,10] [--models resnet,transformer] [--rounds 10] [--block 3] [--json out.json]
 
 One invocation covers every link in ``--links`` (0: plain loopback; X > 0: an
-emulated 2-rank cluster shaped to X Gbit/s, lab.netns, root). Per link the
+emulated 2-rank cluster shaped to X Gbit/s, lab.net.netns, root). Per link the
 script launches itself on 2 ranks (gloo, one thread each); per model every rank
 builds identical copies (seed 0) of four variants that see the same batches:
 
@@ -11,7 +11,7 @@ builds identical copies (seed 0) of four variants that see the same batches:
            the compute-only iteration time of the same model and batch;
 - ddp:     torch DistributedDataParallel (bucket_cap_mb 25);
 - wfbp:    engine.comm.wfbp.WFBP, schedule bucket 25 MB, compressor none, wfbp;
-- dear:    engine.dear.DeAR, compressor none, buffers at the cap found by the
+- dear:    engine.comm.dear.DeAR, compressor none, buffers at the cap found by the
            online search (CapTuner, rank 0 decides and broadcasts) run first on
            this very model and link.
 

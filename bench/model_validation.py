@@ -133,7 +133,7 @@ def worker(argv=None) -> int:
 
 
 def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0, gap: float = 0.0) -> dict:
-    """Run ``worker`` on every rank of ``cluster`` (lab.netns.Cluster) and return rank 0's times."""
+    """Run ``worker`` on every rank of ``cluster`` (lab.net.netns.Cluster) and return rank 0's times."""
     from lab.base.procs import stop
     from lab.base.torchrun import worker_env
     from lab.net.netns import rank_argv

@@ -4,7 +4,7 @@
     python bench/network.py --gbps 0          # (or --link loopback) the same on plain loopback
 
 One invocation per bandwidth. The parent builds ONE emulated 2-rank cluster
-(``lab.netns.Cluster(2, gbps)``: network namespaces, veth pairs to a bridge,
+(``lab.net.netns.Cluster(2, gbps)``: network namespaces, veth pairs to a bridge,
 tbf on both ends of every link) and starts this script with ``--worker`` in
 each rank's namespace as its own torchrun node; the cluster is torn down
 however the run ends. All traffic stays inside those namespaces (or on

@@ -8,7 +8,7 @@ unwatched and watched, interleaved: round 1 unwatched then watched, round 2 watc
 unwatched, and so on. "Watched" is what a user does: ``commlab app --no-demo`` serves the
 runs directory (one server for the whole benchmark, started here like a user starts it) and
 headless Chromium follows the run on the Live run page while it trains (the page refreshes itself
-every ``lab.ui.REFRESH_S`` seconds, its charts every ``lab.ui.CHARTS_REFRESH_S``). The browser is the
+every ``lab.front.ui.REFRESH_S`` seconds, its charts every ``lab.front.ui.CHARTS_REFRESH_S``). The browser is the
 user's: it runs at normal priority.
 
 When the page opens:
@@ -25,7 +25,7 @@ lab starts every run (``lab.service.spawn``): where the kernel groups processes 
 the ranks then compete with the browser as two groups, as they do on a user's machine.
 
 Reported per mode: the median iteration time (slower rank, warm-up left out:
-``lab.summary.summarize``) watched and unwatched, the ratio watched/unwatched per round and the
+``lab.rundir.summary.summarize``) watched and unwatched, the ratio watched/unwatched per round and the
 median of those ratios; the CPU the observer used (the Streamlit server's and Chromium's process trees,
 from /proc) over the whole run and during the timed steps alone (first timed step to last step: what can
 slow the measured iterations); and how often the page showed a new step (proof that it followed the
@@ -309,7 +309,7 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
         out["observer_cpu_pct"] = 100 * out["observer_cpu_s"] / wall
         out["state"] = run.state
         # the supervisor's own reading of other processes' share of the machine over the run
-        # (lab.disturbance): about 0 unwatched on a quiet machine; watched, it sees the observer too
+        # (lab.rundir.disturbance): about 0 unwatched on a quiet machine; watched, it sees the observer too
         out["other_cpu"] = (run.status().get("disturbance") or {}).get("other_cpu")
         s = summarize(run.metric_rows(), run.spec_dict())
         out["iter_ms"] = s.get("iter_ms_median")

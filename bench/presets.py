@@ -8,7 +8,7 @@ Round k starts the presets one after another (the order rotates between rounds),
 directory ``DIR/round-k`` (so MergeComp searches as it does on a user's first click, with no cached
 partition), through ``lab.front.groups.start_preset``: detached supervisors and the lab's queue, exactly what
 the Start button does. The wall time is the user's: from the click to the last run's end. The verdict
-(ratios, accuracy checks) is ``lab.results.evaluate``, the same code the results page shows.
+(ratios, accuracy checks) is ``lab.analysis.results.evaluate``, the same code the results page shows.
 Results: bench/results/presets.md and .json.
 """
 from __future__ import annotations

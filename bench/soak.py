@@ -4,7 +4,7 @@
                          [--runs DIR] [--timeout 900] [--keep] [--json out.json]
 
 It submits ``--jobs`` small runs at once (mlp on digits, 2 ranks, 10-40
-steps, one thread per rank, no evaluation) through ``lab.queue.Lab(runs,
+steps, one thread per rank, no evaluation) through ``lab.service.queue.Lab(runs,
 max_jobs).submit(wait=False)``, i.e. one detached supervisor per run. About
 one job in ten injects ``fault: {kind: raise, step: 3, rank: 1}`` and one in
 twenty ``fault: {kind: nan}``, so the runs end in every final state. While the

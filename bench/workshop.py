@@ -10,7 +10,7 @@ lab runs with ``max_jobs`` slots, so the queue is full the whole time.
 
 The simulated browsers run in this process, on the lab's machine, where a room's browsers would be on
 the students' laptops: so the bench runs in a session of its own and, once the app is up, lowers its CPU
-priority to the app server's (lab.spawn.lower_cpu_priority: nice APP_NICE, for the session's scheduling
+priority to the app server's (lab.service.spawn.lower_cpu_priority: nice APP_NICE, for the session's scheduling
 group too), so that 20 sessions' websocket traffic competes with the server, not with the runs.
 
 At the end it waits for every run to end and checks:

@@ -1,6 +1,6 @@
 """``strategy: auto`` without a profile of the model: the run's own ranks measure it, then wait for the plan.
 
-When the lab has no profile of the model, the supervisor (lab/auto.py) writes ``auto-pending.json`` instead
+When the lab has no profile of the model, the supervisor (lab/strategy/auto.py) writes ``auto-pending.json`` instead
 of a trial plan and starts the ranks at once, so the advisor's profile costs no start-up of its own (the
 interpreter, torch, the data and the process group are the run's anyway). Each rank, once its model is
 built and before any communicator exists:

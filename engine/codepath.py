@@ -3,8 +3,8 @@ may import it. Nothing here imports torch or the code it names.
 
 An import path (``package.module:object``) names code that the lab would import and call: a model factory,
 a data loader, a loss, a compressor class. ``torchvision:<arch>`` and ``hf:<type>`` name library models,
-not code. ``code_fields`` finds every such field of a spec; lab/workshop.py keeps them the teacher's on a
-lab others share.
+not code. ``code_fields`` finds every such field of a spec; lab/service/owners.py (``refuse_code``) keeps them the
+teacher's on a lab others share.
 
 A process that serves untrusted viewers (the UI's server) calls ``forbid_imports_when`` once; from then on,
 where its predicate holds, ``imports_allowed()`` is false and the spec's checks look at the syntax of what

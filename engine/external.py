@@ -14,7 +14,7 @@ name that needs a missing package is refused with a one-line message, like any u
 A process that serves untrusted viewers (the UI's server) never imports what a spec names
 (engine.codepath.imports_allowed): there a spec's names are checked for their syntax only
 (``check_import``, ``check_model``) and ``import_object`` refuses. The checks that need the code
-run in a child process with limits (lab/sandbox.py).
+run in a child process with limits (lab/base/sandbox.py).
 """
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def import_object(path: str, field: str):
         raise ValueError(f"{field}: {path!r} is not an import path; write package.module:function")
     if not imports_allowed():
         raise ValueError(f"{field}: {path!r} is not imported in this process, which serves the lab's viewers; "
-                         f"code is checked in a child process (lab.sandbox)")
+                         f"code is checked in a child process (lab.base.sandbox)")
     try:
         mod = importlib.import_module(mod_name)
     except Exception as e:  # the user's module may fail in any way while importing

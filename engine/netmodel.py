@@ -188,7 +188,7 @@ def from_spec(network) -> Optional[ModeledLink]:
 
 
 # --------------------------------------------------------------------------
-# A measuring worker, run as a torchrun node (e.g. by lab.netcheck.net_check):
+# A measuring worker, run as a torchrun node (e.g. by lab.net.netcheck.net_check):
 #   python -m engine.netmodel allreduce --bytes N --iters K --out FILE
 # It times K all-reduces of an fp32 tensor of N bytes after one warm-up, and
 # rank 0 writes {"times": [...], "nbytes": N, "world": p, ...} as JSON to FILE.

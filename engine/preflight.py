@@ -7,7 +7,7 @@ one line in the launching process instead of a traceback in every rank.
 uncompressed all-reduce moves per step), for the UI before a run starts.
 
 Both build what the spec names, so neither runs in a process that serves viewers
-(engine.codepath.imports_allowed): there they run in a child with limits (lab/sandbox.py).
+(engine.codepath.imports_allowed): there they run in a child with limits (lab/base/sandbox.py).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def needs_check(spec: JobSpec) -> bool:
 def _here(what: str) -> None:
     if not codepath.imports_allowed():
         raise RuntimeError(f"preflight.{what} builds what a spec names; this process serves viewers, so it "
-                           f"runs in a child process (lab.sandbox)")
+                           f"runs in a child process (lab.base.sandbox)")
 
 
 def build(spec: JobSpec, meta: bool = False):

@@ -18,7 +18,7 @@ spans touch and together cover the pass:
   one Python hook, not two), which shows each layer's last parameter to
   arrive; from the next step on that parameter alone has a hook, one per
   layer, and nothing per parameter (the communicator lands the gradients of
-  its last bucket in bulk, without hooks: engine/core.py). Should the order
+  its last bucket in bulk, without hooks: engine/comm/core.py). Should the order
   within a layer change later, its span ends at that parameter all the same.
 
 So the time of modules without parameters (activations, pooling, residual

@@ -1,6 +1,6 @@
 """``strategy: auto``'s trials as the run's own first steps.
 
-Before the ranks start, the lab's advisor (lab/auto.py ``plan_in_run``) writes ``auto-trials.json``
+Before the ranks start, the lab's advisor (lab/strategy/auto.py ``plan_in_run``) writes ``auto-trials.json``
 into the run directory: the candidates it picked from its predictions, best-predicted first, each a full
 spec of the run with that candidate's strategy (``spec``), the spec to go on with if it wins (``final``),
 its convergence penalty and, for MergeComp, the partition the advisor's search predicted (``layout``)

@@ -82,7 +82,7 @@ def wait(run_id: str, runs=None, timeout: Optional[float] = None) -> str:
 
 
 def compare(items, target_acc: Optional[float] = None, baseline=None):
-    """A comparison table (DataFrame), one row per run. See lab.comparison.compare_runs."""
+    """A comparison table (DataFrame), one row per run. See lab.analysis.comparison.compare_runs."""
     from lab.analysis.comparison import compare_runs
     return compare_runs(items, target_acc=target_acc, baseline=baseline)
 

@@ -9,7 +9,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # AppTest runs the app with no server address, which on a real server means every interface and so
-# sign-in (lab/workshop.py); the tests use it as `commlab app` does on loopback unless they say otherwise.
+# sign-in (lab/front/accounts.py); the tests use it as `commlab app` does on loopback unless they say otherwise.
 os.environ.setdefault("COMMLAB_ACCESS", "off")
 torch.set_num_threads(1)
 

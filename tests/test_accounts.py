@@ -1,6 +1,6 @@
 """Sign-in on an exposed lab, as a student, an outsider and a revoked student would try it: tokens are
 exchanged for sessions at the gatekeeper (app/gatekeeper.py) in plain HTTP before Streamlit; sessions,
-expiry, rotation, revocation and caps (lab/accounts.py)."""
+expiry, rotation, revocation and caps (lab/front/accounts.py)."""
 import json
 import os
 

@@ -1,4 +1,4 @@
-"""Bulk landing (engine/core.py): from the second step, a bucket that cannot launch before backward
+"""Bulk landing (engine/comm/core.py): from the second step, a bucket that cannot launch before backward
 ends (wfbp and dear: the last one; sync: every one) has no per-parameter hook and lands its
 gradients in finish, all at once. Its gradients must equal the hook-landed ones, a gradient that
 never arrives still counts as zero, a second backward is still refused, a relayout moves the bulk

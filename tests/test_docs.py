@@ -2,13 +2,18 @@
 mkdocstrings reference fails ``mkdocs build --strict``), the README stays a front page whose links all resolve,
 every relative link of the docs resolves, and what the docs generate from the code is all there: every command
 in the CLI reference, every job-spec field, every compressor. The package map is what the code draws now."""
+import ast
+import functools
 import importlib.util
+import io
 import json
 import os
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -190,6 +195,190 @@ def test_no_text_names_the_old_perfmodel_package():
     bad = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, ln in enumerate(p.read_text().splitlines(), 1)
            if old.search(ln)]
     assert bad == []
+
+
+# -- words that name the code: every module, attribute and file a docstring, comment or page names is there --
+
+TOP_PACKAGES = ("engine", "lab", "app", "commlab")
+# a dotted name ending so is a file's name (runs/<id>/lab.json, app.log), not a module
+FILE_SUFFIXES = {"json", "jsonl", "yaml", "yml", "md", "py", "txt", "log", "csv", "html", "svg", "png", "lock",
+                 "ipynb", "sh", "toml", "db", "sqlite", "pid", "out", "err", "tmp", "pt", "npz"}
+DOTTED_NAME = re.compile(r"(?<![\w.${/\\-])((?:" + "|".join(TOP_PACKAGES) + r")(?:\.[A-Za-z_]\w*)+)(?::(\w+))?")
+# a path whose next part starts with a capital is a placeholder or a ratio (bench/NAME.py, commlab/DDP)
+FILE_NAME = re.compile(r"(?<![\w./~$-])((?:engine|lab|app|commlab|scripts|bench|tests|docs|notebooks|examples)"
+                       r"/(?![A-Z])[\w./-]*|test_\w+\.py)(?:::(\w+))?")
+OPEN_ENDED = tuple("*<{[$")  # bench/results/*.md, tests/test_<area>.py: only the folder before it is named
+
+
+@functools.lru_cache(maxsize=None)
+def defined_names(path: Path) -> dict:
+    """{name: None, or for a class the names of its members} of what a module file defines or imports at top
+    level (inside if/try/with too), and what its ``__all__`` lists (a module ``__getattr__`` may serve those)."""
+    out: dict = {}
+
+    def members(cls):
+        names = set()
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            names.add(n.id)
+                        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self":
+                            names.add(n.attr)
+        return names
+
+    def bind(body):
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                out[node.name] = members(node)
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[node.name] = None
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    out.update((n.id, None) for n in ast.walk(t) if isinstance(n, ast.Name))
+                if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__"
+                                                        for t in node.targets):
+                    out.update((c.value, None) for c in ast.walk(node.value) if isinstance(c, ast.Constant))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                out.update(((a.asname or a.name).split(".")[0], None) for a in node.names)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                    bind(getattr(node, field, []) or [])
+    bind(ast.parse(path.read_text()).body)
+    return out
+
+
+def module_file(parts) -> Optional[Path]:
+    p = ROOT.joinpath(*parts)
+    for f in (p.with_name(p.name + ".py"), p / "__init__.py"):
+        if f.is_file():
+            return f
+    return None
+
+
+def names_a_module(name: str) -> bool:
+    """``name`` is a module of the source tree, or a module and a name defined in it (and, for a class, one of
+    its members); what follows that is not checked (a spec field, a method of what it returns)."""
+    parts = name.split(".")
+    k = next((k for k in range(len(parts), 0, -1) if module_file(parts[:k])), 0)
+    if k == 0:
+        return False
+    rest = parts[k:]
+    if not rest or rest[0].startswith("__") and rest[0].endswith("__"):  # every module has a __file__
+        return True
+    defined = defined_names(module_file(parts[:k]))
+    if rest[0] not in defined:
+        return False
+    return len(rest) == 1 or defined[rest[0]] is None or rest[1] in defined[rest[0]]
+
+
+@functools.lru_cache(maxsize=None)
+def ignored_folders():
+    """What the commands write into the checkout and git ignores (notebooks/html/)."""
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    return tuple(ln.strip("/") + "/" for ln in lines if ln.endswith("/") and "/" in ln.rstrip("/"))
+
+
+def names_a_file(path: str, test: Optional[str]) -> bool:
+    """``path`` is a file or folder of the checkout (``tests/`` understood for a bare test file's name), an
+    output stem whose files are there (``--out bench/results/cpu_buffers`` wrote cpu_buffers.md), or inside an
+    ignored folder the commands write; ``test``, if any, is defined in it."""
+    p = ROOT / "tests" / path if path.startswith("test_") else ROOT / path
+    if (path.rstrip("/") + "/").startswith(ignored_folders()):
+        return True
+    if not p.exists():
+        return not p.suffix and p.parent.is_dir() and any(p.parent.glob(p.name + ".*"))
+    defines = re.compile(rf"^\s*(?:async\s+)?def {test}\b|^class {test}\b", re.M)
+    return test is None or defines.search(p.read_text()) is not None
+
+
+def stale_names(text: str):
+    """(offset, name) of each module or file ``text`` names that is not in the source tree."""
+    out = []
+    for m in DOTTED_NAME.finditer(text):
+        name = m.group(1)  # lab.front.* names lab.front
+        if name.rsplit(".", 1)[-1] in FILE_SUFFIXES:
+            continue
+        full = name + (f":{m.group(2)}" if m.group(2) else "")
+        if not names_a_module(name) or m.group(2) and not names_a_module(f"{name}.{m.group(2)}"):
+            out.append((m.start(), full))
+    for m in FILE_NAME.finditer(text):
+        path, test = m.group(1).rstrip(".-"), m.group(2)
+        if text[m.end(1):m.end(1) + 1] in OPEN_ENDED:
+            path, test = path.rsplit("/", 1)[0], None
+        if not names_a_file(path, test):
+            out.append((m.start(), path + (f"::{test}" if test else "")))
+    return out
+
+
+def words_of(path: Path):
+    """(line, text) of the words in a file: a Python file's comments and string literals (docstrings, messages;
+    not a string that is one dotted name alone), a notebook's markdown cells, a page's whole text."""
+    raw = path.read_text()
+    if path.suffix == ".md":
+        yield 1, raw
+    elif path.suffix == ".ipynb":
+        lines, at = raw.splitlines(), 0
+        for cell in json.loads(raw)["cells"]:
+            if cell["cell_type"] != "markdown":
+                continue
+            source = cell["source"] if isinstance(cell["source"], list) else cell["source"].splitlines(True)
+            for s in source:  # nbformat writes each source line on a line of its own: its line in the file
+                quoted = (json.dumps(s, ensure_ascii=False), json.dumps(s))
+                at = next((i for i in range(at, len(lines)) if quoted[0] in lines[i] or quoted[1] in lines[i]), at)
+                yield at + 1, s
+    else:
+        for tok in tokenize.generate_tokens(io.StringIO(raw).readline):
+            if tok.type == tokenize.STRING and re.fullmatch(r"[a-zA-Z]*(['\"])[\w.]+\1", tok.string):
+                continue  # a key in code that happens to be dotted: a logger's name, a session key
+            if tok.type in (tokenize.COMMENT, tokenize.STRING):
+                yield tok.start[0], tok.string
+
+
+def product_and_docs():
+    files = [p for d in TOP_PACKAGES + ("scripts",) for p in sorted((ROOT / d).rglob("*.py"))]
+    files += sorted((ROOT / "bench").glob("*.py")) + sorted(DOCS.rglob("*.md")) + [ROOT / "README.md"]
+    return files + sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((DOCS / "notebooks").glob("*.ipynb"))
+
+
+def test_every_module_and_file_the_words_name_is_there():
+    """Every dotted module path (``lab.front.cli``, ``engine.comm.exchange.Exchange``) and file path
+    (``engine/comm/dear.py``, ``tests/test_docs.py``, with ``::name`` a test in it) named in the product's
+    docstrings, comments and strings, in the docs, the README and the notebooks' text exists: moved modules
+    leave no old names behind (``lab.workshop``, ``lab/spawn.py``, ``engine/comm.py`` were). Names outside the
+    project's packages (``mypkg.codecs:ScaledSign``, ``compressor.name``) are not checked; bench/results and
+    bench/data keep what they said then."""
+    bad = []
+    for path in product_and_docs():
+        if path.suffix == ".py" and not stale_names(path.read_text()):
+            continue  # nothing stale in the whole file, code included: no need to tell words from code (slow)
+        for line, text in words_of(path):
+            for offset, name in stale_names(text):
+                bad.append(f"{path.relative_to(ROOT)}:{line + text.count(chr(10), 0, offset)}: {name}")
+    assert bad == [], "names that are not in the code:\n" + "\n".join(bad)
+
+
+def test_the_name_check_finds_a_stale_name(tmp_path):
+    text = ("lab.run(spec) reads runs/<id>/lab.json; lab.front.cli:main; engine.comm.exchange; mypkg.codecs:Sign\n"
+            "compressor.name, lab.front.*, see lab/strategy/perfmodel/ and bench/results/*.md, tests/test_docs.py::"
+            "test_nothing_speaks_of_issues and test_docs.py; f'{lab.root}'; bench/NAME.py; commlab/DDP; "
+            "--out bench/results/cpu_buffers; notebooks/html/00_tour.html\n"
+            "Gone: lab.workshop, lab/spawn.py, engine.comm.exchange.Nothing, lab.front.cli:nothing, "
+            "tests/test_docs.py::test_gone, test_gone.py.")
+    assert [n for _, n in stale_names(text)] == ["lab.workshop", "engine.comm.exchange.Nothing",
+                                                  "lab.front.cli:nothing", "lab/spawn.py",
+                                                  "tests/test_docs.py::test_gone", "test_gone.py"]
+    assert [n for _, n in stale_names("# at the end of a comment: lab/auto.py")] == ["lab/auto.py"]
+    assert [n for _, n in stale_names("(lab.sandbox")] == ["lab.sandbox"]
+    nb = tmp_path / "n.ipynb"  # a notebook's markdown line is reported at its line in the file
+    nb.write_text(json.dumps({"cells": [{"cell_type": "code", "source": ["import lab\n", "# lab.workshop"]},
+                                        {"cell_type": "markdown", "source": ["# Title\n", "See lab.queue."]}]},
+                             indent=1))
+    said = [(line, n) for line, text in words_of(nb) for _, n in stale_names(text)]
+    assert said == [(nb.read_text().splitlines().index('    "See lab.queue."') + 1, "lab.queue")]
 
 
 def test_the_advise_how_to_names_only_flags_advise_has():

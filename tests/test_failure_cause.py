@@ -1,5 +1,5 @@
 """Which rank caused a failure, from torchrun's report in log.txt and the ranks' error files
-(lab/launcher.py failure_cause, rank_exits_from_log). The logs are real torchrun 2.x output of
+(lab/rundir/launcher.py failure_cause, rank_exits_from_log). The logs are real torchrun 2.x output of
 jobs where one rank was killed, raised, or exited without a word."""
 import json
 from pathlib import Path

@@ -1,9 +1,9 @@
 """Watching a run must not slow it down (README, "Watching a run"; bench/observer.py measures it).
 
 - The live panel reads only what was appended to a run's files since its last refresh, and computes
-  each step's breakdown once (lab.live), with the same figures as plots.step_breakdown.
+  each step's breakdown once (lab.analysis.live), with the same figures as plots.step_breakdown.
 - `commlab app` runs its Streamlit server niced, and the runs and sweeps the server starts are started
-  by the app's own process at normal priority (lab.spawn).
+  by the app's own process at normal priority (lab.service.spawn).
 """
 import json
 import os
@@ -262,7 +262,7 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
         assert nice_of(server) == min(nice_of(app.pid) + APP_NICE, 19)
         assert all(nice_of(int(t)) == nice_of(server) for t in os.listdir(f"/proc/{server}/task"))
         # a session of its own, whose scheduling group is niced as well: with autogroups a nice value only
-        # ranks processes within their session, and every run has its own (lab/spawn.py)
+        # ranks processes within their session, and every run has its own (lab/service/spawn.py)
         assert os.getsid(server) == server != os.getsid(app.pid)
         if Path("/proc/sys/kernel/sched_autogroup_enabled").exists():
             assert Path(f"/proc/{server}/autogroup").read_text().split()[-1] == str(APP_NICE)
@@ -288,7 +288,8 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
 
 def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
     """lab.analysis.timelines.run_breakdown (the results page's per-run breakdown) follows a running run through
-    lab.live: the same mean as plots.step_breakdown over the same steps, and a second call reads nothing new."""
+    lab.analysis.live: the same mean as plots.step_breakdown over the same steps, and a second call reads nothing
+    new."""
     from lab.rundir.summary import warmup_steps
     runs, run, write = fake_run
     live._LIVE.clear()

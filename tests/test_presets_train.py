@@ -1,6 +1,6 @@
 """Every Home-page preset's runs train: started as the Start button starts them (one group, the lab's
 queue), every run ends done, with held-out accuracy at the preset's useful level and within 2 points of
-its reference variant (lab.results decides, as on the results page). Timings and the effects' ratios are
+its reference variant (lab.analysis.results decides, as on the results page). Timings and the effects' ratios are
 not checked here: they are measured by bench/presets.py."""
 import importlib.util
 import os

@@ -1,4 +1,4 @@
-"""`commlab run`'s progress (lab/progress.py): start-up as its own phase, the timed steps' rate, elapsed and
+"""`commlab run`'s progress (lab/rundir/progress.py): start-up as its own phase, the timed steps' rate, elapsed and
 ETA; rich's display on a terminal, plain lines elsewhere; colour only for the state, only on a terminal
 that has it."""
 import io

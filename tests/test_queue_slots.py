@@ -1,4 +1,4 @@
-"""The queue's slots (lab/queue.py): at most max_jobs held at once, and a supervisor that dies
+"""The queue's slots (lab/service/queue.py): at most max_jobs held at once, and a supervisor that dies
 (kill -9) frees its slot without anyone cleaning up."""
 import os
 import signal

@@ -1,4 +1,4 @@
-"""Reports to take home (lab/report.py, `commlab report`): one HTML file with the figures, which opens in
+"""Reports to take home (lab/analysis/report.py, `commlab report`): one HTML file with the figures, which opens in
 headless Chromium with every network request refused and draws them."""
 import os
 import re

@@ -1,6 +1,6 @@
-"""Presets and their verdicts (lab.presets, lab.results): pure, on fake runs with made-up metrics, so each
-rule (ratios against bounds, accuracy against the reference and the floor, pending and failed runs,
-the explanation of a miss) is checked on its own; plus every preset's specs."""
+"""Presets and their verdicts (lab.analysis.presets, lab.analysis.results): pure, on fake runs with made-up
+metrics, so each rule (ratios against bounds, accuracy against the reference and the floor, pending and failed
+runs, the explanation of a miss) is checked on its own; plus every preset's specs."""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """A room you can trust: no code from students, bounded students, the Performance model page, tried as an attacker
 would: through AppTest sessions of a student and of the teacher on an exposed lab (COMMLAB_ACCESS=token),
-and at the lab level (lab.front.ui, new_run, groups and previews as the pages call them, the queue, lab.sandbox).
+and at the lab level (lab.front.ui, new_run, groups and previews as the pages call them, the queue, lab.base.sandbox).
 
 - No student's code: a spec that names code (an import path) is refused for a student at every entry, with
   one line naming the field, and nothing it names is imported: marker files such code would write stay

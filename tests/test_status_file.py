@@ -1,5 +1,5 @@
 """status.json never loses fields: atomic writes, locked read-modify-writes, and no rebuild from
-nothing when a reader meets a damaged file (lab/store.py)."""
+nothing when a reader meets a damaged file (lab/rundir/store.py)."""
 import json
 import os
 import random

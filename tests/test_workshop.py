@@ -1,4 +1,4 @@
-"""The workshop server (lab/owners.py, lab/accounts.py, app/access.py): the in-script gate, per-user runs,
+"""The workshop server (lab/service/owners.py, lab/front/accounts.py, app/access.py): the in-script gate, per-user runs,
 the fair queue and quotas, tested as a student or an outsider would try them: no session, a wrong one,
 another student's run id, path tricks in ids. Sign-in itself (tokens for sessions, in plain HTTP before
 Streamlit) is tests/test_accounts.py's."""

@@ -2,8 +2,9 @@
 
 A compressor turns one bucket's flat gradient into a payload (a list of
 tensors) and back. It never calls a collective. The communicator
-(engine/comm.py) drives ``exchange``, a generator that yields ``Round``s; the
-communicator carries out each round's collective and sends the result back in.
+(engine/comm/, through engine/comm/exchange.py) drives ``exchange``, a
+generator that yields ``Round``s; the communicator carries out each round's
+collective and sends the result back in.
 Single-round compressors only implement ``compress``/``decompress`` and
 inherit the default ``exchange``:
 
@@ -132,7 +133,7 @@ class Compressor:
     identity = False
     """True when the payload is the input itself and decoding returns the payload (no compression):
     the exchange is a plain sum, so the caller may land the input already divided by the world
-    size and run one all-reduce with nothing after it (``engine.core.Exchange``, prescaled)."""
+    size and run one all-reduce with nothing after it (``engine.comm.exchange.Exchange``, prescaled)."""
     lossless = False
     """True when decoding gives the input back up to the wire dtype's rounding (the identity and
     the casts): error feedback would have nothing worth keeping."""
@@ -191,7 +192,7 @@ class Compressor:
     elementwise: Tuple[str, ...] = ()
     """Attributes that hold per-element state in the bucket's flat shape (DGC's u and v,
     EF-signSGD's residual, Signum's momentum), None until the first step. When the
-    buckets are rebuilt (engine/comm.py ``relayout``) this state is cut per parameter and
+    buckets are rebuilt (engine/comm/core.py ``relayout``) this state is cut per parameter and
     reassembled in the new buckets, so it stays with its parameters. Other state (PowerSGD's
     factors and padded residual, random generators) starts afresh in a new bucket."""
 

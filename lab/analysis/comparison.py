@@ -8,7 +8,7 @@
 - time to target: wall time from the start of training (the first step) to
   the first evaluation that reaches ``target_acc``;
 - other CPU: the share of the machine other processes used during the run,
-  and whether that marks the run ``disturbed`` (lab.disturbance); a disturbed
+  and whether that marks the run ``disturbed`` (lab.rundir.disturbance); a disturbed
   run's timings are not results.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One-click experiments for the Home page (and notebooks): each preset is a question, the runs that
 answer it (spec overrides on a small common base), the paper's claim, and the effects whose measured
-ratios decide the answer (see lab.results).
+ratios decide the answer (see lab.analysis.results).
 
 Every preset is tuned so that, on the 2-core machine this lab was built on, its runs train to a
 useful accuracy and the whole preset finishes in about a minute (bench/presets.py measures both)."""

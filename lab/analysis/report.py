@@ -95,7 +95,7 @@ def group_section(group: dict, get: Callable[[str], Run]) -> str:
 
 def report_html(runs: List[Run], group: Optional[dict] = None, title: Optional[str] = None,
                 get: Optional[Callable[[str], Run]] = None, target_acc: Optional[float] = None) -> str:
-    """The whole report as one HTML string. ``group`` (a preset's result group, lab.results) adds its
+    """The whole report as one HTML string. ``group`` (a preset's result group, lab.analysis.results) adds its
     verdict; more than one run adds a comparison; every run gets its own section. ``get`` looks the group's
     runs up by id (the UI passes one that checks the viewer may see them); a group needs one."""
     if not runs:

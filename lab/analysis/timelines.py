@@ -102,7 +102,7 @@ def run_breakdown(run: Run, max_steps: int = 100) -> Dict[str, float]:
     """Mean step-time breakdown of a run (see ``plots.step_breakdown``) over its last
     ``max_steps`` steps, warm-up left out; cached until the run's files change. While the run goes on
     (a page refreshing every few seconds), only what its files gained is read and each step is
-    computed once (lab.live)."""
+    computed once (lab.analysis.live)."""
     if max_steps <= live.KEEP_STEPS and run.state not in FINAL:
         lr = live.live_run(run)
         bd = lr.breakdown(max_steps)

@@ -133,7 +133,7 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
     """``commlab app``: serve the UI on host:port (127.0.0.1 unless ``host``) over the runs
     directory ``runs`` (default $COMMLAB_RUNS or ./runs) until interrupted. With ``demo``,
     an empty runs directory gets the demo run queued first. Bound beyond loopback, every request
-    needs a token (lab.workshop; ``token`` sets the class token) and the links are printed.
+    needs a token (lab.front.accounts; ``token`` sets the class token) and the links are printed.
     ``certfile``/``keyfile`` serve it over TLS. ``behind_proxy``: the addresses of a proxy in front (LOCAL_PROXY: on
     this machine), whose X-Forwarded-For then names the client; without it the socket's peer is the client.
     Returns 0 after a stop by signal, else Streamlit's exit status."""
@@ -167,7 +167,7 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
         print(sign_in_lines(root, host, port, token, tls=bool(certfile)), file=out, flush=True)
     elif token:
         raise LabError("--token: only for a server bound beyond loopback (--host); on 127.0.0.1 there is no sign-in")
-    # The server runs niced, in a session of its own (scheduling groups go by session: lab/spawn.py), so its
+    # The server runs niced, in a session of its own (scheduling groups go by session: lab/service/spawn.py), so its
     # refreshes take the cores only when training ranks leave them idle; the runs and sweeps it starts are
     # started by this process instead, at normal priority. Signals reach the server from this process only.
     # SIGINT (Ctrl-C; a shell starts background jobs with it ignored, and children inherit that), SIGTERM
@@ -182,7 +182,7 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
                                           preexec_fn=lower_priority)
                 spawner.start()  # after the fork: no thread of ours runs while the server's preexec_fn does
                 # the niced server watches runs without changing their timing: runs started here do not
-                # count its CPU as disturbing them (lab.disturbance.observers)
+                # count its CPU as disturbing them (lab.rundir.disturbance.observers)
                 disturbance.register_observer(root, server.pid)
                 code = server.wait()
                 spawner.close()

@@ -19,7 +19,7 @@ from lab.service import owners
 
 def start_preset(preset: Preset, runs=None, values: Optional[Dict[str, int]] = None) -> str:
     """Queue every run of a preset (detached supervisors), its knobs at ``values`` (the card's sliders; the
-    defaults where not given), and record them as a group (lab.results) with those values; the group's id.
+    defaults where not given), and record them as a group (lab.analysis.results) with those values; the group's id.
     The group is written before the first run is queued, so a results page opened at once finds it.
     LabError for a value out of a knob's range."""
     root = runs or runs_dir()
@@ -73,7 +73,7 @@ def preset_groups(runs=None) -> List[dict]:
 
 
 def group_verdict(group: dict, runs=None):
-    """The verdict of a preset's or a sweep's group (lab.results.evaluate), from the runs' own figures."""
+    """The verdict of a preset's or a sweep's group (lab.analysis.results.evaluate), from the runs' own figures."""
     root = runs or runs_dir()
     return results.evaluate(group, lambda rid: get_run_or_raise(rid, root))
 

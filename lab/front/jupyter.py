@@ -123,7 +123,7 @@ def notebooks_main(port: int = 8888, browser: bool = True, runs: Optional[os.Pat
            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
     root = Path(runs or os.environ.get("COMMLAB_RUNS") or "runs").resolve()  # the CLI's default: ./runs
     make_private(root)
-    env["COMMLAB_RUNS"] = str(root)  # the kernels' lab.notebook.runs_dir()
+    env["COMMLAB_RUNS"] = str(root)  # the kernels' lab.front.notebook.runs_dir()
     data_dir = Path(tempfile.mkdtemp(prefix="commlab-jupyter-"))
     old = {s: signal.signal(s, _raise_stop) for s in STOP_SIGNALS}
     p = None

@@ -35,7 +35,7 @@ def cuda_available() -> bool:
 
 
 def compressor_params(name: str) -> list:
-    """A compressor's keyword parameters as its class declares them (engine.compressors.Param: name,
+    """A compressor's keyword parameters as its class declares them (engine.compressors.params.Param: name,
     type, default or None with what unset means, range, one-line help)."""
     from engine.compressors import REGISTRY
     return list(REGISTRY[name].params)

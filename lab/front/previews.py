@@ -25,7 +25,7 @@ _asking: Dict[str, threading.Lock] = {}
 
 def model_size(spec: JobSpec, who, wait_s: Optional[float] = None) -> dict:
     """Parameter count and gradient bytes of the spec's model: {params, grad_bytes, tensors, tied}, counted
-    in a child process with limits (lab.sandbox, task describe), never in this one, once per model and data
+    in a child process with limits (lab.base.sandbox, task describe), never in this one, once per model and data
     set (the last PREVIEWS answers are kept); a compressor named by import path is checked there too (its
     class's declared parameters, and dear's needs). Raises SpecError as the spec would, or with the limit
     the child hit ("preview: took more than 30 s"), or with why no child was started for it now (no free

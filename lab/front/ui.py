@@ -75,7 +75,7 @@ def visible(run: Run, user: Optional[User] = None) -> bool:
 def serve_viewers(in_server: Callable[[], bool]) -> None:
     """Called by the app's entry file: in this process, whenever ``in_server()`` is true (a thread serving a
     viewer), nothing a spec names is imported or built (engine.codepath.forbid_imports_when): specs are
-    checked for their syntax, and what needs the code runs in a child with limits (lab.sandbox)."""
+    checked for their syntax, and what needs the code runs in a child with limits (lab.base.sandbox)."""
     codepath.forbid_imports_when(in_server)
 
 

@@ -1,6 +1,6 @@
 """Measuring an emulated cluster: raw TCP between two ranks and a gloo all-reduce.
 
-``net_check(gbps)`` builds a shaped cluster (lab.netns.Cluster), measures both,
+``net_check(gbps)`` builds a shaped cluster (lab.net.netns.Cluster), measures both,
 prints them next to the target and the alpha-beta prediction, and tears the
 cluster down. ``commlab net check --gbps X`` calls it.
 """

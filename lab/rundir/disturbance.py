@@ -15,7 +15,7 @@ once a second, two counters from /proc:
 
 Other processes' CPU is busy minus own, less the lab's own observers: the
 Streamlit server of ``commlab app`` (and whatever it starts: preview children)
-registers itself in ``<runs>/.observers/`` and runs niced (lab.spawn.APP_NICE, its
+registers itself in ``<runs>/.observers/`` and runs niced (lab.service.spawn.APP_NICE, its
 scheduling group too), so it takes only what the ranks leave idle; watching a
 run was measured not to change its timing there. Its CPU is reported apart
 (``observer_cpu``) and does not flag the run. A registered process that is not
@@ -194,7 +194,7 @@ def figures(samples: List[Sample], cpus: int, threshold: float = DEFAULT_THRESHO
 
 
 def timed_window(metrics: List[dict]) -> Optional[Tuple[float, float]]:
-    """(start, end) wall time of the steps the iteration-time median uses (lab.summary)."""
+    """(start, end) wall time of the steps the iteration-time median uses (lab.rundir.summary)."""
     steps: Dict[int, List[dict]] = {}
     for m in metrics:
         if m.get("kind") == "step" and "t" in m:
@@ -211,7 +211,7 @@ def timed_window(metrics: List[dict]) -> Optional[Tuple[float, float]]:
 # --------------------------------------------------------------------------- the lab's own observers
 
 OBSERVER_NICE = 4
-"""The nice value at or above which a registered observer is not counted (lab.spawn.APP_NICE, the value its
+"""The nice value at or above which a registered observer is not counted (lab.service.spawn.APP_NICE, the value its
 server runs at; a test checks they agree)."""
 
 

@@ -4,7 +4,7 @@ The launcher owns the run's status: it marks the run running, starts the ranks
 (on one machine directly, each in a session of its own; on emulated clusters
 and across machines one torchrun node each, which stops its ranks with it),
 tails metrics.jsonl for a progress bar, samples how much CPU other processes
-take meanwhile (lab.disturbance), and writes done, failed (with the failing
+take meanwhile (lab.rundir.disturbance), and writes done, failed (with the failing
 rank's error) or cancelled at the end. A run with a memory limit per rank
 (``rank_limit_mb`` in its status: a student's ``rank_mb`` quota) has its
 ranks started under it (lab.base.procs.limit_data), and a rank that passes it

@@ -66,7 +66,8 @@ CHANGE_TRIES = 20
 (another tool, a shared file system) gets about half a second to finish its file."""
 READ_PAUSE_S = 0.025
 CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access", "rank_mb")
-"""What runs/lab.json may hold; lab.queue, lab.disturbance and lab.workshop check the values."""
+"""What runs/lab.json may hold; lab.service.queue, lab.rundir.disturbance, lab.service.owners and lab.front.accounts
+check the values."""
 
 
 def slug(text: str) -> str:

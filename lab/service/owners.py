@@ -1,5 +1,5 @@
 """The lab as a workshop server: who owns a run, who sees it, and how much each may ask. Who may sign
-in, and their tokens and sessions, are lab.accounts'.
+in, and their tokens and sessions, are lab.front.accounts'.
 
 Loopback use (``commlab app``, the CLI, notebooks) has one user, the person at the machine: the local
 user, who sees and controls everything. A run records its owner and whether it is shared in status.json
@@ -221,7 +221,7 @@ def is_student(owner: Optional[str]) -> bool:
 
 def refuse_code(spec: dict) -> None:
     """SpecError naming the first field of ``spec`` (a spec dict, as written or fully defaulted) that names
-    code by import path (engine.spec.code_fields): on a lab others share, only the teacher runs code."""
+    code by import path (engine.codepath.code_fields): on a lab others share, only the teacher runs code."""
     found = code_fields(spec)
     if found:
         field, path = found[0]

@@ -7,7 +7,7 @@ own supervisor; the UI and ``lab.run(..., wait=False)`` start a detached one
 ``runs/.slots/``: the kernel releases a dead supervisor's lock, so a crash
 never leaks a slot. A queued supervisor only tries for a slot when fewer than
 ``max_jobs`` queued runs come before its own in the queue's order, which is
-fair by run time over the runs' owners (lab.workshop.fair_order): the owner
+fair by run time over the runs' owners (lab.service.owners.fair_order): the owner
 who has had the least run time goes first, so a user with many runs queued
 does not hold back one who has few. With a single user it is first come,
 first served.
@@ -124,12 +124,12 @@ class Lab:
                wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
         (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
-        seconds of running (a student's quota, lab.workshop). Its ranks get the memory limit of its owner
+        seconds of running (a student's quota, lab.service.owners). Its ranks get the memory limit of its owner
         (lab.service.owners.rank_limit: a student's ``rank_mb`` quota, runs/lab.json's ``rank_mb`` for
         everyone), recorded in its status (``rank_limit_mb``). A student's spec that names code is refused
-        here, whoever submits it (lab.workshop.refuse_code). A model or data set from outside the zoo takes
+        here, whoever submits it (lab.service.owners.refuse_code). A model or data set from outside the zoo takes
         one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
-        a child with limits (lab.sandbox; the UI's server); ``say`` is told first, since building the model
+        a child with limits (lab.base.sandbox; the UI's server); ``say`` is told first, since building the model
         can take a while (a Hugging Face model: its imports and weights, seconds)."""
         if is_student(owner):
             refuse_code(spec.to_dict())
@@ -166,7 +166,7 @@ class Lab:
 
     def spawn_supervisor(self, run: Run) -> int:
         argv = [sys.executable, "-m", "lab.service.supervise", "--runs", str(self.root.resolve()), run.id]
-        # at normal priority even when the UI's (niced) server asks for it: lab/spawn.py
+        # at normal priority even when the UI's (niced) server asks for it: lab/service/spawn.py
         pid = spawn_detached(argv, run.file(runfiles.SUPERVISOR_LOG), cwd=SOURCE,
                              env={**os.environ, "COMMLAB_MAX_JOBS": str(self.max_jobs)})
         # recorded here too, so the run is never without a live owner between spawn and its first status write
@@ -238,7 +238,7 @@ class Lab:
                 Slots.release(slot)
 
     def _resolve_strategy(self, run: Run, progress: bool, out) -> Optional[dict]:
-        """``strategy: auto``: the advisor chooses in this slot before the ranks start (lab/auto.py); returns
+        """``strategy: auto``: the advisor chooses in this slot before the ranks start (lab/strategy/auto.py); returns
         its record for tuning.json, None for a fixed strategy."""
         st = run.spec().strategy
         if st.mode != "auto" or st.decided:
@@ -250,7 +250,7 @@ class Lab:
 
     def queue_position(self, run: Run, upto: Optional[int] = None) -> int:
         """How many queued runs with a live supervisor come before ``run`` in the queue's order
-        (fair by run time over owners, lab.workshop.fair_order), counted up to ``upto`` (default
+        (fair by run time over owners, lab.service.owners.fair_order), counted up to ``upto`` (default
         ``max_jobs``: all a supervisor needs to know, and it keeps polling cheap for long queues)."""
         upto = self.max_jobs if upto is None else upto
         everything = self.index.query()

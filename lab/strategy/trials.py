@@ -39,7 +39,7 @@ before STOP_RATIO (lab.strategy.auto) stopped it, a third of the trials' cost)."
 
 def measured_ms(run, run_steps: Optional[int] = None, skip: Optional[int] = None) -> Tuple[Optional[float], str]:
     """Median iteration time (slower rank) of a trial run after its warm-up (``skip`` steps, default
-    lab.summary's rule) and PowerSGD's uncompressed start, with a note on what was counted. A MergeComp
+    lab.rundir.summary's rule) and PowerSGD's uncompressed start, with a note on what was counted. A MergeComp
     run's search (tuning.json's trace of measured partitions) is spread over ``run_steps`` less the
     compressor's plain start, as the prediction spreads it: the warm-up and each candidate's steps at its
     measured time, the rest at the best partition measured so far."""

@@ -275,7 +275,7 @@ def from_events(spec: dict, ev: List[dict], source: str, skip: int = SKIP_STEPS,
 def param_list(spec: dict) -> List[Tuple[str, int]]:
     """(name, bytes) of the spec's model parameters in gradient-ready order, as
     the communicators order them (reverse registration order). Counted without the weights
-    (engine.preflight.parameters); in a process that serves viewers, in a child (lab.sandbox)."""
+    (engine.preflight.parameters); in a process that serves viewers, in a child (lab.base.sandbox)."""
     d = spec.to_dict() if hasattr(spec, "to_dict") else spec
     key = json.dumps({"model": d["model"], "dataset": d["dataset"], "seed": 0}, sort_keys=True)
     return list(reversed([tuple(p) for p in _parameters(key)]))
@@ -369,7 +369,7 @@ def link_from_net_check(result: dict) -> dict:
 def measure_link(gbps: float, n_ranks: int = 2, target_s: float = 0.4) -> dict:
     """Build a shaped cluster and time back-to-back gloo all-reduces of ~1/4 and all of
     ``target_s`` worth of bytes (so the tbf's token bucket is long empty: the sustained
-    rate), and of 4 KiB (the per-collective cost, mean of 30). Needs root (lab.netns).
+    rate), and of 4 KiB (the per-collective cost, mean of 30). Needs root (lab.net.netns).
 
     Returns ``beta`` (sustained seconds per byte, from the two large sizes), the
     cluster's ``burst_bytes``, ``small_mean_s`` and the samples."""
@@ -393,7 +393,7 @@ def measure_path(n_ranks: int = 2, sizes=(1 << 20, 8 << 20), iters: int = 6) -> 
     """The emulated cluster's own speed with no shaping (the same namespaces, veth pairs, bridge and MTU,
     no tbf): what a shaped link's token bucket lets a burst through at. Loopback (``lo``, 64 KB packets,
     no bridge) is several times faster, and a burst cannot cross the path faster than the path itself.
-    Back-to-back gloo all-reduces of ``sizes``, medians of ``iters``; needs root (lab.netns).
+    Back-to-back gloo all-reduces of ``sizes``, medians of ``iters``; needs root (lab.net.netns).
 
     Returns ``alpha`` and ``beta`` (seconds per ring step and per byte) and the samples."""
     rows = []

@@ -7,7 +7,7 @@ link uses them); this module only expresses them per Link and adds what the
 engine does around them:
 
 - an all-gather of payloads that differ in size between ranks is padded to
-  the largest (engine.comm.issue_allgather), and preceded by a synchronous
+  the largest (engine.comm.collectives.issue_allgather), and preceded by a synchronous
   all-gather of a small header of shapes (40 bytes per payload tensor);
 - a parameter server (not used by the engine; for what-ifs): every worker
   pushes its ``n`` bytes to the server(s) and pulls the result back.

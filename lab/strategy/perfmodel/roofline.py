@@ -20,7 +20,7 @@ ready times), so the step simulation runs on it unchanged; the optimizer step is
 with momentum reads parameter, gradient and momentum and writes two: 5 bytes per gradient byte; Adam 7).
 
 ``codec_curve``: a compressor's encode / between-rounds / decode cost on the device, from the bytes
-its own code moves (driving its exchange through engine.core.run_exchange with a clock that adds up
+its own code moves (driving its exchange through engine.comm.exchange.run_exchange with a clock that adds up
 the priced operators of two sizes, then fitted fixed + per byte). Sorting kernels (top-k, sort) read
 their input ``SORT_PASSES`` times (a radix select's passes over 32-bit keys).
 """
