@@ -5,7 +5,10 @@ short-lived child process with limits, never in the process that serves the UI.
 
 Tasks (engine/preflight.py): ``describe`` (the model's size: the New run form's preview, and a student's
 parameter quota), ``parameters`` (each parameter's name and bytes: what the performance model calibrates a
-run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued).
+run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued); and
+``curves`` (lab.strategy.perfmodel.calibrate.curves_here: compressors' encode/decode cost curves, timed on
+buffers their parameters size, for the Performance model page), whose input is not a spec but
+``{"items": [{"compressor": section} | {"method": section}, ...], "numels": [...], "repeat": r, "warm": w}``.
 
 The child sets its limits before it imports torch, the engine or anything the spec names: data
 (RLIMIT_DATA: the heap and every private writable mapping, so every tensor and buffer it allocates; not the
@@ -61,7 +64,11 @@ About 1.5 s of CPU here, most of it importing torch; the wall-clock limit leaves
 cores train runs at a higher priority."""
 CHECK = Limits(wall_s=60.0, cpu_s=60, memory=4 << 30)
 """A first batch through a model from outside the zoo, before its run is queued."""
-LABELS = {"describe": "preview", "parameters": "preview", "check": "check"}
+CURVES = Limits(wall_s=120.0, cpu_s=90, memory=2 << 30)
+"""Cost curves of a few compressors (lab.strategy.perfmodel.calibrate.measure_curves): every built-in's at the
+command line's sizes took 2.3 s of CPU here, after 1.5 s of importing torch. A compressor at the bounds of its
+parameters fits: a Count Sketch table of 2**26 cells (32 x 2,097,152) took 35 s and about 1.3 GB."""
+LABELS = {"describe": "preview", "parameters": "preview", "check": "check", "curves": "cost curve"}
 MAX_CHILDREN = 2
 """Children running at once in one server process, for every viewer together."""
 WAIT_S = 10.0
@@ -240,6 +247,9 @@ def _work(task: str, data: dict) -> dict:
     # imported here, not at the top: only after main has set the limits
     import torch
     torch.set_num_threads(1)
+    if task == "curves":  # compressor sections, not a spec
+        from lab.strategy.perfmodel import calibrate
+        return calibrate.curves_here(data)
     from engine import preflight
     from engine.spec import JobSpec  # lazy: the child's limits come before anything of the lab
     spec = JobSpec.from_dict(data)  # imports what the spec names: in this child, that is the point

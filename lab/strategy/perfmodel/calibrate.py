@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -501,7 +503,12 @@ def _measure_compressor(make, numels, repeat, warm):
         comp = make()
         comp.layout = [(0, (n // cols, cols))]  # one weight matrix, as PowerSGD sees a layer
         x = torch.randn(n)
-        for _ in range(warm + comp.warmup_exchanges):  # past plain warm-up exchanges (PowerSGD), lazy buffers
+        plain = 0
+        try:
+            comp.skip_warmup()  # past plain warm-up exchanges (PowerSGD's start_iter) without sending them
+        except NotImplementedError:  # a compressor of the user's that cannot skip them: they are driven
+            plain = comp.warmup_exchanges
+        for _ in range(warm + plain):  # lazy buffers, and a warm start's state
             drive(comp, x.clone())
         runs = [drive(comp, x.clone()) for _ in range(repeat)]
         samples = [r[1] for r in runs]
@@ -518,6 +525,65 @@ def _measure_compressor(make, numels, repeat, warm):
         out[k] = list(fit_affine([r[0] for r in rows], [r[1] for r in rows]))
         out[k + "_samples"] = [r[1] for r in rows]
     return out
+
+
+CURVES_KEPT = 512
+"""Cost curves a child measured for this process (``measure_curves``), least recently used first out: the
+Performance model page asks for the same compressors on every load (each finished run's, the page's five)."""
+_CURVES: "OrderedDict[str, dict]" = OrderedDict()
+_CURVES_LOCK = threading.Lock()
+
+
+def measure_curves(items: List[dict], numels=CURVE_NUMELS, repeat: int = 5, warm: int = 4,
+                   who: Optional[str] = None) -> List[dict]:
+    """The cost curve of each item, as ``measure_compressor`` times it: ``{"compressor": section}`` (a spec's
+    compressor section, checked already) or ``{"method": section}`` (a spec's method section: its own codec,
+    ``Method.codec``, at ``Method.codec_numel`` of each size).
+
+    Where this process may import code (the command line, the advisor's process, a notebook) they are timed
+    here. In a process that serves viewers (engine.codepath.forbid_imports_when) nothing they configured runs
+    here: one child with limits times them all (lab.base.sandbox, task ``curves``, limits ``CURVES``; ``who``'s one
+    at a time, the server's MAX_CHILDREN at once), and what it measured is kept in this process (``CURVES_KEPT``),
+    so asking again measures nothing; a limit the child hits, or no place for it, is a one-line
+    sandbox.SandboxError (a ValueError). Sections that name code are timed anew each time (their file may have
+    changed)."""
+    if codepath.imports_allowed():
+        return [_measure_item(item, numels, repeat, warm) for item in items]
+    keys = [json.dumps([item, list(numels), repeat, warm], sort_keys=True, default=str) for item in items]
+    with _CURVES_LOCK:
+        have = {k: _CURVES[k] for k in keys if k in _CURVES}
+        for k in have:
+            _CURVES.move_to_end(k)
+    todo = {k: item for k, item in zip(keys, items) if k not in have}
+    if todo:
+        got = sandbox.run("curves", {"items": list(todo.values()), "numels": list(numels), "repeat": repeat,
+                                     "warm": warm}, sandbox.CURVES, who=who)
+        if not isinstance(got, list) or len(got) != len(todo):
+            raise sandbox.SandboxError("cost curve", "the child process gave no curves")
+        for k, item, curve in zip(todo, todo.values(), got):
+            have[k] = curve
+            if not codepath.code_fields({"section": item}):
+                with _CURVES_LOCK:
+                    _CURVES[k] = curve
+                    while len(_CURVES) > CURVES_KEPT:
+                        _CURVES.popitem(last=False)
+    return [dict(have[k]) for k in keys]
+
+
+def curves_here(data: dict) -> List[dict]:
+    """The sandbox's ``curves`` task (lab.base.sandbox): ``measure_curves``' items timed in this process."""
+    numels = [int(n) for n in data["numels"]]
+    return [_measure_item(item, numels, int(data["repeat"]), int(data["warm"])) for item in data["items"]]
+
+
+def _measure_item(item: dict, numels, repeat: int, warm: int) -> dict:
+    if "method" in item:
+        from engine import methods  # torch
+        sec = item["method"]
+        m = methods.make(sec["name"], **(sec.get("params") or {}))
+        return measure_compressor({"name": m.name}, [m.codec_numel(n) for n in numels], repeat, warm,
+                                  make=m.codec)
+    return measure_compressor(item["compressor"], numels, repeat, warm)
 
 
 def decode_cost(curve: dict, nbytes: float, payloads: int) -> float:

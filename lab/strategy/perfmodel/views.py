@@ -78,12 +78,19 @@ def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, comp
     return pd.DataFrame(rows)
 
 
-def ensure_curves(profile: cal.Profile, comps: dict) -> None:
+def ensure_curves(profile: cal.Profile, comps: dict, who: Optional[str] = None) -> None:
+    """A cost curve in ``profile`` for each compressor of ``comps`` (label -> compressor section) that runs
+    compressor code, at the page's sizes (UI_NUMELS): measured by calibrate.measure_curves, which in the UI's
+    server times them in a child (``who``'s) and keeps them, so a page load measures only what is new."""
+    todo = {}
     for section in comps.values():
         for comp in parts(section):  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(comp)
-            if cal.needs_curve(comp) and k not in profile.compressors:
-                profile.compressors[k] = cal.measure_compressor(comp, numels=UI_NUMELS, repeat=3, warm=2)
+            if k not in profile.compressors and k not in todo and cal.needs_curve(comp):
+                todo[k] = {"compressor": comp}
+    if todo:
+        curves = cal.measure_curves(list(todo.values()), numels=UI_NUMELS, repeat=3, warm=2, who=who)
+        profile.compressors.update(zip(todo, curves))
 
 
 def measured_ms(run, skip: int = cal.SKIP_STEPS) -> Optional[float]:
@@ -118,9 +125,10 @@ def run_layout(run) -> Optional[List[List[str]]]:
         return None
 
 
-def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None) -> pd.DataFrame:
+def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: Optional[str] = None) -> pd.DataFrame:
     """One row per finished multi-rank run (of those in ``only``, run ids, when given): measured and
-    predicted iteration time (ms), or the reason it could not be predicted."""
+    predicted iteration time (ms), or the reason it could not be predicted. Each run's compressor is timed
+    once (``ensure_curves``, for ``who``); the page's next load takes what was measured."""
     rows = []
     curves = {} if curves is None else curves
     only = None if only is None else set(only)
@@ -139,7 +147,7 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None) -> pd.
             row["measured_ms"] = measured_ms(run)
             prof = cal.from_run(run)
             prof.compressors = curves
-            ensure_curves(prof, {"c": spec["compressor"]})
+            ensure_curves(prof, {"c": spec["compressor"]}, who)
             link = run_link(run, prof)
             row["predicted_ms"] = pr.predict(prof, spec, link.gbps if link.beta else 1.0, spec["world_size"],
                                              link=link, layout=run_layout(run)).total * 1e3
@@ -150,7 +158,8 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None) -> pd.
 
 
 def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], inter_gbps: List[float],
-                       compute_speedup: float = 1.0, spec: Optional[dict] = None) -> pd.DataFrame:
+                       compute_speedup: float = 1.0, spec: Optional[dict] = None,
+                       who: Optional[str] = None) -> pd.DataFrame:
     """``commlab predict PROFILE --cluster ...`` as a table: per workers x inter-node rate, DDP's and
     the spec's (default: the profile's own) iteration time, speedup and scaling factors.
     Bad shapes and worker counts are one-line SpecErrors."""
@@ -159,7 +168,7 @@ def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], in
         raise SpecError("profile", "it records no spec (not written by commlab profile)")
     spec = whatif.load_for_prediction(data=spec)
     whatif.check_workers(shape, workers, "workers")
-    whatif.ensure_curves(profile, [spec])
+    whatif.ensure_curves(profile, [spec], who=who)  # in a child where this process serves viewers
     rows = whatif.table(profile, spec, inter_gbps, workers, compute_speedup, cluster=shape)
     return pd.DataFrame(rows).rename(columns={"gbps": "inter_gbps"})
 
@@ -213,12 +222,12 @@ def measure_properties(runs, profile: Optional[cal.Profile] = None, names=None) 
 
 
 
-def calibrated(run) -> tuple:
+def calibrated(run, who: Optional[str] = None) -> tuple:
     """(profile calibrated from ``run``'s timeline with the measured compressors' curves, its spec); a
     one-line CalibrationError, without the server's paths, for whatever it lacks."""
     try:
         prof = cal.from_run(run, skip=min(cal.SKIP_STEPS, max(0, run.spec_dict()["steps"] - 2)))
-        ensure_curves(prof, COMPRESSORS)
+        ensure_curves(prof, COMPRESSORS, who)
         return prof, run.spec_dict()
     except (cal.CalibrationError, OSError, ValueError, KeyError, TypeError) as e:
         raise cal.CalibrationError(one_line(e)) from None

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from engine import runfiles
 from engine.codepath import is_import_path
@@ -388,15 +388,17 @@ def _locked(path: Path):
         os.close(fd)  # closing the descriptor drops the flock
 
 
-def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) -> int:
+def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False, who: Optional[str] = None) -> int:
     """Give ``profile`` a cost curve for every compressor the specs use that runs compressor code. With
     ``kept``, curves this machine already measured (``CURVES`` in ``runs``' profiles directory) are taken
     from there, and new ones are kept there. A compressor named by import path (the user's code) is never
     kept for the machine, and its curve in the profile is measured again when its file has changed since
-    (``calibrate.code_stamp``). Returns how many curves were measured (0: none)."""
+    (``calibrate.code_stamp``). What is missing is measured in one go by ``calibrate.measure_curves`` (in a
+    child with limits where this process serves viewers, ``who`` among them). Returns how many curves were
+    measured (0: none)."""
     from engine.compressors.plan import parts
     machine = machine_curves(runs) if kept else {}
-    measured, fresh = {}, 0
+    todo: Dict[str, tuple] = {}  # key -> (item for measure_curves, what it is: machine, mine or a code stamp)
     for s in specs:
         m = pr.method_of(s)
         if m is not None and m.codec() is not None:  # a method's own codec (DeMo's): timed like a compressor
@@ -404,13 +406,7 @@ def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) ->
             if k not in profile.compressors and not mine and k in machine:
                 profile.compressors[k] = machine[k]
             elif k not in profile.compressors:
-                timed = cal.measure_compressor({"name": k}, [m.codec_numel(n) for n in cal.CURVE_NUMELS],
-                                               make=m.codec)
-                profile.compressors[k] = timed
-                if mine:  # the user's code: kept with the profile only
-                    fresh += 1
-                else:
-                    machine[k] = measured[k] = timed
+                todo.setdefault(k, ({"method": s["method"]}, MINE if mine else MACHINE))
         sections = list(parts(s["compressor"]))
         if m is not None and m.takes_compressor and s["method"].get("compressor"):
             sections += parts(s["method"]["compressor"])  # the pseudo-gradients' compressor
@@ -422,16 +418,26 @@ def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) ->
             have = profile.compressors.get(k)
             if have is not None and have.get("code", "") == stamp:
                 continue
-            if stamp:
-                profile.compressors[k] = {**cal.measure_compressor(c), "code": stamp}
-                fresh += 1
+            if not stamp and k in machine:
+                profile.compressors[k] = machine[k]
                 continue
-            if k not in machine:
-                machine[k] = measured[k] = cal.measure_compressor(c)
-            profile.compressors[k] = machine[k]
+            todo.setdefault(k, ({"compressor": c}, stamp or MACHINE))
+    measured = {}
+    curves = cal.measure_curves([item for item, _ in todo.values()], who=who) if todo else []
+    for (k, (_, what)), curve in zip(todo.items(), curves):
+        if what == MACHINE:
+            profile.compressors[k] = machine[k] = measured[k] = curve
+        elif what == MINE:  # the user's code: kept with the profile only
+            profile.compressors[k] = curve
+        else:  # code named by import path: the curve carries its file's stamp
+            profile.compressors[k] = {**curve, "code": what}
     if kept and measured:
         keep_machine_curves(runs, measured)
-    return len(measured) + fresh
+    return len(curves)
+
+
+MACHINE, MINE = "machine", "mine"
+"""What a curve ensure_curves measured is: kept for the machine, or the user's method's (kept with the profile)."""
 
 
 CLUSTER_KEYS = {"node_size": (int, 1, 4096), "intra_gbps": (float, 0.001, 100000),
