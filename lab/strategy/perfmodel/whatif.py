@@ -25,7 +25,7 @@ from engine import runfiles
 from engine.codepath import is_import_path
 from engine.runlog import set_aside, write_json_atomic
 from engine.spec import MAX_GBPS, SpecError
-from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root
+from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root, file_in
 from lab.base.specs import apply_overrides, load_spec, read_job_spec
 from lab.rundir.index import runs_of
 from lab.rundir.store import RunStore
@@ -51,6 +51,13 @@ def load_for_prediction(path: Optional[str] = None, overrides=(), data: Optional
 
 def profile_dir(runs) -> Path:
     return Path(runs or default_root()) / PROFILES
+
+
+def profile_file(runs, key: str) -> Path:
+    """The saved profile of ``key`` (``calibrate.spec_key``, ``Profile.key``: a model's name and options as the
+    user wrote them) in ``runs``' profiles directory: a file name made safe (lab.base.paths.file_in), never a path
+    that leaves the directory."""
+    return file_in(profile_dir(runs), key, ".json")
 
 
 def save_shaped_link(runs, result: dict) -> Path:
@@ -108,7 +115,7 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
     """``runner`` (a validated spec dict -> its finished Run) runs the profiling run when one is needed
     (``measure_profile``); without one, a spec the lab has no profile of is a CalibrationError."""
     key = cal.spec_key(spec)
-    saved = profile_dir(runs) / f"{key}.json"
+    saved = profile_file(runs, key)
     if profile:
         p = load_profile_file(profile, "--profile")
         say(f"profile: {profile} ({p.source})")
@@ -134,7 +141,7 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
 
 def has_profile(spec: dict, runs=None) -> bool:
     """Whether ``known_profile`` would find one (without reading a run's timeline)."""
-    return (profile_dir(runs) / f"{cal.spec_key(spec)}.json").is_file() or matching_run(spec, runs) is not None
+    return profile_file(runs, cal.spec_key(spec)).is_file() or matching_run(spec, runs) is not None
 
 
 def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: None) -> Optional[cal.Profile]:
@@ -143,7 +150,7 @@ def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: 
     whose compute came from a disturbed run gives way to an undisturbed matching run (its cost curves,
     payloads and link kept)."""
     key = cal.spec_key(spec)
-    saved = profile_dir(runs) / f"{key}.json"
+    saved = profile_file(runs, key)
     if saved.is_file():
         try:
             p = cal.Profile.load(saved)
