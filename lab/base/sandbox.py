@@ -8,7 +8,10 @@ parameter quota), ``parameters`` (each parameter's name and bytes: what the perf
 run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued); and
 ``curves`` (lab.strategy.perfmodel.calibrate.curves_here: compressors' encode/decode cost curves, timed on
 buffers their parameters size, for the Performance model page), whose input is not a spec but
-``{"items": [{"compressor": section} | {"method": section}, ...], "numels": [...], "repeat": r, "warm": w}``.
+``{"items": [{"compressor": section} | {"method": section}, ...], "numels": [...], "repeat": r, "warm": w}``,
+``rounds`` (lab.strategy.perfmodel.predict.rounds_here: the payload of buckets whose compressor declares none, by
+driving one exchange), whose input is ``{"items": [{"compressor", "shapes", "n", "sharded"}, ...]}``, and
+``predict`` (lab.strategy.perfmodel.whatif.cluster_here: a cluster prediction of a viewer's profile and spec).
 
 The child sets its limits before it imports torch, the engine or anything the spec names: data
 (RLIMIT_DATA: the heap and every private writable mapping, so every tensor and buffer it allocates; not the
@@ -68,7 +71,12 @@ CURVES = Limits(wall_s=120.0, cpu_s=90, memory=2 << 30)
 """Cost curves of a few compressors (lab.strategy.perfmodel.calibrate.measure_curves): every built-in's at the
 command line's sizes took 2.3 s of CPU here, after 1.5 s of importing torch. A compressor at the bounds of its
 parameters fits: a Count Sketch table of 2**26 cells (32 x 2,097,152) took 35 s and about 1.3 GB."""
-LABELS = {"describe": "preview", "parameters": "preview", "check": "check", "curves": "cost curve"}
+PREDICT = Limits(wall_s=150.0, cpu_s=90, memory=2 << 30)
+"""A cluster prediction of a viewer's profile (lab.strategy.perfmodel.views.cluster_prediction), the cost curves
+and payloads it measures included: a profile of 2,000 tensors took 1 s of CPU for the page's 10 cells, and its
+compressor's curve at the bounds of its parameters up to 35 s more (CURVES)."""
+LABELS = {"describe": "preview", "parameters": "preview", "check": "check", "curves": "cost curve",
+          "rounds": "payload", "predict": "prediction"}
 MAX_CHILDREN = 2
 """Children running at once in one server process, for every viewer together."""
 WAIT_S = 10.0
@@ -250,6 +258,12 @@ def _work(task: str, data: dict) -> dict:
     if task == "curves":  # compressor sections, not a spec
         from lab.strategy.perfmodel import calibrate
         return calibrate.curves_here(data)
+    if task == "rounds":
+        from lab.strategy.perfmodel import predict
+        return predict.rounds_here(data)
+    if task == "predict":
+        from lab.strategy.perfmodel import whatif
+        return whatif.cluster_here(data)
     from engine import preflight
     from engine.spec import JobSpec  # lazy: the child's limits come before anything of the lab
     spec = JobSpec.from_dict(data)  # imports what the spec names: in this child, that is the point

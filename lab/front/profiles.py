@@ -103,14 +103,16 @@ def read_profile(runs, user: owners.User, name: Optional[str] = None, path: Opti
 def _student_profile(runs, prof: cal.Profile) -> None:
     """A student's profile: data they may predict from (no code, a spec whose parameters are within their
     bounds, no more parameters than their limit). Checked before anything is measured for it."""
+    q = owners.quotas(runs)
     if prof.spec:
         owners.refuse_code(prof.spec)
-        whatif.load_for_prediction(data=prof.spec)  # a compressor's parameters within their bounds (one line)
+        spec = whatif.load_for_prediction(data=prof.spec)  # a compressor's parameters within their bounds (one line)
+        if "steps" in q and spec["steps"] > q["steps"]:  # a method's prediction simulates every step of its run
+            raise SpecError("quota steps", f"at most {q['steps']} steps per run, asked for {spec['steps']}")
     try:
         params = sum(int(b) for _, b in prof.params) // 4
     except (TypeError, ValueError):
         raise SpecError("profile", "params must be [name, bytes] pairs") from None
-    q = owners.quotas(runs)
     if len(prof.params) > MAX_TENSORS:
         raise SpecError("profile", f"{len(prof.params):,} parameter tensors; at most {MAX_TENSORS:,} in a student's "
                                    f"profile on this lab")

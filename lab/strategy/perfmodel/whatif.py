@@ -525,6 +525,28 @@ def table(profile: cal.Profile, spec: dict, gbps: List[float], workers: List[int
     return rows
 
 
+def cluster_rows(profile: cal.Profile, spec: dict, shape: dict, workers: List[int], inter_gbps: List[float],
+                 compute_speedup: float = 1.0) -> List[dict]:
+    """``table`` on the two-level cluster ``shape`` for a checked spec, with the cost curves it needs measured
+    first (lab.strategy.perfmodel.views.cluster_prediction: the page's cluster prediction)."""
+    ensure_curves(profile, [spec])
+    return table(profile, spec, inter_gbps, workers, compute_speedup, cluster=shape)
+
+
+def cluster_here(data: dict) -> dict:
+    """The sandbox's ``predict`` task (lab.base.sandbox): ``cluster_rows`` of a profile and spec sent as JSON, with
+    the curves and payloads the profile got on the way."""
+    d = dict(data["profile"])
+    d["params"] = [tuple(p) for p in d.get("params", [])]
+    profile = cal.Profile(**d)
+    had = (dict(profile.compressors), set(profile.payloads))
+    rows = cluster_rows(profile, data["spec"], data["shape"], [int(p) for p in data["workers"]],
+                        [float(g) for g in data["inter_gbps"]], float(data["compute_speedup"]))
+    return {"rows": rows,  # and what the profile got (the caller has the rest; the answer's size is bounded)
+            "compressors": {k: v for k, v in profile.compressors.items() if had[0].get(k) is not v},
+            "payloads": {k: v for k, v in profile.payloads.items() if k not in had[1]}}
+
+
 def format_table(rows: List[dict], rate: str = "GBIT/S") -> List[str]:
     head = ("WORKERS", rate, "DDP ms", "SPEC ms", "SPEEDUP", "DDP SCALING", "SCALING", "EXPOSED COMM ms", "ENC+DEC ms")
     cells = [head] + [(str(r["workers"]), f"{r['gbps']:g}", f"{r['ddp_ms']:.2f}", f"{r['spec_ms']:.2f}",
