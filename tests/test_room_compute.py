@@ -27,6 +27,7 @@ pytest.importorskip("streamlit")
 import lab  # noqa: E402
 from engine import codepath, compressors, methods  # noqa: E402
 from engine.compressors import countsketch  # noqa: E402
+from engine.compressors.params import SEED_MAX  # noqa: E402
 from engine.spec import SpecError  # noqa: E402
 from lab.base import paths, sandbox  # noqa: E402
 from lab.base.specs import load_spec  # noqa: E402
@@ -148,6 +149,19 @@ def test_every_declared_parameter_is_bounded_or_sizes_nothing(kind, name, p):
     make = compressors.make if kind == "compressor" else methods.make
     with pytest.raises(ValueError, match=rf"^{p.name}: must be "):
         make(name, **{p.name: over})
+
+
+def test_the_reference_lists_every_bound():
+    """docs/reference/compressors.md's table of upper bounds is the declarations': every int parameter but the
+    seeds (said once), its bound and its reason; the Count Sketch cells and the seeds' bound in the text."""
+    text = (ROOT / "docs" / "reference" / "compressors.md").read_text()
+    table = text[text.index("| compressor | parameter | at most | why |"):].split("\n\n")[0]
+    want = [f"| {name} | {p.name} | {int(p.hi):,} | {p.note.strip()[1:-1]} |" for kind, name, p in declared()
+            if kind == "compressor" and p.type is int and p.name != "seed"]
+    assert table.splitlines()[2:] == want
+    assert f"`rows` x `cols` <= {countsketch.MAX_CELLS:,}" in text
+    assert SEED_MAX == 2 ** 63 - 1 and "every `seed` is at most 2^63 - 1" in text
+    assert {p.hi for _, _, p in declared() if p.name == "seed"} == {SEED_MAX}
 
 
 def shipped_specs():

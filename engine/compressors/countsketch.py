@@ -180,7 +180,7 @@ class CountSketch(Compressor):
                     hi=MAX_COLS, note=f" (the table and its work buffers take about {CELL_BYTES} bytes a cell, "
                                       f"rows x cols cells)"),
               Param("k", int, None, "heavy hitters returned", lo=1, unset="from ratio", hi=MAX_K,
-                    note=" (a bucket has fewer elements; k is capped at them)"),
+                    note=" (k is capped at the bucket's elements)"),
               ratio(None, "heavy hitters returned as a fraction of the bucket, k = ceil(ratio * n)",
                     unset="0.01 unless k is given"),
               seed("seeds the hashes, with the bucket index and size: the same on every rank"),

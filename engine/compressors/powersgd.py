@@ -166,8 +166,9 @@ class PowerSGD(Compressor):
     builtin_feedback = True
     counts_steps = True
     params = (Param("rank", int, 1, "rank of the approximation: factors of rank * (rows + cols) elements", lo=1,
-                    hi=MAX_RANK, note=" (each rank costs a multiply-add per gradient element and step; at this rank only "
-                                      "matrices wider than 4096 x 4096 compress at min_compression_rate 2)"),
+                    hi=MAX_RANK, note=" (each rank costs a multiply-add per gradient element and step; at this "
+                                      "rank only matrices wider than 4096 x 4096 compress at min_compression_rate "
+                                      "2)"),
               Param("start_iter", int, 10, "exchanges sent as plain all-reduces before compression starts", lo=0,
                     hi=MAX_START_ITER, note=" (a run has at most that many steps)"),
               Param("min_compression_rate", float, 2.0, "compress a tensor only if it shrinks at least this much",

@@ -5,13 +5,9 @@ short-lived child process with limits, never in the process that serves the UI.
 
 Tasks (engine/preflight.py): ``describe`` (the model's size: the New run form's preview, and a student's
 parameter quota), ``parameters`` (each parameter's name and bytes: what the performance model calibrates a
-run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued); and
-``curves`` (lab.strategy.perfmodel.calibrate.curves_here: compressors' encode/decode cost curves, timed on
-buffers their parameters size, for the Performance model page), whose input is not a spec but
-``{"items": [{"compressor": section} | {"method": section}, ...], "numels": [...], "repeat": r, "warm": w}``,
-``rounds`` (lab.strategy.perfmodel.predict.rounds_here: the payload of buckets whose compressor declares none, by
-driving one exchange), whose input is ``{"items": [{"compressor", "shapes", "n", "sharded"}, ...]}``, and
-``predict`` (lab.strategy.perfmodel.whatif.cluster_here: a cluster prediction of a viewer's profile and spec).
+run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued). A
+higher layer adds tasks of its own (``register``): its module is the child's, ``python -m MODULE TASK LIMITS_JSON``,
+and runs ``main`` with its own work (lab.strategy.perfmodel.child: the Performance model page's measurements).
 
 The child sets its limits before it imports torch, the engine or anything the spec names: data
 (RLIMIT_DATA: the heap and every private writable mapping, so every tensor and buffer it allocates; not the
@@ -67,16 +63,11 @@ About 1.5 s of CPU here, most of it importing torch; the wall-clock limit leaves
 cores train runs at a higher priority."""
 CHECK = Limits(wall_s=60.0, cpu_s=60, memory=4 << 30)
 """A first batch through a model from outside the zoo, before its run is queued."""
-CURVES = Limits(wall_s=120.0, cpu_s=90, memory=2 << 30)
-"""Cost curves of a few compressors (lab.strategy.perfmodel.calibrate.measure_curves): every built-in's at the
-command line's sizes took 2.3 s of CPU here, after 1.5 s of importing torch. A compressor at the bounds of its
-parameters fits: a Count Sketch table of 2**26 cells (32 x 2,097,152) took 35 s and about 1.3 GB."""
-PREDICT = Limits(wall_s=150.0, cpu_s=90, memory=2 << 30)
-"""A cluster prediction of a viewer's profile (lab.strategy.perfmodel.views.cluster_prediction), the cost curves
-and payloads it measures included: a profile of 2,000 tensors took 1 s of CPU for the page's 10 cells, and its
-compressor's curve at the bounds of its parameters up to 35 s more (CURVES)."""
-LABELS = {"describe": "preview", "parameters": "preview", "check": "check", "curves": "cost curve",
-          "rounds": "payload", "predict": "prediction"}
+LABELS = {"describe": "preview", "parameters": "preview", "check": "check"}
+"""Each task's name in its errors ("preview: took more than 30 s"); ``register`` adds a higher layer's."""
+MODULE = "lab.base.sandbox"
+_MODULES: Dict[str, str] = {}
+"""A registered task -> the module its child runs (``python -m``); this module's own tasks are not in it."""
 MAX_CHILDREN = 2
 """Children running at once in one server process, for every viewer together."""
 WAIT_S = 10.0
@@ -102,6 +93,14 @@ class Busy(SandboxError):
 class TimedOut(SandboxError):
     """The child ran out of wall-clock time: on a loaded machine that says more about the machine than about
     the spec, so it is not kept as the spec's answer."""
+
+
+def register(task: str, label: str, module: str) -> None:
+    """Run ``task`` in a child of ``module`` (``python -m module TASK LIMITS_JSON``, whose ``__main__`` calls
+    ``main(work=...)``); its errors start with ``label``. The module imports only this one and the standard
+    library at its top, so the child's limits still come before anything else."""
+    LABELS[task] = label
+    _MODULES[task] = module
 
 
 # --------------------------------------------------------------------------- the parent's side
@@ -163,7 +162,7 @@ def _spawn(task: str, spec: dict, limits: Limits) -> dict:
     with tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as inp, tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as out:
         inp.write(json.dumps(spec).encode())
         inp.seek(0)
-        p = subprocess.Popen([sys.executable, "-m", "lab.base.sandbox", task, json.dumps(asdict(limits))],
+        p = subprocess.Popen([sys.executable, "-m", _MODULES.get(task, MODULE), task, json.dumps(asdict(limits))],
                              stdin=inp, stdout=out, stderr=subprocess.DEVNULL, env=child_env(), cwd=os.getcwd(),
                              start_new_session=True, close_fds=True)
         timed_out = not _ended(p.pid, time.monotonic() + limits.wall_s)
@@ -234,14 +233,15 @@ def _limit(limits: Limits) -> None:
         resource.setrlimit(which, (soft, hard))
 
 
-def main(argv=None) -> int:
+def main(argv=None, work=None) -> int:
+    """The child: ``work(task, input)`` (default: this module's tasks) under the limits, its answer on stdout."""
     argv = sys.argv[1:] if argv is None else argv
     task, limits = argv[0], Limits(**json.loads(argv[1]))
     _limit(limits)
     answer = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the spec's code prints goes to stderr (dropped), never into the answer
     try:
-        result = {"ok": _work(task, json.load(sys.stdin))}
+        result = {"ok": (work or _work)(task, json.load(sys.stdin))}
     except MemoryError:
         result = {"limit": "memory"}
     except BaseException as e:  # the spec's code may fail in any way: the parent gets one line
@@ -255,15 +255,6 @@ def _work(task: str, data: dict) -> dict:
     # imported here, not at the top: only after main has set the limits
     import torch
     torch.set_num_threads(1)
-    if task == "curves":  # compressor sections, not a spec
-        from lab.strategy.perfmodel import calibrate
-        return calibrate.curves_here(data)
-    if task == "rounds":
-        from lab.strategy.perfmodel import predict
-        return predict.rounds_here(data)
-    if task == "predict":
-        from lab.strategy.perfmodel import whatif
-        return whatif.cluster_here(data)
     from engine import preflight
     from engine.spec import JobSpec  # lazy: the child's limits come before anything of the lab
     spec = JobSpec.from_dict(data)  # imports what the spec names: in this child, that is the point

@@ -527,6 +527,18 @@ def _measure_compressor(make, numels, repeat, warm):
     return out
 
 
+CHILD = "lab.strategy.perfmodel.child"
+"""The module of the children that measure for a viewer of the UI (its tasks: curves, rounds, predict)."""
+for _task, _label in (("curves", "cost curve"), ("rounds", "payload"), ("predict", "prediction")):
+    sandbox.register(_task, _label, CHILD)
+CURVES = sandbox.Limits(wall_s=120.0, cpu_s=90, memory=2 << 30)
+"""A child's limits for the cost curves of a few compressors or the payloads of a few buckets: every built-in's
+curve at the command line's sizes took 2.3 s of CPU here, after 1.5 s of importing torch; a compressor at the
+bounds of its parameters fits (a Count Sketch table of 2**26 cells, 32 x 2,097,152, took 35 s and about 1.3 GB)."""
+PREDICT = sandbox.Limits(wall_s=150.0, cpu_s=90, memory=2 << 30)
+"""A child's limits for a cluster prediction of a viewer's profile (lab.strategy.perfmodel.views): one of 2,000
+tensors took 1 s of CPU for the page's 10 cells, and its compressor's curve at the bounds of its parameters up to
+35 s more (CURVES)."""
 CURVES_KEPT = 512
 """Cost curves a child measured for this process (``measure_curves``), least recently used first out: the
 Performance model page asks for the same compressors on every load (each finished run's, the page's five)."""
@@ -542,9 +554,9 @@ def measure_curves(items: List[dict], numels=CURVE_NUMELS, repeat: int = 5, warm
 
     Where this process may import code (the command line, the advisor's process, a notebook) they are timed
     here. In a process that serves viewers (engine.codepath.forbid_imports_when) nothing they configured runs
-    here: one child with limits times them all (lab.base.sandbox, task ``curves``, limits ``CURVES``; ``who``'s one
-    at a time, the server's MAX_CHILDREN at once), and what it measured is kept in this process (``CURVES_KEPT``),
-    so asking again measures nothing; a limit the child hits, or no place for it, is a one-line
+    here: one child with limits times them all (lab.strategy.perfmodel.child, task ``curves``, limits CURVES;
+    ``who``'s one at a time, the server's MAX_CHILDREN at once), and what it measured is kept in this process
+    (``CURVES_KEPT``), so asking again measures nothing; a limit the child hits, or no place for it, is a one-line
     sandbox.SandboxError (a ValueError). Sections that name code are timed anew each time (their file may have
     changed)."""
     if codepath.imports_allowed():
@@ -557,7 +569,7 @@ def measure_curves(items: List[dict], numels=CURVE_NUMELS, repeat: int = 5, warm
     todo = {k: item for k, item in zip(keys, items) if k not in have}
     if todo:
         got = sandbox.run("curves", {"items": list(todo.values()), "numels": list(numels), "repeat": repeat,
-                                     "warm": warm}, sandbox.CURVES, who=who)
+                                     "warm": warm}, CURVES, who=who)
         if not isinstance(got, list) or len(got) != len(todo):
             raise sandbox.SandboxError("cost curve", "the child process gave no curves")
         for k, item, curve in zip(todo, todo.values(), got):

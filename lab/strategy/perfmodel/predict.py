@@ -18,6 +18,7 @@ from engine import schedules
 from engine.codepath import imports_allowed, is_import_path
 from engine.schedules import layer_of  # a parameter's module: the same rule as dear's layer buffers
 from engine.spec import JobSpec, SpecError
+from lab.base import sandbox
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import local
 from lab.strategy.perfmodel.iteration import Bucket, Result, Round, Step, iteration_time
@@ -172,8 +173,9 @@ def without_driving(predictions: Callable[[], object], who: Optional[str] = None
     """``predictions()`` (any calls that predict), with no compressor driven in this process where it serves
     viewers (engine.codepath.forbid_imports_when): a first pass notes the buckets whose payload only driving
     the exchange tells (``payload_rounds``: their compressor declares none), one child with limits drives them
-    all (lab.base.sandbox, task ``rounds``; ``who``'s one at a time), and the second pass, which returns, finds
-    their rounds kept. Where this process may import code (the command line) it is ``predictions()``."""
+    all (lab.strategy.perfmodel.child, task ``rounds``; ``who``'s one at a time), and the second pass, which
+    returns, finds their rounds kept. Where this process may import code (the command line) it is
+    ``predictions()``."""
     if imports_allowed():
         return predictions()
     _DRY.wanted = wanted = {}
@@ -184,10 +186,9 @@ def without_driving(predictions: Callable[[], object], who: Optional[str] = None
     finally:
         _DRY.wanted = None
     if wanted:
-        from lab.base import sandbox
         items = [{"compressor": comp, "shapes": [[o, list(shape)] for o, shape in shapes], "n": n,
                   "sharded": sharded} for _, comp, shapes, n, sharded, _, _ in wanted.values()]
-        got = sandbox.run("rounds", {"items": items}, sandbox.CURVES, who=who)
+        got = sandbox.run("rounds", {"items": items}, cal.CURVES, who=who)
         if not isinstance(got, list) or len(got) != len(wanted):
             raise sandbox.SandboxError("payload", "the child process gave no payloads")
         for (key, (profile, _, _, _, _, saved, flat_key)), rounds in zip(wanted.items(), got):
@@ -341,7 +342,8 @@ def predict_method(profile: cal.Profile, spec: dict, m, link, world: int,
     plain = {**spec, "method": copy.deepcopy(NO_METHOD)}
     grad = None
     if any(e.kind == local.GRADIENTS for e in events):
-        grad = (predict(profile, plain, 1.0, world, compute_speedup, link=link),  # the rate is the link's (a cluster has none)
+        # the rate is the link's (``link`` is given; a two-level cluster has no single rate)
+        grad = (predict(profile, plain, 1.0, world, compute_speedup, link=link),
                 sum(r.nbytes for b in build_step(profile, plain, world, compute_speedup).buckets for r in b.rounds))
     comp = spec["method"].get("compressor") if m.takes_compressor else None
     outer = profile.optimizer_s * f if m.takes_compressor else 0.0

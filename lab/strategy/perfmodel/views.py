@@ -185,8 +185,8 @@ def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], in
 
     Where this process serves viewers (engine.codepath.forbid_imports_when) the profile and the spec are a
     viewer's: the prediction, with the cost curves and payloads it measures, runs in a child with limits
-    (lab.base.sandbox, task ``predict``, limits PREDICT; ``who``'s one at a time), and ``profile`` gets the curves
-    and payloads it measured (what the sources table reads). Elsewhere it runs here."""
+    (lab.strategy.perfmodel.child, task ``predict``, limits calibrate.PREDICT; ``who``'s one at a time), and
+    ``profile`` gets the curves and payloads it measured (what the sources table reads). Elsewhere it runs here."""
     spec = spec or profile.spec
     if not spec:
         raise SpecError("profile", "it records no spec (not written by commlab profile)")
@@ -195,7 +195,7 @@ def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], in
     if not codepath.imports_allowed():
         got = sandbox.run("predict", {"profile": asdict(profile), "spec": spec, "shape": shape,
                                       "workers": list(workers), "inter_gbps": list(inter_gbps),
-                                      "compute_speedup": compute_speedup}, sandbox.PREDICT, who=who)
+                                      "compute_speedup": compute_speedup}, cal.PREDICT, who=who)
         profile.compressors.update(got["compressors"])
         profile.payloads.update(got["payloads"])
         rows = got["rows"]
