@@ -37,9 +37,9 @@ MAX_UPLOAD = 2 << 20
 MAX_TENSORS = 2_000
 """The most parameter tensors a profile from a student may list (gpt2 has 148, resnet50 161, llama-2-70b 723,
 mixtral-8x7b 995). A cluster prediction's cost grows with them (one bucket each under ``schedule: layerwise``):
-about 1 s of the server's CPU at 2,000 for the page's default 5 worker counts x 2 rates, computed in the
-server's process (docs/explanation/perfmodel.md, the page); the compressors' cost curves it needs are timed in a
-child (lab.strategy.perfmodel.calibrate.measure_curves)."""
+about 1 s of CPU at 2,000 for the page's default 5 worker counts x 2 rates, in a child with a CPU limit, with
+the cost curves and payloads it measures (lab.strategy.perfmodel.views.cluster_prediction; docs/explanation/
+perfmodel.md, the page)."""
 
 
 NOT_PROFILES = (PROPERTIES, CURVES, SHAPED_LINK)
