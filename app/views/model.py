@@ -22,7 +22,7 @@ me = ui.viewer()
 
 @st.cache_data(show_spinner="Calibrating from the run's timeline ...", max_entries=8)
 def profile_of(run_id: str, files: tuple):
-    return views.calibrated(ui.get_run_or_raise(run_id, runs))  # the viewer's run (the key holds its id only)
+    return views.calibrated(ui.get_run_or_raise(run_id, runs), ui.viewer().name)  # the viewer's run (the key holds its id only)
 
 
 def sources_panel(df, key: str):
@@ -78,7 +78,7 @@ def from_runs():
                + ", ".join(f"{ui.text(r.compressor)} {r.speedup:.2f}x" for r in at.itertuples()))
 
     st.subheader("Predicted against measured, every run in the index")
-    pvm = views.predicted_vs_measured(runs, only=labels)  # the runs this user may see
+    pvm = views.predicted_vs_measured(runs, only=labels, who=me.name)  # the runs this user may see
     st.plotly_chart(plots.predicted_vs_measured_figure(pvm), width="stretch", key="pm.scatter")
     with st.expander("Per run"):
         st.dataframe(pvm, hide_index=True)

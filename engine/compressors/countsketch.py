@@ -21,6 +21,19 @@ SLICES_FROM = 1 << 14
 PIECE = 1 << 16
 """Coordinates per median step on the slice path: the few work vectors stay in the CPU's L2 cache."""
 
+CELL_BYTES = 20
+"""Bytes of memory a cell of the rows x cols table takes while it is sketched and decoded: the fp32 table and a
+work table of twice (narrow tables) or four times (wide ones) its size (20.5 measured, 5 x 4,194,304 cells
+on a bucket of 262,144 elements)."""
+MAX_CELLS = 1 << 26
+"""The most cells (rows x cols) a table may have: 1.25 GiB of work memory at CELL_BYTES, within a student's
+default rank memory (2048 MB, lab/service/owners.py); a table that leaves cols unset has no more cells than its
+bucket has elements."""
+MAX_ROWS = 32
+MAX_COLS = 1 << 24
+"""The widest table: 4 k columns for the top 1% of a bucket of 400 M elements (1.6 GB of fp32)."""
+MAX_K = 1 << 30
+
 
 def _med3(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c))
@@ -160,9 +173,14 @@ class CountSketch(Compressor):
     """
     name = "countsketch"
     summable = True
-    params = (Param("rows", int, 5, "rows of the sketch table (independent hashes)", lo=1),
-              Param("cols", int, None, "width of the sketch table", lo=1, unset="4 k, at most n / rows"),
-              Param("k", int, None, "heavy hitters returned", lo=1, unset="from ratio"),
+    params = (Param("rows", int, 5, "rows of the sketch table (independent hashes)", lo=1, hi=MAX_ROWS,
+                    note=" (each row is one more hash per element and one more row of work buffers; 3 to 5 "
+                         "suffice)"),
+              Param("cols", int, None, "width of the sketch table", lo=1, unset="4 k, at most n / rows",
+                    hi=MAX_COLS, note=f" (the table and its work buffers take about {CELL_BYTES} bytes a cell, "
+                                      f"rows x cols cells)"),
+              Param("k", int, None, "heavy hitters returned", lo=1, unset="from ratio", hi=MAX_K,
+                    note=" (k is capped at the bucket's elements)"),
               ratio(None, "heavy hitters returned as a fraction of the bucket, k = ceil(ratio * n)",
                     unset="0.01 unless k is given"),
               seed("seeds the hashes, with the bucket index and size: the same on every rank"),
@@ -172,6 +190,9 @@ class CountSketch(Compressor):
         super().__init__(**given)
         if self.k is not None and self.ratio is not None:
             raise ValueError("ratio: give k or ratio, not both")
+        if self.cols is not None and self.rows * self.cols > MAX_CELLS:
+            raise ValueError(f"cols: rows x cols must be at most {MAX_CELLS} cells (about {CELL_BYTES} bytes of memory "
+                             f"each), got {self.rows} x {self.cols}")
         self.rounds = 2 if self.exact else 1
         self._plan: Optional[Plan] = None  # derived from (seed, bucket, n): never checkpointed
         self._gen = torch.Generator().manual_seed(0)  # local threshold sampling in top_indices
@@ -181,8 +202,7 @@ class CountSketch(Compressor):
     def plan(self, n: int, device: torch.device) -> Plan:
         p = self._plan
         if p is None or p.numel != n or p.device != device:
-            k = min(n, self.k) if self.k is not None else count_of(self.ratio or 0.01, n)
-            cols = self.cols if self.cols is not None else max(1, min(4 * k, n // self.rows))
+            k, cols = self.sizes(n)
             g = torch.Generator().manual_seed(mix_seed(self.seed, self.bucket, n))
             if cols < SLICES_FROM:
                 slot = torch.randint(2 * cols, (self.rows, n), generator=g, dtype=torch.int32).to(device)
@@ -194,6 +214,18 @@ class CountSketch(Compressor):
                 p = self._plan = Plan(n, device, cols, k, tuple(map(tuple, shift)),
                                       tuple(tuple(1.0 - 2.0 * m for m in row) for row in minus), None)
         return p
+
+    def sizes(self, n: int) -> Tuple[int, int]:
+        """(k, cols) for a bucket of n elements."""
+        k = min(n, self.k) if self.k is not None else count_of(self.ratio or 0.01, n)
+        return k, self.cols if self.cols is not None else max(1, min(4 * k, n // self.rows))
+
+    def declared_rounds(self, n, element_size):
+        """One all-reduce of the rows x cols table (in the input's dtype); with ``exact``, one of the k values
+        at the indices it found."""
+        k, cols = self.sizes(n)
+        rounds = [("allreduce", self.rows * cols * element_size, 1)]
+        return rounds + [("allreduce", k * element_size, 1)] if self.exact else rounds
 
     def sketch(self, t: Tensor) -> Tensor:
         """The rows x cols table of t (flattened)."""

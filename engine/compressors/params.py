@@ -86,8 +86,12 @@ def ratio(default: Optional[float], help: str, unset: str = "") -> Param:
     return Param("ratio", float, default, help, lo=0, hi=1, lo_open=True, unset=unset)
 
 
+SEED_MAX = (1 << 63) - 1
+"""The largest seed: mix_seed folds every part into 64 bits and gives 63, so a larger one adds nothing."""
+
+
 def seed(help: str) -> Param:
-    return Param("seed", int, 0, help, lo=0)
+    return Param("seed", int, 0, help, lo=0, hi=SEED_MAX, note=" (a 63-bit generator seed)")
 
 
 def take(owner: str, declared: Tuple[Param, ...], given: Dict[str, Any]) -> Dict[str, Any]:

@@ -24,6 +24,12 @@ def matrix_shape(n: int) -> Tuple[int, int]:
     return -(-n // cols), cols
 
 
+MAX_RANK = 1024
+"""The highest rank: the power iteration's work grows with it, and the factors stop paying (rank * (rows + cols)
+elements against rows * cols) long before; rank 4 usually suffices for image models (PowerSGD's tuning notes)."""
+MAX_START_ITER = 10_000_000
+"""The most plain exchanges first: a run has at most 10,000,000 steps (engine/spec.py JobSpec.steps)."""
+
 _TINY = {}
 """dtype -> its smallest normal number as a 0-d tensor (cheaper per call than a Python number)."""
 
@@ -159,8 +165,12 @@ class PowerSGD(Compressor):
     rounds = 2
     builtin_feedback = True
     counts_steps = True
-    params = (Param("rank", int, 1, "rank of the approximation: factors of rank * (rows + cols) elements", lo=1),
-              Param("start_iter", int, 10, "exchanges sent as plain all-reduces before compression starts", lo=0),
+    params = (Param("rank", int, 1, "rank of the approximation: factors of rank * (rows + cols) elements", lo=1,
+                    hi=MAX_RANK, note=" (each rank costs a multiply-add per gradient element and step; at this "
+                                      "rank only matrices wider than 4096 x 4096 compress at min_compression_rate "
+                                      "2)"),
+              Param("start_iter", int, 10, "exchanges sent as plain all-reduces before compression starts", lo=0,
+                    hi=MAX_START_ITER, note=" (a run has at most that many steps)"),
               Param("min_compression_rate", float, 2.0, "compress a tensor only if it shrinks at least this much",
                     lo=1),
               Param("warm_start", bool, True, "start each power iteration from the previous Q"),

@@ -338,7 +338,7 @@ class Int8(_Lossy):
     name = "int8"
     shard_codec = True
     params = (Param("block", int, 256, "elements per quantization block (one fp32 scale each)", lo=1,
-                    hi=1 << 24),)
+                    hi=1 << 24, note=" (a block this long spans a 64 MB bucket of fp32 with one scale)"),)
 
     def __init__(self, **given):
         super().__init__(**given)

@@ -350,7 +350,8 @@ class DGC(SparseCompressor):
                     lo=0, hi=1, hi_open=True),
               Param("clip", float, None, "clip this bucket's local gradient to this 2-norm", lo=0, lo_open=True,
                     unset="no clipping"),
-              Param("warmup_steps", int, 0, "steps over which the density falls from 25% to ratio", lo=0))
+              Param("warmup_steps", int, 0, "steps over which the density falls from 25% to ratio", lo=0,
+                    hi=10_000_000, note=" (a run has at most that many steps, engine/spec.py)"))
 
     def __init__(self, **given):
         super().__init__(**given)

@@ -39,7 +39,11 @@ from engine.methods.transfer import Group, Transfer, groups
 
 Tensor = torch.Tensor
 INDEX = torch.int16
-"""Positions within a chunk (chunk <= 32768)."""
+"""Positions within a chunk (chunk <= MAX_CHUNK, below int16's 32768)."""
+MAX_CHUNK = 4096
+"""The longest chunk: its DCT basis is chunk x chunk (64 MiB of fp32 at 4096, built in fp64 first) and every
+element costs chunk multiply-adds each way; examples/demo_momentum.yaml takes 64."""
+CHUNK_NOTE = " (the DCT basis is chunk x chunk, 64 MiB at 4096, and costs chunk multiply-adds per element)"
 
 _BASES: Dict[tuple, Tensor] = {}
 
@@ -74,8 +78,8 @@ class DCTTopK(Compressor):
     """The ``topk`` largest DCT-II coefficients of each chunk of ``chunk`` elements (input length a multiple
     of ``chunk``). Payloads differ in their positions between ranks: all-gathered, summed in the DCT domain."""
     name = "dct_topk"
-    params = (Param("chunk", int, 64, "elements per DCT chunk", lo=1, hi=32768),
-              Param("topk", int, 32, "coefficients kept per chunk", lo=1, hi=32768))
+    params = (Param("chunk", int, 64, "elements per DCT chunk", lo=1, hi=MAX_CHUNK, note=CHUNK_NOTE),
+              Param("topk", int, 32, "coefficients kept per chunk", lo=1, hi=MAX_CHUNK, note=" (at most chunk)"))
     summable = False
 
     def __init__(self, **given):
@@ -109,8 +113,8 @@ class DeMo(Method):
     params = (
         Param("decay", float, 0.999, "momentum decay per step (the reference's compression_decay)", lo=0, hi=1,
               hi_open=True),
-        Param("topk", int, 32, "DCT coefficients sent per chunk", lo=1, hi=32768),
-        Param("chunk", int, 64, "elements per DCT chunk", lo=1, hi=32768),
+        Param("topk", int, 32, "DCT coefficients sent per chunk", lo=1, hi=MAX_CHUNK, note=" (at most chunk)"),
+        Param("chunk", int, 64, "elements per DCT chunk", lo=1, hi=MAX_CHUNK, note=CHUNK_NOTE),
         Param("sign", bool, True, "step with the sign of the decoded average (as the paper); false: the average"),
     )
 

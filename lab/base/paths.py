@@ -2,9 +2,13 @@
 entry, the shipped examples and notebooks) and the runs directory every command defaults to."""
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import stat
 from pathlib import Path
+
+from lab.base.errors import LabError
 
 SOURCE = Path(__file__).resolve().parents[2]
 """The folder that holds engine/, lab/, app/ and commlab/ (a checkout, or site-packages for a wheel)."""
@@ -13,6 +17,45 @@ SOURCE = Path(__file__).resolve().parents[2]
 def default_root() -> Path:
     """The runs directory: $COMMLAB_RUNS, else ./runs."""
     return Path(os.environ.get("COMMLAB_RUNS") or "runs")
+
+
+NAME_BYTES = 150
+"""The longest name ``safe_name`` gives, in bytes of UTF-8: a file system takes 255, and writers add a suffix
+(``.json``) and a temporary name's prefix and suffix (engine.runlog.write_json_atomic: about 40 more)."""
+_CHANGED = re.compile(r"~[0-9a-f]{16}\Z")
+"""How a name ``safe_name`` changed ends: ``~`` and 16 hex digits of the text's SHA-256."""
+
+
+def safe_name(text: str) -> str:
+    """``text`` (a model's key with its options, a run's or a sweep's name: anything a user typed) as one file
+    name: no path separator (``/``, ``\\``), NUL or other unprintable character (each becomes ``_``), no leading
+    dot (so never ``.`` or ``..`` nor a hidden file), never empty, at most NAME_BYTES bytes of UTF-8. A text that
+    is such a name already is returned as it is (the names the lab wrote before stay theirs); one that had to
+    change ends with ``~`` and 16 hex digits of its SHA-256, so two texts never share a name (a text that
+    ends like that is changed too)."""
+    text = str(text)
+    name = "".join("_" if c in "/\\" or not c.isprintable() else c for c in text).lstrip(".")
+    if name == text and name and len(name.encode()) <= NAME_BYTES and not _CHANGED.search(name):
+        return name
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    head = name.encode()[:NAME_BYTES - 17].decode("utf-8", "ignore")  # whole characters only
+    return f"{head}~{digest}"
+
+
+class OutsideFolder(LabError):
+    """A file the lab would read or write, named from a user's text, that resolves outside its folder (a link
+    there leading elsewhere)."""
+
+
+def file_in(folder, text: str, suffix: str = "") -> Path:
+    """The path of the file (or folder) named ``safe_name(text) + suffix`` in ``folder``, where every name built
+    from a user's text becomes a path: it never holds a separator or ``..``, and it is refused (OutsideFolder,
+    one line) when it resolves outside ``folder``, through a link. ``suffix`` is the lab's own (``.json``)."""
+    folder = Path(folder)
+    path = folder / (safe_name(text) + suffix)
+    if path.resolve().parent != folder.resolve():
+        raise OutsideFolder(f"{path.name}: a link in {folder.name or folder} that leads outside it; not used")
+    return path
 
 
 # The lab's own names in the runs root (what is inside one run's directory: engine/runfiles.py).

@@ -5,7 +5,9 @@ short-lived child process with limits, never in the process that serves the UI.
 
 Tasks (engine/preflight.py): ``describe`` (the model's size: the New run form's preview, and a student's
 parameter quota), ``parameters`` (each parameter's name and bytes: what the performance model calibrates a
-run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued).
+run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued). A
+higher layer adds tasks of its own (``register``): its module is the child's, ``python -m MODULE TASK LIMITS_JSON``,
+and runs ``main`` with its own work (lab.strategy.perfmodel.child: the Performance model page's measurements).
 
 The child sets its limits before it imports torch, the engine or anything the spec names: data
 (RLIMIT_DATA: the heap and every private writable mapping, so every tensor and buffer it allocates; not the
@@ -70,6 +72,10 @@ cores train runs at a higher priority."""
 CHECK = Limits(wall_s=60.0, cpu_s=60, memory=4 << 30)
 """A first batch through a model from outside the zoo, before its run is queued."""
 LABELS = {"describe": "preview", "parameters": "preview", "check": "check"}
+"""Each task's name in its errors ("preview: took more than 30 s"); ``register`` adds a higher layer's."""
+MODULE = "lab.base.sandbox"
+_MODULES: Dict[str, str] = {}
+"""A registered task -> the module its child runs (``python -m``); this module's own tasks are not in it."""
 MAX_CHILDREN = 2
 """Children running at once in one server process, for every viewer together."""
 WAIT_S = 10.0
@@ -113,6 +119,14 @@ class OverBudget(Busy):
 class TimedOut(SandboxError):
     """The child ran out of wall-clock time: on a loaded machine that says more about the machine than about
     the spec, so it is not kept as the spec's answer."""
+
+
+def register(task: str, label: str, module: str) -> None:
+    """Run ``task`` in a child of ``module`` (``python -m module TASK LIMITS_JSON``, whose ``__main__`` calls
+    ``main(work=...)``); its errors start with ``label``. The module imports only this one and the standard
+    library at its top, so the child's limits still come before anything else."""
+    LABELS[task] = label
+    _MODULES[task] = module
 
 
 # --------------------------------------------------------------------------- the parent's side
@@ -292,7 +306,7 @@ def _spawn(task: str, spec: dict, limits: Limits) -> dict:
     with tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as inp, tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as out:
         inp.write(json.dumps(spec).encode())
         inp.seek(0)
-        p = subprocess.Popen([sys.executable, "-m", "lab.base.sandbox", task, json.dumps(asdict(limits))],
+        p = subprocess.Popen([sys.executable, "-m", _MODULES.get(task, MODULE), task, json.dumps(asdict(limits))],
                              stdin=inp, stdout=out, stderr=subprocess.DEVNULL, env=child_env(), cwd=os.getcwd(),
                              start_new_session=True, close_fds=True)
         timed_out = not _ended(p.pid, time.monotonic() + limits.wall_s)
@@ -363,14 +377,15 @@ def _limit(limits: Limits) -> None:
         resource.setrlimit(which, (soft, hard))
 
 
-def main(argv=None) -> int:
+def main(argv=None, work=None) -> int:
+    """The child: ``work(task, input)`` (default: this module's tasks) under the limits, its answer on stdout."""
     argv = sys.argv[1:] if argv is None else argv
     task, limits = argv[0], Limits(**json.loads(argv[1]))
     _limit(limits)
     answer = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # what the spec's code prints goes to stderr (dropped), never into the answer
     try:
-        result = {"ok": _work(task, json.load(sys.stdin))}
+        result = {"ok": (work or _work)(task, json.load(sys.stdin))}
     except MemoryError:
         result = {"limit": "memory"}
     except BaseException as e:  # the spec's code may fail in any way: the parent gets one line

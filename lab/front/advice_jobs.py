@@ -67,8 +67,9 @@ def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: i
     network_for({**spec, "network": {"link": "loopback", "gbps": None, "latency_us": None}}, gbps, link)
     runs = Path(runs).resolve()
     jid = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec['name'])}-{secrets.token_hex(2)}"
-    d = runs / paths.ADVICE_JOBS / jid
-    d.mkdir(parents=True)
+    (runs / paths.ADVICE_JOBS).mkdir(parents=True, exist_ok=True)
+    d = job_dir(runs, jid)
+    d.mkdir()
     write_json_atomic(d / paths.ADVICE_SPEC, spec)
     write_json_atomic(d / paths.ADVICE_REQUEST, {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
                                                  "created": time.time()})
@@ -78,9 +79,14 @@ def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: i
     return jid
 
 
+def job_dir(runs, jid: str) -> Path:
+    """The folder of advice job ``jid`` (a name made from a spec's name), never one outside runs/.advice/."""
+    return paths.file_in(Path(runs) / paths.ADVICE_JOBS, jid)
+
+
 def job(jid: str, runs) -> dict:
     """{id, state (running | done | failed), request, advice (when done), error, log}."""
-    d = Path(runs) / paths.ADVICE_JOBS / jid
+    d = job_dir(runs, jid)
     if not (d / paths.ADVICE_REQUEST).is_file():
         raise KeyError(f"no advice job {jid!r} in {Path(runs) / paths.ADVICE_JOBS}")
     out = {"id": jid, "request": json.loads((d / paths.ADVICE_REQUEST).read_text()), "advice": None, "error": None}
@@ -126,10 +132,10 @@ def start_winner(jid: str, runs) -> dict:
            "DDP": lab.run(ddp, wait=False, runs=runs).id}
     group = {"id": f"advice-{jid}", "preset": None, "title": f"advice {jid}: {j['advice']['winner']} vs DDP",
              "runs": ids, "created": time.time()}
-    write_json_atomic(Path(runs) / paths.ADVICE_JOBS / jid / paths.ADVICE_GROUP, group)
+    write_json_atomic(job_dir(runs, jid) / paths.ADVICE_GROUP, group)
     return group
 
 
 def job_group(jid: str, runs) -> Optional[dict]:
-    f = Path(runs) / paths.ADVICE_JOBS / jid / paths.ADVICE_GROUP
+    f = job_dir(runs, jid) / paths.ADVICE_GROUP
     return json.loads(f.read_text()) if f.is_file() else None

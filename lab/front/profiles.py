@@ -37,8 +37,9 @@ MAX_UPLOAD = 2 << 20
 MAX_TENSORS = 2_000
 """The most parameter tensors a profile from a student may list (gpt2 has 148, resnet50 161, llama-2-70b 723,
 mixtral-8x7b 995). A cluster prediction's cost grows with them (one bucket each under ``schedule: layerwise``):
-about 1 s of the server's CPU at 2,000 for the page's default 5 worker counts x 2 rates, all computed in the
-server's process (docs/explanation/perfmodel.md, the page)."""
+about 1 s of CPU at 2,000 for the page's default 5 worker counts x 2 rates, in a child with a CPU limit, with
+the cost curves and payloads it measures (lab.strategy.perfmodel.views.cluster_prediction; docs/explanation/
+perfmodel.md, the page)."""
 
 
 NOT_PROFILES = (PROPERTIES, CURVES, SHAPED_LINK)
@@ -100,14 +101,18 @@ def read_profile(runs, user: owners.User, name: Optional[str] = None, path: Opti
 
 
 def _student_profile(runs, prof: cal.Profile) -> None:
-    """A student's profile: data they may predict from (no code, no more parameters than their limit)."""
+    """A student's profile: data they may predict from (no code, a spec whose parameters are within their
+    bounds, no more parameters than their limit). Checked before anything is measured for it."""
+    q = owners.quotas(runs)
     if prof.spec:
         owners.refuse_code(prof.spec)
+        spec = whatif.load_for_prediction(data=prof.spec)  # a compressor's parameters within their bounds (one line)
+        if "steps" in q and spec["steps"] > q["steps"]:  # a method's prediction simulates every step of its run
+            raise SpecError("quota steps", f"at most {q['steps']} steps per run, asked for {spec['steps']}")
     try:
         params = sum(int(b) for _, b in prof.params) // 4
     except (TypeError, ValueError):
         raise SpecError("profile", "params must be [name, bytes] pairs") from None
-    q = owners.quotas(runs)
     if len(prof.params) > MAX_TENSORS:
         raise SpecError("profile", f"{len(prof.params):,} parameter tensors; at most {MAX_TENSORS:,} in a student's "
                                    f"profile on this lab")
@@ -132,7 +137,7 @@ def cluster_prediction(user: owners.User, prof: cal.Profile, shape: dict, worker
     reads)."""
     want = spec or prof.spec
     if want and code_fields(want):
-        return views.cluster_prediction(prof, shape, workers, inter_gbps, compute_speedup, spec=spec)
+        return views.cluster_prediction(prof, shape, workers, inter_gbps, compute_speedup, spec=spec, who=user.name)
     key = hashlib.sha256(json.dumps([asdict(prof), spec, shape, list(workers), list(inter_gbps), compute_speedup],
                                     sort_keys=True, default=str).encode()).hexdigest()
     hit = _kept(key)
@@ -141,8 +146,11 @@ def cluster_prediction(user: owners.User, prof: cal.Profile, shape: dict, worker
             hit = _kept(key)
             if hit is None:
                 try:
-                    hit = (views.cluster_prediction(prof, shape, workers, inter_gbps, compute_speedup, spec=spec),
+                    hit = (views.cluster_prediction(prof, shape, workers, inter_gbps, compute_speedup, spec=spec,
+                                                    who=user.name),
                            dict(prof.compressors))
+                except (sandbox.Busy, sandbox.TimedOut):
+                    raise  # about the server's load, not the profile: not kept as its answer
                 except (SpecError, KeyError, ValueError) as e:
                     hit = (_anew(e), {})  # without its traceback, which holds the profile
                 with _predictions_lock:

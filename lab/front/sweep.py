@@ -28,7 +28,7 @@ import yaml
 from engine.runlog import write_json_atomic
 from engine.spec import SpecError
 from lab.analysis.comparison import compare_runs
-from lab.base.paths import SWEEP, SWEEP_CSV, SWEEP_MD, SWEEPS
+from lab.base.paths import SWEEP, SWEEP_CSV, SWEEP_MD, SWEEPS, file_in
 from lab.base.specs import apply_overrides, load_spec, read_spec_file
 from lab.rundir.store import FINAL, RunError, slug
 from lab.service.queue import Lab
@@ -68,7 +68,7 @@ class Sweep:
         self.name = str(data.get("name") or "sweep")
         digest = hashlib.sha1(json.dumps([base, grid, self.baseline], sort_keys=True, default=str).encode()).hexdigest()
         self.id = f"{slug(self.name)}-{digest[:8]}"
-        self.dir = Path(lab.root) / SWEEPS / self.id
+        self.dir = file_in(Path(lab.root) / SWEEPS, self.id)
         self.cells = self._cells()
 
     def _cells(self) -> List[dict]:

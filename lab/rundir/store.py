@@ -43,7 +43,7 @@ from engine.runlog import read_jsonl, set_aside, write_json_atomic
 from engine.spec import JobSpec
 from engine.timeline import LANE_NAMES
 from lab.base.errors import LabError
-from lab.base.paths import CONFIG, PRIVATE_MODE, default_root, make_private
+from lab.base.paths import CONFIG, PRIVATE_MODE, default_root, file_in, make_private
 from lab.rundir.summary import summarize
 
 STATES = ("queued", "running", "done", "failed", "cancelled", "diverged")
@@ -273,7 +273,7 @@ class RunStore:
                 raise RunError(f"run {run_id!r} exists already in {self.root}") from None
         else:
             for _ in range(100):
-                path = self.root / f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec.name)}-{secrets.token_hex(2)}"
+                path = file_in(self.root, f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec.name)}-{secrets.token_hex(2)}")
                 try:
                     path.mkdir(mode=PRIVATE_MODE)
                     break

@@ -165,7 +165,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
         if whatif.ensure_curves(prof, [{**spec, **c.strategy()} for c in cands if not c.excluded], runs, kept=True):
             say("advisor: measured the candidates' encode/decode cost curves")
             if profile is None:
-                prof.save(whatif.profile_dir(runs) / f"{prof.key()}.json")
+                prof.save(whatif.profile_file(runs, prof.key()))
     except CalibrationError as e:
         raise LabError(str(e)) from None
     t1 = time.perf_counter()
@@ -198,7 +198,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
             continue
         predict_candidate(prof, spec, c, lk, world)
     if profile is None and len(prof.payloads) > known:  # the payloads driven here, for the next prediction
-        prof.save(whatif.profile_dir(runs) / f"{prof.key()}.json")
+        prof.save(whatif.profile_file(runs, prof.key()))
     t2 = time.perf_counter()
     ranked = rank(cands)
     if ranked[0].predicted_score is None:

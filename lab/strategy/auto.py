@@ -240,7 +240,7 @@ def plan_after_profile(lab, run, say: Callable[[str], None], poll_s: float = 0.0
         built_s = time.perf_counter() - t0
         adv = advise(spec, runs=lab.root, measure=False, trials=st["trials"], trial_steps=st["trial_steps"],
                      penalties=st["penalties"], profile=prof, say=say, methods=False)
-        prof.save(whatif.profile_dir(lab.root) / f"{prof.key()}.json")  # with its cost curves and payloads
+        prof.save(whatif.profile_file(lab.root, prof.key()))  # with its cost curves and payloads
         picks = trial_picks(adv.ranked(), st["trials"])
         # no lead-in: the dry steps took the fresh process's slow first steps (after them, the first trial's
         # first steps ran at its later pace: 50, 46, 48 ms against a median of 48 on resnet)

@@ -12,4 +12,5 @@
     roofline    per-layer FLOPs and bytes counted on the meta device, priced on a device; codec costs
     collectives NCCL's ring/tree algorithms and LL/LL128/Simple protocols, two-level topologies
     ondevice    commlab predict --device: the device's profile and links, and the sources of a prediction
+    child       what is measured for a viewer of the UI, in a child with limits (lab.base.sandbox)
 """

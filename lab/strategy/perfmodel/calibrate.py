@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -502,7 +504,12 @@ def _measure_compressor(make, numels, repeat, warm):
         comp = make()
         comp.layout = [(0, (n // cols, cols))]  # one weight matrix, as PowerSGD sees a layer
         x = torch.randn(n)
-        for _ in range(warm + comp.warmup_exchanges):  # past plain warm-up exchanges (PowerSGD), lazy buffers
+        plain = 0
+        try:
+            comp.skip_warmup()  # past plain warm-up exchanges (PowerSGD's start_iter) without sending them
+        except NotImplementedError:  # a compressor of the user's that cannot skip them: they are driven
+            plain = comp.warmup_exchanges
+        for _ in range(warm + plain):  # lazy buffers, and a warm start's state
             drive(comp, x.clone())
         runs = [drive(comp, x.clone()) for _ in range(repeat)]
         samples = [r[1] for r in runs]
@@ -519,6 +526,77 @@ def _measure_compressor(make, numels, repeat, warm):
         out[k] = list(fit_affine([r[0] for r in rows], [r[1] for r in rows]))
         out[k + "_samples"] = [r[1] for r in rows]
     return out
+
+
+CHILD = "lab.strategy.perfmodel.child"
+"""The module of the children that measure for a viewer of the UI (its tasks: curves, rounds, predict)."""
+for _task, _label in (("curves", "cost curve"), ("rounds", "payload"), ("predict", "prediction")):
+    sandbox.register(_task, _label, CHILD)
+CURVES = sandbox.Limits(wall_s=120.0, cpu_s=90, memory=2 << 30)
+"""A child's limits for the cost curves of a few compressors or the payloads of a few buckets: every built-in's
+curve at the command line's sizes took 2.3 s of CPU here, after 1.5 s of importing torch; a compressor at the
+bounds of its parameters fits (a Count Sketch table of 2**26 cells, 32 x 2,097,152, took 35 s and about 1.3 GB)."""
+PREDICT = sandbox.Limits(wall_s=150.0, cpu_s=90, memory=2 << 30)
+"""A child's limits for a cluster prediction of a viewer's profile (lab.strategy.perfmodel.views): one of 2,000
+tensors took 1 s of CPU for the page's 10 cells, and its compressor's curve at the bounds of its parameters up to
+35 s more (CURVES)."""
+CURVES_KEPT = 512
+"""Cost curves a child measured for this process (``measure_curves``), least recently used first out: the
+Performance model page asks for the same compressors on every load (each finished run's, the page's five)."""
+_CURVES: "OrderedDict[str, dict]" = OrderedDict()
+_CURVES_LOCK = threading.Lock()
+
+
+def measure_curves(items: List[dict], numels=CURVE_NUMELS, repeat: int = 5, warm: int = 4,
+                   who: Optional[str] = None) -> List[dict]:
+    """The cost curve of each item, as ``measure_compressor`` times it: ``{"compressor": section}`` (a spec's
+    compressor section, checked already) or ``{"method": section}`` (a spec's method section: its own codec,
+    ``Method.codec``, at ``Method.codec_numel`` of each size).
+
+    Where this process may import code (the command line, the advisor's process, a notebook) they are timed
+    here. In a process that serves viewers (engine.codepath.forbid_imports_when) nothing they configured runs
+    here: one child with limits times them all (lab.strategy.perfmodel.child, task ``curves``, limits CURVES;
+    ``who``'s one at a time, the server's MAX_CHILDREN at once), and what it measured is kept in this process
+    (``CURVES_KEPT``), so asking again measures nothing; a limit the child hits, or no place for it, is a one-line
+    sandbox.SandboxError (a ValueError). Sections that name code are timed anew each time (their file may have
+    changed)."""
+    if codepath.imports_allowed():
+        return [_measure_item(item, numels, repeat, warm) for item in items]
+    keys = [json.dumps([item, list(numels), repeat, warm], sort_keys=True, default=str) for item in items]
+    with _CURVES_LOCK:
+        have = {k: _CURVES[k] for k in keys if k in _CURVES}
+        for k in have:
+            _CURVES.move_to_end(k)
+    todo = {k: item for k, item in zip(keys, items) if k not in have}
+    if todo:
+        got = sandbox.run("curves", {"items": list(todo.values()), "numels": list(numels), "repeat": repeat,
+                                     "warm": warm}, CURVES, who=who)
+        if not isinstance(got, list) or len(got) != len(todo):
+            raise sandbox.SandboxError("cost curve", "the child process gave no curves")
+        for k, item, curve in zip(todo, todo.values(), got):
+            have[k] = curve
+            if not codepath.code_fields({"section": item}):
+                with _CURVES_LOCK:
+                    _CURVES[k] = curve
+                    while len(_CURVES) > CURVES_KEPT:
+                        _CURVES.popitem(last=False)
+    return [dict(have[k]) for k in keys]
+
+
+def curves_here(data: dict) -> List[dict]:
+    """The sandbox's ``curves`` task (lab.base.sandbox): ``measure_curves``' items timed in this process."""
+    numels = [int(n) for n in data["numels"]]
+    return [_measure_item(item, numels, int(data["repeat"]), int(data["warm"])) for item in data["items"]]
+
+
+def _measure_item(item: dict, numels, repeat: int, warm: int) -> dict:
+    if "method" in item:
+        from engine import methods  # torch
+        sec = item["method"]
+        m = methods.make(sec["name"], **(sec.get("params") or {}))
+        return measure_compressor({"name": m.name}, [m.codec_numel(n) for n in numels], repeat, warm,
+                                  make=m.codec)
+    return measure_compressor(item["compressor"], numels, repeat, warm)
 
 
 def decode_cost(curve: dict, nbytes: float, payloads: int) -> float:

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
 from engine import schedules
 from engine.codepath import imports_allowed, is_import_path
 from engine.schedules import layer_of  # a parameter's module: the same rule as dear's layer buffers
 from engine.spec import JobSpec, SpecError
+from lab.base import sandbox
 from lab.strategy.perfmodel import calibrate as cal
 from lab.strategy.perfmodel import local
 from lab.strategy.perfmodel.iteration import Bucket, Result, Round, Step, iteration_time
@@ -142,15 +144,71 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int],
         declared = c.declared_shard_rounds if sharded else c.declared_rounds
         rounds = declared(off, 4) if c.steady_payload else None
         if rounds is None:
-            x = _noise(off)
-            c.skip_warmup()  # past plain warm-up exchanges (PowerSGD), without driving them
-            for _ in range(1 if c.steady_payload else 2):  # a steady payload's sizes show in one exchange
-                rounds, _ = cal.drive(c, x.clone(), sharded=sharded)
+            wanted = getattr(_DRY, "wanted", None)
+            if wanted is not None:  # without_driving's first pass: driven elsewhere, then asked again
+                wanted.setdefault(key, (profile, comp, shapes, off, sharded, saved, flat_key))
+                return [("allreduce", off * 4, 1)]  # a stand-in, kept nowhere
+            rounds = _driven(c, off, sharded)
         if flat_key is not None:
             _keep(flat_key, rounds)
     _keep(key, rounds)
     profile.payloads[saved] = [list(r) for r in rounds]
     return rounds
+
+
+def _driven(c, n: int, sharded: bool) -> List[Tuple[str, int, int]]:
+    """The rounds of one exchange of ``c`` (its layout set) on a bucket of ``n`` elements, driven here."""
+    x = _noise(n)
+    c.skip_warmup()  # past plain warm-up exchanges (PowerSGD), without driving them
+    for _ in range(1 if c.steady_payload else 2):  # a steady payload's sizes show in one exchange
+        rounds, _ = cal.drive(c, x.clone(), sharded=sharded)
+    return rounds
+
+
+_DRY = threading.local()
+"""``wanted`` (bucket key -> what driving it needs) while ``without_driving`` takes its first pass in this thread."""
+
+
+def without_driving(predictions: Callable[[], object], who: Optional[str] = None):
+    """``predictions()`` (any calls that predict), with no compressor driven in this process where it serves
+    viewers (engine.codepath.forbid_imports_when): a first pass notes the buckets whose payload only driving
+    the exchange tells (``payload_rounds``: their compressor declares none), one child with limits drives them
+    all (lab.strategy.perfmodel.child, task ``rounds``; ``who``'s one at a time), and the second pass, which
+    returns, finds their rounds kept. Where this process may import code (the command line) it is
+    ``predictions()``."""
+    if imports_allowed():
+        return predictions()
+    _DRY.wanted = wanted = {}
+    try:
+        predictions()
+    except Exception:  # the second pass says it: the first one only notes what to drive
+        pass
+    finally:
+        _DRY.wanted = None
+    if wanted:
+        items = [{"compressor": comp, "shapes": [[o, list(shape)] for o, shape in shapes], "n": n,
+                  "sharded": sharded} for _, comp, shapes, n, sharded, _, _ in wanted.values()]
+        got = sandbox.run("rounds", {"items": items}, cal.CURVES, who=who)
+        if not isinstance(got, list) or len(got) != len(wanted):
+            raise sandbox.SandboxError("payload", "the child process gave no payloads")
+        for (key, (profile, _, _, _, _, saved, flat_key)), rounds in zip(wanted.items(), got):
+            rounds = [(str(op), int(nbytes), int(k)) for op, nbytes, k in rounds]
+            if flat_key is not None:
+                _keep(flat_key, rounds)
+            _keep(key, rounds)
+            profile.payloads[saved] = [list(r) for r in rounds]
+    return predictions()
+
+
+def rounds_here(data: dict) -> List[list]:
+    """The sandbox's ``rounds`` task (lab.base.sandbox): each item's bucket (a compressor section, its layout
+    ``shapes`` and ``n`` elements, ``sharded`` for dear's exchange) driven in this process."""
+    out = []
+    for item in data["items"]:
+        c = cal.make_compressor(item["compressor"])
+        c.layout = [(int(o), tuple(shape)) for o, shape in item["shapes"]]
+        out.append([list(r) for r in _driven(c, int(item["n"]), bool(item["sharded"]))])
+    return out
 
 
 def _matrix_shape(name: str, n: int):
@@ -284,7 +342,8 @@ def predict_method(profile: cal.Profile, spec: dict, m, link, world: int,
     plain = {**spec, "method": copy.deepcopy(NO_METHOD)}
     grad = None
     if any(e.kind == local.GRADIENTS for e in events):
-        grad = (predict(profile, plain, link.gbps, world, compute_speedup, link=link),
+        # the rate is the link's (``link`` is given; a two-level cluster has no single rate)
+        grad = (predict(profile, plain, 1.0, world, compute_speedup, link=link),
                 sum(r.nbytes for b in build_step(profile, plain, world, compute_speedup).buckets for r in b.rounds))
     comp = spec["method"].get("compressor") if m.takes_compressor else None
     outer = profile.optimizer_s * f if m.takes_compressor else 0.0

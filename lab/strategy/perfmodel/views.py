@@ -22,15 +22,17 @@ import json
 import re
 import statistics
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import List, Optional
 
 import pandas as pd
 
-from engine import runfiles
+from engine import codepath, runfiles
 from engine.compressors.plan import parts
 from engine.runlog import set_aside, write_json_atomic
 from engine.spec import SpecError
+from lab.base import sandbox
 from lab.base.paths import PROPERTIES
 from lab.net.netns import tbf_burst_bytes
 from lab.rundir.index import runs_of
@@ -78,12 +80,19 @@ def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, comp
     return pd.DataFrame(rows)
 
 
-def ensure_curves(profile: cal.Profile, comps: dict) -> None:
+def ensure_curves(profile: cal.Profile, comps: dict, who: Optional[str] = None) -> None:
+    """A cost curve in ``profile`` for each compressor of ``comps`` (label -> compressor section) that runs
+    compressor code, at the page's sizes (UI_NUMELS): measured by calibrate.measure_curves, which in the UI's
+    server times them in a child (``who``'s) and keeps them, so a page load measures only what is new."""
+    todo = {}
     for section in comps.values():
         for comp in parts(section):  # a mixed section: a curve per compressor it may give a bucket
             k = cal.compressor_key(comp)
-            if cal.needs_curve(comp) and k not in profile.compressors:
-                profile.compressors[k] = cal.measure_compressor(comp, numels=UI_NUMELS, repeat=3, warm=2)
+            if k not in profile.compressors and k not in todo and cal.needs_curve(comp):
+                todo[k] = {"compressor": comp}
+    if todo:
+        curves = cal.measure_curves(list(todo.values()), numels=UI_NUMELS, repeat=3, warm=2, who=who)
+        profile.compressors.update(zip(todo, curves))
 
 
 def measured_ms(run, skip: int = cal.SKIP_STEPS) -> Optional[float]:
@@ -118,10 +127,12 @@ def run_layout(run) -> Optional[List[List[str]]]:
         return None
 
 
-def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None) -> pd.DataFrame:
+def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: Optional[str] = None) -> pd.DataFrame:
     """One row per finished multi-rank run (of those in ``only``, run ids, when given): measured and
-    predicted iteration time (ms), or the reason it could not be predicted."""
-    rows = []
+    predicted iteration time (ms), or the reason it could not be predicted. What the predictions need measured
+    (the runs' compressors' curves, payloads only driving tells) is measured for all runs at once, in children
+    where this process serves viewers (``who``'s), and kept: the page's next load measures nothing."""
+    rows, todo, sections = [], [], {}
     curves = {} if curves is None else curves
     only = None if only is None else set(only)
     for run in runs_of(runs, state="done"):
@@ -133,34 +144,63 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None) -> pd.
                "link": spec["network"]["link"] + (f" {spec['network'].get('gbps'):g}G"
                                                   if spec["network"].get("gbps") else ""),
                "world": spec["world_size"], "measured_ms": None, "predicted_ms": None, "note": ""}
+        rows.append(row)
         try:
             if spec["world_size"] < 2:
                 raise cal.CalibrationError("one rank: nothing to communicate")
             row["measured_ms"] = measured_ms(run)
             prof = cal.from_run(run)
-            prof.compressors = curves
-            ensure_curves(prof, {"c": spec["compressor"]})
-            link = run_link(run, prof)
-            row["predicted_ms"] = pr.predict(prof, spec, link.gbps if link.beta else 1.0, spec["world_size"],
-                                             link=link, layout=run_layout(run)).total * 1e3
+            prof.compressors = curves  # one dict for every run: each compressor is timed once
+            for comp in parts(spec["compressor"]):
+                cal.needs_curve(comp)  # a section its compressor refuses: this run's note, not the others'
+            todo.append((row, prof, spec, run_link(run, prof), run_layout(run)))
+            sections[run.id] = spec["compressor"]
         except (cal.CalibrationError, ValueError, KeyError, OSError) as e:
             row["note"] = one_line(e)[:120]
-        rows.append(row)
+
+    def predict_all():
+        for row, prof, spec, link, layout in todo:
+            row["predicted_ms"], row["note"] = None, ""
+            try:
+                row["predicted_ms"] = pr.predict(prof, spec, link.gbps if link.beta else 1.0, spec["world_size"],
+                                                 link=link, layout=layout).total * 1e3
+            except (cal.CalibrationError, ValueError, KeyError, OSError) as e:
+                row["note"] = one_line(e)[:120]
+    try:
+        if todo:
+            ensure_curves(todo[0][1], sections, who)  # into ``curves``, which every run's profile holds
+        pr.without_driving(predict_all, who)
+    except ValueError as e:  # a child's limit, or no place for one now: said on every run it leaves unpredicted
+        for row, *_ in todo:
+            row["predicted_ms"], row["note"] = None, one_line(e)[:120]
     return pd.DataFrame(rows)
 
 
 def cluster_prediction(profile: cal.Profile, shape: dict, workers: List[int], inter_gbps: List[float],
-                       compute_speedup: float = 1.0, spec: Optional[dict] = None) -> pd.DataFrame:
+                       compute_speedup: float = 1.0, spec: Optional[dict] = None,
+                       who: Optional[str] = None) -> pd.DataFrame:
     """``commlab predict PROFILE --cluster ...`` as a table: per workers x inter-node rate, DDP's and
     the spec's (default: the profile's own) iteration time, speedup and scaling factors.
-    Bad shapes and worker counts are one-line SpecErrors."""
+    Bad shapes and worker counts are one-line SpecErrors, said before anything is computed.
+
+    Where this process serves viewers (engine.codepath.forbid_imports_when) the profile and the spec are a
+    viewer's: the prediction, with the cost curves and payloads it measures, runs in a child with limits
+    (lab.strategy.perfmodel.child, task ``predict``, limits calibrate.PREDICT; ``who``'s one at a time), and
+    ``profile`` gets the curves and payloads it measured (what the sources table reads). Elsewhere it runs here."""
     spec = spec or profile.spec
     if not spec:
         raise SpecError("profile", "it records no spec (not written by commlab profile)")
-    spec = whatif.load_for_prediction(data=spec)
+    spec = whatif.load_for_prediction(data=spec)  # the compressor's and method's parameters within their bounds
     whatif.check_workers(shape, workers, "workers")
-    whatif.ensure_curves(profile, [spec])
-    rows = whatif.table(profile, spec, inter_gbps, workers, compute_speedup, cluster=shape)
+    if not codepath.imports_allowed():
+        got = sandbox.run("predict", {"profile": asdict(profile), "spec": spec, "shape": shape,
+                                      "workers": list(workers), "inter_gbps": list(inter_gbps),
+                                      "compute_speedup": compute_speedup}, cal.PREDICT, who=who)
+        profile.compressors.update(got["compressors"])
+        profile.payloads.update(got["payloads"])
+        rows = got["rows"]
+    else:
+        rows = whatif.cluster_rows(profile, spec, shape, workers, inter_gbps, compute_speedup)
     return pd.DataFrame(rows).rename(columns={"gbps": "inter_gbps"})
 
 
@@ -213,15 +253,28 @@ def measure_properties(runs, profile: Optional[cal.Profile] = None, names=None) 
 
 
 
-def calibrated(run) -> tuple:
+def calibrated(run, who: Optional[str] = None) -> tuple:
     """(profile calibrated from ``run``'s timeline with the measured compressors' curves, its spec); a
     one-line CalibrationError, without the server's paths, for whatever it lacks."""
     try:
-        prof = cal.from_run(run, skip=min(cal.SKIP_STEPS, max(0, run.spec_dict()["steps"] - 2)))
-        ensure_curves(prof, COMPRESSORS)
-        return prof, run.spec_dict()
+        spec = run.spec_dict()
+        prof = cal.from_run(run, skip=min(cal.SKIP_STEPS, max(0, spec["steps"] - 2)))
+        ensure_curves(prof, COMPRESSORS, who)
+        # the payloads the page's grid and crossovers need for these compressors on this model: driven once, in
+        # a child where this process serves viewers, and kept with the profile
+        pr.without_driving(lambda: _tried(prof, spec), who)
+        return prof, spec
     except (cal.CalibrationError, OSError, ValueError, KeyError, TypeError) as e:
         raise cal.CalibrationError(one_line(e)) from None
+
+
+def _tried(prof: cal.Profile, spec: dict) -> None:
+    """Predict ``spec`` with each of the page's compressors once; what fails is the page's to say where it predicts."""
+    for comp in COMPRESSORS.values():
+        try:
+            pr.predict(prof, with_compressor(spec, comp), 1.0, 2)
+        except (ValueError, KeyError):
+            pass
 
 
 def properties_table(rows: List[dict]) -> pd.DataFrame:

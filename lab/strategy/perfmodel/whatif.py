@@ -19,13 +19,13 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 from engine import runfiles
 from engine.codepath import is_import_path
 from engine.runlog import set_aside, write_json_atomic
 from engine.spec import MAX_GBPS, SpecError
-from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root
+from lab.base.paths import CURVES, PROFILES, SHAPED_LINK, default_root, file_in
 from lab.base.specs import apply_overrides, load_spec, read_job_spec
 from lab.rundir.index import runs_of
 from lab.rundir.store import RunStore
@@ -51,6 +51,13 @@ def load_for_prediction(path: Optional[str] = None, overrides=(), data: Optional
 
 def profile_dir(runs) -> Path:
     return Path(runs or default_root()) / PROFILES
+
+
+def profile_file(runs, key: str) -> Path:
+    """The saved profile of ``key`` (``calibrate.spec_key``, ``Profile.key``: a model's name and options as the
+    user wrote them) in ``runs``' profiles directory: a file name made safe (lab.base.paths.file_in), never a path
+    that leaves the directory."""
+    return file_in(profile_dir(runs), key, ".json")
 
 
 def save_shaped_link(runs, result: dict) -> Path:
@@ -108,7 +115,7 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
     """``runner`` (a validated spec dict -> its finished Run) runs the profiling run when one is needed
     (``measure_profile``); without one, a spec the lab has no profile of is a CalibrationError."""
     key = cal.spec_key(spec)
-    saved = profile_dir(runs) / f"{key}.json"
+    saved = profile_file(runs, key)
     if profile:
         p = load_profile_file(profile, "--profile")
         say(f"profile: {profile} ({p.source})")
@@ -134,7 +141,7 @@ def resolve_profile(spec: dict, runs=None, profile: Optional[str] = None, calibr
 
 def has_profile(spec: dict, runs=None) -> bool:
     """Whether ``known_profile`` would find one (without reading a run's timeline)."""
-    return (profile_dir(runs) / f"{cal.spec_key(spec)}.json").is_file() or matching_run(spec, runs) is not None
+    return profile_file(runs, cal.spec_key(spec)).is_file() or matching_run(spec, runs) is not None
 
 
 def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: None) -> Optional[cal.Profile]:
@@ -143,7 +150,7 @@ def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: 
     whose compute came from a disturbed run gives way to an undisturbed matching run (its cost curves,
     payloads and link kept)."""
     key = cal.spec_key(spec)
-    saved = profile_dir(runs) / f"{key}.json"
+    saved = profile_file(runs, key)
     if saved.is_file():
         try:
             p = cal.Profile.load(saved)
@@ -388,15 +395,17 @@ def _locked(path: Path):
         os.close(fd)  # closing the descriptor drops the flock
 
 
-def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) -> int:
+def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False, who: Optional[str] = None) -> int:
     """Give ``profile`` a cost curve for every compressor the specs use that runs compressor code. With
     ``kept``, curves this machine already measured (``CURVES`` in ``runs``' profiles directory) are taken
     from there, and new ones are kept there. A compressor named by import path (the user's code) is never
     kept for the machine, and its curve in the profile is measured again when its file has changed since
-    (``calibrate.code_stamp``). Returns how many curves were measured (0: none)."""
+    (``calibrate.code_stamp``). What is missing is measured in one go by ``calibrate.measure_curves`` (in a
+    child with limits where this process serves viewers, ``who`` among them). Returns how many curves were
+    measured (0: none)."""
     from engine.compressors.plan import parts
     machine = machine_curves(runs) if kept else {}
-    measured, fresh = {}, 0
+    todo: Dict[str, tuple] = {}  # key -> (item for measure_curves, what it is: machine, mine or a code stamp)
     for s in specs:
         m = pr.method_of(s)
         if m is not None and m.codec() is not None:  # a method's own codec (DeMo's): timed like a compressor
@@ -404,13 +413,7 @@ def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) ->
             if k not in profile.compressors and not mine and k in machine:
                 profile.compressors[k] = machine[k]
             elif k not in profile.compressors:
-                timed = cal.measure_compressor({"name": k}, [m.codec_numel(n) for n in cal.CURVE_NUMELS],
-                                               make=m.codec)
-                profile.compressors[k] = timed
-                if mine:  # the user's code: kept with the profile only
-                    fresh += 1
-                else:
-                    machine[k] = measured[k] = timed
+                todo.setdefault(k, ({"method": s["method"]}, MINE if mine else MACHINE))
         sections = list(parts(s["compressor"]))
         if m is not None and m.takes_compressor and s["method"].get("compressor"):
             sections += parts(s["method"]["compressor"])  # the pseudo-gradients' compressor
@@ -422,16 +425,26 @@ def ensure_curves(profile: cal.Profile, specs, runs=None, kept: bool = False) ->
             have = profile.compressors.get(k)
             if have is not None and have.get("code", "") == stamp:
                 continue
-            if stamp:
-                profile.compressors[k] = {**cal.measure_compressor(c), "code": stamp}
-                fresh += 1
+            if not stamp and k in machine:
+                profile.compressors[k] = machine[k]
                 continue
-            if k not in machine:
-                machine[k] = measured[k] = cal.measure_compressor(c)
-            profile.compressors[k] = machine[k]
+            todo.setdefault(k, ({"compressor": c}, stamp or MACHINE))
+    measured = {}
+    curves = cal.measure_curves([item for item, _ in todo.values()], who=who) if todo else []
+    for (k, (_, what)), curve in zip(todo.items(), curves):
+        if what == MACHINE:
+            profile.compressors[k] = machine[k] = measured[k] = curve
+        elif what == MINE:  # the user's code: kept with the profile only
+            profile.compressors[k] = curve
+        else:  # code named by import path: the curve carries its file's stamp
+            profile.compressors[k] = {**curve, "code": what}
     if kept and measured:
         keep_machine_curves(runs, measured)
-    return len(measured) + fresh
+    return len(curves)
+
+
+MACHINE, MINE = "machine", "mine"
+"""What a curve ensure_curves measured is: kept for the machine, or the user's method's (kept with the profile)."""
 
 
 CLUSTER_KEYS = {"node_size": (int, 1, 4096), "intra_gbps": (float, 0.001, 100000),
@@ -510,6 +523,28 @@ def table(profile: cal.Profile, spec: dict, gbps: List[float], workers: List[int
                 rows[-1].update(syncs=t.syncs, steps=t.steps, bytes_per_step=t.bytes_per_step,
                                 bytes_per_sync=t.bytes_per_sync, step_ms={k: v * 1e3 for k, v in t.step_s.items()})
     return rows
+
+
+def cluster_rows(profile: cal.Profile, spec: dict, shape: dict, workers: List[int], inter_gbps: List[float],
+                 compute_speedup: float = 1.0) -> List[dict]:
+    """``table`` on the two-level cluster ``shape`` for a checked spec, with the cost curves it needs measured
+    first (lab.strategy.perfmodel.views.cluster_prediction: the page's cluster prediction)."""
+    ensure_curves(profile, [spec])
+    return table(profile, spec, inter_gbps, workers, compute_speedup, cluster=shape)
+
+
+def cluster_here(data: dict) -> dict:
+    """The sandbox's ``predict`` task (lab.base.sandbox): ``cluster_rows`` of a profile and spec sent as JSON, with
+    the curves and payloads the profile got on the way."""
+    d = dict(data["profile"])
+    d["params"] = [tuple(p) for p in d.get("params", [])]
+    profile = cal.Profile(**d)
+    had = (dict(profile.compressors), set(profile.payloads))
+    rows = cluster_rows(profile, data["spec"], data["shape"], [int(p) for p in data["workers"]],
+                        [float(g) for g in data["inter_gbps"]], float(data["compute_speedup"]))
+    return {"rows": rows,  # and what the profile got (the caller has the rest; the answer's size is bounded)
+            "compressors": {k: v for k, v in profile.compressors.items() if had[0].get(k) is not v},
+            "payloads": {k: v for k, v in profile.payloads.items() if k not in had[1]}}
 
 
 def format_table(rows: List[dict], rate: str = "GBIT/S") -> List[str]:
