@@ -52,6 +52,13 @@ GRANT_S = 900.0
 FAILS_PER_MIN = 20
 """Wrong tokens per minute from one client address; past it, wrong ones get a 429 (valid ones still sign in)."""
 NAMES_PER_HOUR = 3
+PAGES_PER_PERSON = 8
+"""Pages (websockets: tabs, windows) one student may have open at once on an exposed lab; the teacher has no
+limit. Each page runs its script on every interaction and its live panels on a timer."""
+TEACHERS_ENDPOINTS = ("/_stcore/metrics",)
+"""Streamlit endpoints a student is refused: the server's metrics count every viewer's sessions and caches."""
+_pages: Dict[str, int] = {}
+_pages_lock = threading.Lock()
 MAX_BODY = 4096
 """Bytes a sign-in form may send."""
 
@@ -318,12 +325,36 @@ class Gate:
                 why = uploads.refusal(path, user)
                 if why:
                     return await respond(send, 403, why, kind="text/plain")
+            if path.startswith(TEACHERS_ENDPOINTS) and not user.admin:
+                return await respond(send, 403, "the teacher's only", kind="text/plain")
+            if scope["type"] == "websocket" and not user.admin:
+                return await self.page(scope, receive, send, user)
             return await self.app(scope, receive, send)
         if scope["type"] == "websocket":
             return await send({"type": "websocket.close", "code": 1008, "reason": "sign in first"})
         if scope.get("method") == "GET" and not path.startswith(("/_stcore/", "/media/", "/component/")):
             return await redirect(send, "/signin", set_browser)
         await respond(send, 403, "sign in first", kind="text/plain")
+
+    async def page(self, scope, receive, send, user):
+        """A student's page (its websocket) while they have fewer than PAGES_PER_PERSON open; each page's script
+        runs cost the server's CPU, and sign-in sessions bound browsers, not the pages one browser opens."""
+        with _pages_lock:
+            if _pages.get(user.name, 0) >= PAGES_PER_PERSON:
+                refused = True
+            else:
+                refused = False
+                _pages[user.name] = _pages.get(user.name, 0) + 1
+        if refused:
+            return await send({"type": "websocket.close", "code": 1008,
+                               "reason": f"at most {PAGES_PER_PERSON} open pages per person; close one"})
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            with _pages_lock:
+                _pages[user.name] -= 1
+                if not _pages[user.name]:
+                    del _pages[user.name]
 
     async def signin(self, scope, receive, send, path, jar, browser, set_browser):
         root = ui.runs_dir()

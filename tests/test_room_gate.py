@@ -371,3 +371,59 @@ def test_over_the_wire_a_client_cannot_choose_the_address_its_guesses_count_agai
     answers = [post("guess", f"10.0.{k}.1") for k in range(gatekeeper.FAILS_PER_MIN + 1)]
     assert answers[:-1] == [401] * gatekeeper.FAILS_PER_MIN and answers[-1] == 429
     assert post(tokens["alice"], "10.0.99.1") == 303
+
+
+# --------------------------------------------------------------------------- pages, metrics, chosen tokens
+
+async def pages_stand_in(scope, receive, send):
+    """Streamlit's websocket as far as the gate can tell: accepted, held open until the client leaves."""
+    if scope["type"] != "websocket":
+        from starlette.responses import PlainTextResponse
+        return await PlainTextResponse(f"streamlit {scope['path']}")(scope, receive, send)
+    await receive()
+    await send({"type": "websocket.accept"})
+    while (await receive())["type"] != "websocket.disconnect":
+        pass
+
+
+def test_a_student_keeps_a_bounded_number_of_pages_open(lab_root, monkeypatch):
+    """Each open page runs its script at every interaction and its panels on a timer: a student's pages past
+    PAGES_PER_PERSON are refused (closed before Streamlit sees them); one closed frees its place; the teacher
+    has no limit."""
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocketDisconnect
+    root, tokens = lab_root
+    monkeypatch.setattr(gatekeeper, "PAGES_PER_PERSON", 2)
+    c = TestClient(gatekeeper.Gate(pages_stand_in), follow_redirects=False)
+    c.get(f"/?token={tokens['alice']}")
+    with c.websocket_connect("/_stcore/stream"), c.websocket_connect("/_stcore/stream"):
+        with pytest.raises(WebSocketDisconnect) as refused:
+            with c.websocket_connect("/_stcore/stream"):
+                pass
+        assert refused.value.code == 1008 and "at most 2 open pages" in refused.value.reason
+    with c.websocket_connect("/_stcore/stream"):  # the two closed: places again
+        pass
+    t = TestClient(gatekeeper.Gate(pages_stand_in), follow_redirects=False)
+    t.get(f"/?token={tokens['admin']}")
+    with t.websocket_connect("/_stcore/stream"), t.websocket_connect("/_stcore/stream"), \
+            t.websocket_connect("/_stcore/stream"):
+        pass
+    assert gatekeeper._pages == {}
+
+
+def test_the_servers_metrics_are_the_teachers(lab_root):
+    root, tokens = lab_root
+    c = browser()
+    c.get(f"/?token={tokens['alice']}")
+    assert c.get("/_stcore/metrics").status_code == 403
+    t = browser()
+    t.get(f"/?token={tokens['admin']}")
+    assert t.get("/_stcore/metrics").text == "streamlit /_stcore/metrics"
+
+
+def test_a_class_token_the_teacher_chooses_is_long_enough_not_to_be_guessed(tmp_path):
+    """Past the wrong-token limit a right token still signs in (no lockout for a room behind one address), so
+    what keeps a guesser out is the token's length."""
+    with pytest.raises(LabError, match=f"--token: must be at least {accounts.MIN_CLASS_TOKEN} characters"):
+        accounts.set_class_token(tmp_path, "class-2024-x")
+    assert accounts.set_class_token(tmp_path, "class-2026-nov-gpu-lab")["class_token"] == "class-2026-nov-gpu-lab"

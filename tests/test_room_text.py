@@ -498,7 +498,7 @@ def test_the_new_run_form_says_when_to_try_again(room, monkeypatch):  # noqa: F8
     monkeypatch.setattr(sandbox, "_spawn", Children())
     monkeypatch.setattr(previews, "_previews", OrderedDict())
     monkeypatch.setattr(sandbox, "BUDGET_S", CHILD_S)
-    sandbox._places._spent["alice"] = deque([(time.monotonic(), CHILD_S)])  # a preview of hers just now
+    sandbox._places._spent["alice"] = deque([(time.monotonic(), CHILD_S, "describe")])  # a preview of hers just now
     at = app(tokens["alice"], page="new_run")
     errors = [e.value for e in at.error]
     assert len(errors) == 1 and re.fullmatch(
@@ -526,3 +526,23 @@ def test_no_child_is_started_for_nobody(fake, monkeypatch):
     with pytest.raises(sandbox.SandboxError, match="nobody is signed in"):
         sandbox.run("describe", sized(1).to_dict())
     assert len(held) == 1
+
+
+def test_a_persons_checks_have_a_budget_of_their_own(fake, monkeypatch):
+    """A check before a submit goes before every waiting preview, and one that fails queues no run: past
+    CHECK_BUDGET_S of check time in the window, alice's next check is refused with one line, so she cannot keep
+    a place ahead of everyone by sending the same failing spec again; bob's check and the teacher's still run,
+    and a submit owned by the teacher is never budgeted."""
+    monkeypatch.setattr(sandbox, "CHECK_BUDGET_S", 2 * CHILD_S)
+    spec = sized(1).to_dict()
+    for _ in range(2):
+        sandbox.run("check", spec, sandbox.CHECK, who="alice")
+    with pytest.raises(sandbox.OverBudget) as refused:
+        sandbox.run("check", spec, sandbox.CHECK, who="alice")
+    assert re.fullmatch(r"check: your checks before a submit took 0\.6 s of the server's time in the last 5 "
+                        r"minutes, the most one person may; try again in \d+ s", str(refused.value)), refused.value
+    n = len(fake.started)
+    sandbox.run("check", spec, sandbox.CHECK, who="bob")
+    for _ in range(3):
+        sandbox.run("check", spec, sandbox.CHECK, who=owners.User(owners.TEACHER, admin=True))
+    assert len(fake.started) == n + 4

@@ -196,7 +196,7 @@ def test_access_file_is_private_and_checked(tmp_path):
     accounts.access_path(tmp_path).write_text(json.dumps({"class_token": "short", "admin_token": "y" * 20}))
     with pytest.raises(LabError, match="class_token must be a string of at least 8 characters"):
         accounts.load_access(tmp_path)
-    with pytest.raises(LabError, match="--token: must be at least 8 characters"):
+    with pytest.raises(LabError, match="--token: must be at least 16 characters"):
         accounts.set_class_token(tmp_path / "other", "a b")
 
 

@@ -92,7 +92,13 @@ user have no budget."""
 BUDGET_WINDOW_S = 300.0
 """The rolling window of BUDGET_S: child time older than this no longer counts."""
 BUDGETED = ("describe", "parameters")
-"""The tasks a person's budget refuses: previews (a check is what a submit needs)."""
+"""The tasks a person's BUDGET_S refuses: previews."""
+CHECK_BUDGET_S = 120.0
+"""Seconds of child wall time one person's checks before a submit may take within BUDGET_WINDOW_S: two of
+the longest (CHECK.wall_s). A check goes before every waiting preview, and one that fails queues no run (so
+the ``queued`` quota never stops a person sending the same failing spec again): without a bound of its own,
+one person could keep a place busy ahead of everyone. Past it their submits of a model that needs a check are
+refused (one line: when to try again)."""
 MAX_ANSWER = 1 << 20
 """The most bytes of a child's answer that are read."""
 TEMP_SUFFIX = ".commlab-sandbox"
@@ -201,8 +207,8 @@ class Places:
         self._last: Dict[str, float] = {}
         self._order = itertools.count()
 
-    def _recent(self, name: str, now: float) -> Deque[Tuple[float, float]]:
-        """(ended at, seconds) of ``name``'s children in the last BUDGET_WINDOW_S, oldest first."""
+    def _recent(self, name: str, now: float) -> Deque[Tuple[float, float, str]]:
+        """(ended at, seconds, task) of ``name``'s children in the last BUDGET_WINDOW_S, oldest first."""
         q = self._spent.get(name, deque())
         while q and q[0][0] <= now - BUDGET_WINDOW_S:
             q.popleft()
@@ -210,26 +216,29 @@ class Places:
             self._spent.pop(name, None)
         return q
 
-    def refuse_past_budget(self, name: str, label: str) -> None:
-        """OverBudget, saying when to try again, when ``name``'s child time in the window is BUDGET_S or more."""
+    def refuse_past_budget(self, name: str, label: str, task: str = "describe") -> None:
+        """OverBudget, saying when to try again, when ``name``'s child time in the window is BUDGET_S or more
+        (a preview), or their checks' time is CHECK_BUDGET_S or more (a ``check``)."""
+        check = task == "check"
+        budget, what = (CHECK_BUDGET_S, "checks before a submit") if check else (BUDGET_S, "previews")
         with self._cond:
             now = time.monotonic()
-            q = list(self._recent(name, now))
+            q = [(ended, s) for ended, s, t in self._recent(name, now) if not check or t == "check"]
         total = sum(s for _, s in q)
-        if total < BUDGET_S:
+        if total < budget:
             return
         for ended, seconds in q:  # oldest first: the moment enough of it has left the window
             total -= seconds
-            if total < BUDGET_S:
+            if total < budget:
                 break
         wait = max(1, math.ceil(ended + BUDGET_WINDOW_S - now))
-        raise OverBudget(label, f"your previews took {BUDGET_S:g} s of the server's time in the last "
+        raise OverBudget(label, f"your {what} took {budget:g} s of the server's time in the last "
                                 f"{BUDGET_WINDOW_S / 60:g} minutes, the most one person may; try again in {wait} s")
 
     def _first(self, entry: tuple, now: float) -> bool:
         def key(e):
             name, task, order = e
-            return (task != "check", sum(s for _, s in self._recent(name, now)), self._last.get(name, 0.0), order)
+            return (task != "check", sum(s for _, s, _ in self._recent(name, now)), self._last.get(name, 0.0), order)
         free = [e for e in self._waiting if e[0] not in self.held]
         return bool(free) and min(free, key=key) is entry
 
@@ -253,14 +262,14 @@ class Places:
                 self._waiting.remove(entry)
                 self._cond.notify_all()  # the next in line may be someone else now
 
-    def give_back(self, name: str, seconds: float) -> None:
-        """``name``'s child ended after ``seconds``: its place is free, its time counted."""
+    def give_back(self, name: str, seconds: float, task: str = "describe") -> None:
+        """``name``'s child (of ``task``) ended after ``seconds``: its place is free, its time counted."""
         with self._cond:
             _server.release()
             self.held[name] -= 1
             if not self.held[name]:
                 del self.held[name]
-            self._spent.setdefault(name, deque()).append((time.monotonic(), seconds))
+            self._spent.setdefault(name, deque()).append((time.monotonic(), seconds, task))
             self._cond.notify_all()
 
 
@@ -271,13 +280,13 @@ def run(task: str, spec: dict, limits: Limits = PREVIEW, who=None, wait_s: Optio
     """``task`` on ``spec`` (a spec dict) in a child with ``limits``, for ``who`` (a name or a user; None: the
     viewer ``identify`` gives, SandboxError when nobody is signed in); its answer. A SpecError-like
     ``SandboxError`` (``path``, ``msg``) for a bad spec, for a limit hit, ``OverBudget`` for a preview past its
-    person's BUDGET_S, or ``Busy`` when no place for the child came within ``wait_s`` (default WAIT_S)."""
+    person's BUDGET_S or a check past their CHECK_BUDGET_S, or ``Busy`` when no place for the child came within ``wait_s`` (default WAIT_S)."""
     label = LABELS[task]
     wait_s = WAIT_S if wait_s is None else wait_s
     name, budgeted = whom(who, label)
     with person(name, label, limits.wall_s + wait_s):
-        if budgeted and task in BUDGETED:
-            _places.refuse_past_budget(name, label)
+        if budgeted and (task in BUDGETED or task == "check"):
+            _places.refuse_past_budget(name, label, task)
         if not _places.take(name, task, wait_s):
             raise Busy(label, f"all {MAX_CHILDREN} of the server's places for previews and checks are taken; "
                               f"try again in a moment")
@@ -285,7 +294,7 @@ def run(task: str, spec: dict, limits: Limits = PREVIEW, who=None, wait_s: Optio
         try:
             return _spawn(task, spec, limits)
         finally:
-            _places.give_back(name, time.monotonic() - t0)
+            _places.give_back(name, time.monotonic() - t0, task)
 
 
 def child_env() -> dict:

@@ -72,6 +72,10 @@ SETTINGS = {
 - ``sessions_per_person``: open sessions kept per person (their browsers); the oldest close first;
 - ``names_per_address``: new names per hour from one client address (a browser takes at most 3 an hour, but a
   person can clear their cookies; behind a NAT or a proxy a whole room shares one address: raise it there)."""
+MIN_CLASS_TOKEN = 16
+"""The shortest class token a teacher may choose. The wrong-token limit (app/gatekeeper.py) refuses further wrong
+guesses from an address, but a right token always signs in (so a room behind one address is never locked out):
+what keeps a guesser out is the token's length. A generated one has 128 bits."""
 REVOKED_BROWSERS_KEPT = 1000
 """Revoked browsers remembered (the newest); a bound on access.json's size."""
 
@@ -475,10 +479,10 @@ def rotate(root: os.PathLike, who: str) -> str:
 
 
 def set_class_token(root: os.PathLike, token: str) -> dict:
-    """The teacher's own class token (``commlab app --token``)."""
-    if not isinstance(token, str) or len(token) < 8 or not re.fullmatch(r"[A-Za-z0-9_.~-]+", token):
-        raise LabError("--token: must be at least 8 characters of letters, digits, '-', '_', '.', '~' "
-                       "(it goes into a link)")
+    """The teacher's own class token (``commlab app --token``): at least MIN_CLASS_TOKEN characters."""
+    if not isinstance(token, str) or len(token) < MIN_CLASS_TOKEN or not re.fullmatch(r"[A-Za-z0-9_.~-]+", token):
+        raise LabError(f"--token: must be at least {MIN_CLASS_TOKEN} characters of letters, digits, '-', '_', '.', "
+                       f"'~' (it goes into a link, and must be hard to guess)")
     with _locked(root):
         data = _load(root, create=True)
         if _same(_hash(token), data["admin_hash"]):

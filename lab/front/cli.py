@@ -98,7 +98,8 @@ def build_parser() -> Parser:
     p.add_argument("--port", type=int, default=8501, help="port")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the lab)")
     p.add_argument("--no-demo", action="store_true", help="do not queue the demo run into an empty runs directory")
-    p.add_argument("--token", default=None, help="the class token students sign in with, when bound beyond "
+    p.add_argument("--token", default=None, help="the class token students sign in with (16 or more "
+                   "characters, hard to guess), when bound beyond "
                    "loopback (default: one generated and kept in RUNS/access.json)")
     p.add_argument("--certfile", default=None, metavar="FILE", help="TLS certificate (PEM) to serve https with; "
                                                                     "needs --keyfile")

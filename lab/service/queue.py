@@ -38,8 +38,8 @@ from lab.rundir.index import Index, RunIndexError
 from lab.rundir.launcher import kill_strays, launch
 from lab.rundir.progress import quiet
 from lab.rundir.store import FINAL, Run, RunStore, lab_config
-from lab.service.owners import (every_rank_mb, fair_order, is_student, local_user, rank_limit, refuse_code, run_time,
-                                typical_run)
+from lab.service.owners import (User, every_rank_mb, fair_order, is_student, local_user, rank_limit, refuse_code,
+                                run_time, typical_run)
 from lab.service.spawn import spawn_detached
 from lab.strategy import auto
 from lab.strategy.auto import keep_record
@@ -147,7 +147,8 @@ class Lab:
                 preflight.check(spec)
             else:
                 try:
-                    sandbox.run("check", spec.to_dict(), sandbox.CHECK, who=owner or local_user().name,
+                    who = User(owner, admin=not is_student(owner)) if owner else local_user()  # students' budgeted
+                    sandbox.run("check", spec.to_dict(), sandbox.CHECK, who=who,
                                 wait_s=sandbox.CHECK_WAIT_S)  # before others' previews (sandbox.Places)
                 except sandbox.SandboxError as e:
                     raise SpecError(e.path, e.msg) from None
