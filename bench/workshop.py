@@ -144,9 +144,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.runs = Path(args.runs or tempfile.mkdtemp(prefix="commlab-workshop-"))
     args.runs.mkdir(parents=True, exist_ok=True)
+    # every simulated student signs in from 127.0.0.1, as a room behind one NAT or proxy does: the teacher raises
+    # the names one address may take (runs/lab.json access.names_per_address) to the room's size
     (args.runs / "lab.json").write_text(json.dumps({"max_jobs": args.max_jobs, "preset_steps": args.steps,
                                                     "quotas": {"queued": args.queued, "steps": args.steps,
-                                                               "world_size": 2}}))
+                                                               "world_size": 2},
+                                                    "access": {"names_per_address": max(10, args.students)}}))
     from lab.front import accounts
     from lab.rundir.store import FINAL
     port = free_port()

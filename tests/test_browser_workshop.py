@@ -158,3 +158,54 @@ def test_sign_in_and_one_shot_downloads_in_chromium(room):
             assert run.id not in alice.content() or "commlab: sign in" in alice.content()
         finally:
             browser.close()
+
+
+def test_a_run_name_cannot_sign_the_teacher_into_a_students_account_in_chromium(tmp_path):
+    """The chain a student could build: a run named with two Markdown images, ``/signout`` and ``/?token=<the
+    student's own token>``, made disturbed so that the teacher's Compare page names it in its warning. In
+    Chromium the name shows as its characters: no image is loaded, no link made, and the teacher is still the
+    teacher afterwards (and a GET of /signout would end nothing anyway)."""
+    from test_room_text import DISTURBED
+    runs = tmp_path / "runs"
+    access_ = accounts.load_access(runs)
+    admin = access_["admin_token"]
+    mallory = accounts.sign_in(runs, access_["class_token"], "mallory")
+    name = f"![a](/signout) ![b](/?token={mallory}) [see](http://evil.example) :red[big] **b**"
+    run = Lab(runs).create(lab._spec(dict(SMALL, name=name)), owner="mallory")
+    run.set_status("done", disturbance=DISTURBED)
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
+    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
+    log = open(tmp_path / "app.log", "wb")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
+                         stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_up(url, p, tmp_path / "app.log")
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
+                                         args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            try:
+                teacher = browser.new_context().new_page()
+                asked = []
+                teacher.on("request", lambda r: asked.append(r.url))
+                teacher.goto(f"{url}/?token={admin}")
+                settle(teacher, "Signed in as")
+                asked.clear()  # the sign-in link itself carried a token
+                teacher.goto(f"{url}/compare")
+                settle(teacher, "Disturbed")
+                teacher.wait_for_timeout(2000)  # an image in the warning would have been fetched by now
+                warning = teacher.get_by_text("Disturbed").first.inner_text()
+                assert "![a](/signout)" in warning and ":red[big]" in warning, warning
+                assert teacher.locator("img[src*='signout'], img[src*='token=']").count() == 0
+                assert teacher.locator("a[href*='evil.example']").count() == 0
+                assert not any("/signout" in u or "token=" in u for u in asked), asked
+                teacher.reload()
+                settle(teacher, "Signed in as")
+                assert "Signed in as teacher" in teacher.inner_text("body").replace("**", "")
+                assert "mallory" not in teacher.get_by_text("Signed in as").first.inner_text()
+            finally:
+                browser.close()
+    finally:
+        stop_process(p, signal.SIGTERM, timeout=20)
+        log.close()
