@@ -756,3 +756,28 @@ def test_net_check_save_keeps_the_labs_link_calibration(tmp_path, monkeypatch, c
     link = whatif.saved_shaped_link(tmp_path)
     assert link["alpha"] == pytest.approx(500e-6) and link["nominal_gbps"] == 1.0
     assert "net check --save at 1 Gbit/s" in link["source"]
+
+
+def test_a_run_without_timed_steps_is_not_taken_for_the_models_profile(tmp_path):
+    """An advisor's trial session (its steps are the trials', in their own folders) and a run too short to time
+    are not the model's latest run for calibration; a matching run whose timeline holds no timed step gives no
+    profile (one is measured instead) rather than an error."""
+    import lab
+    from engine import runfiles
+    from lab.service.queue import Lab
+    from lab.strategy.perfmodel import whatif
+    spec = {"model": "mlp", "dataset": "digits", "steps": 8, "batch_size": 16}
+    q = Lab(tmp_path)
+    session = q.create(lab._spec({**spec, "name": "advise trials: 1 candidates"}))
+    session.file(runfiles.TRIALS).write_text('{"dirs": []}')
+    session.set_status("done")
+    short = q.create(lab._spec({**spec, "steps": 3}))
+    short.set_status("done")
+    d = session.spec_dict()
+    assert whatif.matching_run(d, tmp_path) is None and not whatif.has_profile(d, tmp_path)
+    plain = q.create(lab._spec(spec))  # finished, but its timeline holds nothing (no rank ever wrote one)
+    plain.set_status("done")
+    assert whatif.matching_run(d, tmp_path).id == plain.id
+    said = []
+    assert whatif.known_profile(d, tmp_path, say=said.append) is None
+    assert said and "no timed steps" in said[0]

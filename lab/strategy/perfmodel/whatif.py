@@ -95,12 +95,15 @@ def matching_run(spec: dict, runs):
     synchronous header exchange of an all-gathered payload blocks backward and has no span of its own, so it
     would count as compute). ``dear`` runs are not used: their forward includes the waits for parameter
     all-gathers, which are communication, not compute. A disturbed run is used only when no other matches,
-    and the profile says so (``Profile.disturbance``)."""
+    and the profile says so (``Profile.disturbance``). A run with no step past ``cal.SKIP_STEPS`` to time, and
+    an advisor's trial session (its steps are the trials', recorded in their own folders), are not used."""
     key = cal.spec_key(spec)
     found = []
     for r in reversed(runs_of(runs, state="done")):
         try:
             d = r.spec_dict()
+            if r.file(runfiles.TRIALS).exists() or d.get("steps", 0) <= cal.SKIP_STEPS:
+                continue
             if cal.spec_key(d) == key and d["comm"]["mode"] != "dear":
                 disturbed = bool((r.status().get("disturbance") or {}).get("disturbed"))
                 found.append((disturbed, d["comm"]["mode"] != "sync", len(found), r))
@@ -170,9 +173,14 @@ def known_profile(spec: dict, runs=None, say: Callable[[str], None] = lambda m: 
     run = matching_run(spec, runs)
     if run is None:
         return None
+    try:
+        p = cal.from_run(run)
+    except cal.CalibrationError as e:  # a run whose timeline holds no timed step: measured instead, as for none
+        say(f"profile: not calibrated from run {run.id}: {e}")
+        return None
     say(f"profile: calibrated from run {run.id}, the latest finished {key} {run.spec_dict()['comm']['mode']} "
         f"run in the index (undisturbed runs first, then sync ones)")
-    return cal.from_run(run)
+    return p
 
 
 def link_file(path: str) -> dict:
