@@ -11,7 +11,7 @@ For each model and link rate: the advisor ranks the strategy space from the perf
 predictions (the profile and curves are measured once per model and reused at the other rates, so the
 first rate pays for them). With ``--trials K`` the advisor runs as a user meets it: a real
 300-step run (whatever ``--steps`` says) with ``strategy: auto`` (measure, K trials) through the lab's queue.
-Its first steps are the trials (engine/trials.py: the K best-predicted compressor families and DDP unless
+Its first steps are the trials (commlab/engine/trials.py: the K best-predicted compressor families and DDP unless
 predicted 1.5x slower, best-predicted first, 2 warm-up + 8 timed steps each, a clearly slower one stopped
 after 3), then it trains on under the measured choice. Its cost is the profile, the predictions, and what the
 trial steps took beyond the choice's time per step plus the strategy switches (they train the model like
@@ -20,7 +20,7 @@ the advisor's choice run as real 2-rank commlab runs on the link (``--steps`` st
 rounds with the order rotated each round. Each cell's figure is the median iteration time after warm-up
 (PowerSGD after its uncompressed start; MergeComp's searched partitions spread over 300 steps, as the
 advisor predicts it) and the score is that time x the compressor's convergence penalty from the advisor
-(lab/strategy/penalty.py says where each penalty comes from). Ratios are medians of per-round ratios.
+(commlab/lab/strategy/penalty.py says where each penalty comes from). Ratios are medians of per-round ratios.
 
 By default this measures iteration time x penalty, not time to a target accuracy: full training to accuracy
 of every cell is too slow on the 2-core machine this lab was built on. The penalties of the compressors in
@@ -33,7 +33,7 @@ the same measure (give ``--steps`` enough for DDP to reach it). The resnet setti
 digits: chosen for timing) does not learn in 300 steps (``--steps 300 --target 0.7`` left every cell at 10% held
 out); ``--models resnet-adam`` (the same resnet with Adam) does: ``--models resnet-adam --gbps 1 --steps 100
 --target 0.7``. The advisor's space includes the methods that communicate less often; without a penalty measured
-in this runs directory's runs they are listed, never chosen (lab/strategy/advisor.py).
+in this runs directory's runs they are listed, never chosen (commlab/lab/strategy/advisor.py).
 """
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ def _c(name, ef=False, **params):
 
 
 def _mixed(small, rest, below_mb=1.0):
-    """As lab.strategy.space builds its mixed candidates, so the advisor's predictions line up with the grid's
+    """As commlab.lab.strategy.space builds its mixed candidates, so the advisor's predictions line up with the grid's
     cells."""
-    from lab.strategy import space
+    from commlab.lab.strategy import space
     return space.mixed(small, rest, below_mb)
 
 
@@ -109,7 +109,7 @@ def base_spec(model: str, link: str, gbps: float, steps: int) -> dict:
 
 
 def cell_spec(base: dict, label: str, strategy: dict, eval_every: int = 0) -> dict:
-    from lab.base.specs import load_spec
+    from commlab.lab.base.specs import load_spec
     # a grid cell is timed steps only unless time to accuracy is measured (``eval_every``): no evaluation at
     # its end (the transformer's takes seconds)
     return load_spec(data={**base, **strategy, "name": f"{base['name']}-{label}", "eval_every": eval_every,
@@ -119,7 +119,7 @@ def cell_spec(base: dict, label: str, strategy: dict, eval_every: int = 0) -> di
 def time_to_accuracy(run, target: float):
     """(seconds, steps) of ``run`` to its first held-out evaluation at or above ``target``: the sum of its
     iteration times (slower rank, evaluations excluded) over the steps before it; (None, None) if never."""
-    from lab.rundir.summary import iteration_times
+    from commlab.lab.rundir.summary import iteration_times
     rows = run.metric_rows()
     it = iteration_times(rows)
     reach = next((m["step"] for m in sorted((m for m in rows if m.get("kind") == "eval"), key=lambda m: m["step"])
@@ -130,8 +130,8 @@ def time_to_accuracy(run, target: float):
 
 
 def run_cell(store, spec: dict, prepare=None):
-    from lab.rundir.launcher import launch
-    from lab.base.specs import load_spec
+    from commlab.lab.rundir.launcher import launch
+    from commlab.lab.base.specs import load_spec
     run = store.create(load_spec(data=spec))
     if prepare is not None:  # the advisor's trial session: its trials, written before the ranks start
         prepare(run)
@@ -158,11 +158,11 @@ def finalists_of(timed: dict, pen: dict) -> list:
 
 def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, store, log, trials: int = 0,
                 final_rounds: int = 0, target: Optional[float] = None, eval_every: int = 10) -> dict:
-    from lab.strategy import advisor
-    from lab.strategy import penalty
-    from lab.strategy.perfmodel.calibrate import compressor_key
-    from lab.strategy.space import load_spec_dict, start_iter
-    from lab.strategy.trials import measured_ms
+    from commlab.lab.strategy import advisor
+    from commlab.lab.strategy import penalty
+    from commlab.lab.strategy.perfmodel.calibrate import compressor_key
+    from commlab.lab.strategy.space import load_spec_dict, start_iter
+    from commlab.lab.strategy.trials import measured_ms
     base = base_spec(model, link, gbps, RUN_STEPS)
     spec = load_spec_dict(base)
     auto = None
@@ -194,7 +194,7 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
     def play(keys, r, tag):
         """One round over ``keys``, the order rotated by ``r``."""
         for k in keys[r % len(keys):] + keys[:r % len(keys)]:
-            # PowerSGD's plain start is not timed (lab.strategy.trials.measured_ms): it gets those steps on top
+            # PowerSGD's plain start is not timed (commlab.lab.strategy.trials.measured_ms): it gets those steps on top
             extra = start_iter(cells[k]["compressor"]) or 0
             s = cell_spec({**base, "steps": steps + extra}, k.split(" (")[0].replace(" ", "_"), cells[k],
                           eval_every if target is not None else 0)
@@ -230,7 +230,7 @@ def one_setting(model: str, link: str, gbps: float, steps: int, rounds: int, sto
            "final_rounds": final_rounds}
     settle(out)
     if auto is not None:
-        from lab.rundir.summary import summarize
+        from commlab.lab.rundir.summary import summarize
         summ = summarize(auto.metric_rows(), auto.spec_dict())
         res = json.loads(auto.file("auto-result.json").read_text())
         out["auto_run"] = {"id": auto.id, "wall_s": summ.get("wall_s"), "iter_ms_after_choice": summ["iter_ms_median"],
@@ -288,9 +288,9 @@ def settle(r: dict) -> dict:
 def run_auto(store, base: dict, trials: int, log):
     """The advisor as a user meets it: a run of ``base`` with ``strategy: auto`` (measure, ``trials``
     candidates), through the lab's queue, which resolves the strategy in the run's slot."""
-    import lab
+    import commlab
     spec = {**base, "name": f"{base['name']}-auto", "strategy": {"mode": "auto", "measure": True, "trials": trials}}
-    run = lab.run(spec, runs=store.root)
+    run = commlab.run(spec, runs=store.root)
     if run.state != "done":
         raise RuntimeError(f"the strategy auto run {run.id} ended {run.state}: {run.log_tail(3)}")
     rec = advisor_record(run)
@@ -299,7 +299,7 @@ def run_auto(store, base: dict, trials: int, log):
 
 
 def advisor_record(run) -> dict:
-    from lab.strategy import auto
+    from commlab.lab.strategy import auto
     rec = auto.read_record(run)
     if rec is None or rec.get("chosen_by") != "measured":
         raise RuntimeError(f"the strategy auto run {run.id} recorded no measured choice: {rec and rec.get('chosen_by')}")
@@ -307,7 +307,7 @@ def advisor_record(run) -> dict:
 
 
 def report(results: list, args) -> str:
-    from lab.strategy.auto import visited_steps
+    from commlab.lab.strategy.auto import visited_steps
     out = []
     for r in results:
         out.append(f"\n### {r['model']}, {r['link']} {r['gbps']:g} Gbit/s\n")
@@ -363,7 +363,7 @@ def report(results: list, args) -> str:
     curves = getattr(args, "curve_calibration", None)
     if curves:
         out.append(f"\nThe compressors' cost curves, kept once per machine before the settings "
-                   f"(`lab.strategy.advisor.keep_curves`: {curves['measured']} curves, {curves['seconds']:.2f} s; a curve is the "
+                   f"(`commlab.lab.strategy.advisor.keep_curves`: {curves['measured']} curves, {curves['seconds']:.2f} s; a curve is the "
                    f"machine's, not a model's, so in no setting's advisor cost; a machine's first advice measures "
                    f"them in its own).\n")
     fin = getattr(args, "final_rounds", 0)
@@ -390,8 +390,8 @@ def _tta_cell(v: dict, target) -> str:
 def calibrate_link(store, gbps: float, log) -> dict:
     """The lab's shaped-link calibration, as a user keeps it once per machine (``commlab net check --gbps X
     --save``): its seconds are reported apart, since no setting's advisor run measures it."""
-    from lab.net import netcheck
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.net import netcheck
+    from commlab.lab.strategy.perfmodel import whatif
     t = time.perf_counter()
     res = netcheck.net_check(gbps)
     path = whatif.save_shaped_link(store.root, res)
@@ -405,9 +405,9 @@ def calibrate_link(store, gbps: float, log) -> dict:
 
 def calibrate_curves(store, log) -> dict:
     """The compressors' cost curves of the advisor's space, kept once per machine as the first advice on a
-    machine keeps them (lab.strategy.advisor.keep_curves): reported apart, like the link calibration."""
-    from lab.strategy import advisor
-    from lab.strategy.space import load_spec_dict
+    machine keeps them (commlab.lab.strategy.advisor.keep_curves): reported apart, like the link calibration."""
+    from commlab.lab.strategy import advisor
+    from commlab.lab.strategy.space import load_spec_dict
     n, seconds = 0, 0.0
     for m in MODELS:  # the same compressors for every model: measured once
         k, s = advisor.keep_curves(load_spec_dict(base_spec(m, "modeled", 1.0, RUN_STEPS)), store.root)
@@ -417,7 +417,7 @@ def calibrate_curves(store, log) -> dict:
 
 
 def main(argv=None):
-    from lab.rundir.store import RunStore
+    from commlab.lab.rundir.store import RunStore
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="resnet,transformer")
     ap.add_argument("--gbps", default="0.1,1,10")

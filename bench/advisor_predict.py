@@ -3,7 +3,7 @@
     python bench/advisor_predict.py [--model resnet] [--gbps 0.1,1,10] [--passes 2] [--json FILE]
 
 One profiling run of the model in a temporary runs directory first (not timed here; bench/advisor.py counts
-it as the first setting's profile), then its saved payloads are dropped, and ``lab.strategy.advisor.advise``
+it as the first setting's profile), then its saved payloads are dropped, and ``commlab.lab.strategy.advisor.advise``
 (predictions only) runs once per rate, in turn, each in a new Python process: the first pass meets each rate's
 MergeComp partitions and bucket layouts for the first time and keeps their payloads in the profile (as the
 lab does); later passes find them kept. Printed: the ``predict`` seconds ``advise`` reports, per pass and rate.
@@ -29,8 +29,8 @@ sys.path.insert(0, {root!r})
 import torch
 torch.set_num_threads(1)
 from bench.advisor import base_spec
-from lab.strategy import advisor
-from lab.strategy.space import load_spec_dict
+from commlab.lab.strategy import advisor
+from commlab.lab.strategy.space import load_spec_dict
 spec = load_spec_dict(base_spec(sys.argv[2], "modeled", float(sys.argv[3]), 300))
 a = advisor.advise(spec, runs=sys.argv[1], say=lambda m: None)
 print(json.dumps({{"cost_s": a.cost_s, "winner": a.winner.label}}))
@@ -50,9 +50,9 @@ def main(argv=None) -> int:
     if args.passes < 1:
         ap.error("--passes: must be >= 1")
     rates = [g for g in args.gbps.split(",") if g]
-    from lab.strategy.perfmodel import whatif
-    from lab.strategy.space import load_spec_dict
-    from lab.rundir.store import RunStore
+    from commlab.lab.strategy.perfmodel import whatif
+    from commlab.lab.strategy.space import load_spec_dict
+    from commlab.lab.rundir.store import RunStore
     store = RunStore(tempfile.mkdtemp(prefix="commlab-advpredict-"))
     spec = load_spec_dict(base_spec(args.model, "modeled", float(rates[0]), 300))
     prof = whatif.resolve_profile(spec, store.root, say=lambda m: print(m, file=sys.stderr),

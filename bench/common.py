@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from lab.base.torchrun import free_port, torchrun_argv, worker_env  # noqa: E402  (one launcher for runs and benchmarks)
+from commlab.lab.base.torchrun import free_port, torchrun_argv, worker_env  # noqa: E402  (one launcher for runs and benchmarks)
 Times = Dict[str, List[List[float]]]
 
 
@@ -166,13 +166,13 @@ def read_json(path: str):
 def launch_cluster(script: str, args: Sequence[str], gbps: float, n: int = 2,
                    timeout_s: Optional[float] = None, tag: str = "bench") -> tuple:
     """Run ``script --worker args`` on ``n`` ranks of ONE emulated cluster shaped to ``gbps``
-    (lab.net.netns.Cluster; root, Linux): each rank its own torchrun node inside its
+    (commlab.lab.net.netns.Cluster; root, Linux): each rank its own torchrun node inside its
     namespace, the workers' output going to ours. The cluster is torn down
     however this ends; the jobs are stopped (by their process groups) on a
     timeout or when one node fails. Returns ``(returncode, cluster_info)``."""
     import time
-    from lab.base.procs import stop
-    from lab.net.netns import Cluster, rank_argv
+    from commlab.lab.base.procs import stop
+    from commlab.lab.net.netns import Cluster, rank_argv
     entry = [os.path.abspath(script), "--worker", *args]
     with Cluster(n, gbps, tag=tag) as c:
         info = {"describe": c.describe(), "gbps": gbps, "burst_bytes": c.burst_bytes, "qdiscs": c.qdiscs()}

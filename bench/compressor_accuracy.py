@@ -39,7 +39,7 @@ def overrides(name: str) -> dict:
     """The settings of ``name``'s runs that differ from BASE. A compressor that declares
     ``builtin_momentum`` (DGC's momentum correction, Signum's buffer) applies momentum itself,
     so the optimizer runs without it; otherwise SGD momentum would be applied twice."""
-    from engine import compressors
+    from commlab.engine import compressors
     opt = dict(BASE["optimizer"], **OVERRIDES.get(name, {}).get("optimizer", {}))
     if compressors.REGISTRY[name].builtin_momentum:
         opt["momentum"] = 0.0
@@ -54,11 +54,11 @@ def spec_for(name: str, ef: bool, steps: int) -> dict:
 
 
 def main(argv=None):
-    from engine import compressors
-    from lab.rundir.launcher import launch
-    from lab.base.specs import load_spec
-    from lab.rundir.store import RunStore
-    from lab.rundir.summary import summarize
+    from commlab.engine import compressors
+    from commlab.lab.rundir.launcher import launch
+    from commlab.lab.base.specs import load_spec
+    from commlab.lab.rundir.store import RunStore
+    from commlab.lab.rundir.summary import summarize
 
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)

@@ -107,7 +107,7 @@ def copy_bandwidth(device, nbytes=1 << 30, repeat=10):
 # ---------------------------------------------------------------- one call of each side
 
 FUSED = ("signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad", "natural")
-"""The codecs with fused GPU kernels (engine/compressors/fused.py); on a GPU the bench also times their eager
+"""The codecs with fused GPU kernels (commlab/engine/compressors/fused.py); on a GPU the bench also times their eager
 torch path (COMMLAB_FUSED=0) in the same rounds."""
 
 
@@ -116,8 +116,8 @@ def commlab_side(name, device, eager=False, graphed=False):
     compress and decompress replayed from CUDA graphs (``COMMLAB_GRAPHS=1``, as ``Compressor.encode`` and the
     exchanges' decoding do)."""
     from bench.grace_compare import PARAMS
-    from engine.compressors import fused, graphs, make
-    from engine.compressors.base import nbytes
+    from commlab.engine.compressors import fused, graphs, make
+    from commlab.engine.compressors.base import nbytes
     c = make(name, **PARAMS.get(name, {}))
     last = {}
 
@@ -140,13 +140,13 @@ def commlab_side(name, device, eager=False, graphed=False):
 
 def graph_max() -> int:
     """The largest size the graphed variant is timed at: the largest bucket graphed."""
-    from engine.compressors import graphs
+    from commlab.engine.compressors import graphs
     return graphs.MAX_ELEMENTS
 
 
 def graphable(name) -> bool:
-    """Whether codec ``name`` may be graphed (engine/compressors/graphs.py): the bench then times that too."""
-    from engine.compressors import resolve
+    """Whether codec ``name`` may be graphed (commlab/engine/compressors/graphs.py): the bench then times that too."""
+    from commlab.engine.compressors import resolve
     return resolve(name).graphable
 
 
@@ -343,7 +343,7 @@ def _h(n):
 
 
 def main(argv=None):
-    from engine.compressors import names as all_names
+    from commlab.engine.compressors import names as all_names
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     ap.add_argument("--sizes", default=None, help="comma-separated element counts "

@@ -1,9 +1,9 @@
-"""The engine's CPU collectives with their large buffers reused (engine/comm/buffers.py) against fresh ones.
+"""The engine's CPU collectives with their large buffers reused (commlab/engine/comm/buffers.py) against fresh ones.
 
     sudo python bench/cpu_buffers.py [--gbps 1,10] [--sizes 16,64] [--rounds 7] [--out bench/results/cpu_buffers]
     python bench/cpu_buffers.py --gbps 0                 # loopback, no root: the host's part alone
 
-Two ranks on a shaped link (lab.net.netns, root), gloo, per rate and buffer size (MiB): the payload all-gather
+Two ranks on a shaped link (commlab.lab.net.netns, root), gloo, per rate and buffer size (MiB): the payload all-gather
 (``issue_allgather`` of one fp32 tensor of half the buffer per rank: a zeroed send buffer and a receive buffer for
 every rank's payload) and dear's reduce-scatter on gloo (``issue_reduce_scatter(via_alltoall=True)``: an all-to-all
 of the buffer's chunks and the sum of what arrived), each waited for and its result read and dropped, as a step
@@ -29,8 +29,8 @@ def worker(argv) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.comm import buffers
-    from engine.comm.collectives import issue_allgather, issue_reduce_scatter
+    from commlab.engine.comm import buffers
+    from commlab.engine.comm.collectives import issue_allgather, issue_reduce_scatter
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", required=True)
     ap.add_argument("--rounds", type=int, required=True)
@@ -81,7 +81,7 @@ def summarize(raw: dict) -> dict:
 
 def markdown(res: dict) -> str:
     lines = [f"Two ranks, gloo; {res['rounds']} interleaved rounds, medians (min-max) in ms; 'fresh': the buffers "
-             "allocated on every call, 'pooled': taken from engine/comm/buffers.py.", ""]
+             "allocated on every call, 'pooled': taken from commlab/engine/comm/buffers.py.", ""]
     head = ["Gbit/s", "MiB", *VARIANTS, "all-gather speedup", "reduce-scatter speedup"]
     rows = []
     for gbps, by in res["rates"].items():
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     if not rates or not sizes or min(rates) < 0 or not all(2 <= s <= 1024 for s in sizes) or a.rounds < 1:
         ap.error("--gbps must be 0 (loopback) or positive, --sizes in 2..1024 MiB, --rounds at least 1")
     if any(rates):
-        from lab.net import netns
+        from commlab.lab.net import netns
         try:
             netns.check_shaped_supported()
         except netns.NetworkUnavailable as e:

@@ -9,16 +9,16 @@ own SGD(lr=0.01, momentum=0.9) (the transformer: the bundled text, 64-token wind
 
 - ddp:          torch DistributedDataParallel (bucket_cap_mb=25; given explicitly, it caps
                 DDP's first bucket at 25 MB too, so every model here is one bucket);
-- commlab:      engine.comm.wfbp.WFBP, schedule bucket 25 MB with the first bucket
+- commlab:      commlab.engine.comm.wfbp.WFBP, schedule bucket 25 MB with the first bucket
                 at 25 MB as well (the same buckets as that DDP), compressor
                 none, mode wfbp, with the per-layer timeline on (Timeline to
                 a temp file plus a LayerProbe following the communicator, as
-                engine.stepper wires them), stepped as engine.trainer does;
+                commlab.engine.stepper wires them), stepped as commlab.engine.trainer does;
 - commlab-notl: the same with the timeline off;
 - compute:      no communication at all (forward, backward, optimizer step),
                 both ranks at once, i.e. the compute-only iteration time.
 
-Every rank sets up glibc's allocator as a commlab run's worker does (engine.worker.keep_heap:
+Every rank sets up glibc's allocator as a commlab run's worker does (commlab.engine.worker.keep_heap:
 freed memory stays in the process instead of being faulted back every step); all four variants
 run in that one process, DDP included.
 
@@ -56,10 +56,10 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from engine import compressors, data, models, schedules
-    from engine.comm.wfbp import WFBP
-    from engine.probe import LayerProbe
-    from engine.timeline import Timeline
+    from commlab.engine import compressors, data, models, schedules
+    from commlab.engine.comm.wfbp import WFBP
+    from commlab.engine.probe import LayerProbe
+    from commlab.engine.timeline import Timeline
 
     # image models on synthetic 3x32x32 images, the transformer on the bundled text (64-token windows)
     ds = data.load("text") if models.kind(model_name) == "text" else data.load("synthetic", seed=0)
@@ -82,7 +82,7 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
         return step
 
     def commlab_step(model, opt, dp, tl, probe):
-        """engine.trainer.Trainer.train_step's compute, comm and timeline calls (no metrics log)."""
+        """commlab.engine.trainer.Trainer.train_step's compute, comm and timeline calls (no metrics log)."""
         it = itertools.cycle(batches)
         n = itertools.count()
 
@@ -119,7 +119,7 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
     tl = Timeline(os.path.join(tmpdir, f"timeline-{model_name}-rank{rank}.jsonl"), rank, enabled=True)
     probe = LayerProbe(m_tl, tl)
     dp_tl = WFBP(m_tl, schedule, make_comp, timeline=tl)
-    probe.follow(dp_tl)  # as engine.stepper wires them
+    probe.follow(dp_tl)  # as commlab.engine.stepper wires them
 
     m_no, o_no = fresh()
     dp_no = WFBP(m_no, schedule, make_comp)
@@ -144,9 +144,9 @@ def build_variants(model_name: str, batch: int, rank: int, world: int, tmpdir: s
 def worker(args) -> None:
     import torch.distributed as dist
 
-    from engine.worker import keep_heap
+    from commlab.engine.worker import keep_heap
     rank, world = common.init_worker()
-    keep_heap()  # as engine.worker sets up a run's rank; DDP shares this process, so it runs with it too
+    keep_heap()  # as commlab.engine.worker sets up a run's rank; DDP shares this process, so it runs with it too
     tmpdir = tempfile.mkdtemp(prefix="commlab-bench-")
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if rank == 0 else None
     out = {"world_size": world, "models": {}}

@@ -3,15 +3,15 @@
     python bench/dear.py [--links 0,1,10] [--models resnet,transformer] [--rounds 10] [--block 3] [--json out.json]
 
 One invocation covers every link in ``--links`` (0: plain loopback; X > 0: an
-emulated 2-rank cluster shaped to X Gbit/s, lab.net.netns, root). Per link the
+emulated 2-rank cluster shaped to X Gbit/s, commlab.lab.net.netns, root). Per link the
 script launches itself on 2 ranks (gloo, one thread each); per model every rank
 builds identical copies (seed 0) of four variants that see the same batches:
 
 - compute: no communication (forward, backward, SGD step), both ranks at once:
            the compute-only iteration time of the same model and batch;
 - ddp:     torch DistributedDataParallel (bucket_cap_mb 25);
-- wfbp:    engine.comm.wfbp.WFBP, schedule bucket 25 MB, compressor none, wfbp;
-- dear:    engine.comm.dear.DeAR, compressor none, buffers at the cap found by the
+- wfbp:    commlab.engine.comm.wfbp.WFBP, schedule bucket 25 MB, compressor none, wfbp;
+- dear:    commlab.engine.comm.dear.DeAR, compressor none, buffers at the cap found by the
            online search (CapTuner, rank 0 decides and broadcasts) run first on
            this very model and link.
 
@@ -67,12 +67,12 @@ def build(model_name: str, batch: int, rank: int, world: int, tmpdir: str):
     import torch
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from engine import compressors, data, models, schedules
-    from engine.comm import dear
-    from engine.tuners import capsearch
-    from engine.comm.wfbp import WFBP
-    from engine.compressors.plan import Plan
-    from engine.timeline import Timeline
+    from commlab.engine import compressors, data, models, schedules
+    from commlab.engine.comm import dear
+    from commlab.engine.tuners import capsearch
+    from commlab.engine.comm.wfbp import WFBP
+    from commlab.engine.compressors.plan import Plan
+    from commlab.engine.timeline import Timeline
 
     ds = data.load(DATA[model_name], seed=0)
     sampler = data.ShardSampler(ds.size("train"), batch, rank, world, seed=0)
@@ -98,7 +98,7 @@ def build(model_name: str, batch: int, rank: int, world: int, tmpdir: str):
         return step
 
     def engine_step(model, comm, opt, tl):
-        """engine.trainer.Trainer.train_step's communicator calls, divergence check included."""
+        """commlab.engine.trainer.Trainer.train_step's communicator calls, divergence check included."""
         it = itertools.cycle(batches)
 
         def step():
@@ -140,8 +140,8 @@ def tune(d, step, caps, tune_steps, rank, grid: bool):
     import torch
     import torch.distributed as dist
 
-    from engine import schedules
-    from engine.tuners import capsearch
+    from commlab.engine import schedules
+    from commlab.engine.tuners import capsearch
     tuner = capsearch.CapTuner(caps)
     cap = tuner.propose()
     trials = []

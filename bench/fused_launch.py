@@ -2,7 +2,7 @@
 
     python bench/fused_launch.py [--sizes 1000,100000,1000000] [--rounds 7] [--out bench/results/fused_launch]
 
-For each codec with fused kernels (engine/compressors/fused.py) and size: a compress + decompress pair timed with
+For each codec with fused kernels (commlab/engine/compressors/fused.py) and size: a compress + decompress pair timed with
 CUDA events around back-to-back calls (the host's cost counts, as in training), launched by commlab's
 direct launch (the default: the compiled kernel, after Triton's first launch of its specialization) and by
 Triton's ``JITFunction.run`` (``COMMLAB_FUSED_LAUNCH=triton``), interleaved per round; medians and the spread (min-max)
@@ -33,7 +33,7 @@ def _way(way: str):
 def bare_launch(device, rounds: int, calls: int = 2000) -> dict:
     """Host µs per launch of ``sign_pack`` on 1,000 elements (launches only, synchronised once per batch)."""
     import torch
-    from engine.compressors import fused
+    from commlab.engine.compressors import fused
     x = torch.randn(1000, device=device)
     out = torch.empty(125, dtype=torch.uint8, device=device)
     times = {w: [] for w in WAYS}
@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     if a.rounds < 1:
         ap.error(f"--rounds: at least 1, got {a.rounds}")
     import torch
-    from engine.compressors import fused
+    from commlab.engine.compressors import fused
     device = torch.device("cuda")
     if not torch.cuda.is_available() or not fused.on(device, torch.float32):
         print("fused_launch: needs a CUDA GPU (compute capability 8.0+) with Triton", file=sys.stderr)

@@ -13,7 +13,7 @@ compute) and 4 (about 40 ms: the per-call costs then weigh as they do on a GPU).
 Within a batch setting all variants are stepped one iteration at a time in a
 rotating order, so load on the machine hits them alike. ``mergecomp`` and
 ``layerfusion`` tune inside their first steps exactly as in a run
-(engine/tuners/ driver, each variant with its own run directory, so the
+(commlab/engine/tuners/ driver, each variant with its own run directory, so the
 search trace lands in its ``tuning.json``); those steps train and count in the
 time to target, but the iteration-time median is taken over the steps after
 tuning ended.
@@ -63,7 +63,7 @@ class Variant:
         self.tuned_at = 0 if self.tuning is None or self.tuning.done else None  # step count when tuning ended
 
     def step(self, ds):
-        from engine import models
+        from commlab.engine import models
         x, y = ds.batch("train", next(self.sampler))
         t0 = self.tl.now()
         loss = models.loss_fn(self.model(x), y)
@@ -90,12 +90,12 @@ def build(args, batch, rank, world, root, ds):
     import functools
 
     import torch
-    from engine import compressors, data, models
-    from engine.comm.wfbp import WFBP
-    from engine.spec import JobSpec
-    from engine.timeline import Timeline
-    from engine.stepper import schedule_fn
-    from engine import tuners
+    from commlab.engine import compressors, data, models
+    from commlab.engine.comm.wfbp import WFBP
+    from commlab.engine.spec import JobSpec
+    from commlab.engine.timeline import Timeline
+    from commlab.engine.stepper import schedule_fn
+    from commlab.engine import tuners
     net = {"link": "shaped", "gbps": args.gbps} if args.gbps else {"link": "loopback"}
     search = {"warmup_steps": args.warmup, "steps_per_candidate": args.per_candidate,
               "max_groups": args.max_groups, "max_candidates": args.candidates, "retune": True}

@@ -3,9 +3,9 @@
     sudo python bench/gloo_exchange.py [--gbps 1,10] [--sizes 16,64] [--rounds 7] [--chunk MIB]
                                        [--out bench/results/gloo_exchange]      # OUT.md and OUT.json
 
-On a shaped link between two ranks (lab.net.netns, root), per rate and buffer size (MiB): an all-to-all of the
+On a shaped link between two ranks (commlab.lab.net.netns, root), per rate and buffer size (MiB): an all-to-all of the
 buffer (half of it each way) as gloo's ``all_to_all_single`` and as the engine's messages of
-``engine.comm.collectives.P2P_CHUNK`` bytes (or ``--chunk`` MiB) posted together (``_all_to_all_works``), and the
+``commlab.engine.comm.collectives.P2P_CHUNK`` bytes (or ``--chunk`` MiB) posted together (``_all_to_all_works``), and the
 same for the all-gather of half the buffer per rank (``issue_allgather_into``, dear's parameter all-gather); the
 all-reduce of the buffer for reference (gloo's ring, unchanged). Interleaved (the order rotating by one each round);
 medians of the rounds, the spread (min-max), the ratio, and what the link's rate alone allows for the bytes one rank
@@ -30,7 +30,7 @@ def worker(argv) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.comm import collectives as C
+    from commlab.engine.comm import collectives as C
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", required=True)
     ap.add_argument("--rounds", type=int, required=True)
@@ -85,7 +85,7 @@ def summarize(raw: dict, gbps: float) -> dict:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"Two ranks on a shaped link (lab.net.netns tbf), gloo; messages of {res['chunk_bytes'] / (1 << 20):g} MiB; "
+    lines = [f"Two ranks on a shaped link (commlab.lab.net.netns tbf), gloo; messages of {res['chunk_bytes'] / (1 << 20):g} MiB; "
              f"{res['rounds']} interleaved rounds, medians (min-max) in ms. 'floor': the bytes one rank sends at "
              "the link's rate.", ""]
     head = ["Gbit/s", "MiB", "floor", *VARIANTS, "all-to-all speedup", "all-gather speedup"]
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         ap.error("--gbps must be positive, --sizes in 1..1024 MiB, --rounds at least 1")
     if a.chunk and not 1 / 16 <= a.chunk <= 64:
         ap.error(f"--chunk: MiB in 0.0625..64, got {a.chunk:g}")
-    from lab.net import netns
+    from commlab.lab.net import netns
     try:
         netns.check_shaped_supported()
     except netns.NetworkUnavailable as e:

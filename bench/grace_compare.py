@@ -147,7 +147,7 @@ PARAMS = {"topk": {"ratio": 0.01}, "randomk": {"ratio": 0.01}, "dgc": {"ratio": 
 
 
 def commlab_call(name):
-    from engine.compressors import make
+    from commlab.engine.compressors import make
     c = make(name, **PARAMS.get(name, {}))
 
     def call(x):
@@ -281,7 +281,7 @@ def table(results, sizes, grace, before=None):
 def countsketch(sizes, repeat, log):
     """Count Sketch compress+decompress (defaults: 5 rows, 1%), commlab only: GRACE has none."""
     import torch
-    from engine.compressors import make
+    from commlab.engine.compressors import make
     out = {}
     for n in sizes:
         torch.manual_seed(0)

@@ -4,16 +4,16 @@
                                   [--target 0.7] [--H 8] [--param diloco.outer_lr=0.5 ...] [--quick]
 
 One job per link rate and world size (a "setting"). On a shaped link (default; root) the parent builds ONE
-emulated cluster of that many ranks shaped to the rate (``lab.net.netns.Cluster``: namespaces, veth pairs, tbf
+emulated cluster of that many ranks shaped to the rate (``commlab.lab.net.netns.Cluster``: namespaces, veth pairs, tbf
 on both ends) and starts this script with ``--worker`` in each rank's namespace as its own torchrun node, as
 bench/network.py does; ``--link modeled`` runs the ranks on loopback with the engine's alpha-beta delays
-(``network: {link: modeled}``, no root needed). Variants, each a job spec the lab validates (engine.spec):
+(``network: {link: modeled}``, no root needed). Variants, each a job spec the lab validates (commlab.engine.spec):
 
 - ``ddp``: every step's gradients, uncompressed, 25 MB buckets overlapped with backward (the engine's
   none/bucket/wfbp, which tests/test_ddp_equivalence.py holds to torch DDP bit for bit; on a modeled link
   only the engine's communicator is delayed, so torch DDP itself cannot run there);
 - ``best``: the best per-step strategy for this link and world size as the advisor predicts it
-  (``lab.strategy.advisor.advise``, methods left out, ranked on predicted iteration time x penalty; its
+  (``commlab.lab.strategy.advisor.advise``, methods left out, ranked on predicted iteration time x penalty; its
   profile is measured once in ``--runs``), unless ``--best`` names a compressor;
 - ``powersgd``: PowerSGD rank 4 (uncompressed for 2 steps), 25 MB buckets, wfbp: the lab's best at 0.1 Gbit/s in
   bench/network.py;
@@ -63,7 +63,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 import yaml  # noqa: E402
 
 from bench import common, network  # noqa: E402
-from lab.base.errors import LabError  # noqa: E402
+from commlab.lab.base.errors import LabError  # noqa: E402
 
 METHODS = ("local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "demo")
 PER_STEP = ("best", "powersgd")
@@ -129,9 +129,9 @@ def base_spec(args, gbps: float, world: int) -> dict:
 
 def advise_best(base: dict, args, root: str, log) -> dict:
     """The advisor's predicted best per-step strategy for this link and world size (methods left out)."""
-    from lab.base.specs import load_spec
-    from lab.service.queue import Lab
-    from lab.strategy import advisor
+    from commlab.lab.base.specs import load_spec
+    from commlab.lab.service.queue import Lab
+    from commlab.lab.strategy import advisor
     spec = load_spec(data=base).to_dict()
     adv = advisor.advise(spec, runs=root, say=log, methods=False, runner=Lab(root).runner())
     return {"label": adv.winner.label, "strategy": adv.winner.strategy(), "reason": adv.reason,
@@ -142,8 +142,8 @@ def advise_best(base: dict, args, root: str, log) -> dict:
 def variant_specs(names: List[str], base: dict, best: Optional[dict], params: Dict[str, dict], args) -> dict:
     """label -> {"spec": a validated, fully defaulted spec dict, "what": one line on what it is}. A per-step
     variant whose strategy is DDP's, or the other per-step variant's, is left out with a note."""
-    from lab.base.specs import load_spec
-    from lab.strategy.perfmodel.calibrate import compressor_key
+    from commlab.lab.base.specs import load_spec
+    from commlab.lab.strategy.perfmodel.calibrate import compressor_key
     out, notes = {}, []
     for name in names:
         d = copy.deepcopy(base)
@@ -190,8 +190,8 @@ def own_lr(params: Dict[str, dict], name: str, default: float) -> float:
 def check_blocks(variants: dict, args) -> None:
     """A block must end where no exchange is in flight and evaluations fall on block ends: every method's
     sync period divides the block, and no overlapped exchange crosses a block's end."""
-    from engine import methods
-    from lab.strategy.perfmodel.calibrate import param_list
+    from commlab.engine import methods
+    from commlab.lab.strategy.perfmodel.calibrate import param_list
     if args.eval_every % args.block:
         raise ValueError(f"--eval-every: must be a multiple of --block ({args.block}), got {args.eval_every}")
     if args.steps % args.block:
@@ -214,7 +214,7 @@ def check_blocks(variants: dict, args) -> None:
 # ---------------------------------------------------------------- the worker
 
 def load_data(name: str):
-    from engine import data
+    from commlab.engine import data
     if name == "digits":
         return data.load("digits")
     return network.load_data(name)  # the shaped-link race's own data: the same images
@@ -226,9 +226,9 @@ class Runner:
     def __init__(self, label: str, spec_dict: dict, ds, rank: int, world: int):
         import torch
 
-        from engine import data, models
-        from engine.spec import JobSpec
-        from engine.stepper import Stepper
+        from commlab.engine import data, models
+        from commlab.engine.spec import JobSpec
+        from commlab.engine.stepper import Stepper
         self.label = label
         spec = JobSpec.from_dict(spec_dict)
         torch.manual_seed(spec.seed)
@@ -241,8 +241,8 @@ class Runner:
 
     def step(self):
         """One training step; (seconds, payload bytes sent, finite)."""
-        from engine import models
-        from engine.stepper import Diverged
+        from commlab.engine import models
+        from commlab.engine.stepper import Diverged
         x, y = self.ds.batch("train", next(self.sampler))
         tl = self.stepper.timeline
         t = time.perf_counter()
@@ -263,7 +263,7 @@ class Runner:
         import torch
         import torch.distributed as dist
 
-        from engine import data, models
+        from commlab.engine import data, models
         c = k = 0
         self.model.eval()
         with torch.no_grad(), self.stepper.evaluating():
@@ -567,7 +567,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         worker(args)
-        # leave as a commlab rank does (engine.worker): torch's and gloo's static destructors at interpreter
+        # leave as a commlab rank does (commlab.engine.worker): torch's and gloo's static destructors at interpreter
         # exit sometimes abort ("terminate called without an active exception") after all work is done,
         # which failed a finished job (seen once in the suite); every result is written and closed by now
         sys.stdout.flush()
@@ -622,7 +622,7 @@ def main(argv=None) -> int:
 
 def save(settings: List[dict], args, t0: float) -> None:
     """The results so far, each file replaced whole (a run stopped between settings keeps the earlier ones)."""
-    from engine.runlog import write_json_atomic
+    from commlab.engine.runlog import write_json_atomic
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     write_json_atomic(args.json, {"args": {k: v for k, v in vars(args).items() if k not in ("worker", "out", "plan")},
                                   "settings": settings, "wall_s": time.time() - t0})

@@ -4,9 +4,9 @@ The published setup (bench/data/mergecomp_v100.json, "setup") is rebuilt from pa
 published bar:
 
 - compute: torchvision ResNet-50/101, batch 64, fp32, on the V100-SXM2 device profile
-  (lab.strategy.perfmodel.roofline: per-layer roofline, compute efficiency from NVIDIA's published ResNet-50
-  throughput, lab.strategy.perfmodel.devices);
-- links: NCCL's ring/tree and protocols (lab.strategy.perfmodel.collectives) on NVLink or PCIe; either the
+  (commlab.lab.strategy.perfmodel.roofline: per-layer roofline, compute efficiency from NVIDIA's published ResNet-50
+  throughput, commlab.lab.strategy.perfmodel.devices);
+- links: NCCL's ring/tree and protocols (commlab.lab.strategy.perfmodel.collectives) on NVLink or PCIe; either the
   datasheet rate x the device's link efficiency ("datasheet"), or one effective rate per interconnect
   fitted to the six published FP32 baselines of that interconnect ("fp32-calibrated": a link
   calibration, as ``commlab net check`` would give, used for every compressed configuration);
@@ -34,10 +34,10 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from engine.schedules import layer_of
-from engine.external import import_torchvision
-from lab.strategy.perfmodel import collectives, devices, roofline
-from lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
+from commlab.engine.schedules import layer_of
+from commlab.engine.external import import_torchvision
+from commlab.lab.strategy.perfmodel import collectives, devices, roofline
+from commlab.lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
 
 DATA = Path(__file__).resolve().parent / "data" / "mergecomp_v100.json"
 BATCH = 64

@@ -16,7 +16,7 @@ errors into the package data that `commlab predict` and the Performance model pa
 (a) Collectives on shaped links: every collective the engine issues (OPS: all-reduce; all-gather of a
     payload, after its synchronous header exchange; dear's all-gather of parameters; dear's reduce-scatter,
     an all-to-all of chunks and a local sum on gloo; the all-to-all alone), at 1 KB .. 64 MB, predicted by
-    lab.strategy.perfmodel.costs with a link calibrated apart from these calls (the sustained rate from all-reduces of
+    commlab.lab.strategy.perfmodel.costs with a link calibrated apart from these calls (the sustained rate from all-reduces of
     ~0.4 s of wire; the unshaped path's, for the token bucket's burst, from 48 MiB all-to-alls; the per-step latency
     and each collective's fixed cost from calls of 2 KiB; the host's sum per byte; the tbf's bucket, replayed over
     the back-to-back calls) against the median of ``--iters`` timed calls (40 at least up to 1 MiB) on a shaped
@@ -57,7 +57,7 @@ from bench import common  # noqa: E402
 
 SIZES = [1 << k for k in range(10, 27, 2)]  # 1 KiB, 4 KiB, ..., 64 MiB
 OPS = ("allreduce", "allgather", "allgather_params", "reduce_scatter", "alltoall")
-"""What the engine issues: all-reduce (engine.comm.collectives.issue_allreduce); all-gather of a payload
+"""What the engine issues: all-reduce (commlab.engine.comm.collectives.issue_allreduce); all-gather of a payload
 after its synchronous header exchange (issue_allgather); dear's all-gather of parameters into one tensor
 (no header); dear's reduce-scatter on gloo, an all-to-all of the buffer's chunks and a local sum; the
 all-to-all alone (dear's shard codecs send their packed payloads with it)."""
@@ -77,9 +77,9 @@ def worker(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from engine.comm import collectives
-    from engine.comm.collectives import issue_allgather, issue_allgather_into, issue_allreduce, issue_reduce_scatter
-    from engine.runlog import write_json_atomic
+    from commlab.engine.comm import collectives
+    from commlab.engine.comm.collectives import issue_allgather, issue_allgather_into, issue_allreduce, issue_reduce_scatter
+    from commlab.engine.runlog import write_json_atomic
     ap = argparse.ArgumentParser(prog="model_validation worker")
     ap.add_argument("--op", choices=OPS, required=True)
     ap.add_argument("--bytes", type=int, required=True)
@@ -133,10 +133,10 @@ def worker(argv=None) -> int:
 
 
 def measure(cluster, op: str, nbytes: int, iters: int, timeout: float = 180.0, gap: float = 0.0) -> dict:
-    """Run ``worker`` on every rank of ``cluster`` (lab.net.netns.Cluster) and return rank 0's times."""
-    from lab.base.procs import stop
-    from lab.base.torchrun import worker_env
-    from lab.net.netns import rank_argv
+    """Run ``worker`` on every rank of ``cluster`` (commlab.lab.net.netns.Cluster) and return rank 0's times."""
+    from commlab.lab.base.procs import stop
+    from commlab.lab.base.torchrun import worker_env
+    from commlab.lab.net.netns import rank_argv
     port = 20000 + secrets.randbelow(20000)
     with tempfile.TemporaryDirectory(prefix="clab-mv-") as tmp:
         out = os.path.join(tmp, "out.json")
@@ -169,7 +169,7 @@ def predict_collective(op: str, nbytes: int, world: int, link, iters: int) -> fl
     """The model's median of ``iters`` back-to-back calls after two warm-up calls, as ``worker`` times
     them (the token bucket drains across them). ``nbytes``: the all-reduce's or all-to-all's buffer, the
     gathered result of an all-gather (each rank contributes ``nbytes / world``)."""
-    from lab.strategy.perfmodel import costs
+    from commlab.lab.strategy.perfmodel import costs
     wire = costs.TokenBucket(link)
     mop = MODEL_OP[op]
     size = nbytes / world if mop == "allgather" else nbytes
@@ -223,7 +223,7 @@ def path_rate(cluster, ranks: int) -> float:
     """Seconds per byte of the unshaped ``cluster`` (what a shaped link's token bucket lets a burst through at):
     the median of ``RATE_ITERS`` back-to-back all-to-alls of ``RATE_BYTES`` after two warm-up calls over the bytes
     each rank sends (its latency, under 1% of such a call, left in)."""
-    from lab.strategy.perfmodel.costs import steps_and_wire
+    from commlab.lab.strategy.perfmodel.costs import steps_and_wire
     t = statistics.median(measure(cluster, "alltoall", RATE_BYTES, RATE_ITERS)["times"])
     return t / steps_and_wire("all_to_all", RATE_BYTES, ranks)[1]
 
@@ -254,7 +254,7 @@ def fixed_costs(cluster, ranks: int, beta_burst: float, gamma: float) -> dict:
     """The per-step latency and each collective's fixed cost on ``cluster``, from ``SMALL_ITERS`` back-to-back
     calls of ``FIXED_BYTES`` per collective in each of ``FIXED_LAUNCHES`` launches (the median over launches of
     their ``FAST_QUANTILE``; their wire time at the burst's speed taken off)."""
-    from lab.strategy.perfmodel import costs
+    from commlab.lab.strategy.perfmodel import costs
     per_launch = {op: [] for op in OPS}
     for _ in range(FIXED_LAUNCHES):  # interleaved rounds: a launch's stall regime falls on one value of each op
         for op in OPS:
@@ -283,12 +283,12 @@ def table_a(gbps, ranks: int, iters: int, run: bool, ops=OPS, sizes=SIZES) -> di
     (``fixed_costs``), and the host's sum per byte (``measure_gamma``). Each point: the median of ``iters`` calls (``SMALL_ITERS`` at least up to
     ``SMALL`` bytes), with their ``FAST_QUANTILE``, their mean and the share of calls that stalled (over
     ``STALL_S`` beyond the median) kept beside it."""
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel.costs import Link
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel.costs import Link
     rows, links, path = [], {}, None
     gamma = measure_gamma() if run else 0.0
     if run:
-        from lab.net.netns import Cluster
+        from commlab.lab.net.netns import Cluster
         with Cluster(ranks, None, tag="path") as c:
             path = {"beta": path_rate(c, ranks), "source": f"all-to-alls of {RATE_BYTES} B, unshaped"}
     for g in gbps:
@@ -362,11 +362,11 @@ def table_c() -> dict:
 
 def table_d(models=("mlp", "cnn", "resnet"), batch: int = 32, runs: str = "") -> dict:
     """This CPU's own per-layer profile (the lab's 12-step single-process profiling run) against the
-    roofline of the same model on this CPU (peak and bandwidth measured by lab.strategy.perfmodel.roofline.measure_cpu),
-    with the efficiencies fitted per model (lab.strategy.perfmodel.roofline.fit_layers): what the efficiency factors
+    roofline of the same model on this CPU (peak and bandwidth measured by commlab.lab.strategy.perfmodel.roofline.measure_cpu),
+    with the efficiencies fitted per model (commlab.lab.strategy.perfmodel.roofline.fit_layers): what the efficiency factors
     mean where they can be measured. Runs here, about a minute."""
-    from lab.service.queue import Lab
-    from lab.strategy.perfmodel import roofline, whatif
+    from commlab.lab.service.queue import Lab
+    from commlab.lab.strategy.perfmodel import roofline, whatif
     runs = runs or tempfile.mkdtemp(prefix="clab-mv-d-")
     cpu = roofline.measure_cpu()
     out = {"cpu": {"matmul_gflops": cpu.flops["fp32"] / 1e9, "copy_gb_s": cpu.mem_bw / 1e9,
@@ -396,9 +396,9 @@ def table_e(paths=GPU_PROFILES, borrowed_from: str = "A100") -> dict:
     """Each profile's measured step (forward + backward + optimizer, CUDA events) and layers (forward + backward)
     against the roofline of its model on its GPU, in the device's default precision: (1) with ``borrowed_from``'s
     efficiency, (2) with the efficiency solved from the other profiles' measured steps (the model itself held
-    out), (3) with the efficiencies fitted to its own layers (lab.strategy.perfmodel.roofline.fit_layers)."""
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel import devices, roofline
+    out), (3) with the efficiencies fitted to its own layers (commlab.lab.strategy.perfmodel.roofline.fit_layers)."""
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import devices, roofline
     loaded = []
     for path in paths:
         p = cal.Profile.load(path)

@@ -3,7 +3,7 @@
     python bench/modeled_link.py [--gbps 0.05] [--latency-us 100] [--reps 5] [--json out.json]
 
 Two ranks on loopback (gloo). For an all-reduce of 1 MB it times the bare
-collective, then the same collective held by engine.netmodel.ModeledLink, and
+collective, then the same collective held by commlab.engine.netmodel.ModeledLink, and
 prints both next to the model's prediction; then one Sync step of a
 small MLP (four layer-wise buckets, sync mode), whose buckets queue on the
 link, against the sum of their predicted times. tests/test_netmodel.py checks
@@ -31,9 +31,9 @@ NBYTES = 1 << 20
 def worker(a) -> None:
     import torch
     import torch.distributed as dist
-    from engine.comm.wfbp import Sync
-    from engine.compressors import make
-    from engine.netmodel import ModeledLink, ring_allreduce_s
+    from commlab.engine.comm.wfbp import Sync
+    from commlab.engine.compressors import make
+    from commlab.engine.netmodel import ModeledLink, ring_allreduce_s
     rank, world = common.init_worker()
     link = ModeledLink(a.gbps, a.latency_us)
     t = torch.ones(NBYTES // 4)

@@ -5,7 +5,7 @@ mode and compressor on a modeled 1 Gbit/s link, and a predicted table at scale f
     python bench/models_table.py --predict-only      # the predicted tables from the saved profiles
     commlab bench models_table
 
-Measured: every (model, variant) is a real 2-rank run (``lab.run``: torchrun, gloo, one thread per
+Measured: every (model, variant) is a real 2-rank run (``commlab.run``: torchrun, gloo, one thread per
 rank) on a modeled link (``network: {link: modeled, gbps: 1}``: alpha-beta delays held on loopback,
 as the other benches' modeled runs; ``bench/modeled_link.py`` measures how close it comes). Variants:
 
@@ -83,7 +83,7 @@ SEARCH_STEPS = 14
 
 
 def measure(run) -> dict:
-    from lab.rundir.summary import iteration_times
+    from commlab.lab.rundir.summary import iteration_times
     it = iteration_times(run.metric_rows())
     skip = SKIP
     if run.spec_dict()["schedule"]["name"] == "mergecomp":
@@ -100,12 +100,12 @@ def measure(run) -> dict:
 
 
 def run_measured(a, runs: Path) -> dict:
-    import lab
+    import commlab
     models = [m for m in MODELS if m in a.only]
     names = list(VARIANTS)
     out = {m: {v: [] for v in names} for m in models}
     for model in models:  # MergeComp searches once here; the timed runs start from its cached partition
-        run = lab.run(spec_for(model, "mergecomp topk+EF", SEARCH_STEPS, a.gbps), runs=runs)
+        run = commlab.run(spec_for(model, "mergecomp topk+EF", SEARCH_STEPS, a.gbps), runs=runs)
         tuning = json.loads(Path(run.file("tuning.json")).read_text()) if run.state == "done" else {}
         if tuning.get("cache") != "miss" or "tuning_steps" not in tuning:
             raise SystemExit(f"{model}: the MergeComp search run {run.id} ended {run.state}, tuning {tuning}")
@@ -116,7 +116,7 @@ def run_measured(a, runs: Path) -> dict:
         for model in models:
             for variant in names[k:] + names[:k]:
                 t0 = time.time()
-                run = lab.run(spec_for(model, variant, a.steps, a.gbps), runs=runs)
+                run = commlab.run(spec_for(model, variant, a.steps, a.gbps), runs=runs)
                 if run.state != "done":
                     raise SystemExit(f"{model} {variant}: run {run.id} ended {run.state}: {run.log_tail(5)}")
                 m = measure(run)
@@ -142,7 +142,7 @@ def summarize(measured: dict) -> list:
 
 def profile_and_predict(runs: Path, steps: int, remeasure: bool) -> dict:
     """commlab profile (when the saved profile is missing or ``remeasure``) and commlab predict."""
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     tables = {}
     for model in MODELS:
         f = RESULTS / f"profile-{model}.json"

@@ -4,7 +4,7 @@
 
 Needs root, ``ip`` and ``tc`` (Linux). For every rate it builds a 2-rank
 emulated cluster (network namespaces, veth pairs to a bridge, tbf on both ends
-of every link; see lab/net/netns.py), measures raw TCP from rank 0 to rank 1 and a
+of every link; see commlab/lab/net/netns.py), measures raw TCP from rank 0 to rank 1 and a
 gloo all-reduce (each rank its own torchrun node in its namespace), prints
 them next to the target and the ring alpha-beta prediction, and tears the
 cluster down. All traffic stays inside the namespaces it creates.
@@ -20,7 +20,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import prog  # noqa: E402
-from lab.net import netcheck, netns  # noqa: E402
+from commlab.lab.net import netcheck, netns  # noqa: E402
 
 
 def main(argv=None) -> int:

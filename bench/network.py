@@ -4,7 +4,7 @@
     python bench/network.py --gbps 0          # (or --link loopback) the same on plain loopback
 
 One invocation per bandwidth. The parent builds ONE emulated 2-rank cluster
-(``lab.net.netns.Cluster(2, gbps)``: network namespaces, veth pairs to a bridge,
+(``commlab.lab.net.netns.Cluster(2, gbps)``: network namespaces, veth pairs to a bridge,
 tbf on both ends of every link) and starts this script with ``--worker`` in
 each rank's namespace as its own torchrun node; the cluster is torn down
 however the run ends. All traffic stays inside those namespaces (or on
@@ -33,7 +33,7 @@ Variants (``--variants``; default all but the rank-2 ones):
                         64, i.e. ONE bucket: on gloo the hook aborts or hangs
                         with several (TESTBED.md). The worker checks that only
                         bucket 0 ever reaches the hook.
-- ``commlab-powersgd-r4``/``-r2``/``-r1``: engine.comm.wfbp.WFBP, schedule
+- ``commlab-powersgd-r4``/``-r2``/``-r1``: commlab.engine.comm.wfbp.WFBP, schedule
                         ``--schedule`` (bucket 25 MB), compressor powersgd rank
                         4 / 2 / 1, start_iter 2 (per tensor when the compressor
                         reads the communicator's ``layout``).
@@ -47,10 +47,10 @@ The best commlab configuration is the commlab variant that reaches the target
 soonest (the fastest iteration if none does).
 
 Data: ``mnist32`` (default) is the 5,000 real MNIST images bundled offline
-(engine.data "mnist"), zero-padded to 32x32 and repeated over 3 channels, so
+(commlab.engine.data "mnist"), zero-padded to 32x32 and repeated over 3 channels, so
 the model, its gradients and the compute per step are exactly those of the
 synthetic 3x32x32 CIFAR-shaped data TESTBED.md times; ``synthetic``
-(engine.data) has the same shape but its labels are a random linear function
+(commlab.engine.data) has the same shape but its labels are a random linear function
 of 3,072 Gaussian pixels that the resnet does not learn from 2,048 examples
 (it stays at chance), so with it time to target is not meaningful.
 
@@ -129,7 +129,7 @@ def check_variant(name: str) -> bool:
 # ---------------------------------------------------------------- data
 
 def load_data(name: str):
-    from engine import data
+    from commlab.engine import data
     if name == "synthetic":
         return data.load("synthetic", seed=0)
     if name != "mnist32":
@@ -184,7 +184,7 @@ class Variant:
 
     def step(self):
         """One training iteration; returns (total, forward+backward) seconds."""
-        from engine import models
+        from commlab.engine import models
         x, y = self.ds.batch("train", next(self.sampler))
         t0 = time.perf_counter()
         if self.kind == "commlab":
@@ -214,8 +214,8 @@ def build_variants(names, args, rank, world):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from engine import compressors, data, models, schedules
-    from engine.comm.wfbp import WFBP
+    from commlab.engine import compressors, data, models, schedules
+    from commlab.engine.comm.wfbp import WFBP
 
     ds = load_data(args.data)
     raw = None
@@ -267,7 +267,7 @@ def evaluate(v, ds, eval_idx, rank, world, collective=True):
     """Held-out accuracy on ``eval_idx`` (every rank scores its share; counts summed)."""
     import torch
     import torch.distributed as dist
-    from engine import data, models
+    from commlab.engine import data, models
     m = v.model
     m.eval()
     c = k = 0

@@ -8,7 +8,7 @@ unwatched and watched, interleaved: round 1 unwatched then watched, round 2 watc
 unwatched, and so on. "Watched" is what a user does: ``commlab app --no-demo`` serves the
 runs directory (one server for the whole benchmark, started here like a user starts it) and
 headless Chromium follows the run on the Live run page while it trains (the page refreshes itself
-every ``lab.front.ui.REFRESH_S`` seconds, its charts every ``lab.front.ui.CHARTS_REFRESH_S``). The browser is the
+every ``commlab.lab.front.ui.REFRESH_S`` seconds, its charts every ``commlab.lab.front.ui.CHARTS_REFRESH_S``). The browser is the
 user's: it runs at normal priority.
 
 When the page opens:
@@ -20,12 +20,12 @@ When the page opens:
 - ``--open-before``: the Live run page is opened on the queued run (``/live_run?run=<id>``) and fully drawn
   before the run starts, so the timed steps never overlap the page's start-up.
 
-The run's supervisor (``python -m lab.service.supervise``) is started here in a session of its own, as the
-lab starts every run (``lab.service.spawn``): where the kernel groups processes by session for scheduling,
+The run's supervisor (``python -m commlab.lab.service.supervise``) is started here in a session of its own, as the
+lab starts every run (``commlab.lab.service.spawn``): where the kernel groups processes by session for scheduling,
 the ranks then compete with the browser as two groups, as they do on a user's machine.
 
 Reported per mode: the median iteration time (slower rank, warm-up left out:
-``lab.rundir.summary.summarize``) watched and unwatched, the ratio watched/unwatched per round and the
+``commlab.lab.rundir.summary.summarize``) watched and unwatched, the ratio watched/unwatched per round and the
 median of those ratios; the CPU the observer used (the Streamlit server's and Chromium's process trees,
 from /proc) over the whole run and during the timed steps alone (first timed step to last step: what can
 slow the measured iterations); and how often the page showed a new step (proof that it followed the
@@ -186,7 +186,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(log, "ab")
-        self.p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "app", "--no-demo", "--port", str(self.port),
+        self.p = subprocess.Popen([sys.executable, "-m", "commlab.lab.front.cli", "app", "--no-demo", "--port", str(self.port),
                                    "--runs", str(runs)], cwd=str(REPO), stdout=self.log, stderr=subprocess.STDOUT,
                                   stdin=subprocess.DEVNULL, start_new_session=True)
         t0 = time.time()
@@ -241,7 +241,7 @@ def new_viewer(browser, url: str):
 def step_times(run) -> tuple:
     """(first step's end, the last warm-up step's end, the last step's end), in wall-clock seconds, the
     slower rank's: the run's timed steps lie between the second and the third."""
-    from lab.rundir.summary import warmup_steps
+    from commlab.lab.rundir.summary import warmup_steps
     ends: Dict[int, float] = {}
     for m in run.metric_rows():
         if m.get("kind") == "step" and m.get("t") is not None:
@@ -254,12 +254,12 @@ def step_times(run) -> tuple:
 
 def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name: str = "live_run",
             viewers: int = 1, results_page: bool = False, open_before: bool = False) -> dict:
-    import lab
-    from lab.base import procs
-    from lab.service.queue import Lab
-    from lab.rundir.summary import summarize
+    import commlab
+    from commlab.lab.base import procs
+    from commlab.lab.service.queue import Lab
+    from commlab.lab.rundir.summary import summarize
     lab_ = Lab(runs)
-    run = lab_.create(lab._spec(spec))
+    run = lab_.create(commlab.spec(spec))
     run.set_status("queued", supervisor=procs.identity())  # this process owns it until the supervisor starts
     browser = None
     pages: list = []
@@ -278,7 +278,7 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
                 page.evaluate(WATCH_JS)  # the page is not reloaded when it switches: the watch stays
                 pages.append(page)
             if results_page:  # the preset results page too, on a group holding this run (another tab)
-                from lab.analysis.results import save_group
+                from commlab.lab.analysis.results import save_group
                 gid = save_group(runs, "observer", {spec["name"]: run.id})
                 res = new_viewer(browser, f"{server.url}/results?group={gid}")
                 res.get_by_text("Measured here").wait_for()
@@ -287,7 +287,7 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
         trace = CpuTrace({"server": [server.p.pid], "browser": browser_roots})
         t0 = time.time()
         with open(run.file("supervisor.log"), "ab") as log:
-            sup = subprocess.Popen([sys.executable, "-m", "lab.service.supervise", "--runs", str(runs), run.id],
+            sup = subprocess.Popen([sys.executable, "-m", "commlab.lab.service.supervise", "--runs", str(runs), run.id],
                                    cwd=str(REPO), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                    start_new_session=True)
         if watched and not open_before:
@@ -309,7 +309,7 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
         out["observer_cpu_pct"] = 100 * out["observer_cpu_s"] / wall
         out["state"] = run.state
         # the supervisor's own reading of other processes' share of the machine over the run
-        # (lab.rundir.disturbance): about 0 unwatched on a quiet machine; watched, it sees the observer too
+        # (commlab.lab.rundir.disturbance): about 0 unwatched on a quiet machine; watched, it sees the observer too
         out["other_cpu"] = (run.status().get("disturbance") or {}).get("other_cpu")
         s = summarize(run.metric_rows(), run.spec_dict())
         out["iter_ms"] = s.get("iter_ms_median")
@@ -423,7 +423,7 @@ def main(argv=None) -> int:
         print(f"observer: no browser at {CHROMIUM} (apt-get install chromium)", file=sys.stderr)
         return 2
     import tempfile
-    from lab.front import ui
+    from commlab.lab.front import ui
     runs = Path(a.runs or tempfile.mkdtemp(prefix="commlab-observer-"))
     runs.mkdir(parents=True, exist_ok=True)
     server = Server(runs, runs / "app.log")

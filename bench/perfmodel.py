@@ -1,4 +1,4 @@
-"""Validation of the performance model (lab/strategy/perfmodel) against measured runs on shaped links.
+"""Validation of the performance model (commlab/lab/strategy/perfmodel) against measured runs on shaped links.
 
     sudo python bench/perfmodel.py                 # all 25 configurations, 3 launches of 30 steps: ~8 minutes
     sudo python bench/perfmodel.py --quick         # configuration 13 only, 20 steps: a check (~3 min)
@@ -12,7 +12,7 @@ and uses none of the validated runs:
 - compute: a ``sync`` layer-wise run of the same model and batch on loopback
   (2 ranks at once, so the same core contention as the validated runs, and
   nothing overlaps backward); per-layer forward times and backward completion
-  times from its timeline (lab.strategy.perfmodel.calibrate.from_run);
+  times from its timeline (commlab.lab.strategy.perfmodel.calibrate.from_run);
 - the unshaped path's speed: fitted to the communicate spans of that same run
   (link_from_run: its 8 all-reduces of 40 B .. 512 KB per step);
 - alpha: the mean per-step cost of the small collectives (<= 64 KB on the
@@ -208,11 +208,11 @@ def main(argv=None):
     args.json = args.json or "bench/results/perfmodel.json"
     args.md = args.md or "bench/results/perfmodel.md"
 
-    import lab
-    from engine.spec import SpecError
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel.costs import Link
-    from lab.base.specs import load_spec
+    import commlab
+    from commlab.engine.spec import SpecError
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel.costs import Link
+    from commlab.lab.base.specs import load_spec
 
     if args.steps < cal.SKIP_STEPS + 5:
         ap.error(f"--steps must be at least {cal.SKIP_STEPS + 5} (the first {cal.SKIP_STEPS} are warm-up)")
@@ -236,7 +236,7 @@ def main(argv=None):
         return 1
 
     def done_run(spec_dict):
-        r = lab.run(spec_dict, runs=runs)
+        r = commlab.run(spec_dict, runs=runs)
         if r.state != "done":
             raise SystemExit(f"calibration run failed: {r.log_tail()}")
         return r
@@ -297,7 +297,7 @@ def main(argv=None):
         for i, cfg, spec in todo:
             if launched[i] and launched[i][-1].state != "done":
                 continue
-            r = lab.run(spec, runs=runs)
+            r = commlab.run(spec, runs=runs)
             launched[i].append(r)
             print(f"round {k + 1}/{args.launches}: {i:2d} {label(cfg):34s} {r.state}", flush=True)
     rows = []
@@ -336,9 +336,9 @@ def main(argv=None):
 def predicted(profile: dict, link: dict, cfg, steps: int):
     """The model's prediction of configuration ``cfg`` from a calibration (a results file's profile and the
     link at the config's rate)."""
-    from lab.base.specs import load_spec
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel import predict as pr
+    from commlab.lab.base.specs import load_spec
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import predict as pr
     p = dict(profile, link=link, params=[tuple(x) for x in profile["params"]])
     spec = load_spec(data=config_spec(cfg, steps)).to_dict()
     return pr.predict(cal.Profile(**p), spec, cfg[3], spec["world_size"])

@@ -6,9 +6,9 @@ every variant's accuracy and the preset's wall time.
 
 Round k starts the presets one after another (the order rotates between rounds), each in a fresh runs
 directory ``DIR/round-k`` (so MergeComp searches as it does on a user's first click, with no cached
-partition), through ``lab.front.groups.start_preset``: detached supervisors and the lab's queue, exactly what
+partition), through ``commlab.lab.front.groups.start_preset``: detached supervisors and the lab's queue, exactly what
 the Start button does. The wall time is the user's: from the click to the last run's end. The verdict
-(ratios, accuracy checks) is ``lab.analysis.results.evaluate``, the same code the results page shows.
+(ratios, accuracy checks) is ``commlab.lab.analysis.results.evaluate``, the same code the results page shows.
 Results: bench/results/presets.md and .json.
 """
 from __future__ import annotations
@@ -25,11 +25,11 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.common import prog  # noqa: E402
-import lab  # noqa: E402
-from lab.analysis import results  # noqa: E402
-from lab.front import groups
-from lab.analysis.presets import PRESETS  # noqa: E402
-from lab.rundir.store import FINAL  # noqa: E402
+import commlab  # noqa: E402
+from commlab.lab.analysis import results  # noqa: E402
+from commlab.lab.front import groups
+from commlab.lab.analysis.presets import PRESETS  # noqa: E402
+from commlab.lab.rundir.store import FINAL  # noqa: E402
 
 WALL_LIMIT_S = 90.0
 """What a preset may take on this machine, from the click to its last run's end."""
@@ -41,15 +41,15 @@ def run_preset(p, root: Path, timeout_s: float) -> dict:
     deadline = time.time() + timeout_s
     while True:
         group = results.load_group(root, gid)
-        states = [lab.get(i, runs=root).state for i in group["runs"].values()]
+        states = [commlab.get(i, runs=root).state for i in group["runs"].values()]
         if len(states) == len(p.variants) and all(s in FINAL for s in states):
             break
         if time.time() > deadline:
             for i in group["runs"].values():
-                lab.cancel(i, runs=root)
+                commlab.cancel(i, runs=root)
             break
         time.sleep(0.5)
-    v = results.evaluate(group, lambda rid: lab.get(rid, runs=root))
+    v = results.evaluate(group, lambda rid: commlab.get(rid, runs=root))
     return {
         "preset": p.key, "group": gid, "wall_s": v.wall_s, "complete": v.complete, "passed": v.passed,
         "effects": [{"text": e.effect.text, "ratio": e.ratio, "passed": e.passed, "why": e.why} for e in v.effects],
@@ -58,7 +58,7 @@ def run_preset(p, root: Path, timeout_s: float) -> dict:
                          "compression": x.summary.get("compression_ratio"),
                          "disturbed": x.disturbance.get("disturbed"), "other_cpu": x.disturbance.get("other_cpu")}
                      for k, x in v.variants.items()},
-        "accuracy_ok": v.accuracy_ok, "crossover": results.crossover(group, lambda rid: lab.get(rid, runs=root)),
+        "accuracy_ok": v.accuracy_ok, "crossover": results.crossover(group, lambda rid: commlab.get(rid, runs=root)),
     }
 
 

@@ -4,7 +4,7 @@
                          [--runs DIR] [--timeout 900] [--keep] [--json out.json]
 
 It submits ``--jobs`` small runs at once (mlp on digits, 2 ranks, 10-40
-steps, one thread per rank, no evaluation) through ``lab.service.queue.Lab(runs,
+steps, one thread per rank, no evaluation) through ``commlab.lab.service.queue.Lab(runs,
 max_jobs).submit(wait=False)``, i.e. one detached supervisor per run. About
 one job in ten injects ``fault: {kind: raise, step: 3, rank: 1}`` and one in
 twenty ``fault: {kind: nan}``, so the runs end in every final state. While the
@@ -54,12 +54,12 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.common import prog  # noqa: E402
-from lab.base import procs  # noqa: E402
-from lab.base.paths import INDEX  # noqa: E402
-from lab.base.specs import load_spec  # noqa: E402
-from lab.rundir.index import COLUMNS, Index  # noqa: E402
-from lab.rundir.store import FINAL  # noqa: E402
-from lab.service.queue import Lab, Slots  # noqa: E402
+from commlab.lab.base import procs  # noqa: E402
+from commlab.lab.base.paths import INDEX  # noqa: E402
+from commlab.lab.base.specs import load_spec  # noqa: E402
+from commlab.lab.rundir.index import COLUMNS, Index  # noqa: E402
+from commlab.lab.rundir.store import FINAL  # noqa: E402
+from commlab.lab.service.queue import Lab, Slots  # noqa: E402
 
 BASE = {"model": "mlp", "dataset": "digits", "world_size": 2, "batch_size": 16, "eval_every": 0, "threads": 1}
 # how long after a cancel request a run may still end in its own state: the supervisor polls every

@@ -13,7 +13,7 @@ digits, batch 32 per rank, SGD lr 0.05 momentum 0.9, seed 0, 300 steps. The stra
   the cnn's tensors under 64 KB (its biases, first and last weights) uncompressed, the two big weights
   PowerSGD rank 4, top-k 1% + EF, or (dear) int8; and those compressors on every bucket, to compare.
 
-scripts/publish_evidence.py copies the file into lab/strategy/evidence.json, which the advisor reads: a strategy within a point of none's accuracy counts
+scripts/publish_evidence.py copies the file into commlab/lab/strategy/evidence.json, which the advisor reads: a strategy within a point of none's accuracy counts
 penalty 1, below that it is left out; the table says so per cell.
 """
 from __future__ import annotations
@@ -65,11 +65,11 @@ KEEP_POINTS = 0.01
 
 
 def main(argv=None):
-    from lab.rundir.launcher import launch
-    from lab.strategy.perfmodel.calibrate import compressor_key
-    from lab.base.specs import load_spec
-    from lab.rundir.store import RunStore
-    from lab.rundir.summary import summarize
+    from commlab.lab.rundir.launcher import launch
+    from commlab.lab.strategy.perfmodel.calibrate import compressor_key
+    from commlab.lab.base.specs import load_spec
+    from commlab.lab.rundir.store import RunStore
+    from commlab.lab.rundir.summary import summarize
 
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)

@@ -3,9 +3,9 @@
     python bench/timeline_cost.py [--model resnet] [--blocks 20] [--steps 100]
 
 One process, no ranks, no model compute: per step it records what a training step with the timeline on
-records on this model (engine/probe.py's forward and backward span per layer, the ones engine.stepper
+records on this model (commlab/engine/probe.py's forward and backward span per layer, the ones commlab.engine.stepper
 and the communicator add: forward, backward, optimizer, step, one bucket's ready and all-reduce) and
-flushes it to a temp file, as engine.stepper does at every step end. Reported: the median over
+flushes it to a temp file, as commlab.engine.stepper does at every step end. Reported: the median over
 ``--blocks`` blocks of ``--steps`` steps, in us per step and per event. The repository root is
 appended to sys.path, so PYTHONPATH=<another checkout> measures that checkout's timeline instead.
 """
@@ -24,12 +24,12 @@ sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="commlab bench timeline_cost" if os.environ.get("COMMLAB_BENCH") == "timeline_cost" else None,
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="resnet", help="an engine.models name: its parameter-owning modules")
+    ap.add_argument("--model", default="resnet", help="an commlab.engine.models name: its parameter-owning modules")
     ap.add_argument("--blocks", type=int, default=20)
     ap.add_argument("--steps", type=int, default=100, help="steps per block")
     args = ap.parse_args(argv)
-    from engine import data, models
-    from engine.timeline import Timeline
+    from commlab.engine import data, models
+    from commlab.engine.timeline import Timeline
     info = (data.load("text") if models.kind(args.model) == "text" else data.load("synthetic", seed=0)).info
     model = models.build(args.model, info)
     layers = [n or type(m).__name__ for n, m in model.named_modules() if any(True for _ in m.parameters(False))]

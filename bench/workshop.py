@@ -10,7 +10,7 @@ lab runs with ``max_jobs`` slots, so the queue is full the whole time.
 
 The simulated browsers run in this process, on the lab's machine, where a room's browsers would be on
 the students' laptops: so the bench runs in a session of its own and, once the app is up, lowers its CPU
-priority to the app server's (lab.service.spawn.lower_cpu_priority: nice APP_NICE, for the session's scheduling
+priority to the app server's (commlab.lab.service.spawn.lower_cpu_priority: nice APP_NICE, for the session's scheduling
 group too), so that 20 sessions' websocket traffic competes with the server, not with the runs.
 
 At the end it waits for every run to end and checks:
@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import prog  # noqa: E402
 from bench.wsclient import Session, sign_in  # noqa: E402
-from lab.analysis.presets import PRESETS
+from commlab.lab.analysis.presets import PRESETS
 
 
 def free_port() -> int:
@@ -76,8 +76,8 @@ class Student(threading.Thread):
             self.errors.append(f"{type(e).__name__}: {e} (at {Path(where.filename).name}:{where.lineno})")
 
     def _run(self):
-        from lab.analysis import results
-        from lab.service.queue import Lab
+        from commlab.lab.analysis import results
+        from commlab.lab.service.queue import Lab
         jar = sign_in(self.url, self.class_token, self.student)
         if not jar.personal or "commlab_session" not in jar.cookies:
             raise RuntimeError(f"sign-in refused ({jar.status}): {re.sub('<[^>]+>', ' ', jar.body)[:200]}")
@@ -150,18 +150,18 @@ def main(argv=None) -> int:
                                                     "quotas": {"queued": args.queued, "steps": args.steps,
                                                                "world_size": 2},
                                                     "access": {"names_per_address": max(10, args.students)}}))
-    from lab.front import accounts
-    from lab.rundir.store import FINAL
+    from commlab.lab.front import accounts
+    from commlab.lab.rundir.store import FINAL
     port = free_port()
     log_path = args.runs / "app.log"
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
-    code = (f"import sys; from lab.front.appserver import app_main; "
+    code = (f"import sys; from commlab.lab.front.appserver import app_main; "
             f"sys.exit(app_main({port}, {str(args.runs)!r}, host='0.0.0.0', demo=False))")
     with open(log_path, "wb") as log:
         app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                                stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    from lab.service.spawn import lower_cpu_priority
+    from commlab.lab.service.spawn import lower_cpu_priority
     lower_cpu_priority()  # the students' side, not the runs' (see the module docstring); the app keeps its own
     # Stopped early (Ctrl-C, a timeout's SIGTERM), the bench still stops the app and the runs it queued:
     # they live in the bench's own runs directory, and nothing else would end them.
@@ -172,16 +172,16 @@ def main(argv=None) -> int:
         if app.poll() is None:
             app.send_signal(signal.SIGTERM)
             app.wait(timeout=60)
-        import lab
-        for r in lab.runs(runs=args.runs):
+        import commlab
+        for r in commlab.runs(runs=args.runs):
             if r.state not in FINAL:
-                lab.cancel(r.id, runs=args.runs)
+                commlab.cancel(r.id, runs=args.runs)
 
 
 def _measure(args, app, url, log_path) -> int:
-    from lab.front import accounts
-    from lab.service.queue import Lab
-    from lab.rundir.store import FINAL
+    from commlab.lab.front import accounts
+    from commlab.lab.service.queue import Lab
+    from commlab.lab.rundir.store import FINAL
     import urllib.request
     t0 = time.time()
     while True:

@@ -1,4 +1,13 @@
-"""commlab inside your own training loop, and your own compressor.
+"""commlab's Python API: runs in the lab, the lab inside your own training loop, and your own compressor.
+
+    import commlab
+    r = commlab.run({"model": "cnn", "dataset": "digits", "steps": 100})   # blocks; a Run
+    r.summary(); r.metrics(); r.timeline()                                # pandas DataFrames
+    q = commlab.run("examples/demo.yaml", wait=False)                     # queued; returns at once
+    commlab.compare(commlab.runs(state="done"))                           # one row per run
+
+Every such call takes ``runs=`` (a directory; default ``$COMMLAB_RUNS`` or ./runs); see commlab/api.py.
+Inside your own loop:
 
     import commlab
     with commlab.wrap(model, optimizer, "spec.yaml") as comm:   # or a dict, or a JobSpec
@@ -15,26 +24,32 @@ See commlab/own.py.
 Your own compressor subclasses ``commlab.Compressor`` (its docstring is the guide), declares its
 parameters with ``commlab.Param``, and is named in a spec by import path
 (``compressor: {name: mypkg.codecs:ScaledSign}``) or, after ``commlab.register_compressor``, by a
-short name (``lab.run`` hands the ranks its import path: the class must live in a module on PYTHONPATH, not
+short name (``commlab.run`` hands the ranks its import path: the class must live in a module on PYTHONPATH, not
 in the script that runs). ``commlab.check_compressor`` (``commlab check compressor`` on the command line) holds it
 to the checks the built-ins pass.
 """
 from __future__ import annotations
 
-__all__ = ["wrap", "OwnLoop", "Compressor", "Param", "Round", "register_compressor", "check_compressor"]
+__all__ = ["run", "runs", "get", "cancel", "wait", "compare", "spec",
+           "wrap", "OwnLoop", "Compressor", "Param", "Round", "register_compressor", "check_compressor"]
+_API = ("run", "runs", "get", "cancel", "wait", "compare", "spec")
+
+from commlab import api  # noqa: E402  (imports nothing of the lab until a function is called)
 
 
 def __getattr__(name):  # torch is imported only when the API is used
+    if name in _API:
+        return getattr(api, name)
     if name in ("wrap", "OwnLoop"):
         from commlab import own
         return getattr(own, name)
     if name in ("Compressor", "Round", "Param"):
-        from engine.compressors import base  # Param is declared in engine/compressors/params.py
+        from commlab.engine.compressors import base  # Param is declared in commlab/engine/compressors/params.py
         return getattr(base, name)
     if name == "register_compressor":
-        from engine.compressors import register
+        from commlab.engine.compressors import register
         return register
     if name == "check_compressor":
-        from engine.compressors.conformance import check
+        from commlab.engine.compressors.conformance import check
         return check
     raise AttributeError(name)

@@ -5,12 +5,12 @@ model and before training; a script may wrap several trainings in a row (a sweep
 its own run, when every rank makes the same calls. ``wrap`` joins the process group if the script
 has not (from the RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT convention, or as a world of one without
 them) and leaves it again at ``close()``, builds the communicator, optimizer and tuners from the
-spec with the Trainer's own code (``engine.stepper.Stepper``), and opens a run: rank 0 creates the run directory (spec.json,
+spec with the Trainer's own code (``commlab.engine.stepper.Stepper``), and opens a run: rank 0 creates the run directory (spec.json,
 status.json ``running``) and broadcasts its id; every rank then writes its timeline and metrics
 there. ``close()`` (or leaving the ``with`` block) marks the run ``done``, or ``failed`` with the
 rank and error when the script raised, or ``diverged``.
 
-Layering: this package sits above lab/ (run store) and engine/ (the step); neither imports it.
+Layering: this package sits above commlab/lab/ (run store) and commlab/engine/ (the step); neither imports it.
 """
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ from typing import Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from engine import runfiles
-from engine.spec import JobSpec, SpecError
-from engine.stepper import Diverged, Stepper
-from engine.timeline import Timeline
-from lab.base import procs
-from lab.base.specs import read_spec_file
-from lab.rundir.launcher import finish_status
-from lab.service.queue import Lab
+from commlab.engine import runfiles
+from commlab.engine.spec import JobSpec, SpecError
+from commlab.engine.stepper import Diverged, Stepper
+from commlab.engine.timeline import Timeline
+from commlab.lab.base import procs
+from commlab.lab.base.specs import read_spec_file
+from commlab.lab.rundir.launcher import finish_status
+from commlab.lab.service.queue import Lab
 
 SpecLike = Union[str, os.PathLike, dict, JobSpec]
 OptimizerLike = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]

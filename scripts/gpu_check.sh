@@ -109,7 +109,7 @@ for part in "${parts[@]}"; do
             ;;
         profiles)
             for m in resnet50 resnet101; do
-                "$PY" -m lab.front.cli profile examples/torchvision-resnet18.yaml --set model=torchvision:$m \
+                "$PY" -m commlab.lab.front.cli profile examples/torchvision-resnet18.yaml --set model=torchvision:$m \
                     --set "dataset.shape=[3,224,224]" --set dataset.classes=1000 --set dataset.size=2048 \
                     --set batch_size=64 --steps 20 -o "$OUT/profile-$m-b64.json" --runs /tmp/gpu-runs 2>&1 \
                     | tee -a "$OUT/profiles.log" || status=1

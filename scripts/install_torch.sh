@@ -53,7 +53,7 @@ install_torch() {
 install_torchvision() {
     # Optional (torchvision:<arch> models), --no-deps so torch is never swapped. It must match torch's build:
     # the CUDA one beside a CUDA torch; beside the CPU build the +cpu one, else the plain (CUDA) one, whose
-    # C++ operators then stay undefined (engine.external.import_torchvision; models work, detection ops do not).
+    # C++ operators then stay undefined (commlab.engine.external.import_torchvision; models work, detection ops do not).
     if "$PY" -c 'import importlib.util, sys; sys.exit(0 if importlib.util.find_spec("torchvision") else 1)'; then
         return 0
     fi
@@ -71,7 +71,7 @@ install_torchvision() {
     done
     if [ -z "$got" ]; then
         say "torchvision==$TV_VERSION is not available here; torchvision:<arch> models are off"
-    elif "$PY" -c 'from engine.external import import_torchvision; import_torchvision()' 2>/dev/null; then
+    elif "$PY" -c 'from commlab.engine.external import import_torchvision; import_torchvision()' 2>/dev/null; then
         case "$got" in
             *+cpu) say "installed $got" ;;
             *) if torch_is_cuda; then say "installed $got"; else

@@ -2,11 +2,11 @@
 it at build time, so they cannot drift from it.
 
 - ``<!-- generated: cli -->`` (docs/reference/cli.md): every command's and sub-command's ``--help``, walked
-  from the parser of ``commlab`` (lab.front.cli.build_parser);
+  from the parser of ``commlab`` (commlab.lab.front.cli.build_parser);
 - ``<!-- generated: spec -->`` (docs/reference/spec.md): every field of the job spec, its type, default and
-  docstring, from the dataclasses of engine/spec.py;
+  docstring, from the dataclasses of commlab/engine/spec.py;
 - ``<!-- generated: compressor-capabilities -->`` (docs/reference/compressors.md): what each registered
-  compressor declares it can do (engine/compressors/base.py), read from an instance at default parameters;
+  compressor declares it can do (commlab/engine/compressors/base.py), read from an instance at default parameters;
 - ``js/plotly.min.js``: the installed plotly's own bundle, which the tutorial notebooks' figures draw with.
 
 A marker on a page that this file does not know fails the build, as does a marker it cannot fill.
@@ -49,7 +49,7 @@ def commands(parser: argparse.ArgumentParser, prog: str = "commlab"):
 
 
 def cli_reference() -> str:
-    from lab.front.cli import build_parser
+    from commlab.lab.front.cli import build_parser
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = HELP_COLUMNS
     try:
@@ -104,7 +104,7 @@ def cell(text: str) -> str:
 
 
 def spec_reference() -> str:
-    from engine import spec as S
+    from commlab.engine import spec as S
     rows, sections = [], []
 
     def walk(cls, prefix: str):
@@ -137,12 +137,12 @@ def spec_reference() -> str:
 
 CAPABILITIES = ("summable", "keeps_shape", "lossless", "identity", "rounds", "builtin_feedback", "builtin_momentum",
                 "counts_steps", "steady_payload", "shard_codec", "warmup_exchanges", "elementwise")
-"""Attributes of engine.compressors.base.Compressor shown per compressor, where the base class has them."""
+"""Attributes of commlab.engine.compressors.base.Compressor shown per compressor, where the base class has them."""
 
 
 def capabilities_reference() -> str:
-    from engine import compressors
-    from engine.compressors.base import Compressor
+    from commlab.engine import compressors
+    from commlab.engine.compressors.base import Compressor
     caps = [c for c in CAPABILITIES if hasattr(Compressor, c)]
     shard = hasattr(Compressor, "shard_path")
     head = ["compressor", *caps] + (["dear reduce-scatter"] if shard else [])

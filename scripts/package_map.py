@@ -84,7 +84,7 @@ def graph():
             if pa != pb:
                 counts[(pa, pb)] += 1
     for a, b in counts:
-        if order.index(b) <= order.index(a) and not {a, b} <= {"app", "commlab"}:
+        if order.index(b) <= order.index(a) and not {a, b} <= {"commlab.app", "commlab"}:
             raise SystemExit(f"package_map: {a} imports {b}, which is not below it (tests/test_layers.py fails)")
     return order, info, counts
 
@@ -115,10 +115,10 @@ def draw(order, info, counts) -> str:
            f'<text x="{BOX_X}" y="24" font-size="15" font-weight="bold">commlab: packages, top to bottom as they '
            f'may import (tests/test_layers.py)</text>',
            f'<text x="{BOX_X}" y="42" fill="#555">An arrow is a real import between two packages; every arrow '
-           f'points down. app and commlab share the top level and never import each other.</text>']
+           f'points down. commlab.app and commlab share the top level and never import each other.</text>']
     for p in order:
         y0, h, cap, lines = boxes[p]
-        fill = "#eef3fb" if p.startswith("lab") else "#fdf3e6" if p == "engine" else "#eef8ee"
+        fill = "#eef3fb" if p.startswith("commlab.lab") or p == "commlab.api" else "#fdf3e6" if p == "commlab.engine" else "#eef8ee"
         out.append(f'<g><rect x="{BOX_X}" y="{y0}" width="{BOX_W}" height="{h}" rx="6" fill="{fill}" '
                    f'stroke="#667"/>')
         out.append(f'<text x="{BOX_X + PAD}" y="{y0 + PAD + 12}"><tspan font-family="monospace" '

@@ -1,4 +1,4 @@
-"""Copy the accuracy benchmarks' latest results into the lab's package data (lab/strategy/evidence.json), which
+"""Copy the accuracy benchmarks' latest results into the lab's package data (commlab/lab/strategy/evidence.json), which
 the advisor's convergence penalties and the properties checklist read: the product never reads bench/.
 
     python scripts/publish_evidence.py          # after bench/compressor_accuracy.py or bench/strategy_accuracy.py
@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-OUT = ROOT / "lab" / "strategy" / "evidence.json"
+OUT = ROOT / "commlab" / "lab" / "strategy" / "evidence.json"
 COMPRESSORS = ("compressor_accuracy.json", "compressor_accuracy_rerun.json")
 STRATEGIES = "strategy_accuracy.json"
 

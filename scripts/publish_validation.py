@@ -1,5 +1,5 @@
 """Copy the performance model's validation results into the lab's package data
-(lab/strategy/perfmodel/validation.json), which ``commlab predict``'s "sources" and the Performance model page
+(commlab/lab/strategy/perfmodel/validation.json), which ``commlab predict``'s "sources" and the Performance model page
 quote beside the parts a prediction uses: the product never reads bench/.
 
     python scripts/publish_validation.py     # after bench/perfmodel.py or bench/model_validation.py
@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
-OUT = ROOT / "lab" / "strategy" / "perfmodel" / "validation.json"
+OUT = ROOT / "commlab" / "lab" / "strategy" / "perfmodel" / "validation.json"
 
 
 def measured(path: Path) -> str:

@@ -63,17 +63,17 @@ def wait_up(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0)
 
 def demo_run(runs: Path, timeout: float = 600.0):
     """The demo run the app queued, once it is done."""
-    import lab
+    import commlab
     t0 = time.monotonic()
-    while not lab.runs(runs=runs):
+    while not commlab.runs(runs=runs):
         if time.monotonic() - t0 > 60:
             raise SystemExit(f"screenshots: commlab app queued no demo run in {runs}")
         time.sleep(0.5)
-    run = lab.runs(runs=runs)[0]
-    state = lab.wait(run.id, runs=runs, timeout=timeout)
+    run = commlab.runs(runs=runs)[0]
+    state = commlab.wait(run.id, runs=runs, timeout=timeout)
     if state != "done":
-        raise SystemExit(f"screenshots: the demo run {run.id} ended {state}: {lab.get(run.id, runs=runs).errors()}")
-    return lab.get(run.id, runs=runs)
+        raise SystemExit(f"screenshots: the demo run {run.id} ended {state}: {commlab.get(run.id, runs=runs).errors()}")
+    return commlab.get(run.id, runs=runs)
 
 
 def shoot(page, out: Path, name: str, full_page: bool = False) -> None:
@@ -131,7 +131,7 @@ def take(url: str, runs: Path, out: Path) -> None:
 
 def stop(proc: subprocess.Popen, runs: Path) -> None:
     """Stop the app (SIGINT: its clean stop), then every run still going; nothing of it is left."""
-    import lab
+    import commlab
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
         try:
@@ -139,11 +139,11 @@ def stop(proc: subprocess.Popen, runs: Path) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    for r in lab.runs(runs=runs):
+    for r in commlab.runs(runs=runs):
         if r.state in ("queued", "running"):
-            lab.cancel(r.id, runs=runs)
-    for r in lab.runs(runs=runs):
-        lab.wait(r.id, runs=runs, timeout=120)
+            commlab.cancel(r.id, runs=runs)
+    for r in commlab.runs(runs=runs):
+        commlab.wait(r.id, runs=runs, timeout=120)
 
 
 def main(argv=None) -> int:
@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     log = tmp / "app.log"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "app", "--port", str(port), "--runs", str(runs)],
+        proc = subprocess.Popen([sys.executable, "-m", "commlab.lab.front.cli", "app", "--port", str(port), "--runs", str(runs)],
                                 cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_up(url, proc, log)

@@ -24,8 +24,8 @@ import torch.multiprocessing as mp
 
 
 def shaped_unavailable():
-    """Why shaped links (lab.net.netns: root, ip, tc, network namespaces) cannot be built here, or None."""
-    from lab.net.netns import NetworkUnavailable, check_shaped_supported
+    """Why shaped links (commlab.lab.net.netns: root, ip, tc, network namespaces) cannot be built here, or None."""
+    from commlab.lab.net.netns import NetworkUnavailable, check_shaped_supported
     try:
         check_shaped_supported()
     except NetworkUnavailable as e:
@@ -52,7 +52,7 @@ def _entry(rank, world, port, fn, args, outdir):
     finally:
         dist.destroy_process_group()
     # Leave without C++ static destructors: after all work is done gloo sometimes aborts at
-    # interpreter exit ("terminate called without an active exception"), as engine/worker.py notes;
+    # interpreter exit ("terminate called without an active exception"), as commlab/engine/worker.py notes;
     # seen here with async reduce-scatters/all-gathers. The result is already written.
     sys.stdout.flush()
     sys.stderr.flush()
@@ -215,7 +215,7 @@ def _results(outdir, world):
 
 def emulate_exchange(comps, tensors, log=None):
     """Drive compressors' exchanges as len(comps) ranks would, without a process group; return the outputs. ``log`` collects (op, shapes)."""
-    from engine.comm.exchange import local_collective, run_exchange
+    from commlab.engine.comm.exchange import local_collective, run_exchange
 
     def collective(op, payloads):
         if log is not None:
@@ -259,11 +259,11 @@ def wait_until_up(url: str, p, log_path, timeout: float = 120.0) -> None:
 
 
 def warm_servers(tmpdir) -> list:
-    """Pids of the warm servers (lab.base.warm) started under ``tmpdir`` (a test's own TMPDIR) that still run,
+    """Pids of the warm servers (commlab.lab.base.warm) started under ``tmpdir`` (a test's own TMPDIR) that still run,
     from the line each writes to its log when it starts serving."""
     from pathlib import Path
 
-    from lab.base import procs, warm
+    from commlab.lab.base import procs, warm
     out = []
     for log in Path(tmpdir).glob("commlab-warm-*/*.log"):
         for line in log.read_text().splitlines():
@@ -278,6 +278,6 @@ def stop_warm_servers(tmpdir) -> None:
     """SIGTERM the warm servers a test started under its own ``tmpdir``."""
     import signal
 
-    from lab.base import procs, warm
+    from commlab.lab.base import procs, warm
     for pid in warm_servers(tmpdir):
         procs.kill_if_ours({"pid": pid, "start": procs.start_time(pid)}, warm.MARK, signal.SIGTERM)

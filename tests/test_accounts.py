@@ -1,6 +1,6 @@
 """Sign-in on an exposed lab, as a student, an outsider and a revoked student would try it: tokens are
-exchanged for sessions at the gatekeeper (app/gatekeeper.py) in plain HTTP before Streamlit; sessions,
-expiry, rotation, revocation and caps (lab/front/accounts.py)."""
+exchanged for sessions at the gatekeeper (commlab/app/gatekeeper.py) in plain HTTP before Streamlit; sessions,
+expiry, rotation, revocation and caps (commlab/lab/front/accounts.py)."""
 import json
 import os
 
@@ -11,12 +11,12 @@ from starlette.responses import PlainTextResponse  # noqa: E402
 from starlette.testclient import TestClient  # noqa: E402
 from starlette.websockets import WebSocketDisconnect  # noqa: E402
 
-import lab  # noqa: E402
-from app import gatekeeper  # noqa: E402
-from lab.front import accounts  # noqa: E402
-from lab.service import owners
-from lab.service.queue import Lab  # noqa: E402
-from lab.base.errors import LabError  # noqa: E402
+import commlab  # noqa: E402
+from commlab.app import gatekeeper  # noqa: E402
+from commlab.lab.front import accounts  # noqa: E402
+from commlab.lab.service import owners
+from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.lab.base.errors import LabError  # noqa: E402
 from test_app import SMALL  # noqa: E402
 
 
@@ -148,7 +148,7 @@ def test_a_wrong_token_is_refused(lab_root, bad):
 def test_class_token_then_a_name_gives_a_personal_token(lab_root):
     root, tokens = lab_root
     q = Lab(root)
-    q.create(lab._spec(SMALL), owner="dora")  # runs the CLI started as dora: the name is hers
+    q.create(commlab.spec(SMALL), owner="dora")  # runs the CLI started as dora: the name is hers
     c = browser()
     r = c.get(f"/?token={tokens['class']}")
     assert r.status_code == 303 and r.headers["location"] == "/signin/name"
@@ -379,7 +379,7 @@ def test_served_over_tls_with_the_teachers_certificate(tmp_path):
     runs = tmp_path / "runs"
     token = accounts.load_access(runs)["admin_token"]
     port = free_port()
-    code = (f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', "
+    code = (f"import sys; from commlab.lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', "
             f"demo=False, certfile={str(cert)!r}, keyfile={str(key)!r}))")
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
     log_path = tmp_path / "app.log"
@@ -415,7 +415,7 @@ def test_served_over_tls_with_the_teachers_certificate(tmp_path):
 
 
 def test_certfile_and_keyfile_come_together(tmp_path, capsys):
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     assert main(["app", "--runs", str(tmp_path), "--host", "0.0.0.0", "--certfile", str(tmp_path / "c.pem")]) == 2
     assert capsys.readouterr().err.strip() == ("commlab: error: --certfile, --keyfile: give both (the certificate "
                                                "and its private key) or neither")

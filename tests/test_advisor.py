@@ -1,4 +1,4 @@
-"""The advisor (lab/strategy/advisor.py, with space, predictions and trials): its strategy space, penalties and
+"""The advisor (commlab/lab/strategy/advisor.py, with space, predictions and trials): its strategy space, penalties and
 their sources, ranking by predicted and measured time to accuracy, the winner written as a spec, and `commlab advise`'s one-line errors."""
 import json
 import subprocess
@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from engine import compressors
-from engine.spec import SpecError
-from lab.front import model_cli
-from lab.strategy import advisor, auto, predictions, space, trials
-from lab.strategy import penalty as pen
-from lab.strategy.perfmodel import calibrate as cal
-from lab.strategy.perfmodel import predict as pr
-from lab.strategy.perfmodel import whatif
-from lab.base.specs import load_spec
+from commlab.engine import compressors
+from commlab.engine.spec import SpecError
+from commlab.lab.front import model_cli
+from commlab.lab.strategy import advisor, auto, predictions, space, trials
+from commlab.lab.strategy import penalty as pen
+from commlab.lab.strategy.perfmodel import calibrate as cal
+from commlab.lab.strategy.perfmodel import predict as pr
+from commlab.lab.strategy.perfmodel import whatif
+from commlab.lab.base.specs import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "adv", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 300, "batch_size": 16,
@@ -63,7 +63,7 @@ def test_space_is_what_the_registry_can_do():
 def test_space_holds_dear_with_int8_and_mixed_candidates():
     """dear with a compressed reduce-scatter (int8, a shard codec) and mixed sections are searched; a mixed
     section goes to dear only when every compressor it may give a buffer reduce-scatters."""
-    from engine.compressors.plan import parts
+    from commlab.engine.compressors.plan import parts
     s = spec()
     cands = space.space(s)
     labels = {c.label for c in cands}
@@ -82,7 +82,7 @@ def test_space_holds_dear_with_int8_and_mixed_candidates():
 def test_mixed_prediction_gives_each_bucket_its_own_compressor():
     """In the performance model, buckets under the rule's size send their raw bytes; the others PowerSGD's
     factors; dear with int8 sends a quarter of the bytes all-to-all."""
-    from lab.strategy.perfmodel import predict as pr
+    from commlab.lab.strategy.perfmodel import predict as pr
     s = spec()
     prof = fake_profile(s)
     mixed = space.mixed(pen.comp_section("none"), pen.comp_section("powersgd", rank=4), below_mb=0.01)
@@ -239,7 +239,7 @@ def test_mergecomp_prediction_includes_its_search(monkeypatch):
 def fake_session_runner(tmp_path, ms_of, sessions, disturbance=None):
     """A runner that 'runs' a trial session by writing each trial's metrics: ``ms_of(i, spec)`` per step;
     ``disturbance``: the session's status.json record of other processes' CPU."""
-    from lab.rundir.store import Run
+    from commlab.lab.rundir.store import Run
 
     def runner(sp, prepare=None):
         run = Run(tmp_path / f"session{len(sessions)}")
@@ -349,7 +349,7 @@ def test_network_for_rules():
 
 
 def cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "lab.front.cli", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", *args], capture_output=True, text=True, cwd=cwd,
                           env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
 
 
@@ -440,9 +440,9 @@ def auto_root(tmp_path_factory):
 def test_strategy_auto_run_records_the_decision(auto_root):
     """A real run with strategy auto too short to hold its trials (1 + DDP if close, 2 + 4 steps each: 6 or 12
     steps against 5): a profile run, a trial session and the run itself, all in one slot."""
-    import lab
+    import commlab
     root = auto_root
-    run = lab.run({**BASE, "steps": 5, "network": AUTO_NET,
+    run = commlab.run({**BASE, "steps": 5, "network": AUTO_NET,
                    "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=root)
     assert run.state == "done", (run.status().get("error"), run.log_tail())
     spec_json = run.spec_dict()
@@ -453,11 +453,11 @@ def test_strategy_auto_run_records_the_decision(auto_root):
     tried = [c for c in rec["candidates"] if c["trial_run"]]
     assert 1 <= len(tried) <= 2 and rec["winner"] in [c["label"] for c in tried]  # the top one, DDP if close
     assert not run.file("auto-trials.json").exists()  # (2 + 4) steps do not fit into 5
-    profiled = lab.get(rec["runs"][0], runs=root)  # timed steps only: no evaluation at its end
+    profiled = commlab.get(rec["runs"][0], runs=root)  # timed steps only: no evaluation at its end
     assert profiled.spec_dict()["final_eval"] is False and profiled.metric_rows()
     assert not [r for r in profiled.metric_rows() if r.get("kind") == "eval"]
     assert [r for r in run.metric_rows() if r.get("kind") == "eval"]  # the run itself evaluates at its end
-    session = lab.get(rec["runs"][1], runs=root)
+    session = commlab.get(rec["runs"][1], runs=root)
     assert session.state == "done" and session.status()["advisor_for"] == run.id
     trial_runs = trials.session_trials(session)
     assert [t.id for t in trial_runs] == [c["trial_run"] for c in tried] or \
@@ -465,8 +465,8 @@ def test_strategy_auto_run_records_the_decision(auto_root):
     assert all(t.spec_dict()["strategy"]["mode"] == "fixed" for t in trial_runs)
     assert run.status()["strategy"]["chosen"] == rec["winner"]
     # the trials' and the profiling run's steps are in the run's timeline, on a lane of their own
-    from engine.timeline import LANES
-    from lab.analysis.trace import chrome_trace
+    from commlab.engine.timeline import LANES
+    from commlab.lab.analysis.trace import chrome_trace
     lane = [e for e in run.timeline_events() if e.get("tid") == LANES["advisor"]]
     assert {e["args"]["run"] for e in lane} == {rec["runs"][0]} | {t.id for t in trial_runs}
     for t in trial_runs:
@@ -480,13 +480,13 @@ def test_strategy_auto_run_records_the_decision(auto_root):
 def test_strategy_auto_trials_in_the_run(auto_root):
     """A run with room for its trials trains them as its first steps: no trial session, the measurements
     and the choice in tuning.json, the choice in spec.json, the trial steps marked and on the timeline."""
-    import lab
-    from engine.runfiles import AUTO_RESULT, TRIALS
-    from engine.timeline import LANES
+    import commlab
+    from commlab.engine.runfiles import AUTO_RESULT, TRIALS
+    from commlab.engine.timeline import LANES
     root = auto_root
     # PowerSGD's declared penalty of 2 brings top-k within FAMILY_MARGIN of it (raw, top-k is predicted
     # 1.6-2.2x PowerSGD's time here, at the margin's edge), so two families are tried and run off
-    run = lab.run({**BASE, "steps": 30, "network": AUTO_NET, "strategy": {
+    run = commlab.run({**BASE, "steps": 30, "network": AUTO_NET, "strategy": {
         "mode": "auto", "trials": 2, "trial_steps": 4, "penalties": {"powersgd": 2.0}}}, runs=root)
     assert run.state == "done", (run.status().get("error"), run.log_tail())
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
@@ -494,7 +494,7 @@ def test_strategy_auto_trials_in_the_run(auto_root):
     assert rec["chosen_by"] == "measured" and rec["winner"] == res["label"]
     # no trial session (the profile was kept from the test before, or one profiling run): the trials were
     # the run's own steps
-    assert len(rec["runs"]) <= 1 and not any(lab.get(r, runs=root).file(TRIALS).exists() for r in rec["runs"])
+    assert len(rec["runs"]) <= 1 and not any(commlab.get(r, runs=root).file(TRIALS).exists() for r in rec["runs"])
     tried = [c for c in rec["candidates"] if c["trial_run"]]
     assert [c["label"] for c in tried if c["label"] in {t["label"] for t in res["trials"]}] and \
         len(tried) == len(res["trials"]) >= 2
@@ -696,7 +696,7 @@ def test_default_penalty_says_default_in_the_table(monkeypatch):
 def test_matching_run_prefers_an_undisturbed_run(tmp_path, monkeypatch):
     """Calibration takes the latest undisturbed run of the model over a later disturbed one (sync or not),
     and a profile from a disturbed run (the only one) carries its record and says so."""
-    from lab.rundir.store import Run
+    from commlab.lab.rundir.store import Run
 
     class R(Run):
         def __init__(self, rid, mode, record):
@@ -721,7 +721,7 @@ def test_matching_run_prefers_an_undisturbed_run(tmp_path, monkeypatch):
     # the prediction's sources say it, and a saved profile keeps the record
     prof = fake_profile(spec())
     prof.disturbance = d
-    from lab.strategy.perfmodel import ondevice
+    from commlab.lab.strategy.perfmodel import ondevice
     compute = next(r for r in ondevice.source_rows(prof, spec()) if r["part"] == "compute")
     assert "DISTURBED: run b-disturbed was disturbed" in compute["source"]
     prof.save(tmp_path / "p.json")

@@ -57,10 +57,10 @@ def test_the_report_states_the_link_calibration_apart():
 
 def test_the_curve_calibration_keeps_every_candidates_curve_once(tmp_path):
     import argparse
-    from lab.strategy import advisor
-    from lab.strategy.perfmodel import whatif
-    from lab.strategy.space import load_spec_dict
-    from lab.rundir.store import RunStore
+    from commlab.lab.strategy import advisor
+    from commlab.lab.strategy.perfmodel import whatif
+    from commlab.lab.strategy.space import load_spec_dict
+    from commlab.lab.rundir.store import RunStore
     store = RunStore(tmp_path / "runs")
     first = ab.calibrate_curves(store, lambda m: None)
     kept = whatif.machine_curves(store.root)

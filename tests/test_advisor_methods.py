@@ -3,8 +3,8 @@ amortized, and chosen only with a penalty measured in the lab's own runs (steps 
 declared by the user; without one they are listed and their row says why they are not chosen."""
 import pytest
 
-from lab.strategy import advisor, space, trials
-from lab.strategy import penalty as pen
+from commlab.lab.strategy import advisor, space, trials
+from commlab.lab.strategy import penalty as pen
 from tests.test_advisor import FakeRun, fake_profile, spec
 
 

@@ -1,6 +1,6 @@
 """The Streamlit app through AppTest: every page renders over a runs directory with one
 finished run; the New run form queues a run that finishes; presets, sweeps and
-`commlab app` (lab.front.appserver.app_main) start what they say."""
+`commlab app` (commlab.lab.front.appserver.app_main) start what they say."""
 import json
 import os
 import signal
@@ -16,15 +16,15 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-import lab  # noqa: E402
-from lab.front import appserver, groups, new_run, sweep_jobs  # noqa: E402
-from lab.strategy.perfmodel import calibrate as cal  # noqa: E402
-from lab.strategy.perfmodel import views  # noqa: E402
-from lab.analysis import timelines
-from lab.analysis.presets import PRESETS  # noqa: E402
+import commlab  # noqa: E402
+from commlab.lab.front import appserver, groups, new_run, sweep_jobs  # noqa: E402
+from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
+from commlab.lab.strategy.perfmodel import views  # noqa: E402
+from commlab.lab.analysis import timelines
+from commlab.lab.analysis.presets import PRESETS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ENTRY = str(ROOT / "app" / "streamlit_app.py")
+ENTRY = str(ROOT / "commlab" / "app" / "streamlit_app.py")
 SMALL = {"model": "mlp", "dataset": "digits", "steps": 5, "batch_size": 16, "eval_every": 0, "threads": 1}
 
 
@@ -33,13 +33,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
     old = os.environ.get("COMMLAB_RUNS")
     os.environ["COMMLAB_RUNS"] = str(root)
-    run = lab.run(SMALL, runs=root)
+    run = commlab.run(SMALL, runs=root)
     assert run.state == "done", run.log_tail()
     yield root
-    for r in lab.runs(runs=root):  # nothing the tests started may outlive them
+    for r in commlab.runs(runs=root):  # nothing the tests started may outlive them
         if r.state in ("queued", "running"):
-            lab.cancel(r.id, runs=root)
-            lab.wait(r.id, runs=root, timeout=60)
+            commlab.cancel(r.id, runs=root)
+            commlab.wait(r.id, runs=root, timeout=60)
     if old is None:
         os.environ.pop("COMMLAB_RUNS", None)
     else:
@@ -74,7 +74,7 @@ def check_new_run(at, runs):
 
 
 def check_live_run(at, runs):
-    (run,) = lab.runs(runs=runs, state="done")[:1]
+    (run,) = commlab.runs(runs=runs, state="done")[:1]
     assert at.selectbox(key="live.pick").value == run.id
     assert len(at.get("plotly_chart")) == 4  # timeline, breakdown, curves, bytes
     assert any("trace" in b.label for b in at.get("download_button"))
@@ -94,7 +94,7 @@ def check_sweeps(at, runs):
 
 
 def check_model(at, runs):
-    (run,) = lab.runs(runs=runs, state="done")[:1]
+    (run,) = commlab.runs(runs=runs, state="done")[:1]
     assert at.selectbox(key="pm.run").value == run.id
     assert len(at.get("plotly_chart")) == 2  # speedup heatmaps, predicted vs measured
     sources, crossover, scatter = (d.value for d in at.dataframe[:3])
@@ -147,7 +147,7 @@ def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):
     """A profile file and a cluster shape: the predicted table and scaling plot, also with no run in the
     index; a shape the workers do not fill and a missing file are one-line errors."""
     from tests.test_perfmodel import tiny_profile
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.strategy.perfmodel import whatif
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path / "empty"))
     spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
     tiny_profile(spec=spec, machine={"cpu": "test cpu", "device": "cpu", "torch": "2.13"}).save(tmp_path / "p.json")
@@ -174,10 +174,10 @@ def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):
 
 
 def test_live_page_follows_the_url_and_the_picker(tmp_path, monkeypatch):
-    from lab.service.queue import Lab
+    from commlab.lab.service.queue import Lab
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     q = Lab(tmp_path)
-    a, b = (q.create(lab._spec(dict(SMALL, name=n))) for n in ("first", "second"))  # queued; nothing runs
+    a, b = (q.create(commlab.spec(dict(SMALL, name=n))) for n in ("first", "second"))  # queued; nothing runs
     at = AppTest.from_file(ENTRY, default_timeout=120)
     at.query_params["run"] = a.id
     at.run().switch_page("views/live_run.py").run()
@@ -197,11 +197,11 @@ def test_live_page_follows_the_url_and_the_picker(tmp_path, monkeypatch):
 def test_an_own_loop_is_shown_with_its_model_and_the_steps_it_took(tmp_path, monkeypatch):
     """An own loop (commlab.wrap) ran its script's model for as many steps as its script chose: the live page,
     the report and ``show`` say those, not its spec's defaults (mlp on digits, 100 steps)."""
-    from lab.analysis import report
-    from lab.front import run_cli
-    from lab.service.queue import Lab
+    from commlab.lab.analysis import report
+    from commlab.lab.front import run_cli
+    from commlab.lab.service.queue import Lab
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
-    run = Lab(tmp_path).create(lab._spec(dict(SMALL, name="mine", steps=100)))
+    run = Lab(tmp_path).create(commlab.spec(dict(SMALL, name="mine", steps=100)))
     run.set_status("running", own_loop={"script": "train.py", "model": "Net", "params": 1234,
                                         "optimizer": "SGD", "world_size": 1, "host": "h"})
     with open(run.file("metrics.jsonl"), "a") as f:
@@ -218,7 +218,7 @@ def test_an_own_loop_is_shown_with_its_model_and_the_steps_it_took(tmp_path, mon
     run.set_status("done")
     at.run()
     assert at.get("progress")[0].proto.text == "step 7/7"
-    section = report.run_section(lab.get(run.id, runs=tmp_path), 0)
+    section = report.run_section(commlab.get(run.id, runs=tmp_path), 0)
     assert "own loop (Net, 1,234 parameters)" in section and "; 7 steps</p>" in section and "mlp" not in section
     assert run_cli.setup_line(run.spec_dict(), run.status()).startswith("setup          own loop (Net, 1,234 par")
 
@@ -250,8 +250,8 @@ def test_submit_through_the_form_runs_to_done(runs):
     assert not at.exception, [e.value for e in at.exception]
     run_id = at.session_state["run_id"]
     assert [t.value for t in at.title] == ["Live run"]  # switched to the run's live page
-    assert lab.wait(run_id, runs=runs, timeout=240) == "done", lab.get(run_id, runs=runs).log_tail()
-    done = {r.id: r for r in lab.runs(runs=runs, state="done")}
+    assert commlab.wait(run_id, runs=runs, timeout=240) == "done", commlab.get(run_id, runs=runs).log_tail()
+    done = {r.id: r for r in commlab.runs(runs=runs, state="done")}
     assert run_id in done and done[run_id].spec_dict()["name"] == "from-the-form"
 
 
@@ -268,7 +268,7 @@ def test_preset_queues_its_runs_and_opens_its_results(runs, key):
     ids = list(group["runs"].values())
     try:
         assert group["preset"] == key and list(group["runs"]) == list(preset.variants)
-        names = [lab.get(i, runs=runs).spec_dict()["name"] for i in ids]
+        names = [commlab.get(i, runs=runs).spec_dict()["name"] for i in ids]
         assert names == [f"{key}: {label}" for label in preset.variants]
         assert [t.value for t in at.title] == ["Results"]
         assert at.query_params["group"] == gid
@@ -276,18 +276,18 @@ def test_preset_queues_its_runs_and_opens_its_results(runs, key):
         assert any("runs finished" in i.value for i in at.info)
     finally:
         for i in ids:
-            lab.cancel(i, runs=runs)
+            commlab.cancel(i, runs=runs)
         for i in ids:
-            assert lab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
+            assert commlab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
 
 
 def test_results_view_gives_a_verdict_from_the_runs(runs):
     """A finished group (two real runs labelled as the DeAR preset's variants) gets a verdict computed
     from their own medians; a ratio under the preset's bound is reported as missed, with the why."""
-    from lab.analysis import results
-    from lab.rundir.summary import summarize
-    a = lab.run(dict(SMALL, name="res-a"), runs=runs)
-    b = lab.run(dict(SMALL, name="res-b", compressor={"name": "fp16"}), runs=runs)
+    from commlab.lab.analysis import results
+    from commlab.lab.rundir.summary import summarize
+    a = commlab.run(dict(SMALL, name="res-a"), runs=runs)
+    b = commlab.run(dict(SMALL, name="res-b", compressor={"name": "fp16"}), runs=runs)
     gid = results.save_group(runs, "dear-vs-ddp", {"dear": a.id, "ddp": b.id})
     at = AppTest.from_file(ENTRY, default_timeout=120)
     at.query_params["group"] = gid
@@ -330,7 +330,7 @@ def test_sweep_starts_in_the_background_and_shows_a_heatmap(runs):
 
 
 def test_tail_timeline_is_the_end_of_the_full_timeline(runs):
-    run = lab.runs(runs=runs, state="done")[0]
+    run = commlab.runs(runs=runs, state="done")[0]
     full = run.timeline()
     tail = timelines.tail_timeline(run, 2)
     assert len(tail) <= len(full) and set(tail["lane"]) <= set(full["lane"])
@@ -353,7 +353,7 @@ def test_error_field_mapping():
 
 def test_app_argv():
     argv = appserver.app_argv(8600)
-    assert argv[:4] == [sys.executable, "-m", "streamlit", "run"] and argv[4].endswith("app/server.py")  # the gatekeeper's
+    assert argv[:4] == [sys.executable, "-m", "streamlit", "run"] and argv[4].endswith("commlab/app/server.py")  # the gatekeeper's
     assert argv[argv.index("--server.maxUploadSize") + 1] == str(appserver.UPLOAD_MB)
     assert "--server.sslCertFile" not in argv and "--client.showErrorDetails" not in argv  # loopback: all of it
     exposed = appserver.app_argv(8600, host="0.0.0.0")
@@ -410,9 +410,9 @@ def test_app_stops_cleanly_on_a_signal(tmp_path, sig):
     """`commlab app` stopped by SIGINT (started with it ignored, as a shell starts a background job),
     SIGTERM or SIGHUP: its server and the background sweep it started end, the port is free and it says
     so, and a run's supervisor it started keeps going."""
-    from lab.service.spawn import ENV, spawn_detached
+    from commlab.lab.service.spawn import ENV, spawn_detached
     port = free_port()
-    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(tmp_path)!r}, demo=False))"
+    code = f"import sys; from commlab.lab.front.appserver import app_main; sys.exit(app_main({port}, {str(tmp_path)!r}, demo=False))"
     # output to a file, not a pipe: an unread pipe that fills up blocks the server and the app on exit
     log_path = tmp_path / "app.log"
     with open(log_path, "wb") as log:
@@ -485,7 +485,7 @@ def test_new_run_form_follows_the_comm_mode(runs):
 def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
     """Advise (predictions only, a real detached `commlab advise`), the ranked table, then the winner and
     DDP queued as one group shown in the results view (cancelled at once)."""
-    from lab.front import advice_jobs
+    from commlab.lab.front import advice_jobs
     at = page("advisor")
     label = next(k for k in advice_jobs.spec_choices(runs) if k.startswith("run: "))  # the newest finished run
     at.selectbox(key="adv.spec").set_value(label)
@@ -513,13 +513,13 @@ def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
     group = advice_jobs.job_group(jid, runs)
     try:
         assert list(group["runs"]) == ["advisor's choice", "DDP"]
-        chosen = lab.get(group["runs"]["advisor's choice"], runs=runs).spec_dict()
-        ddp = lab.get(group["runs"]["DDP"], runs=runs).spec_dict()
+        chosen = commlab.get(group["runs"]["advisor's choice"], runs=runs).spec_dict()
+        ddp = commlab.get(group["runs"]["DDP"], runs=runs).spec_dict()
         assert chosen["network"] == ddp["network"] == {"link": "modeled", "gbps": 0.1, "latency_us": None}
         assert ddp["compressor"]["name"] == "none" and ddp["comm"]["mode"] == "wfbp"
         assert any("runs finished" in i.value for i in at.info)  # the results view of the group
     finally:
         for i in group["runs"].values():
-            lab.cancel(i, runs=runs)
+            commlab.cancel(i, runs=runs)
         for i in group["runs"].values():
-            assert lab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
+            assert commlab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")

@@ -1,20 +1,20 @@
 """strategy auto without a profile: the run's ranks measure it in dry steps and wait for the advisor's plan
-(engine/autoprofile.py, lab/strategy/auto.py ``profile_in_run``), and cost curves kept per machine (lab/strategy/perfmodel/whatif.py)."""
+(commlab/engine/autoprofile.py, commlab/lab/strategy/auto.py ``profile_in_run``), and cost curves kept per machine (commlab/lab/strategy/perfmodel/whatif.py)."""
 import json
 
 import pytest
 import torch
 from torch import nn
 
-from engine import autoprofile, models, runfiles
-from engine.runlog import read_jsonl
-from engine.spec import JobSpec
-from engine.timeline import Timeline
-from engine.trainer import load_data
-from lab.strategy import auto
-from lab.strategy.perfmodel import calibrate as cal
-from lab.strategy.perfmodel import whatif
-from lab.base.specs import load_spec
+from commlab.engine import autoprofile, models, runfiles
+from commlab.engine.runlog import read_jsonl
+from commlab.engine.spec import JobSpec
+from commlab.engine.timeline import Timeline
+from commlab.engine.trainer import load_data
+from commlab.lab.strategy import auto
+from commlab.lab.strategy.perfmodel import calibrate as cal
+from commlab.lab.strategy.perfmodel import whatif
+from commlab.lab.base.specs import load_spec
 
 BASE = {"name": "ap", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 30, "batch_size": 16,
         "eval_every": 0, "threads": 1, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
@@ -112,12 +112,12 @@ def test_cost_curves_are_kept_per_machine(tmp_path, monkeypatch):
 def test_strategy_auto_profiles_in_the_run(tmp_path):
     """No profile in the lab: the run's ranks measure it (no profiling run of its own), the advisor plans in
     the supervisor while they wait, and the trials and the choice follow as in any in-run choice."""
-    import lab
-    from engine.timeline import LANES
+    import commlab
+    from commlab.engine.timeline import LANES
     root = tmp_path / "runs"
-    run = lab.run({**BASE, "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=root)
+    run = commlab.run({**BASE, "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=root)
     assert run.state == "done", run.log_tail()
-    assert [r.id for r in lab.runs(runs=root)] == [run.id]  # no profiling run
+    assert [r.id for r in commlab.runs(runs=root)] == [run.id]  # no profiling run
     info = json.loads(run.file(runfiles.AUTO_PROFILED).read_text())
     assert info["steps"] == auto.PROFILE_STEPS and info["wall_s"] > 0
     saved = cal.Profile.load(whatif.profile_dir(root) / "mlp-digits-b16.json")
@@ -142,13 +142,13 @@ def test_strategy_auto_profiles_in_the_run(tmp_path):
 
 
 def test_a_failing_advisor_fails_the_run_after_the_profile(tmp_path, monkeypatch):
-    import lab
-    from lab.base.errors import LabError
+    import commlab
+    from commlab.lab.base.errors import LabError
 
     def boom(*a, **k):
         raise LabError("advisor: boom")
     monkeypatch.setattr(auto, "advise", boom)
-    run = lab.run({**BASE, "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=tmp_path / "runs")
+    run = commlab.run({**BASE, "strategy": {"mode": "auto", "trials": 1, "trial_steps": 4}}, runs=tmp_path / "runs")
     assert run.state == "failed"
     assert "strategy auto: LabError: advisor: boom" in run.status()["error"]
     assert run.file(runfiles.AUTO_PROFILED).is_file() and not run.file(runfiles.AUTO_TRIALS).exists()

@@ -1,4 +1,4 @@
-"""End to end in a real browser: `commlab app` (lab.front.appserver.app_main) serves the UI, a
+"""End to end in a real browser: `commlab app` (commlab.lab.front.appserver.app_main) serves the UI, a
 click on each preset starts its runs and opens its results view, one preset's
 verdict fills in as its runs finish, and the live page draws a run's timeline
 and accuracy curve.
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-import lab
+import commlab
 from distutil import stop_process, wait_until_up
-from lab.analysis import timelines
-from lab.analysis.presets import PRESETS  # noqa: E402
+from commlab.lab.analysis import timelines
+from commlab.lab.analysis.presets import PRESETS  # noqa: E402
 from test_presets_train import BROWSER_FOLLOWS, assert_trained  # noqa: E402
 
 CHROMIUM = "/usr/bin/chromium"
@@ -42,7 +42,7 @@ SETTLED = """() => document.querySelectorAll('[data-stale="true"]').length === 0
 
 
 def labels_of(runs):
-    return timelines.short_labels(lab.runs(runs=runs))
+    return timelines.short_labels(commlab.runs(runs=runs))
 
 
 def free_port() -> int:
@@ -56,7 +56,7 @@ def server(tmp_path):
     """The UI on a free port over an empty runs directory; stopped, with every run it started."""
     runs = tmp_path / "runs"
     port = free_port()
-    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
+    code = f"import sys; from commlab.lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
     log = open(tmp_path / "app.log", "wb")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True, stdout=log,
                          stderr=subprocess.STDOUT)
@@ -65,11 +65,11 @@ def server(tmp_path):
         wait_until_up(url, p, tmp_path / "app.log")
         yield url, runs
     finally:
-        for r in lab.runs(runs=runs):
+        for r in commlab.runs(runs=runs):
             if r.state in ("queued", "running"):
-                lab.cancel(r.id, runs=runs)
-        for r in lab.runs(runs=runs):
-            lab.wait(r.id, runs=runs, timeout=60)
+                commlab.cancel(r.id, runs=runs)
+        for r in commlab.runs(runs=runs):
+            commlab.wait(r.id, runs=runs, timeout=60)
         stop_process(p, signal.SIGINT, timeout=20)
         log.close()
 
@@ -84,7 +84,7 @@ def keep(shot: Path, name: str) -> None:
 def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
     """Every preset's Start leads to its results view; one preset (the quickest) is followed until its
     verdict is complete, with the timelines side by side; then a run's live page and the other pages."""
-    from lab.front import groups
+    from commlab.lab.front import groups
     url, runs = server
     with sync_api.sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True,
@@ -105,9 +105,9 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
                 group = groups.preset_group(gid, runs)
                 assert group["preset"] == p.key and list(group["runs"]) == list(p.variants)
                 for i in group["runs"].values():
-                    lab.cancel(i, runs=runs)
+                    commlab.cancel(i, runs=runs)
                 for i in group["runs"].values():
-                    assert lab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
+                    assert commlab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
             page.goto(url)
             card = page.locator(f".st-key-preset-{BROWSER_FOLLOWS}")
             card.get_by_role("button", name="Start").click()  # waits until the button is there
@@ -124,10 +124,10 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
             keep(shot, "results.png")
             gid = page.url.rsplit("group=", 1)[1]
             ids = list(groups.preset_group(gid, runs)["runs"].values())
-            assert all(lab.get(i, runs=runs).state == "done" for i in ids)
+            assert all(commlab.get(i, runs=runs).state == "done" for i in ids)
             # tests/test_presets_train.py leaves this preset's accuracy to this test: the same checks
             followed = next(p for p in PRESETS if p.key == BROWSER_FOLLOWS)
-            assert_trained(followed, groups.preset_group(gid, runs), lambda rid: lab.get(rid, runs=runs))
+            assert_trained(followed, groups.preset_group(gid, runs), lambda rid: commlab.get(rid, runs=runs))
             page.goto(f"{url}/live_run?run={ids[0]}")
             page.get_by_text("Where the step time goes").wait_for()
             page.wait_for_function(HAS_TRACE, arg="backward", timeout=120_000, polling=500)

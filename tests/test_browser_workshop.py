@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
-import lab
+import commlab
 from distutil import stop_process, wait_until_up
-from app import access
-from lab.front import accounts
-from lab.service.queue import Lab
+from commlab.app import access
+from commlab.lab.front import accounts
+from commlab.lab.service.queue import Lab
 from test_app import SMALL
 from test_browser import CHROMIUM, SETTLED, free_port
 
@@ -40,11 +40,11 @@ def room(tmp_path):
     sign-in) over its directory."""
     runs = tmp_path / "runs"
     alice = accounts.sign_in(runs, accounts.load_access(runs)["class_token"], "alice")
-    run = Lab(runs).submit(lab._spec(SMALL), owner="alice")
+    run = Lab(runs).submit(commlab.spec(SMALL), owner="alice")
     assert run.state == "done", run.status()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
-    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
+    code = f"import sys; from commlab.lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
     log = open(tmp_path / "app.log", "wb")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                          stdout=log, stderr=subprocess.STDOUT)
@@ -171,11 +171,11 @@ def test_a_run_name_cannot_sign_the_teacher_into_a_students_account_in_chromium(
     admin = access_["admin_token"]
     mallory = accounts.sign_in(runs, access_["class_token"], "mallory")
     name = f"![a](/signout) ![b](/?token={mallory}) [see](http://evil.example) :red[big] **b**"
-    run = Lab(runs).create(lab._spec(dict(SMALL, name=name)), owner="mallory")
+    run = Lab(runs).create(commlab.spec(dict(SMALL, name=name)), owner="mallory")
     run.set_status("done", disturbance=DISTURBED)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
-    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
+    code = f"import sys; from commlab.lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, host='0.0.0.0', demo=False))"
     log = open(tmp_path / "app.log", "wb")
     p = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), env=env, start_new_session=True,
                          stdout=log, stderr=subprocess.STDOUT)

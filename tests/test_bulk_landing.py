@@ -1,4 +1,4 @@
-"""Bulk landing (engine/comm/core.py): from the second step, a bucket that cannot launch before backward
+"""Bulk landing (commlab/engine/comm/core.py): from the second step, a bucket that cannot launch before backward
 ends (wfbp and dear: the last one; sync: every one) has no per-parameter hook and lands its
 gradients in finish, all at once. Its gradients must equal the hook-landed ones, a gradient that
 never arrives still counts as zero, a second backward is still refused, a relayout moves the bulk
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from distutil import run_world
-from engine import schedules
+from commlab.engine import schedules
 
 
 class _Branchy(torch.nn.Module):
@@ -50,9 +50,9 @@ def _hooks(model):
 
 
 def _make(kind, model):
-    from engine.comm.modes import MODES
-    from engine.compressors import make
-    from engine.schedules import layout_cap
+    from commlab.engine.comm.modes import MODES
+    from commlab.engine.compressors import make
+    from commlab.engine.schedules import layout_cap
     if kind == "dear":
         return MODES["dear"](model, lambda ps: layout_cap(ps, 25.0), lambda: make("none"))
     sched, mode = kind.split("/")

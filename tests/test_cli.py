@@ -1,4 +1,4 @@
-"""The ``commlab`` command as a Unix tool (lab/front/cli.py's docstring): every command with good and bad input.
+"""The ``commlab`` command as a Unix tool (commlab/lab/front/cli.py's docstring): every command with good and bad input.
 
 Exit codes (0, 1, 2, 130, 141), one-line errors on stderr with no traceback, ``--json`` with nothing else on
 stdout, output paths checked before any work, closed pipes, Ctrl-C, YAML errors with line and column, a
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from lab.front import accounts, cli, run_cli
-from lab.front import completion
-from lab.front.cli import main
-from lab.service.queue import Lab, Slots
-from lab.base.specs import load_spec
-from lab.rundir.store import RunStore
+from commlab.lab.front import accounts, cli, run_cli
+from commlab.lab.front import completion
+from commlab.lab.front.cli import main
+from commlab.lab.service.queue import Lab, Slots
+from commlab.lab.base.specs import load_spec
+from commlab.lab.rundir.store import RunStore
 from test_observer import metric_line, step_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,7 +72,7 @@ def one_error(err: str) -> str:
 
 
 def commlab(*argv, **kw):
-    return subprocess.Popen([sys.executable, "-m", "lab.front.cli", *map(str, argv)], cwd=kw.pop("cwd", ROOT),
+    return subprocess.Popen([sys.executable, "-m", "commlab.lab.front.cli", *map(str, argv)], cwd=kw.pop("cwd", ROOT),
                             env={**os.environ, "PYTHONPATH": str(ROOT), **kw.pop("env", {})}, **kw)
 
 
@@ -173,7 +173,7 @@ def bad_yaml(tmp_path):
     (["predict", "{spec}", "--calibrate", "nope"], "no run 'nope'"),
     (["predict", "{spec}", "--workers", "0"], "--workers: must be a comma-separated list"),
     (["predict", "{spec}", "--compute-speedup", "x"], "--compute-speedup: invalid float value: 'x'"),
-    # one range for a link's rate in all (the engine's network.gbps, engine.spec.MAX_GBPS)
+    # one range for a link's rate in all (the engine's network.gbps, commlab.engine.spec.MAX_GBPS)
     (["predict", "{spec}", "--gbps", "1,1000"], "--gbps: must be a comma-separated list of numbers in [0.001, 400]"),
     (["predict", "{spec}", "--cluster", "node_size=8,intra_gbps=1600,inter_gbps=1000"],
      "--cluster: inter_gbps must be a number in [0.001, 400], got '1000'"),
@@ -250,7 +250,7 @@ def test_a_write_that_fails_midway_is_one_line_with_exit_1(lab_dir, capsys, monk
 def test_predict_checks_its_link_file_before_measuring_anything(lab_dir, capsys, monkeypatch):
     """It once ran a 12-step profiling run, then said the --link file was missing."""
     root, _, spec = lab_dir
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.strategy.perfmodel import whatif
     monkeypatch.setattr(whatif, "measure_profile", lambda *a, **k: pytest.fail("measured before checking --link"))
     rc, out, err = call(capsys, "predict", spec, "--link", "nosuch.json", "--runs", root)
     assert rc == 2 and "--link" in one_error(err)
@@ -258,7 +258,7 @@ def test_predict_checks_its_link_file_before_measuring_anything(lab_dir, capsys,
 
 def test_profile_never_creates_the_output_folder(lab_dir, tmp_path, capsys, monkeypatch):
     root, _, spec = lab_dir
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.strategy.perfmodel import whatif
     monkeypatch.setattr(whatif, "profile_spec", lambda *a, **k: pytest.fail("profiled before checking -o"))
     rc, _, err = call(capsys, "profile", spec, "-o", tmp_path / "no" / "such" / "p.json", "--runs", root)
     assert rc == 2 and "no such directory" in one_error(err) and not (tmp_path / "no").exists()
@@ -334,7 +334,7 @@ def test_a_strategy_auto_run_says_what_it_chose_and_its_steps(lab_dir, capsys, m
 
     def supervise(self, run, progress=False, out=None):  # the advisor's choice and the ranks, as files
         chosen = {**run.spec_dict(), "compressor": {"name": "topk", "params": {"ratio": 0.01}, "error_feedback": True}}
-        chosen["strategy"] = {**chosen["strategy"], "decided": True}  # as lab.strategy.space.with_strategy
+        chosen["strategy"] = {**chosen["strategy"], "decided": True}  # as commlab.lab.strategy.space.with_strategy
         run.file("spec.json").write_text(json.dumps(load_spec(data=chosen).to_dict()))
         for s in range(4):
             with open(run.file("metrics.jsonl"), "a") as f:
@@ -361,7 +361,7 @@ def test_a_model_checked_before_the_run_says_so(lab_dir, capsys, monkeypatch):
     """A model or data set from outside the zoo is built and fed one batch before the run id is printed (a
     Hugging Face model: seconds); the progress stream says so first, unless --quiet."""
     root, _, spec = lab_dir
-    from engine import preflight
+    from commlab.engine import preflight
     seen = []
     monkeypatch.setattr(preflight, "needs_check", lambda spec: True)
     monkeypatch.setattr(preflight, "check", lambda spec: seen.append(spec.model.name))
@@ -418,7 +418,7 @@ def test_an_own_loop_is_listed_with_what_it_ran(lab_dir, capsys):
 
 def test_sweep_table_json(lab_dir, tmp_path, capsys):
     root, _, _ = lab_dir
-    from lab.front.sweep import Sweep
+    from commlab.lab.front.sweep import Sweep
     grid = tmp_path / "grid.yaml"
     grid.write_text(f"base: {SMALL}\ngrid:\n  comm.mode: [sync, wfbp]\nbaseline: false\n".replace("'", ""))
     rc, out, err = call(capsys, "sweep", grid, "--table", "--runs", root)
@@ -443,7 +443,7 @@ def test_predict_json(lab_dir, tmp_path, capsys):
 
 def test_profile_json(lab_dir, tmp_path, capsys, monkeypatch):
     root, _, spec = lab_dir
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.strategy.perfmodel import whatif
     from test_perfmodel import tiny_profile
     monkeypatch.setattr(whatif, "profile_spec", lambda spec, runs, steps, runner=None: tiny_profile(machine={"host": "h"}))
     doc, err = json_out(capsys, "profile", spec, "-o", tmp_path / "p.json", "--json", "--runs", root)
@@ -453,7 +453,7 @@ def test_profile_json(lab_dir, tmp_path, capsys, monkeypatch):
 
 def test_advise_json_and_its_files(lab_dir, tmp_path, capsys, monkeypatch):
     root, _, spec = lab_dir
-    from lab.strategy import advisor, space
+    from commlab.lab.strategy import advisor, space
     seen = {}
 
     def advise(spec_, runs, gbps, link, workers, measure, trials, trial_steps, penalties, runner=None, candidates=(),
@@ -475,7 +475,7 @@ def test_advise_json_and_its_files(lab_dir, tmp_path, capsys, monkeypatch):
 
 
 def test_net_json_with_the_namespaces_stubbed(tmp_path, capsys, monkeypatch):
-    from lab.net import netcheck, netns
+    from commlab.lab.net import netcheck, netns
     monkeypatch.setattr(netns, "check_shaped_supported", lambda: None)
     monkeypatch.setattr(netcheck, "net_check", lambda *a, **k: {"target_gbps": 1.0, "n_ranks": k["n_ranks"]})
     monkeypatch.setattr(netns, "cleanup_stale", lambda: ["commlab-x"])
@@ -530,7 +530,7 @@ def test_a_closed_pipe_ends_quietly(lab_dir, argv):
     p.stdout.close()  # before the command writes: its first write finds no reader
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 141 and err == ""
-    sh = subprocess.run(["bash", "-c", "set -o pipefail; \"$@\" | head -1", "sh", sys.executable, "-m", "lab.front.cli",
+    sh = subprocess.run(["bash", "-c", "set -o pipefail; \"$@\" | head -1", "sh", sys.executable, "-m", "commlab.lab.front.cli",
                          *argv, *(["--runs", str(root)] if argv[0] in ("show", "runs") else [])],
                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                         timeout=120)
@@ -544,7 +544,7 @@ def test_closing_the_progress_stream_never_fails_the_run(tmp_path):
     spec = tmp_path / "s.json"
     spec.write_text(json.dumps(SMALL))
     sh = subprocess.run(["bash", "-c", "set -o pipefail; \"$@\" 2>&1 | head -1", "sh", sys.executable, "-m",
-                         "lab.front.cli", "run", str(spec), "--runs", str(root)],
+                         "commlab.lab.front.cli", "run", str(spec), "--runs", str(root)],
                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                         timeout=300)
     assert sh.returncode == 141 and sh.stdout.startswith("run "), sh.stdout + sh.stderr
@@ -554,7 +554,7 @@ def test_closing_the_progress_stream_never_fails_the_run(tmp_path):
 
 
 def test_a_progress_stream_that_goes_away_only_goes_quiet():
-    from lab.rundir.progress import Quiet, RunProgress
+    from commlab.lab.rundir.progress import Quiet, RunProgress
 
     class Gone:
         def write(self, text):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.runlog import read_jsonl
+from commlab.engine.runlog import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = {"name": "t", "model": "cnn", "dataset": "digits", "world_size": 2, "steps": 12, "batch_size": 16,
@@ -16,7 +16,7 @@ BASE = {"name": "t", "model": "cnn", "dataset": "digits", "world_size": 2, "step
 
 def commlab(*args, runs, timeout=240):
     env = dict(os.environ, COMMLAB_RUNS=str(runs))
-    return subprocess.run([sys.executable, "-m", "lab.front.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 

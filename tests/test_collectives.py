@@ -1,9 +1,9 @@
-"""NCCL-style collective costs (lab/strategy/perfmodel/collectives.py) against values worked out by hand."""
+"""NCCL-style collective costs (commlab/lab/strategy/perfmodel/collectives.py) against values worked out by hand."""
 import pytest
 
-from lab.strategy.perfmodel import collectives as nc
-from lab.strategy.perfmodel import costs
-from lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
+from commlab.lab.strategy.perfmodel import collectives as nc
+from commlab.lab.strategy.perfmodel import costs
+from commlab.lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
 
 US = 1e-6
 

@@ -1,4 +1,4 @@
-"""The reused CPU buffers of the collectives (engine/comm/buffers.py): a block comes back only once nothing views
+"""The reused CPU buffers of the collectives (commlab/engine/comm/buffers.py): a block comes back only once nothing views
 it, and the engine's payload all-gather and gloo reduce-scatter, which take their buffers there, never hand a caller
 bytes another call overwrites."""
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from engine.comm import buffers
+from commlab.engine.comm import buffers
 from tests.distutil import run_world
 
 BIG = buffers.MIN_BYTES // 4  # float32 elements of a pooled block
@@ -74,8 +74,8 @@ def test_sizes_not_asked_for_again_make_room_for_new_ones(monkeypatch):
 
 
 def _payloads_survive_the_next_call(rank, world):
-    from engine.comm import buffers as pool
-    from engine.comm.collectives import issue_allgather, issue_reduce_scatter
+    from commlab.engine.comm import buffers as pool
+    from commlab.engine.comm.collectives import issue_allgather, issue_reduce_scatter
     pool.clear()
     n = pool.MIN_BYTES // 4 + 3  # pooled, and padded in the send buffer
     first = issue_allgather([torch.full((n,), float(rank + 1))]).wait()

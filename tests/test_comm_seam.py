@@ -7,13 +7,13 @@ import torch
 import torch.distributed as dist
 
 from distutil import run_world
-from engine import schedules
-from engine.comm import modes
-from engine.comm.modes import MODES
-from engine.comm.collectives import (issue_all_to_all, issue_allgather, issue_allgather_into, issue_reduce_scatter,
+from commlab.engine import schedules
+from commlab.engine.comm import modes
+from commlab.engine.comm.modes import MODES
+from commlab.engine.comm.collectives import (issue_all_to_all, issue_allgather, issue_allgather_into, issue_reduce_scatter,
                                      pack_offsets)
-from engine.comm.exchange import local_collective
-from engine.compressors.base import Compressor, Round
+from commlab.engine.comm.exchange import local_collective
+from commlab.engine.compressors.base import Compressor, Round
 
 
 class GatherIdentity(Compressor):
@@ -186,7 +186,7 @@ def test_all_to_all_of_payloads_over_a_process_group():
 def _chunked_exchanges(rank, world):
     """The all-to-alls (of payloads, and dear's reduce-scatter) and the two-rank all-gathers, cut into gloo
     point-to-point messages of 64 bytes, against the same calls as one collective; two in flight at once."""
-    from engine.comm import collectives as C
+    from commlab.engine.comm import collectives as C
     old = C.P2P_CHUNK
     parts = [[torch.arange(100, dtype=torch.float32) + 1000 * rank + j, torch.full((37,), rank - j, dtype=torch.int8)]
              for j in range(world)]

@@ -1,13 +1,13 @@
-"""Reused buffers (engine/compressors): casts keep their payload and decoded tensor, sparse
+"""Reused buffers (commlab/engine/compressors): casts keep their payload and decoded tensor, sparse
 compressors and PowerSGD their large decodes. A kept buffer must never carry an earlier
 call's values into a later result, and exchanges decode into the bucket itself."""
 import pytest
 import torch
 
 from distutil import emulate_exchange
-from engine.compressors import make
-from engine.compressors.powersgd import matrix_shape
-from engine.compressors.kernels import Scratch
+from commlab.engine.compressors import make
+from commlab.engine.compressors.powersgd import matrix_shape
+from commlab.engine.compressors.kernels import Scratch
 
 LARGE = Scratch.MIN + 1001
 """Above the size from which decodes go into a kept buffer; not a multiple of anything."""

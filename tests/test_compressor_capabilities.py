@@ -1,11 +1,11 @@
-"""Capabilities compressors declare instead of being probed for (engine/compressors/base.py):
+"""Capabilities compressors declare instead of being probed for (commlab/engine/compressors/base.py):
 warmup_exchanges (uncompressed exchanges first) and per_tensor (compresses tensor by tensor from
 the layout). The declarations are checked against what the exchanges really do."""
 import pytest
 import torch
 
 from distutil import emulate_exchange
-from engine.compressors import make, names
+from commlab.engine.compressors import make, names
 
 N = 4096
 
@@ -84,7 +84,7 @@ def test_builtin_momentum_is_declared_where_the_method_keeps_momentum():
 def test_the_performance_model_skips_cost_curves_by_the_declared_identity():
     """Only an identity compressor without error feedback runs no compressor code (no cost curve);
     with error feedback, or any real compressor, the model needs the measured curve."""
-    from lab.strategy.perfmodel.calibrate import needs_curve
+    from commlab.lab.strategy.perfmodel.calibrate import needs_curve
     plain = [n for n in names() if not needs_curve({"name": n})]
     assert plain == [n for n in names() if make(n).identity] == ["none"]
     assert needs_curve({"name": "none", "error_feedback": True})

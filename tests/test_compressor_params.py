@@ -1,11 +1,11 @@
-"""What the New run form offers for a compressor (lab.front.new_run.compressor_params): the parameters the
+"""What the New run form offers for a compressor (commlab.lab.front.new_run.compressor_params): the parameters the
 contract names, with defaults that the compressor accepts and that change nothing when sent."""
 import pytest
 import torch
 
 from distutil import emulate_exchange
-from engine.compressors import make, names
-from lab.front import new_run
+from commlab.engine.compressors import make, names
+from commlab.lab.front import new_run
 
 # DESIGN.md: "Each takes its parameters by keyword: ratio (topk, randomk, dgc), threshold (threshold),
 # levels (qsgd), rank (powersgd), rows, cols and k (countsketch)"

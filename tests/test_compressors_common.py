@@ -5,11 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import compressors
-from engine.compressors import make, names
-from engine.compressors.base import ErrorFeedback
-from engine.compressors.params import Param
-from engine.comm.exchange import local_collective, run_exchange
+from commlab.engine import compressors
+from commlab.engine.compressors import make, names
+from commlab.engine.compressors.base import ErrorFeedback
+from commlab.engine.compressors.params import Param
+from commlab.engine.comm.exchange import local_collective, run_exchange
 from distutil import emulate_exchange
 
 # parameters that make each method do real work on small test tensors

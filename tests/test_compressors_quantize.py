@@ -1,4 +1,4 @@
-"""Quantizers, sign compressors and bit packing (engine/compressors/quantize.py, sign.py, bitpack.py).
+"""Quantizers, sign compressors and bit packing (commlab/engine/compressors/quantize.py, sign.py, bitpack.py).
 
 Exchanges are driven by hand, without a process group: next(gen) yields the
 Round, gen.send(reply) answers it, StopIteration carries the averaged tensor.
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.compressors import bitpack, make, names
-from engine.compressors.base import nbytes
-from engine.compressors.base import Round
+from commlab.engine.compressors import bitpack, make, names
+from commlab.engine.compressors.base import nbytes
+from commlab.engine.compressors.base import Round
 
 QUANT = ["fp16", "bf16", "qsgd", "terngrad", "natural", "signsgd", "efsignsgd", "signum", "onebit"]
 SHAPES = [(1,), (7,), (13,), (3, 5), (4, 9), (1000,)]
@@ -488,7 +488,7 @@ def test_qsgd_message_format():
 def test_elementwise_blend_decodes_as_the_table_gather(name, shape, monkeypatch):
     """The eager GPU decode (quantize.blend) gives the CPU table gather's values bit for bit (the eager path:
     on a GPU, float32 takes the fused kernels of tests/test_fused.py unless COMMLAB_FUSED=0)."""
-    from engine.compressors import quantize
+    from commlab.engine.compressors import quantize
     monkeypatch.setenv("COMMLAB_FUSED", "0")
     torch.manual_seed(3)
     c = make(name)

@@ -10,12 +10,12 @@ import torch
 
 from distutil import emulate_exchange
 
-from engine.compressors import make
-from engine.compressors.base import nbytes
-from engine.compressors.countsketch import median_rows
-from engine.compressors.powersgd import orthogonalize_
-from engine.compressors import REGISTRY as COMPRESSORS
-from engine.compressors.kernels import top_indices
+from commlab.engine.compressors import make
+from commlab.engine.compressors.base import nbytes
+from commlab.engine.compressors.countsketch import median_rows
+from commlab.engine.compressors.powersgd import orthogonalize_
+from commlab.engine.compressors import REGISTRY as COMPRESSORS
+from commlab.engine.compressors.kernels import top_indices
 
 NAMES = ("topk", "randomk", "threshold", "dgc", "powersgd", "countsketch")
 SMALL = {"topk": {"ratio": 0.2}, "randomk": {"ratio": 0.2}, "threshold": {"threshold": 0.5},
@@ -602,7 +602,7 @@ def _block_slots(plan, n):
 def test_countsketch_wide_tables_rotate_blocks(monkeypatch, rows):
     # wide tables hash whole blocks of cols coordinates (a rotation and a sign per block and row) and
     # sketch and decode by contiguous slices: compare with index_add / index_select over the same hash
-    import engine.compressors.countsketch as cs
+    import commlab.engine.compressors.countsketch as cs
     monkeypatch.setattr(cs, "SLICES_FROM", 1000)
     monkeypatch.setattr(cs, "PIECE", 700)  # pieces that do not divide the blocks
     torch.manual_seed(21)

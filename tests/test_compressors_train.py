@@ -4,8 +4,8 @@ import functools
 import torch
 
 from distutil import run_world
-from engine import compressors, data, models, schedules
-from engine.comm.wfbp import WFBP
+from commlab.engine import compressors, data, models, schedules
+from commlab.engine.comm.wfbp import WFBP
 
 STEPS = 40
 NO_SGD_MOMENTUM = {"dgc", "signum"}  # they apply momentum themselves

@@ -1,4 +1,4 @@
-"""The caches mend themselves: the split cache (engine.data, ``$COMMLAB_CACHE``) and the performance
+"""The caches mend themselves: the split cache (commlab.engine.data, ``$COMMLAB_CACHE``) and the performance
 model's files beside the runs (cost curves, saved profiles, the properties checklist). A damaged file is
 kept aside and made again, with a line on stderr, and writers at once never mix their bytes."""
 import json
@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from engine import data
-from lab.strategy.perfmodel import views, whatif
-from lab.base.specs import load_spec
+from commlab.engine import data
+from commlab.lab.strategy.perfmodel import views, whatif
+from commlab.lab.base.specs import load_spec
 
 DIGITS = ("digits", ("scikit-learn",), data._digits_split)
 

@@ -7,9 +7,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distutil import run_world
-from engine import compressors, data, models, schedules
-from engine.comm.modes import MODES
-from engine.comm.wfbp import WFBP
+from commlab.engine import compressors, data, models, schedules
+from commlab.engine.comm.modes import MODES
+from commlab.engine.comm.wfbp import WFBP
 
 STEPS = 20
 

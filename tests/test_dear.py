@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from distutil import run_world
-from engine import schedules
-from engine.comm import dear
-from engine.compressors.base import Compressor
-from engine.compressors.plan import Plan
-from engine.tuners import capsearch
-from engine.schedules import ParamInfo
-from engine.spec import JobSpec, SpecError
+from commlab.engine import schedules
+from commlab.engine.comm import dear
+from commlab.engine.compressors.base import Compressor
+from commlab.engine.compressors.plan import Plan
+from commlab.engine.tuners import capsearch
+from commlab.engine.schedules import ParamInfo
+from commlab.engine.spec import JobSpec, SpecError
 
 STEPS = 20
 MID = 10
@@ -34,7 +34,7 @@ def _max_diff(a: dict, b: dict) -> float:
 def _pair(rank, world, opt, variants):
     """A sync trainer and dear trainers (one per comm variant) on the same batches: the parameter
     differences at the middle (before and after evaluation) and at the end, and the eval losses."""
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     dev = torch.device("cpu")
     ref = Trainer(_spec("sync", opt), None, rank, world, dev)
     ours = [Trainer(_with(opt, v), None, rank, world, dev) for v in variants]
@@ -95,7 +95,7 @@ def test_dear_equals_sync_adam_and_through_the_cap_search():
 def _fp16(rank, world, ef):
     """dear with fp16 against sync with fp16: the same arithmetic (cast, pre-divide, sum in half),
     and with error feedback the same residual, kept per element across dear's relayouts (tune)."""
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     dev = torch.device("cpu")
     d = _spec("sync", "sgd").to_dict()
     d["compressor"] = {"name": "fp16", "error_feedback": ef}
@@ -123,7 +123,7 @@ def test_dear_fp16_matches_sync_fp16(ef):
 
 
 def _timeline(rank, world, run_dir):
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     d = _with("sgd", {"cap_mb": 0.05}).to_dict()
     d["timeline"] = True
     t = Trainer(JobSpec.from_dict(d), run_dir, rank, world, torch.device("cpu"))
@@ -158,7 +158,7 @@ def _relayout(rank, world):
     """Relayout mid-training (Adam): the state moves element by element, so training goes on
     exactly as with one layout throughout."""
     import copy
-    from engine import data, models
+    from commlab.engine import data, models
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     base = models.build("mlp", ds.info)
@@ -200,7 +200,7 @@ def _residuals(d):
 
 
 def _relayout_residual(rank, world):
-    from engine import data, models
+    from commlab.engine import data, models
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = models.build("mlp", ds.info)
@@ -332,7 +332,7 @@ def _int8_step(rank, world, ef):
     """One backward through DeAR with int8 buffers; every rank's gradient buffers (gathered) for the
     reference, the shard gradients dear produced, and the error-feedback residuals."""
     import torch.distributed as dist
-    from engine import data, models
+    from commlab.engine import data, models
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = models.build("cnn", ds.info)
@@ -404,7 +404,7 @@ def test_dear_int8_error_feedback_sends_what_was_owed():
 
 
 def _int8_train(rank, world):
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     dev = torch.device("cpu")
     ref = Trainer(_spec("sync", "sgd"), None, rank, world, dev)
     out = []
@@ -473,7 +473,7 @@ def _own_compressors(rank, world):
     """One backward of the same batch under dear with none, Halves and HalfSlices: each buffer's shard
     gradient, and each instance's bytes and rounds."""
     import copy
-    from engine import data, models
+    from commlab.engine import data, models
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     base = models.build("cnn", ds.info)

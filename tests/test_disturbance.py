@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 
-import lab
+import commlab
 from distutil import stop_warm_servers, warm_servers
-from lab.rundir import disturbance as dist
-from lab.base.paths import INDEX
-from lab.rundir.index import Index
-from lab.service.queue import Lab
-from lab.base.errors import LabError
-from lab.rundir.store import RunStore
-from lab.service import spawn  # noqa: E402
+from commlab.lab.rundir import disturbance as dist
+from commlab.lab.base.paths import INDEX
+from commlab.lab.rundir.index import Index
+from commlab.lab.service.queue import Lab
+from commlab.lab.base.errors import LabError
+from commlab.lab.rundir.store import RunStore
+from commlab.lab.service import spawn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"name": "cpu", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 20, "batch_size": 16,
@@ -118,7 +118,7 @@ def test_a_job_another_launcher_started_counts_every_local_rank_as_its_own(tmp_p
     """torchrun --nproc-per-node 2 ... commlab run: torchrun's agent (50) starts two `commlab run`s (100, this
     rank 0 that samples, and 300), each running its worker (200, 400). With the agent as the job's root every
     rank is the run's own; without it, rank 1 counted as another process (91% 'other' in a review)."""
-    from lab.rundir.launcher import JobRank
+    from commlab.lab.rundir.launcher import JobRank
     proc = tmp_path / "proc"
     now = [0.0]
 
@@ -266,7 +266,7 @@ def test_threshold_from_lab_json(tmp_path):
 
 def test_old_index_gains_the_columns(tmp_path):
     store = RunStore(tmp_path)
-    run = store.create(lab._spec(SPEC))
+    run = store.create(commlab.spec(SPEC))
     run.set_status("done", disturbance={"other_cpu": 0.3, "disturbed": True, "threshold": 0.1})
     old_cols = [c for c in Index(store).row_of(run) if c not in ("other_cpu", "disturbed")]
     (tmp_path / INDEX).unlink(missing_ok=True)
@@ -284,7 +284,7 @@ def test_old_index_gains_the_columns(tmp_path):
 
 def commlab(*args, runs, timeout=300, env=None):
     env = dict(env or os.environ, COMMLAB_RUNS=str(runs))
-    return subprocess.run([sys.executable, "-m", "lab.front.cli", *args], cwd=ROOT, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -329,7 +329,7 @@ def test_busy_neighbour_marks_the_run_disturbed(busy_run):
     assert "OTHER CPU" in listing.stdout and f"{d['other_cpu']:.0%} disturbed" in listing.stdout, listing.stdout
     (row,) = Lab(runs).index.query()
     assert row["disturbed"] == 1 and row["other_cpu"] == pytest.approx(d["other_cpu"])
-    table = lab.compare([run])
+    table = commlab.compare([run])
     assert bool(table.loc[run.id, "disturbed"]) is True and table.loc[run.id, "other_cpu"] == d["other_cpu"]
 
 
@@ -338,7 +338,7 @@ def test_the_ui_warns_about_a_disturbed_run(busy_run, monkeypatch):
     _, run, runs = busy_run
     monkeypatch.setenv("COMMLAB_RUNS", str(runs))
     d = run.status()["disturbance"]
-    at = AppTest.from_file(str(ROOT / "app" / "streamlit_app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "commlab" / "app" / "streamlit_app.py"), default_timeout=120)
     at.query_params["run"] = run.id
     at.run().switch_page("views/live_run.py").run()
     assert not at.exception, [e.value for e in at.exception]
@@ -394,7 +394,7 @@ def test_a_killed_supervisor_leaves_the_figure_so_far(tmp_path):
     runs = tmp_path / "runs"
     spec = tmp_path / "long.json"
     spec.write_text(json.dumps(dict(SPEC, steps=100000)))
-    p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
+    p = subprocess.Popen([sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         t0 = time.time()

@@ -72,7 +72,7 @@ def test_every_notebook_is_a_page_with_its_figures(site):
 
 
 def test_every_cli_command_is_in_the_cli_reference(site):
-    from lab.front.cli import build_parser
+    from commlab.lab.front.cli import build_parser
     hooks = load_script("mkdocs_hooks")
     page = (site / "reference" / "cli" / "index.html").read_text()
     names = [full for full, _, _ in hooks.commands(build_parser())]
@@ -85,8 +85,8 @@ def test_every_spec_field_and_compressor_is_in_the_reference(site):
     import dataclasses
     import typing
 
-    from engine import compressors
-    from engine import spec as S
+    from commlab.engine import compressors
+    from commlab.engine import spec as S
     page = (site / "reference" / "spec" / "index.html").read_text()
 
     def paths(cls, prefix=""):
@@ -167,8 +167,8 @@ NUMBER_WORDS = {3: "three", 4: "four", 5: "five", 6: "six", 7: "seven", 8: "eigh
 
 def test_the_docs_count_the_presets_from_the_code():
     """README, Getting started and the docs' front page say how many one-click experiments the UI's Home has:
-    as many as lab/analysis/presets.py PRESETS holds."""
-    from lab.analysis.presets import PRESETS
+    as many as commlab/lab/analysis/presets.py PRESETS holds."""
+    from commlab.lab.analysis.presets import PRESETS
     word = NUMBER_WORDS[len(PRESETS)]
     for page in (ROOT / "README.md", DOCS / "getting-started.md", DOCS / "index.md"):
         said = re.findall(r"(\w+) one-click experiments", page.read_text(), re.I)
@@ -186,11 +186,11 @@ def test_commands_in_the_docs_run_torchrun_from_the_venv():
 
 
 def test_no_text_names_the_old_perfmodel_package():
-    """The performance model moved to lab/strategy/perfmodel: no output string, docstring or page names the
+    """The performance model moved to commlab/lab/strategy/perfmodel: no output string, docstring or page names the
     old path (``predict --device``'s sources and the ``commlab bench`` list did). Data recorded by old runs
     (bench/results, bench/data) keeps what it said then."""
     old = re.compile(r"\blab[./]" + "perfmodel")
-    files = [p for d in ("lab", "app", "commlab", "scripts", "tests") for p in (ROOT / d).rglob("*.py")]
+    files = [p for d in ("commlab", "scripts", "tests") for p in (ROOT / d).rglob("*.py")]
     files += list((ROOT / "bench").glob("*.py")) + list(DOCS.rglob("*.md")) + [ROOT / "README.md"]
     bad = [f"{p.relative_to(ROOT)}:{i}" for p in files for i, ln in enumerate(p.read_text().splitlines(), 1)
            if old.search(ln)]
@@ -299,7 +299,7 @@ def stale_names(text: str):
     """(offset, name) of each module or file ``text`` names that is not in the source tree."""
     out = []
     for m in DOTTED_NAME.finditer(text):
-        name = m.group(1)  # lab.front.* names lab.front
+        name = m.group(1)  # commlab.lab.front.* names commlab.lab.front
         if name.rsplit(".", 1)[-1] in FILE_SUFFIXES:
             continue
         full = name + (f":{m.group(2)}" if m.group(2) else "")
@@ -345,8 +345,8 @@ def product_and_docs():
 
 
 def test_every_module_and_file_the_words_name_is_there():
-    """Every dotted module path (``lab.front.cli``, ``engine.comm.exchange.Exchange``) and file path
-    (``engine/comm/dear.py``, ``tests/test_docs.py``, with ``::name`` a test in it) named in the product's
+    """Every dotted module path (``commlab.lab.front.cli``, ``commlab.engine.comm.exchange.Exchange``) and file path
+    (``commlab/engine/comm/dear.py``, ``tests/test_docs.py``, with ``::name`` a test in it) named in the product's
     docstrings, comments and strings, in the docs, the README and the notebooks' text exists: moved modules
     leave no old names behind (``lab.workshop``, ``lab/spawn.py``, ``engine/comm.py`` were). Names outside the
     project's packages (``mypkg.codecs:ScaledSign``, ``compressor.name``) are not checked; bench/results and
@@ -362,14 +362,14 @@ def test_every_module_and_file_the_words_name_is_there():
 
 
 def test_the_name_check_finds_a_stale_name(tmp_path):
-    text = ("lab.run(spec) reads runs/<id>/lab.json; lab.front.cli:main; engine.comm.exchange; mypkg.codecs:Sign\n"
-            "compressor.name, lab.front.*, see lab/strategy/perfmodel/ and bench/results/*.md, tests/test_docs.py::"
+    text = ("commlab.run(spec) reads runs/<id>/lab.json; commlab.lab.front.cli:main; commlab.engine.comm.exchange; mypkg.codecs:Sign\n"
+            "compressor.name, commlab.lab.front.*, see commlab/lab/strategy/perfmodel/ and bench/results/*.md, tests/test_docs.py::"
             "test_nothing_speaks_of_issues and test_docs.py; f'{lab.root}'; bench/NAME.py; commlab/DDP; "
             "--out bench/results/cpu_buffers; notebooks/html/00_tour.html\n"
-            "Gone: lab.workshop, lab/spawn.py, engine.comm.exchange.Nothing, lab.front.cli:nothing, "
+            "Gone: lab.workshop, lab/spawn.py, commlab.engine.comm.exchange.Nothing, commlab.lab.front.cli:nothing, "
             "tests/test_docs.py::test_gone, test_gone.py.")
-    assert [n for _, n in stale_names(text)] == ["lab.workshop", "engine.comm.exchange.Nothing",
-                                                  "lab.front.cli:nothing", "lab/spawn.py",
+    assert [n for _, n in stale_names(text)] == ["lab.workshop", "commlab.engine.comm.exchange.Nothing",
+                                                  "commlab.lab.front.cli:nothing", "lab/spawn.py",
                                                   "tests/test_docs.py::test_gone", "test_gone.py"]
     assert [n for _, n in stale_names("# at the end of a comment: lab/auto.py")] == ["lab/auto.py"]
     assert [n for _, n in stale_names("(lab.sandbox")] == ["lab.sandbox"]
@@ -384,7 +384,7 @@ def test_the_name_check_finds_a_stale_name(tmp_path):
 def test_the_advise_how_to_names_only_flags_advise_has():
     """Every flag in the how-to's synopsis is one ``commlab advise`` takes (it said ``--json advice.json``; the
     file flag is ``--json-out``)."""
-    from lab.front.cli import build_parser
+    from commlab.lab.front.cli import build_parser
     synopsis = re.search(r"```bash\n(.*?)```", (DOCS / "how-to" / "advise.md").read_text(), re.S).group(1)
     sub = next(a for a in build_parser()._actions if a.dest == "command" or getattr(a, "choices", None)
                and "advise" in (a.choices or {}))
@@ -401,7 +401,7 @@ def test_nothing_speaks_of_issues():
     """The product, its docs, notebooks, benchmark results and tests speak of the project alone: an issue number
     or "the issue" means nothing to a reader of the lab (a figure's target is the target, a change's reason
     is said in words)."""
-    dirs = ("engine", "lab", "app", "commlab", "scripts", "tests", "bench", "notebooks", "examples", "docs")
+    dirs = ("commlab", "scripts", "tests", "bench", "notebooks", "examples", "docs")
     files = [p for d in dirs for p in (ROOT / d).rglob("*")
              if p.suffix in (".py", ".md", ".ipynb", ".yaml", ".yml", ".txt") and p.is_file()]
     files.append(ROOT / "README.md")

@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.runlog import read_jsonl
-from lab.rundir.launcher import JobRank
-from lab.base.torchrun import free_port
+from commlab.engine.runlog import read_jsonl
+from commlab.lab.rundir.launcher import JobRank
+from commlab.lab.base.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,7 +27,7 @@ def test_two_commlab_runs_join_one_job(tmp_path):
                                 "steps": 8, "batch_size": 16, "eval_every": 4, "threads": 1,
                                 "compressor": {"name": "topk", "ratio": 0.05, "error_feedback": True}}))
     runs, port = tmp_path / "runs", free_port()
-    argv = [sys.executable, "-m", "lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs)]
+    argv = [sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs)]
     p1 = subprocess.Popen(argv, cwd=ROOT, env=_env(1, 2, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     p0 = subprocess.Popen(argv, cwd=ROOT, env=_env(0, 2, port), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -49,7 +49,7 @@ def test_two_commlab_runs_join_one_job(tmp_path):
 def test_a_job_of_another_size_is_refused_in_one_line(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"world_size": 2}))
-    p = subprocess.run([sys.executable, "-m", "lab.front.cli", "run", str(spec), "--runs", str(tmp_path / "runs")],
+    p = subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--runs", str(tmp_path / "runs")],
                        cwd=ROOT, env=_env(0, 4, free_port()), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True, timeout=120)
     assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr

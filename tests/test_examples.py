@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import preflight
-from lab.base.specs import load_spec
+from commlab.engine import preflight
+from commlab.lab.base.specs import load_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -43,7 +43,7 @@ def test_an_outside_model_takes_its_first_batch(on_path, name):
 
 def test_your_own_model_trains_from_the_cli(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(EXAMPLES), str(ROOT)])}
-    r = subprocess.run([sys.executable, "-m", "lab.front.cli", "run", str(EXAMPLES / "own-model.yaml"), "--quiet",
+    r = subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", "run", str(EXAMPLES / "own-model.yaml"), "--quiet",
                         "--set", "eval_every=0", "--set", "threads=1",
                         "--runs", str(tmp_path / "runs")],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)

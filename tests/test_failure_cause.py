@@ -1,13 +1,13 @@
 """Which rank caused a failure, from torchrun's report in log.txt and the ranks' error files
-(lab/rundir/launcher.py failure_cause, rank_exits_from_log). The logs are real torchrun 2.x output of
+(commlab/lab/rundir/launcher.py failure_cause, rank_exits_from_log). The logs are real torchrun 2.x output of
 jobs where one rank was killed, raised, or exited without a word."""
 import json
 from pathlib import Path
 
 import pytest
 
-from lab.rundir.launcher import failure_cause, finish_status, rank_exits_from_log
-from lab.rundir.store import Run
+from commlab.lab.rundir.launcher import failure_cause, finish_status, rank_exits_from_log
+from commlab.lab.rundir.store import Run
 
 LOGS = Path(__file__).parent / "data" / "torchrun"
 PEER_LOST = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error "

@@ -1,4 +1,4 @@
-"""The fused kernels (engine/compressors/fused.py) held to the eager codecs they stand in for.
+"""The fused kernels (commlab/engine/compressors/fused.py) held to the eager codecs they stand in for.
 
 They run where Triton runs: on a CUDA GPU, or on the CPU under Triton's interpreter
 (``TRITON_INTERPRET=1 COMMLAB_FUSED=interpret``, with triton installed: how they were written on a machine
@@ -13,10 +13,10 @@ import copy
 import pytest
 import torch
 
-from engine import compressors
-from engine.compressors import fused
-from engine.compressors.quantize import _Ctx
-from engine.compressors.sign import _Vote
+from commlab.engine import compressors
+from commlab.engine.compressors import fused
+from commlab.engine.compressors.quantize import _Ctx
+from commlab.engine.compressors.sign import _Vote
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not fused.on(DEVICE, torch.float32),
@@ -101,7 +101,7 @@ def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params, scal
     elif name == "natural":
         assert (payload[0].item() > 0) == (scale > 1)
     else:
-        from engine.compressors import bitpack
+        from commlab.engine.compressors import bitpack
         assert bitpack.unpack_2bit(payload[1], n).max().item() <= 3
     with fused.disabled():
         torch.testing.assert_close(c.decompress(payload, ctx), make(name, **params).decompress(payload, ctx))

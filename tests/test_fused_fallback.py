@@ -1,12 +1,12 @@
 """A GPU whose Triton or driver cannot build or run the fused kernels: the first use tries every kernel once
-(engine/compressors/fused.py ``smoke``), and a failure leaves the process on the eager codecs, said once, with
+(commlab/engine/compressors/fused.py ``smoke``), and a failure leaves the process on the eager codecs, said once, with
 the reason kept. Runs anywhere: the device is stood in for."""
 import warnings
 
 import pytest
 import torch
 
-from engine.compressors import fused
+from commlab.engine.compressors import fused
 
 
 @pytest.fixture

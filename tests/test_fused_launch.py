@@ -1,4 +1,4 @@
-"""How the fused kernels are launched (engine/compressors/fused.py ``_launch``): after Triton's first launch of a
+"""How the fused kernels are launched (commlab/engine/compressors/fused.py ``_launch``): after Triton's first launch of a
 kernel for a specialization, commlab launches the compiled kernel itself, skipping Triton's per-call binding (the
 default; ``COMMLAB_FUSED_LAUNCH=triton`` keeps Triton's launch).
 
@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 
-from engine import compressors
-from engine.compressors import fused
+from commlab.engine import compressors
+from commlab.engine.compressors import fused
 
 
 def test_the_key_separates_what_triton_specializes_on():
@@ -45,7 +45,7 @@ def test_an_empty_hook_chain_is_no_hook():
     triton = pytest.importorskip("triton")
     if not hasattr(triton, "knobs"):
         pytest.skip("a Triton without knobs keeps its own launch")
-    from engine.compressors import fused_kernels as k
+    from commlab.engine.compressors import fused_kernels as k
     chain = triton.knobs.HookChain()
     assert not k._set(None) and not k._set(chain)
     chain.add(print)

@@ -7,9 +7,9 @@ import os
 import torch
 
 from distutil import run_world
-from engine import compressors, data, models, schedules
-from engine.comm.wfbp import WFBP
-from engine.spec import JobSpec
+from commlab.engine import compressors, data, models, schedules
+from commlab.engine.comm.wfbp import WFBP
+from commlab.engine.spec import JobSpec
 
 STEPS = 20
 
@@ -21,7 +21,7 @@ def _spec(schedule: dict, compressor="none") -> JobSpec:
 
 
 def _train(rank, world, root):
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     out = {}
     for name, sched in (("bucket", {"name": "bucket", "cap_mb": 0.05}),
                         # short searches: 1 warm-up step, 2 timed steps per candidate, up to 4 candidates
@@ -139,7 +139,7 @@ def test_relayout_keeps_error_feedback_per_parameter():
 def _first_relayout(rank, world, root):
     """mergecomp over PowerSGD with a plain start of 3 exchanges: the step after which the layout first
     changes, and tuning.json's count of the compressor's warm-up steps."""
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     sched = {"name": "mergecomp", "warmup_steps": 1, "steps_per_candidate": 2, "max_groups": 3, "max_candidates": 3}
     comp = {"name": "powersgd", "params": {"rank": 1, "start_iter": 3}}
     t = Trainer(_spec(sched, comp), root if rank == 0 else None, rank, world, torch.device("cpu"))

@@ -4,11 +4,11 @@ import random
 
 import pytest
 
-from engine import schedules
-from engine.schedules import CallCost, ParamInfo
-from engine.spec import JobSpec, SpecError
-from engine.tuners.layerfusion import LayerFusionTuner, fit_cost
-from engine.tuners.mergecomp import MergeCompSearch
+from commlab.engine import schedules
+from commlab.engine.schedules import CallCost, ParamInfo
+from commlab.engine.spec import JobSpec, SpecError
+from commlab.engine.tuners.layerfusion import LayerFusionTuner, fit_cost
+from commlab.engine.tuners.mergecomp import MergeCompSearch
 
 
 def fake_params(sizes, dtype="float32"):

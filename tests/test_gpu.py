@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from distutil import run_world
-from engine import compressors
-from engine.compressors import conformance
-from engine.runlog import read_jsonl
+from commlab.engine import compressors
+from commlab.engine.compressors import conformance
+from commlab.engine.runlog import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -29,7 +29,7 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs (NCCL, one 
 
 def _run(tmp_path, *sets, spec="demo.yaml", env=None):
     runs = tmp_path / "runs"
-    args = [sys.executable, "-m", "lab.front.cli", "run", str(ROOT / "examples" / spec), "--quiet", "--runs", str(runs),
+    args = [sys.executable, "-m", "commlab.lab.front.cli", "run", str(ROOT / "examples" / spec), "--quiet", "--runs", str(runs),
             "--set", "device=cuda", "--set", "eval_every=0"]
     for s in sets:
         args += ["--set", s]
@@ -64,7 +64,7 @@ def _final_loss(run_dir):
 def test_the_fused_kernels_ran_here():
     """Where the fused kernels are meant to run (compute capability 8.0 on, Triton), every one built and ran at
     first use: a failure there would leave the suite's fused-kernel tests skipped, not failed."""
-    from engine.compressors import fused
+    from commlab.engine.compressors import fused
     if torch.cuda.get_device_capability(0) < fused.MIN_CAPABILITY or not fused._import():
         pytest.skip("no fused kernels on this GPU (before Ampere, or no Triton)")
     assert fused.on(torch.device("cuda", 0), torch.float32), fused.problem
@@ -107,7 +107,7 @@ def test_nccl_refuses_two_ranks_on_one_gpu_with_a_clear_error(tmp_path):
     if GPUS >= 2:
         pytest.skip("two GPUs: NCCL has one per rank")
     runs = tmp_path / "runs"
-    r = subprocess.run([sys.executable, "-m", "lab.front.cli", "run", str(ROOT / "examples" / "demo.yaml"), "--quiet",
+    r = subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", "run", str(ROOT / "examples" / "demo.yaml"), "--quiet",
                         "--runs", str(runs), "--set", "device=cuda", "--set", "backend=nccl", "--set", "steps=5"],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0
@@ -142,7 +142,7 @@ def test_a_users_compressor_trains_on_one_gpu(tmp_path):
 @pytest.mark.parametrize("name,params", [(n, {}) for n in compressors.names()] + [("mypkg.codecs:ScaledSign",
                                                                                    {"scale": 0.5})])
 def test_conformance_checks_pass_on_cuda_tensors(name, params, monkeypatch, forget_modules):
-    """The promises every compressor makes (engine/compressors/conformance.py), with its inputs on the GPU:
+    """The promises every compressor makes (commlab/engine/compressors/conformance.py), with its inputs on the GPU:
     the built-ins and the example package's; ``commlab check compressor NAME --device cuda`` runs the same."""
     if name.startswith("mypkg"):
         forget_modules("mypkg")
@@ -154,7 +154,7 @@ def test_conformance_checks_pass_on_cuda_tensors(name, params, monkeypatch, forg
 @needs_gpu
 def test_check_command_on_cuda(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "examples") + os.pathsep + str(ROOT)}
-    r = subprocess.run([sys.executable, "-m", "lab.front.cli", "check", "compressor", "mypkg.codecs:ScaledSign",
+    r = subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", "check", "compressor", "mypkg.codecs:ScaledSign",
                         "--device", "cuda", "--checks-only"], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and " passed, 0 failed" in r.stdout, r.stdout + r.stderr

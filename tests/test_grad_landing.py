@@ -1,5 +1,5 @@
 """Where gradients land: the copy-in and re-pointing after zero_grad(set_to_none=True), the
-"produced twice" error, and the divergence check (engine/comm/core.py land_grad, Sync, WFBP and DeAR
+"produced twice" error, and the divergence check (commlab/engine/comm/core.py land_grad, Sync, WFBP and DeAR
 grads_finite), against hand-computed averages."""
 import functools
 from types import SimpleNamespace
@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from distutil import run_world
-from engine import schedules
-from engine.comm.core import land_grad
+from commlab.engine import schedules
+from commlab.engine.comm.core import land_grad
 
 
 def fake_bucket(n=2):
@@ -73,8 +73,8 @@ def _reference_grads(x):
 
 
 def _set_to_none(rank, world, mode):
-    from engine.comm.modes import MODES
-    from engine.compressors import make
+    from commlab.engine.comm.modes import MODES
+    from commlab.engine.compressors import make
     model = _model()
     handed = {}  # param -> autograd's gradient was not the bucket view (seen before the communicator's hook runs)
 
@@ -118,10 +118,10 @@ def test_set_to_none_copies_in_and_points_grad_at_the_bucket_again(mode):
 
 
 def _twice(rank, world, kind):
-    from engine.comm.dear import DeAR
-    from engine.comm.wfbp import Sync
-    from engine.compressors import make
-    from engine.schedules import layout_cap
+    from commlab.engine.comm.dear import DeAR
+    from commlab.engine.comm.wfbp import Sync
+    from commlab.engine.compressors import make
+    from commlab.engine.schedules import layout_cap
     model = _model()
     if kind == "dear":
         dp = DeAR(model, lambda ps: layout_cap(ps, 25.0), lambda: make("none"))  # noqa: F841 - kept alive for its hooks
@@ -143,9 +143,9 @@ def test_a_second_backward_before_finish_is_an_error(kind):
 
 
 def _finite(rank, world, kind):
-    from engine.comm.modes import MODES
-    from engine.compressors import make
-    from engine.schedules import layout_cap
+    from commlab.engine.comm.modes import MODES
+    from commlab.engine.compressors import make
+    from commlab.engine.schedules import layout_cap
     model = _model()
     if kind == "dear":
         dp = MODES["dear"](model, lambda ps: layout_cap(ps, 25.0), lambda: make("none"))

@@ -1,4 +1,4 @@
-"""CUDA graphs of compress (engine/compressors/graphs.py, ``COMMLAB_GRAPHS=1``).
+"""CUDA graphs of compress (commlab/engine/compressors/graphs.py, ``COMMLAB_GRAPHS=1``).
 
 On the CPU: the bookkeeping, with a stand-in for the graph (when a call is eager, captured or replayed; what
 changes the key; eviction; a failed capture; copies). On a GPU: graphed calls held bit for bit to eager ones of
@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import compressors
-from engine.compressors import fused, graphs
+from commlab.engine import compressors
+from commlab.engine.compressors import fused, graphs
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -332,7 +332,7 @@ def test_a_run_with_graphs_trains_as_the_eager_run(tmp_path, name, mode):
     losses = {}
     for way in ("0", "1"):
         runs = tmp_path / way
-        r = subprocess.run([sys.executable, "-m", "lab.front.cli", "run", str(ROOT / "examples" / "demo.yaml"), "--quiet",
+        r = subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", "run", str(ROOT / "examples" / "demo.yaml"), "--quiet",
                             "--runs", str(runs), "--set", "device=cuda", "--set", "eval_every=0", "--set", "world_size=2",
                             "--set", "steps=30", "--set", "model=mlp", "--set", f"compressor.name={name}",
                             "--set", "optimizer.lr=0.01", "--set", "optimizer.momentum=0",

@@ -6,9 +6,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from distutil import run_world
-from engine import data, models
-from engine.compressors import names
-from engine.comm.hooks import ddp_hook
+from commlab.engine import data, models
+from commlab.engine.compressors import names
+from commlab.engine.comm.hooks import ddp_hook
 
 
 def _train(rank, world, cases, steps):

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-import lab
-from lab.base.paths import INDEX
-from lab.rundir.index import Index, RunIndexError
-from lab.rundir.store import RunStore
+import commlab
+from commlab.lab.base.paths import INDEX
+from commlab.lab.rundir.index import Index, RunIndexError
+from commlab.lab.rundir.store import RunStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC = {"name": "ix", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 5, "batch_size": 16,
@@ -21,7 +21,7 @@ SPEC = {"name": "ix", "model": "mlp", "dataset": "digits", "world_size": 2, "ste
 
 
 def new_run(store, i, state="done"):
-    run = store.create(lab._spec(dict(SPEC, seed=i)))
+    run = store.create(commlab.spec(dict(SPEC, seed=i)))
     run.set_status(state)
     return run
 
@@ -120,14 +120,14 @@ def test_an_error_sqlite_does_not_name_is_rebuilt_only_when_quick_check_fails(tm
 
 CHILD = r"""
 import sys
-import lab
-from lab.rundir.index import Index
-from lab.rundir.store import RunStore
+import commlab
+from commlab.lab.rundir.index import Index
+from commlab.lab.rundir.store import RunStore
 store = RunStore(sys.argv[1])
 index = Index(store)
 print(len(index.query()), flush=True)  # this process uses the index before it is damaged and rebuilt
 sys.stdin.readline()
-run = store.create(lab._spec({"name": "late", "model": "mlp", "dataset": "digits", "steps": 5}))
+run = store.create(commlab.spec({"name": "late", "model": "mlp", "dataset": "digits", "steps": 5}))
 run.set_status("done")
 index.update(run)
 print(run.id, flush=True)
@@ -254,12 +254,12 @@ def test_a_damaged_page_is_found_and_the_index_rebuilt(tmp_path, capsys):
 def test_an_update_the_index_cannot_take_is_owed_and_paid_at_the_next_read(tmp_path, monkeypatch, capsys):
     """A supervisor writing status.json while the index is locked for long (or the disk is full) carries on:
     the row is owed, said on stderr, and the next query writes it from the run's directory."""
-    import lab
-    from lab.rundir.index import Index, RunIndexError
-    from lab.service.queue import Lab
+    import commlab
+    from commlab.lab.rundir.index import Index, RunIndexError
+    from commlab.lab.service.queue import Lab
     from test_app import SMALL
     q = Lab(tmp_path)
-    run = q.create(lab._spec(SMALL))
+    run = q.create(commlab.spec(SMALL))
     real = Index._with
 
     def locked(self, fn):

@@ -20,8 +20,8 @@ pytest.importorskip("jupyterlab")
 pytest.importorskip("ipykernel")
 websocket = pytest.importorskip("websocket")  # websocket-client, a dependency of jupyter_server
 
-from lab.front import jupyter  # noqa: E402
-from lab.front.cli import main  # noqa: E402
+from commlab.lab.front import jupyter  # noqa: E402
+from commlab.lab.front.cli import main  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted(p.name for p in (ROOT / "notebooks").glob("*.ipynb"))
@@ -61,7 +61,7 @@ def alive(pid: int) -> bool:
 
 
 class Server:
-    """``python -m lab.front.cli notebooks --no-browser`` in a private Jupyter home, read through its REST API."""
+    """``python -m commlab.lab.front.cli notebooks --no-browser`` in a private Jupyter home, read through its REST API."""
 
     def __init__(self, tmp_path: Path):
         self.port = free_port()
@@ -77,7 +77,7 @@ class Server:
                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         env.pop("JUPYTER_TOKEN", None)
         with open(self.log, "wb") as f:
-            self.p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "notebooks", "--no-browser",
+            self.p = subprocess.Popen([sys.executable, "-m", "commlab.lab.front.cli", "notebooks", "--no-browser",
                                        "--port", str(self.port)], env=env, cwd=str(tmp_path),
                                       stdout=f, stderr=subprocess.STDOUT)
         self.procs = set()
@@ -200,12 +200,12 @@ def test_serves_the_notebooks_runs_lab_in_the_kernel_and_stops_on_sigterm(server
     assert specs["kernelspecs"]["python3"]["spec"]["argv"][0] == sys.executable  # ours, not the decoy
 
     kernel = server.request("/api/kernels", "POST", {"name": "python3"})
-    out = server.execute(kernel["id"], "import os, sys, lab\n"
-                                       "print('KERNEL', sys.executable, lab.__file__, os.environ['COMMLAB_RUNS'])")
+    out = server.execute(kernel["id"], "import os, sys, commlab\n"
+                                       "print('KERNEL', sys.executable, commlab.__file__, os.environ['COMMLAB_RUNS'])")
     line = next(l for l in out.splitlines() if l.startswith("KERNEL "))
     _, exe, lab_file, runs = line.split(" ")
     assert exe == sys.executable
-    assert Path(lab_file).resolve() == (ROOT / "lab" / "__init__.py").resolve()
+    assert Path(lab_file).resolve() == (ROOT / "commlab" / "__init__.py").resolve()
     assert Path(runs) == server.runs.resolve()
     assert [k["id"] for k in server.get("/api/kernels")] == [kernel["id"]]
 

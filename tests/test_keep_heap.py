@@ -1,4 +1,4 @@
-"""engine.worker.keep_heap: with it, memory a step frees stays in the process, so the next step
+"""commlab.engine.worker.keep_heap: with it, memory a step frees stays in the process, so the next step
 does not fault it back in; without it glibc hands the free top of its heap back to the OS."""
 import json
 import subprocess
@@ -12,7 +12,7 @@ import pytest
 _ROUNDS = r"""
 import ctypes, ctypes.util, json, resource, sys
 sys.path.insert(0, sys.argv[1])
-from engine.worker import keep_heap
+from commlab.engine.worker import keep_heap
 kept = keep_heap() if sys.argv[2] == "keep" else None
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype = ctypes.c_void_p

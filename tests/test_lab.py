@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-import lab
-from lab.base import procs
-from lab.front.cli import main as cli
-from lab.service.queue import Lab
-from lab.rundir.store import RunError  # noqa: E402
+import commlab
+from commlab.lab.base import procs
+from commlab.lab.front.cli import main as cli
+from commlab.lab.service.queue import Lab
+from commlab.lab.rundir.store import RunError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"name": "q", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 5, "batch_size": 16,
@@ -41,7 +41,7 @@ def job_processes(run):
 
 def test_queue_limit_holds_and_all_finish(tmp_path):
     q = Lab(tmp_path, max_jobs=2)
-    runs = [q.submit(lab._spec(dict(SMALL, seed=i)), wait=False) for i in range(4)]  # two waves of the limit
+    runs = [q.submit(commlab.spec(dict(SMALL, seed=i)), wait=False) for i in range(4)]  # two waves of the limit
     peak = 0
     t0 = time.time()
     while time.time() - t0 < 240:
@@ -66,7 +66,7 @@ def test_kill9_of_a_rank_fails_naming_it_and_leaves_nothing(tmp_path):
     """The launcher starts both ranks itself (no torchrun on one machine); one killed with SIGKILL fails the
     run naming it, the other is stopped."""
     q = Lab(tmp_path, max_jobs=1)
-    run = q.submit(lab._spec(LONG), wait=False)
+    run = q.submit(commlab.spec(LONG), wait=False)
     wait_for(lambda: len(run.worker_pids()) == 2 and run.state == "running"
              and any(m["kind"] == "step" for m in run.metric_rows()), 60, "the run to train")
     st = run.status()
@@ -87,11 +87,11 @@ def test_one_rank_runs_without_torchrun_and_its_kill9_is_named(tmp_path):
     """A one-rank run starts its worker directly (torchrun would import torch first, only to start one
     process): it trains like any run; killed with SIGKILL it fails naming rank 0 and the signal."""
     q = Lab(tmp_path, max_jobs=1)
-    done = q.submit(lab._spec(dict(SMALL, world_size=1)), wait=True)
+    done = q.submit(commlab.spec(dict(SMALL, world_size=1)), wait=True)
     assert done.state == "done", done.log_tail()
-    assert "torch.distributed.run" not in done.status()["argv"] and "engine.worker" in done.status()["argv"]
+    assert "torch.distributed.run" not in done.status()["argv"] and "commlab.engine.worker" in done.status()["argv"]
     assert len([m for m in done.metric_rows() if m["kind"] == "step"]) == 5
-    run = q.submit(lab._spec(dict(LONG, world_size=1)), wait=False)
+    run = q.submit(commlab.spec(dict(LONG, world_size=1)), wait=False)
     wait_for(lambda: len(run.worker_pids()) == 1 and run.state == "running"
              and any(m["kind"] == "step" for m in run.metric_rows()), 60, "the run to train")
     os.kill(run.worker_pids()[0]["pid"], signal.SIGKILL)
@@ -105,7 +105,7 @@ def test_killed_launcher_is_marked_stale_and_stops_its_job(tmp_path):
     spec = tmp_path / "long.json"
     spec.write_text(json.dumps(LONG))
     runs = tmp_path / "runs"
-    p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
+    p = subprocess.Popen([sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs)],
                          cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     q = Lab(runs)
     run = wait_for(lambda: next(iter(q.store.list()), None), 30, "the run directory")
@@ -117,15 +117,15 @@ def test_killed_launcher_is_marked_stale_and_stops_its_job(tmp_path):
     assert q.recover_stale() == [run.id]
     assert run.state == "failed" and "stale" in run.status()["error"]
     assert run.metric_rows()  # everything logged before stays readable
-    r = subprocess.run([sys.executable, "-m", "lab.front.cli", "show", run.id, "--runs", str(runs)], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", "show", run.id, "--runs", str(runs)], cwd=ROOT,
                        capture_output=True, text=True)
     assert r.returncode == 0 and "failed" in r.stdout
 
 
 def test_cancel_in_every_state(tmp_path):
     q = Lab(tmp_path, max_jobs=1)
-    running = q.submit(lab._spec(LONG), wait=False)
-    queued = q.submit(lab._spec(dict(LONG, seed=1)), wait=False)
+    running = q.submit(commlab.spec(LONG), wait=False)
+    queued = q.submit(commlab.spec(dict(LONG, seed=1)), wait=False)
     wait_for(lambda: running.state == "running" and running.worker_pids(), 60, "the first run to start")
     assert queued.state == "queued"
     q.cancel(queued.id)
@@ -137,7 +137,7 @@ def test_cancel_in_every_state(tmp_path):
 
 
 def test_nan_loss_gives_diverged(tmp_path):
-    run = lab.run(dict(SMALL, steps=20, fault={"kind": "nan", "step": 7, "rank": 1}), runs=tmp_path)
+    run = commlab.run(dict(SMALL, steps=20, fault={"kind": "nan", "step": 7, "rank": 1}), runs=tmp_path)
     st = run.status()
     assert st["state"] == "diverged" and st["step"] == 7, st
     assert "diverged at step 7" in st["error"]
@@ -145,8 +145,8 @@ def test_nan_loss_gives_diverged(tmp_path):
 
 def test_index_rebuilds_from_directories(tmp_path):
     q = Lab(tmp_path)
-    a = lab.run(SMALL, runs=tmp_path)
-    b = lab.run(dict(SMALL, fault={"kind": "raise", "step": 2, "rank": 0}), runs=tmp_path)
+    a = commlab.run(SMALL, runs=tmp_path)
+    b = commlab.run(dict(SMALL, fault={"kind": "raise", "step": 2, "rank": 0}), runs=tmp_path)
     before = {r["id"]: (r["state"], r["iter_ms"]) for r in q.index.query()}
     assert before[a.id][0] == "done" and before[b.id][0] == "failed"
     for suffix in ("", "-wal", "-shm"):
@@ -156,8 +156,8 @@ def test_index_rebuilds_from_directories(tmp_path):
     assert after == before
     q.index.path.write_bytes(b"this is not a database")  # damaged: rebuilt on first use
     assert {r["id"] for r in q.index.query()} == {a.id, b.id}
-    importlib.import_module("lab.front.sweep")  # importing the lab's modules must not shadow the lab.compare function
-    df = lab.compare(lab.runs(runs=tmp_path))
+    importlib.import_module("commlab.lab.front.sweep")  # importing the lab's modules must not shadow the commlab.compare function
+    df = commlab.compare(commlab.runs(runs=tmp_path))
     assert list(df.index) == [a.id, b.id] and df.loc[a.id, "state"] == "done"
     assert not a.metrics().empty and not a.timeline().empty and a.summary().loc[a.id, "state"] == "done"
 
@@ -210,27 +210,27 @@ def test_hostile_run_ids_are_refused(tmp_path, capsys, run_id, cmd):
 
 def test_wait_leaves_the_index_agreeing_with_the_final_state(tmp_path):
     """A supervisor writes status.json, then the index; between the two, wait() may already see the final
-    state. After wait returns, lab.runs(state=...) holds the run (a race the form test once lost)."""
-    from lab.rundir.store import RunStore
-    from lab.base.specs import load_spec
+    state. After wait returns, commlab.runs(state=...) holds the run (a race the form test once lost)."""
+    from commlab.lab.rundir.store import RunStore
+    from commlab.lab.base.specs import load_spec
     lab_ = Lab(tmp_path)
     run = lab_.create(load_spec(data={"name": "idx", "model": "mlp", "dataset": "digits", "steps": 1}))
     bare = RunStore(tmp_path).get(run.id)  # no on_change: status.json moves, the index does not
     bare.set_status("done")
     assert run.id not in {r["id"] for r in lab_.index.query(state="done")}
     assert lab_.wait(run.id, timeout=5) == "done"
-    assert run.id in {r.id for r in lab.runs(runs=tmp_path, state="done")}
+    assert run.id in {r.id for r in commlab.runs(runs=tmp_path, state="done")}
 
 
 def test_a_row_left_behind_its_final_status_is_written_again(tmp_path):
     """A process that died between status.json and the index left its run listed as running: the next listing
-    (lab.runs, `commlab runs`: each recovers stale runs first) writes the row again from the directory."""
-    from lab.rundir.store import RunStore
-    from lab.base.specs import load_spec
+    (commlab.runs, `commlab runs`: each recovers stale runs first) writes the row again from the directory."""
+    from commlab.lab.rundir.store import RunStore
+    from commlab.lab.base.specs import load_spec
     lab_ = Lab(tmp_path)
     run = lab_.create(load_spec(data={"name": "idx", "model": "mlp", "dataset": "digits", "steps": 1}))
     run.set_status("running")
     RunStore(tmp_path).get(run.id).set_status("done")  # status.json only
     assert lab_.index.states()[run.id] == "running"
-    assert run.id in {r.id for r in lab.runs(runs=tmp_path, state="done")}
+    assert run.id in {r.id for r in commlab.runs(runs=tmp_path, state="done")}
     assert lab_.index.states()[run.id] == "done"

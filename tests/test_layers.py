@@ -3,16 +3,17 @@ inside functions only where they keep a heavy library out of a light module, no 
 
 Layers, top to bottom (a module may import from its own package or any package below it, never above):
 
-    app, commlab                        the Streamlit pages; the public Python surface
-    lab.front                           the ways in: CLI, what the pages need, accounts, notebooks, sweeps
-    lab                                 the Python API (lab/__init__.py: run, runs, get, cancel, wait, compare)
-    lab.analysis                        reading runs: tables, figures, live reading, reports, presets' verdicts
-    lab.service                         many runs: the queue, supervisors, owners and quotas
-    lab.strategy                        strategy choice: the performance model, the advisor, strategy auto
-    lab.rundir                          one run: its directory, the index, the launcher, progress, disturbance
-    lab.net                             network emulation
-    lab.base                            errors, paths, spec files, processes, the limited child
-    engine                              what runs inside each rank (never imports lab, app or commlab)
+    commlab.app, commlab                the Streamlit pages; the public Python surface (commlab/__init__.py, own.py)
+    commlab.lab.front                   the ways in: CLI, what the pages need, accounts, notebooks, sweeps
+    commlab.api                         the Python API (run, runs, get, cancel, wait, compare, spec)
+    commlab.lab                         the lab's package (its docstring only)
+    commlab.lab.analysis                reading runs: tables, figures, live reading, reports, presets' verdicts
+    commlab.lab.service                 many runs: the queue, supervisors, owners and quotas
+    commlab.lab.strategy                strategy choice: the performance model, the advisor, strategy auto
+    commlab.lab.rundir                  one run: its directory, the index, the launcher, progress, disturbance
+    commlab.lab.net                     network emulation
+    commlab.lab.base                    errors, paths, spec files, processes, the limited child
+    commlab.engine                      what runs inside each rank (never imports the lab, the app or the API)
 
 The graph is read from the source (every ``import`` and ``from ... import``, at module level and inside
 functions; ``if TYPE_CHECKING:`` blocks are skipped)."""
@@ -23,17 +24,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCT = ("engine", "lab", "app", "commlab")
-LAYERS = ["engine", "lab.base", "lab.net", "lab.rundir", "lab.strategy", "lab.service", "lab.analysis", "lab",
-          "lab.front", "app", "commlab"]
-"""Bottom to top. app and commlab are one level: neither imports the other."""
+PRODUCT = ("commlab",)
+LAYERS = ["commlab.engine", "commlab.lab.base", "commlab.lab.net", "commlab.lab.rundir", "commlab.lab.strategy",
+          "commlab.lab.service", "commlab.lab.analysis", "commlab.lab", "commlab.api", "commlab.lab.front",
+          "commlab.app", "commlab"]
+"""Bottom to top. commlab.app and commlab are one level: neither imports the other."""
+TOP = LAYERS.index("commlab.app")
 HEAVY = ("torch", "torchvision", "transformers", "pandas", "plotly", "streamlit", "triton")
 """What an import inside a function may keep out of a module that does not load it already."""
-API = "lab"
-"""lab/__init__.py: its functions build on the whole lab, so it imports lazily on purpose."""
+API = "commlab.api"
+"""Its functions build on the whole lab, so it imports lazily on purpose."""
 LAZY = "# lazy:"
 """An import inside a function whose line says why (``# lazy: ...``) is left alone: the limited child
-(lab/base/sandbox.py) must set its limits before it imports anything of the lab."""
+(commlab/lab/base/sandbox.py) must set its limits before it imports anything of the lab."""
 
 
 def modules(root: Path):
@@ -153,16 +156,28 @@ def circles(edges):
     return out
 
 
-def layer(module: str) -> int:
-    """The index in LAYERS of the deepest layer that holds ``module``; ValueError for one in no layer."""
+def deepest(module: str):
+    """The index in LAYERS of the deepest layer whose name is ``module`` or a package above it (None if none)."""
     best = None
     for i, name in enumerate(LAYERS):
-        if module == name or module.startswith(name + "."):
-            if best is None or len(name) > len(LAYERS[best]):
-                best = i
-    if best is None or (LAYERS[best] == "lab" and module != "lab"):
-        raise ValueError(f"{module}: in no layer; a lab module belongs in one of {', '.join(LAYERS[1:9])}")
-    return 9 if LAYERS[best] == "commlab" else best  # app and commlab: one level
+        if (module == name or module.startswith(name + ".")) and (best is None or len(name) > len(LAYERS[best])):
+            best = i
+    return best
+
+
+def layer(module: str) -> int:
+    """The level of ``module`` (its deepest layer's index; commlab.app and commlab share one); ValueError for a
+    module in no layer (one directly in commlab.lab, or loose at the top beside the layers' packages)."""
+    best = deepest(module)
+    loose = best is not None and LAYERS[best] in ("commlab.lab", "commlab") and module != LAYERS[best] and \
+        module not in TOP_MODULES
+    if best is None or loose:
+        raise ValueError(f"{module}: in no layer; a lab module belongs in one of {', '.join(LAYERS[1:7])}")
+    return TOP if LAYERS[best] == "commlab" else best
+
+
+TOP_MODULES = {"commlab.own"}
+"""Modules of the public surface beside commlab/__init__.py."""
 
 
 def against_layers(edges):
@@ -171,7 +186,7 @@ def against_layers(edges):
     for a, outs in edges.items():
         for b, line, _ in outs:
             la, lb = layer(a), layer(b)
-            if lb > la or (la == lb == 9 and a.split(".")[0] != b.split(".")[0]):
+            if lb > la or (la == lb == TOP and LAYERS[deepest(a)] != LAYERS[deepest(b)]):
                 bad.append(f"{a}:{line} -> {b}")
     return bad
 
@@ -240,17 +255,21 @@ def test_every_package_says_what_it_owns(product):
 
 def test_the_rules_can_fail(tmp_path):
     """A two-module circle, an arrow up the layers, a needless lazy import and a module in no layer are found."""
-    for rel, body in {"engine/__init__.py": "", "engine/a.py": "from engine import b\n",
-                      "engine/b.py": "def f():\n    from engine import a\n",
-                      "engine/c.py": "import lab.front.x\n",
-                      "lab/__init__.py": "", "lab/front/__init__.py": "", "lab/front/x.py": "",
-                      "lab/loose.py": "", "app/__init__.py": "", "commlab/__init__.py": ""}.items():
+    for rel, body in {"commlab/__init__.py": "", "commlab/engine/__init__.py": "",
+                      "commlab/engine/a.py": "from commlab.engine import b\n",
+                      "commlab/engine/b.py": "def f():\n    from commlab.engine import a\n",
+                      "commlab/engine/c.py": "import commlab.lab.front.x\n",
+                      "commlab/lab/__init__.py": "", "commlab/lab/front/__init__.py": "",
+                      "commlab/lab/front/x.py": "", "commlab/lab/loose.py": "", "commlab/app/__init__.py": "",
+                      "commlab/app/y.py": "from commlab import own\n", "commlab/own.py": ""}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(body)
     mods, edges, tops = graph(tmp_path)
-    assert circles(edges) == [["engine.a", "engine.b"]]
-    assert against_layers({k: v for k, v in edges.items() if k != "lab.loose"}) == ["engine.c:1 -> lab.front.x"]
-    assert any("engine.b:2 imports engine.a inside a function" in b for b in needless_lazy(edges, tops))
-    with pytest.raises(ValueError, match="lab.loose: in no layer"):
-        layer("lab.loose")
-    assert os.path.isdir(ROOT / "lab" / "front")
+    assert circles(edges) == [["commlab.engine.a", "commlab.engine.b"]]
+    assert sorted(against_layers({k: v for k, v in edges.items() if k != "commlab.lab.loose"})) == \
+        ["commlab.app.y:1 -> commlab.own", "commlab.engine.c:1 -> commlab.lab.front.x"]
+    assert any("commlab.engine.b:2 imports commlab.engine.a inside a function" in b
+               for b in needless_lazy(edges, tops))
+    with pytest.raises(ValueError, match="commlab.lab.loose: in no layer"):
+        layer("commlab.lab.loose")
+    assert os.path.isdir(ROOT / "commlab" / "lab" / "front")

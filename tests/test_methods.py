@@ -1,4 +1,4 @@
-"""The methods that communicate less often (engine/methods/), held to their definitions: with H = 1 they
+"""The methods that communicate less often (commlab/engine/methods/), held to their definitions: with H = 1 they
 are synchronous training; a hand-computed two-rank example each; a rank killed mid-sync ends the run
 failed with nothing lost; bad parameters get one line naming the field; the schedules say what a run
 sends. World size 2, gloo on CPU, one thread per rank."""
@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from distutil import run_world
-from engine import methods
-from engine.methods.demo import DCTTopK, dct_basis
-from engine.methods.diloco import split_even
-from engine.runlog import read_jsonl
-from engine.spec import JobSpec, SpecError
-from engine.stepper import Stepper
-from engine.trainer import Trainer
+from commlab.engine import methods
+from commlab.engine.methods.demo import DCTTopK, dct_basis
+from commlab.engine.methods.diloco import split_even
+from commlab.engine.runlog import read_jsonl
+from commlab.engine.spec import JobSpec, SpecError
+from commlab.engine.stepper import Stepper
+from commlab.engine.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = {"model": "mlp", "dataset": "digits", "batch_size": 16, "eval_every": 0, "threads": 1, "timeline": False,
@@ -320,7 +320,7 @@ def test_fragments_split_by_bytes():
     ({"name": "diloco"}, {"strategy": "auto", "network": {"link": "modeled", "gbps": 1}}, "strategy.mode"),
 ])
 def test_bad_parameters_get_one_line_naming_the_field(tmp_path, capsys, method, extra, field):
-    from lab.front.cli import main as cli
+    from commlab.lab.front.cli import main as cli
     spec = tmp_path / "bad.json"
     spec.write_text(json.dumps({"model": "mlp", "steps": 5, "method": method, **extra}))
     runs = tmp_path / "runs"
@@ -332,7 +332,7 @@ def test_bad_parameters_get_one_line_naming_the_field(tmp_path, capsys, method, 
 
 def test_more_fragments_than_tensors_is_refused_before_any_rank():
     """The mlp has 6 parameter tensors: 7 fragments cannot each hold one (the lab's preflight builds the model)."""
-    from engine import preflight
+    from commlab.engine import preflight
     spec = JobSpec.from_dict({"model": "mlp", "method": {"name": "streaming_diloco", "H": 8, "fragments": 7}})
     assert preflight.needs_check(spec)
     with pytest.raises(SpecError, match=r"^method\.fragments: must be at most the model's 6 parameter tensors"):
@@ -343,8 +343,8 @@ def test_more_fragments_than_tensors_is_refused_before_any_rank():
 def test_a_users_method_by_import_path(tmp_path, monkeypatch):
     """A Method subclass in the user's own module is named by import path, its parameters checked as a built-in's."""
     (tmp_path / "mymeth.py").write_text(
-        "from engine.compressors.params import Param\n"
-        "from engine.methods.local_sgd import LocalSGD\n"
+        "from commlab.engine.compressors.params import Param\n"
+        "from commlab.engine.methods.local_sgd import LocalSGD\n"
         "class Every(LocalSGD):\n"
         "    name = 'every'\n"
         "    params = (Param('H', int, 3, 'steps between averages', lo=2),)\n")
@@ -371,7 +371,7 @@ def test_method_none_changes_nothing():
 def commlab(*args, timeout=300, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", **(env or {})}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, "-m", "lab.front.cli", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -391,8 +391,8 @@ def test_example_trains_from_the_cli_and_sends_what_its_schedule_says(tmp_path, 
     """8 steps of the example on the mlp: the run is done, its step lines carry the method, a local step sends
     nothing, the sync steps are the schedule's (with the bytes it says where nothing compresses them), the
     timeline has the method's lane, and the summary shows bytes amortized and per sync."""
-    from engine import preflight
-    from lab.base.specs import load_spec
+    from commlab.engine import preflight
+    from commlab.lab.base.specs import load_spec
     runs = tmp_path / "runs"
     sets = ["steps=8", "model=mlp", "eval_every=0", "threads=1", "timeline=true"]
     sets += {"post_local_sgd": ["method.warmup=2", "method.H=3"], "demo_momentum": []}.get(name, ["method.H=4"])
@@ -456,9 +456,9 @@ def test_a_rank_failing_mid_sync_fails_the_run_and_loses_nothing(tmp_path, metho
     ends failed naming that rank and its error; every line is whole; the failing rank kept every step before the
     fault; the other kept consecutive steps, at least up to the last sync before the fault (local steps do not
     wait for each other, so it may be behind: torchrun stops it wherever it is); no process of the run is left."""
-    import lab
-    from lab.base import procs
-    run = lab.run(dict(SMALL, method=method, fault=fault), runs=tmp_path)
+    import commlab
+    from commlab.lab.base import procs
+    run = commlab.run(dict(SMALL, method=method, fault=fault), runs=tmp_path)
     st = run.status()
     assert st["state"] == "failed" and st["rank"] == rank and says in st["error"], st
     rows = read_jsonl(str(run.path / "metrics.jsonl"))
@@ -477,7 +477,7 @@ def test_a_rank_failing_mid_sync_fails_the_run_and_loses_nothing(tmp_path, metho
 # --------------------------------------------------------------------------- commlab.wrap: your own loop
 
 def own_loop(tmp_path, *args, timeout=240):
-    from lab.base.torchrun import free_port
+    from commlab.lab.base.torchrun import free_port
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("COMMLAB_RUNS", None)

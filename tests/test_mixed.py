@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from distutil import run_world
-from engine import compressors, data, models, schedules
-from engine.comm.wfbp import WFBP, Sync
-from engine.compressors.plan import MB, Plan, section_for
-from engine.spec import JobSpec, SpecError
+from commlab.engine import compressors, data, models, schedules
+from commlab.engine.comm.wfbp import WFBP, Sync
+from commlab.engine.compressors.plan import MB, Plan, section_for
+from commlab.engine.spec import JobSpec, SpecError
 
 SMALL = 0.01
 """MB: in the cnn, the biases and the first and last weights are under it (layerwise buckets); the two
@@ -28,7 +28,7 @@ def _spec(comp, mode="sync", schedule="layerwise", steps=12, **extra):
 
 def _states(rank, world, pairs, steps=12):
     """Train each (spec a, spec b) pair on the same batches; the largest parameter difference of each pair."""
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     dev = torch.device("cpu")
     out = []
     for a, b in pairs:
@@ -156,7 +156,7 @@ def test_relayout_moves_each_residual_with_its_parameters_across_compressors():
 
 
 def _train(rank, world, run_dir, spec_d):
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     t = Trainer(JobSpec.from_dict(spec_d), run_dir if rank == 0 else None, rank, world, torch.device("cpu"))
     losses = [t.train_step()["loss"] for _ in range(spec_d["steps"])]
     acc = t.evaluate()["eval_acc"]

@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from engine import data, models
+from commlab.engine import data, models
 
 torch.set_num_threads(1)
 

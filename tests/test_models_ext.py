@@ -6,9 +6,9 @@ import textwrap
 
 import pytest
 
-import lab
-from engine import external, preflight
-from engine.spec import JobSpec, SpecError
+import commlab
+from commlab.engine import external, preflight
+from commlab.engine.spec import JobSpec, SpecError
 
 HAS_TV = external.available(external.TORCHVISION)
 HAS_HF = external.available(external.HF)
@@ -61,8 +61,8 @@ def _timelines(run, op):
 def test_torchvision_resnet18_trains(tmp_path, comm):
     spec = {**BASE, "model": "torchvision:resnet18", "dataset": {"name": "synthetic", "shape": [3, 32, 32],
                                                                  "size": 64}, **comm}
-    steps, evals = _done(lab.run(spec, runs=tmp_path))
-    run = lab.runs(runs=tmp_path)[0]
+    steps, evals = _done(commlab.run(spec, runs=tmp_path))
+    run = commlab.runs(runs=tmp_path)[0]
     assert len({r["step"] for r in steps}) == 3 and evals
     assert "bn1" in _layers(run) and "fc" in _layers(run)  # per-layer spans of the library's own modules
     _timelines(run, "reduce_scatter" if comm is DEAR_FP16 else "allgather")  # top-k's payloads are all-gathered
@@ -97,12 +97,12 @@ def test_hf_gpt2_dear_matches_wfbp_and_fp16_trains(tmp_path):
     losses = {}
     for name, extra in (("wfbp", {}), ("dear", {"comm": {"mode": "dear"}}),
                         ("dear-fp16", {"comm": {"mode": "dear"}, "compressor": "fp16"})):
-        steps, evals = _done(lab.run({**common, "name": name, **extra}, runs=tmp_path / name))
+        steps, evals = _done(commlab.run({**common, "name": name, **extra}, runs=tmp_path / name))
         losses[name] = [r["loss"] for r in sorted(steps, key=lambda r: (r["step"], r["rank"]))]
         assert evals and 0 <= evals[-1]["eval_acc"] <= 1
     assert losses["dear"] == pytest.approx(losses["wfbp"], rel=1e-4)
     assert losses["dear-fp16"] == pytest.approx(losses["wfbp"], rel=1e-2)
-    run = lab.runs(runs=tmp_path / "wfbp")[0]
+    run = commlab.runs(runs=tmp_path / "wfbp")[0]
     assert "model.lm_head" in _layers(run) and "model.transformer.h.0.attn.c_attn" in _layers(run)
 
 
@@ -113,8 +113,8 @@ def test_hf_gpt2_4_layers_trains(tmp_path, comm):
     model = {"name": "hf:gpt2", "n_layer": 4, "n_embd": 256, "n_head": 4}
     spec = {**BASE, "model": model, "dataset": {"name": "synthetic", "vocab": 512, "block": 32, "size": 64},
             "optimizer": {"name": "adam", "lr": 0.001}, **comm}
-    steps, evals = _done(lab.run(spec, runs=tmp_path))
-    run = lab.runs(runs=tmp_path)[0]
+    steps, evals = _done(commlab.run(spec, runs=tmp_path))
+    run = commlab.runs(runs=tmp_path)[0]
     assert len({r["step"] for r in steps}) == 3 and evals
     assert "model.transformer.h.3.mlp.c_fc" in _layers(run)
     _timelines(run, "reduce_scatter" if comm is DEAR_FP16 else "allgather")
@@ -176,7 +176,7 @@ def test_user_factory_and_loader_train_with_bn_buffers(tmp_path, userpkg):
     spec = {**BASE, "steps": 4, "model": {"name": "mypkg.models:build", "width": 6},
             "dataset": {"name": "mypkg.models:load", "n": 64},
             "compressor": {"name": "topk", "ratio": 0.1, "error_feedback": True}, "comm": {"mode": "wfbp"}}
-    run = lab.run(spec, runs=tmp_path / "runs")
+    run = commlab.run(spec, runs=tmp_path / "runs")
     steps, evals = _done(run)
     assert len(steps) == 8 and evals[-1]["eval_acc"] > 0
     assert json.load(open(run.file("spec.json")))["dataset"]["options"] == {"n": 64}
@@ -200,7 +200,7 @@ def test_sync_buffers_averages_running_stats(userpkg):
 
 def _bn_ranks(rank, world):
     import torch
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     spec = JobSpec.from_dict({"model": "mypkg.models:build", "dataset": "mypkg.models:load", "batch_size": 4,
                               "timeline": False})
     t = Trainer(spec, None, rank, world, torch.device("cpu"))
@@ -244,7 +244,7 @@ def test_torchvision_refuses_one_channel_data():
 
 def test_bad_first_batch_is_one_line_and_starts_nothing(tmp_path, userpkg):
     spec = {**BASE, "model": "mypkg.models:wants_32", "dataset": "mypkg.models:load"}
-    msg = _one_line(lambda: lab.run(spec, runs=tmp_path / "runs"))
+    msg = _one_line(lambda: commlab.run(spec, runs=tmp_path / "runs"))
     assert msg.startswith("model: mypkg.models:wants_32 does not take the first batch") and "(2, 3, 6, 6)" in msg
     assert not list((tmp_path / "runs").glob("*/spec.json"))  # no run was created, no rank started
 

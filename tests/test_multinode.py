@@ -5,8 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.runlog import read_jsonl
-from lab.base.torchrun import free_port
+from commlab.engine.runlog import read_jsonl
+from commlab.lab.base.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -18,7 +18,7 @@ def test_two_nodes_share_one_run(tmp_path):
                                 # both "nodes" are this machine: on one GPU NCCL would refuse them
                                 "device": "cpu"}))
     runs, port = tmp_path / "shared-runs", free_port()
-    node = [sys.executable, "-m", "lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs), "--nnodes", "2",
+    node = [sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs), "--nnodes", "2",
             "--master-addr", "127.0.0.1", "--master-port", str(port), "--run-id", "two-nodes-1"]
     p1 = subprocess.Popen(node + ["--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)

@@ -1,7 +1,7 @@
 """The alpha-beta model of ring collectives and the modeled link."""
 import pytest
 
-from engine.netmodel import (ModeledLink, allgather_s, busbw_factor, from_spec, reduce_scatter_s,
+from commlab.engine.netmodel import (ModeledLink, allgather_s, busbw_factor, from_spec, reduce_scatter_s,
                              ring_allreduce_s, seconds_per_byte)
 
 GB = 125_000_000  # bytes that take exactly 1 s at 1 Gbit/s
@@ -150,7 +150,7 @@ class FakeClock:
 
 def _held_allreduces(rank, world, nbytes, gbps, latency_us, reps):
     import torch
-    from engine.comm.collectives import issue_allreduce
+    from commlab.engine.comm.collectives import issue_allreduce
     clock = FakeClock()
     link = ModeledLink(gbps, latency_us, clock=clock, sleep=clock.sleep)
     out = []
@@ -174,8 +174,8 @@ def test_a_real_allreduce_is_held_to_the_models_time():
 
 def _dp_step(rank, world, gbps):
     import torch
-    from engine.comm.wfbp import Sync
-    from engine.compressors import make
+    from commlab.engine.comm.wfbp import Sync
+    from commlab.engine.compressors import make
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
     clock = FakeClock()

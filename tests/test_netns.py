@@ -13,11 +13,11 @@ import time
 
 import pytest
 
-import lab.net.netns as netns
+import commlab.lab.net.netns as netns
 from distutil import shaped_unavailable
-from lab.base.torchrun import worker_env
-from lab.net.netcheck import measure_tcp, net_check
-from lab.net.netns import (Cluster, NetnsError, NetworkUnavailable, check_shaped_supported, cleanup_stale,
+from commlab.lab.base.torchrun import worker_env
+from commlab.lab.net.netcheck import measure_tcp, net_check
+from commlab.lab.net.netns import (Cluster, NetnsError, NetworkUnavailable, check_shaped_supported, cleanup_stale,
                        list_lab_namespaces, rank_argv, root_lab_links)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -74,13 +74,13 @@ class _FakeCluster:
 
 
 def test_rank_argv_runs_one_torchrun_node_per_namespace():
-    argv, env = rank_argv(_FakeCluster(), 2, ["-m", "engine.worker", "--run-dir", "/r"], 29611, python="/py")
+    argv, env = rank_argv(_FakeCluster(), 2, ["-m", "commlab.engine.worker", "--run-dir", "/r"], 29611, python="/py")
     assert argv[:5] == ["ip", "netns", "exec", "clab-1-7-x-r2", "/py"]
     assert argv[5:7] == ["-m", "torch.distributed.run"]
     for a in ("--nnodes=3", "--node-rank=2", "--nproc-per-node=1", "--master-addr=10.250.7.1",
               "--master-port=29611", "--max-restarts=0"):
         assert a in argv
-    assert argv[-4:] == ["-m", "engine.worker", "--run-dir", "/r"]
+    assert argv[-4:] == ["-m", "commlab.engine.worker", "--run-dir", "/r"]
     assert env["GLOO_SOCKET_IFNAME"] == "clab7r2"
 
 
@@ -169,7 +169,7 @@ def test_teardown_kills_what_a_crashed_run_left_inside():
 _CHILD = r"""
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
-from lab.net.netns import Cluster
+from commlab.lab.net.netns import Cluster
 c = Cluster(2, 0.1, tag="stale")
 print(json.dumps({"namespaces": c.namespaces + [c.bridge_ns], "k": c.k}), flush=True)
 time.sleep(120)
@@ -279,7 +279,7 @@ def test_the_link_calibration_fits_the_shaped_rate_and_leaves_nothing():
     """calibrate.measure_link (notebook 04 as root, `commlab` perfmodel calibration): the sustained rate it
     fits from timed all-reduces on a shaped 1 Gbit/s cluster is that rate (within the 20% the net check
     allows), a 4 KiB all-reduce takes time, and the cluster is gone afterwards."""
-    from lab.strategy.perfmodel import calibrate
+    from commlab.lab.strategy.perfmodel import calibrate
     m = calibrate.measure_link(1.0)
     assert m["source"] == "measured all-reduce on a shaped 1 Gbit cluster, 2 ranks" and m["nominal_gbps"] == 1.0
     assert 0.8 < 8 / m["beta"] / 1e9 < 1.2, m

@@ -6,13 +6,13 @@ import os
 import pytest
 import torch
 
-import lab
-from engine import runfiles, worker
-from engine.tuners import mergecomp
-from engine.spec import DEAR_CAP_MB, DEAR_TUNE_STEPS, JobSpec
-from lab.service import supervise
-from lab.front.cli import main as cli
-from lab.service.queue import Lab
+import commlab
+from commlab.engine import runfiles, worker
+from commlab.engine.tuners import mergecomp
+from commlab.engine.spec import DEAR_CAP_MB, DEAR_TUNE_STEPS, JobSpec
+from commlab.lab.service import supervise
+from commlab.lab.front.cli import main as cli
+from commlab.lab.service.queue import Lab
 
 SMALL = {"name": "e", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 3, "batch_size": 16,
          "eval_every": 0, "threads": 1}
@@ -65,7 +65,7 @@ def test_corrupt_cache_is_kept_aside_and_reported_on_write(tmp_path):
 
 def test_a_run_says_its_mergecomp_cache_was_corrupt(tmp_path):
     (tmp_path / runfiles.MERGECOMP_CACHE).write_text("{ this is not json")
-    run = lab.run(dict(SMALL, steps=8, schedule={"name": "mergecomp"}), runs=tmp_path)
+    run = commlab.run(dict(SMALL, steps=8, schedule={"name": "mergecomp"}), runs=tmp_path)
     assert run.state == "done", run.status()
     tuning = json.loads(run.file("tuning.json").read_text())
     assert tuning["cache"] == "corrupt" and "searching afresh" in tuning["cache_problem"]
@@ -99,7 +99,7 @@ def test_lab_json_is_read(tmp_path, monkeypatch):
 
 
 def test_a_detached_supervisor_puts_a_broken_lab_json_in_the_status(tmp_path, capsys):
-    run = Lab(tmp_path).create(lab._spec(SMALL))
+    run = Lab(tmp_path).create(commlab.spec(SMALL))
     (tmp_path / "lab.json").write_text("{")
     assert supervise.main(["--runs", str(tmp_path), run.id]) == 2
     st = run.status()
@@ -129,7 +129,7 @@ def test_check_prints_the_defaults_a_run_uses(tmp_path, capsys):
 
 
 def test_a_run_records_what_it_resolved(tmp_path):
-    run = lab.run(dict(SMALL, comm={"mode": "dear"}, threads=0), runs=tmp_path)
+    run = commlab.run(dict(SMALL, comm={"mode": "dear"}, threads=0), runs=tmp_path)
     assert run.state == "done", run.status()
     assert run.spec_dict()["comm"]["cap_mb"] == 25.0
     res = json.loads(run.file(runfiles.RESOLVED).read_text())

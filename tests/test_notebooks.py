@@ -67,8 +67,8 @@ def test_each_links_its_paper_and_ends_with_an_exercise(path):
 
 def test_notebooks_default_to_the_runs_directory_of_every_command(tmp_path, monkeypatch):
     """One default everywhere: $COMMLAB_RUNS, else ./runs where you are (the CLI's, the UI's, the API's)."""
-    from lab.front import notebook, ui
-    from lab.base.paths import default_root
+    from commlab.lab.front import notebook, ui
+    from commlab.lab.base.paths import default_root
     monkeypatch.delenv("COMMLAB_RUNS", raising=False)
     monkeypatch.chdir(tmp_path)
     assert Path(notebook.runs_dir()) == (tmp_path / "runs").resolve() == default_root().resolve() \
@@ -93,7 +93,7 @@ def test_runs_top_to_bottom(path, tmp_path, monkeypatch):
 
 
 def test_slow_links_are_shaped_as_root_unless_modeled_is_asked_for(monkeypatch):
-    from lab.front import notebook
+    from commlab.lab.front import notebook
     monkeypatch.delenv("COMMLAB_SLOW_LINK", raising=False)
     root = os.geteuid() == 0
     assert notebook.slow_link(0.1) == {"link": "shaped" if root else "modeled", "gbps": 0.1}
@@ -109,8 +109,8 @@ def test_commlab_notebooks_outside_a_checkout_says_so_first(monkeypatch, tmp_pat
     missing too: installing it would not help (a GPU machine without JupyterLab showed the other order)."""
     import importlib.util
 
-    from lab.front import jupyter
-    from lab.base.errors import LabError
+    from commlab.lab.front import jupyter
+    from commlab.lab.base.errors import LabError
     monkeypatch.setattr(jupyter, "NOTEBOOKS", tmp_path / "notebooks")
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(LabError, match="source checkout"):

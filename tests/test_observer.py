@@ -1,9 +1,9 @@
 """Watching a run must not slow it down (README, "Watching a run"; bench/observer.py measures it).
 
 - The live panel reads only what was appended to a run's files since its last refresh, and computes
-  each step's breakdown once (lab.analysis.live), with the same figures as plots.step_breakdown.
+  each step's breakdown once (commlab.lab.analysis.live), with the same figures as plots.step_breakdown.
 - `commlab app` runs its Streamlit server niced, and the runs and sweeps the server starts are started
-  by the app's own process at normal priority (lab.service.spawn).
+  by the app's own process at normal priority (commlab.lab.service.spawn).
 """
 import json
 import os
@@ -19,13 +19,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import lab
-from lab.analysis import live, plots
-from lab.base import procs
-from lab.service.spawn import APP_NICE, ENV, Spawner
-from lab.rundir.store import RunStore
+import commlab
+from commlab.lab.analysis import live, plots
+from commlab.lab.base import procs
+from commlab.lab.service.spawn import APP_NICE, ENV, Spawner
+from commlab.lab.rundir.store import RunStore
 from distutil import stop_process
-from lab.analysis import timelines
+from commlab.lab.analysis import timelines
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"model": "mlp", "dataset": "digits", "steps": 5, "batch_size": 16, "eval_every": 0, "threads": 1}
@@ -57,7 +57,7 @@ def metric_line(rank: int, step: int) -> str:
 def fake_run(tmp_path):
     """A run directory in the store (state running, owned by this process) and a writer of its steps."""
     runs = tmp_path / "runs"
-    spec = lab._spec({**SMALL, "steps": 100})
+    spec = commlab.spec({**SMALL, "steps": 100})
     run = RunStore(runs).create(spec)
     run.set_status("running", supervisor=procs.identity())
 
@@ -161,7 +161,7 @@ def test_live_panel_refresh_reads_only_new_bytes(fake_run, monkeypatch):
     monkeypatch.setenv("COMMLAB_RUNS", str(runs))
     live._LIVE.clear()
     write(range(0, 30))
-    at = AppTest.from_file(str(ROOT / "app" / "streamlit_app.py"), default_timeout=120)
+    at = AppTest.from_file(str(ROOT / "commlab" / "app" / "streamlit_app.py"), default_timeout=120)
     at.query_params["run"] = run.id
     at.run().switch_page("views/live_run.py").run()
     assert not at.exception, [e.value for e in at.exception]
@@ -199,7 +199,7 @@ def children_of(pid: int) -> list:
 NICED_CHILD = textwrap.dedent("""
     import os, sys
     os.nice({nice})
-    from lab.service.spawn import spawn_detached
+    from commlab.lab.service.spawn import spawn_detached
     print(spawn_detached([sys.executable, "-c", "import time; time.sleep(60)"], {log!r}), flush=True)
 """)
 
@@ -239,13 +239,13 @@ def free_port() -> int:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
-    """`commlab app` (lab.front.appserver.app_main): its Streamlit server runs APP_NICE levels lower, its session's
+    """`commlab app` (commlab.lab.front.appserver.app_main): its Streamlit server runs APP_NICE levels lower, its session's
     scheduling group too; a run queued from
-    inside the server (as the New run form and presets do: lab.run(wait=False)) gets a supervisor at the
+    inside the server (as the New run form and presets do: commlab.run(wait=False)) gets a supervisor at the
     app's normal priority, started by the app's process."""
     runs = tmp_path / "runs"
     port = free_port()
-    code = f"import sys; from lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
+    code = f"import sys; from commlab.lab.front.appserver import app_main; sys.exit(app_main({port}, {str(runs)!r}, demo=False))"
     app = subprocess.Popen([sys.executable, "-c", code], cwd=str(ROOT), start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     run_id = None
@@ -262,14 +262,14 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
         assert nice_of(server) == min(nice_of(app.pid) + APP_NICE, 19)
         assert all(nice_of(int(t)) == nice_of(server) for t in os.listdir(f"/proc/{server}/task"))
         # a session of its own, whose scheduling group is niced as well: with autogroups a nice value only
-        # ranks processes within their session, and every run has its own (lab/service/spawn.py)
+        # ranks processes within their session, and every run has its own (commlab/lab/service/spawn.py)
         assert os.getsid(server) == server != os.getsid(app.pid)
         if Path("/proc/sys/kernel/sched_autogroup_enabled").exists():
             assert Path(f"/proc/{server}/autogroup").read_text().split()[-1] == str(APP_NICE)
         environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{server}/environ").read_bytes().split(b"\0") if kv)
         # what the server's pages do to queue a run, in a process with the server's priority and environment
         env = {k.decode(): v.decode() for k, v in environ.items()}
-        submit = ("import os, lab; os.nice(%d); r = lab.run(%r, wait=False, runs=%r); "
+        submit = ("import os, lab; os.nice(%d); r = commlab.run(%r, wait=False, runs=%r); "
                   "print(r.id, r.status()['supervisor']['pid'], flush=True)" % (APP_NICE, SMALL, str(runs)))
         out = subprocess.run([sys.executable, "-c", submit], env=env, cwd=str(ROOT), capture_output=True,
                              text=True, timeout=120, check=True)
@@ -278,19 +278,19 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
         if procs.start_time(sup) is not None:  # a tiny run may be over already
             assert nice_of(sup) == nice_of(app.pid)
             assert int(Path(f"/proc/{sup}/stat").read_text().rsplit(")", 1)[1].split()[1]) == app.pid
-        assert lab.wait(run_id, runs=runs, timeout=240) == "done"
+        assert commlab.wait(run_id, runs=runs, timeout=240) == "done"
     finally:
-        if run_id and lab.get(run_id, runs=runs).state not in ("done", "failed", "cancelled", "diverged"):
-            lab.cancel(run_id, runs=runs)
-            lab.wait(run_id, runs=runs, timeout=60)
+        if run_id and commlab.get(run_id, runs=runs).state not in ("done", "failed", "cancelled", "diverged"):
+            commlab.cancel(run_id, runs=runs)
+            commlab.wait(run_id, runs=runs, timeout=60)
         stop_process(app, signal.SIGINT, timeout=30, group=True)
 
 
 def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
-    """lab.analysis.timelines.run_breakdown (the results page's per-run breakdown) follows a running run through
-    lab.analysis.live: the same mean as plots.step_breakdown over the same steps, and a second call reads nothing
+    """commlab.lab.analysis.timelines.run_breakdown (the results page's per-run breakdown) follows a running run through
+    commlab.lab.analysis.live: the same mean as plots.step_breakdown over the same steps, and a second call reads nothing
     new."""
-    from lab.rundir.summary import warmup_steps
+    from commlab.lab.rundir.summary import warmup_steps
     runs, run, write = fake_run
     live._LIVE.clear()
     write(range(0, 20))
@@ -307,7 +307,7 @@ def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
 def test_app_server_skips_the_full_gc_after_every_rerun_and_the_file_polling():
     """Streamlit's defaults: gc.collect(2) after every script run (fragment refreshes included) and polling
     every imported source file; each cost a refreshing page's server more than the page's own work."""
-    from lab.front import appserver
+    from commlab.lab.front import appserver
     argv = appserver.app_argv(8600)
     opts = dict(zip(argv[5::2], argv[6::2]))
     assert opts["--runner.postScriptGC"] == "false" and opts["--server.fileWatcherType"] == "none"

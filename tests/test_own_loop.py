@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.runlog import read_jsonl
-from lab.base.torchrun import free_port
+from commlab.engine.runlog import read_jsonl
+from commlab.lab.base.torchrun import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def torchrun(tmp_path, *args, timeout=240):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "lab.front.cli", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
+    return subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", *map(str, args)], cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=120)
 
 
@@ -236,11 +236,11 @@ def _left_without_loss(runs, state):
     """A run directory as a loop that stepped without loss= left it before the summary took such runs: steps
     logged with "loss": null; its index row still running (the summary failed at the final status, after
     status.json was written); status.json ``state``, with a supervisor process that is gone."""
-    from engine import runfiles
-    from engine.spec import JobSpec
-    from lab.base import procs
-    from lab.rundir.store import RunStore
-    from lab.service.queue import Lab
+    from commlab.engine import runfiles
+    from commlab.engine.spec import JobSpec
+    from commlab.lab.base import procs
+    from commlab.lab.rundir.store import RunStore
+    from commlab.lab.service.queue import Lab
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], stdout=subprocess.PIPE, text=True)
     lab = Lab(runs)
     run = lab.create(JobSpec.from_dict({"name": "noloss", "world_size": 2}))

@@ -1,4 +1,4 @@
-"""The performance model's formulas against hand-computed cases (lab/strategy/perfmodel)."""
+"""The performance model's formulas against hand-computed cases (commlab/lab/strategy/perfmodel)."""
 import argparse
 import dataclasses
 import json
@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from lab.strategy.perfmodel import costs
-from lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
+from commlab.lab.strategy.perfmodel import costs
+from commlab.lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
 
 GB1 = costs.Link(10e-6, 8e-9)  # 1 Gbit/s, 10 µs per step
 SLOW = costs.Link(0.0, 1e-3)   # 1 ms per byte: collective times in round numbers
@@ -178,7 +178,7 @@ def test_one_worker_is_pure_compute_and_bad_input_is_rejected():
 # ------------------------------------------------------------------ calibration, crossover, CLI
 
 def test_fits_recover_known_costs():
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     xs = [4096, 65536, 1 << 20, 1 << 22]
     a, b = cal.fit_affine(xs, [20e-6 + 1e-9 * x for x in xs])
     assert a == pytest.approx(20e-6) and b == pytest.approx(1e-9)
@@ -190,7 +190,7 @@ def test_fits_recover_known_costs():
 
 
 def tiny_profile(**kw):
-    from lab.strategy.perfmodel.calibrate import Profile
+    from commlab.lab.strategy.perfmodel.calibrate import Profile
     p = Profile(model="mlp", dataset="digits", batch_size=16, source="test",
                 params=[("fc2.bias", 40), ("fc2.weight", 40_000), ("fc1.bias", 400), ("fc1.weight", 400_000)],
                 forward_s=2e-3, backward_s=4e-3, optimizer_s=0.5e-3,
@@ -207,8 +207,8 @@ def spec(comp="fp16", sched="bucket", mode="wfbp"):
 
 
 def test_all_gathered_payloads_decode_at_the_measured_cost_of_each_further_one():
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel import predict as pr
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import predict as pr
     curve = {"encode": [0, 0], "between": [0, 0], "decode": [100e-6, 1e-9], "decode_more": [10e-6, 0.1e-9]}
     # 1 MB: one decode 100 + 1000 µs; each further payload 10 + 100 µs; 8 ranks: 1100 + 7 * 110 µs
     assert cal.decode_cost(curve, 1e6, 8) == approx(1.87e-3)
@@ -228,15 +228,15 @@ def test_all_gathered_payloads_decode_at_the_measured_cost_of_each_further_one()
 def test_gathered_decodes_one_payload_per_rank_and_measures_what_each_adds():
     import torch
 
-    from engine import compressors
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.engine import compressors
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     reply = cal.gathered(3)
     (got,) = reply("allgather", [[torch.ones(2)]])
     assert len(got) == 3 and all(torch.equal(p[0], torch.ones(2)) for p in got)
     (summed,) = reply("allreduce", [[torch.ones(2)]])
     assert torch.equal(summed[0], torch.ones(2))
     # driven as one of 3 ranks: signSGD's vote sums 3 payloads' signs (3 votes alike: the signs of x)
-    from engine.comm.exchange import run_exchange
+    from commlab.engine.comm.exchange import run_exchange
     x = torch.randn(1000)
     (ex,) = run_exchange([compressors.make("signsgd")], [x.clone()], 3, cal.gathered(3))
     assert torch.equal(ex.out, torch.where(x >= 0, 1.0, -1.0))
@@ -248,8 +248,8 @@ def test_gathered_decodes_one_payload_per_rank_and_measures_what_each_adds():
 
 
 def test_fp16_halves_the_bytes_and_pays_only_on_slow_links(tmp_path):
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel import predict as pr
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import predict as pr
     p = tiny_profile()
     step = pr.build_step(p, spec(), 2)
     assert [r.nbytes for b in step.buckets for r in b.rounds] == [pytest.approx(440_440 / 2)]
@@ -264,7 +264,7 @@ def test_fp16_halves_the_bytes_and_pays_only_on_slow_links(tmp_path):
 
 
 def test_predict_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     f = tmp_path / "s.yaml"
     f.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\n")
     assert main(["predict", str(f), "--gbps", "fast", "--runs", str(tmp_path)]) == 2
@@ -276,7 +276,7 @@ def test_predict_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
 
 
 def test_predict_cli_prints_the_table_and_crossover(tmp_path, capsys):
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     f = tmp_path / "s.yaml"
     f.write_text("model: mlp\nbatch_size: 16\ncompressor: {name: fp16}\ncomm: {mode: dear}\n")
     prof = tiny_profile(compressors={})
@@ -289,13 +289,13 @@ def test_predict_cli_prints_the_table_and_crossover(tmp_path, capsys):
     assert [(r[0], r[1]) for r in rows] == [("2", "0.1"), ("2", "100"), ("8", "0.1"), ("8", "100")]
     assert out.count("crossover:") == 2
     # the missing fp16 curve was measured and saved into the profile
-    from lab.strategy.perfmodel.calibrate import Profile
+    from commlab.lab.strategy.perfmodel.calibrate import Profile
     assert "fp16" in Profile.load(tmp_path / "p.json").compressors
 
 
 def test_properties_are_measured_not_declared(tmp_path):
     import json
-    from lab.strategy.perfmodel import properties as pp
+    from commlab.lab.strategy.perfmodel import properties as pp
     acc = tmp_path / "acc.json"
     acc.write_text(json.dumps({"cells": [{"compressor": "none", "ef": False, "acc": 0.99},
                                          {"compressor": "topk", "ef": True, "acc": 0.985},
@@ -314,8 +314,8 @@ def test_properties_are_measured_not_declared(tmp_path):
 
 
 def test_link_from_net_check_output(tmp_path, capsys):
-    from lab.front.cli import main
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.front.cli import main
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     # 2 ranks: the 1 MB all-reduce moves 1 MB, the 4 KiB one 4 KiB; alpha 100 µs per step, 1 Gbit
     res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
            "allreduce_median_s": 2 * 100e-6 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
@@ -338,7 +338,7 @@ def test_link_from_net_check_output(tmp_path, capsys):
 
 def test_plot_builders_for_the_model_page():
     import pandas as pd
-    from lab.analysis import plots
+    from commlab.lab.analysis import plots
     grid = pd.DataFrame([{"compressor": c, "gbps": g, "workers": w, "speedup": s}
                          for c, s in (("fp16", 1.5), ("topk", 0.8)) for g in (1, 10) for w in (2, 8)])
     fig = plots.speedup_heatmaps(grid)
@@ -352,12 +352,12 @@ def test_plot_builders_for_the_model_page():
 
 
 def test_predict_calibrates_from_a_real_run_then_reuses_the_profile(tmp_path, capsys):
-    import lab
-    from lab.front.cli import main
-    from lab.strategy.perfmodel import calibrate as cal
+    import commlab
+    from commlab.lab.front.cli import main
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     small = {"model": "mlp", "dataset": "digits", "steps": 6, "batch_size": 16, "eval_every": 0, "threads": 1,
              "comm": {"mode": "sync"}, "schedule": {"name": "layerwise"}}
-    run = lab.run(small, runs=tmp_path)
+    run = commlab.run(small, runs=tmp_path)
     assert run.state == "done", run.log_tail()
     prof = cal.from_run(run)
     assert prof.forward_s > 0 and prof.backward_s > 0 and set(prof.layer_ready) == {"net.1", "net.3", "net.5"}
@@ -374,8 +374,8 @@ def test_predict_calibrates_from_a_real_run_then_reuses_the_profile(tmp_path, ca
 
 
 def test_dear_specs_load_with_their_own_buffer_options():
-    from engine.spec import SpecError
-    from lab.strategy.perfmodel import whatif
+    from commlab.engine.spec import SpecError
+    from commlab.lab.strategy.perfmodel import whatif
     spec = whatif.load_for_prediction(data={"model": "cnn", "comm": {"mode": "dear", "cap_mb": 2}})
     assert spec["comm"]["mode"] == "dear" and spec["comm"]["cap_mb"] == 2
     with pytest.raises(SpecError, match="compressor"):
@@ -425,7 +425,7 @@ def test_cluster_predictions_keep_their_numbers():
     """The page's cluster table, against the numbers the model gave before wfbp's multi-round exchanges were
     advanced from a list of the pending ones (not every earlier bucket) and a step was built once per worker
     count (not once per rate): the same to the last digit kept here."""
-    from lab.strategy.perfmodel import views
+    from commlab.lab.strategy.perfmodel import views
 
     def sp(comp, sched, mode):
         return {"model": "mlp", "dataset": "digits", "batch_size": 16,
@@ -455,8 +455,8 @@ def _cluster_rows(out):
 
 
 def test_predict_from_a_saved_profile_gives_a_two_level_table(tmp_path, capsys):
-    from lab.front.cli import main
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.front.cli import main
+    from commlab.lab.strategy.perfmodel import whatif
     spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
     tiny_profile(spec=spec).save(tmp_path / "p.json")
     workers = [8, 16, 32, 64, 128, 256, 512, 1024]
@@ -488,8 +488,8 @@ def test_predict_from_a_saved_profile_gives_a_two_level_table(tmp_path, capsys):
 
 
 def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
-    from lab.front.cli import main
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.front.cli import main
+    from commlab.lab.strategy.perfmodel import whatif
     spec = whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": "fp16"})
     good = tmp_path / "p.json"
     tiny_profile(spec=spec).save(good)
@@ -514,7 +514,7 @@ def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
         assert main(["predict", *argv, "--runs", str(tmp_path)]) == 2, argv
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and msg in err, (argv, err)
-    from engine.spec import SpecError
+    from commlab.engine.spec import SpecError
     with pytest.raises(SpecError, match="not a profile"):
         whatif.load_profile_file(str(tmp_path / "other.json"))
     # a curve's decode_more is optional, and checked like the rest when it is there
@@ -527,7 +527,7 @@ def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
 
 def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):
     import json
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     s = tmp_path / "s.yaml"
     s.write_text("model: mlp\ndataset: digits\nbatch_size: 16\ncompressor: {name: fp16}\ncomm: {mode: dear}\n")
     out_file = tmp_path / "prof.json"
@@ -553,9 +553,9 @@ def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):
 
 
 def test_from_run_takes_forward_waits_out_of_the_layer_spans_that_hold_them():
-    """Layer spans tile the forward pass (engine/probe.py), so a dear all-gather wait between two layers
+    """Layer spans tile the forward pass (commlab/engine/probe.py), so a dear all-gather wait between two layers
     lies inside the next layer's span: the profile's layer forward is that span less the wait."""
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import calibrate as cal
 
     def x(cat, ts, dur, **args):
         return {"ph": "X", "pid": 0, "cat": cat, "name": args.get("layer", cat), "ts": ts, "dur": dur, "args": args}
@@ -584,8 +584,8 @@ def test_from_run_takes_forward_waits_out_of_the_layer_spans_that_hold_them():
 def test_skipping_warm_up_gives_the_steady_state_payload():
     """The model reads PowerSGD's payload after ``skip_warmup`` instead of driving its plain exchanges
     first: the same rounds, bytes and tensors as after driving them all (a layout of matrices and a vector)."""
-    from engine import compressors
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.engine import compressors
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     shapes, off = [], 0
     for shape in ((64, 48), (32,), (40, 40)):
         shapes.append((off, shape))
@@ -604,7 +604,7 @@ def test_skipping_warm_up_gives_the_steady_state_payload():
 
 
 def test_every_compressor_can_skip_its_warm_up():
-    from engine import compressors
+    from commlab.engine import compressors
     for name in compressors.names():
         compressors.make(name).skip_warmup()  # raises where warm-up exchanges are declared but not skippable
 
@@ -614,8 +614,8 @@ def test_a_steady_payload_shows_its_sizes_in_one_exchange(ef):
     """Every compressor declaring ``steady_payload`` (the model then drives a layout once) sends the same
     sizes on its first exchange as on later ones with other values (another scale, other signs, a tensor
     of zeros), under error feedback too; threshold's, which does not declare it, follows the values."""
-    from engine import compressors
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.engine import compressors
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     shapes, off = [], 0
     for shape in ((64, 48), (32,), (40, 40)):
         shapes.append((off, shape))
@@ -661,8 +661,8 @@ def test_declared_rounds_are_the_driven_ones(params):
     driven exchange sends: sizes with odd remainders, one element, above 2**16 (top-k's sampled
     pre-filter), per-tensor layouts with and without matrices worth compressing; with and without error
     feedback. Top-k, int8 and PowerSGD (per tensor) declare; PowerSGD without a layout does not."""
-    from engine import compressors
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.engine import compressors
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     g = torch.Generator().manual_seed(2)
     declaring = set()
     for name in compressors.names():
@@ -694,8 +694,8 @@ def test_declared_rounds_are_the_driven_ones(params):
 def test_the_model_uses_declared_rounds_without_driving(monkeypatch):
     """A bucket whose compressor declares its rounds is not driven: the prediction's payload is the
     declaration (here a top-k bucket of a made-up profile), and driving it is never called."""
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel import predict as pr
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import predict as pr
     prof = cal.Profile(model="m", dataset="d", batch_size=1, params=[("a.weight", 4 * 5000), ("b.weight", 4 * 7001)])
     monkeypatch.setattr(pr, "_ROUNDS_CACHE", {})
     monkeypatch.setattr(cal, "drive", lambda *a, **k: pytest.fail("drove a declared compressor"))
@@ -708,8 +708,8 @@ def test_the_model_drives_dears_exchange_as_the_engine_runs_it(monkeypatch):
     """dear's buckets get the rounds of the compressor's sharded exchange: declared where the compressor
     declares them (int8: never driven), else driven through cal.drive(sharded=True) (fp16: one reduce-scatter
     of its half-precision payload), kept apart from the same bucket's whole exchange."""
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel import predict as pr
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import predict as pr
     prof = cal.Profile(model="m", dataset="d", batch_size=1, params=[("a.weight", 4 * 5000), ("b.weight", 4 * 7001)])
     monkeypatch.setattr(pr, "_ROUNDS_CACHE", {})
     real, driven = cal.drive, []
@@ -730,8 +730,8 @@ def test_the_model_drives_dears_exchange_as_the_engine_runs_it(monkeypatch):
 
 def test_the_profile_commands_default_is_the_labs_profiling_run():
     """``commlab profile --help`` states the default steps the lab's own profiling run takes."""
-    from lab.front.cli import build_parser
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.front.cli import build_parser
+    from commlab.lab.strategy.perfmodel import whatif
     p = build_parser()
     sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices["profile"]
     steps = next(a for a in sub._actions if a.dest == "steps")
@@ -741,9 +741,9 @@ def test_the_profile_commands_default_is_the_labs_profiling_run():
 def test_net_check_save_keeps_the_labs_link_calibration(tmp_path, monkeypatch, capsys):
     """`commlab net check --save` writes the check's alpha and beta where the advisor reads them (the check
     itself, which needs namespaces, is stubbed: its figures are given)."""
-    from lab.net import netcheck, netns
-    from lab.front.cli import main
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.net import netcheck, netns
+    from commlab.lab.front.cli import main
+    from commlab.lab.strategy.perfmodel import whatif
     res = {"allreduce_world": 2, "target_gbps": 1.0, "allreduce_bytes": 1_000_000,
            "allreduce_median_s": 2 * 500e-6 + 1e6 * 8e-9, "allreduce_small_bytes": 4096,
            "allreduce_small_mean_s": 2 * 500e-6 + 4096 * 8e-9}
@@ -762,20 +762,20 @@ def test_a_run_without_timed_steps_is_not_taken_for_the_models_profile(tmp_path)
     """An advisor's trial session (its steps are the trials', in their own folders) and a run too short to time
     are not the model's latest run for calibration; a matching run whose timeline holds no timed step gives no
     profile (one is measured instead) rather than an error."""
-    import lab
-    from engine import runfiles
-    from lab.service.queue import Lab
-    from lab.strategy.perfmodel import whatif
+    import commlab
+    from commlab.engine import runfiles
+    from commlab.lab.service.queue import Lab
+    from commlab.lab.strategy.perfmodel import whatif
     spec = {"model": "mlp", "dataset": "digits", "steps": 8, "batch_size": 16}
     q = Lab(tmp_path)
-    session = q.create(lab._spec({**spec, "name": "advise trials: 1 candidates"}))
+    session = q.create(commlab.spec({**spec, "name": "advise trials: 1 candidates"}))
     session.file(runfiles.TRIALS).write_text('{"dirs": []}')
     session.set_status("done")
-    short = q.create(lab._spec({**spec, "steps": 3}))
+    short = q.create(commlab.spec({**spec, "steps": 3}))
     short.set_status("done")
     d = session.spec_dict()
     assert whatif.matching_run(d, tmp_path) is None and not whatif.has_profile(d, tmp_path)
-    plain = q.create(lab._spec(spec))  # finished, but its timeline holds nothing (no rank ever wrote one)
+    plain = q.create(commlab.spec(spec))  # finished, but its timeline holds nothing (no rank ever wrote one)
     plain.set_status("done")
     assert whatif.matching_run(d, tmp_path).id == plain.id
     said = []

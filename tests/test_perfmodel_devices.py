@@ -1,5 +1,5 @@
 """Device profiles, the per-layer roofline, predictions for a named device and what they rest on
-(lab/strategy/perfmodel/devices.py, roofline.py, ondevice.py), and the validation tables (bench/model_validation.py)."""
+(commlab/lab/strategy/perfmodel/devices.py, roofline.py, ondevice.py), and the validation tables (bench/model_validation.py)."""
 import json
 import os
 import subprocess
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lab.strategy.perfmodel import devices as dv
-from lab.strategy.perfmodel import roofline as rl
+from commlab.lab.strategy.perfmodel import devices as dv
+from commlab.lab.strategy.perfmodel import roofline as rl
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -136,7 +136,7 @@ def test_solving_the_compute_efficiency_recovers_it():
 def test_compute_efficiencies_follow_from_their_sources():
     """The efficiencies in the device table are what their named throughputs give for torchvision's
     ResNet-50 (batch 256): re-derived here, so a change to the roofline shows."""
-    from engine.external import import_torchvision
+    from commlab.engine.external import import_torchvision
     try:
         import_torchvision()
         import torchvision.models as tvm
@@ -154,7 +154,7 @@ def test_compute_efficiencies_follow_from_their_sources():
 def test_a_gpu_measured_efficiency_follows_from_its_profile():
     """H100's TF32 efficiency is what the ResNet-50 step measured on an H100 (the committed profile) gives for
     torchvision's ResNet-50 at that profile's batch; H200 shares it, named as taken from H100."""
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     root = Path(__file__).resolve().parents[1]
     for (name, prec), (text, ips, batch) in dv.MEASURED_EFF_SOURCES.items():
         prof = cal.Profile.load(root / "bench" / "data" / "h100" / "profile-resnet50-b64.json")
@@ -184,13 +184,13 @@ def test_codec_costs_follow_from_the_bytes_they_move():
 
 
 def spec_for(comp="fp16"):
-    from lab.strategy.perfmodel import whatif
+    from commlab.lab.strategy.perfmodel import whatif
     return whatif.load_for_prediction(data={"model": "mlp", "batch_size": 16, "compressor": comp})
 
 
 def test_a_profile_measured_on_the_device_takes_precedence():
-    from lab.strategy.perfmodel import calibrate as cal
-    from lab.strategy.perfmodel import ondevice
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import ondevice
     spec = spec_for()
     measured = cal.Profile(model="mlp", dataset="digits", batch_size=16, params=cal.param_list(spec),
                            forward_s=1e-3, backward_s=2e-3, source="run x", machine={"gpu": "NVIDIA H100 80GB HBM3"},
@@ -214,11 +214,11 @@ def test_a_profile_measured_on_the_device_takes_precedence():
 
 
 def test_sources_of_a_cpu_prediction():
-    from lab.strategy.perfmodel import ondevice
+    from commlab.lab.strategy.perfmodel import ondevice
     from test_perfmodel import tiny_profile
     spec = spec_for()
     p = tiny_profile(spec=spec, machine={"cpu": "Some CPU"})
-    p.compressors["fp16"]["source"] = "measured in-process (lab.strategy.perfmodel.calibrate)"
+    p.compressors["fp16"]["source"] = "measured in-process (commlab.lab.strategy.perfmodel.calibrate)"
     lines = ondevice.sources(p, spec, compute_speedup=20)
     assert lines[0] == "compute: measured, test on Some CPU, divided by --compute-speedup 20 (assumed)"
     assert lines[1].startswith("  validated: end to end (bench/perfmodel.py")
@@ -235,7 +235,7 @@ def test_sources_of_a_cpu_prediction():
 
 
 def test_the_validation_quoted_is_the_published_tables():
-    from lab.strategy.perfmodel import validation
+    from commlab.lab.strategy.perfmodel import validation
     v = validation.load()
     b = v["b"]
     assert f"{b['configs']} configurations" in validation.end_to_end()
@@ -249,10 +249,10 @@ def test_the_validation_quoted_is_the_published_tables():
 
 
 def test_predict_on_a_device_prints_the_table_and_its_sources(tmp_path, capsys):
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     from test_perfmodel import tiny_profile
     spec = spec_for()
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     tiny_profile(spec=spec, params=cal.param_list(spec)).save(tmp_path / "p.json")
     assert main(["predict", str(tmp_path / "p.json"), "--device", "H100", "--workers", "8,16", "--gbps", "100",
                  "--runs", str(tmp_path)]) == 0
@@ -294,7 +294,7 @@ def test_model_validation_help():
 
 def test_table_c_against_mergecomps_published_scaling_factors():
     from bench import mergecomp_model as mm
-    from engine.external import import_torchvision
+    from commlab.engine.external import import_torchvision
     try:
         import_torchvision()
     except Exception as e:  # noqa: BLE001
@@ -319,7 +319,7 @@ def test_table_c_against_mergecomps_published_scaling_factors():
 
 def test_fitting_the_efficiencies_to_a_measured_profile_recovers_them():
     """fit_layers on per-layer times made from known efficiencies (the additive form it fits) gets them back."""
-    from lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import calibrate as cal
     with torch.device("meta"):
         m = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 16),
                                 torch.nn.Linear(16, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8))
@@ -348,7 +348,7 @@ def test_perfmodel_bench_help_configs_and_replay(tmp_path):
     assert len(pm.CONFIGS) >= 24 and len({pm.label(c) for c in pm.CONFIGS}) == len(pm.CONFIGS)
     assert [i for i, _ in pm.chosen(str(pm.QUICK))] == [pm.QUICK]
     # every configuration is a spec the engine takes
-    from lab.base.specs import load_spec
+    from commlab.lab.base.specs import load_spec
     for c in pm.CONFIGS:
         load_spec(data=pm.config_spec(c, 60))
     # the measured rows of the stored results, predicted again by this model from their own calibration
@@ -382,7 +382,7 @@ def test_table_b_compares_the_launches_mean_step_and_keeps_the_median():
 
 def test_table_a_predicts_every_collective_the_engine_issues():
     from bench import model_validation as mv
-    from lab.strategy.perfmodel.costs import Link
+    from commlab.lab.strategy.perfmodel.costs import Link
     link = Link(100e-6, 8e-9)  # 1 Gbit/s, 100 µs per step, no token bucket: plain alpha-beta
     # 2 ranks, 1 MB: all-reduce 2 steps + 1 MB on the wire; a payload all-gather (each rank 0.5 MB): its
     # 40-byte header (1 step) then 0.5 MB; dear's parameter all-gather without the header; the all-to-all and
@@ -401,7 +401,7 @@ def test_table_a_predicts_every_collective_the_engine_issues():
 def test_table_a_worker_issues_every_collective_through_the_engine(tmp_path):
     """The worker of table (a) runs each collective as the engine issues it (one gloo rank here): a renamed
     engine function fails this test, not the root-only benchmark after its first shaped link is built."""
-    from lab.base.torchrun import free_port
+    from commlab.lab.base.torchrun import free_port
     code = ("import sys, json\nfrom bench import model_validation as mv\n"
             "for op in mv.OPS:\n"
             f"    assert mv.worker(['--op', op, '--bytes', '4096', '--iters', '2', '--out', r'{tmp_path}/' + op]) == 0\n")

@@ -1,4 +1,4 @@
-"""The performance model's prediction of the methods that communicate less often (lab/strategy/perfmodel/local.py
+"""The performance model's prediction of the methods that communicate less often (commlab/lab/strategy/perfmodel/local.py
 and predict.predict_method), against hand-computed cases on a tiny profile.
 
 The profile (tests/test_perfmodel.py's): forward 2 ms, backward 4 ms, optimizer 0.5 ms (compute Y = 6.5 ms per
@@ -6,9 +6,9 @@ step), four tensors of 400,000 + 400 + 40,000 + 40 bytes (B = 440,440) in regist
 fc2.weight, fc2.bias. On a nominal link of r Gbit/s a two-rank ring all-reduce of n bytes takes n * 8 / r ns."""
 import pytest
 
-from lab.strategy.perfmodel import costs
-from lab.strategy.perfmodel import predict as pr
-from lab.strategy.perfmodel import whatif
+from commlab.lab.strategy.perfmodel import costs
+from commlab.lab.strategy.perfmodel import predict as pr
+from commlab.lab.strategy.perfmodel import whatif
 
 B = 440_440
 Y = 6.5e-3
@@ -16,7 +16,7 @@ OPT = 0.5e-3
 
 
 def profile(**kw):
-    from lab.strategy.perfmodel.calibrate import Profile
+    from commlab.lab.strategy.perfmodel.calibrate import Profile
     p = Profile(model="mlp", dataset="digits", batch_size=16, source="test",
                 params=[("fc2.bias", 40), ("fc2.weight", 40_000), ("fc1.bias", 400), ("fc1.weight", 400_000)],
                 forward_s=2e-3, backward_s=4e-3, optimizer_s=OPT,
@@ -125,7 +125,7 @@ def test_one_worker_sends_nothing_and_ddp_has_no_method():
 
 
 def test_bad_method_parameters_are_one_line_spec_errors():
-    from engine.spec import SpecError
+    from commlab.engine.spec import SpecError
     with pytest.raises(SpecError, match=r"method\.H"):
         pr.predict(profile(), spec("local_sgd", H=0), 1, 2)
     with pytest.raises(SpecError, match=r"method\.fragments"):  # five fragments of a four-tensor model
@@ -133,7 +133,7 @@ def test_bad_method_parameters_are_one_line_spec_errors():
 
 
 def test_predict_cli_prints_a_methods_amortized_step_and_traffic(tmp_path, capsys):
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     f = tmp_path / "s.yaml"
     f.write_text("model: mlp\nbatch_size: 16\nsteps: 8\ncomm: {mode: sync}\nmethod: {name: local_sgd, H: 4}\n")
     profile().save(tmp_path / "p.json")

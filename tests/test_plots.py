@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from lab.analysis import plots
+from commlab.lab.analysis import plots
 
 
 def span(rank, lane, name, start_ms, end_ms, **args):

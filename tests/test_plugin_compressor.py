@@ -15,12 +15,12 @@ import torch
 
 import commlab
 from distutil import run_world
-from engine import codepath, compressors
-from engine.compressors import base, conformance, register, resolve
-from engine.compressors.base import Compressor
-from engine.compressors.params import Param
-from engine.spec import JobSpec, SpecError
-from lab.front import cli
+from commlab.engine import codepath, compressors
+from commlab.engine.compressors import base, conformance, register, resolve
+from commlab.engine.compressors.base import Compressor
+from commlab.engine.compressors.params import Param
+from commlab.engine.spec import JobSpec, SpecError
+from commlab.lab.front import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "commlab_scratch_codecs"
@@ -100,10 +100,10 @@ def test_builtins_fill_the_registry_through_register(registry):
                                         "qsgd", "terngrad", "signsgd", "efsignsgd", "signum", "onebit", "natural",
                                         "powersgd", "countsketch")
     assert all(resolve(n).name == n and issubclass(resolve(n), Compressor) for n in compressors.names())
-    src = (ROOT / "engine" / "compressors" / "__init__.py").read_text()
+    src = (ROOT / "commlab" / "engine" / "compressors" / "__init__.py").read_text()
     assert "register(_cls)" in src and "COMPRESSORS" not in src  # no private dict assembled beside it
     for family in ("quantize.py", "sign.py", "sparsify.py"):
-        assert "COMPRESSORS" not in (ROOT / "engine" / "compressors" / family).read_text()
+        assert "COMPRESSORS" not in (ROOT / "commlab" / "engine" / "compressors" / family).read_text()
 
 
 def test_register_by_name_as_a_decorator_and_its_refusals(registry):
@@ -130,7 +130,7 @@ def test_register_by_name_as_a_decorator_and_its_refusals(registry):
     assert compressors.make("halve").describe() == "halve"
     assert JobSpec.from_dict({"compressor": "halve2"}).compressor.name == "halve2"
     register(Halve)  # the same class again (a module reloaded): fine
-    with pytest.raises(ValueError, match="^name: 'topk' is registered already, for engine.compressors.sparsify:TopK$"):
+    with pytest.raises(ValueError, match="^name: 'topk' is registered already, for commlab.engine.compressors.sparsify:TopK$"):
         register(type("TopK", (Compressor,), {"name": "topk"}))
     with pytest.raises(ValueError, match="^name: Halve is named 'halve'; register it under that name$"):
         register(Halve, name="other")
@@ -359,8 +359,8 @@ def test_check_command_exit_codes_and_json(scratch, capsys):
 def _hook_train(rank, world, name, params):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from engine import data, models
-    from engine.comm.hooks import ddp_hook
+    from commlab.engine import data, models
+    from commlab.engine.comm.hooks import ddp_hook
     torch.manual_seed(0)
     ds = data.load("digits", seed=0)
     m = DDP(models.build("mlp", ds.info))
@@ -388,7 +388,7 @@ def test_the_scratch_compressor_runs_as_a_ddp_hook(scratch):
 
 def commlab_cli(*args, runs, timeout=300):
     env = {**os.environ, "COMMLAB_RUNS": str(runs), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "lab.front.cli", *map(str, args)], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -421,8 +421,8 @@ def test_the_scratch_compressor_checks_trains_everywhere_and_is_advised(scratch,
         spec.write_text(json.dumps({**SMALL, "name": f"scratch-{mode}", **over}))
         r = commlab_cli("run", spec, "--quiet", runs=runs)
         assert r.returncode == 0, mode + ": " + r.stdout[-2000:] + r.stderr[-2000:]
-    import lab
-    done = {run.spec_dict()["name"]: run for run in lab.runs(runs=runs, state="done")}
+    import commlab
+    done = {run.spec_dict()["name"]: run for run in commlab.runs(runs=runs, state="done")}
     for mode in MODES:
         run = done[f"scratch-{mode}"]
         assert run.spec_dict()["compressor"]["name"] == CLASS
@@ -442,23 +442,23 @@ def test_the_scratch_compressor_checks_trains_everywhere_and_is_advised(scratch,
 
 
 def test_a_name_registered_in_this_process_reaches_the_ranks(scratch, registry, tmp_path):
-    """commlab.register_compressor in your own process, then lab.run by that name: the ranks (other processes,
+    """commlab.register_compressor in your own process, then commlab.run by that name: the ranks (other processes,
     which never ran the registration) get the class's import path; a class from a script cannot be imported
     there, and is refused before anything is queued, in one line."""
     import importlib
-    import lab
-    from engine.spec import SpecError
+    import commlab
+    from commlab.engine.spec import SpecError
     register(importlib.import_module(f"{PKG}.rr").RandomRoundHalf, name="rrhalf")
-    run = lab.run({**SMALL, "name": "registered", "compressor": {"name": "rrhalf", "seed": 3}}, runs=tmp_path)
+    run = commlab.run({**SMALL, "name": "registered", "compressor": {"name": "rrhalf", "seed": 3}}, runs=tmp_path)
     assert run.state == "done", run.log_tail(20)
     assert run.spec_dict()["compressor"] == {**run.spec_dict()["compressor"], "name": CLASS, "params": {"seed": 3}}
-    assert lab._spec({"compressor": "fp16"}).compressor.name == "fp16"  # the built-ins keep their names
+    assert commlab.spec({"compressor": "fp16"}).compressor.name == "fp16"  # the built-ins keep their names
     script = register(type("Scripted", (Compressor,), {"__module__": "__main__", "summable": True}), name="scripted")
     assert script.__module__ == "__main__"
     with pytest.raises(SpecError, match=r"^compressor.per_bucket\[0\].name: 'scripted' was registered by a script "
                                         r"\(__main__\), which the ranks cannot import; move Scripted into a module"):
-        lab._spec({**SMALL, "compressor": {"name": "fp16", "per_bucket": [{"below_mb": 1, "name": "scripted"}]}})
-    assert [r.spec_dict()["name"] for r in lab.runs(runs=tmp_path)] == ["registered"]
+        commlab.spec({**SMALL, "compressor": {"name": "fp16", "per_bucket": [{"below_mb": 1, "name": "scripted"}]}})
+    assert [r.spec_dict()["name"] for r in commlab.runs(runs=tmp_path)] == ["registered"]
 
 
 def test_commlab_wrap_trains_with_the_scratch_compressor(scratch, tmp_path):
@@ -495,10 +495,10 @@ def test_the_local_user_queues_the_scratch_compressor_from_the_form(scratch, tmp
     pytest.importorskip("streamlit")
     from streamlit.testing.v1 import AppTest
 
-    import lab
-    from lab.front import new_run, ui
+    import commlab
+    from commlab.lab.front import new_run, ui
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
-    at = AppTest.from_file(str(ROOT / "app" / "streamlit_app.py"), default_timeout=120).run()
+    at = AppTest.from_file(str(ROOT / "commlab" / "app" / "streamlit_app.py"), default_timeout=120).run()
     at.switch_page("views/new_run.py").run()
     assert at.selectbox(key="nr.comp_source").options == ["registry", new_run.IMPORT_PATH]
     at.selectbox(key="nr.model").set_value("mlp")
@@ -506,7 +506,7 @@ def test_the_local_user_queues_the_scratch_compressor_from_the_form(scratch, tmp
     at.text_input(key="nr.comp_path").set_value(CLASS)
     at.text_area(key="nr.comp_params").set_value("seed: -3").run()
     assert not at.exception, [e.value for e in at.exception]
-    # from the preview child, shown as text (lab.front.ui.text keeps Streamlit from turning ">=" into a symbol)
+    # from the preview child, shown as text (commlab.lab.front.ui.text keeps Streamlit from turning ">=" into a symbol)
     assert [e.value for e in at.error] == [ui.text("seed: must be an integer >= 0, got -3")]
     assert at.button(key="nr.submit").disabled
     at.text_area(key="nr.comp_params").set_value("seed: 3")
@@ -517,6 +517,6 @@ def test_the_local_user_queues_the_scratch_compressor_from_the_form(scratch, tmp
     at.button(key="nr.submit").click().run()
     assert not at.exception, [e.value for e in at.exception]
     run_id = at.session_state["run_id"]
-    assert lab.wait(run_id, runs=tmp_path, timeout=240) == "done", lab.get(run_id, runs=tmp_path).log_tail()
-    c = lab.get(run_id, runs=tmp_path).spec_dict()["compressor"]
+    assert commlab.wait(run_id, runs=tmp_path, timeout=240) == "done", commlab.get(run_id, runs=tmp_path).log_tail()
+    c = commlab.get(run_id, runs=tmp_path).spec_dict()["compressor"]
     assert (c["name"], c["params"]) == (CLASS, {"seed": 3})

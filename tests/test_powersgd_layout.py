@@ -11,10 +11,10 @@ import torch
 
 from distutil import emulate_exchange, run_world
 
-from engine import compressors, data, models, schedules
-from engine.comm.wfbp import WFBP
-from engine.compressors import make
-from engine.compressors.powersgd import matrix_shape, plan_layout
+from commlab.engine import compressors, data, models, schedules
+from commlab.engine.comm.wfbp import WFBP
+from commlab.engine.compressors import make
+from commlab.engine.compressors.powersgd import matrix_shape, plan_layout
 
 # a conv weight, its bias, a linear weight, its bias, a matrix too small to pay at rank 2, a scalar
 SHAPES = [(16, 3, 3, 3), (16,), (30, 20), (30,), (2, 3), ()]

@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-import lab
-from lab.analysis import results
-from lab.analysis.presets import get
-from lab.base.errors import LabError
-from lab.base.specs import load_spec
-from lab.front import groups
+import commlab
+from commlab.lab.analysis import results
+from commlab.lab.analysis.presets import get
+from commlab.lab.base.errors import LabError
+from commlab.lab.base.specs import load_spec
+from commlab.lab.front import groups
 
 PRESET = get("less-often")
 
@@ -107,10 +107,10 @@ def test_a_group_without_values_is_judged_at_the_defaults():
 def runs(tmp_path, monkeypatch):
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     yield tmp_path
-    for r in lab.runs(runs=tmp_path):  # nothing a test queued may outlive it
+    for r in commlab.runs(runs=tmp_path):  # nothing a test queued may outlive it
         if r.state in ("queued", "running"):
-            lab.cancel(r.id, runs=tmp_path)
-            lab.wait(r.id, runs=tmp_path, timeout=60)
+            commlab.cancel(r.id, runs=tmp_path)
+            commlab.wait(r.id, runs=tmp_path, timeout=60)
 
 
 def test_the_cards_h_slider_sets_the_runs_h(runs):
@@ -129,7 +129,7 @@ def test_the_cards_h_slider_sets_the_runs_h(runs):
     ids = list(group["runs"].values())
     try:
         assert group["values"] == {"H": 16} and list(group["runs"]) == ["DDP", "local SGD", "DiLoCo"]
-        params = {k: lab.get(i, runs=runs).spec_dict()["method"] for k, i in group["runs"].items()}
+        params = {k: commlab.get(i, runs=runs).spec_dict()["method"] for k, i in group["runs"].items()}
         assert params["local SGD"]["params"]["H"] == 16 and params["DiLoCo"]["params"]["H"] == 16
         assert params["DDP"]["name"] == "none"
         assert [t.value for t in at.title] == ["Results"]
@@ -137,6 +137,6 @@ def test_the_cards_h_slider_sets_the_runs_h(runs):
         assert any("run with H = 16" in m.value for m in at.markdown)
     finally:
         for i in ids:
-            lab.cancel(i, runs=runs)
+            commlab.cancel(i, runs=runs)
         for i in ids:
-            assert lab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
+            assert commlab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")

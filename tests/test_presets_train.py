@@ -1,16 +1,16 @@
 """Every Home-page preset's runs train: started as the Start button starts them (one group, the lab's
 queue), every run ends done, with held-out accuracy at the preset's useful level and within 2 points of
-its reference variant (lab.analysis.results decides, as on the results page). Timings and the effects' ratios are
+its reference variant (commlab.lab.analysis.results decides, as on the results page). Timings and the effects' ratios are
 not checked here: they are measured by bench/presets.py."""
 import importlib.util
 import os
 
 import pytest
 
-import lab
-from lab.analysis import results
-from lab.front import groups
-from lab.analysis.presets import PRESETS
+import commlab
+from commlab.lab.analysis import results
+from commlab.lab.front import groups
+from commlab.lab.analysis.presets import PRESETS
 
 BROWSER_FOLLOWS = "countsketch-vs-topk"
 """tests/test_browser.py starts this preset with its Start button and follows it to its verdict, then checks it
@@ -37,9 +37,9 @@ def test_preset_runs_train(tmp_path, key):
     group = results.load_group(tmp_path, gid)
     try:
         for rid in group["runs"].values():
-            assert lab.wait(rid, runs=tmp_path, timeout=600) == "done", lab.get(rid, runs=tmp_path).log_tail()
+            assert commlab.wait(rid, runs=tmp_path, timeout=600) == "done", commlab.get(rid, runs=tmp_path).log_tail()
     finally:
         for rid in group["runs"].values():
-            if lab.get(rid, runs=tmp_path).state not in ("done", "failed", "cancelled", "diverged"):
-                lab.cancel(rid, runs=tmp_path)
-    assert_trained(preset, group, lambda rid: lab.get(rid, runs=tmp_path))
+            if commlab.get(rid, runs=tmp_path).state not in ("done", "failed", "cancelled", "diverged"):
+                commlab.cancel(rid, runs=tmp_path)
+    assert_trained(preset, group, lambda rid: commlab.get(rid, runs=tmp_path))

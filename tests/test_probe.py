@@ -1,4 +1,4 @@
-"""The layer probe (engine/probe.py): per-layer forward and backward spans that tile each pass
+"""The layer probe (commlab/engine/probe.py): per-layer forward and backward spans that tile each pass
 (each layer's span starts where the previous probe event ended), from one root pre-hook, one
 post-hook per layer and one tensor hook per step; and its backward spans when it follows the
 communicator (follow): in the first step one gradient hook per parameter, the communicator's, from
@@ -12,7 +12,7 @@ import tempfile
 import torch
 
 from distutil import run_world
-from engine import schedules
+from commlab.engine import schedules
 
 
 def _model():
@@ -21,10 +21,10 @@ def _model():
 
 
 def _probe_step(rank, world, follow):
-    from engine.comm.wfbp import WFBP
-    from engine.compressors import make
-    from engine.probe import LayerProbe
-    from engine.timeline import Timeline
+    from commlab.engine.comm.wfbp import WFBP
+    from commlab.engine.compressors import make
+    from commlab.engine.probe import LayerProbe
+    from commlab.engine.timeline import Timeline
     model = _model()
     path = os.path.join(tempfile.mkdtemp(), f"t{rank}.jsonl")
     tl = Timeline(path, rank)
@@ -72,7 +72,7 @@ def test_a_following_probe_adds_no_hook_and_keeps_its_backward_spans():
 def test_timeline_lines_are_chrome_trace_events_across_flushes():
     """Timeline.flush formats each (lane, name)'s line head once and reuses it: every line still
     parses to its own span, for names JSON must escape and args of every kind, flush after flush."""
-    from engine.timeline import LANES, Clock, Timeline
+    from commlab.engine.timeline import LANES, Clock, Timeline
     path = os.path.join(tempfile.mkdtemp(), "t.jsonl")
     clock = Clock()
     clock.wall0, clock.perf0 = 1000.0, 10.0
@@ -148,7 +148,7 @@ def _tiles(spans, lane):
 
 
 def test_layer_spans_tile_forward_and_backward():
-    from engine.probe import LayerProbe
+    from commlab.engine.probe import LayerProbe
     torch.manual_seed(0)
     model = _Tied()
     rec = _Recorder()
@@ -195,7 +195,7 @@ def test_layer_spans_tile_forward_and_backward():
 def test_timeline_args_passed_again_are_written_as_they_are_at_each_flush():
     """Timeline.flush encodes an args dict passed again (the probe's, every step) once: a dict changed in
     place since, or one holding a list changed in place, is written with its new content."""
-    from engine.timeline import Timeline
+    from commlab.engine.timeline import Timeline
     path = os.path.join(tempfile.mkdtemp(), "t.jsonl")
     tl = Timeline(path, 0)
     same, nested = {"layer": "fc"}, {"buckets": [0]}

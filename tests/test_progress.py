@@ -1,4 +1,4 @@
-"""`commlab run`'s progress (lab/rundir/progress.py): start-up as its own phase, the timed steps' rate, elapsed and
+"""`commlab run`'s progress (commlab/lab/rundir/progress.py): start-up as its own phase, the timed steps' rate, elapsed and
 ETA; rich's display on a terminal, plain lines elsewhere; colour only for the state, only on a terminal
 that has it."""
 import io
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from lab.rundir.progress import RunProgress
+from commlab.lab.rundir.progress import RunProgress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +100,7 @@ SPEC = {"name": "progress", "model": "mlp", "dataset": "digits", "world_size": 2
 def test_commlab_run_on_a_pseudo_terminal_and_on_a_pipe(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
-    argv = [sys.executable, "-m", "lab.front.cli", "run", str(spec), "--runs", str(tmp_path / "runs")]
+    argv = [sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--runs", str(tmp_path / "runs")]
     env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "160"}
     env.pop("NO_COLOR", None)
     main, sub = pty.openpty()
@@ -155,7 +155,7 @@ def test_the_final_evaluation_is_said_when_the_last_step_is_in():
 def test_the_last_line_counts_the_steps_the_summary_counts():
     """Ctrl-C: rank 1 had logged step 400 when rank 0 had logged 395; the last line and the summary
     (steps_done: any rank's steps) both say 401."""
-    from lab.rundir.summary import summarize
+    from commlab.lab.rundir.summary import summarize
     out, clock = io.StringIO(), Clock()
     p = RunProgress(2000, 2, console=Console(file=out, width=200), clock=clock)
     lines = steps(0, 396, 10.0) + [dict(m, rank=1) for m in steps(396, 401, 10.0, ranks=1)]
@@ -170,7 +170,7 @@ def test_the_last_line_counts_the_steps_the_summary_counts():
 def test_one_process_is_said_to_send_nothing():
     """A world of one (a sweep's baseline, a plain `python script.py` own loop) sends nothing: its bytes per step
     are 0 and its summary says so, with the payload its compressor made (what a second rank would get)."""
-    from lab.rundir.summary import format_summary, summarize
+    from commlab.lab.rundir.summary import format_summary, summarize
     lines = steps(0, 10, 10.0, ranks=1)
     for m in lines:
         m.update(bytes_sent=500, bytes_raw=1000)
@@ -186,7 +186,7 @@ def test_one_process_is_said_to_send_nothing():
 def test_steps_without_loss_summarise_without_it():
     """An own loop's comm.step() without loss= logs "loss": null: no final loss, said as not recorded; where
     only some steps have one, the final loss is the last of those (a step's missing key counts as none)."""
-    from lab.rundir.summary import format_summary, summarize
+    from commlab.lab.rundir.summary import format_summary, summarize
     lines = steps(0, 4, 10.0)
     for m in lines:
         m.update(loss=None, bytes_sent=1, bytes_raw=1)

@@ -1,4 +1,4 @@
-"""The queue's slots (lab/service/queue.py): at most max_jobs held at once, and a supervisor that dies
+"""The queue's slots (commlab/lab/service/queue.py): at most max_jobs held at once, and a supervisor that dies
 (kill -9) frees its slot without anyone cleaning up."""
 import os
 import signal
@@ -6,13 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lab.service.queue import Slots
+from commlab.lab.service.queue import Slots
 
 ROOT = Path(__file__).resolve().parents[1]
 
 HOLDER = r"""
 import sys, time
-from lab.service.queue import Slots
+from commlab.lab.service.queue import Slots
 fd = Slots(sys.argv[1], int(sys.argv[2])).try_acquire()
 print("held" if fd is not None else "none", flush=True)
 time.sleep(600)

@@ -1,4 +1,4 @@
-"""Reports to take home (lab/analysis/report.py, `commlab report`): one HTML file with the figures, which opens in
+"""Reports to take home (commlab/lab/analysis/report.py, `commlab report`): one HTML file with the figures, which opens in
 headless Chromium with every network request refused and draws them."""
 import os
 import re
@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-import lab
-from lab.analysis import results
-from lab.front.cli import main
+import commlab
+from commlab.lab.analysis import results
+from commlab.lab.front.cli import main
 from test_app import SMALL
 
 CHROMIUM = "/usr/bin/chromium"
@@ -17,8 +17,8 @@ CHROMIUM = "/usr/bin/chromium"
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    a = lab.run(dict(SMALL, name="rep-a", eval_every=2), runs=root)
-    b = lab.run(dict(SMALL, name="rep-b", eval_every=2, compressor={"name": "fp16"}), runs=root)
+    a = commlab.run(dict(SMALL, name="rep-a", eval_every=2), runs=root)
+    b = commlab.run(dict(SMALL, name="rep-b", eval_every=2, compressor={"name": "fp16"}), runs=root)
     assert a.state == b.state == "done", (a.log_tail(), b.log_tail())
     gid = results.save_group(root, "dear-vs-ddp", {"dear": a.id, "ddp": b.id})
     return root, a, b, gid
@@ -99,11 +99,11 @@ def test_live_page_offers_the_report(finished, monkeypatch):
 def test_the_ui_builds_a_report_in_a_thread_that_acts_for_no_one(finished):
     """The report button's builder runs in a server thread outside any session (a signed-in lookup there
     raises): it reads only the runs the page resolved for the viewer."""
-    from lab.front import ui
-    from lab.analysis.report import report_html
+    from commlab.lab.front import ui
+    from commlab.lab.analysis.report import report_html
     root, a, b, gid = finished
     group = results.load_group(root, gid)
-    ui.set_viewer(lambda: None)  # what app/access.py's resolver gives outside a session
+    ui.set_viewer(lambda: None)  # what commlab/app/access.py's resolver gives outside a session
     try:
         with pytest.raises(PermissionError):
             ui.get_run(a.id, root)

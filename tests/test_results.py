@@ -1,12 +1,12 @@
-"""Presets and their verdicts (lab.analysis.presets, lab.analysis.results): pure, on fake runs with made-up
+"""Presets and their verdicts (commlab.lab.analysis.presets, commlab.lab.analysis.results): pure, on fake runs with made-up
 metrics, so each rule (ratios against bounds, accuracy against the reference and the floor, pending and failed
 runs, the explanation of a miss) is checked on its own; plus every preset's specs."""
 
 import pytest
 
-from lab.analysis import results
-from lab.analysis.presets import ACCURACY_POINTS, PRESETS, Effect, Preset, get
-from lab.base.specs import load_spec
+from commlab.lab.analysis import results
+from commlab.lab.analysis.presets import ACCURACY_POINTS, PRESETS, Effect, Preset, get
+from commlab.lab.base.specs import load_spec
 
 
 class FakeRun:

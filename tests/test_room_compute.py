@@ -7,9 +7,9 @@ the functions the pages call):
   columns is refused with one line naming ``cols`` before anything is timed; the bounds refuse no example, preset
   or shipped spec.
 - Nothing a viewer configures is timed in the server's process: the cost curve of a viewer's compressor is timed in
-  a child (lab.base.sandbox, task ``curves``), what it measured is kept, and a page load does not measure again;
+  a child (commlab.lab.base.sandbox, task ``curves``), what it measured is kept, and a page load does not measure again;
   the command line still times in its own process.
-- File names from a user's text (lab.base.paths.safe_name, file_in): a model option holding ``/../../../x`` leads
+- File names from a user's text (commlab.lab.base.paths.safe_name, file_in): a model option holding ``/../../../x`` leads
   the teacher's advisor to write nothing outside the runs directory.
 """
 import importlib.util
@@ -24,17 +24,17 @@ import yaml
 
 pytest.importorskip("streamlit")
 
-import lab  # noqa: E402
-from engine import codepath, compressors, methods  # noqa: E402
-from engine.compressors import countsketch  # noqa: E402
-from engine.spec import SpecError  # noqa: E402
-from lab.base import paths, sandbox  # noqa: E402
-from lab.base.specs import load_spec  # noqa: E402
-from lab.front import profiles as viewing  # noqa: E402
-from lab.service import owners  # noqa: E402
-from lab.service.queue import Lab  # noqa: E402
-from lab.strategy.perfmodel import calibrate as cal  # noqa: E402
-from lab.strategy.perfmodel import whatif  # noqa: E402
+import commlab  # noqa: E402
+from commlab.engine import codepath, compressors, methods  # noqa: E402
+from commlab.engine.compressors import countsketch  # noqa: E402
+from commlab.engine.spec import SpecError  # noqa: E402
+from commlab.lab.base import paths, sandbox  # noqa: E402
+from commlab.lab.base.specs import load_spec  # noqa: E402
+from commlab.lab.front import profiles as viewing  # noqa: E402
+from commlab.lab.service import owners  # noqa: E402
+from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
+from commlab.lab.strategy.perfmodel import whatif  # noqa: E402
 from test_app import SMALL  # noqa: E402
 from test_perfmodel import tiny_profile  # noqa: E402
 from test_safe_room import as_viewer, one_line, profiles, room  # noqa: E402,F401  (fixtures)
@@ -165,8 +165,8 @@ def test_the_reference_lists_every_bound():
 
 def shipped_specs():
     """Every spec the lab ships: the examples, the presets' variants, the page's compressors."""
-    from lab.analysis.presets import PRESETS
-    from lab.strategy.perfmodel import views
+    from commlab.lab.analysis.presets import PRESETS
+    from commlab.lab.strategy.perfmodel import views
     for f in sorted((ROOT / "examples").glob("*.yaml")):
         data = yaml.safe_load(f.read_text())
         if isinstance(data, dict) and "grid" not in data and "apiVersion" not in data:
@@ -216,7 +216,7 @@ def test_page_loads_do_not_time_the_runs_compressors_again(room, timed):
     """The page predicts every finished run a viewer may see: their compressors (and the page's five) are timed
     once, in children; a rerun of the page, and the teacher's visit, time nothing."""
     root, tokens = room
-    run = Lab(root).submit(lab._spec(dict(SMALL, compressor="signum")), wait=True, owner="alice")
+    run = Lab(root).submit(commlab.spec(dict(SMALL, compressor="signum")), wait=True, owner="alice")
     assert run.state == "done", run.log_tail()
     at = app(tokens["alice"], page="model")
     assert not at.error, [e.value for e in at.error]
@@ -305,11 +305,11 @@ def test_a_model_option_holding_a_path_writes_nothing_outside_the_runs(tmp_path,
     """A student's hf: model with an option ``/../../../escaped/x`` finishes a run; the teacher's advisor on it
     (what the Advisor page's job runs) saves and reads the model's profile inside runs/.profiles/ under a safe
     name, and writes nothing outside the runs directory."""
-    from lab.strategy import advisor
+    from commlab.lab.strategy import advisor
     root = tmp_path / "runs"
     root.mkdir()
     monkeypatch.setenv("COMMLAB_RUNS", str(root))
-    spec = lab._spec({"model": {"name": "hf:gpt2", "options": {"n_layer": 1, "n_embd": 8, "n_head": 2,
+    spec = commlab.spec({"model": {"name": "hf:gpt2", "options": {"n_layer": 1, "n_embd": 8, "n_head": 2,
                                                                 "note": "/../../../escaped/x"}},
                       "dataset": {"name": "text", "block": 16}, "steps": 5, "batch_size": 4, "eval_every": 0,
                       "final_eval": False, "threads": 1, "world_size": 1})

@@ -1,8 +1,8 @@
 """The workshop server's front door under a signed-in student's attack: uploads bounded per person and for the
-server, taken only for the uploader's own page and dropped with it (app/uploads.py); signing out only by a form
-post from the lab's own page (app/gatekeeper.py); a valid token signing in past the wrong-token limit, and the
+server, taken only for the uploader's own page and dropped with it (commlab/app/uploads.py); signing out only by a form
+post from the lab's own page (commlab/app/gatekeeper.py); a valid token signing in past the wrong-token limit, and the
 client address that limit counts not chosen by the client unless the teacher says a proxy is in front
-(``commlab app --behind-proxy``, lab/front/appserver.py). Through the gatekeeper with a Starlette TestClient
+(``commlab app --behind-proxy``, commlab/lab/front/appserver.py). Through the gatekeeper with a Starlette TestClient
 (tests/test_accounts.py's helpers) and over the wire against a real server."""
 import http.client
 import os
@@ -17,12 +17,12 @@ from starlette.exceptions import HTTPException  # noqa: E402
 from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileManager  # noqa: E402
 from streamlit.runtime.uploaded_file_manager import UploadedFileRec  # noqa: E402
 
-import lab  # noqa: E402
-from app import gatekeeper  # noqa: E402
-from lab.base.errors import LabError  # noqa: E402
-from lab.front import accounts  # noqa: E402
-from lab.service import owners  # noqa: E402
-from lab.service.queue import Lab  # noqa: E402
+import commlab  # noqa: E402
+from commlab.app import gatekeeper  # noqa: E402
+from commlab.lab.base.errors import LabError  # noqa: E402
+from commlab.lab.front import accounts  # noqa: E402
+from commlab.lab.service import owners  # noqa: E402
+from commlab.lab.service.queue import Lab  # noqa: E402
 from test_accounts import browser, lab_root, session_cookie  # noqa: E402,F401  (lab_root: a fixture)
 from test_app import SMALL  # noqa: E402
 from distutil import stop_process  # noqa: E402
@@ -105,7 +105,7 @@ def test_the_server_trusts_a_forwarded_address_only_behind_a_proxy(tmp_path, mon
     import asyncio
 
     import uvicorn
-    from lab.front import appserver
+    from commlab.lab.front import appserver
 
     seen = []
 
@@ -134,7 +134,7 @@ def test_the_server_trusts_a_forwarded_address_only_behind_a_proxy(tmp_path, mon
                                         ("10.0.0.1/8", "'10.0.0.1/8' is not an IP address or network"),
                                         ("", "give at least one address")])
 def test_behind_proxy_names_what_it_takes(tmp_path, value, msg):
-    from lab.front import appserver
+    from commlab.lab.front import appserver
     with pytest.raises(LabError) as e:
         appserver.trusted_proxies(value)
     assert str(e.value).startswith("--behind-proxy: ") and msg in str(e.value)
@@ -143,13 +143,13 @@ def test_behind_proxy_names_what_it_takes(tmp_path, value, msg):
 
 
 def test_commlab_app_takes_behind_proxy(tmp_path, capsys):
-    from lab.front import appserver
-    from lab.front.cli import build_parser
+    from commlab.lab.front import appserver
+    from commlab.lab.front.cli import build_parser
     p = build_parser()
     assert p.parse_args(["app", "--host", "0.0.0.0"]).behind_proxy is None
     assert p.parse_args(["app", "--behind-proxy"]).behind_proxy == appserver.LOCAL_PROXY
     assert p.parse_args(["app", "--behind-proxy", "10.0.0.7"]).behind_proxy == "10.0.0.7"
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     assert main(["app", "--host", "0.0.0.0", "--behind-proxy", "proxy.example", "--runs", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--behind-proxy: 'proxy.example' is not an IP address or network" in err and "Traceback" not in err
@@ -163,9 +163,9 @@ def rec(size: int, fid=None) -> UploadedFileRec:
 
 @pytest.fixture
 def held(monkeypatch):
-    """The server's uploaded-file manager, bounded as app/uploads.py bounds it, with small limits; a Streamlit
+    """The server's uploaded-file manager, bounded as commlab/app/uploads.py bounds it, with small limits; a Streamlit
     session id here is '<person>-<n>', and ``live`` the sessions still connected."""
-    from app import uploads
+    from commlab.app import uploads
     monkeypatch.setenv(accounts.ACCESS_ENV, "token")
     monkeypatch.setattr(uploads, "FILES_PER_PERSON", 3)
     monkeypatch.setattr(uploads, "MB_PER_PERSON", 1)
@@ -234,9 +234,9 @@ def served(tmp_path_factory):
     access = accounts.load_access(root)
     tokens = {"class": access["class_token"], "admin": access["admin_token"],
               **{o: accounts.sign_in(root, access["class_token"], o) for o in ("alice", "bob")}}
-    Lab(root).create(lab._spec(SMALL), owner="alice")
+    Lab(root).create(commlab.spec(SMALL), owner="alice")
     port = free_port()
-    code = (f"import sys; from lab.front.appserver import app_main; "
+    code = (f"import sys; from commlab.lab.front.appserver import app_main; "
             f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")
     log_path = root / "app.log"
     env = {k: v for k, v in os.environ.items() if k not in (accounts.ACCESS_ENV, "FORWARDED_ALLOW_IPS")}
@@ -302,7 +302,7 @@ def test_over_the_wire_an_upload_goes_only_to_the_uploaders_own_page(served):
 
 def test_over_the_wire_uploads_are_bounded_per_person_and_dropped_with_their_page(served):
     """Any number of files under made-up ids: the person's bound refuses more; closing the page frees it."""
-    from app import uploads
+    from commlab.app import uploads
     from bench.wsclient import sign_in
     url, root, tokens = served
     jar = sign_in(url, tokens["alice"])
@@ -327,7 +327,7 @@ def test_over_the_wire_uploads_are_bounded_per_person_and_dropped_with_their_pag
 
 
 def test_over_the_wire_signing_out_drops_the_persons_uploads(served):
-    from app import uploads
+    from commlab.app import uploads
     from bench.wsclient import sign_in
     url, root, tokens = served
     jar = sign_in(url, tokens["bob"])

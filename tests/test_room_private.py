@@ -7,12 +7,12 @@ import stat
 
 import pytest
 
-from lab.base.paths import PRIVATE_MODE, make_private
-from lab.front import accounts, appserver
-from lab.rundir.store import RunStore
-from lab.service import owners
+from commlab.lab.base.paths import PRIVATE_MODE, make_private
+from commlab.lab.front import accounts, appserver
+from commlab.lab.rundir.store import RunStore
+from commlab.lab.service import owners
 
-import lab
+import commlab
 
 
 def mode(p) -> int:
@@ -63,7 +63,7 @@ def test_the_runs_directory_and_each_run_are_the_labs_users_alone(tmp_path):
     old = os.umask(0o022)
     try:
         root = tmp_path / "runs"
-        run = RunStore(root).create(lab._spec({"name": "private", "steps": 1}))
+        run = RunStore(root).create(commlab.spec({"name": "private", "steps": 1}))
         assert mode(root) == PRIVATE_MODE and mode(run.path) == PRIVATE_MODE
         (tmp_path / "other").mkdir()
         accounts.load_access(tmp_path / "other" / "runs")  # the access file's folder, made first

@@ -2,11 +2,11 @@
 on an exposed lab (COMMLAB_ACCESS=token).
 
 - Text: a run, sweep, model or owner name, an error that echoes what was typed, an uploaded file's content
-  reach the pages only through lab.front.ui.text wherever Streamlit renders Markdown. A source check walks
+  reach the pages only through commlab.lab.front.ui.text wherever Streamlit renders Markdown. A source check walks
   every page module and names any Markdown-rendering call given other text; AppTest sessions of the
   teacher open every page with a student's run named with links, images, a colour and emphasis (marked
   disturbed, so the Compare page warns about it) and find it only escaped.
-- Previews (lab.base.sandbox): one place per person at a time on every path (the performance model's
+- Previews (commlab.lab.base.sandbox): one place per person at a time on every path (the performance model's
   parameter count included), places handed out by who has had the least child time lately, and a budget
   of child time per person in a rolling window, refused in one line; a submit's check goes before others'
   previews. A fake slow ``_spawn`` stands in for the child.
@@ -23,8 +23,8 @@ import pytest
 
 pytest.importorskip("streamlit")
 
-import lab  # noqa: E402
-from lab.front import ui  # noqa: E402
+import commlab  # noqa: E402
+from commlab.lab.front import ui  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([*(REPO / "app").glob("*.py"), *(REPO / "app" / "views").glob("*.py")])
@@ -116,14 +116,14 @@ NOT_STREAMLIT = {"log", "logger", "logging", "warnings"}
 
 ALLOWED = {
     ("*", "where()"): "app/widgets.where: the runs directory, through ui.text already",
-    ("app/compare_view.py", "f"): "a column name of compare_view.FILTERS, a constant of the page",
-    ("app/run_form.py", "label"): "'Architecture' or 'Import path', constants of the form",
-    ("app/access.py", "why"): "access.signed_out's reason: constants of app/access.py",
-    ("app/widgets.py", "p.title"): "a preset's title, written in lab/analysis/presets.py",
-    ("app/widgets.py", "state"): "a state badge's: one of the lab's run states (lab.rundir.store)",
-    ("app/results_view.py", "items"): "the verdict's lines, each made of ui.text and _mark's constants above",
-    ("app/run_form.py", "tip"): "a compressor parameter's help and allowed values, through ui.text above",
-    ("app/views/advisor.py", "list(predictions.LINKS)"): "the lab's link kinds (lab.strategy.predictions.LINKS)",
+    ("commlab/app/compare_view.py", "f"): "a column name of compare_view.FILTERS, a constant of the page",
+    ("commlab/app/run_form.py", "label"): "'Architecture' or 'Import path', constants of the form",
+    ("commlab/app/access.py", "why"): "access.signed_out's reason: constants of commlab/app/access.py",
+    ("commlab/app/widgets.py", "p.title"): "a preset's title, written in commlab/lab/analysis/presets.py",
+    ("commlab/app/widgets.py", "state"): "a state badge's: one of the lab's run states (commlab.lab.rundir.store)",
+    ("commlab/app/results_view.py", "items"): "the verdict's lines, each made of ui.text and _mark's constants above",
+    ("commlab/app/run_form.py", "tip"): "a compressor parameter's help and allowed values, through ui.text above",
+    ("commlab/app/views/advisor.py", "list(predictions.LINKS)"): "the lab's link kinds (commlab.lab.strategy.predictions.LINKS)",
 }
 """(page, expression) a page shows as Markdown that are not user text, each with why ("*": any page)."""
 
@@ -233,11 +233,11 @@ def test_every_page_shows_user_text_through_ui_text(tmp_path):
 
 # --------------------------------------------------------------------------- the pages, as the teacher sees them
 
-from lab.analysis import results  # noqa: E402
-from lab.analysis.presets import PRESETS  # noqa: E402
-from lab.front import accounts  # noqa: E402
-from lab.service import owners  # noqa: E402
-from lab.service.queue import Lab  # noqa: E402
+from commlab.lab.analysis import results  # noqa: E402
+from commlab.lab.analysis.presets import PRESETS  # noqa: E402
+from commlab.lab.front import accounts  # noqa: E402
+from commlab.lab.service import owners  # noqa: E402
+from commlab.lab.service.queue import Lab  # noqa: E402
 from test_app import SMALL  # noqa: E402
 from test_workshop import app, room  # noqa: E402,F401  (room: the fixture)
 
@@ -247,7 +247,7 @@ markdown element's body, a widget's, metric's, expander's and page link's label,
 bar's text). A selectbox's options are not among them: plain text in this version of Streamlit."""
 DISTURBED = {"disturbed": True, "other_cpu": 0.4, "other_cores": 0.8, "cpus": 2, "threshold": 0.1,
              "timed_other_cpu": 0.5, "final": True}
-"""What the supervisor writes into status.json (lab.rundir.disturbance) when other processes took the CPU."""
+"""What the supervisor writes into status.json (commlab.lab.rundir.disturbance) when other processes took the CPU."""
 
 
 def markdown_texts(at) -> list:
@@ -289,7 +289,7 @@ def evil(room):  # noqa: F811
     """``room`` with alice's finished run named EVIL, marked disturbed, in a preset's group, and a sweep of the
     teacher's named EVIL (its grid only)."""
     root, runs, tokens = room
-    run = Lab(root).create(lab._spec(dict(SMALL, name=EVIL)), owner="alice")
+    run = Lab(root).create(commlab.spec(dict(SMALL, name=EVIL)), owner="alice")
     run.set_status("done", disturbance=DISTURBED)
     preset = PRESETS[0]
     results.save_group(root, preset.key, {label: run.id for label in preset.labels()}, created=time.time())
@@ -332,7 +332,7 @@ def test_an_owners_name_is_text(room):  # noqa: F811
     root, runs, tokens = room
     access_ = accounts.load_access(root)
     accounts.sign_in(root, access_["class_token"], "www.evil.example")
-    run = Lab(root).create(lab._spec(SMALL), owner="www.evil.example")
+    run = Lab(root).create(commlab.spec(SMALL), owner="www.evil.example")
     ui.set_viewer(lambda: owners.User("www.evil.example"))
     ui.share(run.id)
     at = app(tokens["carol"], page="live_run", run=run.id)
@@ -344,11 +344,11 @@ def test_an_owners_name_is_text(room):  # noqa: F811
 
 from collections import OrderedDict, deque  # noqa: E402
 
-from engine import codepath  # noqa: E402
-from engine.spec import SpecError  # noqa: E402
-from lab.base import sandbox  # noqa: E402
-from lab.front import previews  # noqa: E402
-from lab.strategy.perfmodel import calibrate as cal  # noqa: E402
+from commlab.engine import codepath  # noqa: E402
+from commlab.engine.spec import SpecError  # noqa: E402
+from commlab.lab.base import sandbox  # noqa: E402
+from commlab.lab.front import previews  # noqa: E402
+from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 
 CHILD_S = 0.3
 """How long a fake child takes."""
@@ -388,7 +388,7 @@ class Children:
 
 def sized(k: int):
     """A spec whose model is another one for each ``k`` (its preview is not kept from an earlier one)."""
-    return lab._spec({"model": "mlp", "dataset": {"name": "synthetic", "classes": 2 + k}})
+    return commlab.spec({"model": "mlp", "dataset": {"name": "synthetic", "classes": 2 + k}})
 
 
 def started(name: str, target, *args) -> threading.Thread:

@@ -1,6 +1,6 @@
 """A room you can trust: no code from students, bounded students, the Performance model page, tried as an attacker
 would: through AppTest sessions of a student and of the teacher on an exposed lab (COMMLAB_ACCESS=token),
-and at the lab level (lab.front.ui, new_run, groups and previews as the pages call them, the queue, lab.base.sandbox).
+and at the lab level (commlab.lab.front.ui, new_run, groups and previews as the pages call them, the queue, commlab.lab.base.sandbox).
 
 - No student's code: a spec that names code (an import path) is refused for a student at every entry, with
   one line naming the field, and nothing it names is imported: marker files such code would write stay
@@ -28,19 +28,19 @@ import yaml
 
 pytest.importorskip("streamlit")
 
-import lab  # noqa: E402
-from engine import codepath  # noqa: E402
-from engine.spec import JobSpec, SpecError  # noqa: E402
-from lab.front import accounts, groups, new_run, previews, ui  # noqa: E402
-from lab.base import paths, sandbox
-from lab.base.specs import load_spec, typed_yaml
-from lab.service import owners
-from lab.strategy.perfmodel import views  # noqa: E402
-from lab.service.queue import Lab  # noqa: E402
-from lab.base.errors import LabError  # noqa: E402
+import commlab  # noqa: E402
+from commlab.engine import codepath  # noqa: E402
+from commlab.engine.spec import JobSpec, SpecError  # noqa: E402
+from commlab.lab.front import accounts, groups, new_run, previews, ui  # noqa: E402
+from commlab.lab.base import paths, sandbox
+from commlab.lab.base.specs import load_spec, typed_yaml
+from commlab.lab.service import owners
+from commlab.lab.strategy.perfmodel import views  # noqa: E402
+from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.lab.base.errors import LabError  # noqa: E402
 from test_app import SMALL  # noqa: E402
 from test_workshop import app, everything  # noqa: E402
-from lab.front import profiles as viewing  # noqa: E402
+from commlab.lab.front import profiles as viewing  # noqa: E402
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 RSS_BOUND_MB = 200
@@ -58,11 +58,11 @@ def room(tmp_path, monkeypatch):
     tokens = {"admin": access["admin_token"], "alice": accounts.sign_in(root, access["class_token"], "alice")}
     yield root, tokens
     ui.set_viewer(None)
-    for r in lab.runs(runs=root):  # nothing a test queued may outlive it
+    for r in commlab.runs(runs=root):  # nothing a test queued may outlive it
         if r.state in ("queued", "running"):
-            lab.cancel(r.id, runs=root)
-    for r in lab.runs(runs=root):
-        lab.wait(r.id, runs=root, timeout=120)
+            commlab.cancel(r.id, runs=root)
+    for r in commlab.runs(runs=root):
+        commlab.wait(r.id, runs=root, timeout=120)
 
 
 class Code:
@@ -147,12 +147,12 @@ def test_a_students_code_is_refused_at_every_entry_and_never_imported(room, code
             new_run.submit(data)
         assert one_line(str(e.value)).startswith(f"{field}: ")
         with codepath.no_imports():  # the spec as a CLI or a script would hand it to the queue
-            parsed = lab._spec(data)
+            parsed = commlab.spec(data)
         with pytest.raises(SpecError, match=f"^{field}: .*only the teacher may run code"):
             Lab(root).submit(parsed, wait=False, owner="alice")
     assert not touched.exists() and not marker.exists()
     assert evil not in sys.modules
-    assert lab.runs(runs=root) == []  # nothing was queued
+    assert commlab.runs(runs=root) == []  # nothing was queued
 
 
 def test_a_students_upload_on_the_model_page_cannot_name_code(room, code):
@@ -190,7 +190,7 @@ def test_the_teachers_model_is_previewed_and_checked_in_a_child(room, code):
     at.button(key="nr.submit").click().run()  # the first-batch check before queueing: a child too
     assert not at.exception, [e.value for e in at.exception]
     run_id = at.session_state["run_id"]
-    assert lab.get(run_id, runs=root).status()["owner"] == owners.TEACHER
+    assert commlab.get(run_id, runs=root).status()["owner"] == owners.TEACHER
     assert len(Code.pids(marker)) > len(previews)
     assert os.getpid() not in Code.pids(marker) and mod not in sys.modules
 
@@ -245,7 +245,7 @@ def test_the_childs_memory_limit_counts_allocations_not_mapped_code(tmp_path):
         f.truncate(3 << 30)  # sparse: nothing written
     probe = textwrap.dedent(f"""
         import mmap, sys
-        from lab.base import sandbox
+        from commlab.lab.base import sandbox
         sandbox._limit(sandbox.PREVIEW)
         with open({str(big)!r}, "rb") as f:
             m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
@@ -339,7 +339,7 @@ def test_a_room_asking_for_one_models_size_at_once_starts_one_child(room, monkey
     monkeypatch.setattr(sandbox, "_spawn", lambda *a: spawned.append(a[0]) or real(*a))
     who = threading.local()
     ui.set_viewer(lambda: owners.User(who.name))
-    spec = lab._spec({"model": "mlp", "dataset": "digits"})
+    spec = commlab.spec({"model": "mlp", "dataset": "digits"})
     got = {}
 
     def ask(name):
@@ -359,7 +359,7 @@ def test_a_room_asking_for_one_models_size_at_once_starts_one_child(room, monkey
 
 
 def test_a_preset_that_cannot_be_checked_now_is_one_line_on_its_card(room, monkeypatch):
-    from lab.analysis.presets import PRESETS
+    from commlab.lab.analysis.presets import PRESETS
 
     def busy(spec, who, wait_s=0):
         raise SpecError("preview", "all 2 of the server's places for previews and checks are taken; try again")
@@ -367,7 +367,7 @@ def test_a_preset_that_cannot_be_checked_now_is_one_line_on_its_card(room, monke
     ui.set_viewer(lambda: owners.User("alice"))
     with pytest.raises(LabError, match=r"^preset [a-z-]+: preview: all 2 of the server's places"):
         groups.start_preset(PRESETS[0], runs=room[0])
-    assert lab.runs(runs=room[0]) == []  # nothing queued
+    assert commlab.runs(runs=room[0]) == []  # nothing queued
 
 
 # --------------------------------------------------------------------------- 2. bounded students
@@ -400,7 +400,7 @@ def test_each_limit_refuses_with_its_name_by_default_on_an_exposed_lab(room):
             ui.set_viewer(viewer)
             spec, err, size = new_run.form_check(d)
             assert err is None and size["params"] > 0, (data, err)
-    assert lab.runs(runs=root) == []
+    assert commlab.runs(runs=root) == []
 
 
 def test_a_students_run_gets_the_default_wall_time_and_at_most_two_threads(room, monkeypatch):
@@ -436,7 +436,7 @@ def test_a_student_keeps_a_bounded_number_of_runs_and_the_disk_keeps_room(room, 
     (root / "lab.json").write_text(json.dumps({"quotas": {"runs": 2}}))
     q = Lab(root)
     for _ in range(2):
-        q.create(lab._spec(SMALL), owner="alice")  # two of alice's, of any state
+        q.create(commlab.spec(SMALL), owner="alice")  # two of alice's, of any state
     as_viewer("alice")
     with pytest.raises(owners.QuotaError, match=r"^quota runs: alice may have 2 runs in this lab, of every state; "
                                                 r"2 are there, and this asks for 1 more"):
@@ -447,7 +447,7 @@ def test_a_student_keeps_a_bounded_number_of_runs_and_the_disk_keeps_room(room, 
     with pytest.raises(owners.QuotaError, match=r"^quota free_mb: the disk of the runs directory has 1000 MB free, "
                                                 r"under the 2048 MB kept free; ask the teacher$"):
         new_run.submit(SMALL)
-    assert sorted(owners.owner_of(r.status()) for r in lab.runs(runs=root)) == ["alice", "alice"]
+    assert sorted(owners.owner_of(r.status()) for r in commlab.runs(runs=root)) == ["alice", "alice"]
     as_viewer(owners.TEACHER, admin=True)  # the teacher's runs are not held back
     assert new_run.submit(dict(SMALL, steps=1)).status()["owner"] == owners.TEACHER
 
@@ -474,7 +474,7 @@ def test_concurrent_submits_cannot_pass_the_queued_limit(room):
     assert len(made) == 2, got
     assert sorted(set(got) - set(made)) == [
         "quota queued: alice may have 2 runs queued or running at once; 2 are, and this asks for 1 more"]
-    assert sorted(r.id for r in lab.runs(runs=root)) == sorted(made)
+    assert sorted(r.id for r in commlab.runs(runs=root)) == sorted(made)
 
 
 def alias_bomb(levels: int) -> str:
@@ -511,7 +511,7 @@ def test_a_students_failed_run_shows_no_traceback_and_no_machine_path(room):
     frames or the machine's folders; the teacher sees the log as it is. An image too small for the model is
     refused when the spec is checked, not by a traceback from the ranks."""
     root, tokens = room
-    run = Lab(root).submit(lab._spec(dict(SMALL, fault={"kind": "raise", "step": 1})), wait=True, owner="alice")
+    run = Lab(root).submit(commlab.spec(dict(SMALL, fault={"kind": "raise", "step": 1})), wait=True, owner="alice")
     assert run.state == "failed" and "Traceback" in run.log_tail(30) and str(paths.SOURCE) in run.log_tail(30)
     at = app(tokens["alice"], page="live_run", run=run.id)
     shown = "\n".join(c.value for c in at.code)
@@ -695,9 +695,9 @@ def test_a_person_predicts_one_at_a_time(profiles, counted, monkeypatch):
 
 
 def test_measure_again_is_the_teachers_and_writes_atomically(room, monkeypatch):
-    from lab.strategy.perfmodel import properties
+    from commlab.lab.strategy.perfmodel import properties
     root, tokens = room
-    run = Lab(root).submit(lab._spec(SMALL), wait=True, owner="alice")  # a finished run alice may calibrate from
+    run = Lab(root).submit(commlab.spec(SMALL), wait=True, owner="alice")  # a finished run alice may calibrate from
     assert run.state == "done", run.log_tail()
     real = properties.checklist
     monkeypatch.setattr(properties, "checklist", lambda names, profile, numels: real(["fp16"], profile, numels))

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-import lab
-from lab.net import netns
-from lab.service.queue import Lab
-from lab.base.errors import LabError  # noqa: E402
+import commlab
+from commlab.lab.net import netns
+from commlab.lab.service.queue import Lab
+from commlab.lab.base.errors import LabError  # noqa: E402
 
 ROOT_OK = os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
 needs_root = pytest.mark.skipif(not ROOT_OK, reason="shaped links need root, ip and tc (network namespaces)")
@@ -26,7 +26,7 @@ def leftovers(run):
 
 @needs_root
 def test_shaped_run_succeeds_and_cleans_up(tmp_path):
-    run = lab.run(SPEC, runs=tmp_path)
+    run = commlab.run(SPEC, runs=tmp_path)
     assert run.state == "done", run.status()
     assert "10.250." in run.status()["cluster"]
     assert leftovers(run) == []
@@ -34,7 +34,7 @@ def test_shaped_run_succeeds_and_cleans_up(tmp_path):
 
 @needs_root
 def test_shaped_run_with_crashing_worker_cleans_up(tmp_path):
-    run = lab.run(dict(SPEC, steps=20, fault={"kind": "exit", "step": 3, "rank": 1}), runs=tmp_path)
+    run = commlab.run(dict(SPEC, steps=20, fault={"kind": "exit", "step": 3, "rank": 1}), runs=tmp_path)
     assert run.state == "failed" and run.status()["rank"] == 1, run.status()
     assert leftovers(run) == []
 
@@ -42,7 +42,7 @@ def test_shaped_run_with_crashing_worker_cleans_up(tmp_path):
 @needs_root
 def test_shaped_run_cancel_cleans_up(tmp_path):
     q = Lab(tmp_path, max_jobs=1)
-    run = q.submit(lab._spec(dict(SPEC, steps=100000)), wait=False)
+    run = q.submit(commlab.spec(dict(SPEC, steps=100000)), wait=False)
     t0 = time.time()
     while not (run.state == "running" and run.metric_rows()) and time.time() - t0 < 90:
         time.sleep(0.2)
@@ -59,18 +59,18 @@ def test_shaped_run_cancel_cleans_up(tmp_path):
 def test_shaped_without_root_names_modeled(monkeypatch, tmp_path):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(LabError, match="modeled"):
-        Lab(tmp_path).create(lab._spec(SPEC))
+        Lab(tmp_path).create(commlab.spec(SPEC))
 
 
 def test_modeled_link_is_slower_and_labelled(tmp_path, capsys):
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     spec = tmp_path / "m.yaml"
     spec.write_text("model: mlp\ndataset: digits\nsteps: 6\nbatch_size: 16\neval_every: 0\nthreads: 1\n"
                     "network: {link: modeled, gbps: 0.05}\n")
     assert main(["run", str(spec), "--quiet", "--runs", str(tmp_path / "runs")]) == 0
     out = capsys.readouterr().out
     assert "modeled (alpha-beta delays" in out
-    (run,) = lab.runs(runs=tmp_path / "runs")
+    (run,) = commlab.runs(runs=tmp_path / "runs")
     nbytes = run.summary().iloc[0]["bytes_per_step"]
     # ring all-reduce on 2 ranks moves 2 * (1/2) * n bytes over the link: at 50 Mbit/s the mlp's 1.2 MB take ~0.19 s
     predicted_ms = nbytes * 8 / 0.05e9 * 1e3

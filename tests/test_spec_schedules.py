@@ -1,10 +1,10 @@
 """Job spec validation and the pure bucket builders."""
 import pytest
 
-from engine import schedules
-from engine.schedules import MB, ParamInfo
-from engine.spec import JobSpec, SpecError
-from lab.base.specs import apply_overrides, load_spec
+from commlab.engine import schedules
+from commlab.engine.schedules import MB, ParamInfo
+from commlab.engine.spec import JobSpec, SpecError
+from commlab.lab.base.specs import apply_overrides, load_spec
 
 
 # -- spec ---------------------------------------------------------------------
@@ -122,8 +122,8 @@ def test_check_rejects_broken_layouts():
 
 def test_every_example_spec_is_valid(monkeypatch):
     from pathlib import Path
-    from lab.service.queue import Lab
-    from lab.front.sweep import Sweep
+    from commlab.lab.service.queue import Lab
+    from commlab.lab.front.sweep import Sweep
     examples = Path(__file__).resolve().parents[1] / "examples"
     monkeypatch.syspath_prepend(str(examples))  # own-model.yaml's package, as its comment says (PYTHONPATH=examples)
     specs = [p for p in examples.glob("*.yaml") if p.name not in ("sweep.yaml", "pytorchjob.yaml")]  # a grid, a k8s manifest

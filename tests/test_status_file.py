@@ -1,5 +1,5 @@
 """status.json never loses fields: atomic writes, locked read-modify-writes, and no rebuild from
-nothing when a reader meets a damaged file (lab/rundir/store.py)."""
+nothing when a reader meets a damaged file (commlab/lab/rundir/store.py)."""
 import json
 import os
 import random
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lab.rundir import store
-from lab.rundir.store import Run, StatusError
+from commlab.lab.rundir import store
+from commlab.lab.rundir.store import Run, StatusError
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPERVISOR = {"pid": 4242, "start": 99}
@@ -21,7 +21,7 @@ SUPERVISOR = {"pid": 4242, "start": 99}
 # each write takes long enough for a kill to land inside it. Prints "ready" after its first write.
 WRITER = r"""
 import sys
-from lab.rundir.store import Run
+from commlab.lab.rundir.store import Run
 run = Run(sys.argv[1])
 first = run.status()["n"] + 1
 pad = "x" * 200_000
@@ -82,7 +82,7 @@ def test_kill9_at_random_moments_never_tears_or_loses_fields(tmp_path):
 
 WRITE_KEYS = r"""
 import sys
-from lab.rundir.store import Run
+from commlab.lab.rundir.store import Run
 run, tag = Run(sys.argv[1]), sys.argv[2]
 for i in range(150):
     run.update_status(**{f"{tag}{i}": i})
@@ -207,7 +207,7 @@ def test_unreadable_error_file_is_reported_as_its_ranks_error(tmp_path):
 
 
 def test_the_shared_json_writer_is_whole_or_nothing(tmp_path):
-    """engine.runlog.write_json_atomic, which every JSON file of a run and of the lab goes through: a value
+    """commlab.engine.runlog.write_json_atomic, which every JSON file of a run and of the lab goes through: a value
     json cannot encode leaves the old file as it was and no temporary file behind; ``mode`` sets the new
     file's permissions (the workshop's access file is 0600)."""
     import json
@@ -215,7 +215,7 @@ def test_the_shared_json_writer_is_whole_or_nothing(tmp_path):
 
     import pytest
 
-    from engine.runlog import write_json_atomic
+    from commlab.engine.runlog import write_json_atomic
     path = tmp_path / "x.json"
     write_json_atomic(path, {"a": 1})
     with pytest.raises(TypeError):

@@ -1,9 +1,9 @@
 """Sweeps: the product of a grid through the queue, a comparison table, resume, bad grids."""
 import pytest
 
-from engine.spec import SpecError
-from lab.service.queue import Lab
-from lab.front.sweep import Sweep
+from commlab.engine.spec import SpecError
+from commlab.lab.service.queue import Lab
+from commlab.lab.front.sweep import Sweep
 
 BASE = {"name": "sw", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 6, "batch_size": 16,
         "eval_every": 3, "threads": 1}

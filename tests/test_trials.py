@@ -1,4 +1,4 @@
-"""strategy auto's trials as the run's own first steps (engine/trials.py) and the switch under them
+"""strategy auto's trials as the run's own first steps (commlab/engine/trials.py) and the switch under them
 (Stepper.switch): switching strategy keeps the training arithmetic, the trials choose by measured time
 x penalty the same way on every rank, stop a clearly slower candidate early, and leave the choice in
 spec.json, auto-result.json, metrics.jsonl and the timeline."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from distutil import run_world
-from engine import runfiles, trials
-from engine.spec import JobSpec
+from commlab.engine import runfiles, trials
+from commlab.engine.spec import JobSpec
 
 BASE = {"model": "cnn", "dataset": "digits", "batch_size": 16, "steps": 12, "timeline": False,
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.0}}
@@ -22,7 +22,7 @@ def _spec(**over) -> dict:
 def _switching(rank, world):
     """The same 12 steps: without a switch, and through wfbp -> dear -> sync -> wfbp (SGD without momentum
     keeps no state, so the arithmetic is the same; dear equals sync)."""
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     dev = torch.device("cpu")
     ref = Trainer(JobSpec.from_dict(_spec()), None, rank, world, dev)
     sw = Trainer(JobSpec.from_dict(_spec()), None, rank, world, dev)
@@ -62,7 +62,7 @@ def test_switching_strategy_keeps_the_training():
 
 
 def _optimizer_kept(rank, world):
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     momentum = {"optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}}
     t = Trainer(JobSpec.from_dict(_spec(**momentum)), None, rank, world, torch.device("cpu"))
     t.train_step()
@@ -95,7 +95,7 @@ def _plan(**over):
 
 
 def _run_trials(rank, world, run_dir):
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     spec = JobSpec.from_dict(_spec(steps=40, timeline=True))
     t = Trainer(spec, run_dir, rank, world, torch.device("cpu"))
     t.train()
@@ -121,7 +121,7 @@ def test_trials_choose_by_time_x_penalty_and_stop_a_clear_loser(tmp_path):
     steps = [m for m in steps if m.get("kind") == "step" and m["rank"] == 0]
     assert [m.get("trial") for m in steps[:13]] == [0] * 5 + [1] * 5 + [2] * 3
     assert all("trial" not in m for m in steps[13:]) and len(steps) == 40
-    from lab.rundir.summary import summarize
+    from commlab.lab.rundir.summary import summarize
     assert summarize([json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()])[
         "trial_steps"] == 13
     lane = [json.loads(x) for x in (tmp_path / "timeline-rank0.jsonl").read_text().splitlines()]
@@ -244,6 +244,6 @@ def test_a_trial_without_penalty_is_refused(tmp_path):
 
 def test_trials_that_fill_the_run_are_refused(tmp_path):
     (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(_plan()))
-    from engine.trainer import Trainer
+    from commlab.engine.trainer import Trainer
     with pytest.raises(ValueError, match="steps must be more"):
         Trainer(JobSpec.from_dict(_spec(steps=15)), str(tmp_path), 0, 1, torch.device("cpu"))

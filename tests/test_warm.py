@@ -1,4 +1,4 @@
-"""Warm ranks (lab.base.warm): a rank forked by the warm server runs as a rank the launcher started itself
+"""Warm ranks (commlab.lab.base.warm): a rank forked by the warm server runs as a rank the launcher started itself
 would (environment, working directory, session, log, priority, the same training), its launcher's death ends
 it, its CPU counts as the run's own, and the server refuses what would not be safe and leaves when idle."""
 import json
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-import lab
+import commlab
 from distutil import stop_warm_servers, warm_servers
-from lab.base import procs, warm
+from commlab.lab.base import procs, warm
 
 ROOT = Path(__file__).resolve().parent.parent
 SPEC = {"model": "probe_model:build", "dataset": "digits", "world_size": 2, "steps": 4, "batch_size": 16,
@@ -70,7 +70,7 @@ def test_a_warm_rank_runs_as_a_rank_started_by_the_launcher(private, monkeypatch
     for mode in ("warm", "cold"):
         monkeypatch.setenv(warm.ENV, "1" if mode == "warm" else "0")
         monkeypatch.setenv("WARM_PROBE", str(tmp / mode))
-        run = lab.run({**SPEC, "name": mode}, runs=tmp / "runs")
+        run = commlab.run({**SPEC, "name": mode}, runs=tmp / "runs")
         assert run.state == "done", run.log_tail()
         seen[mode] = (probes(tmp / mode), run)
     (server,) = warm_servers(tmp / "t")
@@ -96,7 +96,7 @@ def test_a_relative_runs_directory_works_warm(private, monkeypatch):
     monkeypatch.chdir(tmp)
     monkeypatch.setenv(warm.ENV, "1")
     monkeypatch.setenv("WARM_PROBE", str(tmp / "rel"))
-    run = lab.run({**SPEC, "name": "relative"}, runs="runs")
+    run = commlab.run({**SPEC, "name": "relative"}, runs="runs")
     assert run.state == "done", (run.status().get("error"), run.log_tail())
     assert warm_servers(tmp / "t"), "the ranks were not the warm server's"
     assert all(p["stdout"] == str((tmp / "runs" / run.id / "log.txt").resolve()) for p in probes(tmp / "rel"))
@@ -110,7 +110,7 @@ def test_a_niced_launcher_gets_niced_warm_ranks(private, monkeypatch):
     env = dict(os.environ)
     for name, nice in (("first", 0), ("niced", 5)):
         env["WARM_PROBE"] = str(tmp / name)
-        r = subprocess.run(["nice", "-n", str(nice), sys.executable, "-m", "lab.front.cli", "run", str(spec),
+        r = subprocess.run(["nice", "-n", str(nice), sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec),
                             "--quiet", "--runs", str(tmp / "runs")], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=300)
         assert r.returncode == 0, r.stdout + r.stderr
@@ -124,13 +124,13 @@ def test_a_killed_launcher_ends_its_warm_ranks(private):
     tmp = private
     spec = tmp / "long.json"
     spec.write_text(json.dumps({**SPEC, "model": "mlp", "steps": 100000}))
-    p = subprocess.Popen([sys.executable, "-m", "lab.front.cli", "run", str(spec), "--quiet", "--runs",
+    p = subprocess.Popen([sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs",
                           str(tmp / "runs")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 60
         run = None
         while time.time() < deadline:
-            run = next(iter(lab.runs(runs=tmp / "runs")), None)
+            run = next(iter(commlab.runs(runs=tmp / "runs")), None)
             if run and run.state == "running" and run.metric_rows() and len(run.worker_pids()) == 2:
                 break
             time.sleep(0.2)
@@ -149,7 +149,7 @@ def test_a_killed_launcher_ends_its_warm_ranks(private):
 def test_the_server_leaves_when_idle(private, monkeypatch):
     tmp = private
     monkeypatch.setenv("COMMLAB_WARM_IDLE_S", "1")
-    run = lab.run({**SPEC, "model": "mlp"}, runs=tmp / "runs")
+    run = commlab.run({**SPEC, "model": "mlp"}, runs=tmp / "runs")
     assert run.state == "done", run.log_tail()
     (server,) = warm_servers(tmp / "t")
     deadline = time.time() + 30

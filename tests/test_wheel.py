@@ -1,6 +1,7 @@
 """The wheel installs: ``pip wheel .`` of a copy of the tracked sources, installed (not editable) into a fresh
-virtual environment that cannot see this checkout, runs ``commlab --help``, imports every package and trains a
-short two-rank job from a folder outside the repository.
+virtual environment that cannot see this checkout, runs ``commlab --help``, imports every package, trains a
+short two-rank job and renders the UI's first page from a folder outside the repository that holds a user's own
+``engine/``, ``app/`` and ``lab.py`` (the install puts only ``commlab`` into site-packages, so none shadows it).
 
 The fresh environment gets its dependencies (torch, numpy, ...) without a download: a ``.pth`` file lists the
 site-packages folders of the interpreter running the tests. Lines of a ``.pth`` file are added to ``sys.path``
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "README.md", "engine", "lab", "app", "commlab")
+SOURCES = ("pyproject.toml", "README.md", "commlab")
 """What a wheel is built from (what a fresh clone holds of them, tracked files only)."""
 
 
@@ -40,6 +41,10 @@ def dependency_dirs():
             if Path(p).resolve() != ROOT and p not in out:
                 out.append(p)
     return out
+
+
+SHADOWS = ("engine/__init__.py", "app/__init__.py", "lab.py")
+"""What a user may keep beside a notebook or a training script; each raises when imported."""
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +72,10 @@ def installed(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COMMLAB_RUNS", "VIRTUAL_ENV")}
     env.update(OMP_NUM_THREADS="1", PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}")
     cwd = tmp / "elsewhere"
-    cwd.mkdir()
+    for name in SHADOWS:  # a user's own modules beside their script, first on sys.path
+        f = cwd / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(f"raise ImportError('the user\\'s own {name} was imported')\n")
     return py, venv / "bin" / "commlab", env, cwd, Path(purelib)
 
 
@@ -79,27 +87,57 @@ def run(argv, installed, timeout=120):
 
 def test_the_wheel_holds_every_package_and_its_data(installed):
     py, _, _, _, purelib = installed
+    tops = sorted(p.name for p in purelib.iterdir() if p.is_dir() and not p.name.endswith((".dist-info", "__pycache__")))
+    assert tops == ["commlab"], tops  # one import package
     code = textwrap.dedent(f"""
         import importlib, pkgutil, sys
-        import engine, lab, app, commlab
-        for top in (engine, lab, app, commlab):
-            assert top.__file__.startswith({str(purelib)!r}), top.__file__  # the wheel's, not this checkout's
-            for m in pkgutil.walk_packages(top.__path__, top.__name__ + "."):
-                if m.ispkg:
-                    importlib.import_module(m.name)
-        import engine.tuners, engine.comm, lab.strategy.perfmodel, lab.front.cli
-        from lab.front import appserver
+        import commlab
+        assert commlab.__file__.startswith({str(purelib)!r}), commlab.__file__  # the wheel's, not this checkout's
+        for m in pkgutil.walk_packages(commlab.__path__, "commlab."):
+            if m.ispkg:
+                importlib.import_module(m.name)
+        import commlab.engine.tuners, commlab.engine.comm, commlab.lab.strategy.perfmodel, commlab.lab.front.cli
+        from commlab.lab.front import appserver
         assert appserver.DEMO_SPEC.is_file(), appserver.DEMO_SPEC
-        from lab.base.specs import load_spec
-        assert load_spec(str(appserver.DEMO_SPEC)).model.name
+        assert appserver.APP_ENTRY.is_file(), appserver.APP_ENTRY
+        assert commlab.spec(str(appserver.DEMO_SPEC)).model.name
         from pathlib import Path
-        views = sorted(p.name for p in (Path(app.__file__).parent / "views").glob("*.py"))
+        import commlab.app
+        views = sorted(p.name for p in (Path(commlab.app.__file__).parent / "views").glob("*.py"))
         assert "home.py" in views and "new_run.py" in views, views
+        for name in ("engine", "app", "lab"):
+            assert name not in sys.modules, name
         print("ok")
     """)
     r = run([py, "-c", code], installed)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
-    assert (ROOT / "examples" / "demo.yaml").read_bytes() == (ROOT / "lab" / "front" / "demo.yaml").read_bytes()
+    assert (ROOT / "examples" / "demo.yaml").read_bytes() == (ROOT / "commlab" / "lab" / "front" / "demo.yaml").read_bytes()
+
+
+def test_a_users_own_engine_app_and_lab_beside_the_script_are_theirs(installed):
+    """The folder the commands run from holds the user's engine/, app/ and lab.py (first on sys.path for
+    ``python -c``); they stay importable as the user's, and commlab never reaches them."""
+    py, _, _, _, _ = installed
+    r = run([py, "-c", "import lab"], installed)
+    assert r.returncode == 1 and "the user's own lab.py was imported" in r.stderr, r.stderr[-2000:]
+    r = run([py, "-c", "import commlab, commlab.lab.front.cli, commlab.engine.trainer; print('ok')"], installed)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+def test_the_uis_first_page_renders_from_the_wheel(installed):
+    """The Home page, as Streamlit's AppTest runs it, from the wheel's commlab/app and the user's folder."""
+    py, _, _, cwd, purelib = installed
+    code = textwrap.dedent(f"""
+        import os
+        os.environ["COMMLAB_RUNS"] = {str(cwd / "ui-runs")!r}
+        from streamlit.testing.v1 import AppTest
+        at = AppTest.from_file({str(purelib / "commlab" / "app" / "streamlit_app.py")!r}, default_timeout=120).run()
+        assert not at.exception, [e.value for e in at.exception]
+        print("TITLE", at.title[0].value if at.title else "")
+    """)
+    r = run([py, "-c", code], installed, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "TITLE commlab" in r.stdout, r.stdout[-2000:]
 
 
 def test_commlab_help_and_version(installed):

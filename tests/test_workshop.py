@@ -1,4 +1,4 @@
-"""The workshop server (lab/service/owners.py, lab/front/accounts.py, app/access.py): the in-script gate, per-user runs,
+"""The workshop server (commlab/lab/service/owners.py, commlab/lab/front/accounts.py, commlab/app/access.py): the in-script gate, per-user runs,
 the fair queue and quotas, tested as a student or an outsider would try them: no session, a wrong one,
 another student's run id, path tricks in ids. Sign-in itself (tokens for sessions, in plain HTTP before
 Streamlit) is tests/test_accounts.py's."""
@@ -11,16 +11,16 @@ import pytest
 pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
-import lab  # noqa: E402
-from app import access  # noqa: E402
-from lab.front import accounts, groups, new_run, sweep_jobs, ui  # noqa: E402
-from lab.service import owners
-from lab.service.queue import Lab  # noqa: E402
-from lab.base.errors import LabError  # noqa: E402
-from lab.rundir.store import RunError
+import commlab  # noqa: E402
+from commlab.app import access  # noqa: E402
+from commlab.lab.front import accounts, groups, new_run, sweep_jobs, ui  # noqa: E402
+from commlab.lab.service import owners
+from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.lab.base.errors import LabError  # noqa: E402
+from commlab.lab.rundir.store import RunError
 from test_app import ENTRY, SMALL  # noqa: E402
 from distutil import stop_process  # noqa: E402
-from lab.analysis.presets import PRESETS  # noqa: E402
+from commlab.lab.analysis.presets import PRESETS  # noqa: E402
 
 TRICKS = ["../../../etc/passwd", "/etc/passwd", "..", "%2e%2e%2f%2e%2e%2fetc%2fpasswd", "..%2f..%2f", "a/../../b",
           "./spec.json", "x\x00y", "access.json", "../access.json", "~root"]
@@ -38,7 +38,7 @@ def room(tmp_path, monkeypatch):
               "bob": accounts.sign_in(tmp_path, access["class_token"], "bob"),
               "carol": accounts.sign_in(tmp_path, access["class_token"], "carol")}
     q = Lab(tmp_path)
-    spec = lab._spec(SMALL)
+    spec = commlab.spec(SMALL)
     runs = {o: q.create(spec, owner=o) for o in ("alice", "bob")}
     runs["local"] = q.create(spec)
     ui.share(runs["bob"].id)
@@ -141,7 +141,7 @@ def test_students_are_not_shown_the_runs_directory(room):
 
 
 def test_revoke_signs_the_student_out_and_keeps_the_name(room, capsys):
-    from lab.front import cli
+    from commlab.lab.front import cli
     root, runs, tokens = room
     at = app(tokens["alice"])
     assert [t.value for t in at.title] == ["commlab"]
@@ -158,7 +158,7 @@ def test_revoke_signs_the_student_out_and_keeps_the_name(room, capsys):
     out = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in out] == ["bob", "carol"]
     assert all("token expires in 14.0 days, 0 open session(s)" in line for line in out), out
-    assert lab.get(runs["alice"].id, runs=root).status()["owner"] == "alice"  # the runs stay hers
+    assert commlab.get(runs["alice"].id, runs=root).status()["owner"] == "alice"  # the runs stay hers
 
 
 def test_loopback_needs_no_token(room, monkeypatch):
@@ -230,7 +230,7 @@ def test_another_students_run_id_shows_nothing(room):
         ui.cancel(runs["bob"].id)
     with pytest.raises(LabError, match="belongs to bob"):
         ui.share(runs["bob"].id, False)
-    assert lab.get(runs["alice"].id, runs=root).state == "queued"  # nothing was cancelled
+    assert commlab.get(runs["alice"].id, runs=root).state == "queued"  # nothing was cancelled
     ui.set_viewer(lambda: owners.User("alice"))
     assert ui.cancel(runs["alice"].id) == "cancelled"
 
@@ -262,7 +262,7 @@ def test_a_runs_name_is_shown_as_text_on_the_teachers_pages(room, page):
     characters, never a link, an image, a tag or a colour."""
     root, runs, tokens = room
     q = Lab(root)
-    evil = q.create(lab._spec(dict(SMALL, name=EVIL_NAME)), owner="alice")
+    evil = q.create(commlab.spec(dict(SMALL, name=EVIL_NAME)), owner="alice")
     at = app(tokens["admin"], page=page, run=evil.id)
     text = everything(at)
     assert evil.id in text or page in ("compare", "results")
@@ -283,8 +283,8 @@ def test_sweeps_are_the_teachers(room):
 
 def test_runs_record_their_owner(tmp_path):
     q = Lab(tmp_path)
-    local = q.create(lab._spec(SMALL))
-    mine = q.create(lab._spec(SMALL), owner="alice")
+    local = q.create(commlab.spec(SMALL))
+    mine = q.create(commlab.spec(SMALL), owner="alice")
     assert local.status()["owner"] == owners.local_user().name  # the CLI and the API: the local user
     assert mine.status()["owner"] == "alice"
     assert [r["owner"] for r in q.index.query()] == [owners.local_user().name, "alice"]
@@ -292,7 +292,7 @@ def test_runs_record_their_owner(tmp_path):
 
 
 def test_commlab_runs_filters_by_owner(room, capsys):
-    from lab.front.cli import main
+    from commlab.lab.front.cli import main
     root, runs, tokens = room
     assert main(["runs", "--owner", "alice", "--runs", str(root)]) == 0
     out = capsys.readouterr().out
@@ -305,7 +305,7 @@ def test_sharing_from_the_live_page(room):
     assert at.toggle(key="live.share").value is False
     at.toggle(key="live.share").set_value(True).run()
     assert not at.exception, [e.value for e in at.exception]
-    assert lab.get(runs["alice"].id, runs=root).status()["shared"] is True
+    assert commlab.get(runs["alice"].id, runs=root).status()["shared"] is True
     assert runs["alice"].id in everything(app(tokens["carol"], page="compare"))  # now the class sees it
     at = app(tokens["carol"], page="live_run", run=runs["alice"].id)
     assert at.selectbox(key="live.pick").value == runs["alice"].id
@@ -358,9 +358,9 @@ def test_fair_order_serves_first_who_had_least_run_time():
 def test_queue_position_follows_the_fair_order(tmp_path):
     """Supervisors that are alive (this process) for a's three runs and b's one: b's run, queued last,
     comes second."""
-    from lab.base import procs
+    from commlab.lab.base import procs
     q = Lab(tmp_path, max_jobs=8)
-    spec = lab._spec(SMALL)
+    spec = commlab.spec(SMALL)
     a = [q.create(spec, owner="a") for _ in range(3)]
     b = q.create(spec, owner="b")
     for r in (*a, b):
@@ -376,11 +376,11 @@ def test_a_supervisor_far_back_waits_without_importing_torch(tmp_path, monkeypat
     ahead of it with one slot: it polls, never reads its spec, and ends cancelled when asked."""
     import threading
     import time
-    from lab.base import procs
-    from lab.service.queue import NEAR
-    from lab.rundir.store import Run
+    from commlab.lab.base import procs
+    from commlab.lab.service.queue import NEAR
+    from commlab.lab.rundir.store import Run
     q = Lab(tmp_path, max_jobs=1)
-    spec = lab._spec(SMALL)
+    spec = commlab.spec(SMALL)
     ahead = [q.create(spec, owner=o) for o in ("a", "b", "c")]
     for r in ahead:
         r.set_status("queued", supervisor=procs.identity())
@@ -414,7 +414,7 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
             new_run.submit(dict(SMALL, world_size=3))
         q = Lab(tmp_path)
         for _ in range(2):
-            q.create(lab._spec(SMALL), owner="alice")
+            q.create(commlab.spec(SMALL), owner="alice")
         with pytest.raises(LabError, match=r"^quota queued: alice may have 2 runs queued or running at once; 2 are, "
                                            r"and this asks for 1 more$"):
             new_run.submit(SMALL)
@@ -424,8 +424,8 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
         assert len(q.index.query()) == 2  # nothing was queued by a refused request
         ui.set_viewer(lambda: owners.User("teacher", admin=True))
         run = new_run.submit(dict(SMALL, steps=51))  # the teacher has no limits
-        lab.cancel(run.id, runs=tmp_path)
-        lab.wait(run.id, runs=tmp_path, timeout=60)
+        commlab.cancel(run.id, runs=tmp_path)
+        commlab.wait(run.id, runs=tmp_path, timeout=60)
     finally:
         ui.set_viewer(None)
 
@@ -446,7 +446,7 @@ def test_bad_quotas_are_named(tmp_path, quotas, msg):
 
 def test_wall_time_quota_cancels_the_run_and_says_why(tmp_path):
     q = Lab(tmp_path)
-    run = q.submit(lab._spec(dict(SMALL, steps=100000)), wait=True, owner="alice", wall_limit_s=3)
+    run = q.submit(commlab.spec(dict(SMALL, steps=100000)), wait=True, owner="alice", wall_limit_s=3)
     st = run.status()
     assert st["state"] == "cancelled", st
     assert st["error"].startswith("quota wall_s: stopped after ") and "the limit is 3 s per run" in st["error"], st
@@ -467,9 +467,9 @@ def exposed(tmp_path_factory):
     tokens = {"class": access["class_token"], "admin": access["admin_token"],
               **{o: accounts.sign_in(root, access["class_token"], o) for o in ("alice", "bob", "carol")}}
     q = Lab(root)
-    runs = {o: q.create(lab._spec(SMALL), owner=o) for o in ("alice", "bob", "carol")}
+    runs = {o: q.create(commlab.spec(SMALL), owner=o) for o in ("alice", "bob", "carol")}
     port = free_port()
-    code = (f"import sys; from lab.front.appserver import app_main; "
+    code = (f"import sys; from commlab.lab.front.appserver import app_main; "
             f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")
     log_path = root / "app.log"
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
@@ -600,10 +600,10 @@ def test_every_fragment_of_the_pages_asks_who_is_looking():
     """A fragment's refresh skips the gate in streamlit_app.py: every page's fragment goes through
     access.fragment, which asks again (the test below shows what a signed-out refresh gets)."""
     from test_app import ROOT
-    bare = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "app").rglob("*.py")) if p.name != "access.py"
+    bare = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "commlab" / "app").rglob("*.py")) if p.name != "access.py"
             for i, line in enumerate(p.read_text().splitlines(), 1) if "st.fragment" in line]
     assert bare == []
-    assert sum("@access.fragment(" in p.read_text() for p in (ROOT / "app").rglob("*.py")) >= 4
+    assert sum("@access.fragment(" in p.read_text() for p in (ROOT / "commlab" / "app").rglob("*.py")) >= 4
 
 
 def test_over_the_wire_a_refresh_after_sign_out_gets_the_sign_in_page(exposed):
@@ -782,7 +782,7 @@ def test_preset_steps_scale_the_presets_and_bad_values_are_named(tmp_path):
         for d in p.specs():
             scaled = owners.scale_preset(d, 10)
             assert scaled["steps"] == 10 and scaled["eval_every"] <= 10 and d["steps"] > 10
-            lab._spec(scaled)  # still a valid spec
+            commlab.spec(scaled)  # still a valid spec
     assert owners.scale_preset({"steps": 5, "eval_every": 5}, 10) == {"steps": 5, "eval_every": 5}
     for bad in (0, -3, 2.5, True, "10"):
         (tmp_path / "lab.json").write_text(json.dumps({"preset_steps": bad}))

@@ -1,7 +1,0 @@
-import streamlit as st
-
-from app import compare_view, widgets
-
-widgets.setup("Compare")
-st.title("Compare runs")
-compare_view.compare_view()

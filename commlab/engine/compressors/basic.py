@@ -1,0 +1,19 @@
+"""The identity compressor."""
+from __future__ import annotations
+
+from commlab.engine.compressors.base import Compressor
+
+
+class NoneCompressor(Compressor):
+    """No compression: the payload is the bucket itself, all-reduced in place."""
+    name = "none"
+    summable = True
+    keeps_shape = True
+    lossless = True
+    identity = True
+
+    def compress(self, t):
+        return [t], None
+
+    def decompress(self, payload, ctx):
+        return payload[0]

@@ -1,0 +1,414 @@
+"""Sparsifiers: top-k, random-k, threshold, DGC.
+
+A sparse payload is a pair (values in the input dtype, indices). Indices are
+int32 whenever the bucket has fewer than 2**31 elements: half of GRACE's
+int64 cost, so top-k at ratio r sends r * n * (element_size + 4) bytes.
+Sparse payloads differ in their indices from rank to rank, so they are not
+summable: they are all-gathered, and every rank adds every rank's values into
+one dense buffer (``index_add_``, no per-rank dense tensors).
+
+Payload order: the tensor with the wider elements comes first (values then
+int32 indices for fp32/fp64, indices first for fp16/bf16), so that the
+communicator's byte packing keeps each tensor aligned for ``view(dtype)``.
+
+Exchanges write the average into the bucket ``t`` itself when ``t`` is
+contiguous (the base contract allows returning ``t``; the identity
+compressor's in-place all-reduce does the same). That avoids a fresh dense
+allocation per step, which dominates at tens of millions of elements.
+"""
+from __future__ import annotations
+
+from typing import Any, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from commlab.engine.compressors.base import Compressor, Round, nbytes
+from commlab.engine.compressors.kernels import Scratch, count_of, out_buffer, top_indices
+from commlab.engine.compressors.params import Param, mix_seed, ratio, seed
+
+Tensor = torch.Tensor
+
+
+# -- sparse payloads ---------------------------------------------------------
+
+
+class SparseCtx(NamedTuple):
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    values_first: bool
+
+
+class SparseCompressor(Compressor):
+    """Shared encode/decode for (values, indices) payloads; subclasses pick the indices.
+
+    From ``Scratch.MIN`` elements up, ``decompress`` of this instance's own latest payload
+    returns a dense buffer the instance reuses (zeroing a kept 100 MB buffer costs a tenth of a
+    fresh one's page faults), rewritten by the next such call; copy it to keep it. Other
+    payloads decode to fresh tensors."""
+    summable = False
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        self._scratch = Scratch()
+        self._dense = Scratch()  # large decodes of this instance's own payload
+        self._sent: Optional[Tensor] = None  # the indices of the latest payload
+        # local sampling only (threshold estimates); ranks need not agree on it
+        self._gen = torch.Generator().manual_seed(0)
+
+    def select(self, flat: Tensor) -> Tuple[Tensor, Tensor]:
+        """(values, int64 indices) to send for the flat bucket."""
+        raise NotImplementedError
+
+    def compress(self, t: Tensor) -> tuple[List[Tensor], Any]:
+        flat = t if t.dim() == 1 else t.reshape(-1)  # a reshape costs as much as a small op
+        n = flat.numel()
+        values, idx = self.select(flat)
+        idx = idx.int() if n < 2 ** 31 else idx  # int32 indices below 2**31 elements
+        self._sent = idx
+        if values.element_size() >= idx.element_size():  # the wider elements first, for alignment
+            return [values, idx], SparseCtx(t.shape, t.dtype, t.device, n, True)
+        return [idx, values], SparseCtx(t.shape, t.dtype, t.device, n, False)
+
+    @staticmethod
+    def _pair(payload: List[Tensor], ctx: SparseCtx) -> Tuple[Tensor, Tensor]:
+        return (payload[0], payload[1]) if ctx.values_first else (payload[1], payload[0])
+
+    def decompress(self, payload: List[Tensor], ctx: SparseCtx) -> Tensor:
+        values, idx = (payload[0], payload[1]) if ctx.values_first else (payload[1], payload[0])
+        if ctx.numel < Scratch.MIN or idx is not self._sent:
+            out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
+        else:
+            out = self._dense.get(ctx.numel, ctx.dtype, ctx.device).zero_()
+        out.index_add_(0, idx, values)
+        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
+
+    def exchange(self, t: Tensor, world_size: int):
+        payload, ctx = self.encode(t)
+        self.last_bytes = nbytes(payload)
+        gathered = yield Round("allgather", payload)
+        out = out_buffer(t).zero_()  # t's values are no longer needed: the payload holds copies
+        for p in gathered:
+            values, idx = self._pair(p, ctx)
+            out.index_add_(0, idx, values, alpha=1.0 / world_size)
+        return out.view(t.shape)
+
+
+# -- top-k -------------------------------------------------------------------
+
+
+class TopK(SparseCompressor):
+    """Top-k sparsification (Aji & Heafield 2017; Stich et al. 2018, "Sparsified SGD with memory").
+
+    Steps:
+      1. k = max(1, ceil(ratio * n)) for the flat bucket of n elements.
+      2. Keep exactly the k entries of largest magnitude (ties broken arbitrarily).
+         Large buckets pre-filter with a sampled threshold (see ``top_indices``),
+         which returns the same set as a full topk, about 7x faster at 25M.
+      3. Every rank decodes all ranks' (values, indices) into one dense average.
+
+    Payload: values [k] in the input dtype and indices [k] int32 (int64 from
+    2**31 elements): k * (element_size + 4) bytes. Not summable (all-gathered).
+
+    Tuning: ratio 0.01 to 0.001 is the usual range. Without error feedback most
+    of the gradient is lost for good, so turn ``error_feedback`` on below ~0.1.
+    All-gather traffic grows with the world size (each rank receives
+    (world - 1) payloads), so at large worlds a summable method can win.
+    """
+    name = "topk"
+    params = (ratio(0.01, "fraction of the bucket's entries sent, k = ceil(ratio * n)"),)
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        self._k = (0, 0)  # (n, k): computing k through Fraction costs a few µs
+
+    def k_for(self, n: int) -> int:
+        if self._k[0] != n:
+            self._k = (n, count_of(self.ratio, n))
+        return self._k[1]
+
+    def declared_rounds(self, n, element_size):
+        """One all-gather of k values and k indices (int32 below 2**31 elements, as ``compress`` sends)."""
+        return [("allgather", self.k_for(n) * (element_size + (4 if n < 2 ** 31 else 8)), 2)]
+
+    def select(self, flat):
+        idx = top_indices(self._scratch.abs(flat), self.k_for(flat.numel()), self._gen)
+        return flat.index_select(0, idx), idx  # index_select: a third of advanced indexing's fixed cost
+
+    def __repr__(self):
+        return f"TopK(ratio={self.ratio:g}){' +EF' if self.ef is not None else ''}"
+
+
+# -- random-k ----------------------------------------------------------------
+
+
+class RandomKCtx(NamedTuple):
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    idx: Tensor
+    scale: Optional[Tensor]  # per-kept-entry factor (stratum sizes) when unbiased, else None
+
+
+class RandomK(Compressor):
+    """Random-k sparsification with indices shared by all ranks (Stich et al. 2018; Wangni et al. 2018).
+
+    Steps:
+      1. k = max(1, ceil(ratio * n)). Split the flat bucket into k contiguous
+         strata of nearly equal size (floor(n/k) or ceil(n/k)).
+      2. Seed a generator from (seed, bucket index, step count of this
+         instance): every rank draws the same indices at the same step, and
+         the draw changes from step to step.
+      3. Draw one uniform index inside each stratum (one ``randint`` of k
+         values plus a remainder; GRACE's ``randperm(n)`` costs 281 µs at 1K).
+      4. Send the k values. Since the indices agree, payloads are summable:
+         one all-reduce of k values; the decoder regenerates nothing, it keeps
+         the indices in ``ctx``.
+
+    Stratified sampling, not a uniform k-subset: the k indices are distinct
+    and spread evenly over the bucket (every layer fused into a bucket gets its
+    share), but two neighbours in one stratum are never sent together. Each
+    entry is still kept with probability 1/(its stratum's size) ~= k/n.
+
+    ``unbiased=True`` multiplies each kept value by its stratum size, which
+    makes the decoded tensor an unbiased estimate of the input (E[out] = t,
+    exactly, for any n and k), at the price of variance (n/k - 1) * |t|^2. The
+    default (False) sends the plain values, which is what error feedback wants
+    (Stich et al.); without error feedback only ~k/n of the gradient arrives.
+
+    Payload: values [k] in the input dtype, k * element_size bytes. Summable.
+
+    Tuning: use it with ``error_feedback`` on, ratio 0.01 to 0.1. Top-k keeps
+    more energy per byte; random-k wins where all-reduce beats all-gather
+    (large worlds) and where topk's selection cost matters.
+    """
+    name = "randomk"
+    summable = True
+    counts_steps = True
+    params = (ratio(0.01, "fraction of the bucket's entries sent, k = ceil(ratio * n)"),
+              seed("seeds the index draw, with the bucket index and step: the same on every rank"),
+              Param("unbiased", bool, False, "scale kept values by n/k, an unbiased estimate with more variance"))
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        self.step = 0
+        """Compress calls so far; part of the index seed, so it is checkpointed."""
+        self._gen = torch.Generator()
+        self._strata = None  # (n, k, start [k] int64, size [k] int64, size as float [k] or None)
+
+    def strata(self, n: int):
+        if self._strata is None or self._strata[0] != n:
+            if not n:  # an empty bucket: no strata, nothing sent
+                none = torch.zeros(0, dtype=torch.int64)
+                self._strata = (0, 0, none, none, none.to(torch.float64))
+                return self._strata
+            k = count_of(self.ratio, n)
+            edges = torch.arange(k + 1, dtype=torch.int64).mul_(n).div_(k, rounding_mode="floor")
+            start, size = edges[:-1], edges[1:] - edges[:-1]
+            self._strata = (n, k, start, size, size.to(torch.float64))
+        return self._strata
+
+    def indices(self, n: int, step: int) -> Tensor:
+        """int64 indices (sorted, distinct) for a bucket of n elements at ``step``."""
+        _, k, start, size, _ = self.strata(n)
+        self._gen.manual_seed(mix_seed(self.seed, self.bucket, step))
+        # 2**62 >> stratum sizes, so the modulo bias is below 2**-40
+        return torch.randint(1 << 62, (k,), generator=self._gen).remainder_(size).add_(start)
+
+    def compress(self, t):
+        flat = t.reshape(-1)
+        n = flat.numel()
+        idx = self.indices(n, self.step).to(flat.device)
+        self.step += 1
+        scale = self.strata(n)[4].to(dtype=t.dtype, device=t.device) if self.unbiased else None
+        return [flat[idx]], RandomKCtx(t.shape, t.dtype, t.device, n, idx, scale)
+
+    def decompress(self, payload, ctx: RandomKCtx):
+        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
+        values = payload[0] if ctx.scale is None else payload[0] * ctx.scale
+        out[ctx.idx] = values
+        return out.view(ctx.shape)
+
+    def exchange(self, t, world_size):
+        payload, ctx = self.encode(t)
+        self.last_bytes = nbytes(payload)
+        (summed,) = yield Round("allreduce", payload)
+        values = summed / world_size if ctx.scale is None else summed * (ctx.scale / world_size)
+        out = out_buffer(t).zero_()
+        out[ctx.idx] = values
+        return out.view(t.shape)
+
+    def state_dict(self):
+        return {**super().state_dict(), "step": self.step}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.step = int(state.get("step", 0))
+
+    def __repr__(self):
+        return (f"RandomK(ratio={self.ratio:g}, seed={self.seed}, unbiased={self.unbiased})"
+                f"{' +EF' if self.ef is not None else ''}")
+
+
+# -- threshold ---------------------------------------------------------------
+
+
+class Threshold(SparseCompressor):
+    """Threshold sparsification (Strom 2015, "Scalable distributed DNN training using commodity GPU cloud computing").
+
+    Steps:
+      1. Keep every entry with |x| >= threshold (none, some or all of them).
+      2. Every rank decodes all ranks' (values, indices) into one dense average.
+
+    Payload: values [m] in the input dtype and int32 indices [m], where m is
+    the number of entries at or above the threshold: m * (element_size + 4)
+    bytes, varying from step to step and rank to rank, possibly 0. Not summable.
+
+    Tuning: there is no fixed compression ratio; gradients shrink as training
+    converges, so the payload shrinks too. Pick the threshold from a measured
+    gradient quantile (e.g. the 99th percentile of |g| early in training), and
+    use ``error_feedback`` so small entries accumulate until they cross it
+    (Strom's original method does exactly that). Cheaper than top-k: one
+    compare and one nonzero, no selection.
+    """
+    name = "threshold"
+    steady_payload = False  # how much is sent follows the values
+    params = (Param("threshold", float, 0.01, "send every entry with |x| >= threshold", lo=0, lo_open=True),)
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        # A 0-d operand costs half what a Python number does (no scalar wrapping per call); as
+        # a wrapped number would, it is compared in the input's dtype.
+        self._at = torch.tensor(self.threshold, dtype=torch.float64)
+        self._mask = Scratch()
+
+    def select(self, flat):
+        a = self._scratch.abs(flat)
+        if a.numel() < Scratch.MIN:
+            idx = torch.ge(a, self._at).nonzero().view(-1)
+        else:
+            idx = torch.ge(a, self._at, out=self._mask.get(a.numel(), torch.bool, a.device)).nonzero().view(-1)
+        return flat.index_select(0, idx), idx
+
+    def __repr__(self):
+        return f"Threshold(threshold={self.threshold:g}){' +EF' if self.ef is not None else ''}"
+
+
+# -- DGC ---------------------------------------------------------------------
+
+
+class DGC(SparseCompressor):
+    """Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, ICLR 2018).
+
+    Steps, per bucket and step, on the local gradient g:
+      1. Local gradient clipping (optional): scale g so that ||g|| <= clip.
+      2. Momentum correction: u = momentum * u + g; v = v + u. The velocity u
+         is accumulated, not the raw gradient, so sparse updates still follow
+         momentum SGD.
+      3. Density for this step: ``ratio`` after warm-up; during the first
+         ``warmup_steps`` calls it falls exponentially from 0.25 to ``ratio``:
+         0.25 * (ratio / 0.25) ** (step / warmup_steps). With warmup_steps = 4
+         and ratio 0.001 that is 25%, 6.3%, 1.6%, 0.4%, 0.1%: the paper's
+         schedule over its 4 warm-up epochs (25%, 6.25%, 1.5625%, 0.4%, 0.1%)
+         to within 2%, one call per step instead of one value per epoch.
+      4. k = max(1, ceil(density * n)). Threshold from a random sample of |v|
+         (1% of the entries, at least 4096) set so that about k entries pass
+         (plus three standard deviations of slack); keep the entries above it
+         and, if more than k passed, the top k of those. If the sample was
+         unlucky, fewer than k entries are sent (no full sort ever). Buckets
+         under 65536 entries run an exact top-k instead.
+      5. Send v at those positions, then momentum factor masking: u and v are
+         zeroed there. The rest keeps accumulating.
+
+    The momentum lives here: run the optimizer WITHOUT momentum (plain SGD,
+    momentum=0), or momentum is applied twice. Error feedback is built in
+    (v is the residual), so ``error_feedback`` must stay off.
+
+    ``clip`` is applied to this bucket's local gradient as given. The paper
+    clips with the global threshold scaled by N ** -0.5 for N workers: pass
+    that value.
+
+    Payload: values [k] in the input dtype and int32 indices [k]:
+    k * (element_size + 4) bytes. Not summable (all-gathered).
+
+    State: u, v (the bucket's shape) and the step count for the warm-up.
+
+    Tuning: the paper uses ratio 0.001 with 4 warm-up epochs; 0.01 is a safer
+    start for short runs. Set warmup_steps to a few hundred iterations when
+    training from scratch, since the first steps move the weights most.
+    """
+    name = "dgc"
+    steady_payload = False  # how much is sent follows the values and the warm-up schedule
+    builtin_feedback = True
+    builtin_momentum = True
+    counts_steps = True
+    elementwise = ("u", "v")
+    params = (ratio(0.01, "fraction of entries sent after warm-up"),
+              Param("momentum", float, 0.9, "momentum correction (run the optimizer without momentum)",
+                    lo=0, hi=1, hi_open=True),
+              Param("clip", float, None, "clip this bucket's local gradient to this 2-norm", lo=0, lo_open=True,
+                    unset="no clipping"),
+              Param("warmup_steps", int, 0, "steps over which the density falls from 25% to ratio", lo=0,
+                    hi=10_000_000, note=" (a run has at most that many steps, commlab/engine/spec.py)"))
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        self.u: Optional[Tensor] = None
+        """Velocity (momentum-corrected gradient), zeroed where sent."""
+        self.v: Optional[Tensor] = None
+        """Accumulated velocity not sent yet: DGC's residual."""
+        self.step = 0
+        """Compress calls so far; drives the warm-up schedule."""
+        self._k = (None, 0, 0)  # (density, n, k)
+
+    def density(self, step: Optional[int] = None) -> float:
+        """Fraction of entries sent at ``step`` (default: the next step)."""
+        step = self.step if step is None else step
+        if step >= self.warmup_steps:
+            return self.ratio
+        start = max(0.25, self.ratio)
+        return start * (self.ratio / start) ** (step / self.warmup_steps)
+
+    def select(self, flat):
+        n = flat.numel()
+        if self.u is None:
+            self.u = torch.zeros_like(flat)
+            self.v = torch.zeros_like(flat)
+        elif self.u.numel() != n:
+            raise ValueError(f"dgc: this instance serves a bucket of {self.u.numel()} elements, got {n}")
+        u, v = self.u, self.v
+        u.mul_(self.momentum)
+        if self.clip is not None:
+            norm = float(torch.linalg.vector_norm(flat))
+            u.add_(flat, alpha=min(1.0, self.clip / norm) if norm > 0 else 1.0)
+        else:
+            u.add_(flat)
+        v.add_(u)
+        density = self.density()
+        if self._k[:2] != (density, n):  # Fraction arithmetic costs a few µs: once per schedule value
+            self._k = (density, n, count_of(density, n))
+        k = self._k[2]
+        idx = top_indices(self._scratch.abs(v), k, self._gen, exact=False)
+        values = v[idx]
+        u.index_fill_(0, idx, 0)  # momentum factor masking
+        v.index_fill_(0, idx, 0)
+        self.step += 1
+        return values, idx
+
+    def state_dict(self):
+        return {**super().state_dict(), "u": self.u, "v": self.v, "step": self.step}
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.u = None if state.get("u") is None else state["u"].clone()
+        self.v = None if state.get("v") is None else state["v"].clone()
+        self.step = int(state.get("step", 0))
+
+    def __repr__(self):
+        return (f"DGC(ratio={self.ratio:g}, momentum={self.momentum:g}, clip={self.clip}, "
+                f"warmup_steps={self.warmup_steps})")
+
+
+# PowerSGD and Count Sketch import the helpers above, so they are imported last.

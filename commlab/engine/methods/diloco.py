@@ -1,0 +1,202 @@
+"""DiLoCo: H inner steps of any optimizer on each rank, then an outer step on the averaged
+pseudo-gradient.
+
+Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language Models" (2023). Every rank
+keeps the global parameters of the last outer step. Steps:
+
+1. inner: H steps of the spec's optimizer (the paper's AdamW; any torch.optim here) on the rank's own
+   gradients, no gradient exchange; the inner optimizer's state stays on the rank across outer steps;
+2. after every H-th step, the pseudo-gradient (global parameters - local parameters) is averaged over
+   ranks, through ``method.compressor`` (none by default; top-k with error feedback, or int8/qsgd, give
+   SparseLoCo-style and low-bit outer updates by configuration);
+3. outer: a stock ``torch.optim.SGD`` with Nesterov momentum (outer_lr, outer_momentum) steps the global
+   parameters with the averaged pseudo-gradient as their gradient; every rank continues from them.
+
+With H = 1, outer_lr = 1 and outer_momentum = 0 the outer step sets the global parameters to the
+average of the ranks' parameters: local SGD, hence synchronous training for SGD (tests/test_methods.py).
+The paper's setting is H = 500, outer_lr = 0.7, outer_momentum = 0.9 (Nesterov) with AdamW inside; the
+default H here (50) suits the lab's short runs. Bytes: the model's pseudo-gradient once per H steps.
+
+The same class runs Streaming DiLoCo (commlab/engine/methods/streaming_diloco.py): ``fragments`` contiguous
+parts of the parameters, each synced every H steps at staggered steps, its all-reduce issued ``tau``
+steps before its outer step is applied, and the fragment then mixed with the local parameters by
+``alpha``. DiLoCo is the case of one fragment, tau 0 and alpha 0.
+
+Against torchft's ``DiLoCo`` (torchft/local_sgd.py): the same pseudo-gradient (global - local), the
+outer optimizer over the global copy and the fragment schedule (issue at H/F - tau, apply tau steps
+later, mix by alpha). Differences: the global copy stays on the parameters' device (torchft keeps it in
+pinned CPU memory), one outer optimizer serves every fragment (the same momentum buffers per tensor),
+compression is any compressor of the lab through its exchange driver rather than torchft's quantized
+all-reduce, and there is no quorum or commit step (a failed rank fails the run).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+
+from commlab.engine.compressors.basic import NoneCompressor
+from commlab.engine.compressors.params import Param
+from commlab.engine.methods.base import Context, Event, Method
+from commlab.engine.methods.transfer import Group, Transfer, groups
+
+Tensor = torch.Tensor
+
+
+def split_even(tensor_bytes: Sequence[int], parts: int) -> List[List[int]]:
+    """Tensor indices cut into ``parts`` contiguous, non-empty runs of about equal bytes (Streaming
+    DiLoCo's fragments, sequential pattern). Needs ``parts <= len(tensor_bytes)``."""
+    n = len(tensor_bytes)
+    if not 1 <= parts <= n:
+        raise ValueError(f"fragments: must be in 1..{n} (one tensor at least per fragment), got {parts}")
+    total = sum(tensor_bytes)
+    cum, acc = [], 0
+    for b in tensor_bytes:
+        acc += b
+        cum.append(acc)
+    cuts = [0]
+    for k in range(1, parts):
+        i = next((i + 1 for i, c in enumerate(cum) if c >= total * k / parts), n)
+        cuts.append(min(max(i, cuts[-1] + 1), n - (parts - k)))
+    cuts.append(n)
+    return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+
+
+class DiLoCo(Method):
+    name = "diloco"
+    params = (
+        Param("H", int, 50, "inner steps between two outer steps", lo=1, hi=1_000_000),
+        Param("outer_lr", float, 0.7, "the outer SGD's learning rate on the averaged pseudo-gradient",
+              lo=0, hi=10, lo_open=True),
+        Param("outer_momentum", float, 0.9, "the outer SGD's momentum (Nesterov when nesterov is on)",
+              lo=0, hi=1, hi_open=True),
+        Param("nesterov", bool, True, "Nesterov momentum in the outer step (as the paper)"),
+    )
+    takes_compressor = True
+    fragments = 1
+    """Parts of the parameters synced in turn (Streaming DiLoCo declares it as a parameter)."""
+    tau = 0
+    """Steps a fragment's all-reduce overlaps before its outer step is applied."""
+    alpha = 0.0
+    """The weight of the local parameters when a fragment is mixed with its new global ones (0: replaced)."""
+
+    def __init__(self, **given):
+        super().__init__(**given)
+        if self.fragments > self.H:
+            raise ValueError(f"fragments: must be at most H ({self.H}): each fragment syncs at a step of its own, "
+                             f"got {self.fragments}")
+        if self.tau >= self.H:
+            raise ValueError(f"tau: must be below H ({self.H}): a fragment's sync is applied before it is issued "
+                             f"again, got {self.tau}")
+
+    def check_model(self, tensor_bytes: Sequence[int]) -> None:
+        if self.fragments > len(tensor_bytes):
+            raise ValueError(f"fragments: must be at most the model's {len(tensor_bytes)} parameter tensors "
+                             f"(a fragment holds whole tensors), got {self.fragments}")
+
+    # -- the schedule (pure) ----------------------------------------------------
+    def _due(self, f: int) -> int:
+        """Fragment f's outer step comes after steps n (counted from 1) with n = due (mod H)."""
+        return self.H * (f + 1) // self.fragments
+
+    def issues(self, step: int, f: int) -> bool:
+        """True when fragment ``f``'s all-reduce is issued in ``step`` (0-based)."""
+        return (step + 1 - (self._due(f) - self.tau)) % self.H == 0
+
+    def exchanges_at(self, step: int) -> bool:
+        return any(self.issues(step, f) for f in range(self.fragments))
+
+    def parts(self, tensor_bytes: Sequence[int]) -> List[List[int]]:
+        return split_even(tensor_bytes, self.fragments)
+
+    def schedule(self, tensor_bytes: Sequence[int], steps: int, element_size: int = 4) -> List[Event]:
+        parts = self.parts(tensor_bytes)
+        sizes = [sum(tensor_bytes[i] for i in part) for part in parts]
+        return [Event(s, "pseudo", sizes[f], self.tau, f) for s in range(steps) for f in range(self.fragments)
+                if self.issues(s, f)]
+
+    # -- the run -------------------------------------------------------------------
+    def setup(self, ctx: Context) -> None:
+        super().setup(ctx)
+        tensor_bytes = [p.numel() * p.element_size() for p in ctx.params]
+        make = ctx.plan.make if ctx.plan is not None else (lambda nbytes: NoneCompressor())
+        self.parts: List[List[Group]] = []
+        first = 0
+        for f, members in enumerate(split_even(tensor_bytes, self.fragments)):
+            gs = groups(ctx, members, f"f{f}" if self.fragments > 1 else "model", make, first_bucket=first)
+            first += len(gs)
+            self.parts.append(gs)
+        self.glob = [p.detach().clone() for p in ctx.params]
+        """The global parameters of each fragment's last outer step: alike on every rank."""
+        mom = self.outer_momentum
+        self.outer = torch.optim.SGD(self.glob, lr=self.outer_lr, momentum=mom, nesterov=self.nesterov and mom > 0)
+        self.inflight: List[Tuple[int, int, List[Transfer]]] = []
+        """(step of the outer step, fragment, its transfers), in issue order."""
+        self.syncs = 0
+
+    def after_optimizer_step(self, step: int) -> None:
+        issued = [f for f in range(self.fragments) if self.issues(step, f)]
+        for f in issued:
+            self._issue(step, f)
+        due = [x for x in self.inflight if x[0] == step]
+        if due:
+            self.inflight = [x for x in self.inflight if x[0] != step]
+            for _, f, transfers in due:
+                self._apply(f, transfers)
+        if issued:
+            self.step_log["sync_bytes"] = self.step_bytes
+            if self.fragments > 1:
+                self.step_log["fragment"] = issued[0] if len(issued) == 1 else issued
+        if due and self.fragments > 1:
+            self.step_log["applied"] = [f for _, f, _ in due] if len(due) > 1 else due[0][1]
+
+    def _issue(self, step: int, f: int) -> None:
+        transfers = []
+        for g in self.parts[f]:
+            with torch.no_grad():
+                for v, i, p in zip(g.views(g.flat), g.index, g.params):
+                    torch.sub(self.glob[i], p.detach(), out=v)  # the pseudo-gradient: global - local
+            lane = "fragment" if self.tau else "outer"
+            tr = Transfer(self.ctx, g, g.compressor, g.flat, lane, step, {"fragment": f, "sync": self.syncs}).start()
+            self.step_bytes += tr.fresh_bytes()
+            transfers.append(tr)
+        self.syncs += 1
+        self.inflight.append((step + self.tau, f, transfers))
+
+    @torch.no_grad()
+    def _apply(self, f: int, transfers: List[Transfer]) -> None:
+        for g, tr in zip(self.parts[f], transfers):
+            avg = tr.finish()
+            self.step_bytes += tr.fresh_bytes()  # later rounds of a multi-round compressor
+            for i, v in zip(g.index, g.views(avg)):
+                self.glob[i].grad = v
+        self.outer.step()
+        for g in self.parts[f]:
+            for i, p in zip(g.index, g.params):
+                self.glob[i].grad = None
+                if self.alpha:
+                    p.mul_(self.alpha).add_(self.glob[i], alpha=1 - self.alpha)  # keep part of the local steps
+                else:
+                    p.copy_(self.glob[i])
+
+    def global_params(self) -> Optional[List[Tensor]]:
+        return self.glob
+
+    def state_dict(self) -> dict:
+        return {"syncs": self.syncs, "global": [t.clone() for t in self.glob], "outer": self.outer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.syncs = state["syncs"]
+        with torch.no_grad():
+            for t, s in zip(self.glob, state["global"]):
+                t.copy_(s)
+        self.outer.load_state_dict(state["outer"])
+
+    def drain(self) -> None:
+        for _, _, transfers in self.inflight:
+            for tr in transfers:
+                tr.drain()
+        self.inflight = []
+
+    def close(self) -> None:
+        self.inflight = []

@@ -1,0 +1,245 @@
+"""What a rank does around its optimizer step, shared by the Trainer and a user's own loop.
+
+A ``Stepper`` owns, for one rank: the communicator the spec asks for (commlab/engine/comm/modes.py: ``Sync``,
+``WFBP`` or ``DeAR``), the stock ``torch.optim`` optimizer over what that communicator
+hands it (``optimizer_params()``: the model's parameters, or DeAR's shards), the tuning driver
+(``tuners.start``: mergecomp, layerfusion or dear's buffer-cap search) and the writers of the run directory
+(``timeline-rank<r>.jsonl``, ``metrics.jsonl``, ``layout.json``). The caller runs forward and
+backward; ``step()`` does the rest of the iteration:
+
+    finish the exchange -> divergence check -> optimizer.step -> zero_grad -> log -> tuners
+
+With a method (commlab/engine/methods/: local SGD, DiLoCo, ...) its hooks run around that: ``begin`` at each
+step boundary decides whether the communicator exchanges the next step's gradients (wfbp sends during
+backward), ``after_backward`` after the finish, ``after_optimizer_step`` after the optimizer (periodic
+syncs). Step lines then carry ``method``, ``sync_ms`` and, on steps with an exchange of the method's,
+``sync_bytes``; ``bytes_sent`` counts what the step sent (0 on a local step).
+
+``commlab.engine.trainer.Trainer`` drives it from its data loop; ``commlab.wrap`` from the user's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import time
+from typing import Callable, Optional
+
+import torch
+
+from commlab.engine import netmodel, runfiles, schedules, tuners
+from commlab.engine.comm import modes
+from commlab.engine.comm.core import Communicator
+from commlab.engine.compressors.plan import Plan
+from commlab.engine.methods.base import Context, Method
+from commlab.engine.probe import LayerProbe
+from commlab.engine.runlog import JsonlWriter
+from commlab.engine.spec import DEAR_CAP_MB, JobSpec
+from commlab.engine.timeline import Clock, CudaClock, Timeline
+
+OptimizerFactory = Callable[[list], torch.optim.Optimizer]
+"""Builds the optimizer over the parameters it is given: the model's, or DeAR's shards."""
+
+
+def make_optimizer(spec: JobSpec, params):
+    o = spec.optimizer
+    if o.name == "sgd":
+        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
+    betas = tuple(o.betas) if o.betas else (0.9, 0.999)
+    return cls(params, lr=o.lr, betas=betas, weight_decay=o.weight_decay)
+
+
+def schedule_fn(spec: JobSpec):
+    s = spec.schedule
+    opts = {"cap_mb": s.cap_mb} if s.name == "bucket" else {}
+    return functools.partial(schedules.build, s.name, **opts)
+
+
+class Diverged(RuntimeError):
+    """The averaged gradient is not finite: training cannot go on."""
+
+    def __init__(self, step: int):
+        super().__init__(f"diverged at step {step}: the averaged gradient is not finite (NaN or inf)")
+        self.step = step
+
+
+class Stepper:
+    def __init__(self, spec: JobSpec, model: torch.nn.Module, run_dir: Optional[str], rank: int,
+                 device: torch.device, group=None, make_opt: Optional[OptimizerFactory] = None):
+        self.spec, self.model, self.run_dir, self.rank, self.device = spec, model, run_dir, rank, device
+        path = (lambda name: os.path.join(run_dir, name)) if run_dir else None
+        clock = CudaClock(device) if device.type == "cuda" else Clock()
+        self.timeline = Timeline(path(runfiles.TIMELINE.format(rank=rank)) if path else None, rank,
+                                 enabled=spec.timeline, clock=clock)
+        self.metrics = JsonlWriter(path(runfiles.METRICS)) if path else None
+        self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
+        self.group = group
+        self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params))
+        self.step = 0
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self._build()
+        self.method: Optional[Method] = spec.method.build()
+        """The method (commlab/engine/methods/), or None for method none (every step's gradients, nothing else)."""
+        if self.method is not None:
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            sec = spec.method.compressor
+            self.method.setup(Context(params=[p for _, p in named], names=[n for n, _ in named], world=self.dp.world,
+                                      rank=self.dp.rank, group=group, link=self.dp.link, timeline=self.timeline,
+                                      plan=Plan.from_section(sec) if sec else None, on_issue=self._fault_in_sync))
+            self._begin()
+
+    def _build(self, layout: Optional[dict] = None, broadcast: bool = True) -> None:
+        """The communicator, optimizer and tuning driver ``self.spec`` asks for, over the model.
+        ``broadcast``: the communicator starts by broadcasting rank 0's parameters and buffers (not on a
+        switch: the ranks hold the same parameters already, and on a slow link the broadcast of the whole
+        model was most of a switch's time)."""
+        spec, model, group = self.spec, self.model, self.group
+        # each bucket's own compressor instance, by its size where compressor.per_bucket has rules
+        plan = Plan.from_section(dataclasses.asdict(spec.compressor))
+        # dear: ZeRO-style, the optimizer steps this rank's shard of every buffer (commlab/engine/comm/dear.py)
+        buckets = self._dear_layout() if spec.comm.mode == "dear" else schedule_fn(spec)
+        self.dp: Communicator = modes.make(spec.comm.mode, model, buckets, plan, timeline=self.timeline,
+                                           group=group, link=netmodel.from_spec(spec.network),
+                                           broadcast_from_rank0=broadcast)
+        if self.probe:
+            self.probe.follow(self.dp)  # one gradient hook per parameter: the communicator's
+        if layout is not None:  # a partition given (strategy auto's MergeComp trial): parameter names and cuts
+            order = [self.dp.order_names.index(n) for n in layout["order"]]
+            self.dp.relayout(schedules.from_cuts([self.dp.infos[i] for i in order], layout["cuts"]), order)
+        params = self.dp.optimizer_params()
+        old = self.optimizer
+        mine = [p for g in old.param_groups for p in g["params"]] if old is not None else []
+        if len(mine) == len(params) and all(a is b for a, b in zip(mine, params)):
+            self.optimizer = old  # the same parameters (not dear's shards): momentum and moments go on
+        else:
+            self.optimizer = self._make_opt(params)
+        self.dp.attach(self.optimizer)
+        own = self.rank == 0 and self.run_dir
+        if own:
+            self.write_layout()
+        self.tuning = None if layout is not None else tuners.start(
+            spec, self.dp, self.run_dir, self.timeline, group, on_layout=self.write_layout if own else None,
+            log=self.log)
+        """mergecomp, layerfusion, dear's cap search: the tuning driver, which relayouts at step boundaries."""
+
+    def switch(self, spec: JobSpec, layout: Optional[dict] = None) -> None:
+        """Another strategy from the next step on (strategy auto's trials, then its choice): the
+        communicator, tuning driver and, where the parameters it steps change (dear's shards), the
+        optimizer are rebuilt for ``spec`` over the same model; the timeline, layer probe, metrics and
+        step count go on. Every rank calls it at the same step boundary. The old communicator's
+        compressor state (error-feedback residuals) is dropped: the new strategy starts afresh.
+        ``layout`` ({"order": names, "cuts": [...]}) fixes the buckets instead of a tuner."""
+        self.dp.sync_params()  # dear: the model holds the latest parameters before its shards go
+        self.dp.close()
+        self.spec = spec
+        self._build(layout, broadcast=False)
+
+    def _dear_layout(self):
+        """dear's buffers: by comm.layers or by comm.cap_mb (the spec holds its default; with comm.tune
+        the cap search relayouts to its first trial cap before the first step)."""
+        cm = self.spec.comm
+        if cm.layers is not None:
+            return functools.partial(schedules.layout_layers, layers=cm.layers)
+        return functools.partial(schedules.layout_cap, cap_mb=cm.cap_mb or DEAR_CAP_MB)
+
+    def sync_params(self) -> None:
+        """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
+        self.dp.sync_params()
+
+    def _begin(self) -> None:
+        """The method's say on the coming step: does the communicator exchange its gradients?"""
+        self.dp.set_exchanging(self.method.begin(self.step))
+
+    def _fault_in_sync(self, step: int) -> None:
+        """fault.at sync (testing): fail right after the method's collective of ``step`` is issued."""
+        f = self.spec.fault
+        if f.at == "sync" and f.step == step and f.rank == self.rank:
+            if f.kind == "exit":
+                os._exit(17)  # die without cleanup, mid-sync, as a crash would
+            raise RuntimeError(f"injected fault at step {step} on rank {self.rank}, in the method's sync")
+
+    def evaluating(self):
+        """A context in which the model holds the parameters every rank agrees on (a method's global
+        parameters, e.g. DiLoCo's), for evaluation; the local ones come back after it."""
+        return self.method.evaluating() if self.method is not None else contextlib.nullcontext()
+
+    def drain(self) -> None:
+        """At the end of training, on every rank: wait for the method's exchanges still in flight."""
+        if self.method is not None:
+            self.method.drain()
+
+    def write_layout(self) -> None:
+        buckets = [{"bucket": b.index, "layers": b.names, "bytes": b.raw_bytes,
+                    "compressor": b.compressor.name, "codec": b.codec} for b in self.dp.buckets]
+        with open(os.path.join(self.run_dir, runfiles.LAYOUT), "w") as f:
+            json.dump({"params": sum(p.numel() for p in self.model.parameters()),
+                       "tensors": len(self.dp.infos), "buckets": buckets}, f, indent=1)
+
+    def log(self, obj: dict) -> None:
+        if self.metrics:
+            self.metrics.write(obj)
+
+    def step_after_backward(self, loss, t0: float, t1: float, t2: float, m0, m1, m2, extra: Optional[dict] = None) -> dict:
+        """End an iteration whose forward ran from (t0, m0) to (t1, m1) and whose backward ended at
+        (t2, m2) (host times of ``timeline.now()``, marks of ``timeline.mark()``): finish the exchange,
+        step the optimizer, log the step, feed the tuners. ``loss`` is a tensor, a number or None.
+        Raises ``Diverged`` when the averaged gradient is not finite (on every rank alike)."""
+        tl = self.timeline
+        meth = self.method
+        self.dp.finish()
+        sync_s = 0.0
+        if meth is not None:
+            tb = tl.now()
+            meth.after_backward(self.step)  # DeMo: its exchange replaces the gradients, alike on every rank
+            sync_s += tl.now() - tb
+        finite = self.dp.grads_finite()  # every rank sees the same averaged gradient: one decision for all
+        t3 = tl.now()
+        m3 = tl.mark()
+        self.optimizer.step()
+        self.dp.zero_grad()
+        m4 = tl.mark()
+        if meth is not None:
+            ta = tl.now()
+            meth.after_optimizer_step(self.step)  # periodic syncs, fragments issued or applied
+            sync_s += tl.now() - ta
+            after = tl.now() - ta
+        loss_value = loss.item() if isinstance(loss, torch.Tensor) else loss  # .item() syncs the device
+        if not bool(finite):
+            raise Diverged(self.step)
+        t4 = tl.now()
+        s = self.step
+        tl.span("forward", "forward", m0, m1, {"step": s})
+        tl.span("backward", "backward", m1, m2, {"step": s})
+        tl.span("optimizer", "optimizer", m3, m4, {"step": s})
+        tl.span("step", f"step {s}", t0, t4, {"step": s})
+        if self.probe:
+            self.probe.reset()
+        tl.flush()
+        rec = {"kind": "step", "step": s, "rank": self.rank, "loss": loss_value, **(extra or {}),
+               "time_ms": (t4 - t0) * 1e3, "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t2 - t1) * 1e3,
+               "finish_ms": (t3 - t2) * 1e3, "optimizer_ms": (t4 - t3) * 1e3,
+               "bytes_sent": self.dp.step_bytes, "bytes_raw": self.dp.step_raw_bytes, "t": time.time()}
+        if meth is not None:
+            rec.update({"optimizer_ms": (t4 - t3 - after) * 1e3, "bytes_sent": self.dp.step_bytes + meth.step_bytes,
+                        "method": meth.name, "sync_ms": sync_s * 1e3, **meth.step_log})
+        self.log(rec)
+        self.step += 1
+        if self.tuning is not None and not self.tuning.done:
+            self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
+            tl.flush()
+        if meth is not None:
+            self._begin()
+        return rec
+
+    def close(self) -> None:
+        if self.method is not None:
+            self.method.close()
+        self.dp.close()
+        if self.probe:
+            self.probe.close()
+        self.timeline.close()
+        if self.metrics:
+            self.metrics.close()

@@ -1,0 +1,217 @@
+"""torchrun entry point: one rank of a run.
+
+    torchrun --nproc-per-node 2 -m commlab.engine.worker --run-dir runs/<id>
+
+Reads ``spec.json`` from the run directory, joins the process group, trains,
+and appends metrics and timeline spans to the run directory. A rank that
+fails writes ``error-rank<r>.json`` (the error and its traceback) before it
+exits non-zero, so the launcher can say which rank failed and why. Rank 0
+records what ``auto`` and ``threads: 0`` came to in ``resolved.json``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+from commlab.engine import runfiles
+from commlab.engine.runlog import write_json_atomic
+from commlab.engine.spec import JobSpec
+
+# Before torch is imported: one BLAS/OpenMP pool per rank, not one per core each.
+if "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="commlab.engine.worker", description=__doc__.splitlines()[0])
+    ap.add_argument("--run-dir", required=True, help="run directory holding spec.json")
+    args = ap.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    die_with_parent()
+    if not keep_heap():
+        print(f"rank {rank}: glibc's mallopt is not available here; freed memory goes back to the OS as usual",
+              file=sys.stderr)
+    record_pid(args.run_dir, rank)
+    code = 0
+    try:
+        run(args.run_dir, rank)
+    except BaseException as e:  # record, then let torchrun see the failure
+        from commlab.engine.stepper import Diverged
+        if isinstance(e, Diverged):
+            _write_json(args.run_dir, runfiles.DIVERGED.format(rank=rank),
+                        {"rank": rank, "step": e.step, "error": str(e), "time": time.time()})
+            code = 3
+        else:
+            record_error(args.run_dir, rank, e)
+            traceback.print_exc()
+            code = 1
+    # Leave without running C++ static destructors: at interpreter exit, torch and
+    # gloo sometimes abort ("terminate called without an active exception") after
+    # all work is done, which would turn a finished run into a failed one. Every
+    # log of ours is already written with unbuffered os.write calls and closed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def die_with_parent() -> None:
+    """SIGKILL this rank if torchrun dies, so a killed launcher leaves no rank behind (Linux)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+
+
+def keep_heap(trim_mb: int = 256, mmap_mb: int = 32) -> bool:
+    """Keep freed memory in this process instead of handing it back to the OS every step (glibc).
+
+    A training step frees its activations at the end of backward. glibc's malloc returns the free
+    top of its heap to the OS once it exceeds a trim threshold that it sizes itself (twice the
+    largest freed block seen, a few MB), so the next forward pass takes thousands of page faults
+    fetching the same memory back, zeroed (measured in bench/ddp_compare.py: 3-5K per commlab
+    transformer step, forward 3-5 ms slower; none with this). Here the trim threshold is
+    ``trim_mb`` and allocations up to ``mmap_mb`` (the most glibc sizes it to itself) come from the
+    heap, so steps reuse their memory. Returns False where there is no glibc ``mallopt`` (other
+    platforms); raises if glibc refuses a setting."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or name is None:
+        return False
+    mallopt = getattr(ctypes.CDLL(name), "mallopt", None)
+    if mallopt is None:  # a libc without mallopt (musl)
+        return False
+    # the mmap threshold first: setting either one turns off glibc's own sizing of both
+    for param, mb in ((M_MMAP_THRESHOLD, mmap_mb), (M_TRIM_THRESHOLD, trim_mb)):
+        if mallopt(param, mb << 20) != 1:
+            raise RuntimeError(f"mallopt({param}, {mb} MB): glibc refused the setting (it caps the mmap threshold)")
+    return True
+
+
+def record_pid(run_dir: str, rank: int) -> None:
+    """(pid, start time) of this rank, so the lab can find a stray rank and verify it is ours."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        start = None
+    _write_json(run_dir, runfiles.PID.format(rank=rank), {"rank": rank, "pid": os.getpid(), "start": start})
+
+
+def _write_json(run_dir: str, name: str, obj: dict) -> bool:
+    """Write one of the files that tell the lab about this rank (its pid, why it failed), whole or
+    not at all: a temporary file renamed into place. A failure is reported on stderr, which torchrun
+    puts in log.txt, and is not raised: the rank's own error (or its training) matters more than
+    this file, and the launcher falls back to torchrun's exit report. Returns whether it was written."""
+    path = os.path.join(run_dir, name)
+    try:
+        write_json_atomic(path, obj)
+        return True
+    except (OSError, TypeError, ValueError) as e:
+        rank = obj.get("rank", os.environ.get("RANK", "?"))
+        print(f"[commlab] rank {rank}: could not write {path}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return False
+
+
+def record_error(run_dir: str, rank: int, e: BaseException) -> None:
+    _write_json(run_dir, runfiles.ERROR.format(rank=rank), {"rank": rank, "error": f"{type(e).__name__}: {e}".strip(),
+                                                    "traceback": traceback.format_exc(), "time": time.time()})
+
+
+def run(run_dir: str, rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from commlab.engine.compressors import graphs
+    from commlab.engine.trainer import Trainer, resolve_backend, resolve_device
+
+    with open(os.path.join(run_dir, runfiles.SPEC)) as f:
+        spec = JobSpec.from_dict(json.load(f))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if world != spec.world_size:
+        raise RuntimeError(f"world_size: the spec asks for {spec.world_size} ranks but torchrun started {world}")
+    threads = spec.threads or max(1, (os.cpu_count() or 1) // local_world)
+    torch.set_num_threads(threads)
+    device = resolve_device(spec, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = resolve_backend(spec, device)
+    dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300"))))
+    if rank == 0:  # what the spec's machine-dependent choices (auto, threads 0) came to on this machine
+        resolved = {"rank": 0, "backend": backend, "device": str(device), "threads": threads, "world_size": world,
+                    "local_world_size": local_world, "torch": torch.__version__}
+        if device.type == "cuda":  # the switches that change a GPU run's codecs (fused kernels, CUDA graphs)
+            resolved["gpu_codecs"] = graphs.settings()
+        _write_json(run_dir, runfiles.RESOLVED, resolved)
+    trainer = None
+    trials = read_trials(run_dir)
+    if trials:
+        try:
+            run_trials(run_dir, trials, dist.get_rank(), world, device)
+        finally:
+            dist.destroy_process_group()
+        return
+    try:
+        trainer = Trainer(spec, run_dir, dist.get_rank(), world, device)
+        if rank == 0:
+            print(f"[commlab] rank 0: {spec.model.name} on {spec.dataset.name}, world {world}, "
+                  f"{backend} on {device}, {threads} thread(s) per rank, {len(trainer.dp.buckets)} bucket(s)",
+                  flush=True)
+        trainer.train()
+        if rank == 0 and device.type == "cuda":
+            line = graphs.summary(getattr(b, "compressor", None) for b in getattr(trainer.dp, "buckets", ()))
+            if line:
+                print(f"[commlab] rank 0: {line}", flush=True)
+    finally:
+        if trainer is not None:
+            trainer.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def read_trials(run_dir: str) -> list:
+    """A trial session (the advisor's ``--measure``): the run directory's trials.json, ``{"dirs": [...]}``,
+    subdirectories each with a spec.json of its own. The ranks run each one's steps in turn in one process
+    group, so the trials pay one start-up (interpreter, torch, gloo) instead of one each. [] for a run."""
+    path = os.path.join(run_dir, runfiles.TRIALS)
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        dirs = json.load(f)["dirs"]
+    if not dirs or not all(isinstance(d, str) and d and "/" not in d and d not in (".", "..") for d in dirs):
+        raise ValueError(f"{path}: dirs must be a non-empty list of subdirectory names, got {dirs!r}")
+    return dirs
+
+
+def run_trials(run_dir: str, dirs: list, rank: int, world: int, device) -> None:
+    """Each trial's spec for its ``steps`` training steps (no evaluation), one after the other; every
+    trial writes metrics.jsonl, its timeline and tuning.json in its own subdirectory."""
+    from commlab.engine.trainer import Trainer
+    for d in dirs:
+        sub = os.path.join(run_dir, d)
+        with open(os.path.join(sub, runfiles.SPEC)) as f:
+            spec = JobSpec.from_dict(json.load(f))
+        if spec.world_size != world:
+            raise RuntimeError(f"{sub}: world_size {spec.world_size}, but the session has {world} ranks")
+        trainer = Trainer(spec, sub, rank, world, device)
+        try:
+            for _ in range(spec.steps):
+                trainer.train_step()
+            trainer.sync_params()
+        finally:
+            trainer.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

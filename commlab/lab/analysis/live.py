@@ -1,0 +1,286 @@
+"""What a page that follows a run re-reads on every refresh, read incrementally.
+
+The Live run page refreshes every ``commlab.lab.front.ui.REFRESH_S`` seconds while a run trains, on the same
+machine and the same cores as the run. Re-reading metrics.jsonl and the last ~40 steps of every
+timeline file (about a megabyte per rank for a resnet run) and recomputing the breakdown of 40
+steps with pandas took about half a second of CPU per refresh, a quarter of a core that the ranks
+lost (see docs/explanation/presets.md, "Watching a run"). ``LiveRun`` keeps what it read:
+
+- each file is read from where the last refresh stopped (only appended bytes; a torn last line
+  waits for its end), and a file that was replaced or truncated is read again from the start;
+- a timeline file opened late is read from its end (the last ``keep`` steps), never whole;
+- timeline events are kept grouped by step (a step's events end with its ``step`` span, the
+  order ``commlab.engine.timeline`` flushes them in), the last ``keep`` steps per rank;
+- the per-step breakdown (``plots.step_breakdown``'s rule) of a step is computed once, from plain
+  events, when the step's events and the next step's are in, and kept.
+
+``live_run(run)`` returns the one ``LiveRun`` of a run directory for this process (the app's
+sessions share it; a lock serialises refreshes). Nothing here imports streamlit.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import threading
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Deque, Dict, List, Optional
+
+import pandas as pd
+
+from commlab.engine import runfiles
+from commlab.engine.timeline import LANE_NAMES, LANES
+from commlab.lab.analysis import plots
+from commlab.lab.rundir.store import Run, timeline_frame
+
+STEP_TID = LANES["step"]
+KEEP_STEPS = 100
+"""Steps of timeline kept per rank (the live page shows up to 40 in its breakdown and 20 in its timeline;
+``commlab.lab.analysis.timelines.run_breakdown``, which the results page uses, averages the last 100)."""
+CHUNK = 1 << 18
+
+
+class JsonlTail:
+    """The rows appended to a JSON-lines file since the last ``read``.
+
+    ``bytes_read`` counts every byte read from the file (a test checks that a refresh reads only
+    what was appended). ``read`` returns ``(rows, restarted)``: ``restarted`` is True when the file
+    was replaced or truncated, so the rows start again from its beginning."""
+
+    def __init__(self, path: Path, offset: int = 0):
+        self.path = Path(path)
+        self.offset = offset
+        self.buf = b""
+        self.ino: Optional[int] = None
+        self.bytes_read = 0
+
+    def read(self):
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return [], False
+        with f:
+            st = os.fstat(f.fileno())
+            restarted = False
+            if (self.ino is not None and st.st_ino != self.ino) or st.st_size < self.offset:
+                self.offset, self.buf, restarted = 0, b"", True
+            self.ino = st.st_ino
+            if st.st_size == self.offset:
+                return [], restarted
+            f.seek(self.offset)
+            data = f.read(st.st_size - self.offset)
+        self.offset += len(data)
+        self.bytes_read += len(data)
+        *lines, self.buf = (self.buf + data).split(b"\n")
+        return _parse(lines), restarted
+
+
+def _parse(lines) -> List[dict]:
+    out = []
+    for line in lines:
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a torn line of a killed writer
+    return out
+
+
+def tail_start(path: Path, steps: int, chunk: int = CHUNK) -> int:
+    """A byte offset in a timeline file after which at least ``steps`` step spans follow (0 when the
+    file holds no more than that): where a reader that came late starts."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return 0
+    with open(path, "rb") as f:
+        while True:
+            start = max(0, size - chunk)
+            f.seek(start)
+            data = f.read(size - start)
+            if start == 0:
+                return 0
+            cut = data.find(b"\n") + 1  # the first line is cut: start after it
+            events = _parse(data[cut:].split(b"\n"))
+            if sum(1 for e in events if e.get("tid") == STEP_TID) > steps:
+                return start + cut
+            chunk *= 4
+
+
+class _RankTimeline:
+    """One rank's file: its last ``keep`` steps as lists of events, and what came after the last step."""
+
+    def __init__(self, path: Path, keep: int):
+        self.tail = JsonlTail(path, tail_start(path, keep))
+        self.steps: Deque[List[dict]] = deque(maxlen=keep)
+        self.open: List[dict] = []
+        self.rows: Dict[int, list] = {}
+        """step number -> its breakdown row (computed once)."""
+
+    def update(self) -> None:
+        events, restarted = self.tail.read()
+        if restarted:
+            self.steps.clear()
+            self.open, self.rows = [], {}
+        for e in events:
+            self.open.append(e)
+            if e.get("tid") == STEP_TID:
+                self.steps.append(self.open)
+                self.open = []
+
+    def events(self, n: int) -> List[dict]:
+        chunks = list(self.steps)[-n:] if n > 0 else []
+        return [e for c in chunks for e in c] + self.open
+
+    def breakdown(self, final: bool) -> List[list]:
+        """Breakdown rows of the kept steps. A step's row is computed once its successor's events
+        are in (a span of step k can be written with step k+1's), or at once when the run is final."""
+        chunks = list(self.steps)
+        ready = len(chunks) if final else len(chunks) - 1
+        todo = [i for i in range(ready) if _step_of(chunks[i][-1]) not in self.rows]
+        if todo:
+            lo, hi = max(0, todo[0] - 1), min(len(chunks), todo[-1] + 2)
+            events = [e for c in chunks[lo:hi] for e in c]
+            for row in breakdown_rows(events):
+                if row[1] in {_step_of(chunks[i][-1]) for i in todo}:
+                    self.rows[row[1]] = row
+        kept = {_step_of(c[-1]) for c in chunks}
+        for s in [s for s in self.rows if s not in kept]:
+            del self.rows[s]
+        return [self.rows[s] for s in sorted(self.rows)]
+
+
+def _step_of(e: dict) -> int:
+    a = e.get("args") or {}
+    if "step" in a:
+        return int(a["step"])
+    return int(str(e.get("name", "")).rsplit(" ", 1)[-1])
+
+
+def breakdown_rows(events: List[dict]) -> List[list]:
+    """``plots.step_breakdown`` over plain Chrome trace events (one or more ranks), without pandas:
+    rows ``[rank, step, step_ms, compute_ms, compression_ms, exposed_comm_ms, other_ms,
+    hidden_comm_ms]``. The same rule: a span belongs to the step whose window (the ``step`` span of
+    its rank) holds its start (1 us slack); intervals are unions clipped to the window."""
+    by_rank: Dict[int, List[dict]] = {}
+    for e in events:
+        by_rank.setdefault(int(e["pid"]), []).append(e)
+    rows = []
+    for rank in sorted(by_rank):
+        evs = by_rank[rank]
+        wins = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), _step_of(e))
+                      for e in evs if e.get("tid") == STEP_TID)
+        if not wins:
+            continue
+        starts = [w[0] for w in wins]
+        lanes: Dict[int, Dict[str, list]] = {}
+        for e in evs:
+            s = float(e["ts"])
+            i = bisect.bisect_right(starts, s + 1.0) - 1
+            if i < 0 or s >= wins[i][1]:
+                continue
+            lane = LANE_NAMES.get(e.get("tid"), str(e.get("tid")))
+            lanes.setdefault(i, {}).setdefault(lane, []).append((s, s + float(e["dur"])))
+        for i, (w0, w1, step) in enumerate(wins):
+            got = lanes.get(i, {})
+
+            def spans(names, got=got, w0=w0, w1=w1):
+                return plots._merge((max(a, w0), min(b, w1)) for n in names for a, b in got.get(n, ()))
+            C, H = spans(plots.COMPUTE_LANES), spans(plots.HOOK_LANES)
+            M, Mc = spans(plots.COMM_LANES), spans(("comm",))
+            CH = plots._merge(C + H)
+            length, inter = plots._length, plots._intersect
+            compression = length(H)
+            compute = length(C) - length(inter(C, H))
+            exposed = length(M) - length(inter(M, CH))
+            hidden = length(inter(Mc, CH))
+            other = (w1 - w0) - compute - compression - exposed
+            rows.append([rank, step, (w1 - w0) / 1e3, compute / 1e3, compression / 1e3, exposed / 1e3,
+                         max(other, 0.0) / 1e3, hidden / 1e3])
+    return rows
+
+
+BREAKDOWN_COLUMNS = ["rank", "step", "step_ms", *plots.PARTS, "hidden_comm_ms"]
+
+
+class LiveRun:
+    """A run's files as a refreshing page needs them, read incrementally (see the module docstring)."""
+
+    def __init__(self, run: Run, keep: int = KEEP_STEPS):
+        self.run = run
+        self.keep = keep
+        self.lock = threading.Lock()
+        self.metrics_tail = JsonlTail(run.file(runfiles.METRICS))
+        self.rows: List[dict] = []
+        self.ranks: Dict[str, _RankTimeline] = {}
+
+    @property
+    def bytes_read(self) -> int:
+        """Bytes read from the run's files so far (metrics and timelines)."""
+        return self.metrics_tail.bytes_read + sum(r.tail.bytes_read for r in self.ranks.values())
+
+    def refresh(self) -> "LiveRun":
+        """Read what was appended to the run's files since the last refresh."""
+        with self.lock:
+            rows, restarted = self.metrics_tail.read()
+            if restarted:
+                self.rows = []
+            self.rows.extend(rows)
+            for p in self.run.timeline_files():
+                if p.name not in self.ranks:
+                    self.ranks[p.name] = _RankTimeline(p, self.keep)
+                self.ranks[p.name].update()
+        return self
+
+    def metric_rows(self) -> List[dict]:
+        return list(self.rows)
+
+    def metrics(self, kind: str = "step") -> pd.DataFrame:
+        """As ``Run.metrics``: the metrics lines of one kind as a DataFrame."""
+        return pd.DataFrame([m for m in self.rows if m.get("kind") == kind])
+
+    def progress(self) -> tuple:
+        """(steps done, steps planned), as ``commlab.lab.analysis.timelines.progress``."""
+        done = max((m["step"] + 1 for m in self.rows if m.get("kind") == "step"), default=0)
+        return done, self.run.spec_dict()["steps"]
+
+    def has_steps(self, n: int) -> bool:
+        """Whether every rank's last ``n`` steps are kept (else read them with
+        ``commlab.lab.analysis.timelines.tail_timeline``)."""
+        return n <= self.keep
+
+    def timeline(self, steps: int) -> pd.DataFrame:
+        """The timeline frame (``Run.timeline``'s columns) of every rank's last ``steps`` steps and
+        what followed them."""
+        with self.lock:
+            events = [e for r in self.ranks.values() for e in r.events(steps)]
+        return timeline_frame(events)
+
+    def breakdown(self, steps: Optional[int] = None, final: bool = False) -> pd.DataFrame:
+        """``plots.step_breakdown`` of the kept steps (the last ``steps`` of them), each step computed once."""
+        with self.lock:
+            rows = [row for r in self.ranks.values() for row in r.breakdown(final)]
+        bd = pd.DataFrame(rows, columns=BREAKDOWN_COLUMNS)
+        if steps and len(bd):
+            bd = bd[bd["step"] > bd["step"].max() - steps]
+        return bd.sort_values(["rank", "step"], ignore_index=True)
+
+
+_LIVE: "OrderedDict[str, LiveRun]" = OrderedDict()
+_LIVE_LOCK = threading.Lock()
+MAX_LIVE = 8
+"""Runs followed at once per process; the least recently used one is dropped first."""
+
+
+def live_run(run: Run) -> LiveRun:
+    """The process's ``LiveRun`` of ``run``'s directory, refreshed (read what is new)."""
+    key = str(Path(run.path).resolve())
+    with _LIVE_LOCK:
+        lr = _LIVE.get(key)
+        if lr is None:
+            lr = _LIVE[key] = LiveRun(run)
+            while len(_LIVE) > MAX_LIVE:
+                _LIVE.popitem(last=False)
+        _LIVE.move_to_end(key)
+    return lr.refresh()

@@ -1,0 +1,428 @@
+"""Work done for a viewer that needs the code a spec names, or builds what they asked for, runs here: in a
+short-lived child process with limits, never in the process that serves the UI.
+
+    python -m commlab.lab.base.sandbox TASK LIMITS_JSON < spec.json     one JSON object on stdout
+
+Tasks (commlab/engine/preflight.py): ``describe`` (the model's size: the New run form's preview, and a student's
+parameter quota), ``parameters`` (each parameter's name and bytes: what the performance model calibrates a
+run's timeline with) and ``check`` (a first batch through the model and the loss before a run is queued). A
+higher layer adds tasks of its own (``register``): its module is the child's, ``python -m MODULE TASK LIMITS_JSON``,
+and runs ``main`` with its own work (commlab.lab.strategy.perfmodel.child: the Performance model page's measurements).
+
+The child sets its limits before it imports torch, the engine or anything the spec names: data
+(RLIMIT_DATA: the heap and every private writable mapping, so every tensor and buffer it allocates; not the
+address space, which a CUDA build of torch passes 2 GiB of with its libraries' code alone), CPU seconds (RLIMIT_CPU), open files (RLIMIT_NOFILE), the size of a file
+it writes (RLIMIT_FSIZE), no core files, no new processes (RLIMIT_NPROC, which binds every user but root),
+one thread (OMP_NUM_THREADS and torch.set_num_threads), with the Hugging Face hub switched off (it needs no
+network). It runs in a session and process group of its own, which the parent kills at the wall-clock
+limit and again when the child ends (whatever it started goes with it). Its answer is one JSON object on
+its own stdout; what the code prints goes to its stderr, which is dropped. A limit it hits is one line
+naming it: "preview: took more than 30 s", "preview: more than 2 GiB of memory".
+
+Children are bounded and shared fairly. Each is started for a person: the one the caller names, else the
+viewer this process acts for (``identify``: commlab.lab.front.ui installs its viewer), never for nobody. One at a time
+per person (a second waits for the first), at most ``MAX_CHILDREN`` in the whole server; a free place goes to
+the waiting person who has had the least child time lately (a submit's check before any preview), not to
+whoever asks most often; more wait up to ``WAIT_S``, then are refused with a message. A person's previews
+may take ``BUDGET_S`` seconds of child time in any ``BUDGET_WINDOW_S`` (the teacher and the local user have no
+budget); past it they are refused with one line saying when to try again, and nobody else is affected.
+
+This module imports only the standard library at its top, so the child's limits come first.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import math
+import os
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from collections import deque
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+REPO = Path(__file__).resolve().parents[3]  # the source tree (commlab/lab/base/paths.py SOURCE; this module imports only the standard library)
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float
+    """Wall-clock seconds before the child's process group is killed."""
+    cpu_s: int
+    """CPU seconds (RLIMIT_CPU): SIGXCPU at this many, SIGKILL a few later."""
+    memory: int
+    """Bytes of data (RLIMIT_DATA): what the child allocates; its libraries' code is not counted."""
+    files: int = 256
+    """Open files (RLIMIT_NOFILE)."""
+    file_size: int = 256 << 20
+    """The largest file it may write (RLIMIT_FSIZE): the data cache of a shipped data set fits."""
+
+
+PREVIEW = Limits(wall_s=30.0, cpu_s=20, memory=2 << 30)
+"""A model's size for the New run form (the lab's own models are counted on the meta device: no weights).
+About 1.5 s of CPU here, most of it importing torch; the wall-clock limit leaves room for a machine whose
+cores train runs at a higher priority."""
+CHECK = Limits(wall_s=60.0, cpu_s=60, memory=4 << 30)
+"""A first batch through a model from outside the zoo, before its run is queued."""
+LABELS = {"describe": "preview", "parameters": "preview", "check": "check"}
+"""Each task's name in its errors ("preview: took more than 30 s"); ``register`` adds a higher layer's."""
+MODULE = "commlab.lab.base.sandbox"
+_MODULES: Dict[str, str] = {}
+"""A registered task -> the module its child runs (``python -m``); this module's own tasks are not in it."""
+MAX_CHILDREN = 2
+"""Children running at once in one server process, for every viewer together."""
+WAIT_S = 10.0
+"""How long a request waits for one of the server's children to be free before it is refused."""
+CHECK_WAIT_S = PREVIEW.wall_s + WAIT_S
+"""How long a submit's check waits for a place: it goes before every waiting preview, so one running child
+ending is all it waits for, and the longest a preview may run is PREVIEW.wall_s."""
+BUDGET_S = 60.0
+"""Seconds of child wall time one person's previews may take within BUDGET_WINDOW_S: some eight previews of
+a Hugging Face model (about 7 s of CPU each here), far more than a person changing a form's fields needs,
+and a bound on how much of the server's two places one person can keep. Past it their previews are refused
+(one line: when to try again); checks before a submit are not refused but count. The teacher and the local
+user have no budget."""
+BUDGET_WINDOW_S = 300.0
+"""The rolling window of BUDGET_S: child time older than this no longer counts."""
+BUDGETED = ("describe", "parameters")
+"""The tasks a person's BUDGET_S refuses: previews."""
+CHECK_BUDGET_S = 120.0
+"""Seconds of child wall time one person's checks before a submit may take within BUDGET_WINDOW_S: two of
+the longest (CHECK.wall_s). A check goes before every waiting preview, and one that fails queues no run (so
+the ``queued`` quota never stops a person sending the same failing spec again): without a bound of its own,
+one person could keep a place busy ahead of everyone. Past it their submits of a model that needs a check are
+refused (one line: when to try again)."""
+MAX_ANSWER = 1 << 20
+"""The most bytes of a child's answer that are read."""
+TEMP_SUFFIX = ".commlab-sandbox"
+
+
+class SandboxError(ValueError):
+    """A child's failure as one line, ``<label>: <problem>``; ``path`` and ``msg`` as a SpecError's (the field
+    the problem belongs to, or the task's label)."""
+
+    def __init__(self, path: str, msg: str):
+        self.path, self.msg = path, msg
+        super().__init__(f"{path}: {msg}" if path else msg)
+
+
+class Busy(SandboxError):
+    """No child could be started now (the server's are all busy): not an answer about the spec."""
+
+
+class OverBudget(Busy):
+    """A person's previews used their BUDGET_S of child time within BUDGET_WINDOW_S: refused until older
+    child time leaves the window (not an answer about the spec)."""
+
+
+class TimedOut(SandboxError):
+    """The child ran out of wall-clock time: on a loaded machine that says more about the machine than about
+    the spec, so it is not kept as the spec's answer."""
+
+
+def register(task: str, label: str, module: str) -> None:
+    """Run ``task`` in a child of ``module`` (``python -m module TASK LIMITS_JSON``, whose ``__main__`` calls
+    ``main(work=...)``); its errors start with ``label``. The module imports only this one and the standard
+    library at its top, so the child's limits still come before anything else."""
+    LABELS[task] = label
+    _MODULES[task] = module
+
+
+# --------------------------------------------------------------------------- the parent's side
+
+_server = threading.BoundedSemaphore(MAX_CHILDREN)
+"""The server's places: held while a child runs. ``Places`` decides who may take the next one."""
+_people: Dict[str, threading.RLock] = {}
+_people_lock = threading.Lock()
+_asker: Optional[Callable[[], object]] = None
+NOBODY = "nobody is signed in"
+
+
+def identify(fn: Optional[Callable[[], object]]) -> None:
+    """Install how this process learns whom a child is for when its caller names nobody (``who=None``, as the
+    performance model's parameter count does): ``fn()`` gives the person acting now (an object with ``name``
+    and ``admin``, commlab.lab.service.owners.User) or None, or raises PermissionError, when nobody is signed in, and
+    then no child is started. commlab.lab.front.ui installs its viewer."""
+    global _asker
+    _asker = fn
+
+
+def whom(who, label: str = "preview") -> Tuple[str, bool]:
+    """(name, budgeted) of the person a child is for: ``who`` (a name, or a user with ``name`` and ``admin``),
+    else the one ``identify`` gives; a bare name is budgeted, a user unless they are the teacher or the local
+    user (``admin``). Without ``identify`` and ``who`` (a script of this process's own), the process's user."""
+    if who is None:
+        if _asker is None:
+            return "", False  # nobody asks for anyone: this process's own work, one child at a time
+        try:
+            who = _asker()
+        except PermissionError:
+            who = None
+        if who is None:
+            raise SandboxError(label, NOBODY)
+    if isinstance(who, str):
+        return who, True
+    return str(who.name), not getattr(who, "admin", False)
+
+
+@contextlib.contextmanager
+def person(who, label: str = "preview", wait_s: float = PREVIEW.wall_s + WAIT_S):
+    """Held while ``who``'s child runs (a name or a user; None: see ``whom``): their next one waits for it (up
+    to ``wait_s``, then Busy). Reentrant, so a caller can hold it around a cache lookup and the child that
+    fills the cache."""
+    name = who if isinstance(who, str) else whom(who, label)[0]
+    with _people_lock:
+        lock = _people.setdefault(name, threading.RLock())
+    if not lock.acquire(timeout=wait_s):
+        raise Busy(label, "your previous one is still running; try again in a moment")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+class Places:
+    """Who takes the server's next free place (``_server``): of the people waiting who hold none, a submit's
+    check first, then the one with the least child time in the last BUDGET_WINDOW_S, then the one who got a
+    place least recently, then the first to ask. So one person sending previews back to back holds at most one
+    place, and anyone else waiting gets the next one that frees. Also keeps each person's child time (the
+    budget)."""
+
+    POLL_S = 0.25
+    """A waiter looks again at least this often (a place freed wakes every waiter at once)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._waiting: List[tuple] = []
+        self.held: Dict[str, int] = {}
+        """Places held, by person: never more than one each."""
+        self._spent: Dict[str, Deque[Tuple[float, float]]] = {}
+        self._last: Dict[str, float] = {}
+        self._order = itertools.count()
+
+    def _recent(self, name: str, now: float) -> Deque[Tuple[float, float, str]]:
+        """(ended at, seconds, task) of ``name``'s children in the last BUDGET_WINDOW_S, oldest first."""
+        q = self._spent.get(name, deque())
+        while q and q[0][0] <= now - BUDGET_WINDOW_S:
+            q.popleft()
+        if not q:
+            self._spent.pop(name, None)
+        return q
+
+    def refuse_past_budget(self, name: str, label: str, task: str = "describe") -> None:
+        """OverBudget, saying when to try again, when ``name``'s child time in the window is BUDGET_S or more
+        (a preview), or their checks' time is CHECK_BUDGET_S or more (a ``check``)."""
+        check = task == "check"
+        budget, what = (CHECK_BUDGET_S, "checks before a submit") if check else (BUDGET_S, "previews")
+        with self._cond:
+            now = time.monotonic()
+            q = [(ended, s) for ended, s, t in self._recent(name, now) if not check or t == "check"]
+        total = sum(s for _, s in q)
+        if total < budget:
+            return
+        for ended, seconds in q:  # oldest first: the moment enough of it has left the window
+            total -= seconds
+            if total < budget:
+                break
+        wait = max(1, math.ceil(ended + BUDGET_WINDOW_S - now))
+        raise OverBudget(label, f"your {what} took {budget:g} s of the server's time in the last "
+                                f"{BUDGET_WINDOW_S / 60:g} minutes, the most one person may; try again in {wait} s")
+
+    def _first(self, entry: tuple, now: float) -> bool:
+        def key(e):
+            name, task, order = e
+            return (task != "check", sum(s for _, s, _ in self._recent(name, now)), self._last.get(name, 0.0), order)
+        free = [e for e in self._waiting if e[0] not in self.held]
+        return bool(free) and min(free, key=key) is entry
+
+    def take(self, name: str, task: str, wait_s: float) -> bool:
+        """A place for ``name``'s child, when it is their turn (within ``wait_s``); False if none came."""
+        deadline = time.monotonic() + wait_s
+        entry = (name, task, next(self._order))
+        with self._cond:
+            self._waiting.append(entry)
+            try:
+                while True:
+                    now = time.monotonic()
+                    if self._first(entry, now) and _server.acquire(blocking=False):
+                        self.held[name] = self.held.get(name, 0) + 1
+                        self._last[name] = now
+                        return True
+                    if now >= deadline:
+                        return False
+                    self._cond.wait(min(deadline - now, self.POLL_S))
+            finally:
+                self._waiting.remove(entry)
+                self._cond.notify_all()  # the next in line may be someone else now
+
+    def give_back(self, name: str, seconds: float, task: str = "describe") -> None:
+        """``name``'s child (of ``task``) ended after ``seconds``: its place is free, its time counted."""
+        with self._cond:
+            _server.release()
+            self.held[name] -= 1
+            if not self.held[name]:
+                del self.held[name]
+            self._spent.setdefault(name, deque()).append((time.monotonic(), seconds, task))
+            self._cond.notify_all()
+
+
+_places = Places()
+
+
+def run(task: str, spec: dict, limits: Limits = PREVIEW, who=None, wait_s: Optional[float] = None) -> dict:
+    """``task`` on ``spec`` (a spec dict) in a child with ``limits``, for ``who`` (a name or a user; None: the
+    viewer ``identify`` gives, SandboxError when nobody is signed in); its answer. A SpecError-like
+    ``SandboxError`` (``path``, ``msg``) for a bad spec, for a limit hit, ``OverBudget`` for a preview past its
+    person's BUDGET_S or a check past their CHECK_BUDGET_S, or ``Busy`` when no place for the child came within ``wait_s`` (default WAIT_S)."""
+    label = LABELS[task]
+    wait_s = WAIT_S if wait_s is None else wait_s
+    name, budgeted = whom(who, label)
+    with person(name, label, limits.wall_s + wait_s):
+        if budgeted and (task in BUDGETED or task == "check"):
+            _places.refuse_past_budget(name, label, task)
+        if not _places.take(name, task, wait_s):
+            raise Busy(label, f"all {MAX_CHILDREN} of the server's places for previews and checks are taken; "
+                              f"try again in a moment")
+        t0 = time.monotonic()
+        try:
+            return _spawn(task, spec, limits)
+        finally:
+            _places.give_back(name, time.monotonic() - t0, task)
+
+
+def child_env() -> dict:
+    """The child's environment: this process's, with the modules this process can import on PYTHONPATH
+    (the teacher's packages included), one thread, and no network wanted."""
+    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix})
+    paths = [str(REPO)] + [p for p in sys.path if p and os.path.isdir(p) and not p.startswith(prefixes)]
+    paths += [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _spawn(task: str, spec: dict, limits: Limits) -> dict:
+    label = LABELS[task]
+    with tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as inp, tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as out:
+        inp.write(json.dumps(spec).encode())
+        inp.seek(0)
+        p = subprocess.Popen([sys.executable, "-m", _MODULES.get(task, MODULE), task, json.dumps(asdict(limits))],
+                             stdin=inp, stdout=out, stderr=subprocess.DEVNULL, env=child_env(), cwd=os.getcwd(),
+                             start_new_session=True, close_fds=True)
+        timed_out = not _ended(p.pid, time.monotonic() + limits.wall_s)
+        _kill_group(p.pid)  # before the child is reaped: its group id cannot have been given to anyone else
+        code = p.wait()
+        if timed_out:
+            raise TimedOut(label, f"took more than {limits.wall_s:g} s")
+        out.seek(0)
+        raw = out.read(MAX_ANSWER)
+    return _answer(label, code, raw, limits)
+
+
+def _ended(pid: int, deadline: float) -> bool:
+    """Wait, without reaping it, until the child ends (True) or the deadline passes (False)."""
+    delay = 0.005
+    while True:
+        if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is gone already: nothing left to stop
+        pass
+
+
+def _answer(label: str, code: int, raw: bytes, limits: Limits) -> dict:
+    if code < 0:
+        sig = -code
+        if sig == signal.SIGXCPU:
+            raise SandboxError(label, f"used more than {limits.cpu_s} s of CPU")
+        if sig == signal.SIGXFSZ:
+            raise SandboxError(label, f"wrote a file of more than {limits.file_size >> 20} MiB")
+        raise SandboxError(label, f"the child process died ({signal.Signals(sig).name})")
+    try:
+        got = json.loads(raw.decode("utf-8", "replace"))
+    except ValueError:
+        got = None
+    if not isinstance(got, dict):
+        raise SandboxError(label, f"the child process gave no answer (exit status {code})")
+    if got.get("limit") == "memory":
+        raise SandboxError(label, f"more than {limits.memory / 2**30:g} GiB of memory")
+    if "error" in got:
+        path, msg = got["error"]
+        raise SandboxError(str(path) or label, str(msg).splitlines()[0] if str(msg) else "failed")
+    return got["ok"]
+
+
+# --------------------------------------------------------------------------- the child's side
+
+def _limit(limits: Limits) -> None:
+    """Every limit, in this process, before anything else is imported (called first by ``main``)."""
+    # not RLIMIT_AS: a CUDA build of torch maps more than 2 GiB of library code on import (seen on an H100
+    # machine: every preview failed), while RLIMIT_DATA still stops any allocation past the limit
+    for which, n in ((resource.RLIMIT_DATA, limits.memory),
+                     (resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5)), (resource.RLIMIT_CORE, 0),
+                     (resource.RLIMIT_NOFILE, limits.files), (resource.RLIMIT_FSIZE, limits.file_size),
+                     (resource.RLIMIT_NPROC, 0)):
+        soft, hard = n if isinstance(n, tuple) else (n, n)
+        _, old_hard = resource.getrlimit(which)
+        if old_hard != resource.RLIM_INFINITY:  # a limit is only ever lowered
+            soft, hard = min(soft, old_hard), min(hard, old_hard)
+        resource.setrlimit(which, (soft, hard))
+
+
+def main(argv=None, work=None) -> int:
+    """The child: ``work(task, input)`` (default: this module's tasks) under the limits, its answer on stdout."""
+    argv = sys.argv[1:] if argv is None else argv
+    task, limits = argv[0], Limits(**json.loads(argv[1]))
+    _limit(limits)
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # what the spec's code prints goes to stderr (dropped), never into the answer
+    try:
+        result = {"ok": (work or _work)(task, json.load(sys.stdin))}
+    except MemoryError:
+        result = {"limit": "memory"}
+    except BaseException as e:  # the spec's code may fail in any way: the parent gets one line
+        result = _failure(e)
+    answer.write(json.dumps(result))
+    answer.flush()
+    return 0
+
+
+def _work(task: str, data: dict) -> dict:
+    # imported here, not at the top: only after main has set the limits
+    import torch
+    torch.set_num_threads(1)
+    from commlab.engine import preflight
+    from commlab.engine.spec import JobSpec  # lazy: the child's limits come before anything of the lab
+    spec = JobSpec.from_dict(data)  # imports what the spec names: in this child, that is the point
+    return {"describe": preflight.describe, "parameters": preflight.parameters, "check": preflight.check}[task](spec)
+
+
+def _failure(e: BaseException) -> dict:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    if isinstance(e, RuntimeError) and ("can't allocate memory" in text or "not enough memory" in text):
+        return {"limit": "memory"}
+    path, msg = getattr(e, "path", None), getattr(e, "msg", None)
+    if isinstance(e, ValueError) and isinstance(path, str) and isinstance(msg, str):  # a SpecError
+        return {"error": [path, msg]}
+    return {"error": ["", f"{type(e).__name__}: {text}" if text else type(e).__name__]}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

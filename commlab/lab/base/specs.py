@@ -1,0 +1,111 @@
+"""Read job specs from YAML or JSON files, with dotted command-line overrides."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Optional
+
+import yaml
+
+from commlab.engine.spec import JobSpec, SpecError, check_size
+
+MAX_TYPED = 4096
+"""Characters of YAML a text box may send (model or loader options, a parameter's value)."""
+
+
+class _NoAliases(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases (``*name``): typed text cannot repeat a node by reference, so what
+    it builds is never larger than the text (an alias bomb of a few hundred bytes expands to gigabytes)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, "aliases (*name) are not accepted here",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
+def typed_yaml(text: str) -> object:
+    """What a viewer typed in a text box, as YAML: at most MAX_TYPED characters, no aliases, nested at most
+    as deep as the parser's recursion allows. ValueError with one line otherwise."""
+    if len(text) > MAX_TYPED:
+        raise ValueError(f"at most {MAX_TYPED} characters, got {len(text)}")
+    try:
+        return yaml.load(text, Loader=_NoAliases)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ValueError(f"not valid YAML: {getattr(e, 'problem', None) or str(e).splitlines()[0]}{where}") from None
+    except RecursionError:
+        raise ValueError("not valid YAML: nested too deeply") from None
+
+
+def read_spec_file(path: str, field: str = "SPEC") -> dict:
+    """A spec (or sweep) file's data. Errors are one line: ``field: no such file: PATH``, or, for a file
+    that does not parse, where as compilers say it, ``PATH:LINE:COLUMN: not valid YAML: problem``."""
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(field, f"no such file: {path}")
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SpecError(field, f"{path}: cannot be read as text ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as e:
+        raise SpecError("", f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
+    except yaml.YAMLError as e:
+        raise SpecError("", yaml_error(path, e)) from None
+    if data is None:
+        data = {}
+    return data
+
+
+def yaml_error(path: str, e: yaml.YAMLError) -> str:
+    """PyYAML's error as ``PATH:LINE:COLUMN: not valid YAML: problem (context)`` (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+    context = getattr(e, "context", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else path
+    return f"{where}: not valid YAML: {problem}" + (f" ({context})" if context else "")
+
+
+def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
+    """``steps=50`` or ``compressor.name=topk``; values are parsed as YAML scalars."""
+    check_size(data)  # before the copy, which would expand a structure that repeats itself by reference
+    data = json.loads(json.dumps(data))  # deep copy
+    for item in overrides or ():
+        if "=" not in item:
+            raise SpecError("--set", f"expected FIELD=VALUE, got {item!r}")
+        key, raw = item.split("=", 1)
+        value = yaml.safe_load(raw) if raw else ""
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            cur = node.get(part)
+            if isinstance(cur, str):  # short form `model: cnn` -> {name: cnn}
+                cur = {"mode" if part == "comm" else "link" if part == "network" else "name": cur}
+            if cur is None:
+                cur = {}
+            if not isinstance(cur, dict):
+                raise SpecError(key, f"cannot set a field inside {part}, which is {cur!r}")
+            node[part] = cur
+            node = cur
+        node[parts[-1]] = value
+    return data
+
+
+def read_job_spec(path: str) -> dict:
+    """A job spec file's data; a sweep file given for one (``commlab run examples/sweep.yaml``) is one line
+    that says what it is and which command takes it, not the first of its fields that a spec lacks."""
+    data = read_spec_file(path)
+    if isinstance(data, dict) and "base" in data and "grid" in data:
+        raise SpecError("", f"{path} is a sweep file (base and grid), not a job spec; run it with "
+                            f"`commlab sweep {path}`")
+    return data
+
+
+def load_spec(path: Optional[str] = None, overrides: Iterable[str] = (), data: Optional[dict] = None) -> JobSpec:
+    if data is None:
+        data = read_job_spec(path) if path else {}
+    return JobSpec.from_dict(apply_overrides(data, overrides))

@@ -1,0 +1,414 @@
+"""The run commands of ``commlab``: ``run`` (start one, follow its progress, print its summary; one node of a
+multi-node job), ``runs`` (list them), ``cancel``, ``show``, ``trace``, ``report`` and ``sweep``."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from commlab.engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE
+from commlab.lab.analysis.trace import write_trace
+from commlab.lab.base import procs
+from commlab.lab.base.errors import LabError
+from commlab.lab.base.specs import load_spec
+from commlab.lab.front.cli_kit import (
+    UsageError,
+    add_spec_args,
+    command,
+    emit,
+    json_arg,
+    lab_of,
+    notes,
+    one_of,
+    out_file,
+    run_document,
+    runs_arg,
+    runs_root,
+    store_of,
+)
+from commlab.lab.front.sweep import Sweep, markdown
+from commlab.lab.rundir.disturbance import describe, mark
+from commlab.lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
+from commlab.lab.rundir.progress import quiet
+from commlab.lab.rundir.store import FINAL, STATES
+from commlab.lab.rundir.summary import format_summary, summarize, what_ran
+from commlab.lab.service.queue import Lab
+
+
+def add_commands(sub) -> None:
+    """The run commands' parsers, in the order ``commlab --help`` lists them."""
+    p = command(sub, "run", "start a run, show its progress, print its id and a summary",
+                ["commlab run examples/demo.yaml", "commlab run examples/demo.yaml --set steps=50 --set "
+                 "compressor.name=topk --set compressor.ratio=0.01", "commlab run examples/demo.yaml --check"],
+                "The run is queued in the runs directory, supervised by this process and kept there "
+                "(commlab show RUN). Exits 1 when the run fails, 130 when Ctrl-C cancels it. Closing the output "
+                "(| head) never stops the run: it goes on to its end, then the command exits 141.")
+    add_spec_args(p, "job spec file (YAML or JSON)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted (JSON), "
+                                                         "and exit")
+    json_arg(p, "the run's id, status, summary and spec")
+    g = p.add_argument_group("multi-node (torchrun static rendezvous; every node runs this command)")
+    g.add_argument("--nnodes", type=int, default=None, help="number of machines")
+    g.add_argument("--node-rank", type=int, default=0, help="this machine's index, 0..nnodes-1")
+    g.add_argument("--master-addr", default=None, help="node 0's address, reachable from every node")
+    g.add_argument("--master-port", type=int, default=29500, help="a free port on node 0")
+    g.add_argument("--run-id", default=None, help="the run's name, the same on every node (shared runs dir)")
+    runs_arg(p)
+    p.set_defaults(func=cmd_run, cmd_parser=p)
+
+    p = command(sub, "runs", "list runs with status and headline figures",
+                ["commlab runs", "commlab runs --state failed --comm dear", "commlab runs --json"],
+                "Filters are exact matches, combined with AND.")
+    p.add_argument("--reindex", action="store_true", help="rebuild the index from the run directories first")
+    for flag, what, allowed in (("--state", "a state", STATES), ("--schedule", "a schedule", SCHEDULES_AVAILABLE),
+                                ("--comm", "a comm mode", COMM_AVAILABLE), ("--link", "a link", LINKS_AVAILABLE)):
+        p.add_argument(flag, default=None, type=one_of(what, allowed), choices=allowed, metavar=flag[2:].upper(),
+                       help=f"only runs with this {flag[2:]}: {', '.join(allowed)}")
+    p.add_argument("--compressor", default=None, metavar="NAME",
+                   help="only runs with this compressor (a registry name or pkg.module:Class)")
+    for f in ("model", "dataset", "sweep", "owner"):
+        p.add_argument(f"--{f}", default=None, metavar=f.upper(), help=f"only runs with this {f}")
+    json_arg(p, "the runs (their index rows)")
+    runs_arg(p)
+    p.set_defaults(func=cmd_runs, cmd_parser=p)
+
+    p = command(sub, "cancel", "stop a run that is queued or running",
+                ["commlab cancel 20250101-120000-demo-ab12"],
+                "Waits up to 30 s for the run to stop. A run that has ended already is an error (exit 2).")
+    p.add_argument("run", metavar="RUN", help="run id")
+    json_arg(p, "the run's state before and after")
+    runs_arg(p)
+    p.set_defaults(func=cmd_cancel, cmd_parser=p)
+
+    p = command(sub, "show", "one run's summary", ["commlab show 20250101-120000-demo-ab12",
+                                                   "commlab show 20250101-120000-demo-ab12 --json"])
+    p.add_argument("run", metavar="RUN", help="run id")
+    json_arg(p, "the run's id, status, summary and spec")
+    runs_arg(p)
+    p.set_defaults(func=cmd_show, cmd_parser=p)
+
+    p = command(sub, "trace", "write a Chrome/Perfetto trace of a run's timeline (all ranks)",
+                ["commlab trace 20250101-120000-demo-ab12 -o trace.json"],
+                "Open the file in ui.perfetto.dev or chrome://tracing.")
+    p.add_argument("run", metavar="RUN", help="run id")
+    p.add_argument("-o", "--output", default="trace.json", metavar="FILE",
+                   help="output file; its folder must exist")
+    json_arg(p, "the output's path and event count")
+    runs_arg(p)
+    p.set_defaults(func=cmd_trace, cmd_parser=p)
+
+    p = command(sub, "report", "write runs, a preset's result group or a comparison as one HTML file that "
+                               "opens offline",
+                ["commlab report RUN -o report.html", "commlab report RUN1 RUN2 --title 'topk vs none'",
+                 "commlab report --group GID"])
+    p.add_argument("runs_ids", metavar="RUN", nargs="*", help="run ids (two or more add a comparison)")
+    p.add_argument("--group", default=None, metavar="GID", help="a preset's result group (the Results page's "
+                   "group=...): its verdict and all its runs")
+    p.add_argument("-o", "--output", default="report.html", metavar="FILE",
+                   help="output file; its folder must exist")
+    p.add_argument("--title", default=None, help="the report's title (default: from the runs)")
+    json_arg(p, "the output's path, size and runs")
+    runs_arg(p)
+    p.set_defaults(func=cmd_report, cmd_parser=p)
+
+    p = command(sub, "sweep", "run a grid of specs through the queue and print a comparison table",
+                ["commlab sweep examples/sweep.yaml", "commlab sweep examples/sweep.yaml --table --json"],
+                "Running the same grid again resumes it: cells whose run is done are skipped. Exits 1 unless "
+                "every cell's run is done.")
+    p.add_argument("grid", metavar="GRID", help="sweep file (YAML or JSON): base spec, grid of values")
+    p.add_argument("--table", action="store_true", help="only print the table of what has run so far")
+    json_arg(p, "the table (one object per cell)")
+    runs_arg(p)
+    p.set_defaults(func=cmd_sweep, cmd_parser=p)
+
+
+def cmd_run(args) -> int:
+    spec = load_spec(args.spec, args.overrides)
+    if args.check:
+        print(json.dumps(spec.to_dict(), indent=1))
+        return 0
+    lab = lab_of(args)
+    auto = spec.strategy.mode == "auto" and not spec.strategy.decided
+    if args.nnodes and auto:
+        raise UsageError("strategy: auto is chosen by the lab's own supervisor, not across nodes; "
+                         "choose first with `commlab advise SPEC --out best.yaml` and run best.yaml")
+    if args.nnodes:
+        return run_node(lab, spec, args)
+    try:
+        job = JobRank.from_env()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if job is not None and auto:
+        raise UsageError("strategy: auto is chosen by the lab's own supervisor, not inside a job "
+                         "another launcher started; choose first with `commlab advise SPEC --out best.yaml`")
+    if job is not None:  # torchrun, srun or a PyTorchJob started this process as one rank: join that job
+        return run_joined(lab, spec, args, job)
+    progress = quiet(sys.stderr)  # the progress stream: closed early, it only goes quiet (commlab/lab/rundir/progress.py)
+    say = None if args.quiet else (lambda m: print(m, file=progress, flush=True))
+    run = lab.create(spec, run_id=args.run_id, say=say)
+    print(f"run {run.id}  ({run.path})", file=notes(args), flush=True)
+    try:
+        state = lab.supervise(run, progress=not args.quiet, out=progress)
+    except KeyboardInterrupt:  # Ctrl-C before the launch: the summary of what there is, then status 130
+        state = run.state
+    return report(run, state, args)
+
+
+def run_node(lab, spec, args) -> int:
+    """One node of a multi-machine run. Node 0 creates the run and owns its status;
+    the others join the same run directory (a shared file system) and run their ranks."""
+    if not args.run_id or not args.master_addr:
+        raise UsageError("--nnodes needs --run-id and --master-addr (the same on every node)")
+    try:
+        nodes = Nodes(args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if args.node_rank == 0:
+        run = lab.create(spec, run_id=args.run_id)
+        run.set_status("queued", supervisor=procs.identity())
+    else:
+        t0 = time.time()
+        while True:  # node 0 may not have created it yet
+            try:
+                run = lab.store.get(args.run_id)
+                break
+            except LabError:
+                if time.time() - t0 > 60:
+                    raise
+                time.sleep(0.5)
+    print(f"run {run.id}  node {args.node_rank}/{args.nnodes}  ({run.path})", file=notes(args), flush=True)
+    state = launch(run, progress=not args.quiet and args.node_rank == 0, nodes=nodes)
+    if args.node_rank > 0:
+        print(f"node {args.node_rank}: {state}", file=notes(args))
+        return 0 if state == "done" else 1
+    return report(run, state, args)
+
+
+def run_joined(lab, spec, args, job) -> int:
+    """One rank of a job that another launcher started (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    set). Every rank derives the same run id; rank 0 creates the run and owns its status, the
+    others wait for it in the shared runs directory and run their rank."""
+    if job.world != spec.world_size:
+        raise UsageError(f"world_size: the spec asks for {spec.world_size} ranks but this job has "
+                         f"{job.world} (WORLD_SIZE); pass --set world_size={job.world}")
+    run_id = args.run_id or job.run_id(spec.name)
+    if job.rank == 0:
+        run = lab.create(spec, run_id=run_id)
+        run.set_status("queued", supervisor=procs.identity())
+    else:
+        t0 = time.time()
+        while True:  # rank 0 may not have created it yet; a finished run of that name is not ours
+            try:
+                run = lab.store.get(run_id)
+                if run.state not in FINAL:
+                    break
+            except LabError:
+                pass
+            if time.time() - t0 > 120:
+                raise LabError(f"rank {job.rank}: no live run {run_id!r} in {lab.root} after 120 s; is the runs "
+                               f"directory shared, and did rank 0 start (a finished run of that name: use --run-id)?")
+            time.sleep(0.5)
+    print(f"run {run.id}  rank {job.rank}/{job.world}  ({run.path})", file=notes(args), flush=True)
+    state = launch_rank(run, job, progress=not args.quiet and job.rank == 0)
+    if job.rank > 0:
+        print(f"rank {job.rank}: {state}", file=notes(args))
+        return 0 if state == "done" else 1
+    return report(run, state, args)
+
+
+def report(run, state, args) -> int:
+    """A finished run's summary (or its JSON document); 0 when it is done, else 1."""
+    if args.json:
+        emit(run_document(run))
+        return 0 if state == "done" else 1
+    st = run.status()
+    print(f"status         {status_text(state, st if state in ('failed', 'diverged') else {})}")
+    spec = run.spec_dict()
+    print(setup_line(spec, st))
+    chosen = strategy_line(st)
+    if chosen:
+        print(chosen)
+    net = spec["network"]
+    if net["link"] != "loopback":
+        kind = "modeled (alpha-beta delays on loopback, not a real link)" if net["link"] == "modeled" else \
+            "shaped (tc tbf between network namespaces)"
+        print(f"network        {net['gbps']:g} Gbit/s, {kind}")
+    for line in format_summary(summarize(run.metric_rows(), spec, st)):
+        print(line)
+    print(disturbance_line(st))
+    return 0 if state == "done" else 1
+
+
+def link_text(net: dict) -> str:
+    """``loopback``, or a link with its rate: ``modeled 0.1 Gbit/s``."""
+    link = net.get("link") or "loopback"
+    return link if link == "loopback" or net.get("gbps") is None else f"{link} {net['gbps']:g} Gbit/s"
+
+
+def setup_line(spec: dict, st: dict) -> str:
+    """What ran: the model and data (an own loop's, from its status), the world, the strategy (spec.json
+    holds strategy auto's choice once it is made), and the link with its rate."""
+    c = spec["compressor"]
+    params = ", ".join(f"{k}={v}" for k, v in c["params"].items())
+    return (f"setup          {what_ran(spec, st)}, world {spec['world_size']}, "
+            f"{c['name']}{'(' + params + ')' if params else ''}{' +EF' if c['error_feedback'] else ''}, "
+            f"{spec['schedule']['name']}, {spec['comm']['mode']}, {link_text(spec['network'])}")
+
+
+def strategy_line(st: dict):
+    """strategy auto: what the advisor chose and how (status.json's ``strategy``); None for a fixed strategy."""
+    s = st.get("strategy")
+    if not isinstance(s, dict):
+        return None
+    how = [s["by"]] if s.get("by") else []
+    if isinstance(s.get("cost_s"), (int, float)):
+        how.append(f"{s['cost_s']:.1f} s of advice")
+    return f"strategy       auto chose {s.get('chosen') or 'nothing yet'}" + (f" ({', '.join(how)})" if how else "")
+
+
+def status_text(state, status: dict) -> str:
+    """The state, and the error in ``status`` if any, with the rank it names (a launcher's or the queue's
+    own error names none)."""
+    if not status.get("error"):
+        return str(state)
+    rank = status.get("rank")
+    return f"{state}: " + (f"rank {rank}: " if rank is not None else "") + str(status["error"])
+
+
+def disturbance_line(status: dict) -> str:
+    label, text = describe(status.get("disturbance"))
+    return f"{label:<15}{text}"
+
+
+def cmd_runs(args) -> int:
+    if args.compressor and ":" not in args.compressor:
+        from commlab.engine.compressors import names
+        if args.compressor not in names():
+            raise UsageError(f"--compressor: {args.compressor!r} is not a compressor; allowed: "
+                             f"{', '.join(names())} or pkg.module:Class")
+    filters = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep", "owner")
+    root = runs_root(args, create=False)
+    rows_db = []
+    if root.is_dir():
+        lab = Lab(root)
+        if args.reindex:
+            print(f"reindexed {lab.reindex()} runs from {lab.root}", file=sys.stderr)
+        lab.recover_stale()
+        rows_db = lab.index.query(**{f: getattr(args, f) for f in filters})
+    if args.json:
+        emit([{**r, "spec": json.loads(r["spec"] or "{}"), "summary": json.loads(r["summary"] or "{}")}
+              for r in rows_db])
+        return 0
+    if not rows_db:
+        print(f"no runs in {root}" + (" (no such directory)" if not root.is_dir() else "")
+              + (" matching the filters" if any(getattr(args, f) for f in filters) else ""))
+        return 0
+    rows = [("RUN", "STATUS", "MODEL", "COMPRESSOR", "SCHEDULE", "COMM", "LINK", "STEPS", "ITER ms", "ACC",
+             "OTHER CPU")]
+    for r in rows_db:
+        done = json.loads(r["summary"] or "{}").get("steps_done", 0)
+        net = json.loads(r["spec"] or "{}").get("network") or {"link": r["link"]}
+        rows.append((r["id"], r["state"], r["model"], r["compressor"] + ("+EF" if r["error_feedback"] else ""),
+                     r["schedule"], r["comm"], link_text(net),
+                     f"{done}/{r['steps']}" if r["steps"] is not None else f"{done}",
+                     f"{r['iter_ms']:.1f}" if r["iter_ms"] else "-",
+                     f"{r['final_acc']:.2%}" if r["final_acc"] is not None else "-",
+                     mark({"other_cpu": r["other_cpu"], "disturbed": r["disturbed"]})))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def cmd_cancel(args) -> int:
+    lab = Lab(runs_root(args, create=False))
+    before = lab.store.get(args.run).state
+    if before in FINAL:
+        raise UsageError(f"RUN: {args.run} is already {before}; nothing to cancel")
+    state = lab.cancel(args.run)
+    if state in ("queued", "running"):
+        state = lab.wait(args.run, timeout=30)
+    if args.json:
+        emit({"id": args.run, "before": before, "state": state})
+    else:
+        print(f"{args.run}: {before} -> {state}")
+    return 0 if state in FINAL else 1
+
+
+def cmd_show(args) -> int:
+    run = store_of(args).get(args.run)
+    doc = run_document(run)
+    if args.json:
+        emit(doc)
+        return 0
+    spec, st = doc["spec"], doc["status"]
+    print(f"run            {run.id}")
+    print(f"status         {status_text(st.get('state'), st)}")
+    print(setup_line(spec, st))
+    chosen = strategy_line(st)
+    if chosen:
+        print(chosen)
+    own = st.get("own_loop")
+    if own:
+        print(f"script         {own.get('script')} (optimizer {own.get('optimizer')})")
+    if st.get("started") and st.get("ended"):
+        print(f"wall time      {st['ended'] - st['started']:.1f} s")
+    for line in format_summary(doc["summary"]):
+        print(line)
+    print(disturbance_line(st))
+    return 0
+
+
+def cmd_trace(args) -> int:
+    out_file("--output", args.output)
+    run = store_of(args).get(args.run)
+    n = write_trace(run, args.output)
+    if args.json:
+        emit({"output": args.output, "events": n, "run": run.id})
+    else:
+        print(f"wrote {n} events to {args.output} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from commlab.lab.analysis import results
+    from commlab.lab.analysis.report import report_html
+    out_file("--output", args.output)
+    store = store_of(args)
+    group = None
+    ids = list(args.runs_ids)
+    if args.group:
+        try:
+            group = results.load_group(store.root, args.group)
+        except (KeyError, ValueError) as e:
+            raise LabError(f"--group: {e.args[0] if e.args else e}") from None
+        ids += [i for i in group["runs"].values() if i not in ids]
+    if not ids:
+        raise UsageError("give run ids or --group GID (see 'commlab report --help')")
+    runs = [store.get(i) for i in ids]
+    html = report_html(runs, group=group, title=args.title, get=store.get)
+    with open(args.output, "w") as f:
+        f.write(html)
+    size = os.path.getsize(args.output)
+    if args.json:
+        emit({"output": args.output, "bytes": size, "runs": ids, "group": group["id"] if group else None})
+        return 0
+    what = f"{len(runs)} run(s)" + (f", group {group['id']}" if group else "")
+    print(f"wrote {args.output} ({size / 2**20:.1f} MB, {what})")
+    return 0
+
+
+def cmd_sweep(args) -> int:
+    sw = Sweep(lab_of(args), args.grid)
+    df = sw.table() if args.table else sw.run()
+    if args.json:
+        emit(json.loads(df.reset_index().to_json(orient="records")) if len(df) else [])
+    elif len(df):
+        print(markdown(df), end="")
+        print(f"saved {sw.dir / 'table.csv'}")
+    else:
+        print(f"sweep {sw.id}: no runs yet (commlab sweep {args.grid} runs them)")
+    ok = len(df) and all(s == "done" for s in df["state"])
+    return 0 if ok else 1

@@ -1,0 +1,361 @@
+"""Start a run's ranks and follow them to a final status.
+
+The launcher owns the run's status: it marks the run running, starts the ranks
+(on one machine directly, each in a session of its own; on emulated clusters
+and across machines one torchrun node each, which stops its ranks with it),
+tails metrics.jsonl for a progress bar, samples how much CPU other processes
+take meanwhile (commlab.lab.rundir.disturbance), and writes done, failed (with the failing
+rank's error) or cancelled at the end. A run with a memory limit per rank
+(``rank_limit_mb`` in its status: a student's ``rank_mb`` quota) has its
+ranks started under it (commlab.lab.base.procs.limit_data), and a rank that passes it
+fails the run with the limit named (``finish_status``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Callable, List, Optional
+
+from commlab.engine import runfiles
+from commlab.lab.base import procs, warm
+from commlab.lab.base.procs import stop
+from commlab.lab.base.torchrun import direct_ranks, free_port, torchrun_argv, worker_argv, worker_env
+from commlab.lab.net.netns import Cluster, rank_argv
+from commlab.lab.rundir import disturbance
+from commlab.lab.rundir.progress import RunProgress
+from commlab.lab.rundir.store import Run, slug
+
+
+class MetricsTail:
+    """Reads lines appended to metrics.jsonl since the last call."""
+
+    def __init__(self, path: str):
+        self.path, self.offset, self.buf = path, 0, b""
+
+    def read(self) -> List[dict]:
+        import json
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                chunk = f.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(chunk)
+        self.buf += chunk
+        *lines, self.buf = self.buf.split(b"\n")
+        out = []
+        for line in lines:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+
+def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
+           on_metrics: Optional[Callable[[List[dict]], None]] = None,
+           should_cancel: Optional[Callable[[], bool]] = None, nodes: Optional["Nodes"] = None) -> str:
+    """Run ``run`` to completion in the foreground and return its final state.
+
+    On loopback (and modeled links) the launcher starts every rank itself
+    (``direct_ranks``), stops the others when one fails and names the rank that
+    caused it. On a shaped link it builds an emulated cluster and starts each
+    rank as its own torchrun node inside its namespace; the cluster is torn down
+    however the run ends. With ``nodes`` this process is one node of a
+    multi-machine run: it starts this node's share of the ranks, and only node
+    0 writes the run's status.
+    """
+    spec = run.spec()
+    with contextlib.ExitStack() as stack:
+        if nodes is not None:
+            if spec.world_size % nodes.nnodes:
+                raise ValueError(f"world_size: {spec.world_size} ranks do not split over {nodes.nnodes} nodes")
+            argv = torchrun_argv(worker_argv(str(run.path)), spec.world_size // nodes.nnodes, nodes.port,
+                                 nodes.nnodes, nodes.node_rank, nodes.master_addr)
+            # off loopback, gloo uses the interface the user names in GLOO_SOCKET_IFNAME (inherited)
+            loopback = nodes.master_addr in ("127.0.0.1", "localhost")
+            jobs = [(argv, {})]
+            info = {"nodes": nodes.nnodes}
+            if nodes.node_rank > 0:
+                return _follow_node(run, argv, loopback)
+        elif spec.network.link == "shaped":
+            cluster = stack.enter_context(Cluster(spec.world_size, spec.network.gbps, tag=run.id[-4:]))
+            port = free_port()
+            jobs = [rank_argv(cluster, i, worker_argv(str(run.path)), port) for i in range(spec.world_size)]
+            info = {"cluster": cluster.describe()}
+            loopback = True  # each rank's env names its namespace's interface, which overrides lo
+        else:
+            jobs = direct_ranks(str(run.path), spec.world_size, free_port())
+            info = {}
+            loopback = True
+        return _follow(run, spec, jobs, loopback, info, progress, out or sys.stderr, poll_s, on_metrics,
+                       should_cancel, memory=run.status().get("rank_limit_mb"))
+
+
+JOB_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""What torchrun, Slurm batch scripts (srun) and Kubernetes PyTorchJobs set for every rank."""
+
+
+class JobRank:
+    """This process's place in a job that a launcher other than commlab started: the torch
+    convention RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK). ``commlab run`` then
+    runs one rank (``python -m commlab.engine.worker`` with this environment) instead of spawning them."""
+
+    def __init__(self, env):
+        try:
+            self.rank, self.world, self.port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
+        except ValueError:
+            raise ValueError("RANK, WORLD_SIZE and MASTER_PORT must be integers, got "
+                             f"{env['RANK']!r}, {env['WORLD_SIZE']!r}, {env['MASTER_PORT']!r}") from None
+        self.addr = env["MASTER_ADDR"]
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"RANK: must be in 0..{self.world - 1} (WORLD_SIZE {self.world}), got {self.rank}")
+        self.env = env
+
+    @classmethod
+    def from_env(cls, env=None) -> Optional["JobRank"]:
+        env = os.environ if env is None else env
+        return cls(env) if all(env.get(k) for k in JOB_ENV) else None
+
+    def local_root(self) -> Optional[int]:
+        """The process whose tree holds this job's ranks on this machine, when this machine runs more than one
+        (torchrun's agent, srun's step: this process's parent), so that the other local ranks count as the
+        run's own CPU, not as other processes; None when this is the only one."""
+        e = self.env
+        try:
+            local = int(e.get("LOCAL_WORLD_SIZE") or e.get("SLURM_NTASKS_PER_NODE") or 1)
+        except ValueError:
+            local = 1
+        return os.getppid() if local > 1 else None
+
+    def run_id(self, name: str) -> str:
+        """A run id every rank derives alike without talking to the others: $COMMLAB_RUN_ID, else
+        from the job's own id (Slurm's job and step, torchrun's --rdzv-id), else from the job's
+        rendezvous address (a second job on the same address and port needs --run-id)."""
+        import hashlib
+        e = self.env
+        if e.get("COMMLAB_RUN_ID"):
+            return e["COMMLAB_RUN_ID"]
+        if e.get("SLURM_JOB_ID"):
+            return f"{slug(name)}-slurm{e['SLURM_JOB_ID']}" + (f".{e['SLURM_STEP_ID']}" if e.get("SLURM_STEP_ID") else "")
+        if e.get("TORCHELASTIC_RUN_ID") not in (None, "", "none"):
+            return f"{slug(name)}-{slug(e['TORCHELASTIC_RUN_ID'])}"
+        key = f"{self.addr}:{self.port}:{self.world}"
+        return f"{slug(name)}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
+def launch_rank(run: Run, job: JobRank, progress: bool = True, out=None) -> str:
+    """Run this process's rank of a job started by another launcher (``JobRank``). Rank 0 owns the
+    run's status, as a supervisor does (progress, disturbance, final state from every rank's
+    files); the other ranks only run theirs. The run directory is shared (one machine, or NFS)."""
+    argv = [sys.executable, *worker_argv(str(run.path))]
+    loopback = job.addr in ("127.0.0.1", "localhost")  # off loopback, GLOO_SOCKET_IFNAME names the interface
+    if job.rank > 0:
+        return _run_to_end(argv, loopback, run.file(runfiles.RANK_LOG.format(rank=job.rank)))
+    return _follow(run, run.spec(), [(argv, {})], loopback, {"joined": {"world_size": job.world,
+                   "master": f"{job.addr}:{job.port}"}}, progress, out or sys.stderr, 0.2, None, run.cancel_requested,
+                   job_root=job.local_root())
+
+
+class Nodes:
+    """This process's place in a multi-node launch (torchrun's static rendezvous)."""
+
+    def __init__(self, nnodes: int, node_rank: int, master_addr: str, port: int):
+        if not 1 <= nnodes <= 4096 or not 0 <= node_rank < nnodes:
+            raise ValueError(f"--node-rank: must be in 0..{nnodes - 1}, got {node_rank}")
+        self.nnodes, self.node_rank, self.master_addr, self.port = nnodes, node_rank, master_addr, port
+
+
+def _spawn(argv: List[str], env: dict, loopback: bool, log, memory: Optional[int] = None) -> subprocess.Popen:
+    """A torchrun (or a rank) in a session of its own; it gets SIGTERM if this launcher dies, and
+    stops its ranks (which die with it too). ``memory``: MB of data it and its ranks may each use."""
+    def child() -> None:
+        procs.die_with_parent()
+        procs.limit_data(memory)
+    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env={**worker_env(loopback=loopback), **env}, start_new_session=True,
+                            preexec_fn=child)
+
+
+def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
+    """A node other than 0: run its torchrun to the end; node 0 owns the run's status."""
+    return _run_to_end(argv, loopback, run.file(runfiles.NODE_LOG.format(pid=os.getpid())))
+
+
+def _run_to_end(argv: List[str], loopback: bool, log_path) -> str:
+    """A process of a run whose status another one owns, to its end: done, failed, or cancelled (Ctrl-C)."""
+    with open(log_path, "ab", buffering=0) as log:
+        p = _spawn(argv, {}, loopback, log)
+        try:
+            return "done" if p.wait() == 0 else "failed"
+        except KeyboardInterrupt:
+            stop([p])
+            return "cancelled"
+
+
+def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel,
+            memory: Optional[int] = None, job_root: Optional[int] = None) -> str:
+    cpu = disturbance.Sampler(disturbance.threshold(run.path.parent), runs_root=run.path.parent,
+                              on_update=lambda d: run.update_status(disturbance=d))
+    cpu.job_root = job_root
+    log = open(run.file(runfiles.LOG), "ab", buffering=0)
+    # ranks started directly are forked by the warm server when there is one (commlab.lab.base.warm); it is asked
+    # for before sampling starts, so that a server starting up does not count against this run
+    server = warm.ready() if all(_direct(argv) for argv, _ in jobs) else None
+    cpu.start()  # before the job: its processes count as the run's own from their first tick
+    procs_ = server and warm.start(server, [(argv, {**worker_env(loopback=loopback), **env}) for argv, env in jobs],
+                                   str(run.file(runfiles.LOG)), memory=memory)
+    procs_ = procs_ or [_spawn(argv, env, loopback, log, memory) for argv, env in jobs]
+    cpu.roots = lambda: [p.pid for p in procs_ if p.returncode is None]  # reaped ones are in our cutime
+    cpu.reaped = lambda: sum(getattr(p, "ticks", 0) for p in procs_)  # warm ranks' (the server reaps them)
+    # "torchruns": the processes started here (the ranks themselves on one machine); the names are kept
+    # so that run directories written before read the same
+    run.set_status("running", torchrun=procs.identity(procs_[0].pid),
+                   torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
+    tail = MetricsTail(str(run.file(runfiles.METRICS)))
+    bar = RunProgress(spec.steps, spec.world_size, out, final_eval=spec.final_eval) if progress else None
+    try:
+        while True:
+            codes = [p.poll() for p in procs_]
+            new = tail.read()
+            if new and on_metrics:
+                on_metrics(new)
+            if bar:
+                bar.feed(new)  # redraws the elapsed time while the ranks start, too
+            if all(c is not None for c in codes):
+                break
+            if any(c not in (None, 0) for c in codes):  # one node failed: the others cannot go on
+                time.sleep(1.0)  # let them notice and record their own errors first
+                stop(procs_)
+                break
+            if should_cancel and should_cancel():
+                raise KeyboardInterrupt
+            cpu.tick()
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        stop(procs_)
+        kill_strays(run)
+        if bar:
+            bar.feed(tail.read())  # the lines the ranks wrote before they stopped: the summary counts them too
+            bar.close("cancelled")
+        run.update_status(disturbance=cpu.finish(run.metric_rows()))
+        run.set_status("cancelled", error="cancelled" + (" by the user (Ctrl-C)" if not should_cancel or
+                                                          not should_cancel() else ""))
+        return "cancelled"
+    finally:
+        log.close()
+    kill_strays(run)
+    codes = [p.poll() for p in procs_]
+    rc = next((c for c in codes if c), 0)
+    # a rank started directly: its exit code is its own (torchrun's report in the log names the others')
+    exits = [(int(env["RANK"]), c) for (argv, env), c in zip(jobs, codes) if c and _direct(argv)]
+    run.update_status(disturbance=cpu.finish(run.metric_rows()))
+    state = finish_status(run, rc, exits or None)
+    if bar:
+        bar.feed(tail.read())  # what the ranks wrote since the last poll (the summary counts it too)
+        bar.close(state)
+    return state
+
+
+def _direct(argv: List[str]) -> bool:
+    return "torch.distributed.run" not in argv
+
+
+def finish_status(run: Run, rc: int, exits=None) -> str:
+    """Turn the job's exit code and the files its ranks left into the run's final status. ``exits``:
+    (rank, exit code) of the failed ranks started directly; else they are read from torchrun's report."""
+    diverged = run.read_all(runfiles.DIVERGEDS)
+    if diverged:
+        d = min(diverged, key=lambda x: x.get("step", 0))
+        run.set_status("diverged", returncode=rc, rank=d.get("rank"), step=d.get("step"), error=d.get("error"))
+        return "diverged"
+    if rc == 0:
+        run.set_status("done", returncode=0)
+        return "done"
+    rank, why = failure_cause(run, exits=exits)
+    st = run.status()
+    limit = st.get("rank_limit_mb")
+    if limit and out_of_memory(run, why):
+        who = "a rank" if rank is None else f"rank {rank}"
+        run.set_status("failed", returncode=rc, rank=rank, cause=why,
+                       error=f"out of memory: {who} passed its limit of {limit} MB "
+                             f"({st.get('rank_limit_from') or 'rank_mb'}); make the batch or the images smaller")
+        return "failed"
+    run.set_status("failed", returncode=rc, rank=rank,
+                   error=why or f"the job exited with code {rc}; see {runfiles.LOG}")
+    return "failed"
+
+
+OOM_SIGNS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "cannot allocate memory",
+             "std::bad_alloc", "out of memory")
+"""What a rank says when an allocation fails: Python's MemoryError, torch's CPU allocator ("can't allocate
+memory: you tried to allocate N bytes"), an errno 12, C++'s bad_alloc, glibc's "cannot allocate memory
+for thread-local data" (before it aborts)."""
+
+THREAD_FAILED = "RuntimeError: Resource temporarily unavailable"
+"""A thread that could not be started (std::system_error, EAGAIN): its stack could not be mapped."""
+
+
+def out_of_memory(run: Run, why: Optional[str]) -> bool:
+    """Whether a failed run's cause (``why``, failure_cause's) is an allocation that failed: said so in the
+    failing rank's error, or, for a rank that died without one (an abort, a crash in C++), in the log."""
+    if why and (any(s in why for s in OOM_SIGNS) or why == THREAD_FAILED):
+        return True
+    silent = not why or "was killed by" in why or "exited with code" in why
+    return silent and any(s in run.log_tail(400) for s in OOM_SIGNS)
+
+
+PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Socket Timeout")
+
+
+def failure_cause(run: Run, exits=None):
+    """(rank, message) of the rank that caused a failure.
+
+    When one rank dies, its peers fail too, with errors about the lost
+    connection, and torchrun stops the rest with SIGTERM; torchrun's own "root
+    cause" is not reliable when these land within a second. So the cause is,
+    in order: a rank whose error is not a lost peer; a rank that died without
+    an error file (a signal other than SIGTERM, os._exit, a crash in C++);
+    the earliest error file.
+    """
+    if exits is None:  # (rank, exit code) of the failed ranks, from torchrun's report
+        exits = rank_exits_from_log(run.log_tail(400))
+    errs = {e.get("rank"): e for e in run.errors()}
+    real = [e for e in errs.values() if not any(p in (e.get("error") or "") for p in PEER_LOST)]
+    silent = [(r, c) for r, c in exits if r not in errs and c != -signal.SIGTERM]
+    if silent and not real:  # died without a word (a signal, os._exit, a crash in C++)
+        rank, code = silent[0]
+        return rank, _signal_message(rank, code) if code < 0 else \
+            f"rank {rank} exited with code {code} without reporting an error"
+    pick = real or list(errs.values())
+    if pick:
+        first = min(pick, key=lambda e: e.get("time", 0))
+        return first.get("rank"), first.get("error")
+    for rank, code in exits:
+        return rank, _signal_message(rank, code) if code < 0 else f"rank {rank} exited with code {code}"
+    return None, None
+
+
+def rank_exits_from_log(text: str):
+    """(rank, exit code) of every failed rank in torchrun's failure report."""
+    import re
+    return [(int(r), int(c)) for r, c in
+            re.findall(r"rank\s*:\s*(\d+)\s*\(local_rank:[^)]*\)\s*\n\s*exitcode\s*:\s*(-?\d+)", text)]
+
+
+def _signal_message(rank: int, code: int) -> str:
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"rank {rank} was killed by {name}" + (" (out of memory, or kill -9)" if code == -9 else "")
+
+
+def kill_strays(run: Run) -> None:
+    """SIGKILL any rank of this run that is still alive (verified by pid, start time and command line)."""
+    for ident in run.worker_pids():
+        procs.kill_if_ours(ident, str(run.path))

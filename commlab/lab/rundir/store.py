@@ -1,0 +1,367 @@
+"""The run store: one directory per run, which is the run's whole state.
+
+    runs/<run-id>/spec.json            validated, fully defaulted spec
+                  status.json          queued | running | done | failed | cancelled, times, error,
+                                       disturbance (other processes' CPU during the run)
+                  metrics.jsonl        one object per line (kind step or eval)
+                  timeline-rank<r>.jsonl  Chrome trace events
+                  log.txt              the workers' output
+                  layout.json          the bucket layout (rank 0)
+                  error-rank<r>.json   written by a rank that failed
+                  resolved.json        what rank 0 made of auto and threads 0 (commlab/engine/worker.py)
+
+Run ids from users are checked against a strict pattern, and every path is
+resolved inside the runs directory, so nothing reads or writes outside it.
+
+status.json has several writers (the supervisor, ``commlab cancel``, a later
+lab command that finds a dead supervisor) and many readers. Every change is a
+read-modify-write under an ``flock`` on ``.status.lock`` in the run directory,
+and every write goes to a temporary file of its own that is fsynced and then
+renamed over status.json, so a reader sees the old file or the new one, never
+half of one, even when a writer is killed mid-write. A file that cannot be
+parsed anyway (a foreign writer, a damaged disk) is never rebuilt from nothing:
+the change is refused with ``StatusError``, unless this process holds a whole
+copy it read or wrote earlier; then the damaged file is kept aside as
+``status.json.corrupt-<time>`` and the status goes on from that copy, saying so
+in ``recovered``.
+"""
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import re
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, List, Optional
+
+from commlab.engine import runfiles
+from commlab.engine.runlog import read_jsonl, set_aside, write_json_atomic
+from commlab.engine.spec import JobSpec
+from commlab.engine.timeline import LANE_NAMES
+from commlab.lab.base.errors import LabError
+from commlab.lab.base.paths import CONFIG, PRIVATE_MODE, default_root, file_in, make_private
+from commlab.lab.rundir.summary import summarize
+
+STATES = ("queued", "running", "done", "failed", "cancelled", "diverged")
+FINAL = ("done", "failed", "cancelled", "diverged")
+RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class RunError(LabError):
+    """A bad run id or a missing run; the message is one line."""
+
+
+class StatusError(LabError):
+    """status.json exists but is not a JSON object (nothing was written over it); one line."""
+
+
+READ_TRIES = 3
+"""Attempts of a plain status read before it reports the file unreadable."""
+CHANGE_TRIES = 20
+"""Attempts, READ_PAUSE_S apart, of the read in a status change: a writer that does not rename
+(another tool, a shared file system) gets about half a second to finish its file."""
+READ_PAUSE_S = 0.025
+CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access", "rank_mb")
+"""What runs/lab.json may hold; commlab.lab.service.queue, commlab.lab.rundir.disturbance, commlab.lab.service.owners and commlab.lab.front.accounts
+check the values."""
+
+
+def slug(text: str) -> str:
+    s = re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+    return s[:40] or "run"
+
+
+def check_id(run_id: str) -> str:
+    if not isinstance(run_id, str) or not RUN_ID.match(run_id) or ".." in run_id:
+        raise RunError(f"run id {run_id!r} is not valid: use letters, digits, '.', '_' and '-' only")
+    return run_id
+
+
+class Run:
+    def __init__(self, path: Path, on_change=None):
+        self.path = Path(path)
+        self.id = self.path.name
+        self.on_change = on_change
+        """Called with the run after every status change (the store keeps its index current)."""
+        self._good: Optional[dict] = None
+        """The last whole status this object read or wrote: what a change starts from when
+        status.json turns out damaged (the supervisor always holds one)."""
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    # -- spec and status --------------------------------------------------
+    def spec_dict(self) -> dict:
+        with open(self.file(runfiles.SPEC)) as f:
+            return json.load(f)
+
+    def spec(self) -> JobSpec:
+        return JobSpec.from_dict(self.spec_dict())
+
+    def status(self) -> dict:
+        """status.json as a dict; ``{"state": "unknown"}`` when there is none yet, and with
+        ``unreadable`` (the reason) when the file cannot be parsed."""
+        try:
+            st = _read_status(self.file(runfiles.STATUS), READ_TRIES)
+        except FileNotFoundError:
+            return {"state": "unknown"}
+        except StatusError as e:
+            return {"state": "unknown", "unreadable": str(e)}
+        self._good = st
+        return st
+
+    @property
+    def state(self) -> str:
+        return self.status().get("state", "unknown")
+
+    def set_status(self, state: str, only_from: Optional[Iterable[str]] = None, **fields) -> dict:
+        """Change the state (and set ``fields``) in one locked read-modify-write; returns the status.
+        With ``only_from``, nothing changes unless the current state is one of those (then the
+        current status is returned as it is)."""
+        if state not in STATES:
+            raise ValueError(f"state: {state!r} not in {STATES}")
+        allowed = None if only_from is None else tuple(only_from)
+
+        def change(st: Optional[dict]) -> Optional[dict]:
+            st = dict(st or {})
+            if allowed is not None and st.get("state") not in allowed:
+                return None
+            st.update(fields)
+            st["state"] = state
+            now = time.time()
+            st.setdefault("created", now)
+            if state == "running":
+                st.setdefault("started", now)
+            if state in FINAL:
+                st["ended"] = now
+            return st
+        st, changed = self._change(change)
+        if changed and self.on_change:
+            self.on_change(self)
+        return st
+
+    def update_status(self, **fields) -> None:
+        """Set fields of status.json without changing the state or the index (figures written while a
+        run goes on; the index picks them up at the next state change). A run without a status.json
+        (its directory being made or removed) gets none."""
+        self._change(lambda st: None if st is None else {**st, **fields})
+
+    def _change(self, fn: Callable[[Optional[dict]], Optional[dict]]):
+        """(status, written): ``fn`` maps the current status (None when there is no file) to the new
+        one, or to None to leave the file alone; it runs under the run's status lock."""
+        path = self.file(runfiles.STATUS)
+        with _locked(self.file(runfiles.STATUS_LOCK)):
+            # every status writer holds this lock, so a temporary file left now is a killed writer's
+            for tmp in self.path.glob(f".{runfiles.STATUS}.*.tmp"):
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
+            recovered = False
+            try:
+                st = _read_status(path, CHANGE_TRIES)
+            except FileNotFoundError:
+                st = None
+            except StatusError as e:
+                recovered = True
+                if self._good is None:
+                    raise StatusError(f"{e}; left as it is, with nothing written over it") from None
+                where = set_aside(path)
+                st = dict(self._good)
+                st["recovered"] = f"{e}; {where} and rebuilt from the status this process last read"
+                print(f"commlab: {self.id}: {st['recovered']}", file=sys.stderr, flush=True)
+            new = fn(st)
+            if new is None and recovered:
+                new = st  # the damaged file was moved aside: the rebuilt status must land
+            if new is None:
+                return st or {"state": "unknown"}, False
+            write_json_atomic(path, new)
+            self._good = new
+            return new, True
+
+    def cancel_requested(self) -> bool:
+        return self.file(runfiles.CANCEL).exists()
+
+    def read_all(self, pattern: str, unreadable: Optional[list] = None) -> List[dict]:
+        """Every JSON file of the run matching ``pattern``. One that cannot be read is skipped, and
+        ``(path, reason)`` goes into ``unreadable`` when that list is given."""
+        out = []
+        for p in sorted(self.path.glob(pattern)):
+            try:
+                with open(p) as f:
+                    out.append(json.load(f))
+            except (OSError, ValueError) as e:
+                if unreadable is not None:
+                    unreadable.append((p, str(e)))
+        return out
+
+    def worker_pids(self) -> List[dict]:
+        """The ranks' process identities, as each worker recorded them at start."""
+        return self.read_all(runfiles.PIDS)
+
+    # -- logs -------------------------------------------------------------
+    def metric_rows(self) -> List[dict]:
+        return read_jsonl(str(self.file(runfiles.METRICS)))
+
+    def timeline_files(self) -> List[Path]:
+        return sorted(self.path.glob(runfiles.TIMELINES), key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
+
+    def timeline_events(self) -> List[dict]:
+        out = []
+        for p in self.timeline_files():
+            out.extend(read_jsonl(str(p)))
+        return out
+
+    # -- as data frames (the Python API) -----------------------------------
+    def metrics(self, kind: str = "step"):
+        """Metrics lines of one kind ("step" or "eval") as a DataFrame."""
+        import pandas as pd
+        rows = [m for m in self.metric_rows() if m.get("kind") == kind]
+        return pd.DataFrame(rows)
+
+    def timeline(self):
+        """Timeline spans of all ranks as a DataFrame: rank, lane, name, start_us, dur_us, and their args."""
+        return timeline_frame(self.timeline_events())
+
+    def summary(self):
+        """Headline figures and status as a one-row DataFrame."""
+        import pandas as pd
+        st = self.status()
+        row = {"run": self.id, "state": st.get("state"), **summarize(self.metric_rows(), self.spec_dict(), st)}
+        return pd.DataFrame([row]).set_index("run")
+
+    def errors(self) -> List[dict]:
+        """The failed ranks' error files, oldest first; one that cannot be read is reported as an
+        error of its rank (the rank failed: it wrote the file)."""
+        bad: list = []
+        out = self.read_all(runfiles.ERRORS, bad)
+        for p, why in bad:
+            m = re.search(r"error-rank(\d+)\.json$", p.name)
+            with contextlib.suppress(OSError):
+                out.append({"rank": int(m.group(1)) if m else None, "error": f"{p.name} is unreadable: {why}",
+                            "time": p.stat().st_mtime})
+        return sorted(out, key=lambda e: e.get("time", 0))
+
+    def log_tail(self, n: int = 20) -> str:
+        try:
+            with open(self.file(runfiles.LOG), errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except FileNotFoundError:
+            return ""
+
+    def __repr__(self) -> str:
+        return f"Run({self.id!r}, {self.state})"
+
+
+class RunStore:
+    def __init__(self, root: Optional[os.PathLike] = None, on_change=None):
+        self.root = Path(root) if root else default_root()
+        self.on_change = on_change
+
+    def create(self, spec: JobSpec, run_id: Optional[str] = None) -> Run:
+        """A new run directory (its owner's alone: paths.make_private), queued. ``run_id`` names it (multi-node
+        runs agree on a name)."""
+        make_private(self.root)
+        if run_id is not None:
+            check_id(run_id)
+            path = self.root / run_id
+            try:
+                path.mkdir(mode=PRIVATE_MODE)
+            except FileExistsError:
+                raise RunError(f"run {run_id!r} exists already in {self.root}") from None
+        else:
+            for _ in range(100):
+                path = file_in(self.root, f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec.name)}-{secrets.token_hex(2)}")
+                try:
+                    path.mkdir(mode=PRIVATE_MODE)
+                    break
+                except FileExistsError:
+                    continue
+            else:
+                raise RuntimeError("could not allocate a run id")
+        run = Run(path, self.on_change)
+        write_json_atomic(run.file(runfiles.SPEC), spec.to_dict())
+        run.set_status("queued", created=time.time())
+        return run
+
+    def get(self, run_id: str) -> Run:
+        check_id(run_id)
+        root = self.root.resolve()
+        path = (root / run_id).resolve()
+        if path.parent != root:
+            raise RunError(f"run id {run_id!r} is not inside the runs directory")
+        if not (path / runfiles.SPEC).is_file():
+            raise RunError(f"no run {run_id!r} in {self.root}")
+        return Run(path, self.on_change)
+
+    def list(self) -> List[Run]:
+        if not self.root.is_dir():
+            return []
+        runs = [Run(p, self.on_change) for p in self.root.iterdir() if p.is_dir() and RUN_ID.match(p.name)
+                and (p / runfiles.SPEC).is_file()]
+        return sorted(runs, key=lambda r: r.id)
+
+
+def lab_config(root: os.PathLike) -> dict:
+    """The runs directory's settings, ``runs/lab.json`` (``{}`` when there is none). A file that cannot
+    be read or parsed, is not an object, or holds a key nobody reads is a ``LabError`` naming it."""
+    path = Path(root) / CONFIG
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return {}
+    except (OSError, UnicodeDecodeError) as e:
+        raise LabError(f"{path}: cannot be read: {e}") from None
+    try:
+        cfg = json.loads(text)
+    except ValueError as e:
+        raise LabError(f"{path}: not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise LabError(f"{path}: must be a JSON object such as {{\"max_jobs\": 2}}, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - set(CONFIG_KEYS))
+    if unknown:
+        raise LabError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(CONFIG_KEYS)}")
+    return cfg
+
+
+def _pause() -> None:
+    time.sleep(READ_PAUSE_S)
+
+
+def _read_status(path: Path, tries: int) -> dict:
+    """The parsed file; FileNotFoundError when there is none; StatusError when after ``tries``
+    attempts it is still not a JSON object."""
+    for attempt in range(tries):
+        if attempt:
+            _pause()
+        with open(path) as f:
+            text = f.read()
+        try:
+            st = json.loads(text)
+        except ValueError as e:
+            why = f"{path}: not valid JSON ({len(text)} bytes: {e})"
+            continue
+        if isinstance(st, dict):
+            return st
+        why = f"{path}: must be a JSON object, got {type(st).__name__}"
+    raise StatusError(why)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path):
+    """An exclusive flock on ``lock_path`` (made if missing); the kernel drops it if we die."""
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def timeline_frame(events: List[dict]) :
+    """Chrome trace events as the frame ``Run.timeline()`` returns."""
+    import pandas as pd  # pandas loads only when a frame is asked for (supervisors never do)
+    return pd.DataFrame([{"rank": e["pid"], "lane": LANE_NAMES.get(e["tid"], str(e["tid"])), "name": e["name"],
+                          "start_us": e["ts"], "dur_us": e["dur"], **(e.get("args") or {})} for e in events])

@@ -1,0 +1,368 @@
+"""The job queue: a concurrency limit shared by every process that starts runs.
+
+There is no daemon. Each run has a *supervisor*: the process that waits for a
+slot, launches torchrun and writes the final status. ``commlab run`` is its
+own supervisor; the UI and ``commlab.run(..., wait=False)`` start a detached one
+(``python -m commlab.lab.service.supervise``). Slots are ``flock`` locks on files under
+``runs/.slots/``: the kernel releases a dead supervisor's lock, so a crash
+never leaks a slot. A queued supervisor only tries for a slot when fewer than
+``max_jobs`` queued runs come before its own in the queue's order, which is
+fair by run time over the runs' owners (commlab.lab.service.owners.fair_order): the owner
+who has had the least run time goes first, so a user with many runs queued
+does not hold back one who has few. With a single user it is first come,
+first served.
+
+A supervisor that dies (``kill -9``) takes its torchrun with it (parent-death
+signal) and leaves its run ``running`` or ``queued``; the next lab command
+finds such runs through the recorded (pid, start time) and marks them failed
+as stale. Cancel writes ``cancel.request`` into the run directory; the
+supervisor sees it within a poll interval in every state.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from commlab.engine import codepath, runfiles
+from commlab.engine.spec import SpecError
+from commlab.lab.base import procs, sandbox
+from commlab.lab.base.errors import LabError
+from commlab.lab.base.paths import CONFIG, SLOTS, SOURCE
+from commlab.lab.base.specs import load_spec
+from commlab.lab.net.netns import NetworkUnavailable, check_shaped_supported
+from commlab.lab.rundir.index import Index, RunIndexError
+from commlab.lab.rundir.launcher import kill_strays, launch
+from commlab.lab.rundir.progress import quiet
+from commlab.lab.rundir.store import FINAL, Run, RunStore, lab_config
+from commlab.lab.service.owners import (User, every_rank_mb, fair_order, is_student, local_user, rank_limit, refuse_code,
+                                run_time, typical_run)
+from commlab.lab.service.spawn import spawn_detached
+from commlab.lab.strategy import auto
+from commlab.lab.strategy.auto import keep_record
+
+POLL_S = 0.2
+BACK_POLL_S = 1.0
+"""How often a queued supervisor further back than ``NEAR`` runs past the free slots checks its place.
+Every check reads the whole index (about 3 ms with 90 runs here); at ``POLL_S`` the 60 to 80 supervisors
+queued on the workshop bench took most of a core from the one run going."""
+NEAR = 2
+
+
+def default_max_jobs() -> int:
+    """One job per GPU on a GPU box; otherwise one per two cores (a job has two ranks by default)."""
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return max(1, torch.cuda.device_count())
+    except ImportError:
+        pass
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
+class Slots:
+    def __init__(self, root: Path, n: int):
+        self.dir = Path(root) / SLOTS
+        self.n = n
+
+    def try_acquire(self) -> Optional[int]:
+        """A held slot's file descriptor, or None when all slots are busy."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for k in range(self.n):
+            fd = os.open(self.dir / f"{k}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except BlockingIOError:
+                os.close(fd)
+        return None
+
+    @staticmethod
+    def release(fd: int) -> None:
+        os.close(fd)  # closing the descriptor drops the flock
+
+
+class Lab:
+    """The lab's front door for the CLI, the UI, notebooks and scripts."""
+
+    def __init__(self, runs: Optional[os.PathLike] = None, max_jobs: Optional[int] = None):
+        self.store = RunStore(runs, on_change=self._changed)
+        self.index = Index(self.store)
+        configured = _config_max_jobs(self.store.root)  # read even when overridden: a broken file is reported
+        every_rank_mb(self.store.root)  # a bad rank_mb too, before any run
+        self.max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or configured or default_max_jobs()
+
+    def _changed(self, run: Run) -> None:
+        """status.json changed: its row in the index too. status.json is the truth and is written already; an
+        index that cannot take the row now (locked for long, a full disk) owes it (Index.update), and the
+        caller, often a supervisor with a run going, carries on with the reason said on stderr."""
+        try:
+            self.index.update(run)
+        except RunIndexError as e:
+            print(f"commlab: index: {run.id}'s row is owed ({e}); status.json has it", file=sys.stderr, flush=True)
+
+    @property
+    def root(self) -> Path:
+        return self.store.root
+
+    # -- submitting -----------------------------------------------------
+    def submit(self, spec, wait: bool = True, progress: bool = False, out=None, sweep: Optional[str] = None,
+               owner: Optional[str] = None, wall_limit_s: Optional[float] = None) -> Run:
+        """Queue a run. With ``wait`` this process supervises it to the end;
+        otherwise a detached supervisor does, and the run is returned at once."""
+        run = self.create(spec, sweep=sweep, owner=owner, wall_limit_s=wall_limit_s)
+        if wait:
+            self.supervise(run, progress=progress, out=out)
+        else:
+            self.spawn_supervisor(run)
+        return run
+
+    def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
+               wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None) -> Run:
+        """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
+        (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
+        seconds of running (a student's quota, commlab.lab.service.owners). Its ranks get the memory limit of its owner
+        (commlab.lab.service.owners.rank_limit: a student's ``rank_mb`` quota, runs/lab.json's ``rank_mb`` for
+        everyone), recorded in its status (``rank_limit_mb``). A student's spec that names code is refused
+        here, whoever submits it (commlab.lab.service.owners.refuse_code). A model or data set from outside the zoo takes
+        one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
+        a child with limits (commlab.lab.base.sandbox; the UI's server); ``say`` is told first, since building the model
+        can take a while (a Hugging Face model: its imports and weights, seconds)."""
+        if is_student(owner):
+            refuse_code(spec.to_dict())
+        if spec.network.link == "shaped":
+            try:
+                check_shaped_supported()
+            except NetworkUnavailable as e:
+                raise LabError(f"network.link: {e}") from None
+        from commlab.engine import preflight  # torch: not when a supervisor imports this module (supervise)
+        if preflight.needs_check(spec):  # a model or data set from outside the zoo: one batch, before any rank
+            if say is not None:
+                say(f"checking the model and data set ({spec.model.name} on {spec.dataset.name}): one batch "
+                    "before any rank starts ...")
+            if codepath.imports_allowed():
+                preflight.check(spec)
+            else:
+                try:
+                    who = User(owner, admin=not is_student(owner)) if owner else local_user()  # students' budgeted
+                    sandbox.run("check", spec.to_dict(), sandbox.CHECK, who=who,
+                                wait_s=sandbox.CHECK_WAIT_S)  # before others' previews (sandbox.Places)
+                except sandbox.SandboxError as e:
+                    raise SpecError(e.path, e.msg) from None
+        memory = rank_limit(self.root, owner)
+        self.recover_stale()
+        run = self.store.create(spec, run_id)
+        extra = {"owner": owner or local_user().name}
+        if memory is not None:
+            extra["rank_limit_mb"], extra["rank_limit_from"] = memory
+        if sweep:
+            extra["sweep"] = sweep
+        if wall_limit_s:
+            extra["wall_limit_s"] = float(wall_limit_s)
+        run.set_status("queued", **extra)
+        return run
+
+    def spawn_supervisor(self, run: Run) -> int:
+        argv = [sys.executable, "-m", "commlab.lab.service.supervise", "--runs", str(self.root.resolve()), run.id]
+        # at normal priority even when the UI's (niced) server asks for it: commlab/lab/service/spawn.py
+        pid = spawn_detached(argv, run.file(runfiles.SUPERVISOR_LOG), cwd=SOURCE,
+                             env={**os.environ, "COMMLAB_MAX_JOBS": str(self.max_jobs)})
+        # recorded here too, so the run is never without a live owner between spawn and its first status write
+        run.set_status("queued", supervisor=procs.identity(pid))
+        return pid
+
+    def supervise(self, run: Run, progress: bool = False, out=None) -> str:
+        """Wait for a slot, run the job, write its final status. Returns the final state."""
+        run.set_status("queued", supervisor=procs.identity())
+        out = quiet(out)  # a closed pipe silences the progress; the run goes on (commlab/lab/rundir/progress.py)
+        slot = None
+        shown = False
+        checked = False
+        try:
+            while slot is None:
+                if run.cancel_requested():
+                    run.set_status("cancelled", error="cancelled while queued")
+                    return "cancelled"
+                place = self.queue_position(run, upto=self.max_jobs + NEAR)
+                if not checked and place < self.max_jobs + NEAR:
+                    # import torch and validate the spec near the head of the queue, not while holding a
+                    # slot, and not on joining the queue: a room's 60 supervisors doing it at once (each
+                    # in a scheduling group of its own) stalled the run going for half a minute
+                    run.spec()
+                    checked = True
+                    continue
+                if place < self.max_jobs:
+                    slot = Slots(self.root, self.max_jobs).try_acquire()
+                if slot is None:
+                    if progress and not shown:
+                        print(f"queued: waiting for a free slot ({self.max_jobs} at a time)",
+                              file=out, flush=True)
+                        shown = True
+                    time.sleep(POLL_S if place < self.max_jobs + NEAR else BACK_POLL_S)
+            try:
+                record = self._resolve_strategy(run, progress, out)
+            except (LabError, ValueError, OSError) as e:  # said in the run's status, as a rank's failure is
+                if run.cancel_requested():
+                    run.set_status("cancelled", error="cancelled while the advisor chose its strategy")
+                    return "cancelled"
+                run.set_status("failed", error=f"strategy auto: {type(e).__name__}: {e}".splitlines()[0])
+                return "failed"
+            limit = run.status().get("wall_limit_s")
+            t0 = time.time()
+            over = []
+
+            def should_cancel() -> bool:
+                if limit and not over and time.time() - t0 > limit:
+                    over.append(time.time() - t0)
+                return bool(over) or run.cancel_requested()
+            state = launch(run, progress=progress, out=out, should_cancel=should_cancel)
+            if over and state == "cancelled":
+                run.set_status("cancelled", only_from=("cancelled",),
+                               error=f"quota wall_s: stopped after {over[0]:.0f} s of running; the limit is "
+                                     f"{limit:g} s per run (runs/lab.json quotas.wall_s)")
+            if record is not None:
+                keep_record(run, record)
+            return state
+        except KeyboardInterrupt:  # Ctrl-C while queued or choosing: the user stopped it, nothing broke
+            if run.state not in FINAL:
+                run.set_status("cancelled", error="cancelled by the user (Ctrl-C)")
+            raise
+        except BaseException as e:
+            if run.state not in FINAL:
+                run.set_status("failed", error=f"launcher error: {type(e).__name__}: {e}")
+            raise
+        finally:
+            if slot is not None:
+                Slots.release(slot)
+
+    def _resolve_strategy(self, run: Run, progress: bool, out) -> Optional[dict]:
+        """``strategy: auto``: the advisor chooses in this slot before the ranks start (commlab/lab/strategy/auto.py); returns
+        its record for tuning.json, None for a fixed strategy."""
+        st = run.spec().strategy
+        if st.mode != "auto" or st.decided:
+            return None
+        out = quiet(out)
+        say = (lambda m: print(m, file=out, flush=True)) if progress else (lambda m: None)
+        auto.resolve_auto(self, run, should_cancel=run.cancel_requested, say=say)
+        return auto.read_record(run)
+
+    def queue_position(self, run: Run, upto: Optional[int] = None) -> int:
+        """How many queued runs with a live supervisor come before ``run`` in the queue's order
+        (fair by run time over owners, commlab.lab.service.owners.fair_order), counted up to ``upto`` (default
+        ``max_jobs``: all a supervisor needs to know, and it keeps polling cheap for long queues)."""
+        upto = self.max_jobs if upto is None else upto
+        everything = self.index.query()
+        queued = [r for r in everything if r["state"] == "queued"]
+        if run.id not in {r["id"] for r in queued}:  # the index lags the run's own file: count it as queued
+            queued.append({"id": run.id, "created": run.status().get("created", 0), "owner": run.status().get("owner")})
+        n = 0
+        running = [r for r in everything if r["state"] == "running"]
+        for rid in fair_order(queued, running, run_time(everything), typical_run(everything)):
+            if rid == run.id or n >= upto:
+                break
+            if procs.alive(self.store.get(rid).status().get("supervisor")):
+                n += 1
+        return n
+
+    def running(self) -> int:
+        return len(self.index.query(state="running"))
+
+    # -- control ----------------------------------------------------------
+    def cancel(self, run_id: str) -> str:
+        """Ask a run to stop, in any state. Returns the state after the request."""
+        run = self.store.get(run_id)
+        state = run.state
+        if state in FINAL:
+            return state
+        run.file(runfiles.CANCEL).write_text(f"{time.time()}\n")
+        if not procs.alive(run.status().get("supervisor")):
+            kill_strays(run)
+            # only_from: a launcher that ended meanwhile keeps the final state it wrote
+            return run.set_status("cancelled", only_from=("queued", "running"),
+                                  error="cancelled (no live launcher)")["state"]
+        return state
+
+    def runner(self) -> Callable[..., Run]:
+        """A spec dict -> its finished Run, through this lab's queue (it waits for a slot like any run): how
+        the performance model measures a profile and the advisor its trials. ``prepare(run)``, when given,
+        writes into the run's directory before it starts (a trial session's trials)."""
+        def run(spec: dict, prepare: Optional[Callable[[Run], object]] = None) -> Run:
+            r = self.create(load_spec(data=spec))
+            if prepare is not None:
+                prepare(r)
+            self.supervise(r)
+            return r
+        return run
+
+    def wait(self, run_id: str, timeout: Optional[float] = None) -> str:
+        run = self.store.get(run_id)
+        t0 = time.time()
+        while run.state not in FINAL:
+            if timeout is not None and time.time() - t0 > timeout:
+                break
+            if not procs.alive(run.status().get("supervisor")):
+                self.recover_stale()
+            time.sleep(POLL_S)
+        state = run.state
+        if state in FINAL:
+            # the supervisor writes status.json, then the index: a caller that saw the final state here
+            # must find it in the index too (commlab.runs(state="done") right after wait)
+            self.index.update(run)
+        return state
+
+    def recover_stale(self) -> list:
+        """Mark failed every queued or running run whose supervisor died; stop what it left. A run the
+        index still lists as queued or running after its status.json ended (a process that died between
+        the two writes) gets its row written again."""
+        stale = []
+        try:
+            listed = self.index.unfinished()
+        except RunIndexError as e:  # the rows are a cache: the runs are recovered all the same
+            print(f"commlab: index: {e}", file=sys.stderr, flush=True)
+            listed = set()
+        for run in self.store.list():
+            st = run.status()
+            if st.get("state") not in ("queued", "running"):
+                if run.id in listed and st.get("state") in FINAL:
+                    self._changed(run)
+                continue
+            if procs.alive(st.get("supervisor")):
+                continue
+            if time.time() - st.get("created", 0) < 5 and not st.get("supervisor"):
+                continue  # just created; its supervisor is about to record itself
+            kill_strays(run)
+            for ident in st.get("torchruns") or [st.get("torchrun")]:  # what the launcher started: ranks or torchruns
+                procs.kill_if_ours(ident, str(run.path))
+            sup = st.get("supervisor") or {}
+            new = run.set_status("failed", only_from=("queued", "running"),  # not if another command did it first
+                                 error=f"stale: its launcher (pid {sup.get('pid')}) died; found at a later start")
+            if new.get("state") == "failed":
+                stale.append(run.id)
+        return stale
+
+    def reindex(self) -> int:
+        return self.index.reindex()
+
+
+def _env_int(name: str) -> Optional[int]:
+    v = os.environ.get(name)
+    if not v:
+        return None
+    try:
+        n = int(v)
+    except ValueError:
+        raise LabError(f"{name}: must be a positive integer, got {v!r}") from None
+    if n < 1:
+        raise LabError(f"{name}: must be a positive integer, got {v!r}")
+    return n
+
+
+def _config_max_jobs(root: Path) -> Optional[int]:
+    """``max_jobs`` from runs/lab.json, if it sets one; a value that is not a positive integer is a LabError."""
+    v = lab_config(root).get("max_jobs")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise LabError(f"{Path(root) / CONFIG}: max_jobs must be a positive integer, got {v!r}")
+    return v

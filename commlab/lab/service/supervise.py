@@ -1,0 +1,34 @@
+"""A detached supervisor for one queued run: ``python -m commlab.lab.service.supervise --runs DIR RUN_ID``.
+
+Started by ``Lab.submit(..., wait=False)`` (the UI, notebooks). It waits for a
+slot, runs the job and writes the final status, like ``commlab run`` does in
+the foreground.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from commlab.lab.base.errors import LabError
+from commlab.lab.rundir.store import RunStore
+from commlab.lab.service.queue import Lab
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="commlab.lab.service.supervise", description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", required=True)
+    ap.add_argument("run_id")
+    args = ap.parse_args(argv)
+    try:
+        lab = Lab(args.runs)
+    except LabError as e:  # e.g. a runs/lab.json broken since the run was queued: say so in its status
+        RunStore(args.runs).get(args.run_id).set_status("failed", only_from=("queued",), error=str(e))
+        print(f"commlab: error: {e}", file=sys.stderr)
+        return 2
+    run = lab.store.get(args.run_id)
+    state = lab.supervise(run)
+    return 0 if state == "done" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
