@@ -282,7 +282,7 @@ def test_old_index_gains_the_columns(tmp_path):
 
 # --------------------------------------------------------------------------- real runs
 
-def commlab(*args, runs, timeout=300, env=None):
+def cli(*args, runs, timeout=300, env=None):
     env = dict(env or os.environ, COMMLAB_RUNS=str(runs))
     return subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=timeout)
@@ -292,7 +292,7 @@ def real_run(tmp_path, runs, env=None):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(SPEC))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    r = commlab("run", str(spec), "--quiet", runs=runs, env=env)
+    r = cli("run", str(spec), "--quiet", runs=runs, env=env)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     assert r.returncode == 0, r.stdout + r.stderr
     (run,) = RunStore(runs).list()
@@ -322,10 +322,10 @@ def test_busy_neighbour_marks_the_run_disturbed(busy_run):
     assert d["other_cpu"] > d["threshold"] == 0.1 and d["other_cores"] > 0.2, d
     assert d["timed_other_cpu"] > 0.1, d
     assert "disturbed      yes: other processes used" in r.stdout  # commlab run's summary
-    show = commlab("show", run.id, runs=runs)
+    show = cli("show", run.id, runs=runs)
     assert show.returncode == 0 and f"disturbed      yes: other processes used {d['other_cpu']:.0%} of the CPU" \
         in show.stdout, show.stdout
-    listing = commlab("runs", runs=runs)
+    listing = cli("runs", runs=runs)
     assert "OTHER CPU" in listing.stdout and f"{d['other_cpu']:.0%} disturbed" in listing.stdout, listing.stdout
     (row,) = Lab(runs).index.query()
     assert row["disturbed"] == 1 and row["other_cpu"] == pytest.approx(d["other_cpu"])
@@ -386,7 +386,7 @@ def test_every_run_has_the_figure_and_counts_its_own_cpu(tmp_path, ranks):
     else:
         assert 0.9 * ranks_cpu <= d["own_cpu_s"] and ranks_cpu > 0.1, (d, ranks_cpu)
     label = "disturbed      yes" if d["disturbed"] else "machine        quiet"
-    assert label in commlab("show", run.id, runs=runs).stdout
+    assert label in cli("show", run.id, runs=runs).stdout
     assert d["sample_ms"] < 50, d  # a sample reads /proc/stat and one stat file per process
 
 
@@ -413,6 +413,6 @@ def test_a_killed_supervisor_leaves_the_figure_so_far(tmp_path):
     assert q.recover_stale() == [run.id]  # it also stops the ranks the killed supervisor left
     d = run.status()["disturbance"]
     assert d["final"] is False and d["other_cpu"] is not None, d
-    assert "during the run so far" in commlab("show", run.id, runs=runs).stdout
+    assert "during the run so far" in cli("show", run.id, runs=runs).stdout
     (row,) = q.index.query()
     assert row["other_cpu"] == d["other_cpu"]

@@ -256,7 +256,7 @@ def test_new_run_form_offers_outside_models_and_shows_their_size(tmp_path, monke
     from pathlib import Path
     from streamlit.testing.v1 import AppTest
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path / "runs"))
-    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py"),
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[1] / "commlab" / "app" / "streamlit_app.py"),
                            default_timeout=120).run()
     at.switch_page("views/new_run.py").run()
     assert any("parameters" in c.value for c in at.caption)  # the zoo's cnn, before any change

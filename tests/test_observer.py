@@ -269,7 +269,7 @@ def test_app_server_is_niced_and_the_runs_it_starts_are_not(tmp_path):
         environ = dict(kv.split(b"=", 1) for kv in Path(f"/proc/{server}/environ").read_bytes().split(b"\0") if kv)
         # what the server's pages do to queue a run, in a process with the server's priority and environment
         env = {k.decode(): v.decode() for k, v in environ.items()}
-        submit = ("import os, lab; os.nice(%d); r = commlab.run(%r, wait=False, runs=%r); "
+        submit = ("import os, commlab; os.nice(%d); r = commlab.run(%r, wait=False, runs=%r); "
                   "print(r.id, r.status()['supervisor']['pid'], flush=True)" % (APP_NICE, SMALL, str(runs)))
         out = subprocess.run([sys.executable, "-c", submit], env=env, cwd=str(ROOT), capture_output=True,
                              text=True, timeout=120, check=True)

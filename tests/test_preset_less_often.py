@@ -117,7 +117,7 @@ def test_the_cards_h_slider_sets_the_runs_h(runs):
     """The Home page's card has an H slider; Start queues the three runs with that H and records it in the group,
     and the Results page says it (the runs are cancelled at once)."""
     from streamlit.testing.v1 import AppTest
-    entry = str(Path(__file__).resolve().parents[1] / "app" / "streamlit_app.py")
+    entry = str(Path(__file__).resolve().parents[1] / "commlab" / "app" / "streamlit_app.py")
     at = AppTest.from_file(entry, default_timeout=120).run()
     slider = at.slider(key=f"preset-{PRESET.key}-H")
     assert (slider.value, slider.min, slider.max) == (8, 2, 32) and slider.label.startswith("H")

@@ -27,7 +27,8 @@ import commlab  # noqa: E402
 from commlab.lab.front import ui  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PAGES = sorted([*(REPO / "app").glob("*.py"), *(REPO / "app" / "views").glob("*.py")])
+PAGES = sorted([*(REPO / "commlab" / "app").glob("*.py"), *(REPO / "commlab" / "app" / "views").glob("*.py")])
+assert len(PAGES) > 10, PAGES  # the pages are found (a moved folder must not leave this test with nothing to read)
 """Every module that lays out a page: what the check below reads."""
 
 # --------------------------------------------------------------------------- the helper
