@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from commlab.engine.runfiles import FINAL, STATES
 from commlab.engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE
 from commlab.lab.analysis.trace import write_trace
 from commlab.lab.base import procs
@@ -31,7 +32,6 @@ from commlab.lab.front.sweep import Sweep, markdown
 from commlab.lab.rundir.disturbance import describe, mark
 from commlab.lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
 from commlab.lab.rundir.progress import quiet
-from commlab.lab.rundir.store import FINAL, STATES
 from commlab.lab.rundir.summary import format_summary, summarize, what_ran
 from commlab.lab.service.queue import Lab
 
@@ -167,7 +167,7 @@ def run_node(lab, spec, args) -> int:
         raise UsageError(str(e)) from None
     if args.node_rank == 0:
         run = lab.create(spec, run_id=args.run_id)
-        run.set_status("queued", supervisor=procs.identity())
+        run.mark_queued(supervisor=procs.identity())
     else:
         t0 = time.time()
         while True:  # node 0 may not have created it yet
@@ -196,7 +196,7 @@ def run_joined(lab, spec, args, job) -> int:
     run_id = args.run_id or job.run_id(spec.name)
     if job.rank == 0:
         run = lab.create(spec, run_id=run_id)
-        run.set_status("queued", supervisor=procs.identity())
+        run.mark_queued(supervisor=procs.identity())
     else:
         t0 = time.time()
         while True:  # rank 0 may not have created it yet; a finished run of that name is not ours
