@@ -57,8 +57,8 @@ class RunFile:
 
     @property
     def shown(self) -> str:
-        """The name as the docs show it: ``timeline-rank<r>.jsonl``."""
-        return re.sub(r"\{(\w)\w*\}", r"<\1>", self.name)
+        """The name as the docs show it: ``timeline-rank<r>.jsonl``, ``log-node<pid>.txt``."""
+        return re.sub(r"\{(\w+)\}", lambda m: "<r>" if m.group(1) == "rank" else f"<{m.group(1)}>", self.name)
 
 
 FILES: Dict[str, RunFile] = {}
@@ -204,7 +204,7 @@ AUTO_TRIALS = _file(
     "auto-trials.json", "json", "the trial plan: `trials` (each `label`, `spec`, `final`, `penalty`, and "
     "`reference`, `layout`, `extra_ms`), `warmup`, `steps`, `abort_after`, `abort_ratio` and the optional "
     "`lead_in`, `runoff_within`, `runoff_steps`, `reference_within`, `hold_margin`, `stop_ratio`",
-    "the supervisor's advisor (commlab.lab.strategy.auto.resolve_auto, plan_after_profile)",
+    "the supervisor's advisor (commlab.lab.strategy.auto.resolve_auto, commlab.lab.strategy.auto.plan_after_profile)",
     "before the ranks start, or while they wait after their profile", "commlab.engine.runfiles.read_trials")
 AUTO_FAILED = _file(
     "auto-failed.json", "json", "`error`, `t`: the advisor failed after the profile; the ranks fail the run with it",

@@ -203,7 +203,8 @@ class Run:
 
     def _change(self, fn: Callable[[Optional[dict]], Optional[dict]]):
         """(status, written): ``fn`` maps the current status (None when there is no file) to the new
-        one, or to None to leave the file alone; it runs under the run's status lock."""
+        one, or to None to leave the file alone (as it is left when the new one is the same); it runs
+        under the run's status lock."""
         path = self.file(runfiles.STATUS)
         with _locked(self.file(runfiles.STATUS_LOCK)):
             # every status writer holds this lock, so a temporary file left now is a killed writer's
@@ -226,8 +227,8 @@ class Run:
             new = fn(st)
             if new is None and recovered:
                 new = st  # the damaged file was moved aside: the rebuilt status must land
-            if new is None:
-                return st or {"state": "unknown"}, False
+            if new is None or (new == st and not recovered):  # nothing changes: nothing is written
+                return st or {"state": State.UNKNOWN}, False
             write_json_atomic(path, new)
             self._good = new
             return new, True

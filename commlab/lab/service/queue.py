@@ -114,7 +114,8 @@ class Lab:
                owner: Optional[str] = None, wall_limit_s: Optional[float] = None) -> Run:
         """Queue a run. With ``wait`` this process supervises it to the end;
         otherwise a detached supervisor does, and the run is returned at once."""
-        run = self.create(spec, sweep=sweep, owner=owner, wall_limit_s=wall_limit_s)
+        run = self.create(spec, sweep=sweep, owner=owner, wall_limit_s=wall_limit_s,
+                          supervisor=procs.identity() if wait else None)
         if wait:
             self.supervise(run, progress=progress, out=out)
         else:
@@ -122,7 +123,8 @@ class Lab:
         return run
 
     def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
-               wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None) -> Run:
+               wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None,
+               supervisor: Optional[dict] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
         (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
         seconds of running (a student's quota, commlab.lab.service.owners). Its ranks get the memory limit of its owner
@@ -131,7 +133,8 @@ class Lab:
         here, whoever submits it (commlab.lab.service.owners.refuse_code). A model or data set from outside the zoo takes
         one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
         a child with limits (commlab.lab.base.sandbox; the UI's server); ``say`` is told first, since building the model
-        can take a while (a Hugging Face model: its imports and weights, seconds)."""
+        can take a while (a Hugging Face model: its imports and weights, seconds). ``supervisor``: the identity
+        (procs.identity) of the process that will supervise it, when that is known already (``commlab run``)."""
         if is_student(owner):
             refuse_code(spec.to_dict())
         if spec.network.link == "shaped":
@@ -157,7 +160,7 @@ class Lab:
         self.recover_stale()
         return self.store.create(spec, run_id, owner=owner or local_user().name, rank_limit_mb=memory_mb,
                                  rank_limit_from=memory_from, sweep=sweep or None,
-                                 wall_limit_s=float(wall_limit_s) if wall_limit_s else None)
+                                 wall_limit_s=float(wall_limit_s) if wall_limit_s else None, supervisor=supervisor)
 
     def spawn_supervisor(self, run: Run) -> int:
         argv = [sys.executable, "-m", "commlab.lab.service.supervise", "--runs", str(self.root.resolve()), run.id]
