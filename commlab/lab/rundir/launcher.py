@@ -165,10 +165,10 @@ def _run_to_end(argv: List[str], loopback: bool, log_path) -> str:
     with open(log_path, "ab", buffering=0) as log:
         p = _spawn(argv, {}, loopback, log)
         try:
-            return "done" if p.wait() == 0 else "failed"
+            return State.DONE if p.wait() == 0 else State.FAILED
         except KeyboardInterrupt:
             stop([p])
-            return "cancelled"
+            return State.CANCELLED
 
 
 def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel, limits: dict,

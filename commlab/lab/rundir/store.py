@@ -186,7 +186,7 @@ class Run:
             st["state"] = state
             now = time.time()
             st.setdefault("created", now)
-            if state == "running":
+            if state == State.RUNNING:
                 st.setdefault("started", now)
             if state in FINAL:
                 st["ended"] = now
