@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+import commlab
 from commlab.engine import runfiles, runlog
 from commlab.engine.runfiles import STATUS_FIELDS, State
 from commlab.engine.runlog import JsonlTail, read_jsonl
@@ -276,3 +277,24 @@ def test_a_session_runs_trials_read_by_the_same_reader(tmp_path):
     got = session_trials(Run(tmp_path / "s"))
     assert [t.id for t in got] == ["s/trial-0", "s/trial-1"]
     assert session_trials(Run(tmp_path)) == []  # not a session
+
+
+# -- the run's path: admit, queue, launch, follow, finish ------------------------------------------------------
+
+def test_a_run_goes_queued_running_done_in_one_status_write_each(tmp_path, monkeypatch):
+    """``commlab run``'s path writes status.json once per state: the run is made with its owner and supervisor,
+    the supervisor taking it changes nothing, the launcher marks it running, and the final state carries the
+    disturbance figures. The index follows each write."""
+    from commlab.lab.base import procs
+    from commlab.lab.service.queue import Lab
+    from test_lab import SMALL
+    seen = []
+    real = Lab._changed
+    monkeypatch.setattr(Lab, "_changed", lambda self, run: seen.append(run.status()) or real(self, run))
+    lab = Lab(tmp_path)
+    run = lab.create(commlab.spec(SMALL), supervisor=procs.identity())
+    assert lab.supervise(run) == "done", run.log_tail()
+    assert [s["state"] for s in seen] == ["queued", "running", "done"]
+    assert seen[0]["supervisor"] == procs.identity() and seen[0]["owner"]
+    assert seen[-1]["disturbance"]["final"] is True and seen[-1]["returncode"] == 0
+    assert lab.index.query()[0]["state"] == "done"
