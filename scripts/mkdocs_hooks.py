@@ -177,7 +177,7 @@ def run_files_reference() -> str:
         name = f"`{f.shown}`" + ("/" if f.format == "folder" else "") + \
             (f" ({f.format})" if f.format in ("marker", "lock") else "") + \
             (" (in the runs root)" if f.where == "root" else "")
-        readers = ", ".join(f"`{r}`" for r in f.readers)
+        readers = ", ".join(f"`{r}`" for r in f.readers) or "people (no code reads it)"
         out.append(f"| {name} | {cell(f.holds)} | {cell(code_names(f.writer))}; {cell(f.when)} | {readers} |")
     return "\n".join(out)
 

@@ -40,7 +40,7 @@ def test_every_writer_and_reader_the_protocol_names_exists():
     assert len(runfiles.FILES) >= 25
     for f in runfiles.FILES.values():
         named = re.findall(r"commlab(?:\.\w+)+", f.writer) + list(f.readers)
-        assert named and f.readers, f.name
+        assert named and (f.readers or f.format == "text"), f.name  # only a log may be for people alone
         for dotted in named:
             assert resolves(dotted), f"{f.name}: {dotted} is not in the code"
         assert f.holds and f.when and f.format in runfiles.FORMATS

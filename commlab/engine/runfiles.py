@@ -46,7 +46,8 @@ class RunFile:
     when: str
     """When in the run's life it is written."""
     readers: Tuple[str, ...]
-    """The function (or class) every consumer reads it through, as ``module.name``."""
+    """The function (or class) every consumer reads it through, as ``module.name``; none for a log only people
+    read."""
     where: str = "run"
     """``run``: in the run directory; ``root``: beside the run directories, in the runs root."""
 
@@ -97,8 +98,9 @@ SPEC = _file(
 STATUS = _file(
     "status.json", "json",
     "the run's state and what goes with it: the fields in the table below",
-    "the lab only, through the transitions of commlab.lab.rundir.store.Run (mark_queued, mark_running, "
-    "mark_done, mark_failed, mark_cancelled, mark_diverged, note), each a locked read-modify-write",
+    "the lab's side only (the supervisor, lab commands, an own loop's rank 0: commlab.own), through the transitions "
+    "of commlab.lab.rundir.store.Run (mark_queued, mark_running, mark_done, mark_failed, mark_cancelled, "
+    "mark_diverged, note), each a locked read-modify-write",
     "at each change of state; figures (disturbance, strategy, shared) while the run goes on",
     "commlab.lab.rundir.store.Run.status")
 STATUS_LOCK = _file(
@@ -111,19 +113,17 @@ CANCEL = _file(
     "commlab.lab.rundir.store.Run.cancel_requested")
 SUPERVISOR_LOG = _file(
     "supervisor.log", "text", "a detached supervisor's own output (not the ranks')",
-    "commlab.lab.service.queue.Lab.spawn_supervisor", "while a detached supervisor runs",
-    "commlab.lab.rundir.store.Run.log_tail")
+    "commlab.lab.service.queue.Lab.spawn_supervisor", "while a detached supervisor runs", ())
 LOG = _file(
     "log.txt", "text", "the workers' output (torchrun's and the ranks' stdout and stderr), appended",
     "the ranks, through the launcher's file (commlab.lab.rundir.launcher.launch)", "while the ranks run",
     "commlab.lab.rundir.store.Run.log_tail")
 RANK_LOG = _file(
     "log-rank{rank}.txt", "text", "a joined job's rank other than 0: its output",
-    "commlab.lab.rundir.launcher.launch_rank", "while that rank runs", "commlab.lab.rundir.store.Run.log_tail")
+    "commlab.lab.rundir.launcher.launch_rank", "while that rank runs", ())
 NODE_LOG = _file(
     "log-node{pid}.txt", "text", "a multi-node run's node other than 0: its torchrun's output",
-    "commlab.lab.rundir.launcher.launch (with nodes)", "while that node runs",
-    "commlab.lab.rundir.store.Run.log_tail")
+    "commlab.lab.rundir.launcher.launch (with nodes)", "while that node runs", ())
 
 # --------------------------------------------------------------------------- what the ranks write
 
@@ -146,7 +146,9 @@ METRICS = _file(
 TIMELINE = _file(
     "timeline-rank{rank}.jsonl", "jsonl", "Chrome trace events of rank r, a step's spans ending with its `step` "
     "span ([timelines](../explanation/timeline.md)); the advisor's lane, written before the ranks start",
-    "each rank (commlab.engine.timeline.Timeline); strategy auto's advisor (commlab.lab.strategy.auto.trial_timeline)",
+    "each rank (commlab.engine.timeline.Timeline); strategy auto's lane: the advisor before the ranks start "
+    "(commlab.lab.strategy.auto.trial_timeline), rank 0 during its profile and trials "
+    "(commlab.engine.autoprofile.profile_then_wait, commlab.engine.trials.run)",
     "after every step", ("commlab.lab.rundir.store.Run.timeline_events", "commlab.engine.runlog.JsonlTail"))
 TIMELINES = FILES[TIMELINE].glob
 LAYOUT = _file(
