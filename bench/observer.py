@@ -260,7 +260,7 @@ def one_run(runs: Path, spec: dict, server: Server, pw, watched: bool, page_name
     from commlab.lab.rundir.summary import summarize
     lab_ = Lab(runs)
     run = lab_.create(commlab.spec(spec))
-    run.set_status("queued", supervisor=procs.identity())  # this process owns it until the supervisor starts
+    run.mark_queued(supervisor=procs.identity())  # this process owns it until the supervisor starts
     browser = None
     pages: list = []
     out = {"run": run.id, "watched": watched, "open": "before" if open_before else "start"}

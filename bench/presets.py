@@ -29,7 +29,7 @@ import commlab  # noqa: E402
 from commlab.lab.analysis import results  # noqa: E402
 from commlab.lab.front import groups
 from commlab.lab.analysis.presets import PRESETS  # noqa: E402
-from commlab.lab.rundir.store import FINAL  # noqa: E402
+from commlab.engine.runfiles import FINAL  # noqa: E402
 
 WALL_LIMIT_S = 90.0
 """What a preset may take on this machine, from the click to its last run's end."""

@@ -58,7 +58,7 @@ from commlab.lab.base import procs  # noqa: E402
 from commlab.lab.base.paths import INDEX  # noqa: E402
 from commlab.lab.base.specs import load_spec  # noqa: E402
 from commlab.lab.rundir.index import COLUMNS, Index  # noqa: E402
-from commlab.lab.rundir.store import FINAL  # noqa: E402
+from commlab.engine.runfiles import FINAL  # noqa: E402
 from commlab.lab.service.queue import Lab, Slots  # noqa: E402
 
 BASE = {"model": "mlp", "dataset": "digits", "world_size": 2, "batch_size": 16, "eval_every": 0, "threads": 1}

@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                                                                "world_size": 2},
                                                     "access": {"names_per_address": max(10, args.students)}}))
     from commlab.lab.front import accounts
-    from commlab.lab.rundir.store import FINAL
+    from commlab.engine.runfiles import FINAL
     port = free_port()
     log_path = args.runs / "app.log"
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
 def _measure(args, app, url, log_path) -> int:
     from commlab.lab.front import accounts
     from commlab.lab.service.queue import Lab
-    from commlab.lab.rundir.store import FINAL
+    from commlab.engine.runfiles import FINAL
     import urllib.request
     t0 = time.time()
     while True:

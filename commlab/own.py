@@ -168,7 +168,7 @@ class OwnLoop:
             try:
                 self.run = lab.create(self.spec, run_id=run_id)
                 n = sum(p.numel() for p in model.parameters())
-                self.run.set_status("running", supervisor=procs.identity(), own_loop={
+                self.run.mark_running(supervisor=procs.identity(), own_loop={
                     "script": " ".join(sys.argv), "model": type(model).__name__, "params": n,
                     "optimizer": "spec" if optimizer is None else _optimizer_name(optimizer),
                     "world_size": self.world, "host": socket.gethostname()})

@@ -7,6 +7,9 @@ it at build time, so they cannot drift from it.
   docstring, from the dataclasses of commlab/engine/spec.py;
 - ``<!-- generated: compressor-capabilities -->`` (docs/reference/compressors.md): what each registered
   compressor declares it can do (commlab/engine/compressors/base.py), read from an instance at default parameters;
+- ``<!-- generated: run-files -->`` and ``<!-- generated: run-status -->`` (docs/reference/run-directory.md): every
+  file of a run directory, and the states and fields of its status.json, from the run directory's protocol
+  (commlab/engine/runfiles.py);
 - ``js/plotly.min.js``: the installed plotly's own bundle, which the tutorial notebooks' figures draw with.
 
 A marker on a page that this file does not know fails the build, as does a marker it cannot fill.
@@ -160,7 +163,39 @@ def capabilities_reference() -> str:
     return "\n".join(out)
 
 
-GENERATORS = {"cli": cli_reference, "spec": spec_reference, "compressor-capabilities": capabilities_reference}
+# --------------------------------------------------------------------------- the run directory
+
+def code_names(text: str) -> str:
+    """``text`` with each dotted name of the code (commlab.lab.rundir.store.Run.status) set as code."""
+    return re.sub(r"(?<![`\w.])(commlab(?:\.\w+)+)", r"`\1`", text)
+
+
+def run_files_reference() -> str:
+    from commlab.engine import runfiles
+    out = ["| file | what it holds | written by, when | read through |", "|---|---|---|---|"]
+    for f in runfiles.FILES.values():
+        name = f"`{f.shown}`" + ("/" if f.format == "folder" else "") + \
+            (f" ({f.format})" if f.format in ("marker", "lock") else "") + \
+            (" (in the runs root)" if f.where == "root" else "")
+        readers = ", ".join(f"`{r}`" for r in f.readers) or "people (no code reads it)"
+        out.append(f"| {name} | {cell(f.holds)} | {cell(code_names(f.writer))}; {cell(f.when)} | {readers} |")
+    return "\n".join(out)
+
+
+def run_status_reference() -> str:
+    from commlab.engine import runfiles
+    out = ["| state | means |", "|---|---|"]
+    out += [f"| `{s}` | {cell(runfiles.STATE_MEANS[s])}{' (final)' if s in runfiles.FINAL else ''} |"
+            for s in runfiles.STATES]
+    out += ["", "| field | written by | what it holds |", "|---|---|---|"]
+    for f in runfiles.STATUS_FIELDS.values():
+        by = re.sub(r"(mark_[a-z]+|note)", r"`\1`", f.set_by)
+        out.append(f"| `{f.name}` | {cell(by)} | {cell(f.means)} |")
+    return "\n".join(out)
+
+
+GENERATORS = {"cli": cli_reference, "spec": spec_reference, "compressor-capabilities": capabilities_reference,
+              "run-files": run_files_reference, "run-status": run_status_reference}
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -17,6 +17,8 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import commlab  # noqa: E402
+from commlab.engine.runlog import JsonlTail  # noqa: E402
+from commlab.engine.timeline import ends_step  # noqa: E402
 from commlab.lab.front import appserver, groups, new_run, sweep_jobs  # noqa: E402
 from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from commlab.lab.strategy.perfmodel import views  # noqa: E402
@@ -335,7 +337,7 @@ def test_tail_timeline_is_the_end_of_the_full_timeline(runs):
     tail = timelines.tail_timeline(run, 2)
     assert len(tail) <= len(full) and set(tail["lane"]) <= set(full["lane"])
     assert tail["start_us"].max() == full["start_us"].max()
-    small = timelines._tail_events(run.timeline_files()[0], 1, chunk=2048)
+    small = JsonlTail.last(run.timeline_files()[0], 1, ends_step, chunk=2048).read(final=True)
     assert sum(e["tid"] == 0 for e in small) >= 2  # it reads further back until it has the steps
 
 

@@ -105,6 +105,18 @@ def test_every_spec_field_and_compressor_is_in_the_reference(site):
         assert f"<code>{name}</code>" in comp, name
 
 
+def test_every_run_file_state_and_status_field_is_on_the_run_directory_page(site):
+    """The page's tables are generated from the run directory's protocol (commlab/engine/runfiles.py)."""
+    from html import escape
+
+    from commlab.engine import runfiles
+    page = (site / "reference" / "run-directory" / "index.html").read_text()
+    for f in runfiles.FILES.values():
+        assert f"<code>{escape(f.shown, quote=False)}</code>" in page, f"{f.name} is missing from the run directory page"
+    for name in [*runfiles.STATES, *runfiles.STATUS_FIELDS]:
+        assert f"<code>{name}</code>" in page, name
+
+
 def markdown_links(text: str):
     """Targets of [text](target) and ![alt](target), outside fenced code and inline code."""
     text = re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)

@@ -231,7 +231,7 @@ def test_trials_shorten_powersgd_start_by_the_steps_trained():
 def test_a_bad_trial_plan_is_refused(tmp_path, change, problem):
     (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(_plan(**change)))
     with pytest.raises(ValueError, match=problem):
-        trials.read(str(tmp_path))
+        runfiles.read_trials(str(tmp_path))
 
 
 def test_a_trial_without_penalty_is_refused(tmp_path):
@@ -239,7 +239,7 @@ def test_a_trial_without_penalty_is_refused(tmp_path):
     del plan["trials"][1]["penalty"]
     (tmp_path / runfiles.AUTO_TRIALS).write_text(json.dumps(plan))
     with pytest.raises(ValueError, match=r"trials\[1\] lacks penalty"):
-        trials.read(str(tmp_path))
+        runfiles.read_trials(str(tmp_path))
 
 
 def test_trials_that_fill_the_run_are_refused(tmp_path):

@@ -10,10 +10,10 @@ import streamlit as st
 
 from commlab.app import access
 from commlab.app.widgets import report_button, state_badge, where
+from commlab.engine.runfiles import FINAL
 from commlab.lab.analysis import comparison, live, plots, timelines
 from commlab.lab.front import ui
 from commlab.lab.rundir import disturbance
-from commlab.lab.rundir.store import FINAL
 from commlab.lab.rundir.summary import fmt_bytes, summarize, warmup_steps
 from commlab.lab.service import owners
 

@@ -1,6 +1,7 @@
 """Append-only JSON-lines writer: one write call per line, so lines from
-several ranks never interleave and a killed process keeps every line it wrote; and the one
-whole-or-nothing file writer and the "keep a damaged file aside" the engine and the lab share."""
+several ranks never interleave and a killed process keeps every line it wrote; its one reader
+(``JsonlTail``, incremental, tolerant of a torn last line); and the one whole-or-nothing file writer
+and the "keep a damaged file aside" the engine and the lab share."""
 from __future__ import annotations
 
 import contextlib
@@ -75,19 +76,96 @@ class JsonlWriter:
             self._fd = None
 
 
-def read_jsonl(path: str) -> list:
-    """Read a JSONL file, skipping a torn last line of a killed writer."""
+CHUNK = 1 << 18
+"""Bytes a reader that starts near a file's end (``JsonlTail.last``) reads first; it reads four times as far back
+each time that is not enough."""
+
+
+class JsonlTail:
+    """The rows appended to a JSON-lines file since the last ``read``: the one reader of the files the ranks append to
+    (metrics.jsonl, the timelines), whether it follows a run (the launcher's progress, the live page), reads the last
+    steps (``last``) or a whole file (``read_jsonl``).
+
+    - Each read takes the bytes appended since the last one, up to the size the file has as it starts;
+      ``bytes_read`` counts them all (a reader that follows a run reads each byte once).
+    - A last line without its newline (a writer mid-line, or one killed there) waits for its end;
+      ``read(final=True)`` takes it when it parses (the writer is done: a whole object is kept, a torn one skipped).
+    - A line that does not parse (a killed writer's torn line) is skipped; so is a blank one.
+    - A file replaced (another inode) or cut shorter is read again from its start, and ``restarted`` is True after
+      that read: the rows start again.
+    - A file that is not there (yet) reads as no rows.
+    """
+
+    def __init__(self, path, offset: int = 0):
+        self.path = os.fspath(path)
+        self.offset = offset
+        self.buf = b""
+        self.ino: Optional[int] = None
+        self.bytes_read = 0
+        self.restarted = False
+
+    @classmethod
+    def last(cls, path, n: int, marks: Callable[[dict], bool], chunk: int = CHUNK) -> "JsonlTail":
+        """A tail that starts late in the file: where more than ``n`` rows for which ``marks`` holds follow (the
+        timeline's last ``n`` steps: ``commlab.engine.timeline.ends_step``), or at the start when the file holds no
+        more than that. The file is read backwards from its end, so a long run costs no more than a short one."""
+        return cls(path, _start_of_last(os.fspath(path), n, marks, chunk))
+
+    def read(self, final: bool = False) -> list:
+        self.restarted = False
+        try:
+            f = open(self.path, "rb")
+        except FileNotFoundError:
+            return []
+        with f:
+            st = os.fstat(f.fileno())
+            if (self.ino is not None and st.st_ino != self.ino) or st.st_size < self.offset:
+                self.offset, self.buf, self.restarted = 0, b"", True
+            self.ino = st.st_ino
+            data = b""
+            if st.st_size > self.offset:
+                f.seek(self.offset)
+                data = f.read(st.st_size - self.offset)
+        self.offset += len(data)
+        self.bytes_read += len(data)
+        *lines, self.buf = (self.buf + data).split(b"\n")
+        if final and self.buf:
+            lines.append(self.buf)
+            self.buf = b""
+        return _parse(lines)
+
+
+def _parse(lines) -> list:
     out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
-    except FileNotFoundError:
-        pass
+    for line in lines:
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a torn line of a killed writer
     return out
+
+
+def _start_of_last(path: str, n: int, marks: Callable[[dict], bool], chunk: int) -> int:
+    """The byte offset ``JsonlTail.last`` starts at."""
+    try:
+        size = os.path.getsize(path)
+    except FileNotFoundError:
+        return 0
+    with open(path, "rb") as f:
+        while True:
+            start = max(0, size - chunk)
+            f.seek(start)
+            data = f.read(size - start)
+            if start == 0:
+                return 0
+            cut = data.find(b"\n") + 1  # the first line is cut: start after it
+            if sum(1 for e in _parse(data[cut:].split(b"\n")) if marks(e)) > n:
+                return start + cut
+            chunk *= 4
+
+
+def read_jsonl(path) -> list:
+    """Every row of a JSONL file, read in one go (``JsonlTail``'s rules: a torn line of a killed writer is skipped,
+    a last whole object without its newline is kept); [] when there is no file."""
+    return JsonlTail(path).read(final=True)

@@ -27,6 +27,12 @@ LANES = {
 }
 LANE_NAMES = {v: k for k, v in LANES.items()}
 
+
+def ends_step(event: dict) -> bool:
+    """Whether a timeline event is a step's ``step`` span: a step's spans are flushed together and end with it,
+    so a reader counts steps by these (``commlab.engine.runlog.JsonlTail.last``)."""
+    return event.get("tid") == LANES["step"]
+
 _compact = json.JSONEncoder(separators=(",", ":")).encode
 """``json.dumps(obj, separators=(",", ":"))`` without building an encoder per call."""
 _SCALARS = (str, int, float, bool, type(None))

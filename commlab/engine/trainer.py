@@ -59,6 +59,13 @@ def load_data(spec: JobSpec) -> "data.Dataset":
     return data.load(d.name, seed=spec.seed, **kw)
 
 
+def _plan(run_dir: Optional[str]) -> Optional[dict]:
+    """strategy auto's trial plan (auto-trials.json), read through the run directory's one trials reader
+    (``runfiles.read_trials``), or None."""
+    found = runfiles.read_trials(run_dir)
+    return found.plan if found else None
+
+
 EVAL_MAX = 4096
 """Held-out examples per evaluation at most: the text split has 46 k windows, which would take longer
 than the training between two evaluations."""
@@ -73,11 +80,11 @@ class Trainer:
         self.loss_fn = models.make_loss(spec.model.loss)
         self.waited: Optional[autoprofile.Waited] = None
         """strategy auto without a profile: what the ranks' profile steps and the wait for the plan took."""
-        req = autoprofile.pending(run_dir) if trials.read(run_dir) is None else None
+        req = autoprofile.pending(run_dir) if _plan(run_dir) is None else None
         if req is not None:
             self.waited = autoprofile.profile_then_wait(spec, self.model, self.data, self.loss_fn, run_dir, rank,
                                                         world, device, req)
-        self.trials = trials.read(run_dir)
+        self.trials = _plan(run_dir)
         """strategy auto's trials, trained as the run's first steps (commlab/engine/trials.py), or None."""
         if self.trials is not None:
             if trials.most_steps(self.trials) >= spec.steps:

@@ -1,7 +1,8 @@
 """``strategy: auto``'s trials as the run's own first steps.
 
 Before the ranks start, the lab's advisor (commlab/lab/strategy/auto.py ``plan_in_run``) writes ``auto-trials.json``
-into the run directory: the candidates it picked from its predictions, best-predicted first, each a full
+into the run directory (its fields are checked by ``commlab.engine.runfiles.read_trials``, the ranks' one reader of
+their trials): the candidates it picked from its predictions, best-predicted first, each a full
 spec of the run with that candidate's strategy (``spec``), the spec to go on with if it wins (``final``),
 its convergence penalty and, for MergeComp, the partition the advisor's search predicted (``layout``)
 and that search's predicted cost per step (``extra_ms``).
@@ -33,11 +34,10 @@ steps carry ``"trial": i`` in metrics.jsonl.
 from __future__ import annotations
 
 import copy
-import json
 import os
 import statistics
 import time
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -46,53 +46,6 @@ from commlab.engine import runfiles
 from commlab.engine.compressors import REGISTRY
 from commlab.engine.runlog import write_json_atomic
 from commlab.engine.spec import JobSpec
-
-KEYS = ("label", "spec", "final", "penalty")
-
-
-def read(run_dir: Optional[str]) -> Optional[dict]:
-    """The run directory's trial plan, checked, or None when there is none."""
-    if not run_dir:
-        return None
-    path = os.path.join(run_dir, runfiles.AUTO_TRIALS)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        plan = json.load(f)
-    trials = plan.get("trials")
-    if not isinstance(trials, list) or not trials:
-        raise ValueError(f"{path}: trials must be a non-empty list, got {trials!r}")
-    for i, t in enumerate(trials):
-        missing = [k for k in KEYS if k not in t]
-        if missing:
-            raise ValueError(f"{path}: trials[{i}] lacks {', '.join(missing)}")
-        if not isinstance(t["penalty"], (int, float)) or t["penalty"] <= 0:
-            raise ValueError(f"{path}: trials[{i}].penalty must be a positive number, got {t['penalty']!r}")
-    for k, lo in (("warmup", 0), ("steps", 1), ("abort_after", 1)):
-        if not isinstance(plan.get(k), int) or plan[k] < lo:
-            raise ValueError(f"{path}: {k} must be an integer >= {lo}, got {plan.get(k)!r}")
-    for k, lo in (("lead_in", 0), ("runoff_steps", 1)):
-        if k in plan and (not isinstance(plan[k], int) or isinstance(plan[k], bool) or plan[k] < lo):
-            raise ValueError(f"{path}: {k} must be an integer >= {lo}, got {plan[k]!r}")
-    for key in ("runoff_within", "reference_within"):
-        within = plan.get(key)
-        if within is not None:
-            if not isinstance(within, (int, float)) or isinstance(within, bool) or within < 1:
-                raise ValueError(f"{path}: {key} must be a number >= 1, got {within!r}")
-            if "runoff_steps" not in plan:
-                raise ValueError(f"{path}: {key} needs runoff_steps (the timed steps of a second visit)")
-    if not isinstance(plan.get("abort_ratio"), (int, float)) or plan["abort_ratio"] < 1:
-        raise ValueError(f"{path}: abort_ratio must be a number >= 1, got {plan.get('abort_ratio')!r}")
-    hold = plan.get("hold_margin")
-    if hold is not None and (not isinstance(hold, (int, float)) or hold < 1):
-        raise ValueError(f"{path}: hold_margin must be a number >= 1, got {hold!r}")
-    refs = [i for i, t in enumerate(trials) if t.get("reference")]
-    if len(refs) > 1:
-        raise ValueError(f"{path}: at most one trial is the reference, got trials {refs}")
-    stop = plan.get("stop_ratio")
-    if stop is not None and (not isinstance(stop, (int, float)) or stop < plan["abort_ratio"]):
-        raise ValueError(f"{path}: stop_ratio must be a number >= abort_ratio ({plan['abort_ratio']}), got {stop!r}")
-    return plan
 
 
 def runs_off(plan: dict) -> bool:

@@ -155,10 +155,10 @@ def run(run_dir: str, rank: int) -> None:
             resolved["gpu_codecs"] = graphs.settings()
         _write_json(run_dir, runfiles.RESOLVED, resolved)
     trainer = None
-    trials = read_trials(run_dir)
-    if trials:
+    trials = runfiles.read_trials(run_dir)  # strategy auto's plan, if any, is the Trainer's to read
+    if trials and trials.session:
         try:
-            run_trials(run_dir, trials, dist.get_rank(), world, device)
+            run_trials(run_dir, trials.session, dist.get_rank(), world, device)
         finally:
             dist.destroy_process_group()
         return
@@ -180,23 +180,11 @@ def run(run_dir: str, rank: int) -> None:
             dist.destroy_process_group()
 
 
-def read_trials(run_dir: str) -> list:
-    """A trial session (the advisor's ``--measure``): the run directory's trials.json, ``{"dirs": [...]}``,
-    subdirectories each with a spec.json of its own. The ranks run each one's steps in turn in one process
-    group, so the trials pay one start-up (interpreter, torch, gloo) instead of one each. [] for a run."""
-    path = os.path.join(run_dir, runfiles.TRIALS)
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        dirs = json.load(f)["dirs"]
-    if not dirs or not all(isinstance(d, str) and d and "/" not in d and d not in (".", "..") for d in dirs):
-        raise ValueError(f"{path}: dirs must be a non-empty list of subdirectory names, got {dirs!r}")
-    return dirs
-
-
 def run_trials(run_dir: str, dirs: list, rank: int, world: int, device) -> None:
-    """Each trial's spec for its ``steps`` training steps (no evaluation), one after the other; every
-    trial writes metrics.jsonl, its timeline and tuning.json in its own subdirectory."""
+    """A trial session (the advisor's ``--measure``, trials.json): each trial folder's spec for its ``steps``
+    training steps (no evaluation), one after the other in one process group, so the trials pay one start-up
+    (interpreter, torch, gloo) instead of one each; every trial writes metrics.jsonl, its timeline and
+    tuning.json in its own folder."""
     from commlab.engine.trainer import Trainer
     for d in dirs:
         sub = os.path.join(run_dir, d)

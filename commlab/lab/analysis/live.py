@@ -7,8 +7,9 @@ steps with pandas took about half a second of CPU per refresh, a quarter of a co
 lost (see docs/explanation/presets.md, "Watching a run"). ``LiveRun`` keeps what it read:
 
 - each file is read from where the last refresh stopped (only appended bytes; a torn last line
-  waits for its end), and a file that was replaced or truncated is read again from the start;
-- a timeline file opened late is read from its end (the last ``keep`` steps), never whole;
+  waits for its end), and a file that was replaced or truncated is read again from the start: the run
+  directory's one reader of JSON lines, ``commlab.engine.runlog.JsonlTail``;
+- a timeline file opened late is read from its end (the last ``keep`` steps, ``JsonlTail.last``), never whole;
 - timeline events are kept grouped by step (a step's events end with its ``step`` span, the
   order ``commlab.engine.timeline`` flushes them in), the last ``keep`` steps per rank;
 - the per-step breakdown (``plots.step_breakdown``'s rule) of a step is computed once, from plain
@@ -20,8 +21,6 @@ sessions share it; a lock serialises refreshes). Nothing here imports streamlit.
 from __future__ import annotations
 
 import bisect
-import json
-import os
 import threading
 from collections import OrderedDict, deque
 from pathlib import Path
@@ -30,102 +29,34 @@ from typing import Deque, Dict, List, Optional
 import pandas as pd
 
 from commlab.engine import runfiles
-from commlab.engine.timeline import LANE_NAMES, LANES
+from commlab.engine.runlog import JsonlTail
+from commlab.engine.timeline import LANE_NAMES, ends_step
 from commlab.lab.analysis import plots
 from commlab.lab.rundir.store import Run, timeline_frame
 
-STEP_TID = LANES["step"]
 KEEP_STEPS = 100
 """Steps of timeline kept per rank (the live page shows up to 40 in its breakdown and 20 in its timeline;
 ``commlab.lab.analysis.timelines.run_breakdown``, which the results page uses, averages the last 100)."""
-CHUNK = 1 << 18
-
-
-class JsonlTail:
-    """The rows appended to a JSON-lines file since the last ``read``.
-
-    ``bytes_read`` counts every byte read from the file (a test checks that a refresh reads only
-    what was appended). ``read`` returns ``(rows, restarted)``: ``restarted`` is True when the file
-    was replaced or truncated, so the rows start again from its beginning."""
-
-    def __init__(self, path: Path, offset: int = 0):
-        self.path = Path(path)
-        self.offset = offset
-        self.buf = b""
-        self.ino: Optional[int] = None
-        self.bytes_read = 0
-
-    def read(self):
-        try:
-            f = open(self.path, "rb")
-        except FileNotFoundError:
-            return [], False
-        with f:
-            st = os.fstat(f.fileno())
-            restarted = False
-            if (self.ino is not None and st.st_ino != self.ino) or st.st_size < self.offset:
-                self.offset, self.buf, restarted = 0, b"", True
-            self.ino = st.st_ino
-            if st.st_size == self.offset:
-                return [], restarted
-            f.seek(self.offset)
-            data = f.read(st.st_size - self.offset)
-        self.offset += len(data)
-        self.bytes_read += len(data)
-        *lines, self.buf = (self.buf + data).split(b"\n")
-        return _parse(lines), restarted
-
-
-def _parse(lines) -> List[dict]:
-    out = []
-    for line in lines:
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a torn line of a killed writer
-    return out
-
-
-def tail_start(path: Path, steps: int, chunk: int = CHUNK) -> int:
-    """A byte offset in a timeline file after which at least ``steps`` step spans follow (0 when the
-    file holds no more than that): where a reader that came late starts."""
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return 0
-    with open(path, "rb") as f:
-        while True:
-            start = max(0, size - chunk)
-            f.seek(start)
-            data = f.read(size - start)
-            if start == 0:
-                return 0
-            cut = data.find(b"\n") + 1  # the first line is cut: start after it
-            events = _parse(data[cut:].split(b"\n"))
-            if sum(1 for e in events if e.get("tid") == STEP_TID) > steps:
-                return start + cut
-            chunk *= 4
 
 
 class _RankTimeline:
     """One rank's file: its last ``keep`` steps as lists of events, and what came after the last step."""
 
     def __init__(self, path: Path, keep: int):
-        self.tail = JsonlTail(path, tail_start(path, keep))
+        self.tail = JsonlTail.last(path, keep, ends_step)
         self.steps: Deque[List[dict]] = deque(maxlen=keep)
         self.open: List[dict] = []
         self.rows: Dict[int, list] = {}
         """step number -> its breakdown row (computed once)."""
 
     def update(self) -> None:
-        events, restarted = self.tail.read()
-        if restarted:
+        events = self.tail.read()
+        if self.tail.restarted:
             self.steps.clear()
             self.open, self.rows = [], {}
         for e in events:
             self.open.append(e)
-            if e.get("tid") == STEP_TID:
+            if ends_step(e):
                 self.steps.append(self.open)
                 self.open = []
 
@@ -169,8 +100,7 @@ def breakdown_rows(events: List[dict]) -> List[list]:
     rows = []
     for rank in sorted(by_rank):
         evs = by_rank[rank]
-        wins = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), _step_of(e))
-                      for e in evs if e.get("tid") == STEP_TID)
+        wins = sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"]), _step_of(e)) for e in evs if ends_step(e))
         if not wins:
             continue
         starts = [w[0] for w in wins]
@@ -223,8 +153,8 @@ class LiveRun:
     def refresh(self) -> "LiveRun":
         """Read what was appended to the run's files since the last refresh."""
         with self.lock:
-            rows, restarted = self.metrics_tail.read()
-            if restarted:
+            rows = self.metrics_tail.read()
+            if self.metrics_tail.restarted:
                 self.rows = []
             self.rows.extend(rows)
             for p in self.run.timeline_files():

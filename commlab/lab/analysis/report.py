@@ -14,8 +14,9 @@ import json
 import time
 from typing import Callable, List, Optional
 
+from commlab.engine.runfiles import FINAL
 from commlab.lab.analysis import comparison, plots, results, timelines
-from commlab.lab.rundir.store import FINAL, Run
+from commlab.lab.rundir.store import Run
 from commlab.lab.rundir.summary import format_summary, summarize
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}

@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from commlab.engine.runfiles import FINAL
 from commlab.engine.runlog import write_json_atomic
 from commlab.lab.analysis import timelines
 from commlab.lab.analysis.plots import PART_LABELS, PARTS, assign_steps
 from commlab.lab.analysis.presets import ACCURACY_POINTS, PRESETS, Effect, Preset
 from commlab.lab.base.paths import GROUPS
 from commlab.lab.rundir.disturbance import describe as describe_disturbance
-from commlab.lab.rundir.store import FINAL, check_id
+from commlab.lab.rundir.store import check_id
 from commlab.lab.rundir.summary import fmt_bytes, iteration_times, summarize, warmup_steps
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import predict as pr

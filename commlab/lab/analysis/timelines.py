@@ -6,16 +6,18 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
 import pandas as pd
 
 from commlab.engine import runfiles
+from commlab.engine.runfiles import FINAL
+from commlab.engine.runlog import JsonlTail
+from commlab.engine.timeline import ends_step
 from commlab.lab.analysis import live, plots
 from commlab.lab.analysis.plots import plain
 from commlab.lab.analysis.trace import chrome_trace
-from commlab.lab.rundir.store import FINAL, Run, timeline_frame
+from commlab.lab.rundir.store import Run, timeline_frame
 from commlab.lab.rundir.summary import warmup_steps
 
 
@@ -29,41 +31,12 @@ def progress(run: Run) -> Tuple[int, int]:
     return done, spec["steps"]
 
 
-def _tail_events(path: Path, steps: int, chunk: int = 1 << 18) -> List[dict]:
-    """Events of the last ``steps`` step spans (and what follows them) of one rank's file,
-    read from the end, so a long run costs no more than a short one."""
-    step_tid = 0
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
-        return []
-    with open(path, "rb") as f:
-        while True:
-            start = max(0, size - chunk)
-            f.seek(start)
-            data = f.read(size - start)
-            lines = data.split(b"\n")
-            if start > 0:
-                lines = lines[1:]  # the first line is cut
-            events = []
-            for line in lines:
-                if not line.strip():
-                    continue
-                try:
-                    events.append(json.loads(line))
-                except ValueError:
-                    continue  # a torn last line
-            n_steps = sum(1 for e in events if e.get("tid") == step_tid)
-            if start == 0 or n_steps > steps:
-                return events
-            chunk *= 4
-
-
 def tail_timeline(run: Run, steps: int = 3) -> pd.DataFrame:
-    """The timeline frame of roughly the last ``steps`` iterations of every rank."""
+    """The timeline frame of roughly the last ``steps`` iterations of every rank (and what follows them), each
+    file read from its end (``JsonlTail.last``), so a long run costs no more than a short one."""
     events = []
     for p in run.timeline_files():
-        events.extend(_tail_events(p, steps))
+        events.extend(JsonlTail.last(p, steps, ends_step).read(final=True))
     return timeline_frame(events)
 
 

@@ -8,12 +8,13 @@ import time
 from typing import Dict, List, Optional
 
 from commlab import api
+from commlab.engine.runfiles import FINAL
 from commlab.engine.spec import SpecError
 from commlab.lab.analysis import results, timelines
 from commlab.lab.analysis.presets import Preset
 from commlab.lab.base.errors import LabError
 from commlab.lab.front.ui import get_run, get_run_or_raise, lab_get, queue_runs, runs_dir, viewer, visible
-from commlab.lab.rundir.store import FINAL, RunError
+from commlab.lab.rundir.store import RunError
 from commlab.lab.service import owners
 
 

@@ -7,6 +7,7 @@ import os
 import sys
 import time
 
+from commlab.engine.runfiles import FINAL, STATES
 from commlab.engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE
 from commlab.lab.analysis.trace import write_trace
 from commlab.lab.base import procs
@@ -31,7 +32,6 @@ from commlab.lab.front.sweep import Sweep, markdown
 from commlab.lab.rundir.disturbance import describe, mark
 from commlab.lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
 from commlab.lab.rundir.progress import quiet
-from commlab.lab.rundir.store import FINAL, STATES
 from commlab.lab.rundir.summary import format_summary, summarize, what_ran
 from commlab.lab.service.queue import Lab
 
@@ -147,7 +147,7 @@ def cmd_run(args) -> int:
         return run_joined(lab, spec, args, job)
     progress = quiet(sys.stderr)  # the progress stream: closed early, it only goes quiet (commlab/lab/rundir/progress.py)
     say = None if args.quiet else (lambda m: print(m, file=progress, flush=True))
-    run = lab.create(spec, run_id=args.run_id, say=say)
+    run = lab.create(spec, run_id=args.run_id, say=say, supervisor=procs.identity())
     print(f"run {run.id}  ({run.path})", file=notes(args), flush=True)
     try:
         state = lab.supervise(run, progress=not args.quiet, out=progress)
@@ -166,8 +166,7 @@ def run_node(lab, spec, args) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.node_rank == 0:
-        run = lab.create(spec, run_id=args.run_id)
-        run.set_status("queued", supervisor=procs.identity())
+        run = lab.create(spec, run_id=args.run_id, supervisor=procs.identity())
     else:
         t0 = time.time()
         while True:  # node 0 may not have created it yet
@@ -195,8 +194,7 @@ def run_joined(lab, spec, args, job) -> int:
                          f"{job.world} (WORLD_SIZE); pass --set world_size={job.world}")
     run_id = args.run_id or job.run_id(spec.name)
     if job.rank == 0:
-        run = lab.create(spec, run_id=run_id)
-        run.set_status("queued", supervisor=procs.identity())
+        run = lab.create(spec, run_id=run_id, supervisor=procs.identity())
     else:
         t0 = time.time()
         while True:  # rank 0 may not have created it yet; a finished run of that name is not ours

@@ -25,12 +25,13 @@ from typing import List, Optional
 
 import yaml
 
+from commlab.engine.runfiles import FINAL
 from commlab.engine.runlog import write_json_atomic
 from commlab.engine.spec import SpecError
 from commlab.lab.analysis.comparison import compare_runs
 from commlab.lab.base.paths import SWEEP, SWEEP_CSV, SWEEP_MD, SWEEPS, file_in
 from commlab.lab.base.specs import apply_overrides, load_spec, read_spec_file
-from commlab.lab.rundir.store import FINAL, RunError, slug
+from commlab.lab.rundir.store import RunError, slug
 from commlab.lab.service.queue import Lab
 
 SWEEP_KEYS = ("name", "base", "grid", "target_acc", "baseline")

@@ -12,13 +12,14 @@ from typing import Dict, List, Optional
 import pandas as pd
 import yaml
 
+from commlab.engine.runfiles import FINAL
 from commlab.lab.analysis.comparison import compare_runs
 from commlab.lab.base import procs
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import PROCESS, SOURCE, SWEEP, SWEEP_GRID, SWEEP_LOG, SWEEPS
 from commlab.lab.front.sweep import Sweep
 from commlab.lab.front.ui import get_run, runs_dir, viewer
-from commlab.lab.rundir.store import FINAL, check_id
+from commlab.lab.rundir.store import check_id
 from commlab.lab.service.queue import Lab
 from commlab.lab.service.spawn import spawn_detached
 

@@ -191,7 +191,7 @@ def share(run_id: str, shared: bool = True, runs=None) -> bool:
     if not can_control(run):
         raise LabError(f"share: run {run_id} belongs to {owners.owner_of(run.status())}; "
                        "only its owner or the teacher may share it")
-    run.update_status(shared=bool(shared))
+    run.note(shared=bool(shared))
     Lab(root).index.update(run)
     return bool(shared)
 

@@ -1,14 +1,20 @@
-"""Start a run's ranks and follow them to a final status.
+"""Start a run's ranks and follow them to a final status, in one line:
 
-The launcher owns the run's status: it marks the run running, starts the ranks
-(on one machine directly, each in a session of its own; on emulated clusters
-and across machines one torchrun node each, which stops its ranks with it),
-tails metrics.jsonl for a progress bar, samples how much CPU other processes
-take meanwhile (commlab.lab.rundir.disturbance), and writes done, failed (with the failing
-rank's error) or cancelled at the end. A run with a memory limit per rank
-(``rank_limit_mb`` in its status: a student's ``rank_mb`` quota) has its
-ranks started under it (commlab.lab.base.procs.limit_data), and a rank that passes it
-fails the run with the limit named (``finish_status``).
+    launch   read the run once (its spec; the limits in its status) and place its ranks: on one machine each
+             rank directly, in a session of its own; on a shaped link one torchrun node per rank inside an
+             emulated cluster (torn down however the run ends); with ``Nodes`` this machine's share of a
+             multi-node run (a node other than 0 only runs its share: node 0 owns the status)
+    start    the log, the disturbance sampler (commlab.lab.rundir.disturbance), the processes (forked by the warm
+             server when there is one, commlab.lab.base.warm), then ``mark_running`` with what was started
+    follow   poll the processes; read what metrics.jsonl gained (``JsonlTail``) for the progress bar and
+             ``on_metrics``; stop on a cancel request, Ctrl-C or the run's wall-time quota (``wall_limit_s``
+             in its status: a student's); sample the CPU other processes take
+    finish   kill strays, then one final transition carrying the disturbance figures: done, diverged, failed
+             (the rank that caused it and its error, ``failure_cause``) or cancelled (by whom or why)
+
+A run with a memory limit per rank (``rank_limit_mb`` in its status: a student's ``rank_mb`` quota) has its
+ranks started under it (commlab.lab.base.procs.limit_data), and a rank that passes it fails the run with the
+limit named (``finish_status``).
 """
 from __future__ import annotations
 
@@ -21,6 +27,8 @@ import time
 from typing import Callable, List, Optional
 
 from commlab.engine import runfiles
+from commlab.engine.runfiles import State
+from commlab.engine.runlog import JsonlTail
 from commlab.lab.base import procs, warm
 from commlab.lab.base.procs import stop
 from commlab.lab.base.torchrun import direct_ranks, free_port, torchrun_argv, worker_argv, worker_env
@@ -28,32 +36,6 @@ from commlab.lab.net.netns import Cluster, rank_argv
 from commlab.lab.rundir import disturbance
 from commlab.lab.rundir.progress import RunProgress
 from commlab.lab.rundir.store import Run, slug
-
-
-class MetricsTail:
-    """Reads lines appended to metrics.jsonl since the last call."""
-
-    def __init__(self, path: str):
-        self.path, self.offset, self.buf = path, 0, b""
-
-    def read(self) -> List[dict]:
-        import json
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        self.offset += len(chunk)
-        self.buf += chunk
-        *lines, self.buf = self.buf.split(b"\n")
-        out = []
-        for line in lines:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-        return out
 
 
 def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
@@ -67,9 +49,9 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
     rank as its own torchrun node inside its namespace; the cluster is torn down
     however the run ends. With ``nodes`` this process is one node of a
     multi-machine run: it starts this node's share of the ranks, and only node
-    0 writes the run's status.
+    0 writes the run's status. ``should_cancel`` is asked on every poll.
     """
-    spec = run.spec()
+    spec, limits = run.spec(), run.status()
     with contextlib.ExitStack() as stack:
         if nodes is not None:
             if spec.world_size % nodes.nnodes:
@@ -78,10 +60,9 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
                                  nodes.nnodes, nodes.node_rank, nodes.master_addr)
             # off loopback, gloo uses the interface the user names in GLOO_SOCKET_IFNAME (inherited)
             loopback = nodes.master_addr in ("127.0.0.1", "localhost")
-            jobs = [(argv, {})]
-            info = {"nodes": nodes.nnodes}
             if nodes.node_rank > 0:
-                return _follow_node(run, argv, loopback)
+                return _run_to_end(argv, loopback, run.file(runfiles.NODE_LOG.format(pid=os.getpid())))
+            jobs, info = [(argv, {})], {"nodes": nodes.nnodes}
         elif spec.network.link == "shaped":
             cluster = stack.enter_context(Cluster(spec.world_size, spec.network.gbps, tag=run.id[-4:]))
             port = free_port()
@@ -89,11 +70,9 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
             info = {"cluster": cluster.describe()}
             loopback = True  # each rank's env names its namespace's interface, which overrides lo
         else:
-            jobs = direct_ranks(str(run.path), spec.world_size, free_port())
-            info = {}
-            loopback = True
+            jobs, info, loopback = direct_ranks(str(run.path), spec.world_size, free_port()), {}, True
         return _follow(run, spec, jobs, loopback, info, progress, out or sys.stderr, poll_s, on_metrics,
-                       should_cancel, memory=run.status().get("rank_limit_mb"))
+                       should_cancel, limits, memory=limits.get("rank_limit_mb"))
 
 
 JOB_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -158,7 +137,7 @@ def launch_rank(run: Run, job: JobRank, progress: bool = True, out=None) -> str:
         return _run_to_end(argv, loopback, run.file(runfiles.RANK_LOG.format(rank=job.rank)))
     return _follow(run, run.spec(), [(argv, {})], loopback, {"joined": {"world_size": job.world,
                    "master": f"{job.addr}:{job.port}"}}, progress, out or sys.stderr, 0.2, None, run.cancel_requested,
-                   job_root=job.local_root())
+                   run.status(), job_root=job.local_root())
 
 
 class Nodes:
@@ -181,26 +160,24 @@ def _spawn(argv: List[str], env: dict, loopback: bool, log, memory: Optional[int
                             preexec_fn=child)
 
 
-def _follow_node(run: Run, argv: List[str], loopback: bool) -> str:
-    """A node other than 0: run its torchrun to the end; node 0 owns the run's status."""
-    return _run_to_end(argv, loopback, run.file(runfiles.NODE_LOG.format(pid=os.getpid())))
-
-
 def _run_to_end(argv: List[str], loopback: bool, log_path) -> str:
     """A process of a run whose status another one owns, to its end: done, failed, or cancelled (Ctrl-C)."""
     with open(log_path, "ab", buffering=0) as log:
         p = _spawn(argv, {}, loopback, log)
         try:
-            return "done" if p.wait() == 0 else "failed"
+            return State.DONE if p.wait() == 0 else State.FAILED
         except KeyboardInterrupt:
             stop([p])
-            return "cancelled"
+            return State.CANCELLED
 
 
-def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel,
+def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, should_cancel, limits: dict,
             memory: Optional[int] = None, job_root: Optional[int] = None) -> str:
+    """Start the jobs, follow them, write the final status (see the module docstring). ``limits``: the run's
+    status as the launch read it (its wall-time quota, its memory limit for ``finish_status``); ``memory``: MB
+    each rank may use."""
     cpu = disturbance.Sampler(disturbance.threshold(run.path.parent), runs_root=run.path.parent,
-                              on_update=lambda d: run.update_status(disturbance=d))
+                              on_update=lambda d: run.note(disturbance=d))
     cpu.job_root = job_root
     log = open(run.file(runfiles.LOG), "ab", buffering=0)
     # ranks started directly are forked by the warm server when there is one (commlab.lab.base.warm); it is asked
@@ -214,10 +191,12 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     cpu.reaped = lambda: sum(getattr(p, "ticks", 0) for p in procs_)  # warm ranks' (the server reaps them)
     # "torchruns": the processes started here (the ranks themselves on one machine); the names are kept
     # so that run directories written before read the same
-    run.set_status("running", torchrun=procs.identity(procs_[0].pid),
-                   torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
-    tail = MetricsTail(str(run.file(runfiles.METRICS)))
+    run.mark_running(torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
+    tail = JsonlTail(run.file(runfiles.METRICS))
     bar = RunProgress(spec.steps, spec.world_size, out, final_eval=spec.final_eval) if progress else None
+    wall_s, t0 = limits.get("wall_limit_s"), time.time()
+    stopped = None
+    """Why the launcher stopped the job before its end: the cancelled run's error."""
     try:
         while True:
             codes = [p.poll() for p in procs_]
@@ -233,28 +212,32 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
                 stop(procs_)
                 break
             if should_cancel and should_cancel():
-                raise KeyboardInterrupt
+                stopped = "cancelled"
+                break
+            if wall_s and time.time() - t0 > wall_s:
+                stopped = (f"quota wall_s: stopped after {time.time() - t0:.0f} s of running; the limit is "
+                           f"{wall_s:g} s per run (runs/lab.json quotas.wall_s)")
+                break
             cpu.tick()
             time.sleep(poll_s)
     except KeyboardInterrupt:
+        stopped = "cancelled" + (" by the user (Ctrl-C)" if not should_cancel or not should_cancel() else "")
+    finally:
+        log.close()
+    if stopped:
         stop(procs_)
         kill_strays(run)
         if bar:
             bar.feed(tail.read())  # the lines the ranks wrote before they stopped: the summary counts them too
-            bar.close("cancelled")
-        run.update_status(disturbance=cpu.finish(run.metric_rows()))
-        run.set_status("cancelled", error="cancelled" + (" by the user (Ctrl-C)" if not should_cancel or
-                                                          not should_cancel() else ""))
-        return "cancelled"
-    finally:
-        log.close()
+            bar.close(State.CANCELLED)
+        run.mark_cancelled(stopped, disturbance=cpu.finish(run.metric_rows()))
+        return State.CANCELLED
     kill_strays(run)
     codes = [p.poll() for p in procs_]
     rc = next((c for c in codes if c), 0)
     # a rank started directly: its exit code is its own (torchrun's report in the log names the others')
     exits = [(int(env["RANK"]), c) for (argv, env), c in zip(jobs, codes) if c and _direct(argv)]
-    run.update_status(disturbance=cpu.finish(run.metric_rows()))
-    state = finish_status(run, rc, exits or None)
+    state = finish_status(run, rc, exits or None, disturbance=cpu.finish(run.metric_rows()), limits=limits)
     if bar:
         bar.feed(tail.read())  # what the ranks wrote since the last poll (the summary counts it too)
         bar.close(state)
@@ -265,29 +248,33 @@ def _direct(argv: List[str]) -> bool:
     return "torch.distributed.run" not in argv
 
 
-def finish_status(run: Run, rc: int, exits=None) -> str:
-    """Turn the job's exit code and the files its ranks left into the run's final status. ``exits``:
-    (rank, exit code) of the failed ranks started directly; else they are read from torchrun's report."""
-    diverged = run.read_all(runfiles.DIVERGEDS)
+def finish_status(run: Run, rc: int, exits=None, disturbance: Optional[dict] = None,
+                  limits: Optional[dict] = None) -> str:
+    """Turn the job's exit code and the files its ranks left into the run's final status, in one transition
+    (with ``disturbance``, the CPU figures, when the launcher measured them). ``exits``: (rank, exit code) of
+    the failed ranks started directly; else they are read from torchrun's report. ``limits``: the run's status
+    as the launcher read it (its memory limit); read now when not given."""
+    diverged = run.divergences()
     if diverged:
         d = min(diverged, key=lambda x: x.get("step", 0))
-        run.set_status("diverged", returncode=rc, rank=d.get("rank"), step=d.get("step"), error=d.get("error"))
-        return "diverged"
+        run.mark_diverged(returncode=rc, rank=d.get("rank"), step=d.get("step"), error=d.get("error"),
+                          disturbance=disturbance)
+        return State.DIVERGED
     if rc == 0:
-        run.set_status("done", returncode=0)
-        return "done"
+        run.mark_done(0, disturbance=disturbance)
+        return State.DONE
     rank, why = failure_cause(run, exits=exits)
-    st = run.status()
+    st = run.status() if limits is None else limits
     limit = st.get("rank_limit_mb")
     if limit and out_of_memory(run, why):
         who = "a rank" if rank is None else f"rank {rank}"
-        run.set_status("failed", returncode=rc, rank=rank, cause=why,
-                       error=f"out of memory: {who} passed its limit of {limit} MB "
-                             f"({st.get('rank_limit_from') or 'rank_mb'}); make the batch or the images smaller")
-        return "failed"
-    run.set_status("failed", returncode=rc, rank=rank,
-                   error=why or f"the job exited with code {rc}; see {runfiles.LOG}")
-    return "failed"
+        run.mark_failed(f"out of memory: {who} passed its limit of {limit} MB "
+                        f"({st.get('rank_limit_from') or 'rank_mb'}); make the batch or the images smaller",
+                        returncode=rc, rank=rank, cause=why, disturbance=disturbance)
+        return State.FAILED
+    run.mark_failed(why or f"the job exited with code {rc}; see {runfiles.LOG}", returncode=rc, rank=rank,
+                    disturbance=disturbance)
+    return State.FAILED
 
 
 OOM_SIGNS = ("MemoryError", "can't allocate memory", "Cannot allocate memory", "cannot allocate memory",

@@ -1,14 +1,11 @@
 """The run store: one directory per run, which is the run's whole state.
 
-    runs/<run-id>/spec.json            validated, fully defaulted spec
-                  status.json          queued | running | done | failed | cancelled, times, error,
-                                       disturbance (other processes' CPU during the run)
-                  metrics.jsonl        one object per line (kind step or eval)
-                  timeline-rank<r>.jsonl  Chrome trace events
-                  log.txt              the workers' output
-                  layout.json          the bucket layout (rank 0)
-                  error-rank<r>.json   written by a rank that failed
-                  resolved.json        what rank 0 made of auto and threads 0 (commlab/engine/worker.py)
+What each file of ``runs/<run-id>/`` holds, who writes it and when, and which reader every consumer uses is
+the run directory's protocol, ``commlab.engine.runfiles`` (docs/reference/run-directory.md is generated from it).
+``Run`` is the lab's side of it: the readers (``status``, ``spec_dict``, ``metric_rows``, ``timeline_events``,
+``errors``, ``divergences``, ``worker_pids``, ``log_tail``) and the transitions of status.json, the only way the
+lab writes it: ``mark_queued``, ``mark_running``, ``mark_done``, ``mark_failed``, ``mark_cancelled``,
+``mark_diverged``, and ``note`` for figures while the run goes on.
 
 Run ids from users are checked against a strict pattern, and every path is
 resolved inside the runs directory, so nothing reads or writes outside it.
@@ -39,6 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterable, List, Optional
 
 from commlab.engine import runfiles
+from commlab.engine.runfiles import FINAL, STATES, STATUS_FIELDS, State
 from commlab.engine.runlog import read_jsonl, set_aside, write_json_atomic
 from commlab.engine.spec import JobSpec
 from commlab.engine.timeline import LANE_NAMES
@@ -46,8 +44,6 @@ from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import CONFIG, PRIVATE_MODE, default_root, file_in, make_private
 from commlab.lab.rundir.summary import summarize
 
-STATES = ("queued", "running", "done", "failed", "cancelled", "diverged")
-FINAL = ("done", "failed", "cancelled", "diverged")
 RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
@@ -108,20 +104,76 @@ class Run:
         try:
             st = _read_status(self.file(runfiles.STATUS), READ_TRIES)
         except FileNotFoundError:
-            return {"state": "unknown"}
+            return {"state": State.UNKNOWN}
         except StatusError as e:
-            return {"state": "unknown", "unreadable": str(e)}
+            return {"state": State.UNKNOWN, "unreadable": str(e)}
         self._good = st
         return st
 
     @property
     def state(self) -> str:
-        return self.status().get("state", "unknown")
+        return self.status().get("state", State.UNKNOWN)
+
+    # -- the transitions of status.json: every write of the lab goes through one of these. Each takes the
+    # fields its state carries (commlab.engine.runfiles.STATUS_FIELDS); one given as None is not written.
+    def mark_queued(self, *, supervisor: Optional[dict] = None, owner: Optional[str] = None,
+                    sweep: Optional[str] = None, wall_limit_s: Optional[float] = None,
+                    rank_limit_mb: Optional[int] = None, rank_limit_from: Optional[str] = None,
+                    advisor_for: Optional[str] = None) -> dict:
+        """queued: the run is made (who it is for, its limits), or a process takes it on as its supervisor
+        (``supervisor``: that process's ``procs.identity``)."""
+        return self._transition(State.QUEUED, None, supervisor=supervisor, owner=owner, sweep=sweep,
+                                wall_limit_s=wall_limit_s, rank_limit_mb=rank_limit_mb,
+                                rank_limit_from=rank_limit_from, advisor_for=advisor_for)
+
+    def mark_running(self, *, torchruns: Optional[List[dict]] = None, argv: Optional[List[str]] = None,
+                     supervisor: Optional[dict] = None, own_loop: Optional[dict] = None, **placement) -> dict:
+        """running: the launcher started ``torchruns`` (the ranks, or one torchrun per node: their identities,
+        the first also as ``torchrun``) with ``argv``, placed as ``placement`` says (``nodes``, ``cluster`` or
+        ``joined``); or an own loop (``own_loop``) runs under ``supervisor``."""
+        return self._transition(State.RUNNING, None, torchrun=torchruns[0] if torchruns else None,
+                                torchruns=torchruns, argv=argv, supervisor=supervisor, own_loop=own_loop, **placement)
+
+    def mark_done(self, returncode: int = 0, disturbance: Optional[dict] = None) -> dict:
+        """done: every rank finished."""
+        return self._transition(State.DONE, None, returncode=returncode, disturbance=disturbance)
+
+    def mark_failed(self, error: str, *, rank: Optional[int] = None, returncode: Optional[int] = None,
+                    cause: Optional[str] = None, disturbance: Optional[dict] = None,
+                    only_from: Optional[Iterable[str]] = None) -> dict:
+        """failed, with ``error`` (one line) and, when a rank caused it, that ``rank``. With ``only_from``,
+        only a run in one of those states changes (another process may have ended it first)."""
+        return self._transition(State.FAILED, only_from, error=error, rank=rank, returncode=returncode,
+                                cause=cause, disturbance=disturbance)
+
+    def mark_cancelled(self, error: str, *, disturbance: Optional[dict] = None,
+                       only_from: Optional[Iterable[str]] = None) -> dict:
+        """cancelled, with ``error`` saying by whom or why (as ``mark_failed`` for ``only_from``)."""
+        return self._transition(State.CANCELLED, only_from, error=error, disturbance=disturbance)
+
+    def mark_diverged(self, *, rank: Optional[int], step: Optional[int], error: Optional[str], returncode: int,
+                      disturbance: Optional[dict] = None) -> dict:
+        """diverged: ``rank``'s averaged gradient was not finite at ``step``."""
+        return self._transition(State.DIVERGED, None, rank=rank, step=step, error=error, returncode=returncode,
+                                disturbance=disturbance)
+
+    def note(self, *, disturbance: Optional[dict] = None, strategy: Optional[dict] = None,
+             shared: Optional[bool] = None) -> None:
+        """Figures written while the run goes on, the state left as it is (the index picks them up at the next
+        state change): the CPU other processes took so far, strategy auto's choice (``strategy_note``), a
+        student's run shown to the class."""
+        fields = _given(disturbance=disturbance, strategy=strategy, shared=shared)
+        if fields:
+            self.update_status(**fields)
+
+    def _transition(self, state: str, only_from: Optional[Iterable[str]], **fields) -> dict:
+        return self.set_status(state, only_from=only_from, **_given(**fields))
 
     def set_status(self, state: str, only_from: Optional[Iterable[str]] = None, **fields) -> dict:
         """Change the state (and set ``fields``) in one locked read-modify-write; returns the status.
         With ``only_from``, nothing changes unless the current state is one of those (then the
-        current status is returned as it is)."""
+        current status is returned as it is). The write under the transitions (``mark_...``), which
+        the lab's code calls instead."""
         if state not in STATES:
             raise ValueError(f"state: {state!r} not in {STATES}")
         allowed = None if only_from is None else tuple(only_from)
@@ -134,7 +186,7 @@ class Run:
             st["state"] = state
             now = time.time()
             st.setdefault("created", now)
-            if state == "running":
+            if state == State.RUNNING:
                 st.setdefault("started", now)
             if state in FINAL:
                 st["ended"] = now
@@ -145,14 +197,14 @@ class Run:
         return st
 
     def update_status(self, **fields) -> None:
-        """Set fields of status.json without changing the state or the index (figures written while a
-        run goes on; the index picks them up at the next state change). A run without a status.json
-        (its directory being made or removed) gets none."""
+        """Set fields of status.json without changing the state or the index (``note``'s write). A run
+        without a status.json (its directory being made or removed) gets none."""
         self._change(lambda st: None if st is None else {**st, **fields})
 
     def _change(self, fn: Callable[[Optional[dict]], Optional[dict]]):
         """(status, written): ``fn`` maps the current status (None when there is no file) to the new
-        one, or to None to leave the file alone; it runs under the run's status lock."""
+        one, or to None to leave the file alone (as it is left when the new one is the same); it runs
+        under the run's status lock."""
         path = self.file(runfiles.STATUS)
         with _locked(self.file(runfiles.STATUS_LOCK)):
             # every status writer holds this lock, so a temporary file left now is a killed writer's
@@ -175,8 +227,8 @@ class Run:
             new = fn(st)
             if new is None and recovered:
                 new = st  # the damaged file was moved aside: the rebuilt status must land
-            if new is None:
-                return st or {"state": "unknown"}, False
+            if new is None or (new == st and not recovered):  # nothing changes: nothing is written
+                return st or {"state": State.UNKNOWN}, False
             write_json_atomic(path, new)
             self._good = new
             return new, True
@@ -200,6 +252,10 @@ class Run:
     def worker_pids(self) -> List[dict]:
         """The ranks' process identities, as each worker recorded them at start."""
         return self.read_all(runfiles.PIDS)
+
+    def divergences(self) -> List[dict]:
+        """The diverged ranks' files (``rank``, ``step``, ``error``)."""
+        return self.read_all(runfiles.DIVERGEDS)
 
     # -- logs -------------------------------------------------------------
     def metric_rows(self) -> List[dict]:
@@ -260,9 +316,10 @@ class RunStore:
         self.root = Path(root) if root else default_root()
         self.on_change = on_change
 
-    def create(self, spec: JobSpec, run_id: Optional[str] = None) -> Run:
-        """A new run directory (its owner's alone: paths.make_private), queued. ``run_id`` names it (multi-node
-        runs agree on a name)."""
+    def create(self, spec: JobSpec, run_id: Optional[str] = None, **queued) -> Run:
+        """A new run directory (its owner's alone: paths.make_private), queued with the fields ``queued``
+        (``Run.mark_queued``'s: who it is for, its limits). ``run_id`` names it (multi-node runs agree on a
+        name)."""
         make_private(self.root)
         if run_id is not None:
             check_id(run_id)
@@ -283,7 +340,7 @@ class RunStore:
                 raise RuntimeError("could not allocate a run id")
         run = Run(path, self.on_change)
         write_json_atomic(run.file(runfiles.SPEC), spec.to_dict())
-        run.set_status("queued", created=time.time())
+        run.mark_queued(**queued)
         return run
 
     def get(self, run_id: str) -> Run:
@@ -324,6 +381,21 @@ def lab_config(root: os.PathLike) -> dict:
     if unknown:
         raise LabError(f"{path}: unknown key {unknown[0]!r}; allowed: {', '.join(CONFIG_KEYS)}")
     return cfg
+
+
+def _given(**fields) -> dict:
+    """The fields that have a value (not None), each one status.json has (``runfiles.STATUS_FIELDS``)."""
+    out = {k: v for k, v in fields.items() if v is not None}
+    unknown = sorted(set(out) - set(STATUS_FIELDS))
+    if unknown:
+        raise ValueError(f"status.json: {unknown[0]!r} is not a status field (commlab.engine.runfiles.STATUS_FIELDS)")
+    return out
+
+
+def strategy_note(chosen: Optional[str], by: str, cost_s: Optional[float]) -> dict:
+    """strategy auto's ``strategy`` field: what it chose (None while it is still to choose), how, what the advice
+    cost (seconds)."""
+    return {"chosen": chosen, "by": by, "cost_s": cost_s}
 
 
 def _pause() -> None:

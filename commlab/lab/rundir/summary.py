@@ -4,6 +4,8 @@ from __future__ import annotations
 import statistics
 from typing import Dict, List, Optional
 
+from commlab.engine.runfiles import FINAL
+
 
 def warmup_steps(n: int) -> int:
     """Steps left out of timing medians: the first few carry allocation and lazy init."""
@@ -17,10 +19,6 @@ def iteration_times(metrics: List[dict]) -> Dict[int, float]:
         if m.get("kind") == "step":
             per[m["step"]] = max(per.get(m["step"], 0.0), m["time_ms"])
     return per
-
-
-ENDED = ("done", "failed", "cancelled", "diverged")
-"""A run's final states (commlab.lab.rundir.store.FINAL, which imports this module)."""
 
 
 def what_ran(spec: dict, status: Optional[dict] = None) -> str:
@@ -47,7 +45,7 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional
         out["own_loop"] = True
         out["steps"] = None
     if not steps:
-        if own and status.get("state") in ENDED:
+        if own and status.get("state") in FINAL:
             out["steps"] = 0
         return out
     it = iteration_times(metrics)
@@ -90,7 +88,7 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional
         out["loss_recorded"] = False
     if world == 1:
         out["payload_per_step"] = sent  # what the compressor made, which a second rank would have been sent
-    if own and status.get("state") in ENDED:
+    if own and status.get("state") in FINAL:
         out["steps"] = last + 1
     if trial and len(order) < len(it):
         out["trial_steps"] = len(trial)

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from commlab.engine import codepath, runfiles
+from commlab.engine.runfiles import FINAL, UNFINISHED, State
 from commlab.engine.spec import SpecError
 from commlab.lab.base import procs, sandbox
 from commlab.lab.base.errors import LabError
@@ -37,7 +38,7 @@ from commlab.lab.net.netns import NetworkUnavailable, check_shaped_supported
 from commlab.lab.rundir.index import Index, RunIndexError
 from commlab.lab.rundir.launcher import kill_strays, launch
 from commlab.lab.rundir.progress import quiet
-from commlab.lab.rundir.store import FINAL, Run, RunStore, lab_config
+from commlab.lab.rundir.store import Run, RunStore, lab_config
 from commlab.lab.service.owners import (User, every_rank_mb, fair_order, is_student, local_user, rank_limit, refuse_code,
                                 run_time, typical_run)
 from commlab.lab.service.spawn import spawn_detached
@@ -113,7 +114,8 @@ class Lab:
                owner: Optional[str] = None, wall_limit_s: Optional[float] = None) -> Run:
         """Queue a run. With ``wait`` this process supervises it to the end;
         otherwise a detached supervisor does, and the run is returned at once."""
-        run = self.create(spec, sweep=sweep, owner=owner, wall_limit_s=wall_limit_s)
+        run = self.create(spec, sweep=sweep, owner=owner, wall_limit_s=wall_limit_s,
+                          supervisor=procs.identity() if wait else None)
         if wait:
             self.supervise(run, progress=progress, out=out)
         else:
@@ -121,7 +123,8 @@ class Lab:
         return run
 
     def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
-               wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None) -> Run:
+               wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None,
+               supervisor: Optional[dict] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
         (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
         seconds of running (a student's quota, commlab.lab.service.owners). Its ranks get the memory limit of its owner
@@ -130,7 +133,8 @@ class Lab:
         here, whoever submits it (commlab.lab.service.owners.refuse_code). A model or data set from outside the zoo takes
         one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
         a child with limits (commlab.lab.base.sandbox; the UI's server); ``say`` is told first, since building the model
-        can take a while (a Hugging Face model: its imports and weights, seconds)."""
+        can take a while (a Hugging Face model: its imports and weights, seconds). ``supervisor``: the identity
+        (procs.identity) of the process that will supervise it, when that is known already (``commlab run``)."""
         if is_student(owner):
             refuse_code(spec.to_dict())
         if spec.network.link == "shaped":
@@ -152,18 +156,11 @@ class Lab:
                                 wait_s=sandbox.CHECK_WAIT_S)  # before others' previews (sandbox.Places)
                 except sandbox.SandboxError as e:
                     raise SpecError(e.path, e.msg) from None
-        memory = rank_limit(self.root, owner)
+        memory_mb, memory_from = rank_limit(self.root, owner) or (None, None)
         self.recover_stale()
-        run = self.store.create(spec, run_id)
-        extra = {"owner": owner or local_user().name}
-        if memory is not None:
-            extra["rank_limit_mb"], extra["rank_limit_from"] = memory
-        if sweep:
-            extra["sweep"] = sweep
-        if wall_limit_s:
-            extra["wall_limit_s"] = float(wall_limit_s)
-        run.set_status("queued", **extra)
-        return run
+        return self.store.create(spec, run_id, owner=owner or local_user().name, rank_limit_mb=memory_mb,
+                                 rank_limit_from=memory_from, sweep=sweep or None,
+                                 wall_limit_s=float(wall_limit_s) if wall_limit_s else None, supervisor=supervisor)
 
     def spawn_supervisor(self, run: Run) -> int:
         argv = [sys.executable, "-m", "commlab.lab.service.supervise", "--runs", str(self.root.resolve()), run.id]
@@ -171,12 +168,12 @@ class Lab:
         pid = spawn_detached(argv, run.file(runfiles.SUPERVISOR_LOG), cwd=SOURCE,
                              env={**os.environ, "COMMLAB_MAX_JOBS": str(self.max_jobs)})
         # recorded here too, so the run is never without a live owner between spawn and its first status write
-        run.set_status("queued", supervisor=procs.identity(pid))
+        run.mark_queued(supervisor=procs.identity(pid))
         return pid
 
     def supervise(self, run: Run, progress: bool = False, out=None) -> str:
         """Wait for a slot, run the job, write its final status. Returns the final state."""
-        run.set_status("queued", supervisor=procs.identity())
+        run.mark_queued(supervisor=procs.identity())
         out = quiet(out)  # a closed pipe silences the progress; the run goes on (commlab/lab/rundir/progress.py)
         slot = None
         shown = False
@@ -184,8 +181,8 @@ class Lab:
         try:
             while slot is None:
                 if run.cancel_requested():
-                    run.set_status("cancelled", error="cancelled while queued")
-                    return "cancelled"
+                    run.mark_cancelled("cancelled while queued")
+                    return State.CANCELLED
                 place = self.queue_position(run, upto=self.max_jobs + NEAR)
                 if not checked and place < self.max_jobs + NEAR:
                     # import torch and validate the spec near the head of the queue, not while holding a
@@ -206,33 +203,22 @@ class Lab:
                 record = self._resolve_strategy(run, progress, out)
             except (LabError, ValueError, OSError) as e:  # said in the run's status, as a rank's failure is
                 if run.cancel_requested():
-                    run.set_status("cancelled", error="cancelled while the advisor chose its strategy")
-                    return "cancelled"
-                run.set_status("failed", error=f"strategy auto: {type(e).__name__}: {e}".splitlines()[0])
-                return "failed"
-            limit = run.status().get("wall_limit_s")
-            t0 = time.time()
-            over = []
-
-            def should_cancel() -> bool:
-                if limit and not over and time.time() - t0 > limit:
-                    over.append(time.time() - t0)
-                return bool(over) or run.cancel_requested()
-            state = launch(run, progress=progress, out=out, should_cancel=should_cancel)
-            if over and state == "cancelled":
-                run.set_status("cancelled", only_from=("cancelled",),
-                               error=f"quota wall_s: stopped after {over[0]:.0f} s of running; the limit is "
-                                     f"{limit:g} s per run (runs/lab.json quotas.wall_s)")
+                    run.mark_cancelled("cancelled while the advisor chose its strategy")
+                    return State.CANCELLED
+                run.mark_failed(f"strategy auto: {type(e).__name__}: {e}".splitlines()[0])
+                return State.FAILED
+            # the launcher stops the run on a cancel request or past its wall-time quota (wall_limit_s)
+            state = launch(run, progress=progress, out=out, should_cancel=run.cancel_requested)
             if record is not None:
                 keep_record(run, record)
             return state
         except KeyboardInterrupt:  # Ctrl-C while queued or choosing: the user stopped it, nothing broke
             if run.state not in FINAL:
-                run.set_status("cancelled", error="cancelled by the user (Ctrl-C)")
+                run.mark_cancelled("cancelled by the user (Ctrl-C)")
             raise
         except BaseException as e:
             if run.state not in FINAL:
-                run.set_status("failed", error=f"launcher error: {type(e).__name__}: {e}")
+                run.mark_failed(f"launcher error: {type(e).__name__}: {e}")
             raise
         finally:
             if slot is not None:
@@ -281,8 +267,7 @@ class Lab:
         if not procs.alive(run.status().get("supervisor")):
             kill_strays(run)
             # only_from: a launcher that ended meanwhile keeps the final state it wrote
-            return run.set_status("cancelled", only_from=("queued", "running"),
-                                  error="cancelled (no live launcher)")["state"]
+            return run.mark_cancelled("cancelled (no live launcher)", only_from=UNFINISHED)["state"]
         return state
 
     def runner(self) -> Callable[..., Run]:
@@ -325,7 +310,7 @@ class Lab:
             listed = set()
         for run in self.store.list():
             st = run.status()
-            if st.get("state") not in ("queued", "running"):
+            if st.get("state") not in UNFINISHED:
                 if run.id in listed and st.get("state") in FINAL:
                     self._changed(run)
                 continue
@@ -337,9 +322,9 @@ class Lab:
             for ident in st.get("torchruns") or [st.get("torchrun")]:  # what the launcher started: ranks or torchruns
                 procs.kill_if_ours(ident, str(run.path))
             sup = st.get("supervisor") or {}
-            new = run.set_status("failed", only_from=("queued", "running"),  # not if another command did it first
-                                 error=f"stale: its launcher (pid {sup.get('pid')}) died; found at a later start")
-            if new.get("state") == "failed":
+            new = run.mark_failed(f"stale: its launcher (pid {sup.get('pid')}) died; found at a later start",
+                                  only_from=UNFINISHED)  # not if another command did it first
+            if new.get("state") == State.FAILED:
                 stale.append(run.id)
         return stale
 

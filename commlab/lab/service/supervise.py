@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from commlab.engine.runfiles import State
 from commlab.lab.base.errors import LabError
 from commlab.lab.rundir.store import RunStore
 from commlab.lab.service.queue import Lab
@@ -22,12 +23,12 @@ def main(argv=None) -> int:
     try:
         lab = Lab(args.runs)
     except LabError as e:  # e.g. a runs/lab.json broken since the run was queued: say so in its status
-        RunStore(args.runs).get(args.run_id).set_status("failed", only_from=("queued",), error=str(e))
+        RunStore(args.runs).get(args.run_id).mark_failed(str(e), only_from=(State.QUEUED,))
         print(f"commlab: error: {e}", file=sys.stderr)
         return 2
     run = lab.store.get(args.run_id)
     state = lab.supervise(run)
-    return 0 if state == "done" else 1
+    return 0 if state == State.DONE else 1
 
 
 if __name__ == "__main__":

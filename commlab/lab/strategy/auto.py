@@ -16,13 +16,14 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from commlab.engine import runfiles
+from commlab.engine.runfiles import FINAL
 from commlab.engine.runlog import read_jsonl, write_json_atomic
 from commlab.engine.timeline import LANES
 from commlab.lab.base import procs
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.specs import load_spec
 from commlab.lab.rundir.launcher import launch
-from commlab.lab.rundir.store import FINAL
+from commlab.lab.rundir.store import strategy_note
 from commlab.lab.strategy.advisor import DDP_HOLD, Advice, advise, explain, measure_in_session
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import whatif
@@ -150,7 +151,7 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
         t = lab.store.create(load_spec(data=s))
         if prepare is not None:
             prepare(t)
-        t.set_status("queued", supervisor=procs.identity(), advisor_for=run.id)
+        t.mark_queued(supervisor=procs.identity(), advisor_for=run.id)
         trials.append(t.id)
         launch(t, progress=False, should_cancel=should_cancel)
         return t
@@ -169,7 +170,7 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
                       "planned_at": time.time()}
             write_record(run, record)
             trial_timeline(run, [lab.store.get(t) for t in trials], {})  # a profiling run, if one ran
-            run.update_status(strategy={"chosen": None, "by": "trials in the run", "cost_s": adv.cost_s["total"]})
+            run.note(strategy=strategy_note(None, "trials in the run", adv.cost_s["total"]))
             return adv
         t2 = time.perf_counter()
         measure_in_session(adv, picks, st["trial_steps"], runner, say)
@@ -185,7 +186,7 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     for t in (lab.store.get(t) for t in trials):  # the profiling run, the trial session's trials
         parts += session_trials(t) if t.file(runfiles.TRIALS).is_file() and t.state == "done" else [t]
     trial_timeline(run, parts, {c.trial_run: c.label for c in adv.candidates})
-    run.update_status(strategy={"chosen": adv.winner.label, "by": adv.chosen_by, "cost_s": adv.cost_s["total"]})
+    run.note(strategy=strategy_note(adv.winner.label, adv.chosen_by, adv.cost_s["total"]))
     return adv
 
 
@@ -207,7 +208,7 @@ def start_profile_in_run(lab, run, say: Callable[[str], None]) -> threading.Thre
     write_json_atomic(run.file(runfiles.AUTO_PENDING), {"profile_steps": PROFILE_STEPS, "timeout_s": PLAN_TIMEOUT_S})
     write_record(run, {"chosen_by": "pending: profile and trials in the run", "runs": [],
                        "requested_at": time.time()})
-    run.update_status(strategy={"chosen": None, "by": "profile and trials in the run", "cost_s": None})
+    run.note(strategy=strategy_note(None, "profile and trials in the run", None))
     say(f"advisor: no profile of the model in the lab; the run's ranks measure it in {PROFILE_STEPS} dry steps "
         "(no exchange, no update), then train the advisor's trials as the run's first steps")
     t = threading.Thread(target=plan_after_profile, args=(lab, run, say), name=f"advisor {run.id}", daemon=True)
@@ -257,7 +258,7 @@ def plan_after_profile(lab, run, say: Callable[[str], None], poll_s: float = 0.0
         write_json_atomic(run.file(runfiles.AUTO_ADVICE), record)
         write_record(run, record)
         write_json_atomic(run.file(runfiles.AUTO_TRIALS), plan)  # the ranks go on
-        run.update_status(strategy={"chosen": None, "by": "trials in the run", "cost_s": adv.cost_s["total"]})
+        run.note(strategy=strategy_note(None, "trials in the run", adv.cost_s["total"]))
         say(f"advisor: profiled in the run ({info['wall_s']:.2f} s); {len(picks)} trials as the run's first steps: "
             + "; ".join(c.label for c in picks))
         return adv
@@ -311,8 +312,7 @@ def keep_record(run, record: Optional[dict]) -> None:
         folded = fold_in_run(run, current)
         if folded is not current:
             write_record(run, folded)
-            run.update_status(strategy={"chosen": folded["winner"], "by": "measured in the run",
-                                        "cost_s": folded["cost_s"]["total"]})
+            run.note(strategy=strategy_note(folded["winner"], "measured in the run", folded["cost_s"]["total"]))
             return
     if RECORD_KEY not in info:
         write_record(run, current)

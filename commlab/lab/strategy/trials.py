@@ -176,9 +176,11 @@ def prepare_session(run, specs: List[dict], cands: List[Candidate], profile) -> 
 
 
 def session_trials(run) -> List[object]:
-    """The trials of a finished session run, as runs of their own (id ``<session>/trial-<i>``)."""
+    """The trials of a finished session run, as runs of their own (id ``<session>/trial-<i>``), read through the
+    run directory's one trials reader (commlab.engine.runfiles.read_trials, as the session's ranks read them)."""
     out = []
-    for d in json.loads(run.file(runfiles.TRIALS).read_text())["dirs"]:
+    found = runfiles.read_trials(str(run.path))
+    for d in found.session if found else []:
         t = Run(run.path / d)
         t.id = f"{run.id}/{d}"
         out.append(t)
