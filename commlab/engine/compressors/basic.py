@@ -1,16 +1,13 @@
 """The identity compressor."""
 from __future__ import annotations
 
-from commlab.engine.compressors.base import Compressor
+from commlab.engine.compressors.base import Capabilities, Compressor
 
 
 class NoneCompressor(Compressor):
     """No compression: the payload is the bucket itself, all-reduced in place."""
     name = "none"
-    summable = True
-    keeps_shape = True
-    lossless = True
-    identity = True
+    capabilities = Capabilities(summable=True, keeps_shape=True, lossless=True, identity=True)
 
     def compress(self, t):
         return [t], None
