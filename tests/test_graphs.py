@@ -224,6 +224,9 @@ def test_a_run_says_what_its_graphs_did_and_records_the_switches(monkeypatch):
     assert graphs.summary([a, b, c, None]) == (
         "CUDA graphs: 1 of 3 codec(s) captured, 1 capture(s), 3 replay(s); 1 stayed eager, the first because "
         "RuntimeError: operation not permitted when stream is capturing")
+    wrapped = compressors.make("onebit", error_feedback=True)  # its decoding's graphs are the inner codec's
+    wrapped.inner._graphs = a._graphs
+    assert graphs.summary([wrapped]) == "CUDA graphs: 1 of 1 codec(s) captured, 1 capture(s), 3 replay(s)"
     monkeypatch.setenv("COMMLAB_FUSED", "0")
     monkeypatch.delenv("COMMLAB_FUSED_LAUNCH", raising=False)
     with graphs.enabled():
