@@ -449,7 +449,7 @@ class ErrorFeedback(Compressor):
         return self.inner.decompress(payload, ctx)
 
     def exchange(self, t: Tensor, world_size: int, bucket: BucketContext = DEFAULT_BUCKET) -> Exchange:
-        return self.inner.exchange(t, world_size, self.fed(bucket))
+        return self.inner.exchange(t, world_size, self._fed if bucket is self._given else self.fed(bucket))
 
     def state_dict(self) -> dict:
         return {"ef": {"residual": self.residual}, **self.inner.state_dict()}
