@@ -117,7 +117,8 @@ def commlab_side(name, device, eager=False, graphed=False):
     exchanges' decoding do)."""
     from bench.grace_compare import PARAMS
     from commlab.engine.compressors import fused, graphs, make
-    from commlab.engine.compressors.base import DEFAULT_BUCKET, nbytes
+    from commlab.engine.compressors.base import nbytes
+    from commlab.engine.compressors.capabilities import DEFAULT_BUCKET
     c = make(name, **PARAMS.get(name, {}))
     last = {}
 

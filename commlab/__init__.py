@@ -44,9 +44,12 @@ def __getattr__(name):  # torch is imported only when the API is used
     if name in ("wrap", "OwnLoop"):
         from commlab import own
         return getattr(own, name)
-    if name in ("Compressor", "Capabilities", "ErrorFeedback", "Round", "Param"):
+    if name in ("Compressor", "ErrorFeedback", "Round", "Param"):
         from commlab.engine.compressors import base  # Param is declared in commlab/engine/compressors/params.py
         return getattr(base, name)
+    if name == "Capabilities":
+        from commlab.engine.compressors.capabilities import Capabilities
+        return Capabilities
     if name == "register_compressor":
         from commlab.engine.compressors import register
         return register

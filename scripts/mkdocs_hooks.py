@@ -137,12 +137,12 @@ def spec_reference() -> str:
 
 CAPABILITIES = ("summable", "keeps_shape", "lossless", "identity", "rounds", "builtin_feedback", "builtin_momentum",
                 "counts_steps", "steady_payload", "shard_codec", "warmup_exchanges", "elementwise")
-"""Fields of commlab.engine.compressors.base.Capabilities shown per compressor, where the record has them."""
+"""Fields of commlab.engine.compressors.capabilities.Capabilities shown per compressor, where the record has them."""
 
 
 def capabilities_reference() -> str:
     from commlab.engine import compressors
-    from commlab.engine.compressors.base import Capabilities
+    from commlab.engine.compressors.capabilities import Capabilities
     caps = [c for c in CAPABILITIES if hasattr(Capabilities, c)]
     head = ["compressor", *caps, "dear reduce-scatter"]
     out = ["| " + " | ".join(f"`{h}`" if h in caps else h for h in head) + " |", "|" + "---|" * len(head)]

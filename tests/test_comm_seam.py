@@ -13,7 +13,8 @@ from commlab.engine.comm.modes import MODES
 from commlab.engine.comm.collectives import (issue_all_to_all, issue_allgather, issue_allgather_into, issue_reduce_scatter,
                                      pack_offsets)
 from commlab.engine.comm.exchange import local_collective
-from commlab.engine.compressors.base import Capabilities, Compressor, Round
+from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors.capabilities import Capabilities
 
 
 class GatherIdentity(Compressor):

@@ -1,4 +1,4 @@
-"""Capabilities compressors declare instead of being probed for (commlab/engine/compressors/base.py,
+"""Capabilities compressors declare instead of being probed for (commlab/engine/compressors/capabilities.py,
 ``Capabilities``): warmup_exchanges (uncompressed exchanges first) and the optional per_tensor (compresses
 tensor by tensor from the bucket's layout, commlab/engine/compressors/contract.py). The declarations are
 checked against what the exchanges really do."""
@@ -7,7 +7,7 @@ import torch
 
 from distutil import emulate_exchange
 from commlab.engine.compressors import contract, make, names
-from commlab.engine.compressors.base import BucketContext
+from commlab.engine.compressors.capabilities import BucketContext
 
 N = 4096
 LAYOUT = BucketContext(layout=[(0, (64, 32)), (2048, (2048,))])

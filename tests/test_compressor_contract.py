@@ -14,8 +14,8 @@ from distutil import run_world
 from commlab.engine import compressors
 from commlab.engine.comm.exchange import Exchange, local_collective, run_exchange
 from commlab.engine.compressors import conformance, contract, make, names
-from commlab.engine.compressors.base import (DEFAULT_BUCKET, BucketContext, Capabilities, Compressor, ErrorFeedback,
-                                             Round, nbytes)
+from commlab.engine.compressors.base import Compressor, ErrorFeedback, Round, nbytes
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.params import Param
 
 OLD_PER_BUCKET = ("bucket", "process_rank", "layout", "last_bytes", "ef")

@@ -7,7 +7,8 @@ import torch
 
 from commlab.engine import compressors
 from commlab.engine.compressors import contract, make, names
-from commlab.engine.compressors.base import BucketContext, ErrorFeedback
+from commlab.engine.compressors.base import ErrorFeedback
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.params import Param
 from commlab.engine.comm.exchange import local_collective, run_exchange
 from distutil import emulate_exchange

@@ -11,7 +11,8 @@ import torch
 
 from commlab.engine.comm.exchange import Exchange
 from commlab.engine.compressors import bitpack, make, names
-from commlab.engine.compressors.base import BucketContext, nbytes
+from commlab.engine.compressors.base import nbytes
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.base import Round
 
 QUANT = ["fp16", "bf16", "qsgd", "terngrad", "natural", "signsgd", "efsignsgd", "signum", "onebit"]

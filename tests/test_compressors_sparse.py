@@ -11,7 +11,8 @@ import torch
 from distutil import emulate_exchange
 
 from commlab.engine.compressors import make
-from commlab.engine.compressors.base import BucketContext, nbytes
+from commlab.engine.compressors.base import nbytes
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.countsketch import median_rows
 from commlab.engine.compressors.powersgd import orthogonalize_
 from commlab.engine.compressors import REGISTRY as COMPRESSORS

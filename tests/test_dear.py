@@ -11,7 +11,8 @@ import torch
 from distutil import run_world
 from commlab.engine import schedules
 from commlab.engine.comm import dear
-from commlab.engine.compressors.base import Capabilities, Compressor, ErrorFeedback
+from commlab.engine.compressors.base import Compressor, ErrorFeedback
+from commlab.engine.compressors.capabilities import Capabilities
 from commlab.engine.compressors.plan import Plan
 from commlab.engine.tuners import capsearch
 from commlab.engine.schedules import ParamInfo

@@ -15,7 +15,7 @@ import torch
 
 from commlab.engine import compressors
 from commlab.engine.compressors import contract, fused
-from commlab.engine.compressors.base import BucketContext
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.quantize import _Ctx
 from commlab.engine.compressors.sign import _Vote
 

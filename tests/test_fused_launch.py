@@ -13,7 +13,7 @@ import torch
 
 from commlab.engine import compressors
 from commlab.engine.compressors import contract, fused
-from commlab.engine.compressors.base import BucketContext
+from commlab.engine.compressors.capabilities import BucketContext
 
 
 def test_the_key_separates_what_triton_specializes_on():

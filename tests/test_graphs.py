@@ -18,7 +18,7 @@ import torch
 
 from commlab.engine import compressors
 from commlab.engine.compressors import contract, fused, graphs
-from commlab.engine.compressors.base import DEFAULT_BUCKET, BucketContext
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -226,7 +226,8 @@ def test_a_run_says_what_its_graphs_did_and_records_the_switches(monkeypatch):
         "RuntimeError: operation not permitted when stream is capturing")
     wrapped = compressors.make("onebit", error_feedback=True)  # its decoding's graphs are the inner codec's
     wrapped.inner._graphs = a._graphs
-    assert graphs.summary([wrapped]) == "CUDA graphs: 1 of 1 codec(s) captured, 1 capture(s), 3 replay(s)"
+    assert graphs.summary([contract.unwrap(wrapped)]) == "CUDA graphs: 1 of 1 codec(s) captured, 1 capture(s), " \
+                                                         "3 replay(s)"
     monkeypatch.setenv("COMMLAB_FUSED", "0")
     monkeypatch.delenv("COMMLAB_FUSED_LAUNCH", raising=False)
     with graphs.enabled():

@@ -586,7 +586,7 @@ def test_skipping_warm_up_gives_the_steady_state_payload():
     first: the same rounds, bytes and tensors as after driving them all (a layout of matrices and a vector)."""
     from commlab.engine import compressors
     from commlab.engine.compressors import contract
-    from commlab.engine.compressors.base import BucketContext
+    from commlab.engine.compressors.capabilities import BucketContext
     from commlab.lab.strategy.perfmodel import calibrate as cal
     shapes, off = [], 0
     for shape in ((64, 48), (32,), (40, 40)):
@@ -619,7 +619,7 @@ def test_a_steady_payload_shows_its_sizes_in_one_exchange(ef):
     of zeros), under error feedback too; threshold's, which does not declare it, follows the values."""
     from commlab.engine import compressors
     from commlab.engine.compressors import contract
-    from commlab.engine.compressors.base import BucketContext
+    from commlab.engine.compressors.capabilities import BucketContext
     from commlab.lab.strategy.perfmodel import calibrate as cal
     shapes, off = [], 0
     for shape in ((64, 48), (32,), (40, 40)):
@@ -668,7 +668,7 @@ def test_declared_rounds_are_the_driven_ones(params):
     feedback. Top-k, int8 and PowerSGD (per tensor) declare; PowerSGD without a layout does not."""
     from commlab.engine import compressors
     from commlab.engine.compressors import contract
-    from commlab.engine.compressors.base import BucketContext
+    from commlab.engine.compressors.capabilities import BucketContext
     from commlab.lab.strategy.perfmodel import calibrate as cal
     g = torch.Generator().manual_seed(2)
     declaring = set()

@@ -15,7 +15,7 @@ from distutil import emulate_exchange, run_world
 from commlab.engine import compressors, data, models, schedules
 from commlab.engine.comm.wfbp import WFBP
 from commlab.engine.compressors import make
-from commlab.engine.compressors.base import BucketContext
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.powersgd import matrix_shape, plan_layout
 
 # a conv weight, its bias, a linear weight, its bias, a matrix too small to pay at rank 2, a scalar

@@ -37,7 +37,8 @@ import torch.distributed as dist
 
 from commlab.engine.comm.collectives import Pending
 from commlab.engine.compressors import contract
-from commlab.engine.compressors.base import BucketContext, Compressor
+from commlab.engine.compressors.base import Compressor
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.plan import Plan
 from commlab.engine.netmodel import ModeledLink
 from commlab.engine.schedules import ParamInfo

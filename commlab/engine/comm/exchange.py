@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from commlab.engine.comm.collectives import OPS, issue
 from commlab.engine.compressors import contract
-from commlab.engine.compressors.base import DEFAULT_BUCKET, BucketContext, Compressor, Round, round_bytes
+from commlab.engine.compressors.base import Compressor, Round, round_bytes
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext
 from commlab.engine.netmodel import ModeledLink
 
 Tensor = torch.Tensor

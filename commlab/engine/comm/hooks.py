@@ -25,7 +25,7 @@ import torch.distributed as dist
 from commlab.engine import compressors
 from commlab.engine.comm.collectives import issue
 from commlab.engine.comm.exchange import Exchange
-from commlab.engine.compressors.base import BucketContext
+from commlab.engine.compressors.capabilities import BucketContext
 
 
 class HookState:

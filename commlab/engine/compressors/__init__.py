@@ -18,7 +18,8 @@ import re
 from typing import Dict, Optional, Tuple, Type, Union
 
 from commlab.engine import codepath, external
-from commlab.engine.compressors.base import Capabilities, Compressor, ErrorFeedback
+from commlab.engine.compressors.base import Compressor, ErrorFeedback
+from commlab.engine.compressors.capabilities import Capabilities
 from commlab.engine.compressors.basic import NoneCompressor
 from commlab.engine.compressors.countsketch import CountSketch
 from commlab.engine.compressors.powersgd import PowerSGD

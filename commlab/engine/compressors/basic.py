@@ -1,7 +1,8 @@
 """The identity compressor."""
 from __future__ import annotations
 
-from commlab.engine.compressors.base import Capabilities, Compressor
+from commlab.engine.compressors.base import Compressor
+from commlab.engine.compressors.capabilities import Capabilities
 
 
 class NoneCompressor(Compressor):

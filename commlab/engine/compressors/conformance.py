@@ -44,7 +44,8 @@ import torch
 
 from commlab.engine.comm.exchange import local_collective, run_exchange
 from commlab.engine.compressors import contract, make, resolve
-from commlab.engine.compressors.base import BucketContext, Compressor, nbytes
+from commlab.engine.compressors.base import Compressor, nbytes
+from commlab.engine.compressors.capabilities import BucketContext
 
 Tensor = torch.Tensor
 

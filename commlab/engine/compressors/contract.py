@@ -25,8 +25,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from commlab.engine.compressors.base import (DEFAULT_BUCKET, BucketContext, Compressor, ErrorFeedback, Exchange,
-                                             Round)
+from commlab.engine.compressors.base import Compressor, ErrorFeedback, Exchange, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext
 
 Tensor = torch.Tensor
 Rounds = Optional[List[Tuple[str, int, int]]]

@@ -94,8 +94,7 @@ def settings() -> dict:
 def summary(codecs) -> Optional[str]:
     """One line on what the graphs of these codec instances did (a run's log says it at its end), or None where
     none of them was ever asked for a graph."""
-    from commlab.engine.compressors.base import ErrorFeedback
-    codecs = [c.inner if isinstance(c, ErrorFeedback) else c for c in codecs if c is not None]  # the wrapped codec
+    codecs = [c for c in codecs if c is not None]
     kept = [g for g in (c.__dict__.get("_graphs") for c in codecs) if g is not None]
     if not kept:
         return None

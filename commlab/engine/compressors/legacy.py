@@ -1,6 +1,6 @@
 """Compressors written to the earlier contract keep working.
 
-Before ``Capabilities`` and ``BucketContext`` (commlab/engine/compressors/base.py), a class declared its
+Before ``Capabilities`` and ``BucketContext`` (commlab/engine/compressors/capabilities.py), a class declared its
 capabilities as class attributes (``summable = False``, ``rounds = 2``, a ``warmup_exchanges`` property, or values
 set on the instance in ``__init__``), read ``self.bucket``, ``self.process_rank``, ``self.layout`` and ``self.ef``
 (set on it by the communicator and the factory), called ``self.encode(t)`` in its own ``exchange(t, world_size)``,
@@ -16,9 +16,10 @@ set ``self.last_bytes``, and took ``(n, element_size)`` in ``declared_rounds``. 
   ``declared_rounds(n, element_size)``, ``declared_shard_rounds(n, element_size)``, ``per_tensor(n)``;
 - gives ``last_bytes`` a class default so that setting it still works (the exchange driver counts the bytes now).
 
-A class is read the old way when it sets any of those capability attributes itself, defines one of those hooks
-with its old signature, reads one of the old per-bucket names in its own methods without declaring
-``capabilities``, or subclasses such a class. Overrides of ``shard_path``, ``shard_problem``, ``encode_parts`` and
+The built-ins and ``ErrorFeedback`` are written to the current contract and pass through unchanged. A class is
+read the old way when it sets any of those capability attributes itself, defines one of those hooks with its old
+signature, reads one of the old per-bucket names in its own methods without declaring ``capabilities``, or
+subclasses such a class. Overrides of ``shard_path``, ``shard_problem``, ``encode_parts`` and
 ``elementwise_state`` are no longer consulted: the capabilities record and commlab/engine/compressors/contract.py
 say those.
 """
@@ -29,7 +30,7 @@ import inspect
 from dataclasses import fields, replace
 from types import CodeType, FunctionType
 
-from commlab.engine.compressors.base import DEFAULT_BUCKET, BucketContext, Capabilities, Compressor
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 
 OLD = tuple(f.name for f in fields(Capabilities) if f.name != "takes_bucket")
 """The capabilities the earlier contract declared as attributes of the class or instance."""
@@ -60,7 +61,7 @@ def adapt(cls) -> None:
             setattr(cls, k, v)
     if not declared:
         cls.capabilities = _Capabilities()
-    if "encode" not in own and not any("encode" in b.__dict__ for b in cls.__mro__[1:] if b is not Compressor):
+    if not any("encode" in b.__dict__ for b in cls.__mro__):
         cls.encode = _encode
     if isinstance(own.get("compress"), FunctionType):
         cls.compress = _with_bucket(own["compress"], 1)

@@ -41,7 +41,8 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from commlab.engine.compressors import bitpack, fused, graphs
-from commlab.engine.compressors.base import DEFAULT_BUCKET, BucketContext, Capabilities, Compressor, Round
+from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.params import Param, mix_seed, seed
 
 Tensor = torch.Tensor

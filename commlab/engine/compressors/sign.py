@@ -23,7 +23,8 @@ from typing import List, Optional
 import torch
 
 from commlab.engine.compressors import bitpack, fused, graphs
-from commlab.engine.compressors.base import DEFAULT_BUCKET, BucketContext, Round
+from commlab.engine.compressors.base import Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext
 from commlab.engine.compressors.params import Param
 from commlab.engine.compressors.quantize import _HALF, _ONE, _Ctx, _flat, _Lossy, _work_dtype
 

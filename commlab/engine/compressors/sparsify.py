@@ -23,7 +23,8 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from commlab.engine.compressors.base import DEFAULT_BUCKET, BucketContext, Capabilities, Compressor, Round
+from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.kernels import Scratch, count_of, out_buffer, top_indices
 from commlab.engine.compressors.params import Param, mix_seed, ratio, seed
 

@@ -32,8 +32,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from commlab.engine.compressors.base import (DEFAULT_BUCKET, BucketContext, Capabilities, Compressor, ErrorFeedback,
-                                             Round)
+from commlab.engine.compressors.base import Compressor, ErrorFeedback, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.params import Param
 from commlab.engine.methods.base import Context, Event, Method
 from commlab.engine.methods.transfer import Group, Transfer, groups

@@ -14,7 +14,8 @@ import torch
 
 from commlab.engine.comm.collectives import Pending, issue
 from commlab.engine.comm.exchange import Exchange
-from commlab.engine.compressors.base import BucketContext, Compressor, Round, round_bytes
+from commlab.engine.compressors.base import Compressor, Round, round_bytes
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.methods.base import Context
 
 Tensor = torch.Tensor

@@ -502,7 +502,7 @@ def _measure_compressor(make, numels, repeat, warm):
     import torch
 
     from commlab.engine.compressors import contract
-    from commlab.engine.compressors.base import BucketContext
+    from commlab.engine.compressors.capabilities import BucketContext
     torch.manual_seed(0)
     stages: Dict[str, list] = {"encode": [], "between": [], "decode": []}
     for n in numels:

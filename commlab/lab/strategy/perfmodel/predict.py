@@ -136,7 +136,7 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int],
     if saved in profile.payloads:
         return _keep(key, [tuple(r) for r in profile.payloads[saved]])
     from commlab.engine.compressors import contract
-    from commlab.engine.compressors.base import BucketContext
+    from commlab.engine.compressors.capabilities import BucketContext
     c = cal.make_compressor(comp)
     bucket = BucketContext(layout=shapes)
     flat_key = None if contract.per_tensor(c, off, bucket) else (ckey, off)
@@ -207,7 +207,7 @@ def without_driving(predictions: Callable[[], object], who: Optional[str] = None
 def rounds_here(data: dict) -> List[list]:
     """The sandbox's ``rounds`` task (commlab.lab.base.sandbox): each item's bucket (a compressor section, its layout
     ``shapes`` and ``n`` elements, ``sharded`` for dear's exchange) driven in this process."""
-    from commlab.engine.compressors.base import BucketContext
+    from commlab.engine.compressors.capabilities import BucketContext
     out = []
     for item in data["items"]:
         c = cal.make_compressor(item["compressor"])

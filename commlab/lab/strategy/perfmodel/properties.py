@@ -32,7 +32,7 @@ def two_rank_exchange(name: str, n: int = 4096, **params):
     import torch
 
     from commlab.engine import compressors
-    from commlab.engine.compressors.base import BucketContext
+    from commlab.engine.compressors.capabilities import BucketContext
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(n, generator=g) for _ in range(2)]
     comps = [compressors.make(name, **params) for _ in range(2)]
@@ -77,7 +77,7 @@ def linear(name: str, n: int = 4096, **params) -> Optional[bool]:
 
 def ratio(name: str, n: int = 1 << 20, **params) -> float:
     import torch
-    from commlab.engine.compressors.base import BucketContext
+    from commlab.engine.compressors.capabilities import BucketContext
     c = cal.make_compressor({"name": name, "params": params})
     bucket = BucketContext(layout=((0, (1024, n // 1024)),))
     x = torch.randn(n)

@@ -41,7 +41,7 @@ from torch.utils.flop_counter import flop_registry
 from commlab.engine import models
 from commlab.engine.comm.exchange import run_exchange
 from commlab.engine.compressors import contract
-from commlab.engine.compressors.base import BucketContext
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.spec import JobSpec
 from commlab.engine.trainer import load_data
 from commlab.lab.strategy.perfmodel import calibrate as cal
