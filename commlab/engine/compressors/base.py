@@ -16,9 +16,10 @@ The contract is narrow. A class gives ``compress``, ``decompress`` and its decla
 defaults do not hold, one ``Capabilities`` record (what the exchanges, dear, the performance model and CUDA graphs
 read: each field says who). Everything that differs from bucket to bucket is passed in, never written onto the
 instance: the ``BucketContext`` (which bucket, this process's rank, the layout) reaches ``exchange`` and, where
-the class declares ``takes_bucket``, ``compress``. Both records are in commlab/engine/compressors/capabilities.py. The bytes an exchange put on the wire are counted by the
-exchange driver (``commlab.engine.comm.exchange.Exchange.sent``). Error feedback is ``ErrorFeedback``, a compressor
-that wraps another and keeps the residual. The hooks a few compressors add for the performance model and dear
+the class declares ``takes_bucket``, ``compress``; both records are in commlab/engine/compressors/capabilities.py.
+The bytes an exchange put on the wire are counted by the exchange driver
+(``commlab.engine.comm.exchange.Exchange.sent``). Error feedback is ``ErrorFeedback``, a compressor that wraps
+another and keeps the residual. The hooks a few compressors add for the performance model and dear
 (``declared_rounds``, ``per_tensor``, ``skip_warmup``, ``graph_safe``, ``shard_exchange``) are optional methods,
 asked for through commlab/engine/compressors/contract.py, which also holds dear's sharded exchange.
 
@@ -151,9 +152,13 @@ class Compressor:
         legacy.adapt(cls)  # a class written to the earlier contract keeps working
 
     def compress(self, t: Tensor) -> tuple[List[Tensor], Any]:
+        """``(payload, ctx)`` for ``t``: the tensors that cross the wire and what stays on this rank to decode them
+        (``compress(t, bucket)`` in a class that declares ``Capabilities(takes_bucket=True)``)."""
         raise NotImplementedError
 
     def decompress(self, payload: List[Tensor], ctx: Any) -> Tensor:
+        """What ``payload`` (this rank's, another rank's, or a sum of them where ``summable``) stands for, in
+        ``t``'s shape, dtype and device, decoded with this rank's ``ctx``."""
         raise NotImplementedError
 
     def exchange(self, t: Tensor, world_size: int, bucket: BucketContext = DEFAULT_BUCKET) -> Exchange:
