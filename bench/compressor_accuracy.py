@@ -41,7 +41,7 @@ def overrides(name: str) -> dict:
     so the optimizer runs without it; otherwise SGD momentum would be applied twice."""
     from commlab.engine import compressors
     opt = dict(BASE["optimizer"], **OVERRIDES.get(name, {}).get("optimizer", {}))
-    if compressors.REGISTRY[name].builtin_momentum:
+    if compressors.REGISTRY[name].capabilities.builtin_momentum:
         opt["momentum"] = 0.0
     return {"optimizer": opt} if opt != BASE["optimizer"] else {}
 
@@ -70,8 +70,8 @@ def main(argv=None):
     store = RunStore(args.runs or tempfile.mkdtemp(prefix="commlab-acc-"))
     cells = []
     for name in names:
-        cls = compressors.REGISTRY[name]
-        variants = [False] if cls.builtin_feedback or cls.identity else [False, True]  # EF on the identity: the same run
+        caps = compressors.REGISTRY[name].capabilities
+        variants = [False] if caps.builtin_feedback or caps.identity else [False, True]  # EF on the identity: the same run
         for ef in variants:
             spec = load_spec(data=spec_for(name, ef, args.steps))
             run = store.create(spec)
@@ -88,8 +88,8 @@ def main(argv=None):
     for name in names:
         plain, ef = by.get((name, False)), by.get((name, True))
         note = ", ".join(f"{k}: {v}" for k, v in overrides(name).items())
-        rows.append([name, _acc(plain), _acc(ef) if ef else ("built in" if compressors.REGISTRY[name].builtin_feedback
-                                                              else "-"),
+        builtin = compressors.REGISTRY[name].capabilities.builtin_feedback
+        rows.append([name, _acc(plain), _acc(ef) if ef else ("built in" if builtin else "-"),
                      f"{plain['ratio']:.1f}x" if plain and plain["ratio"] else "-", note])
     print(common.markdown_table(["compressor", "accuracy", "accuracy +EF", "compression", "note"], rows))
     print(f"\ncnn on digits, 2 ranks, {args.steps} steps, batch 32 per rank; runs in {store.root}")

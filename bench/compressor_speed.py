@@ -113,11 +113,12 @@ torch path (COMMLAB_FUSED=0) in the same rounds."""
 
 def commlab_side(name, device, eager=False, graphed=False):
     """(call(x) -> output, payload bytes of the last call). ``eager``: with the fused kernels off; ``graphed``:
-    compress and decompress replayed from CUDA graphs (``COMMLAB_GRAPHS=1``, as ``Compressor.encode`` and the
+    compress and decompress replayed from CUDA graphs (``COMMLAB_GRAPHS=1``, as ``BucketContext.encode`` and the
     exchanges' decoding do)."""
     from bench.grace_compare import PARAMS
     from commlab.engine.compressors import fused, graphs, make
     from commlab.engine.compressors.base import nbytes
+    from commlab.engine.compressors.capabilities import DEFAULT_BUCKET
     c = make(name, **PARAMS.get(name, {}))
     last = {}
 
@@ -131,7 +132,7 @@ def commlab_side(name, device, eager=False, graphed=False):
             return call(x)
 
     def call_graphed(x):
-        payload, ctx = graphs.compress(c, x)
+        payload, ctx = graphs.compress(c, x, DEFAULT_BUCKET)
         last["bytes"] = payload
         return c.decompress(payload, ctx)
     graphs.force(c, graphed)  # whatever COMMLAB_GRAPHS says: each side is what it is named
@@ -147,7 +148,7 @@ def graph_max() -> int:
 def graphable(name) -> bool:
     """Whether codec ``name`` may be graphed (commlab/engine/compressors/graphs.py): the bench then times that too."""
     from commlab.engine.compressors import resolve
-    return resolve(name).graphable
+    return resolve(name).capabilities.graphable
 
 
 def grace_side(name, mods, n, device):

@@ -216,6 +216,7 @@ def build_variants(names, args, rank, world):
 
     from commlab.engine import compressors, data, models, schedules
     from commlab.engine.comm.wfbp import WFBP
+    from commlab.engine.compressors import contract
 
     ds = load_data(args.data)
     raw = None
@@ -256,7 +257,7 @@ def build_variants(names, args, rank, world):
             v = Variant(name, m, m, opt, sampler, ds, "commlab", dp)
             v.buckets = [b.raw_bytes for b in dp.buckets]
             v.schedule = (sched, opts)
-            v.per_tensor = [b.compressor.per_tensor(b.flat.numel()) for b in dp.buckets]
+            v.per_tensor = [contract.per_tensor(b.compressor, b.flat.numel(), b.context) for b in dp.buckets]
         else:
             raise ValueError(f"--variants: unknown {name!r}; allowed: {', '.join(VARIANTS)}")
         out[name] = v

@@ -22,7 +22,7 @@ default ``$COMMLAB_RUNS`` or ./runs) where ``commlab show``, ``commlab trace`` a
 See commlab/own.py.
 
 Your own compressor subclasses ``commlab.Compressor`` (its docstring is the guide), declares its
-parameters with ``commlab.Param``, and is named in a spec by import path
+parameters with ``commlab.Param`` and what it can do with one ``commlab.Capabilities`` record, and is named in a spec by import path
 (``compressor: {name: mypkg.codecs:ScaledSign}``) or, after ``commlab.register_compressor``, by a
 short name (``commlab.run`` hands the ranks its import path: the class must live in a module on PYTHONPATH, not
 in the script that runs). ``commlab.check_compressor`` (``commlab check compressor`` on the command line) holds it
@@ -31,7 +31,8 @@ to the checks the built-ins pass.
 from __future__ import annotations
 
 __all__ = ["run", "runs", "get", "cancel", "wait", "compare", "spec",
-           "wrap", "OwnLoop", "Compressor", "Param", "Round", "register_compressor", "check_compressor"]
+           "wrap", "OwnLoop", "Compressor", "Capabilities", "ErrorFeedback", "Param", "Round", "register_compressor",
+           "check_compressor"]
 _API = ("run", "runs", "get", "cancel", "wait", "compare", "spec")
 
 from commlab import api  # noqa: E402  (imports nothing of the lab until a function is called)
@@ -43,9 +44,12 @@ def __getattr__(name):  # torch is imported only when the API is used
     if name in ("wrap", "OwnLoop"):
         from commlab import own
         return getattr(own, name)
-    if name in ("Compressor", "Round", "Param"):
+    if name in ("Compressor", "ErrorFeedback", "Round", "Param"):
         from commlab.engine.compressors import base  # Param is declared in commlab/engine/compressors/params.py
         return getattr(base, name)
+    if name == "Capabilities":
+        from commlab.engine.compressors.capabilities import Capabilities
+        return Capabilities
     if name == "register_compressor":
         from commlab.engine.compressors import register
         return register

@@ -140,25 +140,23 @@ def spec_reference() -> str:
 
 CAPABILITIES = ("summable", "keeps_shape", "lossless", "identity", "rounds", "builtin_feedback", "builtin_momentum",
                 "counts_steps", "steady_payload", "shard_codec", "warmup_exchanges", "elementwise")
-"""Attributes of commlab.engine.compressors.base.Compressor shown per compressor, where the base class has them."""
+"""Fields of commlab.engine.compressors.capabilities.Capabilities shown per compressor, where the record has them."""
 
 
 def capabilities_reference() -> str:
     from commlab.engine import compressors
-    from commlab.engine.compressors.base import Compressor
-    caps = [c for c in CAPABILITIES if hasattr(Compressor, c)]
-    shard = hasattr(Compressor, "shard_path")
-    head = ["compressor", *caps] + (["dear reduce-scatter"] if shard else [])
+    from commlab.engine.compressors.capabilities import Capabilities
+    caps = [c for c in CAPABILITIES if hasattr(Capabilities, c)]
+    head = ["compressor", *caps, "dear reduce-scatter"]
     out = ["| " + " | ".join(f"`{h}`" if h in caps else h for h in head) + " |", "|" + "---|" * len(head)]
     for name in compressors.names():
-        c = compressors.make(name)
+        k = compressors.make(name).capabilities
         vals = []
         for a in caps:
-            v = getattr(c, a)
+            v = getattr(k, a)
             vals.append(("yes" if v else "") if isinstance(v, bool) else
                         ", ".join(v) if isinstance(v, tuple) else str(v))
-        if shard:
-            vals.append(c.shard_path() or "")
+        vals.append(k.shard_path() or "")
         out.append(f"| `{name}` | " + " | ".join(cell(v) for v in vals) + " |")
     return "\n".join(out)
 

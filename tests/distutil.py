@@ -213,15 +213,19 @@ def _results(outdir, world):
     return out
 
 
-def emulate_exchange(comps, tensors, log=None):
-    """Drive compressors' exchanges as len(comps) ranks would, without a process group; return the outputs. ``log`` collects (op, shapes)."""
+def emulate_exchange(comps, tensors, log=None, buckets=None, sent=None):
+    """Drive compressors' exchanges as len(comps) ranks would, without a process group; return the outputs. ``log`` collects (op, shapes).
+    ``buckets``: each rank's BucketContext (default: each on its own); ``sent`` gets each rank's payload bytes (``Exchange.sent``)."""
     from commlab.engine.comm.exchange import local_collective, run_exchange
 
     def collective(op, payloads):
         if log is not None:
             log.append((op, [tuple(x.shape) for x in payloads[0]]))
         return local_collective(op, payloads)
-    return [ex.out for ex in run_exchange(comps, tensors, len(comps), collective)]
+    exs = run_exchange(comps, tensors, len(comps), collective, buckets=buckets)
+    if sent is not None:
+        sent[:] = [ex.sent for ex in exs]
+    return [ex.out for ex in exs]
 
 
 def stop_process(p, sig, timeout: float, group: bool = False) -> None:

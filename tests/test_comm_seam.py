@@ -14,12 +14,13 @@ from commlab.engine.comm.collectives import (issue_all_to_all, issue_allgather, 
                                      pack_offsets)
 from commlab.engine.comm.exchange import local_collective
 from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors.capabilities import Capabilities
 
 
 class GatherIdentity(Compressor):
     """Not summable: every rank decodes every rank's full payload."""
     name = "gather-identity"
-    summable = False
+    capabilities = Capabilities(summable=False)
 
     def compress(self, t):
         return [t.clone()], None
@@ -31,7 +32,7 @@ class GatherIdentity(Compressor):
 class PositiveOnly(Compressor):
     """Ragged payload: indices and values of the positive entries (empty if none)."""
     name = "positive-only"
-    summable = False
+    capabilities = Capabilities(summable=False)
 
     def compress(self, t):
         idx = (t > 0).nonzero().flatten()
@@ -47,12 +48,12 @@ class PositiveOnly(Compressor):
 class ScaledTwoRound(Compressor):
     """Two all-reduce rounds, like PowerSGD: first a shared scale, then the scaled tensor."""
     name = "two-round"
+    capabilities = Capabilities(rounds=2)
 
-    def exchange(self, t, world_size):
+    def exchange(self, t, world_size, bucket):
         (amax,) = yield Round("allreduce", [t.abs().max().reshape(1)])
         scale = amax.clamp_min(1e-12)
         (summed,) = yield Round("allreduce", [t / scale])
-        self.last_bytes = 4 + t.numel() * t.element_size()
         return summed.mul_(scale).div_(world_size)
 
 
@@ -92,7 +93,7 @@ def _grads(rank, world, comp_name, sched, mode, positive_on_rank0_only):
         dp.finish()
         got = [p.grad.clone() for p in model.parameters()]
         dp.zero_grad()
-    sizes = [b.compressor.last_bytes for b in dp.buckets]
+    sizes = [b.sent for b in dp.buckets]
     return got, expect, sizes
 
 

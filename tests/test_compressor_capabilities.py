@@ -1,19 +1,23 @@
-"""Capabilities compressors declare instead of being probed for (commlab/engine/compressors/base.py):
-warmup_exchanges (uncompressed exchanges first) and per_tensor (compresses tensor by tensor from
-the layout). The declarations are checked against what the exchanges really do."""
+"""Capabilities compressors declare instead of being probed for (commlab/engine/compressors/capabilities.py,
+``Capabilities``): warmup_exchanges (uncompressed exchanges first) and the optional per_tensor (compresses
+tensor by tensor from the bucket's layout, commlab/engine/compressors/contract.py). The declarations are
+checked against what the exchanges really do."""
 import pytest
 import torch
 
 from distutil import emulate_exchange
-from commlab.engine.compressors import make, names
+from commlab.engine.compressors import contract, make, names
+from commlab.engine.compressors.capabilities import BucketContext
 
 N = 4096
+LAYOUT = BucketContext(layout=[(0, (64, 32)), (2048, (2048,))])
 
 
 def _sent(c, n=N):
     """Payload bytes of one one-rank exchange of a bucket of n random elements."""
-    emulate_exchange([c], [torch.randn(n)])
-    return c.last_bytes
+    sent = []
+    emulate_exchange([c], [torch.randn(n)], sent=sent)
+    return sent[0]
 
 
 @pytest.mark.parametrize("name", names())
@@ -24,7 +28,7 @@ def test_warmup_exchanges_are_the_plain_ones(name):
     params = {"powersgd": {"start_iter": 3}, "threshold": {"threshold": 2.0}}.get(name, {})
     c = make(name, **params)
     raw = N * 4
-    warm = c.warmup_exchanges
+    warm = c.capabilities.warmup_exchanges
     assert warm == (3 if name == "powersgd" else 0)
     for _ in range(warm):
         assert _sent(c) == raw
@@ -33,26 +37,25 @@ def test_warmup_exchanges_are_the_plain_ones(name):
 
 
 def test_warmup_follows_the_parameter():
-    assert make("powersgd").warmup_exchanges == 10
-    assert make("powersgd", start_iter=0).warmup_exchanges == 0
+    assert make("powersgd").capabilities.warmup_exchanges == 10
+    assert make("powersgd", start_iter=0).capabilities.warmup_exchanges == 0
+    assert type(make("powersgd")).capabilities.warmup_exchanges == 0  # the instance's own record says it
 
 
 @pytest.mark.parametrize("name", names())
 def test_per_tensor_is_declared_by_the_compressor_that_reads_the_layout(name):
     c = make(name)
-    assert c.per_tensor(N) is False  # no layout: one flat tensor
-    c.layout = [(0, (64, 32)), (2048, (2048,))]
-    assert c.per_tensor(N) is (name == "powersgd")
-    assert c.per_tensor(N + 1) is False  # a layout that does not describe the bucket is not used
+    assert contract.per_tensor(c, N) is False  # no layout: one flat tensor
+    assert contract.per_tensor(c, N, LAYOUT) is (name == "powersgd")
+    assert contract.per_tensor(c, N + 1, LAYOUT) is False  # a layout that does not describe the bucket is not used
 
 
 def test_per_tensor_powersgd_sends_per_tensor_factors():
     """What per_tensor promises: with the layout, the weight matrix is compressed on its own and the
     vector sent as it is; flat, the whole bucket is one near-square matrix."""
     c = make("powersgd", start_iter=0, rank=1)
-    c.layout = [(0, (64, 32)), (2048, (2048,))]
     log = []
-    emulate_exchange([c], [torch.randn(N)], log)
+    emulate_exchange([c], [torch.randn(N)], log, buckets=[LAYOUT])
     assert log == [("allreduce", [(64 + 2048,)]), ("allreduce", [(32,)])]
     flat = make("powersgd", start_iter=0, rank=1)
     log = []
@@ -64,8 +67,8 @@ def test_per_tensor_powersgd_sends_per_tensor_factors():
 def test_counts_steps_is_declared_by_the_compressors_that_count(name):
     """A relayout carries ``step`` over for exactly these; it must be a counter that every exchange advances."""
     c = make(name)
-    assert c.counts_steps == hasattr(c, "step")
-    if c.counts_steps:
+    assert c.capabilities.counts_steps == hasattr(c, "step")
+    if c.capabilities.counts_steps:
         for i in range(3):
             assert c.step == i
             _sent(c)
@@ -74,7 +77,7 @@ def test_counts_steps_is_declared_by_the_compressors_that_count(name):
 def test_builtin_momentum_is_declared_where_the_method_keeps_momentum():
     """DGC (momentum correction) and Signum (a momentum buffer) apply momentum themselves: the
     compressor-accuracy bench reads this declaration to run their optimizer without momentum."""
-    assert [n for n in names() if make(n).builtin_momentum] == ["dgc", "signum"]
+    assert [n for n in names() if make(n).capabilities.builtin_momentum] == ["dgc", "signum"]
     from bench.compressor_accuracy import BASE, spec_for
     assert spec_for("dgc", False, 10)["optimizer"]["momentum"] == 0.0
     assert spec_for("signum", False, 10)["optimizer"] == {"name": "sgd", "lr": 0.002, "momentum": 0.0}
@@ -86,6 +89,7 @@ def test_the_performance_model_skips_cost_curves_by_the_declared_identity():
     with error feedback, or any real compressor, the model needs the measured curve."""
     from commlab.lab.strategy.perfmodel.calibrate import needs_curve
     plain = [n for n in names() if not needs_curve({"name": n})]
-    assert plain == [n for n in names() if make(n).identity] == ["none"]
+    assert plain == [n for n in names() if make(n).capabilities.identity] == ["none"]
+    assert not make("none", error_feedback=True).capabilities.identity  # its payload is the corrected input
     assert needs_curve({"name": "none", "error_feedback": True})
     assert needs_curve({"name": "fp16", "params": {}, "error_feedback": False})

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from commlab.engine.comm.exchange import Exchange
 from commlab.engine.compressors import bitpack, make, names
 from commlab.engine.compressors.base import nbytes
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.base import Round
 
 QUANT = ["fp16", "bf16", "qsgd", "terngrad", "natural", "signsgd", "efsignsgd", "signum", "onebit"]
@@ -127,10 +129,10 @@ def test_payload_bytes(name, n):
     c = make(name)
     payload, _ = c.compress(torch.randn(n))
     assert nbytes(payload) == expected_bytes(name, n)
-    # the exchange reports what it sends
-    c = make(name)
-    rnd = next(c.exchange(torch.randn(n), 2))
-    assert c.last_bytes == nbytes(rnd.tensors) == expected_bytes(name, n)
+    # the exchange driver counts what it sends
+    ex = Exchange(make(name), torch.randn(n), 2)
+    rnd = ex.start()
+    assert ex.sent == nbytes(rnd.tensors) == expected_bytes(name, n)
 
 
 def test_qsgd_wide_levels_use_int16():
@@ -147,7 +149,7 @@ def test_casts_equal_torch_casts(dtype):
     for name, wire in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         c = make(name)
         payload, ctx = c.compress(t)
-        assert payload[0].dtype == wire and c.summable and c.keeps_shape
+        assert payload[0].dtype == wire and c.capabilities.summable and c.capabilities.keeps_shape
         assert torch.equal(c.decompress(payload, ctx), t.to(wire).to(dtype))
 
 
@@ -299,7 +301,7 @@ def test_efsignsgd_exchange_averages_rank_decodes():
     want = sum(comps[0].decompress(p, ctx) for p, ctx in sent) / 3
     mine = make("efsignsgd")
     rnd, out = drive(mine.exchange(ranks[0], 3), gathered(payloads))
-    assert rnd.op == "allgather" and not mine.summable
+    assert rnd.op == "allgather" and not mine.capabilities.summable
     torch.testing.assert_close(out, want)
 
 
@@ -431,9 +433,9 @@ def test_seeded_streams(name):
     a, b = make(name, seed=7), make(name, seed=7)
     pa, pb = a.compress(t)[0], b.compress(t)[0]
     assert all(torch.equal(x, y) for x, y in zip(pa, pb))  # reproducible
-    other = make(name, seed=7)
-    other.bucket = 1
-    assert not torch.equal(other.compress(t)[0][1], pa[1])  # each bucket has its own stream
+    other, rank1 = make(name, seed=7), make(name, seed=7)
+    assert not torch.equal(other.compress(t, BucketContext(index=1))[0][1], pa[1])  # each bucket has its own stream
+    assert not torch.equal(rank1.compress(t, BucketContext(rank=1))[0][1], pa[1])  # and each rank
     assert not torch.equal(make(name, seed=8).compress(t)[0][1], pa[1])
     # the generator's state is checkpointed: a restored instance draws what the original draws next
     restored = make(name, seed=123)

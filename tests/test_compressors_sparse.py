@@ -12,6 +12,7 @@ from distutil import emulate_exchange
 
 from commlab.engine.compressors import make
 from commlab.engine.compressors.base import nbytes
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.countsketch import median_rows
 from commlab.engine.compressors.powersgd import orthogonalize_
 from commlab.engine.compressors import REGISTRY as COMPRESSORS
@@ -128,10 +129,10 @@ def test_topk_exchange_bytes_and_average():
     torch.manual_seed(5)
     ts = [torch.randn(400, dtype=torch.float64) for _ in range(2)]
     comps = [make("topk", ratio=0.1) for _ in ts]
-    log = []
-    outs = emulate_exchange(comps, [t.clone() for t in ts], log)
+    log, sent = [], []
+    outs = emulate_exchange(comps, [t.clone() for t in ts], log, sent=sent)
     assert log == [("allgather", [(40,), (40,)])]
-    assert all(c.last_bytes == 40 * (8 + 4) for c in comps)
+    assert sent == [40 * (8 + 4)] * 2
     expect = torch.zeros(400, dtype=torch.float64)
     for t in ts:
         keep = list(ref_topk_set(t, 40))
@@ -144,14 +145,14 @@ def test_topk_exchange_bytes_and_average():
 def test_randomk_indices_shared_by_ranks_and_fresh_each_step():
     a, b = make("randomk", ratio=0.05), make("randomk", ratio=0.05)
     other_bucket = make("randomk", ratio=0.05)
-    other_bucket.bucket = 1
+    bucket1 = BucketContext(index=1)
     other_seed = make("randomk", ratio=0.05, seed=7)
     x = torch.randn(1000)
     seen = []
     for _ in range(3):
-        ia, ib = a.compress(x)[1].idx, b.compress(x)[1].idx
+        ia, ib = a.compress(x)[1].idx, b.compress(x, BucketContext(rank=3))[1].idx  # another rank: the same draw
         assert torch.equal(ia, ib)
-        assert not torch.equal(ia, other_bucket.compress(x)[1].idx)
+        assert not torch.equal(ia, other_bucket.compress(x, bucket1)[1].idx)
         assert not torch.equal(ia, other_seed.compress(x)[1].idx)
         seen.append(ia)
     assert not torch.equal(seen[0], seen[1]) and not torch.equal(seen[1], seen[2])
@@ -200,9 +201,9 @@ def test_randomk_is_summable_and_averages_shared_entries():
     comps = [make("randomk", ratio=0.1, unbiased=True) for _ in ts]
     probe = make("randomk", ratio=0.1)
     idx = probe.indices(300, 0)
-    log = []
-    outs = emulate_exchange(comps, [t.clone() for t in ts], log)
-    assert log == [("allreduce", [(30,)])] and comps[0].last_bytes == 30 * 4
+    log, sent = [], []
+    outs = emulate_exchange(comps, [t.clone() for t in ts], log, sent=sent)
+    assert log == [("allreduce", [(30,)])] and sent[0] == 30 * 4
     expect = torch.zeros(300)
     expect[idx] = (ts[0] + ts[1] + ts[2])[idx] / 3 * 10  # strata of exactly 10: scale n / k
     torch.testing.assert_close(outs[1], expect)
@@ -238,8 +239,9 @@ def test_threshold_payload_can_be_empty():
     # one rank has nothing to send, the other has two entries
     ts = [torch.full((6,), 0.1), torch.tensor([0.0, 12.0, 0.0, -20.0, 0.0, 0.0])]
     comps = [make("threshold", threshold=10.0) for _ in ts]
-    outs = emulate_exchange(comps, [t.clone() for t in ts])
-    assert comps[0].last_bytes == 0 and comps[1].last_bytes == 2 * 8
+    sent = []
+    outs = emulate_exchange(comps, [t.clone() for t in ts], sent=sent)
+    assert sent == [0, 2 * 8]
     torch.testing.assert_close(outs[0], torch.tensor([0.0, 6.0, 0.0, -10.0, 0.0, 0.0]))
 
 
@@ -349,27 +351,27 @@ def test_powersgd_rounds_and_bytes():
     rows, cols = _shape(n)  # 32 x 32, 24 zeros of padding
     comps = [make("powersgd", rank=r, start_iter=2) for _ in range(2)]
     for step in range(4):
-        log = []
+        log, sent = [], []
         ts = [torch.randn(n) for _ in comps]
-        outs = emulate_exchange(comps, [t.clone() for t in ts], log)
+        outs = emulate_exchange(comps, [t.clone() for t in ts], log, sent=sent)
         if step < 2:
             assert log == [("allreduce", [(n,)])]
-            assert comps[0].last_bytes == n * 4
+            assert sent[0] == n * 4
             torch.testing.assert_close(outs[0], (ts[0] + ts[1]) / 2)
         else:
             assert log == [("allreduce", [(rows, r)]), ("allreduce", [(cols, r)])]
-            assert comps[0].last_bytes == r * (rows + cols) * 4
+            assert sent[0] == r * (rows + cols) * 4
 
 
 def test_powersgd_small_buckets_go_uncompressed():
     for n, rank, rate in [(4, 1, 1.0), (10, 1, 2.0), (100, 5, 1.0), (100, 3, 2.0)]:
         rows, cols = _shape(n)
         assert rank * (rows + cols) * rate >= rows * cols
-        log = []
+        log, sent = [], []
         c = make("powersgd", rank=rank, start_iter=0, min_compression_rate=rate)
         t = torch.randn(n)
-        (out,) = emulate_exchange([c], [t.clone()], log)
-        assert log == [("allreduce", [(n,)])] and c.last_bytes == n * 4
+        (out,) = emulate_exchange([c], [t.clone()], log, sent=sent)
+        assert log == [("allreduce", [(n,)])] and sent == [n * 4]
         torch.testing.assert_close(out, t)
 
 
@@ -428,10 +430,9 @@ def test_powersgd_single_process_view_and_shared_q():
     torch.testing.assert_close(payload[0].t() @ payload[0], torch.eye(3), atol=1e-5, rtol=0)
     # the initial Q depends on the seed and bucket only: ranks agree
     a, b, other = make("powersgd", rank=2), make("powersgd", rank=2), make("powersgd", rank=2)
-    other.bucket = 3
     x = torch.randn(1000)
-    assert torch.equal(a.compress(x)[0][0], b.compress(x)[0][0])
-    assert not torch.equal(a.compress(x)[0][0], other.compress(x)[0][0])
+    assert torch.equal(a.compress(x)[0][0], b.compress(x, BucketContext(rank=1))[0][0])
+    assert not torch.equal(a.compress(x)[0][0], other.compress(x, BucketContext(index=3))[0][0])
 
 
 def test_orthogonalize_handles_zero_columns():
@@ -491,10 +492,10 @@ def test_countsketch_hashes_shared_by_seed_and_bucket():
     x = torch.randn(5000)
     a, b = make("countsketch", k=10), make("countsketch", k=10)
     other_bucket, other_seed = make("countsketch", k=10), make("countsketch", k=10, seed=1)
-    other_bucket.bucket = 2
     # same hashes, same table (to float rounding: a GPU's scatter-add sums in no fixed order)
     assert torch.allclose(a.sketch(x), b.sketch(x), rtol=0, atol=1e-4)
-    assert not torch.allclose(a.sketch(x), other_bucket.sketch(x), rtol=0, atol=1e-4)
+    assert not torch.allclose(a.sketch(x), other_bucket.sketch(x, 2), rtol=0, atol=1e-4)
+    assert torch.equal(other_bucket.compress(x, BucketContext(index=2))[0][0], other_bucket.sketch(x, 2))
     assert not torch.allclose(a.sketch(x), other_seed.sketch(x), rtol=0, atol=1e-4)
     # signs and buckets are balanced: no sign bias, every bucket used
     slot = a.plan(5000, x.device).slot
@@ -516,10 +517,10 @@ def test_countsketch_default_size_and_exact_second_round():
     for t in ts:
         t[:30] += 5.0
     comps = [make("countsketch", rows=5, cols=1000, k=30, exact=True) for _ in ts]
-    log = []
-    outs = emulate_exchange(comps, [t.clone() for t in ts], log)
+    log, sent = [], []
+    outs = emulate_exchange(comps, [t.clone() for t in ts], log, sent=sent)
     assert log == [("allreduce", [(5, 1000)]), ("allreduce", [(30,)])]
-    assert comps[0].last_bytes == (5 * 1000 + 30) * 4
+    assert sent[0] == (5 * 1000 + 30) * 4
     one_round = make("countsketch", rows=5, cols=1000, k=30)
     idx, estimates = one_round.heavy(one_round.sketch(ts[0]) + one_round.sketch(ts[1]), 3000)
     avg = (ts[0] + ts[1]) / 2
@@ -584,8 +585,8 @@ def test_countsketch_exact_with_error_feedback_keeps_exact_residual():
         (out,) = emulate_exchange([c], [g.clone()])
         sent += out
         # what was sent is the corrected bucket itself at the chosen entries
-        assert torch.all(c.ef.residual[out != 0] == 0)
-    torch.testing.assert_close(sent + c.ef.residual, fed)
+        assert torch.all(c.residual[out != 0] == 0)
+    torch.testing.assert_close(sent + c.residual, fed)
 
 
 

@@ -11,7 +11,8 @@ import torch
 from distutil import run_world
 from commlab.engine import schedules
 from commlab.engine.comm import dear
-from commlab.engine.compressors.base import Compressor
+from commlab.engine.compressors.base import Compressor, ErrorFeedback
+from commlab.engine.compressors.capabilities import Capabilities
 from commlab.engine.compressors.plan import Plan
 from commlab.engine.tuners import capsearch
 from commlab.engine.schedules import ParamInfo
@@ -109,7 +110,7 @@ def _fp16(rank, world, ef):
         for t in [ref] + ours:
             t.train_step()
     out = [_max_diff(t.model_state(), ref.model_state()) for t in ours]
-    residual = ours[0].dp.buffers[0].compressor.ef
+    residual = _ef(ours[0].dp.buffers[0].compressor)
     for t in [ref] + ours:
         t.close()
     return out, None if residual is None else residual.residual.abs().max().item()
@@ -189,11 +190,16 @@ def test_relayout_keeps_optimizer_state():
         assert diff < 1e-6
 
 
+def _ef(c):
+    """The error feedback wrapping compressor ``c``, or None."""
+    return c if isinstance(c, ErrorFeedback) else None
+
+
 def _residuals(d):
     """Each parameter's slice of its buffer's error-feedback residual (zeros where none is kept)."""
     out = {}
     for b in d.buffers:
-        r = b.compressor.ef.residual
+        r = b.compressor.residual
         for n, p, off in zip(b.names, b.params, b.offsets):
             out[n] = torch.zeros(p.numel()) if r is None else r[off:off + p.numel()].clone()
     return out
@@ -217,8 +223,8 @@ def _relayout_residual(rank, world):
     before, n_before = _residuals(d), len(d.buffers)
     d.relayout(schedules.layout_layers(d.infos, 1))
     after, n_after = _residuals(d), len(d.buffers)
-    pads = [b.compressor.ef.residual[b.numel:].abs().max().item()
-            for b in d.buffers if b.padded > b.numel and b.compressor.ef.residual is not None]
+    pads = [b.compressor.residual[b.numel:].abs().max().item()
+            for b in d.buffers if b.padded > b.numel and b.compressor.residual is not None]
     d.close()
     return n_before, n_after, max(before[k].abs().max().item() for k in before), \
         max((before[k] - after[k]).abs().max().item() for k in before), max(pads, default=0.0)
@@ -341,8 +347,8 @@ def _int8_step(rank, world, ef):
     x, y = ds.batch("train", next(data.ShardSampler(ds.size("train"), 16, rank, world, seed=0)))
     out = []
     for _ in range(2 if ef else 1):
-        resid = [None if b.compressor.ef is None or b.compressor.ef.residual is None
-                 else b.compressor.ef.residual.clone() for b in d.buffers]  # before backward encodes anew
+        resid = [None if _ef(b.compressor) is None or b.compressor.residual is None
+                 else b.compressor.residual.clone() for b in d.buffers]  # before backward encodes anew
         models.loss_fn(m(x), y).backward()
         local = [b.flat.clone() for b in d.buffers]  # as landed (the all-to-all is issued, nothing written)
         d.finish()
@@ -355,7 +361,7 @@ def _int8_step(rank, world, ef):
         out.append({"every": every, "resid_before": resid, "shards": [b.shard_param.grad.clone() for b in d.buffers],
                     "lo": [(b.lo, b.shard) for b in d.buffers], "sent": d.step_bytes,
                     "raw": sum(b.padded * 4 for b in d.buffers),
-                    "resid": [b.compressor.ef.residual.clone() if b.compressor.ef else None for b in d.buffers]})
+                    "resid": [b.compressor.residual.clone() if _ef(b.compressor) else None for b in d.buffers]})
         d.zero_grad()
     d.close()
     return out
@@ -444,7 +450,7 @@ class Halves(Compressor):
     """A user's compressor: sends half the gradient, decodes by doubling. Summable and shape-keeping by
     declaration, so dear reduce-scatters its payloads."""
     name = "halves"
-    keeps_shape = True
+    capabilities = Capabilities(keeps_shape=True)
 
     def compress(self, t):
         return [t / 2], None
@@ -457,8 +463,7 @@ class HalfSlices(Compressor):
     """A user's shard codec: half precision plus one fp32 scale per slice, not summable (the scales
     differ), so dear exchanges each rank's slices all-to-all."""
     name = "half-slices"
-    summable = False
-    shard_codec = True
+    capabilities = Capabilities(summable=False, shard_codec=True)
 
     def compress(self, t):
         scale = t.abs().amax().clamp_min(1e-12).reshape(1).float()

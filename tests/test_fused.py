@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from commlab.engine import compressors
-from commlab.engine.compressors import fused
+from commlab.engine.compressors import contract, fused
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.quantize import _Ctx
 from commlab.engine.compressors.sign import _Vote
 
@@ -30,10 +31,19 @@ def randn(n, seed):
     return torch.randn(n, generator=g).to(DEVICE)
 
 
+BUCKETS = {}
+"""By id of an instance ``make`` made: the context the communicator would give it (bucket 3, its rank)."""
+
+
 def make(name, rank=0, **params):
     c = compressors.make(name, **params)
-    c.bucket, c.process_rank = 3, rank
+    BUCKETS[id(c)] = BucketContext(3, rank)
     return c
+
+
+def compress(c, x):
+    """``c.compress(x)`` with the context ``make`` gave ``c``."""
+    return contract.compress(c, x, BUCKETS[id(c)])
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -44,9 +54,9 @@ def test_deterministic_codecs_send_and_decode_what_the_eager_ones_do(name, n):
     fast, slow = make(name), make(name)
     for step in range(3):
         x = randn(n, seed=step)
-        pf, ctx = fast.compress(x.clone())
+        pf, ctx = compress(fast, x.clone())
         with fused.disabled():
-            ps, ctx_s = slow.compress(x.clone())
+            ps, ctx_s = compress(slow, x.clone())
         assert [p.dtype for p in pf] == [p.dtype for p in ps] and [p.shape for p in pf] == [p.shape for p in ps]
         assert torch.equal(pf[-1], ps[-1]), f"{name}: the bits differ at step {step}"
         for a, b in zip(pf[:-1], ps[:-1]):  # sums of up to 70K floats in another order: ~1e-5 relative
@@ -69,7 +79,7 @@ def test_every_ranks_payload_decodes_in_one_kernel_as_the_eager_loop_does(name, 
     payloads = []
     with fused.disabled():
         for r in range(world):
-            payload, ctx = make(name, rank=r).compress(randn(n, seed=10 + r))
+            payload, ctx = compress(make(name, rank=r), randn(n, seed=10 + r))
             payloads.append(payload)
         c = make(name)
         if isinstance(c, _Vote):
@@ -90,9 +100,9 @@ def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params, scal
     if scale > 1:
         x[:5] = torch.tensor([1e-37, -2e-37, 3e-38, 1e-30, -1e-33])
     c = make(name, **params)
-    payload, ctx = c.compress(x)
+    payload, ctx = compress(c, x)
     with fused.disabled():
-        ref, _ = make(name, **params).compress(x)
+        ref, _ = compress(make(name, **params), x)
     assert [(p.dtype, p.shape) for p in payload] == [(p.dtype, p.shape) for p in ref]
     # the scalar sent: max|x| and natural's offset exactly; the norm to float rounding (summed in another order)
     torch.testing.assert_close(payload[0], ref[0], rtol=1e-6 if name == "qsgd" else 0, atol=0)
@@ -106,7 +116,7 @@ def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params, scal
     with fused.disabled():
         torch.testing.assert_close(c.decompress(payload, ctx), make(name, **params).decompress(payload, ctx))
     draws = 300
-    mean = sum(c.decompress(*c.compress(x)) for _ in range(draws)) / draws
+    mean = sum(c.decompress(*compress(c, x)) for _ in range(draws)) / draws
     if name == "natural":  # each value rounds between its two powers of two: off by at most |x| (v1 below it)
         v1 = 2.0 ** (payload[0].item() + 1 - 127)
         bound = torch.maximum(x.abs(), torch.full_like(x, v1))
@@ -121,14 +131,14 @@ def test_random_codecs_keep_the_eager_layout_and_are_unbiased(name, params, scal
 def test_random_codecs_noise_differs_by_rank_and_call_and_comes_back_with_the_state(name):
     x = randn(4099, seed=2)
     a, b = make(name, rank=0), make(name, rank=1)
-    first = a.compress(x)[0][1].clone()
-    assert not torch.equal(first, b.compress(x)[0][1])  # another rank, other noise
+    first = compress(a, x)[0][1].clone()
+    assert not torch.equal(first, compress(b, x)[0][1])  # another rank, other noise
     state = copy.deepcopy(a.state_dict())
-    second = a.compress(x)[0][1].clone()
+    second = compress(a, x)[0][1].clone()
     assert not torch.equal(first, second)  # another call, other noise
     again = make(name, rank=0)
     again.load_state_dict(state)
-    assert torch.equal(again.compress(x)[0][1], second)  # the state brings the noise back
+    assert torch.equal(compress(again, x)[0][1], second)  # the state brings the noise back
 
 
 def test_non_float32_and_strided_inputs_take_the_eager_path():
@@ -136,7 +146,7 @@ def test_non_float32_and_strided_inputs_take_the_eager_path():
     assert not fused.enabled(randn(64, 0).half()) and not fused.enabled(randn(64, 0)[::2])
     assert not fused.enabled(randn(0, 0))
     x = randn(128, 0)[::2]
-    (bits,), ctx = make("signsgd").compress(x)
+    (bits,), ctx = compress(make("signsgd"), x)
     torch.testing.assert_close(make("signsgd").decompress([bits], ctx), torch.where(x >= 0, 1.0, -1.0))
 
 
@@ -162,20 +172,20 @@ def test_random_codecs_count_their_calls_on_the_device_and_load_the_count_in_pla
     the kernels (a CUDA graph of the call keeps drawing new noise); loading state writes both into the same tensor
     (a graph holds it)."""
     c, x = make(name), randn(5000, seed=3)
-    c.compress(x)
-    c.compress(x)
+    compress(c, x)
+    compress(c, x)
     rng = c._fused_rng
     assert rng.device == x.device and rng[1].item() == 2
     state = copy.deepcopy(c.state_dict())
     assert state["fused_stream"].tolist()[1] == 2
-    third = c.compress(x)[0][1].clone()
+    third = compress(c, x)[0][1].clone()
     c.load_state_dict(state)
     assert c._fused_rng is rng and rng[1].item() == 2
-    assert torch.equal(c.compress(x)[0][1], third)
+    assert torch.equal(compress(c, x)[0][1], third)
     other = make(name, rank=1)  # another rank's state: its base seed too, into the same tensor
-    other.compress(x)
+    compress(other, x)
     c.load_state_dict(other.state_dict())
-    assert c._fused_rng is rng and torch.equal(c.compress(x)[0][1], other.compress(x)[0][1])
+    assert c._fused_rng is rng and torch.equal(compress(c, x)[0][1], compress(other, x)[0][1])
 
 
 @pytest.mark.parametrize("name", ["qsgd", "terngrad", "natural", "onebit", "efsignsgd"])
@@ -185,7 +195,7 @@ def test_a_nan_in_the_bucket_reaches_the_decoded_average(name):
     x = randn(5000, seed=4)
     x[7::250] = float("nan")  # 20 of them: natural decodes each to inf or 0, all 0 with odds 2^-20
     c = make(name)
-    out = c.decompress(*c.compress(x))
+    out = c.decompress(*compress(c, x))
     assert not torch.isfinite(out.sum()), name
 
 
@@ -197,8 +207,8 @@ def test_natural_codes_values_below_the_smallest_code_as_the_eager_codec_does():
     for way in ("fused", "eager"):
         with (fused.disabled() if way == "eager" else contextlib.nullcontext()):
             c = make("natural")
-            assert c.compress(x)[0][0].item() == 127
-            got[way] = torch.stack([c.decompress(*c.compress(x)) for _ in range(20)])
+            assert compress(c, x)[0][0].item() == 127
+            got[way] = torch.stack([c.decompress(*compress(c, x)) for _ in range(20)])
     for v, values in ((0.5, {0.0, 2.0}), (-1.5, {-2.0, 0.0}), (3.0, {2.0, 4.0}), (0.0, {0.0})):
         for way, outs in got.items():
             sel = outs[:, x == v]

@@ -9,6 +9,7 @@ import torch
 from distutil import run_world
 from commlab.engine import compressors, data, models, schedules
 from commlab.engine.comm.wfbp import WFBP
+from commlab.engine.compressors import contract
 from commlab.engine.spec import JobSpec
 
 STEPS = 20
@@ -118,7 +119,7 @@ def dp_layout(dp):
 def _per_param_state(dp):
     out = {}
     for b in dp.buckets:
-        state = b.compressor.elementwise_state()
+        state = contract.elementwise_state(b.compressor)
         assert state and all(v is not None and v.numel() == b.flat.numel() for v in state.values())
         for name, v in zip(b.names, b.views):
             off = v.storage_offset() - b.flat.storage_offset()

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from commlab.engine import compressors
-from commlab.engine.compressors import fused, graphs
+from commlab.engine.compressors import contract, fused, graphs
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -178,7 +179,7 @@ def test_encode_goes_through_the_graphs_and_a_copied_codec_starts_without_them(m
     c._graphs = graphs.Graphs(FakeGraph, fake_capture)
     x = torch.randn(64)
     for _ in range(graphs.WARM + 3):
-        payload, ctx = c.encode(x)
+        payload, ctx = DEFAULT_BUCKET.encode(c, x)
     assert c._graphs.captures == 1 and c._graphs.replays == 3
     d = copy.deepcopy(c)
     assert d._graphs is not c._graphs and not d._graphs.graphs and d._graphs.new is FakeGraph
@@ -223,6 +224,10 @@ def test_a_run_says_what_its_graphs_did_and_records_the_switches(monkeypatch):
     assert graphs.summary([a, b, c, None]) == (
         "CUDA graphs: 1 of 3 codec(s) captured, 1 capture(s), 3 replay(s); 1 stayed eager, the first because "
         "RuntimeError: operation not permitted when stream is capturing")
+    wrapped = compressors.make("onebit", error_feedback=True)  # its decoding's graphs are the inner codec's
+    wrapped.inner._graphs = a._graphs
+    assert graphs.summary([contract.unwrap(wrapped)]) == "CUDA graphs: 1 of 1 codec(s) captured, 1 capture(s), " \
+                                                         "3 replay(s)"
     monkeypatch.setenv("COMMLAB_FUSED", "0")
     monkeypatch.delenv("COMMLAB_FUSED_LAUNCH", raising=False)
     with graphs.enabled():
@@ -230,7 +235,7 @@ def test_a_run_says_what_its_graphs_did_and_records_the_switches(monkeypatch):
 
 
 def test_the_graphable_codecs_are_the_ones_without_host_randomness():
-    declared = {n for n in compressors.names() if compressors.resolve(n).graphable}
+    declared = {n for n in compressors.names() if compressors.resolve(n).capabilities.graphable}
     assert declared == set(GRAPHABLE)
 
 
@@ -253,7 +258,7 @@ def test_graphed_compress_is_the_eager_one_bit_for_bit(name, dtype):
     with graphs.enabled():
         for step in range(steps):
             bucket.copy_(torch.randn(4099, generator=g))
-            pa, ca = graphed.encode(bucket)
+            pa, ca = DEFAULT_BUCKET.encode(graphed, bucket)
             pb, cb = eager.compress(bucket.clone())
             assert _equal(pa, pb), (name, step)
             assert torch.equal(graphed.decompress(pa, ca), eager.decompress(pb, cb))
@@ -268,9 +273,9 @@ def test_graphed_compress_is_the_eager_one_bit_for_bit(name, dtype):
     # it (a key of its own), captured at the fourth, and again at the eighth after the load. Its payload then
     # sits at the graph's addresses, so its decoding is captured too
     compress_keys = [k for k in rec.graphs if not isinstance(k[0], str)]
-    assert len(compress_keys) == (2 if graphed.elementwise else 1)
+    assert len(compress_keys) == (2 if graphed.capabilities.elementwise else 1)
     assert any(isinstance(k[0], str) for k in rec.graphs), "the decoding was never graphed"
-    for k in graphed.elementwise:
+    for k in graphed.capabilities.elementwise:
         assert torch.equal(getattr(graphed, k), getattr(eager, k))
 
 
@@ -282,7 +287,7 @@ def test_a_graphed_exchange_of_two_ranks_is_the_eager_one(name):
     the average bit for bit the eager codecs'."""
     n = 3001
     mine, theirs = compressors.make(name), compressors.make(name)
-    theirs.process_rank = 1
+    rank1 = BucketContext(rank=1)
     ref_mine, ref_theirs = copy.deepcopy(mine), copy.deepcopy(theirs)
     bucket = torch.empty(n, device="cuda")
     held = None  # the gathered payloads' buffers, filled in place each step
@@ -293,7 +298,7 @@ def test_a_graphed_exchange_of_two_ranks_is_the_eager_one(name):
         with graphs.enabled():
             ex = mine.exchange(bucket, 2)
             rnd = next(ex)
-            sent = [rnd.tensors, theirs.compress(other)[0]]
+            sent = [rnd.tensors, contract.compress(theirs, other, rank1)[0]]
             if held is None:
                 held = [[p.clone() for p in payload] for payload in sent]
             for buf, payload in zip(held, sent):
@@ -306,7 +311,7 @@ def test_a_graphed_exchange_of_two_ranks_is_the_eager_one(name):
         ex = ref_mine.exchange(bucket.clone(), 2)
         rnd = next(ex)
         try:
-            ex.send([rnd.tensors, ref_theirs.compress(other)[0]])
+            ex.send([rnd.tensors, contract.compress(ref_theirs, other, rank1)[0]])
         except StopIteration as stop:
             want = stop.value
         assert torch.equal(got, want), (name, step)
@@ -321,7 +326,7 @@ def test_a_new_address_each_call_is_never_captured():
     with graphs.enabled():
         for _ in range(6):
             keep.append(torch.randn(1000, device="cuda"))
-            c.encode(keep[-1])
+            DEFAULT_BUCKET.encode(c, keep[-1])
     assert c._graphs.captures == 0
 
 

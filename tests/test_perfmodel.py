@@ -585,28 +585,31 @@ def test_skipping_warm_up_gives_the_steady_state_payload():
     """The model reads PowerSGD's payload after ``skip_warmup`` instead of driving its plain exchanges
     first: the same rounds, bytes and tensors as after driving them all (a layout of matrices and a vector)."""
     from commlab.engine import compressors
+    from commlab.engine.compressors import contract
+    from commlab.engine.compressors.capabilities import BucketContext
     from commlab.lab.strategy.perfmodel import calibrate as cal
     shapes, off = [], 0
     for shape in ((64, 48), (32,), (40, 40)):
         shapes.append((off, shape))
         off += int(torch.tensor(shape).prod())
+    bucket = BucketContext(layout=shapes)
     x = torch.randn(off, generator=torch.Generator().manual_seed(0))
     got = []
     for skip in (False, True):
         c = compressors.make("powersgd", rank=2, start_iter=5)
-        c.layout = shapes
         if skip:
-            c.skip_warmup()
-        for _ in range(2 if skip else c.warmup_exchanges + 2):
-            rounds, _ = cal.drive(c, x.clone())
+            contract.skip_warmup(c)
+        for _ in range(2 if skip else c.capabilities.warmup_exchanges + 2):
+            rounds, _ = cal.drive(c, x.clone(), bucket=bucket)
         got.append(rounds)
     assert got[0] == got[1] and len(got[0]) == 2 and got[0][0][1] < off * 4  # compressed, two rounds
 
 
 def test_every_compressor_can_skip_its_warm_up():
     from commlab.engine import compressors
+    from commlab.engine.compressors import contract
     for name in compressors.names():
-        compressors.make(name).skip_warmup()  # raises where warm-up exchanges are declared but not skippable
+        contract.skip_warmup(compressors.make(name))  # raises where warm-up exchanges are declared but not skippable
 
 
 @pytest.mark.parametrize("ef", [False, True])
@@ -615,23 +618,25 @@ def test_a_steady_payload_shows_its_sizes_in_one_exchange(ef):
     sizes on its first exchange as on later ones with other values (another scale, other signs, a tensor
     of zeros), under error feedback too; threshold's, which does not declare it, follows the values."""
     from commlab.engine import compressors
+    from commlab.engine.compressors import contract
+    from commlab.engine.compressors.capabilities import BucketContext
     from commlab.lab.strategy.perfmodel import calibrate as cal
     shapes, off = [], 0
     for shape in ((64, 48), (32,), (40, 40)):
         shapes.append((off, shape))
         off += int(torch.tensor(shape).prod())
+    bucket = BucketContext(layout=shapes)
     g = torch.Generator().manual_seed(1)
     inputs = [torch.randn(off, generator=g), 100 * torch.randn(off, generator=g).abs(), torch.zeros(off),
               torch.randn(off, generator=g) * torch.linspace(0, 1, off)]
     steady = []
     for name in compressors.names():
-        if ef and (name == "none" or compressors.REGISTRY[name].builtin_feedback):
+        if ef and (name == "none" or compressors.REGISTRY[name].capabilities.builtin_feedback):
             continue
         c = compressors.make(name, error_feedback=ef)
-        c.layout = shapes
-        c.skip_warmup()
-        sizes = [cal.drive(c, x.clone())[0] for x in inputs]
-        if c.steady_payload:
+        contract.skip_warmup(c)
+        sizes = [cal.drive(c, x.clone(), bucket=bucket)[0] for x in inputs]
+        if c.capabilities.steady_payload:
             steady.append(name)
             assert all(s == sizes[0] for s in sizes), (name, sizes)
         else:
@@ -662,6 +667,8 @@ def test_declared_rounds_are_the_driven_ones(params):
     pre-filter), per-tensor layouts with and without matrices worth compressing; with and without error
     feedback. Top-k, int8 and PowerSGD (per tensor) declare; PowerSGD without a layout does not."""
     from commlab.engine import compressors
+    from commlab.engine.compressors import contract
+    from commlab.engine.compressors.capabilities import BucketContext
     from commlab.lab.strategy.perfmodel import calibrate as cal
     g = torch.Generator().manual_seed(2)
     declaring = set()
@@ -670,25 +677,25 @@ def test_declared_rounds_are_the_driven_ones(params):
         given = {k: v for k, v in params.items() if k in {p.name for p in cls.params}}
         if params and not given:
             continue
-        for ef in (False, True) if not cls.builtin_feedback and name != "none" else (False,):
+        for ef in (False, True) if not cls.capabilities.builtin_feedback and name != "none" else (False,):
             for layout, n in DECLARED_LAYOUTS:
+                bucket = BucketContext(layout=layout)
                 c = compressors.make(name, error_feedback=ef, **given)
-                c.layout = layout
-                declared = c.declared_rounds(n, 4)
+                declared = contract.declared_rounds(c, n, 4, bucket)
                 if declared is None:
                     continue
                 declaring.add(name)
-                c.skip_warmup()
-                driven, _ = cal.drive(c, torch.randn(n, generator=g))
+                contract.skip_warmup(c)
+                driven, _ = cal.drive(c, torch.randn(n, generator=g), bucket=bucket)
                 assert declared == driven, (name, given, ef, layout[:3])
-                if c.shard_problem() is None:  # dear's exchange, declared as the model reads it
+                if c.capabilities.shard_problem() is None:  # dear's exchange, declared as the model reads it
                     sharded = compressors.make(name, error_feedback=ef, **given)
-                    sharded.layout = layout
-                    driven, _ = cal.drive(sharded, torch.randn(n, generator=g), sharded=True)
-                    assert sharded.declared_shard_rounds(n, 4) == driven, (name, given, ef, layout[:3])
+                    driven, _ = cal.drive(sharded, torch.randn(n, generator=g), sharded=True, bucket=bucket)
+                    assert contract.declared_shard_rounds(sharded, n, 4, bucket) == driven, \
+                        (name, given, ef, layout[:3])
     want = {(): {"topk", "int8", "powersgd"}, ("ratio",): {"topk"}, ("block",): {"int8"}, ("rank",): {"powersgd"}}
     assert declaring >= want[tuple(params)]
-    assert compressors.make("powersgd").declared_rounds(1000, 4) is None  # flat mode: driven
+    assert contract.declared_rounds(compressors.make("powersgd"), 1000, 4) is None  # flat mode: driven
 
 
 def test_the_model_uses_declared_rounds_without_driving(monkeypatch):

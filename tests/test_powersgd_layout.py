@@ -1,7 +1,8 @@
 """PowerSGD per tensor: with the bucket's layout it compresses each matrix on its own, as PyTorch's hook.
 
 Exchanges run without a process group (``emulate_exchange``), one compressor
-per simulated rank; the last test trains through the engine at world size 2.
+per simulated rank, each with its rank's ``BucketContext`` carrying the layout;
+the last test trains through the engine at world size 2.
 """
 import functools
 import math
@@ -14,6 +15,7 @@ from distutil import emulate_exchange, run_world
 from commlab.engine import compressors, data, models, schedules
 from commlab.engine.comm.wfbp import WFBP
 from commlab.engine.compressors import make
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.powersgd import matrix_shape, plan_layout
 
 # a conv weight, its bias, a linear weight, its bias, a matrix too small to pay at rank 2, a scalar
@@ -35,10 +37,13 @@ LAYOUT, N = layout_of(SHAPES)
 
 
 def made(n_ranks=2, **params):
-    comps = [make("powersgd", **{"rank": R, "start_iter": 0, **params}) for _ in range(n_ranks)]
-    for c in comps:
-        c.layout = LAYOUT
-    return comps
+    return [make("powersgd", **{"rank": R, "start_iter": 0, **params}) for _ in range(n_ranks)]
+
+
+def exchange(comps, ts, log=None, sent=None, layout=LAYOUT):
+    """One exchange of ``comps`` (rank r's context: bucket 0, rank r, ``layout``), as emulate_exchange."""
+    buckets = [BucketContext(0, r, layout) for r in range(len(comps))]
+    return emulate_exchange(comps, ts, log, buckets=buckets, sent=sent)
 
 
 def pieces(flat):
@@ -82,7 +87,7 @@ def test_low_rank_matrices_exact_and_vectors_exact_with_two_ranks():
     for step in range(2):
         ts = low_rank_buckets(bases, 2)
         avg = (ts[0] + ts[1]) / 2
-        outs = emulate_exchange(comps, [t.clone() for t in ts])
+        outs = exchange(comps, [t.clone() for t in ts])
         torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)  # every rank decodes the same average
         for (off, s), got, want in zip(LAYOUT, pieces(outs[0]), pieces(avg)):
             if len(s) >= 2 and math.prod(s) > 6:
@@ -94,7 +99,7 @@ def test_low_rank_matrices_exact_and_vectors_exact_with_two_ranks():
     # at rank 1 the rank-2 matrices cannot be exact: the check has teeth
     c1 = made(rank=1)
     ts = low_rank_buckets(bases, 2)
-    outs = emulate_exchange(c1, [t.clone() for t in ts])
+    outs = exchange(c1, [t.clone() for t in ts])
     got, want = pieces(outs[0])[2], pieces((ts[0] + ts[1]) / 2)[2]
     assert float((got - want).norm() / want.norm()) > 1e-2
 
@@ -106,24 +111,24 @@ def test_two_rounds_one_tensor_each_and_bytes(dtype):
     second = (27 + 20) * R  # every Q_i
     es = torch.empty(0, dtype=dtype).element_size()
     for step in range(3):
-        log = []
+        log, sent = [], []
         ts = [torch.randn(N, dtype=dtype) for _ in comps]
-        emulate_exchange(comps, ts, log)
+        exchange(comps, ts, log, sent)
         if step == 0:  # start_iter: one plain all-reduce
-            assert log == [("allreduce", [(N,)])] and comps[0].last_bytes == N * es
+            assert log == [("allreduce", [(N,)])] and sent[0] == N * es
         else:
             assert log == [("allreduce", [(first,)]), ("allreduce", [(second,)])]
-            assert comps[0].last_bytes == (first + second) * es
+            assert sent[0] == (first + second) * es
             assert first + second < N / 3
 
 
 def test_nothing_to_compress_is_one_plain_round():
     c = make("powersgd", rank=1, start_iter=0)
-    c.layout, n = layout_of([(10,), (3, 2), (7,)])
+    layout, n = layout_of([(10,), (3, 2), (7,)])
     t = torch.randn(n)
-    log = []
-    (out,) = emulate_exchange([c], [t.clone()], log)
-    assert log == [("allreduce", [(n,)])] and c.last_bytes == n * 4
+    log, sent = [], []
+    (out,) = exchange([c], [t.clone()], log, sent, layout)
+    assert log == [("allreduce", [(n,)])] and sent == [n * 4]
     torch.testing.assert_close(out, t)
 
 
@@ -134,7 +139,7 @@ def test_error_feedback_loses_nothing():
     for _ in range(5):
         g = torch.randn(N, dtype=torch.float64)
         fed += g
-        (out,) = emulate_exchange([c], [g.clone()])
+        (out,) = exchange([c], [g.clone()])
         sent += out
     assert c.residual.shape == (N,)  # bucket coordinates, no padding
     torch.testing.assert_close(sent + c.residual, fed)
@@ -145,7 +150,7 @@ def test_state_dict_round_trip_carries_the_factors():
     torch.manual_seed(23)
     (a,) = made(1, start_iter=1)
     for _ in range(3):
-        emulate_exchange([a], [torch.randn(N)])
+        exchange([a], [torch.randn(N)])
     state = a.state_dict()
     assert state["qs"].numel() == (27 + 20) * R and state["residual"].shape == (N,) and state["step"] == 3
     (b,) = made(1, start_iter=1)
@@ -153,7 +158,7 @@ def test_state_dict_round_trip_carries_the_factors():
     (fresh,) = made(1, start_iter=1)
     fresh.step = 3
     g = torch.randn(N)
-    (oa,), (ob,), (of,) = (emulate_exchange([c], [g.clone()]) for c in (a, b, fresh))
+    (oa,), (ob,), (of,) = (exchange([c], [g.clone()]) for c in (a, b, fresh))
     torch.testing.assert_close(oa, ob, rtol=0, atol=0)
     assert not torch.equal(oa, of)  # the warm start and residual matter, so the check has teeth
 
@@ -165,10 +170,8 @@ def test_without_a_matching_layout_the_bucket_is_one_flat_matrix():
     outs = {}
     for name, layout in (("none", None), ("other bucket", layout_of([(N + 5,)])[0])):
         comps = made()
-        for c in comps:
-            c.layout = layout
         log = []
-        outs[name] = emulate_exchange(comps, [t.clone() for t in ts], log)[0]
+        outs[name] = exchange(comps, [t.clone() for t in ts], log, layout=layout)[0]
         assert log == [("allreduce", [(rows, R)]), ("allreduce", [(cols, R)])]
         assert comps[0].qs is None and comps[0].residual.numel() == rows * cols
     torch.testing.assert_close(outs["none"], outs["other bucket"], rtol=0, atol=0)
@@ -186,7 +189,7 @@ def _train(rank, world, steps):
     dp = WFBP(model, functools.partial(schedules.build, "bucket", cap_mb=25),
               lambda: compressors.make("powersgd", rank=1))
     (b,) = dp.buckets  # one bucket for the whole model: the case a flat matrix cannot learn
-    layout = b.compressor.layout
+    layout = [(o, tuple(s)) for o, s in b.context.layout]
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sampler = data.ShardSampler(ds.size("train"), 32, rank, world, seed=0)
     for _ in range(steps):

@@ -131,7 +131,7 @@ def run(run_dir: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from commlab.engine.compressors import graphs
+    from commlab.engine.compressors import contract, graphs
     from commlab.engine.trainer import Trainer, resolve_backend, resolve_device
 
     with open(os.path.join(run_dir, runfiles.SPEC)) as f:
@@ -170,7 +170,8 @@ def run(run_dir: str, rank: int) -> None:
                   flush=True)
         trainer.train()
         if rank == 0 and device.type == "cuda":
-            line = graphs.summary(getattr(b, "compressor", None) for b in getattr(trainer.dp, "buckets", ()))
+            line = graphs.summary(contract.unwrap(b.compressor) for b in getattr(trainer.dp, "buckets", ())
+                                  if getattr(b, "compressor", None) is not None)  # error feedback: the codec it wraps
             if line:
                 print(f"[commlab] rank 0: {line}", flush=True)
     finally:

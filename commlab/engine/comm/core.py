@@ -36,7 +36,9 @@ import torch
 import torch.distributed as dist
 
 from commlab.engine.comm.collectives import Pending
+from commlab.engine.compressors import contract
 from commlab.engine.compressors.base import Compressor
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.compressors.plan import Plan
 from commlab.engine.netmodel import ModeledLink
 from commlab.engine.schedules import ParamInfo
@@ -79,10 +81,11 @@ class Bucket:
     """One fused bucket: its parameters (in gradient order), their names, its compressor, and its
     gradients as one flat buffer of ``padded`` elements (``numel`` of them the parameters', the
     rest zeros: a mode that splits the buffer over ranks pads it to a multiple of the world size).
-    ``views[i]`` is parameter i's gradient, at ``offsets[i]`` in ``flat``."""
+    ``views[i]`` is parameter i's gradient, at ``offsets[i]`` in ``flat``; ``context`` is what the
+    compressor is told about the bucket (``BucketContext``: its index, this process's ``rank``, the layout)."""
 
     def __init__(self, index: int, params: List[torch.nn.Parameter], names: List[str], compressor: Compressor,
-                 multiple: int = 1):
+                 multiple: int = 1, rank: int = 0):
         self.index, self.params, self.names, self.compressor = index, params, names, compressor
         p0 = params[0]
         self.numel = sum(p.numel() for p in params)
@@ -95,6 +98,8 @@ class Bucket:
             self.offsets.append(off)
             off += p.numel()
         self.views = [self.flat[o:o + p.numel()].view_as(p) for o, p in zip(self.offsets, params)]
+        self.context = BucketContext(index, rank, tuple((o, tuple(p.shape)) for o, p in zip(self.offsets, params)))
+        """Passed to the compressor's exchange (and its compress, where it takes one): made once per bucket."""
         self.scale: Optional[float] = None
         """Set by the mode when gradients land multiplied by it (1/world, fused into the landing copy)."""
         self.bulk = False
@@ -103,6 +108,9 @@ class Bucket:
         self.codec = compressor.describe()
         """The compressor as a spec names it (mixed strategies: it differs between buckets); the timeline's
         comm spans and layout.json carry it."""
+        self.sent = 0
+        """Payload bytes this rank sent for this bucket in the last step that exchanged (the exchange driver's
+        count, kept here by the mode: the compressor keeps no measurement)."""
         self.reset()
 
     def reset(self) -> None:
@@ -202,7 +210,7 @@ class Communicator:
     # -- layout -----------------------------------------------------------
     def _new_bucket(self, index: int, params: List[torch.nn.Parameter], names: List[str],
                     compressor: Compressor) -> Bucket:
-        return Bucket(index, params, names, compressor)
+        return Bucket(index, params, names, compressor, rank=self.rank)
 
     def _build(self, layout: List[List[int]], order: Sequence[int]) -> None:
         """Buckets from ``layout`` (lists of positions into ``order``, itself indices into ``params``);
@@ -214,10 +222,8 @@ class Communicator:
         for bi, idx in enumerate(layout):
             comp = self.plan.make(sum(self.params[self.order[i]].numel() * self.params[self.order[i]].element_size()
                                       for i in idx))
-            comp.bucket, comp.process_rank = bi, self.rank
             b = self._new_bucket(bi, [self.params[self.order[i]] for i in idx],
                                  [self.order_names[self.order[i]] for i in idx], comp)
-            comp.layout = [(o, tuple(v.shape)) for o, v in zip(b.offsets, b.views)]
             self.buckets.append(b)
             for pos, p in enumerate(b.params):
                 self.slot[p] = self._slot_at[self._index[p]] = (b, pos)
@@ -234,7 +240,7 @@ class Communicator:
         per-element state (error-feedback residuals, DGC's u and v, ...) belongs to parameters,
         not to bucket slots: each parameter's slice is moved from its old bucket to its new one
         (padding stays zero). A counter ``step`` (warm-up schedules) carries over; other state
-        starts afresh (Compressor.elementwise). With a mixed plan a bucket whose size crosses a rule's
+        starts afresh (Capabilities.elementwise). With a mixed plan a bucket whose size crosses a rule's
         limit gets another compressor: state moves by name, so a residual (``ef.residual``) follows its
         parameters into any compressor that keeps one and is dropped where the new one keeps none."""
         order = self.order if order is None else list(order)
@@ -243,15 +249,15 @@ class Communicator:
         old: Dict[int, Dict[str, Optional[Tensor]]] = {}  # id(param) -> state name -> its slice
         step = None
         for b in self.buckets:
-            state = b.compressor.elementwise_state()
-            if b.compressor.counts_steps:
-                step = b.compressor.step
+            state = contract.elementwise_state(b.compressor)
+            if b.compressor.capabilities.counts_steps:
+                step = contract.unwrap(b.compressor).step
             for p, off in zip(b.params, b.offsets):
                 old[id(p)] = {k: None if t is None else t[off:off + p.numel()] for k, t in state.items()}
         self._build(layout, order)
         for b in self.buckets:
             state = {}
-            for k in b.compressor.elementwise_state():
+            for k in contract.elementwise_state(b.compressor):
                 parts = [old[id(p)].get(k) for p in b.params]
                 if all(t is None for t in parts):
                     state[k] = None  # nothing kept yet: the compressor starts from zero as usual
@@ -262,9 +268,9 @@ class Communicator:
                     if t is not None:
                         full[off:off + p.numel()] = t
                 state[k] = full
-            b.compressor.load_elementwise_state(state)
-            if step is not None and b.compressor.counts_steps:
-                b.compressor.step = step
+            contract.load_elementwise_state(b.compressor, state)
+            if step is not None and b.compressor.capabilities.counts_steps:
+                contract.unwrap(b.compressor).step = step
 
     def layout(self) -> List[List[str]]:
         return [list(b.names) for b in self.buckets]

@@ -31,10 +31,11 @@ order on every rank: reduce-scatters in buffer order (the order gradients are
 expected in backward), all-gathers in forward order.
 
 Compressors: those whose instance declares a way to reduce-scatter
-(``Compressor.shard_path``), one for all buffers or one per buffer by size (a
-``Plan``, the spec's ``compressor.per_bucket``). Each buffer's exchange is the
-compressor's own ``shard_exchange``, driven through the exchange driver
-(commlab/engine/comm/exchange.py) as sync and wfbp drive ``exchange``, its rounds issued by
+(``Capabilities.shard_path``), one for all buffers or one per buffer by size (a
+``Plan``, the spec's ``compressor.per_bucket``). Each buffer's exchange is dear's
+sharded exchange (commlab/engine/compressors/contract.py ``shard_exchange``, or the
+compressor's own), driven through the exchange driver (commlab/engine/comm/exchange.py)
+as sync and wfbp drive ``exchange``, its rounds issued by
 commlab/engine/comm/collectives.py; by default:
 
 - "sum": single-round, summable and shape-keeping (none, fp16, bf16). Each
@@ -42,7 +43,7 @@ commlab/engine/comm/collectives.py; by default:
   the payload is reduce-scattered as it is, and each rank decodes its shard:
   for such payloads that is the reduce-scatter of the gradients. fp16
   payloads are pre-divided by the world size, as DDP's fp16 hook does
-  (``Compressor.sum_overflows``).
+  (``Capabilities.sum_overflows``).
 - "alltoall": a ``shard_codec`` (int8, block-wise quantization). Each rank
   cuts the buffer into its world-size shards and compresses each on its own
   (``encode_parts``; error feedback over the whole buffer), sends shard j's
@@ -92,7 +93,7 @@ class Buffer(Bucket):
 
     def __init__(self, index: int, params: List[torch.nn.Parameter], names: List[str], compressor: Compressor,
                  world: int, rank: int):
-        super().__init__(index, params, names, compressor, multiple=world)
+        super().__init__(index, params, names, compressor, multiple=world, rank=rank)
         p0 = params[0]
         self.shard = self.padded // world
         self.lo = rank * self.shard
@@ -129,7 +130,7 @@ class DeAR(Communicator):
                  plan: Union[Plan, Callable[[], Compressor]], *, timeline: Optional[Timeline] = None, group=None,
                  link: Optional[ModeledLink] = None, broadcast_from_rank0: bool = True):
         plan = plan if isinstance(plan, Plan) else Plan(plan)
-        problem = plan.problem(lambda c: c.shard_problem())
+        problem = plan.problem(lambda c: c.capabilities.shard_problem())
         if problem:
             raise ValueError(f"compressor.name: dear reduce-scatters payloads, so it needs a single-round "
                              f"compressor that is summable and keeps the gradient's shape, or a shard codec; "
@@ -226,7 +227,7 @@ class DeAR(Communicator):
     def _launch(self, b: Buffer) -> None:
         tl = self.timeline
         t0 = tl.now()
-        b.ex = Exchange(b.compressor, b.flat, self.world, rank=self.rank)  # compress, error feedback inside
+        b.ex = Exchange(b.compressor, b.flat, self.world, rank=self.rank, bucket=b.context)  # error feedback inside
         rnd = b.ex.start()
         b.via = rnd.op == "all_to_all"
         if tl.enabled and (b.via or rnd.tensors[0] is not b.flat):
@@ -266,6 +267,7 @@ class DeAR(Communicator):
                 t1 = tl.now()
                 rnd = b.ex.send(reply)
             g = b.ex.out
+            b.sent = b.ex.sent
             b.shard_param.grad.copy_(g)
             if tl.enabled and (b.via or g is not reply[0]):
                 tl.span("decompress", f"decompress b{b.index}", t1, tl.now(),

@@ -1,10 +1,11 @@
 """The exchange driver: runs a compressor's exchange generator (commlab/engine/compressors/base.py) a round at a
-time: compress (error feedback inside ``encode``), one collective per round, decompress. The comm modes
+time: compress (error feedback inside ``BucketContext.encode``), one collective per round, decompress. The comm modes
 (sync, wfbp and dear alike), the DDP hooks (commlab/engine/comm/hooks.py), LayerFusion's calibration, the
 performance model and the tests all drive exchanges through it, over a process group
 (``process_group_collective``) or in one process (``local_collective``). An exchange is either whole
-(``Compressor.exchange``: every rank ends with the average) or sharded (``Compressor.shard_exchange``, dear's:
-rank r ends with its shard of the average)."""
+(``Compressor.exchange``: every rank ends with the average) or sharded (dear's,
+commlab.engine.compressors.contract.shard_exchange: rank r ends with its shard of the average). The driver counts
+the payload bytes each round puts on the wire (``Exchange.sent``): the compressors keep no measurement."""
 from __future__ import annotations
 
 import time
@@ -14,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from commlab.engine.comm.collectives import OPS, issue
-from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors import contract
+from commlab.engine.compressors.base import Compressor, Round, round_bytes
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext
 from commlab.engine.netmodel import ModeledLink
 
 Tensor = torch.Tensor
@@ -28,39 +31,45 @@ class Exchange:
         while rnd is not None:
             rnd = ex.send(collective(rnd))   # the round's result in: the next round, or None
         ex.out                           # the average (it may be ``t`` itself)
+        ex.sent                          # the payload bytes this rank put on the wire, every round
 
-    With ``rank`` the exchange is sharded (``Compressor.shard_exchange``): ``ex.out`` is this rank's
-    shard of the average, ``t.numel() // world`` elements. With ``timer`` (a clock that waits for the
-    device, e.g. ``perf_counter`` after a CUDA synchronize), ``compute`` lists the seconds spent in the
-    compressor per call: encode, the work between rounds, decode."""
+    ``bucket``: the bucket the compressor serves (``BucketContext``: its index, this rank, the layout); a
+    compressor used on its own gets ``DEFAULT_BUCKET``. With ``rank`` the exchange is sharded (dear's,
+    ``contract.shard_exchange``): ``ex.out`` is this rank's shard of the average, ``t.numel() // world``
+    elements. With ``timer`` (a clock that waits for the device, e.g. ``perf_counter`` after a CUDA
+    synchronize), ``compute`` lists the seconds spent in the compressor per call: encode, the work between
+    rounds, decode."""
 
-    __slots__ = ("gen", "out", "rounds", "timer", "compute")
+    __slots__ = ("gen", "out", "rounds", "sent", "timer", "compute")
 
     def __init__(self, compressor: Compressor, t: Tensor, world: int, timer: Optional[Callable[[], float]] = None,
-                 prescaled: bool = False, rank: Optional[int] = None):
+                 prescaled: bool = False, rank: Optional[int] = None, bucket: BucketContext = DEFAULT_BUCKET):
         """``prescaled``: ``t`` was already divided by ``world`` (only where ``prescales(compressor)``):
         the exchange is one all-reduce of ``t`` in place. ``rank``: this rank, for a sharded exchange."""
         if prescaled and (rank is not None or not Exchange.prescales(compressor)):
             raise ValueError(f"compressor {compressor.name}: only a whole exchange of an identity compressor "
                              "without error feedback takes a pre-scaled input")
         if prescaled:
-            self.gen = _sum(compressor, t)
+            self.gen = _sum(t)
         elif rank is not None:
-            self.gen = compressor.shard_exchange(t, world, rank)
+            self.gen = contract.shard_exchange(compressor, t, world, rank, bucket)
         else:
-            self.gen = compressor.exchange(t, world)
+            self.gen = compressor.exchange(t, world, bucket)
         self.out: Optional[Tensor] = None
         self.rounds = 0
         """Rounds issued so far."""
+        self.sent = 0
+        """Payload bytes this rank put on the wire so far, over every round (an all-to-all: every destination's
+        part): what the exchange sent once it is done."""
         self.timer = timer
         self.compute: List[float] = []
 
     @staticmethod
     def prescales(compressor: Compressor) -> bool:
         """True when ``compressor``'s exchange is a plain sum of its input divided by the world size
-        (the identity, no error feedback): the division can then be fused into the copy that lands
-        the gradient, before the all-reduce, as DDP does, instead of a pass after it."""
-        return compressor.identity and compressor.ef is None
+        (``Capabilities.identity``; error feedback is no identity): the division can then be fused into the
+        copy that lands the gradient, before the all-reduce, as DDP does, instead of a pass after it."""
+        return compressor.capabilities.identity
 
     def start(self) -> Round:
         return self._step(None)
@@ -79,12 +88,18 @@ class Exchange:
             self.compute.append(self.timer() - t0)
         if rnd is not None:
             self.rounds += 1
+            if rnd.parts is None:  # counted inline: no call per round on the hot path
+                n = self.sent
+                for x in rnd.tensors:
+                    n += x.numel() * x.element_size()
+                self.sent = n
+            else:
+                self.sent += round_bytes(rnd)
         return rnd
 
 
-def _sum(compressor: Compressor, t: Tensor):
+def _sum(t: Tensor):
     """The exchange of an identity compressor whose input is already divided by the world size."""
-    compressor.last_bytes = t.numel() * t.element_size()
     (out,) = yield Round("allreduce", [t])
     return out
 
@@ -97,15 +112,18 @@ reduce-scatter: [this rank's chunk of the sum]; all-to-all: [the payload from ea
 
 
 def run_exchange(comps: Sequence[Compressor], tensors: Sequence[Tensor], world: int, collective: Collective,
-                 timer: Optional[Callable[[], float]] = None,
-                 ranks: Optional[Sequence[int]] = None) -> List[Exchange]:
+                 timer: Optional[Callable[[], float]] = None, ranks: Optional[Sequence[int]] = None,
+                 buckets: Optional[Sequence[BucketContext]] = None) -> List[Exchange]:
     """Drive the exchanges of ``comps`` on ``tensors`` (one per rank this process stands for: one on
     a real rank, several when ranks are simulated in one process) to the end, in lockstep, every
     round through ``collective``. ``ranks`` (the rank each one stands for: ``[my rank]`` on a real rank,
-    ``range(world)`` when all are simulated) makes the exchanges sharded (dear's). Returns the finished
-    ``Exchange``s (``.out``, ``.compute``)."""
-    exs = [Exchange(c, t, world, timer, rank=None if ranks is None else r)
-           for c, t, r in zip(comps, tensors, ranks if ranks is not None else [None] * len(comps))]
+    ``range(world)`` when all are simulated) makes the exchanges sharded (dear's). ``buckets``: each one's
+    ``BucketContext`` (default ``DEFAULT_BUCKET``). Returns the finished ``Exchange``s (``.out``, ``.sent``,
+    ``.compute``)."""
+    n = len(comps)
+    exs = [Exchange(c, t, world, timer, rank=r, bucket=b)
+           for c, t, r, b in zip(comps, tensors, ranks if ranks is not None else [None] * n,
+                                 buckets if buckets is not None else [DEFAULT_BUCKET] * n)]
     rounds = [ex.start() for ex in exs]
     while rounds[0] is not None:
         op = rounds[0].op
@@ -155,10 +173,11 @@ def local_collective(op: str, payloads: list) -> list:
     raise ValueError(f"a compressor asked for an unknown collective {op!r}; allowed: {', '.join(OPS)}")
 
 
-def exchange(comp: Compressor, t: Tensor, world: int, group=None, link: Optional[ModeledLink] = None) -> Tensor:
+def exchange(comp: Compressor, t: Tensor, world: int, group=None, link: Optional[ModeledLink] = None,
+             bucket: BucketContext = DEFAULT_BUCKET) -> Tensor:
     """A whole exchange of ``t`` on this rank, waited for: the average over ranks (a blocking
     convenience for calibrations and tests)."""
-    return run_exchange([comp], [t], world, process_group_collective(group, link))[0].out
+    return run_exchange([comp], [t], world, process_group_collective(group, link), buckets=[bucket])[0].out
 
 
 def time_exchange(make_compressor: Callable[[], Compressor], numel: int, dtype, device, group=None,
@@ -168,7 +187,7 @@ def time_exchange(make_compressor: Callable[[], Compressor], numel: int, dtype, 
     and decode, on this thread). Collective: every rank calls it with the same arguments
     (LayerFusion's calibration)."""
     comp = make_compressor()
-    comp.bucket, comp.process_rank, comp.layout = 0, dist.get_rank(group), [(0, (numel,))]
+    bucket = BucketContext(0, dist.get_rank(group), ((0, (numel,)),))
     g = torch.Generator().manual_seed(numel)
     t = torch.randn(numel, generator=g).to(device=device, dtype=dtype)
     sync = torch.cuda.synchronize if t.is_cuda else None
@@ -179,5 +198,6 @@ def time_exchange(make_compressor: Callable[[], Compressor], numel: int, dtype, 
         return time.perf_counter()
     dist.barrier(group=group)
     t0 = time.perf_counter()
-    (ex,) = run_exchange([comp], [t], dist.get_world_size(group), process_group_collective(group, link), timer)
+    (ex,) = run_exchange([comp], [t], dist.get_world_size(group), process_group_collective(group, link), timer,
+                         buckets=[bucket])
     return time.perf_counter() - t0, sum(ex.compute)

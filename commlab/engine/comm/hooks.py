@@ -17,7 +17,7 @@ from the communication thread, in an order ranks need not agree on; use them
 through the engine, or DDP's own PowerSGD hook with a single bucket.
 """
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,6 +25,7 @@ import torch.distributed as dist
 from commlab.engine import compressors
 from commlab.engine.comm.collectives import issue
 from commlab.engine.comm.exchange import Exchange
+from commlab.engine.compressors.capabilities import BucketContext
 
 
 class HookState:
@@ -37,23 +38,30 @@ class HookState:
 
     def __init__(self, name: str, error_feedback: bool = False, process_group=None, **params):
         probe = compressors.make(name, error_feedback=error_feedback, **params)
-        if probe.rounds > 1:
+        rounds = probe.capabilities.rounds
+        if rounds > 1:
             given = f" ({', '.join(f'{k}={v!r}' for k, v in params.items())})" if params else ""
-            raise ValueError(f"name: {probe.name}{given} takes several rounds ({probe.rounds}) and cannot run as a "
+            raise ValueError(f"name: {probe.name}{given} takes several rounds ({rounds}) and cannot run as a "
                              "DDP hook; use the engine")
         self.name, self.error_feedback, self.params = name, error_feedback, params
         self.process_group = process_group
         self.per_bucket: Dict[int, compressors.Compressor] = {}
         self.sizes: Dict[int, int] = {}
+        self._slots: Dict[int, Tuple[compressors.Compressor, BucketContext]] = {}
+        """By DDP bucket index: its compressor and the context it is driven with (its index, this rank)."""
         self.bytes_sent = 0
         """Payload bytes this rank has sent through the hook so far."""
 
-    def compressor(self, index: int, numel: int) -> compressors.Compressor:
+    def slot(self, index: int, numel: int) -> Tuple[compressors.Compressor, BucketContext]:
+        """The compressor of DDP bucket ``index`` (a fresh one when the bucket's size changed) and its context."""
         if self.sizes.get(index) != numel:
             c = compressors.make(self.name, error_feedback=self.error_feedback, **self.params)
-            c.bucket, c.process_rank = index, dist.get_rank(self.process_group)
             self.per_bucket[index], self.sizes[index] = c, numel
-        return self.per_bucket[index]
+            self._slots[index] = (c, BucketContext(index, dist.get_rank(self.process_group)))
+        return self._slots[index]
+
+    def compressor(self, index: int, numel: int) -> compressors.Compressor:
+        return self.slot(index, numel)[0]
 
     def state_dict(self) -> dict:
         return {i: c.state_dict() for i, c in self.per_bucket.items()}
@@ -63,10 +71,10 @@ def _hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[tor
     buf = bucket.buffer()
     group = state.process_group
     world = dist.get_world_size(group)
-    c = state.compressor(bucket.index(), buf.numel())
-    ex = Exchange(c, buf, world)
+    c, context = state.slot(bucket.index(), buf.numel())
+    ex = Exchange(c, buf, world, bucket=context)
     pending = issue(ex.start(), group)
-    state.bytes_sent += c.last_bytes
+    state.bytes_sent += ex.sent
 
     def finish(fut):
         for w in pending.works[:-1]:

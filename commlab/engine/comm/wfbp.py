@@ -34,6 +34,9 @@ Tensor = torch.Tensor
 class ExchangeBucket(Bucket):
     """A bucket whose whole gradient is exchanged (compressed, a collective per round, decoded)."""
 
+    multi = False
+    """Its compressor takes several rounds (``Capabilities.rounds``), set by the mode when it makes the bucket."""
+
     def reset(self) -> None:
         super().reset()
         self.ex: Optional[Exchange] = None
@@ -49,8 +52,9 @@ class WFBP(Communicator):
     mode = "wfbp"
 
     def _new_bucket(self, index, params, names, compressor) -> Bucket:
-        b = ExchangeBucket(index, params, names, compressor)
+        b = ExchangeBucket(index, params, names, compressor, rank=self.rank)
         b.scale = self._scale(compressor)
+        b.multi = compressor.capabilities.rounds > 1
         return b
 
     def _scale(self, compressor: Compressor) -> Optional[float]:
@@ -90,11 +94,11 @@ class WFBP(Communicator):
 
     def _launch(self, b: ExchangeBucket) -> None:
         self._advance_multi()
-        if b.compressor.rounds > 1:
+        if b.multi:
             self._multi.append(b)
         tl = self.timeline
         t0 = tl.now()
-        b.ex = Exchange(b.compressor, b.flat, self.world, prescaled=b.scale is not None)
+        b.ex = Exchange(b.compressor, b.flat, self.world, prescaled=b.scale is not None, bucket=b.context)
         rnd = b.ex.start()
         if tl.enabled:
             tl.span("compress", f"compress b{b.index}", t0, tl.now(), {"bucket": b.index})
@@ -145,7 +149,11 @@ class WFBP(Communicator):
         active = [b for b in self.buckets if not b.done]
         while active:  # bucket order: every rank issues follow-up rounds identically
             active = [b for b in active if self._advance(b)]
-        self.step_bytes = sum(b.compressor.last_bytes for b in self.buckets)
+        total = 0
+        for b in self.buckets:
+            b.sent = b.ex.sent
+            total += b.sent
+        self.step_bytes = total
         self._end_step()
         self._multi = []
 

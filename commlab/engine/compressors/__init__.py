@@ -9,8 +9,8 @@ A name is either registered (``register``: the built-ins fill the registry the w
 or an import path, ``package.module:Class``, naming a subclass of ``Compressor`` (commlab/engine/compressors/base.py,
 ``commlab.Compressor``) that is imported when it is first asked for (``resolve``), as models and data sets
 are (commlab/engine/external.py). Every compressor class declares its keyword parameters once (``cls.params``, a
-tuple of ``Param``) and its capabilities as attributes; ``__init__`` checks the parameters against the
-declaration, raising ``ValueError("<param>: <problem>")``.
+tuple of ``Param``) and its capabilities once (``cls.capabilities``, a ``Capabilities`` record); ``__init__``
+checks the parameters against the declaration, raising ``ValueError("<param>: <problem>")``.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple, Type, Union
 
 from commlab.engine import codepath, external
 from commlab.engine.compressors.base import Compressor, ErrorFeedback
+from commlab.engine.compressors.capabilities import Capabilities
 from commlab.engine.compressors.basic import NoneCompressor
 from commlab.engine.compressors.countsketch import CountSketch
 from commlab.engine.compressors.powersgd import PowerSGD
@@ -98,8 +99,8 @@ def names() -> tuple:
 
 
 def make(name: Union[str, Type[Compressor]], error_feedback: bool = False, **params) -> Compressor:
-    """A new instance for one bucket. ``error_feedback`` wraps any compressor
-    whose method does not keep a residual of its own."""
+    """A new instance for one bucket. ``error_feedback`` wraps it in ``ErrorFeedback``, for any compressor
+    whose method does not keep a residual of its own (``Capabilities.builtin_feedback``)."""
     cls = resolve(name)
     if not isinstance(error_feedback, bool):
         raise ValueError(f"error_feedback: must be true or false, got {error_feedback!r}")
@@ -110,11 +111,7 @@ def make(name: Union[str, Type[Compressor]], error_feedback: bool = False, **par
     except Exception as e:  # a user's constructor may fail in any way: one line, naming the class
         raise ValueError(f"name: {cls.name}({', '.join(f'{k}={v!r}' for k, v in params.items())}) failed: "
                          f"{type(e).__name__}: {_first_line(e)}") from None
-    if error_feedback:
-        if c.builtin_feedback:
-            raise ValueError(f"error_feedback: {cls.name} keeps its own residual already; leave error_feedback off")
-        c.ef = ErrorFeedback()
-    return c
+    return ErrorFeedback(c) if error_feedback else c
 
 
 def _first_line(e: BaseException) -> str:
@@ -129,12 +126,12 @@ def check(name: str, error_feedback: bool = False, **params) -> None:
 
 def shardable() -> Tuple[str, ...]:
     """The registered compressors whose payloads, at their default parameters, reduce-scatter as the
-    gradients would (``Compressor.shard_problem``): the ones DeAR takes."""
-    return tuple(n for n in REGISTRY if make(n).shard_problem() is None)
+    gradients would (``Capabilities.shard_problem``): the ones DeAR takes."""
+    return tuple(n for n in REGISTRY if make(n).capabilities.shard_problem() is None)
 
 
 for _cls in (NoneCompressor, FP16, BF16, Int8, TopK, RandomK, Threshold, DGC, QSGD, TernGrad, SignSGD, EFSignSGD,
              Signum, OneBit, Natural, PowerSGD, CountSketch):  # DESIGN.md's order (int8, added for dear, after the casts)
     register(_cls)
 
-__all__ = ["make", "names", "check", "shardable", "register", "resolve", "REGISTRY"]
+__all__ = ["make", "names", "check", "shardable", "register", "resolve", "REGISTRY", "Capabilities", "ErrorFeedback"]

@@ -7,8 +7,8 @@
 Each check drives the compressor's own exchange the way the engine does (commlab.engine.comm.exchange.run_exchange),
 with every rank simulated in this process (``local_collective``): no process group, nothing to launch.
 
-- declaration: the declared capabilities have their types; the exchange asks for ``rounds`` rounds, all
-  all-reduces when ``summable`` and all all-gathers otherwise; ``last_bytes`` is what this rank sent;
+- declaration: the declared capabilities (``Capabilities``, which checks its own types) hold together; the
+  exchange asks for ``rounds`` rounds, all all-reduces when ``summable`` and all all-gathers otherwise;
   ``declared_rounds``, where given, is what the exchange does; warm-up exchanges are plain all-reduces.
 - shapes and dtypes: each declared dtype (``dtypes``: fp32, fp16, bf16) comes back in shape, dtype and
   device, finite, through the exchange and through ``compress``/``decompress``.
@@ -21,11 +21,13 @@ with every rank simulated in this process (``local_collective``): no process gro
 - error feedback: with ``error_feedback``, what was sent plus the residual is everything fed in.
 - state round trip: an instance loaded from another's ``state_dict`` (deep-copied) gives the same next
   outputs, bit for bit (on a GPU to float rounding: its atomic adds sum in no fixed order).
-- dear shards: where ``shard_problem()`` is None, dear's sharded exchange (a reduce-scatter of the payload,
-  or a shard codec's all-to-all) gives each rank its shard of what the whole exchange gives (the sum path:
-  the whole exchange's output, sliced; the all-to-all path: the exchange of the inputs' slices, since each
-  slice is compressed on its own). It follows commlab/engine/comm/dear.py's ``_launch``, ``_launch_parts``,
-  ``_sum_parts`` and ``finish``.
+- dear shards: where ``capabilities.shard_problem()`` is None, dear's sharded exchange (a reduce-scatter of the
+  payload, or a shard codec's all-to-all) gives each rank its shard of what the whole exchange gives (the sum
+  path: the whole exchange's output, sliced; the all-to-all path: the exchange of the inputs' slices, since each
+  slice is compressed on its own), driven as commlab/engine/comm/dear.py drives it.
+
+Every simulated rank's instance gets its own ``BucketContext`` (bucket 1, its rank, the bucket's layout), as
+the communicator gives one.
 
 A check never raises for what the compressor does: an exception inside it is that check's FAIL, with its
 type and first line.
@@ -41,8 +43,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from commlab.engine.comm.exchange import local_collective, run_exchange
-from commlab.engine.compressors import make, resolve
+from commlab.engine.compressors import contract, make, resolve
 from commlab.engine.compressors.base import Compressor, nbytes
+from commlab.engine.compressors.capabilities import BucketContext
 
 Tensor = torch.Tensor
 
@@ -53,8 +56,6 @@ RAGGED = ((16, 24), (7,), (3, 5, 5))
 SIZES = (0, 1, 7, 1001)
 STEPS = 3
 """Steps driven where state carries over (momentum, residuals, warm-started factors)."""
-BOOLS = ("summable", "keeps_shape", "identity", "lossless", "builtin_feedback", "builtin_momentum",
-         "counts_steps", "steady_payload", "shard_codec")
 
 
 @dataclass
@@ -129,23 +130,37 @@ def _first_line(e: BaseException) -> str:
 
 
 class _Maker:
-    """Fresh instances, set up as the communicator sets them up (bucket, rank, layout), past any warm-up."""
+    """Fresh instances, each with the context the communicator would give it (bucket, rank, layout), past any
+    warm-up; ``drive``, ``sharded`` and ``compress`` hand each one its context."""
 
     def __init__(self, name, params: dict):
         self.name, self.params = name, params
         probe = make(name, **params)
         self.probe = probe
-        self.can_ef = not probe.builtin_feedback
+        self.caps = probe.capabilities
+        self.can_ef = not self.caps.builtin_feedback
+        self.contexts: Dict[int, BucketContext] = {}
+        """By id of an instance this maker made: its context."""
 
     def __call__(self, shapes=RAGGED, rank: int = 0, ef: bool = False, warm: bool = False, bucket: int = 1):
         c = make(self.name, error_feedback=ef, **self.params)
-        c.bucket, c.process_rank, c.layout = bucket, rank, layout(shapes)
+        self.contexts[id(c)] = BucketContext(bucket, rank, layout(shapes))
         if not warm:
-            c.skip_warmup()
+            contract.skip_warmup(c)
         return c
 
     def ranks(self, world: int, shapes=RAGGED, ef: bool = False, warm: bool = False) -> List[Compressor]:
         return [self(shapes, r, ef, warm) for r in range(world)]
+
+    def drive(self, comps: List[Compressor], xs: List[Tensor], log: Optional[list] = None) -> List[Tensor]:
+        return drive(comps, xs, log, [self.contexts[id(c)] for c in comps])
+
+    def sharded(self, comps: List[Compressor], xs: List[Tensor]) -> List[Tensor]:
+        return sharded(comps, xs, [self.contexts[id(c)] for c in comps])
+
+    def compress(self, c: Compressor, x: Tensor) -> tuple:
+        """``c``'s own ``compress`` of ``x`` (no exchange, no error feedback), given its context where it takes one."""
+        return contract.compress(contract.unwrap(c), x, self.contexts[id(c)])
 
 
 def layout(shapes) -> List[Tuple[int, Tuple[int, ...]]]:
@@ -166,23 +181,24 @@ def inputs(world: int, n: int, dtype=torch.float32, seed: int = 0) -> List[Tenso
     return [torch.randn(n, generator=g).to(_DEVICE.get(), dtype) for _ in range(world)]
 
 
-def drive(comps: List[Compressor], xs: List[Tensor], log: Optional[list] = None) -> List[Tensor]:
+def drive(comps: List[Compressor], xs: List[Tensor], log: Optional[list] = None,
+          buckets: Optional[List[BucketContext]] = None) -> List[Tensor]:
     """One exchange of every simulated rank's input (cloned: an exchange may write into its input); the
     outputs, cloned (a cast decodes into a buffer its next exchange rewrites). ``log`` gets, per round,
-    (op, bytes rank 0 put on the wire, its tensor count)."""
+    (op, bytes rank 0 put on the wire, its tensor count). ``buckets``: each rank's context."""
     def collective(op, payloads):
         if log is not None:
             log.append((op, nbytes(payloads[0]), len(payloads[0])))
         return local_collective(op, payloads)
-    exs = run_exchange(comps, [x.clone() for x in xs], len(comps), collective)
+    exs = run_exchange(comps, [x.clone() for x in xs], len(comps), collective, buckets=buckets)
     return [ex.out.clone() for ex in exs]
 
 
-def tolerance(fresh: Compressor, x: Tensor) -> float:
+def tolerance(m: "_Maker", fresh: Compressor, x: Tensor) -> float:
     """Relative tolerance for results that sum the same values in another order or rounding: four ulps of the
     coarsest floating dtype on the wire (or of the input), at least 1e-5. ``fresh``: an instance used for
     nothing else (compressing changes state)."""
-    payload, _ = fresh.compress(x.clone())
+    payload, _ = m.compress(fresh, x.clone())
     eps = [torch.finfo(t.dtype).eps for t in list(payload) + [x] if t.is_floating_point()]
     return max([1e-5] + [4 * e for e in eps])
 
@@ -214,40 +230,30 @@ def _dtype(d: torch.dtype) -> str:
 # --------------------------------------------------------------------------- the checks
 
 def _declaration(m: _Maker, worlds) -> str:
-    c = m.probe
-    for k in BOOLS:
-        if not isinstance(getattr(c, k), bool):
-            raise Finding(f"{k} must be True or False, is {getattr(c, k)!r}")
-    if not isinstance(c.rounds, int) or isinstance(c.rounds, bool) or c.rounds < 1:
-        raise Finding(f"rounds must be an integer >= 1, is {c.rounds!r}")
-    if not (isinstance(c.dtypes, tuple) and c.dtypes and all(isinstance(d, torch.dtype) for d in c.dtypes)):
-        raise Finding(f"dtypes must be a non-empty tuple of torch dtypes, is {c.dtypes!r}")
-    if not (isinstance(c.elementwise, tuple) and all(isinstance(k, str) for k in c.elementwise)):
-        raise Finding(f"elementwise must be a tuple of attribute names, is {c.elementwise!r}")
+    c = m.caps
     if c.identity and not (c.summable and c.keeps_shape and c.lossless):
         raise Finding("identity declares the payload is the input: it must be summable, keeps_shape and lossless too")
     world = max(worlds)
     comps = m.ranks(world)
     n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     log: list = []
-    drive(comps, inputs(world, n), log)
+    m.drive(comps, inputs(world, n), log)
     want = "allreduce" if c.summable else "allgather"
-    if len(log) != comps[0].rounds:
-        raise Finding(f"declares {comps[0].rounds} round(s), its exchange asked for {len(log)}")
+    rounds = comps[0].capabilities.rounds
+    if len(log) != rounds:
+        raise Finding(f"declares {rounds} round(s), its exchange asked for {len(log)}")
     if any(op != want for op, _, _ in log):
         raise Finding(f"declares summable={c.summable}, so every round should be {want}; asked for "
                       f"{', '.join(op for op, _, _ in log)}")
     sent = sum(b for _, b, _ in log)
-    if comps[0].last_bytes != sent:
-        raise Finding(f"last_bytes is {comps[0].last_bytes}, but rank 0 put {sent} bytes on the wire")
-    if comps[0].steady_payload:
-        declared = comps[0].declared_rounds(n, 4)
+    if comps[0].capabilities.steady_payload:
+        declared = contract.declared_rounds(comps[0], n, 4, m.contexts[id(comps[0])])
         if declared is not None and [tuple(r) for r in declared] != [tuple(r) for r in log]:
             raise Finding(f"declared_rounds says {declared}, the exchange sent {log}")
     warm = ""
     if c.warmup_exchanges:
         first: list = []
-        drive(m.ranks(world, warm=True), inputs(world, n), first)
+        m.drive(m.ranks(world, warm=True), inputs(world, n), first)
         if [op for op, _, _ in first] != ["allreduce"] or first[0][1] != n * 4:
             raise Finding(f"declares {c.warmup_exchanges} warm-up exchange(s), but its first exchange sent {first}, "
                           f"not one all-reduce of the {n * 4} input bytes")
@@ -258,16 +264,16 @@ def _declaration(m: _Maker, worlds) -> str:
 
 def _shapes_dtypes(m: _Maker, worlds) -> str:
     n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
-    dts = [d for d in m.probe.dtypes if d.is_floating_point]
+    dts = [d for d in m.caps.dtypes if d.is_floating_point]
     for dt in dts:
         for shapes in (((1,),), ((7,),), RAGGED):
             k = layout(shapes)[-1][0] + math.prod(shapes[-1])
             xs = inputs(2, k, dt, seed=k)
-            for r, out in enumerate(drive(m.ranks(2, shapes), xs)):
+            for r, out in enumerate(m.drive(m.ranks(2, shapes), xs)):
                 _kept(out, xs[r], f"{_dtype(dt)} bucket of {k}, rank {r}")
         x = inputs(1, n, dt)[0].reshape(2, n // 2)
         c = m(((2, n // 2),))
-        payload, ctx = c.compress(x.clone())
+        payload, ctx = m.compress(c, x.clone())
         if not isinstance(payload, list) or not all(isinstance(t, torch.Tensor) for t in payload):
             raise Finding(f"compress must return a list of tensors as its payload, returned {type(payload).__name__}")
         _kept(c.decompress(payload, ctx), x, f"{_dtype(dt)} {tuple(x.shape)} through compress and decompress")
@@ -279,7 +285,7 @@ def _empty_ragged(m: _Maker, worlds) -> str:
     for n in SIZES:
         xs = inputs(world, n, seed=n)
         try:
-            outs = drive(m.ranks(world, ((n,),)), xs)
+            outs = m.drive(m.ranks(world, ((n,),)), xs)
         except Exception as e:  # the compressor's own failure, with the bucket it failed on
             raise Finding(f"bucket of {n} element(s): {type(e).__name__}: {_first_line(e)}") from None
         for r, out in enumerate(outs):
@@ -289,17 +295,17 @@ def _empty_ragged(m: _Maker, worlds) -> str:
 
 def _aggregation(m: _Maker, worlds) -> str:
     world = max(worlds)
-    c = m.probe
+    c = m.caps
     n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     comps = m.ranks(world)
     alone = m(rank=0)
-    tol = tolerance(m(), inputs(1, n)[0])
+    tol = tolerance(m, m(), inputs(1, n)[0])
     for step in range(STEPS):
         xs = inputs(world, n, seed=10 + step)
         mean = torch.stack(xs).mean(0)
-        outs = drive(comps, xs)
+        outs = m.drive(comps, xs)
         if c.summable:
-            (ref,) = drive([alone], [mean])
+            (ref,) = m.drive([alone], [mean])
             bad = off_by(outs[0], ref, tol)
             if bad:
                 raise Finding(f"declares summable, but at step {step} the sum of {world} ranks' payloads does not "
@@ -316,8 +322,8 @@ def _aggregation(m: _Maker, worlds) -> str:
         return f"the mean of {world} ranks' inputs within {tol:.2g}"
     if not c.summable:
         return f"all-gathered and decoded on every rank; the result follows the mean at {world} ranks"
-    if comps[0].rounds > 1:
-        how = f"over its {comps[0].rounds} rounds"
+    if comps[0].capabilities.rounds > 1:
+        how = f"over its {comps[0].capabilities.rounds} rounds"
     elif _decode_linear(m, n, tol):
         how = "decoding is linear too"
     else:
@@ -328,9 +334,9 @@ def _aggregation(m: _Maker, worlds) -> str:
 def _decode_linear(m: _Maker, n: int, tol: float) -> bool:
     a, b = m(rank=0), m(rank=1)
     x, y = inputs(2, n, seed=5)
-    px, cx = a.compress(x.clone())
+    px, cx = m.compress(a, x.clone())
     px = [t.clone() for t in px]
-    py, _ = b.compress(y.clone())
+    py, _ = m.compress(b, y.clone())
     if [t.shape for t in px] != [t.shape for t in py]:
         return False
     both = a.decompress([u + v for u, v in zip(px, py)], cx).clone()
@@ -345,7 +351,7 @@ def _ranks_agree(m: _Maker, worlds) -> str:
         for ef in efs:
             comps = m.ranks(world, ef=ef)
             for step in range(STEPS):
-                outs = drive(comps, inputs(world, n, seed=20 + step))
+                outs = m.drive(comps, inputs(world, n, seed=20 + step))
                 for r, o in enumerate(outs[1:], 1):
                     if not torch.equal(o, outs[0]):
                         diff = (o.double() - outs[0].double()).abs().max().item()
@@ -367,14 +373,14 @@ def _error_feedback(m: _Maker, worlds) -> str:
     for step in range(steps):
         g = inputs(1, n, seed=30 + step)[0]
         fed += g.double()
-        (out,) = drive([c], [g])
+        (out,) = m.drive([c], [g])
         sent += out.double()
-    if c.ef.residual is None:
+    if c.residual is None:
         raise Finding("error feedback kept no residual")
-    bad = off_by(sent + c.ef.residual.double(), fed, 1e-4)
+    bad = off_by(sent + c.residual.double(), fed, 1e-4)
     if bad:
         raise Finding(f"what was sent plus the residual is not everything fed in over {steps} steps: {bad}")
-    share = (c.ef.residual.norm() / fed.norm()).item()
+    share = (c.residual.norm() / fed.norm()).item()
     return f"sent + residual = everything fed in over {steps} steps (residual {share:.1%} of it)"
 
 
@@ -384,7 +390,7 @@ def _state_round_trip(m: _Maker, worlds) -> str:
     n = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     a = m.ranks(world, ef=ef)
     for step in range(STEPS):
-        drive(a, inputs(world, n, seed=40 + step))
+        m.drive(a, inputs(world, n, seed=40 + step))
     states = [copy.deepcopy(c.state_dict()) for c in a]
     b = m.ranks(world, ef=ef)
     for c, s in zip(b, states):
@@ -394,7 +400,7 @@ def _state_round_trip(m: _Maker, worlds) -> str:
     exact = _DEVICE.get().type == "cpu"
     for step in range(2):
         xs = inputs(world, n, seed=50 + step)
-        for r, (u, v) in enumerate(zip(drive(a, xs), drive(b, xs))):
+        for r, (u, v) in enumerate(zip(m.drive(a, xs), m.drive(b, xs))):
             same = torch.equal(u, v) if exact else \
                 (u.double() - v.double()).abs().max().item() <= 1e-5 * u.double().abs().max().item()
             if not same:
@@ -408,23 +414,23 @@ def _state_round_trip(m: _Maker, worlds) -> str:
 
 
 def _dear_shards(m: _Maker, worlds) -> str:
-    problem = m.probe.shard_problem()
+    problem = m.caps.shard_problem()
     if problem:
         raise Skip(f"dear refuses it: it {problem}")
-    path = m.probe.shard_path()
+    path = m.caps.shard_path()
     n0 = layout(RAGGED)[-1][0] + math.prod(RAGGED[-1])
     for world in worlds:
         n = -(-n0 // world) * world  # dear pads a buffer to a multiple of the world size, with zeros
         xs = [torch.nn.functional.pad(x, (0, n - n0)) for x in inputs(world, n0, seed=60 + world)]
         shapes = RAGGED + ((n - n0,),) if n > n0 else RAGGED
-        got = sharded(m.ranks(world, shapes), xs)
+        got = m.sharded(m.ranks(world, shapes), xs)
         s = n // world
         if path == "sum":
-            full = drive(m.ranks(world, shapes), xs)[0]
+            full = m.drive(m.ranks(world, shapes), xs)[0]
             refs = [full[r * s:(r + 1) * s] for r in range(world)]
         else:
-            refs = [drive(m.ranks(world, ((s,),)), [x[r * s:(r + 1) * s] for x in xs])[0] for r in range(world)]
-        tol = tolerance(m(shapes), xs[0])
+            refs = [m.drive(m.ranks(world, ((s,),)), [x[r * s:(r + 1) * s] for x in xs])[0] for r in range(world)]
+        tol = tolerance(m, m(shapes), xs[0])
         for r in range(world):
             bad = off_by(got[r], refs[r], tol)
             if bad:
@@ -434,12 +440,13 @@ def _dear_shards(m: _Maker, worlds) -> str:
     return f"{path} ({how}): each rank's shard as the whole exchange gives it, at {' and '.join(map(str, worlds))} ranks"
 
 
-def sharded(comps: List[Compressor], xs: List[Tensor]) -> List[Tensor]:
-    """Each rank's shard after dear's exchange, every rank in this process: the compressors' own
-    ``shard_exchange`` driven by the exchange driver (a reduce-scatter of the payload, or each slice compressed
-    alone and all-to-all), exactly as dear drives it on real ranks."""
+def sharded(comps: List[Compressor], xs: List[Tensor], buckets: Optional[List[BucketContext]] = None) -> List[Tensor]:
+    """Each rank's shard after dear's exchange, every rank in this process: the sharded exchange
+    (commlab/engine/compressors/contract.py, a reduce-scatter of the payload or each slice compressed alone and
+    all-to-all) driven by the exchange driver, exactly as dear drives it on real ranks."""
     try:
-        exs = run_exchange(comps, [x.clone() for x in xs], len(comps), local_collective, ranks=range(len(comps)))
+        exs = run_exchange(comps, [x.clone() for x in xs], len(comps), local_collective, ranks=range(len(comps)),
+                           buckets=buckets)
     except (RuntimeError, ValueError) as e:
         raise Finding(str(e).splitlines()[0]) from None
     return [ex.out.reshape(-1).to(x.dtype) for ex, x in zip(exs, xs)]

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import List, NamedTuple, Optional, Tuple
 
 import torch
 
 from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.kernels import SAMPLE_MIN, Scratch, count_of, out_buffer, top_indices
 from commlab.engine.compressors.params import Param, mix_seed, ratio, seed
 
@@ -92,6 +94,7 @@ def median_into(rows: List[Tensor], out: Tensor, work: List[Tensor]) -> Tensor:
 class Plan(NamedTuple):
     numel: int
     device: torch.device
+    index: int  # the bucket's: the hashes derive from it
     cols: int
     k: int
     # wide tables (cols >= SLICES_FROM): block b = coordinates [b cols, (b + 1) cols) of row r lands
@@ -107,6 +110,7 @@ class SketchCtx(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     numel: int
+    index: int  # the bucket's, whose hashes decode the table
 
 
 class CountSketch(Compressor):
@@ -172,7 +176,8 @@ class CountSketch(Compressor):
     4 * rows * cols work table besides.
     """
     name = "countsketch"
-    summable = True
+    # the hashes derive from the bucket; with exact, two rounds (set per instance)
+    capabilities = Capabilities(summable=True, takes_bucket=True)
     params = (Param("rows", int, 5, "rows of the sketch table (independent hashes)", lo=1, hi=MAX_ROWS,
                     note=" (each row is one more hash per element and one more row of work buffers; 3 to 5 "
                          "suffice)"),
@@ -193,25 +198,27 @@ class CountSketch(Compressor):
         if self.cols is not None and self.rows * self.cols > MAX_CELLS:
             raise ValueError(f"cols: rows x cols must be at most {MAX_CELLS} cells (about {CELL_BYTES} bytes of memory "
                              f"each), got {self.rows} x {self.cols}")
-        self.rounds = 2 if self.exact else 1
+        if self.exact:
+            self.capabilities = replace(type(self).capabilities, rounds=2)
         self._plan: Optional[Plan] = None  # derived from (seed, bucket, n): never checkpointed
         self._gen = torch.Generator().manual_seed(0)  # local threshold sampling in top_indices
         self._quad_buf: Optional[Tensor] = None  # work buffer, dead between calls
         self._scratch = Scratch()
 
-    def plan(self, n: int, device: torch.device) -> Plan:
+    def plan(self, n: int, device: torch.device, bucket: int = 0) -> Plan:
+        """The hashes of bucket number ``bucket`` of n elements (the same on every rank), cached."""
         p = self._plan
-        if p is None or p.numel != n or p.device != device:
+        if p is None or p.numel != n or p.device != device or p.index != bucket:
             k, cols = self.sizes(n)
-            g = torch.Generator().manual_seed(mix_seed(self.seed, self.bucket, n))
+            g = torch.Generator().manual_seed(mix_seed(self.seed, bucket, n))
             if cols < SLICES_FROM:
                 slot = torch.randint(2 * cols, (self.rows, n), generator=g, dtype=torch.int32).to(device)
-                p = self._plan = Plan(n, device, cols, k, None, None, slot)
+                p = self._plan = Plan(n, device, bucket, cols, k, None, None, slot)
             else:
                 blocks = -(-n // cols)
                 shift = torch.randint(cols, (self.rows, blocks), generator=g).tolist()
                 minus = torch.randint(2, (self.rows, blocks), generator=g).tolist()
-                p = self._plan = Plan(n, device, cols, k, tuple(map(tuple, shift)),
+                p = self._plan = Plan(n, device, bucket, cols, k, tuple(map(tuple, shift)),
                                       tuple(tuple(1.0 - 2.0 * m for m in row) for row in minus), None)
         return p
 
@@ -220,18 +227,18 @@ class CountSketch(Compressor):
         k = min(n, self.k) if self.k is not None else count_of(self.ratio or 0.01, n)
         return k, self.cols if self.cols is not None else max(1, min(4 * k, n // self.rows))
 
-    def declared_rounds(self, n, element_size):
+    def declared_rounds(self, n, element_size, bucket=DEFAULT_BUCKET):
         """One all-reduce of the rows x cols table (in the input's dtype); with ``exact``, one of the k values
         at the indices it found."""
         k, cols = self.sizes(n)
         rounds = [("allreduce", self.rows * cols * element_size, 1)]
         return rounds + [("allreduce", k * element_size, 1)] if self.exact else rounds
 
-    def sketch(self, t: Tensor) -> Tensor:
-        """The rows x cols table of t (flattened)."""
+    def sketch(self, t: Tensor, bucket: int = 0) -> Tensor:
+        """The rows x cols table of t (flattened), with the hashes of bucket number ``bucket``."""
         flat = t.reshape(-1)
         n = flat.numel()
-        p = self.plan(n, flat.device)
+        p = self.plan(n, flat.device, bucket)
         if p.slot is not None:
             # slot < cols adds +x to bucket slot, slot >= cols adds -x to bucket slot - cols:
             # one index_add per row into a double-width table, no sign multiply
@@ -252,9 +259,9 @@ class CountSketch(Compressor):
                     row[:m - first].add_(flat[a + first:a + m], alpha=sg)
         return table
 
-    def estimate(self, table: Tensor, n: int) -> Tensor:
-        """Median-of-rows estimate of all n coordinates from a (summed) table."""
-        p = self.plan(n, table.device)
+    def estimate(self, table: Tensor, n: int, bucket: int = 0) -> Tensor:
+        """Median-of-rows estimate of all n coordinates from a (summed) table of bucket number ``bucket``."""
+        p = self.plan(n, table.device, bucket)
         est = torch.empty(n, dtype=table.dtype, device=table.device)
         if p.slot is None:
             return self._estimate_slices(table, p, est)
@@ -283,15 +290,15 @@ class CountSketch(Compressor):
                 median_into(rows, est[a + o:a + o + q], [w[:q] for w in work])
         return est
 
-    def heavy(self, table: Tensor, n: int):
-        """(int64 indices, estimates) of the k largest estimated coordinates."""
-        p = self.plan(n, table.device)
+    def heavy(self, table: Tensor, n: int, bucket: int = 0):
+        """(int64 indices, estimates) of the k largest estimated coordinates of bucket number ``bucket``."""
+        p = self.plan(n, table.device, bucket)
         if p.slot is None and n >= SAMPLE_MIN and 8 * p.k <= n:
             found = self._heavy_slices(table, p)
             if found is not None:
                 return found
-        est = self.estimate(table, n)
-        idx = top_indices(self._scratch.abs(est), self.plan(n, table.device).k, self._gen)
+        est = self.estimate(table, n, bucket)
+        idx = top_indices(self._scratch.abs(est), p.k, self._gen)
         return idx, est[idx]
 
     def _quad(self, table: Tensor) -> Tensor:
@@ -346,33 +353,32 @@ class CountSketch(Compressor):
             idx, vals = idx[top], vals[top]
         return idx, vals
 
-    def compress(self, t):
-        return [self.sketch(t)], SketchCtx(t.shape, t.dtype, t.device, t.numel())
+    def compress(self, t, bucket: BucketContext = DEFAULT_BUCKET):
+        return [self.sketch(t, bucket.index)], SketchCtx(t.shape, t.dtype, t.device, t.numel(), bucket.index)
 
     def decompress(self, payload, ctx: SketchCtx):
-        idx, values = self.heavy(payload[0], ctx.numel)
+        idx, values = self.heavy(payload[0], ctx.numel, ctx.index)
         out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device)
         out[idx] = values
         return out.view(ctx.shape)
 
-    def exchange(self, t, world_size):
-        if self.exact and self.ef is not None:
+    def exchange(self, t, world_size, bucket: BucketContext = DEFAULT_BUCKET):
+        fb = bucket.feedback
+        if self.exact and fb is not None:
             # the residual must be what the exact values leave behind, known only after round 1
-            corrected = self.ef.add(t)
-            payload, ctx = self.compress(corrected)
+            corrected = fb.add(t)
+            payload, ctx = self.compress(corrected, bucket)
         else:
             corrected = None
-            payload, ctx = self.encode(t)
-        self.last_bytes = payload[0].numel() * payload[0].element_size()
+            payload, ctx = bucket.encode(self, t)
         (table,) = yield Round("allreduce", payload)
-        idx, values = self.heavy(table, ctx.numel)
+        idx, values = self.heavy(table, ctx.numel, bucket.index)
         if self.exact:
             local = (t if corrected is None else corrected).reshape(-1)[idx]
             if corrected is not None:
                 sent = torch.zeros_like(corrected).view(-1)
                 sent[idx] = local
-                self.ef.update(corrected, sent)
-            self.last_bytes += local.numel() * local.element_size()
+                fb.update(corrected, sent)
             (values,) = yield Round("allreduce", [local])
         out = out_buffer(t).zero_()
         out[idx] = values / world_size
@@ -380,5 +386,4 @@ class CountSketch(Compressor):
 
     def __repr__(self):
         size = f"k={self.k}" if self.k is not None else f"ratio={self.ratio or 0.01:g}"
-        return (f"CountSketch(rows={self.rows}, cols={self.cols}, {size}, exact={self.exact})"
-                f"{' +EF' if self.ef is not None else ''}")
+        return f"CountSketch(rows={self.rows}, cols={self.cols}, {size}, exact={self.exact})"

@@ -3,16 +3,17 @@
 On a GPU a small bucket's compress costs the host far more than the GPU: the fused codecs launch 1-3 Triton
 kernels and a torch op or two, each launch 10-25 µs of Python and driver time, for kernels of 1-3 µs
 (bench/results/gpu.md). A CUDA graph records those launches once and replays them in one driver call. With
-``COMMLAB_GRAPHS=1`` (off by default: it has not yet run under the whole suite on a GPU), ``Compressor.encode``
+``COMMLAB_GRAPHS=1`` (off by default: it has not yet run under the whole suite on a GPU), ``BucketContext.encode``
 (what every exchange calls) replays a graph of ``compress``, and the exchanges' fused decoding (``decode``) one
 of theirs, when:
 
-- the codec's class declares ``graphable = True`` and ``Compressor.graph_safe`` agrees for this input: its
-  compress does the same work on the GPU for the same input, state and shape (no host synchronisation, no
-  noise seeded from the host per call, no branch on the data). The built-ins that declare it (the sign codecs,
+- the codec declares ``Capabilities(graphable=True)`` and its ``graph_safe``, where it has one, agrees for this
+  input: its compress does the same work on the GPU for the same input, state and shape (no host
+  synchronisation, no noise seeded from the host per call, no branch on the data). The built-ins that declare it (the sign codecs,
   qsgd, terngrad, natural) are graphed on their fused paths only: float32 buckets where those kernels run;
 - the bucket is a CUDA tensor of at most ``MAX_ELEMENTS`` (a graph keeps its outputs: memory per bucket), and
-  error feedback is off (its residual update is outside compress);
+  error feedback is off (its residual update is outside compress: ``ErrorFeedback`` calls the codec's compress
+  itself, never through here);
 - the same call (``key``: input address, shape, strides, dtype, the addresses of the codec's ``elementwise``
   state and its parameters' values; for decoding, the payloads' addresses and shapes) has been made ``WARM``
   times before, eagerly: a bucket the engine refills in place is captured on its third step; a tensor allocated
@@ -75,8 +76,13 @@ def _on(codec) -> bool:
 
 def wanted(codec, t: Tensor) -> bool:
     """Whether ``codec.compress(t)`` goes through a graph (see the module's text)."""
-    return (t.is_cuda and _on(codec) and codec.graph_safe(t) and t.numel() <= MAX_ELEMENTS
-            and getattr(codec, "ef", None) is None and not _capturing())
+    return t.is_cuda and _on(codec) and _safe(codec, t) and t.numel() <= MAX_ELEMENTS and not _capturing()
+
+
+def _safe(codec, t: Tensor) -> bool:
+    """The codec's declared ``graphable``, narrowed by its class's ``graph_safe(t)`` where it has one."""
+    own = getattr(type(codec), "graph_safe", None)
+    return own(codec, t) if own is not None else codec.capabilities.graphable
 
 
 def settings() -> dict:
@@ -115,10 +121,13 @@ def _graphs(codec) -> "Graphs":
     return g
 
 
-def compress(codec, t: Tensor) -> Tuple[List[Tensor], Any]:
-    """``codec.compress(t)``, replayed from a graph where ``wanted``."""
+def compress(codec, t: Tensor, bucket) -> Tuple[List[Tensor], Any]:
+    """``codec.compress(t)`` (``compress(t, bucket)`` where its capabilities say ``takes_bucket``; ``bucket`` is
+    the same at every call of one instance), replayed from a graph where ``wanted``."""
     if not wanted(codec, t):
-        return codec.compress(t)
+        return codec.compress(t, bucket) if codec.capabilities.takes_bucket else codec.compress(t)
+    if codec.capabilities.takes_bucket:
+        return _graphs(codec).call(lambda: codec.compress(t, bucket), key(codec, t), _payload)
     return _graphs(codec).call(lambda: codec.compress(t), key(codec, t), _payload)
 
 
@@ -127,7 +136,7 @@ def decode(codec, fn: Callable, payloads: list, ctx) -> Tensor:
     tensors or of payloads), replayed from a graph keyed by the payload tensors' addresses and layouts. The
     result is the graph's memory, written over by the next replay of the same key: the engine copies it into
     the bucket before the bucket's next exchange."""
-    if not (codec.graphable and ctx.n <= MAX_ELEMENTS and _on(codec)):
+    if not (codec.capabilities.graphable and ctx.n <= MAX_ELEMENTS and _on(codec)):
         return fn(payloads, ctx)
     flat = [p for x in payloads for p in (x if isinstance(x, (list, tuple)) else (x,))]
     if not flat[0].is_cuda or _capturing():
@@ -150,7 +159,7 @@ def key(codec, t: Tensor) -> tuple:
     """What a graph of ``codec.compress(t)`` is valid for: the input's address and layout, the addresses of
     the codec's per-element state (None before the first call creates it) and its parameters' values (a graph
     keeps the numbers it was captured with)."""
-    state = tuple(_ptr(getattr(codec, k, None)) for k in getattr(codec, "elementwise", ()))
+    state = tuple(_ptr(getattr(codec, k, None)) for k in codec.capabilities.elementwise)
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device, state, _params(codec))
 
 

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.kernels import Scratch, out_buffer
 from commlab.engine.compressors.params import Param, mix_seed, seed
 
@@ -105,7 +107,7 @@ class PowerCtx(NamedTuple):
 class PowerSGD(Compressor):
     """PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019), one power iteration per step.
 
-    Per tensor, as PyTorch's ``powerSGD_hook``, when the communicator has set
+    Per tensor, as PyTorch's ``powerSGD_hook``, when the bucket's context has a
     ``layout`` (the (offset, shape) of each parameter in the flat bucket;
     ``plan_layout``): every tensor with two or more dimensions is viewed as
     (shape[0], -1) and compressed as its own matrix M_i, if that pays
@@ -142,7 +144,7 @@ class PowerSGD(Compressor):
     Two rounds, each a single collective, in the same order on every rank:
     which tensors compress depends on shapes only. Payload, in the input
     dtype: sum_i rank * (rows_i + cols_i) plus the plain elements, times
-    ``element_size``. ``last_bytes`` counts both rounds.
+    ``element_size``, over both rounds.
 
     ``compress``/``decompress`` give the single-process view of one step, in
     flat mode always: one power iteration from the current flat Q on the
@@ -161,10 +163,8 @@ class PowerSGD(Compressor):
     Run the optimizer with its usual momentum.
     """
     name = "powersgd"
-    summable = True
-    rounds = 2
-    builtin_feedback = True
-    counts_steps = True
+    # warmup_exchanges: start_iter, set per instance; compress takes the bucket for its first Q's seed
+    capabilities = Capabilities(summable=True, rounds=2, builtin_feedback=True, counts_steps=True, takes_bucket=True)
     params = (Param("rank", int, 1, "rank of the approximation: factors of rank * (rows + cols) elements", lo=1,
                     hi=MAX_RANK, note=" (each rank costs a multiply-add per gradient element and step; at this "
                                       "rank only matrices wider than 4096 x 4096 compress at min_compression_rate "
@@ -194,21 +194,21 @@ class PowerSGD(Compressor):
         self._pad = None  # compress's zero-padded matrix, when n is not rows * cols
         self._dense = Scratch()  # large decodes of this instance's own payload
         self._sent = None  # P of the latest compress
-
-    @property
-    def warmup_exchanges(self) -> int:
-        return self.start_iter
+        if self.start_iter:  # its first start_iter exchanges are plain all-reduces
+            self.capabilities = replace(type(self).capabilities, warmup_exchanges=self.start_iter)
 
     def skip_warmup(self) -> None:
+        """Past the ``start_iter`` plain exchanges (commlab/engine/compressors/contract.py)."""
         self.step = max(self.step, self.start_iter)  # its plain exchanges keep no state but the count
 
-    def per_tensor(self, n: int) -> bool:
-        return self.plan(n) is not None
+    def per_tensor(self, n: int, bucket: BucketContext = DEFAULT_BUCKET) -> bool:
+        """Whether a bucket of n elements is compressed per tensor: its context has a layout that describes it."""
+        return self.plan(n, bucket.layout) is not None
 
-    def declared_rounds(self, n, element_size):
-        """Per tensor (a ``layout`` set): one all-reduce of every P factor and the plain runs, one of every Q
+    def declared_rounds(self, n, element_size, bucket: BucketContext = DEFAULT_BUCKET):
+        """Per tensor (the bucket's layout): one all-reduce of every P factor and the plain runs, one of every Q
         factor; a bucket with no matrix worth compressing is one plain all-reduce. None in flat mode."""
-        plan = self.plan(n)
+        plan = self.plan(n, bucket.layout)
         if plan is None:
             return None
         if not plan.mats:
@@ -220,29 +220,30 @@ class PowerSGD(Compressor):
         rows, cols = matrix_shape(n)
         return self.rank * (rows + cols) * self.min_compression_rate < rows * cols
 
-    def plan(self, n: int) -> Optional[Plan]:
-        """The per-tensor plan for a bucket of n elements, or None for flat mode."""
-        if self.layout is None:
+    def plan(self, n: int, layout: Optional[Sequence[Tuple[int, Tuple[int, ...]]]]) -> Optional[Plan]:
+        """The per-tensor plan for a bucket of n elements laid out as ``layout``, or None for flat mode."""
+        if layout is None:
             return None
-        key = (n, self.rank, self.min_compression_rate, tuple(self.layout))
+        key = (n, self.rank, self.min_compression_rate, tuple(layout))
         if self._plan is None or self._plan[0] != key:
-            self._plan = (key, plan_layout(self.layout, n, self.rank, self.min_compression_rate))
+            self._plan = (key, plan_layout(layout, n, self.rank, self.min_compression_rate))
         return self._plan[1]
 
-    def _initial_q(self, n: int, size: int, like: Tensor, copy: bool = True) -> Tensor:
+    def _initial_q(self, n: int, size: int, like: Tensor, bucket: int, copy: bool = True) -> Tensor:
         # the same on every rank: P = M Q is only summable if Q is shared
-        key = (self.bucket, n, size, like.dtype, like.device, 0 if self.warm_start else self.step)
+        key = (bucket, n, size, like.dtype, like.device, 0 if self.warm_start else self.step)
         if self._q0 is None or self._q0[0] != key:  # derived from the key, so cached, never checkpointed
             g = torch.Generator().manual_seed(mix_seed(self.seed, *key[:2], key[5]))
             self._q0 = (key, torch.randn(size, generator=g).to(dtype=like.dtype, device=like.device))
         return self._q0[1].clone() if copy else self._q0[1]
 
-    def _q_for(self, q: Optional[Tensor], n: int, size: int, like: Tensor, copy: bool = True) -> Tensor:
-        """The warm-start factor(s) ``q`` when usable, else fresh ones; flat, ``size`` elements.
-        ``copy=False``: the caller only reads the result, so a fresh one may be the cached initial Q."""
+    def _q_for(self, q: Optional[Tensor], n: int, size: int, like: Tensor, bucket: int,
+               copy: bool = True) -> Tensor:
+        """The warm-start factor(s) ``q`` when usable, else fresh ones for bucket number ``bucket``; flat, ``size``
+        elements. ``copy=False``: the caller only reads the result, so a fresh one may be the cached initial Q."""
         if (q is None or not self.warm_start or q.numel() != size
                 or q.dtype != like.dtype or q.device != like.device):
-            return self._initial_q(n, size, like, copy)
+            return self._initial_q(n, size, like, bucket, copy)
         return q.view(-1)
 
     # single-process view -------------------------------------------------
@@ -256,7 +257,7 @@ class PowerSGD(Compressor):
             mc = self._mc = (rows, cols, n, self.compresses(n), (self.rank, self.min_compression_rate))
         return mc[:4]
 
-    def compress(self, t):
+    def compress(self, t, bucket: BucketContext = DEFAULT_BUCKET):
         flat = t if t.dim() == 1 else t.reshape(-1)
         rows, cols, n, pays = self._matrix(flat)
         if not pays:
@@ -269,7 +270,7 @@ class PowerSGD(Compressor):
                 pad = self._pad = torch.zeros(rows * cols, dtype=t.dtype, device=t.device)
             pad[:n].copy_(flat)
             m = pad.view(rows, cols)
-        q = self._q_for(self.q, n, cols * self.rank, t, copy=False).view(cols, self.rank)
+        q = self._q_for(self.q, n, cols * self.rank, t, bucket.index, copy=False).view(cols, self.rank)
         p = self._sent = orthogonalize_(m @ q)
         return [p, m.t() @ p], PowerCtx(t.shape, n, True)
 
@@ -290,28 +291,26 @@ class PowerSGD(Compressor):
         return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
     # the training path ---------------------------------------------------
-    def exchange(self, t, world_size):
+    def exchange(self, t, world_size, bucket: BucketContext = DEFAULT_BUCKET):
         flat = t.reshape(-1)
         n = flat.numel()
-        es = flat.element_size()
         self.step += 1
-        plan = self.plan(n)
+        plan = self.plan(n, bucket.layout)
         pays = bool(plan.mats) if plan is not None else self.compresses(n)
         if self.step <= self.start_iter or not pays:
-            self.last_bytes = n * es
             (summed,) = yield Round("allreduce", [flat])  # in place on the bucket, as the identity compressor
             return summed.div_(world_size).view(t.shape)
         if plan is not None:
-            return (yield from self._exchange_tensors(t, flat, plan, world_size))
-        return (yield from self._exchange_flat(t, flat, world_size))
+            return (yield from self._exchange_tensors(t, flat, plan, world_size, bucket.index))
+        return (yield from self._exchange_flat(t, flat, world_size, bucket.index))
 
-    def _exchange_tensors(self, t: Tensor, flat: Tensor, plan: Plan, world_size: int):
-        n, k, es = flat.numel(), self.rank, flat.element_size()
+    def _exchange_tensors(self, t: Tensor, flat: Tensor, plan: Plan, world_size: int, bucket: int):
+        n, k = flat.numel(), self.rank
         r = self.residual
         if r is None or r.numel() != n or r.dtype != t.dtype or r.device != t.device:
             r = self.residual = torch.zeros(n, dtype=t.dtype, device=t.device)
         r.add_(flat)  # the residual buffer now holds M (plain runs: residual 0, so the gradient itself)
-        qs = self._q_for(self.qs, n, plan.q_numel, t)
+        qs = self._q_for(self.qs, n, plan.q_numel, t, bucket)
 
         send = torch.empty(plan.p_numel + plan.plain_numel, dtype=t.dtype, device=t.device)
         po = qo = 0
@@ -336,7 +335,6 @@ class PowerSGD(Compressor):
         if q_sum is not qs:
             qs.copy_(q_sum)
         qs.div_(world_size)
-        self.last_bytes = (send.numel() + qs.numel()) * es
 
         # written straight into the bucket: the plain values were copied out before round 1
         out = out_buffer(t)
@@ -352,8 +350,8 @@ class PowerSGD(Compressor):
             po += size
         return out.view(t.shape)
 
-    def _exchange_flat(self, t: Tensor, flat: Tensor, world_size: int):
-        n, es = flat.numel(), flat.element_size()
+    def _exchange_flat(self, t: Tensor, flat: Tensor, world_size: int, bucket: int):
+        n = flat.numel()
         rows, cols = matrix_shape(n)
         full, rem = divmod(n, cols)  # full rows of the matrix, entries in the partial last row
         r = self.residual
@@ -361,7 +359,7 @@ class PowerSGD(Compressor):
             r = self.residual = torch.zeros(rows * cols, dtype=t.dtype, device=t.device)
         r[:n].add_(flat)  # the residual buffer now holds M (padding stays zero)
         m = r.view(rows, cols)
-        q = self._q_for(self.q, n, cols * self.rank, t).view(cols, self.rank)
+        q = self._q_for(self.q, n, cols * self.rank, t, bucket).view(cols, self.rank)
 
         (p,) = yield Round("allreduce", [m @ q])
         p = orthogonalize_(p)
@@ -370,7 +368,6 @@ class PowerSGD(Compressor):
         if q_sum is not q:
             q.copy_(q_sum)
         q.div_(world_size)
-        self.last_bytes = (p.numel() + q.numel()) * es
 
         # average approximation P_hat Q^T, written straight into the bucket (no padded temporary)
         out = out_buffer(t)

@@ -23,7 +23,7 @@ at an offset that is a multiple of its size.
 
 Randomised compressors (qsgd, terngrad, natural) draw from their own
 ``torch.Generator`` on the tensor's device, seeded from the ``seed`` parameter,
-the bucket index and the rank (set by the communicator), so every rank's
+the bucket index and the rank (the bucket's context, passed to ``compress``), so every rank's
 rounding noise is independent of the others'. The generator's state is part
 of ``state_dict``.
 
@@ -35,12 +35,14 @@ except the casts' (``_Cast``), which reuse one of each per instance.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, NamedTuple, Optional
 
 import torch
 
 from commlab.engine.compressors import bitpack, fused, graphs
-from commlab.engine.compressors.base import Compressor, Round, nbytes
+from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.params import Param, mix_seed, seed
 
 Tensor = torch.Tensor
@@ -71,7 +73,7 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _Lossy(Compressor):
     """Common parts: all-gather exchange, work buffers, decode tables."""
-    summable = False
+    capabilities = Capabilities(summable=False)
 
     def _setup(self) -> None:
         self._bufs = {}    # role -> reusable work tensor (not state: contents are dead between calls)
@@ -81,7 +83,7 @@ class _Lossy(Compressor):
     def graph_safe(self, t: Tensor) -> bool:
         # the fused kernels only: the eager paths keep work buffers a graph would hold on to past their life
         # (replaced when the size changes), and the random ones draw from a torch.Generator
-        return self.graphable and fused.enabled(t)
+        return self.capabilities.graphable and fused.enabled(t)
 
     def _work(self, role: str, n: int, dtype: torch.dtype, device: torch.device, fill=None) -> Tensor:
         """A reused buffer; ``fill`` initialises it once, for padding the callers never overwrite."""
@@ -132,10 +134,9 @@ class _Lossy(Compressor):
             out = out.view(-1)[:ctx.n]
         return out.ravel() if len(ctx.shape) == 1 else out.view(ctx.shape)  # ravel: a third of view(shape)
 
-    def exchange(self, t: Tensor, world_size: int):
+    def exchange(self, t: Tensor, world_size: int, bucket: BucketContext = DEFAULT_BUCKET):
         # Compressor.exchange with one copy less: decompress here always returns a fresh tensor.
-        payload, ctx = self.encode(t)  # compress, with error feedback when it is on
-        self.last_bytes = nbytes(payload)
+        payload, ctx = bucket.encode(self, t)  # compress, with error feedback when it is on
         gathered = yield Round("allgather", payload)
         out = graphs.decode(self, self._decode_all, gathered, ctx) if fused.on(payload[-1].device, ctx.dtype) else None
         if out is not None:  # every rank's payload decoded and averaged in one kernel
@@ -172,7 +173,10 @@ def blend(tab: Tensor, packed: Tensor, ctx: _Ctx) -> Tensor:
 
 
 class _Seeded(_Lossy):
-    """A compressor that draws random numbers from a generator it owns, seeded from its ``seed`` parameter."""
+    """A compressor that draws random numbers from a generator it owns, seeded from its ``seed`` parameter, the
+    bucket's index and this process's rank (its ``compress`` takes the bucket's context)."""
+    capabilities = replace(_Lossy.capabilities, takes_bucket=True)
+
     def _setup_rng(self) -> None:
         self._gen: Optional[torch.Generator] = None
         self._gen_state: Optional[Tensor] = None  # loaded before the device was known
@@ -180,22 +184,22 @@ class _Seeded(_Lossy):
         self._fused_rng: Optional[Tensor] = None
         self._fused_loaded: Optional[List[int]] = None  # what was loaded before there was a device to put it on
 
-    def _fused_stream(self, device: torch.device) -> Tensor:
+    def _fused_stream(self, device: torch.device, bucket: BucketContext) -> Tensor:
         """The fused kernels' Philox state on ``device``: [base seed, calls so far], the base from the seed,
         bucket and rank as the generator's, the count advanced by each call's first kernel, in place (a CUDA
         graph of the call reads both and keeps counting). State, as the generator's state is."""
         r = self._fused_rng
         if r is None or r.device != device:
             start = (r.tolist() if r is not None else self._fused_loaded
-                     or [mix_seed(self.seed, self.bucket, self.process_rank), 0])
+                     or [mix_seed(self.seed, bucket.index, bucket.rank), 0])
             r = self._fused_rng = torch.tensor(start, dtype=torch.int64, device=device)
         return r
 
-    def _generator(self, device: torch.device) -> torch.Generator:
+    def _generator(self, device: torch.device, bucket: BucketContext) -> torch.Generator:
         g = self._gen
         if g is None or g.device != device:
             g = torch.Generator(device=device)
-            g.manual_seed(mix_seed(self.seed, self.bucket, self.process_rank))
+            g.manual_seed(mix_seed(self.seed, bucket.index, bucket.rank))
             if self._gen_state is not None:
                 g.set_state(self._gen_state)
                 self._gen_state = None
@@ -243,9 +247,7 @@ class _Cast(Compressor):
     itself; at 1K elements a ``copy_`` into a kept buffer costs half of an allocating cast.
     Input already in the wire dtype is its own payload, and decoding a payload already in the
     input dtype returns it, as ``Tensor.to`` does."""
-    summable = True
-    keeps_shape = True
-    lossless = True
+    capabilities = Capabilities(summable=True, keeps_shape=True, lossless=True)
     wire: torch.dtype = torch.float16
 
     def __init__(self, **given):
@@ -275,18 +277,18 @@ class _Cast(Compressor):
             o = self._got = torch.empty(p.shape, dtype=ctx, device=p.device)
         return o.copy_(p)
 
-    def exchange(self, t: Tensor, world_size: int):
+    def exchange(self, t: Tensor, world_size: int, bucket: BucketContext = DEFAULT_BUCKET):
         # Compressor.exchange, decoding straight into the bucket: its values are in the payload now
         if not t.is_floating_point():
-            return (yield from Compressor.exchange(self, t, world_size))
-        payload, ctx = self.encode(t)  # compress, with error feedback when it is on
-        self.last_bytes = nbytes(payload)
+            return (yield from Compressor.exchange(self, t, world_size, bucket))
+        payload, ctx = bucket.encode(self, t)  # compress, with error feedback when it is on
         h = payload[0]
-        if self.sum_overflows:
+        pre = self.capabilities.sum_overflows
+        if pre:
             h = h / world_size if h is t else h.div_(world_size)  # never scale the caller's own tensor
         (s,) = yield Round("allreduce", [h])
         out = t.copy_(s) if s.dtype != t.dtype and t.is_contiguous() else self.decompress([s], ctx)
-        return out if self.sum_overflows else out.div_(world_size)
+        return out if pre else out.div_(world_size)
 
 
 class FP16(_Cast):
@@ -302,7 +304,7 @@ class FP16(_Cast):
     """
     name = "fp16"
     wire = torch.float16
-    sum_overflows = True
+    capabilities = replace(_Cast.capabilities, sum_overflows=True)
 
 
 class BF16(_Cast):
@@ -336,7 +338,7 @@ class Int8(_Lossy):
     at 4 bytes per block.
     """
     name = "int8"
-    shard_codec = True
+    capabilities = replace(_Lossy.capabilities, shard_codec=True)
     params = (Param("block", int, 256, "elements per quantization block (one fp32 scale each)", lo=1,
                     hi=1 << 24, note=" (a block this long spans a 64 MB bucket of fp32 with one scale)"),)
 
@@ -360,7 +362,7 @@ class Int8(_Lossy):
         codes = (blocks * inv.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8).view(-1)
         return [scales.float(), codes[:n] if n % B else codes], _Ctx(t.shape, t.dtype, n)
 
-    def declared_rounds(self, n, element_size):
+    def declared_rounds(self, n, element_size, bucket=DEFAULT_BUCKET):
         """One all-gather of ceil(n / block) fp32 scales and n int8 codes, whatever the input's dtype."""
         return [("allgather", 4 * -(-n // self.block) + n, 2)]
 
@@ -376,7 +378,7 @@ class Int8(_Lossy):
         return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
     def __repr__(self) -> str:
-        return f"Int8(block={self.block}){' +EF' if self.ef is not None else ''}"
+        return f"Int8(block={self.block})"
 
 
 # -- stochastic quantizers ------------------------------------------------
@@ -399,7 +401,7 @@ class QSGD(_Seeded):
     seed (default 0): seeds this bucket's generator together with the bucket index.
     """
     name = "qsgd"
-    graphable = True  # where its fused kernels run (graph_safe)
+    capabilities = replace(_Seeded.capabilities, graphable=True)  # where its fused kernels run (graph_safe)
     params = (Param("levels", int, 127, "quantisation levels per sign (int8 codes up to 127)", lo=1, hi=32767,
                     note=" (codes are int16)"),
               seed("seeds this bucket's rounding noise, with the bucket index and rank"))
@@ -411,12 +413,13 @@ class QSGD(_Seeded):
         self.code_dtype = torch.int8 if self.levels <= 127 else torch.int16
         self._min_norm = torch.finfo(torch.float32).tiny * self.levels
 
-    def compress(self, t: Tensor):
+    def compress(self, t: Tensor, bucket: BucketContext = DEFAULT_BUCKET):
         x = _flat(t, _work_dtype(t.dtype))
         if fused.enabled(x):
-            payload = fused.qsgd_codes(x, self._fused_stream(x.device), self.levels, self._min_norm, self.code_dtype)
+            payload = fused.qsgd_codes(x, self._fused_stream(x.device, bucket), self.levels, self._min_norm,
+                                       self.code_dtype)
             return payload, _Ctx(t.shape, t.dtype, x.numel())
-        g = self._generator(x.device)
+        g = self._generator(x.device, bucket)
         # The norm sent is a hair larger than the true one (2^-20), so |x| / norm * levels stays
         # below levels after float rounding and the code never leaves [-levels, levels]; it is
         # clamped away from zero so that norm / levels stays a normal float. Both sides derive
@@ -458,7 +461,7 @@ class TernGrad(_Seeded):
     seed (default 0): seeds this bucket's generator together with the bucket index.
     """
     name = "terngrad"
-    graphable = True  # where its fused kernels run (graph_safe)
+    capabilities = replace(_Seeded.capabilities, graphable=True)  # where its fused kernels run (graph_safe)
     params = (seed("seeds this bucket's rounding noise, with the bucket index and rank"),)
 
     def __init__(self, **given):
@@ -466,12 +469,12 @@ class TernGrad(_Seeded):
         self._setup()
         self._setup_rng()
 
-    def compress(self, t: Tensor):
+    def compress(self, t: Tensor, bucket: BucketContext = DEFAULT_BUCKET):
         x = _flat(t, _work_dtype(t.dtype))
         n = x.numel()
         if fused.enabled(x):
-            return fused.tern_codes(x, self._fused_stream(x.device), _TINY32), _Ctx(t.shape, t.dtype, n)
-        g = self._generator(x.device)
+            return fused.tern_codes(x, self._fused_stream(x.device, bucket), _TINY32), _Ctx(t.shape, t.dtype, n)
+        g = self._generator(x.device, bucket)
         lo, hi = torch.aminmax(x) if n else (x.new_zeros(()), x.new_zeros(()))  # an empty bucket: no extremes
         # kept a normal float, so that an all-zero tensor divides cleanly (and codes 1 = zero)
         s = torch.maximum(hi, -lo).float().clamp_min_(_TINY32_T if x.is_cpu else _TINY32).reshape(1)
@@ -542,7 +545,8 @@ class Natural(_Seeded):
     """
     name = "natural"
     params = (seed("seeds this bucket's rounding noise, with the bucket index and rank"),)
-    graphable = True  # where its fused kernels run (graph_safe): they find the offset on the GPU
+    # where its fused kernels run (graph_safe): they find the offset on the GPU
+    capabilities = replace(_Seeded.capabilities, graphable=True)
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -555,13 +559,13 @@ class Natural(_Seeded):
         w = self._work("rand", words, torch.int64, device).random_(generator=g)
         return w if itype == torch.int64 else w.view(torch.int32)[:n]
 
-    def compress(self, t: Tensor):
+    def compress(self, t: Tensor, bucket: BucketContext = DEFAULT_BUCKET):
         x = _flat(t, _work_dtype(t.dtype))
         n = x.numel()
         if fused.enabled(x):
-            return fused.natural_codes(x, self._fused_stream(x.device)), _Ctx(t.shape, t.dtype, n)
+            return fused.natural_codes(x, self._fused_stream(x.device, bucket)), _Ctx(t.shape, t.dtype, n)
         itype, mb, eb = _IEEE[x.dtype]
-        g = self._generator(x.device)
+        g = self._generator(x.device, bucket)
         xi = x.view(itype)
         lo, hi = torch.aminmax(x) if n else (x.new_zeros(()), x.new_zeros(()))  # an empty bucket: no extremes
         top = int(torch.maximum(hi, -lo).view(itype)) >> mb  # exponent field of max|x|

@@ -17,12 +17,14 @@ buffer (unpacked bits) per instance between steps.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import List, Optional
 
 import torch
 
 from commlab.engine.compressors import bitpack, fused, graphs
-from commlab.engine.compressors.base import Round, nbytes
+from commlab.engine.compressors.base import Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext
 from commlab.engine.compressors.params import Param
 from commlab.engine.compressors.quantize import _HALF, _ONE, _Ctx, _flat, _Lossy, _work_dtype
 
@@ -43,9 +45,8 @@ class _Vote(_Lossy):
             return graphs.decode(self, self.vote, [payload[0]], ctx)
         return self._gather(self._table("pm", ctx.dtype, payload[0].device), payload[0], ctx)
 
-    def exchange(self, t: Tensor, world_size: int):
-        payload, ctx = self.encode(t)  # compress, with error feedback when it is on
-        self.last_bytes = nbytes(payload)
+    def exchange(self, t: Tensor, world_size: int, bucket: BucketContext = DEFAULT_BUCKET):
+        payload, ctx = bucket.encode(self, t)  # compress, with error feedback when it is on
         gathered = yield Round("allgather", payload)
         packs = [p[0] for p in gathered]
         if fused.on(packs[0].device, ctx.dtype):  # the fused vote, replayed from a graph where one is wanted
@@ -79,7 +80,8 @@ class SignSGD(_Vote):
     itself, so tune it as for signSGD, far below a plain SGD rate.
     """
     name = "signsgd"
-    graphable = True  # on a GPU its compress is fused kernels on the input and its state, in place
+    # on a GPU its compress is fused kernels on the input and its state, in place
+    capabilities = replace(_Lossy.capabilities, graphable=True)
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -103,10 +105,9 @@ class Signum(_Vote):
     Every ``compress`` call advances it by one step.
     """
     name = "signum"
-    graphable = True  # on a GPU its compress is fused kernels on the input and its state, in place
-    builtin_momentum = True
+    # on a GPU its compress is fused kernels on the input and its state, in place; m is its momentum
+    capabilities = replace(_Lossy.capabilities, graphable=True, builtin_momentum=True, elementwise=("m",))
     params = (Param("momentum", float, 0.9, "momentum of the buffer whose signs are sent", lo=0, hi=1, hi_open=True),)
-    elementwise = ("m",)
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -160,9 +161,8 @@ class EFSignSGD(_Lossy):
     (``state_dict()["residual"]``), zero at start; every ``compress`` call is one step.
     """
     name = "efsignsgd"
-    graphable = True  # on a GPU its compress is fused kernels on the input and its state, in place
-    builtin_feedback = True
-    elementwise = ("residual",)
+    # on a GPU its compress is fused kernels on the input and its state, in place; the residual is its own
+    capabilities = replace(_Lossy.capabilities, graphable=True, builtin_feedback=True, elementwise=("residual",))
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -227,7 +227,8 @@ class OneBit(_Lossy):
     mean; ranks' decodes are averaged.
     """
     name = "onebit"
-    graphable = True  # on a GPU its compress is fused kernels on the input and its state, in place
+    # on a GPU its compress is fused kernels on the input and its state, in place
+    capabilities = replace(_Lossy.capabilities, graphable=True)
 
     def __init__(self, **given):
         super().__init__(**given)

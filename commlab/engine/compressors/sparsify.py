@@ -18,11 +18,13 @@ allocation per step, which dominates at tens of millions of elements.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from commlab.engine.compressors.base import Compressor, Round, nbytes
+from commlab.engine.compressors.base import Compressor, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.kernels import Scratch, count_of, out_buffer, top_indices
 from commlab.engine.compressors.params import Param, mix_seed, ratio, seed
 
@@ -47,7 +49,7 @@ class SparseCompressor(Compressor):
     returns a dense buffer the instance reuses (zeroing a kept 100 MB buffer costs a tenth of a
     fresh one's page faults), rewritten by the next such call; copy it to keep it. Other
     payloads decode to fresh tensors."""
-    summable = False
+    capabilities = Capabilities(summable=False)
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -84,9 +86,8 @@ class SparseCompressor(Compressor):
         out.index_add_(0, idx, values)
         return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
-    def exchange(self, t: Tensor, world_size: int):
-        payload, ctx = self.encode(t)
-        self.last_bytes = nbytes(payload)
+    def exchange(self, t: Tensor, world_size: int, bucket: BucketContext = DEFAULT_BUCKET):
+        payload, ctx = bucket.encode(self, t)
         gathered = yield Round("allgather", payload)
         out = out_buffer(t).zero_()  # t's values are no longer needed: the payload holds copies
         for p in gathered:
@@ -128,7 +129,7 @@ class TopK(SparseCompressor):
             self._k = (n, count_of(self.ratio, n))
         return self._k[1]
 
-    def declared_rounds(self, n, element_size):
+    def declared_rounds(self, n, element_size, bucket=DEFAULT_BUCKET):
         """One all-gather of k values and k indices (int32 below 2**31 elements, as ``compress`` sends)."""
         return [("allgather", self.k_for(n) * (element_size + (4 if n < 2 ** 31 else 8)), 2)]
 
@@ -137,7 +138,7 @@ class TopK(SparseCompressor):
         return flat.index_select(0, idx), idx  # index_select: a third of advanced indexing's fixed cost
 
     def __repr__(self):
-        return f"TopK(ratio={self.ratio:g}){' +EF' if self.ef is not None else ''}"
+        return f"TopK(ratio={self.ratio:g})"
 
 
 # -- random-k ----------------------------------------------------------------
@@ -185,8 +186,7 @@ class RandomK(Compressor):
     (large worlds) and where topk's selection cost matters.
     """
     name = "randomk"
-    summable = True
-    counts_steps = True
+    capabilities = Capabilities(summable=True, counts_steps=True, takes_bucket=True)  # the draw: from the bucket
     params = (ratio(0.01, "fraction of the bucket's entries sent, k = ceil(ratio * n)"),
               seed("seeds the index draw, with the bucket index and step: the same on every rank"),
               Param("unbiased", bool, False, "scale kept values by n/k, an unbiased estimate with more variance"))
@@ -210,17 +210,17 @@ class RandomK(Compressor):
             self._strata = (n, k, start, size, size.to(torch.float64))
         return self._strata
 
-    def indices(self, n: int, step: int) -> Tensor:
-        """int64 indices (sorted, distinct) for a bucket of n elements at ``step``."""
+    def indices(self, n: int, step: int, bucket: int = 0) -> Tensor:
+        """int64 indices (sorted, distinct) for bucket number ``bucket`` of n elements at ``step``."""
         _, k, start, size, _ = self.strata(n)
-        self._gen.manual_seed(mix_seed(self.seed, self.bucket, step))
+        self._gen.manual_seed(mix_seed(self.seed, bucket, step))
         # 2**62 >> stratum sizes, so the modulo bias is below 2**-40
         return torch.randint(1 << 62, (k,), generator=self._gen).remainder_(size).add_(start)
 
-    def compress(self, t):
+    def compress(self, t, bucket: BucketContext = DEFAULT_BUCKET):
         flat = t.reshape(-1)
         n = flat.numel()
-        idx = self.indices(n, self.step).to(flat.device)
+        idx = self.indices(n, self.step, bucket.index).to(flat.device)
         self.step += 1
         scale = self.strata(n)[4].to(dtype=t.dtype, device=t.device) if self.unbiased else None
         return [flat[idx]], RandomKCtx(t.shape, t.dtype, t.device, n, idx, scale)
@@ -231,9 +231,8 @@ class RandomK(Compressor):
         out[ctx.idx] = values
         return out.view(ctx.shape)
 
-    def exchange(self, t, world_size):
-        payload, ctx = self.encode(t)
-        self.last_bytes = nbytes(payload)
+    def exchange(self, t, world_size, bucket: BucketContext = DEFAULT_BUCKET):
+        payload, ctx = bucket.encode(self, t)
         (summed,) = yield Round("allreduce", payload)
         values = summed / world_size if ctx.scale is None else summed * (ctx.scale / world_size)
         out = out_buffer(t).zero_()
@@ -248,8 +247,7 @@ class RandomK(Compressor):
         self.step = int(state.get("step", 0))
 
     def __repr__(self):
-        return (f"RandomK(ratio={self.ratio:g}, seed={self.seed}, unbiased={self.unbiased})"
-                f"{' +EF' if self.ef is not None else ''}")
+        return f"RandomK(ratio={self.ratio:g}, seed={self.seed}, unbiased={self.unbiased})"
 
 
 # -- threshold ---------------------------------------------------------------
@@ -274,7 +272,7 @@ class Threshold(SparseCompressor):
     compare and one nonzero, no selection.
     """
     name = "threshold"
-    steady_payload = False  # how much is sent follows the values
+    capabilities = replace(SparseCompressor.capabilities, steady_payload=False)  # how much is sent follows the values
     params = (Param("threshold", float, 0.01, "send every entry with |x| >= threshold", lo=0, lo_open=True),)
 
     def __init__(self, **given):
@@ -293,7 +291,7 @@ class Threshold(SparseCompressor):
         return flat.index_select(0, idx), idx
 
     def __repr__(self):
-        return f"Threshold(threshold={self.threshold:g}){' +EF' if self.ef is not None else ''}"
+        return f"Threshold(threshold={self.threshold:g})"
 
 
 # -- DGC ---------------------------------------------------------------------
@@ -340,11 +338,9 @@ class DGC(SparseCompressor):
     training from scratch, since the first steps move the weights most.
     """
     name = "dgc"
-    steady_payload = False  # how much is sent follows the values and the warm-up schedule
-    builtin_feedback = True
-    builtin_momentum = True
-    counts_steps = True
-    elementwise = ("u", "v")
+    # how much is sent follows the values and the warm-up schedule; u and v are its residual and momentum
+    capabilities = replace(SparseCompressor.capabilities, steady_payload=False, builtin_feedback=True,
+                           builtin_momentum=True, counts_steps=True, elementwise=("u", "v"))
     params = (ratio(0.01, "fraction of entries sent after warm-up"),
               Param("momentum", float, 0.9, "momentum correction (run the optimizer without momentum)",
                     lo=0, hi=1, hi_open=True),

@@ -11,9 +11,9 @@ step, on each rank:
    domain and decoded once; the update direction is the sign of that average (``sign``), which the
    spec's optimizer (plain SGD, as the paper's) steps with.
 
-Steps 1-3 are an error-feedback memory whose residual decays (``DecayingResidual``): the compressor
-(``DCTTopK``) never calls a collective, and the exchange runs through the lab's driver like every other
-(lane "outer", every step).
+Steps 1-3 are an error-feedback memory whose residual decays (``DecayingResidual``, wrapping the
+compressor ``DCTTopK`` as ``ErrorFeedback`` wraps any): the compressor never calls a collective, and the
+exchange runs through the lab's driver like every other (lane "outer", every step).
 
 Follows the reference implementation (github.com/bloc97/DeMo, demo.py) in the decay, the chunked DCT,
 the per-chunk top-k, the removal of the sent part and the sign. Differs in: the DCT is one-dimensional
@@ -32,7 +32,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from commlab.engine.compressors.base import Compressor, ErrorFeedback, Round, nbytes
+from commlab.engine.compressors.base import Compressor, ErrorFeedback, Round
+from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext, Capabilities
 from commlab.engine.compressors.params import Param
 from commlab.engine.methods.base import Context, Event, Method
 from commlab.engine.methods.transfer import Group, Transfer, groups
@@ -61,11 +62,11 @@ def dct_basis(n: int, dtype: torch.dtype, device) -> Tensor:
 
 
 class DecayingResidual(ErrorFeedback):
-    """DeMo's momentum as an error-feedback memory: before compressing, c = g + decay * m; after, m keeps
-    what was not sent (c - decode(sent))."""
+    """DeMo's momentum as error feedback around ``inner``: before compressing, c = g + decay * m; after, m keeps
+    what was not sent (c - decode(sent)). ``residual`` is the momentum m."""
 
-    def __init__(self, decay: float):
-        super().__init__()
+    def __init__(self, inner: Compressor, decay: float):
+        super().__init__(inner)
         self.decay = decay
 
     def add(self, t: Tensor) -> Tensor:
@@ -80,7 +81,7 @@ class DCTTopK(Compressor):
     name = "dct_topk"
     params = (Param("chunk", int, 64, "elements per DCT chunk", lo=1, hi=MAX_CHUNK, note=CHUNK_NOTE),
               Param("topk", int, 32, "coefficients kept per chunk", lo=1, hi=MAX_CHUNK, note=" (at most chunk)"))
-    summable = False
+    capabilities = Capabilities(summable=False)
 
     def __init__(self, **given):
         super().__init__(**given)
@@ -98,9 +99,8 @@ class DCTTopK(Compressor):
         c = torch.zeros(ctx, dtype=vals.dtype, device=vals.device).scatter_(1, idx.long(), vals)
         return (c @ dct_basis(self.chunk, vals.dtype, vals.device)).reshape(-1)
 
-    def exchange(self, t: Tensor, world_size: int):
-        payload, shape = self.encode(t)
-        self.last_bytes = nbytes(payload)
+    def exchange(self, t: Tensor, world_size: int, bucket: BucketContext = DEFAULT_BUCKET):
+        payload, shape = bucket.encode(self, t)
         gathered = yield Round("allgather", payload)
         c = torch.zeros(shape, dtype=t.dtype, device=t.device)
         for vals, idx in gathered:  # one inverse DCT for all ranks: the transform is linear
@@ -127,12 +127,10 @@ class DeMo(Method):
         if (job.get("optimizer") or {}).get("momentum"):
             raise ValueError("optimizer.momentum: demo keeps its own momentum (method.decay); use momentum 0")
 
-    def _codec(self, nbytes: int) -> DCTTopK:
-        c = DCTTopK(chunk=self.chunk, topk=self.topk)
-        c.ef = DecayingResidual(self.decay)
-        return c
+    def _codec(self, nbytes: int) -> DecayingResidual:
+        return DecayingResidual(DCTTopK(chunk=self.chunk, topk=self.topk), self.decay)
 
-    def codec(self) -> DCTTopK:
+    def codec(self) -> DecayingResidual:
         return self._codec(0)
 
     def codec_numel(self, numel: int) -> int:
@@ -157,8 +155,9 @@ class DeMo(Method):
     def after_backward(self, step: int) -> None:
         for g in self.groups:
             flat = g.gather([p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params])
-            avg = Transfer(self.ctx, g, g.compressor, flat, "outer", step).run()
-            self.step_bytes += g.compressor.last_bytes
+            tr = Transfer(self.ctx, g, g.compressor, flat, "outer", step)
+            avg = tr.run()
+            self.step_bytes += tr.sent
             for p, v in zip(g.params, g.views(avg)):
                 d = v.sign() if self.sign else v
                 if p.grad is None:
@@ -171,14 +170,14 @@ class DeMo(Method):
         """Each parameter's momentum (what was not sent yet), zeros before the first step."""
         out: Dict[int, Tensor] = {}
         for g in self.groups:
-            r = g.compressor.ef.residual
+            r = g.compressor.residual
             for i, p, v in zip(g.index, g.params, g.views(r) if r is not None else g.params):
                 out[i] = torch.zeros_like(p) if r is None else v.clone()
         return [out[i] for i in range(len(self.ctx.params))]
 
     def state_dict(self) -> dict:
-        return {"momentum": [g.compressor.ef.residual for g in self.groups]}
+        return {"momentum": [g.compressor.residual for g in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
         for g, r in zip(self.groups, state["momentum"]):
-            g.compressor.ef.residual = r
+            g.compressor.residual = r

@@ -14,7 +14,8 @@ import torch
 
 from commlab.engine.comm.collectives import Pending, issue
 from commlab.engine.comm.exchange import Exchange
-from commlab.engine.compressors.base import Compressor, Round, nbytes
+from commlab.engine.compressors.base import Compressor, Round, round_bytes
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.methods.base import Context
 
 Tensor = torch.Tensor
@@ -22,10 +23,12 @@ Tensor = torch.Tensor
 
 class Group:
     """Parameters of one dtype and device, laid end to end in one flat buffer (``flat``); ``index`` are
-    their positions in ``Context.params``. A compressor serves one group and keeps its state."""
+    their positions in ``Context.params``. A compressor serves one group and keeps its state; ``context``
+    is what it is told about the group (``BucketContext``: its number ``bucket``, this process's ``rank``, the
+    layout)."""
 
     def __init__(self, params: List[torch.nn.Parameter], index: List[int], label: str,
-                 compressor: Optional[Compressor] = None, pad_to: int = 1):
+                 compressor: Optional[Compressor] = None, pad_to: int = 1, bucket: int = 0, rank: int = 0):
         self.params, self.index, self.label = params, index, label
         self.sizes = [p.numel() for p in params]
         self.padded = [-(-n // pad_to) * pad_to for n in self.sizes]
@@ -34,8 +37,7 @@ class Group:
         p0 = params[0]
         self.flat = torch.zeros(sum(self.padded), dtype=p0.dtype, device=p0.device)
         self.compressor = compressor
-        if compressor is not None:
-            compressor.layout = [(o, tuple(p.shape)) for o, p in zip(self.offsets, params)]
+        self.context = BucketContext(bucket, rank, tuple((o, tuple(p.shape)) for o, p in zip(self.offsets, params)))
 
     @property
     def raw_bytes(self) -> int:
@@ -65,11 +67,8 @@ def groups(ctx: Context, members: Sequence[int], label: str, make: Optional[call
     for k, idx in enumerate(by.values()):
         ps = [ctx.params[i] for i in idx]
         name = label if len(by) == 1 else f"{label}.{k}"
-        comp = None
-        if make is not None:
-            comp = make(sum(p.numel() * p.element_size() for p in ps))
-            comp.bucket, comp.process_rank = first_bucket + k, ctx.rank
-        out.append(Group(ps, idx, name, comp, pad_to))
+        comp = make(sum(p.numel() * p.element_size() for p in ps)) if make is not None else None
+        out.append(Group(ps, idx, name, comp, pad_to, first_bucket + k, ctx.rank))
     return out
 
 
@@ -107,7 +106,7 @@ class Transfer:
 
     def start(self) -> "Transfer":
         t0 = self._now()
-        self.ex = Exchange(self.compressor, self.t, self.ctx.world)
+        self.ex = Exchange(self.compressor, self.t, self.ctx.world, bucket=self.group.context)
         rnd = self.ex.start()
         self._span("encode", t0, self._now())
         self._issue(rnd)
@@ -120,7 +119,7 @@ class Transfer:
         tl = self.timeline
         now = tl.now if tl is not None and tl.enabled else None
         self.pend = issue(rnd, self.ctx.group, self.ctx.link, now=now)
-        self.sent += nbytes(rnd.tensors)
+        self.sent += round_bytes(rnd)
         if now is not None and self.pend.works:
             def done(_fut, pend=self.pend):
                 if pend is self.pend:  # a later round's completion is stamped by its own callback

@@ -88,7 +88,7 @@ class Tuning:
         self.ready_steps: List[List[float]] = []
         self.steps = 0
         self.done = False
-        self.warm = max((b.compressor.warmup_exchanges for b in comm.buckets), default=0)
+        self.warm = max((b.compressor.capabilities.warmup_exchanges for b in comm.buckets), default=0)
         """Steps at the start whose exchanges are plain all-reduces (PowerSGD's ``start_iter``): a
         partition measured then would be timed uncompressed, so no window starts before they end."""
         if self.warm:

@@ -42,11 +42,12 @@ def compressor_params(name: str) -> list:
 
 
 def compressor_info(name: str) -> dict:
-    """What a compressor declares it can do, read from an instance at its default parameters."""
+    """What a compressor declares it can do (its ``Capabilities``), read from an instance at its default parameters."""
     from commlab.engine import compressors
     c = compressors.make(name)
-    return {"summable": c.summable, "keeps_shape": c.keeps_shape, "lossless": c.lossless, "rounds": c.rounds,
-            "builtin_feedback": c.builtin_feedback, "elementwise": c.elementwise,
+    k = c.capabilities
+    return {"summable": k.summable, "keeps_shape": k.keeps_shape, "lossless": k.lossless, "rounds": k.rounds,
+            "builtin_feedback": k.builtin_feedback, "elementwise": k.elementwise,
             "doc": (inspect.getdoc(type(c)) or "").split("\n\n")[0]}
 
 

@@ -19,7 +19,7 @@ Steps, in order:
    fusion (bucket caps of 1, 4 and 25 MB, and MergeComp), comm mode wfbp, and dear (its buffer cap) for
    compressors whose payload it can reduce-scatter: summed (none, the casts) or as a shard codec's
    all-to-all (int8: dear with a compressed reduce-scatter). Compressors come from the registry's
-   capabilities, not from a list of names: a section is in the dear space when ``shard_problem()`` is None
+   capabilities, not from a list of names: a section is in the dear space when ``capabilities.shard_problem()`` is None
    for every compressor it may give a buffer.
 3. Each candidate's predicted iteration time (commlab.lab.strategy.perfmodel.predict on the link), times its convergence
    penalty (``penalty``: steps to the target accuracy over ``none``'s), is its predicted time to accuracy.

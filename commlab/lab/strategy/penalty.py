@@ -163,7 +163,7 @@ def declared_default(comp: dict, cells) -> Tuple[float, str]:
     if name == "none":
         return 1.0, "default: the reference"
     from commlab.engine import compressors
-    if compressors.make(name).lossless:
+    if compressors.make(name).capabilities.lossless:
         return 1.0, "default: a cast that decodes to the input up to its rounding"
     p = comp.get("params") or {}
     if name == "topk" and comp.get("error_feedback"):

@@ -148,9 +148,9 @@ def compressor_space(extra: List[dict] = ()) -> List[Tuple[str, dict]]:
 
 def shardable(c: dict) -> bool:
     """dear can reduce-scatter every compressor the section may give a buffer (summed, or a shard codec's
-    all-to-all: ``Compressor.shard_path``)."""
+    all-to-all: ``Capabilities.shard_path``)."""
     from commlab.engine.compressors.plan import make_section, parts
-    return all(make_section(p).shard_problem() is None for p in parts(c))
+    return all(make_section(p).capabilities.shard_problem() is None for p in parts(c))
 
 
 def own_compressor(spec: dict) -> List[dict]:

@@ -410,10 +410,12 @@ def measure_path(n_ranks: int = 2, sizes=(1 << 20, 8 << 20), iters: int = 6) -> 
 
 # --------------------------------------------------------------------------- compressors
 
-def drive(comp, t, world: int = 1, sharded: bool = False):
+def drive(comp, t, world: int = 1, sharded: bool = False, bucket=None):
     """Run one exchange of ``comp`` on ``t`` in this process, as one rank of ``world`` whose peers all sent
     what it sent (``gathered``: an all-gather returns ``world`` copies of its payload, so the decode is that
-    of ``world`` payloads); ``sharded``: dear's exchange (``Compressor.shard_exchange``) instead of the whole one.
+    of ``world`` payloads); ``sharded``: dear's exchange (commlab.engine.compressors.contract.shard_exchange)
+    instead of the whole one. ``bucket``: the ``BucketContext`` it is driven with (its layout; default: a flat
+    bucket on its own).
 
     Returns the rounds as [(op, payload bytes, tensors)] (an all-to-all: every destination's payload's
     bytes, one destination's tensors) and the compute times [encode, between rounds..., decode] in seconds."""
@@ -426,7 +428,8 @@ def drive(comp, t, world: int = 1, sharded: bool = False):
         each = mine if op == "all_to_all" else [mine]  # an all-to-all's payloads: one per destination
         rounds.append((op, sum(x.numel() * x.element_size() for p in each for x in p), len(each[0])))
         return reply(op, payloads)
-    (ex,) = run_exchange([comp], [t], world, collective, timer=time.perf_counter, ranks=[0] if sharded else None)
+    (ex,) = run_exchange([comp], [t], world, collective, timer=time.perf_counter, ranks=[0] if sharded else None,
+                         buckets=None if bucket is None else [bucket])
     return rounds, ex.compute
 
 
@@ -497,21 +500,24 @@ def measure_compressor(c: dict, numels=CURVE_NUMELS, repeat: int = 5, warm: int 
 
 def _measure_compressor(make, numels, repeat, warm):
     import torch
+
+    from commlab.engine.compressors import contract
+    from commlab.engine.compressors.capabilities import BucketContext
     torch.manual_seed(0)
     stages: Dict[str, list] = {"encode": [], "between": [], "decode": []}
     for n in numels:
         cols = 256 if n % 256 == 0 else 1
         comp = make()
-        comp.layout = [(0, (n // cols, cols))]  # one weight matrix, as PowerSGD sees a layer
+        bucket = BucketContext(layout=((0, (n // cols, cols)),))  # one weight matrix, as PowerSGD sees a layer
         x = torch.randn(n)
         plain = 0
         try:
-            comp.skip_warmup()  # past plain warm-up exchanges (PowerSGD's start_iter) without sending them
+            contract.skip_warmup(comp)  # past plain warm-up exchanges (PowerSGD's start_iter) without sending them
         except NotImplementedError:  # a compressor of the user's that cannot skip them: they are driven
-            plain = comp.warmup_exchanges
+            plain = comp.capabilities.warmup_exchanges
         for _ in range(warm + plain):  # lazy buffers, and a warm start's state
-            drive(comp, x.clone())
-        runs = [drive(comp, x.clone()) for _ in range(repeat)]
+            drive(comp, x.clone(), bucket=bucket)
+        runs = [drive(comp, x.clone(), bucket=bucket) for _ in range(repeat)]
         samples = [r[1] for r in runs]
         enc = statistics.median(s[0] for s in samples)
         dec = statistics.median(s[-1] for s in samples)
@@ -519,7 +525,8 @@ def _measure_compressor(make, numels, repeat, warm):
         for k, v in (("encode", enc), ("between", mid), ("decode", dec)):
             stages[k].append((n * 4, v))
         if runs[0][0] and runs[0][0][-1][0] == "allgather":  # decoded once per rank's payload
-            many = statistics.median(drive(comp, x.clone(), DECODE_PAYLOADS)[1][-1] for _ in range(repeat))
+            many = statistics.median(drive(comp, x.clone(), DECODE_PAYLOADS, bucket=bucket)[1][-1]
+                                     for _ in range(repeat))
             stages.setdefault("decode_more", []).append((n * 4, max(0.0, many - dec) / (DECODE_PAYLOADS - 1)))
     out = {"sizes": [n * 4 for n in numels], "source": "measured in-process (commlab.lab.strategy.perfmodel.calibrate)"}
     for k, rows in stages.items():

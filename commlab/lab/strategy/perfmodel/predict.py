@@ -117,9 +117,9 @@ def _noise(n: int):
 def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int],
                    sharded: bool = False) -> List[Tuple[str, int, int]]:
     """(op, payload bytes, tensors) of each round for one bucket, as the compressor declares them
-    (``Compressor.declared_rounds``) or else from driving the real exchange on a bucket of that
-    layout (in steady state: past any warm-up iterations). ``sharded``: dear's exchange of the bucket
-    (``Compressor.shard_exchange``, ``declared_shard_rounds``), kept under a key of its own.
+    (``declared_rounds``, commlab/engine/compressors/contract.py) or else from driving the real exchange on a
+    bucket of that layout (in steady state: past any warm-up iterations). ``sharded``: dear's exchange of the
+    bucket (``contract.shard_exchange``, ``declared_shard_rounds``), kept under a key of its own.
     Cached by the bucket's size alone when the compressor treats it as one flat tensor
     (``per_tensor`` false: its payload cannot depend on how the bucket splits into tensors)."""
     shapes, off = [], 0
@@ -135,20 +135,22 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int],
     saved = f"{ckey}|{','.join(map(str, idx))}"  # the profile's own record: its parameters by index
     if saved in profile.payloads:
         return _keep(key, [tuple(r) for r in profile.payloads[saved]])
+    from commlab.engine.compressors import contract
+    from commlab.engine.compressors.capabilities import BucketContext
     c = cal.make_compressor(comp)
-    c.layout = shapes
-    flat_key = None if c.per_tensor(off) else (ckey, off)
+    bucket = BucketContext(layout=shapes)
+    flat_key = None if contract.per_tensor(c, off, bucket) else (ckey, off)
     if flat_key is not None and flat_key in _ROUNDS_CACHE:
         rounds = _ROUNDS_CACHE[flat_key]
     else:
-        declared = c.declared_shard_rounds if sharded else c.declared_rounds
-        rounds = declared(off, 4) if c.steady_payload else None
+        declared = contract.declared_shard_rounds if sharded else contract.declared_rounds
+        rounds = declared(c, off, 4, bucket) if c.capabilities.steady_payload else None
         if rounds is None:
             wanted = getattr(_DRY, "wanted", None)
             if wanted is not None:  # without_driving's first pass: driven elsewhere, then asked again
                 wanted.setdefault(key, (profile, comp, shapes, off, sharded, saved, flat_key))
                 return [("allreduce", off * 4, 1)]  # a stand-in, kept nowhere
-            rounds = _driven(c, off, sharded)
+            rounds = _driven(c, off, sharded, bucket)
         if flat_key is not None:
             _keep(flat_key, rounds)
     _keep(key, rounds)
@@ -156,12 +158,14 @@ def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int],
     return rounds
 
 
-def _driven(c, n: int, sharded: bool) -> List[Tuple[str, int, int]]:
-    """The rounds of one exchange of ``c`` (its layout set) on a bucket of ``n`` elements, driven here."""
+def _driven(c, n: int, sharded: bool, bucket) -> List[Tuple[str, int, int]]:
+    """The rounds of one exchange of ``c`` (in ``bucket``, a BucketContext, for its layout) on a bucket of ``n``
+    elements, driven here."""
+    from commlab.engine.compressors import contract
     x = _noise(n)
-    c.skip_warmup()  # past plain warm-up exchanges (PowerSGD), without driving them
-    for _ in range(1 if c.steady_payload else 2):  # a steady payload's sizes show in one exchange
-        rounds, _ = cal.drive(c, x.clone(), sharded=sharded)
+    contract.skip_warmup(c)  # past plain warm-up exchanges (PowerSGD), without driving them
+    for _ in range(1 if c.capabilities.steady_payload else 2):  # a steady payload's sizes show in one exchange
+        rounds, _ = cal.drive(c, x.clone(), sharded=sharded, bucket=bucket)
     return rounds
 
 
@@ -203,11 +207,12 @@ def without_driving(predictions: Callable[[], object], who: Optional[str] = None
 def rounds_here(data: dict) -> List[list]:
     """The sandbox's ``rounds`` task (commlab.lab.base.sandbox): each item's bucket (a compressor section, its layout
     ``shapes`` and ``n`` elements, ``sharded`` for dear's exchange) driven in this process."""
+    from commlab.engine.compressors.capabilities import BucketContext
     out = []
     for item in data["items"]:
         c = cal.make_compressor(item["compressor"])
-        c.layout = [(int(o), tuple(shape)) for o, shape in item["shapes"]]
-        out.append([list(r) for r in _driven(c, int(item["n"]), bool(item["sharded"]))])
+        bucket = BucketContext(layout=tuple((int(o), tuple(shape)) for o, shape in item["shapes"]))
+        out.append([list(r) for r in _driven(c, int(item["n"]), bool(item["sharded"]), bucket)])
     return out
 
 

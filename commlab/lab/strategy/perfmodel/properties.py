@@ -32,26 +32,24 @@ def two_rank_exchange(name: str, n: int = 4096, **params):
     import torch
 
     from commlab.engine import compressors
+    from commlab.engine.compressors.capabilities import BucketContext
     g = torch.Generator().manual_seed(1)
     xs = [torch.randn(n, generator=g) for _ in range(2)]
-    comps = []
-    for r in range(2):
-        c = compressors.make(name, **params)
-        c.bucket, c.process_rank, c.layout = 0, r, [(0, (n // 64, 64))]
-        comps.append(c)
-    for _ in range(comps[0].warmup_exchanges):  # past plain warm-up exchanges (PowerSGD)
-        _lockstep(comps, [x.clone() for x in xs])
-    return _lockstep(comps, xs)
+    comps = [compressors.make(name, **params) for _ in range(2)]
+    buckets = [BucketContext(0, r, ((0, (n // 64, 64)),)) for r in range(2)]
+    for _ in range(comps[0].capabilities.warmup_exchanges):  # past plain warm-up exchanges (PowerSGD)
+        _lockstep(comps, [x.clone() for x in xs], buckets)
+    return _lockstep(comps, xs, buckets)
 
 
-def _lockstep(comps, xs):
+def _lockstep(comps, xs, buckets):
     from commlab.engine.comm.exchange import local_collective, run_exchange
     ops = []
 
     def collective(op, payloads):
         ops.append(op)
         return local_collective(op, payloads)
-    ex0, ex1 = run_exchange(comps, xs, 2, collective)
+    ex0, ex1 = run_exchange(comps, xs, 2, collective, buckets=buckets)
     return ops, ex0.out, ex1.out
 
 
@@ -62,8 +60,8 @@ def linear(name: str, n: int = 4096, **params) -> Optional[bool]:
     import torch
 
     from commlab.engine import compressors
-    probe = compressors.make(name, **params)
-    if not probe.summable or getattr(probe, "rounds", 1) > 1:
+    caps = compressors.make(name, **params).capabilities
+    if not caps.summable or caps.rounds > 1:
         return None
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(n, generator=g), torch.randn(n, generator=g)
@@ -79,11 +77,12 @@ def linear(name: str, n: int = 4096, **params) -> Optional[bool]:
 
 def ratio(name: str, n: int = 1 << 20, **params) -> float:
     import torch
+    from commlab.engine.compressors.capabilities import BucketContext
     c = cal.make_compressor({"name": name, "params": params})
-    c.layout = [(0, (1024, n // 1024))]
+    bucket = BucketContext(layout=((0, (1024, n // 1024)),))
     x = torch.randn(n)
-    for _ in range(c.warmup_exchanges + 1):
-        rounds, _ = cal.drive(c, x.clone())
+    for _ in range(c.capabilities.warmup_exchanges + 1):
+        rounds, _ = cal.drive(c, x.clone(), bucket=bucket)
     sent = sum(b for _, b, _ in rounds)
     return n * 4 / max(sent, 1)
 
@@ -103,7 +102,7 @@ def checklist(names: Optional[List[str]] = None, profile: Optional[cal.Profile] 
     """One row per compressor (default: every registered one) with each property measured."""
     from commlab.engine import compressors
     acc = accuracy(accuracy_results)
-    uncompressed = [n for n in compressors.names() if compressors.REGISTRY[n].identity]  # declared, not named
+    uncompressed = [n for n in compressors.names() if compressors.REGISTRY[n].capabilities.identity]  # declared
     base = next((acc[n]["acc"] for n in uncompressed if acc.get(n, {}).get("acc") is not None), None)
     model_bytes = sum(b for _, b in profile.params) if profile else None
     compute = (profile.forward_s + profile.backward_s) if profile else None

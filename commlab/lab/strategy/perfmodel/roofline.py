@@ -40,6 +40,8 @@ from torch.utils.flop_counter import flop_registry
 
 from commlab.engine import models
 from commlab.engine.comm.exchange import run_exchange
+from commlab.engine.compressors import contract
+from commlab.engine.compressors.capabilities import BucketContext
 from commlab.engine.spec import JobSpec
 from commlab.engine.trainer import load_data
 from commlab.lab.strategy.perfmodel import calibrate as cal
@@ -255,15 +257,15 @@ def codec_curve(comp: dict, device: Device, precision: str = "fp32", numels=CODE
     for n in numels:
         cols = 256 if n % 256 == 0 else 1
         c = cal.make_compressor(comp)
-        c.layout = [(0, (n // cols, cols))]
-        c.skip_warmup()
+        bucket = BucketContext(layout=((0, (n // cols, cols)),))
+        contract.skip_warmup(c)
         x = torch.randn(n)
-        rounds, _ = cal.drive(c, x.clone())  # lazy state (residuals, PowerSGD's Q) made outside the pricing
-        s = _priced(c, x, price, 1)
+        rounds, _ = cal.drive(c, x.clone(), bucket=bucket)  # lazy state (residuals, PowerSGD's Q) made outside
+        s = _priced(c, x, price, 1, bucket)
         for k, v in (("encode", s[0]), ("between", sum(s[1:-1])), ("decode", s[-1])):
             stages[k].append((n * 4, v))
         if rounds and rounds[-1][0] == "allgather":  # what each further rank's payload adds to the decode
-            many = _priced(c, x, price, cal.DECODE_PAYLOADS)[-1]
+            many = _priced(c, x, price, cal.DECODE_PAYLOADS, bucket)[-1]
             stages.setdefault("decode_more", []).append((n * 4, max(0.0, many - s[-1]) / (cal.DECODE_PAYLOADS - 1)))
     out = {"sizes": [n * 4 for n in numels], "kind": "modeled",
            "source": f"from the bytes its operators move on {device.name} {precision} (commlab.lab.strategy.perfmodel.roofline)"}
@@ -272,7 +274,7 @@ def codec_curve(comp: dict, device: Device, precision: str = "fp32", numels=CODE
     return out
 
 
-def _priced(c, x, price, world: int) -> List[float]:
+def _priced(c, x, price, world: int, bucket) -> List[float]:
     """The priced compute of one exchange of ``c`` on ``x`` as one of ``world`` ranks that sent the same
     payload (calibrate.gathered): [encode, between rounds..., decode] seconds on the device."""
     rec = _Recorder(price)
@@ -285,7 +287,7 @@ def _priced(c, x, price, world: int) -> List[float]:
         finally:
             rec.paused = False
     with rec:
-        (ex,) = run_exchange([c], [x.clone()], world, collective, timer=lambda: rec.clock)
+        (ex,) = run_exchange([c], [x.clone()], world, collective, timer=lambda: rec.clock, buckets=[bucket])
     return ex.compute
 
 
