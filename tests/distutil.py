@@ -285,3 +285,9 @@ def stop_warm_servers(tmpdir) -> None:
     from commlab.lab.base import procs, warm
     for pid in warm_servers(tmpdir):
         procs.kill_if_ours({"pid": pid, "start": procs.start_time(pid)}, warm.MARK, signal.SIGTERM)
+
+
+def model_state(trainer) -> dict:
+    """A Trainer's model state_dict with up-to-date parameters (dear's parameters completed first), cloned."""
+    trainer.sync_params()
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}

@@ -1,9 +1,24 @@
 """NCCL-style collective costs (commlab/lab/strategy/perfmodel/collectives.py) against values worked out by hand."""
+import math
+
 import pytest
 
 from commlab.lab.strategy.perfmodel import collectives as nc
 from commlab.lab.strategy.perfmodel import costs
 from commlab.lab.strategy.perfmodel.iteration import Bucket, Round, Step, iteration_time
+
+
+def switch_point(topo: nc.Topology, op: str, world: int, lo: float = 1.0, hi: float = 1 << 31):
+    """The smallest size (bytes, to 1%) from which NCCL's choice differs from its choice at ``lo``;
+    None if it never changes up to ``hi``."""
+    first = topo.choose(op, lo, world)[:2]
+    if topo.choose(op, hi, world)[:2] == first:
+        return None
+    a, b = lo, hi
+    while b / a > 1.01:
+        m = math.sqrt(a * b)
+        a, b = (m, b) if topo.choose(op, m, world)[:2] == first else (a, m)
+    return b
 
 US = 1e-6
 
@@ -65,12 +80,12 @@ def test_protocol_switch_points_inside_an_nvlink_node():
     # LL = LL128 where w (1/25e9 - 1/92e9) = 26.42 µs: w = 906,955 B, n = w / 1.75 = 518,260 B
     ll_to_ll128 = 26.42e-6 / (1 / 25e9 - 1 / 92e9) / 1.75
     assert ll_to_ll128 == pytest.approx(518260, rel=1e-4)
-    assert nc.switch_point(NV8, "allreduce", 8) == pytest.approx(ll_to_ll128, rel=0.011)
+    assert switch_point(NV8, "allreduce", 8) == pytest.approx(ll_to_ll128, rel=0.011)
     assert NV8.choose("allreduce", 2 * ll_to_ll128, 8)[:2] == ("ring", "LL128")
     # LL128 = Simple where w (1/92e9 - 1/100e9) = 19.4 µs: w = 22.31 MB, n = 12.75 MB
     ll128_to_simple = 19.4e-6 / (1 / 92e9 - 1 / 100e9) / 1.75
     assert ll128_to_simple == pytest.approx(12.75e6, rel=1e-3)
-    assert nc.switch_point(NV8, "allreduce", 8, lo=2 * ll_to_ll128) == pytest.approx(ll128_to_simple, rel=0.011)
+    assert switch_point(NV8, "allreduce", 8, lo=2 * ll_to_ll128) == pytest.approx(ll128_to_simple, rel=0.011)
     assert NV8.choose("allreduce", 64e6, 8)[:2] == ("ring", "Simple")
 
 

@@ -9,6 +9,11 @@ import torch
 from commlab.engine.comm import buffers
 from tests.distutil import run_world
 
+
+def kept_bytes() -> int:
+    """Bytes the pool holds (its own running count)."""
+    return buffers._kept_bytes
+
 BIG = buffers.MIN_BYTES // 4  # float32 elements of a pooled block
 
 
@@ -30,7 +35,7 @@ def test_a_block_comes_back_only_when_nothing_views_it():
     del held, b
     c = buffers.take(BIG, torch.float32, cpu)
     assert c.data_ptr() == ptr, "a free block was not reused"
-    assert buffers.kept_bytes() == 2 * BIG * 4
+    assert kept_bytes() == 2 * BIG * 4
 
 
 def test_zeroed_on_request_when_reused():
@@ -46,16 +51,16 @@ def test_small_blocks_and_a_full_pool_are_not_kept(monkeypatch):
     cpu = torch.device("cpu")
     small = buffers.take(16, torch.float32, cpu)
     ptr = small.data_ptr()
-    assert buffers.kept_bytes() == 0
+    assert kept_bytes() == 0
     del small
     monkeypatch.setattr(buffers, "POOL_BYTES", BIG * 4)
     a = buffers.take(BIG, torch.float32, cpu)
     b = buffers.take(BIG, torch.float32, cpu)  # over the budget: fresh, not kept
-    assert buffers.kept_bytes() == BIG * 4 and a.data_ptr() != b.data_ptr() != ptr
+    assert kept_bytes() == BIG * 4 and a.data_ptr() != b.data_ptr() != ptr
     monkeypatch.setattr(buffers, "PER_KEY", 1)
     monkeypatch.setattr(buffers, "POOL_BYTES", 1 << 40)
     c = buffers.take(BIG, torch.float32, cpu)  # a is still held and the key holds one block already
-    assert buffers.kept_bytes() == BIG * 4 and c.data_ptr() != a.data_ptr()
+    assert kept_bytes() == BIG * 4 and c.data_ptr() != a.data_ptr()
 
 
 def test_sizes_not_asked_for_again_make_room_for_new_ones(monkeypatch):
@@ -66,10 +71,10 @@ def test_sizes_not_asked_for_again_make_room_for_new_ones(monkeypatch):
     held = buffers.take(BIG, torch.float32, cpu)
     for extra in range(1, 6):  # sizes BIG + 1, BIG + 2, ...: each asked once, then dropped
         buffers.take(BIG + extra, torch.float32, cpu)
-        assert buffers.kept_bytes() <= 2 * BIG * 4
+        assert kept_bytes() <= 2 * BIG * 4
     assert (BIG, torch.float32) in buffers._pool, "a block in use was let go of"
     assert (BIG + 5, torch.float32) in buffers._pool and (BIG + 1, torch.float32) not in buffers._pool
-    assert buffers.kept_bytes() == sum(b.numel() * 4 for bs in buffers._pool.values() for b in bs)
+    assert kept_bytes() == sum(b.numel() * 4 for bs in buffers._pool.values() for b in bs)
     del held
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from distutil import run_world
+from distutil import run_world, model_state
 from commlab.engine import schedules
 from commlab.engine.comm import dear
 from commlab.engine.compressors.base import Compressor, ErrorFeedback
@@ -46,15 +46,15 @@ def _pair(rank, world, opt, variants):
             t.train_step()
         if s + 1 == MID:
             ref_eval = ref.evaluate()
-            ref_state = ref.model_state()
+            ref_state = model_state(ref)
             mids = []
             for t in ours:
                 stale = _max_diff({k: v.detach() for k, v in t.model.state_dict().items()}, ref_state)
                 ev = t.evaluate()  # must first gather the step just taken
-                mids.append((stale, _max_diff(t.model_state(), ref_state), ev["eval_loss"], ref_eval["eval_loss"]))
-    ref_state = ref.model_state()
+                mids.append((stale, _max_diff(model_state(t), ref_state), ev["eval_loss"], ref_eval["eval_loss"]))
+    ref_state = model_state(ref)
     for t, mid in zip(ours, mids):
-        out.append({"mid": mid, "end": _max_diff(t.model_state(), ref_state), "buffers": len(t.dp.buffers),
+        out.append({"mid": mid, "end": _max_diff(model_state(t), ref_state), "buffers": len(t.dp.buffers),
                     "bytes": t.dp.step_bytes})
         t.close()
     ref.close()
@@ -109,7 +109,7 @@ def _fp16(rank, world, ef):
     for _ in range(8):
         for t in [ref] + ours:
             t.train_step()
-    out = [_max_diff(t.model_state(), ref.model_state()) for t in ours]
+    out = [_max_diff(model_state(t), model_state(ref)) for t in ours]
     residual = _ef(ours[0].dp.buffers[0].compressor)
     for t in [ref] + ours:
         t.close()
@@ -423,7 +423,7 @@ def _int8_train(rank, world):
         ref.train_step()
         for i, t in enumerate(out):
             losses[i].append(t.train_step()["loss"])
-    res = [(ls, _max_diff(t.model_state(), ref.model_state()), t.evaluate()["eval_acc"]) for ls, t in zip(losses, out)]
+    res = [(ls, _max_diff(model_state(t), model_state(ref)), t.evaluate()["eval_acc"]) for ls, t in zip(losses, out)]
     for t in [ref] + out:
         t.close()
     return res

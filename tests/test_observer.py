@@ -48,6 +48,11 @@ def step_lines(rank: int, step: int, t0: float) -> list:
             for lane, tid, t, d, a in ev]
 
 
+def bytes_read(lr) -> int:
+    """Every byte a LiveRun has read from its metrics and timeline files."""
+    return lr.metrics_tail.bytes_read + sum(r.tail.bytes_read for r in lr.ranks.values())
+
+
 def metric_line(rank: int, step: int) -> str:
     return json.dumps({"kind": "step", "step": step, "rank": rank, "loss": 1.0 / (step + 1), "time_ms": 9.0,
                        "bytes_sent": 4096, "bytes_raw": 4096, "t": 1000.0 + step}) + "\n"
@@ -80,13 +85,13 @@ def test_live_run_reads_only_what_was_appended(fake_run):
     n0 = write(range(0, 10))
     lr = live.LiveRun(run)
     lr.refresh()
-    assert lr.bytes_read == n0
+    assert bytes_read(lr) == n0
     assert lr.progress() == (10, 100) and len(lr.metric_rows()) == 20
     lr.refresh()
-    assert lr.bytes_read == n0  # nothing new: nothing read
+    assert bytes_read(lr) == n0  # nothing new: nothing read
     n1 = write(range(10, 13))
     lr.refresh()
-    assert lr.bytes_read == n0 + n1  # only the appended bytes
+    assert bytes_read(lr) == n0 + n1  # only the appended bytes
     assert lr.progress() == (13, 100) and len(lr.metrics()) == 26
     # a torn last line is not parsed until its end arrives, and is read once
     path = run.file("metrics.jsonl")
@@ -99,7 +104,7 @@ def test_live_run_reads_only_what_was_appended(fake_run):
         f.write(line[10:])
     lr.refresh()
     assert len(lr.metric_rows()) == 27 and lr.metric_rows()[-1]["step"] == 13
-    assert lr.bytes_read == n0 + n1 + len(line)
+    assert bytes_read(lr) == n0 + n1 + len(line)
     # a file replaced (a run directory made again) is read from its start
     os.replace(path, path.with_suffix(".old"))
     with open(path, "w") as f:
@@ -147,7 +152,7 @@ def test_a_late_reader_starts_near_the_end(fake_run):
     lr = live.LiveRun(run, keep=16)
     lr.refresh()
     size = sum(p.stat().st_size for p in run.timeline_files())
-    assert lr.bytes_read - run.file("metrics.jsonl").stat().st_size < size / 4
+    assert bytes_read(lr) - run.file("metrics.jsonl").stat().st_size < size / 4
     assert len(lr.timeline(16)[lambda d: d["lane"] == "step"]) == 32  # 16 steps of two ranks
     assert sorted(set(lr.breakdown(final=True)["step"]))[-1] == 999
 
@@ -167,12 +172,12 @@ def test_live_panel_refresh_reads_only_new_bytes(fake_run, monkeypatch):
     assert not at.exception, [e.value for e in at.exception]
     assert len(at.get("plotly_chart")) == 4
     (lr,) = live._LIVE.values()
-    before = lr.bytes_read
+    before = bytes_read(lr)
     assert before == sum(p.stat().st_size for p in run.path.glob("*.jsonl"))
     added = write(range(30, 33))
     at.run()
     assert not at.exception, [e.value for e in at.exception]
-    assert lr.bytes_read - before == added
+    assert bytes_read(lr) - before == added
     assert lr.progress() == (33, 100)
 
 
@@ -300,8 +305,8 @@ def test_run_breakdown_of_a_running_run_reads_incrementally(fake_run):
     want = plots.mean_breakdown(steps, skip=warmup_steps(20))
     assert got.keys() == want.keys() and all(got[k] == pytest.approx(want[k]) for k in want)
     (lr,) = live._LIVE.values()
-    n = lr.bytes_read
-    assert timelines.run_breakdown(run) == got and lr.bytes_read == n
+    n = bytes_read(lr)
+    assert timelines.run_breakdown(run) == got and bytes_read(lr) == n
 
 
 def test_app_server_skips_the_full_gc_after_every_rerun_and_the_file_polling():

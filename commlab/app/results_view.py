@@ -23,11 +23,6 @@ REFRESH_S = 3.0
 """The panel re-reads its runs this often while any is in flight."""
 
 
-def open_group(gid: str) -> None:
-    st.session_state["group_id"] = gid
-    st.switch_page(PAGE, query_params={"group": gid})
-
-
 def pick_group() -> Optional[dict]:
     """The group the page is about: ?group=..., ?sweep=..., else the session's, else the newest preset group."""
     sweep = st.query_params.get("sweep")

@@ -92,11 +92,6 @@ def from_cuts(params: Sequence[ParamInfo], cuts: Sequence[int]) -> Buckets:
     return [list(range(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
-def cuts_of(buckets: Buckets) -> List[int]:
-    """The cut positions of a contiguous layout (inverse of ``from_cuts``)."""
-    return [b[0] for b in buckets[1:]]
-
-
 def balanced_cuts(params: Sequence[ParamInfo], k: int) -> List[int]:
     """Cuts for ``k`` contiguous groups of roughly equal bytes (fewer if there are fewer tensors):
     a group closes once it reaches its share of the bytes still left."""

@@ -125,11 +125,6 @@ class Trainer:
             for b, v in zip(bufs, flat.split([b.numel() for b in bufs])):
                 b.copy_(v.view_as(b))
 
-    def model_state(self) -> dict:
-        """The model's state_dict with up-to-date parameters (what a checkpoint saves)."""
-        self.sync_params()
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-
     def log(self, obj: dict) -> None:
         self.stepper.log(obj)
 

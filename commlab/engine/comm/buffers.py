@@ -88,11 +88,6 @@ def _make_room(limit: int, keep) -> None:
             del _pool[key]
 
 
-def kept_bytes() -> int:
-    """Bytes the pool holds."""
-    return _kept_bytes
-
-
 def clear() -> None:
     """Forget every kept block (tests; their memory goes once no view of them is left)."""
     global _kept_bytes

@@ -145,11 +145,6 @@ class LiveRun:
         self.rows: List[dict] = []
         self.ranks: Dict[str, _RankTimeline] = {}
 
-    @property
-    def bytes_read(self) -> int:
-        """Bytes read from the run's files so far (metrics and timelines)."""
-        return self.metrics_tail.bytes_read + sum(r.tail.bytes_read for r in self.ranks.values())
-
     def refresh(self) -> "LiveRun":
         """Read what was appended to the run's files since the last refresh."""
         with self.lock:

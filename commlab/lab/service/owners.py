@@ -327,18 +327,6 @@ def check_queued(q: dict, user: User, active: int, more: int) -> None:
                                    f"{active} are, and this asks for {more} more")
 
 
-def check_quota(root: os.PathLike, user: User, specs: Iterable, active: int) -> None:
-    """Raise QuotaError (a LabError, one line naming the limit) when ``user`` (a student) asking for ``specs``
-    (JobSpecs), with ``active`` runs queued or running already, goes over a limit. The teacher has none."""
-    if user.admin:
-        return
-    q = quotas(root)
-    specs = list(specs)
-    check_queued(q, user, active, len(specs))
-    for s in specs:
-        check_run(q, s)
-
-
 @contextmanager
 def queue_lock(root: os.PathLike, name: str):
     """Held while ``name``'s queued runs are counted and their new runs queued: two requests of theirs at the

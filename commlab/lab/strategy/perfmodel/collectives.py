@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 US = 1e-6
 
@@ -253,14 +253,3 @@ class Topology:
                 f"{nodes}{', hierarchical all-reduce' if self.hierarchical else ''}{over}")
 
 
-def switch_point(topo: Topology, op: str, world: int, lo: float = 1.0, hi: float = 1 << 31) -> Optional[float]:
-    """The smallest size (bytes, to 1%) from which NCCL's choice differs from its choice at ``lo``;
-    None if it never changes up to ``hi``."""
-    first = topo.choose(op, lo, world)[:2]
-    if topo.choose(op, hi, world)[:2] == first:
-        return None
-    a, b = lo, hi
-    while b / a > 1.01:
-        m = math.sqrt(a * b)
-        a, b = (m, b) if topo.choose(op, m, world)[:2] == first else (a, m)
-    return b

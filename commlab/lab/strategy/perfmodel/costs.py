@@ -119,25 +119,6 @@ def allgather_var(payload_bytes: Sequence[float], world: int, link: Link, tensor
     return header(HEADER_BYTES_PER_TENSOR * tensors, world, link) + allgather(max(payload_bytes), world, link)
 
 
-def ps_push_pull(nbytes: float, world: int, link: Link, servers: int = 1) -> float:
-    """Parameter server: every worker pushes ``nbytes`` and pulls ``nbytes`` back.
-
-    The ``servers`` shards each hold ``nbytes / servers``; a server's link
-    receives ``world * nbytes / servers`` in the push and sends as much in the
-    pull (the bottleneck for few servers), while a worker's link moves
-    ``nbytes`` each way. Push and pull are one message per server each, so
-    ``T = 2 (alpha + max(world / servers, 1) * nbytes * beta)``.
-    """
-    if servers < 1:
-        raise ValueError(f"servers must be >= 1, got {servers}")
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    per_link = max(world / servers, 1.0) * nbytes
-    return 2 * (link.alpha + per_link * link.beta)
-
-
 def steps_and_wire(op: str, nbytes: float, world: int):
     """Ring steps and the bytes each rank sends for one collective (as in commlab.engine.netmodel):
     all-reduce ``2(p-1)`` and ``2(p-1)/p n``, reduce-scatter ``p-1`` and ``(p-1)/p n``,
