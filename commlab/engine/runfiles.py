@@ -29,8 +29,9 @@ LAYOUT = "layout.json"
 TUNING = "tuning.json"
 """What a tuner tried and chose (mergecomp, dear's buffer size, strategy auto)."""
 RESOLVED = "resolved.json"
-"""Written by rank 0 at start: the values the spec leaves to the machine (backend and device auto,
-threads 0), as they were resolved there."""
+"""Written where the run is admitted: ``engine_from_env``, the engine switches (spec.json's ``engine``) its process
+took from its environment, as ``{field: "VARIABLE=value"}``; then by rank 0 at start, keeping that key: the values
+the spec leaves to the machine (backend and device auto, threads 0), as they were resolved there."""
 PID = "pid-rank{rank}.json"
 PIDS = "pid-rank*.json"
 ERROR = "error-rank{rank}.json"
