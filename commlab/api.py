@@ -28,6 +28,7 @@ def spec(given, overrides=()):
     from commlab.lab.base.specs import load_spec
     if isinstance(given, JobSpec):
         checked = load_spec(data=given.to_dict(), overrides=overrides)
+        checked.engine.keep_from_env(given.engine)  # what given's own check took from the environment
     elif isinstance(given, dict):
         checked = load_spec(data=given, overrides=overrides)
     else:

@@ -350,7 +350,10 @@ def _load(spec: SpecLike, world: int) -> JobSpec:
     if "world_size" in data and data["world_size"] != world and not isinstance(spec, JobSpec):
         raise SpecError("world_size", f"the spec asks for {data['world_size']} ranks but this job has {world}")
     data["world_size"] = world
-    return JobSpec.from_dict(data)
+    out = JobSpec.from_dict(data)
+    if isinstance(spec, JobSpec):
+        out.engine.keep_from_env(spec.engine)  # what its own check took from the environment
+    return out
 
 
 def _optimizer_factory(optimizer: OptimizerLike, model: torch.nn.Module, spec: JobSpec):

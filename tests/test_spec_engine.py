@@ -50,6 +50,20 @@ def test_unset_switches_take_the_environment_then_the_defaults(clean_env):
     assert fused.environment()["COMMLAB_FUSED"] == "interpret" and fused.environment()["COMMLAB_FUSED_LAUNCH"] == "triton"
 
 
+def test_a_checked_spec_given_again_keeps_where_its_switches_came_from(clean_env):
+    """commlab.run(commlab.spec(...)) checks the JobSpec again (it may have been changed since): the switches its
+    first check took from the environment still say so, unless the second one changed them."""
+    import commlab
+    clean_env.setenv("COMMLAB_FUSED", "0")
+    clean_env.setenv("COMMLAB_GRAPHS", "1")
+    first = commlab.spec({})
+    clean_env.delenv("COMMLAB_FUSED")
+    clean_env.delenv("COMMLAB_GRAPHS")
+    again = commlab.spec(first, overrides=["engine.graphs=false"])
+    assert again.engine.fused is False and again.engine.graphs is False
+    assert again.engine.from_env == {"fused": "COMMLAB_FUSED=0"}
+
+
 def test_a_spec_json_without_the_section_leaves_the_ranks_their_environment(clean_env):
     """A run directory written before the section existed: its switches are unset, and the rank sets nothing."""
     old = JobSpec.from_dict({}).to_dict()

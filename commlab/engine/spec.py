@@ -529,6 +529,14 @@ class EngineSpec:
         section read from a checked document (JobSpec.from_checked)."""
         return dict(self.__dict__.get("_from_env") or {})
 
+    def keep_from_env(self, earlier: "EngineSpec") -> None:
+        """Checked again from ``earlier``'s values (a JobSpec given to commlab.run or commlab.wrap): the switches
+        ``earlier``'s check took from the environment, where they still hold its value, came from there."""
+        mine = self.__dict__.setdefault("_from_env", {})
+        for key, origin in earlier.from_env.items():
+            if getattr(self, key) == getattr(earlier, key):
+                mine.setdefault(key, origin)
+
     def environment(self) -> dict:
         """{variable: text} of the switches this section sets, as the engine's code reads them; a switch left
         unset (a spec.json written before this section existed) is left out, and the rank keeps its own."""
