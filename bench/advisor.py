@@ -80,7 +80,7 @@ def _mixed(small, rest, below_mb=1.0):
 
 
 WFBP25 = ({"name": "bucket", "cap_mb": 25.0}, {"mode": "wfbp"})
-DEAR25 = {"mode": "dear", "cap_mb": 25.0}
+DEAR25 = {"mode": "dear"}  # its buffers capped by the schedule's 25 MB
 GRID = {  # label -> (compressor, schedule, comm)
     "DDP (none, 25 MB, wfbp)": (_c("none"), *WFBP25),
     "none, 4 MB buckets": (_c("none"), {"name": "bucket", "cap_mb": 4.0}, {"mode": "wfbp"}),

@@ -87,11 +87,8 @@ def spec_for(mode: str, steps: int, gbps: float) -> dict:
     spec = {"name": f"observer-{mode}", "model": "resnet", "dataset": "digits", "world_size": 2, "steps": steps,
             "batch_size": 32, "optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
             "network": {"link": "modeled", "gbps": gbps}, "eval_every": 0}
-    if mode == "dear":
-        spec["comm"] = {"mode": "dear", "cap_mb": 2}
-    else:
-        spec["comm"] = {"mode": mode}
-        spec["schedule"] = {"name": "bucket", "cap_mb": 2}
+    spec["comm"] = {"mode": mode}
+    spec["schedule"] = {"name": "bucket", "cap_mb": 2}  # dear's buffers take the schedule's cap too
     return spec
 
 

@@ -125,8 +125,8 @@ def comp_section(c: dict) -> dict:
 def config_spec(cfg, steps: int) -> dict:
     comp, sched, mode, gbps = cfg
     comm = {"mode": mode}
-    if mode == "dear":  # dear sizes its own buffers: the config's bucket cap becomes comm.cap_mb
-        comm["cap_mb"], sched = sched.get("cap_mb", 25.0), BUCKET
+    if mode == "dear":  # dear's buffers take the config's bucket cap (schedule.cap_mb), under schedule bucket
+        sched = {**BUCKET, "cap_mb": sched.get("cap_mb", 25.0)}
     return dict(BASE, steps=steps, name=f"pm {label(cfg)}", compressor=comp_section(comp), schedule=dict(sched),
                 comm=comm, network={"link": "shaped", "gbps": gbps})
 

@@ -44,7 +44,7 @@ def _mixed(rest):
 
 WFBP = ({"name": "bucket", "cap_mb": 25}, {"mode": "wfbp"})
 LAYERWISE = ({"name": "layerwise"}, {"mode": "wfbp"})
-DEAR = ({"name": "bucket", "cap_mb": 25}, {"mode": "dear", "cap_mb": 25})
+DEAR = ({"name": "bucket", "cap_mb": 25}, {"mode": "dear"})  # dear's buffers take the schedule's cap
 DEAR_LAYERS = ({"name": "bucket", "cap_mb": 25}, {"mode": "dear", "layers": 1})
 CELLS = {  # label -> (compressor, schedule, comm)
     "none, wfbp (reference)": (_c("none"), *WFBP),

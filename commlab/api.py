@@ -22,11 +22,13 @@ def _lab(runs=None):
 
 def spec(given, overrides=()):
     """A checked spec (a JobSpec) from a YAML path, a dict or a JobSpec, with ``overrides`` (``key=value``) applied,
-    as the ranks will read it."""
+    as the ranks will read it: the full check, once (the queue and the ranks read what it wrote without checking
+    again), with the engine's switches left unset taken from this process's environment."""
     from commlab.engine.spec import JobSpec
     from commlab.lab.base.specs import load_spec
     if isinstance(given, JobSpec):
         checked = load_spec(data=given.to_dict(), overrides=overrides)
+        checked.engine.keep_from_env(given.engine)  # what given's own check took from the environment
     elif isinstance(given, dict):
         checked = load_spec(data=given, overrides=overrides)
     else:
@@ -41,7 +43,7 @@ def _for_the_ranks(spec):
     """``spec`` with every compressor registered in this process (commlab.register_compressor) named by its
     import path: the ranks are other processes, which never ran the code that registered it."""
     from commlab.engine import compressors
-    from commlab.engine.spec import JobSpec, SpecError
+    from commlab.engine.spec import JobSpec, SpecError, with_checked
     d = spec.to_dict()
     sections = [("compressor", d["compressor"]), *((f"compressor.per_bucket[{i}]", r)
                 for i, r in enumerate(d["compressor"]["per_bucket"]))]
@@ -51,11 +53,14 @@ def _for_the_ranks(spec):
     for where, section in sections:
         try:
             name = compressors.importable(section.get("name"), f"{where}.name")
+            if name != section.get("name"):  # the path must import the class the spec was checked with
+                compressors.resolve(name, f"{where}.name")
         except ValueError as e:
             raise SpecError(*str(e).split(": ", 1)) from None
         changed |= name != section.get("name")
         section["name"] = name
-    return JobSpec.from_dict(d) if changed else spec
+    # the same classes under names another process can import: checked already, so not checked again
+    return with_checked(JobSpec.from_checked(d), engine=spec.engine) if changed else spec
 
 
 def run(spec: Union[str, dict, "JobSpec"], wait: bool = True, runs=None, progress: bool = False,  # noqa: F821

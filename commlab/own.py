@@ -10,6 +10,10 @@ status.json ``running``) and broadcasts its id; every rank then writes its timel
 there. ``close()`` (or leaving the ``with`` block) marks the run ``done``, or ``failed`` with the
 rank and error when the script raised, or ``diverged``.
 
+Each rank checks the spec itself, before it joins the group: it is where the run is admitted, so the engine's
+switches the spec leaves unset (``engine``: fused kernels, CUDA graphs, the buffer pool, the group's timeout) come
+from the rank's own environment, and the spec's values are put into that environment until the loop ends.
+
 Layering: this package sits above commlab/lab/ (run store) and commlab/engine/ (the step); neither imports it.
 """
 from __future__ import annotations
@@ -66,9 +70,18 @@ class OwnLoop:
                  runs=None, run_id=None, group=None):
         self.model = model
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        hook = sys.excepthook
-        self.own_group = _join(self.device)
+        self.own_group = False
         """True when wrap initialised the process group (then close() destroys it)."""
+        # the full check, here in the rank: its engine switches left unset come from this rank's environment
+        self.spec = _load(spec, _world(group))
+        self._env_before = _apply_engine(self.spec)
+        """The engine's variables as they were before wrap set them from the spec (put back when the loop ends)."""
+        hook = sys.excepthook
+        try:
+            self.own_group = _join(self.device, self.spec.engine.timeout_s)
+        except BaseException:
+            _restore_env(self._env_before)
+            raise
         self._excepthook = hook
         """sys.excepthook before the join: torch wraps it at each init (a "[rank0]:" prefix) and leaves
         it at destroy, so a second wrap would prefix every line twice."""
@@ -77,7 +90,6 @@ class OwnLoop:
         self.run = None
         """rank 0: the lab's Run, whose status this rank owns; None on the others."""
         try:
-            self.spec = _load(spec, self.world)
             make_opt = _optimizer_factory(optimizer, model, self.spec)
             self.run_dir, self.run_id = self._open_run(runs, run_id, model, optimizer)
         except BaseException:
@@ -224,10 +236,13 @@ class OwnLoop:
             signal.signal(signal.SIGTERM, self._sigterm)
 
     def _leave(self) -> None:
-        """Destroy the process group wrap joined (none when the script had joined it)."""
+        """Destroy the process group wrap joined (none when the script had joined it), and put back the engine's
+        variables as they were before wrap."""
         if self.own_group and dist.is_initialized():
             dist.destroy_process_group()
             sys.excepthook = self._excepthook
+        _restore_env(self._env_before)
+        self._env_before = {}
 
     def __enter__(self) -> "OwnLoop":
         return self
@@ -252,7 +267,37 @@ _joins = 0
 """How many groups wrap has joined from the environment in this process (the next prefix)."""
 
 
-def _join(device: torch.device) -> bool:
+def _world(group) -> int:
+    """The job's world size before wrap joins it: the group's when the script joined one, else the torch
+    convention's WORLD_SIZE (with RANK and MASTER_ADDR), else 1 (a plain ``python script.py``)."""
+    if dist.is_initialized():
+        return dist.get_world_size(group)
+    if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
+        try:
+            return int(os.environ.get("WORLD_SIZE", "1"))
+        except ValueError:
+            raise ValueError(f"WORLD_SIZE: must be an integer, got {os.environ['WORLD_SIZE']!r}") from None
+    return 1
+
+
+def _apply_engine(spec: JobSpec) -> dict:
+    """Put the spec's engine switches into this process's environment, where the engine's code reads them;
+    returns what those variables held before (None: unset)."""
+    new = spec.engine.environment()
+    before = {k: os.environ.get(k) for k in new}
+    os.environ.update(new)
+    return before
+
+
+def _restore_env(before: dict) -> None:
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _join(device: torch.device, timeout_s: float) -> bool:
     """Join the process group from the environment unless the script did; True if we did.
 
     Every wrap that joins also leaves (``close`` destroys the group), so a script may wrap several
@@ -264,7 +309,7 @@ def _join(device: torch.device) -> bool:
     if dist.is_initialized():
         return False
     backend = "nccl" if device.type == "cuda" else "gloo"
-    timeout = timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300")))
+    timeout = timedelta(seconds=float(timeout_s))
     if "MASTER_ADDR" in os.environ and "RANK" in os.environ:
         if _store is None:  # rank 0 hosts it outside torchrun: kept, a later wrap's peers find it up
             _store = next(dist.rendezvous("env://", timeout=timeout))
@@ -305,7 +350,10 @@ def _load(spec: SpecLike, world: int) -> JobSpec:
     if "world_size" in data and data["world_size"] != world and not isinstance(spec, JobSpec):
         raise SpecError("world_size", f"the spec asks for {data['world_size']} ranks but this job has {world}")
     data["world_size"] = world
-    return JobSpec.from_dict(data)
+    out = JobSpec.from_dict(data)
+    if isinstance(spec, JobSpec):
+        out.engine.keep_from_env(spec.engine)  # what its own check took from the environment
+    return out
 
 
 def _optimizer_factory(optimizer: OptimizerLike, model: torch.nn.Module, spec: JobSpec):

@@ -84,12 +84,19 @@ def attribute_docs(cls) -> dict:
 
 
 def shown_type(annotation: str) -> str:
+    """A field's annotation as the reference shows it: ``Literal['a', 'b']`` as ``a | b``, ``Optional[X]`` as X's
+    form ``or unset``, ``Union[bool, Literal['x'], None]`` as ``bool | x or unset``."""
     m = re.fullmatch(r"Literal\[(.*)\]", annotation)
     if m:
         return " | ".join(x.strip().strip("'\"") for x in m.group(1).split(","))
     m = re.fullmatch(r"Optional\[(.*)\]", annotation)
     if m:
-        return f"{m.group(1)} or unset"
+        return f"{shown_type(m.group(1))} or unset"
+    m = re.fullmatch(r"Union\[(.*)\]", annotation)
+    if m:
+        parts = [p.strip() for p in re.split(r",\s*(?![^\[]*\])", m.group(1))]
+        shown = " | ".join(shown_type(p) for p in parts if p != "None")
+        return f"{shown} or unset" if "None" in parts else shown
     return annotation
 
 

@@ -22,10 +22,11 @@ STEPS = 20
 MID = 10
 
 
-def _spec(mode, opt, **comm):
+def _spec(mode, opt, cap_mb=None, **comm):
     o = {"name": "sgd", "lr": 0.05, "momentum": 0.9} if opt == "sgd" else {"name": opt, "lr": 1e-3}
     return JobSpec.from_dict({"model": "cnn", "dataset": "digits", "batch_size": 16, "steps": STEPS,
-                              "optimizer": o, "comm": {"mode": mode, **comm}, "timeline": False})
+                              "optimizer": o, "comm": {"mode": mode, **comm}, "timeline": False,
+                              **({"schedule": {"cap_mb": cap_mb}} if cap_mb is not None else {})})
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -62,10 +63,14 @@ def _pair(rank, world, opt, variants):
 
 
 def _with(opt, v):
+    """A dear spec with ``v``'s buffer options: cap_mb (the schedule's byte cap, which dear's buffers take), or
+    the comm's layers or tune; and its compressor and per_bucket rules."""
     v = dict(v)
     comp = v.pop("compressor", "none")
     rules = v.pop("per_bucket", [])
     d = _spec("dear", opt).to_dict()
+    if "cap_mb" in v:
+        d["schedule"]["cap_mb"] = v.pop("cap_mb")
     d["comm"] = {"mode": "dear", **v}
     d["compressor"] = {"name": comp, "per_bucket": rules}
     return JobSpec.from_dict(d)
@@ -276,11 +281,12 @@ def test_cap_search_as_good_as_grid_in_fewer_trials():
     ({"compressor": {"name": "topk", "ratio": 0.01}}, "compressor.name"),
     ({"compressor": {"name": "powersgd"}}, "compressor.name"),
     ({"schedule": {"name": "layerwise"}}, "schedule"),
-    ({"comm": {"mode": "dear", "cap_mb": 0}}, "comm.cap_mb"),
+    ({"schedule": {"cap_mb": 0}}, "schedule.cap_mb"),
     ({"comm": {"mode": "dear", "layers": 0}}, "comm.layers"),
-    ({"comm": {"mode": "dear", "layers": 2, "cap_mb": 4}}, "comm.layers"),
+    ({"schedule": {"cap_mb": 4}, "comm": {"mode": "dear", "layers": 2}}, "comm.layers"),
+    ({"schedule": {"cap_mb": 4}, "comm": {"mode": "dear", "tune": True}}, "comm.tune"),
+    ({"comm": {"mode": "dear", "layers": 2, "tune": True}}, "comm.layers"),
     ({"comm": {"mode": "dear", "tune_steps": 3}}, "comm.tune_steps"),
-    ({"comm": {"mode": "wfbp", "cap_mb": 4}}, "comm.cap_mb"),
     ({"comm": {"mode": "sync", "tune": True}}, "comm.tune"),
 ])
 def test_spec_rejects(patch, field):

@@ -81,7 +81,7 @@ def test_one_rank_nccl_with_cuda_event_timeline(tmp_path):
 @pytest.mark.parametrize("sets", [
     ("comm.mode=sync",),
     ("comm.mode=wfbp",),
-    ("comm.mode=dear", "comm.cap_mb=1"),
+    ("comm.mode=dear", "schedule.cap_mb=1"),
     ("compressor.name=topk", "compressor.ratio=0.05", "compressor.error_feedback=true"),
     ("compressor.name=powersgd", "compressor.rank=2"),
 ], ids=["sync", "wfbp", "dear", "topk-ef", "powersgd"])

@@ -110,12 +110,12 @@ def test_a_detached_supervisor_puts_a_broken_lab_json_in_the_status(tmp_path, ca
 
 def test_dear_defaults_are_in_the_spec():
     assert DEAR_CAP_MB == 25.0 and DEAR_TUNE_STEPS == 5
-    comm = JobSpec.from_dict({"comm": {"mode": "dear"}}).to_dict()["comm"]
-    assert comm["cap_mb"] == 25.0 and comm["tune_steps"] is None
+    d = JobSpec.from_dict({"comm": {"mode": "dear"}}).to_dict()
+    assert d["schedule"]["cap_mb"] == 25.0 and d["comm"]["tune_steps"] is None and "cap_mb" not in d["comm"]
     comm = JobSpec.from_dict({"comm": {"mode": "dear", "tune": True}}).to_dict()["comm"]
-    assert comm["cap_mb"] is None and comm["tune_steps"] == 5
+    assert comm["tune_steps"] == 5
     comm = JobSpec.from_dict({"comm": {"mode": "dear", "layers": 2}}).to_dict()["comm"]
-    assert comm["cap_mb"] is None and comm["layers"] == 2
+    assert comm["layers"] == 2
     for c in ({"mode": "dear"}, {"mode": "dear", "tune": True}, {"mode": "dear", "layers": 2}, {"mode": "wfbp"}):
         s = JobSpec.from_dict({"comm": c})
         assert JobSpec.from_dict(s.to_dict()) == s  # what spec.json holds loads back to the same spec
@@ -125,13 +125,13 @@ def test_check_prints_the_defaults_a_run_uses(tmp_path, capsys):
     spec = tmp_path / "d.yaml"
     spec.write_text("comm: {mode: dear}\n")
     assert cli(["run", str(spec), "--check"]) == 0
-    assert json.loads(capsys.readouterr().out)["comm"]["cap_mb"] == 25.0
+    assert json.loads(capsys.readouterr().out)["schedule"]["cap_mb"] == 25.0
 
 
 def test_a_run_records_what_it_resolved(tmp_path):
     run = commlab.run(dict(SMALL, comm={"mode": "dear"}, threads=0), runs=tmp_path)
     assert run.state == "done", run.status()
-    assert run.spec_dict()["comm"]["cap_mb"] == 25.0
+    assert run.spec_dict()["schedule"]["cap_mb"] == 25.0
     res = json.loads(run.file(runfiles.RESOLVED).read_text())
     # device auto: the GPU where there is one, and gloo over CUDA tensors while two ranks share one GPU
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -37,7 +37,7 @@ SPECS = {
                      "schedule": "layerwise"},
     "mergecomp": {"compressor": {"name": "topk", "ratio": 0.05}, "comm": "wfbp",
                   "schedule": {"name": "mergecomp", "warmup_steps": 1, "steps_per_candidate": 2, "max_candidates": 3}},
-    "dear-fp16": {"compressor": "fp16", "comm": {"mode": "dear", "cap_mb": 0.01}},
+    "dear-fp16": {"compressor": "fp16", "comm": "dear", "schedule": {"cap_mb": 0.01}},
 }
 
 

@@ -395,8 +395,8 @@ def test_predict_calibrates_from_a_real_run_then_reuses_the_profile(tmp_path, ca
 def test_dear_specs_load_with_their_own_buffer_options():
     from commlab.engine.spec import SpecError
     from commlab.lab.strategy.perfmodel import whatif
-    spec = whatif.load_for_prediction(data={"model": "cnn", "comm": {"mode": "dear", "cap_mb": 2}})
-    assert spec["comm"]["mode"] == "dear" and spec["comm"]["cap_mb"] == 2
+    spec = whatif.load_for_prediction(data={"model": "cnn", "comm": "dear", "schedule": {"cap_mb": 2}})
+    assert spec["comm"]["mode"] == "dear" and spec["schedule"]["cap_mb"] == 2
     with pytest.raises(SpecError, match="compressor"):
         whatif.load_for_prediction(data={"model": "cnn", "comm": "dear", "compressor": "topk"})
 

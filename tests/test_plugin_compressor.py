@@ -394,7 +394,7 @@ def commlab_cli(*args, runs, timeout=300):
 
 SMALL = {"model": "mlp", "dataset": "digits", "world_size": 2, "steps": 8, "batch_size": 32, "eval_every": 0,
          "threads": 1, "compressor": {"name": CLASS, "seed": 5}}
-MODES = {"sync": {"comm": "sync"}, "wfbp": {"comm": "wfbp"}, "dear": {"comm": {"mode": "dear", "cap_mb": 0.05}},
+MODES = {"sync": {"comm": "sync"}, "wfbp": {"comm": "wfbp"}, "dear": {"comm": "dear", "schedule": {"cap_mb": 0.05}},
          "mergecomp": {"comm": "wfbp", "schedule": {"name": "mergecomp", "warmup_steps": 1, "steps_per_candidate": 2,
                                                     "max_candidates": 3}}}
 

@@ -112,9 +112,10 @@ def run_form() -> None:
         if mode == "dear":
             how = st.radio("DeAR buffers", ("byte cap", "nearby layers", "online cap search"), horizontal=True,
                            key=k + "dear.how")
-            if how == "byte cap":
-                d["comm"]["cap_mb"] = st.number_input("Buffer cap (MB)", 0.001, 4096.0, 25.0, format="%g",
-                                                      key=k + "dear.cap_mb")
+            if how == "byte cap":  # dear's buffers are capped by the schedule's byte cap
+                d["schedule"] = {"name": "bucket",
+                                 "cap_mb": st.number_input("Buffer cap (MB)", 0.001, 4096.0, 25.0, format="%g",
+                                                           key=k + "dear.cap_mb")}
             elif how == "nearby layers":
                 d["comm"]["layers"] = st.number_input("Layers per buffer", 1, 10_000, 3, key=k + "dear.layers")
             else:

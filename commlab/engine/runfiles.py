@@ -88,8 +88,12 @@ def find(filename: str) -> Optional[RunFile]:
 
 SPEC = _file(
     "spec.json", "json",
-    "the spec, validated and fully defaulted: every value the spec decides (dear's `comm.cap_mb` 25 or "
-    "`comm.tune_steps` 5 included); a trial's own in `trial-<i>/`",
+    "the spec, validated once where the run was admitted and fully defaulted: every value the spec decides "
+    "(`schedule.cap_mb` 25 or dear's `comm.tune_steps` 5 included), and the engine's switches (`engine`) as the "
+    "admission resolved them from the spec, else its environment, else their defaults; the queue and the ranks read "
+    "it as it is, and `commlab run runs/<id>/spec.json` runs the same job again with the same switches in any "
+    "environment (an older run's `comm.cap_mb` for dear's cap loads as `schedule.cap_mb`); a trial's own in "
+    "`trial-<i>/`",
     "the lab at admission (commlab.lab.rundir.store.RunStore.create); strategy auto's choice over it: the "
     "advisor in the supervisor (commlab.lab.strategy.auto.resolve_auto), or rank 0 after the trials in the run "
     "(commlab.engine.trials.run)",
@@ -133,14 +137,20 @@ PID = _file(
     "commlab.lab.rundir.store.Run.worker_pids")
 PIDS = FILES[PID].glob
 RESOLVED = _file(
-    "resolved.json", "json", "what the machine made of `backend: auto`, `device: auto` and `threads: 0`: "
-    "`backend`, `device`, `threads` per rank, `world_size`, `local_world_size`, the `torch` version (and on a "
-    "GPU `gpu_codecs`)", "rank 0 (commlab.engine.worker.run)", "once the process group is up",
-    "commlab.lab.strategy.perfmodel.whatif.machine_info")
+    "resolved.json", "json", "`engine_from_env`: the engine switches (spec.json's `engine`) the admitting process "
+    "took from its environment, as `{field: \"VARIABLE=value\"}`; then what the machine made of `backend: auto`, "
+    "`device: auto` and `threads: 0`: `backend`, `device`, `threads` per rank, `world_size`, `local_world_size`, the "
+    "`torch` version (and on a GPU `gpu_codecs`)",
+    "commlab.lab.rundir.store.RunStore.create (engine_from_env); rank 0 (commlab.engine.worker.run), keeping that key",
+    "when the run is admitted; once the process group is up", "commlab.lab.strategy.perfmodel.whatif.machine_info")
 METRICS = _file(
     "metrics.jsonl", "jsonl", "per step and rank: `loss` (null when an own loop's `comm.step()` got none), "
     "`time_ms`, `forward_ms`, `backward_ms`, `finish_ms`, `optimizer_ms`, `bytes_sent`, `bytes_raw`; eval lines "
-    "with `eval_acc`; `tune` lines from the tuners; `\"trial\": i` on strategy auto's trial steps",
+    "with `eval_acc`; `tune` lines from the tuners; `\"trial\": i` on strategy auto's trial steps; at the end of a "
+    "run that trained to its last step, one `final` line from rank 0 with `params_sha256`, the sha256 of the model's "
+    "state_dict (parameters and buffers, bit for bit; `run.metrics(\"final\")`): a rerun of the run's spec.json on "
+    "the same machine and software ends with the same digest where its kernels are deterministic (on the CPU they "
+    "are; tests/test_spec_engine.py reruns one)",
     "every rank (commlab.engine.stepper.Stepper.log; an own loop's commlab.own.OwnLoop)", "after every step",
     ("commlab.lab.rundir.store.Run.metric_rows", "commlab.engine.runlog.JsonlTail"))
 TIMELINE = _file(

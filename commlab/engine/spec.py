@@ -1,22 +1,32 @@
 """The job spec: a tree of dataclasses with defaults, checked before anything starts.
 
-A spec comes from YAML or JSON (``lab`` reads the file) as a plain dict.
+A spec comes from YAML or JSON (commlab/lab/base/specs.py reads the file) as a plain dict.
 ``JobSpec.from_dict`` rejects unknown keys, wrong types, out-of-range values and
 impossible combinations with a ``SpecError`` whose one-line message names the
 field and what is allowed. ``to_dict`` gives the fully defaulted form that is
 written to ``spec.json``; ``from_dict(to_dict(s)) == s``.
+
+The full check runs once, where a run is admitted (``commlab run``, ``commlab.run`` and ``commlab.spec``, the UI's
+form, ``commlab.wrap``): it is the one that reads the environment for the engine's switches left unset, and it
+builds what the spec names to check it (compressor and method instances, the registries). Whatever reads the
+checked document afterwards (the queue, the launcher, each rank) builds it with ``JobSpec.from_checked``, which
+checks nothing again.
 
 Fields that name code by import path (commlab.engine.codepath.code_fields) are imported while checking, except
 in a process that serves viewers (commlab.engine.codepath.forbid_imports_when), where their syntax is checked.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
+import os
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union
 
 from commlab.engine.codepath import check_path, imports_allowed, is_import_path
+from commlab.engine.schedules import SCHEDULES
 
 
 class SpecError(ValueError):
@@ -27,18 +37,17 @@ class SpecError(ValueError):
         super().__init__(f"{path}: {msg}" if path else msg)
 
 
-# What the engine can do today. The names the contract fixes that are not here
-# yet are rejected with a message saying so, instead of silently falling back.
-SCHEDULES_AVAILABLE = ("layerwise", "allinone", "bucket", "mergecomp", "layerfusion")
-SCHEDULES_PLANNED = ()
+# The names a spec may use, each list in one place: the schedules are the engine's own table of them (its
+# builders are pure functions, no torch); commlab/engine/comm/modes.py builds its communicators by COMM_AVAILABLE.
+SCHEDULES_AVAILABLE = tuple(SCHEDULES)
 COMM_AVAILABLE = ("sync", "wfbp", "dear")
-COMM_PLANNED = ()
-DEAR_CAP_MB = 25.0
-"""dear's buffer cap when the spec gives neither comm.cap_mb, comm.layers nor comm.tune."""
+LINKS_AVAILABLE = ("loopback", "shaped", "modeled")
+CAP_MB = 25.0
+"""schedule.cap_mb's default: the byte cap of a bucket (and of dear's buffers), as DDP's bucket_cap_mb."""
+DEAR_CAP_MB = CAP_MB
+"""dear's buffer cap when the spec gives none (schedule.cap_mb's default) and neither comm.layers nor comm.tune."""
 DEAR_TUNE_STEPS = 5
 """dear with comm.tune: measured iterations per trial cap when comm.tune_steps is not given."""
-LINKS_AVAILABLE = ("loopback", "shaped", "modeled")
-LINKS_PLANNED = ()
 
 
 @dataclass
@@ -237,6 +246,14 @@ def _bucket_rule(rule: Any, i: int, earlier: list) -> dict:
     return {"below_mb": float(below), "name": name, "error_feedback": ef, "params": params}
 
 
+def _check_cap(where: str, v: Any) -> None:
+    """A byte cap in MB (schedule.cap_mb, or its old name comm.cap_mb): a number in (0, 4096]."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise SpecError(where, f"must be a number, got {v!r}")
+    if not 0 < v <= 4096:
+        raise SpecError(where, f"must be in (0, 4096], got {v}")
+
+
 # schedule option -> (the schedule that takes it, default, lowest, highest)
 _SCHEDULE_OPTIONS = {
     "warmup_steps": ("mergecomp", 2, 0, 1000),
@@ -252,8 +269,10 @@ _SCHEDULE_OPTIONS = {
 class ScheduleSpec:
     name: str = "bucket"
     """How gradients are fused into buckets: layerwise | allinone | bucket | mergecomp | layerfusion."""
-    cap_mb: float = 25.0
-    """bucket only: the byte cap of a bucket in MB (2**20 bytes), as DDP's bucket_cap_mb."""
+    cap_mb: float = CAP_MB
+    """The byte cap in MB (2**20 bytes) of a bucket (schedule bucket, as DDP's bucket_cap_mb) and of a buffer of
+    comm.mode dear (unless comm.layers or comm.tune sizes them). Older specs' comm.cap_mb, dear's cap, is read
+    as this field."""
     warmup_steps: Optional[int] = None
     """mergecomp only (default 2): steps before the first candidate is timed."""
     steps_per_candidate: Optional[int] = None
@@ -268,13 +287,9 @@ class ScheduleSpec:
     """layerfusion only (default 3): steps whose per-layer ready times are profiled."""
 
     def __post_init__(self):
-        allowed = SCHEDULES_AVAILABLE + SCHEDULES_PLANNED
-        if self.name not in allowed:
-            raise SpecError("schedule.name", f"unknown schedule {self.name!r}; allowed: {', '.join(allowed)}")
-        if self.name in SCHEDULES_PLANNED:
-            raise SpecError("schedule.name", f"{self.name!r} is not implemented yet; available: {', '.join(SCHEDULES_AVAILABLE)}")
-        if not 0 < self.cap_mb <= 4096:
-            raise SpecError("schedule.cap_mb", f"must be in (0, 4096], got {self.cap_mb}")
+        if self.name not in SCHEDULES_AVAILABLE:
+            raise SpecError("schedule.name", f"unknown schedule {self.name!r}; allowed: {', '.join(SCHEDULES_AVAILABLE)}")
+        _check_cap("schedule.cap_mb", self.cap_mb)
         for key, (owner, default, lo, hi) in _SCHEDULE_OPTIONS.items():
             v = getattr(self, key)
             if v is None:
@@ -291,38 +306,31 @@ class ScheduleSpec:
 class CommSpec:
     mode: str = "wfbp"
     """sync (all buckets after backward) | wfbp (each bucket as soon as it is ready) | dear
-    (reduce-scatter in backward, all-gather before each buffer's next forward)."""
-    cap_mb: Optional[float] = None
-    """dear only: byte cap of a fused buffer in MB (default 25 when neither layers nor tune is set,
-    written into spec.json)."""
+    (reduce-scatter in backward, all-gather before each buffer's next forward; its buffers are capped by
+    schedule.cap_mb unless layers or tune is given)."""
     layers: Optional[int] = None
-    """dear only: fuse this many nearby layers per buffer instead of a byte cap."""
+    """dear only: fuse this many nearby layers per buffer instead of a byte cap (schedule.cap_mb)."""
     tune: bool = False
-    """dear only: search the buffer cap online by measured iteration time (rank 0 decides)."""
+    """dear only: search the buffer cap online by measured iteration time (rank 0 decides), instead of
+    schedule.cap_mb."""
     tune_steps: Optional[int] = None
     """dear with tune only: iterations measured per trial cap (default 5, written into spec.json; the
     first of each is not counted)."""
 
     def __post_init__(self):
-        allowed = COMM_AVAILABLE + COMM_PLANNED
-        if self.mode not in allowed:
-            raise SpecError("comm.mode", f"unknown mode {self.mode!r}; allowed: {', '.join(allowed)}")
-        if self.mode in COMM_PLANNED:
-            raise SpecError("comm.mode", f"{self.mode!r} is not implemented yet; available: {', '.join(COMM_AVAILABLE)}")
+        if self.mode not in COMM_AVAILABLE:
+            raise SpecError("comm.mode", f"unknown mode {self.mode!r}; allowed: {', '.join(COMM_AVAILABLE)}")
         if self.mode != "dear":
-            for key in ("cap_mb", "layers", "tune_steps"):
+            for key in ("layers", "tune_steps"):
                 if getattr(self, key) is not None:
                     raise SpecError(f"comm.{key}", f"only comm.mode dear takes {key} (other modes fuse by schedule)")
             if self.tune:
                 raise SpecError("comm.tune", "only comm.mode dear takes tune")
             return
-        if self.cap_mb is not None and not 0 < self.cap_mb <= 4096:
-            raise SpecError("comm.cap_mb", f"must be in (0, 4096], got {self.cap_mb}")
         if self.layers is not None and not 1 <= self.layers <= 100_000:
             raise SpecError("comm.layers", f"must be in 1..100000, got {self.layers}")
-        if sum((self.cap_mb is not None, self.layers is not None, self.tune)) > 1:
-            raise SpecError("comm.layers" if self.layers is not None else "comm.tune",
-                            "give one of cap_mb, layers or tune")
+        if self.layers is not None and self.tune:
+            raise SpecError("comm.layers", "give one of schedule.cap_mb, comm.layers or comm.tune")
         if self.tune_steps is not None:
             if not self.tune:
                 raise SpecError("comm.tune_steps", "needs comm.tune: true")
@@ -331,8 +339,6 @@ class CommSpec:
         # the spec written to spec.json is fully defaulted: it says what the run used
         if self.tune and self.tune_steps is None:
             self.tune_steps = DEAR_TUNE_STEPS
-        if not self.tune and self.layers is None and self.cap_mb is None:
-            self.cap_mb = DEAR_CAP_MB
 
 
 MAX_GBPS = 400.0
@@ -348,11 +354,8 @@ class NetworkSpec:
     latency_us: Optional[float] = None
 
     def __post_init__(self):
-        allowed = LINKS_AVAILABLE + LINKS_PLANNED
-        if self.link not in allowed:
-            raise SpecError("network.link", f"unknown link {self.link!r}; allowed: {', '.join(allowed)}")
-        if self.link in LINKS_PLANNED:
-            raise SpecError("network.link", f"{self.link!r} is not implemented yet; available: {', '.join(LINKS_AVAILABLE)}")
+        if self.link not in LINKS_AVAILABLE:
+            raise SpecError("network.link", f"unknown link {self.link!r}; allowed: {', '.join(LINKS_AVAILABLE)}")
         if self.link == "loopback" and (self.gbps is not None or self.latency_us is not None):
             raise SpecError("network.gbps", "a loopback link takes no gbps or latency_us")
         if self.link in ("shaped", "modeled"):
@@ -463,6 +466,111 @@ class MethodSpec:
         return None if self.name == methods.NONE else methods.make(self.name, **self.params)
 
 
+ENGINE_ENV = {"fused": "COMMLAB_FUSED", "fused_launch": "COMMLAB_FUSED_LAUNCH", "graphs": "COMMLAB_GRAPHS",
+              "buffer_pool": "COMMLAB_BUFFER_POOL", "timeout_s": "COMMLAB_TIMEOUT_S"}
+"""engine field -> the environment variable that gives its value where a spec leaves it unset. The engine's code
+reads these variables; a rank sets them from its spec before anything reads them (EngineSpec.environment)."""
+ENGINE_DEFAULTS = {"fused": True, "fused_launch": "direct", "graphs": False, "buffer_pool": True, "timeout_s": 300.0}
+"""engine field -> its value where neither the spec nor the environment gives one."""
+_ENGINE_TEXT = {"fused": {"1": True, "0": False, "interpret": "interpret"},
+                "fused_launch": {"direct": "direct", "triton": "triton"},
+                "graphs": {"1": True, "0": False}, "buffer_pool": {"1": True, "0": False}}
+"""engine field -> {the environment variable's text: the spec's value} (timeout_s: a number of seconds)."""
+MAX_TIMEOUT_S = 604800.0
+"""The largest timeout_s of the engine section: a week."""
+
+
+@dataclass
+class EngineSpec:
+    """The engine's switches: how a rank computes (which kernels, which buffers, how long it waits), not what it
+    trains. A switch the spec leaves unset takes the value of its environment variable (``COMMLAB_FUSED``,
+    ``COMMLAB_FUSED_LAUNCH``, ``COMMLAB_GRAPHS``, ``COMMLAB_BUFFER_POOL``, ``COMMLAB_TIMEOUT_S``) in the process
+    that admits the run (``commlab run``, the UI's server, ``commlab.run``; each rank's own for ``commlab.wrap``),
+    else its default. spec.json holds the values so resolved, and a rerun of it runs alike in any environment;
+    resolved.json's ``engine_from_env`` names those that came from the environment. The ranks put the spec's
+    values into their own environment before anything reads them."""
+    fused: Union[bool, Literal["interpret"], None] = None
+    """The fused GPU kernels of the elementwise codecs (commlab/engine/compressors/fused.py): true (where the GPU
+    and Triton allow), false (the eager torch codecs), or interpret (also on the CPU under Triton's interpreter,
+    TRITON_INTERPRET=1). Unset: COMMLAB_FUSED (1, 0 or interpret), else true."""
+    fused_launch: Optional[Literal["direct", "triton"]] = None
+    """How the fused kernels are launched: direct (their compiled kernel called directly, cheaper on the host)
+    or triton (Triton's own launch). Unset: COMMLAB_FUSED_LAUNCH, else direct."""
+    graphs: Optional[bool] = None
+    """Replay the codecs' compress and fused decoding from CUDA graphs on a GPU
+    (commlab/engine/compressors/graphs.py). Unset: COMMLAB_GRAPHS (1 or 0), else false."""
+    buffer_pool: Optional[bool] = None
+    """Reuse the large CPU buffers of the collectives (commlab/engine/comm/buffers.py). Unset:
+    COMMLAB_BUFFER_POOL (1 or 0), else true."""
+    timeout_s: Optional[float] = None
+    """Seconds a collective waits for the other ranks before the process group gives up, at most 604800.
+    Unset: COMMLAB_TIMEOUT_S, else 300."""
+
+    def __post_init__(self):
+        self._from_env = {}
+        for key, var in ENGINE_ENV.items():
+            v = getattr(self, key)
+            if v is None:
+                text = os.environ.get(var, "").strip()
+                if not text:
+                    setattr(self, key, ENGINE_DEFAULTS[key])
+                    continue
+                v = _engine_value(key, var, text)
+                self._from_env[key] = f"{var}={text}"
+                setattr(self, key, v)
+            if key == "timeout_s" and not 0 < v <= MAX_TIMEOUT_S:
+                raise SpecError("engine.timeout_s", f"must be in (0, {MAX_TIMEOUT_S:g}], got {v:g}"
+                                + (f" (from {self._from_env[key]} in the environment)" if key in self._from_env
+                                   else ""))
+
+    @property
+    def from_env(self) -> dict:
+        """{field: "VARIABLE=text"} of the switches the admitting process's environment set (its check); {} for a
+        section read from a checked document (JobSpec.from_checked)."""
+        return dict(self.__dict__.get("_from_env") or {})
+
+    def keep_from_env(self, earlier: "EngineSpec") -> None:
+        """Checked again from ``earlier``'s values (a JobSpec given to commlab.run or commlab.wrap): the switches
+        ``earlier``'s check took from the environment, where they still hold its value, came from there."""
+        mine = self.__dict__.setdefault("_from_env", {})
+        for key, origin in earlier.from_env.items():
+            if getattr(self, key) == getattr(earlier, key):
+                mine.setdefault(key, origin)
+
+    def environment(self) -> dict:
+        """{variable: text} of the switches this section sets, as the engine's code reads them; a switch left
+        unset (a spec.json written before this section existed) is left out, and the rank keeps its own."""
+        out = {}
+        for key, var in ENGINE_ENV.items():
+            v = getattr(self, key)
+            if v is None:
+                continue
+            if key == "timeout_s":
+                out[var] = repr(float(v))
+                continue
+            text = next((t for t, x in _ENGINE_TEXT[key].items() if x == v and type(x) is type(v)), None)
+            if text is None:  # a document edited by hand after its check
+                raise SpecError(f"engine.{key}", f"{v!r} is not a value of this switch")
+            out[var] = text
+        return out
+
+
+def _engine_value(key: str, var: str, text: str):
+    """The spec's value of engine.``key`` for its environment variable's ``text``; a one-line SpecError naming the
+    field, the variable and what it may say otherwise."""
+    if key == "timeout_s":
+        try:
+            return float(text)
+        except ValueError:
+            raise SpecError("engine.timeout_s", f"{var}={text!r} in the environment: must be a number of "
+                                                f"seconds") from None
+    words = _ENGINE_TEXT[key]
+    if text not in words:
+        raise SpecError(f"engine.{key}", f"{var}={text!r} in the environment: must be "
+                                         f"{' or '.join(words)} (or unset)")
+    return words[text]
+
+
 @dataclass
 class FaultSpec:
     """Fault injection, for testing how the lab handles failing runs."""
@@ -520,6 +628,9 @@ class JobSpec:
     """fixed (as written) or auto (the lab's advisor chooses compressor, schedule and comm)."""
     method: MethodSpec = field(default_factory=MethodSpec)
     """none (every step's gradients) or a method that communicates less often (commlab/engine/methods/)."""
+    engine: EngineSpec = field(default_factory=EngineSpec)
+    """The engine's switches (fused kernels, CUDA graphs, the buffer pool, the process group's timeout); unset
+    ones come from the environment at admission, and spec.json holds them resolved."""
 
     def __post_init__(self):
         if len(self.name) > MAX_NAME:
@@ -560,9 +671,12 @@ class JobSpec:
                                            f"compressor that is summable and keeps the gradient's shape, or a "
                                            f"shard codec; {part['name']} {problem}; allowed: "
                                            f"{', '.join(compressors.shardable())}")
-            if self.schedule != ScheduleSpec():
-                raise SpecError("schedule", "comm.mode dear fuses by comm.cap_mb, comm.layers or comm.tune; "
-                                            "leave schedule at its default (bucket, cap_mb 25)")
+            if self.schedule.name != "bucket":
+                raise SpecError("schedule", f"comm.mode dear fuses its own buffers, by schedule.cap_mb, comm.layers "
+                                            f"or comm.tune; leave schedule.name at bucket, got {self.schedule.name}")
+            if (self.comm.layers is not None or self.comm.tune) and self.schedule.cap_mb != CAP_MB:
+                raise SpecError("comm.layers" if self.comm.layers is not None else "comm.tune",
+                                "give one of schedule.cap_mb, comm.layers or comm.tune")
         from commlab.engine import models  # local import: models pulls in torch
         if not models.compatible(self.model.name, self.dataset.kind):
             want = ("token data (the text data set, or synthetic with vocab)" if models.kind(self.model.name) == "text"
@@ -616,12 +730,72 @@ class JobSpec:
     # -- conversion -------------------------------------------------------
     @classmethod
     def from_dict(cls, data: Any) -> "JobSpec":
+        """The full check: a spec as a user wrote it (short forms, older field names) checked and fully defaulted,
+        its unset engine switches taken from this process's environment. Admission runs it once
+        (commlab/lab/base/specs.py load_spec, commlab.spec, commlab.wrap); what it wrote is read back with
+        ``from_checked``."""
         check_size(data)
         data = _shorthand(data)
         return _build(cls, data, "")
 
+    @classmethod
+    def from_checked(cls, data: Any) -> "JobSpec":
+        """The spec a checked document holds (spec.json: ``to_dict`` of a spec ``from_dict`` made), built as it is,
+        without checking it again: no registry, no import of the code it names, no torch, no environment. A field
+        older versions named otherwise is read under its name now (``upgrade``); a field the document lacks (an
+        older spec.json) takes its default, and an engine switch it lacks stays unset (the rank keeps its
+        environment's). The queue, the launcher and the ranks read spec.json with this."""
+        return _trusted(cls, upgrade(data), "")
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def with_checked(spec: JobSpec, **sections) -> JobSpec:
+    """A copy of ``spec`` with some of its fields replaced by those of other checked specs (a trial's strategy),
+    not checked again (``dataclasses.replace`` would run JobSpec's checks)."""
+    out = copy.copy(spec)
+    for key, value in sections.items():
+        if key not in {f.name for f in dataclasses.fields(JobSpec)}:
+            raise TypeError(f"with_checked: JobSpec has no field {key!r}")
+        object.__setattr__(out, key, value)
+    return out
+
+
+def upgrade(data: Any) -> Any:
+    """``data`` (a spec as written, or an older run's spec.json) with the fields older versions named otherwise
+    under their names now: ``comm.cap_mb``, dear's buffer cap, is ``schedule.cap_mb`` (the one byte cap of buckets
+    and of dear's buffers). Older checks made a dear spec's schedule.cap_mb the default (25) and kept dear's cap in
+    comm.cap_mb, so that pair reads as the comm's value; two different caps given are a one-line SpecError naming
+    both fields. Returns ``data`` itself when nothing is to change, else a changed copy."""
+    comm = data.get("comm") if isinstance(data, dict) else None
+    if not isinstance(comm, dict) or "cap_mb" not in comm:
+        return data
+    data, comm = dict(data), dict(comm)
+    old = comm.pop("cap_mb")
+    data["comm"] = comm
+    if old is None:  # an older spec.json of a mode other than dear, or of dear by layers or tune
+        return data
+    if comm.get("mode", CommSpec.mode) != "dear":
+        raise SpecError("comm.cap_mb", f"only comm.mode dear took comm.cap_mb; the byte cap of buckets is "
+                                       f"schedule.cap_mb (write schedule: {{cap_mb: {_shown(old)}}})")
+    _check_cap("comm.cap_mb", old)
+    sched = data.get("schedule")
+    sched = {"name": sched} if isinstance(sched, str) else dict(sched or {}) if isinstance(sched, (dict, type(None))) \
+        else sched
+    if not isinstance(sched, dict):
+        return data  # the schedule's own check says what is wrong with it
+    now = sched.get("cap_mb")
+    if now is not None and now != old and now != CAP_MB:
+        raise SpecError("comm.cap_mb", f"is schedule.cap_mb's old name, and the two differ ({_shown(old)} and "
+                                       f"{_shown(now)}); give schedule.cap_mb only")
+    sched["cap_mb"] = old
+    data["schedule"] = sched
+    return data
+
+
+def _shown(v: Any) -> str:
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
 MAX_NAME = 200
@@ -666,6 +840,7 @@ def _shorthand(data: Any) -> Any:
             data[key] = {"name": data[key]}
     if isinstance(data.get("comm"), str):
         data["comm"] = {"mode": data["comm"]}
+    data = upgrade(data)
     if isinstance(data.get("network"), str):
         data["network"] = {"link": data["network"]}
     if isinstance(data.get("strategy"), str):
@@ -735,15 +910,51 @@ def _build(cls, data: Any, path: str, prefix: str = ""):
     return cls(**kwargs)
 
 
+def _trusted(cls, data: Any, path: str):
+    """``cls`` from a checked document's ``data``, its fields set as they are (JobSpec.from_checked)."""
+    if not isinstance(data, dict):
+        raise SpecError(path or "spec", f"must be a mapping, got {data!r}")
+    fields = dataclasses.fields(cls)
+    unknown = sorted(set(data) - {f.name for f in fields})
+    if unknown:
+        raise SpecError(f"{path}.{unknown[0]}" if path else unknown[0],
+                        "unknown field; this is not a spec.json that commlab's check wrote")
+    hints = _hints(cls)
+    obj = object.__new__(cls)
+    for f in fields:
+        sub = f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(hints[f.name]):
+            value = _trusted(hints[f.name], data.get(f.name, {}), sub)
+        elif f.name in data:
+            value = copy.deepcopy(data[f.name])
+        else:
+            value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        object.__setattr__(obj, f.name, value)
+    return obj
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
 def _convert(tp, value, path):
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, path)
-    if origin is typing.Union:  # Optional[X]
+    if origin is typing.Union:  # Optional[X], or one of several (the engine's fused: a bool or interpret)
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
             return None
-        return _convert(args[0], value, path)
+        if len(args) == 1:
+            return _convert(args[0], value, path)
+        for a in args:
+            try:
+                return _convert(a, value, path)
+            except SpecError:
+                continue
+        shown = [w for a in args for w in (("true", "false") if a is bool else map(str, typing.get_args(a)))]
+        raise SpecError(path, f"must be {', '.join(shown[:-1])} or {shown[-1]}, got {value!r}")
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:

@@ -36,7 +36,7 @@ from commlab.engine.compressors.plan import Plan
 from commlab.engine.methods.base import Context, Method
 from commlab.engine.probe import LayerProbe
 from commlab.engine.runlog import JsonlWriter
-from commlab.engine.spec import DEAR_CAP_MB, JobSpec
+from commlab.engine.spec import JobSpec
 from commlab.engine.timeline import Clock, CudaClock, Timeline
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -138,12 +138,12 @@ class Stepper:
         self._build(layout, broadcast=False)
 
     def _dear_layout(self):
-        """dear's buffers: by comm.layers or by comm.cap_mb (the spec holds its default; with comm.tune
-        the cap search relayouts to its first trial cap before the first step)."""
+        """dear's buffers: by comm.layers or by schedule.cap_mb (with comm.tune, its default: the cap search
+        relayouts to its first trial cap before the first step)."""
         cm = self.spec.comm
         if cm.layers is not None:
             return functools.partial(schedules.layout_layers, layers=cm.layers)
-        return functools.partial(schedules.layout_cap, cap_mb=cm.cap_mb or DEAR_CAP_MB)
+        return functools.partial(schedules.layout_cap, cap_mb=self.spec.schedule.cap_mb)
 
     def sync_params(self) -> None:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""

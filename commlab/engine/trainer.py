@@ -5,7 +5,7 @@ crash keeps every line logged before it.
 """
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import os
 import time
 from typing import Optional
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.engine import autoprofile, data, models, runfiles, trials
-from commlab.engine.spec import JobSpec
+from commlab.engine.spec import JobSpec, with_checked
 from commlab.engine.stepper import Stepper
 
 
@@ -71,6 +71,17 @@ EVAL_MAX = 4096
 than the training between two evaluations."""
 
 
+def params_digest(model: torch.nn.Module) -> str:
+    """The sha256 of ``model``'s state_dict (its parameters and buffers: each one's name, dtype, shape and bytes,
+    in the state_dict's order), in hex: two models with the same digest hold the same values, bit for bit."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}\n".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 class Trainer:
     def __init__(self, spec: JobSpec, run_dir: Optional[str], rank: int, world: int,
                  device: torch.device, group=None):
@@ -90,9 +101,10 @@ class Trainer:
             if trials.most_steps(self.trials) >= spec.steps:
                 raise ValueError(f"{runfiles.AUTO_TRIALS}: the trials take up to {trials.most_steps(self.trials)} "
                                  f"steps; the run has {spec.steps} (steps must be more)")
-            first = JobSpec.from_dict(self.trials["trials"][0]["spec"])  # built once, under the first trial's strategy
-            spec = dataclasses.replace(spec, compressor=first.compressor, schedule=first.schedule, comm=first.comm,
-                                       strategy=first.strategy)
+            # built once, under the first trial's strategy (checked by the lab that planned the trials)
+            first = JobSpec.from_checked(self.trials["trials"][0]["spec"])
+            spec = with_checked(spec, compressor=first.compressor, schedule=first.schedule, comm=first.comm,
+                                strategy=first.strategy)
         self.spec, self.run_dir, self.rank, self.world, self.device = spec, run_dir, rank, world, device
         self.stepper = Stepper(spec, self.model, run_dir, rank, device, group)
         """The communicator, optimizer, tuners and writers (commlab/engine/stepper.py), shared with own loops."""
@@ -222,6 +234,9 @@ class Trainer:
         self.sync_params()
         if spec.final_eval:
             self.evaluate()
+        if self.rank == 0:  # what the run ends with: a rerun of its spec.json ends with the same digest
+            self.log({"kind": "final", "step": self.step, "rank": 0, "params_sha256": params_digest(self.model),
+                      "t": time.time()})
 
     def close(self) -> None:
         self.stepper.close()

@@ -107,7 +107,7 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     def visit(i: int, trial: dict, warm_k: int, steps: int, may_stop: bool) -> Tuple[List[float], bool, float, int]:
         """Train ``warm_k`` + up to ``steps`` steps of trial ``i``: their times (slower rank), whether it was
         stopped as clearly slower, the switch's seconds and the first step."""
-        t0, spec = time.perf_counter(), JobSpec.from_dict(trial["spec"])
+        t0, spec = time.perf_counter(), JobSpec.from_checked(trial["spec"])  # checked by the lab that planned it
         if spec != trainer.spec or trial.get("layout") is not None:  # the run starts under trial 0
             trainer.switch(spec, trial.get("layout"))
         switch_s = time.perf_counter() - t0
@@ -163,7 +163,7 @@ def run(trainer, plan: dict, after_step=lambda: None) -> dict:
     w, held = choose([r["score_ms"] for r in out], plan)
     final = shorten_start(plan["trials"][w]["final"], trainer.step)
     t0 = time.perf_counter()
-    trainer.switch(JobSpec.from_dict(final))
+    trainer.switch(JobSpec.from_checked(final))
     final_switch_s = time.perf_counter() - t0
     win_ms = out[w]["median_ms"]
     # what the trials cost the run: their steps' time beyond the winner's median per step (its own steps

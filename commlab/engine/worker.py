@@ -2,11 +2,13 @@
 
     torchrun --nproc-per-node 2 -m commlab.engine.worker --run-dir runs/<id>
 
-Reads ``spec.json`` from the run directory, joins the process group, trains,
-and appends metrics and timeline spans to the run directory. A rank that
+Reads ``spec.json`` from the run directory (checked where the run was admitted: read as it is,
+``JobSpec.from_checked``), puts the spec's engine switches into this process's environment, joins the
+process group, trains, and appends metrics and timeline spans to the run directory. A rank that
 fails writes ``error-rank<r>.json`` (the error and its traceback) before it
 exits non-zero, so the launcher can say which rank failed and why. Rank 0
-records what ``auto`` and ``threads: 0`` came to in ``resolved.json``.
+records what ``auto`` and ``threads: 0`` came to in ``resolved.json``, beside what the admission wrote there
+(``engine_from_env``).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from datetime import timedelta
 
 from commlab.engine import runfiles
 from commlab.engine.runlog import write_json_atomic
-from commlab.engine.spec import JobSpec
+from commlab.engine.spec import ENGINE_DEFAULTS, JobSpec
 
 # Before torch is imported: one BLAS/OpenMP pool per rank, not one per core each.
 if "OMP_NUM_THREADS" not in os.environ:
@@ -135,7 +137,8 @@ def run(run_dir: str, rank: int) -> None:
     from commlab.engine.trainer import Trainer, resolve_backend, resolve_device
 
     with open(os.path.join(run_dir, runfiles.SPEC)) as f:
-        spec = JobSpec.from_dict(json.load(f))
+        spec = JobSpec.from_checked(json.load(f))
+    os.environ.update(spec.engine.environment())  # before the engine's code reads them (it reads them when used)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -147,10 +150,10 @@ def run(run_dir: str, rank: int) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = resolve_backend(spec, device)
-    dist.init_process_group(backend, timeout=timedelta(seconds=float(os.environ.get("COMMLAB_TIMEOUT_S", "300"))))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s(spec)))
     if rank == 0:  # what the spec's machine-dependent choices (auto, threads 0) came to on this machine
-        resolved = {"rank": 0, "backend": backend, "device": str(device), "threads": threads, "world_size": world,
-                    "local_world_size": local_world, "torch": torch.__version__}
+        resolved = {**admitted(run_dir), "rank": 0, "backend": backend, "device": str(device), "threads": threads,
+                    "world_size": world, "local_world_size": local_world, "torch": torch.__version__}
         if device.type == "cuda":  # the switches that change a GPU run's codecs (fused kernels, CUDA graphs)
             resolved["gpu_codecs"] = graphs.settings()
         _write_json(run_dir, runfiles.RESOLVED, resolved)
@@ -181,6 +184,28 @@ def run(run_dir: str, rank: int) -> None:
             dist.destroy_process_group()
 
 
+def timeout_s(spec: JobSpec) -> float:
+    """The process group's timeout: timeout_s of the spec's engine section; for a spec.json written before the spec had it,
+    COMMLAB_TIMEOUT_S, else 300 s."""
+    t = spec.engine.timeout_s
+    return float(t if t is not None else os.environ.get("COMMLAB_TIMEOUT_S") or ENGINE_DEFAULTS["timeout_s"])
+
+
+def admitted(run_dir: str) -> dict:
+    """What the admission recorded in resolved.json before any rank started (``engine_from_env``), kept when rank 0
+    writes the file; {} when there is none or it cannot be read."""
+    try:
+        with open(os.path.join(run_dir, runfiles.RESOLVED)) as f:
+            old = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {k: old[k] for k in ADMITTED if isinstance(old, dict) and k in old}
+
+
+ADMITTED = ("engine_from_env",)
+"""resolved.json's keys that the admission writes (commlab/lab/rundir/store.py, RunStore.create)."""
+
+
 def run_trials(run_dir: str, dirs: list, rank: int, world: int, device) -> None:
     """A trial session (the advisor's ``--measure``, trials.json): each trial folder's spec for its ``steps``
     training steps (no evaluation), one after the other in one process group, so the trials pay one start-up
@@ -190,7 +215,7 @@ def run_trials(run_dir: str, dirs: list, rank: int, world: int, device) -> None:
     for d in dirs:
         sub = os.path.join(run_dir, d)
         with open(os.path.join(sub, runfiles.SPEC)) as f:
-            spec = JobSpec.from_dict(json.load(f))
+            spec = JobSpec.from_checked(json.load(f))
         if spec.world_size != world:
             raise RuntimeError(f"{sub}: world_size {spec.world_size}, but the session has {world} ranks")
         trainer = Trainer(spec, sub, rank, world, device)

@@ -9,7 +9,8 @@ already reuses device memory; torch's CPU allocator returns large blocks to the 
 storage: every view a caller made (a payload unpacked from a receive buffer, a decoded gradient that is a view
 of it, the tensors an in-flight collective holds) keeps the storage's use count up, so a block a caller still
 holds is never handed out twice. Without torch's use count (a private API), or with ``COMMLAB_BUFFER_POOL=0`` in
-the environment (to compare), nothing is reused.
+the environment (to compare; a run's ranks set it from the spec's ``engine: {buffer_pool}``), nothing is reused. The
+switch is read each time a buffer is asked for, so a rank that sets it after importing this module is obeyed.
 """
 from __future__ import annotations
 
@@ -31,8 +32,8 @@ PER_KEY = 2
 collective was waited for (a block in use stays with its holder; past this, fresh ones are not kept)."""
 
 _use_count = getattr(torch._C, "_storage_Use_Count", None)
-if os.environ.get("COMMLAB_BUFFER_POOL", "1") == "0":
-    _use_count = None
+ENV = "COMMLAB_BUFFER_POOL"
+"""``0`` in the environment: no block is reused (commlab.engine.spec.EngineSpec.buffer_pool sets it in a rank)."""
 _pool: Dict[Tuple[int, torch.dtype], List[Tensor]] = {}
 _kept_bytes = 0
 _lock = threading.Lock()  # a block is checked free and viewed under it: two threads never get the same one
@@ -48,7 +49,7 @@ def take(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = Fals
     ``zero``): a free kept block's view on the CPU, else a new tensor (kept for later when there is room)."""
     global _kept_bytes
     nbytes = numel * dtype.itemsize
-    if device.type != "cpu" or nbytes < MIN_BYTES or _use_count is None:
+    if device.type != "cpu" or nbytes < MIN_BYTES or _use_count is None or os.environ.get(ENV, "1") == "0":
         return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
     key = (numel, dtype)
     with _lock:

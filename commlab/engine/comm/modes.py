@@ -16,8 +16,12 @@ from commlab.engine.comm.wfbp import WFBP, Sync
 from commlab.engine.compressors.base import Compressor
 from commlab.engine.compressors.plan import Plan
 from commlab.engine.schedules import ParamInfo
+from commlab.engine.spec import COMM_AVAILABLE
 
-MODES: Dict[str, Type[Communicator]] = {"sync": Sync, "wfbp": WFBP, "dear": DeAR}
+_BY_MODE = {cls.mode: cls for cls in (Sync, WFBP, DeAR)}
+MODES: Dict[str, Type[Communicator]] = {mode: _BY_MODE[mode] for mode in COMM_AVAILABLE}
+"""Each comm mode a spec may name (commlab.engine.spec.COMM_AVAILABLE, the one list of them) -> the class that
+implements it (its ``mode``); a name without a class fails here, at import."""
 
 
 def make(mode: str, model: torch.nn.Module, layout: Callable[[List[ParamInfo]], List[List[int]]],

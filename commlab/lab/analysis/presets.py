@@ -173,7 +173,8 @@ PRESETS = [
            "resnet (11 MB of gradients) over a modeled 1 Gbit/s link: reduce-scatter during backward and "
            "all-gather during the next forward (DeAR), against DDP-style bucketed all-reduce overlapped "
            "with backward (25 MB buckets).",
-           {"dear": {**DEAR_BASE, "comm": {"mode": "dear", "cap_mb": 2}, "network": modeled(1)},
+           {"dear": {**DEAR_BASE, "schedule": {"name": "bucket", "cap_mb": 2}, "comm": {"mode": "dear"},
+                     "network": modeled(1)},
             "ddp": {**DEAR_BASE, "comm": {"mode": "wfbp"}, "network": modeled(1)}},
            claim="DeAR (Zhang et al. 2023): decoupling all-reduce trains up to 83% faster than DDP-style "
                  "wait-free back-propagation on 10 Gbit/s Ethernet; accuracy is unchanged (the same "

@@ -106,6 +106,9 @@ def read_job_spec(path: str) -> dict:
 
 
 def load_spec(path: Optional[str] = None, overrides: Iterable[str] = (), data: Optional[dict] = None) -> JobSpec:
+    """The checked spec of a file (or ``data``) with ``overrides``: the full check (``JobSpec.from_dict``), which
+    admits a run. What it gives is written to spec.json, which the queue and the ranks read without checking it
+    again (``JobSpec.from_checked``)."""
     if data is None:
         data = read_job_spec(path) if path else {}
     return JobSpec.from_dict(apply_overrides(data, overrides))

@@ -38,7 +38,7 @@ from typing import Callable, Iterable, List, Optional
 from commlab.engine import runfiles
 from commlab.engine.runfiles import FINAL, STATES, STATUS_FIELDS, State
 from commlab.engine.runlog import read_jsonl, set_aside, write_json_atomic
-from commlab.engine.spec import JobSpec
+from commlab.engine.spec import JobSpec, upgrade
 from commlab.engine.timeline import LANE_NAMES
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import CONFIG, PRIVATE_MODE, default_root, file_in, make_private
@@ -92,11 +92,14 @@ class Run:
 
     # -- spec and status --------------------------------------------------
     def spec_dict(self) -> dict:
+        """spec.json as a dict, with the fields an older version wrote under other names under their names now
+        (commlab.engine.spec.upgrade)."""
         with open(self.file(runfiles.SPEC)) as f:
-            return json.load(f)
+            return upgrade(json.load(f))
 
     def spec(self) -> JobSpec:
-        return JobSpec.from_dict(self.spec_dict())
+        """The run's spec, as its admission checked it: read as it is, not checked again (JobSpec.from_checked)."""
+        return JobSpec.from_checked(self.spec_dict())
 
     def status(self) -> dict:
         """status.json as a dict; ``{"state": "unknown"}`` when there is none yet, and with
@@ -272,7 +275,8 @@ class Run:
 
     # -- as data frames (the Python API) -----------------------------------
     def metrics(self, kind: str = "step"):
-        """Metrics lines of one kind ("step" or "eval") as a DataFrame."""
+        """Metrics lines of one kind as a DataFrame: "step", "eval", or "final" (rank 0's last line: the digest of
+        the model the run ended with, ``params_sha256``)."""
         import pandas as pd
         rows = [m for m in self.metric_rows() if m.get("kind") == kind]
         return pd.DataFrame(rows)
@@ -340,6 +344,8 @@ class RunStore:
                 raise RuntimeError("could not allocate a run id")
         run = Run(path, self.on_change)
         write_json_atomic(run.file(runfiles.SPEC), spec.to_dict())
+        # which of spec.json's engine switches the admission took from its environment (rank 0 keeps this key)
+        write_json_atomic(run.file(runfiles.RESOLVED), {"engine_from_env": spec.engine.from_env})
         run.mark_queued(**queued)
         return run
 

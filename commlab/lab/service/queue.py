@@ -177,20 +177,14 @@ class Lab:
         out = quiet(out)  # a closed pipe silences the progress; the run goes on (commlab/lab/rundir/progress.py)
         slot = None
         shown = False
-        checked = False
         try:
             while slot is None:
                 if run.cancel_requested():
                     run.mark_cancelled("cancelled while queued")
                     return State.CANCELLED
+                # the spec was checked when the run was admitted (create): a supervisor reads spec.json as it is,
+                # without torch or the registries, so a room's 60 queued supervisors cost the run going nothing
                 place = self.queue_position(run, upto=self.max_jobs + NEAR)
-                if not checked and place < self.max_jobs + NEAR:
-                    # import torch and validate the spec near the head of the queue, not while holding a
-                    # slot, and not on joining the queue: a room's 60 supervisors doing it at once (each
-                    # in a scheduling group of its own) stalled the run going for half a minute
-                    run.spec()
-                    checked = True
-                    continue
                 if place < self.max_jobs:
                     slot = Slots(self.root, self.max_jobs).try_acquire()
                 if slot is None:

@@ -221,8 +221,8 @@ def space(spec: dict, extra: List[dict] = (), runs=None, methods: bool = True) -
         out.append(Candidate(f"{label}, mergecomp, wfbp", c, {"name": "mergecomp"}, {"mode": "wfbp"}))
         if shardable(c):
             for cap in DEAR_CAPS_MB:
-                out.append(Candidate(f"{label}, dear {cap:g} MB", c, {"name": "bucket", "cap_mb": 25.0},
-                                     {"mode": "dear", "cap_mb": cap}))
+                out.append(Candidate(f"{label}, dear {cap:g} MB", c, {"name": "bucket", "cap_mb": cap},
+                                     {"mode": "dear"}))
     return out + (method_space(spec, runs) if methods else [])
 
 

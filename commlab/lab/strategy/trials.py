@@ -166,7 +166,7 @@ def prepare_session(run, specs: List[dict], cands: List[Candidate], profile) -> 
         write_json_atomic(d / runfiles.SPEC, s)
         dirs.append(d.name)
         if c.schedule["name"] == "mergecomp" and c.layout_cuts is not None:
-            problem = write_cache(str(run.path), cache_key(JobSpec.from_dict(s)),
+            problem = write_cache(str(run.path), cache_key(JobSpec.from_checked(s)),
                                   {"order": [n for n, _ in profile.params], "cuts": c.layout_cuts,
                                    "ms": c.steady_ms, "run": "advisor prediction"})
             if problem:

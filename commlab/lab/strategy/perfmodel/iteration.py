@@ -36,9 +36,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List
 
+from commlab.engine.spec import COMM_AVAILABLE
 from commlab.lab.strategy.perfmodel import costs
 
-MODES = ("sync", "wfbp", "dear")
 DEAR_FLAG_BYTES = 4
 """dear's per-step all-reduce of one float32: do all ranks hold finite gradients (DeAR.finish)."""
 
@@ -158,8 +158,8 @@ bucket holds at the start of a step depends on the steps before it."""
 def iteration_time(step: Step, link: costs.Link, world: int, mode: str = "wfbp",
                    slowdown: float = 1.0, record: bool = False) -> Result:
     """Predicted time of one step (see the module docstring for the model)."""
-    if mode not in MODES:
-        raise ValueError(f"comm mode {mode!r}; allowed: {', '.join(MODES)}")
+    if mode not in COMM_AVAILABLE:
+        raise ValueError(f"comm mode {mode!r}; allowed: {', '.join(COMM_AVAILABLE)}")
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     compute = step.forward + step.backward + step.optimizer + step.other

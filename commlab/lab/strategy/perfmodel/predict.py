@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from commlab.engine import schedules
 from commlab.engine.codepath import imports_allowed, is_import_path
 from commlab.engine.schedules import layer_of  # a parameter's module: the same rule as dear's layer buffers
-from commlab.engine.spec import JobSpec, SpecError
+from commlab.engine.spec import CAP_MB, JobSpec, SpecError, upgrade
 from commlab.lab.base import sandbox
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import local
@@ -68,9 +68,10 @@ def codec_key(m) -> str:
 
 def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]]] = None) -> List[List[int]]:
     """The spec's buckets over the profile's parameters: ``layout`` (groups of parameter names, e.g. a run's
-    layout.json after its tuner chose) when given; else dear's buffers (comm.layers or comm.cap_mb) or the
+    layout.json after its tuner chose) when given; else dear's buffers (comm.layers or schedule.cap_mb) or the
     spec's schedule, through the engine's own pure builders. Without a layout, the tuned schedules
-    (mergecomp, layerfusion, dear's cap search) are predicted with their starting layout."""
+    (mergecomp, layerfusion, dear's cap search) are predicted with their starting layout. A spec written before
+    schedule.cap_mb held dear's cap (its comm.cap_mb: a saved profile's) is read as now (upgrade)."""
     if layout:
         pos = {n: i for i, (n, _) in enumerate(profile.params)}
         missing = [n for g in layout for n in g if n not in pos]
@@ -79,12 +80,13 @@ def buckets_of(profile: cal.Profile, spec: dict, layout: Optional[List[List[str]
         return [[pos[n] for n in g] for g in layout]
     infos = [schedules.ParamInfo(name=n, numel=b // 4, element_size=4, dtype="float32", device="cpu")
              for n, b in profile.params]
+    spec = upgrade(spec)
     c = spec["comm"]
+    s = spec["schedule"]
     if c["mode"] == "dear":
         if c.get("layers"):
             return schedules.layout_layers(infos, c["layers"])
-        return schedules.layout_cap(infos, c.get("cap_mb") or 25.0)
-    s = spec["schedule"]
+        return schedules.layout_cap(infos, s.get("cap_mb") or CAP_MB)
     opts = {"cap_mb": s["cap_mb"]} if s["name"] == "bucket" else {}
     return schedules.build(s["name"], infos, **opts)
 
