@@ -112,12 +112,12 @@ def test_the_buffer_pool_reads_its_switch_when_used(monkeypatch):
         monkeypatch.setenv("COMMLAB_BUFFER_POOL", "0")
         a = buffers.take(n, torch.float32, cpu)
         del a
-        assert buffers.kept_bytes() == 0
+        assert buffers._kept_bytes == 0
         monkeypatch.setenv("COMMLAB_BUFFER_POOL", "1")
         b = buffers.take(n, torch.float32, cpu)
         ptr = b.data_ptr()
         del b
-        assert buffers.kept_bytes() == n * 4 and buffers.take(n, torch.float32, cpu).data_ptr() == ptr
+        assert buffers._kept_bytes == n * 4 and buffers.take(n, torch.float32, cpu).data_ptr() == ptr
     finally:
         buffers.clear()
 
