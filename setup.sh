@@ -31,7 +31,7 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "setup: installing commlab and its dependencies into $VENV; this takes a few minutes (about 4 on a" \
          "fresh machine) with nothing printed meanwhile" >&2
     "${PIP[@]}" install -e ".[app,dev,notebooks,models]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
-    "$VENV/bin/python" -c 'import torch, engine, lab' || { echo "setup: install failed" >&2; exit 1; }
+    "$VENV/bin/python" -c 'import torch, commlab.engine, commlab.lab' || { echo "setup: install failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"
 fi
 
