@@ -53,7 +53,7 @@ def test_space_is_what_the_registry_can_do():
         comp = compressors.make(c.compressor["name"], error_feedback=c.compressor["error_feedback"],
                                 **c.compressor["params"])
         if c.comm["mode"] == "dear":  # only compressors whose payload reduce-scatters
-            assert comp.shard_problem() is None, c.label
+            assert comp.capabilities.shard_problem() is None, c.label
         space.with_strategy(s, c.strategy())  # every candidate is a valid spec
     assert any(c.comm["mode"] == "dear" and c.compressor["name"] == "none" for c in cands)
     assert not any(c.comm["mode"] == "dear" and c.compressor["name"] in ("topk", "powersgd") for c in cands)

@@ -40,7 +40,7 @@ def test_the_base_class_carries_only_the_contract():
     attrs, methods = _members(Compressor)
     assert attrs == ["name", "params", "capabilities"]
     assert methods == ["__init__", "__init_subclass__", "compress", "decompress", "exchange", "state_dict",
-                       "load_state_dict", "describe", "shard_problem", "__repr__"]
+                       "load_state_dict", "describe", "__repr__"]
     for gone in OLD_PER_BUCKET + ("summable", "rounds", "encode", "encode_parts", "shard_exchange", "declared_rounds",
                                   "per_tensor", "skip_warmup", "graph_safe", "elementwise_state", "warmup_exchanges"):
         assert not hasattr(Compressor, gone), gone

@@ -263,7 +263,7 @@ def test_dear_takes_exactly_the_shardable_compressors():
     assert problem("randomk") == "has a payload that does not keep the gradient's shape"
     assert problem("topk") == "has payloads that cannot be summed"
     assert problem("fp16", error_feedback=True) is None
-    assert make("topk").shard_problem() == problem("topk")  # the instance says the same
+    assert make("topk").capabilities.shard_problem() == problem("topk")  # the instance says the same
 
 
 def test_inputs_are_made_on_the_test_device(compressor_test_device):

@@ -664,7 +664,7 @@ class JobSpec:
             for i, part in enumerate(parts(dataclasses.asdict(c))):
                 if is_import_path(part["name"]) and not imports_allowed():
                     continue  # checked where the run is queued, in a child that may import it (commlab.lab.base.sandbox)
-                problem = make_section(part).shard_problem()
+                problem = make_section(part).capabilities.shard_problem()
                 if problem:
                     where = f"compressor.per_bucket[{i}].name" if i < len(c.per_bucket) else "compressor.name"
                     raise SpecError(where, f"comm.mode dear reduce-scatters the payload, so it needs a single-round "

@@ -194,10 +194,6 @@ class Compressor:
         ps = ",".join(f"{k}={v}" for k, v in sorted(self.given.items()))
         return f"{self.name}{'(' + ps + ')' if ps else ''}"
 
-    def shard_problem(self) -> Optional[str]:
-        """``capabilities.shard_problem()``: why dear could not take this instance, or None."""
-        return self.capabilities.shard_problem()
-
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
