@@ -77,14 +77,14 @@ class Student(threading.Thread):
 
     def _run(self):
         from commlab.lab.analysis import results
-        from commlab.lab.service.queue import Lab
+        from commlab.room import open_lab
         jar = sign_in(self.url, self.class_token, self.student)
         if not jar.personal or "commlab_session" not in jar.cookies:
             raise RuntimeError(f"sign-in refused ({jar.status}): {re.sub('<[^>]+>', ' ', jar.body)[:200]}")
         self.token = jar.personal
         s = self.session = Session(self.url, cookie=jar.header)
         presets = [p.key for p in PRESETS]
-        q = Lab(self.args.runs)
+        q = open_lab(self.args.runs, room=True)
         while time.time() < self.deadline:
             home = s.run("")  # the session cookie: nothing in the URL
             self.home_s.append(home.seconds)
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
                                                     "quotas": {"queued": args.queued, "steps": args.steps,
                                                                "world_size": 2},
                                                     "access": {"names_per_address": max(10, args.students)}}))
-    from commlab.lab.front import accounts
+    from commlab.room import accounts
     from commlab.engine.runfiles import FINAL
     port = free_port()
     log_path = args.runs / "app.log"
@@ -179,8 +179,8 @@ def main(argv=None) -> int:
 
 
 def _measure(args, app, url, log_path) -> int:
-    from commlab.lab.front import accounts
-    from commlab.lab.service.queue import Lab
+    from commlab.room import accounts
+    from commlab.room import open_lab
     from commlab.engine.runfiles import FINAL
     import urllib.request
     t0 = time.time()
@@ -203,7 +203,7 @@ def _measure(args, app, url, log_path) -> int:
         time.sleep(0.2)
     for st in students:
         st.join()
-    q = Lab(args.runs)
+    q = open_lab(args.runs, room=True)
     t_drain = time.time()
     while time.time() - t_drain < args.drain_s:
         q.recover_stale()

@@ -1,6 +1,6 @@
 """commlab's user side: specs, the queue, the run store, and a Python API.
 
-    import lab
+    import commlab
     r = commlab.run({"model": "cnn", "dataset": "digits", "steps": 100})   # blocks; a Run
     r.summary(); r.metrics(); r.timeline()                            # pandas DataFrames
     q = commlab.run("examples/demo.yaml", wait=False)                     # queued; returns at once
@@ -16,8 +16,8 @@ __all__ = ["run", "runs", "get", "cancel", "wait", "compare", "spec"]
 
 
 def _lab(runs=None):
-    from commlab.lab.service.queue import Lab
-    return Lab(runs)
+    from commlab.room import open_lab  # a room's runs directory keeps its rules (commlab.room.is_room)
+    return open_lab(runs)
 
 
 def spec(given, overrides=()):

@@ -40,7 +40,7 @@ from commlab.engine.timeline import Timeline
 from commlab.lab.base import procs
 from commlab.lab.base.specs import read_spec_file
 from commlab.lab.rundir.launcher import finish_status
-from commlab.lab.service.queue import Lab
+from commlab.room import open_lab
 
 SpecLike = Union[str, os.PathLike, dict, JobSpec]
 OptimizerLike = Union[None, torch.optim.Optimizer, Callable[[list], torch.optim.Optimizer]]
@@ -174,7 +174,7 @@ class OwnLoop:
 
     # -- the run ----------------------------------------------------------
     def _open_run(self, runs, run_id, model, optimizer):
-        lab = Lab(runs)
+        lab = open_lab(runs)
         box = [None]
         if self.rank == 0:
             try:

@@ -9,7 +9,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # AppTest runs the app with no server address, which on a real server means every interface and so
-# sign-in (commlab/lab/front/accounts.py); the tests use it as `commlab app` does on loopback unless they say otherwise.
+# sign-in (commlab/room/accounts.py); the tests use it as `commlab app` does on loopback unless they say otherwise.
 os.environ.setdefault("COMMLAB_ACCESS", "off")
 torch.set_num_threads(1)
 
@@ -115,11 +115,11 @@ class _OnDevice:
 
 @pytest.fixture(autouse=True)
 def sandbox_places(monkeypatch):
-    """Each test starts with nobody's child time counted (commlab.lab.base.sandbox.Places keeps it per person for
+    """Each test starts with nobody's child time counted (commlab.room.places.Places keeps it per person for
     BUDGET_WINDOW_S): the suite's students, alice most of all, would otherwise carry one test's previews
     into the next one's budget."""
-    from commlab.lab.base import sandbox
-    monkeypatch.setattr(sandbox, "_places", sandbox.Places())
+    from commlab.room import places
+    monkeypatch.setattr(places, "_places", places.Places())
 
 
 @pytest.fixture(autouse=True)

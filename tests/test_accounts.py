@@ -1,6 +1,6 @@
 """Sign-in on an exposed lab, as a student, an outsider and a revoked student would try it: tokens are
 exchanged for sessions at the gatekeeper (commlab/app/gatekeeper.py) in plain HTTP before Streamlit; sessions,
-expiry, rotation, revocation and caps (commlab/lab/front/accounts.py)."""
+expiry, rotation, revocation and caps (commlab/room/accounts.py)."""
 import json
 import os
 
@@ -13,9 +13,9 @@ from starlette.websockets import WebSocketDisconnect  # noqa: E402
 
 import commlab  # noqa: E402
 from commlab.app import gatekeeper  # noqa: E402
-from commlab.lab.front import accounts  # noqa: E402
-from commlab.lab.service import owners
-from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.room import accounts  # noqa: E402
+from commlab.room import owners
+from commlab.room import open_lab  # noqa: E402
 from commlab.lab.base.errors import LabError  # noqa: E402
 from test_app import SMALL  # noqa: E402
 
@@ -147,7 +147,7 @@ def test_a_wrong_token_is_refused(lab_root, bad):
 
 def test_class_token_then_a_name_gives_a_personal_token(lab_root):
     root, tokens = lab_root
-    q = Lab(root)
+    q = open_lab(root, room=True)
     q.create(commlab.spec(SMALL), owner="dora")  # runs the CLI started as dora: the name is hers
     c = browser()
     r = c.get(f"/?token={tokens['class']}")

@@ -22,8 +22,8 @@ import pytest
 import commlab
 from distutil import stop_process, wait_until_up
 from commlab.app import access
-from commlab.lab.front import accounts
-from commlab.lab.service.queue import Lab
+from commlab.room import accounts
+from commlab.room import open_lab
 from test_app import SMALL
 from test_browser import CHROMIUM, SETTLED, free_port
 
@@ -40,7 +40,7 @@ def room(tmp_path):
     sign-in) over its directory."""
     runs = tmp_path / "runs"
     alice = accounts.sign_in(runs, accounts.load_access(runs)["class_token"], "alice")
-    run = Lab(runs).submit(commlab.spec(SMALL), owner="alice")
+    run = open_lab(runs, room=True).submit(commlab.spec(SMALL), owner="alice")
     assert run.state == "done", run.status()
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}
@@ -171,7 +171,7 @@ def test_a_run_name_cannot_sign_the_teacher_into_a_students_account_in_chromium(
     admin = access_["admin_token"]
     mallory = accounts.sign_in(runs, access_["class_token"], "mallory")
     name = f"![a](/signout) ![b](/?token={mallory}) [see](http://evil.example) :red[big] **b**"
-    run = Lab(runs).create(commlab.spec(dict(SMALL, name=name)), owner="mallory")
+    run = open_lab(runs, room=True).create(commlab.spec(dict(SMALL, name=name)), owner="mallory")
     run.set_status("done", disturbance=DISTURBED)
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != accounts.ACCESS_ENV}

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from commlab.lab.front import accounts, cli, run_cli
+from commlab.lab.front import cli, run_cli
+
+from commlab.room import accounts
 from commlab.lab.front import completion
 from commlab.lab.front.cli import main
 from commlab.lab.service.queue import Lab, Slots

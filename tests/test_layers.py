@@ -26,7 +26,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCT = ("commlab",)
 LAYERS = ["commlab.engine", "commlab.lab.base", "commlab.lab.net", "commlab.lab.rundir", "commlab.lab.strategy",
-          "commlab.lab.service", "commlab.lab.analysis", "commlab.lab", "commlab.api", "commlab.lab.front",
+          "commlab.lab.service", "commlab.lab.analysis", "commlab.lab", "commlab.room", "commlab.api", "commlab.lab.front",
           "commlab.app", "commlab"]
 """Bottom to top. commlab.app and commlab are one level: neither imports the other."""
 TOP = LAYERS.index("commlab.app")

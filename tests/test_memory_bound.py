@@ -1,4 +1,4 @@
-"""A student's run is bounded in memory (commlab/lab/service/owners.py ``rank_mb``, commlab/lab/base/procs.py ``limit_data``,
+"""A student's run is bounded in memory (commlab/room/owners.py ``rank_mb``, commlab/lab/base/procs.py ``limit_data``,
 commlab/lab/rundir/launcher.py): the quota is checked, each rank of a student's run starts under an OS limit
 (RLIMIT_DATA), a rank that passes it fails the run with one line naming the limit and the run keeps its logs,
 a small run passes under the default, and the teacher's and the local user's runs have no limit unless
@@ -12,8 +12,8 @@ import pytest
 import commlab
 from commlab.lab.base import procs
 from commlab.lab.base.errors import LabError
-from commlab.lab.service import owners
-from commlab.lab.service.queue import Lab
+from commlab.room import owners
+from commlab.room import open_lab
 
 SMALL = {"model": "mlp", "dataset": "digits", "steps": 5, "batch_size": 16, "eval_every": 0, "threads": 1,
          "world_size": 2}
@@ -45,7 +45,7 @@ def test_a_bad_rank_mb_quota_is_one_line_naming_it(tmp_path, value):
 def test_a_bad_rank_mb_for_everyone_is_one_line_naming_it(tmp_path, value):
     lab_json(tmp_path, rank_mb=value)
     with pytest.raises(LabError, match=r"lab\.json: rank_mb must be a positive integer or null \(no limit\), got "):
-        Lab(tmp_path).create(commlab.spec(SMALL))
+        open_lab(tmp_path, room=True).create(commlab.spec(SMALL))
 
 
 def test_the_default_fits_the_machine():
@@ -70,7 +70,7 @@ def test_a_quota_set_in_lab_json_is_taken_as_it_is(tmp_path, monkeypatch):
 def test_who_gets_which_limit(tmp_path):
     """A student's run: their quota; the teacher's and the local user's: none, unless lab.json's top-level
     rank_mb sets one for everyone (then a student gets the smaller of the two)."""
-    q = Lab(tmp_path)
+    q = open_lab(tmp_path, room=True)
     spec = commlab.spec(SMALL)
     student = q.create(spec, owner="alice").status()
     assert student["rank_limit_mb"] == owners.quotas(tmp_path)["rank_mb"]
@@ -130,7 +130,7 @@ def test_a_student_run_over_its_limit_fails_in_one_line(tmp_path, monkeypatch, w
     """Both ways a rank starts: forked by the warm server, and as a process of the launcher's."""
     monkeypatch.setenv("COMMLAB_WARM", warm)
     lab_json(tmp_path, quotas={"rank_mb": 400})
-    run = Lab(tmp_path).submit(commlab.spec(HEAVY), wait=True, owner="alice")
+    run = open_lab(tmp_path, room=True).submit(commlab.spec(HEAVY), wait=True, owner="alice")
     st = run.status()
     assert st["state"] == "failed", st
     assert st["error"] == (f"out of memory: rank {st['rank']} passed its limit of 400 MB (runs/lab.json "
@@ -142,7 +142,7 @@ def test_a_student_run_over_its_limit_fails_in_one_line(tmp_path, monkeypatch, w
 
 
 def test_a_small_student_run_passes_under_the_default(tmp_path):
-    run = Lab(tmp_path).submit(commlab.spec(SMALL), wait=True, owner="alice")
+    run = open_lab(tmp_path, room=True).submit(commlab.spec(SMALL), wait=True, owner="alice")
     st = run.status()
     assert st["state"] == "done", st
     assert st["rank_limit_mb"] == owners.quotas(tmp_path)["rank_mb"]
@@ -151,7 +151,7 @@ def test_a_small_student_run_passes_under_the_default(tmp_path):
 def test_the_teachers_run_has_no_limit(tmp_path):
     """The spec that fails a student's run under 400 MB runs to the end for the teacher under the same lab.json."""
     lab_json(tmp_path, quotas={"rank_mb": 400})
-    run = Lab(tmp_path).submit(commlab.spec(HEAVY), wait=True, owner="teacher")
+    run = open_lab(tmp_path, room=True).submit(commlab.spec(HEAVY), wait=True, owner="teacher")
     st = run.status()
     assert st["state"] == "done", st
     assert "rank_limit_mb" not in st

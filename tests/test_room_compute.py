@@ -31,8 +31,8 @@ from commlab.engine.spec import SpecError  # noqa: E402
 from commlab.lab.base import paths, sandbox  # noqa: E402
 from commlab.lab.base.specs import load_spec  # noqa: E402
 from commlab.lab.front import profiles as viewing  # noqa: E402
-from commlab.lab.service import owners  # noqa: E402
-from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.room import owners  # noqa: E402
+from commlab.room import open_lab  # noqa: E402
 from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from commlab.lab.strategy.perfmodel import whatif  # noqa: E402
 from test_app import SMALL  # noqa: E402
@@ -216,7 +216,7 @@ def test_page_loads_do_not_time_the_runs_compressors_again(room, timed):
     """The page predicts every finished run a viewer may see: their compressors (and the page's five) are timed
     once, in children; a rerun of the page, and the teacher's visit, time nothing."""
     root, tokens = room
-    run = Lab(root).submit(commlab.spec(dict(SMALL, compressor="signum")), wait=True, owner="alice")
+    run = open_lab(root, room=True).submit(commlab.spec(dict(SMALL, compressor="signum")), wait=True, owner="alice")
     assert run.state == "done", run.log_tail()
     at = app(tokens["alice"], page="model")
     assert not at.error, [e.value for e in at.error]
@@ -313,7 +313,7 @@ def test_a_model_option_holding_a_path_writes_nothing_outside_the_runs(tmp_path,
                                                                 "note": "/../../../escaped/x"}},
                       "dataset": {"name": "text", "block": 16}, "steps": 5, "batch_size": 4, "eval_every": 0,
                       "final_eval": False, "threads": 1, "world_size": 1})
-    run = Lab(root).submit(spec, wait=True, owner="alice")
+    run = open_lab(root, room=True).submit(spec, wait=True, owner="alice")
     assert run.state == "done", run.log_tail()
 
     def outside():

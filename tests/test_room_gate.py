@@ -20,9 +20,9 @@ from streamlit.runtime.uploaded_file_manager import UploadedFileRec  # noqa: E40
 import commlab  # noqa: E402
 from commlab.app import gatekeeper  # noqa: E402
 from commlab.lab.base.errors import LabError  # noqa: E402
-from commlab.lab.front import accounts  # noqa: E402
-from commlab.lab.service import owners  # noqa: E402
-from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.room import accounts  # noqa: E402
+from commlab.room import owners  # noqa: E402
+from commlab.room import open_lab  # noqa: E402
 from test_accounts import browser, lab_root, session_cookie  # noqa: E402,F401  (lab_root: a fixture)
 from test_app import SMALL  # noqa: E402
 from distutil import stop_process  # noqa: E402
@@ -234,7 +234,7 @@ def served(tmp_path_factory):
     access = accounts.load_access(root)
     tokens = {"class": access["class_token"], "admin": access["admin_token"],
               **{o: accounts.sign_in(root, access["class_token"], o) for o in ("alice", "bob")}}
-    Lab(root).create(commlab.spec(SMALL), owner="alice")
+    open_lab(root, room=True).create(commlab.spec(SMALL), owner="alice")
     port = free_port()
     code = (f"import sys; from commlab.lab.front.appserver import app_main; "
             f"sys.exit(app_main({port}, {str(root)!r}, host='0.0.0.0', demo=False))")

@@ -8,9 +8,10 @@ import stat
 import pytest
 
 from commlab.lab.base.paths import PRIVATE_MODE, make_private
-from commlab.lab.front import accounts, appserver
+from commlab.lab.front import appserver
+from commlab.room import accounts
 from commlab.lab.rundir.store import RunStore
-from commlab.lab.service import owners
+from commlab.room import owners
 
 import commlab
 

@@ -236,9 +236,9 @@ def test_every_page_shows_user_text_through_ui_text(tmp_path):
 
 from commlab.lab.analysis import results  # noqa: E402
 from commlab.lab.analysis.presets import PRESETS  # noqa: E402
-from commlab.lab.front import accounts  # noqa: E402
-from commlab.lab.service import owners  # noqa: E402
-from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.room import accounts  # noqa: E402
+from commlab.room import owners  # noqa: E402
+from commlab.room import open_lab  # noqa: E402
 from test_app import SMALL  # noqa: E402
 from test_workshop import app, room  # noqa: E402,F401  (room: the fixture)
 
@@ -290,7 +290,7 @@ def evil(room):  # noqa: F811
     """``room`` with alice's finished run named EVIL, marked disturbed, in a preset's group, and a sweep of the
     teacher's named EVIL (its grid only)."""
     root, runs, tokens = room
-    run = Lab(root).create(commlab.spec(dict(SMALL, name=EVIL)), owner="alice")
+    run = open_lab(root, room=True).create(commlab.spec(dict(SMALL, name=EVIL)), owner="alice")
     run.set_status("done", disturbance=DISTURBED)
     preset = PRESETS[0]
     results.save_group(root, preset.key, {label: run.id for label in preset.labels()}, created=time.time())
@@ -333,7 +333,7 @@ def test_an_owners_name_is_text(room):  # noqa: F811
     root, runs, tokens = room
     access_ = accounts.load_access(root)
     accounts.sign_in(root, access_["class_token"], "www.evil.example")
-    run = Lab(root).create(commlab.spec(SMALL), owner="www.evil.example")
+    run = open_lab(root, room=True).create(commlab.spec(SMALL), owner="www.evil.example")
     ui.set_viewer(lambda: owners.User("www.evil.example"))
     ui.share(run.id)
     at = app(tokens["carol"], page="live_run", run=run.id)
@@ -348,7 +348,7 @@ from collections import OrderedDict, deque  # noqa: E402
 from commlab.engine import codepath  # noqa: E402
 from commlab.engine.spec import SpecError  # noqa: E402
 from commlab.lab.base import sandbox  # noqa: E402
-from commlab.lab.front import previews  # noqa: E402
+from commlab.room import places, previews  # noqa: E402
 from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 
 CHILD_S = 0.3
@@ -450,7 +450,7 @@ def test_a_free_place_goes_to_who_had_least_child_time(fake, monkeypatch):
     none, then dave's submit needs its check: when carol's child ends, dave's check goes first, then bob, then
     alice."""
     monkeypatch.setattr(sandbox, "MAX_CHILDREN", 1)
-    monkeypatch.setattr(sandbox, "_server", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(sandbox, "SERVER", threading.BoundedSemaphore(1))
     release = threading.Event()
     fake.hold = {"carol-form": release}
     spec = sized(1).to_dict()
@@ -473,7 +473,7 @@ def test_a_free_place_goes_to_who_had_least_child_time(fake, monkeypatch):
 def test_a_persons_budget_refuses_their_previews_in_one_line(fake, monkeypatch):
     """Past BUDGET_S of child time in the window, alice's next preview is refused with one line saying when to
     try again; bob's previews, the teacher's and alice's own check before a submit still get children."""
-    monkeypatch.setattr(sandbox, "BUDGET_S", 3 * CHILD_S)
+    monkeypatch.setattr(places, "BUDGET_S", 3 * CHILD_S)
     for k in range(3):
         previews.model_size(sized(k), owners.User("alice"))
     with pytest.raises(SpecError) as refused:
@@ -498,8 +498,8 @@ def test_the_new_run_form_says_when_to_try_again(room, monkeypatch):  # noqa: F8
     root, runs, tokens = room
     monkeypatch.setattr(sandbox, "_spawn", Children())
     monkeypatch.setattr(previews, "_previews", OrderedDict())
-    monkeypatch.setattr(sandbox, "BUDGET_S", CHILD_S)
-    sandbox._places._spent["alice"] = deque([(time.monotonic(), CHILD_S, "describe")])  # a preview of hers just now
+    monkeypatch.setattr(places, "BUDGET_S", CHILD_S)
+    places._places._spent["alice"] = deque([(time.monotonic(), CHILD_S, "describe")])  # a preview of hers just now
     at = app(tokens["alice"], page="new_run")
     errors = [e.value for e in at.error]
     assert len(errors) == 1 and re.fullmatch(
@@ -514,7 +514,7 @@ def test_no_child_is_started_for_nobody(fake, monkeypatch):
     held = []
 
     def spawn(task, spec, limits):
-        held.append(dict(sandbox._places.held))
+        held.append(dict(places._places.held))
         return fake(task, spec, limits)
     monkeypatch.setattr(sandbox, "_spawn", spawn)
     ui.set_viewer(lambda: owners.User("alice"))
@@ -534,11 +534,11 @@ def test_a_persons_checks_have_a_budget_of_their_own(fake, monkeypatch):
     CHECK_BUDGET_S of check time in the window, alice's next check is refused with one line, so she cannot keep
     a place ahead of everyone by sending the same failing spec again; bob's check and the teacher's still run,
     and a submit owned by the teacher is never budgeted."""
-    monkeypatch.setattr(sandbox, "CHECK_BUDGET_S", 2 * CHILD_S)
+    monkeypatch.setattr(places, "CHECK_BUDGET_S", 2 * CHILD_S)
     spec = sized(1).to_dict()
     for _ in range(2):
         sandbox.run("check", spec, sandbox.CHECK, who="alice")
-    with pytest.raises(sandbox.OverBudget) as refused:
+    with pytest.raises(places.OverBudget) as refused:
         sandbox.run("check", spec, sandbox.CHECK, who="alice")
     assert re.fullmatch(r"check: your checks before a submit took 0\.6 s of the server's time in the last 5 "
                         r"minutes, the most one person may; try again in \d+ s", str(refused.value)), refused.value

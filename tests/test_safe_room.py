@@ -31,12 +31,13 @@ pytest.importorskip("streamlit")
 import commlab  # noqa: E402
 from commlab.engine import codepath  # noqa: E402
 from commlab.engine.spec import JobSpec, SpecError  # noqa: E402
-from commlab.lab.front import accounts, groups, new_run, previews, ui  # noqa: E402
+from commlab.lab.front import groups, new_run, ui  # noqa: E402
+from commlab.room import accounts, previews  # noqa: E402
 from commlab.lab.base import paths, sandbox
 from commlab.lab.base.specs import load_spec, typed_yaml
-from commlab.lab.service import owners
+from commlab.room import owners, places
 from commlab.lab.strategy.perfmodel import views  # noqa: E402
-from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.room import open_lab  # noqa: E402
 from commlab.lab.base.errors import LabError  # noqa: E402
 from test_app import SMALL  # noqa: E402
 from test_workshop import app, everything  # noqa: E402
@@ -149,7 +150,7 @@ def test_a_students_code_is_refused_at_every_entry_and_never_imported(room, code
         with codepath.no_imports():  # the spec as a CLI or a script would hand it to the queue
             parsed = commlab.spec(data)
         with pytest.raises(SpecError, match=f"^{field}: .*only the teacher may run code"):
-            Lab(root).submit(parsed, wait=False, owner="alice")
+            open_lab(root, room=True).submit(parsed, wait=False, owner="alice")
     assert not touched.exists() and not marker.exists()
     assert evil not in sys.modules
     assert commlab.runs(runs=root) == []  # nothing was queued
@@ -315,7 +316,7 @@ def test_children_are_bounded_per_person_and_per_server(code, monkeypatch):
     (s1, e1), (s2, e2) = sorted(tuple(map(float, line.split())) for line in spans.read_text().splitlines())
     assert e1 <= s2  # alice's second child started after her first ended
     monkeypatch.setattr(sandbox, "MAX_CHILDREN", 1)
-    monkeypatch.setattr(sandbox, "_server", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(sandbox, "SERVER", threading.BoundedSemaphore(1))
     monkeypatch.setattr(sandbox, "WAIT_S", 0.5)
     two = [threading.Thread(target=ask, args=(w, w)) for w in ("bob", "carol")]
     for t in two:
@@ -332,7 +333,7 @@ def test_a_room_asking_for_one_models_size_at_once_starts_one_child(room, monkey
     wait for its answer), though the server has a single place for children and refuses after 0.5 s."""
     from collections import OrderedDict
     monkeypatch.setattr(previews, "_previews", OrderedDict())
-    monkeypatch.setattr(sandbox, "_server", threading.BoundedSemaphore(1))
+    monkeypatch.setattr(sandbox, "SERVER", threading.BoundedSemaphore(1))
     monkeypatch.setattr(sandbox, "WAIT_S", 0.5)
     spawned = []
     real = sandbox._spawn
@@ -434,7 +435,7 @@ def test_a_student_keeps_a_bounded_number_of_runs_and_the_disk_keeps_room(room, 
     import shutil
     root, _ = room
     (root / "lab.json").write_text(json.dumps({"quotas": {"runs": 2}}))
-    q = Lab(root)
+    q = open_lab(root, room=True)
     for _ in range(2):
         q.create(commlab.spec(SMALL), owner="alice")  # two of alice's, of any state
     as_viewer("alice")
@@ -511,7 +512,7 @@ def test_a_students_failed_run_shows_no_traceback_and_no_machine_path(room):
     frames or the machine's folders; the teacher sees the log as it is. An image too small for the model is
     refused when the spec is checked, not by a traceback from the ranks."""
     root, tokens = room
-    run = Lab(root).submit(commlab.spec(dict(SMALL, fault={"kind": "raise", "step": 1})), wait=True, owner="alice")
+    run = open_lab(root, room=True).submit(commlab.spec(dict(SMALL, fault={"kind": "raise", "step": 1})), wait=True, owner="alice")
     assert run.state == "failed" and "Traceback" in run.log_tail(30) and str(paths.SOURCE) in run.log_tail(30)
     at = app(tokens["alice"], page="live_run", run=run.id)
     shown = "\n".join(c.value for c in at.code)
@@ -676,7 +677,7 @@ def test_a_person_predicts_one_at_a_time(profiles, counted, monkeypatch):
     holding, done = threading.Event(), threading.Event()
 
     def hold():  # alice's prediction in another tab, still running
-        with sandbox.person("alice"):
+        with places.person("alice"):
             holding.set()
             done.wait(30)
     t = threading.Thread(target=hold)
@@ -697,7 +698,7 @@ def test_a_person_predicts_one_at_a_time(profiles, counted, monkeypatch):
 def test_measure_again_is_the_teachers_and_writes_atomically(room, monkeypatch):
     from commlab.lab.strategy.perfmodel import properties
     root, tokens = room
-    run = Lab(root).submit(commlab.spec(SMALL), wait=True, owner="alice")  # a finished run alice may calibrate from
+    run = open_lab(root, room=True).submit(commlab.spec(SMALL), wait=True, owner="alice")  # a finished run alice may calibrate from
     assert run.state == "done", run.log_tail()
     real = properties.checklist
     monkeypatch.setattr(properties, "checklist", lambda names, profile, numels: real(["fp16"], profile, numels))

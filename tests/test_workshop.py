@@ -1,4 +1,4 @@
-"""The workshop server (commlab/lab/service/owners.py, commlab/lab/front/accounts.py, commlab/app/access.py): the in-script gate, per-user runs,
+"""The workshop server (commlab/room/owners.py, commlab/room/accounts.py, commlab/app/access.py): the in-script gate, per-user runs,
 the fair queue and quotas, tested as a student or an outsider would try them: no session, a wrong one,
 another student's run id, path tricks in ids. Sign-in itself (tokens for sessions, in plain HTTP before
 Streamlit) is tests/test_accounts.py's."""
@@ -13,9 +13,10 @@ from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import commlab  # noqa: E402
 from commlab.app import access  # noqa: E402
-from commlab.lab.front import accounts, groups, new_run, sweep_jobs, ui  # noqa: E402
-from commlab.lab.service import owners
-from commlab.lab.service.queue import Lab  # noqa: E402
+from commlab.lab.front import groups, new_run, sweep_jobs, ui  # noqa: E402
+from commlab.room import accounts  # noqa: E402
+from commlab.room import owners
+from commlab.room import open_lab  # noqa: E402
 from commlab.lab.base.errors import LabError  # noqa: E402
 from commlab.lab.rundir.store import RunError
 from test_app import ENTRY, SMALL  # noqa: E402
@@ -37,7 +38,7 @@ def room(tmp_path, monkeypatch):
               "alice": accounts.sign_in(tmp_path, access["class_token"], "alice"),
               "bob": accounts.sign_in(tmp_path, access["class_token"], "bob"),
               "carol": accounts.sign_in(tmp_path, access["class_token"], "carol")}
-    q = Lab(tmp_path)
+    q = open_lab(tmp_path, room=True)
     spec = commlab.spec(SMALL)
     runs = {o: q.create(spec, owner=o) for o in ("alice", "bob")}
     runs["local"] = q.create(spec)
@@ -261,7 +262,7 @@ def test_a_runs_name_is_shown_as_text_on_the_teachers_pages(room, page):
     """A student's run named with Markdown, HTML and Streamlit directives: the teacher's pages show the
     characters, never a link, an image, a tag or a colour."""
     root, runs, tokens = room
-    q = Lab(root)
+    q = open_lab(root, room=True)
     evil = q.create(commlab.spec(dict(SMALL, name=EVIL_NAME)), owner="alice")
     at = app(tokens["admin"], page=page, run=evil.id)
     text = everything(at)
@@ -282,7 +283,7 @@ def test_sweeps_are_the_teachers(room):
 
 
 def test_runs_record_their_owner(tmp_path):
-    q = Lab(tmp_path)
+    q = open_lab(tmp_path, room=True)
     local = q.create(commlab.spec(SMALL))
     mine = q.create(commlab.spec(SMALL), owner="alice")
     assert local.status()["owner"] == owners.local_user().name  # the CLI and the API: the local user
@@ -359,7 +360,7 @@ def test_queue_position_follows_the_fair_order(tmp_path):
     """Supervisors that are alive (this process) for a's three runs and b's one: b's run, queued last,
     comes second."""
     from commlab.lab.base import procs
-    q = Lab(tmp_path, max_jobs=8)
+    q = open_lab(tmp_path, max_jobs=8, room=True)
     spec = commlab.spec(SMALL)
     a = [q.create(spec, owner="a") for _ in range(3)]
     b = q.create(spec, owner="b")
@@ -379,7 +380,7 @@ def test_a_supervisor_far_back_waits_without_importing_torch(tmp_path, monkeypat
     from commlab.lab.base import procs
     from commlab.lab.service.queue import NEAR
     from commlab.lab.rundir.store import Run
-    q = Lab(tmp_path, max_jobs=1)
+    q = open_lab(tmp_path, max_jobs=1, room=True)
     spec = commlab.spec(SMALL)
     ahead = [q.create(spec, owner=o) for o in ("a", "b", "c")]
     for r in ahead:
@@ -412,7 +413,7 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
             new_run.submit(dict(SMALL, steps=51))
         with pytest.raises(LabError, match=r"^quota world_size: at most 2 ranks per run, asked for 3$"):
             new_run.submit(dict(SMALL, world_size=3))
-        q = Lab(tmp_path)
+        q = open_lab(tmp_path, room=True)
         for _ in range(2):
             q.create(commlab.spec(SMALL), owner="alice")
         with pytest.raises(LabError, match=r"^quota queued: alice may have 2 runs queued or running at once; 2 are, "
@@ -445,7 +446,7 @@ def test_bad_quotas_are_named(tmp_path, quotas, msg):
 
 
 def test_wall_time_quota_cancels_the_run_and_says_why(tmp_path):
-    q = Lab(tmp_path)
+    q = open_lab(tmp_path, room=True)
     run = q.submit(commlab.spec(dict(SMALL, steps=100000)), wait=True, owner="alice", wall_limit_s=3)
     st = run.status()
     assert st["state"] == "cancelled", st
@@ -466,7 +467,7 @@ def exposed(tmp_path_factory):
     access = accounts.load_access(root)
     tokens = {"class": access["class_token"], "admin": access["admin_token"],
               **{o: accounts.sign_in(root, access["class_token"], o) for o in ("alice", "bob", "carol")}}
-    q = Lab(root)
+    q = open_lab(root, room=True)
     runs = {o: q.create(commlab.spec(SMALL), owner=o) for o in ("alice", "bob", "carol")}
     port = free_port()
     code = (f"import sys; from commlab.lab.front.appserver import app_main; "

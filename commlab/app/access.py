@@ -1,7 +1,7 @@
 """The gate in the script: every script run of every session passes here (streamlit_app.py) before any
 page runs, and every list, panel and download asks it again who is looking (commlab.lab.front.ui.set_viewer).
 
-On loopback it lets the local user through. On an exposed lab (commlab.lab.front.accounts.access_mode) the viewer is
+On loopback it lets the local user through. On an exposed lab (commlab.room.accounts.access_mode) the viewer is
 the user of the session whose id the browser's cookie carries (commlab/app/gatekeeper.py made it at sign-in; it
 lets no request without one reach Streamlit). The script checks the session again on every run and
 every fragment refresh, so a signed-out, expired or revoked session sees nothing more from its next
@@ -36,8 +36,9 @@ from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_r
 from commlab import api
 from commlab.app import uploads
 from commlab.app.gatekeeper import SESSION_COOKIE
-from commlab.lab.front import accounts, ui
-from commlab.lab.service import owners
+from commlab.lab.front import ui
+from commlab.room import accounts
+from commlab.room import owners
 
 SESSION = "commlab.session"
 """Where AppTest puts a session id (a real browser's comes in its cookie)."""

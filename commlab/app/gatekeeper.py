@@ -4,7 +4,7 @@ HTML, and a middleware that lets no request without a session reach Streamlit.
 A browser signs in once with a token, through ``/signin`` (a form: the token travels in the request body),
 or through a printed link ``/?token=...``, which this middleware answers with a redirect (303) to the
 same address without the token: the address bar and the history never show a token, because the page
-with it is never loaded. A personal or admin token opens a session (commlab.lab.front.accounts.open_session) whose id
+with it is never loaded. A personal or admin token opens a session (commlab.room.accounts.open_session) whose id
 goes into an HttpOnly cookie; the class token leads to ``/signin/name``, where the student picks a name
 and gets a personal token, shown once on that page.
 
@@ -20,8 +20,8 @@ that form, and changes nothing (another site can make a browser open any address
 
 Sign-in is rate-limited in memory: ``FAILS_PER_MIN`` wrong tokens per client address (a valid token is checked
 first and always signs in; the limit refuses only more wrong ones), ``NAMES_PER_HOUR`` new names per browser and
-``names_per_address`` (commlab.lab.front.accounts.SETTINGS) per client address; a grant to pick a name serves one name;
-commlab.lab.front.accounts caps names per class token. The client address is the socket's peer, unless ``commlab app
+``names_per_address`` (commlab.room.accounts.SETTINGS) per client address; a grant to pick a name serves one name;
+commlab.room.accounts caps names per class token. The client address is the socket's peer, unless ``commlab app
 --behind-proxy`` named the proxy whose X-Forwarded-For is believed (commlab.lab.front.appserver). A link with a token
 never replaces the session a browser has: who is signed in changes only by signing out, or by the sign-in form."""
 from __future__ import annotations
@@ -40,7 +40,8 @@ from streamlit import config
 
 from commlab.app import uploads
 from commlab.lab.base.errors import LabError
-from commlab.lab.front import accounts, ui
+from commlab.lab.front import ui
+from commlab.room import accounts
 
 SESSION_COOKIE = accounts.SESSION_COOKIE
 BROWSER_COOKIE = "commlab_browser"

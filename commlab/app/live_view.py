@@ -15,7 +15,7 @@ from commlab.lab.analysis import comparison, live, plots, timelines
 from commlab.lab.front import ui
 from commlab.lab.rundir import disturbance
 from commlab.lab.rundir.summary import fmt_bytes, summarize, warmup_steps
-from commlab.lab.service import owners
+from commlab.room import owners
 
 BREAKDOWN_STEPS = 40
 """Steps the live page reads back for its breakdown (and at least that many for the timeline)."""

@@ -26,8 +26,10 @@ from typing import Callable, Optional
 
 from streamlit import config, runtime
 
-from commlab.lab.front import accounts, ui
-from commlab.lab.service.owners import User
+from commlab.lab.front import ui
+
+from commlab.room import accounts
+from commlab.room.owners import User
 
 FILES_PER_PERSON = 8
 """Uploaded files one person's open pages may hold on the server at once (a page of the Performance model holds

@@ -14,7 +14,7 @@ from commlab.lab.analysis.presets import Preset
 from commlab.lab.analysis.report import report_html
 from commlab.lab.base.errors import LabError
 from commlab.lab.front import groups, ui
-from commlab.lab.service import owners
+from commlab.room import owners
 
 LIVE_PAGE = "views/live_run.py"
 RESULTS_PAGE = "views/results.py"

@@ -3,7 +3,7 @@ may import it. Nothing here imports torch or the code it names.
 
 An import path (``package.module:object``) names code that the lab would import and call: a model factory,
 a data loader, a loss, a compressor class. ``torchvision:<arch>`` and ``hf:<type>`` name library models,
-not code. ``code_fields`` finds every such field of a spec; commlab/lab/service/owners.py (``refuse_code``) keeps them the
+not code. ``code_fields`` finds every such field of a spec; commlab/room/owners.py (``refuse_code``) keeps them the
 teacher's on a lab others share.
 
 A process that serves untrusted viewers (the UI's server) calls ``forbid_imports_when`` once; from then on,

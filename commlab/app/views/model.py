@@ -8,7 +8,7 @@ from commlab.lab.front import profiles, ui
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import views
 from commlab.lab.rundir.store import RunError
-from commlab.lab.service import owners
+from commlab.room import owners
 
 widgets.setup("Performance model")
 st.title("Performance model")

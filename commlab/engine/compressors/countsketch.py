@@ -29,7 +29,7 @@ work table of twice (narrow tables) or four times (wide ones) its size (20.5 mea
 on a bucket of 262,144 elements)."""
 MAX_CELLS = 1 << 26
 """The most cells (rows x cols) a table may have: 1.25 GiB of work memory at CELL_BYTES, within a student's
-default rank memory (2048 MB, commlab/lab/service/owners.py); a table that leaves cols unset has no more cells than its
+default rank memory (2048 MB, commlab/room/owners.py); a table that leaves cols unset has no more cells than its
 bucket has elements."""
 MAX_ROWS = 32
 MAX_COLS = 1 << 24

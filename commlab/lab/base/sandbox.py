@@ -19,22 +19,17 @@ limit and again when the child ends (whatever it started goes with it). Its answ
 its own stdout; what the code prints goes to its stderr, which is dropped. A limit it hits is one line
 naming it: "preview: took more than 30 s", "preview: more than 2 GiB of memory".
 
-Children are bounded and shared fairly. Each is started for a person: the one the caller names, else the
-viewer this process acts for (``identify``: commlab.lab.front.ui installs its viewer), never for nobody. One at a time
-per person (a second waits for the first), at most ``MAX_CHILDREN`` in the whole server; a free place goes to
-the waiting person who has had the least child time lately (a submit's check before any preview), not to
-whoever asks most often; more wait up to ``WAIT_S``, then are refused with a message. A person's previews
-may take ``BUDGET_S`` seconds of child time in any ``BUDGET_WINDOW_S`` (the teacher and the local user have no
-budget); past it they are refused with one line saying when to try again, and nobody else is affected.
+Children are bounded: at most ``MAX_CHILDREN`` at once in one server process; more wait up to ``WAIT_S``
+for a place, then are refused with a message (``Busy``). Who takes a free place is the installed gate's
+(``install_gate``): the first to ask, in a lab without a room; in a room, the person who has had the least
+child time lately, one child per person, each person's child time bounded (commlab.room.places).
 
 This module imports only the standard library at its top, so the child's limits come first.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
-import math
 import os
 import resource
 import signal
@@ -45,8 +40,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections import deque
-from typing import Callable, Deque, Dict, List, Optional, Tuple
+from typing import Dict, Optional
 
 REPO = Path(__file__).resolve().parents[3]  # the source tree (commlab/lab/base/paths.py SOURCE; this module imports only the standard library)
 
@@ -83,22 +77,6 @@ WAIT_S = 10.0
 CHECK_WAIT_S = PREVIEW.wall_s + WAIT_S
 """How long a submit's check waits for a place: it goes before every waiting preview, so one running child
 ending is all it waits for, and the longest a preview may run is PREVIEW.wall_s."""
-BUDGET_S = 60.0
-"""Seconds of child wall time one person's previews may take within BUDGET_WINDOW_S: some eight previews of
-a Hugging Face model (about 7 s of CPU each here), far more than a person changing a form's fields needs,
-and a bound on how much of the server's two places one person can keep. Past it their previews are refused
-(one line: when to try again); checks before a submit are not refused but count. The teacher and the local
-user have no budget."""
-BUDGET_WINDOW_S = 300.0
-"""The rolling window of BUDGET_S: child time older than this no longer counts."""
-BUDGETED = ("describe", "parameters")
-"""The tasks a person's BUDGET_S refuses: previews."""
-CHECK_BUDGET_S = 120.0
-"""Seconds of child wall time one person's checks before a submit may take within BUDGET_WINDOW_S: two of
-the longest (CHECK.wall_s). A check goes before every waiting preview, and one that fails queues no run (so
-the ``queued`` quota never stops a person sending the same failing spec again): without a bound of its own,
-one person could keep a place busy ahead of everyone. Past it their submits of a model that needs a check are
-refused (one line: when to try again)."""
 MAX_ANSWER = 1 << 20
 """The most bytes of a child's answer that are read."""
 TEMP_SUFFIX = ".commlab-sandbox"
@@ -117,11 +95,6 @@ class Busy(SandboxError):
     """No child could be started now (the server's are all busy): not an answer about the spec."""
 
 
-class OverBudget(Busy):
-    """A person's previews used their BUDGET_S of child time within BUDGET_WINDOW_S: refused until older
-    child time leaves the window (not an answer about the spec)."""
-
-
 class TimedOut(SandboxError):
     """The child ran out of wall-clock time: on a loaded machine that says more about the machine than about
     the spec, so it is not kept as the spec's answer."""
@@ -137,164 +110,43 @@ def register(task: str, label: str, module: str) -> None:
 
 # --------------------------------------------------------------------------- the parent's side
 
-_server = threading.BoundedSemaphore(MAX_CHILDREN)
-"""The server's places: held while a child runs. ``Places`` decides who may take the next one."""
-_people: Dict[str, threading.RLock] = {}
-_people_lock = threading.Lock()
-_asker: Optional[Callable[[], object]] = None
-NOBODY = "nobody is signed in"
-
-
-def identify(fn: Optional[Callable[[], object]]) -> None:
-    """Install how this process learns whom a child is for when its caller names nobody (``who=None``, as the
-    performance model's parameter count does): ``fn()`` gives the person acting now (an object with ``name``
-    and ``admin``, commlab.lab.service.owners.User) or None, or raises PermissionError, when nobody is signed in, and
-    then no child is started. commlab.lab.front.ui installs its viewer."""
-    global _asker
-    _asker = fn
-
-
-def whom(who, label: str = "preview") -> Tuple[str, bool]:
-    """(name, budgeted) of the person a child is for: ``who`` (a name, or a user with ``name`` and ``admin``),
-    else the one ``identify`` gives; a bare name is budgeted, a user unless they are the teacher or the local
-    user (``admin``). Without ``identify`` and ``who`` (a script of this process's own), the process's user."""
-    if who is None:
-        if _asker is None:
-            return "", False  # nobody asks for anyone: this process's own work, one child at a time
-        try:
-            who = _asker()
-        except PermissionError:
-            who = None
-        if who is None:
-            raise SandboxError(label, NOBODY)
-    if isinstance(who, str):
-        return who, True
-    return str(who.name), not getattr(who, "admin", False)
+SERVER = threading.BoundedSemaphore(MAX_CHILDREN)
+"""The server's places: held while a child runs."""
 
 
 @contextlib.contextmanager
-def person(who, label: str = "preview", wait_s: float = PREVIEW.wall_s + WAIT_S):
-    """Held while ``who``'s child runs (a name or a user; None: see ``whom``): their next one waits for it (up
-    to ``wait_s``, then Busy). Reentrant, so a caller can hold it around a cache lookup and the child that
-    fills the cache."""
-    name = who if isinstance(who, str) else whom(who, label)[0]
-    with _people_lock:
-        lock = _people.setdefault(name, threading.RLock())
-    if not lock.acquire(timeout=wait_s):
-        raise Busy(label, "your previous one is still running; try again in a moment")
+def _first_free(task: str, who, label: str, limits: Limits, wait_s: float):
+    """The gate of a lab without a room: the next free place, within ``wait_s`` (else Busy), for whoever asks."""
+    if not SERVER.acquire(timeout=wait_s):
+        raise Busy(label, f"all {MAX_CHILDREN} of the server's places for previews and checks are taken; "
+                          "try again in a moment")
     try:
         yield
     finally:
-        lock.release()
+        SERVER.release()
 
 
-class Places:
-    """Who takes the server's next free place (``_server``): of the people waiting who hold none, a submit's
-    check first, then the one with the least child time in the last BUDGET_WINDOW_S, then the one who got a
-    place least recently, then the first to ask. So one person sending previews back to back holds at most one
-    place, and anyone else waiting gets the next one that frees. Also keeps each person's child time (the
-    budget)."""
-
-    POLL_S = 0.25
-    """A waiter looks again at least this often (a place freed wakes every waiter at once)."""
-
-    def __init__(self):
-        self._cond = threading.Condition()
-        self._waiting: List[tuple] = []
-        self.held: Dict[str, int] = {}
-        """Places held, by person: never more than one each."""
-        self._spent: Dict[str, Deque[Tuple[float, float]]] = {}
-        self._last: Dict[str, float] = {}
-        self._order = itertools.count()
-
-    def _recent(self, name: str, now: float) -> Deque[Tuple[float, float, str]]:
-        """(ended at, seconds, task) of ``name``'s children in the last BUDGET_WINDOW_S, oldest first."""
-        q = self._spent.get(name, deque())
-        while q and q[0][0] <= now - BUDGET_WINDOW_S:
-            q.popleft()
-        if not q:
-            self._spent.pop(name, None)
-        return q
-
-    def refuse_past_budget(self, name: str, label: str, task: str = "describe") -> None:
-        """OverBudget, saying when to try again, when ``name``'s child time in the window is BUDGET_S or more
-        (a preview), or their checks' time is CHECK_BUDGET_S or more (a ``check``)."""
-        check = task == "check"
-        budget, what = (CHECK_BUDGET_S, "checks before a submit") if check else (BUDGET_S, "previews")
-        with self._cond:
-            now = time.monotonic()
-            q = [(ended, s) for ended, s, t in self._recent(name, now) if not check or t == "check"]
-        total = sum(s for _, s in q)
-        if total < budget:
-            return
-        for ended, seconds in q:  # oldest first: the moment enough of it has left the window
-            total -= seconds
-            if total < budget:
-                break
-        wait = max(1, math.ceil(ended + BUDGET_WINDOW_S - now))
-        raise OverBudget(label, f"your {what} took {budget:g} s of the server's time in the last "
-                                f"{BUDGET_WINDOW_S / 60:g} minutes, the most one person may; try again in {wait} s")
-
-    def _first(self, entry: tuple, now: float) -> bool:
-        def key(e):
-            name, task, order = e
-            return (task != "check", sum(s for _, s, _ in self._recent(name, now)), self._last.get(name, 0.0), order)
-        free = [e for e in self._waiting if e[0] not in self.held]
-        return bool(free) and min(free, key=key) is entry
-
-    def take(self, name: str, task: str, wait_s: float) -> bool:
-        """A place for ``name``'s child, when it is their turn (within ``wait_s``); False if none came."""
-        deadline = time.monotonic() + wait_s
-        entry = (name, task, next(self._order))
-        with self._cond:
-            self._waiting.append(entry)
-            try:
-                while True:
-                    now = time.monotonic()
-                    if self._first(entry, now) and _server.acquire(blocking=False):
-                        self.held[name] = self.held.get(name, 0) + 1
-                        self._last[name] = now
-                        return True
-                    if now >= deadline:
-                        return False
-                    self._cond.wait(min(deadline - now, self.POLL_S))
-            finally:
-                self._waiting.remove(entry)
-                self._cond.notify_all()  # the next in line may be someone else now
-
-    def give_back(self, name: str, seconds: float, task: str = "describe") -> None:
-        """``name``'s child (of ``task``) ended after ``seconds``: its place is free, its time counted."""
-        with self._cond:
-            _server.release()
-            self.held[name] -= 1
-            if not self.held[name]:
-                del self.held[name]
-            self._spent.setdefault(name, deque()).append((time.monotonic(), seconds, task))
-            self._cond.notify_all()
+_gate = _first_free
 
 
-_places = Places()
+def install_gate(gate) -> None:
+    """Install who takes the server's places: ``gate(task, who, label, limits, wait_s)``, a context manager
+    held while ``who``'s child runs, which may refuse (a SandboxError) before it starts. A room installs
+    one that is fair over people and bounds each one's child time (commlab.room.places); ``SERVER``
+    still bounds the children of the whole process."""
+    global _gate
+    _gate = gate
 
 
 def run(task: str, spec: dict, limits: Limits = PREVIEW, who=None, wait_s: Optional[float] = None) -> dict:
-    """``task`` on ``spec`` (a spec dict) in a child with ``limits``, for ``who`` (a name or a user; None: the
-    viewer ``identify`` gives, SandboxError when nobody is signed in); its answer. A SpecError-like
-    ``SandboxError`` (``path``, ``msg``) for a bad spec, for a limit hit, ``OverBudget`` for a preview past its
-    person's BUDGET_S or a check past their CHECK_BUDGET_S, or ``Busy`` when no place for the child came within ``wait_s`` (default WAIT_S)."""
+    """``task`` on ``spec`` (a spec dict) in a child with ``limits``, for ``who`` (a name or a user, for the
+    installed gate; None: whoever this process acts for); its answer. A SpecError-like ``SandboxError``
+    (``path``, ``msg``) for a bad spec or a limit hit, ``TimedOut`` past the wall-clock limit, ``Busy`` when no
+    place for the child came within ``wait_s`` (default WAIT_S), or what the installed gate refuses."""
     label = LABELS[task]
     wait_s = WAIT_S if wait_s is None else wait_s
-    name, budgeted = whom(who, label)
-    with person(name, label, limits.wall_s + wait_s):
-        if budgeted and (task in BUDGETED or task == "check"):
-            _places.refuse_past_budget(name, label, task)
-        if not _places.take(name, task, wait_s):
-            raise Busy(label, f"all {MAX_CHILDREN} of the server's places for previews and checks are taken; "
-                              f"try again in a moment")
-        t0 = time.monotonic()
-        try:
-            return _spawn(task, spec, limits)
-        finally:
-            _places.give_back(name, time.monotonic() - t0, task)
+    with _gate(task, who, label, limits, wait_s):
+        return _spawn(task, spec, limits)
 
 
 def child_env() -> dict:

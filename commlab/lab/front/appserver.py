@@ -15,7 +15,7 @@ from typing import List, Optional
 from commlab import api
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import SOURCE, make_private
-from commlab.lab.front import accounts
+from commlab.room import accounts
 from commlab.lab.front.ui import runs_dir
 from commlab.lab.rundir import disturbance
 from commlab.lab.rundir.store import RunStore
@@ -109,7 +109,7 @@ def ensure_demo_run(runs) -> Optional[str]:
 def sign_in_lines(root: Path, host: str, port: int, token: Optional[str] = None, tls: bool = False) -> str:
     """The links a teacher hands out (class token) and keeps (admin token: shown only when it is made,
     since runs/access.json keeps its hash), after setting the class token to ``token`` when given
-    (commlab.lab.front.accounts), and a warning when served without TLS."""
+    (commlab.room.accounts), and a warning when served without TLS."""
     import socket
     data = accounts.set_class_token(root, token) if token else accounts.load_access(root)
     where = socket.gethostname() if host in ("0.0.0.0", "::", "") else host
@@ -133,7 +133,7 @@ def app_main(port: int = 8501, runs: Optional[os.PathLike] = None, host: Optiona
     """``commlab app``: serve the UI on host:port (127.0.0.1 unless ``host``) over the runs
     directory ``runs`` (default $COMMLAB_RUNS or ./runs) until interrupted. With ``demo``,
     an empty runs directory gets the demo run queued first. Bound beyond loopback, every request
-    needs a token (commlab.lab.front.accounts; ``token`` sets the class token) and the links are printed.
+    needs a token (commlab.room.accounts; ``token`` sets the class token) and the links are printed.
     ``certfile``/``keyfile`` serve it over TLS. ``behind_proxy``: the addresses of a proxy in front (LOCAL_PROXY: on
     this machine), whose X-Forwarded-For then names the client; without it the socket's peer is the client.
     Returns 0 after a stop by signal, else Streamlit's exit status."""

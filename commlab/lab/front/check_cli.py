@@ -19,7 +19,7 @@ import yaml
 from commlab.engine.spec import SpecError
 from commlab.lab.base.specs import load_spec
 from commlab.lab.front.cli_kit import numbers
-from commlab.lab.service.queue import Lab
+from commlab.room import open_lab
 from commlab.lab.strategy import payoff
 from commlab.lab.strategy.perfmodel import whatif
 
@@ -120,7 +120,7 @@ def cmd_check(args) -> int:
 
 
 def _payoff(args, section: dict, spec, gbps: List[float], workers: List[int], say) -> dict:
-    lab = Lab(args.runs)
+    lab = open_lab(args.runs)
     if args.profile:
         prof = whatif.load_profile_file(args.profile, "--profile")
         spec = prof.spec or model_spec(prof.model, prof.batch_size)

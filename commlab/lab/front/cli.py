@@ -48,7 +48,8 @@ from typing import List, Optional
 
 from commlab.engine.spec import JobSpec, SpecError
 from commlab.lab.base.errors import LabError
-from commlab.lab.front import accounts, check_cli, completion, model_cli, run_cli
+from commlab.lab.front import check_cli, completion, model_cli, run_cli
+from commlab.room import accounts
 from commlab.lab.front.appserver import LOCAL_PROXY, app_main
 from commlab.lab.front.cli_kit import (
     ROOT,

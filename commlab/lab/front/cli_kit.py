@@ -19,6 +19,7 @@ from commlab.lab.base.paths import SOURCE, default_root, make_private
 from commlab.lab.rundir.store import RunStore
 from commlab.lab.rundir.summary import summarize
 from commlab.lab.service.queue import Lab
+from commlab.room import open_lab
 
 ROOT = SOURCE
 
@@ -151,7 +152,7 @@ def runs_root(args, create: bool = True) -> Path:
 
 
 def lab_of(args) -> Lab:
-    return Lab(runs_root(args))
+    return open_lab(runs_root(args))
 
 
 def store_of(args) -> RunStore:

@@ -15,7 +15,7 @@ from commlab.lab.analysis.presets import Preset
 from commlab.lab.base.errors import LabError
 from commlab.lab.front.ui import get_run, get_run_or_raise, lab_get, queue_runs, runs_dir, viewer, visible
 from commlab.lab.rundir.store import RunError
-from commlab.lab.service import owners
+from commlab.room import owners
 
 
 def start_preset(preset: Preset, runs=None, values: Optional[Dict[str, int]] = None) -> str:

@@ -27,7 +27,7 @@ from commlab.lab.front.cli_kit import (
     runs_root,
     store_of,
 )
-from commlab.lab.service.queue import Lab
+from commlab.room import open_lab
 from commlab.lab.strategy import advisor, penalty
 from commlab.lab.strategy.advisor import TRIAL_STEPS, TRIALS
 from commlab.lab.strategy.perfmodel import calibrate as cal
@@ -124,7 +124,7 @@ def cmd_profile(args) -> int:
     print(f"profile: {spec['model']['name']} on {spec['dataset']['name']}, batch {spec['batch_size']}: a "
           f"{args.steps}-step single-process run", file=say, flush=True)
     try:
-        prof = whatif.profile_spec(spec, runs_root(args), args.steps, runner=Lab(runs_root(args)).runner())
+        prof = whatif.profile_spec(spec, runs_root(args), args.steps, runner=open_lab(runs_root(args)).runner())
     except CalibrationError as e:
         raise LabError(str(e)) from None
     prof.save(args.output)
@@ -207,7 +207,7 @@ def cmd_predict(args) -> int:
             store_of(args).get(args.calibrate)  # a missing run is said before anything is measured
         try:
             prof = whatif.resolve_profile(spec, runs_root(args), args.profile, args.calibrate, say=info,
-                                          runner=Lab(runs_root(args)).runner())
+                                          runner=open_lab(runs_root(args)).runner())
         except CalibrationError as e:
             raise LabError(str(e)) from None
     if link_cal is not None:
@@ -293,7 +293,7 @@ def cmd_advise(args) -> int:
     say = notes(args)
     adv = advisor.advise(spec, runs_root(args), args.gbps, args.link, args.workers, args.measure, args.trials,
                          args.trial_steps, penalty.parse_penalties(args.penalty),
-                         runner=Lab(runs_root(args)).runner(), candidates=extra,
+                         runner=open_lab(runs_root(args)).runner(), candidates=extra,
                          say=lambda line: print(line, file=say, flush=True))
     net = adv.network
     print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "

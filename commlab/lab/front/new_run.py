@@ -20,10 +20,10 @@ from commlab.engine.spec import (
     SpecError,
 )
 from commlab.lab.base.specs import load_spec, typed_yaml
-from commlab.lab.front import previews
+from commlab.room import previews
 from commlab.lab.front.ui import may_run_code, queue_runs, runs_dir, viewer
 from commlab.lab.rundir.store import Run
-from commlab.lab.service import owners
+from commlab.room import owners
 
 
 def cuda_available() -> bool:
@@ -144,7 +144,7 @@ def parse_options(text: str) -> Tuple[dict, Optional[str]]:
 def validate(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError]]:
     """The validated spec, or the SpecError (``e.path``, ``e.msg``) that names the bad field. For a student:
     a field that names code is refused before anything else (and nothing is imported: the syntax is checked),
-    and so is a spec over a per-run limit (commlab.lab.service.owners.quotas), under the field it is about."""
+    and so is a spec over a per-run limit (commlab.room.owners.quotas), under the field it is about."""
     try:
         spec = _parse(data)
         if not may_run_code():

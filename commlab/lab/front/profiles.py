@@ -19,7 +19,7 @@ from commlab.engine.spec import SpecError
 from commlab.lab.base import sandbox
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import CURVES, PROPERTIES, SHAPED_LINK
-from commlab.lab.service import owners
+from commlab.room import owners, places
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import views, whatif
 
@@ -142,7 +142,7 @@ def cluster_prediction(user: owners.User, prof: cal.Profile, shape: dict, worker
                                     sort_keys=True, default=str).encode()).hexdigest()
     hit = _kept(key)
     if hit is None:
-        with sandbox.person(user.name, "prediction", sandbox.WAIT_S):
+        with places.person(user.name, "prediction", sandbox.WAIT_S):
             hit = _kept(key)
             if hit is None:
                 try:

@@ -33,7 +33,7 @@ from commlab.lab.rundir.disturbance import describe, mark
 from commlab.lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
 from commlab.lab.rundir.progress import quiet
 from commlab.lab.rundir.summary import format_summary, summarize, what_ran
-from commlab.lab.service.queue import Lab
+from commlab.room import open_lab
 
 
 def add_commands(sub) -> None:
@@ -290,7 +290,7 @@ def cmd_runs(args) -> int:
     root = runs_root(args, create=False)
     rows_db = []
     if root.is_dir():
-        lab = Lab(root)
+        lab = open_lab(root)
         if args.reindex:
             print(f"reindexed {lab.reindex()} runs from {lab.root}", file=sys.stderr)
         lab.recover_stale()
@@ -321,7 +321,7 @@ def cmd_runs(args) -> int:
 
 
 def cmd_cancel(args) -> int:
-    lab = Lab(runs_root(args, create=False))
+    lab = open_lab(runs_root(args, create=False))
     before = lab.store.get(args.run).state
     if before in FINAL:
         raise UsageError(f"RUN: {args.run} is already {before}; nothing to cancel")

@@ -20,7 +20,7 @@ from commlab.lab.base.paths import PROCESS, SOURCE, SWEEP, SWEEP_GRID, SWEEP_LOG
 from commlab.lab.front.sweep import Sweep
 from commlab.lab.front.ui import get_run, runs_dir, viewer
 from commlab.lab.rundir.store import check_id
-from commlab.lab.service.queue import Lab
+from commlab.room import open_lab
 from commlab.lab.service.spawn import spawn_detached
 
 
@@ -45,7 +45,7 @@ def sweep_data(name: str, base: dict, grid: dict, target_acc: Optional[float] = 
 
 def make_sweep(data: dict, runs=None):
     """A validated Sweep (raises SpecError naming the bad field or grid cell)."""
-    return Sweep(Lab(runs or runs_dir()), data=data)
+    return Sweep(open_lab(runs or runs_dir(), room=True), data=data)
 
 
 def sweep_argv(grid_file: Path, runs: Path) -> List[str]:

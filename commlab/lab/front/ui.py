@@ -4,7 +4,7 @@ share, and how a run's name is shown. Nothing here imports streamlit, so it can 
 notebook.
 
 The pages' other helpers each have a module of their own: the New run form (commlab.lab.front.new_run), model sizes
-counted in a child (commlab.lab.front.previews), presets' groups (commlab.lab.front.groups), sweeps started from the UI
+counted in a child (commlab.room.previews), presets' groups (commlab.lab.front.groups), sweeps started from the UI
 (commlab.lab.front.sweep_jobs), the Advisor page's jobs (commlab.lab.front.advice_jobs). The ``commlab app`` command that
 serves the pages is commlab.lab.front.appserver.
 """
@@ -17,14 +17,11 @@ from typing import Callable, List, Optional, Tuple
 
 from commlab import api
 from commlab.engine import codepath
-from commlab.lab.base import sandbox
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import default_root
-from commlab.lab.front import previews
 from commlab.lab.rundir.store import Run, RunError
-from commlab.lab.service import owners
-from commlab.lab.service.owners import User
-from commlab.lab.service.queue import Lab
+from commlab.room import open_lab, owners, places, previews
+from commlab.room.owners import User
 
 REFRESH_S = 2.0
 """How often a live panel re-reads a run that is not final (state, progress, medians)."""
@@ -35,6 +32,11 @@ new element, so every redraw mounts four Plotly charts afresh: about 0.6-0.8 s o
 at normal priority, on the cores the ranks train on. Every 4 s, a page opened at Start took a third of a
 core through a run's timed steps and slowed a 60-step dear run by 9%; a 60-100-step run now trains between
 two redraws (docs/explanation/presets.md, "Watching a run")."""
+
+
+def _lab(root):
+    """The lab on ``root`` as a room's: the pages act for a viewer (commlab.room.open_lab)."""
+    return open_lab(root, room=True)
 
 
 def runs_dir() -> Path:
@@ -65,7 +67,7 @@ def viewer() -> User:
     return u
 
 
-sandbox.identify(viewer)  # a child started for nobody in particular (the performance model's) is the viewer's
+places.install(viewer)  # the room's places; a child started for nobody in particular (the performance model's) is the viewer's
 
 
 def visible(run: Run, user: Optional[User] = None) -> bool:
@@ -86,7 +88,7 @@ def may_run_code(user: Optional[User] = None) -> bool:
 
 START_WAIT_S = 60.0
 """How long a Start or a submit waits for a place for its model's preview (the form's own previews wait
-sandbox.WAIT_S): a click in a rush waits its turn instead of failing."""
+commlab.lab.base.sandbox.WAIT_S): a click in a rush waits its turn instead of failing."""
 
 
 def admit(root, specs: list) -> Tuple[User, list, Optional[float]]:
@@ -112,7 +114,7 @@ def queue_runs(root, specs: list, then=None) -> List[Run]:
     the runs are made under one lock (owners.queue_lock), so requests at the same moment cannot both pass
     it. ``then(runs)`` runs before their supervisors start (a preset records its group). Returns the runs."""
     user, specs, wall = admit(root, specs)
-    q = Lab(root)
+    q = _lab(root)
     with owners.queue_lock(root, user.name):
         if not user.admin:
             mine = q.index.query(owner=user.name)
@@ -151,12 +153,12 @@ def get_run_or_raise(run_id: str, runs=None) -> Run:
 def index_rows(runs=None, **filters) -> List[dict]:
     """The index's rows (state, model, compressor, ... per run) the viewer may see, oldest first."""
     user = viewer()
-    return [r for r in Lab(runs or runs_dir()).index.query(**filters) if owners.can_see(user, r)]
+    return [r for r in _lab(runs or runs_dir()).index.query(**filters) if owners.can_see(user, r)]
 
 
 def list_runs(runs=None, **filters) -> List[Run]:
     """The runs the viewer may see (their own and shared ones; all for the teacher), oldest first."""
-    q = Lab(runs or runs_dir())
+    q = _lab(runs or runs_dir())
     q.recover_stale()
     user = viewer()
     return [q.store.get(r["id"]) for r in q.index.query(**filters) if owners.can_see(user, r)]
@@ -192,7 +194,7 @@ def share(run_id: str, shared: bool = True, runs=None) -> bool:
         raise LabError(f"share: run {run_id} belongs to {owners.owner_of(run.status())}; "
                        "only its owner or the teacher may share it")
     run.note(shared=bool(shared))
-    Lab(root).index.update(run)
+    _lab(root).index.update(run)
     return bool(shared)
 
 

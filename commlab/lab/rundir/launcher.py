@@ -7,14 +7,15 @@
     start    the log, the disturbance sampler (commlab.lab.rundir.disturbance), the processes (forked by the warm
              server when there is one, commlab.lab.base.warm), then ``mark_running`` with what was started
     follow   poll the processes; read what metrics.jsonl gained (``JsonlTail``) for the progress bar and
-             ``on_metrics``; stop on a cancel request, Ctrl-C or the run's wall-time quota (``wall_limit_s``
-             in its status: a student's); sample the CPU other processes take
+             ``on_metrics``; stop on a cancel request, Ctrl-C or the run's wall-time limit (``wall_limit_s``
+             in its status); sample the CPU other processes take
     finish   kill strays, then one final transition carrying the disturbance figures: done, diverged, failed
              (the rank that caused it and its error, ``failure_cause``) or cancelled (by whom or why)
 
-A run with a memory limit per rank (``rank_limit_mb`` in its status: a student's ``rank_mb`` quota) has its
-ranks started under it (commlab.lab.base.procs.limit_data), and a rank that passes it fails the run with the
-limit named (``finish_status``).
+The limits are what admission recorded in the run's status; the launcher only applies them (a room sets
+them: a student's wall time and ``rank_mb`` quota, commlab.room.policy). A run with a memory limit per rank
+(``rank_limit_mb``) has its ranks started under it (commlab.lab.base.procs.limit_data), and a rank that passes
+it fails the run with the limit named (``finish_status``).
 """
 from __future__ import annotations
 

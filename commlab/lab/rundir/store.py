@@ -62,7 +62,7 @@ CHANGE_TRIES = 20
 (another tool, a shared file system) gets about half a second to finish its file."""
 READ_PAUSE_S = 0.025
 CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access", "rank_mb")
-"""What runs/lab.json may hold; commlab.lab.service.queue, commlab.lab.rundir.disturbance, commlab.lab.service.owners and commlab.lab.front.accounts
+"""What runs/lab.json may hold; commlab.lab.service.queue, commlab.lab.rundir.disturbance, commlab.room.owners and commlab.room.accounts
 check the values."""
 
 

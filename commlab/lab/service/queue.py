@@ -7,10 +7,8 @@ own supervisor; the UI and ``commlab.run(..., wait=False)`` start a detached one
 ``runs/.slots/``: the kernel releases a dead supervisor's lock, so a crash
 never leaks a slot. A queued supervisor only tries for a slot when fewer than
 ``max_jobs`` queued runs come before its own in the queue's order, which is
-fair by run time over the runs' owners (commlab.lab.service.owners.fair_order): the owner
-who has had the least run time goes first, so a user with many runs queued
-does not hold back one who has few. With a single user it is first come,
-first served.
+the lab's admission rule's (commlab.lab.service.admission): first come, first
+served; in a room, fair by run time over the runs' owners (commlab.room.policy).
 
 A supervisor that dies (``kill -9``) takes its torchrun with it (parent-death
 signal) and leaves its run ``running`` or ``queued``; the next lab command
@@ -27,10 +25,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from commlab.engine import codepath, runfiles
+from commlab.engine import runfiles
 from commlab.engine.runfiles import FINAL, UNFINISHED, State
-from commlab.engine.spec import SpecError
-from commlab.lab.base import procs, sandbox
+from commlab.lab.base import procs
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import CONFIG, SLOTS, SOURCE
 from commlab.lab.base.specs import load_spec
@@ -39,8 +36,7 @@ from commlab.lab.rundir.index import Index, RunIndexError
 from commlab.lab.rundir.launcher import kill_strays, launch
 from commlab.lab.rundir.progress import quiet
 from commlab.lab.rundir.store import Run, RunStore, lab_config
-from commlab.lab.service.owners import (User, every_rank_mb, fair_order, is_student, local_user, rank_limit, refuse_code,
-                                run_time, typical_run)
+from commlab.lab.service.admission import Admission
 from commlab.lab.service.spawn import spawn_detached
 from commlab.lab.strategy import auto
 from commlab.lab.strategy.auto import keep_record
@@ -89,11 +85,14 @@ class Slots:
 class Lab:
     """The lab's front door for the CLI, the UI, notebooks and scripts."""
 
-    def __init__(self, runs: Optional[os.PathLike] = None, max_jobs: Optional[int] = None):
+    def __init__(self, runs: Optional[os.PathLike] = None, max_jobs: Optional[int] = None,
+                 admission: Optional[Callable[[Path], Admission]] = None):
+        """``admission``: the rule that admits runs and orders the queue, made for the runs directory
+        (default: the single-user lab's, commlab.lab.service.admission.Admission; a room's: commlab.room.open_lab)."""
         self.store = RunStore(runs, on_change=self._changed)
         self.index = Index(self.store)
         configured = _config_max_jobs(self.store.root)  # read even when overridden: a broken file is reported
-        every_rank_mb(self.store.root)  # a bad rank_mb too, before any run
+        self.admission = (admission or Admission)(self.store.root)
         self.max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or configured or default_max_jobs()
 
     def _changed(self, run: Run) -> None:
@@ -112,7 +111,7 @@ class Lab:
     # -- submitting -----------------------------------------------------
     def submit(self, spec, wait: bool = True, progress: bool = False, out=None, sweep: Optional[str] = None,
                owner: Optional[str] = None, wall_limit_s: Optional[float] = None) -> Run:
-        """Queue a run. With ``wait`` this process supervises it to the end;
+        """Queue a run (``create``'s arguments). With ``wait`` this process supervises it to the end;
         otherwise a detached supervisor does, and the run is returned at once."""
         run = self.create(spec, sweep=sweep, owner=owner, wall_limit_s=wall_limit_s,
                           supervisor=procs.identity() if wait else None)
@@ -125,45 +124,24 @@ class Lab:
     def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
                wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None,
                supervisor: Optional[dict] = None) -> Run:
-        """A new queued run directory (nothing runs until a supervisor takes it), owned by ``owner``
-        (default: the local user). With ``wall_limit_s`` its supervisor cancels it after that many
-        seconds of running (a student's quota, commlab.lab.service.owners). Its ranks get the memory limit of its owner
-        (commlab.lab.service.owners.rank_limit: a student's ``rank_mb`` quota, runs/lab.json's ``rank_mb`` for
-        everyone), recorded in its status (``rank_limit_mb``). A student's spec that names code is refused
-        here, whoever submits it (commlab.lab.service.owners.refuse_code). A model or data set from outside the zoo takes
-        one batch first: in this process where it may import the spec's code (the CLI, a notebook), else in
-        a child with limits (commlab.lab.base.sandbox; the UI's server); ``say`` is told first, since building the model
-        can take a while (a Hugging Face model: its imports and weights, seconds). ``supervisor``: the identity
-        (procs.identity) of the process that will supervise it, when that is known already (``commlab run``)."""
-        if is_student(owner):
-            refuse_code(spec.to_dict())
+        """A new queued run directory (nothing runs until a supervisor takes it), as the lab's admission rule
+        admits it (``self.admission.admit``: its owner, default the local user, and its limits, recorded in its
+        status; a model or data set from outside the zoo takes one batch first, and ``say`` is told before).
+        With ``wall_limit_s`` its supervisor cancels it after that many seconds of running (the launcher reads
+        it from the status). ``supervisor``: the identity (procs.identity) of the process that will supervise
+        it, when that is known already (``commlab run``)."""
         if spec.network.link == "shaped":
             try:
                 check_shaped_supported()
             except NetworkUnavailable as e:
                 raise LabError(f"network.link: {e}") from None
-        from commlab.engine import preflight  # torch: not when a supervisor imports this module (supervise)
-        if preflight.needs_check(spec):  # a model or data set from outside the zoo: one batch, before any rank
-            if say is not None:
-                say(f"checking the model and data set ({spec.model.name} on {spec.dataset.name}): one batch "
-                    "before any rank starts ...")
-            if codepath.imports_allowed():
-                preflight.check(spec)
-            else:
-                try:
-                    who = User(owner, admin=not is_student(owner)) if owner else local_user()  # students' budgeted
-                    sandbox.run("check", spec.to_dict(), sandbox.CHECK, who=who,
-                                wait_s=sandbox.CHECK_WAIT_S)  # before others' previews (sandbox.Places)
-                except sandbox.SandboxError as e:
-                    raise SpecError(e.path, e.msg) from None
-        memory_mb, memory_from = rank_limit(self.root, owner) or (None, None)
+        queued = self.admission.admit(spec, owner, say)
         self.recover_stale()
-        return self.store.create(spec, run_id, owner=owner or local_user().name, rank_limit_mb=memory_mb,
-                                 rank_limit_from=memory_from, sweep=sweep or None,
+        return self.store.create(spec, run_id, **queued, sweep=sweep or None,
                                  wall_limit_s=float(wall_limit_s) if wall_limit_s else None, supervisor=supervisor)
 
     def spawn_supervisor(self, run: Run) -> int:
-        argv = [sys.executable, "-m", "commlab.lab.service.supervise", "--runs", str(self.root.resolve()), run.id]
+        argv = [sys.executable, "-m", self.admission.supervisor, "--runs", str(self.root.resolve()), run.id]
         # at normal priority even when the UI's (niced) server asks for it: commlab/lab/service/spawn.py
         pid = spawn_detached(argv, run.file(runfiles.SUPERVISOR_LOG), cwd=SOURCE,
                              env={**os.environ, "COMMLAB_MAX_JOBS": str(self.max_jobs)})
@@ -231,7 +209,7 @@ class Lab:
 
     def queue_position(self, run: Run, upto: Optional[int] = None) -> int:
         """How many queued runs with a live supervisor come before ``run`` in the queue's order
-        (fair by run time over owners, commlab.lab.service.owners.fair_order), counted up to ``upto`` (default
+        (the admission rule's ``order``), counted up to ``upto`` (default
         ``max_jobs``: all a supervisor needs to know, and it keeps polling cheap for long queues)."""
         upto = self.max_jobs if upto is None else upto
         everything = self.index.query()
@@ -239,8 +217,7 @@ class Lab:
         if run.id not in {r["id"] for r in queued}:  # the index lags the run's own file: count it as queued
             queued.append({"id": run.id, "created": run.status().get("created", 0), "owner": run.status().get("owner")})
         n = 0
-        running = [r for r in everything if r["state"] == "running"]
-        for rid in fair_order(queued, running, run_time(everything), typical_run(everything)):
+        for rid in self.admission.order(queued, everything):
             if rid == run.id or n >= upto:
                 break
             if procs.alive(self.store.get(rid).status().get("supervisor")):

@@ -289,7 +289,7 @@ def _parameters(key: str) -> tuple:
         from commlab.engine import preflight  # torch, only when this process builds the model itself
         return tuple(tuple(p) for p in preflight.parameters(JobSpec.from_dict(json.loads(key))))
     try:
-        # for the viewer (sandbox.identify): their one place at a time, their budget, as for the form's previews
+        # for the viewer (commlab.room.places.identify): their one place at a time, their budget, as for the form's previews
         return tuple(tuple(p) for p in sandbox.run("parameters", json.loads(key), sandbox.PREVIEW))
     except sandbox.SandboxError as e:
         raise CalibrationError(str(e)) from None

@@ -1,5 +1,5 @@
 """The lab as a workshop server: who owns a run, who sees it, and how much each may ask. Who may sign
-in, and their tokens and sessions, are commlab.lab.front.accounts'.
+in, and their tokens and sessions, are commlab.room.accounts'.
 
 Loopback use (``commlab app``, the CLI, notebooks) has one user, the person at the machine: the local
 user, who sees and controls everything. A run records its owner and whether it is shared in status.json

@@ -13,6 +13,7 @@ from typing import Dict, Optional
 from commlab.engine import codepath
 from commlab.engine.spec import JobSpec, SpecError
 from commlab.lab.base import sandbox
+from commlab.room import places
 
 PREVIEWS = 64
 """Model sizes (or the one-line error of their preview) kept in this process, least recently used first out."""
@@ -29,9 +30,9 @@ def model_size(spec: JobSpec, who, wait_s: Optional[float] = None) -> dict:
     set (the last PREVIEWS answers are kept); a compressor named by import path is checked there too (its
     class's declared parameters, and dear's needs). Raises SpecError as the spec would, or with the limit
     the child hit ("preview: took more than 30 s"), or with why no child was started for it now (no free
-    place, the person's budget spent). ``who`` is the person asking (a user, commlab.lab.service.owners.User, or a
-    name, which has a student's budget): one child per person at a time (sandbox.person), places handed out
-    fairly and each person's child time bounded (sandbox.Places)."""
+    place, the person's budget spent). ``who`` is the person asking (a user, commlab.room.owners.User, or a
+    name, which has a student's budget): one child per person at a time (commlab.room.places.person), places handed out
+    fairly and each person's child time bounded (commlab.room.places.Places)."""
     d = spec.to_dict()
     data = dict(d["dataset"])
     if data["name"] == "synthetic":
@@ -47,7 +48,7 @@ def model_size(spec: JobSpec, who, wait_s: Optional[float] = None) -> dict:
         if not asking.acquire(timeout=sandbox.PREVIEW.wall_s + (sandbox.WAIT_S if wait_s is None else wait_s)):
             raise SpecError("preview", "another viewer's preview of this model is still running; try again in a moment")
         try:  # the key's lock first, then the person's: every thread takes them in this order
-            with sandbox.person(who):  # one child per person at a time; a second request waits, then finds the answer
+            with places.person(who):  # one child per person at a time; a second request waits, then finds the answer
                 hit = _preview(key) or _run_preview(key, who, wait_s)
         finally:
             with _previews_lock:

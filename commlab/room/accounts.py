@@ -44,7 +44,7 @@ from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import ACCESS, ACCESS_LOCK, CONFIG, INDEX, make_private
 from commlab.lab.rundir.index import Index
 from commlab.lab.rundir.store import RunStore, lab_config
-from commlab.lab.service.owners import TEACHER, User, local_user
+from commlab.room.owners import TEACHER, User, local_user
 
 SESSION_COOKIE = "commlab_session"
 """The cookie that carries a browser's session id (set at sign-in by commlab/app/gatekeeper.py; read by commlab/app/access.py and,
