@@ -1,5 +1,5 @@
 """Sign-in on an exposed lab, as a student, an outsider and a revoked student would try it: tokens are
-exchanged for sessions at the gatekeeper (commlab/app/gatekeeper.py) in plain HTTP before Streamlit; sessions,
+exchanged for sessions at the gatekeeper (commlab/app/room/gatekeeper.py) in plain HTTP before Streamlit; sessions,
 expiry, rotation, revocation and caps (commlab/room/accounts.py)."""
 import json
 import os
@@ -12,7 +12,7 @@ from starlette.testclient import TestClient  # noqa: E402
 from starlette.websockets import WebSocketDisconnect  # noqa: E402
 
 import commlab  # noqa: E402
-from commlab.app import gatekeeper  # noqa: E402
+from commlab.app.room import gatekeeper  # noqa: E402
 from commlab.room import accounts  # noqa: E402
 from commlab.room import owners
 from commlab.room import open_lab  # noqa: E402

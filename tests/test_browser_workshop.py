@@ -21,7 +21,7 @@ import pytest
 
 import commlab
 from distutil import stop_process, wait_until_up
-from commlab.app import access
+from commlab.app.room import access
 from commlab.room import accounts
 from commlab.room import open_lab
 from test_app import SMALL

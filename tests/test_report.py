@@ -103,7 +103,7 @@ def test_the_ui_builds_a_report_in_a_thread_that_acts_for_no_one(finished):
     from commlab.lab.analysis.report import report_html
     root, a, b, gid = finished
     group = results.load_group(root, gid)
-    ui.set_viewer(lambda: None)  # what commlab/app/access.py's resolver gives outside a session
+    ui.set_viewer(lambda: None)  # what commlab/app/room/access.py's resolver gives outside a session
     try:
         with pytest.raises(PermissionError):
             ui.get_run(a.id, root)

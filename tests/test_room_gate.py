@@ -1,6 +1,6 @@
 """The workshop server's front door under a signed-in student's attack: uploads bounded per person and for the
-server, taken only for the uploader's own page and dropped with it (commlab/app/uploads.py); signing out only by a form
-post from the lab's own page (commlab/app/gatekeeper.py); a valid token signing in past the wrong-token limit, and the
+server, taken only for the uploader's own page and dropped with it (commlab/app/room/uploads.py); signing out only by a form
+post from the lab's own page (commlab/app/room/gatekeeper.py); a valid token signing in past the wrong-token limit, and the
 client address that limit counts not chosen by the client unless the teacher says a proxy is in front
 (``commlab app --behind-proxy``, commlab/lab/front/appserver.py). Through the gatekeeper with a Starlette TestClient
 (tests/test_accounts.py's helpers) and over the wire against a real server."""
@@ -18,7 +18,7 @@ from streamlit.runtime.memory_uploaded_file_manager import MemoryUploadedFileMan
 from streamlit.runtime.uploaded_file_manager import UploadedFileRec  # noqa: E402
 
 import commlab  # noqa: E402
-from commlab.app import gatekeeper  # noqa: E402
+from commlab.app.room import gatekeeper  # noqa: E402
 from commlab.lab.base.errors import LabError  # noqa: E402
 from commlab.room import accounts  # noqa: E402
 from commlab.room import owners  # noqa: E402
@@ -163,9 +163,9 @@ def rec(size: int, fid=None) -> UploadedFileRec:
 
 @pytest.fixture
 def held(monkeypatch):
-    """The server's uploaded-file manager, bounded as commlab/app/uploads.py bounds it, with small limits; a Streamlit
+    """The server's uploaded-file manager, bounded as commlab/app/room/uploads.py bounds it, with small limits; a Streamlit
     session id here is '<person>-<n>', and ``live`` the sessions still connected."""
-    from commlab.app import uploads
+    from commlab.app.room import uploads
     monkeypatch.setenv(accounts.ACCESS_ENV, "token")
     monkeypatch.setattr(uploads, "FILES_PER_PERSON", 3)
     monkeypatch.setattr(uploads, "MB_PER_PERSON", 1)
@@ -302,7 +302,7 @@ def test_over_the_wire_an_upload_goes_only_to_the_uploaders_own_page(served):
 
 def test_over_the_wire_uploads_are_bounded_per_person_and_dropped_with_their_page(served):
     """Any number of files under made-up ids: the person's bound refuses more; closing the page frees it."""
-    from commlab.app import uploads
+    from commlab.app.room import uploads
     from bench.wsclient import sign_in
     url, root, tokens = served
     jar = sign_in(url, tokens["alice"])
@@ -327,7 +327,7 @@ def test_over_the_wire_uploads_are_bounded_per_person_and_dropped_with_their_pag
 
 
 def test_over_the_wire_signing_out_drops_the_persons_uploads(served):
-    from commlab.app import uploads
+    from commlab.app.room import uploads
     from bench.wsclient import sign_in
     url, root, tokens = served
     jar = sign_in(url, tokens["bob"])

@@ -1,4 +1,4 @@
-"""The workshop server (commlab/room/owners.py, commlab/room/accounts.py, commlab/app/access.py): the in-script gate, per-user runs,
+"""The workshop server (commlab/room/owners.py, commlab/room/accounts.py, commlab/app/room/access.py): the in-script gate, per-user runs,
 the fair queue and quotas, tested as a student or an outsider would try them: no session, a wrong one,
 another student's run id, path tricks in ids. Sign-in itself (tokens for sessions, in plain HTTP before
 Streamlit) is tests/test_accounts.py's."""
@@ -12,7 +12,7 @@ pytest.importorskip("streamlit")
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 import commlab  # noqa: E402
-from commlab.app import access  # noqa: E402
+from commlab.app.room import access  # noqa: E402
 from commlab.lab.front import groups, new_run, sweep_jobs, ui  # noqa: E402
 from commlab.room import accounts  # noqa: E402
 from commlab.room import owners

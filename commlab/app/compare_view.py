@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from commlab.app import access
+from commlab.app.room import access
 from commlab.app.widgets import report_button, table_columns, where
 from commlab.lab.analysis import comparison, plots, timelines
 from commlab.lab.front import ui

@@ -8,7 +8,7 @@ from typing import Optional
 
 import streamlit as st
 
-from commlab.app import access
+from commlab.app.room import access
 from commlab.app.widgets import report_button, state_badge, where
 from commlab.engine.runfiles import FINAL
 from commlab.lab.analysis import comparison, live, plots, timelines

@@ -11,7 +11,9 @@ from typing import Optional
 import pandas as pd
 import streamlit as st
 
-from commlab.app import access, widgets
+from commlab.app import widgets
+
+from commlab.app.room import access
 from commlab.lab.analysis import plots, timelines
 from commlab.lab.analysis.results import preset_of
 from commlab.lab.front import groups, sweep_jobs, ui

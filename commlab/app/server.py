@@ -1,5 +1,5 @@
 """The server `commlab app` starts: Streamlit's app (streamlit_app.py) behind the gatekeeper (sign-in
-pages, and no request without a session on an exposed lab; commlab/app/gatekeeper.py). Run as
+pages, and no request without a session on an exposed lab; commlab/app/room/gatekeeper.py). Run as
 ``streamlit run commlab/app/server.py``; Streamlit finds ``app`` below and serves it."""
 import logging
 import os
@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 import streamlit as st
 from starlette.middleware import Middleware
 
-from commlab.app import access, gatekeeper
+from commlab.app.room import access, gatekeeper
 from commlab.lab.front.appserver import FORWARDED_ENV
 
 

@@ -5,7 +5,9 @@ old multipage mode for a session that opens a page's URL directly, bypassing thi
 (and with it the gate below)."""
 import streamlit as st
 
-from commlab.app import access, guard
+from commlab.app import guard
+
+from commlab.app.room import access
 
 guard.install()  # nothing a viewer names is imported or built in this process
 user = access.gate()  # on a workshop server, nothing below runs without a valid token

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from commlab.app import access
+from commlab.app.room import access
 from commlab.app.widgets import RESULTS_PAGE, table_columns
 from commlab.engine.spec import MAX_NAME, SpecError
 from commlab.lab.analysis import plots

@@ -9,7 +9,7 @@ from typing import List, Optional
 
 import streamlit as st
 
-from commlab.app import access
+from commlab.app.room import access
 from commlab.lab.analysis.presets import Preset
 from commlab.lab.analysis.report import report_html
 from commlab.lab.base.errors import LabError

@@ -18,7 +18,7 @@ token once. The tokens live in ``runs/access.json`` (mode 0600, made on first us
      "sessions": {"<sha256 of a session id>": {"id": "<person id, or 'teacher'>", "expires": t}},
      "revoked": {"alice": t}, "revoked_browsers": {"<sha256>": t}}
 
-Tokens are exchanged for a session (``open_session``) by the server's sign-in routes (commlab/app/gatekeeper.py),
+Tokens are exchanged for a session (``open_session``) by the server's sign-in routes (commlab/app/room/gatekeeper.py),
 which hand the browser the session id in an HttpOnly cookie and take the token out of the address. The
 address bar and the history never keep a token; signing out closes the session; a revoked person's
 sessions end at their next request. Personal tokens, admin tokens and sessions carry only hashes here.
@@ -47,8 +47,8 @@ from commlab.lab.rundir.store import RunStore, lab_config
 from commlab.room.owners import TEACHER, User, local_user
 
 SESSION_COOKIE = "commlab_session"
-"""The cookie that carries a browser's session id (set at sign-in by commlab/app/gatekeeper.py; read by commlab/app/access.py and,
-for the page an upload is sent to, commlab/app/uploads.py)."""
+"""The cookie that carries a browser's session id (set at sign-in by commlab/app/room/gatekeeper.py; read by commlab/app/room/access.py and,
+for the page an upload is sent to, commlab/app/room/uploads.py)."""
 ACCESS_ENV = "COMMLAB_ACCESS"
 """``token`` or ``off``: set by ``commlab app`` for its server (off on loopback, token elsewhere)."""
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")
@@ -73,7 +73,7 @@ SETTINGS = {
 - ``names_per_address``: new names per hour from one client address (a browser takes at most 3 an hour, but a
   person can clear their cookies; behind a NAT or a proxy a whole room shares one address: raise it there)."""
 MIN_CLASS_TOKEN = 16
-"""The shortest class token a teacher may choose. The wrong-token limit (commlab/app/gatekeeper.py) refuses further wrong
+"""The shortest class token a teacher may choose. The wrong-token limit (commlab/app/room/gatekeeper.py) refuses further wrong
 guesses from an address, but a right token always signs in (so a room behind one address is never locked out):
 what keeps a guesser out is the token's length. A generated one has 128 bits."""
 REVOKED_BROWSERS_KEPT = 1000

@@ -2,7 +2,9 @@
 import pandas as pd
 import streamlit as st
 
-from commlab.app import access, widgets
+from commlab.app import widgets
+
+from commlab.app.room import access
 from commlab.app.results_view import results_panel
 from commlab.lab.front import advice_jobs, ui
 from commlab.lab.strategy import advisor, predictions

@@ -68,7 +68,7 @@ LOCAL_PROXY = "127.0.0.1,::1"
 FORWARDED_ENV = "FORWARDED_ALLOW_IPS"
 """uvicorn's setting (it serves Streamlit's app) of the peers whose X-Forwarded-For names the client. Its default,
 loopback, would let anyone behind a proxy on this machine choose their own address, and so get past the sign-in
-limits per address (commlab/app/gatekeeper.py): the lab sets it, to nothing unless the teacher names a proxy."""
+limits per address (commlab/app/room/gatekeeper.py): the lab sets it, to nothing unless the teacher names a proxy."""
 
 
 def trusted_proxies(behind_proxy: Optional[str]) -> str:

@@ -8,7 +8,7 @@ down, which a disconnected session may never be. On an exposed lab this module b
 
 - an upload (or a delete) goes only to an open page of the person who sends it: the Streamlit session must be
   connected, and the lab session in its websocket's cookie must belong to the same person as the request's
-  (``refusal``, asked by commlab/app/gatekeeper.py before Streamlit sees the request);
+  (``refusal``, asked by commlab/app/room/gatekeeper.py before Streamlit sees the request);
 - one person's pages hold at most FILES_PER_PERSON files and MB_PER_PERSON MB together, the whole server at most
   MB_TOTAL MB (``bound``, around the manager's ``add_file``; a refusal is one line naming the limit, HTTP 413);
 - a page's files are dropped when its websocket closes (Streamlit would keep them for a reconnect, and never drops
@@ -16,7 +16,7 @@ down, which a disconnected session may never be. On an exposed lab this module b
   and at the next upload for any page no longer connected or no longer signed in.
 
 The only page that takes an upload is the Performance model page (commlab/app/views/model.py: one profile). ``guard``
-installs the bounds once per server process (commlab/app/access.py's guard_server calls it)."""
+installs the bounds once per server process (commlab/app/room/access.py's guard_server calls it)."""
 from __future__ import annotations
 
 import logging
@@ -158,15 +158,15 @@ def bound(mgr, person_of: Callable[[str], Optional[User]] = person_of,
         size = len(file.data)
         if len(mine) + 1 > FILES_PER_PERSON:
             raise Refused(413, f"upload refused: at most {FILES_PER_PERSON} files held per person at once "
-                               f"(commlab.app.uploads.FILES_PER_PERSON); your open pages hold {len(mine)}: remove one, "
+                               f"(commlab.app.room.uploads.FILES_PER_PERSON); your open pages hold {len(mine)}: remove one, "
                                f"or close a page you no longer use")
         if sum(mine) + size > MB_PER_PERSON * 2**20:
             raise Refused(413, f"upload refused: at most {MB_PER_PERSON} MB of files held per person at once "
-                               f"(commlab.app.uploads.MB_PER_PERSON); your open pages hold {sum(mine) / 2**20:.1f} MB")
+                               f"(commlab.app.room.uploads.MB_PER_PERSON); your open pages hold {sum(mine) / 2**20:.1f} MB")
         total = sum(n for files in held.values() for n in files.values())
         if total + size > MB_TOTAL * 2**20:
             raise Refused(413, f"upload refused: the server holds {total / 2**20:.1f} MB of uploads, at most "
-                               f"{MB_TOTAL} MB (commlab.app.uploads.MB_TOTAL); try again later")
+                               f"{MB_TOTAL} MB (commlab.app.room.uploads.MB_TOTAL); try again later")
 
     add_file.commlab_guarded = True
     mgr.add_file = add_file

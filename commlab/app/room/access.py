@@ -2,7 +2,7 @@
 page runs, and every list, panel and download asks it again who is looking (commlab.lab.front.ui.set_viewer).
 
 On loopback it lets the local user through. On an exposed lab (commlab.room.accounts.access_mode) the viewer is
-the user of the session whose id the browser's cookie carries (commlab/app/gatekeeper.py made it at sign-in; it
+the user of the session whose id the browser's cookie carries (commlab/app/room/gatekeeper.py made it at sign-in; it
 lets no request without one reach Streamlit). The script checks the session again on every run and
 every fragment refresh, so a signed-out, expired or revoked session sees nothing more from its next
 refresh on. Tokens never reach the script: the gatekeeper takes them out of the address before the page
@@ -14,7 +14,7 @@ click time only for a session that is still open and whose user may see every ru
 download requests are honoured only from the session the button was made for, the file they produce
 gets a random /media id that serves within ONE_SHOT_S seconds, for REFETCH_S seconds from its first
 fetch, then is gone; no websocket client may clear the server's caches (they are every viewer's); and uploads
-are bounded per person and for the server, and dropped with their page (commlab/app/uploads.py)."""
+are bounded per person and for the server, and dropped with their page (commlab/app/room/uploads.py)."""
 from __future__ import annotations
 
 import functools
@@ -34,8 +34,8 @@ from streamlit.runtime.memory_media_file_storage import MemoryFile, get_extensio
 from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
 
 from commlab import api
-from commlab.app import uploads
-from commlab.app.gatekeeper import SESSION_COOKIE
+from commlab.app.room import uploads
+from commlab.app.room.gatekeeper import SESSION_COOKIE
 from commlab.lab.front import ui
 from commlab.room import accounts
 from commlab.room import owners
@@ -162,8 +162,8 @@ def guard_server() -> None:
     - the /media file it produces gets a random id (not a hash of its content), serves for REFETCH_S
       seconds from its first fetch, and is dropped ONE_SHOT_S seconds after it was made if nobody fetched
       it, so a URL that leaks afterwards (browser history, a shared screen, a proxy log) serves nothing;
-    - uploads: at most commlab.app.uploads' FILES_PER_PERSON files and MB_PER_PERSON MB per person, MB_TOTAL MB for the
-      server, dropped when their page's websocket closes (commlab.app.uploads.guard)."""
+    - uploads: at most commlab.app.room.uploads' FILES_PER_PERSON files and MB_PER_PERSON MB per person, MB_TOTAL MB for the
+      server, dropped when their page's websocket closes (commlab.app.room.uploads.guard)."""
     global _guarded
     with _guard_lock:
         if _guarded:

@@ -12,7 +12,7 @@ Without a valid session: the websocket (``/_stcore/stream``) is refused before S
 page gets a redirect to ``/signin``, anything else (uploads, media, Streamlit's other endpoints) a 403.
 Only the sign-in pages, the health check and the static front-end files are public. Every request is
 checked again (a revoked or signed-out session ends at its next request; the script checks it too:
-commlab/app/access.py). An upload goes only to an open page of the person who sends it (commlab/app/uploads.py). On loopback
+commlab/app/room/access.py). An upload goes only to an open page of the person who sends it (commlab/app/room/uploads.py). On loopback
 (access mode ``off``) the middleware lets everything through.
 
 Signing out is a POST to ``/signout`` from the lab's own page (``same_origin``); a GET of it gets a page with
@@ -38,7 +38,7 @@ from urllib.parse import parse_qsl, urlencode
 
 from streamlit import config
 
-from commlab.app import uploads
+from commlab.app.room import uploads
 from commlab.lab.base.errors import LabError
 from commlab.lab.front import ui
 from commlab.room import accounts
@@ -322,7 +322,7 @@ class Gate:
             return await exchange(scope, send, token, where_to(path, query), browser, set_browser, link=True)
         user = session_of(scope)
         if user is not None:
-            if path.startswith("/_stcore/upload_file/"):  # only into the sender's own open page (commlab/app/uploads.py)
+            if path.startswith("/_stcore/upload_file/"):  # only into the sender's own open page (commlab/app/room/uploads.py)
                 why = uploads.refusal(path, user)
                 if why:
                     return await respond(send, 403, why, kind="text/plain")
