@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -98,6 +99,19 @@ def add_commands(sub) -> None:
     json_arg(p, "the output's path and event count")
     runs_arg(p)
     p.set_defaults(func=cmd_trace, cmd_parser=p)
+
+    p = command(sub, "explain", "why a run's step took its time: the critical path, each collective's skew, latency "
+                                "and wire time, stragglers, and against another run what would make it pay",
+                ["commlab explain RUN", "commlab explain RUN --against BASELINE", "commlab explain RUN --steps 20:40 --json"],
+                "Reads the run's timeline files; a running run is explained up to its last written step.")
+    p.add_argument("run", metavar="RUN", help="run id")
+    p.add_argument("--against", default=None, metavar="RUN", help="another run: the difference part by part, and "
+                   "the codec speed or link rate at which the slower one breaks even")
+    p.add_argument("--steps", default=None, metavar="FIRST:LAST", help="the steps to explain (default: all after "
+                   "the warm-up)")
+    json_arg(p, "the explanation (and the comparison) as one JSON document")
+    runs_arg(p)
+    p.set_defaults(func=cmd_explain, cmd_parser=p)
 
     p = command(sub, "report", "write runs, a preset's result group or a comparison as one HTML file that "
                                "opens offline",
@@ -367,6 +381,36 @@ def cmd_trace(args) -> int:
         emit({"output": args.output, "events": n, "run": run.id})
     else:
         print(f"wrote {n} events to {args.output} (open in ui.perfetto.dev or chrome://tracing)")
+    return 0
+
+
+def cmd_explain(args) -> int:
+    steps = None
+    if args.steps is not None:
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", args.steps)
+        if not m or int(m.group(1)) > int(m.group(2)):
+            raise UsageError(f"--steps: FIRST:LAST with FIRST <= LAST, e.g. 20:40; got {args.steps!r}")
+        steps = (int(m.group(1)), int(m.group(2)))
+    from commlab.lab.analysis import explain  # lazy: pandas, for this command only
+    store = store_of(args)
+    run = store.get(args.run)
+    try:
+        ex = explain.explain_run(run, steps=steps)
+        other = explain.explain_run(store.get(args.against), steps=steps) if args.against else None
+    except explain.NothingToExplain as e:
+        raise LabError(f"explain: {e}") from None
+    diff = explain.compare(other, ex, args.against, run.id) if other is not None else None
+    if args.json:
+        emit({"run": run.id, "explanation": ex.to_dict(), **({"against": args.against,
+              "comparison": diff} if diff else {})})
+        return 0
+    for line in explain.report_lines(ex, run.id):
+        print(line)
+    if diff:
+        print()
+        print(f"against        {args.against}")
+        for line in diff["sentences"]:
+            print(f"  {line}")
     return 0
 
 
