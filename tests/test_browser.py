@@ -1,7 +1,8 @@
 """End to end in a real browser: `commlab app` (commlab.lab.front.appserver.app_main) serves the UI, a
 click on each preset starts its runs and opens its results view, one preset's
 verdict fills in as its runs finish, and the live page draws a run's timeline
-and accuracy curve.
+and accuracy curve; the Results, Live run and Compare pages show why a step
+takes its time (the Explain panel).
 
 Needs the Python package playwright and Debian's chromium (/usr/bin/chromium);
 the test is skipped without them. It never downloads a browser. Screenshots go
@@ -118,6 +119,10 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
             page.wait_for_function(HAS_TRACE, arg="comm", timeout=60_000, polling=500)
             page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
             page.get_by_text("countsketch: sends").wait_for()
+            # the Explain panel: why one variant is slower than another, and its critical path
+            page.get_by_text("Why one is slower than another").wait_for()
+            page.get_by_text("ms per step").first.wait_for()
+            page.get_by_text("is bound by").first.wait_for()
             page.wait_for_function(SETTLED, timeout=60_000, polling=250)
             shot = tmp_path / "results.png"
             page.screenshot(path=str(shot), full_page=True)
@@ -133,12 +138,16 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
             page.wait_for_function(HAS_TRACE, arg="backward", timeout=120_000, polling=500)
             page.wait_for_function(HAS_TRACE, arg="eval accuracy", timeout=120_000, polling=500)
             page.get_by_text("step 300/300").wait_for()
+            page.get_by_text("Why the step takes its time").wait_for()
+            page.get_by_text("is bound by").first.wait_for()
             page.wait_for_function(SETTLED, timeout=60_000, polling=250)
             shot = tmp_path / "live_run.png"
             page.screenshot(path=str(shot))
             keep(shot, "live_run.png")
             page.goto(url + "/compare")
             page.get_by_text("Accuracy against wall time").wait_for()
+            page.get_by_text("Why one is slower than another").wait_for()
+            page.get_by_text("ms per step").first.wait_for()
             page.wait_for_function("() => document.querySelectorAll('.js-plotly-plot').length >= 3")
             page.wait_for_function(SETTLED, timeout=60_000, polling=250)
             shot = tmp_path / "compare.png"

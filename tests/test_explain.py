@@ -305,3 +305,23 @@ def test_commlab_explain_prints_and_compares(runs, capsys):
     assert cli.main(["explain", made["link"].id, "--runs", str(root), "--steps", "9:4"]) == 2
     err = capsys.readouterr().err
     assert "--steps: FIRST:LAST with FIRST <= LAST" in err and "Traceback" not in err
+
+
+def test_the_live_and_compare_pages_explain(runs, monkeypatch):
+    from streamlit.testing.v1 import AppTest
+    from test_app import ENTRY
+    root, made = runs
+    monkeypatch.setenv("COMMLAB_RUNS", str(root))
+    at = AppTest.from_file(ENTRY, default_timeout=120)
+    at.query_params["run"] = made["codec"].id
+    at.run().switch_page("views/live_run.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Why the step takes its time" in [h.value for h in at.subheader]
+    text = " ".join(m.value.replace("\\", "") for m in at.markdown)
+    assert "bound by the codec's encode" in text
+    assert any("skew_ms" in d.value.columns for d in at.dataframe)  # each collective split
+    at.switch_page("views/compare.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Why one is slower than another" in [h.value for h in at.subheader]
+    text = " ".join(m.value.replace("\\", "") for m in at.markdown)
+    assert "ms per step" in text and "than" in text

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import streamlit as st
 
+from commlab.app import explain_view
 from commlab.app.room import access
 from commlab.app.widgets import report_button, table_columns, where
 from commlab.lab.analysis import comparison, plots, timelines
@@ -52,6 +53,7 @@ def compare_view() -> None:
     st.plotly_chart(plots.accuracy_vs_time_figure(timelines.accuracy_curves(picked, labels)), key="cmp.acc")
     st.subheader("Where the step time goes")
     st.plotly_chart(plots.breakdown_bars_figure(timelines.breakdown_table(picked, labels)), key="cmp.breakdown")
+    explain_view.compare_panel({labels.get(r.id, r.id): r for r in picked}, "cmp.explain")
     st.subheader("Scaling factor")
     st.caption("Throughput at N ranks over N times the single-process throughput of the same model, data set "
                "and batch: include a world-size-1 run (sweeps add one by themselves).")

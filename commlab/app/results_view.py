@@ -11,7 +11,7 @@ from typing import Optional
 import pandas as pd
 import streamlit as st
 
-from commlab.app import widgets
+from commlab.app import explain_view, widgets
 
 from commlab.app.room import access
 from commlab.lab.analysis import plots, timelines
@@ -145,6 +145,7 @@ def results_panel(group: dict) -> None:
         st.subheader("Accuracy against wall time")
         st.plotly_chart(plots.accuracy_vs_time_figure(timelines.accuracy_curves(list(final.values()), labels)),
                         key="res.acc")
+    explain_view.compare_panel(final, "res.explain")
     st.caption("Each run's own page:")  # page links: in-app, so a workshop session stays signed in
     for k, r in final.items():
         st.page_link(widgets.LIVE_PAGE, label=ui.text(k), query_params={"run": r.id})

@@ -293,7 +293,7 @@ class NothingToExplain(ValueError):
 def explain_frame(tl: pd.DataFrame, spec: Optional[dict] = None, steps: Optional[Tuple[int, int]] = None,
                   skip_warmup: bool = True) -> Explanation:
     """The explanation of the steps in ``tl`` (a timeline frame), ``steps`` (first, last) or all after the
-    warm-up. ``spec``: the run's spec dict (its network and world size), when known."""
+    run's warm-up (commlab.lab.rundir.summary.warmup_steps of the steps up to the frame's last). ``spec``: the run's spec dict (its network and world size), when known."""
     if tl is None or tl.empty or "lane" not in tl:
         raise NothingToExplain("no timeline spans: nothing to explain yet")
     cols = ["rank", "lane", "name", "start_us", "dur_us"]
@@ -311,8 +311,8 @@ def explain_frame(tl: pd.DataFrame, spec: Optional[dict] = None, steps: Optional
         lo, hi = steps
     else:
         lo, hi = done[0], done[-1]
-        if skip_warmup and len(done) > 1:
-            lo = done[min(warmup_steps(len(done)), len(done) - 1)]
+        if skip_warmup and len(done) > 1:  # steps count from 0: the run's warm-up, whatever part the frame holds
+            lo = max(lo, min(warmup_steps(done[-1] + 1), hi))
     chosen = stepspans[(stepspans["num"] >= lo) & (stepspans["num"] <= hi)]
     if chosen.empty:
         raise NothingToExplain(f"steps: no finished step in {lo}..{hi}; the timeline has {done[0]}..{done[-1]}")

@@ -14,7 +14,7 @@ from commlab.engine import runfiles
 from commlab.engine.runfiles import FINAL
 from commlab.engine.runlog import JsonlTail
 from commlab.engine.timeline import ends_step
-from commlab.lab.analysis import live, plots
+from commlab.lab.analysis import explain, live, plots
 from commlab.lab.analysis.plots import plain
 from commlab.lab.analysis.trace import chrome_trace
 from commlab.lab.rundir.store import Run, timeline_frame
@@ -90,6 +90,14 @@ def run_breakdown(run: Run, max_steps: int = 100) -> Dict[str, float]:
         skip = max(0, warmup_steps(done) - (done - n))  # warm-up steps that are in the tail
         return plots.mean_breakdown(bd, skip=skip)
     return cached(("breakdown", str(run.path), max_steps, files_key(run)), compute)
+
+
+def run_explanation(run: Run, max_steps: int = 100):
+    """commlab.lab.analysis.explain's explanation of the run's last ``max_steps`` steps after the warm-up;
+    cached until the run's files change. NothingToExplain before its first timed steps."""
+    def compute():
+        return explain.explain_frame(tail_timeline(run, max_steps), run.spec_dict())
+    return cached(("explain", str(run.path), max_steps, files_key(run)), compute)
 
 
 def group_timelines(runs_by_label: Dict[str, Run], steps: int = 20):
