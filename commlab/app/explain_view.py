@@ -50,8 +50,9 @@ def explain_panel(run: Run, key: str) -> None:
         st.caption("Explained after the first timed steps.")
         return
     sentences(ex.sentences)
-    st.caption(f"Steps {ex.steps[0]}..{ex.steps[1]}, mean step {ex.step_ms:.2f} ms; the critical path of the slowest "
-               "rank's median step, piece by piece (the training thread, and the collective it waits on):")
+    st.caption(ui.text(f"Steps {ex.steps[0]}..{ex.steps[1]}, mean step {ex.step_ms:.2f} ms; the critical path of "
+                       "the slowest rank's median step, piece by piece (the training thread, and the collective it "
+                       "waits on):"))
     st.plotly_chart(waterfall_figure(ex), key=f"{key}.waterfall")
     if ex.collectives:
         st.dataframe(collectives_frame(ex), key=f"{key}.collectives", hide_index=True)

@@ -582,11 +582,7 @@ def break_even(a: Explanation, b: Explanation) -> dict:
 
 # --------------------------------------------------------------------------- runs
 
-def explain_run(run, steps: Optional[Tuple[int, int]] = None, max_steps: Optional[int] = None) -> Explanation:
-    """``run``'s explanation (a commlab.lab.rundir.store.Run): its last ``max_steps`` steps, or ``steps``."""
-    if max_steps:
-        from commlab.lab.analysis.timelines import tail_timeline  # lazy: plotly, which this module does not load
-        tl = tail_timeline(run, max_steps)
-    else:
-        tl = run.timeline()
-    return explain_frame(tl, run.spec_dict(), steps=steps)
+def explain_run(run, steps: Optional[Tuple[int, int]] = None) -> Explanation:
+    """``run``'s explanation (a commlab.lab.rundir.store.Run): ``steps`` (first, last), or all after its warm-up
+    (the pages explain the last steps: commlab.lab.analysis.timelines.run_explanation)."""
+    return explain_frame(run.timeline(), run.spec_dict(), steps=steps)
