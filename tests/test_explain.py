@@ -325,3 +325,11 @@ def test_the_live_and_compare_pages_explain(runs, monkeypatch):
     assert "Why one is slower than another" in [h.value for h in at.subheader]
     text = " ".join(m.value.replace("\\", "") for m in at.markdown)
     assert "ms per step" in text and "than" in text
+
+
+def test_the_html_report_carries_the_explanation(runs):
+    from commlab.lab.analysis.report import report_html
+    _, made = runs
+    page = report_html([made["plain"], made["codec"]])
+    assert page.count("Why the step takes its time") == 2 and "Why one is slower than another" in page
+    assert "bound by the codec&#x27;s encode" in page and "ms per step slower than" in page

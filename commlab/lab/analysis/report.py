@@ -15,7 +15,7 @@ import time
 from typing import Callable, List, Optional
 
 from commlab.engine.runfiles import FINAL
-from commlab.lab.analysis import comparison, plots, results, timelines
+from commlab.lab.analysis import comparison, explain, plots, results, timelines
 from commlab.lab.rundir.store import Run
 from commlab.lab.rundir.summary import format_summary, summarize
 
@@ -64,13 +64,34 @@ def run_section(run: Run, n: int) -> str:
             ("Bytes per step", plots.bytes_figure(metrics))]
     for k, (title, fig) in enumerate(figs):
         out.append(f"<h3>{title}</h3>" + _fig(fig, f"run{n}-fig{k}"))
+    out.append(_explained(run))
     return "\n".join(out)
+
+
+def _explained(run: Run) -> str:
+    """Why the run's step takes its time (commlab.lab.analysis.explain): its sentences and the critical path's parts."""
+    try:
+        ex = timelines.run_explanation(run)
+    except explain.NothingToExplain as e:
+        return f"<h3>Why the step takes its time</h3><p class='note'>{html.escape(str(e))}</p>"
+    return ("<h3>Why the step takes its time</h3><ul>"
+            + "".join(f"<li>{html.escape(x)}</li>" for x in ex.sentences) + "</ul><pre>"
+            + html.escape("\n".join(explain.report_lines(ex)[3 + len(ex.sentences):])) + "</pre>")
 
 
 def comparison_section(runs: List[Run], labels: dict, target_acc: Optional[float] = None) -> str:
     table = comparison.compare_runs(runs, target_acc=target_acc)
+    why = ""
+    try:  # the last run against the first, part by part
+        a, b = runs[0], runs[-1]
+        d = explain.compare(timelines.run_explanation(a), timelines.run_explanation(b), labels.get(a.id, a.id),
+                            labels.get(b.id, b.id))
+        why = ("<h3>Why one is slower than another</h3><ul>"
+               + "".join(f"<li>{html.escape(x)}</li>" for x in d["sentences"]) + "</ul>")
+    except explain.NothingToExplain:
+        pass
     return "\n".join([
-        "<h2>Comparison</h2>", _table(table),
+        "<h2>Comparison</h2>", _table(table), why,
         "<h3>Accuracy against wall time</h3>",
         _fig(plots.accuracy_vs_time_figure(timelines.accuracy_curves(runs, labels)), "cmp-acc"),
         "<h3>Where the step time goes</h3>",
