@@ -532,32 +532,32 @@ def compare(a: Explanation, b: Explanation, label_a: str = "A", label_b: str = "
     hid = b.hidden_comm_ms - a.hidden_comm_ms
     if abs(hid) >= 0.05:
         said.append(f"Off the path, hidden communication {hid:+.1f} ms.")
-    be = break_even(a, b)
+    be = break_even(a, b, label_a, label_b)
     said += be.pop("sentences")
     return {"a": label_a, "b": label_b, "net_ms": net, "path_ms": diff, "hidden_comm_ms": hid, "faster": faster,
             "slower": slower, "break_even": be, "sentences": said}
 
 
-def break_even(a: Explanation, b: Explanation) -> dict:
+def break_even(a: Explanation, b: Explanation, label_a: str = "A", label_b: str = "B") -> dict:
     """What would make the slower of two runs as fast as the other, from their own parts (a simple model: the
     codec's time scales with its speed, the wire time with 1 / the link's rate, all else stays): the codec
     speed-up, the link rate, and the gain if its exposed communication were hidden."""
-    slow, fast = (b, a) if b.step_ms >= a.step_ms else (a, b)
+    slow, fast, name = (b, a, label_b) if b.step_ms >= a.step_ms else (a, b, label_a)
     gap = slow.step_ms - fast.step_ms
-    out: dict = {"gap_ms": gap, "sentences": []}
+    out: dict = {"gap_ms": gap, "slower": name, "sentences": []}
     if gap <= 0:
         return out
     codec = slow.path_ms["encode"] + slow.path_ms["decode"]
     fast_codec = fast.path_ms["encode"] + fast.path_ms["decode"]
     if codec > fast_codec:
         need = codec - gap
-        if need > fast_codec * 0 and need > 0:
+        if need > 0:
             out["codec_speedup"] = codec / need
-            out["sentences"].append(f"Its codec would have to be {codec / need:.1f}x faster to break even "
+            out["sentences"].append(f"{name}'s codec would have to be {codec / need:.1f}x faster to break even "
                                     f"({codec:.1f} ms on the path now).")
         else:
             out["codec_speedup"] = math.inf
-            out["sentences"].append(f"Even a codec that took no time would not break even: the codec is "
+            out["sentences"].append(f"Even a codec that took no time would not make {name} break even: its codec is "
                                     f"{codec:.1f} ms of a {gap:.1f} ms gap.")
     wire_s, wire_f = slow.path_ms["wire"], fast.path_ms["wire"]
     rate = slow.link.get("gbps")
@@ -567,15 +567,15 @@ def break_even(a: Explanation, b: Explanation) -> dict:
         if fixed_f > fixed_s and wire_s > wire_f:
             r = rate * (wire_s - wire_f) / (fixed_f - fixed_s)
             out["link_gbps"] = r
-            out["sentences"].append(f"On a link of {r:.3g} Gbit/s or more it would break even (now {rate:g}).")
+            out["sentences"].append(f"On a link of {r:.3g} Gbit/s or more {name} would break even (now {rate:g}).")
         elif fixed_s > fixed_f and wire_f > wire_s:
             r = rate * (wire_f - wire_s) / (fixed_s - fixed_f)
             out["link_gbps"] = r
-            out["sentences"].append(f"On a link of {r:.3g} Gbit/s or less it would break even (now {rate:g}).")
+            out["sentences"].append(f"On a link of {r:.3g} Gbit/s or less {name} would break even (now {rate:g}).")
     exposed = sum(slow.path_ms[g] for g in COMM_GROUPS)
     out["hidden_gain_ms"] = exposed
     if exposed > 0.05:
-        out["sentences"].append(f"Hiding its exposed communication would save up to {exposed:.1f} ms per step"
+        out["sentences"].append(f"Hiding {name}'s exposed communication would save up to {exposed:.1f} ms per step"
                                 f"{' (enough to break even)' if exposed >= gap else ''}.")
     return out
 
