@@ -3,6 +3,7 @@
 collective's split, and against another run the difference part by part and what would make it pay."""
 from __future__ import annotations
 
+import html
 from typing import Dict, List
 
 import pandas as pd
@@ -18,17 +19,25 @@ COLORS = {"compute": "#4c78a8", "encode": "#f58518", "decode": "#e45756", "comm"
 
 
 def waterfall_figure(ex: explain.Explanation) -> go.Figure:
-    """The median step of the slowest rank along its critical path: one bar per piece, in time order."""
+    """The median step of the slowest rank along its critical path: one bar per piece, in time order (one trace
+    per kind of piece, so a model of many layers stays one figure of a few traces)."""
     fig = go.Figure()
-    seen = set()
+    by: Dict[str, dict] = {}
     for i, w in enumerate(ex.waterfall):
-        g = w["group"]
-        fig.add_trace(go.Bar(x=[w["ms"]], y=[i], base=[w["start_ms"]], orientation="h", name=g,
-                             marker_color=COLORS.get(g, "#888"), legendgroup=g, showlegend=g not in seen,
-                             hovertemplate=f"{w['label']}<br>{w['start_ms']:.2f} + {w['ms']:.2f} ms<extra>{g}</extra>"))
-        seen.add(g)
-    fig.update_layout(barmode="overlay", height=min(120 + 14 * len(ex.waterfall), 520), xaxis_title="ms from the step's start",
-                      yaxis=dict(autorange="reversed", showticklabels=False), margin=dict(l=10, r=10, t=10, b=40))
+        d = by.setdefault(w["group"], {"x": [], "y": [], "base": [], "hover": []})
+        d["x"].append(w["ms"])
+        d["y"].append(i)
+        d["base"].append(w["start_ms"])
+        # a span's name (a layer's, from the model) is data, never markup: escaped, and passed as customdata so
+        # no "%{" in it is read as a template
+        d["hover"].append(f"{html.escape(str(w['label']))}<br>{w['start_ms']:.2f} + {w['ms']:.2f} ms")
+    for g, d in by.items():
+        fig.add_trace(go.Bar(x=d["x"], y=d["y"], base=d["base"], orientation="h", name=g,
+                             marker_color=COLORS.get(g, "#888"), customdata=d["hover"],
+                             hovertemplate="%{customdata}<extra>" + g + "</extra>"))
+    fig.update_layout(barmode="overlay", height=min(120 + 14 * len(ex.waterfall), 520),
+                      xaxis_title="ms from the step's start", yaxis=dict(autorange="reversed", showticklabels=False),
+                      margin=dict(l=10, r=10, t=10, b=40))
     return fig
 
 
