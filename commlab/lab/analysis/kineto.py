@@ -63,6 +63,7 @@ import gzip
 import json
 import math
 import re
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
@@ -147,12 +148,13 @@ def load(path: Path) -> dict:
     try:
         with open(path, "rb") as f:
             raw = f.read()
+    except OSError as e:
+        raise LabError(f"{path}: cannot be read: {e.strerror or e}") from None
+    try:
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
         doc = json.loads(raw)
-    except OSError as e:
-        raise LabError(f"{path}: cannot be read: {e.strerror or e}") from None
-    except (ValueError, EOFError) as e:  # JSONDecodeError, UnicodeDecodeError, a torn gzip
+    except (ValueError, EOFError, OSError, zlib.error) as e:  # JSONDecodeError, UnicodeDecodeError, a torn gzip
         raise LabError(f"{path}: not a JSON trace ({' '.join(str(e).split())})") from None
     if isinstance(doc, list):  # the Chrome format's bare array of events
         doc = {"traceEvents": doc}
@@ -225,6 +227,36 @@ def bytes_of(args: Optional[dict]) -> Optional[int]:
 
 
 # --------------------------------------------------------------------------- one rank's trace
+
+def _kind(e: dict) -> Optional[str]:
+    """What a host span's name makes it: step, backward, optimizer, lib (gloo:/nccl:), rpc (record_param_comms),
+    c10d (a c10d collective op), wait, compress, decompress, loader; None for a plain op."""
+    name = e.get("name")
+    if not isinstance(name, str):
+        return None
+    if name.startswith("ProfilerStep"):
+        return "step" if STEP_RE.match(name) else None
+    if name.startswith(BACKWARD_PREFIX):
+        return "backward"
+    if name.startswith("Optimizer."):
+        return "optimizer" if OPTIMIZER_RE.match(name) else None
+    if name.startswith(("gloo:", "nccl:")):
+        return "lib"
+    if name == "record_param_comms":
+        return "rpc"
+    if name.startswith("c10d::") and C10D_RE.match(name):
+        return "c10d"
+    if "wait" in name and WAIT_RE.search(name):
+        return "wait"
+    if name.startswith(LOADER_PREFIX):
+        return "loader"
+    if e.get("cat") == "user_annotation":
+        if DECOMPRESS_RE.match(name):
+            return "decompress"
+        if COMPRESS_RE.match(name):
+            return "compress"
+    return None
+
 
 def _outermost(spans: List[dict]) -> List[dict]:
     """The spans not inside another of ``spans`` on the same thread."""
@@ -305,7 +337,8 @@ class _Rank:
                     self.launches[corr] = e
         steps = []
         for e in host:
-            m = STEP_RE.match(str(e.get("name", "")))
+            name = e.get("name")
+            m = STEP_RE.match(name) if isinstance(name, str) and name.startswith("ProfilerStep") else None
             if m:
                 steps.append((e, int(m.group(1))))
         if not steps:
@@ -334,24 +367,16 @@ class _Rank:
     def _sort_host(self):
         backward, optimizer, waits, compress, decompress = [], [], [], [], []
         tiers: Dict[str, List[dict]] = {"lib": [], "rpc": [], "c10d": []}
+        lists = {"backward": backward, "optimizer": optimizer, "wait": waits, "compress": compress,
+                 "decompress": decompress, **tiers}
+        self.kinds: Dict[int, str] = {}
+        """id(event) -> what its name makes it (``_kind``), for the host events that are not plain ops."""
         for e in self.host:
-            name = str(e.get("name", ""))
-            if name.startswith(BACKWARD_PREFIX):
-                backward.append(e)
-            elif OPTIMIZER_RE.match(name):
-                optimizer.append(e)
-            elif name.startswith(("gloo:", "nccl:")):
-                tiers["lib"].append(e)
-            elif name == "record_param_comms":
-                tiers["rpc"].append(e)
-            elif C10D_RE.match(name):
-                tiers["c10d"].append(e)
-            elif WAIT_RE.search(name):
-                waits.append(e)
-            elif e.get("cat") == "user_annotation" and DECOMPRESS_RE.match(name):
-                decompress.append(e)
-            elif e.get("cat") == "user_annotation" and COMPRESS_RE.match(name):
-                compress.append(e)
+            kind = _kind(e)
+            if kind is not None:
+                self.kinds[id(e)] = kind
+                if kind in lists:
+                    lists[kind].append(e)
         self.backward = _outermost(backward)
         self.optimizer = _outermost(optimizer)
         self.waits = _outermost(waits)
@@ -393,28 +418,23 @@ class _Rank:
                 stack.pop()
             parent.append(stack[-1] if stack else -1)
             stack.append(k)
-        special = [bool(STEP_RE.match(str(e.get("name", "")))) * 2 for e in main]  # 2: a step
+        kinds = self.kinds
+        special = [2 if kinds.get(id(e)) == "step" else 0 for e in main]  # 2: a step
         phase_ids = {id(e) for e in self.backward} | {id(e) for e in self.optimizer} | \
             {id(e) for e in self.compress} | {id(e) for e in self.decompress}
         for k, e in enumerate(main):
-            name = str(e.get("name", ""))
-            if id(e) in phase_ids or name.startswith(BACKWARD_PREFIX) or OPTIMIZER_RE.match(name):
+            if id(e) in phase_ids or kinds.get(id(e)) in ("backward", "optimizer"):
                 special[k] = 1
                 p = parent[k]
                 while p >= 0 and special[p] == 0:  # its enclosing plain spans are containers: looked into
                     special[p] = 3
                     p = parent[p]
-        other = {id(e) for e in self.comm} | {id(e) for e in self.waits}
         reach = [False] * len(main)
         self.plain: List[Tuple[dict, str, int]] = []
         for k, e in enumerate(main):
             p = parent[k]
             reach[k] = p >= 0 and (special[p] == 2 or (special[p] == 3 and reach[p]))
-            if not reach[k] or special[k] or id(e) in other:
-                continue
-            name = str(e.get("name", ""))
-            if name.startswith(LOADER_PREFIX) or C10D_RE.match(name) or name.startswith(("gloo:", "nccl:")) \
-                    or name == "record_param_comms" or WAIT_RE.search(name):
+            if not reach[k] or special[k] or id(e) in kinds:  # a collective, a wait, the data loader: not an op
                 continue
             i = self.step_at(e["ts"])
             if i is not None:
@@ -427,6 +447,7 @@ class _Rank:
         optimizer while collectives are in flight, in steps without wait spans of their own."""
         comm = _union((e["ts"], e["ts"] + e["dur"]) for e in self.comm)
         busy = _union(self.main_busy)
+        busy_starts, busy_ends = [b[0] for b in busy], [b[1] for b in busy]
         has_wait = {self.step_at(e["ts"]) for e in self.waits}
         last_bwd: Dict[int, float] = {}
         for e in self.backward:
@@ -440,7 +461,9 @@ class _Rank:
             stop = min(self.o0[i], self.steps[i][2])
             if stop <= end_bwd:
                 continue
-            idle = _minus([(end_bwd, stop)], busy)
+            lo = max(bisect.bisect_left(busy_ends, end_bwd), 0)
+            hi = bisect.bisect_right(busy_starts, stop)
+            idle = _minus([(end_bwd, stop)], busy[lo:hi])
             out.extend((s, e, i) for s, e in _intersect(idle, comm) if e - s >= WAIT_MIN_US)
         return out
 
