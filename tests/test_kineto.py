@@ -83,7 +83,7 @@ def test_the_comm_lane_holds_ddp_allreduces_with_the_gradient_bytes(ddp):
     for _, w in waits.iterrows():  # each while collectives of its rank were in flight
         c = comm[comm["rank"] == w["rank"]]
         flight = _merged(zip(c["start_us"], c["start_us"] + c["dur_us"]))
-        assert any(s <= w["start_us"] and w["start_us"] + w["dur_us"] <= e for s, e in flight), w.to_dict()
+        assert any(s - 1 <= w["start_us"] and w["start_us"] + w["dur_us"] <= e + 1 for s, e in flight), w.to_dict()
 
 
 def _merged(spans):
@@ -127,12 +127,12 @@ def test_a_hundred_steps_read_in_well_under_a_second(ddp, tmp_path):
     big = tmp_path / "big.json"
     big.write_text(json.dumps({**doc, "traceEvents": out}))
     best = float("inf")
-    for _ in range(2):
-        t = time.perf_counter()
+    for _ in range(2):  # CPU time: the suite's other worker shares the two cores
+        t = time.process_time()
         frame = kineto.read_trace(big)
-        best = min(best, time.perf_counter() - t)
+        best = min(best, time.process_time() - t)
     assert (frame["lane"] == "step").sum() == 34 * ACTIVE
-    assert best < 1.5, f"{best:.2f} s"  # about 0.5 s here, two thirds of it json.loads; room for a loaded machine
+    assert best < 1.5, f"{best:.2f} s"  # about 0.5 s here, two thirds of it json.loads
 
 
 # --------------------------------------------------------------------------- bad files
