@@ -48,13 +48,16 @@ Times are microseconds on the trace's clock plus its ``baseTimeNanoseconds``: th
 timelines are, so the ranks of one machine share a time base.
 
 Compared with Holistic Trace Analysis (HTA, ``hta.trace_analysis.TraceAnalysis``) on the same GPU trace, with
-``include_last_profiler_step=True``, summed over the steps: ``compute_ms`` is HTA's ``compute_time``;
-``exposed_comm_ms`` is its ``non_compute_time`` less the time only memory kernels run (HTA counts memcpy and
-memset as non-compute; here they are compute of the phase that launched them); ``other_ms`` is its
-``idle_time``; the steps add up to its ``kernel_time``; ``comm_overlap`` is its ``comp_comm_overlap_ratio``.
-HTA leaves out the last profiler step by default (``include_last_profiler_step=False``) and counts over the whole
-trace, not per step; a kernel of one step that still runs when the next step's first kernel starts is cut at
-that start here, and counted whole there. tests/test_kineto.py checks the agreement on a synthetic trace.
+``include_last_profiler_step=True``, summed over the steps: the steps add up to HTA's ``kernel_time`` (first kernel
+to last), and ``other_ms`` is its ``idle_time``. They differ by definition on copies: HTA counts memcpy and memset
+as non-compute, the lab as compute of the phase that launched them (as its CUDA timeline does), so
+``compute_ms`` is HTA's ``compute_time`` plus the copies, and ``compute_ms + exposed_comm_ms`` is its
+``compute_time + non_compute_time``. With the frame's ``kind == "memory"`` rows left out, ``compute_ms`` is
+HTA's ``compute_time`` and ``comm_overlap`` its ``comp_comm_overlap_ratio``; ``other_ms`` then also holds the time
+only copies run, which HTA's ``non_compute_time`` holds beside ``exposed_comm_ms``. HTA leaves out the last
+profiler step by default (``include_last_profiler_step=False``) and counts over the whole trace, not per step; a
+kernel of one step that still runs when the next step's first kernel starts is cut at that start here, and
+counted whole there. tests/test_kineto.py checks the agreement on a synthetic trace, to 1 us a figure.
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ import re
 import zlib
 from collections import Counter
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import numpy as np
 import pandas as pd
@@ -401,7 +404,8 @@ class _Rank:
 
     def phase_at(self, i: int, ts: float) -> str:
         """The phase of step ``i`` a top-level op or a launch at ``ts`` belongs to, by where it falls: before the
-        step's backward and optimizer, forward; from its backward to its optimizer's step, backward; after, optimizer."""
+        step's backward and optimizer, forward; from its backward to its optimizer's step, backward; after,
+        optimizer."""
         if ts < min(self.b0[i], self.o0[i]):
             return "forward"
         if ts < self.o0[i]:
