@@ -39,7 +39,8 @@ NCCL kernels (``nccl*Kernel*``) on ``comm`` with ``op`` and ``bytes`` (the kerne
 span is the GPU's step: from the first kernel the step launched to the first kernel of the next step (the last
 step: to the end of its last kernel), so the steps tile the GPU's time as the lab's CUDA timeline measures it
 (``host_start_us``/``host_dur_us`` keep the profiler step's host window). Kernels launched outside the profiler's
-steps are left out. ``device="cpu"`` reads a GPU trace's host side instead (the NCCL collectives are then the
+steps are left out. A GPU frame has no ``wait`` spans: a GPU waiting on a collective is its compute stream idle
+until the NCCL kernel ends, which is the exposed communication already. ``device="cpu"`` reads a GPU trace's host side instead (the NCCL collectives are then the
 short host spans that enqueue them).
 
 Every span has ``device`` ("cpu" or "gpu"), ``step`` (the profiler step it belongs to: the step window its host
@@ -54,7 +55,9 @@ as non-compute, the lab as compute of the phase that launched them (as its CUDA 
 ``compute_ms`` is HTA's ``compute_time`` plus the copies, and ``compute_ms + exposed_comm_ms`` is its
 ``compute_time + non_compute_time``. With the frame's ``kind == "memory"`` rows left out, ``compute_ms`` is
 HTA's ``compute_time`` and ``comm_overlap`` its ``comp_comm_overlap_ratio``; ``other_ms`` then also holds the time
-only copies run, which HTA's ``non_compute_time`` holds beside ``exposed_comm_ms``. HTA leaves out the last
+only copies run, which HTA's ``non_compute_time`` holds beside ``exposed_comm_ms``. HTA also rounds every event inward to
+whole microseconds (start up, end down) unless ``HTA_DISABLE_NS_ROUNDING=1``: on a trace with sub-microsecond
+times that takes up to a microsecond off every kernel, which HTA then counts as idle. It leaves out the last
 profiler step by default (``include_last_profiler_step=False``) and counts over the whole trace, not per step; a
 kernel of one step that still runs when the next step's first kernel starts is cut at that start here, and
 counted whole there. tests/test_kineto.py checks the agreement on a synthetic trace, to 1 us a figure.
