@@ -503,25 +503,39 @@ class _Rank:
         return rows
 
     # -- GPU side -----------------------------------------------------------
-    def _host_spans_by_thread(self):
-        out: Dict[object, Tuple[List[float], List[Tuple[float, float, str]]]] = {}
-        for lane, spans in (("backward", self.backward), ("optimizer", self.optimizer),
-                            ("compress", self.compress), ("decompress", self.decompress)):
-            for e in spans:
-                out.setdefault(e["tid"], []).append((float(e["ts"]), float(e["ts"] + e["dur"]), lane))
-        return {tid: ([s for s, _, _ in v], v) for tid, v in ((t, sorted(v)) for t, v in out.items())}
-
-    def _sized_host_span(self, launch: dict) -> Optional[dict]:
-        """The innermost host collective span with sizes that encloses a launch (on its thread)."""
-        best = None
+    def _span_index(self):
+        """{thread: (starts, spans)} of the host phase spans, in two layers that do not overlap within
+        themselves: the hooks' (compress, decompress), looked up first, then backward and optimizer."""
+        layers = []
+        for lanes in ((("compress", self.compress), ("decompress", self.decompress)),
+                      (("backward", self.backward), ("optimizer", self.optimizer))):
+            out: Dict[object, List[Tuple[float, float, object]]] = {}
+            for lane, spans in lanes:
+                for e in spans:
+                    out.setdefault(e["tid"], []).append((float(e["ts"]), float(e["ts"] + e["dur"]), lane))
+            layers.append({tid: ([a for a, _, _ in v], v) for tid, v in ((t, sorted(v)) for t, v in out.items())})
+        sized: Dict[object, List[Tuple[float, float, object]]] = {}
         for e in self.sized:
-            if e["tid"] == launch["tid"] and e["ts"] <= launch["ts"] <= e["ts"] + e["dur"]:
-                best = e
-        return best
+            sized.setdefault(e["tid"], []).append((float(e["ts"]), float(e["ts"] + e["dur"]), e))
+        self._sized = {tid: ([a for a, _, _ in v], v) for tid, v in sized.items()}
+        return layers
+
+    @staticmethod
+    def _holding(index, tid, at: float, back: int = 1):
+        """What the latest of ``index[tid]``'s spans to start by ``at`` (or one of the ``back`` latest) that
+        still runs at ``at`` carries, or None."""
+        if tid not in index:
+            return None
+        starts, spans = index[tid]
+        j = bisect.bisect_right(starts, at) - 1
+        for k in range(j, max(j - back, -1), -1):
+            if spans[k][0] <= at <= spans[k][1]:
+                return spans[k][2]
+        return None
 
     def gpu_rows(self) -> List[dict]:
-        by_thread = self._host_spans_by_thread()
-        kept = []  # (kernel, step index, lane)
+        layers = self._span_index()
+        kept = []  # (kernel, step index, lane, its launch)
         for k in self.kernels:
             args = k.get("args") or {}
             launch = self.launches.get(args.get("correlation"))
@@ -534,15 +548,8 @@ class _Rank:
                 lane = "comm"
             else:
                 lane = None
-                if launch is not None and launch["tid"] in by_thread:
-                    starts, spans = by_thread[launch["tid"]]
-                    j = bisect.bisect_right(starts, at) - 1
-                    while j >= 0:  # the innermost phase span that holds the launch
-                        s, t, ln = spans[j]
-                        if s <= at <= t:
-                            lane = ln
-                            break
-                        j -= 1
+                if launch is not None:  # the innermost phase span that holds the launch
+                    lane = self._holding(layers[0], launch["tid"], at) or self._holding(layers[1], launch["tid"], at)
                 lane = lane or self.phase_at(i, at)
             kept.append((k, i, lane, launch))
         rows = []
@@ -558,7 +565,9 @@ class _Rank:
                    "dur_us": dur, "step": self.steps[i][0], "device": "gpu", "stream": stream,
                    "kind": "comm" if lane == "comm" else ("compute" if k.get("cat") == "kernel" else "memory")}
             if lane == "comm":
-                host = self._sized_host_span(launch) if launch is not None else None
+                # the innermost sized host collective around the launch (record_param_comms holds nccl:*)
+                host = self._holding(self._sized, launch["tid"], float(launch["ts"]), back=4) \
+                    if launch is not None else None
                 row["op"] = op_of(row["name"], args) or (op_of(str(host["name"]), host.get("args")) if host else None)
                 row["bytes"] = bytes_of(args) or (bytes_of(host.get("args")) if host else None)
             rows.append(row)
