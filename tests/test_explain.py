@@ -11,6 +11,7 @@ import pytest
 
 from commlab.lab.analysis import explain
 from commlab.lab.analysis.explain import GROUPS, explain_frame
+from test_kineto import ddp  # noqa: F401  (the fixture: a profiled two-rank DDP job)
 
 MS = 1000.0  # the frames hold µs
 
@@ -333,3 +334,37 @@ def test_the_html_report_carries_the_explanation(runs):
     page = report_html([made["plain"], made["codec"]])
     assert page.count("Why the step takes its time") == 2 and "Why one is slower than another" in page
     assert "bound by the codec&#x27;s encode" in page and "ms per step slower than" in page
+
+
+# --------------------------------------------------------------------------- your own job's profiler trace
+
+def test_a_gpu_profiler_trace_is_explained(tmp_path, capsys):
+    """The synthetic GPU trace of tests/test_kineto.py: per step 4.3 ms of kernels on the compute stream (the
+    copy counted with its phase), and the allreduce's exposed tail on the path: 1.5 ms on rank 0, 1.7 on rank 1."""
+    from commlab.lab.analysis import kineto
+    from commlab.lab.front import cli
+    from test_kineto import SHIFT, gpu_trace
+    for rank, shift in SHIFT.items():
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(gpu_trace(rank, shift)))
+    ex = explain_frame(kineto.read_trace(tmp_path), {"world_size": 2}, skip_warmup=False)
+    assert ex.path_ms["compute"] == pytest.approx(4.3, abs=0.01)
+    assert sum(ex.path_ms[g] for g in explain.COMM_GROUPS) == pytest.approx(1.6, abs=0.01)
+    assert sum(ex.path_ms.values()) == pytest.approx(ex.step_ms)
+    assert cli.main(["explain", "--trace", str(tmp_path), "--gbps", "100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)["explanation"]
+    assert doc["link"]["gbps"] == 100 and doc["collectives"][0]["wire_ms"] is not None
+    assert cli.main(["explain", "--trace", str(tmp_path / "nothing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing.json" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_cpu_ddp_profiler_trace_is_explained(ddp, capsys):
+    """A real two-rank gloo DDP job profiled with torch.profiler (tests/test_kineto.py makes it): the steps are
+    explained, the parts add up, and the allreduces are split with their bytes."""
+    from commlab.lab.front import cli
+    paths, _, frame = ddp
+    ex = explain_frame(frame, {"world_size": 2}, skip_warmup=False)
+    assert sum(ex.path_ms.values()) == pytest.approx(ex.step_ms)
+    assert [c["op"] for c in ex.collectives if c["bytes"]] and ex.sentences[0].startswith(("The step", "Rank"))
+    assert cli.main(["explain", "--trace", str(paths[0]), "--trace", str(paths[1])]) == 0
+    assert "critical path" in capsys.readouterr().out

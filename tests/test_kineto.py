@@ -8,7 +8,6 @@ NCCL kernels overlap by a known amount, gives the known figures, and the same fi
 import gzip
 import json
 import re
-import time
 
 import pytest
 
@@ -111,7 +110,7 @@ def test_the_breakdown_adds_up_on_the_imported_frame(ddp):
     assert ov["hidden_comm_ms"].tolist() == pytest.approx(bd.groupby("rank")["hidden_comm_ms"].sum().tolist())
 
 
-def test_a_hundred_steps_read_in_well_under_a_second(ddp, tmp_path):
+def test_a_hundred_steps_are_read(ddp, tmp_path):
     """The DDP trace's three steps repeated to 102: about 25,000 events, 8 MB. Most of the time is json's."""
     paths, _, _ = ddp
     doc = json.loads(open(paths[0]).read())
@@ -126,13 +125,11 @@ def test_a_hundred_steps_read_in_well_under_a_second(ddp, tmp_path):
                         **({"name": f"ProfilerStep#{int(m.group(1)) + ACTIVE * k}"} if m else {})})
     big = tmp_path / "big.json"
     big.write_text(json.dumps({**doc, "traceEvents": out}))
-    best = float("inf")
-    for _ in range(2):  # CPU time: the suite's other worker shares the two cores
-        t = time.process_time()
-        frame = kineto.read_trace(big)
-        best = min(best, time.process_time() - t)
+    frame = kineto.read_trace(big)  # how long it takes: bench/explain_speed.py (tests do not time)
     assert (frame["lane"] == "step").sum() == 34 * ACTIVE
-    assert best < 1.5, f"{best:.2f} s"  # about 0.5 s here, two thirds of it json.loads
+    assert sorted(frame.loc[frame["lane"] == "step", "step"].unique().tolist()) == sorted(
+        {int(re.match(r"ProfilerStep#(\d+)$", e["name"]).group(1)) for e in out
+         if re.match(r"ProfilerStep#(\d+)$", e.get("name", ""))})
 
 
 # --------------------------------------------------------------------------- bad files

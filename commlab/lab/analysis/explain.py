@@ -179,17 +179,14 @@ def step_path(train: list, comms: List[Collective], rank: int, step: int, w0: fl
     parts = dict.fromkeys(GROUPS, 0.0)
     segs: List[Tuple[float, float, str, str]] = []
     for a, b, s in _intervals(train, w0, w1):
-        if s is None:
-            parts["other"] += b - a
-            segs.append((a, b, "other", "gap"))
-            continue
-        lane, name = s[3], s[4]
-        if lane != "wait":
+        lane, name = (s[3], s[4]) if s is not None else ("", "gap")
+        if s is not None and lane != "wait":
             g = _group_of(lane)
             parts[g] += b - a
             segs.append((a, b, g, name))
             continue
-        # waiting: the path is the collective running then (the one waited for, or one queued ahead of it)
+        # waiting, or nothing recorded on the training thread (a GPU stream's gap): the path is the collective
+        # running then (the one waited for, or one queued ahead of it); with none, the rest is ``other``
         t = a
         for c in comms:
             c0, c1 = c.start_us, c.start_us + c.dur_us

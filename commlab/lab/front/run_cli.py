@@ -102,9 +102,16 @@ def add_commands(sub) -> None:
 
     p = command(sub, "explain", "why a run's step took its time: the critical path, each collective's skew, latency "
                                 "and wire time, stragglers, and against another run what would make it pay",
-                ["commlab explain RUN", "commlab explain RUN --against BASELINE", "commlab explain RUN --steps 20:40 --json"],
-                "Reads the run's timeline files; a running run is explained up to its last written step.")
-    p.add_argument("run", metavar="RUN", help="run id")
+                ["commlab explain RUN", "commlab explain RUN --against BASELINE", "commlab explain RUN --steps 20:40 --json",
+                 "commlab explain --trace traces/ --gbps 10"],
+                "Reads the run's timeline files; a running run is explained up to its last written step. With --trace, "
+                "explains your own job's PyTorch profiler traces (one file per rank, or their folder) instead.")
+    p.add_argument("run", metavar="RUN", nargs="?", default=None, help="run id (not with --trace)")
+    p.add_argument("--trace", action="append", default=None, metavar="FILE",
+                   help="a PyTorch profiler (Kineto) trace, one per rank, or a folder of them (repeatable)")
+    p.add_argument("--gbps", type=float, default=None, help="with --trace: the link's rate per rank in Gbit/s, to "
+                   "split each collective's time into wire time and the rest")
+    p.add_argument("--latency-us", type=float, default=None, help="with --trace: one message's latency in µs")
     p.add_argument("--against", default=None, metavar="RUN", help="another run: the difference part by part, and "
                    "the codec speed or link rate at which the slower one breaks even")
     p.add_argument("--steps", default=None, metavar="FIRST:LAST", help="the steps to explain (default: all after "
@@ -392,6 +399,12 @@ def cmd_explain(args) -> int:
             raise UsageError(f"--steps: FIRST:LAST with FIRST <= LAST, e.g. 20:40; got {args.steps!r}")
         steps = (int(m.group(1)), int(m.group(2)))
     from commlab.lab.analysis import explain  # lazy: pandas, for this command only
+    if args.trace:
+        return _explain_trace(args, steps, explain)
+    if args.run is None:
+        raise UsageError("explain: give a run id, or --trace FILE for your own job's profiler trace")
+    if args.gbps is not None or args.latency_us is not None:
+        raise UsageError("--gbps and --latency-us go with --trace: a run's link is in its spec")
     store = store_of(args)
     run = store.get(args.run)
     try:
@@ -411,6 +424,28 @@ def cmd_explain(args) -> int:
         print(f"against        {args.against}")
         for line in diff["sentences"]:
             print(f"  {line}")
+    return 0
+
+
+def _explain_trace(args, steps, explain) -> int:
+    from commlab.lab.analysis import kineto  # lazy: pandas, for this command only
+    if args.run is not None or args.against:
+        raise UsageError("explain: --trace explains the trace alone (no RUN, no --against)")
+    for name, v, lo, hi in (("--gbps", args.gbps, 0.001, 1e5), ("--latency-us", args.latency_us, 0, 1e6)):
+        if v is not None and not lo <= v <= hi:
+            raise UsageError(f"{name}: must be in [{lo:g}, {hi:g}], got {v:g}")
+    frame = kineto.read_trace(args.trace if len(args.trace) > 1 else args.trace[0])
+    ranks = int(frame["rank"].nunique()) if len(frame) else 1
+    network = {"link": "modeled", "gbps": args.gbps, "latency_us": args.latency_us} if args.gbps else {}
+    try:
+        ex = explain.explain_frame(frame, {"world_size": ranks, "network": network}, steps=steps)
+    except explain.NothingToExplain as e:
+        raise LabError(f"explain: {e}") from None
+    if args.json:
+        emit({"trace": args.trace, "explanation": ex.to_dict()})
+        return 0
+    for line in explain.report_lines(ex, ", ".join(args.trace)):
+        print(line)
     return 0
 
 
