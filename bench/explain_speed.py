@@ -14,6 +14,15 @@ minute here) unless ``--runs`` holds one of ``--steps`` steps already, then time
 
 Reported: the median seconds with the spread (min..max) over the rounds, and whether a run of that many steps is
 explained in under 2 s (cold).
+
+With ``--hta DIR`` (a checkout of Holistic Trace Analysis, the peer; never vendored: ``git clone
+https://github.com/facebookresearch/HolisticTraceAnalysis /tmp/hta``, default ``/tmp/hta`` when it exists), the
+same is done on the GPU traces of its test data (a 128-GPU job's sample, ``tests/data/trace_filter``, and an A100
+DDP job, ``tests/data/nccl_parser_config``): HTA's temporal breakdown and communication-computation overlap
+beside the lab's (``commlab.lab.analysis.kineto``: its frame without copies, which HTA counts as non-compute, and
+with them), each figure side by side, and the time each takes (HTA: loading the traces and both analyses; the
+lab: reading them, the breakdown and the explanation), interleaved. Set ``HTA_DISABLE_NS_ROUNDING=1`` for HTA's
+figures without its rounding to whole microseconds.
 """
 from __future__ import annotations
 
@@ -56,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--runs", default=None, help="a runs directory to find or make the run in (default: a temporary one)")
+    ap.add_argument("--hta", default=None, help="a checkout of HolisticTraceAnalysis (default /tmp/hta if there)")
     ap.add_argument("--out", default=str(REPO / "bench" / "results" / "explain_speed"))
     args = ap.parse_args(argv)
     root = Path(args.runs) if args.runs else Path(tempfile.mkdtemp(prefix="explain-bench-"))
@@ -98,7 +108,79 @@ def main(argv=None) -> int:
                                                     "steps_explained": steps_explained, "rounds": args.rounds,
                                                     "times": times, "summary": rows, "target_s": TARGET_S,
                                                     "cpu_count": os.cpu_count()}, indent=1) + "\n")
+    hta_dir = Path(args.hta) if args.hta else (Path("/tmp/hta") if Path("/tmp/hta/tests/data").is_dir() else None)
+    if hta_dir is not None:
+        more, agreement = against_hta(hta_dir, args.rounds)
+        text += "\n\n" + "\n".join(more)
+        print("\n".join(more))
+        out.with_suffix(".md").write_text(text + "\n")
+        doc = json.loads(out.with_suffix(".json").read_text())
+        doc["hta"] = agreement
+        out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
+    else:
+        print("no HTA checkout (--hta DIR, or /tmp/hta): the comparison with HTA is skipped")
     return 0 if cold < TARGET_S else 1
+
+
+HTA_TRACES = {"128-GPU job, two ranks sampled": "tests/data/trace_filter",
+              "A100 DDP job, one rank": "tests/data/nccl_parser_config"}
+
+
+def against_hta(root: Path, rounds: int):
+    """HTA's figures and the lab's on HTA's own GPU traces, and the time each takes; (markdown lines, dict)."""
+    import logging
+    logging.disable(logging.INFO)  # HTA logs every parse at INFO
+    from hta.trace_analysis import TraceAnalysis
+
+    from commlab.lab.analysis import kineto
+    lines, out = [], {}
+    for label, rel in HTA_TRACES.items():
+        d = root / rel
+        if not d.is_dir():
+            lines.append(f"{label}: {d} is missing, skipped")
+            continue
+
+        def hta_side():
+            ta = TraceAnalysis(trace_dir=str(d), include_last_profiler_step=True)
+            return (ta.get_temporal_breakdown(visualize=False).set_index("rank"),
+                    ta.get_comm_comp_overlap(visualize=False).set_index("rank"))
+
+        def lab_side():
+            frame = kineto.read_trace(d)
+            return frame, explain.explain_frame(frame, {"world_size": int(frame["rank"].nunique())},
+                                                skip_warmup=False)
+        times = {"HTA": [], "lab": []}
+        for r in range(rounds):
+            for k in (("HTA", "lab") if r % 2 == 0 else ("lab", "HTA")):
+                t0 = time.perf_counter()
+                got = hta_side() if k == "HTA" else lab_side()
+                times[k].append(time.perf_counter() - t0)
+                if k == "HTA":
+                    tb, hov = got
+                else:
+                    frame = got[0]
+        nc = frame[frame["kind"].ne("memory")] if "kind" in frame else frame
+        lab = kineto.breakdown(frame).groupby("rank").sum()
+        lab_nc = kineto.breakdown(nc).groupby("rank").sum()
+        ov, ov_nc = kineto.comm_overlap(frame).set_index("rank"), kineto.comm_overlap(nc).set_index("rank")
+        lines += [f"{label} ({rel}):", "", "| rank | figure | HTA | lab | lab without copies |", "|---|---|---:|---:|---:|"]
+        rows = []
+        for rank in tb.index:
+            h = tb.loc[rank]
+            figs = [("kernel time (ms)", h["kernel_time(us)"] / 1e3, lab.loc[rank, "step_ms"], lab_nc.loc[rank, "step_ms"]),
+                    ("idle (ms)", h["idle_time(us)"] / 1e3, lab.loc[rank, "other_ms"], lab_nc.loc[rank, "other_ms"]),
+                    ("compute (ms)", h["compute_time(us)"] / 1e3, lab.loc[rank, "compute_ms"], lab_nc.loc[rank, "compute_ms"]),
+                    ("comm-compute overlap (%)", hov.loc[rank, "comp_comm_overlap_pctg"], 100 * ov.loc[rank, "overlap"],
+                     100 * ov_nc.loc[rank, "overlap"])]
+            for name, a, b, c in figs:
+                lines.append(f"| {rank} | {name} | {a:.3f} | {b:.3f} | {c:.3f} |")
+                rows.append({"rank": int(rank), "figure": name, "hta": float(a), "lab": float(b), "lab_no_copies": float(c)})
+        med = {k: statistics.median(v) for k, v in times.items()}
+        lines += ["", f"time, median of {rounds} interleaved rounds: HTA {med['HTA']:.2f} s "
+                      f"({min(times['HTA']):.2f}..{max(times['HTA']):.2f}), lab {med['lab']:.2f} s "
+                      f"({min(times['lab']):.2f}..{max(times['lab']):.2f}); lab / HTA {med['lab'] / med['HTA']:.2f}", ""]
+        out[rel] = {"figures": rows, "times": times}
+    return lines, out
 
 
 if __name__ == "__main__":
