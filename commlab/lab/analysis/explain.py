@@ -102,16 +102,19 @@ class Collective:
     wire_us: Optional[float] = None
     on_path_us: float = 0.0
 
-    @property
-    def rest_us(self) -> float:
-        return max(0.0, self.dur_us - self.skew_us - (self.latency_us or 0.0) - (self.wire_us or 0.0))
-
     def split_on_path(self) -> Dict[str, float]:
         """Its time on the critical path in the collective's parts, µs. The path holds its last ``on_path_us``;
         skew is its first part (a rank waits for its peers before bytes move); latency, wire and the rest share
         what follows in proportion (their order inside a collective is not recorded)."""
+        return self.split(self.on_path_us)
+
+    def split(self, left: Optional[float] = None) -> Dict[str, float]:
+        """Its last ``left`` µs (default: all of it) in its parts: skew, then latency, wire and the rest. Where
+        the link's model asks more time than moved after the skew (a modeled link pads a collective to its
+        model's time counted from its start, waits for peers included), latency and wire are scaled down to
+        what there was, so the parts add up to the collective."""
         out = dict.fromkeys(COMM_GROUPS, 0.0)
-        left = min(self.on_path_us, self.dur_us)
+        left = min(self.dur_us if left is None else left, self.dur_us)
         if left <= 0:
             return out
         out["skew"] = max(0.0, self.skew_us - (self.dur_us - left))
@@ -393,11 +396,15 @@ def _summarize(paths: List[StepPath], comms_by, layer_ms, ranks, link: Link, ste
         b = [c.bytes for c in cs if c.bytes is not None]
         mean_b = sum(b) / len(b) if b else None
         factor, _ = ring_factor(cs[0].op, link.world)
+        split = [c.split() for c in cs]
         row = {"index": k, "name": cs[0].name, "op": cs[0].op, "bytes": mean_b, "ms": dur / 1e3,
-               "skew_ms": sum(c.skew_us for c in cs) / m / 1e3,
-               "latency_ms": (sum(c.latency_us or 0 for c in cs) / m / 1e3) if link.latency_us is not None else None,
-               "wire_ms": (sum(c.wire_us or 0 for c in cs) / m / 1e3) if link.gbps and mean_b is not None else None,
-               "rest_ms": sum(c.rest_us for c in cs) / m / 1e3, "on_path_ms": sum(c.on_path_us for c in cs) / m / 1e3}
+               "skew_ms": sum(x["skew"] for x in split) / m / 1e3,
+               "latency_ms": (sum(x["latency"] for x in split) / m / 1e3) if link.latency_us is not None else None,
+               "wire_ms": (sum(x["wire"] for x in split) / m / 1e3) if link.gbps and mean_b is not None else None,
+               "rest_ms": sum(x["comm_rest"] for x in split) / m / 1e3,
+               "on_path_ms": sum(c.on_path_us for c in cs) / m / 1e3}
+        if link.gbps and mean_b is not None:
+            row["wire_model_ms"] = sum(c.wire_us or 0 for c in cs) / m / 1e3  # bytes over the rate, unscaled
         moving = dur - sum(c.skew_us for c in cs) / m
         if mean_b is not None and moving > 0:
             alg = mean_b * (link.world if "gather" in (cs[0].op or "").lower() else 1) * 8 / (moving * 1e3)
