@@ -298,3 +298,17 @@ def test_a_run_goes_queued_running_done_in_one_status_write_each(tmp_path, monke
     assert seen[0]["supervisor"] == procs.identity() and seen[0]["owner"]
     assert seen[-1]["disturbance"]["final"] is True and seen[-1]["returncode"] == 0
     assert lab.index.query()[0]["state"] == "done"
+
+
+def test_a_long_jsonl_is_read_as_one_array_and_a_torn_line_still_only_drops_itself():
+    """runlog._parse reads many lines as one JSON array (fast), and anything that is not one whole object per
+    line (a torn line, a line that is not an object) falls back to reading each line alone: the same rows."""
+    from commlab.engine import runlog
+    rows = [{"k": i, "s": "x" * (i % 7)} for i in range(200)]
+    lines = [json.dumps(r).encode() for r in rows]
+    assert runlog._parse(lines) == rows
+    torn = lines[:100] + [lines[100][:9]] + lines[101:]  # a killed writer's torn line in the middle
+    assert runlog._parse(torn) == rows[:100] + rows[101:]
+    halves = lines[:50] + [b'{"k": [1', b'2]}'] + lines[50:]  # two fragments that make one object when joined
+    assert runlog._parse(halves) == rows
+    assert runlog._parse(lines + [b"7"]) == rows + [7]  # a line that is not an object: kept, as alone

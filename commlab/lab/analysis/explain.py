@@ -149,26 +149,39 @@ class StepPath:
 # --------------------------------------------------------------------------- one step's path
 
 def _intervals(spans: Sequence[Tuple[float, float, int, str, str, object]], w0: float, w1: float):
-    """Cut [w0, w1] into pieces named by the highest-ranked span covering each: [(a, b, span or None)]."""
-    cuts = {w0, w1}
-    for s in spans:
-        if s[1] > w0 and s[0] < w1:
-            cuts.add(min(max(s[0], w0), w1))
-            cuts.add(min(max(s[1], w0), w1))
-    cuts = sorted(cuts)
-    out = []
-    for a, b in zip(cuts, cuts[1:]):
-        if b <= a:
-            continue
-        mid = (a + b) / 2
-        best = None
-        for s in spans:
-            if s[0] <= mid < s[1] and (best is None or s[2] > best[2] or (s[2] == best[2] and s[0] > best[0])):
-                best = s
-        if out and out[-1][2] is best:
-            out[-1] = (out[-1][0], b, best)
-        else:
-            out.append((a, b, best))
+    """Cut [w0, w1] into pieces named by the highest-ranked span covering each (the latest to start among
+    equals): [(a, b, span or None)]. A sweep over the spans' ends: each piece looks only at the spans open then."""
+    edges = []
+    for k, s in enumerate(spans):
+        a, b = max(s[0], w0), min(s[1], w1)
+        if b > a:
+            edges.append((a, 1, k))
+            edges.append((b, 0, k))
+    edges.sort()
+    out: list = []
+    open_: set = set()
+    t = w0
+    i = 0
+    while i <= len(edges):
+        nxt = edges[i][0] if i < len(edges) else w1
+        if nxt > t:
+            best = None
+            for k in open_:
+                s = spans[k]
+                if best is None or s[2] > best[2] or (s[2] == best[2] and s[0] > best[0]):
+                    best = s
+            if out and out[-1][2] is best:
+                out[-1] = (out[-1][0], nxt, best)
+            else:
+                out.append((t, nxt, best))
+            t = nxt
+        if i == len(edges):
+            break
+        x = edges[i][0]
+        while i < len(edges) and edges[i][0] == x:  # every edge at this instant before the next piece
+            _, opening, k = edges[i]
+            (open_.add if opening else open_.discard)(k)
+            i += 1
     return out
 
 
