@@ -17,8 +17,8 @@ explained in under 2 s (cold).
 
 With ``--hta DIR`` (a checkout of Holistic Trace Analysis, the peer; never vendored: ``git clone
 https://github.com/facebookresearch/HolisticTraceAnalysis /tmp/hta``, default ``/tmp/hta`` when it exists), the
-same is done on the GPU traces of its test data (a 128-GPU job's sample, ``tests/data/trace_filter``, and an A100
-DDP job, ``tests/data/nccl_parser_config``): HTA's temporal breakdown and communication-computation overlap
+same is done on the GPU traces of its test data (a 128-GPU job's sample, ``<hta>/tests/data/trace_filter``, and an
+A100 DDP job, ``<hta>/tests/data/nccl_parser_config``): HTA's temporal breakdown and communication-computation overlap
 beside the lab's (``commlab.lab.analysis.kineto``: its frame without copies, which HTA counts as non-compute, and
 with them), each figure side by side, and the time each takes (HTA: loading the traces and both analyses; the
 lab: reading them, the breakdown and the explanation), interleaved. Set ``HTA_DISABLE_NS_ROUNDING=1`` for HTA's
@@ -122,8 +122,9 @@ def main(argv=None) -> int:
     return 0 if cold < TARGET_S else 1
 
 
-HTA_TRACES = {"128-GPU job, two ranks sampled": "tests/data/trace_filter",
-              "A100 DDP job, one rank": "tests/data/nccl_parser_config"}
+HTA_TRACES = {"128-GPU job, two ranks sampled": ("tests", "data", "trace_filter"),
+              "A100 DDP job, one rank": ("tests", "data", "nccl_parser_config")}
+"""Folders of HTA's checkout: its own test data."""
 
 
 def against_hta(root: Path, rounds: int):
@@ -134,8 +135,9 @@ def against_hta(root: Path, rounds: int):
 
     from commlab.lab.analysis import kineto
     lines, out = [], {}
-    for label, rel in HTA_TRACES.items():
-        d = root / rel
+    for label, parts in HTA_TRACES.items():
+        rel = "<hta>/" + "/".join(parts)
+        d = root.joinpath(*parts)
         if not d.is_dir():
             lines.append(f"{label}: {d} is missing, skipped")
             continue
@@ -163,7 +165,7 @@ def against_hta(root: Path, rounds: int):
         lab = kineto.breakdown(frame).groupby("rank").sum()
         lab_nc = kineto.breakdown(nc).groupby("rank").sum()
         ov, ov_nc = kineto.comm_overlap(frame).set_index("rank"), kineto.comm_overlap(nc).set_index("rank")
-        lines += [f"{label} ({rel}):", "", "| rank | figure | HTA | lab | lab without copies |", "|---|---|---:|---:|---:|"]
+        lines += [f"{label} (`{rel}`):", "", "| rank | figure | HTA | lab | lab without copies |", "|---|---|---:|---:|---:|"]
         rows = []
         for rank in tb.index:
             h = tb.loc[rank]
