@@ -281,6 +281,26 @@ def test_a_slowdown_put_in_a_real_run_is_named_first(runs, kind, first):
     assert sum(ex.path_ms.values()) == pytest.approx(ex.step_ms, rel=0.02)  # the parts add up to the step
 
 
+def _shaped_unavailable():
+    from commlab.lab.net.netns import NetworkUnavailable, check_shaped_supported
+    try:
+        check_shaped_supported()
+    except NetworkUnavailable as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(_shaped_unavailable() is not None, reason=f"shaped links: {_shaped_unavailable()}")
+def test_a_slower_shaped_link_is_named_first(slowpkg, tmp_path):
+    """A real emulated link (network namespaces, tc) at 0.01 Gbit/s: the wire bounds the step."""
+    import commlab
+    run = commlab.run(dict(BASE, steps=8, network={"link": "shaped", "gbps": 0.01}), runs=tmp_path)
+    assert run.state == "done", run.status().get("error")
+    ex = explain.explain_run(run)
+    assert "bound by bytes on the wire" in ex.sentences[0], ex.sentences
+    assert ex.collectives[0]["wire_ms"] > 0 and sum(ex.path_ms.values()) == pytest.approx(ex.step_ms, rel=0.02)
+
+
 def test_a_real_plain_run_adds_up_and_names_no_straggler(runs):
     _, made = runs
     ex = explain.explain_run(made["plain"])

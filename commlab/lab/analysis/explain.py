@@ -517,7 +517,10 @@ def report_lines(ex: Explanation, title: str = "") -> List[str]:
             out.append(f"  {g:<12} {ex.path_ms[g]:8.2f}  ({_pct(ex.path_ms[g], ex.step_ms)})")
     out.append(f"  {'hidden comm':<12} {ex.hidden_comm_ms:8.2f}  (off the path)")
     if ex.collectives:
-        out += ["", "collectives    ms per step, means over steps and ranks"]
+        link = ex.link
+        rate = (f"{link['gbps']:g} Gbit/s per rank" if link.get("gbps") else "rate not known (loopback)") + (
+            f", latency {link['latency_us']:g} µs" if link.get("latency_us") is not None else "")
+        out += ["", f"collectives    ms per step, means over steps and ranks; the link: {rate}"]
         out.append(f"  {'name':<20} {'bytes':>10} {'ms':>7} {'skew':>7} {'latency':>8} {'wire':>7} {'rest':>7} "
                    f"{'on path':>8} {'busbw Gb/s':>11}")
         def f(v, w):
