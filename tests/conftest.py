@@ -171,3 +171,45 @@ def pytest_collection_modifyitems(config, items):
         nodeid = item.nodeid if item.nodeid.startswith("tests/") else "tests/" + item.nodeid
         return next((i for i, prefix in enumerate(FIRST) if nodeid.startswith(prefix)), len(FIRST))
     items.sort(key=rank)  # stable: within a rank, the collected order
+
+
+# --------------------------------------------------------------------------- torch DDP's reference, run once
+# tests/test_own_loop.py and tests/test_methods.py each compare a commlab.wrap run of examples/own_loop.py with the
+# same script under torch DDP (--ddp, 10 steps, world size 2): a deterministic run that every such test used to
+# start again (a torchrun, about 10 s of two cores). It runs once for the whole suite: the first xdist worker to
+# need it runs it under a lock in the directory the workers share, the others read what it left.
+from distutil import OWN_LOOP_DDP_STEPS  # noqa: E402
+
+
+class OwnLoopDDP:
+    """``returncode`` and ``stdout`` of that torchrun; each rank's final parameters in ``f"{save}.rank{r}"``."""
+
+    def __init__(self, save, returncode, stdout):
+        self.save, self.returncode, self.stdout = save, returncode, stdout
+
+
+@pytest.fixture(scope="session")
+def own_loop_ddp(tmp_path_factory):
+    import fcntl
+    import json
+    import subprocess
+    from commlab.lab.base.torchrun import free_port
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    where = shared / "own-loop-ddp"
+    where.mkdir(exist_ok=True)
+    save, done = where / "ddp", where / "done.json"
+    with open(where / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+                   "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            env.pop("COMMLAB_RUNS", None)
+            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                    "127.0.0.1", "--master-port", str(free_port()), os.path.join(ROOT, "examples", "own_loop.py"),
+                    "--ddp", "--steps", str(OWN_LOOP_DDP_STEPS), "--save", str(save)]
+            p = subprocess.run(argv, cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               timeout=240)
+            done.write_text(json.dumps({"returncode": p.returncode, "stdout": p.stdout}))
+        got = json.loads(done.read_text())
+    return OwnLoopDDP(save, got["returncode"], got["stdout"])

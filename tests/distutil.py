@@ -33,6 +33,10 @@ def shaped_unavailable():
     return None
 
 
+OWN_LOOP_DDP_STEPS = 10
+"""Steps of the torch DDP reference run of examples/own_loop.py that tests/conftest.py's ``own_loop_ddp`` runs once."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distutil import run_world
+from distutil import OWN_LOOP_DDP_STEPS, run_world
 from commlab.engine import methods
 from commlab.engine.methods.demo import DCTTopK, dct_basis
 from commlab.engine.methods.diloco import split_even
@@ -487,17 +487,18 @@ def own_loop(tmp_path, *args, timeout=240):
                           timeout=timeout)
 
 
-def test_wrap_local_sgd_h1_matches_torch_ddp(tmp_path):
+def test_wrap_local_sgd_h1_matches_torch_ddp(tmp_path, own_loop_ddp):
     """examples/own_loop.py (its own loop, SGD with momentum 0.9 from its factory) with local SGD at H = 1 through
     commlab.wrap: the method's hooks run around the script's optimizer, and the parameters are torch DDP's."""
+    assert OWN_LOOP_DDP_STEPS == 10  # the step count below (20 steps: 10 on each rank)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"comm": "wfbp", "method": {"name": "local_sgd", "H": 1}}))
     ours = own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", 10, "--save", tmp_path / "ours")
     assert ours.returncode == 0, ours.stdout[-3000:]
-    ref = own_loop(tmp_path, "--ddp", "--steps", 10, "--save", tmp_path / "ddp")
+    ref = own_loop_ddp  # the script with --ddp --steps 10, run once for the suite (tests/conftest.py)
     assert ref.returncode == 0, ref.stdout[-3000:]
     for r in (0, 1):
-        a, b = torch.load(tmp_path / f"ours.rank{r}"), torch.load(tmp_path / f"ddp.rank{r}")
+        a, b = torch.load(tmp_path / f"ours.rank{r}"), torch.load(f"{ref.save}.rank{r}")
         for n in a:
             torch.testing.assert_close(a[n], b[n], atol=2e-6, rtol=1e-5, msg=f"rank {r} {n} differs from DDP")
     steps = [m for m in read_jsonl(str(only_run(tmp_path / "runs") / "metrics.jsonl")) if m["kind"] == "step"]

@@ -84,6 +84,8 @@ def test_runs_top_to_bottom(path, tmp_path, monkeypatch):
     monkeypatch.setenv("COMMLAB_QUICK", "1")
     monkeypatch.setenv("COMMLAB_SLOW_LINK", "modeled")
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path / "runs"))
+    # the kernel runs in notebooks/: this checkout's commlab first, not whichever one the environment installed
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})

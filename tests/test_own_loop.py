@@ -13,6 +13,7 @@ import torch
 
 from commlab.engine.runlog import read_jsonl
 from commlab.lab.base.torchrun import free_port
+from distutil import OWN_LOOP_DDP_STEPS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -80,17 +81,18 @@ def test_own_loop_lands_in_the_runs_directory(tmp_path, name):
 
 
 @pytest.mark.parametrize("comm", ["wfbp", "sync"])
-def test_own_loop_without_compression_matches_torch_ddp(tmp_path, comm):
+def test_own_loop_without_compression_matches_torch_ddp(tmp_path, comm, own_loop_ddp):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"compressor": "none", "comm": comm, "schedule": {"name": "bucket", "cap_mb": 0.02}}))
-    ours = torchrun(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", 12, "--save", tmp_path / "ours")
+    steps = OWN_LOOP_DDP_STEPS
+    ours = torchrun(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", steps, "--save", tmp_path / "ours")
     assert ours.returncode == 0, ours.stdout[-3000:]
-    ref = torchrun(tmp_path, "--ddp", "--steps", 12, "--save", tmp_path / "ddp")
+    ref = own_loop_ddp  # the script with --ddp --steps OWN_LOOP_DDP_STEPS, run once for the suite (tests/conftest.py)
     assert ref.returncode == 0, ref.stdout[-3000:]
     torch.manual_seed(0)
     init = dict(_example().Net().named_parameters())  # the script's initial parameters
     for r in (0, 1):
-        a, b = torch.load(tmp_path / f"ours.rank{r}"), torch.load(tmp_path / f"ddp.rank{r}")
+        a, b = torch.load(tmp_path / f"ours.rank{r}"), torch.load(f"{ref.save}.rank{r}")
         assert max((a[n] - init[n]).abs().max() for n in a) > 1e-3  # they trained: the comparison means something
         for n in a:
             torch.testing.assert_close(a[n], b[n], atol=1e-6, rtol=0, msg=f"rank {r} {n} differs from DDP")
