@@ -78,15 +78,15 @@ def check_new_run(at, runs):
 def check_live_run(at, runs):
     (run,) = commlab.runs(runs=runs, state="done")[:1]
     assert at.selectbox(key="live.pick").value == run.id
-    assert len(at.get("plotly_chart")) == 4  # timeline, breakdown, curves, bytes
+    assert len(at.get("plotly_chart")) == 5  # timeline, breakdown, the explanation's critical path, curves, bytes
     assert any("trace" in b.label for b in at.get("download_button"))
     assert any("step 5/5" in (p.proto.text or "") for p in at.get("progress"))
 
 
 def check_compare(at, runs):
     assert at.multiselect(key="cmp.runs").value
-    assert len(at.dataframe) == 1
-    assert len(at.get("plotly_chart")) == 3  # accuracy vs time, breakdown bars, scaling factor
+    assert len(at.dataframe) == 2  # the comparison; the one run's collectives, explained
+    assert len(at.get("plotly_chart")) == 4  # accuracy vs time, breakdown bars, scaling factor, the critical path
     assert any(b.label == "Export CSV" for b in at.get("download_button"))
 
 
@@ -301,7 +301,8 @@ def test_results_view_gives_a_verdict_from_the_runs(runs):
     assert f"DeAR over DDP-style wfbp, per iteration: {ratio:.2f}x" in text
     assert ("met" if ratio >= 1.2 else "missed") in text
     assert "the whole experiment took" in text
-    assert len(at.get("plotly_chart")) == 3  # timelines on one axis, breakdown bars, accuracy vs wall time
+    assert len(at.get("plotly_chart")) == 4  # timelines on one axis, breakdown bars, accuracy vs wall time, the
+    # critical path of one variant explained against another
 
 
 def test_sweep_starts_in_the_background_and_shows_a_heatmap(runs):

@@ -170,7 +170,7 @@ def test_live_panel_refresh_reads_only_new_bytes(fake_run, monkeypatch):
     at.query_params["run"] = run.id
     at.run().switch_page("views/live_run.py").run()
     assert not at.exception, [e.value for e in at.exception]
-    assert len(at.get("plotly_chart")) == 4
+    assert len(at.get("plotly_chart")) == 5  # the four charts and the explanation's critical path
     (lr,) = live._LIVE.values()
     before = bytes_read(lr)
     assert before == sum(p.stat().st_size for p in run.path.glob("*.jsonl"))

@@ -50,11 +50,15 @@ def sentences(lines: List[str]) -> None:
     st.markdown("\n".join(f"- {ui.text(s)}" for s in lines))
 
 
-def explain_panel(run: Run, key: str) -> None:
-    """The panel for one run (a live one is explained up to its last written step)."""
+def explain_panel(run: Run, key: str, frame=None) -> None:
+    """The panel for one run. A live run's page passes ``frame``, the last steps it holds in memory
+    (commlab.lab.analysis.live): nothing is read again for the panel."""
     st.subheader("Why the step takes its time")
     try:
-        ex = timelines.run_explanation(run)
+        if frame is not None:
+            ex = explain.explain_frame(frame, run.spec_dict())  # the run's warm-up left out by step number
+        else:
+            ex = timelines.run_explanation(run)
     except explain.NothingToExplain:
         st.caption("Explained after the first timed steps.")
         return

@@ -149,7 +149,7 @@ def live_panel(run_id: str) -> None:
             st.caption(f"mean over the last {BREAKDOWN_STEPS:d} steps, warm-up left out: " + ", ".join(
                 f"{ui.text(plots.PART_LABELS[k])} {mean[k]:.2f} ms" for k in (*plots.PARTS, "hidden_comm_ms"))
                 + f"; step {mean['step_ms']:.2f} ms")
-        explain_view.explain_panel(run, "live.explain")
+        explain_view.explain_panel(run, "live.explain", frame=lr.timeline(BREAKDOWN_STEPS))
         st.subheader("Loss and accuracy")
         metrics = lr.metrics()
         st.plotly_chart(plots.curves_figure(metrics, lr.metrics("eval"),
