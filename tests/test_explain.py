@@ -301,10 +301,10 @@ def test_a_slower_shaped_link_is_named_first(slowpkg, tmp_path):
     assert ex.collectives[0]["wire_ms"] > 0 and sum(ex.path_ms.values()) == pytest.approx(ex.step_ms, rel=0.02)
 
 
-def test_a_real_plain_run_adds_up_and_names_no_straggler(runs):
+def test_a_real_plain_run_adds_up_to_its_measured_step(runs):
+    """(Whether a rank straggles in a plain run depends on what else the machine runs: not asserted here.)"""
     _, made = runs
     ex = explain.explain_run(made["plain"])
-    assert ex.straggler is None
     assert sum(ex.path_ms.values()) == pytest.approx(ex.step_ms, rel=0.02)
     # the explained step is the measured step: the mean of the step spans over the explained steps
     tl = made["plain"].timeline()
