@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from commlab.engine.comm import buffers
-from tests.distutil import run_world
+from distutil import run_world
 
 
 def kept_bytes() -> int:

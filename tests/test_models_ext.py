@@ -192,7 +192,7 @@ def test_user_loss_is_used(userpkg):
 
 def test_sync_buffers_averages_running_stats(userpkg):
     """Each rank's BatchNorm statistics follow its own shard; before evaluation they are averaged."""
-    from tests.distutil import run_world
+    from distutil import run_world
     (b0, a0), (b1, a1) = run_world(_bn_ranks)
     assert b0 != pytest.approx(b1)
     assert a0 == pytest.approx(a1) and a0 == pytest.approx([(x + y) / 2 for x, y in zip(b0, b1)])

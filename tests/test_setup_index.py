@@ -6,6 +6,7 @@ found."""
 import functools
 import http.server
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -64,8 +65,17 @@ def indexes(tmp_path_factory):
         server.server_close()
 
 
-def fresh_python(tmp_path) -> str:
-    venv.EnvBuilder(with_pip=True).create(tmp_path / "venv")
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A fresh venv with pip and nothing else, made once for the module (ensurepip takes seconds of CPU);
+    ``fresh_python`` gives each test a copy of its own."""
+    where = tmp_path_factory.mktemp("pristine") / "venv"
+    venv.EnvBuilder(with_pip=True).create(where)
+    return where
+
+
+def fresh_python(tmp_path, pristine) -> str:
+    shutil.copytree(pristine, tmp_path / "venv", symlinks=True)  # bin/python stays a link to the interpreter
     return str(tmp_path / "venv" / "bin" / "python")
 
 
@@ -89,9 +99,9 @@ def torch_in(py) -> tuple:
     return tuple(out.stdout.split()) if out.returncode == 0 else None
 
 
-def test_the_cpu_build_comes_from_pytorchs_cpu_index(indexes, tmp_path):
+def test_the_cpu_build_comes_from_pytorchs_cpu_index(indexes, tmp_path, pristine):
     default, cpu, _ = indexes
-    py = fresh_python(tmp_path)
+    py = fresh_python(tmp_path, pristine)
     r = install(py, default, cpu)
     assert r.returncode == 0, r.stderr
     assert torch_in(py) == ("2.13.0+cpu", "None")
@@ -101,9 +111,9 @@ def test_the_cpu_build_comes_from_pytorchs_cpu_index(indexes, tmp_path):
     assert again.returncode == 0 and again.stderr == "", again.stderr
 
 
-def test_without_the_cpu_index_the_default_build_is_said_before_it_installs(indexes, tmp_path):
+def test_without_the_cpu_index_the_default_build_is_said_before_it_installs(indexes, tmp_path, pristine):
     default, _, empty = indexes
-    py = fresh_python(tmp_path)
+    py = fresh_python(tmp_path, pristine)
     r = install(py, default, empty)
     assert r.returncode == 0, r.stderr
     assert torch_in(py) == ("2.13.0", "12.8")
@@ -112,9 +122,9 @@ def test_without_the_cpu_index_the_default_build_is_said_before_it_installs(inde
     assert any("rm -rf .venv" in line for line in said[big:]), r.stderr
 
 
-def test_an_existing_cuda_torch_is_never_replaced(indexes, tmp_path):
+def test_an_existing_cuda_torch_is_never_replaced(indexes, tmp_path, pristine):
     default, cpu, _ = indexes
-    py = fresh_python(tmp_path)
+    py = fresh_python(tmp_path, pristine)
     wheels = tmp_path / "w"
     wheels.mkdir()
     name = fake_wheel(wheels, "2.13.0", "12.8")
@@ -124,9 +134,9 @@ def test_an_existing_cuda_torch_is_never_replaced(indexes, tmp_path):
     assert r.returncode == 0 and torch_in(py) == ("2.13.0", "12.8"), r.stderr
 
 
-def test_nothing_to_install_fails_with_the_reason(tmp_path, indexes):
+def test_nothing_to_install_fails_with_the_reason(tmp_path, indexes, pristine):
     _, _, empty = indexes
-    py = fresh_python(tmp_path)
+    py = fresh_python(tmp_path, pristine)
     r = install(py, empty, empty)
     assert r.returncode != 0 and torch_in(py) is None
     assert "setup: torch==2.13.0+cpu is not on the configured indexes" in r.stderr
