@@ -26,6 +26,11 @@ def spec(**kw):
     return load_spec(data={**BASE, **kw}).to_dict()
 
 
+EVIDENCE = {"int8": 1.0, "topk": 1.0, "powersgd": 1.0}
+"""Declared penalties: the lossy compressors have evidence, so their iteration times decide (without any, the
+advisor never lets them outrank DDP or a cast: test_advisor_target.py)."""
+
+
 def fake_profile(s, encode_per_byte=1e-10):
     """A profile with made-up compute (20 ms backward spread over the layers) and the same encode cost
     curve for every compressor, so the ranking follows from bytes on the link."""
@@ -198,18 +203,21 @@ def test_penalty_from_runs_is_steps_to_accuracy(monkeypatch):
 def test_slow_link_picks_compression_fast_link_picks_ddp(monkeypatch):
     monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     s = spec()
-    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
+    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, penalties=EVIDENCE)
     assert slow.winner.compressor["name"] in ("topk", "powersgd")
     assert slow.chosen_by == "predicted" and slow.cost_s["trials"] == 0
     ddp = next(c for c in slow.candidates if c.label == "none, bucket 25 MB, wfbp")
     assert slow.winner.predicted_score < ddp.predicted_score
     assert "DDP" in slow.reason and slow.winner.label in slow.reason
     # a fast link and expensive encoding: nothing beats sending the gradients as they are
-    fast = advisor.advise(s, gbps=400, profile=fake_profile(s, encode_per_byte=1e-8), say=lambda m: None)
+    fast = advisor.advise(s, gbps=400, profile=fake_profile(s, encode_per_byte=1e-8), say=lambda m: None, penalties=EVIDENCE)
     assert fast.winner.compressor["name"] == "none"
     ranked = fast.ranked()
-    scores = [c.predicted_score for c in ranked if c.predicted_score is not None]
-    assert scores == sorted(scores)
+    for proven in (True, False):  # the candidates with evidence first, each group by predicted score
+        scores = [c.predicted_score for c in ranked if c.predicted_score is not None and c.proven == proven]
+        assert scores == sorted(scores)
+    assert [c.proven for c in ranked if c.penalty is not None] == sorted(
+        (c.proven for c in ranked if c.penalty is not None), reverse=True)
 
 
 def test_left_out_compressor_never_wins(monkeypatch):
@@ -263,7 +271,7 @@ def test_measured_trials_decide(monkeypatch, tmp_path):
     sessions = []
     # the first tried is the slowest in reality, the second the fastest
     runner = fake_session_runner(tmp_path, lambda i, t: {0: 50.0, 1: 20.0}.get(i, 30.0), sessions)
-    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=3,
+    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, penalties=EVIDENCE, measure=True, trials=3,
                          runner=runner)
     assert len(sessions) == 1 and adv.chosen_by == "measured"  # one session holds every trial
     tried = [json.loads((sessions[0].path / d / "spec.json").read_text())
@@ -292,13 +300,13 @@ def test_trials_hold_ddp_when_it_is_close(monkeypatch, tmp_path):
         and t["schedule"]["name"] == "bucket" and t["schedule"]["cap_mb"] == 25.0 and t["comm"]["mode"] == "wfbp"
         else 40.0, sessions)
     # a fast link: the candidates are close, DDP among them
-    adv = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+    adv = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, penalties=EVIDENCE, measure=True, trials=2,
                          runner=runner)
     assert space.is_ddp(adv.winner) and adv.chosen_by == "measured"
     tried = [c for c in adv.candidates if c.trial_run]
     assert sum(space.is_ddp(c) for c in tried) == 1
     # a slow link: DDP predicted far behind the best is not tried
-    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, penalties=EVIDENCE, measure=True, trials=2,
                           runner=runner)
     ddp = next(c for c in slow.candidates if space.is_ddp(c))
     best = min(c.predicted_score for c in slow.candidates if c.predicted_score is not None)
@@ -315,7 +323,7 @@ def test_a_measured_win_inside_the_hold_margin_goes_to_ddp(monkeypatch, tmp_path
     runner = fake_session_runner(tmp_path, lambda i, t: 10.0 if t["compressor"]["name"] == "none"
                                  and not t["compressor"]["per_bucket"] and t["schedule"]["name"] == "bucket"
                                  and t["schedule"]["cap_mb"] == 25.0 and t["comm"]["mode"] == "wfbp" else other_ms, [])
-    adv = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+    adv = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, penalties=EVIDENCE, measure=True, trials=2,
                          runner=runner)
     assert space.is_ddp(adv.winner) == ddp_wins and adv.chosen_by == "measured"
     assert adv.reason.startswith("DDP held") == ddp_wins, adv.reason
@@ -372,7 +380,7 @@ def test_cli_measures_a_real_trial(tmp_path):
     """End to end: a profile measured now, cost curves, one real 2-rank trial on a modeled link."""
     f = tmp_path / "s.json"
     f.write_text(json.dumps({**BASE, "steps": 30}))
-    p = cli("advise", str(f), "--gbps", "0.05", "--measure", "--trials", "1", "--trial-steps", "6",
+    p = cli("advise", str(f), "--gbps", "0.05", "--measure", "steps", "--trials", "1", "--trial-steps", "6",
             "--runs", str(tmp_path / "runs"), "--out", str(tmp_path / "best.yaml"), "--json-out",
             str(tmp_path / "adv.json"), cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -380,11 +388,13 @@ def test_cli_measures_a_real_trial(tmp_path):
     adv = json.loads((tmp_path / "adv.json").read_text())
     tried = [c for c in adv["candidates"] if c["trial_run"]]
     # the best-predicted candidate, and DDP when predicted close to it; the winner is the faster measured
-    assert 1 <= len(tried) <= 2 and all(c["measured_ms"] > 0 for c in tried) and adv["winner"] == tried[0]["label"]
+    assert 1 <= len(tried) <= 2 and all(c["measured_ms"] > 0 for c in tried) and adv["winner"] in [
+        c["label"] for c in tried]
+    assert all(c["proven"] for c in tried)  # a trial of steps only is never of a candidate without evidence
     assert all(c["trial_run"].startswith(tried[0]["trial_run"].split("/")[0] + "/trial-") for c in tried)
     assert adv["cost_s"]["trials"] > 0 and adv["cost_s"]["total"] >= adv["cost_s"]["trials"]
     best = load_spec(str(tmp_path / "best.yaml")).to_dict()
-    assert best["compressor"]["name"] == tried[0]["compressor"]["name"]
+    assert best["compressor"]["name"] == next(c for c in tried if c["label"] == adv["winner"])["compressor"]["name"]
 
 
 # --------------------------------------------------------------------------- strategy: auto
@@ -484,9 +494,10 @@ def test_strategy_auto_trials_in_the_run(auto_root):
     from commlab.engine.timeline import LANES
     root = auto_root
     # PowerSGD's declared penalty of 2 brings top-k within FAMILY_MARGIN of it (raw, top-k is predicted
-    # 1.6-2.2x PowerSGD's time here, at the margin's edge), so two families are tried and run off
+    # 1.6-2.2x PowerSGD's time here, at the margin's edge), so two families are tried and run off; top-k's
+    # penalty is declared too (without evidence for this model it would not be tried)
     run = commlab.run({**BASE, "steps": 30, "network": AUTO_NET, "strategy": {
-        "mode": "auto", "trials": 2, "trial_steps": 4, "penalties": {"powersgd": 2.0}}}, runs=root)
+        "mode": "auto", "trials": 2, "trial_steps": 4, "penalties": {"powersgd": 2.0, "topk": 1.0}}}, runs=root)
     assert run.state == "done", (run.status().get("error"), run.log_tail())
     rec = json.loads(run.file("tuning.json").read_text())["advisor"]
     res = json.loads(run.file(AUTO_RESULT).read_text())
@@ -532,7 +543,7 @@ def test_trial_picks_take_one_candidate_per_family():
     DDP joins as the reference."""
     def cand(label, comp, ms, cap=1.0):
         c = space.Candidate(label, comp, {"name": "bucket", "cap_mb": cap}, {"mode": "wfbp"})
-        c.predicted_ms, c.penalty = ms, 1.0
+        c.predicted_ms, c.penalty, c.penalty_source = ms, 1.0, "declared by the user (a test's)"
         return c
     ranked = [cand("none", pen.comp_section("none"), 32.0), cand("bf16", pen.comp_section("bf16"), 32.5),
               cand("fp16", pen.comp_section("fp16"), 32.6),
@@ -595,7 +606,7 @@ def test_families_predicted_far_behind_are_not_tried():
     for nothing); DDP follows its own margin."""
     def cand(label, comp, ms, cap=1.0):
         c = space.Candidate(label, comp, {"name": "bucket", "cap_mb": cap}, {"mode": "wfbp"})
-        c.predicted_ms, c.penalty = ms, 1.0
+        c.predicted_ms, c.penalty, c.penalty_source = ms, 1.0, "declared by the user (a test's)"
         return c
     ranked = [cand("psgd", pen.comp_section("powersgd", rank=1), 32.0), cand("topk", pen.comp_section("topk"), 47.0),
               cand("int8", pen.comp_section("int8"), 243.0), cand("fp16", pen.comp_section("fp16"), 460.0),
@@ -621,7 +632,7 @@ def test_a_disturbed_trial_session_is_said_in_table_reason_and_json(monkeypatch,
     s = spec()
     sessions, said = [], []
     runner = fake_session_runner(tmp_path, lambda i, t: 10.0 + i, sessions, disturbance=record)
-    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=said.append, measure=True, trials=2,
+    adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=said.append, penalties=EVIDENCE, measure=True, trials=2,
                          runner=runner)
     assert adv.chosen_by == "measured"
     doc = json.loads(json.dumps(adv.as_dict()))
@@ -661,7 +672,7 @@ def test_ddp_left_out_of_the_trials_is_said(monkeypatch, tmp_path):
     monkeypatch.setattr(pen, "penalty_from_runs", lambda *a: None)
     s = spec()
     runner = fake_session_runner(tmp_path, lambda i, t: 10.0 + i, [])
-    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+    slow = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, penalties=EVIDENCE, measure=True, trials=2,
                           runner=runner)
     ddp = next(c for c in slow.candidates if space.is_ddp(c))
     assert ddp.trial_run is None
@@ -670,7 +681,7 @@ def test_ddp_left_out_of_the_trials_is_said(monkeypatch, tmp_path):
     assert "DDP not tried: predicted" in slow.reason and "the winner's prediction" in slow.reason, slow.reason
     runner = fake_session_runner(tmp_path / "fast", lambda i, t: 10.0 + i, [])
     (tmp_path / "fast").mkdir()
-    fast = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, measure=True, trials=2,
+    fast = advisor.advise(s, gbps=400, profile=fake_profile(s), say=lambda m: None, penalties=EVIDENCE, measure=True, trials=2,
                           runner=runner)
     assert any(space.is_ddp(c) and c.trial_run for c in fast.candidates)
     assert fast.ddp_not_tried == "" and "not tried" not in fast.reason
@@ -687,9 +698,9 @@ def test_default_penalty_says_default_in_the_table(monkeypatch):
     s = spec()
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None, penalties={"topk": 1.3})
     int8 = next(line for line in advisor.format_table(adv) if " int8, " in line)
-    assert int8.rstrip().endswith("default") and " 1.25 " in int8, int8
+    assert "  default  " in int8 and " 1.25 " in int8 and int8.endswith("unproven here: a guess"), int8
     topk = next(line for line in advisor.format_table(adv) if " topk " in line)
-    assert topk.rstrip().endswith("declared by the user (topk=1.3)"), topk
+    assert "  declared by the user (topk=1.3)  " in topk and topk.endswith("you declared it"), topk
 
 
 def test_matching_run_prefers_an_undisturbed_run(tmp_path, monkeypatch):

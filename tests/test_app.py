@@ -508,6 +508,7 @@ def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
     assert len(table) == len(j["advice"]["candidates"]) > 10
     assert table.iloc[0]["candidate"] == j["advice"]["winner"]
     assert table["measured_ms"].isna().all()  # no trials asked for
+    assert (table["evidence"] != "").all() and "to_target_s" in table.columns  # what each penalty rests on
     # the winner line is a warning when a run the advice rests on was disturbed by other processes
     shown = at.warning if j["advice"]["disturbed"] else at.success
     assert any(j["advice"]["winner"] in s.value for s in shown)

@@ -496,8 +496,9 @@ def test_predict_from_a_saved_profile_gives_a_two_level_table(tmp_path, capsys):
         return (6.5e-3 + 2 * 7 / 8 * n * bi + 2 * (nodes - 1) / nodes * n / 8 * be) * 1e3
     for r, p in zip(rows, workers):
         assert float(r[2]) == pytest.approx(ddp_ms(p), abs=0.006)  # printed with two decimals
-        assert float(r[5]) == pytest.approx(6.5 / ddp_ms(p), abs=0.006)  # DDP scaling: compute / iteration
-        assert r[4].endswith("x") and 0 < float(r[6]) <= 1.0
+        assert float(r[6]) == pytest.approx(6.5 / ddp_ms(p), abs=0.006)  # DDP scaling: compute / iteration
+        assert r[4].endswith("x") and 0 < float(r[7]) <= 1.0
+        assert r[5] == r[4] + "?"  # to the target: speedup / penalty 1, which rests on no run of this model
     assert out.count("crossover (inter-node rate):") == len(workers)
     # a rate sweep of the inter-node link instead of a fixed one
     assert main(["predict", str(tmp_path / "p.json"), "--workers", "64", "--gbps", "1,400",

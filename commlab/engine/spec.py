@@ -618,6 +618,9 @@ class JobSpec:
     final_eval: bool = True
     """Evaluate at the end. The lab's profiling runs turn it off: they are timed steps only, and the
     transformer's held-out split takes longer to evaluate than 20 steps take to train."""
+    stop_at_acc: float = 0.0
+    """Stop after the first evaluation (every ``eval_every`` steps) at or above this held-out accuracy; the run
+    ends done, its steps those trained. 0: train every step. The advisor's to-target trials use it."""
     threads: int = 0
     """torch threads per rank; 0 picks cores // world_size (at least 1)."""
     timeline: bool = True
@@ -643,6 +646,10 @@ class JobSpec:
             raise SpecError("batch_size", f"must be in 1..65536, got {self.batch_size}")
         if not 0 <= self.eval_every <= 10_000_000:
             raise SpecError("eval_every", f"must be >= 0, got {self.eval_every}")
+        if not 0 <= self.stop_at_acc <= 1:
+            raise SpecError("stop_at_acc", f"must be in [0, 1] (0: off), got {self.stop_at_acc}")
+        if self.stop_at_acc and not self.eval_every:
+            raise SpecError("stop_at_acc", "needs eval_every > 0: the run stops at an evaluation")
         if not 0 <= self.threads <= 1024:
             raise SpecError("threads", f"must be in 0..1024, got {self.threads}")
         if self.seed < 0:

@@ -222,17 +222,20 @@ class Trainer:
         spec = self.spec
         self.model.train()
 
+        reached = False  # spec.stop_at_acc: an evaluation at or above it ends the run (all ranks read one sum)
+
         def maybe_evaluate():
+            nonlocal reached
             if spec.eval_every and self.step % spec.eval_every == 0 and self.step < spec.steps:
-                self.evaluate()
+                reached = bool(spec.stop_at_acc) and self.evaluate()["eval_acc"] >= spec.stop_at_acc
         if self.trials is not None:
             trials.run(self, self.trials, maybe_evaluate)
-        while self.step < spec.steps:
+        while self.step < spec.steps and not reached:
             self.train_step()
             maybe_evaluate()
         self.stepper.drain()
         self.sync_params()
-        if spec.final_eval:
+        if spec.final_eval and not reached:
             self.evaluate()
         if self.rank == 0:  # what the run ends with: a rerun of its spec.json ends with the same digest
             self.log({"kind": "final", "step": self.step, "rank": 0, "params_sha256": params_digest(self.model),

@@ -11,10 +11,11 @@ from commlab.lab.strategy import advisor, predictions
 
 widgets.setup("Advisor")
 st.title("Advisor")
-st.caption("Ranks what the engine can do (compressors that keep accuracy, bucket caps, MergeComp, wfbp, dear) "
-           "by predicted time to accuracy: the performance model's iteration time on the link times a "
-           "convergence penalty per compressor, measured or declared (the table says which). With trials, the "
-           "top candidates run a few steps each on that link and the measured figure decides.")
+st.caption("Ranks what the engine can do (compressors, bucket caps, MergeComp, wfbp, dear, the methods that "
+           "communicate less often) by predicted time to accuracy: the performance model's iteration time on the "
+           "link times a convergence penalty (how many more steps than DDP). A candidate whose penalty has no "
+           "evidence for this model (the evidence column) never outranks one that has. With trials, DDP and the "
+           "top candidates train to the target accuracy on that link, one run each, and the time to it decides.")
 
 runs = ui.runs_dir()
 choices = advice_jobs.spec_choices(runs)
@@ -22,15 +23,17 @@ if not choices:
     st.info("No spec to advise on: no example specs, presets or finished runs were found.")
     st.stop()
 label = st.selectbox("Spec (its compressor, schedule and comm are what gets chosen)", list(choices), key="adv.spec")
-c1, c2, c3, c4 = st.columns(4)
+c1, c2, c3, c4, c5 = st.columns(5)
 link = c1.radio("Link", list(predictions.LINKS), key="adv.link", horizontal=True,
                 help="modeled: alpha-beta delays on loopback (no root); shaped: tc on an emulated cluster (root)")
 gbps = c2.select_slider("Bandwidth (Gbit/s)", [0.1, 0.3, 1.0, 3.0, 10.0], value=1.0, key="adv.gbps")
-measure = c3.checkbox("Measure the top candidates", value=True, key="adv.measure")
+measure = c3.checkbox("Train the top candidates to the target", value=True, key="adv.measure")
 trials = c4.number_input("Trials", 1, 10, advisor.TRIALS, key="adv.trials", disabled=not measure)
+target = c5.number_input("Target accuracy (0: 97% of DDP's best)", 0.0, 1.0, 0.0, 0.01, key="adv.target")
 if st.button("Advise", key="adv.go", type="primary"):
     try:
-        st.session_state["adv.job"] = advice_jobs.start_job(choices[label], runs, gbps, link, measure, int(trials))
+        st.session_state["adv.job"] = advice_jobs.start_job(choices[label], runs, gbps, link, measure, int(trials),
+                                                            float(target) or None)
     except (ValueError, OSError) as e:
         st.error(ui.text(str(e).splitlines()[0]))
 
@@ -72,7 +75,7 @@ if adv.get("ddp_not_tried"):
     st.caption(ui.text(adv["ddp_not_tried"]))
 rows = pd.DataFrame(advice_jobs.table_rows(adv)).set_index("rank")
 cols = {k: st.column_config.NumberColumn(k.replace("_", " "), format="%.1f")
-        for k in ("predicted_ms", "predicted_x_penalty", "measured_ms", "measured_x_penalty")}
+        for k in ("predicted_ms", "predicted_x_penalty", "measured_ms", "measured_x_penalty", "to_target_s")}
 st.dataframe(rows, key="adv.table", column_config=cols)
 cost = adv["cost_s"]
 st.caption(f"Link: {ui.text(adv['link_source'])}. Profile: {ui.text(adv['profile_source'])}. The advisor's own cost: "

@@ -37,7 +37,8 @@ def spec_choices(runs) -> Dict[str, dict]:
     for p in presets.PRESETS:
         out[f"preset: {p.title}"] = p.specs()[0]
     done = [r for r in RunStore(runs).list()
-            if r.state == "done" and not r.spec_dict()["name"].startswith(("advise trial", "profile "))]
+            if r.state == "done" and not r.spec_dict()["name"].startswith(("advise trial", "advise to target",
+                                                                              "profile "))]
     for r in done[-10:][::-1]:  # the latest ten finished runs, newest first
         out[f"run: {r.id}"] = r.spec_dict()
     valid = {}
@@ -52,17 +53,22 @@ def spec_choices(runs) -> Dict[str, dict]:
 
 
 def advise_argv(spec_file: Path, runs: Path, gbps: float, link: str, measure: bool, trials: int,
-                out_dir: Path) -> List[str]:
+                out_dir: Path, target: Optional[float] = None) -> List[str]:
     import sys
     argv = [sys.executable, "-m", "commlab.lab.front.cli", "advise", str(spec_file), "--gbps", f"{gbps:g}", "--link", link,
             "--runs", str(runs), "--json-out", str(out_dir / paths.ADVICE),
             "--out", str(out_dir / paths.ADVICE_BEST), "--top", "0"]
-    return argv + (["--measure", "--trials", str(trials)] if measure else [])
+    return (argv + (["--measure", "target", "--trials", str(trials)] if measure else [])
+            + (["--target", f"{target:g}"] if target else []))
 
 
-def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: int = TRIALS) -> str:
-    """Run `commlab advise` detached (it outlives the page); the job's id under runs/.advice/."""
+def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: int = TRIALS,
+              target: Optional[float] = None) -> str:
+    """Run `commlab advise` detached (it outlives the page); the job's id under runs/.advice/. ``measure``:
+    the to-target trials (commlab.lab.strategy.totarget); ``target``: the held-out accuracy to count to."""
     import secrets
+    if target is not None and not 0 < target <= 1:
+        raise SpecError("target", f"must be a held-out accuracy in (0, 1], got {target}")
 
     network_for({**spec, "network": {"link": "loopback", "gbps": None, "latency_us": None}}, gbps, link)
     runs = Path(runs).resolve()
@@ -72,8 +78,8 @@ def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: i
     d.mkdir()
     write_json_atomic(d / paths.ADVICE_SPEC, spec)
     write_json_atomic(d / paths.ADVICE_REQUEST, {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
-                                                 "created": time.time()})
-    pid = spawn_detached(advise_argv(d / paths.ADVICE_SPEC, runs, gbps, link, measure, trials, d),
+                                                 "target": target, "created": time.time()})
+    pid = spawn_detached(advise_argv(d / paths.ADVICE_SPEC, runs, gbps, link, measure, trials, d, target),
                          d / paths.ADVICE_LOG, cwd=paths.SOURCE)
     write_json_atomic(d / paths.PROCESS, procs.identity(pid))
     return jid
@@ -116,7 +122,9 @@ def table_rows(advice: dict) -> List[dict]:
     """The ranked candidates of an advice.json as table rows."""
     return [{"rank": i, "candidate": c["label"], "predicted_ms": c["predicted_ms"], "penalty": c["penalty"],
              "predicted_x_penalty": c["predicted_score"], "measured_ms": c["measured_ms"],
-             "measured_x_penalty": c["measured_score"], "penalty_from": c["penalty_source"],
+             "measured_x_penalty": c["measured_score"],
+             "to_target_s": (c.get("to_target") or {}).get("seconds") or c.get("predicted_to_target_s"),
+             "evidence": c.get("evidence", ""), "penalty_from": c["penalty_source"],
              "trial_run": c["trial_run"]} for i, c in enumerate(advice["candidates"], 1)]
 
 

@@ -83,7 +83,7 @@ def add_commands(sub) -> None:
 
     p = command(sub, "advise", "choose a communication strategy for a spec and a link, then prove it",
                 ["commlab advise examples/demo.yaml --gbps 1 --out best.yaml",
-                 "commlab advise examples/demo.yaml --gbps 0.1 --measure --trials 2",
+                 "commlab advise examples/demo.yaml --gbps 0.1 --measure --target 0.9",
                  "commlab advise examples/demo.yaml --gbps 1 --json > advice.json"],
                 "Ranks the strategies by predicted (with --measure, measured) time to accuracy and says why the "
                 "winner won.")
@@ -94,10 +94,18 @@ def add_commands(sub) -> None:
                    help=f"{' or '.join(LINKS)}: modeled (alpha-beta delays, default with --gbps) or shaped "
                         "(tc on an emulated cluster)")
     p.add_argument("--workers", type=int, default=None, help="worker count (default: the spec's world_size)")
-    p.add_argument("--measure", action="store_true", help="run short trials of the top candidates, choose by them")
-    p.add_argument("--trials", type=int, default=TRIALS, help="candidates tried with --measure")
+    p.add_argument("--measure", nargs="?", const="target", default=None, metavar="target|steps",
+                   type=one_of("a kind of measurement", ("target", "steps")),
+                   help="target (the default): run the top candidates beside DDP to the target accuracy on the "
+                        "link, one run each, and choose by time to it; steps: one short session timing a step "
+                        "of each (no accuracy measured)")
+    p.add_argument("--target", type=float, default=None, metavar="ACC",
+                   help="held-out accuracy to count steps and time to, in (0, 1] (default: 97%% of DDP's best)")
+    p.add_argument("--target-steps", type=int, default=None, metavar="N",
+                   help="--measure target: steps a trial may train at most (default: the spec's steps)")
+    p.add_argument("--trials", type=int, default=TRIALS, help="candidates tried with --measure (besides DDP)")
     p.add_argument("--trial-steps", type=int, default=TRIAL_STEPS,
-                   help="steps per trial (PowerSGD's uncompressed start is added)")
+                   help="--measure steps: steps per trial (PowerSGD's uncompressed start is added)")
     p.add_argument("--penalty", action="append", default=[], metavar="COMPRESSOR=X",
                    help="declare a convergence penalty (steps to accuracy vs none), e.g. topk=1.3 (repeatable)")
     p.add_argument("--candidate", action="append", default=[], metavar="COMPRESSOR",
@@ -236,16 +244,25 @@ def cmd_predict(args) -> int:
              + f"; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
              + (f"device {dev.name} {precision}" if dev else f"compute x{args.compute_speedup:g}"))
     rows = whatif.table(prof, spec, gbps, workers, args.compute_speedup, cluster=shape, links=links)
+    pen, pen_source = penalty.spec_penalty(spec, runs_root(args))
+    whatif.with_penalty(rows, pen, penalty.is_proven(pen_source))
+    to_target = ("TO TARGET: SPEEDUP / the strategy's convergence penalty "
+                 + (f"{pen:g} ({penalty.evidence_words(pen_source)}: {pen_source})" if pen else
+                    f"(none known: {pen_source})")
+                 + ("" if not pen or penalty.is_proven(pen_source) else "; '?': not evidence for this model"))
     crossovers = [whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape, links=links,
                                         node_size=node_size) for p in workers]
     sources = ondevice.sources(prof, spec, dev, precision if dev else "", args.compute_speedup, cluster=bool(shape))
     if args.json:
         emit({"setup": setup, "rate": "inter-node" if shape or dev else "flat", "rows": rows,
+              "penalty": {"value": pen, "source": pen_source, "evidence": penalty.evidence_words(pen_source),
+                          "proven": bool(pen) and penalty.is_proven(pen_source)},
               "crossover": dict(zip(map(str, workers), crossovers)), "sources": list(sources)})
         return 0
     print("spec: " + setup)
     for line in whatif.format_table(rows, "INTER GBIT/S" if shape or dev else "GBIT/S"):
         print(line)
+    print(to_target)
     for line in crossovers:
         print(("crossover (inter-node rate): " if shape or dev else "crossover: ") + line)
     print("sources:")
@@ -291,10 +308,13 @@ def cmd_advise(args) -> int:
     if args.top < 0:
         raise SpecError("--top", f"must be >= 0, got {args.top}")
     say = notes(args)
-    adv = advisor.advise(spec, runs_root(args), args.gbps, args.link, args.workers, args.measure, args.trials,
+    if args.target_steps is not None and args.measure != "target":
+        raise UsageError("--target-steps: only with --measure target (the to-target trials)")
+    adv = advisor.advise(spec, runs_root(args), args.gbps, args.link, args.workers, bool(args.measure), args.trials,
                          args.trial_steps, penalty.parse_penalties(args.penalty),
                          runner=open_lab(runs_root(args)).runner(), candidates=extra,
-                         say=lambda line: print(line, file=say, flush=True))
+                         say=lambda line: print(line, file=say, flush=True), target=args.target,
+                         to_target=args.measure == "target", target_steps=args.target_steps)
     net = adv.network
     print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "
           f"{net['link']} {net['gbps']:g} Gbit/s; link: {adv.link_source}; profile: {adv.profile_source}", file=say)

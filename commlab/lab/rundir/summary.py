@@ -96,6 +96,9 @@ def summarize(metrics: List[dict], spec: Optional[dict] = None, status: Optional
         out["final_acc"] = evals[-1]["eval_acc"]
         out["best_acc"] = max(e["eval_acc"] for e in evals)
         out["final_eval_loss"] = evals[-1]["eval_loss"]
+        goal = (spec or {}).get("stop_at_acc") or 0
+        if goal and evals[-1]["eval_acc"] >= goal:  # spec.stop_at_acc: it ended at its target
+            out["stopped_at_target"] = goal
     return out
 
 
@@ -124,7 +127,8 @@ def format_summary(s: dict) -> List[str]:
     lines = [
         f"steps          {s.get('steps_done', 0)}" + (f"/{total}" if total is not None else
                                                       " (own loop: its script decides how many)"
-                                                      if s.get("own_loop") else "/?"),
+                                                      if s.get("own_loop") else "/?")
+        + (f" (stopped at its target, {s['stopped_at_target']:.1%} held out)" if s.get("stopped_at_target") else ""),
         f"iteration      {f('iter_ms_median', '{:.1f}')} ms (median, slower rank)",
         f"throughput     {f('throughput', '{:.0f}')} samples/s",
         f"final loss     {f('final_loss', '{:.4f}')}" if s.get("loss_recorded", True) else

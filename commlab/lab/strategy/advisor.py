@@ -49,7 +49,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from commlab.engine.spec import SpecError
 from commlab.lab.base.errors import LabError
-from commlab.lab.strategy.penalty import benchmark_cells, method_penalty, penalty, strategy_cells
+from commlab.lab.strategy.penalty import (benchmark_cells, ddp_steps_to, evidence_words, method_penalty, penalty,
+                                          strategy_cells)
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import whatif
 from commlab.lab.strategy.perfmodel.calibrate import CalibrationError
@@ -94,6 +95,21 @@ class Advice:
     ``profile``, the run the compute profile was calibrated from, and ``trials``, the trial session"""
     ddp_not_tried: str = ""
     """with trials: why DDP was not among them (commlab.lab.strategy.trials.ddp_left_out); "" when it was"""
+    target: Optional[float] = None
+    """the held-out accuracy the advice counts steps to (the user's; None: a fraction of DDP's best)"""
+    ddp_steps: Optional[Tuple[int, float, str]] = None
+    """DDP's steps to the target on this model, the accuracy counted to and the run
+    (commlab.lab.strategy.penalty.ddp_steps_to); None without a DDP run of the model"""
+
+    def to_target_s(self, c: Candidate, measured: bool = False) -> Optional[float]:
+        """Seconds to the target: a to-target trial's measurement, else DDP's steps to it x penalty x
+        iteration time (predicted, or ``measured``); None when DDP's steps are not known."""
+        if c.to_target and c.to_target.get("seconds") is not None:
+            return c.to_target["seconds"]
+        score = c.measured_score if measured else c.predicted_score
+        if score is None or not self.ddp_steps or not self.ddp_steps[0]:
+            return None
+        return score * self.ddp_steps[0] / 1e3
 
     def disturbed(self) -> List[str]:
         """One line per disturbed run the advice rests on (the trial session first); [] when none was."""
@@ -118,13 +134,19 @@ class Advice:
                 "winner": self.winner.label, "reason": self.reason, "link_source": self.link_source,
                 "profile_source": self.profile_source, "cost_s": self.cost_s,
                 "disturbed": self.disturbed(), "disturbance": self.disturbance, "ddp_not_tried": self.ddp_not_tried,
-                "candidates": [c.as_dict() for c in self.ranked()], "strategy": self.winner.strategy()}
+                "target": self.target, "ddp_steps_to_target": self.ddp_steps,
+                "candidates": [dict(c.as_dict(), predicted_to_target_s=self.to_target_s(c)) for c in self.ranked()],
+                "strategy": self.winner.strategy()}
 
 
 def rank(cands: List[Candidate]) -> List[Candidate]:
-    """Measured candidates first (by measured score), then the rest by predicted score; left-out last."""
+    """Candidates whose penalty is evidence for this model first (``Candidate.proven``: measured on it,
+    declared, the reference or a cast), then the unproven (a benchmark on another model, the advisor's
+    default); within each, measured candidates first (by measured score), then the rest by predicted score;
+    left-out last. A lossy candidate without evidence never outranks one with it."""
     inf = float("inf")
-    return sorted(cands, key=lambda c: (c.measured_score is None, c.measured_score or inf,
+    return sorted(cands, key=lambda c: (c.penalty is None, not c.proven, c.measured_score is None,
+                                        c.measured_score or inf,
                                         c.predicted_score if c.predicted_score is not None else inf))
 
 
@@ -143,10 +165,16 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
            workers: Optional[int] = None, measure: bool = False, trials: int = TRIALS,
            trial_steps: int = TRIAL_STEPS, penalties: Optional[Dict[str, float]] = None,
            runner: Optional[Callable[[dict], object]] = None, profile=None,
-           say: Callable[[str], None] = print, candidates: List[dict] = (), methods: bool = True) -> Advice:
+           say: Callable[[str], None] = print, candidates: List[dict] = (), methods: bool = True,
+           target: Optional[float] = None, to_target: bool = False, target_steps: Optional[int] = None) -> Advice:
     """Rank the strategy space for ``spec`` (a fully defaulted spec dict) on a link; see the module docstring.
     ``candidates``: more compressor sections (full form, checked) to rank beside the built-in space;
-    ``methods``: rank the methods that communicate less often too (``method_space``)."""
+    ``methods``: rank the methods that communicate less often too (``method_space``); ``target``: the
+    held-out accuracy steps are counted to (default: a fraction of DDP's best); with ``measure``,
+    ``to_target`` runs the to-target trials (commlab.lab.strategy.totarget, at most ``target_steps`` steps
+    each) instead of the iteration-time session."""
+    if target is not None and not 0 < target <= 1:
+        raise SpecError("--target", f"must be a held-out accuracy in (0, 1], got {target}")
     if workers is not None and not 1 <= workers <= 1024:
         raise SpecError("--workers", f"must be in 1..1024, got {workers}")
     if not 1 <= trials <= 20:
@@ -171,17 +199,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     t1 = time.perf_counter()
     known = len(prof.payloads)
     lk, link_source = link_of(prof, net, runs)
-    cells, strategies = benchmark_cells(), strategy_cells()
-    pens: Dict[Tuple[str, str], Tuple[Optional[float], str]] = {}
-    for c in cands:
-        if c.local:
-            if not c.excluded:
-                c.penalty, c.penalty_source = method_penalty(spec, c.method, runs, penalties)
-            continue
-        k = (json.dumps(c.compressor, sort_keys=True), c.comm["mode"])
-        if k not in pens:
-            pens[k] = penalty(spec, c.compressor, runs, penalties, cells, c.comm["mode"], strategies)
-        c.penalty, c.penalty_source = pens[k]
+    set_penalties(spec, cands, runs, penalties, target)
     # MergeComp's search is predicted (dozens of layouts each) only for compressors whose best fixed layout
     # is within MERGECOMP_MARGIN of the best candidate: a fusion search does not make up a larger gap
     for c in cands:
@@ -205,10 +223,15 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
         raise LabError("advisor: no candidate could be ranked (every compressor was left out)")
     adv = Advice(spec=spec, network=net, world=world, candidates=cands, winner=ranked[0], chosen_by="predicted",
                  link_source=link_source, profile_source=prof.source,
-                 cost_s={"profile": t1 - t0, "predict": t2 - t1, "trials": 0.0, "total": t2 - t0}, profile=prof)
+                 cost_s={"profile": t1 - t0, "predict": t2 - t1, "trials": 0.0, "total": t2 - t0}, profile=prof,
+                 target=target, ddp_steps=ddp_steps_to(spec, runs, target) if runs is not None else None)
     if prof.disturbance:
         adv.disturbance["profile"] = prof.disturbance
-    if measure:
+    if measure and to_target:
+        from commlab.lab.strategy import totarget
+        totarget.measure(adv, trials, run_trial, say, runs, target_steps, penalties)
+        adv.cost_s.update(trials=time.perf_counter() - t2, total=time.perf_counter() - t0)
+    elif measure:
         measure_in_session(adv, trial_picks(ranked, trials), trial_steps, run_trial, say)
         adv.cost_s.update(trials=time.perf_counter() - t2, total=time.perf_counter() - t0)
         for c in cands:
@@ -217,6 +240,28 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
                             "choice is made among the tried")
     adv.reason = explain(adv)
     return adv
+
+
+def set_penalties(spec: dict, cands: List[Candidate], runs, declared: Optional[Dict[str, float]] = None,
+                  target: Optional[float] = None) -> None:
+    """Every candidate's penalty and its source (commlab.lab.strategy.penalty), one lookup per compressor
+    section and comm mode."""
+    cells, strategies = benchmark_cells(), strategy_cells()
+    pens: Dict[Tuple[str, str], Tuple[Optional[float], str]] = {}
+    for c in cands:
+        if c.local:
+            if not c.excluded:
+                c.penalty, c.penalty_source = method_penalty(spec, c.method, runs, declared, target)
+            continue
+        k = (json.dumps(c.compressor, sort_keys=True), c.comm["mode"])
+        if k not in pens:
+            pens[k] = penalty(spec, c.compressor, runs, declared, cells, c.comm["mode"], strategies, target)
+        c.penalty, c.penalty_source = pens[k]
+
+
+def assign_penalties(adv: "Advice", runs, declared: Optional[Dict[str, float]] = None) -> None:
+    """``set_penalties`` again, at the advice's target (after to-target trials added runs to the index)."""
+    set_penalties(adv.spec, adv.candidates, runs, declared, adv.target)
 
 
 def measure_in_session(adv: "Advice", picks: List[Candidate], trial_steps: int, run_trial, say) -> None:
@@ -258,7 +303,7 @@ def rechoose(adv: "Advice") -> None:
     from commlab.engine.trials import choose  # the rule the in-run trials use
     ranked = rank(adv.candidates)
     adv.winner = ranked[0]
-    measured = [c for c in ranked if c.measured_score is not None]
+    measured = [c for c in ranked if c.measured_score is not None and c.proven]
     if measured:
         adv.chosen_by = "measured"
         w, _ = choose([c.measured_score for c in measured],
@@ -295,7 +340,37 @@ def explain(adv: Advice) -> str:
     return f"{flag}; {_explain(adv)}" if flag else _explain(adv)
 
 
+def _explain_to_target(adv: Advice) -> str:
+    """The winner of to-target trials, in their own figures: seconds and steps to the target against DDP's."""
+    w, goal = adv.winner, adv.target
+    done = sorted((c for c in adv.candidates if c.to_target and c.to_target["seconds"] is not None),
+                  key=lambda c: c.to_target["seconds"])
+    ddp = next((c for c in adv.candidates if is_ddp(c) and c.to_target), None)
+
+    def said(c):
+        return f"{c.to_target['seconds']:.1f} s, {c.to_target['steps']} steps"
+    if is_ddp(w):
+        low = done[0] if done else w
+        if low is not w:
+            return (f"DDP held: reached {goal:.1%} held out in {said(w)}; the best trial, {low.label} ({said(low)}), "
+                    f"beats it by {w.to_target['seconds'] / low.to_target['seconds'] - 1:.1%}, less than the "
+                    f"{DDP_HOLD - 1:.0%} a measured win must have over DDP")
+        return f"DDP reached {goal:.1%} held out first ({said(w)}) in the to-target trials on this link"
+    parts = [f"{w.label} reached {goal:.1%} held out soonest in the to-target trials on this link ({said(w)})"]
+    if ddp is not None and ddp.to_target["seconds"]:
+        parts.append(f"{ddp.to_target['seconds'] / w.to_target['seconds']:.2f}x sooner than DDP ({said(ddp)})")
+    rest = [c for c in done if c is not w and not is_ddp(c)]
+    if rest:
+        parts.append(f"runner-up {rest[0].label} ({said(rest[0])})")
+    missed = [c.label for c in adv.candidates if c.to_target and not c.to_target["reached"]]
+    if missed:
+        parts.append("did not reach it within their trials: " + ", ".join(missed))
+    return "; ".join(parts)
+
+
 def _explain(adv: Advice) -> str:
+    if adv.chosen_by == "measured to target":
+        return _explain_to_target(adv)
     r = adv.ranked()
     w = adv.winner
     key = "measured_score" if adv.chosen_by == "measured" else "predicted_score"
@@ -308,7 +383,10 @@ def _explain(adv: Advice) -> str:
                 f"than the {DDP_HOLD - 1:.0%} a measured win must have over DDP")
     parts = [f"{w.label} has the lowest {what} time to accuracy, {getattr(w, key):.1f} ms per step-equivalent "
              f"(iteration {w.measured_ms if adv.chosen_by == 'measured' else w.predicted_ms:.1f} ms x penalty "
-             f"{w.penalty:g}, {w.penalty_source.split(':')[0]})"]
+             f"{w.penalty:g}, {evidence_words(w.penalty_source)})"]
+    secs = adv.to_target_s(w, adv.chosen_by == "measured")
+    if secs is not None:
+        parts[0] += f", about {secs:.0f} s to {adv.ddp_steps[1]:.1%} held out"
     if ddp is not None and ddp is not w and getattr(ddp, key) is not None:
         parts.append(f"{getattr(ddp, key) / getattr(w, key):.2f}x DDP's ({ddp.label}: {getattr(ddp, key):.1f} ms)")
     elif (ddp is not None and ddp is not w and adv.chosen_by == "measured" and ddp.predicted_score is not None
@@ -317,9 +395,16 @@ def _explain(adv: Advice) -> str:
         rule = f", more than the {DDP_MARGIN:g}x DDP is tried within" if adv.ddp_not_tried else ""
         parts.append(f"DDP {tried}: predicted {ddp.predicted_score:.1f} ms per step-equivalent, "
                      f"{ddp.predicted_score / w.predicted_score:.2f}x the winner's prediction{rule}")
-    rest = [c for c in r if c is not w and getattr(c, key) is not None]
+    rest = [c for c in r if c is not w and getattr(c, key) is not None and c.proven]
     if rest:
         parts.append(f"runner-up {rest[0].label} at {getattr(rest[0], key):.1f} ms")
+    faster = [c for c in r if not c.proven and c.predicted_score is not None and w.predicted_score is not None
+              and c.predicted_score < w.predicted_score]
+    if faster:
+        f = min(faster, key=lambda c: c.predicted_score)
+        parts.append(f"not chosen though predicted faster: {f.label} ({f.predicted_score:.1f} ms per step-equivalent "
+                     f"if it needed {f.penalty:g}x DDP's steps), {evidence_words(f.penalty_source)}; "
+                     f"--measure tries it to the target beside DDP")
     return "; ".join(parts)
 
 
@@ -327,14 +412,23 @@ def format_table(adv: Advice, limit: Optional[int] = None) -> List[str]:
     """The ranking, the first ``limit`` rows (all without one), and the methods below them: a method without
     a penalty is never chosen, and its row says why; under it, a ``DISTURBED:`` line for each run the advice
     rests on that other processes disturbed (``Advice.disturbed``)."""
-    head = ("#", "CANDIDATE", "PRED ms", "PENALTY", "PRED x PEN", "MEAS ms", "MEAS x PEN", "PENALTY FROM")
+    head = ("#", "CANDIDATE", "PRED ms", "PENALTY", "PRED x PEN", "MEAS ms", "MEAS x PEN", "TO TARGET s",
+            "PENALTY FROM", "EVIDENCE")
     rows = [head]
     ranked = adv.ranked()
     shown = [(i, c) for i, c in enumerate(ranked, 1) if not limit or i <= limit or c.local]
     for i, c in shown:
         f = (lambda v: f"{v:.1f}" if v is not None else "-")
+        secs = adv.to_target_s(c, c.measured_score is not None)
         rows.append((str(i), c.label, f(c.predicted_ms), f"{c.penalty:g}" if c.penalty is not None else "out",
-                     f(c.predicted_score), f(c.measured_ms), f(c.measured_score), c.penalty_source.split(":")[0]))
+                     f(c.predicted_score), f(c.measured_ms), f(c.measured_score), f(secs),
+                     c.penalty_source.split(":")[0], evidence_words(c.penalty_source)))
     w = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return ["  ".join(c.ljust(wi) if i in (1, 7) else c.rjust(wi) for i, (c, wi) in enumerate(zip(r, w))).rstrip()
-            for r in rows] + [f"DISTURBED: {line}" for line in adv.disturbed()]
+    lines = ["  ".join(c.ljust(wi) if i in (1, 8, 9) else c.rjust(wi) for i, (c, wi) in enumerate(zip(r, w))).rstrip()
+             for r in rows]
+    if adv.ddp_steps:
+        steps, acc, run = adv.ddp_steps
+        lines.append(f"TO TARGET: to {acc:.1%} held out, DDP's {steps} steps (run {run}) x penalty x iteration time"
+                     + ("; a to-target trial's own measurement where it ran one" if any(c.to_target for c in ranked)
+                        else ""))
+    return lines + [f"DISTURBED: {line}" for line in adv.disturbed()]

@@ -7,7 +7,13 @@ commlab/lab/strategy/evidence.json: cnn on digits, final accuracy at a fixed ste
 whole: the worst of its compressors' penalties), ``declared`` (the user's ``--penalty`` /
 ``strategy.penalties``), or ``default`` (the advisor's reasoned default here, ``declared_default``: nothing
 measured, nothing declared). A method's penalty is only ever measured or declared
-(``method_penalty``). The advisor (commlab.lab.strategy.advisor) multiplies each candidate's iteration time by it."""
+(``method_penalty``). The advisor (commlab.lab.strategy.advisor) multiplies each candidate's iteration time by it.
+
+Whether a penalty is evidence for this model (``is_proven``): measured on it, declared by the user, the
+reference, or a cast (it decodes to the input up to its rounding). A benchmark on another model or the
+advisor's default is not: the advisor never lets a lossy candidate resting on those outrank one with
+evidence (PowerSGD rank 1 kept the cnn's accuracy on digits and needed 2.7x DDP's steps on a resnet), and
+``evidence_words`` says which, in words."""
 from __future__ import annotations
 
 import json
@@ -68,36 +74,98 @@ def eval_points(run) -> List[Tuple[int, float]]:
     return [(m["step"], m["eval_acc"]) for m in run.metric_rows() if m.get("kind") == "eval"]
 
 
-def penalty_from_runs(spec: dict, comp: dict, runs, method: Optional[dict] = None
+def latest_evals(spec: dict, runs, comp: Optional[dict] = None, method: Optional[dict] = None,
+                 world: Optional[int] = None):
+    """(run, its evaluations) of the latest finished run in the index of the spec's model, data set, batch and
+    optimizer with compressor ``comp`` and ``method`` (default: DDP's, none and none), and ``world`` ranks when
+    given, that evaluated at least twice (once, for a run that stopped at its target: spec.stop_at_acc);
+    None when there is none."""
+    comp, method = comp or comp_section("none"), method or NO_METHOD
+    for r, d in finished_runs(spec, runs):
+        if not _same_comp(d["compressor"], comp) or method_key(d.get("method") or NO_METHOD) != method_key(method):
+            continue
+        if world is not None and d["world_size"] != world:
+            continue
+        ev = eval_points(r)
+        if len(ev) >= (1 if d.get("stop_at_acc") else 2):
+            return r, ev
+    return None
+
+
+def target_of(ddp_evals: List[Tuple[int, float]], target: Optional[float] = None) -> float:
+    """The accuracy steps are counted to: ``target`` when DDP's evaluations reached it, else
+    ``TARGET_FRACTION`` of DDP's best."""
+    if target is not None and steps_to(ddp_evals, target) is not None:
+        return target
+    return TARGET_FRACTION * max(a for _, a in ddp_evals)
+
+
+def ddp_steps_to(spec: dict, runs, target: Optional[float] = None) -> Optional[Tuple[int, float, str]]:
+    """DDP's steps to the target on this model, from its latest finished run in the index that evaluated:
+    (steps, the accuracy counted to, the run's id); None without such a run. The advisor turns a candidate's
+    iteration time x penalty into seconds to the target with it."""
+    found = latest_evals(spec, runs)
+    if found is None:
+        return None
+    run, ev = found
+    goal = target_of(ev, target)
+    return steps_to(ev, goal), goal, run.id
+
+
+def penalty_from_runs(spec: dict, comp: dict, runs, method: Optional[dict] = None, target: Optional[float] = None
                       ) -> Optional[Tuple[Optional[float], str]]:
     """Steps to accuracy of ``comp`` (with ``method``, a method section; default none) over DDP's (compressor
     none, no method), from the latest finished runs in the index with the spec's model, data set, batch and
-    optimizer that evaluated at least twice; a method's runs, and the DDP run it is held to, also have the
-    spec's world size (how far ranks drift apart between syncs depends on it). None when there is no such pair."""
+    optimizer that evaluated at least twice (once, for a run that stopped at its target: spec.stop_at_acc);
+    a method's runs, and the DDP run it is held to, also have the spec's world size (how far ranks drift
+    apart between syncs depends on it). The accuracy is ``target`` when DDP's run reached it, else
+    ``TARGET_FRACTION`` of DDP's best. None when there is no such pair."""
     method = method or NO_METHOD
-    local = method["name"] != "none"
-
-    def evals_of(c, m):
-        for r, d in finished_runs(spec, runs):
-            if not _same_comp(d["compressor"], c) or method_key(d.get("method") or NO_METHOD) != method_key(m):
-                continue
-            if local and d["world_size"] != spec["world_size"]:
-                continue
-            ev = eval_points(r)
-            if len(ev) >= 2:
-                return r, ev
-        return None
-
-    base, mine = evals_of(comp_section("none"), NO_METHOD), evals_of(comp, method)
+    world = spec["world_size"] if method["name"] != "none" else None
+    base, mine = latest_evals(spec, runs, world=world), latest_evals(spec, runs, comp, method, world)
     if base is None or mine is None:
         return None
     (rb, eb), (rm, em) = base, mine
-    target = TARGET_FRACTION * max(a for _, a in eb)
+    target = target_of(eb, target)
     sb, sm = steps_to(eb, target), steps_to(em, target)
     if sm is None:
         return None, (f"measured: did not reach {target:.1%} in {max(s for s, _ in em) + 1} steps (run {rm.id}; "
                       f"DDP reached it at step {sb}, run {rb.id})")
     return max(sm, 1) / max(sb, 1), f"measured: steps to {target:.1%}, {sm} (run {rm.id}) vs DDP {sb} (run {rb.id})"
+
+
+PROVEN = ("the reference", "measured", "declared", "default: a cast", "default: the reference", "parts:")
+"""Penalty sources that are evidence for this model (``is_proven``); "parts:" is a mixed section all of whose
+parts are (one that is not says ``parts, unproven:``)."""
+
+
+def is_proven(source: str) -> bool:
+    """True when a penalty's source is evidence for this model: measured on it, declared, the reference or a
+    cast. A benchmark on another model and the advisor's default are not."""
+    return source.startswith(PROVEN)
+
+
+def evidence_words(source: str) -> str:
+    """What a penalty rests on, in words a newcomer reads: the table's EVIDENCE column."""
+    if source.startswith(("the reference", "default: the reference")):
+        return "DDP itself"
+    if source.startswith("measured: did not reach"):
+        return "measured on this model: never reached the target"
+    if source.startswith("measured"):
+        return "measured on this model (runs in the index)"
+    if source.startswith("declared"):
+        return "you declared it"
+    if source.startswith("default: a cast"):
+        return "a cast: as many steps as DDP"
+    if source.startswith("no runs"):
+        return "none yet: never run on this model"
+    if source.startswith("parts:"):
+        return "its parts measured or exact on this model"
+    if source.startswith("parts, unproven"):
+        return "unproven here: a part never run on this model"
+    if source.startswith(("benchmark", "default: top-k", "default: PowerSGD")):
+        return "unproven here: seen only on another model (a cnn on digits)"
+    return "unproven here: a guess"
 
 
 def benchmark_cells(results: Optional[List[dict]] = None) -> Dict[Tuple[str, bool], dict]:
@@ -178,14 +246,14 @@ def declared_default(comp: dict, cells) -> Tuple[float, str]:
                   f"(declare one: --penalty {name}=X)")
 
 
-def method_penalty(spec: dict, method: dict, runs=None,
-                   declared: Optional[Dict[str, float]] = None) -> Tuple[Optional[float], str]:
+def method_penalty(spec: dict, method: dict, runs=None, declared: Optional[Dict[str, float]] = None,
+                   target: Optional[float] = None) -> Tuple[Optional[float], str]:
     """(penalty, source) for a method section: the user's declared value (by its name or ``method_key``), else
     its steps to accuracy against DDP's from runs in the index; else None: listed, never chosen."""
     for k in (method_key(method), method["name"]):
         if declared and k in declared:
             return float(declared[k]), f"declared by the user ({k}={declared[k]:g})"
-    found = penalty_from_runs(spec, comp_section("none"), runs, method)
+    found = penalty_from_runs(spec, comp_section("none"), runs, method, target)
     if found is not None:
         return found
     return None, (f"no runs, not chosen: no finished run of {method_key(method)} beside a DDP run of this model "
@@ -194,7 +262,8 @@ def method_penalty(spec: dict, method: dict, runs=None,
 
 
 def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, float]] = None,
-            cells=None, mode: str = "wfbp", strategies=None) -> Tuple[Optional[float], str]:
+            cells=None, mode: str = "wfbp", strategies=None, target: Optional[float] = None
+            ) -> Tuple[Optional[float], str]:
     """(penalty, source) for the compressor section ``comp`` in comm ``mode`` on the spec's model: the user's
     declared value first, then runs in the index, then the strategy benchmark (mixed sections, dear with a
     compressed reduce-scatter), then the accuracy benchmark, then the advisor's default. A mixed
@@ -207,7 +276,7 @@ def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, floa
     rules = comp.get("per_bucket") or []
     if comp["name"] == "none" and not rules:
         return 1.0, "the reference"
-    found = penalty_from_runs(spec, comp, runs)
+    found = penalty_from_runs(spec, comp, runs, None, target)
     if found is not None:
         return found
     strategies = strategy_cells() if strategies is None else strategies
@@ -217,13 +286,25 @@ def penalty(spec: dict, comp: dict, runs=None, declared: Optional[Dict[str, floa
     cells = benchmark_cells() if cells is None else cells
     if rules:
         from commlab.engine.compressors.plan import parts
-        each = [(compressor_key(p), penalty(spec, p, runs, declared, cells, mode, strategies)) for p in parts(comp)]
+        each = [(compressor_key(p), penalty(spec, p, runs, declared, cells, mode, strategies, target))
+                for p in parts(comp)]
         if any(p is None for _, (p, _) in each):
             k, (_, why) = next(e for e in each if e[1][0] is None)
             return None, f"parts: {k} is left out ({why.split(':')[0]})"
         k, (worst, why) = max(reversed(each), key=lambda e: e[1][0])  # ties: the section's own compressor
-        return worst, f"parts: the worst of its compressors' penalties, {k}'s ({why.split(':')[0]})"
+        unproven = [k for k, (_, w) in each if not is_proven(w)]
+        return worst, (f"parts{', unproven' if unproven else ''}: the worst of its compressors' penalties, {k}'s "
+                       f"({why.split(':')[0]})" + (f"; not shown on this model: {', '.join(unproven)}"
+                                                   if unproven else ""))
     return penalty_from_benchmark(comp, cells) or declared_default(comp, cells)
+
+
+def spec_penalty(spec: dict, runs=None, target: Optional[float] = None) -> Tuple[Optional[float], str]:
+    """(penalty, source) of a spec's own strategy: its method's (``method_penalty``) or its compressor's in its
+    comm mode (``penalty``). What the performance model's what-if table divides its speedup by."""
+    if (spec.get("method") or NO_METHOD)["name"] != "none":
+        return method_penalty(spec, spec["method"], runs, None, target)
+    return penalty(spec, spec["compressor"], runs, None, None, spec["comm"]["mode"], None, target)
 
 
 def parse_penalties(items) -> Dict[str, float]:

@@ -21,7 +21,7 @@ from typing import List, Optional, Tuple
 from commlab.engine.codepath import is_import_path
 from commlab.engine.spec import SpecError
 from commlab.lab.base.specs import load_spec
-from commlab.lab.strategy.penalty import NO_METHOD, eval_points, finished_runs, method_key
+from commlab.lab.strategy.penalty import NO_METHOD, eval_points, evidence_words, finished_runs, is_proven, method_key
 from commlab.lab.strategy.penalty import comp_section as _comp
 from commlab.lab.strategy.perfmodel.calibrate import compressor_key
 
@@ -57,6 +57,9 @@ class Candidate:
     """the method section (commlab/engine/methods/; full form, as spec.json holds it): none for every step's gradients"""
     excluded: str = ""
     """why the candidate is listed but neither costed nor ranked (a method the spec cannot take); "" otherwise"""
+    to_target: Optional[dict] = None
+    """``--measure``: its to-target trial (commlab.lab.strategy.totarget): run, seconds and steps to the
+    target, whether it reached it"""
 
     @property
     def predicted_score(self) -> Optional[float]:
@@ -71,6 +74,12 @@ class Candidate:
         return self.measured_ms * self.penalty
 
     @property
+    def proven(self) -> bool:
+        """Its penalty is evidence for this model (commlab.lab.strategy.penalty.is_proven): a candidate
+        without any never outranks one with it."""
+        return self.penalty is not None and is_proven(self.penalty_source)
+
+    @property
     def local(self) -> bool:
         """True for a method that communicates less often (not every step's gradients)."""
         return self.method.get("name", "none") != "none"
@@ -81,7 +90,8 @@ class Candidate:
 
     def as_dict(self) -> dict:
         d = asdict(self)
-        d.update(predicted_score=self.predicted_score, measured_score=self.measured_score)
+        d.update(predicted_score=self.predicted_score, measured_score=self.measured_score, proven=self.proven,
+                 evidence=evidence_words(self.penalty_source))
         return d
 
 

@@ -87,7 +87,8 @@ def family(comp: dict) -> str:
 
 def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN,
                 family_margin: Optional[float] = None) -> List[Candidate]:
-    """The candidates to try: the best-predicted one of each of the first ``k`` compressor families in the
+    """The candidates to try: the best-predicted one of each of the first ``k`` compressor families among the
+    candidates with evidence for this model (``Candidate.proven``) in the
     ranking (``family``: PowerSGD of rank 1 or 4, alone or in a mixed section, is one family, and so are
     fp16 and bf16) that are predicted within ``family_margin`` of the best, and DDP (the safety reference)
     unless its predicted score is more than ``ddp_margin`` times the best one's. Where the model errs most is a family's cost inside a real step (two ranks and gloo on the
@@ -98,7 +99,9 @@ def trial_picks(ranked: List[Candidate], k: int, ddp_margin: float = DDP_MARGIN,
     picks, seen = [], set()
     for c in ranked:
         key = family(c.compressor)
-        if c.predicted_score is None or key in seen or c.local:  # a trial would not span a method's period
+        # a trial would not span a method's period; an unproven candidate (no evidence of its steps to
+        # accuracy on this model) cannot be chosen by iteration time, so its trial would teach nothing
+        if c.predicted_score is None or key in seen or c.local or not c.proven:
             continue
         if picks and c.predicted_score > family_margin * picks[0].predicted_score:
             continue

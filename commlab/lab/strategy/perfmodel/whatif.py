@@ -551,10 +551,25 @@ def cluster_here(data: dict) -> dict:
             "payloads": {k: v for k, v in profile.payloads.items() if k not in had[1]}}
 
 
+def with_penalty(rows: List[dict], pen: Optional[float], proven: bool) -> List[dict]:
+    """Each row's speedup to the target: its iteration speedup over DDP divided by the strategy's convergence
+    penalty (commlab.lab.strategy.penalty.spec_penalty); None where the penalty is unknown, flagged
+    ``to_target_proven`` False where it is not evidence for this model."""
+    for r in rows:
+        r["to_target_speedup"] = r["speedup"] / pen if pen else None
+        r["to_target_proven"] = bool(pen) and proven
+    return rows
+
+
 def format_table(rows: List[dict], rate: str = "GBIT/S") -> List[str]:
-    head = ("WORKERS", rate, "DDP ms", "SPEC ms", "SPEEDUP", "DDP SCALING", "SCALING", "EXPOSED COMM ms", "ENC+DEC ms")
+    head = ("WORKERS", rate, "DDP ms", "SPEC ms", "SPEEDUP", "TO TARGET", "DDP SCALING", "SCALING", "EXPOSED COMM ms",
+            "ENC+DEC ms")
+
+    def to_target(r):
+        v = r.get("to_target_speedup")
+        return "-" if v is None else f"{v:.2f}x" + ("" if r.get("to_target_proven") else "?")
     cells = [head] + [(str(r["workers"]), f"{r['gbps']:g}", f"{r['ddp_ms']:.2f}", f"{r['spec_ms']:.2f}",
-                       f"{r['speedup']:.2f}x", f"{r['ddp_scaling']:.2f}", f"{r['scaling']:.2f}",
+                       f"{r['speedup']:.2f}x", to_target(r), f"{r['ddp_scaling']:.2f}", f"{r['scaling']:.2f}",
                        f"{r['exposed_comm_ms']:.2f}", f"{r['encode_decode_ms']:.2f}")
                       for r in rows]
     if rows and all("syncs" in r for r in rows):

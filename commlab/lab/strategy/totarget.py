@@ -1,0 +1,156 @@
+"""To-target trials: ``commlab advise --measure`` proves what the advice claims, the time to a held-out
+accuracy against DDP's on the same link, not only the time of a step.
+
+``picks`` chooses what to try: DDP (the reference the target and every ratio are counted against), then the
+best-predicted candidate of each of the first ``k`` families, ranked by predicted iteration time x penalty
+where the penalty is evidence for this model and by predicted iteration time alone where it is not (a
+candidate without evidence is exactly what the trial is for; a method is a family of its own). ``measure``
+runs them one after another through the lab's queue as ordinary runs of the spec on the advice's link (the
+same seed, so the same initialisation and the same batches in the same order), each evaluating every
+``eval_every`` steps (the spec's; a twentieth of the steps when it has none):
+
+1. DDP first, ``target_steps`` steps (the spec's steps by default), stopping at the user's target when there is
+   one; without one, the target is ``TARGET_FRACTION`` of DDP's best (commlab.lab.strategy.penalty), as a
+   measured penalty counts it.
+2. Every other pick stops at the target (``stop_at_acc``) or after the steps its predicted iteration time
+   allows in ``STOP_FACTOR`` times DDP's time to the target: past that it could not win, and its trial would
+   only cost.
+
+A trial's time to the target is the sum of its iteration times (the slower rank's) up to the first
+evaluation at or above the target, evaluations left out, as bench/local_updates.py counts it. The runs stay
+in the index: they are the model's own evidence the next advice reads (a measured penalty), and every
+candidate's penalty is read again from them. The winner is the trial with the lowest time to the target;
+DDP holds unless the best beats it by more than the advisor's ``DDP_HOLD``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional
+
+from commlab.lab.rundir.summary import iteration_times
+from commlab.lab.strategy.penalty import TARGET_FRACTION, eval_points, is_proven, steps_to
+from commlab.lab.strategy.perfmodel import calibrate as cal
+from commlab.lab.strategy.space import Candidate, add_note, is_ddp, load_spec_dict, with_strategy
+from commlab.lab.strategy.trials import family
+
+STOP_FACTOR = 1.5
+"""A candidate's trial is capped at the steps its predicted iteration time allows in this many times DDP's
+measured time to the target (the model's step-time errors where measured are tens of percent)."""
+MIN_EVALS = 2
+"""A capped trial still gets at least this many evaluations."""
+
+
+def family_of(c: Candidate) -> str:
+    return f"method:{c.method['name']}" if c.local else family(c.compressor)
+
+
+def picks(cands: List[Candidate], k: int) -> List[Candidate]:
+    """DDP, then the best-predicted candidate of each of the first ``k`` families other than DDP's own
+    configuration (see the module docstring)."""
+    def optimistic(c: Candidate) -> float:
+        return c.predicted_ms * (c.penalty if c.proven else 1.0)
+    ddp = next((c for c in cands if is_ddp(c)), None)
+    out = [ddp] if ddp is not None else []
+    seen = set()
+    for c in sorted((c for c in cands if c.predicted_ms is not None and not c.excluded and not is_ddp(c)
+                     and (c.penalty is not None or c.local)), key=optimistic):
+        if family_of(c) in seen:
+            continue
+        seen.add(family_of(c))
+        out.append(c)
+        if len(out) == k + 1:
+            break
+    return out
+
+
+def trial_spec(base: dict, c: Candidate, steps: int, every: int, stop_at: float) -> dict:
+    s = with_strategy({**base, "strategy": {"mode": "fixed"}}, c.strategy())
+    s.update(name=f"advise to target: {c.label}"[:120], steps=steps, eval_every=every, final_eval=True,
+             stop_at_acc=stop_at)
+    return load_spec_dict(s)
+
+
+def reached(run, target: float) -> dict:
+    """What a finished trial run measured against ``target``: steps and seconds (the sum of the slower
+    rank's iteration times up to the first evaluation at or above it; None when it never got there), its
+    median iteration time, its last accuracy, and the run's id."""
+    rows = run.metric_rows()
+    it = iteration_times(rows)
+    ev = eval_points(run)
+    at = steps_to(ev, target)
+    secs = sum(ms for s, ms in it.items() if s < at) / 1e3 if at is not None else None
+    order = sorted(it)
+    timed = order[2:] or order
+    med = sorted(it[s] for s in timed)[len(timed) // 2] if timed else None
+    return {"run": run.id, "state": run.state, "steps": at, "seconds": secs, "reached": at is not None,
+            "median_ms": med, "last_acc": ev[-1][1] if ev else None, "trained": len(it)}
+
+
+def measure(adv, k: int, runner: Callable, say: Callable[[str], None], runs,
+            target_steps: Optional[int] = None, declared=None) -> None:
+    """Run the to-target trials of ``picks(adv.candidates, k)`` and choose by them (module docstring)."""
+    from commlab.lab.strategy import advisor
+    base = {**adv.spec, "network": dict(adv.network), "world_size": adv.world}
+    steps = target_steps or base["steps"]
+    if not 2 <= steps <= 100_000:
+        raise advisor.SpecError("--target-steps", f"must be in 2..100000, got {steps}")
+    every = base["eval_every"] or max(1, steps // 20)
+    tried = picks(adv.candidates, k)
+    if not tried or not is_ddp(tried[0]):
+        raise advisor.LabError("advise --measure: DDP's configuration is not in the space to count the target from")
+    ddp = tried[0]
+    say(f"advisor: to-target trials on {adv.network['link']} {adv.network['gbps']:g} Gbit/s, one run each, up to "
+        f"{steps} steps, evaluated every {every}: " + "; ".join(c.label for c in tried))
+    run = runner(trial_spec(base, ddp, steps, every, adv.target or 0.0))
+    evals = eval_points(run) if run.state == "done" else []
+    if not evals:
+        add_note(ddp, f"to-target trial {run.id} ended {run.state} without an evaluation: nothing was measured")
+        return
+    goal = adv.target if adv.target is not None and steps_to(evals, adv.target) is not None else \
+        TARGET_FRACTION * max(a for _, a in evals)
+    if adv.target is not None and goal != adv.target:
+        say(f"advisor: DDP did not reach {adv.target:.1%} in {steps} steps; counting to {goal:.1%} "
+            f"({TARGET_FRACTION:.0%} of its best) instead")
+    ddp.to_target = reached(run, goal)
+    ddp_s = ddp.to_target["seconds"]
+    say(f"advisor: DDP reached {goal:.1%} at step {ddp.to_target['steps']} in {ddp_s:.1f} s (run {run.id})")
+    for c in tried[1:]:
+        ms = max(c.predicted_ms or 1.0, 1.0)
+        cap = math.ceil(STOP_FACTOR * ddp_s * 1e3 / ms / every) * every
+        n = max(MIN_EVALS * every, min(steps, cap))
+        r = runner(trial_spec(base, c, n, every, goal))
+        c.to_target = dict(reached(r, goal), cap=n)
+        c.trial_run = r.id
+        got = c.to_target
+        say(f"advisor: {c.label}: " + (f"{goal:.1%} at step {got['steps']} in {got['seconds']:.1f} s" if got["reached"]
+                                       else f"did not reach {goal:.1%} in {got['trained']} steps ({r.state})"))
+        if cal.disturbed_note(cal.disturbance_of(r)):
+            add_note(c, f"its to-target trial {r.id} {cal.disturbed_note(cal.disturbance_of(r))}")
+    ddp.trial_run = run.id
+    adv.target = goal
+    adv.ddp_steps = (ddp.to_target["steps"], goal, run.id)
+    advisor.assign_penalties(adv, runs, declared)  # the trials are runs of this model now: evidence
+    for c in tried:
+        if c.to_target.get("median_ms") is not None:
+            c.measured_ms = c.to_target["median_ms"]
+        if not c.to_target["reached"]:
+            c.penalty, c.penalty_source = None, (
+                f"measured: did not reach {goal:.1%} in its to-target trial ({c.to_target['trained']} steps, "
+                f"run {c.to_target['run']}; capped at {STOP_FACTOR:g}x DDP's time to it)")
+    choose(adv, tried, advisor.DDP_HOLD)
+
+
+def choose(adv, tried: List[Candidate], hold: float) -> None:
+    """The trial with the lowest time to the target wins; DDP holds unless it is beaten by more than ``hold``.
+    A trial that reached the target but whose penalty is not evidence (the index could not pair it) still
+    counts: its own run is the evidence."""
+    done = [c for c in tried if c.to_target and c.to_target["seconds"] is not None]
+    if not done:
+        return
+    best = min(done, key=lambda c: c.to_target["seconds"])
+    ddp = next((c for c in done if is_ddp(c)), None)
+    adv.chosen_by = "measured to target"
+    adv.winner = ddp if ddp is not None and best.to_target["seconds"] * hold > ddp.to_target["seconds"] else best
+    for c in done:
+        if not is_proven(c.penalty_source):
+            add_note(c, "its penalty could not be paired with DDP's run in the index; its trial decided")
