@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -416,6 +417,142 @@ def calibrate_curves(store, log) -> dict:
     return {"measured": n, "seconds": seconds}
 
 
+# ------------------------------------------------------------------------------------------------ the race
+
+RACE_DATA = {"name": "synthetic", "shape": [3, 32, 32], "classes": 10}
+"""--race: the resnet on 32x32 synthetic digits, as bench/local_updates.py races it."""
+RACE_GRID = ("none, bucket 25 MB, wfbp", "fp16, bucket 25 MB, wfbp", "powersgd r1, bucket 25 MB, wfbp",
+             "powersgd r4, bucket 25 MB, wfbp", "streaming_diloco")
+"""--race: the grid's cells, the advisor's own candidates by label (streaming_diloco: its default in the
+advisor's space), so a choice that is a grid configuration compares as one."""
+
+
+def race_spec(args, gbps: float) -> dict:
+    from commlab.lab.base.specs import load_spec
+    return load_spec(data={"name": "race", "model": "resnet", "dataset": RACE_DATA, "world_size": 2,
+                           "steps": args.steps, "batch_size": 32, "seed": 0, "threads": 1,
+                           "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+                           "network": {"link": args.link, "gbps": gbps}, "eval_every": args.eval_every}).to_dict()
+
+
+def strategy_key(strategy: dict) -> str:
+    return json.dumps({k: strategy[k] for k in ("compressor", "schedule", "comm", "method")}, sort_keys=True)
+
+
+def race_setting(args, gbps: float, log) -> dict:
+    """One rate: the advisor on a fresh runs directory (--measure: to-target trials), the advisor again on
+    the same directory (predictions, with the model's own runs now in it), and the grid, each cell and each
+    choice trained ``--steps`` steps (no stop at the target, so final accuracy is measured) in a runs
+    directory of its own, the order rotated by the rate's index."""
+    from commlab.lab.rundir.store import RunStore
+    from commlab.lab.service.queue import Lab
+    from commlab.lab.strategy import advisor, space
+    spec = race_spec(args, gbps)
+    fresh = tempfile.mkdtemp(prefix="commlab-race-advisor-")
+    t = time.time()
+    adv = advisor.advise(spec, runs=fresh, measure=True, to_target=True, trials=args.trials, target=args.target,
+                         target_steps=args.steps, runner=Lab(fresh).runner(), say=log)
+    fresh_s = time.time() - t
+    own = advisor.advise(spec, runs=fresh, target=args.target, say=log)
+    log(f"[race] {gbps:g} Gbit/s: fresh {adv.winner.label} ({adv.chosen_by}); own runs {own.winner.label}")
+    cands = space.space(spec)
+    cells = {}
+    for label in RACE_GRID:
+        c = next(c for c in cands if c.label == label or (c.local and c.method["name"] == label))
+        cells[c.label] = c.strategy()
+    choices = {"fresh": adv.winner, "own runs": own.winner}
+    keys = {strategy_key(v): k for k, v in cells.items()}
+    for name, c in choices.items():
+        if strategy_key(c.strategy()) not in keys:
+            cells[c.label] = c.strategy()
+            keys[strategy_key(c.strategy())] = c.label
+    grid = RunStore(tempfile.mkdtemp(prefix="commlab-race-grid-"))
+    order = list(cells)
+    k = int(round(math.log10(gbps) + 1)) % len(order)
+    order = order[k:] + order[:k]
+    measured = {}
+    for label in order:
+        s = space.load_spec_dict({**space.with_strategy(spec, cells[label]), "name": f"race {label}"[:120]})
+        run = run_cell(grid, s)
+        secs, steps = time_to_accuracy(run, args.target)
+        ev = [m for m in run.metric_rows() if m.get("kind") == "eval"]
+        measured[label] = {"seconds": secs, "steps": steps, "final_acc": ev[-1]["eval_acc"] if ev else None,
+                           "run": run.id, "disturbed": cal_disturbed(run)}
+        log(f"[race] {gbps:g} Gbit/s {label}: " + (f"{secs:.1f} s, {steps} steps" if secs else "did not reach")
+            + f", final {measured[label]['final_acc']:.1%}")
+    ddp = measured["none, bucket 25 MB, wfbp"]
+    done = {k: v for k, v in measured.items() if v["seconds"] is not None}
+    best = min(done, key=lambda k: done[k]["seconds"]) if done else None
+    out = {"gbps": gbps, "cells": measured, "best": best, "advisor_s": fresh_s, "ddp": ddp,
+           "trials": [dict(c.to_target, label=c.label) for c in adv.candidates if c.to_target]}
+    for name, c in choices.items():
+        m = measured[keys[strategy_key(c.strategy())]]
+        ok = m["seconds"] is not None
+        out[name] = {"label": c.label, "chosen_by": name == "fresh" and adv.chosen_by or own.chosen_by,
+                     "reason": (adv if name == "fresh" else own).reason, **m,
+                     "vs_best": m["seconds"] / done[best]["seconds"] if ok and best else None,
+                     "vs_ddp": ddp["seconds"] / m["seconds"] if ok and ddp["seconds"] else None,
+                     "acc_vs_ddp": (m["final_acc"] - ddp["final_acc"]) if m["final_acc"] is not None else None}
+    return out
+
+
+def cal_disturbed(run) -> bool:
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    return bool(cal.disturbance_of(run).get("disturbed"))
+
+
+def race_report(results: list, args) -> str:
+    lines = [f"# The advisor's choice to {args.target:.0%} held out: resnet on 32x32 synthetic digits, 2 ranks, "
+             f"{args.link} links, {args.steps} steps, evaluated every {args.eval_every}", ""]
+    for r in results:
+        lines += [f"## {r['gbps']:g} Gbit/s", "", "| configuration | time to target | steps | final accuracy | vs DDP |",
+                  "|---|---|---|---|---|"]
+        ddp_s = r["ddp"]["seconds"]
+        for label, m in r["cells"].items():
+            mark = [n for n in ("fresh", "own runs") if r[n]["label"] == label]
+            tag = (" (the advisor's choice: " + " and ".join(mark) + ")") if mark else ""
+            tag += " (best)" if label == r["best"] else ""
+            tag += " (disturbed)" if m["disturbed"] else ""
+            lines.append(f"| {label}{tag} | " + (f"{m['seconds']:.1f} s" if m["seconds"] else "not reached")
+                         + f" | {m['steps'] or '-'} | {m['final_acc']:.1%} | "
+                         + (f"{ddp_s / m['seconds']:.2f}x" if m["seconds"] and ddp_s else "-") + " |")
+        lines.append("")
+        for n in ("fresh", "own runs"):
+            c = r[n]
+            verdict = []
+            if c["vs_best"] is not None:
+                verdict.append(f"{c['vs_best']:.2f}x the grid's best time ({'within' if c['vs_best'] <= 1.10 else 'NOT within'} 10%)")
+            verdict.append("no later than DDP" if c["vs_ddp"] and c["vs_ddp"] >= 1 else "LATER than DDP")
+            if c["acc_vs_ddp"] is not None:
+                verdict.append(f"final accuracy {c['acc_vs_ddp'] * 100:+.1f} points vs DDP "
+                               f"({'within' if c['acc_vs_ddp'] >= -0.01 else 'NOT within'} 1 point)")
+            where = "on a fresh runs directory" if n == "fresh" else "with the model's own runs (predicted)"
+            lines.append(f"- {where}: "
+                         f"{c['label']} ({c['chosen_by']}): " + "; ".join(verdict))
+        lines.append(f"- the advice on the fresh directory took {r['advisor_s']:.0f} s (its to-target trials: "
+                     + "; ".join(f"{t['label']} {t['seconds']:.1f} s" if t["seconds"] else f"{t['label']} not reached"
+                                 for t in r["trials"]) + ")")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def race_main(args) -> None:
+    t0 = time.time()
+
+    def log(m):
+        print(m, file=sys.stderr, flush=True)
+    results = []
+    for g in [float(x) for x in args.gbps.split(",") if x]:
+        results.append(race_setting(args, g, log))
+        if args.json:
+            common.write_json(args.json, {"results": results, "args": vars(args), "wall_s": time.time() - t0})
+    text = race_report(results, args) + f"\nwall time {time.time() - t0:.0f} s\n"
+    print(text)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(text)
+
+
 def main(argv=None):
     from commlab.lab.rundir.store import RunStore
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
@@ -446,7 +583,17 @@ def main(argv=None):
     ap.add_argument("--rereport", metavar="JSON", default=None,
                     help="measure nothing: recompute the figures of a saved --json from its cells' rounds and "
                          "print the report (written to --md when given)")
+    ap.add_argument("--race", action="store_true",
+                    help="the advisor's choice against a grid trained to --target (default 0.7): on a fresh runs "
+                         "directory (--measure, to-target trials) and with the model's own runs; resnet on 32x32 "
+                         "synthetic digits; --steps default 120, --eval-every 8")
     args = ap.parse_args(argv)
+    if args.race:
+        args.target = args.target or 0.7
+        args.steps = args.steps if args.steps != 14 else 120
+        args.eval_every = args.eval_every if args.eval_every != 10 else 8
+        args.trials = args.trials or 3
+        return race_main(args)
     if args.rereport:
         saved = common.read_json(args.rereport)
         results = [settle(r) for r in saved["results"]]
