@@ -219,3 +219,27 @@ def test_cli_measures_time_to_target_for_real(tmp_path):
             assert c["to_target"]["seconds"] > 0
     assert adv["winner"] in [c["label"] for c in tried if c["to_target"]["reached"]]
     assert load_spec(str(tmp_path / "best.yaml")).to_dict()["stop_at_acc"] == 0  # the winner trains on
+
+
+def test_to_target_picks_take_methods_and_per_step_families_in_turn():
+    """DDP first; then the best of each family, per-step families and methods alternating (the kind predicted
+    faster first); a candidate without evidence is ranked by its iteration time alone, one with evidence by
+    its time x penalty; excluded ones and per-step candidates left out for losing accuracy are not tried."""
+    def cand(label, comp, ms, pen_=1.0, source="benchmark: x", method=None):
+        c = space.Candidate(label, comp, {"name": "bucket", "cap_mb": 1.0}, {"mode": "wfbp"})
+        c.predicted_ms, c.penalty, c.penalty_source = ms, pen_, source
+        if method:
+            c.method = {"name": method, "params": {}, "compressor": {}}
+        return c
+    ddp = cand("ddp", pen.comp_section("none"), 100.0, source="the reference")
+    ddp.schedule = {"name": "bucket", "cap_mb": 25.0}
+    cands = [ddp, cand("psgd r1", pen.comp_section("powersgd", rank=1), 20.0),
+             cand("psgd r4", pen.comp_section("powersgd", rank=4), 25.0),
+             cand("fp16", pen.comp_section("fp16"), 50.0, source="default: a cast"),
+             cand("topk declared slow", pen.comp_section("topk", True, ratio=0.01), 15.0, 5.0, "declared by the user"),
+             cand("lossy", pen.comp_section("int8"), 1.0, None, "benchmark: loses accuracy"),
+             cand("diloco", pen.comp_section("none"), 5.0, None, "no runs", "diloco"),
+             cand("sdiloco", pen.comp_section("none"), 6.0, None, "no runs", "streaming_diloco")]
+    got = [c.label for c in totarget.picks(cands, 4)]
+    assert got == ["ddp", "diloco", "psgd r1", "sdiloco", "fp16"]
+    assert [c.label for c in totarget.picks(cands, 1)] == ["ddp", "diloco"]
