@@ -223,8 +223,9 @@ def test_cli_measures_time_to_target_for_real(tmp_path):
 
 def test_to_target_picks_take_methods_and_per_step_families_in_turn():
     """DDP first; then the best of each family, per-step families and methods alternating (the kind predicted
-    faster first); a candidate without evidence is ranked by its iteration time alone, one with evidence by
-    its time x penalty; excluded ones and per-step candidates left out for losing accuracy are not tried."""
+    faster first); a candidate without evidence is ranked by its iteration time alone and is a family of its
+    own section, one with evidence by its time x penalty; per-step candidates left out for losing accuracy are
+    not tried."""
     def cand(label, comp, ms, pen_=1.0, source="benchmark: x", method=None):
         c = space.Candidate(label, comp, {"name": "bucket", "cap_mb": 1.0}, {"mode": "wfbp"})
         c.predicted_ms, c.penalty, c.penalty_source = ms, pen_, source
@@ -241,5 +242,20 @@ def test_to_target_picks_take_methods_and_per_step_families_in_turn():
              cand("diloco", pen.comp_section("none"), 5.0, None, "no runs", "diloco"),
              cand("sdiloco", pen.comp_section("none"), 6.0, None, "no runs", "streaming_diloco")]
     got = [c.label for c in totarget.picks(cands, 4)]
-    assert got == ["ddp", "diloco", "psgd r1", "sdiloco", "fp16"]
+    # PowerSGD r1 and r4 are two trials: without evidence, one's steps say nothing of the other's
+    assert got == ["ddp", "diloco", "psgd r1", "sdiloco", "psgd r4"]
     assert [c.label for c in totarget.picks(cands, 1)] == ["ddp", "diloco"]
+
+
+def test_a_run_evaluates_every_eval_every_steps_and_stops_at_its_target(tmp_path):
+    """Without stop_at_acc a run evaluates every eval_every steps and at its end; with one it ends done at the
+    first evaluation that reaches it, without a second evaluation of the same step."""
+    import commlab
+    base = {**BASE, "steps": 12, "eval_every": 4, "world_size": 2}
+    plain = commlab.run(base, runs=tmp_path / "runs")
+    assert plain.state == "done"
+    assert [m["step"] for m in plain.metric_rows() if m.get("kind") == "eval"] == [4, 8, 12]
+    stopped = commlab.run({**base, "stop_at_acc": 0.01}, runs=tmp_path / "runs")
+    assert stopped.state == "done"
+    assert [m["step"] for m in stopped.metric_rows() if m.get("kind") == "eval"] == [4]
+    assert max(m["step"] for m in stopped.metric_rows() if m.get("kind") == "step") == 3

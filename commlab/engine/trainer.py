@@ -227,7 +227,8 @@ class Trainer:
         def maybe_evaluate():
             nonlocal reached
             if spec.eval_every and self.step % spec.eval_every == 0 and self.step < spec.steps:
-                reached = bool(spec.stop_at_acc) and self.evaluate()["eval_acc"] >= spec.stop_at_acc
+                acc = self.evaluate()["eval_acc"]
+                reached = bool(spec.stop_at_acc) and acc >= spec.stop_at_acc
         if self.trials is not None:
             trials.run(self, self.trials, maybe_evaluate)
         while self.step < spec.steps and not reached:

@@ -31,6 +31,7 @@ from typing import Callable, List, Optional
 from commlab.lab.rundir.summary import iteration_times
 from commlab.lab.strategy.penalty import TARGET_FRACTION, eval_points, is_proven, steps_to
 from commlab.lab.strategy.perfmodel import calibrate as cal
+from commlab.lab.strategy.perfmodel.calibrate import compressor_key
 from commlab.lab.strategy.space import Candidate, add_note, is_ddp, load_spec_dict, with_strategy
 from commlab.lab.strategy.trials import family
 
@@ -42,7 +43,12 @@ MIN_EVALS = 2
 
 
 def family_of(c: Candidate) -> str:
-    return f"method:{c.method['name']}" if c.local else family(c.compressor)
+    """What one to-target trial speaks for: a method; a compressor family for a candidate with evidence (its
+    steps are known, its rank or bucket cap changes only its step time, which the prediction has); the exact
+    compressor section for one without (PowerSGD rank 1 missing the target says nothing of rank 4)."""
+    if c.local:
+        return f"method:{c.method['name']}"
+    return family(c.compressor) if c.proven else compressor_key(c.compressor)
 
 
 def picks(cands: List[Candidate], k: int) -> List[Candidate]:
