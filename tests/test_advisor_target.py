@@ -136,7 +136,7 @@ def test_to_target_trials_choose_by_time_to_the_target(monkeypatch):
     assert first["steps"] == 200 and first["stop_at_acc"] == 0 and first["eval_every"] == 10
     assert adv.target == pytest.approx(0.97 * 0.9)
     assert all(r.spec_dict()["stop_at_acc"] == pytest.approx(adv.target) for r in store[1:])
-    assert len(store) == 4  # DDP and three families
+    assert len(store) == 5  # DDP, the best with evidence (a cast) and three families
     assert adv.chosen_by == "measured to target" and adv.winner.compressor["name"] == "powersgd"
     ddp = next(c for c in adv.candidates if space.is_ddp(c))
     assert ddp.to_target["seconds"] == pytest.approx(90 * 0.1)  # 0.873 first reached at step 90
@@ -242,9 +242,12 @@ def test_to_target_picks_take_methods_and_per_step_families_in_turn():
              cand("diloco", pen.comp_section("none"), 5.0, None, "no runs", "diloco"),
              cand("sdiloco", pen.comp_section("none"), 6.0, None, "no runs", "streaming_diloco")]
     got = [c.label for c in totarget.picks(cands, 4)]
-    # PowerSGD r1 and r4 are two trials: without evidence, one's steps say nothing of the other's
-    assert got == ["ddp", "diloco", "psgd r1", "sdiloco", "psgd r4"]
-    assert [c.label for c in totarget.picks(cands, 1)] == ["ddp", "diloco"]
+    # fp16 (evidence, predicted faster than DDP) first; PowerSGD r1 and r4 are two trials: without evidence,
+    # one's steps say nothing of the other's
+    assert got == ["ddp", "fp16", "diloco", "psgd r1", "sdiloco", "psgd r4"]
+    assert [c.label for c in totarget.picks(cands, 1)] == ["ddp", "fp16", "diloco"]
+    ddp.predicted_ms = 40.0  # DDP predicted faster than fp16: no safe pick ahead of the others
+    assert [c.label for c in totarget.picks(cands, 2)] == ["ddp", "diloco", "psgd r1"]
 
 
 def test_a_run_evaluates_every_eval_every_steps_and_stops_at_its_target(tmp_path):

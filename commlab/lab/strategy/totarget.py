@@ -5,7 +5,8 @@ accuracy against DDP's on the same link, not only the time of a step.
 best-predicted candidate of each of the first ``k`` families, ranked by predicted iteration time x penalty
 where the penalty is evidence for this model and by predicted iteration time alone where it is not (a
 candidate without evidence is exactly what the trial is for; a method is a family of its own), per-step
-families and methods taken in turn. ``measure``
+families and methods taken in turn; before them, the best candidate with evidence when it is predicted faster
+than DDP (its steps are known: its trial measures the safe choice). ``measure``
 runs them one after another through the lab's queue as ordinary runs of the spec on the advice's link (the
 same seed, so the same initialisation and the same batches in the same order), each evaluating every
 ``eval_every`` steps (the spec's; a twentieth of the steps when it has none):
@@ -61,12 +62,18 @@ def picks(cands: List[Candidate], k: int) -> List[Candidate]:
     for c in sorted((c for c in cands if c.predicted_ms is not None and not c.excluded and not is_ddp(c)
                      and (c.penalty is not None or c.local)), key=optimistic):
         best.setdefault(family_of(c), c)
+    # the best candidate with evidence goes first when predicted faster than DDP: its steps are known, so its
+    # trial is the safe choice's measurement, whatever the unproven ones do
+    safe = next((c for c in best.values() if c.proven and not c.local and ddp is not None
+                 and ddp.predicted_score is not None and c.predicted_score < ddp.predicted_score), None)
+    if safe is not None:
+        del best[family_of(safe)]
     # per-step families and methods alternate, the better-predicted kind first: a method's amortized step
     # is predicted far below any per-step one's, and how many steps it needs is what is least known
     kinds = [[c for c in best.values() if not c.local], [c for c in best.values() if c.local]]
     kinds.sort(key=lambda cs: optimistic(cs[0]) if cs else float("inf"))
     mixed = [c for pair in zip(*kinds) for c in pair] + kinds[0][len(kinds[1]):] + kinds[1][len(kinds[0]):]
-    return ([ddp] if ddp is not None else []) + mixed[:k]
+    return ([ddp] if ddp is not None else []) + ([safe] if safe is not None else []) + mixed[:k]
 
 
 def trial_spec(base: dict, c: Candidate, steps: int, every: int, stop_at: float) -> dict:
