@@ -136,7 +136,9 @@ def test_to_target_trials_choose_by_time_to_the_target(monkeypatch):
     assert first["steps"] == 200 and first["stop_at_acc"] == 0 and first["eval_every"] == 10
     assert adv.target == pytest.approx(0.97 * 0.9)
     assert all(r.spec_dict()["stop_at_acc"] == pytest.approx(adv.target) for r in store[1:])
-    assert len(store) == 5  # DDP, the best with evidence (a cast) and three families
+    # DDP, the best with evidence (a cast) and three families, and the next in line for each that missed
+    misses = sum(not c.to_target["reached"] for c in adv.candidates if c.to_target)
+    assert 5 <= len(store) and len(store) - 5 <= min(misses, totarget.MORE_AFTER_MISS)
     assert adv.chosen_by == "measured to target" and adv.winner.compressor["name"] == "powersgd"
     ddp = next(c for c in adv.candidates if space.is_ddp(c))
     assert ddp.to_target["seconds"] == pytest.approx(90 * 0.1)  # 0.873 first reached at step 90
@@ -208,7 +210,8 @@ def test_cli_measures_time_to_target_for_real(tmp_path):
     assert "winner (measured to target)" in p.stdout and "to-target trials" in p.stdout, p.stdout
     adv = json.loads((tmp_path / "adv.json").read_text())
     tried = [c for c in adv["candidates"] if c["to_target"]]
-    assert len(tried) == 2 and adv["target"] == 0.5
+    # DDP, the safe pick when one is predicted faster than DDP, one family, and the next after a miss
+    assert 2 <= len(tried) <= 3 + totarget.MORE_AFTER_MISS and adv["target"] == 0.5
     for c in tried:
         r = RunStore(runs).get(c["trial_run"])
         assert r.state == "done" and r.spec_dict()["stop_at_acc"] == 0.5
@@ -244,7 +247,8 @@ def test_to_target_picks_take_methods_and_per_step_families_in_turn():
     got = [c.label for c in totarget.picks(cands, 4)]
     # fp16 (evidence, predicted faster than DDP) first; PowerSGD r1 and r4 are two trials: without evidence,
     # one's steps say nothing of the other's
-    assert got == ["ddp", "fp16", "diloco", "psgd r1", "sdiloco", "psgd r4"]
+    # DiLoCo and Streaming DiLoCo are one family of methods (the better-predicted one is tried)
+    assert got == ["ddp", "fp16", "diloco", "psgd r1", "psgd r4", "topk declared slow"]
     assert [c.label for c in totarget.picks(cands, 1)] == ["ddp", "fp16", "diloco"]
     ddp.predicted_ms = 40.0  # DDP predicted faster than fp16: no safe pick ahead of the others
     assert [c.label for c in totarget.picks(cands, 2)] == ["ddp", "diloco", "psgd r1"]

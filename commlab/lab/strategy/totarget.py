@@ -48,13 +48,27 @@ def family_of(c: Candidate) -> str:
     steps are known, its rank or bucket cap changes only its step time, which the prediction has); the exact
     compressor section for one without (PowerSGD rank 1 missing the target says nothing of rank 4)."""
     if c.local:
-        return f"method:{c.method['name']}"
+        return f"method:{METHOD_FAMILY.get(c.method['name'], c.method['name'])}"
     return family(c.compressor) if c.proven else compressor_key(c.compressor)
 
 
-def picks(cands: List[Candidate], k: int) -> List[Candidate]:
-    """DDP, then the best-predicted candidate of each of the first ``k`` families other than DDP's own
-    configuration (see the module docstring)."""
+METHOD_FAMILY = {"streaming_diloco": "diloco", "post_local_sgd": "local_sgd"}
+"""Methods one trial speaks for together: Streaming DiLoCo is DiLoCo with its sync split in fragments, post-local
+SGD local SGD after a synchronous start."""
+MORE_AFTER_MISS = 2
+"""Trials past ``k`` that ``measure`` may run when picks miss the target: the next family in line takes a missed
+one's place (PowerSGD rank 1 missing says nothing of rank 4), at most this many times."""
+
+
+def picks(cands: List[Candidate], k: Optional[int] = None) -> List[Candidate]:
+    """DDP, then the best-predicted candidate of each family other than DDP's own configuration, in the order
+    they are tried (the first ``k`` after DDP and the safe pick, or all; see the module docstring)."""
+    ddp, safe, rest = line_of(cands)
+    return [c for c in (ddp, safe) if c is not None] + rest[:k]
+
+
+def line_of(cands: List[Candidate]):
+    """(DDP, the safe pick or None, the other families in the order they are tried)."""
     def optimistic(c: Candidate) -> float:
         return c.predicted_ms * (c.penalty if c.proven else 1.0)
     ddp = next((c for c in cands if is_ddp(c)), None)
@@ -73,7 +87,7 @@ def picks(cands: List[Candidate], k: int) -> List[Candidate]:
     kinds = [[c for c in best.values() if not c.local], [c for c in best.values() if c.local]]
     kinds.sort(key=lambda cs: optimistic(cs[0]) if cs else float("inf"))
     mixed = [c for pair in zip(*kinds) for c in pair] + kinds[0][len(kinds[1]):] + kinds[1][len(kinds[0]):]
-    return ([ddp] if ddp is not None else []) + ([safe] if safe is not None else []) + mixed[:k]
+    return ddp, safe, mixed
 
 
 def trial_spec(base: dict, c: Candidate, steps: int, every: int, stop_at: float) -> dict:
@@ -108,12 +122,16 @@ def measure(adv, k: int, runner: Callable, say: Callable[[str], None], runs,
     if not 2 <= steps <= 100_000:
         raise advisor.SpecError("--target-steps", f"must be in 2..100000, got {steps}")
     every = base["eval_every"] or max(1, steps // 20)
-    tried = picks(adv.candidates, k)
-    if not tried or not is_ddp(tried[0]):
+    ddp, safe, rest = line_of(adv.candidates)
+    if ddp is None:
         raise advisor.LabError("advise --measure: DDP's configuration is not in the space to count the target from")
-    ddp = tried[0]
+    line = [c for c in (ddp, safe) if c is not None] + rest
+    fixed = 2 if safe is not None else 1
+    first = line[:fixed + k]
     say(f"advisor: to-target trials on {adv.network['link']} {adv.network['gbps']:g} Gbit/s, one run each, up to "
-        f"{steps} steps, evaluated every {every}: " + "; ".join(c.label for c in tried))
+        f"{steps} steps, evaluated every {every}: " + "; ".join(c.label for c in first)
+        + (f" (the next in line when one misses the target, up to {MORE_AFTER_MISS} more)" if len(line) > len(first)
+           else ""))
     run = runner(trial_spec(base, ddp, steps, every, adv.target or 0.0))
     evals = eval_points(run) if run.state == "done" else []
     if not evals:
@@ -127,7 +145,11 @@ def measure(adv, k: int, runner: Callable, say: Callable[[str], None], runs,
     ddp.to_target = reached(run, goal)
     ddp_s = ddp.to_target["seconds"]
     say(f"advisor: DDP reached {goal:.1%} at step {ddp.to_target['steps']} in {ddp_s:.1f} s (run {run.id})")
-    for c in tried[1:]:
+    tried, missed = [ddp], 0
+    for c in line[1:]:
+        if len(tried) >= fixed + k + min(missed, MORE_AFTER_MISS):
+            break
+        tried.append(c)
         ms = max(c.predicted_ms or 1.0, 1.0)
         cap = math.ceil(STOP_FACTOR * ddp_s * 1e3 / ms / every) * every
         n = max(MIN_EVALS * every, min(steps, cap))
@@ -139,6 +161,7 @@ def measure(adv, k: int, runner: Callable, say: Callable[[str], None], runs,
                                        else f"did not reach {goal:.1%} in {got['trained']} steps ({r.state})"))
         if cal.disturbed_note(cal.disturbance_of(r)):
             add_note(c, f"its to-target trial {r.id} {cal.disturbed_note(cal.disturbance_of(r))}")
+        missed += not got["reached"]
     ddp.trial_run = run.id
     adv.target = goal
     adv.ddp_steps = (ddp.to_target["steps"], goal, run.id)
