@@ -145,27 +145,23 @@ def is_proven(source: str) -> bool:
     return source.startswith(PROVEN)
 
 
+EVIDENCE_WORDS = (  # (source prefixes, words), the first that matches; the order matters ("measured: did not")
+    (("the reference", "default: the reference"), "DDP itself"),
+    (("measured: did not reach",), "measured on this model: never reached the target"),
+    (("measured",), "measured on this model (runs in the index)"),
+    (("declared",), "you declared it"),
+    (("default: a cast",), "a cast: as many steps as DDP"),
+    (("no runs",), "none yet: never run on this model"),
+    (("parts:",), "its parts measured or exact on this model"),
+    (("parts, unproven",), "unproven here: a part never run on this model"),
+    (("benchmark", "default: top-k", "default: PowerSGD"), "unproven here: seen only on another model (a cnn on digits)"),
+)
+
+
 def evidence_words(source: str) -> str:
     """What a penalty rests on, in words a newcomer reads: the table's EVIDENCE column."""
-    if source.startswith(("the reference", "default: the reference")):
-        return "DDP itself"
-    if source.startswith("measured: did not reach"):
-        return "measured on this model: never reached the target"
-    if source.startswith("measured"):
-        return "measured on this model (runs in the index)"
-    if source.startswith("declared"):
-        return "you declared it"
-    if source.startswith("default: a cast"):
-        return "a cast: as many steps as DDP"
-    if source.startswith("no runs"):
-        return "none yet: never run on this model"
-    if source.startswith("parts:"):
-        return "its parts measured or exact on this model"
-    if source.startswith("parts, unproven"):
-        return "unproven here: a part never run on this model"
-    if source.startswith(("benchmark", "default: top-k", "default: PowerSGD")):
-        return "unproven here: seen only on another model (a cnn on digits)"
-    return "unproven here: a guess"
+    return next((words for prefixes, words in EVIDENCE_WORDS if source.startswith(prefixes)),
+                "unproven here: a guess")
 
 
 def benchmark_cells(results: Optional[List[dict]] = None) -> Dict[Tuple[str, bool], dict]:
