@@ -54,6 +54,7 @@ from commlab.lab.strategy.penalty import (benchmark_cells, ddp_steps_to, evidenc
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import whatif
 from commlab.lab.strategy.perfmodel.calibrate import CalibrationError
+from commlab.lab.strategy import totarget
 from commlab.lab.strategy.predictions import link_of, network_for, predict_candidate
 from commlab.lab.strategy.space import Candidate, add_note, is_ddp, load_spec_dict, space, with_strategy
 from commlab.lab.strategy.trials import (DDP_MARGIN, TRIAL_WARMUP, ddp_left_out, measured_ms, prepare_session, session_spec,
@@ -228,8 +229,8 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     if prof.disturbance:
         adv.disturbance["profile"] = prof.disturbance
     if measure and to_target:
-        from commlab.lab.strategy import totarget
-        totarget.measure(adv, trials, run_trial, say, runs, target_steps, penalties)
+        totarget.measure(adv, trials, run_trial, say, lambda: assign_penalties(adv, runs, penalties), DDP_HOLD,
+                         target_steps)
         adv.cost_s.update(trials=time.perf_counter() - t2, total=time.perf_counter() - t0)
     elif measure:
         measure_in_session(adv, trial_picks(ranked, trials), trial_steps, run_trial, say)

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from typing import Callable, List, Optional
 
+from commlab.engine.spec import SpecError
+from commlab.lab.base.errors import LabError
 from commlab.lab.rundir.summary import iteration_times
 from commlab.lab.strategy.penalty import TARGET_FRACTION, eval_points, is_proven, steps_to
 from commlab.lab.strategy.perfmodel import calibrate as cal
@@ -113,18 +115,19 @@ def reached(run, target: float) -> dict:
             "median_ms": med, "last_acc": ev[-1][1] if ev else None, "trained": len(it)}
 
 
-def measure(adv, k: int, runner: Callable, say: Callable[[str], None], runs,
-            target_steps: Optional[int] = None, declared=None) -> None:
-    """Run the to-target trials of ``picks(adv.candidates, k)`` and choose by them (module docstring)."""
-    from commlab.lab.strategy import advisor
+def measure(adv, k: int, runner: Callable, say: Callable[[str], None], reprice: Callable[[], None],
+            hold: float, target_steps: Optional[int] = None) -> None:
+    """Run the to-target trials of ``picks(adv.candidates, k)`` and choose by them (module docstring).
+    ``reprice`` sets every candidate's penalty again (the trials are runs of the model now); ``hold``: how
+    much faster than DDP the best must be to win."""
     base = {**adv.spec, "network": dict(adv.network), "world_size": adv.world}
     steps = target_steps or base["steps"]
     if not 2 <= steps <= 100_000:
-        raise advisor.SpecError("--target-steps", f"must be in 2..100000, got {steps}")
+        raise SpecError("--target-steps", f"must be in 2..100000, got {steps}")
     every = base["eval_every"] or max(1, steps // 20)
     ddp, safe, rest = line_of(adv.candidates)
     if ddp is None:
-        raise advisor.LabError("advise --measure: DDP's configuration is not in the space to count the target from")
+        raise LabError("advise --measure: DDP's configuration is not in the space to count the target from")
     line = [c for c in (ddp, safe) if c is not None] + rest
     fixed = 2 if safe is not None else 1
     first = line[:fixed + k]
@@ -165,7 +168,7 @@ def measure(adv, k: int, runner: Callable, say: Callable[[str], None], runs,
     ddp.trial_run = run.id
     adv.target = goal
     adv.ddp_steps = (ddp.to_target["steps"], goal, run.id)
-    advisor.assign_penalties(adv, runs, declared)  # the trials are runs of this model now: evidence
+    reprice()  # the trials are runs of this model now: evidence
     for c in tried:
         if c.to_target.get("median_ms") is not None:
             c.measured_ms = c.to_target["median_ms"]
@@ -173,7 +176,7 @@ def measure(adv, k: int, runner: Callable, say: Callable[[str], None], runs,
             c.penalty, c.penalty_source = None, (
                 f"measured: did not reach {goal:.1%} in its to-target trial ({c.to_target['trained']} steps, "
                 f"run {c.to_target['run']}; capped at {STOP_FACTOR:g}x DDP's time to it)")
-    choose(adv, tried, advisor.DDP_HOLD)
+    choose(adv, tried, hold)
 
 
 def choose(adv, tried: List[Candidate], hold: float) -> None:
