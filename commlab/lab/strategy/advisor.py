@@ -229,7 +229,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     if prof.disturbance:
         adv.disturbance["profile"] = prof.disturbance
     if measure and to_target:
-        totarget.measure(adv, trials, run_trial, say, lambda: assign_penalties(adv, runs, penalties), DDP_HOLD,
+        totarget.measure(adv, trials, run_trial, say, lambda: assign_penalties(adv, runs, penalties), totarget.HOLD,
                          target_steps)
         adv.cost_s.update(trials=time.perf_counter() - t2, total=time.perf_counter() - t0)
     elif measure:
@@ -355,7 +355,7 @@ def _explain_to_target(adv: Advice) -> str:
         if low is not w:
             return (f"DDP held: reached {goal:.1%} held out in {said(w)}; the best trial, {low.label} ({said(low)}), "
                     f"beats it by {w.to_target['seconds'] / low.to_target['seconds'] - 1:.1%}, less than the "
-                    f"{DDP_HOLD - 1:.0%} a measured win must have over DDP")
+                    f"{totarget.HOLD - 1:.0%} a to-target win must have over DDP (one run each scatters by 10-20%)")
         return f"DDP reached {goal:.1%} held out first ({said(w)}) in the to-target trials on this link"
     parts = [f"{w.label} reached {goal:.1%} held out soonest in the to-target trials on this link ({said(w)})"]
     if ddp is not None and ddp.to_target["seconds"]:
