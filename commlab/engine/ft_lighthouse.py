@@ -13,8 +13,12 @@ import sys
 LIGHTHOUSE_ENV = "COMMLAB_FT_LIGHTHOUSE"
 """The Lighthouse's address (http://host:port), as the lab hands it to each replica's process."""
 
-if __name__ == "__main__":
+def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != here]
-    from commlab.engine.ft import lighthouse_main
+    from commlab.engine.ft import lighthouse_main  # lazy: the lab reads LIGHTHOUSE_ENV here without torch or torchft
     lighthouse_main()
+
+
+if __name__ == "__main__":
+    main()
