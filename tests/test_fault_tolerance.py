@@ -39,7 +39,9 @@ def spec(**over):
     ({"method": {"name": "local_sgd", "H": 4}}, "method.name", "local_sgd under fault tolerance comes later"),
     ({"compressor": {"name": "topk", "ratio": 0.1}}, "compressor.name", "topk under fault tolerance comes later"),
     ({"compressor": {"name": "fp16", "error_feedback": True}}, "compressor.name", "fp16 with error feedback"),
-    ({"compressor": {"name": "powersgd", "rank": 2}}, "compressor.name", "powersgd under fault tolerance comes later"),
+    ({"compressor": {"name": "int8", "error_feedback": True}}, "compressor.name",
+     "int8 with error feedback under fault tolerance comes later"),
+    ({"compressor": {"name": "qsgd"}}, "compressor.name", "qsgd under fault tolerance comes later"),
     ({"fault": {"kind": "exit", "step": 3, "rank": 1}}, "fault.kind", "fault_tolerance.faults"),
     ({"ft": {"faults": [{"kind": "kill", "replica": 3, "step": 2}]}}, "fault_tolerance.faults[0].replica",
      "below replica_groups 3"),
@@ -76,7 +78,8 @@ def test_a_fault_tolerant_spec_is_fully_defaulted():
 def test_a_spec_without_fault_tolerance_is_as_before():
     s = JobSpec.from_dict({"model": "mlp", "dataset": "digits"})
     assert s.fault_tolerance.enabled is False and s.fault_tolerance.replica_groups is None
-    assert JobSpec.from_checked({k: v for k, v in s.to_dict().items() if k != "fault_tolerance"}) == s  # older spec.json
+    older = {k: v for k, v in s.to_dict().items() if k != "fault_tolerance"}  # a spec.json written before
+    assert JobSpec.from_checked(older) == s
 
 
 def test_batches_keyed_by_step_are_the_stream_at_that_step():
@@ -230,3 +233,141 @@ def test_torchft_imports_beside_our_torch():
     from commlab.engine import ft
     assert ft.version() == "0.2.0" and torch.__version__ == before
     assert ft.replica_id(3) == "replica_3"
+
+
+# -- the stepper under fault tolerance, in one process: a stand-in replica that decides which steps commit ----------
+
+class Solo(collectives.Group):
+    """A replica group of one: its all-reduce is the tensor itself."""
+
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+    def backend(self):
+        return "gloo"
+
+    def all_reduce(self, t):
+        class Done:
+            def wait(self, timeout=None):
+                return True
+
+            def get_future(self):
+                f = torch.futures.Future()
+                f.set_result([t])
+                return f
+        return Done()
+
+
+class StandIn:
+    """What the Stepper asks of commlab.engine.ft.Replica, with the commits given by the test."""
+
+    def __init__(self, commits):
+        self.n, self.group, self.commits, self.step, self.registered = 0, Solo(), iter(commits), 0, {}
+
+    def register(self, key, load, save):
+        self.registered[key] = (load, save)
+
+    def start_quorum(self):
+        return {"quorum_id": 1, "participants": 1, "quorum_ms": 0.0, "step": self.step}
+
+    def should_commit(self):
+        ok = next(self.commits)
+        self.step += ok
+        return ok
+
+    def current_step(self):
+        return self.step
+
+    def error(self):
+        return "RuntimeError: a peer is gone"
+
+
+def state_of(trainer):
+    """Each bucket's compressor state, copied."""
+    from commlab.engine.stepper import _cloned
+    return [_cloned(b.compressor.state_dict()) for b in trainer.dp.buckets]
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_step_that_does_not_commit_changes_nothing_and_is_trained_again_on_the_same_batch():
+    from commlab.engine.trainer import Trainer
+    s = JobSpec.from_checked({**spec(model={"name": "mlp"}, dataset={"name": "digits"}, world_size=1,
+                                     ft={"replica_groups": 1, "min_replicas": 1}),
+                              "compressor": {"name": "powersgd", "params": {"rank": 2, "start_iter": 0}},
+                              "batch_size": 16, "timeline": False})
+    standin = StandIn([True, True, False, True])
+    t = Trainer(s, None, 0, 1, torch.device("cpu"), ft=standin)
+    try:
+        t.train_step()
+        t.train_step()
+        assert t.step == 2
+        params = [p.detach().clone() for p in t.model.parameters()]
+        codec = state_of(t)
+        assert any(v is not None and not isinstance(v, int) for st in codec for v in st.values())  # Q, residual
+        failed = t.train_step()
+        assert failed["committed"] is False and failed["error"] == "RuntimeError: a peer is gone"
+        assert t.step == 2 and failed["step"] == 2
+        assert all(torch.equal(a, b) for a, b in zip(params, t.model.parameters()))  # the optimizer did not step
+        assert same(state_of(t), codec)  # PowerSGD's Q, residual and count as the step began
+        again = t.train_step()
+        assert again["committed"] is True and again["step"] == 2 and t.step == 3
+        assert again["loss"] == failed["loss"]  # the same batch on the same model
+        assert not all(torch.equal(a, b) for a, b in zip(params, t.model.parameters()))
+        # what a replica that recovers takes: the shared state, not this replica's residual
+        load, save = standin.registered["compressors"]
+        handed = save()
+        assert all(st["residual"] is None and (st.get("q") is not None or st.get("qs") is not None) for st in handed)
+        load(handed)
+        assert all(b.compressor.residual is None for b in t.dp.buckets)
+        assert {"model", "optimizer", "compressors"} <= set(standin.registered)
+    finally:
+        t.close()
+
+
+class Twins(Solo):
+    """Three replica groups when built, then a quorum of two whose other member sent the same gradient: the sum of
+    an all-reduce is twice this replica's tensor."""
+
+    def size(self):
+        return 3
+
+    def all_reduce(self, t):
+        t.mul_(2)
+        return super().all_reduce(t)
+
+
+@pytest.mark.parametrize("compressor", ["none", "fp16"])
+def test_a_step_averages_over_the_quorums_participants(compressor):
+    """Built for three replicas (1/3 where gradients land pre-divided), trained in a quorum of two twins: the average
+    is this replica's own gradient, as a quorum of one gives."""
+    from commlab.engine.trainer import Trainer
+    finals = []
+    for group, participants in ((Solo(), 1), (Twins(), 2)):
+        s = JobSpec.from_checked({**spec(model={"name": "mlp"}, dataset={"name": "digits"},
+                                         ft={"replica_groups": 3, "min_replicas": 1}),
+                                  "compressor": {"name": compressor}, "batch_size": 16, "timeline": False})
+        standin = StandIn([True, True])
+        standin.group = group
+        standin.start_quorum = lambda standin=standin, n=participants: {"quorum_id": 1, "participants": n,
+                                                                        "quorum_ms": 0.0, "step": standin.step}
+        t = Trainer(s, None, 0, 3, torch.device("cpu"), ft=standin)
+        try:
+            t.train_step()
+            t.train_step()
+            finals.append([p.detach().clone() for p in t.model.parameters()])
+        finally:
+            t.close()
+    for a, b in zip(*finals):
+        torch.testing.assert_close(a, b)

@@ -1,6 +1,6 @@
-"""A fault-tolerant run through the lab, end to end: three replica groups on torchft (mlp on digits, gloo, CPU), the
-lab SIGKILLs replica 2 once it has logged a step, restarts it, the replica recovers the model and optimizer from a
-peer, and the run ends done with every replica holding the same parameters.
+"""A fault-tolerant run through the lab, end to end: three replica groups on torchft (mlp on digits, PowerSGD, gloo,
+CPU), the lab SIGKILLs replica 2 once it has logged a step, restarts it, the replica recovers the model, optimizer
+and compressor state from a peer, and the run ends done with every replica holding the same parameters.
 
 The survivors must still be training when the restarted replica has imported torch and joined: a modeled link
 (every all-reduce lasts its alpha-beta time, a sleep that leaves the CPU to the restart) paces the steps. Nothing is
@@ -19,7 +19,8 @@ STEPS, KILL_AT = 50, 3
 SPEC = {"name": "ft-kill", "model": "mlp", "dataset": "digits", "world_size": 3, "steps": STEPS, "batch_size": 16,
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "eval_every": 0, "final_eval": False,
         "threads": 1, "comm": "sync", "schedule": "allinone",
-        "network": {"link": "modeled", "gbps": 1, "latency_us": 100000},  # all-reduce: 200 ms with 2 replicas, 400 with 3
+        "compressor": {"name": "powersgd", "rank": 2, "start_iter": 2},
+        "network": {"link": "modeled", "gbps": 1, "latency_us": 100000},  # all-reduce: 200 ms (2 replicas), 400 (3)
         "fault_tolerance": {"enabled": True, "min_replicas": 2, "join_timeout_ms": 1000, "timeout_s": 20,
                             "restart": {"max_restarts": 2, "delay_s": 0.5},
                             "faults": [{"kind": "kill", "replica": 2, "step": KILL_AT, "restart_after_s": 0.5}]}}

@@ -614,9 +614,10 @@ FT_TORCHFT = "0.2.0"
 """The torchft fault tolerance is written against (commlab/engine/ft.py)."""
 FT_FAULT_KINDS = ("kill",)
 """The faults the lab executes under fault tolerance: kill (SIGKILL the replica's process)."""
-FT_COMPRESSORS = ("none", "fp16", "bf16")
-"""The compressors a fault-tolerant run may use so far: stateless, one all-reduce per bucket (nothing of theirs
-to roll back on a step that does not commit, nothing to hand over on recovery)."""
+FT_COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
+"""The compressors a fault-tolerant run may use so far: rounds that are all all-reduces, and state the Stepper knows
+how to handle (commlab/engine/stepper.py): none for the casts; PowerSGD's Q shared (handed over on recovery, put
+back on a step that does not commit) and its residual per replica (left out of what a recovery hands over)."""
 
 
 @dataclass
@@ -704,8 +705,7 @@ class FaultToleranceSpec:
         if comp.name not in FT_COMPRESSORS or comp.error_feedback:
             what = f"{comp.name} with error feedback" if comp.error_feedback else comp.name
             raise SpecError("compressor.name", f"fault tolerance takes {', '.join(FT_COMPRESSORS)} without error "
-                                               f"feedback so far (their state needs no roll-back or hand-over); "
-                                               f"{what} under fault tolerance comes later")
+                                               f"feedback so far; {what} under fault tolerance comes later")
         if spec.strategy.mode != "fixed":
             raise SpecError("strategy.mode", "fault tolerance takes strategy fixed")
         if spec.network.link == "shaped":

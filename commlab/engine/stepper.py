@@ -90,7 +90,8 @@ class Stepper:
         self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params))
         self.step = 0
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self._build(broadcast=ft is None)  # fault tolerance: the first quorum's recovery gives every replica the same start
+        # fault tolerance: no broadcast, the first quorum's recovery gives every replica the same start
+        self._build(broadcast=ft is None)
         if ft is not None:
             ft.register("model", self.model.load_state_dict, self.model.state_dict)
             ft.register("optimizer", lambda sd: self.optimizer.load_state_dict(sd), lambda: self.optimizer.state_dict())

@@ -109,8 +109,9 @@ class FtJob:
     def _start_replica(self, r: int) -> None:
         gen = self.gens.get(r, -1) + 1
         self.gens[r] = gen
-        env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "RANK": str(r), "WORLD_SIZE": str(self.groups), "LOCAL_RANK": str(r),
-               "LOCAL_WORLD_SIZE": str(self.groups), ft_lighthouse.LIGHTHOUSE_ENV: self.addr}
+        env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "RANK": str(r),
+               "WORLD_SIZE": str(self.groups), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(self.groups),
+               ft_lighthouse.LIGHTHOUSE_ENV: self.addr}
         p = self._spawn([self.python, *worker_argv(str(self.run.path))], env, self.log)
         self.live[r] = (p, gen)
         self._record("spawn", replica=r, gen=gen, pid=p.pid)
