@@ -371,3 +371,15 @@ def test_a_step_averages_over_the_quorums_participants(compressor):
             t.close()
     for a, b in zip(*finals):
         torch.testing.assert_close(a, b)
+
+
+def test_a_lighthouse_that_does_not_come_up_is_one_line_and_nothing_is_left(tmp_path):
+    job = ftrun.FtJob(Dir(tmp_path), JobSpec.from_checked(spec(model={"name": "mlp"}, dataset={"name": "digits"},
+                                                                ft={"replica_groups": 3})), None, python="/bin/false")
+    with pytest.raises(RuntimeError, match=r"^fault_tolerance: the Lighthouse exited with code 1 before it served; "
+                                           r"see log-lighthouse.txt$"):
+        job.start()
+    job.stop()
+    assert job.live == {} and all(p.poll() is not None for p in job.started)
+    ev = read_jsonl(str(tmp_path / runfiles.FT_EVENTS))
+    assert [e["event"] for e in ev] == ["lighthouse"] and ev[0]["pid"] == job.started[0].pid

@@ -40,8 +40,10 @@ LIGHTHOUSE_UP_S = 120.0
 
 
 class FtJob:
-    def __init__(self, run, spec: JobSpec, log, python: str = sys.executable):
-        self.run, self.spec, self.log, self.python = run, spec, log, python
+    def __init__(self, run, spec: JobSpec, log, python: str = sys.executable, memory: Optional[int] = None):
+        """``log``: the file the replicas write to (log.txt); ``memory``: MB of data each replica may use (a room's
+        ``rank_mb``), as the launcher limits ranks."""
+        self.run, self.spec, self.log, self.python, self.memory = run, spec, log, python, memory
         self.ft = spec.fault_tolerance
         self.groups = self.ft.replica_groups
         self.events = JsonlWriter(str(run.file(runfiles.FT_EVENTS)))
@@ -70,9 +72,10 @@ class FtJob:
     def _record(self, event: str, **kw) -> None:
         self.events.write({"event": event, "t": time.time(), **kw})
 
-    def _spawn(self, argv: List[str], env: dict, log) -> subprocess.Popen:
+    def _spawn(self, argv: List[str], env: dict, log, memory: Optional[int] = None) -> subprocess.Popen:
         def child() -> None:
             procs.die_with_parent()
+            procs.limit_data(memory)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                              start_new_session=True, preexec_fn=child)
         self.started.append(p)
@@ -112,7 +115,7 @@ class FtJob:
         env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "RANK": str(r),
                "WORLD_SIZE": str(self.groups), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(self.groups),
                ft_lighthouse.LIGHTHOUSE_ENV: self.addr}
-        p = self._spawn([self.python, *worker_argv(str(self.run.path))], env, self.log)
+        p = self._spawn([self.python, *worker_argv(str(self.run.path))], env, self.log, self.memory)
         self.live[r] = (p, gen)
         self._record("spawn", replica=r, gen=gen, pid=p.pid)
 

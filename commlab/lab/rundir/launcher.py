@@ -254,7 +254,7 @@ def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limi
     faults executed and dead replicas restarted as the metrics come in, every process started stopped by its PID
     at the end however it ends; then one final transition (done, diverged, failed or cancelled)."""
     log = open(run.file(runfiles.LOG), "ab", buffering=0)
-    job = ftrun.FtJob(run, spec, log)
+    job = ftrun.FtJob(run, spec, log, memory=limits.get("rank_limit_mb"))
     tail = JsonlTail(run.file(runfiles.METRICS))
     bar = RunProgress(spec.steps, spec.world_size, out, final_eval=spec.final_eval) if progress else None
     wall_s, t0 = limits.get("wall_limit_s"), time.time()
