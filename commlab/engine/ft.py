@@ -1,7 +1,7 @@
 """Fault tolerance on torchft 0.2.0: one replica group per process, its membership, quorum, commit and recovery
 torchft's (the Lighthouse and a ``Manager`` per replica group). The only module of commlab that imports torchft.
 
-    replica = Replica(spec, run_dir, replica=2, lighthouse="http://host:port")
+    replica = Replica(spec, run_dir, 2, lighthouse="http://host:port", backend="gloo")
     trainer = Trainer(spec, run_dir, 2, spec.fault_tolerance.replica_groups, device, ft=replica)
 
 Each step (commlab/engine/stepper.py) starts with ``start_quorum`` (synchronous: a replica that is behind, a
@@ -183,12 +183,14 @@ class FtGroup(Group):
 class Replica:
     """One replica group (this process): its Manager and what it records. ``n``: the replica group's number."""
 
-    def __init__(self, spec: JobSpec, run_dir: Optional[str], n: int, lighthouse: str,
-                 device: torch.device = torch.device("cpu")):
+    def __init__(self, spec: JobSpec, run_dir: Optional[str], n: int, lighthouse: str, backend: str = "gloo"):
+        """``backend``: gloo or nccl, the process group torchft reconfigures at each quorum."""
         ft = spec.fault_tolerance
         self.n, self.groups, self.run_dir = n, ft.replica_groups, run_dir
         self.id = replica_id(n)
-        self.backend = "nccl" if device.type == "cuda" and spec.backend != "gloo" else "gloo"
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: fault tolerance runs gloo or nccl, got {backend!r}")
+        self.backend = backend
         timeout = timedelta(seconds=ft.timeout_s)
         # one process per replica group: it hosts its group's store (the Manager connects to it as a client)
         self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)

@@ -194,7 +194,7 @@ def run_replica(run_dir: str, spec: JobSpec, n: int) -> None:
     import torch
 
     from commlab.engine import ft  # lazy: torchft is optional (the ft extra); only a fault-tolerant run loads it
-    from commlab.engine.trainer import Trainer, resolve_device
+    from commlab.engine.trainer import Trainer, resolve_backend, resolve_device
     groups = spec.fault_tolerance.replica_groups
     lighthouse = os.environ.get(LIGHTHOUSE_ENV)
     if not lighthouse:
@@ -205,7 +205,8 @@ def run_replica(run_dir: str, spec: JobSpec, n: int) -> None:
     device = resolve_device(spec, n)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    replica = ft.Replica(spec, run_dir, n, lighthouse, device)
+    # gloo on CPU, and where the replicas outnumber the GPUs (LOCAL_WORLD_SIZE: the replica groups)
+    replica = ft.Replica(spec, run_dir, n, lighthouse, resolve_backend(spec, device))
     if n == 0:
         _write_json(run_dir, runfiles.RESOLVED, {**admitted(run_dir), "rank": 0, "backend": replica.backend,
                                                  "device": str(device), "threads": threads, "world_size": groups,
