@@ -1,12 +1,12 @@
-"""Fault tolerance on torchft 0.2.0: one replica group per process, its membership, quorum, commit and recovery
-torchft's (the Lighthouse and a ``Manager`` per replica group). The only module of commlab that imports torchft.
+"""Fault tolerance on torchft 0.2.0: one replica group per process, whose membership, quorum, commit and recovery
+are torchft's (the Lighthouse and a ``Manager`` per replica group). The only module of commlab that imports torchft.
 
     replica = Replica(spec, run_dir, 2, lighthouse="http://host:port", backend="gloo")
     trainer = Trainer(spec, run_dir, 2, spec.fault_tolerance.replica_groups, device, ft=replica)
 
 Each step (commlab/engine/stepper.py) starts with ``start_quorum`` (synchronous: a replica that is behind, a
-restarted one or one that joined late, receives the model and optimizer of an up-to-date peer and loads them
-before its forward pass) and asks ``should_commit`` before the optimizer step: a step commits only where every
+restarted one or one that joined late, receives the model, optimizer and compressor state of an up-to-date peer
+and loads them before its forward pass) and asks ``should_commit`` before the optimizer step: a step commits only where every
 participant's exchange succeeded, and one that does not is redone on the same batch (batches are keyed by the
 committed step).
 
@@ -24,7 +24,8 @@ What is here:
   (commlab/engine/ft_lighthouse.py).
 
 Private parts of torchft used (pinned to 0.2.0): ``HTTPTransport._load_from_address`` (overridden to count
-bytes) and ``Manager._quorum_id`` (read for the records).
+bytes) with ``torchft.checkpointing._serialization._streaming_load`` (what it reads with), ``Manager._quorum_id``
+(read for the records) and ``torchft._torchft.lighthouse_main`` (the console script's entry point).
 """
 from __future__ import annotations
 
