@@ -30,10 +30,21 @@ WANT=$(cat pyproject.toml setup.sh | sha256sum | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
     echo "setup: installing commlab and its dependencies into $VENV; this takes a few minutes (about 4 on a" \
          "fresh machine) with nothing printed meanwhile" >&2
-    "${PIP[@]}" install -e ".[app,dev,notebooks,models]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
+    "${PIP[@]}" install -e ".[app,dev,notebooks,models,ft]" 2>&1 | grep -v "is ignored: it is neither a file nor a directory" || true
     "$VENV/bin/python" -c 'import torch, commlab.engine, commlab.lab' || { echo "setup: install failed" >&2; exit 1; }
     echo "$WANT" > "$STAMP"
 fi
 
 # torchvision (torchvision:<arch> models, optional), matched to the torch above; never swaps torch
 TORCH_VERSION=$TORCH_VERSION bash scripts/install_torch.sh "$VENV/bin/python" torchvision
+
+# torchft (fault_tolerance:, optional), --no-deps so torch is never swapped (its wheel asks for a bare torch); the
+# extra `ft` above brought what it imports. Kept when it is there already.
+TORCHFT_VERSION=0.2.0
+if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(0 if m.version('torchft') == '$TORCHFT_VERSION' else 1)" 2>/dev/null; then
+    if "${PIP[@]}" install --no-deps "torchft==$TORCHFT_VERSION" >/dev/null 2>&1 && "$VENV/bin/python" -c 'import torchft' 2>/dev/null; then
+        echo "setup: installed torchft==$TORCHFT_VERSION" >&2
+    else
+        echo "setup: torchft==$TORCHFT_VERSION is not available here; fault_tolerance: is off" >&2
+    fi
+fi

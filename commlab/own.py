@@ -351,6 +351,9 @@ def _load(spec: SpecLike, world: int) -> JobSpec:
         raise SpecError("world_size", f"the spec asks for {data['world_size']} ranks but this job has {world}")
     data["world_size"] = world
     out = JobSpec.from_dict(data)
+    if out.fault_tolerance.enabled:
+        raise SpecError("fault_tolerance.enabled", "commlab.wrap's own loop runs without fault tolerance so far; "
+                                                   "run the spec with commlab run")
     if isinstance(spec, JobSpec):
         out.engine.keep_from_env(spec.engine)  # what its own check took from the environment
     return out

@@ -405,6 +405,19 @@ class ShardSampler:
     def __iter__(self):
         return self
 
+    def at(self, step):
+        """The batch of training step ``step`` (counted from 0), as ``next`` yields it at that step; the stream
+        goes on from there. A fault-tolerant run keys its batches by the committed step: a step that did not commit
+        is trained again on the same batch, and a replica that recovers takes up the batches of its source's step."""
+        if step < 0:
+            raise ValueError(f"ShardSampler.at: step must be >= 0, got {step}")
+        epoch, pos = divmod(step, self.per_epoch)
+        if epoch != self.epoch or self._batches is None:
+            self._batches = self._epoch_batches(epoch)
+        self.epoch = epoch
+        self._next = pos + 1
+        return self._batches[pos].clone()
+
     def __next__(self):
         if self._next == self.per_epoch:
             self.epoch += 1

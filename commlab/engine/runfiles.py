@@ -185,6 +185,25 @@ DIVERGED = _file(
     "as the rank stops", "commlab.lab.rundir.store.Run.divergences")
 DIVERGEDS = FILES[DIVERGED].glob
 
+# --------------------------------------------------------------------------- fault tolerance (fault_tolerance: enabled)
+
+RECOVERIES = _file(
+    "recoveries.jsonl", "jsonl", "one line per recovery of a replica group (`kind: recovery`): `replica` (the one "
+    "that recovered), `from_replica` (its source), `src_replica_rank` and `src_url` (the source's place in the "
+    "quorum and its recovery server), `step` (the committed step it took over), `seconds`, `bytes` (read from the "
+    "source), `t`", "the replica that recovers, as it loads the state (Replica in commlab/engine/ft.py)",
+    "at each recovery: a late or restarted replica's first quorum, and every replica but one at the first step",
+    "commlab.lab.rundir.store.Run.recoveries")
+FT_EVENTS = _file(
+    "ft-events.jsonl", "jsonl", "what the lab did to a fault-tolerant run's processes, one line each with `event`, "
+    "`t` and, per process, `replica`, `gen` (0 first, then each restart) and `pid`: `lighthouse` (its `addr`), "
+    "`spawn`, `kill` (a fault: at the replica's `step`), `exit` (`code`), `stop` (still running at the end)",
+    "the run's supervisor (commlab.lab.rundir.ftrun.FtJob)", "as it starts, kills, restarts and stops them",
+    "commlab.lab.rundir.store.Run.ft_events")
+LIGHTHOUSE_LOG = _file(
+    "log-lighthouse.txt", "text", "a fault-tolerant run's Lighthouse (torchft's quorum server): its output",
+    "the run's supervisor (commlab.lab.rundir.ftrun.FtJob)", "while the run goes on", ())
+
 # --------------------------------------------------------------------------- trial sessions (the advisor's --measure)
 
 TRIALS = _file(
@@ -302,6 +321,8 @@ STATUS_FIELDS: Dict[str, Field] = _fields(
     ("nodes", "mark_running", "a multi-node run's number of machines"),
     ("cluster", "mark_running", "a shaped link's emulated cluster (namespaces, interfaces, rate)"),
     ("joined", "mark_running", "a job another launcher started: its `world_size` and `master`"),
+    ("fault_tolerance", "mark_running", "a fault-tolerant run: its `replica_groups` and its Lighthouse's address "
+                                        "`lighthouse`"),
     ("own_loop", "mark_running", "a `commlab.wrap` run: `script`, `model`, `params`, `optimizer`, `world_size`, `host`"),
     ("returncode", "mark_done, mark_failed, mark_diverged", "the job's exit code"),
     ("rank", "mark_failed, mark_diverged", "the rank that caused the failure or diverged"),

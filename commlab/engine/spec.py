@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import importlib.util
 import os
 import typing
 from dataclasses import dataclass, field
@@ -594,6 +595,159 @@ class FaultSpec:
 
 
 @dataclass
+class RestartSpec:
+    """What the lab does when a replica group's process dies (a fault's kill, or a crash)."""
+    max_restarts: int = 3
+    """Restarts of dead replicas over the whole run; 0: a dead replica stays dead (the others go on while at
+    least min_replicas are left)."""
+    delay_s: float = 2.0
+    """Seconds from a replica's death to its restart, unless its fault gives restart_after_s."""
+
+    def __post_init__(self):
+        if not 0 <= self.max_restarts <= 1000:
+            raise SpecError("fault_tolerance.restart.max_restarts", f"must be in 0..1000, got {self.max_restarts}")
+        if not 0 <= self.delay_s <= 3600:
+            raise SpecError("fault_tolerance.restart.delay_s", f"must be in [0, 3600], got {self.delay_s}")
+
+
+FT_TORCHFT = "0.2.0"
+"""The torchft fault tolerance is written against (commlab/engine/ft.py)."""
+FT_FAULT_KINDS = ("kill",)
+"""The faults the lab executes under fault tolerance: kill (SIGKILL the replica's process)."""
+FT_COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
+"""The compressors a fault-tolerant run may use so far: rounds that are all all-reduces, and state the Stepper knows
+how to handle (commlab/engine/stepper.py): none for the casts; PowerSGD's Q shared (handed over on recovery, put
+back on a step that does not commit) and its residual per replica (left out of what a recovery hands over)."""
+
+
+@dataclass
+class FaultToleranceSpec:
+    """Replica groups on torchft (commlab/engine/ft.py): a Lighthouse keeps the membership, every step starts with a
+    quorum and commits only where every participant succeeded, and a replica that (re)joins recovers the model and
+    optimizer from a peer. Each replica group is one process (one rank), so world_size is the number of replica
+    groups."""
+    enabled: bool = False
+    """Run the replica groups on torchft (each one process); false: the run as always."""
+    replica_groups: Optional[int] = None
+    """Replica groups (processes); unset: world_size. spec.json holds it."""
+    min_replicas: int = 1
+    """Fewest replica groups a step needs to commit (the Lighthouse's min_replicas, each Manager's
+    min_replica_size)."""
+    join_timeout_ms: int = 1000
+    """How long the Lighthouse waits for every heartbeating replica to join a quorum once one has; after a kill the
+    survivors wait min(join_timeout_ms, heartbeat_timeout_ms) for the dead one."""
+    heartbeat_timeout_ms: int = 5000
+    """A replica without a heartbeat for this long counts as gone."""
+    quorum_tick_ms: int = 100
+    """The Lighthouse's polling period while a quorum waits."""
+    timeout_s: float = 30.0
+    """Collectives, commit and recovery transfers: a peer silent for this long fails the step (not the run)."""
+    quorum_timeout_s: float = 120.0
+    """How long a replica waits for a quorum (slow starters, restarts) before it fails."""
+    restart: RestartSpec = field(default_factory=RestartSpec)
+    """Restarts of replicas that die: how many over the run, after how long."""
+    faults: list = field(default_factory=list)
+    """Faults the lab executes, each {kind: kill, replica: r, step: s, restart_after_s: x}: SIGKILL replica r once
+    it has logged step s (once per fault), and restart it restart_after_s later (unset: restart.delay_s; null
+    in spec.json means that)."""
+
+    def __post_init__(self):
+        p = "fault_tolerance"
+        if self.replica_groups is not None and not 1 <= self.replica_groups <= 1024:
+            raise SpecError(f"{p}.replica_groups", f"must be in 1..1024, got {self.replica_groups}")
+        if not 1 <= self.min_replicas <= 1024:
+            raise SpecError(f"{p}.min_replicas", f"must be in 1..1024, got {self.min_replicas}")
+        for key, lo, hi in (("join_timeout_ms", 1, 3_600_000), ("heartbeat_timeout_ms", 10, 3_600_000),
+                            ("quorum_tick_ms", 1, 60_000)):
+            v = getattr(self, key)
+            if not lo <= v <= hi:
+                raise SpecError(f"{p}.{key}", f"must be in {lo}..{hi}, got {v}")
+        for key in ("timeout_s", "quorum_timeout_s"):
+            v = getattr(self, key)
+            if not 0.1 <= v <= MAX_TIMEOUT_S:
+                raise SpecError(f"{p}.{key}", f"must be in [0.1, {MAX_TIMEOUT_S:g}], got {v}")
+        self.faults = [_ft_fault(f, i) for i, f in enumerate(self.faults)]
+
+    def check_job(self, spec: "JobSpec") -> None:
+        """What a fault-tolerant run allows so far (SpecError naming the field otherwise); fills replica_groups."""
+        p = "fault_tolerance"
+        if not self.enabled:
+            if self.faults:
+                raise SpecError(f"{p}.faults", "needs fault_tolerance.enabled: true")
+            return
+        if self.replica_groups is None:
+            self.replica_groups = spec.world_size
+        if self.replica_groups != spec.world_size:
+            raise SpecError(f"{p}.replica_groups", f"each replica group is one rank, so it must equal world_size "
+                                                   f"{spec.world_size}, got {self.replica_groups} (or leave it out)")
+        if self.min_replicas > self.replica_groups:
+            raise SpecError(f"{p}.min_replicas", f"must be at most replica_groups {self.replica_groups}, "
+                                                 f"got {self.min_replicas}")
+        for i, f in enumerate(self.faults):
+            if f["replica"] >= self.replica_groups:
+                raise SpecError(f"{p}.faults[{i}].replica", f"must be below replica_groups {self.replica_groups}, "
+                                                            f"got {f['replica']}")
+            if f["step"] >= spec.steps:
+                raise SpecError(f"{p}.faults[{i}].step", f"must be below steps {spec.steps}, got {f['step']}")
+        if spec.comm.mode == "dear":
+            raise SpecError("comm.mode", "dear shards parameters over a fixed world, which fault tolerance changes "
+                                         "from step to step; use comm sync or wfbp")
+        if spec.schedule.name in ("mergecomp", "layerfusion"):
+            raise SpecError("schedule.name", f"{spec.schedule.name} tunes the buckets from each replica's measured "
+                                             f"times, which replicas (and a restarted one) would not agree on under "
+                                             f"fault tolerance; use layerwise, allinone or bucket")
+        if spec.method.name != "none":
+            raise SpecError("method.name", f"fault tolerance runs method none (every step's gradients) so far; "
+                                           f"{spec.method.name} under fault tolerance comes later")
+        comp = spec.compressor
+        if comp.per_bucket:
+            raise SpecError("compressor.per_bucket", "fault tolerance takes one compressor for every bucket so far")
+        if comp.name not in FT_COMPRESSORS or comp.error_feedback:
+            what = f"{comp.name} with error feedback" if comp.error_feedback else comp.name
+            raise SpecError("compressor.name", f"fault tolerance takes {', '.join(FT_COMPRESSORS)} without error "
+                                               f"feedback so far; {what} under fault tolerance comes later")
+        if spec.strategy.mode != "fixed":
+            raise SpecError("strategy.mode", "fault tolerance takes strategy fixed")
+        if spec.network.link == "shaped":
+            raise SpecError("network.link", "fault tolerance runs on loopback or a modeled link so far; shaped "
+                                            "links (an emulated cluster) under fault tolerance come later")
+        if spec.fault.kind != "none":
+            raise SpecError("fault.kind", "under fault tolerance give faults as fault_tolerance.faults "
+                                          "({kind: kill, replica: 1, step: 5})")
+        if importlib.util.find_spec("torchft") is None:
+            raise SpecError(f"{p}.enabled", f"needs torchft {FT_TORCHFT}, which is not installed here (./setup.sh "
+                                            f"installs it: pip install --no-deps torchft=={FT_TORCHFT} and the ft "
+                                            f"extra, pip install -e '.[ft]')")
+
+
+_FT_FAULT_KEYS = ("kind", "replica", "step", "restart_after_s")
+
+
+def _ft_fault(f: Any, i: int) -> dict:
+    """One of fault_tolerance.faults, checked and fully defaulted."""
+    where = f"fault_tolerance.faults[{i}]"
+    if not isinstance(f, dict):
+        raise SpecError(where, f"must be a mapping such as {{kind: kill, replica: 1, step: 5}}, got {f!r}")
+    unknown = sorted(set(f) - set(_FT_FAULT_KEYS))
+    if unknown:
+        raise SpecError(f"{where}.{unknown[0]}", f"unknown field; allowed: {', '.join(_FT_FAULT_KEYS)}")
+    kind = f.get("kind", "kill")
+    if kind not in FT_FAULT_KINDS:
+        raise SpecError(f"{where}.kind", f"{kind!r} is not allowed; allowed: {', '.join(FT_FAULT_KINDS)}")
+    out = {"kind": kind}
+    for key in ("replica", "step"):
+        v = f.get(key)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise SpecError(f"{where}.{key}", f"must be an integer >= 0, got {v!r}")
+        out[key] = v
+    after = f.get("restart_after_s")
+    if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float)) or not 0 <= after <= 3600):
+        raise SpecError(f"{where}.restart_after_s", f"must be a number in [0, 3600] (or unset), got {after!r}")
+    out["restart_after_s"] = None if after is None else float(after)
+    return out
+
+
+@dataclass
 class JobSpec:
     name: str = "run"
     """Free text; also the start of the run id."""
@@ -634,6 +788,8 @@ class JobSpec:
     engine: EngineSpec = field(default_factory=EngineSpec)
     """The engine's switches (fused kernels, CUDA graphs, the buffer pool, the process group's timeout); unset
     ones come from the environment at admission, and spec.json holds them resolved."""
+    fault_tolerance: FaultToleranceSpec = field(default_factory=FaultToleranceSpec)
+    """Replica groups on torchft that train on when one dies (docs/how-to/fault-tolerance.md)."""
 
     def __post_init__(self):
         if len(self.name) > MAX_NAME:
@@ -699,6 +855,7 @@ class JobSpec:
                 raise SpecError("dataset", f"{self.model.name} takes 3-channel images, {self.dataset.name} has "
                                            f"{channels}; use {{name: synthetic, shape: [3, 64, 64], classes: 10}}")
 
+        self.fault_tolerance.check_job(self)
         self._check_method()
 
     def _check_method(self) -> None:

@@ -15,6 +15,12 @@ backward), ``after_backward`` after the finish, ``after_optimizer_step`` after t
 syncs). Step lines then carry ``method``, ``sync_ms`` and, on steps with an exchange of the method's,
 ``sync_bytes``; ``bytes_sent`` counts what the step sent (0 on a local step).
 
+Fault tolerance (``ft``, a replica group's ``commlab.engine.ft.Replica``): ``begin_step`` joins the step's quorum
+before the forward pass (a replica that is behind recovers there), the exchange averages over the quorum's
+participants, and the optimizer steps only when the step commits (``Replica.should_commit``); a step that does
+not commit is logged with ``committed: false`` and trained again. Step lines then carry ``replica``,
+``quorum_id``, ``participants``, ``committed``, ``quorum_ms`` and ``commit_ms``.
+
 ``commlab.engine.trainer.Trainer`` drives it from its data loop; ``commlab.wrap`` from the user's.
 """
 from __future__ import annotations
@@ -68,8 +74,12 @@ class Diverged(RuntimeError):
 
 class Stepper:
     def __init__(self, spec: JobSpec, model: torch.nn.Module, run_dir: Optional[str], rank: int,
-                 device: torch.device, group=None, make_opt: Optional[OptimizerFactory] = None):
+                 device: torch.device, group=None, make_opt: Optional[OptimizerFactory] = None, ft=None):
         self.spec, self.model, self.run_dir, self.rank, self.device = spec, model, run_dir, rank, device
+        self.ft = ft
+        """The replica group's fault tolerance (commlab.engine.ft.Replica), or None."""
+        if ft is not None:
+            group = ft.group  # the collectives run on the quorum's process group
         path = (lambda name: os.path.join(run_dir, name)) if run_dir else None
         clock = CudaClock(device) if device.type == "cuda" else Clock()
         self.timeline = Timeline(path(runfiles.TIMELINE.format(rank=rank)) if path else None, rank,
@@ -80,7 +90,16 @@ class Stepper:
         self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params))
         self.step = 0
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        self._build()
+        # fault tolerance: no broadcast, the first quorum's recovery gives every replica the same start
+        self._build(broadcast=ft is None)
+        if ft is not None:
+            ft.register("model", self.model.load_state_dict, self.model.state_dict)
+            ft.register("optimizer", lambda sd: self.optimizer.load_state_dict(sd), lambda: self.optimizer.state_dict())
+            ft.register("compressors", self._load_shared_codec_state, self._shared_codec_state)
+        self._quorum: dict = {}
+        """This step's quorum (fault tolerance), for its line."""
+        self._codec_before: Optional[list] = None
+        """Fault tolerance: each bucket's compressor state as the step began, put back when it does not commit."""
         self.method: Optional[Method] = spec.method.build()
         """The method (commlab/engine/methods/), or None for method none (every step's gradients, nothing else)."""
         if self.method is not None:
@@ -149,6 +168,32 @@ class Stepper:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
         self.dp.sync_params()
 
+    def begin_step(self) -> int:
+        """Before a step's forward pass, under fault tolerance: join the step's quorum (recovering first when this
+        replica is behind) and average over its participants. Returns the step to train: the committed steps so
+        far, the same again after a step that did not commit. Without fault tolerance, the step count."""
+        if self.ft is None:
+            return self.step
+        q = self.ft.start_quorum()
+        self.step = q.pop("step")
+        self._quorum = q
+        self.dp.set_world(q["participants"], self.ft.group.rank())
+        states = [b.compressor.state_dict() for b in self.dp.buckets]
+        self._codec_before = [_cloned(st) for st in states] if any(states) else None
+        return self.step
+
+    def _shared_codec_state(self) -> list:
+        """Each bucket's compressor state as a replica that recovers takes it: the state replicas share (PowerSGD's
+        Q, step counters), without this replica's own residuals, which the receiver would count twice."""
+        return [_without_residuals(b.compressor.state_dict()) for b in self.dp.buckets]
+
+    def _load_shared_codec_state(self, states: list) -> None:
+        if len(states) != len(self.dp.buckets):
+            raise RuntimeError(f"fault tolerance: the recovered state has {len(states)} buckets' compressor state, "
+                               f"this replica {len(self.dp.buckets)} buckets")
+        for b, st in zip(self.dp.buckets, states):
+            b.compressor.load_state_dict(st)  # residuals absent: they start from zero
+
     def _begin(self) -> None:
         """The method's say on the coming step: does the communicator exchange its gradients?"""
         self.dp.set_exchanging(self.method.begin(self.step))
@@ -196,9 +241,19 @@ class Stepper:
             meth.after_backward(self.step)  # DeMo: its exchange replaces the gradients, alike on every rank
             sync_s += tl.now() - tb
         finite = self.dp.grads_finite()  # every rank sees the same averaged gradient: one decision for all
+        commit_ms = None
+        committed = True
+        if self.ft is not None:  # every participant's exchange went through, or nobody steps
+            tc = tl.now()
+            committed = self.ft.should_commit()
+            commit_ms = (tl.now() - tc) * 1e3
         t3 = tl.now()
         m3 = tl.mark()
-        self.optimizer.step()
+        if committed:
+            self.optimizer.step()
+        elif self._codec_before is not None:  # the compressors' state as if the step had never been tried
+            for b, st in zip(self.dp.buckets, self._codec_before):
+                b.compressor.load_state_dict(st)
         self.dp.zero_grad()
         m4 = tl.mark()
         if meth is not None:
@@ -207,7 +262,7 @@ class Stepper:
             sync_s += tl.now() - ta
             after = tl.now() - ta
         loss_value = loss.item() if isinstance(loss, torch.Tensor) else loss  # .item() syncs the device
-        if not bool(finite):
+        if committed and not bool(finite):  # a step that did not commit may hold anything: it is dropped
             raise Diverged(self.step)
         t4 = tl.now()
         s = self.step
@@ -225,8 +280,12 @@ class Stepper:
         if meth is not None:
             rec.update({"optimizer_ms": (t4 - t3 - after) * 1e3, "bytes_sent": self.dp.step_bytes + meth.step_bytes,
                         "method": meth.name, "sync_ms": sync_s * 1e3, **meth.step_log})
+        if self.ft is not None:
+            rec.update({"replica": self.ft.n, **self._quorum, "committed": committed, "commit_ms": commit_ms})
+            if not committed:
+                rec["error"] = self.ft.error()
         self.log(rec)
-        self.step += 1
+        self.step = self.ft.current_step() if self.ft is not None else self.step + 1
         if self.tuning is not None and not self.tuning.done:
             self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
             tl.flush()
@@ -243,3 +302,21 @@ class Stepper:
         self.timeline.close()
         if self.metrics:
             self.metrics.close()
+
+
+def _without_residuals(state):
+    """A compressor's state_dict with every ``residual`` left out (set to None): error feedback's and PowerSGD's."""
+    if isinstance(state, dict):
+        return {k: None if k == "residual" else _without_residuals(v) for k, v in state.items()}
+    return state
+
+
+def _cloned(state):
+    """A compressor's state_dict with every tensor copied: a snapshot the next step cannot change."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: _cloned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_cloned(v) for v in state)
+    return state

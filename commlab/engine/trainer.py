@@ -84,7 +84,10 @@ def params_digest(model: torch.nn.Module) -> str:
 
 class Trainer:
     def __init__(self, spec: JobSpec, run_dir: Optional[str], rank: int, world: int,
-                 device: torch.device, group=None):
+                 device: torch.device, group=None, ft=None):
+        """``ft``: the replica group's fault tolerance (commlab.engine.ft.Replica; ``rank`` is then the replica
+        group's number and ``world`` the replica groups): each step joins a quorum, and the batch of a step is
+        that of its committed step, so a step that does not commit is trained again on the same batch."""
         torch.manual_seed(spec.seed)
         self.data = load_data(spec)
         self.model = models.build(spec.model.name, self.data.info, **spec.model.options).to(device)
@@ -106,7 +109,8 @@ class Trainer:
             spec = with_checked(spec, compressor=first.compressor, schedule=first.schedule, comm=first.comm,
                                 strategy=first.strategy)
         self.spec, self.run_dir, self.rank, self.world, self.device = spec, run_dir, rank, world, device
-        self.stepper = Stepper(spec, self.model, run_dir, rank, device, group)
+        self.ft = ft
+        self.stepper = Stepper(spec, self.model, run_dir, rank, device, group, ft=ft)
         """The communicator, optimizer, tuners and writers (commlab/engine/stepper.py), shared with own loops."""
         self.dp, self.optimizer, self.timeline, self.probe = (self.stepper.dp, self.stepper.optimizer,
                                                               self.stepper.timeline, self.stepper.probe)
@@ -128,7 +132,7 @@ class Trainer:
         with statistics from every shard (rank 0's alone, as DDP's default broadcast gives, would
         see 1/world of the data). Integer buffers (num_batches_tracked) are equal on every rank."""
         bufs = [b for b in self.model.buffers() if b.is_floating_point()]
-        if not bufs or self.world == 1:
+        if not bufs or self.world == 1 or self.ft is not None:  # fault tolerance: a recovery copies them
             return
         flat = torch.cat([b.detach().reshape(-1).to(torch.float64) for b in bufs])
         dist.all_reduce(flat)
@@ -151,7 +155,10 @@ class Trainer:
         ``extra`` goes into the step's metrics record."""
         tl = self.timeline
         self._maybe_fault()
-        idx = next(self.sampler)
+        if self.ft is not None:  # the quorum first: it says which step this is (a recovery may move it on)
+            idx = self.sampler.at(self.stepper.begin_step())
+        else:
+            idx = next(self.sampler)
         x, y = self.data.batch("train", idx)
         x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
         t0 = tl.now()
@@ -205,14 +212,17 @@ class Trainer:
         stride = n_all // n  # a fixed, evenly spread subset when the held-out split is large (text)
         bs = max(self.spec.batch_size, 256)
         tot = torch.zeros(3, dtype=torch.float64)
-        for idx in data.eval_batches(n, bs, self.rank, self.world):
+        # fault tolerance: every replica holds the same model and evaluates all of it (no collective outside a quorum)
+        rank, world = (0, 1) if self.ft is not None else (self.rank, self.world)
+        for idx in data.eval_batches(n, bs, rank, world):
             x, y = self.data.batch("test", idx * stride)
             x, y = x.to(self.device), y.to(self.device)
             logits = self.model(x)
             c, k = models.correct(logits, y)
             tot += torch.tensor([self.loss_fn(logits, y).item() * k, c, k], dtype=torch.float64)
         tot = tot.to(self.device)
-        dist.all_reduce(tot)
+        if self.ft is None:
+            dist.all_reduce(tot)
         self.model.train()
         if self.probe:
             self.probe.active = True
@@ -232,15 +242,16 @@ class Trainer:
         if self.trials is not None:
             trials.run(self, self.trials, maybe_evaluate)
         while self.step < spec.steps and not reached:
-            self.train_step()
-            maybe_evaluate()
+            if self.train_step().get("committed", True):  # a step that did not commit is trained again
+                maybe_evaluate()
         self.stepper.drain()
         self.sync_params()
         if spec.final_eval and not reached:
             self.evaluate()
-        if self.rank == 0:  # what the run ends with: a rerun of its spec.json ends with the same digest
-            self.log({"kind": "final", "step": self.step, "rank": 0, "params_sha256": params_digest(self.model),
-                      "t": time.time()})
+        if self.rank == 0 or self.ft is not None:  # what the run ends with: a rerun ends with the same digest
+            # fault tolerance: every replica says what it ends with (they must agree)
+            self.log({"kind": "final", "step": self.step, "rank": self.rank, "params_sha256": params_digest(self.model),
+                      "t": time.time(), **({"replica": self.ft.n} if self.ft is not None else {})})
 
     def close(self) -> None:
         self.stepper.close()

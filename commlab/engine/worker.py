@@ -21,6 +21,7 @@ import traceback
 from datetime import timedelta
 
 from commlab.engine import runfiles
+from commlab.engine.ft_lighthouse import LIGHTHOUSE_ENV
 from commlab.engine.runlog import write_json_atomic
 from commlab.engine.spec import ENGINE_DEFAULTS, JobSpec
 
@@ -139,6 +140,8 @@ def run(run_dir: str, rank: int) -> None:
     with open(os.path.join(run_dir, runfiles.SPEC)) as f:
         spec = JobSpec.from_checked(json.load(f))
     os.environ.update(spec.engine.environment())  # before the engine's code reads them (it reads them when used)
+    if spec.fault_tolerance.enabled:
+        return run_replica(run_dir, spec, rank)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -182,6 +185,44 @@ def run(run_dir: str, rank: int) -> None:
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def run_replica(run_dir: str, spec: JobSpec, n: int) -> None:
+    """Replica group ``n`` of a fault-tolerant run (one process, one rank; RANK is ``n``): no process group of the
+    whole run, a torchft Manager instead, reaching the run's Lighthouse at $COMMLAB_FT_LIGHTHOUSE, which the lab
+    started (commlab/lab/rundir/ftrun.py). A restarted replica is a new process with the same ``n``."""
+    import torch
+
+    from commlab.engine import ft  # lazy: torchft is optional (the ft extra); only a fault-tolerant run loads it
+    from commlab.engine.trainer import Trainer, resolve_backend, resolve_device
+    groups = spec.fault_tolerance.replica_groups
+    lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+    if not lighthouse:
+        raise RuntimeError(f"fault_tolerance: ${LIGHTHOUSE_ENV} is not set; the lab starts the Lighthouse and "
+                           "sets it for each replica (commlab run)")
+    threads = spec.threads or max(1, (os.cpu_count() or 1) // groups)
+    torch.set_num_threads(threads)
+    device = resolve_device(spec, n)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # gloo on CPU, and where the replicas outnumber the GPUs (LOCAL_WORLD_SIZE: the replica groups)
+    replica = ft.Replica(spec, run_dir, n, lighthouse, resolve_backend(spec, device))
+    if n == 0:
+        _write_json(run_dir, runfiles.RESOLVED, {**admitted(run_dir), "rank": 0, "backend": replica.backend,
+                                                 "device": str(device), "threads": threads, "world_size": groups,
+                                                 "local_world_size": groups, "torch": torch.__version__,
+                                                 "torchft": ft.version()})
+    trainer = None
+    try:
+        trainer = Trainer(spec, run_dir, n, groups, device, ft=replica)
+        print(f"[commlab] replica {n}: {spec.model.name} on {spec.dataset.name}, {groups} replica groups "
+              f"(min {spec.fault_tolerance.min_replicas}), {replica.backend} on {device}, pid {os.getpid()}",
+              flush=True)
+        trainer.train()
+    finally:
+        if trainer is not None:
+            trainer.close()
+        replica.close()
 
 
 def timeout_s(spec: JobSpec) -> float:

@@ -23,6 +23,54 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class Group:
+    """A process group the engine reaches through methods of its own instead of ``torch.distributed``'s functions:
+    a fault-tolerant replica group (commlab/engine/ft.py), whose members, rank and size change from step to step and
+    whose failed collectives are reported to torchft's Manager instead of raised. ``size``, ``rank`` and ``backend``
+    are this step's; ``all_reduce`` starts a sum in place and returns a work handle (``wait()``, ``get_future()``).
+    The other collectives are not offered yet: a round that needs one fails in one line (``_plain``)."""
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def backend(self) -> str:
+        raise NotImplementedError
+
+    def all_reduce(self, t: Tensor):
+        raise NotImplementedError
+
+
+def group_size(group) -> int:
+    """The ranks of ``group`` (a ``Group``'s this step, else ``torch.distributed``'s; None: the world)."""
+    return group.size() if isinstance(group, Group) else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return group.rank() if isinstance(group, Group) else dist.get_rank(group)
+
+
+def group_backend(group) -> str:
+    return group.backend() if isinstance(group, Group) else dist.get_backend(group)
+
+
+def _all_reduce(t: Tensor, group):
+    """Start the sum of ``t`` over ``group`` in place; its work handle."""
+    if isinstance(group, Group):
+        return group.all_reduce(t)
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
+def _plain(group, op: str):
+    """``group`` itself, for a collective that a ``Group`` does not offer yet: that is a one-line error."""
+    if isinstance(group, Group):
+        raise RuntimeError(f"{op} on a {type(group).__name__} is not supported yet (fault tolerance runs "
+                           "compressors whose rounds are all-reduces)")
+    return group
+
+
 class Pending:
     """An issued collective: its work handles and how to read the result.
 
@@ -64,7 +112,7 @@ def _chunked(t: Tensor, group) -> bool:
     at 10 Gbit/s (bench/gloo_exchange.py, docs/benchmarks/gloo-exchange.md). gloo's all-reduce (a ring in
     pieces) does not have it."""
     return (t.device.type == "cpu" and t.numel() * t.element_size() > P2P_CHUNK
-            and dist.get_backend(group) == dist.Backend.GLOO)
+            and group_backend(group) == dist.Backend.GLOO)
 
 
 def _exchange(sends: dict, recvs: dict, group) -> list:
@@ -114,7 +162,7 @@ def book(link: Optional[ModeledLink], op: str, nbytes: int, group) -> Optional[f
     """The modeled completion time of a collective issued now (None without a modeled link)."""
     if link is None:
         return None
-    return link.issue(op, nbytes, dist.get_world_size(group))
+    return link.issue(op, nbytes, group_size(group))
 
 
 def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None) -> Pending:
@@ -124,11 +172,11 @@ def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     deadline = book(link, "allreduce", nbytes, group)
     if len(tensors) == 1:
         t = tensors[0]
-        return Pending([dist.all_reduce(t, group=group, async_op=True)], lambda: [t], link, deadline, nbytes)
+        return Pending([_all_reduce(t, group)], lambda: [t], link, deadline, nbytes)
     if len({(t.dtype, t.device) for t in tensors}) == 1:
         # one collective for the whole payload: per-call latency dominates small tensors
         flat = torch.cat([t.reshape(-1) for t in tensors])
-        work = dist.all_reduce(flat, group=group, async_op=True)
+        work = _all_reduce(flat, group)
 
         def split():
             out, off = [], 0
@@ -137,7 +185,7 @@ def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLin
                 off += t.numel()
             return out
         return Pending([work], split, link, deadline, nbytes)
-    works = [dist.all_reduce(t, group=group, async_op=True) for t in tensors]
+    works = [_all_reduce(t, group) for t in tensors]
     return Pending(works, lambda: list(tensors), link, deadline, nbytes)
 
 
@@ -152,6 +200,7 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     With a modeled ``link`` both exchanges take at least the link's ring
     all-gather time, the data one for the padded size every rank sends.
     """
+    group = _plain(group, "all-gather")
     world = dist.get_world_size(group)
     device = tensors[0].device if tensors else torch.device("cpu")
     k = len(tensors)
@@ -209,6 +258,7 @@ def issue_reduce_scatter(t: Tensor, group=None, link: Optional[ModeledLink] = No
     chunk r of it. ``via_alltoall`` (gloo, whose reduce-scatter is a clone plus a whole all-reduce: twice the
     bytes): an all-to-all of the chunks instead, summed when waited for. ``scratch``: a dict the caller keeps
     between calls, where the output buffer is kept."""
+    group = _plain(group, "reduce-scatter")
     world = dist.get_world_size(group)
     nbytes = t.numel() * t.element_size()
     deadline = book(link, "reduce_scatter", nbytes, group)
@@ -233,6 +283,7 @@ def issue_all_to_all(parts: List[List[Tensor]], group=None, link: Optional[Model
     calls; the alignment gaps stay zero). Every rank's payloads have the tensor sizes of this rank's
     ``parts[0]`` (the shard codec contract), which is how the received bytes are read back. The result:
     [the payload from rank 0, the payload from rank 1, ...], views of a receive buffer kept in ``scratch``."""
+    group = _plain(group, "all-to-all")
     world = dist.get_world_size(group)
     like = parts[0]
     sizes = [x.numel() * x.element_size() for x in like]
@@ -256,6 +307,7 @@ def issue_all_to_all(parts: List[List[Tensor]], group=None, link: Optional[Model
 def issue_allgather_into(out: Tensor, shard: Tensor, group=None, link: Optional[ModeledLink] = None) -> Pending:
     """Start gathering every rank's ``shard`` into the flat ``out`` (rank r's at ``r * shard.numel()``):
     dear's all-gathers of parameters, in the next forward and at a relayout."""
+    group = _plain(group, "all-gather")
     nbytes = shard.numel() * shard.element_size()
     deadline = book(link, "allgather", nbytes, group)
     works = (_gather_pair(list(out.view(2, -1)), shard.view(-1), group) if _pair_chunked(shard, group)

@@ -35,7 +35,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
-from commlab.engine.comm.collectives import Pending
+from commlab.engine.comm.collectives import Pending, group_rank, group_size
 from commlab.engine.compressors import contract
 from commlab.engine.compressors.base import Compressor
 from commlab.engine.compressors.capabilities import BucketContext
@@ -167,8 +167,8 @@ class Communicator:
         a rule list, commlab/engine/compressors/plan.py)."""
         self.make_compressor = self.plan.default
         """A new instance of the compressor of buckets no rule takes."""
-        self.world = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world = group_size(group)
+        self.rank = group_rank(group)
         self.timeline = timeline or Timeline(None, self.rank, enabled=False)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         named.reverse()  # gradients become ready roughly in reverse registration order (as DDP assumes)
@@ -286,6 +286,14 @@ class Communicator:
         it at a step boundary, on every rank alike. A mode that cannot skip its exchange raises."""
         if not on:
             raise ValueError(f"comm.mode {self.mode}: cannot skip the gradient exchange on a method's local steps; "
+                             f"use comm sync or wfbp")
+
+    def set_world(self, world: int, rank: int) -> None:
+        """This step's ranks and this process's place among them, where they change from step to step (a
+        fault-tolerant run's quorum, commlab/engine/ft.py). Call it at a step boundary. A mode whose buffers
+        are laid out for a fixed world raises."""
+        if (world, rank) != (self.world, self.rank):
+            raise ValueError(f"comm.mode {self.mode}: its buffers are laid out for a fixed world of {self.world}; "
                              f"use comm sync or wfbp")
 
     # -- what the optimizer steps ---------------------------------------------

@@ -14,7 +14,7 @@ from typing import Callable, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from commlab.engine.comm.collectives import OPS, issue
+from commlab.engine.comm.collectives import OPS, group_backend, issue
 from commlab.engine.compressors import contract
 from commlab.engine.compressors.base import Compressor, Round, round_bytes
 from commlab.engine.compressors.capabilities import DEFAULT_BUCKET, BucketContext
@@ -138,7 +138,7 @@ def run_exchange(comps: Sequence[Compressor], tensors: Sequence[Tensor], world: 
 
 def process_group_collective(group=None, link: Optional[ModeledLink] = None) -> Collective:
     """The collective of a real rank (one payload per process), over ``group``, waited for."""
-    via_alltoall = dist.get_backend(group) == "gloo"  # as dear's: gloo's reduce-scatter moves twice the bytes
+    via_alltoall = group_backend(group) == "gloo"  # as dear's: gloo's reduce-scatter moves twice the bytes
 
     def collective(op: str, payloads: list) -> list:
         (mine,) = payloads

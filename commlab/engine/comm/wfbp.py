@@ -70,6 +70,13 @@ class WFBP(Communicator):
             for b in self.buckets:
                 b.scale = self._scale(b.compressor)
 
+    def set_world(self, world: int, rank: int) -> None:
+        """This step's world (the 1/world of the buckets whose gradients land pre-divided follows it); the
+        bucket contexts keep the rank they were built with (a stable one: fault tolerance's replica id)."""
+        self.world = world
+        for b in self.buckets:
+            b.scale = self._scale(b.compressor)
+
     def _build(self, layout, order) -> None:
         super()._build(layout, order)
         self._multi: List[ExchangeBucket] = []

@@ -34,7 +34,7 @@ from commlab.lab.base import procs, warm
 from commlab.lab.base.procs import stop
 from commlab.lab.base.torchrun import direct_ranks, free_port, torchrun_argv, worker_argv, worker_env
 from commlab.lab.net.netns import Cluster, rank_argv
-from commlab.lab.rundir import disturbance
+from commlab.lab.rundir import disturbance, ftrun
 from commlab.lab.rundir.progress import RunProgress
 from commlab.lab.rundir.store import Run, slug
 
@@ -53,6 +53,10 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
     0 writes the run's status. ``should_cancel`` is asked on every poll.
     """
     spec, limits = run.spec(), run.status()
+    if spec.fault_tolerance.enabled:
+        if nodes is not None:
+            raise ValueError("fault_tolerance: a fault-tolerant run runs on one machine so far (no --nnodes)")
+        return _follow_ft(run, spec, progress, out or sys.stderr, poll_s, on_metrics, should_cancel, limits)
     with contextlib.ExitStack() as stack:
         if nodes is not None:
             if spec.world_size % nodes.nnodes:
@@ -241,6 +245,70 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     state = finish_status(run, rc, exits or None, disturbance=cpu.finish(run.metric_rows()), limits=limits)
     if bar:
         bar.feed(tail.read())  # what the ranks wrote since the last poll (the summary counts it too)
+        bar.close(state)
+    return state
+
+
+def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limits: dict) -> str:
+    """A fault-tolerant run (commlab/lab/rundir/ftrun.py): the Lighthouse and one process per replica group, the
+    faults executed and dead replicas restarted as the metrics come in, every process started stopped by its PID
+    at the end however it ends; then one final transition (done, diverged, failed or cancelled)."""
+    log = open(run.file(runfiles.LOG), "ab", buffering=0)
+    job = ftrun.FtJob(run, spec, log, memory=limits.get("rank_limit_mb"))
+    tail = JsonlTail(run.file(runfiles.METRICS))
+    bar = RunProgress(spec.steps, spec.world_size, out, final_eval=spec.final_eval) if progress else None
+    wall_s, t0 = limits.get("wall_limit_s"), time.time()
+    stopped = None
+    try:
+        job.start()
+        run.mark_running(torchruns=job.identities(), argv=[sys.executable, *worker_argv(str(run.path))],
+                         fault_tolerance={"replica_groups": job.groups, "lighthouse": job.addr})
+        while job.verdict() is None:
+            new = tail.read()
+            if new and on_metrics:
+                on_metrics(new)
+            if bar:
+                bar.feed(new)
+            job.feed(new)
+            job.poll()
+            if run.divergences():  # every replica sees the same averaged gradient: the run cannot go on
+                break
+            if should_cancel and should_cancel():
+                stopped = "cancelled"
+                break
+            if wall_s and time.time() - t0 > wall_s:
+                stopped = (f"quota wall_s: stopped after {time.time() - t0:.0f} s of running; the limit is "
+                           f"{wall_s:g} s per run (runs/lab.json quotas.wall_s)")
+                break
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        stopped = "cancelled" + (" by the user (Ctrl-C)" if not should_cancel or not should_cancel() else "")
+    except RuntimeError as e:  # the Lighthouse did not come up
+        job.failed = str(e)
+    finally:
+        job.stop()
+        log.close()
+        kill_strays(run)
+    if bar:
+        bar.feed(tail.read())
+    if stopped:
+        if bar:
+            bar.close(State.CANCELLED)
+        run.mark_cancelled(stopped)
+        return State.CANCELLED
+    verdict = job.verdict()
+    if run.divergences():
+        state = finish_status(run, 1)
+    elif verdict == State.DONE:
+        run.mark_done(0)
+        state = State.DONE
+    else:
+        exits = [(r, c) for r, c in job.failures]
+        rank, why = failure_cause(run, exits=exits) if exits else (None, None)
+        why_all = job.failed or "fault_tolerance: the run ended before a replica trained to the last step"
+        run.mark_failed(why_all + (f" (replica {rank}: {why})" if why else ""), returncode=1, rank=rank)
+        state = State.FAILED
+    if bar:
         bar.close(state)
     return state
 

@@ -256,6 +256,15 @@ class Run:
         """The ranks' process identities, as each worker recorded them at start."""
         return self.read_all(runfiles.PIDS)
 
+    def recoveries(self) -> List[dict]:
+        """A fault-tolerant run's recoveries (recoveries.jsonl): who recovered, from whom, at which step, the bytes
+        and seconds it took."""
+        return read_jsonl(str(self.file(runfiles.RECOVERIES)))
+
+    def ft_events(self) -> List[dict]:
+        """What the lab did to a fault-tolerant run's processes (ft-events.jsonl): spawns, kills, exits, stops."""
+        return read_jsonl(str(self.file(runfiles.FT_EVENTS)))
+
     def divergences(self) -> List[dict]:
         """The diverged ranks' files (``rank``, ``step``, ``error``)."""
         return self.read_all(runfiles.DIVERGEDS)

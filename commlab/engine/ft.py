@@ -1,0 +1,269 @@
+"""Fault tolerance on torchft 0.2.0: one replica group per process, whose membership, quorum, commit and recovery
+are torchft's (the Lighthouse and a ``Manager`` per replica group). The only module of commlab that imports torchft.
+
+    replica = Replica(spec, run_dir, 2, lighthouse="http://host:port", backend="gloo")
+    trainer = Trainer(spec, run_dir, 2, spec.fault_tolerance.replica_groups, device, ft=replica)
+
+Each step (commlab/engine/stepper.py) starts with ``start_quorum`` (synchronous: a replica that is behind, a
+restarted one or one that joined late, receives the model, optimizer and compressor state of an up-to-date peer
+and loads them before its forward pass) and asks ``should_commit`` before the optimizer step: a step commits only where every
+participant's exchange succeeded, and one that does not is redone on the same batch (batches are keyed by the
+committed step).
+
+What is here:
+
+- ``Replica``: the replica group's TCPStore (it hosts its own: one process, one rank), torchft's reconfigurable
+  process group, the Manager (replica id ``replica_<n>``: torchft reads the trailing digits), the state registered
+  for recovery, and the records of each quorum;
+- ``FtGroup``: the group the lab's collectives (commlab/engine/comm/collectives.py) run on: this quorum's rank and
+  size from the Manager, all-reduces on the process group torchft reconfigured for the quorum, and a failed one
+  reported to the Manager (the step then does not commit) instead of raised;
+- ``CountingTransport``: torchft's HTTP recovery transport, measured: each recovery's source, step, seconds and
+  bytes read, written by the receiver to ``recoveries.jsonl``;
+- ``lighthouse_main``: the Lighthouse of a run, started by the lab as a process of its own
+  (commlab/engine/ft_lighthouse.py).
+
+Private parts of torchft used (pinned to 0.2.0): ``HTTPTransport._load_from_address`` (overridden to count
+bytes) with ``torchft.checkpointing._serialization._streaming_load`` (what it reads with), ``Manager._quorum_id``
+(read for the records) and ``torchft._torchft.lighthouse_main`` (the console script's entry point).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import socket
+import time
+import urllib.request
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
+from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+from torchft._torchft import lighthouse_main as _lighthouse_main
+from torchft.checkpointing import HTTPTransport
+from torchft.checkpointing._serialization import _streaming_load
+
+from commlab.engine import runfiles
+from commlab.engine.comm.collectives import Group
+from commlab.engine.runlog import JsonlWriter
+from commlab.engine.spec import JobSpec
+
+
+
+def version() -> str:
+    return importlib.metadata.version("torchft")
+
+
+def replica_id(n: int) -> str:
+    """torchft's replica id of replica group ``n``; the Manager appends a fresh uuid (a restarted replica is a new
+    member) and reads the trailing digits of the part before it."""
+    return f"replica_{n}"
+
+
+def lighthouse_main() -> None:
+    """torchft's Lighthouse server, with the options of this process's argv (``--bind``, ``--min_replicas``,
+    ``--join_timeout_ms``, ``--quorum_tick_ms``, ``--heartbeat_timeout_ms``). It reads the process's own argv
+    (Rust's env::args, the first one skipped), so it runs from a script file (commlab/engine/ft_lighthouse.py)."""
+    _lighthouse_main()
+
+
+class _Counting:
+    """A binary file-like reader that counts the bytes read through it."""
+
+    def __init__(self, f):
+        self.f, self.n = f, 0
+
+    def read(self, n=-1):
+        b = self.f.read(n)
+        self.n += len(b)
+        return b
+
+    def readinto(self, buf):
+        k = self.f.readinto(buf)
+        self.n += k or 0
+        return k
+
+    def readline(self, *a):
+        b = self.f.readline(*a)
+        self.n += len(b)
+        return b
+
+
+class CountingTransport(HTTPTransport):
+    """torchft's HTTP recovery transport (the peer serves its staged state, the receiver GETs and loads it), with
+    each received state measured: ``on_recv`` gets {src_replica_rank, src_url, step, seconds, bytes}."""
+
+    def __init__(self, timeout: timedelta, on_recv: Callable[[dict], None]):
+        super().__init__(timeout, num_chunks=0)
+        self.on_recv = on_recv
+        self._bytes = 0
+
+    def _load_from_address(self, address: str, timeout: timedelta) -> object:  # an instance's, not the class's
+        with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+            c = _Counting(f)
+            obj = _streaming_load(c, weights_only=False)  # the state holds non-tensors (the optimizer's)
+        self._bytes += c.n
+        return obj
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta):
+        self._bytes = 0
+        t0 = time.perf_counter()
+        out = super().recv_checkpoint(src_rank, metadata, step, timeout)
+        self.on_recv({"src_replica_rank": src_rank, "src_url": metadata, "step": step,
+                      "seconds": time.perf_counter() - t0, "bytes": self._bytes})
+        return out
+
+
+class _Done:
+    """The work handle of a collective not issued (the step has failed already): nothing to wait for."""
+
+    def __init__(self, t: torch.Tensor):
+        self._fut = torch.futures.Future()
+        self._fut.set_result([t])
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def get_future(self):
+        return self._fut
+
+
+class _Reported:
+    """A collective's work handle whose failure is reported to the Manager (the step will not commit) instead of
+    raised: the peers of a fault-tolerant step may die in it."""
+
+    def __init__(self, work, manager: Manager):
+        self.work, self.manager = work, manager
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            self.work.wait()
+            return True
+        except Exception as e:  # a lost peer: gloo's "Connection closed by peer", a timeout
+            self.manager.report_error(e)
+            return False
+
+    def get_future(self):
+        return self.work.get_future()
+
+
+class FtGroup(Group):
+    """The lab's collectives on torchft's process group, reconfigured by the Manager at each new quorum."""
+
+    def __init__(self, replica: "Replica"):
+        self.replica = replica
+
+    def size(self) -> int:
+        r = self.replica
+        return r.manager.num_participants() if r.quorum_started else r.groups
+
+    def rank(self) -> int:
+        """This replica's rank in this step's quorum (its place among the sorted replica ids), or its replica id
+        before the first quorum."""
+        r = self.replica
+        got = r.manager.participating_rank() if r.quorum_started else None
+        return r.n if got is None else got
+
+    def backend(self) -> str:
+        return self.replica.backend
+
+    def all_reduce(self, t: torch.Tensor):
+        m = self.replica.manager
+        if m.errored() is not None:  # the step has failed: it will not commit, and its peers may be gone
+            return _Done(t)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        try:
+            return _Reported(self.replica.pg.allreduce([t], opts), m)
+        except Exception as e:
+            m.report_error(e)
+            return _Done(t)
+
+
+class Replica:
+    """One replica group (this process): its Manager and what it records. ``n``: the replica group's number."""
+
+    def __init__(self, spec: JobSpec, run_dir: Optional[str], n: int, lighthouse: str, backend: str = "gloo"):
+        """``backend``: gloo or nccl, the process group torchft reconfigures at each quorum."""
+        ft = spec.fault_tolerance
+        self.n, self.groups, self.run_dir = n, ft.replica_groups, run_dir
+        self.id = replica_id(n)
+        if backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend: fault tolerance runs gloo or nccl, got {backend!r}")
+        self.backend = backend
+        timeout = timedelta(seconds=ft.timeout_s)
+        # one process per replica group: it hosts its group's store (the Manager connects to it as a client)
+        self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        self.pg = ProcessGroupNCCL(timeout=timeout) if self.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        self.transport = CountingTransport(timeout, self._received)
+        self.recoveries = JsonlWriter(os.path.join(run_dir, runfiles.RECOVERIES)) if run_dir else None
+        self._recv: Optional[dict] = None
+        """The last state received, until its load says whose it was (``_load_meta``)."""
+        self.recovered: list = []
+        """This process's recoveries, as written to recoveries.jsonl."""
+        self.quorum_started = False
+        self.manager = Manager(
+            pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replicas,
+            use_async_quorum=False,  # a replica that heals loads the state before its forward pass
+            timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timedelta(seconds=ft.quorum_timeout_s), rank=0, world_size=1,
+            store_addr="localhost", store_port=self.store.port, lighthouse_addr=lighthouse, replica_id=self.id,
+            hostname=socket.gethostname(), checkpoint_transport=self.transport)
+        self.manager.register_state_dict_fn("commlab", self._load_meta, self._meta)
+        self.group = FtGroup(self)
+        self.last: dict = {}
+        """This step's quorum: quorum_id, participants, quorum_ms (``start_quorum``)."""
+
+    # -- what a recovery hands over -----------------------------------------
+    def register(self, key: str, load: Callable[[object], None], save: Callable[[], object]) -> None:
+        """State a replica that recovers takes from its source (the model, the optimizer), under ``key``."""
+        self.manager.register_state_dict_fn(key, load, save)
+
+    def _meta(self) -> dict:
+        return {"replica": self.n}
+
+    def _received(self, rec: dict) -> None:
+        self._recv = rec
+
+    def _load_meta(self, meta: dict) -> None:
+        """The received state is being loaded: record the recovery, with the replica it came from."""
+        rec = {"kind": "recovery", "replica": self.n, "from_replica": meta.get("replica"), **(self._recv or {}),
+               "t": time.time()}
+        self._recv = None
+        self.recovered.append(rec)
+        if self.recoveries:
+            self.recoveries.write(rec)
+
+    # -- each step -----------------------------------------------------------
+    def start_quorum(self) -> dict:
+        """Join this step's quorum (healing first when this replica is behind); returns quorum_id, participants,
+        quorum_ms and the committed step to train (``step``), as the step's line records them."""
+        t0 = time.perf_counter()
+        self.manager.start_quorum()
+        self.quorum_started = True
+        m = self.manager
+        self.last = {"quorum_id": m._quorum_id, "participants": m.num_participants(),
+                     "quorum_ms": (time.perf_counter() - t0) * 1e3}
+        return {**self.last, "step": m.current_step()}
+
+    def should_commit(self) -> bool:
+        """Whether this step commits (every participant's exchange succeeded and enough took part); call once per
+        step, after the exchange, before the optimizer step."""
+        return self.manager.should_commit()
+
+    def current_step(self) -> int:
+        """Committed steps so far (a recovery sets it to its source's)."""
+        return self.manager.current_step()
+
+    def error(self) -> Optional[str]:
+        """This step's failure, one line (None when none)."""
+        e = self.manager.errored()
+        if e is None:
+            return None
+        return f"{type(e.original_exception).__name__}: {e.original_exception}".splitlines()[0][:300]
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+        if self.recoveries:
+            self.recoveries.close()

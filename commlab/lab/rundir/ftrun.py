@@ -1,0 +1,202 @@
+"""The processes of a fault-tolerant run (``fault_tolerance: {enabled: true}``), as the launcher's follow loop drives
+them (commlab/lab/rundir/launcher.py):
+
+    job = FtJob(run, spec, log)      # nothing started yet
+    job.start()                      # the Lighthouse (torchft's quorum server), then one process per replica group
+    while job.verdict() is None:     # exits seen, restarts due, the end
+        job.feed(new_metric_lines)   # the faults: SIGKILL replica r once it has logged step s
+        job.poll()
+    job.stop()                       # every process still running, by the PID it was started with
+
+What torchft decides (membership, quorum, commit, recovery) happens in the replicas (commlab/engine/ft.py); what
+the lab does is here: start the Lighthouse and the replicas, execute the spec's faults, restart a replica that died
+after its delay (up to ``restart.max_restarts`` over the run), and end the run when the replicas have trained to the
+last step. Every process started is kept and recorded with its PID in ft-events.jsonl, and only those are ever
+signalled.
+
+The end: the run is done when a replica has trained every step and exited 0; the others still running are then
+given ``timeout_s`` (they finish the same last step) before they are stopped. It fails when every replica is gone
+with no restart left, or when the Lighthouse dies.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional, Tuple
+
+from commlab.engine import ft_lighthouse, runfiles
+from commlab.engine.runlog import JsonlWriter
+from commlab.engine.spec import JobSpec
+from commlab.lab.base import procs
+from commlab.lab.base.torchrun import free_port, worker_argv, worker_env
+
+LIGHTHOUSE_UP_S = 120.0
+"""How long the Lighthouse may take to accept connections (it imports torch first: seconds on a loaded machine)."""
+
+
+class FtJob:
+    def __init__(self, run, spec: JobSpec, log, python: str = sys.executable, memory: Optional[int] = None):
+        """``log``: the file the replicas write to (log.txt); ``memory``: MB of data each replica may use (a room's
+        ``rank_mb``), as the launcher limits ranks."""
+        self.run, self.spec, self.log, self.python, self.memory = run, spec, log, python, memory
+        self.ft = spec.fault_tolerance
+        self.groups = self.ft.replica_groups
+        self.events = JsonlWriter(str(run.file(runfiles.FT_EVENTS)))
+        self.started: List[subprocess.Popen] = []
+        """Every process started here (the Lighthouse, every generation of every replica), to stop at the end."""
+        self.lighthouse: Optional[subprocess.Popen] = None
+        self.addr = ""
+        self.live: Dict[int, Tuple[subprocess.Popen, int]] = {}
+        """replica -> (its process now, its generation)."""
+        self.gens: Dict[int, int] = {}
+        self.restarts_left = self.ft.restart.max_restarts
+        self.due: List[Tuple[float, int]] = []
+        """(when, replica) of the restarts waiting for their delay."""
+        self.faults = [dict(f, done=False) for f in self.ft.faults]
+        self.killed: Dict[int, float] = {}
+        """replica -> restart delay of the fault that killed its process now dying."""
+        self.finished: Dict[int, int] = {}
+        """replica -> generation whose process trained to the end (exit 0)."""
+        self.failures: List[Tuple[int, int]] = []
+        """(replica, exit code) of every process that died on its own (not by a fault)."""
+        self.t_first_finish: Optional[float] = None
+        self.failed: Optional[str] = None
+        """Why the run cannot go on (the Lighthouse died, every replica gone), or None."""
+
+    # -- starting -------------------------------------------------------------
+    def _record(self, event: str, **kw) -> None:
+        self.events.write({"event": event, "t": time.time(), **kw})
+
+    def _spawn(self, argv: List[str], env: dict, log, memory: Optional[int] = None) -> subprocess.Popen:
+        def child() -> None:
+            procs.die_with_parent()
+            procs.limit_data(memory)
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                             start_new_session=True, preexec_fn=child)
+        self.started.append(p)
+        return p
+
+    def start(self) -> None:
+        """The Lighthouse, once it accepts connections, then every replica group (generation 0)."""
+        port = free_port()
+        ft = self.ft
+        argv = [self.python, ft_lighthouse.__file__, "--bind", f"[::]:{port}",
+                "--min_replicas", str(ft.min_replicas), "--join_timeout_ms", str(ft.join_timeout_ms),
+                "--quorum_tick_ms", str(ft.quorum_tick_ms), "--heartbeat_timeout_ms", str(ft.heartbeat_timeout_ms)]
+        lh_log = open(self.run.file(runfiles.LIGHTHOUSE_LOG), "ab", buffering=0)
+        env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+        self.lighthouse = self._spawn(argv, env, lh_log)
+        lh_log.close()  # the child has its own descriptor
+        self.addr = f"http://localhost:{port}"
+        self._record("lighthouse", pid=self.lighthouse.pid, addr=self.addr, argv=argv)
+        deadline = time.monotonic() + LIGHTHOUSE_UP_S
+        while True:
+            if self.lighthouse.poll() is not None:
+                raise RuntimeError(f"fault_tolerance: the Lighthouse exited with code {self.lighthouse.returncode} "
+                                   f"before it served; see {runfiles.LIGHTHOUSE_LOG}")
+            with contextlib.suppress(OSError):
+                socket.create_connection(("localhost", port), timeout=0.5).close()
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fault_tolerance: the Lighthouse did not accept connections within "
+                                   f"{LIGHTHOUSE_UP_S:g} s; see {runfiles.LIGHTHOUSE_LOG}")
+            time.sleep(0.1)
+        for r in range(self.groups):
+            self._start_replica(r)
+
+    def _start_replica(self, r: int) -> None:
+        gen = self.gens.get(r, -1) + 1
+        self.gens[r] = gen
+        env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "RANK": str(r),
+               "WORLD_SIZE": str(self.groups), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(self.groups),
+               ft_lighthouse.LIGHTHOUSE_ENV: self.addr}
+        p = self._spawn([self.python, *worker_argv(str(self.run.path))], env, self.log, self.memory)
+        self.live[r] = (p, gen)
+        self._record("spawn", replica=r, gen=gen, pid=p.pid)
+
+    def identities(self) -> List[dict]:
+        """The processes started so far (pid and start time), for the run's status."""
+        return [procs.identity(p.pid) for p in self.started]
+
+    # -- following --------------------------------------------------------------
+    def feed(self, rows: List[dict]) -> None:
+        """New metric lines: execute the faults whose step a replica has now logged (each fault once)."""
+        for row in rows:
+            if row.get("kind") != "step" or "replica" not in row:
+                continue
+            r, step = row["replica"], row.get("step", -1)
+            for f in self.faults:
+                if f["done"] or f["replica"] != r or step < f["step"] or r not in self.live:
+                    continue
+                p, gen = self.live[r]
+                if p.poll() is not None:
+                    continue
+                f["done"] = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGKILL)  # the process we started for this replica, by its PID
+                after = f["restart_after_s"]
+                self.killed[r] = self.ft.restart.delay_s if after is None else after
+                self._record("kill", replica=r, gen=gen, pid=p.pid, step=step, fault=f["step"])
+
+    def poll(self) -> None:
+        """Exits seen, restarts due, stragglers after the end."""
+        now = time.monotonic()
+        if self.lighthouse is not None and self.lighthouse.poll() is not None and self.failed is None:
+            self.failed = f"fault_tolerance: the Lighthouse exited with code {self.lighthouse.returncode}; " \
+                          f"see {runfiles.LIGHTHOUSE_LOG}"
+        for r, (p, gen) in list(self.live.items()):
+            code = p.poll()
+            if code is None:
+                continue
+            del self.live[r]
+            self._record("exit", replica=r, gen=gen, pid=p.pid, code=code)
+            if code == 0:
+                self.finished[r] = gen
+                if self.t_first_finish is None:
+                    self.t_first_finish = now
+                continue
+            delay = self.killed.pop(r, None)
+            if delay is None:
+                self.failures.append((r, code))
+                delay = self.ft.restart.delay_s
+            if self.t_first_finish is None and self.restarts_left > 0:
+                self.restarts_left -= 1
+                self.due.append((now + delay, r))
+        for when, r in list(self.due):
+            if self.t_first_finish is not None:  # training is over: nothing to rejoin
+                self.due.remove((when, r))
+            elif now >= when:
+                self.due.remove((when, r))
+                self._start_replica(r)
+        if self.t_first_finish is not None and self.live and now - self.t_first_finish > self.ft.timeout_s:
+            for r, (p, gen) in self.live.items():
+                self._record("stop", replica=r, gen=gen, pid=p.pid, why="the others finished training")
+            procs.stop([p for p, _ in self.live.values()])
+        if not self.live and not self.due and not self.finished and self.failed is None:
+            self.failed = "fault_tolerance: every replica is gone and no restart is left"
+
+    def verdict(self) -> Optional[str]:
+        """None while the run goes on; "done" when it trained to the end and nothing runs; "failed" otherwise."""
+        if self.failed is not None:
+            return "failed"
+        if self.finished and not self.live:
+            return "done"
+        return None
+
+    def stop(self) -> None:
+        """Stop every process started here that still runs (by its PID: its session), the Lighthouse last."""
+        replicas = [p for p in self.started if p is not self.lighthouse]
+        for r, (p, gen) in self.live.items():
+            if p.poll() is None:
+                self._record("stop", replica=r, gen=gen, pid=p.pid, why="the run ended")
+        procs.stop(replicas)
+        if self.lighthouse is not None:
+            if self.lighthouse.poll() is None:
+                self._record("stop", pid=self.lighthouse.pid, why="the run ended", lighthouse=True)
+            procs.stop([self.lighthouse])
+        self.events.close()

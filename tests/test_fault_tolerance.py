@@ -1,0 +1,385 @@
+"""Fault tolerance's parts that need no running replica: the spec's fault_tolerance section and its refusals, the
+batches keyed by step, the collectives' refusal of what a replica group does not offer, the lab's decisions on
+kills, restarts and the end of a run (commlab/lab/rundir/ftrun.py, on stand-in processes), and torchft beside our
+torch. A whole fault-tolerant run with a kill and a restart is tests/test_ft_run.py."""
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from commlab.engine import data, runfiles
+from commlab.engine.comm import collectives
+from commlab.engine.runlog import read_jsonl
+from commlab.engine.spec import JobSpec, SpecError
+from commlab.lab.rundir import ftrun
+
+HAS_TORCHFT = importlib.util.find_spec("torchft") is not None
+needs_torchft = pytest.mark.skipif(not HAS_TORCHFT, reason="torchft is not installed (./setup.sh installs it)")
+
+BASE = {"model": "mlp", "dataset": "digits", "world_size": 3, "steps": 20,
+        "fault_tolerance": {"enabled": True, "min_replicas": 2}}
+
+
+def spec(**over):
+    d = json.loads(json.dumps(BASE))
+    ft = over.pop("ft", {})
+    d.update(over)
+    d["fault_tolerance"].update(ft)
+    return d
+
+
+@pytest.mark.parametrize("over,where,says", [
+    ({"ft": {"min_replicas": 4}}, "fault_tolerance.min_replicas", "at most replica_groups 3"),
+    ({"ft": {"replica_groups": 2}}, "fault_tolerance.replica_groups", "must equal world_size 3"),
+    ({"comm": "dear"}, "comm.mode", "dear shards parameters"),
+    ({"schedule": "mergecomp"}, "schedule.name", "mergecomp tunes the buckets"),
+    ({"schedule": "layerfusion"}, "schedule.name", "layerfusion tunes the buckets"),
+    ({"method": {"name": "diloco", "H": 4}}, "method.name", "diloco under fault tolerance comes later"),
+    ({"method": {"name": "local_sgd", "H": 4}}, "method.name", "local_sgd under fault tolerance comes later"),
+    ({"compressor": {"name": "topk", "ratio": 0.1}}, "compressor.name", "topk under fault tolerance comes later"),
+    ({"compressor": {"name": "fp16", "error_feedback": True}}, "compressor.name", "fp16 with error feedback"),
+    ({"compressor": {"name": "int8", "error_feedback": True}}, "compressor.name",
+     "int8 with error feedback under fault tolerance comes later"),
+    ({"compressor": {"name": "qsgd"}}, "compressor.name", "qsgd under fault tolerance comes later"),
+    ({"fault": {"kind": "exit", "step": 3, "rank": 1}}, "fault.kind", "fault_tolerance.faults"),
+    ({"ft": {"faults": [{"kind": "kill", "replica": 3, "step": 2}]}}, "fault_tolerance.faults[0].replica",
+     "below replica_groups 3"),
+    ({"ft": {"faults": [{"kind": "kill", "replica": 1, "step": 20}]}}, "fault_tolerance.faults[0].step",
+     "below steps 20"),
+    ({"ft": {"faults": [{"kind": "hang", "replica": 1, "step": 2}]}}, "fault_tolerance.faults[0].kind",
+     "allowed: kill"),
+    ({"ft": {"faults": [{"replica": 1, "step": 2, "when": 3}]}}, "fault_tolerance.faults[0].when", "unknown field"),
+    ({"ft": {"faults": [{"replica": 1}]}}, "fault_tolerance.faults[0].step", "integer >= 0"),
+    ({"ft": {"restart": {"max_restarts": -1}}}, "fault_tolerance.restart.max_restarts", "0..1000"),
+    ({"ft": {"restart": {"tries": 1}}}, "fault_tolerance.restart.tries", "unknown field"),
+    ({"ft": {"join_timeout_ms": 0}}, "fault_tolerance.join_timeout_ms", "must be in 1.."),
+    ({"ft": {"enabled": False, "faults": [{"replica": 1, "step": 2}]}}, "fault_tolerance.faults",
+     "needs fault_tolerance.enabled"),
+])
+def test_a_spec_fault_tolerance_cannot_run_is_refused_in_one_line_naming_the_field(over, where, says):
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_dict(spec(**over))
+    assert e.value.path == where, str(e.value)
+    assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@needs_torchft
+def test_a_fault_tolerant_spec_is_fully_defaulted():
+    s = JobSpec.from_dict(spec(ft={"faults": [{"replica": 2, "step": 5}]}))
+    ft = s.to_dict()["fault_tolerance"]
+    assert ft["replica_groups"] == 3 and ft["min_replicas"] == 2 and ft["restart"] == {"max_restarts": 3,
+                                                                                        "delay_s": 2.0}
+    assert ft["faults"] == [{"kind": "kill", "replica": 2, "step": 5, "restart_after_s": None}]
+    assert JobSpec.from_dict(s.to_dict()) == s  # spec.json reads back as the same spec
+    assert JobSpec.from_checked(s.to_dict()) == s
+
+
+def test_a_spec_without_fault_tolerance_is_as_before():
+    s = JobSpec.from_dict({"model": "mlp", "dataset": "digits"})
+    assert s.fault_tolerance.enabled is False and s.fault_tolerance.replica_groups is None
+    older = {k: v for k, v in s.to_dict().items() if k != "fault_tolerance"}  # a spec.json written before
+    assert JobSpec.from_checked(older) == s
+
+
+def test_batches_keyed_by_step_are_the_stream_at_that_step():
+    a = data.ShardSampler(100, 8, 1, 3, seed=4)
+    stream = [next(a) for _ in range(9)]  # 4 batches per epoch: two epochs and one more
+    b = data.ShardSampler(100, 8, 1, 3, seed=4)
+    for step in (5, 2, 8, 0, 4, 4):
+        assert torch.equal(b.at(step), stream[step]), step
+        assert b.epoch == step // 4
+    assert torch.equal(next(b), stream[5])  # the stream goes on after the step asked for
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        b.at(-1)
+
+
+class OnlyAllReduce(collectives.Group):
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+    def backend(self):
+        return "gloo"
+
+    def all_reduce(self, t):
+        raise AssertionError("not reached")
+
+
+def test_a_replica_groups_collectives_refuse_what_it_does_not_offer_in_one_line():
+    g = OnlyAllReduce()
+    assert (collectives.group_size(g), collectives.group_rank(g), collectives.group_backend(g)) == (2, 0, "gloo")
+    with pytest.raises(RuntimeError, match="all-gather on a OnlyAllReduce is not supported yet"):
+        collectives.issue_allgather([torch.ones(3)], g)
+    with pytest.raises(RuntimeError, match="all-to-all on a OnlyAllReduce"):
+        collectives.issue_all_to_all([[torch.ones(2)], [torch.ones(2)]], g)
+    with pytest.raises(RuntimeError, match="reduce-scatter on a OnlyAllReduce"):
+        collectives.issue_reduce_scatter(torch.ones(4), g)
+
+
+# -- the lab's side, on stand-in processes ------------------------------------------------------------------------
+
+class Proc:
+    """A stand-in for a replica's process: its exit code is what the test says."""
+    n = 1000
+
+    def __init__(self):
+        Proc.n += 1
+        self.pid, self.code = Proc.n, None
+
+    def poll(self):
+        return self.code
+
+
+class Dir:
+    def __init__(self, path):
+        self.path = path
+
+    def file(self, name):
+        return self.path / name
+
+
+class Job(ftrun.FtJob):
+    """FtJob whose replicas are stand-ins and whose kills only mark them (nothing is signalled)."""
+
+    def _start_replica(self, r):
+        gen = self.gens.get(r, -1) + 1
+        self.gens[r] = gen
+        self.live[r] = (Proc(), gen)
+        self._record("spawn", replica=r, gen=gen, pid=self.live[r][0].pid)
+
+
+@pytest.fixture
+def no_signals(monkeypatch):
+    killed = []
+
+    def kill(pid, sig):
+        killed.append(pid)
+        for p, _ in list(job_procs):
+            if p.pid == pid:
+                p.code = -9
+    job_procs = []
+    monkeypatch.setattr(ftrun.os, "kill", kill)
+    return killed, job_procs
+
+
+def job_of(tmp_path, **ft):
+    s = JobSpec.from_checked(spec(model={"name": "mlp"}, dataset={"name": "digits"}, ft={"replica_groups": 3, **ft}))
+    return Job(Dir(tmp_path), s, None)
+
+
+def test_the_lab_kills_at_the_faults_step_once_and_restarts_after_the_delay(tmp_path, no_signals):
+    killed, procs_ = no_signals
+    job = job_of(tmp_path, faults=[{"kind": "kill", "replica": 2, "step": 4, "restart_after_s": 0.0}],
+                 restart={"max_restarts": 1, "delay_s": 0.0})
+    for r in range(3):
+        job._start_replica(r)
+    procs_.extend(job.live.values())
+    first = job.live[2][0]
+    job.feed([{"kind": "step", "replica": 2, "step": 3}, {"kind": "step", "replica": 1, "step": 4}])
+    assert killed == []  # replica 1's step 4 is not replica 2's
+    job.feed([{"kind": "step", "replica": 2, "step": 4}, {"kind": "step", "replica": 2, "step": 5}])
+    assert killed == [first.pid]  # once
+    job.poll()  # its exit seen, the restart due now (delay 0)
+    job.poll()
+    assert job.gens[2] == 1 and job.live[2][0] is not first and job.restarts_left == 0
+    job.feed([{"kind": "step", "replica": 2, "step": 9}])
+    assert killed == [first.pid]  # the fault fired already
+    assert job.verdict() is None
+    for p, _ in job.live.values():
+        p.code = 0
+    job.poll()
+    assert job.verdict() == "done"
+    ev = read_jsonl(str(tmp_path / runfiles.FT_EVENTS))
+    assert [(e["event"], e.get("replica"), e.get("gen")) for e in ev if e["event"] in ("kill", "spawn")][-2:] == \
+        [("kill", 2, 0), ("spawn", 2, 1)]
+    assert any(e["event"] == "exit" and e["replica"] == 2 and e["gen"] == 0 and e["code"] == -9 for e in ev)
+
+
+def test_a_run_whose_replicas_all_die_without_restarts_fails(tmp_path, no_signals):
+    job = job_of(tmp_path, restart={"max_restarts": 1, "delay_s": 0.0})
+    for r in range(3):
+        job._start_replica(r)
+    for p, _ in job.live.values():
+        p.code = 1
+    job.poll()
+    job.poll()  # one restart (of replica 0), the others stay dead
+    assert job.verdict() is None and list(job.live) == [0]
+    job.live[0][0].code = 1
+    job.poll()
+    assert job.verdict() == "failed" and "no restart is left" in job.failed
+    assert sorted(r for r, _ in job.failures) == [0, 0, 1, 2]
+
+
+def test_no_restart_once_a_replica_has_trained_to_the_end(tmp_path, no_signals):
+    job = job_of(tmp_path, restart={"max_restarts": 3, "delay_s": 0.0})
+    for r in range(3):
+        job._start_replica(r)
+    job.live[0][0].code = 0
+    job.live[1][0].code = 1
+    job.poll()
+    job.poll()
+    assert 1 not in job.live and job.gens[1] == 0  # not restarted: training is over
+    job.live[2][0].code = 0
+    job.poll()
+    assert job.verdict() == "done"
+
+
+@needs_torchft
+def test_torchft_imports_beside_our_torch():
+    before = torch.__version__
+    from commlab.engine import ft
+    assert ft.version() == "0.2.0" and torch.__version__ == before
+    assert ft.replica_id(3) == "replica_3"
+
+
+# -- the stepper under fault tolerance, in one process: a stand-in replica that decides which steps commit ----------
+
+class Solo(collectives.Group):
+    """A replica group of one: its all-reduce is the tensor itself."""
+
+    def size(self):
+        return 1
+
+    def rank(self):
+        return 0
+
+    def backend(self):
+        return "gloo"
+
+    def all_reduce(self, t):
+        class Done:
+            def wait(self, timeout=None):
+                return True
+
+            def get_future(self):
+                f = torch.futures.Future()
+                f.set_result([t])
+                return f
+        return Done()
+
+
+class StandIn:
+    """What the Stepper asks of commlab.engine.ft.Replica, with the commits given by the test."""
+
+    def __init__(self, commits):
+        self.n, self.group, self.commits, self.step, self.registered = 0, Solo(), iter(commits), 0, {}
+
+    def register(self, key, load, save):
+        self.registered[key] = (load, save)
+
+    def start_quorum(self):
+        return {"quorum_id": 1, "participants": 1, "quorum_ms": 0.0, "step": self.step}
+
+    def should_commit(self):
+        ok = next(self.commits)
+        self.step += ok
+        return ok
+
+    def current_step(self):
+        return self.step
+
+    def error(self):
+        return "RuntimeError: a peer is gone"
+
+
+def state_of(trainer):
+    """Each bucket's compressor state, copied."""
+    from commlab.engine.stepper import _cloned
+    return [_cloned(b.compressor.state_dict()) for b in trainer.dp.buckets]
+
+
+def same(a, b):
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, list):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_a_step_that_does_not_commit_changes_nothing_and_is_trained_again_on_the_same_batch():
+    from commlab.engine.trainer import Trainer
+    s = JobSpec.from_checked({**spec(model={"name": "mlp"}, dataset={"name": "digits"}, world_size=1,
+                                     ft={"replica_groups": 1, "min_replicas": 1}),
+                              "compressor": {"name": "powersgd", "params": {"rank": 2, "start_iter": 0}},
+                              "batch_size": 16, "timeline": False})
+    standin = StandIn([True, True, False, True])
+    t = Trainer(s, None, 0, 1, torch.device("cpu"), ft=standin)
+    try:
+        t.train_step()
+        t.train_step()
+        assert t.step == 2
+        params = [p.detach().clone() for p in t.model.parameters()]
+        codec = state_of(t)
+        assert any(v is not None and not isinstance(v, int) for st in codec for v in st.values())  # Q, residual
+        failed = t.train_step()
+        assert failed["committed"] is False and failed["error"] == "RuntimeError: a peer is gone"
+        assert t.step == 2 and failed["step"] == 2
+        assert all(torch.equal(a, b) for a, b in zip(params, t.model.parameters()))  # the optimizer did not step
+        assert same(state_of(t), codec)  # PowerSGD's Q, residual and count as the step began
+        again = t.train_step()
+        assert again["committed"] is True and again["step"] == 2 and t.step == 3
+        assert again["loss"] == failed["loss"]  # the same batch on the same model
+        assert not all(torch.equal(a, b) for a, b in zip(params, t.model.parameters()))
+        # what a replica that recovers takes: the shared state, not this replica's residual
+        load, save = standin.registered["compressors"]
+        handed = save()
+        assert all(st["residual"] is None and (st.get("q") is not None or st.get("qs") is not None) for st in handed)
+        load(handed)
+        assert all(b.compressor.residual is None for b in t.dp.buckets)
+        assert {"model", "optimizer", "compressors"} <= set(standin.registered)
+    finally:
+        t.close()
+
+
+class Twins(Solo):
+    """Three replica groups when built, then a quorum of two whose other member sent the same gradient: the sum of
+    an all-reduce is twice this replica's tensor."""
+
+    def size(self):
+        return 3
+
+    def all_reduce(self, t):
+        t.mul_(2)
+        return super().all_reduce(t)
+
+
+@pytest.mark.parametrize("compressor", ["none", "fp16"])
+def test_a_step_averages_over_the_quorums_participants(compressor):
+    """Built for three replicas (1/3 where gradients land pre-divided), trained in a quorum of two twins: the average
+    is this replica's own gradient, as a quorum of one gives."""
+    from commlab.engine.trainer import Trainer
+    finals = []
+    for group, participants in ((Solo(), 1), (Twins(), 2)):
+        s = JobSpec.from_checked({**spec(model={"name": "mlp"}, dataset={"name": "digits"},
+                                         ft={"replica_groups": 3, "min_replicas": 1}),
+                                  "compressor": {"name": compressor}, "batch_size": 16, "timeline": False})
+        standin = StandIn([True, True])
+        standin.group = group
+        standin.start_quorum = lambda standin=standin, n=participants: {"quorum_id": 1, "participants": n,
+                                                                        "quorum_ms": 0.0, "step": standin.step}
+        t = Trainer(s, None, 0, 3, torch.device("cpu"), ft=standin)
+        try:
+            t.train_step()
+            t.train_step()
+            finals.append([p.detach().clone() for p in t.model.parameters()])
+        finally:
+            t.close()
+    for a, b in zip(*finals):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_lighthouse_that_does_not_come_up_is_one_line_and_nothing_is_left(tmp_path):
+    job = ftrun.FtJob(Dir(tmp_path), JobSpec.from_checked(spec(model={"name": "mlp"}, dataset={"name": "digits"},
+                                                                ft={"replica_groups": 3})), None, python="/bin/false")
+    with pytest.raises(RuntimeError, match=r"^fault_tolerance: the Lighthouse exited with code 1 before it served; "
+                                           r"see log-lighthouse.txt$"):
+        job.start()
+    job.stop()
+    assert job.live == {} and all(p.poll() is not None for p in job.started)
+    ev = read_jsonl(str(tmp_path / runfiles.FT_EVENTS))
+    assert [e["event"] for e in ev] == ["lighthouse"] and ev[0]["pid"] == job.started[0].pid
