@@ -459,7 +459,7 @@ def test_advise_json_and_its_files(lab_dir, tmp_path, capsys, monkeypatch):
     seen = {}
 
     def advise(spec_, runs, gbps, link, workers, measure, trials, trial_steps, penalties, runner=None, candidates=(),
-               say=print):
+               say=print, target=None, to_target=False, target_steps=None):
         seen.update(gbps=gbps, link=link)
         say("profile: a note that belongs on stderr")
         none = space.Candidate("none bucket 25MB wfbp", {"name": "none", "params": {}, "error_feedback": False},
