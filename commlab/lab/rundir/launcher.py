@@ -39,6 +39,16 @@ from commlab.lab.rundir.progress import RunProgress
 from commlab.lab.rundir.store import Run, slug
 
 
+def stop_reason(should_cancel, wall_s, t0: float) -> str:
+    """Why a running run is stopped now: "cancelled", or its wall-time quota spent; "" to go on."""
+    if should_cancel and should_cancel():
+        return "cancelled"
+    if wall_s and time.time() - t0 > wall_s:
+        return (f"quota wall_s: stopped after {time.time() - t0:.0f} s of running; the limit is "
+                f"{wall_s:g} s per run (runs/lab.json quotas.wall_s)")
+    return ""
+
+
 def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
            on_metrics: Optional[Callable[[List[dict]], None]] = None,
            should_cancel: Optional[Callable[[], bool]] = None, nodes: Optional["Nodes"] = None) -> str:
@@ -216,12 +226,8 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
                 time.sleep(1.0)  # let them notice and record their own errors first
                 stop(procs_)
                 break
-            if should_cancel and should_cancel():
-                stopped = "cancelled"
-                break
-            if wall_s and time.time() - t0 > wall_s:
-                stopped = (f"quota wall_s: stopped after {time.time() - t0:.0f} s of running; the limit is "
-                           f"{wall_s:g} s per run (runs/lab.json quotas.wall_s)")
+            stopped = stop_reason(should_cancel, wall_s, t0)
+            if stopped:
                 break
             cpu.tick()
             time.sleep(poll_s)
@@ -273,12 +279,8 @@ def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limi
             job.poll()
             if run.divergences():  # every replica sees the same averaged gradient: the run cannot go on
                 break
-            if should_cancel and should_cancel():
-                stopped = "cancelled"
-                break
-            if wall_s and time.time() - t0 > wall_s:
-                stopped = (f"quota wall_s: stopped after {time.time() - t0:.0f} s of running; the limit is "
-                           f"{wall_s:g} s per run (runs/lab.json quotas.wall_s)")
+            stopped = stop_reason(should_cancel, wall_s, t0)
+            if stopped:
                 break
             time.sleep(poll_s)
     except KeyboardInterrupt:
