@@ -47,7 +47,46 @@ class OverBudget(Busy):
     child time leaves the window (not an answer about the spec)."""
 
 
-_people: Dict[str, threading.RLock] = {}
+class _Turns:
+    """A person's turn to start a child: reentrant, and first come first served among their own threads (a
+    plain lock lets the thread that just let go take it again at once, so one tab sending previews back to
+    back could keep the person's other tabs and pages waiting)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._owner: Optional[int] = None
+        self._depth = 0
+        self._queue: Deque[int] = deque()
+
+    def acquire(self, timeout: float) -> bool:
+        me = threading.get_ident()
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            if self._owner == me:
+                self._depth += 1
+                return True
+            self._queue.append(me)
+            try:
+                while self._owner is not None or self._queue[0] != me:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return False
+                    self._cond.wait(left)
+                self._owner, self._depth = me, 1
+                return True
+            finally:
+                self._queue.remove(me)
+                self._cond.notify_all()  # the next in line may be at the head now
+
+    def release(self) -> None:
+        with self._cond:
+            self._depth -= 1
+            if not self._depth:
+                self._owner = None
+                self._cond.notify_all()
+
+
+_people: Dict[str, _Turns] = {}
 _people_lock = threading.Lock()
 _asker: Optional[Callable[[], object]] = None
 NOBODY = "nobody is signed in"
@@ -83,11 +122,11 @@ def whom(who, label: str = "preview") -> Tuple[str, bool]:
 @contextlib.contextmanager
 def person(who, label: str = "preview", wait_s: float = PREVIEW.wall_s + WAIT_S):
     """Held while ``who``'s child runs (a name or a user; None: see ``whom``): their next one waits for it (up
-    to ``wait_s``, then Busy). Reentrant, so a caller can hold it around a cache lookup and the child that
+    to ``wait_s``, then Busy; their own waiting threads take turns in the order they asked). Reentrant, so a caller can hold it around a cache lookup and the child that
     fills the cache."""
     name = who if isinstance(who, str) else whom(who, label)[0]
     with _people_lock:
-        lock = _people.setdefault(name, threading.RLock())
+        lock = _people.setdefault(name, _Turns())
     if not lock.acquire(timeout=wait_s):
         raise Busy(label, "your previous one is still running; try again in a moment")
     try:
@@ -179,9 +218,6 @@ class Places:
                 del self.held[name]
             self._spent.setdefault(name, deque()).append((time.monotonic(), seconds, task))
             self._cond.notify_all()
-
-
-_places = Places()
 
 
 _places = Places()
