@@ -202,6 +202,11 @@ class Replica:
         """The last state received, until its load says whose it was (``_load_meta``)."""
         self.recovered: list = []
         """This process's recoveries, as written to recoveries.jsonl."""
+        self.position: Optional[Callable[[], dict]] = None
+        """Where this replica is in training, sent with its state (the Stepper's, under a method: the lab's step and
+        whether it is at a step's start or in a sync), or None."""
+        self.on_position: Optional[Callable[[dict], None]] = None
+        """Told the source's position when a recovery loads its state (before the model and the rest)."""
         self.quorum_started = False
         self.manager = Manager(
             pg=self.pg, load_state_dict=None, state_dict=None, min_replica_size=ft.min_replicas,
@@ -221,7 +226,10 @@ class Replica:
         self.manager.register_state_dict_fn(key, load, save)
 
     def _meta(self) -> dict:
-        return {"replica": self.n}
+        meta = {"replica": self.n}
+        if self.position is not None:
+            meta["position"] = self.position()
+        return meta
 
     def _received(self, rec: dict) -> None:
         self._recv = rec
@@ -230,10 +238,15 @@ class Replica:
         """The received state is being loaded: record the recovery, with the replica it came from."""
         rec = {"kind": "recovery", "replica": self.n, "from_replica": meta.get("replica"), **(self._recv or {}),
                "t": time.time()}
+        pos = meta.get("position")
+        if pos is not None:  # under a method the Manager's step counts commits; the lab's step is this one
+            rec["lab_step"] = pos.get("step")
         self._recv = None
         self.recovered.append(rec)
         if self.recoveries:
             self.recoveries.write(rec)
+        if pos is not None and self.on_position is not None:
+            self.on_position(pos)
 
     # -- each step -----------------------------------------------------------
     def start_quorum(self) -> dict:

@@ -614,6 +614,12 @@ FT_TORCHFT = "0.2.0"
 """The torchft fault tolerance is written against (commlab/engine/ft.py)."""
 FT_FAULT_KINDS = ("kill",)
 """The faults the lab executes under fault tolerance: kill (SIGKILL the replica's process)."""
+FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco")
+"""The methods a fault-tolerant run may use: every step's gradients, and those whose syncs join a quorum and commit
+(commlab/engine/methods/base.py, ``Quorum``)."""
+FT_METHOD_COMPRESSORS = ("none", "fp16", "bf16")
+"""The compressors of a method's exchanges (method.compressor) under fault tolerance: those without state, so a sync
+that does not commit leaves nothing to put back and a recovery nothing to hand over."""
 FT_COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
 """The compressors a fault-tolerant run may use so far: rounds that are all all-reduces, and state the Stepper knows
 how to handle (commlab/engine/stepper.py): none for the casts; PowerSGD's Q shared (handed over on recovery, put
@@ -696,9 +702,22 @@ class FaultToleranceSpec:
             raise SpecError("schedule.name", f"{spec.schedule.name} tunes the buckets from each replica's measured "
                                              f"times, which replicas (and a restarted one) would not agree on under "
                                              f"fault tolerance; use layerwise, allinone or bucket")
-        if spec.method.name != "none":
-            raise SpecError("method.name", f"fault tolerance runs method none (every step's gradients) so far; "
+        if spec.method.name not in FT_METHODS:
+            raise SpecError("method.name", f"fault tolerance runs methods {', '.join(FT_METHODS)} so far; "
                                            f"{spec.method.name} under fault tolerance comes later")
+        mc = spec.method.compressor
+        if mc and (mc.get("name") not in FT_METHOD_COMPRESSORS or mc.get("error_feedback") or mc.get("per_bucket")):
+            what = f"{mc.get('name')} with error feedback" if mc.get("error_feedback") else mc.get("name")
+            raise SpecError("method.compressor", f"fault tolerance takes {', '.join(FT_METHOD_COMPRESSORS)} for the "
+                                                 f"method's exchanges so far; {what} under fault tolerance comes later")
+        if spec.method.name == "streaming_diloco":
+            prm = spec.method.params
+            h, frags, tau = prm["H"], prm["fragments"], prm["tau"]
+            dues = [h * (f + 1) // frags for f in range(frags)]
+            gap = min([dues[0]] + [b - a for a, b in zip(dues, dues[1:])])
+            if tau > gap:
+                raise SpecError("method.tau", f"under fault tolerance one fragment's sync is in flight at a time: "
+                                              f"tau must be at most {gap} (H {h} over {frags} fragments), got {tau}")
         comp = spec.compressor
         if comp.per_bucket:
             raise SpecError("compressor.per_bucket", "fault tolerance takes one compressor for every bucket so far")

@@ -39,7 +39,7 @@ from commlab.engine import netmodel, runfiles, schedules, tuners
 from commlab.engine.comm import modes
 from commlab.engine.comm.core import Communicator
 from commlab.engine.compressors.plan import Plan
-from commlab.engine.methods.base import Context, Method
+from commlab.engine.methods.base import Context, Method, Quorum
 from commlab.engine.probe import LayerProbe
 from commlab.engine.runlog import JsonlWriter
 from commlab.engine.spec import JobSpec
@@ -92,22 +92,45 @@ class Stepper:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         # fault tolerance: no broadcast, the first quorum's recovery gives every replica the same start
         self._build(broadcast=ft is None)
+        self.method: Optional[Method] = spec.method.build()
+        """The method (commlab/engine/methods/), or None for method none (every step's gradients, nothing else)."""
         if ft is not None:
-            ft.register("model", self.model.load_state_dict, self.model.state_dict)
-            ft.register("optimizer", lambda sd: self.optimizer.load_state_dict(sd), lambda: self.optimizer.state_dict())
+            # under a method the state is copied when it is sent: a sync that fails changes the parameters at once
+            keep = _cloned if self.method is not None else (lambda x: x)
+            ft.register("model", self.model.load_state_dict, lambda: keep(self.model.state_dict()))
+            ft.register("optimizer", lambda sd: self.optimizer.load_state_dict(sd),
+                        lambda: keep(self.optimizer.state_dict()))
             ft.register("compressors", self._load_shared_codec_state, self._shared_codec_state)
         self._quorum: dict = {}
         """This step's quorum (fault tolerance), for its line."""
         self._codec_before: Optional[list] = None
         """Fault tolerance: each bucket's compressor state as the step began, put back when it does not commit."""
-        self.method: Optional[Method] = spec.method.build()
-        """The method (commlab/engine/methods/), or None for method none (every step's gradients, nothing else)."""
+        self._exchanging = True
+        """Whether this step exchanges gradients (the method's ``begin``; always without a method)."""
+        # fault tolerance under a method: where this replica is, and what its quorums did this step
+        self._joined = False
+        """This process has joined a quorum (its first step joins one before it trains anything)."""
+        self._at = "start"
+        """Where this replica is when it joins a quorum, sent with its state: "start" (this process's first quorum),
+        "step" (a step that exchanges gradients, before its forward pass) or "sync" (in the method's sync)."""
+        self._healed_at: Optional[str] = None
+        """Where the source of this quorum's recovery was, or None (no recovery)."""
+        self._sync_joined: Optional[int] = None
+        """The step of a sync whose quorum is joined already (a recovery at a step's start that landed in a sync)."""
+        self._rec: dict = {}
+        """This step's quorum and commit, for its line (under a method: only the steps that joined one)."""
         if self.method is not None:
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             sec = spec.method.compressor
-            self.method.setup(Context(params=[p for _, p in named], names=[n for n, _ in named], world=self.dp.world,
-                                      rank=self.dp.rank, group=group, link=self.dp.link, timeline=self.timeline,
-                                      plan=Plan.from_section(sec) if sec else None, on_issue=self._fault_in_sync))
+            self.ctx = Context(params=[p for _, p in named], names=[n for n, _ in named], world=self.dp.world,
+                               rank=self.dp.rank, group=group, link=self.dp.link, timeline=self.timeline,
+                               plan=Plan.from_section(sec) if sec else None, on_issue=self._fault_in_sync,
+                               quorum=_SyncQuorum(self) if ft is not None else None)
+            self.method.setup(self.ctx)
+            if ft is not None:
+                ft.register("method", self.method.load_state_dict, lambda: _cloned(self.method.state_dict()))
+                ft.position = lambda: {"step": self.step, "at": self._at}
+                ft.on_position = self._recovered_position
             self._begin()
 
     def _build(self, layout: Optional[dict] = None, broadcast: bool = True) -> None:
@@ -168,19 +191,112 @@ class Stepper:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
         self.dp.sync_params()
 
-    def begin_step(self) -> int:
+    def begin_step(self) -> Optional[int]:
         """Before a step's forward pass, under fault tolerance: join the step's quorum (recovering first when this
         replica is behind) and average over its participants. Returns the step to train: the committed steps so
-        far, the same again after a step that did not commit. Without fault tolerance, the step count."""
+        far, the same again after a step that did not commit. Without fault tolerance, the step count.
+
+        Under a method, only the steps that exchange gradients (post-local SGD's warm-up) and this process's first
+        step join a quorum here; the method's syncs join theirs (``Quorum``), and the other steps are local. A
+        recovery here that lands in the peers' sync runs that sync with them, and the next step is trained; None
+        when that sync was the run's last step."""
         if self.ft is None:
             return self.step
+        if self.method is not None:
+            return self._begin_step_method()
         q = self.ft.start_quorum()
         self.step = q.pop("step")
+        self._take_quorum(q)
+        return self.step
+
+    def _take_quorum(self, q: dict) -> None:
+        """This step's quorum: the world the exchanges average over, what its line records."""
+        q.pop("step", None)
         self._quorum = q
-        self.dp.set_world(q["participants"], self.ft.group.rank())
+        self._rec = dict(q)
+        rank = self.ft.group.rank()
+        self.dp.set_world(q["participants"], rank)
+        if self.method is not None:
+            self.ctx.world, self.ctx.rank = q["participants"], rank
         states = [b.compressor.state_dict() for b in self.dp.buckets]
         self._codec_before = [_cloned(st) for st in states] if any(states) else None
+
+    def _begin_step_method(self) -> Optional[int]:
+        while self.step < self.spec.steps:
+            if self._joined and not self._exchanging:
+                return self.step  # a local step: no quorum
+            # this step's quorum (it exchanges gradients), or this process's first one
+            self._at = "step" if self._exchanging else "start"
+            self._healed_at = None
+            q = self.ft.start_quorum()
+            self._joined = True
+            self._take_quorum(q)
+            if self._healed_at is not None:
+                self._begin()  # what the recovered step does
+            if self._healed_at == "sync":
+                self._sync_with_peers()
+                continue
+            if self._exchanging:
+                return self.step  # committed after its exchange (step_after_backward)
+            # the start: nothing to exchange but a barrier, which holds each source until the replicas that recover
+            # from it have read its state (its commit stops serving it), as a step's exchange does
+            self.ft.group.all_reduce(torch.zeros(1)).wait()
+            tc = time.perf_counter()
+            ok = self.ft.should_commit()
+            self._rec.update({"committed": ok, "commit_ms": (time.perf_counter() - tc) * 1e3})
+            if ok:
+                return self.step
+            self._joined = False  # try again
+        return None
+
+    def _recovered_position(self, pos: dict) -> None:
+        """A recovery is loading its source's state: the source's step, and where it was."""
+        self.step = int(pos["step"])
+        self._healed_at = pos.get("at")
+
+    def _join_sync(self, step: int) -> int:
+        """``Quorum.join`` of the method's syncs (see ``_SyncQuorum``)."""
+        if self._sync_joined is not None:  # joined already, at the step's start (``_sync_with_peers``)
+            step, self._sync_joined = self._sync_joined, None
+            return step
+        self._at = "sync"
+        self._healed_at = None
+        self._take_quorum(self.ft.start_quorum())
+        if self._healed_at is not None:
+            self._rec["recovered"] = True  # this step's line: the state, step and sync are the source's
+        if self._healed_at not in (None, "sync"):
+            raise RuntimeError(f"fault tolerance: a sync at step {step} recovered from a replica at a step's "
+                               f"{self._healed_at}, not in the same sync")
         return self.step
+
+    def _commit_sync(self) -> bool:
+        """``Quorum.commit`` of the method's syncs: the commit, recorded on the step's line."""
+        tc = time.perf_counter()
+        ok = self.ft.should_commit()
+        self._rec.update({"committed": ok, "commit_ms": (time.perf_counter() - tc) * 1e3})
+        if not ok:
+            self._rec["error"] = self.ft.error()
+        return ok
+
+    def _sync_with_peers(self) -> None:
+        """A recovery at a step's start whose source was in its sync: the quorum is that sync's, so this replica
+        runs the sync of the recovered step (from the recovered state, without a forward pass) and logs it."""
+        s = self.step
+        self._sync_joined = s
+        t0 = self.timeline.now()
+        self._begin()
+        self.method.after_optimizer_step(s)
+        if self._sync_joined is not None:
+            raise RuntimeError(f"fault tolerance: recovered in a sync at step {s}, but {self.method.name} has none "
+                               f"there")
+        meth = self.method
+        self.log({"kind": "step", "step": s, "rank": self.rank, "loss": None, "recovered": True,
+                  "time_ms": (self.timeline.now() - t0) * 1e3, "bytes_sent": meth.step_bytes, "bytes_raw": 0,
+                  "method": meth.name, "sync_ms": (self.timeline.now() - t0) * 1e3, **meth.step_log,
+                  "replica": self.ft.n, **self._rec, "t": time.time()})
+        self._rec = {}
+        self.step = s + 1
+        self._begin()
 
     def _shared_codec_state(self) -> list:
         """Each bucket's compressor state as a replica that recovers takes it: the state replicas share (PowerSGD's
@@ -196,7 +312,8 @@ class Stepper:
 
     def _begin(self) -> None:
         """The method's say on the coming step: does the communicator exchange its gradients?"""
-        self.dp.set_exchanging(self.method.begin(self.step))
+        self._exchanging = self.method.begin(self.step)
+        self.dp.set_exchanging(self._exchanging)
 
     def _fault_in_sync(self, step: int) -> None:
         """fault.at sync (testing): fail right after the method's collective of ``step`` is issued."""
@@ -243,7 +360,9 @@ class Stepper:
         finite = self.dp.grads_finite()  # every rank sees the same averaged gradient: one decision for all
         commit_ms = None
         committed = True
-        if self.ft is not None:  # every participant's exchange went through, or nobody steps
+        # every participant's exchange went through, or nobody steps (under a method: the steps that exchange)
+        per_step = self.ft is not None and self._exchanging
+        if per_step:
             tc = tl.now()
             committed = self.ft.should_commit()
             commit_ms = (tl.now() - tc) * 1e3
@@ -280,12 +399,23 @@ class Stepper:
         if meth is not None:
             rec.update({"optimizer_ms": (t4 - t3 - after) * 1e3, "bytes_sent": self.dp.step_bytes + meth.step_bytes,
                         "method": meth.name, "sync_ms": sync_s * 1e3, **meth.step_log})
-        if self.ft is not None:
+        if self.ft is not None and meth is None:
             rec.update({"replica": self.ft.n, **self._quorum, "committed": committed, "commit_ms": commit_ms})
             if not committed:
                 rec["error"] = self.ft.error()
+        elif self.ft is not None:  # the last quorum; its timings and commit where this step joined one
+            rec.update({"replica": self.ft.n, "quorum_id": self._quorum.get("quorum_id"),
+                        "participants": self._quorum.get("participants"), **self._rec})
+            if per_step:
+                rec.update({"committed": committed, "commit_ms": commit_ms})
+                if not committed:
+                    rec["error"] = self.ft.error()
+            self._rec = {}
         self.log(rec)
-        self.step = self.ft.current_step() if self.ft is not None else self.step + 1
+        if self.ft is not None and meth is None:
+            self.step = self.ft.current_step()
+        elif committed:  # a method's step counts inner steps (a sync that fails does not train them again)
+            self.step = self.step + 1
         if self.tuning is not None and not self.tuning.done:
             self.tuning.after_step(t4 - t0, t1)  # search steps are training steps: they train too
             tl.flush()
@@ -302,6 +432,19 @@ class Stepper:
         self.timeline.close()
         if self.metrics:
             self.metrics.close()
+
+
+class _SyncQuorum(Quorum):
+    """The method's syncs' quorum under fault tolerance: the Stepper's replica joins and commits."""
+
+    def __init__(self, stepper: Stepper):
+        self.stepper = stepper
+
+    def join(self, step: int) -> int:
+        return self.stepper._join_sync(step)
+
+    def commit(self) -> bool:
+        return self.stepper._commit_sync()
 
 
 def _without_residuals(state):

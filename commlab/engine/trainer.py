@@ -156,7 +156,10 @@ class Trainer:
         tl = self.timeline
         self._maybe_fault()
         if self.ft is not None:  # the quorum first: it says which step this is (a recovery may move it on)
-            idx = self.sampler.at(self.stepper.begin_step())
+            step = self.stepper.begin_step()
+            if step is None:  # a recovery landed in the last step's sync, which this replica ran: nothing is left
+                return {}
+            idx = self.sampler.at(step)
         else:
             idx = next(self.sampler)
         x, y = self.data.batch("train", idx)
@@ -242,7 +245,11 @@ class Trainer:
         if self.trials is not None:
             trials.run(self, self.trials, maybe_evaluate)
         while self.step < spec.steps and not reached:
-            if self.train_step().get("committed", True):  # a step that did not commit is trained again
+            before = self.step
+            rec = self.train_step()
+            # a step that did not commit is trained again; under a method, a sync that does not commit is not (its
+            # inner steps are dropped): there the step has moved on
+            if rec.get("committed", True) if self.stepper.method is None else self.step != before:
                 maybe_evaluate()
         self.stepper.drain()
         self.sync_params()

@@ -30,7 +30,11 @@ A subclass overrides what it needs:
   ``codec()`` and ``codec_numel(n)`` (what the model times).
 - ``global_params()``: the parameters every rank agrees on (what evaluation reads), or None.
 - ``state_dict()``/``load_state_dict()``: what a checkpoint keeps (step counts, outer momentum,
-  residuals).
+  residuals), and what a replica that recovers under fault tolerance takes from its source.
+
+Under fault tolerance (``ctx.quorum``, a ``Quorum``) a method's inner steps are local and join no quorum; each
+sync joins one before its exchange (``join``) and is applied only if it commits (``commit``). Local SGD, post-local
+SGD, DiLoCo and Streaming DiLoCo do; DeMo and a user's methods are refused under fault tolerance.
 
 Exchanges never apply optimizer updates by hand where a stock optimizer fits: DiLoCo's outer step is a
 ``torch.optim.SGD`` with Nesterov momentum over the global parameters.
@@ -84,6 +88,25 @@ class Context:
     """Makes the compressor of each of the method's exchanges (method.compressor; none by default)."""
     on_issue: Callable[[int], None] = field(default=lambda step: None)
     """Called with the step after each of the method's collectives is issued (fault injection at a sync)."""
+    quorum: Optional["Quorum"] = None
+    """Fault tolerance (commlab/engine/ft.py): each sync joins a quorum and is applied only when it commits; None
+    otherwise. ``world`` and ``rank`` are then the quorum's, set at each ``join``."""
+
+
+class Quorum:
+    """What a method's syncs ask of fault tolerance (the Stepper answers it, commlab/engine/stepper.py). A sync
+    calls ``join`` before its first collective and ``commit`` once, after its last one and before it changes
+    anything; between the two, nothing else joins a quorum (one sync at a time)."""
+
+    def join(self, step: int) -> int:
+        """Join the quorum of the sync at ``step``. A replica that is behind recovers here: its model, optimizer
+        and the method's state (``state_dict``) become its source's, as the source joined this sync; the
+        returned step is then the source's, and the sync to run is the one of that step."""
+        raise NotImplementedError
+
+    def commit(self) -> bool:
+        """Whether the sync commits (every participant's exchange went through, enough took part)."""
+        raise NotImplementedError
 
 
 class Method:

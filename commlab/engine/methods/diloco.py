@@ -27,7 +27,17 @@ outer optimizer over the global copy and the fragment schedule (issue at H/F - t
 later, mix by alpha). Differences: the global copy stays on the parameters' device (torchft keeps it in
 pinned CPU memory), one outer optimizer serves every fragment (the same momentum buffers per tensor),
 compression is any compressor of the lab through its exchange driver rather than torchft's quantized
-all-reduce, and there is no quorum or commit step (a failed rank fails the run).
+all-reduce.
+
+Under fault tolerance (``ctx.quorum``) it uses torchft's Manager as torchft's ``DiLoCo`` does: a sync joins the
+quorum before its pseudo-gradient's all-reduce is issued and asks should_commit when it is applied (tau steps
+later), one sync at a time; a sync that commits takes the outer step, one that does not puts the fragment back
+to its global parameters (the local steps since its last sync are dropped, as torchft restores its
+``original_parameters``) and leaves the global parameters, the outer momentum and ``syncs`` as they were. A
+replica that recovers takes ``state_dict()`` (global parameters, outer optimizer, syncs) beside the model and
+inner optimizer, as torchft registers each fragment's ``original_parameters`` and outer optimizer. Which
+fragment a sync carries follows the lab's step, which a recovery sets to the source's (torchft's follows the
+Manager's step, its commits).
 """
 from __future__ import annotations
 
@@ -135,20 +145,37 @@ class DiLoCo(Method):
         self.syncs = 0
 
     def after_optimizer_step(self, step: int) -> None:
-        issued = [f for f in range(self.fragments) if self.issues(step, f)]
-        for f in issued:
-            self._issue(step, f)
-        due = [x for x in self.inflight if x[0] == step]
-        if due:
-            self.inflight = [x for x in self.inflight if x[0] != step]
-            for _, f, transfers in due:
-                self._apply(f, transfers)
+        q = self.ctx.quorum
+        if q is None:
+            issued = self._issue_at(step)
+            applied = self._apply_due(step)
+        else:  # fault tolerance: one sync at a time, its quorum from its issue to its commit at its apply
+            applied = self._apply_due(step, q)  # issued tau steps ago
+            issued = []
+            if self.exchanges_at(step):
+                step = q.join(step)  # a replica that is behind recovers here, to its source's step
+                issued = self._issue_at(step)
+                applied += self._apply_due(step, q)  # tau 0: at once
         if issued:
             self.step_log["sync_bytes"] = self.step_bytes
             if self.fragments > 1:
                 self.step_log["fragment"] = issued[0] if len(issued) == 1 else issued
-        if due and self.fragments > 1:
-            self.step_log["applied"] = [f for _, f, _ in due] if len(due) > 1 else due[0][1]
+        if applied and self.fragments > 1:
+            self.step_log["applied"] = applied if len(applied) > 1 else applied[0]
+
+    def _issue_at(self, step: int) -> List[int]:
+        issued = [f for f in range(self.fragments) if self.issues(step, f)]
+        for f in issued:
+            self._issue(step, f)
+        return issued
+
+    def _apply_due(self, step: int, q=None) -> List[int]:
+        due = [x for x in self.inflight if x[0] == step]
+        if due:
+            self.inflight = [x for x in self.inflight if x[0] != step]
+            for _, f, transfers in due:
+                self._apply(f, transfers, q)
+        return [f for _, f, _ in due]
 
     def _issue(self, step: int, f: int) -> None:
         transfers = []
@@ -164,10 +191,20 @@ class DiLoCo(Method):
         self.inflight.append((step + self.tau, f, transfers))
 
     @torch.no_grad()
-    def _apply(self, f: int, transfers: List[Transfer]) -> None:
-        for g, tr in zip(self.parts[f], transfers):
-            avg = tr.finish()
+    def _apply(self, f: int, transfers: List[Transfer], q=None) -> None:
+        avgs = []
+        for tr in transfers:
+            avgs.append(tr.finish())
             self.step_bytes += tr.fresh_bytes()  # later rounds of a multi-round compressor
+        if q is not None and not q.commit():
+            # fault tolerance: the sync did not happen; the fragment goes back to its global parameters (the
+            # local steps since its last sync are dropped, as torchft's DiLoCo does)
+            self.syncs -= 1
+            for g in self.parts[f]:
+                for i, p in zip(g.index, g.params):
+                    p.copy_(self.glob[i])
+            return
+        for g, avg in zip(self.parts[f], avgs):
             for i, v in zip(g.index, g.views(avg)):
                 self.glob[i].grad = v
         self.outer.step()

@@ -18,6 +18,11 @@ the all-reduce goes through the lab's exchange driver and timeline (lane "outer"
 ``model_averaging.utils.average_parameters``; and the averages come after every H-th step (0-based steps
 H-1, 2H-1, ...), where PyTorch's averager averages after steps 0, H, 2H, ... (its counter starts at the first
 call). torchft's ``LocalSGD`` syncs after every ``sync_every`` optimizer steps, as here, a tensor at a time.
+
+Under fault tolerance (``ctx.quorum``) each average joins a quorum and is applied only when it commits, as
+torchft's ``LocalSGD`` does (quorum before the all-reduce, should_commit after it). A sync that does not commit
+puts the parameters back to the last average (``synced``), where torchft's keeps the local ones: the replicas
+then go on from parameters they agree on. A replica that recovers takes ``syncs`` and ``synced`` too.
 The average is uncompressed; a compressed one is DiLoCo with outer_lr 1 and outer_momentum 0 (the
 average of pseudo-gradients), which takes ``method.compressor``.
 """
@@ -65,17 +70,27 @@ class LocalSGD(Method):
             self._snapshot()  # the end of the synchronous phase: every rank holds these parameters
         if not self.exchanges_at(step):
             return
+        q = self.ctx.quorum
+        if q is not None:  # fault tolerance: a replica that is behind recovers here, to its source's step
+            step = q.join(step)
         outs = []
         for g, c in zip(self.groups, self.comps):
             flat = g.gather([p.detach() for p in g.params])
             outs.append((g, Transfer(self.ctx, g, c, flat, "outer", step, {"sync": self.syncs}).start()))
-        with torch.no_grad():
-            for g, tr in outs:
-                for p, v in zip(g.params, g.views(tr.finish())):
-                    p.copy_(v)
-                self.step_bytes += tr.sent
-        self.syncs += 1
+        avgs = []
+        for g, tr in outs:
+            avgs.append(g.views(tr.finish()))
+            self.step_bytes += tr.sent
         self.step_log["sync_bytes"] = self.step_bytes
+        with torch.no_grad():
+            if q is not None and not q.commit():
+                for p, s in zip(self.ctx.params, self.synced):  # back to the last average
+                    p.copy_(s)
+                return
+            for (g, _), vs in zip(outs, avgs):
+                for p, v in zip(g.params, vs):
+                    p.copy_(v)
+        self.syncs += 1
         self._snapshot()
 
     def global_params(self) -> Optional[List[Tensor]]:
