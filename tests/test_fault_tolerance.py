@@ -35,8 +35,13 @@ def spec(**over):
     ({"comm": "dear"}, "comm.mode", "dear shards parameters"),
     ({"schedule": "mergecomp"}, "schedule.name", "mergecomp tunes the buckets"),
     ({"schedule": "layerfusion"}, "schedule.name", "layerfusion tunes the buckets"),
-    ({"method": {"name": "diloco", "H": 4}}, "method.name", "diloco under fault tolerance comes later"),
-    ({"method": {"name": "local_sgd", "H": 4}}, "method.name", "local_sgd under fault tolerance comes later"),
+    ({"method": {"name": "demo"}}, "method.name", "demo under fault tolerance comes later"),
+    ({"method": {"name": "diloco", "H": 4, "compressor": {"name": "topk", "ratio": 0.1}}}, "method.compressor",
+     "topk under fault tolerance comes later"),
+    ({"method": {"name": "diloco", "H": 4, "compressor": {"name": "fp16", "error_feedback": True}}},
+     "method.compressor", "fp16 with error feedback"),
+    ({"method": {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 3}}, "method.tau",
+     "tau must be at most 2"),
     ({"compressor": {"name": "topk", "ratio": 0.1}}, "compressor.name", "topk under fault tolerance comes later"),
     ({"compressor": {"name": "fp16", "error_feedback": True}}, "compressor.name", "fp16 with error feedback"),
     ({"compressor": {"name": "int8", "error_feedback": True}}, "compressor.name",
@@ -73,6 +78,15 @@ def test_a_fault_tolerant_spec_is_fully_defaulted():
     assert ft["faults"] == [{"kind": "kill", "replica": 2, "step": 5, "restart_after_s": None}]
     assert JobSpec.from_dict(s.to_dict()) == s  # spec.json reads back as the same spec
     assert JobSpec.from_checked(s.to_dict()) == s
+
+
+@needs_torchft
+@pytest.mark.parametrize("method", [{"name": "local_sgd", "H": 4}, {"name": "post_local_sgd", "H": 4, "warmup": 2},
+                                    {"name": "diloco", "H": 4, "compressor": {"name": "bf16"}},
+                                    {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 2}])
+def test_the_methods_that_sync_now_and_then_run_fault_tolerant(method):
+    s = JobSpec.from_dict(spec(method=method))
+    assert s.method.name == method["name"] and s.fault_tolerance.enabled
 
 
 def test_a_spec_without_fault_tolerance_is_as_before():
@@ -383,3 +397,106 @@ def test_a_lighthouse_that_does_not_come_up_is_one_line_and_nothing_is_left(tmp_
     assert job.live == {} and all(p.poll() is not None for p in job.started)
     ev = read_jsonl(str(tmp_path / runfiles.FT_EVENTS))
     assert [e["event"] for e in ev] == ["lighthouse"] and ev[0]["pid"] == job.started[0].pid
+
+
+# -- a method's syncs under fault tolerance, in one process: stand-in replicas of one -----------------------------------
+
+def method_trainer(method, standin, steps=12):
+    from commlab.engine.trainer import Trainer
+    s = JobSpec.from_checked({**spec(model={"name": "mlp"}, dataset={"name": "digits"}, world_size=1, steps=steps,
+                                     ft={"replica_groups": 1, "min_replicas": 1}),
+                              "method": JobSpec.from_dict(spec(method=method)).method.__dict__,
+                              "batch_size": 16, "timeline": False})
+    return Trainer(s, None, 0, 1, torch.device("cpu"), ft=standin)
+
+
+def test_a_diloco_sync_that_does_not_commit_puts_the_local_parameters_back_to_the_global_ones_and_moves_on():
+    standin = StandIn([True, True, False, True])  # the start, the syncs after steps 1, 3 and 5
+    t = method_trainer({"name": "diloco", "H": 2, "outer_lr": 0.7, "outer_momentum": 0.9}, standin)
+    try:
+        m = t.stepper.method
+        rows = [t.train_step() for _ in range(2)]
+        assert rows[0]["committed"] is True and rows[0]["quorum_ms"] is not None  # the start's quorum and commit
+        assert rows[1]["committed"] is True and m.syncs == 1
+        glob = [g.clone() for g in m.glob]
+        outer = state_of_optimizer(m.outer)
+        t.train_step()
+        assert not all(torch.equal(p, g) for p, g in zip(t.model.parameters(), glob))  # a local step moved them
+        failed = t.train_step()
+        assert failed["step"] == 3 and failed["committed"] is False and failed["error"] == "RuntimeError: a peer is gone"
+        assert t.step == 4  # the inner steps are not trained again: the step moves on
+        assert all(torch.equal(p, g) for p, g in zip(t.model.parameters(), glob))  # back to the global parameters
+        assert all(torch.equal(a, b) for a, b in zip(m.glob, glob)) and m.syncs == 1
+        assert same(state_of_optimizer(m.outer), outer)  # no outer step, its momentum as it was
+        t.train_step()
+        ok = t.train_step()
+        assert ok["step"] == 5 and ok["committed"] is True and m.syncs == 2
+        assert not all(torch.equal(a, b) for a, b in zip(m.glob, glob))
+    finally:
+        t.close()
+
+
+def state_of_optimizer(opt):
+    from commlab.engine.stepper import _cloned
+    return _cloned(opt.state_dict())
+
+
+class Source(StandIn):
+    """A stand-in that keeps what it would send a replica that recovers from it, as it joins the quorum at ``at``."""
+
+    def __init__(self, commits, at):
+        super().__init__(commits)
+        self.at, self.sent = at, None
+
+    def start_quorum(self):
+        pos = self.position()
+        if pos["step"] == self.at and pos["at"] == "sync":
+            self.sent = (pos, {k: save() for k, (_, save) in self.registered.items()})
+        return super().start_quorum()
+
+
+class Healing(StandIn):
+    """A stand-in whose first quorum recovers from ``sent`` (as commlab.engine.ft.Replica loads a received state)."""
+
+    def __init__(self, commits, sent):
+        super().__init__(commits)
+        self.sent = sent
+
+    def start_quorum(self):
+        if self.sent is not None:
+            pos, state = self.sent
+            self.sent = None
+            self.on_position(pos)
+            for k, (load, _) in self.registered.items():
+                load(state[k])
+        return super().start_quorum()
+
+
+@pytest.mark.parametrize("method", [{"name": "diloco", "H": 3, "outer_lr": 0.7, "outer_momentum": 0.9},
+                                    {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1},
+                                    {"name": "local_sgd", "H": 3}])
+def test_a_replica_that_starts_late_recovers_in_the_peers_sync_runs_it_and_trains_on_as_they_do(method):
+    """The source joins the sync of step 5 (or the issue of a fragment there); a fresh replica's first quorum takes
+    its state there: it runs that sync without a forward pass and trains on, bit for bit as the source."""
+    from commlab.engine.trainer import params_digest
+    at = 5 if method["name"] != "streaming_diloco" else 6  # fragment 1 of 2 is issued after step 6 (H 4, tau 1)
+    src = Source([True] * 20, at)
+    a = method_trainer(method, src)
+    late = None
+    try:
+        while src.sent is None:
+            a.train_step()
+        assert set(src.sent[1]) == {"model", "optimizer", "compressors", "method"}
+        late = method_trainer(method, Healing([True] * 20, src.sent))
+        first = late.train_step()  # its quorum lands in the source's sync, which it runs, then it trains a step
+        assert late.stepper.method.state_dict()["syncs"] == a.stepper.method.state_dict()["syncs"]
+        same_step = a.train_step()
+        assert first["step"] == same_step["step"] == at + 1 and first["loss"] == same_step["loss"]
+        for _ in range(4):
+            ra, rl = a.train_step(), late.train_step()
+            assert ra["step"] == rl["step"] and ra["loss"] == rl["loss"]
+        assert params_digest(a.model) == params_digest(late.model)
+    finally:
+        a.close()
+        if late is not None:
+            late.close()
