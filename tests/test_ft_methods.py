@@ -1,0 +1,87 @@
+"""Local SGD, post-local SGD, DiLoCo and Streaming DiLoCo on torchft through the lab, end to end (mlp on digits, gloo,
+CPU): without faults a fault-tolerant run trains to the very parameters of the same spec without fault tolerance;
+with a kill, the killed DiLoCo replica is restarted, recovers in its peers' sync (model, inner optimizer, global
+parameters, outer momentum and the lab's step) and the run ends done with one model.
+
+In the kill run a modeled link paces the syncs (every all-reduce lasts its alpha-beta time, a sleep that leaves the
+CPU to the restart), so the survivors are still training when the restarted replica has imported torch and joined.
+Nothing is timed here: the assertions are about what the runs recorded."""
+import importlib.util
+
+import pytest
+
+import commlab
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
+                                reason="torchft is not installed (./setup.sh installs it)")
+
+BASE = {"model": "mlp", "dataset": "digits", "world_size": 3, "steps": 12, "batch_size": 16,
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "eval_every": 0, "final_eval": False,
+        "threads": 1, "comm": "sync", "schedule": "allinone"}
+FT = {"enabled": True, "min_replicas": 3, "join_timeout_ms": 5000, "timeout_s": 20}
+
+
+def finals(run):
+    st = run.status()
+    assert st["state"] == "done", (st, run.log_tail(60))
+    return {r.get("replica", r["rank"]): r["params_sha256"] for r in run.metric_rows() if r["kind"] == "final"}
+
+
+@pytest.mark.parametrize("method", [
+    {"name": "diloco", "H": 4, "outer_lr": 0.7, "outer_momentum": 0.9},
+    {"name": "local_sgd", "H": 3},
+    {"name": "post_local_sgd", "H": 3, "warmup": 3},
+    {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1},
+], ids=lambda m: m["name"])
+def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exactly(method, tmp_path):
+    """Exact: the replicas start alike (the first quorum's recovery), the syncs sum the same tensors over gloo in the
+    same order, and the batches are those of the same steps. The run without fault tolerance records rank 0's
+    parameters: replica 0's are the same; where the last step is a sync of the whole model, so are the others'
+    (Streaming DiLoCo's fragment 0 has had local steps since its last sync, and alpha 0.5 mixes in local ones)."""
+    plain = finals(commlab.run({**BASE, "name": "plain", "method": method}, runs=tmp_path / "runs"))
+    ft = commlab.run({**BASE, "name": "ft", "method": method, "fault_tolerance": FT}, runs=tmp_path / "runs")
+    got = finals(ft)
+    assert sorted(got) == [0, 1, 2] and got[0] == plain[0], (plain, got)
+    if method["name"] != "streaming_diloco":
+        assert len(set(got.values())) == 1, got
+    rows = [r for r in ft.metric_rows() if r["kind"] == "step"]
+    # every replica trained every step once, and every sync committed with the three
+    for rep in range(3):
+        assert [r["step"] for r in rows if r["replica"] == rep] == list(range(BASE["steps"])), rep
+    syncs = [r for r in rows if "sync_bytes" in r]
+    assert syncs and all(r["committed"] is True and r["participants"] == 3 for r in syncs if "committed" in r)
+
+
+STEPS, H, KILL_AT = 64, 4, 5
+KILL = {**BASE, "name": "ft-diloco-kill", "steps": STEPS,
+        "method": {"name": "diloco", "H": H, "outer_lr": 0.7, "outer_momentum": 0.9},
+        "network": {"link": "modeled", "gbps": 1, "latency_us": 300000},  # a sync: 1.2 s with 3, 0.6 s with 2
+        "fault_tolerance": {"enabled": True, "min_replicas": 2, "join_timeout_ms": 1000, "timeout_s": 20,
+                            "restart": {"max_restarts": 2, "delay_s": 0.5},
+                            "faults": [{"kind": "kill", "replica": 2, "step": KILL_AT, "restart_after_s": 0.5}]}}
+
+
+def visits(seq, pattern):
+    it = iter(seq)
+    return all(any(x == want for x in it) for want in pattern)
+
+
+def test_a_killed_diloco_replica_is_restarted_recovers_in_a_sync_and_the_run_ends_done_with_one_model(tmp_path):
+    run = commlab.run(KILL, runs=tmp_path / "runs")
+    got = finals(run)
+    assert sorted(got) == [0, 1, 2] and len(set(got.values())) == 1, got  # the restarted one too
+    ev = run.ft_events()
+    kills = [e for e in ev if e["event"] == "kill"]
+    assert len(kills) == 1 and kills[0]["replica"] == 2 and kills[0]["step"] >= KILL_AT
+    assert sorted((e["replica"], e["gen"]) for e in ev if e["event"] == "spawn") == [(0, 0), (1, 0), (2, 0), (2, 1)]
+    rec = [r for r in run.recoveries() if r["replica"] == 2 and r["t"] > kills[0]["t"]]
+    assert len(rec) == 1, run.recoveries()
+    # it recovered in a sync: the lab's step is a sync's (the last of a period), past the kill
+    assert rec[0]["from_replica"] in (0, 1) and rec[0]["bytes"] > 0
+    assert rec[0]["lab_step"] > kills[0]["step"] and (rec[0]["lab_step"] + 1) % H == 0
+    rows = [r for r in run.metric_rows() if r["kind"] == "step"]
+    after = [r for r in rows if r["replica"] == 2 and r["t"] > rec[0]["t"]]
+    assert after[0]["step"] == rec[0]["lab_step"] and after[0]["recovered"] is True and after[0]["committed"]
+    assert [r["step"] for r in after] == list(range(rec[0]["lab_step"], STEPS))  # and trains on to the end
+    size = {r["quorum_id"]: r["participants"] for r in rows if r.get("quorum_id") is not None}
+    assert visits([size[q] for q in sorted(size)], [3, 2, 3]), size
