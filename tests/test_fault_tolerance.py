@@ -476,7 +476,7 @@ class Healing(StandIn):
                                     {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1},
                                     {"name": "local_sgd", "H": 3}])
 def test_a_replica_that_starts_late_recovers_in_the_peers_sync_runs_it_and_trains_on_as_they_do(method):
-    """The source joins the sync of step 5 (or the issue of a fragment there); a fresh replica's first quorum takes
+    """The source joins the sync of step 5 (or where a fragment is issued); a fresh replica's first quorum takes
     its state there: it runs that sync without a forward pass and trains on, bit for bit as the source."""
     from commlab.engine.trainer import params_digest
     at = 5 if method["name"] != "streaming_diloco" else 6  # fragment 1 of 2 is issued after step 6 (H 4, tau 1)

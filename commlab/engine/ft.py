@@ -8,7 +8,10 @@ Each step (commlab/engine/stepper.py) starts with ``start_quorum`` (synchronous:
 restarted one or one that joined late, receives the model, optimizer and compressor state of an up-to-date peer
 and loads them before its forward pass) and asks ``should_commit`` before the optimizer step: a step commits only where every
 participant's exchange succeeded, and one that does not is redone on the same batch (batches are keyed by the
-committed step).
+committed step). Under a method that syncs now and then (local SGD, DiLoCo, ...) the inner steps are local: the
+quorum is joined at each sync and at a process's first step, a sync is applied only when it commits, and a recovery
+also hands over the method's state and the lab's step (``position``: the Manager's step counts commits, the lab's
+counts inner steps).
 
 What is here:
 

@@ -628,7 +628,7 @@ back on a step that does not commit) and its residual per replica (left out of w
 
 @dataclass
 class FaultToleranceSpec:
-    """Replica groups on torchft (commlab/engine/ft.py): a Lighthouse keeps the membership, every step starts with a
+    """Replica groups on torchft (commlab/engine/ft.py): a Lighthouse keeps the membership, every step (a method's: every sync) starts with a
     quorum and commits only where every participant succeeded, and a replica that (re)joins recovers the model and
     optimizer from a peer. Each replica group is one process (one rank), so world_size is the number of replica
     groups."""

@@ -21,6 +21,14 @@ participants, and the optimizer steps only when the step commits (``Replica.shou
 not commit is logged with ``committed: false`` and trained again. Step lines then carry ``replica``,
 ``quorum_id``, ``participants``, ``committed``, ``quorum_ms`` and ``commit_ms``.
 
+Under a method as well, its steps are local and join no quorum: the method's syncs join one and commit
+(``Quorum``, through ``Context.quorum``), and so do the steps that exchange gradients (post-local SGD's warm-up)
+and this process's first step (the start: a quorum, a barrier, a commit). A recovery also hands over the method's
+``state_dict()`` and this Stepper's position (its step, and whether it was at a step's start or in a sync); one
+that lands in its peers' sync runs that sync from the recovered state. A sync that does not commit is not trained
+again: the step moves on (the method puts back what it covers). Step lines carry ``replica``, the last quorum's
+``quorum_id`` and ``participants``, and ``quorum_ms``, ``committed`` and ``commit_ms`` on the steps that joined one.
+
 ``commlab.engine.trainer.Trainer`` drives it from its data loop; ``commlab.wrap`` from the user's.
 """
 from __future__ import annotations
