@@ -261,7 +261,7 @@ def runs(slowpkg, tmp_path_factory):
         "plain": BASE,
         "straggler": dict(BASE, model={"name": "explainpkg.slow:lagging", "lag_ms": 25.0}),
         "codec": dict(BASE, compressor={"name": "explainpkg.slow:SlowHalf"}),
-        "link": dict(BASE, network={"link": "modeled", "gbps": 0.002, "latency_us": 50.0}),
+        "link": dict(BASE, network={"link": "modeled", "gbps": 0.02, "latency_us": 50.0}),
     }
     out = {}
     for k, spec in made.items():
@@ -292,9 +292,9 @@ def _shaped_unavailable():
 
 @pytest.mark.skipif(_shaped_unavailable() is not None, reason=f"shaped links: {_shaped_unavailable()}")
 def test_a_slower_shaped_link_is_named_first(slowpkg, tmp_path):
-    """A real emulated link (network namespaces, tc) at 0.01 Gbit/s: the wire bounds the step."""
+    """A real emulated link (network namespaces, tc) at 0.05 Gbit/s: the wire bounds the step."""
     import commlab
-    run = commlab.run(dict(BASE, steps=8, network={"link": "shaped", "gbps": 0.01}), runs=tmp_path)
+    run = commlab.run(dict(BASE, steps=8, network={"link": "shaped", "gbps": 0.05}), runs=tmp_path)
     assert run.state == "done", run.status().get("error")
     ex = explain.explain_run(run)
     assert "bound by bytes on the wire" in ex.sentences[0], ex.sentences

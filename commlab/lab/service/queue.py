@@ -93,7 +93,15 @@ class Lab:
         self.index = Index(self.store)
         configured = _config_max_jobs(self.store.root)  # read even when overridden: a broken file is reported
         self.admission = (admission or Admission)(self.store.root)
-        self.max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or configured or default_max_jobs()
+        self._max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or configured
+
+    @property
+    def max_jobs(self) -> int:
+        """Runs at a time: as given, ``COMMLAB_MAX_JOBS``, the runs directory's config, else ``default_max_jobs``
+        (counted when first asked: it imports torch, which listing or showing runs does not need)."""
+        if not self._max_jobs:
+            self._max_jobs = default_max_jobs()
+        return self._max_jobs
 
     def _changed(self, run: Run) -> None:
         """status.json changed: its row in the index too. status.json is the truth and is written already; an
