@@ -189,9 +189,10 @@ def from_spec(network) -> Optional[ModeledLink]:
 
 # --------------------------------------------------------------------------
 # A measuring worker, run as a torchrun node (e.g. by commlab.lab.net.netcheck.net_check):
-#   python -m commlab.engine.netmodel allreduce --bytes N --iters K --out FILE
-# It times K all-reduces of an fp32 tensor of N bytes after one warm-up, and
-# rank 0 writes {"times": [...], "nbytes": N, "world": p, ...} as JSON to FILE.
+#   python -m commlab.engine.netmodel allreduce --bytes N[,N...] --iters K[,K...] --out FILE
+# For each size in turn (one process group for all: each rank imports torch once), it times K
+# all-reduces of an fp32 tensor of N bytes after one warm-up, and rank 0 writes
+# {"results": [{"times": [...], "nbytes": N, "world": p, ...}, ...]} as JSON to FILE.
 
 def _measure_main(argv=None) -> int:
     import argparse
@@ -204,30 +205,39 @@ def _measure_main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m commlab.engine.netmodel")
     ap.add_argument("op", choices=["allreduce"])
-    ap.add_argument("--bytes", type=int, required=True)
-    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--bytes", required=True, help="N or N,N,...: the sizes, measured in this order")
+    ap.add_argument("--iters", default="5", help="K (every size) or K,K,... (one per size)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--timeout", type=float, default=60.0)
     a = ap.parse_args(argv)
+    sizes = [int(x) for x in a.bytes.split(",")]
+    iters = [int(x) for x in a.iters.split(",")]
+    if len(iters) == 1:
+        iters *= len(sizes)
+    if len(iters) != len(sizes):
+        ap.error(f"--iters: one count, or one per size ({len(sizes)}), got {len(iters)}")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=a.timeout))
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        t = torch.ones(max(a.bytes // 4, 1), dtype=torch.float32)
-        t0 = time.perf_counter()
-        dist.all_reduce(t)  # warm-up: connections, buffers, TCP ramp-up
-        warm = time.perf_counter() - t0
-        dist.barrier()
-        times = []
-        for _ in range(a.iters):
+        results = []
+        for nbytes, k in zip(sizes, iters):
+            t = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+            dist.barrier()
             t0 = time.perf_counter()
-            dist.all_reduce(t)
-            times.append(time.perf_counter() - t0)
-        ok = bool(torch.all(t == float(world) ** (a.iters + 1)).item())
+            dist.all_reduce(t)  # warm-up: connections, buffers, TCP ramp-up
+            warm = time.perf_counter() - t0
+            dist.barrier()
+            times = []
+            for _ in range(k):
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                times.append(time.perf_counter() - t0)
+            ok = bool(torch.all(t == float(world) ** (k + 1)).item())
+            results.append({"op": a.op, "nbytes": t.numel() * 4, "world": world, "times": times, "warmup_s": warm,
+                            "correct": ok, "ifname": os.environ.get("GLOO_SOCKET_IFNAME")})
         if rank == 0:
-            write_json_atomic(a.out, {"op": a.op, "nbytes": t.numel() * 4, "world": world, "times": times,
-                                      "warmup_s": warm, "correct": ok,
-                                      "ifname": os.environ.get("GLOO_SOCKET_IFNAME")}, indent=None)
+            write_json_atomic(a.out, {"results": results}, indent=None)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 from commlab.engine.netmodel import busbw_factor, ring_allreduce_s
 from commlab.lab.base.procs import stop
@@ -100,6 +100,13 @@ def measure_allreduce(cluster: Cluster, nbytes: int, iters: int, port: Optional[
                       timeout: float = 90.0) -> dict:
     """Time ``iters`` gloo all-reduces of ``nbytes`` (fp32), every rank a torchrun
     node in its namespace (``python -m commlab.engine.netmodel allreduce``)."""
+    return measure_allreduces(cluster, [(nbytes, iters)], port, timeout)[0]
+
+
+def measure_allreduces(cluster: Cluster, sizes: List[Tuple[int, int]], port: Optional[int] = None,
+                       timeout: float = 90.0) -> List[dict]:
+    """``measure_allreduce`` of each (nbytes, iters) of ``sizes`` in turn, by one set of ranks (each imports
+    torch and joins the group once, not once per size); one result per size, in order."""
     port = port or (20000 + secrets.randbelow(20000))
     env0 = worker_env()
     procs = []
@@ -108,8 +115,9 @@ def measure_allreduce(cluster: Cluster, nbytes: int, iters: int, port: Optional[
         logs = []
         try:
             for i in range(cluster.n):
-                argv, upd = rank_argv(cluster, i, ["-m", "commlab.engine.netmodel", "allreduce", "--bytes", str(nbytes),
-                                                   "--iters", str(iters), "--out", out,
+                argv, upd = rank_argv(cluster, i, ["-m", "commlab.engine.netmodel", "allreduce",
+                                                   "--bytes", ",".join(str(n) for n, _ in sizes),
+                                                   "--iters", ",".join(str(k) for _, k in sizes), "--out", out,
                                                    "--timeout", str(int(timeout))], port)
                 log = open(os.path.join(tmp, f"rank{i}.log"), "wb")
                 logs.append(log)
@@ -135,7 +143,7 @@ def measure_allreduce(cluster: Cluster, nbytes: int, iters: int, port: Optional[
                 f"exit codes {[p.returncode for p in procs]}"
             raise NetnsError(f"all-reduce measurement {why}:{tail[-800:]}")
         with open(out) as f:
-            return json.load(f)
+            return json.load(f)["results"]
 
 
 SMALL_BYTES = 4096
@@ -164,8 +172,8 @@ def net_check(gbps: float, seconds: float = 3.0, target_s: float = 0.5, latency_
         say(f"cluster: {c.describe()}")
         tcp = measure_tcp(c, 0, 1, seconds)
         say(f"tcp: {tcp['gbps'] * 1e3:.1f} Mbit/s")
-        ar = measure_allreduce(c, nbytes, iters)
-        small = measure_allreduce(c, SMALL_BYTES, 20)  # latency: what a collective costs with ~no bytes
+        # then the latency: what a collective costs with ~no bytes
+        ar, small = measure_allreduces(c, [(nbytes, iters), (SMALL_BYTES, 20)])
         qd = c.qdiscs()
     times = sorted(ar["times"])
     med = times[len(times) // 2]

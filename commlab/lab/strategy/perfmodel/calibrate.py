@@ -35,7 +35,7 @@ from commlab.engine import codepath
 from commlab.engine.runlog import write_json_atomic
 from commlab.engine.spec import JobSpec
 from commlab.lab.base import sandbox
-from commlab.lab.net.netcheck import measure_allreduce
+from commlab.lab.net.netcheck import measure_allreduces
 from commlab.lab.net.netns import Cluster
 from commlab.lab.rundir.disturbance import describe
 from commlab.lab.strategy.perfmodel.costs import Link, TokenBucket, steps_and_wire
@@ -380,9 +380,8 @@ def measure_link(gbps: float, n_ranks: int = 2, target_s: float = 0.4) -> dict:
     rows = []
     with Cluster(n_ranks, gbps, tag="pm") as c:
         burst = c.burst_bytes
-        small = measure_allreduce(c, 4096, 30)
-        for nbytes, iters in ((big // 4, 8), (big, 5)):
-            r = measure_allreduce(c, nbytes, iters)
+        small, *large = measure_allreduces(c, [(4096, 30), (big // 4, 8), (big, 5)])
+        for r in large:
             rows.append((*steps_and_wire("allreduce", r["nbytes"], n_ranks), statistics.median(r["times"])))
     alpha_big, beta = fit_link(rows)
     return {"alpha": alpha_big, "beta": beta, "nominal_gbps": gbps, "burst_bytes": burst,
@@ -400,8 +399,7 @@ def measure_path(n_ranks: int = 2, sizes=(1 << 20, 8 << 20), iters: int = 6) -> 
     Returns ``alpha`` and ``beta`` (seconds per ring step and per byte) and the samples."""
     rows = []
     with Cluster(n_ranks, None, tag="path") as c:
-        for nbytes in sizes:
-            r = measure_allreduce(c, nbytes, iters)
+        for r in measure_allreduces(c, [(n, iters) for n in sizes]):
             rows.append((*steps_and_wire("allreduce", r["nbytes"], n_ranks), statistics.median(r["times"])))
     alpha, beta = fit_link(rows)
     return {"alpha": alpha, "beta": beta, "samples": rows,
