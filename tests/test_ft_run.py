@@ -1,21 +1,25 @@
 """A fault-tolerant run through the lab, end to end: three replica groups on torchft (mlp on digits, PowerSGD, gloo,
-CPU), the lab SIGKILLs replica 2 once it has logged a step, restarts it, the replica recovers the model, optimizer
-and compressor state from a peer, and the run ends done with every replica holding the same parameters.
+CPU), the lab SIGKILLs replica 2 once it has logged a step (a fault of the spec), restarts it, the replica recovers
+the model, optimizer and compressor state from a peer; later `commlab fault` asks the running run to kill replica 1,
+which comes back the same way; the run ends done with every replica holding the same parameters.
 
 The survivors must still be training when the restarted replica has imported torch and joined: a modeled link
 (every all-reduce lasts its alpha-beta time, a sleep that leaves the CPU to the restart) paces the steps. Nothing is
 timed here: the assertions are about what the run recorded."""
 import importlib.util
+import re
+import time
 
 import pytest
 
 import commlab
 from commlab.engine import runfiles
+from commlab.lab.front import cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                 reason="torchft is not installed (./setup.sh installs it)")
 
-STEPS, KILL_AT = 80, 3
+STEPS, KILL_AT, ASK_AT = 100, 3, 40
 SPEC = {"name": "ft-kill", "model": "mlp", "dataset": "digits", "world_size": 3, "steps": STEPS, "batch_size": 16,
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "eval_every": 0, "final_eval": False,
         "threads": 1, "comm": "sync", "schedule": "allinone",
@@ -26,6 +30,19 @@ SPEC = {"name": "ft-kill", "model": "mlp", "dataset": "digits", "world_size": 3,
                             "faults": [{"kind": "kill", "replica": 2, "step": KILL_AT, "restart_after_s": 0.5}]}}
 
 
+def ask_to_kill_replica_1(run, root):
+    """Once replica 2 is back (its recovery after the spec's kill) and replica 1 has logged ASK_AT: `commlab fault`."""
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and run.status().get("state") in ("queued", "running"):
+        kill = [e for e in run.ft_events() if e["event"] == "kill"]
+        back = kill and [r for r in run.recoveries() if r["replica"] == 2 and r["t"] > kill[0]["t"]]
+        mine = [r["step"] for r in run.metric_rows() if r["kind"] == "step" and r.get("replica") == 1]
+        if back and mine and max(mine) >= ASK_AT:
+            return cli.main(["fault", run.id, "--kill", "1", "--restart-after", "0.5", "--runs", str(root)])
+        time.sleep(0.2)
+    pytest.fail(f"replica 2 did not come back before the run ended: {run.status().get('state')}")
+
+
 def visits(seq, pattern):
     """Whether ``pattern`` is a subsequence of ``seq``."""
     it = iter(seq)
@@ -34,7 +51,15 @@ def visits(seq, pattern):
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
-    return commlab.run(SPEC, runs=tmp_path_factory.mktemp("ft") / "runs")
+    root = tmp_path_factory.mktemp("ft") / "runs"
+    run = commlab.run(SPEC, runs=root, wait=False)
+    try:
+        run.asked = ask_to_kill_replica_1(run, root)
+        commlab.wait(run.id, runs=root, timeout=300)
+    finally:
+        if commlab.get(run.id, runs=root).state in ("queued", "running"):
+            commlab.cancel(run.id, runs=root)
+    return commlab.get(run.id, runs=root)
 
 
 def test_a_killed_replica_is_restarted_recovers_and_the_run_ends_done_with_one_model(killed_run):
@@ -56,10 +81,12 @@ def test_the_kill_and_the_recovery_are_in_the_runs_records(killed_run):
     run = killed_run
     ev = run.ft_events()
     kills = [e for e in ev if e["event"] == "kill"]
-    assert len(kills) == 1 and kills[0]["replica"] == 2 and kills[0]["gen"] == 0 and kills[0]["step"] >= KILL_AT
+    assert len(kills) == 2 and kills[0]["replica"] == 2 and kills[0]["gen"] == 0 and kills[0]["step"] >= KILL_AT
+    assert "requested" not in kills[0] and kills[1]["requested"] and kills[1]["replica"] == 1 and kills[1]["by"]
     spawns = [(e["replica"], e["gen"]) for e in ev if e["event"] == "spawn"]
-    assert sorted(spawns) == [(0, 0), (1, 0), (2, 0), (2, 1)]
-    assert any(e["event"] == "exit" and e["replica"] == 2 and e["gen"] == 0 and e["code"] == -9 for e in ev)
+    assert sorted(spawns) == [(0, 0), (1, 0), (1, 1), (2, 0), (2, 1)]
+    for r in (1, 2):
+        assert any(e["event"] == "exit" and e["replica"] == r and e["gen"] == 0 and e["code"] == -9 for e in ev)
     assert [e for e in ev if e["event"] == "lighthouse"][0]["pid"] > 0
     rec = [r for r in run.recoveries() if r["replica"] == 2 and r["t"] > kills[0]["t"]]
     assert len(rec) == 1, run.recoveries()
@@ -69,16 +96,75 @@ def test_the_kill_and_the_recovery_are_in_the_runs_records(killed_run):
     mine = [r for r in run.metric_rows() if r["kind"] == "step" and r["replica"] == 2]
     assert max(r["step"] for r in mine if r["t"] <= kills[0]["t"]) >= KILL_AT
     assert min(r["step"] for r in mine if r["t"] > rec[0]["t"]) == rec[0]["step"]
-    # the quorum shrank when replica 2 died and grew again when it came back: each quorum's size, in their order
+    asked = [r for r in run.recoveries() if r["replica"] == 1 and r["t"] > kills[1]["t"]]
+    assert len(asked) == 1 and asked[0]["from_replica"] in (0, 2), run.recoveries()
+    # the quorum shrank at each kill and grew again at each return: each quorum's size, in their order
     size = {r["quorum_id"]: r["participants"] for r in run.metric_rows() if r["kind"] == "step"}
-    assert visits([size[q] for q in sorted(size)], [3, 2, 3]), size
+    assert visits([size[q] for q in sorted(size)], [3, 2, 3, 2, 3]), size
     assert (run.path / runfiles.LIGHTHOUSE_LOG).exists()
 
 
 def test_nothing_the_run_started_is_left_running(killed_run):
     from commlab.lab.base import procs
     started = [e["pid"] for e in killed_run.ft_events() if e["event"] in ("spawn", "lighthouse")]
-    assert len(started) == 5
+    assert len(started) == 6
     for pid in started:  # gone, or the PID is another process's now
         cmd = procs.cmdline(pid) if procs.start_time(pid) is not None else ""
         assert str(killed_run.path) not in cmd and "ft_lighthouse" not in cmd, (pid, cmd)
+
+
+def test_commlab_fault_said_what_it_did_and_refuses_in_one_line(killed_run, capsys):
+    assert killed_run.asked == 0
+    root = str(killed_run.path.parent)
+    assert cli.main(["fault", killed_run.id, "--kill", "1", "--runs", root]) == 2
+    err = capsys.readouterr().err
+    assert f"RUN: {killed_run.id} is done; faults go to a running run" in err and "Traceback" not in err
+
+
+class _Running:
+    """A run's status as request_fault reads it: running, fault tolerant, three replica groups."""
+    id = "r"
+
+    def __init__(self, tmp_path, ft=True):
+        self.path, self.ft = tmp_path, ft
+
+    def status(self):
+        return {"state": "running", **({"fault_tolerance": {"replica_groups": 3}} if self.ft else {})}
+
+    def file(self, name):
+        return self.path / name
+
+
+@pytest.mark.parametrize("replica,after,ft,said", [
+    (3, None, True, "--kill: a replica group in 0..2, got 3"), (-1, None, True, "--kill: a replica group in 0..2"),
+    (1, -2.0, True, "--restart-after: seconds in [0, 3600]"),
+    (1, None, False, "RUN: r is not fault tolerant")])
+def test_a_fault_request_the_run_cannot_take_names_the_field(tmp_path, replica, after, ft, said):
+    from commlab.lab.rundir.ftrun import request_fault
+    with pytest.raises(ValueError, match=re.escape(said)):
+        request_fault(_Running(tmp_path, ft), replica, after)
+    assert not (tmp_path / runfiles.FAULT_REQUESTS).exists()
+    request_fault(_Running(tmp_path), 2, 1.5, by="me")
+    (line,) = (tmp_path / runfiles.FAULT_REQUESTS).read_text().splitlines()
+    assert '"replica":2' in line and '"restart_after_s":1.5' in line and '"by":"me"' in line
+
+
+def test_show_and_the_live_page_tell_each_replica_group(killed_run, capsys, monkeypatch):
+    root = str(killed_run.path.parent)
+    assert cli.main(["show", killed_run.id, "--runs", root]) == 0
+    out = capsys.readouterr().out
+    assert "replicas       3 replica groups: " in out and "; 2 kills" in out, out
+    assert "quorum         2 to 3 replica groups over " in out and "; 2 recoveries after the start" in out, out
+    pytest.importorskip("streamlit")
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+    monkeypatch.setenv("COMMLAB_RUNS", root)
+    at = AppTest.from_file(str(Path(commlab.__file__).parent / "app" / "streamlit_app.py"), default_timeout=120)
+    at.query_params["run"] = killed_run.id
+    at.run().switch_page("views/live_run.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    shown = {m.label: m.value for m in at.metric}
+    assert {f"replica {r}" for r in range(3)} <= set(shown) and all(
+        shown[f"replica {r}"] in ("finished", "stopped") for r in range(3)), shown
+    assert any("3 replica groups" in c.value and "2 kills" in c.value for c in at.caption)

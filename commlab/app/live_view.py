@@ -1,5 +1,6 @@
-"""The Live run page's panel: the run picker, then one run's status, progress, cancel and share, its
-timeline, where the step time goes, its curves and bytes, refreshed while it trains (ui.REFRESH_S for the
+"""The Live run page's panel: the run picker, then one run's status, progress, cancel and share (and, for a
+fault-tolerant run, each replica group's state, the quorum's size and the recoveries), its timeline, where the step
+time goes, its curves and bytes, refreshed while it trains (ui.REFRESH_S for the
 status, ui.CHARTS_REFRESH_S for the charts: drawing them is most of what watching costs the machine).
 """
 from __future__ import annotations
@@ -12,7 +13,7 @@ from commlab.app import explain_view
 from commlab.app.room import access
 from commlab.app.widgets import report_button, state_badge, where
 from commlab.engine.runfiles import FINAL
-from commlab.lab.analysis import comparison, live, plots, timelines
+from commlab.lab.analysis import comparison, live, plots, replicas, timelines
 from commlab.lab.front import ui
 from commlab.lab.rundir import disturbance
 from commlab.lab.rundir.summary import fmt_bytes, summarize, warmup_steps
@@ -112,6 +113,8 @@ def live_panel(run_id: str) -> None:
             with st.expander("log (last lines)"):
                 st.code(ui.shown_log(run, 30) or "(empty)")
         machine_note(status.get("disturbance"))
+        if status.get("fault_tolerance"):
+            replica_panel(run, lr.metric_rows())
         m = st.columns(4)
         m[0].metric("iteration (median)", f"{s['iter_ms_median']:.1f} ms" if s.get("iter_ms_median") else "-")
         m[1].metric("accuracy (its script's evaluation)" if own else "held-out accuracy",
@@ -159,6 +162,31 @@ def live_panel(run_id: str) -> None:
 
     panel()
     charts()
+
+
+def replica_panel(run, rows) -> None:
+    """A fault-tolerant run's replica groups (commlab.lab.analysis.replicas): each one's state, the quorum's size
+    over the run, and the recoveries after the start."""
+    steps = [r for r in rows if r.get("kind") == "step" and "replica" in r]
+    states = replicas.replica_states(run.ft_events(), steps, run.recoveries())
+    if not states:
+        st.caption("Replica groups: starting (the Lighthouse first).")
+        return
+    st.caption(ui.text(replicas.describe(states)))
+    cols = st.columns(len(states))
+    for c, s in zip(cols, states):
+        c.metric(f"replica {s['replica']}", s["state"],
+                 help=f"process generation {s['gen']}, {s['kills']} kill(s), last step {s['last_step']}")
+    sizes = replicas.quorum_sizes(steps)
+    recs = replicas.after_start(run.recoveries(), steps)
+    with st.expander(f"Quorum over the run ({len(sizes)} quorums) and recoveries ({len(recs)})"):
+        if sizes:
+            st.line_chart({"step": [q["step"] for q in sizes], "quorum size": [q["participants"] for q in sizes]},
+                          x="step", y="quorum size", height=160)
+        if recs:
+            st.dataframe([{"replica": r.get("replica"), "from replica": r.get("from_replica"), "step": r.get("step"),
+                           "seconds": round(r.get("seconds") or 0.0, 3), "MB": round((r.get("bytes") or 0) / 1e6, 2)}
+                          for r in recs], hide_index=True)
 
 
 def machine_note(d: Optional[dict]) -> None:

@@ -171,8 +171,15 @@ def emit(obj) -> None:
 def run_document(run) -> dict:
     """A run as ``show --json`` and ``run --json`` print it."""
     spec, st = run.spec_dict(), run.status()
-    return {"id": run.id, "state": st.get("state"), "status": st, "summary": summarize(run.metric_rows(), spec, st),
-            "spec": spec}
+    rows = run.metric_rows()
+    doc = {"id": run.id, "state": st.get("state"), "status": st, "summary": summarize(rows, spec, st), "spec": spec}
+    if st.get("fault_tolerance"):  # each replica group's state, the quorums, the recoveries after the start
+        from commlab.lab.analysis import replicas
+        steps = [r for r in rows if r.get("kind") == "step" and "replica" in r]
+        recs = run.recoveries()
+        doc["replicas"] = {"states": replicas.replica_states(run.ft_events(), steps, recs),
+                           "quorums": replicas.quorum_sizes(steps), "recoveries": replicas.after_start(recs, steps)}
+    return doc
 
 
 def numbers(flag: str, text: str, kind, lo, hi) -> list:

@@ -83,6 +83,20 @@ def add_commands(sub) -> None:
     runs_arg(p)
     p.set_defaults(func=cmd_cancel, cmd_parser=p)
 
+    p = command(sub, "fault", "kill a worker of a running fault-tolerant run (the lab restarts it)",
+                ["commlab fault 20250101-120000-ft-ab12 --kill 2",
+                 "commlab fault 20250101-120000-ft-ab12 --kill 1 --restart-after 5"],
+                "The run goes on with the other replica groups; the killed one is restarted after --restart-after "
+                "seconds (default: the spec's fault_tolerance.restart.delay_s) while restarts are left, and "
+                "recovers its state from a live peer. Waits up to 30 s for the run to record the kill.")
+    p.add_argument("run", metavar="RUN", help="run id")
+    p.add_argument("--kill", type=int, required=True, metavar="REPLICA", help="the replica group to kill (0-based)")
+    p.add_argument("--restart-after", type=float, default=None, metavar="S",
+                   help="seconds before the lab starts it again")
+    json_arg(p, "the request and what the run recorded")
+    runs_arg(p)
+    p.set_defaults(func=cmd_fault, cmd_parser=p)
+
     p = command(sub, "show", "one run's summary", ["commlab show 20250101-120000-demo-ab12",
                                                    "commlab show 20250101-120000-demo-ab12 --json"])
     p.add_argument("run", metavar="RUN", help="run id")
@@ -356,6 +370,36 @@ def cmd_cancel(args) -> int:
     return 0 if state in FINAL else 1
 
 
+def cmd_fault(args) -> int:
+    import getpass
+
+    from commlab.lab.rundir.ftrun import request_fault
+    run = store_of(args).get(args.run)
+    seen = len(run.ft_events())
+    try:
+        req = request_fault(run, args.kill, args.restart_after, by=getpass.getuser())
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    deadline = time.monotonic() + 30
+    done = None
+    while done is None and time.monotonic() < deadline:
+        done = next((e for e in run.ft_events()[seen:] if e.get("requested") and e.get("replica") == args.kill
+                     and e["event"] in ("kill", "refused")), None)
+        if done is None:
+            time.sleep(0.2)
+    if args.json:
+        emit({"id": run.id, "request": req, "recorded": done})
+    elif done is None:
+        print(f"{run.id}: asked to kill replica {args.kill}; the run has not recorded it within 30 s")
+    elif done["event"] == "refused":
+        print(f"{run.id}: replica {args.kill} was not killed: {done['why']}")
+    else:
+        after = "the spec's restart delay" if args.restart_after is None else f"{args.restart_after:g} s"
+        print(f"{run.id}: killed replica {args.kill} (pid {done['pid']}); the lab restarts it after {after} while "
+              "restarts are left")
+    return 0 if done is not None and done["event"] == "kill" else 1
+
+
 def cmd_show(args) -> int:
     run = store_of(args).get(args.run)
     doc = run_document(run)
@@ -376,6 +420,14 @@ def cmd_show(args) -> int:
         print(f"wall time      {st['ended'] - st['started']:.1f} s")
     for line in format_summary(doc["summary"]):
         print(line)
+    if "replicas" in doc:
+        from commlab.lab.analysis import replicas
+        rep = doc["replicas"]
+        sizes = [q["participants"] for q in rep["quorums"]]
+        print(f"replicas       {replicas.describe(rep['states'])}")
+        if sizes:
+            print(f"quorum         {min(sizes)} to {max(sizes)} replica groups over {len(sizes)} quorums; "
+                  f"{len(rep['recoveries'])} recoveries after the start")
     print(disturbance_line(st))
     return 0
 

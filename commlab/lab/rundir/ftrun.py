@@ -8,6 +8,10 @@ them (commlab/lab/rundir/launcher.py):
         job.poll()
     job.stop()                       # every process still running, by the PID it was started with
 
+Faults come from the spec (``fault_tolerance.faults``) or are asked for while the run goes on (``request_fault``,
+``commlab fault RUN --kill REPLICA``): the request is a line in fault-requests.jsonl, which the follow loop reads
+and executes as it polls.
+
 What torchft decides (membership, quorum, commit, recovery) happens in the replicas (commlab/engine/ft.py); what
 the lab does is here: start the Lighthouse and the replicas, execute the spec's faults, restart a replica that died
 after its delay (up to ``restart.max_restarts`` over the run), and end the run when the replicas have trained to the
@@ -30,7 +34,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from commlab.engine import ft_lighthouse, runfiles
-from commlab.engine.runlog import JsonlWriter
+from commlab.engine.runlog import JsonlTail, JsonlWriter
 from commlab.engine.spec import JobSpec
 from commlab.lab.base import procs
 from commlab.lab.base.torchrun import free_port, worker_argv, worker_env
@@ -58,6 +62,8 @@ class FtJob:
         self.due: List[Tuple[float, int]] = []
         """(when, replica) of the restarts waiting for their delay."""
         self.faults = [dict(f, done=False) for f in self.ft.faults]
+        self.requests = JsonlTail(run.file(runfiles.FAULT_REQUESTS))
+        """Faults asked for while the run goes on (``request_fault``)."""
         self.killed: Dict[int, float] = {}
         """replica -> restart delay of the fault that killed its process now dying."""
         self.finished: Dict[int, int] = {}
@@ -137,14 +143,37 @@ class FtJob:
                 if p.poll() is not None:
                     continue
                 f["done"] = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)  # the process we started for this replica, by its PID
-                after = f["restart_after_s"]
-                self.killed[r] = self.ft.restart.delay_s if after is None else after
-                self._record("kill", replica=r, gen=gen, pid=p.pid, step=step, fault=f["step"])
+                self._kill(r, f["restart_after_s"], step=step, fault=f["step"])
+
+    def _kill(self, r: int, after: Optional[float], **record) -> None:
+        """SIGKILL replica ``r``'s process (the one started for it, by its PID); it restarts after ``after`` s (None:
+        ``restart.delay_s``) while restarts are left."""
+        p, gen = self.live[r]
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signal.SIGKILL)
+        self.killed[r] = self.ft.restart.delay_s if after is None else after
+        self._record("kill", replica=r, gen=gen, pid=p.pid, **record)
+
+    def _asked(self) -> None:
+        """Execute the faults asked for since the last poll (fault-requests.jsonl): a kill of a replica whose process
+        runs; one that cannot be done now is recorded as refused, with why."""
+        for req in self.requests.read():
+            r, by = req.get("replica"), req.get("by")
+            why = None
+            if req.get("kind") != "kill" or not isinstance(r, int) or not 0 <= r < self.groups:
+                why = f"not a kill of a replica in 0..{self.groups - 1}"
+            elif self.t_first_finish is not None:
+                why = "training is over"
+            elif r not in self.live or self.live[r][0].poll() is not None:
+                why = f"replica {r} is not running now (it is restarting, or has finished)"
+            if why is not None:
+                self._record("refused", replica=r, by=by, why=why, requested=True)
+                continue
+            self._kill(r, req.get("restart_after_s"), requested=True, by=by)
 
     def poll(self) -> None:
-        """Exits seen, restarts due, stragglers after the end."""
+        """Faults asked for, exits seen, restarts due, stragglers after the end."""
+        self._asked()
         now = time.monotonic()
         if self.lighthouse is not None and self.lighthouse.poll() is not None and self.failed is None:
             self.failed = f"fault_tolerance: the Lighthouse exited with code {self.lighthouse.returncode}; " \
@@ -200,3 +229,32 @@ class FtJob:
                 self._record("stop", pid=self.lighthouse.pid, why="the run ended", lighthouse=True)
             procs.stop([self.lighthouse])
         self.events.close()
+
+
+RESTART_AFTER_MAX_S = 3600.0
+
+
+def request_fault(run, replica: int, restart_after_s: Optional[float] = None, by: str = "") -> dict:
+    """Ask a running fault-tolerant ``run`` (a commlab.lab.rundir.store.Run) to kill ``replica`` now; the lab restarts
+    it after ``restart_after_s`` (None: the spec's ``restart.delay_s``) while restarts are left. The run's follow
+    loop executes it within a poll and records it in ft-events.jsonl (``kill`` with ``requested``, or ``refused``
+    with why). ValueError, naming the field, when the run or the request cannot take it."""
+    st = run.status()
+    if st.get("state") != "running":
+        raise ValueError(f"RUN: {run.id} is {st.get('state')}; faults go to a running run")
+    ft = st.get("fault_tolerance")
+    if not ft:
+        raise ValueError(f"RUN: {run.id} is not fault tolerant (fault_tolerance.enabled): killing a worker would "
+                         "end it")
+    groups = int(ft.get("replica_groups", 0))
+    if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < groups:
+        raise ValueError(f"--kill: a replica group in 0..{groups - 1}, got {replica!r}")
+    if restart_after_s is not None and not 0 <= restart_after_s <= RESTART_AFTER_MAX_S:
+        raise ValueError(f"--restart-after: seconds in [0, {RESTART_AFTER_MAX_S:g}], got {restart_after_s:g}")
+    req = {"kind": "kill", "replica": replica, "restart_after_s": restart_after_s, "by": by, "t": time.time()}
+    w = JsonlWriter(str(run.file(runfiles.FAULT_REQUESTS)))
+    try:
+        w.write(req)
+    finally:
+        w.close()
+    return req

@@ -1,0 +1,94 @@
+"""A fault-tolerant run's replica groups as its records tell them: each one's state now, the quorum's size over time,
+and the recoveries. Read by the Live run page and ``commlab show``; nothing here imports streamlit.
+
+The records (commlab/engine/runfiles.py): ft-events.jsonl (what the lab did to each replica's processes: spawn,
+kill, exit, stop), recoveries.jsonl (each recovery: who, from whom, bytes, seconds) and the step lines of
+metrics.jsonl (``replica``, ``quorum_id``, ``participants``, ``committed``).
+
+A replica's state, from its latest process (generation):
+
+- ``training``: its process runs and has logged a step since it started;
+- ``recovering``: its process runs and has logged no step yet (importing, joining the quorum, taking a peer's state);
+- ``gone``: its process was killed or died (a restart may be due: the lab's ``restart`` section decides);
+- ``finished``: its process trained to the end and exited 0;
+- ``stopped``: the lab stopped it (the run ended, or the others had finished).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+STATES = ("training", "recovering", "gone", "finished", "stopped")
+
+
+def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]) -> List[dict]:
+    """One row per replica group seen in ``events``: ``replica``, ``state`` (STATES), ``gen`` (its process's
+    generation: 0, then one more per restart), ``kills`` (over the run), ``recoveries`` (over the run, the start's
+    included), ``last_step`` (the last step it logged, any generation) and ``since`` (the time of the event that set
+    its state)."""
+    out: Dict[int, dict] = {}
+    for e in events:
+        r = e.get("replica")
+        if r is None or e.get("lighthouse"):
+            continue
+        row = out.setdefault(r, {"replica": r, "state": "recovering", "gen": 0, "kills": 0, "recoveries": 0,
+                                 "last_step": None, "since": e.get("t"), "_spawn_t": None})
+        ev = e.get("event")
+        if ev == "spawn":
+            row.update(state="recovering", gen=e.get("gen", 0), since=e.get("t"), _spawn_t=e.get("t"))
+        elif ev == "kill":
+            row["kills"] += 1
+            row.update(state="gone", since=e.get("t"))
+        elif ev == "exit" and e.get("gen") == row["gen"]:
+            row.update(state="finished" if e.get("code") == 0 else "gone", since=e.get("t"))
+        elif ev == "stop" and e.get("gen") == row["gen"]:
+            row.update(state="stopped", since=e.get("t"))
+    for s in steps:
+        row = out.get(s.get("replica"))
+        if row is None:
+            continue
+        if row["last_step"] is None or s.get("step", -1) > row["last_step"]:
+            row["last_step"] = s.get("step")
+        if row["state"] == "recovering" and row["_spawn_t"] is not None and s.get("t", 0) >= row["_spawn_t"]:
+            row.update(state="training", since=s.get("t"))
+    for rec in recoveries:
+        row = out.get(rec.get("replica"))
+        if row is not None:
+            row["recoveries"] += 1
+    return [{k: v for k, v in out[r].items() if not k.startswith("_")} for r in sorted(out)]
+
+
+def quorum_sizes(steps: List[dict]) -> List[dict]:
+    """Each quorum's size, in the order the quorums formed: ``quorum_id``, ``participants``, ``t`` (its first step
+    line's time), ``step``."""
+    seen: Dict[int, dict] = {}
+    for s in steps:
+        q = s.get("quorum_id")
+        if q is None or s.get("participants") is None:
+            continue
+        if q not in seen or s.get("t", 0) < seen[q]["t"]:
+            seen[q] = {"quorum_id": q, "participants": s["participants"], "t": s.get("t", 0), "step": s.get("step")}
+    return [seen[q] for q in sorted(seen)]
+
+
+def after_start(recoveries: List[dict], steps: List[dict]) -> List[dict]:
+    """The recoveries after the run's first step (at the first step every replica but one takes the same start from
+    a peer: not a fault's)."""
+    t0: Optional[float] = min((s["t"] for s in steps if "t" in s), default=None)
+    return [r for r in recoveries if t0 is not None and r.get("t", 0) > t0]
+
+
+def describe(states: List[dict]) -> str:
+    """One line: "3 replica groups: 2 training, 1 recovering (replica 2); 2 kills, 1 recovery after the start"."""
+    if not states:
+        return ""
+    counts: Dict[str, List[int]] = {}
+    for s in states:
+        counts.setdefault(s["state"], []).append(s["replica"])
+    parts = []
+    for st in STATES:
+        if st in counts:
+            who = counts[st]
+            parts.append(f"{len(who)} {st}" + ("" if st == "training" or len(states) == len(who) else
+                                               f" (replica {', '.join(map(str, who))})"))
+    kills = sum(s["kills"] for s in states)
+    return f"{len(states)} replica groups: {', '.join(parts)}; {kills} kill{'s' if kills != 1 else ''}"

@@ -1,0 +1,45 @@
+"""A fault-tolerant run's replica groups as its records tell them (commlab.lab.analysis.replicas), from records
+written as the lab writes them: a kill, the exit it causes, the restart, the recovery, the first step after it."""
+from commlab.lab.analysis import replicas
+
+EVENTS = [
+    {"event": "lighthouse", "t": 0.0, "pid": 9},
+    *({"event": "spawn", "replica": r, "gen": 0, "pid": 10 + r, "t": 0.1} for r in range(3)),
+    {"event": "kill", "replica": 2, "gen": 0, "pid": 12, "step": 4, "t": 2.0},
+    {"event": "exit", "replica": 2, "gen": 0, "pid": 12, "code": -9, "t": 2.1},
+]
+STEPS = [{"kind": "step", "replica": r, "step": s, "t": 1.0 + s * 0.2, "quorum_id": 1 if s < 5 else 2,
+          "participants": 3 if s < 5 else 2, "committed": True} for s in range(8) for r in range(3)
+         if not (r == 2 and s > 4)]
+START = [{"replica": r, "from_replica": 0, "t": 0.9, "bytes": 10, "seconds": 0.01} for r in (1, 2)]
+
+
+def by(states):
+    return {s["replica"]: s for s in states}
+
+
+def test_a_killed_replica_is_gone_then_recovering_then_training():
+    s = by(replicas.replica_states(EVENTS, STEPS, START))
+    assert [s[r]["state"] for r in range(3)] == ["training", "training", "gone"]
+    assert s[2]["kills"] == 1 and s[2]["last_step"] == 4 and s[2]["gen"] == 0
+    back = [*EVENTS, {"event": "spawn", "replica": 2, "gen": 1, "pid": 13, "t": 3.0}]
+    s = by(replicas.replica_states(back, STEPS, START))
+    assert s[2]["state"] == "recovering" and s[2]["gen"] == 1  # its old lines are from before the restart
+    rec = {"replica": 2, "from_replica": 1, "t": 3.5, "bytes": 1000, "seconds": 0.05}
+    later = [*STEPS, {"kind": "step", "replica": 2, "step": 9, "t": 3.6, "quorum_id": 3, "participants": 3}]
+    s = by(replicas.replica_states(back, later, [*START, rec]))
+    assert s[2]["state"] == "training" and s[2]["recoveries"] == 2 and s[2]["last_step"] == 9
+    assert replicas.after_start([*START, rec], later) == [rec]
+    assert [q["participants"] for q in replicas.quorum_sizes(later)] == [3, 2, 3]
+    line = replicas.describe(list(s.values()))
+    assert line == "3 replica groups: 3 training; 1 kill", line
+
+
+def test_the_end_finished_or_stopped():
+    end = [*EVENTS, {"event": "exit", "replica": 0, "gen": 0, "code": 0, "t": 9.0},
+           {"event": "stop", "replica": 1, "gen": 0, "pid": 11, "t": 9.5, "why": "the others finished training"},
+           {"event": "stop", "pid": 9, "lighthouse": True, "t": 9.6, "why": "the run ended"}]
+    s = replicas.replica_states(end, STEPS, START)
+    assert [x["state"] for x in s] == ["finished", "stopped", "gone"]
+    assert replicas.describe(s) == ("3 replica groups: 1 gone (replica 2), 1 finished (replica 0), 1 stopped "
+                                    "(replica 1); 1 kill")
