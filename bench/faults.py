@@ -14,7 +14,8 @@ alike:
   model, the optimizer and the method's state from a live peer (commlab/engine/ft.py) and trains on.
 
 The model is the CNN on the 8x8 digits (``--model``), ``--replicas`` replica groups of one process each, per-step
-sync (method none: every step's gradients, 25 MB buckets, wfbp) or DiLoCo (H 8). A link is ``loopback`` or a
+sync (method none: every step's gradients, 25 MB buckets, wfbp; SGD, lr 0.05, momentum 0.9) or DiLoCo (H 8, the
+paper's outer Nesterov SGD at lr 0.7, momentum 0.9; Adam at lr 0.002 inside). A link is ``loopback`` or a
 rate in Gbit/s, a modeled link (``network: {link: modeled}``: the engine's alpha-beta delays on every
 collective; torchft's recovery transfer itself runs over loopback HTTP, so its time at that rate is also given
 as its bytes over the rate).
@@ -53,8 +54,9 @@ def spec_for(args, method: str, link: str, variant: str) -> dict:
          "world_size": args.replicas, "steps": args.steps, "batch_size": 32, "threads": 1,
          "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "eval_every": 0, "final_eval": True,
          "comm": "wfbp", "schedule": {"name": "bucket", "cap_mb": 25}}
-    if method == "diloco":
-        s["method"] = {"name": "diloco", "H": 8}
+    if method == "diloco":  # the paper's inner optimizer is Adam's kind: SGD's momentum under the outer Nesterov step
+        s["method"] = {"name": "diloco", "H": 8}  # with lr 0.7 diverges here
+        s["optimizer"] = {"name": "adam", "lr": 0.002}
     if link != "loopback":
         s["network"] = {"link": "modeled", "gbps": float(link)}
     if variant == "plain":
