@@ -184,8 +184,9 @@ def replica_panel(run, rows) -> None:
             st.line_chart({"step": [q["step"] for q in sizes], "quorum size": [q["participants"] for q in sizes]},
                           x="step", y="quorum size", height=160)
         if recs:
-            st.dataframe([{"replica": r.get("replica"), "from replica": r.get("from_replica"), "step": r.get("step"),
-                           "seconds": round(r.get("seconds") or 0.0, 3), "MB": round((r.get("bytes") or 0) / 1e6, 2)}
+            st.dataframe([{"replica": r.get("replica"), "from replica": r.get("from_replica"),
+                           "step": r.get("lab_step", r.get("step")), "seconds": round(r.get("seconds") or 0.0, 3),
+                           "MB": round((r.get("bytes") or 0) / 1e6, 2)}
                           for r in recs], hide_index=True)
 
 
