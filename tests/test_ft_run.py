@@ -156,7 +156,9 @@ def test_show_and_the_live_page_tell_each_replica_group(killed_run, capsys, monk
     assert cli.main(["show", killed_run.id, "--runs", root]) == 0
     out = capsys.readouterr().out
     assert "replicas       3 replica groups: " in out and "; 2 kills" in out, out
-    assert "quorum         2 to 3 replica groups over " in out and "; 2 recoveries after the start" in out, out
+    # the two kills' recoveries, and a survivor that fell behind may have caught up by one more
+    assert "quorum         2 to 3 replica groups over " in out, out
+    assert int(re.search(r"; (\d+) recoveries after the start", out).group(1)) >= 2, out
     pytest.importorskip("streamlit")
     from pathlib import Path
 

@@ -175,8 +175,8 @@ def replica_panel(run, rows) -> None:
     st.caption(ui.text(replicas.describe(states)))
     cols = st.columns(len(states))
     for c, s in zip(cols, states):
-        c.metric(f"replica {s['replica']}", s["state"],
-                 help=f"process generation {s['gen']}, {s['kills']} kill(s), last step {s['last_step']}")
+        c.metric(ui.text(f"replica {s['replica']}"), ui.text(s["state"]),
+                 help=ui.text(f"process generation {s['gen']}, {s['kills']} kill(s), last step {s['last_step']}"))
     sizes = replicas.quorum_sizes(steps)
     recs = replicas.after_start(run.recoveries(), steps)
     with st.expander(f"Quorum over the run ({len(sizes)} quorums) and recoveries ({len(recs)})"):

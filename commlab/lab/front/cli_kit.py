@@ -15,6 +15,7 @@ from typing import Callable, Iterable
 
 import tomllib
 
+from commlab.lab.analysis import replicas
 from commlab.lab.base.paths import SOURCE, default_root, make_private
 from commlab.lab.rundir.store import RunStore
 from commlab.lab.rundir.summary import summarize
@@ -174,7 +175,6 @@ def run_document(run) -> dict:
     rows = run.metric_rows()
     doc = {"id": run.id, "state": st.get("state"), "status": st, "summary": summarize(rows, spec, st), "spec": spec}
     if st.get("fault_tolerance"):  # each replica group's state, the quorums, the recoveries after the start
-        from commlab.lab.analysis import replicas
         steps = [r for r in rows if r.get("kind") == "step" and "replica" in r]
         recs = run.recoveries()
         doc["replicas"] = {"states": replicas.replica_states(run.ft_events(), steps, recs),

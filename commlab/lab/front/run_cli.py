@@ -2,6 +2,7 @@
 multi-node job), ``runs`` (list them), ``cancel``, ``show``, ``trace``, ``report`` and ``sweep``."""
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import time
 
 from commlab.engine.runfiles import FINAL, STATES
 from commlab.engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE
+from commlab.lab.analysis import replicas
 from commlab.lab.analysis.trace import write_trace
 from commlab.lab.base import procs
 from commlab.lab.base.errors import LabError
@@ -31,6 +33,7 @@ from commlab.lab.front.cli_kit import (
 )
 from commlab.lab.front.sweep import Sweep, markdown
 from commlab.lab.rundir.disturbance import describe, mark
+from commlab.lab.rundir.ftrun import request_fault
 from commlab.lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
 from commlab.lab.rundir.progress import quiet
 from commlab.lab.rundir.summary import format_summary, summarize, what_ran
@@ -371,9 +374,6 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_fault(args) -> int:
-    import getpass
-
-    from commlab.lab.rundir.ftrun import request_fault
     run = store_of(args).get(args.run)
     seen = len(run.ft_events())
     try:
@@ -421,7 +421,6 @@ def cmd_show(args) -> int:
     for line in format_summary(doc["summary"]):
         print(line)
     if "replicas" in doc:
-        from commlab.lab.analysis import replicas
         rep = doc["replicas"]
         sizes = [q["participants"] for q in rep["quorums"]]
         print(f"replicas       {replicas.describe(rep['states'])}")
