@@ -7,6 +7,7 @@ The survivors must still be training when the restarted replica has imported tor
 (every all-reduce lasts its alpha-beta time, a sleep that leaves the CPU to the restart) paces the steps. Nothing is
 timed here: the assertions are about what the run recorded."""
 import importlib.util
+import os
 import re
 import time
 
@@ -30,11 +31,34 @@ SPEC = {"name": "ft-kill", "model": "mlp", "dataset": "digits", "world_size": 3,
                             "faults": [{"kind": "kill", "replica": 2, "step": KILL_AT, "restart_after_s": 0.5}]}}
 
 
-def ask_to_kill_replica_1(run, root):
-    """Once replica 2 is back (its recovery after the spec's kill) and replica 1 has logged ASK_AT: `commlab fault`."""
+def live_page(root, run_id):
+    """The Live run page of ``run_id`` as the local user sees it (AppTest)."""
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+    old = os.environ.get("COMMLAB_RUNS")
+    os.environ["COMMLAB_RUNS"] = str(root)
+    try:
+        at = AppTest.from_file(str(Path(commlab.__file__).parent / "app" / "streamlit_app.py"), default_timeout=120)
+        at.query_params["run"] = run_id
+        return at.run().switch_page("views/live_run.py").run()
+    finally:
+        if old is None:
+            os.environ.pop("COMMLAB_RUNS", None)
+        else:
+            os.environ["COMMLAB_RUNS"] = old
+
+
+def ask_to_kill_replica_1(run, root, seen):
+    """Once replica 2 is back (its recovery after the spec's kill) and replica 1 has logged ASK_AT: `commlab fault`.
+    While it waits, the Live run page is looked at once (into ``seen``)."""
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and run.status().get("state") in ("queued", "running"):
         kill = [e for e in run.ft_events() if e["event"] == "kill"]
+        if kill and "buttons" not in seen and importlib.util.find_spec("streamlit"):
+            at = live_page(root, run.id)
+            seen.update(buttons=[b.key for b in at.button], metrics=[m.label for m in at.metric],
+                        exceptions=[e.value for e in at.exception])
         back = kill and [r for r in run.recoveries() if r["replica"] == 2 and r["t"] > kill[0]["t"]]
         mine = [r["step"] for r in run.metric_rows() if r["kind"] == "step" and r.get("replica") == 1]
         if back and mine and max(mine) >= ASK_AT:
@@ -53,14 +77,15 @@ def visits(seq, pattern):
 def killed_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("ft") / "runs"
     run = commlab.run(SPEC, runs=root, wait=False)
+    seen = {}
     try:
-        asked = ask_to_kill_replica_1(run, root)
+        asked = ask_to_kill_replica_1(run, root, seen)
         commlab.wait(run.id, runs=root, timeout=300)
     finally:
         if commlab.get(run.id, runs=root).state in ("queued", "running"):
             commlab.cancel(run.id, runs=root)
     got = commlab.get(run.id, runs=root)
-    got.asked = asked  # commlab fault's exit status
+    got.asked, got.seen = asked, seen  # commlab fault's exit status; the Live page while it ran
     return got
 
 
@@ -151,7 +176,7 @@ def test_a_fault_request_the_run_cannot_take_names_the_field(tmp_path, replica, 
     assert '"replica":2' in line and '"restart_after_s":1.5' in line and '"by":"me"' in line
 
 
-def test_show_and_the_live_page_tell_each_replica_group(killed_run, capsys, monkeypatch):
+def test_show_and_the_live_page_tell_each_replica_group(killed_run, capsys):
     root = str(killed_run.path.parent)
     assert cli.main(["show", killed_run.id, "--runs", root]) == 0
     out = capsys.readouterr().out
@@ -160,15 +185,34 @@ def test_show_and_the_live_page_tell_each_replica_group(killed_run, capsys, monk
     assert "quorum         2 to 3 replica groups over " in out, out
     assert int(re.search(r"; (\d+) recoveries after the start", out).group(1)) >= 2, out
     pytest.importorskip("streamlit")
-    from pathlib import Path
-
-    from streamlit.testing.v1 import AppTest
-    monkeypatch.setenv("COMMLAB_RUNS", root)
-    at = AppTest.from_file(str(Path(commlab.__file__).parent / "app" / "streamlit_app.py"), default_timeout=120)
-    at.query_params["run"] = killed_run.id
-    at.run().switch_page("views/live_run.py").run()
+    seen = killed_run.seen  # while it ran: a replica metric each, and the plug for the local user
+    assert not seen["exceptions"] and {"live.cancel", "live.plug"} <= set(seen["buttons"]), seen
+    assert {f"replica {r}" for r in range(3)} <= set(seen["metrics"]), seen
+    at = live_page(root, killed_run.id)
     assert not at.exception, [e.value for e in at.exception]
+    assert "live.plug" not in [b.key for b in at.button]  # it has ended
     shown = {m.label: m.value for m in at.metric}
     assert {f"replica {r}" for r in range(3)} <= set(shown) and all(
         shown[f"replica {r}"] in ("finished", "stopped") for r in range(3)), shown
     assert any("3 replica groups" in c.value and "2 kills" in c.value for c in at.caption)
+
+
+def test_on_the_live_page_only_the_teacher_pulls_a_plug(tmp_path):
+    """ui.pull_plug (the Live run page's button): a student is refused before anything is written; the teacher's
+    request reaches the run, which must be running and fault tolerant."""
+    from commlab.lab.base.errors import LabError
+    from commlab.lab.front import ui
+    from commlab.lab.service.queue import Lab
+    from commlab.room import owners
+    run = Lab(tmp_path).create(commlab.spec({**SPEC, "steps": 4}))  # queued: nothing runs
+    try:
+        ui.set_viewer(lambda: owners.User("bob"))
+        assert not ui.may_pull_plugs()
+        with pytest.raises(LabError, match="only the teacher may kill a worker of a run; bob may not"):
+            ui.pull_plug(run.id, 1, runs=tmp_path)
+        ui.set_viewer(lambda: owners.User(owners.TEACHER, admin=True))
+        with pytest.raises(LabError, match=f"fault: RUN: {run.id} is queued; faults go to a running run"):
+            ui.pull_plug(run.id, 1, runs=tmp_path)
+    finally:
+        ui.set_viewer(None)
+    assert not (run.path / runfiles.FAULT_REQUESTS).exists()

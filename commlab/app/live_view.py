@@ -13,6 +13,7 @@ from commlab.app import explain_view
 from commlab.app.room import access
 from commlab.app.widgets import report_button, state_badge, where
 from commlab.engine.runfiles import FINAL
+from commlab.lab.base.errors import LabError
 from commlab.lab.analysis import comparison, live, plots, replicas, timelines
 from commlab.lab.front import ui
 from commlab.lab.rundir import disturbance
@@ -114,7 +115,7 @@ def live_panel(run_id: str) -> None:
                 st.code(ui.shown_log(run, 30) or "(empty)")
         machine_note(status.get("disturbance"))
         if status.get("fault_tolerance"):
-            replica_panel(run, lr.metric_rows())
+            replica_panel(run, lr.metric_rows(), running=state == "running" and ui.may_pull_plugs())
         m = st.columns(4)
         m[0].metric("iteration (median)", f"{s['iter_ms_median']:.1f} ms" if s.get("iter_ms_median") else "-")
         m[1].metric("accuracy (its script's evaluation)" if own else "held-out accuracy",
@@ -164,9 +165,10 @@ def live_panel(run_id: str) -> None:
     charts()
 
 
-def replica_panel(run, rows) -> None:
+def replica_panel(run, rows, running: bool = False) -> None:
     """A fault-tolerant run's replica groups (commlab.lab.analysis.replicas): each one's state, the quorum's size
-    over the run, and the recoveries after the start."""
+    over the run, and the recoveries after the start. ``running`` (a running run, and a viewer who may pull plugs:
+    the teacher or the local user): a button that kills a replica group (ui.pull_plug)."""
     steps = [r for r in rows if r.get("kind") == "step" and "replica" in r]
     states = replicas.replica_states(run.ft_events(), steps, run.recoveries())
     if not states:
@@ -177,6 +179,17 @@ def replica_panel(run, rows) -> None:
     for c, s in zip(cols, states):
         c.metric(ui.text(f"replica {s['replica']}"), ui.text(s["state"]),
                  help=ui.text(f"process generation {s['gen']}, {s['kills']} kill(s), last step {s['last_step']}"))
+    if running:
+        pick, pull = st.columns([2, 1], vertical_alignment="bottom")
+        r = pick.selectbox("Replica group", [s["replica"] for s in states], key="live.plug_replica")
+        if pull.button("Pull the plug", key="live.plug", icon=":material/power_off:",
+                       help="SIGKILL this replica group's process; the lab restarts it after the spec's delay and it "
+                            "recovers from a live peer"):
+            try:
+                ui.pull_plug(run.id, int(r))
+                st.toast(ui.text(f"asked to kill replica {r}; it is restarted after the spec's delay"))
+            except LabError as e:
+                st.error(ui.text(str(e)))
     sizes = replicas.quorum_sizes(steps)
     recs = replicas.after_start(run.recoveries(), steps)
     with st.expander(f"Quorum over the run ({len(sizes)} quorums) and recoveries ({len(recs)})"):

@@ -19,6 +19,7 @@ from commlab import api
 from commlab.engine import codepath
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import default_root
+from commlab.lab.rundir.ftrun import request_fault
 from commlab.lab.rundir.store import Run, RunError
 from commlab.room import open_lab, owners, places, previews
 from commlab.room.owners import User
@@ -184,6 +185,26 @@ def cancel(run_id: str, runs=None) -> str:
         raise LabError(f"cancel: run {run_id} belongs to {owners.owner_of(run.status())}; "
                        "only its owner or the teacher may cancel it")
     return api.cancel(run_id, runs=runs or runs_dir())
+
+
+def may_pull_plugs(user: Optional[User] = None) -> bool:
+    """Whether the viewer may kill a worker of a fault-tolerant run: the teacher and the local user (on an exposed
+    lab a kill changes what a student's run computed)."""
+    return (user or viewer()).admin
+
+
+def pull_plug(run_id: str, replica: int, runs=None) -> dict:
+    """Kill ``replica`` of a running fault-tolerant run for the viewer (commlab.lab.rundir.ftrun.request_fault; the
+    lab restarts it after the spec's delay); LabError for anyone but the teacher and the local user, or a request
+    the run cannot take."""
+    who = viewer()
+    if not may_pull_plugs(who):
+        raise LabError(f"fault: only the teacher may kill a worker of a run; {who.name} may not")
+    run = get_run_or_raise(run_id, runs)
+    try:
+        return request_fault(run, replica, None, by=who.name)
+    except ValueError as e:
+        raise LabError(f"fault: {e}") from None
 
 
 def share(run_id: str, shared: bool = True, runs=None) -> bool:
