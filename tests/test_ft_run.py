@@ -216,3 +216,37 @@ def test_on_the_live_page_only_the_teacher_pulls_a_plug(tmp_path):
     finally:
         ui.set_viewer(None)
     assert not (run.path / runfiles.FAULT_REQUESTS).exists()
+
+
+def test_the_supervisor_refuses_a_damaged_request_and_kills_for_a_good_one(tmp_path):
+    """FtJob reads fault-requests.jsonl as it polls: a line that is not a kill of a replica, a restart delay that is
+    not a number of seconds in range, or a replica not running is refused with why (the supervisor goes on); a good
+    one SIGKILLs that replica's process (here a child of this test's own) and schedules its restart."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from commlab.lab.rundir.ftrun import FtJob
+    job = FtJob(_Running(tmp_path), commlab.spec(SPEC), log=None)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        job.live = {1: (child, 0)}
+        lines = [{"kind": "kill", "replica": 1, "restart_after_s": "soon"},
+                 {"kind": "kill", "replica": 1, "restart_after_s": 1e9}, {"kind": "kill", "replica": True},
+                 {"kind": "hang", "replica": 1}, {"kind": "kill", "replica": 2},
+                 {"kind": "kill", "replica": 1, "restart_after_s": 2, "by": "teacher"}]
+        (tmp_path / runfiles.FAULT_REQUESTS).write_text("".join(json.dumps(x) + "\n" for x in lines) + "{torn")
+        job._asked()
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        job.events.close()
+    ev = [json.loads(x) for x in (tmp_path / runfiles.FT_EVENTS).read_text().splitlines()]
+    assert [e["event"] for e in ev] == ["refused"] * 5 + ["kill"], ev
+    assert "restart_after_s: seconds in [0, 3600] or null, got 'soon'" in ev[0]["why"]
+    assert "got 1000000000.0" in ev[1]["why"] and "not a kill of a replica in 0..2" in ev[2]["why"]
+    assert "replica 2 is not running now" in ev[4]["why"]
+    assert ev[5]["replica"] == 1 and ev[5]["pid"] == child.pid and ev[5]["by"] == "teacher" and job.killed == {1: 2}

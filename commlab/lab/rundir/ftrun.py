@@ -39,6 +39,8 @@ from commlab.engine.spec import JobSpec
 from commlab.lab.base import procs
 from commlab.lab.base.torchrun import free_port, worker_argv, worker_env
 
+RESTART_AFTER_MAX_S = 3600.0
+"""The longest restart delay a fault asked for while the run goes on may give (``request_fault``)."""
 LIGHTHOUSE_UP_S = 120.0
 """How long the Lighthouse may take to accept connections (it imports torch first: seconds on a loaded machine)."""
 
@@ -158,10 +160,13 @@ class FtJob:
         """Execute the faults asked for since the last poll (fault-requests.jsonl): a kill of a replica whose process
         runs; one that cannot be done now is recorded as refused, with why."""
         for req in self.requests.read():
-            r, by = req.get("replica"), req.get("by")
+            r, by, after = req.get("replica"), req.get("by"), req.get("restart_after_s")
             why = None
-            if req.get("kind") != "kill" or not isinstance(r, int) or not 0 <= r < self.groups:
+            if req.get("kind") != "kill" or isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.groups:
                 why = f"not a kill of a replica in 0..{self.groups - 1}"
+            elif after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
+                                        or not 0 <= after <= RESTART_AFTER_MAX_S):
+                why = f"restart_after_s: seconds in [0, {RESTART_AFTER_MAX_S:g}] or null, got {after!r}"
             elif self.t_first_finish is not None:
                 why = "training is over"
             elif r not in self.live or self.live[r][0].poll() is not None:
@@ -169,7 +174,7 @@ class FtJob:
             if why is not None:
                 self._record("refused", replica=r, by=by, why=why, requested=True)
                 continue
-            self._kill(r, req.get("restart_after_s"), requested=True, by=by)
+            self._kill(r, after, requested=True, by=by)
 
     def poll(self) -> None:
         """Faults asked for, exits seen, restarts due, stragglers after the end."""
@@ -230,8 +235,6 @@ class FtJob:
             procs.stop([self.lighthouse])
         self.events.close()
 
-
-RESTART_AFTER_MAX_S = 3600.0
 
 
 def request_fault(run, replica: int, restart_after_s: Optional[float] = None, by: str = "") -> dict:
