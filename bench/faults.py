@@ -43,6 +43,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench import common  # noqa: E402
+from commlab.lab.analysis import replicas  # noqa: E402
 
 VARIANTS = ("plain", "clean", "killed")
 GOODPUT_MIN, RECOVERY_MAX_S, ACC_POINTS = 0.90, 5.0, 1.0
@@ -88,8 +89,7 @@ def measure(run, variant: str, gbps: Optional[float]) -> dict:
         return out
     parts = [r.get("participants") for r in rows if r["kind"] == "step" and r.get("participants")]
     out["quorum_min"] = min(parts) if parts else None
-    t_first = min(r["t"] for r in rows if r["kind"] == "step")
-    recs = [r for r in run.recoveries() if r.get("t", 0) > t_first]  # a recovery at the start is no fault's
+    recs = replicas.after_start(run.recoveries(), [r for r in rows if r["kind"] == "step"])  # not the start's
     out["recoveries"] = [{"seconds": r.get("seconds"), "bytes": r.get("bytes"), "from": r.get("from_replica"),
                           "replica": r.get("replica"),
                           "at_rate_s": (r["bytes"] * 8 / (gbps * 1e9)) if gbps and r.get("bytes") else None}
