@@ -23,9 +23,9 @@ from commlab.engine.compressors.capabilities import Capabilities
 from commlab.engine.compressors.basic import NoneCompressor
 from commlab.engine.compressors.countsketch import CountSketch
 from commlab.engine.compressors.powersgd import PowerSGD
-from commlab.engine.compressors.quantize import BF16, FP16, QSGD, Int8, Natural, TernGrad
+from commlab.engine.compressors.quantize import BF16, FP16, QSGD, Int4, Int8, Natural, TernGrad
 from commlab.engine.compressors.sign import EFSignSGD, OneBit, SignSGD, Signum
-from commlab.engine.compressors.sparsify import DGC, RandomK, Threshold, TopK
+from commlab.engine.compressors.sparsify import DGC, RandomK, Threshold, TopK, TopK2Bit
 
 REGISTRY: Dict[str, Type[Compressor]] = {}
 """Registered name -> class, in the order they were registered (the built-ins first, as DESIGN.md lists them)."""
@@ -132,6 +132,8 @@ def shardable() -> Tuple[str, ...]:
 
 for _cls in (NoneCompressor, FP16, BF16, Int8, TopK, RandomK, Threshold, DGC, QSGD, TernGrad, SignSGD, EFSignSGD,
              Signum, OneBit, Natural, PowerSGD, CountSketch):  # DESIGN.md's order (int8, added for dear, after the casts)
+    register(_cls)
+for _cls in (Int4, TopK2Bit):  # the low-bit codecs of the methods' pseudo-gradients (Streaming DiLoCo, SparseLoCo)
     register(_cls)
 
 __all__ = ["make", "names", "check", "shardable", "register", "resolve", "REGISTRY", "Capabilities", "ErrorFeedback"]

@@ -1,4 +1,4 @@
-"""Bit packing for sign and ternary payloads.
+"""Bit packing for sign, ternary and 4-bit payloads.
 
 Layout: element 0 sits in the most significant bits of byte 0 (numpy's
 ``packbits`` order); the last byte is zero padded.
@@ -149,3 +149,22 @@ def unpack_2bit(packed: Tensor, n: int) -> Tensor:
     w >>= 6
     w &= _LOW2
     return w.view(torch.uint8)[:n]
+
+
+def pack_4bit(values: Tensor) -> Tensor:
+    """Pack uint8 values in 0..15 (any shape, read flat) two per byte, element 0 in the high nibble, into
+    ``ceil(n/2)`` bytes (the last low nibble zero when n is odd). Values above 15 are not checked."""
+    if values.dtype != torch.uint8:
+        raise TypeError(f"pack_4bit: expected a uint8 tensor, got {values.dtype}")
+    u = _lanes(values, 2).view(-1, 2)
+    return (u[:, 0] << 4) | u[:, 1]
+
+
+def unpack_4bit(packed: Tensor, n: int) -> Tensor:
+    """Inverse of ``pack_4bit``: a uint8 tensor of the first ``n`` values."""
+    m = packed_size(n, 2)
+    p = packed.reshape(-1)
+    if p.numel() < m:
+        raise ValueError(f"unpack_4bit: {p.numel()} bytes hold fewer than {n} values")
+    p = p[:m]
+    return torch.stack((p >> 4, p & 15), dim=1).reshape(-1)[:n]

@@ -20,7 +20,7 @@ class Param:
     """One keyword parameter of a compressor."""
     name: str
     type: type
-    """bool, int or float (an integer is accepted for a float and stored as a float)."""
+    """bool, int, float (an integer is accepted for a float and stored as a float) or str (one of ``choices``)."""
     default: Any
     """The value when the parameter is not given; None: it has no default value, see ``unset``."""
     help: str
@@ -34,10 +34,14 @@ class Param:
     """What leaving it out means when there is no default (worked out from the bucket, off, ...)."""
     note: str = ""
     """Why the upper bound is there, appended to its error message."""
+    choices: Tuple[str, ...] = ()
+    """The values a str parameter takes (a str parameter must list them: a choice is bounded by them)."""
 
     def __post_init__(self):
-        if self.type not in (bool, int, float):
-            raise TypeError(f"{self.name}: parameter type must be bool, int or float, not {self.type}")
+        if self.type not in (bool, int, float, str):
+            raise TypeError(f"{self.name}: parameter type must be bool, int, float or str, not {self.type}")
+        if (self.type is str) != bool(self.choices):
+            raise TypeError(f"{self.name}: a str parameter, and only one, lists its choices")
         if self.type is int and self.lo is None:
             raise TypeError(f"{self.name}: an int parameter needs a lower bound")
         if self.default is None and not self.unset:
@@ -49,6 +53,8 @@ class Param:
         """The allowed values in words: 'true or false', 'an integer >= 1', 'in (0, 1]'."""
         if self.type is bool:
             return "true or false"
+        if self.type is str:
+            return "one of " + ", ".join(self.choices)
         if self.type is int:
             lo = f"an integer >= {int(self.lo)}"
             return lo if self.hi is None else f"{lo} and at most {int(self.hi)}"
@@ -65,6 +71,10 @@ class Param:
         if self.type is bool:
             if not isinstance(v, bool):
                 raise ValueError(f"{self.name}: must be true or false, got {v!r}")
+            return v
+        if self.type is str:
+            if v not in self.choices:
+                raise ValueError(f"{self.name}: must be {self.allowed()}, got {v!r}")
             return v
         if self.type is int:
             if isinstance(v, bool) or not isinstance(v, int) or v < self.lo:
