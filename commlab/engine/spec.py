@@ -710,6 +710,9 @@ class FaultToleranceSpec:
             what = f"{mc.get('name')} with error feedback" if mc.get("error_feedback") else mc.get("name")
             raise SpecError("method.compressor", f"fault tolerance takes {', '.join(FT_METHOD_COMPRESSORS)} for the "
                                                  f"method's exchanges so far; {what} under fault tolerance comes later")
+        if spec.method.params.get("overlap", "none") != "none":
+            raise SpecError("method.overlap", "under fault tolerance each sync is applied within its own quorum; "
+                                              "overlap delayed or eager, whose syncs outlive it, comes later")
         if spec.method.name == "streaming_diloco":
             prm = spec.method.params
             h, frags, tau = prm["H"], prm["fragments"], prm["tau"]

@@ -1,5 +1,5 @@
 """Methods that communicate less often: what ranks exchange, and when (local SGD, post-local SGD,
-DiLoCo, Streaming DiLoCo, DeMo), on one documented base class (commlab/engine/methods/base.py).
+DiLoCo, Streaming DiLoCo, DeMo, SparseLoCo), on one documented base class (commlab/engine/methods/base.py).
 
     from commlab.engine.methods import make, names, register, resolve
     m = make("diloco", H=50, outer_lr=0.7)      # checked parameters: ValueError("H: ...") otherwise
@@ -21,6 +21,7 @@ from commlab.engine.methods.demo import DeMo
 from commlab.engine.methods.diloco import DiLoCo
 from commlab.engine.methods.local_sgd import LocalSGD
 from commlab.engine.methods.post_local_sgd import PostLocalSGD
+from commlab.engine.methods.sparseloco import SparseLoCo
 from commlab.engine.methods.streaming_diloco import StreamingDiLoCo
 
 NONE = "none"
@@ -39,7 +40,7 @@ def register(cls: Type[Method]) -> Type[Method]:
     return cls
 
 
-for _cls in (LocalSGD, PostLocalSGD, DiLoCo, StreamingDiLoCo, DeMo):
+for _cls in (LocalSGD, PostLocalSGD, DiLoCo, StreamingDiLoCo, DeMo, SparseLoCo):
     register(_cls)
 
 

@@ -41,10 +41,11 @@ Manager's step, its commits).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
+from commlab.engine.compressors.base import Compressor
 from commlab.engine.compressors.basic import NoneCompressor
 from commlab.engine.compressors.params import Param
 from commlab.engine.methods.base import Context, Event, Method
@@ -72,6 +73,12 @@ def split_even(tensor_bytes: Sequence[int], parts: int) -> List[List[int]]:
     return [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
 
 
+OVERLAP = Param("overlap", str, "none", "none: the outer all-reduce blocks; delayed: it overlaps the next H inner "
+                "steps and its outer step comes one sync late; eager: the same, with this rank's fresh "
+                "pseudo-gradient standing in for its part of the average", choices=("none", "delayed", "eager"))
+"""DiLoCo's overlap of the outer all-reduce with the next inner steps (Kale et al., 2025)."""
+
+
 class DiLoCo(Method):
     name = "diloco"
     params = (
@@ -81,6 +88,7 @@ class DiLoCo(Method):
         Param("outer_momentum", float, 0.9, "the outer SGD's momentum (Nesterov when nesterov is on)",
               lo=0, hi=1, hi_open=True),
         Param("nesterov", bool, True, "Nesterov momentum in the outer step (as the paper)"),
+        OVERLAP,
     )
     takes_compressor = True
     fragments = 1
@@ -98,6 +106,9 @@ class DiLoCo(Method):
         if self.tau >= self.H:
             raise ValueError(f"tau: must be below H ({self.H}): a fragment's sync is applied before it is issued "
                              f"again, got {self.tau}")
+        if self.overlap != "none" and self.tau:
+            raise ValueError(f"overlap: {self.overlap} needs tau 0 (its all-reduce overlaps the H inner steps up to "
+                             f"the fragment's next sync), got tau {self.tau}")
 
     def check_model(self, tensor_bytes: Sequence[int]) -> None:
         if self.fragments > len(tensor_bytes):
@@ -122,14 +133,23 @@ class DiLoCo(Method):
     def schedule(self, tensor_bytes: Sequence[int], steps: int, element_size: int = 4) -> List[Event]:
         parts = self.parts(tensor_bytes)
         sizes = [sum(tensor_bytes[i] for i in part) for part in parts]
-        return [Event(s, "pseudo", sizes[f], self.tau, f) for s in range(steps) for f in range(self.fragments)
+        wait = self.H if self.overlap != "none" else self.tau  # steps until the sync's result is used
+        return [Event(s, "pseudo", sizes[f], wait, f) for s in range(steps) for f in range(self.fragments)
                 if self.issues(s, f)]
 
     # -- the run -------------------------------------------------------------------
+    def compressors(self, ctx: Context) -> Callable[[int], Compressor]:
+        """What makes the compressor of each group of the pseudo-gradients, from its bytes: ``method.compressor``
+        (the plan), none without one. A subclass with a codec of its own (SparseLoCo) gives that instead."""
+        return ctx.plan.make if ctx.plan is not None else (lambda nbytes: NoneCompressor())
+
     def setup(self, ctx: Context) -> None:
         super().setup(ctx)
+        if self.overlap != "none" and ctx.quorum is not None:
+            raise ValueError(f"overlap: {self.overlap} is not run under fault tolerance (a sync's result would "
+                             f"outlive its quorum)")
         tensor_bytes = [p.numel() * p.element_size() for p in ctx.params]
-        make = ctx.plan.make if ctx.plan is not None else (lambda nbytes: NoneCompressor())
+        make = self.compressors(ctx)
         self.parts: List[List[Group]] = []
         first = 0
         for f, members in enumerate(split_even(tensor_bytes, self.fragments)):
@@ -143,10 +163,23 @@ class DiLoCo(Method):
         self.inflight: List[Tuple[int, int, List[Transfer]]] = []
         """(step of the outer step, fragment, its transfers), in issue order."""
         self.syncs = 0
+        self.spare: List[List[Tensor]] = [[torch.zeros_like(g.flat) for g in gs] if self.overlap != "none" else []
+                                          for gs in self.parts]
+        """overlap: a second flat buffer per group, so a new sync's pseudo-gradient never lands in the buffer of
+        the one still in flight; the two take turns."""
+        self.turn = [0] * self.fragments
+        self.own: List[Optional[List[Tensor]]] = [None] * self.fragments
+        """overlap eager: this rank's own pseudo-gradient of each fragment's last sync (what its part of the average
+        will be when that average arrives), None before the first."""
 
     def after_optimizer_step(self, step: int) -> None:
         q = self.ctx.quorum
-        if q is None:
+        if self.overlap != "none":
+            issued = [f for f in range(self.fragments) if self.issues(step, f)]
+            for f in issued:
+                self._overlapped(step, f)
+            applied = []
+        elif q is None:
             issued = self._issue_at(step)
             applied = self._apply_due(step)
         else:  # fault tolerance: one sync at a time, its quorum from its issue to its commit at its apply
@@ -177,18 +210,54 @@ class DiLoCo(Method):
                 self._apply(f, transfers, q)
         return [f for _, f, _ in due]
 
-    def _issue(self, step: int, f: int) -> None:
-        transfers = []
-        for g in self.parts[f]:
+    def _issue(self, step: int, f: int) -> List[Tensor]:
+        """Issue fragment f's sync; returns, under overlap eager, a copy of each group's pseudo-gradient."""
+        transfers, fresh = [], []
+        turn = self.turn[f]
+        self.turn[f] ^= 1
+        for k, g in enumerate(self.parts[f]):
+            buf = self.spare[f][k] if self.spare[f] and turn else g.flat
             with torch.no_grad():
-                for v, i, p in zip(g.views(g.flat), g.index, g.params):
+                for v, i, p in zip(g.views(buf), g.index, g.params):
                     torch.sub(self.glob[i], p.detach(), out=v)  # the pseudo-gradient: global - local
+            if self.overlap == "eager":
+                fresh.append(buf.clone())  # the exchange may write into buf while it is in flight
             lane = "fragment" if self.tau else "outer"
-            tr = Transfer(self.ctx, g, g.compressor, g.flat, lane, step, {"fragment": f, "sync": self.syncs}).start()
+            tr = Transfer(self.ctx, g, g.compressor, buf, lane, step, {"fragment": f, "sync": self.syncs}).start()
             self.step_bytes += tr.fresh_bytes()
             transfers.append(tr)
         self.syncs += 1
-        self.inflight.append((step + self.tau, f, transfers))
+        self.inflight.append((step + (self.H if self.overlap != "none" else self.tau), f, transfers))
+        return fresh
+
+    @torch.no_grad()
+    def _overlapped(self, step: int, f: int) -> None:
+        """overlap delayed or eager, at fragment f's sync: wait for its previous sync's average (issued H steps ago,
+        in flight since), issue this one's, then step the global parameters with the previous average (delayed)
+        or with it corrected by this rank's fresh pseudo-gradient (eager):
+        previous average + (fresh - this rank's previous pseudo-gradient) / world, the fresh one standing in for
+        this rank's part until the new average arrives. The first sync has no average yet: delayed steps
+        nothing; eager steps with fresh / world."""
+        prev = [x for x in self.inflight if x[1] == f]
+        self.inflight = [x for x in self.inflight if x[1] != f]
+        avgs = None
+        if prev:
+            avgs = []
+            for tr in prev[0][2]:
+                avgs.append(tr.finish())
+                self.step_bytes += tr.fresh_bytes()  # later rounds of a multi-round compressor
+        fresh = self._issue(step, f)
+        grads = avgs
+        if self.overlap == "eager":
+            w = self.ctx.world
+            grads = [x.div(w) for x in fresh]
+            if avgs is not None:  # the average of the last sync, this rank's part of it replaced by its fresh one
+                grads = [d.add_(a).sub_(o.div(w)) for d, a, o in zip(grads, avgs, self.own[f])]
+            self.own[f] = fresh
+        if grads is None:  # delayed, first sync: nothing has arrived, no outer step
+            self._mix(f)
+        else:
+            self._step(f, grads)
 
     @torch.no_grad()
     def _apply(self, f: int, transfers: List[Transfer], q=None) -> None:
@@ -204,13 +273,26 @@ class DiLoCo(Method):
                 for i, p in zip(g.index, g.params):
                     p.copy_(self.glob[i])
             return
+        self._step(f, avgs)
+
+    @torch.no_grad()
+    def _step(self, f: int, avgs: List[Tensor]) -> None:
+        """The outer step of fragment f with ``avgs`` (one flat tensor per group) as its global parameters'
+        gradient, then the local fragment mixed with (alpha 0: set to) its new global parameters."""
         for g, avg in zip(self.parts[f], avgs):
             for i, v in zip(g.index, g.views(avg)):
                 self.glob[i].grad = v
         self.outer.step()
         for g in self.parts[f]:
-            for i, p in zip(g.index, g.params):
+            for i in g.index:
                 self.glob[i].grad = None
+        self._mix(f)
+
+    @torch.no_grad()
+    def _mix(self, f: int) -> None:
+        """The local fragment f mixed with its global parameters: alpha * local + (1 - alpha) * global."""
+        for g in self.parts[f]:
+            for i, p in zip(g.index, g.params):
                 if self.alpha:
                     p.mul_(self.alpha).add_(self.glob[i], alpha=1 - self.alpha)  # keep part of the local steps
                 else:

@@ -332,7 +332,8 @@ def predict_method(profile: cal.Profile, spec: dict, m, link, world: int,
     schedule (``Method.schedule`` over the profile's tensors in registration order and the spec's steps),
     each exchange priced from the profile (local.py says how the steps are simulated). Local steps are
     forward, backward and the optimizer; gradient steps (post-local SGD's warm-up) are the spec's step without
-    the method; a pseudo-gradient goes through ``method.compressor`` (its payload and cost curve as a bucket's),
+    the method; a pseudo-gradient goes through ``method.compressor`` (its payload and cost curve as a bucket's)
+    or the method's own codec (SparseLoCo's: its declared rounds and the codec's curve),
     parameters are all-reduced raw, DeMo's components are all-gathered with its codec's measured cost; the
     outer step costs the optimizer's step."""
     f = 1.0 / compute_speedup
@@ -353,7 +354,8 @@ def predict_method(profile: cal.Profile, spec: dict, m, link, world: int,
         grad = (predict(profile, plain, 1.0, world, compute_speedup, link=link),
                 sum(r.nbytes for b in build_step(profile, plain, world, compute_speedup).buckets for r in b.rounds))
     comp = spec["method"].get("compressor") if m.takes_compressor else None
-    outer = profile.optimizer_s * f if m.takes_compressor else 0.0
+    own = None if m.takes_compressor else m.codec()  # a codec of the method's own for its pseudo-gradients
+    outer = profile.optimizer_s * f if m.takes_compressor or own is not None else 0.0
     priced: Dict[tuple, local.Sync] = {}
 
     def price(e) -> local.Sync:
@@ -370,6 +372,13 @@ def predict_method(profile: cal.Profile, spec: dict, m, link, world: int,
             raw = 4 * sum(m.codec_numel(b // 4) for b in tensor_bytes)
             return local.Sync(cal.cost(curve["encode"], raw) * f,
                               [Round("allgather", e.bytes, after=cal.cost(curve["decode"], raw) * f, tensors=2)])
+        if e.kind == "pseudo" and own is not None:  # SparseLoCo's codec: its rounds as it declares them
+            from commlab.engine.compressors import contract
+            curve = _curve(profile, codec_key(m))
+            rounds = contract.declared_rounds(own, m.codec_numel(e.bytes // 4), 4)
+            enc, dec = (cal.cost(curve[k], e.bytes) * f for k in ("encode", "decode"))
+            return local.Sync(enc, [Round(op, nbytes, tensors=k, after=dec * (world if op == "allgather" else 1))
+                                    for op, nbytes, k in rounds], outer=outer)
         if not comp or not cal.needs_curve(comp):  # parameters, or an uncompressed pseudo-gradient
             return local.Sync(0.0, [Round("allreduce", e.bytes)], outer=outer)
         curve = _curve(profile, cal.compressor_key(comp))
