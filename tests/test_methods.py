@@ -363,7 +363,8 @@ def test_method_none_changes_nothing():
     assert s.method.name == "none" and s.method.build() is None
     d = JobSpec.from_dict({"model": "mlp", "method": {"name": "diloco", "H": 7, "compressor": {"name": "int8"}}})
     assert JobSpec.from_dict(d.to_dict()) == d
-    assert d.to_dict()["method"]["params"] == {"H": 7, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+    assert d.to_dict()["method"]["params"] == {"H": 7, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
+                                               "overlap": "none"}
 
 
 # --------------------------------------------------------------------------- the examples train from the CLI

@@ -152,3 +152,35 @@ def test_predict_cli_prints_a_methods_amortized_step_and_traffic(tmp_path, capsy
     f.write_text(f.read_text().replace("H: 4", "H: 0"))
     assert main(["predict", str(f), "--profile", str(tmp_path / "p.json"), "--runs", str(tmp_path)]) == 2
     assert "method.H" in capsys.readouterr().err
+
+
+def test_diloco_overlap_hides_its_all_reduce_behind_the_next_h_steps():
+    """H 4, 12 steps, 1 Gbit/s (X = 3.52 ms, shorter than 4 steps), overlap delayed: sync 3 is issued after step 3
+    and waited for after step 7, sync 7 after step 11, sync 11 drained at the end: 12Y + 2 OPT for the outer steps
+    of syncs 3 and 7, then the wait for sync 11 past the second outer step: (12Y + OPT + X) / 12. Blocking
+    (overlap none): (12Y + 3X + 3 OPT) / 12."""
+    x = allreduce(B, 1)
+    assert OPT < x < 4 * Y
+    for mode in ("delayed", "eager"):
+        r = pr.predict(profile(), spec("diloco", steps=12, H=4, overlap=mode), 1, 2)
+        assert r.total == approx((12 * Y + OPT + x) / 12) and r.syncs == 3
+    blocking = pr.predict(profile(), spec("diloco", steps=12, H=4), 1, 2)
+    assert blocking.total == approx((12 * Y + 3 * x + 3 * OPT) / 12)
+
+
+def test_sparseloco_is_priced_through_its_own_codec():
+    """The whole model in one group, 110,110 fp32 elements: 26 chunks of 4096 keep 64 each, the last 3,614
+    keep ceil(64 * 3614 / 4096) = 57: 1,721 entries, 27 scales: 108 + 3,442 + 431 = 3,981 bytes, all-gathered
+    (a header of 3 tensors first); encode 1 ms and decode 2 ms per payload from its curve, the outer step OPT."""
+    key = "sparseloco:topk_2bit(chunk=4096,k=64)+EF"
+    p = profile(compressors={key: {"encode": [1e-3, 0.0], "between": [0.0, 0.0], "decode": [2e-3, 0.0]}})
+    s = spec("sparseloco", H=4)
+    assert pr.codec_key(pr.method_of(s)) == key
+    r = pr.predict(p, s, 1, 2)
+    assert r.bytes_per_sync == 3_981 and r.syncs == 2
+    link = costs.Link.from_gbps(1)
+    gather = costs.allgather(120, 2, link) + costs.allgather(3_981, 2, link)
+    assert r.total == approx((8 * Y + 2 * (1e-3 + gather + 2 * 2e-3 + OPT)) / 8)
+    q = profile()  # without a curve the codec is timed here, in process
+    whatif.ensure_curves(q, [s])
+    assert key in q.compressors and pr.predict(q, s, 1, 2).encode_decode > 0

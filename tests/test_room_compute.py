@@ -138,6 +138,11 @@ def test_every_declared_parameter_is_bounded_or_sizes_nothing(kind, name, p):
     the parameter refuses above it, in one line naming it."""
     if p.type is bool:
         return
+    if p.type is str:  # a choice: bounded by its choices
+        assert p.choices, f"{kind} {name}: {p.name} lists no choices"
+        with pytest.raises(ValueError, match=rf"^{p.name}: must be one of "):
+            (compressors.make if kind == "compressor" else methods.make)(name, **{p.name: "x" * 10_000})
+        return
     if p.type is float and p.hi is None:
         assert (name, p.name) in NOT_SIZING, f"{kind} {name}: {p.name} has no upper bound"
         return

@@ -26,8 +26,8 @@ A subclass overrides what it needs:
   ``commlab.engine.methods.transfer`` (the lab's exchange driver, compressors and timeline lanes).
 - ``exchanges_at(step)`` and ``schedule(tensor_bytes, steps)``: pure descriptions of which steps send
   what, for the spec's fault checks, tests and the performance model (commlab/lab/strategy/perfmodel/local.py), with
-  ``parts(tensor_bytes)`` (which tensors each fragment holds) and, for a method that brings its own codec,
-  ``codec()`` and ``codec_numel(n)`` (what the model times).
+  ``parts(tensor_bytes)`` (which tensors each fragment holds) and, for a method that brings its own codec
+  (DeMo, SparseLoCo), ``codec()`` and ``codec_numel(n)`` (what the model times).
 - ``global_params()``: the parameters every rank agrees on (what evaluation reads), or None.
 - ``state_dict()``/``load_state_dict()``: what a checkpoint keeps (step counts, outer momentum,
   residuals), and what a replica that recovers under fault tolerance takes from its source.
@@ -62,12 +62,14 @@ class Event(NamedTuple):
     """The step (0-based) in which it is issued."""
     kind: str
     """"gradients": the communicator's per-step exchange (the spec's compressor applies);
-    "params": parameters averaged uncompressed; "pseudo": pseudo-gradients (method.compressor applies);
+    "params": parameters averaged uncompressed; "pseudo": pseudo-gradients (method.compressor, or the method's own
+    codec, applies);
     "components": DeMo's sparse momentum components (bytes exact)."""
     bytes: int
     """Bytes of what is exchanged before any compression (per rank)."""
     overlap: int
-    """Inner steps the exchange overlaps before it is needed (Streaming DiLoCo's tau); 0: blocking."""
+    """Inner steps the exchange overlaps before it is needed (Streaming DiLoCo's tau, DiLoCo's H under overlap);
+    0: blocking."""
     fragment: int = 0
     """Which fragment of the parameters (Streaming DiLoCo); 0 otherwise."""
 

@@ -7,8 +7,8 @@ keeps the global parameters of the last outer step. Steps:
 1. inner: H steps of the spec's optimizer (the paper's AdamW; any torch.optim here) on the rank's own
    gradients, no gradient exchange; the inner optimizer's state stays on the rank across outer steps;
 2. after every H-th step, the pseudo-gradient (global parameters - local parameters) is averaged over
-   ranks, through ``method.compressor`` (none by default; top-k with error feedback, or int8/qsgd, give
-   SparseLoCo-style and low-bit outer updates by configuration);
+   ranks, through ``method.compressor`` (none by default; top-k with error feedback, or int4/int8/qsgd, give
+   sparse and low-bit outer updates by configuration; SparseLoCo is commlab/engine/methods/sparseloco.py);
 3. outer: a stock ``torch.optim.SGD`` with Nesterov momentum (outer_lr, outer_momentum) steps the global
    parameters with the averaged pseudo-gradient as their gradient; every rank continues from them.
 
@@ -21,6 +21,15 @@ The same class runs Streaming DiLoCo (commlab/engine/methods/streaming_diloco.py
 parts of the parameters, each synced every H steps at staggered steps, its all-reduce issued ``tau``
 steps before its outer step is applied, and the fragment then mixed with the local parameters by
 ``alpha``. DiLoCo is the case of one fragment, tau 0 and alpha 0.
+
+``overlap`` (Kale et al., "Eager updates for overlapped communication and computation in DiLoCo", 2025): with
+``delayed`` a sync's all-reduce is issued and left in flight during the next H inner steps; at the next sync of
+the same fragment it is waited for, the new one issued, and the outer step takes the older average (one sync
+late; the first sync steps nothing). With ``eager`` each rank steps with that older average plus (its fresh
+pseudo-gradient - its previous one) / world: its own fresh part stands in for the part not yet averaged (the
+first sync: fresh / world), so the ranks' global copies differ by their own terms. Two flat buffers per group
+take turns, so a new pseudo-gradient never lands where the one in flight is being reduced. ``none`` keeps the
+blocking sync. Needs tau 0 (Streaming DiLoCo's own overlap) and no fault tolerance.
 
 Against torchft's ``DiLoCo`` (torchft/local_sgd.py): the same pseudo-gradient (global - local), the
 outer optimizer over the global copy and the fragment schedule (issue at H/F - tau, apply tau steps

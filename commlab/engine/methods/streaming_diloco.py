@@ -12,8 +12,8 @@ are one fragment's, not the model's. Steps for fragment f:
    Nesterov SGD, and set the local fragment to alpha * local + (1 - alpha) * global, whatever tau is
    (alpha 0: the local fragment takes the global one, as DiLoCo). Left out, alpha is 0.5 with tau > 0
    and 0 with tau = 0;
-3. ``method.compressor`` compresses the pseudo-gradient: int8 or qsgd for the paper's low-bit outer
-   updates (it uses 4-bit floats, which the lab has no codec for).
+3. ``method.compressor`` compresses the pseudo-gradient: int4 for the paper's 4-bit outer updates (the
+   paper's are 4-bit floats, int4's a uniform code with a scale per block), int8 or qsgd.
 
 Follows the paper in the staggered schedule, the overlap tau and the mixing alpha; differs in the
 fragment pattern: contiguous runs of tensors of about equal bytes (the paper's "sequential"; it found
