@@ -13,7 +13,8 @@ NO_SGD_MOMENTUM = {"dgc", "signum"}  # they apply momentum themselves
 # barely moves a model; these keep enough to show learning within the budget.
 # Majority-vote sign methods decode to +-1 per element, so the learning rate alone sets the step.
 LR = {"signsgd": 0.002, "signum": 0.002}
-PARAMS = {"topk": {"ratio": 0.1}, "topk_2bit": {"chunk": 64, "k": 7}, "randomk": {"ratio": 0.3}, "threshold": {"threshold": 0.001},
+PARAMS = {"topk": {"ratio": 0.1}, "topk_2bit": {"chunk": 64, "k": 7}, "randomk": {"ratio": 0.3},
+          "threshold": {"threshold": 0.001},
           "countsketch": {"ratio": 0.03}}
 
 

@@ -418,7 +418,8 @@ class StrategySpec:
 @dataclass
 class MethodSpec:
     """How often ranks communicate: every step's gradients (none), or a method's own exchanges
-    (commlab/engine/methods/): local_sgd, post_local_sgd, diloco, streaming_diloco, demo, sparseloco, or package.module:Class."""
+    (commlab/engine/methods/): local_sgd, post_local_sgd, diloco, streaming_diloco, demo, sparseloco, or
+    package.module:Class."""
     name: str = "none"
     """none (the default: the communicator averages every step's gradients) | a name from
     commlab.engine.methods.names() | package.module:Class (a subclass of commlab.engine.methods.base.Method)."""
