@@ -435,3 +435,32 @@ def test_the_advisor_offers_no_dear_to_muon():
     muon = JobSpec.from_dict({"model": "mlp", "optimizer": "muon"}).to_dict()
     assert any(c.comm["mode"] == "dear" for c in space(base, methods=False))
     assert not any(c.comm["mode"] == "dear" for c in space(muon, methods=False))
+
+
+# --------------------------------------------------------------------------- the examples train from the CLI
+
+@pytest.mark.parametrize("name, sets", [("muloco", ["method.H=4"]), ("desloc", ["method.Hx=2"])])
+def test_example_trains_from_the_cli_and_sends_what_its_schedule_says(tmp_path, name, sets):
+    """8 steps of examples/<name>.yaml on the mlp: the run is done, each rank's sync steps are its schedule's with
+    the bytes it says (nothing compresses them), a local step sends nothing, and evaluation ran."""
+    from commlab.engine import preflight
+    from commlab.engine.runlog import read_jsonl
+    from commlab.lab.base.specs import load_spec
+    from test_methods import ROOT, commlab, only_run
+    runs = tmp_path / "runs"
+    sets = sets + ["steps=8", "model=mlp", "eval_every=0", "threads=1", "timeline=true"]
+    r = commlab("run", ROOT / "examples" / f"{name}.yaml", "--quiet", "--runs", runs,
+                *[a for s in sets for a in ("--set", s)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    run_dir = only_run(runs)
+    spec = load_spec(str(run_dir / "spec.json"))
+    rows = read_jsonl(str(run_dir / "metrics.jsonl"))
+    steps = [m for m in rows if m["kind"] == "step"]
+    assert len(steps) == 16 and all(m["method"] == name for m in steps)
+    events = spec.method.build().schedule([b for _, b in preflight.parameters(spec)], 8)
+    for rank in (0, 1):
+        for x in (m for m in steps if m["rank"] == rank):
+            assert x["bytes_sent"] == x.get("sync_bytes", 0) == sum(e.bytes for e in events if e.step == x["step"])
+    assert [m for m in rows if m["kind"] == "eval"]
+    lanes = {e["cat"] for e in read_jsonl(str(run_dir / "timeline-rank0.jsonl"))}
+    assert "outer" in lanes

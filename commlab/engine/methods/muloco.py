@@ -19,9 +19,10 @@ recipe and in that implementation).
 
 Follows the paper in the algorithm (it is DiLoCo's with another inner optimizer). Differs in the Muon it runs:
 torch's, which orthogonalizes in bfloat16 with 5 Newton-Schulz steps and scales the step by sqrt(max(1, rows /
-cols)), not flattening 3-D and 4-D kernels (they go to AdamW), where the paper's implementation (from Microsoft's
-Dion) scales by the spectral norm and may flatten kernels; and AdamW steps the output head only when it is tied to
-the embedding (the paper's recipe gives the head to AdamW as well).
+cols)), and leaves 3-D and 4-D kernels to AdamW, where the authors' code (github.com/facebookresearch/MuLoCo)
+scales the step by a spectral-norm rule and flattens such tensors into matrices; and AdamW steps the output head
+only when it is tied to the embedding (the authors' recipe gives the head to AdamW as well). Under fault tolerance
+it is refused so far.
 
 With H = 1, outer_lr = 1 and outer_momentum = 0 MuLoCo is the average of each rank's Muon step, which is not
 synchronous Muon on the averaged gradient (the orthogonalization is not linear): tests/test_methods_muloco_desloc.py
