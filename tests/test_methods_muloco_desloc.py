@@ -201,6 +201,29 @@ def test_synchronous_muon_is_the_stock_pair_on_the_averaged_gradient():
     assert a0 == a1
 
 
+def _switch(rank, world):
+    model = _fresh()
+    spec = JobSpec.from_dict({"world_size": world, "optimizer": MUON, "schedule": "allinone", "timeline": False})
+    st = Stepper(spec, model, None, rank, torch.device("cpu"))
+    try:
+        tl = st.timeline
+        loss = _loss(model, rank)
+        t0, m0 = tl.now(), tl.mark()
+        loss.backward()
+        st.step_after_backward(loss, t0, t0, tl.now(), m0, m0, tl.mark())
+        old = st.optimizer
+        st.switch(JobSpec.from_dict({**spec.to_dict(), "schedule": {"name": "layerwise"}}))
+        return st.optimizer is old and len(old.state) == 4
+    finally:
+        st.close()
+
+
+def test_a_strategy_switch_keeps_the_muon_optimizer_and_its_state():
+    """A switch of strategy (strategy auto's trials) over the same parameters keeps the optimizer, although muon's
+    groups list the matrices before the biases."""
+    assert run_world(_switch) == [True, True]
+
+
 def _muloco_reference(H, outer_lr, outer_momentum, steps):
     """MuLoCo by its definition, in one process: each rank's copy steps the stock pair on its own batch, the state
     kept across outer steps; after every H-th step the pseudo-gradients (global - local) are averaged, torch's

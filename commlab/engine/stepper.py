@@ -168,8 +168,9 @@ class Stepper:
         params = self.dp.optimizer_params()
         old = self.optimizer
         mine = [p for g in old.param_groups for p in g["params"]] if old is not None else []
-        if len(mine) == len(params) and all(a is b for a, b in zip(mine, params)):
-            self.optimizer = old  # the same parameters (not dear's shards): momentum and moments go on
+        # the same parameters (not dear's shards), in any order (muon groups the matrices first): its state goes on
+        if len(mine) == len(params) and {id(p) for p in mine} == {id(p) for p in params}:
+            self.optimizer = old
         else:
             self.optimizer = self._make_opt(params)
         self.dp.attach(self.optimizer)
