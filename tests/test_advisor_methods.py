@@ -22,9 +22,13 @@ def test_methods_are_listed_and_not_chosen_without_a_penalty(no_runs):
     s = spec()
     adv = advisor.advise(s, gbps=0.01, profile=fake_profile(s), say=lambda m: None)
     m = local(adv)
-    assert set(m) == {"local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "demo", "sparseloco"}
-    # DeMo keeps its own momentum: with SGD momentum 0.9 the spec does not take it, and its row says so
+    assert set(m) == {"local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "demo", "sparseloco", "muloco",
+                      "desloc"}
+    # DeMo keeps its own momentum: with SGD momentum 0.9 the spec does not take it, and its row says so; MuLoCo
+    # needs optimizer muon and DES-LOC Adam's moments
     assert m["demo"].predicted_ms is None and "optimizer.momentum" in m["demo"].note
+    for name in ("muloco", "desloc"):
+        assert m[name].predicted_ms is None and "optimizer.name" in m[name].note, name
     for name in ("local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "sparseloco"):
         c = m[name]
         assert c.predicted_ms is not None and c.penalty is None, name
@@ -36,7 +40,7 @@ def test_methods_are_listed_and_not_chosen_without_a_penalty(no_runs):
     table = advisor.format_table(adv, limit=3)
     rows = [line for line in table if "local_sgd(H=8)" in line]
     assert len(rows) == 1 and "no runs, not chosen" in rows[0] and " out " in rows[0]
-    assert len(table) == 1 + 3 + 6  # the head, the top 3 and every method
+    assert len(table) == 1 + 3 + 8  # the head, the top 3 and every method
 
 
 def test_a_declared_penalty_lets_a_method_win(no_runs):

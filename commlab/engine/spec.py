@@ -147,31 +147,61 @@ class DataSpec:
                 raise SpecError(f"dataset.{key}", f"must be in {lo}..{hi}, got {v}")
 
 
+MUON_MOMENTUM = 0.95
+"""optimizer.momentum's value for muon when the spec gives none (torch.optim.Muon's default)."""
+MUON_ADAMW_LR = 1e-3
+"""optimizer.adamw_lr's value for muon when the spec gives none (torch.optim.AdamW's default learning rate)."""
+
+
 @dataclass
 class OptimizerSpec:
-    name: Literal["sgd", "adam", "adamw"] = "sgd"
-    """A stock torch.optim optimizer; the engine hands it averaged gradients."""
+    name: Literal["sgd", "adam", "adamw", "muon"] = "sgd"
+    """A stock torch.optim optimizer; the engine hands it averaged gradients. muon: torch.optim.Muon over the 2-D
+    weight matrices and torch.optim.AdamW over every other parameter (biases, norms, convolution kernels,
+    embedding tables), one optimizer object (commlab/engine/muon.py says which parameter goes where)."""
     lr: float = 0.05
-    momentum: float = 0.0
-    """sgd only."""
+    """The learning rate (muon: Muon's, for the matrices; 0.02 is the usual recipe's)."""
+    momentum: Optional[float] = None
+    """sgd and muon only (muon: Muon's momentum, Nesterov). Unset: 0, and 0.95 for muon; spec.json holds the value."""
     weight_decay: float = 0.0
+    """muon: decoupled, for both parts."""
     betas: Optional[list] = None
-    """adam/adamw only, default [0.9, 0.999]."""
+    """adam/adamw only, and muon's AdamW part; default [0.9, 0.999]."""
+    adamw_lr: Optional[float] = None
+    """muon only: the learning rate of the parameters Muon does not take (AdamW's). Unset: 0.001; spec.json holds
+    the value."""
 
     def __post_init__(self):
+        if self.momentum is None:
+            self.momentum = MUON_MOMENTUM if self.name == "muon" else 0.0
+        if self.adamw_lr is None and self.name == "muon":
+            self.adamw_lr = MUON_ADAMW_LR
         if not 0 < self.lr <= 10:
             raise SpecError("optimizer.lr", f"must be in (0, 10], got {self.lr}")
         if not 0 <= self.momentum < 1:
             raise SpecError("optimizer.momentum", f"must be in [0, 1), got {self.momentum}")
-        if self.momentum and self.name != "sgd":
-            raise SpecError("optimizer.momentum", f"only sgd takes momentum (got optimizer {self.name}); use betas")
+        if self.momentum and self.name not in ("sgd", "muon"):
+            raise SpecError("optimizer.momentum", f"only sgd and muon take momentum (got optimizer {self.name}); "
+                                                  f"use betas")
         if self.weight_decay < 0:
             raise SpecError("optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
         if self.betas is not None:
             if self.name == "sgd":
-                raise SpecError("optimizer.betas", "only adam and adamw take betas")
+                raise SpecError("optimizer.betas", "only adam, adamw and muon (its AdamW part) take betas")
             if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
                 raise SpecError("optimizer.betas", f"must be two numbers in [0, 1), got {self.betas}")
+        if self.adamw_lr is not None:
+            if self.name != "muon":
+                raise SpecError("optimizer.adamw_lr", f"only muon takes adamw_lr (the learning rate of what Muon "
+                                                      f"does not step); got optimizer {self.name}")
+            if not 0 < self.adamw_lr <= 10:
+                raise SpecError("optimizer.adamw_lr", f"must be in (0, 10], got {self.adamw_lr}")
+
+    @property
+    def elementwise(self) -> bool:
+        """Whether each element's update depends on that element alone (sgd, adam, adamw): then stepping flat
+        shards of the parameters (comm dear) equals stepping the parameters. Muon orthogonalizes whole matrices."""
+        return self.name != "muon"
 
 
 @dataclass
@@ -418,13 +448,13 @@ class StrategySpec:
 @dataclass
 class MethodSpec:
     """How often ranks communicate: every step's gradients (none), or a method's own exchanges
-    (commlab/engine/methods/): local_sgd, post_local_sgd, diloco, streaming_diloco, demo, sparseloco, or
-    package.module:Class."""
+    (commlab/engine/methods/): local_sgd, post_local_sgd, diloco, streaming_diloco, demo, sparseloco, muloco,
+    desloc, or package.module:Class."""
     name: str = "none"
     """none (the default: the communicator averages every step's gradients) | a name from
     commlab.engine.methods.names() | package.module:Class (a subclass of commlab.engine.methods.base.Method)."""
     params: dict = field(default_factory=dict)
-    """The method's own parameters (H, outer_lr, outer_momentum, warmup, fragments, tau, alpha, ...). In YAML
+    """The method's own parameters (H, outer_lr, outer_momentum, warmup, fragments, tau, alpha, Hx, ...). In YAML
     they may be written inline: {name: diloco, H: 50}. spec.json holds every one, defaulted (streaming_diloco's
     alpha, the local fragment's weight when mixed with the new global one: 0.5 with tau > 0, 0 with tau 0)."""
     compressor: dict = field(default_factory=dict)
@@ -843,6 +873,10 @@ class JobSpec:
             if self.network.link == "loopback":
                 raise SpecError("strategy.mode", "auto plans for a link rate: use network.link modeled or "
                                                  "shaped with gbps (loopback has none)")
+        if self.comm.mode == "dear" and not self.optimizer.elementwise:
+            raise SpecError("comm.mode", f"dear steps each rank's flat 1-D shard of its buffers, which optimizer "
+                                         f"{self.optimizer.name} cannot (Muon orthogonalizes whole matrices); use comm "
+                                         f"sync or wfbp")
         if self.comm.mode == "dear":
             from commlab.engine import compressors
             from commlab.engine.compressors.plan import make_section, parts

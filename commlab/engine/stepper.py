@@ -48,6 +48,7 @@ from commlab.engine.comm import modes
 from commlab.engine.comm.core import Communicator
 from commlab.engine.compressors.plan import Plan
 from commlab.engine.methods.base import Context, Method, Quorum
+from commlab.engine.muon import MuonAdamW, embeddings
 from commlab.engine.probe import LayerProbe
 from commlab.engine.runlog import JsonlWriter
 from commlab.engine.spec import JobSpec
@@ -57,12 +58,17 @@ OptimizerFactory = Callable[[list], torch.optim.Optimizer]
 """Builds the optimizer over the parameters it is given: the model's, or DeAR's shards."""
 
 
-def make_optimizer(spec: JobSpec, params):
+def make_optimizer(spec: JobSpec, params, model: Optional[torch.nn.Module] = None):
+    """The spec's optimizer over ``params``. muon: ``MuonAdamW``, which leaves the weights of ``model``'s
+    embedding tables to AdamW (without ``model``, every 2-D parameter goes to Muon)."""
     o = spec.optimizer
     if o.name == "sgd":
         return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
-    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
     betas = tuple(o.betas) if o.betas else (0.9, 0.999)
+    if o.name == "muon":
+        return MuonAdamW(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, adamw_lr=o.adamw_lr,
+                         betas=betas, exclude=embeddings(model) if model is not None else ())
+    cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
     return cls(params, lr=o.lr, betas=betas, weight_decay=o.weight_decay)
 
 
@@ -95,7 +101,7 @@ class Stepper:
         self.metrics = JsonlWriter(path(runfiles.METRICS)) if path else None
         self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
         self.group = group
-        self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params))
+        self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params, self.model))
         self.step = 0
         self.optimizer: Optional[torch.optim.Optimizer] = None
         # fault tolerance: no broadcast, the first quorum's recovery gives every replica the same start
@@ -133,7 +139,7 @@ class Stepper:
             self.ctx = Context(params=[p for _, p in named], names=[n for n, _ in named], world=self.dp.world,
                                rank=self.dp.rank, group=group, link=self.dp.link, timeline=self.timeline,
                                plan=Plan.from_section(sec) if sec else None, on_issue=self._fault_in_sync,
-                               quorum=_SyncQuorum(self) if ft is not None else None)
+                               quorum=_SyncQuorum(self) if ft is not None else None, optimizer=self.optimizer)
             self.method.setup(self.ctx)
             if ft is not None:
                 ft.register("method", self.method.load_state_dict, lambda: _cloned(self.method.state_dict()))
@@ -162,8 +168,9 @@ class Stepper:
         params = self.dp.optimizer_params()
         old = self.optimizer
         mine = [p for g in old.param_groups for p in g["params"]] if old is not None else []
-        if len(mine) == len(params) and all(a is b for a, b in zip(mine, params)):
-            self.optimizer = old  # the same parameters (not dear's shards): momentum and moments go on
+        # the same parameters (not dear's shards), in any order (muon groups the matrices first): its state goes on
+        if len(mine) == len(params) and {id(p) for p in mine} == {id(p) for p in params}:
+            self.optimizer = old
         else:
             self.optimizer = self._make_opt(params)
         self.dp.attach(self.optimizer)

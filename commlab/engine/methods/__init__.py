@@ -1,5 +1,6 @@
 """Methods that communicate less often: what ranks exchange, and when (local SGD, post-local SGD,
-DiLoCo, Streaming DiLoCo, DeMo, SparseLoCo), on one documented base class (commlab/engine/methods/base.py).
+DiLoCo, Streaming DiLoCo, DeMo, SparseLoCo, MuLoCo, DES-LOC), on one documented base class
+(commlab/engine/methods/base.py).
 
     from commlab.engine.methods import make, names, register, resolve
     m = make("diloco", H=50, outer_lr=0.7)      # checked parameters: ValueError("H: ...") otherwise
@@ -18,8 +19,10 @@ from commlab.engine.codepath import is_import_path
 from commlab.engine.external import import_object
 from commlab.engine.methods.base import Method
 from commlab.engine.methods.demo import DeMo
+from commlab.engine.methods.desloc import DESLOC
 from commlab.engine.methods.diloco import DiLoCo
 from commlab.engine.methods.local_sgd import LocalSGD
+from commlab.engine.methods.muloco import MuLoCo
 from commlab.engine.methods.post_local_sgd import PostLocalSGD
 from commlab.engine.methods.sparseloco import SparseLoCo
 from commlab.engine.methods.streaming_diloco import StreamingDiLoCo
@@ -40,7 +43,7 @@ def register(cls: Type[Method]) -> Type[Method]:
     return cls
 
 
-for _cls in (LocalSGD, PostLocalSGD, DiLoCo, StreamingDiLoCo, DeMo, SparseLoCo):
+for _cls in (LocalSGD, PostLocalSGD, DiLoCo, StreamingDiLoCo, DeMo, SparseLoCo, MuLoCo, DESLOC):
     register(_cls)
 
 

@@ -64,7 +64,8 @@ class Event(NamedTuple):
     """"gradients": the communicator's per-step exchange (the spec's compressor applies);
     "params": parameters averaged uncompressed; "pseudo": pseudo-gradients (method.compressor, or the method's own
     codec, applies);
-    "components": DeMo's sparse momentum components (bytes exact)."""
+    "components": DeMo's sparse momentum components (bytes exact); "moments": the optimizer's state averaged
+    uncompressed (DES-LOC's Adam moments, one event per moment)."""
     bytes: int
     """Bytes of what is exchanged before any compression (per rank)."""
     overlap: int
@@ -93,6 +94,9 @@ class Context:
     quorum: Optional["Quorum"] = None
     """Fault tolerance (commlab/engine/ft.py): each sync joins a quorum and is applied only when it commits; None
     otherwise. ``world`` and ``rank`` are then the quorum's, set at each ``join``."""
+    optimizer: Optional[torch.optim.Optimizer] = None
+    """The optimizer that steps ``params`` (the spec's or the user's), for a method that exchanges its state
+    (DES-LOC averages Adam's moments); None where the caller has none to give."""
 
 
 class Quorum:

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import List, Optional, Tuple
 
 from commlab.engine.codepath import is_import_path
-from commlab.engine.spec import SpecError
+from commlab.engine.spec import OptimizerSpec, SpecError
 from commlab.lab.base.specs import load_spec
 from commlab.lab.strategy.penalty import NO_METHOD, eval_points, evidence_words, finished_runs, is_proven, method_key
 from commlab.lab.strategy.penalty import comp_section as _comp
@@ -224,12 +224,14 @@ def space(spec: dict, extra: List[dict] = (), runs=None, methods: bool = True) -
     compressor when it names code, the ``extra`` compressor sections (``commlab advise --candidate``) and, with
     ``methods``, the methods that communicate less often (``method_space``, from ``runs``' index)."""
     out = []
+    # dear steps flat shards: only an optimizer whose update is elementwise steps them as it steps the whole model
+    sharded = OptimizerSpec(**(spec.get("optimizer") or {})).elementwise
     for label, c in compressor_space(own_compressor(spec) + list(extra)):
         for cap in BUCKET_CAPS_MB:
             out.append(Candidate(f"{label}, bucket {cap:g} MB, wfbp", c, {"name": "bucket", "cap_mb": cap},
                                  {"mode": "wfbp"}))
         out.append(Candidate(f"{label}, mergecomp, wfbp", c, {"name": "mergecomp"}, {"mode": "wfbp"}))
-        if shardable(c):
+        if sharded and shardable(c):
             for cap in DEAR_CAPS_MB:
                 out.append(Candidate(f"{label}, dear {cap:g} MB", c, {"name": "bucket", "cap_mb": cap},
                                      {"mode": "dear"}))
