@@ -368,12 +368,6 @@ class Cluster:
         burst = self.burst_bytes if self.burst_bytes is not None else tbf_burst_bytes(g)
         return ["tbf", "rate", f"{int(round(g * 1e9))}bit", "burst", str(burst), "latency", f"{self.latency_ms:g}ms"]
 
-    def rate_of(self, i: int) -> Optional[Tuple[float, float]]:
-        """Rank i's (up, down) Gbit/s, or None when the cluster is unshaped."""
-        if self.rates is not None:
-            return self.rates[i]
-        return (self.gbps, self.gbps) if self.gbps else None
-
     def _build(self) -> None:
         k = self.k
         base = f"{PREFIX}{self.pid}-{k}-{self.tag}"
@@ -394,10 +388,13 @@ class Cluster:
                   "peer", "name", ifn, "mtu", self.mtu, "netns", ns])
             _run(["ip", "-n", br, "link", "set", bif, "master", self.bridge])
             _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", ifn])
-            rate = self.rate_of(i)
-            if rate:  # the rank's end shapes what it sends (up), the bridge's end what it receives (down)
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", ifn, "root", *self.tbf_args(rate[0])])
-                _run(["tc", "-n", br, "qdisc", "add", "dev", bif, "root", *self.tbf_args(rate[1])])
+            if self.rates is not None or self.gbps:
+                # the rank's end shapes what it sends (up), the bridge's end what it receives (down); a uniform
+                # cluster's tbf_args() takes no rate (a subclass may override it so)
+                up, down = (self.tbf_args(), self.tbf_args()) if self.rates is None else \
+                    (self.tbf_args(self.rates[i][0]), self.tbf_args(self.rates[i][1]))
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", ifn, "root", *up])
+                _run(["tc", "-n", br, "qdisc", "add", "dev", bif, "root", *down])
             _run(["ip", "-n", br, "link", "set", bif, "up"])
             _run(["ip", "-n", ns, "link", "set", ifn, "up"])
         self._wait_up()
