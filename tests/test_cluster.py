@@ -304,3 +304,34 @@ def test_a_shaped_run_on_a_cluster_of_unequal_rates(tmp_path):
     assert run.state == "done", run.status()
     assert "r0 0.2 up/1 down, r1 1 up/0.5 down" in run.status()["cluster"]
     assert any(e.get("cat") == "slow" and e["pid"] == 1 for e in run.timeline_events())
+
+
+def test_a_slower_worker_in_an_own_loop(tmp_path):
+    """commlab.wrap: each forward call of the model and the backward before ``step()`` stretched on rank 1."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from commlab.engine.runlog import read_jsonl
+    from commlab.lab.base.torchrun import free_port
+    root = Path(__file__).resolve().parents[1]
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"name": "own-slow", "steps": 4, "network": {
+        "link": "loopback", "cluster": {"workers": [{"speed": 1}, {"speed": 0.5}]}}}))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("COMMLAB_RUNS", None)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+            "--master-port", str(free_port()), str(root / "examples" / "own_loop.py"), "--spec", str(spec),
+            "--runs", str(tmp_path / "runs"), "--steps", "4"]
+    p = subprocess.run(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:]
+    (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if d.is_dir() and not d.name.startswith(".")]
+    slow = [e for r in (0, 1) for e in read_jsonl(str(run_dir / f"timeline-rank{r}.jsonl")) if e.get("cat") == "slow"]
+    assert {e["pid"] for e in slow} == {1}
+    assert {e["name"].split()[1] for e in slow} == {"forward", "backward"}
+    assert all(e["dur"] >= e["args"]["measured_ms"] * 1e3 - 1.0 for e in slow)
+    steps = [m for m in read_jsonl(str(run_dir / "metrics.jsonl")) if m["kind"] == "step" and m["rank"] == 1]
+    assert len(steps) == 4 and all(m["speed"] == 0.5 and m["slow_ms"] > 0 for m in steps)
