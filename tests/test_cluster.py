@@ -335,3 +335,15 @@ def test_a_slower_worker_in_an_own_loop(tmp_path):
     assert all(e["dur"] >= e["args"]["measured_ms"] * 1e3 - 1.0 for e in slow)
     steps = [m for m in read_jsonl(str(run_dir / "metrics.jsonl")) if m["kind"] == "step" and m["rank"] == 1]
     assert len(steps) == 4 and all(m["speed"] == 0.5 and m["slow_ms"] > 0 for m in steps)
+
+
+def test_commlab_show_and_the_advice_read_a_cluster():
+    from commlab.lab.front.run_cli import cluster_text, link_text
+    from commlab.lab.strategy.predictions import network_for
+    doc = spec(3, link="modeled", cluster="three_continents").to_dict()
+    assert link_text(doc["network"]) == "modeled three_continents"
+    assert cluster_text(doc["network"]["cluster"]) == ("cluster three_continents of 3 workers (0.1-0.5 Gbit/s up, "
+                                                       "0.2-0.5 Gbit/s down, 25-60 ms, 1 speed)")
+    with pytest.raises(SpecError, match=r"^network.cluster: .*--gbps"):
+        network_for(doc)
+    assert network_for(doc, gbps=1.0)["gbps"] == 1.0
