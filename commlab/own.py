@@ -105,6 +105,8 @@ class OwnLoop:
         """The optimizer the step uses (over dear's shards with dear)."""
         self.closed = False
         self._t0 = self._t1 = None
+        self._fwd = None
+        """The start of the current training forward call (time, mark)."""
         # forward begins at the model's first training forward after a step, ends at its last one;
         # prepend: it runs before DeAR's gather wait, which therefore counts as forward time
         self._hooks = [model.register_forward_pre_hook(self._forward_begins, prepend=True),
@@ -132,12 +134,16 @@ class OwnLoop:
     def _forward_begins(self, mod, args) -> None:
         if self.stepper.probe:
             self.stepper.probe.active = self._training()  # no evaluation passes in the layer spans
-        if self._t0 is None and self._training():
-            self._t0 = self._now()
+        if self._training():
+            self._fwd = self._now()
+            if self._t0 is None:
+                self._t0 = self._fwd
 
     def _forward_ends(self, mod, args, out) -> None:
         if self._training():
-            self._t1 = self._now()
+            t, m = self._now()
+            # a slower worker (network.cluster): this forward call stretched to 1/speed of what it took
+            self._t1 = self.stepper.slow_down("forward", self._fwd[0], t, m)
 
     def step(self, loss=None) -> dict:
         """After ``loss.backward()``: average the gradients as the spec says, step the optimizer,
@@ -148,7 +154,7 @@ class OwnLoop:
         _check_loss(loss)
         t0 = self._t0 or self._last
         t1 = self._t1 or t0
-        t2 = self._now()
+        t2 = self.stepper.slow_down("backward", t1[0], *self._now())
         rec = self.stepper.step_after_backward(loss, t0[0], t1[0], t2[0], t0[1], t1[1], t2[1])
         self._t0 = self._t1 = None
         self._last = self._now()

@@ -10,6 +10,8 @@ it at build time, so they cannot drift from it.
 - ``<!-- generated: run-files -->`` and ``<!-- generated: run-status -->`` (docs/reference/run-directory.md): every
   file of a run directory, and the states and fields of its status.json, from the run directory's protocol
   (commlab/engine/runfiles.py);
+- ``<!-- generated: cluster-presets -->`` (docs/how-to/networks.md): the presets of ``network.cluster``, every
+  worker's numbers and where they come from (commlab/engine/cluster.py);
 - ``js/plotly.min.js``: the installed plotly's own bundle, which the tutorial notebooks' figures draw with.
 
 A marker on a page that this file does not know fails the build, as does a marker it cannot fill.
@@ -199,8 +201,22 @@ def run_status_reference() -> str:
     return "\n".join(out)
 
 
+def cluster_presets_reference() -> str:
+    from commlab.engine import cluster
+    out = ["| preset | worker | up, down (Gbit/s) | delay (ms, one way) | jitter (ms) | what it stands for, and the figures' source |",
+           "|---|---|---|---|---|---|"]
+    for name, p in cluster.PRESETS.items():
+        for i, w in enumerate(p["workers"]):
+            who = "every rank" if len(p["workers"]) == 1 else f"rank {i}"
+            about = f"{cell(p['about'])}; {cell(p['source'])}" if i == 0 else ""
+            out.append(f"| {'`' + name + '`' if i == 0 else ''} | {who} | {w['gbps_up']:g}, {w['gbps_down']:g} | "
+                       f"{w['delay_ms']:g} | {w['jitter_ms']:g} | {about} |")
+    return "\n".join(out)
+
+
 GENERATORS = {"cli": cli_reference, "spec": spec_reference, "compressor-capabilities": capabilities_reference,
-              "run-files": run_files_reference, "run-status": run_status_reference}
+              "run-files": run_files_reference, "run-status": run_status_reference,
+              "cluster-presets": cluster_presets_reference}
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:

@@ -6,5 +6,6 @@
 - schedules     fusion schedules (pure functions from parameters to buckets); tuners/ search them online
 - spec          the job spec and its checks; models, data, external (your own models and data)
 - stepper, trainer, worker   one rank's training loop, its writers and its process; trials, autoprofile
-                for strategy auto; probe and timeline for per-layer spans; netmodel for modeled links
+                for strategy auto; probe and timeline for per-layer spans; netmodel for modeled links; cluster
+                for clusters of unequal workers (each rank its own link and speed)
 """

@@ -28,13 +28,16 @@ rank's veth), so a rank's sends and receives overlap.
 ``ModeledLink`` is what the engine uses for ``network: {link: modeled}``: after
 a collective has really completed (on loopback, usually much sooner), the rank
 sleeps until ``t_issue + duration`` so that the collective completes no
-earlier than the model says. This module is pure Python: it imports neither
+earlier than the model says. ``ClusterLink`` is its variant for a cluster of
+unequal workers (``network.cluster``, commlab/engine/cluster.py): every rank its
+own rates, delay and jitter. This module is pure Python: it imports neither
 torch nor anything from commlab/lab/.
 """
 from __future__ import annotations
 
+import random
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from commlab.engine.runlog import write_json_atomic
 
@@ -153,8 +156,12 @@ class ModeledLink:
         """Book the link for a collective issued now (or at ``t_issue``); return when it completes."""
         t = self.clock() if t_issue is None else t_issue
         start = max(t, self.busy_until)
-        self.busy_until = start + self.duration(op, nbytes, world)
+        self.busy_until = start + self._booked(op, nbytes, world)
         return self.busy_until
+
+    def _booked(self, op: str, nbytes: int, world: int) -> float:
+        """The duration ``issue`` books for the next collective (a ``ClusterLink`` draws its jitter here)."""
+        return self.duration(op, nbytes, world)
 
     def reset(self) -> None:
         self.busy_until = 0.0
@@ -175,12 +182,115 @@ class ModeledLink:
         return self.hold_until(self.deadline(t_issue, op, nbytes, world))
 
 
-def from_spec(network) -> Optional[ModeledLink]:
+def ring_steps(op: str, nbytes: float, world: int) -> tuple:
+    """The ring algorithm of ``op`` on ``world`` ranks as (steps, bytes each rank sends per step): all-reduce
+    ``(2 (p-1), n/p)``, all-gather ``(p-1, m)`` (m: each rank's contribution), reduce-scatter and all-to-all
+    ``(p-1, n/p)``. ``steps * chunk`` is ``busbw_factor(op, p) * nbytes``."""
+    p = world
+    if op == "allreduce":
+        return 2 * (p - 1), nbytes / p
+    if op == "allgather":
+        return p - 1, float(nbytes)
+    if op in ("reduce_scatter", "all_to_all"):
+        return p - 1, nbytes / p
+    raise ValueError(f"unknown collective {op!r}; allowed: {', '.join(OPS)}")
+
+
+class ClusterLink(ModeledLink):
+    """A modeled link where every rank has its own link: ``workers[i]`` gives rank i's ``gbps_up``,
+    ``gbps_down``, ``delay_ms`` (one way, to the wide-area core) and ``jitter_ms`` (objects with those attributes,
+    or dicts: ``network.cluster.workers`` of a spec, commlab/engine/cluster.py).
+
+    In a ring, rank i sends to rank i+1 (mod p) in every step, all hops at once, and a step ends when its slowest
+    hop has delivered. Hop i -> i+1 moves the step's chunk ``c`` over the slower of the sender's up-link and the
+    receiver's down-link, and crosses both ends' delays::
+
+        hop_i = c * 8 / (min(up_i, down_{i+1}) * 1e9) + (delay_i + delay_{i+1}) / 1e3 + e_i      seconds
+        step  = max_i hop_i
+        T     = sum over the algorithm's steps of step      (steps and c: ``ring_steps``; 0 for one rank)
+
+    ``e_i`` is the jitter: ``(u * jitter_i + v * jitter_{i+1}) / 1e3`` with u, v uniform in [-1, 1], drawn
+    anew for every hop of every step, and the hop's delay never goes below 0. Without jitter every step costs
+    the same, ``T = steps * max_i hop_i``. With equal workers (rate B, delay d) it is the uniform link's
+    alpha-beta time with ``alpha = 2 d``.
+
+    The draws come from ``random.Random`` seeded by ``seed`` (the run's) and the collective's sequence number on
+    this link (0, 1, 2, ... in the order ``issue`` is called): the ranks issue the same collectives in the same
+    order, so every rank computes the same durations, and a rerun the same again. ``duration(op, nbytes, world,
+    seq)`` is the time of the collective numbered ``seq``.
+    """
+
+    def __init__(self, workers: Sequence, seed: int = 0, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
+        get = lambda w, k: w[k] if isinstance(w, dict) else getattr(w, k)  # noqa: E731
+        self.up = [float(get(w, "gbps_up")) for w in workers]
+        self.down = [float(get(w, "gbps_down")) for w in workers]
+        self.delay_s = [float(get(w, "delay_ms")) * 1e-3 for w in workers]
+        self.jitter_s = [float(get(w, "jitter_ms")) * 1e-3 for w in workers]
+        if not self.up:
+            raise ValueError("a cluster needs at least one worker")
+        for i, (u, d, dl, j) in enumerate(zip(self.up, self.down, self.delay_s, self.jitter_s)):
+            _check(0, 1, u, 0.0)
+            _check(0, 1, d, 0.0)
+            if dl < 0 or j < 0:
+                raise ValueError(f"worker {i}: delay_ms and jitter_ms must be >= 0, got {dl * 1e3:g}, {j * 1e3:g}")
+        super().__init__(min(self.up + self.down), 0.0, clock=clock, sleep=sleep)
+        self.seed = int(seed)
+        self.seq = 0
+        """The sequence number of the next collective ``issue`` books."""
+
+    def __repr__(self) -> str:
+        return f"ClusterLink({len(self.up)} workers, slowest {self.gbps:g} Gbit/s, seed={self.seed})"
+
+    def hops(self, chunk: float) -> list:
+        """Each hop's time without jitter for a step that moves ``chunk`` bytes: ``hops(c)[i]`` is i -> i+1."""
+        p = len(self.up)
+        return [chunk * 8.0 / (min(self.up[i], self.down[(i + 1) % p]) * 1e9)
+                + self.delay_s[i] + self.delay_s[(i + 1) % p] for i in range(p)]
+
+    def duration(self, op: str, nbytes: int, world: int, seq: int = 0) -> float:
+        p = len(self.up)
+        if nbytes < 0:
+            raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+        steps, chunk = ring_steps(op, nbytes, world)
+        if world == 1:
+            return 0.0
+        if world != p:
+            raise ValueError(f"this cluster has {p} workers, the collective {world} ranks")
+        wire = [chunk * 8.0 / (min(self.up[i], self.down[(i + 1) % p]) * 1e9) for i in range(p)]
+        if not any(self.jitter_s):
+            return steps * max(self.hops(chunk))
+        rng = random.Random(self.seed * 1_000_003 + seq)
+        d, j = self.delay_s, self.jitter_s
+        total = 0.0
+        for _ in range(steps):
+            slowest = 0.0
+            for i in range(p):
+                k = (i + 1) % p
+                lat = d[i] + d[k] + rng.uniform(-1.0, 1.0) * j[i] + rng.uniform(-1.0, 1.0) * j[k]
+                slowest = max(slowest, wire[i] + max(lat, 0.0))
+            total += slowest
+        return total
+
+    def _booked(self, op: str, nbytes: int, world: int) -> float:
+        seq, self.seq = self.seq, self.seq + 1
+        return self.duration(op, nbytes, world, seq)
+
+    def reset(self) -> None:
+        super().reset()
+        self.seq = 0
+
+
+def from_spec(network, seed: int = 0) -> Optional[ModeledLink]:
     """A ModeledLink for a ``network`` spec section with ``link == "modeled"``
-    (an object with attributes or a dict), else None."""
+    (an object with attributes or a dict), else None: a ``ClusterLink`` (its jitter seeded by ``seed``, the
+    run's) when the section gives a cluster."""
     get = network.get if isinstance(network, dict) else (lambda k, d=None: getattr(network, k, d))
     if get("link") != "modeled":
         return None
+    cluster = get("cluster")
+    if cluster:
+        return ClusterLink(cluster["workers"], seed)
     gbps = get("gbps")
     if gbps is None:
         raise ValueError("network.gbps is required for a modeled link")

@@ -145,7 +145,8 @@ RESOLVED = _file(
     "when the run is admitted; once the process group is up", "commlab.lab.strategy.perfmodel.whatif.machine_info")
 METRICS = _file(
     "metrics.jsonl", "jsonl", "per step and rank: `loss` (null when an own loop's `comm.step()` got none), "
-    "`time_ms`, `forward_ms`, `backward_ms`, `finish_ms`, `optimizer_ms`, `bytes_sent`, `bytes_raw`; eval lines "
+    "`time_ms`, `forward_ms`, `backward_ms`, `finish_ms`, `optimizer_ms`, `bytes_sent`, `bytes_raw` (a slower worker "
+    "of a `network.cluster` adds its `speed` and `slow_ms`, the wait that stretched its forward and backward); eval lines "
     "with `eval_acc`; `tune` lines from the tuners; `\"trial\": i` on strategy auto's trial steps; at the end of a "
     "run that trained to its last step, one `final` line from rank 0 with `params_sha256`, the sha256 of the model's "
     "state_dict (parameters and buffers, bit for bit; `run.metrics(\"final\")`): a rerun of the run's spec.json on "

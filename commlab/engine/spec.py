@@ -26,6 +26,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+from commlab.engine import cluster
 from commlab.engine.codepath import check_path, imports_allowed, is_import_path
 from commlab.engine.schedules import SCHEDULES
 
@@ -382,14 +383,31 @@ class NetworkSpec:
     link: str = "loopback"
     """loopback | shaped (tc on an emulated cluster) | modeled (alpha-beta delay)."""
     gbps: Optional[float] = None
+    """The rate of every rank's link (Gbit/s); beside a cluster, the rate of every worker that gives none."""
     latency_us: Optional[float] = None
+    """modeled only: the latency of every step of a ring algorithm (alpha), us."""
+    cluster: Optional[dict] = None
+    """Unequal workers, each rank its own link and compute speed (commlab/engine/cluster.py): a preset's name
+    (datacenter | two_regions | three_continents | home_broadband) or {workers: [{gbps_up, gbps_down, delay_ms,
+    jitter_ms, speed, count}, ...]} (count repeats a worker; one entry without count: every rank alike). A
+    modeled link uses all of them, a shaped one the rates (no delay or jitter), a loopback one only speed.
+    spec.json holds it resolved: {preset, workers} with one worker per rank, every field given."""
 
     def __post_init__(self):
         if self.link not in LINKS_AVAILABLE:
             raise SpecError("network.link", f"unknown link {self.link!r}; allowed: {', '.join(LINKS_AVAILABLE)}")
+        if isinstance(self.cluster, str):
+            self.cluster = {"preset": self.cluster}
         if self.link == "loopback" and (self.gbps is not None or self.latency_us is not None):
             raise SpecError("network.gbps", "a loopback link takes no gbps or latency_us")
-        if self.link in ("shaped", "modeled"):
+        if self.cluster is not None and self.latency_us is not None:
+            raise SpecError("network.latency_us", "a cluster gives each worker's delay_ms (a modeled hop crosses "
+                                                  "both ends' delays); leave latency_us out")
+        if self.link in ("shaped", "modeled") and self.cluster is not None:
+            if self.gbps is not None and not 0.001 <= self.gbps <= MAX_GBPS:
+                raise SpecError("network.gbps", f"must be in [0.001, {MAX_GBPS:g}] (the rate of every worker "
+                                                f"that gives none), got {self.gbps}")
+        elif self.link in ("shaped", "modeled"):
             if self.gbps is None or not 0.001 <= self.gbps <= MAX_GBPS:
                 raise SpecError("network.gbps", f"a {self.link} link needs gbps in [0.001, {MAX_GBPS:g}], "
                                                 f"got {self.gbps}")
@@ -912,8 +930,24 @@ class JobSpec:
                 raise SpecError("dataset", f"{self.model.name} takes 3-channel images, {self.dataset.name} has "
                                            f"{channels}; use {{name: synthetic, shape: [3, 64, 64], classes: 10}}")
 
+        if self.network.cluster is not None:
+            self._check_cluster()
         self.fault_tolerance.check_job(self)
         self._check_method()
+
+    def _check_cluster(self) -> None:
+        """network.cluster resolved for world_size ranks: one worker per rank, every field given."""
+        net = self.network
+        try:
+            net.cluster = cluster.resolve(net.cluster, self.world_size, net.link, net.gbps)
+        except cluster.ClusterError as e:
+            raise SpecError(e.path, e.msg) from None
+        if self.fault_tolerance.enabled:
+            raise SpecError("network.cluster", "fault tolerance does not take a cluster yet (its replica groups "
+                                               "change from step to step); leave network.cluster out")
+        if self.strategy.mode == "auto":
+            raise SpecError("network.cluster", "strategy auto does not plan for a cluster of unequal workers yet; "
+                                               "use strategy fixed")
 
     def _check_method(self) -> None:
         """The combinations a method allows (commlab/engine/methods/); fault.at sync needs a sync at fault.step."""
@@ -1064,6 +1098,9 @@ def _shorthand(data: Any) -> Any:
     data = upgrade(data)
     if isinstance(data.get("network"), str):
         data["network"] = {"link": data["network"]}
+    net = data.get("network")
+    if isinstance(net, dict) and isinstance(net.get("cluster"), str):  # a preset's name
+        data["network"] = {**net, "cluster": {"preset": net["cluster"]}}
     if isinstance(data.get("strategy"), str):
         data["strategy"] = {"mode": data["strategy"]}
     if isinstance(data.get("method"), str):

@@ -43,7 +43,7 @@ from typing import Callable, Optional
 
 import torch
 
-from commlab.engine import netmodel, runfiles, schedules, tuners
+from commlab.engine import cluster, netmodel, runfiles, schedules, tuners
 from commlab.engine.comm import modes
 from commlab.engine.comm.core import Communicator
 from commlab.engine.compressors.plan import Plan
@@ -103,6 +103,11 @@ class Stepper:
         self.group = group
         self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params, self.model))
         self.step = 0
+        self.speed = cluster.speed_of(spec, rank)
+        """This worker's compute speed (network.cluster; 1.0 without one): below 1, ``slow_down`` stretches its
+        forward and backward to 1/speed of what they took."""
+        self._slow_s = 0.0
+        """Seconds ``slow_down`` waited in this step, for its line."""
         self.optimizer: Optional[torch.optim.Optimizer] = None
         # fault tolerance: no broadcast, the first quorum's recovery gives every replica the same start
         self._build(broadcast=ft is None)
@@ -158,7 +163,7 @@ class Stepper:
         # dear: ZeRO-style, the optimizer steps this rank's shard of every buffer (commlab/engine/comm/dear.py)
         buckets = self._dear_layout() if spec.comm.mode == "dear" else schedule_fn(spec)
         self.dp: Communicator = modes.make(spec.comm.mode, model, buckets, plan, timeline=self.timeline,
-                                           group=group, link=netmodel.from_spec(spec.network),
+                                           group=group, link=netmodel.from_spec(spec.network, spec.seed),
                                            broadcast_from_rank0=broadcast)
         if self.probe:
             self.probe.follow(self.dp)  # one gradient hook per parameter: the communicator's
@@ -205,6 +210,31 @@ class Stepper:
     def sync_params(self) -> None:
         """Complete pending parameter all-gathers (dear), so the model holds the latest parameters."""
         self.dp.sync_params()
+
+    def slow_down(self, what: str, t_from: float, t_to: float, m_to):
+        """A slower worker (``speed`` s < 1, from network.cluster): at the end of a compute phase (``what``:
+        forward or backward) that ran from ``t_from`` to ``t_to`` (host times of ``timeline.now()``; ``m_to``:
+        the mark taken at ``t_to``), wait (1/s - 1) times what it took, so that it takes 1/s as long as measured,
+        and record the wait as a ``slow`` span. Returns the time and mark after the wait, which stand for the
+        phase's end from then on (its forward or backward span, its ``_ms`` field include the wait); with s = 1
+        ``(t_to, m_to)`` at once. What runs during the phase (wfbp's and dear's collectives, issued from its
+        hooks) is issued as fast as the machine computes: only the end of the phase is late."""
+        if self.speed >= 1.0:
+            return t_to, m_to
+        tl = self.timeline
+        if self.device.type == "cuda":  # what the phase took on the device, not how long its launches took
+            torch.cuda.synchronize(self.device)
+            t_to = tl.now()
+        measured = t_to - t_from
+        until = t_to + (1.0 / self.speed - 1.0) * measured
+        t = tl.now()
+        while t < until:  # time.sleep may wake a little early
+            time.sleep(until - t)
+            t = tl.now()
+        tl.span("slow", f"slow {what} x{1.0 / self.speed:.3g}", t_to, t,
+                {"step": self.step, "speed": self.speed, "measured_ms": round(measured * 1e3, 3)})
+        self._slow_s += t - t_to
+        return t, tl.mark()
 
     def begin_step(self) -> Optional[int]:
         """Before a step's forward pass, under fault tolerance: join the step's quorum (recovering first when this
@@ -411,6 +441,9 @@ class Stepper:
                "time_ms": (t4 - t0) * 1e3, "forward_ms": (t1 - t0) * 1e3, "backward_ms": (t2 - t1) * 1e3,
                "finish_ms": (t3 - t2) * 1e3, "optimizer_ms": (t4 - t3) * 1e3,
                "bytes_sent": self.dp.step_bytes, "bytes_raw": self.dp.step_raw_bytes, "t": time.time()}
+        if self.speed < 1.0:
+            rec.update({"speed": self.speed, "slow_ms": self._slow_s * 1e3})
+            self._slow_s = 0.0
         if meth is not None:
             rec.update({"optimizer_ms": (t4 - t3 - after) * 1e3, "bytes_sent": self.dp.step_bytes + meth.step_bytes,
                         "method": meth.name, "sync_ms": sync_s * 1e3, **meth.step_log})

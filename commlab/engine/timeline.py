@@ -24,6 +24,7 @@ LANES = {
     "advisor": 11,  # strategy auto: its profiling run's steps (written by the lab before the ranks start), the trials
     "outer": 12,  # a method's own exchanges (commlab/engine/methods/): local SGD's averages, DiLoCo's outer syncs, DeMo's
     "fragment": 13,  # Streaming DiLoCo: a fragment's exchange, in flight across inner steps
+    "slow": 14,  # a slower worker (network.cluster's speed < 1): the wait that stretches its forward and backward
 }
 LANE_NAMES = {v: k for k, v in LANES.items()}
 

@@ -172,9 +172,11 @@ class Trainer:
             loss = loss * float("nan")
         m1 = tl.mark()
         t1 = tl.now()
+        t1, m1 = self.stepper.slow_down("forward", t0, t1, m1)  # a slower worker's (network.cluster)
         loss.backward()
         m2 = tl.mark()
         t2 = tl.now()
+        t2, m2 = self.stepper.slow_down("backward", t1, t2, m2)
         return self.stepper.step_after_backward(loss, t0, t1, t2, m0, m1, m2, {"epoch": self.sampler.epoch, **extra})
 
     def _fault_now(self, kind: str) -> bool:

@@ -267,10 +267,12 @@ def report(run, state, args) -> int:
     if chosen:
         print(chosen)
     net = spec["network"]
-    if net["link"] != "loopback":
-        kind = "modeled (alpha-beta delays on loopback, not a real link)" if net["link"] == "modeled" else \
-            "shaped (tc tbf between network namespaces)"
-        print(f"network        {net['gbps']:g} Gbit/s, {kind}")
+    if net["link"] != "loopback" or net.get("cluster"):
+        kind = {"modeled": "modeled (alpha-beta delays on loopback, not a real link)",
+                "shaped": "shaped (tc tbf between network namespaces)",
+                "loopback": "loopback"}[net["link"]]
+        rate = cluster_text(net["cluster"]) if net.get("cluster") else f"{net['gbps']:g} Gbit/s"
+        print(f"network        {rate}, {kind}")
     for line in format_summary(summarize(run.metric_rows(), spec, st)):
         print(line)
     print(disturbance_line(st))
@@ -278,9 +280,29 @@ def report(run, state, args) -> int:
 
 
 def link_text(net: dict) -> str:
-    """``loopback``, or a link with its rate: ``modeled 0.1 Gbit/s``."""
+    """``loopback``, or a link with its rate: ``modeled 0.1 Gbit/s``; a cluster's by its preset: ``modeled
+    three_continents``, or ``modeled cluster``."""
     link = net.get("link") or "loopback"
+    if net.get("cluster"):
+        return f"{link} {net['cluster'].get('preset') or 'cluster'}"
     return link if link == "loopback" or net.get("gbps") is None else f"{link} {net['gbps']:g} Gbit/s"
+
+
+def cluster_text(cl: dict) -> str:
+    """A resolved network.cluster in a few words: its preset, workers, the range of their rates, delays and
+    speeds."""
+    ws = cl["workers"]
+
+    def span(key, unit):
+        vals = [w[key] for w in ws if w[key] is not None]
+        if not vals:
+            return None
+        lo, hi = min(vals), max(vals)
+        return f"{lo:g}{unit}" if lo == hi else f"{lo:g}-{hi:g}{unit}"
+    parts = [p for p in (span("gbps_up", " Gbit/s up"), span("gbps_down", " Gbit/s down"),
+                         span("delay_ms", " ms"), span("speed", " speed")) if p]
+    name = f"cluster {cl['preset']}" if cl.get("preset") else "cluster"
+    return f"{name} of {len(ws)} workers ({', '.join(parts)})"
 
 
 def setup_line(spec: dict, st: dict) -> str:

@@ -1,6 +1,6 @@
 """Emulated clusters for ``network: {link: shaped, gbps: X}`` (Linux, root).
 
-A ``Cluster(n, gbps)`` is built from network namespaces:
+A ``Cluster(n, gbps)`` (or ``Cluster(n, None, rates=[(up, down), ...])``) is built from network namespaces:
 
     clab-<pid>-<k>-<tag>-br     a bridge  clab<k>br
       |  clab<k>b0 ... clab<k>b<n-1>      (bridge ends of the veth pairs, tbf on each)
@@ -9,7 +9,11 @@ A ``Cluster(n, gbps)`` is built from network namespaces:
 Every veth pair is created directly inside the namespaces (``ip -n``), so no
 interface of the lab ever appears in the root namespace, and both of its ends
 get ``tbf rate R burst B latency 50ms``: the rank's end shapes what the rank
-sends, the bridge's end what it receives. Addresses exist only inside the
+sends, the bridge's end what it receives. With ``rates`` (a cluster of unequal
+workers, ``network.cluster``) rank i's end gets its up rate and the bridge's end
+its down rate. Only rates: delay and jitter would need netem (or fq with
+departure times), which the lab does not use: the kernels it runs on may lack
+them (the one it was built on has neither). Addresses exist only inside the
 lab's namespaces, which have no route anywhere else.
 
 ``<pid>`` is the creating process and ``<k>`` the cluster's subnet
@@ -311,6 +315,7 @@ class Cluster:
     """
 
     def __init__(self, n_ranks: int, gbps: Optional[float], tag: Optional[str] = None, *,
+                 rates: Optional[Sequence[Tuple[float, float]]] = None,
                  latency_ms: float = 50.0, burst_bytes: Optional[int] = None, mtu: int = 1500,
                  kill_on_teardown: bool = True):
         check_shaped_supported()
@@ -318,11 +323,18 @@ class Cluster:
             raise ValueError(f"n_ranks must be an integer in 1..{MAX_RANKS}, got {n_ranks!r}")
         if gbps is not None and not gbps > 0:
             raise ValueError(f"gbps must be > 0 (or None for an unshaped cluster), got {gbps!r}")
+        if rates is not None:
+            rates = [(float(u), float(d)) for u, d in rates]
+            if len(rates) != n_ranks or not all(u > 0 and d > 0 for u, d in rates):
+                raise ValueError(f"rates must be {n_ranks} pairs (up, down) of Gbit/s > 0, got {rates!r}")
         self.n = n_ranks
         self.gbps = None if gbps is None else float(gbps)
+        self.rates: Optional[List[Tuple[float, float]]] = rates
+        """Each rank's (up, down) Gbit/s, or None: every link at ``gbps``."""
         self.latency_ms = latency_ms
         self.burst_bytes = burst_bytes if burst_bytes is not None else (
-            tbf_burst_bytes(self.gbps) if self.gbps else None)
+            tbf_burst_bytes(self.gbps) if self.gbps and rates is None else None)
+        """Every tbf's burst; None: each tbf's ``tbf_burst_bytes`` of its own rate (per-rank rates)."""
         self.mtu = mtu
         self.kill_on_teardown = kill_on_teardown
         self.pid = os.getpid()
@@ -350,9 +362,11 @@ class Cluster:
             raise
 
     # the tc arguments of every link (tests override this to make a build fail midway)
-    def tbf_args(self) -> List[str]:
-        return ["tbf", "rate", f"{int(round(self.gbps * 1e9))}bit", "burst", str(self.burst_bytes),
-                "latency", f"{self.latency_ms:g}ms"]
+    def tbf_args(self, gbps: Optional[float] = None) -> List[str]:
+        """A tbf of ``gbps`` (default: the cluster's), its burst ``burst_bytes`` or ``tbf_burst_bytes`` of it."""
+        g = self.gbps if gbps is None else gbps
+        burst = self.burst_bytes if self.burst_bytes is not None else tbf_burst_bytes(g)
+        return ["tbf", "rate", f"{int(round(g * 1e9))}bit", "burst", str(burst), "latency", f"{self.latency_ms:g}ms"]
 
     def _build(self) -> None:
         k = self.k
@@ -374,9 +388,13 @@ class Cluster:
                   "peer", "name", ifn, "mtu", self.mtu, "netns", ns])
             _run(["ip", "-n", br, "link", "set", bif, "master", self.bridge])
             _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[i]}/24", "dev", ifn])
-            if self.gbps:
-                _run(["tc", "-n", ns, "qdisc", "add", "dev", ifn, "root", *self.tbf_args()])
-                _run(["tc", "-n", br, "qdisc", "add", "dev", bif, "root", *self.tbf_args()])
+            if self.rates is not None or self.gbps:
+                # the rank's end shapes what it sends (up), the bridge's end what it receives (down); a uniform
+                # cluster's tbf_args() takes no rate (a subclass may override it so)
+                up, down = (self.tbf_args(), self.tbf_args()) if self.rates is None else \
+                    (self.tbf_args(self.rates[i][0]), self.tbf_args(self.rates[i][1]))
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", ifn, "root", *up])
+                _run(["tc", "-n", br, "qdisc", "add", "dev", bif, "root", *down])
             _run(["ip", "-n", br, "link", "set", bif, "up"])
             _run(["ip", "-n", ns, "link", "set", ifn, "up"])
         self._wait_up()
@@ -415,8 +433,12 @@ class Cluster:
         return out
 
     def describe(self) -> str:
-        shape = f"{self.gbps:g} Gbit/s tbf (burst {self.burst_bytes} B, latency {self.latency_ms:g} ms) " \
-                f"on both ends of every link" if self.gbps else "unshaped"
+        if self.rates is not None:
+            each = ", ".join(f"r{i} {u:g} up/{d:g} down" for i, (u, d) in enumerate(self.rates))
+            shape = f"tbf per rank in Gbit/s ({each}; latency {self.latency_ms:g} ms)"
+        else:
+            shape = f"{self.gbps:g} Gbit/s tbf (burst {self.burst_bytes} B, latency {self.latency_ms:g} ms) " \
+                    f"on both ends of every link" if self.gbps else "unshaped"
         return f"{self.n} ranks on {self.subnet} via bridge {self.bridge} in {self.bridge_ns}, {shape}"
 
     # -- ending it

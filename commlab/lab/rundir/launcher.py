@@ -28,6 +28,7 @@ import time
 from typing import Callable, List, Optional
 
 from commlab.engine import runfiles
+from commlab.engine.cluster import workers as cluster_workers
 from commlab.engine.runfiles import State
 from commlab.engine.runlog import JsonlTail
 from commlab.lab.base import procs, warm
@@ -79,7 +80,10 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
                 return _run_to_end(argv, loopback, run.file(runfiles.NODE_LOG.format(pid=os.getpid())))
             jobs, info = [(argv, {})], {"nodes": nodes.nnodes}
         elif spec.network.link == "shaped":
-            cluster = stack.enter_context(Cluster(spec.world_size, spec.network.gbps, tag=run.id[-4:]))
+            ws = cluster_workers(spec)  # network.cluster: each rank's own rates, up and down
+            rates = [(w["gbps_up"], w["gbps_down"]) for w in ws] if ws else None
+            cluster = stack.enter_context(Cluster(spec.world_size, None if rates else spec.network.gbps,
+                                                  tag=run.id[-4:], rates=rates))
             port = free_port()
             jobs = [rank_argv(cluster, i, worker_argv(str(run.path)), port) for i in range(spec.world_size)]
             info = {"cluster": cluster.describe()}

@@ -31,6 +31,9 @@ def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = 
     if gbps is not None and not 0.001 <= gbps <= MAX_GBPS:
         raise SpecError("--gbps", f"must be in [0.001, {MAX_GBPS:g}], got {gbps:g}")
     if gbps is None and link is None:
+        if net.get("cluster"):
+            raise SpecError("network.cluster", "the advice plans for one rate shared by every rank, not for a "
+                                               "cluster of unequal workers yet; give --gbps X")
         if net["link"] == "loopback":
             raise SpecError("network.link", "the spec's link is loopback, which has no rate to plan for; give "
                                             "--gbps X (a modeled link) or a spec with a modeled or shaped link")
