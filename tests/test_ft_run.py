@@ -115,8 +115,11 @@ def test_the_kill_and_the_recovery_are_in_the_runs_records(killed_run):
     for r in (1, 2):
         assert any(e["event"] == "exit" and e["replica"] == r and e["gen"] == 0 and e["code"] == -9 for e in ev)
     assert [e for e in ev if e["event"] == "lighthouse"][0]["pid"] > 0
-    rec = [r for r in run.recoveries() if r["replica"] == 2 and r["t"] > kills[0]["t"]]
+    # the restarted replica 2 recovers once before the second kill; after it, as a survivor, it may catch up by one
+    # more recovery when the quorum changes under load (a step it was late for)
+    rec = [r for r in run.recoveries() if r["replica"] == 2 and kills[0]["t"] < r["t"] < kills[1]["t"]]
     assert len(rec) == 1, run.recoveries()
+    assert len([r for r in run.recoveries() if r["replica"] == 2 and r["t"] > kills[1]["t"]]) <= 1, run.recoveries()
     assert rec[0]["from_replica"] in (0, 1) and rec[0]["bytes"] > 0 and rec[0]["src_url"].startswith("http")
     assert rec[0]["step"] >= kills[0]["step"]
     # the killed replica's lines up to its death are kept, and its restart trains on from the recovered step

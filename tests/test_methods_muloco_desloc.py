@@ -406,7 +406,7 @@ def test_schedules_say_what_each_step_sends():
     assert (d.Hu, d.Hv) == (24, 48) and d.values() == {"Hx": 8, "Hu": 24, "Hv": 48}
     assert methods.make("desloc").values() == {"Hx": 16, "Hu": 48, "Hv": 96}
     mu = methods.make("muloco")
-    assert mu.values() == {"H": 30, "outer_lr": 0.7, "outer_momentum": 0.6, "nesterov": True}
+    assert mu.values() == {"H": 30, "outer_lr": 0.7, "outer_momentum": 0.6, "nesterov": True, "overlap": "none"}
     assert [(e.step, e.kind, e.bytes) for e in mu.schedule(lin, 61)] == [(29, "pseudo", 12), (59, "pseudo", 12)]
     assert {"muloco", "desloc"} <= set(methods.names())
 

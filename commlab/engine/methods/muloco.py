@@ -31,7 +31,7 @@ holds it to a reference computed with the stock optimizers on each rank's copy i
 from __future__ import annotations
 
 from commlab.engine.compressors.params import Param
-from commlab.engine.methods.diloco import DiLoCo
+from commlab.engine.methods.diloco import OVERLAP, DiLoCo
 
 
 class MuLoCo(DiLoCo):
@@ -43,6 +43,7 @@ class MuLoCo(DiLoCo):
         Param("outer_momentum", float, 0.6, "the outer SGD's momentum (Nesterov when nesterov is on)",
               lo=0, hi=1, hi_open=True),
         Param("nesterov", bool, True, "Nesterov momentum in the outer step (as the paper)"),
+        OVERLAP,
     )
 
     def check_job(self, job: dict) -> None:
