@@ -207,7 +207,7 @@ def cluster_presets_reference() -> str:
            "|---|---|---|---|---|---|"]
     for name, p in cluster.PRESETS.items():
         for i, w in enumerate(p["workers"]):
-            who = "every rank" if len(p["workers"]) == 1 else f"rank {i}"
+            who = "every rank" if len(p["workers"]) == 1 else f"region {i}"
             about = f"{cell(p['about'])}; {cell(p['source'])}" if i == 0 else ""
             out.append(f"| {'`' + name + '`' if i == 0 else ''} | {who} | {w['gbps_up']:g}, {w['gbps_down']:g} | "
                        f"{w['delay_ms']:g} | {w['jitter_ms']:g} | {about} |")

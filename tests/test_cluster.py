@@ -62,6 +62,12 @@ def test_explicit_workers_with_counts_and_the_uniform_rate_filling_in():
     s3 = spec(3, link="modeled", cluster="three_continents")
     again = spec(3, link="modeled", cluster=s3.network.cluster)
     assert again == s3
+    # a preset of regions for more ranks than regions: neighbouring ranks share a region, in blocks
+    s4 = spec(4, link="modeled", cluster="three_continents")
+    regions = cluster.PRESETS["three_continents"]["workers"]
+    assert [w["delay_ms"] for w in cluster.workers(s4)] == [regions[i]["delay_ms"] for i in (0, 0, 1, 2)]
+    assert spec(4, link="modeled", cluster=s4.network.cluster) == s4
+    assert [w["delay_ms"] for w in cluster.workers(spec(5, link="modeled", cluster="two_regions"))] == [15.0] * 5
     # without a cluster: no workers, speed 1
     plain = spec(2, link="modeled", gbps=1.0)
     assert cluster.workers(plain) is None and cluster.speed_of(plain, 1) == 1.0
@@ -77,7 +83,7 @@ def test_loopback_and_shaped_take_what_they_can_do():
 
 
 @pytest.mark.parametrize("world, net, field, words", [
-    (2, {"link": "modeled", "cluster": "three_continents"}, "network.cluster:", "3 workers for world_size 2"),
+    (2, {"link": "modeled", "cluster": "three_continents"}, "network.cluster:", "3 regions for world_size 2"),
     (4, {"link": "modeled", "cluster": {"workers": [{"gbps_up": 1, "gbps_down": 1, "count": 2},
                                                     {"gbps_up": 1, "gbps_down": 1}]}},
      "network.cluster.workers:", "3 workers (counts 2+1) for world_size 4"),

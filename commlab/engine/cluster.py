@@ -60,7 +60,8 @@ class Worker:
 
 
 # The presets: (what it stands for, where its figures come from, its workers). An entry without ``count`` in a
-# list of one stands for every rank alike, so those presets fit any world size; the others have one worker each.
+# list of one stands for every rank alike, so those presets fit any world size; the others have one worker per
+# region and fit any world size of at least their regions (``_in_regions``: ranks in blocks, one region each).
 PRESETS: Dict[str, dict] = {
     "datacenter": {
         "about": "one datacenter: 25 Gbit/s each way, 0.025 ms to the switch (0.05 ms between two workers)",
@@ -135,6 +136,8 @@ def _expand(entries: list, world: int, where: str, preset: Optional[str]) -> Lis
             raise ClusterError(f"{where}[{i}].count", f"must be an integer in 1..1024 (ranks alike), got {c!r}")
     if len(entries) == 1 and "count" not in entries[0]:
         return [dict(entries[0]) for _ in range(world)]
+    if preset is not None and world != len(entries):
+        return _in_regions(entries, world, where, preset)
     out = [dict(e) for e in entries for _ in range(e.get("count", 1))]
     if len(out) != world:
         counts = "+".join(str(e.get("count", 1)) for e in entries)
@@ -147,6 +150,19 @@ def _expand(entries: list, world: int, where: str, preset: Optional[str]) -> Lis
     for e in out:
         e.pop("count", None)
     return out
+
+
+def _in_regions(entries: list, world: int, where: str, preset: str) -> List[dict]:
+    """A preset of one worker per region for ``world`` ranks: rank r in region ``r * regions // world`` (blocks of
+    neighbouring ranks, the first regions taking one more when they do not divide evenly), so a ring crosses each
+    region's border once each way. Needs at least one rank per region. Two ranks of one region are still
+    ``delay_i + delay_j`` apart (the model has no regions): a ring step lasts as long as its slowest hop, which
+    crosses a border, so a ring collective's time does not change."""
+    n = len(entries)
+    if world < n:
+        raise ClusterError(where.rpartition(".")[0], f"preset {preset} has {n} regions for world_size {world}; set "
+                                                     f"world_size {n} or more, or give workers")
+    return [dict(entries[r * n // world]) for r in range(world)]
 
 
 def resolve(section: Any, world: int, link: str, gbps: Optional[float] = None,
