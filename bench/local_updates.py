@@ -65,7 +65,7 @@ import yaml  # noqa: E402
 from bench import common, network  # noqa: E402
 from commlab.lab.base.errors import LabError  # noqa: E402
 
-METHODS = ("local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "demo")
+METHODS = ("local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "demo", "sparseloco", "muloco", "desloc")
 PER_STEP = ("best", "powersgd")
 """The per-step compressors: the best of them is what a method must beat by 1.5x."""
 VARIANTS = ("ddp", *PER_STEP, *METHODS)
@@ -78,10 +78,14 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 TARGET_VS_DDP = 3.0
 TARGET_VS_COMPRESSOR = 1.5
 TARGET_ACC_POINTS = 0.01
+# the targets across three continents (--cluster three_continents): the papers' setting
+WAN_TARGETS = {"vs_ddp": 10.0, "vs_compressor": 2.0, "bytes_fewer": 100.0}
+WAN_TARGET_AT = "three_continents"
 
 DATA = {  # --data -> (the spec's data set: what the lab validates and profiles, the loader here)
     "mnist32": {"name": "synthetic", "shape": [3, 32, 32], "classes": 10},
     "digits": "digits",
+    "text": "text",  # the lab's text (characters, windows of 64): a small language model's task
 }
 
 
@@ -102,6 +106,12 @@ def method_params(name: str, args) -> dict:
                 "outer_momentum": 0.9, "compressor": {"name": "int8"}}
     if name == "demo":
         return {"name": name, "chunk": 64, "topk": 4, "decay": 0.999, "sign": True}
+    if name == "sparseloco":  # its recipe's defaults (top-k per chunk, 2-bit values, error feedback), H as the others
+        return {"name": name, "H": H}
+    if name == "muloco":
+        return {"name": name, "H": H}
+    if name == "desloc":  # the parameters every H steps, Adam's moments at its default 3 H and 6 H
+        return {"name": name, "Hx": H}
     raise ValueError(f"--variants: unknown method {name!r}; allowed: {', '.join(METHODS)}")
 
 
@@ -119,12 +129,47 @@ def parse_params(items) -> Dict[str, dict]:
     return out
 
 
-def base_spec(args, gbps: float, world: int) -> dict:
-    net = {"link": args.link, "gbps": gbps}
+def cluster_section(name: str, world: int, slow: Optional[str]) -> dict:
+    """``network.cluster`` for a preset at ``world`` ranks, with ``--slow RANK:SPEED`` making one worker's compute
+    slower (the preset's workers resolved by commlab.engine.cluster, then that worker's speed set)."""
+    from commlab.engine import cluster
+    ws = cluster.resolve(name, world, "modeled")["workers"]
+    if slow:
+        r, _, v = slow.partition(":")
+        try:
+            rank, speed = int(r), float(v)
+        except ValueError:
+            raise ValueError(f"--slow: expected RANK:SPEED, e.g. 3:0.5, got {slow!r}") from None
+        if not 0 <= rank < world:
+            raise ValueError(f"--slow: rank must be in 0..{world - 1}, got {rank}")
+        ws[rank] = {**ws[rank], "speed": speed}
+    return {"workers": ws}
+
+
+def optimizer_of(args) -> dict:
+    if args.opt == "adamw":
+        return {"name": "adamw", "lr": args.lr}
+    return {"name": "sgd", "lr": args.lr, "momentum": 0.9}
+
+
+def base_spec(args, gbps: Optional[float], world: int, cluster: Optional[str] = None) -> dict:
+    if cluster:
+        net = {"link": "modeled", "cluster": cluster_section(cluster, world, args.slow)}
+    else:
+        net = {"link": args.link, "gbps": gbps}
     return {"name": "local-updates", "model": args.model, "dataset": DATA[args.data], "world_size": world,
             "steps": args.steps, "batch_size": args.batch, "seed": 0,
-            "optimizer": {"name": "sgd", "lr": args.lr, "momentum": 0.9}, "network": net, "eval_every": 0,
+            "optimizer": optimizer_of(args), "network": net, "eval_every": 0,
             "threads": 1, **copy.deepcopy(DDP_STRATEGY)}
+
+
+def bottleneck(net: dict) -> dict:
+    """A cluster's worst link as one uniform link (its slowest rate, its two largest delays a hop apart): what the
+    advisor plans the per-step strategy for."""
+    ws = net["cluster"]["workers"]
+    d = sorted((w["delay_ms"] for w in ws), reverse=True)
+    return {"link": "modeled", "gbps": min(min(w["gbps_up"], w["gbps_down"]) for w in ws),
+            "latency_us": 1e3 * (d[0] + (d[1] if len(d) > 1 else 0.0))}
 
 
 def advise_best(base: dict, args, root: str, log) -> dict:
@@ -132,6 +177,8 @@ def advise_best(base: dict, args, root: str, log) -> dict:
     from commlab.lab.base.specs import load_spec
     from commlab.lab.service.queue import Lab
     from commlab.lab.strategy import advisor
+    if base["network"].get("cluster"):  # the advisor plans for one link: the cluster's worst
+        base = {**base, "network": bottleneck(base["network"])}
     spec = load_spec(data=base).to_dict()
     adv = advisor.advise(spec, runs=root, say=log, methods=False, runner=Lab(root).runner())
     return {"label": adv.winner.label, "strategy": adv.winner.strategy(), "reason": adv.reason,
@@ -164,6 +211,11 @@ def variant_specs(names: List[str], base: dict, best: Optional[dict], params: Di
             d["method"] = {**method_params(name, args), **own}
             if name == "demo":
                 d["optimizer"] = {"name": "sgd", "lr": own_lr(params, name, args.demo_lr), "momentum": 0.0}
+            if name == "muloco":  # Muon on the matrices (its usual rate), AdamW on the rest at the race's rate
+                d["optimizer"] = {"name": "muon", "lr": own_lr(params, name, args.muon_lr),
+                                  "adamw_lr": args.lr if args.opt == "adamw" else args.adam_lr}
+            if name == "desloc" and d["optimizer"]["name"] not in ("adam", "adamw"):  # it syncs Adam's moments
+                d["optimizer"] = {"name": "adamw", "lr": own_lr(params, name, args.adam_lr)}
             what = None
         else:
             what = "every step's gradients: none, bucket 25 MB, wfbp"
@@ -215,8 +267,8 @@ def check_blocks(variants: dict, args) -> None:
 
 def load_data(name: str):
     from commlab.engine import data
-    if name == "digits":
-        return data.load("digits")
+    if name in ("digits", "text"):
+        return data.load(name)
     return network.load_data(name)  # the shaped-link race's own data: the same images
 
 
@@ -343,7 +395,7 @@ def _tx_bytes(ifname: str) -> int:
 
 # ---------------------------------------------------------------- analysis (parent side)
 
-def analyse(raw: dict, target: float, what: Dict[str, str]) -> dict:
+def analyse(raw: dict, target: float, what: Dict[str, str], wan: bool = False) -> dict:
     """Per variant: time, bytes and steps to ``target``, final accuracy, means; ratios against DDP and the
     best per-step compressor; the best method and the targets."""
     ranks = raw["ranks"]
@@ -375,22 +427,28 @@ def analyse(raw: dict, target: float, what: Dict[str, str]) -> dict:
     reached = {n: res[n]["time_to_target_s"] for n in METHODS if res.get(n, {}).get("time_to_target_s")}
     best = min(reached, key=reached.get) if reached else None
     return {"variants": res, "best_method": best, "best_compressor": best_comp, "target_acc": target,
-            "verdict": verdict(res, best)}
+            "verdict": verdict(res, best, wan)}
 
 
-def verdict(res: dict, best: Optional[str]) -> dict:
+def verdict(res: dict, best: Optional[str], wan: bool = False) -> dict:
     """The targets for the best method: >= 3x DDP's pace to the target, >= 1.5x the best per-step
     compressor's, final accuracy within 1 point of DDP's; and whether any method pays against DDP at all."""
     out = {"any_method_pays": any(((res.get(n) or {}).get("vs_ddp") or 0) > 1 for n in METHODS)}
     if best is None:
         return out
     b, ddp = res[best], res.get("ddp", {})
+    t_ddp, t_comp = (WAN_TARGETS["vs_ddp"], WAN_TARGETS["vs_compressor"]) if wan else (TARGET_VS_DDP,
+                                                                                      TARGET_VS_COMPRESSOR)
+    if wan:
+        fewer = (ddp["bytes_to_target"] / b["bytes_to_target"] if ddp.get("bytes_to_target") and b["bytes_to_target"]
+                 else None)
+        out["bytes_fewer"] = {"value": fewer, "target": WAN_TARGETS["bytes_fewer"],
+                              "met": bool(fewer and fewer >= WAN_TARGETS["bytes_fewer"])}
     gap = (ddp.get("final_acc") - b["final_acc"]) if ddp.get("final_acc") is not None and b["final_acc"] is not None \
         else None
-    out.update(vs_ddp={"value": b["vs_ddp"], "target": TARGET_VS_DDP, "met": bool(b["vs_ddp"] and
-                                                                                  b["vs_ddp"] >= TARGET_VS_DDP)},
-               vs_compressor={"value": b["vs_best_compressor"], "target": TARGET_VS_COMPRESSOR,
-                              "met": bool(b["vs_best_compressor"] and b["vs_best_compressor"] >= TARGET_VS_COMPRESSOR)},
+    out.update(vs_ddp={"value": b["vs_ddp"], "target": t_ddp, "met": bool(b["vs_ddp"] and b["vs_ddp"] >= t_ddp)},
+               vs_compressor={"value": b["vs_best_compressor"], "target": t_comp,
+                              "met": bool(b["vs_best_compressor"] and b["vs_best_compressor"] >= t_comp)},
                accuracy={"gap_points": None if gap is None else 100 * gap, "target_points": 100 * TARGET_ACC_POINTS,
                          "met": gap is not None and gap <= TARGET_ACC_POINTS + 1e-9})  # 0.80 - 0.79 > 0.01
     return out
@@ -430,7 +488,9 @@ def table(a: dict, shaped: bool) -> str:
 
 def report_setting(s: dict) -> str:
     a, gbps, world = s["analysis"], s["gbps"], s["world"]
-    link = f"{gbps:g} Gbit/s {'shaped (tbf)' if s['shaped'] else 'modeled (alpha-beta delays)'}"
+    wide = s.get("wide_area")
+    link = (f"cluster {wide['preset']} (modeled: {wide['text']})" if wide else
+            f"{gbps:g} Gbit/s {'shaped (tbf)' if s['shaped'] else 'modeled (alpha-beta delays)'}")
     lines = [f"### {s['model']}, {link}, {world} ranks, target {a['target_acc']:.0%} held out", "",
              table(a, s["shaped"]), ""]
     if s.get("best"):
@@ -441,25 +501,29 @@ def report_setting(s: dict) -> str:
     for note in s.get("notes", []):
         lines.append(f"- {note}")
     v, best = a["verdict"], a["best_method"]
-    at = gbps == 0.1
+    at = (wide["preset"] == WAN_TARGET_AT) if wide else gbps == 0.1
+    where = f"the targets hold {'across three continents' if wide else 'at 0.1 Gbit/s'}"
     met, missed = ("met", "MISSED") if at else ("would meet", "would miss")
     if best is None:
-        lines.append("- no method reached the target" + ("" if at else " (the targets are set at 0.1 Gbit/s)"))
+        lines.append("- no method reached the target" + ("" if at else f" ({where})"))
     else:
-        parts = [f"{v['vs_ddp']['value']:.2f}x sooner than DDP (target >= {TARGET_VS_DDP:g}: "
+        parts = [f"{v['vs_ddp']['value']:.2f}x sooner than DDP (target >= {v['vs_ddp']['target']:g}: "
                  f"{met if v['vs_ddp']['met'] else missed})" if v["vs_ddp"]["value"] else
                  "DDP did not reach the target: no ratio",
                  f"{v['vs_compressor']['value']:.2f}x sooner than the best per-step compressor "
-                 f"({a['best_compressor']}) (target >= {TARGET_VS_COMPRESSOR:g}: "
+                 f"({a['best_compressor']}) (target >= {v['vs_compressor']['target']:g}: "
                  f"{met if v['vs_compressor']['met'] else missed})" if v["vs_compressor"]["value"] else
                  "no per-step compressor reached the target: no ratio",
                  (f"final accuracy {abs(v['accuracy']['gap_points']):.1f} points "
                   f"{'below' if v['accuracy']['gap_points'] > 0 else 'above'} DDP's (target: at most "
                   f"{v['accuracy']['target_points']:g} below: {met if v['accuracy']['met'] else missed})"
                   if v["accuracy"]["gap_points"] is not None else "final accuracy: no DDP figure")]
-        lines.append(f"- best method: {best}: " + "; ".join(parts)
-                     + ("" if at else " (the targets hold at 0.1 Gbit/s)"))
-    if gbps >= 10:
+        if v.get("bytes_fewer"):
+            f = v["bytes_fewer"]
+            parts.append(f"{f['value']:.0f}x fewer bytes to the target than DDP (target >= {f['target']:g}: "
+                         f"{met if f['met'] else missed})" if f["value"] else "bytes: no DDP figure")
+        lines.append(f"- best method: {best}: " + "; ".join(parts) + ("" if at else f" ({where})"))
+    if gbps is not None and gbps >= 10:
         lines.append(f"- does any method pay at {gbps:g} Gbit/s? "
                      + ("yes: " + ", ".join(f"{n} {a['variants'][n]['vs_ddp']:.2f}x" for n in METHODS
                                             if (a["variants"].get(n) or {}).get("vs_ddp") and
@@ -485,8 +549,11 @@ def command_line(args) -> str:
     parts = ["python bench/local_updates.py"]
     if args.quick:
         parts.append("--quick")
-    parts += [f"--gbps {args.gbps}", f"--world {args.world}", f"--link {args.link}", f"--steps {args.steps}",
-              f"--target {args.target:g}", f"--H {args.H}"]
+    where = [f"--cluster {args.cluster}"] + ([f"--slow {args.slow}"] if args.slow else []) if args.cluster else \
+        [f"--gbps {args.gbps}", f"--link {args.link}"]
+    parts += where + [f"--world {args.world}", f"--model {args.model}", f"--data {args.data}", f"--opt {args.opt}",
+                      f"--lr {args.lr:g}", f"--steps {args.steps}", f"--block {args.block}",
+                      f"--eval-every {args.eval_every}", f"--target {args.target:g}", f"--H {args.H}"]
     parts += [f"--param {p}" for p in args.param]
     return " ".join(parts)
 
@@ -497,8 +564,10 @@ QUICK = {"model": "cnn", "data": "digits", "steps": 16, "block": 4, "eval_every"
          "world": "2", "target": 0.5, "eval_size": 256, "lr": 0.05}
 
 
-def one_setting(args, gbps: float, world: int, root: str, params: Dict[str, dict], log) -> Optional[dict]:
-    base = base_spec(args, gbps, world)
+def one_setting(args, gbps: Optional[float], world: int, root: str, params: Dict[str, dict], log,
+                preset: Optional[str] = None) -> Optional[dict]:
+    """One job: every variant on ``world`` ranks, on a link of ``gbps`` or on the modeled cluster ``preset``."""
+    base = base_spec(args, gbps, world, preset)
     names = [n for n in args.variants.split(",") if n]
     best = None
     if "best" in names:
@@ -517,17 +586,22 @@ def one_setting(args, gbps: float, world: int, root: str, params: Dict[str, dict
         common.write_json(plan_path, plan)
         fwd = ["--plan", plan_path, "--out", out]
         t0 = time.time()
-        if args.link == "shaped":
+        if args.link == "shaped" and not preset:
             rc, cluster = common.launch_cluster(__file__, fwd, gbps, n=world, timeout_s=args.timeout, tag="lupd")
         else:
             rc, cluster = common.launch(__file__, fwd, nproc=world), None
         if rc != 0 or not os.path.exists(out):
-            print(f"local_updates: the torchrun job at {gbps:g} Gbit/s, {world} ranks failed (exit {rc})",
-                  file=sys.stderr)
+            where = f"on cluster {preset}" if preset else f"at {gbps:g} Gbit/s"
+            print(f"local_updates: the torchrun job {where}, {world} ranks failed (exit {rc})", file=sys.stderr)
             return None
         raw = common.read_json(out)
-    a = analyse(raw, args.target, {k: v["what"] for k, v in vs["variants"].items()})
-    return {"gbps": gbps, "world": world, "model": args.model, "shaped": raw["shaped"], "best": best,
+    a = analyse(raw, args.target, {k: v["what"] for k, v in vs["variants"].items()}, wan=bool(preset))
+    wide = None
+    if preset:
+        from commlab.lab.front.run_cli import cluster_text
+        wide = {"preset": preset, "workers": base["network"]["cluster"]["workers"],
+                "text": cluster_text({"preset": preset, **base["network"]["cluster"]}), "slow": args.slow}
+    return {"gbps": gbps, "world": world, "wide_area": wide, "model": args.model, "shaped": raw["shaped"], "best": best,
             "notes": vs["notes"], "analysis": a, "steps": args.steps, "block": args.block,
             "eval_every": args.eval_every, "eval_size": raw["eval_size"], "wall_s": time.time() - t0,
             "cluster": cluster, "specs": {k: v["spec"] for k, v in vs["variants"].items()}}
@@ -536,6 +610,17 @@ def one_setting(args, gbps: float, world: int, root: str, params: Dict[str, dict
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog=common.prog(__file__), description=__doc__.splitlines()[0])
     ap.add_argument("--gbps", default="0.1,1,10", help="link rates in Gbit/s, comma-separated (default 0.1,1,10)")
+    ap.add_argument("--cluster", default=None, metavar="PRESET[,PRESET]",
+                    help="wide-area settings instead of --gbps: network.cluster presets on modeled links (each "
+                         "worker its own rate, delay and jitter; commlab.engine.cluster)")
+    ap.add_argument("--slow", default=None, metavar="RANK:SPEED",
+                    help="with --cluster: one worker's compute slower, e.g. 3:0.5 (half as fast)")
+    ap.add_argument("--opt", default="sgd", choices=("sgd", "adamw"),
+                    help="every variant's optimizer (sgd: momentum 0.9) at --lr, but DeMo's, MuLoCo's (muon) and "
+                         "DES-LOC's (adamw at --adam-lr when --opt is sgd)")
+    ap.add_argument("--muon-lr", type=float, default=0.02, help="MuLoCo's Muon learning rate")
+    ap.add_argument("--adam-lr", type=float, default=0.002,
+                    help="AdamW's rate where a variant needs Adam and --opt is sgd (DES-LOC; MuLoCo's AdamW part)")
     ap.add_argument("--world", default="2,4", help="world sizes, comma-separated (default 2,4)")
     ap.add_argument("--link", default="shaped", choices=("shaped", "modeled"),
                     help="shaped: tc on an emulated cluster (root); modeled: alpha-beta delays on loopback")
@@ -545,7 +630,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=160, help="training steps per variant (a multiple of --block)")
     ap.add_argument("--block", type=int, default=8, help="steps per variant per round (a multiple of every H)")
     ap.add_argument("--eval-every", type=int, default=8, help="evaluate every N steps (a multiple of --block)")
-    ap.add_argument("--eval-size", type=int, default=512, help="held-out images per evaluation")
+    ap.add_argument("--eval-size", type=int, default=512, help="held-out examples per evaluation")
     ap.add_argument("--target", type=float, default=0.7, help="target held-out accuracy, the same for all")
     ap.add_argument("--H", type=int, default=8, help="steps between syncs of the methods (a divisor of --block)")
     ap.add_argument("--batch", type=int, default=32, help="per-rank batch size")
@@ -593,6 +678,12 @@ def main(argv=None) -> int:
                  f"allowed: {', '.join(VARIANTS)}")
     if not rates or any(not 0.001 <= g <= 400 for g in rates):
         ap.error(f"--gbps: rates in [0.001, 400], got {args.gbps}")
+    from commlab.engine.cluster import PRESETS
+    clusters = [c for c in (args.cluster or "").split(",") if c]
+    if any(c not in PRESETS for c in clusters):
+        ap.error(f"--cluster: presets from {', '.join(PRESETS)}, got {args.cluster}")
+    if args.slow and not clusters:
+        ap.error("--slow: only with --cluster")
     if not worlds or any(not 2 <= w <= 16 for w in worlds):
         ap.error(f"--world: sizes in 2..16, got {args.world}")
     if not 0 < args.target <= 1 or min(args.steps, args.block, args.eval_every, args.H) < 1:
@@ -604,10 +695,11 @@ def main(argv=None) -> int:
     def log(m):
         print(m, file=sys.stderr, flush=True)
     settings, t0 = [], time.time()
+    where = [(None, c) for c in clusters] if clusters else [(g, None) for g in rates]
     for world in worlds:
-        for g in rates:
+        for g, c in where:
             try:
-                s = one_setting(args, g, world, root, params, log)
+                s = one_setting(args, g, world, root, params, log, c)
             except (ValueError, LabError) as e:  # a spec the lab refuses, a block that cuts an exchange, the
                 ap.error(str(e))                 # advisor's profiling run failing: one line
             if s is None:

@@ -109,7 +109,7 @@ def test_a_block_that_cuts_an_exchange_in_flight_is_refused():
     variant's block: refused before anything runs."""
     import argparse
     args = argparse.Namespace(block=8, H=8, steps=16, eval_every=8, model="cnn", data="digits", batch=16, lr=0.05,
-                              link="modeled", demo_lr=0.001)
+                              link="modeled", demo_lr=0.001, opt="sgd", slow=None, muon_lr=0.02, adam_lr=0.002)
     base = lu.base_spec(args, 0.1, 2)
     vs = lu.variant_specs(["ddp", "streaming_diloco"], base, None,
                           {"streaming_diloco": {"tau": 4, "fragments": 2}}, args)["variants"]
@@ -117,3 +117,47 @@ def test_a_block_that_cuts_an_exchange_in_flight_is_refused():
         lu.check_blocks(vs, args)
     ok = lu.variant_specs(["ddp", "streaming_diloco"], base, None, {}, args)["variants"]
     lu.check_blocks(ok, args)  # tau 1 of H 8 in 2 fragments: every fragment lands within its block
+
+
+def test_a_wide_area_setting_is_a_checked_cluster_spec_with_the_papers_targets():
+    """--cluster three_continents --slow 3:0.5 at 4 ranks: every variant a spec the lab accepts on the modeled
+    cluster (rank 3 at half speed, the preset's links), MuLoCo with Muon and DES-LOC with AdamW; the advisor plans
+    the per-step strategy for the cluster's worst link; the verdict holds the method to 10x DDP, 2x the best
+    per-step compressor and 100x fewer bytes, and says so."""
+    import argparse
+
+    from commlab.engine import cluster
+    args = argparse.Namespace(block=8, H=8, steps=16, eval_every=8, model="transformer", data="text", batch=8,
+                              lr=0.002, link="shaped", demo_lr=0.001, opt="adamw", slow="3:0.5", muon_lr=0.02,
+                              adam_lr=0.002)
+    base = lu.base_spec(args, None, 4, "three_continents")
+    ws = base["network"]["cluster"]["workers"]
+    preset = cluster.resolve("three_continents", 4, "modeled")["workers"]
+    assert base["network"]["link"] == "modeled" and [w["speed"] for w in ws] == [1.0, 1.0, 1.0, 0.5]
+    assert [w["gbps_up"] for w in ws] == [w["gbps_up"] for w in preset]
+    vs = lu.variant_specs(["ddp", "diloco", "sparseloco", "muloco", "desloc"], base, None, {}, args)["variants"]
+    assert vs["muloco"]["spec"]["optimizer"]["name"] == "muon" and vs["desloc"]["spec"]["optimizer"]["name"] == "adamw"
+    assert all(v["spec"]["network"]["cluster"]["workers"] == ws for v in vs.values())
+    lu.check_blocks(vs, args)
+    worst = lu.bottleneck(base["network"])
+    assert worst["gbps"] == min(min(w["gbps_up"], w["gbps_down"]) for w in ws)
+    d = sorted((w["delay_ms"] for w in ws), reverse=True)
+    assert worst["latency_us"] == 1e3 * (d[0] + d[1])
+    with pytest.raises(ValueError, match="--slow: rank must be in 0..3"):
+        lu.cluster_section("three_continents", 4, "4:0.5")
+    with pytest.raises(ValueError, match="--slow: expected RANK:SPEED"):
+        lu.cluster_section("three_continents", 4, "fast")
+    # the targets across three continents: 12x DDP and 3x the compressor, but only 50x fewer bytes
+    times = {"ddp": [1.2] * 8, "powersgd": [0.3] * 8, "diloco": [0.1] * 8}
+    accs = {"ddp": [[8, 0.5]], "powersgd": [[8, 0.5]], "diloco": [[8, 0.5]]}
+    bytes_ = {"ddp": [100] * 8, "powersgd": [10] * 8, "diloco": [2] * 8}
+    a = lu.analyse(raw(times, accs, bytes_), 0.4, {}, wan=True)
+    v = a["verdict"]
+    assert v["vs_ddp"]["target"] == 10 and v["vs_ddp"]["met"] and v["vs_compressor"]["target"] == 2
+    assert v["bytes_fewer"]["value"] == pytest.approx(50) and not v["bytes_fewer"]["met"]
+    setting = {"analysis": a, "gbps": None, "world": 4, "shaped": False, "model": "m", "best": None, "notes": [],
+               "steps": 8, "block": 8, "eval_every": 8, "eval_size": 10, "wall_s": 60.0, "cluster": None,
+               "wide_area": {"preset": "three_continents", "text": "cluster three_continents of 4 workers"}}
+    text = lu.report_setting(setting)
+    assert "cluster three_continents" in text and "(target >= 10: met)" in text
+    assert "50x fewer bytes to the target than DDP (target >= 100: MISSED)" in text
