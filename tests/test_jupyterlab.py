@@ -191,7 +191,8 @@ def test_serves_the_notebooks_runs_lab_in_the_kernel_and_stops_on_sigterm(server
     assert f"kernel: {sys.executable}" in server.output()
     contents = server.get("/api/contents")
     assert sorted(c["name"] for c in contents["content"] if c["type"] == "notebook") == NOTEBOOKS
-    assert len(NOTEBOOKS) == 8  # the tour, one per paper, local updates, your own compressor, pull the plug
+    assert len(NOTEBOOKS) == 9  # the tour, one per paper, local updates, your own compressor, pull the plug,
+    # across the internet
     nb = server.get("/api/contents/00_tour.ipynb")
     assert nb["content"]["cells"][0]["source"].startswith("# 00 · ")
 

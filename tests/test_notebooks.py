@@ -48,7 +48,8 @@ def test_headings(path):
 PAPERS = {"01_mergecomp": "arxiv.org/abs/2103.15195", "02_sketch_fusion": "sciencedirect.com",
           "03_dear": "arxiv.org/abs/2302.12445", "04_utility_of_compression": "proceedings.mlsys.org",
           "05_local_updates": "arxiv.org/abs/2311.08105",
-          "06_your_compressor": "github.com/sands-lab/grace", "07_pull_the_plug": "github.com/pytorch/torchft"}
+          "06_your_compressor": "github.com/sands-lab/grace", "07_pull_the_plug": "github.com/pytorch/torchft",
+          "08_across_the_internet": "arxiv.org/abs/2412.01152"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
