@@ -76,7 +76,7 @@ def test_made_up_records_waits_hops_and_the_slowest_by_hand():
                               "20.0-21.0 ms per step on it (median); slowest hop 1 -> 2 (0.25 Gbit/s, 25 ms, 57.0 ms "
                               "a ring step)")
     t = cv.table(v)
-    assert [r["waits on"] for r in t] == ["rank 2", "rank 2", None]
+    assert [r["waits on"] for r in t] == ["rank 2", "rank 2", "(the slowest)"]
     assert t[1]["wait ms/step"] == 21.0 and t[2]["compute ms/step"] == 30.0 and t[0]["where"] == "custom"
     json.dumps(v)  # what show --json prints
 
@@ -167,6 +167,12 @@ def test_commlab_show_tells_who_waited_on_whom(slow_run, capsys):
     assert "slowest hop 0 -> 1 (5 Gbit/s, 0 ms" in waits
     (net,) = [x for x in out if x.startswith("network ")]
     assert "cluster of 2 workers" in net
+    # the summary `commlab run` prints at the end
+    from types import SimpleNamespace
+
+    from commlab.lab.front import run_cli
+    assert run_cli.report(run, "done", SimpleNamespace(json=False)) == 0
+    assert any(x.startswith("waits          rank 1 is the slowest") for x in capsys.readouterr().out.splitlines())
     assert cli.main(["show", run.id, "--runs", str(root), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["cluster"]["slowest"] == 1 and doc["cluster"]["waiting"] == [0]
@@ -200,7 +206,7 @@ def test_the_live_page_draws_the_cluster_and_only_for_a_cluster_run(slow_run, tm
     ring = json.loads(charts[0].proto.spec)
     assert any("rank 1<br>custom<br>speed 0.25" in (t or "") for d in ring["data"] for t in d.get("text") or [])
     (table,) = [d.value for d in at.dataframe if "waits on" in d.value.columns]
-    assert list(table["rank"]) == [0, 1] and list(table["waits on"].fillna("")) == ["rank 1", ""]
+    assert list(table["rank"]) == [0, 1] and list(table["waits on"]) == ["rank 1", "(the slowest)"]
     assert any("rank 1 is the slowest" in c.value for c in at.caption)
     # a run without a cluster: nothing of it
     plain = Lab(tmp_path).create(commlab.spec({**BASE, "name": "plain", "world_size": 2,

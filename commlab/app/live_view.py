@@ -1,7 +1,8 @@
 """The Live run page's panel: the run picker, then one run's status, progress, cancel and share (and, for a
 fault-tolerant run, each replica group's state, the quorum's size and the recoveries; for a run on a cluster of
-unequal workers, its workers as a ring and who waits on whom), its timeline, where the step time goes, its curves and bytes, refreshed while it trains (ui.REFRESH_S for the
-status, ui.CHARTS_REFRESH_S for the charts: drawing them is most of what watching costs the machine).
+unequal workers, its workers as a ring and who waits on whom), its timeline, where the step time goes, its curves
+and bytes, refreshed while it trains (ui.REFRESH_S for the status, ui.CHARTS_REFRESH_S for the charts: drawing
+them is most of what watching costs the machine).
 """
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def cluster_panel(view: dict) -> None:
     """A cluster run's workers (commlab.lab.analysis.cluster_view): the ring with each hop's rate and delay, the
     slowest rank and hop in red; beside it, each rank's compute, exchange and wait per step and whom it waits on."""
     st.subheader("Cluster: who waits on whom")
-    ring, numbers = st.columns([3, 2])
+    ring, numbers = st.columns(2)
     ring.plotly_chart(plots.cluster_figure(view), key="live.cluster")
     with numbers:
         st.dataframe(cluster_view.table(view), hide_index=True)

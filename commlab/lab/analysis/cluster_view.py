@@ -132,14 +132,15 @@ def cluster_view(spec: dict, rows: Iterable[dict]) -> Optional[dict]:
 
 
 def table(view: dict) -> List[dict]:
-    """One row per rank for a table: its place, speed, link, and compute, exchange and wait per step (ms), and the
-    rank it waits on (None for the slowest, or when no rank is the slowest)."""
+    """One row per rank for a table: its speed, compute and wait per step (ms), the rank it waits on ("(the slowest)"
+    for the slowest; None when no rank is the slowest), its exchange per step, then its place and link."""
     slowest = view["slowest"]
     rnd = lambda v: None if v is None else round(v, 2)  # noqa: E731
-    return [{"rank": w["rank"], "where": w["label"], "speed": w["speed"], "up Gbit/s": w["gbps_up"],
-             "down Gbit/s": w["gbps_down"], "delay ms": w["delay_ms"], "compute ms/step": rnd(w["compute_ms"]),
-             "exchange ms/step": rnd(w["exchange_ms"]), "wait ms/step": rnd(w["wait_ms"]),
-             "waits on": f"rank {slowest}" if slowest is not None and w["rank"] != slowest else None}
+    return [{"rank": w["rank"], "speed": w["speed"], "compute ms/step": rnd(w["compute_ms"]),
+             "wait ms/step": rnd(w["wait_ms"]),
+             "waits on": None if slowest is None else "(the slowest)" if w["rank"] == slowest else f"rank {slowest}",
+             "exchange ms/step": rnd(w["exchange_ms"]), "where": w["label"], "up Gbit/s": w["gbps_up"],
+             "down Gbit/s": w["gbps_down"], "delay ms": w["delay_ms"]}
             for w in view["workers"]]
 
 

@@ -660,7 +660,9 @@ def cluster_figure(view: Optional[dict]) -> go.Figure:
                    + (" (the slowest)" if w["rank"] == slowest else "") for w in ws],
         hoverinfo="text", showlegend=False))
     box = {"visible": False, "range": [-1.9, 1.9]}
-    fig.update_layout(xaxis=box, yaxis={**box, "scaleanchor": "x"}, height=360, showlegend=False,
+    tall = {"range": [-0.7, 0.7]} if p == 2 else {}  # two workers side by side need little height
+    fig.update_layout(xaxis=box, yaxis={**box, **tall, "scaleanchor": "x"}, height=220 if p == 2 else 380,
+                      showlegend=False,
                       plot_bgcolor="rgba(0,0,0,0)",
                       margin={"l": 10, "r": 10, "t": 20, "b": 10})
     return fig
