@@ -1,7 +1,8 @@
 """The Live run page's panel: the run picker, then one run's status, progress, cancel and share (and, for a
-fault-tolerant run, each replica group's state, the quorum's size and the recoveries), its timeline, where the step
-time goes, its curves and bytes, refreshed while it trains (ui.REFRESH_S for the
-status, ui.CHARTS_REFRESH_S for the charts: drawing them is most of what watching costs the machine).
+fault-tolerant run, each replica group's state, the quorum's size and the recoveries; for a run on a cluster of
+unequal workers, its workers as a ring and who waits on whom), its timeline, where the step time goes, its curves
+and bytes, refreshed while it trains (ui.REFRESH_S for the status, ui.CHARTS_REFRESH_S for the charts: drawing
+them is most of what watching costs the machine).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from commlab.app.room import access
 from commlab.app.widgets import report_button, state_badge, where
 from commlab.engine.runfiles import FINAL
 from commlab.lab.base.errors import LabError
-from commlab.lab.analysis import comparison, live, plots, replicas, timelines
+from commlab.lab.analysis import cluster_view, comparison, live, plots, replicas, timelines
 from commlab.lab.front import ui
 from commlab.lab.rundir import disturbance
 from commlab.lab.rundir.summary import fmt_bytes, summarize, warmup_steps
@@ -136,6 +137,9 @@ def live_panel(run_id: str) -> None:
                          "the run trains on.")
             redraw.button("Redraw charts", key="live.redraw", icon=":material/refresh:",
                           help="Draw the charts now from what the run has logged so far.")
+        view = cluster_view.cluster_view(spec, lr.metric_rows())
+        if view is not None:
+            cluster_panel(view)
         st.subheader("Timeline")
         if step < 0:
             fig = plots.timeline_figure(lr.timeline(int(last) + 1), last=int(last))
@@ -201,6 +205,20 @@ def replica_panel(run, rows, running: bool = False) -> None:
                            "step": r.get("lab_step", r.get("step")), "seconds": round(r.get("seconds") or 0.0, 3),
                            "MB": round((r.get("bytes") or 0) / 1e6, 2)}
                           for r in recs], hide_index=True)
+
+
+def cluster_panel(view: dict) -> None:
+    """A cluster run's workers (commlab.lab.analysis.cluster_view): the ring with each hop's rate and delay, the
+    slowest rank and hop in red; beside it, each rank's compute, exchange and wait per step and whom it waits on."""
+    st.subheader("Cluster: who waits on whom")
+    ring, numbers = st.columns(2)
+    ring.plotly_chart(plots.cluster_figure(view), key="live.cluster")
+    with numbers:
+        st.dataframe(cluster_view.table(view), hide_index=True)
+        how = (f". Per step, the median of {view['steps']} steps every rank logged (warm-up left out): compute is "
+               "forward and backward, exchange the time until the step's collectives were done, wait what a rank's "
+               "exchange took beyond the shortest one's." if view["steps"] else ".")
+        st.caption(ui.text(cluster_view.describe(view) + how))
 
 
 def machine_note(d: Optional[dict]) -> None:

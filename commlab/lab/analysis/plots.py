@@ -584,3 +584,85 @@ def predicted_scaling_figure(df: pd.DataFrame, spec_label: str = "spec") -> go.F
     fig.update_yaxes(title_text="scaling factor", range=[0, 1.05])
     fig.update_layout(height=340, margin={"l": 50, "r": 20, "t": 30, "b": 40})
     return fig
+
+
+# --------------------------------------------------------------------------- a cluster of unequal workers
+
+SLOW_COLOR = "#E45756"
+"""The slowest rank and the slowest hop of a cluster (the colour of communication elsewhere)."""
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v:.1f} ms"
+
+
+def cluster_figure(view: Optional[dict]) -> go.Figure:
+    """A cluster's workers as a ring (``view``: commlab.lab.analysis.cluster_view.cluster_view): a node per rank
+    (its rank, place and speed; the slowest rank red), an arrow per hop i -> i+1 labelled with its rate (the slower
+    of i's up and i+1's down) and both ends' delay, the slowest hop red and thicker. Hover: each worker's link and
+    what it measured, each hop's modeled time."""
+    if not view or not view.get("workers"):
+        return empty_figure("no cluster")
+    ws, p = view["workers"], len(view["workers"])
+    turn = math.pi / 2 if p == 2 else 0.0  # two workers side by side, more around a circle from the top
+    ang = [math.pi / 2 + turn - 2 * math.pi * r / p for r in range(p)]
+    xy = [(math.cos(a), math.sin(a)) for a in ang]
+    fig = go.Figure()
+    # the hops; two workers have two, i -> j and j -> i, each set off to its right so that they do not overlap,
+    # and their labels beyond; around a larger ring each label sits inside its hop, on two lines (the workers'
+    # labels are outside)
+    mids = []
+    for k, h in enumerate(view.get("hops") or []):
+        (x0, y0), (x1, y1) = xy[h["src"]], xy[h["dst"]]
+        dx, dy = x1 - x0, y1 - y0
+        n = math.hypot(dx, dy) or 1.0
+        ox, oy = (dy / n * 0.09, -dx / n * 0.09) if p == 2 else (0.0, 0.0)
+        a = (x0 + 0.22 * dx + ox, y0 + 0.22 * dy + oy)
+        b = (x0 + 0.78 * dx + ox, y0 + 0.78 * dy + oy)
+        mx, my = x0 + 0.5 * dx, y0 + 0.5 * dy
+        if p == 2:
+            mx, my = mx + 2.6 * ox, my + 2.6 * oy
+        else:
+            r = math.hypot(mx, my) or 1.0
+            mx, my = mx / r * max(r - 0.28, 0.0), my / r * max(r - 0.28, 0.0)
+        slow = k == view.get("slowest_hop")
+        fig.add_annotation(x=b[0], y=b[1], ax=a[0], ay=a[1], xref="x", yref="y", axref="x", ayref="y",
+                           showarrow=True, arrowhead=2, arrowsize=1.2, arrowwidth=3.5 if slow else 1.5,
+                           arrowcolor=SLOW_COLOR if slow else "#888", text="")
+        mids.append((mx, my, f"{h['gbps']:g} Gbit/s{', ' if p == 2 else '<br>'}{h['delay_ms']:g} ms",
+                     f"hop {h['src']} -> {h['dst']}: {h['gbps']:g} Gbit/s (the slower of rank {h['src']}'s up and "
+                     f"rank {h['dst']}'s down), {h['delay_ms']:g} ms of delay; {h['ms']:.2f} ms a ring step"
+                     + (" (the slowest hop)" if slow else ""), slow))
+    if p > 8:  # labels all round would overlap: the slowest hop's only (the others' on hover)
+        mids = [m if m[4] else (*m[:2], "", *m[3:]) for m in mids]
+    if mids:
+        fig.add_trace(go.Scatter(
+            x=[m[0] for m in mids], y=[m[1] for m in mids], mode="text", text=[m[2] for m in mids],
+            textfont={"size": 11, "color": [SLOW_COLOR if m[4] else "#555" for m in mids]},
+            hovertext=[m[3] for m in mids], hoverinfo="text", showlegend=False))
+    slowest = view.get("slowest")
+
+    def where(a: float) -> str:
+        c, s = math.cos(a), math.sin(a)
+        return "middle right" if c > 0.5 else "middle left" if c < -0.5 else "top center" if s >= 0 else \
+            "bottom center"
+    fig.add_trace(go.Scatter(
+        x=[q[0] for q in xy], y=[q[1] for q in xy], mode="markers+text",
+        marker={"size": 40, "color": [SLOW_COLOR if w["rank"] == slowest else "#4C78A8" for w in ws],
+                "line": {"width": 1, "color": "#fff"}},
+        text=[f"rank {w['rank']}<br>{plain(w['label'])}<br>speed {w['speed']:g}" for w in ws],
+        textposition=[where(a) for a in ang], textfont={"size": 12},
+        hovertext=[f"rank {w['rank']} ({plain(w['label'])}): speed {w['speed']:g}"
+                   + (f", {w['gbps_up']:g} Gbit/s up, {w['gbps_down']:g} down" if w.get("gbps_up") is not None
+                      else "")
+                   + f", {w['delay_ms']:g} ms delay, {w['jitter_ms']:g} ms jitter<br>per step: compute "
+                   f"{_ms(w['compute_ms'])}, exchange {_ms(w['exchange_ms'])}, waited {_ms(w['wait_ms'])}"
+                   + (" (the slowest)" if w["rank"] == slowest else "") for w in ws],
+        hoverinfo="text", showlegend=False))
+    box = {"visible": False, "range": [-1.9, 1.9]}
+    tall = {"range": [-0.7, 0.7]} if p == 2 else {}  # two workers side by side need little height
+    fig.update_layout(xaxis=box, yaxis={**box, **tall, "scaleanchor": "x"}, height=220 if p == 2 else 380,
+                      showlegend=False,
+                      plot_bgcolor="rgba(0,0,0,0)",
+                      margin={"l": 10, "r": 10, "t": 20, "b": 10})
+    return fig

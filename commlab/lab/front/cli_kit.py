@@ -15,7 +15,7 @@ from typing import Callable, Iterable
 
 import tomllib
 
-from commlab.lab.analysis import replicas
+from commlab.lab.analysis import cluster_view, replicas
 from commlab.lab.base.paths import SOURCE, default_root, make_private
 from commlab.lab.rundir.store import RunStore
 from commlab.lab.rundir.summary import summarize
@@ -179,6 +179,9 @@ def run_document(run) -> dict:
         recs = run.recoveries()
         doc["replicas"] = {"states": replicas.replica_states(run.ft_events(), steps, recs),
                            "quorums": replicas.quorum_sizes(steps), "recoveries": replicas.after_start(recs, steps)}
+    view = cluster_view.cluster_view(spec, rows)
+    if view is not None:  # each worker's link, speed, compute and wait; the slowest rank and hop
+        doc["cluster"] = view
     return doc
 
 

@@ -11,7 +11,7 @@ import time
 
 from commlab.engine.runfiles import FINAL, STATES
 from commlab.engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE
-from commlab.lab.analysis import replicas
+from commlab.lab.analysis import cluster_view, replicas
 from commlab.lab.analysis.trace import write_trace
 from commlab.lab.base import procs
 from commlab.lab.base.errors import LabError
@@ -273,8 +273,11 @@ def report(run, state, args) -> int:
                 "loopback": "loopback"}[net["link"]]
         rate = cluster_text(net["cluster"]) if net.get("cluster") else f"{net['gbps']:g} Gbit/s"
         print(f"network        {rate}, {kind}")
-    for line in format_summary(summarize(run.metric_rows(), spec, st)):
+    rows = run.metric_rows()
+    for line in format_summary(summarize(rows, spec, st)):
         print(line)
+    if net.get("cluster"):
+        print(f"waits          {cluster_view.describe(cluster_view.cluster_view(spec, rows))}")
     print(disturbance_line(st))
     return 0 if state == "done" else 1
 
@@ -449,6 +452,9 @@ def cmd_show(args) -> int:
         if sizes:
             print(f"quorum         {min(sizes)} to {max(sizes)} replica groups over {len(sizes)} quorums; "
                   f"{len(rep['recoveries'])} recoveries after the start")
+    if "cluster" in doc:
+        print(f"network        {cluster_text(spec['network']['cluster'])}")
+        print(f"waits          {cluster_view.describe(doc['cluster'])}")
     print(disturbance_line(st))
     return 0
 
