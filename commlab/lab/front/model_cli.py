@@ -383,7 +383,8 @@ def cmd_advise(args) -> int:
                          args.trial_steps, penalty.parse_penalties(args.penalty),
                          runner=open_lab(runs_root(args)).runner(), candidates=extra,
                          say=lambda line: print(line, file=say, flush=True), target=args.target,
-                         to_target=args.measure == "target", target_steps=args.target_steps, cluster=args.cluster)
+                         to_target=args.measure == "target", target_steps=args.target_steps,
+                         **({"cluster": args.cluster} if args.cluster else {}))
     print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "
           f"{network_words(adv.network)}; link: {adv.link_source}; profile: {adv.profile_source}", file=say)
     for line in advisor.format_table(adv, args.top or None):
