@@ -265,6 +265,17 @@ def test_predict_and_advise_on_a_preset(tmp_path, capsys, no_runs):
     doc = json.loads(capsys.readouterr().out)
     assert doc["rate"] == "cluster" and doc["rows"][0]["workers"] == 3
     assert doc["rows"][0]["cluster"]["ring_step_delay_ms"] == 90.0
+    # a spec's own cluster, without --cluster: its world size (not the flat table's 2,8,64,1024); --gbps sets it aside
+    own = adv_spec(world_size=3, network={"link": "modeled", "cluster": "three_continents"})
+    prof.spec = own
+    prof.save(f)
+    assert main(["predict", str(f), "--json", "--runs", str(tmp_path / "runs")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rate"] == "cluster" and [r["workers"] for r in doc["rows"]] == [3]
+    assert doc["rows"][0]["cluster"]["preset"] == "three_continents"
+    assert main(["predict", str(f), "--json", "--gbps", "1", "--runs", str(tmp_path / "runs")]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["rate"] == "flat" and [r["workers"] for r in doc["rows"]] == [2, 8, 64, 1024]
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -180,8 +180,8 @@ def cmd_predict(args) -> int:
     # with --device, the device gives the node's size and fabric: --cluster may change any of them
     shape = (whatif.parse_cluster(args.cluster, required=() if args.device else None)
              if args.cluster and preset is None else None)
-    if workers is None and preset is None:
-        workers = numbers("--workers", "2,8,64,1024", int, 1, 100000)
+    if workers is None and (shape or args.device or args.gbps or args.link):  # no cluster of unequal workers
+        workers = numbers("--workers", WORKERS, int, 1, 100000)
     if shape and "inter_gbps" in shape:
         if args.gbps is not None:
             raise UsageError("--gbps and --cluster inter_gbps both give the inter-node rate; give one")
@@ -238,6 +238,8 @@ def cmd_predict(args) -> int:
             raise LabError(str(e)) from None
     if link_cal is not None:
         prof.link = link_cal
+    if workers is None and not rings:  # the spec gives no cluster either: the flat link's table
+        workers = numbers("--workers", WORKERS, int, 1, 100000)
     links = node_size = None
     if dev is not None and spec["method"]["name"] != "none" and predict.method_of(spec).codec() is not None:
         raise SpecError("--device", f"method {spec['method']['name']} brings its own codec, whose cost on a GPU "
@@ -299,6 +301,8 @@ def cmd_predict(args) -> int:
     return 0
 
 
+WORKERS = "2,8,64,1024"
+"""``commlab predict --workers``'s default on a flat or two-level link."""
 CLUSTER_SOURCE = ("each worker's rates, delay and jitter (commlab.engine.cluster), a ring step as slow as its "
                   "slowest hop (jitter: its expected maximum), compute the slowest worker's (commlab.lab.strategy."
                   "perfmodel.uneven); as the engine's modeled cluster link")
@@ -337,7 +341,7 @@ def cluster_rings_for(args, spec: dict, preset, workers):
     if workers is None:
         regions = len(PRESETS[section["preset"]]["workers"]) if section.get("preset") else 1
         workers = [max(spec["world_size"], regions)]
-    return whatif.cluster_rings(section, workers)
+    return whatif.cluster_rings(section, workers, "--cluster" if preset is not None else "--workers")
 
 
 def method_label(section: dict) -> str:
