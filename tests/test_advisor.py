@@ -277,7 +277,7 @@ def test_measured_trials_decide(monkeypatch, tmp_path):
     tried = [json.loads((sessions[0].path / d / "spec.json").read_text())
              for d in json.loads(sessions[0].file("trials.json").read_text())["dirs"]]
     assert len({t["compressor"]["name"] for t in tried[:3]}) == 3  # three compressor families
-    assert all(t["network"] == {"link": "modeled", "gbps": 0.01, "latency_us": None} for t in tried)
+    assert all(t["network"] == {"link": "modeled", "gbps": 0.01, "latency_us": None, "cluster": None} for t in tried)
     assert all(t["steps"] == trials.TRIAL_WARMUP + advisor.TRIAL_STEPS and t["eval_every"] == 0
                and t["final_eval"] is False for t in tried)
     # PowerSGD compresses from the first trial step: the trial times its steady state

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Optional
 
 import yaml
 
+from commlab.engine.cluster import PRESETS
 from commlab.engine.runlog import write_json_atomic
 from commlab.engine.spec import MAX_GBPS, SpecError
 from commlab.lab.base.errors import LabError
@@ -33,7 +35,7 @@ from commlab.lab.strategy.advisor import TRIAL_STEPS, TRIALS
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import devices, predict, whatif
 from commlab.lab.strategy.perfmodel.calibrate import CalibrationError, compressor_key, spec_key
-from commlab.lab.strategy.predictions import LINKS
+from commlab.lab.strategy.predictions import LINKS, network_words
 
 
 def add_commands(sub) -> None:
@@ -56,17 +58,23 @@ def add_commands(sub) -> None:
                                 "factor", ["commlab predict examples/topk-ef.yaml --gbps 1,10 --workers 8,64",
                                            "commlab predict profile.json --device H100 --workers 8,64",
                                            "commlab predict examples/topk-ef.yaml --cluster node_size=8,"
-                                           "intra_gbps=1600,inter_gbps=100 --workers 64"],
+                                           "intra_gbps=1600,inter_gbps=100 --workers 64",
+                                           "commlab predict examples/demo.yaml --cluster three_continents "
+                                           "--workers 3,6"],
                 "Without --profile or --calibrate, the lab's profile of the model is used (a saved one, one "
                 "calibrated from a finished run, or a short single-process run measured now).")
     add_spec_args(p, "a profile file (commlab profile) or a job spec file (YAML or JSON); dear is accepted")
     p.add_argument("--gbps", default=None, metavar="LIST", help="link rates in Gbit/s, comma-separated, each in "
                    f"[0.001, {MAX_GBPS:g}] (default 1,10,100,400); with --cluster: the inter-node rates")
-    p.add_argument("--workers", default="2,8,64,1024", metavar="LIST", help="worker counts, comma-separated")
-    p.add_argument("--cluster", metavar="KEY=VALUE,...", default=None,
-                   help="a two-level cluster with hierarchical all-reduce: node_size=8,intra_gbps=1600,"
-                        "inter_gbps=100 (optional intra_us, inter_us latencies per ring step, nics per node; "
-                        "without inter_gbps, --gbps gives it)")
+    p.add_argument("--workers", default=None, metavar="LIST", help="worker counts, comma-separated (default "
+                   "2,8,64,1024; on a cluster of unequal workers the spec's world size, or the preset's regions "
+                   "when it has more)")
+    p.add_argument("--cluster", metavar="PRESET|KEY=VALUE,...", default=None,
+                   help=f"a cluster of unequal workers on modeled links, by its preset ({', '.join(PRESETS)}: "
+                        "each worker's rates, delay, jitter and speed; without --cluster or --gbps a spec's own "
+                        "network.cluster is used), or a two-level cluster with hierarchical all-reduce: "
+                        "node_size=8,intra_gbps=1600,inter_gbps=100 (optional intra_us, inter_us latencies per "
+                        "ring step, nics per node; without inter_gbps, --gbps gives it)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--profile", metavar="FILE", help="a saved profile (JSON)")
     g.add_argument("--calibrate", metavar="RUN", help="calibrate compute from this run's timeline")
@@ -94,6 +102,10 @@ def add_commands(sub) -> None:
                    help=f"{' or '.join(LINKS)}: modeled (alpha-beta delays, default with --gbps) or shaped "
                         "(tc on an emulated cluster)")
     p.add_argument("--workers", type=int, default=None, help="worker count (default: the spec's world_size)")
+    p.add_argument("--cluster", default=None, type=one_of("a cluster preset", PRESETS), metavar="PRESET",
+                   help=f"plan for a cluster of unequal workers on its modeled link: {', '.join(PRESETS)} "
+                        "(each worker's rates, delay, jitter and speed; default: the spec's own network.cluster, "
+                        "unless --gbps gives one rate)")
     p.add_argument("--measure", nargs="?", const="target", default=None, metavar="target|steps",
                    type=one_of("a kind of measurement", ("target", "steps")),
                    help="target (the default): run the top candidates beside DDP to the target accuracy on the "
@@ -161,11 +173,15 @@ def cmd_predict(args) -> int:
 
     def info(line: str) -> None:
         print(line, file=say, flush=True)
-    workers = numbers("--workers", args.workers, int, 1, 100000)
+    workers = numbers("--workers", args.workers, int, 1, 100000) if args.workers else None
     if not 0.001 <= args.compute_speedup <= 10000:
         raise UsageError(f"--compute-speedup: must be in [0.001, 10000], got {args.compute_speedup}")
+    preset = cluster_preset(args)
     # with --device, the device gives the node's size and fabric: --cluster may change any of them
-    shape = whatif.parse_cluster(args.cluster, required=() if args.device else None) if args.cluster else None
+    shape = (whatif.parse_cluster(args.cluster, required=() if args.device else None)
+             if args.cluster and preset is None else None)
+    if workers is None and (shape or args.device or args.gbps or args.link):  # no cluster of unequal workers
+        workers = numbers("--workers", WORKERS, int, 1, 100000)
     if shape and "inter_gbps" in shape:
         if args.gbps is not None:
             raise UsageError("--gbps and --cluster inter_gbps both give the inter-node rate; give one")
@@ -188,7 +204,7 @@ def cmd_predict(args) -> int:
                 raise SpecError("--workers", str(e).split(": ", 1)[1]) from None
     elif shape:
         whatif.check_workers(shape, workers)
-    if args.link and shape:
+    if args.link and (shape or preset):
         raise UsageError("--link calibrates a flat link; --cluster gives its own links")
     link_cal = whatif.link_file(args.link) if args.link else None  # read before any profiling run
     if args.profile:
@@ -204,6 +220,7 @@ def cmd_predict(args) -> int:
         if prof.key() != spec_key(spec):
             raise SpecError("--set", f"the profile is for {prof.key()}, the spec is now {spec_key(spec)}")
         m = prof.machine
+        rings = cluster_rings_for(args, spec, preset, workers)
         info(f"profile: {args.spec} ({prof.source}" + (f", {m.get('device')} on {m.get('host')}, torch "
                                                       f"{m.get('torch')}" if m else "") + ")")
         if whatif.ensure_curves(prof, [spec]):
@@ -211,6 +228,7 @@ def cmd_predict(args) -> int:
             info(f"profile: measured the compressor's encode/decode cost curve, added to {args.spec}")
     else:
         spec = whatif.load_for_prediction(args.spec, args.overrides)
+        rings = cluster_rings_for(args, spec, preset, workers)  # refused before anything is measured
         if args.calibrate:
             store_of(args).get(args.calibrate)  # a missing run is said before anything is measured
         try:
@@ -220,6 +238,8 @@ def cmd_predict(args) -> int:
             raise LabError(str(e)) from None
     if link_cal is not None:
         prof.link = link_cal
+    if workers is None and not rings:  # the spec gives no cluster either: the flat link's table
+        workers = numbers("--workers", WORKERS, int, 1, 100000)
     links = node_size = None
     if dev is not None and spec["method"]["name"] != "none" and predict.method_of(spec).codec() is not None:
         raise SpecError("--device", f"method {spec['method']['name']} brings its own codec, whose cost on a GPU "
@@ -229,6 +249,8 @@ def cmd_predict(args) -> int:
         links, node_size = ondevice.link_maker(dev, shape), ondevice.topology(dev, gbps[0], shape).gpus_per_node
         link = ondevice.topology(dev, gbps[0], shape).describe().replace(
             f"x {gbps[0] * dev.link_eff:g} Gbit/s", "x the GBIT/S column")
+    elif rings:
+        link = "modeled " + "; ".join(r.describe() for r in rings.values())
     elif shape:
         link = "two-level cluster, hierarchical all-reduce: " + whatif.cluster_at(shape, gbps[0]).describe()
         if "inter_gbps" not in shape:
@@ -243,24 +265,32 @@ def cmd_predict(args) -> int:
                 f"amortized)" if meth["name"] != "none" else "")
              + f"; vs DDP (none, bucket 25 MB, wfbp); link: {link}; "
              + (f"device {dev.name} {precision}" if dev else f"compute x{args.compute_speedup:g}"))
-    rows = whatif.table(prof, spec, gbps, workers, args.compute_speedup, cluster=shape, links=links)
+    rows = (whatif.cluster_table(prof, spec, rings, args.compute_speedup) if rings else
+            whatif.table(prof, spec, gbps, workers, args.compute_speedup, cluster=shape, links=links))
     pen, pen_source = penalty.spec_penalty(spec, runs_root(args))
     whatif.with_penalty(rows, pen, penalty.is_proven(pen_source))
     to_target = ("TO TARGET: SPEEDUP / the strategy's convergence penalty "
                  + (f"{pen:g} ({penalty.evidence_words(pen_source)}: {pen_source})" if pen else
                     f"(none known: {pen_source})")
                  + ("" if not pen or penalty.is_proven(pen_source) else "; '?': not evidence for this model"))
-    crossovers = [whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape, links=links,
-                                        node_size=node_size) for p in workers]
-    sources = ondevice.sources(prof, spec, dev, precision if dev else "", args.compute_speedup, cluster=bool(shape))
+    if rings:
+        crossovers = [f"{r['workers']} workers: none on a cluster (its links are its own, no rate to vary): "
+                      f"{r['speedup']:.2f}x DDP on them" for r in rows]
+        workers = list(rings)
+    else:
+        crossovers = [whatif.crossover_line(prof, spec, p, args.compute_speedup, cluster=shape, links=links,
+                                            node_size=node_size) for p in workers]
+    sources = ondevice.sources(prof, spec, dev, precision if dev else "", args.compute_speedup,
+                               link=CLUSTER_SOURCE if rings else "", cluster=bool(shape))
+    rate = "cluster" if rings else "inter-node" if shape or dev else "flat"
     if args.json:
-        emit({"setup": setup, "rate": "inter-node" if shape or dev else "flat", "rows": rows,
+        emit({"setup": setup, "rate": rate, "rows": rows,
               "penalty": {"value": pen, "source": pen_source, "evidence": penalty.evidence_words(pen_source),
                           "proven": bool(pen) and penalty.is_proven(pen_source)},
               "crossover": dict(zip(map(str, workers), crossovers)), "sources": list(sources)})
         return 0
     print("spec: " + setup)
-    for line in whatif.format_table(rows, "INTER GBIT/S" if shape or dev else "GBIT/S"):
+    for line in whatif.format_table(rows, {"cluster": "SLOWEST GBIT/S", "flat": "GBIT/S"}.get(rate, "INTER GBIT/S")):
         print(line)
     print(to_target)
     for line in crossovers:
@@ -269,6 +299,49 @@ def cmd_predict(args) -> int:
     for line in sources:
         print("  " + line)
     return 0
+
+
+WORKERS = "2,8,64,1024"
+"""``commlab predict --workers``'s default on a flat or two-level link."""
+CLUSTER_SOURCE = ("each worker's rates, delay and jitter (commlab.engine.cluster), a ring step as slow as its "
+                  "slowest hop (jitter: its expected maximum), compute the slowest worker's (commlab.lab.strategy."
+                  "perfmodel.uneven); as the engine's modeled cluster link")
+
+
+def cluster_preset(args) -> Optional[str]:
+    """``commlab predict --cluster``'s preset when it names one (no ``=``: not a two-level cluster), checked
+    against what goes with it; None otherwise."""
+    text = args.cluster
+    if not text or "=" in text:
+        return None
+    if text not in PRESETS:
+        raise UsageError(f"--cluster: {text!r} is not a cluster preset; allowed: {', '.join(PRESETS)}, or KEY=VALUE,... "
+                         "of a two-level cluster (node_size=8,intra_gbps=1600,inter_gbps=100)")
+    if args.gbps is not None:
+        raise UsageError("--cluster: a preset gives each worker's rate; give --cluster or --gbps, not both")
+    if args.device:
+        raise UsageError("--cluster: a preset's workers are on modeled links; --device models NCCL's links, with "
+                         "--cluster KEY=VALUE,... for its nodes")
+    return text
+
+
+def cluster_rings_for(args, spec: dict, preset, workers):
+    """The rings ``commlab predict`` predicts on, worker count -> ClusterRing (commlab.lab.strategy.perfmodel.uneven):
+    the preset's (``--cluster PRESET``), else the spec's own ``network.cluster`` when no option gives a rate, a
+    link or a device and the cluster has rates (not on loopback); None for the flat or two-level links. Without
+    ``--workers``: the spec's world size, or the preset's regions when it has more."""
+    net = spec["network"]
+    if preset is not None:
+        section = {"preset": preset}
+    elif (net.get("cluster") and net["link"] != "loopback" and not (args.gbps or args.cluster or args.device
+                                                                     or args.link)):
+        section = net["cluster"]
+    else:
+        return None
+    if workers is None:
+        regions = len(PRESETS[section["preset"]]["workers"]) if section.get("preset") else 1
+        workers = [max(spec["world_size"], regions)]
+    return whatif.cluster_rings(section, workers, "--cluster" if preset is not None else "--workers")
 
 
 def method_label(section: dict) -> str:
@@ -314,10 +387,10 @@ def cmd_advise(args) -> int:
                          args.trial_steps, penalty.parse_penalties(args.penalty),
                          runner=open_lab(runs_root(args)).runner(), candidates=extra,
                          say=lambda line: print(line, file=say, flush=True), target=args.target,
-                         to_target=args.measure == "target", target_steps=args.target_steps)
-    net = adv.network
+                         to_target=args.measure == "target", target_steps=args.target_steps,
+                         **({"cluster": args.cluster} if args.cluster else {}))
     print(f"advice for {spec['model']['name']} batch {spec['batch_size']}, {adv.world} workers, "
-          f"{net['link']} {net['gbps']:g} Gbit/s; link: {adv.link_source}; profile: {adv.profile_source}", file=say)
+          f"{network_words(adv.network)}; link: {adv.link_source}; profile: {adv.profile_source}", file=say)
     for line in advisor.format_table(adv, args.top or None):
         print(line, file=say)
     print(f"winner ({adv.chosen_by}): {adv.reason}", file=say)

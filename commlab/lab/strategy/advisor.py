@@ -1,6 +1,7 @@
 """The advisor: choose the communication strategy for a model and a link, then prove it by measurement.
 
     commlab advise SPEC --gbps 1 [--link modeled|shaped] [--workers N] [--measure] [--out best.yaml] [--json]
+    commlab advise SPEC --cluster three_continents [--workers N] ...
 
 This module is the advice itself: ``advise`` runs the steps below and returns an ``Advice`` (the ranked
 candidates, the winner, why it won, what the advice cost), ``rechoose`` and ``measure_in_session`` decide by
@@ -55,7 +56,8 @@ from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import whatif
 from commlab.lab.strategy.perfmodel.calibrate import CalibrationError
 from commlab.lab.strategy import totarget
-from commlab.lab.strategy.predictions import link_of, network_for, predict_candidate
+from commlab.lab.strategy.predictions import (cluster_of, compute_of, link_of, network_for, network_words,
+                                              predict_candidate)
 from commlab.lab.strategy.space import Candidate, add_note, is_ddp, load_spec_dict, space, with_strategy
 from commlab.lab.strategy.trials import (DDP_MARGIN, TRIAL_WARMUP, ddp_left_out, measured_ms, prepare_session, session_spec,
                                  session_trials, trial_picks, trial_spec, with_search_cost)
@@ -131,7 +133,9 @@ class Advice:
         return load_spec_dict(s)
 
     def as_dict(self) -> dict:
+        ring = cluster_of(self.network)
         return {"network": self.network, "world": self.world, "chosen_by": self.chosen_by,
+                "cluster": ring.summary() if ring is not None else None,
                 "winner": self.winner.label, "reason": self.reason, "link_source": self.link_source,
                 "profile_source": self.profile_source, "cost_s": self.cost_s,
                 "disturbed": self.disturbed(), "disturbance": self.disturbance, "ddp_not_tried": self.ddp_not_tried,
@@ -167,13 +171,15 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
            trial_steps: int = TRIAL_STEPS, penalties: Optional[Dict[str, float]] = None,
            runner: Optional[Callable[[dict], object]] = None, profile=None,
            say: Callable[[str], None] = print, candidates: List[dict] = (), methods: bool = True,
-           target: Optional[float] = None, to_target: bool = False, target_steps: Optional[int] = None) -> Advice:
+           target: Optional[float] = None, to_target: bool = False, target_steps: Optional[int] = None,
+           cluster: Optional[str] = None) -> Advice:
     """Rank the strategy space for ``spec`` (a fully defaulted spec dict) on a link; see the module docstring.
     ``candidates``: more compressor sections (full form, checked) to rank beside the built-in space;
     ``methods``: rank the methods that communicate less often too (``method_space``); ``target``: the
     held-out accuracy steps are counted to (default: a fraction of DDP's best); with ``measure``,
     ``to_target`` runs the to-target trials (commlab.lab.strategy.totarget, at most ``target_steps`` steps
-    each) instead of the iteration-time session."""
+    each) instead of the iteration-time session; ``cluster``: a cluster preset to plan for (``--cluster``;
+    commlab.lab.strategy.predictions.network_for says where a cluster comes from otherwise)."""
     if target is not None and not 0 < target <= 1:
         raise SpecError("--target", f"must be a held-out accuracy in (0, 1], got {target}")
     if workers is not None and not 1 <= workers <= 1024:
@@ -182,8 +188,8 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
         raise SpecError("--trials", f"must be in 1..20, got {trials}")
     if not 4 <= trial_steps <= 1000:
         raise SpecError("--trial-steps", f"must be in 4..1000, got {trial_steps}")
-    net = network_for(spec, gbps, link)
     world = workers or spec["world_size"]
+    net = network_for(spec, gbps, link, cluster, world)
     t0 = time.perf_counter()
     cands = space(spec, candidates, runs, methods)
     run_trial = runner
@@ -200,12 +206,13 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
     t1 = time.perf_counter()
     known = len(prof.payloads)
     lk, link_source = link_of(prof, net, runs)
+    pprof = compute_of(prof, net)  # on a cluster, the slowest worker's compute
     set_penalties(spec, cands, runs, penalties, target)
     # MergeComp's search is predicted (dozens of layouts each) only for compressors whose best fixed layout
     # is within MERGECOMP_MARGIN of the best candidate: a fusion search does not make up a larger gap
     for c in cands:
         if c.schedule["name"] != "mergecomp" and not c.excluded:
-            predict_candidate(prof, spec, c, lk, world)
+            predict_candidate(pprof, spec, c, lk, world)
     fixed = [c.predicted_score for c in cands if c.predicted_score is not None]
     for c in cands:
         if c.schedule["name"] != "mergecomp" or c.penalty is None:
@@ -215,7 +222,7 @@ def advise(spec: dict, runs=None, gbps: Optional[float] = None, link: Optional[s
             c.note = (f"not predicted: its compressor's best fixed layout is {min(mine) / min(fixed):.2f}x the best "
                       f"candidate's (more than {MERGECOMP_MARGIN:g}x)")
             continue
-        predict_candidate(prof, spec, c, lk, world)
+        predict_candidate(pprof, spec, c, lk, world)
     if profile is None and len(prof.payloads) > known:  # the payloads driven here, for the next prediction
         prof.save(whatif.profile_file(runs, prof.key()))
     t2 = time.perf_counter()
@@ -276,7 +283,7 @@ def measure_in_session(adv: "Advice", picks: List[Candidate], trial_steps: int, 
         add_note(next(c for c in adv.candidates if is_ddp(c)), adv.ddp_not_tried)
     specs = [trial_spec({**adv.spec, "network": net, "world_size": world}, c, trial_steps) for c in picks]
     say(f"advisor: one session of {len(picks)} trials, {TRIAL_WARMUP} + {trial_steps} steps each, "
-        f"{net['link']} {net['gbps']:g} Gbit/s: " + "; ".join(c.label for c in picks))
+        f"{network_words(net)}: " + "; ".join(c.label for c in picks))
     session = run_trial(session_spec(specs), prepare=lambda r: prepare_session(r, specs, picks, prof))
     adv.disturbance["trials"] = cal.disturbance_of(session)
     note = cal.disturbed_note(adv.disturbance["trials"])

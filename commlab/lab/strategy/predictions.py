@@ -1,7 +1,9 @@
 """The predictions: each candidate's iteration time on the link the advice is for, from the performance model.
 
-``network_for`` checks and settles that link (the spec's, or ``--link``/``--gbps``); ``link_of`` says which
-alpha-beta the model uses for it (a modeled link's exactly, a shaped one's calibrated or nominal);
+``network_for`` checks and settles that link (the spec's, or ``--link``/``--gbps``, or a cluster of unequal workers:
+``--cluster`` or the spec's ``network.cluster``); ``link_of`` says which alpha-beta the model uses for it (a modeled
+link's exactly, a shaped one's calibrated or nominal, a cluster's ring from commlab.lab.strategy.perfmodel.uneven),
+and ``compute_of`` whose compute (a cluster's slowest worker's);
 ``predict_candidate`` drives commlab.lab.strategy.perfmodel.predict for one candidate, and for MergeComp
 ``search_mergecomp`` runs MergeComp's own search fed with predicted step times.
 
@@ -18,25 +20,43 @@ from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import predict as pr
 from commlab.lab.strategy.perfmodel import whatif
 from commlab.lab.strategy.perfmodel.costs import Link
+from commlab.lab.strategy.perfmodel.uneven import ClusterRing, at_speed
 from commlab.lab.strategy.space import Candidate, add_note, start_iter
 
 LINKS = ("modeled", "shaped")
 
 
-def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = None) -> dict:
-    """The network section the advice is for: the spec's shaped or modeled link, or ``link`` at ``gbps``."""
+def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = None,
+                cluster: Optional[str] = None, world: Optional[int] = None) -> dict:
+    """The network section the advice is for: the spec's shaped or modeled link, ``link`` at ``gbps``, or a
+    cluster of unequal workers on its modeled link (``cluster``, a preset's name: ``--cluster``; else the
+    spec's own ``network.cluster``), resolved for ``world`` ranks (default: the spec's world size) as
+    spec.json holds one: ``{link: modeled, gbps, latency_us: None, cluster: {preset, workers}}``.
+    ``gbps`` plans for one rate shared by every rank, the spec's cluster set aside."""
     net = dict(spec["network"])
+    world = world or spec["world_size"]
     if link is not None and link not in LINKS:
         raise SpecError("--link", f"must be one of {', '.join(LINKS)}, got {link!r}")
+    if cluster is not None:
+        if gbps is not None:
+            raise SpecError("--cluster", "a cluster gives each worker's rate; give --cluster or --gbps, not both")
+        if link == "shaped":
+            raise SpecError("--cluster", "a cluster is planned on its modeled link (each worker's delay and "
+                                         "jitter, which a shaped link cannot give); leave --link out")
+        return cluster_network(cluster, world, "--cluster")
     if gbps is not None and not 0.001 <= gbps <= MAX_GBPS:
         raise SpecError("--gbps", f"must be in [0.001, {MAX_GBPS:g}], got {gbps:g}")
+    if gbps is None and link in (None, "modeled") and net.get("cluster") and net["link"] != "loopback":
+        if net["link"] == "shaped" and link is None:
+            raise SpecError("network.cluster", "the advice plans a cluster on its modeled link (each worker's delay "
+                                               "and jitter); give --link modeled for these workers modeled, or "
+                                               "--gbps X for one rate")
+        return spec_cluster_network(net, world)
     if gbps is None and link is None:
-        if net.get("cluster"):
-            raise SpecError("network.cluster", "the advice plans for one rate shared by every rank, not for a "
-                                               "cluster of unequal workers yet; give --gbps X")
         if net["link"] == "loopback":
             raise SpecError("network.link", "the spec's link is loopback, which has no rate to plan for; give "
-                                            "--gbps X (a modeled link) or a spec with a modeled or shaped link")
+                                            "--gbps X (a modeled link), --cluster PRESET, or a spec with a "
+                                            "modeled or shaped link")
         return net
     kind = link or (net["link"] if net["link"] != "loopback" else "modeled")
     rate = gbps if gbps is not None else net.get("gbps")
@@ -48,10 +68,53 @@ def network_for(spec: dict, gbps: Optional[float] = None, link: Optional[str] = 
     return out
 
 
+def cluster_network(preset: str, world: int, field: str = "--cluster") -> dict:
+    """A modeled network section of the cluster preset ``preset`` for ``world`` ranks; a one-line SpecError
+    naming ``field`` otherwise."""
+    return {"link": "modeled", "gbps": None, "latency_us": None,
+            "cluster": whatif.resolve_cluster({"preset": preset}, world, field)}
+
+
+def spec_cluster_network(net: dict, world: int) -> dict:
+    """The spec's own cluster (``net``: its network section, the cluster resolved for its world size) on a
+    modeled link for ``world`` ranks: a preset resolved again for them, a list of workers only for as many."""
+    return {"link": "modeled", "gbps": net.get("gbps"), "latency_us": None,
+            "cluster": whatif.resolve_cluster(net["cluster"], world, "--workers")}
+
+
+def cluster_of(net: dict) -> Optional[ClusterRing]:
+    """The cluster's ring of a network section that has one (``network_for``); None for one rate."""
+    cl = net.get("cluster")
+    return ClusterRing(cl["workers"], cl.get("preset")) if cl and net["link"] == "modeled" else None
+
+
+def network_words(net: dict) -> str:
+    """A network section in a few words: ``modeled 1 Gbit/s``, or the cluster's preset, slowest link, largest
+    delay and slowest worker."""
+    ring = cluster_of(net)
+    if ring is None:
+        return f"{net['link']} {net['gbps']:g} Gbit/s"
+    s = ring.summary()
+    name = s["preset"] or "of the spec's workers"
+    return (f"modeled cluster {name} (slowest link {s['slowest_link_gbps']:g} Gbit/s, largest delay "
+            f"{s['largest_delay_ms']:g} ms, slowest worker speed {s['slowest_speed']:g})")
+
+
+def compute_of(profile, net: dict):
+    """The profile the predictions use on ``net``: the slowest worker's on a cluster (perfmodel.uneven's
+    ``at_speed``), the profile itself on one rate."""
+    ring = cluster_of(net)
+    return profile if ring is None else at_speed(profile, ring.slowest_speed)
+
+
 def link_of(profile, net: dict, runs=None):
     """The link the predictions use, and what it is: a modeled link is the engine's alpha-beta exactly; a
     shaped one is the profile's calibrated link, else the lab's (``commlab net check --save``), scaled to
     the rate; nominal when neither is calibrated."""
+    ring = cluster_of(net)
+    if ring is not None:
+        return ring, (f"modeled {ring.describe()}: each ring step as slow as its slowest hop (the engine's "
+                      f"modeled cluster link), compute the slowest worker's")
     if net["link"] == "modeled":
         return Link.from_gbps(net["gbps"], net.get("latency_us") or 0.0), "modeled: the engine's alpha-beta delays"
     if profile.link:

@@ -35,6 +35,7 @@ from commlab.lab.rundir.summary import iteration_times
 from commlab.lab.strategy.penalty import TARGET_FRACTION, eval_points, is_proven, steps_to
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel.calibrate import compressor_key
+from commlab.lab.strategy.predictions import network_words
 from commlab.lab.strategy.space import Candidate, add_note, is_ddp, load_spec_dict, with_strategy
 from commlab.lab.strategy.trials import family
 
@@ -136,7 +137,7 @@ def measure(adv, k: int, runner: Callable, say: Callable[[str], None], reprice: 
     line = [c for c in (ddp, safe) if c is not None] + rest
     fixed = 2 if safe is not None else 1
     first = line[:fixed + k]
-    say(f"advisor: to-target trials on {adv.network['link']} {adv.network['gbps']:g} Gbit/s, one run each, up to "
+    say(f"advisor: to-target trials on {network_words(adv.network)}, one run each, up to "
         f"{steps} steps, evaluated every {every}: " + "; ".join(c.label for c in first)
         + (f" (the next in line when one misses the target, up to {MORE_AFTER_MISS} more)" if len(line) > len(first)
            else ""))

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 from commlab.engine import runfiles
+from commlab.engine.cluster import PRESETS, ClusterError, resolve
 from commlab.engine.codepath import is_import_path
 from commlab.engine.runlog import set_aside, write_json_atomic
 from commlab.engine.spec import MAX_GBPS, SpecError
@@ -33,6 +34,7 @@ from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import predict as pr
 from commlab.lab.strategy.perfmodel.costs import Cluster, Link
 from commlab.lab.strategy.perfmodel.local import MethodResult
+from commlab.lab.strategy.perfmodel.uneven import ClusterRing, at_speed
 
 PROFILE_STEPS = 12
 """Steps of a profiling run: calibrate.SKIP_STEPS (3) warm-up, then 9 whose medians make the profile. It
@@ -518,14 +520,73 @@ def table(profile: cal.Profile, spec: dict, gbps: List[float], workers: List[int
     for p in workers:
         steps = [pr.step_of(profile, s, p, compute_speedup) for s in (spec, base)]  # the same at every rate
         for g in gbps:
-            t = pr.predict(profile, spec, g, p, compute_speedup, link=links(g), step=steps[0])
-            d = pr.predict(profile, base, g, p, compute_speedup, link=links(g), step=steps[1])
-            rows.append({"workers": p, "gbps": g, "ddp_ms": d.total * 1e3, "spec_ms": t.total * 1e3,
-                         "speedup": d.total / t.total, "ddp_scaling": one / d.total, "scaling": one / t.total,
-                         "exposed_comm_ms": t.exposed_comm * 1e3, "encode_decode_ms": t.encode_decode * 1e3})
-            if isinstance(t, MethodResult):  # a method: its syncs amortized over the run, and its traffic
-                rows[-1].update(syncs=t.syncs, steps=t.steps, bytes_per_step=t.bytes_per_step,
-                                bytes_per_sync=t.bytes_per_sync, step_ms={k: v * 1e3 for k, v in t.step_s.items()})
+            rows.append(_row(profile, spec, base, p, g, links(g), compute_speedup, one, steps))
+    return rows
+
+
+def _row(profile: cal.Profile, spec: dict, base: dict, p: int, g: float, link, compute_speedup: float, one: float,
+         steps: list) -> dict:
+    """One row of ``table``: ``spec`` and DDP (``base``) on ``link`` at ``p`` workers (``g``: the rate said)."""
+    t = pr.predict(profile, spec, g, p, compute_speedup, link=link, step=steps[0])
+    d = pr.predict(profile, base, g, p, compute_speedup, link=link, step=steps[1])
+    row = {"workers": p, "gbps": g, "ddp_ms": d.total * 1e3, "spec_ms": t.total * 1e3,
+           "speedup": d.total / t.total, "ddp_scaling": one / d.total, "scaling": one / t.total,
+           "exposed_comm_ms": t.exposed_comm * 1e3, "encode_decode_ms": t.encode_decode * 1e3}
+    if isinstance(t, MethodResult):  # a method: its syncs amortized over the run, and its traffic
+        row.update(syncs=t.syncs, steps=t.steps, bytes_per_step=t.bytes_per_step,
+                   bytes_per_sync=t.bytes_per_sync, step_ms={k: v * 1e3 for k, v in t.step_s.items()})
+    return row
+
+
+def resolve_cluster(section: dict, world: int, field: str = "--cluster") -> dict:
+    """A cluster of unequal workers (``section``: ``{preset}``, spec.json's ``{preset, workers}`` or
+    ``{workers}``) resolved for ``world`` ranks on a modeled link (commlab.engine.cluster.resolve): a preset for
+    any world size of at least its regions, a list of workers only for as many as it lists; a one-line
+    SpecError naming ``field`` (the preset's option) or ``--workers`` otherwise."""
+    preset = section.get("preset")
+    if preset:
+        if preset not in PRESETS:
+            raise SpecError(field, f"{preset!r} is not a cluster preset; allowed: {', '.join(PRESETS)}")
+        regions = len(PRESETS[preset]["workers"])
+        if regions > 1 and world < regions:
+            raise SpecError(field, f"preset {preset} has {regions} regions, a worker in each at least; give "
+                                   f"--workers {regions} or more, not {world}")
+        one = {"preset": preset}
+    elif len(section["workers"]) != world:
+        raise SpecError("--workers", f"the spec's network.cluster lists {len(section['workers'])} workers, not "
+                                     f"{world}; give --workers {len(section['workers'])} or --cluster PRESET")
+    else:
+        one = {"workers": section["workers"]}
+    try:
+        return resolve(one, world, "modeled")
+    except ClusterError as e:
+        raise SpecError(field if preset else e.path, e.msg) from None
+
+
+def cluster_rings(section: dict, workers: List[int], field: str = "--cluster") -> Dict[int, ClusterRing]:
+    """The ring of a cluster of unequal workers (``section`` as ``resolve_cluster`` takes it) at each worker
+    count."""
+    out = {}
+    for p in workers:
+        resolved = resolve_cluster(section, p, field)
+        out[p] = ClusterRing(resolved["workers"], resolved["preset"])
+    return out
+
+
+def cluster_table(profile: cal.Profile, spec: dict, rings: Dict[int, ClusterRing],
+                  compute_speedup: float = 1.0) -> List[dict]:
+    """``table`` on a cluster of unequal workers, one row per worker count (``rings``: count -> its ring,
+    ``cluster_rings``): the cluster's links (commlab.lab.strategy.perfmodel.uneven), the slowest worker's
+    compute, the slowest link's rate as the row's rate and the cluster's summary beside it. The scaling factors
+    are against one worker at the profile's own speed."""
+    rows = []
+    base = pr.ddp_spec(spec)
+    one = pr.predict(profile, spec, 1.0, 1, compute_speedup).total
+    for p, ring in rings.items():
+        slow = at_speed(profile, ring.slowest_speed)
+        steps = [pr.step_of(slow, s, p, compute_speedup) for s in (spec, base)]
+        rows.append(dict(_row(slow, spec, base, p, ring.gbps, ring, compute_speedup, one, steps),
+                         cluster=ring.summary()))
     return rows
 
 
