@@ -519,7 +519,8 @@ def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
         assert list(group["runs"]) == ["advisor's choice", "DDP"]
         chosen = commlab.get(group["runs"]["advisor's choice"], runs=runs).spec_dict()
         ddp = commlab.get(group["runs"]["DDP"], runs=runs).spec_dict()
-        assert chosen["network"] == ddp["network"] == {"link": "modeled", "gbps": 0.1, "latency_us": None}
+        assert chosen["network"] == ddp["network"] == {"link": "modeled", "gbps": 0.1, "latency_us": None,
+                                                       "cluster": None}
         assert ddp["compressor"]["name"] == "none" and ddp["comm"]["mode"] == "wfbp"
         assert any("runs finished" in i.value for i in at.info)  # the results view of the group
     finally:
@@ -527,3 +528,25 @@ def test_advisor_page_advises_shows_the_ranking_and_starts_the_winner(runs):
             commlab.cancel(i, runs=runs)
         for i in group["runs"].values():
             assert commlab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
+
+
+def test_advisor_page_plans_for_a_cluster_of_unequal_workers(runs, tmp_path):
+    """Choosing a cluster preset disables the one link's rate and kind; the job asks `commlab advise` for the
+    cluster (its preset, and the preset's regions as the workers when the spec has fewer ranks), never a rate."""
+    from commlab.engine.spec import SpecError
+    from commlab.lab.front import advice_jobs
+    at = page("advisor")
+    assert not at.select_slider(key="adv.gbps").disabled
+    at.selectbox(key="adv.cluster").set_value("three_continents").run()
+    assert not at.exception and at.select_slider(key="adv.gbps").disabled and at.radio(key="adv.link").disabled
+    spec = {"world_size": 2}
+    assert advice_jobs.cluster_workers(spec, "three_continents") == 3
+    assert advice_jobs.cluster_workers(spec, "datacenter") is None
+    argv = advice_jobs.advise_argv(tmp_path / "s.json", tmp_path, 1.0, "modeled", False, 3, tmp_path, None,
+                                   "three_continents", 3)
+    assert argv[argv.index("--cluster") + 1] == "three_continents" and argv[argv.index("--workers") + 1] == "3"
+    assert "--gbps" not in argv and "--link" not in argv
+    plain = advice_jobs.advise_argv(tmp_path / "s.json", tmp_path, 0.1, "modeled", False, 3, tmp_path)
+    assert "--cluster" not in plain and plain[plain.index("--gbps") + 1] == "0.1"
+    with pytest.raises(SpecError, match="cluster: unknown cluster preset 'mars'"):
+        advice_jobs.start_job({"name": "x", "world_size": 2}, runs, 1.0, "modeled", False, cluster="mars")

@@ -6,6 +6,7 @@ from commlab.app import widgets
 
 from commlab.app.room import access
 from commlab.app.results_view import results_panel
+from commlab.engine.cluster import PRESETS
 from commlab.lab.front import advice_jobs, ui
 from commlab.lab.strategy import advisor, predictions
 
@@ -23,17 +24,23 @@ if not choices:
     st.info("No spec to advise on: no example specs, presets or finished runs were found.")
     st.stop()
 label = st.selectbox("Spec (its compressor, schedule and comm are what gets chosen)", list(choices), key="adv.spec")
+ONE_LINK = "one link for every worker"
+cluster = st.selectbox("Cluster", [ONE_LINK, *PRESETS], key="adv.cluster",
+                       help="a cluster of unequal workers on modeled links (each worker its own rates, delay, jitter "
+                            "and speed; the docs' wide-area clusters), or one link shared by every worker")
+cluster = None if cluster == ONE_LINK else cluster
 c1, c2, c3, c4, c5 = st.columns(5)
-link = c1.radio("Link", list(predictions.LINKS), key="adv.link", horizontal=True,
+link = c1.radio("Link", list(predictions.LINKS), key="adv.link", horizontal=True, disabled=cluster is not None,
                 help="modeled: alpha-beta delays on loopback (no root); shaped: tc on an emulated cluster (root)")
-gbps = c2.select_slider("Bandwidth (Gbit/s)", [0.1, 0.3, 1.0, 3.0, 10.0], value=1.0, key="adv.gbps")
+gbps = c2.select_slider("Bandwidth (Gbit/s)", [0.1, 0.3, 1.0, 3.0, 10.0], value=1.0, key="adv.gbps",
+                        disabled=cluster is not None)
 measure = c3.checkbox("Train the top candidates to the target", value=True, key="adv.measure")
 trials = c4.number_input("Trials", 1, 10, advisor.TRIALS, key="adv.trials", disabled=not measure)
 target = c5.number_input("Target accuracy (0: 97% of DDP's best)", 0.0, 1.0, 0.0, 0.01, key="adv.target")
 if st.button("Advise", key="adv.go", type="primary"):
     try:
         st.session_state["adv.job"] = advice_jobs.start_job(choices[label], runs, gbps, link, measure, int(trials),
-                                                            float(target) or None)
+                                                            float(target) or None, cluster)
     except (ValueError, OSError) as e:
         st.error(ui.text(str(e).splitlines()[0]))
 
@@ -65,8 +72,8 @@ if first["state"] != "done":
 adv = first["advice"]
 req = first["request"]
 net = adv["network"]
-st.subheader(f"{len(adv['candidates'])} candidates on a {ui.text(net['link'])} {net['gbps']:g} Gbit/s link, "
-             f"{adv['world']:d} workers")
+st.subheader(f"{len(adv['candidates'])} candidates on a {ui.text(predictions.network_words(net))} "
+             f"{'' if net.get('cluster') else 'link'}".rstrip() + f", {adv['world']:d} workers")
 if adv.get("disturbed"):  # timings taken while other processes took the CPU: not results
     st.warning(f"Winner ({ui.text(adv['chosen_by'])}): {ui.text(adv['reason'])}", icon=":material/warning:")
 else:

@@ -53,33 +53,53 @@ def spec_choices(runs) -> Dict[str, dict]:
 
 
 def advise_argv(spec_file: Path, runs: Path, gbps: float, link: str, measure: bool, trials: int,
-                out_dir: Path, target: Optional[float] = None) -> List[str]:
+                out_dir: Path, target: Optional[float] = None, cluster: Optional[str] = None,
+                workers: Optional[int] = None) -> List[str]:
+    """``commlab advise``'s command line for a job: on a link of ``gbps``, or on the modeled ``cluster`` preset
+    (then ``link`` and ``gbps`` are not passed: each worker has its own) at ``workers`` ranks."""
     import sys
-    argv = [sys.executable, "-m", "commlab.lab.front.cli", "advise", str(spec_file), "--gbps", f"{gbps:g}", "--link", link,
+    where = (["--cluster", cluster] + (["--workers", str(workers)] if workers else []) if cluster
+             else ["--gbps", f"{gbps:g}", "--link", link])
+    argv = [sys.executable, "-m", "commlab.lab.front.cli", "advise", str(spec_file), *where,
             "--runs", str(runs), "--json-out", str(out_dir / paths.ADVICE),
             "--out", str(out_dir / paths.ADVICE_BEST), "--top", "0"]
     return (argv + (["--measure", "target", "--trials", str(trials)] if measure else [])
             + (["--target", f"{target:g}"] if target else []))
 
 
+def cluster_workers(spec: dict, cluster: str) -> Optional[int]:
+    """The worker count to advise a cluster preset at: the spec's world size, or the preset's regions when it has
+    more (a preset of regions takes at least one rank each); None when the spec's own fits."""
+    from commlab.engine.cluster import PRESETS
+    regions = len(PRESETS[cluster]["workers"])
+    return regions if regions > 1 and spec["world_size"] < regions else None
+
+
 def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: int = TRIALS,
-              target: Optional[float] = None) -> str:
+              target: Optional[float] = None, cluster: Optional[str] = None) -> str:
     """Run `commlab advise` detached (it outlives the page); the job's id under runs/.advice/. ``measure``:
-    the to-target trials (commlab.lab.strategy.totarget); ``target``: the held-out accuracy to count to."""
+    the to-target trials (commlab.lab.strategy.totarget); ``target``: the held-out accuracy to count to;
+    ``cluster``: a cluster preset (commlab.engine.cluster.PRESETS) to plan for instead of one link."""
     import secrets
+    from commlab.engine.cluster import PRESETS
     if target is not None and not 0 < target <= 1:
         raise SpecError("target", f"must be a held-out accuracy in (0, 1], got {target}")
-
-    network_for({**spec, "network": {"link": "loopback", "gbps": None, "latency_us": None}}, gbps, link)
+    if cluster is not None and cluster not in PRESETS:
+        raise SpecError("cluster", f"unknown cluster preset {cluster!r}; allowed: {', '.join(PRESETS)}")
+    if cluster is None:
+        network_for({**spec, "network": {"link": "loopback", "gbps": None, "latency_us": None}}, gbps, link)
+    workers = cluster_workers(spec, cluster) if cluster else None
     runs = Path(runs).resolve()
     jid = f"{time.strftime('%Y%m%d-%H%M%S')}-{slug(spec['name'])}-{secrets.token_hex(2)}"
     (runs / paths.ADVICE_JOBS).mkdir(parents=True, exist_ok=True)
     d = job_dir(runs, jid)
     d.mkdir()
     write_json_atomic(d / paths.ADVICE_SPEC, spec)
-    write_json_atomic(d / paths.ADVICE_REQUEST, {"gbps": gbps, "link": link, "measure": measure, "trials": trials,
-                                                 "target": target, "created": time.time()})
-    pid = spawn_detached(advise_argv(d / paths.ADVICE_SPEC, runs, gbps, link, measure, trials, d, target),
+    write_json_atomic(d / paths.ADVICE_REQUEST, {"gbps": None if cluster else gbps, "link": "modeled" if cluster else link,
+                                                 "cluster": cluster, "workers": workers, "measure": measure,
+                                                 "trials": trials, "target": target, "created": time.time()})
+    pid = spawn_detached(advise_argv(d / paths.ADVICE_SPEC, runs, gbps, link, measure, trials, d, target, cluster,
+                                     workers),
                          d / paths.ADVICE_LOG, cwd=paths.SOURCE)
     write_json_atomic(d / paths.PROCESS, procs.identity(pid))
     return jid
