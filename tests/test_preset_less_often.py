@@ -22,7 +22,8 @@ def test_its_specs_take_h_and_are_valid():
         assert specs["DDP"]["method"]["name"] == "none"
         assert specs["local SGD"]["method"]["params"] == {"H": h}
         assert specs["DiLoCo"]["method"]["params"]["H"] == h
-        assert all(s["network"] == {"link": "modeled", "gbps": 0.1, "latency_us": None} for s in specs.values())
+        assert all(s["network"] == {"link": "modeled", "gbps": 0.1, "latency_us": None, "cluster": None}
+                   for s in specs.values())
     assert [d["method"]["H"] for d in PRESET.specs()[1:]] == [8, 8]  # the default
     with pytest.raises(ValueError, match=r"^H: must be an integer in 2\.\.32, got 1$"):
         PRESET.values({"H": 1})
