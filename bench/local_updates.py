@@ -416,7 +416,8 @@ def analyse(raw: dict, target: float, what: Dict[str, str], wan: bool = False) -
                   "bytes_to_target": sum(b[:reach]) if reach is not None else None,
                   "wire_bytes": tx, "wire_to_target": reach is not None,
                   "mean_ms": 1e3 * sum(t) / len(t) if t else None,
-                  "bytes_per_step": sum(b) / len(b) if b else None, "total_s": sum(t), "iter_s": t}
+                  "bytes_per_step": sum(b) / len(b) if b else None, "total_s": sum(t), "iter_s": t,
+                  "step_bytes": b}
     ddp = res.get("ddp", {}).get("time_to_target_s")
     comp = {n: res[n]["time_to_target_s"] for n in PER_STEP if res.get(n, {}).get("time_to_target_s")}
     best_comp = min(comp, key=comp.get) if comp else None
@@ -428,6 +429,23 @@ def analyse(raw: dict, target: float, what: Dict[str, str], wan: bool = False) -
     best = min(reached, key=reached.get) if reached else None
     return {"variants": res, "best_method": best, "best_compressor": best_comp, "target_acc": target,
             "verdict": verdict(res, best, wan)}
+
+
+def retarget(s: dict, target: float) -> dict:
+    """A saved setting analysed again at another held-out ``target`` (``--rereport FILE --target X``): the
+    per-step times, bytes and evaluations it kept are all that is needed. A result saved before per-step bytes
+    were kept counts each variant's bytes as its mean per step times the steps (exact for a method whose sync
+    period divides the evaluation period); the setting then says so in ``bytes_note``."""
+    a = s["analysis"]
+    raw = {"shaped": s["shaped"], "ranks": [{n: {"t": r["iter_s"], "acc": r["acc"], "diverged": r["diverged_at"],
+                                                  "tx": [], "bytes": r.get("step_bytes") or
+                                                  [r["bytes_per_step"] or 0] * len(r["iter_s"])}
+                                              for n, r in a["variants"].items()}]}
+    out = dict(s, analysis=analyse(raw, target, {n: r["what"] for n, r in a["variants"].items()},
+                                   wan=bool(s.get("wide_area"))))
+    if any("step_bytes" not in r for r in a["variants"].values()):
+        out["bytes_note"] = "bytes to the target counted as each variant's mean bytes per step times its steps"
+    return out
 
 
 def verdict(res: dict, best: Optional[str], wan: bool = False) -> dict:
@@ -498,7 +516,7 @@ def report_setting(s: dict) -> str:
         lines.append(f"- the advisor's predicted best per-step strategy here: {b['label']} (predicted "
                      f"{_f(b['predicted_ms'], '.1f')} ms per step, penalty {_f(b['penalty'], 'g', 'out')} from "
                      f"{b['penalty_from']}" + (f"; link: {b['link_source']}" if b.get("link_source") else "") + ")")
-    for note in s.get("notes", []):
+    for note in s.get("notes", []) + ([s["bytes_note"]] if s.get("bytes_note") else []):
         lines.append(f"- {note}")
     v, best = a["verdict"], a["best_method"]
     at = (wide["preset"] == WAN_TARGET_AT) if wide else gbps == 0.1
@@ -647,6 +665,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=7200, help="seconds before a setting's job is stopped")
     ap.add_argument("--json", default=None, help="default bench/results/local_updates.json (-quick.json with --quick)")
     ap.add_argument("--md", default=None, help="default bench/results/local_updates.md (-quick.md with --quick)")
+    ap.add_argument("--rereport", default=None, metavar="JSON",
+                    help="analyse a saved result again at --target (nothing runs) and write --json/--md")
     ap.add_argument("--plan", help=argparse.SUPPRESS)
     common.add_worker_flags(ap)
     args = ap.parse_args(argv)
@@ -666,6 +686,17 @@ def main(argv=None) -> int:
                 setattr(args, k, v)
     stem = os.path.join(RESULTS, "local_updates" + ("-quick" if args.quick else ""))
     args.json, args.md = args.json or stem + ".json", args.md or stem + ".md"
+    if args.rereport:
+        saved = common.read_json(args.rereport)
+        for k, v in saved["args"].items():  # the saved run's settings, but the target asked for now
+            if k not in ("target", "json", "md", "rereport"):
+                setattr(args, k, v)
+        settings = [retarget(s, args.target) for s in saved["settings"]]
+        save(settings, args, time.time() - saved.get("wall_s", 0.0))
+        for s in settings:
+            print(report_setting(s) + "\n")
+        print(f"wrote {args.md} and {args.json}")
+        return 0
     try:
         params = parse_params(args.param)
         rates = [float(g) for g in str(args.gbps).split(",") if g]

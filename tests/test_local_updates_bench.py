@@ -161,3 +161,21 @@ def test_a_wide_area_setting_is_a_checked_cluster_spec_with_the_papers_targets()
     text = lu.report_setting(setting)
     assert "cluster three_continents" in text and "(target >= 10: met)" in text
     assert "50x fewer bytes to the target than DDP (target >= 100: MISSED)" in text
+
+
+def test_a_saved_result_is_analysed_again_at_another_target():
+    """--rereport FILE --target X: the saved per-step times, bytes and evaluations give what analysing the run
+    at X would have given (the ratios, the best method), and the report says the new target."""
+    times = {"ddp": [0.5] * 16, "powersgd": [0.2] * 16, "diloco": [0.1, 0.1, 0.1, 0.5] * 4}
+    accs = {"ddp": [[8, 0.6], [16, 0.8]], "powersgd": [[8, 0.5], [16, 0.75]], "diloco": [[8, 0.72], [16, 0.79]]}
+    bytes_ = {"ddp": [100] * 16, "powersgd": [10] * 16, "diloco": [0, 0, 0, 100] * 4}
+    r = raw(times, accs, bytes_)
+    saved = {"analysis": lu.analyse(r, 0.7, {}), "gbps": 0.1, "world": 2, "shaped": False}
+    again = lu.retarget(saved, 0.55)["analysis"]
+    direct = lu.analyse(r, 0.55, {})
+    for n in times:
+        for k in ("time_to_target_s", "bytes_to_target", "steps_to_target", "vs_ddp", "vs_best_compressor"):
+            assert again["variants"][n][k] == direct["variants"][n][k], (n, k)
+    assert again["best_method"] == direct["best_method"] == "diloco" and again["target_acc"] == 0.55
+    assert saved["analysis"]["variants"]["ddp"]["steps_to_target"] == 16  # at 0.7: a different answer
+    assert "bytes_note" not in lu.retarget(saved, 0.55)
