@@ -242,6 +242,22 @@ def test_new_run_form_shows_errors_next_to_the_field(runs):
     assert not at.error
 
 
+def test_new_run_form_takes_a_cluster_of_unequal_workers(runs):
+    """A modeled link offers the cluster presets; a preset replaces the one rate and latency, and a preset of
+    three regions on two ranks is refused next to the cluster's field until there are three."""
+    at = page("new_run")
+    at.selectbox(key="nr.link").set_value("modeled").run()
+    assert at.number_input(key="nr.gbps") and not at.error
+    at.selectbox(key="nr.cluster").set_value("three_continents").run()
+    assert not at.exception
+    assert "nr.gbps" not in [w.key for w in at.number_input]
+    assert [e.value for e in at.error] == ["preset three_continents has 3 regions for world_size 2; set world_size "
+                                           "3 or more, or give workers"]
+    assert at.button(key="nr.submit").disabled
+    at.number_input(key="nr.world_size").set_value(3).run()
+    assert not at.error and not at.button(key="nr.submit").disabled
+
+
 def test_submit_through_the_form_runs_to_done(runs):
     at = page("new_run")
     at.text_input(key="nr.name").set_value("from-the-form")

@@ -8,6 +8,7 @@ from typing import Dict
 import streamlit as st
 
 from commlab.app.widgets import open_run
+from commlab.engine.cluster import PRESETS
 from commlab.engine.spec import MAX_NAME, SpecError
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.specs import MAX_TYPED
@@ -152,11 +153,21 @@ def run_form() -> None:
                             help="loopback: as fast as the machine; modeled: alpha-beta delays in the "
                                  "communicator (no root); shaped: tc on an emulated cluster (needs root)")
         d["network"] = {"link": link}
-        if link != "loopback":
+        preset = None
+        if link == "modeled":
+            one = "one link for every worker"
+            preset = st.selectbox("Cluster", [one, *PRESETS], key=k + "cluster",
+                                  help="a cluster of unequal workers: each its own rates, delay, jitter and speed "
+                                       "(the docs' wide-area clusters); or one link shared by every worker")
+            preset = None if preset == one else preset
+            if preset is not None:
+                d["network"]["cluster"] = preset
+            _slot(slots, "network.cluster")
+        if link != "loopback" and preset is None:
             d["network"]["gbps"] = st.number_input("Bandwidth (Gbit/s)", 0.001, 400.0, 1.0, format="%g",
                                                    key=k + "gbps")
             _slot(slots, "network.gbps")
-        if link == "modeled":
+        if link == "modeled" and preset is None:
             lat = new_run.parse_value(st.text_input("Latency (us, blank: default)", "", key=k + "latency",
                                                     max_chars=MAX_TYPED))
             if lat is not None:
