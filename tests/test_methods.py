@@ -320,6 +320,12 @@ def test_fragments_split_by_bytes():
     ({"name": "diloco"}, {"strategy": "auto", "network": {"link": "modeled", "gbps": 1}}, "strategy.mode"),
 ])
 def test_bad_parameters_get_one_line_naming_the_field(tmp_path, capsys, method, extra, field):
+    assert_refused_in_one_line(tmp_path, capsys, method, extra, field)
+
+
+def assert_refused_in_one_line(tmp_path, capsys, method, extra, field):
+    """`commlab run` of an mlp spec with ``method`` and ``extra`` exits 2 with one line naming ``field``, and
+    creates no run."""
     from commlab.lab.front.cli import main as cli
     spec = tmp_path / "bad.json"
     spec.write_text(json.dumps({"model": "mlp", "steps": 5, "method": method, **extra}))

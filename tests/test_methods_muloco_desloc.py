@@ -4,7 +4,6 @@ on the averaged gradient, MuLoCo against a reference computed with the stock opt
 DES-LOC's moments by hand (averaged at their periods and not between), what their schedules send, and bad specs
 in one line. World size 2, gloo on CPU, one thread per rank."""
 import copy
-import json
 
 import pytest
 import torch
@@ -440,13 +439,8 @@ def test_the_spec_records_what_muon_and_the_methods_use():
     ({"name": "muloco"}, {"optimizer": "muon", "fault_tolerance": {"enabled": True}}, "method.name"),
 ])
 def test_bad_specs_get_one_line_naming_the_field(tmp_path, capsys, method, extra, field):
-    from commlab.lab.front.cli import main as cli
-    spec = tmp_path / "bad.json"
-    spec.write_text(json.dumps({"model": "mlp", "steps": 5, "method": method, **extra}))
-    runs = tmp_path / "runs"
-    assert cli(["run", str(spec), "--runs", str(runs)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"commlab: error: {field}:"), err
+    from test_methods import assert_refused_in_one_line
+    assert_refused_in_one_line(tmp_path, capsys, method, extra, field)
     with pytest.raises(SpecError):
         JobSpec.from_dict({"model": "mlp", "method": method, **extra})
 

@@ -5,7 +5,6 @@ accumulator instead of the outer momentum) and DiLoCo's overlapped outer step (`
 Each is checked on two gloo ranks with different gradients on a tiny linear model, against a reference written
 here in plain torch from the papers' equations (no engine code), to 1e-6; the simplest cases also against numbers
 worked out by hand (in the docstrings). World size 2, gloo on CPU, one thread per rank."""
-import json
 
 import pytest
 import torch
@@ -363,10 +362,5 @@ def test_the_schedule_gives_the_overlap_to_the_performance_model():
     ({"name": "diloco", "compressor": {"name": "topk_2bit", "k": 9, "chunk": 8}}, {}, "method.compressor"),
 ])
 def test_bad_parameters_get_one_line_naming_the_field(tmp_path, capsys, method, extra, field):
-    from commlab.lab.front.cli import main as cli
-    spec = tmp_path / "bad.json"
-    spec.write_text(json.dumps({"model": "mlp", "steps": 5, "method": method, **extra}))
-    runs = tmp_path / "runs"
-    assert cli(["run", str(spec), "--runs", str(runs)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"commlab: error: {field}:"), err
+    from test_methods import assert_refused_in_one_line
+    assert_refused_in_one_line(tmp_path, capsys, method, extra, field)

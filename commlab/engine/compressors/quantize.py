@@ -369,17 +369,22 @@ class Int8(_Lossy):
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         scales, codes = payload
-        n, B = ctx.n, self.block
-        out = codes.to(dtype=ctx.dtype)
-        full = n // B
-        if full:
-            out[:full * B].view(full, B).mul_(scales[:full].to(ctx.dtype).unsqueeze(1))
-        if n > full * B:
-            out[full * B:].mul_(scales[full].to(ctx.dtype))
-        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
+        return _scaled_blocks(codes.to(dtype=ctx.dtype), scales, self.block, ctx)
 
     def __repr__(self) -> str:
         return f"Int8(block={self.block})"
+
+
+def _scaled_blocks(out: Tensor, scales: Tensor, B: int, ctx: _Ctx) -> Tensor:
+    """Decoded codes ``out`` (flat, ctx's dtype) times their block's scale, in place (the last block may be short),
+    in ctx's shape: what int8's and int4's decompress share."""
+    n = ctx.n
+    full = n // B
+    if full:
+        out[:full * B].view(full, B).mul_(scales[:full].to(ctx.dtype).unsqueeze(1))
+    if n > full * B:
+        out[full * B:].mul_(scales[full].to(ctx.dtype))
+    return out if len(ctx.shape) == 1 else out.view(ctx.shape)
 
 
 # -- block-wise int4 -------------------------------------------------------
@@ -434,14 +439,7 @@ class Int4(_Lossy):
 
     def decompress(self, payload: List[Tensor], ctx: _Ctx) -> Tensor:
         scales, packed = payload
-        n, B = ctx.n, self.block
-        out = bitpack.unpack_4bit(packed, n).to(dtype=ctx.dtype).sub_(8)
-        full = n // B
-        if full:
-            out[:full * B].view(full, B).mul_(scales[:full].to(ctx.dtype).unsqueeze(1))
-        if n > full * B:
-            out[full * B:].mul_(scales[full].to(ctx.dtype))
-        return out if len(ctx.shape) == 1 else out.view(ctx.shape)
+        return _scaled_blocks(bitpack.unpack_4bit(packed, ctx.n).to(dtype=ctx.dtype).sub_(8), scales, self.block, ctx)
 
     def __repr__(self) -> str:
         return f"Int4(block={self.block})"
