@@ -51,7 +51,7 @@ from commlab.engine.methods.base import Context, Method, Quorum
 from commlab.engine.muon import MuonAdamW, embeddings
 from commlab.engine.probe import LayerProbe
 from commlab.engine.runlog import JsonlWriter
-from commlab.engine.spec import JobSpec
+from commlab.engine.spec import MUON_ADAMW_LR, MUON_MOMENTUM, JobSpec
 from commlab.engine.timeline import Clock, CudaClock, Timeline
 
 OptimizerFactory = Callable[[list], torch.optim.Optimizer]
@@ -62,11 +62,14 @@ def make_optimizer(spec: JobSpec, params, model: Optional[torch.nn.Module] = Non
     """The spec's optimizer over ``params``. muon: ``MuonAdamW``, which leaves the weights of ``model``'s
     embedding tables to AdamW (without ``model``, every 2-D parameter goes to Muon)."""
     o = spec.optimizer
+    # a spec read as checked (spec.json of a version before muon) may lack the fields muon brought: their defaults
+    momentum = o.momentum if o.momentum is not None else (MUON_MOMENTUM if o.name == "muon" else 0.0)
     if o.name == "sgd":
-        return torch.optim.SGD(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay)
+        return torch.optim.SGD(params, lr=o.lr, momentum=momentum, weight_decay=o.weight_decay)
     betas = tuple(o.betas) if o.betas else (0.9, 0.999)
     if o.name == "muon":
-        return MuonAdamW(params, lr=o.lr, momentum=o.momentum, weight_decay=o.weight_decay, adamw_lr=o.adamw_lr,
+        return MuonAdamW(params, lr=o.lr, momentum=momentum, weight_decay=o.weight_decay,
+                         adamw_lr=o.adamw_lr if o.adamw_lr is not None else MUON_ADAMW_LR,
                          betas=betas, exclude=embeddings(model) if model is not None else ())
     cls = {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[o.name]
     return cls(params, lr=o.lr, betas=betas, weight_decay=o.weight_decay)

@@ -72,8 +72,8 @@ if first["state"] != "done":
 adv = first["advice"]
 req = first["request"]
 net = adv["network"]
-st.subheader(f"{len(adv['candidates'])} candidates on a {ui.text(predictions.network_words(net))} "
-             f"{'' if net.get('cluster') else 'link'}".rstrip() + f", {adv['world']:d} workers")
+where = predictions.network_words(net) + ("" if net.get("cluster") else " link")
+st.subheader(ui.text(f"{len(adv['candidates'])} candidates on a {where}, {adv['world']:d} workers"))
 if adv.get("disturbed"):  # timings taken while other processes took the CPU: not results
     st.warning(f"Winner ({ui.text(adv['chosen_by'])}): {ui.text(adv['reason'])}", icon=":material/warning:")
 else:

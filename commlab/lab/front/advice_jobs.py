@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from commlab import api
+from commlab.engine.cluster import PRESETS
 from commlab.engine.runlog import write_json_atomic
 from commlab.engine.spec import SpecError
 from commlab.lab.analysis import presets
@@ -70,7 +71,6 @@ def advise_argv(spec_file: Path, runs: Path, gbps: float, link: str, measure: bo
 def cluster_workers(spec: dict, cluster: str) -> Optional[int]:
     """The worker count to advise a cluster preset at: the spec's world size, or the preset's regions when it has
     more (a preset of regions takes at least one rank each); None when the spec's own fits."""
-    from commlab.engine.cluster import PRESETS
     regions = len(PRESETS[cluster]["workers"])
     return regions if regions > 1 and spec["world_size"] < regions else None
 
@@ -81,7 +81,6 @@ def start_job(spec: dict, runs, gbps: float, link: str, measure: bool, trials: i
     the to-target trials (commlab.lab.strategy.totarget); ``target``: the held-out accuracy to count to;
     ``cluster``: a cluster preset (commlab.engine.cluster.PRESETS) to plan for instead of one link."""
     import secrets
-    from commlab.engine.cluster import PRESETS
     if target is not None and not 0 < target <= 1:
         raise SpecError("target", f"must be a held-out accuracy in (0, 1], got {target}")
     if cluster is not None and cluster not in PRESETS:
