@@ -348,20 +348,10 @@ class Int8(_Lossy):
         self._setup()
 
     def compress(self, t: Tensor):
-        x = _flat(t, _work_dtype(t.dtype))
-        n, B = x.numel(), self.block
-        nb = -(-n // B)
-        if n % B:  # a padded copy: the tail block's padding stays zero (the buffer is filled once)
-            w = self._work("pad", nb * B, x.dtype, x.device, fill=0.0)
-            w[:n].copy_(x)
-            w[n:].zero_()
-        else:
-            w = x
-        blocks = w.view(nb, B)
-        scales = blocks.abs().amax(1).div_(127.0)
-        inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))  # an all-zero block codes to 0
-        codes = (blocks * inv.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8).view(-1)
-        return [scales.float(), codes[:n] if n % B else codes], _Ctx(t.shape, t.dtype, n)
+        n = t.numel()
+        scales, codes = _block_codes(self, t, 127)
+        codes = codes.to(torch.int8).view(-1)
+        return [scales.float(), codes[:n] if n % self.block else codes], _Ctx(t.shape, t.dtype, n)
 
     def declared_rounds(self, n, element_size, bucket=DEFAULT_BUCKET):
         """One all-gather of ceil(n / block) fp32 scales and n int8 codes, whatever the input's dtype."""
@@ -373,6 +363,26 @@ class Int8(_Lossy):
 
     def __repr__(self) -> str:
         return f"Int8(block={self.block})"
+
+
+def _block_codes(comp, t: Tensor, levels: int):
+    """Block-wise symmetric quantization shared by int8 and int4: ``t`` flat in its work dtype, cut into blocks of
+    ``comp.block`` (the tail padded with zeros in the compressor's kept ``pad`` buffer), each block's scale its
+    largest magnitude / ``levels``; returns (scales, codes as rounded floats in [-levels, levels], shape
+    (blocks, block)). An all-zero block codes to 0."""
+    x = _flat(t, _work_dtype(t.dtype))
+    n, B = x.numel(), comp.block
+    nb = -(-n // B)
+    if n % B:  # a padded copy: the tail block's padding stays zero
+        w = comp._work("pad", nb * B, x.dtype, x.device, fill=0.0)
+        w[:n].copy_(x)
+        w[n:].zero_()
+    else:
+        w = x
+    blocks = w.view(nb, B)
+    scales = blocks.abs().amax(1).div_(float(levels))
+    inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
+    return scales, (blocks * inv.unsqueeze(1)).round_().clamp_(-levels, levels)
 
 
 def _scaled_blocks(out: Tensor, scales: Tensor, B: int, ctx: _Ctx) -> Tensor:
@@ -417,20 +427,9 @@ class Int4(_Lossy):
         self._setup()
 
     def compress(self, t: Tensor):
-        x = _flat(t, _work_dtype(t.dtype))
-        n, B = x.numel(), self.block
-        nb = -(-n // B)
-        if n % B:  # a padded copy: the tail block's padding stays zero
-            w = self._work("pad", nb * B, x.dtype, x.device, fill=0.0)
-            w[:n].copy_(x)
-            w[n:].zero_()
-        else:
-            w = x
-        blocks = w.view(nb, B)
-        scales = blocks.abs().amax(1).div_(self.LEVELS)
-        inv = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))  # an all-zero block codes to 0
-        codes = (blocks * inv.unsqueeze(1)).round_().clamp_(-self.LEVELS, self.LEVELS).add_(8).to(torch.uint8)
-        codes = codes.view(-1)[:n]
+        n = t.numel()
+        scales, codes = _block_codes(self, t, self.LEVELS)
+        codes = codes.add_(8).to(torch.uint8).view(-1)[:n]
         return [scales.float(), bitpack.pack_4bit(codes)], _Ctx(t.shape, t.dtype, n)
 
     def declared_rounds(self, n, element_size, bucket=DEFAULT_BUCKET):
