@@ -86,9 +86,8 @@ class Lin(torch.nn.Module):
         return self.fc(x).sum()
 
 
-def _hand(rank, world, method, steps, x_by_rank, w0, b0=None, lr=0.1, momentum=0.0, comm="sync"):
-    """Steps of ``method`` on Lin with constant inputs (so constant gradients): each rank's parameters after
-    each step, and its step lines."""
+def lin_stepper(rank, world, method, w0, b0=None, lr=0.1, momentum=0.0, comm="sync"):
+    """Lin with weights ``w0`` (and bias ``b0``) and the Stepper of ``method`` over it, plain SGD: (model, stepper)."""
     torch.manual_seed(rank)
     model = Lin(len(w0), bias=b0 is not None)
     with torch.no_grad():
@@ -97,7 +96,13 @@ def _hand(rank, world, method, steps, x_by_rank, w0, b0=None, lr=0.1, momentum=0
             model.fc.bias.fill_(b0)
     spec = JobSpec.from_dict({"world_size": world, "optimizer": {"name": "sgd", "lr": lr, "momentum": momentum},
                               "comm": comm, "schedule": "allinone", "method": method, "timeline": False})
-    st = Stepper(spec, model, None, rank, torch.device("cpu"))
+    return model, Stepper(spec, model, None, rank, torch.device("cpu"))
+
+
+def _hand(rank, world, method, steps, x_by_rank, w0, b0=None, lr=0.1, momentum=0.0, comm="sync"):
+    """Steps of ``method`` on Lin with constant inputs (so constant gradients): each rank's parameters after
+    each step, and its step lines."""
+    model, st = lin_stepper(rank, world, method, w0, b0, lr, momentum, comm)
     lines = []
     st.log = lines.append  # the step lines, as metrics.jsonl would get them
     x = torch.tensor(x_by_rank[rank])

@@ -13,36 +13,17 @@ from distutil import run_world
 from commlab.engine import compressors, methods
 from commlab.engine.methods.base import Event
 from commlab.engine.spec import JobSpec
-from commlab.engine.stepper import Stepper
 
 LR = 0.1
 """The inner SGD's learning rate (no momentum): with loss = w . x, each inner step moves w by -LR * x."""
-
-
-class Lin(torch.nn.Module):
-    """out = w . x (+ b): with loss = out, the gradient is x (and 1)."""
-
-    def __init__(self, n, bias):
-        super().__init__()
-        self.fc = torch.nn.Linear(n, 1, bias=bias)
-
-    def forward(self, x):
-        return self.fc(x).sum()
 
 
 def _run(rank, world, method, xs, w0, b0=None):
     """``len(xs[rank])`` steps of ``method`` on Lin, rank r's input at step s being ``xs[r][s]``: each rank's flat
     parameters after each step, its step lines, its global parameters and, where the method has them, its
     groups' error-feedback residuals after the last step."""
-    torch.manual_seed(rank)
-    model = Lin(len(w0), bias=b0 is not None)
-    with torch.no_grad():
-        model.fc.weight.copy_(torch.tensor([w0]))
-        if b0 is not None:
-            model.fc.bias.fill_(b0)
-    spec = JobSpec.from_dict({"world_size": world, "optimizer": {"name": "sgd", "lr": LR, "momentum": 0.0},
-                              "comm": "sync", "schedule": "allinone", "method": method, "timeline": False})
-    st = Stepper(spec, model, None, rank, torch.device("cpu"))
+    from test_methods import lin_stepper
+    model, st = lin_stepper(rank, world, method, w0, b0, LR)
     lines, after = [], []
     st.log = lines.append
     tl = st.timeline
