@@ -366,6 +366,9 @@ def _load(spec: SpecLike, world: int) -> JobSpec:
 
 
 def _optimizer_factory(optimizer: OptimizerLike, model: torch.nn.Module, spec: JobSpec):
+    if optimizer is not None and spec.optimizer.decay != "none":
+        raise ValueError(f"optimizer.decay: {spec.optimizer.decay} decays the spec's own optimizer; with "
+                         f"your own, leave it none and use a torch.optim.lr_scheduler")
     if optimizer is None or (callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer)):
         return optimizer  # None: the spec's optimizer; otherwise a factory over what the communicator gives
     if not isinstance(optimizer, torch.optim.Optimizer):

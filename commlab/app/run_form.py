@@ -102,6 +102,8 @@ def run_form() -> None:
             _slot(slots, "optimizer.momentum")
         d["optimizer"]["weight_decay"] = st.number_input("Weight decay", 0.0, 1.0, 0.0, format="%g",
                                                          key=k + "wd")
+        d["optimizer"]["decay"] = st.selectbox("Learning-rate decay", ch["decays"], key=k + "decay",
+                                               help="cosine: the rate falls to 0 at the last step")
         _slot(slots, "optimizer")
 
     with mid:

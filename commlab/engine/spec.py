@@ -171,6 +171,10 @@ class OptimizerSpec:
     adamw_lr: Optional[float] = None
     """muon only: the learning rate of the parameters Muon does not take (AdamW's). Unset: 0.001; spec.json holds
     the value."""
+    decay: Literal["none", "cosine"] = "none"
+    """The learning rate over the run: none keeps it; cosine takes every rate (muon's adamw_lr too) from its value
+    at the first step down to 0 at ``steps`` along half a cosine (commlab.engine.stepper.decay_lr). Only the spec's
+    own optimizer decays: with your own optimizer in commlab.wrap, use a torch.optim.lr_scheduler."""
 
     def __post_init__(self):
         if self.momentum is None:

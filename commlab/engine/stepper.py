@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import math
 import os
 import time
 from typing import Callable, Optional
@@ -75,6 +76,17 @@ def make_optimizer(spec: JobSpec, params, model: Optional[torch.nn.Module] = Non
     return cls(params, lr=o.lr, betas=betas, weight_decay=o.weight_decay)
 
 
+def decay_lr(optimizer, spec: JobSpec, step: int) -> None:
+    """Set every group's learning rate for ``step`` (0-based) under ``optimizer.decay``: cosine, from the group's
+    first rate (kept as ``initial_lr``, torch's lr_scheduler key, so it travels with the optimizer's state) down
+    to 0 at ``spec.steps``."""
+    if spec.optimizer.decay == "none":
+        return
+    factor = 0.5 * (1.0 + math.cos(math.pi * min(step, spec.steps) / spec.steps))
+    for g in optimizer.param_groups:
+        g["lr"] = g.setdefault("initial_lr", g["lr"]) * factor
+
+
 def schedule_fn(spec: JobSpec):
     s = spec.schedule
     opts = {"cap_mb": s.cap_mb} if s.name == "bucket" else {}
@@ -105,6 +117,8 @@ class Stepper:
         self.probe = LayerProbe(model, self.timeline) if self.timeline.enabled else None
         self.group = group
         self._make_opt = make_opt or (lambda params: make_optimizer(self.spec, params, self.model))
+        self._own_optimizer = make_opt is None
+        """The spec's optimizer (its ``decay`` applies), not one a user's own loop passed in."""
         self.step = 0
         self.speed = cluster.speed_of(spec, rank)
         """This worker's compute speed (network.cluster; 1.0 without one): below 1, ``slow_down`` stretches its
@@ -417,6 +431,8 @@ class Stepper:
         t3 = tl.now()
         m3 = tl.mark()
         if committed:
+            if self._own_optimizer:
+                decay_lr(self.optimizer, self.spec, self.step)
             self.optimizer.step()
         elif self._codec_before is not None:  # the compressors' state as if the step had never been tried
             for b, st in zip(self.dp.buckets, self._codec_before):

@@ -62,6 +62,7 @@ def choices() -> dict:
         "models": models.NAMES,
         "datasets": datasets,
         "optimizers": typing.get_args(typing.get_type_hints(OptimizerSpec)["name"]),
+        "decays": typing.get_args(typing.get_type_hints(OptimizerSpec)["decay"]),
         "compressors": compressors.names(),
         "schedules": SCHEDULES_AVAILABLE,
         "comm": COMM_AVAILABLE,
