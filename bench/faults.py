@@ -76,30 +76,23 @@ def measure(run, variant: str, gbps: Optional[float]) -> dict:
     """What one run recorded: goodput, final accuracy, recoveries (after the start), kills to rejoins."""
     st = run.status()
     rows = run.metric_rows()
-    mine = [r for r in rows if r["kind"] == "step" and r.get("rank", 0) == 0
-            and r.get("replica", 0) == 0 and r.get("committed", True)]
+    steps = [r for r in rows if r["kind"] == "step"]
     out = {"state": st.get("state"), "error": st.get("error")}
-    if len(mine) < 2:
+    out["goodput"] = replicas.goodput(steps)
+    if out["goodput"] is None:
         return out
-    span = mine[-1]["t"] - mine[0]["t"]
-    out["goodput"] = (len(mine) - 1) / span if span > 0 else None
     evals = [r for r in rows if r["kind"] == "eval" and r.get("rank", 0) == 0 and r.get("replica", 0) == 0]
     out["acc"] = evals[-1]["eval_acc"] if evals else None
     if variant == "plain":
         return out
     parts = [r.get("participants") for r in rows if r["kind"] == "step" and r.get("participants")]
     out["quorum_min"] = min(parts) if parts else None
-    recs = replicas.after_start(run.recoveries(), [r for r in rows if r["kind"] == "step"])  # not the start's
+    recs = replicas.after_start(run.recoveries(), steps)  # not the start's
     out["recoveries"] = [{"seconds": r.get("seconds"), "bytes": r.get("bytes"), "from": r.get("from_replica"),
                           "replica": r.get("replica"),
                           "at_rate_s": (r["bytes"] * 8 / (gbps * 1e9)) if gbps and r.get("bytes") else None}
                          for r in recs]
-    ev = run.ft_events()
-    rejoin = []
-    for k in (e for e in ev if e["event"] == "kill"):
-        back = [r["t"] for r in rows if r["kind"] == "step" and r.get("replica") == k["replica"]
-                and r["t"] > k["t"] and r.get("committed")]
-        rejoin.append(min(back) - k["t"] if back else None)
+    rejoin = replicas.rejoins(run.ft_events(), steps)
     out["kills"] = len(rejoin)
     out["kill_to_rejoin_s"] = rejoin
     return out

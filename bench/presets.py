@@ -59,6 +59,11 @@ def run_preset(p, root: Path, timeout_s: float) -> dict:
                          "disturbed": x.disturbance.get("disturbed"), "other_cpu": x.disturbance.get("other_cpu")}
                      for k, x in v.variants.items()},
         "accuracy_ok": v.accuracy_ok, "crossover": results.crossover(group, lambda rid: commlab.get(rid, runs=root)),
+        "faults": {"checks": v.fault_checks, "lines": [ln for ln in v.lines if any(
+            ln.startswith(f"{k}:") for k in p.faults.labels())],
+                   "goodput": {k: x.ft.get("goodput") for k, x in v.variants.items() if x.ft},
+                   "rejoin_s": {k: x.ft.get("rejoin_s") for k, x in v.variants.items() if x.ft}}
+        if p.faults is not None else None,
     }
 
 
@@ -74,15 +79,25 @@ def markdown(rows: list, rounds: int) -> str:
         rs = [r for r in rows if r["preset"] == p.key]
         if not rs:
             continue
-        accs = "; ".join(f"{k} {min(r['variants'][k]['acc'] or 0 for r in rs):.1%}" for k in p.variants)
+        accs = "; ".join(f"{k} {min(r['variants'][k]['acc'] or 0 for r in rs):.1%}"
+                         if all(r["variants"][k]["state"] == "done" for r in rs) else
+                         f"{k} {'/'.join(sorted({r['variants'][k]['state'] for r in rs}))}" for k in p.variants)
         walls = [r["wall_s"] for r in rs]
         wall_txt = ", ".join(f"{w:.0f}" if w is not None else "-" for w in walls)
         in_time = all(w is not None and w <= WALL_LIMIT_S for w in walls)
         verdicts = ", ".join({True: "shown", False: "missed", None: "incomplete"}[r["passed"]] for r in rs)
-        effects = p.effects or [None]
+        effects = p.effects or ([("goodput",) + pair for pair in p.faults.pairs] if p.faults else [None])
         for i, e in enumerate(effects):
             if e is None:
                 eff, ratios, med = "accuracy and bytes only", "-", "-"
+            elif isinstance(e, tuple):  # a plug-pulling preset: each faulted run's goodput against its twin's
+                _, faulted, clean = e
+                vals = [(r["faults"]["goodput"].get(faulted) or 0) / r["faults"]["goodput"][clean]
+                        if r["faults"]["goodput"].get(clean) else None for r in rs]
+                eff = f"goodput of {faulted} against {clean}"
+                ratios = ", ".join(f"{x:.2f}" if x is not None else "-" for x in vals)
+                m = _med(vals)
+                med = f"{m:.2f}x" if m is not None else "-"
             else:
                 lo, hi = e.bounds(p.values())  # a knob's bound (H) at the knob's default, as the runs ran
                 bound = f">= {lo:g}x" if lo is not None else f"<= {hi:g}x"
@@ -95,6 +110,11 @@ def markdown(rows: list, rounds: int) -> str:
             out.append(f"| {p.title if first else ''} | {eff} | {ratios} | {med} | {accs if first else ''} | "
                        f"{wall_txt if first else ''} | {('yes' if in_time else 'no') if first else ''} | "
                        f"{verdicts if first else ''} |")
+    kills = [f"round {k + 1}: " + "; ".join(r["faults"]["lines"])
+             for k, r in enumerate(x for x in rows if x.get("faults"))]
+    if kills:
+        out.append("")
+        out.append("Pull the plug, per round: " + " | ".join(kills))
     cross = [r["crossover"] for r in rows if r.get("crossover")]
     if cross:
         out.append("")

@@ -784,6 +784,12 @@ def test_preset_steps_scale_the_presets_and_bad_values_are_named(tmp_path):
             scaled = owners.scale_preset(d, 10)
             assert scaled["steps"] == 10 and scaled["eval_every"] <= 10 and d["steps"] > 10
             commlab.spec(scaled)  # still a valid spec
+    # a worker's death moves with the steps, to the same fraction of the run (here a third)
+    plug = {"steps": 120, "fault": {"kind": "exit", "rank": 1, "step": 40},
+            "fault_tolerance": {"enabled": True, "faults": [{"kind": "kill", "replica": 1, "step": 40}]}}
+    scaled = owners.scale_preset(plug, 10)
+    assert scaled["fault"]["step"] == 3 and scaled["fault_tolerance"]["faults"][0]["step"] == 3
+    assert plug["fault"]["step"] == 40  # the preset's own spec is left as it was
     assert owners.scale_preset({"steps": 5, "eval_every": 5}, 10) == {"steps": 5, "eval_every": 5}
     for bad in (0, -3, 2.5, True, "10"):
         (tmp_path / "lab.json").write_text(json.dumps({"preset_steps": bad}))

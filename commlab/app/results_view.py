@@ -14,7 +14,7 @@ import streamlit as st
 from commlab.app import explain_view, widgets
 
 from commlab.app.room import access
-from commlab.lab.analysis import plots, timelines
+from commlab.lab.analysis import plots, replicas, timelines
 from commlab.lab.analysis.results import preset_of
 from commlab.lab.front import groups, sweep_jobs, ui
 from commlab.engine.spec import SpecError
@@ -117,7 +117,12 @@ def results_panel(group: dict) -> None:
                          "compression_ratio": s.get("compression_ratio"),
                          "exposed_comm_ms": x.breakdown.get("exposed_comm_ms") if x.breakdown else None,
                          "disturbed": bool(x.disturbance.get("disturbed")), "run": x.run_id})
+            if any(y.ft for y in v.variants.values()):  # fault-tolerant runs: what the faults cost, side by side
+                rows[-1].update(kills=x.ft.get("kills"), recoveries=len(x.ft.get("recoveries") or []) if x.ft else None,
+                                goodput=x.ft.get("goodput"))
         cols = widgets.table_columns()
+        cols["goodput"] = st.column_config.NumberColumn(
+            "goodput steps/s", format="%.1f", help="committed steps per second, kills and recoveries included")
         cols["exposed_comm_ms"] = st.column_config.NumberColumn("exposed comm ms", format="%.1f")
         cols["mean_ms"] = st.column_config.NumberColumn(  # a method's local steps are cheap and its syncs not
             "mean step ms", format="%.1f", help="the mean iteration after warm-up: a method's syncs amortized")
@@ -145,6 +150,14 @@ def results_panel(group: dict) -> None:
         st.subheader("Accuracy against wall time")
         st.plotly_chart(plots.accuracy_vs_time_figure(timelines.accuracy_curves(list(final.values()), labels)),
                         key="res.acc")
+    quorums = {k: replicas.quorum_sizes([m for m in r.metric_rows() if m.get("kind") == "step"])
+               for k, r in final.items() if (r.spec_dict().get("fault_tolerance") or {}).get("enabled")}
+    if any(quorums.values()):
+        st.subheader("Replica groups in each quorum, by step")
+        st.caption("A fault-tolerant run's quorums: a kill drops its replica group until it recovers and rejoins.")
+        st.line_chart(pd.DataFrame([{"variant": ui.text(k), "step": q["step"], "replica groups": q["participants"]}
+                                    for k, qs in quorums.items() for q in qs]),
+                      x="step", y="replica groups", color="variant", height=220)
     explain_view.compare_panel(final, "res.explain")
     st.caption("Each run's own page:")  # page links: in-app, so a workshop session stays signed in
     for k, r in final.items():

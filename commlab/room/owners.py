@@ -351,12 +351,22 @@ def preset_steps(root: os.PathLike) -> Optional[int]:
 
 
 def scale_preset(spec: dict, steps: Optional[int]) -> dict:
-    """A preset run's spec with at most ``steps`` steps (evaluation at most every ``steps``)."""
+    """A preset run's spec with at most ``steps`` steps (evaluation at most every ``steps``); a fault's step (a
+    plug-pulling preset's) moves with them, to the same fraction of the run."""
     if steps is None or spec.get("steps", steps) <= steps:
         return spec
+    was = spec["steps"]
     out = {**spec, "steps": steps}
     if out.get("eval_every"):
         out["eval_every"] = min(out["eval_every"], steps)
+
+    def moved(f: dict) -> dict:
+        return {**f, "step": min(f["step"] * steps // was, steps - 1)} if "step" in f else f
+    if isinstance(out.get("fault"), dict):
+        out["fault"] = moved(out["fault"])
+    ft = out.get("fault_tolerance")
+    if isinstance(ft, dict) and ft.get("faults"):
+        out["fault_tolerance"] = {**ft, "faults": [moved(f) if isinstance(f, dict) else f for f in ft["faults"]]}
     return out
 
 

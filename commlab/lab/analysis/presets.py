@@ -95,6 +95,18 @@ class Effect:
         return fill(self.at_least, values), fill(self.at_most, values)
 
 
+@dataclass(frozen=True)
+class Faults:
+    """What a plug-pulling preset compares: ``unprotected`` runs without fault tolerance, so the worker's death
+    must end it ``failed``; each (faulted, clean) pair is one fault-tolerant setting with the fault and without
+    it, and the verdict sets them side by side (kills, recoveries, goodput, accuracy)."""
+    unprotected: str
+    pairs: Tuple[Tuple[str, str], ...]
+
+    def labels(self) -> List[str]:
+        return [self.unprotected] + [x for pair in self.pairs for x in pair]
+
+
 @dataclass
 class Preset:
     key: str
@@ -121,6 +133,9 @@ class Preset:
     exchanges: Optional[Tuple[str, List[str]]] = None
     """(every-step variant, [methods]): the verdict counts each method's exchanges and bytes against the
     every-step one's, and the time each took to reach that one's final accuracy"""
+    faults: Optional["Faults"] = None
+    """a preset that pulls a worker's plug: which variant runs without fault tolerance (and must fail) and
+    which faulted runs are set beside their fault-free twins"""
 
     def values(self, given: Optional[Dict[str, int]] = None) -> Dict[str, int]:
         """Every knob's value: ``given`` where it says, else the default. ValueError ``<knob>: ...`` for an
@@ -281,6 +296,42 @@ PRESETS.append(
                     Effect("DiLoCo against DDP across the ocean, exchanges", "DiLoCo, across the ocean",
                            "DDP, across the ocean", at_least=Use("H"), measure="exchanges")],
            accuracy_floor=0.9, knobs=[WIDE_H], exchanges=("DDP, across the ocean", ["DiLoCo, across the ocean"])))
+
+
+# A CNN on digits on two workers, each its own replica group on torchft (commlab/engine/ft.py): worker 1 dies at
+# step KILL_AT. Without fault tolerance its rank exits and the run fails, as a torchrun job does. With it the lab
+# restarts the dead worker half a second later; the restarted worker takes the live one's model and optimizer state
+# and both train on. With two workers the survivor cannot go on alone: torchft's Lighthouse forms a quorum only of
+# more than half the replicas that still heartbeat (a split-brain guard), and min_replicas 2 says so outright, so it
+# waits for the restart (its process starting takes most of it). Per-step sync waits at the next step; DiLoCo trains
+# on locally until its next sync and waits there, and loses the dead worker's inner steps since the last sync. Each
+# faulted run is held to its fault-free twin's accuracy (what the kill cost), not DiLoCo to per-step sync's.
+KILL_AT = 40
+PLUG = {"steps": 120, "eval_every": 40, "comm": {"mode": "sync"}}
+PLUG_FT = {"enabled": True, "min_replicas": 2, "join_timeout_ms": 500, "timeout_s": 20,
+           "restart": {"max_restarts": 1, "delay_s": 0.5}}
+PLUG_KILL = {**PLUG_FT, "faults": [{"kind": "kill", "replica": 1, "step": KILL_AT, "restart_after_s": 0.5}]}
+PLUG_DILOCO = {"optimizer": {"name": "sgd", "lr": 0.02, "momentum": 0.9},
+               "method": {"name": "diloco", "H": 8, "outer_lr": 0.7, "outer_momentum": 0.9}}
+
+PRESETS.append(
+    Preset("pull-the-plug", "Pull the plug: a worker dies mid-training",
+           f"A CNN on digits on two workers; worker 1 is killed at step {KILL_AT}. Without fault tolerance the run "
+           f"fails, as a torch DDP job does. On torchft the lab restarts the dead worker, which takes its peer's "
+           f"state and rejoins; the survivor, one of two, may not train on alone and waits (per-step sync at once, "
+           f"DiLoCo at its next sync). Per-step sync and DiLoCo (H = 8), each set beside the same run without the "
+           f"kill: what the kill cost each in time and accuracy.",
+           {"no fault tolerance, a kill": {**PLUG, "fault": {"kind": "exit", "rank": 1, "step": KILL_AT}},
+            "per-step sync, a kill": {**PLUG, "fault_tolerance": PLUG_KILL},
+            "per-step sync, no fault": {**PLUG, "fault_tolerance": PLUG_FT},
+            "DiLoCo, a kill": {**PLUG, **PLUG_DILOCO, "fault_tolerance": PLUG_KILL},
+            "DiLoCo, no fault": {**PLUG, **PLUG_DILOCO, "fault_tolerance": PLUG_FT}},
+           claim="torchft (Meta 2025) and INTELLECT-1 (Prime Intellect 2024) keep training when a worker dies: the "
+                 "survivors go on, the restarted worker recovers from a live peer; INTELLECT-1 used 83-96% of its "
+                 "compute with workers joining and leaving across three continents.",
+           reference="per-step sync, no fault",
+           faults=Faults("no fault tolerance, a kill", (("per-step sync, a kill", "per-step sync, no fault"),
+                                                        ("DiLoCo, a kill", "DiLoCo, no fault")))))
 
 
 def get(key: str) -> Preset:

@@ -92,3 +92,25 @@ def describe(states: List[dict]) -> str:
                                                f" (replica {', '.join(map(str, who))})"))
     kills = sum(s["kills"] for s in states)
     return f"{len(states)} replica groups: {', '.join(parts)}; {kills} kill{'s' if kills != 1 else ''}"
+
+
+def goodput(steps: List[dict]) -> Optional[float]:
+    """Committed steps per second of replica group 0 (its rank 0), from its first step line to its last: the
+    rate at which the run made progress, kills and recoveries included. None with fewer than two such lines."""
+    mine = [s for s in steps if s.get("rank", 0) == 0 and s.get("replica", 0) == 0 and s.get("committed", True)
+            and "t" in s]
+    if len(mine) < 2:
+        return None
+    span = mine[-1]["t"] - mine[0]["t"]
+    return (len(mine) - 1) / span if span > 0 else None
+
+
+def rejoins(events: List[dict], steps: List[dict]) -> List[Optional[float]]:
+    """For each kill, in order: seconds from it to the killed replica's first committed step after it (None when
+    it never came back)."""
+    out: List[Optional[float]] = []
+    for k in (e for e in events if e.get("event") == "kill"):
+        back = [s["t"] for s in steps if s.get("replica") == k.get("replica") and s.get("t", 0) > k["t"]
+                and s.get("committed")]
+        out.append(min(back) - k["t"] if back else None)
+    return out

@@ -20,9 +20,9 @@ from typing import Dict, List, Optional, Tuple
 
 from commlab.engine.runfiles import FINAL
 from commlab.engine.runlog import write_json_atomic
-from commlab.lab.analysis import timelines
+from commlab.lab.analysis import replicas, timelines
 from commlab.lab.analysis.plots import PART_LABELS, PARTS, assign_steps
-from commlab.lab.analysis.presets import ACCURACY_POINTS, PRESETS, Effect, Preset
+from commlab.lab.analysis.presets import ACCURACY_POINTS, PRESETS, Effect, Faults, Preset
 from commlab.lab.base.paths import GROUPS
 from commlab.lab.rundir.disturbance import describe as describe_disturbance
 from commlab.lab.rundir.store import check_id
@@ -99,6 +99,10 @@ class Variant:
     """steps in which rank 0 sent anything (every step for DDP; a method's syncs)"""
     acc_at: List[Tuple[float, float]] = field(default_factory=list)
     """(seconds of training, held-out accuracy) at each evaluation: the sum of the iteration times before it"""
+    ft: dict = field(default_factory=dict)
+    """a fault-tolerant run's faults and their cost ({} otherwise): ``kills``, ``recoveries`` (after the start),
+    ``rejoin_s`` (each kill to the killed replica's next committed step), ``goodput`` (committed steps per
+    second, commlab.lab.analysis.replicas.goodput)"""
 
     @property
     def iter_ms(self) -> Optional[float]:
@@ -140,12 +144,14 @@ class Verdict:
     """from the group's creation (the click) to the last run's end"""
     disturbed: List[str]
     notes: List[str] = field(default_factory=list)
+    fault_checks: List[Optional[bool]] = field(default_factory=list)
+    """a plug-pulling preset's: the unprotected run failed, each faulted run finished (None while running)"""
 
     @property
     def passed(self) -> Optional[bool]:
         if not self.complete:
             return None
-        checks = [e.passed for e in self.effects] + [self.accuracy_ok]
+        checks = [e.passed for e in self.effects] + [self.accuracy_ok] + self.fault_checks
         return all(c is not False for c in checks) and None not in checks
 
 
@@ -160,12 +166,18 @@ def _variant(label: str, run, breakdown_fn) -> Variant:
     timed = order[warmup_steps(len(order)):] or order
     sent = [m for m in rows if m.get("kind") == "step" and m["rank"] == 0]
     evals = sorted((m["step"], m["eval_acc"]) for m in rows if m.get("kind") == "eval")
+    ft = {}
+    if (spec.get("fault_tolerance") or {}).get("enabled"):
+        steps = [m for m in rows if m.get("kind") == "step"]
+        ft = {"kills": sum(1 for e in run.ft_events() if e.get("event") == "kill"),
+              "recoveries": replicas.after_start(run.recoveries(), steps),
+              "rejoin_s": replicas.rejoins(run.ft_events(), steps), "goodput": replicas.goodput(steps)}
     return Variant(label, run.id, status.get("state", "unknown"), s, bd or {},
                    status.get("disturbance") or {}, collective_counts(run) if run.state in FINAL else {},
                    status.get("started"), status.get("ended"),
                    mean_ms=statistics.fmean(it[k] for k in timed) if timed else None,
                    exchanges=sum(1 for m in sent if m.get("bytes_sent")) if sent else None,
-                   acc_at=[(sum(ms for k, ms in it.items() if k < step) / 1e3, acc) for step, acc in evals])
+                   acc_at=[(sum(ms for k, ms in it.items() if k < step) / 1e3, acc) for step, acc in evals], ft=ft)
 
 
 def collective_counts(run) -> Dict[str, int]:
@@ -226,9 +238,15 @@ def explain(fast: Variant, slow: Variant) -> str:
 def _accuracy(p: Optional[Preset], v: Dict[str, Variant]):
     if p is None or not p.reference or p.reference not in v:
         return [], None
-    ref = v[p.reference]
+    # a plug-pulling preset holds each faulted run to its fault-free twin (what the fault cost), each twin to itself
+    twin = {a: b for pair in p.faults.pairs for a, b in (pair, (pair[1], pair[1]))} if p.faults is not None else {}
     lines, ok = [], True
     for lab_, x in v.items():
+        if p.faults is not None and lab_ == p.faults.unprotected:
+            lines.append(f"{lab_}: not held to {p.reference} (it has no fault tolerance, so the kill ends it)")
+            continue
+        ref_label = twin.get(lab_, p.reference)
+        ref = v.get(ref_label, v[p.reference])
         if x.acc is None:
             lines.append(f"{lab_}: no held-out accuracy yet")
             ok = None if ok is not False else ok
@@ -239,7 +257,7 @@ def _accuracy(p: Optional[Preset], v: Dict[str, Variant]):
         if not floor_ok:
             note.append(f"below the useful level {p.accuracy_floor:.0%}")
         if not rel_ok:
-            note.append(f"more than {ACCURACY_POINTS * 100:.0f} points below {p.reference}")
+            note.append(f"more than {ACCURACY_POINTS * 100:.0f} points below {ref_label}")
         if x.state == "diverged":
             note.append("diverged")
         lines.append(f"{lab_}: {x.acc:.1%} held out" + (f" ({'; '.join(note)})" if note else ""))
@@ -288,16 +306,67 @@ def evaluate(group: dict, store_get, breakdown_fn=None) -> Verdict:
     lines += _traffic_lines(v)
     if p is not None and p.scaling is not None:
         lines += _scaling_lines(v, *p.scaling)
+    fault_checks: List[Optional[bool]] = []
+    if p is not None and p.faults is not None:
+        fault_lines, fault_checks = _fault_lines(v, p.faults)
+        lines += fault_lines
     if p is None:
         lines += _sweep_lines(v)
-    failed = [x.label for x in v.values() if x.state in ("failed", "cancelled", "diverged")]
+    expected = {p.faults.unprotected} if p is not None and p.faults is not None else set()
+    failed = [x.label for x in v.values() if x.state in ("failed", "cancelled", "diverged")
+              and not (x.label in expected and x.state == "failed")]
     if failed:
         notes.append(f"not a clean answer: {', '.join(failed)} did not finish ({', '.join(v[f].state for f in failed)})")
     if disturbed:
         notes.append("timings disturbed by other processes (see the flag): rerun on a quiet machine before "
                      "taking the ratios as results")
     return Verdict(p.title if p else group.get("title", group["id"]), p.claim if p else "", v, effects,
-                   acc_lines, acc_ok, lines, complete, wall, disturbed, notes)
+                   acc_lines, acc_ok, lines, complete, wall, disturbed, notes, fault_checks)
+
+
+def _fault_lines(v: Dict[str, Variant], f: Faults) -> Tuple[List[str], List[Optional[bool]]]:
+    """The plug pulled: whether the run without fault tolerance failed (it must), and each faulted run beside its
+    fault-free twin: kills, recoveries (from whom, bytes, seconds), rejoin time, goodput and accuracy. With the
+    checks: the unprotected run failed; each faulted run ended done (None while any runs)."""
+    lines: List[str] = []
+    checks: List[Optional[bool]] = []
+    u = v.get(f.unprotected)
+    if u is not None:
+        if not u.final:
+            checks.append(None)
+            lines.append(f"{u.label}: running")
+        else:
+            checks.append(u.state == "failed")
+            at = u.summary.get("steps_done")
+            lines.append(f"{u.label}: {u.state} after {at} steps: without fault tolerance a worker's death ends "
+                         f"the run, as it ends a torch DDP job" if u.state == "failed" else
+                         f"{u.label}: {u.state}, but a worker was to die (its fault did not happen)")
+    for faulted, clean in f.pairs:
+        a, b = v.get(faulted), v.get(clean)
+        if a is None or b is None:
+            continue
+        checks.append(None if not a.final else a.state == "done")
+        if not (a.final and b.final):
+            lines.append(f"{faulted}: running")
+            continue
+        ft = a.ft
+        recs = ft.get("recoveries") or []
+        line = f"{faulted}: {a.state}; {ft.get('kills', 0)} kill{'s' if ft.get('kills', 0) != 1 else ''}"
+        if recs:
+            line += "; " + "; ".join(f"replica {r.get('replica')} recovered from replica {r.get('from_replica')}, "
+                                     f"{fmt_bytes(r.get('bytes') or 0)} in {r.get('seconds', 0):.2f} s"
+                                     for r in recs)
+        back = [x for x in ft.get("rejoin_s") or [] if x is not None]
+        if back:
+            line += f"; back in training {', '.join(f'{x:.1f} s' for x in back)} after the kill"
+        ga, gb = ft.get("goodput"), b.ft.get("goodput")
+        if ga and gb:
+            line += (f"; {ga:.1f} committed steps/s against {gb:.1f} without the fault (goodput "
+                     f"{ga / gb:.0%})")
+        if a.acc is not None and b.acc is not None:
+            line += (f"; {a.acc:.1%} held out against {b.acc:.1%} ({100 * (a.acc - b.acc):+.1f} points)")
+        lines.append(line)
+    return lines, checks
 
 
 def _traffic_lines(v: Dict[str, Variant]) -> List[str]:
