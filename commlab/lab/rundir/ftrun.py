@@ -63,7 +63,8 @@ class FtJob:
         self.restarts_left = self.ft.restart.max_restarts
         self.due: List[Tuple[float, int]] = []
         """(when, replica) of the restarts waiting for their delay."""
-        self.faults = [dict(f, done=False) for f in self.ft.faults]
+        self.faults = [dict(f, done=False) for f in self.ft.faults if f["kind"] == "kill"]
+        """The spec's kills (a slow fault is its replica's own: its Stepper stretches its compute)."""
         self.requests = JsonlTail(run.file(runfiles.FAULT_REQUESTS))
         """Faults asked for while the run goes on (``request_fault``)."""
         self.killed: Dict[int, float] = {}
