@@ -665,10 +665,11 @@ class RestartSpec:
 
 FT_TORCHFT = "0.2.0"
 """The torchft fault tolerance is written against (commlab/engine/ft.py)."""
-FT_FAULT_KINDS = ("kill", "slow")
-"""The faults of a fault-tolerant run: kill (the lab SIGKILLs the replica's process, and restarts it) and slow (the
-replica computes at ``speed`` for ``steps`` steps, as a worker on a busy or throttled machine; its own Stepper
-stretches its forward and backward passes)."""
+FT_FAULT_KINDS = ("kill", "cut", "slow")
+"""The faults of a fault-tolerant run: kill (the lab SIGKILLs the replica's process, and restarts it), cut (the lab
+stops the replica's process for ``seconds``, SIGSTOP then SIGCONT: its peers and the Lighthouse hear nothing from it,
+as across a cut link) and slow (the replica computes at ``speed`` for ``steps`` steps, as a worker on a busy or
+throttled machine; its own Stepper stretches its forward and backward passes)."""
 FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco")
 """The methods a fault-tolerant run may use: every step's gradients, and those whose syncs join a quorum and commit
 (commlab/engine/methods/base.py, ``Quorum``)."""
@@ -711,7 +712,9 @@ class FaultToleranceSpec:
     """Faults, each {kind: kill, replica: r, step: s, restart_after_s: x}: the lab SIGKILLs replica r once it has
     logged step s (once per fault), and restarts it restart_after_s later (unset: restart.delay_s; null in
     spec.json means that); or {kind: slow, replica: r, step: s, steps: n, speed: x}: replica r computes at x
-    (0 < x < 1) of its speed from step s for n steps (unset: to the end; null in spec.json means that)."""
+    (0 < x < 1) of its speed from step s for n steps (unset: to the end; null in spec.json means that); or
+    {kind: cut, replica: r, step: s, seconds: t}: the lab cuts replica r off for t seconds once it has logged
+    step s (its process stopped: no traffic, no heartbeat), then lets it go on."""
 
     def __post_init__(self):
         p = "fault_tolerance"
@@ -799,6 +802,7 @@ class FaultToleranceSpec:
 
 
 _FT_FAULT_KEYS = {"kill": ("kind", "replica", "step", "restart_after_s"),
+                  "cut": ("kind", "replica", "step", "seconds"),
                   "slow": ("kind", "replica", "step", "steps", "speed")}
 
 
@@ -829,6 +833,13 @@ def _ft_fault(f: Any, i: int) -> dict:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise SpecError(f"{where}.steps", f"must be an integer >= 1 (or unset: to the end), got {n!r}")
         out.update(speed=float(speed), steps=n)
+        return out
+    if kind == "cut":
+        t = f.get("seconds")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise SpecError(f"{where}.seconds", f"must be a number in (0, 3600] (how long the replica is cut off), "
+                                                f"got {t!r}")
+        out["seconds"] = float(t)
         return out
     after = f.get("restart_after_s")
     if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float)) or not 0 <= after <= 3600):
