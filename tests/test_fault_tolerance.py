@@ -53,7 +53,21 @@ def spec(**over):
     ({"ft": {"faults": [{"kind": "kill", "replica": 1, "step": 20}]}}, "fault_tolerance.faults[0].step",
      "below steps 20"),
     ({"ft": {"faults": [{"kind": "hang", "replica": 1, "step": 2}]}}, "fault_tolerance.faults[0].kind",
-     "allowed: kill"),
+     "allowed: kill, cut, slow"),
+    ({"ft": {"faults": [{"kind": "cut", "replica": 1, "step": 2}]}}, "fault_tolerance.faults[0].seconds",
+     "in (0, 3600]"),
+    ({"ft": {"faults": [{"kind": "cut", "replica": 1, "step": 2, "seconds": 1, "speed": 0.5}]}},
+     "fault_tolerance.faults[0].speed", "unknown field for a cut fault"),
+    ({"ft": {"faults": [{"kind": "slow", "replica": 1, "step": 2}]}}, "fault_tolerance.faults[0].speed",
+     "in [0.01, 1)"),
+    ({"ft": {"faults": [{"kind": "slow", "replica": 1, "step": 2, "speed": 1.5}]}},
+     "fault_tolerance.faults[0].speed", "share of its speed"),
+    ({"ft": {"faults": [{"kind": "slow", "replica": 1, "step": 2, "speed": 0.5, "steps": 0}]}},
+     "fault_tolerance.faults[0].steps", "integer >= 1"),
+    ({"ft": {"faults": [{"kind": "slow", "replica": 1, "step": 2, "speed": 0.5, "restart_after_s": 1}]}},
+     "fault_tolerance.faults[0].restart_after_s", "unknown field for a slow fault"),
+    ({"ft": {"faults": [{"kind": "slow", "replica": 3, "step": 2, "speed": 0.5}]}},
+     "fault_tolerance.faults[0].replica", "below replica_groups 3"),
     ({"ft": {"faults": [{"replica": 1, "step": 2, "when": 3}]}}, "fault_tolerance.faults[0].when", "unknown field"),
     ({"ft": {"faults": [{"replica": 1}]}}, "fault_tolerance.faults[0].step", "integer >= 0"),
     ({"ft": {"restart": {"max_restarts": -1}}}, "fault_tolerance.restart.max_restarts", "0..1000"),
@@ -78,6 +92,17 @@ def test_a_fault_tolerant_spec_is_fully_defaulted():
     assert ft["faults"] == [{"kind": "kill", "replica": 2, "step": 5, "restart_after_s": None}]
     assert JobSpec.from_dict(s.to_dict()) == s  # spec.json reads back as the same spec
     assert JobSpec.from_checked(s.to_dict()) == s
+    slow = JobSpec.from_dict(spec(ft={"faults": [{"kind": "slow", "replica": 1, "step": 5, "speed": 0.25}]}))
+    assert slow.to_dict()["fault_tolerance"]["faults"] == [{"kind": "slow", "replica": 1, "step": 5, "speed": 0.25,
+                                                            "steps": None}]
+    assert JobSpec.from_dict(slow.to_dict()) == slow
+
+
+def test_a_replica_keeps_the_product_of_the_slow_faults_that_cover_its_step():
+    from commlab.engine.stepper import slow_factor
+    faults = [{"kind": "slow", "replica": 0, "step": 5, "steps": 3, "speed": 0.5},
+              {"kind": "slow", "replica": 0, "step": 6, "steps": None, "speed": 0.25}]
+    assert [slow_factor(faults, s) for s in (4, 5, 6, 7, 8, 100)] == [1.0, 0.5, 0.125, 0.125, 0.25, 0.25]
 
 
 @needs_torchft

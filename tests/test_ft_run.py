@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                 reason="torchft is not installed (./setup.sh installs it)")
 
 STEPS, KILL_AT, ASK_AT = 100, 3, 40
+SLOW = {"kind": "slow", "replica": 0, "step": 60, "steps": 10, "speed": 0.5}
+"""Replica 0, never killed, computes at half its speed for steps 60-69 (a slow fault)."""
 SPEC = {"name": "ft-kill", "model": "mlp", "dataset": "digits", "world_size": 3, "steps": STEPS, "batch_size": 16,
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "eval_every": 0, "final_eval": False,
         "threads": 1, "comm": "sync", "schedule": "allinone",
@@ -28,7 +30,8 @@ SPEC = {"name": "ft-kill", "model": "mlp", "dataset": "digits", "world_size": 3,
         "network": {"link": "modeled", "gbps": 1, "latency_us": 40000},  # a step (two all-reduces): 160 ms, 320 with 3
         "fault_tolerance": {"enabled": True, "min_replicas": 2, "join_timeout_ms": 1000, "timeout_s": 20,
                             "restart": {"max_restarts": 2, "delay_s": 0.5},
-                            "faults": [{"kind": "kill", "replica": 2, "step": KILL_AT, "restart_after_s": 0.5}]}}
+                            "faults": [{"kind": "kill", "replica": 2, "step": KILL_AT, "restart_after_s": 0.5},
+                                       SLOW]}}
 
 
 def live_page(root, run_id):
@@ -132,6 +135,19 @@ def test_the_kill_and_the_recovery_are_in_the_runs_records(killed_run):
     size = {r["quorum_id"]: r["participants"] for r in run.metric_rows() if r["kind"] == "step"}
     assert visits([size[q] for q in sorted(size)], [3, 2, 3, 2, 3]), size
     assert (run.path / runfiles.LIGHTHOUSE_LOG).exists()
+
+
+def test_a_slow_fault_stretches_that_replicas_compute_for_its_steps_only(killed_run):
+    """Replica 0's step lines at steps 60-69 say speed 0.5 and the time waited (its forward and backward took
+    twice what they measured); every other line of the run has no slowdown; the lab killed nothing for it."""
+    steps = [r for r in killed_run.metric_rows() if r["kind"] == "step"]
+    window = range(SLOW["step"], SLOW["step"] + SLOW["steps"])
+    slow = [r for r in steps if "speed" in r]
+    assert slow and {r["replica"] for r in slow} == {0} and {r["step"] for r in slow} == set(window), \
+        sorted({(r["replica"], r["step"]) for r in slow})
+    assert all(r["speed"] == 0.5 and r["slow_ms"] > 0 for r in slow)
+    assert all(any(r["replica"] == 0 and r["step"] == s for r in slow) for s in window)
+    assert len([e for e in killed_run.ft_events() if e["event"] == "kill"]) == 2  # the spec's kill and the asked one
 
 
 def test_nothing_the_run_started_is_left_running(killed_run):

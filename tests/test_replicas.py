@@ -43,3 +43,18 @@ def test_the_end_finished_or_stopped():
     assert [x["state"] for x in s] == ["finished", "stopped", "gone"]
     assert replicas.describe(s) == ("3 replica groups: 1 gone (replica 2), 1 finished (replica 0), 1 stopped "
                                     "(replica 1); 1 kill")
+
+
+def test_a_cut_replica_is_cut_off_then_recovering_then_training():
+    """A cut fault: the lab stops the replica's process (``cut``), lets it go on (``reconnect``); it counts as
+    recovering until it logs a step after that."""
+    cut = [*EVENTS[:4], {"event": "cut", "replica": 1, "gen": 0, "pid": 11, "step": 3, "seconds": 2.0, "t": 1.7}]
+    s = by(replicas.replica_states(cut, STEPS[:12], START))
+    assert s[1]["state"] == "cut off" and s[1]["cuts"] == 1 and s[1]["kills"] == 0
+    assert replicas.describe(list(s.values())) == ("3 replica groups: 2 training, 1 cut off (replica 1); 0 kills, "
+                                                   "1 cut")
+    back = [*cut, {"event": "reconnect", "replica": 1, "gen": 0, "pid": 11, "t": 3.7, "why": "the cut's time is up"}]
+    s = by(replicas.replica_states(back, STEPS[:12], START))
+    assert s[1]["state"] == "recovering"  # nothing logged since it went on
+    later = [*STEPS[:12], {"kind": "step", "replica": 1, "step": 6, "t": 3.9, "quorum_id": 3, "participants": 3}]
+    assert by(replicas.replica_states(back, later, START))[1]["state"] == "training"

@@ -665,8 +665,11 @@ class RestartSpec:
 
 FT_TORCHFT = "0.2.0"
 """The torchft fault tolerance is written against (commlab/engine/ft.py)."""
-FT_FAULT_KINDS = ("kill",)
-"""The faults the lab executes under fault tolerance: kill (SIGKILL the replica's process)."""
+FT_FAULT_KINDS = ("kill", "cut", "slow")
+"""The faults of a fault-tolerant run: kill (the lab SIGKILLs the replica's process, and restarts it), cut (the lab
+stops the replica's process for ``seconds``, SIGSTOP then SIGCONT: its peers and the Lighthouse hear nothing from it,
+as across a cut link) and slow (the replica computes at ``speed`` for ``steps`` steps, as a worker on a busy or
+throttled machine; its own Stepper stretches its forward and backward passes)."""
 FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco")
 """The methods a fault-tolerant run may use: every step's gradients, and those whose syncs join a quorum and commit
 (commlab/engine/methods/base.py, ``Quorum``)."""
@@ -706,9 +709,12 @@ class FaultToleranceSpec:
     restart: RestartSpec = field(default_factory=RestartSpec)
     """Restarts of replicas that die: how many over the run, after how long."""
     faults: list = field(default_factory=list)
-    """Faults the lab executes, each {kind: kill, replica: r, step: s, restart_after_s: x}: SIGKILL replica r once
-    it has logged step s (once per fault), and restart it restart_after_s later (unset: restart.delay_s; null
-    in spec.json means that)."""
+    """Faults, each {kind: kill, replica: r, step: s, restart_after_s: x}: the lab SIGKILLs replica r once it has
+    logged step s (once per fault), and restarts it restart_after_s later (unset: restart.delay_s; null in
+    spec.json means that); or {kind: slow, replica: r, step: s, steps: n, speed: x}: replica r computes at x
+    (0 < x < 1) of its speed from step s for n steps (unset: to the end; null in spec.json means that); or
+    {kind: cut, replica: r, step: s, seconds: t}: the lab cuts replica r off for t seconds once it has logged
+    step s (its process stopped: no traffic, no heartbeat), then lets it go on."""
 
     def __post_init__(self):
         p = "fault_tolerance"
@@ -795,7 +801,9 @@ class FaultToleranceSpec:
                                             f"extra, pip install -e '.[ft]')")
 
 
-_FT_FAULT_KEYS = ("kind", "replica", "step", "restart_after_s")
+_FT_FAULT_KEYS = {"kill": ("kind", "replica", "step", "restart_after_s"),
+                  "cut": ("kind", "replica", "step", "seconds"),
+                  "slow": ("kind", "replica", "step", "steps", "speed")}
 
 
 def _ft_fault(f: Any, i: int) -> dict:
@@ -803,18 +811,36 @@ def _ft_fault(f: Any, i: int) -> dict:
     where = f"fault_tolerance.faults[{i}]"
     if not isinstance(f, dict):
         raise SpecError(where, f"must be a mapping such as {{kind: kill, replica: 1, step: 5}}, got {f!r}")
-    unknown = sorted(set(f) - set(_FT_FAULT_KEYS))
-    if unknown:
-        raise SpecError(f"{where}.{unknown[0]}", f"unknown field; allowed: {', '.join(_FT_FAULT_KEYS)}")
     kind = f.get("kind", "kill")
     if kind not in FT_FAULT_KINDS:
         raise SpecError(f"{where}.kind", f"{kind!r} is not allowed; allowed: {', '.join(FT_FAULT_KINDS)}")
+    unknown = sorted(set(f) - set(_FT_FAULT_KEYS[kind]))
+    if unknown:
+        raise SpecError(f"{where}.{unknown[0]}", f"unknown field for a {kind} fault; allowed: "
+                                                 f"{', '.join(_FT_FAULT_KEYS[kind])}")
     out = {"kind": kind}
     for key in ("replica", "step"):
         v = f.get(key)
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise SpecError(f"{where}.{key}", f"must be an integer >= 0, got {v!r}")
         out[key] = v
+    if kind == "slow":
+        speed = f.get("speed")
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0.01 <= speed < 1:
+            raise SpecError(f"{where}.speed", f"must be a number in [0.01, 1) (the share of its speed the replica "
+                                              f"keeps), got {speed!r}")
+        n = f.get("steps")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise SpecError(f"{where}.steps", f"must be an integer >= 1 (or unset: to the end), got {n!r}")
+        out.update(speed=float(speed), steps=n)
+        return out
+    if kind == "cut":
+        t = f.get("seconds")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t <= 3600:
+            raise SpecError(f"{where}.seconds", f"must be a number in (0, 3600] (how long the replica is cut off), "
+                                                f"got {t!r}")
+        out["seconds"] = float(t)
+        return out
     after = f.get("restart_after_s")
     if after is not None and (isinstance(after, bool) or not isinstance(after, (int, float)) or not 0 <= after <= 3600):
         raise SpecError(f"{where}.restart_after_s", f"must be a number in [0, 3600] (or unset), got {after!r}")

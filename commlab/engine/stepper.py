@@ -87,6 +87,16 @@ def decay_lr(optimizer, spec: JobSpec, step: int) -> None:
         g["lr"] = g.setdefault("initial_lr", g["lr"]) * factor
 
 
+def slow_factor(faults, step: int) -> float:
+    """The share of its speed a replica keeps at ``step`` under its slow faults (fault_tolerance.faults of kind
+    slow): the product of the speeds of those that cover the step (from ``step``, for ``steps`` or to the end)."""
+    out = 1.0
+    for f in faults:
+        if f["step"] <= step and (f["steps"] is None or step < f["step"] + f["steps"]):
+            out *= f["speed"]
+    return out
+
+
 def schedule_fn(spec: JobSpec):
     s = spec.schedule
     opts = {"cap_mb": s.cap_mb} if s.name == "bucket" else {}
@@ -121,8 +131,12 @@ class Stepper:
         """The spec's optimizer (its ``decay`` applies), not one a user's own loop passed in."""
         self.step = 0
         self.speed = cluster.speed_of(spec, rank)
-        """This worker's compute speed (network.cluster; 1.0 without one): below 1, ``slow_down`` stretches its
-        forward and backward to 1/speed of what they took."""
+        """This worker's compute speed (network.cluster, and a slow fault's while it lasts; 1.0 without either):
+        below 1, ``slow_down`` stretches its forward and backward to 1/speed of what they took."""
+        self._base_speed = self.speed
+        self._slow_faults = [f for f in spec.fault_tolerance.faults if f["kind"] == "slow"
+                             and f["replica"] == ft.n] if ft is not None else []
+        """fault_tolerance.faults of kind slow on this replica group: its speed while each lasts"""
         self._slow_s = 0.0
         """Seconds ``slow_down`` waited in this step, for its line."""
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -265,11 +279,14 @@ class Stepper:
         if self.ft is None:
             return self.step
         if self.method is not None:
-            return self._begin_step_method()
-        q = self.ft.start_quorum()
-        self.step = q.pop("step")
-        self._take_quorum(q)
-        return self.step
+            s = self._begin_step_method()
+        else:
+            q = self.ft.start_quorum()
+            self.step = s = q.pop("step")
+            self._take_quorum(q)
+        if self._slow_faults and s is not None:
+            self.speed = self._base_speed * slow_factor(self._slow_faults, s)
+        return s
 
     def _take_quorum(self, q: dict) -> None:
         """This step's quorum: the world the exchanges average over, what its line records."""

@@ -10,6 +10,7 @@ A replica's state, from its latest process (generation):
 - ``training``: its process runs and has logged a step since it started;
 - ``recovering``: its process runs and has logged no step yet (importing, joining the quorum, taking a peer's state);
 - ``gone``: its process was killed or died (a restart may be due: the lab's ``restart`` section decides);
+- ``cut off``: a cut fault holds its process stopped (no traffic, no heartbeat); back to ``recovering`` when it ends;
 - ``finished``: its process trained to the end and exited 0;
 - ``stopped``: the lab stopped it (the run ended, or the others had finished).
 """
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-STATES = ("training", "recovering", "gone", "finished", "stopped")
+STATES = ("training", "recovering", "cut off", "gone", "finished", "stopped")
 
 
 def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]) -> List[dict]:
     """One row per replica group seen in ``events``: ``replica``, ``state`` (STATES), ``gen`` (its process's
-    generation: 0, then one more per restart), ``kills`` (over the run), ``recoveries`` (over the run, the start's
+    generation: 0, then one more per restart), ``kills`` and ``cuts`` (over the run), ``recoveries`` (over the run, the start's
     included), ``last_step`` (the last step it logged, any generation) and ``since`` (the time of the event that set
     its state)."""
     out: Dict[int, dict] = {}
@@ -30,7 +31,7 @@ def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]
         r = e.get("replica")
         if r is None or e.get("lighthouse"):
             continue
-        row = out.setdefault(r, {"replica": r, "state": "recovering", "gen": 0, "kills": 0, "recoveries": 0,
+        row = out.setdefault(r, {"replica": r, "state": "recovering", "gen": 0, "kills": 0, "cuts": 0, "recoveries": 0,
                                  "last_step": None, "since": e.get("t"), "_spawn_t": None})
         ev = e.get("event")
         if ev == "spawn":
@@ -38,6 +39,11 @@ def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]
         elif ev == "kill":
             row["kills"] += 1
             row.update(state="gone", since=e.get("t"))
+        elif ev == "cut" and e.get("gen") == row["gen"]:
+            row["cuts"] += 1
+            row.update(state="cut off", since=e.get("t"))
+        elif ev == "reconnect" and e.get("gen") == row["gen"] and row["state"] == "cut off":
+            row.update(state="recovering", since=e.get("t"), _spawn_t=e.get("t"))
         elif ev == "exit" and e.get("gen") == row["gen"]:
             row.update(state="finished" if e.get("code") == 0 else "gone", since=e.get("t"))
         elif ev == "stop" and e.get("gen") == row["gen"]:
@@ -91,7 +97,9 @@ def describe(states: List[dict]) -> str:
             parts.append(f"{len(who)} {st}" + ("" if st == "training" or len(states) == len(who) else
                                                f" (replica {', '.join(map(str, who))})"))
     kills = sum(s["kills"] for s in states)
-    return f"{len(states)} replica groups: {', '.join(parts)}; {kills} kill{'s' if kills != 1 else ''}"
+    cuts = sum(s.get("cuts", 0) for s in states)
+    return (f"{len(states)} replica groups: {', '.join(parts)}; {kills} kill{'s' if kills != 1 else ''}"
+            + (f", {cuts} cut{'s' if cuts != 1 else ''}" if cuts else ""))
 
 
 def goodput(steps: List[dict]) -> Optional[float]:

@@ -63,7 +63,10 @@ class FtJob:
         self.restarts_left = self.ft.restart.max_restarts
         self.due: List[Tuple[float, int]] = []
         """(when, replica) of the restarts waiting for their delay."""
-        self.faults = [dict(f, done=False) for f in self.ft.faults]
+        self.faults = [dict(f, done=False) for f in self.ft.faults if f["kind"] in ("kill", "cut")]
+        """The spec's kills and cuts (a slow fault is its replica's own: its Stepper stretches its compute)."""
+        self.cut: Dict[int, Tuple[float, subprocess.Popen, int]] = {}
+        """replica -> (when its cut ends, monotonic; its process, stopped; its generation)."""
         self.requests = JsonlTail(run.file(runfiles.FAULT_REQUESTS))
         """Faults asked for while the run goes on (``request_fault``)."""
         self.killed: Dict[int, float] = {}
@@ -145,7 +148,27 @@ class FtJob:
                 if p.poll() is not None:
                     continue
                 f["done"] = True
-                self._kill(r, f["restart_after_s"], step=step, fault=f["step"])
+                if f["kind"] == "kill":
+                    self._kill(r, f["restart_after_s"], step=step, fault=f["step"])
+                elif r not in self.cut:
+                    self._cut(r, f["seconds"], step=step, fault=f["step"])
+
+    def _cut(self, r: int, seconds: float, **record) -> None:
+        """Cut replica ``r`` off for ``seconds``: SIGSTOP its process (its session: the one started for it), so its
+        peers and the Lighthouse hear nothing from it, neither traffic nor heartbeats, as across a cut link; SIGCONT
+        when the time is up (``poll``). Unlike a cut link, it computes nothing meanwhile."""
+        p, gen = self.live[r]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGSTOP)
+        self.cut[r] = (time.monotonic() + seconds, p, gen)
+        self._record("cut", replica=r, gen=gen, pid=p.pid, seconds=seconds, **record)
+
+    def _reconnect(self, r: int, why: str) -> None:
+        """End replica ``r``'s cut: SIGCONT its process (if it still runs)."""
+        _, p, gen = self.cut.pop(r)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGCONT)
+        self._record("reconnect", replica=r, gen=gen, pid=p.pid, why=why)
 
     def _kill(self, r: int, after: Optional[float], **record) -> None:
         """SIGKILL replica ``r``'s process (the one started for it, by its PID); it restarts after ``after`` s (None:
@@ -153,6 +176,7 @@ class FtJob:
         p, gen = self.live[r]
         with contextlib.suppress(ProcessLookupError):
             os.kill(p.pid, signal.SIGKILL)
+        self.cut.pop(r, None)  # a stopped process dies of SIGKILL as well
         self.killed[r] = self.ft.restart.delay_s if after is None else after
         self._record("kill", replica=r, gen=gen, pid=p.pid, **record)
 
@@ -177,9 +201,12 @@ class FtJob:
             self._kill(r, after, requested=True, by=by)
 
     def poll(self) -> None:
-        """Faults asked for, exits seen, restarts due, stragglers after the end."""
+        """Faults asked for, cuts that end, exits seen, restarts due, stragglers after the end."""
         self._asked()
         now = time.monotonic()
+        for r, (until, _, _) in list(self.cut.items()):
+            if now >= until:
+                self._reconnect(r, "the cut's time is up")
         if self.lighthouse is not None and self.lighthouse.poll() is not None and self.failed is None:
             self.failed = f"fault_tolerance: the Lighthouse exited with code {self.lighthouse.returncode}; " \
                           f"see {runfiles.LIGHTHOUSE_LOG}"
@@ -208,6 +235,8 @@ class FtJob:
                 self.due.remove((when, r))
                 self._start_replica(r)
         if self.t_first_finish is not None and self.live and now - self.t_first_finish > self.ft.timeout_s:
+            for r in list(self.cut):
+                self._reconnect(r, "the others finished training")
             for r, (p, gen) in self.live.items():
                 self._record("stop", replica=r, gen=gen, pid=p.pid, why="the others finished training")
             procs.stop([p for p, _ in self.live.values()])
@@ -225,6 +254,8 @@ class FtJob:
     def stop(self) -> None:
         """Stop every process started here that still runs (by its PID: its session), the Lighthouse last."""
         replicas = [p for p in self.started if p is not self.lighthouse]
+        for r in list(self.cut):  # a stopped process would not see the SIGTERM that stops it
+            self._reconnect(r, "the run ended")
         for r, (p, gen) in self.live.items():
             if p.poll() is None:
                 self._record("stop", replica=r, gen=gen, pid=p.pid, why="the run ended")
