@@ -46,8 +46,9 @@ def test_the_cut_replica_goes_on_recovers_and_the_run_ends_with_one_model(cut_ru
     # while it was cut off the two others committed steps without it; back, it recovered from one of them
     steps = [r for r in rows if r["kind"] == "step"]
     during = [r for r in steps if r["replica"] != 2 and cut[0]["t"] < r["t"] < back[0]["t"] and r["committed"]]
-    assert during and all(r["participants"] == 2 for r in during[1:]), [(r["step"], r["participants"])
-                                                                        for r in during]
+    sizes = [r["participants"] for r in during]  # the step in flight when the cut came may still be the three's
+    assert sizes.count(2) >= 4 and sizes == sorted(sizes, reverse=True) and set(sizes) <= {2, 3}, \
+        [(r["step"], r["participants"]) for r in during]
     rec = [r for r in run.recoveries() if r["replica"] == 2 and r["t"] > back[0]["t"]]
     assert rec and rec[0]["from_replica"] in (0, 1) and rec[0]["bytes"] > 0, run.recoveries()
     mine = [r["step"] for r in steps if r["replica"] == 2 and r["committed"]]
