@@ -270,3 +270,40 @@ def test_the_supervisor_refuses_a_damaged_request_and_kills_for_a_good_one(tmp_p
     assert "got 1000000000.0" in ev[1]["why"] and "not a kill of a replica in 0..2" in ev[2]["why"]
     assert "replica 2 is not running now" in ev[4]["why"]
     assert ev[5]["replica"] == 1 and ev[5]["pid"] == child.pid and ev[5]["by"] == "teacher" and job.killed == {1: 2}
+
+
+def test_a_restart_with_no_peer_left_is_stopped_when_training_is_over(tmp_path):
+    """A replica trains to the last step (exits 0) while another's restarted process has logged no step yet: that
+    one has nobody left to recover from and would train alone from the start, so the supervisor stops it at once;
+    one that has logged a step is left to finish its last step."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from commlab.lab.rundir.ftrun import FtJob
+    quiet = {**SPEC, "fault_tolerance": {**SPEC["fault_tolerance"], "faults": []}}
+    job = FtJob(_Running(tmp_path), commlab.spec(quiet), log=None)
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    late, busy = (subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+                  for _ in range(2))  # sessions of their own, as the lab starts replicas
+    try:
+        job.live = {0: (done, 0), 1: (late, 1), 2: (busy, 0)}
+        t0 = time.time()
+        job.spawned = {0: t0 - 10, 1: t0, 2: t0 - 10}
+        job.feed([{"kind": "step", "replica": 0, "step": 99, "t": t0 + 1},
+                  {"kind": "step", "replica": 1, "step": 40, "t": t0 - 5},  # its killed process's, before the restart
+                  {"kind": "step", "replica": 2, "step": 98, "t": t0 + 1}])
+        done.wait(30)
+        job.poll()
+        assert late.wait(30) != 0 and busy.poll() is None
+    finally:
+        for p in (late, busy):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        job.events.close()
+    ev = [json.loads(x) for x in (tmp_path / runfiles.FT_EVENTS).read_text().splitlines()]
+    assert [(e["event"], e.get("replica")) for e in ev][:2] == [("exit", 0), ("stop", 1)], ev
+    assert ev[1]["why"] == "training is over: nothing to rejoin" and ev[1]["gen"] == 1
+    assert not job.due and job.verdict() is None  # no restart of it; the busy one still runs

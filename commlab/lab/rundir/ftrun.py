@@ -65,6 +65,10 @@ class FtJob:
         """(when, replica) of the restarts waiting for their delay."""
         self.faults = [dict(f, done=False) for f in self.ft.faults if f["kind"] in ("kill", "cut")]
         """The spec's kills and cuts (a slow fault is its replica's own: its Stepper stretches its compute)."""
+        self.spawned: Dict[int, float] = {}
+        """replica -> when its latest process started (time.time(), as the metric lines' ``t``)."""
+        self.stepped: set = set()
+        """Replicas whose latest process has logged a step."""
         self.cut: Dict[int, Tuple[float, subprocess.Popen, int]] = {}
         """replica -> (when its cut ends, monotonic; its process, stopped; its generation)."""
         self.requests = JsonlTail(run.file(runfiles.FAULT_REQUESTS))
@@ -128,6 +132,8 @@ class FtJob:
                ft_lighthouse.LIGHTHOUSE_ENV: self.addr}
         p = self._spawn([self.python, *worker_argv(str(self.run.path))], env, self.log, self.memory)
         self.live[r] = (p, gen)
+        self.spawned[r] = time.time()
+        self.stepped.discard(r)
         self._record("spawn", replica=r, gen=gen, pid=p.pid)
 
     def identities(self) -> List[dict]:
@@ -141,6 +147,8 @@ class FtJob:
             if row.get("kind") != "step" or "replica" not in row:
                 continue
             r, step = row["replica"], row.get("step", -1)
+            if row.get("t", 0) >= self.spawned.get(r, float("inf")):
+                self.stepped.add(r)
             for f in self.faults:
                 if f["done"] or f["replica"] != r or step < f["step"] or r not in self.live:
                     continue
@@ -220,6 +228,7 @@ class FtJob:
                 self.finished[r] = gen
                 if self.t_first_finish is None:
                     self.t_first_finish = now
+                    self._nothing_to_rejoin()
                 continue
             delay = self.killed.pop(r, None)
             if delay is None:
@@ -242,6 +251,17 @@ class FtJob:
             procs.stop([p for p, _ in self.live.values()])
         if not self.live and not self.due and not self.finished and self.failed is None:
             self.failed = "fault_tolerance: every replica is gone and no restart is left"
+
+    def _nothing_to_rejoin(self) -> None:
+        """Training is over (a replica trained to the last step): a restarted replica that has logged no step yet
+        has no peer left to recover from and would train alone from the start; it is stopped."""
+        late = {r: pg for r, pg in self.live.items() if r not in self.stepped and pg[0].poll() is None}
+        for r, (p, gen) in late.items():
+            if r in self.cut:  # a stopped process would not see the SIGTERM
+                self._reconnect(r, "training is over")
+            self._record("stop", replica=r, gen=gen, pid=p.pid, why="training is over: nothing to rejoin")
+        if late:
+            procs.stop([p for p, _ in late.values()])
 
     def verdict(self) -> Optional[str]:
         """None while the run goes on; "done" when it trained to the end and nothing runs; "failed" otherwise."""
