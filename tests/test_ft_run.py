@@ -195,6 +195,67 @@ def test_a_fault_request_the_run_cannot_take_names_the_field(tmp_path, replica, 
     assert '"replica":2' in line and '"restart_after_s":1.5' in line and '"by":"me"' in line
 
 
+@pytest.mark.parametrize("replica,after,cut_s,said", [
+    (3, None, 5.0, "--cut: a replica group in 0..2, got 3"), (1, None, 0.0, "--seconds: a cut's length in (0, 3600]"),
+    (1, None, 1e5, "--seconds: a cut's length"), (1, 2.0, 5.0, "--restart-after: only a kill is restarted")])
+def test_a_cut_request_the_run_cannot_take_names_the_field(tmp_path, replica, after, cut_s, said):
+    from commlab.lab.rundir.ftrun import request_fault
+    with pytest.raises(ValueError, match=re.escape(said)):
+        request_fault(_Running(tmp_path), replica, after, cut_s=cut_s)
+    assert not (tmp_path / runfiles.FAULT_REQUESTS).exists()
+    request_fault(_Running(tmp_path), 1, by="me", cut_s=2.5)
+    (line,) = (tmp_path / runfiles.FAULT_REQUESTS).read_text().splitlines()
+    assert '"kind":"cut"' in line and '"seconds":2.5' in line and '"replica":1' in line
+
+
+def _proc_state(pid: int) -> str:
+    """The process's state letter from /proc (T: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_the_supervisor_cuts_a_replica_off_and_lets_it_go_on(tmp_path):
+    """A cut asked for while the run goes on: the supervisor stops that replica's process (SIGSTOP to its session),
+    refuses a second cut of it and a cut of bad length with why, and lets it go on (SIGCONT) once the time is up."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from commlab.lab.rundir.ftrun import FtJob
+    quiet = {**SPEC, "fault_tolerance": {**SPEC["fault_tolerance"], "faults": []}}
+    job = FtJob(_Running(tmp_path), commlab.spec(quiet), log=None)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        job.live = {1: (child, 0)}
+        lines = [{"kind": "cut", "replica": 1, "seconds": 0.5, "by": "teacher"}, {"kind": "cut", "replica": 1,
+                                                                                 "seconds": 3},
+                 {"kind": "cut", "replica": 1, "seconds": -1}]
+        (tmp_path / runfiles.FAULT_REQUESTS).write_text("".join(json.dumps(x) + "\n" for x in lines))
+        job.poll()
+        assert _proc_state(child.pid) == "T" and 1 in job.cut
+        time.sleep(0.6)
+        job.poll()
+        assert _proc_state(child.pid) != "T" and child.poll() is None and not job.cut
+    finally:
+        child.kill()
+        child.wait()
+        job.events.close()
+    ev = [json.loads(x) for x in (tmp_path / runfiles.FT_EVENTS).read_text().splitlines()]
+    assert [e["event"] for e in ev] == ["cut", "refused", "refused", "reconnect"], ev
+    assert ev[0]["requested"] and ev[0]["by"] == "teacher" and ev[0]["seconds"] == 0.5 and ev[0]["pid"] == child.pid
+    assert ev[1]["why"] == "replica 1 is cut off already" and "a cut's length in (0, 3600]" in ev[2]["why"]
+    assert ev[3]["why"] == "the cut's time is up"
+
+
+def test_commlab_fault_says_which_flags_go_together(tmp_path, capsys):
+    for argv, said in ((["--cut", "1"], "--seconds: how long the replica is cut off (--cut needs it)"),
+                       (["--kill", "1", "--seconds", "3"], "--seconds: only a cut (--cut) lasts a number of seconds")):
+        assert cli.main(["fault", "nosuchrun", *argv, "--runs", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and "Traceback" not in err, err
+
+
 def test_show_and_the_live_page_tell_each_replica_group(killed_run, capsys):
     root = str(killed_run.path.parent)
     assert cli.main(["show", killed_run.id, "--runs", root]) == 0
@@ -267,7 +328,7 @@ def test_the_supervisor_refuses_a_damaged_request_and_kills_for_a_good_one(tmp_p
     ev = [json.loads(x) for x in (tmp_path / runfiles.FT_EVENTS).read_text().splitlines()]
     assert [e["event"] for e in ev] == ["refused"] * 5 + ["kill"], ev
     assert "restart_after_s: seconds in [0, 3600] or null, got 'soon'" in ev[0]["why"]
-    assert "got 1000000000.0" in ev[1]["why"] and "not a kill of a replica in 0..2" in ev[2]["why"]
+    assert "got 1000000000.0" in ev[1]["why"] and "not a kill or a cut of a replica in 0..2" in ev[2]["why"]
     assert "replica 2 is not running now" in ev[4]["why"]
     assert ev[5]["replica"] == 1 and ev[5]["pid"] == child.pid and ev[5]["by"] == "teacher" and job.killed == {1: 2}
 

@@ -86,16 +86,21 @@ def add_commands(sub) -> None:
     runs_arg(p)
     p.set_defaults(func=cmd_cancel, cmd_parser=p)
 
-    p = command(sub, "fault", "kill a worker of a running fault-tolerant run (the lab restarts it)",
+    p = command(sub, "fault", "kill or cut off a worker of a running fault-tolerant run",
                 ["commlab fault 20250101-120000-ft-ab12 --kill 2",
-                 "commlab fault 20250101-120000-ft-ab12 --kill 1 --restart-after 5"],
-                "The run goes on with the other replica groups; the killed one is restarted after --restart-after "
+                 "commlab fault 20250101-120000-ft-ab12 --kill 1 --restart-after 5",
+                 "commlab fault 20250101-120000-ft-ab12 --cut 1 --seconds 10"],
+                "The run goes on with the other replica groups. A killed one is restarted after --restart-after "
                 "seconds (default: the spec's fault_tolerance.restart.delay_s) while restarts are left, and "
-                "recovers its state from a live peer. Waits up to 30 s for the run to record the kill.")
+                "recovers its state from a live peer; a cut one is stopped for --seconds (no traffic, no "
+                "heartbeat), then goes on and recovers. Waits up to 30 s for the run to record it.")
     p.add_argument("run", metavar="RUN", help="run id")
-    p.add_argument("--kill", type=int, required=True, metavar="REPLICA", help="the replica group to kill (0-based)")
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--kill", type=int, metavar="REPLICA", help="the replica group to kill (0-based)")
+    which.add_argument("--cut", type=int, metavar="REPLICA", help="the replica group to cut off (0-based)")
     p.add_argument("--restart-after", type=float, default=None, metavar="S",
-                   help="seconds before the lab starts it again")
+                   help="with --kill: seconds before the lab starts it again")
+    p.add_argument("--seconds", type=float, default=None, metavar="S", help="with --cut: how long it is cut off")
     json_arg(p, "the request and what the run recorded")
     runs_arg(p)
     p.set_defaults(func=cmd_fault, cmd_parser=p)
@@ -399,30 +404,40 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_fault(args) -> int:
+    cut = args.cut is not None
+    replica = args.cut if cut else args.kill
+    if cut and args.seconds is None:
+        raise UsageError("--seconds: how long the replica is cut off (--cut needs it)")
+    if not cut and args.seconds is not None:
+        raise UsageError("--seconds: only a cut (--cut) lasts a number of seconds")
     run = store_of(args).get(args.run)
     seen = len(run.ft_events())
     try:
-        req = request_fault(run, args.kill, args.restart_after, by=getpass.getuser())
+        req = request_fault(run, replica, args.restart_after, by=getpass.getuser(), cut_s=args.seconds)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    verb, want = ("cut off", "cut") if cut else ("killed", "kill")
     deadline = time.monotonic() + 30
     done = None
     while done is None and time.monotonic() < deadline:
-        done = next((e for e in run.ft_events()[seen:] if e.get("requested") and e.get("replica") == args.kill
-                     and e["event"] in ("kill", "refused")), None)
+        done = next((e for e in run.ft_events()[seen:] if e.get("requested") and e.get("replica") == replica
+                     and e["event"] in (want, "refused")), None)
         if done is None:
             time.sleep(0.2)
     if args.json:
         emit({"id": run.id, "request": req, "recorded": done})
     elif done is None:
-        print(f"{run.id}: asked to kill replica {args.kill}; the run has not recorded it within 30 s")
+        print(f"{run.id}: asked to {want} replica {replica}; the run has not recorded it within 30 s")
     elif done["event"] == "refused":
-        print(f"{run.id}: replica {args.kill} was not killed: {done['why']}")
+        print(f"{run.id}: replica {replica} was not {verb}: {done['why']}")
+    elif cut:
+        print(f"{run.id}: cut off replica {replica} (pid {done['pid']}) for {args.seconds:g} s; then it goes on and "
+              "recovers from a live peer")
     else:
         after = "the spec's restart delay" if args.restart_after is None else f"{args.restart_after:g} s"
-        print(f"{run.id}: killed replica {args.kill} (pid {done['pid']}); the lab restarts it after {after} while "
+        print(f"{run.id}: killed replica {replica} (pid {done['pid']}); the lab restarts it after {after} while "
               "restarts are left")
-    return 0 if done is not None and done["event"] == "kill" else 1
+    return 0 if done is not None and done["event"] == want else 1
 
 
 def cmd_show(args) -> int:

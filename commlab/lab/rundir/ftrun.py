@@ -41,6 +41,8 @@ from commlab.lab.base.torchrun import free_port, worker_argv, worker_env
 
 RESTART_AFTER_MAX_S = 3600.0
 """The longest restart delay a fault asked for while the run goes on may give (``request_fault``)."""
+CUT_MAX_S = 3600.0
+"""The longest cut a fault asked for while the run goes on may give."""
 LIGHTHOUSE_UP_S = 120.0
 """How long the Lighthouse may take to accept connections (it imports torch first: seconds on a loaded machine)."""
 
@@ -189,24 +191,32 @@ class FtJob:
         self._record("kill", replica=r, gen=gen, pid=p.pid, **record)
 
     def _asked(self) -> None:
-        """Execute the faults asked for since the last poll (fault-requests.jsonl): a kill of a replica whose process
-        runs; one that cannot be done now is recorded as refused, with why."""
+        """Execute the faults asked for since the last poll (fault-requests.jsonl): a kill or a cut of a replica whose
+        process runs; one that cannot be done now is recorded as refused, with why."""
         for req in self.requests.read():
-            r, by, after = req.get("replica"), req.get("by"), req.get("restart_after_s")
+            r, by, after, kind = req.get("replica"), req.get("by"), req.get("restart_after_s"), req.get("kind")
+            seconds = req.get("seconds")
             why = None
-            if req.get("kind") != "kill" or isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.groups:
-                why = f"not a kill of a replica in 0..{self.groups - 1}"
-            elif after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
-                                        or not 0 <= after <= RESTART_AFTER_MAX_S):
+            if kind not in ("kill", "cut") or isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.groups:
+                why = f"not a kill or a cut of a replica in 0..{self.groups - 1}"
+            elif kind == "kill" and after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
+                                                           or not 0 <= after <= RESTART_AFTER_MAX_S):
                 why = f"restart_after_s: seconds in [0, {RESTART_AFTER_MAX_S:g}] or null, got {after!r}"
+            elif kind == "cut" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not 0 < seconds <= CUT_MAX_S):
+                why = f"seconds: a cut's length in (0, {CUT_MAX_S:g}], got {seconds!r}"
             elif self.t_first_finish is not None:
                 why = "training is over"
             elif r not in self.live or self.live[r][0].poll() is not None:
                 why = f"replica {r} is not running now (it is restarting, or has finished)"
+            elif kind == "cut" and r in self.cut:
+                why = f"replica {r} is cut off already"
             if why is not None:
                 self._record("refused", replica=r, by=by, why=why, requested=True)
-                continue
-            self._kill(r, after, requested=True, by=by)
+            elif kind == "kill":
+                self._kill(r, after, requested=True, by=by)
+            else:
+                self._cut(r, float(seconds), requested=True, by=by)
 
     def poll(self) -> None:
         """Faults asked for, cuts that end, exits seen, restarts due, stragglers after the end."""
@@ -288,11 +298,13 @@ class FtJob:
 
 
 
-def request_fault(run, replica: int, restart_after_s: Optional[float] = None, by: str = "") -> dict:
+def request_fault(run, replica: int, restart_after_s: Optional[float] = None, by: str = "",
+                  cut_s: Optional[float] = None) -> dict:
     """Ask a running fault-tolerant ``run`` (a commlab.lab.rundir.store.Run) to kill ``replica`` now; the lab restarts
-    it after ``restart_after_s`` (None: the spec's ``restart.delay_s``) while restarts are left. The run's follow
-    loop executes it within a poll and records it in ft-events.jsonl (``kill`` with ``requested``, or ``refused``
-    with why). ValueError, naming the field, when the run or the request cannot take it."""
+    it after ``restart_after_s`` (None: the spec's ``restart.delay_s``) while restarts are left. With ``cut_s``: cut
+    it off for that many seconds instead (a cut fault). The run's follow loop executes it within a poll and records
+    it in ft-events.jsonl (``kill`` or ``cut`` with ``requested``, or ``refused`` with why). ValueError, naming the
+    field, when the run or the request cannot take it."""
     st = run.status()
     if st.get("state") != "running":
         raise ValueError(f"RUN: {run.id} is {st.get('state')}; faults go to a running run")
@@ -301,11 +313,19 @@ def request_fault(run, replica: int, restart_after_s: Optional[float] = None, by
         raise ValueError(f"RUN: {run.id} is not fault tolerant (fault_tolerance.enabled): killing a worker would "
                          "end it")
     groups = int(ft.get("replica_groups", 0))
+    flag = "--kill" if cut_s is None else "--cut"
     if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < groups:
-        raise ValueError(f"--kill: a replica group in 0..{groups - 1}, got {replica!r}")
-    if restart_after_s is not None and not 0 <= restart_after_s <= RESTART_AFTER_MAX_S:
-        raise ValueError(f"--restart-after: seconds in [0, {RESTART_AFTER_MAX_S:g}], got {restart_after_s:g}")
-    req = {"kind": "kill", "replica": replica, "restart_after_s": restart_after_s, "by": by, "t": time.time()}
+        raise ValueError(f"{flag}: a replica group in 0..{groups - 1}, got {replica!r}")
+    if cut_s is not None:
+        if restart_after_s is not None:
+            raise ValueError("--restart-after: only a kill is restarted; a cut replica goes on by itself")
+        if not 0 < cut_s <= CUT_MAX_S:
+            raise ValueError(f"--seconds: a cut's length in (0, {CUT_MAX_S:g}], got {cut_s:g}")
+        req = {"kind": "cut", "replica": replica, "seconds": cut_s, "by": by, "t": time.time()}
+    else:
+        if restart_after_s is not None and not 0 <= restart_after_s <= RESTART_AFTER_MAX_S:
+            raise ValueError(f"--restart-after: seconds in [0, {RESTART_AFTER_MAX_S:g}], got {restart_after_s:g}")
+        req = {"kind": "kill", "replica": replica, "restart_after_s": restart_after_s, "by": by, "t": time.time()}
     w = JsonlWriter(str(run.file(runfiles.FAULT_REQUESTS)))
     try:
         w.write(req)
