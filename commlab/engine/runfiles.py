@@ -199,13 +199,15 @@ FT_EVENTS = _file(
     "ft-events.jsonl", "jsonl", "what the lab did to a fault-tolerant run's processes, one line each with `event`, "
     "`t` and, per process, `replica`, `gen` (0 first, then each restart) and `pid`: `lighthouse` (its `addr`), "
     "`spawn`, `kill` (a fault: at the replica's `step`; one asked for while it ran has `requested: true` and `by`), "
+    "`cut` (a cut fault: the process stopped for `seconds`, likewise), `reconnect` (its cut over, and `why`), "
     "`refused` (a fault asked for that could not be done, and `why`), `exit` (`code`), `stop` (still running at "
-    "the end)",
+    "the end, or a restart with nobody left to recover from; `why`)",
     "the run's supervisor (commlab.lab.rundir.ftrun.FtJob)", "as it starts, kills, restarts and stops them",
     "commlab.lab.rundir.store.Run.ft_events")
 FAULT_REQUESTS = _file(
     "fault-requests.jsonl", "jsonl", "faults asked for while a fault-tolerant run goes on, one line each: `kind` "
-    "(kill), `replica`, `restart_after_s` (null: the spec's restart.delay_s), `by` (who asked), `t`",
+    "(kill or cut), `replica`, `restart_after_s` (a kill's; null: the spec's restart.delay_s), `seconds` (a cut's), "
+    "`by` (who asked), `t`",
     "`commlab fault` (commlab.lab.rundir.ftrun.request_fault)", "when someone asks",
     "commlab.lab.rundir.ftrun.FtJob")
 LIGHTHOUSE_LOG = _file(
