@@ -266,11 +266,11 @@ def test_show_and_the_live_page_tell_each_replica_group(killed_run, capsys):
     assert int(re.search(r"; (\d+) recoveries after the start", out).group(1)) >= 2, out
     pytest.importorskip("streamlit")
     seen = killed_run.seen  # while it ran: a replica metric each, and the plug for the local user
-    assert not seen["exceptions"] and {"live.cancel", "live.plug"} <= set(seen["buttons"]), seen
+    assert not seen["exceptions"] and {"live.cancel", "live.plug", "live.cut"} <= set(seen["buttons"]), seen
     assert {f"replica {r}" for r in range(3)} <= set(seen["metrics"]), seen
     at = live_page(root, killed_run.id)
     assert not at.exception, [e.value for e in at.exception]
-    assert "live.plug" not in [b.key for b in at.button]  # it has ended
+    assert not {"live.plug", "live.cut"} & {b.key for b in at.button}  # it has ended
     shown = {m.label: m.value for m in at.metric}
     assert {f"replica {r}" for r in range(3)} <= set(shown) and all(
         shown[f"replica {r}"] in ("finished", "stopped") for r in range(3)), shown
@@ -291,6 +291,8 @@ def test_on_the_live_page_only_the_teacher_pulls_a_plug(tmp_path):
         assert not ui.may_pull_plugs()
         with pytest.raises(LabError, match="only the teacher may kill a worker of a run; bob may not"):
             ui.pull_plug(run.id, 1, runs=tmp_path)
+        with pytest.raises(LabError, match="only the teacher may cut off a worker of a run; bob may not"):
+            ui.pull_plug(run.id, 1, runs=tmp_path, cut_s=5)
         ui.set_viewer(lambda: owners.User(owners.TEACHER, admin=True))
         with pytest.raises(LabError, match=f"fault: RUN: {run.id} is queued; faults go to a running run"):
             ui.pull_plug(run.id, 1, runs=tmp_path)

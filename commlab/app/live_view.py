@@ -184,7 +184,7 @@ def replica_panel(run, rows, running: bool = False) -> None:
         c.metric(ui.text(f"replica {s['replica']}"), ui.text(s["state"]),
                  help=ui.text(f"process generation {s['gen']}, {s['kills']} kill(s), last step {s['last_step']}"))
     if running:
-        pick, pull = st.columns([2, 1], vertical_alignment="bottom")
+        pick, pull, secs, cut = st.columns([2, 1, 1, 1], vertical_alignment="bottom")
         r = pick.selectbox("Replica group", [s["replica"] for s in states], key="live.plug_replica")
         if pull.button("Pull the plug", key="live.plug", icon=":material/power_off:",
                        help="SIGKILL this replica group's process; the lab restarts it after the spec's delay and it "
@@ -192,6 +192,15 @@ def replica_panel(run, rows, running: bool = False) -> None:
             try:
                 ui.pull_plug(run.id, int(r))
                 st.toast(ui.text(f"asked to kill replica {r}; it is restarted after the spec's delay"))
+            except LabError as e:
+                st.error(ui.text(str(e)))
+        seconds = secs.number_input("Seconds", 0.5, 600.0, 10.0, key="live.cut_s")
+        if cut.button("Cut off", key="live.cut", icon=":material/link_off:",
+                      help="stop this replica group's process for the seconds given (no traffic, no heartbeat, as "
+                           "across a cut link); then it goes on and recovers from a live peer"):
+            try:
+                ui.pull_plug(run.id, int(r), cut_s=float(seconds))
+                st.toast(ui.text(f"asked to cut replica {r} off for {seconds:g} s"))
             except LabError as e:
                 st.error(ui.text(str(e)))
     sizes = replicas.quorum_sizes(steps)

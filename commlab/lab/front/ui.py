@@ -193,16 +193,17 @@ def may_pull_plugs(user: Optional[User] = None) -> bool:
     return (user or viewer()).admin
 
 
-def pull_plug(run_id: str, replica: int, runs=None) -> dict:
+def pull_plug(run_id: str, replica: int, runs=None, cut_s: Optional[float] = None) -> dict:
     """Kill ``replica`` of a running fault-tolerant run for the viewer (commlab.lab.rundir.ftrun.request_fault; the
-    lab restarts it after the spec's delay); LabError for anyone but the teacher and the local user, or a request
-    the run cannot take."""
+    lab restarts it after the spec's delay), or with ``cut_s`` cut it off for that many seconds; LabError for anyone
+    but the teacher and the local user, or a request the run cannot take."""
     who = viewer()
     if not may_pull_plugs(who):
-        raise LabError(f"fault: only the teacher may kill a worker of a run; {who.name} may not")
+        what = "kill" if cut_s is None else "cut off"
+        raise LabError(f"fault: only the teacher may {what} a worker of a run; {who.name} may not")
     run = get_run_or_raise(run_id, runs)
     try:
-        return request_fault(run, replica, None, by=who.name)
+        return request_fault(run, replica, None, by=who.name, cut_s=cut_s)
     except ValueError as e:
         raise LabError(f"fault: {e}") from None
 
