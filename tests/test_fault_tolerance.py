@@ -4,6 +4,7 @@ kills, restarts and the end of a run (commlab/lab/rundir/ftrun.py, on stand-in p
 torch. A whole fault-tolerant run with a kill and a restart is tests/test_ft_run.py."""
 import importlib.util
 import json
+import time
 
 import pytest
 import torch
@@ -187,6 +188,8 @@ class Job(ftrun.FtJob):
         gen = self.gens.get(r, -1) + 1
         self.gens[r] = gen
         self.live[r] = (Proc(), gen)
+        self.spawned[r] = time.time()
+        self.stepped.discard(r)
         self._record("spawn", replica=r, gen=gen, pid=self.live[r][0].pid)
 
 
@@ -256,6 +259,7 @@ def test_no_restart_once_a_replica_has_trained_to_the_end(tmp_path, no_signals):
     job = job_of(tmp_path, restart={"max_restarts": 3, "delay_s": 0.0})
     for r in range(3):
         job._start_replica(r)
+    job.feed([{"kind": "step", "replica": r, "step": 1, "t": time.time() + 1} for r in range(3)])
     job.live[0][0].code = 0
     job.live[1][0].code = 1
     job.poll()

@@ -414,7 +414,7 @@ def test_the_spec_records_what_muon_and_the_methods_use():
     s = JobSpec.from_dict({"model": "mlp", "optimizer": {"name": "muon", "lr": 0.02},
                            "method": "muloco"})
     assert s.to_dict()["optimizer"] == {"name": "muon", "lr": 0.02, "momentum": 0.95, "weight_decay": 0.0,
-                                        "betas": None, "adamw_lr": 0.001}
+                                        "betas": None, "adamw_lr": 0.001, "decay": "none"}
     assert JobSpec.from_dict(s.to_dict()) == s
     sgd = JobSpec.from_dict({"model": "mlp"}).to_dict()["optimizer"]
     assert sgd["momentum"] == 0.0 and sgd["adamw_lr"] is None
