@@ -59,8 +59,7 @@ def run_preset(p, root: Path, timeout_s: float) -> dict:
                          "disturbed": x.disturbance.get("disturbed"), "other_cpu": x.disturbance.get("other_cpu")}
                      for k, x in v.variants.items()},
         "accuracy_ok": v.accuracy_ok, "crossover": results.crossover(group, lambda rid: commlab.get(rid, runs=root)),
-        "faults": {"checks": v.fault_checks, "lines": [ln for ln in v.lines if any(
-            ln.startswith(f"{k}:") for k in p.faults.labels())],
+        "faults": {"checks": v.fault_checks, "lines": v.fault_lines,
                    "goodput": {k: x.ft.get("goodput") for k, x in v.variants.items() if x.ft},
                    "rejoin_s": {k: x.ft.get("rejoin_s") for k, x in v.variants.items() if x.ft}}
         if p.faults is not None else None,
@@ -110,11 +109,10 @@ def markdown(rows: list, rounds: int) -> str:
             out.append(f"| {p.title if first else ''} | {eff} | {ratios} | {med} | {accs if first else ''} | "
                        f"{wall_txt if first else ''} | {('yes' if in_time else 'no') if first else ''} | "
                        f"{verdicts if first else ''} |")
-    kills = [f"round {k + 1}: " + "; ".join(r["faults"]["lines"])
+    kills = [f"- round {k + 1}: " + "; ".join(r["faults"]["lines"])
              for k, r in enumerate(x for x in rows if x.get("faults"))]
     if kills:
-        out.append("")
-        out.append("Pull the plug, per round: " + " | ".join(kills))
+        out += ["", "Pull the plug, per round:", ""] + kills
     cross = [r["crossover"] for r in rows if r.get("crossover")]
     if cross:
         out.append("")

@@ -146,6 +146,8 @@ class Verdict:
     notes: List[str] = field(default_factory=list)
     fault_checks: List[Optional[bool]] = field(default_factory=list)
     """a plug-pulling preset's: the unprotected run failed, each faulted run finished (None while running)"""
+    fault_lines: List[str] = field(default_factory=list)
+    """a plug-pulling preset's lines (also in ``lines``): the failure, and each faulted run beside its twin"""
 
     @property
     def passed(self) -> Optional[bool]:
@@ -307,6 +309,7 @@ def evaluate(group: dict, store_get, breakdown_fn=None) -> Verdict:
     if p is not None and p.scaling is not None:
         lines += _scaling_lines(v, *p.scaling)
     fault_checks: List[Optional[bool]] = []
+    fault_lines: List[str] = []
     if p is not None and p.faults is not None:
         fault_lines, fault_checks = _fault_lines(v, p.faults)
         lines += fault_lines
@@ -321,7 +324,7 @@ def evaluate(group: dict, store_get, breakdown_fn=None) -> Verdict:
         notes.append("timings disturbed by other processes (see the flag): rerun on a quiet machine before "
                      "taking the ratios as results")
     return Verdict(p.title if p else group.get("title", group["id"]), p.claim if p else "", v, effects,
-                   acc_lines, acc_ok, lines, complete, wall, disturbed, notes, fault_checks)
+                   acc_lines, acc_ok, lines, complete, wall, disturbed, notes, fault_checks, fault_lines)
 
 
 def _fault_lines(v: Dict[str, Variant], f: Faults) -> Tuple[List[str], List[Optional[bool]]]:
