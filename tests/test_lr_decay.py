@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from distutil import run_world
-from test_methods import Lin
+from test_methods import Lin, train_step
 from commlab.engine.muon import MuonAdamW
 from commlab.engine.spec import JobSpec, SpecError
 from commlab.engine.stepper import Stepper, decay_lr
@@ -51,15 +51,10 @@ def _steps(rank, world, decay):
                               "optimizer": {"name": "sgd", "lr": 0.1, "decay": decay}, "timeline": False})
     st = Stepper(spec, model, None, rank, torch.device("cpu"))
     st.log = lambda line: None
-    tl = st.timeline
     x = torch.tensor([1.0, 3.0])
     after = []
     for _ in range(STEPS):
-        t0, m0 = tl.now(), tl.mark()
-        loss = model(x)
-        t1, m1 = tl.now(), tl.mark()
-        loss.backward()
-        st.step_after_backward(loss, t0, t1, tl.now(), m0, m1, tl.mark())
+        train_step(model, st, x)
         after.append(model.fc.weight.detach().reshape(-1).tolist())
     return after
 

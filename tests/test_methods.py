@@ -99,6 +99,16 @@ def lin_stepper(rank, world, method, w0, b0=None, lr=0.1, momentum=0.0, comm="sy
     return model, Stepper(spec, model, None, rank, torch.device("cpu"))
 
 
+def train_step(model, st, x) -> None:
+    """One step of ``model`` on input ``x`` through Stepper ``st``, timed and marked as the trainer does."""
+    tl = st.timeline
+    t0, m0 = tl.now(), tl.mark()
+    loss = model(x)
+    t1, m1 = tl.now(), tl.mark()
+    loss.backward()
+    st.step_after_backward(loss, t0, t1, tl.now(), m0, m1, tl.mark())
+
+
 def _hand(rank, world, method, steps, x_by_rank, w0, b0=None, lr=0.1, momentum=0.0, comm="sync"):
     """Steps of ``method`` on Lin with constant inputs (so constant gradients): each rank's parameters after
     each step, and its step lines."""
@@ -107,13 +117,8 @@ def _hand(rank, world, method, steps, x_by_rank, w0, b0=None, lr=0.1, momentum=0
     st.log = lines.append  # the step lines, as metrics.jsonl would get them
     x = torch.tensor(x_by_rank[rank])
     after = []
-    tl = st.timeline
     for _ in range(steps):
-        t0, m0 = tl.now(), tl.mark()
-        loss = model(x)
-        t1, m1 = tl.now(), tl.mark()
-        loss.backward()
-        st.step_after_backward(loss, t0, t1, tl.now(), m0, m1, tl.mark())
+        train_step(model, st, x)
         ps = model.fc.weight.detach().reshape(-1).tolist() + ([model.fc.bias.item()] if b0 is not None else [])
         after.append(ps)
     extra = st.method.momentum() if hasattr(st.method, "momentum") else None
