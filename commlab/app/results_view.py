@@ -109,6 +109,7 @@ def results_panel(group: dict) -> None:
         for d in v.disturbed:
             st.warning(f"Disturbed: {ui.text(d)}", icon=":material/warning:")
         rows = []
+        faulted = any(y.ft for y in v.variants.values())  # fault-tolerant runs: what the faults cost, side by side
         for x in v.variants.values():
             s = x.summary
             rows.append({"variant": x.label, "state": x.state, "steps": f"{s.get('steps_done', 0)}/{s.get('steps')}",
@@ -117,7 +118,7 @@ def results_panel(group: dict) -> None:
                          "compression_ratio": s.get("compression_ratio"),
                          "exposed_comm_ms": x.breakdown.get("exposed_comm_ms") if x.breakdown else None,
                          "disturbed": bool(x.disturbance.get("disturbed")), "run": x.run_id})
-            if any(y.ft for y in v.variants.values()):  # fault-tolerant runs: what the faults cost, side by side
+            if faulted:
                 rows[-1].update(kills=x.ft.get("kills"), recoveries=len(x.ft.get("recoveries") or []) if x.ft else None,
                                 goodput=x.ft.get("goodput"))
         cols = widgets.table_columns()

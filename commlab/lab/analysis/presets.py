@@ -103,9 +103,6 @@ class Faults:
     unprotected: str
     pairs: Tuple[Tuple[str, str], ...]
 
-    def labels(self) -> List[str]:
-        return [self.unprotected] + [x for pair in self.pairs for x in pair]
-
 
 @dataclass
 class Preset:

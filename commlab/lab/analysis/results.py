@@ -171,9 +171,9 @@ def _variant(label: str, run, breakdown_fn) -> Variant:
     ft = {}
     if (spec.get("fault_tolerance") or {}).get("enabled"):
         steps = [m for m in rows if m.get("kind") == "step"]
-        ft = {"kills": sum(1 for e in run.ft_events() if e.get("event") == "kill"),
-              "recoveries": replicas.after_start(run.recoveries(), steps),
-              "rejoin_s": replicas.rejoins(run.ft_events(), steps), "goodput": replicas.goodput(steps)}
+        back = replicas.rejoins(run.ft_events(), steps)  # one entry per kill
+        ft = {"kills": len(back), "recoveries": replicas.after_start(run.recoveries(), steps), "rejoin_s": back,
+              "goodput": replicas.goodput(steps)}
     return Variant(label, run.id, status.get("state", "unknown"), s, bd or {},
                    status.get("disturbance") or {}, collective_counts(run) if run.state in FINAL else {},
                    status.get("started"), status.get("ended"),
