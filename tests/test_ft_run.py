@@ -214,6 +214,18 @@ def _proc_state(pid: int) -> str:
         return f.read().rsplit(")", 1)[1].split()[0]
 
 
+def _settled_state(pid: int, stopped: bool) -> str:
+    """The state once a signal sent to the process has landed (a stop or a continue is delivered when the kernel
+    next schedules it, so the first look can still see it running or stopped): waits at most 10 s."""
+    import time
+    for _ in range(200):
+        state = _proc_state(pid)
+        if (state == "T") == stopped:
+            return state
+        time.sleep(0.05)
+    return state
+
+
 def test_the_supervisor_cuts_a_replica_off_and_lets_it_go_on(tmp_path):
     """A cut asked for while the run goes on: the supervisor stops that replica's process (SIGSTOP to its session),
     refuses a second cut of it and a cut of bad length with why, and lets it go on (SIGCONT) once the time is up."""
@@ -233,10 +245,10 @@ def test_the_supervisor_cuts_a_replica_off_and_lets_it_go_on(tmp_path):
                  {"kind": "cut", "replica": 1, "seconds": -1}]
         (tmp_path / runfiles.FAULT_REQUESTS).write_text("".join(json.dumps(x) + "\n" for x in lines))
         job.poll()
-        assert _proc_state(child.pid) == "T" and 1 in job.cut
+        assert _settled_state(child.pid, stopped=True) == "T" and 1 in job.cut
         time.sleep(0.6)
         job.poll()
-        assert _proc_state(child.pid) != "T" and child.poll() is None and not job.cut
+        assert _settled_state(child.pid, stopped=False) != "T" and child.poll() is None and not job.cut
     finally:
         child.kill()
         child.wait()
