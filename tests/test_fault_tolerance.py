@@ -43,11 +43,6 @@ def spec(**over):
      "method.compressor", "fp16 with error feedback"),
     ({"method": {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 3}}, "method.tau",
      "tau must be at most 2"),
-    ({"compressor": {"name": "topk", "ratio": 0.1}}, "compressor.name", "topk under fault tolerance comes later"),
-    ({"compressor": {"name": "fp16", "error_feedback": True}}, "compressor.name", "fp16 with error feedback"),
-    ({"compressor": {"name": "int8", "error_feedback": True}}, "compressor.name",
-     "int8 with error feedback under fault tolerance comes later"),
-    ({"compressor": {"name": "qsgd"}}, "compressor.name", "qsgd under fault tolerance comes later"),
     ({"fault": {"kind": "exit", "step": 3, "rank": 1}}, "fault.kind", "fault_tolerance.faults"),
     ({"ft": {"faults": [{"kind": "kill", "replica": 3, "step": 2}]}}, "fault_tolerance.faults[0].replica",
      "below replica_groups 3"),
@@ -82,6 +77,19 @@ def test_a_spec_fault_tolerance_cannot_run_is_refused_in_one_line_naming_the_fie
         JobSpec.from_dict(spec(**over))
     assert e.value.path == where, str(e.value)
     assert says in str(e.value) and "\n" not in str(e.value)
+
+
+@needs_torchft
+@pytest.mark.parametrize("compressor", [{"name": "topk", "ratio": 0.1, "error_feedback": True},
+                                        {"name": "int8", "error_feedback": True}, {"name": "qsgd"},
+                                        {"name": "countsketch", "ratio": 0.05}, {"name": "randomk", "ratio": 0.1},
+                                        {"name": "fp16", "error_feedback": True},
+                                        {"name": "topk", "ratio": 0.1, "per_bucket": [{"below_mb": 0.01, "name": "fp16"}]}],
+                         ids=lambda c: c["name"] + ("-rules" if "per_bucket" in c else ""))
+def test_every_per_step_compressor_runs_fault_tolerant_error_feedback_included(compressor):
+    s = JobSpec.from_dict(spec(compressor=compressor))
+    assert s.compressor.name == compressor["name"] and s.fault_tolerance.enabled
+    assert s.compressor.error_feedback == compressor.get("error_feedback", False)
 
 
 @needs_torchft
@@ -151,12 +159,54 @@ class OnlyAllReduce(collectives.Group):
 def test_a_replica_groups_collectives_refuse_what_it_does_not_offer_in_one_line():
     g = OnlyAllReduce()
     assert (collectives.group_size(g), collectives.group_rank(g), collectives.group_backend(g)) == (2, 0, "gloo")
-    with pytest.raises(RuntimeError, match="all-gather on a OnlyAllReduce is not supported yet"):
-        collectives.issue_allgather([torch.ones(3)], g)
+    with pytest.raises(RuntimeError, match="all-gather on a OnlyAllReduce is not supported"):
+        collectives.issue_allgather_into(torch.zeros(4), torch.ones(2), g)  # dear's, refused with dear
     with pytest.raises(RuntimeError, match="all-to-all on a OnlyAllReduce"):
         collectives.issue_all_to_all([[torch.ones(2)], [torch.ones(2)]], g)
     with pytest.raises(RuntimeError, match="reduce-scatter on a OnlyAllReduce"):
         collectives.issue_reduce_scatter(torch.ones(4), g)
+
+
+class Gathering(OnlyAllReduce):
+    """A replica group of two whose peer sends ``peer`` (tensors of other shapes than this rank's), or whose
+    all-gathers fail from the ``fail_from``-th on (0: the header's; 1: the data's), as a lost peer's do: reported,
+    the outputs left holding anything."""
+
+    def __init__(self, peer, fail_from=None):
+        self.peer, self.fail_from, self.calls, self.errored = peer, fail_from, 0, False
+
+    def all_gather(self, outs, t):
+        n, self.calls = self.calls, self.calls + 1
+        if self.fail_from is not None and n >= self.fail_from:
+            self.errored = True
+            for o in outs:
+                o.fill_(7)
+        else:
+            outs[0].copy_(t)
+            outs[1].copy_(self.peer[n])
+        return Solo().all_reduce(t)  # nothing to wait for
+
+    def failed(self):
+        return self.errored
+
+
+@pytest.mark.parametrize("fail_from", [None, 0, 1], ids=["ok", "header-lost", "data-lost"])
+def test_a_replica_groups_all_gather_gathers_payloads_of_any_shape_and_a_failed_one_reads_as_its_own(fail_from):
+    """A replica group's all-gather (top-k's and the other all-gathered compressors' round): payloads of other
+    shapes from the peer are read back; when a peer is lost in the header's or the data's exchange (the step will
+    not commit), every rank's payload reads as this rank's own, which decompresses, instead of bytes that may not."""
+    mine = [torch.arange(3, dtype=torch.float32), torch.tensor([0, 2], dtype=torch.int64)]
+    theirs = [torch.arange(5, dtype=torch.float32) + 10, torch.tensor([4, 1, 3], dtype=torch.int64)]
+    peer_header = torch.tensor([[1, 5, 0, 0, 0], [1, 3, 0, 0, 0]], dtype=torch.int64)
+    offs, cap = collectives.pack_offsets([20, 24])
+    peer_bytes = torch.zeros(max(cap, collectives.pack_offsets([12, 16])[1]), dtype=torch.uint8)
+    for t, off in zip(theirs, offs):
+        peer_bytes[off:off + t.numel() * t.element_size()] = t.view(-1).view(torch.uint8)
+    g = Gathering([peer_header, peer_bytes], fail_from)
+    got = collectives.issue_allgather(mine, g).wait()
+    want = [mine, theirs] if fail_from is None else [mine, mine]
+    assert len(got) == 2 and all(torch.equal(a, b) for p, q in zip(got, want) for a, b in zip(p, q)), got
+    assert g.failed() == (fail_from is not None)
 
 
 # -- the lab's side, on stand-in processes ------------------------------------------------------------------------
@@ -303,6 +353,11 @@ class Solo(collectives.Group):
                 return f
         return Done()
 
+    def all_gather(self, outs, t):
+        for o in outs:
+            o.copy_(t)
+        return self.all_reduce(t)
+
 
 class StandIn:
     """What the Stepper asks of commlab.engine.ft.Replica, with the commits given by the test."""
@@ -375,6 +430,38 @@ def test_a_step_that_does_not_commit_changes_nothing_and_is_trained_again_on_the
         load(handed)
         assert all(b.compressor.residual is None for b in t.dp.buckets)
         assert {"model", "optimizer", "compressors"} <= set(standin.registered)
+    finally:
+        t.close()
+
+
+def test_error_feedback_under_fault_tolerance_keeps_its_residual_through_a_step_that_does_not_commit():
+    """Top-k with error feedback (an all-gathered round): a step that does not commit puts the residual back as
+    the step began; what a replica that recovers takes has no residual (each replica's own), and loading it
+    starts the residual from zero."""
+    from commlab.engine.trainer import Trainer
+    s = JobSpec.from_checked({**spec(model={"name": "mlp"}, dataset={"name": "digits"}, world_size=1,
+                                     ft={"replica_groups": 1, "min_replicas": 1}),
+                              "compressor": {"name": "topk", "error_feedback": True, "params": {"ratio": 0.1}},
+                              "batch_size": 16, "timeline": False})
+    standin = StandIn([True, False, True])
+    t = Trainer(s, None, 0, 1, torch.device("cpu"), ft=standin)
+    try:
+        t.train_step()
+        params = [p.detach().clone() for p in t.model.parameters()]
+        codec = state_of(t)
+        assert all(st["ef"]["residual"] is not None and st["ef"]["residual"].abs().sum() > 0 for st in codec)
+        failed = t.train_step()
+        assert failed["committed"] is False and t.step == 1
+        assert all(torch.equal(a, b) for a, b in zip(params, t.model.parameters()))
+        assert same(state_of(t), codec)  # the residual as the step began
+        again = t.train_step()
+        assert again["committed"] is True and again["loss"] == failed["loss"] and t.step == 2
+        assert not same(state_of(t), codec)
+        load, save = standin.registered["compressors"]
+        handed = save()
+        assert all(st["ef"]["residual"] is None for st in handed)
+        load(handed)
+        assert all(st["ef"]["residual"] is None for st in state_of(t))
     finally:
         t.close()
 

@@ -1,5 +1,5 @@
-"""A cut fault through the lab, end to end: three replica groups on torchft (mlp on digits, per-step sync, gloo,
-CPU); once replica 2 has logged step CUT_AT the lab stops its process for CUT_S seconds (no traffic, no heartbeat:
+"""A cut fault through the lab, end to end: three replica groups on torchft (mlp on digits, per-step sync of top-k
+with error feedback, an all-gathered round, gloo, CPU); once replica 2 has logged step CUT_AT the lab stops its process for CUT_S seconds (no traffic, no heartbeat:
 to its peers and the Lighthouse a cut link), the other two go on as a quorum of two, and when the cut ends replica 2
 finds itself behind, recovers from a live peer and trains on with them, without a restart. Nothing is timed here:
 the assertions are about what the run recorded."""
@@ -16,7 +16,8 @@ STEPS, CUT_AT, CUT_S = 60, 5, 4.0
 SPEC = {"name": "ft-cut", "model": "mlp", "dataset": "digits", "world_size": 3, "steps": STEPS, "batch_size": 16,
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "eval_every": 0, "final_eval": False,
         "threads": 1, "comm": "sync", "schedule": "allinone",
-        "network": {"link": "modeled", "gbps": 1, "latency_us": 40000},  # a step's all-reduce: 160 ms with 3
+        "compressor": {"name": "topk", "ratio": 0.1, "error_feedback": True},
+        "network": {"link": "modeled", "gbps": 1, "latency_us": 20000},  # a step's two all-gathers: 160 ms with 3
         "fault_tolerance": {"enabled": True, "min_replicas": 2, "join_timeout_ms": 500, "heartbeat_timeout_ms": 1000,
                             "timeout_s": 2, "restart": {"max_restarts": 0},
                             "faults": [{"kind": "cut", "replica": 2, "step": CUT_AT, "seconds": CUT_S}]}}

@@ -32,14 +32,18 @@ def finals(run):
     {"name": "local_sgd", "H": 3},
     {"name": "post_local_sgd", "H": 3, "warmup": 3},
     {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1},
-], ids=lambda m: m["name"])
+    {"name": "none", "compressor": {"name": "topk", "ratio": 0.1, "error_feedback": True}},
+], ids=lambda m: m["name"] if m["name"] != "none" else "topk-ef")
 def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exactly(method, tmp_path):
     """Exact: the replicas start alike (the first quorum's recovery), the syncs sum the same tensors over gloo in the
     same order, and the batches are those of the same steps. The run without fault tolerance records rank 0's
     parameters: replica 0's are the same; where the last step is a sync of the whole model, so are the others'
     (Streaming DiLoCo's fragment 0 has had local steps since its last sync, and alpha 0.5 mixes in local ones)."""
-    plain = finals(commlab.run({**BASE, "name": "plain", "method": method}, runs=tmp_path / "runs"))
-    ft = commlab.run({**BASE, "name": "ft", "method": method, "fault_tolerance": FT}, runs=tmp_path / "runs")
+    method = dict(method)
+    per_step = {"compressor": method.pop("compressor")} if method["name"] == "none" else {}  # every step's, top-k
+    plain = finals(commlab.run({**BASE, "name": "plain", "method": method, **per_step}, runs=tmp_path / "runs"))
+    ft = commlab.run({**BASE, "name": "ft", "method": method, "fault_tolerance": FT, **per_step},
+                     runs=tmp_path / "runs")
     got = finals(ft)
     assert sorted(got) == [0, 1, 2] and got[0] == plain[0], (plain, got)
     if method["name"] != "streaming_diloco":
@@ -48,6 +52,9 @@ def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exact
     # every replica trained every step once, and every sync committed with the three
     for rep in range(3):
         assert [r["step"] for r in rows if r["replica"] == rep] == list(range(BASE["steps"])), rep
+    if per_step:
+        assert all(r["committed"] is True and r["participants"] == 3 for r in rows)
+        return
     syncs = [r for r in rows if "sync_bytes" in r]
     assert syncs and all(r["committed"] is True and r["participants"] == 3 for r in syncs if "committed" in r)
 

@@ -19,8 +19,8 @@ What is here:
   process group, the Manager (replica id ``replica_<n>``: torchft reads the trailing digits), the state registered
   for recovery, and the records of each quorum;
 - ``FtGroup``: the group the lab's collectives (commlab/engine/comm/collectives.py) run on: this quorum's rank and
-  size from the Manager, all-reduces on the process group torchft reconfigured for the quorum, and a failed one
-  reported to the Manager (the step then does not commit) instead of raised;
+  size from the Manager, all-reduces and all-gathers on the process group torchft reconfigured for the quorum, and
+  a failed one reported to the Manager (the step then does not commit) instead of raised;
 - ``CountingTransport``: torchft's HTTP recovery transport, measured: each recovery's source, step, seconds and
   bytes read, written by the receiver to ``recoveries.jsonl``;
 - ``lighthouse_main``: the Lighthouse of a run, started by the lab as a process of its own
@@ -42,6 +42,7 @@ from typing import Callable, Optional
 
 import torch
 from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
+from torch.distributed.distributed_c10d import AllgatherOptions
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 from torchft._torchft import lighthouse_main as _lighthouse_main
 from torchft.checkpointing import HTTPTransport
@@ -182,6 +183,19 @@ class FtGroup(Group):
         except Exception as e:
             m.report_error(e)
             return _Done(t)
+
+    def all_gather(self, outs, t: torch.Tensor):
+        m = self.replica.manager
+        if m.errored() is not None:
+            return _Done(t)
+        try:
+            return _Reported(self.replica.pg.allgather([outs], [t], AllgatherOptions()), m)
+        except Exception as e:
+            m.report_error(e)
+            return _Done(t)
+
+    def failed(self) -> bool:
+        return self.replica.manager.errored() is not None
 
 
 class Replica:

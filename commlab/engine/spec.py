@@ -676,10 +676,6 @@ FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco
 FT_METHOD_COMPRESSORS = ("none", "fp16", "bf16")
 """The compressors of a method's exchanges (method.compressor) under fault tolerance: those without state, so a sync
 that does not commit leaves nothing to put back and a recovery nothing to hand over."""
-FT_COMPRESSORS = ("none", "fp16", "bf16", "powersgd")
-"""The compressors a fault-tolerant run may use so far: rounds that are all all-reduces, and state the Stepper knows
-how to handle (commlab/engine/stepper.py): none for the casts; PowerSGD's Q shared (handed over on recovery, put
-back on a step that does not commit) and its residual per replica (left out of what a recovery hands over)."""
 
 
 @dataclass
@@ -780,13 +776,10 @@ class FaultToleranceSpec:
             if tau > gap:
                 raise SpecError("method.tau", f"under fault tolerance one fragment's sync is in flight at a time: "
                                               f"tau must be at most {gap} (H {h} over {frags} fragments), got {tau}")
-        comp = spec.compressor
-        if comp.per_bucket:
-            raise SpecError("compressor.per_bucket", "fault tolerance takes one compressor for every bucket so far")
-        if comp.name not in FT_COMPRESSORS or comp.error_feedback:
-            what = f"{comp.name} with error feedback" if comp.error_feedback else comp.name
-            raise SpecError("compressor.name", f"fault tolerance takes {', '.join(FT_COMPRESSORS)} without error "
-                                               f"feedback so far; {what} under fault tolerance comes later")
+        # every per-step compressor, error feedback and per-bucket rules included: their rounds are all-reduces and
+        # all-gathers (only dear's shards, refused above, need more), and the Stepper hands over what replicas share
+        # of each bucket's compressor state, keeps each replica's residuals its own and puts the state back on a
+        # step that does not commit
         if spec.strategy.mode != "fixed":
             raise SpecError("strategy.mode", "fault tolerance takes strategy fixed")
         if spec.network.link == "shaped":

@@ -27,8 +27,10 @@ class Group:
     """A process group the engine reaches through methods of its own instead of ``torch.distributed``'s functions:
     a fault-tolerant replica group (commlab/engine/ft.py), whose members, rank and size change from step to step and
     whose failed collectives are reported to torchft's Manager instead of raised. ``size``, ``rank`` and ``backend``
-    are this step's; ``all_reduce`` starts a sum in place and returns a work handle (``wait()``, ``get_future()``).
-    The other collectives are not offered yet: a round that needs one fails in one line (``_plain``)."""
+    are this step's; ``all_reduce`` starts a sum in place and ``all_gather`` a gather into a list, each returning a
+    work handle (``wait()``, ``get_future()``); ``failed`` says whether a collective of this step has failed (its
+    results then hold anything and the step is dropped). Reduce-scatter and all-to-all (dear's shards) are not
+    offered: a round that needs one fails in one line (``_plain``)."""
 
     def size(self) -> int:
         raise NotImplementedError
@@ -41,6 +43,13 @@ class Group:
 
     def all_reduce(self, t: Tensor):
         raise NotImplementedError
+
+    def all_gather(self, outs: List[Tensor], t: Tensor):
+        """Start gathering every member's ``t`` into ``outs`` (one tensor per member, in rank order)."""
+        raise NotImplementedError
+
+    def failed(self) -> bool:
+        return False
 
 
 def group_size(group) -> int:
@@ -63,11 +72,23 @@ def _all_reduce(t: Tensor, group):
     return dist.all_reduce(t, group=group, async_op=True)
 
 
-def _plain(group, op: str):
-    """``group`` itself, for a collective that a ``Group`` does not offer yet: that is a one-line error."""
+def _all_gather_list(outs: List[Tensor], t: Tensor, group):
+    """Start gathering every rank's ``t`` into ``outs`` (one per rank); its work handle."""
     if isinstance(group, Group):
-        raise RuntimeError(f"{op} on a {type(group).__name__} is not supported yet (fault tolerance runs "
-                           "compressors whose rounds are all-reduces)")
+        return group.all_gather(outs, t)
+    return dist.all_gather(outs, t, group=group, async_op=True)
+
+
+def _failed(group) -> bool:
+    """Whether a collective of this step on ``group`` has failed (a ``Group``'s say; torch's raise instead)."""
+    return isinstance(group, Group) and group.failed()
+
+
+def _plain(group, op: str):
+    """``group`` itself, for a collective that a ``Group`` does not offer: that is a one-line error."""
+    if isinstance(group, Group):
+        raise RuntimeError(f"{op} on a {type(group).__name__} is not supported (fault tolerance runs compressors "
+                           "whose rounds are all-reduces and all-gathers)")
     return group
 
 
@@ -148,7 +169,7 @@ def _all_to_all_works(out: Tensor, send: Tensor, group) -> list:
 def _pair_chunked(send: Tensor, group) -> bool:
     """Whether an all-gather of ``send`` goes as chunked messages: between two gloo ranks (``_chunked``; with more
     ranks gloo's ring sends and receives over different pairs of ranks)."""
-    return dist.get_world_size(group) == 2 and _chunked(send, group)
+    return not isinstance(group, Group) and dist.get_world_size(group) == 2 and _chunked(send, group)
 
 
 def _gather_pair(recv: List[Tensor], send: Tensor, group) -> list:
@@ -199,9 +220,11 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     is a few bytes and keeps the data exchange a single asynchronous collective.
     With a modeled ``link`` both exchanges take at least the link's ring
     all-gather time, the data one for the padded size every rank sends.
+
+    On a ``Group`` whose step has failed (a peer lost in the header's or the data's exchange), every rank's payload
+    reads as this rank's own: the results of a step that will not commit only need to decompress.
     """
-    group = _plain(group, "all-gather")
-    world = dist.get_world_size(group)
+    world = group_size(group)
     device = tensors[0].device if tensors else torch.device("cpu")
     k = len(tensors)
     header = torch.zeros(k, 5, dtype=torch.int64, device=device)  # ndim + up to 4 dims
@@ -213,7 +236,9 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     headers = [torch.empty_like(header) for _ in range(world)]
     header_deadline = book(link, "allgather", header.numel() * header.element_size(), group)
     t_header = now() if now else None
-    dist.all_gather(headers, header, group=group)
+    _all_gather_list(headers, header, group).wait()
+    if _failed(group):
+        headers = [header] * world
     if header_deadline is not None:
         link.hold_until(header_deadline)
     header_span = (t_header, now()) if now else None
@@ -228,7 +253,7 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     offsets = [offs for offs, _ in packed]
     cap = max(max(total for _, total in packed), 1)
     send = buffers.take(cap, torch.uint8, device, zero=True)
-    for t, off in zip(tensors, offsets[dist.get_rank(group)]):
+    for t, off in zip(tensors, offsets[group_rank(group)]):
         n = t.numel() * t.element_size()
         if n:
             send[off:off + n] = t.contiguous().view(-1).view(torch.uint8)
@@ -236,9 +261,11 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     recv = [whole[r * cap:(r + 1) * cap] for r in range(world)]
     deadline = book(link, "allgather", cap, group)
     works = (_gather_pair(recv, send, group) if _pair_chunked(send, group)
-             else [dist.all_gather(recv, send, group=group, async_op=True)])
+             else [_all_gather_list(recv, send, group)])
 
     def unpack():
+        if _failed(group):
+            return [list(tensors)] * world
         out = []
         for r in range(world):
             payload = []
