@@ -466,6 +466,34 @@ def test_error_feedback_under_fault_tolerance_keeps_its_residual_through_a_step_
         t.close()
 
 
+def test_a_slowdown_asked_for_slows_this_replicas_steps_until_its_time_is_up(tmp_path):
+    """slowdowns.json (what the lab's supervisor writes when `commlab fault --slow` asks): the Stepper reads its own
+    replica's entry before each step and computes at that speed until ``until``; another replica's entry, a
+    slowdown whose time is up and a damaged file leave it at its own speed."""
+    from commlab.engine.runlog import write_json_atomic
+    from commlab.engine.trainer import Trainer
+    s = JobSpec.from_checked({**spec(model={"name": "mlp"}, dataset={"name": "digits"}, world_size=1,
+                                     ft={"replica_groups": 1, "min_replicas": 1}), "batch_size": 16,
+                              "timeline": False})
+    standin = StandIn([True] * 5)
+    standin.run_dir = str(tmp_path)
+    path = tmp_path / runfiles.SLOWDOWNS
+    t = Trainer(s, None, 0, 1, torch.device("cpu"), ft=standin)
+    try:
+        assert "speed" not in t.train_step()  # no file
+        write_json_atomic(path, {"0": {"speed": 0.5, "until": time.time() + 600}, "1": {"speed": 0.1, "until": 0}})
+        slowed = t.train_step()
+        assert slowed["speed"] == 0.5 and slowed["slow_ms"] > 0
+        write_json_atomic(path, {"0": {"speed": 0.5, "until": time.time() - 1}})
+        assert "speed" not in t.train_step()
+        write_json_atomic(path, {"1": {"speed": 0.25, "until": time.time() + 600}})
+        assert "speed" not in t.train_step()
+        path.write_text('{"0": {"speed": 0.5, "until"')
+        assert "speed" not in t.train_step()
+    finally:
+        t.close()
+
+
 class Twins(Solo):
     """Three replica groups when built, then a quorum of two whose other member sent the same gradient: the sum of
     an all-reduce is twice this replica's tensor."""

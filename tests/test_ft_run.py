@@ -23,6 +23,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
 STEPS, KILL_AT, ASK_AT = 100, 3, 40
 SLOW = {"kind": "slow", "replica": 0, "step": 60, "steps": 10, "speed": 0.5}
 """Replica 0, never killed, computes at half its speed for steps 60-69 (a slow fault)."""
+ASKED_SPEED, ASKED_SLOW_S = 0.25, 1.5
+"""`commlab fault --slow 0` once replica 1 is killed at ASK_AT: a quarter of its speed for 1.5 s (a few steps, well
+before step 60)."""
 SPEC = {"name": "ft-kill", "model": "mlp", "dataset": "digits", "world_size": 3, "steps": STEPS, "batch_size": 16,
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9}, "eval_every": 0, "final_eval": False,
         "threads": 1, "comm": "sync", "schedule": "allinone",
@@ -65,7 +68,9 @@ def ask_to_kill_replica_1(run, root, seen):
         back = kill and [r for r in run.recoveries() if r["replica"] == 2 and r["t"] > kill[0]["t"]]
         mine = [r["step"] for r in run.metric_rows() if r["kind"] == "step" and r.get("replica") == 1]
         if back and mine and max(mine) >= ASK_AT:
-            return cli.main(["fault", run.id, "--kill", "1", "--restart-after", "0.5", "--runs", str(root)])
+            killed = cli.main(["fault", run.id, "--kill", "1", "--restart-after", "0.5", "--runs", str(root)])
+            return killed, cli.main(["fault", run.id, "--slow", "0", "--speed", str(ASKED_SPEED), "--seconds",
+                                     str(ASKED_SLOW_S), "--runs", str(root)])
         time.sleep(0.2)
     pytest.fail(f"replica 2 did not come back before the run ended: {run.status().get('state')}")
 
@@ -139,15 +144,26 @@ def test_the_kill_and_the_recovery_are_in_the_runs_records(killed_run):
 
 def test_a_slow_fault_stretches_that_replicas_compute_for_its_steps_only(killed_run):
     """Replica 0's step lines at steps 60-69 say speed 0.5 and the time waited (its forward and backward took
-    twice what they measured); every other line of the run has no slowdown; the lab killed nothing for it."""
+    twice what they measured); the slowdown asked for while it ran (`commlab fault --slow`) gives its lines speed
+    0.25 from the time it was recorded until its seconds were up; every other line of the run has no slowdown; the
+    lab killed nothing for either."""
     steps = [r for r in killed_run.metric_rows() if r["kind"] == "step"]
     window = range(SLOW["step"], SLOW["step"] + SLOW["steps"])
     slow = [r for r in steps if "speed" in r]
-    assert slow and {r["replica"] for r in slow} == {0} and {r["step"] for r in slow} == set(window), \
-        sorted({(r["replica"], r["step"]) for r in slow})
-    assert all(r["speed"] == 0.5 and r["slow_ms"] > 0 for r in slow)
-    assert all(any(r["replica"] == 0 and r["step"] == s for r in slow) for s in window)
+    assert slow and {r["replica"] for r in slow} == {0}, sorted({(r["replica"], r["step"]) for r in slow})
+    spec_slow = [r for r in slow if r["speed"] == 0.5]
+    assert {r["step"] for r in spec_slow} == set(window), sorted({r["step"] for r in spec_slow})
+    assert all(r["slow_ms"] > 0 for r in slow)
+    assert all(any(r["replica"] == 0 and r["step"] == s for r in spec_slow) for s in window)
     assert len([e for e in killed_run.ft_events() if e["event"] == "kill"]) == 2  # the spec's kill and the asked one
+    (asked,) = [e for e in killed_run.ft_events() if e["event"] == "slow"]
+    assert asked["requested"] and asked["by"] and asked["replica"] == 0 and asked["speed"] == ASKED_SPEED
+    assert asked["until"] == pytest.approx(asked["t"] + ASKED_SLOW_S)
+    quarter = [r for r in slow if r["speed"] == ASKED_SPEED]
+    assert quarter and len(quarter) + len(spec_slow) == len(slow), sorted((r["step"], r["speed"]) for r in slow)
+    # a step line is written when the step ends; its speed was decided when it began, before `until`
+    assert all(asked["t"] < r["t"] and r["t"] - r["time_ms"] / 1e3 < asked["until"] for r in quarter)
+    assert max(r["step"] for r in quarter) < SLOW["step"]
 
 
 def test_nothing_the_run_started_is_left_running(killed_run):
@@ -160,7 +176,7 @@ def test_nothing_the_run_started_is_left_running(killed_run):
 
 
 def test_commlab_fault_said_what_it_did_and_refuses_in_one_line(killed_run, capsys):
-    assert killed_run.asked == 0
+    assert killed_run.asked == (0, 0)
     root = str(killed_run.path.parent)
     assert cli.main(["fault", killed_run.id, "--kill", "1", "--runs", root]) == 2
     err = capsys.readouterr().err
@@ -195,17 +211,52 @@ def test_a_fault_request_the_run_cannot_take_names_the_field(tmp_path, replica, 
     assert '"replica":2' in line and '"restart_after_s":1.5' in line and '"by":"me"' in line
 
 
-@pytest.mark.parametrize("replica,after,cut_s,said", [
-    (3, None, 5.0, "--cut: a replica group in 0..2, got 3"), (1, None, 0.0, "--seconds: a cut's length in (0, 3600]"),
-    (1, None, 1e5, "--seconds: a cut's length"), (1, 2.0, 5.0, "--restart-after: only a kill is restarted")])
-def test_a_cut_request_the_run_cannot_take_names_the_field(tmp_path, replica, after, cut_s, said):
+@pytest.mark.parametrize("replica,after,seconds,speed,said", [
+    (3, None, 5.0, None, "--cut: a replica group in 0..2, got 3"),
+    (1, None, 0.0, None, "--seconds: a cut's length in (0, 3600]"),
+    (1, None, 1e5, None, "--seconds: a cut's length"), (1, 2.0, 5.0, None, "--restart-after: only a kill is restarted"),
+    (3, None, 5.0, 0.5, "--slow: a replica group in 0..2, got 3"),
+    (1, None, 5.0, 1.0, "--speed: a share of its speed in [0.01, 1), got 1"),
+    (1, None, 5.0, 0.001, "--speed: a share of its speed"),
+    (1, None, 0.0, 0.5, "--seconds: a slowdown's length in (0, 3600]"),
+    (1, 2.0, 5.0, 0.5, "--restart-after: only a kill is restarted; a slowed replica")])
+def test_a_cut_or_slow_request_the_run_cannot_take_names_the_field(tmp_path, replica, after, seconds, speed, said):
     from commlab.lab.rundir.ftrun import request_fault
     with pytest.raises(ValueError, match=re.escape(said)):
-        request_fault(_Running(tmp_path), replica, after, cut_s=cut_s)
+        request_fault(_Running(tmp_path), replica, after, seconds=seconds, speed=speed)
     assert not (tmp_path / runfiles.FAULT_REQUESTS).exists()
-    request_fault(_Running(tmp_path), 1, by="me", cut_s=2.5)
+    ok = speed if speed is not None and 0.01 <= speed < 1 else None
+    request_fault(_Running(tmp_path), 1, by="me", seconds=2.5, speed=ok)
     (line,) = (tmp_path / runfiles.FAULT_REQUESTS).read_text().splitlines()
-    assert '"kind":"cut"' in line and '"seconds":2.5' in line and '"replica":1' in line
+    kind = "cut" if ok is None else "slow"
+    assert f'"kind":"{kind}"' in line and '"seconds":2.5' in line and '"replica":1' in line
+
+
+def test_the_supervisor_writes_the_slowdowns_asked_for_and_a_rank_reads_its_own(tmp_path):
+    """A slowdown asked for while the run goes on: recorded as a slow event and written to slowdowns.json, where
+    each replica group's Stepper reads its own (commlab.engine.runfiles.read_slowdown); a later one for the same
+    replica replaces it; a bad speed is refused with why; a damaged file reads as no slowdown."""
+    import json
+
+    from commlab.lab.rundir.ftrun import FtJob
+    quiet = {**SPEC, "fault_tolerance": {**SPEC["fault_tolerance"], "faults": []}}
+    job = FtJob(_Running(tmp_path), commlab.spec(quiet), log=None)
+    try:
+        lines = [{"kind": "slow", "replica": 2, "seconds": 30, "speed": 0.5, "by": "teacher"},
+                 {"kind": "slow", "replica": 1, "seconds": 30, "speed": 1.5},
+                 {"kind": "slow", "replica": 2, "seconds": 60, "speed": 0.25}]
+        (tmp_path / runfiles.FAULT_REQUESTS).write_text("".join(json.dumps(x) + "\n" for x in lines))
+        job.poll()
+    finally:
+        job.events.close()
+    ev = [json.loads(x) for x in (tmp_path / runfiles.FT_EVENTS).read_text().splitlines()]
+    assert [e["event"] for e in ev] == ["slow", "refused", "slow"], ev
+    assert ev[0]["by"] == "teacher" and ev[0]["requested"] and "speed: a share of its speed in [0.01, 1)" in ev[1]["why"]
+    speed, until = runfiles.read_slowdown(str(tmp_path), 2)
+    assert speed == 0.25 and until == ev[2]["until"] and until == pytest.approx(ev[2]["t"] + 60)
+    assert runfiles.read_slowdown(str(tmp_path), 1) is None and runfiles.read_slowdown(str(tmp_path), 0) is None
+    (tmp_path / runfiles.SLOWDOWNS).write_text('{"2": {"speed": "fast"')
+    assert runfiles.read_slowdown(str(tmp_path), 2) is None
 
 
 def _proc_state(pid: int) -> str:
@@ -262,7 +313,10 @@ def test_the_supervisor_cuts_a_replica_off_and_lets_it_go_on(tmp_path):
 
 def test_commlab_fault_says_which_flags_go_together(tmp_path, capsys):
     for argv, said in ((["--cut", "1"], "--seconds: how long the replica is cut off (--cut needs it)"),
-                       (["--kill", "1", "--seconds", "3"], "--seconds: only a cut (--cut) lasts a number of seconds")):
+                       (["--kill", "1", "--seconds", "3"], "--seconds: only a cut (--cut) or a slowdown (--slow)"),
+                       (["--slow", "1", "--seconds", "3"], "--speed: --slow needs --speed (the share of its speed)"),
+                       (["--slow", "1", "--speed", "0.5"], "--seconds: --slow needs --speed"),
+                       (["--cut", "1", "--seconds", "3", "--speed", "0.5"], "--speed: only a slowdown (--slow)")):
         assert cli.main(["fault", "nosuchrun", *argv, "--runs", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert said in err and "Traceback" not in err, err
@@ -278,11 +332,11 @@ def test_show_and_the_live_page_tell_each_replica_group(killed_run, capsys):
     assert int(re.search(r"; (\d+) recoveries after the start", out).group(1)) >= 2, out
     pytest.importorskip("streamlit")
     seen = killed_run.seen  # while it ran: a replica metric each, and the plug for the local user
-    assert not seen["exceptions"] and {"live.cancel", "live.plug", "live.cut"} <= set(seen["buttons"]), seen
+    assert not seen["exceptions"] and {"live.cancel", "live.plug", "live.cut", "live.slow"} <= set(seen["buttons"]), seen
     assert {f"replica {r}" for r in range(3)} <= set(seen["metrics"]), seen
     at = live_page(root, killed_run.id)
     assert not at.exception, [e.value for e in at.exception]
-    assert not {"live.plug", "live.cut"} & {b.key for b in at.button}  # it has ended
+    assert not {"live.plug", "live.cut", "live.slow"} & {b.key for b in at.button}  # it has ended
     shown = {m.label: m.value for m in at.metric}
     assert {f"replica {r}" for r in range(3)} <= set(shown) and all(
         shown[f"replica {r}"] in ("finished", "stopped") for r in range(3)), shown
@@ -304,7 +358,9 @@ def test_on_the_live_page_only_the_teacher_pulls_a_plug(tmp_path):
         with pytest.raises(LabError, match="only the teacher may kill a worker of a run; bob may not"):
             ui.pull_plug(run.id, 1, runs=tmp_path)
         with pytest.raises(LabError, match="only the teacher may cut off a worker of a run; bob may not"):
-            ui.pull_plug(run.id, 1, runs=tmp_path, cut_s=5)
+            ui.pull_plug(run.id, 1, runs=tmp_path, seconds=5)
+        with pytest.raises(LabError, match="only the teacher may slow down a worker of a run; bob may not"):
+            ui.pull_plug(run.id, 1, runs=tmp_path, seconds=5, speed=0.5)
         ui.set_viewer(lambda: owners.User(owners.TEACHER, admin=True))
         with pytest.raises(LabError, match=f"fault: RUN: {run.id} is queued; faults go to a running run"):
             ui.pull_plug(run.id, 1, runs=tmp_path)
@@ -342,7 +398,7 @@ def test_the_supervisor_refuses_a_damaged_request_and_kills_for_a_good_one(tmp_p
     ev = [json.loads(x) for x in (tmp_path / runfiles.FT_EVENTS).read_text().splitlines()]
     assert [e["event"] for e in ev] == ["refused"] * 5 + ["kill"], ev
     assert "restart_after_s: seconds in [0, 3600] or null, got 'soon'" in ev[0]["why"]
-    assert "got 1000000000.0" in ev[1]["why"] and "not a kill or a cut of a replica in 0..2" in ev[2]["why"]
+    assert "got 1000000000.0" in ev[1]["why"] and "not a kill, a cut or a slowdown of a replica in 0..2" in ev[2]["why"]
     assert "replica 2 is not running now" in ev[4]["why"]
     assert ev[5]["replica"] == 1 and ev[5]["pid"] == child.pid and ev[5]["by"] == "teacher" and job.killed == {1: 2}
 

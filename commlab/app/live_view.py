@@ -184,7 +184,7 @@ def replica_panel(run, rows, running: bool = False) -> None:
         c.metric(ui.text(f"replica {s['replica']}"), ui.text(s["state"]),
                  help=ui.text(f"process generation {s['gen']}, {s['kills']} kill(s), last step {s['last_step']}"))
     if running:
-        pick, pull, secs, cut = st.columns([2, 1, 1, 1], vertical_alignment="bottom")
+        pick, pull, secs, cut, slow_speed, slow = st.columns([2, 1, 1, 1, 1, 1], vertical_alignment="bottom")
         r = pick.selectbox("Replica group", [s["replica"] for s in states], key="live.plug_replica")
         if pull.button("Pull the plug", key="live.plug", icon=":material/power_off:",
                        help="SIGKILL this replica group's process; the lab restarts it after the spec's delay and it "
@@ -199,8 +199,17 @@ def replica_panel(run, rows, running: bool = False) -> None:
                       help="stop this replica group's process for the seconds given (no traffic, no heartbeat, as "
                            "across a cut link); then it goes on and recovers from a live peer"):
             try:
-                ui.pull_plug(run.id, int(r), cut_s=float(seconds))
+                ui.pull_plug(run.id, int(r), seconds=float(seconds))
                 st.toast(ui.text(f"asked to cut replica {r} off for {seconds:g} s"))
+            except LabError as e:
+                st.error(ui.text(str(e)))
+        speed = slow_speed.number_input("Speed", 0.05, 0.95, 0.5, step=0.05, key="live.slow_speed")
+        if slow.button("Slow down", key="live.slow", icon=":material/speed:",
+                       help="this replica group computes at the speed given (a share of its own) for the seconds "
+                            "given, as on a busy machine; the others wait for it at every exchange"):
+            try:
+                ui.pull_plug(run.id, int(r), seconds=float(seconds), speed=float(speed))
+                st.toast(ui.text(f"asked to slow replica {r} to {speed:g} of its speed for {seconds:g} s"))
             except LabError as e:
                 st.error(ui.text(str(e)))
     sizes = replicas.quorum_sizes(steps)

@@ -206,10 +206,16 @@ FT_EVENTS = _file(
     "commlab.lab.rundir.store.Run.ft_events")
 FAULT_REQUESTS = _file(
     "fault-requests.jsonl", "jsonl", "faults asked for while a fault-tolerant run goes on, one line each: `kind` "
-    "(kill or cut), `replica`, `restart_after_s` (a kill's; null: the spec's restart.delay_s), `seconds` (a cut's), "
-    "`by` (who asked), `t`",
+    "(kill, cut or slow), `replica`, `restart_after_s` (a kill's; null: the spec's restart.delay_s), `seconds` (a "
+    "cut's or a slowdown's), `speed` (a slowdown's), `by` (who asked), `t`",
     "`commlab fault` (commlab.lab.rundir.ftrun.request_fault)", "when someone asks",
     "commlab.lab.rundir.ftrun.FtJob")
+SLOWDOWNS = _file(
+    "slowdowns.json", "json", "slow faults asked for while a fault-tolerant run goes on: per replica group (its "
+    "number, as a string key) the `speed` it computes at (a share of its own) `until` a time (time.time()); the "
+    "latest asked for a replica replaces the one before",
+    "the run's supervisor (commlab.lab.rundir.ftrun.FtJob), whole each time", "when a slow fault is asked for",
+    "commlab.engine.runfiles.read_slowdown")
 LIGHTHOUSE_LOG = _file(
     "log-lighthouse.txt", "text", "a fault-tolerant run's Lighthouse (torchft's quorum server): its output",
     "the run's supervisor (commlab.lab.rundir.ftrun.FtJob)", "while the run goes on", ())
@@ -380,6 +386,20 @@ def read_trials(run_dir: Optional[str]) -> Optional[Trials]:
     if has_plan:
         return Trials(plan=_check_plan(plan, _load(plan)))
     return None
+
+
+def read_slowdown(run_dir: Optional[str], replica: int) -> Optional[Tuple[float, float]]:
+    """(speed, until) of the slow fault asked for replica group ``replica`` of a running run (slowdowns.json), or
+    None: no such file, none for this replica, or a file that is not what the protocol says (a rank goes on at its
+    own speed rather than fail on it)."""
+    if not run_dir:
+        return None
+    try:
+        got = _load(os.path.join(run_dir, SLOWDOWNS)).get(str(replica))
+        speed, until = float(got["speed"]), float(got["until"])
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return None
+    return (speed, until) if 0.0 < speed <= 1.0 else None
 
 
 def _load(path: str):

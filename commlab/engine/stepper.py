@@ -137,6 +137,9 @@ class Stepper:
         self._slow_faults = [f for f in spec.fault_tolerance.faults if f["kind"] == "slow"
                              and f["replica"] == ft.n] if ft is not None else []
         """fault_tolerance.faults of kind slow on this replica group: its speed while each lasts"""
+        self._asked: Optional[tuple] = None
+        """(speed, until) of the slow fault last asked for this replica group while the run goes on, or None."""
+        self._asked_version: Optional[tuple] = None
         self._slow_s = 0.0
         """Seconds ``slow_down`` waited in this step, for its line."""
         self.optimizer: Optional[torch.optim.Optimizer] = None
@@ -284,9 +287,25 @@ class Stepper:
             q = self.ft.start_quorum()
             self.step = s = q.pop("step")
             self._take_quorum(q)
-        if self._slow_faults and s is not None:
-            self.speed = self._base_speed * slow_factor(self._slow_faults, s)
+        if s is not None:
+            self.speed = self._base_speed * slow_factor(self._slow_faults, s) * self._asked_speed()
         return s
+
+    def _asked_speed(self) -> float:
+        """The speed a slow fault asked for while the run goes on gives this replica group now (slowdowns.json,
+        which the lab's supervisor writes; read again only when it changed), or 1."""
+        run_dir = getattr(self.ft, "run_dir", None)
+        if not run_dir:
+            return 1.0
+        try:
+            st = os.stat(os.path.join(run_dir, runfiles.SLOWDOWNS))
+        except OSError:
+            return 1.0
+        version = (st.st_ino, st.st_mtime_ns)  # written whole each time: a new file, a new inode
+        if version != self._asked_version:
+            self._asked_version = version
+            self._asked = runfiles.read_slowdown(run_dir, self.ft.n)
+        return self._asked[0] if self._asked is not None and time.time() < self._asked[1] else 1.0
 
     def _take_quorum(self, q: dict) -> None:
         """This step's quorum: the world the exchanges average over, what its line records."""

@@ -86,21 +86,28 @@ def add_commands(sub) -> None:
     runs_arg(p)
     p.set_defaults(func=cmd_cancel, cmd_parser=p)
 
-    p = command(sub, "fault", "kill or cut off a worker of a running fault-tolerant run",
+    p = command(sub, "fault", "kill, cut off or slow down a worker of a running fault-tolerant run",
                 ["commlab fault 20250101-120000-ft-ab12 --kill 2",
                  "commlab fault 20250101-120000-ft-ab12 --kill 1 --restart-after 5",
-                 "commlab fault 20250101-120000-ft-ab12 --cut 1 --seconds 10"],
+                 "commlab fault 20250101-120000-ft-ab12 --cut 1 --seconds 10",
+                 "commlab fault 20250101-120000-ft-ab12 --slow 0 --speed 0.5 --seconds 30"],
                 "The run goes on with the other replica groups. A killed one is restarted after --restart-after "
                 "seconds (default: the spec's fault_tolerance.restart.delay_s) while restarts are left, and "
                 "recovers its state from a live peer; a cut one is stopped for --seconds (no traffic, no "
-                "heartbeat), then goes on and recovers. Waits up to 30 s for the run to record it.")
+                "heartbeat), then goes on and recovers; a slowed one computes at --speed of its speed for "
+                "--seconds (and the others wait for it at every exchange). Waits up to 30 s for the run to "
+                "record it.")
     p.add_argument("run", metavar="RUN", help="run id")
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--kill", type=int, metavar="REPLICA", help="the replica group to kill (0-based)")
     which.add_argument("--cut", type=int, metavar="REPLICA", help="the replica group to cut off (0-based)")
+    which.add_argument("--slow", type=int, metavar="REPLICA", help="the replica group to slow down (0-based)")
     p.add_argument("--restart-after", type=float, default=None, metavar="S",
                    help="with --kill: seconds before the lab starts it again")
-    p.add_argument("--seconds", type=float, default=None, metavar="S", help="with --cut: how long it is cut off")
+    p.add_argument("--seconds", type=float, default=None, metavar="S",
+                   help="with --cut or --slow: how long it is cut off or slow")
+    p.add_argument("--speed", type=float, default=None, metavar="X",
+                   help="with --slow: the share of its speed it computes at, in [0.01, 1)")
     json_arg(p, "the request and what the run recorded")
     runs_arg(p)
     p.set_defaults(func=cmd_fault, cmd_parser=p)
@@ -404,19 +411,25 @@ def cmd_cancel(args) -> int:
 
 
 def cmd_fault(args) -> int:
-    cut = args.cut is not None
-    replica = args.cut if cut else args.kill
-    if cut and args.seconds is None:
+    want = "cut" if args.cut is not None else "slow" if args.slow is not None else "kill"
+    replica = {"cut": args.cut, "slow": args.slow, "kill": args.kill}[want]
+    if want == "cut" and args.seconds is None:
         raise UsageError("--seconds: how long the replica is cut off (--cut needs it)")
-    if not cut and args.seconds is not None:
-        raise UsageError("--seconds: only a cut (--cut) lasts a number of seconds")
+    if want == "slow" and (args.seconds is None or args.speed is None):
+        raise UsageError(f"--{'speed' if args.seconds is not None else 'seconds'}: --slow needs --speed (the share "
+                         "of its speed) and --seconds (how long)")
+    if want == "kill" and args.seconds is not None:
+        raise UsageError("--seconds: only a cut (--cut) or a slowdown (--slow) lasts a number of seconds")
+    if want != "slow" and args.speed is not None:
+        raise UsageError("--speed: only a slowdown (--slow) has a speed")
     run = store_of(args).get(args.run)
     seen = len(run.ft_events())
     try:
-        req = request_fault(run, replica, args.restart_after, by=getpass.getuser(), cut_s=args.seconds)
+        req = request_fault(run, replica, args.restart_after, by=getpass.getuser(), seconds=args.seconds,
+                            speed=args.speed)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    verb, want = ("cut off", "cut") if cut else ("killed", "kill")
+    verb = {"cut": "cut off", "slow": "slowed down", "kill": "killed"}[want]
     deadline = time.monotonic() + 30
     done = None
     while done is None and time.monotonic() < deadline:
@@ -430,9 +443,12 @@ def cmd_fault(args) -> int:
         print(f"{run.id}: asked to {want} replica {replica}; the run has not recorded it within 30 s")
     elif done["event"] == "refused":
         print(f"{run.id}: replica {replica} was not {verb}: {done['why']}")
-    elif cut:
+    elif want == "cut":
         print(f"{run.id}: cut off replica {replica} (pid {done['pid']}) for {args.seconds:g} s; then it goes on and "
               "recovers from a live peer")
+    elif want == "slow":
+        print(f"{run.id}: replica {replica} computes at {args.speed:g} of its speed for {args.seconds:g} s, from its "
+              "next step")
     else:
         after = "the spec's restart delay" if args.restart_after is None else f"{args.restart_after:g} s"
         print(f"{run.id}: killed replica {replica} (pid {done['pid']}); the lab restarts it after {after} while "

@@ -193,17 +193,19 @@ def may_pull_plugs(user: Optional[User] = None) -> bool:
     return (user or viewer()).admin
 
 
-def pull_plug(run_id: str, replica: int, runs=None, cut_s: Optional[float] = None) -> dict:
+def pull_plug(run_id: str, replica: int, runs=None, seconds: Optional[float] = None,
+              speed: Optional[float] = None) -> dict:
     """Kill ``replica`` of a running fault-tolerant run for the viewer (commlab.lab.rundir.ftrun.request_fault; the
-    lab restarts it after the spec's delay), or with ``cut_s`` cut it off for that many seconds; LabError for anyone
-    but the teacher and the local user, or a request the run cannot take."""
+    lab restarts it after the spec's delay), or with ``seconds`` cut it off for that many seconds, or with ``speed``
+    too slow it down to that share of its speed for that long; LabError for anyone but the teacher and the local
+    user, or a request the run cannot take."""
     who = viewer()
     if not may_pull_plugs(who):
-        what = "kill" if cut_s is None else "cut off"
+        what = "kill" if seconds is None else "cut off" if speed is None else "slow down"
         raise LabError(f"fault: only the teacher may {what} a worker of a run; {who.name} may not")
     run = get_run_or_raise(run_id, runs)
     try:
-        return request_fault(run, replica, None, by=who.name, cut_s=cut_s)
+        return request_fault(run, replica, None, by=who.name, seconds=seconds, speed=speed)
     except ValueError as e:
         raise LabError(f"fault: {e}") from None
 

@@ -34,7 +34,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from commlab.engine import ft_lighthouse, runfiles
-from commlab.engine.runlog import JsonlTail, JsonlWriter
+from commlab.engine.runlog import JsonlTail, JsonlWriter, write_json_atomic
 from commlab.engine.spec import JobSpec
 from commlab.lab.base import procs
 from commlab.lab.base.torchrun import free_port, worker_argv, worker_env
@@ -42,7 +42,10 @@ from commlab.lab.base.torchrun import free_port, worker_argv, worker_env
 RESTART_AFTER_MAX_S = 3600.0
 """The longest restart delay a fault asked for while the run goes on may give (``request_fault``)."""
 CUT_MAX_S = 3600.0
-"""The longest cut a fault asked for while the run goes on may give."""
+"""The longest cut or slowdown a fault asked for while the run goes on may give."""
+LENGTH = {"cut": "a cut's length", "slow": "a slowdown's length"}
+SLOW_SPEED = (0.01, 1.0)
+"""The speeds a slow fault asked for while the run goes on may give: from SLOW_SPEED[0], below SLOW_SPEED[1]."""
 LIGHTHOUSE_UP_S = 120.0
 """How long the Lighthouse may take to accept connections (it imports torch first: seconds on a loaded machine)."""
 
@@ -75,6 +78,8 @@ class FtJob:
         """replica -> (when its cut ends, monotonic; its process, stopped; its generation)."""
         self.requests = JsonlTail(run.file(runfiles.FAULT_REQUESTS))
         """Faults asked for while the run goes on (``request_fault``)."""
+        self.slowdowns: Dict[str, dict] = {}
+        """replica (str) -> {speed, until}: the slow faults asked for, as slowdowns.json holds them."""
         self.killed: Dict[int, float] = {}
         """replica -> restart delay of the fault that killed its process now dying."""
         self.finished: Dict[int, int] = {}
@@ -190,24 +195,36 @@ class FtJob:
         self.killed[r] = self.ft.restart.delay_s if after is None else after
         self._record("kill", replica=r, gen=gen, pid=p.pid, **record)
 
+    def _slow(self, r: int, speed: float, seconds: float, **record) -> None:
+        """Replica ``r`` computes at ``speed`` of its speed for ``seconds`` from now: slowdowns.json, which its
+        Stepper reads before each step (commlab.engine.runfiles.read_slowdown); a restarted process reads it too."""
+        until = time.time() + seconds
+        self.slowdowns[str(r)] = {"speed": speed, "until": until}
+        write_json_atomic(self.run.file(runfiles.SLOWDOWNS), self.slowdowns)
+        self._record("slow", replica=r, speed=speed, seconds=seconds, until=until, **record)
+
     def _asked(self) -> None:
         """Execute the faults asked for since the last poll (fault-requests.jsonl): a kill or a cut of a replica whose
-        process runs; one that cannot be done now is recorded as refused, with why."""
+        process runs, a slowdown of any replica; one that cannot be done now is recorded as refused, with why."""
         for req in self.requests.read():
             r, by, after, kind = req.get("replica"), req.get("by"), req.get("restart_after_s"), req.get("kind")
-            seconds = req.get("seconds")
+            seconds, speed = req.get("seconds"), req.get("speed")
             why = None
-            if kind not in ("kill", "cut") or isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.groups:
-                why = f"not a kill or a cut of a replica in 0..{self.groups - 1}"
+            if kind not in ("kill", "cut", "slow") or isinstance(r, bool) or not isinstance(r, int) \
+                    or not 0 <= r < self.groups:
+                why = f"not a kill, a cut or a slowdown of a replica in 0..{self.groups - 1}"
             elif kind == "kill" and after is not None and (isinstance(after, bool) or not isinstance(after, (int, float))
                                                            or not 0 <= after <= RESTART_AFTER_MAX_S):
                 why = f"restart_after_s: seconds in [0, {RESTART_AFTER_MAX_S:g}] or null, got {after!r}"
-            elif kind == "cut" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
-                                    or not 0 < seconds <= CUT_MAX_S):
-                why = f"seconds: a cut's length in (0, {CUT_MAX_S:g}], got {seconds!r}"
+            elif kind != "kill" and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                     or not 0 < seconds <= CUT_MAX_S):
+                why = f"seconds: {LENGTH.get(kind)} in (0, {CUT_MAX_S:g}], got {seconds!r}"
+            elif kind == "slow" and (isinstance(speed, bool) or not isinstance(speed, (int, float))
+                                     or not SLOW_SPEED[0] <= speed < SLOW_SPEED[1]):
+                why = f"speed: a share of its speed in [{SLOW_SPEED[0]:g}, {SLOW_SPEED[1]:g}), got {speed!r}"
             elif self.t_first_finish is not None:
                 why = "training is over"
-            elif r not in self.live or self.live[r][0].poll() is not None:
+            elif kind != "slow" and (r not in self.live or self.live[r][0].poll() is not None):
                 why = f"replica {r} is not running now (it is restarting, or has finished)"
             elif kind == "cut" and r in self.cut:
                 why = f"replica {r} is cut off already"
@@ -215,8 +232,10 @@ class FtJob:
                 self._record("refused", replica=r, by=by, why=why, requested=True)
             elif kind == "kill":
                 self._kill(r, after, requested=True, by=by)
-            else:
+            elif kind == "cut":
                 self._cut(r, float(seconds), requested=True, by=by)
+            else:
+                self._slow(r, float(speed), float(seconds), requested=True, by=by)
 
     def poll(self) -> None:
         """Faults asked for, cuts that end, exits seen, restarts due, stragglers after the end."""
@@ -299,12 +318,13 @@ class FtJob:
 
 
 def request_fault(run, replica: int, restart_after_s: Optional[float] = None, by: str = "",
-                  cut_s: Optional[float] = None) -> dict:
+                  seconds: Optional[float] = None, speed: Optional[float] = None) -> dict:
     """Ask a running fault-tolerant ``run`` (a commlab.lab.rundir.store.Run) to kill ``replica`` now; the lab restarts
-    it after ``restart_after_s`` (None: the spec's ``restart.delay_s``) while restarts are left. With ``cut_s``: cut
-    it off for that many seconds instead (a cut fault). The run's follow loop executes it within a poll and records
-    it in ft-events.jsonl (``kill`` or ``cut`` with ``requested``, or ``refused`` with why). ValueError, naming the
-    field, when the run or the request cannot take it."""
+    it after ``restart_after_s`` (None: the spec's ``restart.delay_s``) while restarts are left. With ``seconds``: cut
+    it off for that many seconds instead (a cut fault); with ``speed`` too: make it compute at that share of its
+    speed for that many seconds (a slow fault). The run's follow loop executes it within a poll and records it in
+    ft-events.jsonl (``kill``, ``cut`` or ``slow`` with ``requested``, or ``refused`` with why). ValueError, naming
+    the field, when the run or the request cannot take it."""
     st = run.status()
     if st.get("state") != "running":
         raise ValueError(f"RUN: {run.id} is {st.get('state')}; faults go to a running run")
@@ -313,15 +333,21 @@ def request_fault(run, replica: int, restart_after_s: Optional[float] = None, by
         raise ValueError(f"RUN: {run.id} is not fault tolerant (fault_tolerance.enabled): killing a worker would "
                          "end it")
     groups = int(ft.get("replica_groups", 0))
-    flag = "--kill" if cut_s is None else "--cut"
+    kind = "kill" if seconds is None and speed is None else "cut" if speed is None else "slow"
     if isinstance(replica, bool) or not isinstance(replica, int) or not 0 <= replica < groups:
-        raise ValueError(f"{flag}: a replica group in 0..{groups - 1}, got {replica!r}")
-    if cut_s is not None:
+        raise ValueError(f"--{kind}: a replica group in 0..{groups - 1}, got {replica!r}")
+    if kind != "kill":
         if restart_after_s is not None:
-            raise ValueError("--restart-after: only a kill is restarted; a cut replica goes on by itself")
-        if not 0 < cut_s <= CUT_MAX_S:
-            raise ValueError(f"--seconds: a cut's length in (0, {CUT_MAX_S:g}], got {cut_s:g}")
-        req = {"kind": "cut", "replica": replica, "seconds": cut_s, "by": by, "t": time.time()}
+            raise ValueError(f"--restart-after: only a kill is restarted; a {'cut' if kind == 'cut' else 'slowed'} "
+                             "replica goes on by itself")
+        if seconds is None or not 0 < seconds <= CUT_MAX_S:
+            raise ValueError(f"--seconds: {LENGTH[kind]} in (0, {CUT_MAX_S:g}], got {seconds}")
+        req = {"kind": kind, "replica": replica, "seconds": seconds, "by": by, "t": time.time()}
+        if kind == "slow":
+            if not SLOW_SPEED[0] <= speed < SLOW_SPEED[1]:
+                raise ValueError(f"--speed: a share of its speed in [{SLOW_SPEED[0]:g}, {SLOW_SPEED[1]:g}), "
+                                 f"got {speed:g}")
+            req["speed"] = speed
     else:
         if restart_after_s is not None and not 0 <= restart_after_s <= RESTART_AFTER_MAX_S:
             raise ValueError(f"--restart-after: seconds in [0, {RESTART_AFTER_MAX_S:g}], got {restart_after_s:g}")
