@@ -10,6 +10,11 @@ status.json ``running``) and broadcasts its id; every rank then writes its timel
 there. ``close()`` (or leaving the ``with`` block) marks the run ``done``, or ``failed`` with the
 rank and error when the script raised, or ``diverged``.
 
+Under fault tolerance the lab starts the ranks: ``commlab run SPEC --script 'train.py ARGS'`` runs the script once
+per replica group (the Lighthouse, restarts and faults as for the lab's own trainer, commlab/lab/rundir/ftrun.py),
+and ``wrap`` finds its run directory, Lighthouse and replica group in the environment: no process group of the whole
+job, torchft's Manager instead; the loop takes its steps from ``steps()``, each beginning with its quorum.
+
 Each rank checks the spec itself, before it joins the group: it is where the run is admitted, so the engine's
 switches the spec leaves unset (``engine``: fused kernels, CUDA graphs, the buffer pool, the group's timeout) come
 from the rank's own environment, and the spec's values are put into that environment until the loop ends.
@@ -34,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from commlab.engine import runfiles
+from commlab.engine.ft_lighthouse import LIGHTHOUSE_ENV, RUN_DIR_ENV
 from commlab.engine.spec import JobSpec, SpecError
 from commlab.engine.stepper import Diverged, Stepper
 from commlab.engine.timeline import Timeline
@@ -72,34 +78,48 @@ class OwnLoop:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.own_group = False
         """True when wrap initialised the process group (then close() destroys it)."""
-        # the full check, here in the rank: its engine switches left unset come from this rank's environment
-        self.spec = _load(spec, _world(group))
-        self._env_before = _apply_engine(self.spec)
-        """The engine's variables as they were before wrap set them from the spec (put back when the loop ends)."""
-        hook = sys.excepthook
-        try:
-            self.own_group = _join(self.device, self.spec.engine.timeout_s)
-        except BaseException:
-            _restore_env(self._env_before)
-            raise
-        self._excepthook = hook
+        self.replica = None
+        """Under fault tolerance (``commlab run --script``): this replica group's torchft side
+        (commlab.engine.ft.Replica); None otherwise."""
+        self._begun = False
+        """Under fault tolerance: whether the step ``steps()`` gave has begun (its quorum joined)."""
+        self.run = None
+        """rank 0: the lab's Run, whose status this rank owns; None on the others (and under fault tolerance,
+        where the lab's supervisor owns it)."""
+        self._excepthook = sys.excepthook
         """sys.excepthook before the join: torch wraps it at each init (a "[rank0]:" prefix) and leaves
         it at destroy, so a second wrap would prefix every line twice."""
-        self.group = group
-        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.run = None
-        """rank 0: the lab's Run, whose status this rank owns; None on the others."""
-        try:
-            make_opt = _optimizer_factory(optimizer, model, self.spec)
-            self.run_dir, self.run_id = self._open_run(runs, run_id, model, optimizer)
-        except BaseException:
-            self._leave()
-            raise
         self.stepper = None
+        self._env_before: dict = {}
+        replica_env = _replica_env()
+        if replica_env is not None:
+            make_opt = self._as_replica(*replica_env, spec, optimizer)
+        else:
+            # the full check, here in the rank: its engine switches left unset come from this rank's environment
+            self.spec = _load(spec, _world(group))
+            self._env_before = _apply_engine(self.spec)
+            """The engine's variables as they were before wrap set them from the spec (put back when the loop
+            ends)."""
+            try:
+                self.own_group = _join(self.device, self.spec.engine.timeout_s)
+            except BaseException:
+                _restore_env(self._env_before)
+                raise
+            self.group = group
+            self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+            try:
+                make_opt = _optimizer_factory(optimizer, model, self.spec)
+                self.run_dir, self.run_id = self._open_run(runs, run_id, model, optimizer)
+            except BaseException:
+                self._leave()
+                raise
         try:
-            self.stepper = Stepper(self.spec, model, str(self.run_dir), self.rank, self.device, group, make_opt)
+            self.stepper = Stepper(self.spec, model, str(self.run_dir), self.rank, self.device, self.group, make_opt,
+                                   ft=self.replica)
         except BaseException as e:
             self._fail(e)
+            if self.replica is not None:
+                self._leave()
             raise
         self.optimizer: torch.optim.Optimizer = self.stepper.optimizer
         """The optimizer the step uses (over dear's shards with dear)."""
@@ -117,6 +137,49 @@ class OwnLoop:
             # torchrun (and Slurm, Kubernetes) stop the other ranks with SIGTERM when one fails: raise
             # here instead of dying, so the `with` block ends the run as failed, naming the rank that caused it
             self._sigterm = signal.signal(signal.SIGTERM, self._terminated)
+
+    def _as_replica(self, run_dir: str, lighthouse: str, n: int, spec: SpecLike, optimizer: OptimizerLike):
+        """Replica group ``n`` of the fault-tolerant run in ``run_dir``, which ``commlab run --script`` admitted and
+        whose supervisor started this process: the run's own spec.json (what the lab admitted, with its --set
+        overrides; ``spec`` must then be None or the same file), no process group of the whole job but torchft's
+        Manager reaching ``lighthouse``. Returns the optimizer factory."""
+        from commlab.engine import ft  # lazy: torchft is optional; only a fault-tolerant loop loads it
+        with open(os.path.join(run_dir, runfiles.SPEC)) as f:
+            self.spec = JobSpec.from_checked(json.load(f))
+        self._env_before = _apply_engine(self.spec)
+        self.group = None
+        self.rank, self.world = n, self.spec.fault_tolerance.replica_groups
+        self.run_dir, self.run_id = Path(run_dir), Path(run_dir).name
+        try:
+            make_opt = _optimizer_factory(optimizer, self.model, self.spec)
+            self.replica = ft.Replica(self.spec, run_dir, n, lighthouse,
+                                      "nccl" if self.device.type == "cuda" else "gloo")
+        except BaseException:
+            self._leave()
+            raise
+        return make_opt
+
+    def steps(self):
+        """The steps to train, in order: ``for step in loop.steps(): ...`` (pick the batch by ``step``, then
+        forward, backward and ``loop.step(loss=...)``). Under fault tolerance each step begins here with its quorum:
+        a replica that is behind (restarted, or back from a cut) first recovers the model and optimizer from a
+        peer, so the step may jump ahead; a step that did not commit comes again (train it on the same batch);
+        and the loop ends once the run has trained its ``steps``. Without fault tolerance: the spec's steps from
+        where the loop is."""
+        while self.stepper.step < self.spec.steps:
+            if self.replica is not None:
+                s = self.stepper.begin_step()
+                if s is None:  # a recovery landed in the last step's sync, which this replica ran
+                    return
+                self._begun = True
+                yield s
+            else:
+                yield self.stepper.step
+
+    @property
+    def step_count(self) -> int:
+        """The steps trained so far (committed, under fault tolerance): the next one to train."""
+        return self.stepper.step
 
     def _terminated(self, signum, frame):
         if self.closed:  # already ending the run (a launcher may signal twice): finish that first
@@ -152,6 +215,10 @@ class OwnLoop:
         the averaged gradient is not finite. Without ``loss`` the step is logged with none (the
         summary then says the loss was not recorded)."""
         _check_loss(loss)
+        if self.replica is not None and not self._begun:
+            raise RuntimeError("step: under fault tolerance train the steps loop.steps() gives (each begins with "
+                               "its quorum): for step in loop.steps(): ...")
+        self._begun = False
         t0 = self._t0 or self._last
         t1 = self._t1 or t0
         t2 = self.stepper.slow_down("backward", t1[0], *self._now())
@@ -225,9 +292,21 @@ class OwnLoop:
             if error is None:
                 self.stepper.drain()  # a method's exchanges still in flight (Streaming DiLoCo's fragments)
                 self.stepper.sync_params()
+                if self.replica is not None:  # what each replica ends with (they must agree), as the Trainer's
+                    from commlab.engine.trainer import params_digest
+                    self.stepper.log({"kind": "final", "step": self.stepper.step, "rank": self.rank,
+                                      "replica": self.rank, "params_sha256": params_digest(self.model),
+                                      "t": time.time()})
             self.stepper.close()
         except BaseException as e:
             error = error or e
+        if self.replica is not None:  # the lab's supervisor ends the run from the replicas' exits
+            if error is not None:
+                self._fail(error)
+            self._leave()
+            if self._sigterm is not None:
+                signal.signal(signal.SIGTERM, self._sigterm)
+            return
         if error is None:
             try:
                 dist.barrier(group=self.group)  # every rank's files are closed before rank 0 says done
@@ -247,6 +326,8 @@ class OwnLoop:
         if self.own_group and dist.is_initialized():
             dist.destroy_process_group()
             sys.excepthook = self._excepthook
+        if self.replica is not None:
+            self.replica.close()
         _restore_env(self._env_before)
         self._env_before = {}
 
@@ -333,6 +414,19 @@ def _join(device: torch.device, timeout_s: float) -> bool:
     return True
 
 
+def _replica_env():
+    """(run directory, Lighthouse address, replica group) when the lab started this process as a replica group of a
+    fault-tolerant run of your own script (``commlab run --script``), else None."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    if not run_dir:
+        return None
+    lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+    if not lighthouse or not os.environ.get("RANK", "").isdigit():
+        raise RuntimeError(f"fault_tolerance: ${RUN_DIR_ENV} is set but ${LIGHTHOUSE_ENV} or $RANK is not; the lab "
+                           "sets all three for each replica group (commlab run --script)")
+    return run_dir, lighthouse, int(os.environ["RANK"])
+
+
 def _check_loss(loss) -> None:
     """Refuse, before the step runs, a loss the metrics line could not hold as one number."""
     if loss is None or (isinstance(loss, (int, float)) and not isinstance(loss, bool)):
@@ -358,8 +452,9 @@ def _load(spec: SpecLike, world: int) -> JobSpec:
     data["world_size"] = world
     out = JobSpec.from_dict(data)
     if out.fault_tolerance.enabled:
-        raise SpecError("fault_tolerance.enabled", "commlab.wrap's own loop runs without fault tolerance so far; "
-                                                   "run the spec with commlab run")
+        raise SpecError("fault_tolerance.enabled", "a fault-tolerant own loop runs as the replica groups the lab "
+                                                   "starts: commlab run SPEC --script 'train.py ARGS' (not under "
+                                                   "torchrun)")
     if isinstance(spec, JobSpec):
         out.engine.keep_from_env(spec.engine)  # what its own check took from the environment
     return out

@@ -12,6 +12,9 @@ import sys
 
 LIGHTHOUSE_ENV = "COMMLAB_FT_LIGHTHOUSE"
 """The Lighthouse's address (http://host:port), as the lab hands it to each replica's process."""
+RUN_DIR_ENV = "COMMLAB_FT_RUN_DIR"
+"""The run directory, as the lab hands it to each replica's process of your own script (``commlab run --script``):
+``commlab.wrap`` then trains as that replica group of that run."""
 
 def main() -> None:
     here = os.path.dirname(os.path.abspath(__file__))

@@ -210,6 +210,11 @@ FAULT_REQUESTS = _file(
     "cut's or a slowdown's), `speed` (a slowdown's), `by` (who asked), `t`",
     "`commlab fault` (commlab.lab.rundir.ftrun.request_fault)", "when someone asks",
     "commlab.lab.rundir.ftrun.FtJob")
+SCRIPT = _file(
+    "script.json", "json", "your own training script that each replica group of a fault-tolerant run runs instead "
+    "of the lab's worker: `argv` (the script and its arguments, run with the lab's Python) and `cwd`",
+    "`commlab run --script` (commlab.lab.front.run_cli.cmd_run)", "when the run is created, before it starts",
+    "commlab.lab.rundir.ftrun.FtJob")
 SLOWDOWNS = _file(
     "slowdowns.json", "json", "slow faults asked for while a fault-tolerant run goes on: per replica group (its "
     "number, as a string key) the `speed` it computes at (a share of its own) `until` a time (time.time()); the "
@@ -337,8 +342,9 @@ STATUS_FIELDS: Dict[str, Field] = _fields(
     ("nodes", "mark_running", "a multi-node run's number of machines"),
     ("cluster", "mark_running", "a shaped link's emulated cluster (namespaces, interfaces, rate)"),
     ("joined", "mark_running", "a job another launcher started: its `world_size` and `master`"),
-    ("fault_tolerance", "mark_running", "a fault-tolerant run: its `replica_groups` and its Lighthouse's address "
-                                        "`lighthouse`"),
+    ("fault_tolerance", "mark_running", "a fault-tolerant run: its `replica_groups`, its Lighthouse's address "
+                                        "`lighthouse` and, when the replicas run your own script (`commlab run "
+                                        "--script`), its `script` (`argv`, `cwd`)"),
     ("own_loop", "mark_running", "a `commlab.wrap` run: `script`, `model`, `params`, `optimizer`, `world_size`, `host`"),
     ("returncode", "mark_done, mark_failed, mark_diverged", "the job's exit code"),
     ("rank", "mark_failed, mark_diverged", "the rank that caused the failure or diverged"),

@@ -6,6 +6,7 @@ import getpass
 import json
 import os
 import re
+import shlex
 import sys
 import time
 
@@ -33,7 +34,7 @@ from commlab.lab.front.cli_kit import (
 )
 from commlab.lab.front.sweep import Sweep, markdown
 from commlab.lab.rundir.disturbance import describe, mark
-from commlab.lab.rundir.ftrun import request_fault
+from commlab.lab.rundir.ftrun import request_fault, write_script
 from commlab.lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
 from commlab.lab.rundir.progress import quiet
 from commlab.lab.rundir.summary import format_summary, summarize, what_ran
@@ -52,6 +53,10 @@ def add_commands(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--check", action="store_true", help="validate the spec, print it fully defaulted (JSON), "
                                                          "and exit")
+    p.add_argument("--script", default=None, metavar="'SCRIPT [ARGS]'",
+                   help="with fault_tolerance: each replica group runs this script of yours (its training loop "
+                        "calls commlab.wrap) instead of the lab's trainer; the lab starts the Lighthouse, the "
+                        "replicas and their restarts, and executes the faults")
     json_arg(p, "the run's id, status, summary and spec")
     g = p.add_argument_group("multi-node (torchrun static rendezvous; every node runs this command)")
     g.add_argument("--nnodes", type=int, default=None, help="number of machines")
@@ -179,6 +184,7 @@ def cmd_run(args) -> int:
     if args.check:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0
+    script = own_script(args.script, spec, args.nnodes) if args.script is not None else None
     lab = lab_of(args)
     auto = spec.strategy.mode == "auto" and not spec.strategy.decided
     if args.nnodes and auto:
@@ -198,12 +204,31 @@ def cmd_run(args) -> int:
     progress = quiet(sys.stderr)  # the progress stream: closed early, it only goes quiet (commlab/lab/rundir/progress.py)
     say = None if args.quiet else (lambda m: print(m, file=progress, flush=True))
     run = lab.create(spec, run_id=args.run_id, say=say, supervisor=procs.identity())
+    if script is not None:  # before the launch: the replicas read it as they start
+        write_script(run, script, os.getcwd())
     print(f"run {run.id}  ({run.path})", file=notes(args), flush=True)
     try:
         state = lab.supervise(run, progress=not args.quiet, out=progress)
     except KeyboardInterrupt:  # Ctrl-C before the launch: the summary of what there is, then status 130
         state = run.state
     return report(run, state, args)
+
+
+def own_script(line: str, spec, nnodes) -> list:
+    """``--script``'s argv (the script first, then its arguments), or a UsageError naming what is missing."""
+    try:
+        argv = shlex.split(line)
+    except ValueError as e:
+        raise UsageError(f"--script: {e}") from None
+    if not spec.fault_tolerance.enabled:
+        raise UsageError("--script: runs your own loop as the replica groups of a fault-tolerant run "
+                         "(fault_tolerance.enabled: true); without fault tolerance start it with torchrun")
+    if nnodes:
+        raise UsageError("--script: runs on one machine; --nnodes takes the lab's own trainer")
+    if not argv or not os.path.isfile(argv[0]):
+        raise UsageError(f"--script: {argv[0] if argv else 'nothing'} is not a file (give the script's path "
+                         "first, then its arguments)")
+    return argv
 
 
 def run_node(lab, spec, args) -> int:

@@ -25,6 +25,7 @@ with no restart left, or when the Lighthouse dies.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -86,6 +87,9 @@ class FtJob:
         """replica -> generation whose process trained to the end (exit 0)."""
         self.failures: List[Tuple[int, int]] = []
         """(replica, exit code) of every process that died on its own (not by a fault)."""
+        self.script: Optional[Tuple[List[str], str]] = None
+        """(argv, cwd) of your own script each replica group runs (script.json, ``commlab run --script``, read at
+        the start), or None: the lab's worker."""
         self.t_first_finish: Optional[float] = None
         self.failed: Optional[str] = None
         """Why the run cannot go on (the Lighthouse died, every replica gone), or None."""
@@ -94,17 +98,19 @@ class FtJob:
     def _record(self, event: str, **kw) -> None:
         self.events.write({"event": event, "t": time.time(), **kw})
 
-    def _spawn(self, argv: List[str], env: dict, log, memory: Optional[int] = None) -> subprocess.Popen:
+    def _spawn(self, argv: List[str], env: dict, log, memory: Optional[int] = None,
+               cwd: Optional[str] = None) -> subprocess.Popen:
         def child() -> None:
             procs.die_with_parent()
             procs.limit_data(memory)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                             start_new_session=True, preexec_fn=child)
+                             start_new_session=True, preexec_fn=child, cwd=cwd)
         self.started.append(p)
         return p
 
     def start(self) -> None:
         """The Lighthouse, once it accepts connections, then every replica group (generation 0)."""
+        self.script = read_script(self.run)
         port = free_port()
         ft = self.ft
         argv = [self.python, ft_lighthouse.__file__, "--bind", f"[::]:{port}",
@@ -137,7 +143,12 @@ class FtJob:
         env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "RANK": str(r),
                "WORLD_SIZE": str(self.groups), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(self.groups),
                ft_lighthouse.LIGHTHOUSE_ENV: self.addr}
-        p = self._spawn([self.python, *worker_argv(str(self.run.path))], env, self.log, self.memory)
+        if self.script is None:
+            p = self._spawn([self.python, *worker_argv(str(self.run.path))], env, self.log, self.memory)
+        else:  # your own loop: commlab.wrap finds the run and its replica group in the environment
+            env[ft_lighthouse.RUN_DIR_ENV] = str(self.run.path)
+            argv, cwd = self.script
+            p = self._spawn([self.python, *argv], env, self.log, self.memory, cwd=cwd)
         self.live[r] = (p, gen)
         self.spawned[r] = time.time()
         self.stepped.discard(r)
@@ -315,6 +326,29 @@ class FtJob:
             procs.stop([self.lighthouse])
         self.events.close()
 
+
+
+def write_script(run, argv: List[str], cwd: str) -> None:
+    """Have each replica group of the fault-tolerant ``run`` run your own script (``argv``: the script and its
+    arguments, run with the lab's Python from ``cwd``) instead of the lab's worker: script.json, read as it starts."""
+    write_json_atomic(run.file(runfiles.SCRIPT), {"argv": list(argv), "cwd": cwd})
+
+
+def read_script(run) -> Optional[Tuple[List[str], str]]:
+    """(argv, cwd) of the run's script.json, or None when it has none. A file that is not what the protocol says
+    is a RuntimeError naming it (the run fails with it rather than train the lab's worker instead)."""
+    path = run.file(runfiles.SCRIPT)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        argv, cwd = doc["argv"], doc["cwd"]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise RuntimeError(f"{runfiles.SCRIPT}: cannot be read ({e})") from None
+    if not argv or not all(isinstance(a, str) for a in argv) or not isinstance(cwd, str):
+        raise RuntimeError(f"{runfiles.SCRIPT}: argv must be a non-empty list of strings and cwd a string")
+    return argv, cwd
 
 
 def request_fault(run, replica: int, restart_after_s: Optional[float] = None, by: str = "",

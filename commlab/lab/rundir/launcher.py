@@ -271,8 +271,10 @@ def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limi
     stopped = None
     try:
         job.start()
-        run.mark_running(torchruns=job.identities(), argv=[sys.executable, *worker_argv(str(run.path))],
-                         fault_tolerance={"replica_groups": job.groups, "lighthouse": job.addr})
+        argv = [sys.executable, *(job.script[0] if job.script else worker_argv(str(run.path)))]
+        script = {"script": {"argv": job.script[0], "cwd": job.script[1]}} if job.script else {}
+        run.mark_running(torchruns=job.identities(), argv=argv,
+                         fault_tolerance={"replica_groups": job.groups, "lighthouse": job.addr, **script})
         while job.verdict() is None:
             new = tail.read()
             if new and on_metrics:
