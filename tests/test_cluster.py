@@ -126,12 +126,27 @@ def test_refusals_name_the_field_and_what_is_allowed(world, net, field, words):
 
 
 def test_a_cluster_is_refused_where_the_lab_cannot_use_it_yet():
-    msg = str(pytest.raises(SpecError, JobSpec.from_dict, {**BASE, "network": {"link": "modeled", "cluster": "two_regions"},
-                                                           "fault_tolerance": {"enabled": True}}).value)
-    assert msg.startswith("network.cluster:") and "fault tolerance" in msg
     msg = str(pytest.raises(SpecError, JobSpec.from_dict, {"model": "mlp", "dataset": "digits", "strategy": "auto",
                                                            "network": {"link": "modeled", "cluster": "two_regions"}}).value)
     assert msg.startswith("network.cluster:") and "strategy auto" in msg
+
+
+def test_a_fault_tolerant_run_takes_a_cluster_whose_ring_is_each_quorums():
+    """Under fault tolerance the ring of a step is its quorum's replica groups (``members``, set at each quorum):
+    the time of a collective over members [0, 2] of three workers is that of a cluster of those two workers."""
+    pytest.importorskip("torchft")
+    spec = JobSpec.from_dict({**BASE, "world_size": 3, "network": {"link": "modeled", "cluster": "three_continents"},
+                              "fault_tolerance": {"enabled": True}})
+    workers = spec.network.cluster["workers"]
+    link = from_spec(spec.network, seed=5)
+    pair = ClusterLink([workers[0], workers[2]], seed=5)
+    for op in ("allreduce", "allgather"):
+        link.members = [0, 2]
+        assert link.duration(op, 1 << 20, 2, seq=3) == pair.duration(op, 1 << 20, 2, seq=3) > 0
+        link.members = None
+        assert link.duration(op, 1 << 20, 3, seq=3) > link.duration(op, 1 << 20, 1, seq=3) == 0.0
+        with pytest.raises(ValueError, match="this cluster's ring has 3 workers, the collective 2 ranks"):
+            link.duration(op, 1 << 20, 2)
 
 
 # -- the modeled link -------------------------------------------------------------------------------

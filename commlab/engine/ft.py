@@ -198,6 +198,26 @@ class FtGroup(Group):
         return self.replica.manager.errored() is not None
 
 
+class _Members:
+    """torchft's process group, remembering the replica groups of the quorum it was last configured for (the
+    Manager passes them at each new quorum, in ring order): ``members``, None before the first."""
+    members: Optional[list] = None
+
+    def configure(self, store_addr, replica_id, rank, world_size, quorum_id=None, group_rank=None,
+                  group_world_size=None, global_ranks=None):
+        self.members = None if global_ranks is None else [int(r) for r in global_ranks]
+        return super().configure(store_addr, replica_id, rank, world_size, quorum_id, group_rank, group_world_size,
+                                 global_ranks)
+
+
+class _GlooMembers(_Members, ProcessGroupGloo):
+    pass
+
+
+class _NcclMembers(_Members, ProcessGroupNCCL):
+    pass
+
+
 class Replica:
     """One replica group (this process): its Manager and what it records. ``n``: the replica group's number."""
 
@@ -212,7 +232,7 @@ class Replica:
         timeout = timedelta(seconds=ft.timeout_s)
         # one process per replica group: it hosts its group's store (the Manager connects to it as a client)
         self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
-        self.pg = ProcessGroupNCCL(timeout=timeout) if self.backend == "nccl" else ProcessGroupGloo(timeout=timeout)
+        self.pg = _NcclMembers(timeout=timeout) if self.backend == "nccl" else _GlooMembers(timeout=timeout)
         self.transport = CountingTransport(timeout, self._received)
         self.recoveries = JsonlWriter(os.path.join(run_dir, runfiles.RECOVERIES)) if run_dir else None
         self._recv: Optional[dict] = None
@@ -276,6 +296,10 @@ class Replica:
         self.last = {"quorum_id": m._quorum_id, "participants": m.num_participants(),
                      "quorum_ms": (time.perf_counter() - t0) * 1e3}
         return {**self.last, "step": m.current_step()}
+
+    def members(self) -> Optional[list]:
+        """The replica groups of this step's quorum, in ring order (their numbers), or None before the first."""
+        return self.pg.members
 
     def should_commit(self) -> bool:
         """Whether this step commits (every participant's exchange succeeded and enough took part); call once per

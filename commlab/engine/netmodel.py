@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import random
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from commlab.engine.runlog import write_json_atomic
 
@@ -238,6 +238,9 @@ class ClusterLink(ModeledLink):
         self.seed = int(seed)
         self.seq = 0
         """The sequence number of the next collective ``issue`` books."""
+        self.members: Optional[List[int]] = None
+        """The workers in this step's ring, in ring order: under fault tolerance, the quorum's replica groups
+        (commlab/engine/stepper.py sets it at each quorum); None: every worker."""
 
     def __repr__(self) -> str:
         return f"ClusterLink({len(self.up)} workers, slowest {self.gbps:g} Gbit/s, seed={self.seed})"
@@ -249,19 +252,23 @@ class ClusterLink(ModeledLink):
                 + self.delay_s[i] + self.delay_s[(i + 1) % p] for i in range(p)]
 
     def duration(self, op: str, nbytes: int, world: int, seq: int = 0) -> float:
-        p = len(self.up)
+        """The collective's time over the ring of ``members`` (every worker when None). Under fault tolerance the
+        ring is the quorum's: a smaller quorum's ring skips the workers that are gone."""
+        ring = range(len(self.up)) if self.members is None else self.members
+        up, down = [self.up[w] for w in ring], [self.down[w] for w in ring]
+        d, j = [self.delay_s[w] for w in ring], [self.jitter_s[w] for w in ring]
+        p = len(up)
         if nbytes < 0:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         steps, chunk = ring_steps(op, nbytes, world)
         if world == 1:
             return 0.0
         if world != p:
-            raise ValueError(f"this cluster has {p} workers, the collective {world} ranks")
-        wire = [chunk * 8.0 / (min(self.up[i], self.down[(i + 1) % p]) * 1e9) for i in range(p)]
-        if not any(self.jitter_s):
-            return steps * max(self.hops(chunk))
+            raise ValueError(f"this cluster's ring has {p} workers, the collective {world} ranks")
+        wire = [chunk * 8.0 / (min(up[i], down[(i + 1) % p]) * 1e9) for i in range(p)]
+        if not any(j):
+            return steps * max(wire[i] + d[i] + d[(i + 1) % p] for i in range(p))
         rng = random.Random(self.seed * 1_000_003 + seq)
-        d, j = self.delay_s, self.jitter_s
         total = 0.0
         for _ in range(steps):
             slowest = 0.0

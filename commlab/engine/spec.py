@@ -965,9 +965,6 @@ class JobSpec:
             net.cluster = cluster.resolve(net.cluster, self.world_size, net.link, net.gbps)
         except cluster.ClusterError as e:
             raise SpecError(e.path, e.msg) from None
-        if self.fault_tolerance.enabled:
-            raise SpecError("network.cluster", "fault tolerance does not take a cluster yet (its replica groups "
-                                               "change from step to step); leave network.cluster out")
         if self.strategy.mode == "auto":
             raise SpecError("network.cluster", "strategy auto does not plan for a cluster of unequal workers yet; "
                                                "use strategy fixed")

@@ -314,6 +314,10 @@ class Stepper:
         self._rec = dict(q)
         rank = self.ft.group.rank()
         self.dp.set_world(q["participants"], rank)
+        if isinstance(self.dp.link, netmodel.ClusterLink):  # the ring is the quorum's workers
+            members = getattr(self.ft, "members", lambda: None)()
+            ok = members is not None and len(members) == q["participants"]
+            self.dp.link.members = members if ok else list(range(q["participants"]))
         if self.method is not None:
             self.ctx.world, self.ctx.rank = q["participants"], rank
         states = [b.compressor.state_dict() for b in self.dp.buckets]
