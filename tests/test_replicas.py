@@ -58,3 +58,15 @@ def test_a_cut_replica_is_cut_off_then_recovering_then_training():
     assert s[1]["state"] == "recovering"  # nothing logged since it went on
     later = [*STEPS[:12], {"kind": "step", "replica": 1, "step": 6, "t": 3.9, "quorum_id": 3, "participants": 3}]
     assert by(replicas.replica_states(back, later, START))[1]["state"] == "training"
+
+
+def test_a_replica_whose_latest_step_ran_slow_is_slow_until_a_step_runs_at_its_speed():
+    """A slow fault (of the spec, or asked for with `commlab fault --slow`): the step lines say ``speed``; the
+    replica is ``slow`` while its latest one does, training again after."""
+    slowed = [*STEPS, {"kind": "step", "replica": 0, "step": 8, "t": 9.0, "speed": 0.25, "slow_ms": 30.0}]
+    s = by(replicas.replica_states(EVENTS, slowed, START))
+    assert s[0]["state"] == "slow" and s[0]["speed"] == 0.25 and s[1]["state"] == "training" and s[1]["speed"] == 1.0
+    assert replicas.describe(list(s.values())) == ("3 replica groups: 1 training, 1 slow (replica 0), 1 gone "
+                                                   "(replica 2); 1 kill")
+    again = [*slowed, {"kind": "step", "replica": 0, "step": 9, "t": 9.5}]
+    assert by(replicas.replica_states(EVENTS, again, START))[0]["state"] == "training"

@@ -181,7 +181,8 @@ def replica_panel(run, rows, running: bool = False) -> None:
     st.caption(ui.text(replicas.describe(states)))
     cols = st.columns(len(states))
     for c, s in zip(cols, states):
-        c.metric(ui.text(f"replica {s['replica']}"), ui.text(s["state"]),
+        state = s["state"] + (f" ({s['speed']:g}x)" if s["state"] == "slow" else "")
+        c.metric(ui.text(f"replica {s['replica']}"), ui.text(state),
                  help=ui.text(f"process generation {s['gen']}, {s['kills']} kill(s), last step {s['last_step']}"))
     if running:
         pick, pull, secs, cut, slow_speed, slow = st.columns([2, 1, 1, 1, 1, 1], vertical_alignment="bottom")

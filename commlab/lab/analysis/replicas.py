@@ -8,6 +8,8 @@ metrics.jsonl (``replica``, ``quorum_id``, ``participants``, ``committed``).
 A replica's state, from its latest process (generation):
 
 - ``training``: its process runs and has logged a step since it started;
+- ``slow``: training, and its latest step ran below its own speed (a slow fault, of the spec or asked for: the
+  row's ``speed`` says how much);
 - ``recovering``: its process runs and has logged no step yet (importing, joining the quorum, taking a peer's state);
 - ``gone``: its process was killed or died (a restart may be due: the lab's ``restart`` section decides);
 - ``cut off``: a cut fault holds its process stopped (no traffic, no heartbeat); back to ``recovering`` when it ends;
@@ -18,21 +20,22 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-STATES = ("training", "recovering", "cut off", "gone", "finished", "stopped")
+STATES = ("training", "slow", "recovering", "cut off", "gone", "finished", "stopped")
 
 
 def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]) -> List[dict]:
     """One row per replica group seen in ``events``: ``replica``, ``state`` (STATES), ``gen`` (its process's
     generation: 0, then one more per restart), ``kills`` and ``cuts`` (over the run), ``recoveries`` (over the run, the start's
-    included), ``last_step`` (the last step it logged, any generation) and ``since`` (the time of the event that set
-    its state)."""
+    included), ``last_step`` (the last step it logged, any generation), ``speed`` (the share of its own speed its
+    latest step ran at: 1.0 without a slow fault) and ``since`` (the time of the event that set its state)."""
     out: Dict[int, dict] = {}
     for e in events:
         r = e.get("replica")
         if r is None or e.get("lighthouse"):
             continue
         row = out.setdefault(r, {"replica": r, "state": "recovering", "gen": 0, "kills": 0, "cuts": 0, "recoveries": 0,
-                                 "last_step": None, "since": e.get("t"), "_spawn_t": None})
+                                 "last_step": None, "speed": 1.0, "since": e.get("t"), "_spawn_t": None,
+                                 "_last_t": None})
         ev = e.get("event")
         if ev == "spawn":
             row.update(state="recovering", gen=e.get("gen", 0), since=e.get("t"), _spawn_t=e.get("t"))
@@ -56,6 +59,11 @@ def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]
             row["last_step"] = s.get("step")
         if row["state"] == "recovering" and row["_spawn_t"] is not None and s.get("t", 0) >= row["_spawn_t"]:
             row.update(state="training", since=s.get("t"))
+        if row["_last_t"] is None or s.get("t", 0) >= row["_last_t"]:
+            row.update(_last_t=s.get("t", 0), speed=float(s.get("speed", 1.0)))
+    for row in out.values():
+        if row["state"] == "training" and row["speed"] < 1.0:
+            row["state"] = "slow"
     for rec in recoveries:
         row = out.get(rec.get("replica"))
         if row is not None:
