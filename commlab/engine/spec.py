@@ -670,7 +670,7 @@ FT_FAULT_KINDS = ("kill", "cut", "slow")
 stops the replica's process for ``seconds``, SIGSTOP then SIGCONT: its peers and the Lighthouse hear nothing from it,
 as across a cut link) and slow (the replica computes at ``speed`` for ``steps`` steps, as a worker on a busy or
 throttled machine; its own Stepper stretches its forward and backward passes)."""
-FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco")
+FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "muloco")
 """The methods a fault-tolerant run may use: every step's gradients, and those whose syncs join a quorum and commit
 (commlab/engine/methods/base.py, ``Quorum``)."""
 FT_METHOD_COMPRESSORS = ("none", "fp16", "bf16")

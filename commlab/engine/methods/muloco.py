@@ -22,7 +22,8 @@ torch's, which orthogonalizes in bfloat16 with 5 Newton-Schulz steps and scales 
 cols)), and leaves 3-D and 4-D kernels to AdamW, where the authors' code (github.com/facebookresearch/MuLoCo)
 scales the step by a spectral-norm rule and flattens such tensors into matrices; and AdamW steps the output head
 only when it is tied to the embedding (the authors' recipe gives the head to AdamW as well). Under fault tolerance
-it is refused so far.
+it runs as DiLoCo does (each sync joins a quorum and is applied when it commits; a recovery hands over the Muon and
+AdamW state with the model).
 
 With H = 1, outer_lr = 1 and outer_momentum = 0 MuLoCo is the average of each rank's Muon step, which is not
 synchronous Muon on the averaged gradient (the orthogonalization is not linear): tests/test_methods_muloco_desloc.py
