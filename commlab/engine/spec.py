@@ -965,9 +965,6 @@ class JobSpec:
             net.cluster = cluster.resolve(net.cluster, self.world_size, net.link, net.gbps)
         except cluster.ClusterError as e:
             raise SpecError(e.path, e.msg) from None
-        if self.strategy.mode == "auto":
-            raise SpecError("network.cluster", "strategy auto does not plan for a cluster of unequal workers yet; "
-                                               "use strategy fixed")
 
     def _check_method(self) -> None:
         """The combinations a method allows (commlab/engine/methods/); fault.at sync needs a sync at fault.step."""
