@@ -197,7 +197,8 @@ RECOVERIES = _file(
     "commlab.lab.rundir.store.Run.recoveries")
 FT_EVENTS = _file(
     "ft-events.jsonl", "jsonl", "what the lab did to a fault-tolerant run's processes, one line each with `event`, "
-    "`t` and, per process, `replica`, `gen` (0 first, then each restart) and `pid`: `lighthouse` (its `addr`), "
+    "`t`, on several machines the `node` that did it, and, per process, `replica`, `gen` (0 first, then each "
+    "restart) and `pid`: `lighthouse` (its `addr`), "
     "`spawn`, `kill` (a fault: at the replica's `step`; one asked for while it ran has `requested: true` and `by`), "
     "`cut` (a cut fault: the process stopped for `seconds`, likewise), `reconnect` (its cut over, and `why`), "
     "`refused` (a fault asked for that could not be done, and `why`), `exit` (`code`), `stop` (still running at "

@@ -52,12 +52,23 @@ LIGHTHOUSE_UP_S = 120.0
 
 
 class FtJob:
-    def __init__(self, run, spec: JobSpec, log, python: str = sys.executable, memory: Optional[int] = None):
+    def __init__(self, run, spec: JobSpec, log, python: str = sys.executable, memory: Optional[int] = None,
+                 nodes=None):
         """``log``: the file the replicas write to (log.txt); ``memory``: MB of data each replica may use (a room's
-        ``rank_mb``), as the launcher limits ranks."""
+        ``rank_mb``), as the launcher limits ranks. ``nodes`` (commlab.lab.rundir.launcher.Nodes): this process is
+        one machine of several sharing the run directory: node 0 starts the Lighthouse on the master address and
+        port, every node its own block of replica groups (``mine``), whose faults it executes and whose restarts
+        it makes."""
         self.run, self.spec, self.log, self.python, self.memory = run, spec, log, python, memory
         self.ft = spec.fault_tolerance
         self.groups = self.ft.replica_groups
+        self.nodes = nodes
+        if nodes is not None and self.groups % nodes.nnodes:
+            raise ValueError(f"fault_tolerance.replica_groups: {self.groups} do not split over {nodes.nnodes} nodes")
+        per = self.groups // (nodes.nnodes if nodes is not None else 1)
+        first = per * (nodes.node_rank if nodes is not None else 0)
+        self.mine = range(first, first + per)
+        """The replica groups this process starts, restarts and executes faults on (every one on one machine)."""
         self.events = JsonlWriter(str(run.file(runfiles.FT_EVENTS)))
         self.started: List[subprocess.Popen] = []
         """Every process started here (the Lighthouse, every generation of every replica), to stop at the end."""
@@ -96,7 +107,8 @@ class FtJob:
 
     # -- starting -------------------------------------------------------------
     def _record(self, event: str, **kw) -> None:
-        self.events.write({"event": event, "t": time.time(), **kw})
+        node = {} if self.nodes is None else {"node": self.nodes.node_rank}  # which machine did it
+        self.events.write({"event": event, "t": time.time(), **node, **kw})
 
     def _spawn(self, argv: List[str], env: dict, log, memory: Optional[int] = None,
                cwd: Optional[str] = None) -> subprocess.Popen:
@@ -111,30 +123,33 @@ class FtJob:
     def start(self) -> None:
         """The Lighthouse, once it accepts connections, then every replica group (generation 0)."""
         self.script = read_script(self.run)
-        port = free_port()
-        ft = self.ft
-        argv = [self.python, ft_lighthouse.__file__, "--bind", f"[::]:{port}",
-                "--min_replicas", str(ft.min_replicas), "--join_timeout_ms", str(ft.join_timeout_ms),
-                "--quorum_tick_ms", str(ft.quorum_tick_ms), "--heartbeat_timeout_ms", str(ft.heartbeat_timeout_ms)]
-        lh_log = open(self.run.file(runfiles.LIGHTHOUSE_LOG), "ab", buffering=0)
-        env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
-        self.lighthouse = self._spawn(argv, env, lh_log)
-        lh_log.close()  # the child has its own descriptor
-        self.addr = f"http://localhost:{port}"
-        self._record("lighthouse", pid=self.lighthouse.pid, addr=self.addr, argv=argv)
+        nodes = self.nodes
+        host, port = ("localhost", free_port()) if nodes is None else (nodes.master_addr, nodes.port)
+        self.addr = f"http://{host}:{port}"
+        if nodes is None or nodes.node_rank == 0:
+            ft = self.ft
+            argv = [self.python, ft_lighthouse.__file__, "--bind", f"[::]:{port}",
+                    "--min_replicas", str(ft.min_replicas), "--join_timeout_ms", str(ft.join_timeout_ms),
+                    "--quorum_tick_ms", str(ft.quorum_tick_ms), "--heartbeat_timeout_ms", str(ft.heartbeat_timeout_ms)]
+            lh_log = open(self.run.file(runfiles.LIGHTHOUSE_LOG), "ab", buffering=0)
+            env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
+            self.lighthouse = self._spawn(argv, env, lh_log)
+            lh_log.close()  # the child has its own descriptor
+            self._record("lighthouse", pid=self.lighthouse.pid, addr=self.addr, argv=argv)
         deadline = time.monotonic() + LIGHTHOUSE_UP_S
-        while True:
-            if self.lighthouse.poll() is not None:
+        while True:  # node 0's Lighthouse; on the other nodes, the one node 0 starts
+            if self.lighthouse is not None and self.lighthouse.poll() is not None:
                 raise RuntimeError(f"fault_tolerance: the Lighthouse exited with code {self.lighthouse.returncode} "
                                    f"before it served; see {runfiles.LIGHTHOUSE_LOG}")
             with contextlib.suppress(OSError):
-                socket.create_connection(("localhost", port), timeout=0.5).close()
+                socket.create_connection((host, port), timeout=0.5).close()
                 break
             if time.monotonic() > deadline:
-                raise RuntimeError(f"fault_tolerance: the Lighthouse did not accept connections within "
-                                   f"{LIGHTHOUSE_UP_S:g} s; see {runfiles.LIGHTHOUSE_LOG}")
+                where = runfiles.LIGHTHOUSE_LOG if self.lighthouse is not None else "node 0's output"
+                raise RuntimeError(f"fault_tolerance: the Lighthouse at {host}:{port} did not accept connections "
+                                   f"within {LIGHTHOUSE_UP_S:g} s; see {where}")
             time.sleep(0.1)
-        for r in range(self.groups):
+        for r in self.mine:
             self._start_replica(r)
 
     def _start_replica(self, r: int) -> None:
@@ -162,6 +177,9 @@ class FtJob:
     def feed(self, rows: List[dict]) -> None:
         """New metric lines: execute the faults whose step a replica has now logged (each fault once)."""
         for row in rows:
+            if row.get("kind") == "final" and self.t_first_finish is None:  # a replica, of any node, trained to the end
+                self.t_first_finish = time.monotonic()
+                self._nothing_to_rejoin()
             if row.get("kind") != "step" or "replica" not in row:
                 continue
             r, step = row["replica"], row.get("step", -1)
@@ -211,7 +229,13 @@ class FtJob:
         Stepper reads before each step (commlab.engine.runfiles.read_slowdown); a restarted process reads it too."""
         until = time.time() + seconds
         self.slowdowns[str(r)] = {"speed": speed, "until": until}
-        write_json_atomic(self.run.file(runfiles.SLOWDOWNS), self.slowdowns)
+        path = self.run.file(runfiles.SLOWDOWNS)
+        try:  # on several machines each node writes its own replicas' entries into the one file
+            with open(path) as f:
+                theirs = {k: v for k, v in json.load(f).items() if int(k) not in self.mine}
+        except (OSError, ValueError, AttributeError, TypeError):
+            theirs = {}
+        write_json_atomic(path, {**theirs, **self.slowdowns})
         self._record("slow", replica=r, speed=speed, seconds=seconds, until=until, **record)
 
     def _asked(self) -> None:
@@ -220,6 +244,8 @@ class FtJob:
         for req in self.requests.read():
             r, by, after, kind = req.get("replica"), req.get("by"), req.get("restart_after_s"), req.get("kind")
             seconds, speed = req.get("seconds"), req.get("speed")
+            if isinstance(r, int) and not isinstance(r, bool) and 0 <= r < self.groups and r not in self.mine:
+                continue  # another node's replica group: that node executes it
             why = None
             if kind not in ("kill", "cut", "slow") or isinstance(r, bool) or not isinstance(r, int) \
                     or not 0 <= r < self.groups:

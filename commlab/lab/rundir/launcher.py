@@ -65,9 +65,7 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
     """
     spec, limits = run.spec(), run.status()
     if spec.fault_tolerance.enabled:
-        if nodes is not None:
-            raise ValueError("fault_tolerance: a fault-tolerant run runs on one machine so far (no --nnodes)")
-        return _follow_ft(run, spec, progress, out or sys.stderr, poll_s, on_metrics, should_cancel, limits)
+        return _follow_ft(run, spec, progress, out or sys.stderr, poll_s, on_metrics, should_cancel, limits, nodes)
     with contextlib.ExitStack() as stack:
         if nodes is not None:
             if spec.world_size % nodes.nnodes:
@@ -259,12 +257,17 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     return state
 
 
-def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limits: dict) -> str:
+def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limits: dict, nodes=None) -> str:
     """A fault-tolerant run (commlab/lab/rundir/ftrun.py): the Lighthouse and one process per replica group, the
     faults executed and dead replicas restarted as the metrics come in, every process started stopped by its PID
-    at the end however it ends; then one final transition (done, diverged, failed or cancelled)."""
-    log = open(run.file(runfiles.LOG), "ab", buffering=0)
-    job = ftrun.FtJob(run, spec, log, memory=limits.get("rank_limit_mb"))
+    at the end however it ends; then one final transition (done, diverged, failed or cancelled). With ``nodes``:
+    this machine's block of replica groups (node 0 also starts the Lighthouse); only node 0 writes the status,
+    from its own replica groups' end (a node's replicas finish training with the others')."""
+    node = nodes.node_rank if nodes is not None else 0
+    log = open(run.file(runfiles.LOG if node == 0 else runfiles.NODE_LOG.format(pid=os.getpid())), "ab", buffering=0)
+    job = ftrun.FtJob(run, spec, log, memory=limits.get("rank_limit_mb"), nodes=nodes)
+    if node > 0:
+        return _follow_ft_node(run, job, log, poll_s)
     tail = JsonlTail(run.file(runfiles.METRICS))
     bar = RunProgress(spec.steps, spec.world_size, out, final_eval=spec.final_eval) if progress else None
     wall_s, t0 = limits.get("wall_limit_s"), time.time()
@@ -296,7 +299,7 @@ def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limi
     finally:
         job.stop()
         log.close()
-        kill_strays(run)
+        kill_strays(run, job.mine if nodes is not None else None)
     if bar:
         bar.feed(tail.read())
     if stopped:
@@ -319,6 +322,28 @@ def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limi
     if bar:
         bar.close(state)
     return state
+
+
+def _follow_ft_node(run, job, log, poll_s: float) -> str:
+    """A node after the first of a fault-tolerant run: its replica groups to their end (node 0 owns the status);
+    returns this node's verdict (cancelled on Ctrl-C)."""
+    tail = JsonlTail(run.file(runfiles.METRICS))
+    try:
+        job.start()
+        while job.verdict() is None and run.state not in (State.CANCELLED, State.FAILED):  # node 0 gave up
+            job.feed(tail.read())
+            job.poll()
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        return State.CANCELLED
+    except RuntimeError as e:  # node 0's Lighthouse did not come up
+        job.failed = str(e)
+        print(f"[commlab] {e}", file=sys.stderr)
+    finally:
+        job.stop()
+        log.close()
+        kill_strays(run, job.mine)
+    return job.verdict() or (State.FAILED if job.failed else run.state)
 
 
 def _direct(argv: List[str]) -> bool:
@@ -419,7 +444,9 @@ def _signal_message(rank: int, code: int) -> str:
     return f"rank {rank} was killed by {name}" + (" (out of memory, or kill -9)" if code == -9 else "")
 
 
-def kill_strays(run: Run) -> None:
-    """SIGKILL any rank of this run that is still alive (verified by pid, start time and command line)."""
+def kill_strays(run: Run, ranks=None) -> None:
+    """SIGKILL any rank of this run that is still alive (verified by pid, start time and command line); with
+    ``ranks``, only those (a node of several, whose other ranks are another node's)."""
     for ident in run.worker_pids():
-        procs.kill_if_ours(ident, str(run.path))
+        if ranks is None or ident.get("rank") in ranks:
+            procs.kill_if_ours(ident, str(run.path))
