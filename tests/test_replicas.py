@@ -70,3 +70,12 @@ def test_a_replica_whose_latest_step_ran_slow_is_slow_until_a_step_runs_at_its_s
                                                    "(replica 2); 1 kill")
     again = [*slowed, {"kind": "step", "replica": 0, "step": 9, "t": 9.5}]
     assert by(replicas.replica_states(EVENTS, again, START))[0]["state"] == "training"
+
+
+def test_a_hung_replica_is_hung_until_killed():
+    hung = [*EVENTS[:4], {"event": "hang", "replica": 1, "gen": 0, "pid": 11, "step": 3, "t": 1.7}]
+    s = by(replicas.replica_states(hung, STEPS[:12], START))
+    assert s[1]["state"] == "hung"
+    assert replicas.describe(list(s.values())) == "3 replica groups: 2 training, 1 hung (replica 1); 0 kills"
+    killed = [*hung, {"event": "kill", "replica": 1, "gen": 0, "pid": 11, "t": 4.0}]
+    assert by(replicas.replica_states(killed, STEPS[:12], START))[1]["state"] == "gone"

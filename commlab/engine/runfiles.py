@@ -200,7 +200,8 @@ FT_EVENTS = _file(
     "`t`, on several machines the `node` that did it, and, per process, `replica`, `gen` (0 first, then each "
     "restart) and `pid`: `lighthouse` (its `addr`), "
     "`spawn`, `kill` (a fault: at the replica's `step`; one asked for while it ran has `requested: true` and `by`), "
-    "`cut` (a cut fault: the process stopped for `seconds`, likewise), `reconnect` (its cut over, and `why`), "
+    "`cut` (a cut fault: the process stopped for `seconds`, likewise), `hang` (a hang fault: the process stopped "
+    "until a kill or the end), `reconnect` (its cut over, and `why`), "
     "`refused` (a fault asked for that could not be done, and `why`), `exit` (`code`), `stop` (still running at "
     "the end, or a restart with nobody left to recover from; `why`)",
     "the run's supervisor (commlab.lab.rundir.ftrun.FtJob)", "as it starts, kills, restarts and stops them",

@@ -665,11 +665,13 @@ class RestartSpec:
 
 FT_TORCHFT = "0.2.0"
 """The torchft fault tolerance is written against (commlab/engine/ft.py)."""
-FT_FAULT_KINDS = ("kill", "cut", "slow")
+FT_FAULT_KINDS = ("kill", "cut", "slow", "hang")
 """The faults of a fault-tolerant run: kill (the lab SIGKILLs the replica's process, and restarts it), cut (the lab
 stops the replica's process for ``seconds``, SIGSTOP then SIGCONT: its peers and the Lighthouse hear nothing from it,
-as across a cut link) and slow (the replica computes at ``speed`` for ``steps`` steps, as a worker on a busy or
-throttled machine; its own Stepper stretches its forward and backward passes)."""
+as across a cut link), slow (the replica computes at ``speed`` for ``steps`` steps, as a worker on a busy or
+throttled machine; its own Stepper stretches its forward and backward passes) and hang (the lab stops the replica's
+process for good, as a worker stuck in a deadlock: the others go on without it, and only a kill, of the spec or
+asked for, brings it back, restarted)."""
 FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "muloco")
 """The methods a fault-tolerant run may use: every step's gradients, and those whose syncs join a quorum and commit
 (commlab/engine/methods/base.py, ``Quorum``)."""
@@ -710,7 +712,8 @@ class FaultToleranceSpec:
     spec.json means that); or {kind: slow, replica: r, step: s, steps: n, speed: x}: replica r computes at x
     (0 < x < 1) of its speed from step s for n steps (unset: to the end; null in spec.json means that); or
     {kind: cut, replica: r, step: s, seconds: t}: the lab cuts replica r off for t seconds once it has logged
-    step s (its process stopped: no traffic, no heartbeat), then lets it go on."""
+    step s (its process stopped: no traffic, no heartbeat), then lets it go on; or {kind: hang, replica: r,
+    step: s}: the lab stops replica r's process for good once it has logged step s (a hung worker)."""
 
     def __post_init__(self):
         p = "fault_tolerance"
@@ -796,7 +799,8 @@ class FaultToleranceSpec:
 
 _FT_FAULT_KEYS = {"kill": ("kind", "replica", "step", "restart_after_s"),
                   "cut": ("kind", "replica", "step", "seconds"),
-                  "slow": ("kind", "replica", "step", "steps", "speed")}
+                  "slow": ("kind", "replica", "step", "steps", "speed"),
+                  "hang": ("kind", "replica", "step")}
 
 
 def _ft_fault(f: Any, i: int) -> dict:
@@ -826,6 +830,8 @@ def _ft_fault(f: Any, i: int) -> dict:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise SpecError(f"{where}.steps", f"must be an integer >= 1 (or unset: to the end), got {n!r}")
         out.update(speed=float(speed), steps=n)
+        return out
+    if kind == "hang":
         return out
     if kind == "cut":
         t = f.get("seconds")

@@ -13,6 +13,7 @@ A replica's state, from its latest process (generation):
 - ``recovering``: its process runs and has logged no step yet (importing, joining the quorum, taking a peer's state);
 - ``gone``: its process was killed or died (a restart may be due: the lab's ``restart`` section decides);
 - ``cut off``: a cut fault holds its process stopped (no traffic, no heartbeat); back to ``recovering`` when it ends;
+- ``hung``: a hang fault holds its process stopped for good (a kill brings it back, restarted);
 - ``finished``: its process trained to the end and exited 0;
 - ``stopped``: the lab stopped it (the run ended, or the others had finished).
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-STATES = ("training", "slow", "recovering", "cut off", "gone", "finished", "stopped")
+STATES = ("training", "slow", "recovering", "cut off", "hung", "gone", "finished", "stopped")
 
 
 def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]) -> List[dict]:
@@ -45,7 +46,9 @@ def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]
         elif ev == "cut" and e.get("gen") == row["gen"]:
             row["cuts"] += 1
             row.update(state="cut off", since=e.get("t"))
-        elif ev == "reconnect" and e.get("gen") == row["gen"] and row["state"] == "cut off":
+        elif ev == "hang" and e.get("gen") == row["gen"]:
+            row.update(state="hung", since=e.get("t"))
+        elif ev == "reconnect" and e.get("gen") == row["gen"] and row["state"] in ("cut off", "hung"):
             row.update(state="recovering", since=e.get("t"), _spawn_t=e.get("t"))
         elif ev == "exit" and e.get("gen") == row["gen"]:
             row.update(state="finished" if e.get("code") == 0 else "gone", since=e.get("t"))

@@ -80,8 +80,8 @@ class FtJob:
         self.restarts_left = self.ft.restart.max_restarts
         self.due: List[Tuple[float, int]] = []
         """(when, replica) of the restarts waiting for their delay."""
-        self.faults = [dict(f, done=False) for f in self.ft.faults if f["kind"] in ("kill", "cut")]
-        """The spec's kills and cuts (a slow fault is its replica's own: its Stepper stretches its compute)."""
+        self.faults = [dict(f, done=False) for f in self.ft.faults if f["kind"] in ("kill", "cut", "hang")]
+        """The spec's kills, cuts and hangs (a slow fault is its replica's own: its Stepper stretches its compute)."""
         self.spawned: Dict[int, float] = {}
         """replica -> when its latest process started (time.time(), as the metric lines' ``t``)."""
         self.stepped: set = set()
@@ -194,18 +194,22 @@ class FtJob:
                 f["done"] = True
                 if f["kind"] == "kill":
                     self._kill(r, f["restart_after_s"], step=step, fault=f["step"])
-                elif r not in self.cut:
-                    self._cut(r, f["seconds"], step=step, fault=f["step"])
+                elif r not in self.cut:  # a hang: a cut with no end
+                    self._cut(r, f.get("seconds"), step=step, fault=f["step"])
 
-    def _cut(self, r: int, seconds: float, **record) -> None:
+    def _cut(self, r: int, seconds: Optional[float], **record) -> None:
         """Cut replica ``r`` off for ``seconds``: SIGSTOP its process (its session: the one started for it), so its
         peers and the Lighthouse hear nothing from it, neither traffic nor heartbeats, as across a cut link; SIGCONT
-        when the time is up (``poll``). Unlike a cut link, it computes nothing meanwhile."""
+        when the time is up (``poll``). Unlike a cut link, it computes nothing meanwhile. ``seconds`` None: a hang,
+        stopped until a kill or the run's end."""
         p, gen = self.live[r]
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGSTOP)
-        self.cut[r] = (time.monotonic() + seconds, p, gen)
-        self._record("cut", replica=r, gen=gen, pid=p.pid, seconds=seconds, **record)
+        self.cut[r] = (time.monotonic() + (float("inf") if seconds is None else seconds), p, gen)
+        if seconds is None:
+            self._record("hang", replica=r, gen=gen, pid=p.pid, **record)
+        else:
+            self._record("cut", replica=r, gen=gen, pid=p.pid, seconds=seconds, **record)
 
     def _reconnect(self, r: int, why: str) -> None:
         """End replica ``r``'s cut: SIGCONT its process (if it still runs)."""
@@ -321,11 +325,14 @@ class FtJob:
     def _nothing_to_rejoin(self) -> None:
         """Training is over (a replica trained to the last step): a restarted replica that has logged no step yet
         has no peer left to recover from and would train alone from the start; it is stopped."""
-        late = {r: pg for r, pg in self.live.items() if r not in self.stepped and pg[0].poll() is None}
+        hung = {r for r, (until, _, _) in self.cut.items() if until == float("inf")}  # nothing to wait for either
+        late = {r: pg for r, pg in self.live.items()
+                if (r not in self.stepped or r in hung) and pg[0].poll() is None}
         for r, (p, gen) in late.items():
             if r in self.cut:  # a stopped process would not see the SIGTERM
                 self._reconnect(r, "training is over")
-            self._record("stop", replica=r, gen=gen, pid=p.pid, why="training is over: nothing to rejoin")
+            self._record("stop", replica=r, gen=gen, pid=p.pid,
+                         why="training is over: " + ("it hung" if r in hung else "nothing to rejoin"))
         if late:
             procs.stop([p for p, _ in late.values()])
 
