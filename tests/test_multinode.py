@@ -11,22 +11,30 @@ from commlab.lab.base.torchrun import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def two_nodes(spec, runs, run_id: str, timeout: float = 180):
+    """`commlab run SPEC --nnodes 2` as node 1 then node 0 on this machine, sharing ``runs``: each node's (exit
+    code, output), and the master port."""
+    port = free_port()
+    node = [sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs),
+            "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--run-id", run_id]
+    p1 = subprocess.Popen(node + ["--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    p0 = subprocess.Popen(node + ["--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+    out0, _ = p0.communicate(timeout=timeout)
+    out1, _ = p1.communicate(timeout=60)
+    return (p0.returncode, out0), (p1.returncode, out1), port
+
+
 def test_two_nodes_share_one_run(tmp_path):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"name": "two-nodes", "model": "mlp", "dataset": "digits", "world_size": 2,
                                 "steps": 8, "batch_size": 16, "eval_every": 4, "threads": 1,
                                 # both "nodes" are this machine: on one GPU NCCL would refuse them
                                 "device": "cpu"}))
-    runs, port = tmp_path / "shared-runs", free_port()
-    node = [sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs), "--nnodes", "2",
-            "--master-addr", "127.0.0.1", "--master-port", str(port), "--run-id", "two-nodes-1"]
-    p1 = subprocess.Popen(node + ["--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    p0 = subprocess.Popen(node + ["--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    out0, _ = p0.communicate(timeout=180)
-    out1, _ = p1.communicate(timeout=60)
-    assert p0.returncode == 0 and p1.returncode == 0, out0 + out1
+    runs = tmp_path / "shared-runs"
+    (code0, out0), (code1, out1), _ = two_nodes(spec, runs, "two-nodes-1")
+    assert code0 == 0 and code1 == 0, out0 + out1
     run_dir = runs / "two-nodes-1"
     st = json.loads((run_dir / "status.json").read_text())
     assert st["state"] == "done" and st["nodes"] == 2
@@ -53,17 +61,10 @@ def test_a_fault_tolerant_run_over_two_nodes_restarts_a_killed_replica_on_its_ow
         "fault_tolerance": {"enabled": True, "min_replicas": 2, "join_timeout_ms": 1000, "timeout_s": 20,
                             "restart": {"max_restarts": 1, "delay_s": 0.5},
                             "faults": [{"kind": "kill", "replica": 1, "step": 3}]}}))
-    runs, port = tmp_path / "shared-runs", free_port()
-    node = [sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs", str(runs),
-            "--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), "--run-id", "ft-two-nodes-1"]
-    p1 = subprocess.Popen(node + ["--node-rank", "1"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    p0 = subprocess.Popen(node + ["--node-rank", "0"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
-    out0, _ = p0.communicate(timeout=240)
-    out1, _ = p1.communicate(timeout=60)
+    runs = tmp_path / "shared-runs"
+    (code0, out0), (code1, out1), port = two_nodes(spec, runs, "ft-two-nodes-1", timeout=240)
     run_dir = runs / "ft-two-nodes-1"
-    assert p0.returncode == 0 and p1.returncode == 0, out0 + out1 + (run_dir / "log.txt").read_text()[-3000:]
+    assert code0 == 0 and code1 == 0, out0 + out1 + (run_dir / "log.txt").read_text()[-3000:]
     st = json.loads((run_dir / "status.json").read_text())
     assert st["state"] == "done" and st["fault_tolerance"]["lighthouse"] == f"http://127.0.0.1:{port}"
     rows = read_jsonl(str(run_dir / "metrics.jsonl"))
