@@ -33,6 +33,7 @@ def finals(run):
     {"name": "post_local_sgd", "H": 3, "warmup": 3},
     {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1},
     {"name": "muloco", "H": 4},
+    {"name": "demo", "topk": 8},
     {"name": "none", "compressor": {"name": "topk", "ratio": 0.1, "error_feedback": True}},
 ], ids=lambda m: m["name"] if m["name"] != "none" else "topk-ef")
 def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exactly(method, tmp_path):
@@ -44,6 +45,8 @@ def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exact
     per_step = {"compressor": method.pop("compressor")} if method["name"] == "none" else {}  # every step's, top-k
     if method["name"] == "muloco":  # Muon inside (and AdamW for the biases); a narrow mlp: bf16 on a CPU is slow
         per_step.update(optimizer={"name": "muon", "lr": 0.02}, model={"name": "mlp", "hidden": 64})
+    if method["name"] == "demo":  # its own momentum, its exchange in every step's quorum
+        per_step["optimizer"] = {"name": "sgd", "lr": 0.001}
     plain = finals(commlab.run({**BASE, "name": "plain", "method": method, **per_step}, runs=tmp_path / "runs"))
     ft = commlab.run({**BASE, "name": "ft", "method": method, "fault_tolerance": FT, **per_step},
                      runs=tmp_path / "runs")

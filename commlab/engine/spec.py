@@ -672,9 +672,9 @@ as across a cut link), slow (the replica computes at ``speed`` for ``steps`` ste
 throttled machine; its own Stepper stretches its forward and backward passes) and hang (the lab stops the replica's
 process for good, as a worker stuck in a deadlock: the others go on without it, and only a kill, of the spec or
 asked for, brings it back, restarted)."""
-FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "muloco")
-"""The methods a fault-tolerant run may use: every step's gradients, and those whose syncs join a quorum and commit
-(commlab/engine/methods/base.py, ``Quorum``)."""
+FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "muloco", "demo")
+"""The methods a fault-tolerant run may use: every step's gradients, those whose syncs join a quorum and commit
+(commlab/engine/methods/base.py, ``Quorum``), and DeMo, whose exchange in every step joins the step's quorum."""
 FT_METHOD_COMPRESSORS = ("none", "fp16", "bf16")
 """The compressors of a method's exchanges (method.compressor) under fault tolerance: those without state, so a sync
 that does not commit leaves nothing to put back and a recovery nothing to hand over."""

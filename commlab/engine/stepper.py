@@ -158,6 +158,9 @@ class Stepper:
         """This step's quorum (fault tolerance), for its line."""
         self._codec_before: Optional[list] = None
         """Fault tolerance: each bucket's compressor state as the step began, put back when it does not commit."""
+        self._method_before: Optional[dict] = None
+        """A method that exchanges in every step (DeMo): its state as this step's quorum began, put back when the
+        step does not commit."""
         self._exchanging = True
         """Whether this step exchanges gradients (the method's ``begin``; always without a method)."""
         # fault tolerance under a method: where this replica is, and what its quorums did this step
@@ -322,13 +325,15 @@ class Stepper:
             self.ctx.world, self.ctx.rank = q["participants"], rank
         states = [b.compressor.state_dict() for b in self.dp.buckets]
         self._codec_before = [_cloned(st) for st in states] if any(states) else None
+        every = self.method is not None and self.method.exchanges_every_step
+        self._method_before = _cloned(self.method.state_dict()) if every else None
 
     def _begin_step_method(self) -> Optional[int]:
         while self.step < self.spec.steps:
-            if self._joined and not self._exchanging:
+            if self._joined and not self._in_quorum():
                 return self.step  # a local step: no quorum
-            # this step's quorum (it exchanges gradients), or this process's first one
-            self._at = "step" if self._exchanging else "start"
+            # this step's quorum (it exchanges gradients, or the method exchanges in it), or this process's first one
+            self._at = "step" if self._in_quorum() else "start"
             self._healed_at = None
             q = self.ft.start_quorum()
             self._joined = True
@@ -338,7 +343,7 @@ class Stepper:
             if self._healed_at == "sync":
                 self._sync_with_peers()
                 continue
-            if self._exchanging:
+            if self._in_quorum():
                 return self.step  # committed after its exchange (step_after_backward)
             # the start: nothing to exchange but a barrier, which holds each source until the replicas that recover
             # from it have read its state (its commit stops serving it), as a step's exchange does
@@ -350,6 +355,11 @@ class Stepper:
                 return self.step
             self._joined = False  # try again
         return None
+
+    def _in_quorum(self) -> bool:
+        """Under a method: whether this step joins a quorum and commits (its gradients are exchanged, or the
+        method's own exchange runs in it: DeMo's)."""
+        return self._exchanging or self.method.exchanges_every_step
 
     def _recovered_position(self, pos: dict) -> None:
         """A recovery is loading its source's state: the source's step, and where it was."""
@@ -463,7 +473,7 @@ class Stepper:
         commit_ms = None
         committed = True
         # every participant's exchange went through, or nobody steps (under a method: the steps that exchange)
-        per_step = self.ft is not None and self._exchanging
+        per_step = self.ft is not None and (self._exchanging if meth is None else self._in_quorum())
         if per_step:
             tc = tl.now()
             committed = self.ft.should_commit()
@@ -474,9 +484,12 @@ class Stepper:
             if self._own_optimizer:
                 decay_lr(self.optimizer, self.spec, self.step)
             self.optimizer.step()
-        elif self._codec_before is not None:  # the compressors' state as if the step had never been tried
-            for b, st in zip(self.dp.buckets, self._codec_before):
-                b.compressor.load_state_dict(st)
+        else:
+            if self._codec_before is not None:  # the compressors' state as if the step had never been tried
+                for b, st in zip(self.dp.buckets, self._codec_before):
+                    b.compressor.load_state_dict(st)
+            if self._method_before is not None:  # the method's too (DeMo's momentum)
+                meth.load_state_dict(self._method_before)
         self.dp.zero_grad()
         m4 = tl.mark()
         if meth is not None:

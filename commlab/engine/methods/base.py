@@ -127,6 +127,9 @@ class Method:
     exchanges_gradients = False
     """True when some steps run the communicator's gradient exchange (post-local SGD's warm-up): then
     the spec's top-level compressor applies on those steps."""
+    exchanges_every_step = False
+    """True when the method's own exchange runs inside every step, after the backward pass (DeMo's): under fault
+    tolerance each step then joins a quorum and the optimizer steps only when it commits, as a per-step exchange."""
     checks_model = False
     """True when ``check_model`` needs the model's tensor sizes (the lab builds it before any rank starts)."""
 
