@@ -34,6 +34,7 @@ def finals(run):
     {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1},
     {"name": "muloco", "H": 4},
     {"name": "demo", "topk": 8},
+    {"name": "sparseloco", "H": 4, "chunk": 64, "k": 8},
     {"name": "none", "compressor": {"name": "topk", "ratio": 0.1, "error_feedback": True}},
 ], ids=lambda m: m["name"] if m["name"] != "none" else "topk-ef")
 def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exactly(method, tmp_path):

@@ -672,12 +672,9 @@ as across a cut link), slow (the replica computes at ``speed`` for ``steps`` ste
 throttled machine; its own Stepper stretches its forward and backward passes) and hang (the lab stops the replica's
 process for good, as a worker stuck in a deadlock: the others go on without it, and only a kill, of the spec or
 asked for, brings it back, restarted)."""
-FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "muloco", "demo")
+FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "muloco", "demo", "sparseloco")
 """The methods a fault-tolerant run may use: every step's gradients, those whose syncs join a quorum and commit
 (commlab/engine/methods/base.py, ``Quorum``), and DeMo, whose exchange in every step joins the step's quorum."""
-FT_METHOD_COMPRESSORS = ("none", "fp16", "bf16")
-"""The compressors of a method's exchanges (method.compressor) under fault tolerance: those without state, so a sync
-that does not commit leaves nothing to put back and a recovery nothing to hand over."""
 
 
 @dataclass
@@ -763,11 +760,6 @@ class FaultToleranceSpec:
         if spec.method.name not in FT_METHODS:
             raise SpecError("method.name", f"fault tolerance runs methods {', '.join(FT_METHODS)} so far; "
                                            f"{spec.method.name} under fault tolerance comes later")
-        mc = spec.method.compressor
-        if mc and (mc.get("name") not in FT_METHOD_COMPRESSORS or mc.get("error_feedback") or mc.get("per_bucket")):
-            what = f"{mc.get('name')} with error feedback" if mc.get("error_feedback") else mc.get("name")
-            raise SpecError("method.compressor", f"fault tolerance takes {', '.join(FT_METHOD_COMPRESSORS)} for the "
-                                                 f"method's exchanges so far; {what} under fault tolerance comes later")
         if spec.method.params.get("overlap", "none") != "none":
             raise SpecError("method.overlap", "under fault tolerance each sync is applied within its own quorum; "
                                               "overlap delayed or eager, whose syncs outlive it, comes later")

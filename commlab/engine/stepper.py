@@ -48,7 +48,7 @@ from commlab.engine import cluster, netmodel, runfiles, schedules, tuners
 from commlab.engine.comm import modes
 from commlab.engine.comm.core import Communicator
 from commlab.engine.compressors.plan import Plan
-from commlab.engine.methods.base import Context, Method, Quorum
+from commlab.engine.methods.base import Context, Method, Quorum, cloned, without_residuals
 from commlab.engine.muon import MuonAdamW, embeddings
 from commlab.engine.probe import LayerProbe
 from commlab.engine.runlog import JsonlWriter
@@ -149,7 +149,7 @@ class Stepper:
         """The method (commlab/engine/methods/), or None for method none (every step's gradients, nothing else)."""
         if ft is not None:
             # under a method the state is copied when it is sent: a sync that fails changes the parameters at once
-            keep = _cloned if self.method is not None else (lambda x: x)
+            keep = cloned if self.method is not None else (lambda x: x)
             ft.register("model", self.model.load_state_dict, lambda: keep(self.model.state_dict()))
             ft.register("optimizer", lambda sd: self.optimizer.load_state_dict(sd),
                         lambda: keep(self.optimizer.state_dict()))
@@ -184,7 +184,7 @@ class Stepper:
                                quorum=_SyncQuorum(self) if ft is not None else None, optimizer=self.optimizer)
             self.method.setup(self.ctx)
             if ft is not None:
-                ft.register("method", self.method.load_state_dict, lambda: _cloned(self.method.state_dict()))
+                ft.register("method", self.method.load_state_dict, lambda: cloned(self.method.state_dict()))
                 ft.position = lambda: {"step": self.step, "at": self._at}
                 ft.on_position = self._recovered_position
             self._begin()
@@ -324,9 +324,9 @@ class Stepper:
         if self.method is not None:
             self.ctx.world, self.ctx.rank = q["participants"], rank
         states = [b.compressor.state_dict() for b in self.dp.buckets]
-        self._codec_before = [_cloned(st) for st in states] if any(states) else None
+        self._codec_before = [cloned(st) for st in states] if any(states) else None
         every = self.method is not None and self.method.exchanges_every_step
-        self._method_before = _cloned(self.method.state_dict()) if every else None
+        self._method_before = cloned(self.method.state_dict()) if every else None
 
     def _begin_step_method(self) -> Optional[int]:
         while self.step < self.spec.steps:
@@ -413,7 +413,7 @@ class Stepper:
     def _shared_codec_state(self) -> list:
         """Each bucket's compressor state as a replica that recovers takes it: the state replicas share (PowerSGD's
         Q, step counters), without this replica's own residuals, which the receiver would count twice."""
-        return [_without_residuals(b.compressor.state_dict()) for b in self.dp.buckets]
+        return [without_residuals(b.compressor.state_dict()) for b in self.dp.buckets]
 
     def _load_shared_codec_state(self, states: list) -> None:
         if len(states) != len(self.dp.buckets):
@@ -565,21 +565,3 @@ class _SyncQuorum(Quorum):
 
     def commit(self) -> bool:
         return self.stepper._commit_sync()
-
-
-def _without_residuals(state):
-    """A compressor's state_dict with every ``residual`` left out (set to None): error feedback's and PowerSGD's."""
-    if isinstance(state, dict):
-        return {k: None if k == "residual" else _without_residuals(v) for k, v in state.items()}
-    return state
-
-
-def _cloned(state):
-    """A compressor's state_dict with every tensor copied: a snapshot the next step cannot change."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().clone()
-    if isinstance(state, dict):
-        return {k: _cloned(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_cloned(v) for v in state)
-    return state

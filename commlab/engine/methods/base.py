@@ -254,3 +254,22 @@ class Method:
 def periodic(step: int, every: int, start: int = 0) -> bool:
     """True at the last step of each period of ``every`` steps counted from ``start`` (0-based steps)."""
     return step >= start and (step - start + 1) % every == 0
+
+
+def without_residuals(state):
+    """A compressor's state_dict with every ``residual`` left out (set to None): error feedback's and PowerSGD's,
+    each replica's own under fault tolerance (a recovery hands over the rest)."""
+    if isinstance(state, dict):
+        return {k: None if k == "residual" else without_residuals(v) for k, v in state.items()}
+    return state
+
+
+def cloned(state):
+    """A state_dict with every tensor copied: a snapshot the next step cannot change."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: cloned(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(cloned(v) for v in state)
+    return state

@@ -42,22 +42,23 @@ Under fault tolerance (``ctx.quorum``) it uses torchft's Manager as torchft's ``
 quorum before its pseudo-gradient's all-reduce is issued and asks should_commit when it is applied (tau steps
 later), one sync at a time; a sync that commits takes the outer step, one that does not puts the fragment back
 to its global parameters (the local steps since its last sync are dropped, as torchft restores its
-``original_parameters``) and leaves the global parameters, the outer momentum and ``syncs`` as they were. A
-replica that recovers takes ``state_dict()`` (global parameters, outer optimizer, syncs) beside the model and
-inner optimizer, as torchft registers each fragment's ``original_parameters`` and outer optimizer. Which
+``original_parameters``) and leaves the global parameters, the outer momentum, ``syncs`` and each group
+compressor's state (error feedback's residual) as they were. A replica that recovers takes ``state_dict()`` (global
+parameters, outer optimizer, syncs, and what the replicas share of the compressors' state: not the residuals, each
+rank's own, which start from zero) beside the model and inner optimizer, as torchft registers each fragment's ``original_parameters`` and outer optimizer. Which
 fragment a sync carries follows the lab's step, which a recovery sets to the source's (torchft's follows the
 Manager's step, its commits).
 """
 from __future__ import annotations
 
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from commlab.engine.compressors.base import Compressor
 from commlab.engine.compressors.basic import NoneCompressor
 from commlab.engine.compressors.params import Param
-from commlab.engine.methods.base import Context, Event, Method
+from commlab.engine.methods.base import Context, Event, Method, cloned, without_residuals
 from commlab.engine.methods.transfer import Group, Transfer, groups
 
 Tensor = torch.Tensor
@@ -176,6 +177,9 @@ class DiLoCo(Method):
                                           for gs in self.parts]
         """overlap: a second flat buffer per group, so a new sync's pseudo-gradient never lands in the buffer of
         the one still in flight; the two take turns."""
+        self.codec_before: Dict[int, list] = {}
+        """Fault tolerance: each fragment's group compressors' state as its sync in flight was issued (error
+        feedback's residual, SparseLoCo's), put back when that sync does not commit."""
         self.turn = [0] * self.fragments
         self.own: List[Optional[List[Tensor]]] = [None] * self.fragments
         """overlap eager: this rank's own pseudo-gradient of each fragment's last sync (what its part of the average
@@ -224,6 +228,9 @@ class DiLoCo(Method):
         transfers, fresh = [], []
         turn = self.turn[f]
         self.turn[f] ^= 1
+        if self.ctx.quorum is not None:  # what a sync that does not commit puts back
+            self.codec_before[f] = [cloned(g.compressor.state_dict()) if g.compressor is not None else None
+                                    for g in self.parts[f]]
         for k, g in enumerate(self.parts[f]):
             buf = self.spare[f][k] if self.spare[f] and turn else g.flat
             with torch.no_grad():
@@ -278,9 +285,11 @@ class DiLoCo(Method):
             # fault tolerance: the sync did not happen; the fragment goes back to its global parameters (the
             # local steps since its last sync are dropped, as torchft's DiLoCo does)
             self.syncs -= 1
-            for g in self.parts[f]:
+            for g, st in zip(self.parts[f], self.codec_before.pop(f, [None] * len(self.parts[f]))):
                 for i, p in zip(g.index, g.params):
                     p.copy_(self.glob[i])
+                if st is not None:  # the compressor's state as if the sync had never been tried
+                    g.compressor.load_state_dict(st)
             return
         self._step(f, avgs)
 
@@ -311,7 +320,13 @@ class DiLoCo(Method):
         return self.glob
 
     def state_dict(self) -> dict:
-        return {"syncs": self.syncs, "global": [t.clone() for t in self.glob], "outer": self.outer.state_dict()}
+        """The syncs so far, the global parameters, the outer optimizer, and what the replicas share of each group
+        compressor's state (its residual, each rank's own, left out: a replica that takes this state starts its
+        own from zero)."""
+        codecs = [without_residuals(g.compressor.state_dict()) if g.compressor is not None else {}
+                  for gs in self.parts for g in gs]
+        return {"syncs": self.syncs, "global": [t.clone() for t in self.glob], "outer": self.outer.state_dict(),
+                **({"codecs": codecs} if any(codecs) else {})}
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs = state["syncs"]
@@ -319,6 +334,10 @@ class DiLoCo(Method):
             for t, s in zip(self.glob, state["global"]):
                 t.copy_(s)
         self.outer.load_state_dict(state["outer"])
+        groups = [g for gs in self.parts for g in gs]
+        for g, st in zip(groups, state.get("codecs", [])):
+            if g.compressor is not None and st:
+                g.compressor.load_state_dict(st)
 
     def drain(self) -> None:
         for _, _, transfers in self.inflight:

@@ -22,7 +22,8 @@ Defaults: chunks of 4096 elements keeping 64 (1.56%), beta 0.95, outer_lr 1; H 5
 parameters laid end to end, where the paper chunks each tensor and a matrix in tiles), in the quantizer (four
 uniform levels up to each chunk's largest kept magnitude, where the paper sets its levels from the kept values'
 spread) and in the positions (int16 within the chunk, 2 bytes, where 12 bits would do). ``overlap`` (DiLoCo's)
-applies as in DiLoCo; fault tolerance does not run it yet.
+applies as in DiLoCo. Under fault tolerance it runs as DiLoCo does: a sync that does not commit puts the
+accumulator back as the sync began, and a replica that recovers starts its own accumulator from zero.
 """
 from __future__ import annotations
 
