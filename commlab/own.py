@@ -42,6 +42,7 @@ from commlab.engine import runfiles
 from commlab.engine.ft_lighthouse import LIGHTHOUSE_ENV, RUN_DIR_ENV
 from commlab.engine.spec import JobSpec, SpecError
 from commlab.engine.stepper import Diverged, Stepper
+from commlab.engine.trainer import params_digest
 from commlab.engine.timeline import Timeline
 from commlab.lab.base import procs
 from commlab.lab.base.specs import read_spec_file
@@ -293,7 +294,6 @@ class OwnLoop:
                 self.stepper.drain()  # a method's exchanges still in flight (Streaming DiLoCo's fragments)
                 self.stepper.sync_params()
                 if self.replica is not None:  # what each replica ends with (they must agree), as the Trainer's
-                    from commlab.engine.trainer import params_digest
                     self.stepper.log({"kind": "final", "step": self.stepper.step, "rank": self.rank,
                                       "replica": self.rank, "params_sha256": params_digest(self.model),
                                       "t": time.time()})
