@@ -94,7 +94,7 @@ class OwnLoop:
         self._env_before: dict = {}
         replica_env = _replica_env()
         if replica_env is not None:
-            make_opt = self._as_replica(*replica_env, spec, optimizer)
+            make_opt = self._as_replica(*replica_env, optimizer)
         else:
             # the full check, here in the rank: its engine switches left unset come from this rank's environment
             self.spec = _load(spec, _world(group))
@@ -139,11 +139,11 @@ class OwnLoop:
             # here instead of dying, so the `with` block ends the run as failed, naming the rank that caused it
             self._sigterm = signal.signal(signal.SIGTERM, self._terminated)
 
-    def _as_replica(self, run_dir: str, lighthouse: str, n: int, spec: SpecLike, optimizer: OptimizerLike):
+    def _as_replica(self, run_dir: str, lighthouse: str, n: int, optimizer: OptimizerLike):
         """Replica group ``n`` of the fault-tolerant run in ``run_dir``, which ``commlab run --script`` admitted and
         whose supervisor started this process: the run's own spec.json (what the lab admitted, with its --set
-        overrides; ``spec`` must then be None or the same file), no process group of the whole job but torchft's
-        Manager reaching ``lighthouse``. Returns the optimizer factory."""
+        overrides; a spec passed to ``wrap`` is not read), no process group of the whole job but torchft's Manager
+        reaching ``lighthouse``. Returns the optimizer factory."""
         from commlab.engine import ft  # lazy: torchft is optional; only a fault-tolerant loop loads it
         with open(os.path.join(run_dir, runfiles.SPEC)) as f:
             self.spec = JobSpec.from_checked(json.load(f))
@@ -176,11 +176,6 @@ class OwnLoop:
                 yield s
             else:
                 yield self.stepper.step
-
-    @property
-    def step_count(self) -> int:
-        """The steps trained so far (committed, under fault tolerance): the next one to train."""
-        return self.stepper.step
 
     def _terminated(self, signum, frame):
         if self.closed:  # already ending the run (a launcher may signal twice): finish that first
