@@ -36,7 +36,6 @@ def spec(**over):
     ({"comm": "dear"}, "comm.mode", "dear shards parameters"),
     ({"schedule": "mergecomp"}, "schedule.name", "mergecomp tunes the buckets"),
     ({"schedule": "layerfusion"}, "schedule.name", "layerfusion tunes the buckets"),
-    ({"method": {"name": "desloc"}}, "method.name", "desloc under fault tolerance comes later"),
     ({"method": {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 3}}, "method.tau",
      "tau must be at most 2"),
     ({"fault": {"kind": "exit", "step": 3, "rank": 1}}, "fault.kind", "fault_tolerance.faults"),
@@ -115,10 +114,43 @@ def test_a_replica_keeps_the_product_of_the_slow_faults_that_cover_its_step():
 @needs_torchft
 @pytest.mark.parametrize("method", [{"name": "local_sgd", "H": 4}, {"name": "post_local_sgd", "H": 4, "warmup": 2},
                                     {"name": "diloco", "H": 4, "compressor": {"name": "bf16"}},
-                                    {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 2}])
+                                    {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 2},
+                                    {"name": "desloc", "Hx": 4}])
 def test_the_methods_that_sync_now_and_then_run_fault_tolerant(method):
-    s = JobSpec.from_dict(spec(method=method))
+    opt = {"optimizer": {"name": "adam", "lr": 0.001}} if method["name"] == "desloc" else {}
+    s = JobSpec.from_dict(spec(method=method, **opt))
     assert s.method.name == method["name"] and s.fault_tolerance.enabled
+
+
+USERS_METHOD = """
+from commlab.engine.methods.base import Method
+from commlab.engine.methods.local_sgd import LocalSGD
+
+class Mine(Method):
+    name = "mine"
+
+class Averaging(LocalSGD):  # local SGD's syncs, which join the quorum
+    name = "averaging"
+"""
+
+
+def test_a_users_method_runs_fault_tolerant_only_when_it_says_its_syncs_join_the_quorum(tmp_path, monkeypatch):
+    """``Method.fault_tolerant``: a user's method that does not say so is refused in one line naming the field, in
+    the spec and, where the spec check could not import it, by the rank; one that inherits local SGD's syncs runs."""
+    from commlab.engine.trainer import Trainer
+    (tmp_path / "usersmethod.py").write_text(USERS_METHOD)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_dict(spec(method={"name": "usersmethod:Mine"}))
+    assert e.value.path == "method.name" and "Method.fault_tolerant" in str(e.value) and "\n" not in str(e.value)
+    assert JobSpec.from_dict(spec(method={"name": "usersmethod:Averaging", "H": 4})).method.params == {"H": 4}
+    plain = JobSpec.from_dict(spec(model={"name": "mlp"}, method={"name": "usersmethod:Mine"},
+                                   fault_tolerance={"enabled": False}))
+    s = JobSpec.from_checked({**plain.to_dict(), "world_size": 1, "batch_size": 16, "timeline": False,
+                              "fault_tolerance": {**plain.to_dict()["fault_tolerance"], "enabled": True,
+                                                  "replica_groups": 1, "min_replicas": 1}})
+    with pytest.raises(RuntimeError, match=r"^method\.name: usersmethod:Mine does not say its syncs join"):
+        Trainer(s, None, 0, 1, torch.device("cpu"), ft=StandIn([True]))
 
 
 def test_a_spec_without_fault_tolerance_is_as_before():
@@ -571,10 +603,12 @@ def test_a_lighthouse_that_does_not_come_up_is_one_line_and_nothing_is_left(tmp_
 # -- a method's syncs under fault tolerance, in one process: stand-in replicas of one -----------------------------------
 
 def method_trainer(method, standin, steps=12):
+    """One replica's Trainer under ``method`` (DES-LOC's with Adam, which it needs) with ``standin`` as its replica."""
     from commlab.engine.trainer import Trainer
+    opt = {"optimizer": {"name": "adam", "lr": 0.01}} if method["name"] == "desloc" else {}
     s = JobSpec.from_checked({**spec(model={"name": "mlp"}, dataset={"name": "digits"}, world_size=1, steps=steps,
-                                     ft={"replica_groups": 1, "min_replicas": 1}),
-                              "method": JobSpec.from_dict(spec(method=method)).method.__dict__,
+                                     ft={"replica_groups": 1, "min_replicas": 1}, **opt),
+                              "method": JobSpec.from_dict(spec(method=method, **opt)).method.__dict__,
                               "batch_size": 16, "timeline": False})
     return Trainer(s, None, 0, 1, torch.device("cpu"), ft=standin)
 
@@ -603,6 +637,49 @@ def test_a_diloco_sync_that_does_not_commit_puts_the_local_parameters_back_to_th
         assert not all(torch.equal(a, b) for a, b in zip(m.glob, glob))
     finally:
         t.close()
+
+
+class Skewing(Solo):
+    """A replica group of one whose all-reduce, once ``skew`` is set, adds one to every element: as if a peer had sent
+    other tensors, so that an average applied shows."""
+    skew = False
+
+    def all_reduce(self, t):
+        if self.skew:
+            t.add_(1)
+        return super().all_reduce(t)
+
+
+def test_a_desloc_sync_that_does_not_commit_keeps_each_replicas_moments_and_puts_the_parameters_back():
+    """Hx = Hu = Hv = 2: the parameters and both moments are due after steps 1, 3, 5. Beside a twin whose syncs all
+    commit (a quorum of one: its averages are its own tensors), the sync after step 3 fails on a skewing group: the
+    moments stay this replica's own (the twin's), the parameters go back to their last average, nothing is counted."""
+    method = {"name": "desloc", "Hx": 2, "Hu": 2, "Hv": 2}
+    a_in, b_in = StandIn([True, True, False, True]), StandIn([True] * 6)  # the start, then the syncs
+    a_in.group = Skewing()
+    a, b = method_trainer(method, a_in), method_trainer(method, b_in)
+    try:
+        for _ in range(3):
+            assert a.train_step()["loss"] == b.train_step()["loss"]
+        ma, mb = a.stepper.method, b.stepper.method
+        synced = [g.clone() for g in ma.synced]
+        a_in.group.skew = True
+        failed, ok = a.train_step(), b.train_step()
+        assert failed["step"] == ok["step"] == 3 and failed["committed"] is False and ok["committed"] is True
+        assert failed["synced"] == [] and ok["synced"] == ["params", "exp_avg", "exp_avg_sq"]
+        assert ma.syncs == {"params": 1, "exp_avg": 1, "exp_avg_sq": 1} and mb.syncs["params"] == 2
+        assert all(torch.equal(p, g) for p, g in zip(a.model.parameters(), synced))
+        assert not all(torch.equal(p, g) for p, g in zip(b.model.parameters(), synced))
+        sa, sb = a.optimizer.state, b.optimizer.state
+        for pa, pb in zip(a.model.parameters(), b.model.parameters()):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(sa[pa][key], sb[pb][key]), key
+        a.train_step()
+        assert a.train_step()["committed"] is True and ma.syncs["params"] == 2
+        assert not torch.equal(sa[next(a.model.parameters())]["exp_avg"], sb[next(b.model.parameters())]["exp_avg"])
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("method", [
@@ -675,7 +752,8 @@ class Healing(StandIn):
 
 @pytest.mark.parametrize("method", [{"name": "diloco", "H": 3, "outer_lr": 0.7, "outer_momentum": 0.9},
                                     {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1},
-                                    {"name": "local_sgd", "H": 3}])
+                                    {"name": "local_sgd", "H": 3},
+                                    {"name": "desloc", "Hx": 3, "Hu": 2, "Hv": 5}])
 def test_a_replica_that_starts_late_recovers_in_the_peers_sync_runs_it_and_trains_on_as_they_do(method):
     """The source joins the sync of step 5 (or where a fragment is issued); a fresh replica's first quorum takes
     its state there: it runs that sync without a forward pass and trains on, bit for bit as the source."""

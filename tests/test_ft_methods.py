@@ -1,4 +1,4 @@
-"""Local SGD, post-local SGD, DiLoCo and Streaming DiLoCo on torchft through the lab, end to end (mlp on digits, gloo,
+"""Local SGD, post-local SGD, DiLoCo, Streaming DiLoCo and the other methods on torchft through the lab, end to end (mlp on digits, gloo,
 CPU): without faults a fault-tolerant run trains to the very parameters of the same spec without fault tolerance;
 with a kill, the killed DiLoCo replica is restarted, recovers in its peers' sync (model, inner optimizer, global
 parameters, outer momentum and the lab's step) and the run ends done with one model.
@@ -35,6 +35,7 @@ def finals(run):
     {"name": "muloco", "H": 4},
     {"name": "demo", "topk": 8},
     {"name": "sparseloco", "H": 4, "chunk": 64, "k": 8},
+    {"name": "desloc", "Hx": 4, "Hu": 3, "Hv": 6},
     {"name": "none", "compressor": {"name": "topk", "ratio": 0.1, "error_feedback": True}},
 ], ids=lambda m: m["name"] if m["name"] != "none" else "topk-ef")
 def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exactly(method, tmp_path):
@@ -48,6 +49,8 @@ def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exact
         per_step.update(optimizer={"name": "muon", "lr": 0.02}, model={"name": "mlp", "hidden": 64})
     if method["name"] == "demo":  # its own momentum, its exchange in every step's quorum
         per_step["optimizer"] = {"name": "sgd", "lr": 0.001}
+    if method["name"] == "desloc":  # Adam's moments averaged on periods of their own
+        per_step["optimizer"] = {"name": "adam", "lr": 0.001}
     plain = finals(commlab.run({**BASE, "name": "plain", "method": method, **per_step}, runs=tmp_path / "runs"))
     ft = commlab.run({**BASE, "name": "ft", "method": method, "fault_tolerance": FT, **per_step},
                      runs=tmp_path / "runs")

@@ -672,10 +672,6 @@ as across a cut link), slow (the replica computes at ``speed`` for ``steps`` ste
 throttled machine; its own Stepper stretches its forward and backward passes) and hang (the lab stops the replica's
 process for good, as a worker stuck in a deadlock: the others go on without it, and only a kill, of the spec or
 asked for, brings it back, restarted)."""
-FT_METHODS = ("none", "local_sgd", "post_local_sgd", "diloco", "streaming_diloco", "muloco", "demo", "sparseloco")
-"""The methods a fault-tolerant run may use: every step's gradients, those whose syncs join a quorum and commit
-(commlab/engine/methods/base.py, ``Quorum``), and DeMo, whose exchange in every step joins the step's quorum."""
-
 
 @dataclass
 class FaultToleranceSpec:
@@ -757,9 +753,6 @@ class FaultToleranceSpec:
             raise SpecError("schedule.name", f"{spec.schedule.name} tunes the buckets from each replica's measured "
                                              f"times, which replicas (and a restarted one) would not agree on under "
                                              f"fault tolerance; use layerwise, allinone or bucket")
-        if spec.method.name not in FT_METHODS:
-            raise SpecError("method.name", f"fault tolerance runs methods {', '.join(FT_METHODS)} so far; "
-                                           f"{spec.method.name} under fault tolerance comes later")
         if spec.method.params.get("overlap", "none") != "none":
             raise SpecError("method.overlap", "under fault tolerance each sync is applied within its own quorum; "
                                               "overlap delayed or eager, whose syncs outlive it, comes later")
@@ -982,6 +975,10 @@ class JobSpec:
             raise SpecError("schedule.name", f"{self.schedule.name} times steps to tune the buckets, and method "
                                              f"{name} sends no gradients on local steps; use layerwise, allinone "
                                              f"or bucket")
+        if self.fault_tolerance.enabled and not m.fault_tolerant:
+            raise SpecError("method.name", f"{name} does not say its syncs join fault tolerance's quorum "
+                                           f"(Method.fault_tolerant, commlab/engine/methods/base.py); every built-in "
+                                           f"method does")
         if not m.exchanges_gradients and (self.compressor.name != "none" or self.compressor.per_bucket):
             raise SpecError("compressor.name", f"method {name} exchanges no gradients; give the compressor of its "
                                                f"own exchange as method.compressor"

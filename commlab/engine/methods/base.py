@@ -33,8 +33,9 @@ A subclass overrides what it needs:
   residuals), and what a replica that recovers under fault tolerance takes from its source.
 
 Under fault tolerance (``ctx.quorum``, a ``Quorum``) a method's inner steps are local and join no quorum; each
-sync joins one before its exchange (``join``) and is applied only if it commits (``commit``). Local SGD, post-local
-SGD, DiLoCo and Streaming DiLoCo do; DeMo and a user's methods are refused under fault tolerance.
+sync joins one before its exchange (``join``) and is applied only if it commits (``commit``). A method that does so
+says ``fault_tolerant = True`` (every built-in one; a user's method too, once its syncs do); fault tolerance refuses
+the others.
 
 Exchanges never apply optimizer updates by hand where a stock optimizer fits: DiLoCo's outer step is a
 ``torch.optim.SGD`` with Nesterov momentum over the global parameters.
@@ -130,6 +131,11 @@ class Method:
     exchanges_every_step = False
     """True when the method's own exchange runs inside every step, after the backward pass (DeMo's): under fault
     tolerance each step then joins a quorum and the optimizer steps only when it commits, as a per-step exchange."""
+    fault_tolerant = False
+    """True when the method runs under fault tolerance: each of its syncs calls ``ctx.quorum.join`` before its first
+    collective and applies its result only when ``ctx.quorum.commit()`` (or, with ``exchanges_every_step``, its
+    exchange is the step's, and the step commits); ``state_dict`` holds what a replica that recovers must take. A
+    spec with ``fault_tolerance.enabled`` and a method without it is refused."""
     checks_model = False
     """True when ``check_model`` needs the model's tensor sizes (the lab builds it before any rank starts)."""
 

@@ -110,6 +110,7 @@ class DCTTopK(Compressor):
 
 class DeMo(Method):
     name = "demo"
+    fault_tolerant = True
     exchanges_every_step = True
     params = (
         Param("decay", float, 0.999, "momentum decay per step (the reference's compression_decay)", lo=0, hi=1,

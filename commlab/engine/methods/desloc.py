@@ -26,7 +26,11 @@ steps H-1, 2H-1, ..., as local SGD here), where the paper's pseudo-code averages
 reads it (the same sequence, counted one step apart); the paper clips each gradient before the moments take it,
 which the lab leaves to the model (no clipping here); and periods need not divide each other.
 
-Under fault tolerance it is refused (its syncs join no quorum yet). A parameter that got no gradient on some rank
+Under fault tolerance (``ctx.quorum``) the averages due after a step are one sync: it joins a quorum before its
+first all-reduce and is applied only when it commits, as local SGD's. One that does not commit changes no moment
+(each replica keeps its own, as between two of their averages) and, where the parameters were due, puts them back
+to their last average, from which the replicas go on alike. A replica that recovers takes the model, Adam's state
+(its moments and step count), ``syncs`` and ``synced`` from its source. A parameter that got no gradient on some rank
 has no moments there: that rank sends zeros for it and keeps no moment it did not have.
 """
 from __future__ import annotations
@@ -49,6 +53,7 @@ ADAPTIVE = ("adam", "adamw")
 
 class DESLOC(Method):
     name = "desloc"
+    fault_tolerant = True
     params = (
         Param("Hx", int, 16, "steps between two averages of the parameters", lo=1, hi=1_000_000),
         Param("Hu", int, None, "steps between two averages of Adam's first moment (exp_avg)", lo=1, hi=1_000_000,
@@ -109,9 +114,12 @@ class DESLOC(Method):
 
     @torch.no_grad()
     def after_optimizer_step(self, step: int) -> None:
-        due = self.due(step)
-        if not due:
+        if not self.due(step):
             return
+        q = self.ctx.quorum
+        if q is not None:  # fault tolerance: a replica that is behind recovers here, to its source's step
+            step = q.join(step)
+        due = self.due(step)
         started = []
         for what in due:  # every transfer in flight at once, in the same order on every rank
             for g, c in zip(self.groups[what], self.comps[what]):
@@ -119,9 +127,19 @@ class DESLOC(Method):
                 flat = g.gather([t if t is not None else torch.zeros_like(p) for t, p in zip(ts, g.params)])
                 started.append((what, g, ts, Transfer(self.ctx, g, c, flat, "outer", step,
                                                       {"sync": self.syncs[what], "what": what}).start()))
+        avgs = []
         for what, g, ts, tr in started:
-            avg = tr.finish()
+            avgs.append(tr.finish())
             self.step_bytes += tr.sent
+        self.step_log["sync_bytes"] = self.step_bytes
+        self.step_log["synced"] = due
+        if q is not None and not q.commit():
+            if "params" in due:  # back to the last average; the moments stay this replica's own
+                for p, s in zip(self.ctx.params, self.synced):
+                    p.copy_(s)
+            self.step_log["synced"] = []
+            return
+        for (what, g, ts, tr), avg in zip(started, avgs):
             for t, v in zip(ts, g.views(avg)):
                 if t is not None:
                     t.copy_(v)
@@ -129,8 +147,6 @@ class DESLOC(Method):
             self.syncs[what] += 1
         if "params" in due:
             self.synced = [p.detach().clone() for p in self.ctx.params]
-        self.step_log["sync_bytes"] = self.step_bytes
-        self.step_log["synced"] = due
 
     def global_params(self) -> Optional[List[Tensor]]:
         return self.synced

@@ -91,6 +91,7 @@ OVERLAP = Param("overlap", str, "none", "none: the outer all-reduce blocks; dela
 
 class DiLoCo(Method):
     name = "diloco"
+    fault_tolerant = True
     params = (
         Param("H", int, 50, "inner steps between two outer steps", lo=1, hi=1_000_000),
         Param("outer_lr", float, 0.7, "the outer SGD's learning rate on the averaged pseudo-gradient",

@@ -42,6 +42,7 @@ Tensor = torch.Tensor
 
 class LocalSGD(Method):
     name = "local_sgd"
+    fault_tolerant = True
     params = (Param("H", int, 8, "steps between two averages of the parameters", lo=1, hi=1_000_000),)
     warmup = 0
     """Steps of synchronous training first (post-local SGD declares it as a parameter)."""
