@@ -588,6 +588,20 @@ def test_a_step_averages_over_the_quorums_participants(compressor):
         torch.testing.assert_close(a, b)
 
 
+@needs_torchft
+def test_the_lighthouse_process_loads_torchfts_extension_without_torch():
+    """commlab/engine/ft_lighthouse.py loads torchft's compiled Lighthouse without torchft's package or torch (which
+    would cost the process seconds of CPU before it serves)."""
+    import subprocess
+    import sys
+    code = ("import sys; from commlab.engine import ft_lighthouse as f; m = f.torchft_extension(); "
+            "print(callable(m.lighthouse_main), hasattr(m, 'LighthouseServer'), "
+            "'torch' in sys.modules, 'torchft' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "True", "False", "False"], out.stdout
+
+
 def test_a_lighthouse_that_does_not_come_up_is_one_line_and_nothing_is_left(tmp_path):
     job = ftrun.FtJob(Dir(tmp_path), JobSpec.from_checked(spec(model={"name": "mlp"}, dataset={"name": "digits"},
                                                                 ft={"replica_groups": 3})), None, python="/bin/false")

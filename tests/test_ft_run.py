@@ -15,6 +15,7 @@ import pytest
 
 import commlab
 from commlab.engine import runfiles
+from commlab.lab.base import procs
 from commlab.lab.front import cli
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
@@ -58,8 +59,13 @@ def live_page(root, run_id):
 def ask_to_kill_replica_1(run, root, seen):
     """Once replica 2 is back (its recovery after the spec's kill) and replica 1 has logged ASK_AT: `commlab fault`.
     While it waits, the Live run page is looked at once (into ``seen``)."""
+    def cmdlines():  # each replica process's command line while it runs (the warm server forks them)
+        for e in run.ft_events():
+            if e["event"] == "spawn" and (e["replica"], e["gen"]) not in seen.setdefault("cmdlines", {}):
+                seen["cmdlines"][(e["replica"], e["gen"])] = procs.cmdline(e["pid"])
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and run.status().get("state") in ("queued", "running"):
+        cmdlines()
         kill = [e for e in run.ft_events() if e["event"] == "kill"]
         if kill and "buttons" not in seen and importlib.util.find_spec("streamlit"):
             at = live_page(root, run.id)
@@ -68,6 +74,7 @@ def ask_to_kill_replica_1(run, root, seen):
         back = kill and [r for r in run.recoveries() if r["replica"] == 2 and r["t"] > kill[0]["t"]]
         mine = [r["step"] for r in run.metric_rows() if r["kind"] == "step" and r.get("replica") == 1]
         if back and mine and max(mine) >= ASK_AT:
+            cmdlines()
             killed = cli.main(["fault", run.id, "--kill", "1", "--restart-after", "0.5", "--runs", str(root)])
             return killed, cli.main(["fault", run.id, "--slow", "0", "--speed", str(ASKED_SPEED), "--seconds",
                                      str(ASKED_SLOW_S), "--runs", str(root)])
@@ -173,8 +180,18 @@ def test_a_slow_fault_stretches_that_replicas_compute_for_its_steps_only(killed_
     assert [r for r in mine if r.get("speed") == ASKED_SPEED and r not in edge]  # the asked slowdown did slow it
 
 
+def test_the_lab_worker_replicas_restarted_ones_included_are_forked_warm(killed_run):
+    """With warm ranks on (the default), every replica process, the restarted replica 2 included, is the warm
+    server's fork (its command line), not a process that imports torch anew."""
+    from commlab.lab.base import warm
+    if not warm.enabled():
+        pytest.skip("COMMLAB_WARM is off here")
+    lines = killed_run.seen["cmdlines"]
+    assert {(0, 0), (1, 0), (2, 0), (2, 1)} <= set(lines), lines
+    assert all(warm.MARK in c for c in lines.values()), lines
+
+
 def test_nothing_the_run_started_is_left_running(killed_run):
-    from commlab.lab.base import procs
     started = [e["pid"] for e in killed_run.ft_events() if e["event"] in ("spawn", "lighthouse")]
     assert len(started) == 6
     for pid in started:  # gone, or the PID is another process's now

@@ -23,12 +23,11 @@ What is here:
   a failed one reported to the Manager (the step then does not commit) instead of raised;
 - ``CountingTransport``: torchft's HTTP recovery transport, measured: each recovery's source, step, seconds and
   bytes read, written by the receiver to ``recoveries.jsonl``;
-- ``lighthouse_main``: the Lighthouse of a run, started by the lab as a process of its own
-  (commlab/engine/ft_lighthouse.py).
 
 Private parts of torchft used (pinned to 0.2.0): ``HTTPTransport._load_from_address`` (overridden to count
 bytes) with ``torchft.checkpointing._serialization._streaming_load`` (what it reads with), ``Manager._quorum_id``
-(read for the records) and ``torchft._torchft.lighthouse_main`` (the console script's entry point).
+(read for the records) and ``torchft._torchft.lighthouse_main`` (the console script's entry point, which the
+Lighthouse's own process, commlab/engine/ft_lighthouse.py, loads without torch).
 """
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ import torch
 from torch.distributed import AllreduceOptions, ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllgatherOptions
 from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
-from torchft._torchft import lighthouse_main as _lighthouse_main
 from torchft.checkpointing import HTTPTransport
 from torchft.checkpointing._serialization import _streaming_load
 
@@ -63,13 +61,6 @@ def replica_id(n: int) -> str:
     """torchft's replica id of replica group ``n``; the Manager appends a fresh uuid (a restarted replica is a new
     member) and reads the trailing digits of the part before it."""
     return f"replica_{n}"
-
-
-def lighthouse_main() -> None:
-    """torchft's Lighthouse server, with the options of this process's argv (``--bind``, ``--min_replicas``,
-    ``--join_timeout_ms``, ``--quorum_tick_ms``, ``--heartbeat_timeout_ms``). It reads the process's own argv
-    (Rust's env::args, the first one skipped), so it runs from a script file (commlab/engine/ft_lighthouse.py)."""
-    _lighthouse_main()
 
 
 class _Counting:

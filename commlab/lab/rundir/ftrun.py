@@ -16,7 +16,9 @@ What torchft decides (membership, quorum, commit, recovery) happens in the repli
 the lab does is here: start the Lighthouse and the replicas, execute the spec's faults, restart a replica that died
 after its delay (up to ``restart.max_restarts`` over the run), and end the run when the replicas have trained to the
 last step. Every process started is kept and recorded with its PID in ft-events.jsonl, and only those are ever
-signalled.
+signalled. The lab's worker replicas are forked by the warm server where there is one (commlab/lab/base/warm.py),
+as a one-machine run's ranks are: a replica restarted after a kill then trains within a second instead of importing
+torch again, which on a loaded machine took seconds of the CPU its peers were training on.
 
 The end: the run is done when a replica has trained every step and exited 0; the others still running are then
 given ``timeout_s`` (they finish the same last step) before they are stopped. It fails when every replica is gone
@@ -37,7 +39,7 @@ from typing import Dict, List, Optional, Tuple
 from commlab.engine import ft_lighthouse, runfiles
 from commlab.engine.runlog import JsonlTail, JsonlWriter, write_json_atomic
 from commlab.engine.spec import JobSpec
-from commlab.lab.base import procs
+from commlab.lab.base import procs, warm
 from commlab.lab.base.torchrun import free_port, worker_argv, worker_env
 
 RESTART_AFTER_MAX_S = 3600.0
@@ -48,7 +50,7 @@ LENGTH = {"cut": "a cut's length", "slow": "a slowdown's length"}
 SLOW_SPEED = (0.01, 1.0)
 """The speeds a slow fault asked for while the run goes on may give: from SLOW_SPEED[0], below SLOW_SPEED[1]."""
 LIGHTHOUSE_UP_S = 120.0
-"""How long the Lighthouse may take to accept connections (it imports torch first: seconds on a loaded machine)."""
+"""How long the Lighthouse may take to accept connections (a tenth of a second when the machine is idle)."""
 
 
 class FtJob:
@@ -101,6 +103,8 @@ class FtJob:
         self.script: Optional[Tuple[List[str], str]] = None
         """(argv, cwd) of your own script each replica group runs (script.json, ``commlab run --script``, read at
         the start), or None: the lab's worker."""
+        self.server = None
+        """The warm server's socket that forks the lab's worker replicas, or None: each is a process of this one."""
         self.t_first_finish: Optional[float] = None
         self.failed: Optional[str] = None
         """Why the run cannot go on (the Lighthouse died, every replica gone), or None."""
@@ -119,6 +123,19 @@ class FtJob:
                              start_new_session=True, preexec_fn=child, cwd=cwd)
         self.started.append(p)
         return p
+
+    def _warm(self, argv: List[str], env: dict):
+        """The lab's worker with ``argv`` and ``env``, forked by the warm server (a ``warm.WarmRank``), or None when
+        there is none or it fails (the caller then starts a process of its own)."""
+        log = getattr(self.log, "name", None)
+        if self.server is None or not isinstance(log, str):
+            return None
+        got = warm.start(self.server, [(argv, env)], log, memory=self.memory)
+        if got is None:
+            self.server = None  # it failed once: every later replica a process of this one
+            return None
+        self.started.append(got[0])
+        return got[0]
 
     def start(self) -> None:
         """The Lighthouse, once it accepts connections, then every replica group (generation 0)."""
@@ -149,6 +166,8 @@ class FtJob:
                 raise RuntimeError(f"fault_tolerance: the Lighthouse at {host}:{port} did not accept connections "
                                    f"within {LIGHTHOUSE_UP_S:g} s; see {where}")
             time.sleep(0.1)
+        if self.script is None and self.python == sys.executable:  # the warm server runs this interpreter's worker
+            self.server = warm.ready()
         for r in self.mine:
             self._start_replica(r)
 
@@ -159,7 +178,8 @@ class FtJob:
                "WORLD_SIZE": str(self.groups), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(self.groups),
                ft_lighthouse.LIGHTHOUSE_ENV: self.addr}
         if self.script is None:
-            p = self._spawn([self.python, *worker_argv(str(self.run.path))], env, self.log, self.memory)
+            argv = [self.python, *worker_argv(str(self.run.path))]
+            p = self._warm(argv, env) or self._spawn(argv, env, self.log, self.memory)
         else:  # your own loop: commlab.wrap finds the run and its replica group in the environment
             env[ft_lighthouse.RUN_DIR_ENV] = str(self.run.path)
             argv, cwd = self.script
