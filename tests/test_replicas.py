@@ -76,6 +76,6 @@ def test_a_hung_replica_is_hung_until_killed():
     hung = [*EVENTS[:4], {"event": "hang", "replica": 1, "gen": 0, "pid": 11, "step": 3, "t": 1.7}]
     s = by(replicas.replica_states(hung, STEPS[:12], START))
     assert s[1]["state"] == "hung"
-    assert replicas.describe(list(s.values())) == "3 replica groups: 2 training, 1 hung (replica 1); 0 kills"
+    assert replicas.describe(list(s.values())) == "3 replica groups: 2 training, 1 hung (replica 1); 0 kills, 1 hang"
     killed = [*hung, {"event": "kill", "replica": 1, "gen": 0, "pid": 11, "t": 4.0}]
     assert by(replicas.replica_states(killed, STEPS[:12], START))[1]["state"] == "gone"

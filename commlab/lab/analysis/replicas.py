@@ -26,7 +26,7 @@ STATES = ("training", "slow", "recovering", "cut off", "hung", "gone", "finished
 
 def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]) -> List[dict]:
     """One row per replica group seen in ``events``: ``replica``, ``state`` (STATES), ``gen`` (its process's
-    generation: 0, then one more per restart), ``kills`` and ``cuts`` (over the run), ``recoveries`` (over the run, the start's
+    generation: 0, then one more per restart), ``kills``, ``cuts`` and ``hangs`` (over the run), ``recoveries`` (over the run, the start's
     included), ``last_step`` (the last step it logged, any generation), ``speed`` (the share of its own speed its
     latest step ran at: 1.0 without a slow fault) and ``since`` (the time of the event that set its state)."""
     out: Dict[int, dict] = {}
@@ -34,8 +34,8 @@ def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]
         r = e.get("replica")
         if r is None or e.get("lighthouse"):
             continue
-        row = out.setdefault(r, {"replica": r, "state": "recovering", "gen": 0, "kills": 0, "cuts": 0, "recoveries": 0,
-                                 "last_step": None, "speed": 1.0, "since": e.get("t"), "_spawn_t": None,
+        row = out.setdefault(r, {"replica": r, "state": "recovering", "gen": 0, "kills": 0, "cuts": 0, "hangs": 0,
+                                 "recoveries": 0, "last_step": None, "speed": 1.0, "since": e.get("t"), "_spawn_t": None,
                                  "_last_t": None})
         ev = e.get("event")
         if ev == "spawn":
@@ -47,6 +47,7 @@ def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]
             row["cuts"] += 1
             row.update(state="cut off", since=e.get("t"))
         elif ev == "hang" and e.get("gen") == row["gen"]:
+            row["hangs"] += 1
             row.update(state="hung", since=e.get("t"))
         elif ev == "reconnect" and e.get("gen") == row["gen"] and row["state"] in ("cut off", "hung"):
             row.update(state="recovering", since=e.get("t"), _spawn_t=e.get("t"))
@@ -95,7 +96,8 @@ def after_start(recoveries: List[dict], steps: List[dict]) -> List[dict]:
 
 
 def describe(states: List[dict]) -> str:
-    """One line: "3 replica groups: 2 training, 1 recovering (replica 2); 2 kills, 1 recovery after the start"."""
+    """One line: "3 replica groups: 2 training, 1 recovering (replica 2); 2 kills, 1 cut, 1 hang" (cuts and hangs
+    only where there were some)."""
     if not states:
         return ""
     counts: Dict[str, List[int]] = {}
@@ -108,9 +110,10 @@ def describe(states: List[dict]) -> str:
             parts.append(f"{len(who)} {st}" + ("" if st == "training" or len(states) == len(who) else
                                                f" (replica {', '.join(map(str, who))})"))
     kills = sum(s["kills"] for s in states)
-    cuts = sum(s.get("cuts", 0) for s in states)
-    return (f"{len(states)} replica groups: {', '.join(parts)}; {kills} kill{'s' if kills != 1 else ''}"
-            + (f", {cuts} cut{'s' if cuts != 1 else ''}" if cuts else ""))
+    more = [f"{n} {word}{'s' if n != 1 else ''}" for word in ("cut", "hang")
+            if (n := sum(s.get(word + "s", 0) for s in states))]
+    return f"{len(states)} replica groups: {', '.join(parts)}; " + ", ".join([f"{kills} kill{'s' if kills != 1 else ''}",
+                                                                            *more])
 
 
 def goodput(steps: List[dict]) -> Optional[float]:
