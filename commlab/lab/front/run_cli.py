@@ -9,6 +9,7 @@ import re
 import shlex
 import sys
 import time
+from typing import Optional
 
 from commlab.engine.runfiles import FINAL, STATES
 from commlab.engine.spec import COMM_AVAILABLE, LINKS_AVAILABLE, SCHEDULES_AVAILABLE
@@ -184,14 +185,14 @@ def cmd_run(args) -> int:
     if args.check:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0
-    script = own_script(args.script, spec, args.nnodes) if args.script is not None else None
+    script = own_script(args.script, spec) if args.script is not None else None
     lab = lab_of(args)
     auto = spec.strategy.mode == "auto" and not spec.strategy.decided
     if args.nnodes and auto:
         raise UsageError("strategy: auto is chosen by the lab's own supervisor, not across nodes; "
                          "choose first with `commlab advise SPEC --out best.yaml` and run best.yaml")
     if args.nnodes:
-        return run_node(lab, spec, args)
+        return run_node(lab, spec, args, script)
     try:
         job = JobRank.from_env()
     except ValueError as e:
@@ -214,7 +215,7 @@ def cmd_run(args) -> int:
     return report(run, state, args)
 
 
-def own_script(line: str, spec, nnodes) -> list:
+def own_script(line: str, spec) -> list:
     """``--script``'s argv (the script first, then its arguments), or a UsageError naming what is missing."""
     try:
         argv = shlex.split(line)
@@ -223,17 +224,17 @@ def own_script(line: str, spec, nnodes) -> list:
     if not spec.fault_tolerance.enabled:
         raise UsageError("--script: runs your own loop as the replica groups of a fault-tolerant run "
                          "(fault_tolerance.enabled: true); without fault tolerance start it with torchrun")
-    if nnodes:
-        raise UsageError("--script: runs on one machine; --nnodes takes the lab's own trainer")
     if not argv or not os.path.isfile(argv[0]):
         raise UsageError(f"--script: {argv[0] if argv else 'nothing'} is not a file (give the script's path "
                          "first, then its arguments)")
     return argv
 
 
-def run_node(lab, spec, args) -> int:
+def run_node(lab, spec, args, script: Optional[list] = None) -> int:
     """One node of a multi-machine run. Node 0 creates the run and owns its status;
-    the others join the same run directory (a shared file system) and run their ranks."""
+    the others join the same run directory (a shared file system) and run their ranks. ``script`` (``--script``, a
+    fault-tolerant run of your own loop): node 0 writes it into the run before it starts the Lighthouse, and every
+    node's replica groups run it (each node reads it once the Lighthouse serves), from node 0's folder."""
     if not args.run_id or not args.master_addr:
         raise UsageError("--nnodes needs --run-id and --master-addr (the same on every node)")
     try:
@@ -242,6 +243,8 @@ def run_node(lab, spec, args) -> int:
         raise UsageError(str(e)) from None
     if args.node_rank == 0:
         run = lab.create(spec, run_id=args.run_id, supervisor=procs.identity())
+        if script is not None:
+            write_script(run, script, os.getcwd())
     else:
         t0 = time.time()
         while True:  # node 0 may not have created it yet

@@ -138,8 +138,9 @@ class FtJob:
         return got[0]
 
     def start(self) -> None:
-        """The Lighthouse, once it accepts connections, then every replica group (generation 0)."""
-        self.script = read_script(self.run)
+        """The Lighthouse, once it accepts connections, then every replica group (generation 0), running the run's
+        script.json if it has one (read once the Lighthouse serves: with several nodes, node 0 writes it before it
+        starts the Lighthouse)."""
         nodes = self.nodes
         host, port = ("localhost", free_port()) if nodes is None else (nodes.master_addr, nodes.port)
         self.addr = f"http://{host}:{port}"
@@ -166,6 +167,7 @@ class FtJob:
                 raise RuntimeError(f"fault_tolerance: the Lighthouse at {host}:{port} did not accept connections "
                                    f"within {LIGHTHOUSE_UP_S:g} s; see {where}")
             time.sleep(0.1)
+        self.script = read_script(self.run)
         if self.script is None and self.python == sys.executable:  # the warm server runs this interpreter's worker
             self.server = warm.ready()
         for r in self.mine:
