@@ -171,3 +171,31 @@ def test_a_directory_others_may_enter_is_refused(private, capfd):
 def test_off_means_every_rank_is_the_launchers(private, monkeypatch):
     monkeypatch.setenv(warm.ENV, "0")
     assert warm.ready() is None and not list(Path(tempfile.gettempdir()).glob("commlab-warm-*"))
+
+
+SCRIPT_PROBE = '''
+import json, os, sys
+print(json.dumps({"argv": sys.argv, "name": __name__, "cwd": os.getcwd(), "path0": sys.path[0],
+                  "torch_before": "torch" in sys.modules, "value": os.environ.get("WARM_PROBE_VALUE"),
+                  "sid": os.getsid(0), "pid": os.getpid()}))
+sys.exit(3)
+'''
+
+
+def test_a_script_runs_warm_as_python_would_run_it(private):
+    """A fault-tolerant run of your own script asks the server for ``python SCRIPT ARGS``: the fork runs it as
+    ``__main__`` from the given folder, with its argv as given and its own folder first on sys.path, in a session
+    of its own, its output in the log and its exit code back; torch is already imported."""
+    tmp = private
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "train.py").write_text(SCRIPT_PROBE)
+    log = tmp / "log.txt"
+    server = warm.ready()
+    assert server is not None
+    env = {**os.environ, "WARM_PROBE_VALUE": "given"}
+    (rank,) = warm.start(server, [([sys.executable, "mine/train.py", "--seed", "7"], env)], str(log), cwd=str(tmp))
+    assert rank.wait(60) == 3
+    got = json.loads(log.read_text().strip().splitlines()[-1])
+    assert got["argv"] == ["mine/train.py", "--seed", "7"] and got["name"] == "__main__"
+    assert got["cwd"] == str(tmp) and got["path0"] == str((tmp / "mine").resolve())
+    assert got["torch_before"] is True and got["value"] == "given" and got["sid"] == got["pid"] == rank.pid

@@ -5,7 +5,10 @@ A rank spends about 2.5 s of CPU importing before it does anything: torch itself
 time. The warm server pays it once: it imports torch and ``torch._dynamo`` (nothing of the lab's or the
 engine's, so edited code is always read fresh), then waits on a UNIX socket; for each rank the launcher asks
 for, it forks a child that takes the launcher's environment, working directory, log file and priority, and
-runs ``python -m commlab.engine.worker --run-dir DIR`` as if started so. A rank then starts in milliseconds.
+runs ``python -m commlab.engine.worker --run-dir DIR`` as if started so. A rank then starts in milliseconds. A
+fault-tolerant run of your own script (``commlab run --script``) asks for ``python SCRIPT ARGS`` instead: the
+child runs the script as ``__main__`` with its argv and its folder first on ``sys.path``, as Python would (torch
+and ``torch._dynamo`` already imported, which a script's own ``import torch`` then finds).
 
 What a rank started by the launcher had, a warm rank has too:
 
@@ -218,15 +221,19 @@ def start(sock: Path, jobs: List[tuple], log: str, cwd: Optional[str] = None,
     """Start every ``(argv, env)`` of ``commlab.lab.base.torchrun.direct_ranks`` as a warm rank (``env`` the whole
     environment) through the server at ``sock``, or None when that fails (the launcher then starts them
     itself); the ranks already started are killed first. ``memory``: MB of data each rank may use
-    (procs.limit_data, set in the forked child before the worker runs)."""
+    (procs.limit_data, set in the forked child before the worker runs). An ``argv`` without ``--run-dir`` is
+    ``[python, SCRIPT, ARGS...]``: the child runs that script, from ``cwd``."""
     started: List[WarmRank] = []
+    cwd = cwd or os.getcwd()
     try:
         for argv, env in jobs:
-            run_dir = argv[argv.index("--run-dir") + 1]
+            if "--run-dir" in argv:
+                what = {"run_dir": os.path.abspath(argv[argv.index("--run-dir") + 1])}
+            else:
+                what = {"script": argv[1:]}  # the script's path as given, from cwd
             s = _connect(sock, 10.0)
             # paths made absolute here: the server's own working directory is "/"
-            s.sendall(json.dumps({"run_dir": os.path.abspath(run_dir), "env": env, "cwd": cwd or os.getcwd(),
-                                  "log": os.path.abspath(log), "memory": memory,
+            s.sendall(json.dumps({**what, "env": env, "cwd": cwd, "log": os.path.abspath(log), "memory": memory,
                                   "nice": os.nice(0)}).encode() + b"\n")
             buf = b""
             while b"\n" not in buf:
@@ -396,15 +403,21 @@ class Server:
             os.environ.update(env)
             os.chdir(req["cwd"])
             extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-            sys.path[:] = [os.getcwd(), *extra, *self.base_path]
+            script = req.get("script")
+            first = os.path.dirname(os.path.realpath(script[0])) if script else os.getcwd()
+            sys.path[:] = [first, *extra, *self.base_path]
             sys.stdin = open(0, "r", closefd=False)
             sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
             sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
             random.seed()
             for name in [m for m in sys.modules if m.split(".")[0] in ("commlab", "__mp_main__")]:
                 del sys.modules[name]
-            sys.argv = ["-m", "--run-dir", req["run_dir"]]
-            runpy.run_module("commlab.engine.worker", run_name="__main__", alter_sys=True)
+            if script:  # python SCRIPT ARGS, from cwd: run_path sets argv[0] to the path as given
+                sys.argv = list(script)
+                runpy.run_path(script[0], run_name="__main__")
+            else:
+                sys.argv = ["-m", "--run-dir", req["run_dir"]]
+                runpy.run_module("commlab.engine.worker", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)

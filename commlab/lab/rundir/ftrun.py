@@ -16,8 +16,8 @@ What torchft decides (membership, quorum, commit, recovery) happens in the repli
 the lab does is here: start the Lighthouse and the replicas, execute the spec's faults, restart a replica that died
 after its delay (up to ``restart.max_restarts`` over the run), and end the run when the replicas have trained to the
 last step. Every process started is kept and recorded with its PID in ft-events.jsonl, and only those are ever
-signalled. The lab's worker replicas are forked by the warm server where there is one (commlab/lab/base/warm.py),
-as a one-machine run's ranks are: a replica restarted after a kill then trains within a second instead of importing
+signalled. The replicas (the lab's worker, or your script) are forked by the warm server where there is one
+(commlab/lab/base/warm.py), as a one-machine run's ranks are: a replica restarted after a kill then trains within a second instead of importing
 torch again, which on a loaded machine took seconds of the CPU its peers were training on.
 
 The end: the run is done when a replica has trained every step and exited 0; the others still running are then
@@ -124,13 +124,13 @@ class FtJob:
         self.started.append(p)
         return p
 
-    def _warm(self, argv: List[str], env: dict):
-        """The lab's worker with ``argv`` and ``env``, forked by the warm server (a ``warm.WarmRank``), or None when
-        there is none or it fails (the caller then starts a process of its own)."""
+    def _warm(self, argv: List[str], env: dict, cwd: Optional[str] = None):
+        """The lab's worker (or your script) with ``argv`` and ``env``, forked by the warm server (a
+        ``warm.WarmRank``), or None when there is none or it fails (the caller then starts a process of its own)."""
         log = getattr(self.log, "name", None)
         if self.server is None or not isinstance(log, str):
             return None
-        got = warm.start(self.server, [(argv, env)], log, memory=self.memory)
+        got = warm.start(self.server, [(argv, env)], log, cwd=cwd, memory=self.memory)
         if got is None:
             self.server = None  # it failed once: every later replica a process of this one
             return None
@@ -168,7 +168,7 @@ class FtJob:
                                    f"within {LIGHTHOUSE_UP_S:g} s; see {where}")
             time.sleep(0.1)
         self.script = read_script(self.run)
-        if self.script is None and self.python == sys.executable:  # the warm server runs this interpreter's worker
+        if self.python == sys.executable:  # the warm server runs this interpreter
             self.server = warm.ready()
         for r in self.mine:
             self._start_replica(r)
@@ -185,7 +185,8 @@ class FtJob:
         else:  # your own loop: commlab.wrap finds the run and its replica group in the environment
             env[ft_lighthouse.RUN_DIR_ENV] = str(self.run.path)
             argv, cwd = self.script
-            p = self._spawn([self.python, *argv], env, self.log, self.memory, cwd=cwd)
+            argv = [self.python, *argv]
+            p = self._warm(argv, env, cwd) or self._spawn(argv, env, self.log, self.memory, cwd=cwd)
         self.live[r] = (p, gen)
         self.spawned[r] = time.time()
         self.stepped.discard(r)
