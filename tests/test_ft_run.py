@@ -21,7 +21,7 @@ from commlab.lab.front import cli
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchft") is None,
                                 reason="torchft is not installed (./setup.sh installs it)")
 
-STEPS, KILL_AT, ASK_AT = 100, 3, 40
+STEPS, KILL_AT, ASK_AT, RESTART_S = 100, 3, 40, 2.0
 SLOW = {"kind": "slow", "replica": 0, "step": 60, "steps": 10, "speed": 0.5}
 """Replica 0, never killed, computes at half its speed for steps 60-69 (a slow fault)."""
 ASKED_SPEED, ASKED_SLOW_S = 0.25, 1.5
@@ -34,7 +34,10 @@ SPEC = {"name": "ft-kill", "model": "mlp", "dataset": "digits", "world_size": 3,
         "network": {"link": "modeled", "gbps": 1, "latency_us": 40000},  # a step (two all-reduces): 160 ms, 320 with 3
         "fault_tolerance": {"enabled": True, "min_replicas": 2, "join_timeout_ms": 1000, "timeout_s": 20,
                             "restart": {"max_restarts": 2, "delay_s": 0.5},
-                            "faults": [{"kind": "kill", "replica": 2, "step": KILL_AT, "restart_after_s": 0.5},
+                            # restarts after RESTART_S: the survivors' next quorum forms without the killed replica
+                            # (the Lighthouse waits join_timeout_ms, 1 s, for a member of the last one); forked by the
+                            # warm server, a restart half a second later could join that quorum instead
+                            "faults": [{"kind": "kill", "replica": 2, "step": KILL_AT, "restart_after_s": RESTART_S},
                                        SLOW]}}
 
 
@@ -75,7 +78,7 @@ def ask_to_kill_replica_1(run, root, seen):
         mine = [r["step"] for r in run.metric_rows() if r["kind"] == "step" and r.get("replica") == 1]
         if back and mine and max(mine) >= ASK_AT:
             cmdlines()
-            killed = cli.main(["fault", run.id, "--kill", "1", "--restart-after", "0.5", "--runs", str(root)])
+            killed = cli.main(["fault", run.id, "--kill", "1", "--restart-after", str(RESTART_S), "--runs", str(root)])
             return killed, cli.main(["fault", run.id, "--slow", "0", "--speed", str(ASKED_SPEED), "--seconds",
                                      str(ASKED_SLOW_S), "--runs", str(root)])
         time.sleep(0.2)

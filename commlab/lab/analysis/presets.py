@@ -300,9 +300,10 @@ PRESETS.append(
 # restarts the dead worker half a second later; the restarted worker takes the live one's model and optimizer state
 # and both train on. With two workers the survivor cannot go on alone: torchft's Lighthouse forms a quorum only of
 # more than half the replicas that still heartbeat (a split-brain guard), and min_replicas 2 says so outright, so it
-# waits for the restart (its process starting takes most of it). Per-step sync waits at the next step; DiLoCo trains
-# on locally until its next sync and waits there, and loses the dead worker's inner steps since the last sync. Each
-# faulted run is held to its fault-free twin's accuracy (what the kill cost), not DiLoCo to per-step sync's.
+# waits for the restart (its half-second delay, the warm server's fork and the recovery). Per-step sync waits at the
+# next step; DiLoCo trains on locally until its next sync and waits there, and loses the dead worker's inner steps
+# since the last sync. Each faulted run is held to its fault-free twin's accuracy (what the kill cost), not DiLoCo to
+# per-step sync's.
 KILL_AT = 40
 PLUG = {"steps": 120, "eval_every": 40, "comm": {"mode": "sync"}}
 PLUG_FT = {"enabled": True, "min_replicas": 2, "join_timeout_ms": 500, "timeout_s": 20,
