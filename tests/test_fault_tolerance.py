@@ -793,3 +793,38 @@ def test_a_replica_that_starts_late_recovers_in_the_peers_sync_runs_it_and_train
         a.close()
         if late is not None:
             late.close()
+
+
+@needs_torchft
+def test_the_processes_of_the_start_wait_for_every_replica_group_and_a_restart_does_not(tmp_path, monkeypatch):
+    """Replica._meet_at_the_start (commlab/engine/ft.py): each process writes its line to ft-start.jsonl; one of
+    generation 0 returns only once every replica group has a line (or its timeout_s has passed), a restarted one
+    (COMMLAB_FT_GEN 1) at once. A stand-in for the Replica: the method reads run_dir, n, groups and timeout_s."""
+    import threading
+    import types
+
+    from commlab.engine import ft
+    from commlab.engine.ft_lighthouse import GEN_ENV
+    path = tmp_path / runfiles.FT_START
+
+    def meet(n, gen, timeout_s=600.0):
+        monkeypatch.setenv(GEN_ENV, str(gen))
+        ft.Replica._meet_at_the_start(types.SimpleNamespace(run_dir=str(tmp_path), n=n, groups=3, timeout_s=timeout_s))
+        return {r["replica"] for r in read_jsonl(str(path))}
+
+    seen = {}
+    first = threading.Thread(target=lambda: seen.update(first=meet(0, 0)))
+    first.start()
+    while not path.exists() or not read_jsonl(str(path)):
+        time.sleep(0.01)
+    assert first.is_alive()  # replica 0 waits: 1 and 2 have no line yet
+    assert meet(1, 1) == {0, 1}  # a restarted process writes its line and goes on at once
+    assert first.is_alive()
+    row = {"replica": 2, "gen": 0, "t": time.time()}
+    with open(path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    first.join(60)
+    assert not first.is_alive() and seen["first"] == {0, 1, 2}
+    assert meet(0, 0, timeout_s=0.05) == {0, 1, 2}  # all there: no wait
+    path.unlink()
+    assert meet(2, 0, timeout_s=0.2) == {2}  # nobody else comes: it goes on after timeout_s

@@ -48,7 +48,8 @@ from torchft.checkpointing._serialization import _streaming_load
 
 from commlab.engine import runfiles
 from commlab.engine.comm.collectives import Group
-from commlab.engine.runlog import JsonlWriter
+from commlab.engine.ft_lighthouse import GEN_ENV
+from commlab.engine.runlog import JsonlWriter, read_jsonl
 from commlab.engine.spec import JobSpec
 
 
@@ -221,6 +222,7 @@ class Replica:
             raise ValueError(f"backend: fault tolerance runs gloo or nccl, got {backend!r}")
         self.backend = backend
         timeout = timedelta(seconds=ft.timeout_s)
+        self.timeout_s = ft.timeout_s
         # one process per replica group: it hosts its group's store (the Manager connects to it as a client)
         self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
         self.pg = _NcclMembers(timeout=timeout) if self.backend == "nccl" else _GlooMembers(timeout=timeout)
@@ -280,6 +282,8 @@ class Replica:
     def start_quorum(self) -> dict:
         """Join this step's quorum (healing first when this replica is behind); returns quorum_id, participants,
         quorum_ms and the committed step to train (``step``), as the step's line records them."""
+        if not self.quorum_started:
+            self._meet_at_the_start()
         t0 = time.perf_counter()
         self.manager.start_quorum()
         self.quorum_started = True
@@ -287,6 +291,26 @@ class Replica:
         self.last = {"quorum_id": m._quorum_id, "participants": m.num_participants(),
                      "quorum_ms": (time.perf_counter() - t0) * 1e3}
         return {**self.last, "step": m.current_step()}
+
+    def _meet_at_the_start(self) -> None:
+        """Before this process's first quorum: its line in ft-start.jsonl; at the run's start (generation 0) wait, at
+        most ``timeout_s``, until every replica group has one. torchft's Lighthouse forms a first quorum of
+        ``min_replicas`` once ``join_timeout_ms`` has passed, and a replica whose process came up later than that
+        (a loaded machine) would miss the run's start and take it from a peer at its next quorum, so that a run
+        without a fault no longer trained as the same run without fault tolerance does. A restarted process
+        (generation 1 and on) joins at once."""
+        if not self.run_dir:
+            return
+        path = os.path.join(self.run_dir, runfiles.FT_START)
+        gen = int(os.environ.get(GEN_ENV) or 0)
+        w = JsonlWriter(path)
+        w.write({"replica": self.n, "gen": gen, "t": time.time()})
+        w.close()
+        deadline = time.monotonic() + self.timeout_s
+        while gen == 0 and time.monotonic() < deadline:
+            if {r.get("replica") for r in read_jsonl(path)} >= set(range(self.groups)):
+                return
+            time.sleep(0.02)
 
     def members(self) -> Optional[list]:
         """The replica groups of this step's quorum, in ring order (their numbers), or None before the first."""

@@ -17,6 +17,9 @@ import sys
 
 LIGHTHOUSE_ENV = "COMMLAB_FT_LIGHTHOUSE"
 """The Lighthouse's address (http://host:port), as the lab hands it to each replica's process."""
+GEN_ENV = "COMMLAB_FT_GEN"
+"""The generation of a replica group's process (0 at the run's start, one more per restart), as the lab hands it to
+each replica's process: the processes of generation 0 wait for one another before the first quorum."""
 RUN_DIR_ENV = "COMMLAB_FT_RUN_DIR"
 """The run directory, as the lab hands it to each replica's process of your own script (``commlab run --script``):
 ``commlab.wrap`` then trains as that replica group of that run."""

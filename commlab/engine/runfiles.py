@@ -188,6 +188,13 @@ DIVERGEDS = FILES[DIVERGED].glob
 
 # --------------------------------------------------------------------------- fault tolerance (fault_tolerance: enabled)
 
+FT_START = _file(
+    "ft-start.jsonl", "jsonl", "one line per replica group's process as it is about to join its first quorum: "
+    "`replica`, `gen` (its process's generation: 0 at the run's start), `t`",
+    "each replica group's process (Replica.start_quorum in commlab/engine/ft.py)",
+    "before its first quorum; the processes of generation 0 then wait (at most fault_tolerance.timeout_s) until every "
+    "replica group has a line, so that the run's first quorum has them all",
+    "commlab.engine.ft.Replica")
 RECOVERIES = _file(
     "recoveries.jsonl", "jsonl", "one line per recovery of a replica group (`kind: recovery`): `replica` (the one "
     "that recovered), `from_replica` (its source), `src_replica_rank` and `src_url` (the source's place in the "

@@ -178,7 +178,7 @@ class FtJob:
         self.gens[r] = gen
         env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "RANK": str(r),
                "WORLD_SIZE": str(self.groups), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(self.groups),
-               ft_lighthouse.LIGHTHOUSE_ENV: self.addr}
+               ft_lighthouse.LIGHTHOUSE_ENV: self.addr, ft_lighthouse.GEN_ENV: str(gen)}
         if self.script is None:
             argv = [self.python, *worker_argv(str(self.run.path))]
             p = self._warm(argv, env) or self._spawn(argv, env, self.log, self.memory)
