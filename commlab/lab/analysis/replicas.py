@@ -35,8 +35,8 @@ def replica_states(events: List[dict], steps: List[dict], recoveries: List[dict]
         if r is None or e.get("lighthouse"):
             continue
         row = out.setdefault(r, {"replica": r, "state": "recovering", "gen": 0, "kills": 0, "cuts": 0, "hangs": 0,
-                                 "recoveries": 0, "last_step": None, "speed": 1.0, "since": e.get("t"), "_spawn_t": None,
-                                 "_last_t": None})
+                                 "recoveries": 0, "last_step": None, "speed": 1.0, "since": e.get("t"),
+                                 "_spawn_t": None, "_last_t": None})
         ev = e.get("event")
         if ev == "spawn":
             row.update(state="recovering", gen=e.get("gen", 0), since=e.get("t"), _spawn_t=e.get("t"))
@@ -112,8 +112,8 @@ def describe(states: List[dict]) -> str:
     kills = sum(s["kills"] for s in states)
     more = [f"{n} {word}{'s' if n != 1 else ''}" for word in ("cut", "hang")
             if (n := sum(s.get(word + "s", 0) for s in states))]
-    return f"{len(states)} replica groups: {', '.join(parts)}; " + ", ".join([f"{kills} kill{'s' if kills != 1 else ''}",
-                                                                            *more])
+    tally = ", ".join([f"{kills} kill{'s' if kills != 1 else ''}", *more])
+    return f"{len(states)} replica groups: {', '.join(parts)}; {tally}"
 
 
 def goodput(steps: List[dict]) -> Optional[float]:

@@ -17,8 +17,8 @@ the lab does is here: start the Lighthouse and the replicas, execute the spec's 
 after its delay (up to ``restart.max_restarts`` over the run), and end the run when the replicas have trained to the
 last step. Every process started is kept and recorded with its PID in ft-events.jsonl, and only those are ever
 signalled. The replicas (the lab's worker, or your script) are forked by the warm server where there is one
-(commlab/lab/base/warm.py), as a one-machine run's ranks are: a replica restarted after a kill then trains within a second instead of importing
-torch again, which on a loaded machine took seconds of the CPU its peers were training on.
+(commlab/lab/base/warm.py), as a one-machine run's ranks are: a replica restarted after a kill then trains within a
+second instead of importing torch again, which on a loaded machine took seconds of the CPU its peers trained on.
 
 The end: the run is done when a replica has trained every step and exited 0; the others still running are then
 given ``timeout_s`` (they finish the same last step) before they are stopped. It fails when every replica is gone
@@ -104,7 +104,7 @@ class FtJob:
         """(argv, cwd) of your own script each replica group runs (script.json, ``commlab run --script``, read at
         the start), or None: the lab's worker."""
         self.server = None
-        """The warm server's socket that forks the lab's worker replicas, or None: each is a process of this one."""
+        """The warm server's socket, which forks the replicas, or None: each replica is a process of this one."""
         self.t_first_finish: Optional[float] = None
         self.failed: Optional[str] = None
         """Why the run cannot go on (the Lighthouse died, every replica gone), or None."""
