@@ -436,7 +436,6 @@ def test_the_spec_records_what_muon_and_the_methods_use():
     ({"name": "none"}, {"optimizer": {"name": "muon", "momentum": 1}}, "optimizer.momentum"),
     ({"name": "none"}, {"optimizer": {"name": "adamw", "momentum": 0.9}}, "optimizer.momentum"),
     ({"name": "none"}, {"optimizer": {"name": "lion"}}, "optimizer.name"),
-    ({"name": "desloc"}, {"optimizer": "adam", "fault_tolerance": {"enabled": True}}, "method.name"),
 ])
 def test_bad_specs_get_one_line_naming_the_field(tmp_path, capsys, method, extra, field):
     from test_methods import assert_refused_in_one_line

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import types
 import uuid
 from dataclasses import asdict
 from pathlib import Path
@@ -507,19 +508,41 @@ def test_typed_yaml_cannot_grow_in_the_server(room):
         typed_yaml("x" * 5000)
 
 
+def test_a_students_log_whose_last_lines_begin_inside_a_traceback_shows_none_of_it(tmp_path, monkeypatch):
+    """The last lines of a log may begin below a traceback's first line (the other rank's lines followed it): its
+    frames are known as such and left out for a student, as a whole traceback is."""
+    log = tmp_path / "log.txt"
+    log.write_text("".join(f"line {i}\n" for i in range(40)) + "Traceback (most recent call last):\n"
+                   '  File "/srv/lab/commlab/engine/trainer.py", line 188, in _maybe_fault\n'
+                   '    raise RuntimeError("injected fault at step 1")\n'
+                   "RuntimeError: injected fault at step 1\n"
+                   "[rank 1] the peer is gone: /srv/lab/runs/x\n")
+
+    class Run:
+        def log_tail(self, n):
+            return "".join(log.read_text().splitlines(keepends=True)[-n:])
+
+    monkeypatch.setattr(ui, "viewer", lambda: types.SimpleNamespace(admin=False))
+    assert ui.shown_log(Run(), n=4).splitlines() == ["(a traceback, left out)",
+                                                      "RuntimeError: injected fault at step 1",
+                                                      "[rank 1] the peer is gone: .../x"]
+    assert "(a traceback, left out)" in ui.shown_log(Run(), n=6) and "/srv" not in ui.shown_log(Run(), n=6)
+
+
 def test_a_students_failed_run_shows_no_traceback_and_no_machine_path(room):
     """A student's run that fails shows its one-line error and its log's last lines without the traceback's
     frames or the machine's folders; the teacher sees the log as it is. An image too small for the model is
     refused when the spec is checked, not by a traceback from the ranks."""
     root, tokens = room
     run = open_lab(root, room=True).submit(commlab.spec(dict(SMALL, fault={"kind": "raise", "step": 1})), wait=True, owner="alice")
-    assert run.state == "failed" and "Traceback" in run.log_tail(30) and str(paths.SOURCE) in run.log_tail(30)
+    # the whole log: the other rank's own lines (gloo's on the lost peer) may follow the traceback's
+    assert run.state == "failed" and "Traceback" in run.log_tail(400) and str(paths.SOURCE) in run.log_tail(400)
     at = app(tokens["alice"], page="live_run", run=run.id)
     shown = "\n".join(c.value for c in at.code)
     assert "injected fault at step 1" in shown and "(a traceback, left out)" in shown
     assert "Traceback" not in shown and str(paths.SOURCE) not in everything(at)
     at = app(tokens["admin"], page="live_run", run=run.id)
-    assert "Traceback (most recent call last)" in "\n".join(c.value for c in at.code)
+    assert str(paths.SOURCE) in "\n".join(c.value for c in at.code)  # the frames, with the machine's folders
     as_viewer("alice")
     spec, err = new_run.validate(dict(SMALL, model="cnn", dataset={"name": "synthetic", "shape": [3, 1, 1]}))
     assert spec is None and (err.path, err.msg) == ("dataset.shape", "cnn takes images of at least 2x2, got 1x1")

@@ -236,16 +236,20 @@ def shown_text(text: str) -> str:
     return text if viewer().admin else ABSOLUTE_PATH.sub(".../", text)
 
 
+FRAME = re.compile(r'^\s+File "[^"]*", line \d+')
+"""A traceback's frame line (``  File "/srv/lab/engine/trainer.py", line 188, in step``)."""
+
+
 def shown_log(run: Run, n: int = 30) -> str:
     """The last ``n`` lines of a run's log as the viewer may see them: as they are for the teacher and the local
-    user; for a student without tracebacks (each becomes one line saying so: the error itself follows it) and
-    without the machine's folders."""
+    user; for a student without tracebacks (each becomes one line saying so: the error itself follows it; a
+    traceback whose first line is above the last ``n`` is known by its frames) and without the machine's folders."""
     text = run.log_tail(n)
     if viewer().admin:
         return text
     out, inside = [], False
     for line in text.splitlines():
-        if line.lstrip().startswith("Traceback (most recent call last)"):
+        if line.lstrip().startswith("Traceback (most recent call last)") or (not inside and FRAME.match(line)):
             out.append("(a traceback, left out)")
             inside = True
             continue
