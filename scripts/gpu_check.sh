@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks (issues 18 and 35) on a machine with a CUDA GPU, from the repository root:
+# The GPU checks on a machine with a CUDA GPU, from the repository root:
 #
 #   OUT=gpu-out scripts/gpu_check.sh [engine|graphs|suite|bench|launchtests|launch|profiles|wheel]...    (default: engine bench)
 #
