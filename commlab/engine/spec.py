@@ -976,9 +976,8 @@ class JobSpec:
                                              f"{name} sends no gradients on local steps; use layerwise, allinone "
                                              f"or bucket")
         if self.fault_tolerance.enabled and not m.fault_tolerant:
-            raise SpecError("method.name", f"{name} does not say its syncs join fault tolerance's quorum "
-                                           f"(Method.fault_tolerant, commlab/engine/methods/base.py); every built-in "
-                                           f"method does")
+            raise SpecError("method.name", f"{name} {m.NOT_FAULT_TOLERANT}; every built-in method does "
+                                           f"(commlab/engine/methods/base.py)")
         if not m.exchanges_gradients and (self.compressor.name != "none" or self.compressor.per_bucket):
             raise SpecError("compressor.name", f"method {name} exchanges no gradients; give the compressor of its "
                                                f"own exchange as method.compressor"

@@ -177,8 +177,7 @@ class Stepper:
         """This step's quorum and commit, for its line (under a method: only the steps that joined one)."""
         if self.method is not None:
             if ft is not None and not self.method.fault_tolerant:  # a user's method the spec check could not import
-                raise RuntimeError(f"method.name: {spec.method.name} does not say its syncs join fault tolerance's "
-                                   f"quorum (Method.fault_tolerant)")
+                raise RuntimeError(f"method.name: {spec.method.name} {self.method.NOT_FAULT_TOLERANT}")
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             sec = spec.method.compressor
             self.ctx = Context(params=[p for _, p in named], names=[n for n, _ in named], world=self.dp.world,

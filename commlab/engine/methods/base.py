@@ -136,6 +136,9 @@ class Method:
     collective and applies its result only when ``ctx.quorum.commit()`` (or, with ``exchanges_every_step``, its
     exchange is the step's, and the step commits); ``state_dict`` holds what a replica that recovers must take. A
     spec with ``fault_tolerance.enabled`` and a method without it is refused."""
+    NOT_FAULT_TOLERANT = "does not say its syncs join fault tolerance's quorum (Method.fault_tolerant)"
+    """The refusal of a method without ``fault_tolerant`` under fault tolerance, after its name (the spec's, a
+    rank's)."""
     checks_model = False
     """True when ``check_model`` needs the model's tensor sizes (the lab builds it before any rank starts)."""
 

@@ -131,15 +131,15 @@ class DESLOC(Method):
         for what, g, ts, tr in started:
             avgs.append(tr.finish())
             self.step_bytes += tr.sent
+        ok = q is None or q.commit()
         self.step_log["sync_bytes"] = self.step_bytes
-        self.step_log["synced"] = due
-        if q is not None and not q.commit():
+        self.step_log["synced"] = due if ok else []
+        if not ok:
             if "params" in due:  # back to the last average; the moments stay this replica's own
                 for p, s in zip(self.ctx.params, self.synced):
                     p.copy_(s)
-            self.step_log["synced"] = []
             return
-        for (what, g, ts, tr), avg in zip(started, avgs):
+        for (_, g, ts, _), avg in zip(started, avgs):
             for t, v in zip(ts, g.views(avg)):
                 if t is not None:
                     t.copy_(v)
