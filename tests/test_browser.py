@@ -83,8 +83,9 @@ def keep(shot: Path, name: str) -> None:
 
 
 def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
-    """Every preset's Start leads to its results view; one preset (the quickest) is followed until its
-    verdict is complete, with the timelines side by side; then a run's live page and the other pages."""
+    """A preset's Start leads to its results view (every preset's Start is tests/test_app.py's, through the
+    pages' own test harness); one preset (the quickest) is followed until its verdict is complete, with the
+    timelines side by side; then a run's live page and the other pages."""
     from commlab.lab.front import groups
     url, runs = server
     with sync_api.sync_playwright() as pw:
@@ -93,26 +94,12 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 2400})
             page.set_default_timeout(60_000)
-            # every preset but the one followed below: Start, its results view, then its runs are cancelled
-            for p in PRESETS:
-                if p.key == BROWSER_FOLLOWS:
-                    continue
-                page.goto(url)
-                page.locator(f".st-key-preset-{p.key}").get_by_role("button", name="Start").click()
-                page.wait_for_url("**/results?group=*")
-                page.get_by_text(p.claim[:40]).wait_for()
-                page.get_by_text("runs finished").first.wait_for()
-                gid = page.url.rsplit("group=", 1)[1]
-                group = groups.preset_group(gid, runs)
-                assert group["preset"] == p.key and list(group["runs"]) == list(p.variants)
-                for i in group["runs"].values():
-                    commlab.cancel(i, runs=runs)
-                for i in group["runs"].values():
-                    assert commlab.wait(i, runs=runs, timeout=120) in ("cancelled", "done")
+            followed = next(p for p in PRESETS if p.key == BROWSER_FOLLOWS)
             page.goto(url)
             card = page.locator(f".st-key-preset-{BROWSER_FOLLOWS}")
             card.get_by_role("button", name="Start").click()  # waits until the button is there
             page.wait_for_url("**/results?group=*")
+            page.get_by_text(followed.claim[:40]).wait_for()
             page.get_by_text("runs finished").first.wait_for()
             # the verdict fills in as the runs finish, with no reload
             page.get_by_text("the whole experiment took").wait_for(timeout=300_000)
@@ -131,7 +118,6 @@ def test_presets_to_results_then_live_timeline_and_accuracy(server, tmp_path):
             ids = list(groups.preset_group(gid, runs)["runs"].values())
             assert all(commlab.get(i, runs=runs).state == "done" for i in ids)
             # tests/test_presets_train.py leaves this preset's accuracy to this test: the same checks
-            followed = next(p for p in PRESETS if p.key == BROWSER_FOLLOWS)
             assert_trained(followed, groups.preset_group(gid, runs), lambda rid: commlab.get(rid, runs=runs))
             page.goto(f"{url}/live_run?run={ids[0]}")
             page.get_by_text("Where the step time goes").wait_for()

@@ -234,3 +234,23 @@ def test_a_row_left_behind_its_final_status_is_written_again(tmp_path):
     assert lab_.index.states()[run.id] == "running"
     assert run.id in {r.id for r in commlab.runs(runs=tmp_path, state="done")}
     assert lab_.index.states()[run.id] == "done"
+
+
+CPU_VERSION = "__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\nhip: Optional[str] = None\n"
+
+
+def test_the_default_queue_length_reads_the_torch_build_without_importing_torch():
+    """A detached supervisor asks for the default number of jobs: on a CPU build of torch it does not import
+    torch for it (three seconds of CPU on a small machine); a CUDA or ROCm build, or a version file it cannot
+    read, leaves the answer to torch."""
+    from commlab.lab.service.queue import gpu_build
+    assert gpu_build(CPU_VERSION) is False
+    assert gpu_build(CPU_VERSION.replace("cuda: Optional[str] = None", "cuda: Optional[str] = '12.8'")) is True
+    assert gpu_build("__version__ = '2.5.0'\ncuda = None\nhip = '6.2.4'\n") is True
+    assert gpu_build("__version__ = '2.5.0'\n") is True
+    if gpu_build():
+        pytest.skip("this torch is built for a GPU: the default asks torch")
+    code = ("import sys; from commlab.lab.service.queue import default_max_jobs; n = default_max_jobs(); "
+            "print(n, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert out.stdout.split() == [str(max(1, (os.cpu_count() or 1) // 2)), "False"], out

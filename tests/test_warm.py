@@ -199,3 +199,52 @@ def test_a_script_runs_warm_as_python_would_run_it(private):
     assert got["argv"] == ["mine/train.py", "--seed", "7"] and got["name"] == "__main__"
     assert got["cwd"] == str(tmp) and got["path0"] == str((tmp / "mine").resolve())
     assert got["torch_before"] is True and got["value"] == "given" and got["sid"] == got["pid"] == rank.pid
+
+
+LIMITED_PROBE = '''
+import json, os, resource, sys
+import torch.nn as nn
+
+def build(info=None, **kw):
+    out = {"ppid": os.getppid(), "torch_before": "torch" in sys.modules,
+           "nproc": resource.getrlimit(resource.RLIMIT_NPROC)[0], "data": resource.getrlimit(resource.RLIMIT_DATA)[0]}
+    if os.environ.get("ASK_WARM"):  # the spec's code asks the user's warm server for a process of its own
+        from commlab.lab.base import warm
+        try:
+            warm._ask(warm.ready(), {"script": [os.environ["ASK_WARM"]], "env": dict(os.environ), "cwd": "/",
+                                     "log": os.devnull, "memory": None})
+            out["asked"] = "started"
+        except OSError as e:
+            out["asked"] = str(e)
+    with open(os.environ["LIMITED_PROBE"], "w") as f:
+        json.dump(out, f)
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
+'''
+
+
+def test_a_preview_child_is_forked_warm_under_its_limits(private, monkeypatch):
+    """A child of commlab.lab.base.sandbox (a model's preview) is forked by the warm server, torch already imported,
+    and runs the spec's code under the same limits as a child started as a process."""
+    from commlab.lab.base import sandbox
+    (private / "src" / "limited_model.py").write_text(LIMITED_PROBE)
+    out = private / "probe.json"
+    monkeypatch.setenv("LIMITED_PROBE", str(out))
+    got = sandbox.run("describe", {"model": "limited_model:build", "dataset": "digits"})
+    assert got["params"] == 64 * 10 + 10
+    seen = json.loads(out.read_text())
+    assert procs.cmdline(seen["ppid"]).split()[2:3] == [warm.MARK] and seen["torch_before"] is True
+    assert seen["nproc"] == 0 and seen["data"] == sandbox.PREVIEW.memory
+
+
+def test_a_limited_child_cannot_ask_the_warm_server_for_a_process(private, monkeypatch):
+    """The spec's code in a preview child may not start processes (RLIMIT_NPROC 0); the warm server, which
+    could start one for it, refuses a caller under that limit."""
+    from commlab.lab.base import sandbox
+    (private / "src" / "limited_model.py").write_text(LIMITED_PROBE)
+    out = private / "probe.json"
+    (private / "escape.py").write_text("print('out of the limits')\n")
+    monkeypatch.setenv("LIMITED_PROBE", str(out))
+    monkeypatch.setenv("ASK_WARM", str(private / "escape.py"))
+    sandbox.run("describe", {"model": "limited_model:build", "dataset": "digits"})
+    assert json.loads(out.read_text())["asked"] == ("ValueError: the caller may not start processes (a limited "
+                                                    "child): neither may it ask for one")

@@ -21,6 +21,18 @@ from typing import Any, Callable, List, Optional, Tuple
 LIBRARY_PREFIXES = ("torchvision:", "hf:")
 """Names of library models (commlab/engine/external.py): a torchvision architecture, a transformers model type."""
 
+ZOO_KIND = {"mlp": "image", "cnn": "image", "resnet": "image", "transformer": "text"}
+"""The model zoo's names (commlab/engine/models.py) and the data kind each trains on: a spec naming one is checked
+here, without importing torch."""
+
+
+def zoo_kind(name: str) -> str:
+    """The data kind zoo model ``name`` needs; a one-line ValueError naming the allowed names otherwise."""
+    if name not in ZOO_KIND:
+        raise ValueError(f"model: unknown name {name!r}; allowed: {', '.join(ZOO_KIND)}, "
+                         f"torchvision:<arch>, hf:<type>, package.module:factory")
+    return ZOO_KIND[name]
+
 
 def is_import_path(name: str) -> bool:
     """Whether ``name`` names code by import path (package.module:object), not a library model."""

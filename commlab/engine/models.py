@@ -20,23 +20,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from commlab.engine import external
+from commlab.engine.codepath import ZOO_KIND, zoo_kind
 
-NAMES = ("mlp", "cnn", "resnet", "transformer")
-_KIND = {"mlp": "image", "cnn": "image", "resnet": "image", "transformer": "text"}
-
-
-def _check_name(name):
-    if name not in NAMES:
-        raise ValueError(f"model: unknown name {name!r}; allowed: {', '.join(NAMES)}, "
-                         f"torchvision:<arch>, hf:<type>, package.module:factory")
+NAMES = tuple(ZOO_KIND)
 
 
 def kind(name):
     """The data kind model `name` needs ("image", "text"), or None when only its first batch can tell."""
     if external.is_external(name):
         return external.model_kind(name)
-    _check_name(name)
-    return _KIND[name]
+    return zoo_kind(name)
 
 
 MIN_SIDE = {"cnn": 2}
@@ -53,9 +46,9 @@ def compatible(name, info_kind):
 def build(name, info, **kw):
     if external.is_external(name):
         return external.build_model(name, info, **kw)
-    _check_name(name)
+    zoo_kind(name)
     if not compatible(name, info.kind):
-        raise ValueError(f"model: {name!r} needs {_KIND[name]} data, got {info.kind}")
+        raise ValueError(f"model: {name!r} needs {ZOO_KIND[name]} data, got {info.kind}")
     if name == "mlp":
         return MLP(math.prod(info.input_shape), info.num_classes, **kw)
     if name == "cnn":

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from commlab.engine import cluster
-from commlab.engine.codepath import check_path, imports_allowed, is_import_path
+from commlab.engine.codepath import check_path, imports_allowed, is_import_path, zoo_kind
 from commlab.engine.schedules import SCHEDULES
 
 
@@ -64,14 +64,15 @@ class ModelSpec:
     (per image, or per next token)."""
 
     def __post_init__(self):
-        from commlab.engine import external, models
         try:
-            if external.is_external(self.name):
-                external.check_model(self.name)  # unknown architecture or import failure: one line, now
-            else:
-                models.kind(self.name)
-            if self.loss is not None:
-                external.check_import(self.loss, "model.loss")
+            if ":" in self.name or self.loss is not None:  # outside the zoo: external imports torch, the zoo's check does not
+                from commlab.engine import external
+                if external.is_external(self.name):
+                    external.check_model(self.name)  # unknown architecture or import failure: one line, now
+                if self.loss is not None:
+                    external.check_import(self.loss, "model.loss")
+            if ":" not in self.name:
+                zoo_kind(self.name)
         except ValueError as e:
             field_, _, msg = str(e).partition(": ")
             raise SpecError(field_ if field_.startswith("model.") else "model.name", msg or str(e)) from None

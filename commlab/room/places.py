@@ -25,8 +25,9 @@ from commlab.lab.base import sandbox
 from commlab.lab.base.sandbox import PREVIEW, WAIT_S, Busy, Limits, SandboxError
 
 BUDGET_S = 60.0
-"""Seconds of child wall time one person's previews may take within BUDGET_WINDOW_S: some eight previews of
-a Hugging Face model (about 7 s of CPU each here), far more than a person changing a form's fields needs,
+"""Seconds of child wall time one person's previews may take within BUDGET_WINDOW_S: some fifteen previews of
+a Hugging Face model (3 to 4 s each here, forked warm; 10 s in a child started cold), far more than a person
+changing a form's fields needs,
 and a bound on how much of the server's two places one person can keep. Past it their previews are refused
 (one line: when to try again); checks before a submit are not refused but count. The teacher and the local
 user have no budget."""

@@ -9,7 +9,10 @@ run's timeline with) and ``check`` (a first batch through the model and the loss
 higher layer adds tasks of its own (``register``): its module is the child's, ``python -m MODULE TASK LIMITS_JSON``,
 and runs ``main`` with its own work (commlab.lab.strategy.perfmodel.child: the Performance model page's measurements).
 
-The child sets its limits before it imports torch, the engine or anything the spec names: data
+The child is forked by this user's warm server (commlab.lab.base.warm: torch imported already, nothing of the
+lab's), in about half a second where a child started cold spends three or four importing torch; where there is
+no warm server (``COMMLAB_WARM=0``, or it fails) it is started as a process of this one's. Either way it sets
+its limits before it imports the engine or anything the spec names (and torch, started cold): data
 (RLIMIT_DATA: the heap and every private writable mapping, so every tensor and buffer it allocates; not the
 address space, which a CUDA build of torch passes 2 GiB of with its libraries' code alone), CPU seconds (RLIMIT_CPU), open files (RLIMIT_NOFILE), the size of a file
 it writes (RLIMIT_FSIZE), no core files, no new processes (RLIMIT_NPROC, which binds every user but root),
@@ -24,7 +27,8 @@ for a place, then are refused with a message (``Busy``). Who takes a free place 
 (``install_gate``): the first to ask, in a lab without a room; in a room, the person who has had the least
 child time lately, one child per person, each person's child time bounded (commlab.room.places).
 
-This module imports only the standard library at its top, so the child's limits come first.
+This module imports only the standard library at its top, so the child's limits come first. The warm server
+refuses a caller that may not start processes (this child): it cannot ask the server for what its limits deny it.
 """
 from __future__ import annotations
 
@@ -61,8 +65,8 @@ class Limits:
 
 PREVIEW = Limits(wall_s=30.0, cpu_s=20, memory=2 << 30)
 """A model's size for the New run form (the lab's own models are counted on the meta device: no weights).
-About 1.5 s of CPU here, most of it importing torch; the wall-clock limit leaves room for a machine whose
-cores train runs at a higher priority."""
+About 0.5 s here forked warm, 4 s started cold (most of it importing torch); the wall-clock limit leaves room
+for a machine whose cores train runs at a higher priority."""
 CHECK = Limits(wall_s=60.0, cpu_s=60, memory=4 << 30)
 """A first batch through a model from outside the zoo, before its run is queued."""
 LABELS = {"describe": "preview", "parameters": "preview", "check": "check"}
@@ -164,20 +168,40 @@ def child_env() -> dict:
 
 def _spawn(task: str, spec: dict, limits: Limits) -> dict:
     label = LABELS[task]
-    with tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as inp, tempfile.TemporaryFile(suffix=TEMP_SUFFIX) as out:
-        inp.write(json.dumps(spec).encode())
-        inp.seek(0)
-        p = subprocess.Popen([sys.executable, "-m", _MODULES.get(task, MODULE), task, json.dumps(asdict(limits))],
-                             stdin=inp, stdout=out, stderr=subprocess.DEVNULL, env=child_env(), cwd=os.getcwd(),
-                             start_new_session=True, close_fds=True)
-        timed_out = not _ended(p.pid, time.monotonic() + limits.wall_s)
-        _kill_group(p.pid)  # before the child is reaped: its group id cannot have been given to anyone else
-        code = p.wait()
+    args = [task, json.dumps(asdict(limits))]
+    module = _MODULES.get(task, MODULE)
+    with tempfile.TemporaryDirectory(suffix=TEMP_SUFFIX) as d:
+        inp, out = Path(d) / "spec.json", Path(d) / "answer.json"
+        inp.write_text(json.dumps(spec))
+        out.touch()
+        child = _warm_child(module, args, inp, out)
+        if child is not None:
+            timed_out = not child.ended(limits.wall_s)
+            _kill_group(child.pid)  # before the server reaps it: its group id cannot have been given to anyone else
+            child.ended(None)  # its end, once killed
+            child.release(reaped_s=5.0)  # reaped when this returns, as a child of this process's would be
+            code = child.returncode
+        else:
+            with open(inp, "rb") as stdin, open(out, "wb") as stdout:
+                p = subprocess.Popen([sys.executable, "-m", module, *args], stdin=stdin, stdout=stdout,
+                                     stderr=subprocess.DEVNULL, env=child_env(), cwd=os.getcwd(),
+                                     start_new_session=True, close_fds=True)
+            timed_out = not _ended(p.pid, time.monotonic() + limits.wall_s)
+            _kill_group(p.pid)  # before the child is reaped: its group id cannot have been given to anyone else
+            code = p.wait()
         if timed_out:
             raise TimedOut(label, f"took more than {limits.wall_s:g} s")
-        out.seek(0)
-        raw = out.read(MAX_ANSWER)
+        with open(out, "rb") as f:
+            raw = f.read(MAX_ANSWER)
     return _answer(label, code, raw, limits)
+
+
+def _warm_child(module: str, args: list, inp: Path, out: Path):
+    """The child forked by this user's warm server (commlab.lab.base.warm: torch imported already, nothing of the
+    lab's or of what the spec names), or None where there is none (the child is then a process of this one's)."""
+    from commlab.lab.base import warm  # lazy: the child's own run of this module imports the standard library alone first
+    server = warm.ready()
+    return server and warm.start_module(server, module, args, child_env(), str(inp), str(out))
 
 
 def _ended(pid: int, deadline: float) -> bool:

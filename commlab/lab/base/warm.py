@@ -8,7 +8,9 @@ for, it forks a child that takes the launcher's environment, working directory, 
 runs ``python -m commlab.engine.worker --run-dir DIR`` as if started so. A rank then starts in milliseconds. A
 fault-tolerant run of your own script (``commlab run --script``) asks for ``python SCRIPT ARGS`` instead: the
 child runs the script as ``__main__`` with its argv and its folder first on ``sys.path``, as Python would (torch
-and ``torch._dynamo`` already imported, which a script's own ``import torch`` then finds).
+and ``torch._dynamo`` already imported, which a script's own ``import torch`` then finds). The limited child of
+commlab.lab.base.sandbox (a model's preview, a spec's check) asks for ``python -m MODULE ARGS`` with its stdin and
+stdout in files; a caller that may not start processes itself (that child, RLIMIT_NPROC 0) is refused.
 
 What a rank started by the launcher had, a warm rank has too:
 
@@ -42,6 +44,7 @@ import select
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -107,7 +110,7 @@ class WarmRank:
         self.returncode: Optional[int] = None
         self.ticks = 0
 
-    def _read(self, timeout: Optional[float]) -> None:
+    def _read(self, timeout: Optional[float], ack: bool = True) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while b"\n" not in self.buf:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -124,14 +127,33 @@ class WarmRank:
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
         msg = json.loads(line)
-        self._ended(int(msg["exit"]), int(msg.get("ticks", 0)))
-        with contextlib.suppress(OSError):
-            self.conn.sendall(b"ack\n")  # now the server may reap it
+        self.returncode, self.ticks = int(msg["exit"]), int(msg.get("ticks", 0))
+        if ack:
+            self.release()
 
     def _ended(self, code: int, ticks: int) -> None:
         self.returncode, self.ticks = code, ticks
         with contextlib.suppress(OSError):
             self.conn.close()
+
+    def release(self, reaped_s: float = 0.0) -> None:
+        """Let the server reap the ended child (until then its process group id is nobody else's); with
+        ``reaped_s``, wait up to that long for it to have done so (it closes the connection once it has)."""
+        with contextlib.suppress(OSError):
+            self.conn.sendall(b"ack\n")
+            deadline = time.monotonic() + reaped_s
+            while reaped_s and time.monotonic() < deadline:
+                r, _, _ = select.select([self.conn], [], [], max(0.0, deadline - time.monotonic()))
+                if r and not self.conn.recv(64):
+                    break
+        self._ended(self.returncode, self.ticks)
+
+    def ended(self, timeout: Optional[float]) -> bool:
+        """Whether the child ended within ``timeout`` s (None: waits for it), its end read but the child not yet
+        reaped (``release``)."""
+        if self.returncode is None:
+            self._read(timeout, ack=False)
+        return self.returncode is not None
 
     def poll(self) -> Optional[int]:
         if self.returncode is None:
@@ -231,23 +253,9 @@ def start(sock: Path, jobs: List[tuple], log: str, cwd: Optional[str] = None,
                 what = {"run_dir": os.path.abspath(argv[argv.index("--run-dir") + 1])}
             else:
                 what = {"script": argv[1:]}  # the script's path as given, from cwd
-            s = _connect(sock, 10.0)
             # paths made absolute here: the server's own working directory is "/"
-            s.sendall(json.dumps({**what, "env": env, "cwd": cwd, "log": os.path.abspath(log), "memory": memory,
-                                  "nice": os.nice(0)}).encode() + b"\n")
-            buf = b""
-            while b"\n" not in buf:
-                chunk = s.recv(4096)
-                if not chunk:
-                    raise OSError("the warm server closed the connection")
-                buf += chunk
-            line, buf = buf.split(b"\n", 1)
-            reply = json.loads(line)
-            if "pid" not in reply:
-                s.close()
-                raise OSError(reply.get("error", "no pid"))
-            s.settimeout(None)
-            started.append(WarmRank(s, int(reply["pid"]), buf))
+            started.append(_ask(sock, {**what, "env": env, "cwd": cwd, "log": os.path.abspath(log),
+                                       "memory": memory}))
         return started
     except (OSError, ValueError, KeyError) as e:
         print(f"commlab: warm ranks failed to start ({e}); starting the ranks as processes", file=sys.stderr)
@@ -259,7 +267,61 @@ def start(sock: Path, jobs: List[tuple], log: str, cwd: Optional[str] = None,
         return None
 
 
+def start_module(sock: Path, module: str, args: List[str], env: dict, stdin: str, stdout: str,
+                 cwd: Optional[str] = None) -> Optional[WarmRank]:
+    """``python -m MODULE ARGS`` forked warm, its stdin read from the file ``stdin``, its stdout written to the file
+    ``stdout`` and its stderr dropped (the limited child of commlab.lab.base.sandbox), or None when that fails
+    (the caller then starts a process of its own)."""
+    try:
+        return _ask(sock, {"module": [module, *args], "env": env, "cwd": cwd or os.getcwd(), "log": os.devnull,
+                           "stdin": os.path.abspath(stdin), "stdout": os.path.abspath(stdout), "memory": None})
+    except (OSError, ValueError, KeyError) as e:
+        print(f"commlab: warm child failed to start ({e}); starting it as a process", file=sys.stderr)
+        return None
+
+
+def _ask(sock: Path, req: dict) -> WarmRank:
+    """One child forked by the server for ``req``, at this process's priority."""
+    s = _connect(sock, 10.0)
+    try:
+        s.sendall(json.dumps({**req, "nice": os.nice(0)}).encode() + b"\n")
+        buf = b""
+        while b"\n" not in buf:
+            chunk = s.recv(4096)
+            if not chunk:
+                raise OSError("the warm server closed the connection")
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        reply = json.loads(line)
+        if "pid" not in reply:
+            raise OSError(reply.get("error", "no pid"))
+    except BaseException:
+        s.close()
+        raise
+    s.settimeout(None)
+    return WarmRank(s, int(reply["pid"]), buf)
+
+
 # --------------------------------------------------------------------------- the server
+
+def peer_pid(conn: socket.socket) -> int:
+    """The process at the other end of a UNIX socket (SO_PEERCRED)."""
+    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    return pid
+
+
+def may_start_processes(pid: int) -> bool:
+    """False for a process whose limit on processes is 0 (commlab.lab.base.sandbox's child): the server would
+    otherwise start for it what it may not start itself."""
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            for line in f:
+                if line.startswith("Max processes"):
+                    return line.split()[2] != "0"
+    except OSError:
+        return False
+    return True
+
 
 def _ticks(pid: int) -> int:
     """utime + stime + cutime + cstime of a (zombie) child, from /proc."""
@@ -327,6 +389,8 @@ class Server:
             req = json.loads(line)
             if int(req["nice"]) < self.nice:
                 raise ValueError(f"the caller runs at nice {req['nice']}, this server at {self.nice}")
+            if not may_start_processes(peer_pid(conn)):
+                raise ValueError("the caller may not start processes (a limited child): neither may it ask for one")
             pid = os.fork()
             if pid == 0:
                 self._child(req)  # never returns
@@ -392,9 +456,13 @@ class Server:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
             os.close(fd)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            os.close(null)
+            if req.get("stdout"):
+                fd = os.open(req["stdout"], os.O_WRONLY | os.O_TRUNC)
+                os.dup2(fd, 1)
+                os.close(fd)
+            fd = os.open(req.get("stdin") or os.devnull, os.O_RDONLY)
+            os.dup2(fd, 0)
+            os.close(fd)
             if int(req["nice"]) > self.nice:
                 os.nice(int(req["nice"]) - self.nice)
             limit_data(req.get("memory"))  # before the worker runs: a rank's memory limit (a student's rank_mb)
@@ -415,6 +483,9 @@ class Server:
             if script:  # python SCRIPT ARGS, from cwd: run_path sets argv[0] to the path as given
                 sys.argv = list(script)
                 runpy.run_path(script[0], run_name="__main__")
+            elif req.get("module"):  # python -m MODULE ARGS
+                sys.argv = ["-m", *req["module"][1:]]
+                runpy.run_module(req["module"][0], run_name="__main__", alter_sys=True)
             else:
                 sys.argv = ["-m", "--run-dir", req["run_dir"]]
                 runpy.run_module("commlab.engine.worker", run_name="__main__", alter_sys=True)

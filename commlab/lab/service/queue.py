@@ -19,7 +19,9 @@ supervisor sees it within a poll interval in every state.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -50,14 +52,35 @@ NEAR = 2
 
 
 def default_max_jobs() -> int:
-    """One job per GPU on a GPU box; otherwise one per two cores (a job has two ranks by default)."""
-    try:
-        import torch
-        if torch.cuda.is_available():
-            return max(1, torch.cuda.device_count())
-    except ImportError:
-        pass
+    """One job per GPU on a GPU box; otherwise one per two cores (a job has two ranks by default). torch is
+    asked only where its build has a GPU backend (``gpu_build``): importing it costs every detached supervisor
+    three seconds of CPU on a small machine, for nothing where the build is for the CPU."""
+    if "torch" in sys.modules or gpu_build():
+        try:
+            import torch
+            if torch.cuda.is_available():
+                return max(1, torch.cuda.device_count())
+        except ImportError:
+            pass
     return max(1, (os.cpu_count() or 1) // 2)
+
+
+def gpu_build(version_text: Optional[str] = None) -> bool:
+    """Whether the installed torch is built for CUDA or ROCm, read from its ``torch/version.py`` (``cuda`` or
+    ``hip`` set to a version, not None) without importing it; True where the file cannot be read (torch then
+    decides), False where torch is not installed."""
+    if version_text is None:
+        spec = importlib.util.find_spec("torch")
+        if spec is None or not spec.origin:
+            return False
+        try:
+            version_text = (Path(spec.origin).parent / "version.py").read_text()
+        except OSError:
+            return True
+    found = dict(re.findall(r"^(cuda|hip)\b[^=\n]*=\s*(\S+)", version_text, re.M))
+    if set(found) != {"cuda", "hip"}:
+        return True
+    return any(v != "None" for v in found.values())
 
 
 class Slots:
