@@ -48,3 +48,8 @@ if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(0 if m
         echo "setup: torchft==$TORCHFT_VERSION is not available here; fault_tolerance: is off" >&2
     fi
 fi
+
+# The lab's bytecode, written here once: where Python does not write it itself (PYTHONDONTWRITEBYTECODE set, a
+# checkout it cannot write to) every process would compile what it imports of the lab again, about 0.6 s of CPU
+# for the lab's side and 0.25 s for a rank on a 2-core machine. Only what changed is compiled again.
+"$VENV/bin/python" -m compileall -q -j 0 commlab >/dev/null || echo "setup: could not write the lab's bytecode (it is compiled on import instead)" >&2
