@@ -90,6 +90,23 @@ def test_every_per_step_compressor_runs_fault_tolerant_error_feedback_included(c
 
 
 @needs_torchft
+def test_strategy_auto_under_fault_tolerance_ranks_only_what_the_replicas_can_run():
+    """A fault-tolerant spec may leave its strategy to the advisor: the space lists MergeComp and dear without
+    ranking them (neither runs under fault tolerance), and the same spec without fault tolerance ranks them."""
+    from commlab.lab.strategy.space import FT_NO_DEAR, FT_NO_TUNING, space
+    d = spec(strategy={"mode": "auto", "measure": False}, network={"link": "modeled", "gbps": 1},
+             optimizer={"name": "adam"})
+    s = JobSpec.from_dict(d).to_dict()
+    cands = space(s, methods=False)
+    left = {c.label: c.excluded for c in cands if c.excluded}
+    assert left and all(why in (FT_NO_TUNING, FT_NO_DEAR) for why in left.values())
+    assert {c.label for c in cands if c.schedule["name"] == "mergecomp" or c.comm["mode"] == "dear"} == set(left)
+    assert any(c.comm["mode"] == "dear" for c in cands)  # adam steps shards: dear is in the space, left out
+    plain = space({**s, "fault_tolerance": {**s["fault_tolerance"], "enabled": False}}, methods=False)
+    assert not [c for c in plain if c.excluded] and len(plain) == len(cands)
+
+
+@needs_torchft
 def test_a_fault_tolerant_spec_is_fully_defaulted():
     s = JobSpec.from_dict(spec(ft={"faults": [{"replica": 2, "step": 5}]}))
     ft = s.to_dict()["fault_tolerance"]

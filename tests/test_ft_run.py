@@ -503,3 +503,30 @@ def test_a_restart_with_no_peer_left_is_stopped_when_training_is_over(tmp_path):
     assert [(e["event"], e.get("replica")) for e in ev][:2] == [("exit", 0), ("stop", 1)], ev
     assert ev[1]["why"] == "training is over: nothing to rejoin" and ev[1]["gen"] == 1
     assert not job.due and job.verdict() is None  # no restart of it; the busy one still runs
+
+
+def test_strategy_auto_chooses_before_the_replicas_start_and_the_run_goes_on_past_a_kill(tmp_path):
+    """strategy auto under fault tolerance: the advisor's profiling run (without fault tolerance) runs first, its
+    choice goes into spec.json (neither MergeComp nor dear, which the space lists without ranking), and the replicas
+    train that choice through a kill to one model."""
+    from commlab.lab.strategy.auto import read_record
+    from commlab.lab.strategy.space import FT_NO_TUNING
+    root = tmp_path / "runs"
+    spec = {"name": "ft-auto", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 40, "batch_size": 16,
+            "eval_every": 0, "final_eval": False, "threads": 1, "strategy": {"mode": "auto", "measure": False},
+            "network": {"link": "modeled", "gbps": 1, "latency_us": 40000},
+            "fault_tolerance": {"enabled": True, "min_replicas": 1, "join_timeout_ms": 1000, "timeout_s": 20,
+                                "faults": [{"kind": "kill", "replica": 1, "step": 3, "restart_after_s": RESTART_S}]}}
+    run = commlab.run(spec, runs=root)
+    assert run.state == "done", run.log_tail(60)
+    chosen = run.spec_dict()
+    assert chosen["strategy"]["decided"] and chosen["fault_tolerance"]["enabled"]
+    assert chosen["schedule"]["name"] != "mergecomp" and chosen["comm"]["mode"] != "dear"
+    record = read_record(run)
+    assert record["chosen_by"] == "predicted"
+    assert [c for c in record["candidates"] if c["excluded"] == FT_NO_TUNING]
+    helpers = [commlab.get(r, runs=root) for r in record["runs"]]
+    assert helpers and all(not h.spec_dict()["fault_tolerance"]["enabled"] for h in helpers)
+    assert [e for e in run.ft_events() if e["event"] == "kill"] and run.recoveries()
+    finals = {r["replica"]: r["params_sha256"] for r in run.metric_rows() if r["kind"] == "final"}
+    assert sorted(finals) == [0, 1] and len(set(finals.values())) == 1, finals

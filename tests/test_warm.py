@@ -248,3 +248,24 @@ def test_a_limited_child_cannot_ask_the_warm_server_for_a_process(private, monke
     sandbox.run("describe", {"model": "limited_model:build", "dataset": "digits"})
     assert json.loads(out.read_text())["asked"] == ("ValueError: the caller may not start processes (a limited "
                                                     "child): neither may it ask for one")
+
+
+def test_a_niced_caller_never_starts_the_server_the_runs_use(private):
+    """The UI's server runs niced: with no warm server at normal priority, the one its previews start runs at its
+    priority under another name, and a launcher at normal priority (a run's ranks) starts its own rather than be
+    refused by that one; once that one runs, the niced caller uses it too (its forks niced to it)."""
+    def nice(pid):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+    def niced_ready():
+        code = "import os; os.nice(4); from commlab.lab.base import warm; print(warm.ready())"
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                              check=True).stdout.strip()
+    first = niced_ready()
+    assert [nice(p) for p in warm_servers(private / "t")] == [os.nice(0) + 4]
+    mine = warm.ready()
+    assert str(mine) != first and sorted(nice(p) for p in warm_servers(private / "t")) == [os.nice(0), os.nice(0) + 4]
+    (private / "ok.py").write_text("print('forked')\n")
+    (rank,) = warm.start(mine, [([sys.executable, "ok.py"], dict(os.environ))], os.devnull, cwd=str(private))
+    assert rank.wait(60) == 0
+    assert niced_ready() == str(mine)

@@ -769,8 +769,7 @@ class FaultToleranceSpec:
         # all-gathers (only dear's shards, refused above, need more), and the Stepper hands over what replicas share
         # of each bucket's compressor state, keeps each replica's residuals its own and puts the state back on a
         # step that does not commit
-        if spec.strategy.mode != "fixed":
-            raise SpecError("strategy.mode", "fault tolerance takes strategy fixed")
+        # strategy auto: the advisor's space lists dear and MergeComp without ranking them (commlab/lab/strategy/space.py)
         if spec.network.link == "shaped":
             raise SpecError("network.link", "fault tolerance runs on loopback or a modeled link so far; shaped "
                                             "links (an emulated cluster) under fault tolerance come later")

@@ -75,11 +75,13 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "", "off", "false")
 
 
-def _key() -> str:
-    """One server per interpreter, torch build and version of this file and of commlab.lab.base.procs (its ranks'
-    memory limit)."""
+def _key(nice: int) -> str:
+    """One server per interpreter, torch build, version of this file and of commlab.lab.base.procs (its ranks'
+    memory limit), and priority: a server runs at the priority of whoever started it and serves no caller of a
+    higher one, so a niced caller (the UI's server, for its previews) never starts the server the runs' launchers
+    use; it uses that one where it runs."""
     spec = importlib.util.find_spec("torch")
-    parts = [sys.executable]
+    parts = [sys.executable] + ([f"nice {nice}"] if nice else [])
     for p in (spec.origin if spec else "", __file__, procs_file):
         with contextlib.suppress(OSError):
             parts.append(str(os.stat(p).st_mtime_ns))
@@ -202,8 +204,15 @@ def ready() -> Optional[Path]:
     if not enabled():
         return None
     _started[:] = [p for p in _started if p.poll() is None]  # reap servers of ours that have exited
+    nice = os.nice(0)
     try:
-        return _server(home(), _key())
+        d = home()
+        if nice > 0:  # a niced caller uses a server at normal priority where one runs (its forks are niced to it)
+            with contextlib.suppress(OSError):
+                sock = d / f"{_key(0)}.sock"
+                _connect(sock, 2.0).close()
+                return sock
+        return _server(d, _key(nice))
     except OSError as e:
         print(f"commlab: warm ranks unavailable ({e}); starting the ranks as processes", file=sys.stderr)
         return None

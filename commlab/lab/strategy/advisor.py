@@ -257,9 +257,10 @@ def set_penalties(spec: dict, cands: List[Candidate], runs, declared: Optional[D
     cells, strategies = benchmark_cells(), strategy_cells()
     pens: Dict[Tuple[str, str], Tuple[Optional[float], str]] = {}
     for c in cands:
+        if c.excluded:  # listed, neither costed nor ranked
+            continue
         if c.local:
-            if not c.excluded:
-                c.penalty, c.penalty_source = method_penalty(spec, c.method, runs, declared, target)
+            c.penalty, c.penalty_source = method_penalty(spec, c.method, runs, declared, target)
             continue
         k = (json.dumps(c.compressor, sort_keys=True), c.comm["mode"])
         if k not in pens:

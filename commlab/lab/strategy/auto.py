@@ -140,7 +140,10 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     from commlab.engine import trials as engine_trials
     spec = run.spec_dict()
     st = spec["strategy"]
-    if st["measure"] and profile_in_run(spec, lab.root):
+    # a fault-tolerant run's replicas neither profile nor try candidates in the run: its profiling run and its
+    # trial session run before it, without fault tolerance (they measure a step's compute and exchanges)
+    ft = spec["fault_tolerance"]["enabled"]
+    if st["measure"] and not ft and profile_in_run(spec, lab.root):
         start_profile_in_run(lab, run, say)
         return None
     trials = []
@@ -148,7 +151,7 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     def runner(s: dict, prepare=None):
         if should_cancel():
             raise LabError("cancelled while the advisor ran its trials")
-        t = lab.store.create(load_spec(data=s))
+        t = lab.store.create(load_spec(data={**s, "fault_tolerance": {"enabled": False}} if ft else s))
         if prepare is not None:
             prepare(t)
         t.mark_queued(supervisor=procs.identity(), advisor_for=run.id)
@@ -162,7 +165,7 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     if st["measure"]:
         picks = trial_picks(adv.ranked(), st["trials"])
         plan = plan_in_run(adv, picks, st["trial_steps"])
-        if engine_trials.most_steps(plan) < spec["steps"]:
+        if not ft and engine_trials.most_steps(plan) < spec["steps"]:
             write_json_atomic(run.file(runfiles.AUTO_TRIALS), plan)
             say(f"advisor: {len(picks)} trials as the run's first steps ({TRIAL_WARMUP} + up to "
                 f"{st['trial_steps']} steps each): " + "; ".join(c.label for c in picks))

@@ -226,16 +226,31 @@ def space(spec: dict, extra: List[dict] = (), runs=None, methods: bool = True) -
     out = []
     # dear steps flat shards: only an optimizer whose update is elementwise steps them as it steps the whole model
     sharded = OptimizerSpec(**(spec.get("optimizer") or {})).elementwise
+    ft = bool((spec.get("fault_tolerance") or {}).get("enabled"))
     for label, c in compressor_space(own_compressor(spec) + list(extra)):
         for cap in BUCKET_CAPS_MB:
             out.append(Candidate(f"{label}, bucket {cap:g} MB, wfbp", c, {"name": "bucket", "cap_mb": cap},
                                  {"mode": "wfbp"}))
-        out.append(Candidate(f"{label}, mergecomp, wfbp", c, {"name": "mergecomp"}, {"mode": "wfbp"}))
+        out.append(_unless_ft(ft, FT_NO_TUNING, Candidate(f"{label}, mergecomp, wfbp", c, {"name": "mergecomp"},
+                                                         {"mode": "wfbp"})))
         if sharded and shardable(c):
             for cap in DEAR_CAPS_MB:
-                out.append(Candidate(f"{label}, dear {cap:g} MB", c, {"name": "bucket", "cap_mb": cap},
-                                     {"mode": "dear"}))
+                out.append(_unless_ft(ft, FT_NO_DEAR, Candidate(f"{label}, dear {cap:g} MB", c,
+                                                               {"name": "bucket", "cap_mb": cap}, {"mode": "dear"})))
     return out + (method_space(spec, runs) if methods else [])
+
+
+FT_NO_TUNING = ("fault tolerance: MergeComp tunes the buckets from each replica's own timings, which replicas "
+                "would not agree on")
+FT_NO_DEAR = "fault tolerance: dear shards the parameters over a fixed world"
+"""Why a fault-tolerant run's space lists a candidate without ranking it (commlab.engine.spec refuses it there)."""
+
+
+def _unless_ft(ft: bool, why: str, c: Candidate) -> Candidate:
+    """``c``, listed but left out (``excluded``) under fault tolerance."""
+    if ft:
+        c.excluded, c.note = why, f"not in the space: {why}"
+    return c
 
 
 def with_strategy(spec: dict, strategy: dict) -> dict:
