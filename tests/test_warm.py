@@ -216,6 +216,13 @@ def build(info=None, **kw):
             out["asked"] = "started"
         except OSError as e:
             out["asked"] = str(e)
+    if os.environ.get("COMMLAB_SPAWNER"):  # and the app's spawner (commlab.lab.service.spawn)
+        from commlab.lab.service import spawn
+        try:
+            spawn._ask(os.environ["COMMLAB_SPAWNER"], {"argv": [sys.executable, "-c", "pass"], "log": os.devnull})
+            out["spawner"] = "started"
+        except OSError as e:
+            out["spawner"] = str(e)
     with open(os.environ["LIMITED_PROBE"], "w") as f:
         json.dump(out, f)
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 10))
@@ -236,18 +243,23 @@ def test_a_preview_child_is_forked_warm_under_its_limits(private, monkeypatch):
     assert seen["nproc"] == 0 and seen["data"] == sandbox.PREVIEW.memory
 
 
-def test_a_limited_child_cannot_ask_the_warm_server_for_a_process(private, monkeypatch):
-    """The spec's code in a preview child may not start processes (RLIMIT_NPROC 0); the warm server, which
-    could start one for it, refuses a caller under that limit."""
+def test_a_limited_child_cannot_ask_the_warm_server_or_the_apps_spawner_for_a_process(private, monkeypatch):
+    """The spec's code in a preview child may not start processes (RLIMIT_NPROC 0); the warm server and the app's
+    spawner, which could start one for it, refuse a caller under that limit."""
     from commlab.lab.base import sandbox
+    from commlab.lab.service.spawn import Spawner
     (private / "src" / "limited_model.py").write_text(LIMITED_PROBE)
     out = private / "probe.json"
     (private / "escape.py").write_text("print('out of the limits')\n")
     monkeypatch.setenv("LIMITED_PROBE", str(out))
     monkeypatch.setenv("ASK_WARM", str(private / "escape.py"))
-    sandbox.run("describe", {"model": "limited_model:build", "dataset": "digits"})
-    assert json.loads(out.read_text())["asked"] == ("ValueError: the caller may not start processes (a limited "
-                                                    "child): neither may it ask for one")
+    with Spawner() as sp:
+        monkeypatch.setenv("COMMLAB_SPAWNER", sp.address)
+        sandbox.run("describe", {"model": "limited_model:build", "dataset": "digits"})
+        assert sp.started == []
+    got = json.loads(out.read_text())
+    refused = "ValueError: the caller may not start processes (a limited child): neither may it ask for one"
+    assert got["asked"] == refused and got["spawner"] == refused
 
 
 def test_a_niced_caller_never_starts_the_server_the_runs_use(private):

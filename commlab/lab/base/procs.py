@@ -9,6 +9,8 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
+import struct
 import subprocess
 import time
 from typing import List, Optional
@@ -81,6 +83,20 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         pass
+
+
+def refuse_limited_caller(conn: socket.socket) -> None:
+    """A ValueError when the process at the other end of UNIX socket ``conn`` (SO_PEERCRED) may not start processes
+    (its RLIMIT_NPROC is 0: the limited child of commlab.lab.base.sandbox): a server that starts processes for its
+    callers (the warm server, the app's spawner) would otherwise start for it what it may not start itself."""
+    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    try:
+        with open(f"/proc/{pid}/limits") as f:
+            nproc = next((line.split()[2] for line in f if line.startswith("Max processes")), None)
+    except OSError:
+        nproc = "0"  # gone, or not readable: not served
+    if nproc == "0":
+        raise ValueError("the caller may not start processes (a limited child): neither may it ask for one")
 
 
 def limit_data(mb: Optional[int]) -> None:

@@ -28,7 +28,8 @@ for a place, then are refused with a message (``Busy``). Who takes a free place 
 child time lately, one child per person, each person's child time bounded (commlab.room.places).
 
 This module imports only the standard library at its top, so the child's limits come first. The warm server
-refuses a caller that may not start processes (this child): it cannot ask the server for what its limits deny it.
+and the app's spawner (commlab.lab.service.spawn) refuse a caller that may not start processes (this child): it
+cannot ask them for what its limits deny it (commlab.lab.base.procs.refuse_limited_caller).
 """
 from __future__ import annotations
 

@@ -44,7 +44,6 @@ import select
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import sys
 import tempfile
@@ -54,7 +53,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from commlab.lab.base.paths import SOURCE
-from commlab.lab.base.procs import WARM_MARK, limit_data
+from commlab.lab.base.procs import WARM_MARK, limit_data, refuse_limited_caller
 from commlab.lab.base.procs import __file__ as procs_file
 
 ENV = "COMMLAB_WARM"
@@ -313,25 +312,6 @@ def _ask(sock: Path, req: dict) -> WarmRank:
 
 # --------------------------------------------------------------------------- the server
 
-def peer_pid(conn: socket.socket) -> int:
-    """The process at the other end of a UNIX socket (SO_PEERCRED)."""
-    pid, _, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return pid
-
-
-def may_start_processes(pid: int) -> bool:
-    """False for a process whose limit on processes is 0 (commlab.lab.base.sandbox's child): the server would
-    otherwise start for it what it may not start itself."""
-    try:
-        with open(f"/proc/{pid}/limits") as f:
-            for line in f:
-                if line.startswith("Max processes"):
-                    return line.split()[2] != "0"
-    except OSError:
-        return False
-    return True
-
-
 def _ticks(pid: int) -> int:
     """utime + stime + cutime + cstime of a (zombie) child, from /proc."""
     try:
@@ -398,8 +378,7 @@ class Server:
             req = json.loads(line)
             if int(req["nice"]) < self.nice:
                 raise ValueError(f"the caller runs at nice {req['nice']}, this server at {self.nice}")
-            if not may_start_processes(peer_pid(conn)):
-                raise ValueError("the caller may not start processes (a limited child): neither may it ask for one")
+            refuse_limited_caller(conn)
             pid = os.fork()
             if pid == 0:
                 self._child(req)  # never returns

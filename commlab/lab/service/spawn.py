@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
-from commlab.lab.base.procs import die_with_parent
+from commlab.lab.base.procs import die_with_parent, refuse_limited_caller
 
 ENV = "COMMLAB_SPAWNER"
 APP_NICE = 4
@@ -153,6 +153,7 @@ class Spawner:
                         if not chunk:
                             break
                         data += chunk
+                    refuse_limited_caller(conn)
                     req = json.loads(data)
                     kind = req.get("kind", "run")
                     if kind not in KINDS:
