@@ -65,14 +65,15 @@ class ModelSpec:
 
     def __post_init__(self):
         try:
-            if ":" in self.name or self.loss is not None:  # outside the zoo: external imports torch, the zoo's check does not
+            # external imports torch; a zoo model's name is checked without it
+            if ":" in self.name:
                 from commlab.engine import external
-                if external.is_external(self.name):
-                    external.check_model(self.name)  # unknown architecture or import failure: one line, now
-                if self.loss is not None:
-                    external.check_import(self.loss, "model.loss")
-            if ":" not in self.name:
+                external.check_model(self.name)  # unknown architecture or import failure: one line, now
+            else:
                 zoo_kind(self.name)
+            if self.loss is not None:
+                from commlab.engine import external
+                external.check_import(self.loss, "model.loss")
         except ValueError as e:
             field_, _, msg = str(e).partition(": ")
             raise SpecError(field_ if field_.startswith("model.") else "model.name", msg or str(e)) from None

@@ -257,8 +257,9 @@ def start(sock: Path, jobs: List[tuple], log: str, cwd: Optional[str] = None,
     cwd = cwd or os.getcwd()
     try:
         for argv, env in jobs:
-            if "--run-dir" in argv:
-                what = {"run_dir": os.path.abspath(argv[argv.index("--run-dir") + 1])}
+            if "--run-dir" in argv:  # python -m commlab.engine.worker --run-dir DIR
+                what = {"module": [argv[argv.index("-m") + 1], "--run-dir",
+                                   os.path.abspath(argv[argv.index("--run-dir") + 1])]}
             else:
                 what = {"script": argv[1:]}  # the script's path as given, from cwd
             # paths made absolute here: the server's own working directory is "/"
@@ -471,12 +472,9 @@ class Server:
             if script:  # python SCRIPT ARGS, from cwd: run_path sets argv[0] to the path as given
                 sys.argv = list(script)
                 runpy.run_path(script[0], run_name="__main__")
-            elif req.get("module"):  # python -m MODULE ARGS
+            else:  # python -m MODULE ARGS: a rank (commlab.engine.worker) or a limited child
                 sys.argv = ["-m", *req["module"][1:]]
                 runpy.run_module(req["module"][0], run_name="__main__", alter_sys=True)
-            else:
-                sys.argv = ["-m", "--run-dir", req["run_dir"]]
-                runpy.run_module("commlab.engine.worker", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as e:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
