@@ -34,8 +34,6 @@ def spec(**over):
     ({"ft": {"min_replicas": 4}}, "fault_tolerance.min_replicas", "at most replica_groups 3"),
     ({"ft": {"replica_groups": 2}}, "fault_tolerance.replica_groups", "must equal world_size 3"),
     ({"comm": "dear"}, "comm.mode", "dear shards parameters"),
-    ({"schedule": "mergecomp"}, "schedule.name", "mergecomp tunes the buckets"),
-    ({"schedule": "layerfusion"}, "schedule.name", "layerfusion tunes the buckets"),
     ({"method": {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 3}}, "method.tau",
      "tau must be at most 2"),
     ({"fault": {"kind": "exit", "step": 3, "rank": 1}}, "fault.kind", "fault_tolerance.faults"),
@@ -90,18 +88,46 @@ def test_every_per_step_compressor_runs_fault_tolerant_error_feedback_included(c
 
 
 @needs_torchft
+@pytest.mark.parametrize("schedule", ["mergecomp", "layerfusion"])
+def test_a_tuning_schedule_runs_fault_tolerant_on_a_partition_chosen_before_the_replicas(schedule, tmp_path):
+    """mergecomp and layerfusion are accepted; a replica trains the partition.json its run holds, and without one it
+    refuses in one line naming the field (a replica that searched on its own would not agree with the others)."""
+    from commlab.engine.stepper import _partition
+    s = JobSpec.from_dict(spec(schedule=schedule))
+    assert s.schedule.name == schedule and s.fault_tolerance.enabled
+    with pytest.raises(RuntimeError, match=f"schedule.name: {schedule} under fault tolerance trains the partition"):
+        _partition(s, str(tmp_path))
+    (tmp_path / runfiles.PARTITION).write_text(json.dumps({"schedule": schedule, "order": ["a", "b", "c"],
+                                                          "cuts": [1], "from": "cache"}))
+    assert _partition(s, str(tmp_path)) == {"order": ["a", "b", "c"], "cuts": [1]}
+    assert _partition(JobSpec.from_dict(spec(schedule="bucket")), str(tmp_path)) is None
+
+
+@pytest.mark.parametrize("doc,says", [({"order": [], "cuts": []}, "order must be a non-empty list"),
+                                      ({"order": ["a", "b"], "cuts": [2]}, "cuts must be a list of positions in 1..1"),
+                                      ({"order": ["a", 3], "cuts": []}, "order must be"),
+                                      ([1, 2], "order must be")])
+def test_a_damaged_partition_file_is_refused_naming_it(tmp_path, doc, says):
+    (tmp_path / runfiles.PARTITION).write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=says):
+        runfiles.read_partition(str(tmp_path))
+    assert runfiles.read_partition(str(tmp_path / "elsewhere")) is None and runfiles.read_partition(None) is None
+
+
+@needs_torchft
 def test_strategy_auto_under_fault_tolerance_ranks_only_what_the_replicas_can_run():
-    """A fault-tolerant spec may leave its strategy to the advisor: the space lists MergeComp and dear without
-    ranking them (neither runs under fault tolerance), and the same spec without fault tolerance ranks them."""
-    from commlab.lab.strategy.space import FT_NO_DEAR, FT_NO_TUNING, space
+    """A fault-tolerant spec may leave its strategy to the advisor: the space lists dear without ranking it (it
+    does not run under fault tolerance) and ranks MergeComp (its search runs before the replicas start); the same
+    spec without fault tolerance ranks them all."""
+    from commlab.lab.strategy.space import FT_NO_DEAR, space
     d = spec(strategy={"mode": "auto", "measure": False}, network={"link": "modeled", "gbps": 1},
              optimizer={"name": "adam"})
     s = JobSpec.from_dict(d).to_dict()
     cands = space(s, methods=False)
     left = {c.label: c.excluded for c in cands if c.excluded}
-    assert left and all(why in (FT_NO_TUNING, FT_NO_DEAR) for why in left.values())
-    assert {c.label for c in cands if c.schedule["name"] == "mergecomp" or c.comm["mode"] == "dear"} == set(left)
-    assert any(c.comm["mode"] == "dear" for c in cands)  # adam steps shards: dear is in the space, left out
+    assert left and all(why == FT_NO_DEAR for why in left.values())
+    assert {c.label for c in cands if c.comm["mode"] == "dear"} == set(left)
+    assert any(c.schedule["name"] == "mergecomp" and not c.excluded for c in cands)
     plain = space({**s, "fault_tolerance": {**s["fault_tolerance"], "enabled": False}}, methods=False)
     assert not [c for c in plain if c.excluded] and len(plain) == len(cands)
 

@@ -507,10 +507,10 @@ def test_a_restart_with_no_peer_left_is_stopped_when_training_is_over(tmp_path):
 
 def test_strategy_auto_chooses_before_the_replicas_start_and_the_run_goes_on_past_a_kill(tmp_path):
     """strategy auto under fault tolerance: the advisor's profiling run (without fault tolerance) runs first, its
-    choice goes into spec.json (neither MergeComp nor dear, which the space lists without ranking), and the replicas
-    train that choice through a kill to one model."""
+    choice goes into spec.json (not dear, which the space lists without ranking), and the replicas train that choice
+    through a kill to one model."""
     from commlab.lab.strategy.auto import read_record
-    from commlab.lab.strategy.space import FT_NO_TUNING
+    from commlab.lab.strategy.space import FT_NO_DEAR
     root = tmp_path / "runs"
     spec = {"name": "ft-auto", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 40, "batch_size": 16,
             "eval_every": 0, "final_eval": False, "threads": 1, "strategy": {"mode": "auto", "measure": False},
@@ -521,12 +521,66 @@ def test_strategy_auto_chooses_before_the_replicas_start_and_the_run_goes_on_pas
     assert run.state == "done", run.log_tail(60)
     chosen = run.spec_dict()
     assert chosen["strategy"]["decided"] and chosen["fault_tolerance"]["enabled"]
-    assert chosen["schedule"]["name"] != "mergecomp" and chosen["comm"]["mode"] != "dear"
+    assert chosen["comm"]["mode"] != "dear"  # MergeComp may win: its search then runs before the replicas
+    assert (run.path / runfiles.PARTITION).is_file() == (chosen["schedule"]["name"] == "mergecomp")
     record = read_record(run)
     assert record["chosen_by"] == "predicted"
-    assert [c for c in record["candidates"] if c["excluded"] == FT_NO_TUNING]
+    assert [c for c in record["candidates"] if c["excluded"] == FT_NO_DEAR]
     helpers = [commlab.get(r, runs=root) for r in record["runs"]]
     assert helpers and all(not h.spec_dict()["fault_tolerance"]["enabled"] for h in helpers)
     assert [e for e in run.ft_events() if e["event"] == "kill"] and run.recoveries()
     finals = {r["replica"]: r["params_sha256"] for r in run.metric_rows() if r["kind"] == "final"}
     assert sorted(finals) == [0, 1] and len(set(finals.values())) == 1, finals
+
+
+def test_a_tuning_schedule_searches_before_the_replicas_start_and_every_replica_trains_its_partition(tmp_path):
+    """MergeComp under fault tolerance: the lab searches in a run of the same spec without fault tolerance before the
+    replicas start; every replica, the one killed and restarted too, trains the partition it chose (one model at the
+    end); a second run of the same setting takes MergeComp's cache without a search; LayerFusion searches the same
+    way."""
+    import json
+    root = tmp_path / "runs"
+    spec = {"name": "ft-mergecomp", "model": "mlp", "dataset": "digits", "world_size": 2, "steps": 30,
+            "batch_size": 16, "eval_every": 0, "final_eval": False, "threads": 1,
+            "compressor": {"name": "topk", "ratio": 0.1, "error_feedback": True},
+            "schedule": {"name": "mergecomp", "warmup_steps": 1, "steps_per_candidate": 1, "max_candidates": 3},
+            "network": {"link": "modeled", "gbps": 1, "latency_us": 40000},
+            "fault_tolerance": {"enabled": True, "min_replicas": 1, "join_timeout_ms": 1000, "timeout_s": 20,
+                                "faults": [{"kind": "kill", "replica": 1, "step": 3, "restart_after_s": RESTART_S}]}}
+
+    def searched(run, schedule):
+        part = json.loads((run.path / runfiles.PARTITION).read_text())
+        assert part["schedule"] == schedule
+        bounds = [0, *part["cuts"], len(part["order"])]
+        buckets = [part["order"][a:b] for a, b in zip(bounds, bounds[1:])]
+        layout = json.loads((run.path / runfiles.LAYOUT).read_text())
+        assert [b["layers"] for b in layout["buckets"]] == buckets  # the replicas' buckets are the partition's
+        tuning = json.loads((run.path / runfiles.TUNING).read_text())
+        assert tuning["schedule"] == schedule and tuning["layout"] == buckets
+        return part, tuning
+
+    run = commlab.run(spec, runs=root)
+    assert run.state == "done", run.log_tail(60)
+    part, tuning = searched(run, "mergecomp")
+    search = commlab.get(part["from"], runs=root)
+    assert tuning["searched_in"] == search.id and tuning["cache"] == "miss" and tuning["trace"]
+    assert search.state == "done" and search.status()["tuning_for"] == run.id
+    assert not search.spec_dict()["fault_tolerance"]["enabled"] and search.spec_dict()["steps"] == 1 + 1 + 2 * 2
+    assert [e for e in run.ft_events() if e["event"] == "kill"] and run.recoveries()
+    finals = {r["replica"]: r["params_sha256"] for r in run.metric_rows() if r["kind"] == "final"}
+    assert sorted(finals) == [0, 1] and len(set(finals.values())) == 1, finals
+
+    quiet = {**spec["fault_tolerance"], "faults": []}
+    again = commlab.run({**spec, "name": "ft-mergecomp-again", "steps": 10, "fault_tolerance": quiet}, runs=root)
+    assert again.state == "done", again.log_tail(60)
+    part2, tuning2 = searched(again, "mergecomp")
+    assert part2["from"] == "cache" and tuning2["cache"] == "hit" and tuning2["cached_from"] == search.id
+    assert (part2["order"], part2["cuts"]) == (part["order"], part["cuts"])
+    statuses = [json.loads(f.read_text()) for f in root.glob(f"*/{runfiles.STATUS}")]
+    assert len(statuses) == 3 and not [st for st in statuses if st.get("tuning_for") == again.id]
+
+    lf = commlab.run({**spec, "name": "ft-layerfusion", "steps": 10, "schedule": "layerfusion",
+                      "fault_tolerance": quiet}, runs=root)
+    assert lf.state == "done", lf.log_tail(60)
+    part3, tuning3 = searched(lf, "layerfusion")
+    assert commlab.get(part3["from"], runs=root).status()["tuning_for"] == lf.id and tuning3["cost"]

@@ -1,5 +1,6 @@
 """Scale-out: the same spec across machines with torchrun's multi-node rendezvous,
 tested on one machine as two nodes sharing one runs directory (the README's recipe)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -72,7 +73,6 @@ def test_a_fault_tolerant_run_over_two_nodes_restarts_a_killed_replica_on_its_ow
     of replica 1 is executed, and the replica restarted, by node 1, and it recovers from replica 0 over the
     Lighthouse's quorum. The run ends done with one model; node 0 owns the status. Once with the lab's trainer,
     once with your own loop (``--script``, given to both nodes; node 0 writes it into the run)."""
-    import importlib.util
     if importlib.util.find_spec("torchft") is None:
         pytest.skip("torchft is not installed (./setup.sh installs it)")
     extra, cwd = (), ROOT
@@ -107,3 +107,19 @@ def test_a_fault_tolerant_run_over_two_nodes_restarts_a_killed_replica_on_its_ow
     if trainer == "script":
         assert st["fault_tolerance"]["script"] == {"argv": ["train.py"], "cwd": str(tmp_path)}
         assert {r["replica"] for r in rows if r["kind"] == "step"} == {0, 1}
+
+
+def test_a_searched_schedule_under_fault_tolerance_is_refused_across_nodes_in_one_line(tmp_path, capsys):
+    """MergeComp's search before a fault-tolerant run's replicas is one machine's run: across nodes the refusal
+    names the field, before any run is made."""
+    from commlab.lab.front import cli
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (./setup.sh installs it)")
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"model": "mlp", "dataset": "digits", "world_size": 2, "steps": 10,
+                                "schedule": "mergecomp", "fault_tolerance": {"enabled": True}}))
+    assert cli.main(["run", str(spec), "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                     "--run-id", "x", "--runs", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "schedule.name: mergecomp under fault tolerance is searched before the replicas start" in err, err
+    assert "Traceback" not in err and not (tmp_path / "runs" / "x").exists()

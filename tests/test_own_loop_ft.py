@@ -87,7 +87,9 @@ def test_a_killed_replica_of_your_own_loop_is_restarted_recovers_and_the_run_end
     ({**SPEC, "fault_tolerance": {"enabled": False}}, "train.py", "--script: runs your own loop as the replica "
                                                                   "groups of a fault-tolerant run"),
     (SPEC, "nosuch.py 1", "--script: nosuch.py is not a file"),
-    (SPEC, "'train.py", "--script: No closing quotation")])
+    (SPEC, "'train.py", "--script: No closing quotation"),
+    ({**SPEC, "schedule": "mergecomp"}, "train.py", "--script: schedule mergecomp under fault tolerance is searched "
+                                                    "before the replicas start, on the spec's model")])
 def test_a_script_the_lab_cannot_run_is_refused_in_one_line(tmp_path, capsys, spec, script, said):
     (tmp_path / "train.py").write_text(SCRIPT)
     (tmp_path / "spec.json").write_text(json.dumps(spec))

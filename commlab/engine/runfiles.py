@@ -230,6 +230,12 @@ SLOWDOWNS = _file(
     "latest asked for a replica replaces the one before",
     "the run's supervisor (commlab.lab.rundir.ftrun.FtJob), whole each time", "when a slow fault is asked for",
     "commlab.engine.runfiles.read_slowdown")
+PARTITION = _file(
+    "partition.json", "json", "a fault-tolerant run's buckets under a tuning schedule (mergecomp, layerfusion), "
+    "chosen before its replicas start: `schedule`, `order` (the parameters' names in bucket order), `cuts` "
+    "(where one bucket ends and the next begins), `from` (the search run that chose it, or `cache`)",
+    "the run's supervisor (commlab.lab.strategy.ftsearch.choose_partition)", "before the replicas start",
+    "commlab.engine.runfiles.read_partition")
 LIGHTHOUSE_LOG = _file(
     "log-lighthouse.txt", "text", "a fault-tolerant run's Lighthouse (torchft's quorum server): its output",
     "the run's supervisor (commlab.lab.rundir.ftrun.FtJob)", "while the run goes on", ())
@@ -344,6 +350,8 @@ STATUS_FIELDS: Dict[str, Field] = _fields(
     ("supervisor", "mark_queued, mark_running", "the process that follows the run: `pid` and `start`; a run whose "
                                                 "supervisor is gone is marked failed by the next lab command"),
     ("advisor_for", "mark_queued", "strategy auto's trial run: the run it advises"),
+    ("tuning_for", "mark_queued", "a tuning schedule's search run before a fault-tolerant run's replicas start: "
+                                  "the run whose buckets it chooses"),
     ("torchruns", "mark_running", "the processes the launcher started (the ranks on one machine, else torchruns): "
                                   "`pid` and `start` each"),
     ("torchrun", "mark_running", "the first of `torchruns` (kept for run directories written before)"),
@@ -415,6 +423,22 @@ def read_slowdown(run_dir: Optional[str], replica: int) -> Optional[Tuple[float,
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
     return (speed, until) if 0.0 < speed <= 1.0 else None
+
+
+def read_partition(run_dir: Optional[str]) -> Optional[dict]:
+    """``{"order": names, "cuts": [...]}`` of partition.json (a fault-tolerant run's buckets, chosen before its
+    replicas start), or None where the run has none. A file that is not what the protocol says is a ``ValueError``
+    naming it."""
+    path = os.path.join(run_dir, PARTITION) if run_dir else None
+    if path is None or not os.path.isfile(path):
+        return None
+    doc = _load(path)
+    order, cuts = (doc.get("order"), doc.get("cuts")) if isinstance(doc, dict) else (None, None)
+    if not isinstance(order, list) or not order or not all(isinstance(n, str) for n in order):
+        raise ValueError(f"{path}: order must be a non-empty list of parameter names, got {order!r}")
+    if not isinstance(cuts, list) or not all(isinstance(c, int) and 0 < c < len(order) for c in cuts):
+        raise ValueError(f"{path}: cuts must be a list of positions in 1..{len(order) - 1}, got {cuts!r}")
+    return {"order": order, "cuts": cuts}
 
 
 def _load(path: str):

@@ -751,10 +751,8 @@ class FaultToleranceSpec:
         if spec.comm.mode == "dear":
             raise SpecError("comm.mode", "dear shards parameters over a fixed world, which fault tolerance changes "
                                          "from step to step; use comm sync or wfbp")
-        if spec.schedule.name in ("mergecomp", "layerfusion"):
-            raise SpecError("schedule.name", f"{spec.schedule.name} tunes the buckets from each replica's measured "
-                                             f"times, which replicas (and a restarted one) would not agree on under "
-                                             f"fault tolerance; use layerwise, allinone or bucket")
+        # mergecomp and layerfusion: the lab searches before the replicas start, in a run without fault tolerance,
+        # and every replica trains the partition it chose (commlab/lab/strategy/ftsearch.py)
         if spec.method.params.get("overlap", "none") != "none":
             raise SpecError("method.overlap", "under fault tolerance each sync is applied within its own quorum; "
                                               "overlap delayed or eager, whose syncs outlive it, comes later")

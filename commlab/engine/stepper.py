@@ -143,8 +143,10 @@ class Stepper:
         self._slow_s = 0.0
         """Seconds ``slow_down`` waited in this step, for its line."""
         self.optimizer: Optional[torch.optim.Optimizer] = None
-        # fault tolerance: no broadcast, the first quorum's recovery gives every replica the same start
-        self._build(broadcast=ft is None)
+        # fault tolerance: no broadcast, the first quorum's recovery gives every replica the same start; a tuning
+        # schedule's buckets were chosen before the replicas started (partition.json), the same for every replica,
+        # a restarted one too: replicas that each searched would not agree
+        self._build(_partition(spec, run_dir) if ft is not None else None, broadcast=ft is None)
         self.method: Optional[Method] = spec.method.build()
         """The method (commlab/engine/methods/), or None for method none (every step's gradients, nothing else)."""
         if ft is not None:
@@ -206,7 +208,11 @@ class Stepper:
                                            broadcast_from_rank0=broadcast)
         if self.probe:
             self.probe.follow(self.dp)  # one gradient hook per parameter: the communicator's
-        if layout is not None:  # a partition given (strategy auto's MergeComp trial): parameter names and cuts
+        if layout is not None:  # a partition given (strategy auto's MergeComp trial, partition.json): names and cuts
+            if sorted(layout["order"]) != sorted(self.dp.order_names):
+                raise RuntimeError("schedule: the partition given names other parameters than this model's "
+                                   f"({len(layout['order'])} against {len(self.dp.order_names)}); was the model "
+                                   "changed? search again (schedule.retune: true)")
             order = [self.dp.order_names.index(n) for n in layout["order"]]
             self.dp.relayout(schedules.from_cuts([self.dp.infos[i] for i in order], layout["cuts"]), order)
         params = self.dp.optimizer_params()
@@ -554,6 +560,19 @@ class Stepper:
         self.timeline.close()
         if self.metrics:
             self.metrics.close()
+
+
+def _partition(spec: JobSpec, run_dir: Optional[str]) -> Optional[dict]:
+    """A fault-tolerant replica's buckets under mergecomp or layerfusion: the partition the lab chose before the
+    replicas started (runfiles.PARTITION); None for the other schedules."""
+    if spec.schedule.name not in ("mergecomp", "layerfusion"):
+        return None
+    got = runfiles.read_partition(run_dir)
+    if got is None:
+        raise RuntimeError(f"schedule.name: {spec.schedule.name} under fault tolerance trains the partition the lab "
+                           f"chose before the replicas started ({runfiles.PARTITION} in the run directory), and this "
+                           f"run has none; start it with commlab run, or use layerwise, allinone or bucket")
+    return got
 
 
 class _SyncQuorum(Quorum):

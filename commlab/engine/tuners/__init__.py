@@ -28,6 +28,13 @@ def tuner_name(spec) -> Optional[str]:
     return spec.schedule.name if spec.schedule.name in TUNERS else None
 
 
+def steps_to_decide(spec) -> Optional[int]:
+    """At most how many steps the tuner ``spec`` asks for searches before it decides (after the compressor's
+    warm-up exchanges), or None: no tuner, or one whose search has no bound known in advance."""
+    name = tuner_name(spec)
+    return None if name is None else TUNERS[name].steps_to_decide(spec)
+
+
 def start(spec, comm, run_dir: Optional[str], timeline, group=None, on_layout=None, log=None) -> Optional[Tuning]:
     """The driver of the tuner ``spec`` asks for (on every rank alike), or None when nothing is tuned.
     Collective: rank 0 may apply a first layout at once (a cached partition, a first trial cap)."""

@@ -58,6 +58,12 @@ class Tuner:
         self.info: dict = {"schedule": self.name, "trace": []}
         """What tuning.json holds (rank 0's)."""
 
+    @classmethod
+    def steps_to_decide(cls, spec) -> Optional[int]:
+        """At most how many steps (after the compressor's warm-up exchanges) the search of ``spec`` takes before
+        its final decision, or None where that is not known in advance (dear's cap search)."""
+        return None
+
     def start(self) -> Optional[Decision]:
         """Rank 0, before the first step: a decision to apply at once (a cached one), or None."""
         return None

@@ -60,6 +60,10 @@ class LayerFusion(Tuner):
         super().__init__(spec, comm, run_dir)
         self.window = 1 + spec.schedule.profile_steps  # the first step records the ready order; the others profile
 
+    @classmethod
+    def steps_to_decide(cls, spec) -> int:
+        return 1 + spec.schedule.profile_steps
+
     def measure(self):
         return calibrate(self.comm)  # every rank: the same exchanges in the same order
 

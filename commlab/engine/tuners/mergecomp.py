@@ -213,6 +213,11 @@ class MergeComp(Tuner):
         self.root = os.path.dirname(os.path.abspath(run_dir)) if run_dir else None
         self.info["cache"] = "off" if self.root is None else ("retune" if s.retune else "miss")
 
+    @classmethod
+    def steps_to_decide(cls, spec) -> int:
+        s = spec.schedule  # the first window, then one per further candidate (its first step not counted)
+        return s.warmup_steps + s.steps_per_candidate + (s.max_candidates - 1) * (1 + s.steps_per_candidate)
+
     def start(self) -> Optional[Decision]:
         if self.root is None or self.spec.schedule.retune:
             return None

@@ -39,6 +39,7 @@ from commlab.lab.rundir.ftrun import request_fault, write_script
 from commlab.lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
 from commlab.lab.rundir.progress import quiet
 from commlab.lab.rundir.summary import format_summary, summarize, what_ran
+from commlab.lab.strategy import ftsearch
 from commlab.room import open_lab
 
 
@@ -224,6 +225,10 @@ def own_script(line: str, spec) -> list:
     if not spec.fault_tolerance.enabled:
         raise UsageError("--script: runs your own loop as the replica groups of a fault-tolerant run "
                          "(fault_tolerance.enabled: true); without fault tolerance start it with torchrun")
+    if ftsearch.needs_search(spec):
+        raise UsageError(f"--script: schedule {spec.schedule.name} under fault tolerance is searched before the "
+                         "replicas start, on the spec's model, which your loop does not build; use layerwise, "
+                         "allinone or bucket")
     if not argv or not os.path.isfile(argv[0]):
         raise UsageError(f"--script: {argv[0] if argv else 'nothing'} is not a file (give the script's path "
                          "first, then its arguments)")
@@ -235,6 +240,9 @@ def run_node(lab, spec, args, script: Optional[list] = None) -> int:
     the others join the same run directory (a shared file system) and run their ranks. ``script`` (``--script``, a
     fault-tolerant run of your own loop): node 0 writes it into the run before it starts the Lighthouse, and every
     node's replica groups run it (each node reads it once the Lighthouse serves), from node 0's folder."""
+    if ftsearch.needs_search(spec):
+        raise UsageError(f"schedule.name: {spec.schedule.name} under fault tolerance is searched before the replicas "
+                         "start, by one machine's run; across nodes use layerwise, allinone or bucket")
     if not args.run_id or not args.master_addr:
         raise UsageError("--nnodes needs --run-id and --master-addr (the same on every node)")
     try:

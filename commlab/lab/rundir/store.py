@@ -122,12 +122,13 @@ class Run:
     def mark_queued(self, *, supervisor: Optional[dict] = None, owner: Optional[str] = None,
                     sweep: Optional[str] = None, wall_limit_s: Optional[float] = None,
                     rank_limit_mb: Optional[int] = None, rank_limit_from: Optional[str] = None,
-                    advisor_for: Optional[str] = None) -> dict:
+                    advisor_for: Optional[str] = None, tuning_for: Optional[str] = None) -> dict:
         """queued: the run is made (who it is for, its limits), or a process takes it on as its supervisor
         (``supervisor``: that process's ``procs.identity``)."""
         return self._transition(State.QUEUED, None, supervisor=supervisor, owner=owner, sweep=sweep,
                                 wall_limit_s=wall_limit_s, rank_limit_mb=rank_limit_mb,
-                                rank_limit_from=rank_limit_from, advisor_for=advisor_for)
+                                rank_limit_from=rank_limit_from, advisor_for=advisor_for,
+                                tuning_for=tuning_for)
 
     def mark_running(self, *, torchruns: Optional[List[dict]] = None, argv: Optional[List[str]] = None,
                      supervisor: Optional[dict] = None, own_loop: Optional[dict] = None, **placement) -> dict:

@@ -40,7 +40,7 @@ from commlab.lab.rundir.progress import quiet
 from commlab.lab.rundir.store import Run, RunStore, lab_config
 from commlab.lab.service.admission import Admission
 from commlab.lab.service.spawn import spawn_detached
-from commlab.lab.strategy import auto
+from commlab.lab.strategy import auto, ftsearch
 from commlab.lab.strategy.auto import keep_record
 
 POLL_S = 0.2
@@ -202,13 +202,17 @@ class Lab:
                               file=out, flush=True)
                         shown = True
                     time.sleep(POLL_S if place < self.max_jobs + NEAR else BACK_POLL_S)
+            phase = "strategy auto"
             try:
                 record = self._resolve_strategy(run, progress, out)
+                phase = "the buckets' search"  # a tuning schedule under fault tolerance (ftsearch)
+                ftsearch.choose_partition(self, run, say=_say(progress, out), should_cancel=run.cancel_requested)
             except (LabError, ValueError, OSError) as e:  # said in the run's status, as a rank's failure is
                 if run.cancel_requested():
-                    run.mark_cancelled("cancelled while the advisor chose its strategy")
+                    run.mark_cancelled(f"cancelled during {phase}")
                     return State.CANCELLED
-                run.mark_failed(f"strategy auto: {type(e).__name__}: {e}".splitlines()[0])
+                why = str(e) if isinstance(e, LabError) else f"{type(e).__name__}: {e}"
+                run.mark_failed(f"{phase}: {why}".splitlines()[0])
                 return State.FAILED
             # the launcher stops the run on a cancel request or past its wall-time quota (wall_limit_s)
             state = launch(run, progress=progress, out=out, should_cancel=run.cancel_requested)
@@ -233,9 +237,7 @@ class Lab:
         st = run.spec().strategy
         if st.mode != "auto" or st.decided:
             return None
-        out = quiet(out)
-        say = (lambda m: print(m, file=out, flush=True)) if progress else (lambda m: None)
-        auto.resolve_auto(self, run, should_cancel=run.cancel_requested, say=say)
+        auto.resolve_auto(self, run, should_cancel=run.cancel_requested, say=_say(progress, out))
         return auto.read_record(run)
 
     def queue_position(self, run: Run, upto: Optional[int] = None) -> int:
@@ -332,6 +334,11 @@ class Lab:
 
     def reindex(self) -> int:
         return self.index.reindex()
+
+
+def _say(progress: bool, out) -> Callable[[str], None]:
+    """What the lab says before the ranks start (the advisor, a search): on ``out`` with progress, else nothing."""
+    return (lambda m: print(m, file=out, flush=True)) if progress else (lambda m: None)
 
 
 def _env_int(name: str) -> Optional[int]:

@@ -231,8 +231,8 @@ def space(spec: dict, extra: List[dict] = (), runs=None, methods: bool = True) -
         for cap in BUCKET_CAPS_MB:
             out.append(Candidate(f"{label}, bucket {cap:g} MB, wfbp", c, {"name": "bucket", "cap_mb": cap},
                                  {"mode": "wfbp"}))
-        out.append(_unless_ft(ft, FT_NO_TUNING, Candidate(f"{label}, mergecomp, wfbp", c, {"name": "mergecomp"},
-                                                         {"mode": "wfbp"})))
+        # under fault tolerance MergeComp searches before the replicas start (commlab/lab/strategy/ftsearch.py)
+        out.append(Candidate(f"{label}, mergecomp, wfbp", c, {"name": "mergecomp"}, {"mode": "wfbp"}))
         if sharded and shardable(c):
             for cap in DEAR_CAPS_MB:
                 out.append(_unless_ft(ft, FT_NO_DEAR, Candidate(f"{label}, dear {cap:g} MB", c,
@@ -240,8 +240,6 @@ def space(spec: dict, extra: List[dict] = (), runs=None, methods: bool = True) -
     return out + (method_space(spec, runs) if methods else [])
 
 
-FT_NO_TUNING = ("fault tolerance: MergeComp tunes the buckets from each replica's own timings, which replicas "
-                "would not agree on")
 FT_NO_DEAR = "fault tolerance: dear shards the parameters over a fixed world"
 """Why a fault-tolerant run's space lists a candidate without ranking it (commlab.engine.spec refuses it there)."""
 
