@@ -29,6 +29,8 @@ def finals(run):
 
 @pytest.mark.parametrize("method", [
     {"name": "diloco", "H": 4, "outer_lr": 0.7, "outer_momentum": 0.9},
+    {"name": "diloco", "H": 4, "overlap": "delayed"},
+    {"name": "diloco", "H": 4, "overlap": "eager"},
     {"name": "local_sgd", "H": 3},
     {"name": "post_local_sgd", "H": 3, "warmup": 3},
     {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1},
@@ -37,12 +39,13 @@ def finals(run):
     {"name": "sparseloco", "H": 4, "chunk": 64, "k": 8},
     {"name": "desloc", "Hx": 4, "Hu": 3, "Hv": 6},
     {"name": "none", "compressor": {"name": "topk", "ratio": 0.1, "error_feedback": True}},
-], ids=lambda m: m["name"] if m["name"] != "none" else "topk-ef")
+], ids=lambda m: (m["name"] if m["name"] != "none" else "topk-ef") + (f"-{m['overlap']}" if "overlap" in m else ""))
 def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exactly(method, tmp_path):
     """Exact: the replicas start alike (the first quorum's recovery), the syncs sum the same tensors over gloo in the
     same order, and the batches are those of the same steps. The run without fault tolerance records rank 0's
     parameters: replica 0's are the same; where the last step is a sync of the whole model, so are the others'
-    (Streaming DiLoCo's fragment 0 has had local steps since its last sync, and alpha 0.5 mixes in local ones)."""
+    (Streaming DiLoCo's fragment 0 has had local steps since its last sync, and alpha 0.5 mixes in local ones;
+    DiLoCo's eager outer step keeps each rank's global copy its own, with its own fresh pseudo-gradient in it)."""
     method = dict(method)
     per_step = {"compressor": method.pop("compressor")} if method["name"] == "none" else {}  # every step's, top-k
     if method["name"] == "muloco":  # Muon inside (and AdamW for the biases); a narrow mlp: bf16 on a CPU is slow
@@ -56,7 +59,7 @@ def test_without_faults_a_fault_tolerant_run_trains_to_the_same_parameters_exact
                      runs=tmp_path / "runs")
     got = finals(ft)
     assert sorted(got) == [0, 1, 2] and got[0] == plain[0], (plain, got)
-    if method["name"] != "streaming_diloco":
+    if method["name"] != "streaming_diloco" and method.get("overlap") != "eager":
         assert len(set(got.values())) == 1, got
     rows = [r for r in ft.metric_rows() if r["kind"] == "step"]
     # every replica trained every step once, and every sync committed with the three
@@ -88,8 +91,12 @@ def visits(seq, pattern):
     return all(any(x == want for x in it) for want in pattern)
 
 
-def test_a_killed_diloco_replica_is_restarted_recovers_in_a_sync_and_the_run_ends_done_with_one_model(tmp_path):
-    run = commlab.run(KILL, runs=tmp_path / "runs")
+@pytest.mark.parametrize("overlap", ["none", "delayed"])
+def test_a_killed_diloco_replica_is_restarted_recovers_in_a_sync_and_the_run_ends_done_with_one_model(tmp_path,
+                                                                                                     overlap):
+    """With overlap delayed the sync it recovers in is one whose outer step its source has taken (with the average
+    of the sync before) and whose pseudo-gradient is about to be issued: it takes both and issues its source's."""
+    run = commlab.run({**KILL, "method": {**KILL["method"], "overlap": overlap}}, runs=tmp_path / "runs")
     got = finals(run)
     assert sorted(got) == [0, 1, 2] and len(set(got.values())) == 1, got  # the restarted one too
     ev = run.ft_events()
@@ -103,7 +110,10 @@ def test_a_killed_diloco_replica_is_restarted_recovers_in_a_sync_and_the_run_end
     assert rec[0]["lab_step"] > kills[0]["step"] and (rec[0]["lab_step"] + 1) % H == 0
     rows = [r for r in run.metric_rows() if r["kind"] == "step"]
     after = [r for r in rows if r["replica"] == 2 and r["t"] > rec[0]["t"]]
-    assert after[0]["step"] == rec[0]["lab_step"] and after[0]["recovered"] is True and after[0]["committed"]
+    assert after[0]["step"] == rec[0]["lab_step"] and after[0]["recovered"] is True
+    # the sync it recovered in commits there, or (delayed) at the next sync, where its average is used
+    assert next(r for r in after if "committed" in r)["committed"] is True
+    assert ("committed" in after[0]) == (overlap == "none")
     assert [r["step"] for r in after] == list(range(rec[0]["lab_step"], STEPS))  # and trains on to the end
     size = {r["quorum_id"]: r["participants"] for r in rows if r.get("quorum_id") is not None}
     assert visits([size[q] for q in sorted(size)], [3, 2, 3]), size

@@ -753,9 +753,11 @@ class FaultToleranceSpec:
                                          "from step to step; use comm sync or wfbp")
         # mergecomp and layerfusion: the lab searches before the replicas start, in a run without fault tolerance,
         # and every replica trains the partition it chose (commlab/lab/strategy/ftsearch.py)
-        if spec.method.params.get("overlap", "none") != "none":
-            raise SpecError("method.overlap", "under fault tolerance each sync is applied within its own quorum; "
-                                              "overlap delayed or eager, whose syncs outlive it, comes later")
+        overlap = spec.method.params.get("overlap", "none")
+        if overlap != "none" and spec.method.params.get("fragments", 1) > 1:
+            raise SpecError("method.overlap", f"under fault tolerance one sync is in flight at a time; overlap "
+                                              f"{overlap} keeps each of {spec.method.params['fragments']} fragments' "
+                                              f"in flight for H steps: use one fragment, or tau instead of overlap")
         if spec.method.name == "streaming_diloco":
             prm = spec.method.params
             h, frags, tau = prm["H"], prm["fragments"], prm["tau"]
@@ -768,7 +770,7 @@ class FaultToleranceSpec:
         # all-gathers (only dear's shards, refused above, need more), and the Stepper hands over what replicas share
         # of each bucket's compressor state, keeps each replica's residuals its own and puts the state back on a
         # step that does not commit
-        # strategy auto: the advisor's space lists dear and MergeComp without ranking them (commlab/lab/strategy/space.py)
+        # strategy auto: the advisor's space lists dear without ranking it (commlab/lab/strategy/space.py)
         if spec.network.link == "shaped":
             raise SpecError("network.link", "fault tolerance runs on loopback or a modeled link so far; shaped "
                                             "links (an emulated cluster) under fault tolerance come later")

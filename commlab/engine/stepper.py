@@ -381,7 +381,10 @@ class Stepper:
             return step
         self._at = "sync"
         self._healed_at = None
+        # a commit earlier in this step (overlap: the sync before, whose average this step used) stays on its line
+        kept = {k: self._rec[k] for k in ("committed", "commit_ms", "error") if k in self._rec}
         self._take_quorum(self.ft.start_quorum())
+        self._rec.update(kept)
         if self._healed_at is not None:
             self._rec["recovered"] = True  # this step's line: the state, step and sync are the source's
         if self._healed_at not in (None, "sync"):

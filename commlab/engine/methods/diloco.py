@@ -29,7 +29,8 @@ late; the first sync steps nothing). With ``eager`` each rank steps with that ol
 pseudo-gradient - its previous one) / world: its own fresh part stands in for the part not yet averaged (the
 first sync: fresh / world), so the ranks' global copies differ by their own terms. Two flat buffers per group
 take turns, so a new pseudo-gradient never lands where the one in flight is being reduced. ``none`` keeps the
-blocking sync. Needs tau 0 (Streaming DiLoCo's own overlap) and no fault tolerance.
+blocking sync. Needs tau 0 (Streaming DiLoCo's own overlap); under fault tolerance, one fragment (one sync in
+flight at a time: ``_overlapped`` says how its quorum and commit fall).
 
 Against torchft's ``DiLoCo`` (torchft/local_sgd.py): the same pseudo-gradient (global - local), the
 outer optimizer over the global copy and the fragment schedule (issue at H/F - tau, apply tau steps
@@ -156,9 +157,9 @@ class DiLoCo(Method):
 
     def setup(self, ctx: Context) -> None:
         super().setup(ctx)
-        if self.overlap != "none" and ctx.quorum is not None:
-            raise ValueError(f"overlap: {self.overlap} is not run under fault tolerance (a sync's result would "
-                             f"outlive its quorum)")
+        if self.overlap != "none" and ctx.quorum is not None and self.fragments > 1:
+            raise ValueError(f"overlap: {self.overlap} under fault tolerance keeps one sync in flight at a time; "
+                             f"{self.fragments} fragments would overlap theirs")
         tensor_bytes = [p.numel() * p.element_size() for p in ctx.params]
         make = self.compressors(ctx)
         self.parts: List[List[Group]] = []
@@ -185,13 +186,18 @@ class DiLoCo(Method):
         self.own: List[Optional[List[Tensor]]] = [None] * self.fragments
         """overlap eager: this rank's own pseudo-gradient of each fragment's last sync (what its part of the average
         will be when that average arrives), None before the first."""
+        self.pending: List[Optional[List[Tensor]]] = [None] * self.fragments
+        """overlap under fault tolerance: each group's pseudo-gradient of a fragment's sync, computed (and the outer
+        step taken) before the sync's quorum is joined and its all-reduce issued. A replica that recovers in that
+        quorum takes its source's (``state_dict``) and issues it, as a recovery in a blocking sync computes the
+        source's pseudo-gradient from the source's parameters."""
 
     def after_optimizer_step(self, step: int) -> None:
         q = self.ctx.quorum
         if self.overlap != "none":
             issued = [f for f in range(self.fragments) if self.issues(step, f)]
             for f in issued:
-                self._overlapped(step, f)
+                self._overlapped(step, f, q)
             applied = []
         elif q is None:
             issued = self._issue_at(step)
@@ -224,37 +230,57 @@ class DiLoCo(Method):
                 self._apply(f, transfers, q)
         return [f for _, f, _ in due]
 
-    def _issue(self, step: int, f: int) -> List[Tensor]:
-        """Issue fragment f's sync; returns, under overlap eager, a copy of each group's pseudo-gradient."""
-        transfers, fresh = [], []
+    def _issue(self, step: int, f: int) -> None:
+        """Issue fragment f's sync: its pseudo-gradient's all-reduce."""
+        self._start(step, f, self._pseudo(f))
+
+    @torch.no_grad()
+    def _pseudo(self, f: int) -> List[Tensor]:
+        """Fragment f's pseudo-gradient (global - local), one flat buffer per group (under overlap, the spare one
+        every other sync)."""
         turn = self.turn[f]
         self.turn[f] ^= 1
+        bufs = []
+        for k, g in enumerate(self.parts[f]):
+            buf = self.spare[f][k] if self.spare[f] and turn else g.flat
+            for v, i, p in zip(g.views(buf), g.index, g.params):
+                torch.sub(self.glob[i], p.detach(), out=v)
+            bufs.append(buf)
+        return bufs
+
+    def _start(self, step: int, f: int, bufs: List[Tensor]) -> None:
+        """Start fragment f's sync of ``bufs``; its average is used ``tau`` steps later (H under overlap)."""
+        transfers = []
         if self.ctx.quorum is not None:  # what a sync that does not commit puts back
             self.codec_before[f] = [cloned(g.compressor.state_dict()) if g.compressor is not None else None
                                     for g in self.parts[f]]
-        for k, g in enumerate(self.parts[f]):
-            buf = self.spare[f][k] if self.spare[f] and turn else g.flat
-            with torch.no_grad():
-                for v, i, p in zip(g.views(buf), g.index, g.params):
-                    torch.sub(self.glob[i], p.detach(), out=v)  # the pseudo-gradient: global - local
-            if self.overlap == "eager":
-                fresh.append(buf.clone())  # the exchange may write into buf while it is in flight
+        for g, buf in zip(self.parts[f], bufs):
             lane = "fragment" if self.tau else "outer"
             tr = Transfer(self.ctx, g, g.compressor, buf, lane, step, {"fragment": f, "sync": self.syncs}).start()
             self.step_bytes += tr.fresh_bytes()
             transfers.append(tr)
         self.syncs += 1
         self.inflight.append((step + (self.H if self.overlap != "none" else self.tau), f, transfers))
-        return fresh
 
     @torch.no_grad()
-    def _overlapped(self, step: int, f: int) -> None:
+    def _overlapped(self, step: int, f: int, q=None) -> None:
         """overlap delayed or eager, at fragment f's sync: wait for its previous sync's average (issued H steps ago,
-        in flight since), issue this one's, then step the global parameters with the previous average (delayed)
-        or with it corrected by this rank's fresh pseudo-gradient (eager):
+        in flight since), compute this one's pseudo-gradient, step the global parameters with the previous average
+        (delayed) or with it corrected by this rank's fresh pseudo-gradient (eager):
         previous average + (fresh - this rank's previous pseudo-gradient) / world, the fresh one standing in for
-        this rank's part until the new average arrives. The first sync has no average yet: delayed steps
-        nothing; eager steps with fresh / world."""
+        this rank's part until the new average arrives, then issue the fresh one's all-reduce. The first sync has
+        no average yet: delayed steps nothing; eager steps with fresh / world.
+
+        Under fault tolerance (``q``) one sync is in flight at a time, from its quorum to its commit at the next
+        sync: the previous average is used only if its sync commits (else its compressors' state is put back and
+        nothing is stepped with it), and the new sync's quorum is joined after the outer step, so a replica that
+        recovers there takes the stepped global parameters and the pending pseudo-gradient (``pending``)."""
+        if q is not None and self.pending[f] is not None:
+            # recovered at this step's start into its source's sync: the outer step is in the recovered state;
+            # issue what the source issues
+            bufs, self.pending[f] = self.pending[f], None
+            self._start(q.join(step), f, bufs)
+            return
         prev = [x for x in self.inflight if x[1] == f]
         self.inflight = [x for x in self.inflight if x[1] != f]
         avgs = None
@@ -263,18 +289,30 @@ class DiLoCo(Method):
             for tr in prev[0][2]:
                 avgs.append(tr.finish())
                 self.step_bytes += tr.fresh_bytes()  # later rounds of a multi-round compressor
-        fresh = self._issue(step, f)
+            if q is not None and not q.commit():  # the sync did not happen: nothing to step with
+                self.syncs -= 1
+                for g, st in zip(self.parts[f], self.codec_before.pop(f, [None] * len(self.parts[f]))):
+                    if st is not None:
+                        g.compressor.load_state_dict(st)
+                avgs = None
+        bufs = self._pseudo(f)
         grads = avgs
         if self.overlap == "eager":
             w = self.ctx.world
+            fresh = [b.clone() for b in bufs]  # the exchange may write into a buffer while it is in flight
             grads = [x.div(w) for x in fresh]
-            if avgs is not None:  # the average of the last sync, this rank's part of it replaced by its fresh one
+            if avgs is not None and self.own[f] is not None:  # the last sync's average, this rank's part replaced
                 grads = [d.add_(a).sub_(o.div(w)) for d, a, o in zip(grads, avgs, self.own[f])]
             self.own[f] = fresh
         if grads is None:  # delayed, first sync: nothing has arrived, no outer step
             self._mix(f)
         else:
             self._step(f, grads)
+        if q is not None:
+            self.pending[f] = bufs  # a recovery in the quorum below copies its source's into them
+            step = q.join(step)
+            self.pending[f] = None
+        self._start(step, f, bufs)
 
     @torch.no_grad()
     def _apply(self, f: int, transfers: List[Transfer], q=None) -> None:
@@ -326,14 +364,28 @@ class DiLoCo(Method):
         own from zero)."""
         codecs = [without_residuals(g.compressor.state_dict()) if g.compressor is not None else {}
                   for gs in self.parts for g in gs]
+        extra = {}
+        if self.overlap != "none":  # a sync about to be issued, and eager's own part of the one it follows
+            extra["pending"] = [None if b is None else [t.clone() for t in b] for b in self.pending]
+            extra["own"] = [None if o is None else [t.clone() for t in o] for o in self.own]
         return {"syncs": self.syncs, "global": [t.clone() for t in self.glob], "outer": self.outer.state_dict(),
-                **({"codecs": codecs} if any(codecs) else {})}
+                **({"codecs": codecs} if any(codecs) else {}), **extra}
 
     def load_state_dict(self, state: dict) -> None:
         self.syncs = state["syncs"]
         with torch.no_grad():
             for t, s in zip(self.glob, state["global"]):
                 t.copy_(s)
+            for f, got in enumerate(state.get("pending", [])):
+                if got is None:
+                    continue
+                if self.pending[f] is None:  # a restarted replica, recovering at its step's start
+                    self.pending[f] = [t.clone() for t in got]
+                else:  # in the sync's quorum: the buffers about to be issued
+                    for b, t in zip(self.pending[f], got):
+                        b.copy_(t)
+            for f, got in enumerate(state.get("own", [])):
+                self.own[f] = None if got is None else [t.clone() for t in got]
         self.outer.load_state_dict(state["outer"])
         groups = [g for gs in self.parts for g in gs]
         for g, st in zip(groups, state.get("codecs", [])):
