@@ -76,3 +76,30 @@ def test_modeled_link_is_slower_and_labelled(tmp_path, capsys):
     predicted_ms = nbytes * 8 / 0.05e9 * 1e3
     it = run.summary().iloc[0]["iter_ms_median"]
     assert predicted_ms < it < predicted_ms + 100, (it, predicted_ms)
+
+
+@needs_root
+def test_a_fault_tolerant_run_on_a_shaped_link_recovers_a_killed_replica_and_cleans_up(tmp_path):
+    """Fault tolerance on an emulated cluster: each replica in its own namespace, reached at its address there, the
+    Lighthouse on the cluster's bridge; a killed replica is restarted in its namespace and recovers from its peer
+    over the shaped link; the run ends done with one model and leaves nothing behind. ``min_replicas`` 2: the
+    survivor waits in its next quorum for the restarted replica (a process of its own in its namespace, which
+    imports torch first), however long a loaded machine takes to start it."""
+    import importlib.util
+    if importlib.util.find_spec("torchft") is None:
+        pytest.skip("torchft is not installed (./setup.sh installs it)")
+    spec = dict(SPEC, name="shaped-ft", steps=20, model={"name": "mlp", "hidden": 1024}, final_eval=False,
+                network={"link": "shaped", "gbps": 0.2},
+                fault_tolerance={"enabled": True, "min_replicas": 2, "join_timeout_ms": 1000, "timeout_s": 30,
+                                 "faults": [{"kind": "kill", "replica": 1, "step": 3, "restart_after_s": 0.5}]})
+    run = commlab.run(spec, runs=tmp_path)
+    assert run.state == "done", (run.status(), run.log_tail(40))
+    st = run.status()
+    assert "10.250." in st["cluster"] and st["fault_tolerance"]["lighthouse"].startswith("http://10.250.")
+    finals = {r["replica"]: r["params_sha256"] for r in run.metric_rows() if r["kind"] == "final"}
+    assert sorted(finals) == [0, 1] and len(set(finals.values())) == 1, finals
+    kills = [e for e in run.ft_events() if e["event"] == "kill"]
+    rec = [r for r in run.recoveries() if r["replica"] == 1 and r["t"] > kills[0]["t"]]
+    assert rec and rec[0]["from_replica"] == 0 and rec[0]["bytes"] > 0, run.recoveries()
+    assert "10.250." in rec[0]["src_url"]  # fetched from the peer's address in the cluster
+    assert leftovers(run) == []

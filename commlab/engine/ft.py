@@ -25,7 +25,7 @@ What is here:
   bytes read, written by the receiver to ``recoveries.jsonl``;
 
 Private parts of torchft used (pinned to 0.2.0): ``HTTPTransport._load_from_address`` (overridden to count
-bytes) with ``torchft.checkpointing._serialization._streaming_load`` (what it reads with), ``Manager._quorum_id``
+bytes), ``HTTPTransport._server`` (its port, for the address a replica on a shaped link is reached at) with ``torchft.checkpointing._serialization._streaming_load`` (what it reads with), ``Manager._quorum_id``
 (read for the records) and ``torchft._torchft.lighthouse_main`` (the console script's entry point, which the
 Lighthouse's own process, commlab/engine/ft_lighthouse.py, loads without torch).
 """
@@ -48,7 +48,7 @@ from torchft.checkpointing._serialization import _streaming_load
 
 from commlab.engine import runfiles
 from commlab.engine.comm.collectives import Group
-from commlab.engine.ft_lighthouse import GEN_ENV
+from commlab.engine.ft_lighthouse import GEN_ENV, HOST_ENV
 from commlab.engine.runlog import JsonlWriter, read_jsonl
 from commlab.engine.spec import JobSpec
 
@@ -90,10 +90,17 @@ class CountingTransport(HTTPTransport):
     """torchft's HTTP recovery transport (the peer serves its staged state, the receiver GETs and loads it), with
     each received state measured: ``on_recv`` gets {src_replica_rank, src_url, step, seconds, bytes}."""
 
-    def __init__(self, timeout: timedelta, on_recv: Callable[[dict], None]):
+    def __init__(self, timeout: timedelta, on_recv: Callable[[dict], None], host: Optional[str] = None):
+        self.host = host  # before torchft's __init__, which says the address
+        """The address peers fetch this replica's state at (None: the machine's hostname, as torchft's)."""
         super().__init__(timeout, num_chunks=0)
         self.on_recv = on_recv
         self._bytes = 0
+
+    def address(self) -> str:
+        if self.host is None:
+            return super().address()
+        return f"http://{self.host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
     def _load_from_address(self, address: str, timeout: timedelta) -> object:  # an instance's, not the class's
         with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
@@ -224,9 +231,10 @@ class Replica:
         timeout = timedelta(seconds=ft.timeout_s)
         self.timeout_s = ft.timeout_s
         # one process per replica group: it hosts its group's store (the Manager connects to it as a client)
-        self.store = TCPStore("localhost", 0, is_master=True, wait_for_workers=False)
+        host = os.environ.get(HOST_ENV)  # a shaped link: this replica's namespace's address; else loopback
+        self.store = TCPStore(host or "localhost", 0, is_master=True, wait_for_workers=False)
         self.pg = _NcclMembers(timeout=timeout) if self.backend == "nccl" else _GlooMembers(timeout=timeout)
-        self.transport = CountingTransport(timeout, self._received)
+        self.transport = CountingTransport(timeout, self._received, host)
         self.recoveries = JsonlWriter(os.path.join(run_dir, runfiles.RECOVERIES)) if run_dir else None
         self._recv: Optional[dict] = None
         """The last state received, until its load says whose it was (``_load_meta``)."""
@@ -243,8 +251,8 @@ class Replica:
             use_async_quorum=False,  # a replica that heals loads the state before its forward pass
             timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
             connect_timeout=timedelta(seconds=ft.quorum_timeout_s), rank=0, world_size=1,
-            store_addr="localhost", store_port=self.store.port, lighthouse_addr=lighthouse, replica_id=self.id,
-            hostname=socket.gethostname(), checkpoint_transport=self.transport)
+            store_addr=host or "localhost", store_port=self.store.port, lighthouse_addr=lighthouse,
+            replica_id=self.id, hostname=host or socket.gethostname(), checkpoint_transport=self.transport)
         self.manager.register_state_dict_fn("commlab", self._load_meta, self._meta)
         self.group = FtGroup(self)
         self.last: dict = {}

@@ -20,6 +20,10 @@ LIGHTHOUSE_ENV = "COMMLAB_FT_LIGHTHOUSE"
 GEN_ENV = "COMMLAB_FT_GEN"
 """The generation of a replica group's process (0 at the run's start, one more per restart), as the lab hands it to
 each replica's process: the processes of generation 0 wait for one another before the first quorum."""
+HOST_ENV = "COMMLAB_FT_HOST"
+"""The address a replica group's process is reached at (its store, its Manager's server, its recovery transport),
+as the lab hands it to each replica on a shaped link (its namespace's address); unset: localhost, one machine's
+loopback."""
 RUN_DIR_ENV = "COMMLAB_FT_RUN_DIR"
 """The run directory, as the lab hands it to each replica's process of your own script (``commlab run --script``):
 ``commlab.wrap`` then trains as that replica group of that run."""

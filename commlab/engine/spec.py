@@ -771,9 +771,6 @@ class FaultToleranceSpec:
         # of each bucket's compressor state, keeps each replica's residuals its own and puts the state back on a
         # step that does not commit
         # strategy auto: the advisor's space lists dear without ranking it (commlab/lab/strategy/space.py)
-        if spec.network.link == "shaped":
-            raise SpecError("network.link", "fault tolerance runs on loopback or a modeled link so far; shaped "
-                                            "links (an emulated cluster) under fault tolerance come later")
         if spec.fault.kind != "none":
             raise SpecError("fault.kind", "under fault tolerance give faults as fault_tolerance.faults "
                                           "({kind: kill, replica: 1, step: 5})")

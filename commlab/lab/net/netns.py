@@ -6,6 +6,9 @@ A ``Cluster(n, gbps)`` (or ``Cluster(n, None, rates=[(up, down), ...])``) is bui
       |  clab<k>b0 ... clab<k>b<n-1>      (bridge ends of the veth pairs, tbf on each)
     clab-<pid>-<k>-<tag>-r<i>   rank i:   clab<k>r<i>, address 10.250.<k>.<i+1>/24 (tbf on it)
 
+The bridge itself has 10.250.<k>.254 in its namespace (``hub``): a service of the whole cluster listens there,
+unshaped (a fault-tolerant run's Lighthouse, ``exec_hub_argv``), reachable from every rank.
+
 Every veth pair is created directly inside the namespaces (``ip -n``), so no
 interface of the lab ever appears in the root namespace, and both of its ends
 get ``tbf rate R burst B latency 50ms``: the rank's end shapes what the rank
@@ -348,6 +351,8 @@ class Cluster:
         self.ifnames: List[str] = []
         self.bridge_ifnames: List[str] = []
         self.subnet = ""
+        self.hub = ""
+        """The bridge's own address, in its namespace: where a service of the whole cluster listens."""
         self._created: List[str] = []
         self._closed = False
         atexit.register(self.teardown)
@@ -380,6 +385,8 @@ class Cluster:
         br = self.bridge_ns
         self._add_ns(br)
         _run(["ip", "-n", br, "link", "add", self.bridge, "type", "bridge"])
+        self.hub = f"10.250.{k}.254"
+        _run(["ip", "-n", br, "addr", "add", f"{self.hub}/24", "dev", self.bridge])
         _run(["ip", "-n", br, "link", "set", self.bridge, "up"])
         for i in range(self.n):
             ns, ifn, bif = self.namespaces[i], self.ifnames[i], self.bridge_ifnames[i]
@@ -420,6 +427,19 @@ class Cluster:
         """``argv`` run inside rank i's namespace."""
         return ["ip", "netns", "exec", self.namespaces[i], *[str(a) for a in argv]]
 
+    def exec_hub_argv(self, argv: Sequence[str]) -> List[str]:
+        """``argv`` run inside the bridge's namespace, where ``hub`` is this host's address."""
+        return ["ip", "netns", "exec", self.bridge_ns, *[str(a) for a in argv]]
+
+    def accepts(self, port: int, timeout: float = 2.0) -> bool:
+        """Whether something accepts TCP connections on ``hub``:``port`` (asked from inside the bridge's
+        namespace: the root namespace has no route to the cluster)."""
+        probe = ("import socket, sys\ntry:\n    socket.create_connection((sys.argv[1], int(sys.argv[2])), "
+                 "timeout=float(sys.argv[3])).close()\nexcept OSError:\n    sys.exit(1)")
+        got = _run(self.exec_hub_argv([sys.executable, "-I", "-c", probe, self.hub, str(port), str(timeout)]),
+                   timeout=timeout + 10, check=False)
+        return got.returncode == 0
+
     def env(self, i: int) -> Dict[str, str]:
         """What a gloo rank in namespace i needs: without it gloo advertises the
         hostname's address (127.0.0.1) to its peers and hangs."""
@@ -439,7 +459,7 @@ class Cluster:
         else:
             shape = f"{self.gbps:g} Gbit/s tbf (burst {self.burst_bytes} B, latency {self.latency_ms:g} ms) " \
                     f"on both ends of every link" if self.gbps else "unshaped"
-        return f"{self.n} ranks on {self.subnet} via bridge {self.bridge} in {self.bridge_ns}, {shape}"
+        return f"{self.n} ranks on {self.subnet} via bridge {self.bridge} ({self.hub}) in {self.bridge_ns}, {shape}"
 
     # -- ending it
     def teardown(self) -> None:

@@ -55,12 +55,15 @@ LIGHTHOUSE_UP_S = 120.0
 
 class FtJob:
     def __init__(self, run, spec: JobSpec, log, python: str = sys.executable, memory: Optional[int] = None,
-                 nodes=None):
+                 nodes=None, cluster=None):
         """``log``: the file the replicas write to (log.txt); ``memory``: MB of data each replica may use (a room's
         ``rank_mb``), as the launcher limits ranks. ``nodes`` (commlab.lab.rundir.launcher.Nodes): this process is
         one machine of several sharing the run directory: node 0 starts the Lighthouse on the master address and
         port, every node its own block of replica groups (``mine``), whose faults it executes and whose restarts
-        it makes."""
+        it makes. ``cluster`` (commlab.lab.net.netns.Cluster, a shaped link): each replica runs in its namespace,
+        reached at its address, and the Lighthouse on the cluster's bridge (``hub``); every process is started
+        from here (none forked warm: a fork would stay in this namespace)."""
+        self.cluster = cluster
         self.run, self.spec, self.log, self.python, self.memory = run, spec, log, python, memory
         self.ft = spec.fault_tolerance
         self.groups = self.ft.replica_groups
@@ -141,14 +144,18 @@ class FtJob:
         """The Lighthouse, once it accepts connections, then every replica group (generation 0), running the run's
         script.json if it has one (read once the Lighthouse serves: with several nodes, node 0 writes it before it
         starts the Lighthouse)."""
-        nodes = self.nodes
+        nodes, cluster = self.nodes, self.cluster
         host, port = ("localhost", free_port()) if nodes is None else (nodes.master_addr, nodes.port)
+        if cluster is not None:
+            host = cluster.hub  # the bridge's namespace has its own ports: any is free there
         self.addr = f"http://{host}:{port}"
         if nodes is None or nodes.node_rank == 0:
             ft = self.ft
             argv = [self.python, ft_lighthouse.__file__, "--bind", f"[::]:{port}",
                     "--min_replicas", str(ft.min_replicas), "--join_timeout_ms", str(ft.join_timeout_ms),
                     "--quorum_tick_ms", str(ft.quorum_tick_ms), "--heartbeat_timeout_ms", str(ft.heartbeat_timeout_ms)]
+            if cluster is not None:
+                argv = cluster.exec_hub_argv(argv)
             lh_log = open(self.run.file(runfiles.LIGHTHOUSE_LOG), "ab", buffering=0)
             env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn")}
             self.lighthouse = self._spawn(argv, env, lh_log)
@@ -159,16 +166,20 @@ class FtJob:
             if self.lighthouse is not None and self.lighthouse.poll() is not None:
                 raise RuntimeError(f"fault_tolerance: the Lighthouse exited with code {self.lighthouse.returncode} "
                                    f"before it served; see {runfiles.LIGHTHOUSE_LOG}")
-            with contextlib.suppress(OSError):
-                socket.create_connection((host, port), timeout=0.5).close()
-                break
+            if cluster is not None:
+                if cluster.accepts(port, timeout=0.5):
+                    break
+            else:
+                with contextlib.suppress(OSError):
+                    socket.create_connection((host, port), timeout=0.5).close()
+                    break
             if time.monotonic() > deadline:
                 where = runfiles.LIGHTHOUSE_LOG if self.lighthouse is not None else "node 0's output"
                 raise RuntimeError(f"fault_tolerance: the Lighthouse at {host}:{port} did not accept connections "
                                    f"within {LIGHTHOUSE_UP_S:g} s; see {where}")
             time.sleep(0.1)
         self.script = read_script(self.run)
-        if self.python == sys.executable:  # the warm server runs this interpreter
+        if self.python == sys.executable and cluster is None:  # the warm server runs this interpreter
             self.server = warm.ready()
         for r in self.mine:
             self._start_replica(r)
@@ -179,14 +190,18 @@ class FtJob:
         env = {**worker_env(), "RUST_LOG": os.environ.get("RUST_LOG", "warn"), "RANK": str(r),
                "WORLD_SIZE": str(self.groups), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(self.groups),
                ft_lighthouse.LIGHTHOUSE_ENV: self.addr, ft_lighthouse.GEN_ENV: str(gen)}
+        inside = (lambda a: a) if self.cluster is None else (lambda a: self.cluster.exec_argv(r, a))
+        if self.cluster is not None:  # in its namespace, reached at its address there
+            env.update(self.cluster.env(r))
+            env[ft_lighthouse.HOST_ENV] = self.cluster.addresses[r]
         if self.script is None:
             argv = [self.python, *worker_argv(str(self.run.path))]
-            p = self._warm(argv, env) or self._spawn(argv, env, self.log, self.memory)
+            p = self._warm(argv, env) or self._spawn(inside(argv), env, self.log, self.memory)
         else:  # your own loop: commlab.wrap finds the run and its replica group in the environment
             env[ft_lighthouse.RUN_DIR_ENV] = str(self.run.path)
             argv, cwd = self.script
             argv = [self.python, *argv]
-            p = self._warm(argv, env, cwd) or self._spawn(argv, env, self.log, self.memory, cwd=cwd)
+            p = self._warm(argv, env, cwd) or self._spawn(inside(argv), env, self.log, self.memory, cwd=cwd)
         self.live[r] = (p, gen)
         self.spawned[r] = time.time()
         self.stepped.discard(r)

@@ -78,10 +78,7 @@ def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
                 return _run_to_end(argv, loopback, run.file(runfiles.NODE_LOG.format(pid=os.getpid())))
             jobs, info = [(argv, {})], {"nodes": nodes.nnodes}
         elif spec.network.link == "shaped":
-            ws = cluster_workers(spec)  # network.cluster: each rank's own rates, up and down
-            rates = [(w["gbps_up"], w["gbps_down"]) for w in ws] if ws else None
-            cluster = stack.enter_context(Cluster(spec.world_size, None if rates else spec.network.gbps,
-                                                  tag=run.id[-4:], rates=rates))
+            cluster = stack.enter_context(_cluster(spec, run))  # network.cluster: each rank's own rates
             port = free_port()
             jobs = [rank_argv(cluster, i, worker_argv(str(run.path)), port) for i in range(spec.world_size)]
             info = {"cluster": cluster.describe()}
@@ -264,8 +261,26 @@ def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limi
     this machine's block of replica groups (node 0 also starts the Lighthouse); only node 0 writes the status,
     from its own replica groups' end (a node's replicas finish training with the others')."""
     node = nodes.node_rank if nodes is not None else 0
+    cluster = _cluster(spec, run) if spec.network.link == "shaped" and nodes is None else None
+    try:
+        return _follow_ft_job(run, spec, progress, out, poll_s, on_metrics, should_cancel, limits, nodes, node,
+                              cluster)
+    finally:
+        if cluster is not None:  # after every process of the run has been stopped
+            cluster.teardown()
+
+
+def _cluster(spec, run) -> Cluster:
+    """The emulated cluster of a shaped link: one namespace per rank (each its own rates under network.cluster)."""
+    ws = cluster_workers(spec)
+    rates = [(w["gbps_up"], w["gbps_down"]) for w in ws] if ws else None
+    return Cluster(spec.world_size, None if rates else spec.network.gbps, tag=run.id[-4:], rates=rates)
+
+
+def _follow_ft_job(run, spec, progress, out, poll_s, on_metrics, should_cancel, limits: dict, nodes, node: int,
+                   cluster) -> str:
     log = open(run.file(runfiles.LOG if node == 0 else runfiles.NODE_LOG.format(pid=os.getpid())), "ab", buffering=0)
-    job = ftrun.FtJob(run, spec, log, memory=limits.get("rank_limit_mb"), nodes=nodes)
+    job = ftrun.FtJob(run, spec, log, memory=limits.get("rank_limit_mb"), nodes=nodes, cluster=cluster)
     if node > 0:
         return _follow_ft_node(run, job, log, poll_s)
     tail = JsonlTail(run.file(runfiles.METRICS))
@@ -276,7 +291,8 @@ def _follow_ft(run, spec, progress, out, poll_s, on_metrics, should_cancel, limi
         job.start()
         argv = [sys.executable, *(job.script[0] if job.script else worker_argv(str(run.path)))]
         script = {"script": {"argv": job.script[0], "cwd": job.script[1]}} if job.script else {}
-        run.mark_running(torchruns=job.identities(), argv=argv,
+        placed = {"cluster": cluster.describe()} if cluster is not None else {}
+        run.mark_running(torchruns=job.identities(), argv=argv, **placed,
                          fault_tolerance={"replica_groups": job.groups, "lighthouse": job.addr, **script})
         while job.verdict() is None:
             new = tail.read()
