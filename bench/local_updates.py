@@ -347,7 +347,7 @@ def worker(args) -> None:
     names = list(runners)
     t_start = time.time()
     say(f"[local_updates] {world} ranks on {ifname}, {len(names)} variants x {steps // block} rounds x {block} "
-        f"steps, eval on {n_eval} held-out images every {every} steps")
+        f"steps, eval on {n_eval} held-out examples every {every} steps")
     for r in range(steps // block):
         k = r % len(names)
         for name in names[k:] + names[:k]:
@@ -548,7 +548,7 @@ def report_setting(s: dict) -> str:
                                             a["variants"][n]["vs_ddp"] > 1)
                         if v["any_method_pays"] else "no: none reaches the target sooner than DDP"))
     lines.append(f"- {s['steps']} steps per variant in blocks of {s['block']} (order rotating, barrier before each "
-                 f"block), evaluated every {s['eval_every']} steps on {s['eval_size']} held-out images; the "
+                 f"block), evaluated every {s['eval_every']} steps on {s['eval_size']} held-out examples; the "
                  f"setting took {s['wall_s'] / 60:.1f} min" + (f"; cluster: {s['cluster']['describe']}"
                                                                if s.get("cluster") else ""))
     return "\n".join(lines)
