@@ -161,11 +161,13 @@ def test_demo_cnn_digits_reaches_95_percent(tmp_path):
 
 
 def test_allgather_header_exchange_is_a_wait_span(tmp_path):
-    """An all-gathered payload's synchronous header exchange blocks the training thread: the timeline shows it
-    in the wait lane (so breakdowns and calibration do not count it as compute), once per bucket and step."""
+    """An all-gathered payload whose sizes follow its values (threshold) has its shapes exchanged first,
+    synchronously, which blocks the training thread: the timeline shows it in the wait lane (so breakdowns and
+    calibration do not count it as compute), once per bucket and step. Top-k declares ``fixed_payload``: no
+    header at all."""
     runs = tmp_path / "runs"
     spec = write_spec(tmp_path, steps=4, eval_every=0, schedule={"name": "layerwise"}, comm={"mode": "wfbp"},
-                      compressor={"name": "topk", "ratio": 0.1})
+                      compressor={"name": "threshold", "threshold": 0.001})
     r = commlab("run", str(spec), "--quiet", runs=runs)
     assert r.returncode == 0, r.stdout + r.stderr
     run_dir = only_run(runs)
@@ -174,3 +176,11 @@ def test_allgather_header_exchange_is_a_wait_span(tmp_path):
     headers = [e for e in ev if e["cat"] == "wait" and e["name"].startswith("header b")]
     assert len(headers) == 4 * nb
     assert {e["args"]["bucket"] for e in headers} == set(range(nb))
+    import commlab as api
+    topk = api.run({**json.loads(spec.read_text()), "compressor": {"name": "topk", "ratio": 0.1}},
+                   runs=tmp_path / "topk")
+    assert topk.state == "done", topk.log_tail()
+    ev = read_jsonl(str(topk.path / "timeline-rank0.jsonl"))
+    assert not [e for e in ev if e["name"].startswith("header b")]
+    assert len([e for e in ev if e["cat"] == "comm" and "allgather" in e["name"]]) >= 4 * nb, \
+        sorted({(e["cat"], e["name"].split(" ")[0]) for e in ev})

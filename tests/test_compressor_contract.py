@@ -323,3 +323,33 @@ def test_an_old_exchange_gets_its_context_through_the_old_names_with_error_feedb
     contract.skip_warmup(comps[0])
     state = comps[0].state_dict()
     assert set(state) == {"ef", "step"} and state["step"] == 1
+
+
+class KeepsTheLargeOnes(Compressor):
+    """Sends the entries above 1 in magnitude: how many follows the values, yet it claims ``fixed_payload``."""
+    capabilities = Capabilities(summable=False, fixed_payload=True)
+
+    def compress(self, t):
+        flat = t.reshape(-1)
+        idx = (flat.abs() > 1).nonzero().view(-1)
+        return [flat[idx], idx], (t.shape, flat.numel())
+
+    def decompress(self, payload, ctx):
+        out = torch.zeros(ctx[1], dtype=payload[0].dtype)
+        out[payload[1]] = payload[0]
+        return out.view(ctx[0])
+
+
+def test_fixed_payload_is_checked_and_spares_the_all_gather_its_shapes():
+    """A compressor whose payload sizes follow its values fails ``commlab check compressor`` when it claims
+    ``fixed_payload`` (its all-gathers would not line up across ranks); top-k's claim holds, and its exchange
+    driver marks its all-gathers alike, which issue_allgather then sends without the exchange of shapes."""
+    (decl,) = [r for r in conformance.check(KeepsTheLargeOnes) if r.check == "declaration"]
+    assert decl.status == "FAIL" and "declares fixed_payload, but in round 1 the ranks' payload sizes differ" \
+        in decl.reason, decl.line()
+    (decl,) = [r for r in conformance.check("topk", {"ratio": 0.1}) if r.check == "declaration"]
+    assert decl.status == "PASS" and "payload sizes fixed on every rank" in decl.reason, decl.line()
+    assert not make("threshold").capabilities.fixed_payload and not make("dgc").capabilities.fixed_payload
+    for name, alike in (("topk", True), ("qsgd", True), ("threshold", False)):
+        ex = Exchange(make(name), torch.randn(64), 2)
+        assert ex.start().alike is alike, name

@@ -242,6 +242,12 @@ def test_all_gathered_payloads_decode_at_the_measured_cost_of_each_further_one()
     (b,) = step.buckets
     assert b.rounds[-1].op == "allgather"
     assert b.rounds[-1].after == approx(cal.decode_cost(curve, b.raw_bytes, 8))
+    # signSGD's payload is fixed (fixed_payload): its all-gather exchanges no shapes first, as in the engine;
+    # threshold's follows the values: a header first
+    assert not b.rounds[-1].header
+    prof.compressors["threshold"] = curve
+    (b,) = pr.build_step(prof, spec("threshold", "allinone"), world=8).buckets
+    assert b.rounds[-1].op == "allgather" and b.rounds[-1].header
 
 
 def test_gathered_decodes_one_payload_per_rank_and_measures_what_each_adds():

@@ -211,13 +211,15 @@ def issue_allreduce(tensors: List[Tensor], group=None, link: Optional[ModeledLin
 
 
 def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLink] = None,
-                    now: Optional[Callable[[], float]] = None) -> Pending:
+                    now: Optional[Callable[[], float]] = None, alike: bool = False) -> Pending:
     """All-gather payloads whose sizes may differ between ranks.
 
     Every tensor is sent as raw bytes in one padded buffer, each at its
     ``pack_offsets`` offset (so it can be viewed back as its dtype). A small
     header (the shape of every tensor) is exchanged first, synchronously: it
     is a few bytes and keeps the data exchange a single asynchronous collective.
+    ``alike`` (a steady payload, ``Round.alike``): every rank's tensors have this
+    rank's shapes, and no header is exchanged.
     With a modeled ``link`` both exchanges take at least the link's ring
     all-gather time, the data one for the padded size every rank sends.
 
@@ -226,29 +228,13 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     """
     world = group_size(group)
     device = tensors[0].device if tensors else torch.device("cpu")
-    k = len(tensors)
-    header = torch.zeros(k, 5, dtype=torch.int64, device=device)  # ndim + up to 4 dims
-    for i, t in enumerate(tensors):
-        if t.dim() > 4:
-            raise ValueError("all-gathered payload tensors may have at most 4 dimensions")
-        header[i, 0] = t.dim()
-        header[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    headers = [torch.empty_like(header) for _ in range(world)]
-    header_deadline = book(link, "allgather", header.numel() * header.element_size(), group)
-    t_header = now() if now else None
-    _all_gather_list(headers, header, group).wait()
-    if _failed(group):
-        headers = [header] * world
-    if header_deadline is not None:
-        link.hold_until(header_deadline)
-    header_span = (t_header, now()) if now else None
+    header_span = None
+    if alike:
+        all_shapes = [[tuple(t.shape) for t in tensors]] * world
+    else:
+        all_shapes, header_span = _exchange_shapes(tensors, world, device, group, link, now)
     dtypes = [t.dtype for t in tensors]
     esize = [t.element_size() for t in tensors]
-
-    def shapes_of(h):
-        h = h.tolist()
-        return [tuple(row[1:1 + row[0]]) for row in h]
-    all_shapes = [shapes_of(h) for h in headers]
     packed = [pack_offsets([math.prod(s) * e for s, e in zip(shapes, esize)]) for shapes in all_shapes]
     offsets = [offs for offs, _ in packed]
     cap = max(max(total for _, total in packed), 1)
@@ -277,6 +263,30 @@ def issue_allgather(tensors: List[Tensor], group=None, link: Optional[ModeledLin
     pend = Pending(works, unpack, link, deadline, cap)
     pend.header_span = header_span
     return pend
+
+
+def _exchange_shapes(tensors: List[Tensor], world: int, device, group, link, now):
+    """Every rank's payload shapes, exchanged synchronously (a header of 5 int64 per tensor: ndim and up to 4
+    dims); with ``now``, the (start, end) of the exchange for its timeline span, else None."""
+    header = torch.zeros(len(tensors), 5, dtype=torch.int64, device=device)
+    for i, t in enumerate(tensors):
+        if t.dim() > 4:
+            raise ValueError("all-gathered payload tensors may have at most 4 dimensions")
+        header[i, 0] = t.dim()
+        header[i, 1:1 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    headers = [torch.empty_like(header) for _ in range(world)]
+    header_deadline = book(link, "allgather", header.numel() * header.element_size(), group)
+    t_header = now() if now else None
+    _all_gather_list(headers, header, group).wait()
+    if _failed(group):
+        headers = [header] * world
+    if header_deadline is not None:
+        link.hold_until(header_deadline)
+
+    def shapes_of(h):
+        h = h.tolist()
+        return [tuple(row[1:1 + row[0]]) for row in h]
+    return [shapes_of(h) for h in headers], ((t_header, now()) if now else None)
 
 
 def issue_reduce_scatter(t: Tensor, group=None, link: Optional[ModeledLink] = None, via_alltoall: bool = False,
@@ -349,7 +359,7 @@ def issue(rnd: Round, group=None, link: Optional[ModeledLink] = None, now: Optio
     if rnd.op == "allreduce":
         return issue_allreduce(rnd.tensors, group, link)
     if rnd.op == "allgather":
-        return issue_allgather(rnd.tensors, group, link, now)
+        return issue_allgather(rnd.tensors, group, link, now, alike=rnd.alike)
     if rnd.op == "reduce_scatter":
         (t,) = rnd.tensors
         return issue_reduce_scatter(t, group, link, via_alltoall, scratch)

@@ -40,7 +40,7 @@ class Exchange:
     synchronize), ``compute`` lists the seconds spent in the compressor per call: encode, the work between
     rounds, decode."""
 
-    __slots__ = ("gen", "out", "rounds", "sent", "timer", "compute")
+    __slots__ = ("gen", "out", "rounds", "sent", "timer", "compute", "alike")
 
     def __init__(self, compressor: Compressor, t: Tensor, world: int, timer: Optional[Callable[[], float]] = None,
                  prescaled: bool = False, rank: Optional[int] = None, bucket: BucketContext = DEFAULT_BUCKET):
@@ -63,6 +63,8 @@ class Exchange:
         part): what the exchange sent once it is done."""
         self.timer = timer
         self.compute: List[float] = []
+        self.alike = compressor.capabilities.fixed_payload
+        """Its all-gathers' payloads have the same tensor sizes on every rank (``Round.alike``)."""
 
     @staticmethod
     def prescales(compressor: Compressor) -> bool:
@@ -88,6 +90,8 @@ class Exchange:
             self.compute.append(self.timer() - t0)
         if rnd is not None:
             self.rounds += 1
+            if self.alike and rnd.op == "allgather":
+                rnd.alike = True
             if rnd.parts is None:  # counted inline: no call per round on the hot path
                 n = self.sent
                 for x in rnd.tensors:

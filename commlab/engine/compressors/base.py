@@ -60,6 +60,10 @@ class Round:
     op: str
     tensors: List[Tensor]
     parts: Optional[List[List[Tensor]]] = None
+    alike: bool = False
+    """Set by the exchange driver (commlab.engine.comm.exchange.Exchange), not by a compressor: the round is an
+    all-gather of a compressor that declares ``fixed_payload``, so every rank's payload has this rank's tensor
+    sizes and the all-gather needs no exchange of shapes before it."""
 
 
 Exchange = Generator[Round, Any, Tensor]

@@ -62,6 +62,13 @@ class Capabilities:
     exchanges came before (past ``warmup_exchanges``): one exchange shows every later one's sizes, so the
     performance model drives a layout once instead of twice. False where a threshold or a schedule sets how
     much is sent (threshold, DGC)."""
+    fixed_payload: bool = False
+    """Every rank's payload for a bucket has the same tensor sizes, which follow from the bucket's size alone
+    (top-k's k values and indices, a quantizer's codes and scales): the exchanges all-gather it without first
+    exchanging its shapes, one blocking round trip less per bucket. Only where that holds on every rank for
+    every value: payloads whose sizes differ between ranks would not line up (``commlab check compressor``
+    exchanges ragged and spiky inputs to check it). Read by the exchange driver
+    (commlab.engine.comm.exchange.Exchange) and the performance model."""
     warmup_exchanges: int = 0
     """Exchanges at the start that send the bucket uncompressed, as one plain all-reduce (PowerSGD's
     ``start_iter``). Whoever measures steady-state payloads or costs (the performance model, the tuners, the

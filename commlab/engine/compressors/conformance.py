@@ -258,8 +258,34 @@ def _declaration(m: _Maker, worlds) -> str:
             raise Finding(f"declares {c.warmup_exchanges} warm-up exchange(s), but its first exchange sent {first}, "
                           f"not one all-reduce of the {n * 4} input bytes")
         warm = f"; {c.warmup_exchanges} plain all-reduce(s) first"
+    fixed = ""
+    if c.fixed_payload:
+        _fixed_sizes(m, world, n)
+        fixed = "; payload sizes fixed on every rank"
     return (f"{'summable: all-reduced' if c.summable else 'all-gathered'}, {len(log)} round(s), {sent} bytes for "
-            f"{n * 4} of fp32 ({n * 4 / max(sent, 1):.1f}x){warm}")
+            f"{n * 4} of fp32 ({n * 4 / max(sent, 1):.1f}x){warm}{fixed}")
+
+
+def _fixed_sizes(m: _Maker, world: int, n: int) -> None:
+    """``fixed_payload`` holds: each round's payload has the same tensor sizes on every rank and for any values
+    (ranks with normal, zero, one-spike and constant inputs in one exchange, then the other way round)."""
+    g = torch.Generator().manual_seed(7)
+    spike = torch.zeros(n)
+    spike[n // 2] = 1e6
+    kinds = [torch.randn(n, generator=g), torch.zeros(n), spike, torch.full((n,), 3.0)]
+    for order in (kinds, kinds[::-1]):
+        xs = [order[r % len(order)].to(_DEVICE.get()) for r in range(world)]
+        sizes: list = []
+
+        def collective(op, payloads):
+            sizes.append([[tuple(t.shape) for t in p] for p in payloads] if op != "all_to_all" else None)
+            return local_collective(op, payloads)
+        comps = m.ranks(world)
+        run_exchange(comps, xs, world, collective, buckets=[m.contexts[id(c)] for c in comps])
+        for i, per_rank in enumerate(sizes):
+            if per_rank is not None and any(p != per_rank[0] for p in per_rank):
+                raise Finding(f"declares fixed_payload, but in round {i + 1} the ranks' payload sizes differ "
+                              f"with their values: {per_rank}; declare fixed_payload=False")
 
 
 def _shapes_dtypes(m: _Maker, worlds) -> str:

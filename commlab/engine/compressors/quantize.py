@@ -74,7 +74,7 @@ def _work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 class _Lossy(Compressor):
     """Common parts: all-gather exchange, work buffers, decode tables."""
-    capabilities = Capabilities(summable=False)
+    capabilities = Capabilities(summable=False, fixed_payload=True)  # codes and scales: sized by n alone
 
     def _setup(self) -> None:
         self._bufs = {}    # role -> reusable work tensor (not state: contents are dead between calls)

@@ -119,6 +119,7 @@ class TopK(SparseCompressor):
     (world - 1) payloads), so at large worlds a summable method can win.
     """
     name = "topk"
+    capabilities = replace(SparseCompressor.capabilities, fixed_payload=True)  # k values and k indices
     params = (ratio(0.01, "fraction of the bucket's entries sent, k = ceil(ratio * n)"),)
 
     def __init__(self, **given):
@@ -174,7 +175,7 @@ class TopK2Bit(Compressor):
     is chunked as it is, so a chunk may span two tensors.
     """
     name = "topk_2bit"
-    capabilities = Capabilities(summable=False)
+    capabilities = Capabilities(summable=False, fixed_payload=True)
     params = (Param("chunk", int, 4096, "elements per chunk; each keeps its own top k", lo=1, hi=32768,
                     note=" (positions within a chunk travel as int16)"),
               Param("k", int, 64, "entries kept per chunk (k / chunk of the bucket)", lo=1, hi=32768,

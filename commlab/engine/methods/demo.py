@@ -81,7 +81,7 @@ class DCTTopK(Compressor):
     name = "dct_topk"
     params = (Param("chunk", int, 64, "elements per DCT chunk", lo=1, hi=MAX_CHUNK, note=CHUNK_NOTE),
               Param("topk", int, 32, "coefficients kept per chunk", lo=1, hi=MAX_CHUNK, note=" (at most chunk)"))
-    capabilities = Capabilities(summable=False)
+    capabilities = Capabilities(summable=False, fixed_payload=True)  # topk per chunk: sized by the input alone
 
     def __init__(self, **given):
         super().__init__(**given)

@@ -54,8 +54,9 @@ class Round:
     tensors: int = 1
     """payload tensors (the header of an all-gather)"""
     header: bool = True
-    """an all-gather first exchanges its payloads' shapes, synchronously (the engine's protocol; False
-    for systems that agree on sizes elsewhere, e.g. Horovod's background negotiation)"""
+    """an all-gather first exchanges its payloads' shapes, synchronously (the engine's protocol; False for a
+    compressor that declares ``fixed_payload``, and for systems that agree on sizes elsewhere, e.g. Horovod's
+    background negotiation)"""
 
 
 @dataclass

@@ -116,6 +116,12 @@ def _noise(n: int):
     return _NOISE[0][:n]
 
 
+def _fixed(comp: dict) -> bool:
+    """Whether the compressor of section ``comp`` declares ``fixed_payload``: its all-gathers go without the
+    exchange of shapes in front (commlab.engine.comm.collectives.issue_allgather)."""
+    return cal.make_compressor(comp).capabilities.fixed_payload
+
+
 def payload_rounds(profile: cal.Profile, comp: dict, idx: List[int],
                    sharded: bool = False) -> List[Tuple[str, int, int]]:
     """(op, payload bytes, tensors) of each round for one bucket, as the compressor declares them
@@ -250,8 +256,9 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
         known = kinds.get(repr(comp))
         if known is None:
             key = cal.compressor_key(comp)
-            known = kinds[repr(comp)] = (key, profile.compressors.get(key), not cal.needs_curve(comp))
-        key, curve, plain = known
+            plain = not cal.needs_curve(comp)
+            known = kinds[repr(comp)] = (key, profile.compressors.get(key), plain, not plain and _fixed(comp))
+        key, curve, plain, fixed = known
         if curve is None and not plain:
             raise KeyError(f"profile has no cost curve for compressor {key}")
         ready = max(profile.layer_ready.get(l, profile.backward_s) for l in layers)
@@ -268,7 +275,7 @@ def build_step(profile: cal.Profile, spec: dict, world: int, compute_speedup: fl
                 after = mid / max(len(rounds) - 1, 1)
             else:  # an all-gathered payload: every rank decodes all ``world`` of them
                 after = cal.decode_cost(curve, raw, world) if curve and op == "allgather" else dec
-            plan.append(Round(op, nbytes, after=after * f, tensors=k))
+            plan.append(Round(op, nbytes, after=after * f, tensors=k, header=not fixed))
         buckets.append(Bucket(ready=ready * f, encode=enc * f, rounds=plan, raw_bytes=raw, forward=fwd * f))
     return Step(forward=profile.forward_s * f, backward=profile.backward_s * f,
                 optimizer=profile.optimizer_s * f, buckets=buckets)
@@ -371,21 +378,24 @@ def predict_method(profile: cal.Profile, spec: dict, m, link, world: int,
             curve = _curve(profile, codec_key(m))
             raw = 4 * sum(m.codec_numel(b // 4) for b in tensor_bytes)
             return local.Sync(cal.cost(curve["encode"], raw) * f,
-                              [Round("allgather", e.bytes, after=cal.cost(curve["decode"], raw) * f, tensors=2)])
+                              [Round("allgather", e.bytes, after=cal.cost(curve["decode"], raw) * f, tensors=2,
+                                     header=not m.codec().capabilities.fixed_payload)])
         if e.kind == "pseudo" and own is not None:  # SparseLoCo's codec: its rounds as it declares them
             from commlab.engine.compressors import contract
             curve = _curve(profile, codec_key(m))
             rounds = contract.declared_rounds(own, m.codec_numel(e.bytes // 4), 4)
             enc, dec = (cal.cost(curve[k], e.bytes) * f for k in ("encode", "decode"))
-            return local.Sync(enc, [Round(op, nbytes, tensors=k, after=dec * (world if op == "allgather" else 1))
+            return local.Sync(enc, [Round(op, nbytes, tensors=k, after=dec * (world if op == "allgather" else 1),
+                                          header=not own.capabilities.fixed_payload)
                                     for op, nbytes, k in rounds], outer=outer)
         if not comp or not cal.needs_curve(comp):  # parameters, or an uncompressed pseudo-gradient
             return local.Sync(0.0, [Round("allreduce", e.bytes)], outer=outer)
         curve = _curve(profile, cal.compressor_key(comp))
         rounds = payload_rounds(profile, comp, parts[e.fragment])
         enc, mid, dec = (cal.cost(curve[k], e.bytes) * f for k in ("encode", "between", "decode"))
+        fixed = _fixed(comp)
         plan = [Round(op, nbytes, tensors=k, after=(dec * (world if op == "allgather" else 1))
-                      if r == len(rounds) - 1 else mid / max(len(rounds) - 1, 1))
+                      if r == len(rounds) - 1 else mid / max(len(rounds) - 1, 1), header=not fixed)
                 for r, (op, nbytes, k) in enumerate(rounds)]
         return local.Sync(enc, plan, outer=outer)
     no_grad = Result(0.0, 0.0)
