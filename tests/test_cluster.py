@@ -138,7 +138,10 @@ def test_strategy_auto_chooses_on_a_cluster_from_predictions_of_that_cluster(tmp
     measured = [c for c in rec["candidates"] if c.get("measured_ms")]
     assert measured and all(abs(c["predicted_ms"] / c["measured_ms"] - 1) < 0.25 for c in measured), \
         [(c["label"], c["predicted_ms"], c["measured_ms"]) for c in measured]
-    assert all(c["predicted_ms"] > 60 for c in rec["candidates"])  # two rounds of 2 x 15 ms each way, at least
+    # a collective between the regions, 30 ms apart, at least (the candidates the advisor predicted: one whose
+    # compressor's best fixed layout is over twice the best candidate's is not searched)
+    predicted = [c for c in rec["candidates"] if c.get("predicted_ms") is not None]
+    assert len(predicted) > len(rec["candidates"]) / 2 and all(c["predicted_ms"] > 30 for c in predicted)
     assert run.status()["strategy"]["chosen"] == rec["winner"]
 
 
