@@ -565,6 +565,7 @@ def test_a_tuning_schedule_searches_before_the_replicas_start_and_every_replica_
     search = commlab.get(part["from"], runs=root)
     assert tuning["searched_in"] == search.id and tuning["cache"] == "miss" and tuning["trace"]
     assert search.state == "done" and search.status()["tuning_for"] == run.id
+    assert search.status()["owner"] == run.status()["owner"]  # its owner's, under its limits (Run.inherited)
     assert not search.spec_dict()["fault_tolerance"]["enabled"] and search.spec_dict()["steps"] == 1 + 1 + 2 * 2
     assert [e for e in run.ft_events() if e["event"] == "kill"] and run.recoveries()
     finals = {r["replica"]: r["params_sha256"] for r in run.metric_rows() if r["kind"] == "final"}

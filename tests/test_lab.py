@@ -254,3 +254,20 @@ def test_the_default_queue_length_reads_the_torch_build_without_importing_torch(
             "print(n, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.split() == [str(max(1, (os.cpu_count() or 1) // 2)), "False"], out
+
+
+def test_a_run_made_for_another_takes_its_owner_and_limits(tmp_path):
+    """A trial, profiling or search run that the lab makes for a run (strategy auto's, a tuning schedule's under
+    fault tolerance) is that run's owner's and under its limits: in a room, a student's memory per rank and wall
+    time bound it as they bound the run itself."""
+    from commlab.lab.base.specs import load_spec
+    from commlab.lab.rundir.store import RunStore
+    store = RunStore(tmp_path)
+    spec = load_spec(data={"model": "mlp", "dataset": "digits", "steps": 5})
+    run = store.create(spec, owner="alice", rank_limit_mb=300, rank_limit_from="quota", wall_limit_s=60.0)
+    assert run.inherited() == {"owner": "alice", "rank_limit_mb": 300, "rank_limit_from": "quota",
+                               "wall_limit_s": 60.0}
+    helper = store.create(spec, **run.inherited())
+    st = helper.status()
+    assert (st["owner"], st["rank_limit_mb"], st["wall_limit_s"]) == ("alice", 300, 60.0)
+    assert store.create(spec, owner="bob").inherited() == {"owner": "bob"}

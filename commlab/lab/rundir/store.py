@@ -101,6 +101,12 @@ class Run:
         """The run's spec, as its admission checked it: read as it is, not checked again (JobSpec.from_checked)."""
         return JobSpec.from_checked(self.spec_dict())
 
+    def inherited(self) -> dict:
+        """The queued fields a run made for this one takes from it (``RunStore.create``'s): a trial, profiling or
+        search run is this run's owner's, under the same limits (memory per rank, wall time)."""
+        st = self.status()
+        return {k: st[k] for k in ("owner", "rank_limit_mb", "rank_limit_from", "wall_limit_s") if st.get(k) is not None}
+
     def status(self) -> dict:
         """status.json as a dict; ``{"state": "unknown"}`` when there is none yet, and with
         ``unreadable`` (the reason) when the file cannot be parsed."""

@@ -151,7 +151,9 @@ def resolve_auto(lab, run, should_cancel: Callable[[], bool] = lambda: False,
     def runner(s: dict, prepare=None):
         if should_cancel():
             raise LabError("cancelled while the advisor ran its trials")
-        t = lab.store.create(load_spec(data={**s, "fault_tolerance": {"enabled": False}} if ft else s))
+        # its owner's and under its limits, as the run it advises
+        t = lab.store.create(load_spec(data={**s, "fault_tolerance": {"enabled": False}} if ft else s),
+                             **run.inherited())
         if prepare is not None:
             prepare(t)
         t.mark_queued(supervisor=procs.identity(), advisor_for=run.id)

@@ -38,11 +38,11 @@ def choose_partition(lab, run, say: Callable[[str], None] = lambda m: None,
                      should_cancel: Callable[[], bool] = lambda: False) -> Optional[dict]:
     """Write ``run``'s partition.json (and its search into tuning.json) when ``needs_search``; returns what it wrote,
     or None for any other run. A search that does not end done, or ends undecided, is a LabError naming it."""
-    # lazy: the tuners import torch, which a supervisor of any other run never needs
-    from commlab.engine.tuners import mergecomp, steps_to_decide
     spec = run.spec()
     if not needs_search(spec):
         return None
+    # lazy: the tuners import torch, which a supervisor of any other run never needs
+    from commlab.engine.tuners import mergecomp, steps_to_decide
     name = spec.schedule.name
     if name == "mergecomp" and not spec.schedule.retune:
         try:
@@ -61,7 +61,7 @@ def choose_partition(lab, run, say: Callable[[str], None] = lambda m: None,
     steps = steps_to_decide(spec) + warm
     search = lab.store.create(load_spec(data={**d, "name": f"{d['name']}: {name} search", "steps": steps,
                                               "eval_every": 0, "final_eval": False,
-                                              "fault_tolerance": {"enabled": False}}))
+                                              "fault_tolerance": {"enabled": False}}), **run.inherited())
     search.mark_queued(supervisor=procs.identity(), tuning_for=run.id)
     say(f"schedule {name}: searching the buckets before the replicas start ({steps} steps, run {search.id})")
     state = launch(search, progress=False, should_cancel=should_cancel)
