@@ -84,6 +84,30 @@ def pytest_runtest_call(item):
     return result
 
 
+# --------------------------------------------------------------------------- Streamlit's component scan, once
+# Each new AppTest scans every installed distribution's metadata for Streamlit component manifests (about half a
+# second here; a third of the CPU of the page tests in a profile). A server does it once at its start; the suite
+# installs nothing while it runs, so each test process scans once and every AppTest reads that result.
+def _scan_once():
+    try:
+        from streamlit.components.v2 import manifest_scanner
+    except ImportError:  # a Streamlit without v2 components: nothing to scan
+        return
+    scan = manifest_scanner.scan_component_manifests
+    found = []
+
+    def scanned(*args, **kwargs):
+        if args or kwargs:
+            return scan(*args, **kwargs)
+        if not found:
+            found.append(list(scan()))
+        return list(found[0])
+    manifest_scanner.scan_component_manifests = scanned
+
+
+_scan_once()
+
+
 # --------------------------------------------------------------------------- compressor tests on a GPU
 # COMMLAB_TEST_DEVICE=cuda runs the compressor tests' inputs on that device: inside the modules below,
 # ``torch``'s factory functions (randn, zeros, arange, tensor, ...) create on it unless a test names a

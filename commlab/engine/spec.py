@@ -1164,7 +1164,7 @@ def _build(cls, data: Any, path: str, prefix: str = ""):
             raise SpecError(where, e.msg) from None
     if not isinstance(data, dict):
         raise SpecError(path or "spec", f"must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
@@ -1202,6 +1202,8 @@ def _trusted(cls, data: Any, path: str):
 
 @functools.lru_cache(maxsize=None)
 def _hints(cls) -> dict:
+    """The resolved field types of a spec section (read only; resolving them again on every build was most of a
+    spec's parse time)."""
     return typing.get_type_hints(cls)
 
 
