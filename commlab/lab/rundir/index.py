@@ -149,7 +149,8 @@ class Index:
         con.execute("PRAGMA journal_mode=WAL")
         cols = ", ".join(f"{c} {'TEXT PRIMARY KEY' if c == 'id' else ''}" for c in COLUMNS)
         con.execute(f"CREATE TABLE IF NOT EXISTS runs ({cols})")
-        missing = [c for c in COLUMNS if c not in {r[1] for r in con.execute("PRAGMA table_info(runs)")}]
+        have = {r[1] for r in con.execute("PRAGMA table_info(runs)")}
+        missing = [c for c in COLUMNS if c not in have]
         if missing:  # an index from an older commlab: add the columns and refill every row from the directories
             with con:
                 for c in missing:
