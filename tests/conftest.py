@@ -1,3 +1,4 @@
+import functools
 import importlib
 import os
 import sys
@@ -94,14 +95,10 @@ def _scan_once():
     except ImportError:  # a Streamlit without v2 components: nothing to scan
         return
     scan = manifest_scanner.scan_component_manifests
-    found = []
+    once = functools.lru_cache(maxsize=1)(lambda: tuple(scan()))
 
     def scanned(*args, **kwargs):
-        if args or kwargs:
-            return scan(*args, **kwargs)
-        if not found:
-            found.append(list(scan()))
-        return list(found[0])
+        return scan(*args, **kwargs) if args or kwargs else list(once())
     manifest_scanner.scan_component_manifests = scanned
 
 
@@ -202,7 +199,7 @@ def pytest_collection_modifyitems(config, items):
 # same script under torch DDP (--ddp, 10 steps, world size 2): a deterministic run that every such test used to
 # start again (a torchrun, about 10 s of two cores). It runs once for the whole suite: the first xdist worker to
 # need it runs it under a lock in the directory the workers share, the others read what it left.
-from distutil import OWN_LOOP_DDP_STEPS  # noqa: E402
+from distutil import OWN_LOOP_DDP_STEPS, torchrun_own_loop  # noqa: E402
 
 
 class OwnLoopDDP:
@@ -216,8 +213,6 @@ class OwnLoopDDP:
 def own_loop_ddp(tmp_path_factory):
     import fcntl
     import json
-    import subprocess
-    from commlab.lab.base.torchrun import free_port
     base = tmp_path_factory.getbasetemp()
     shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
     where = shared / "own-loop-ddp"
@@ -226,14 +221,7 @@ def own_loop_ddp(tmp_path_factory):
     with open(where / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.exists():
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-                   "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-            env.pop("COMMLAB_RUNS", None)
-            argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                    "127.0.0.1", "--master-port", str(free_port()), os.path.join(ROOT, "examples", "own_loop.py"),
-                    "--ddp", "--steps", str(OWN_LOOP_DDP_STEPS), "--save", str(save)]
-            p = subprocess.run(argv, cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               timeout=240)
+            p = torchrun_own_loop(where, "--ddp", "--steps", OWN_LOOP_DDP_STEPS, "--save", save)
             done.write_text(json.dumps({"returncode": p.returncode, "stdout": p.stdout}))
         got = json.loads(done.read_text())
     return OwnLoopDDP(save, got["returncode"], got["stdout"])

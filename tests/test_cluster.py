@@ -10,7 +10,7 @@ import commlab
 from commlab.engine import cluster
 from commlab.engine.netmodel import ClusterLink, ModeledLink, from_spec, ring_allreduce_s
 from commlab.engine.spec import JobSpec, SpecError
-from distutil import shaped_unavailable
+from distutil import shaped_unavailable, torchrun_own_loop
 
 BASE = {"model": "mlp", "dataset": "digits", "steps": 2, "batch_size": 8, "eval_every": 0, "threads": 1}
 
@@ -343,28 +343,11 @@ def test_a_shaped_run_on_a_cluster_of_unequal_rates(tmp_path):
 
 def test_a_slower_worker_in_an_own_loop(tmp_path):
     """commlab.wrap: each forward call of the model and the backward before ``step()`` stretched on rank 1."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from commlab.engine.runlog import read_jsonl
-    from commlab.lab.base.torchrun import free_port
-    root = Path(__file__).resolve().parents[1]
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"name": "own-slow", "steps": 4, "network": {
         "link": "loopback", "cluster": {"workers": [{"speed": 1}, {"speed": 0.5}]}}}))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("COMMLAB_RUNS", None)
-    for _ in range(2):  # a port free when picked may be taken before torchrun binds it (the other worker's)
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), str(root / "examples" / "own_loop.py"), "--spec", str(spec),
-                "--runs", str(tmp_path / "runs"), "--steps", "4"]
-        p = subprocess.run(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=240)
-        if "EADDRINUSE" not in p.stdout:
-            break
+    p = torchrun_own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", 4)
     assert p.returncode == 0, p.stdout[-3000:]
     (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if d.is_dir() and not d.name.startswith(".")]
     slow = [e for r in (0, 1) for e in read_jsonl(str(run_dir / f"timeline-rank{r}.jsonl")) if e.get("cat") == "slow"]

@@ -13,23 +13,9 @@ import torch
 
 from commlab.engine.runlog import read_jsonl
 from commlab.lab.base.torchrun import free_port
-from distutil import OWN_LOOP_DDP_STEPS
+from distutil import OWN_LOOP_DDP_STEPS, torchrun_own_loop
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def torchrun(tmp_path, *args, timeout=240):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("COMMLAB_RUNS", None)
-    for _ in range(2):  # a port free when picked may be taken before torchrun binds it (the other worker's)
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), str(ROOT / "examples" / "own_loop.py"), *map(str, args)]
-        p = subprocess.run(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout)
-        if "EADDRINUSE" not in p.stdout:
-            return p
-    return p
 
 
 def cli(*args):
@@ -51,7 +37,7 @@ def test_own_loop_lands_in_the_runs_directory(tmp_path, name):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"name": f"own-{name}", "steps": 24, **SPECS[name]}))
     runs = tmp_path / "runs"
-    p = torchrun(tmp_path, "--spec", spec, "--runs", runs, "--steps", 24)
+    p = torchrun_own_loop(tmp_path, "--spec", spec, "--runs", runs, "--steps", 24)
     assert p.returncode == 0, p.stdout[-3000:]
     (run_dir,) = [d for d in runs.iterdir() if d.is_dir() and not d.name.startswith(".")]
     st = json.loads((run_dir / "status.json").read_text())
@@ -89,7 +75,7 @@ def test_own_loop_without_compression_matches_torch_ddp(tmp_path, comm, own_loop
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"compressor": "none", "comm": comm, "schedule": {"name": "bucket", "cap_mb": 0.02}}))
     steps = OWN_LOOP_DDP_STEPS
-    ours = torchrun(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", steps, "--save", tmp_path / "ours")
+    ours = torchrun_own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", steps, "--save", tmp_path / "ours")
     assert ours.returncode == 0, ours.stdout[-3000:]
     ref = own_loop_ddp  # the script with --ddp --steps OWN_LOOP_DDP_STEPS, run once for the suite (tests/conftest.py)
     assert ref.returncode == 0, ref.stdout[-3000:]
@@ -112,7 +98,7 @@ def _example():
 
 def test_a_rank_that_raises_fails_the_run_naming_it(tmp_path):
     runs = tmp_path / "runs"
-    p = torchrun(tmp_path, "--runs", runs, "--steps", 20, "--fail-step", 5)
+    p = torchrun_own_loop(tmp_path, "--runs", runs, "--steps", 20, "--fail-step", 5)
     assert p.returncode != 0
     (run_dir,) = [d for d in runs.iterdir() if d.is_dir() and not d.name.startswith(".")]
     st = json.loads((run_dir / "status.json").read_text())
