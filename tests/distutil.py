@@ -38,14 +38,13 @@ def torchrun_own_loop(cwd, *args, timeout: float = 240):
     COMMLAB_RUNS from the caller), its output in ``stdout``. A port free when picked may be taken before torchrun
     binds it (by the other xdist worker): then the job is started once more on another."""
     import subprocess
-    from commlab.lab.base.torchrun import free_port
+    from commlab.lab.base.torchrun import free_port, torchrun_argv
     root = os.path.dirname(ROOT_TESTS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     env.pop("COMMLAB_RUNS", None)
     for _ in range(2):
-        argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                "--master-port", str(free_port()), os.path.join(root, "examples", "own_loop.py"), *map(str, args)]
+        argv = torchrun_argv([os.path.join(root, "examples", "own_loop.py"), *map(str, args)], 2, free_port())
         p = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            timeout=timeout)
         if "EADDRINUSE" not in p.stdout:

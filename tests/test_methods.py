@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distutil import OWN_LOOP_DDP_STEPS, run_world
+from distutil import OWN_LOOP_DDP_STEPS, run_world, torchrun_own_loop
 from commlab.engine import methods
 from commlab.engine.methods.demo import DCTTopK, dct_basis
 from commlab.engine.methods.diloco import split_even
@@ -493,24 +493,14 @@ def test_a_rank_failing_mid_sync_fails_the_run_and_loses_nothing(tmp_path, metho
 
 # --------------------------------------------------------------------------- commlab.wrap: your own loop
 
-def own_loop(tmp_path, *args, timeout=240):
-    from commlab.lab.base.torchrun import free_port
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("COMMLAB_RUNS", None)
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), str(ROOT / "examples" / "own_loop.py"), *map(str, args)]
-    return subprocess.run(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout)
-
-
 def test_wrap_local_sgd_h1_matches_torch_ddp(tmp_path, own_loop_ddp):
     """examples/own_loop.py (its own loop, SGD with momentum 0.9 from its factory) with local SGD at H = 1 through
     commlab.wrap: the method's hooks run around the script's optimizer, and the parameters are torch DDP's."""
     assert OWN_LOOP_DDP_STEPS == 10  # the step count below (20 steps: 10 on each rank)
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"comm": "wfbp", "method": {"name": "local_sgd", "H": 1}}))
-    ours = own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", 10, "--save", tmp_path / "ours")
+    ours = torchrun_own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", 10,
+                             "--save", tmp_path / "ours")
     assert ours.returncode == 0, ours.stdout[-3000:]
     ref = own_loop_ddp  # the script with --ddp --steps 10, run once for the suite (tests/conftest.py)
     assert ref.returncode == 0, ref.stdout[-3000:]
@@ -529,7 +519,7 @@ def test_wrap_streaming_diloco_with_its_fragments_in_flight(tmp_path):
     spec = tmp_path / "spec.json"
     method = {"name": "streaming_diloco", "H": 4, "fragments": 2, "tau": 1, "compressor": {"name": "fp16"}}
     spec.write_text(json.dumps({"name": "own-streaming", "comm": "sync", "method": method}))
-    p = own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", 24, "--lr", 0.1)
+    p = torchrun_own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", 24, "--lr", 0.1)
     assert p.returncode == 0, p.stdout[-3000:]
     run_dir = only_run(tmp_path / "runs")
     assert json.loads((run_dir / "status.json").read_text())["state"] == "done"

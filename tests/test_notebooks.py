@@ -1,6 +1,8 @@
 """Every notebook in notebooks/ runs top to bottom (quick setting) and is stored without outputs."""
 import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -90,7 +92,14 @@ def test_runs_top_to_bottom(path, tmp_path, monkeypatch):
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
-    client.execute()  # raises CellExecutionError naming the cell when any cell raises
+    # a notebook that writes a package of yours (06) keeps it in a temporary folder it names and leaves for you to
+    # read; the test removes the folder its run made, so a suite leaves nothing in the temporary directory
+    before = set(Path(tempfile.gettempdir()).glob("commlab-nb*"))
+    try:
+        client.execute()  # raises CellExecutionError naming the cell when any cell raises
+    finally:
+        for d in set(Path(tempfile.gettempdir()).glob("commlab-nb*")) - before:
+            shutil.rmtree(d, ignore_errors=True)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors
 

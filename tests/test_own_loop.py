@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from commlab.engine.runlog import read_jsonl
-from commlab.lab.base.torchrun import free_port
+from commlab.lab.base.torchrun import free_port, torchrun_argv
 from distutil import OWN_LOOP_DDP_STEPS, torchrun_own_loop
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,8 +167,7 @@ def test_two_wraps_in_one_job_each_record_their_run(tmp_path):
     runs = tmp_path / "runs"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
            "COMMLAB_TIMEOUT_S": "30", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), str(script), str(runs)]
+    argv = torchrun_argv([str(script), str(runs)], 2, free_port())
     p = _job(argv, tmp_path, env, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:]
     for r in (0, 1):
@@ -207,8 +206,7 @@ def test_a_loop_that_steps_without_loss_ends_done(tmp_path):
     runs = tmp_path / "runs"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
            "COMMLAB_TIMEOUT_S": "30", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-            "--master-port", str(free_port()), str(script), str(runs)]
+    argv = torchrun_argv([str(script), str(runs)], 2, free_port())
     p = _job(argv, tmp_path, env, timeout=120)
     assert p.returncode == 0 and "Traceback" not in p.stdout, p.stdout[-3000:]
     assert "rank 0 ended" in p.stdout and "rank 1 ended" in p.stdout

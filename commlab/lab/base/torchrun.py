@@ -20,10 +20,15 @@ def free_port() -> int:
 def torchrun_argv(entry: List[str], nproc: int, port: int, nnodes: int = 1, node_rank: int = 0,
                   master_addr: str = "127.0.0.1", python: str = sys.executable) -> List[str]:
     """torchrun's command line, as a list (never a shell string). ``entry`` is what
-    each rank runs: ``["-m", "commlab.engine.worker", "--run-dir", DIR]`` or a script and its arguments."""
+    each rank runs: ``["-m", "commlab.engine.worker", "--run-dir", DIR]`` or a script and its arguments.
+    Its log folder is ``os.devnull``: left to itself torchrun makes a ``torchelastic_*`` folder in the temporary
+    directory at every start and never removes it, a folder per run on a server that runs many. Nothing is
+    lost: the ranks' output goes where the caller sends torchrun's (a run's log.txt), and a lab rank's error
+    to its own error-rank file (commlab.engine.runfiles)."""
     return [python, "-m", "torch.distributed.run",
             f"--nnodes={nnodes}", f"--node-rank={node_rank}", f"--nproc-per-node={nproc}",
-            f"--master-addr={master_addr}", f"--master-port={port}", "--max-restarts=0", *entry]
+            f"--master-addr={master_addr}", f"--master-port={port}", "--max-restarts=0", f"--log-dir={os.devnull}",
+            *entry]
 
 
 def worker_argv(run_dir: str) -> List[str]:
