@@ -7,6 +7,7 @@ the layer's last gradient landed."""
 import functools
 import json
 import os
+import shutil
 import tempfile
 
 import torch
@@ -53,6 +54,7 @@ def _probe_step(rank, world, follow):
     tl.close()
     with open(path) as f:
         spans = [json.loads(line) for line in f]
+    shutil.rmtree(os.path.dirname(path))
     return hooks, landed, [(s["name"], s["dur"]) for s in spans if s["cat"] == "backward"]
 
 
@@ -69,11 +71,11 @@ def test_a_following_probe_adds_no_hook_and_keeps_its_backward_spans():
             assert sorted(n for n, _ in spans) == sorted(want) and all(d >= 0 for _, d in spans), (follow, spans)
 
 
-def test_timeline_lines_are_chrome_trace_events_across_flushes():
+def test_timeline_lines_are_chrome_trace_events_across_flushes(tmp_path):
     """Timeline.flush formats each (lane, name)'s line head once and reuses it: every line still
     parses to its own span, for names JSON must escape and args of every kind, flush after flush."""
     from commlab.engine.timeline import LANES, Clock, Timeline
-    path = os.path.join(tempfile.mkdtemp(), "t.jsonl")
+    path = str(tmp_path / "t.jsonl")
     clock = Clock()
     clock.wall0, clock.perf0 = 1000.0, 10.0
     tl = Timeline(path, 3, clock=clock)
@@ -192,11 +194,11 @@ def test_layer_spans_tile_forward_and_backward():
     assert not model._forward_pre_hooks and not model._forward_hooks and not model.head._forward_hooks
 
 
-def test_timeline_args_passed_again_are_written_as_they_are_at_each_flush():
+def test_timeline_args_passed_again_are_written_as_they_are_at_each_flush(tmp_path):
     """Timeline.flush encodes an args dict passed again (the probe's, every step) once: a dict changed in
     place since, or one holding a list changed in place, is written with its new content."""
     from commlab.engine.timeline import Timeline
-    path = os.path.join(tempfile.mkdtemp(), "t.jsonl")
+    path = str(tmp_path / "t.jsonl")
     tl = Timeline(path, 0)
     same, nested = {"layer": "fc"}, {"buckets": [0]}
     for step in range(3):
