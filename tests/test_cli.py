@@ -364,8 +364,9 @@ def test_a_model_checked_before_the_run_says_so(lab_dir, capsys, monkeypatch):
     Hugging Face model: seconds); the progress stream says so first, unless --quiet."""
     root, _, spec = lab_dir
     from commlab.engine import preflight
+    from commlab.lab.service import admission
     seen = []
-    monkeypatch.setattr(preflight, "needs_check", lambda spec: True)
+    monkeypatch.setattr(admission, "needs_first_batch", lambda spec: True)
     monkeypatch.setattr(preflight, "check", lambda spec: seen.append(spec.model.name))
     monkeypatch.setattr(Lab, "supervise", lambda self, run, progress=False, out=None: run.set_status("done")["state"])
     rc, out, err = call(capsys, "run", spec, "--runs", root)

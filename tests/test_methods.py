@@ -349,8 +349,10 @@ def assert_refused_in_one_line(tmp_path, capsys, method, extra, field):
 def test_more_fragments_than_tensors_is_refused_before_any_rank():
     """The mlp has 6 parameter tensors: 7 fragments cannot each hold one (the lab's preflight builds the model)."""
     from commlab.engine import preflight
+    from commlab.lab.service.admission import needs_first_batch
     spec = JobSpec.from_dict({"model": "mlp", "method": {"name": "streaming_diloco", "H": 8, "fragments": 7}})
-    assert preflight.needs_check(spec)
+    assert needs_first_batch(spec)
+    assert not needs_first_batch(JobSpec.from_dict({"model": "mlp", "method": {"name": "diloco", "H": 8}}))
     with pytest.raises(SpecError, match=r"^method\.fragments: must be at most the model's 6 parameter tensors"):
         preflight.check(spec)
     preflight.check(JobSpec.from_dict({"model": "mlp", "method": {"name": "streaming_diloco", "H": 8, "fragments": 6}}))

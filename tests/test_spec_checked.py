@@ -68,6 +68,64 @@ def test_commlab_run_checks_the_spec_once_on_its_way_to_the_ranks(tmp_path):
     assert [ln.split()[1] for ln in lines] == ["admission"], lines
 
 
+TORCH_SEEN = '''
+import atexit
+import os
+import sys
+
+if os.environ.get("TORCH_SEEN"):  # whether this process imported torch, written as it exits
+    def _seen():
+        with open(os.environ["TORCH_SEEN"], "a") as f:
+            argv = [os.path.basename(sys.argv[0]), *sys.argv[1:2]]
+            f.write(f"{' '.join(argv)}|{'torch' in sys.modules}\\n")
+    atexit.register(_seen)
+'''
+
+
+def test_commlab_run_admits_in_a_warm_child_and_never_imports_torch(tmp_path):
+    """`commlab run` checks its spec in a child of the warm server (torch imported there already): the command's
+    own process never imports torch, and what it admits is what the check in this process gives: the same
+    spec.json, the engine switch its environment set recorded as from there, the same one-line errors (one
+    of them about that environment)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(TORCH_SEEN)
+    seen = tmp_path / "seen.txt"
+    env = {**os.environ, "TORCH_SEEN": str(seen), "COMMLAB_FUSED": "0",
+           "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)] + ([os.environ["PYTHONPATH"]]
+                                                                   if os.environ.get("PYTHONPATH") else []))}
+    env.pop("COMMLAB_WARM", None)
+
+    def run(data, extra=()):
+        spec = tmp_path / "s.json"
+        spec.write_text(json.dumps(data))
+        return subprocess.run([sys.executable, "-m", "commlab.lab.front.cli", "run", str(spec), "--quiet", "--runs",
+                               str(tmp_path / "runs"), *extra], cwd=tmp_path, capture_output=True, text=True,
+                              timeout=600, env=env)
+
+    r = run({**SMALL, "compressor": {"name": "topk", "ratio": 0.1}})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    (run_dir,) = [d for d in (tmp_path / "runs").iterdir() if d.is_dir() and not d.name.startswith(".")]
+    done = Run(run_dir)
+    assert done.state == "done"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("COMMLAB_FUSED", "0")
+        here = JobSpec.from_dict({**SMALL, "compressor": {"name": "topk", "ratio": 0.1}})
+    assert done.spec_dict() == here.to_dict() and here.engine.fused is False
+    assert json.loads((run_dir / runfiles.RESOLVED).read_text())["engine_from_env"] == {"fused": "COMMLAB_FUSED=0"}
+
+    bad = {**SMALL, "compressor": {"name": "topk", "ratio": 2}}
+    with pytest.raises(SpecError) as e:
+        JobSpec.from_dict(bad)
+    r = run(bad)
+    assert r.returncode == 2 and r.stderr.strip() == f"commlab: error: {e.value}", r.stderr
+    env["COMMLAB_TIMEOUT_S"] = "-1"
+    r = run(SMALL, ["--check"])
+    assert r.returncode == 2 and r.stderr.strip() == ("commlab: error: engine.timeout_s: must be in (0, 604800], "
+                                                      "got -1 (from COMMLAB_TIMEOUT_S=-1 in the environment)"), r.stderr
+    assert [ln for ln in seen.read_text().splitlines() if ln.startswith("cli.py ")] == ["cli.py run|False"] * 3
+
+
 def test_the_queue_and_the_launcher_read_spec_json_without_checking(tmp_path, monkeypatch):
     run = Lab(tmp_path).create(commlab.spec(dict(SMALL, compressor={"name": "topk", "ratio": 0.1})))
 

@@ -34,6 +34,12 @@ def zoo_kind(name: str) -> str:
     return ZOO_KIND[name]
 
 
+def is_external(name: str) -> bool:
+    """Whether a model or data set ``name`` comes from outside the zoo: a library model (torchvision:, hf:) or code
+    named by import path."""
+    return ":" in name
+
+
 def is_import_path(name: str) -> bool:
     """Whether ``name`` names code by import path (package.module:object), not a library model."""
     return ":" in name and not name.startswith(LIBRARY_PREFIXES)

@@ -37,10 +37,6 @@ from commlab.engine.codepath import ARCH, LIBRARY_PREFIXES, check_path, imports_
 TORCHVISION, HF = LIBRARY_PREFIXES
 
 
-def is_external(name: str) -> bool:
-    return ":" in name
-
-
 def check_import(path: str, field: str) -> None:
     """An import path's syntax and, where this process may import (``imports_allowed``), the object it names."""
     check_path(path, field)

@@ -20,14 +20,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from commlab.engine import external
-from commlab.engine.codepath import ZOO_KIND, zoo_kind
+from commlab.engine.codepath import ZOO_KIND, is_external, zoo_kind
 
 NAMES = tuple(ZOO_KIND)
 
 
 def kind(name):
     """The data kind model `name` needs ("image", "text"), or None when only its first batch can tell."""
-    if external.is_external(name):
+    if is_external(name):
         return external.model_kind(name)
     return zoo_kind(name)
 
@@ -44,7 +44,7 @@ def compatible(name, info_kind):
 
 
 def build(name, info, **kw):
-    if external.is_external(name):
+    if is_external(name):
         return external.build_model(name, info, **kw)
     zoo_kind(name)
     if not compatible(name, info.kind):

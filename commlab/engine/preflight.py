@@ -16,7 +16,6 @@ import dataclasses
 import torch
 
 from commlab.engine import codepath, external, models
-from commlab.engine.codepath import code_fields
 from commlab.engine.external import _first_line
 from commlab.engine.spec import JobSpec, SpecError
 from commlab.engine.trainer import load_data
@@ -24,17 +23,6 @@ from commlab.engine.trainer import load_data
 DESCRIBE_EXAMPLES = 64
 """``describe`` builds a synthetic data set of this many examples: the model's size depends on the data's
 shape, classes and vocabulary, never on how many examples there are."""
-
-
-def needs_check(spec: JobSpec) -> bool:
-    """Zoo models on shipped data sets are known to fit (the spec checks their kinds); models
-    and data sets from outside the zoo, a loss of the user's, and a method whose parameters depend on
-    the model (Streaming DiLoCo's fragments) are checked by a first batch."""
-    if (external.is_external(spec.model.name) or external.is_external(spec.dataset.name)
-            or code_fields(spec.to_dict())):
-        return True
-    method = spec.method.build()  # a built-in here: a method named by import path is code, found above
-    return method is not None and method.checks_model
 
 
 def _here(what: str) -> None:

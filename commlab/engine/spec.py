@@ -1003,13 +1003,18 @@ class JobSpec:
         return _build(cls, data, "")
 
     @classmethod
-    def from_checked(cls, data: Any) -> "JobSpec":
+    def from_checked(cls, data: Any, from_env: Optional[dict] = None) -> "JobSpec":
         """The spec a checked document holds (spec.json: ``to_dict`` of a spec ``from_dict`` made), built as it is,
         without checking it again: no registry, no import of the code it names, no torch, no environment. A field
         older versions named otherwise is read under its name now (``upgrade``); a field the document lacks (an
         older spec.json) takes its default, and an engine switch it lacks stays unset (the rank keeps its
-        environment's). The queue, the launcher and the ranks read spec.json with this."""
-        return _trusted(cls, upgrade(data), "")
+        environment's). The queue, the launcher and the ranks read spec.json with this. ``from_env``: the engine
+        switches a check made in another process took from its environment (``EngineSpec.from_env`` there;
+        commlab.lab.base.specs.admit_spec)."""
+        spec = _trusted(cls, upgrade(data), "")
+        if from_env:
+            spec.engine.__dict__["_from_env"] = {str(k): str(v) for k, v in from_env.items()}
+        return spec
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import json
+import os
+import sys
+import tempfile
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, List, Optional
 
 import yaml
 
+from commlab.engine import codepath
 from commlab.engine.spec import JobSpec, SpecError, check_size
+from commlab.lab.base import sandbox
 
 MAX_TYPED = 4096
 """Characters of YAML a text box may send (model or loader options, a parameter's value)."""
@@ -112,3 +117,64 @@ def load_spec(path: Optional[str] = None, overrides: Iterable[str] = (), data: O
     if data is None:
         data = read_job_spec(path) if path else {}
     return JobSpec.from_dict(apply_overrides(data, overrides))
+
+
+def admit_spec(path: str, overrides: Iterable[str] = ()) -> JobSpec:
+    """``load_spec`` of a file, made where it costs least: ``commlab run``'s admission. The full check imports the
+    registries of compressors, methods and models, and with them torch: 2.5 s of CPU here, spent before the run
+    was even queued by a command that needs torch for nothing else. Where this process has not imported torch
+    and may import what the spec names, the check runs in a child forked by this user's warm server
+    (commlab.lab.base.warm: torch imported there already; about 0.2 s), in this process's environment and
+    folder, and this process reads the checked document back (``JobSpec.from_checked``, with the engine switches
+    the child took from that environment). A bad spec is the same one-line SpecError. Without an answer from a
+    child (warm ranks off, no server, a child that died) the check runs here."""
+    data = apply_overrides(read_job_spec(path), overrides)
+    if "torch" in sys.modules or not codepath.imports_allowed():
+        return JobSpec.from_dict(data)
+    answer = _check_in_child(data)
+    if answer is None:
+        return JobSpec.from_dict(data)
+    if "error" in answer:
+        raise SpecError(answer["error"]["path"], answer["error"]["msg"])
+    return JobSpec.from_checked(answer["spec"], from_env=answer["from_env"])
+
+
+def _check_in_child(data: dict) -> Optional[dict]:
+    """The answer of ``main`` run in a warm child on ``data``, or None."""
+    from commlab.lab.base import warm  # lazy: only a process that checks a spec this way talks to the server
+    server = warm.ready()
+    if server is None:
+        return None
+    with tempfile.TemporaryDirectory(prefix="commlab-check-") as d:
+        inp, out = os.path.join(d, "spec.json"), os.path.join(d, "answer.json")
+        with open(inp, "w") as f:
+            json.dump(data, f)
+        child = warm.start_module(server, __name__, [out], sandbox.child_env(), inp, os.devnull)
+        if child is None or child.wait() != 0:
+            return None
+        try:
+            with open(out) as f:
+                answer = json.load(f)
+        except (OSError, ValueError):
+            return None
+    return answer if isinstance(answer, dict) and ("spec" in answer or "error" in answer) else None
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m commlab.lab.base.specs ANSWER < DATA``: the full check of the spec data on stdin, its answer
+    written to the file ANSWER: ``{"spec": checked document, "from_env": {...}}`` or ``{"error": {"path", "msg"}}``.
+    Anything else (an error the check does not turn into a SpecError) leaves no answer, and the caller checks
+    the spec itself, where that error shows as it would have."""
+    (out,) = sys.argv[1:] if argv is None else argv
+    try:
+        spec = JobSpec.from_dict(json.load(sys.stdin))
+        answer: dict = {"spec": spec.to_dict(), "from_env": spec.engine.from_env}
+    except SpecError as e:
+        answer = {"error": {"path": e.path, "msg": e.msg}}
+    with open(out, "w") as f:
+        json.dump(answer, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,7 +10,8 @@ fault-tolerant run of your own script (``commlab run --script``) asks for ``pyth
 child runs the script as ``__main__`` with its argv and its folder first on ``sys.path``, as Python would (torch
 and ``torch._dynamo`` already imported, which a script's own ``import torch`` then finds). The limited child of
 commlab.lab.base.sandbox (a model's preview, a spec's check) asks for ``python -m MODULE ARGS`` with its stdin and
-stdout in files; a caller that may not start processes itself (that child, RLIMIT_NPROC 0) is refused.
+stdout in files, and so does ``commlab run``'s check of its spec (commlab.lab.base.specs.admit_spec); a caller that
+may not start processes itself (that child, RLIMIT_NPROC 0) is refused.
 
 What a rank started by the launcher had, a warm rank has too:
 

@@ -17,7 +17,7 @@ from commlab.lab.analysis import cluster_view, replicas
 from commlab.lab.analysis.trace import write_trace
 from commlab.lab.base import procs
 from commlab.lab.base.errors import LabError
-from commlab.lab.base.specs import load_spec
+from commlab.lab.base.specs import admit_spec
 from commlab.lab.front.cli_kit import (
     UsageError,
     add_spec_args,
@@ -182,7 +182,7 @@ def add_commands(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    spec = load_spec(args.spec, args.overrides)
+    spec = admit_spec(args.spec, args.overrides)
     if args.check:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0

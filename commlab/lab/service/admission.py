@@ -25,6 +25,21 @@ def local_name() -> str:
         return "local"
 
 
+def needs_first_batch(spec) -> bool:
+    """Whether ``spec`` (a checked JobSpec) takes one batch through its model before any rank starts
+    (commlab.engine.preflight.check). Zoo models on shipped data sets are known to fit (the spec checks their
+    kinds); models and data sets from outside the zoo, code the spec names (a loss of the user's), and a method
+    whose parameters depend on the model (Streaming DiLoCo's fragments) are checked. Imports torch only for a
+    spec with a method, to ask the method."""
+    if (codepath.is_external(spec.model.name) or codepath.is_external(spec.dataset.name)
+            or codepath.code_fields(spec.to_dict())):
+        return True
+    if spec.method.name == "none":  # methods.NONE, without importing the methods
+        return False
+    from commlab.engine import methods  # lazy: the methods pull in torch
+    return methods.resolve(spec.method.name).checks_model  # a built-in here: one named by import path is code
+
+
 class Admission:
     supervisor = "commlab.lab.service.supervise"
     """The module a detached supervisor runs (``python -m MODULE --runs DIR RUN_ID``): it builds its lab with
@@ -49,9 +64,9 @@ class Admission:
         where it may import the spec's code (the CLI, a notebook), else in a child with limits
         (commlab.lab.base.sandbox; the UI's server), for ``who``. ``say`` is told first, since building the model can
         take a while (a Hugging Face model: its imports and weights, seconds)."""
-        from commlab.engine import preflight  # torch: not when a supervisor imports this module
-        if not preflight.needs_check(spec):
+        if not needs_first_batch(spec):
             return
+        from commlab.engine import preflight  # lazy: torch, for a spec that takes its first batch only
         if say is not None:
             say(f"checking the model and data set ({spec.model.name} on {spec.dataset.name}): one batch "
                 "before any rank starts ...")
