@@ -362,6 +362,11 @@ def test_every_run_has_the_figure_and_counts_its_own_cpu(tmp_path, ranks):
     t = tmp_path / "t"
     t.mkdir()
     env = dict(os.environ, TMPDIR=str(t), COMMLAB_WARM="1" if ranks == "warm" else "0")
+    if ranks == "warm":  # torch imported first, `commlab run` checks its spec itself, not in a child of the server
+        site = tmp_path / "site"  # whose reaped children are then the ranks alone
+        site.mkdir()
+        (site / "sitecustomize.py").write_text("import torch\n")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     try:
         r, run, cli_cpu = real_run(tmp_path, runs, env)
         if ranks == "warm":

@@ -119,7 +119,7 @@ def load_spec(path: Optional[str] = None, overrides: Iterable[str] = (), data: O
     return JobSpec.from_dict(apply_overrides(data, overrides))
 
 
-def admit_spec(path: str, overrides: Iterable[str] = ()) -> JobSpec:
+def admit_spec(path: str, overrides: Iterable[str] = (), here: bool = False) -> JobSpec:
     """``load_spec`` of a file, made where it costs least: ``commlab run``'s admission. The full check imports the
     registries of compressors, methods and models, and with them torch: 2.5 s of CPU here, spent before the run
     was even queued by a command that needs torch for nothing else. Where this process has not imported torch
@@ -127,9 +127,10 @@ def admit_spec(path: str, overrides: Iterable[str] = ()) -> JobSpec:
     (commlab.lab.base.warm: torch imported there already; about 0.2 s), in this process's environment and
     folder, and this process reads the checked document back (``JobSpec.from_checked``, with the engine switches
     the child took from that environment). A bad spec is the same one-line SpecError. Without an answer from a
-    child (warm ranks off, no server, a child that died) the check runs here."""
+    child (warm ranks off, no server, a child that died) the check runs here, and with ``here`` (a process that
+    imports torch anyway: a rank of a job another launcher started, which trains in this process)."""
     data = apply_overrides(read_job_spec(path), overrides)
-    if "torch" in sys.modules or not codepath.imports_allowed():
+    if here or "torch" in sys.modules or not codepath.imports_allowed():
         return JobSpec.from_dict(data)
     answer = _check_in_child(data)
     if answer is None:
