@@ -215,6 +215,26 @@ def test_bad_input_is_one_line_with_exit_2(lab_dir, tmp_path, capsys, argv, need
     assert not Path("/nonexistent").exists()
 
 
+def test_the_commands_that_read_runs_never_import_torch(lab_dir, tmp_path):
+    """Listing, showing, tracing, explaining and reporting a run read its files: none of them imports torch (2.5 s
+    of CPU before the first line; `commlab run` checks its spec in a warm child, tests/test_spec_checked.py)."""
+    root, run, _ = lab_dir
+    commands = [["runs"], ["show", run.id], ["trace", run.id, "-o", str(tmp_path / "t.json")], ["explain", run.id],
+                ["report", run.id, "-o", str(tmp_path / "r.html")]]
+    code = ("import contextlib, io, sys\n"
+            "from commlab.lab.front.cli import main\n"
+            f"for argv in {[[*c, '--runs', str(root)] for c in commands]!r}:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()):\n"
+            "        assert main(argv) == 0, argv\n"
+            "    print(argv[0], 'torch' in sys.modules)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                                                     os.environ.get("PYTHONPATH")]))})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.split("\n")[:-1] == [f"{c[0]} False" for c in commands], r.stdout
+    assert (tmp_path / "t.json").stat().st_size and (tmp_path / "r.html").stat().st_size
+
+
 def test_profile_help_names_the_demo_profile_after_its_model(capsys):
     """The demo's model is the CNN: its profile's example name says cnn, not resnet."""
     rc, out, _ = call(capsys, "profile", "--help")

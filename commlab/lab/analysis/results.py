@@ -30,7 +30,6 @@ from commlab.lab.rundir.summary import fmt_bytes, iteration_times, summarize, wa
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import predict as pr
 from commlab.lab.strategy.perfmodel.costs import steps_and_wire
-from commlab.lab.strategy.perfmodel.views import ensure_curves
 
 # --------------------------------------------------------------------------- groups on disk
 
@@ -473,6 +472,7 @@ def crossover(group: dict, store_get) -> Optional[str]:
         profile = cal.from_run(base)
     except cal.CalibrationError as e:
         return f"no prediction: {e}"
+    from commlab.lab.strategy.perfmodel.views import ensure_curves  # lazy: torch (the engine's exchange), for this
     try:  # what the crossover needs measured is measured in children where this process serves viewers
         ensure_curves(profile, {"c": spec["compressor"]})
         g = pr.without_driving(lambda: pr.crossover_gbps(profile, spec, spec["world_size"]))
