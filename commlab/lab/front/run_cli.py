@@ -36,7 +36,7 @@ from commlab.lab.front.cli_kit import (
 from commlab.lab.front.sweep import Sweep, markdown
 from commlab.lab.rundir.disturbance import describe, mark
 from commlab.lab.rundir.ftrun import request_fault, write_script
-from commlab.lab.rundir.launcher import JOB_ENV, JobRank, Nodes, launch, launch_rank
+from commlab.lab.rundir.launcher import JobRank, Nodes, launch, launch_rank
 from commlab.lab.rundir.progress import quiet
 from commlab.lab.rundir.summary import format_summary, summarize, what_ran
 from commlab.lab.strategy import ftsearch
@@ -183,7 +183,7 @@ def add_commands(sub) -> None:
 
 def cmd_run(args) -> int:
     # a rank of a job that torchrun, srun or a PyTorchJob started trains in this process: it checks its spec here
-    spec = admit_spec(args.spec, args.overrides, here=not args.nnodes and all(os.environ.get(k) for k in JOB_ENV))
+    spec = admit_spec(args.spec, args.overrides, here=not args.nnodes and JobRank.present())
     if args.check:
         print(json.dumps(spec.to_dict(), indent=1))
         return 0

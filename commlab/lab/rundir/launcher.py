@@ -112,7 +112,13 @@ class JobRank:
     @classmethod
     def from_env(cls, env=None) -> Optional["JobRank"]:
         env = os.environ if env is None else env
-        return cls(env) if all(env.get(k) for k in JOB_ENV) else None
+        return cls(env) if cls.present(env) else None
+
+    @staticmethod
+    def present(env=None) -> bool:
+        """Whether this process is one rank of a job another launcher started (JOB_ENV all set)."""
+        env = os.environ if env is None else env
+        return all(env.get(k) for k in JOB_ENV)
 
     def local_root(self) -> Optional[int]:
         """The process whose tree holds this job's ranks on this machine, when this machine runs more than one
