@@ -235,6 +235,30 @@ def test_the_commands_that_read_runs_never_import_torch(lab_dir, tmp_path):
     assert (tmp_path / "t.json").stat().st_size and (tmp_path / "r.html").stat().st_size
 
 
+@pytest.mark.parametrize("text,extra,field,read", [
+    ("name: 2024-01-01\nmodel: mlp\n", [], "name", "2024-01-01 is a date"),
+    ("name: c\nmodel: mlp\nseed: !!set {a}\n", [], "seed", "{'a'} is a set"),
+    ("name: c\ncompressor: {name: topk, ratio: !!binary aGk=}\n", [], "compressor.ratio", "b'hi' is bytes"),
+    ("name: c\nmodel: {name: mlp, options: {2024-01-01 10:00:00: 1}}\n", [], "model.options (a field name)",
+     "2024-01-01 10:00:00 is a date and time"),
+    ("name: c\nmodel: mlp\n", ["--set", "model.options={a: [1, 2024-01-01]}"], "model.options.a[1]",
+     "2024-01-01 is a date"),
+])
+def test_a_value_yaml_reads_as_no_json_kind_is_one_line(lab_dir, tmp_path, capsys, text, extra, field, read):
+    """YAML reads unquoted dates, !!set and !!binary as values JSON (spec.json) cannot hold: one line naming the
+    field, in `commlab run` as in the check, never a traceback."""
+    root, _, _ = lab_dir
+    spec = tmp_path / "odd.yaml"
+    spec.write_text(text)
+    before = sorted(p.name for p in root.iterdir())
+    for cmd in (["run", spec, "--check"], ["run", spec, "--quiet"], ["predict", spec, "--gbps", "1"]):
+        rc, out, err = call(capsys, *cmd, *extra)
+        assert rc == 2 and out == "", (cmd, rc, out, err)
+        assert one_error(err) == (f"commlab: error: {field}: {read}, which a spec cannot hold (only text, numbers, "
+                                  "true/false, null, lists and mappings); in YAML, put it in quotes to make it text")
+    assert sorted(p.name for p in root.iterdir()) == before  # nothing queued
+
+
 def test_profile_help_names_the_demo_profile_after_its_model(capsys):
     """The demo's model is the CNN: its profile's example name says cnn, not resnet."""
     rc, out, _ = call(capsys, "profile", "--help")

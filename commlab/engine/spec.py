@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 import functools
 import importlib.util
 import os
@@ -1076,10 +1077,15 @@ any real spec has (one has some dozens), and small enough that checking and copy
 that repeats one list by reference (YAML aliases) is counted as often as it appears, as a copy would be."""
 
 
+_PLAIN = (str, int, float, bool, type(None))
+"""What a spec's values are besides mappings and lists: what JSON holds (spec.json is JSON)."""
+
+
 def check_size(data: Any) -> None:
-    """SpecError when ``data`` has more than MAX_VALUES values or MAX_TEXT characters of text. Counts as it
-    walks and stops at the first limit passed, so a structure that expands to billions (a YAML alias bomb)
-    costs what MAX_VALUES visits cost."""
+    """SpecError when ``data`` has more than MAX_VALUES values or MAX_TEXT characters of text, or a value JSON
+    cannot hold (YAML reads an unquoted ``2024-01-01`` as a date, ``!!set`` as a set). Counts as it walks and stops
+    at the first limit passed, so a structure that expands to billions (a YAML alias bomb) costs what MAX_VALUES
+    visits cost."""
     values = text = 0
     todo = [data]
     while todo:
@@ -1093,9 +1099,32 @@ def check_size(data: Any) -> None:
             todo.extend(x)
         elif isinstance(x, str):
             text += len(x)
+        elif not isinstance(x, _PLAIN):
+            raise _not_plain(data, x)
         if values > MAX_VALUES or text > MAX_TEXT:
             raise SpecError("spec", f"too large: a spec holds at most {MAX_VALUES} values and {MAX_TEXT} "
                                     "characters of text")
+
+
+def _not_plain(data: Any, bad: Any) -> SpecError:
+    """The SpecError for ``bad``, a value of ``data`` that JSON cannot hold, naming where it is."""
+    kind = ("a date and time" if isinstance(bad, datetime.datetime) else "a date" if isinstance(bad, datetime.date)
+            else "bytes" if isinstance(bad, (bytes, bytearray)) else f"a {type(bad).__name__}")
+    shown = str(bad) if isinstance(bad, (datetime.date, set, frozenset)) else repr(bad)
+    todo = [(data, "")]
+    where = "spec"
+    while todo:  # the first path that leads to it (the walk above passed the size limits, so this one ends)
+        x, path = todo.pop()
+        if x is bad:
+            where = path or "spec"
+            break
+        if isinstance(x, dict):
+            todo.extend((v, f"{path}.{k}" if path else str(k)) for k, v in x.items())
+            todo.extend((k, f"{path} (a field name)" if path else "spec (a field name)") for k in x)
+        elif isinstance(x, (list, tuple)):
+            todo.extend((v, f"{path}[{i}]") for i, v in enumerate(x))
+    return SpecError(where, f"{shown[:60]} is {kind}, which a spec cannot hold (only text, numbers, true/false, "
+                            f"null, lists and mappings); in YAML, put it in quotes to make it text")
 
 
 def _shorthand(data: Any) -> Any:

@@ -84,6 +84,10 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
             raise SpecError("--set", f"expected FIELD=VALUE, got {item!r}")
         key, raw = item.split("=", 1)
         value = yaml.safe_load(raw) if raw else ""
+        try:
+            check_size(value)  # a date, a set: nothing a spec holds
+        except SpecError as e:
+            raise SpecError(key.strip() if e.path == "spec" else f"{key.strip()}.{e.path}", e.msg) from None
         parts = key.strip().split(".")
         node = data
         for part in parts[:-1]:
