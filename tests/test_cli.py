@@ -147,6 +147,11 @@ def bad_yaml(tmp_path):
     (["run", "{spec}", "--qiet"], "did you mean --quiet?"),
     (["run", "{bad}"], "bad.yaml:3:8: not valid YAML: mapping values are not allowed here"),
     (["run", "{tmp}/missing.yaml"], "SPEC: no such file: "),
+    (["run", "{tmp}"], "SPEC: {tmp} is a directory; give a spec file"),
+    (["run", "{spec}", "--set", "=3"], "--set: expected FIELD=VALUE (FIELD a name, or names joined by dots), got '=3'"),
+    (["run", "{spec}", "--set", "a..b=1"], "--set: expected FIELD=VALUE (FIELD a name, or names joined by dots), got "
+                                           "'a..b=1'"),
+    (["run", "{list}", "--set", "steps=3"], "commlab: error: a spec must be a mapping of fields, got list"),
     (["run", "{root}/examples/sweep.yaml"], "commlab: error: {root}/examples/sweep.yaml is a sweep file (base "
                                             "and grid), not a job spec; run it with `commlab sweep "
                                             "{root}/examples/sweep.yaml`"),
@@ -198,8 +203,9 @@ def bad_yaml(tmp_path):
 ])
 def test_bad_input_is_one_line_with_exit_2(lab_dir, tmp_path, capsys, argv, needle):
     root, run, spec = lab_dir
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
     subst = {"{spec}": str(spec), "{bad}": str(bad_yaml(tmp_path)), "{tmp}": str(tmp_path), "{id}": run.id,
-             "{root}": str(ROOT)}
+             "{root}": str(ROOT), "{list}": str(tmp_path / "list.yaml")}
 
     def fill(s):
         for k, v in subst.items():

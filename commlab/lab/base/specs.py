@@ -49,6 +49,8 @@ def read_spec_file(path: str, field: str = "SPEC") -> dict:
     """A spec (or sweep) file's data. Errors are one line: ``field: no such file: PATH``, or, for a file
     that does not parse, where as compilers say it, ``PATH:LINE:COLUMN: not valid YAML: problem``."""
     p = Path(path)
+    if p.is_dir():
+        raise SpecError(field, f"{path} is a directory; give a spec file")
     if not p.is_file():
         raise SpecError(field, f"no such file: {path}")
     try:
@@ -79,10 +81,12 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
     """``steps=50`` or ``compressor.name=topk``; values are parsed as YAML scalars."""
     check_size(data)  # before the copy, which would expand a structure that repeats itself by reference
     data = json.loads(json.dumps(data))  # deep copy
+    if overrides and not isinstance(data, dict):
+        raise SpecError("", f"a spec must be a mapping of fields, got {type(data).__name__}")
     for item in overrides or ():
-        if "=" not in item:
-            raise SpecError("--set", f"expected FIELD=VALUE, got {item!r}")
-        key, raw = item.split("=", 1)
+        key, eq, raw = item.partition("=")
+        if not eq or not all(part.strip() for part in key.split(".")):
+            raise SpecError("--set", f"expected FIELD=VALUE (FIELD a name, or names joined by dots), got {item!r}")
         value = yaml.safe_load(raw) if raw else ""
         try:
             check_size(value)  # a date, a set: nothing a spec holds
