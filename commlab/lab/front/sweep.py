@@ -8,7 +8,8 @@
     target_acc: 0.95                  # optional: adds time to target accuracy
     baseline: true                    # add world-size-1 runs, for the scaling factor (default true)
 
-Every cell is validated before anything starts. The sweep's state lives in
+Every cell is validated before anything starts (at most MAX_CELLS of them); cells are queued as the lab's
+slots free up (``AHEAD`` beyond them). The sweep's state lives in
 ``runs/sweeps/<sweep-id>/sweep.json`` (cell -> run id); running the same grid
 again resumes it: cells whose run is done are skipped, the rest run again.
 The table is printed and saved as ``table.csv`` and ``table.md`` there.
@@ -35,6 +36,11 @@ from commlab.lab.rundir.store import RunError, slug
 from commlab.lab.service.queue import Lab
 
 SWEEP_KEYS = ("name", "base", "grid", "target_acc", "baseline")
+MAX_CELLS = 1000
+"""Cells a grid may have: each is a run, and the cells are checked (and kept) before the first starts."""
+AHEAD = 2
+"""Runs a sweep keeps queued beyond the lab's slots (``max_jobs``): each queued run has a supervisor process
+waiting for its place, so a sweep submits its next cell as one ends, not all of its cells at once."""
 
 
 class Sweep:
@@ -59,6 +65,13 @@ class Sweep:
         for k, v in grid.items():
             if not isinstance(v, list) or not v:
                 raise SpecError(f"grid.{k}", f"must be a non-empty list of values, got {v!r}")
+        size = 1
+        for v in grid.values():
+            size *= len(v)
+            if size > MAX_CELLS:
+                raise SpecError("grid", f"more than {MAX_CELLS} cells (the product of its lists' lengths, "
+                                        f"{' x '.join(str(len(x)) for x in grid.values())}); a sweep runs at most "
+                                        f"{MAX_CELLS}")
         target = data.get("target_acc")
         if target is not None and (not isinstance(target, (int, float)) or not 0 < target <= 1):
             raise SpecError("target_acc", f"must be a number in (0, 1], got {target!r}")
@@ -131,24 +144,26 @@ class Sweep:
         skipped = len(self.cells) - len(todo)
         print(f"sweep {self.id}: {len(self.cells)} runs, {skipped} already done, "
               f"{len(todo)} to run ({self.lab.max_jobs} at a time)", file=out, flush=True)
-        started = []
+        started, waiting = [], list(todo)
         try:
-            for c in todo:
-                run = self.lab.submit(c["spec"], wait=False, sweep=self.id)
-                runs[c["key"]] = run.id
-                started.append(run)
-                self._save(runs)
             last = None
             while True:
                 states = [r.state for r in started]
+                while waiting and sum(s not in FINAL for s in states) < self.lab.max_jobs + AHEAD:
+                    cell = waiting.pop(0)
+                    run = self.lab.submit(cell["spec"], wait=False, sweep=self.id)
+                    runs[cell["key"]] = run.id
+                    started.append(run)
+                    states.append(run.state)
+                    self._save(runs)
                 counts = {s: states.count(s) for s in ("queued", "running")}
                 done = sum(s in FINAL for s in states)
-                line = f"sweep {self.id}: {done}/{len(started)} finished, {counts['running']} running, " \
-                       f"{counts['queued']} queued"
+                line = f"sweep {self.id}: {done}/{len(todo)} finished, {counts['running']} running, " \
+                       f"{counts['queued']} queued" + (f", {len(waiting)} not yet queued" if waiting else "")
                 if line != last:
                     print(line, file=out, flush=True)
                     last = line
-                if done == len(started):
+                if done == len(todo):
                     break
                 if any(s in ("queued", "running") for s in states):
                     self.lab.recover_stale()
