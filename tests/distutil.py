@@ -17,6 +17,7 @@ import pickle
 import traceback
 import types
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,23 +34,41 @@ def shaped_unavailable():
     return None
 
 
-def torchrun_own_loop(cwd, *args, timeout: float = 240):
-    """examples/own_loop.py with ``args`` under plain torchrun (two ranks on loopback, one thread each, no
-    COMMLAB_RUNS from the caller), its output in ``stdout``. A port free when picked may be taken before torchrun
-    binds it (by the other xdist worker): then the job is started once more on another."""
+def torchrun_script(cwd, script, *args, timeout: float = 240, env: Optional[dict] = None):
+    """``script`` with ``args`` under plain torchrun (two ranks on loopback, one thread each, this checkout first on
+    PYTHONPATH, no COMMLAB_RUNS from the caller, ``env`` added), its output in ``stdout``. The launcher runs in a
+    session of its own: past ``timeout`` it is ended with its ranks (no rank outlives a failed test). A port free
+    when picked may be taken before torchrun binds it (by the other xdist worker): then the job is started once
+    more on another."""
+    import signal
     import subprocess
+
+    import pytest
+
     from commlab.lab.base.torchrun import free_port, torchrun_argv
     root = os.path.dirname(ROOT_TESTS)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-           "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    env.pop("COMMLAB_RUNS", None)
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
+    full.pop("COMMLAB_RUNS", None)
     for _ in range(2):
-        argv = torchrun_argv([os.path.join(root, "examples", "own_loop.py"), *map(str, args)], 2, free_port())
-        p = subprocess.run(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           timeout=timeout)
-        if "EADDRINUSE" not in p.stdout:
+        argv = torchrun_argv([str(script), *map(str, args)], 2, free_port())
+        p = subprocess.Popen(argv, cwd=cwd, env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            pytest.fail(f"the job did not end within {timeout} s:\n{out[-3000:]}")
+        if "EADDRINUSE" not in out:
             break
-    return p
+    return subprocess.CompletedProcess(argv, p.returncode, out)
+
+
+def torchrun_own_loop(cwd, *args, timeout: float = 240):
+    """examples/own_loop.py with ``args`` under plain torchrun (``torchrun_script``)."""
+    return torchrun_script(cwd, os.path.join(os.path.dirname(ROOT_TESTS), "examples", "own_loop.py"), *args,
+                           timeout=timeout)
 
 
 OWN_LOOP_DDP_STEPS = 10

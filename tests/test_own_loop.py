@@ -3,7 +3,6 @@ size 2 lands in the runs directory like any run (spec, status, metrics, per-rank
 `commlab show` and `commlab trace` read; with compressor none it matches torch DDP."""
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,7 @@ import pytest
 import torch
 
 from commlab.engine.runlog import read_jsonl
-from commlab.lab.base.torchrun import free_port, torchrun_argv
-from distutil import OWN_LOOP_DDP_STEPS, torchrun_own_loop
+from distutil import OWN_LOOP_DDP_STEPS, torchrun_own_loop, torchrun_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -75,7 +73,8 @@ def test_own_loop_without_compression_matches_torch_ddp(tmp_path, comm, own_loop
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"compressor": "none", "comm": comm, "schedule": {"name": "bucket", "cap_mb": 0.02}}))
     steps = OWN_LOOP_DDP_STEPS
-    ours = torchrun_own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", steps, "--save", tmp_path / "ours")
+    ours = torchrun_own_loop(tmp_path, "--spec", spec, "--runs", tmp_path / "runs", "--steps", steps,
+                             "--save", tmp_path / "ours")
     assert ours.returncode == 0, ours.stdout[-3000:]
     ref = own_loop_ddp  # the script with --ddp --steps OWN_LOOP_DDP_STEPS, run once for the suite (tests/conftest.py)
     assert ref.returncode == 0, ref.stdout[-3000:]
@@ -125,19 +124,6 @@ def test_dear_refuses_an_optimizer_over_full_parameters(tmp_path):
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
-def _job(argv, cwd, env, timeout):
-    """Run a launcher in its own session; on timeout end it with its ranks (no rank outlives a failed test)."""
-    p = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         start_new_session=True)
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, _ = p.communicate()
-        pytest.fail(f"the job did not end within {timeout} s:\n{out[-3000:]}")
-    return subprocess.CompletedProcess(argv, p.returncode, out)
-
-
 TWO_WRAPS = '''
 import sys
 import torch
@@ -165,10 +151,7 @@ def test_two_wraps_in_one_job_each_record_their_run(tmp_path):
     script = tmp_path / "two_wraps.py"
     script.write_text(TWO_WRAPS)
     runs = tmp_path / "runs"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-           "COMMLAB_TIMEOUT_S": "30", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = torchrun_argv([str(script), str(runs)], 2, free_port())
-    p = _job(argv, tmp_path, env, timeout=120)
+    p = torchrun_script(tmp_path, script, runs, timeout=120, env={"COMMLAB_TIMEOUT_S": "30"})
     assert p.returncode == 0, p.stdout[-3000:]
     for r in (0, 1):
         assert f"rank {r} wrap 1 " in p.stdout and f"rank {r} wrap 0 " in p.stdout
@@ -204,10 +187,7 @@ def test_a_loop_that_steps_without_loss_ends_done(tmp_path):
     script = tmp_path / "no_loss.py"
     script.write_text(NO_LOSS)
     runs = tmp_path / "runs"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1",
-           "COMMLAB_TIMEOUT_S": "30", "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    argv = torchrun_argv([str(script), str(runs)], 2, free_port())
-    p = _job(argv, tmp_path, env, timeout=120)
+    p = torchrun_script(tmp_path, script, runs, timeout=120, env={"COMMLAB_TIMEOUT_S": "30"})
     assert p.returncode == 0 and "Traceback" not in p.stdout, p.stdout[-3000:]
     assert "rank 0 ended" in p.stdout and "rank 1 ended" in p.stdout
     (run_dir,) = [d for d in runs.iterdir() if d.is_dir() and not d.name.startswith(".")]

@@ -175,7 +175,7 @@ def _spawn(task: str, spec: dict, limits: Limits) -> dict:
         inp, out = Path(d) / "spec.json", Path(d) / "answer.json"
         inp.write_text(json.dumps(spec))
         out.touch()
-        child = _warm_child(module, args, inp, out)
+        child = warm_child(module, args, inp, out)
         if child is not None:
             timed_out = not child.ended(limits.wall_s)
             _kill_group(child.pid)  # before the server reaps it: its group id cannot have been given to anyone else
@@ -197,9 +197,11 @@ def _spawn(task: str, spec: dict, limits: Limits) -> dict:
     return _answer(label, code, raw, limits)
 
 
-def _warm_child(module: str, args: list, inp: Path, out: Path):
-    """The child forked by this user's warm server (commlab.lab.base.warm: torch imported already, nothing of the
-    lab's or of what the spec names), or None where there is none (the child is then a process of this one's)."""
+def warm_child(module: str, args: list, inp: Path, out: Path):
+    """``python -m MODULE ARGS`` (stdin from ``inp``, stdout to ``out``, this process's environment and folder, as
+    ``child_env`` gives them) forked by this user's warm server (commlab.lab.base.warm: torch imported already,
+    nothing of the lab's or of what the spec names), or None where there is none (the caller then starts a process
+    of its own, or does the work itself: commlab.lab.base.specs.admit_spec)."""
     from commlab.lab.base import warm  # lazy: the child's own run of this module imports the standard library alone first
     server = warm.ready()
     return server and warm.start_module(server, module, args, child_env(), str(inp), str(out))

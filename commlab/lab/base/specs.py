@@ -150,16 +150,11 @@ def admit_spec(path: str, overrides: Iterable[str] = (), here: bool = False) -> 
 
 def _check_in_child(data: dict) -> Optional[dict]:
     """The answer of ``main`` run in a warm child on ``data``, or None."""
-    from commlab.lab.base import warm  # lazy: only a process that checks a spec this way talks to the server
-    server = warm.ready()
-    if server is None:
-        return None
     with tempfile.TemporaryDirectory(prefix="commlab-check-") as d:
-        inp, out = os.path.join(d, "spec.json"), os.path.join(d, "answer.json")
-        with open(inp, "w") as f:
-            json.dump(data, f)
-        child = warm.start_module(server, __name__, [out], sandbox.child_env(), inp, os.devnull)
-        if child is None or child.wait() != 0:
+        inp, out = Path(d) / "spec.json", Path(d) / "answer.json"
+        inp.write_text(json.dumps(data))
+        child = sandbox.warm_child(__name__, [str(out)], inp, Path(os.devnull))
+        if not child or child.wait() != 0:
             return None
         try:
             with open(out) as f:
