@@ -148,6 +148,9 @@ def bad_yaml(tmp_path):
     (["run", "{bad}"], "bad.yaml:3:8: not valid YAML: mapping values are not allowed here"),
     (["run", "{tmp}/missing.yaml"], "SPEC: no such file: "),
     (["run", "{tmp}"], "SPEC: {tmp} is a directory; give a spec file"),
+    # a device or a pipe is never read (/dev/zero would never end): named as what it is, not as missing
+    (["run", "/dev/zero"], "SPEC: /dev/zero is not a regular file (a device, a pipe or a socket); give a spec file"),
+    (["sweep", "/dev/null"], "GRID: /dev/null is not a regular file"),
     (["run", "{spec}", "--set", "=3"], "--set: expected FIELD=VALUE (FIELD a name, or names joined by dots), got '=3'"),
     (["run", "{spec}", "--set", "a..b=1"], "--set: expected FIELD=VALUE (FIELD a name, or names joined by dots), got "
                                            "'a..b=1'"),
@@ -176,6 +179,8 @@ def bad_yaml(tmp_path):
     (["profile", "{spec}", "-o", "/nonexistent/dir/p.json"], "--output: /nonexistent/dir/p.json: no such directory"),
     (["profile", "{spec}", "--steps", "2"], "--steps: must be in 5..10000, got 2"),
     (["predict", "{spec}", "--link", "nosuch.json"], "--link: no such file: nosuch.json"),
+    (["predict", "{spec}", "--link", "{tmp}"], "--link: {tmp} is a directory; give a file"),
+    (["predict", "{spec}", "--profile", "/dev/zero"], "--profile: /dev/zero is not a regular file"),
     (["predict", "{spec}", "--profile", "nosuch.json"], "--profile: no such file: nosuch.json"),
     (["predict", "{spec}", "--calibrate", "nope"], "no run 'nope'"),
     (["predict", "{spec}", "--workers", "0"], "--workers: must be a comma-separated list"),

@@ -179,6 +179,14 @@ def test_two_runs_compared_part_by_part_and_what_would_make_it_pay():
     assert any("Gbit/s or less" in s for s in d["sentences"])
 
 
+def test_a_run_against_itself_is_the_same_time_with_no_part_named():
+    ex = _run(lambda r, st, t: sync_step(r, st, t, comm_at=None, codec=(40.0, 20.0), comm_ms=10.0))
+    d = explain.compare(ex, ex, "topk", "topk again")
+    assert d["net_ms"] == 0 and not any(d["path_ms"].values())
+    assert d["sentences"][0] == (f"topk again and topk take the same time per step ({ex.step_ms:.1f} ms); no part of "
+                                 "the critical path differs by 0.05 ms or more.")
+
+
 def test_the_parts_add_up_and_bad_steps_are_one_line():
     ex = _run(lambda r, st, t: sync_step(r, st, t))
     assert sum(ex.path_ms[g] for g in GROUPS) == pytest.approx(ex.step_ms)

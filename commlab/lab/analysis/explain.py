@@ -539,18 +539,26 @@ def report_lines(ex: Explanation, title: str = "") -> List[str]:
 
 # --------------------------------------------------------------------------- two runs
 
+SAME_MS = 0.05
+"""Two runs' parts (and steps) closer than this, in ms per step, are not named as a difference."""
+
+
 def compare(a: Explanation, b: Explanation, label_a: str = "A", label_b: str = "B") -> dict:
     """``b`` against ``a``, part by part: on the critical path (ms per step, b minus a) and off it, the net,
     sentences, and what would make the slower one pay (``break_even``)."""
     diff = {g: b.path_ms[g] - a.path_ms[g] for g in GROUPS}
     net = b.step_ms - a.step_ms
-    parts = sorted((g for g in GROUPS if abs(diff[g]) >= 0.05), key=lambda g: -abs(diff[g]))
+    parts = sorted((g for g in GROUPS if abs(diff[g]) >= SAME_MS), key=lambda g: -abs(diff[g]))
     faster, slower = (label_b, label_a) if net < 0 else (label_a, label_b)
-    said = [f"{label_b} is {abs(net):.1f} ms per step {'slower' if net > 0 else 'faster'} than {label_a} "
-            f"({b.step_ms:.1f} against {a.step_ms:.1f} ms): "
-            + ", ".join(f"{WORDS[g]} {diff[g]:+.1f} ms" for g in parts[:4]) + " on the critical path."]
+    if abs(net) < SAME_MS:
+        head = f"{label_b} and {label_a} take the same time per step ({b.step_ms:.1f} ms)"
+    else:
+        head = (f"{label_b} is {abs(net):.1f} ms per step {'slower' if net > 0 else 'faster'} than {label_a} "
+                f"({b.step_ms:.1f} against {a.step_ms:.1f} ms)")
+    said = [head + (": " + ", ".join(f"{WORDS[g]} {diff[g]:+.1f} ms" for g in parts[:4]) + " on the critical path."
+                    if parts else f"; no part of the critical path differs by {SAME_MS} ms or more.")]
     hid = b.hidden_comm_ms - a.hidden_comm_ms
-    if abs(hid) >= 0.05:
+    if abs(hid) >= SAME_MS:
         said.append(f"Off the path, hidden communication {hid:+.1f} ms.")
     be = break_even(a, b, label_a, label_b)
     said += be.pop("sentences")

@@ -51,6 +51,8 @@ def read_spec_file(path: str, field: str = "SPEC") -> dict:
     p = Path(path)
     if p.is_dir():
         raise SpecError(field, f"{path} is a directory; give a spec file")
+    if p.exists() and not p.is_file():  # read, a device or a pipe could hang the command or fill its memory
+        raise SpecError(field, f"{path} is not a regular file (a device, a pipe or a socket); give a spec file")
     if not p.is_file():
         raise SpecError(field, f"no such file: {path}")
     try:

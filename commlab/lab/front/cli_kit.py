@@ -133,7 +133,12 @@ def out_file(option: str, path: str) -> str:
 
 def in_file(option: str, path: str) -> str:
     """An input file, checked before any work starts."""
-    if not Path(path).is_file():
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option}: {path} is a directory; give a file")
+    if p.exists() and not p.is_file():
+        raise UsageError(f"{option}: {path} is not a regular file (a device, a pipe or a socket); give a file")
+    if not p.is_file():
         raise UsageError(f"{option}: no such file: {path}")
     return path
 

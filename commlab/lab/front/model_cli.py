@@ -206,7 +206,7 @@ def cmd_predict(args) -> int:
         whatif.check_workers(shape, workers)
     if args.link and (shape or preset):
         raise UsageError("--link calibrates a flat link; --cluster gives its own links")
-    link_cal = whatif.link_file(args.link) if args.link else None  # read before any profiling run
+    link_cal = whatif.link_file(in_file("--link", args.link)) if args.link else None  # read before any profiling run
     if args.profile:
         in_file("--profile", args.profile)
     if whatif.is_profile_file(args.spec):
