@@ -247,7 +247,7 @@ class OwnLoop:
         box = [None]
         if self.rank == 0:
             try:
-                self.run = lab.create(self.spec, run_id=run_id)
+                self.run = lab.create(self.spec, run_id=run_id, ranks_here=0)  # torchrun started them
                 n = sum(p.numel() for p in model.parameters())
                 self.run.mark_running(supervisor=procs.identity(), own_loop={
                     "script": " ".join(sys.argv), "model": type(model).__name__, "params": n,

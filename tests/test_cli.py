@@ -151,6 +151,7 @@ def bad_yaml(tmp_path):
     # a device or a pipe is never read (/dev/zero would never end): named as what it is, not as missing
     (["run", "/dev/zero"], "SPEC: /dev/zero is not a regular file (a device, a pipe or a socket); give a spec file"),
     (["sweep", "/dev/null"], "GRID: /dev/null is not a regular file"),
+    (["run", "{spec}", "--set", "world_size=999"], "world_size: 999 ranks on this machine, more than the "),
     (["run", "{spec}", "--set", "=3"], "--set: expected FIELD=VALUE (FIELD a name, or names joined by dots), got '=3'"),
     (["run", "{spec}", "--set", "a..b=1"], "--set: expected FIELD=VALUE (FIELD a name, or names joined by dots), got "
                                            "'a..b=1'"),

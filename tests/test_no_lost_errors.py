@@ -82,6 +82,7 @@ def test_a_run_says_its_mergecomp_cache_was_corrupt(tmp_path):
     ('{"max_jobs": 0}', "max_jobs must be a positive integer, got 0"),
     ('{"max_jobs": "2"}', "max_jobs must be a positive integer, got '2'"),
     ('{"max_jobs": true}', "max_jobs must be a positive integer, got True"),
+    ('{"max_ranks": -4}', "max_ranks must be a positive integer, got -4"),
 ])
 def test_malformed_lab_json_is_one_line_naming_the_file(tmp_path, capsys, monkeypatch, text, problem):
     monkeypatch.setenv("COMMLAB_MAX_JOBS", "1")  # an override does not hide a broken file
@@ -96,6 +97,33 @@ def test_lab_json_is_read(tmp_path, monkeypatch):
     monkeypatch.delenv("COMMLAB_MAX_JOBS", raising=False)
     (tmp_path / "lab.json").write_text('{"max_jobs": 3, "disturbance_threshold": 0.5}')
     assert Lab(tmp_path).max_jobs == 3
+
+
+def test_a_run_asking_for_more_ranks_than_the_machine_starts_is_refused_before_it_is_queued(tmp_path, monkeypatch):
+    """Four ranks per core, at least eight, unless runs/lab.json's max_ranks says otherwise; one node's share of a
+    multi-machine run counts, the ranks of a job another launcher started (torchrun, srun) do not."""
+    from commlab.lab.base.errors import LabError
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    lab = Lab(tmp_path)
+
+    def made():
+        return sorted(p.name for p in tmp_path.iterdir() if p.is_dir() and not p.name.startswith("."))
+    with pytest.raises(LabError, match=r"^world_size: 9 ranks on this machine, more than the 8 it starts for one "
+                                       r"run \(4 per core, at least 8; runs/lab.json's max_ranks sets another\)$"):
+        lab.create(commlab.spec(dict(SMALL, world_size=9)))
+    assert made() == []
+    assert lab.create(commlab.spec(dict(SMALL, world_size=8))).status()["state"] == "queued"
+    lab.create(commlab.spec(dict(SMALL, world_size=16)), ranks_here=8)  # node 0 of two
+    lab.create(commlab.spec(dict(SMALL, world_size=64)), ranks_here=0)  # a job torchrun or srun started
+    assert len(made()) == 3
+    (tmp_path / "lab.json").write_text('{"max_ranks": 12}')
+    lab.create(commlab.spec(dict(SMALL, world_size=12)))
+    with pytest.raises(LabError, match="world_size: 13 ranks on this machine, more than the 12 it starts"):
+        lab.create(commlab.spec(dict(SMALL, world_size=13)))
+    (tmp_path / "lab.json").write_text('{"max_ranks": 0}')
+    with pytest.raises(LabError, match="lab.json: max_ranks must be a positive integer, got 0"):
+        lab.create(commlab.spec(SMALL))  # a lab opened before the file changed
+    assert len(made()) == 4
 
 
 def test_a_detached_supervisor_puts_a_broken_lab_json_in_the_status(tmp_path, capsys):

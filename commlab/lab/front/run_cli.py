@@ -251,7 +251,8 @@ def run_node(lab, spec, args, script: Optional[list] = None) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if args.node_rank == 0:
-        run = lab.create(spec, run_id=args.run_id, supervisor=procs.identity())
+        run = lab.create(spec, run_id=args.run_id, supervisor=procs.identity(),
+                         ranks_here=spec.world_size // args.nnodes)
         if script is not None:
             write_script(run, script, os.getcwd())
     else:
@@ -281,7 +282,7 @@ def run_joined(lab, spec, args, job) -> int:
                          f"{job.world} (WORLD_SIZE); pass --set world_size={job.world}")
     run_id = args.run_id or job.run_id(spec.name)
     if job.rank == 0:
-        run = lab.create(spec, run_id=run_id, supervisor=procs.identity())
+        run = lab.create(spec, run_id=run_id, supervisor=procs.identity(), ranks_here=0)  # the job's launcher's
     else:
         t0 = time.time()
         while True:  # rank 0 may not have created it yet; a finished run of that name is not ours

@@ -61,7 +61,7 @@ CHANGE_TRIES = 20
 """Attempts, READ_PAUSE_S apart, of the read in a status change: a writer that does not rename
 (another tool, a shared file system) gets about half a second to finish its file."""
 READ_PAUSE_S = 0.025
-CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access", "rank_mb")
+CONFIG_KEYS = ("max_jobs", "disturbance_threshold", "quotas", "preset_steps", "access", "rank_mb", "max_ranks")
 """What runs/lab.json may hold; commlab.lab.service.queue, commlab.lab.rundir.disturbance, commlab.room.owners and commlab.room.accounts
 check the values."""
 

@@ -115,6 +115,7 @@ class Lab:
         self.store = RunStore(runs, on_change=self._changed)
         self.index = Index(self.store)
         configured = _config_max_jobs(self.store.root)  # read even when overridden: a broken file is reported
+        max_ranks(self.store.root)  # so is a bad max_ranks, by every command, not only by the next run's admission
         self.admission = (admission or Admission)(self.store.root)
         self._max_jobs = max_jobs or _env_int("COMMLAB_MAX_JOBS") or configured
 
@@ -154,13 +155,20 @@ class Lab:
 
     def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
                wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None,
-               supervisor: Optional[dict] = None) -> Run:
+               supervisor: Optional[dict] = None, ranks_here: Optional[int] = None) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), as the lab's admission rule
         admits it (``self.admission.admit``: its owner, default the local user, and its limits, recorded in its
         status; a model or data set from outside the zoo takes one batch first, and ``say`` is told before).
         With ``wall_limit_s`` its supervisor cancels it after that many seconds of running (the launcher reads
         it from the status). ``supervisor``: the identity (procs.identity) of the process that will supervise
-        it, when that is known already (``commlab run``)."""
+        it, when that is known already (``commlab run``). ``ranks_here``: the ranks this machine's launcher starts,
+        at most ``max_ranks``: all of them (None), this node's share of a multi-machine run, or 0 where another
+        launcher started them (a job torchrun or srun started, your own loop)."""
+        here, cap = spec.world_size if ranks_here is None else ranks_here, max_ranks(self.root)
+        if here > cap:
+            raise LabError(f"world_size: {here} ranks on this machine, more than the {cap} it starts for one run "
+                           f"({RANKS_PER_CORE} per core, at least {RANKS_FLOOR}; runs/lab.json's max_ranks sets "
+                           "another)")
         if spec.network.link == "shaped":
             try:
                 check_shaped_supported()
@@ -352,6 +360,22 @@ def _env_int(name: str) -> Optional[int]:
     if n < 1:
         raise LabError(f"{name}: must be a positive integer, got {v!r}")
     return n
+
+
+RANKS_PER_CORE = 4
+RANKS_FLOOR = 8
+"""Ranks one run may start on this machine unless runs/lab.json's ``max_ranks`` says otherwise: four per core,
+and at least eight. Every rank is a process with a core's share of work; more than this only queue on the cores
+(and ``world_size: 999`` on a 2-core machine forked over 300 ranks before anything could stop it)."""
+
+
+def max_ranks(root: Path) -> int:
+    """Ranks a run may start on this machine: runs/lab.json's ``max_ranks``, else ``RANKS_PER_CORE`` per core
+    (at least ``RANKS_FLOOR``); a value that is not a positive integer is a LabError."""
+    v = lab_config(root).get("max_ranks")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+        raise LabError(f"{Path(root) / CONFIG}: max_ranks must be a positive integer, got {v!r}")
+    return v or max(RANKS_FLOOR, RANKS_PER_CORE * (os.cpu_count() or 1))
 
 
 def _config_max_jobs(root: Path) -> Optional[int]:
