@@ -82,6 +82,9 @@ def test_a_grid_of_more_than_max_cells_is_refused_before_any_is_checked(tmp_path
     ({"base": BASE, "grid": {"steps": 5}}, "grid.steps"),
     ({"base": BASE, "grid": {"steps": [5]}, "colour": 1}, "colour"),
     ({"base": BASE, "grid": {"steps": [5]}, "target_acc": 2}, "target_acc"),
+    # more ranks than one run may start on this machine (commlab.lab.service.queue.max_ranks), after a cell that fits
+    ({"base": BASE, "grid": {"world_size": [2, 1024]}}, "grid cell (world_size=1024): world_size: 1024 ranks on this "
+                                                        "machine, more than the "),
 ])
 def test_bad_grids_are_rejected_before_anything_runs(tmp_path, data, where):
     with pytest.raises(SpecError) as e:

@@ -33,7 +33,7 @@ from commlab.lab.analysis.comparison import compare_runs
 from commlab.lab.base.paths import SWEEP, SWEEP_CSV, SWEEP_MD, SWEEPS, file_in
 from commlab.lab.base.specs import apply_overrides, load_spec, read_spec_file
 from commlab.lab.rundir.store import RunError, slug
-from commlab.lab.service.queue import Lab
+from commlab.lab.service.queue import Lab, too_many_ranks
 
 SWEEP_KEYS = ("name", "base", "grid", "target_acc", "baseline")
 MAX_CELLS = 1000
@@ -97,6 +97,9 @@ class Sweep:
                 spec = load_spec(data=self.base, overrides=overrides)
             except SpecError as e:
                 raise SpecError(f"grid cell ({label}): {e.path}", e.msg) from None
+            problem = too_many_ranks(self.lab.root, spec.world_size)  # before any cell is queued
+            if problem:
+                raise SpecError(f"grid cell ({label}): world_size", problem)
             cells.append({"key": label, "values": dict(zip(keys, values)), "spec": spec})
         if self.baseline:
             seen = {}

@@ -164,11 +164,9 @@ class Lab:
         it, when that is known already (``commlab run``). ``ranks_here``: the ranks this machine's launcher starts,
         at most ``max_ranks``: all of them (None), this node's share of a multi-machine run, or 0 where another
         launcher started them (a job torchrun or srun started, your own loop)."""
-        here, cap = spec.world_size if ranks_here is None else ranks_here, max_ranks(self.root)
-        if here > cap:
-            raise LabError(f"world_size: {here} ranks on this machine, more than the {cap} it starts for one run "
-                           f"({RANKS_PER_CORE} per core, at least {RANKS_FLOOR}; runs/lab.json's max_ranks sets "
-                           "another)")
+        problem = too_many_ranks(self.root, spec.world_size if ranks_here is None else ranks_here)
+        if problem:
+            raise LabError(f"world_size: {problem}")
         if spec.network.link == "shaped":
             try:
                 check_shaped_supported()
@@ -376,6 +374,15 @@ def max_ranks(root: Path) -> int:
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise LabError(f"{Path(root) / CONFIG}: max_ranks must be a positive integer, got {v!r}")
     return v or max(RANKS_FLOOR, RANKS_PER_CORE * (os.cpu_count() or 1))
+
+
+def too_many_ranks(root: Path, here: int) -> Optional[str]:
+    """What is wrong with starting ``here`` ranks of one run on this machine (``max_ranks``), or None."""
+    cap = max_ranks(root)
+    if here <= cap:
+        return None
+    return (f"{here} ranks on this machine, more than the {cap} it starts for one run ({RANKS_PER_CORE} per core, "
+            f"at least {RANKS_FLOOR}; runs/lab.json's max_ranks sets another)")
 
 
 def _config_max_jobs(root: Path) -> Optional[int]:
