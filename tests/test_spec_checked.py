@@ -272,3 +272,20 @@ def test_dear_takes_the_schedules_cap():
     # the --set form of the old name on a spec file that already says schedule: {cap_mb: 25} (demo.yaml does)
     data = apply_overrides({"schedule": {"name": "bucket", "cap_mb": 25}}, ["comm.mode=dear", "comm.cap_mb=1"])
     assert JobSpec.from_dict(data).schedule.cap_mb == 1.0
+
+
+def test_numbers_with_an_exponent_and_no_dot_are_numbers(tmp_path):
+    """``lr: 1e-3`` is a float in a spec file, a --set value and a text box, as in JSON and YAML 1.2 (PyYAML's own
+    loader, following YAML 1.1, reads it as the string '1e-3', and the spec then said the rate was not a number)."""
+    from commlab.lab.base.specs import load_yaml, typed_yaml
+    f = tmp_path / "s.yaml"
+    f.write_text("name: run-1e5\nmodel: mlp\ndataset: digits\nsteps: 2\noptimizer: {name: adam, lr: 1e-3}\n"
+                 "compressor: {name: topk, ratio: 5E-2}\n")
+    s = load_spec(str(f), overrides=["network.link=modeled", "network.gbps=2.5e1"])
+    assert s.name == "run-1e5" and s.optimizer.lr == 0.001 and s.network.gbps == 25.0
+    assert s.compressor.params["ratio"] == 0.05
+    assert typed_yaml("{ratio: 1e-2}") == {"ratio": 0.01}
+    assert [load_yaml(t) for t in ("-2E+5", "1.0e3", "1_000e2", "1e", "e5", "1e-3x", "0.5", "7")] == \
+        [-200000.0, 1000.0, 100000.0, "1e", "e5", "1e-3x", 0.5, 7]
+    with pytest.raises(SpecError, match=r"network.gbps: a modeled link needs gbps in \[0.001, 400\], got 1e-09"):
+        load_spec(str(f), overrides=["network.link=modeled", "network.gbps=1e-9"])

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -18,7 +19,22 @@ MAX_TYPED = 4096
 """Characters of YAML a text box may send (model or loader options, a parameter's value)."""
 
 
-class _NoAliases(yaml.SafeLoader):
+class SpecLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that reads ``1e-3`` and ``2.5e4`` as numbers, as JSON and YAML 1.2 do: PyYAML follows
+    YAML 1.1, where a float needs a dot and a signed exponent, so ``lr: 1e-3`` was the string '1e-3' and the spec
+    said the learning rate was not a number."""
+
+
+SpecLoader.add_implicit_resolver("tag:yaml.org,2002:float",
+                                 re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def load_yaml(text: str) -> object:
+    """YAML as a spec is read: safe, with exponent-only numbers as floats (``SpecLoader``)."""
+    return yaml.load(text, Loader=SpecLoader)
+
+
+class _NoAliases(SpecLoader):
     """PyYAML's safe loader without aliases (``*name``): typed text cannot repeat a node by reference, so what
     it builds is never larger than the text (an alias bomb of a few hundred bytes expands to gigabytes)."""
 
@@ -60,7 +76,7 @@ def read_spec_file(path: str, field: str = "SPEC") -> dict:
     except (OSError, UnicodeDecodeError) as e:
         raise SpecError(field, f"{path}: cannot be read as text ({getattr(e, 'strerror', None) or e})") from None
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+        data = json.loads(text) if p.suffix == ".json" else load_yaml(text)
     except json.JSONDecodeError as e:
         raise SpecError("", f"{path}:{e.lineno}:{e.colno}: not valid JSON: {e.msg}") from None
     except yaml.YAMLError as e:
@@ -89,7 +105,7 @@ def apply_overrides(data: dict, overrides: Iterable[str]) -> dict:
         key, eq, raw = item.partition("=")
         if not eq or not all(part.strip() for part in key.split(".")):
             raise SpecError("--set", f"expected FIELD=VALUE (FIELD a name, or names joined by dots), got {item!r}")
-        value = yaml.safe_load(raw) if raw else ""
+        value = load_yaml(raw) if raw else ""
         try:
             check_size(value)  # a date, a set: nothing a spec holds
         except SpecError as e:

@@ -17,7 +17,7 @@ from commlab.engine.runlog import write_json_atomic
 from commlab.engine.spec import SpecError
 from commlab.lab.analysis import presets
 from commlab.lab.base import paths, procs
-from commlab.lab.base.specs import load_spec, read_spec_file
+from commlab.lab.base.specs import load_spec, load_yaml, read_spec_file
 from commlab.lab.rundir.store import RunStore, slug
 from commlab.lab.service.spawn import spawn_detached
 from commlab.lab.strategy.advisor import TRIALS
@@ -28,11 +28,9 @@ from commlab.lab.strategy.predictions import network_for
 def spec_choices(runs) -> Dict[str, dict]:
     """label -> spec dict the Advisor page offers: the example specs, each preset's first run, and the
     specs of the latest finished runs (the advisor replaces their compressor, schedule and comm)."""
-    import yaml
-
     out: Dict[str, dict] = {}
     for f in sorted((paths.SOURCE / "examples").glob("*.yaml")):
-        data = yaml.safe_load(f.read_text())
+        data = load_yaml(f.read_text())
         if isinstance(data, dict) and "model" in data:
             out[f"example: {f.name}"] = data
     for p in presets.PRESETS:

@@ -17,7 +17,7 @@ from typing import List
 import yaml
 
 from commlab.engine.spec import SpecError
-from commlab.lab.base.specs import load_spec
+from commlab.lab.base.specs import load_spec, load_yaml
 from commlab.lab.front.cli_kit import numbers
 from commlab.room import open_lab
 from commlab.lab.strategy import payoff
@@ -49,7 +49,7 @@ def parse_params(items) -> dict:
         if not eq or not key:
             raise SpecError("--param", f"expected KEY=VALUE, got {item!r}")
         try:
-            out[key] = yaml.safe_load(raw) if raw.strip() else None
+            out[key] = load_yaml(raw) if raw.strip() else None
         except yaml.YAMLError:
             out[key] = raw
     return out

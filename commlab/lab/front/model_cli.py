@@ -13,7 +13,7 @@ from commlab.engine.cluster import PRESETS
 from commlab.engine.runlog import write_json_atomic
 from commlab.engine.spec import MAX_GBPS, SpecError
 from commlab.lab.base.errors import LabError
-from commlab.lab.base.specs import load_spec
+from commlab.lab.base.specs import load_spec, load_yaml
 from commlab.lab.front.cli_kit import (
     UsageError,
     add_spec_args,
@@ -356,7 +356,7 @@ def parse_candidate(text: str) -> dict:
     the full form the spec gives it; a one-line SpecError naming --candidate otherwise."""
     raw = text.strip()
     try:
-        section = yaml.safe_load(raw) if raw.startswith("{") else raw
+        section = load_yaml(raw) if raw.startswith("{") else raw
     except yaml.YAMLError as e:
         raise SpecError("--candidate", f"{text!r} is not valid YAML: {str(e).strip().splitlines()[0]}") from None
     try:

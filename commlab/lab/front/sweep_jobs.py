@@ -17,6 +17,7 @@ from commlab.lab.analysis.comparison import compare_runs
 from commlab.lab.base import procs
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import PROCESS, SOURCE, SWEEP, SWEEP_GRID, SWEEP_LOG, SWEEPS
+from commlab.lab.base.specs import load_yaml
 from commlab.lab.front.sweep import Sweep
 from commlab.lab.front.ui import get_run, runs_dir, viewer
 from commlab.lab.rundir.store import check_id
@@ -97,7 +98,7 @@ def load_sweep(sweep_id: str, runs=None):
     root = Path(runs or runs_dir())
     d = root / SWEEPS / check_id(sweep_id)
     if (d / SWEEP_GRID).is_file():
-        return make_sweep(yaml.safe_load((d / SWEEP_GRID).read_text()), root)
+        return make_sweep(load_yaml((d / SWEEP_GRID).read_text()), root)
     saved = json.loads((d / SWEEP).read_text())
     data = {k: saved[k] for k in ("name", "base", "grid") if k in saved}
     if saved.get("target_acc") is not None:
