@@ -289,3 +289,29 @@ def test_numbers_with_an_exponent_and_no_dot_are_numbers(tmp_path):
         [-200000.0, 1000.0, 100000.0, "1e", "e5", "1e-3x", 0.5, 7]
     with pytest.raises(SpecError, match=r"network.gbps: a modeled link needs gbps in \[0.001, 400\], got 1e-09"):
         load_spec(str(f), overrides=["network.link=modeled", "network.gbps=1e-9"])
+
+
+def test_a_zoo_models_options_are_checked_with_the_spec():
+    """What each zoo model's builder takes, no more (a rank met `cnn` with `width` as a TypeError), each a
+    positive integer; the names are the builders' own keyword arguments."""
+    import inspect
+
+    from commlab.engine import models
+    from commlab.engine.codepath import ZOO_OPTIONS
+    builders = {"mlp": models.MLP, "cnn": models.CNN, "resnet": models.ResNet, "transformer": models.GPT}
+    for name, cls in builders.items():
+        kw = [p.name for p in inspect.signature(cls).parameters.values() if p.default is not inspect.Parameter.empty]
+        assert tuple(kw) == ZOO_OPTIONS[name], name
+    for model, said in [({"name": "cnn", "width": 8}, "model.width: cnn takes no option 'width'; allowed: none"),
+                        ({"name": "mlp", "dropout": 0.1}, "model.dropout: mlp takes no option 'dropout'; allowed: "
+                                                          "hidden, depth"),
+                        ({"name": "resnet", "width": 0}, "model.width: must be an integer in 1..65536, got 0"),
+                        ({"name": "resnet", "options": {"width": "8"}}, "model.width: must be an integer in 1..65536, "
+                                                                        "got '8'"),
+                        ({"name": "transformer", "n_embd": 130}, "model.n_embd: must be divisible by n_head (4), "
+                                                                 "got 130")]:
+        with pytest.raises(SpecError) as e:
+            commlab.spec({"model": model, "dataset": "text" if model["name"] == "transformer" else "digits"})
+        assert str(e.value) == said
+    assert commlab.spec({"model": {"name": "resnet", "width": 8}}).model.options == {"width": 8}
+    assert commlab.spec({"model": {"name": "transformer", "n_embd": 132, "n_head": 6}, "dataset": "text"})

@@ -34,6 +34,30 @@ def zoo_kind(name: str) -> str:
     return ZOO_KIND[name]
 
 
+ZOO_OPTIONS = {"mlp": ("hidden", "depth"), "cnn": (), "resnet": ("width",),
+               "transformer": ("n_layer", "n_head", "n_embd")}
+"""The options each zoo model's builder takes (its keyword arguments in commlab/engine/models.py), each a positive
+integer up to ``MAX_ZOO_OPTION``."""
+MAX_ZOO_OPTION = 65536
+_ZOO_DEFAULTS = {"n_head": 4, "n_embd": 128}
+
+
+def check_zoo_options(name: str, options: dict) -> None:
+    """One-line ValueError (``model.<option>: ...``) for an option zoo model ``name`` does not take or a value it
+    cannot build with, checked with the spec, before any rank starts (a rank met it as a TypeError)."""
+    allowed = ZOO_OPTIONS[name]
+    for key, value in options.items():
+        if key not in allowed:
+            raise ValueError(f"model.{key}: {name} takes no option {key!r}; allowed: "
+                             f"{', '.join(allowed) if allowed else 'none'}")
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_ZOO_OPTION:
+            raise ValueError(f"model.{key}: must be an integer in 1..{MAX_ZOO_OPTION}, got {value!r}")
+    if name == "transformer":
+        got = {**_ZOO_DEFAULTS, **options}
+        if got["n_embd"] % got["n_head"]:
+            raise ValueError(f"model.n_embd: must be divisible by n_head ({got['n_head']}), got {got['n_embd']}")
+
+
 def is_external(name: str) -> bool:
     """Whether a model or data set ``name`` comes from outside the zoo: a library model (torchvision:, hf:) or code
     named by import path."""

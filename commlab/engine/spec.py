@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from commlab.engine import cluster
-from commlab.engine.codepath import check_path, imports_allowed, is_import_path, zoo_kind
+from commlab.engine.codepath import check_path, check_zoo_options, imports_allowed, is_import_path, zoo_kind
 from commlab.engine.schedules import SCHEDULES
 
 
@@ -72,6 +72,7 @@ class ModelSpec:
                 external.check_model(self.name)  # unknown architecture or import failure: one line, now
             else:
                 zoo_kind(self.name)
+                check_zoo_options(self.name, self.options)
             if self.loss is not None:
                 from commlab.engine import external
                 external.check_import(self.loss, "model.loss")
