@@ -10,6 +10,7 @@ Every call takes ``runs=`` (a directory; default ``$COMMLAB_RUNS`` or ./runs).
 """
 from __future__ import annotations
 
+import os
 from typing import Iterable, List, Optional, Union
 
 __all__ = ["run", "runs", "get", "cancel", "wait", "compare", "spec"]
@@ -24,15 +25,17 @@ def spec(given, overrides=()):
     """A checked spec (a JobSpec) from a YAML path, a dict or a JobSpec, with ``overrides`` (``key=value``) applied,
     as the ranks will read it: the full check, once (the queue and the ranks read what it wrote without checking
     again), with the engine's switches left unset taken from this process's environment."""
-    from commlab.engine.spec import JobSpec
+    from commlab.engine.spec import JobSpec, SpecError
     from commlab.lab.base.specs import load_spec
     if isinstance(given, JobSpec):
         checked = load_spec(data=given.to_dict(), overrides=overrides)
         checked.engine.keep_from_env(given.engine)  # what given's own check took from the environment
     elif isinstance(given, dict):
         checked = load_spec(data=given, overrides=overrides)
-    else:
+    elif isinstance(given, (str, os.PathLike)):
         checked = load_spec(str(given), overrides)
+    else:
+        raise SpecError("spec", f"a file path, a mapping of fields or a JobSpec, got {type(given).__name__}")
     return _for_the_ranks(checked)
 
 

@@ -271,3 +271,17 @@ def test_a_run_made_for_another_takes_its_owner_and_limits(tmp_path):
     st = helper.status()
     assert (st["owner"], st["rank_limit_mb"], st["wall_limit_s"]) == ("alice", 300, 60.0)
     assert store.create(spec, owner="bob").inherited() == {"owner": "bob"}
+
+
+def test_the_api_names_a_bad_filter_or_spec_instead_of_answering_nothing(tmp_path):
+    """``commlab.runs(state="bogus")`` was an empty list, and ``commlab.run(42)`` looked for a file named 42."""
+    from commlab.engine.spec import SpecError
+    with pytest.raises(ValueError, match=r"^state: 'bogus' is not a state; allowed: queued, running, done, failed, "
+                                         r"cancelled, diverged$"):
+        commlab.runs(runs=tmp_path, state="bogus")
+    with pytest.raises(ValueError, match="^colour: not a filter; allowed: "):
+        commlab.runs(runs=tmp_path, colour="red")
+    assert commlab.runs(runs=tmp_path, state="done") == []
+    with pytest.raises(SpecError, match=r"^spec: a file path, a mapping of fields or a JobSpec, got int$"):
+        commlab.run(42, runs=tmp_path)
+    assert commlab.spec(ROOT / "examples" / "demo.yaml").name == "demo-cnn-digits"  # a Path is a path

@@ -338,6 +338,8 @@ class Index:
         bad = sorted(set(filters) - set(FILTERS))
         if bad:
             raise ValueError(f"{bad[0]}: not a filter; allowed: {', '.join(FILTERS)}")
+        if filters.get("state") is not None and filters["state"] not in runfiles.STATES:  # else an empty list, silently
+            raise ValueError(f"state: {filters['state']!r} is not a state; allowed: {', '.join(runfiles.STATES)}")
         where = [(k, v) for k, v in filters.items() if v is not None]
         sql = "SELECT * FROM runs" + (" WHERE " + " AND ".join(f"{k} = ?" for k, _ in where) if where else "")
         sql += " ORDER BY created, id"
