@@ -315,3 +315,25 @@ def test_a_zoo_models_options_are_checked_with_the_spec():
         assert str(e.value) == said
     assert commlab.spec({"model": {"name": "resnet", "width": 8}}).model.options == {"width": 8}
     assert commlab.spec({"model": {"name": "transformer", "n_embd": 132, "n_head": 6}, "dataset": "text"})
+
+
+def test_a_fault_at_a_sync_step_is_checked_without_walking_the_run():
+    """The check names a method's first exchanges when ``fault.step`` has none; it looks at no more than SCAN_STEPS
+    steps, each in constant time (a student's uploaded profile once asked for 10,000,000 steps of 100,000 fragments
+    in the server's process: days of CPU)."""
+    from commlab.engine import methods
+    spec = {"model": "cnn", "dataset": "digits", "steps": 10_000_000,
+            "method": {"name": "streaming_diloco", "H": 1_000_000, "fragments": 100_000},
+            "fault": {"kind": "raise", "at": "sync", "step": 0}}
+    with pytest.raises(SpecError, match=r"^fault.step: method streaming_diloco has no exchange of its own in step 0 "
+                                        r"\(its first: 8, 18, 28, 38\)$"):
+        JobSpec.from_dict(spec)
+    # Streaming DiLoCo's constant-time answer is its per-fragment definition's
+    cls = methods.resolve("streaming_diloco")
+    for h, n, tau in [(1, 1, 0), (7, 3, 2), (10, 10, 0), (12, 5, 11), (50, 4, 3), (60, 7, 0)]:
+        m = cls(H=h, fragments=n, tau=tau)
+        assert [m.exchanges_at(s) for s in range(3 * h)] == \
+            [any(m.issues(s, f) for f in range(n)) for s in range(3 * h)], (h, n, tau)
+    never = {**spec, "steps": 200_000, "method": {"name": "local_sgd", "H": 150_000}}
+    with pytest.raises(SpecError, match=r"\(its first: none in its first 100000 steps\)$"):
+        JobSpec.from_dict({**never, "fault": {"kind": "raise", "at": "sync", "step": 3}})

@@ -22,6 +22,7 @@ import dataclasses
 import datetime
 import functools
 import importlib.util
+import itertools
 import os
 import typing
 from dataclasses import dataclass, field
@@ -989,9 +990,11 @@ class JobSpec:
             where, _, msg = str(e).partition(": ")
             raise SpecError(where, msg) from None
         if self.fault.at == "sync" and self.fault.kind != "none" and not m.exchanges_at(self.fault.step):
-            due = [s for s in range(self.steps) if m.exchanges_at(s)][:4]
+            scan = min(self.steps, SCAN_STEPS)  # a check's cost does not grow with the run's steps
+            due = list(itertools.islice((s for s in range(scan) if m.exchanges_at(s)), 4))
+            none = "none in the run" if scan == self.steps else f"none in its first {scan} steps"
             raise SpecError("fault.step", f"method {name} has no exchange of its own in step {self.fault.step} "
-                                          f"(its first: {', '.join(map(str, due)) or 'none in the run'})")
+                                          f"(its first: {', '.join(map(str, due)) or none})")
 
     # -- conversion -------------------------------------------------------
     @classmethod
@@ -1069,6 +1072,8 @@ def _shown(v: Any) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
 
 
+SCAN_STEPS = 100_000
+"""Steps a spec's check looks through for a method's first exchanges (to name them when ``fault.step`` misses)."""
 MAX_NAME = 200
 """Characters in a run's name: it is shown on every list, and starts the run's id."""
 MAX_VALUES = 100_000
