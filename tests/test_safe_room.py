@@ -385,6 +385,9 @@ LIMITS = [
     ({"model": "transformer", "dataset": {"name": "synthetic", "vocab": 1_000_000, "block": 512}}, "dataset",
      "quota data_mb: "),
     ({"model": {"name": "resnet", "width": 512}}, "model.name", "quota params: at most 50,000,000 parameters"),
+    # few parameters in many tensors: the timeline, the live view and the predictions grow with the tensors
+    ({"model": {"name": "mlp", "depth": 1000, "hidden": 4}}, "model.name",
+     "quota tensors: at most 2,000 parameter tensors, the model has 2,002"),
 ]
 
 

@@ -436,7 +436,7 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
     ({"steps": 1.5}, "quotas.steps: must be a positive integer or null (no limit), got 1.5"),
     ({"wall_s": "600"}, "quotas.wall_s: must be a positive number or null (no limit), got '600'"),
     ({"gpus": 1}, "quotas: unknown limit 'gpus'; allowed: queued, steps, world_size, batch_size, examples, "
-                  "data_mb, threads, params, wall_s, rank_mb"),
+                  "data_mb, threads, params, tensors, wall_s, rank_mb"),
     ([1], "quotas: must be an object"),
 ])
 def test_bad_quotas_are_named(tmp_path, quotas, msg):

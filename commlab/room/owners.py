@@ -82,13 +82,14 @@ QUOTA_KEYS = {"queued": "queued or running runs at once", "steps": "steps per ru
               "examples": "training examples of a synthetic data set",
               "data_mb": "MB of data per rank (data set, a batch, and a batch's logits for token data)",
               "threads": "torch threads per rank", "params": "parameters of the model",
+              "tensors": "parameter tensors of the model",
               "wall_s": "seconds of running per run", "rank_mb": "MB of memory (data) per rank",
               "runs": "runs a student has in the lab, of every state",
               "free_mb": "MB the runs directory's disk keeps free: no student's run is queued below it"}
 RANK_MB = 2048
 """The ``rank_mb`` default on a machine with the memory for it (``machine_rank_mb``)."""
 DEFAULT_QUOTAS = {"queued": 4, "steps": 2000, "world_size": 4, "batch_size": 256, "examples": 100_000,
-                  "data_mb": 1024, "threads": 2, "params": 50_000_000, "wall_s": 900, "rank_mb": RANK_MB,
+                  "data_mb": 1024, "threads": 2, "params": 50_000_000, "tensors": 2000, "wall_s": 900, "rank_mb": RANK_MB,
                   "runs": 200, "free_mb": 2048}
 """A student's limits on an exposed lab (``commlab app --host ...``) unless runs/lab.json's ``quotas`` says
 otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the UI on loopback) have none.
@@ -101,6 +102,9 @@ otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the
   batch of inputs, and for token data one batch of logits (batch x context length x vocabulary);
 - ``threads`` 2: torch threads per rank (``threads: 0``, one per core, becomes this many);
 - ``params`` 50000000: parameters of the model, counted in a child process before the run is queued;
+- ``tensors`` 2000: its parameter tensors, counted there too: a run's timeline, its live view and the performance
+  model's predictions grow with them (one bucket per tensor under layer-wise; a transformer of 1,700 tiny layers
+  is 20,000 tensors in under a million parameters);
 - ``wall_s`` 900: a run still going after that many seconds of running is cancelled by its supervisor,
   with the limit named in its error;
 - ``rank_mb`` 2048, or less on a machine without the memory for it (``machine_rank_mb``): the MB of data
@@ -121,6 +125,7 @@ A key in lab.json replaces its default (``{"quotas": {"queued": 4}}`` keeps the 
 lifts that limit. A refusal is one line naming the limit: ``quota batch_size: at most 256 ...``."""
 QUOTA_FIELDS = {"steps": "steps", "world_size": "world_size", "batch_size": "batch_size",
                 "examples": "dataset.size", "data_mb": "dataset", "threads": "threads", "params": "model.name",
+                "tensors": "model.name",
                 "rank_mb": "batch_size"}
 """The spec field each per-run limit is about (the New run form shows a refusal under it)."""
 
@@ -278,10 +283,10 @@ def activations_mb(spec) -> float:
     return channels * d.shape[1] * d.shape[2] * spec.batch_size * 4 / 2**20
 
 
-def check_run(q: dict, spec, params: Optional[int] = None):
+def check_run(q: dict, spec, params: Optional[int] = None, tensors: Optional[int] = None):
     """``spec`` (a JobSpec) within the per-run limits ``q`` (``quotas``): the spec to queue (``threads: 0``
     becomes the limit when one thread per core would pass it), or a QuotaError naming the first limit it
-    passes. ``params``: the model's parameter count, when known."""
+    passes. ``params`` and ``tensors``: the model's parameter and tensor counts, when known."""
     d = spec.dataset
     for key, asked, what in (("steps", spec.steps, "steps per run"), ("world_size", spec.world_size, "ranks per run"),
                              ("batch_size", spec.batch_size, "examples per batch per rank"),
@@ -303,6 +308,8 @@ def check_run(q: dict, spec, params: Optional[int] = None):
                                     f"images smaller")
     if params is not None and "params" in q and params > q["params"]:
         raise QuotaError("params", f"at most {q['params']:,} parameters, the model has {params:,}")
+    if tensors is not None and "tensors" in q and tensors > q["tensors"]:
+        raise QuotaError("tensors", f"at most {q['tensors']:,} parameter tensors, the model has {tensors:,}")
     if "threads" in q and spec.threads == 0 and max(1, (os.cpu_count() or 1) // spec.world_size) > q["threads"]:
         spec = dataclasses.replace(spec, threads=int(q["threads"]))
     return spec

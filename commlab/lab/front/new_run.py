@@ -177,7 +177,7 @@ def form_check(data: dict) -> Tuple[Optional[JobSpec], Optional[SpecError], Opti
     try:
         size = previews.model_size(spec, viewer())
         if not may_run_code():
-            owners.check_run(owners.quotas(runs_dir()), spec, params=size["params"])
+            owners.check_run(owners.quotas(runs_dir()), spec, params=size["params"], tensors=size["tensors"])
     except SpecError as e:
         return None, e, None
     except owners.QuotaError as e:

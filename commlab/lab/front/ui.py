@@ -104,8 +104,9 @@ def admit(root, specs: list) -> Tuple[User, list, Optional[float]]:
     for s in specs:
         owners.refuse_code(s.to_dict())
         s = owners.check_run(q, s)
-        if "params" in q:
-            owners.check_run(q, s, params=previews.model_size(s, user, wait_s=START_WAIT_S)["params"])
+        if "params" in q or "tensors" in q:
+            size = previews.model_size(s, user, wait_s=START_WAIT_S)
+            owners.check_run(q, s, params=size["params"], tensors=size["tensors"])
         out.append(s)
     return user, out, q.get("wall_s")
 
