@@ -21,6 +21,7 @@ The profile is plain JSON (``save``/``load``) and is reused by key.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import statistics
 import threading
@@ -243,8 +244,10 @@ def from_events(spec: dict, ev: List[dict], source: str, skip: int = SKIP_STEPS,
     for pid, evs in by_pid.items():
         windows = sorted((v["forward"][0], v["backward"][0], v["backward"][1], v) for (p, _), v in keep.items()
                          if p == pid)
+        evs.sort(key=lambda e: e["ts"])  # each step's spans found by bisection: linear in the steps, not quadratic
+        ts = [e["ts"] for e in evs]
         for f0, b0, b1, v in windows:
-            inside = [e for e in evs if b0 <= e["ts"] <= b1]
+            inside = evs[bisect.bisect_left(ts, b0):bisect.bisect_right(ts, b1)]
             hooks = sorted((e["ts"], e["ts"] + e["dur"]) for e in inside
                            if e.get("cat") in ("compress", "wait", "decompress"))
             fwd.append((v["forward"][1] - v["forward"][0]) / 1e6)
@@ -259,9 +262,10 @@ def from_events(spec: dict, ev: List[dict], source: str, skip: int = SKIP_STEPS,
             f1 = v["forward"][1]
             # a layer's forward span holds what ran since the previous layer's end (commlab/engine/probe.py), dear's
             # parameter all-gather waits included: take those out, as hook time is taken out of backward
-            waits = [(e["ts"], e["ts"] + e["dur"]) for e in evs if e.get("cat") == "wait" and f0 <= e["ts"] <= f1]
-            for e in evs:
-                if e.get("cat") == "forward" and "layer" in (e.get("args") or {}) and f0 <= e["ts"] <= f1:
+            during = evs[bisect.bisect_left(ts, f0):bisect.bisect_right(ts, f1)]
+            waits = [(e["ts"], e["ts"] + e["dur"]) for e in during if e.get("cat") == "wait"]
+            for e in during:
+                if e.get("cat") == "forward" and "layer" in (e.get("args") or {}):
                     s0, s1 = e["ts"], e["ts"] + e["dur"]
                     held = sum(max(0.0, min(h1, s1) - max(h0, s0)) for h0, h1 in waits)
                     layer_fwd.setdefault(e["args"]["layer"], []).append((e["dur"] - held) / 1e6)
