@@ -302,6 +302,9 @@ def test_a_zoo_models_options_are_checked_with_the_spec():
     for name, cls in builders.items():
         kw = [p.name for p in inspect.signature(cls).parameters.values() if p.default is not inspect.Parameter.empty]
         assert tuple(kw) == ZOO_OPTIONS[name], name
+    from commlab.engine.codepath import _ZOO_DEFAULTS  # what the n_embd / n_head check assumes of the transformer
+    gpt = inspect.signature(models.GPT).parameters
+    assert {k: gpt[k].default for k in _ZOO_DEFAULTS} == _ZOO_DEFAULTS
     for model, said in [({"name": "cnn", "width": 8}, "model.width: cnn takes no option 'width'; allowed: none"),
                         ({"name": "mlp", "dropout": 0.1}, "model.dropout: mlp takes no option 'dropout'; allowed: "
                                                           "hidden, depth"),
