@@ -814,3 +814,21 @@ def test_a_run_without_timed_steps_is_not_taken_for_the_models_profile(tmp_path)
     said = []
     assert whatif.known_profile(d, tmp_path, say=said.append) is None
     assert said and "no timed steps" in said[0]
+
+
+def test_a_speedup_from_steps_built_once_is_the_speedup():
+    """speedup_grid and crossover_gbps build each spec's step once per worker count (predict.steps_for), not twice
+    per rate: the same answers."""
+    from commlab.lab.base.specs import load_spec
+    from commlab.lab.strategy.perfmodel import calibrate as cal
+    from commlab.lab.strategy.perfmodel import predict as pr
+    prof = cal.Profile(model="cnn", dataset="digits", batch_size=32, params=[("b.bias", 40), ("b.weight", 5120),
+                                                                             ("a.weight", 73728)],
+                       forward_s=0.005, backward_s=0.006, optimizer_s=0.0005,
+                       layer_ready={"b": 0.001, "a": 0.006}, layer_forward={"a": 0.003, "b": 0.002})
+    spec = load_spec(data={"model": "cnn", "dataset": "digits", "schedule": "layerwise",
+                           "compressor": {"name": "none"}, "comm": "sync"}).to_dict()
+    for world in (2, 16):
+        steps = pr.steps_for(prof, spec, world)
+        for gbps in (0.1, 1.0, 10.0):
+            assert pr.speedup(prof, spec, gbps, world, steps=steps) == pr.speedup(prof, spec, gbps, world)

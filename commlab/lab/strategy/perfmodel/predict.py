@@ -303,13 +303,21 @@ def step_of(profile: cal.Profile, spec: dict, world: int, compute_speedup: float
     return None if method_of(spec) is not None else build_step(profile, spec, world, compute_speedup)
 
 
+def steps_for(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0) -> tuple:
+    """(DDP's step, the spec's step) for ``speedup(..., steps=)``: built once for every rate of a table or a search
+    (a step does not depend on the rate), not twice per rate."""
+    return step_of(profile, ddp_spec(spec), world, compute_speedup), step_of(profile, spec, world, compute_speedup)
+
+
 def speedup(profile: cal.Profile, spec: dict, gbps: float, world: int, compute_speedup: float = 1.0,
-            links: Optional[Callable[[float], object]] = None) -> float:
+            links: Optional[Callable[[float], object]] = None, steps: Optional[tuple] = None) -> float:
     """DDP's predicted iteration time over the spec's (> 1: the spec is faster). ``links`` maps a
-    rate to the link (default: the profile's link at that rate; e.g. a two-level cluster)."""
+    rate to the link (default: the profile's link at that rate; e.g. a two-level cluster). ``steps``: what
+    ``steps_for`` gives at this ``world`` and ``compute_speedup``, when the caller built it already."""
     link = links(gbps) if links else None
-    base = predict(profile, ddp_spec(spec), gbps, world, compute_speedup, link=link).total
-    return base / predict(profile, spec, gbps, world, compute_speedup, link=link).total
+    ddp, own = steps or (None, None)
+    base = predict(profile, ddp_spec(spec), gbps, world, compute_speedup, link=link, step=ddp).total
+    return base / predict(profile, spec, gbps, world, compute_speedup, link=link, step=own).total
 
 
 def crossover_gbps(profile: cal.Profile, spec: dict, world: int, compute_speedup: float = 1.0,
@@ -317,8 +325,10 @@ def crossover_gbps(profile: cal.Profile, spec: dict, world: int, compute_speedup
                    links: Optional[Callable[[float], object]] = None) -> Optional[float]:
     """The bandwidth below which the spec beats DDP: None if it never does in [lo, hi],
     ``hi`` if it always does."""
+    steps = steps_for(profile, spec, world, compute_speedup)
+
     def gain(g):
-        return speedup(profile, spec, g, world, compute_speedup, links) - 1.0
+        return speedup(profile, spec, g, world, compute_speedup, links, steps) - 1.0
     grid = [lo * (hi / lo) ** (i / 40) for i in range(41)]
     vals = [gain(g) for g in grid]
     if vals[-1] > 0:

@@ -64,9 +64,10 @@ def speedup_grid(profile: cal.Profile, spec: dict, comps: dict, gbps: List[float
     for label, comp in comps.items():
         s = with_compressor(spec, comp)
         for p in workers:
+            steps = pr.steps_for(profile, s, p, compute_speedup)
             for g in gbps:
                 rows.append({"compressor": label, "gbps": g, "workers": p,
-                             "speedup": pr.speedup(profile, s, g, p, compute_speedup)})
+                             "speedup": pr.speedup(profile, s, g, p, compute_speedup, steps=steps)})
     return pd.DataFrame(rows)
 
 
