@@ -26,6 +26,17 @@ _CHANGED = re.compile(r"~[0-9a-f]{16}\Z")
 """How a name ``safe_name`` changed ends: ``~`` and 16 hex digits of the text's SHA-256."""
 
 
+def not_a_file(path: str, what: str = "a file") -> str:
+    """Why ``path`` cannot be read as an input file (``give WHAT``), or "" when it can: a folder, something that
+    is not a regular file (a device or a pipe, which read could hang on or never finish: /dev/zero), or nothing."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{path} is a directory; give {what}"
+    if p.exists() and not p.is_file():
+        return f"{path} is not a regular file (a device, a pipe or a socket); give {what}"
+    return "" if p.is_file() else f"no such file: {path}"
+
+
 def safe_name(text: str) -> str:
     """``text`` (a model's key with its options, a run's or a sweep's name: anything a user typed) as one file
     name: no path separator (``/``, ``\\``), NUL or other unprintable character (each becomes ``_``), no leading

@@ -14,6 +14,7 @@ import yaml
 from commlab.engine import codepath
 from commlab.engine.spec import JobSpec, SpecError, check_size
 from commlab.lab.base import sandbox
+from commlab.lab.base.paths import not_a_file
 
 MAX_TYPED = 4096
 """Characters of YAML a text box may send (model or loader options, a parameter's value)."""
@@ -64,13 +65,10 @@ def typed_yaml(text: str) -> object:
 def read_spec_file(path: str, field: str = "SPEC") -> dict:
     """A spec (or sweep) file's data. Errors are one line: ``field: no such file: PATH``, or, for a file
     that does not parse, where as compilers say it, ``PATH:LINE:COLUMN: not valid YAML: problem``."""
+    problem = not_a_file(path, "a spec file")
+    if problem:
+        raise SpecError(field, problem)
     p = Path(path)
-    if p.is_dir():
-        raise SpecError(field, f"{path} is a directory; give a spec file")
-    if p.exists() and not p.is_file():  # read, a device or a pipe could hang the command or fill its memory
-        raise SpecError(field, f"{path} is not a regular file (a device, a pipe or a socket); give a spec file")
-    if not p.is_file():
-        raise SpecError(field, f"no such file: {path}")
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:

@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import tomllib
 
 from commlab.lab.analysis import cluster_view, replicas
-from commlab.lab.base.paths import SOURCE, default_root, make_private
+from commlab.lab.base.paths import SOURCE, default_root, make_private, not_a_file
 from commlab.lab.rundir.store import RunStore
 from commlab.lab.rundir.summary import summarize
 from commlab.lab.service.queue import Lab
@@ -133,13 +133,9 @@ def out_file(option: str, path: str) -> str:
 
 def in_file(option: str, path: str) -> str:
     """An input file, checked before any work starts."""
-    p = Path(path)
-    if p.is_dir():
-        raise UsageError(f"{option}: {path} is a directory; give a file")
-    if p.exists() and not p.is_file():
-        raise UsageError(f"{option}: {path} is not a regular file (a device, a pipe or a socket); give a file")
-    if not p.is_file():
-        raise UsageError(f"{option}: no such file: {path}")
+    problem = not_a_file(path)
+    if problem:
+        raise UsageError(f"{option}: {problem}")
     return path
 
 

@@ -76,8 +76,8 @@ def crossovers(profile: cal.Profile, spec: dict, comps: dict, workers: int, comp
     for label, comp in comps.items():
         s = with_compressor(spec, comp)
         g = pr.crossover_gbps(profile, s, workers, compute_speedup)
-        rows.append({"compressor": label, "crossover_gbps": g,
-                     "answer": whatif.crossover_line(profile, s, workers, compute_speedup).split(": ", 1)[1]})
+        rows.append({"compressor": label, "crossover_gbps": g,  # said from g, not searched for again
+                     "answer": whatif.crossover_words(g, workers).split(": ", 1)[1]})
     return pd.DataFrame(rows)
 
 

@@ -649,7 +649,11 @@ def crossover_line(profile: cal.Profile, spec: dict, workers: int, compute_speed
     if node_size and workers <= node_size:
         x = pr.speedup(profile, spec, 1.0, workers, compute_speedup, links=links)
         return f"{workers} workers: one node, the inter-node rate plays no part ({x:.2f}x DDP at any rate)"
-    g = pr.crossover_gbps(profile, spec, workers, compute_speedup, links=links)
+    return crossover_words(pr.crossover_gbps(profile, spec, workers, compute_speedup, links=links), workers)
+
+
+def crossover_words(g: Optional[float], workers: int) -> str:
+    """``predict.crossover_gbps``'s answer ``g`` at ``workers``, in words."""
     if g is None:
         return f"{workers} workers: compression does not beat DDP at any bandwidth in 0.001..1000 Gbit/s"
     if g >= 1e3:
