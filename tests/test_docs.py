@@ -415,7 +415,7 @@ def test_nothing_speaks_of_issues():
     is said in words)."""
     dirs = ("commlab", "scripts", "tests", "bench", "notebooks", "examples", "docs")
     files = [p for d in dirs for p in (ROOT / d).rglob("*")
-             if p.suffix in (".py", ".md", ".ipynb", ".yaml", ".yml", ".txt") and p.is_file()]
+             if p.suffix in (".py", ".md", ".ipynb", ".yaml", ".yml", ".txt", ".json") and p.is_file()]
     files.append(ROOT / "README.md")
     me = Path(__file__).resolve()
     bad = [f"{p.relative_to(ROOT)}:{i}" for p in files if p.resolve() != me
