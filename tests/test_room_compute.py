@@ -15,6 +15,7 @@ the functions the pages call):
 import importlib.util
 import json
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
@@ -34,7 +35,8 @@ from commlab.lab.front import profiles as viewing  # noqa: E402
 from commlab.room import owners  # noqa: E402
 from commlab.room import open_lab  # noqa: E402
 from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
-from commlab.lab.strategy.perfmodel import whatif  # noqa: E402
+from commlab.lab.strategy.perfmodel import predict, whatif  # noqa: E402
+from commlab.room import places  # noqa: E402
 from test_app import SMALL  # noqa: E402
 from test_perfmodel import tiny_profile  # noqa: E402
 from test_safe_room import as_viewer, one_line, profiles, room  # noqa: E402,F401  (fixtures)
@@ -235,6 +237,46 @@ def test_page_loads_do_not_time_the_runs_compressors_again(room, timed):
     at = app(tokens["admin"], page="model")
     assert not at.error and timed["children"] == first
     assert timed["here"] == []
+
+
+def test_a_page_rerun_at_a_point_seen_before_predicts_nothing_and_one_person_predicts_one_at_a_time(
+        room, monkeypatch):
+    """What the Performance model page predicts from the runs (the speedup grid, the crossovers, every finished
+    run's prediction) is kept per point: a rerun, or a slider moved back, calibrates and predicts nothing. A
+    person's second page asking while their first predicts waits, then is told they are busy: one line, no
+    traceback, nothing predicted for it."""
+    root, tokens = room
+    run = open_lab(root, room=True).submit(commlab.spec(SMALL), wait=True, owner="alice")
+    assert run.state == "done", run.log_tail()
+    calls = {"from_run": 0, "speedup": 0}
+
+    def counted(name, real):
+        def f(*a, **k):
+            calls[name] += 1
+            return real(*a, **k)
+        return f
+    monkeypatch.setattr(cal, "from_run", counted("from_run", cal.from_run))
+    monkeypatch.setattr(predict, "speedup", counted("speedup", predict.speedup))
+    at = app(tokens["alice"], page="model")
+    assert not at.error and not at.exception, [e.value for e in at.exception]
+    assert calls["from_run"] >= 2 and calls["speedup"] > 0  # the profile and every run's prediction
+    made = dict(calls)
+    at.run()
+    at.select_slider(key="pm.gbps").set_value(0.1).run()
+    assert calls["from_run"] == made["from_run"] and calls["speedup"] > made["speedup"]  # a new point: its grid
+    made = dict(calls)
+    at.select_slider(key="pm.gbps").set_value(1.0).run()
+    assert calls == made and not at.exception  # a point seen before
+    monkeypatch.setattr(sandbox, "WAIT_S", 0.2)
+    with places.person("alice", "prediction"):  # alice's other page, predicting
+        waiting = {}
+        t = threading.Thread(target=lambda: waiting.setdefault("at", at.select_slider(key="pm.gbps").set_value(
+            10.0).run()))
+        t.start()
+        t.join(60)
+    assert not at.exception, [e.value for e in at.exception]
+    assert [w.value for w in at.warning] == ["prediction: your previous one is still running; try again in a moment"]
+    assert calls == made
 
 
 def test_a_busy_server_is_not_kept_as_the_profiles_answer(profiles, monkeypatch):

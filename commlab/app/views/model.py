@@ -4,11 +4,12 @@ import streamlit as st
 from commlab.app import widgets
 from commlab.engine.spec import SpecError
 from commlab.lab.analysis import plots, timelines
+from commlab.lab.base import sandbox
 from commlab.lab.front import profiles, ui
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import views
 from commlab.lab.rundir.store import RunError
-from commlab.room import owners
+from commlab.room import owners, places
 
 widgets.setup("Performance model")
 st.title("Performance model")
@@ -23,6 +24,27 @@ me = ui.viewer()
 @st.cache_data(show_spinner="Calibrating from the run's timeline ...", max_entries=8)
 def profile_of(run_id: str, files: tuple):
     return views.calibrated(ui.get_run_or_raise(run_id, runs), ui.viewer().name)  # the viewer's run (the key holds its id only)
+
+
+@st.cache_data(show_spinner="Predicting ...", max_entries=32)
+def predictions(root: str, run_id: str, files: tuple, gbps: float, workers: int, speed: float, latency: float):
+    """The speedup grid, the crossovers and the sources of one run's profile at the sliders' point: kept, so a
+    rerun of the page at a point seen before computes nothing."""
+    prof, spec = profile_of(run_id, files)
+    prof.link = {"alpha": latency * 1e-6, "beta": 8e-9, "nominal_gbps": 1.0} if latency else None
+    link_note = (f"alpha {latency:g} µs per ring step as typed here, beta 8/rate (nominal)" if latency
+                 else "nominal alpha-beta at each rate (alpha 0, beta 8/rate)")
+    grid = views.speedup_grid(prof, spec, views.COMPRESSORS, [0.1, 1.0, 10.0, 100.0, gbps], [2, 8, 64, workers],
+                              speed)
+    return (grid, views.crossovers(prof, spec, views.COMPRESSORS, workers, speed),
+            views.sources_table(prof, spec, views.COMPRESSORS, link=link_note))
+
+
+@st.cache_data(show_spinner="Predicting every finished run ...", max_entries=8)
+def every_run(root: str, seen: tuple, who: str):
+    """views.predicted_vs_measured over the finished runs ``seen`` ((id, files) of each, the viewer's): kept
+    until one of them changes or another is seen."""
+    return views.predicted_vs_measured(runs, only=[i for i, _ in seen], who=who)
 
 
 def sources_panel(df, key: str):
@@ -46,7 +68,8 @@ def from_runs():
                           key="pm.run")
 
     try:
-        prof, spec = profile_of(run_id, timelines.files_key(ui.get_run_or_raise(run_id, runs)))
+        files = timelines.files_key(ui.get_run_or_raise(run_id, runs))
+        prof, spec = profile_of(run_id, files)
     except (cal.CalibrationError, RunError) as e:
         st.error(ui.text(views.one_line(e)))
         return
@@ -62,23 +85,26 @@ def from_runs():
     speed = c3.select_slider("Compute speed (x this CPU)", [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0], value=1.0,
                              key="pm.speed")
     latency = st.number_input("Link latency alpha (µs per ring step)", 0.0, 10000.0, 0.0, step=10.0, key="pm.alpha")
-    prof.link = {"alpha": latency * 1e-6, "beta": 8e-9, "nominal_gbps": 1.0} if latency else None
-    link_note = (f"alpha {latency:g} µs per ring step as typed here, beta 8/rate (nominal)" if latency
-                 else "nominal alpha-beta at each rate (alpha 0, beta 8/rate)")
+    seen = tuple((r.id, timelines.files_key(r)) for r in done)
+    try:  # one person's predictions one at a time: a second page asking waits for the first, then is refused
+        with places.person(me.name, "prediction", sandbox.WAIT_S):
+            grid, cross, sources = predictions(str(runs), run_id, files, gbps, workers, speed, latency)
+            pvm = every_run(str(runs), seen, me.name)  # the runs this user may see
+    except sandbox.Busy as e:
+        st.warning(ui.text(views.one_line(e)))
+        return
 
     st.subheader("Predicted speedup over DDP")
-    grid = views.speedup_grid(prof, spec, views.COMPRESSORS, [0.1, 1.0, 10.0, 100.0, gbps], [2, 8, 64, workers], speed)
     st.plotly_chart(plots.speedup_heatmaps(grid.drop_duplicates(["compressor", "gbps", "workers"])),
                     width="stretch", key="pm.heat")
-    sources_panel(views.sources_table(prof, spec, views.COMPRESSORS, link=link_note), "pm.sources")
+    sources_panel(sources, "pm.sources")
     st.subheader(f"Crossover bandwidth at {workers:d} workers, compute x{speed:g}")
-    st.dataframe(views.crossovers(prof, spec, views.COMPRESSORS, workers, speed), hide_index=True)
+    st.dataframe(cross, hide_index=True)
     at = grid[(grid["gbps"] == gbps) & (grid["workers"] == workers)].drop_duplicates("compressor")
     st.caption("At the sliders' point: "
                + ", ".join(f"{ui.text(r.compressor)} {r.speedup:.2f}x" for r in at.itertuples()))
 
     st.subheader("Predicted against measured, every run in the index")
-    pvm = views.predicted_vs_measured(runs, only=labels, who=me.name)  # the runs this user may see
     st.plotly_chart(plots.predicted_vs_measured_figure(pvm), width="stretch", key="pm.scatter")
     with st.expander("Per run"):
         st.dataframe(pvm, hide_index=True)
