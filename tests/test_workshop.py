@@ -18,6 +18,7 @@ from commlab.room import accounts  # noqa: E402
 from commlab.room import owners
 from commlab.room import open_lab  # noqa: E402
 from commlab.lab.base.errors import LabError  # noqa: E402
+from commlab.lab.rundir import launcher  # noqa: E402
 from commlab.lab.rundir.store import RunError
 from test_app import ENTRY, SMALL  # noqa: E402
 from distutil import stop_process  # noqa: E402
@@ -451,6 +452,29 @@ def test_wall_time_quota_cancels_the_run_and_says_why(tmp_path):
     st = run.status()
     assert st["state"] == "cancelled", st
     assert st["error"].startswith("quota wall_s: stopped after ") and "the limit is 3 s per run" in st["error"], st
+
+
+def test_a_students_run_past_its_disk_quota_or_the_disks_free_floor_is_cancelled_and_says_why(tmp_path):
+    """A run's directory grows while it runs (its timeline: steps x ranks x buckets): a student's run is
+    cancelled by its supervisor when its directory passes ``disk_mb``, or when the disk's free space falls
+    under ``free_mb`` (a run queued while there was room may start after others took it); the teacher's runs
+    have neither limit. The limits are in the run's status, as its admission recorded them."""
+    quota_file(tmp_path, {"disk_mb": 1})
+    q = open_lab(tmp_path, room=True)
+    long = commlab.spec(dict(SMALL, steps=100000))
+    run = q.submit(long, wait=True, owner="alice")
+    st = run.status()
+    assert st["disk_limit_mb"] == 1 and st["free_limit_mb"] == owners.DEFAULT_QUOTAS["free_mb"], st
+    assert st["state"] == "cancelled" and st["error"].startswith("quota disk_mb: stopped with "), st
+    assert st["error"].endswith("MB in its directory; the limit is 1 MB per run (runs/lab.json quotas.disk_mb)")
+    assert launcher.tree_mb(run.path) > 1
+    quota_file(tmp_path, {"free_mb": 10**8})  # 100 TB: more than this disk has free
+    run = q.submit(long, wait=True, owner="alice")
+    st = run.status()
+    assert st["state"] == "cancelled" and st["error"].startswith("quota free_mb: stopped with "), st
+    assert "MB free on the runs directory's disk, under the 100000000 MB kept free" in st["error"]
+    teachers = q.create(commlab.spec(dict(SMALL, steps=3)), owner=owners.TEACHER)
+    assert not {"disk_limit_mb", "free_limit_mb"} & set(teachers.status())
 
 
 # --------------------------------------------------------------------------- the real server, over the wire

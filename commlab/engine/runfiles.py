@@ -347,6 +347,10 @@ STATUS_FIELDS: Dict[str, Field] = _fields(
     ("wall_limit_s", "mark_queued", "a student's wall-time quota: the launcher cancels the run past it"),
     ("rank_limit_mb", "mark_queued", "MB of memory each rank may use"),
     ("rank_limit_from", "mark_queued", "where that limit comes from (`rank_mb` of runs/lab.json, a student's quota)"),
+    ("disk_limit_mb", "mark_queued", "a student's disk quota: the launcher cancels the run when its directory "
+                                     "passes these MB"),
+    ("free_limit_mb", "mark_queued", "the MB a student's run leaves free on its disk: the launcher cancels the run "
+                                     "when the free space falls under them"),
     ("supervisor", "mark_queued, mark_running", "the process that follows the run: `pid` and `start`; a run whose "
                                                 "supervisor is gone is marked failed by the next lab command"),
     ("advisor_for", "mark_queued", "strategy auto's trial run: the run it advises"),

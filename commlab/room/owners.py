@@ -85,12 +85,13 @@ QUOTA_KEYS = {"queued": "queued or running runs at once", "steps": "steps per ru
               "tensors": "parameter tensors of the model",
               "wall_s": "seconds of running per run", "rank_mb": "MB of memory (data) per rank",
               "runs": "runs a student has in the lab, of every state",
-              "free_mb": "MB the runs directory's disk keeps free: no student's run is queued below it"}
+              "disk_mb": "MB a run's directory may grow to: its supervisor cancels it past them",
+              "free_mb": "MB the runs directory's disk keeps free: no student's run is queued or goes on below it"}
 RANK_MB = 2048
 """The ``rank_mb`` default on a machine with the memory for it (``machine_rank_mb``)."""
 DEFAULT_QUOTAS = {"queued": 4, "steps": 2000, "world_size": 4, "batch_size": 256, "examples": 100_000,
                   "data_mb": 1024, "threads": 2, "params": 50_000_000, "tensors": 2000, "wall_s": 900, "rank_mb": RANK_MB,
-                  "runs": 200, "free_mb": 2048}
+                  "runs": 200, "disk_mb": 1024, "free_mb": 2048}
 """A student's limits on an exposed lab (``commlab app --host ...``) unless runs/lab.json's ``quotas`` says
 otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the UI on loopback) have none.
 
@@ -118,8 +119,13 @@ otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the
 - ``runs`` 200: runs a student has in the lab, whatever their state (each finished run frees its place in the
   queue, so ``queued`` alone bounds nothing on disk; a run's directory grows with steps x ranks x layers:
   about 1 KB per step and rank for the mlp, some MB for a 2000-step run of a larger model);
+- ``disk_mb`` 1024: the MB a run's directory may grow to while it runs (its timeline grows with steps x ranks x
+  buckets: a 2000-tensor model under layer-wise writes about 1 MB per step and rank); its supervisor looks every
+  2 s and cancels the run past it, with the limit named in its error;
 - ``free_mb`` 2048: no student's run is queued while the disk that holds the runs directory has less free,
-  whoever filled it (the teacher's runs and the machine's other files keep their room).
+  whoever filled it (the teacher's runs and the machine's other files keep their room), and a running one is
+  cancelled when the free space falls under it (a run queued while there was room may start after others
+  took it).
 
 A key in lab.json replaces its default (``{"quotas": {"queued": 4}}`` keeps the other defaults); ``null``
 lifts that limit. A refusal is one line naming the limit: ``quota batch_size: at most 256 ...``."""
@@ -216,6 +222,15 @@ def rank_limit(root: os.PathLike, owner: Optional[str]) -> Optional[tuple]:
     if everyone is not None:
         limits.append((everyone, "runs/lab.json rank_mb"))
     return min(limits) if limits else None
+
+
+def disk_limits(root: os.PathLike, owner: Optional[str]) -> dict:
+    """The disk limits a run of ``owner`` runs under (Run.mark_queued's ``disk_limit_mb`` and ``free_limit_mb``,
+    which the launcher applies): a student's ``disk_mb`` and ``free_mb`` quotas; none for anyone else."""
+    if not is_student(owner):
+        return {}
+    q = quotas(root)
+    return {"disk_limit_mb": q.get("disk_mb"), "free_limit_mb": q.get("free_mb")}
 
 
 def is_student(owner: Optional[str]) -> bool:

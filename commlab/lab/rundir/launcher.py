@@ -7,13 +7,14 @@
     start    the log, the disturbance sampler (commlab.lab.rundir.disturbance), the processes (forked by the warm
              server when there is one, commlab.lab.base.warm), then ``mark_running`` with what was started
     follow   poll the processes; read what metrics.jsonl gained (``JsonlTail``) for the progress bar and
-             ``on_metrics``; stop on a cancel request, Ctrl-C or the run's wall-time limit (``wall_limit_s``
-             in its status); sample the CPU other processes take
+             ``on_metrics``; stop on a cancel request, Ctrl-C or a limit in its status (``Watch``: wall
+             time, the MB its directory may grow to, the MB its disk keeps free); sample the CPU other
+             processes take
     finish   kill strays, then one final transition carrying the disturbance figures: done, diverged, failed
              (the rank that caused it and its error, ``failure_cause``) or cancelled (by whom or why)
 
 The limits are what admission recorded in the run's status; the launcher only applies them (a room sets
-them: a student's wall time and ``rank_mb`` quota, commlab.room.policy). A run with a memory limit per rank
+them: a student's wall time, disk and ``rank_mb`` quotas, commlab.room.policy). A run with a memory limit per rank
 (``rank_limit_mb``) has its ranks started under it (commlab.lab.base.procs.limit_data), and a rank that passes
 it fails the run with the limit named (``finish_status``).
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -40,14 +42,57 @@ from commlab.lab.rundir.progress import RunProgress
 from commlab.lab.rundir.store import Run, slug
 
 
-def stop_reason(should_cancel, wall_s, t0: float) -> str:
-    """Why a running run is stopped now: "cancelled", or its wall-time quota spent; "" to go on."""
-    if should_cancel and should_cancel():
-        return "cancelled"
-    if wall_s and time.time() - t0 > wall_s:
-        return (f"quota wall_s: stopped after {time.time() - t0:.0f} s of running; the limit is "
-                f"{wall_s:g} s per run (runs/lab.json quotas.wall_s)")
-    return ""
+class Watch:
+    """Why a running run is stopped now (``reason``): a cancel request, or a limit admission recorded in its
+    status spent: ``wall_limit_s`` seconds of running, ``disk_limit_mb`` MB in its directory, less than
+    ``free_limit_mb`` MB free on its disk (the last two looked at every DISK_EVERY_S)."""
+
+    DISK_EVERY_S = 2.0
+
+    def __init__(self, run: Run, limits: dict, should_cancel=None):
+        self.path, self.should_cancel, self.t0 = run.path, should_cancel, time.time()
+        self.wall_s = limits.get("wall_limit_s")
+        self.disk_mb, self.free_mb = limits.get("disk_limit_mb"), limits.get("free_limit_mb")
+        self._disk_at = 0.0
+
+    def reason(self) -> str:
+        """"cancelled", or the spent limit named in one line; "" to go on."""
+        if self.should_cancel and self.should_cancel():
+            return "cancelled"
+        now = time.time()
+        if self.wall_s and now - self.t0 > self.wall_s:
+            return (f"quota wall_s: stopped after {now - self.t0:.0f} s of running; the limit is "
+                    f"{self.wall_s:g} s per run (runs/lab.json quotas.wall_s)")
+        if (self.disk_mb or self.free_mb) and now >= self._disk_at:
+            self._disk_at = now + self.DISK_EVERY_S
+            used = tree_mb(self.path) if self.disk_mb else 0.0
+            if self.disk_mb and used > self.disk_mb:
+                return (f"quota disk_mb: stopped with {used:.0f} MB in its directory; the limit is "
+                        f"{int(self.disk_mb)} MB per run (runs/lab.json quotas.disk_mb)")
+            free = shutil.disk_usage(self.path).free / 2**20 if self.free_mb else 0.0
+            if self.free_mb and free < self.free_mb:
+                return (f"quota free_mb: stopped with {free:.0f} MB free on the runs directory's disk, under the "
+                        f"{int(self.free_mb)} MB kept free (runs/lab.json quotas.free_mb)")
+        return ""
+
+
+def tree_mb(path) -> float:
+    """MB of the files under ``path`` (links not followed; a file gone meanwhile counts nothing)."""
+    total, todo = 0, [os.fspath(path)]
+    while todo:
+        try:
+            with os.scandir(todo.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            todo.append(e.path)
+                        elif e.is_file(follow_symlinks=False):
+                            total += e.stat(follow_symlinks=False).st_size
+                    except OSError:
+                        continue
+        except OSError:
+            continue
+    return total / 2**20
 
 
 def launch(run: Run, progress: bool = True, out=None, poll_s: float = 0.2,
@@ -214,7 +259,7 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
     run.mark_running(torchruns=[procs.identity(p.pid) for p in procs_], argv=jobs[0][0], **info)
     tail = JsonlTail(run.file(runfiles.METRICS))
     bar = RunProgress(spec.steps, spec.world_size, out, final_eval=spec.final_eval) if progress else None
-    wall_s, t0 = limits.get("wall_limit_s"), time.time()
+    watch = Watch(run, limits, should_cancel)
     stopped = None
     """Why the launcher stopped the job before its end: the cancelled run's error."""
     try:
@@ -231,7 +276,7 @@ def _follow(run, spec, jobs, loopback, info, progress, out, poll_s, on_metrics, 
                 time.sleep(1.0)  # let them notice and record their own errors first
                 stop(procs_)
                 break
-            stopped = stop_reason(should_cancel, wall_s, t0)
+            stopped = watch.reason()
             if stopped:
                 break
             cpu.tick()
@@ -291,7 +336,7 @@ def _follow_ft_job(run, spec, progress, out, poll_s, on_metrics, should_cancel, 
         return _follow_ft_node(run, job, log, poll_s)
     tail = JsonlTail(run.file(runfiles.METRICS))
     bar = RunProgress(spec.steps, spec.world_size, out, final_eval=spec.final_eval) if progress else None
-    wall_s, t0 = limits.get("wall_limit_s"), time.time()
+    watch = Watch(run, limits, should_cancel)
     stopped = None
     try:
         job.start()
@@ -310,7 +355,7 @@ def _follow_ft_job(run, spec, progress, out, poll_s, on_metrics, should_cancel, 
             job.poll()
             if run.divergences():  # every replica sees the same averaged gradient: the run cannot go on
                 break
-            stopped = stop_reason(should_cancel, wall_s, t0)
+            stopped = watch.reason()
             if stopped:
                 break
             time.sleep(poll_s)

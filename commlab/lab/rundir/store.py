@@ -105,7 +105,8 @@ class Run:
         """The queued fields a run made for this one takes from it (``RunStore.create``'s): a trial, profiling or
         search run is this run's owner's, under the same limits (memory per rank, wall time)."""
         st = self.status()
-        return {k: st[k] for k in ("owner", "rank_limit_mb", "rank_limit_from", "wall_limit_s") if st.get(k) is not None}
+        return {k: st[k] for k in ("owner", "rank_limit_mb", "rank_limit_from", "wall_limit_s", "disk_limit_mb",
+                                   "free_limit_mb") if st.get(k) is not None}
 
     def status(self) -> dict:
         """status.json as a dict; ``{"state": "unknown"}`` when there is none yet, and with
@@ -128,12 +129,14 @@ class Run:
     def mark_queued(self, *, supervisor: Optional[dict] = None, owner: Optional[str] = None,
                     sweep: Optional[str] = None, wall_limit_s: Optional[float] = None,
                     rank_limit_mb: Optional[int] = None, rank_limit_from: Optional[str] = None,
+                    disk_limit_mb: Optional[int] = None, free_limit_mb: Optional[int] = None,
                     advisor_for: Optional[str] = None, tuning_for: Optional[str] = None) -> dict:
         """queued: the run is made (who it is for, its limits), or a process takes it on as its supervisor
         (``supervisor``: that process's ``procs.identity``)."""
         return self._transition(State.QUEUED, None, supervisor=supervisor, owner=owner, sweep=sweep,
                                 wall_limit_s=wall_limit_s, rank_limit_mb=rank_limit_mb,
-                                rank_limit_from=rank_limit_from, advisor_for=advisor_for,
+                                rank_limit_from=rank_limit_from, disk_limit_mb=disk_limit_mb,
+                                free_limit_mb=free_limit_mb, advisor_for=advisor_for,
                                 tuning_for=tuning_for)
 
     def mark_running(self, *, torchruns: Optional[List[dict]] = None, argv: Optional[List[str]] = None,
