@@ -33,6 +33,9 @@ class FakeRun:
     def timeline_files(self):
         return []
 
+    def timeline_events(self, last_steps=None):
+        return []
+
 
 def bd(compute, exposed, compression=0.0, other=0.0, hidden=0.0):
     return {"compute_ms": compute, "compression_ms": compression, "exposed_comm_ms": exposed, "other_ms": other,

@@ -279,6 +279,53 @@ def test_a_page_rerun_at_a_point_seen_before_predicts_nothing_and_one_person_pre
     assert calls == made
 
 
+def test_a_view_in_the_server_reads_at_most_view_mb_of_a_runs_timelines(tmp_path, monkeypatch):
+    """A run's timelines can be gigabytes (a model of 2,000 tensors under layer-wise writes about 1.6 MB per step
+    and rank): a thread serving a viewer reads at most VIEW_MB of them, each rank's last whole steps (the
+    calibration, the explanation, the trace download, the live page's kept steps), and says so; the command
+    line and the API read the whole run."""
+    from commlab.engine.timeline import ends_step
+    from commlab.lab.analysis import live, trace
+    from commlab.lab.rundir import store
+    run = open_lab(tmp_path).create(commlab.spec(SMALL))
+
+    def line(rank, s):  # one step of one rank: three layers' forward spans, then its step span
+        return "".join(json.dumps({"ph": "X", "name": name, "pid": rank, "tid": tid, "cat": cat, "ts": s * 100.0,
+                                   "dur": 1.0, "args": {"step": s}}) + "\n"
+                       for name, tid, cat in [("l0", 1, "forward"), ("l1", 1, "forward"), ("l2", 1, "forward"),
+                                              (f"step {s}", 0, "step")])
+    for rank in range(2):
+        (run.path / f"timeline-rank{rank}.jsonl").write_text("".join(line(rank, s) for s in range(3000)))
+    size = sum(p.stat().st_size for p in run.timeline_files())
+    monkeypatch.setattr(store, "VIEW_MB", 0.25)
+    cap = int(0.25 * 2**20)
+    assert size > 4 * cap
+    assert len(run.timeline_events()) == 2 * 3000 * 4 and not run.view_cut()  # not serving: whole
+    monkeypatch.setattr(store, "_bounded_when", lambda: True)
+    assert run.view_cut()
+    events = run.timeline_events()
+    for rank in range(2):
+        mine = [e for e in events if e["pid"] == rank]
+        steps = [e["args"]["step"] for e in mine if ends_step(e)]
+        assert steps[-1] == 2999 and steps == list(range(steps[0], 3000)) and len(mine) == 4 * len(steps)
+    assert 0.8 * cap < len(json.dumps(events)) < 1.1 * cap  # about VIEW_MB, no more
+    few = run.timeline_events(last_steps=5)  # at least the steps asked for, within the bound too
+    assert len(few) >= 2 * 4 * 5 and len(json.dumps(few)) < 1.1 * cap
+    got = trace.chrome_trace(run)
+    assert got["otherData"]["cut"].startswith("each rank's last steps that fit 0.25 MB of timeline over the ranks "
+                                              "(steps ")
+    followed = live.LiveRun(run).refresh()
+    kept = followed.timeline(live.KEEP_STEPS)
+    assert len(kept) <= len(events) and kept["name"].str.startswith("step ").sum() <= 2 * live.KEEP_STEPS
+    assert sum(sum(r.sizes) for r in followed.ranks.values()) <= cap
+    for rank in range(2):  # the run goes on: what the page keeps stays within the bound
+        with open(run.path / f"timeline-rank{rank}.jsonl", "a") as f:
+            f.write("".join(line(rank, s) for s in range(3000, 4000)))
+    followed.refresh()
+    assert sum(sum(r.sizes) for r in followed.ranks.values()) <= cap
+    assert followed.ranks["timeline-rank1.jsonl"].steps[-1][-1]["args"]["step"] == 3999
+
+
 def test_a_busy_server_is_not_kept_as_the_profiles_answer(profiles, monkeypatch):
     """No place for a child now is said as it is, and the next request predicts: a moment's load is not the
     profile's kept answer."""

@@ -18,6 +18,7 @@ from commlab.lab.base.errors import LabError
 from commlab.lab.analysis import cluster_view, comparison, live, plots, replicas, timelines
 from commlab.lab.front import ui
 from commlab.lab.rundir import disturbance
+from commlab.lab.rundir import store
 from commlab.lab.rundir.summary import fmt_bytes, summarize, warmup_steps
 from commlab.room import owners
 
@@ -72,7 +73,9 @@ def live_panel(run_id: str) -> None:
     with c[3]:
         st.download_button("Download trace (Chrome/Perfetto JSON)", data=access.download_data(lambda: timelines.trace_json(run), [run.id]),
                            file_name=f"{run.id}.trace.json", mime="application/json", on_click="ignore",
-                           key="live.trace", icon=":material/download:")
+                           key="live.trace", icon=":material/download:",
+                           help=(f"Each rank's last steps that fit {store.VIEW_MB:g} MB of timeline, as every view here "
+                                 "reads; `commlab trace` with this run's id writes the whole run.") if run.view_cut() else None)
         report_button([run], f"{run.id}.html", key="live.report")
     started_final = run.state in FINAL
     mine = ui.can_control(run)

@@ -105,11 +105,14 @@ class JsonlTail:
         self.restarted = False
 
     @classmethod
-    def last(cls, path, n: int, marks: Callable[[dict], bool], chunk: int = CHUNK) -> "JsonlTail":
+    def last(cls, path, n: int, marks: Callable[[dict], bool], chunk: int = CHUNK,
+             max_bytes: Optional[int] = None) -> "JsonlTail":
         """A tail that starts late in the file: where more than ``n`` rows for which ``marks`` holds follow (the
         timeline's last ``n`` steps: ``commlab.engine.timeline.ends_step``), or at the start when the file holds no
-        more than that. The file is read backwards from its end, so a long run costs no more than a short one."""
-        return cls(path, _start_of_last(os.fspath(path), n, marks, chunk))
+        more than that. The file is read backwards from its end, so a long run costs no more than a short one.
+        With ``max_bytes``, at most that much of the file's end is read: fewer steps when they do not fit,
+        starting after the first marked row of that end (whole steps only; the file's end when none fits)."""
+        return cls(path, _start_of_last(os.fspath(path), n, marks, chunk, max_bytes))
 
     def read(self, final: bool = False) -> list:
         self.restarted = False
@@ -154,7 +157,8 @@ def _parse(lines) -> list:
     return out
 
 
-def _start_of_last(path: str, n: int, marks: Callable[[dict], bool], chunk: int) -> int:
+def _start_of_last(path: str, n: int, marks: Callable[[dict], bool], chunk: int,
+                   max_bytes: Optional[int] = None) -> int:
     """The byte offset ``JsonlTail.last`` starts at."""
     try:
         size = os.path.getsize(path)
@@ -162,14 +166,23 @@ def _start_of_last(path: str, n: int, marks: Callable[[dict], bool], chunk: int)
         return 0
     with open(path, "rb") as f:
         while True:
-            start = max(0, size - chunk)
+            capped = max_bytes is not None and chunk >= max_bytes
+            start = max(0, size - (min(chunk, max_bytes) if capped else chunk))
             f.seek(start)
             data = f.read(size - start)
             if start == 0:
                 return 0
             cut = data.find(b"\n") + 1  # the first line is cut: start after it
-            if sum(1 for e in _parse(data[cut:].split(b"\n")) if marks(e)) > n:
+            lines = data[cut:].split(b"\n")
+            if sum(1 for e in _parse(lines) if marks(e)) > n:
                 return start + cut
+            if capped:  # no more may be read: begin after the first mark, so that whole steps follow
+                at = start + cut
+                for line in lines:
+                    at += len(line) + 1
+                    if any(marks(e) for e in _parse([line])):
+                        return min(at, size)
+                return size
             chunk *= 4
 
 

@@ -120,7 +120,7 @@ otherwise; the teacher (admin token) and the local user (the CLI, notebooks, the
   queue, so ``queued`` alone bounds nothing on disk; a run's directory grows with steps x ranks x layers:
   about 1 KB per step and rank for the mlp, some MB for a 2000-step run of a larger model);
 - ``disk_mb`` 1024: the MB a run's directory may grow to while it runs (its timeline grows with steps x ranks x
-  buckets: a 2000-tensor model under layer-wise writes about 1 MB per step and rank); its supervisor looks every
+  buckets: a model of 2,000 tensors under layer-wise writes about 1.6 MB per step and rank); its supervisor looks every
   2 s and cancels the run past it, with the limit named in its error;
 - ``free_mb`` 2048: no student's run is queued while the disk that holds the runs directory has less free,
   whoever filled it (the teacher's runs and the machine's other files keep their room), and a running one is

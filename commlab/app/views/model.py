@@ -8,6 +8,7 @@ from commlab.lab.base import sandbox
 from commlab.lab.front import profiles, ui
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import views
+from commlab.lab.rundir import store
 from commlab.lab.rundir.store import RunError
 from commlab.room import owners, places
 
@@ -75,8 +76,10 @@ def from_runs():
         return
     st.caption(f"Profile: forward {prof.forward_s * 1e3:.2f} ms, backward {prof.backward_s * 1e3:.2f} ms, "
                f"optimizer {prof.optimizer_s * 1e3:.2f} ms per step ({len(prof.params)} tensors, "
-               f"{sum(b for _, b in prof.params) / 2**20:.2f} MiB of gradients), from {ui.text(prof.source)}. "
-               "Link: nominal alpha-beta at the chosen rate.")
+               f"{sum(b for _, b in prof.params) / 2**20:.2f} MiB of gradients), from {ui.text(prof.source)}"
+               + (f" (its last steps that fit {store.VIEW_MB:g} MB of timeline, as every view here reads)"
+                  if ui.get_run_or_raise(run_id, runs).view_cut() else "")
+               + ". Link: nominal alpha-beta at the chosen rate.")
 
     c1, c2, c3 = st.columns(3)
     gbps = c1.select_slider("Bandwidth (Gbit/s)", [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0], value=1.0,

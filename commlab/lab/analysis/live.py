@@ -10,6 +10,8 @@ lost (see docs/explanation/presets.md, "Watching a run"). ``LiveRun`` keeps what
   waits for its end), and a file that was replaced or truncated is read again from the start: the run
   directory's one reader of JSON lines, ``commlab.engine.runlog.JsonlTail``;
 - a timeline file opened late is read from its end (the last ``keep`` steps, ``JsonlTail.last``), never whole;
+  in a thread serving a viewer the kept steps of every rank together take at most
+  ``commlab.lab.rundir.store.VIEW_MB`` of the files (fewer steps of a model of many tensors);
 - timeline events are kept grouped by step (a step's events end with its ``step`` span, the
   order ``commlab.engine.timeline`` flushes them in), the last ``keep`` steps per rank;
 - the per-step breakdown (``plots.step_breakdown``'s rule) of a step is computed once, from plain
@@ -32,7 +34,7 @@ from commlab.engine import runfiles
 from commlab.engine.runlog import JsonlTail
 from commlab.engine.timeline import LANE_NAMES, ends_step
 from commlab.lab.analysis import plots
-from commlab.lab.rundir.store import Run, timeline_frame
+from commlab.lab.rundir.store import Run, timeline_frame, view_bytes
 
 KEEP_STEPS = 100
 """Steps of timeline kept per rank (the live page shows up to 40 in its breakdown and 20 in its timeline;
@@ -40,25 +42,37 @@ KEEP_STEPS = 100
 
 
 class _RankTimeline:
-    """One rank's file: its last ``keep`` steps as lists of events, and what came after the last step."""
+    """One rank's file: its last ``keep`` steps as lists of events, and what came after the last step; with
+    ``max_bytes`` (a thread serving a viewer: commlab.lab.rundir.store.view_bytes) only as many of them as take
+    that many bytes of the file."""
 
-    def __init__(self, path: Path, keep: int):
-        self.tail = JsonlTail.last(path, keep, ends_step)
+    def __init__(self, path: Path, keep: int, max_bytes: Optional[int] = None):
+        self.tail = JsonlTail.last(path, keep, ends_step, max_bytes=max_bytes)
+        self.max_bytes = max_bytes
         self.steps: Deque[List[dict]] = deque(maxlen=keep)
+        self.sizes: Deque[float] = deque(maxlen=keep)
+        """the bytes of the file each kept step took (its share of the read it came in)"""
         self.open: List[dict] = []
         self.rows: Dict[int, list] = {}
         """step number -> its breakdown row (computed once)."""
 
     def update(self) -> None:
+        before = self.tail.bytes_read
         events = self.tail.read()
+        per_event = (self.tail.bytes_read - before) / max(1, len(events))
         if self.tail.restarted:
             self.steps.clear()
+            self.sizes.clear()
             self.open, self.rows = [], {}
         for e in events:
             self.open.append(e)
             if ends_step(e):
                 self.steps.append(self.open)
+                self.sizes.append(len(self.open) * per_event)
                 self.open = []
+        while self.max_bytes is not None and len(self.steps) > 1 and sum(self.sizes) > self.max_bytes:
+            self.steps.popleft()
+            self.sizes.popleft()
 
     def events(self, n: int) -> List[dict]:
         chunks = list(self.steps)[-n:] if n > 0 else []
@@ -152,9 +166,10 @@ class LiveRun:
             if self.metrics_tail.restarted:
                 self.rows = []
             self.rows.extend(rows)
-            for p in self.run.timeline_files():
+            files = self.run.timeline_files()
+            for p in files:
                 if p.name not in self.ranks:
-                    self.ranks[p.name] = _RankTimeline(p, self.keep)
+                    self.ranks[p.name] = _RankTimeline(p, self.keep, view_bytes(len(files)))
                 self.ranks[p.name].update()
         return self
 

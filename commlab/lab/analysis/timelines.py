@@ -12,8 +12,6 @@ import pandas as pd
 
 from commlab.engine import runfiles
 from commlab.engine.runfiles import FINAL
-from commlab.engine.runlog import JsonlTail
-from commlab.engine.timeline import ends_step
 from commlab.lab.analysis import explain, live, plots
 from commlab.lab.analysis.plots import plain
 from commlab.lab.analysis.trace import chrome_trace
@@ -33,11 +31,8 @@ def progress(run: Run) -> Tuple[int, int]:
 
 def tail_timeline(run: Run, steps: int = 3) -> pd.DataFrame:
     """The timeline frame of roughly the last ``steps`` iterations of every rank (and what follows them), each
-    file read from its end (``JsonlTail.last``), so a long run costs no more than a short one."""
-    events = []
-    for p in run.timeline_files():
-        events.extend(JsonlTail.last(p, steps, ends_step).read(final=True))
-    return timeline_frame(events)
+    file read from its end (``Run.timeline_events``), so a long run costs no more than a short one."""
+    return timeline_frame(run.timeline_events(last_steps=steps))
 
 
 CACHED = 32

@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import List
 
 from commlab.engine.runlog import write_json_atomic
-from commlab.engine.timeline import LANE_NAMES
+from commlab.engine.timeline import LANE_NAMES, ends_step
+from commlab.lab.rundir import store
 from commlab.lab.rundir.store import Run
 
 
@@ -20,8 +21,12 @@ def chrome_trace(run: Run) -> dict:
                          "args": {"name": LANE_NAMES.get(tid, str(tid))}})
             meta.append({"ph": "M", "name": "thread_sort_index", "pid": r, "tid": tid, "args": {"sort_index": tid}})
     events.sort(key=lambda e: (e["ts"], e["pid"], e["tid"]))
-    return {"traceEvents": meta + events, "displayTimeUnit": "ms",
-            "otherData": {"run": run.id, "spec": run.spec_dict()}}
+    other = {"run": run.id, "spec": run.spec_dict()}
+    if run.view_cut():
+        steps = [e["args"]["step"] for e in events if ends_step(e) and "step" in (e.get("args") or {})]
+        other["cut"] = (f"each rank's last steps that fit {store.VIEW_MB:g} MB of timeline over the ranks (steps "
+                        f"{min(steps, default='-')} to {max(steps, default='-')}); `commlab trace` writes the whole run")
+    return {"traceEvents": meta + events, "displayTimeUnit": "ms", "otherData": other}
 
 
 def write_trace(run: Run, path: str) -> int:

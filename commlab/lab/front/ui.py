@@ -20,6 +20,7 @@ from commlab.engine import codepath
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import default_root
 from commlab.lab.rundir.ftrun import request_fault
+from commlab.lab.rundir import store
 from commlab.lab.rundir.store import Run, RunError
 from commlab.room import open_lab, owners, places, previews
 from commlab.room.owners import User
@@ -78,8 +79,10 @@ def visible(run: Run, user: Optional[User] = None) -> bool:
 def serve_viewers(in_server: Callable[[], bool]) -> None:
     """Called by the app's entry file: in this process, whenever ``in_server()`` is true (a thread serving a
     viewer), nothing a spec names is imported or built (commlab.engine.codepath.forbid_imports_when): specs are
-    checked for their syntax, and what needs the code runs in a child with limits (commlab.lab.base.sandbox)."""
+    checked for their syntax, and what needs the code runs in a child with limits (commlab.lab.base.sandbox); and
+    a view reads at most commlab.lab.rundir.store.VIEW_MB of a run's timelines (``bound_reads_when``)."""
     codepath.forbid_imports_when(in_server)
+    store.bound_reads_when(in_server)
 
 
 def may_run_code(user: Optional[User] = None) -> bool:

@@ -37,9 +37,9 @@ from typing import Callable, Iterable, List, Optional
 
 from commlab.engine import runfiles
 from commlab.engine.runfiles import FINAL, STATES, STATUS_FIELDS, State
-from commlab.engine.runlog import read_jsonl, set_aside, write_json_atomic
+from commlab.engine.runlog import JsonlTail, read_jsonl, set_aside, write_json_atomic
 from commlab.engine.spec import JobSpec, upgrade
-from commlab.engine.timeline import LANE_NAMES
+from commlab.engine.timeline import LANE_NAMES, ends_step
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import CONFIG, PRIVATE_MODE, default_root, file_in, make_private
 from commlab.lab.rundir.summary import summarize
@@ -286,11 +286,23 @@ class Run:
     def timeline_files(self) -> List[Path]:
         return sorted(self.path.glob(runfiles.TIMELINES), key=lambda p: int(re.findall(r"\d+", p.name)[-1]))
 
-    def timeline_events(self) -> List[dict]:
-        out = []
-        for p in self.timeline_files():
-            out.extend(read_jsonl(str(p)))
-        return out
+    def timeline_events(self, last_steps: Optional[int] = None) -> List[dict]:
+        """Every rank's timeline events (rank by rank), or each rank's last ``last_steps`` steps and what
+        followed them, each file read from its end. In a thread serving a viewer (``bound_reads_when``) at
+        most VIEW_MB of the files together are read: each rank's last whole steps that fit (``view_cut`` says
+        whether that left some out)."""
+        files = self.timeline_files()
+        cap = view_bytes(len(files))
+        if last_steps is None and cap is None:
+            return [e for p in files for e in read_jsonl(str(p))]
+        n = (1 << 62) if last_steps is None else last_steps
+        return [e for p in files for e in JsonlTail.last(p, n, ends_step, max_bytes=cap).read(final=True)]
+
+    def view_cut(self) -> bool:
+        """Whether a view of this run's whole timeline reads only its last steps here and now (``view_bytes``)."""
+        files = self.timeline_files()
+        cap = view_bytes(len(files))
+        return cap is not None and any(_size(p) > cap for p in files)
 
     # -- as data frames (the Python API) -----------------------------------
     def metrics(self, kind: str = "step"):
@@ -455,6 +467,37 @@ def _locked(lock_path: Path):
         yield
     finally:
         os.close(fd)
+
+
+VIEW_MB = 16
+"""The most of a run's timeline files (its ranks' together) a thread serving a viewer reads for one view
+(``Run.timeline_events``, the live page's kept steps, a trace download): about 120,000 events, some 80 MB once
+parsed. A 2000-step run of the zoo's cnn on two ranks writes about 10 MB; a model of 2,000 tensors under
+layer-wise (an mlp of depth 999) about 1.6 MB per step and rank, whose views then cover its last steps."""
+_bounded_when: Optional[Callable[[], bool]] = None
+
+
+def bound_reads_when(predicate: Optional[Callable[[], bool]]) -> None:
+    """From now on, in this process, read at most VIEW_MB of a run's timelines whenever ``predicate()`` is true
+    (the UI's server: in every thread serving a viewer, commlab.lab.front.ui.serve_viewers). Replaces an earlier
+    one; None lifts it."""
+    global _bounded_when
+    _bounded_when = predicate
+
+
+def view_bytes(files: int) -> Optional[int]:
+    """The bytes each of ``files`` timeline files may be read here and now: VIEW_MB over them in a thread serving
+    a viewer, else None (whole)."""
+    if _bounded_when is None or not _bounded_when():
+        return None
+    return int(VIEW_MB * 2**20) // max(1, files)
+
+
+def _size(p: Path) -> int:
+    try:
+        return p.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def timeline_frame(events: List[dict]) :
