@@ -219,9 +219,12 @@ def test_a_viewers_compressor_is_timed_in_a_child(profiles, timed, comp):
     assert timed["children"] == ["predict"]
 
 
-def test_page_loads_do_not_time_the_runs_compressors_again(room, timed):
+def test_page_loads_do_not_time_the_runs_compressors_again_nor_predict_a_point_seen_before(room, timed, monkeypatch):
     """The page predicts every finished run a viewer may see: their compressors (and the page's five) are timed
-    once, in children; a rerun of the page, and the teacher's visit, time nothing."""
+    once, in children; a rerun of the page, and the teacher's visit, time nothing. What it predicts from the runs
+    (the speedup grid, the crossovers, every finished run's prediction) is kept per point of its sliders: a page
+    opened again, or a slider moved back, calibrates and predicts nothing. A person's second page asking while
+    their first predicts waits, then is told they are busy: one line, no traceback, nothing predicted for it."""
     root, tokens = room
     run = open_lab(root, room=True).submit(commlab.spec(dict(SMALL, compressor="signum")), wait=True, owner="alice")
     assert run.state == "done", run.log_tail()
@@ -238,16 +241,6 @@ def test_page_loads_do_not_time_the_runs_compressors_again(room, timed):
     assert not at.error and timed["children"] == first
     assert timed["here"] == []
 
-
-def test_a_page_rerun_at_a_point_seen_before_predicts_nothing_and_one_person_predicts_one_at_a_time(
-        room, monkeypatch):
-    """What the Performance model page predicts from the runs (the speedup grid, the crossovers, every finished
-    run's prediction) is kept per point: a rerun, or a slider moved back, calibrates and predicts nothing. A
-    person's second page asking while their first predicts waits, then is told they are busy: one line, no
-    traceback, nothing predicted for it."""
-    root, tokens = room
-    run = open_lab(root, room=True).submit(commlab.spec(SMALL), wait=True, owner="alice")
-    assert run.state == "done", run.log_tail()
     calls = {"from_run": 0, "speedup": 0}
 
     def counted(name, real):
@@ -258,25 +251,20 @@ def test_a_page_rerun_at_a_point_seen_before_predicts_nothing_and_one_person_pre
     monkeypatch.setattr(cal, "from_run", counted("from_run", cal.from_run))
     monkeypatch.setattr(predict, "speedup", counted("speedup", predict.speedup))
     at = app(tokens["alice"], page="model")
-    assert not at.error and not at.exception, [e.value for e in at.exception]
-    assert calls["from_run"] >= 2 and calls["speedup"] > 0  # the profile and every run's prediction
-    made = dict(calls)
-    at.run()
+    assert not at.exception and calls == {"from_run": 0, "speedup": 0}  # the page again: every answer kept
     at.select_slider(key="pm.gbps").set_value(0.1).run()
-    assert calls["from_run"] == made["from_run"] and calls["speedup"] > made["speedup"]  # a new point: its grid
+    assert calls["from_run"] == 0 and calls["speedup"] > 0  # a new point: its grid, from the kept profile
     made = dict(calls)
     at.select_slider(key="pm.gbps").set_value(1.0).run()
     assert calls == made and not at.exception  # a point seen before
     monkeypatch.setattr(sandbox, "WAIT_S", 0.2)
     with places.person("alice", "prediction"):  # alice's other page, predicting
-        waiting = {}
-        t = threading.Thread(target=lambda: waiting.setdefault("at", at.select_slider(key="pm.gbps").set_value(
-            10.0).run()))
+        t = threading.Thread(target=lambda: at.select_slider(key="pm.gbps").set_value(10.0).run())
         t.start()
         t.join(60)
     assert not at.exception, [e.value for e in at.exception]
     assert [w.value for w in at.warning] == ["prediction: your previous one is still running; try again in a moment"]
-    assert calls == made
+    assert calls == made and timed["children"] == first and timed["here"] == []
 
 
 def test_a_view_in_the_server_reads_at_most_view_mb_of_a_runs_timelines(tmp_path, monkeypatch):
