@@ -314,6 +314,26 @@ def test_a_view_in_the_server_reads_at_most_view_mb_of_a_runs_timelines(tmp_path
     assert followed.ranks["timeline-rank1.jsonl"].steps[-1][-1]["args"]["step"] == 3999
 
 
+def test_the_compare_page_takes_at_most_max_runs(room):
+    """Every run compared costs its breakdown and explanation on every rerun, and its part of the report: a
+    student who may see hundreds of runs compares at most MAX_RUNS at once, also when they came from another
+    page's list."""
+    from commlab.app import compare_view
+    root, tokens = room
+    lab = open_lab(root, room=True)
+    made = [lab.create(commlab.spec(SMALL), owner="alice") for _ in range(compare_view.MAX_RUNS + 2)]
+    for r in made:
+        r.mark_cancelled("made for the test")
+    at = app(tokens["alice"])
+    at.session_state["compare_ids"] = [r.id for r in made]  # as a page that opens Compare with a list sets it
+    at.switch_page("views/compare.py").run()
+    assert not at.exception, [e.value for e in at.exception]
+    picker = at.multiselect(key="cmp.runs")
+    assert picker.proto.max_selections == compare_view.MAX_RUNS == 8
+    assert picker.value == [r.id for r in made][-compare_view.MAX_RUNS:]
+    assert len(at.dataframe[0].value) == compare_view.MAX_RUNS
+
+
 def test_a_busy_server_is_not_kept_as_the_profiles_answer(profiles, monkeypatch):
     """No place for a child now is said as it is, and the next request predicts: a moment's load is not the
     profile's kept answer."""

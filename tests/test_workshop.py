@@ -763,6 +763,40 @@ def test_over_the_wire_a_download_is_its_sessions_and_serves_once(exposed):
                 s.close()
 
 
+def test_a_download_is_built_once_per_content_and_one_at_a_time_per_person(tmp_path, monkeypatch):
+    """A click on a download builds it in the server (a report of big runs: seconds of CPU, megabytes): the
+    same file of the same runs, unchanged, is built once per viewer and kept; while a person's download is
+    being built, their next click builds nothing (refused in one line), so repeated clicks queue no work."""
+    import threading
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    monkeypatch.setattr(access, "mode", lambda: "room")
+    monkeypatch.setattr(access, "session_id", lambda: "sid")
+    monkeypatch.setattr(access.accounts, "session_user", lambda root, sid: owners.User("alice"))
+    monkeypatch.setattr(access, "_kept", access.OrderedDict())
+    run = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="alice")
+    built = []
+    trace = access.download_data(lambda: built.append("trace") or b"trace", [run.id], "trace")
+    assert trace() == trace() == b"trace" and built == ["trace"]  # kept
+    run.file("metrics.jsonl").write_text('{"kind": "step", "step": 0}\n')
+    assert trace() == b"trace" and built == ["trace", "trace"]  # the run changed: built again
+    started, release = threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(30)
+        return b"report"
+    report = access.download_data(slow, [run.id])  # no kind: built on every click
+    t = threading.Thread(target=report)
+    t.start()
+    assert started.wait(30)
+    with pytest.raises(PermissionError, match="^download refused: alice has one being built; try again when it is "
+                                              "done$"):
+        access.download_data(lambda: built.append("csv") or b"csv", [run.id])()
+    release.set()
+    t.join(30)
+    assert built == ["trace", "trace"] and access.download_data(lambda: b"csv", [run.id])() == b"csv"
+
+
 def test_over_the_wire_a_revoked_student_gets_no_download(exposed):
     from bench.wsclient import Session, sign_in
     url, runs, tokens, _ = exposed

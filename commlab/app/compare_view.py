@@ -13,6 +13,9 @@ from commlab.lab.analysis import comparison, plots, timelines
 from commlab.lab.front import ui
 
 FILTERS = ("state", "model", "dataset", "compressor", "schedule", "comm", "link", "sweep")
+MAX_RUNS = 8
+"""Runs compared at once: each costs its timeline's breakdown and explanation on every rerun, and its part of the
+report."""
 
 
 def compare_view() -> None:
@@ -30,12 +33,13 @@ def compare_view() -> None:
     runs = ui.list_runs(**filters)
     labels = timelines.short_labels(runs)
     ids = [r.id for r in runs]
-    wanted = [i for i in st.session_state.get("compare_ids", []) if i in ids]
+    wanted = [i for i in st.session_state.get("compare_ids", []) if i in ids][-MAX_RUNS:]
     default = wanted or [r.id for r in runs if r.state == "done"][-4:] or ids[-4:]
-    chosen = st.multiselect("Runs", ids, default=default, format_func=lambda i: labels.get(i, i), key="cmp.runs")
+    chosen = st.multiselect(f"Runs (at most {MAX_RUNS})", ids, default=default, max_selections=MAX_RUNS,
+                            format_func=lambda i: labels.get(i, i), key="cmp.runs")
     target = st.number_input("Target accuracy for time-to-target (0: none)", 0.0, 1.0, 0.0, step=0.05,
                              key="cmp.target")
-    picked = [r for r in runs if r.id in chosen]
+    picked = [r for r in runs if r.id in chosen][:MAX_RUNS]  # also when a client sends more than the widget allows
     if not picked:
         st.caption("Pick runs to compare.")
         return

@@ -71,7 +71,7 @@ def live_panel(run_id: str) -> None:
                              key="live.step")
     xaxis = c[2].radio("Curves against", ["step", "wall time"], horizontal=True, key="live.x")
     with c[3]:
-        st.download_button("Download trace (Chrome/Perfetto JSON)", data=access.download_data(lambda: timelines.trace_json(run), [run.id]),
+        st.download_button("Download trace (Chrome/Perfetto JSON)", data=access.download_data(lambda: timelines.trace_json(run), [run.id], "trace"),
                            file_name=f"{run.id}.trace.json", mime="application/json", on_click="ignore",
                            key="live.trace", icon=":material/download:",
                            help=(f"Each rank's last steps that fit {store.VIEW_MB:g} MB of timeline, as every view here "

@@ -40,7 +40,7 @@ def report_button(runs: list, file_name: str, key: str, group: Optional[dict] = 
     by_id = {r.id: r for r in runs}
     st.download_button("Download report (HTML, opens offline)", on_click="ignore", key=key, mime="text/html",
                        data=access.download_data(lambda: report_html(runs, group=group, get=by_id.__getitem__),
-                                                 by_id),
+                                                 by_id, "" if group else "report"),
                        file_name=file_name, icon=":material/description:")
 
 

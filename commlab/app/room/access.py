@@ -23,6 +23,7 @@ import os
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from typing import Callable, Iterable, Optional
 
 import streamlit as st
@@ -36,6 +37,7 @@ from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_r
 from commlab import api
 from commlab.app.room import uploads
 from commlab.app.room.gatekeeper import SESSION_COOKIE
+from commlab.lab.analysis import timelines
 from commlab.lab.front import ui
 from commlab.room import accounts
 from commlab.room import owners
@@ -126,11 +128,23 @@ def signed_out(why: str) -> None:
 
 # --------------------------------------------------------------------------- downloads
 
-def download_data(make: Callable[[], object], run_ids: Iterable[str]) -> Callable[[], object]:
+KEPT_FILES = 4
+"""Built downloads kept in this process (least recently used first out): a repeated click on the same file of
+the same runs, unchanged, is served what was built."""
+_kept: "OrderedDict[tuple, object]" = OrderedDict()
+_building: set = set()
+"""Who has a download being built now: one at a time per person."""
+_downloads_lock = threading.Lock()
+
+
+def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str = "") -> Callable[[], object]:
     """``data=`` for st.download_button: builds the file when clicked. On a workshop server it checks,
     at that moment, that the token the page was built for is still valid (not revoked) and that its user
     may see every run in ``run_ids``; otherwise it builds nothing (PermissionError, logged by Streamlit,
-    and the browser gets no file)."""
+    and the browser gets no file). Each person builds one download at a time (a click while one is being
+    built builds nothing: a repeated click queues no work on the server's threads), and a file of a ``kind``
+    (what ``make`` builds from the runs and the viewer alone) is kept, for that viewer, while its runs' files
+    stay as they are."""
     if mode() == "off":
         return make
     root, sid, ids = ui.runs_dir(), session_id(), list(run_ids)
@@ -139,10 +153,30 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str]) -> Callabl
         user = accounts.session_user(root, sid)
         if user is None:
             raise PermissionError("download refused: the session has ended")
-        for rid in ids:
-            if not owners.can_see(user, api.get(rid, runs=root).status()):
-                raise PermissionError(f"download refused: {user.name} may not see run {rid}")
-        return make()
+        runs = [api.get(rid, runs=root) for rid in ids]
+        for run in runs:
+            if not owners.can_see(user, run.status()):
+                raise PermissionError(f"download refused: {user.name} may not see run {run.id}")
+        # the viewer's: what a file shows can depend on who looks (a student's errors carry no server paths)
+        key = (kind, user.name, tuple((r.id, timelines.files_key(r)) for r in runs)) if kind else None
+        with _downloads_lock:
+            if key in _kept:
+                _kept.move_to_end(key)
+                return _kept[key]
+            if user.name in _building:
+                raise PermissionError(f"download refused: {user.name} has one being built; try again when it is done")
+            _building.add(user.name)
+        try:
+            data = make()
+        finally:
+            with _downloads_lock:
+                _building.discard(user.name)
+        if key is not None:
+            with _downloads_lock:
+                _kept[key] = data
+                while len(_kept) > KEPT_FILES:
+                    _kept.popitem(last=False)
+        return data
     return build
 
 
