@@ -35,7 +35,7 @@ def compare_view() -> None:
     ids = [r.id for r in runs]
     wanted = [i for i in st.session_state.get("compare_ids", []) if i in ids][-MAX_RUNS:]
     default = wanted or [r.id for r in runs if r.state == "done"][-4:] or ids[-4:]
-    chosen = st.multiselect(f"Runs (at most {MAX_RUNS})", ids, default=default, max_selections=MAX_RUNS,
+    chosen = st.multiselect(ui.text(f"Runs (at most {MAX_RUNS})"), ids, default=default, max_selections=MAX_RUNS,
                             format_func=lambda i: labels.get(i, i), key="cmp.runs")
     target = st.number_input("Target accuracy for time-to-target (0: none)", 0.0, 1.0, 0.0, step=0.05,
                              key="cmp.target")
