@@ -22,7 +22,7 @@ from commlab.engine.timeline import ends_step  # noqa: E402
 from commlab.lab.front import appserver, groups, new_run, sweep_jobs  # noqa: E402
 from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from commlab.lab.strategy.perfmodel import views  # noqa: E402
-from commlab.lab.analysis import timelines
+from commlab.lab.analysis import plots, timelines
 from commlab.lab.analysis.presets import PRESETS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -143,6 +143,30 @@ def test_page_renders(runs, name):
     at = page(name)
     assert not at.exception, [e.value for e in at.exception]
     CHECKS[name](at, runs)
+
+
+def test_the_live_pages_of_one_run_draw_its_timeline_and_explain_it_once(runs, monkeypatch):
+    """Pages that show the same run in the same state share its timeline figure and explanation (a model of many
+    tensors: seconds each): a second page, and a rerun, draw and explain nothing; another zoom draws anew."""
+    from commlab.app import live_view
+    from commlab.lab.analysis import explain
+    made = {"figure": 0, "explain": 0}
+
+    def counted(name, real):
+        def f(*a, **k):
+            made[name] += 1
+            return real(*a, **k)
+        return f
+    monkeypatch.setattr(live_view.plots, "timeline_figure", counted("figure", plots.timeline_figure))
+    monkeypatch.setattr(explain, "explain_frame", counted("explain", explain.explain_frame))
+    monkeypatch.setattr(timelines, "_CACHE", type(timelines._CACHE)())
+    first = page("live_run")
+    assert not first.exception and made == {"figure": 1, "explain": 1}, made
+    first.run()
+    second = page("live_run")
+    assert not second.exception and made == {"figure": 1, "explain": 1}, made
+    second.number_input(key="live.last").set_value(2).run()
+    assert not second.exception and made == {"figure": 2, "explain": 1}, made
 
 
 def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):

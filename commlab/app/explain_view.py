@@ -51,12 +51,14 @@ def sentences(lines: List[str]) -> None:
 
 
 def explain_panel(run: Run, key: str, frame=None) -> None:
-    """The panel for one run. A live run's page passes ``frame``, the last steps it holds in memory
-    (commlab.lab.analysis.live): nothing is read again for the panel."""
+    """The panel for one run. A live run's page passes ``frame``, which gives the last steps it holds in memory
+    (commlab.lab.analysis.live): nothing is read again for the panel, and the explanation is made once per state
+    of the run's files for every page that shows it (timelines.cached)."""
     st.subheader("Why the step takes its time")
     try:
-        if frame is not None:
-            ex = explain.explain_frame(frame, run.spec_dict())  # the run's warm-up left out by step number
+        if frame is not None:  # the run's warm-up left out by step number
+            ex = timelines.cached(("live.explain", str(run.path), timelines.files_key(run)),
+                                  lambda: explain.explain_frame(frame(), run.spec_dict()))
         else:
             ex = timelines.run_explanation(run)
     except explain.NothingToExplain:

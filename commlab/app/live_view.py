@@ -144,12 +144,15 @@ def live_panel(run_id: str) -> None:
         if view is not None:
             cluster_panel(view)
         st.subheader("Timeline")
+        # drawn once per state of the run's files for every page that shows the same (timelines.cached)
+        files = (str(run.path), timelines.files_key(run))
         if step < 0:
-            fig = plots.timeline_figure(lr.timeline(int(last) + 1), last=int(last))
+            fig = timelines.cached(("live.timeline", *files, int(last)), lambda: plots.timeline_figure(
+                lr.timeline(int(last) + 1), last=int(last)))
         else:
             back = max(done - int(step) + 1, 1)
-            tl = lr.timeline(back) if lr.has_steps(back) else timelines.tail_timeline(run, back)
-            fig = plots.timeline_figure(tl, step=int(step))
+            fig = timelines.cached(("live.step", *files, int(step)), lambda: plots.timeline_figure(
+                lr.timeline(back) if lr.has_steps(back) else timelines.tail_timeline(run, back), step=int(step)))
         st.plotly_chart(fig, key="live.timeline")
         st.subheader("Where the step time goes")
         bd = lr.breakdown(BREAKDOWN_STEPS, final=state in FINAL)  # each step's breakdown is computed once
@@ -160,7 +163,7 @@ def live_panel(run_id: str) -> None:
             st.caption(f"mean over the last {BREAKDOWN_STEPS:d} steps, warm-up left out: " + ", ".join(
                 f"{ui.text(plots.PART_LABELS[k])} {mean[k]:.2f} ms" for k in (*plots.PARTS, "hidden_comm_ms"))
                 + f"; step {mean['step_ms']:.2f} ms")
-        explain_view.explain_panel(run, "live.explain", frame=lr.timeline(BREAKDOWN_STEPS))
+        explain_view.explain_panel(run, "live.explain", frame=lambda: lr.timeline(BREAKDOWN_STEPS))
         st.subheader("Loss and accuracy")
         metrics = lr.metrics()
         st.plotly_chart(plots.curves_figure(metrics, lr.metrics("eval"),
