@@ -169,6 +169,22 @@ def test_the_live_pages_of_one_run_draw_its_timeline_and_explain_it_once(runs, m
     assert not second.exception and made == {"figure": 2, "explain": 1}, made
 
 
+def test_each_runs_calibration_is_kept_and_the_model_page_predicts_the_newest_runs(runs, monkeypatch):
+    """Predicted against measured calibrates each finished run from its timeline (seconds for a long run): once
+    per state of its files in a process, and for the newest runs only."""
+    from collections import OrderedDict
+    monkeypatch.setattr(views, "_calibrations", OrderedDict())
+    made = []
+    real = cal.from_run
+    monkeypatch.setattr(cal, "from_run", lambda run, *a, **k: made.append(run.id) or real(run, *a, **k))
+    first = views.predicted_vs_measured(runs)
+    done = [r.id for r in commlab.runs(runs=runs, state="done")]
+    assert sorted(made) == sorted(done) and list(first["run"]) == done
+    again = views.predicted_vs_measured(runs)
+    assert sorted(made) == sorted(done) and again.equals(first)  # nothing calibrated again
+    assert list(views.predicted_vs_measured(runs, newest=1)["run"]) == done[-1:]
+
+
 def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):
     """A profile file and a cluster shape: the predicted table and scaling plot, also with no run in the
     index; a shape the workers do not fill and a missing file are one-line errors."""

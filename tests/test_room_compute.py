@@ -334,6 +334,24 @@ def test_the_compare_page_takes_at_most_max_runs(room):
     assert len(at.dataframe[0].value) == compare_view.MAX_RUNS
 
 
+def test_the_pages_look_for_dead_supervisors_at_most_every_few_seconds(tmp_path, monkeypatch):
+    """Looking for runs whose supervisor died reads every run's status (a second for thousands of runs): the
+    pages' lists do it at most every RECOVER_EVERY_S per runs directory, however many pages load meanwhile."""
+    from commlab.lab.front import ui
+    from commlab.lab.service.queue import Lab
+    looked, now = [], [1000.0]
+    monkeypatch.setattr(Lab, "recover_stale", lambda self: looked.append(self.root) or [])
+    monkeypatch.setattr(ui.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(ui, "_recovered", {})
+    for _ in range(5):
+        ui.list_runs(tmp_path)
+    assert len(looked) == 1
+    now[0] += ui.RECOVER_EVERY_S
+    ui.list_runs(tmp_path)
+    ui.list_runs(tmp_path / "other")
+    assert looked == [tmp_path, tmp_path, tmp_path / "other"]
+
+
 def test_a_busy_server_is_not_kept_as_the_profiles_answer(profiles, monkeypatch):
     """No place for a child now is said as it is, and the next request predicts: a moment's load is not the
     profile's kept answer."""

@@ -603,7 +603,12 @@ def test_over_the_wire_a_live_panel_stops_when_the_run_is_unshared(exposed):
     from bench.wsclient import Session, sign_in
     url, runs, tokens, _ = exposed
     bob = runs["bob"]
-    bob.update_status(shared=True)
+    index = open_lab(exposed_root(exposed), room=True).index
+
+    def share(flag):  # as ui.share does it: the status, and the index row the pages' lists read
+        bob.note(shared=flag)
+        index.update(bob)
+    share(True)
     carol = Session(url, cookie=sign_in(url, tokens["carol"]).header)
     try:
         page = carol.run(f"run={bob.id}", page="live_run")
@@ -611,14 +616,14 @@ def test_over_the_wire_a_live_panel_stops_when_the_run_is_unshared(exposed):
         assert frags and bob.id in page.text, page.kinds()
         again = carol.run(f"run={bob.id}", page="live_run", fragment=frags[0])
         assert "step 0/" in again.text  # the panel's refresh, while the run is shared
-        bob.update_status(shared=False)
+        share(False)
         after = carol.run(f"run={bob.id}", page="live_run", fragment=frags[0])
         assert "step 0/" not in after.text and "shared with the class" not in after.text
         leaked = [m.WhichOneof("type") for m in after.messages if bob.id in str(m)]
         assert not leaked, [str(m)[:300] for m in after.messages if bob.id in str(m)]
     finally:
         carol.close()
-        bob.update_status(shared=False)
+        share(False)
 
 
 def test_every_fragment_of_the_pages_asks_who_is_looking():

@@ -57,7 +57,7 @@ def explain_panel(run: Run, key: str, frame=None) -> None:
     st.subheader("Why the step takes its time")
     try:
         if frame is not None:  # the run's warm-up left out by step number
-            ex = timelines.cached(("live.explain", str(run.path), timelines.files_key(run)),
+            ex = timelines.cached(("live.explain", str(run.path), run.files_key()),
                                   lambda: explain.explain_frame(frame(), run.spec_dict()))
         else:
             ex = timelines.run_explanation(run)

@@ -145,7 +145,7 @@ def live_panel(run_id: str) -> None:
             cluster_panel(view)
         st.subheader("Timeline")
         # drawn once per state of the run's files for every page that shows the same (timelines.cached)
-        files = (str(run.path), timelines.files_key(run))
+        files = (str(run.path), run.files_key())
         if step < 0:
             fig = timelines.cached(("live.timeline", *files, int(last)), lambda: plots.timeline_figure(
                 lr.timeline(int(last) + 1), last=int(last)))

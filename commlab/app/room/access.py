@@ -37,7 +37,6 @@ from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_r
 from commlab import api
 from commlab.app.room import uploads
 from commlab.app.room.gatekeeper import SESSION_COOKIE
-from commlab.lab.analysis import timelines
 from commlab.lab.front import ui
 from commlab.room import accounts
 from commlab.room import owners
@@ -158,7 +157,7 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str 
             if not owners.can_see(user, run.status()):
                 raise PermissionError(f"download refused: {user.name} may not see run {run.id}")
         # the viewer's: what a file shows can depend on who looks (a student's errors carry no server paths)
-        key = (kind, user.name, tuple((r.id, timelines.files_key(r)) for r in runs)) if kind else None
+        key = (kind, user.name, tuple((r.id, r.files_key()) for r in runs)) if kind else None
         with _downloads_lock:
             if key in _kept:
                 _kept.move_to_end(key)

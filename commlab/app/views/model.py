@@ -3,7 +3,7 @@ import streamlit as st
 
 from commlab.app import widgets
 from commlab.engine.spec import SpecError
-from commlab.lab.analysis import plots, timelines
+from commlab.lab.analysis import plots
 from commlab.lab.base import sandbox
 from commlab.lab.front import profiles, ui
 from commlab.lab.strategy.perfmodel import calibrate as cal
@@ -69,7 +69,7 @@ def from_runs():
                           key="pm.run")
 
     try:
-        files = timelines.files_key(ui.get_run_or_raise(run_id, runs))
+        files = ui.get_run_or_raise(run_id, runs).files_key()
         prof, spec = profile_of(run_id, files)
     except (cal.CalibrationError, RunError) as e:
         st.error(ui.text(views.one_line(e)))
@@ -88,7 +88,7 @@ def from_runs():
     speed = c3.select_slider("Compute speed (x this CPU)", [0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0], value=1.0,
                              key="pm.speed")
     latency = st.number_input("Link latency alpha (µs per ring step)", 0.0, 10000.0, 0.0, step=10.0, key="pm.alpha")
-    seen = tuple((r.id, timelines.files_key(r)) for r in done)
+    seen = tuple((r.id, r.files_key()) for r in done[-views.NEWEST:])
     try:  # one person's predictions one at a time: a second page asking waits for the first, then is refused
         with places.person(me.name, "prediction", sandbox.WAIT_S):
             grid, cross, sources = predictions(str(runs), run_id, files, gbps, workers, speed, latency)
@@ -107,7 +107,7 @@ def from_runs():
     st.caption("At the sliders' point: "
                + ", ".join(f"{ui.text(r.compressor)} {r.speedup:.2f}x" for r in at.itertuples()))
 
-    st.subheader("Predicted against measured, every run in the index")
+    st.subheader(ui.text(f"Predicted against measured, the newest {views.NEWEST} finished runs"))
     st.plotly_chart(plots.predicted_vs_measured_figure(pvm), width="stretch", key="pm.scatter")
     with st.expander("Per run"):
         st.dataframe(pvm, hide_index=True)

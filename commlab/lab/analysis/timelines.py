@@ -10,7 +10,6 @@ from typing import Dict, List, Optional, Tuple
 
 import pandas as pd
 
-from commlab.engine import runfiles
 from commlab.engine.runfiles import FINAL
 from commlab.lab.analysis import explain, live, plots
 from commlab.lab.analysis.plots import plain
@@ -42,7 +41,7 @@ _CACHE_LOCK = threading.Lock()
 
 
 def cached(key: tuple, fn):
-    """``fn()``, kept under ``key`` (include ``files_key(run)`` so it is built again when the run grows)."""
+    """``fn()``, kept under ``key`` (include ``run.files_key()`` so it is built again when the run grows)."""
     with _CACHE_LOCK:
         if key in _CACHE:
             _CACHE.move_to_end(key)
@@ -53,17 +52,6 @@ def cached(key: tuple, fn):
         while len(_CACHE) > CACHED:
             _CACHE.popitem(last=False)
     return value
-
-
-def files_key(run: Run) -> tuple:
-    out = []
-    for p in [run.file(runfiles.METRICS), *run.timeline_files()]:
-        try:
-            st = p.stat()
-            out.append((p.name, st.st_size, st.st_mtime_ns))
-        except FileNotFoundError:
-            pass
-    return tuple(out)
 
 
 def run_breakdown(run: Run, max_steps: int = 100) -> Dict[str, float]:
@@ -84,7 +72,7 @@ def run_breakdown(run: Run, max_steps: int = 100) -> Dict[str, float]:
         done, _ = progress(run)
         skip = max(0, warmup_steps(done) - (done - n))  # warm-up steps that are in the tail
         return plots.mean_breakdown(bd, skip=skip)
-    return cached(("breakdown", str(run.path), max_steps, files_key(run)), compute)
+    return cached(("breakdown", str(run.path), max_steps, run.files_key()), compute)
 
 
 def run_explanation(run: Run, max_steps: int = 100):
@@ -92,7 +80,7 @@ def run_explanation(run: Run, max_steps: int = 100):
     cached until the run's files change. NothingToExplain before its first timed steps."""
     def compute():
         return explain.explain_frame(tail_timeline(run, max_steps), run.spec_dict())
-    return cached(("explain", str(run.path), max_steps, files_key(run)), compute)
+    return cached(("explain", str(run.path), max_steps, run.files_key()), compute)
 
 
 def group_timelines(runs_by_label: Dict[str, Run], steps: int = 20):
@@ -100,7 +88,7 @@ def group_timelines(runs_by_label: Dict[str, Run], steps: int = 20):
 
     def build():
         return plots.timelines_figure({k: tail_timeline(r, steps) for k, r in runs_by_label.items()})
-    key = ("timelines", steps, *((k, str(r.path), files_key(r)) for k, r in runs_by_label.items()))
+    key = ("timelines", steps, *((k, str(r.path), r.files_key()) for k, r in runs_by_label.items()))
     return cached(key, build)
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import re
 import shutil
+import threading
+import time
 from pathlib import Path
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from commlab import api
 from commlab.engine import codepath
@@ -161,10 +163,24 @@ def index_rows(runs=None, **filters) -> List[dict]:
     return [r for r in _lab(runs or runs_dir()).index.query(**filters) if owners.can_see(user, r)]
 
 
+RECOVER_EVERY_S = 5.0
+"""How often the pages' lists look for runs whose supervisor died (Lab.recover_stale reads every run's status:
+a second for thousands of runs), at most, per runs directory and process."""
+_recovered: Dict[str, float] = {}
+_recovered_lock = threading.Lock()
+
+
 def list_runs(runs=None, **filters) -> List[Run]:
-    """The runs the viewer may see (their own and shared ones; all for the teacher), oldest first."""
+    """The runs the viewer may see (their own and shared ones; all for the teacher), oldest first; runs whose
+    supervisor died are marked failed first (at most every RECOVER_EVERY_S)."""
     q = _lab(runs or runs_dir())
-    q.recover_stale()
+    now = time.monotonic()
+    with _recovered_lock:
+        due = now - _recovered.get(str(q.root), -RECOVER_EVERY_S) >= RECOVER_EVERY_S
+        if due:
+            _recovered[str(q.root)] = now
+    if due:
+        q.recover_stale()
     user = viewer()
     return [q.store.get(r["id"]) for r in q.index.query(**filters) if owners.can_see(user, r)]
 

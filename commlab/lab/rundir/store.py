@@ -298,6 +298,18 @@ class Run:
         n = (1 << 62) if last_steps is None else last_steps
         return [e for p in files for e in JsonlTail.last(p, n, ends_step, max_bytes=cap).read(final=True)]
 
+    def files_key(self) -> tuple:
+        """(name, size, mtime) of its metrics and timeline files: what a view made from them is kept under, so
+        that it is made again when the run grows."""
+        out = []
+        for p in [self.file(runfiles.METRICS), *self.timeline_files()]:
+            try:
+                st = p.stat()
+                out.append((p.name, st.st_size, st.st_mtime_ns))
+            except FileNotFoundError:
+                pass
+        return tuple(out)
+
     def view_cut(self) -> bool:
         """Whether a view of this run's whole timeline reads only its last steps here and now (``view_bytes``)."""
         files = self.timeline_files()

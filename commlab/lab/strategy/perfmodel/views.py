@@ -22,7 +22,9 @@ import json
 import re
 import statistics
 import sys
-from dataclasses import asdict
+import threading
+from collections import OrderedDict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import List, Optional
 
@@ -128,17 +130,48 @@ def run_layout(run) -> Optional[List[List[str]]]:
         return None
 
 
-def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: Optional[str] = None) -> pd.DataFrame:
-    """One row per finished multi-rank run (of those in ``only``, run ids, when given): measured and
-    predicted iteration time (ms), or the reason it could not be predicted. What the predictions need measured
-    (the runs' compressors' curves, payloads only driving tells) is measured for all runs at once, in children
-    where this process serves viewers (``who``'s), and kept: the page's next load measures nothing."""
+NEWEST = 30
+"""Finished runs the Performance model page predicts against their measurement: the newest a viewer may see."""
+CALIBRATED = 256
+"""Runs' calibrations (``calibrated_run``) kept in this process, least recently used first out."""
+_calibrations: "OrderedDict[tuple, object]" = OrderedDict()
+_calibrations_lock = threading.Lock()
+
+
+def calibrated_run(run) -> cal.Profile:
+    """cal.from_run(run) (or its CalibrationError), kept per run and the state of its files: seconds for a long
+    run, which every page load of the Performance model needs again. A copy: the caller may set its fields."""
+    key = (str(run.path), run.files_key())
+    with _calibrations_lock:
+        hit = _calibrations.get(key)
+        if hit is not None:
+            _calibrations.move_to_end(key)
+    if hit is None:
+        try:
+            hit = cal.from_run(run)
+        except cal.CalibrationError as e:
+            hit = e
+        with _calibrations_lock:
+            _calibrations[key] = hit
+            while len(_calibrations) > CALIBRATED:
+                _calibrations.popitem(last=False)
+    if isinstance(hit, cal.CalibrationError):
+        raise cal.CalibrationError(*hit.args)
+    return replace(hit, compressors=dict(hit.compressors), payloads=dict(hit.payloads))
+
+
+def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: Optional[str] = None,
+                          newest: Optional[int] = None) -> pd.DataFrame:
+    """One row per finished multi-rank run (of those in ``only``, run ids, when given; the ``newest`` of them):
+    measured and predicted iteration time (ms), or the reason it could not be predicted. Each run's calibration is
+    kept (``calibrated_run``). What the predictions need measured (the runs' compressors' curves, payloads only
+    driving tells) is measured for all runs at once, in children where this process serves viewers (``who``'s),
+    and kept: the page's next load measures nothing."""
     rows, todo, sections = [], [], {}
     curves = {} if curves is None else curves
     only = None if only is None else set(only)
-    for run in runs_of(runs, state="done"):
-        if only is not None and run.id not in only:
-            continue
+    done = [run for run in runs_of(runs, state="done") if only is None or run.id in only]
+    for run in done[-newest:] if newest else done:
         spec = run.spec_dict()
         row = {"run": run.id, "name": spec.get("name", ""), "compressor": spec["compressor"]["name"],
                "schedule": spec["schedule"]["name"], "comm": spec["comm"]["mode"],
@@ -150,7 +183,7 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: O
             if spec["world_size"] < 2:
                 raise cal.CalibrationError("one rank: nothing to communicate")
             row["measured_ms"] = measured_ms(run)
-            prof = cal.from_run(run)
+            prof = calibrated_run(run)
             prof.compressors = curves  # one dict for every run: each compressor is timed once
             for comp in parts(spec["compressor"]):
                 cal.needs_curve(comp)  # a section its compressor refuses: this run's note, not the others'
