@@ -285,3 +285,13 @@ def test_the_api_names_a_bad_filter_or_spec_instead_of_answering_nothing(tmp_pat
     with pytest.raises(SpecError, match=r"^spec: a file path, a mapping of fields or a JobSpec, got int$"):
         commlab.run(42, runs=tmp_path)
     assert commlab.spec(ROOT / "examples" / "demo.yaml").name == "demo-cnn-digits"  # a Path is a path
+
+
+def test_a_logs_tail_is_read_from_its_end(tmp_path):
+    run = Lab(tmp_path).create(commlab.spec({"model": "mlp", "dataset": "digits", "steps": 1}))
+    run.file("log.txt").write_text("".join(f"line {i} {'x' * 60}\n" for i in range(40_000)))  # 2.6 MB
+    assert run.log_tail(3) == "".join(f"line {i} {'x' * 60}\n" for i in range(39_997, 40_000))
+    assert run.log_tail(3, max_bytes=100) == f"line 39999 {'x' * 60}\n"  # what fits, whole lines only
+    run.file("log.txt").write_text("one\ntwo")
+    assert run.log_tail(5) == "one\ntwo" and Lab(tmp_path).create(commlab.spec(
+        {"model": "mlp", "dataset": "digits", "steps": 1})).log_tail() == ""

@@ -347,12 +347,17 @@ class Run:
                             "time": p.stat().st_mtime})
         return sorted(out, key=lambda e: e.get("time", 0))
 
-    def log_tail(self, n: int = 20) -> str:
+    def log_tail(self, n: int = 20, max_bytes: int = 1 << 20) -> str:
+        """The last ``n`` lines of the run's log, read from its end (at most ``max_bytes`` of it: a log can be as
+        large as its run's directory may grow)."""
         try:
-            with open(self.file(runfiles.LOG), errors="replace") as f:
-                return "".join(f.readlines()[-n:])
+            with open(self.file(runfiles.LOG), "rb") as f:
+                start = max(0, f.seek(0, os.SEEK_END) - max_bytes)
+                f.seek(start)
+                lines = f.read().decode(errors="replace").splitlines(keepends=True)
         except FileNotFoundError:
             return ""
+        return "".join(lines[1 if start else 0:][-n:])  # a read from inside the file starts in a cut line
 
     def __repr__(self) -> str:
         return f"Run({self.id!r}, {self.state})"
