@@ -250,7 +250,7 @@ def test_a_late_tail_reads_only_the_last_steps(tmp_path):
 def test_a_late_tail_with_a_byte_bound_reads_the_last_whole_steps_that_fit(tmp_path):
     path = tmp_path / "timeline-rank0.jsonl"
     path.write_text("".join(line(e) for s in range(2000) for e in step_events(s)))
-    tail = JsonlTail.last(path, 1 << 62, ends_step, chunk=1024, max_bytes=10_000)
+    tail = JsonlTail.last(path, None, ends_step, chunk=1024, max_bytes=10_000)
     events = tail.read(final=True)
     steps = [e["args"]["step"] for e in events if ends_step(e)]
     assert 10 < len(steps) < 200 and steps == list(range(steps[0], 2000))
@@ -258,8 +258,8 @@ def test_a_late_tail_with_a_byte_bound_reads_the_last_whole_steps_that_fit(tmp_p
     assert tail.bytes_read <= 10_000
     few = JsonlTail.last(path, 3, ends_step, max_bytes=10_000).read(final=True)  # fewer steps than fit
     assert [e["args"]["step"] for e in few if ends_step(e)][-4:] == [1996, 1997, 1998, 1999]
-    assert JsonlTail.last(path, 1 << 62, ends_step, max_bytes=10).read(final=True) == []  # no whole step fits
-    whole = JsonlTail.last(path, 1 << 62, ends_step, max_bytes=path.stat().st_size + 1).read(final=True)
+    assert JsonlTail.last(path, None, ends_step, max_bytes=10).read(final=True) == []  # no whole step fits
+    whole = JsonlTail.last(path, None, ends_step, max_bytes=path.stat().st_size + 1).read(final=True)
     assert len(whole) == 4000
 
 

@@ -105,13 +105,14 @@ class JsonlTail:
         self.restarted = False
 
     @classmethod
-    def last(cls, path, n: int, marks: Callable[[dict], bool], chunk: int = CHUNK,
+    def last(cls, path, n: Optional[int], marks: Callable[[dict], bool], chunk: int = CHUNK,
              max_bytes: Optional[int] = None) -> "JsonlTail":
         """A tail that starts late in the file: where more than ``n`` rows for which ``marks`` holds follow (the
         timeline's last ``n`` steps: ``commlab.engine.timeline.ends_step``), or at the start when the file holds no
         more than that. The file is read backwards from its end, so a long run costs no more than a short one.
         With ``max_bytes``, at most that much of the file's end is read: fewer steps when they do not fit,
-        starting after the first marked row of that end (whole steps only; the file's end when none fits)."""
+        starting after the first marked row of that end (whole steps only; the file's end when none fits); ``n``
+        None: as many steps as fit."""
         return cls(path, _start_of_last(os.fspath(path), n, marks, chunk, max_bytes))
 
     def read(self, final: bool = False) -> list:
@@ -157,13 +158,17 @@ def _parse(lines) -> list:
     return out
 
 
-def _start_of_last(path: str, n: int, marks: Callable[[dict], bool], chunk: int,
+def _start_of_last(path: str, n: Optional[int], marks: Callable[[dict], bool], chunk: int,
                    max_bytes: Optional[int] = None) -> int:
     """The byte offset ``JsonlTail.last`` starts at."""
     try:
         size = os.path.getsize(path)
     except FileNotFoundError:
         return 0
+    if n is None:  # as many as fit: the bound's window at once, parsed once (by the read that follows)
+        if max_bytes is None:
+            raise ValueError("JsonlTail.last: n=None needs max_bytes")
+        chunk = max_bytes
     with open(path, "rb") as f:
         while True:
             capped = max_bytes is not None and chunk >= max_bytes
@@ -174,7 +179,7 @@ def _start_of_last(path: str, n: int, marks: Callable[[dict], bool], chunk: int,
                 return 0
             cut = data.find(b"\n") + 1  # the first line is cut: start after it
             lines = data[cut:].split(b"\n")
-            if sum(1 for e in _parse(lines) if marks(e)) > n:
+            if n is not None and sum(1 for e in _parse(lines) if marks(e)) > n:
                 return start + cut
             if capped:  # no more may be read: begin after the first mark, so that whole steps follow
                 at = start + cut

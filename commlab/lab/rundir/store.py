@@ -295,8 +295,7 @@ class Run:
         cap = view_bytes(len(files))
         if last_steps is None and cap is None:
             return [e for p in files for e in read_jsonl(str(p))]
-        n = (1 << 62) if last_steps is None else last_steps
-        return [e for p in files for e in JsonlTail.last(p, n, ends_step, max_bytes=cap).read(final=True)]
+        return [e for p in files for e in JsonlTail.last(p, last_steps, ends_step, max_bytes=cap).read(final=True)]
 
     def files_key(self) -> tuple:
         """(name, size, mtime) of its metrics and timeline files: what a view made from them is kept under, so
