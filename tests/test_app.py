@@ -183,6 +183,13 @@ def test_each_runs_calibration_is_kept_and_the_model_page_predicts_the_newest_ru
     again = views.predicted_vs_measured(runs)
     assert sorted(made) == sorted(done) and again.equals(first)  # nothing calibrated again
     assert list(views.predicted_vs_measured(runs, newest=1)["run"]) == done[-1:]
+    from commlab.lab.base import sandbox  # no place for a child now: raised, never a table of notes a page keeps
+
+    def busy(*a, **k):
+        raise sandbox.Busy("prediction", "all 2 of the server's places are taken; try again in a moment")
+    monkeypatch.setattr(views.pr, "without_driving", busy)
+    with pytest.raises(sandbox.Busy):
+        views.predicted_vs_measured(runs)
 
 
 def test_model_page_predicts_a_profile_on_a_cluster(tmp_path, monkeypatch):

@@ -776,14 +776,20 @@ def test_a_download_is_built_once_per_content_and_one_at_a_time_per_person(tmp_p
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     monkeypatch.setattr(access, "mode", lambda: "room")
     monkeypatch.setattr(access, "session_id", lambda: "sid")
-    monkeypatch.setattr(access.accounts, "session_user", lambda root, sid: owners.User("alice"))
+    who = {"user": owners.User("alice")}
+    monkeypatch.setattr(access.accounts, "session_user", lambda root, sid: who["user"])
     monkeypatch.setattr(access, "_kept", access.OrderedDict())
     run = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="alice")
     built = []
     trace = access.download_data(lambda: built.append("trace") or b"trace", [run.id], "trace")
     assert trace() == trace() == b"trace" and built == ["trace"]  # kept
-    run.file("metrics.jsonl").write_text('{"kind": "step", "step": 0}\n')
-    assert trace() == b"trace" and built == ["trace", "trace"]  # the run changed: built again
+    (run.path / "timeline-rank0.jsonl").write_text('{"ph": "X", "name": "step 0", "pid": 0, "tid": 0}\n')
+    assert trace() == b"trace" and built == ["trace"] * 2  # the run's files changed: built again
+    run.mark_cancelled("by its owner")
+    assert trace() == b"trace" and built == ["trace"] * 3  # its status changed (a report shows it): again
+    who["user"] = owners.User(owners.TEACHER, admin=True)
+    assert trace() == b"trace" and built == ["trace"] * 4  # another viewer: their own (what a file shows may differ)
+    who["user"] = owners.User("alice")
     started, release = threading.Event(), threading.Event()
 
     def slow():
@@ -799,7 +805,7 @@ def test_a_download_is_built_once_per_content_and_one_at_a_time_per_person(tmp_p
         access.download_data(lambda: built.append("csv") or b"csv", [run.id])()
     release.set()
     t.join(30)
-    assert built == ["trace", "trace"] and access.download_data(lambda: b"csv", [run.id])() == b"csv"
+    assert built == ["trace"] * 4 and access.download_data(lambda: b"csv", [run.id])() == b"csv"
 
 
 def test_over_the_wire_a_revoked_student_gets_no_download(exposed):

@@ -50,14 +50,15 @@ def sentences(lines: List[str]) -> None:
     st.markdown("\n".join(f"- {ui.text(s)}" for s in lines))
 
 
-def explain_panel(run: Run, key: str, frame=None) -> None:
+def explain_panel(run: Run, key: str, frame=None, files: tuple = ()) -> None:
     """The panel for one run. A live run's page passes ``frame``, which gives the last steps it holds in memory
-    (commlab.lab.analysis.live): nothing is read again for the panel, and the explanation is made once per state
-    of the run's files for every page that shows it (timelines.cached)."""
+    (commlab.lab.analysis.live), and ``files``, the state of the run's files taken before it read them: nothing is
+    read again for the panel, and the explanation is made once per state for every page that shows it
+    (timelines.cached)."""
     st.subheader("Why the step takes its time")
     try:
         if frame is not None:  # the run's warm-up left out by step number
-            ex = timelines.cached(("live.explain", str(run.path), run.files_key()),
+            ex = timelines.cached(("live.explain", *(files or (str(run.path), run.files_key()))),
                                   lambda: explain.explain_frame(frame(), run.spec_dict()))
         else:
             ex = timelines.run_explanation(run)

@@ -131,6 +131,9 @@ def live_panel(run_id: str) -> None:
     def charts():
         run = still_visible()
         state = run.state
+        # what is drawn from the run's files below is kept under their state before they are read (a key older
+        # than what it holds is drawn again; a newer one would keep a stale figure)
+        files = (str(run.path), run.files_key())
         lr = live.live_run(run)
         done, _ = lr.progress()
         if not started_final:
@@ -145,7 +148,6 @@ def live_panel(run_id: str) -> None:
             cluster_panel(view)
         st.subheader("Timeline")
         # drawn once per state of the run's files for every page that shows the same (timelines.cached)
-        files = (str(run.path), run.files_key())
         if step < 0:
             fig = timelines.cached(("live.timeline", *files, int(last)), lambda: plots.timeline_figure(
                 lr.timeline(int(last) + 1), last=int(last)))
@@ -158,12 +160,14 @@ def live_panel(run_id: str) -> None:
         bd = lr.breakdown(BREAKDOWN_STEPS, final=state in FINAL)  # each step's breakdown is computed once
         st.plotly_chart(plots.breakdown_figure(bd), key="live.breakdown")
         timed = bd[bd["step"] >= warmup_steps(done)] if len(bd) else bd
-        mean = plots.mean_breakdown(timed if len(timed) else bd)
+        shown = timed if len(timed) else bd
+        mean = plots.mean_breakdown(shown)
         if mean:
-            st.caption(f"mean over the last {BREAKDOWN_STEPS:d} steps, warm-up left out: " + ", ".join(
+            st.caption(f"mean over the last {shown['step'].nunique():d} steps"
+                       + (", warm-up left out: " if len(timed) else ": ") + ", ".join(
                 f"{ui.text(plots.PART_LABELS[k])} {mean[k]:.2f} ms" for k in (*plots.PARTS, "hidden_comm_ms"))
                 + f"; step {mean['step_ms']:.2f} ms")
-        explain_view.explain_panel(run, "live.explain", frame=lambda: lr.timeline(BREAKDOWN_STEPS))
+        explain_view.explain_panel(run, "live.explain", frame=lambda: lr.timeline(BREAKDOWN_STEPS), files=files)
         st.subheader("Loss and accuracy")
         metrics = lr.metrics()
         st.plotly_chart(plots.curves_figure(metrics, lr.metrics("eval"),

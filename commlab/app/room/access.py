@@ -35,6 +35,7 @@ from streamlit.runtime.memory_media_file_storage import MemoryFile, get_extensio
 from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
 
 from commlab import api
+from commlab.engine import runfiles
 from commlab.app.room import uploads
 from commlab.app.room.gatekeeper import SESSION_COOKIE
 from commlab.lab.front import ui
@@ -143,7 +144,7 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str 
     and the browser gets no file). Each person builds one download at a time (a click while one is being
     built builds nothing: a repeated click queues no work on the server's threads), and a file of a ``kind``
     (what ``make`` builds from the runs and the viewer alone) is kept, for that viewer, while its runs' files
-    stay as they are."""
+    and status stay as they are."""
     if mode() == "off":
         return make
     root, sid, ids = ui.runs_dir(), session_id(), list(run_ids)
@@ -156,8 +157,10 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str 
         for run in runs:
             if not owners.can_see(user, run.status()):
                 raise PermissionError(f"download refused: {user.name} may not see run {run.id}")
-        # the viewer's: what a file shows can depend on who looks (a student's errors carry no server paths)
-        key = (kind, user.name, tuple((r.id, r.files_key()) for r in runs)) if kind else None
+        # the viewer's: what a file shows can depend on who looks (a student's errors carry no server paths); and
+        # the runs' as they are: their files and their status (a report shows the state and the error)
+        key = (kind, user.name, tuple((r.id, r.files_key(), _mtime(r.file(runfiles.STATUS))) for r in runs)) \
+            if kind else None
         with _downloads_lock:
             if key in _kept:
                 _kept.move_to_end(key)
@@ -177,6 +180,13 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str 
                     _kept.popitem(last=False)
         return data
     return build
+
+
+def _mtime(path) -> int:
+    try:
+        return path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return 0
 
 
 _guard_lock = threading.Lock()

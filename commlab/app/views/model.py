@@ -93,7 +93,7 @@ def from_runs():
         with places.person(me.name, "prediction", sandbox.WAIT_S):
             grid, cross, sources = predictions(str(runs), run_id, files, gbps, workers, speed, latency)
             pvm = every_run(str(runs), seen, me.name)  # the runs this user may see
-    except sandbox.Busy as e:
+    except (sandbox.Busy, sandbox.TimedOut) as e:  # the server's load now: said, and nothing kept
         st.warning(ui.text(views.one_line(e)))
         return
 

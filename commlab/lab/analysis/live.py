@@ -49,6 +49,8 @@ class _RankTimeline:
     def __init__(self, path: Path, keep: int, max_bytes: Optional[int] = None):
         self.tail = JsonlTail.last(path, keep, ends_step, max_bytes=max_bytes)
         self.max_bytes = max_bytes
+        self.whole = self.tail.offset == 0
+        """every step the file holds is kept (it was read from its start and none dropped for bytes)"""
         self.steps: Deque[List[dict]] = deque(maxlen=keep)
         self.sizes: Deque[float] = deque(maxlen=keep)
         """the bytes of the file each kept step took (its share of the read it came in)"""
@@ -73,6 +75,7 @@ class _RankTimeline:
         while self.max_bytes is not None and len(self.steps) > 1 and sum(self.sizes) > self.max_bytes:
             self.steps.popleft()
             self.sizes.popleft()
+            self.whole = False
 
     def events(self, n: int) -> List[dict]:
         chunks = list(self.steps)[-n:] if n > 0 else []
@@ -167,9 +170,11 @@ class LiveRun:
                 self.rows = []
             self.rows.extend(rows)
             files = self.run.timeline_files()
+            share = view_bytes(len(files))  # each rank's, of every rank seen so far (a rank can start late)
             for p in files:
                 if p.name not in self.ranks:
-                    self.ranks[p.name] = _RankTimeline(p, self.keep, view_bytes(len(files)))
+                    self.ranks[p.name] = _RankTimeline(p, self.keep, share)
+                self.ranks[p.name].max_bytes = share
                 self.ranks[p.name].update()
         return self
 
@@ -187,8 +192,10 @@ class LiveRun:
 
     def has_steps(self, n: int) -> bool:
         """Whether every rank's last ``n`` steps are kept (else read them with
-        ``commlab.lab.analysis.timelines.tail_timeline``)."""
-        return n <= self.keep
+        ``commlab.lab.analysis.timelines.tail_timeline``): no more than ``keep``, and, where fewer were kept for
+        their bytes, no more than were kept."""
+        with self.lock:
+            return n <= self.keep and all(r.whole or len(r.steps) >= n for r in self.ranks.values())
 
     def timeline(self, steps: int) -> pd.DataFrame:
         """The timeline frame (``Run.timeline``'s columns) of every rank's last ``steps`` steps and

@@ -166,7 +166,8 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: O
     measured and predicted iteration time (ms), or the reason it could not be predicted. Each run's calibration is
     kept (``calibrated_run``). What the predictions need measured (the runs' compressors' curves, payloads only
     driving tells) is measured for all runs at once, in children where this process serves viewers (``who``'s),
-    and kept: the page's next load measures nothing."""
+    and kept: the page's next load measures nothing. No place for a child now, or a child out of time, is raised
+    (sandbox.Busy, sandbox.TimedOut): about the server's load, not an answer about the runs."""
     rows, todo, sections = [], [], {}
     curves = {} if curves is None else curves
     only = None if only is None else set(only)
@@ -198,13 +199,17 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: O
             try:
                 row["predicted_ms"] = pr.predict(prof, spec, link.gbps if link.beta else 1.0, spec["world_size"],
                                                  link=link, layout=layout).total * 1e3
+            except (sandbox.Busy, sandbox.TimedOut):
+                raise
             except (cal.CalibrationError, ValueError, KeyError, OSError) as e:
                 row["note"] = one_line(e)[:120]
     try:
         if todo:
             ensure_curves(todo[0][1], sections, who)  # into ``curves``, which every run's profile holds
         pr.without_driving(predict_all, who)
-    except ValueError as e:  # a child's limit, or no place for one now: said on every run it leaves unpredicted
+    except (sandbox.Busy, sandbox.TimedOut):
+        raise  # about the server's load now, not about the runs: not their answer (a page keeps what it gets)
+    except ValueError as e:  # a child's limit: said on every run it leaves unpredicted
         for row, *_ in todo:
             row["predicted_ms"], row["note"] = None, one_line(e)[:120]
     return pd.DataFrame(rows)
