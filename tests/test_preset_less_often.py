@@ -62,6 +62,9 @@ class FakeRun:
     def timeline_files(self):
         return []
 
+    def timeline_events(self, last_steps=None):
+        return []
+
 
 def verdict(values):
     runs = {"DDP": FakeRun("a", 1, 100.0, 100.0, [(10, 0.6), (20, 0.9), (30, 0.95), (40, 0.97)]),
