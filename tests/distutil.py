@@ -333,3 +333,11 @@ def model_state(trainer) -> dict:
     """A Trainer's model state_dict with up-to-date parameters (dear's parameters completed first), cloned."""
     trainer.sync_params()
     return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def counted(calls: dict, name: str, real):
+    """``real``, counting each call in ``calls[name]`` (a test checks what a page computed again)."""
+    def f(*a, **k):
+        calls[name] += 1
+        return real(*a, **k)
+    return f

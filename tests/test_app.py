@@ -23,6 +23,7 @@ from commlab.lab.front import appserver, groups, new_run, sweep_jobs  # noqa: E4
 from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from commlab.lab.strategy.perfmodel import views  # noqa: E402
 from commlab.lab.analysis import plots, timelines
+from distutil import counted  # noqa: E402
 from commlab.lab.analysis.presets import PRESETS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,14 +152,8 @@ def test_the_live_pages_of_one_run_draw_its_timeline_and_explain_it_once(runs, m
     from commlab.app import live_view
     from commlab.lab.analysis import explain
     made = {"figure": 0, "explain": 0}
-
-    def counted(name, real):
-        def f(*a, **k):
-            made[name] += 1
-            return real(*a, **k)
-        return f
-    monkeypatch.setattr(live_view.plots, "timeline_figure", counted("figure", plots.timeline_figure))
-    monkeypatch.setattr(explain, "explain_frame", counted("explain", explain.explain_frame))
+    monkeypatch.setattr(live_view.plots, "timeline_figure", counted(made, "figure", plots.timeline_figure))
+    monkeypatch.setattr(explain, "explain_frame", counted(made, "explain", explain.explain_frame))
     monkeypatch.setattr(timelines, "_CACHE", type(timelines._CACHE)())
     first = page("live_run")
     assert not first.exception and made == {"figure": 1, "explain": 1}, made

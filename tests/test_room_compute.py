@@ -41,6 +41,7 @@ from test_app import SMALL  # noqa: E402
 from test_perfmodel import tiny_profile  # noqa: E402
 from test_safe_room import as_viewer, one_line, profiles, room  # noqa: E402,F401  (fixtures)
 from test_workshop import app  # noqa: E402
+from distutil import counted  # noqa: E402
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,14 +243,8 @@ def test_page_loads_do_not_time_the_runs_compressors_again_nor_predict_a_point_s
     assert timed["here"] == []
 
     calls = {"from_run": 0, "speedup": 0}
-
-    def counted(name, real):
-        def f(*a, **k):
-            calls[name] += 1
-            return real(*a, **k)
-        return f
-    monkeypatch.setattr(cal, "from_run", counted("from_run", cal.from_run))
-    monkeypatch.setattr(predict, "speedup", counted("speedup", predict.speedup))
+    monkeypatch.setattr(cal, "from_run", counted(calls, "from_run", cal.from_run))
+    monkeypatch.setattr(predict, "speedup", counted(calls, "speedup", predict.speedup))
     at = app(tokens["alice"], page="model")
     assert not at.exception and calls == {"from_run": 0, "speedup": 0}  # the page again: every answer kept
     at.select_slider(key="pm.gbps").set_value(0.1).run()
