@@ -432,6 +432,24 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
         ui.set_viewer(None)
 
 
+def test_a_run_whose_supervisor_died_does_not_count_against_queued(tmp_path, monkeypatch):
+    """The pages look for dead supervisors at most every few seconds; a submit looks itself before it counts a
+    student's queued runs, so one that died just now does not hold their place."""
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    quota_file(tmp_path, {"queued": 1})
+    dead = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="alice")
+    dead.update_status(created=dead.status()["created"] - 60)  # queued a minute ago; nobody supervises it
+    ui.set_viewer(lambda: owners.User("alice"))
+    try:
+        monkeypatch.setitem(ui._recovered, str(tmp_path), ui.time.monotonic())  # a page's list looked just now
+        assert dead.id in [r.id for r in ui.list_runs(tmp_path, state="queued")]  # and does not look again yet
+        (run,) = ui.queue_runs(tmp_path, [commlab.spec(dict(SMALL, steps=2))])
+        assert dead.state == "failed" and dead.status()["error"].startswith("stale: ")
+        assert commlab.wait(run.id, runs=tmp_path, timeout=120) == "done"
+    finally:
+        ui.set_viewer(None)
+
+
 @pytest.mark.parametrize("quotas,msg", [
     ({"queued": 0}, "quotas.queued: must be a positive integer or null (no limit), got 0"),
     ({"steps": 1.5}, "quotas.steps: must be a positive integer or null (no limit), got 1.5"),

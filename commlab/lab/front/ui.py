@@ -124,6 +124,7 @@ def queue_runs(root, specs: list, then=None) -> List[Run]:
     q = _lab(root)
     with owners.queue_lock(root, user.name):
         if not user.admin:
+            q.recover_stale()  # a run whose supervisor died is no longer queued or running: it counts no more
             mine = q.index.query(owner=user.name)
             active = sum(1 for r in mine if r["state"] in ("queued", "running"))
             limits = owners.quotas(root)
