@@ -826,6 +826,48 @@ def test_a_download_is_built_once_per_content_and_one_at_a_time_per_person(tmp_p
     assert built == ["trace"] * 4 and access.download_data(lambda: b"csv", [run.id])() == b"csv"
 
 
+def test_a_download_asked_for_again_and_again_holds_no_more_memory(tmp_path, monkeypatch):
+    """Streamlit stores what a deferred download's builder returns as a new file on every request, also when
+    the builder hands back a kept one: a client that asks again and again without fetching held a copy per
+    request (300 requests for a 5 MB report held 1.5 GB). One person holds at most HELD_PER_PERSON, and
+    everyone HELD_MB_TOTAL MB; a file fetched and spent frees its place; another person is not refused."""
+    from streamlit.runtime.media_file_manager import MediaFileManager
+    from streamlit.runtime.media_file_storage import MediaFileStorageError
+    from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    monkeypatch.setattr(access, "mode", lambda: "room")
+    monkeypatch.setattr(access, "session_id", lambda: "sid")
+    who = {"user": owners.User("mallory")}
+    monkeypatch.setattr(access.accounts, "session_user", lambda root, sid: who["user"])
+    monkeypatch.setattr(access, "_kept", access.OrderedDict())
+    monkeypatch.setattr(access, "REFETCH_S", 0.0)
+    run = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="mallory")
+    run.note(shared=True)  # bob may see it too
+    storage = MemoryMediaFileStorage("/media")
+    access._one_shot(storage)
+    mgr = MediaFileManager(storage)
+    report = "x" * (1 << 20)
+    fid = mgr.add_deferred(access.download_data(lambda: report, [run.id], "report"), "text/html", "c", "r.html")
+    urls = [mgr.execute_deferred(fid) for _ in range(access.HELD_PER_PERSON)]
+    for _ in range(5):
+        with pytest.raises(MediaFileStorageError, match=f"download refused: mallory holds {access.HELD_PER_PERSON} "
+                                                        "downloads not yet fetched"):
+            mgr.execute_deferred(fid)
+    assert len(storage._files_by_id) == access.HELD_PER_PERSON
+    who["user"] = owners.User("bob")
+    bobs = mgr.execute_deferred(fid)  # another person is not refused for mallory's
+    storage.get_file(bobs.split("/")[-1])
+    who["user"] = owners.User("mallory")
+    storage.get_file(urls[0].split("/")[-1])  # fetched: spent at once here (REFETCH_S 0), its place freed
+    with pytest.raises(MediaFileStorageError):
+        storage.get_file(urls[0].split("/")[-1])
+    assert mgr.execute_deferred(fid)
+    monkeypatch.setattr(access, "HELD_MB_TOTAL", access.HELD_PER_PERSON)  # mallory's three 1 MB files fill it
+    who["user"] = owners.User(owners.TEACHER, admin=True)
+    with pytest.raises(MediaFileStorageError, match="the server holds"):
+        mgr.execute_deferred(fid)
+
+
 def test_over_the_wire_a_revoked_student_gets_no_download(exposed):
     from bench.wsclient import Session, sign_in
     url, runs, tokens, _ = exposed

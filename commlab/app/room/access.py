@@ -17,6 +17,7 @@ fetch, then is gone; no websocket client may clear the server's caches (they are
 are bounded per person and for the server, and dropped with their page (commlab/app/room/uploads.py)."""
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
@@ -51,6 +52,12 @@ REFETCH_S = 5.0
 """How long it still serves after its first fetch. Chromium fetches a download twice at times (the
 navigation that turns into a download, then the download itself): served strictly once, the second
 request got a 404 and the browser cancelled the download (seen in the real-browser test)."""
+HELD_PER_PERSON = 3
+"""Built downloads one person may hold in the server's memory at once (each until it is fetched and REFETCH_S
+more, or ONE_SHOT_S): a client that asks again and again without fetching holds no more."""
+HELD_MB_TOTAL = 512
+"""Megabytes of built downloads the server holds for everyone at once; past it a download is refused until some
+are fetched or expire."""
 log = logging.getLogger("commlab.access")
 
 
@@ -135,6 +142,9 @@ _kept: "OrderedDict[tuple, object]" = OrderedDict()
 _building: set = set()
 """Who has a download being built now: one at a time per person."""
 _downloads_lock = threading.Lock()
+_holder: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar("commlab_download_holder", default=None)
+"""Whose download this thread is building (set by ``download_data``'s builder; read where Streamlit stores the
+file it built, in the same call)."""
 
 
 def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str = "") -> Callable[[], object]:
@@ -153,6 +163,7 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str 
         user = accounts.session_user(root, sid)
         if user is None:
             raise PermissionError("download refused: the session has ended")
+        _holder.set(user.name)
         runs = [api.get(rid, runs=root) for rid in ids]
         for run in runs:
             if not owners.can_see(user, run.status()):
@@ -204,7 +215,9 @@ def guard_server() -> None:
       its id;
     - the /media file it produces gets a random id (not a hash of its content), serves for REFETCH_S
       seconds from its first fetch, and is dropped ONE_SHOT_S seconds after it was made if nobody fetched
-      it, so a URL that leaks afterwards (browser history, a shared screen, a proxy log) serves nothing;
+      it, so a URL that leaks afterwards (browser history, a shared screen, a proxy log) serves nothing; one
+      person holds at most HELD_PER_PERSON such files at once and everyone HELD_MB_TOTAL MB (a client asking
+      for the same download again and again without fetching it holds no more memory);
     - uploads: at most commlab.app.room.uploads' FILES_PER_PERSON files and MB_PER_PERSON MB per person, MB_TOTAL MB for the
       server, dropped when their page's websocket closes (commlab.app.room.uploads.guard)."""
     global _guarded
@@ -256,20 +269,36 @@ def _one_shot(storage) -> None:
     lock = threading.Lock()
     load, get, url = storage.load_and_get_id, storage.get_file, storage.get_url
 
+    holders: dict = {}
+    """file id -> (the person it was built for, its bytes), while it is held"""
+
+    def drop(file_id):
+        expires.pop(file_id, None)
+        fetched.discard(file_id)
+        holders.pop(file_id, None)
+        storage.delete_file(file_id)
+
     def load_and_get_id(path_or_data, mimetype, kind, filename=None):
         if kind != MediaFileKind.DOWNLOADABLE:
             return load(path_or_data, mimetype, kind, filename)
         data = storage._read_file(path_or_data) if isinstance(path_or_data, str) else path_or_data
-        file_id = secrets.token_hex(32)
+        file_id, who = secrets.token_hex(32), _holder.get() or ""
         with lock:
             now = time.monotonic()
             for old in [k for k, t in expires.items() if t < now]:  # expired: dropped
-                expires.pop(old)
-                fetched.discard(old)
-                storage.delete_file(old)
+                drop(old)
+            mine = sum(1 for w, _ in holders.values() if w == who)
+            if who and mine >= HELD_PER_PERSON:  # who: a download built by download_data's builder
+                raise MediaFileStorageError(f"download refused: {who} holds {mine} downloads not "
+                                            f"yet fetched (at most {HELD_PER_PERSON}); fetch them or wait "
+                                            f"{ONE_SHOT_S:.0f} s")
+            held = sum(n for _, n in holders.values()) + len(data)
+            if held > HELD_MB_TOTAL * 2**20:
+                raise MediaFileStorageError(f"download refused: the server holds {HELD_MB_TOTAL} MB of downloads "
+                                            f"not yet fetched; try again in a minute")
             storage._files_by_id[file_id] = MemoryFile(content=data, mimetype=mimetype, kind=kind,
                                                        filename=filename)
-            expires[file_id] = now + ONE_SHOT_S
+            expires[file_id], holders[file_id] = now + ONE_SHOT_S, (who, len(data))
         return file_id
 
     def get_file(filename):
@@ -283,9 +312,7 @@ def _one_shot(storage) -> None:
                         fetched.add(file_id)
                         expires[file_id] = min(expires[file_id], now + REFETCH_S)
                     return f
-                expires.pop(file_id)
-                fetched.discard(file_id)
-                storage.delete_file(file_id)
+                drop(file_id)
                 raise MediaFileStorageError(f"no media file {file_id!r}")
         return get(filename)
 
