@@ -113,6 +113,31 @@ def test_live_run_reads_only_what_was_appended(fake_run):
     assert [m["step"] for m in lr.metric_rows()] == [0]
 
 
+def test_opening_finished_runs_does_not_make_a_followed_running_run_read_again(fake_run, monkeypatch):
+    """The followed runs are one list for the whole server: a student who opens finished runs one after another
+    pushed the runs others follow out of it, and each page following a big running run then read its files again
+    from their ends on every refresh. A run that had ended goes first; a running run is dropped only when every
+    other followed run goes on too."""
+    runs, run, write = fake_run
+    write(range(0, 10))
+    monkeypatch.setattr(live, "_LIVE", live.OrderedDict())
+    lr = live.live_run(run)
+    ended = []
+    for i in range(3 * live.MAX_LIVE):
+        other = RunStore(runs).create(commlab.spec(SMALL))
+        other.mark_cancelled("finished")
+        ended.append(live.live_run(other))
+    assert live.live_run(run) is lr and bytes_read(lr) == bytes_read(live.live_run(run))  # kept: nothing read again
+    assert len(live._LIVE) == live.MAX_LIVE and all(x.ended for x in ended)
+    going = []
+    for i in range(live.MAX_LIVE):  # runs going on, every one of them: the least recently used is dropped
+        other = RunStore(runs).create(commlab.spec(SMALL))
+        other.set_status("running", supervisor=procs.identity())
+        going.append(live.live_run(other))
+    assert len(live._LIVE) == live.MAX_LIVE and lr not in live._LIVE.values()
+    assert not any(x.ended for x in live._LIVE.values())
+
+
 def test_live_breakdown_is_step_breakdown_computed_once_per_step(fake_run, monkeypatch):
     runs, run, write = fake_run
     write(range(0, 8))
