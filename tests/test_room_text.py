@@ -547,3 +547,24 @@ def test_a_persons_checks_have_a_budget_of_their_own(fake, monkeypatch):
     for _ in range(3):
         sandbox.run("check", spec, sandbox.CHECK, who=owners.User(owners.TEACHER, admin=True))
     assert len(fake.started) == n + 4
+
+
+def test_a_persons_predictions_have_a_budget_of_their_own(fake, monkeypatch):
+    """The Performance model's children (a prediction from a student's profile, the cost curves and payloads it
+    measures) may take up to 150 s each, and each new value of the page's number inputs asks for one: past
+    MODEL_BUDGET_S of their time in the window, alice's next one is refused with one line; her previews, bob's
+    predictions and the teacher's still get children."""
+    monkeypatch.setattr(places, "MODEL_BUDGET_S", 2 * CHILD_S)
+    for task in ("predict", "curves"):
+        sandbox.run(task, {}, cal.PREDICT, who="alice")
+    for task, label in (("predict", "prediction"), ("curves", "cost curve"), ("rounds", "payload")):
+        with pytest.raises(places.OverBudget) as refused:
+            sandbox.run(task, {}, cal.PREDICT, who="alice")
+        assert re.fullmatch(rf"{label}: your predictions took 0\.6 s of the server's time in the last 5 minutes, "
+                            r"the most one person may; try again in \d+ s", str(refused.value)), refused.value
+    n = len(fake.started)
+    previews.model_size(sized(1), owners.User("alice"))
+    sandbox.run("predict", {}, cal.PREDICT, who="bob")
+    for _ in range(3):
+        sandbox.run("predict", {}, cal.PREDICT, who=owners.User(owners.TEACHER, admin=True))
+    assert len(fake.started) == n + 5

@@ -6,7 +6,9 @@ Each child is started for a person: the one the caller names, else the viewer th
 second waits for the first); a free place goes to the waiting person who has had the least child time
 lately (a submit's check before any preview), not to whoever asks most often. A person's previews may take
 ``BUDGET_S`` seconds of child time in any ``BUDGET_WINDOW_S`` (the teacher and the local user have no
-budget); past it they are refused with one line saying when to try again, and nobody else is affected.
+budget); past it they are refused with one line saying when to try again, and nobody else is affected. Checks
+before a submit and the Performance model's children have budgets of their own (``CHECK_BUDGET_S``,
+``MODEL_BUDGET_S``).
 
 ``install`` makes these rules the sandbox's gate (commlab.lab.base.sandbox.install_gate): the room's
 admission (commlab.room.policy) and the UI's viewer (commlab.lab.front.ui) install it.
@@ -41,6 +43,14 @@ the longest (CHECK.wall_s). A check goes before every waiting preview, and one t
 the ``queued`` quota never stops a person sending the same failing spec again): without a bound of its own,
 one person could keep a place busy ahead of everyone. Past it their submits of a model that needs a check are
 refused (one line: when to try again)."""
+MODEL_BUDGET_S = 120.0
+"""Seconds of child wall time one person's Performance model children (a prediction from their profile, and the
+cost curves and payloads it measures) may take within BUDGET_WINDOW_S: about thirty predictions of a profile (4 s
+each here), or three of a compressor at the bounds of its parameters (35 s). Each new value of the page's number
+inputs asks for a new one; without a bound one person could keep a place busy without a break. Past it their
+predictions are refused (one line: when to try again)."""
+MODEL_TASKS = ("predict", "curves", "rounds")
+"""The tasks MODEL_BUDGET_S counts and refuses."""
 
 
 class OverBudget(Busy):
@@ -166,12 +176,17 @@ class Places:
 
     def refuse_past_budget(self, name: str, label: str, task: str = "describe") -> None:
         """OverBudget, saying when to try again, when ``name``'s child time in the window is BUDGET_S or more
-        (a preview), or their checks' time is CHECK_BUDGET_S or more (a ``check``)."""
-        check = task == "check"
-        budget, what = (CHECK_BUDGET_S, "checks before a submit") if check else (BUDGET_S, "previews")
+        (a preview), their checks' time CHECK_BUDGET_S or more (a ``check``), or their Performance model
+        children's MODEL_BUDGET_S or more (one of MODEL_TASKS)."""
+        if task == "check":
+            budget, what, counted = CHECK_BUDGET_S, "checks before a submit", ("check",)
+        elif task in MODEL_TASKS:
+            budget, what, counted = MODEL_BUDGET_S, "predictions", MODEL_TASKS
+        else:
+            budget, what, counted = BUDGET_S, "previews", None  # every child of theirs counts
         with self._cond:
             now = time.monotonic()
-            q = [(ended, s) for ended, s, t in self._recent(name, now) if not check or t == "check"]
+            q = [(ended, s) for ended, s, t in self._recent(name, now) if counted is None or t in counted]
         total = sum(s for _, s in q)
         if total < budget:
             return
@@ -228,10 +243,11 @@ _places = Places()
 def gate(task: str, who, label: str, limits: Limits, wait_s: float):
     """The room's gate (commlab.lab.base.sandbox.install_gate): held while ``who``'s child (None: the viewer
     ``identify`` gives, SandboxError when nobody is signed in) runs. ``OverBudget`` for a preview past its
-    person's BUDGET_S or a check past their CHECK_BUDGET_S; ``Busy`` when no place came within ``wait_s``."""
+    person's BUDGET_S, a check past their CHECK_BUDGET_S or a Performance model child past their MODEL_BUDGET_S;
+    ``Busy`` when no place came within ``wait_s``."""
     name, budgeted = whom(who, label)
     with person(name, label, limits.wall_s + wait_s):
-        if budgeted and (task in BUDGETED or task == "check"):
+        if budgeted and (task in BUDGETED or task == "check" or task in MODEL_TASKS):
             _places.refuse_past_budget(name, label, task)
         if not _places.take(name, task, wait_s):
             raise Busy(label, f"all {sandbox.MAX_CHILDREN} of the server's places for previews and checks are "
