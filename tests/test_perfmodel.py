@@ -549,6 +549,22 @@ def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
     assert "decode_more" in whatif.profile_problem(d)
     d["compressors"]["fp16"]["decode_more"] = [1e-6, 1e-10]
     assert whatif.profile_problem(d) is None
+    # what the pages put into their text is text: a profile anyone uploads is refused in one line otherwise
+    for where, bad, said in ((d, {"source": ["x"]}, "source must be a string"),
+                             (d["compressors"]["fp16"], {"source": 1}, "compressors.fp16: its source, kind and code"),
+                             (d["compressors"]["fp16"], {"kind": None}, "compressors.fp16: its source, kind and code"),
+                             (d, {"link": {"alpha": 0, "beta": 1e-9, "nominal_gbps": 1, "source": {}}},
+                              "link.source must be a string"),
+                             (d, {"disturbance": {"disturbed": True, "text": "busy"}}, "disturbance must be a mapping"),
+                             (d, {"disturbance": []}, "disturbance must be a mapping")):
+        kept = dict(where)
+        where.update(bad)
+        assert said in whatif.profile_problem(d), bad
+        where.clear()
+        where.update(kept)
+    assert whatif.profile_problem(d) is None
+    with pytest.raises(SpecError, match="^upload: u.json is not a profile \\(nested too deeply\\)$"):
+        whatif.profile_from_text("[" * 100_000 + "]" * 100_000, "u.json", "upload")
 
 
 def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):

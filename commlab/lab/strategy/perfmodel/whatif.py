@@ -269,6 +269,8 @@ def profile_from_text(text: str, where: str, field: str = "PROFILE") -> cal.Prof
         d = json.loads(text)
     except ValueError as e:
         raise SpecError(field, f"{where} is not JSON ({str(e).splitlines()[0]})") from None
+    except RecursionError:
+        raise SpecError(field, f"{where} is not a profile (nested too deeply)") from None
     if not isinstance(d, dict) or any(k not in d for k in PROFILE_FIELDS):
         raise SpecError(field, f"{where} is not a profile (needs {', '.join(PROFILE_FIELDS)}; "
                                f"write one with `commlab profile SPEC -o FILE`)")
@@ -292,6 +294,8 @@ def profile_problem(d: dict) -> Optional[str]:
     for k in ("model", "dataset"):
         if not isinstance(d[k], str):
             return f"{k} must be a string"
+    if not isinstance(d.get("source", ""), str):
+        return "source must be a string"
     if isinstance(d["batch_size"], bool) or not isinstance(d["batch_size"], int) or d["batch_size"] < 1:
         return "batch_size must be a positive integer"
     for k in ("forward_s", "backward_s", "optimizer_s", "overlap_slowdown"):
@@ -314,6 +318,8 @@ def profile_problem(d: dict) -> Optional[str]:
                 for s in ("encode", "between", "decode") + (("decode_more",) if "decode_more" in curve else ())):
             return (f"compressors.{key} must hold encode, between and decode (and optionally decode_more) as "
                     "[fixed s, s per byte]")
+        if not all(isinstance(curve.get(s, ""), str) for s in ("source", "kind", "code")):
+            return f"compressors.{key}: its source, kind and code must be strings"
     for key, rounds in d.get("payloads", {}).items():
         if not isinstance(rounds, list) or not all(isinstance(r, list) and len(r) == 3 and isinstance(r[0], str)
                                                    and _number(r[1]) and _number(r[2]) for r in rounds):
@@ -322,6 +328,12 @@ def profile_problem(d: dict) -> Optional[str]:
     if link is not None and not (isinstance(link, dict) and all(_number(link.get(k)) for k in
                                                                 ("alpha", "beta", "nominal_gbps"))):
         return "link must hold alpha, beta and nominal_gbps as numbers"
+    if link is not None and not isinstance(link.get("source", ""), str):
+        return "link.source must be a string"
+    dist = d.get("disturbance", {})
+    if not isinstance(dist, dict) or (dist.get("disturbed") and not all(isinstance(dist.get(k), str)
+                                                                        for k in ("run", "text"))):
+        return "disturbance must be a mapping (a disturbed one with its run and text as strings)"
     if d.get("spec") is not None and not isinstance(d["spec"], dict):
         return "spec must be a mapping (a job spec)"
     return None
