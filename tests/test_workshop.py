@@ -18,6 +18,7 @@ from commlab.room import accounts  # noqa: E402
 from commlab.room import owners
 from commlab.room import open_lab  # noqa: E402
 from commlab.lab.base.errors import LabError  # noqa: E402
+from commlab.lab.service.queue import Lab  # noqa: E402
 from commlab.lab.rundir import launcher  # noqa: E402
 from commlab.lab.rundir.store import RunError
 from test_app import ENTRY, SMALL  # noqa: E402
@@ -434,17 +435,22 @@ def test_quotas_refuse_with_the_limit_named(tmp_path, monkeypatch):
 
 def test_a_run_whose_supervisor_died_does_not_count_against_queued(tmp_path, monkeypatch):
     """The pages look for dead supervisors at most every few seconds; a submit looks itself before it counts a
-    student's queued runs, so one that died just now does not hold their place."""
+    student's queued runs, so one that died just now does not hold their place. It looks at that student's
+    unfinished runs only (every run's status is a second's reading at thousands of runs, on every click)."""
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     quota_file(tmp_path, {"queued": 1})
-    dead = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="alice")
-    dead.update_status(created=dead.status()["created"] - 60)  # queued a minute ago; nobody supervises it
+    dead, bobs = (open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner=who) for who in ("alice", "bob"))
+    for r in (dead, bobs):
+        r.update_status(created=r.status()["created"] - 60)  # queued a minute ago; nobody supervises it
     ui.set_viewer(lambda: owners.User("alice"))
     try:
         monkeypatch.setitem(ui._recovered, str(tmp_path), ui.time.monotonic())  # a page's list looked just now
         assert dead.id in [r.id for r in ui.list_runs(tmp_path, state="queued")]  # and does not look again yet
+        looked, recover = [], Lab.recover_stale
+        monkeypatch.setattr(Lab, "recover_stale", lambda self, ids=None: looked.append(ids) or recover(self, ids))
         (run,) = ui.queue_runs(tmp_path, [commlab.spec(dict(SMALL, steps=2))])
         assert dead.state == "failed" and dead.status()["error"].startswith("stale: ")
+        assert looked == [[dead.id]]  # hers, not bob's (his is left to the pages' next look)
         assert commlab.wait(run.id, runs=tmp_path, timeout=120) == "done"
     finally:
         ui.set_viewer(None)

@@ -19,6 +19,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from commlab import api
 from commlab.engine import codepath
+from commlab.engine.runfiles import UNFINISHED
 from commlab.lab.base.errors import LabError
 from commlab.lab.base.paths import default_root
 from commlab.lab.rundir.ftrun import request_fault
@@ -124,13 +125,18 @@ def queue_runs(root, specs: list, then=None) -> List[Run]:
     q = _lab(root)
     with owners.queue_lock(root, user.name):
         if not user.admin:
-            q.recover_stale()  # a run whose supervisor died is no longer queued or running: it counts no more
+            # a run of theirs whose supervisor died is no longer queued or running: it counts no more (their
+            # unfinished runs are looked at, not every run's status: that is the pages' lists' job, every few s)
             mine = q.index.query(owner=user.name)
+            unfinished = [r["id"] for r in mine if r["state"] in UNFINISHED]
+            if unfinished:
+                q.recover_stale(ids=unfinished)
+                mine = q.index.query(owner=user.name)
             active = sum(1 for r in mine if r["state"] in ("queued", "running"))
             limits = owners.quotas(root)
             owners.check_queued(limits, user, active, len(specs))
             owners.check_kept(limits, user, len(mine), len(specs), shutil.disk_usage(root).free / 2**20)
-        made = [q.create(s, owner=user.name, wall_limit_s=wall) for s in specs]
+        made = [q.create(s, owner=user.name, wall_limit_s=wall, look_for_stale=user.admin) for s in specs]
     if then is not None:
         then(made)
     for run in made:

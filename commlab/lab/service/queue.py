@@ -25,7 +25,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from commlab.engine import runfiles
 from commlab.engine.runfiles import FINAL, UNFINISHED, State
@@ -37,7 +37,7 @@ from commlab.lab.net.netns import NetworkUnavailable, check_shaped_supported
 from commlab.lab.rundir.index import Index, RunIndexError
 from commlab.lab.rundir.launcher import kill_strays, launch
 from commlab.lab.rundir.progress import quiet
-from commlab.lab.rundir.store import Run, RunStore, lab_config
+from commlab.lab.rundir.store import Run, RunError, RunStore, lab_config
 from commlab.lab.service.admission import Admission
 from commlab.lab.service.spawn import spawn_detached
 from commlab.lab.strategy import auto, ftsearch
@@ -155,7 +155,7 @@ class Lab:
 
     def create(self, spec, sweep: Optional[str] = None, run_id: Optional[str] = None, owner: Optional[str] = None,
                wall_limit_s: Optional[float] = None, say: Optional[Callable[[str], None]] = None,
-               supervisor: Optional[dict] = None, ranks_here: Optional[int] = None) -> Run:
+               supervisor: Optional[dict] = None, ranks_here: Optional[int] = None, look_for_stale: bool = True) -> Run:
         """A new queued run directory (nothing runs until a supervisor takes it), as the lab's admission rule
         admits it (``self.admission.admit``: its owner, default the local user, and its limits, recorded in its
         status; a model or data set from outside the zoo takes one batch first, and ``say`` is told before).
@@ -163,7 +163,9 @@ class Lab:
         it from the status). ``supervisor``: the identity (procs.identity) of the process that will supervise
         it, when that is known already (``commlab run``). ``ranks_here``: the ranks this machine's launcher starts,
         at most ``max_ranks``: all of them (None), this node's share of a multi-machine run, or 0 where another
-        launcher started them (a job torchrun or srun started, your own loop)."""
+        launcher started them (a job torchrun or srun started, your own loop). ``look_for_stale``: first mark
+        failed the runs whose supervisor died (``recover_stale``, every run's status); a caller that looked at
+        the runs it cares about itself passes False."""
         problem = too_many_ranks(self.root, spec.world_size if ranks_here is None else ranks_here)
         if problem:
             raise LabError(f"world_size: {problem}")
@@ -173,7 +175,8 @@ class Lab:
             except NetworkUnavailable as e:
                 raise LabError(f"network.link: {e}") from None
         queued = self.admission.admit(spec, owner, say)
-        self.recover_stale()
+        if look_for_stale:
+            self.recover_stale()
         return self.store.create(spec, run_id, **queued, sweep=sweep or None,
                                  wall_limit_s=float(wall_limit_s) if wall_limit_s else None, supervisor=supervisor)
 
@@ -308,17 +311,18 @@ class Lab:
             self.index.update(run)
         return state
 
-    def recover_stale(self) -> list:
+    def recover_stale(self, ids: Optional[Iterable[str]] = None) -> list:
         """Mark failed every queued or running run whose supervisor died; stop what it left. A run the
         index still lists as queued or running after its status.json ended (a process that died between
-        the two writes) gets its row written again."""
+        the two writes) gets its row written again. With ``ids``, only those runs are looked at (a
+        person's unfinished ones, rather than every run's status)."""
         stale = []
         try:
             listed = self.index.unfinished()
         except RunIndexError as e:  # the rows are a cache: the runs are recovered all the same
             print(f"commlab: index: {e}", file=sys.stderr, flush=True)
             listed = set()
-        for run in self.store.list():
+        for run in self.store.list() if ids is None else self._existing(ids):
             st = run.status()
             if st.get("state") not in UNFINISHED:
                 if run.id in listed and st.get("state") in FINAL:
@@ -337,6 +341,13 @@ class Lab:
             if new.get("state") == State.FAILED:
                 stale.append(run.id)
         return stale
+
+    def _existing(self, ids: Iterable[str]) -> Iterator[Run]:
+        for run_id in ids:
+            try:
+                yield self.store.get(run_id)
+            except RunError:  # gone meanwhile (removed by its owner): nothing to recover
+                continue
 
     def reindex(self) -> int:
         return self.index.reindex()
