@@ -222,3 +222,16 @@ def test_spec_options_defaulted_and_validated():
         with pytest.raises(SpecError) as e:
             JobSpec.from_dict({"schedule": data})
         assert str(e.value).startswith(field) and hint in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_cache_key_holds_how_far_the_search_looked():
+    """A search told to try one partition (a form allows 1) must not answer, through the shared cache, for runs
+    of the same model that would have tried 24: the search's settings are in the key; what it does not
+    depend on (the run's name, its steps) is not."""
+    import commlab
+    from commlab.engine.tuners.mergecomp import cache_key
+    base = {"model": "mlp", "dataset": "digits", "batch_size": 16, "world_size": 2, "schedule": "mergecomp"}
+    key = cache_key(commlab.spec(base))
+    assert cache_key(commlab.spec({**base, "name": "mine", "steps": 7})) == key
+    for field, value in (("max_candidates", 1), ("steps_per_candidate", 1), ("warmup_steps", 0), ("max_groups", 2)):
+        assert cache_key(commlab.spec({**base, "schedule": {"name": "mergecomp", field: value}})) != key, field

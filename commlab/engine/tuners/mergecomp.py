@@ -135,13 +135,19 @@ class MergeCompSearch:
                         yield sorted(cuts + [c])
 
 
+SEARCH_FIELDS = ("warmup_steps", "steps_per_candidate", "max_groups", "max_candidates")
+"""The schedule's fields that decide how far the search looks: in the key, so that a search told to try one
+partition does not answer for runs that would have tried more."""
+
+
 def cache_key(spec) -> str:
     """What the best partition depends on: model (and batch, comm mode: they set the compute
-    that communication overlaps), compressor, world size and network."""
+    that communication overlaps), compressor, world size and network, and how far the search looked."""
     d = spec.to_dict()
     return json.dumps({"model": d["model"], "dataset": d["dataset"]["name"], "batch_size": d["batch_size"],
                        "comm": d["comm"], "compressor": d["compressor"], "world_size": d["world_size"],
-                       "network": d["network"]}, sort_keys=True)
+                       "network": d["network"], "search": {k: d["schedule"].get(k) for k in SEARCH_FIELDS}},
+                      sort_keys=True)
 
 
 class CacheCorrupt(ValueError):
