@@ -792,6 +792,30 @@ def test_over_the_wire_a_download_is_its_sessions_and_serves_once(exposed):
                 s.close()
 
 
+def test_a_students_report_shows_a_runs_error_without_the_machines_folders(tmp_path, monkeypatch):
+    """The Live page shows a student a run's error without the server's folders; the report they download (built
+    later, in a thread serving no one) shows it the same way; the teacher's shows it whole."""
+    from commlab.app import widgets
+    monkeypatch.setattr(access, "mode", lambda: "off")  # the builder itself: what it writes for whom
+    run = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="alice")
+    run.mark_failed("rank 0: OSError: cannot read /srv/lab/secret/models.py")
+    built = {}
+    monkeypatch.setattr(widgets.st, "download_button", lambda *a, data, key, **k: built.__setitem__(key, data))
+    for user in (owners.User("alice"), owners.User(owners.TEACHER, admin=True)):
+        ui.set_viewer(lambda: user)
+        try:
+            widgets.report_button([run], "r.html", user.name)
+        finally:
+            ui.set_viewer(None)
+    ui.set_viewer(lambda: None)  # the builder runs where nobody is signed in
+    try:
+        alices, teachers = built["alice"](), built[owners.TEACHER]()
+    finally:
+        ui.set_viewer(None)
+    assert "cannot read .../models.py" in alices and "/srv/lab" not in alices
+    assert "cannot read /srv/lab/secret/models.py" in teachers
+
+
 def test_a_download_is_built_once_per_content_and_one_at_a_time_per_person(tmp_path, monkeypatch):
     """A click on a download builds it in the server (a report of big runs: seconds of CPU, megabytes): the
     same file of the same runs, unchanged, is built once per viewer and kept; while a person's download is

@@ -37,9 +37,10 @@ def open_run(run_id: str, compare: Optional[List[str]] = None) -> None:
 def report_button(runs: list, file_name: str, key: str, group: Optional[dict] = None) -> None:
     """Download one self-contained HTML report (commlab.lab.analysis.report) of ``runs`` (and ``group``'s verdict), built
     when clicked. The runs were resolved for the viewer already: the builder looks up nothing else."""
-    by_id = {r.id: r for r in runs}
+    by_id, me = {r.id: r for r in runs}, ui.viewer()  # built later, in a thread serving no one: who it is for, now
     st.download_button("Download report (HTML, opens offline)", on_click="ignore", key=key, mime="text/html",
-                       data=access.download_data(lambda: report_html(runs, group=group, get=by_id.__getitem__),
+                       data=access.download_data(lambda: report_html(runs, group=group, get=by_id.__getitem__,
+                                                                     shown=lambda s: ui.shown_text(s, me)),
                                                  by_id, "" if group else "report"),
                        file_name=file_name, icon=":material/description:")
 

@@ -39,8 +39,9 @@ def _table(df) -> str:
     return df.to_html(border=0, float_format=lambda v: f"{v:.4g}", na_rep="-", escape=True)
 
 
-def run_section(run: Run, n: int) -> str:
-    """One run: what it was, how it ended, its headline figures, and its four charts."""
+def run_section(run: Run, n: int, shown: Callable[[str], str] = str) -> str:
+    """One run: what it was, how it ended (its error as ``shown`` gives it), its headline figures, and its four
+    charts."""
     spec, st = run.spec_dict(), run.status()
     summary = summarize(run.metric_rows(), spec, st)  # an own loop's steps are those it took (None while it runs)
     steps = summary["steps_done"] if summary.get("steps") is None else summary["steps"]
@@ -48,7 +49,7 @@ def run_section(run: Run, n: int) -> str:
            f"<p>{html.escape(comparison.describe_setup(spec, st))}; {steps} steps"
            + ("" if st.get("own_loop") else f", batch {spec['batch_size']} per rank") + "</p>",
            f"<p>state <b>{html.escape(str(st.get('state')))}</b>"
-           + (f": {html.escape(str(st.get('error')))}" if st.get("error") else "")
+           + (f": {html.escape(shown(str(st.get('error'))))}" if st.get("error") else "")
            + (f"; owner {html.escape(str(st['owner']))}" if st.get("owner") else "") + "</p>"]
     lines = format_summary(summary)
     if lines:
@@ -116,10 +117,12 @@ def group_section(group: dict, get: Callable[[str], Run]) -> str:
 
 
 def report_html(runs: List[Run], group: Optional[dict] = None, title: Optional[str] = None,
-                get: Optional[Callable[[str], Run]] = None, target_acc: Optional[float] = None) -> str:
+                get: Optional[Callable[[str], Run]] = None, target_acc: Optional[float] = None,
+                shown: Callable[[str], str] = str) -> str:
     """The whole report as one HTML string. ``group`` (a preset's result group, commlab.lab.analysis.results) adds its
     verdict; more than one run adds a comparison; every run gets its own section. ``get`` looks the group's
-    runs up by id (the UI passes one that checks the viewer may see them); a group needs one."""
+    runs up by id (the UI passes one that checks the viewer may see them); a group needs one. ``shown``: a run's
+    error as the reader may see it (the UI's, for a student, without the machine's folders)."""
     if not runs:
         raise ValueError("report: no runs")
     if group is not None and get is None:
@@ -133,7 +136,7 @@ def report_html(runs: List[Run], group: Optional[dict] = None, title: Optional[s
         body.append(group_section(group, get))
     if len(runs) > 1:
         body.append(comparison_section(runs, labels, target_acc))
-    body += [run_section(r, n) for n, r in enumerate(runs)]
+    body += [run_section(r, n, shown) for n, r in enumerate(runs)]
     meta = json.dumps({"runs": [r.id for r in runs], "group": group.get("id") if group else None})
     return ("<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
             f"<title>{html.escape(title)}</title><style>{STYLE}</style>"

@@ -257,10 +257,11 @@ ABSOLUTE_PATH = re.compile(r"(?<![\w.:/])/(?:[\w.+@~-]+/)+")
 """The folders of an absolute path (``/srv/lab/engine/``), as a run's log and errors show them."""
 
 
-def shown_text(text: str) -> str:
-    """A run's error line as the viewer may see it: the teacher and the local user as it is; a student without
-    the machine's folders (``.../models.py``: a file's name is kept, where it lives is not theirs to know)."""
-    return text if viewer().admin else ABSOLUTE_PATH.sub(".../", text)
+def shown_text(text: str, user: Optional[User] = None) -> str:
+    """A run's error line as the viewer (or ``user``) may see it: the teacher and the local user as it is; a
+    student without the machine's folders (``.../models.py``: a file's name is kept, where it lives is not theirs
+    to know)."""
+    return text if (user or viewer()).admin else ABSOLUTE_PATH.sub(".../", text)
 
 
 FRAME = re.compile(r'^\s+File "[^"]*", line \d+')
