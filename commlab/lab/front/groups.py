@@ -13,7 +13,8 @@ from commlab.engine.spec import SpecError
 from commlab.lab.analysis import results, timelines
 from commlab.lab.analysis.presets import Preset
 from commlab.lab.base.errors import LabError
-from commlab.lab.front.ui import get_run, get_run_or_raise, lab_get, queue_runs, runs_dir, viewer, visible
+from commlab.lab.front.ui import (get_run, get_run_or_raise, lab_get, queue_runs, runs_dir, viewer, visible,
+                                  visible_ids)
 from commlab.lab.rundir.store import RunError
 from commlab.room import owners
 
@@ -69,8 +70,15 @@ def preset_group(gid: str, runs=None) -> dict:
 
 
 def preset_groups(runs=None) -> List[dict]:
+    """The groups the viewer may see (all of whose runs they may see), newest first. Who may see each run is read
+    from the run index at once (one query), not from every run's status: the Results page lists them on every
+    load, and a room holds thousands of others' runs."""
     root = runs or runs_dir()
-    return [g for g in results.list_groups(root) if _group_visible(g, root)]
+    found = results.list_groups(root)
+    if viewer().admin:
+        return found
+    seen = visible_ids(root)
+    return [g for g in found if g.get("runs") and all(rid in seen for rid in g["runs"].values())]
 
 
 def group_verdict(group: dict, runs=None):

@@ -170,6 +170,12 @@ def index_rows(runs=None, **filters) -> List[dict]:
     return [r for r in _lab(runs or runs_dir()).index.query(**filters) if owners.can_see(user, r)]
 
 
+def visible_ids(runs=None) -> set:
+    """The ids of the runs the viewer may see, from the index's owner and shared columns alone."""
+    user = viewer()
+    return {i for i, row in _lab(runs or runs_dir()).index.who_sees().items() if owners.can_see(user, row)}
+
+
 RECOVER_EVERY_S = 5.0
 """How often the pages' lists look for runs whose supervisor died (Lab.recover_stale reads every run's status:
 a second for thousands of runs), at most, per runs directory and process."""

@@ -353,6 +353,12 @@ class Index:
     def states(self) -> Dict[str, str]:
         return {r["id"]: r["state"] for r in self.query()}
 
+    def who_sees(self) -> Dict[str, dict]:
+        """Each run's owner and whether it is shared, by id (their columns only: what deciding who may see a
+        run needs, without every run's figures)."""
+        rows = self._with(lambda con: con.execute("SELECT id, owner, shared FROM runs").fetchall())
+        return {i: {"owner": o, "shared": sh} for i, o, sh in rows}
+
     def unfinished(self) -> set:
         """The ids of the runs the index lists as queued or running (their rows only, not their figures)."""
         rows = self._with(lambda con: con.execute("SELECT id FROM runs WHERE state IN ('queued', 'running')")
