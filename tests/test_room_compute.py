@@ -37,7 +37,7 @@ from commlab.room import open_lab  # noqa: E402
 from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from commlab.lab.strategy.perfmodel import predict, whatif  # noqa: E402
 from commlab.room import places  # noqa: E402
-from test_app import SMALL  # noqa: E402
+from test_app import ENTRY, SMALL  # noqa: E402
 from test_perfmodel import tiny_profile  # noqa: E402
 from test_safe_room import as_viewer, one_line, profiles, room  # noqa: E402,F401  (fixtures)
 from test_workshop import app  # noqa: E402
@@ -309,6 +309,15 @@ def test_a_view_in_the_server_reads_at_most_view_mb_of_a_runs_timelines(tmp_path
     followed.refresh()
     assert sum(sum(r.sizes) for r in followed.ranks.values()) <= small
     assert followed.ranks["timeline-rank1.jsonl"].steps[-1][-1]["args"]["step"] == 3999
+    # the Live page zoomed to a step: where the server reads only the last steps, it says why an older one is empty
+    from streamlit.testing.v1 import AppTest
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    at = AppTest.from_file(ENTRY, default_timeout=120)
+    at.query_params["run"] = run.id
+    at.run().switch_page("views/live_run.py").run()
+    at.number_input(key="live.step").set_value(5).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any("an older step shows no spans here" in c.value for c in at.caption), [c.value for c in at.caption]
 
 
 def test_the_compare_page_takes_at_most_max_runs(room):

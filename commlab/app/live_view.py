@@ -156,6 +156,9 @@ def live_panel(run_id: str) -> None:
             fig = timelines.cached(("live.step", *files, int(step)), lambda: plots.timeline_figure(
                 lr.timeline(back) if lr.has_steps(back) else timelines.tail_timeline(run, back), step=int(step)))
         st.plotly_chart(fig, key="live.timeline")
+        if step >= 0 and run.view_cut():
+            st.caption(f"The server reads each rank's last steps that fit {store.VIEW_MB:g} MB of timeline: an older "
+                       f"step shows no spans here. `commlab trace {run.id}` writes the whole run.")
         st.subheader("Where the step time goes")
         bd = lr.breakdown(BREAKDOWN_STEPS, final=state in FINAL)  # each step's breakdown is computed once
         st.plotly_chart(plots.breakdown_figure(bd), key="live.breakdown")
