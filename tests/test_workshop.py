@@ -822,6 +822,22 @@ def test_over_the_wire_a_download_is_its_sessions_and_serves_once(exposed):
                 s.close()
 
 
+@pytest.fixture
+def downloads(tmp_path, monkeypatch):
+    """download_data as on an exposed lab, for one session whose user the test sets: ``downloads(name)`` returns
+    ``{"user": User(name)}``, which the test may change; nothing kept from before."""
+    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
+    monkeypatch.setattr(access, "mode", lambda: "room")
+    monkeypatch.setattr(access, "session_id", lambda: "sid")
+    monkeypatch.setattr(access, "_kept", access.OrderedDict())
+
+    def as_user(name: str) -> dict:
+        who = {"user": owners.User(name)}
+        monkeypatch.setattr(access.accounts, "session_user", lambda root, sid: who["user"])
+        return who
+    return as_user
+
+
 def test_a_students_report_shows_a_runs_error_without_the_machines_folders(tmp_path, monkeypatch):
     """The Live page shows a student a run's error without the server's folders; the report they download (built
     later, in a thread serving no one) shows it the same way; the teacher's shows it whole."""
@@ -846,17 +862,12 @@ def test_a_students_report_shows_a_runs_error_without_the_machines_folders(tmp_p
     assert "cannot read /srv/lab/secret/models.py" in teachers
 
 
-def test_a_download_is_built_once_per_content_and_one_at_a_time_per_person(tmp_path, monkeypatch):
+def test_a_download_is_built_once_per_content_and_one_at_a_time_per_person(tmp_path, downloads):
     """A click on a download builds it in the server (a report of big runs: seconds of CPU, megabytes): the
     same file of the same runs, unchanged, is built once per viewer and kept; while a person's download is
     being built, their next click builds nothing (refused in one line), so repeated clicks queue no work."""
     import threading
-    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
-    monkeypatch.setattr(access, "mode", lambda: "room")
-    monkeypatch.setattr(access, "session_id", lambda: "sid")
-    who = {"user": owners.User("alice")}
-    monkeypatch.setattr(access.accounts, "session_user", lambda root, sid: who["user"])
-    monkeypatch.setattr(access, "_kept", access.OrderedDict())
+    who = downloads("alice")
     run = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="alice")
     built = []
     trace = access.download_data(lambda: built.append("trace") or b"trace", [run.id], "trace")
@@ -886,7 +897,7 @@ def test_a_download_is_built_once_per_content_and_one_at_a_time_per_person(tmp_p
     assert built == ["trace"] * 4 and access.download_data(lambda: b"csv", [run.id])() == b"csv"
 
 
-def test_a_download_asked_for_again_and_again_holds_no_more_memory(tmp_path, monkeypatch):
+def test_a_download_asked_for_again_and_again_holds_no_more_memory(tmp_path, monkeypatch, downloads):
     """Streamlit stores what a deferred download's builder returns as a new file on every request, also when
     the builder hands back a kept one: a client that asks again and again without fetching held a copy per
     request (300 requests for a 5 MB report held 1.5 GB). One person holds at most HELD_PER_PERSON, and
@@ -894,12 +905,7 @@ def test_a_download_asked_for_again_and_again_holds_no_more_memory(tmp_path, mon
     from streamlit.runtime.media_file_manager import MediaFileManager
     from streamlit.runtime.media_file_storage import MediaFileStorageError
     from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
-    monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
-    monkeypatch.setattr(access, "mode", lambda: "room")
-    monkeypatch.setattr(access, "session_id", lambda: "sid")
-    who = {"user": owners.User("mallory")}
-    monkeypatch.setattr(access.accounts, "session_user", lambda root, sid: who["user"])
-    monkeypatch.setattr(access, "_kept", access.OrderedDict())
+    who = downloads("mallory")
     monkeypatch.setattr(access, "REFETCH_S", 0.0)
     run = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="mallory")
     run.note(shared=True)  # bob may see it too
