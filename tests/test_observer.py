@@ -113,29 +113,32 @@ def test_live_run_reads_only_what_was_appended(fake_run):
     assert [m["step"] for m in lr.metric_rows()] == [0]
 
 
-def test_opening_finished_runs_does_not_make_a_followed_running_run_read_again(fake_run, monkeypatch):
-    """The followed runs are one list for the whole server: a student who opens finished runs one after another
-    pushed the runs others follow out of it, and each page following a big running run then read its files again
-    from their ends on every refresh. A run that had ended goes first; a running run is dropped only when every
-    other followed run goes on too."""
+def test_opening_finished_or_queued_runs_does_not_make_a_followed_running_run_read_again(fake_run, monkeypatch):
+    """The followed runs are one list for the whole server: a student who opens finished runs one after another,
+    or a class watching its queued runs, pushed the runs others follow out of it, and each page following a big
+    running run then read its files again from their ends on every refresh. A run that had ended goes first,
+    then the one holding the fewest bytes read (a queued run holds none)."""
     runs, run, write = fake_run
     write(range(0, 10))
     monkeypatch.setattr(live, "_LIVE", live.OrderedDict())
     lr = live.live_run(run)
     ended = []
-    for i in range(3 * live.MAX_LIVE):
+    for _ in range(3 * live.MAX_LIVE):
         other = RunStore(runs).create(commlab.spec(SMALL))
         other.mark_cancelled("finished")
         ended.append(live.live_run(other))
+    queued = [live.live_run(RunStore(runs).create(commlab.spec(SMALL))) for _ in range(3 * live.MAX_LIVE)]
     assert live.live_run(run) is lr and bytes_read(lr) == bytes_read(live.live_run(run))  # kept: nothing read again
-    assert len(live._LIVE) == live.MAX_LIVE and all(x.ended for x in ended)
-    going = []
-    for i in range(live.MAX_LIVE):  # runs going on, every one of them: the least recently used is dropped
+    assert len(live._LIVE) == live.MAX_LIVE and all(x.ended for x in ended) and not any(x.ended for x in queued)
+    for _ in range(live.MAX_LIVE):  # runs going on that hold more than it: it goes
         other = RunStore(runs).create(commlab.spec(SMALL))
         other.set_status("running", supervisor=procs.identity())
-        going.append(live.live_run(other))
+        for s in range(20):
+            for r in (0, 1):
+                with open(other.file(f"timeline-rank{r}.jsonl"), "a") as f:
+                    f.write("".join(step_lines(r, s, 1e6)))
+        live.live_run(other)
     assert len(live._LIVE) == live.MAX_LIVE and lr not in live._LIVE.values()
-    assert not any(x.ended for x in live._LIVE.values())
 
 
 def test_live_breakdown_is_step_breakdown_computed_once_per_step(fake_run, monkeypatch):

@@ -163,6 +163,8 @@ class LiveRun:
         self.ranks: Dict[str, _RankTimeline] = {}
         self.ended = False
         """whether the run had ended at the last ``live_run`` (which of the followed runs ``live_run`` drops)"""
+        self.held = 0
+        """bytes of the run's files this holds, as of the last refresh (what dropping it would read again)"""
 
     def refresh(self) -> "LiveRun":
         """Read what was appended to the run's files since the last refresh."""
@@ -178,6 +180,7 @@ class LiveRun:
                     self.ranks[p.name] = _RankTimeline(p, self.keep, share)
                 self.ranks[p.name].max_bytes = share
                 self.ranks[p.name].update()
+            self.held = self.metrics_tail.bytes_read + int(sum(sum(r.sizes) for r in self.ranks.values()))
         return self
 
     def metric_rows(self) -> List[dict]:
@@ -220,9 +223,9 @@ _LIVE: "OrderedDict[str, LiveRun]" = OrderedDict()
 _LIVE_LOCK = threading.Lock()
 MAX_LIVE = 8
 """Runs followed at once per process. Past it, a run that had ended at its last refresh is dropped first (its
-page no longer refreshes), the least recently used of them; only when every other followed run goes on is the
-least recently used one dropped. Opening finished runs, then, never makes a page that follows a running run
-read its files again from their ends (a few seconds of CPU per refresh for a big run)."""
+page no longer refreshes), the least recently used of them; else the run that holds the fewest bytes read (a
+queued run holds none; ties: the least recently used). Opening finished or queued runs, then, never makes a page
+that follows a big running run read its files again from their ends (a few seconds of CPU per refresh)."""
 
 
 def live_run(run: Run) -> LiveRun:
@@ -234,11 +237,8 @@ def live_run(run: Run) -> LiveRun:
             lr = _LIVE[key] = LiveRun(run)
         _LIVE.move_to_end(key)
         while len(_LIVE) > MAX_LIVE:
-            ended = next((k for k, x in _LIVE.items() if x.ended and k != key), None)
-            if ended is None:
-                _LIVE.popitem(last=False)
-            else:
-                del _LIVE[ended]
+            others = [(not x.ended, 0 if x.ended else x.held, n) for n, (k, x) in enumerate(_LIVE.items()) if k != key]
+            del _LIVE[list(_LIVE)[min(others)[2]]]
     lr.refresh()
     lr.ended = run.state in runfiles.FINAL
     return lr
