@@ -34,7 +34,7 @@ async def streamlit_stand_in(scope, receive, send):
 def lab_root(tmp_path, monkeypatch):
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     monkeypatch.setenv(accounts.ACCESS_ENV, "token")
-    for limiter in (gatekeeper.fails, gatekeeper.names, gatekeeper.addresses):
+    for limiter in (gatekeeper.fails, gatekeeper.names, gatekeeper.addresses, gatekeeper.exchanges):
         limiter.seen.clear()
     data = accounts.load_access(tmp_path)
     return tmp_path, {"class": data["class_token"], "admin": data["admin_token"],
@@ -86,7 +86,9 @@ def test_a_printed_link_becomes_a_session_and_leaves_the_address(lab_root):
     with c.websocket_connect("/_stcore/stream") as ws:  # and the websocket
         ws.close()
     r = c.get("/?token=" + tokens["admin"])  # a link never switches who is signed in: sign out first
-    assert r.status_code == 200 and "signed in as <b>alice</b>" in r.text and tokens["admin"] not in r.text
+    assert r.status_code == 303 and r.headers["location"] == gatekeeper.LINK_UNUSED  # the token leaves the address
+    r = c.get(r.headers["location"])
+    assert "signed in as <b>alice</b>, so the link was not used" in r.text and tokens["admin"] not in r.text
     assert accounts.session_user(root, session_cookie(c)) == owners.User("alice")
     c.post("/signout")  # signing out is a form post (a GET of /signout changes nothing: tests/test_room_gate.py)
     r = c.get("/?token=" + tokens["admin"])
@@ -114,10 +116,12 @@ def test_a_link_from_another_site_does_not_switch_who_is_signed_in(lab_root):
     c.get(f"/?token={tokens['alice']}")
     alice = session_cookie(c)
     r = c.get(f"/live_run?token={mallory}")
-    assert r.status_code == 200 and "signed in as <b>alice</b>" in r.text and "mallory" not in r.text
+    assert r.status_code == 303 and r.headers["location"] == gatekeeper.LINK_UNUSED
+    r = c.get(r.headers["location"])
+    assert "signed in as <b>alice</b>" in r.text and "mallory" not in r.text
     assert session_cookie(c) == alice and accounts.session_user(root, alice) == owners.User("alice")
     r = c.get(f"/signin?token={mallory}")
-    assert r.status_code == 200 and session_cookie(c) == alice
+    assert r.status_code == 303 and session_cookie(c) == alice
     r = c.get(f"/live_run?token={tokens['alice']}&run=x")
     assert r.status_code == 303 and r.headers["location"] == "/live_run?run=x" and session_cookie(c) == alice
     r = c.post("/signin", data={"token": mallory})
@@ -348,11 +352,83 @@ def test_an_access_file_from_before_sessions_still_signs_people_in(tmp_path):
 
 def test_cookies_are_secure_under_tls(lab_root, monkeypatch):
     root, tokens = lab_root
-    monkeypatch.setattr(gatekeeper, "tls", lambda: True)
+    monkeypatch.setattr(gatekeeper, "tls", lambda scope=None: True)
     c = browser()
     r = c.get(f"/?token={tokens['alice']}")
     assert "Secure" in r.headers["set-cookie"]
     assert "served without TLS" not in c.get("/signin").text
+
+
+def test_behind_a_tls_proxy_cookies_are_secure_and_the_personal_link_is_https(lab_root):
+    """Behind a proxy that ends TLS (``commlab app --behind-proxy``: uvicorn takes the request's scheme from the
+    proxy it trusts) the lab has no certificate of its own: the request's scheme says https, so the cookies are
+    Secure, the personal link is https and the sign-in page warns of nothing."""
+    root, tokens = lab_root
+    c = TestClient(gatekeeper.Gate(streamlit_stand_in), follow_redirects=False, base_url="https://lab.example")
+    r = c.get(f"/?token={tokens['class']}")
+    assert "Secure" in r.headers["set-cookie"]
+    r = c.post("/signin/name", data={"name": "bea"})
+    assert "https://lab.example/?token=" in r.text
+    assert all("Secure" in v for v in r.headers.get_list("set-cookie"))
+    assert "served without TLS" not in c.get("/signin").text
+    assert "served without TLS" in browser().get("/signin").text  # plain http: warned
+
+
+def test_a_name_page_trying_name_after_name_ends_and_sign_ins_are_bounded_per_address(lab_root, monkeypatch):
+    """Each name refused cost a read of every run's row, and a grant allowed any number of them: a page ends
+    after NAME_TRIES refused names (the class token again), a name that cannot be one reads no run's owner, and
+    tokens exchanged from one address are EXCHANGES_PER_MIN a minute (each rewrites the accounts file; each
+    class token's page holds a grant)."""
+    from distutil import counted
+    root, tokens = lab_root
+    open_lab(root, room=True).create(commlab.spec(SMALL), owner="dora")  # an index, and an owner of runs
+    calls = {"owners": 0}
+    monkeypatch.setattr(accounts.Index, "owners", counted(calls, "owners", accounts.Index.owners))
+    c = browser()
+    c.get(f"/?token={tokens['class']}")
+    for name in ["!"] * (gatekeeper.NAME_TRIES - 2) + ["alice"]:  # a bad form, then a name taken
+        r = c.post("/signin/name", data={"name": name})
+        assert r.status_code == 400 and "Pick the name" in r.text, name
+    assert calls["owners"] == 1  # only the name that could be one read the owners of runs
+    r = c.post("/signin/name", data={"name": "!"})
+    assert r.status_code == 400 and "give the class token again" in r.text and "Access token" in r.text
+    r = c.post("/signin/name", data={"name": "zed"})
+    assert r.status_code == 303 and r.headers["location"] == "/signin" and "zed" not in accounts.users(root)
+    monkeypatch.setattr(gatekeeper.exchanges, "n", 3)
+    gatekeeper.exchanges.seen.clear()
+    for _ in range(3):
+        assert browser().get(f"/?token={tokens['class']}").headers["location"] == "/signin/name"
+    r = browser().get(f"/?token={tokens['alice']}")
+    assert r.status_code == 429 and "Too many sign-ins from this address" in r.text and not session_cookie(r)
+
+
+def test_a_damaged_access_file_is_one_line_for_every_request(lab_root):
+    """Every signed-in request reads the accounts file: a damaged one (cut short; an entry of the wrong shape) is
+    a 503 with one line and no path of the machine, not a traceback; a websocket is closed; fixed, all is as it
+    was."""
+    root, tokens = lab_root
+    c = browser()
+    c.get(f"/?token={tokens['alice']}")
+    path = accounts.access_path(root)
+    whole = path.read_text()
+    data = json.loads(whole)
+    for damaged in (whole[:-5], json.dumps({**data, "sessions": {h: "x" for h in data["sessions"]}})):
+        path.write_text(damaged)
+        for r in (c.get("/live_run"), c.get("/signout"), c.get(f"/?token={tokens['alice']}")):
+            assert r.status_code == 503 and "sign-in is unavailable" in r.text and str(root) not in r.text
+        with pytest.raises(WebSocketDisconnect) as closed:
+            with c.websocket_connect("/_stcore/stream"):
+                pass
+        assert closed.value.code == 1011
+    path.write_text(whole)
+    assert c.get("/live_run").text == "streamlit /live_run"
+
+
+def test_class_is_a_name_no_student_may_take(lab_root):
+    """``commlab workshop rotate class`` renews the class token: a student named class could never be rotated."""
+    root, tokens = lab_root
+    with pytest.raises(LabError, match="reserved"):
+        accounts.sign_in(root, tokens["class"], "Class")
 
 
 def test_loopback_needs_no_session(lab_root, monkeypatch):

@@ -66,6 +66,8 @@ def test_a_page_elsewhere_cannot_switch_the_browser_to_its_own_account(lab_root)
     alice = session_cookie(c)
     c.get("/signout")
     r = c.get(f"/?token={mallory}")
+    assert r.status_code == 303
+    r = c.get(r.headers["location"])
     assert r.status_code == 200 and "signed in as <b>alice</b>" in r.text
     assert session_cookie(c) == alice and accounts.session_user(root, alice) == owners.User("alice")
     # the page that says so signs out with a form (a POST), not a link

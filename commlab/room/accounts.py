@@ -52,8 +52,9 @@ for the page an upload is sent to, commlab/app/room/uploads.py)."""
 ACCESS_ENV = "COMMLAB_ACCESS"
 """``token`` or ``off``: set by ``commlab app`` for its server (off on loopback, token elsewhere)."""
 NAME = re.compile(r"^[A-Za-z][A-Za-z0-9_.-]{0,31}$")
-RESERVED = (TEACHER, "local", "root", "admin")
-"""Names no student may take, besides the local user's and every name that owns runs already."""
+RESERVED = (TEACHER, "local", "root", "admin", "class")
+"""Names no student may take, besides the local user's and every name that owns runs already (``class`` and
+``admin`` name the shared tokens ``commlab workshop rotate`` renews)."""
 
 SETTINGS = {
     "personal_days": 14.0,
@@ -232,6 +233,12 @@ def _check(path: Path, data) -> None:
             raise LabError(f"{path}: users.{h[:8]}...: must be an object with a name")
         u.setdefault("id", h[:16])
         u.setdefault("browsers", [])
+        if not isinstance(u["browsers"], list) or not isinstance(u.get("expires", 0), (int, float, type(None))):
+            raise LabError(f"{path}: users.{h[:8]}...: browsers must be a list and expires a time")
+    for h, sess in data["sessions"].items():
+        if not isinstance(sess, dict) or not isinstance(sess.get("id"), str) \
+                or not isinstance(sess.get("expires"), (int, float)):
+            raise LabError(f"{path}: sessions.{h[:8]}...: must be an object with an id and an expiry time")
     data.setdefault("class_signins", len(data["users"]))
     data.setdefault("admin_created", path.stat().st_mtime)
 
@@ -299,7 +306,7 @@ def reserved_names(root: os.PathLike) -> set:
     index (the CLI's runs belong to the user who started them, who may not be the server's user)."""
     names = {*RESERVED, local_user().name}
     if (Path(root) / INDEX).exists():
-        names |= {r["owner"] for r in Index(RunStore(root)).query() if r.get("owner")}
+        names |= Index(RunStore(root)).owners()
     return {n.lower() for n in names}
 
 
@@ -315,6 +322,7 @@ def sign_in(root: os.PathLike, class_token: str, name: str, browser: Optional[st
     """A new personal token for student ``name``, given the class token (from ``browser``, the id the
     sign-in page's cookie gives each browser). Refused: a name taken (its owner signs in with their own
     link), reserved or revoked; a revoked browser; more than ``max_signins`` names with this class token."""
+    check_name(name, set())  # its form first: the owners of runs are read only for a name that could be one
     reserved = reserved_names(root)
     with _locked(root):
         data = _load(root, create=True)

@@ -53,6 +53,12 @@ GRANT_S = 900.0
 FAILS_PER_MIN = 20
 """Wrong tokens per minute from one client address; past it, wrong ones get a 429 (valid ones still sign in)."""
 NAMES_PER_HOUR = 3
+EXCHANGES_PER_MIN = 60
+"""Tokens exchanged (for a session, or the class token for a name page) per minute from one client address: each
+rewrites the accounts file, and each class token's name page holds a grant; a room behind one address signing
+in together stays under it."""
+NAME_TRIES = 10
+"""Names a browser may try on one name page; past it the grant ends (the class token again for another)."""
 PAGES_PER_PERSON = 8
 """Pages (websockets: tabs, windows) one student may have open at once on an exposed lab; the teacher has no
 limit. Each page runs its script on every interaction and its live panels on a timer."""
@@ -68,8 +74,11 @@ def exposed() -> bool:
     return accounts.access_mode(config.get_option("server.address")) == "token"
 
 
-def tls() -> bool:
-    return bool(config.get_option("server.sslCertFile"))
+def tls(scope=None) -> bool:
+    """Whether the browser reaches the lab over TLS: served with a certificate, or (``scope``: the request)
+    through a proxy ``commlab app --behind-proxy`` trusts that says so (uvicorn takes the scheme from its
+    X-Forwarded-Proto)."""
+    return bool(config.get_option("server.sslCertFile")) or (scope or {}).get("scheme") in ("https", "wss")
 
 
 # --------------------------------------------------------------------------- small state, in memory
@@ -101,11 +110,14 @@ class Limiter:
 
 
 fails = Limiter(FAILS_PER_MIN, 60.0)
+exchanges = Limiter(EXCHANGES_PER_MIN, 60.0)
 names = Limiter(NAMES_PER_HOUR, 3600.0)
 addresses = Limiter(accounts.SETTINGS["names_per_address"], 3600.0)
 """New names per client address; its bound is the lab's setting, read at each sign-in."""
 _grants: Dict[str, Tuple[float, str]] = {}
 """grant id -> (expiry, class token): a browser that gave the class token and has yet to pick a name."""
+_tries: Dict[str, int] = {}
+"""grant id -> names refused on its page so far"""
 _grants_lock = threading.Lock()
 
 
@@ -131,6 +143,19 @@ def _use_grant(gid: Optional[str]) -> None:
     """A grant serves one name: sent again (the cookie kept by hand), it is no grant."""
     with _grants_lock:
         _grants.pop(gid or "", None)
+        _tries.pop(gid or "", None)
+
+
+def _refused_name(gid: Optional[str]) -> bool:
+    """A name was refused on grant ``gid``'s page; True when that ends the grant (NAME_TRIES)."""
+    with _grants_lock:
+        _tries[gid or ""] = _tries.get(gid or "", 0) + 1
+        for k in [k for k in _tries if k not in _grants]:
+            _tries.pop(k)
+        over = _tries.get(gid or "", 0) >= NAME_TRIES
+    if over:
+        _use_grant(gid)
+    return over
 
 
 # --------------------------------------------------------------------------- requests and answers
@@ -157,11 +182,11 @@ def session_of(scope) -> Optional[accounts.User]:
     return accounts.session_user(ui.runs_dir(), cookies(scope).get(SESSION_COOKIE))
 
 
-def _cookie(name: str, value: str, max_age: Optional[int]) -> Tuple[bytes, bytes]:
+def _cookie(name: str, value: str, max_age: Optional[int], scope=None) -> Tuple[bytes, bytes]:
     parts = [f"{name}={value}", "Path=/", "HttpOnly", "SameSite=Lax"]
     if max_age is not None:
         parts.append(f"Max-Age={max_age}")
-    if tls():
+    if tls(scope):
         parts.append("Secure")
     return b"set-cookie", "; ".join(parts).encode()
 
@@ -190,9 +215,9 @@ def page(title: str, body: str) -> str:
             f"<body><h1>{html.escape(title)}</h1>{body}</body></html>")
 
 
-def token_form(error: str = "") -> str:
+def token_form(error: str = "", scope=None) -> str:
     err = f"<p class='err'>{html.escape(error)}</p>" if error else ""
-    warn = "" if tls() else ("<p class='warn'>This lab is served without TLS: what you type crosses the network "
+    warn = "" if tls(scope) else ("<p class='warn'>This lab is served without TLS: what you type crosses the network "
                              "in the clear. Use it only on a network you trust.</p>")
     return page("commlab: sign in", f"{err}<p>This lab is shared over the network: open the link your teacher "
                 "gave you, or enter its token.</p><form method='post' action='/signin'>"
@@ -249,16 +274,16 @@ SIGN_OUT_FORM = "<form method='post' action='/signout'><button type='submit'>Sig
 browser open, could sign a person out and let that site's next link sign them in as someone else."""
 
 
-def already_signed_in(user: accounts.User, then: str) -> str:
-    return page("commlab: signed in already", f"<p>This browser is signed in as <b>{html.escape(user.name)}</b>, "
-                "so the link was not used: a link never changes who is signed in. To use it, sign out first, "
-                f"then open the link again.</p><p><a href='{html.escape(then, quote=True)}'><button>Go to the lab"
-                f"</button></a></p>{SIGN_OUT_FORM}")
+LINK_UNUSED = "/signout?link=unused"
+"""Where a link opened in a browser signed in as someone else is sent: the token leaves the address at once."""
 
 
-def sign_out_page(user: Optional[accounts.User]) -> str:
-    """What a GET of /signout gets: the form that signs out (a GET changes nothing)."""
-    who = (f"<p>This browser is signed in as <b>{html.escape(user.name)}</b>.</p>" if user is not None
+def sign_out_page(user: Optional[accounts.User], link_unused: bool = False) -> str:
+    """What a GET of /signout gets: the form that signs out (a GET changes nothing); ``link_unused``: after a link
+    that was not used, why."""
+    who = (f"<p>This browser is signed in as <b>{html.escape(user.name)}</b>"
+           + (", so the link was not used: a link never changes who is signed in. To use it, sign out first, "
+              "then open the link again.</p>" if link_unused else ".</p>") if user is not None
            else "<p>This browser is not signed in.</p>")
     return page("commlab: sign out", f"{who}{SIGN_OUT_FORM if user is not None else ''}"
                 "<p><a href='/'><button>Go to the lab</button></a></p>")
@@ -270,28 +295,38 @@ async def exchange(scope, send, token: str, then: str, browser: Optional[str], s
     the sign-in form with a refusal. A ``link`` (a GET with ``?token=``, which another site can make a browser
     open) does not replace a session the browser has: it gets a page saying who is signed in."""
     root = ui.runs_dir()
-    current = session_of(scope) if link else None
-    if current is not None:
-        if accounts.check_token(root, token) == current:  # their own link again: nothing changes
-            return await redirect(send, then, set_browser)
-        return await respond(send, 200, already_signed_in(current, then), set_browser)
-    # The token is checked before the limit: a room behind one address (a NAT, a TLS proxy) shares the limit,
-    # and wrong guesses from one person there must not lock everyone with a valid token out.
     try:
+        current = session_of(scope) if link else None
+        if current is not None:
+            if accounts.check_token(root, token) == current:  # their own link again: nothing changes
+                return await redirect(send, then, set_browser)
+            return await redirect(send, LINK_UNUSED, set_browser)  # the token leaves the address bar at once
+        # The token is checked before the limit: a room behind one address (a NAT, a TLS proxy) shares the limit,
+        # and wrong guesses from one person there must not lock everyone with a valid token out.
+        if exchanges.full(client(scope)):
+            return await respond(send, 429, token_form("Too many sign-ins from this address; wait a minute.",
+                                                       scope), set_browser)
         opened = accounts.open_session(root, token, browser)
         if opened:
+            exchanges.add(client(scope))
             sid, _ = opened
-            return await redirect(send, then, [_cookie(SESSION_COOKIE, sid, None), *set_browser])
+            return await redirect(send, then, [_cookie(SESSION_COOKIE, sid, None, scope), *set_browser])
         if accounts.is_class_token(root, token):
-            return await redirect(send, "/signin/name", [_cookie(GRANT_COOKIE, _grant(token), int(GRANT_S)),
+            exchanges.add(client(scope))
+            return await redirect(send, "/signin/name", [_cookie(GRANT_COOKIE, _grant(token), int(GRANT_S), scope),
                                                          *set_browser])
     except LabError as e:  # a damaged access.json: the teacher's to fix; said without the path
-        return await respond(send, 503, token_form(f"sign-in is unavailable: {str(e).split(': ', 1)[-1]}"))
+        return await unavailable(send, e, scope)
     if fails.full(client(scope)):
-        return await respond(send, 429, token_form("Too many wrong tokens from this address; wait a minute."),
-                             set_browser)
+        return await respond(send, 429, token_form("Too many wrong tokens from this address; wait a minute.",
+                                                   scope), set_browser)
     fails.add(client(scope))
-    await respond(send, 401, token_form("That token is not valid."), set_browser)
+    await respond(send, 401, token_form("That token is not valid.", scope), set_browser)
+
+
+async def unavailable(send, e: LabError, scope=None) -> None:
+    """A damaged accounts or lab file: the teacher's to fix; one line, without the machine's path."""
+    await respond(send, 503, token_form(f"sign-in is unavailable: {str(e).split(': ', 1)[-1]}", scope))
 
 
 # --------------------------------------------------------------------------- the middleware
@@ -311,7 +346,7 @@ class Gate:
         set_browser = []
         if not browser or len(browser) > 64:
             browser = secrets.token_urlsafe(18)
-            set_browser = [_cookie(BROWSER_COOKIE, browser, 365 * 86400)]
+            set_browser = [_cookie(BROWSER_COOKIE, browser, 365 * 86400, scope)]
         if scope["type"] == "http" and path in ("/signin", "/signin/name", "/signout"):
             return await self.signin(scope, receive, send, path, jar, browser, set_browser)
         if path in PUBLIC or path.startswith(PUBLIC_PREFIXES):
@@ -320,7 +355,12 @@ class Gate:
         token = dict(parse_qsl(query)).get("token")
         if scope["type"] == "http" and scope.get("method") == "GET" and token is not None:
             return await exchange(scope, send, token, where_to(path, query), browser, set_browser, link=True)
-        user = session_of(scope)
+        try:
+            user = session_of(scope)
+        except LabError as e:
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1011, "reason": "sign-in is unavailable"})
+            return await unavailable(send, e, scope)
         if user is not None:
             if path.startswith("/_stcore/upload_file/"):  # only into the sender's own open page (commlab/app/room/uploads.py)
                 why = uploads.refusal(path, user)
@@ -362,21 +402,29 @@ class Gate:
         method = scope.get("method")
         if path == "/signout":
             if method == "GET":
-                return await respond(send, 200, sign_out_page(session_of(scope)), set_browser)
+                try:
+                    who = session_of(scope)
+                except LabError as e:
+                    return await unavailable(send, e, scope)
+                query = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1")))
+                return await respond(send, 200, sign_out_page(who, query.get("link") == "unused"), set_browser)
             if method != "POST":
                 return await respond(send, 405, "", [(b"allow", b"GET, POST")], kind="text/plain")
             if await read_form(receive) is None or not same_origin(scope):
                 return await respond(send, 400, page("commlab: sign out", "<p class='err'>That request was "
                                                      f"refused.</p>{SIGN_OUT_FORM}"))
             sid = jar.get(SESSION_COOKIE)
-            accounts.close_session(root, sid)
+            try:
+                accounts.close_session(root, sid)
+            except LabError as e:
+                return await unavailable(send, e, scope)
             uploads.drop_lab_session(sid)  # the uploads of its pages go with it
-            return await redirect(send, "/signin", [_cookie(SESSION_COOKIE, "", 0)])
+            return await redirect(send, "/signin", [_cookie(SESSION_COOKIE, "", 0, scope)])
         if method == "GET" and path == "/signin":
             token = dict(parse_qsl(scope.get("query_string", b"").decode("latin-1"))).get("token")
             if token is not None:
                 return await exchange(scope, send, token, "/", browser, set_browser, link=True)
-            return await respond(send, 200, token_form(), set_browser)
+            return await respond(send, 200, token_form(scope=scope), set_browser)
         klass = _granted(jar.get(GRANT_COOKIE))
         if method == "GET":  # /signin/name
             return await (respond(send, 200, name_form(), set_browser) if klass else redirect(send, "/signin"))
@@ -384,7 +432,7 @@ class Gate:
             return await respond(send, 405, "", kind="text/plain")
         form = await read_form(receive)
         if form is None or not same_origin(scope):
-            return await respond(send, 400, token_form("That request was refused."))
+            return await respond(send, 400, token_form("That request was refused.", scope))
         if path == "/signin":
             return await exchange(scope, send, form.get("token", ""), "/", browser, set_browser)
         if not klass:
@@ -395,7 +443,7 @@ class Gate:
         try:
             per_address = accounts.settings(root)["names_per_address"]
         except LabError as e:  # a damaged lab.json: the teacher's to fix; said without the path
-            return await respond(send, 503, name_form(f"sign-in is unavailable: {str(e).split(': ', 1)[-1]}"))
+            return await unavailable(send, e, scope)
         if addresses.full(client(scope), n=per_address):
             return await respond(send, 429, name_form("This network address has taken enough names for now; use "
                                                       "your personal link, or ask the teacher."))
@@ -403,16 +451,20 @@ class Gate:
         try:
             personal = accounts.sign_in(root, klass, name, browser)
         except LabError as e:
+            if _refused_name(jar.get(GRANT_COOKIE)):  # a page that tries name after name: the class token again
+                return await respond(send, 400, token_form(f"{e} ({NAME_TRIES} names refused: give the class "
+                                                           "token again)", scope),
+                                     [_cookie(GRANT_COOKIE, "", 0, scope), *set_browser])
             return await respond(send, 400, name_form(str(e)), set_browser)
         _use_grant(jar.get(GRANT_COOKIE))
         names.add(browser)
         addresses.add(client(scope))
         sid, _ = accounts.open_session(root, personal, browser)
         host = dict(scope.get("headers", [])).get(b"host", b"").decode("latin-1")
-        link = f"{'https' if tls() else 'http'}://{host}/?token={personal}"
+        link = f"{'https' if tls(scope) else 'http'}://{host}/?token={personal}"
         body = (f"<p>Signed in as <b>{html.escape(name)}</b>.</p><p>Your personal link (keep it private; it "
                 f"signs you in from another browser, until it expires or the teacher rotates it):</p>"
                 f"<p><code>{html.escape(link)}</code></p><p>This page shows it once.</p>"
                 "<p><a href='/'><button>Go to the lab</button></a></p>")
         await respond(send, 200, page("commlab: signed in", body),
-                      [_cookie(SESSION_COOKIE, sid, None), _cookie(GRANT_COOKIE, "", 0), *set_browser])
+                      [_cookie(SESSION_COOKIE, sid, None, scope), _cookie(GRANT_COOKIE, "", 0, scope), *set_browser])

@@ -359,6 +359,12 @@ class Index:
         rows = self._with(lambda con: con.execute("SELECT id, owner, shared FROM runs").fetchall())
         return {i: {"owner": o, "shared": sh} for i, o, sh in rows}
 
+    def owners(self) -> set:
+        """The names that own runs (their column only)."""
+        rows = self._with(lambda con: con.execute("SELECT DISTINCT owner FROM runs WHERE owner IS NOT NULL")
+                          .fetchall())
+        return {r[0] for r in rows if r[0]}
+
     def unfinished(self) -> set:
         """The ids of the runs the index lists as queued or running (their rows only, not their figures)."""
         rows = self._with(lambda con: con.execute("SELECT id FROM runs WHERE state IN ('queued', 'running')")
