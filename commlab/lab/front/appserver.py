@@ -54,7 +54,8 @@ def app_argv(port: int = 8501, host: Optional[str] = None, certfile: Optional[st
     if certfile:
         argv += ["--server.sslCertFile", str(certfile), "--server.sslKeyFile", str(keyfile)]
     if not accounts.is_loopback(host or "127.0.0.1"):  # no traceback (server paths, code) reaches a viewer
-        argv += ["--client.showErrorDetails", "type"]
+        # and no page is driven over plain HTTP (Streamlit's agent API), past the pages one person may open
+        argv += ["--client.showErrorDetails", "type", "--server.enableAgentApi", "false"]
     return argv
 
 
