@@ -377,8 +377,8 @@ def test_behind_a_tls_proxy_cookies_are_secure_and_the_personal_link_is_https(la
 def test_a_name_page_trying_name_after_name_ends_and_sign_ins_are_bounded_per_address(lab_root, monkeypatch):
     """Each name refused cost a read of every run's row, and a grant allowed any number of them: a page ends
     after NAME_TRIES refused names (the class token again), a name that cannot be one reads no run's owner, and
-    tokens exchanged from one address are EXCHANGES_PER_MIN a minute (each rewrites the accounts file; each
-    class token's page holds a grant)."""
+    tokens exchanged from one address are ``signins_per_minute`` a minute (each rewrites the accounts file; each
+    class token's page holds a grant), the teacher's not counted."""
     from distutil import counted
     root, tokens = lab_root
     open_lab(root, room=True).create(commlab.spec(SMALL), owner="dora")  # an index, and an owner of runs
@@ -394,12 +394,14 @@ def test_a_name_page_trying_name_after_name_ends_and_sign_ins_are_bounded_per_ad
     assert r.status_code == 400 and "give the class token again" in r.text and "Access token" in r.text
     r = c.post("/signin/name", data={"name": "zed"})
     assert r.status_code == 303 and r.headers["location"] == "/signin" and "zed" not in accounts.users(root)
-    monkeypatch.setattr(gatekeeper.exchanges, "n", 3)
+    (root / "lab.json").write_text(json.dumps({"access": {"signins_per_minute": 3}}))
     gatekeeper.exchanges.seen.clear()
     for _ in range(3):
         assert browser().get(f"/?token={tokens['class']}").headers["location"] == "/signin/name"
     r = browser().get(f"/?token={tokens['alice']}")
     assert r.status_code == 429 and "Too many sign-ins from this address" in r.text and not session_cookie(r)
+    r = browser().get(f"/?token={tokens['admin']}")  # the teacher is not counted, nor locked out
+    assert r.status_code == 303 and r.headers["location"] == "/"
 
 
 def test_a_damaged_access_file_is_one_line_for_every_request(lab_root):
@@ -407,14 +409,16 @@ def test_a_damaged_access_file_is_one_line_for_every_request(lab_root):
     a 503 with one line and no path of the machine, not a traceback; a websocket is closed; fixed, all is as it
     was."""
     root, tokens = lab_root
-    c = browser()
+    c, naming = browser(), browser()
     c.get(f"/?token={tokens['alice']}")
+    naming.get(f"/?token={tokens['class']}")  # a name page open
     path = accounts.access_path(root)
     whole = path.read_text()
     data = json.loads(whole)
     for damaged in (whole[:-5], json.dumps({**data, "sessions": {h: "x" for h in data["sessions"]}})):
         path.write_text(damaged)
-        for r in (c.get("/live_run"), c.get("/signout"), c.get(f"/?token={tokens['alice']}")):
+        for r in (c.get("/live_run"), c.get("/signout"), c.get(f"/?token={tokens['alice']}"),
+                  naming.post("/signin/name", data={"name": "nina"})):
             assert r.status_code == 503 and "sign-in is unavailable" in r.text and str(root) not in r.text
         with pytest.raises(WebSocketDisconnect) as closed:
             with c.websocket_connect("/_stcore/stream"):

@@ -116,8 +116,8 @@ def test_live_run_reads_only_what_was_appended(fake_run):
 def test_opening_finished_or_queued_runs_does_not_make_a_followed_running_run_read_again(fake_run, monkeypatch):
     """The followed runs are one list for the whole server: a student who opens finished runs one after another,
     or a class watching its queued runs, pushed the runs others follow out of it, and each page following a big
-    running run then read its files again from their ends on every refresh. A run that had ended goes first,
-    then the one holding the fewest bytes read (a queued run holds none)."""
+    running run then read its files again from their ends on every refresh. A run that had ended, or that no
+    page asked for in IDLE_S, goes first, then the one holding the fewest bytes read (a queued run holds none)."""
     runs, run, write = fake_run
     write(range(0, 10))
     monkeypatch.setattr(live, "_LIVE", live.OrderedDict())
@@ -139,6 +139,13 @@ def test_opening_finished_or_queued_runs_does_not_make_a_followed_running_run_re
                     f.write("".join(step_lines(r, s, 1e6)))
         live.live_run(other)
     assert len(live._LIVE) == live.MAX_LIVE and lr not in live._LIVE.values()
+    for x in live._LIVE.values():  # nobody follows those any more: they hold their place no longer
+        x.used -= live.IDLE_S + 1
+    small = RunStore(runs).create(commlab.spec(SMALL))
+    small.set_status("running", supervisor=procs.identity())
+    a, b = live.live_run(run), live.live_run(small)  # two pages following runs that hold less than each of them
+    for _ in range(3):
+        assert live.live_run(run) is a and live.live_run(small) is b
 
 
 def test_live_breakdown_is_step_breakdown_computed_once_per_step(fake_run, monkeypatch):

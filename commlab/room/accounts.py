@@ -63,6 +63,7 @@ SETTINGS = {
     "max_signins": 100,
     "sessions_per_person": 5,
     "names_per_address": 10,
+    "signins_per_minute": 60,
 }
 """Defaults of ``access`` in runs/lab.json:
 
@@ -72,7 +73,10 @@ SETTINGS = {
 - ``max_signins``: names one class token may create (``rotate class`` starts a new count);
 - ``sessions_per_person``: open sessions kept per person (their browsers); the oldest close first;
 - ``names_per_address``: new names per hour from one client address (a browser takes at most 3 an hour, but a
-  person can clear their cookies; behind a NAT or a proxy a whole room shares one address: raise it there)."""
+  person can clear their cookies; behind a NAT or a proxy a whole room shares one address: raise it there);
+- ``signins_per_minute``: tokens exchanged per minute from one client address (a session from a link or the
+  form, or the class token's name page; each rewrites access.json), the teacher's not counted (raise it too
+  where a room behind one address signs in at once)."""
 MIN_CLASS_TOKEN = 16
 """The shortest class token a teacher may choose. The wrong-token limit (commlab/app/room/gatekeeper.py) refuses further wrong
 guesses from an address, but a right token always signs in (so a room behind one address is never locked out):
@@ -119,7 +123,7 @@ def settings(root: os.PathLike) -> dict:
     for k, v in got.items():
         if k not in SETTINGS:
             raise LabError(f"{where}: unknown setting {k!r}; allowed: {', '.join(SETTINGS)}")
-        whole = k in ("max_signins", "sessions_per_person", "names_per_address")
+        whole = k in ("max_signins", "sessions_per_person", "names_per_address", "signins_per_minute")
         if v is None and k == "admin_days":
             out[k] = None
             continue
@@ -175,6 +179,11 @@ def load_access(root: os.PathLike, create: bool = True) -> dict:
     return data
 
 
+class DamagedAccess(LabError):
+    """runs/access.json cannot be read or has an entry of the wrong shape: the teacher's to mend (it holds every
+    token, so it is left where it is), not an answer about what someone typed."""
+
+
 def _load(root: os.PathLike, create: bool) -> dict:
     """load_access without the lock: for callers that hold it (or only read)."""
     path = access_path(root)
@@ -196,7 +205,7 @@ def _load(root: os.PathLike, create: bool) -> dict:
     try:
         data = json.loads(path.read_text())
     except ValueError as e:
-        raise LabError(f"{path}: not valid JSON: {e}") from None
+        raise DamagedAccess(f"{path}: not valid JSON: {e}") from None
     _check(path, data)
     if "admin_token" in data:  # written by an older lab: kept as its hash from now on (load_access rewrites it)
         data["admin_hash"] = _hash(data.pop("admin_token"))
@@ -209,36 +218,36 @@ def _load(root: os.PathLike, create: bool) -> dict:
 
 def _check(path: Path, data) -> None:
     if not isinstance(data, dict):
-        raise LabError(f"{path}: must be a JSON object")
+        raise DamagedAccess(f"{path}: must be a JSON object")
     v = data.get("class_token")
     if not isinstance(v, str) or len(v) < 8:
-        raise LabError(f"{path}: class_token must be a string of at least 8 characters")
+        raise DamagedAccess(f"{path}: class_token must be a string of at least 8 characters")
     if "admin_token" in data:  # an older lab's file: the token itself (load_access keeps its hash)
         v = data["admin_token"]
         if not isinstance(v, str) or len(v) < 8:
-            raise LabError(f"{path}: admin_token must be a string of at least 8 characters")
+            raise DamagedAccess(f"{path}: admin_token must be a string of at least 8 characters")
         admin = _hash(v)
     else:
         admin = data.get("admin_hash")
         if not isinstance(admin, str) or not re.fullmatch(r"[0-9a-f]{64}", admin):
-            raise LabError(f"{path}: admin_hash must be the SHA-256 of the admin token (64 hex digits); "
+            raise DamagedAccess(f"{path}: admin_hash must be the SHA-256 of the admin token (64 hex digits); "
                            f"`commlab workshop rotate admin` writes a new one")
     if _hash(data["class_token"]) == admin:
-        raise LabError(f"{path}: class_token and the admin token must differ")
+        raise DamagedAccess(f"{path}: class_token and the admin token must differ")
     for k in ("users", "sessions", "revoked", "revoked_browsers"):
         if not isinstance(data.setdefault(k, {}), dict):
-            raise LabError(f"{path}: {k} must be an object")
+            raise DamagedAccess(f"{path}: {k} must be an object")
     for h, u in data["users"].items():  # files from before sessions: an id and a lifetime from now on
         if not isinstance(u, dict) or not isinstance(u.get("name"), str):
-            raise LabError(f"{path}: users.{h[:8]}...: must be an object with a name")
+            raise DamagedAccess(f"{path}: users.{h[:8]}...: must be an object with a name")
         u.setdefault("id", h[:16])
         u.setdefault("browsers", [])
         if not isinstance(u["browsers"], list) or not isinstance(u.get("expires", 0), (int, float, type(None))):
-            raise LabError(f"{path}: users.{h[:8]}...: browsers must be a list and expires a time")
+            raise DamagedAccess(f"{path}: users.{h[:8]}...: browsers must be a list and expires a time")
     for h, sess in data["sessions"].items():
         if not isinstance(sess, dict) or not isinstance(sess.get("id"), str) \
                 or not isinstance(sess.get("expires"), (int, float)):
-            raise LabError(f"{path}: sessions.{h[:8]}...: must be an object with an id and an expiry time")
+            raise DamagedAccess(f"{path}: sessions.{h[:8]}...: must be an object with an id and an expiry time")
     data.setdefault("class_signins", len(data["users"]))
     data.setdefault("admin_created", path.stat().st_mtime)
 

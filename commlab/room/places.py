@@ -25,6 +25,7 @@ from typing import Callable, Deque, Dict, List, Optional, Tuple
 
 from commlab.lab.base import sandbox
 from commlab.lab.base.sandbox import PREVIEW, WAIT_S, Busy, Limits, SandboxError
+from commlab.room import owners
 
 BUDGET_S = 60.0
 """Seconds of child wall time one person's previews may take within BUDGET_WINDOW_S: some fifteen previews of
@@ -114,8 +115,9 @@ def identify(fn: Optional[Callable[[], object]]) -> None:
 
 def whom(who, label: str = "preview") -> Tuple[str, bool]:
     """(name, budgeted) of the person a child is for: ``who`` (a name, or a user with ``name`` and ``admin``),
-    else the one ``identify`` gives; a bare name is budgeted, a user unless they are the teacher or the local
-    user (``admin``). Without ``identify`` and ``who`` (a script of this process's own), the process's user."""
+    else the one ``identify`` gives; budgeted unless they are the teacher or the local user (a user's ``admin``;
+    for a bare name, theirs: names no student may take). Without ``identify`` and ``who`` (a script of this
+    process's own), the process's user."""
     if who is None:
         if _asker is None:
             return "", False  # nobody asks for anyone: this process's own work, one child at a time
@@ -126,7 +128,7 @@ def whom(who, label: str = "preview") -> Tuple[str, bool]:
         if who is None:
             raise SandboxError(label, NOBODY)
     if isinstance(who, str):
-        return who, True
+        return who, who not in (owners.TEACHER, owners.local_user().name)
     return str(who.name), not getattr(who, "admin", False)
 
 

@@ -53,10 +53,6 @@ GRANT_S = 900.0
 FAILS_PER_MIN = 20
 """Wrong tokens per minute from one client address; past it, wrong ones get a 429 (valid ones still sign in)."""
 NAMES_PER_HOUR = 3
-EXCHANGES_PER_MIN = 60
-"""Tokens exchanged (for a session, or the class token for a name page) per minute from one client address: each
-rewrites the accounts file, and each class token's name page holds a grant; a room behind one address signing
-in together stays under it."""
 NAME_TRIES = 10
 """Names a browser may try on one name page; past it the grant ends (the class token again for another)."""
 PAGES_PER_PERSON = 8
@@ -110,7 +106,10 @@ class Limiter:
 
 
 fails = Limiter(FAILS_PER_MIN, 60.0)
-exchanges = Limiter(EXCHANGES_PER_MIN, 60.0)
+exchanges = Limiter(accounts.SETTINGS["signins_per_minute"], 60.0)
+"""Tokens exchanged (for a session, or the class token for a name page) per client address: each rewrites the
+accounts file, and each class token's name page holds a grant; its bound is the lab's setting, read each time;
+the teacher's are not counted."""
 names = Limiter(NAMES_PER_HOUR, 3600.0)
 addresses = Limiter(accounts.SETTINGS["names_per_address"], 3600.0)
 """New names per client address; its bound is the lab's setting, read at each sign-in."""
@@ -301,22 +300,24 @@ async def exchange(scope, send, token: str, then: str, browser: Optional[str], s
             if accounts.check_token(root, token) == current:  # their own link again: nothing changes
                 return await redirect(send, then, set_browser)
             return await redirect(send, LINK_UNUSED, set_browser)  # the token leaves the address bar at once
-        # The token is checked before the limit: a room behind one address (a NAT, a TLS proxy) shares the limit,
-        # and wrong guesses from one person there must not lock everyone with a valid token out.
-        if exchanges.full(client(scope)):
+        teacher = getattr(accounts.check_token(root, token), "admin", False)
+        if not teacher and exchanges.full(client(scope), n=accounts.settings(root)["signins_per_minute"]):
             return await respond(send, 429, token_form("Too many sign-ins from this address; wait a minute.",
                                                        scope), set_browser)
         opened = accounts.open_session(root, token, browser)
         if opened:
-            exchanges.add(client(scope))
+            if not teacher:
+                exchanges.add(client(scope))
             sid, _ = opened
             return await redirect(send, then, [_cookie(SESSION_COOKIE, sid, None, scope), *set_browser])
         if accounts.is_class_token(root, token):
             exchanges.add(client(scope))
             return await redirect(send, "/signin/name", [_cookie(GRANT_COOKIE, _grant(token), int(GRANT_S), scope),
                                                          *set_browser])
-    except LabError as e:  # a damaged access.json: the teacher's to fix; said without the path
+    except LabError as e:  # a damaged access.json or lab.json: the teacher's to fix; said without the path
         return await unavailable(send, e, scope)
+    # The token was checked before this limit: a room behind one address (a NAT, a TLS proxy) shares the limit,
+    # and wrong guesses from one person there must not lock everyone with a valid token out.
     if fails.full(client(scope)):
         return await respond(send, 429, token_form("Too many wrong tokens from this address; wait a minute.",
                                                    scope), set_browser)
@@ -450,6 +451,8 @@ class Gate:
         name = form.get("name", "").strip()
         try:
             personal = accounts.sign_in(root, klass, name, browser)
+        except accounts.DamagedAccess as e:
+            return await unavailable(send, e, scope)
         except LabError as e:
             if _refused_name(jar.get(GRANT_COOKIE)):  # a page that tries name after name: the class token again
                 return await respond(send, 400, token_form(f"{e} ({NAME_TRIES} names refused: give the class "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Deque, Dict, List, Optional
@@ -165,6 +166,8 @@ class LiveRun:
         """whether the run had ended at the last ``live_run`` (which of the followed runs ``live_run`` drops)"""
         self.held = 0
         """bytes of the run's files this holds, as of the last refresh (what dropping it would read again)"""
+        self.used = time.monotonic()
+        """when ``live_run`` last gave it to a page"""
 
     def refresh(self) -> "LiveRun":
         """Read what was appended to the run's files since the last refresh."""
@@ -222,10 +225,13 @@ class LiveRun:
 _LIVE: "OrderedDict[str, LiveRun]" = OrderedDict()
 _LIVE_LOCK = threading.Lock()
 MAX_LIVE = 8
-"""Runs followed at once per process. Past it, a run that had ended at its last refresh is dropped first (its
-page no longer refreshes), the least recently used of them; else the run that holds the fewest bytes read (a
-queued run holds none; ties: the least recently used). Opening finished or queued runs, then, never makes a page
-that follows a big running run read its files again from their ends (a few seconds of CPU per refresh)."""
+"""Runs followed at once per process. Past it, a run that had ended at its last refresh, or that no page has
+refreshed for IDLE_S, is dropped first (the least recently used of them); else the run that holds the fewest
+bytes read (a queued run holds none; ties: the least recently used). Opening finished or queued runs, then, never
+makes a page that follows a big running run read its files again from their ends (a few seconds of CPU per
+refresh), and a big run nobody follows any more does not keep its place."""
+IDLE_S = 60.0
+"""A followed run no page asked for in this long (the Live page's charts refresh every 20 s) is dropped first."""
 
 
 def live_run(run: Run) -> LiveRun:
@@ -236,8 +242,13 @@ def live_run(run: Run) -> LiveRun:
         if lr is None:
             lr = _LIVE[key] = LiveRun(run)
         _LIVE.move_to_end(key)
+        now = lr.used = time.monotonic()
         while len(_LIVE) > MAX_LIVE:
-            others = [(not x.ended, 0 if x.ended else x.held, n) for n, (k, x) in enumerate(_LIVE.items()) if k != key]
+            others = []
+            for n, (k, x) in enumerate(_LIVE.items()):
+                if k != key:
+                    gone = x.ended or now - x.used > IDLE_S
+                    others.append((not gone, 0 if gone else x.held, n))
             del _LIVE[list(_LIVE)[min(others)[2]]]
     lr.refresh()
     lr.ended = run.state in runfiles.FINAL
