@@ -565,6 +565,10 @@ def test_predict_profile_bad_inputs_are_one_line(tmp_path, capsys):
     assert whatif.profile_problem(d) is None
     with pytest.raises(SpecError, match="^upload: u.json is not a profile \\(nested too deeply\\)$"):
         whatif.profile_from_text("[" * 100_000 + "]" * 100_000, "u.json", "upload")
+    deep = dict(d, machine=json.loads('{"a": ' * 900 + "1" + "}" * 900))  # parses; asdict and dumps would recurse
+    with pytest.raises(SpecError, match="nested more than 32 levels"):
+        whatif.profile_from_text(json.dumps(deep), "u.json", "upload")
+    assert whatif.profile_from_text(json.dumps(d), "u.json", "upload").model == d["model"]
 
 
 def test_profile_cli_measures_a_model_then_predict_reads_it(tmp_path, capsys):

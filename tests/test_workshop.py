@@ -830,6 +830,7 @@ def downloads(tmp_path, monkeypatch):
     monkeypatch.setattr(access, "mode", lambda: "room")
     monkeypatch.setattr(access, "session_id", lambda: "sid")
     monkeypatch.setattr(access, "_kept", access.OrderedDict())
+    monkeypatch.setattr(access, "_held", {})
 
     def as_user(name: str) -> dict:
         who = {"user": owners.User(name)}
@@ -906,7 +907,7 @@ def test_a_download_asked_for_again_and_again_holds_no_more_memory(tmp_path, mon
     from streamlit.runtime.media_file_storage import MediaFileStorageError
     from streamlit.runtime.memory_media_file_storage import MemoryMediaFileStorage
     who = downloads("mallory")
-    monkeypatch.setattr(access, "REFETCH_S", 0.0)
+    monkeypatch.setattr(access, "REFETCH_S", -1.0)  # spent at its first fetch
     run = open_lab(tmp_path, room=True).create(commlab.spec(SMALL), owner="mallory")
     run.note(shared=True)  # bob may see it too
     storage = MemoryMediaFileStorage("/media")
@@ -920,11 +921,16 @@ def test_a_download_asked_for_again_and_again_holds_no_more_memory(tmp_path, mon
                                                         "downloads not yet fetched"):
             mgr.execute_deferred(fid)
     assert len(storage._files_by_id) == access.HELD_PER_PERSON
+    built = []
+    csv = mgr.add_deferred(access.download_data(lambda: built.append(1) or "a,b", [run.id]), "text/csv", "c", "x.csv")
+    with pytest.raises(MediaFileStorageError, match="download refused: mallory holds 3 downloads not yet fetched"):
+        mgr.execute_deferred(csv)
+    assert built == []  # refused before it was built
     who["user"] = owners.User("bob")
     bobs = mgr.execute_deferred(fid)  # another person is not refused for mallory's
     storage.get_file(bobs.split("/")[-1])
     who["user"] = owners.User("mallory")
-    storage.get_file(urls[0].split("/")[-1])  # fetched: spent at once here (REFETCH_S 0), its place freed
+    storage.get_file(urls[0].split("/")[-1])  # fetched: spent at once here, its place freed
     with pytest.raises(MediaFileStorageError):
         storage.get_file(urls[0].split("/")[-1])
     assert mgr.execute_deferred(fid)

@@ -158,7 +158,7 @@ def live_panel(run_id: str) -> None:
         st.plotly_chart(fig, key="live.timeline")
         if step >= 0 and run.view_cut():
             st.caption(f"The server reads each rank's last steps that fit {store.VIEW_MB:g} MB of timeline: an older "
-                       f"step shows no spans here. `commlab trace {ui.text(run.id)}` writes the whole run.")
+                       "step shows no spans here. `commlab trace` with this run's id writes the whole run.")
         st.subheader("Where the step time goes")
         bd = lr.breakdown(BREAKDOWN_STEPS, final=state in FINAL)  # each step's breakdown is computed once
         st.plotly_chart(plots.breakdown_figure(bd), key="live.breakdown")

@@ -25,7 +25,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable, Iterable, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Optional
 
 import streamlit as st
 from streamlit import config, runtime
@@ -94,8 +95,9 @@ def gate() -> owners.User:
             st.caption(f"Signed in as {ui.text(user.name)} ({'teacher' if user.admin else 'student'})")
             st.button("Sign out", key="access.out", on_click=sign_out)  # before the next run's gate
             if user.admin and not config.get_option("server.sslCertFile"):
-                st.warning("Served without TLS: tokens and pages cross the network in the clear "
-                           "(commlab app --certfile/--keyfile).", icon=":material/lock_open:")
+                st.warning("Served without a certificate of its own: unless a TLS proxy in front serves it, tokens "
+                           "and pages cross the network in the clear (commlab app --certfile/--keyfile, or "
+                           "--behind-proxy).", icon=":material/lock_open:")
         return user
     signed_out("You are signed out." if st.session_state.pop(SIGNED_OUT, False)
                else "Your session has ended, or you have not signed in yet.")
@@ -142,6 +144,25 @@ _kept: "OrderedDict[tuple, object]" = OrderedDict()
 _building: set = set()
 """Who has a download being built now: one at a time per person."""
 _downloads_lock = threading.Lock()
+@dataclass
+class _Held:
+    who: str
+    """the person it was built for ("" when not built by ``download_data``)"""
+    size: int
+    expires: float
+    """time.monotonic() after which it serves no more"""
+
+
+_held: "Dict[str, _Held]" = {}
+"""Built downloads the server holds now (the /media files ``_one_shot`` makes), by file id."""
+_held_lock = threading.Lock()
+
+
+def held_by(name: str) -> int:
+    """Built downloads ``name`` holds now, not yet spent."""
+    now = time.monotonic()
+    with _held_lock:
+        return sum(1 for h in _held.values() if h.who == name and h.expires >= now)
 _holder: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar("commlab_download_holder", default=None)
 """Whose download this thread is building (set by ``download_data``'s builder; read where Streamlit stores the
 file it built, in the same call)."""
@@ -178,6 +199,9 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str 
                 return _kept[key]
             if user.name in _building:
                 raise PermissionError(f"download refused: {user.name} has one being built; try again when it is done")
+            if held_by(user.name) >= HELD_PER_PERSON:  # refused before it is built, not after
+                raise PermissionError(f"download refused: {user.name} holds {HELD_PER_PERSON} downloads not yet "
+                                      "fetched")
             _building.add(user.name)
         try:
             data = make()
@@ -264,18 +288,12 @@ def _guard_deferred() -> None:
 
 
 def _one_shot(storage) -> None:
-    expires: dict = {}
     fetched: set = set()
-    lock = threading.Lock()
     load, get, url = storage.load_and_get_id, storage.get_file, storage.get_url
 
-    holders: dict = {}
-    """file id -> (the person it was built for, its bytes), while it is held"""
-
     def drop(file_id):
-        expires.pop(file_id, None)
+        _held.pop(file_id, None)
         fetched.discard(file_id)
-        holders.pop(file_id, None)
         storage.delete_file(file_id)
 
     def load_and_get_id(path_or_data, mimetype, kind, filename=None):
@@ -283,42 +301,42 @@ def _one_shot(storage) -> None:
             return load(path_or_data, mimetype, kind, filename)
         data = storage._read_file(path_or_data) if isinstance(path_or_data, str) else path_or_data
         file_id, who = secrets.token_hex(32), _holder.get() or ""
-        with lock:
+        with _held_lock:
             now = time.monotonic()
-            for old in [k for k, t in expires.items() if t < now]:  # expired: dropped
+            for old in [k for k, h in _held.items() if h.expires < now]:  # expired: dropped
                 drop(old)
-            mine = sum(1 for w, _ in holders.values() if w == who)
+            mine = sum(1 for h in _held.values() if h.who == who)
             if who and mine >= HELD_PER_PERSON:  # who: a download built by download_data's builder
                 raise MediaFileStorageError(f"download refused: {who} holds {mine} downloads not "
                                             f"yet fetched (at most {HELD_PER_PERSON}); fetch them or wait "
                                             f"{ONE_SHOT_S:.0f} s")
-            held = sum(n for _, n in holders.values()) + len(data)
-            if held > HELD_MB_TOTAL * 2**20:
+            if sum(h.size for h in _held.values()) + len(data) > HELD_MB_TOTAL * 2**20:
                 raise MediaFileStorageError(f"download refused: the server holds {HELD_MB_TOTAL} MB of downloads "
                                             f"not yet fetched; try again in a minute")
             storage._files_by_id[file_id] = MemoryFile(content=data, mimetype=mimetype, kind=kind,
                                                        filename=filename)
-            expires[file_id], holders[file_id] = now + ONE_SHOT_S, (who, len(data))
+            _held[file_id] = _Held(who, len(data), now + ONE_SHOT_S)
         return file_id
 
     def get_file(filename):
         file_id = os.path.splitext(filename)[0]
-        with lock:
-            if file_id in expires:
+        with _held_lock:
+            h = _held.get(file_id)
+            if h is not None:
                 now = time.monotonic()
                 f = storage._files_by_id.get(file_id)
-                if expires[file_id] >= now and f is not None:
+                if h.expires >= now and f is not None:
                     if file_id not in fetched:  # the first fetch: it serves REFETCH_S more seconds
                         fetched.add(file_id)
-                        expires[file_id] = min(expires[file_id], now + REFETCH_S)
+                        h.expires = min(h.expires, now + REFETCH_S)
                     return f
                 drop(file_id)
                 raise MediaFileStorageError(f"no media file {file_id!r}")
         return get(filename)
 
     def get_url(file_id):
-        with lock:
-            f = storage._files_by_id.get(file_id) if file_id in expires else None
+        with _held_lock:
+            f = storage._files_by_id.get(file_id) if file_id in _held else None
         if f is None:
             return url(file_id)  # Streamlit's own files (and an expired id: its own error)
         return f"{storage._media_endpoint}/{file_id}{get_extension_for_mimetype(f.mimetype)}"

@@ -263,6 +263,20 @@ def load_profile_file(path: str, field: str = "PROFILE") -> cal.Profile:
     return profile_from_text(f.read_text(), str(path), field)
 
 
+MAX_DEPTH = 32
+"""How deeply a profile's JSON may nest (a profile's own nest a job spec and its sections: fewer than ten levels)."""
+
+
+def _depth(v, limit: int = MAX_DEPTH + 1) -> int:
+    """How deeply ``v`` nests lists and mappings, counted no further than ``limit``."""
+    level, todo = 0, [v]
+    while todo and level < limit:
+        todo = [x for c in todo for x in (c.values() if isinstance(c, dict) else c if isinstance(c, list) else ())
+                if isinstance(x, (dict, list))]
+        level += 1
+    return level
+
+
 def profile_from_text(text: str, where: str, field: str = "PROFILE") -> cal.Profile:
     """A profile from a file's text (``where`` names it in errors: a path, an upload)."""
     try:
@@ -271,6 +285,8 @@ def profile_from_text(text: str, where: str, field: str = "PROFILE") -> cal.Prof
         raise SpecError(field, f"{where} is not JSON ({str(e).splitlines()[0]})") from None
     except RecursionError:
         raise SpecError(field, f"{where} is not a profile (nested too deeply)") from None
+    if _depth(d) > MAX_DEPTH:  # deeper than any profile: what later copies it (asdict, a cache key) would recurse
+        raise SpecError(field, f"{where} is not a profile (nested more than {MAX_DEPTH} levels)")
     if not isinstance(d, dict) or any(k not in d for k in PROFILE_FIELDS):
         raise SpecError(field, f"{where} is not a profile (needs {', '.join(PROFILE_FIELDS)}; "
                                f"write one with `commlab profile SPEC -o FILE`)")
