@@ -145,13 +145,17 @@ class FtJob:
         script.json if it has one (read once the Lighthouse serves: with several nodes, node 0 writes it before it
         starts the Lighthouse)."""
         nodes, cluster = self.nodes, self.cluster
-        host, port = ("localhost", free_port()) if nodes is None else (nodes.master_addr, nodes.port)
+        host, port = ("127.0.0.1", free_port()) if nodes is None else (nodes.master_addr, nodes.port)
+        bind = "127.0.0.1" if nodes is None and cluster is None else "[::]"  # one machine: loopback only
         if cluster is not None:
             host = cluster.hub  # the bridge's namespace has its own ports: any is free there
         self.addr = f"http://{host}:{port}"
         if nodes is None or nodes.node_rank == 0:
             ft = self.ft
-            argv = [self.python, ft_lighthouse.__file__, "--bind", f"[::]:{port}",
+            # The Lighthouse serves a dashboard whose buttons kill replicas, to anyone who reaches its port: on one
+            # machine only the machine's own processes reach it; across machines (or a modeled cluster's bridge,
+            # a namespace of its own) the replicas elsewhere must.
+            argv = [self.python, ft_lighthouse.__file__, "--bind", f"{bind}:{port}",
                     "--min_replicas", str(ft.min_replicas), "--join_timeout_ms", str(ft.join_timeout_ms),
                     "--quorum_tick_ms", str(ft.quorum_tick_ms), "--heartbeat_timeout_ms", str(ft.heartbeat_timeout_ms)]
             if cluster is not None:
