@@ -235,3 +235,18 @@ def test_the_cache_key_holds_how_far_the_search_looked():
     assert cache_key(commlab.spec({**base, "name": "mine", "steps": 7})) == key
     for field, value in (("max_candidates", 1), ("steps_per_candidate", 1), ("warmup_steps", 0), ("max_groups", 2)):
         assert cache_key(commlab.spec({**base, "schedule": {"name": "mergecomp", field: value}})) != key, field
+
+
+def test_the_cache_keeps_the_newest_entries_only(tmp_path, monkeypatch):
+    """Every MergeComp run reads and rewrites the whole cache beside the runs, and a room's runs of many settings
+    each add an entry (a model's parameter names in it): it keeps the CACHE_ENTRIES written last."""
+    import json
+    from commlab.engine import runfiles
+    from commlab.engine.tuners import mergecomp
+    monkeypatch.setattr(mergecomp, "CACHE_ENTRIES", 4)
+    for k in range(6):
+        assert mergecomp.write_cache(str(tmp_path), f"k{k}", {"order": ["a"], "cuts": [], "run": str(k)}) is None
+    mergecomp.write_cache(str(tmp_path), "k3", {"order": ["a"], "cuts": [], "run": "again"})  # written again: newest
+    kept = json.loads((tmp_path / runfiles.MERGECOMP_CACHE).read_text())
+    assert list(kept) == ["k2", "k4", "k5", "k3"] and kept["k3"]["run"] == "again"
+    assert mergecomp.read_cache(str(tmp_path), "k0") is None and mergecomp.read_cache(str(tmp_path), "k5")["run"] == "5"

@@ -165,9 +165,16 @@ def read_cache(runs_root: str, key: str) -> Optional[dict]:
         return None
 
 
+CACHE_ENTRIES = 64
+"""Partitions the cache keeps, the newest written; an older one is searched for again. Every MergeComp run reads and
+rewrites the whole file, and an entry holds its model's parameter names (2,000 for a model at the tensors
+quota of an exposed lab): a room's runs of many settings would otherwise grow it without bound."""
+
+
 def write_cache(runs_root: str, key: str, entry: dict) -> Optional[str]:
-    """Add ``entry`` under ``key``, under an flock so that two runs finishing at once keep both
-    entries. Returns a problem to report (a corrupt cache found and set aside first), or None."""
+    """Add ``entry`` under ``key`` (the newest; past CACHE_ENTRIES the oldest written go), under an flock so
+    that two runs finishing at once keep both entries. Returns a problem to report (a corrupt cache found and
+    set aside first), or None."""
     import fcntl
     path = os.path.join(runs_root, runfiles.MERGECOMP_CACHE)
     problem = None
@@ -180,7 +187,10 @@ def write_cache(runs_root: str, key: str, entry: dict) -> Optional[str]:
             allc = {}
         except CacheCorrupt as e:
             allc, problem = {}, str(e)
-        allc[key] = entry
+        allc.pop(key, None)
+        allc[key] = entry  # the newest last (JSON objects keep their order)
+        for old in list(allc)[:max(0, len(allc) - CACHE_ENTRIES)]:
+            del allc[old]
         write_json_atomic(path, allc)  # readers never see half a file
     finally:
         os.close(fd)
