@@ -25,6 +25,7 @@ from commlab.lab.strategy.perfmodel import views  # noqa: E402
 from commlab.lab.analysis import plots, timelines
 from distutil import counted  # noqa: E402
 from commlab.lab.analysis.presets import PRESETS  # noqa: E402
+from commlab.lab.base.kept import Kept  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 ENTRY = str(ROOT / "commlab" / "app" / "streamlit_app.py")
@@ -154,7 +155,7 @@ def test_the_live_pages_of_one_run_draw_its_timeline_and_explain_it_once(runs, m
     made = {"figure": 0, "explain": 0}
     monkeypatch.setattr(live_view.plots, "timeline_figure", counted(made, "figure", plots.timeline_figure))
     monkeypatch.setattr(explain, "explain_frame", counted(made, "explain", explain.explain_frame))
-    monkeypatch.setattr(timelines, "_CACHE", type(timelines._CACHE)())
+    monkeypatch.setattr(timelines, "_CACHE", Kept(timelines.CACHED))
     first = page("live_run")
     assert not first.exception and made == {"figure": 1, "explain": 1}, made
     first.run()
@@ -167,8 +168,7 @@ def test_the_live_pages_of_one_run_draw_its_timeline_and_explain_it_once(runs, m
 def test_each_runs_calibration_is_kept_and_the_model_page_predicts_the_newest_runs(runs, monkeypatch):
     """Predicted against measured calibrates each finished run from its timeline (seconds for a long run): once
     per state of its files in a process, and for the newest runs only."""
-    from collections import OrderedDict
-    monkeypatch.setattr(views, "_calibrations", OrderedDict())
+    monkeypatch.setattr(views, "_calibrations", Kept(views.CALIBRATED))
     made = []
     real = cal.from_run
     monkeypatch.setattr(cal, "from_run", lambda run, *a, **k: made.append(run.id) or real(run, *a, **k))

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import threading
-from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,6 +36,7 @@ from commlab.room import open_lab  # noqa: E402
 from commlab.lab.strategy.perfmodel import calibrate as cal  # noqa: E402
 from commlab.lab.strategy.perfmodel import predict, whatif  # noqa: E402
 from commlab.room import places  # noqa: E402
+from commlab.lab.base.kept import Kept  # noqa: E402
 from test_app import ENTRY, SMALL  # noqa: E402
 from test_perfmodel import tiny_profile  # noqa: E402
 from test_safe_room import as_viewer, one_line, profiles, room  # noqa: E402,F401  (fixtures)
@@ -67,8 +67,8 @@ def timed(monkeypatch):
         got["children"].append(task)
         return spawn(task, spec, limits)
     monkeypatch.setattr(sandbox, "_spawn", child)
-    monkeypatch.setattr(cal, "_CURVES", OrderedDict(), raising=False)  # nothing kept from before the test
-    monkeypatch.setattr(viewing, "_predictions", OrderedDict())
+    monkeypatch.setattr(cal, "_CURVES", Kept(cal.CURVES_KEPT), raising=False)  # nothing kept from before the test
+    monkeypatch.setattr(viewing, "_predictions", Kept(viewing.PREDICTIONS))
     return got
 
 
@@ -361,7 +361,7 @@ def test_the_pages_look_for_dead_supervisors_at_most_every_few_seconds(tmp_path,
 def test_a_busy_server_is_not_kept_as_the_profiles_answer(profiles, monkeypatch):
     """No place for a child now is said as it is, and the next request predicts: a moment's load is not the
     profile's kept answer."""
-    monkeypatch.setattr(viewing, "_predictions", OrderedDict())
+    monkeypatch.setattr(viewing, "_predictions", Kept(viewing.PREDICTIONS))
     real, calls = sandbox.run, []
 
     def busy_once(*a, **k):
@@ -385,7 +385,7 @@ def test_the_command_line_times_in_its_own_process(monkeypatch):
     """Where this process may import code (the CLI, the advisor's process) nothing is started: curves are timed
     here, and not kept in the process (the machine's curves file is the command line's cache)."""
     monkeypatch.setattr(sandbox, "_spawn", lambda *a: pytest.fail("started a child"))
-    monkeypatch.setattr(cal, "_CURVES", OrderedDict(), raising=False)
+    monkeypatch.setattr(cal, "_CURVES", Kept(cal.CURVES_KEPT), raising=False)
     items = [{"compressor": {"name": "signsgd", "params": {}, "error_feedback": False}},
              {"method": {"name": "demo", "params": {"chunk": 16, "topk": 2}}}]
     curves = cal.measure_curves(items, numels=(1024, 4096), repeat=1, warm=1)

@@ -25,6 +25,7 @@ pytest.importorskip("streamlit")
 
 import commlab  # noqa: E402
 from commlab.lab.front import ui  # noqa: E402
+from commlab.lab.base.kept import Kept  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted((REPO / "commlab" / "app").rglob("*.py"))
@@ -343,7 +344,7 @@ def test_an_owners_name_is_text(room):  # noqa: F811
 
 # --------------------------------------------------------------------------- previews, shared fairly
 
-from collections import OrderedDict, deque  # noqa: E402
+from collections import deque  # noqa: E402
 
 from commlab.engine import codepath  # noqa: E402
 from commlab.engine.spec import SpecError  # noqa: E402
@@ -403,7 +404,7 @@ def fake(monkeypatch):
     """Fake children, no kept previews, and a viewer named by the asking thread (``alice-form`` is alice)."""
     kids = Children()
     monkeypatch.setattr(sandbox, "_spawn", kids)
-    monkeypatch.setattr(previews, "_previews", OrderedDict())
+    monkeypatch.setattr(previews, "_previews", Kept(previews.PREVIEWS))
     cal._parameters.cache_clear()
     ui.set_viewer(lambda: owners.User(threading.current_thread().name.split("-")[0]))
     yield kids
@@ -497,7 +498,7 @@ def test_the_new_run_form_says_when_to_try_again(room, monkeypatch):  # noqa: F8
     """A student past their budget sees the refusal under the form in one line, and can still not queue."""
     root, runs, tokens = room
     monkeypatch.setattr(sandbox, "_spawn", Children())
-    monkeypatch.setattr(previews, "_previews", OrderedDict())
+    monkeypatch.setattr(previews, "_previews", Kept(previews.PREVIEWS))
     monkeypatch.setattr(places, "BUDGET_S", CHILD_S)
     places._places._spent["alice"] = deque([(time.monotonic(), CHILD_S, "describe")])  # a preview of hers just now
     at = app(tokens["alice"], page="new_run")

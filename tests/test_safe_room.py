@@ -43,6 +43,7 @@ from commlab.lab.base.errors import LabError  # noqa: E402
 from test_app import SMALL  # noqa: E402
 from test_workshop import app, everything  # noqa: E402
 from commlab.lab.front import profiles as viewing  # noqa: E402
+from commlab.lab.base.kept import Kept  # noqa: E402
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
 RSS_BOUND_MB = 200
@@ -332,8 +333,7 @@ def test_children_are_bounded_per_person_and_per_server(code, monkeypatch):
 def test_a_room_asking_for_one_models_size_at_once_starts_one_child(room, monkeypatch):
     """Twelve students press Start on the same preset in the same second: one child counts the model (the rest
     wait for its answer), though the server has a single place for children and refuses after 0.5 s."""
-    from collections import OrderedDict
-    monkeypatch.setattr(previews, "_previews", OrderedDict())
+    monkeypatch.setattr(previews, "_previews", Kept(previews.PREVIEWS))
     monkeypatch.setattr(sandbox, "SERVER", threading.BoundedSemaphore(1))
     monkeypatch.setattr(sandbox, "WAIT_S", 0.5)
     spawned = []
@@ -643,8 +643,7 @@ def test_a_students_profile_lists_at_most_max_tensors(profiles):
 @pytest.fixture
 def counted(monkeypatch):
     """views.cluster_prediction counted, with no prediction kept from before the test."""
-    from collections import OrderedDict
-    monkeypatch.setattr(viewing, "_predictions", OrderedDict())
+    monkeypatch.setattr(viewing, "_predictions", Kept(viewing.PREDICTIONS))
     calls, real = [], views.cluster_prediction
 
     def count(*a, **kw):

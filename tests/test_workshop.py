@@ -24,6 +24,7 @@ from commlab.lab.rundir.store import RunError
 from test_app import ENTRY, SMALL  # noqa: E402
 from distutil import stop_process  # noqa: E402
 from commlab.lab.analysis.presets import PRESETS  # noqa: E402
+from commlab.lab.base.kept import Kept  # noqa: E402
 
 TRICKS = ["../../../etc/passwd", "/etc/passwd", "..", "%2e%2e%2f%2e%2e%2fetc%2fpasswd", "..%2f..%2f", "a/../../b",
           "./spec.json", "x\x00y", "access.json", "../access.json", "~root"]
@@ -829,7 +830,7 @@ def downloads(tmp_path, monkeypatch):
     monkeypatch.setenv("COMMLAB_RUNS", str(tmp_path))
     monkeypatch.setattr(access, "mode", lambda: "room")
     monkeypatch.setattr(access, "session_id", lambda: "sid")
-    monkeypatch.setattr(access, "_kept", access.OrderedDict())
+    monkeypatch.setattr(access, "_kept", Kept(access.KEPT_FILES))
     monkeypatch.setattr(access, "_held", {})
 
     def as_user(name: str) -> dict:

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
 from typing import Dict, Optional
 
 from commlab.engine import codepath
 from commlab.engine.spec import JobSpec, SpecError
 from commlab.lab.base import sandbox
 from commlab.room import places
+from commlab.lab.base.kept import Kept
 
 PREVIEWS = 64
 """Model sizes (or the one-line error of their preview) kept in this process, least recently used first out."""
-_previews: "OrderedDict[str, object]" = OrderedDict()
-_previews_lock = threading.Lock()
+_previews = Kept(PREVIEWS)
+_asking_lock = threading.Lock()
 _asking: Dict[str, threading.Lock] = {}
 """One lock per model whose size a child is counting now: everyone else asking for it waits for that answer
 (a room pressing the same preset's Start at once starts one child, not one each)."""
@@ -41,31 +41,23 @@ def model_size(spec: JobSpec, who, wait_s: Optional[float] = None) -> dict:
     if codepath.code_fields({"compressor": d["compressor"]}):  # the teacher's compressor class: its parameters, in the child
         want.update(compressor=d["compressor"], comm=d["comm"])
     key = json.dumps(want, sort_keys=True)
-    hit = _preview(key)
+    hit = _previews.get(key)
     if hit is None:
-        with _previews_lock:
+        with _asking_lock:
             asking = _asking.setdefault(key, threading.Lock())
         if not asking.acquire(timeout=sandbox.PREVIEW.wall_s + (sandbox.WAIT_S if wait_s is None else wait_s)):
             raise SpecError("preview", "another viewer's preview of this model is still running; try again in a moment")
         try:  # the key's lock first, then the person's: every thread takes them in this order
             with places.person(who):  # one child per person at a time; a second request waits, then finds the answer
-                hit = _preview(key) or _run_preview(key, who, wait_s)
+                hit = _previews.get(key) or _run_preview(key, who, wait_s)
         finally:
-            with _previews_lock:
+            with _asking_lock:
                 asking.release()
                 if _asking.get(key) is asking:  # those already waiting hold it; the dict stays small
                     del _asking[key]
     if isinstance(hit, SpecError):
         raise SpecError(hit.path, hit.msg)
     return hit
-
-
-def _preview(key: str):
-    with _previews_lock:
-        hit = _previews.get(key)
-        if hit is not None:
-            _previews.move_to_end(key)
-        return hit
 
 
 def _run_preview(key: str, who, wait_s: Optional[float] = None):
@@ -77,8 +69,4 @@ def _run_preview(key: str, who, wait_s: Optional[float] = None):
         raise SpecError(e.path, e.msg) from None
     except sandbox.SandboxError as e:
         hit = SpecError(e.path, e.msg)
-    with _previews_lock:
-        _previews[key] = hit
-        while len(_previews) > PREVIEWS:
-            _previews.popitem(last=False)
-    return hit
+    return _previews.put(key, hit)

@@ -24,7 +24,6 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Dict, Iterable, Optional
 
@@ -37,12 +36,12 @@ from streamlit.runtime.memory_media_file_storage import MemoryFile, get_extensio
 from streamlit.runtime.scriptrunner_utils.script_run_context import get_script_run_ctx
 
 from commlab import api
-from commlab.engine import runfiles
 from commlab.app.room import uploads
 from commlab.app.room.gatekeeper import SESSION_COOKIE
 from commlab.lab.front import ui
 from commlab.room import accounts
 from commlab.room import owners
+from commlab.lab.base.kept import Kept
 
 SESSION = "commlab.session"
 """Where AppTest puts a session id (a real browser's comes in its cookie)."""
@@ -140,7 +139,7 @@ def signed_out(why: str) -> None:
 KEPT_FILES = 4
 """Built downloads kept in this process (least recently used first out): a repeated click on the same file of
 the same runs, unchanged, is served what was built."""
-_kept: "OrderedDict[tuple, object]" = OrderedDict()
+_kept = Kept(KEPT_FILES)
 _building: set = set()
 """Who has a download being built now: one at a time per person."""
 _downloads_lock = threading.Lock()
@@ -191,12 +190,11 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str 
                 raise PermissionError(f"download refused: {user.name} may not see run {run.id}")
         # the viewer's: what a file shows can depend on who looks (a student's errors carry no server paths); and
         # the runs' as they are: their files and their status (a report shows the state and the error)
-        key = (kind, user.name, tuple((r.id, r.files_key(), _mtime(r.file(runfiles.STATUS))) for r in runs)) \
-            if kind else None
+        key = (kind, user.name, tuple((r.id, r.files_key(status=True)) for r in runs)) if kind else None
+        hit = _kept.get(key) if key is not None else None
+        if hit is not None:
+            return hit
         with _downloads_lock:
-            if key in _kept:
-                _kept.move_to_end(key)
-                return _kept[key]
             if user.name in _building:
                 raise PermissionError(f"download refused: {user.name} has one being built; try again when it is done")
             if held_by(user.name) >= HELD_PER_PERSON:  # refused before it is built, not after
@@ -208,20 +206,8 @@ def download_data(make: Callable[[], object], run_ids: Iterable[str], kind: str 
         finally:
             with _downloads_lock:
                 _building.discard(user.name)
-        if key is not None:
-            with _downloads_lock:
-                _kept[key] = data
-                while len(_kept) > KEPT_FILES:
-                    _kept.popitem(last=False)
-        return data
+        return _kept.put(key, data) if key is not None else data
     return build
-
-
-def _mtime(path) -> int:
-    try:
-        return path.stat().st_mtime_ns
-    except FileNotFoundError:
-        return 0
 
 
 _guard_lock = threading.Lock()

@@ -4,8 +4,6 @@ a small cache of what was built, kept until the run's files change."""
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from typing import Dict, List, Optional, Tuple
 
 import pandas as pd
@@ -16,6 +14,7 @@ from commlab.lab.analysis.plots import plain
 from commlab.lab.analysis.trace import chrome_trace
 from commlab.lab.rundir.store import Run, timeline_frame
 from commlab.lab.rundir.summary import warmup_steps
+from commlab.lab.base.kept import Kept
 
 
 def progress(run: Run) -> Tuple[int, int]:
@@ -36,22 +35,12 @@ def tail_timeline(run: Run, steps: int = 3) -> pd.DataFrame:
 
 CACHED = 32
 """Figures and frames kept by ``cached`` in this process, least recently used first out."""
-_CACHE: "OrderedDict[tuple, object]" = OrderedDict()
-_CACHE_LOCK = threading.Lock()
+_CACHE = Kept(CACHED)
 
 
 def cached(key: tuple, fn):
     """``fn()``, kept under ``key`` (include ``run.files_key()`` so it is built again when the run grows)."""
-    with _CACHE_LOCK:
-        if key in _CACHE:
-            _CACHE.move_to_end(key)
-            return _CACHE[key]
-    value = fn()
-    with _CACHE_LOCK:
-        _CACHE[key] = value
-        while len(_CACHE) > CACHED:
-            _CACHE.popitem(last=False)
-    return value
+    return _CACHE.get_or(key, fn)
 
 
 def run_breakdown(run: Run, max_steps: int = 100) -> Dict[str, float]:

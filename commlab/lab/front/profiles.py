@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections import OrderedDict
 from dataclasses import asdict
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -22,6 +20,7 @@ from commlab.lab.base.paths import CURVES, PROPERTIES, SHAPED_LINK
 from commlab.room import owners, places
 from commlab.lab.strategy.perfmodel import calibrate as cal
 from commlab.lab.strategy.perfmodel import views, whatif
+from commlab.lab.base.kept import Kept
 
 
 def may_measure(user: owners.User) -> bool:
@@ -123,8 +122,7 @@ def _student_profile(runs, prof: cal.Profile) -> None:
 
 PREDICTIONS = 32
 """Cluster predictions (or their one-line errors) kept in this process, least recently used first out."""
-_predictions: "OrderedDict[str, tuple]" = OrderedDict()
-_predictions_lock = threading.Lock()
+_predictions = Kept(PREDICTIONS)
 
 
 def cluster_prediction(user: owners.User, prof: cal.Profile, shape: dict, workers: List[int],
@@ -140,10 +138,10 @@ def cluster_prediction(user: owners.User, prof: cal.Profile, shape: dict, worker
         return views.cluster_prediction(prof, shape, workers, inter_gbps, compute_speedup, spec=spec, who=user.name)
     key = hashlib.sha256(json.dumps([asdict(prof), spec, shape, list(workers), list(inter_gbps), compute_speedup],
                                     sort_keys=True, default=str).encode()).hexdigest()
-    hit = _kept(key)
+    hit = _predictions.get(key)
     if hit is None:
         with places.person(user.name, "prediction", sandbox.WAIT_S):
-            hit = _kept(key)
+            hit = _predictions.get(key)
             if hit is None:
                 try:
                     hit = (views.cluster_prediction(prof, shape, workers, inter_gbps, compute_speedup, spec=spec,
@@ -153,10 +151,7 @@ def cluster_prediction(user: owners.User, prof: cal.Profile, shape: dict, worker
                     raise  # about the server's load, not the profile: not kept as its answer
                 except (SpecError, KeyError, ValueError) as e:
                     hit = (_anew(e), {})  # without its traceback, which holds the profile
-                with _predictions_lock:
-                    _predictions[key] = hit
-                    while len(_predictions) > PREDICTIONS:
-                        _predictions.popitem(last=False)
+                _predictions.put(key, hit)
     answer, curves = hit
     if isinstance(answer, BaseException):
         raise _anew(answer)  # a new one each time: a kept one would gather tracebacks
@@ -172,14 +167,6 @@ def _anew(e: BaseException) -> BaseException:
         return type(e)(*e.args)
     except TypeError:  # a type that is not made from its args
         return (KeyError if isinstance(e, KeyError) else ValueError)(str(e))
-
-
-def _kept(key: str) -> Optional[tuple]:
-    with _predictions_lock:
-        hit = _predictions.get(key)
-        if hit is not None:
-            _predictions.move_to_end(key)
-        return hit
 
 
 def measure_properties(runs, user: owners.User, profile: Optional[cal.Profile] = None, names=None) -> List[dict]:

@@ -297,11 +297,12 @@ class Run:
             return [e for p in files for e in read_jsonl(str(p))]
         return [e for p in files for e in JsonlTail.last(p, last_steps, ends_step, max_bytes=cap).read(final=True)]
 
-    def files_key(self) -> tuple:
-        """(name, size, mtime) of its metrics and timeline files: what a view made from them is kept under, so
-        that it is made again when the run grows."""
+    def files_key(self, status: bool = False) -> tuple:
+        """(name, size, mtime) of its metrics and timeline files (and, with ``status``, of status.json): what a
+        view made from them is kept under, so that it is made again when the run grows (or changes state)."""
         out = []
-        for p in [self.file(runfiles.METRICS), *self.timeline_files()]:
+        for p in [*([self.file(runfiles.STATUS)] if status else []), self.file(runfiles.METRICS),
+                  *self.timeline_files()]:
             try:
                 st = p.stat()
                 out.append((p.name, st.st_size, st.st_mtime_ns))

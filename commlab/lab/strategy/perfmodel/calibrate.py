@@ -24,9 +24,7 @@ from __future__ import annotations
 import bisect
 import json
 import statistics
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -40,6 +38,7 @@ from commlab.lab.net.netcheck import measure_allreduces
 from commlab.lab.net.netns import Cluster
 from commlab.lab.rundir.disturbance import describe
 from commlab.lab.strategy.perfmodel.costs import Link, TokenBucket, steps_and_wire
+from commlab.lab.base.kept import Kept
 
 
 class CalibrationError(ValueError):
@@ -552,8 +551,7 @@ tensors took 1 s of CPU for the page's 10 cells, and its compressor's curve at t
 CURVES_KEPT = 512
 """Cost curves a child measured for this process (``measure_curves``), least recently used first out: the
 Performance model page asks for the same compressors on every load (each finished run's, the page's five)."""
-_CURVES: "OrderedDict[str, dict]" = OrderedDict()
-_CURVES_LOCK = threading.Lock()
+_CURVES = Kept(CURVES_KEPT)
 
 
 def measure_curves(items: List[dict], numels=CURVE_NUMELS, repeat: int = 5, warm: int = 4,
@@ -572,10 +570,7 @@ def measure_curves(items: List[dict], numels=CURVE_NUMELS, repeat: int = 5, warm
     if codepath.imports_allowed():
         return [_measure_item(item, numels, repeat, warm) for item in items]
     keys = [json.dumps([item, list(numels), repeat, warm], sort_keys=True, default=str) for item in items]
-    with _CURVES_LOCK:
-        have = {k: _CURVES[k] for k in keys if k in _CURVES}
-        for k in have:
-            _CURVES.move_to_end(k)
+    have = {k: curve for k in keys for curve in [_CURVES.get(k)] if curve is not None}
     todo = {k: item for k, item in zip(keys, items) if k not in have}
     if todo:
         got = sandbox.run("curves", {"items": list(todo.values()), "numels": list(numels), "repeat": repeat,
@@ -585,10 +580,7 @@ def measure_curves(items: List[dict], numels=CURVE_NUMELS, repeat: int = 5, warm
         for k, item, curve in zip(todo, todo.values(), got):
             have[k] = curve
             if not codepath.code_fields({"section": item}):
-                with _CURVES_LOCK:
-                    _CURVES[k] = curve
-                    while len(_CURVES) > CURVES_KEPT:
-                        _CURVES.popitem(last=False)
+                _CURVES.put(k, curve)
     return [dict(have[k]) for k in keys]
 
 

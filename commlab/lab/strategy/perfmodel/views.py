@@ -22,8 +22,6 @@ import json
 import re
 import statistics
 import sys
-import threading
-from collections import OrderedDict
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import List, Optional
@@ -43,6 +41,7 @@ from commlab.lab.strategy.perfmodel import ondevice, properties, whatif
 from commlab.lab.strategy.perfmodel import predict as pr
 from commlab.lab.strategy.perfmodel.costs import Link
 from commlab.lab.strategy.perfmodel.properties import yes_no
+from commlab.lab.base.kept import Kept
 
 COMPRESSORS = {
     "fp16": {"name": "fp16", "params": {}, "error_feedback": False},
@@ -134,27 +133,18 @@ NEWEST = 30
 """Finished runs the Performance model page predicts against their measurement: the newest a viewer may see."""
 CALIBRATED = 256
 """Runs' calibrations (``calibrated_run``) kept in this process, least recently used first out."""
-_calibrations: "OrderedDict[tuple, object]" = OrderedDict()
-_calibrations_lock = threading.Lock()
+_calibrations = Kept(CALIBRATED)
 
 
 def calibrated_run(run) -> cal.Profile:
     """cal.from_run(run) (or its CalibrationError), kept per run and the state of its files: seconds for a long
     run, which every page load of the Performance model needs again. A copy: the caller may set its fields."""
-    key = (str(run.path), run.files_key())
-    with _calibrations_lock:
-        hit = _calibrations.get(key)
-        if hit is not None:
-            _calibrations.move_to_end(key)
-    if hit is None:
+    def calibrate():
         try:
-            hit = cal.from_run(run)
+            return cal.from_run(run)
         except cal.CalibrationError as e:
-            hit = e
-        with _calibrations_lock:
-            _calibrations[key] = hit
-            while len(_calibrations) > CALIBRATED:
-                _calibrations.popitem(last=False)
+            return e
+    hit = _calibrations.get_or((str(run.path), run.files_key()), calibrate)
     if isinstance(hit, cal.CalibrationError):
         raise cal.CalibrationError(*hit.args)
     return replace(hit, compressors=dict(hit.compressors), payloads=dict(hit.payloads))
