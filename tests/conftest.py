@@ -178,32 +178,20 @@ def forget_modules(monkeypatch):
 
 
 # --------------------------------------------------------------------------- the order tests start in
-# The suite runs on xdist workers that steal work from each other (pyproject.toml): at its start each worker is
-# handed one contiguous share of the collection, and a worker whose queue runs dry takes the later half of the
-# longest queue. The few tests that take half a minute or more start first, dealt out in turn to the workers' shares,
-# so that each worker begins with its share of them and the end of the suite is many short tests on every worker.
-# Only the order changes.
+# The suite runs on two xdist workers (pyproject.toml). The few tests that take a minute or more start first,
+# spread over both workers, so that the end of the suite is many short tests on both, not one long one on
+# each. Only the order changes.
 FIRST = ("tests/test_notebooks.py::test_runs_top_to_bottom", "tests/test_presets_train.py::",
          "tests/test_browser.py::", "tests/test_browser_workshop.py::",
          "tests/test_plugin_compressor.py::test_the_scratch_compressor", "tests/test_models_ext.py::test_hf_gpt2",
          "tests/test_compressors_train.py::", "tests/test_methods.py::test_wrap_", "tests/test_own_loop.py::")
 
 
-def dealt(items: list, hands: int) -> list:
-    """``items`` dealt out in turn into ``hands`` piles, the piles one after the other: a contiguous split of the
-    result into ``hands`` equal parts gives each part every ``hands``-th item of ``items`` (give or take one at a
-    boundary), in their order."""
-    if hands <= 1:
-        return list(items)
-    return [x for k in range(hands) for x in items[k::hands]]
-
-
 def pytest_collection_modifyitems(config, items):
     def rank(item):
         nodeid = item.nodeid if item.nodeid.startswith("tests/") else "tests/" + item.nodeid
         return next((i for i, prefix in enumerate(FIRST) if nodeid.startswith(prefix)), len(FIRST))
-    workers = getattr(config, "workerinput", {}).get("workercount", 1)  # xdist tells each worker how many there are
-    items[:] = dealt(sorted(items, key=rank), workers)  # sorted is stable: within a rank, the collected order
+    items.sort(key=rank)  # stable: within a rank, the collected order
 
 
 # --------------------------------------------------------------------------- torch DDP's reference, run once
