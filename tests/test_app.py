@@ -420,6 +420,8 @@ def test_app_argv():
     exposed = appserver.app_argv(8600, host="0.0.0.0")
     assert exposed[exposed.index("--client.showErrorDetails") + 1] == "type"  # no traceback for a viewer
     assert exposed[exposed.index("--server.enableAgentApi") + 1] == "false"  # no page driven over plain HTTP
+    assert exposed[exposed.index("--server.maxMessageSize") + 1] == str(appserver.MESSAGE_MB)
+    assert "--server.maxMessageSize" not in argv  # loopback: Streamlit's own
     tls = appserver.app_argv(8600, certfile="c.pem", keyfile="k.pem")
     assert tls[tls.index("--server.sslCertFile") + 1] == "c.pem" and tls[tls.index("--server.sslKeyFile") + 1] == "k.pem"
     assert argv[argv.index("--server.address") + 1] == "127.0.0.1"

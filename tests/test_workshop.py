@@ -589,6 +589,30 @@ def test_exposed_server_prints_the_links(exposed):
     assert "WARNING: served without TLS" in out
 
 
+def test_over_the_wire_a_huge_message_is_refused_as_it_arrives(exposed):
+    """A signed-in browser sending a 40 MB message: Streamlit closes a connection whose message is over 25 MB only
+    after reading it whole (its log says so); the exposed lab refuses it past MESSAGE_MB while it arrives, so that
+    line never comes, and the server goes on serving the others."""
+    from streamlit.proto.BackMsg_pb2 import BackMsg
+
+    from bench.wsclient import Session, sign_in
+    from commlab.lab.front import appserver
+    url, runs, tokens, log_path = exposed
+    big = BackMsg()
+    big.rerun_script.query_string = "x" * ((appserver.MESSAGE_MB + 8) << 20)
+    s = Session(url, cookie=sign_in(url, tokens["carol"]).header)
+    try:
+        s.run("")
+        s.send(big)
+        with pytest.raises(Exception):  # the server closed the socket
+            s.run("")
+    finally:
+        s.close()
+    assert "exceeds the limit" not in log_path.read_text()  # never read whole
+    page, text = wire(url, f"run={runs['carol'].id}", page="live_run", token=tokens["carol"])
+    assert not page.exceptions() and runs["carol"].id in text
+
+
 def test_over_the_wire_no_client_clears_the_servers_caches(exposed):
     """Streamlit's "clear cache" message empties every viewer's caches: refused from a student's socket
     (an outsider has no socket at all)."""

@@ -45,7 +45,8 @@ def app_argv(port: int = 8501, host: Optional[str] = None, certfile: Optional[st
     mode it refuses ``--server.port``.
 
     ``certfile``/``keyfile``: the teacher's TLS certificate and key (Streamlit's own SSL options); uploads
-    are capped at UPLOAD_MB; beyond loopback an error shows its type only, never its traceback."""
+    are capped at UPLOAD_MB; beyond loopback an error shows its type only, never its traceback, and a websocket
+    message is refused past MESSAGE_MB as it arrives."""
     argv = [sys.executable, "-m", "streamlit", "run", str(APP_ENTRY), "--global.developmentMode", "false",
             "--server.address", host or "127.0.0.1", "--server.port", str(int(port)),
             "--server.headless", "true", "--browser.gatherUsageStats", "false",
@@ -55,13 +56,22 @@ def app_argv(port: int = 8501, host: Optional[str] = None, certfile: Optional[st
         argv += ["--server.sslCertFile", str(certfile), "--server.sslKeyFile", str(keyfile)]
     if not accounts.is_loopback(host or "127.0.0.1"):  # no traceback (server paths, code) reaches a viewer
         # and no page is driven over plain HTTP (Streamlit's agent API), past the pages one person may open
-        argv += ["--client.showErrorDetails", "type", "--server.enableAgentApi", "false"]
+        # and no browser's message is held whole in the server's memory past MESSAGE_MB
+        argv += ["--client.showErrorDetails", "type", "--server.enableAgentApi", "false",
+                 "--server.maxMessageSize", str(MESSAGE_MB)]
     return argv
 
 
 UPLOAD_MB = 2
 """The largest file a viewer may upload (a profile, checked again at 2 MiB as data); Streamlit's default is
 200 MB, held in the server's memory."""
+
+MESSAGE_MB = 32
+"""The largest websocket message, either way, on an exposed lab. Streamlit closes a browser's connection whose
+message is over 25 MB (``server.maxWidgetStateSize``), but only once the server has read it whole, up to
+``server.maxMessageSize`` (200 MB by default): six sessions of one person each sending a 190 MB message raised the
+server's memory from 349 MB to 1,452 MB; at 32 MB the same messages were refused as they arrived and it stayed at
+349 MB. The largest message the lab's pages sent for a run of 44 MB of timelines was 153 KB (its Live page)."""
 
 
 LOCAL_PROXY = "127.0.0.1,::1"
