@@ -150,9 +150,8 @@ def calibrated_run(run) -> cal.Profile:
     return replace(hit, compressors=dict(hit.compressors), payloads=dict(hit.payloads))
 
 
-def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: Optional[str] = None,
-                          newest: Optional[int] = None) -> pd.DataFrame:
-    """One row per finished multi-rank run (of those in ``only``, run ids, when given; the ``newest`` of them):
+def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: Optional[str] = None) -> pd.DataFrame:
+    """One row per finished multi-rank run (of those in ``only``, run ids, when given: the page's newest NEWEST):
     measured and predicted iteration time (ms), or the reason it could not be predicted. Each run's calibration is
     kept (``calibrated_run``). What the predictions need measured (the runs' compressors' curves, payloads only
     driving tells) is measured for all runs at once, in children where this process serves viewers (``who``'s),
@@ -162,7 +161,7 @@ def predicted_vs_measured(runs, curves: Optional[dict] = None, only=None, who: O
     curves = {} if curves is None else curves
     only = None if only is None else set(only)
     done = [run for run in runs_of(runs, state="done") if only is None or run.id in only]
-    for run in done[-newest:] if newest else done:
+    for run in done:
         spec = run.spec_dict()
         row = {"run": run.id, "name": spec.get("name", ""), "compressor": spec["compressor"]["name"],
                "schedule": spec["schedule"]["name"], "comm": spec["comm"]["mode"],
