@@ -143,6 +143,8 @@ _kept = Kept(KEPT_FILES)
 _building: set = set()
 """Who has a download being built now: one at a time per person."""
 _downloads_lock = threading.Lock()
+
+
 @dataclass
 class _Held:
     who: str
@@ -157,11 +159,17 @@ _held: "Dict[str, _Held]" = {}
 _held_lock = threading.Lock()
 
 
+def _held_count(name: str, now: float) -> int:
+    """Built downloads ``name`` holds at ``now``, not yet spent (the caller holds ``_held_lock``)."""
+    return sum(1 for h in _held.values() if h.who == name and h.expires >= now)
+
+
 def held_by(name: str) -> int:
     """Built downloads ``name`` holds now, not yet spent."""
-    now = time.monotonic()
     with _held_lock:
-        return sum(1 for h in _held.values() if h.who == name and h.expires >= now)
+        return _held_count(name, time.monotonic())
+
+
 _holder: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar("commlab_download_holder", default=None)
 """Whose download this thread is building (set by ``download_data``'s builder; read where Streamlit stores the
 file it built, in the same call)."""
@@ -291,7 +299,7 @@ def _one_shot(storage) -> None:
             now = time.monotonic()
             for old in [k for k, h in _held.items() if h.expires < now]:  # expired: dropped
                 drop(old)
-            mine = sum(1 for h in _held.values() if h.who == who)
+            mine = _held_count(who, now)
             if who and mine >= HELD_PER_PERSON:  # who: a download built by download_data's builder
                 raise MediaFileStorageError(f"download refused: {who} holds {mine} downloads not "
                                             f"yet fetched (at most {HELD_PER_PERSON}); fetch them or wait "

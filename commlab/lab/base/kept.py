@@ -47,10 +47,6 @@ class Kept:
         with self._lock:
             return list(self._items.values())
 
-    def __contains__(self, key: Hashable) -> bool:
-        with self._lock:
-            return key in self._items
-
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
