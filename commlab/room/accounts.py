@@ -231,7 +231,7 @@ def _check(path: Path, data) -> None:
         admin = data.get("admin_hash")
         if not isinstance(admin, str) or not re.fullmatch(r"[0-9a-f]{64}", admin):
             raise DamagedAccess(f"{path}: admin_hash must be the SHA-256 of the admin token (64 hex digits); "
-                           f"`commlab workshop rotate admin` writes a new one")
+                                f"`commlab workshop rotate admin` writes a new one")
     if _hash(data["class_token"]) == admin:
         raise DamagedAccess(f"{path}: class_token and the admin token must differ")
     for k in ("users", "sessions", "revoked", "revoked_browsers"):
