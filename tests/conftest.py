@@ -188,10 +188,10 @@ FIRST = ("tests/test_notebooks.py::test_runs_top_to_bottom", "tests/test_presets
          "tests/test_compressors_train.py::", "tests/test_methods.py::test_wrap_", "tests/test_own_loop.py::")
 
 # Tests that spend most of their time waiting: on a modeled or shaped link that paces a fault-tolerant run while a
-# replica is killed and restarted, on a child's wall-time limit, on a server. Run one after the other they used a
-# tenth to two fifths of one core (measured with the machine's CPU counters around each test, the suite run in one
-# process: docs/reference/tests.md). They share one worker, in this order; a file whose module fixture they share is
-# here whole, so that the fixture is built once.
+# replica is killed and restarted, on a child's wall-time limit, on a server. Run one after the other each used less
+# than half of one core, most of them a fifth or less (the machine's CPU counters around each test, the suite run in
+# one process: docs/reference/tests.md). They run on one worker, one after the other; a file whose module fixture
+# they share is here whole, so that the fixture is built once.
 PACED = ("tests/test_notebooks.py::test_runs_top_to_bottom[07_pull_the_plug]",
          "tests/test_notebooks.py::test_runs_top_to_bottom[08_across_the_internet]",
          "tests/test_presets_train.py::test_preset_runs_train[across-the-internet]",
