@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import multiprocessing.connection
 import os
 import socket
 import sys
 import tempfile
 import pickle
+import time
 import traceback
 import types
 from datetime import timedelta
@@ -113,15 +115,19 @@ def run_world(fn, *args, world: int = 2):
         with _empty_main(), tempfile.TemporaryDirectory() as outdir:
             mp.spawn(_entry, args=(world, _free_port(), fn, args, outdir), nprocs=world, join=True)
             return _results(outdir, world)
-    pool = _pools.get(world)
-    if pool is None:
-        pool = _pools[world] = _Pool(world)
-    try:
-        return pool.call(fn, args)
-    except _PoolBroken:
-        _pools.pop(world, None)
-        pool.close()
-        raise
+    for attempt in (1, 2):
+        pool = _pools.get(world)
+        if pool is None:
+            pool = _pools[world] = _Pool(world)
+        try:
+            return pool.call(fn, args)
+        except _PoolBroken as e:
+            _pools.pop(world, None)
+            pool.close(grace_s=0)  # a rank still waiting on its peer would not read the stop
+            if not (isinstance(e, _InitFailed) and attempt == 1):
+                raise
+            # a process group that could not form (a port taken between picking and binding it, a peer's
+            # connection refused) is the machine's doing, not the test's: once more, on new ranks and a new port
 
 
 class _empty_main:
@@ -141,6 +147,12 @@ class _empty_main:
 
 class _PoolBroken(RuntimeError):
     pass
+
+
+class _InitFailed(_PoolBroken):
+    """A rank's process group did not form. Its ranks cannot serve again: one whose init failed has counted a
+    group the others did not (torch names groups by that count), so each later call would wait on keys its peer
+    never writes."""
 
 
 _pools: dict = {}
@@ -165,11 +177,18 @@ class _Pool:
         try:
             for c in self.conns:
                 c.send((where, payload))
-            replies = []
-            for rank, c in enumerate(self.conns):
-                if not c.poll(CALL_TIMEOUT_S):
-                    raise _PoolBroken(f"rank {rank} did not answer within {CALL_TIMEOUT_S} s")
-                replies.append(c.recv())
+            replies, deadline = {}, time.monotonic() + CALL_TIMEOUT_S
+            while len(replies) < len(self.conns):  # as they come: a peer of a rank whose init failed waits in its own
+                waiting = [c for c in self.conns if self.conns.index(c) not in replies]
+                ready = multiprocessing.connection.wait(waiting, max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    raise _PoolBroken(f"rank {self.conns.index(waiting[0])} did not answer within {CALL_TIMEOUT_S} s")
+                for c in ready:
+                    rank, (ok, value, stage) = self.conns.index(c), c.recv()
+                    if stage == "init":
+                        raise _InitFailed(f"rank {rank}'s process group did not form:\n{value}")
+                    replies[rank] = (ok, value)
+            replies = [replies[r] for r in range(len(self.conns))]
         except (EOFError, OSError, BrokenPipeError) as e:
             codes = [p.exitcode for p in self.procs]
             raise _PoolBroken(f"a rank of the pool died (exit codes {codes}): {e!r}") from None
@@ -178,14 +197,14 @@ class _Pool:
             raise RuntimeError("\n".join(errors))
         return [pickle.loads(value) for _, value in replies]
 
-    def close(self):
+    def close(self, grace_s: float = 5):
         for c in self.conns:
             try:
                 c.send(None)
             except OSError:
                 pass
         for p in self.procs:
-            p.join(5)
+            p.join(grace_s)
             if p.is_alive():
                 p.kill()
                 p.join()
@@ -214,6 +233,7 @@ def _serve(rank, world, conn):
         if msg is None:
             break
         (port, env, path, cwd), payload = msg
+        stage = "setup"
         try:
             os.environ.clear()
             os.environ.update(env)
@@ -230,14 +250,20 @@ def _serve(rank, world, conn):
             torch.set_num_threads(1)
             torch.set_grad_enabled(True)
             fn, args = pickle.loads(payload)
+            stage = "init"
+            once = os.environ.get("DISTUTIL_FAIL_INIT_ONCE")  # this pool's own test: rank 1's init fails while it
+            if once and rank == 1 and os.path.exists(once):  # finds that file, which it removes
+                os.unlink(once)
+                raise RuntimeError("a process group that did not form (DISTUTIL_FAIL_INIT_ONCE)")
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                     timeout=timedelta(seconds=90))
+            stage = "call"
             try:
-                reply = (True, pickle.dumps(fn(rank, world, *args)))
+                reply = (True, pickle.dumps(fn(rank, world, *args)), stage)
             finally:
                 dist.destroy_process_group()
         except BaseException:
-            reply = (False, traceback.format_exc())
+            reply = (False, traceback.format_exc(), stage)
         try:
             conn.send(reply)
         except OSError:

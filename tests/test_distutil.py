@@ -1,6 +1,6 @@
 """The rank pool behind distutil.run_world: a call sees what a freshly spawned world would (the caller's
 environment and working directory, a random seed of its own, one thread), and a failing, hanging or dying rank
-fails the call, never the next one."""
+fails the call, never the next one; a process group that does not form is tried once more on new ranks."""
 import os
 
 import pytest
@@ -52,6 +52,22 @@ def test_a_rank_that_raises_fails_the_call_with_its_traceback_and_the_pool_goes_
     with pytest.raises(RuntimeError, match=r"(?s)-- rank 1 failed:.*ValueError: rank one says no"):
         run_world(_fails_on_rank_1)
     assert [r["sum"] for r in run_world(_what_a_rank_sees)] == [3.0, 3.0]
+
+
+def test_a_process_group_that_does_not_form_is_tried_once_more_on_a_new_pool(tmp_path, monkeypatch):
+    """Rank 1's init fails once (a port taken, a connection refused): the call is made again on new ranks and a new
+    port, without waiting for rank 0, which waits in its own init for a peer that never comes. The pool whose init
+    failed is gone: its ranks would wait on each other's keys in every later call."""
+    before = run_world(_what_a_rank_sees)
+    old = distutil._pools[2]
+    once = tmp_path / "fail-init-once"
+    once.write_text("")
+    monkeypatch.setenv("DISTUTIL_FAIL_INIT_ONCE", str(once))
+    again = run_world(_what_a_rank_sees)
+    assert not once.exists() and [r["sum"] for r in again] == [3.0, 3.0]
+    assert not {r["pid"] for r in again} & {r["pid"] for r in before}, "the call ran again on new ranks"
+    assert not any(p.is_alive() for p in old.procs)
+    assert [r["pid"] for r in run_world(_what_a_rank_sees)] == [r["pid"] for r in again]  # and they serve on
 
 
 def test_a_rank_that_dies_breaks_the_call_and_the_next_call_gets_a_new_pool():
