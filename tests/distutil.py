@@ -177,18 +177,18 @@ class _Pool:
         try:
             for c in self.conns:
                 c.send((where, payload))
-            replies, deadline = {}, time.monotonic() + CALL_TIMEOUT_S
-            while len(replies) < len(self.conns):  # as they come: a peer of a rank whose init failed waits in its own
-                waiting = [c for c in self.conns if self.conns.index(c) not in replies]
-                ready = multiprocessing.connection.wait(waiting, max(0.0, deadline - time.monotonic()))
+            waiting, replies = dict(enumerate(self.conns)), {}
+            deadline = time.monotonic() + CALL_TIMEOUT_S
+            while waiting:  # as they come: a peer of a rank whose init failed waits in its own init
+                ready = multiprocessing.connection.wait(list(waiting.values()), max(0.0, deadline - time.monotonic()))
                 if not ready:
-                    raise _PoolBroken(f"rank {self.conns.index(waiting[0])} did not answer within {CALL_TIMEOUT_S} s")
-                for c in ready:
-                    rank, (ok, value, stage) = self.conns.index(c), c.recv()
+                    raise _PoolBroken(f"rank {min(waiting)} did not answer within {CALL_TIMEOUT_S} s")
+                for rank in [r for r, c in waiting.items() if c in ready]:
+                    ok, value, stage = waiting.pop(rank).recv()
                     if stage == "init":
                         raise _InitFailed(f"rank {rank}'s process group did not form:\n{value}")
                     replies[rank] = (ok, value)
-            replies = [replies[r] for r in range(len(self.conns))]
+            replies = [replies[r] for r in sorted(replies)]
         except (EOFError, OSError, BrokenPipeError) as e:
             codes = [p.exitcode for p in self.procs]
             raise _PoolBroken(f"a rank of the pool died (exit codes {codes}): {e!r}") from None
